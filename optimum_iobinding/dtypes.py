@@ -1,0 +1,72 @@
+"""Element types: ORT type strings ↔ torch dtypes ↔ ONNX element types, and the conversions done silently."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+from onnx import TensorProto
+
+# ORT type string → torch dtype, for every tensor type this package binds.
+ORT_TO_TORCH: Dict[str, torch.dtype] = {
+    "tensor(float)": torch.float32,
+    "tensor(float16)": torch.float16,
+    "tensor(bfloat16)": torch.bfloat16,
+    "tensor(double)": torch.float64,
+    "tensor(int64)": torch.int64,
+    "tensor(int32)": torch.int32,
+    "tensor(int16)": torch.int16,
+    "tensor(int8)": torch.int8,
+    "tensor(uint8)": torch.uint8,
+    "tensor(bool)": torch.bool,
+}
+
+# torch dtype → ONNX element type, as IOBinding.bind_input/bind_output take it.
+TORCH_TO_ONNX: Dict[torch.dtype, int] = {
+    torch.float32: TensorProto.FLOAT,
+    torch.float16: TensorProto.FLOAT16,
+    torch.bfloat16: TensorProto.BFLOAT16,
+    torch.float64: TensorProto.DOUBLE,
+    torch.int64: TensorProto.INT64,
+    torch.int32: TensorProto.INT32,
+    torch.int16: TensorProto.INT16,
+    torch.int8: TensorProto.INT8,
+    torch.uint8: TensorProto.UINT8,
+    torch.bool: TensorProto.BOOL,
+}
+
+# torch dtype → numpy dtype for the io_binding=False path (bfloat16 has no numpy dtype: it goes through OrtValue).
+TORCH_TO_NUMPY: Dict[torch.dtype, np.dtype] = {
+    torch.float32: np.dtype(np.float32),
+    torch.float16: np.dtype(np.float16),
+    torch.float64: np.dtype(np.float64),
+    torch.int64: np.dtype(np.int64),
+    torch.int32: np.dtype(np.int32),
+    torch.int16: np.dtype(np.int16),
+    torch.int8: np.dtype(np.int8),
+    torch.uint8: np.dtype(np.uint8),
+    torch.bool: np.dtype(np.bool_),
+}
+
+
+def torch_dtype_of(ort_type: str) -> Optional[torch.dtype]:
+    """The torch dtype for an ORT type string such as ``"tensor(float16)"``; ``None`` if it cannot be bound."""
+    return ORT_TO_TORCH.get(ort_type)
+
+
+def conversion_allowed(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether a value of ``source`` dtype is cast to ``target`` silently.
+
+    Silent: any float to any float (a float32 latent for a float16 UNet), any integer to any integer
+    (int64 token ids for an int32 ``input_ids``), and integer or bool to float (an integer timestep for a float
+    ``timestep`` input). An error: float to integer (would truncate), anything but bool to bool, bool to integer,
+    and complex to anything.
+    """
+    if source == target:
+        return True
+    if source.is_complex or target == torch.bool or source == torch.bool and not target.is_floating_point:
+        return False
+    if target.is_floating_point:
+        return True
+    return not source.is_floating_point

@@ -1,0 +1,510 @@
+"""IOBindingORTModel: runs an ONNX model through ONNX Runtime IO binding with torch tensors bound by ``data_ptr()``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from .dtypes import ORT_TO_TORCH, TORCH_TO_NUMPY, TORCH_TO_ONNX, conversion_allowed
+from .shapes import ShapeInferencer
+
+logger = logging.getLogger(__name__)
+
+# Execution providers whose memory is a CUDA device that torch can address as ``cuda:N``.
+CUDA_LIKE_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+
+ProviderSpec = Union[str, Tuple[str, Dict[str, Any]], Sequence[Union[str, Tuple[str, Dict[str, Any]]]], None]
+InputValue = Union[torch.Tensor, np.ndarray, np.generic, int, float, bool]
+
+
+def normalize_providers(
+    provider: ProviderSpec, provider_options: Union[Dict[str, Any], Sequence[Dict[str, Any]], None] = None
+) -> Tuple[List[str], List[Dict[str, str]]]:
+    """Turns the ways users name providers into ORT's two aligned lists, and checks the build has them.
+
+    ``provider`` may be one name, a ``(name, options)`` pair, or a list of either, as ``InferenceSession`` takes
+    them; ``None`` means ``"CPUExecutionProvider"``, as in diffusers. ``provider_options`` is one dict (for a single
+    provider) or a list aligned with the providers; options given in pairs win over it.
+    """
+    if provider is None:
+        provider = "CPUExecutionProvider"
+    if isinstance(provider, str) or (isinstance(provider, tuple) and len(provider) == 2 and isinstance(provider[1], dict)):
+        provider = [provider]
+    names: List[str] = []
+    options: List[Dict[str, Any]] = []
+    for entry in provider:
+        if isinstance(entry, str):
+            names.append(entry)
+            options.append({})
+        elif isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], dict):
+            names.append(entry[0])
+            options.append(dict(entry[1]))
+        else:
+            raise TypeError(f"provider: expected a provider name or a (name, options dict) pair, got {entry!r}")
+    if provider_options is not None:
+        extra = [provider_options] if isinstance(provider_options, dict) else list(provider_options)
+        if len(extra) != len(names):
+            raise ValueError(
+                f"provider_options: expected {len(names)} dict(s), one per provider {names}, got {len(extra)}"
+            )
+        options = [{**given, **paired} for given, paired in zip(extra, options)]
+    available = ort.get_available_providers()
+    for name in names:
+        if name not in available:
+            hint = " (install onnxruntime-gpu: pip install 'optimum-iobinding[gpu]')" if "CUDA" in name or "Tensorrt" in name else ""
+            raise ValueError(f"provider: {name!r} is not available in this onnxruntime build{hint}; available: {available}")
+    return names, [{key: str(value) for key, value in opts.items()} for opts in options]
+
+
+def session_device(session: ort.InferenceSession) -> torch.device:
+    """The torch device where the session's first execution provider keeps its tensors."""
+    provider = session.get_providers()[0]
+    if provider in CUDA_LIKE_PROVIDERS:
+        options = session.get_provider_options().get(provider, {})
+        return torch.device("cuda", int(options.get("device_id", 0)))
+    return torch.device("cpu")
+
+
+class IOBindingORTModel:
+    """An ONNX model run by ONNX Runtime with torch tensors bound in place: torch in, torch out, on ``self.device``.
+
+    Offers the surface of diffusers' ``OnnxRuntimeModel`` (``from_pretrained``, ``save_pretrained``, ``load_model``,
+    ``__call__(**inputs)``) without depending on it.
+
+    Inputs (``io_binding=True``):
+        * a torch tensor already on ``self.device``, of the input's dtype and contiguous, is bound as it is: no copy;
+        * anything else is converted once, and the converted tensor is held until the run ends. Silent conversions:
+          a move between CPU and the session's device; ``.contiguous()``; a numpy array or Python/numpy scalar
+          (a scalar becomes a 0-d tensor); a dtype cast float→float (e.g. float32 → float16), int→int (int64 →
+          int32) and int/bool→float. Errors: float→int, anything→bool, bool→int, complex, a CUDA tensor on another
+          GPU than the session's, any other Python type, wrong rank, a static dim mismatch, unknown or missing inputs.
+
+    Outputs:
+        A list of torch tensors on ``self.device`` in the session's output order. Outputs live in buffers allocated
+        once per input-shape signature and reused by later calls with the same shapes: **a later call overwrites
+        what an earlier one returned** (clone what you keep, or pass ``reuse_outputs=False`` for fresh tensors).
+        At most ``max_output_signatures`` signatures keep buffers (least recently used dropped first). An output
+        is never bound to an input's memory: a call whose input is an earlier output gets fresh output tensors.
+        An output whose shape depends on the data is allocated by ORT on the device and handed over via DLPack.
+
+    Threads: one lock per model serializes binding and running (the reused output buffers are shared state).
+
+    With ``io_binding=False`` the model runs plain ``session.run`` on numpy arrays — the numpy baseline — and returns
+    CPU torch tensors.
+
+    Args:
+        session_or_path: an ``onnxruntime.InferenceSession`` or a path to an .onnx file.
+        provider: execution provider name, ``(name, options)`` pair or list of them; default CPU.
+        provider_options: options dict (or list of dicts aligned with the providers).
+        sess_options: ``onnxruntime.SessionOptions``.
+        io_binding: bind torch tensors (default) or run the numpy baseline.
+        reuse_outputs: reuse output buffers per input-shape signature (default) or return fresh tensors.
+        max_output_signatures: how many input-shape signatures keep their output buffers.
+    """
+
+    def __init__(
+        self,
+        session_or_path: Union[ort.InferenceSession, str, os.PathLike],
+        *,
+        provider: ProviderSpec = None,
+        provider_options: Union[Dict[str, Any], Sequence[Dict[str, Any]], None] = None,
+        sess_options: Optional[ort.SessionOptions] = None,
+        io_binding: bool = True,
+        reuse_outputs: bool = True,
+        max_output_signatures: int = 8,
+    ):
+        if isinstance(session_or_path, ort.InferenceSession):
+            session = session_or_path
+        elif isinstance(session_or_path, (str, os.PathLike)):
+            session = self.load_model(session_or_path, provider, sess_options, provider_options)
+        else:
+            raise TypeError(
+                "session_or_path: expected an onnxruntime.InferenceSession or a path to an .onnx file, "
+                f"got {type(session_or_path).__name__}"
+            )
+        if max_output_signatures < 1:
+            raise ValueError(f"max_output_signatures: expected an integer ≥ 1, got {max_output_signatures}")
+        input_dtypes = {i.name: ORT_TO_TORCH.get(i.type) for i in session.get_inputs()}
+        output_dtypes = {o.name: ORT_TO_TORCH.get(o.type) for o in session.get_outputs()}
+        for kind, dtypes, args in (("input", input_dtypes, session.get_inputs()), ("output", output_dtypes, session.get_outputs())):
+            for arg in args:
+                if dtypes[arg.name] is None:
+                    raise TypeError(
+                        f"{kind} {arg.name!r} has type {arg.type}; IOBindingORTModel supports tensors of "
+                        f"{sorted(t[7:-1] for t in ORT_TO_TORCH)}"
+                    )
+        device = session_device(session)
+        if io_binding and device.type == "cpu" and session.get_providers()[0] != "CPUExecutionProvider":
+            raise ValueError(
+                f"provider: IOBindingORTModel binds torch tensors on CPU or CUDA devices; "
+                f"{session.get_providers()[0]!r} is neither (use CUDAExecutionProvider or CPUExecutionProvider, "
+                "or io_binding=False)"
+            )
+        self._session = session
+        self._device = device
+        self._input_dtypes: Dict[str, torch.dtype] = input_dtypes  # type: ignore[assignment]
+        self._output_dtypes: Dict[str, torch.dtype] = output_dtypes  # type: ignore[assignment]
+        self.io_binding = io_binding
+        self.reuse_outputs = reuse_outputs
+        self.max_output_signatures = max_output_signatures
+        self.model_path: Optional[str] = getattr(session, "_model_path", None)
+        self.shape_inferencer = ShapeInferencer(
+            {i.name: i.shape for i in session.get_inputs()},
+            {o.name: o.shape for o in session.get_outputs()},
+            self.model_path or getattr(session, "_model_bytes", None),
+        )
+        self._ort_device_type = "cuda" if device.type == "cuda" else "cpu"
+        self._ort_device_id = device.index or 0
+        self._output_buffers: "OrderedDict[Tuple, Dict[str, torch.Tensor]]" = OrderedDict()
+        self._binding = session.io_binding() if io_binding else None
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------------------------------------------- loading
+    @staticmethod
+    def load_model(
+        path: Union[str, os.PathLike],
+        provider: ProviderSpec = None,
+        sess_options: Optional[ort.SessionOptions] = None,
+        provider_options: Union[Dict[str, Any], Sequence[Dict[str, Any]], None] = None,
+    ) -> ort.InferenceSession:
+        """Creates an ``onnxruntime.InferenceSession`` for ``path`` with the given provider(s), as diffusers does.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            ValueError: the provider is not available, or ORT cannot load the file.
+        """
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"path: expected an .onnx file, found nothing at {path!r}")
+        providers, options = normalize_providers(provider, provider_options)
+        try:
+            return ort.InferenceSession(path, sess_options=sess_options, providers=providers, provider_options=options)
+        except Exception as error:  # ORT's own exception types are not importable in a stable place
+            raise ValueError(f"path: onnxruntime could not load {path!r}: {error}") from error
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_id: Union[str, os.PathLike],
+        subfolder: Optional[str] = None,
+        file_name: str = "model.onnx",
+        provider: ProviderSpec = None,
+        provider_options: Union[Dict[str, Any], Sequence[Dict[str, Any]], None] = None,
+        sess_options: Optional[ort.SessionOptions] = None,
+        io_binding: bool = True,
+        reuse_outputs: bool = True,
+        **hub_kwargs: Any,
+    ) -> "IOBindingORTModel":
+        """Loads ``model_id/subfolder/file_name`` (a file, a local folder or a Hugging Face Hub id).
+
+        Args:
+            model_id: an .onnx file, a folder holding one, or a hub repository id.
+            subfolder: folder inside ``model_id`` (e.g. ``"unet"``).
+            file_name: the model's file name inside that folder.
+            provider, provider_options, sess_options, io_binding, reuse_outputs: as for the constructor.
+            **hub_kwargs: passed to ``huggingface_hub.snapshot_download`` for hub ids (revision, token, cache_dir,
+                local_files_only).
+
+        Returns:
+            The loaded model.
+        """
+        path = resolve_model_file(model_id, subfolder, file_name, **hub_kwargs)
+        return cls(
+            path,
+            provider=provider,
+            provider_options=provider_options,
+            sess_options=sess_options,
+            io_binding=io_binding,
+            reuse_outputs=reuse_outputs,
+        )
+
+    def save_pretrained(self, save_directory: Union[str, os.PathLike], file_name: str = "model.onnx") -> str:
+        """Writes the model, and every external-data file it references, into ``save_directory``.
+
+        Returns:
+            The path of the written .onnx file.
+        """
+        save_directory = os.fspath(save_directory)
+        os.makedirs(save_directory, exist_ok=True)
+        target = os.path.join(save_directory, file_name)
+        if self.model_path is None:
+            model_bytes = getattr(self._session, "_model_bytes", None)
+            if model_bytes is None:
+                raise ValueError("save_pretrained: this session was created from neither a path nor bytes")
+            Path(target).write_bytes(model_bytes)
+            return target
+        source = os.path.abspath(self.model_path)
+        if os.path.abspath(target) != source:
+            shutil.copyfile(source, target)
+        source_dir = os.path.dirname(source)
+        for location in external_data_locations(source):
+            source_file = os.path.join(source_dir, location)
+            target_file = os.path.join(save_directory, location)
+            if os.path.abspath(source_file) != os.path.abspath(target_file):
+                os.makedirs(os.path.dirname(target_file), exist_ok=True)
+                shutil.copyfile(source_file, target_file)
+        return target
+
+    # -------------------------------------------------------------------------------------------------- properties
+    @property
+    def session(self) -> ort.InferenceSession:
+        return self._session
+
+    @property
+    def device(self) -> torch.device:
+        """``cuda:N`` for the CUDA and TensorRT providers, ``cpu`` otherwise."""
+        return self._device
+
+    @property
+    def providers(self) -> List[str]:
+        return self._session.get_providers()
+
+    @property
+    def input_names(self) -> List[str]:
+        return list(self._input_dtypes)
+
+    @property
+    def output_names(self) -> List[str]:
+        return list(self._output_dtypes)
+
+    @property
+    def input_dtypes(self) -> Dict[str, torch.dtype]:
+        return dict(self._input_dtypes)
+
+    @property
+    def output_dtypes(self) -> Dict[str, torch.dtype]:
+        return dict(self._output_dtypes)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(path={self.model_path!r}, device={self.device}, providers={self.providers}, "
+            f"io_binding={self.io_binding}, inputs={self.input_names}, outputs={self.output_names})"
+        )
+
+    # ------------------------------------------------------------------------------------------------------ running
+    def __call__(self, **inputs: InputValue) -> List[torch.Tensor]:
+        """Runs the model. Keyword arguments are the model's inputs by name; returns its outputs in session order."""
+        self._check_input_names(inputs)
+        if not self.io_binding:
+            return self._run_without_binding(inputs)
+        # `bound` holds every tensor whose pointer is bound until the run has returned (converted temporaries too).
+        bound = {name: self._to_bindable(name, value) for name, value in inputs.items()}
+        input_shapes = {name: tuple(tensor.shape) for name, tensor in bound.items()}
+        output_shapes = self.shape_inferencer(input_shapes)
+        outputs = self._output_tensors(input_shapes, output_shapes, bound)
+        with self._lock:
+            binding = self._binding
+            try:
+                for name, tensor in bound.items():
+                    binding.bind_input(
+                        name, self._ort_device_type, self._ort_device_id, TORCH_TO_ONNX[tensor.dtype],
+                        list(tensor.shape), tensor.data_ptr(),
+                    )
+                for name, tensor in outputs.items():
+                    if tensor is None:  # data-dependent or empty: ORT allocates it on the device
+                        binding.bind_output(name, self._ort_device_type, self._ort_device_id)
+                    else:
+                        binding.bind_output(
+                            name, self._ort_device_type, self._ort_device_id, TORCH_TO_ONNX[tensor.dtype],
+                            list(tensor.shape), tensor.data_ptr(),
+                        )
+                if self._device.type == "cuda":
+                    # ORT runs on its own stream: inputs written by torch must be complete before it reads them.
+                    torch.cuda.current_stream(self._device).synchronize()
+                self._session.run_with_iobinding(binding)
+                results = []
+                ort_values = None
+                for index, (name, tensor) in enumerate(outputs.items()):
+                    if tensor is None:
+                        if ort_values is None:
+                            ort_values = binding.get_outputs()
+                        tensor = self._from_ort_value(ort_values[index], self._output_dtypes[name])
+                    results.append(tensor)
+            finally:
+                # Never leave raw pointers behind in the binding once the tensors they point to may be freed.
+                binding.clear_binding_inputs()
+                binding.clear_binding_outputs()
+        del bound
+        return results
+
+    def _check_input_names(self, inputs: Mapping[str, Any]) -> None:
+        for name in inputs:
+            if name not in self._input_dtypes:
+                raise ValueError(f"unknown input {name!r}: the model's inputs are {self.input_names}")
+        for name in self._input_dtypes:
+            if name not in inputs:
+                raise ValueError(
+                    f"missing input {name!r}: the model's inputs are {self.input_names}, got {sorted(inputs)}"
+                )
+
+    def _to_bindable(self, name: str, value: InputValue) -> torch.Tensor:
+        """Returns ``value`` as a contiguous tensor of the input's dtype on the session's device (the same tensor if
+        it already is one)."""
+        expected = self._input_dtypes[name]
+        tensor = as_tensor(name, value, expected)
+        check_input_device(name, tensor.device, self._device)
+        if tensor.dtype != expected and not conversion_allowed(tensor.dtype, expected):
+            raise TypeError(f"input {name!r}: expected dtype {expected}, got {tensor.dtype}, which does not convert "
+                            "without loss (cast it explicitly if intended)")
+        tensor = tensor.detach().to(device=self._device, dtype=expected)
+        return tensor.contiguous()
+
+    def _output_tensors(
+        self,
+        input_shapes: Mapping[str, Tuple[int, ...]],
+        output_shapes: Mapping[str, Optional[Tuple[int, ...]]],
+        bound_inputs: Mapping[str, torch.Tensor],
+    ) -> Dict[str, Optional[torch.Tensor]]:
+        """The output tensors to bind, in session order; ``None`` where ORT must allocate."""
+        signature = tuple(sorted(input_shapes.items()))
+        with self._lock:
+            cached = self._output_buffers.get(signature) if self.reuse_outputs else None
+            if cached is not None:
+                input_storages = {t.untyped_storage().data_ptr() for t in bound_inputs.values() if t.numel()}
+                if any(t is not None and t.numel() and t.untyped_storage().data_ptr() in input_storages
+                       for t in cached.values()):
+                    cached = None  # an input is an earlier output: never bind an output onto an input
+                else:
+                    self._output_buffers.move_to_end(signature)
+                    return cached
+        buffers: Dict[str, Optional[torch.Tensor]] = {}
+        for name in self._output_dtypes:
+            shape = output_shapes[name]
+            if shape is None or 0 in shape:  # ORT refuses a null pointer, which an empty tensor has
+                buffers[name] = None
+            else:
+                buffers[name] = torch.empty(shape, dtype=self._output_dtypes[name], device=self._device)
+        if self.reuse_outputs:
+            with self._lock:
+                self._output_buffers[signature] = buffers
+                self._output_buffers.move_to_end(signature)
+                while len(self._output_buffers) > self.max_output_signatures:
+                    self._output_buffers.popitem(last=False)
+        return buffers
+
+    @staticmethod
+    def _from_ort_value(value: ort.OrtValue, dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.from_dlpack(value._ortvalue)  # zero copy; the capsule keeps ORT's buffer alive
+        if tensor.dtype != dtype:  # ORT exports bool as uint8 over DLPack
+            tensor = tensor.view(dtype)
+        return tensor
+
+    def _run_without_binding(self, inputs: Mapping[str, InputValue]) -> List[torch.Tensor]:
+        """The numpy baseline: inputs to CPU numpy, ``session.run``, outputs wrapped as CPU torch tensors."""
+        arrays = {}
+        for name, value in inputs.items():
+            expected = self._input_dtypes[name]
+            tensor = as_tensor(name, value, expected)
+            if tensor.dtype != expected and not conversion_allowed(tensor.dtype, expected):
+                raise TypeError(f"input {name!r}: expected dtype {expected}, got {tensor.dtype}, which does not "
+                                "convert without loss (cast it explicitly if intended)")
+            arrays[name] = tensor.detach().to(device="cpu", dtype=expected).contiguous()
+        self.shape_inferencer({name: tuple(t.shape) for name, t in arrays.items()})  # same shape errors as binding
+        if any(t.dtype == torch.bfloat16 for t in arrays.values()) or torch.bfloat16 in self._output_dtypes.values():
+            # numpy has no bfloat16: feed OrtValues instead of arrays
+            feed = {
+                name: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(_numpy_bits(t), TORCH_TO_ONNX[t.dtype])
+                for name, t in arrays.items()
+            }
+            values = self._session.run_with_ort_values(self.output_names, feed)
+            return [self._from_ort_value(v, self._output_dtypes[n]).clone() for v, n in zip(values, self.output_names)]
+        results = self._session.run(None, {name: t.numpy() for name, t in arrays.items()})
+        return [torch.from_numpy(np.asarray(r)) for r in results]
+
+
+def check_input_device(name: str, device: torch.device, session_device: torch.device) -> None:
+    """Refuses tensors that would need a silent copy between GPUs (or live on a device ORT cannot read)."""
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"input {name!r}: expected a CPU or CUDA tensor, got one on {device}")
+    if device.type == "cuda" and session_device.type == "cuda" and device.index != session_device.index:
+        raise ValueError(
+            f"input {name!r}: expected a tensor on {session_device} (the session's device) or on the CPU, "
+            f"got one on {device}; move it with .to({str(session_device)!r}) if the copy is intended"
+        )
+
+
+def _numpy_bits(tensor: torch.Tensor) -> np.ndarray:
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(np.uint16)
+    return tensor.numpy()
+
+
+def as_tensor(name: str, value: InputValue, expected: torch.dtype) -> torch.Tensor:
+    """Wraps a torch tensor, numpy array or Python/numpy scalar as a torch tensor, without copying where possible."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        if value.dtype == object or value.dtype.kind not in "biuf":
+            raise TypeError(f"input {name!r}: expected a numeric numpy array for dtype {expected}, got dtype {value.dtype}")
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return torch.from_numpy(np.asarray(value))
+    if isinstance(value, (bool, int, float)):
+        python_dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.float64
+        if not conversion_allowed(python_dtype, expected):
+            raise TypeError(f"input {name!r}: expected dtype {expected}, got Python {type(value).__name__} {value!r}")
+        return torch.tensor(value, dtype=expected)
+    raise TypeError(
+        f"input {name!r}: expected a torch.Tensor, numpy.ndarray or Python scalar, got {type(value).__name__}"
+    )
+
+
+def external_data_locations(model_path: Union[str, os.PathLike]) -> List[str]:
+    """The relative paths of the external-data files an .onnx file references, in first-use order."""
+    model = onnx.load(os.fspath(model_path), load_external_data=False)
+    locations: "OrderedDict[str, None]" = OrderedDict()
+    for tensor in _all_tensors(model.graph):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    locations[entry.value] = None
+    return list(locations)
+
+
+def _all_tensors(graph: onnx.GraphProto):
+    """Initializers and tensor attributes of a graph and of its subgraphs (If/Loop/Scan bodies)."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            if attribute.HasField("g"):
+                yield from _all_tensors(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from _all_tensors(subgraph)
+
+
+def resolve_model_file(
+    model_id: Union[str, os.PathLike], subfolder: Optional[str], file_name: str, **hub_kwargs: Any
+) -> str:
+    """Finds ``model_id[/subfolder]/file_name`` locally, or downloads that folder from the Hugging Face Hub."""
+    model_id = os.fspath(model_id)
+    if os.path.isfile(model_id):
+        return model_id
+    if os.path.isdir(model_id):
+        path = os.path.join(model_id, subfolder or "", file_name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"model_id: expected {file_name!r} in {os.path.join(model_id, subfolder or '')!r}, "
+                                    f"found no such file")
+        return path
+    if model_id.count("/") > 1 or model_id.startswith((".", "/")):
+        raise FileNotFoundError(f"model_id: {model_id!r} is neither a local file or folder nor a hub repository id")
+    from huggingface_hub import snapshot_download
+
+    pattern = f"{subfolder}/*" if subfolder else "*"
+    folder = snapshot_download(model_id, allow_patterns=[pattern], **hub_kwargs)
+    path = os.path.join(folder, subfolder or "", file_name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model_id: hub repository {model_id!r} has no {os.path.join(subfolder or '', file_name)!r}")
+    return path

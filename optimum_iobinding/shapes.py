@@ -1,0 +1,423 @@
+"""Output-shape inference: size every output before a run so that it can be bound to a preallocated buffer.
+
+Pure functions plus one small cache; nothing here touches an ``IOBinding``. ORT reports each input and output dim
+as an ``int`` (static), a ``str`` (a symbolic name, or an expression an exporter wrote such as ``"2*batch"``) or
+``None`` (unnamed). Given the concrete shapes of the inputs, :func:`infer_output_shapes` resolves each output dim
+
+(a) by name, when an input has a dim of that name;
+(b) by evaluating an expression over those names with :func:`evaluate_dim_expression` (never Python ``eval``);
+(c) otherwise by ONNX shape inference of the model with the input shapes fixed (cached per input signature);
+(d) and returns ``None`` for an output whose shape still depends on data (e.g. the output of ``NonZero``).
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from fractions import Fraction
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+
+import onnx
+
+Dim = Union[int, str, None]
+Shape = Tuple[int, ...]
+
+__all__ = [
+    "DimExpressionError",
+    "evaluate_dim_expression",
+    "bind_input_dims",
+    "infer_output_shapes",
+    "ShapeInferencer",
+]
+
+
+class DimExpressionError(ValueError):
+    """A dim string that is not an arithmetic expression over known names."""
+
+
+# Names exporters use in dim expressions: plain math (torch.onnx, optimum) and sympy's spelling (dynamo export).
+_FUNCTIONS = {
+    "floor": lambda x: Fraction(math.floor(x)),
+    "ceil": lambda x: Fraction(math.ceil(x)),
+    "FloorToInt": lambda x: Fraction(math.floor(x)),
+    "CeilToInt": lambda x: Fraction(math.ceil(x)),
+    "floor_div": lambda a, b: Fraction(math.floor(a / b)),
+    "FloorDiv": lambda a, b: Fraction(math.floor(a / b)),
+    "ceil_div": lambda a, b: Fraction(math.ceil(a / b)),
+    "CeilDiv": lambda a, b: Fraction(math.ceil(a / b)),
+    "Mod": lambda a, b: a - b * math.floor(a / b),
+    "mod": lambda a, b: a - b * math.floor(a / b),
+    "min": min,
+    "Min": min,
+    "max": max,
+    "Max": max,
+    "abs": abs,
+    "Abs": abs,
+}
+_MAX_EXPRESSION_LENGTH = 256
+_MAX_EXPONENT = 64
+
+
+def evaluate_dim_expression(expression: str, symbols: Mapping[str, int]) -> int:
+    """Evaluates a dim expression such as ``"latent_height * 8"`` or ``"floor(h / 2)"`` with exact arithmetic.
+
+    The expression is parsed with :mod:`ast` and walked by hand: only integer literals, names from ``symbols``,
+    ``+ - * / // % **`` (small non-negative integer exponents), unary ``+``/``-`` and the functions floor, ceil,
+    min, max, abs, Mod, FloorDiv, CeilDiv (and sympy's CeilToInt/FloorToInt) are accepted.
+
+    Args:
+        expression: the dim string as the model declares it.
+        symbols: concrete values of the named dims.
+
+    Returns:
+        The value, which must be a whole number.
+
+    Raises:
+        DimExpressionError: if the string is not such an expression, names an unknown symbol, divides by zero or
+            does not come out as an integer.
+    """
+    if len(expression) > _MAX_EXPRESSION_LENGTH:
+        raise DimExpressionError(f"dim expression longer than {_MAX_EXPRESSION_LENGTH} characters: {expression!r}")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as error:
+        raise DimExpressionError(f"dim {expression!r} is not an arithmetic expression") from error
+    try:
+        value = _evaluate(tree.body, symbols, expression)
+    except ZeroDivisionError as error:
+        raise DimExpressionError(f"dim {expression!r} divides by zero") from error
+    if value.denominator != 1:
+        raise DimExpressionError(f"dim {expression!r} evaluates to {value}, not a whole number")
+    return int(value)
+
+
+def _evaluate(node: ast.AST, symbols: Mapping[str, int], expression: str) -> Fraction:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return Fraction(node.value)
+    if isinstance(node, ast.Name):
+        if node.id not in symbols:
+            raise DimExpressionError(f"dim {expression!r} uses {node.id!r}, which no input dim defines")
+        return Fraction(symbols[node.id])
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        operand = _evaluate(node.operand, symbols, expression)
+        return -operand if isinstance(node.op, ast.USub) else operand
+    if isinstance(node, ast.BinOp):
+        left = _evaluate(node.left, symbols, expression)
+        right = _evaluate(node.right, symbols, expression)
+        op = node.op
+        if isinstance(op, ast.Add):
+            return left + right
+        if isinstance(op, ast.Sub):
+            return left - right
+        if isinstance(op, ast.Mult):
+            return left * right
+        if isinstance(op, ast.Div):
+            return left / right
+        if isinstance(op, ast.FloorDiv):
+            return Fraction(math.floor(left / right))
+        if isinstance(op, ast.Mod):
+            return left - right * math.floor(left / right)
+        if isinstance(op, ast.Pow):
+            if right.denominator != 1 or not 0 <= right <= _MAX_EXPONENT:
+                raise DimExpressionError(f"dim {expression!r}: exponent {right} is not an integer in [0, 64]")
+            return left ** int(right)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.keywords:
+        function = _FUNCTIONS.get(node.func.id)
+        if function is not None and node.args:
+            args = [_evaluate(arg, symbols, expression) for arg in node.args]
+            try:
+                return Fraction(function(*args))
+            except TypeError as error:
+                raise DimExpressionError(f"dim {expression!r}: wrong number of arguments to {node.func.id}") from error
+    raise DimExpressionError(f"dim {expression!r} contains {ast.dump(node)[:60]}, which is not allowed in a dim")
+
+
+def bind_input_dims(
+    declared: Mapping[str, Optional[Sequence[Dim]]], input_shapes: Mapping[str, Sequence[int]]
+) -> Dict[str, int]:
+    """Checks concrete input shapes against the declared ones and returns the value of every named dim.
+
+    Args:
+        declared: input name → dims as ORT reports them (int, str or None).
+        input_shapes: input name → concrete shape. Every name must be declared.
+
+    Returns:
+        Symbol name → value, for every input dim declared as a plain name.
+
+    Raises:
+        ValueError: wrong rank, a static dim mismatch, or two inputs that give one named dim different values.
+    """
+    symbols: Dict[str, int] = {}
+    defined_by: Dict[str, str] = {}
+    for name, shape in input_shapes.items():
+        dims = declared[name]
+        shape = tuple(int(d) for d in shape)
+        if dims is None:  # rank not declared: nothing to check or bind
+            continue
+        if len(shape) != len(dims):
+            raise ValueError(
+                f"input {name!r}: expected rank {len(dims)} (shape {_format_dims(dims)}), "
+                f"got rank {len(shape)} (shape {list(shape)})"
+            )
+        for axis, (dim, size) in enumerate(zip(dims, shape)):
+            if isinstance(dim, int) and dim >= 0 and dim != size:
+                raise ValueError(
+                    f"input {name!r}: expected size {dim} in dim {axis} (shape {_format_dims(dims)}), "
+                    f"got {size} (shape {list(shape)})"
+                )
+            if isinstance(dim, str) and dim.isidentifier():
+                if dim in symbols and symbols[dim] != size:
+                    raise ValueError(
+                        f"input {name!r}: dim {axis} is {dim!r}, which input {defined_by[dim]!r} gives as "
+                        f"{symbols[dim]}, got {size} (shape {list(shape)})"
+                    )
+                symbols[dim] = size
+                defined_by[dim] = name
+    return symbols
+
+
+def _format_dims(dims: Sequence[Dim]) -> str:
+    return "[" + ", ".join("?" if d is None else repr(d) if isinstance(d, str) else str(d) for d in dims) + "]"
+
+
+def resolve_dims(dims: Optional[Sequence[Dim]], symbols: Mapping[str, int]) -> Optional[Tuple[Optional[int], ...]]:
+    """Resolves output dims from names and expressions (cases a, b); ``None`` marks a dim left unresolved."""
+    if dims is None:
+        return None
+    resolved = []
+    for dim in dims:
+        if isinstance(dim, int) and dim >= 0:
+            resolved.append(dim)
+        elif isinstance(dim, str):
+            if dim in symbols:
+                resolved.append(symbols[dim])
+                continue
+            try:
+                value = evaluate_dim_expression(dim, symbols)
+            except DimExpressionError:
+                value = None
+            resolved.append(value if value is not None and value >= 0 else None)
+        else:
+            resolved.append(None)
+    return tuple(resolved)
+
+
+class ShapeInferencer:
+    """Owns what output-shape inference of one model needs: declared dims, a light copy of the graph for ONNX
+    shape inference (loaded on first need), and a cache of results per input signature.
+
+    Args:
+        input_dims / output_dims: name → dims as ORT reports them, in session order.
+        model_source: a path to the .onnx file, its bytes, a ``ModelProto``, or ``None`` when unknown (then dims that
+            names and expressions cannot resolve are reported as data-dependent).
+        max_cached_signatures: how many input signatures keep their result.
+    """
+
+    def __init__(
+        self,
+        input_dims: Mapping[str, Optional[Sequence[Dim]]],
+        output_dims: Mapping[str, Optional[Sequence[Dim]]],
+        model_source: Union[str, os.PathLike, bytes, onnx.ModelProto, None],
+        max_cached_signatures: int = 64,
+    ):
+        self.input_dims = {name: None if dims is None else list(dims) for name, dims in input_dims.items()}
+        self.output_dims = {name: None if dims is None else list(dims) for name, dims in output_dims.items()}
+        self._model_source = model_source
+        self._skeleton: Optional[onnx.ModelProto] = None
+        self._cache: "OrderedDict[Tuple, Dict[str, Optional[Shape]]]" = OrderedDict()
+        self._max_cached_signatures = max_cached_signatures
+        self._lock = threading.Lock()
+
+    def __call__(self, input_shapes: Mapping[str, Sequence[int]]) -> Dict[str, Optional[Shape]]:
+        signature = tuple(sorted((name, tuple(int(d) for d in shape)) for name, shape in input_shapes.items()))
+        with self._lock:
+            cached = self._cache.get(signature)
+            if cached is not None:
+                self._cache.move_to_end(signature)
+                return dict(cached)
+        result = self._infer(dict(signature))
+        with self._lock:
+            self._cache[signature] = result
+            while len(self._cache) > self._max_cached_signatures:
+                self._cache.popitem(last=False)
+        return dict(result)
+
+    def _infer(self, input_shapes: Dict[str, Shape]) -> Dict[str, Optional[Shape]]:
+        unknown = sorted(set(input_shapes) - set(self.input_dims))
+        if unknown:
+            raise ValueError(f"unknown input {unknown[0]!r}: the model's inputs are {list(self.input_dims)}")
+        symbols = bind_input_dims(self.input_dims, input_shapes)
+        resolved = {name: resolve_dims(dims, symbols) for name, dims in self.output_dims.items()}
+        if all(dims is not None and None not in dims for dims in resolved.values()):
+            return {name: tuple(dims) for name, dims in resolved.items()}  # type: ignore[arg-type]
+        inferred = self._onnx_shape_inference(input_shapes)
+        result: Dict[str, Optional[Shape]] = {}
+        for name, dims in resolved.items():
+            from_onnx = inferred.get(name)
+            if dims is None:
+                dims = from_onnx
+            elif from_onnx is not None and len(from_onnx) == len(dims):
+                dims = tuple(d if d is not None else o for d, o in zip(dims, from_onnx))
+            result[name] = tuple(dims) if dims is not None and None not in dims else None  # type: ignore[misc]
+        return result
+
+    def _onnx_shape_inference(self, input_shapes: Mapping[str, Shape]) -> Dict[str, Optional[Tuple[Optional[int], ...]]]:
+        skeleton = self._load_skeleton()
+        if skeleton is None:
+            return {}
+        model = onnx.ModelProto()
+        model.CopyFrom(skeleton)
+        for value_info in model.graph.input:
+            shape = input_shapes.get(value_info.name)
+            if shape is None:
+                continue
+            tensor_shape = value_info.type.tensor_type.shape
+            tensor_shape.ClearField("dim")
+            for size in shape:
+                tensor_shape.dim.add().dim_value = size
+        for value_info in model.graph.output:
+            value_info.type.tensor_type.ClearField("shape")
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        except Exception:  # an op onnx cannot infer: leave the dims to ORT (allocated on the device at run time)
+            return {}
+        shapes: Dict[str, Optional[Tuple[Optional[int], ...]]] = {}
+        for value_info in inferred.graph.output:
+            tensor_type = value_info.type.tensor_type
+            if not tensor_type.HasField("shape"):
+                shapes[value_info.name] = None
+                continue
+            shapes[value_info.name] = tuple(
+                d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim
+            )
+        return shapes
+
+    def _load_skeleton(self) -> Optional[onnx.ModelProto]:
+        with self._lock:
+            if self._skeleton is None and self._model_source is not None:
+                self._skeleton = model_skeleton(self._model_source)
+                self._model_source = None  # the skeleton is all that is needed from now on
+            return self._skeleton
+
+
+# Initializers larger than this are replaced by typed graph inputs for shape inference: their values (weights)
+# never decide a shape, and leaving them out keeps inference fast on multi-GB models and avoids reading external data.
+_SKELETON_MAX_INITIALIZER_ELEMENTS = 4096
+
+
+def model_skeleton(source: Union[str, os.PathLike, bytes, onnx.ModelProto]) -> onnx.ModelProto:
+    """Returns the model with its large initializers replaced by typed graph inputs.
+
+    Small initializers (shape constants, axes) keep their values, loaded from external data where they live there.
+    """
+    base_dir = None
+    if isinstance(source, onnx.ModelProto):
+        model = onnx.ModelProto()
+        model.CopyFrom(source)
+    elif isinstance(source, (bytes, bytearray)):
+        model = onnx.load_model_from_string(bytes(source))
+    else:
+        path = os.fspath(source)
+        model = onnx.load(path, load_external_data=False)
+        base_dir = os.path.dirname(os.path.abspath(path))
+    graph = model.graph
+    kept = []
+    moved = []
+    for tensor in graph.initializer:
+        elements = math.prod(tensor.dims) if tensor.dims else 1
+        if elements > _SKELETON_MAX_INITIALIZER_ELEMENTS:
+            moved.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+            continue
+        if tensor.data_location == onnx.TensorProto.EXTERNAL and base_dir is not None:
+            from onnx.external_data_helper import load_external_data_for_tensor
+
+            load_external_data_for_tensor(tensor, base_dir)
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
+        kept.append(tensor)
+    graph.ClearField("initializer")
+    graph.initializer.extend(kept)
+    graph.input.extend(moved)
+    return model
+
+
+def infer_output_shapes(model: Any, input_shapes: Mapping[str, Sequence[int]]) -> Dict[str, Optional[Shape]]:
+    """Returns each output's concrete shape for the given concrete input shapes, before anything runs.
+
+    Args:
+        model: an :class:`~optimum_iobinding.IOBindingORTModel`, an ``onnxruntime.InferenceSession``, a path to an
+            .onnx file, or an ``onnx.ModelProto``.
+        input_shapes: input name → shape, for every input of the model.
+
+    Returns:
+        Output name → shape tuple, in the model's output order; ``None`` for an output whose shape depends on the
+        input data (for example the output of ``NonZero``).
+
+    Raises:
+        ValueError: unknown or missing input, wrong rank, a static dim mismatch, inconsistent named dims.
+    """
+    inferencer = _inferencer_for(model)
+    missing = [name for name in inferencer.input_dims if name not in input_shapes]
+    if missing:
+        raise ValueError(f"missing input {missing[0]!r}: input_shapes must give the shape of every input "
+                         f"{list(inferencer.input_dims)}")
+    return inferencer(input_shapes)
+
+
+# Sessions are keyed weakly: the cache must never keep a session (and its GPU memory) alive.
+_session_inferencers: "weakref.WeakKeyDictionary[Any, ShapeInferencer]" = weakref.WeakKeyDictionary()
+_session_inferencers_lock = threading.Lock()
+
+
+def _inferencer_for(model: Any) -> ShapeInferencer:
+    existing = getattr(model, "shape_inferencer", None)
+    if isinstance(existing, ShapeInferencer):
+        return existing
+    if hasattr(model, "get_inputs") and hasattr(model, "get_outputs"):  # an onnxruntime.InferenceSession
+        with _session_inferencers_lock:
+            inferencer = _session_inferencers.get(model)
+            if inferencer is None:
+                inferencer = _session_inferencers[model] = inferencer_from_session(model)
+        return inferencer
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        return inferencer_from_model_proto(onnx.load(path, load_external_data=False), source=path)
+    if isinstance(model, onnx.ModelProto):
+        return inferencer_from_model_proto(model, source=model)
+    raise TypeError(
+        "model: expected an IOBindingORTModel, an onnxruntime.InferenceSession, a path to an .onnx file or an "
+        f"onnx.ModelProto, got {type(model).__name__}"
+    )
+
+
+def inferencer_from_session(session: Any) -> ShapeInferencer:
+    """Builds the inferencer of a live session: dims as ORT reports them, the model from its path or bytes."""
+    source = getattr(session, "_model_path", None) or getattr(session, "_model_bytes", None)
+    return ShapeInferencer(
+        {i.name: i.shape for i in session.get_inputs()},
+        {o.name: o.shape for o in session.get_outputs()},
+        source,
+    )
+
+
+def inferencer_from_model_proto(model: onnx.ModelProto, source: Any) -> ShapeInferencer:
+    """Builds an inferencer from the graph's declared inputs and outputs; ``source`` is loaded for shape inference."""
+    initializers = {t.name for t in model.graph.initializer}
+
+    def dims_of(value_info: onnx.ValueInfoProto) -> Optional[list]:
+        tensor_type = value_info.type.tensor_type
+        if not tensor_type.HasField("shape"):
+            return None
+        return [
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim
+        ]
+
+    return ShapeInferencer(
+        {vi.name: dims_of(vi) for vi in model.graph.input if vi.name not in initializers},
+        {vi.name: dims_of(vi) for vi in model.graph.output},
+        source,
+    )

@@ -1,0 +1,67 @@
+"""Tiny ONNX models built in memory with onnx.helper: nothing is downloaded."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+OPSET = 17
+IR_VERSION = 9  # the newest onnx writes IR versions this onnxruntime cannot read
+
+requires_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()),
+    reason="needs a CUDA GPU, a CUDA build of torch and onnxruntime-gpu",
+)
+
+
+def tensor(name: str, elem_type: int, dims: Sequence | None):
+    return helper.make_tensor_value_info(name, elem_type, dims)
+
+
+def make_model(
+    nodes: Iterable[onnx.NodeProto],
+    inputs: Sequence[onnx.ValueInfoProto],
+    outputs: Sequence[onnx.ValueInfoProto],
+    initializers: Sequence[onnx.TensorProto] = (),
+) -> onnx.ModelProto:
+    graph = helper.make_graph(list(nodes), "test", list(inputs), list(outputs), initializer=list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION)
+    onnx.checker.check_model(model)
+    return model
+
+
+def make_session(model: onnx.ModelProto, provider: str = "CPUExecutionProvider") -> ort.InferenceSession:
+    return ort.InferenceSession(model.SerializeToString(), providers=[provider])
+
+
+@pytest.fixture
+def concat_model() -> onnx.ModelProto:
+    """y = concat(x, x) on axis 0, declared with an expression dim: x [batch, h] → y [2*batch, h]."""
+    return make_model(
+        [helper.make_node("Concat", ["x", "x"], ["y"], axis=0)],
+        [tensor("x", TensorProto.FLOAT, ["batch", "h"])],
+        [tensor("y", TensorProto.FLOAT, ["2*batch", "h"])],
+    )
+
+
+@pytest.fixture
+def three_output_model() -> onnx.ModelProto:
+    """sum = a + b (float), rounded = int64(a), greater = a > b (bool)."""
+    return make_model(
+        [
+            helper.make_node("Add", ["a", "b"], ["sum"]),
+            helper.make_node("Cast", ["a"], ["rounded"], to=TensorProto.INT64),
+            helper.make_node("Greater", ["a", "b"], ["greater"]),
+        ],
+        [tensor("a", TensorProto.FLOAT, ["batch", 3]), tensor("b", TensorProto.FLOAT, ["batch", 3])],
+        [
+            tensor("sum", TensorProto.FLOAT, ["batch", 3]),
+            tensor("rounded", TensorProto.INT64, ["batch", 3]),
+            tensor("greater", TensorProto.BOOL, ["batch", 3]),
+        ],
+    )
