@@ -141,18 +141,21 @@ def bind_input_dims(
 ) -> Dict[str, int]:
     """Checks concrete input shapes against the declared ones and returns the value of every named dim.
 
+    A name that two inputs give different sizes (diffusers' exports call the timestep's dim ``"batch"`` and pass
+    ``[t]`` with a batch-2 sample, which ORT broadcasts) is left out: dims using it fall to ONNX shape inference.
+
     Args:
-        declared: input name → dims as ORT reports them (int, str or None).
+        declared: input name → dims as ORT reports them (int, str or None); ``None`` for an undeclared rank.
         input_shapes: input name → concrete shape. Every name must be declared.
 
     Returns:
-        Symbol name → value, for every input dim declared as a plain name.
+        Symbol name → value, for every input dim declared as a plain name that the inputs agree on.
 
     Raises:
-        ValueError: wrong rank, a static dim mismatch, or two inputs that give one named dim different values.
+        ValueError: wrong rank or a static dim mismatch, naming the input, the expected and the received shape.
     """
     symbols: Dict[str, int] = {}
-    defined_by: Dict[str, str] = {}
+    ambiguous = set()
     for name, shape in input_shapes.items():
         dims = declared[name]
         shape = tuple(int(d) for d in shape)
@@ -170,13 +173,11 @@ def bind_input_dims(
                     f"got {size} (shape {list(shape)})"
                 )
             if isinstance(dim, str) and dim.isidentifier():
-                if dim in symbols and symbols[dim] != size:
-                    raise ValueError(
-                        f"input {name!r}: dim {axis} is {dim!r}, which input {defined_by[dim]!r} gives as "
-                        f"{symbols[dim]}, got {size} (shape {list(shape)})"
-                    )
+                if symbols.get(dim, size) != size:
+                    ambiguous.add(dim)
                 symbols[dim] = size
-                defined_by[dim] = name
+    for dim in ambiguous:
+        del symbols[dim]
     return symbols
 
 
@@ -358,7 +359,7 @@ def infer_output_shapes(model: Any, input_shapes: Mapping[str, Sequence[int]]) -
         input data (for example the output of ``NonZero``).
 
     Raises:
-        ValueError: unknown or missing input, wrong rank, a static dim mismatch, inconsistent named dims.
+        ValueError: unknown or missing input, wrong rank, a static dim mismatch.
     """
     inferencer = _inferencer_for(model)
     missing = [name for name in inferencer.input_dims if name not in input_shapes]

@@ -327,10 +327,18 @@ def test_static_dim_mismatch_is_an_error(three_output_model):
         model(a=torch.zeros(2, 4), b=torch.zeros(2, 4))
 
 
-def test_inputs_disagreeing_on_a_named_dim_is_an_error(three_output_model):
-    model = IOBindingORTModel(make_session(three_output_model))
-    with pytest.raises(ValueError, match=r"input 'b': dim 0 is 'batch', which input 'a' gives as 2, got 5"):
-        model(a=torch.zeros(2, 3), b=torch.zeros(5, 3))
+def test_a_named_dim_the_inputs_disagree_on_is_sized_by_shape_inference():
+    # diffusers' exports name the timestep's dim "batch" too, and its pipeline passes [t] with a batch-2 sample
+    model_proto = make_model(
+        [helper.make_node("Unsqueeze", ["timestep", "axis"], ["t"]), helper.make_node("Mul", ["sample", "t"], ["y"])],
+        [tensor("sample", TensorProto.FLOAT, ["batch", 3]), tensor("timestep", TensorProto.FLOAT, ["batch"])],
+        [tensor("y", TensorProto.FLOAT, ["batch", 3])],
+        [numpy_helper.from_array(np.array([1], dtype=np.int64), "axis")],
+    )
+    model = IOBindingORTModel(make_session(model_proto))
+    sample = random_tensor((2, 3), torch.float32)
+    assert infer_output_shapes(model, {"sample": (2, 3), "timestep": (1,)}) == {"y": (2, 3)}
+    assert torch.equal(model(sample=sample, timestep=torch.tensor([2.0]))[0], sample * 2)
 
 
 @pytest.mark.parametrize("io_binding", [True, False])
