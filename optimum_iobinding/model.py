@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -20,6 +21,7 @@ from .shapes import ShapeInferencer
 
 logger = logging.getLogger(__name__)
 
+CONFIG_NAME = "config.json"
 # Execution providers whose memory is a CUDA device that torch can address as ``cuda:N``.
 CUDA_LIKE_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 
@@ -110,6 +112,8 @@ class IOBindingORTModel:
         io_binding: bind torch tensors (default) or run the numpy baseline.
         reuse_outputs: reuse output buffers per input-shape signature (default) or return fresh tensors.
         max_output_signatures: how many input-shape signatures keep their output buffers.
+        config: the component's config (``from_pretrained`` reads the ``config.json`` beside the model, as optimum
+            writes it); pipelines read scaling factors and channel counts from it.
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class IOBindingORTModel:
         io_binding: bool = True,
         reuse_outputs: bool = True,
         max_output_signatures: int = 8,
+        config: Optional[Dict[str, Any]] = None,
     ):
         if isinstance(session_or_path, ort.InferenceSession):
             session = session_or_path
@@ -158,6 +163,7 @@ class IOBindingORTModel:
         self.reuse_outputs = reuse_outputs
         self.max_output_signatures = max_output_signatures
         self.model_path: Optional[str] = getattr(session, "_model_path", None)
+        self.config: Dict[str, Any] = dict(config or {})
         self.shape_inferencer = ShapeInferencer(
             {i.name: i.shape for i in session.get_inputs()},
             {o.name: o.shape for o in session.get_outputs()},
@@ -219,6 +225,8 @@ class IOBindingORTModel:
             The loaded model.
         """
         path = resolve_model_file(model_id, subfolder, file_name, **hub_kwargs)
+        config_path = os.path.join(os.path.dirname(path), CONFIG_NAME)
+        config = json.loads(Path(config_path).read_text()) if os.path.isfile(config_path) else None
         return cls(
             path,
             provider=provider,
@@ -226,10 +234,12 @@ class IOBindingORTModel:
             sess_options=sess_options,
             io_binding=io_binding,
             reuse_outputs=reuse_outputs,
+            config=config,
         )
 
     def save_pretrained(self, save_directory: Union[str, os.PathLike], file_name: str = "model.onnx") -> str:
-        """Writes the model, and every external-data file it references, into ``save_directory``.
+        """Writes the model, every external-data file it references, and its config (if any) into
+        ``save_directory``.
 
         Returns:
             The path of the written .onnx file.
@@ -237,6 +247,8 @@ class IOBindingORTModel:
         save_directory = os.fspath(save_directory)
         os.makedirs(save_directory, exist_ok=True)
         target = os.path.join(save_directory, file_name)
+        if self.config:
+            Path(save_directory, CONFIG_NAME).write_text(json.dumps(self.config, indent=2, sort_keys=True))
         if self.model_path is None:
             model_bytes = getattr(self._session, "_model_bytes", None)
             if model_bytes is None:

@@ -1,0 +1,348 @@
+"""Export a diffusers Stable Diffusion pipeline to the diffusers ONNX layout, and build a tiny random one offline.
+
+Layout written (what diffusers' ``OnnxStableDiffusionPipeline`` and ours both load)::
+
+    model_index.json            components named as diffusers' ONNX pipeline names them
+    text_encoder/model.onnx     input_ids (int32) → last_hidden_state, pooler_output
+    unet/model.onnx             sample, timestep, encoder_hidden_states → out_sample
+    vae_encoder/model.onnx      sample → latent_sample (the latent distribution's mean: deterministic)
+    vae_decoder/model.onnx      latent_sample → sample
+    */config.json               the torch component's config (scaling factor, channels, block widths)
+    tokenizer/, scheduler/
+
+Large models go to one external-data file ``weights.pb`` next to their ``model.onnx``, as diffusers writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Dict, Optional, Sequence, Union
+
+import onnx
+import torch
+from tqdm.auto import tqdm
+
+__all__ = ["export_pipeline", "build_tiny_random_pipeline", "write_tiny_tokenizer", "ONNX_COMPONENTS"]
+
+ONNX_COMPONENTS = ("text_encoder", "unet", "vae_encoder", "vae_decoder")
+EXTERNAL_DATA_FILE = "weights.pb"
+# Protobuf cannot serialize a message over 2 GiB; keep well below it in one file.
+_MAX_SINGLE_FILE_BYTES = 1 << 30
+
+
+# ------------------------------------------------------------------------------------------------- tiny pipeline
+def _byte_to_unicode() -> Dict[int, str]:
+    """GPT-2/CLIP's reversible byte → printable character map (printable bytes stand for themselves)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+_TINY_WORDS = (
+    "a an the of on in with and photo painting picture astronaut horse riding cat dog house tree mountain sky red "
+    "blue green portrait landscape city night sunset beautiful detailed castle forest river car"
+).split()
+
+
+def write_tiny_tokenizer(folder: Union[str, os.PathLike]) -> "object":
+    """Writes a small byte-level BPE vocabulary (vocab.json, merges.txt) and returns the CLIPTokenizer saved there.
+
+    Every byte has a token, alone and word-final (``</w>``), so any text tokenizes; merges spell out a few common
+    prompt words. ``CLIPTokenizer`` skips the first line of merges.txt, hence the ``#version: 0.2`` header.
+    """
+    from transformers import CLIPTokenizer
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    characters = list(_byte_to_unicode().values())
+    vocab = {}
+    for token in characters + [c + "</w>" for c in characters]:
+        vocab.setdefault(token, len(vocab))
+    merges = []
+    for word in _TINY_WORDS:
+        symbols = list(word[:-1]) + [word[-1] + "</w>"]
+        while len(symbols) > 1:
+            pair = (symbols[0], symbols[1])
+            merged = pair[0] + pair[1]
+            if pair not in merges:
+                merges.append(pair)
+                vocab.setdefault(merged, len(vocab))
+            symbols = [merged] + symbols[2:]
+    for special in ("<|startoftext|>", "<|endoftext|>"):
+        vocab[special] = len(vocab)
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (folder / "merges.txt").write_text(
+        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8"
+    )
+    tokenizer = CLIPTokenizer(
+        str(folder / "vocab.json"),
+        str(folder / "merges.txt"),
+        bos_token="<|startoftext|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        model_max_length=77,
+    )
+    tokenizer.save_pretrained(str(folder))
+    return tokenizer
+
+
+def build_tiny_random_pipeline(seed: int = 0):
+    """A tiny random-weights ``StableDiffusionPipeline`` built offline: UNet of two blocks (32/64 channels), a
+    2-layer CLIP text model of hidden size 32, a small four-block VAE (8× scale), a small byte-level BPE tokenizer,
+    PNDM scheduler."""
+    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        sample_size=32,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        norm_num_groups=32,
+    )
+    # four blocks: the usual 8× scale, which diffusers' ONNX pipeline assumes (the baseline must run on it too)
+    vae = AutoencoderKL(
+        block_out_channels=(32, 32, 32, 64),
+        layers_per_block=1,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        latent_channels=4,
+        norm_num_groups=32,
+        sample_size=64,
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = write_tiny_tokenizer(folder)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            hidden_size=32,
+            intermediate_size=37,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            layer_norm_eps=1e-5,
+            vocab_size=len(tokenizer),
+            max_position_embeddings=77,
+        )
+    )
+    scheduler = PNDMScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
+        skip_prk_steps=True, set_alpha_to_one=False, steps_offset=1,
+    )
+    return StableDiffusionPipeline(
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    ).to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------- components
+class _TextEncoder(torch.nn.Module):
+    def __init__(self, text_encoder):
+        super().__init__()
+        self.text_encoder = text_encoder
+
+    def forward(self, input_ids):
+        output = self.text_encoder(input_ids=input_ids, return_dict=True)
+        return output.last_hidden_state, output.pooler_output
+
+
+class _UNet(torch.nn.Module):
+    def __init__(self, unet):
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, sample, timestep, encoder_hidden_states):
+        return self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0]
+
+
+class _VaeEncoder(torch.nn.Module):
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, sample):
+        return self.vae.encode(sample).latent_dist.mode()
+
+
+class _VaeDecoder(torch.nn.Module):
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, latent_sample):
+        return self.vae.decode(latent_sample, return_dict=False)[0]
+
+
+def _component_specs(pipe) -> Dict[str, dict]:
+    """What to export for each component: module, example inputs, names and dynamic axes."""
+    text_config = pipe.text_encoder.config
+    unet = pipe.unet
+    vae = pipe.vae
+    latent_channels = vae.config.latent_channels
+    vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    # small example shapes: every spatial dim is dynamic, and exporting at full size would only cost time
+    latent_size = 2 ** (len(unet.config.block_out_channels) - 1) * 4
+    sequence = pipe.tokenizer.model_max_length
+    return {
+        "text_encoder": dict(
+            module=_TextEncoder(pipe.text_encoder),
+            args=(torch.zeros(1, sequence, dtype=torch.int32),),
+            input_names=["input_ids"],
+            output_names=["last_hidden_state", "pooler_output"],
+            dynamic_axes={"input_ids": {0: "batch", 1: "sequence"},
+                          "last_hidden_state": {0: "batch", 1: "sequence"}, "pooler_output": {0: "batch"}},
+            config=text_config,
+        ),
+        "unet": dict(
+            module=_UNet(unet),
+            args=(torch.randn(2, unet.config.in_channels, latent_size, latent_size), torch.tensor([1.0]),
+                  torch.randn(2, sequence, text_config.hidden_size)),
+            input_names=["sample", "timestep", "encoder_hidden_states"],
+            output_names=["out_sample"],
+            dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"}, "timestep": {0: "timestep_batch"},
+                          "encoder_hidden_states": {0: "batch", 1: "sequence"},
+                          "out_sample": {0: "batch", 2: "height", 3: "width"}},
+            config=unet.config,
+        ),
+        "vae_encoder": dict(
+            module=_VaeEncoder(vae),
+            args=(torch.randn(1, vae.config.in_channels, latent_size * vae_scale_factor, latent_size * vae_scale_factor),),
+            input_names=["sample"],
+            output_names=["latent_sample"],
+            dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"},
+                          "latent_sample": {0: "batch", 2: "latent_height", 3: "latent_width"}},
+            config=vae.config,
+        ),
+        "vae_decoder": dict(
+            module=_VaeDecoder(vae),
+            args=(torch.randn(1, latent_channels, latent_size, latent_size),),
+            input_names=["latent_sample"],
+            output_names=["sample"],
+            dynamic_axes={"latent_sample": {0: "batch", 2: "latent_height", 3: "latent_width"},
+                          "sample": {0: "batch", 2: "height", 3: "width"}},
+            config=vae.config,
+        ),
+    }
+
+
+def _save_onnx(model: onnx.ModelProto, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if model.ByteSize() > _MAX_SINGLE_FILE_BYTES:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=EXTERNAL_DATA_FILE, size_threshold=1024)
+    else:
+        onnx.save_model(model, str(path))
+
+
+def convert_to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """fp32 → fp16 with ORT's converter: inputs and outputs become fp16 too (``keep_io_types=False``), the ops in
+    its default block list (those that need fp32) stay fp32 behind casts."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    return convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=model.ByteSize() > _MAX_SINGLE_FILE_BYTES)
+
+
+def _export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch_path = Path(scratch) / "model.onnx"
+        with torch.no_grad():
+            torch.onnx.export(
+                spec["module"].eval(), spec["args"], str(scratch_path), dynamo=False,
+                input_names=spec["input_names"], output_names=spec["output_names"],
+                dynamic_axes=spec["dynamic_axes"], opset_version=opset, do_constant_folding=True,
+            )
+        model = onnx.load(str(scratch_path))  # with any external data the exporter wrote beside it
+    if fp16:
+        model = convert_to_float16(model)
+    _save_onnx(model, target / name / "model.onnx")
+    config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
+    (target / name / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
+
+
+def export_pipeline(
+    model_id_or_path: Optional[str],
+    output_dir: Union[str, os.PathLike],
+    *,
+    fp16: bool = False,
+    opset: int = 17,
+    tiny_random: bool = False,
+    components: Sequence[str] = ONNX_COMPONENTS,
+    progress: bool = True,
+    pipeline_loader: Optional[Callable[[str], object]] = None,
+) -> Path:
+    """Exports a diffusers Stable Diffusion pipeline to the diffusers ONNX layout.
+
+    Args:
+        model_id_or_path: a local diffusers folder or a hub id; ignored with ``tiny_random``.
+        output_dir: where to write the ONNX folder (created; components in it are replaced).
+        fp16: export fp32, then convert with ORT's float16 converter.
+        opset: ONNX opset.
+        tiny_random: build the tiny random-weights pipeline offline instead of loading one.
+        components: which ONNX components to export.
+        progress: show a progress bar.
+        pipeline_loader: how to load ``model_id_or_path`` (default ``StableDiffusionPipeline.from_pretrained``).
+
+    Returns:
+        The output folder.
+    """
+    unknown = [c for c in components if c not in ONNX_COMPONENTS]
+    if unknown:
+        raise ValueError(f"components: expected names from {list(ONNX_COMPONENTS)}, got {unknown}")
+    if tiny_random:
+        pipe = build_tiny_random_pipeline()
+    elif model_id_or_path is None:
+        raise ValueError("model_id_or_path: expected a diffusers folder or hub id (or tiny_random=True), got None")
+    elif pipeline_loader is not None:
+        pipe = pipeline_loader(model_id_or_path)
+    else:
+        from diffusers import StableDiffusionPipeline
+
+        pipe = StableDiffusionPipeline.from_pretrained(model_id_or_path, torch_dtype=torch.float32,
+                                                       safety_checker=None, requires_safety_checker=False)
+    target = Path(output_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    specs = _component_specs(pipe)
+    for name in tqdm(components, desc="export", unit="model", disable=not progress):
+        shutil.rmtree(target / name, ignore_errors=True)
+        _export_component(name, specs[name], target, opset, fp16)
+    pipe.tokenizer.save_pretrained(str(target / "tokenizer"))
+    pipe.scheduler.save_pretrained(str(target / "scheduler"))
+    write_model_index(target, type(pipe.scheduler).__name__, type(pipe.tokenizer).__name__)
+    return target
+
+
+def write_model_index(folder: Union[str, os.PathLike], scheduler_class: str, tokenizer_class: str = "CLIPTokenizer",
+                      components: Sequence[str] = ONNX_COMPONENTS) -> None:
+    """Writes model_index.json as diffusers' ONNX pipeline expects it (its components are ``OnnxRuntimeModel``)."""
+    import diffusers
+
+    index = {
+        "_class_name": "OnnxStableDiffusionPipeline",
+        "_diffusers_version": diffusers.__version__,
+        "feature_extractor": [None, None],
+        "requires_safety_checker": False,
+        "safety_checker": [None, None],
+        "scheduler": ["diffusers", scheduler_class],
+        "tokenizer": ["transformers", tokenizer_class],
+    }
+    for name in components:
+        index[name] = ["diffusers", "OnnxRuntimeModel"]
+    Path(folder, "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))

@@ -1,0 +1,410 @@
+"""What the Stable Diffusion pipelines share: loading both ONNX folder layouts, saving, prompt encoding, latents,
+timestep inputs and VAE decoding — all as torch tensors on the UNet's device."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.schedulers.scheduling_utils import SchedulerMixin
+from diffusers.utils.torch_utils import randn_tensor
+
+from ..export import ONNX_COMPONENTS, write_model_index
+from ..model import IOBindingORTModel, ProviderSpec
+from ..shapes import infer_output_shapes
+
+logger = logging.getLogger(__name__)
+
+Generator = Union[np.random.RandomState, torch.Generator, None]
+
+# Class names a model_index.json may give an ONNX component: diffusers' ONNX layout names OnnxRuntimeModel, optimum's
+# export keeps the torch pipeline's index (torch classes; its VAE is one entry, "vae", split into two folders).
+_ONNX_COMPONENT_CLASSES = {
+    "OnnxRuntimeModel", "IOBindingORTModel", "ORTModel",
+    "CLIPTextModel", "CLIPTextModelWithProjection", "UNet2DConditionModel", "AutoencoderKL",
+}
+_IGNORED_COMPONENTS = {"safety_checker", "feature_extractor", "image_encoder", "vae"}
+# AutoencoderKL's default scaling factor, for folders whose VAE has no config.json (diffusers' ONNX conversion).
+_DEFAULT_VAE_SCALING_FACTOR = 0.18215
+
+
+class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
+    """Components are :class:`IOBindingORTModel`\\ s; the denoising loop runs in torch on ``self.device``.
+
+    With ``io_binding=True`` (components binding on the session's device) every tensor of the loop stays there and
+    only the final image is downloaded. With ``io_binding=False`` the components run ``session.run`` on numpy arrays
+    and the loop runs on the CPU: diffusers' numpy pipeline, the baseline.
+    """
+
+    _optional_components = ["vae_encoder", "safety_checker", "feature_extractor"]
+    model_cpu_offload_seq = "text_encoder->unet->vae_decoder"
+
+    def __init__(
+        self,
+        vae_encoder: Optional[IOBindingORTModel],
+        vae_decoder: IOBindingORTModel,
+        text_encoder: IOBindingORTModel,
+        tokenizer: Any,
+        unet: IOBindingORTModel,
+        scheduler: SchedulerMixin,
+        safety_checker: Any = None,
+        feature_extractor: Any = None,
+        requires_safety_checker: bool = False,
+    ):
+        super().__init__()
+        self.register_modules(
+            vae_encoder=vae_encoder, vae_decoder=vae_decoder, text_encoder=text_encoder, tokenizer=tokenizer,
+            unet=unet, scheduler=scheduler, safety_checker=safety_checker, feature_extractor=feature_extractor,
+        )
+        self.register_to_config(requires_safety_checker=requires_safety_checker)
+        self.vae_scale_factor = self._read_vae_scale_factor()
+        self.latent_channels = self._read_latent_channels()
+        self.vae_scaling_factor = float(vae_decoder.config.get("scaling_factor", _DEFAULT_VAE_SCALING_FACTOR))
+        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor)
+
+    # ------------------------------------------------------------------------------------------------- properties
+    @property
+    def device(self) -> torch.device:
+        """Where the loop's tensors live: the UNet session's device (the CPU for the numpy baseline)."""
+        return self.unet.device if self.unet.io_binding else torch.device("cpu")
+
+    @property
+    def _execution_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def io_binding(self) -> bool:
+        return self.unet.io_binding
+
+    def _read_vae_scale_factor(self) -> int:
+        blocks = self.vae_decoder.config.get("block_out_channels")
+        if blocks:
+            return 2 ** (len(blocks) - 1)
+        # No config: ask the decoder how much larger its output is than its input.
+        channels = self._declared_dim(self.vae_decoder, "latent_sample", 1) or 4
+        shapes = infer_output_shapes(self.vae_decoder, {"latent_sample": (1, channels, 8, 8)})
+        image_shape = next(iter(shapes.values()))
+        if image_shape is None:
+            raise ValueError("vae_decoder: cannot tell its upsampling factor: no config.json and its output shape "
+                             "is not inferable")
+        return image_shape[2] // 8
+
+    def _read_latent_channels(self) -> int:
+        if self.vae_decoder.config.get("latent_channels"):
+            return int(self.vae_decoder.config["latent_channels"])
+        if self.unet.config.get("out_channels"):
+            return int(self.unet.config["out_channels"])
+        channels = self._declared_dim(self.vae_decoder, "latent_sample", 1) or self._declared_dim(self.unet, "sample", 1)
+        if channels is None:
+            raise ValueError("vae_decoder: cannot tell the number of latent channels: no config.json and a dynamic "
+                             "channel dim")
+        return channels
+
+    @staticmethod
+    def _declared_dim(model: IOBindingORTModel, input_name: str, axis: int) -> Optional[int]:
+        for arg in model.session.get_inputs():
+            if arg.name == input_name and len(arg.shape) > axis and isinstance(arg.shape[axis], int):
+                return arg.shape[axis]
+        return None
+
+    # -------------------------------------------------------------------------------------------- loading, saving
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: Union[str, os.PathLike],
+        provider: ProviderSpec = None,
+        provider_options: Optional[Dict[str, Any]] = None,
+        sess_options: Any = None,
+        io_binding: bool = True,
+        scheduler: Optional[SchedulerMixin] = None,
+        tokenizer: Any = None,
+        **hub_kwargs: Any,
+    ):
+        """Loads a diffusers-converted ONNX folder or an ``optimum-cli export onnx`` folder, or a hub id.
+
+        Args:
+            pretrained_model_name_or_path: local folder or hub repository id.
+            provider, provider_options, sess_options: for every ONNX component (see :class:`IOBindingORTModel`).
+            io_binding: bind torch tensors on the session's device (default), or run diffusers' numpy baseline.
+            scheduler, tokenizer: replace the folder's.
+            **hub_kwargs: for ``huggingface_hub.snapshot_download`` (revision, token, cache_dir, local_files_only).
+        """
+        folder = _resolve_pipeline_folder(pretrained_model_name_or_path, **hub_kwargs)
+        index = _read_model_index(folder)
+        components: Dict[str, Any] = {}
+        try:
+            for name in ONNX_COMPONENTS:
+                model_folder = folder / name
+                if not (model_folder / "model.onnx").is_file():
+                    if name in cls._optional_components:
+                        components[name] = None
+                        continue
+                    raise FileNotFoundError(
+                        f"pretrained_model_name_or_path: component {name!r} is missing: expected "
+                        f"{model_folder / 'model.onnx'}"
+                    )
+                components[name] = IOBindingORTModel.from_pretrained(
+                    model_folder, provider=provider, provider_options=provider_options, sess_options=sess_options,
+                    io_binding=io_binding,
+                )
+            components["tokenizer"] = tokenizer if tokenizer is not None else _load_tokenizer(folder, index)
+            components["scheduler"] = scheduler if scheduler is not None else _load_scheduler(folder, index)
+            return cls(**components)
+        except BaseException:
+            components.clear()  # release sessions now, not when the traceback goes
+            raise
+
+    def save_pretrained(self, save_directory: Union[str, os.PathLike], **kwargs: Any) -> None:
+        """Writes the diffusers ONNX layout, which this class and diffusers' own ONNX pipeline both load."""
+        target = Path(save_directory)
+        target.mkdir(parents=True, exist_ok=True)
+        written = []
+        for name in ONNX_COMPONENTS:
+            model = getattr(self, name, None)
+            if model is not None:
+                model.save_pretrained(target / name)
+                written.append(name)
+        self.tokenizer.save_pretrained(str(target / "tokenizer"))
+        self.scheduler.save_pretrained(str(target / "scheduler"))
+        write_model_index(target, type(self.scheduler).__name__, type(self.tokenizer).__name__, written)
+
+    # ----------------------------------------------------------------------------------------------- the pieces
+    def check_inputs(
+        self,
+        prompt: Union[str, List[str], None],
+        height: int,
+        width: int,
+        num_inference_steps: int,
+        callback_steps: Optional[int],
+        negative_prompt: Union[str, List[str], None] = None,
+        prompt_embeds: Optional[torch.Tensor] = None,
+        negative_prompt_embeds: Optional[torch.Tensor] = None,
+    ) -> None:
+        factor = self.vae_scale_factor
+        if height % factor != 0 or width % factor != 0:
+            raise ValueError(f"height and width: expected multiples of {factor} (the VAE's scale factor), "
+                             f"got {height} and {width}")
+        if not isinstance(num_inference_steps, int) or num_inference_steps <= 0:
+            raise ValueError(f"num_inference_steps: expected a positive integer, got {num_inference_steps!r}")
+        if callback_steps is not None and (not isinstance(callback_steps, int) or callback_steps <= 0):
+            raise ValueError(f"callback_steps: expected a positive integer, got {callback_steps!r}")
+        if prompt is not None and prompt_embeds is not None:
+            raise ValueError("prompt and prompt_embeds: expected one of them, got both")
+        if prompt is None and prompt_embeds is None:
+            raise ValueError("prompt and prompt_embeds: expected one of them, got neither")
+        if prompt is not None and not isinstance(prompt, (str, list)):
+            raise TypeError(f"prompt: expected a str or a list of str, got {type(prompt).__name__}")
+        if negative_prompt is not None and negative_prompt_embeds is not None:
+            raise ValueError("negative_prompt and negative_prompt_embeds: expected at most one of them, got both")
+        if isinstance(prompt, list) and isinstance(negative_prompt, list) and len(prompt) != len(negative_prompt):
+            raise ValueError(f"negative_prompt: expected a list of {len(prompt)} (as many as prompt), "
+                             f"got {len(negative_prompt)}")
+        if negative_prompt is not None and prompt is not None and type(prompt) is not type(negative_prompt):
+            raise TypeError(f"negative_prompt: expected a {type(prompt).__name__} like prompt, "
+                            f"got {type(negative_prompt).__name__}")
+        if prompt_embeds is not None and negative_prompt_embeds is not None and \
+                prompt_embeds.shape != negative_prompt_embeds.shape:
+            raise ValueError(f"negative_prompt_embeds: expected shape {tuple(prompt_embeds.shape)} like "
+                             f"prompt_embeds, got {tuple(negative_prompt_embeds.shape)}")
+
+    def encode_prompt(
+        self,
+        prompt: Union[str, List[str], None],
+        num_images_per_prompt: int,
+        do_classifier_free_guidance: bool,
+        negative_prompt: Union[str, List[str], None] = None,
+        prompt_embeds: Optional[torch.Tensor] = None,
+        negative_prompt_embeds: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Text embeddings on ``self.device``: ``[negative; positive]`` when guiding, else positive only."""
+        device = self.device
+        if prompt_embeds is None:
+            prompt_embeds = self._encode_text(prompt)
+        prompt_embeds = torch.as_tensor(prompt_embeds).to(device)
+        batch_size = prompt_embeds.shape[0]
+        prompt_embeds = prompt_embeds.repeat_interleave(num_images_per_prompt, dim=0)
+        if not do_classifier_free_guidance:
+            return prompt_embeds
+        if negative_prompt_embeds is None:
+            if negative_prompt is None:
+                negative_prompt = [""] * batch_size
+            elif isinstance(negative_prompt, str):
+                negative_prompt = [negative_prompt] * batch_size
+            negative_prompt_embeds = self._encode_text(negative_prompt, max_length=prompt_embeds.shape[1])
+        negative_prompt_embeds = torch.as_tensor(negative_prompt_embeds).to(device)
+        negative_prompt_embeds = negative_prompt_embeds.repeat_interleave(num_images_per_prompt, dim=0)
+        return torch.cat([negative_prompt_embeds, prompt_embeds])
+
+    def _encode_text(self, text: Union[str, List[str]], max_length: Optional[int] = None) -> torch.Tensor:
+        max_length = max_length or self.tokenizer.model_max_length
+        tokens = self.tokenizer(text, padding="max_length", max_length=max_length, truncation=True,
+                                return_tensors="np")
+        untruncated = self.tokenizer(text, padding="longest", return_tensors="np").input_ids
+        if untruncated.shape[-1] > max_length:
+            removed = self.tokenizer.batch_decode(untruncated[:, max_length - 1 : -1])
+            logger.warning("The following part of your input was truncated because CLIP can only handle sequences "
+                           f"up to {max_length} tokens: {removed}")
+        input_ids = torch.from_numpy(tokens.input_ids).to(self.device)
+        # the encoder's output buffer is reused by its next call (the negative prompt): keep a copy
+        return self.text_encoder(input_ids=input_ids)[0].clone()
+
+    def prepare_latents(
+        self,
+        shape: Tuple[int, ...],
+        dtype: torch.dtype,
+        generator: Generator,
+        latents: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Initial noise on ``self.device``: from a numpy ``RandomState`` (the same numbers as diffusers' ONNX
+        pipeline for the same seed; ``None`` means ``np.random``), from a ``torch.Generator``, or given."""
+        if latents is not None:
+            latents = torch.as_tensor(latents)
+            if tuple(latents.shape) != tuple(shape):
+                raise ValueError(f"latents: expected shape {tuple(shape)}, got {tuple(latents.shape)}")
+            return latents.to(device=self.device, dtype=dtype)
+        if generator is None or isinstance(generator, np.random.RandomState):
+            numpy_dtype = torch.empty((), dtype=dtype).numpy().dtype
+            noise = (generator or np.random).randn(*shape).astype(numpy_dtype)
+            return torch.from_numpy(noise).to(self.device)
+        if isinstance(generator, (torch.Generator, list)):
+            return randn_tensor(shape, generator=generator, device=self.device, dtype=dtype)
+        raise TypeError(f"generator: expected a numpy RandomState or a torch.Generator, got {type(generator).__name__}")
+
+    def timestep_inputs(self, timesteps: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """The UNet's ``timestep`` input for every step, made once on the device: row ``i`` is step ``i``'s, in the
+        dtype and rank the UNet declares (a scalar, ``[1]`` or ``[batch]``)."""
+        timestep_arg = next(arg for arg in self.unet.session.get_inputs() if arg.name == "timestep")
+        values = timesteps.to(device=self.device, dtype=self.unet.input_dtypes["timestep"])
+        if len(timestep_arg.shape) == 0:
+            return values
+        if timestep_arg.shape[0] == 1:
+            return values[:, None]
+        return values[:, None].expand(-1, batch_size).contiguous()
+
+    def scheduler_step_kwargs(self, generator: Generator, eta: float) -> Dict[str, Any]:
+        """``eta`` for DDIM-like schedulers, and a torch generator for stochastic ones (a numpy one cannot serve)."""
+        accepted = set(inspect.signature(self.scheduler.step).parameters)
+        kwargs: Dict[str, Any] = {}
+        if "eta" in accepted:
+            kwargs["eta"] = eta
+        if "generator" in accepted and isinstance(generator, torch.Generator):
+            kwargs["generator"] = generator
+        return kwargs
+
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1], NCHW, on ``self.device``. One image per VAE call, as diffusers' ONNX pipeline does
+        (fp16 VAE exports misbehave at batch > 1)."""
+        latents = latents / self.vae_scaling_factor
+        # each call reuses the decoder's output buffer: copy each image out before the next call
+        return torch.cat([self.vae_decoder(latent_sample=latents[i : i + 1])[0].clone()
+                          for i in range(latents.shape[0])])
+
+    def encode_image(self, image: torch.Tensor, generator: Generator) -> torch.Tensor:
+        """Scaled latents of ``image`` (NCHW in [-1, 1] on the device). An optimum export returns the latent
+        distribution's parameters: sampled here with ``generator`` (its mean for a numpy generator)."""
+        if self.vae_encoder is None:
+            raise ValueError("vae_encoder: this pipeline needs one, and the folder has no vae_encoder/model.onnx")
+        image = image.to(device=self.device, dtype=self.vae_encoder.input_dtypes["sample"])
+        latents = torch.cat([self.vae_encoder(sample=image[i : i + 1])[0].clone() for i in range(image.shape[0])])
+        if self.vae_encoder.output_names[0] == "latent_parameters":
+            mean, logvar = latents.chunk(2, dim=1)
+            if isinstance(generator, torch.Generator):
+                std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
+                latents = mean + std * randn_tensor(mean.shape, generator=generator, device=self.device,
+                                                    dtype=mean.dtype)
+            else:
+                latents = mean
+        return latents * self.vae_scaling_factor
+
+    def postprocess(self, image: torch.Tensor, output_type: str) -> Any:
+        if output_type not in ("pil", "np", "pt"):
+            raise ValueError(f"output_type: expected 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
+        return self.image_processor.postprocess(image.float(), output_type=output_type)
+
+    @staticmethod
+    def run_callbacks(
+        pipe: "OnnxStableDiffusionPipelineBase",
+        step: int,
+        t: torch.Tensor,
+        latents: torch.Tensor,
+        callback: Optional[Callable[[int, int, torch.Tensor], None]],
+        callback_steps: int,
+        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]],
+        tensors: Dict[str, torch.Tensor],
+    ) -> Dict[str, torch.Tensor]:
+        """Runs the old-style ``callback(step, t, latents)`` every ``callback_steps`` steps and diffusers'
+        ``callback_on_step_end(pipe, step, t, tensors)``; returns the tensors it may have replaced."""
+        if callback is not None and step % callback_steps == 0:
+            callback(step // getattr(pipe.scheduler, "order", 1), t, latents)
+        if callback_on_step_end is not None:
+            replaced = callback_on_step_end(pipe, step, t, dict(tensors))
+            tensors = {**tensors, **(replaced or {})}
+        return tensors
+
+
+# ------------------------------------------------------------------------------------------------------ loading
+def _resolve_pipeline_folder(name_or_path: Union[str, os.PathLike], **hub_kwargs: Any) -> Path:
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    if path.exists() or str(name_or_path).startswith((".", "/")) or str(name_or_path).count("/") > 1:
+        raise FileNotFoundError(f"pretrained_model_name_or_path: {str(name_or_path)!r} is neither a local folder "
+                                "nor a hub repository id")
+    from huggingface_hub import snapshot_download
+
+    patterns = [f"{c}/*" for c in ONNX_COMPONENTS] + ["tokenizer/*", "scheduler/*", "model_index.json"]
+    return Path(snapshot_download(str(name_or_path), allow_patterns=patterns, **hub_kwargs))
+
+
+def _read_model_index(folder: Path) -> Dict[str, Any]:
+    index_path = folder / "model_index.json"
+    if not index_path.is_file():
+        raise FileNotFoundError(f"pretrained_model_name_or_path: expected a model_index.json in {str(folder)!r}")
+    index = json.loads(index_path.read_text())
+    for name, value in index.items():
+        if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[1] is None:
+            continue
+        if name in ONNX_COMPONENTS or name in ("unet",):
+            if value[1] not in _ONNX_COMPONENT_CLASSES:
+                raise ValueError(f"model_index.json: component {name!r} is {value}; expected an ONNX component "
+                                 f"(one of {sorted(_ONNX_COMPONENT_CLASSES)})")
+    return index
+
+
+def _component_class(index: Dict[str, Any], name: str, module: Any, base: Optional[type], default: str) -> type:
+    library, class_name = (index.get(name) or [None, default])
+    class_name = class_name or default
+    component_class = getattr(module, class_name, None)
+    if component_class is None or (base is not None and not (isinstance(component_class, type)
+                                                             and issubclass(component_class, base))):
+        raise ValueError(f"model_index.json: {name} class {class_name!r} is not a {module.__name__} "
+                         f"{base.__name__ if base else 'class'}")
+    return component_class
+
+
+def _load_scheduler(folder: Path, index: Dict[str, Any]) -> SchedulerMixin:
+    import diffusers
+
+    config_path = folder / "scheduler" / "scheduler_config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"pretrained_model_name_or_path: expected {config_path}")
+    default = json.loads(config_path.read_text()).get("_class_name", "PNDMScheduler")
+    scheduler_class = _component_class(index, "scheduler", diffusers, SchedulerMixin, default)
+    return scheduler_class.from_pretrained(str(folder), subfolder="scheduler")
+
+
+def _load_tokenizer(folder: Path, index: Dict[str, Any]) -> Any:
+    import transformers
+
+    if not (folder / "tokenizer").is_dir():
+        raise FileNotFoundError(f"pretrained_model_name_or_path: expected a tokenizer folder in {str(folder)!r}")
+    tokenizer_class = _component_class(index, "tokenizer", transformers, None, "CLIPTokenizer")
+    return tokenizer_class.from_pretrained(str(folder / "tokenizer"))
