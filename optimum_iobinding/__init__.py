@@ -1,8 +1,25 @@
 """optimum-iobinding: Stable Diffusion on ONNX Runtime with every tensor of the denoising loop on the device."""
 
+from typing import Any
+
 from .model import IOBindingORTModel
 from .shapes import infer_output_shapes
 
 __version__ = "0.1.0"
 
-__all__ = ["IOBindingORTModel", "infer_output_shapes", "__version__"]
+_PIPELINES = (
+    "OnnxStableDiffusionPipeline",
+    "OnnxStableDiffusionImg2ImgPipeline",
+    "OnnxStableDiffusionInpaintPipeline",
+)
+
+__all__ = ["IOBindingORTModel", "infer_output_shapes", "__version__", *_PIPELINES]
+
+
+def __getattr__(name: str) -> Any:
+    # the pipelines import diffusers and transformers: only pay for that when they are used
+    if name in _PIPELINES:
+        from . import pipelines
+
+        return getattr(pipelines, name)
+    raise AttributeError(f"module 'optimum_iobinding' has no attribute {name!r}")

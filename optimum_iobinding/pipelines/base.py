@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.image_processor import VaeImageProcessor
+from diffusers.pipelines.stable_diffusion import StableDiffusionPipelineOutput
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
@@ -187,11 +188,14 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         negative_prompt: Union[str, List[str], None] = None,
         prompt_embeds: Optional[torch.Tensor] = None,
         negative_prompt_embeds: Optional[torch.Tensor] = None,
+        output_type: str = "pil",
     ) -> None:
         factor = self.vae_scale_factor
         if height % factor != 0 or width % factor != 0:
             raise ValueError(f"height and width: expected multiples of {factor} (the VAE's scale factor), "
                              f"got {height} and {width}")
+        if output_type not in ("pil", "np", "pt", "latent"):
+            raise ValueError(f"output_type: expected 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
         if not isinstance(num_inference_steps, int) or num_inference_steps <= 0:
             raise ValueError(f"num_inference_steps: expected a positive integer, got {num_inference_steps!r}")
         if callback_steps is not None and (not isinstance(callback_steps, int) or callback_steps <= 0):
@@ -325,29 +329,84 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         return latents * self.vae_scaling_factor
 
     def postprocess(self, image: torch.Tensor, output_type: str) -> Any:
-        if output_type not in ("pil", "np", "pt"):
-            raise ValueError(f"output_type: expected 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
         return self.image_processor.postprocess(image.float(), output_type=output_type)
 
-    @staticmethod
-    def run_callbacks(
-        pipe: "OnnxStableDiffusionPipelineBase",
-        step: int,
-        t: torch.Tensor,
+    def denoise(
+        self,
         latents: torch.Tensor,
-        callback: Optional[Callable[[int, int, torch.Tensor], None]],
-        callback_steps: int,
-        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]],
-        tensors: Dict[str, torch.Tensor],
-    ) -> Dict[str, torch.Tensor]:
-        """Runs the old-style ``callback(step, t, latents)`` every ``callback_steps`` steps and diffusers'
-        ``callback_on_step_end(pipe, step, t, tensors)``; returns the tensors it may have replaced."""
-        if callback is not None and step % callback_steps == 0:
-            callback(step // getattr(pipe.scheduler, "order", 1), t, latents)
-        if callback_on_step_end is not None:
-            replaced = callback_on_step_end(pipe, step, t, dict(tensors))
-            tensors = {**tensors, **(replaced or {})}
-        return tensors
+        timesteps: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        guidance_scale: float,
+        step_kwargs: Dict[str, Any],
+        callback: Optional[Callable[[int, int, torch.Tensor], None]] = None,
+        callback_steps: int = 1,
+        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+        unet_extra_channels: Optional[torch.Tensor] = None,
+        after_step: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        """The denoising loop. Every tensor stays on ``self.device``; nothing waits on the host.
+
+        Args:
+            latents: initial latents (already scaled by the scheduler's init sigma or noised).
+            timesteps: the scheduler's timesteps to run.
+            prompt_embeds: ``[negative; positive]`` when ``guidance_scale > 1``, else positive.
+            unet_extra_channels: concatenated to the UNet input after scaling (an inpainting UNet's mask and masked
+                image latents), already doubled for guidance.
+            after_step: ``after_step(i, latents) -> latents`` after each scheduler step (inpainting's blending).
+        Returns:
+            The denoised latents.
+        """
+        do_classifier_free_guidance = guidance_scale > 1.0
+        unet_batch = latents.shape[0] * (2 if do_classifier_free_guidance else 1)
+        timestep_inputs = self.timestep_inputs(timesteps, unet_batch)
+        for i, t in enumerate(self.progress_bar(timesteps)):
+            latent_model_input = torch.cat([latents] * 2) if do_classifier_free_guidance else latents
+            latent_model_input = self.scheduler.scale_model_input(latent_model_input, t)
+            if unet_extra_channels is not None:
+                latent_model_input = torch.cat([latent_model_input, unet_extra_channels], dim=1)
+            noise_pred = self.unet(sample=latent_model_input, timestep=timestep_inputs[i],
+                                   encoder_hidden_states=prompt_embeds)[0]
+            if do_classifier_free_guidance:
+                noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
+                noise_pred = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
+            else:
+                # multistep schedulers keep model outputs across steps: never hand them the reused UNet buffer
+                noise_pred = noise_pred.clone()
+            latents = self.scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)[0]
+            if after_step is not None:
+                latents = after_step(i, latents)
+
+            if callback is not None and i % callback_steps == 0:
+                callback(i // getattr(self.scheduler, "order", 1), t, latents)
+            if callback_on_step_end is not None:
+                available = {"latents": latents, "prompt_embeds": prompt_embeds}
+                tensors = {name: available[name] for name in callback_on_step_end_tensor_inputs}
+                replaced = callback_on_step_end(self, i, t, tensors) or {}
+                latents = replaced.get("latents", latents)
+                prompt_embeds = replaced.get("prompt_embeds", prompt_embeds)
+        return latents
+
+    def strength_timesteps(self, num_inference_steps: int, strength: float) -> torch.Tensor:
+        """The scheduler's timesteps after skipping the first ``1 - strength`` of them (img2img, inpainting)."""
+        self.scheduler.set_timesteps(num_inference_steps, device=self.device)
+        init_timestep = min(int(num_inference_steps * strength), num_inference_steps)
+        t_start = max(num_inference_steps - init_timestep, 0)
+        timesteps = self.scheduler.timesteps[t_start * self.scheduler.order :]
+        if hasattr(self.scheduler, "set_begin_index"):
+            self.scheduler.set_begin_index(t_start * self.scheduler.order)
+        if len(timesteps) == 0:
+            raise ValueError(f"strength: {strength} with num_inference_steps={num_inference_steps} leaves no "
+                             "denoising step; raise either")
+        return timesteps
+
+    def finish(self, latents: torch.Tensor, output_type: str, return_dict: bool):
+        """Decodes (unless ``output_type="latent"``) and packs the output as diffusers does."""
+        image = latents if output_type == "latent" else self.postprocess(self.decode_latents(latents), output_type)
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return (image, None)
+        return StableDiffusionPipelineOutput(images=image, nsfw_content_detected=None)
 
 
 # ------------------------------------------------------------------------------------------------------ loading

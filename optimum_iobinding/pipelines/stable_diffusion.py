@@ -6,7 +6,6 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import numpy as np
 import torch
-from diffusers.pipelines.stable_diffusion import StableDiffusionPipelineOutput
 
 from .base import Generator, OnnxStableDiffusionPipelineBase
 
@@ -53,7 +52,7 @@ class OnnxStableDiffusionPipeline(OnnxStableDiffusionPipelineBase):
         """
         # 1. check inputs
         self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
-                          prompt_embeds, negative_prompt_embeds)
+                          prompt_embeds, negative_prompt_embeds, output_type)
         if prompt is not None:
             batch_size = 1 if isinstance(prompt, str) else len(prompt)
         else:
@@ -64,43 +63,18 @@ class OnnxStableDiffusionPipeline(OnnxStableDiffusionPipelineBase):
         prompt_embeds = self.encode_prompt(prompt, num_images_per_prompt, do_classifier_free_guidance,
                                            negative_prompt, prompt_embeds, negative_prompt_embeds)
 
-        # 3. initial noise and timesteps
+        # 3. timesteps and initial noise
+        self.scheduler.set_timesteps(num_inference_steps, device=self.device)
         latents_shape = (batch_size * num_images_per_prompt, self.latent_channels,
                          height // self.vae_scale_factor, width // self.vae_scale_factor)
         latents = self.prepare_latents(latents_shape, prompt_embeds.dtype, generator, latents)
-        self.scheduler.set_timesteps(num_inference_steps, device=self.device)
-        timesteps = self.scheduler.timesteps
         latents = latents * self.scheduler.init_noise_sigma
-        unet_batch = latents.shape[0] * (2 if do_classifier_free_guidance else 1)
-        timestep_inputs = self.timestep_inputs(timesteps, unet_batch)
-        step_kwargs = self.scheduler_step_kwargs(generator, eta)
 
         # 4. denoising loop: every tensor stays on self.device
-        for i, t in enumerate(self.progress_bar(timesteps)):
-            latent_model_input = torch.cat([latents] * 2) if do_classifier_free_guidance else latents
-            latent_model_input = self.scheduler.scale_model_input(latent_model_input, t)
-            noise_pred = self.unet(sample=latent_model_input, timestep=timestep_inputs[i],
-                                   encoder_hidden_states=prompt_embeds)[0]
-            if do_classifier_free_guidance:
-                noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
-                noise_pred = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
-            else:
-                # multistep schedulers keep model outputs across steps: never hand them the reused UNet buffer
-                noise_pred = noise_pred.clone()
-            latents = self.scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)[0]
+        latents = self.denoise(
+            latents, self.scheduler.timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
+            callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
+        )
 
-            tensors = self.run_callbacks(self, i, t, latents, callback, callback_steps, callback_on_step_end,
-                                         {k: v for k, v in (("latents", latents), ("prompt_embeds", prompt_embeds))
-                                          if k in callback_on_step_end_tensor_inputs})
-            latents = tensors.get("latents", latents)
-            prompt_embeds = tensors.get("prompt_embeds", prompt_embeds)
-
-        # 5. decode; only now does anything leave the device
-        if output_type == "latent":
-            image = latents
-        else:
-            image = self.postprocess(self.decode_latents(latents), output_type)
-        self.maybe_free_model_hooks()
-        if not return_dict:
-            return (image, None)
-        return StableDiffusionPipelineOutput(images=image, nsfw_content_detected=None)
+        # 5. decode: only now does anything leave the device
+        return self.finish(latents, output_type, return_dict)

@@ -1,0 +1,84 @@
+"""Image to image: diffusers' ``OnnxStableDiffusionImg2ImgPipeline`` with its denoising loop on the device."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import numpy as np
+import torch
+
+from .base import Generator, OnnxStableDiffusionPipelineBase
+
+ImageInput = Union[torch.Tensor, np.ndarray, "PIL.Image.Image", List[Any]]  # noqa: F821
+
+
+class OnnxStableDiffusionImg2ImgPipeline(OnnxStableDiffusionPipelineBase):
+    """Image-to-image Stable Diffusion on ONNX Runtime; needs the folder's ``vae_encoder``."""
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: Union[str, List[str], None] = None,
+        image: ImageInput = None,
+        strength: float = 0.8,
+        num_inference_steps: int = 50,
+        guidance_scale: float = 7.5,
+        negative_prompt: Union[str, List[str], None] = None,
+        num_images_per_prompt: int = 1,
+        eta: float = 0.0,
+        generator: Generator = None,
+        prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
+        negative_prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        callback: Optional[Callable[[int, int, torch.Tensor], None]] = None,
+        callback_steps: int = 1,
+        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
+        callback_on_step_end_tensor_inputs: List[str] = ("latents",),
+    ):
+        """Transforms ``image`` (PIL, numpy HWC in [0, 1], or torch NCHW in [-1, 1]) as ``prompt`` says; arguments
+        as diffusers' ``OnnxStableDiffusionImg2ImgPipeline``, plus ``callback_on_step_end``. ``strength`` in
+        [0, 1] is how much of the schedule runs (1: ignore the image's content)."""
+        # 1. check inputs
+        if image is None:
+            raise ValueError("image: expected an image to start from, got None")
+        if not 0.0 <= strength <= 1.0:
+            raise ValueError(f"strength: expected a value in [0, 1], got {strength}")
+        image = self.image_processor.preprocess(image)
+        height, width = image.shape[-2:]
+        self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
+                          prompt_embeds, negative_prompt_embeds, output_type)
+        if prompt is not None:
+            batch_size = 1 if isinstance(prompt, str) else len(prompt)
+        else:
+            batch_size = prompt_embeds.shape[0]
+        do_classifier_free_guidance = guidance_scale > 1.0
+
+        # 2. text embeddings, on the device
+        prompt_embeds = self.encode_prompt(prompt, num_images_per_prompt, do_classifier_free_guidance,
+                                           negative_prompt, prompt_embeds, negative_prompt_embeds)
+
+        # 3. timesteps for this strength; the image's latents noised to the first of them
+        timesteps = self.strength_timesteps(num_inference_steps, strength)
+        image_latents = self.encode_image(image, generator).to(prompt_embeds.dtype)
+        image_latents = expand_to_batch(image_latents, batch_size, num_images_per_prompt, "image")
+        noise = self.prepare_latents(tuple(image_latents.shape), prompt_embeds.dtype, generator)
+        latents = self.scheduler.add_noise(image_latents, noise, timesteps[:1].repeat(image_latents.shape[0]))
+
+        # 4. denoising loop: every tensor stays on self.device
+        latents = self.denoise(
+            latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
+            callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
+        )
+
+        # 5. decode: only now does anything leave the device
+        return self.finish(latents, output_type, return_dict)
+
+
+def expand_to_batch(tensor: torch.Tensor, batch_size: int, num_images_per_prompt: int, name: str) -> torch.Tensor:
+    """One image for every prompt, or one per prompt; then ``num_images_per_prompt`` copies of each."""
+    if tensor.shape[0] == 1 and batch_size > 1:
+        tensor = tensor.expand(batch_size, *tensor.shape[1:])
+    elif tensor.shape[0] != batch_size:
+        raise ValueError(f"{name}: expected 1 or {batch_size} images (one per prompt), got {tensor.shape[0]}")
+    return tensor.repeat_interleave(num_images_per_prompt, dim=0)

@@ -1,0 +1,147 @@
+"""Inpainting: diffusers' ``OnnxStableDiffusionInpaintPipeline`` with its denoising loop on the device."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers.image_processor import VaeImageProcessor
+
+from .base import Generator, OnnxStableDiffusionPipelineBase
+from .img2img import ImageInput, expand_to_batch
+
+
+class OnnxStableDiffusionInpaintPipeline(OnnxStableDiffusionPipelineBase):
+    """Inpainting on ONNX Runtime: repaints where ``mask_image`` is white.
+
+    An inpainting UNet (9 input channels: latents, mask, masked-image latents) is conditioned on the mask, as in
+    diffusers' ONNX inpaint pipeline; a plain UNet (4 channels) keeps the unmasked area by blending the noised
+    original latents in after every step, as diffusers' torch inpaint pipeline does.
+    """
+
+    @property
+    def mask_processor(self) -> VaeImageProcessor:
+        return VaeImageProcessor(vae_scale_factor=self.vae_scale_factor, do_normalize=False, do_binarize=True,
+                                 do_convert_grayscale=True)
+
+    @property
+    def unet_in_channels(self) -> int:
+        return int(self.unet.config.get("in_channels") or self._declared_dim(self.unet, "sample", 1)
+                   or self.latent_channels)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: Union[str, List[str], None] = None,
+        image: ImageInput = None,
+        mask_image: ImageInput = None,
+        height: Optional[int] = 512,
+        width: Optional[int] = 512,
+        strength: float = 1.0,
+        num_inference_steps: int = 50,
+        guidance_scale: float = 7.5,
+        negative_prompt: Union[str, List[str], None] = None,
+        num_images_per_prompt: int = 1,
+        eta: float = 0.0,
+        generator: Generator = None,
+        latents: Optional[Union[torch.Tensor, np.ndarray]] = None,
+        prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
+        negative_prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        callback: Optional[Callable[[int, int, torch.Tensor], None]] = None,
+        callback_steps: int = 1,
+        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
+        callback_on_step_end_tensor_inputs: List[str] = ("latents",),
+    ):
+        """Repaints the white area of ``mask_image`` in ``image`` as ``prompt`` says; arguments as diffusers'
+        ``OnnxStableDiffusionInpaintPipeline``, plus ``strength`` (as in diffusers' torch pipeline, default 1: start
+        from pure noise) and ``callback_on_step_end``."""
+        # 1. check inputs
+        if image is None or mask_image is None:
+            raise ValueError("image and mask_image: expected both, got "
+                             f"{'no image' if image is None else 'an image'} and "
+                             f"{'no mask_image' if mask_image is None else 'a mask_image'}")
+        image_size, mask_size = image_hw(image), image_hw(mask_image)
+        if image_size != mask_size:
+            raise ValueError(f"mask_image: expected the size of image (height × width {image_size[0]} × "
+                             f"{image_size[1]}), got {mask_size[0]} × {mask_size[1]}")
+        if not 0.0 <= strength <= 1.0:
+            raise ValueError(f"strength: expected a value in [0, 1], got {strength}")
+        self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
+                          prompt_embeds, negative_prompt_embeds, output_type)
+        if prompt is not None:
+            batch_size = 1 if isinstance(prompt, str) else len(prompt)
+        else:
+            batch_size = prompt_embeds.shape[0]
+        do_classifier_free_guidance = guidance_scale > 1.0
+
+        # 2. text embeddings, on the device
+        prompt_embeds = self.encode_prompt(prompt, num_images_per_prompt, do_classifier_free_guidance,
+                                           negative_prompt, prompt_embeds, negative_prompt_embeds)
+        dtype = prompt_embeds.dtype
+
+        # 3. image, mask and their latents
+        image = self.image_processor.preprocess(image, height=height, width=width).to(self.device)
+        mask = self.mask_processor.preprocess(mask_image, height=height, width=width).to(self.device)
+        latent_size = (height // self.vae_scale_factor, width // self.vae_scale_factor)
+        mask_latents = F.interpolate(mask, size=latent_size).to(dtype)
+        mask_latents = expand_to_batch(mask_latents, batch_size, num_images_per_prompt, "mask_image")
+        image_latents = self.encode_image(image, generator).to(dtype)
+        image_latents = expand_to_batch(image_latents, batch_size, num_images_per_prompt, "image")
+
+        # 4. timesteps and initial latents: pure noise at full strength, else the noised image
+        timesteps = self.strength_timesteps(num_inference_steps, strength)
+        shape = (batch_size * num_images_per_prompt, self.latent_channels, *latent_size)
+        noise = self.prepare_latents(shape, dtype, generator, latents)
+        if strength == 1.0:
+            latents = noise * self.scheduler.init_noise_sigma
+        else:
+            latents = self.scheduler.add_noise(image_latents, noise, timesteps[:1].repeat(shape[0]))
+
+        unet_extra_channels = None
+        after_step = None
+        if self.unet_in_channels == self.latent_channels + 1 + self.latent_channels:
+            masked_image_latents = self.encode_image(image * (mask < 0.5), generator).to(dtype)
+            masked_image_latents = expand_to_batch(masked_image_latents, batch_size, num_images_per_prompt, "image")
+            unet_extra_channels = torch.cat([mask_latents, masked_image_latents], dim=1)
+            if do_classifier_free_guidance:
+                unet_extra_channels = torch.cat([unet_extra_channels] * 2)
+        elif self.unet_in_channels == self.latent_channels:
+            def after_step(i: int, step_latents: torch.Tensor) -> torch.Tensor:
+                # keep the unmasked area: the original latents, noised to where the next step starts
+                known = image_latents
+                if i < len(timesteps) - 1:
+                    known = self.scheduler.add_noise(image_latents, noise, timesteps[i + 1 : i + 2].repeat(shape[0]))
+                return (1 - mask_latents) * known + mask_latents * step_latents
+        else:
+            raise ValueError(f"unet: expected {self.latent_channels} input channels (a plain UNet) or "
+                             f"{2 * self.latent_channels + 1} (an inpainting UNet), got {self.unet_in_channels}")
+
+        # 5. denoising loop: every tensor stays on self.device
+        latents = self.denoise(
+            latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
+            callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
+            unet_extra_channels=unet_extra_channels, after_step=after_step,
+        )
+
+        # 6. decode: only now does anything leave the device
+        return self.finish(latents, output_type, return_dict)
+
+
+def image_hw(image: Any) -> Tuple[int, int]:
+    """Height and width of a PIL image, a numpy HWC/NHWC array, a torch CHW/NCHW tensor, or the first of a list."""
+    if isinstance(image, list):
+        if not image:
+            raise ValueError("image: expected at least one image, got an empty list")
+        image = image[0]
+    if hasattr(image, "size") and not callable(image.size):  # PIL
+        width, height = image.size
+        return height, width
+    if isinstance(image, np.ndarray):
+        return tuple(image.shape[-3:-1]) if image.ndim >= 3 else tuple(image.shape)  # type: ignore[return-value]
+    if isinstance(image, torch.Tensor):
+        return tuple(image.shape[-2:])  # type: ignore[return-value]
+    raise TypeError(f"image: expected a PIL image, numpy array or torch tensor, got {type(image).__name__}")
