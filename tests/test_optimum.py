@@ -1,0 +1,82 @@
+"""An `optimum-cli export onnx --task text-to-image` folder loads and runs unpatched (optimum environment only:
+transformers 4.57, diffusers 0.39, optimum 2.1, optimum-onnx 0.1; skipped where optimum-onnx does not import)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("optimum.exporters.onnx", reason="needs the optimum-onnx environment (constraints-optimum.txt)")
+
+from optimum_iobinding import (  # noqa: E402
+    OnnxStableDiffusionImg2ImgPipeline,
+    OnnxStableDiffusionPipeline,
+    infer_output_shapes,
+)
+from optimum_iobinding.export import build_tiny_random_pipeline  # noqa: E402
+
+SIZE = 64
+
+
+@pytest.fixture(scope="module")
+def optimum_folder(tmp_path_factory):
+    from optimum.exporters.onnx import main_export
+
+    root = tmp_path_factory.mktemp("optimum")
+    build_tiny_random_pipeline().save_pretrained(root / "torch")
+    main_export(str(root / "torch"), output=str(root / "onnx"), task="text-to-image")
+    return root / "onnx"
+
+
+def run(pipe, **kwargs):
+    pipe.set_progress_bar_config(disable=True)
+    arguments = dict(num_inference_steps=3, generator=np.random.RandomState(0), output_type="np")
+    arguments.update(kwargs)
+    return pipe("a photo of a cat", **arguments).images
+
+
+def test_optimum_layout_has_what_diffusers_onnx_pipeline_cannot_run(optimum_folder):
+    # the reasons diffusers' own pipeline needs patches: torch class names, int64 ids, a scalar timestep
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(optimum_folder)
+    assert '"UNet2DConditionModel"' in (optimum_folder / "model_index.json").read_text()
+    assert pipe.text_encoder.input_dtypes["input_ids"] == torch.int64
+    assert pipe.unet.session.get_inputs()[1].shape == []
+    assert pipe.vae_encoder.output_names == ["latent_parameters"]
+
+
+def test_txt2img_on_an_optimum_export_matches_the_numpy_loop(optimum_folder):
+    bound = run(OnnxStableDiffusionPipeline.from_pretrained(optimum_folder), height=SIZE, width=SIZE)
+    baseline = run(OnnxStableDiffusionPipeline.from_pretrained(optimum_folder, io_binding=False), height=SIZE,
+                   width=SIZE)
+    assert bound.shape == (1, SIZE, SIZE, 3) and bound.std() > 0.01
+    assert np.abs(bound - baseline).max() <= 1e-4
+
+
+def test_img2img_samples_the_latent_parameters_of_an_optimum_vae_encoder(optimum_folder):
+    image = np.random.default_rng(0).random((SIZE, SIZE, 3)).astype(np.float32)
+    pipe = OnnxStableDiffusionImg2ImgPipeline.from_pretrained(optimum_folder)
+    bound = run(pipe, image=image, strength=0.7)
+    baseline = run(OnnxStableDiffusionImg2ImgPipeline.from_pretrained(optimum_folder, io_binding=False), image=image,
+                   strength=0.7)
+    assert np.abs(bound - baseline).max() <= 1e-4
+    with_torch_generator = run(pipe, image=image, strength=0.7, generator=torch.Generator().manual_seed(0))
+    assert with_torch_generator.shape == bound.shape
+
+
+def test_expression_dims_of_the_optimum_vae_are_resolved_before_the_run(optimum_folder):
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(optimum_folder)
+    assert infer_output_shapes(pipe.vae_decoder, {"latent_sample": (1, 4, 8, 16)}) == {"sample": (1, 3, 64, 128)}
+    assert infer_output_shapes(pipe.vae_encoder, {"sample": (2, 3, 64, 64)}) == {"latent_parameters": (2, 8, 8, 8)}
+
+
+def test_same_latents_give_optimum_ort_pipelines_image(optimum_folder):
+    from optimum.onnxruntime import ORTStableDiffusionPipeline
+
+    latents = np.random.RandomState(0).randn(1, 4, SIZE // 8, SIZE // 8).astype(np.float32)
+    theirs = ORTStableDiffusionPipeline.from_pretrained(optimum_folder, provider="CPUExecutionProvider")
+    theirs.set_progress_bar_config(disable=True)
+    expected = theirs("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=3,
+                      latents=torch.from_numpy(latents), output_type="np").images
+    ours = run(OnnxStableDiffusionPipeline.from_pretrained(optimum_folder), height=SIZE, width=SIZE, latents=latents)
+    assert np.abs(np.asarray(expected) - ours).max() <= 1e-4
