@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import threading
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -17,6 +18,15 @@ import onnxruntime as ort
 import torch
 
 from .dtypes import ORT_TO_TORCH, TORCH_TO_NUMPY, TORCH_TO_ONNX, conversion_allowed
+from .cuda import (
+    DISABLE_SYNC_RUN_OPTION,
+    CudaGraphRunner,
+    free_dimension_overrides,
+    stream_of_session,
+    tensorrt_profile_options,
+    with_diffusion_defaults,
+    with_stream,
+)
 from .shapes import ShapeInferencer
 
 logger = logging.getLogger(__name__)
@@ -68,6 +78,23 @@ def normalize_providers(
     return names, [{key: str(value) for key, value in opts.items()} for opts in options]
 
 
+def create_session(
+    path_or_bytes: Union[str, bytes],
+    providers: Sequence[str],
+    provider_options: Sequence[Dict[str, str]],
+    sess_options: Optional[ort.SessionOptions] = None,
+) -> ort.InferenceSession:
+    """``onnxruntime.InferenceSession`` with errors that name the file."""
+    if isinstance(path_or_bytes, str) and not os.path.isfile(path_or_bytes):
+        raise FileNotFoundError(f"path: expected an .onnx file, found nothing at {path_or_bytes!r}")
+    try:
+        return ort.InferenceSession(path_or_bytes, sess_options=sess_options, providers=list(providers),
+                                    provider_options=list(provider_options))
+    except Exception as error:  # ORT's own exception types are not importable in a stable place
+        where = repr(path_or_bytes) if isinstance(path_or_bytes, str) else "the model bytes"
+        raise ValueError(f"path: onnxruntime could not load {where}: {error}") from error
+
+
 def session_device(session: ort.InferenceSession) -> torch.device:
     """The torch device where the session's first execution provider keeps its tensors."""
     provider = session.get_providers()[0]
@@ -114,6 +141,16 @@ class IOBindingORTModel:
         max_output_signatures: how many input-shape signatures keep their output buffers.
         config: the component's config (``from_pretrained`` reads the ``config.json`` beside the model, as optimum
             writes it); pipelines read scaling factors and channel counts from it.
+        stream: CUDA only: the torch stream ORT runs on (``user_compute_stream``); by default the model makes its
+            own. Pipelines pass one stream to all their components.
+        cuda_graph: CUDA only: run each input signature through a CUDA graph — a session with its free dims fixed
+            to those shapes (so every node lands on the GPU), fixed input/output buffers that new inputs are copied
+            into, captured on the first run and replayed after. Outputs are then always the same tensors. A
+            signature whose capture fails runs without a graph, after one warning saying why.
+        max_graph_sessions: how many signatures keep a graph session (each holds the weights once more).
+
+    CUDA: provider options default to :data:`~optimum_iobinding.cuda.CUDA_DIFFUSION_DEFAULTS` (the user's win), and
+    runs use ``disable_synchronize_execution_providers=1``: no host synchronization anywhere in a call.
     """
 
     def __init__(
@@ -127,18 +164,37 @@ class IOBindingORTModel:
         reuse_outputs: bool = True,
         max_output_signatures: int = 8,
         config: Optional[Dict[str, Any]] = None,
+        stream: Optional["torch.cuda.Stream"] = None,
+        cuda_graph: bool = False,
+        max_graph_sessions: int = 2,
     ):
+        if max_output_signatures < 1:
+            raise ValueError(f"max_output_signatures: expected an integer ≥ 1, got {max_output_signatures}")
+        if max_graph_sessions < 1:
+            raise ValueError(f"max_graph_sessions: expected an integer ≥ 1, got {max_graph_sessions}")
         if isinstance(session_or_path, ort.InferenceSession):
             session = session_or_path
+            providers = session.get_providers()
+            options_by_name = session.get_provider_options()
+            provider_option_list = [dict(options_by_name.get(name, {})) for name in providers]
+            recipe_sess_options = getattr(session, "_sess_options", None)
+            if stream is not None:
+                raise ValueError("stream: a stream is set when a session is created; pass a path (or create the "
+                                 "session with the provider option user_compute_stream) instead of a session")
         elif isinstance(session_or_path, (str, os.PathLike)):
-            session = self.load_model(session_or_path, provider, sess_options, provider_options)
+            providers, provider_option_list = normalize_providers(provider, provider_options)
+            if io_binding and providers[0] in CUDA_LIKE_PROVIDERS:
+                provider_option_list = with_diffusion_defaults(providers, provider_option_list)
+                if stream is None:
+                    stream = torch.cuda.Stream(torch.device("cuda", int(provider_option_list[0].get("device_id", 0))))
+                provider_option_list = with_stream(providers, provider_option_list, stream)
+            session = create_session(os.fspath(session_or_path), providers, provider_option_list, sess_options)
+            recipe_sess_options = sess_options
         else:
             raise TypeError(
                 "session_or_path: expected an onnxruntime.InferenceSession or a path to an .onnx file, "
                 f"got {type(session_or_path).__name__}"
             )
-        if max_output_signatures < 1:
-            raise ValueError(f"max_output_signatures: expected an integer ≥ 1, got {max_output_signatures}")
         input_dtypes = {i.name: ORT_TO_TORCH.get(i.type) for i in session.get_inputs()}
         output_dtypes = {o.name: ORT_TO_TORCH.get(o.type) for o in session.get_outputs()}
         for kind, dtypes, args in (("input", input_dtypes, session.get_inputs()), ("output", output_dtypes, session.get_outputs())):
@@ -174,6 +230,26 @@ class IOBindingORTModel:
         self._output_buffers: "OrderedDict[Tuple, Dict[str, torch.Tensor]]" = OrderedDict()
         self._binding = session.io_binding() if io_binding else None
         self._lock = threading.Lock()
+        # CUDA: the stream ORT runs on (ours, or the one the given session was created with); None means ORT's own
+        # stream, which costs a host synchronization before and after every run.
+        self._stream = None
+        if device.type == "cuda" and io_binding:
+            self._stream = stream if stream is not None else stream_of_session(session, device)
+        self._run_options = ort.RunOptions()
+        if self._stream is not None:
+            self._run_options.add_run_config_entry(DISABLE_SYNC_RUN_OPTION, "1")
+        if cuda_graph and (device.type != "cuda" or not io_binding):
+            raise ValueError(f"cuda_graph: needs a CUDA session with io_binding=True, got device {device} and "
+                             f"io_binding={io_binding}")
+        if cuda_graph and self._stream is None:
+            raise ValueError("cuda_graph: needs the session's stream; create the model from a path (or a session "
+                             "made with the provider option user_compute_stream)")
+        self.cuda_graph = cuda_graph
+        self.max_graph_sessions = max_graph_sessions
+        self._session_recipe = (self.model_path or getattr(session, "_model_bytes", None), list(providers),
+                                provider_option_list, recipe_sess_options)
+        self._graph_runners: "OrderedDict[Tuple, CudaGraphRunner]" = OrderedDict()
+        self._graph_disabled: Dict[Tuple, str] = {}
 
     # ----------------------------------------------------------------------------------------------------- loading
     @staticmethod
@@ -189,14 +265,8 @@ class IOBindingORTModel:
             FileNotFoundError: no file at ``path``.
             ValueError: the provider is not available, or ORT cannot load the file.
         """
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"path: expected an .onnx file, found nothing at {path!r}")
         providers, options = normalize_providers(provider, provider_options)
-        try:
-            return ort.InferenceSession(path, sess_options=sess_options, providers=providers, provider_options=options)
-        except Exception as error:  # ORT's own exception types are not importable in a stable place
-            raise ValueError(f"path: onnxruntime could not load {path!r}: {error}") from error
+        return create_session(os.fspath(path), providers, options, sess_options)
 
     @classmethod
     def from_pretrained(
@@ -209,6 +279,8 @@ class IOBindingORTModel:
         sess_options: Optional[ort.SessionOptions] = None,
         io_binding: bool = True,
         reuse_outputs: bool = True,
+        stream: Optional["torch.cuda.Stream"] = None,
+        cuda_graph: bool = False,
         **hub_kwargs: Any,
     ) -> "IOBindingORTModel":
         """Loads ``model_id/subfolder/file_name`` (a file, a local folder or a Hugging Face Hub id).
@@ -217,7 +289,8 @@ class IOBindingORTModel:
             model_id: an .onnx file, a folder holding one, or a hub repository id.
             subfolder: folder inside ``model_id`` (e.g. ``"unet"``).
             file_name: the model's file name inside that folder.
-            provider, provider_options, sess_options, io_binding, reuse_outputs: as for the constructor.
+            provider, provider_options, sess_options, io_binding, reuse_outputs, stream, cuda_graph: as for the
+                constructor.
             **hub_kwargs: passed to ``huggingface_hub.snapshot_download`` for hub ids (revision, token, cache_dir,
                 local_files_only).
 
@@ -235,6 +308,8 @@ class IOBindingORTModel:
             io_binding=io_binding,
             reuse_outputs=reuse_outputs,
             config=config,
+            stream=stream,
+            cuda_graph=cuda_graph,
         )
 
     def save_pretrained(self, save_directory: Union[str, os.PathLike], file_name: str = "model.onnx") -> str:
@@ -250,7 +325,7 @@ class IOBindingORTModel:
         if self.config:
             Path(save_directory, CONFIG_NAME).write_text(json.dumps(self.config, indent=2, sort_keys=True))
         if self.model_path is None:
-            model_bytes = getattr(self._session, "_model_bytes", None)
+            model_bytes = getattr(self.session, "_model_bytes", None)
             if model_bytes is None:
                 raise ValueError("save_pretrained: this session was created from neither a path nor bytes")
             Path(target).write_bytes(model_bytes)
@@ -270,7 +345,10 @@ class IOBindingORTModel:
     # -------------------------------------------------------------------------------------------------- properties
     @property
     def session(self) -> ort.InferenceSession:
-        return self._session
+        """The ORT session (with ``cuda_graph``, the most recent graph session once one runs)."""
+        if self._session is None and self._graph_runners:
+            return next(reversed(self._graph_runners.values())).session
+        return self._main_session()
 
     @property
     def device(self) -> torch.device:
@@ -279,7 +357,7 @@ class IOBindingORTModel:
 
     @property
     def providers(self) -> List[str]:
-        return self._session.get_providers()
+        return self.session.get_providers()
 
     @property
     def input_names(self) -> List[str]:
@@ -305,16 +383,42 @@ class IOBindingORTModel:
 
     # ------------------------------------------------------------------------------------------------------ running
     def __call__(self, **inputs: InputValue) -> List[torch.Tensor]:
-        """Runs the model. Keyword arguments are the model's inputs by name; returns its outputs in session order."""
+        """Runs the model. Keyword arguments are the model's inputs by name; returns its outputs in session order.
+
+        On CUDA the run is enqueued on the model's stream after the caller's pending work, and the caller's stream
+        waits for it: results are ready for whatever the caller enqueues next, and the host never waits.
+        """
         self._check_input_names(inputs)
         if not self.io_binding:
             return self._run_without_binding(inputs)
+        if self._stream is None:
+            return self._run_bound(inputs)
+        caller = torch.cuda.current_stream(self._device)
+        if caller != self._stream:
+            self._stream.wait_stream(caller)
+        with torch.cuda.stream(self._stream):
+            results = self._run_bound(inputs)
+        if caller != self._stream:
+            caller.wait_stream(self._stream)
+        return results
+
+    @property
+    def stream(self) -> Optional["torch.cuda.Stream"]:
+        """The CUDA stream ORT runs this model on (``None`` on the CPU or for a session without one)."""
+        return self._stream
+
+    def _run_bound(self, inputs: Mapping[str, InputValue]) -> List[torch.Tensor]:
         # `bound` holds every tensor whose pointer is bound until the run has returned (converted temporaries too).
         bound = {name: self._to_bindable(name, value) for name, value in inputs.items()}
         input_shapes = {name: tuple(tensor.shape) for name, tensor in bound.items()}
         output_shapes = self.shape_inferencer(input_shapes)
+        if self.cuda_graph:
+            results = self._run_graph(bound, input_shapes, output_shapes)
+            if results is not None:
+                return results
         outputs = self._output_tensors(input_shapes, output_shapes, bound)
         with self._lock:
+            session = self._main_session()
             binding = self._binding
             try:
                 for name, tensor in bound.items():
@@ -330,10 +434,10 @@ class IOBindingORTModel:
                             name, self._ort_device_type, self._ort_device_id, TORCH_TO_ONNX[tensor.dtype],
                             list(tensor.shape), tensor.data_ptr(),
                         )
-                if self._device.type == "cuda":
-                    # ORT runs on its own stream: inputs written by torch must be complete before it reads them.
+                if self._device.type == "cuda" and self._stream is None:
+                    # ORT runs on a stream of its own: what torch wrote must be complete before it reads.
                     torch.cuda.current_stream(self._device).synchronize()
-                self._session.run_with_iobinding(binding)
+                session.run_with_iobinding(binding, self._run_options)
                 results = []
                 ort_values = None
                 for index, (name, tensor) in enumerate(outputs.items()):
@@ -348,6 +452,83 @@ class IOBindingORTModel:
                 binding.clear_binding_outputs()
         del bound
         return results
+
+    # ------------------------------------------------------------------------------------------------ CUDA graphs
+    def _run_graph(
+        self,
+        bound: Mapping[str, torch.Tensor],
+        input_shapes: Mapping[str, Tuple[int, ...]],
+        output_shapes: Mapping[str, Optional[Tuple[int, ...]]],
+    ) -> Optional[List[torch.Tensor]]:
+        """Runs through the CUDA graph of this input signature; ``None`` where this signature cannot have one."""
+        signature = tuple(sorted(input_shapes.items()))
+        if signature in self._graph_disabled:
+            return None
+        with self._lock:
+            runner = self._graph_runners.get(signature)
+            try:
+                if runner is None:
+                    runner = self._new_graph_runner(bound, input_shapes, output_shapes)
+                    self._graph_runners[signature] = runner
+                    while len(self._graph_runners) > self.max_graph_sessions:
+                        self._graph_runners.popitem(last=False)
+                self._graph_runners.move_to_end(signature)
+                outputs = runner.run(bound)
+            except Exception as error:  # capture refused (nodes left on the CPU, unsupported op): run without
+                self._graph_runners.pop(signature, None)
+                self._graph_disabled[signature] = str(error)
+                warnings.warn(
+                    f"{self.model_path or 'model'}: no CUDA graph for input shapes {dict(input_shapes)}; running "
+                    f"without one. Why: {error}", RuntimeWarning, stacklevel=4,
+                )
+                return None
+        results = [outputs[name] for name in self.output_names]
+        return results if self.reuse_outputs else [tensor.clone() for tensor in results]
+
+    def _new_graph_runner(
+        self,
+        bound: Mapping[str, torch.Tensor],
+        input_shapes: Mapping[str, Tuple[int, ...]],
+        output_shapes: Mapping[str, Optional[Tuple[int, ...]]],
+    ) -> CudaGraphRunner:
+        dynamic = [name for name, shape in output_shapes.items() if shape is None]
+        if dynamic:
+            raise RuntimeError(f"output {dynamic[0]!r} has a data-dependent shape, which a graph cannot replay")
+        overrides, problems = free_dimension_overrides(self.shape_inferencer.input_dims, input_shapes)
+        source, providers, options, base_sess_options = self._session_recipe
+        if source is None:
+            raise RuntimeError("the session was created from neither a path nor bytes, so it cannot be re-created "
+                               "with fixed dims")
+        sess_options = copy_session_options(base_sess_options)
+        for dim, size in overrides.items():
+            sess_options.add_free_dimension_override_by_name(dim, size)
+        graph_options = [dict(opts) for opts in options]
+        if providers[0] == "TensorrtExecutionProvider":
+            graph_options[0].update(trt_cuda_graph_enable="1", **tensorrt_profile_options(input_shapes))
+        else:
+            graph_options[0]["enable_cuda_graph"] = "1"
+        # The model's weights live once on the GPU: the plain session goes before the graph session loads (it is
+        # re-created if a signature ever needs it).
+        self._session = None
+        try:
+            session = create_session(source, providers, graph_options, sess_options)
+        except ValueError as error:
+            raise RuntimeError(f"{error}{'; ' + '; '.join(problems) if problems else ''}") from error
+        return CudaGraphRunner(
+            session,
+            {name: (tuple(input_shapes[name]), bound[name].dtype) for name in input_shapes},
+            {name: (tuple(output_shapes[name]), self._output_dtypes[name]) for name in self.output_names},
+            self._device,
+            self._run_options,
+        )
+
+    def _main_session(self) -> ort.InferenceSession:
+        """The plain session (all shapes, no graph), re-created if graph sessions replaced it."""
+        if self._session is None:
+            source, providers, options, sess_options = self._session_recipe
+            self._session = create_session(source, providers, options, sess_options)
+            self._binding = self._session.io_binding()
+        return self._session
 
     def _check_input_names(self, inputs: Mapping[str, Any]) -> None:
         for name in inputs:
@@ -428,10 +609,21 @@ class IOBindingORTModel:
                 name: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(_numpy_bits(t), TORCH_TO_ONNX[t.dtype])
                 for name, t in arrays.items()
             }
-            values = self._session.run_with_ort_values(self.output_names, feed)
+            values = self.session.run_with_ort_values(self.output_names, feed)
             return [self._from_ort_value(v, self._output_dtypes[n]).clone() for v, n in zip(values, self.output_names)]
-        results = self._session.run(None, {name: t.numpy() for name, t in arrays.items()})
+        results = self.session.run(None, {name: t.numpy() for name, t in arrays.items()})
         return [torch.from_numpy(np.asarray(r)) for r in results]
+
+
+def copy_session_options(base: Optional[ort.SessionOptions]) -> ort.SessionOptions:
+    """A new ``SessionOptions`` with the settings of ``base`` that matter here (the user's object is never changed)."""
+    copy = ort.SessionOptions()
+    if base is not None:
+        for attribute in ("graph_optimization_level", "intra_op_num_threads", "inter_op_num_threads", "execution_mode",
+                          "log_severity_level", "log_verbosity_level", "enable_mem_pattern", "enable_mem_reuse",
+                          "enable_cpu_mem_arena", "use_deterministic_compute"):
+            setattr(copy, attribute, getattr(base, attribute))
+    return copy
 
 
 def check_input_device(name: str, device: torch.device, session_device: torch.device) -> None:

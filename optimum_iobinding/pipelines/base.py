@@ -3,6 +3,7 @@ timestep inputs and VAE decoding — all as torch tensors on the UNet's device."
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import logging
@@ -19,7 +20,7 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..export import ONNX_COMPONENTS, write_model_index
-from ..model import IOBindingORTModel, ProviderSpec
+from ..model import CUDA_LIKE_PROVIDERS, IOBindingORTModel, ProviderSpec, normalize_providers
 from ..shapes import infer_output_shapes
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,11 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         return self.device
 
     @property
+    def stream(self) -> Optional["torch.cuda.Stream"]:
+        """The CUDA stream shared by the components and the loop's torch ops (``None`` off CUDA)."""
+        return self.unet.stream
+
+    @property
     def io_binding(self) -> bool:
         return self.unet.io_binding
 
@@ -125,6 +131,7 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         provider_options: Optional[Dict[str, Any]] = None,
         sess_options: Any = None,
         io_binding: bool = True,
+        cuda_graph: bool = False,
         scheduler: Optional[SchedulerMixin] = None,
         tokenizer: Any = None,
         **hub_kwargs: Any,
@@ -135,11 +142,17 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
             pretrained_model_name_or_path: local folder or hub repository id.
             provider, provider_options, sess_options: for every ONNX component (see :class:`IOBindingORTModel`).
             io_binding: bind torch tensors on the session's device (default), or run diffusers' numpy baseline.
+            cuda_graph: CUDA: replay the UNet as a CUDA graph (see :class:`IOBindingORTModel`).
             scheduler, tokenizer: replace the folder's.
             **hub_kwargs: for ``huggingface_hub.snapshot_download`` (revision, token, cache_dir, local_files_only).
         """
         folder = _resolve_pipeline_folder(pretrained_model_name_or_path, **hub_kwargs)
         index = _read_model_index(folder)
+        providers, options = normalize_providers(provider, provider_options)
+        stream = None
+        if io_binding and providers[0] in CUDA_LIKE_PROVIDERS:
+            # one stream for every component and every torch op of the loop: nothing to synchronize between them
+            stream = torch.cuda.Stream(torch.device("cuda", int(options[0].get("device_id", 0))))
         components: Dict[str, Any] = {}
         try:
             for name in ONNX_COMPONENTS:
@@ -154,7 +167,7 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
                     )
                 components[name] = IOBindingORTModel.from_pretrained(
                     model_folder, provider=provider, provider_options=provider_options, sess_options=sess_options,
-                    io_binding=io_binding,
+                    io_binding=io_binding, stream=stream, cuda_graph=cuda_graph and name == "unet",
                 )
             components["tokenizer"] = tokenizer if tokenizer is not None else _load_tokenizer(folder, index)
             components["scheduler"] = scheduler if scheduler is not None else _load_scheduler(folder, index)
@@ -329,7 +342,14 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         return latents * self.vae_scaling_factor
 
     def postprocess(self, image: torch.Tensor, output_type: str) -> Any:
-        return self.image_processor.postprocess(image.float(), output_type=output_type)
+        """"pt" stays on the device; "np" and "pil" come back through a pinned buffer, the one wait of the call."""
+        if output_type == "pt" or image.device.type != "cuda":
+            return self.image_processor.postprocess(image.float(), output_type=output_type)
+        image = (image.float() / 2 + 0.5).clamp(0, 1)
+        host = torch.empty(image.shape, dtype=image.dtype, pin_memory=True)
+        host.copy_(image, non_blocking=True)
+        torch.cuda.current_stream(image.device).synchronize()
+        return self.image_processor.postprocess(host, output_type=output_type, do_denormalize=[False] * len(host))
 
     def denoise(
         self,
@@ -387,9 +407,16 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
                 prompt_embeds = replaced.get("prompt_embeds", prompt_embeds)
         return latents
 
+    def set_timesteps(self, num_inference_steps: int) -> torch.Tensor:
+        """Sets the scheduler's timesteps, keeping its state on the CPU: its per-step scalars (sigmas, alphas) then
+        meet the device tensors as CPU scalars, which never makes the host wait; a schedule on the GPU would
+        (Euler compares a sigma with a Python float, DDIM indexes a CPU table with the timestep)."""
+        self.scheduler.set_timesteps(num_inference_steps)
+        return self.scheduler.timesteps
+
     def strength_timesteps(self, num_inference_steps: int, strength: float) -> torch.Tensor:
         """The scheduler's timesteps after skipping the first ``1 - strength`` of them (img2img, inpainting)."""
-        self.scheduler.set_timesteps(num_inference_steps, device=self.device)
+        self.set_timesteps(num_inference_steps)
         init_timestep = min(int(num_inference_steps * strength), num_inference_steps)
         t_start = max(num_inference_steps - init_timestep, 0)
         timesteps = self.scheduler.timesteps[t_start * self.scheduler.order :]
@@ -407,6 +434,25 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         if not return_dict:
             return (image, None)
         return StableDiffusionPipelineOutput(images=image, nsfw_content_detected=None)
+
+
+def on_device_stream(method: Callable) -> Callable:
+    """Runs a pipeline call on the pipeline's CUDA stream, ordered after the caller's stream and before its next
+    work (no host wait); off CUDA it just calls."""
+
+    @functools.wraps(method)
+    def on_stream(self: "OnnxStableDiffusionPipelineBase", *args: Any, **kwargs: Any) -> Any:
+        stream = self.stream
+        if stream is None:
+            return method(self, *args, **kwargs)
+        caller = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            result = method(self, *args, **kwargs)
+        caller.wait_stream(stream)
+        return result
+
+    return on_stream
 
 
 # ------------------------------------------------------------------------------------------------------ loading

@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import numpy as np
 import torch
 
-from .base import Generator, OnnxStableDiffusionPipelineBase
+from .base import Generator, OnnxStableDiffusionPipelineBase, on_device_stream
 
 ImageInput = Union[torch.Tensor, np.ndarray, "PIL.Image.Image", List[Any]]  # noqa: F821
 
@@ -16,6 +16,7 @@ class OnnxStableDiffusionImg2ImgPipeline(OnnxStableDiffusionPipelineBase):
     """Image-to-image Stable Diffusion on ONNX Runtime; needs the folder's ``vae_encoder``."""
 
     @torch.no_grad()
+    @on_device_stream
     def __call__(
         self,
         prompt: Union[str, List[str], None] = None,

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.image_processor import VaeImageProcessor
 
-from .base import Generator, OnnxStableDiffusionPipelineBase
+from .base import Generator, OnnxStableDiffusionPipelineBase, on_device_stream
 from .img2img import ImageInput, expand_to_batch
 
 
@@ -32,6 +32,7 @@ class OnnxStableDiffusionInpaintPipeline(OnnxStableDiffusionPipelineBase):
                    or self.latent_channels)
 
     @torch.no_grad()
+    @on_device_stream
     def __call__(
         self,
         prompt: Union[str, List[str], None] = None,

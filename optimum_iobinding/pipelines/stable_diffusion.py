@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import numpy as np
 import torch
 
-from .base import Generator, OnnxStableDiffusionPipelineBase
+from .base import Generator, OnnxStableDiffusionPipelineBase, on_device_stream
 
 
 class OnnxStableDiffusionPipeline(OnnxStableDiffusionPipelineBase):
@@ -19,6 +19,7 @@ class OnnxStableDiffusionPipeline(OnnxStableDiffusionPipelineBase):
     """
 
     @torch.no_grad()
+    @on_device_stream
     def __call__(
         self,
         prompt: Union[str, List[str], None] = None,
@@ -64,7 +65,9 @@ class OnnxStableDiffusionPipeline(OnnxStableDiffusionPipelineBase):
                                            negative_prompt, prompt_embeds, negative_prompt_embeds)
 
         # 3. timesteps and initial noise
-        self.scheduler.set_timesteps(num_inference_steps, device=self.device)
+        timesteps = self.set_timesteps(num_inference_steps)
+        if hasattr(self.scheduler, "set_begin_index"):
+            self.scheduler.set_begin_index(0)
         latents_shape = (batch_size * num_images_per_prompt, self.latent_channels,
                          height // self.vae_scale_factor, width // self.vae_scale_factor)
         latents = self.prepare_latents(latents_shape, prompt_embeds.dtype, generator, latents)
@@ -72,7 +75,7 @@ class OnnxStableDiffusionPipeline(OnnxStableDiffusionPipelineBase):
 
         # 4. denoising loop: every tensor stays on self.device
         latents = self.denoise(
-            latents, self.scheduler.timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
+            latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
             callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
         )
 
