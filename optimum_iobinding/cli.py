@@ -61,6 +61,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp16", action="store_true", help="convert to float16 with ORT's converter after export")
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
     parser.add_argument("--tiny-random", action="store_true", help="export a tiny random-weights pipeline built offline")
+    parser.add_argument("--optimize", choices=("cuda", "cpu"), default=None,
+                        help="run ORT's transformer optimizer with the fusions this execution provider runs")
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -70,7 +72,8 @@ def run_export(args: argparse.Namespace) -> int:
         print("export: give a model folder or hub id, or --tiny-random", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    folder = export_pipeline(args.model, args.output, fp16=args.fp16, opset=args.opset, tiny_random=args.tiny_random)
+    folder = export_pipeline(args.model, args.output, fp16=args.fp16, opset=args.opset, optimize=args.optimize,
+                             tiny_random=args.tiny_random)
     print(f"exported {'the tiny random pipeline' if args.tiny_random else args.model} to {folder} "
           f"({'fp16' if args.fp16 else 'fp32'}, opset {args.opset}) in {time.perf_counter() - start:.1f} s")
     return 0
@@ -139,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--out", default="image.png", help="PNG to write (default image.png)")
     generate.set_defaults(run=run_generate)
 
+    commands.add_parser("bench", help="benchmark every peer on the GPU (optimum-iobinding bench --help)")
     export = commands.add_parser("export", help="export a diffusers pipeline to the ONNX layout")
     add_export_arguments(export)
     export.set_defaults(run=run_export)
@@ -146,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser: many options, and one peer per process behind it
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.run(args)
 

@@ -16,17 +16,20 @@ Large models go to one external-data file ``weights.pb`` next to their ``model.o
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 import onnx
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["export_pipeline", "build_tiny_random_pipeline", "write_tiny_tokenizer", "ONNX_COMPONENTS"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["export_pipeline", "build_tiny_random_pipeline", "write_tiny_tokenizer", "save_tokenizer", "ONNX_COMPONENTS"]
 
 ONNX_COMPONENTS = ("text_encoder", "unet", "vae_encoder", "vae_decoder")
 EXTERNAL_DATA_FILE = "weights.pb"
@@ -243,9 +246,15 @@ def _component_specs(pipe) -> Dict[str, dict]:
     }
 
 
+def _weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the initializers (what decides whether a model fits one protobuf; ByteSize() itself fails > 2 GiB)."""
+    return sum(len(t.raw_data) or 4 * (len(t.float_data) + len(t.int32_data)) + 8 * len(t.int64_data)
+               for t in model.graph.initializer)
+
+
 def _save_onnx(model: onnx.ModelProto, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    if model.ByteSize() > _MAX_SINGLE_FILE_BYTES:
+    if _weight_bytes(model) > _MAX_SINGLE_FILE_BYTES:
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=EXTERNAL_DATA_FILE, size_threshold=1024)
     else:
@@ -257,21 +266,89 @@ def convert_to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
     its default block list (those that need fp32) stay fp32 behind casts."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    return convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=model.ByteSize() > _MAX_SINGLE_FILE_BYTES)
+    return convert_float_to_float16(model, keep_io_types=False,
+                                    disable_shape_infer=_weight_bytes(model) > _MAX_SINGLE_FILE_BYTES)
 
 
-def _export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool) -> None:
+# ORT's optimizer model types, and the hidden sizes its BiasSplitGelu kernel takes (others must skip that fusion).
+_OPTIMIZER_MODEL_TYPES = {"text_encoder": "clip", "unet": "unet", "vae_encoder": "vae", "vae_decoder": "vae"}
+BIAS_SPLIT_GELU_HIDDEN_SIZES = (2560, 5120, 6144, 10240, 12288)
+
+
+def fusion_options(name: str, config: Any, target: str):
+    """ORT transformer-optimizer fusions for one component.
+
+    ``target="cuda"``: every fusion ORT has for the model type, except BiasSplitGelu where the UNet's GEGLU widths
+    are not among :data:`BIAS_SPLIT_GELU_HIDDEN_SIZES`. ``target="cpu"``: only fusions whose fused ops have CPU
+    kernels (attention, layer norm, GELU) — NhwcConv, GroupNorm, SkipGroupNorm, BiasSplitGelu and BiasAdd run on
+    CUDA only.
+    """
+    from onnxruntime.transformers.fusion_options import FusionOptions
+
+    options = FusionOptions(_OPTIMIZER_MODEL_TYPES[name])
+    if target == "cpu":
+        for flag in ("enable_nhwc_conv", "enable_group_norm", "enable_skip_group_norm", "enable_bias_splitgelu",
+                     "enable_bias_add", "enable_packed_qkv", "enable_packed_kv"):
+            if hasattr(options, flag):
+                setattr(options, flag, False)
+    elif name == "unet":
+        widths = [8 * channels for channels in config.block_out_channels]
+        if not all(width in BIAS_SPLIT_GELU_HIDDEN_SIZES for width in widths):
+            options.enable_bias_splitgelu = False
+    return options
+
+
+def _use_classic_attention(module: torch.nn.Module) -> None:
+    """ORT's UNet attention fusion fails on graphs exported from SDPA attention (a TypeError in get_num_heads) and
+    fuses the classic processor's MatMul/Softmax pattern into MultiHeadAttention: export with the classic one."""
+    from diffusers.models.attention_processor import AttnProcessor
+
+    for child in module.modules():
+        if hasattr(child, "set_attn_processor") and hasattr(child, "attn_processors"):
+            child.set_attn_processor(AttnProcessor())
+            return
+
+
+def _optimize(name: str, path: Path, options: Any, target: str):
+    """ORT's transformer optimizer; where its attention fusion breaks on a graph (the VAE's single-head attention
+    reshapes trip ``get_num_heads_and_hidden_size``), the component is optimized again without that fusion."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    def run(fusions):
+        return optimize_model(str(path), model_type=_OPTIMIZER_MODEL_TYPES[name], opt_level=0,
+                              optimization_options=fusions, use_gpu=target == "cuda")
+
+    try:
+        return run(options)
+    except Exception as error:  # the fusion scripts raise whatever the numpy code under them raises
+        if not options.enable_attention:
+            raise
+        logger.warning("%s: ORT's attention fusion failed (%s: %s); optimizing without it", name,
+                       type(error).__name__, error)
+        options.enable_attention = False
+        return run(options)
+
+
+def _export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool, optimize: Optional[str]) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         scratch_path = Path(scratch) / "model.onnx"
+        if optimize:
+            _use_classic_attention(spec["module"])
         with torch.no_grad():
             torch.onnx.export(
                 spec["module"].eval(), spec["args"], str(scratch_path), dynamo=False,
                 input_names=spec["input_names"], output_names=spec["output_names"],
                 dynamic_axes=spec["dynamic_axes"], opset_version=opset, do_constant_folding=True,
             )
-        model = onnx.load(str(scratch_path))  # with any external data the exporter wrote beside it
-    if fp16:
-        model = convert_to_float16(model)
+        if optimize:
+            optimized = _optimize(name, scratch_path, fusion_options(name, spec["config"], optimize), optimize)
+            if fp16:
+                optimized.convert_float_to_float16(keep_io_types=False, use_symbolic_shape_infer=False)
+            model = optimized.model
+        else:
+            model = onnx.load(str(scratch_path))  # with any external data the exporter wrote beside it
+            if fp16:
+                model = convert_to_float16(model)
     _save_onnx(model, target / name / "model.onnx")
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
     (target / name / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
@@ -283,10 +360,12 @@ def export_pipeline(
     *,
     fp16: bool = False,
     opset: int = 17,
+    optimize: Optional[str] = None,
     tiny_random: bool = False,
     components: Sequence[str] = ONNX_COMPONENTS,
     progress: bool = True,
     pipeline_loader: Optional[Callable[[str], object]] = None,
+    torch_pipeline: Optional[object] = None,
 ) -> Path:
     """Exports a diffusers Stable Diffusion pipeline to the diffusers ONNX layout.
 
@@ -295,18 +374,26 @@ def export_pipeline(
         output_dir: where to write the ONNX folder (created; components in it are replaced).
         fp16: export fp32, then convert with ORT's float16 converter.
         opset: ONNX opset.
+        optimize: ``"cuda"`` or ``"cpu"``: run ORT's transformer optimizer (model types unet/vae/clip) on each
+            component before the fp16 conversion, with the fusions that target runs (see :func:`fusion_options`).
+            The CUDA fusions (NhwcConv, GroupNorm, BiasSplitGelu …) only run on the CUDA execution provider.
         tiny_random: build the tiny random-weights pipeline offline instead of loading one.
         components: which ONNX components to export.
         progress: show a progress bar.
         pipeline_loader: how to load ``model_id_or_path`` (default ``StableDiffusionPipeline.from_pretrained``).
+        torch_pipeline: an already built diffusers ``StableDiffusionPipeline`` to export instead.
 
     Returns:
         The output folder.
     """
+    if optimize not in (None, "cuda", "cpu"):
+        raise ValueError(f"optimize: expected None, 'cuda' or 'cpu', got {optimize!r}")
     unknown = [c for c in components if c not in ONNX_COMPONENTS]
     if unknown:
         raise ValueError(f"components: expected names from {list(ONNX_COMPONENTS)}, got {unknown}")
-    if tiny_random:
+    if torch_pipeline is not None:
+        pipe = torch_pipeline
+    elif tiny_random:
         pipe = build_tiny_random_pipeline()
     elif model_id_or_path is None:
         raise ValueError("model_id_or_path: expected a diffusers folder or hub id (or tiny_random=True), got None")
@@ -322,11 +409,30 @@ def export_pipeline(
     specs = _component_specs(pipe)
     for name in tqdm(components, desc="export", unit="model", disable=not progress):
         shutil.rmtree(target / name, ignore_errors=True)
-        _export_component(name, specs[name], target, opset, fp16)
-    pipe.tokenizer.save_pretrained(str(target / "tokenizer"))
+        _export_component(name, specs[name], target, opset, fp16, optimize)
+    save_tokenizer(pipe.tokenizer, target / "tokenizer")
     pipe.scheduler.save_pretrained(str(target / "scheduler"))
     write_model_index(target, type(pipe.scheduler).__name__, type(pipe.tokenizer).__name__)
     return target
+
+
+def save_tokenizer(tokenizer: Any, folder: Union[str, os.PathLike]) -> None:
+    """Saves a tokenizer so that transformers 4 and 5 both load it: transformers 5 writes only tokenizer.json, while
+    transformers 4's CLIPTokenizer (diffusers' ONNX pipeline, optimum's environment) reads vocab.json and merges.txt,
+    which are written here from the BPE model inside tokenizer.json."""
+    folder = Path(folder)
+    tokenizer.save_pretrained(str(folder))
+    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+        return
+    backend = folder / "tokenizer.json"
+    if not backend.is_file():
+        return
+    model = json.loads(backend.read_text(encoding="utf-8")).get("model", {})
+    if model.get("type") != "BPE":
+        return
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    (folder / "vocab.json").write_text(json.dumps(model["vocab"], ensure_ascii=False), encoding="utf-8")
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{m}\n" for m in merges), encoding="utf-8")
 
 
 def write_model_index(folder: Union[str, os.PathLike], scheduler_class: str, tokenizer_class: str = "CLIPTokenizer",

@@ -268,3 +268,19 @@ def test_cli_export_writes_the_onnx_layout(tmp_path):
     for component in ("text_encoder", "unet", "vae_encoder", "vae_decoder"):
         assert (tmp_path / "onnx" / component / "model.onnx").is_file()
     assert (tmp_path / "onnx" / "tokenizer").is_dir() and (tmp_path / "onnx" / "model_index.json").is_file()
+
+
+# -------------------------------------------------------------------------------------------- export for speed
+def test_cpu_fused_export_matches_the_unfused_export(tiny_folder, tmp_path):
+    fused = export_pipeline(None, tmp_path / "fused", tiny_random=True, optimize="cpu", progress=False)
+    import onnx
+
+    unet_ops = {node.op_type for node in onnx.load(fused / "unet" / "model.onnx").graph.node}
+    assert "MultiHeadAttention" in unet_ops or "Attention" in unet_ops  # the fusion really happened
+    images = [generate(load(OnnxStableDiffusionPipeline, folder), "txt2img") for folder in (tiny_folder, fused)]
+    assert np.abs(images[0] - images[1]).max() <= 1e-4
+
+
+def test_exported_tokenizer_has_the_files_transformers_4_reads(tiny_folder):
+    assert (tiny_folder / "tokenizer" / "vocab.json").is_file()
+    assert (tiny_folder / "tokenizer" / "merges.txt").read_text().startswith("#version: 0.2\n")

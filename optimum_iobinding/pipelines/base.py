@@ -19,7 +19,7 @@ from diffusers.pipelines.stable_diffusion import StableDiffusionPipelineOutput
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
-from ..export import ONNX_COMPONENTS, write_model_index
+from ..export import ONNX_COMPONENTS, save_tokenizer, write_model_index
 from ..model import CUDA_LIKE_PROVIDERS, IOBindingORTModel, ProviderSpec, normalize_providers
 from ..shapes import infer_output_shapes
 
@@ -186,7 +186,7 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
             if model is not None:
                 model.save_pretrained(target / name)
                 written.append(name)
-        self.tokenizer.save_pretrained(str(target / "tokenizer"))
+        save_tokenizer(self.tokenizer, target / "tokenizer")
         self.scheduler.save_pretrained(str(target / "scheduler"))
         write_model_index(target, type(self.scheduler).__name__, type(self.tokenizer).__name__, written)
 

@@ -1,0 +1,449 @@
+"""Benchmark: the same ONNX files through every ONNX peer, plus diffusers' torch pipeline, on one GPU in one run.
+
+Peers (each runs in its own process, so that memory and ORT arenas do not mix, and so that optimum-onnx can run in its
+own environment — pass its site folder with ``--optimum-pythonpath``):
+
+  numpy    diffusers' OnnxStableDiffusionPipeline (numpy round trips every step)
+  optimum  optimum-onnx's ORTStableDiffusionPipeline(use_io_binding=True)
+  binding  ours, io_binding=True, no graph
+  graph    ours, cuda_graph=True
+  torch    diffusers' StableDiffusionPipeline, fp16 eager
+  floor    not a pipeline: back-to-back CUDA-graph replays of the UNet alone (the GPU floor of one step)
+
+Every pipeline gets the same initial latents, prompt, DDIM scheduler and step count. Reported per pipeline: end-to-end
+ms (median of ``--runs`` after ``--warmup``), per-step ms ((median at N steps − median at 2 steps) / (N − 2): the loop
+alone), peak GPU memory above the process's idle (device-wide, sampled every 2 ms, so ORT's arenas count), host↔device
+bytes per step (profiled: (bytes at 4 steps − bytes at 2 steps) / 2), and the largest pixel difference from the numpy
+pipeline's image.
+
+    optimum-iobinding bench --models tiny,small,sd15 --dtypes fp16 --exports plain,optimized --out benchmarks/results/h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+PEERS = ("numpy", "optimum", "binding", "graph", "torch")
+MODEL_SIZES = {"tiny": 512, "small": 256, "sd15": 512}
+PROMPT = "a photo of an astronaut riding a horse on mars"
+
+
+# ------------------------------------------------------------------------------------------------------ models
+def build_torch_pipeline(kind: str, seed: int = 0):
+    """Random-weights torch pipelines (weights do not change speed): the tiny one, a small UNet (64–256 channels,
+    for 256²) and the SD1.5 architecture."""
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from .export import build_tiny_random_pipeline, write_tiny_tokenizer
+
+    if kind == "tiny":
+        pipe = build_tiny_random_pipeline(seed)
+    else:
+        torch.manual_seed(seed)
+        with tempfile.TemporaryDirectory() as folder:
+            tokenizer = write_tiny_tokenizer(folder)
+        if kind == "small":
+            unet = UNet2DConditionModel(
+                block_out_channels=(64, 128, 256), layers_per_block=2, sample_size=32, cross_attention_dim=768,
+                down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=8,
+            )
+            text_layers = 4
+        elif kind == "sd15":
+            unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8)
+            text_layers = 12
+        else:
+            raise ValueError(f"model: expected one of {sorted(MODEL_SIZES)}, got {kind!r}")
+        text_encoder = CLIPTextModel(CLIPTextConfig(
+            hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=text_layers,
+            max_position_embeddings=77, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        ))
+        vae = AutoencoderKL(
+            block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4,
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        )
+        pipe = StableDiffusionPipeline(
+            vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+            scheduler=DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                    clip_sample=False, set_alpha_to_one=False, steps_offset=1),
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        )
+    from diffusers import DDIMScheduler as DDIM
+
+    pipe.scheduler = DDIM.from_config(pipe.scheduler.config)
+    return pipe
+
+
+def ensure_export(kind: str, dtype: str, export: str, work: Path) -> Path:
+    from .export import export_pipeline
+
+    folder = work / f"{kind}-{dtype}-{export}"
+    if not (folder / "model_index.json").is_file():
+        export_pipeline(None, folder, fp16=dtype == "fp16", optimize="cuda" if export == "optimized" else None,
+                        progress=False, torch_pipeline=build_torch_pipeline(kind))
+    return folder
+
+
+# ------------------------------------------------------------------------------------------------- measurement
+class PeakMemory:
+    """Samples device-wide used memory (cudaMemGetInfo: ORT's arenas count too) in a thread, every 2 ms."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def used(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.used())
+            time.sleep(0.002)
+
+    def __enter__(self) -> "PeakMemory":
+        self.peak = self.used()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.used())
+
+
+def copied_bytes(run: Callable[[], Any]) -> Dict[str, int]:
+    """Host↔device bytes that ``run`` moves, from the profiler's memcpy activity (ORT's copies included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        trace_path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(trace_path)
+        events = json.loads(Path(trace_path).read_text()).get("traceEvents", [])
+    totals = {"htod": 0, "dtoh": 0}
+    for event in events:
+        name = str(event.get("name", ""))
+        if event.get("cat") in ("gpu_memcpy", "Memcpy") or name.startswith("Memcpy"):
+            size = int((event.get("args") or {}).get("bytes", 0))
+            if "HtoD" in name:
+                totals["htod"] += size
+            elif "DtoH" in name:
+                totals["dtoh"] += size
+    return totals
+
+
+def load_peer(peer: str, folder: Path, kind: str, dtype: str):
+    """The pipeline of one peer, with a DDIM scheduler, and how to call it with given latents and step count."""
+    from diffusers import DDIMScheduler
+
+    torch_dtype = torch.float16 if dtype == "fp16" else torch.float32
+    if peer == "numpy":
+        from diffusers import OnnxStableDiffusionPipeline as DiffusersOnnx
+
+        # provider_options={} or diffusers' loader trips ORT's length check and silently falls back to the CPU
+        pipe = DiffusersOnnx.from_pretrained(folder, provider="CUDAExecutionProvider", provider_options={})
+        if pipe.unet.model.get_providers()[0] != "CUDAExecutionProvider":
+            raise RuntimeError(f"numpy peer: the UNet runs on {pipe.unet.model.get_providers()}, not CUDA")
+        latents_of = lambda lat: lat.astype(np.float16 if dtype == "fp16" else np.float32)  # noqa: E731
+    elif peer == "optimum":
+        from optimum.onnxruntime import ORTStableDiffusionPipeline
+
+        pipe = ORTStableDiffusionPipeline.from_pretrained(folder, provider="CUDAExecutionProvider", use_io_binding=True)
+        latents_of = lambda lat: torch.from_numpy(lat).to("cuda", torch_dtype)  # noqa: E731
+    elif peer in ("binding", "graph"):
+        from .pipelines import OnnxStableDiffusionPipeline
+
+        pipe = OnnxStableDiffusionPipeline.from_pretrained(folder, provider="CUDAExecutionProvider",
+                                                           cuda_graph=peer == "graph")
+        latents_of = lambda lat: torch.from_numpy(lat).to("cuda", torch_dtype)  # noqa: E731
+    elif peer == "torch":
+        pipe = build_torch_pipeline(kind).to("cuda", torch_dtype)
+        latents_of = lambda lat: torch.from_numpy(lat).to("cuda", torch_dtype)  # noqa: E731
+    else:
+        raise ValueError(f"peer: expected one of {PEERS}, got {peer!r}")
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, latents_of
+
+
+def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: int, warmup: int,
+             image_path: Path) -> Dict[str, Any]:
+    device = torch.device("cuda", 0)
+    torch.cuda.init()
+    size = MODEL_SIZES[kind]
+    idle = PeakMemory(device).used()
+    latents = np.random.RandomState(0).randn(1, 4, size // 8, size // 8).astype(np.float32)
+    with PeakMemory(device) as memory:
+        pipe, latents_of = load_peer(peer, folder, kind, dtype)
+
+        def call(num_steps: int):
+            with torch.inference_mode():
+                images = pipe(PROMPT, height=size, width=size, num_inference_steps=num_steps, guidance_scale=7.5,
+                              latents=latents_of(latents), output_type="np").images
+            torch.cuda.synchronize()
+            return np.asarray(images)
+
+        def timed(num_steps: int) -> List[float]:
+            times = []
+            for _ in range(runs):
+                start = time.perf_counter()
+                call(num_steps)
+                times.append((time.perf_counter() - start) * 1000)
+            return times
+
+        for _ in range(warmup):
+            image = call(steps)
+        full = timed(steps)
+        short = timed(2)
+    bytes_2, bytes_4 = copied_bytes(lambda: call(2)), copied_bytes(lambda: call(4))
+    np.save(image_path, image.astype(np.float32))
+    return {
+        "peer": peer,
+        "end_to_end_ms": statistics.median(full),
+        "end_to_end_ms_all": full,
+        "per_step_ms": (statistics.median(full) - statistics.median(short)) / (steps - 2),
+        "peak_memory_mib": (memory.peak - idle) / 2**20,
+        "htod_bytes_per_step": (bytes_4["htod"] - bytes_2["htod"]) / 2,
+        "dtoh_bytes_per_step": (bytes_4["dtoh"] - bytes_2["dtoh"]) / 2,
+        "image": str(image_path),
+    }
+
+
+def run_floor(folder: Path, kind: str, replays: int = 50) -> Dict[str, Any]:
+    """Back-to-back CUDA-graph replays of the UNet alone, with CFG batch 2: the GPU time of one step."""
+    from .model import IOBindingORTModel
+
+    size = MODEL_SIZES[kind]
+    unet = IOBindingORTModel.from_pretrained(folder, subfolder="unet", provider="CUDAExecutionProvider",
+                                             cuda_graph=True)
+    dtype = unet.input_dtypes["sample"]
+    hidden = unet.session.get_inputs()[2].shape[2]
+    timestep_shape = unet.session.get_inputs()[1].shape
+    inputs = {
+        "sample": torch.randn(2, 4, size // 8, size // 8, device=unet.device, dtype=dtype),
+        "timestep": torch.full([2] if timestep_shape else [], 500, device=unet.device,
+                               dtype=unet.input_dtypes["timestep"]),
+        "encoder_hidden_states": torch.randn(2, 77, hidden, device=unet.device, dtype=dtype),
+    }
+    stream = unet.stream
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            unet(**inputs)
+        runner = next(iter(unet._graph_runners.values())) if unet._graph_runners else None
+        if runner is None:
+            return {"peer": "floor", "error": "the UNet could not be captured as a CUDA graph"}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for _ in range(replays):
+            runner.run(runner.input_buffers)
+        end.record(stream)
+    end.synchronize()
+    return {"peer": "floor", "per_step_ms": start.elapsed_time(end) / replays}
+
+
+# ------------------------------------------------------------------------------------------------- orchestration
+def environment() -> Dict[str, Any]:
+    import onnxruntime as ort
+
+    info = {
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "onnxruntime": ort.__version__,
+        "command": " ".join(["optimum-iobinding", "bench", *sys.argv[1:]]) if "bench" in sys.argv[0:2] else
+        " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    for module in ("diffusers", "transformers", "onnx"):
+        try:
+            info[module] = __import__(module).__version__
+        except ImportError:
+            pass
+    return info
+
+
+def _subprocess(args: List[str], pythonpath: Optional[str], timeout: int) -> Dict[str, Any]:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as result_file:
+        result_path = result_file.name
+    try:
+        completed = subprocess.run([sys.executable, "-m", "optimum_iobinding.bench", *args, "--result", result_path],
+                                   env=env, capture_output=True, text=True, timeout=timeout)
+        if completed.returncode != 0:
+            return {"error": (completed.stderr or completed.stdout)[-2000:]}
+        return json.loads(Path(result_path).read_text())
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    finally:
+        os.unlink(result_path)
+
+
+def benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[str], peers: Sequence[str], steps: int,
+              runs: int, warmup: int, work: Path, out: Path, optimum_pythonpath: Optional[str], timeout: int) -> Dict:
+    from tqdm.auto import tqdm
+
+    out.mkdir(parents=True, exist_ok=True)
+    results: Dict[str, Any] = {"environment": environment(), "steps": steps, "runs": runs, "warmup": warmup,
+                               "rows": []}
+    configs = [(m, d, e) for m in models for d in dtypes for e in exports]
+    progress = tqdm(total=len(configs) * (len(peers) + 2), desc="bench", unit="task")
+    for kind, dtype, export in configs:
+        progress.set_postfix_str(f"{kind} {dtype} {export}: export")
+        folder = ensure_export(kind, dtype, export, work)
+        progress.update()
+        row = {"model": kind, "dtype": dtype, "export": export, "size": MODEL_SIZES[kind], "peers": {}}
+        floor_args = ["--run-floor", "--folder", str(folder), "--model", kind]
+        progress.set_postfix_str(f"{kind} {dtype} {export}: floor")
+        row["floor"] = _subprocess(floor_args, None, timeout)
+        progress.update()
+        for peer in peers:
+            if peer == "torch" and (dtype != "fp16" or export != "plain"):
+                progress.update()
+                continue  # the torch peer is fp16 eager, once per model
+            progress.set_postfix_str(f"{kind} {dtype} {export}: {peer}")
+            image = work / f"image-{kind}-{dtype}-{export}-{peer}.npy"
+            peer_args = ["--run-peer", peer, "--folder", str(folder), "--model", kind, "--dtype", dtype,
+                         "--steps", str(steps), "--runs", str(runs), "--warmup", str(warmup), "--image", str(image)]
+            row["peers"][peer] = _subprocess(peer_args, optimum_pythonpath if peer == "optimum" else None, timeout)
+            progress.update()
+        reference = row["peers"].get("numpy", {}).get("image")
+        for result in row["peers"].values():
+            if reference and result.get("image") and "error" not in result:
+                difference = np.abs(np.load(result["image"]) - np.load(reference)).max()
+                result["max_abs_diff_vs_numpy"] = float(difference)
+        results["rows"].append(row)
+        (out / "results.json").write_text(json.dumps(results, indent=2))
+    progress.close()
+    write_report(results, out)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------- report
+def write_report(results: Dict[str, Any], out: Path) -> None:
+    """results.json → results.md (table) and results.png (chart)."""
+    env = results["environment"]
+    lines = [
+        f"# Benchmark: {env.get('device')}",
+        "",
+        f"`{env.get('command')}` — {env.get('date')}; torch {env.get('torch')} (CUDA {env.get('cuda')}), onnxruntime "
+        f"{env.get('onnxruntime')}, diffusers {env.get('diffusers')}, transformers {env.get('transformers')}; "
+        f"{results['steps']} DDIM steps, CFG (batch 2), median of {results['runs']} runs after {results['warmup']} "
+        "warm-up.",
+        "",
+        "| model | dtype | export | pipeline | end-to-end ms | per-step ms | × numpy | step / GPU floor | peak GPU MiB "
+        "| H↔D bytes/step | max diff vs numpy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        floor = row.get("floor", {}).get("per_step_ms")
+        numpy_ms = row["peers"].get("numpy", {}).get("end_to_end_ms")
+        for peer, result in row["peers"].items():
+            label = f"| {row['model']} {row['size']}² | {row['dtype']} | {row['export']} | {peer} |"
+            if "error" in result:
+                lines.append(f"{label} failed: {result['error'].strip().splitlines()[-1][:120]} | | | | | | |")
+                continue
+            speedup = f"{numpy_ms / result['end_to_end_ms']:.2f}" if numpy_ms else ""
+            vs_floor = f"{result['per_step_ms'] / floor:.3f}" if floor else ""
+            copies = result["htod_bytes_per_step"] + result["dtoh_bytes_per_step"]
+            diff = result.get("max_abs_diff_vs_numpy")
+            lines.append(
+                f"{label} {result['end_to_end_ms']:.1f} | {result['per_step_ms']:.2f} | {speedup} | {vs_floor} | "
+                f"{result['peak_memory_mib']:.0f} | {copies:,.0f} | {'' if diff is None else f'{diff:.2e}'} |"
+            )
+        if floor:
+            lines.append(f"| {row['model']} {row['size']}² | {row['dtype']} | {row['export']} | GPU floor (UNet graph "
+                         f"replays) | | {floor:.2f} | | 1.000 | | | |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    labels, values, colors = [], [], []
+    palette = {"numpy": "#999999", "optimum": "#e69f00", "binding": "#56b4e9", "graph": "#009e73", "torch": "#cc79a7"}
+    for row in results["rows"]:
+        for peer, result in row["peers"].items():
+            if "error" not in result:
+                labels.append(f"{row['model']} {row['dtype']} {row['export']}\n{peer}")
+                values.append(result["end_to_end_ms"])
+                colors.append(palette.get(peer, "#333333"))
+    figure, axis = plt.subplots(figsize=(10, 0.35 * len(labels) + 1.5))
+    axis.barh(range(len(labels)), values, color=colors)
+    axis.set_yticks(range(len(labels)), labels, fontsize=7)
+    axis.invert_yaxis()
+    axis.set_xlabel(f"end-to-end ms ({results['steps']} steps, CFG), lower is better")
+    axis.set_title(f"optimum-iobinding benchmark — {env.get('device')}")
+    figure.tight_layout()
+    figure.savefig(out / "results.png", dpi=120)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="optimum-iobinding bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,small,sd15")
+    parser.add_argument("--dtypes", default="fp16,fp32")
+    parser.add_argument("--exports", default="plain,optimized")
+    parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--work", default="bench-work", help="where exports and images go")
+    parser.add_argument("--out", default="benchmarks/results/latest")
+    parser.add_argument("--optimum-pythonpath", default=None, help="site folder of the optimum-onnx environment")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per peer process")
+    parser.add_argument("--report-only", action="store_true", help="re-render results.md/png from results.json")
+    # one peer in this process (used by the orchestrator)
+    parser.add_argument("--run-peer", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run-floor", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--folder", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--image", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.run_peer or args.run_floor:
+        if args.run_floor:
+            result = run_floor(Path(args.folder), args.model)
+        else:
+            result = run_peer(args.run_peer, Path(args.folder), args.model, args.dtype, args.steps, args.runs,
+                              args.warmup, Path(args.image))
+        Path(args.result).write_text(json.dumps(result))
+        return 0
+    out = Path(args.out)
+    if args.report_only:
+        write_report(json.loads((out / "results.json").read_text()), out)
+        return 0
+    split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
+    benchmark(split(args.models), split(args.dtypes), split(args.exports), split(args.peers), args.steps, args.runs,
+              args.warmup, Path(args.work), out, args.optimum_pythonpath, args.timeout)
+    print((out / "results.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

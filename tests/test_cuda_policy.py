@@ -1,0 +1,66 @@
+"""The CUDA policy's pure parts, checked on any machine: provider defaults, free-dimension overrides, TensorRT
+profiles, and the refusals of cuda_graph where it cannot work."""
+
+from __future__ import annotations
+
+import pytest
+from onnx import TensorProto, helper
+
+from conftest import make_model, make_session, tensor
+from optimum_iobinding import IOBindingORTModel
+from optimum_iobinding.cuda import (
+    CUDA_DIFFUSION_DEFAULTS,
+    free_dimension_overrides,
+    tensorrt_profile_options,
+    with_diffusion_defaults,
+)
+
+
+def test_diffusion_defaults_fill_in_under_the_users_options():
+    (cuda, cpu) = with_diffusion_defaults(["CUDAExecutionProvider", "CPUExecutionProvider"],
+                                          [{"cudnn_conv_algo_search": "HEURISTIC", "device_id": "1"}, {}])
+    assert cuda["cudnn_conv_algo_search"] == "HEURISTIC" and cuda["device_id"] == "1"
+    assert cuda["arena_extend_strategy"] == CUDA_DIFFUSION_DEFAULTS["arena_extend_strategy"]
+    assert cpu == {}
+
+
+def test_tensorrt_gets_an_engine_cache_and_fp16_by_default():
+    (trt,) = with_diffusion_defaults(["TensorrtExecutionProvider"], [{}])
+    assert trt["trt_fp16_enable"] == "1" and trt["trt_engine_cache_enable"] == "1" and trt["trt_engine_cache_path"]
+
+
+def test_free_dimension_overrides_fix_every_named_dim_of_a_signature():
+    declared = {"sample": ["batch", 4, "height", "width"], "timestep": ["timestep_batch"],
+                "encoder_hidden_states": ["batch", "sequence", 768]}
+    overrides, problems = free_dimension_overrides(
+        declared, {"sample": (2, 4, 64, 64), "timestep": (2,), "encoder_hidden_states": (2, 77, 768)})
+    assert overrides == {"batch": 2, "height": 64, "width": 64, "timestep_batch": 2, "sequence": 77}
+    assert problems == []
+
+
+def test_free_dimension_overrides_report_what_cannot_be_fixed():
+    declared = {"sample": ["batch", None], "timestep": ["batch"]}
+    overrides, problems = free_dimension_overrides(declared, {"sample": (2, 3), "timestep": (1,)})
+    assert overrides == {}
+    assert "input 'sample' dim 1 is unnamed" in problems
+    assert "inputs give dim 'batch' different sizes" in problems
+
+
+def test_tensorrt_profile_is_the_first_shapes_as_min_opt_and_max():
+    options = tensorrt_profile_options({"sample": (2, 4, 64, 64), "timestep": (2,)})
+    assert options["trt_profile_min_shapes"] == "sample:2x4x64x64,timestep:2"
+    assert options["trt_profile_opt_shapes"] == options["trt_profile_max_shapes"] == options["trt_profile_min_shapes"]
+
+
+def test_cuda_graph_on_a_cpu_session_is_refused_with_the_reason():
+    model = make_model([helper.make_node("Identity", ["x"], ["y"])], [tensor("x", TensorProto.FLOAT, [1])],
+                       [tensor("y", TensorProto.FLOAT, [1])])
+    with pytest.raises(ValueError, match=r"cuda_graph: needs a CUDA session with io_binding=True, got device cpu"):
+        IOBindingORTModel(make_session(model), cuda_graph=True)
+
+
+def test_a_stream_with_a_ready_made_session_is_refused():
+    model = make_model([helper.make_node("Identity", ["x"], ["y"])], [tensor("x", TensorProto.FLOAT, [1])],
+                       [tensor("y", TensorProto.FLOAT, [1])])
+    with pytest.raises(ValueError, match=r"stream: a stream is set when a session is created"):
+        IOBindingORTModel(make_session(model), stream=object())

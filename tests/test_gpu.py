@@ -1,0 +1,156 @@
+"""The GPU fast path (skipped without CUDA; run on the GPU machine): graphs, the shared stream, no host waits, no
+reallocation between steps."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import requires_cuda
+
+pytestmark = requires_cuda
+
+CUDA = "CUDAExecutionProvider"
+SIZE = 64
+# CUDA runtime/driver calls that make the host wait for the GPU (cudaMemcpy: the synchronous copy)
+HOST_WAITS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize"}
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from optimum_iobinding.export import export_pipeline
+
+    return export_pipeline(None, tmp_path_factory.mktemp("gpu") / "tiny", tiny_random=True, progress=False)
+
+
+def unet_inputs(unet, batch=2, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = unet.session.get_inputs()[2].shape[2]
+    return {
+        "sample": torch.randn(batch, 4, 8, 8, generator=generator).to(unet.device),
+        "timestep": torch.full((batch,), 500.0, device=unet.device),
+        "encoder_hidden_states": torch.randn(batch, 77, hidden, generator=generator).to(unet.device),
+    }
+
+
+def pipeline(folder, **kwargs):
+    from diffusers import DDIMScheduler
+
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(folder, provider=CUDA, **kwargs)
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def generate(pipe, steps=5):
+    return pipe("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=steps,
+                generator=np.random.RandomState(0), output_type="np").images
+
+
+def test_graph_model_equals_the_plain_model_and_replays(tiny_folder):
+    from optimum_iobinding import IOBindingORTModel
+
+    plain = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA)
+    graph = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA, cuda_graph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback would warn
+        for seed in range(3):
+            inputs = unet_inputs(plain, seed=seed)
+            expected = plain(**inputs)[0].clone()
+            got = graph(**inputs)[0]
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    (runner,) = graph._graph_runners.values()
+    assert runner.runs == 3  # one capture, then replays reading the new inputs
+
+
+def test_pipeline_graph_equals_no_graph_equals_numpy_loop(tiny_folder):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        graph_pipe = pipeline(tiny_folder, cuda_graph=True)
+        with_graph = generate(graph_pipe)
+    without_graph = generate(pipeline(tiny_folder))
+    numpy_loop = generate(pipeline(tiny_folder, io_binding=False))
+    assert np.abs(with_graph - without_graph).max() <= 1e-3
+    assert np.abs(without_graph - numpy_loop).max() <= 1e-3
+    assert graph_pipe.unet._graph_runners  # the graph path really ran
+
+
+def sync_calls(run) -> list:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+    return [event.name for event in prof.events() if event.name in HOST_WAITS]
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_the_host_enqueues_the_whole_loop_without_waiting(tiny_folder, cuda_graph):
+    pipe = pipeline(tiny_folder, cuda_graph=cuda_graph)
+    generate(pipe)  # warm up: capture, cuDNN algorithm search
+    with torch.cuda.stream(pipe.stream):
+        embeds = pipe.encode_prompt("a photo of a cat", 1, True)
+        latents = pipe.prepare_latents((1, 4, 8, 8), embeds.dtype, np.random.RandomState(0))
+        timesteps = pipe.set_timesteps(5)
+        pipe.scheduler.set_begin_index(0)
+        kwargs = pipe.scheduler_step_kwargs(None, 0.0)
+        torch.cuda.synchronize()
+        waits = sync_calls(lambda: pipe.denoise(latents, timesteps, embeds, 7.5, kwargs))
+    assert waits == []
+    torch.cuda.synchronize()
+
+
+def test_the_profiler_sees_ort_synchronizing_when_it_is_allowed_to(tiny_folder):
+    # the control for the test above: a session on ORT's own stream waits after every run, and we see it
+    import onnxruntime as ort
+
+    from optimum_iobinding import IOBindingORTModel
+
+    session = ort.InferenceSession(str(tiny_folder / "unet" / "model.onnx"), providers=[CUDA])
+    model = IOBindingORTModel(session)
+    inputs = unet_inputs(model)
+    model(**inputs)
+    assert sync_calls(lambda: model(**inputs))
+
+
+def test_buffers_are_not_reallocated_between_steps(tiny_folder):
+    pipe = pipeline(tiny_folder)
+    output_pointers, allocated = [], []
+    run_bound = pipe.unet._run_bound
+
+    def recording_run(inputs):
+        outputs = run_bound(inputs)
+        output_pointers.append(outputs[0].data_ptr())
+        return outputs
+
+    pipe.unet._run_bound = recording_run
+    pipe("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=6, generator=np.random.RandomState(0),
+         output_type="latent",
+         callback_on_step_end=lambda p, i, t, tensors: allocated.append(torch.cuda.memory_allocated()) or tensors)
+    assert len(output_pointers) == 6 and len(set(output_pointers)) == 1
+    assert len(set(allocated[1:])) == 1  # after the first step, every step ends with the same memory in use
+
+
+def test_final_image_equals_the_cpu_pipelines(tiny_folder):
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    cpu = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
+    from diffusers import DDIMScheduler
+
+    cpu.scheduler = DDIMScheduler.from_config(cpu.scheduler.config)
+    cpu.set_progress_bar_config(disable=True)
+    assert np.abs(generate(pipeline(tiny_folder)) - generate(cpu)).max() <= 1e-3
+
+
+def test_optimized_fp16_export_matches_the_plain_fp16_export(tmp_path):
+    from optimum_iobinding.export import export_pipeline
+
+    plain = export_pipeline(None, tmp_path / "plain", tiny_random=True, fp16=True, progress=False)
+    fused = export_pipeline(None, tmp_path / "fused", tiny_random=True, fp16=True, optimize="cuda", progress=False)
+    images = [generate(pipeline(folder)) for folder in (plain, fused)]
+    assert np.abs(images[0] - images[1]).max() <= 2e-2  # fp16 tolerance
