@@ -231,7 +231,8 @@ def _component_specs(pipe) -> Dict[str, dict]:
             input_names=["sample"],
             output_names=["latent_sample"],
             dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"},
-                          "latent_sample": {0: "batch", 2: "latent_height", 3: "latent_width"}},
+                          "latent_sample": {0: "batch", 2: f"height / {vae_scale_factor}",
+                                            3: f"width / {vae_scale_factor}"}},
             config=vae.config,
         ),
         "vae_decoder": dict(
@@ -239,8 +240,11 @@ def _component_specs(pipe) -> Dict[str, dict]:
             args=(torch.randn(1, latent_channels, latent_size, latent_size),),
             input_names=["latent_sample"],
             output_names=["sample"],
+            # output dims as expressions of the input dims: sized before the run without shape inference (ours)
+            # or eval (optimum's IO binding, which fails on a dim name no input has)
             dynamic_axes={"latent_sample": {0: "batch", 2: "latent_height", 3: "latent_width"},
-                          "sample": {0: "batch", 2: "height", 3: "width"}},
+                          "sample": {0: "batch", 2: f"latent_height * {vae_scale_factor}",
+                                     3: f"latent_width * {vae_scale_factor}"}},
             config=vae.config,
         ),
     }
@@ -261,13 +265,13 @@ def _save_onnx(model: onnx.ModelProto, path: Path) -> None:
         onnx.save_model(model, str(path))
 
 
-def convert_to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
+def convert_to_float16(model: onnx.ModelProto, shapes_known: bool = False) -> onnx.ModelProto:
     """fp32 → fp16 with ORT's converter: inputs and outputs become fp16 too (``keep_io_types=False``), the ops in
-    its default block list (those that need fp32) stay fp32 behind casts."""
+    its default block list (those that need fp32) stay fp32 behind casts. The converter needs every intermediate's
+    type; ``shapes_known`` says the model already carries them (its own inference cannot serialize > 2 GiB)."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    return convert_float_to_float16(model, keep_io_types=False,
-                                    disable_shape_infer=_weight_bytes(model) > _MAX_SINGLE_FILE_BYTES)
+    return convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=shapes_known)
 
 
 # ORT's optimizer model types, and the hidden sizes its BiasSplitGelu kernel takes (others must skip that fusion).
@@ -279,7 +283,7 @@ def fusion_options(name: str, config: Any, target: str):
     """ORT transformer-optimizer fusions for one component.
 
     ``target="cuda"``: every fusion ORT has for the model type, except BiasSplitGelu where the UNet's GEGLU widths
-    are not among :data:`BIAS_SPLIT_GELU_HIDDEN_SIZES`. ``target="cpu"``: only fusions whose fused ops have CPU
+    are not among :data:`BIAS_SPLIT_GELU_HIDDEN_SIZES`, and GroupNorm for blocks narrower than ORT's kernel takes. ``target="cpu"``: only fusions whose fused ops have CPU
     kernels (attention, layer norm, GELU) — NhwcConv, GroupNorm, SkipGroupNorm, BiasSplitGelu and BiasAdd run on
     CUDA only.
     """
@@ -291,10 +295,18 @@ def fusion_options(name: str, config: Any, target: str):
                      "enable_bias_add", "enable_packed_qkv", "enable_packed_kv"):
             if hasattr(options, flag):
                 setattr(options, flag, False)
-    elif name == "unet":
-        widths = [8 * channels for channels in config.block_out_channels]
-        if not all(width in BIAS_SPLIT_GELU_HIDDEN_SIZES for width in widths):
+    else:
+        channels = list(config.get("block_out_channels", [])) if isinstance(config, dict) else \
+            list(getattr(config, "block_out_channels", []))
+        if name == "unet" and not all(8 * c in BIAS_SPLIT_GELU_HIDDEN_SIZES for c in channels):
             options.enable_bias_splitgelu = False
+        # ORT's CUDA GroupNorm takes only some channel counts (it refuses 32 channels in 32 groups, for one): the
+        # SD-size widths it was written for, UNet blocks of ≥ 320 and VAE blocks of ≥ 128 channels
+        smallest = {"unet": 320, "vae_encoder": 128, "vae_decoder": 128}.get(name)
+        if smallest is not None and channels and min(channels) < smallest:
+            for flag in ("enable_group_norm", "enable_skip_group_norm"):
+                if hasattr(options, flag):
+                    setattr(options, flag, False)
     return options
 
 
@@ -343,12 +355,17 @@ def _export_component(name: str, spec: dict, target: Path, opset: int, fp16: boo
         if optimize:
             optimized = _optimize(name, scratch_path, fusion_options(name, spec["config"], optimize), optimize)
             if fp16:
-                optimized.convert_float_to_float16(keep_io_types=False, use_symbolic_shape_infer=False)
+                # symbolic shape inference: onnx's own cannot type the fused com.microsoft ops
+                optimized.convert_float_to_float16(keep_io_types=False)
             model = optimized.model
+        elif fp16:
+            # Types of every intermediate first, from the file (works past 2 GiB, unlike in-memory inference):
+            # without them the converter turns Resize's float scales into float16, which ORT refuses.
+            typed_path = Path(scratch) / "typed.onnx"
+            onnx.shape_inference.infer_shapes_path(str(scratch_path), str(typed_path))
+            model = convert_to_float16(onnx.load(str(typed_path)), shapes_known=True)
         else:
             model = onnx.load(str(scratch_path))  # with any external data the exporter wrote beside it
-            if fp16:
-                model = convert_to_float16(model)
     _save_onnx(model, target / name / "model.onnx")
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
     (target / name / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))

@@ -14,6 +14,8 @@ from conftest import requires_cuda
 pytestmark = requires_cuda
 
 CUDA = "CUDAExecutionProvider"
+# exact comparisons: without TF32, fp32 convolutions and matmuls on Hopper round like the CPU's
+EXACT = {"use_tf32": "0"}
 SIZE = 64
 # CUDA runtime/driver calls that make the host wait for the GPU (cudaMemcpy: the synchronous copy)
 HOST_WAITS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
@@ -42,6 +44,7 @@ def pipeline(folder, **kwargs):
 
     from optimum_iobinding import OnnxStableDiffusionPipeline
 
+    kwargs.setdefault("provider_options", EXACT)
     pipe = OnnxStableDiffusionPipeline.from_pretrained(folder, provider=CUDA, **kwargs)
     pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
@@ -56,8 +59,9 @@ def generate(pipe, steps=5):
 def test_graph_model_equals_the_plain_model_and_replays(tiny_folder):
     from optimum_iobinding import IOBindingORTModel
 
-    plain = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA)
-    graph = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA, cuda_graph=True)
+    plain = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT)
+    graph = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT,
+                                              cuda_graph=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a fallback would warn
         for seed in range(3):
@@ -82,11 +86,17 @@ def test_pipeline_graph_equals_no_graph_equals_numpy_loop(tiny_folder):
 
 
 def sync_calls(run) -> list:
-    from torch.profiler import ProfilerActivity, profile
+    """The host waits inside ``run`` (the profiler's own device synchronization when it stops is outside)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run()
-    return [event.name for event in prof.events() if event.name in HOST_WAITS]
+        with record_function("measured"):
+            run()
+    events = prof.events()
+    (measured,) = [event for event in events if event.name == "measured"]
+    inside = measured.time_range
+    return [event.name for event in events if event.name in HOST_WAITS
+            and inside.start <= event.time_range.start and event.time_range.end <= inside.end]
 
 
 @pytest.mark.parametrize("cuda_graph", [False, True])
@@ -97,7 +107,6 @@ def test_the_host_enqueues_the_whole_loop_without_waiting(tiny_folder, cuda_grap
         embeds = pipe.encode_prompt("a photo of a cat", 1, True)
         latents = pipe.prepare_latents((1, 4, 8, 8), embeds.dtype, np.random.RandomState(0))
         timesteps = pipe.set_timesteps(5)
-        pipe.scheduler.set_begin_index(0)
         kwargs = pipe.scheduler_step_kwargs(None, 0.0)
         torch.cuda.synchronize()
         waits = sync_calls(lambda: pipe.denoise(latents, timesteps, embeds, 7.5, kwargs))

@@ -299,7 +299,10 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         """The UNet's ``timestep`` input for every step, made once on the device: row ``i`` is step ``i``'s, in the
         dtype and rank the UNet declares (a scalar, ``[1]`` or ``[batch]``)."""
         timestep_arg = next(arg for arg in self.unet.session.get_inputs() if arg.name == "timestep")
-        values = timesteps.to(device=self.device, dtype=self.unet.input_dtypes["timestep"])
+        values = timesteps.to(dtype=self.unet.input_dtypes["timestep"])
+        if self.device.type == "cuda":
+            # from pinned memory the upload is asynchronous: a pageable one would make the host wait
+            values = values.pin_memory().to(self.device, non_blocking=True)
         if len(timestep_arg.shape) == 0:
             return values
         if timestep_arg.shape[0] == 1:
