@@ -272,8 +272,8 @@ def environment() -> Dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "onnxruntime": ort.__version__,
-        "command": " ".join(["optimum-iobinding", "bench", *sys.argv[1:]]) if "bench" in sys.argv[0:2] else
-        " ".join(sys.argv),
+        "command": " ".join(["optimum-iobinding", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else
+        " ".join(["optimum-iobinding bench", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
     for module in ("diffusers", "transformers", "onnx"):

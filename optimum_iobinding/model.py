@@ -510,6 +510,7 @@ class IOBindingORTModel:
         # The model's weights live once on the GPU: the plain session goes before the graph session loads (it is
         # re-created if a signature ever needs it).
         self._session = None
+        self._binding = None  # an IOBinding holds its session (and so the weights) alive
         try:
             session = create_session(source, providers, graph_options, sess_options)
         except ValueError as error:

@@ -93,7 +93,8 @@ def sync_calls(run) -> list:
         with record_function("measured"):
             run()
     events = prof.events()
-    (measured,) = [event for event in events if event.name == "measured"]
+    (measured,) = [event for event in events  # the host's range (the GPU timeline has one of the same name)
+                   if event.name == "measured" and event.device_type == torch.autograd.DeviceType.CPU]
     inside = measured.time_range
     return [event.name for event in events if event.name in HOST_WAITS
             and inside.start <= event.time_range.start and event.time_range.end <= inside.end]
@@ -156,10 +157,31 @@ def test_final_image_equals_the_cpu_pipelines(tiny_folder):
     assert np.abs(generate(pipeline(tiny_folder)) - generate(cpu)).max() <= 1e-3
 
 
-def test_optimized_fp16_export_matches_the_plain_fp16_export(tmp_path):
+def test_fused_fp16_export_adds_no_error_beyond_fp16_itself(tmp_path):
+    """Component by component (a whole random-weights pipeline amplifies fp16 noise step after step): the fused
+    fp16 UNet and VAE decoder are as close to the fp32 export as the plain fp16 ones are, give or take fp16 noise."""
+    from optimum_iobinding import IOBindingORTModel
     from optimum_iobinding.export import export_pipeline
 
-    plain = export_pipeline(None, tmp_path / "plain", tiny_random=True, fp16=True, progress=False)
-    fused = export_pipeline(None, tmp_path / "fused", tiny_random=True, fp16=True, optimize="cuda", progress=False)
-    images = [generate(pipeline(folder)) for folder in (plain, fused)]
-    assert np.abs(images[0] - images[1]).max() <= 2e-2  # fp16 tolerance
+    folders = {
+        "fp32": export_pipeline(None, tmp_path / "fp32", tiny_random=True, progress=False),
+        "plain": export_pipeline(None, tmp_path / "plain", tiny_random=True, fp16=True, progress=False),
+        "fused": export_pipeline(None, tmp_path / "fused", tiny_random=True, fp16=True, optimize="cuda",
+                                 progress=False),
+    }
+    generator = torch.Generator().manual_seed(0)
+    inputs = {
+        "unet": {"sample": torch.randn(2, 4, 8, 8, generator=generator), "timestep": torch.full((2,), 500.0),
+                 "encoder_hidden_states": torch.randn(2, 77, 32, generator=generator)},
+        "vae_decoder": {"latent_sample": torch.randn(1, 4, 8, 8, generator=generator)},
+    }
+    for component, feed in inputs.items():
+        outputs = {}
+        for name, folder in folders.items():
+            model = IOBindingORTModel.from_pretrained(folder, subfolder=component, provider=CUDA,
+                                                      provider_options=EXACT)
+            cast = {key: value.to(model.device, model.input_dtypes[key]) for key, value in feed.items()}
+            outputs[name] = model(**cast)[0].float().cpu().clone()
+        plain_error = (outputs["plain"] - outputs["fp32"]).abs().max().item()
+        fused_error = (outputs["fused"] - outputs["fp32"]).abs().max().item()
+        assert fused_error <= 2 * plain_error + 2e-3, (component, fused_error, plain_error)
