@@ -122,11 +122,14 @@ class IOBindingORTModel:
         A list of torch tensors on ``self.device`` in the session's output order. Outputs live in buffers allocated
         once per input-shape signature and reused by later calls with the same shapes: **a later call overwrites
         what an earlier one returned** (clone what you keep, or pass ``reuse_outputs=False`` for fresh tensors).
-        At most ``max_output_signatures`` signatures keep buffers (least recently used dropped first). An output
+        At most ``max_output_signatures`` (thread, signature) pairs keep buffers (least recently used dropped
+        first), which bounds the memory that alternating shapes can take. An output
         is never bound to an input's memory: a call whose input is an earlier output gets fresh output tensors.
         An output whose shape depends on the data is allocated by ORT on the device and handed over via DLPack.
 
-    Threads: one lock per model serializes binding and running (the reused output buffers are shared state).
+    Threads: one lock per model serializes binding and running; reused output buffers are kept per thread, so calls
+    from several threads never overwrite each other's results. With ``cuda_graph`` the graph's output buffers are
+    shared by every thread: clone what you keep before another thread calls (pipelines serialize their calls).
 
     With ``io_binding=False`` the model runs plain ``session.run`` on numpy arrays — the numpy baseline — and returns
     CPU torch tensors.
@@ -559,8 +562,9 @@ class IOBindingORTModel:
         output_shapes: Mapping[str, Optional[Tuple[int, ...]]],
         bound_inputs: Mapping[str, torch.Tensor],
     ) -> Dict[str, Optional[torch.Tensor]]:
-        """The output tensors to bind, in session order; ``None`` where ORT must allocate."""
-        signature = tuple(sorted(input_shapes.items()))
+        """The output tensors to bind, in session order; ``None`` where ORT must allocate. Buffers are kept per
+        thread and input signature: a call never overwrites what a call from another thread is still reading."""
+        signature = (threading.get_ident(), tuple(sorted(input_shapes.items())))
         with self._lock:
             cached = self._output_buffers.get(signature) if self.reuse_outputs else None
             if cached is not None:

@@ -185,3 +185,82 @@ def test_fused_fp16_export_adds_no_error_beyond_fp16_itself(tmp_path):
         plain_error = (outputs["plain"] - outputs["fp32"]).abs().max().item()
         fused_error = (outputs["fused"] - outputs["fp32"]).abs().max().item()
         assert fused_error <= 2 * plain_error + 2e-3, (component, fused_error, plain_error)
+
+
+# ------------------------------------------------------------------------------------------------- reliability
+def test_cpu_tensors_for_a_cuda_session_are_copied_and_cuda_tensors_for_a_cpu_session_too(tiny_folder):
+    from optimum_iobinding import IOBindingORTModel
+
+    on_gpu = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT)
+    on_cpu = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet")
+    cpu_inputs = {name: value.cpu() for name, value in unet_inputs(on_gpu).items()}
+    from_cpu = on_gpu(**cpu_inputs)[0]
+    from_gpu = on_cpu(**{name: value.cuda() for name, value in cpu_inputs.items()})[0]
+    assert from_cpu.device == on_gpu.device and from_gpu.device.type == "cpu"
+    torch.testing.assert_close(from_cpu.cpu(), from_gpu, atol=1e-4, rtol=1e-4)
+
+
+def test_converted_inputs_survive_gc_and_empty_cache_between_bind_and_run(tiny_folder, monkeypatch):
+    import gc
+
+    from optimum_iobinding import IOBindingORTModel
+
+    model = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT)
+    inputs = unet_inputs(model)
+    expected = model(**inputs)[0].clone()
+    run = model.session.run_with_iobinding
+
+    def collect_then_run(binding, *args):
+        gc.collect()
+        torch.cuda.empty_cache()
+        scribble = [torch.full((1 << 20,), float("nan"), device="cuda") for _ in range(8)]  # reuse freed blocks
+        result = run(binding, *args)
+        del scribble
+        return result
+
+    monkeypatch.setattr(model.session, "run_with_iobinding", collect_then_run)
+    double_inputs = {name: value.double() for name, value in inputs.items()}  # each converted to a temporary
+    torch.testing.assert_close(model(**double_inputs)[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_thousand_calls_grow_neither_torch_nor_ort_memory(tiny_folder):
+    from optimum_iobinding import IOBindingORTModel
+
+    model = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA)
+    inputs = unet_inputs(model)
+    for _ in range(100):
+        model(**inputs)
+    torch.cuda.synchronize()
+    torch_before, free_before = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
+    for _ in range(1000):
+        model(**inputs)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == torch_before
+    assert abs(torch.cuda.mem_get_info()[0] - free_before) < 2**20  # ORT's arena (device-wide free memory) too
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_shape_changes_mid_session_on_the_gpu(tiny_folder, cuda_graph):
+    pipe = pipeline(tiny_folder, cuda_graph=cuda_graph)
+    pipe.unet.max_graph_sessions = 2
+    for height, width, prompts in [(64, 64, 1), (128, 64, 1), (64, 64, 2), (64, 128, 1), (64, 64, 1)]:
+        arguments = dict(prompt=["a cat"] * prompts, height=height, width=width, num_inference_steps=3,
+                         generator=np.random.RandomState(0), output_type="np")
+        fresh = pipeline(tiny_folder)  # no graph: the reference
+        expected = fresh(**dict(arguments, generator=np.random.RandomState(0))).images
+        got = pipe(**arguments).images
+        assert got.shape == (prompts, height, width, 3)
+        assert np.abs(got - expected).max() <= 1e-3
+    if cuda_graph:
+        assert len(pipe.unet._graph_runners) == 2  # bounded: least recently used graphs were dropped
+
+
+def test_two_pipelines_share_the_gpu_concurrently_and_correctly(tiny_folder):
+    from concurrent.futures import ThreadPoolExecutor
+
+    pipes = [pipeline(tiny_folder, cuda_graph=True), pipeline(tiny_folder)]
+    serial = [generate(pipe) for pipe in pipes]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        threaded = list(pool.map(generate, pipes * 2))
+    for index, images in enumerate(threaded):
+        assert np.abs(images - serial[index % 2]).max() <= 1e-5

@@ -8,6 +8,7 @@ import inspect
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -71,6 +72,7 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         self.latent_channels = self._read_latent_channels()
         self.vae_scaling_factor = float(vae_decoder.config.get("scaling_factor", _DEFAULT_VAE_SCALING_FACTOR))
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor)
+        self._call_lock = threading.RLock()
 
     # ------------------------------------------------------------------------------------------------- properties
     @property
@@ -440,20 +442,22 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
 
 
 def on_device_stream(method: Callable) -> Callable:
-    """Runs a pipeline call on the pipeline's CUDA stream, ordered after the caller's stream and before its next
-    work (no host wait); off CUDA it just calls."""
+    """One pipeline call at a time (the scheduler's state and the models' reused buffers belong to the pipeline, so
+    calls from several threads are serialized), run on the pipeline's CUDA stream, ordered after the caller's stream
+    and before its next work (no host wait); off CUDA it just calls."""
 
     @functools.wraps(method)
     def on_stream(self: "OnnxStableDiffusionPipelineBase", *args: Any, **kwargs: Any) -> Any:
-        stream = self.stream
-        if stream is None:
-            return method(self, *args, **kwargs)
-        caller = torch.cuda.current_stream(stream.device)
-        stream.wait_stream(caller)
-        with torch.cuda.stream(stream):
-            result = method(self, *args, **kwargs)
-        caller.wait_stream(stream)
-        return result
+        with self._call_lock:
+            stream = self.stream
+            if stream is None:
+                return method(self, *args, **kwargs)
+            caller = torch.cuda.current_stream(stream.device)
+            stream.wait_stream(caller)
+            with torch.cuda.stream(stream):
+                result = method(self, *args, **kwargs)
+            caller.wait_stream(stream)
+            return result
 
     return on_stream
 
