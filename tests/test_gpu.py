@@ -264,3 +264,19 @@ def test_two_pipelines_share_the_gpu_concurrently_and_correctly(tiny_folder):
         threaded = list(pool.map(generate, pipes * 2))
     for index, images in enumerate(threaded):
         assert np.abs(images - serial[index % 2]).max() <= 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_pipeline_on_cuda_1_matches_cuda_0_and_allocates_nothing_on_cuda_0(tiny_folder):
+    def used_on_cuda_0():
+        free, total = torch.cuda.mem_get_info(0)
+        return total - free
+
+    before = used_on_cuda_0()
+    on_1 = pipeline(tiny_folder, provider_options={**EXACT, "device_id": "1"})
+    images_1 = generate(on_1)
+    grown = used_on_cuda_0() - before
+    assert on_1.device == torch.device("cuda", 1) and on_1.unet.device == torch.device("cuda", 1)
+    images_0 = generate(pipeline(tiny_folder))
+    assert np.abs(images_1 - images_0).max() <= 1e-5
+    assert grown < 2**20

@@ -452,11 +452,13 @@ def on_device_stream(method: Callable) -> Callable:
             stream = self.stream
             if stream is None:
                 return method(self, *args, **kwargs)
-            caller = torch.cuda.current_stream(stream.device)
-            stream.wait_stream(caller)
-            with torch.cuda.stream(stream):
-                result = method(self, *args, **kwargs)
-            caller.wait_stream(stream)
+            # the pipeline's GPU is the current one for the call: nothing (pinned buffers, a context) lands on cuda:0
+            with torch.cuda.device(stream.device):
+                caller = torch.cuda.current_stream(stream.device)
+                stream.wait_stream(caller)
+                with torch.cuda.stream(stream):
+                    result = method(self, *args, **kwargs)
+                caller.wait_stream(stream)
             return result
 
     return on_stream
