@@ -84,9 +84,7 @@ def build_torch_pipeline(kind: str, seed: int = 0):
                                     clip_sample=False, set_alpha_to_one=False, steps_offset=1),
             safety_checker=None, feature_extractor=None, requires_safety_checker=False,
         )
-    from diffusers import DDIMScheduler as DDIM
-
-    pipe.scheduler = DDIM.from_config(pipe.scheduler.config)
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
     return pipe
 
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
-import numpy as np
 import torch
 from onnx import TensorProto
 
@@ -35,25 +34,6 @@ TORCH_TO_ONNX: Dict[torch.dtype, int] = {
     torch.uint8: TensorProto.UINT8,
     torch.bool: TensorProto.BOOL,
 }
-
-# torch dtype → numpy dtype for the io_binding=False path (bfloat16 has no numpy dtype: it goes through OrtValue).
-TORCH_TO_NUMPY: Dict[torch.dtype, np.dtype] = {
-    torch.float32: np.dtype(np.float32),
-    torch.float16: np.dtype(np.float16),
-    torch.float64: np.dtype(np.float64),
-    torch.int64: np.dtype(np.int64),
-    torch.int32: np.dtype(np.int32),
-    torch.int16: np.dtype(np.int16),
-    torch.int8: np.dtype(np.int8),
-    torch.uint8: np.dtype(np.uint8),
-    torch.bool: np.dtype(np.bool_),
-}
-
-
-def torch_dtype_of(ort_type: str) -> Optional[torch.dtype]:
-    """The torch dtype for an ORT type string such as ``"tensor(float16)"``; ``None`` if it cannot be bound."""
-    return ORT_TO_TORCH.get(ort_type)
-
 
 def conversion_allowed(source: torch.dtype, target: torch.dtype) -> bool:
     """Whether a value of ``source`` dtype is cast to ``target`` silently.

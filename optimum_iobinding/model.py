@@ -17,7 +17,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from .dtypes import ORT_TO_TORCH, TORCH_TO_NUMPY, TORCH_TO_ONNX, conversion_allowed
+from .dtypes import ORT_TO_TORCH, TORCH_TO_ONNX, conversion_allowed
 from .cuda import (
     DISABLE_SYNC_RUN_OPTION,
     CudaGraphRunner,
@@ -548,11 +548,8 @@ class IOBindingORTModel:
         """Returns ``value`` as a contiguous tensor of the input's dtype on the session's device (the same tensor if
         it already is one)."""
         expected = self._input_dtypes[name]
-        tensor = as_tensor(name, value, expected)
+        tensor = as_checked_tensor(name, value, expected)
         check_input_device(name, tensor.device, self._device)
-        if tensor.dtype != expected and not conversion_allowed(tensor.dtype, expected):
-            raise TypeError(f"input {name!r}: expected dtype {expected}, got {tensor.dtype}, which does not convert "
-                            "without loss (cast it explicitly if intended)")
         tensor = tensor.detach().to(device=self._device, dtype=expected)
         return tensor.contiguous()
 
@@ -602,10 +599,7 @@ class IOBindingORTModel:
         arrays = {}
         for name, value in inputs.items():
             expected = self._input_dtypes[name]
-            tensor = as_tensor(name, value, expected)
-            if tensor.dtype != expected and not conversion_allowed(tensor.dtype, expected):
-                raise TypeError(f"input {name!r}: expected dtype {expected}, got {tensor.dtype}, which does not "
-                                "convert without loss (cast it explicitly if intended)")
+            tensor = as_checked_tensor(name, value, expected)
             arrays[name] = tensor.detach().to(device="cpu", dtype=expected).contiguous()
         self.shape_inferencer({name: tuple(t.shape) for name, t in arrays.items()})  # same shape errors as binding
         if any(t.dtype == torch.bfloat16 for t in arrays.values()) or torch.bfloat16 in self._output_dtypes.values():
@@ -666,6 +660,15 @@ def as_tensor(name: str, value: InputValue, expected: torch.dtype) -> torch.Tens
     raise TypeError(
         f"input {name!r}: expected a torch.Tensor, numpy.ndarray or Python scalar, got {type(value).__name__}"
     )
+
+
+def as_checked_tensor(name: str, value: InputValue, expected: torch.dtype) -> torch.Tensor:
+    """:func:`as_tensor`, refusing a dtype that does not convert to ``expected`` without loss."""
+    tensor = as_tensor(name, value, expected)
+    if tensor.dtype != expected and not conversion_allowed(tensor.dtype, expected):
+        raise TypeError(f"input {name!r}: expected dtype {expected}, got {tensor.dtype}, which does not convert "
+                        "without loss (cast it explicitly if intended)")
+    return tensor
 
 
 def external_data_locations(model_path: Union[str, os.PathLike]) -> List[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import os
 import shutil
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 

@@ -234,6 +234,13 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
             raise ValueError(f"negative_prompt_embeds: expected shape {tuple(prompt_embeds.shape)} like "
                              f"prompt_embeds, got {tuple(negative_prompt_embeds.shape)}")
 
+    @staticmethod
+    def batch_size_of(prompt: Union[str, List[str], None], prompt_embeds: Optional[torch.Tensor]) -> int:
+        """How many prompts a call has: one string, a list, or the rows of ``prompt_embeds``."""
+        if prompt is not None:
+            return 1 if isinstance(prompt, str) else len(prompt)
+        return prompt_embeds.shape[0]
+
     def encode_prompt(
         self,
         prompt: Union[str, List[str], None],

@@ -73,10 +73,7 @@ class OnnxStableDiffusionInpaintPipeline(OnnxStableDiffusionPipelineBase):
             raise ValueError(f"strength: expected a value in [0, 1], got {strength}")
         self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
                           prompt_embeds, negative_prompt_embeds, output_type)
-        if prompt is not None:
-            batch_size = 1 if isinstance(prompt, str) else len(prompt)
-        else:
-            batch_size = prompt_embeds.shape[0]
+        batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
 
         # 2. text embeddings, on the device
