@@ -204,7 +204,10 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         prompt_embeds: Optional[torch.Tensor] = None,
         negative_prompt_embeds: Optional[torch.Tensor] = None,
         output_type: str = "pil",
+        strength: Optional[float] = None,
     ) -> None:
+        if strength is not None and not 0.0 <= strength <= 1.0:
+            raise ValueError(f"strength: expected a value in [0, 1], got {strength}")
         factor = self.vae_scale_factor
         if height % factor != 0 or width % factor != 0:
             raise ValueError(f"height and width: expected multiples of {factor} (the VAE's scale factor), "

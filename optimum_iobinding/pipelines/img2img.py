@@ -43,12 +43,10 @@ class OnnxStableDiffusionImg2ImgPipeline(OnnxStableDiffusionPipelineBase):
         # 1. check inputs
         if image is None:
             raise ValueError("image: expected an image to start from, got None")
-        if not 0.0 <= strength <= 1.0:
-            raise ValueError(f"strength: expected a value in [0, 1], got {strength}")
         image = self.image_processor.preprocess(image)
         height, width = image.shape[-2:]
         self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
-                          prompt_embeds, negative_prompt_embeds, output_type)
+                          prompt_embeds, negative_prompt_embeds, output_type, strength)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
 

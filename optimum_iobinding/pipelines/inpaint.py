@@ -69,10 +69,8 @@ class OnnxStableDiffusionInpaintPipeline(OnnxStableDiffusionPipelineBase):
         if image_size != mask_size:
             raise ValueError(f"mask_image: expected the size of image (height × width {image_size[0]} × "
                              f"{image_size[1]}), got {mask_size[0]} × {mask_size[1]}")
-        if not 0.0 <= strength <= 1.0:
-            raise ValueError(f"strength: expected a value in [0, 1], got {strength}")
         self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
-                          prompt_embeds, negative_prompt_embeds, output_type)
+                          prompt_embeds, negative_prompt_embeds, output_type, strength)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
 
