@@ -27,7 +27,7 @@ from .cuda import (
     with_diffusion_defaults,
     with_stream,
 )
-from .shapes import ShapeInferencer
+from .shapes import inferencer_from_session
 
 logger = logging.getLogger(__name__)
 
@@ -223,11 +223,7 @@ class IOBindingORTModel:
         self.max_output_signatures = max_output_signatures
         self.model_path: Optional[str] = getattr(session, "_model_path", None)
         self.config: Dict[str, Any] = dict(config or {})
-        self.shape_inferencer = ShapeInferencer(
-            {i.name: i.shape for i in session.get_inputs()},
-            {o.name: o.shape for o in session.get_outputs()},
-            self.model_path or getattr(session, "_model_bytes", None),
-        )
+        self.shape_inferencer = inferencer_from_session(session)
         self._ort_device_type = "cuda" if device.type == "cuda" else "cpu"
         self._ort_device_id = device.index or 0
         self._output_buffers: "OrderedDict[Tuple, Dict[str, torch.Tensor]]" = OrderedDict()
