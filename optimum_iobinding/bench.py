@@ -228,13 +228,15 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
     }
 
 
-def run_floor(folder: Path, kind: str, replays: int = 50) -> Dict[str, Any]:
-    """Back-to-back CUDA-graph replays of the UNet alone, with CFG batch 2: the GPU time of one step."""
+def run_floor(folder: Path, kind: str, replays: int = 50,
+              provider_options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Back-to-back CUDA-graph replays of the UNet alone, with CFG batch 2: the GPU time of one step.
+    ``provider_options`` go on top of the diffusion defaults (benchmarks/unet_options.py compares them)."""
     from .model import IOBindingORTModel
 
     size = MODEL_SIZES[kind]
     unet = IOBindingORTModel.from_pretrained(folder, subfolder="unet", provider="CUDAExecutionProvider",
-                                             cuda_graph=True)
+                                             provider_options=provider_options, cuda_graph=True)
     dtype = unet.input_dtypes["sample"]
     hidden = unet.session.get_inputs()[2].shape[2]
     timestep_shape = unet.session.get_inputs()[1].shape

@@ -15,6 +15,10 @@ from .dtypes import TORCH_TO_ONNX
 #   cudnn_conv_algo_search EXHAUSTIVE: benchmark every conv algorithm once per shape (shapes repeat every step);
 #   cudnn_conv_use_max_workspace: let cuDNN pick algorithms that need a large workspace (faster on big convs);
 #   arena_extend_strategy kSameAsRequested: grow the arena by what is asked, not by powers of two (less memory).
+# Not fuse_conv_bias, though it is faster where it works (the bias inside the cuDNN-frontend convolution instead of a
+# cuDNN add-tensor kernel after it: SD1.5 fused UNet step 7.23 → 6.92 ms on the H100, and the host-bound binding loop
+# 4 ms/step faster): with onnxruntime-gpu 1.31.1 it computed wrong images (tiny fp16 fused and fp32 exports; CUDA
+# graphs too) and failed to build cuDNN graphs for fp16 plain exports (benchmarks/results/h100/fuse-conv-bias).
 CUDA_DIFFUSION_DEFAULTS: Dict[str, str] = {
     "cudnn_conv_algo_search": "EXHAUSTIVE",
     "cudnn_conv_use_max_workspace": "1",
