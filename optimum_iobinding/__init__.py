@@ -11,6 +11,8 @@ _PIPELINES = (
     "OnnxStableDiffusionPipeline",
     "OnnxStableDiffusionImg2ImgPipeline",
     "OnnxStableDiffusionInpaintPipeline",
+    "OnnxStableDiffusionXLPipeline",
+    "OnnxStableDiffusionXLImg2ImgPipeline",
 )
 
 __all__ = ["IOBindingORTModel", "infer_output_shapes", "__version__", *_PIPELINES]

@@ -156,6 +156,65 @@ def build_tiny_random_pipeline(seed: int = 0):
     ).to(torch.float32)
 
 
+def _tiny_text_encoder_config(tokenizer, layers: int = 2, **extra):
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=layers, layer_norm_eps=1e-5,
+        vocab_size=len(tokenizer), max_position_embeddings=77, **extra,
+    )
+
+
+def build_tiny_random_xl_pipeline(seed: int = 0):
+    """A tiny random-weights ``StableDiffusionXLPipeline`` built offline: two 3-layer CLIP encoders (the second with
+    a projection), a UNet of two blocks conditioned on pooled text and time ids (SDXL's ``text_time``), the tiny
+    VAE, Euler scheduler as SDXL ships."""
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    base = build_tiny_random_pipeline(seed)
+    torch.manual_seed(seed + 1)
+    tokenizer = base.tokenizer
+    text_encoder = CLIPTextModel(_tiny_text_encoder_config(tokenizer, layers=3))
+    text_encoder_2 = CLIPTextModelWithProjection(_tiny_text_encoder_config(tokenizer, layers=3, projection_dim=32))
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64), layers_per_block=2, sample_size=32, in_channels=4, out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4), use_linear_projection=True, transformer_layers_per_block=(1, 2),
+        addition_embed_type="text_time", addition_time_embed_dim=8, projection_class_embeddings_input_dim=6 * 8 + 32,
+        cross_attention_dim=64, norm_num_groups=32,
+    )
+    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                       steps_offset=1, timestep_spacing="leading")
+    return StableDiffusionXLPipeline(
+        vae=base.vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer,
+        tokenizer_2=tokenizer, unet=unet, scheduler=scheduler,
+    ).to(torch.float32)
+
+
+def build_tiny_random_lcm_pipeline(seed: int = 0):
+    """The tiny pipeline with an LCM UNet (``time_cond_proj_dim``: a guidance-scale embedding input) and
+    ``LCMScheduler``: a ``LatentConsistencyModelPipeline``."""
+    from diffusers import LatentConsistencyModelPipeline, LCMScheduler, UNet2DConditionModel
+
+    base = build_tiny_random_pipeline(seed)
+    torch.manual_seed(seed + 2)
+    unet = UNet2DConditionModel(**{**base.unet.config, "time_cond_proj_dim": 32})
+    return LatentConsistencyModelPipeline(
+        vae=base.vae, text_encoder=base.text_encoder, tokenizer=base.tokenizer, unet=unet,
+        scheduler=LCMScheduler.from_config(base.scheduler.config), safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False,
+    ).to(torch.float32)
+
+
+TINY_RANDOM_KINDS: Dict[str, Callable[[], Any]] = {
+    "sd": build_tiny_random_pipeline,
+    "xl": build_tiny_random_xl_pipeline,
+    "lcm": build_tiny_random_lcm_pipeline,
+}
+
+
 # --------------------------------------------------------------------------------------------------- components
 class _TextEncoder(torch.nn.Module):
     def __init__(self, text_encoder):
@@ -167,13 +226,37 @@ class _TextEncoder(torch.nn.Module):
         return output.last_hidden_state, output.pooler_output
 
 
+class _TextEncoderWithHiddenStates(torch.nn.Module):
+    """SDXL's encoders, as optimum exports them: the pooled output first for the projection model (``text_embeds``),
+    then ``last_hidden_state`` (and ``pooler_output`` for the plain one), then every layer's ``hidden_states.i``
+    (the pipeline takes the penultimate)."""
+
+    def __init__(self, text_encoder, with_projection: bool):
+        super().__init__()
+        self.text_encoder = text_encoder
+        self.with_projection = with_projection
+
+    def forward(self, input_ids):
+        output = self.text_encoder(input_ids=input_ids, output_hidden_states=True, return_dict=True)
+        if self.with_projection:
+            return (output.text_embeds, output.last_hidden_state, *output.hidden_states)
+        return (output.last_hidden_state, output.pooler_output, *output.hidden_states)
+
+
 class _UNet(torch.nn.Module):
-    def __init__(self, unet):
+    """``sample, timestep, encoder_hidden_states`` and, where the UNet takes them, ``timestep_cond`` (LCM's guidance
+    embedding) and SDXL's ``text_embeds``, ``time_ids``."""
+
+    def __init__(self, unet, extra_inputs: Sequence[str] = ()):
         super().__init__()
         self.unet = unet
+        self.extra_inputs = tuple(extra_inputs)
 
-    def forward(self, sample, timestep, encoder_hidden_states):
-        return self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0]
+    def forward(self, sample, timestep, encoder_hidden_states, *extra):
+        named = dict(zip(self.extra_inputs, extra))
+        added = {key: named[key] for key in ("text_embeds", "time_ids") if key in named} or None
+        return self.unet(sample, timestep, encoder_hidden_states, timestep_cond=named.get("timestep_cond"),
+                         added_cond_kwargs=added, return_dict=False)[0]
 
 
 class _VaeEncoder(torch.nn.Module):
@@ -194,37 +277,88 @@ class _VaeDecoder(torch.nn.Module):
         return self.vae.decode(latent_sample, return_dict=False)[0]
 
 
+def is_xl(pipe) -> bool:
+    """An SDXL pipeline: a second text encoder, or a UNet conditioned on pooled text and time ids."""
+    return getattr(pipe, "text_encoder_2", None) is not None or \
+        getattr(pipe.unet.config, "addition_embed_type", None) == "text_time"
+
+
+def onnx_components_of(pipe) -> tuple:
+    """The ONNX components a torch pipeline exports to (SDXL's refiner has no first text encoder)."""
+    if not is_xl(pipe):
+        return ONNX_COMPONENTS
+    encoders = tuple(name for name in ("text_encoder", "text_encoder_2") if getattr(pipe, name, None) is not None)
+    return encoders + ("unet", "vae_encoder", "vae_decoder")
+
+
+def _text_encoder_spec(text_encoder, sequence: int, xl: bool, with_projection: bool) -> dict:
+    if not xl:
+        return dict(
+            module=_TextEncoder(text_encoder),
+            args=(torch.zeros(1, sequence, dtype=torch.int32),),
+            input_names=["input_ids"],
+            output_names=["last_hidden_state", "pooler_output"],
+            dynamic_axes={"input_ids": {0: "batch", 1: "sequence"},
+                          "last_hidden_state": {0: "batch", 1: "sequence"}, "pooler_output": {0: "batch"}},
+            config=text_encoder.config,
+        )
+    layers = text_encoder.config.num_hidden_layers
+    hidden = [f"hidden_states.{i}" for i in range(layers + 1)]
+    pooled = "text_embeds" if with_projection else "pooler_output"
+    names = [pooled, "last_hidden_state", *hidden] if with_projection else ["last_hidden_state", pooled, *hidden]
+    axes = {name: {0: "batch", 1: "sequence"} for name in ["last_hidden_state", *hidden]}
+    return dict(
+        module=_TextEncoderWithHiddenStates(text_encoder, with_projection),
+        args=(torch.zeros(1, sequence, dtype=torch.int64),),  # optimum's SDXL export takes int64 ids
+        input_names=["input_ids"],
+        output_names=names,
+        dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}, pooled: {0: "batch"}, **axes},
+        config=text_encoder.config,
+    )
+
+
 def _component_specs(pipe) -> Dict[str, dict]:
     """What to export for each component: module, example inputs, names and dynamic axes."""
-    text_config = pipe.text_encoder.config
+    xl = is_xl(pipe)
     unet = pipe.unet
     vae = pipe.vae
     latent_channels = vae.config.latent_channels
     vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
     # small example shapes: every spatial dim is dynamic, and exporting at full size would only cost time
     latent_size = 2 ** (len(unet.config.block_out_channels) - 1) * 4
-    sequence = pipe.tokenizer.model_max_length
+    tokenizer = pipe.tokenizer if getattr(pipe, "tokenizer", None) is not None else pipe.tokenizer_2
+    sequence = tokenizer.model_max_length
+    specs: Dict[str, dict] = {}
+    if getattr(pipe, "text_encoder", None) is not None:
+        specs["text_encoder"] = _text_encoder_spec(pipe.text_encoder, sequence, xl, with_projection=False)
+    if xl and getattr(pipe, "text_encoder_2", None) is not None:
+        specs["text_encoder_2"] = _text_encoder_spec(pipe.text_encoder_2, sequence, xl, with_projection=True)
+
+    extra_names, extra_args, extra_axes = [], [], {}
+    if getattr(unet.config, "time_cond_proj_dim", None):
+        extra_names.append("timestep_cond")
+        extra_args.append(torch.randn(2, unet.config.time_cond_proj_dim))
+        extra_axes["timestep_cond"] = {0: "batch"}
+    if getattr(unet.config, "addition_embed_type", None) == "text_time":
+        # original size, crop corner and target size; the refiner has an aesthetic score instead of the target size
+        time_ids = 5 if getattr(pipe.config, "requires_aesthetics_score", False) else 6
+        pooled_dim = unet.config.projection_class_embeddings_input_dim - time_ids * unet.config.addition_time_embed_dim
+        extra_names += ["text_embeds", "time_ids"]
+        extra_args += [torch.randn(2, pooled_dim), torch.randn(2, time_ids)]
+        extra_axes.update({"text_embeds": {0: "batch"}, "time_ids": {0: "batch"}})
+    specs["unet"] = dict(
+        module=_UNet(unet, extra_names),
+        args=(torch.randn(2, unet.config.in_channels, latent_size, latent_size), torch.tensor([1.0]),
+              torch.randn(2, sequence, unet.config.cross_attention_dim), *extra_args),
+        input_names=["sample", "timestep", "encoder_hidden_states", *extra_names],
+        output_names=["out_sample"],
+        dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"}, "timestep": {0: "timestep_batch"},
+                      "encoder_hidden_states": {0: "batch", 1: "sequence"}, **extra_axes,
+                      "out_sample": {0: "batch", 2: "height", 3: "width"}},
+        config=unet.config,
+    )
     return {
-        "text_encoder": dict(
-            module=_TextEncoder(pipe.text_encoder),
-            args=(torch.zeros(1, sequence, dtype=torch.int32),),
-            input_names=["input_ids"],
-            output_names=["last_hidden_state", "pooler_output"],
-            dynamic_axes={"input_ids": {0: "batch", 1: "sequence"},
-                          "last_hidden_state": {0: "batch", 1: "sequence"}, "pooler_output": {0: "batch"}},
-            config=text_config,
-        ),
-        "unet": dict(
-            module=_UNet(unet),
-            args=(torch.randn(2, unet.config.in_channels, latent_size, latent_size), torch.tensor([1.0]),
-                  torch.randn(2, sequence, text_config.hidden_size)),
-            input_names=["sample", "timestep", "encoder_hidden_states"],
-            output_names=["out_sample"],
-            dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"}, "timestep": {0: "timestep_batch"},
-                          "encoder_hidden_states": {0: "batch", 1: "sequence"},
-                          "out_sample": {0: "batch", 2: "height", 3: "width"}},
-            config=unet.config,
-        ),
+        **specs,
         "vae_encoder": dict(
             module=_VaeEncoder(vae),
             args=(torch.randn(1, vae.config.in_channels, latent_size * vae_scale_factor, latent_size * vae_scale_factor),),
@@ -378,13 +512,15 @@ def export_pipeline(
     fp16: bool = False,
     opset: int = 17,
     optimize: Optional[str] = None,
-    tiny_random: bool = False,
-    components: Sequence[str] = ONNX_COMPONENTS,
+    tiny_random: Union[bool, str] = False,
+    components: Optional[Sequence[str]] = None,
     progress: bool = True,
     pipeline_loader: Optional[Callable[[str], object]] = None,
     torch_pipeline: Optional[object] = None,
 ) -> Path:
-    """Exports a diffusers Stable Diffusion pipeline to the diffusers ONNX layout.
+    """Exports a diffusers Stable Diffusion (1.x/2.x, LCM, Turbo) pipeline to the diffusers ONNX layout, or an SDXL
+    pipeline to optimum's SDXL layout (two text encoders with their hidden states; a UNet taking ``text_embeds`` and
+    ``time_ids``). A UNet with ``time_cond_proj_dim`` (LCM) also takes ``timestep_cond``.
 
     Args:
         model_id_or_path: a local diffusers folder or a hub id; ignored with ``tiny_random``.
@@ -394,42 +530,57 @@ def export_pipeline(
         optimize: ``"cuda"`` or ``"cpu"``: run ORT's transformer optimizer (model types unet/vae/clip) on each
             component before the fp16 conversion, with the fusions that target runs (see :func:`fusion_options`).
             The CUDA fusions (NhwcConv, GroupNorm, BiasSplitGelu …) only run on the CUDA execution provider.
-        tiny_random: build the tiny random-weights pipeline offline instead of loading one.
-        components: which ONNX components to export.
+        tiny_random: build a tiny random-weights pipeline offline instead of loading one: ``True`` or ``"sd"``,
+            ``"xl"`` (SDXL) or ``"lcm"`` (an LCM UNet with ``timestep_cond``); see :data:`TINY_RANDOM_KINDS`.
+        components: which ONNX components to export (default: all the pipeline has).
         progress: show a progress bar.
-        pipeline_loader: how to load ``model_id_or_path`` (default ``StableDiffusionPipeline.from_pretrained``).
-        torch_pipeline: an already built diffusers ``StableDiffusionPipeline`` to export instead.
+        pipeline_loader: how to load ``model_id_or_path`` (default ``DiffusionPipeline.from_pretrained``, which
+            picks the pipeline class from the folder's model_index.json).
+        torch_pipeline: an already built diffusers pipeline to export instead.
 
     Returns:
         The output folder.
     """
     if optimize not in (None, "cuda", "cpu"):
         raise ValueError(f"optimize: expected None, 'cuda' or 'cpu', got {optimize!r}")
-    unknown = [c for c in components if c not in ONNX_COMPONENTS]
-    if unknown:
-        raise ValueError(f"components: expected names from {list(ONNX_COMPONENTS)}, got {unknown}")
     if torch_pipeline is not None:
         pipe = torch_pipeline
     elif tiny_random:
-        pipe = build_tiny_random_pipeline()
+        kind = "sd" if tiny_random is True else tiny_random
+        if kind not in TINY_RANDOM_KINDS:
+            raise ValueError(f"tiny_random: expected True or one of {sorted(TINY_RANDOM_KINDS)}, got {tiny_random!r}")
+        pipe = TINY_RANDOM_KINDS[kind]()
     elif model_id_or_path is None:
         raise ValueError("model_id_or_path: expected a diffusers folder or hub id (or tiny_random=True), got None")
     elif pipeline_loader is not None:
         pipe = pipeline_loader(model_id_or_path)
     else:
-        from diffusers import StableDiffusionPipeline
+        from diffusers import DiffusionPipeline
 
-        pipe = StableDiffusionPipeline.from_pretrained(model_id_or_path, torch_dtype=torch.float32,
-                                                       safety_checker=None, requires_safety_checker=False)
+        pipe = DiffusionPipeline.from_pretrained(model_id_or_path, torch_dtype=torch.float32, safety_checker=None)
+    available = onnx_components_of(pipe)
+    components = available if components is None else tuple(components)
+    unknown = [c for c in components if c not in available]
+    if unknown:
+        raise ValueError(f"components: expected names from {list(available)}, got {unknown}")
     target = Path(output_dir)
     target.mkdir(parents=True, exist_ok=True)
     specs = _component_specs(pipe)
     for name in tqdm(components, desc="export", unit="model", disable=not progress):
         shutil.rmtree(target / name, ignore_errors=True)
         _export_component(name, specs[name], target, opset, fp16, optimize)
-    save_tokenizer(pipe.tokenizer, target / "tokenizer")
+    for name in ("tokenizer", "tokenizer_2"):
+        if getattr(pipe, name, None) is not None:
+            save_tokenizer(getattr(pipe, name), target / name)
     pipe.scheduler.save_pretrained(str(target / "scheduler"))
-    write_model_index(target, type(pipe.scheduler).__name__, type(pipe.tokenizer).__name__)
+    if is_xl(pipe):
+        modules = {name: type(getattr(pipe, name)).__name__ if getattr(pipe, name, None) is not None else None
+                   for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")}
+        write_xl_model_index(target, type(pipe).__name__, type(pipe.scheduler).__name__, modules,
+                             getattr(pipe.config, "force_zeros_for_empty_prompt", True),
+                             getattr(pipe.config, "requires_aesthetics_score", False))
+    else:
+        write_model_index(target, type(pipe.scheduler).__name__, type(pipe.tokenizer).__name__)
     return target
 
 
@@ -468,4 +619,33 @@ def write_model_index(folder: Union[str, os.PathLike], scheduler_class: str, tok
     }
     for name in components:
         index[name] = ["diffusers", "OnnxRuntimeModel"]
+    Path(folder, "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def write_xl_model_index(
+    folder: Union[str, os.PathLike],
+    class_name: str,
+    scheduler_class: str,
+    modules: Dict[str, Optional[str]],
+    force_zeros_for_empty_prompt: bool = True,
+    requires_aesthetics_score: bool = False,
+) -> None:
+    """SDXL folders follow optimum's export: the torch pipeline's index (torch class names; one ``vae`` entry for the
+    two VAE folders), which optimum's ``ORTStableDiffusionXLPipeline`` and ours both load. ``modules`` maps
+    text_encoder(_2) and tokenizer(_2) to their transformers class name, or ``None`` where the pipeline has none."""
+    import diffusers
+
+    index = {
+        "_class_name": class_name,
+        "_diffusers_version": diffusers.__version__,
+        "force_zeros_for_empty_prompt": bool(force_zeros_for_empty_prompt),
+        "requires_aesthetics_score": bool(requires_aesthetics_score),
+        "feature_extractor": [None, None],
+        "image_encoder": [None, None],
+        "scheduler": ["diffusers", scheduler_class],
+        "unet": ["diffusers", "UNet2DConditionModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    }
+    for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
+        index[name] = ["transformers", modules[name]] if modules.get(name) else [None, None]
     Path(folder, "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))

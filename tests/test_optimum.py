@@ -80,3 +80,30 @@ def test_same_latents_give_optimum_ort_pipelines_image(optimum_folder):
                       latents=torch.from_numpy(latents), output_type="np").images
     ours = run(OnnxStableDiffusionPipeline.from_pretrained(optimum_folder), height=SIZE, width=SIZE, latents=latents)
     assert np.abs(np.asarray(expected) - ours).max() <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def optimum_xl_folder(tmp_path_factory):
+    from optimum.exporters.onnx import main_export
+
+    from optimum_iobinding.export import build_tiny_random_xl_pipeline
+
+    root = tmp_path_factory.mktemp("optimum-xl")
+    build_tiny_random_xl_pipeline().save_pretrained(root / "torch")
+    main_export(str(root / "torch"), output=str(root / "onnx"), task="text-to-image")
+    return root / "onnx"
+
+
+def test_an_optimum_sdxl_export_gives_optimum_ort_sdxl_pipelines_image(optimum_xl_folder):
+    from optimum.onnxruntime import ORTStableDiffusionXLPipeline
+
+    from optimum_iobinding import OnnxStableDiffusionXLPipeline
+
+    latents = np.random.RandomState(0).randn(1, 4, SIZE // 8, SIZE // 8).astype(np.float32)
+    theirs = ORTStableDiffusionXLPipeline.from_pretrained(optimum_xl_folder, provider="CPUExecutionProvider")
+    theirs.set_progress_bar_config(disable=True)
+    expected = theirs("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=3,
+                      latents=torch.from_numpy(latents), output_type="np").images
+    ours = OnnxStableDiffusionXLPipeline.from_pretrained(optimum_xl_folder)
+    assert ours.unet.session.get_inputs()[1].shape == []  # optimum's scalar float timestep
+    assert np.abs(np.asarray(expected) - run(ours, height=SIZE, width=SIZE, latents=latents)).max() <= 1e-4

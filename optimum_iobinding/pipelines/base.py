@@ -49,6 +49,10 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
 
     _optional_components = ["vae_encoder", "safety_checker", "feature_extractor"]
     model_cpu_offload_seq = "text_encoder->unet->vae_decoder"
+    # the ONNX folders and tokenizers this pipeline loads, and the model_index.json settings it takes
+    _onnx_components: Tuple[str, ...] = ONNX_COMPONENTS
+    _tokenizer_names: Tuple[str, ...] = ("tokenizer",)
+    _index_settings: Tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -68,9 +72,13 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
             unet=unet, scheduler=scheduler, safety_checker=safety_checker, feature_extractor=feature_extractor,
         )
         self.register_to_config(requires_safety_checker=requires_safety_checker)
+        self._init_image_side()
+
+    def _init_image_side(self) -> None:
+        """What every pipeline reads from its VAE and UNet once, after its modules are registered."""
         self.vae_scale_factor = self._read_vae_scale_factor()
         self.latent_channels = self._read_latent_channels()
-        self.vae_scaling_factor = float(vae_decoder.config.get("scaling_factor", _DEFAULT_VAE_SCALING_FACTOR))
+        self.vae_scaling_factor = float(self.vae_decoder.config.get("scaling_factor", _DEFAULT_VAE_SCALING_FACTOR))
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor)
         self._call_lock = threading.RLock()
 
@@ -148,8 +156,9 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
             scheduler, tokenizer: replace the folder's.
             **hub_kwargs: for ``huggingface_hub.snapshot_download`` (revision, token, cache_dir, local_files_only).
         """
-        folder = _resolve_pipeline_folder(pretrained_model_name_or_path, **hub_kwargs)
-        index = _read_model_index(folder)
+        folder = _resolve_pipeline_folder(pretrained_model_name_or_path, cls._onnx_components, cls._tokenizer_names,
+                                          **hub_kwargs)
+        index = _read_model_index(folder, cls._onnx_components)
         providers, options = normalize_providers(provider, provider_options)
         stream = None
         if io_binding and providers[0] in CUDA_LIKE_PROVIDERS:
@@ -157,7 +166,7 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
             stream = torch.cuda.Stream(torch.device("cuda", int(options[0].get("device_id", 0))))
         components: Dict[str, Any] = {}
         try:
-            for name in ONNX_COMPONENTS:
+            for name in cls._onnx_components:
                 model_folder = folder / name
                 if not (model_folder / "model.onnx").is_file():
                     if name in cls._optional_components:
@@ -171,9 +180,16 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
                     model_folder, provider=provider, provider_options=provider_options, sess_options=sess_options,
                     io_binding=io_binding, stream=stream, cuda_graph=cuda_graph and name == "unet",
                 )
-            components["tokenizer"] = tokenizer if tokenizer is not None else _load_tokenizer(folder, index)
+            for name in cls._tokenizer_names:
+                if name == "tokenizer" and tokenizer is not None:
+                    components[name] = tokenizer
+                elif (folder / name).is_dir() or name not in cls._optional_components:
+                    components[name] = _load_tokenizer(folder, index, name)
+                else:
+                    components[name] = None
             components["scheduler"] = scheduler if scheduler is not None else _load_scheduler(folder, index)
-            return cls(**components)
+            settings = {key: index[key] for key in cls._index_settings if key in index}
+            return cls(**components, **settings)
         except BaseException:
             components.clear()  # release sessions now, not when the traceback goes
             raise
@@ -183,13 +199,18 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         target = Path(save_directory)
         target.mkdir(parents=True, exist_ok=True)
         written = []
-        for name in ONNX_COMPONENTS:
+        for name in self._onnx_components:
             model = getattr(self, name, None)
             if model is not None:
                 model.save_pretrained(target / name)
                 written.append(name)
-        save_tokenizer(self.tokenizer, target / "tokenizer")
+        for name in self._tokenizer_names:
+            if getattr(self, name, None) is not None:
+                save_tokenizer(getattr(self, name), target / name)
         self.scheduler.save_pretrained(str(target / "scheduler"))
+        self._write_model_index(target, written)
+
+    def _write_model_index(self, target: Path, written: List[str]) -> None:
         write_model_index(target, type(self.scheduler).__name__, type(self.tokenizer).__name__, written)
 
     # ----------------------------------------------------------------------------------------------- the pieces
@@ -379,6 +400,8 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
         unet_extra_channels: Optional[torch.Tensor] = None,
         after_step: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
+        unet_inputs: Optional[Dict[str, torch.Tensor]] = None,
+        guidance_rescale: float = 0.0,
     ) -> torch.Tensor:
         """The denoising loop. Every tensor stays on ``self.device``; nothing waits on the host.
 
@@ -389,6 +412,10 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
             unet_extra_channels: concatenated to the UNet input after scaling (an inpainting UNet's mask and masked
                 image latents), already doubled for guidance.
             after_step: ``after_step(i, latents) -> latents`` after each scheduler step (inpainting's blending).
+            unet_inputs: further UNet inputs, the same every step (SDXL's ``text_embeds`` and ``time_ids``, LCM's
+                ``timestep_cond``), already doubled for guidance.
+            guidance_rescale: rescales the guided noise towards the text branch's standard deviation (diffusers'
+                ``rescale_noise_cfg``, "Common Diffusion Noise Schedules and Sample Steps are Flawed" §3.4).
         Returns:
             The denoised latents.
         """
@@ -401,10 +428,12 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
             if unet_extra_channels is not None:
                 latent_model_input = torch.cat([latent_model_input, unet_extra_channels], dim=1)
             noise_pred = self.unet(sample=latent_model_input, timestep=timestep_inputs[i],
-                                   encoder_hidden_states=prompt_embeds)[0]
+                                   encoder_hidden_states=prompt_embeds, **(unet_inputs or {}))[0]
             if do_classifier_free_guidance:
                 noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
                 noise_pred = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
+                if guidance_rescale > 0.0:
+                    noise_pred = rescale_noise_cfg(noise_pred, noise_pred_text, guidance_rescale)
             else:
                 # multistep schedulers keep model outputs across steps: never hand them the reused UNet buffer
                 noise_pred = noise_pred.clone()
@@ -446,9 +475,23 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         """Decodes (unless ``output_type="latent"``) and packs the output as diffusers does."""
         image = latents if output_type == "latent" else self.postprocess(self.decode_latents(latents), output_type)
         self.maybe_free_model_hooks()
+        return self.pack_output(image, return_dict)
+
+    def pack_output(self, image: Any, return_dict: bool) -> Any:
+        """diffusers' output for this pipeline (no safety checker runs: ``nsfw_content_detected`` is ``None``)."""
         if not return_dict:
             return (image, None)
         return StableDiffusionPipelineOutput(images=image, nsfw_content_detected=None)
+
+
+def rescale_noise_cfg(noise_cfg: torch.Tensor, noise_pred_text: torch.Tensor, guidance_rescale: float) -> torch.Tensor:
+    """Guided noise rescaled to the text branch's per-sample standard deviation, mixed back by ``guidance_rescale``
+    (the correction of "Common Diffusion Noise Schedules and Sample Steps are Flawed", as diffusers applies it)."""
+    dims = list(range(1, noise_pred_text.ndim))
+    std_text = noise_pred_text.std(dim=dims, keepdim=True)
+    std_cfg = noise_cfg.std(dim=dims, keepdim=True)
+    rescaled = noise_cfg * (std_text / std_cfg)
+    return guidance_rescale * rescaled + (1 - guidance_rescale) * noise_cfg
 
 
 def on_device_stream(method: Callable) -> Callable:
@@ -475,7 +518,8 @@ def on_device_stream(method: Callable) -> Callable:
 
 
 # ------------------------------------------------------------------------------------------------------ loading
-def _resolve_pipeline_folder(name_or_path: Union[str, os.PathLike], **hub_kwargs: Any) -> Path:
+def _resolve_pipeline_folder(name_or_path: Union[str, os.PathLike], onnx_components: Sequence[str] = ONNX_COMPONENTS,
+                             tokenizers: Sequence[str] = ("tokenizer",), **hub_kwargs: Any) -> Path:
     path = Path(name_or_path)
     if path.is_dir():
         return path
@@ -484,11 +528,11 @@ def _resolve_pipeline_folder(name_or_path: Union[str, os.PathLike], **hub_kwargs
                                 "nor a hub repository id")
     from huggingface_hub import snapshot_download
 
-    patterns = [f"{c}/*" for c in ONNX_COMPONENTS] + ["tokenizer/*", "scheduler/*", "model_index.json"]
+    patterns = [f"{c}/*" for c in [*onnx_components, *tokenizers]] + ["scheduler/*", "model_index.json"]
     return Path(snapshot_download(str(name_or_path), allow_patterns=patterns, **hub_kwargs))
 
 
-def _read_model_index(folder: Path) -> Dict[str, Any]:
+def _read_model_index(folder: Path, onnx_components: Sequence[str] = ONNX_COMPONENTS) -> Dict[str, Any]:
     index_path = folder / "model_index.json"
     if not index_path.is_file():
         raise FileNotFoundError(f"pretrained_model_name_or_path: expected a model_index.json in {str(folder)!r}")
@@ -496,7 +540,7 @@ def _read_model_index(folder: Path) -> Dict[str, Any]:
     for name, value in index.items():
         if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[1] is None:
             continue
-        if name in ONNX_COMPONENTS or name in ("unet",):
+        if name in onnx_components:
             if value[1] not in _ONNX_COMPONENT_CLASSES:
                 raise ValueError(f"model_index.json: component {name!r} is {value}; expected an ONNX component "
                                  f"(one of {sorted(_ONNX_COMPONENT_CLASSES)})")
@@ -525,10 +569,10 @@ def _load_scheduler(folder: Path, index: Dict[str, Any]) -> SchedulerMixin:
     return scheduler_class.from_pretrained(str(folder), subfolder="scheduler")
 
 
-def _load_tokenizer(folder: Path, index: Dict[str, Any]) -> Any:
+def _load_tokenizer(folder: Path, index: Dict[str, Any], name: str = "tokenizer") -> Any:
     import transformers
 
-    if not (folder / "tokenizer").is_dir():
-        raise FileNotFoundError(f"pretrained_model_name_or_path: expected a tokenizer folder in {str(folder)!r}")
-    tokenizer_class = _component_class(index, "tokenizer", transformers, None, "CLIPTokenizer")
-    return tokenizer_class.from_pretrained(str(folder / "tokenizer"))
+    if not (folder / name).is_dir():
+        raise FileNotFoundError(f"pretrained_model_name_or_path: expected a {name} folder in {str(folder)!r}")
+    tokenizer_class = _component_class(index, name, transformers, None, "CLIPTokenizer")
+    return tokenizer_class.from_pretrained(str(folder / name))
