@@ -4,6 +4,7 @@ from typing import Any
 
 from .model import IOBindingORTModel
 from .shapes import infer_output_shapes
+from .tiling import TiledVAE
 
 __version__ = "0.1.0"
 
@@ -13,9 +14,10 @@ _PIPELINES = (
     "OnnxStableDiffusionInpaintPipeline",
     "OnnxStableDiffusionXLPipeline",
     "OnnxStableDiffusionXLImg2ImgPipeline",
+    "OnnxLatentConsistencyModelPipeline",
 )
 
-__all__ = ["IOBindingORTModel", "infer_output_shapes", "__version__", *_PIPELINES]
+__all__ = ["IOBindingORTModel", "infer_output_shapes", "TiledVAE", "__version__", *_PIPELINES]
 
 
 def __getattr__(name: str) -> Any:

@@ -32,21 +32,39 @@ from .shapes import inferencer_from_session
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
-# Execution providers whose memory is a CUDA device that torch can address as ``cuda:N``.
+# Execution providers whose memory is a CUDA device that torch can address as ``cuda:N``; they get the diffusion
+# defaults, the shared stream and CUDA graphs.
 CUDA_LIKE_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+# AMD GPUs: a ROCm build of torch addresses them as ``cuda:N`` too, so their tensors bind the same way (device type
+# "cuda", the provider's device_id). Untested here (no AMD GPU): no shared stream or graphs — ORT runs on its own
+# stream after the caller's stream is synchronized, as for a CUDA session created without user_compute_stream.
+ROCM_LIKE_PROVIDERS = ("ROCMExecutionProvider", "MIGraphXExecutionProvider")
+GPU_PROVIDERS = CUDA_LIKE_PROVIDERS + ROCM_LIKE_PROVIDERS
+# Providers whose device memory torch cannot address: nothing to bind a data_ptr to.
+UNBINDABLE_PROVIDERS = {
+    "DmlExecutionProvider": (
+        "DirectML device memory has no torch device, so torch tensors cannot be bound to it by data_ptr. Use "
+        "io_binding=False (session.run on numpy arrays, which ORT copies to the DirectML device: what diffusers' and "
+        "optimum's DirectML pipelines do), or CUDAExecutionProvider on NVIDIA / ROCMExecutionProvider or "
+        "MIGraphXExecutionProvider on AMD GPUs with io_binding=True"
+    ),
+}
 
 ProviderSpec = Union[str, Tuple[str, Dict[str, Any]], Sequence[Union[str, Tuple[str, Dict[str, Any]]]], None]
 InputValue = Union[torch.Tensor, np.ndarray, np.generic, int, float, bool]
 
 
 def normalize_providers(
-    provider: ProviderSpec, provider_options: Union[Dict[str, Any], Sequence[Dict[str, Any]], None] = None
+    provider: ProviderSpec,
+    provider_options: Union[Dict[str, Any], Sequence[Dict[str, Any]], None] = None,
+    io_binding: bool = False,
 ) -> Tuple[List[str], List[Dict[str, str]]]:
     """Turns the ways users name providers into ORT's two aligned lists, and checks the build has them.
 
     ``provider`` may be one name, a ``(name, options)`` pair, or a list of either, as ``InferenceSession`` takes
     them; ``None`` means ``"CPUExecutionProvider"``, as in diffusers. ``provider_options`` is one dict (for a single
-    provider) or a list aligned with the providers; options given in pairs win over it.
+    provider) or a list aligned with the providers; options given in pairs win over it. With ``io_binding`` a first
+    provider whose memory torch cannot address (DirectML) is refused, saying what to use instead.
     """
     if provider is None:
         provider = "CPUExecutionProvider"
@@ -70,6 +88,8 @@ def normalize_providers(
                 f"provider_options: expected {len(names)} dict(s), one per provider {names}, got {len(extra)}"
             )
         options = [{**given, **paired} for given, paired in zip(extra, options)]
+    if io_binding and names and names[0] in UNBINDABLE_PROVIDERS:
+        raise ValueError(f"provider: {names[0]!r} with io_binding=True: {UNBINDABLE_PROVIDERS[names[0]]}")
     available = ort.get_available_providers()
     for name in names:
         if name not in available:
@@ -98,7 +118,7 @@ def create_session(
 def session_device(session: ort.InferenceSession) -> torch.device:
     """The torch device where the session's first execution provider keeps its tensors."""
     provider = session.get_providers()[0]
-    if provider in CUDA_LIKE_PROVIDERS:
+    if provider in GPU_PROVIDERS:
         options = session.get_provider_options().get(provider, {})
         return torch.device("cuda", int(options.get("device_id", 0)))
     return torch.device("cpu")
@@ -185,7 +205,7 @@ class IOBindingORTModel:
                 raise ValueError("stream: a stream is set when a session is created; pass a path (or create the "
                                  "session with the provider option user_compute_stream) instead of a session")
         elif isinstance(session_or_path, (str, os.PathLike)):
-            providers, provider_option_list = normalize_providers(provider, provider_options)
+            providers, provider_option_list = normalize_providers(provider, provider_options, io_binding)
             if io_binding and providers[0] in CUDA_LIKE_PROVIDERS:
                 provider_option_list = with_diffusion_defaults(providers, provider_option_list)
                 if stream is None:
@@ -208,6 +228,9 @@ class IOBindingORTModel:
                         f"{sorted(t[7:-1] for t in ORT_TO_TORCH)}"
                     )
         device = session_device(session)
+        if io_binding and session.get_providers()[0] in UNBINDABLE_PROVIDERS:
+            raise ValueError(f"session: {session.get_providers()[0]!r} with io_binding=True: "
+                             f"{UNBINDABLE_PROVIDERS[session.get_providers()[0]]}")
         if io_binding and device.type == "cpu" and session.get_providers()[0] != "CPUExecutionProvider":
             raise ValueError(
                 f"provider: IOBindingORTModel binds torch tensors on CPU or CUDA devices; "

@@ -280,3 +280,23 @@ def test_a_pipeline_on_cuda_1_matches_cuda_0_and_allocates_nothing_on_cuda_0(tin
     images_0 = generate(pipeline(tiny_folder))
     assert np.abs(images_1 - images_0).max() <= 1e-5
     assert grown < 2**20
+
+
+def test_tiled_vae_with_overlapped_copies_equals_the_sequential_and_the_on_device_results(tiny_folder):
+    from optimum_iobinding import IOBindingORTModel, TiledVAE
+
+    decoder = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="vae_decoder", provider=CUDA,
+                                                provider_options=EXACT)
+    encoder = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="vae_encoder", provider=CUDA,
+                                                provider_options=EXACT)
+    overlapped = TiledVAE(decoder, encoder, tile_sample_size=64)
+    sequential = TiledVAE(decoder, encoder, tile_sample_size=64, overlap_copies=False)
+    latents = torch.randn(1, 4, 40, 36, generator=torch.Generator().manual_seed(0)).to("cuda")
+    on_device = (overlapped.decode(latents) / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
+    streamed = overlapped.decode_to_host(latents)
+    np.testing.assert_array_equal(streamed, sequential.decode_to_host(latents))
+    np.testing.assert_allclose(streamed, on_device, atol=1e-6)
+    image = torch.rand(1, 3, 320, 288, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    uploaded = overlapped.encode(image)  # from the host, tile by tile through pinned memory
+    torch.testing.assert_close(uploaded, sequential.encode(image), atol=0, rtol=0)
+    torch.testing.assert_close(uploaded, overlapped.encode(image.to("cuda")), atol=1e-6, rtol=0)

@@ -474,3 +474,30 @@ def test_cuda_session_binds_device_tensors_in_place_and_returns_device_tensors()
     (y,) = model(x=x)
     assert y.device == model.device
     assert torch.equal(y.cpu(), torch.cat([x, x]).t().cpu())
+
+
+def test_directml_with_binding_is_refused_saying_what_to_use_instead(tmp_path, concat_model):
+    path = tmp_path / "model.onnx"
+    onnx.save(concat_model, str(path))
+    with pytest.raises(ValueError, match="DmlExecutionProvider.*io_binding=False"):
+        IOBindingORTModel(path, provider="DmlExecutionProvider")
+    # without binding DirectML is only a provider this build lacks, as any other
+    with pytest.raises(ValueError, match="not available in this onnxruntime build"):
+        IOBindingORTModel(path, provider="DmlExecutionProvider", io_binding=False)
+
+
+def test_an_amd_gpu_session_binds_on_the_torch_cuda_device_of_its_device_id():
+    from optimum_iobinding.model import session_device
+
+    class RocmSession:  # what a ROCm/MIGraphX session reports (no AMD GPU here to make a real one)
+        def __init__(self, provider):
+            self.provider = provider
+
+        def get_providers(self):
+            return [self.provider, "CPUExecutionProvider"]
+
+        def get_provider_options(self):
+            return {self.provider: {"device_id": "1"}, "CPUExecutionProvider": {}}
+
+    for provider in ("ROCMExecutionProvider", "MIGraphXExecutionProvider"):
+        assert session_device(RocmSession(provider)) == torch.device("cuda", 1)

@@ -298,3 +298,8 @@ def test_other_diffusers_schedulers_match_the_numpy_loop_too(tiny_folder, schedu
         # a torch generator: Euler ancestral draws fresh noise every step from it
         images.append(generate(pipe, "txt2img", generator=torch.Generator().manual_seed(0)))
     assert np.abs(images[0] - images[1]).max() <= 1e-4 and images[0].std() > 0.01
+
+
+def test_a_directml_pipeline_with_binding_is_refused_before_anything_loads(tiny_folder):
+    with pytest.raises(ValueError, match="DirectML.*io_binding=False"):
+        OnnxStableDiffusionPipeline.from_pretrained(tiny_folder, provider="DmlExecutionProvider")

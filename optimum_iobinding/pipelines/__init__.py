@@ -3,6 +3,7 @@
 from .base import OnnxStableDiffusionPipelineBase
 from .img2img import OnnxStableDiffusionImg2ImgPipeline
 from .inpaint import OnnxStableDiffusionInpaintPipeline
+from .latent_consistency import OnnxLatentConsistencyModelPipeline
 from .stable_diffusion import OnnxStableDiffusionPipeline
 from .stable_diffusion_xl import OnnxStableDiffusionXLImg2ImgPipeline, OnnxStableDiffusionXLPipeline
 
@@ -13,4 +14,5 @@ __all__ = [
     "OnnxStableDiffusionInpaintPipeline",
     "OnnxStableDiffusionXLPipeline",
     "OnnxStableDiffusionXLImg2ImgPipeline",
+    "OnnxLatentConsistencyModelPipeline",
 ]

@@ -23,6 +23,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from ..export import ONNX_COMPONENTS, save_tokenizer, write_model_index
 from ..model import CUDA_LIKE_PROVIDERS, IOBindingORTModel, ProviderSpec, normalize_providers
 from ..shapes import infer_output_shapes
+from ..tiling import TiledVAE
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
     _onnx_components: Tuple[str, ...] = ONNX_COMPONENTS
     _tokenizer_names: Tuple[str, ...] = ("tokenizer",)
     _index_settings: Tuple[str, ...] = ()
+    # UNet inputs beyond sample, timestep and encoder_hidden_states that this pipeline feeds
+    _unet_extra_inputs: Tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -76,6 +79,8 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
 
     def _init_image_side(self) -> None:
         """What every pipeline reads from its VAE and UNet once, after its modules are registered."""
+        self._check_unet_inputs()
+        self._vae_tiler: Optional[TiledVAE] = None
         self.vae_scale_factor = self._read_vae_scale_factor()
         self.latent_channels = self._read_latent_channels()
         self.vae_scaling_factor = float(self.vae_decoder.config.get("scaling_factor", _DEFAULT_VAE_SCALING_FACTOR))
@@ -100,6 +105,21 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
     @property
     def io_binding(self) -> bool:
         return self.unet.io_binding
+
+    def _check_unet_inputs(self) -> None:
+        declared = [arg.name for arg in self.unet.session.get_inputs()]
+        expected = ["sample", "timestep", "encoder_hidden_states", *self._unet_extra_inputs]
+        unexpected = [name for name in declared if name not in expected]
+        missing = [name for name in expected if name not in declared]
+        if not unexpected and not missing:
+            return
+        hints = {"timestep_cond": "an LCM UNet: use OnnxLatentConsistencyModelPipeline",
+                 "text_embeds": "an SDXL UNet: use OnnxStableDiffusionXLPipeline or its Img2Img",
+                 "time_ids": "an SDXL UNet: use OnnxStableDiffusionXLPipeline or its Img2Img"}
+        hint = next((hints[name] for name in unexpected if name in hints), None)
+        if hint is None and missing:
+            hint = f"{type(self).__name__} needs a UNet exported with {missing}"
+        raise ValueError(f"unet: expected inputs {expected}, got {declared} ({hint})")
 
     def _read_vae_scale_factor(self) -> int:
         blocks = self.vae_decoder.config.get("block_out_channels")
@@ -159,7 +179,7 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         folder = _resolve_pipeline_folder(pretrained_model_name_or_path, cls._onnx_components, cls._tokenizer_names,
                                           **hub_kwargs)
         index = _read_model_index(folder, cls._onnx_components)
-        providers, options = normalize_providers(provider, provider_options)
+        providers, options = normalize_providers(provider, provider_options, io_binding)
         stream = None
         if io_binding and providers[0] in CUDA_LIKE_PROVIDERS:
             # one stream for every component and every torch op of the loop: nothing to synchronize between them
@@ -352,10 +372,34 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
             kwargs["generator"] = generator
         return kwargs
 
+    # ------------------------------------------------------------------------------------------------- tiling
+    def enable_vae_tiling(self, tile_sample_size: Optional[int] = None, overlap: float = 0.25,
+                          overlap_copies: bool = True) -> None:
+        """Decode (and encode) images larger than a tile tile by tile, as diffusers' ``enable_vae_tiling`` does,
+        with each tile's host transfer overlapping the next tile's compute on CUDA (see :class:`TiledVAE`).
+
+        Args:
+            tile_sample_size: tile size in pixels; default the VAE config's ``sample_size`` (diffusers' choice).
+            overlap: fraction of a tile blended with each neighbour.
+            overlap_copies: overlap transfers with compute (``False``: the sequential comparison).
+        """
+        size = tile_sample_size or int(self.vae_decoder.config.get("sample_size", 512))
+        self._vae_tiler = TiledVAE(self.vae_decoder, self.vae_encoder, size, self.vae_scale_factor, overlap,
+                                   overlap_copies)
+
+    def disable_vae_tiling(self) -> None:
+        self._vae_tiler = None
+
+    def _tiles_latents(self, latents: torch.Tensor) -> bool:
+        tiler = self._vae_tiler
+        return tiler is not None and max(latents.shape[-2:]) > tiler.tile_latent_size
+
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Images in [-1, 1], NCHW, on ``self.device``. One image per VAE call, as diffusers' ONNX pipeline does
         (fp16 VAE exports misbehave at batch > 1)."""
         latents = latents / self.vae_scaling_factor
+        if self._tiles_latents(latents):
+            return torch.cat([self._vae_tiler.decode(latents[i : i + 1]) for i in range(latents.shape[0])])
         # each call reuses the decoder's output buffer: copy each image out before the next call
         return torch.cat([self.vae_decoder(latent_sample=latents[i : i + 1])[0].clone()
                           for i in range(latents.shape[0])])
@@ -365,8 +409,13 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         distribution's parameters: sampled here with ``generator`` (its mean for a numpy generator)."""
         if self.vae_encoder is None:
             raise ValueError("vae_encoder: this pipeline needs one, and the folder has no vae_encoder/model.onnx")
-        image = image.to(device=self.device, dtype=self.vae_encoder.input_dtypes["sample"])
-        latents = torch.cat([self.vae_encoder(sample=image[i : i + 1])[0].clone() for i in range(image.shape[0])])
+        tiler = self._vae_tiler
+        if tiler is not None and max(image.shape[-2:]) > tiler.tile_sample_size:
+            latents = torch.cat([tiler.encode(image[i : i + 1]) for i in range(image.shape[0])])
+        else:
+            image = image.to(device=self.device, dtype=self.vae_encoder.input_dtypes["sample"])
+            latents = torch.cat([self.vae_encoder(sample=image[i : i + 1])[0].clone()
+                                 for i in range(image.shape[0])])
         if self.vae_encoder.output_names[0] == "latent_parameters":
             mean, logvar = latents.chunk(2, dim=1)
             if isinstance(generator, torch.Generator):
@@ -402,6 +451,7 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         after_step: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
         unet_inputs: Optional[Dict[str, torch.Tensor]] = None,
         guidance_rescale: float = 0.0,
+        return_denoised: bool = False,
     ) -> torch.Tensor:
         """The denoising loop. Every tensor stays on ``self.device``; nothing waits on the host.
 
@@ -416,6 +466,8 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
                 ``timestep_cond``), already doubled for guidance.
             guidance_rescale: rescales the guided noise towards the text branch's standard deviation (diffusers'
                 ``rescale_noise_cfg``, "Common Diffusion Noise Schedules and Sample Steps are Flawed" §3.4).
+            return_denoised: return the last step's denoised prediction (the second output of ``LCMScheduler.step``)
+                instead of its next sample, as diffusers' LCM pipeline decodes.
         Returns:
             The denoised latents.
         """
@@ -437,7 +489,10 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
             else:
                 # multistep schedulers keep model outputs across steps: never hand them the reused UNet buffer
                 noise_pred = noise_pred.clone()
-            latents = self.scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)[0]
+            step_output = self.scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)
+            latents = step_output[0]
+            if return_denoised:
+                denoised = step_output[1]
             if after_step is not None:
                 latents = after_step(i, latents)
 
@@ -449,7 +504,7 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
                 replaced = callback_on_step_end(self, i, t, tensors) or {}
                 latents = replaced.get("latents", latents)
                 prompt_embeds = replaced.get("prompt_embeds", prompt_embeds)
-        return latents
+        return denoised if return_denoised else latents
 
     def set_timesteps(self, num_inference_steps: int) -> torch.Tensor:
         """Sets the scheduler's timesteps, keeping its state on the CPU: its per-step scalars (sigmas, alphas) then
@@ -472,8 +527,18 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         return timesteps
 
     def finish(self, latents: torch.Tensor, output_type: str, return_dict: bool):
-        """Decodes (unless ``output_type="latent"``) and packs the output as diffusers does."""
-        image = latents if output_type == "latent" else self.postprocess(self.decode_latents(latents), output_type)
+        """Decodes (unless ``output_type="latent"``) and packs the output as diffusers does. A tiled decode to "np"
+        or "pil" on CUDA downloads each tile while the next one decodes."""
+        scaled = latents / self.vae_scaling_factor
+        if output_type in ("np", "pil") and latents.device.type == "cuda" and self._tiles_latents(scaled):
+            image = np.concatenate([self._vae_tiler.decode_to_host(scaled[i : i + 1])
+                                    for i in range(scaled.shape[0])])
+            if output_type == "pil":
+                image = self.image_processor.numpy_to_pil(image)
+        elif output_type == "latent":
+            image = latents
+        else:
+            image = self.postprocess(self.decode_latents(latents), output_type)
         self.maybe_free_model_hooks()
         return self.pack_output(image, return_dict)
 

@@ -1,0 +1,88 @@
+"""Latent Consistency Models (LCM): few-step text-to-image with a UNet that takes the guidance scale as an embedding
+(``timestep_cond``) instead of a second, unconditional batch — the loop where the host's per-step overhead weighs
+most, so the device loop and CUDA graphs matter most."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .base import Generator, OnnxStableDiffusionPipelineBase, on_device_stream
+
+
+def guidance_scale_embedding(w: torch.Tensor, embedding_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Sinusoidal embedding of ``w * 1000`` (one row per value), the guidance conditioning LCM UNets are trained
+    with (Meng et al., "On Distillation of Guided Diffusion Models"; diffusers' ``get_guidance_scale_embedding``)."""
+    half = embedding_dim // 2
+    frequencies = torch.exp(torch.arange(half, dtype=dtype) * -(math.log(10000.0) / (half - 1)))
+    angles = (w.to(dtype) * 1000.0)[:, None] * frequencies[None, :]
+    embedding = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    if embedding_dim % 2 == 1:
+        embedding = torch.nn.functional.pad(embedding, (0, 1))
+    return embedding
+
+
+class OnnxLatentConsistencyModelPipeline(OnnxStableDiffusionPipelineBase):
+    """Text-to-image with an LCM UNet (``timestep_cond`` input) and ``LCMScheduler``, with the arguments of diffusers'
+    ``LatentConsistencyModelPipeline``: no unconditional batch (guidance goes in as an embedding), the scheduler's
+    denoised prediction decoded after the last of a few steps."""
+
+    _unet_extra_inputs = ("timestep_cond",)
+
+    @property
+    def time_cond_proj_dim(self) -> int:
+        declared = next(arg.shape for arg in self.unet.session.get_inputs() if arg.name == "timestep_cond")
+        if isinstance(declared[-1], int):
+            return declared[-1]
+        return int(self.unet.config["time_cond_proj_dim"])
+
+    @torch.no_grad()
+    @on_device_stream
+    def __call__(
+        self,
+        prompt: Union[str, List[str], None] = None,
+        height: Optional[int] = 512,
+        width: Optional[int] = 512,
+        num_inference_steps: int = 4,
+        original_inference_steps: Optional[int] = None,
+        guidance_scale: float = 8.5,
+        num_images_per_prompt: int = 1,
+        generator: Generator = None,
+        latents: Optional[Union[torch.Tensor, np.ndarray]] = None,
+        prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+    ):
+        """Generates images in a few steps. ``guidance_scale`` is embedded (``w = guidance_scale - 1``), not applied
+        as classifier-free guidance, so the UNet runs once per step on the prompt batch alone.
+
+        Returns:
+            ``StableDiffusionPipelineOutput(images, nsfw_content_detected=None)``, or a tuple without return_dict.
+        """
+        self.check_inputs(prompt, height, width, num_inference_steps, None, None, prompt_embeds, None, output_type)
+        batch_size = self.batch_size_of(prompt, prompt_embeds)
+        prompt_embeds = self.encode_prompt(prompt, num_images_per_prompt, False, prompt_embeds=prompt_embeds)
+        rows = batch_size * num_images_per_prompt
+
+        self.scheduler.set_timesteps(num_inference_steps, original_inference_steps=original_inference_steps)
+        timesteps = self.scheduler.timesteps
+        if hasattr(self.scheduler, "set_begin_index"):
+            self.scheduler.set_begin_index(0)
+        latents_shape = (rows, self.latent_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
+        latents = self.prepare_latents(latents_shape, prompt_embeds.dtype, generator, latents)
+        latents = latents * self.scheduler.init_noise_sigma
+
+        w = torch.full((rows,), guidance_scale - 1.0)
+        timestep_cond = guidance_scale_embedding(w, self.time_cond_proj_dim).to(self.device, prompt_embeds.dtype)
+        denoised = self.denoise(
+            latents, timesteps, prompt_embeds, 1.0, self.scheduler_step_kwargs(generator, 0.0),
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            unet_inputs={"timestep_cond": timestep_cond}, return_denoised=True,
+        )
+        return self.finish(denoised.to(prompt_embeds.dtype), output_type, return_dict)

@@ -1,0 +1,95 @@
+"""Tiled VAE decoding and encoding (CPU here; the overlapped CUDA transfers are checked in test_gpu.py): the same
+tiles and blends as diffusers' AutoencoderKL tiling, on the tiny VAE's weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionPipeline, TiledVAE
+from optimum_iobinding.export import build_tiny_random_pipeline, export_pipeline
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    torch_pipe = build_tiny_random_pipeline()
+    torch_pipe.set_progress_bar_config(disable=True)
+    folder = export_pipeline(None, tmp_path_factory.mktemp("tiling") / "sd", torch_pipeline=torch_pipe,
+                             progress=False)
+    return torch_pipe, folder
+
+
+@pytest.fixture(scope="module")
+def tiler(tiny):
+    torch_pipe, folder = tiny
+    decoder = IOBindingORTModel.from_pretrained(folder, subfolder="vae_decoder")
+    encoder = IOBindingORTModel.from_pretrained(folder, subfolder="vae_encoder")
+    # diffusers' tile: the VAE's sample_size (64 px, 8 latents for the tiny VAE)
+    return TiledVAE(decoder, encoder, tile_sample_size=torch_pipe.vae.config.sample_size)
+
+
+def torch_vae(tiny):
+    vae = tiny[0].vae
+    vae.enable_tiling()
+    return vae
+
+
+@pytest.mark.parametrize("latent_shape", [(1, 4, 20, 20), (1, 4, 16, 26), (2, 4, 13, 9)])
+def test_tiled_decode_matches_diffusers_tiled_decode(tiny, tiler, latent_shape):
+    latents = torch.randn(*latent_shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = torch_vae(tiny).tiled_decode(latents).sample
+    got = tiler.decode(latents)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=0)
+
+
+def test_decoding_to_the_host_gives_the_postprocessed_tiled_image(tiler):
+    latents = torch.randn(1, 4, 20, 28, generator=torch.Generator().manual_seed(1))
+    expected = (tiler.decode(latents) / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    got = tiler.decode_to_host(latents)
+    assert got.dtype == np.float32 and got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("size", [(192, 240), (128, 64)])
+def test_tiled_encode_matches_diffusers_tiled_encode(tiny, tiler, size):
+    image = torch.rand(1, 3, *size, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    with torch.no_grad():
+        expected = DiagonalGaussianDistribution(torch_vae(tiny)._tiled_encode(image)).mode()
+    torch.testing.assert_close(tiler.encode(image), expected, atol=TOLERANCE, rtol=0)
+
+
+def test_a_pipeline_with_vae_tiling_matches_diffusers_with_vae_tiling(tiny):
+    torch_pipe, folder = tiny
+    torch_vae(tiny)
+    latents = torch.randn(1, 4, 20, 24, generator=torch.Generator().manual_seed(3))
+    expected = torch_pipe("a cat", height=160, width=192, num_inference_steps=2, latents=latents,
+                          output_type="np").images
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.enable_vae_tiling()
+    assert pipe._vae_tiler.tile_sample_size == torch_pipe.vae.config.sample_size
+    got = pipe("a cat", height=160, width=192, num_inference_steps=2, latents=latents, output_type="np").images
+    np.testing.assert_allclose(got, expected, atol=TOLERANCE)
+    pipe.disable_vae_tiling()
+    untiled = pipe("a cat", height=160, width=192, num_inference_steps=2, latents=latents, output_type="np").images
+    assert np.abs(untiled - got).max() > TOLERANCE  # the tiling really was on: random weights see the seams
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (dict(tile_sample_size=60), "tile_sample_size: expected a positive multiple of 8"),
+    (dict(tile_sample_size=64, overlap=1.0), r"overlap: expected a fraction in \[0, 1\)"),
+])
+def test_bad_tiling_arguments_are_refused(tiler, arguments, message):
+    with pytest.raises(ValueError, match=message):
+        TiledVAE(tiler.vae_decoder, **arguments)
+
+
+def test_decoding_without_a_decoder_says_so():
+    with pytest.raises(ValueError, match="vae_decoder"):
+        TiledVAE(None, tile_sample_size=64).decode(torch.zeros(1, 4, 16, 16))
