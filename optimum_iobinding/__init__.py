@@ -3,6 +3,7 @@
 from typing import Any
 
 from .model import IOBindingORTModel
+from .optimum_parts import accelerate
 from .shapes import infer_output_shapes
 from .tiling import TiledVAE
 
@@ -17,7 +18,7 @@ _PIPELINES = (
     "OnnxLatentConsistencyModelPipeline",
 )
 
-__all__ = ["IOBindingORTModel", "infer_output_shapes", "TiledVAE", "__version__", *_PIPELINES]
+__all__ = ["IOBindingORTModel", "infer_output_shapes", "TiledVAE", "accelerate", "__version__", *_PIPELINES]
 
 
 def __getattr__(name: str) -> Any:

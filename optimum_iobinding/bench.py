@@ -37,7 +37,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-PEERS = ("numpy", "optimum", "binding", "graph", "torch")
+PEERS = ("numpy", "optimum", "accelerated", "binding", "graph", "torch")
+# peers that run in the optimum-onnx environment (--optimum-pythonpath)
+OPTIMUM_PEERS = ("optimum", "accelerated")
 MODEL_SIZES = {"tiny": 512, "small": 256, "sd15": 512}
 PROMPT = "a photo of an astronaut riding a horse on mars"
 
@@ -164,10 +166,14 @@ def load_peer(peer: str, folder: Path, kind: str, dtype: str):
         if pipe.unet.model.get_providers()[0] != "CUDAExecutionProvider":
             raise RuntimeError(f"numpy peer: the UNet runs on {pipe.unet.model.get_providers()}, not CUDA")
         latents_of = lambda lat: lat.astype(np.float16 if dtype == "fp16" else np.float32)  # noqa: E731
-    elif peer == "optimum":
+    elif peer in OPTIMUM_PEERS:
         from optimum.onnxruntime import ORTStableDiffusionPipeline
 
         pipe = ORTStableDiffusionPipeline.from_pretrained(folder, provider="CUDAExecutionProvider", use_io_binding=True)
+        if peer == "accelerated":  # optimum's pipeline and loop, its parts switched to our fast path
+            from .optimum_parts import accelerate
+
+            accelerate(pipe, cuda_graph=True)
         latents_of = lambda lat: torch.from_numpy(lat).to("cuda", torch_dtype)  # noqa: E731
     elif peer in ("binding", "graph"):
         from .pipelines import OnnxStableDiffusionPipeline
@@ -328,7 +334,8 @@ def benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[st
             image = work / f"image-{kind}-{dtype}-{export}-{peer}.npy"
             peer_args = ["--run-peer", peer, "--folder", str(folder), "--model", kind, "--dtype", dtype,
                          "--steps", str(steps), "--runs", str(runs), "--warmup", str(warmup), "--image", str(image)]
-            row["peers"][peer] = _subprocess(peer_args, optimum_pythonpath if peer == "optimum" else None, timeout)
+            row["peers"][peer] = _subprocess(peer_args, optimum_pythonpath if peer in OPTIMUM_PEERS else None,
+                                             timeout)
             progress.update()
         reference = row["peers"].get("numpy", {}).get("image")
         for result in row["peers"].values():
@@ -386,7 +393,7 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
     except ImportError:
         return
     labels, values, colors = [], [], []
-    palette = {"numpy": "#999999", "optimum": "#e69f00", "binding": "#56b4e9", "graph": "#009e73", "torch": "#cc79a7"}
+    palette = {"numpy": "#999999", "optimum": "#e69f00", "accelerated": "#d55e00", "binding": "#56b4e9", "graph": "#009e73", "torch": "#cc79a7"}
     for row in results["rows"]:
         for peer, result in row["peers"].items():
             if "error" not in result:

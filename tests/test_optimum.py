@@ -107,3 +107,72 @@ def test_an_optimum_sdxl_export_gives_optimum_ort_sdxl_pipelines_image(optimum_x
     ours = OnnxStableDiffusionXLPipeline.from_pretrained(optimum_xl_folder)
     assert ours.unet.session.get_inputs()[1].shape == []  # optimum's scalar float timestep
     assert np.abs(np.asarray(expected) - run(ours, height=SIZE, width=SIZE, latents=latents)).max() <= 1e-4
+
+
+def latents_for_run():
+    return torch.from_numpy(np.random.RandomState(0).randn(1, 4, SIZE // 8, SIZE // 8).astype(np.float32))
+
+
+def optimum_images(pipe, **kwargs):
+    pipe.set_progress_bar_config(disable=True)
+    return np.asarray(pipe("a photo of a cat", height=SIZE, width=SIZE, latents=latents_for_run(), output_type="np",
+                           **kwargs).images)
+
+
+def test_accelerate_switches_every_part_in_place_and_changes_no_image(optimum_folder):
+    from optimum.onnxruntime import ORTStableDiffusionPipeline
+
+    from optimum_iobinding import IOBindingORTModel
+    from optimum_iobinding import accelerate
+
+    pipe = ORTStableDiffusionPipeline.from_pretrained(optimum_folder, provider="CPUExecutionProvider")
+    before = optimum_images(pipe, num_inference_steps=3)
+    assert accelerate(pipe) is pipe
+    for part in (pipe.unet, pipe.text_encoder, pipe.vae_encoder, pipe.vae_decoder):
+        assert type(part).__name__.startswith("Accelerated") and isinstance(part.fast_model, IOBindingORTModel)
+    assert pipe.vae.decoder is pipe.vae_decoder and set(pipe.parts) == {pipe.unet, pipe.text_encoder,
+                                                                        pipe.vae_encoder, pipe.vae_decoder}
+    np.testing.assert_allclose(optimum_images(pipe, num_inference_steps=3), before, atol=1e-5)
+    # a multistep scheduler keeps earlier model outputs: they must not be buffers the next step overwrites
+    from diffusers import DPMSolverMultistepScheduler
+
+    pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
+    fresh = ORTStableDiffusionPipeline.from_pretrained(optimum_folder, provider="CPUExecutionProvider")
+    fresh.scheduler = DPMSolverMultistepScheduler.from_config(fresh.scheduler.config)
+    np.testing.assert_allclose(optimum_images(pipe, num_inference_steps=4, guidance_scale=1.0),
+                               optimum_images(fresh, num_inference_steps=4, guidance_scale=1.0), atol=1e-5)
+
+
+def test_accelerate_an_optimum_sdxl_pipeline(optimum_xl_folder):
+    from optimum.onnxruntime import ORTStableDiffusionXLPipeline
+
+    from optimum_iobinding import accelerate
+
+    pipe = ORTStableDiffusionXLPipeline.from_pretrained(optimum_xl_folder, provider="CPUExecutionProvider")
+    before = optimum_images(pipe, num_inference_steps=3)
+    np.testing.assert_allclose(optimum_images(accelerate(pipe), num_inference_steps=3), before, atol=1e-5)
+
+
+def test_accelerate_refuses_what_is_not_an_optimum_pipeline(optimum_folder):
+    from optimum_iobinding import accelerate
+
+    with pytest.raises(TypeError, match="ORTDiffusionPipeline"):
+        accelerate(OnnxStableDiffusionPipeline.from_pretrained(optimum_folder))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and onnxruntime-gpu")
+def test_accelerated_on_cuda_with_a_graph_matches_optimums_own_binding(optimum_folder):
+    from optimum.onnxruntime import ORTStableDiffusionPipeline
+
+    from optimum_iobinding import accelerate
+
+    exact = {"use_tf32": "0"}
+    theirs = ORTStableDiffusionPipeline.from_pretrained(optimum_folder, provider="CUDAExecutionProvider",
+                                                        provider_options=exact, use_io_binding=True)
+    expected = optimum_images(theirs, num_inference_steps=4)
+    ours = accelerate(ORTStableDiffusionPipeline.from_pretrained(optimum_folder, provider="CUDAExecutionProvider",
+                                                                 provider_options=exact),
+                      cuda_graph=True, provider_options=exact)
+    got = optimum_images(ours, num_inference_steps=4)
+    assert ours.unet.fast_model.cuda_graph and ours.unet.fast_model._graph_runners
+    np.testing.assert_allclose(got, expected, atol=1e-4)

@@ -303,3 +303,19 @@ def test_other_diffusers_schedulers_match_the_numpy_loop_too(tiny_folder, schedu
 def test_a_directml_pipeline_with_binding_is_refused_before_anything_loads(tiny_folder):
     with pytest.raises(ValueError, match="DirectML.*io_binding=False"):
         OnnxStableDiffusionPipeline.from_pretrained(tiny_folder, provider="DmlExecutionProvider")
+
+
+def _has_optimum_onnx() -> bool:
+    try:
+        import optimum.onnxruntime  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_has_optimum_onnx(), reason="checks the message where optimum-onnx is missing")
+def test_accelerate_without_optimum_onnx_says_what_to_install():
+    from optimum_iobinding import accelerate
+
+    with pytest.raises(ImportError, match=r"optimum-iobinding\[optimum\]"):
+        accelerate(object())
