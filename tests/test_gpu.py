@@ -300,3 +300,22 @@ def test_tiled_vae_with_overlapped_copies_equals_the_sequential_and_the_on_devic
     uploaded = overlapped.encode(image)  # from the host, tile by tile through pinned memory
     torch.testing.assert_close(uploaded, sequential.encode(image), atol=0, rtol=0)
     torch.testing.assert_close(uploaded, overlapped.encode(image.to("cuda")), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["xl", "lcm"])
+def test_sdxl_and_lcm_graph_loops_equal_their_plain_loops(tmp_path, kind):
+    from optimum_iobinding import OnnxLatentConsistencyModelPipeline, OnnxStableDiffusionXLPipeline
+    from optimum_iobinding.export import export_pipeline
+
+    folder = export_pipeline(None, tmp_path / kind, tiny_random=kind, progress=False)
+    pipeline_class = OnnxStableDiffusionXLPipeline if kind == "xl" else OnnxLatentConsistencyModelPipeline
+    images = []
+    for cuda_graph in (False, True):
+        pipe = pipeline_class.from_pretrained(folder, provider=CUDA, provider_options=EXACT, cuda_graph=cuda_graph)
+        pipe.set_progress_bar_config(disable=True)
+        latents = np.random.RandomState(0).randn(1, 4, SIZE // 8, SIZE // 8).astype(np.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a graph fallback would warn
+            images.append(pipe("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=4, latents=latents,
+                               output_type="np").images)
+    np.testing.assert_allclose(images[1], images[0], atol=1e-4)
