@@ -56,11 +56,13 @@ def default_provider() -> str:
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", help="diffusers Stable Diffusion folder or hub id (omit with --tiny-random)")
+    parser.add_argument("model", nargs="?",
+                        help="diffusers Stable Diffusion / SDXL / LCM folder or hub id (omit with --tiny-random)")
     parser.add_argument("--output", "-o", required=True, help="folder to write the ONNX pipeline to")
     parser.add_argument("--fp16", action="store_true", help="convert to float16 with ORT's converter after export")
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
-    parser.add_argument("--tiny-random", action="store_true", help="export a tiny random-weights pipeline built offline")
+    parser.add_argument("--tiny-random", nargs="?", const="sd", default=None, choices=("sd", "xl", "lcm"),
+                        help="export a tiny random-weights pipeline built offline: sd (default), xl or lcm")
     parser.add_argument("--optimize", choices=("cuda", "cpu"), default=None,
                         help="run ORT's transformer optimizer with the fusions this execution provider runs")
 
@@ -73,8 +75,8 @@ def run_export(args: argparse.Namespace) -> int:
         return 2
     start = time.perf_counter()
     folder = export_pipeline(args.model, args.output, fp16=args.fp16, opset=args.opset, optimize=args.optimize,
-                             tiny_random=args.tiny_random)
-    print(f"exported {'the tiny random pipeline' if args.tiny_random else args.model} to {folder} "
+                             tiny_random=args.tiny_random or False)
+    print(f"exported {f'the tiny random {args.tiny_random} pipeline' if args.tiny_random else args.model} to {folder} "
           f"({'fp16' if args.fp16 else 'fp32'}, opset {args.opset}) in {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -177,3 +177,12 @@ def test_save_pretrained_round_trips(xl, tmp_path):
     again = load(OnnxStableDiffusionXLPipeline, tmp_path / "saved")
     kwargs = dict(height=SIZE, width=SIZE, num_inference_steps=2, latents=initial_latents(), output_type="np")
     np.testing.assert_array_equal(pipe(PROMPT, **kwargs).images, again(PROMPT, **kwargs).images)
+
+
+def test_the_cli_exports_a_tiny_sdxl_offline(tmp_path):
+    from optimum_iobinding.cli import main as cli_main
+
+    assert cli_main(["export", "--tiny-random", "xl", "--output", str(tmp_path / "xl")]) == 0
+    pipe = load(OnnxStableDiffusionXLPipeline, tmp_path / "xl")
+    image = pipe(PROMPT, height=SIZE, width=SIZE, num_inference_steps=2, output_type="np").images
+    assert image.shape == (1, SIZE, SIZE, 3)
