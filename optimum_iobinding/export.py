@@ -409,7 +409,8 @@ def convert_to_float16(model: onnx.ModelProto, shapes_known: bool = False) -> on
 
 
 # ORT's optimizer model types, and the hidden sizes its BiasSplitGelu kernel takes (others must skip that fusion).
-_OPTIMIZER_MODEL_TYPES = {"text_encoder": "clip", "unet": "unet", "vae_encoder": "vae", "vae_decoder": "vae"}
+_OPTIMIZER_MODEL_TYPES = {"text_encoder": "clip", "text_encoder_2": "clip", "unet": "unet", "vae_encoder": "vae",
+                          "vae_decoder": "vae"}
 BIAS_SPLIT_GELU_HIDDEN_SIZES = (2560, 5120, 6144, 10240, 12288)
 
 

@@ -186,3 +186,11 @@ def test_the_cli_exports_a_tiny_sdxl_offline(tmp_path):
     pipe = load(OnnxStableDiffusionXLPipeline, tmp_path / "xl")
     image = pipe(PROMPT, height=SIZE, width=SIZE, num_inference_steps=2, output_type="np").images
     assert image.shape == (1, SIZE, SIZE, 3)
+
+
+def test_an_ort_fused_sdxl_export_matches_the_plain_one(xl, tmp_path):
+    torch_pipe, folder = xl
+    fused = export_pipeline(None, tmp_path / "fused", torch_pipeline=torch_pipe, optimize="cpu", progress=False)
+    kwargs = dict(height=SIZE, width=SIZE, num_inference_steps=2, latents=initial_latents(), output_type="np")
+    np.testing.assert_allclose(load(OnnxStableDiffusionXLPipeline, fused)(PROMPT, **kwargs).images,
+                               load(OnnxStableDiffusionXLPipeline, folder)(PROMPT, **kwargs).images, atol=TOLERANCE)

@@ -529,8 +529,8 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
     def finish(self, latents: torch.Tensor, output_type: str, return_dict: bool):
         """Decodes (unless ``output_type="latent"``) and packs the output as diffusers does. A tiled decode to "np"
         or "pil" on CUDA downloads each tile while the next one decodes."""
-        scaled = latents / self.vae_scaling_factor
-        if output_type in ("np", "pil") and latents.device.type == "cuda" and self._tiles_latents(scaled):
+        if output_type in ("np", "pil") and latents.device.type == "cuda" and self._tiles_latents(latents):
+            scaled = latents / self.vae_scaling_factor
             image = np.concatenate([self._vae_tiler.decode_to_host(scaled[i : i + 1])
                                     for i in range(scaled.shape[0])])
             if output_type == "pil":
