@@ -11,9 +11,13 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 mkdir -p "$out"
 bench() { python3 -m optimum_iobinding.cli bench --work "$work" --optimum-pythonpath /tmp/site-optimum "$@"; }
 step() { local name=$1; shift; "$@" > "$out/$name.log" 2>&1; echo "$name $?" >> "$out/status"; }
-step sd15-fp16-optimized bench --models sd15 --dtypes fp16 --exports optimized --out "$out/sd15-fp16-optimized"
-step sd15-fp16-plain bench --models sd15 --dtypes fp16 --exports plain --out "$out/sd15-fp16-plain"
-step small-fp16 bench --models small --dtypes fp16 --exports plain,optimized --out "$out/small-fp16"
 step tiny-fp16 bench --models tiny --dtypes fp16 --exports plain,optimized --out "$out/tiny-fp16"
 step fp32 bench --models tiny,small --dtypes fp32 --exports plain --out "$out/fp32"
+step sd15-fp16-optimized bench --models sd15 --dtypes fp16 --exports optimized --out "$out/sd15-fp16-optimized"
+step lcm-fp16 bench --models lcm --dtypes fp16 --exports plain,optimized --out "$out/lcm-fp16"
+step turbo-fp16 bench --models turbo --dtypes fp16 --exports plain,optimized --out "$out/turbo-fp16"
+step sdxl-fp16 bench --models sdxl --dtypes fp16 --exports optimized --out "$out/sdxl-fp16"
+step tiled-vae python3 benchmarks/tiled_vae.py --size 2048 --work "$work" --out "$out/tiled-vae"
+step sd15-fp16-plain bench --models sd15 --dtypes fp16 --exports plain --out "$out/sd15-fp16-plain"
+step small-fp16 bench --models small --dtypes fp16 --exports plain,optimized --out "$out/small-fp16"
 step unet-options python3 benchmarks/unet_options.py --model sd15 --work "$work" --out "$out/unet-options"

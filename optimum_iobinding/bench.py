@@ -40,7 +40,19 @@ import torch
 PEERS = ("numpy", "optimum", "accelerated", "binding", "graph", "torch")
 # peers that run in the optimum-onnx environment (--optimum-pythonpath)
 OPTIMUM_PEERS = ("optimum", "accelerated")
-MODEL_SIZES = {"tiny": 512, "small": 256, "sd15": 512}
+MODEL_SIZES = {"tiny": 512, "small": 256, "sd15": 512, "sdxl": 1024, "lcm": 512, "turbo": 512}
+# How each model is called: guidance, the step count of the short run (per-step time = the difference / steps),
+# a fixed step count for few-step models (else --steps), and the scheduler.
+RECIPES: Dict[str, Dict[str, Any]] = {
+    "default": dict(guidance=7.5, short_steps=2, steps=None, scheduler="ddim"),
+    "sdxl": dict(guidance=5.0, short_steps=2, steps=None, scheduler="ddim"),
+    "lcm": dict(guidance=8.5, short_steps=1, steps=4, scheduler="lcm"),  # guidance as an embedding, no CFG batch
+    "turbo": dict(guidance=0.0, short_steps=1, steps=4, scheduler="euler-a-trailing"),  # SD-Turbo: no guidance
+}
+
+
+def recipe_of(kind: str) -> Dict[str, Any]:
+    return RECIPES.get(kind, RECIPES["default"])
 PROMPT = "a photo of an astronaut riding a horse on mars"
 
 
@@ -66,28 +78,97 @@ def build_torch_pipeline(kind: str, seed: int = 0):
                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=8,
             )
             text_layers = 4
-        elif kind == "sd15":
-            unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8)
+        elif kind in ("sd15", "lcm"):
+            # LCM: the SD1.5 UNet with the guidance-embedding input LCM distillation adds (LCM-Dreamshaper's 256)
+            unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8,
+                                        time_cond_proj_dim=256 if kind == "lcm" else None)
             text_layers = 12
+        elif kind == "turbo":  # SD-Turbo: the SD 2.1-base architecture
+            unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=1024, attention_head_dim=(5, 10, 20, 20),
+                                        use_linear_projection=True)
+            text_layers = 23
+        elif kind == "sdxl":
+            return _sdxl_architecture(tokenizer)
         else:
             raise ValueError(f"model: expected one of {sorted(MODEL_SIZES)}, got {kind!r}")
+        width = 1024 if kind == "turbo" else 768
         text_encoder = CLIPTextModel(CLIPTextConfig(
-            hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=text_layers,
-            max_position_embeddings=77, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            hidden_size=width, intermediate_size=4 * width, num_attention_heads=width // 64,
+            num_hidden_layers=text_layers, max_position_embeddings=77, vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, hidden_act="gelu" if kind == "turbo" else "quick_gelu",
         ))
-        vae = AutoencoderKL(
-            block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4,
-            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        )
+        vae = _sd_vae()
+        if kind == "lcm":
+            from diffusers import LatentConsistencyModelPipeline, LCMScheduler
+
+            return LatentConsistencyModelPipeline(
+                vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                scheduler=LCMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear"),
+                safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+            )
         pipe = StableDiffusionPipeline(
             vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
             scheduler=DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                     clip_sample=False, set_alpha_to_one=False, steps_offset=1),
             safety_checker=None, feature_extractor=None, requires_safety_checker=False,
         )
-    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    set_recipe_scheduler(pipe, kind)
     return pipe
+
+
+def _sd_vae():
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+    )
+
+
+def _sdxl_architecture(tokenizer):
+    """SDXL base's architecture with random weights: CLIP ViT-L and OpenCLIP bigG text encoders, the 2.6 B UNet."""
+    from diffusers import DDIMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    def text_config(width, layers, heads, projection=None):
+        return CLIPTextConfig(
+            hidden_size=width, intermediate_size=4 * width, num_attention_heads=heads, num_hidden_layers=layers,
+            max_position_embeddings=77, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, hidden_act="gelu",
+            **({"projection_dim": projection} if projection else {}),
+        )
+
+    unet = UNet2DConditionModel(
+        sample_size=128, block_out_channels=(320, 640, 1280), layers_per_block=2,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), cross_attention_dim=2048,
+        use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+        projection_class_embeddings_input_dim=2816,
+    )
+    vae = _sd_vae()
+    vae.register_to_config(scaling_factor=0.13025, sample_size=1024)
+    return StableDiffusionXLPipeline(
+        vae=vae, text_encoder=CLIPTextModel(text_config(768, 12, 12)),
+        text_encoder_2=CLIPTextModelWithProjection(text_config(1280, 32, 20, projection=1280)),
+        tokenizer=tokenizer, tokenizer_2=tokenizer, unet=unet,
+        scheduler=DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                clip_sample=False, set_alpha_to_one=False, steps_offset=1),
+    )
+
+
+def set_recipe_scheduler(pipe: Any, kind: str) -> None:
+    from diffusers import DDIMScheduler, EulerAncestralDiscreteScheduler, LCMScheduler
+
+    name = recipe_of(kind)["scheduler"]
+    if name == "ddim":
+        pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    elif name == "lcm":
+        pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config)
+    else:
+        pipe.scheduler = EulerAncestralDiscreteScheduler.from_config(pipe.scheduler.config,
+                                                                     timestep_spacing="trailing")
 
 
 def ensure_export(kind: str, dtype: str, export: str, work: Path) -> Path:
@@ -153,12 +234,17 @@ def copied_bytes(run: Callable[[], Any]) -> Dict[str, int]:
     return totals
 
 
-def load_peer(peer: str, folder: Path, kind: str, dtype: str):
-    """The pipeline of one peer, with a DDIM scheduler, and how to call it with given latents and step count."""
-    from diffusers import DDIMScheduler
+class PeerUnavailable(RuntimeError):
+    """A peer that has no pipeline for a model (diffusers' numpy pipelines exist for SD 1.x/2.x only)."""
 
+
+def load_peer(peer: str, folder: Path, kind: str, dtype: str):
+    """The pipeline of one peer, with the model's recipe scheduler, and how to pass it the initial latents."""
     torch_dtype = torch.float16 if dtype == "fp16" else torch.float32
+    on_device = lambda lat: torch.from_numpy(lat).to("cuda", torch_dtype)  # noqa: E731
     if peer == "numpy":
+        if kind in ("sdxl", "lcm"):
+            raise PeerUnavailable(f"diffusers has no ONNX (numpy) pipeline for {kind}")
         from diffusers import OnnxStableDiffusionPipeline as DiffusersOnnx
 
         # provider_options={} or diffusers' loader trips ORT's length check and silently falls back to the CPU
@@ -167,26 +253,37 @@ def load_peer(peer: str, folder: Path, kind: str, dtype: str):
             raise RuntimeError(f"numpy peer: the UNet runs on {pipe.unet.model.get_providers()}, not CUDA")
         latents_of = lambda lat: lat.astype(np.float16 if dtype == "fp16" else np.float32)  # noqa: E731
     elif peer in OPTIMUM_PEERS:
-        from optimum.onnxruntime import ORTStableDiffusionPipeline
+        from optimum.onnxruntime import (
+            ORTLatentConsistencyModelPipeline,
+            ORTStableDiffusionPipeline,
+            ORTStableDiffusionXLPipeline,
+        )
 
-        pipe = ORTStableDiffusionPipeline.from_pretrained(folder, provider="CUDAExecutionProvider", use_io_binding=True)
+        optimum_class = {"sdxl": ORTStableDiffusionXLPipeline, "lcm": ORTLatentConsistencyModelPipeline}.get(
+            kind, ORTStableDiffusionPipeline)
+        pipe = optimum_class.from_pretrained(folder, provider="CUDAExecutionProvider", use_io_binding=True)
         if peer == "accelerated":  # optimum's pipeline and loop, its parts switched to our fast path
             from .optimum_parts import accelerate
 
             accelerate(pipe, cuda_graph=True)
-        latents_of = lambda lat: torch.from_numpy(lat).to("cuda", torch_dtype)  # noqa: E731
+        latents_of = on_device
     elif peer in ("binding", "graph"):
-        from .pipelines import OnnxStableDiffusionPipeline
+        from .pipelines import (
+            OnnxLatentConsistencyModelPipeline,
+            OnnxStableDiffusionPipeline,
+            OnnxStableDiffusionXLPipeline,
+        )
 
-        pipe = OnnxStableDiffusionPipeline.from_pretrained(folder, provider="CUDAExecutionProvider",
-                                                           cuda_graph=peer == "graph")
-        latents_of = lambda lat: torch.from_numpy(lat).to("cuda", torch_dtype)  # noqa: E731
+        our_class = {"sdxl": OnnxStableDiffusionXLPipeline, "lcm": OnnxLatentConsistencyModelPipeline}.get(
+            kind, OnnxStableDiffusionPipeline)
+        pipe = our_class.from_pretrained(folder, provider="CUDAExecutionProvider", cuda_graph=peer == "graph")
+        latents_of = on_device
     elif peer == "torch":
         pipe = build_torch_pipeline(kind).to("cuda", torch_dtype)
-        latents_of = lambda lat: torch.from_numpy(lat).to("cuda", torch_dtype)  # noqa: E731
+        latents_of = on_device
     else:
         raise ValueError(f"peer: expected one of {PEERS}, got {peer!r}")
-    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    set_recipe_scheduler(pipe, kind)
     pipe.set_progress_bar_config(disable=True)
     return pipe, latents_of
 
@@ -197,14 +294,24 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
     torch.cuda.init()
     size = MODEL_SIZES[kind]
     idle = PeakMemory(device).used()
+    recipe = recipe_of(kind)
+    steps = recipe["steps"] or steps
+    short_steps = recipe["short_steps"]
     latents = np.random.RandomState(0).randn(1, 4, size // 8, size // 8).astype(np.float32)
     with PeakMemory(device) as memory:
-        pipe, latents_of = load_peer(peer, folder, kind, dtype)
+        try:
+            pipe, latents_of = load_peer(peer, folder, kind, dtype)
+        except PeerUnavailable as reason:
+            return {"peer": peer, "skipped": str(reason)}
 
         def call(num_steps: int):
+            # stochastic steps (LCM, Euler ancestral) draw from a seeded device generator, the same for every peer
+            # but the numpy one (diffusers' ONNX pipeline takes numpy generators only)
+            noise = {} if peer == "numpy" else {"generator": torch.Generator("cuda").manual_seed(0)}
             with torch.inference_mode():
-                images = pipe(PROMPT, height=size, width=size, num_inference_steps=num_steps, guidance_scale=7.5,
-                              latents=latents_of(latents), output_type="np").images
+                images = pipe(PROMPT, height=size, width=size, num_inference_steps=num_steps,
+                              guidance_scale=recipe["guidance"], latents=latents_of(latents), output_type="np",
+                              **noise).images
             torch.cuda.synchronize()
             return np.asarray(images)
 
@@ -219,17 +326,18 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
         for _ in range(warmup):
             image = call(steps)
         full = timed(steps)
-        short = timed(2)
-    bytes_2, bytes_4 = copied_bytes(lambda: call(2)), copied_bytes(lambda: call(4))
+        short = timed(short_steps)
+    bytes_short, bytes_long = copied_bytes(lambda: call(short_steps)), copied_bytes(lambda: call(short_steps + 2))
     np.save(image_path, image.astype(np.float32))
     return {
         "peer": peer,
         "end_to_end_ms": statistics.median(full),
         "end_to_end_ms_all": full,
-        "per_step_ms": (statistics.median(full) - statistics.median(short)) / (steps - 2),
+        "steps": steps,
+        "per_step_ms": (statistics.median(full) - statistics.median(short)) / (steps - short_steps),
         "peak_memory_mib": (memory.peak - idle) / 2**20,
-        "htod_bytes_per_step": (bytes_4["htod"] - bytes_2["htod"]) / 2,
-        "dtoh_bytes_per_step": (bytes_4["dtoh"] - bytes_2["dtoh"]) / 2,
+        "htod_bytes_per_step": (bytes_long["htod"] - bytes_short["htod"]) / 2,
+        "dtoh_bytes_per_step": (bytes_long["dtoh"] - bytes_short["dtoh"]) / 2,
         "image": str(image_path),
     }
 
@@ -244,14 +352,18 @@ def run_floor(folder: Path, kind: str, replays: int = 50,
     unet = IOBindingORTModel.from_pretrained(folder, subfolder="unet", provider="CUDAExecutionProvider",
                                              provider_options=provider_options, cuda_graph=True)
     dtype = unet.input_dtypes["sample"]
-    hidden = unet.session.get_inputs()[2].shape[2]
-    timestep_shape = unet.session.get_inputs()[1].shape
+    declared = {arg.name: arg.shape for arg in unet.session.get_inputs()}
+    batch = 2 if recipe_of(kind)["guidance"] > 1.0 and kind != "lcm" else 1  # CFG doubles the UNet batch
     inputs = {
-        "sample": torch.randn(2, 4, size // 8, size // 8, device=unet.device, dtype=dtype),
-        "timestep": torch.full([2] if timestep_shape else [], 500, device=unet.device,
+        "sample": torch.randn(batch, 4, size // 8, size // 8, device=unet.device, dtype=dtype),
+        "timestep": torch.full([batch] if declared["timestep"] else [], 500, device=unet.device,
                                dtype=unet.input_dtypes["timestep"]),
-        "encoder_hidden_states": torch.randn(2, 77, hidden, device=unet.device, dtype=dtype),
+        "encoder_hidden_states": torch.randn(batch, 77, declared["encoder_hidden_states"][2], device=unet.device,
+                                             dtype=dtype),
     }
+    for name in ("text_embeds", "time_ids", "timestep_cond"):  # SDXL's conditioning, LCM's guidance embedding
+        if name in declared:
+            inputs[name] = torch.randn(batch, declared[name][1], device=unet.device, dtype=unet.input_dtypes[name])
     stream = unet.stream
     with torch.cuda.stream(stream):
         for _ in range(3):
@@ -337,7 +449,8 @@ def benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[st
             row["peers"][peer] = _subprocess(peer_args, optimum_pythonpath if peer in OPTIMUM_PEERS else None,
                                              timeout)
             progress.update()
-        reference = row["peers"].get("numpy", {}).get("image")
+        reference = row["peers"].get("numpy", {}).get("image") or row["peers"].get("optimum", {}).get("image")
+        row["reference"] = "numpy" if row["peers"].get("numpy", {}).get("image") else "optimum"
         for result in row["peers"].values():
             if reference and result.get("image") and "error" not in result:
                 difference = np.abs(np.load(result["image"]) - np.load(reference)).max()
@@ -359,7 +472,9 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
         f"`{env.get('command')}` — {env.get('date')}; torch {env.get('torch')} (CUDA {env.get('cuda')}), onnxruntime "
         f"{env.get('onnxruntime')}, diffusers {env.get('diffusers')}, transformers {env.get('transformers')}; "
         f"{results['steps']} DDIM steps, CFG (batch 2), median of {results['runs']} runs after {results['warmup']} "
-        "warm-up.",
+        "warm-up; SDXL guidance 5; LCM 4 steps (LCM scheduler, guidance embedded, batch 1); Turbo 4 Euler-ancestral "
+        "trailing steps, guidance 0. Where diffusers has no numpy pipeline (SDXL, LCM), × and diff are against "
+        "optimum-onnx.",
         "",
         "| model | dtype | export | pipeline | end-to-end ms | per-step ms | × numpy | step / GPU floor | peak GPU MiB "
         "| H↔D bytes/step | max diff vs numpy |",
@@ -367,9 +482,12 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
     ]
     for row in results["rows"]:
         floor = row.get("floor", {}).get("per_step_ms")
-        numpy_ms = row["peers"].get("numpy", {}).get("end_to_end_ms")
+        numpy_ms = row["peers"].get(row.get("reference", "numpy"), {}).get("end_to_end_ms")
         for peer, result in row["peers"].items():
             label = f"| {row['model']} {row['size']}² | {row['dtype']} | {row['export']} | {peer} |"
+            if "skipped" in result:
+                lines.append(f"{label} — ({result['skipped']}) | | | | | | |")
+                continue
             if "error" in result:
                 lines.append(f"{label} failed: {result['error'].strip().splitlines()[-1][:120]} | | | | | | |")
                 continue
@@ -396,7 +514,7 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
     palette = {"numpy": "#999999", "optimum": "#e69f00", "accelerated": "#d55e00", "binding": "#56b4e9", "graph": "#009e73", "torch": "#cc79a7"}
     for row in results["rows"]:
         for peer, result in row["peers"].items():
-            if "error" not in result:
+            if "error" not in result and "skipped" not in result:
                 labels.append(f"{row['model']} {row['dtype']} {row['export']}\n{peer}")
                 values.append(result["end_to_end_ms"])
                 colors.append(palette.get(peer, "#333333"))
