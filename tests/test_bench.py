@@ -1,0 +1,38 @@
+"""The benchmark's report (the GPU runs themselves happen on the GPU machine): rows, ratios and skipped peers."""
+
+from __future__ import annotations
+
+from optimum_iobinding.bench import recipe_of, write_report
+
+
+def peer(ms, per_step, memory=1000.0):
+    return {"end_to_end_ms": ms, "per_step_ms": per_step, "peak_memory_mib": memory, "htod_bytes_per_step": 2,
+            "dtoh_bytes_per_step": 0, "max_abs_diff_vs_numpy": 1e-3}
+
+
+def test_the_report_compares_with_numpy_or_with_optimum_where_diffusers_has_no_numpy_pipeline(tmp_path):
+    results = {
+        "environment": {"device": "GPU", "command": "optimum-iobinding bench"}, "steps": 30, "runs": 3, "warmup": 1,
+        "rows": [
+            {"model": "sd15", "size": 512, "dtype": "fp16", "export": "plain", "reference": "numpy",
+             "floor": {"per_step_ms": 10.0},
+             "peers": {"numpy": peer(600.0, 20.0), "graph": peer(300.0, 10.1)}},
+            {"model": "sdxl", "size": 1024, "dtype": "fp16", "export": "optimized", "reference": "optimum",
+             "floor": {"per_step_ms": 20.0},
+             "peers": {"numpy": {"peer": "numpy", "skipped": "diffusers has no ONNX (numpy) pipeline for sdxl"},
+                       "optimum": peer(1000.0, 30.0), "graph": peer(500.0, 20.0),
+                       "binding": {"error": "Traceback\nRuntimeError: boom"}}},
+        ],
+    }
+    write_report(results, tmp_path)
+    table = (tmp_path / "results.md").read_text()
+    assert "| sd15 512² | fp16 | plain | graph | 300.0 | 10.10 | 2.00 | 1.010 |" in table
+    assert "| sdxl 1024² | fp16 | optimized | graph | 500.0 | 20.00 | 2.00 | 1.000 |" in table
+    assert "| sdxl 1024² | fp16 | optimized | numpy | — (diffusers has no ONNX (numpy) pipeline for sdxl)" in table
+    assert "| sdxl 1024² | fp16 | optimized | binding | failed: RuntimeError: boom" in table
+
+
+def test_few_step_recipes_fix_their_steps_and_guidance():
+    assert recipe_of("lcm")["steps"] == 4 and recipe_of("lcm")["scheduler"] == "lcm"
+    assert recipe_of("turbo")["guidance"] == 0.0 and recipe_of("turbo")["short_steps"] == 1
+    assert recipe_of("sd15") == recipe_of("small") and recipe_of("sd15")["steps"] is None
