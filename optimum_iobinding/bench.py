@@ -59,8 +59,9 @@ PROMPT = "a photo of an astronaut riding a horse on mars"
 # ------------------------------------------------------------------------------------------------------ models
 def build_torch_pipeline(kind: str, seed: int = 0):
     """Random-weights torch pipelines (weights do not change speed): the tiny one, a small UNet (64–256 channels,
-    for 256²) and the SD1.5 architecture."""
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    for 256²), the SD1.5 architecture, LCM (SD1.5 with a guidance-embedding input), SD-Turbo (SD 2.1-base) and
+    SDXL base."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     from .export import build_tiny_random_pipeline, write_tiny_tokenizer
