@@ -176,3 +176,23 @@ def test_accelerated_on_cuda_with_a_graph_matches_optimums_own_binding(optimum_f
     got = optimum_images(ours, num_inference_steps=4)
     assert ours.unet.fast_model.cuda_graph and ours.unet.fast_model._graph_runners
     np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def test_optimums_lcm_pipeline_accelerated_equals_it_and_ours(tmp_path):
+    """LCM's scheduler keeps the UNet output and the latents of a step together: outputs must not be reused buffers."""
+    from optimum.onnxruntime import ORTLatentConsistencyModelPipeline
+
+    from optimum_iobinding import OnnxLatentConsistencyModelPipeline, accelerate
+    from optimum_iobinding.export import export_pipeline
+
+    folder = export_pipeline(None, tmp_path / "lcm", tiny_random="lcm", progress=False)
+    noise = lambda: torch.Generator().manual_seed(0)  # noqa: E731  (LCM adds noise before every step but the last)
+    pipe = ORTLatentConsistencyModelPipeline.from_pretrained(folder, provider="CPUExecutionProvider")
+    theirs = optimum_images(pipe, num_inference_steps=4, generator=noise())
+    accelerated = optimum_images(accelerate(pipe), num_inference_steps=4, generator=noise())
+    ours = OnnxLatentConsistencyModelPipeline.from_pretrained(folder)
+    ours.set_progress_bar_config(disable=True)
+    mine = ours("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=4, latents=latents_for_run(),
+                generator=noise(), output_type="np").images
+    np.testing.assert_allclose(accelerated, theirs, atol=1e-5)
+    np.testing.assert_allclose(mine, theirs, atol=1e-5)
