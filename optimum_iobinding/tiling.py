@@ -111,9 +111,14 @@ class TiledVAE:
             top += row[0][:, :, :limit, :limit].shape[2]
             previous_row = row
 
-    @staticmethod
-    def _output_size(size: int, stride: int, tile_in: int, ratio_num: int, ratio_den: int, limit: int) -> int:
-        return sum(min(limit, min(tile_in, size - start) * ratio_num // ratio_den) for start in _starts(size, stride))
+    def _assembled_size(self, shape: Tuple[int, ...], tile_in: int, tile_out: int) -> Tuple[int, int]:
+        """Height and width of the blended result: the tiles' crops, summed down a column and along a row."""
+        stride, _, limit = self._geometry(tile_in, tile_out)
+
+        def along(size: int) -> int:
+            return sum(min(limit, min(tile_in, size - start) * tile_out // tile_in) for start in _starts(size, stride))
+
+        return along(shape[2]), along(shape[3])
 
     def _decode_tile(self, latents: torch.Tensor) -> torch.Tensor:
         # a copy: the next call reuses the decoder's output buffer, and neighbours blend from this tile later
@@ -128,9 +133,7 @@ class TiledVAE:
         if self.vae_decoder is None:
             raise ValueError("vae_decoder: decoding needs one, got None")
         tile_out = self.tile_sample_size
-        stride, _, limit = self._geometry(self.tile_latent_size, tile_out)
-        height = self._output_size(latents.shape[2], stride, self.tile_latent_size, self.scale_factor, 1, limit)
-        width = self._output_size(latents.shape[3], stride, self.tile_latent_size, self.scale_factor, 1, limit)
+        height, width = self._assembled_size(latents.shape, self.tile_latent_size, tile_out)
         image = None
         for top, left, tile in self._tiles(latents, self.tile_latent_size, tile_out, self._decode_tile):
             if image is None:
@@ -144,9 +147,7 @@ class TiledVAE:
         if self.vae_decoder is None:
             raise ValueError("vae_decoder: decoding needs one, got None")
         tile_out = self.tile_sample_size
-        stride, _, limit = self._geometry(self.tile_latent_size, tile_out)
-        height = self._output_size(latents.shape[2], stride, self.tile_latent_size, self.scale_factor, 1, limit)
-        width = self._output_size(latents.shape[3], stride, self.tile_latent_size, self.scale_factor, 1, limit)
+        height, width = self._assembled_size(latents.shape, self.tile_latent_size, tile_out)
         result: Optional[np.ndarray] = None
         on_cuda = latents.device.type == "cuda"
         pending = None  # (copy done event, pinned staging, top, left)
@@ -192,9 +193,8 @@ class TiledVAE:
             raise ValueError("vae_encoder: encoding needs one, got None")
         device = self.vae_encoder.device
         tile_in, tile_out = self.tile_sample_size, self.tile_latent_size
-        stride, _, limit = self._geometry(tile_in, tile_out)
-        height = self._output_size(image.shape[2], stride, tile_in, 1, self.scale_factor, limit)
-        width = self._output_size(image.shape[3], stride, tile_in, 1, self.scale_factor, limit)
+        stride, _, _ = self._geometry(tile_in, tile_out)
+        height, width = self._assembled_size(image.shape, tile_in, tile_out)
         dtype = self.vae_encoder.input_dtypes["sample"]
         if device.type == "cuda" and image.device.type == "cpu":
             run = self._uploading_encoder(image.to(dtype), tile_in, stride)

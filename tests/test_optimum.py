@@ -19,14 +19,18 @@ from optimum_iobinding.export import build_tiny_random_pipeline  # noqa: E402
 SIZE = 64
 
 
-@pytest.fixture(scope="module")
-def optimum_folder(tmp_path_factory):
+def optimum_export(torch_pipeline, root):
+    """What `optimum-cli export onnx --task text-to-image` writes for a saved torch pipeline."""
     from optimum.exporters.onnx import main_export
 
-    root = tmp_path_factory.mktemp("optimum")
-    build_tiny_random_pipeline().save_pretrained(root / "torch")
+    torch_pipeline.save_pretrained(root / "torch")
     main_export(str(root / "torch"), output=str(root / "onnx"), task="text-to-image")
     return root / "onnx"
+
+
+@pytest.fixture(scope="module")
+def optimum_folder(tmp_path_factory):
+    return optimum_export(build_tiny_random_pipeline(), tmp_path_factory.mktemp("optimum"))
 
 
 def run(pipe, **kwargs):
@@ -84,14 +88,9 @@ def test_same_latents_give_optimum_ort_pipelines_image(optimum_folder):
 
 @pytest.fixture(scope="module")
 def optimum_xl_folder(tmp_path_factory):
-    from optimum.exporters.onnx import main_export
-
     from optimum_iobinding.export import build_tiny_random_xl_pipeline
 
-    root = tmp_path_factory.mktemp("optimum-xl")
-    build_tiny_random_xl_pipeline().save_pretrained(root / "torch")
-    main_export(str(root / "torch"), output=str(root / "onnx"), task="text-to-image")
-    return root / "onnx"
+    return optimum_export(build_tiny_random_xl_pipeline(), tmp_path_factory.mktemp("optimum-xl"))
 
 
 def test_an_optimum_sdxl_export_gives_optimum_ort_sdxl_pipelines_image(optimum_xl_folder):

@@ -180,12 +180,6 @@ class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
             else positive
         return {"text_embeds": pooled, "time_ids": time_ids.to(self.device)}
 
-    def check_sizes(self, height: int, width: int) -> None:
-        factor = self.vae_scale_factor
-        if height % factor != 0 or width % factor != 0:
-            raise ValueError(f"height and width: expected multiples of {factor} (the VAE's scale factor), "
-                             f"got {height} and {width}")
-
     def _write_model_index(self, target: Path, written: List[str]) -> None:
         modules = {"text_encoder": "CLIPTextModel" if "text_encoder" in written else None,
                    "text_encoder_2": "CLIPTextModelWithProjection"}
