@@ -1,23 +1,53 @@
 #!/usr/bin/env bash
 # The benchmark run behind benchmarks/results/<device>/, on the GPU machine, from the project root, after
 #   bash .device/w/install.sh && bash .device/w/install.sh optimum      (onnxruntime-gpu, diffusers; optimum-onnx)
-# Usage: bash benchmarks/run_gpu.sh OUT_FOLDER [WORK_FOLDER]
-# Most important first (the targets are checked on the SD1.5-size and the small fp16 models), so that a run cut
-# short by the machine's time still reports them. Each step appends its name to OUT_FOLDER/status when done.
+# Usage: bash benchmarks/run_gpu.sh OUT_FOLDER [WORK_FOLDER [STEP ...]]
+#   STEP: any of the step names below (default: all, in this order). Each step appends "name exit-status" to
+#   OUT_FOLDER/status when done, and writes its log to OUT_FOLDER/name.log.
+#   EXPORT_AHEAD="model:dtype:export ..." makes those exports in a background process pinned to the second half of
+#   the CPUs (EXPORT_CPUS) while the benches run pinned to the first half (BENCH_CPUS): exports are CPU work, the
+#   benches GPU work and one host thread each. A bench that needs an export still being made waits for it (a lock).
+# Most important first, so that a run cut short by the machine's time still reports them.
 set -uo pipefail
 out=${1:?output folder}
 work=${2:-/tmp/bench-work}
+shift $(( $# < 2 ? $# : 2 ))
+selected=" $* "
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-mkdir -p "$out"
-bench() { python3 -m optimum_iobinding.cli bench --work "$work" --optimum-pythonpath /tmp/site-optimum "$@"; }
-step() { local name=$1; shift; "$@" > "$out/$name.log" 2>&1; echo "$name $?" >> "$out/status"; }
+mkdir -p "$out" "$work"
+cpus=$(nproc)
+BENCH_CPUS=${BENCH_CPUS:-0-$(( cpus / 2 - 1 ))}
+EXPORT_CPUS=${EXPORT_CPUS:-$(( cpus / 2 ))-$(( cpus - 1 ))}
+pin=()
+if [ -n "${EXPORT_AHEAD:-}" ]; then
+  pin=(taskset -c "$BENCH_CPUS")
+  (
+    for item in $EXPORT_AHEAD; do
+      IFS=: read -r model dtype export <<< "$item"
+      taskset -c "$EXPORT_CPUS" python3 -m optimum_iobinding.cli bench --export-only --work "$work" \
+        --models "$model" --dtypes "$dtype" --exports "$export"
+      echo "$item $?" >> "$out/exports"
+    done
+  ) > "$out/exports.log" 2>&1 &
+fi
+bench() { "${pin[@]}" python3 -m optimum_iobinding.cli bench --work "$work" --optimum-pythonpath /tmp/site-optimum "$@"; }
+script() { "${pin[@]}" python3 "$@"; }
+step() {
+  local name=$1; shift
+  if [ "$selected" != "  " ] && [[ "$selected" != *" $name "* ]]; then return; fi
+  "$@" > "$out/$name.log" 2>&1
+  echo "$name $?" >> "$out/status"
+}
 step tiny-fp16 bench --models tiny --dtypes fp16 --exports plain,optimized --out "$out/tiny-fp16"
 step fp32 bench --models tiny,small --dtypes fp32 --exports plain --out "$out/fp32"
 step sd15-fp16-optimized bench --models sd15 --dtypes fp16 --exports optimized --out "$out/sd15-fp16-optimized"
-step lcm-fp16 bench --models lcm --dtypes fp16 --exports plain,optimized --out "$out/lcm-fp16"
-step turbo-fp16 bench --models turbo --dtypes fp16 --exports plain,optimized --out "$out/turbo-fp16"
+step lcm-fp16-optimized bench --models lcm --dtypes fp16 --exports optimized --out "$out/lcm-fp16-optimized"
+step turbo-fp16-optimized bench --models turbo --dtypes fp16 --exports optimized --out "$out/turbo-fp16-optimized"
+step tiled-vae script benchmarks/tiled_vae.py --size 2048 --work "$work" --out "$out/tiled-vae"
 step sdxl-fp16 bench --models sdxl --dtypes fp16 --exports optimized --out "$out/sdxl-fp16"
-step tiled-vae python3 benchmarks/tiled_vae.py --size 2048 --work "$work" --out "$out/tiled-vae"
+step lcm-fp16-plain bench --models lcm --dtypes fp16 --exports plain --out "$out/lcm-fp16-plain"
+step turbo-fp16-plain bench --models turbo --dtypes fp16 --exports plain --out "$out/turbo-fp16-plain"
 step sd15-fp16-plain bench --models sd15 --dtypes fp16 --exports plain --out "$out/sd15-fp16-plain"
 step small-fp16 bench --models small --dtypes fp16 --exports plain,optimized --out "$out/small-fp16"
-step unet-options python3 benchmarks/unet_options.py --model sd15 --work "$work" --out "$out/unet-options"
+step unet-options script benchmarks/unet_options.py --model sd15 --work "$work" --out "$out/unet-options"
+echo done >> "$out/status"

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
+
+try:  # the export lock; absent on Windows, where bench processes then must not share a work folder
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None  # type: ignore[assignment]
 
 PEERS = ("numpy", "optimum", "accelerated", "binding", "graph", "torch")
 # peers that run in the optimum-onnx environment (--optimum-pythonpath)
@@ -173,13 +179,44 @@ def set_recipe_scheduler(pipe: Any, kind: str) -> None:
 
 
 def ensure_export(kind: str, dtype: str, export: str, work: Path) -> Path:
+    """The export of one configuration under ``work``, made once and shared by every process that asks for it.
+
+    Exports are written to a side folder and renamed into place, so a folder with a model_index.json is always whole;
+    a lock file serialises processes that want the same export (``--export-only`` can make the next models' exports in
+    the background while the GPU measures the current one).
+    """
     from .export import export_pipeline
 
     folder = work / f"{kind}-{dtype}-{export}"
-    if not (folder / "model_index.json").is_file():
-        export_pipeline(None, folder, fp16=dtype == "fp16", optimize="cuda" if export == "optimized" else None,
-                        progress=False, torch_pipeline=build_torch_pipeline(kind))
+    work.mkdir(parents=True, exist_ok=True)
+    with _ExportLock(work / f".{folder.name}.lock"):
+        if not (folder / "model_index.json").is_file():
+            partial = work / f".{folder.name}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            export_pipeline(None, partial, fp16=dtype == "fp16", optimize="cuda" if export == "optimized" else None,
+                            progress=False, torch_pipeline=build_torch_pipeline(kind))
+            shutil.rmtree(folder, ignore_errors=True)
+            partial.rename(folder)
     return folder
+
+
+class _ExportLock:
+    """An exclusive advisory lock on a file (POSIX flock); where flock does not exist, no lock."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.handle: Any = None
+
+    def __enter__(self) -> "_ExportLock":
+        self.handle = open(self.path, "a")
+        if fcntl is not None:
+            fcntl.flock(self.handle.fileno(), fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if fcntl is not None:
+            fcntl.flock(self.handle.fileno(), fcntl.LOCK_UN)
+        self.handle.close()
 
 
 # ------------------------------------------------------------------------------------------------- measurement
@@ -543,6 +580,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--optimum-pythonpath", default=None, help="site folder of the optimum-onnx environment")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per peer process")
     parser.add_argument("--report-only", action="store_true", help="re-render results.md/png from results.json")
+    parser.add_argument("--export-only", action="store_true",
+                        help="only make the exports under --work (e.g. in the background, ahead of the benches)")
     # one peer in this process (used by the orchestrator)
     parser.add_argument("--run-peer", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-floor", action="store_true", help=argparse.SUPPRESS)
@@ -565,6 +604,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         write_report(json.loads((out / "results.json").read_text()), out)
         return 0
     split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
+    if args.export_only:
+        for kind in split(args.models):
+            for dtype in split(args.dtypes):
+                for export in split(args.exports):
+                    print(ensure_export(kind, dtype, export, Path(args.work)), flush=True)
+        return 0
     benchmark(split(args.models), split(args.dtypes), split(args.exports), split(args.peers), args.steps, args.runs,
               args.warmup, Path(args.work), out, args.optimum_pythonpath, args.timeout)
     print((out / "results.md").read_text())

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from optimum_iobinding.bench import recipe_of, write_report
 
 
@@ -36,3 +40,29 @@ def test_few_step_recipes_fix_their_steps_and_guidance():
     assert recipe_of("lcm")["steps"] == 4 and recipe_of("lcm")["scheduler"] == "lcm"
     assert recipe_of("turbo")["guidance"] == 0.0 and recipe_of("turbo")["short_steps"] == 1
     assert recipe_of("sd15") == recipe_of("small") and recipe_of("sd15")["steps"] is None
+
+
+def test_an_export_is_made_once_and_a_failed_one_leaves_no_folder_that_looks_whole(tmp_path, monkeypatch):
+    import optimum_iobinding.bench as bench
+    import optimum_iobinding.export as export
+
+    calls = []
+
+    def fake_export(model, output_dir, **kwargs):
+        calls.append(Path(output_dir))
+        Path(output_dir).mkdir(parents=True)
+        (Path(output_dir) / "unet").mkdir()
+        if len(calls) == 1:
+            raise RuntimeError("export died half way")
+        (Path(output_dir) / "model_index.json").write_text("{}")
+
+    monkeypatch.setattr(export, "export_pipeline", fake_export)
+    monkeypatch.setattr(bench, "build_torch_pipeline", lambda kind: None)
+    with pytest.raises(RuntimeError, match="half way"):
+        bench.ensure_export("tiny", "fp16", "plain", tmp_path)
+    assert not (tmp_path / "tiny-fp16-plain").exists()
+    folder = bench.ensure_export("tiny", "fp16", "plain", tmp_path)
+    assert folder == tmp_path / "tiny-fp16-plain" and (folder / "model_index.json").is_file()
+    assert calls[0] != folder and calls[1] != folder  # written beside, renamed into place
+    assert bench.ensure_export("tiny", "fp16", "plain", tmp_path) == folder
+    assert len(calls) == 2
