@@ -44,6 +44,7 @@ step sd15-fp16-optimized bench --models sd15 --dtypes fp16 --exports optimized -
 step lcm-fp16-optimized bench --models lcm --dtypes fp16 --exports optimized --out "$out/lcm-fp16-optimized"
 step turbo-fp16-optimized bench --models turbo --dtypes fp16 --exports optimized --out "$out/turbo-fp16-optimized"
 step tiled-vae script benchmarks/tiled_vae.py --size 2048 --work "$work" --out "$out/tiled-vae"
+step vae-shapes script benchmarks/vae_shapes.py --work "$work" --out "$out/vae-shapes"
 step sdxl-fp16 bench --models sdxl --dtypes fp16 --exports optimized --out "$out/sdxl-fp16"
 step lcm-fp16-plain bench --models lcm --dtypes fp16 --exports plain --out "$out/lcm-fp16-plain"
 step turbo-fp16-plain bench --models turbo --dtypes fp16 --exports plain --out "$out/turbo-fp16-plain"

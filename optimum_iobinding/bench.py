@@ -170,7 +170,9 @@ def set_recipe_scheduler(pipe: Any, kind: str) -> None:
 
     name = recipe_of(kind)["scheduler"]
     if name == "ddim":
-        pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+        # clip_sample off as in SD's own DDIM config: a config without the key (the tiny pipeline's PNDM one) would
+        # turn it on, while diffusers' ONNX pipeline turns it off when it loads such a config — different loops
+        pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config, clip_sample=False)
     elif name == "lcm":
         pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config)
     else:

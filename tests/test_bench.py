@@ -66,3 +66,17 @@ def test_an_export_is_made_once_and_a_failed_one_leaves_no_folder_that_looks_who
     assert calls[0] != folder and calls[1] != folder  # written beside, renamed into place
     assert bench.ensure_export("tiny", "fp16", "plain", tmp_path) == folder
     assert len(calls) == 2
+
+
+def test_the_ddim_recipe_turns_clip_sample_off_whatever_the_scheduler_config_says():
+    # a PNDM config has no clip_sample: DDIM's own default would clip, while diffusers' ONNX pipeline turns clipping off
+    # when it loads such a config — the peers would run different loops and differ by up to 1.0 on the tiny model
+    from types import SimpleNamespace
+
+    from diffusers import PNDMScheduler
+
+    from optimum_iobinding.bench import set_recipe_scheduler
+
+    pipe = SimpleNamespace(scheduler=PNDMScheduler(skip_prk_steps=True, steps_offset=1))
+    set_recipe_scheduler(pipe, "tiny")
+    assert type(pipe.scheduler).__name__ == "DDIMScheduler" and pipe.scheduler.config.clip_sample is False
