@@ -273,6 +273,35 @@ class IOBindingORTModel:
         self._graph_runners: "OrderedDict[Tuple, CudaGraphRunner]" = OrderedDict()
         self._graph_disabled: Dict[Tuple, str] = {}
 
+    SIBLING_SETTINGS = ("reuse_outputs", "max_output_signatures", "cuda_graph", "max_graph_sessions")
+
+    def sibling(self, **changes: Any) -> "IOBindingORTModel":
+        """A new model on the same file (or bytes), providers, provider options, session options and CUDA stream,
+        with a session of its own: its own copy of the weights on the device and its own kernel state.
+
+        What it is for: ORT's CUDA convolutions choose their cuDNN algorithms again whenever a session's input shape
+        changes, even back to a shape it has run before — measured on an H100 with onnxruntime-gpu 1.31.1 for the
+        SD1.5 VAE decoder (fp16, 64×64 latents): 22 ms per call while the shape repeats, 0.7–1 s per call while four
+        shapes alternate (EXHAUSTIVE search; ~95 ms with HEURISTIC; benchmarks/vae_shapes.py). A caller that
+        alternates a few shapes, as tiled decoding does, is fast with one sibling per shape.
+
+        Args:
+            changes: settings to differ from this model's, among ``reuse_outputs``, ``max_output_signatures``,
+                ``cuda_graph`` and ``max_graph_sessions``.
+        """
+        unknown = sorted(set(changes) - set(self.SIBLING_SETTINGS))
+        if unknown:
+            raise TypeError(f"sibling: expected settings among {list(self.SIBLING_SETTINGS)}, got {unknown}")
+        source, providers, options, sess_options = self._session_recipe
+        if source is None:
+            raise RuntimeError("sibling: the session was created from neither a path nor bytes, so it cannot be "
+                               "created again")
+        settings = {name: getattr(self, name) for name in self.SIBLING_SETTINGS}
+        settings.update(changes)
+        session = create_session(source, providers, options, copy_session_options(sess_options))
+        # the options carry this model's user_compute_stream: the sibling runs on the same CUDA stream
+        return IOBindingORTModel(session, io_binding=self.io_binding, config=self.config, **settings)
+
     # ----------------------------------------------------------------------------------------------------- loading
     @staticmethod
     def load_model(

@@ -7,12 +7,19 @@ edges into its neighbours, raster order), with the PCIe transfer of one tile ove
 * encoding from the host: tile k+1 is uploaded from pinned memory on the copy stream while tile k is encoded.
 
 Events order the two streams; the host waits only for copies it is about to read. Off CUDA the same tiles and blends
-run one after another. ``overlap_copies=False`` runs the sequential CUDA version (each tile's copy waited for before
+run one after another.
+
+On CUDA each tile shape (the full tile, the right and bottom edge tiles, the corner) runs in a session of its own
+(:meth:`IOBindingORTModel.sibling`): ORT's CUDA convolutions choose their algorithms again whenever a session's input
+shape changes, which made a 2048² tiled decode on an H100 take 10.5 s instead of well under one (benchmarks/vae_shapes.py,
+benchmarks/results/h100/session3). Each extra session holds the VAE's weights once more; ``max_tile_sessions`` bounds
+them. ``overlap_copies=False`` runs the sequential CUDA version (each tile's copy waited for before
 the next tile starts) — the comparison the benchmark makes (benchmarks/tiled_vae.py).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -55,6 +62,10 @@ class TiledVAE:
         scale_factor: pixels per latent (8 for every Stable Diffusion VAE).
         overlap: fraction of a tile shared with each neighbour (diffusers: 0.25).
         overlap_copies: on CUDA, overlap each tile's host transfer with the next tile's compute.
+        session_per_shape: run each tile shape in a session of its own (default: on CUDA, where a shape change costs
+            an algorithm search; the first shape runs in the given model, the others in its siblings).
+        max_tile_sessions: how many tile shapes per model keep their session (least recently used go first); four
+            cover every tile of one image size.
     """
 
     def __init__(
@@ -65,12 +76,16 @@ class TiledVAE:
         scale_factor: int = 8,
         overlap: float = 0.25,
         overlap_copies: bool = True,
+        session_per_shape: Optional[bool] = None,
+        max_tile_sessions: int = 4,
     ):
         if tile_sample_size % scale_factor != 0 or tile_sample_size <= 0:
             raise ValueError(f"tile_sample_size: expected a positive multiple of {scale_factor} (the VAE's scale "
                              f"factor), got {tile_sample_size}")
         if not 0.0 <= overlap < 1.0:
             raise ValueError(f"overlap: expected a fraction in [0, 1), got {overlap}")
+        if max_tile_sessions < 1:
+            raise ValueError(f"max_tile_sessions: expected an integer ≥ 1, got {max_tile_sessions}")
         self.vae_decoder = vae_decoder
         self.vae_encoder = vae_encoder
         self.tile_sample_size = tile_sample_size
@@ -78,6 +93,10 @@ class TiledVAE:
         self.scale_factor = scale_factor
         self.overlap = overlap
         self.overlap_copies = overlap_copies
+        self.session_per_shape = session_per_shape
+        self.max_tile_sessions = max_tile_sessions
+        # per model (by id): tile shape → the model that runs it, least recently used first
+        self._shape_models: Dict[int, "OrderedDict[Tuple[int, ...], IOBindingORTModel]"] = {}
         self._copy_streams: Dict[torch.device, "torch.cuda.Stream"] = {}
         self._staging: Dict[Tuple[int, Tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
@@ -120,12 +139,33 @@ class TiledVAE:
 
         return along(shape[2]), along(shape[3])
 
+    def _model_for(self, model: IOBindingORTModel, shape: Tuple[int, ...]) -> IOBindingORTModel:
+        """The model that runs tiles of ``shape``: ``model`` itself, or with ``session_per_shape`` the sibling that
+        has only ever seen this shape (the first shape seen runs in ``model``)."""
+        per_shape = self.session_per_shape
+        if per_shape is None:
+            per_shape = model.device.type == "cuda"
+        if not per_shape:
+            return model
+        models = self._shape_models.setdefault(id(model), OrderedDict())
+        if shape not in models:
+            if model in models.values():
+                models[shape] = model.sibling()
+            else:
+                models[shape] = model
+            while len(models) > self.max_tile_sessions:
+                models.popitem(last=False)
+        models.move_to_end(shape)
+        return models[shape]
+
     def _decode_tile(self, latents: torch.Tensor) -> torch.Tensor:
         # a copy: the next call reuses the decoder's output buffer, and neighbours blend from this tile later
-        return self.vae_decoder(latent_sample=latents.contiguous())[0].clone()
+        latents = latents.contiguous()
+        return self._model_for(self.vae_decoder, tuple(latents.shape))(latent_sample=latents)[0].clone()
 
     def _encode_tile(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.vae_encoder(sample=pixels.contiguous())[0].clone()
+        pixels = pixels.contiguous()
+        return self._model_for(self.vae_encoder, tuple(pixels.shape))(sample=pixels)[0].clone()
 
     # -------------------------------------------------------------------------------------------------- decode
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

@@ -501,3 +501,26 @@ def test_an_amd_gpu_session_binds_on_the_torch_cuda_device_of_its_device_id():
 
     for provider in ("ROCMExecutionProvider", "MIGraphXExecutionProvider"):
         assert session_device(RocmSession(provider)) == torch.device("cuda", 1)
+
+
+def test_a_sibling_has_its_own_session_and_the_same_file_options_and_results(tmp_path):
+    path = tmp_path / "m.onnx"
+    onnx.save(_sibling_model(), path)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    model = IOBindingORTModel(path, sess_options=options, reuse_outputs=False, config={"scale": 2})
+    twin = model.sibling()
+    assert twin.session is not model.session and twin.model_path == model.model_path
+    assert twin.reuse_outputs is False and twin.config == {"scale": 2} and twin.providers == model.providers
+    assert twin.session.get_session_options().intra_op_num_threads == 1
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    torch.testing.assert_close(twin(x=x)[0], model(x=x)[0])
+    assert model.sibling(reuse_outputs=True).reuse_outputs is True
+    with pytest.raises(TypeError, match=r"sibling: expected settings among .*got \['provider'\]"):
+        model.sibling(provider="CPUExecutionProvider")
+
+
+def _sibling_model():
+    return make_model([helper.make_node("Mul", ["x", "x"], ["y"])],
+                      [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3])])
