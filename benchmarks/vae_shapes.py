@@ -50,8 +50,6 @@ def measure(folder: Path, options: dict, cycles: int) -> dict:
         for h, w in SHAPES:
             alternating[f"{h}x{w}"].append(once((h, w)))
     repeated = {f"{h}x{w}": [once((h, w)) for _ in range(cycles)] for h, w in SHAPES}
-    del decoder
-    torch.cuda.empty_cache()
     return {
         "first_call_ms": first,
         "alternating_ms": {k: statistics.median(v) for k, v in alternating.items()},

@@ -11,10 +11,12 @@ run one after another.
 
 On CUDA each tile shape (the full tile, the right and bottom edge tiles, the corner) runs in a session of its own
 (:meth:`IOBindingORTModel.sibling`): ORT's CUDA convolutions choose their algorithms again whenever a session's input
-shape changes, which made a 2048² tiled decode on an H100 take 10.5 s instead of well under one (benchmarks/vae_shapes.py,
-benchmarks/results/h100/session3). Each extra session holds the VAE's weights once more; ``max_tile_sessions`` bounds
-them. ``overlap_copies=False`` runs the sequential CUDA version (each tile's copy waited for before
-the next tile starts) — the comparison the benchmark makes (benchmarks/tiled_vae.py).
+shape changes, which made a 2048² tiled decode take 10.5 s on an H100 with one session, 0.55 s on an H200 with one
+per shape (benchmarks/vae_shapes.py, benchmarks/results/h100/session3). Each extra session holds the VAE's weights
+once more; ``max_tile_sessions`` bounds them.
+
+``overlap_copies=False`` runs the sequential CUDA version (each tile's copy waited for before the next tile starts)
+— the comparison the benchmark makes (benchmarks/tiled_vae.py).
 """
 
 from __future__ import annotations
@@ -95,8 +97,9 @@ class TiledVAE:
         self.overlap_copies = overlap_copies
         self.session_per_shape = session_per_shape
         self.max_tile_sessions = max_tile_sessions
-        # per model (by id): tile shape → the model that runs it, least recently used first
-        self._shape_models: Dict[int, "OrderedDict[Tuple[int, ...], IOBindingORTModel]"] = {}
+        # per role ("decoder"/"encoder"): the model the sessions were made for, and tile shape → the model that runs
+        # it, least recently used first (a different model given later starts afresh)
+        self._shape_models: Dict[str, Tuple[IOBindingORTModel, "OrderedDict[Tuple[int, ...], IOBindingORTModel]"]] = {}
         self._copy_streams: Dict[torch.device, "torch.cuda.Stream"] = {}
         self._staging: Dict[Tuple[int, Tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
@@ -139,7 +142,7 @@ class TiledVAE:
 
         return along(shape[2]), along(shape[3])
 
-    def _model_for(self, model: IOBindingORTModel, shape: Tuple[int, ...]) -> IOBindingORTModel:
+    def _model_for(self, role: str, model: IOBindingORTModel, shape: Tuple[int, ...]) -> IOBindingORTModel:
         """The model that runs tiles of ``shape``: ``model`` itself, or with ``session_per_shape`` the sibling that
         has only ever seen this shape (the first shape seen runs in ``model``)."""
         per_shape = self.session_per_shape
@@ -147,7 +150,9 @@ class TiledVAE:
             per_shape = model.device.type == "cuda"
         if not per_shape:
             return model
-        models = self._shape_models.setdefault(id(model), OrderedDict())
+        if role not in self._shape_models or self._shape_models[role][0] is not model:
+            self._shape_models[role] = (model, OrderedDict())
+        models = self._shape_models[role][1]
         if shape not in models:
             if model in models.values():
                 models[shape] = model.sibling()
@@ -161,11 +166,11 @@ class TiledVAE:
     def _decode_tile(self, latents: torch.Tensor) -> torch.Tensor:
         # a copy: the next call reuses the decoder's output buffer, and neighbours blend from this tile later
         latents = latents.contiguous()
-        return self._model_for(self.vae_decoder, tuple(latents.shape))(latent_sample=latents)[0].clone()
+        return self._model_for("decoder", self.vae_decoder, tuple(latents.shape))(latent_sample=latents)[0].clone()
 
     def _encode_tile(self, pixels: torch.Tensor) -> torch.Tensor:
         pixels = pixels.contiguous()
-        return self._model_for(self.vae_encoder, tuple(pixels.shape))(sample=pixels)[0].clone()
+        return self._model_for("encoder", self.vae_encoder, tuple(pixels.shape))(sample=pixels)[0].clone()
 
     # -------------------------------------------------------------------------------------------------- decode
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

@@ -103,13 +103,13 @@ def test_each_tile_shape_can_run_in_a_session_of_its_own_with_the_same_result(ti
     latents = torch.randn(1, 4, 20, 20, generator=torch.Generator().manual_seed(2))
     expected = tiler.decode(latents)
     torch.testing.assert_close(per_shape.decode(latents), expected, atol=0, rtol=0)
-    models = per_shape._shape_models[id(decoder)]
+    models = per_shape._shape_models["decoder"][1]
     # tiles of 8 latents every 6: 8, 8, 8 and an edge of 2 along each axis → four shapes, four sessions
     assert sorted(shape[2:] for shape in models) == [(2, 2), (2, 8), (8, 2), (8, 8)]
     assert decoder in models.values() and len({id(model.session) for model in models.values()}) == 4
     torch.testing.assert_close(per_shape.decode(latents), expected, atol=0, rtol=0)  # reused, not made again
-    assert len({id(model) for model in per_shape._shape_models[id(decoder)].values()}) == 4
-    assert tiler.session_per_shape is None and id(tiler.vae_decoder) not in tiler._shape_models  # CPU default: one
+    assert len({id(model) for model in per_shape._shape_models["decoder"][1].values()}) == 4
+    assert tiler.session_per_shape is None and "decoder" not in tiler._shape_models  # CPU default: one session
 
 
 def test_tile_sessions_are_bounded(tiny):
@@ -119,6 +119,6 @@ def test_tile_sessions_are_bounded(tiny):
     latents = torch.randn(1, 4, 20, 20, generator=torch.Generator().manual_seed(3))
     reference = TiledVAE(decoder, tile_sample_size=64, session_per_shape=False).decode(latents)
     torch.testing.assert_close(bounded.decode(latents), reference, atol=0, rtol=0)
-    assert len(bounded._shape_models[id(decoder)]) == 2
+    assert len(bounded._shape_models["decoder"][1]) == 2
     with pytest.raises(ValueError, match="max_tile_sessions: expected an integer ≥ 1, got 0"):
         TiledVAE(decoder, max_tile_sessions=0)
