@@ -107,8 +107,9 @@ def test_each_tile_shape_can_run_in_a_session_of_its_own_with_the_same_result(ti
     # tiles of 8 latents every 6: 8, 8, 8 and an edge of 2 along each axis → four shapes, four sessions
     assert sorted(shape[2:] for shape in models) == [(2, 2), (2, 8), (8, 2), (8, 8)]
     assert decoder in models.values() and len({id(model.session) for model in models.values()}) == 4
-    torch.testing.assert_close(per_shape.decode(latents), expected, atol=0, rtol=0)  # reused, not made again
-    assert len({id(model) for model in per_shape._shape_models["decoder"][1].values()}) == 4
+    before = {shape: id(model) for shape, model in models.items()}
+    torch.testing.assert_close(per_shape.decode(latents), expected, atol=0, rtol=0)
+    assert {shape: id(model) for shape, model in per_shape._shape_models["decoder"][1].items()} == before  # reused
     assert tiler.session_per_shape is None and "decoder" not in tiler._shape_models  # CPU default: one session
 
 
@@ -122,3 +123,12 @@ def test_tile_sessions_are_bounded(tiny):
     assert len(bounded._shape_models["decoder"][1]) == 2
     with pytest.raises(ValueError, match="max_tile_sessions: expected an integer ≥ 1, got 0"):
         TiledVAE(decoder, max_tile_sessions=0)
+
+
+def test_tiled_encoding_with_a_session_per_shape_gives_the_same_latents(tiny, tiler):
+    _, folder = tiny
+    encoder = IOBindingORTModel.from_pretrained(folder, subfolder="vae_encoder")
+    per_shape = TiledVAE(None, encoder, tile_sample_size=64, session_per_shape=True)
+    image = torch.rand(1, 3, 160, 112, generator=torch.Generator().manual_seed(4)) * 2 - 1
+    torch.testing.assert_close(per_shape.encode(image), tiler.encode(image), atol=0, rtol=0)
+    assert len(per_shape._shape_models["encoder"][1]) == 4  # 64², and edges of 16 (rows) and 16 (columns)
