@@ -2,18 +2,20 @@
 # The benchmark run behind benchmarks/results/<device>/, on the GPU machine, from the project root, after
 #   bash .device/w/install.sh && bash .device/w/install.sh optimum      (onnxruntime-gpu, diffusers; optimum-onnx)
 # Usage: bash benchmarks/run_gpu.sh OUT_FOLDER [WORK_FOLDER [STEP ...]]
-#   STEP: any of the step names below (default: all, in this order). Each step appends "name exit-status" to
+#   STEP: any of the step names below, run in the order given (default: all, in the order below). Each step appends "name exit-status" to
 #   OUT_FOLDER/status when done, and writes its log to OUT_FOLDER/name.log.
 #   EXPORT_AHEAD="model:dtype:export ..." makes those exports in a background process pinned to the second half of
 #   the CPUs (EXPORT_CPUS) while the benches run pinned to the first half (BENCH_CPUS): exports are CPU work, the
 #   benches GPU work and one host thread each. A bench that needs an export still being made waits for it (a lock).
+#   Queues separated by "|" run side by side (e.g. "sdxl:fp16:optimized | tiny:fp32:optimized sd15:fp32:plain": the
+#   long SDXL export does not hold the others back).
 # Most important first, so that a run cut short by the machine's time still reports them. What issues 4 and 6
 # still lacked after session 3: sd15-fp32, fp32-optimized, sdxl-fp16, gpu-tests (pass those names as STEPs).
 set -uo pipefail
 out=${1:?output folder}
 work=${2:-/tmp/bench-work}
 shift $(( $# < 2 ? $# : 2 ))
-selected=" $* "
+selected="$*"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 mkdir -p "$out" "$work"
 cpus=$(nproc)
@@ -22,38 +24,46 @@ EXPORT_CPUS=${EXPORT_CPUS:-$(( cpus / 2 ))-$(( cpus - 1 ))}
 pin=()
 if [ -n "${EXPORT_AHEAD:-}" ]; then
   pin=(taskset -c "$BENCH_CPUS")
-  (
-    for item in $EXPORT_AHEAD; do
-      IFS=: read -r model dtype export <<< "$item"
-      taskset -c "$EXPORT_CPUS" python3 -m optimum_iobinding.cli bench --export-only --work "$work" \
-        --models "$model" --dtypes "$dtype" --exports "$export"
-      echo "$item $?" >> "$out/exports"
-    done
-  ) > "$out/exports.log" 2>&1 &
+  IFS='|' read -r -a queues <<< "$EXPORT_AHEAD"
+  for q in "${!queues[@]}"; do
+    (
+      for item in ${queues[$q]}; do
+        IFS=: read -r model dtype export <<< "$item"
+        taskset -c "$EXPORT_CPUS" python3 -m optimum_iobinding.cli bench --export-only --work "$work" \
+          --models "$model" --dtypes "$dtype" --exports "$export"
+        echo "$item $?" >> "$out/exports"
+      done
+    ) > "$out/exports-$q.log" 2>&1 &
+  done
 fi
 bench() { "${pin[@]}" python3 -m optimum_iobinding.cli bench --work "$work" --optimum-pythonpath /tmp/site-optimum "$@"; }
 script() { "${pin[@]}" python3 "$@"; }
-step() {
-  local name=$1; shift
-  if [ "$selected" != "  " ] && [[ "$selected" != *" $name "* ]]; then return; fi
-  "$@" > "$out/$name.log" 2>&1
-  echo "$name $?" >> "$out/status"
+run_step() {
+  case $1 in
+    sd15-fp32) bench --models sd15 --dtypes fp32 --exports plain,optimized --out "$out/sd15-fp32" ;;
+    fp32-optimized) bench --models tiny,small --dtypes fp32 --exports optimized --out "$out/fp32-optimized" ;;
+    tiny-fp16) bench --models tiny --dtypes fp16 --exports plain,optimized --out "$out/tiny-fp16" ;;
+    fp32) bench --models tiny,small --dtypes fp32 --exports plain --out "$out/fp32" ;;
+    sd15-fp16-optimized) bench --models sd15 --dtypes fp16 --exports optimized --out "$out/sd15-fp16-optimized" ;;
+    lcm-fp16-optimized) bench --models lcm --dtypes fp16 --exports optimized --out "$out/lcm-fp16-optimized" ;;
+    turbo-fp16-optimized) bench --models turbo --dtypes fp16 --exports optimized --out "$out/turbo-fp16-optimized" ;;
+    tiled-vae) script benchmarks/tiled_vae.py --size 2048 --work "$work" --out "$out/tiled-vae" ;;
+    vae-shapes) script benchmarks/vae_shapes.py --work "$work" --out "$out/vae-shapes" ;;
+    sdxl-fp16) bench --models sdxl --dtypes fp16 --exports optimized --out "$out/sdxl-fp16" ;;
+    lcm-fp16-plain) bench --models lcm --dtypes fp16 --exports plain --out "$out/lcm-fp16-plain" ;;
+    turbo-fp16-plain) bench --models turbo --dtypes fp16 --exports plain --out "$out/turbo-fp16-plain" ;;
+    sd15-fp16-plain) bench --models sd15 --dtypes fp16 --exports plain --out "$out/sd15-fp16-plain" ;;
+    small-fp16) bench --models small --dtypes fp16 --exports plain,optimized --out "$out/small-fp16" ;;
+    gpu-tests) (cd tests && python3 -m pytest -q -p no:cacheprovider -rs test_gpu.py test_model.py -k 'cuda or gpu'; a=$?
+               PYTHONPATH=/tmp/site-optimum:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider -rs test_optimum.py -k cuda
+               exit $(( a | $? ))) ;;
+    unet-options) script benchmarks/unet_options.py --model sd15 --work "$work" --out "$out/unet-options" ;;
+    *) echo "unknown step: $1 (expected one of: $ALL_STEPS)"; return 2 ;;
+  esac
 }
-step sd15-fp32 bench --models sd15 --dtypes fp32 --exports plain,optimized --out "$out/sd15-fp32"
-step fp32-optimized bench --models tiny,small --dtypes fp32 --exports optimized --out "$out/fp32-optimized"
-step tiny-fp16 bench --models tiny --dtypes fp16 --exports plain,optimized --out "$out/tiny-fp16"
-step fp32 bench --models tiny,small --dtypes fp32 --exports plain --out "$out/fp32"
-step sd15-fp16-optimized bench --models sd15 --dtypes fp16 --exports optimized --out "$out/sd15-fp16-optimized"
-step lcm-fp16-optimized bench --models lcm --dtypes fp16 --exports optimized --out "$out/lcm-fp16-optimized"
-step turbo-fp16-optimized bench --models turbo --dtypes fp16 --exports optimized --out "$out/turbo-fp16-optimized"
-step tiled-vae script benchmarks/tiled_vae.py --size 2048 --work "$work" --out "$out/tiled-vae"
-step vae-shapes script benchmarks/vae_shapes.py --work "$work" --out "$out/vae-shapes"
-step sdxl-fp16 bench --models sdxl --dtypes fp16 --exports optimized --out "$out/sdxl-fp16"
-step lcm-fp16-plain bench --models lcm --dtypes fp16 --exports plain --out "$out/lcm-fp16-plain"
-step turbo-fp16-plain bench --models turbo --dtypes fp16 --exports plain --out "$out/turbo-fp16-plain"
-step sd15-fp16-plain bench --models sd15 --dtypes fp16 --exports plain --out "$out/sd15-fp16-plain"
-step small-fp16 bench --models small --dtypes fp16 --exports plain,optimized --out "$out/small-fp16"
-step gpu-tests bash -c "cd tests && python3 -m pytest -q -p no:cacheprovider -rs test_gpu.py test_model.py -k 'cuda or gpu' \
-  && PYTHONPATH=/tmp/site-optimum:\$PYTHONPATH python3 -m pytest -q -p no:cacheprovider -rs test_optimum.py -k cuda"
-step unet-options script benchmarks/unet_options.py --model sd15 --work "$work" --out "$out/unet-options"
+ALL_STEPS="sd15-fp32 fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options"
+for name in ${selected:-$ALL_STEPS}; do
+  run_step "$name" > "$out/$name.log" 2>&1
+  echo "$name $?" >> "$out/status"
+done
 echo done >> "$out/status"
