@@ -41,6 +41,7 @@ script() { "${pin[@]}" python3 "$@"; }
 run_step() {
   case $1 in
     sd15-fp32) bench --models sd15 --dtypes fp32 --exports plain,optimized --out "$out/sd15-fp32" ;;
+    sd15-fp32-plain) bench --models sd15 --dtypes fp32 --exports plain --out "$out/sd15-fp32-plain" ;;
     fp32-optimized) bench --models tiny,small --dtypes fp32 --exports optimized --out "$out/fp32-optimized" ;;
     tiny-fp16) bench --models tiny --dtypes fp16 --exports plain,optimized --out "$out/tiny-fp16" ;;
     fp32) bench --models tiny,small --dtypes fp32 --exports plain --out "$out/fp32" ;;
@@ -50,6 +51,7 @@ run_step() {
     tiled-vae) script benchmarks/tiled_vae.py --size 2048 --work "$work" --out "$out/tiled-vae" ;;
     vae-shapes) script benchmarks/vae_shapes.py --work "$work" --out "$out/vae-shapes" ;;
     sdxl-fp16) bench --models sdxl --dtypes fp16 --exports optimized --out "$out/sdxl-fp16" ;;
+    sdxl-fp16-plain) bench --models sdxl --dtypes fp16 --exports plain --out "$out/sdxl-fp16-plain" ;;
     lcm-fp16-plain) bench --models lcm --dtypes fp16 --exports plain --out "$out/lcm-fp16-plain" ;;
     turbo-fp16-plain) bench --models turbo --dtypes fp16 --exports plain --out "$out/turbo-fp16-plain" ;;
     sd15-fp16-plain) bench --models sd15 --dtypes fp16 --exports plain --out "$out/sd15-fp16-plain" ;;
@@ -61,7 +63,7 @@ run_step() {
     *) echo "unknown step: $1 (expected one of: $ALL_STEPS)"; return 2 ;;
   esac
 }
-ALL_STEPS="sd15-fp32 fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options"
+ALL_STEPS="sd15-fp32 sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options"
 for name in ${selected:-$ALL_STEPS}; do
   run_step "$name" > "$out/$name.log" 2>&1
   echo "$name $?" >> "$out/status"
