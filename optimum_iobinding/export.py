@@ -15,6 +15,7 @@ Large models go to one external-data file ``weights.pb`` next to their ``model.o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -456,14 +457,55 @@ def _use_classic_attention(module: torch.nn.Module) -> None:
             return
 
 
+@contextlib.contextmanager
+def _in_folder(folder: Path):
+    """ORT's fusion and shape-inference code reads initializers with ``numpy_helper.to_array(tensor)``, which resolves
+    external data relative to the working directory: run it from the model's folder. (The working directory is the
+    process's: exporting is not something to run on two threads at once.)"""
+    previous = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
+def _load_light(path: Path) -> onnx.ModelProto:
+    """The model at ``path`` with every initializer over 1 KiB left on disk beside it (read on demand).
+
+    ORT's symbolic shape inference copies the whole ModelProto, weights included, several times per pass: on the SD1.5
+    UNet (3.4 GB fp32) its ``remove_useless_reshape_nodes`` pass alone went past 24 GB and was killed, and on the SDXL
+    UNet each such pass took minutes. Without the weights in the proto the same fusions ran in 73 s and 3.2 GB peak
+    (SD1.5, 2 CPUs). The exporter already writes large models this way; a small one is rewritten so."""
+    from onnx.external_data_helper import uses_external_data
+
+    model = onnx.load(str(path), load_external_data=False)
+    if not any(uses_external_data(tensor) for tensor in model.graph.initializer):
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.stem + ".weights", size_threshold=1024)
+        model = onnx.load(str(path), load_external_data=False)
+    return model
+
+
+def _unload(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
+    """Writes ``model`` to ``path`` with its weights beside it and returns it loaded light (see :func:`_load_light`)."""
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.stem + ".weights", size_threshold=1024)
+    return onnx.load(str(path), load_external_data=False)
+
+
 def _optimize(name: str, path: Path, options: Any, target: str):
-    """ORT's transformer optimizer; where its attention fusion breaks on a graph (the VAE's single-head attention
-    reshapes trip ``get_num_heads_and_hidden_size``), the component is optimized again without that fusion."""
+    """ORT's transformer optimizer on the model at ``path``, its weights left on disk while the graph is rewritten
+    (:func:`_load_light`; fusions that need a weight read it from there); where its attention fusion breaks on a
+    graph (the VAE's single-head attention reshapes trip ``get_num_heads_and_hidden_size``), the component is
+    optimized again without that fusion. Returns ORT's ``OnnxModel``; initializers it did not touch are still on disk
+    in ``path``'s folder: load them (``onnx.load_external_data_for_model``) before that folder goes."""
     from onnxruntime.transformers.optimizer import optimize_model
 
     def run(fusions):
-        return optimize_model(str(path), model_type=_OPTIMIZER_MODEL_TYPES[name], opt_level=0,
-                              optimization_options=fusions, use_gpu=target == "cuda")
+        with _in_folder(path.parent):
+            return optimize_model(_load_light(path), model_type=_OPTIMIZER_MODEL_TYPES[name], opt_level=0,
+                                  optimization_options=fusions, use_gpu=target == "cuda")
 
     try:
         return run(options)
@@ -474,6 +516,42 @@ def _optimize(name: str, path: Path, options: Any, target: str):
                        type(error).__name__, error)
         options.enable_attention = False
         return run(options)
+
+
+def _optimized_to_float16(optimized: Any, folder: Path) -> onnx.ModelProto:
+    """What ORT's ``OnnxModel.convert_float_to_float16(keep_io_types=False)`` does — symbolic type inference (onnx's
+    own cannot type the fused com.microsoft ops), its float16 converter, then removing cascaded and useless Casts —
+    with the weights on disk in ``folder`` for the two inference passes and in memory only for the conversion."""
+    from onnx import ValueInfoProto
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+    from onnxruntime.transformers.onnx_model import OnnxModel
+    from onnxruntime.transformers.shape_infer_helper import SymbolicShapeInferenceHelper
+
+    model = optimized.model
+    try:
+        with _in_folder(folder):
+            typed = SymbolicShapeInferenceHelper(model).infer_shapes(model, auto_merge=True, guess_output_rank=False)
+    except Exception as error:  # ORT goes on without the types, warning; so do we, saying why
+        logger.warning("ORT's symbolic shape inference failed before the float16 conversion (%s: %s); converting "
+                       "without its types", type(error).__name__, error)
+        typed = None
+    # element types only, as ORT merges them (auto_merge may widen shapes: microsoft/onnxruntime#15521)
+    known = {info.name for info in model.graph.value_info}
+    for info in (typed.graph.value_info if typed is not None else ()):
+        if info.name and info.name not in known and info.type.tensor_type.elem_type != onnx.TensorProto.UNDEFINED:
+            typed_only = ValueInfoProto()
+            typed_only.CopyFrom(info)
+            typed_only.type.tensor_type.ClearField("shape")
+            model.graph.value_info.append(typed_only)
+            known.add(info.name)
+    onnx.load_external_data_for_model(model, str(folder))
+    converted = OnnxModel(convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=True))
+    converted.remove_cascaded_cast_nodes()
+    converted = OnnxModel(_unload(converted.model, folder / "fp16.onnx"))
+    with _in_folder(folder):
+        converted.remove_useless_cast_nodes()
+    onnx.load_external_data_for_model(converted.model, str(folder))
+    return converted.model
 
 
 def _export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool, optimize: Optional[str]) -> None:
@@ -490,9 +568,10 @@ def _export_component(name: str, spec: dict, target: Path, opset: int, fp16: boo
         if optimize:
             optimized = _optimize(name, scratch_path, fusion_options(name, spec["config"], optimize), optimize)
             if fp16:
-                # symbolic shape inference: onnx's own cannot type the fused com.microsoft ops
-                optimized.convert_float_to_float16(keep_io_types=False)
-            model = optimized.model
+                model = _optimized_to_float16(optimized, Path(scratch))
+            else:
+                model = optimized.model
+                onnx.load_external_data_for_model(model, scratch)
         elif fp16:
             # Types of every intermediate first, from the file (works past 2 GiB, unlike in-memory inference):
             # without them the converter turns Resize's float scales into float16, which ORT refuses.
