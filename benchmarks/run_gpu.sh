@@ -2,15 +2,16 @@
 # The benchmark run behind benchmarks/results/<device>/, on the GPU machine, from the project root, after
 #   bash .device/w/install.sh && bash .device/w/install.sh optimum      (onnxruntime-gpu, diffusers; optimum-onnx)
 # Usage: bash benchmarks/run_gpu.sh OUT_FOLDER [WORK_FOLDER [STEP ...]]
-#   STEP: any of the step names below, run in the order given (default: all, in the order below). Each step appends "name exit-status" to
-#   OUT_FOLDER/status when done, and writes its log to OUT_FOLDER/name.log.
+#   STEP: any of the step names below, run in the order given (default: all, in the order below). Each step
+#   appends "name exit-status" to OUT_FOLDER/status when done, and writes its log to OUT_FOLDER/name.log.
 #   EXPORT_AHEAD="model:dtype:export ..." makes those exports in a background process pinned to the second half of
 #   the CPUs (EXPORT_CPUS) while the benches run pinned to the first half (BENCH_CPUS): exports are CPU work, the
 #   benches GPU work and one host thread each. A bench that needs an export still being made waits for it (a lock).
 #   Queues separated by "|" run side by side (e.g. "sdxl:fp16:optimized | tiny:fp32:optimized sd15:fp32:plain": the
 #   long SDXL export does not hold the others back).
-# Most important first, so that a run cut short by the machine's time still reports them. What issues 4 and 6
-# still lacked after session 3: sd15-fp32, fp32-optimized, sdxl-fp16, gpu-tests (pass those names as STEPs).
+# Give the most important first, so that a run cut short by the machine's time still reports them. What issues 4
+# and 6 still lacked after session 4: EXPORT_AHEAD="sdxl:fp16:optimized | sd15:fp32:optimized" with the steps
+# sdxl-fp16 sd15-fp32.
 set -uo pipefail
 out=${1:?output folder}
 work=${2:-/tmp/bench-work}

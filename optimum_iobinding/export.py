@@ -473,9 +473,9 @@ def _in_folder(folder: Path):
 def _load_light(path: Path) -> onnx.ModelProto:
     """The model at ``path`` with every initializer over 1 KiB left on disk beside it (read on demand).
 
-    ORT's symbolic shape inference copies the whole ModelProto, weights included, several times per pass: on the SD1.5
-    UNet (3.4 GB fp32) its ``remove_useless_reshape_nodes`` pass alone went past 24 GB and was killed, and on the SDXL
-    UNet each such pass took minutes. Without the weights in the proto the same fusions ran in 73 s and 3.2 GB peak
+    ORT's symbolic shape inference copies the whole ModelProto, weights included, in the passes that use it: on the
+    SD1.5 UNet (3.4 GB fp32) its ``remove_useless_reshape_nodes`` pass alone went past 24 GB and was killed, and on
+    the SDXL UNet each such pass took minutes. Without the weights in the proto the same fusions ran in 73 s and 3.2 GB peak
     (SD1.5, 2 CPUs). The exporter already writes large models this way; a small one is rewritten so."""
     from onnx.external_data_helper import uses_external_data
 
