@@ -76,7 +76,7 @@ def test_optimizing_with_the_weights_on_disk_gives_exactly_ORTs_result(tmp_path,
         assert "MultiHeadAttention" in fused or "Attention" in fused, fused
 
 
-def test_the_working_directory_is_restored_when_the_optimizer_fails(tmp_path, monkeypatch):
+def test_the_working_directory_is_restored_when_the_optimizer_fails(tmp_path):
     import os
 
     before = os.getcwd()
