@@ -475,15 +475,13 @@ def _load_light(path: Path) -> onnx.ModelProto:
 
     ORT's symbolic shape inference copies the whole ModelProto, weights included, in the passes that use it: on the
     SD1.5 UNet (3.4 GB fp32) its ``remove_useless_reshape_nodes`` pass alone went past 24 GB and was killed, and on
-    the SDXL UNet each such pass took minutes. Without the weights in the proto the same fusions ran in 73 s and 3.2 GB peak
-    (SD1.5, 2 CPUs). The exporter already writes large models this way; a small one is rewritten so."""
+    the SDXL UNet each such pass took minutes. Without the weights in the proto the same fusions ran in 73 s and
+    3.2 GB peak (SD1.5, 2 CPUs). The exporter already writes large models this way; a small one is rewritten so."""
     from onnx.external_data_helper import uses_external_data
 
     model = onnx.load(str(path), load_external_data=False)
     if not any(uses_external_data(tensor) for tensor in model.graph.initializer):
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.stem + ".weights", size_threshold=1024)
-        model = onnx.load(str(path), load_external_data=False)
+        model = _unload(model, path)
     return model
 
 
