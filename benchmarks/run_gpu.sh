@@ -11,7 +11,7 @@
 #   long SDXL export does not hold the others back).
 # Give the most important first, so that a run cut short by the machine's time still reports them. What issues 4
 # and 6 still lacked after session 4: EXPORT_AHEAD="sdxl:fp16:optimized | sd15:fp32:optimized" with the steps
-# sdxl-fp16 sd15-fp32.
+# sd15-fp32-optimized sdxl-fp16.
 set -uo pipefail
 out=${1:?output folder}
 work=${2:-/tmp/bench-work}
@@ -42,6 +42,7 @@ script() { "${pin[@]}" python3 "$@"; }
 run_step() {
   case $1 in
     sd15-fp32) bench --models sd15 --dtypes fp32 --exports plain,optimized --out "$out/sd15-fp32" ;;
+    sd15-fp32-optimized) bench --models sd15 --dtypes fp32 --exports optimized --out "$out/sd15-fp32-optimized" ;;
     sd15-fp32-plain) bench --models sd15 --dtypes fp32 --exports plain --out "$out/sd15-fp32-plain" ;;
     fp32-optimized) bench --models tiny,small --dtypes fp32 --exports optimized --out "$out/fp32-optimized" ;;
     tiny-fp16) bench --models tiny --dtypes fp16 --exports plain,optimized --out "$out/tiny-fp16" ;;
@@ -64,7 +65,7 @@ run_step() {
     *) echo "unknown step: $1 (expected one of: $ALL_STEPS)"; return 2 ;;
   esac
 }
-ALL_STEPS="sd15-fp32 sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options"
+ALL_STEPS="sd15-fp32 sd15-fp32-optimized sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options"
 for name in ${selected:-$ALL_STEPS}; do
   run_step "$name" > "$out/$name.log" 2>&1
   echo "$name $?" >> "$out/status"
