@@ -580,6 +580,15 @@ def _export_component(name: str, spec: dict, target: Path, opset: int, fp16: boo
             model = onnx.load(str(scratch_path))  # with any external data the exporter wrote beside it
     _save_onnx(model, target / name / "model.onnx")
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
+    if fp16 and config.get("force_upcast"):
+        # diffusers upcasts such a VAE to float32 before decoding (SDXL's stock VAE overflows float16); a float16 ONNX
+        # model cannot be upcast, and pipelines that try (optimum-onnx's, through diffusers' upcast_vae) fail.
+        logger.warning(
+            "%s: the VAE's config says force_upcast=True (its activations can overflow float16: SDXL's stock VAE "
+            "then decodes NaN/black images), but this export is float16 and cannot be upcast, so its config.json "
+            "says force_upcast=false. Export a float16-safe VAE (e.g. madebyollin/sdxl-vae-fp16-fix, passed in "
+            "through torch_pipeline=) if the images come out black.", name)
+        config["force_upcast"] = False
     (target / name / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
 
 

@@ -85,3 +85,20 @@ def test_the_working_directory_is_restored_when_the_optimizer_fails(tmp_path):
             assert os.getcwd() == str(tmp_path.resolve())
             raise RuntimeError("boom")
     assert os.getcwd() == before
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+def test_a_float16_vae_export_says_it_cannot_be_upcast(tmp_path, fp16, caplog):
+    """diffusers' SDXL pipelines upcast a force_upcast VAE to float32 (optimum-onnx's fails trying, on an ONNX VAE);
+    a float16 ONNX VAE cannot be upcast, so its config must not ask for it. An fp32 export keeps the flag."""
+    import json
+
+    pipe = ex.build_tiny_random_pipeline()
+    assert pipe.vae.config.force_upcast  # diffusers' default, as in SD 1.x/SDXL
+    with caplog.at_level("WARNING", logger=ex.__name__):
+        ex.export_pipeline(None, tmp_path, torch_pipeline=pipe, fp16=fp16, components=("vae_decoder",),
+                           progress=False)
+    config = json.loads((tmp_path / "vae_decoder" / "config.json").read_text())
+    assert config["force_upcast"] is (not fp16)
+    assert config["scaling_factor"] == pipe.vae.config.scaling_factor
+    assert ("force_upcast" in caplog.text) is fp16
