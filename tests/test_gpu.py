@@ -86,17 +86,19 @@ def test_pipeline_graph_equals_no_graph_equals_numpy_loop(tiny_folder):
 
 
 def sync_calls(run) -> list:
-    """The host waits inside ``run`` (the profiler's own device synchronization when it stops is outside)."""
+    """The host waits inside ``run`` (the profiler's own device synchronization when it stops is outside), each as
+    its name and the innermost Python frames that led to it (where the profiler recorded them)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         with record_function("measured"):
             run()
     events = prof.events()
     (measured,) = [event for event in events  # the host's range (the GPU timeline has one of the same name)
                    if event.name == "measured" and event.device_type == torch.autograd.DeviceType.CPU]
     inside = measured.time_range
-    return [event.name for event in events if event.name in HOST_WAITS
+    return [" < ".join([event.name, *[frame for frame in (event.stack or []) if ".py(" in frame][:4]])
+            for event in events if event.name in HOST_WAITS
             and inside.start <= event.time_range.start and event.time_range.end <= inside.end]
 
 
@@ -111,6 +113,29 @@ def test_the_host_enqueues_the_whole_loop_without_waiting(tiny_folder, cuda_grap
         kwargs = pipe.scheduler_step_kwargs(None, 0.0)
         torch.cuda.synchronize()
         waits = sync_calls(lambda: pipe.denoise(latents, timesteps, embeds, 7.5, kwargs))
+    assert waits == []
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("scheduler,guidance", [
+    ("EulerAncestralDiscreteScheduler", 0.0),  # SD-Turbo's recipe: trailing spacing, fresh noise every step
+    ("EulerDiscreteScheduler", 7.5),
+    ("DPMSolverMultistepScheduler", 7.5),
+    ("LCMScheduler", 0.0),
+])
+def test_the_host_enqueues_few_step_and_multistep_loops_without_waiting(tiny_folder, scheduler, guidance):
+    import diffusers
+
+    pipe = pipeline(tiny_folder, cuda_graph=True)
+    pipe.scheduler = getattr(diffusers, scheduler).from_config(pipe.scheduler.config, timestep_spacing="trailing")
+    generate(pipe, steps=4)  # warm up
+    with torch.cuda.stream(pipe.stream):
+        embeds = pipe.encode_prompt("a photo of a cat", 1, guidance > 1)
+        latents = pipe.prepare_latents((1, 4, 8, 8), embeds.dtype, np.random.RandomState(0))
+        timesteps = pipe.set_timesteps(4)
+        kwargs = pipe.scheduler_step_kwargs(torch.Generator("cuda").manual_seed(0), 0.0)
+        torch.cuda.synchronize()
+        waits = sync_calls(lambda: pipe.denoise(latents, timesteps, embeds, guidance, kwargs))
     assert waits == []
     torch.cuda.synchronize()
 
