@@ -8,6 +8,7 @@ model's bench recipe (scheduler, guidance, steps) and ``cuda_graph=True``, it wr
   * per-step ms of the denoising loop alone (``pipe.denoise``; (N-step − 1-step) / (N − 1), median of 5), both the
     time the host takes to enqueue it and the time until the GPU is done,
   * the UNet's own floor (back-to-back calls of the graph model on the same inputs),
+  * per-step ms of the whole pipeline as the bench times it, over 20 interleaved N-step and 1-step calls each,
   * the host waits inside one loop (CUDA sync calls and synchronous copies, with the Python frames behind them),
   * the GPU kernels of one loop by total time (CUPTI sees ORT's kernels and those of the captured graphs).
 """
@@ -48,9 +49,9 @@ def main() -> None:
     set_recipe_scheduler(pipe, args.model)
     pipe.set_progress_bar_config(disable=True)
     guidance = recipe["guidance"]
-    # the whole pipeline once: capture, cuDNN algorithm search
+    # the whole pipeline once, decoder included: captures, cuDNN algorithm search
     pipe(PROMPT, height=size, width=size, num_inference_steps=steps, guidance_scale=guidance,
-         generator=torch.Generator("cuda").manual_seed(0), output_type="latent")
+         generator=torch.Generator("cuda").manual_seed(0), output_type="np")
 
     with torch.cuda.stream(pipe.stream), torch.inference_mode():
         embeds = pipe.encode_prompt(PROMPT, 1, guidance > 1)
@@ -91,6 +92,19 @@ def main() -> None:
         torch.cuda.synchronize()
         unet_ms = (time.perf_counter() - start) * 1000 / 50
 
+        def whole(n: int) -> float:  # the whole pipeline, as the bench times it
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            pipe(PROMPT, height=size, width=size, num_inference_steps=n, guidance_scale=guidance,
+                 generator=torch.Generator("cuda").manual_seed(0), output_type="np")
+            torch.cuda.synchronize()
+            return (time.perf_counter() - start) * 1000
+
+        whole_runs: dict = {steps: [], 1: []}
+        for _ in range(2):  # interleaved, so that a drift of the clocks hits both
+            for n in (steps, 1):
+                whole_runs[n] += [whole(n) for _ in range(10)]
+
         from torch.profiler import ProfilerActivity, profile, record_function
 
         torch.cuda.synchronize()
@@ -115,6 +129,9 @@ def main() -> None:
         "loop_ms_per_step_gpu_done": per_step(1), "loop_ms_per_step_host_enqueue": per_step(0),
         "loop_ms": {"long": long_runs, "short": short_runs},
         "unet_back_to_back_ms": unet_ms,
+        "pipeline_ms_median": {n: statistics.median(r) for n, r in whole_runs.items()},
+        "pipeline_ms_per_step": (statistics.median(whole_runs[steps]) - statistics.median(whole_runs[1])) / (steps - 1),
+        "pipeline_ms": whole_runs,
         "host_waits_in_one_loop": waits,
         "gpu_kernel_ms_one_loop": {name: {"ms": round(ms, 4), "count": n} for name, (ms, n) in top},
         "gpu_kernel_ms_one_loop_total": round(sum(ms for ms, _ in kernels.values()), 3),
@@ -122,7 +139,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"few-step-{args.model}.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: v for k, v in result.items() if k not in ("loop_ms", "gpu_kernel_ms_one_loop")}, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("loop_ms", "gpu_kernel_ms_one_loop", "pipeline_ms")}, indent=2))
     for name, (ms, n) in top[:15]:
         print(f"{ms:9.3f} ms {n:5d}×  {name[:110]}")
 
