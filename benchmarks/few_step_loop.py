@@ -27,13 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-HOST_WAITS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-              "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize"}
-
-
 def main() -> None:
     from optimum_iobinding import OnnxStableDiffusionPipeline
-    from optimum_iobinding.bench import MODEL_SIZES, PROMPT, ensure_export, recipe_of, set_recipe_scheduler
+    from optimum_iobinding.bench import MODEL_SIZES, PROMPT, ensure_export, host_waits, recipe_of, set_recipe_scheduler
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="turbo", choices=("turbo", "tiny", "small", "sd15"))
@@ -105,21 +101,18 @@ def main() -> None:
             for n in (steps, 1):
                 whole_runs[n] += [whole(n) for _ in range(10)]
 
-        from torch.profiler import ProfilerActivity, profile, record_function
+        from torch.profiler import ProfilerActivity, profile
 
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-            with record_function("measured"):
-                loop(steps)
+        waits = host_waits(lambda: loop(steps))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            loop(steps)
             torch.cuda.synchronize()
     events = prof.events()
-    (measured,) = [e for e in events if e.name == "measured" and e.device_type == torch.autograd.DeviceType.CPU]
-    inside = measured.time_range
-    waits = [" < ".join([e.name, *[f for f in (e.stack or []) if ".py(" in f][:6]]) for e in events
-             if e.name in HOST_WAITS and inside.start <= e.time_range.start and e.time_range.end <= inside.end]
     kernels: dict = {}
     for e in events:
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "measured":
+        if e.device_type == torch.autograd.DeviceType.CUDA:
             total, count = kernels.get(e.name, (0.0, 0))
             kernels[e.name] = (total + e.time_range.elapsed_us() / 1000, count + 1)
     top = sorted(kernels.items(), key=lambda item: -item[1][0])[:25]

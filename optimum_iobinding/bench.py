@@ -274,6 +274,28 @@ def copied_bytes(run: Callable[[], Any]) -> Dict[str, int]:
     return totals
 
 
+# CUDA runtime/driver calls that make the host wait for the GPU (cudaMemcpy: the synchronous copy)
+HOST_WAITS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                        "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize"})
+
+
+def host_waits(run: Callable[[], Any]) -> List[str]:
+    """The host waits inside ``run`` (ORT's included; the profiler's own device synchronization when it stops is
+    outside), each as its name and the innermost Python frames that led to it (where the profiler recorded them)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        with record_function("measured"):
+            run()
+    events = prof.events()
+    (measured,) = [event for event in events  # the host's range (the GPU timeline has one of the same name)
+                   if event.name == "measured" and event.device_type == torch.autograd.DeviceType.CPU]
+    inside = measured.time_range
+    return [" < ".join([event.name, *[frame for frame in (event.stack or []) if ".py(" in frame][:4]])
+            for event in events if event.name in HOST_WAITS
+            and inside.start <= event.time_range.start and event.time_range.end <= inside.end]
+
+
 class PeerUnavailable(RuntimeError):
     """A peer that has no pipeline for a model (diffusers' numpy pipelines exist for SD 1.x/2.x only)."""
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import requires_cuda
+from optimum_iobinding.bench import host_waits
 
 pytestmark = requires_cuda
 
@@ -17,9 +18,6 @@ CUDA = "CUDAExecutionProvider"
 # exact comparisons: without TF32, fp32 convolutions and matmuls on Hopper round like the CPU's
 EXACT = {"use_tf32": "0"}
 SIZE = 64
-# CUDA runtime/driver calls that make the host wait for the GPU (cudaMemcpy: the synchronous copy)
-HOST_WAITS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-              "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize"}
 
 
 @pytest.fixture(scope="module")
@@ -85,49 +83,20 @@ def test_pipeline_graph_equals_no_graph_equals_numpy_loop(tiny_folder):
     assert graph_pipe.unet._graph_runners  # the graph path really ran
 
 
-def sync_calls(run) -> list:
-    """The host waits inside ``run`` (the profiler's own device synchronization when it stops is outside), each as
-    its name and the innermost Python frames that led to it (where the profiler recorded them)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-        with record_function("measured"):
-            run()
-    events = prof.events()
-    (measured,) = [event for event in events  # the host's range (the GPU timeline has one of the same name)
-                   if event.name == "measured" and event.device_type == torch.autograd.DeviceType.CPU]
-    inside = measured.time_range
-    return [" < ".join([event.name, *[frame for frame in (event.stack or []) if ".py(" in frame][:4]])
-            for event in events if event.name in HOST_WAITS
-            and inside.start <= event.time_range.start and event.time_range.end <= inside.end]
-
-
-@pytest.mark.parametrize("cuda_graph", [False, True])
-def test_the_host_enqueues_the_whole_loop_without_waiting(tiny_folder, cuda_graph):
-    pipe = pipeline(tiny_folder, cuda_graph=cuda_graph)
-    generate(pipe)  # warm up: capture, cuDNN algorithm search
-    with torch.cuda.stream(pipe.stream):
-        embeds = pipe.encode_prompt("a photo of a cat", 1, True)
-        latents = pipe.prepare_latents((1, 4, 8, 8), embeds.dtype, np.random.RandomState(0))
-        timesteps = pipe.set_timesteps(5)
-        kwargs = pipe.scheduler_step_kwargs(None, 0.0)
-        torch.cuda.synchronize()
-        waits = sync_calls(lambda: pipe.denoise(latents, timesteps, embeds, 7.5, kwargs))
-    assert waits == []
-    torch.cuda.synchronize()
-
-
-@pytest.mark.parametrize("scheduler,guidance", [
-    ("EulerAncestralDiscreteScheduler", 0.0),  # SD-Turbo's recipe: trailing spacing, fresh noise every step
-    ("EulerDiscreteScheduler", 7.5),
-    ("DPMSolverMultistepScheduler", 7.5),
-    ("LCMScheduler", 0.0),
+@pytest.mark.parametrize("scheduler,guidance,cuda_graph", [
+    (None, 7.5, False),  # DDIM, as pipeline() sets it
+    (None, 7.5, True),
+    ("EulerAncestralDiscreteScheduler", 0.0, True),  # SD-Turbo's recipe: trailing spacing, fresh noise every step
+    ("EulerDiscreteScheduler", 7.5, True),
+    ("DPMSolverMultistepScheduler", 7.5, True),
+    ("LCMScheduler", 0.0, True),
 ])
-def test_the_host_enqueues_few_step_and_multistep_loops_without_waiting(tiny_folder, scheduler, guidance):
+def test_the_host_enqueues_the_whole_loop_without_waiting(tiny_folder, scheduler, guidance, cuda_graph):
     import diffusers
 
-    pipe = pipeline(tiny_folder, cuda_graph=True)
-    pipe.scheduler = getattr(diffusers, scheduler).from_config(pipe.scheduler.config, timestep_spacing="trailing")
+    pipe = pipeline(tiny_folder, cuda_graph=cuda_graph)
+    if scheduler is not None:
+        pipe.scheduler = getattr(diffusers, scheduler).from_config(pipe.scheduler.config, timestep_spacing="trailing")
     with torch.cuda.stream(pipe.stream):
         embeds = pipe.encode_prompt("a photo of a cat", 1, guidance > 1)
         latents = pipe.prepare_latents((1, 4, 8, 8), embeds.dtype, np.random.RandomState(0))
@@ -139,7 +108,7 @@ def test_the_host_enqueues_few_step_and_multistep_loops_without_waiting(tiny_fol
 
         loop()  # warm up at this batch (1 without guidance): capture, cuDNN algorithm search
         torch.cuda.synchronize()
-        waits = sync_calls(loop)
+        waits = host_waits(loop)
     assert waits == [], "\n".join(f"{waits.count(w)}× {w}" for w in sorted(set(waits)))
     torch.cuda.synchronize()
 
@@ -154,7 +123,7 @@ def test_the_profiler_sees_ort_synchronizing_when_it_is_allowed_to(tiny_folder):
     model = IOBindingORTModel(session)
     inputs = unet_inputs(model)
     model(**inputs)
-    assert sync_calls(lambda: model(**inputs))
+    assert host_waits(lambda: model(**inputs))
 
 
 def test_buffers_are_not_reallocated_between_steps(tiny_folder):
