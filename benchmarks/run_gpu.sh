@@ -58,14 +58,20 @@ run_step() {
     turbo-fp16-plain) bench --models turbo --dtypes fp16 --exports plain --out "$out/turbo-fp16-plain" ;;
     sd15-fp16-plain) bench --models sd15 --dtypes fp16 --exports plain --out "$out/sd15-fp16-plain" ;;
     small-fp16) bench --models small --dtypes fp16 --exports plain,optimized --out "$out/small-fp16" ;;
-    gpu-tests) (cd tests && python3 -m pytest -q -p no:cacheprovider -rs test_gpu.py test_model.py -k 'cuda or gpu'; a=$?
+    gpu-tests) (cd tests && python3 -m pytest -q -p no:cacheprovider -rs test_gpu.py test_model.py test_fast_by_default.py -k 'cuda or gpu or fast'; a=$?
                PYTHONPATH=/tmp/site-optimum:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider -rs test_optimum.py -k cuda
                exit $(( a | $? ))) ;;
+    sd15-fp16-defaults) bench --models sd15 --dtypes fp16 --exports optimized --peers numpy,optimum,defaults,binding,graph --out "$out/sd15-fp16-defaults" ;;
+    small-fp16-defaults) bench --models small --dtypes fp16 --exports optimized --peers numpy,defaults,binding,graph --out "$out/small-fp16-defaults" ;;
+    sd15-fp16-mixed) bench --scenario mixed --models sd15 --dtypes fp16 --exports optimized --out "$out/sd15-fp16-mixed" ;;
+    cold-start) script benchmarks/cold_start.py --folder "$work/sd15-fp16-optimized" --out "$out/cold-start" ;;
+    signature-memory) script benchmarks/signature_memory.py --folder "$work/sd15-fp16-optimized" --out "$out/signature-memory" ;;
+    few-step-small) script benchmarks/few_step_loop.py --model small --work "$work" --out "$out/few-step-small" ;;
     unet-options) script benchmarks/unet_options.py --model sd15 --work "$work" --out "$out/unet-options" ;;
     *) echo "unknown step: $1 (expected one of: $ALL_STEPS)"; return 2 ;;
   esac
 }
-ALL_STEPS="sd15-fp32 sd15-fp32-optimized sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options"
+ALL_STEPS="sd15-fp16-defaults small-fp16-defaults sd15-fp16-mixed cold-start signature-memory few-step-small sd15-fp32 sd15-fp32-optimized sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options"
 for name in ${selected:-$ALL_STEPS}; do
   run_step "$name" > "$out/$name.log" 2>&1
   echo "$name $?" >> "$out/status"

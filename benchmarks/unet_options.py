@@ -59,8 +59,8 @@ def kernels_in_process(folder: str, model: str, steps: int) -> dict:
     size = MODEL_SIZES[model]
     unet = IOBindingORTModel.from_pretrained(folder, subfolder="unet", provider="CUDAExecutionProvider")
     dtype = unet.input_dtypes["sample"]
-    hidden = unet.session.get_inputs()[2].shape[2]
-    timestep_rank = len(unet.session.get_inputs()[1].shape)
+    hidden = unet.input_dims["encoder_hidden_states"][2]
+    timestep_rank = len(unet.input_dims["timestep"] or [])
     inputs = {
         "sample": torch.randn(2, 4, size // 8, size // 8, device=unet.device, dtype=dtype),
         "timestep": torch.full([2] if timestep_rank else [], 500, device=unet.device,

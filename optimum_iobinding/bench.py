@@ -5,7 +5,8 @@ own environment — pass its site folder with ``--optimum-pythonpath``):
 
   numpy    diffusers' OnnxStableDiffusionPipeline (numpy round trips every step)
   optimum  optimum-onnx's ORTStableDiffusionPipeline(use_io_binding=True)
-  binding  ours, io_binding=True, no graph
+  defaults ours, from_pretrained(folder, provider="CUDAExecutionProvider") with nothing else: what a new user gets
+  binding  ours, io_binding=True, cuda_graph=False
   graph    ours, cuda_graph=True
   torch    diffusers' StableDiffusionPipeline, fp16 eager
   floor    not a pipeline: back-to-back CUDA-graph replays of the UNet alone (the GPU floor of one step)
@@ -13,8 +14,12 @@ own environment — pass its site folder with ``--optimum-pythonpath``):
 Every pipeline gets the same initial latents, prompt, DDIM scheduler and step count. Reported per pipeline: end-to-end
 ms (median of ``--runs`` after ``--warmup``), per-step ms ((median at N steps − median at 2 steps) / (N − 2): the loop
 alone), peak GPU memory above the process's idle (device-wide, sampled every 2 ms, so ORT's arenas count), host↔device
-bytes per step (profiled: (bytes at 4 steps − bytes at 2 steps) / 2), and the largest pixel difference from the numpy
-pipeline's image.
+bytes per step (profiled: (bytes at 4 steps − bytes at 2 steps) / 2), the largest pixel difference from the numpy
+pipeline's image, and the cold start: seconds to load the pipeline and seconds for its first image (fresh process).
+
+``--scenario mixed`` is a service's load instead: batch sizes 1, 4, 8, 2 in turn (``--mixed-batches``), ``--mixed-
+steps`` steps each, for ``--rounds`` rounds: per-call ms per round and batch size, device memory, sessions created
+after the first round; the peer ``warmed`` is "defaults" with ``pipe.warmup(...)`` for those batch sizes after loading.
 
     optimum-iobinding bench --models tiny,small,sd15 --dtypes fp16 --exports plain,optimized --out benchmarks/results/h100
 """
@@ -43,7 +48,9 @@ try:  # the export lock; absent on Windows, where bench processes then must not 
 except ImportError:  # pragma: no cover
     fcntl = None  # type: ignore[assignment]
 
-PEERS = ("numpy", "optimum", "accelerated", "binding", "graph", "torch")
+PEERS = ("numpy", "optimum", "accelerated", "defaults", "binding", "graph", "torch")
+OUR_PEERS = ("defaults", "warmed", "binding", "graph")
+MIXED_PEERS = ("numpy", "defaults", "warmed", "binding", "graph")
 # peers that run in the optimum-onnx environment (--optimum-pythonpath)
 OPTIMUM_PEERS = ("optimum", "accelerated")
 MODEL_SIZES = {"tiny": 512, "small": 256, "sd15": 512, "sdxl": 1024, "lcm": 512, "turbo": 512}
@@ -183,7 +190,7 @@ def set_recipe_scheduler(pipe: Any, kind: str) -> None:
 def ensure_export(kind: str, dtype: str, export: str, work: Path) -> Path:
     """The export of one configuration under ``work``, made once and shared by every process that asks for it.
 
-    Exports are written to a side folder and renamed into place, so a folder with a model_index.json is always whole;
+    Exports are built beside the folder and renamed into place, so a folder with a model_index.json is always whole;
     a lock file serialises processes that want the same export (``--export-only`` can make the next models' exports in
     the background while the GPU measures the current one).
     """
@@ -193,12 +200,12 @@ def ensure_export(kind: str, dtype: str, export: str, work: Path) -> Path:
     work.mkdir(parents=True, exist_ok=True)
     with _ExportLock(work / f".{folder.name}.lock"):
         if not (folder / "model_index.json").is_file():
-            partial = work / f".{folder.name}.partial"
-            shutil.rmtree(partial, ignore_errors=True)
-            export_pipeline(None, partial, fp16=dtype == "fp16", optimize="cuda" if export == "optimized" else None,
+            if folder.exists():  # not one of ours (ours appear whole, by a rename): never delete it
+                raise FileExistsError(f"--work: {str(folder)!r} exists but is not a finished export (no "
+                                      "model_index.json); move it away or choose another --work folder")
+            # export_pipeline builds beside the folder and renames it into place once whole
+            export_pipeline(None, folder, fp16=dtype == "fp16", optimize="cuda" if export == "optimized" else None,
                             progress=False, torch_pipeline=build_torch_pipeline(kind))
-            shutil.rmtree(folder, ignore_errors=True)
-            partial.rename(folder)
     return folder
 
 
@@ -329,7 +336,7 @@ def load_peer(peer: str, folder: Path, kind: str, dtype: str):
 
             accelerate(pipe, cuda_graph=True)
         latents_of = on_device
-    elif peer in ("binding", "graph"):
+    elif peer in OUR_PEERS:
         from .pipelines import (
             OnnxLatentConsistencyModelPipeline,
             OnnxStableDiffusionPipeline,
@@ -338,7 +345,8 @@ def load_peer(peer: str, folder: Path, kind: str, dtype: str):
 
         our_class = {"sdxl": OnnxStableDiffusionXLPipeline, "lcm": OnnxLatentConsistencyModelPipeline}.get(
             kind, OnnxStableDiffusionPipeline)
-        pipe = our_class.from_pretrained(folder, provider="CUDAExecutionProvider", cuda_graph=peer == "graph")
+        graph_argument = {"binding": {"cuda_graph": False}, "graph": {"cuda_graph": True}}.get(peer, {})
+        pipe = our_class.from_pretrained(folder, provider="CUDAExecutionProvider", **graph_argument)
         latents_of = on_device
     elif peer == "torch":
         pipe = build_torch_pipeline(kind).to("cuda", torch_dtype)
@@ -361,10 +369,12 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
     short_steps = recipe["short_steps"]
     latents = np.random.RandomState(0).randn(1, 4, size // 8, size // 8).astype(np.float32)
     with PeakMemory(device) as memory:
+        start = time.perf_counter()
         try:
             pipe, latents_of = load_peer(peer, folder, kind, dtype)
         except PeerUnavailable as reason:
             return {"peer": peer, "skipped": str(reason)}
+        load_s = time.perf_counter() - start
 
         def call(num_steps: int):
             # stochastic steps (LCM, Euler ancestral) draw from a seeded device generator, the same for every peer
@@ -385,6 +395,9 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
                 times.append((time.perf_counter() - start) * 1000)
             return times
 
+        start = time.perf_counter()
+        image = call(steps)  # the cold start's first image: sessions, algorithm search, graph capture
+        first_image_s = time.perf_counter() - start
         for _ in range(warmup):
             image = call(steps)
         full = timed(steps)
@@ -398,10 +411,70 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
         "steps": steps,
         "per_step_ms": (statistics.median(full) - statistics.median(short)) / (steps - short_steps),
         "peak_memory_mib": (memory.peak - idle) / 2**20,
+        "load_s": load_s,
+        "first_image_s": first_image_s,
         "htod_bytes_per_step": (bytes_long["htod"] - bytes_short["htod"]) / 2,
         "dtoh_bytes_per_step": (bytes_long["dtoh"] - bytes_short["dtoh"]) / 2,
         "image": str(image_path),
     }
+
+
+def run_mixed(peer: str, folder: Path, kind: str, dtype: str, batches: Sequence[int], steps: int, rounds: int,
+              first_steps: int) -> Dict[str, Any]:
+    """A service's load on one peer: load (timed), a first image of ``first_steps`` steps at batch 1 (timed: the
+    cold start), then ``rounds`` rounds of calls with ``batches`` images each, ``steps`` steps per call."""
+    device = torch.device("cuda", 0)
+    torch.cuda.init()
+    size = MODEL_SIZES[kind]
+    idle = PeakMemory(device).used()
+    guidance = recipe_of(kind)["guidance"]
+    with PeakMemory(device) as memory:
+        start = time.perf_counter()
+        pipe, _ = load_peer("defaults" if peer == "warmed" else peer, folder, kind, dtype)
+        load_s = time.perf_counter() - start
+        warmup_s = None
+        if peer == "warmed":
+            start = time.perf_counter()
+            pipe.warmup(heights=size, batch_sizes=list(batches), guidance_scales=guidance)
+            torch.cuda.synchronize()
+            warmup_s = time.perf_counter() - start
+
+        def call(batch: int, num_steps: int) -> float:
+            noise = {} if peer == "numpy" else {"generator": torch.Generator("cuda").manual_seed(0)}
+            start = time.perf_counter()
+            with torch.inference_mode():
+                pipe([PROMPT] * batch, height=size, width=size, num_inference_steps=num_steps,
+                     guidance_scale=guidance, output_type="np", **noise)
+            torch.cuda.synchronize()
+            return (time.perf_counter() - start) * 1000
+
+        first_image_s = call(1, first_steps) / 1000
+        created = lambda: getattr(pipe, "sessions_created", None)  # noqa: E731 — ours only
+        per_round: List[Dict[str, float]] = []
+        sessions_after_round: List[Optional[int]] = []
+        for _ in range(rounds):
+            per_round.append({str(batch): call(batch, steps) for batch in batches})
+            sessions_after_round.append(created())
+    return {
+        "peer": peer, "scenario": "mixed", "batches": list(batches), "steps": steps, "rounds": rounds,
+        "load_s": load_s, "warmup_s": warmup_s, "first_image_s": first_image_s, "first_steps": first_steps,
+        "per_round_ms": per_round, "sessions_after_round": sessions_after_round,
+        "peak_memory_mib": (memory.peak - idle) / 2**20,
+    }
+
+
+def mixed_summary(result: Dict[str, Any]) -> Dict[str, Any]:
+    """Per batch size: the best round's ms and the worst later round's ratio to it (the "within 5 %" check); and
+    whether any session was created after the first round."""
+    rounds = result["per_round_ms"]
+    worst, best = {}, {}
+    for batch in map(str, result["batches"]):
+        times = [row[batch] for row in rounds]
+        best[batch] = min(times)
+        worst[batch] = max(times[1:]) / best[batch] if len(times) > 1 else 1.0
+    sessions = [count for count in result.get("sessions_after_round", []) if count is not None]
+    return {"best_ms": best, "worst_later_round_ratio": worst,
+            "sessions_created_after_round_1": (sessions[-1] - sessions[0]) if sessions else None}
 
 
 def run_floor(folder: Path, kind: str, replays: int = 50,
@@ -414,7 +487,7 @@ def run_floor(folder: Path, kind: str, replays: int = 50,
     unet = IOBindingORTModel.from_pretrained(folder, subfolder="unet", provider="CUDAExecutionProvider",
                                              provider_options=provider_options, cuda_graph=True)
     dtype = unet.input_dtypes["sample"]
-    declared = {arg.name: arg.shape for arg in unet.session.get_inputs()}
+    declared = unet.input_dims
     batch = 2 if recipe_of(kind)["guidance"] > 1.0 and kind != "lcm" else 1  # CFG doubles the UNet batch
     inputs = {
         "sample": torch.randn(batch, 4, size // 8, size // 8, device=unet.device, dtype=dtype),
@@ -430,7 +503,7 @@ def run_floor(folder: Path, kind: str, replays: int = 50,
     with torch.cuda.stream(stream):
         for _ in range(3):
             unet(**inputs)
-        runner = next(iter(unet._graph_runners.values())) if unet._graph_runners else None
+        runner = unet.graph_runner({name: tuple(tensor.shape) for name, tensor in inputs.items()})
         if runner is None:
             return {"peer": "floor", "error": "the UNet could not be captured as a CUDA graph"}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -524,6 +597,86 @@ def benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[st
     return results
 
 
+def mixed_benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[str], peers: Sequence[str],
+                    batches: Sequence[int], steps: int, rounds: int, first_steps: int, work: Path, out: Path,
+                    timeout: int) -> Dict:
+    """``--scenario mixed``: every peer in a fresh process on the same export, results in mixed.json/md/png."""
+    out.mkdir(parents=True, exist_ok=True)
+    results: Dict[str, Any] = {"environment": environment(), "scenario": "mixed", "batches": list(batches),
+                               "steps": steps, "rounds": rounds, "first_steps": first_steps, "rows": []}
+    for kind, dtype, export in [(m, d, e) for m in models for d in dtypes for e in exports]:
+        folder = ensure_export(kind, dtype, export, work)
+        row = {"model": kind, "dtype": dtype, "export": export, "size": MODEL_SIZES[kind], "peers": {}}
+        for peer in peers:
+            print(f"mixed: {kind} {dtype} {export}: {peer}", file=sys.stderr, flush=True)
+            row["peers"][peer] = _subprocess(
+                ["--run-mixed", peer, "--folder", str(folder), "--model", kind, "--dtype", dtype,
+                 "--mixed-batches", ",".join(map(str, batches)), "--mixed-steps", str(steps), "--rounds",
+                 str(rounds), "--steps", str(first_steps)], None, timeout)
+        results["rows"].append(row)
+        (out / "mixed.json").write_text(json.dumps(results, indent=2))
+    write_mixed_report(results, out)
+    return results
+
+
+def write_mixed_report(results: Dict[str, Any], out: Path) -> None:
+    """mixed.json → mixed.md (tables) and mixed.png (per-call ms per round)."""
+    env = results["environment"]
+    batches = [str(b) for b in results["batches"]]
+    lines = [
+        f"# Mixed batch sizes: {env.get('device')}",
+        "",
+        f"`{env.get('command')}` — {env.get('date')}; torch {env.get('torch')}, onnxruntime {env.get('onnxruntime')}, "
+        f"diffusers {env.get('diffusers')}. Batch sizes {' → '.join(batches)} in turn, {results['steps']} DDIM steps "
+        f"each, CFG, {results['rounds']} rounds, one process per peer. Cold start: load, then a first batch-1 image of "
+        f"{results['first_steps']} steps. Memory: device-wide peak above the process's idle.",
+        "",
+        "| model | pipeline | " + " | ".join(f"round {r + 1} ms (b{'/b'.join(batches)})" for r in range(results["rounds"]))
+        + " | worst later round / best | peak MiB | × numpy MiB | sessions created after round 1 | load s | warm-up s "
+        "| first image s |",
+        "|---|---|" + "---|" * results["rounds"] + "---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        numpy_mib = row["peers"].get("numpy", {}).get("peak_memory_mib")
+        for peer, result in row["peers"].items():
+            label = f"| {row['model']} {row['dtype']} {row['export']} {row['size']}² | {peer} |"
+            if "error" in result:
+                lines.append(f"{label} failed: {result['error'].strip().splitlines()[-1][:120]} |")
+                continue
+            summary = mixed_summary(result)
+            rounds = " | ".join(" / ".join(f"{r[b]:.0f}" for b in batches) for r in result["per_round_ms"])
+            worst = max(summary["worst_later_round_ratio"].values())
+            ratio = f"{result['peak_memory_mib'] / numpy_mib:.2f}" if numpy_mib else ""
+            created = summary["sessions_created_after_round_1"]
+            warm = f"{result['warmup_s']:.1f}" if result.get("warmup_s") is not None else ""
+            lines.append(f"{label} {rounds} | {worst:.3f} | {result['peak_memory_mib']:.0f} | {ratio} | "
+                         f"{'' if created is None else created} | {result['load_s']:.1f} | {warm} | "
+                         f"{result['first_image_s']:.2f} |")
+    (out / "mixed.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    for row in results["rows"]:
+        figure, axis = plt.subplots(figsize=(10, 4))
+        for peer, result in row["peers"].items():
+            if "error" in result:
+                continue
+            series = [r[b] for r in result["per_round_ms"] for b in batches]
+            axis.plot(range(len(series)), series, marker="o", label=peer)
+        axis.set_xticks(range(len(batches) * results["rounds"]),
+                        [f"r{r + 1} b{b}" for r in range(results["rounds"]) for b in batches], fontsize=7)
+        axis.set_ylabel("ms per call")
+        axis.set_yscale("log")
+        axis.set_title(f"mixed batch sizes — {row['model']} {row['dtype']} {row['export']} — {env.get('device')}")
+        axis.legend()
+        figure.tight_layout()
+        figure.savefig(out / f"mixed-{row['model']}-{row['dtype']}-{row['export']}.png", dpi=120)
+
+
 # ----------------------------------------------------------------------------------------------------- report
 def write_report(results: Dict[str, Any], out: Path) -> None:
     """results.json → results.md (table) and results.png (chart)."""
@@ -539,8 +692,8 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
         "optimum-onnx.",
         "",
         "| model | dtype | export | pipeline | end-to-end ms | per-step ms | × numpy | step / GPU floor | peak GPU MiB "
-        "| H↔D bytes/step | max diff vs numpy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| H↔D bytes/step | max diff vs numpy | load s | first image s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
         floor = row.get("floor", {}).get("per_step_ms")
@@ -557,9 +710,11 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
             vs_floor = f"{result['per_step_ms'] / floor:.3f}" if floor else ""
             copies = result["htod_bytes_per_step"] + result["dtoh_bytes_per_step"]
             diff = result.get("max_abs_diff_vs_numpy")
+            cold = " | ".join(f"{result[key]:.2f}" if result.get(key) is not None else "" for key in
+                              ("load_s", "first_image_s"))
             lines.append(
                 f"{label} {result['end_to_end_ms']:.1f} | {result['per_step_ms']:.2f} | {speedup} | {vs_floor} | "
-                f"{result['peak_memory_mib']:.0f} | {copies:,.0f} | {'' if diff is None else f'{diff:.2e}'} |"
+                f"{result['peak_memory_mib']:.0f} | {copies:,.0f} | {'' if diff is None else f'{diff:.2e}'} | {cold} |"
             )
         if floor:
             lines.append(f"| {row['model']} {row['size']}² | {row['dtype']} | {row['export']} | GPU floor (UNet graph "
@@ -573,7 +728,7 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
     except ImportError:
         return
     labels, values, colors = [], [], []
-    palette = {"numpy": "#999999", "optimum": "#e69f00", "accelerated": "#d55e00", "binding": "#56b4e9", "graph": "#009e73", "torch": "#cc79a7"}
+    palette = {"numpy": "#999999", "optimum": "#e69f00", "accelerated": "#d55e00", "defaults": "#0072b2", "binding": "#56b4e9", "graph": "#009e73", "torch": "#cc79a7"}
     for row in results["rows"]:
         for peer, result in row["peers"].items():
             if "error" not in result and "skipped" not in result:
@@ -604,17 +759,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--optimum-pythonpath", default=None, help="site folder of the optimum-onnx environment")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per peer process")
     parser.add_argument("--report-only", action="store_true", help="re-render results.md/png from results.json")
+    parser.add_argument("--scenario", choices=("single", "mixed"), default="single",
+                        help="single: one batch size, every peer (default); mixed: batch sizes in turn, rounds")
+    parser.add_argument("--mixed-batches", default="1,4,8,2", help="mixed: images per call, in turn")
+    parser.add_argument("--mixed-steps", type=int, default=10, help="mixed: steps per call")
+    parser.add_argument("--rounds", type=int, default=3, help="mixed: rounds over the batch sizes")
     parser.add_argument("--export-only", action="store_true",
                         help="only make the exports under --work (e.g. in the background, ahead of the benches)")
     # one peer in this process (used by the orchestrator)
     parser.add_argument("--run-peer", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-floor", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--run-mixed", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--image", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
+    if args.run_mixed:
+        result = run_mixed(args.run_mixed, Path(args.folder), args.model, args.dtype,
+                           [int(b) for b in split(args.mixed_batches)], args.mixed_steps, args.rounds, args.steps)
+        Path(args.result).write_text(json.dumps(result))
+        return 0
     if args.run_peer or args.run_floor:
         if args.run_floor:
             result = run_floor(Path(args.folder), args.model)
@@ -625,18 +792,38 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     out = Path(args.out)
     if args.report_only:
-        write_report(json.loads((out / "results.json").read_text()), out)
+        if (out / "mixed.json").is_file():
+            write_mixed_report(json.loads((out / "mixed.json").read_text()), out)
+        if (out / "results.json").is_file():
+            write_report(json.loads((out / "results.json").read_text()), out)
         return 0
-    split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
     if args.export_only:
         for kind in split(args.models):
             for dtype in split(args.dtypes):
                 for export in split(args.exports):
                     print(ensure_export(kind, dtype, export, Path(args.work)), flush=True)
         return 0
-    benchmark(split(args.models), split(args.dtypes), split(args.exports), split(args.peers), args.steps, args.runs,
-              args.warmup, Path(args.work), out, args.optimum_pythonpath, args.timeout)
+    if not torch.cuda.is_available():
+        print("optimum-iobinding bench: error: no CUDA GPU is visible to torch here; the benchmark measures CUDA "
+              "pipelines (--export-only and --report-only work without one)", file=sys.stderr)
+        return 1
+    if args.scenario == "mixed":
+        peers = [peer for peer in split(args.peers) if peer in MIXED_PEERS] if args.peers != parser.get_default(
+            "peers") else list(MIXED_PEERS)
+        mixed_benchmark(split(args.models), split(args.dtypes), split(args.exports), peers,
+                        [int(b) for b in split(args.mixed_batches)], args.mixed_steps, args.rounds, args.steps,
+                        Path(args.work), out, args.timeout)
+        print((out / "mixed.md").read_text())
+        return 0
+    results = benchmark(split(args.models), split(args.dtypes), split(args.exports), split(args.peers), args.steps,
+                        args.runs, args.warmup, Path(args.work), out, args.optimum_pythonpath, args.timeout)
     print((out / "results.md").read_text())
+    measured = [result for row in results["rows"] for result in row["peers"].values()
+                if "error" not in result and "skipped" not in result]
+    if not measured:
+        print("optimum-iobinding bench: error: every peer failed or was skipped; see results.md for why",
+              file=sys.stderr)
+        return 1
     return 0
 
 

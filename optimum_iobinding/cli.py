@@ -65,33 +65,79 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                         help="export a tiny random-weights pipeline built offline: sd (default), xl or lcm")
     parser.add_argument("--optimize", choices=("cuda", "cpu"), default=None,
                         help="run ORT's transformer optimizer with the fusions this execution provider runs")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a non-empty --output folder (whole: nothing of it stays)")
+    parser.add_argument("--vae", default=None,
+                        help="export this VAE (folder or hub id) instead of the pipeline's, e.g. SDXL's float16-safe "
+                             "madebyollin/sdxl-vae-fp16-fix")
 
 
 def run_export(args: argparse.Namespace) -> int:
     from .export import export_pipeline
 
+    from .layout import check_output_folder, looks_like_hub_id
+
     if not args.tiny_random and not args.model:
-        print("export: give a model folder or hub id, or --tiny-random", file=sys.stderr)
-        return 2
+        raise UsageError("export: give a model folder or hub id, or --tiny-random")
+    if args.model and not args.tiny_random and not Path(args.model).exists() and not looks_like_hub_id(args.model):
+        raise UsageError(f"model: expected an existing local folder or a hub repository id, got {args.model!r}: no "
+                         "such file or folder")
+    source = Path(args.model) if args.model and not args.tiny_random and Path(args.model).exists() else None
+    check_output_folder(args.output, source, args.overwrite, argument="--output")  # before the minutes of export
     start = time.perf_counter()
     folder = export_pipeline(args.model, args.output, fp16=args.fp16, opset=args.opset, optimize=args.optimize,
-                             tiny_random=args.tiny_random or False)
+                             tiny_random=args.tiny_random or False, overwrite=args.overwrite, vae=args.vae)
     print(f"exported {f'the tiny random {args.tiny_random} pipeline' if args.tiny_random else args.model} to {folder} "
           f"({'fp16' if args.fp16 else 'fp32'}, opset {args.opset}) in {time.perf_counter() - start:.1f} s")
     return 0
 
 
+class UsageError(Exception):
+    """A mistake in the command line: reported in one line, exit status 2."""
+
+
+def check_image_path(out: str) -> Path:
+    """``--out`` is checked before any work: a file (not a folder) with an extension PIL can write, in a folder that
+    exists or can be made, and that is writable."""
+    from PIL import Image
+
+    path = Path(out).expanduser()
+    if path.is_dir() or out.endswith(("/", os.sep)):
+        raise UsageError(f"--out: expected an image file name, got the folder {out!r} (e.g. {os.path.join(out, 'image.png')!r})")
+    writable = {ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.SAVE}
+    if path.suffix.lower() not in writable:
+        shown = ", ".join(sorted(e for e in writable if e in {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tiff"}))
+        raise UsageError(f"--out: expected a file name with an image extension PIL can write ({shown}, …), got {out!r}")
+    parent = path.parent
+    existing = next((p for p in [parent, *parent.parents] if p.exists()), None)
+    if existing is not None and (not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)):
+        raise UsageError(f"--out: expected a writable folder for {out!r}, but {str(existing)!r} is "
+                         f"{'not a folder' if not existing.is_dir() else 'not writable'}")
+    return path
+
+
 def run_generate(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from .pipelines import OnnxStableDiffusionPipeline
+    from .layout import looks_like_hub_id
+    from .pipelines import pipeline_class_for
 
+    out = check_image_path(args.out)
+    for name in ("steps", "height", "width"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name}: expected a positive integer, got {getattr(args, name)}")
+    if args.model is not None and not Path(args.model).exists() and not looks_like_hub_id(args.model):
+        raise UsageError(f"--model: expected an existing local folder or a hub repository id, got {args.model!r}: "
+                         "no such file or folder")
     model = Path(args.model) if args.model and Path(args.model).exists() else args.model
     if model is None:
         model = tiny_model_folder(Path(args.cache_dir) if args.cache_dir else None)
     provider = args.provider or default_provider()
     load_start = time.perf_counter()
-    pipe = OnnxStableDiffusionPipeline.from_pretrained(model, provider=provider, io_binding=args.io_binding)
+    pipeline_class = pipeline_class_for(model) if isinstance(model, Path) else None
+    if pipeline_class is None:
+        from .pipelines import OnnxStableDiffusionPipeline as pipeline_class
+    pipe = pipeline_class.from_pretrained(model, provider=provider, io_binding=args.io_binding)
     if args.scheduler:
         import diffusers
 
@@ -104,25 +150,32 @@ def run_generate(args: argparse.Namespace) -> int:
         step_times.append(time.perf_counter())
         return tensors
 
+    import inspect
+
+    call = dict(num_inference_steps=args.steps, guidance_scale=args.guidance, height=args.height, width=args.width,
+                generator=np.random.RandomState(args.seed), callback_on_step_end=record_step)
+    accepted = inspect.signature(pipe.__call__).parameters
+    if args.negative_prompt is not None:
+        if "negative_prompt" not in accepted:
+            raise UsageError(f"--negative-prompt: {type(pipe).__name__} takes no negative prompt (its guidance is an "
+                             "embedding, with no unconditional batch)")
+        call["negative_prompt"] = args.negative_prompt
     start = time.perf_counter()
-    image = pipe(
-        args.prompt, negative_prompt=args.negative_prompt, num_inference_steps=args.steps,
-        guidance_scale=args.guidance, height=args.height, width=args.width,
-        generator=np.random.RandomState(args.seed), callback_on_step_end=record_step,
-    ).images[0]
+    image = pipe(args.prompt, **call).images[0]
     seconds = time.perf_counter() - start
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     image.save(out)
     loop = step_times[-1] - step_times[0] if len(step_times) > 1 else 0.0
     per_step = loop / (len(step_times) - 1) * 1000 if len(step_times) > 1 else float("nan")
     print(f"{out}: {args.width}×{args.height}, {args.steps} steps in {seconds:.2f} s ({per_step:.1f} ms/step; "
-          f"load {load_seconds:.1f} s; {provider}, io_binding={args.io_binding}; model {model})")
+          f"load {load_seconds:.1f} s; {type(pipe).__name__}, {provider}, io_binding={args.io_binding}; "
+          f"model {model})")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="optimum-iobinding", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="generate an image (offline with the tiny model by default)")
@@ -151,14 +204,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_libraries() -> None:
+    """A command prints its own results and errors: the libraries' notices (transformers' "requires torchvision",
+    diffusers' dtype notes while the tiny model is built) are for library users, so the command shows their errors
+    only; this project's own warnings still show."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="optimum-iobinding: %(levelname)s: %(message)s")
+    for name in ("transformers", "diffusers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        import diffusers.utils.logging as diffusers_logging
+        import transformers.utils.logging as transformers_logging
+
+        diffusers_logging.set_verbosity_error()
+        transformers_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover — both are requirements
+        pass
+
+
+# Errors about what the user passed (a file, a size, a setting): exit status 2, as argparse's own usage errors.
+USAGE_ERRORS = (UsageError, ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    """Runs a command. Errors are one line, ``optimum-iobinding: error: <message>``: exit status 2 for a mistake in
+    what was asked (arguments, files, sizes), 1 for a failure while doing it; ``--debug`` shows the traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
     if argv[:1] == ["bench"]:  # its own parser: many options, and one peer per process behind it
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    quiet_libraries()
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("optimum-iobinding: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 — every error becomes one line (or a traceback with --debug)
+        if debug:
+            raise
+        print(f"optimum-iobinding: error: {error}", file=sys.stderr)
+        return 2 if isinstance(error, USAGE_ERRORS) else 1
 
 
 if __name__ == "__main__":

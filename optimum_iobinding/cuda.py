@@ -1,18 +1,31 @@
-"""CUDA execution policy: provider options that suit diffusion, the shared stream, free-dimension overrides and the
-CUDA-graph runner. No pipeline logic here; ``IOBindingORTModel`` decides when to use each piece."""
+"""CUDA execution policy: provider options that suit diffusion, the shared stream, free-dimension overrides, the
+CUDA-graph runner and the graph pool (input signature → captured graph or fixed-shape session). No pipeline logic
+here; ``IOBindingORTModel`` decides when to use each piece."""
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+import threading
+import warnings
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import onnxruntime as ort
 import torch
 
 from .dtypes import TORCH_TO_ONNX
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .session import SessionRecipe
+
+logger = logging.getLogger(__name__)
+
 # Defaults for the CUDA EP where they suit diffusion's static, repeated shapes; a user's options always win.
-#   cudnn_conv_algo_search EXHAUSTIVE: benchmark every conv algorithm once per shape (shapes repeat every step);
+#   cudnn_conv_algo_search HEURISTIC: cuDNN's heuristics pick each conv algorithm without timing them all. With a
+#     session per input signature the search runs once per signature either way, and measured on the SD1.5 fused
+#     fp16 export the steady image was no slower and the first image came sooner than with EXHAUSTIVE (README
+#     "Cold start"; benchmarks/cold_start.py). Pass cudnn_conv_algo_search="EXHAUSTIVE" to time every algorithm;
 #   cudnn_conv_use_max_workspace: let cuDNN pick algorithms that need a large workspace (faster on big convs);
 #   arena_extend_strategy kSameAsRequested: grow the arena by what is asked, not by powers of two (less memory).
 # Not fuse_conv_bias, though it is faster where it works (the bias inside the cuDNN-frontend convolution instead of a
@@ -20,7 +33,7 @@ from .dtypes import TORCH_TO_ONNX
 # 4 ms/step faster): with onnxruntime-gpu 1.31.1 it computed wrong images (tiny fp16 fused and fp32 exports; CUDA
 # graphs too) and failed to build cuDNN graphs for fp16 plain exports (benchmarks/results/h100/fuse-conv-bias).
 CUDA_DIFFUSION_DEFAULTS: Dict[str, str] = {
-    "cudnn_conv_algo_search": "EXHAUSTIVE",
+    "cudnn_conv_algo_search": "HEURISTIC",
     "cudnn_conv_use_max_workspace": "1",
     "arena_extend_strategy": "kSameAsRequested",
 }
@@ -145,3 +158,149 @@ class CudaGraphRunner:
         self.session.run_with_iobinding(self.binding, self.run_options)
         self.runs += 1
         return self.output_buffers
+
+
+Signature = Tuple[Tuple[str, Tuple[int, ...]], ...]
+CudaGraphSetting = Union[bool, str]
+
+
+def signature_of(input_shapes: Mapping[str, Sequence[int]]) -> Signature:
+    """A hashable key for one set of input shapes."""
+    return tuple(sorted((name, tuple(int(d) for d in shape)) for name, shape in input_shapes.items()))
+
+
+def check_cuda_graph_setting(value: Any) -> CudaGraphSetting:
+    if value is True or value is False or value == "auto":
+        return value
+    raise ValueError(f"cuda_graph: expected 'auto', True or False, got {value!r}")
+
+
+class FixedShapeSession:
+    """A session whose free dims are fixed to one input signature, run without a graph (bound per call).
+
+    Its convolutions keep the algorithms chosen for that one shape: ORT's CUDA EP searches again whenever a session's
+    input shape changes, even back to one it ran before."""
+
+    def __init__(self, session: ort.InferenceSession):
+        self.session = session
+        self.binding = session.io_binding()
+
+
+class GraphPool:
+    """Input signature → what runs it on CUDA: a :class:`CudaGraphRunner` (captured on its first run, replayed
+    after), or a :class:`FixedShapeSession` where capture is off or failed. Every session comes from the model's
+    :class:`~optimum_iobinding.session.SessionRecipe`, whose owned weights they all share, so a signature costs its
+    activations and graph buffers, never another copy of the weights.
+
+    Args:
+        recipe: makes the sessions.
+        cuda_graph: ``"auto"`` captures where it can and runs without a graph where it cannot, with one INFO log line
+            per signature saying why; ``True`` the same with a warning; ``False`` never captures.
+        max_signatures: how many signatures keep their entry (least recently used dropped first); ``None``: all
+            (bounded by memory).
+        output_dtypes: the model's outputs in session order.
+        run_options: the model's run options (no host synchronization).
+        name: how log lines name the model.
+    """
+
+    def __init__(
+        self,
+        recipe: "SessionRecipe",
+        cuda_graph: CudaGraphSetting,
+        max_signatures: Optional[int],
+        output_dtypes: Mapping[str, torch.dtype],
+        run_options: ort.RunOptions,
+        name: str = "model",
+    ):
+        if max_signatures is not None and (not isinstance(max_signatures, int) or max_signatures < 1):
+            raise ValueError(f"max_graph_signatures: expected None or an integer ≥ 1, got {max_signatures!r}")
+        self.recipe = recipe
+        self.cuda_graph = check_cuda_graph_setting(cuda_graph)
+        self.max_signatures = max_signatures
+        self.output_dtypes = dict(output_dtypes)
+        self.run_options = run_options
+        self.name = name
+        self.entries: "OrderedDict[Signature, Union[CudaGraphRunner, FixedShapeSession, None]]" = OrderedDict()
+        self.fallbacks: Dict[Signature, str] = {}
+        self._overrides: Dict[Signature, Dict[str, int]] = {}  # the free dims fixed for each signature
+        self.lock = threading.RLock()
+
+    def entry(
+        self,
+        declared: Mapping[str, Optional[Sequence[Any]]],
+        input_specs: Mapping[str, Tuple[Tuple[int, ...], torch.dtype]],
+        output_shapes: Mapping[str, Optional[Tuple[int, ...]]],
+    ) -> Union[CudaGraphRunner, FixedShapeSession, None]:
+        """The entry of this signature, made on first use; ``None`` means "the model's dynamic session"."""
+        signature = signature_of({name: shape for name, (shape, _) in input_specs.items()})
+        with self.lock:
+            if signature in self.entries:
+                self.entries.move_to_end(signature)
+                return self.entries[signature]
+            entry = self._make(signature, declared, input_specs, output_shapes)
+            self.entries[signature] = entry
+            while self.max_signatures is not None and len(self.entries) > self.max_signatures:
+                self.entries.popitem(last=False)
+            return entry
+
+    def drop(self, signature: Signature, reason: str) -> Union[FixedShapeSession, None]:
+        """A captured graph failed on its first run: the signature runs without a graph from now on."""
+        with self.lock:
+            self._report(signature, reason)
+            entry = self._fixed_session(signature, self._overrides.get(signature, {}))
+            self.entries[signature] = entry
+            return entry
+
+    @property
+    def captured(self) -> List[Signature]:
+        with self.lock:
+            return [signature for signature, entry in self.entries.items() if isinstance(entry, CudaGraphRunner)]
+
+    def _make(self, signature, declared, input_specs, output_shapes):
+        input_shapes = {name: shape for name, (shape, _) in input_specs.items()}
+        overrides, problems = free_dimension_overrides(declared, input_shapes)
+        self._overrides[signature] = overrides
+        if self.cuda_graph:
+            dynamic = [name for name, shape in output_shapes.items() if shape is None]
+            try:
+                if dynamic:
+                    raise RuntimeError(f"output {dynamic[0]!r} has a data-dependent shape, which a graph cannot "
+                                       "replay")
+                return self._graph_runner(overrides, problems, input_specs, output_shapes)
+            except Exception as error:  # capture refused (nodes left on the CPU, unsupported op): run without
+                self._report(signature, str(error))
+        return self._fixed_session(signature, overrides)
+
+    def _graph_runner(self, overrides, problems, input_specs, output_shapes) -> CudaGraphRunner:
+        if self.recipe.providers[0] == "TensorrtExecutionProvider":
+            updates = dict(trt_cuda_graph_enable="1", **tensorrt_profile_options(
+                {name: shape for name, (shape, _) in input_specs.items()}))
+        else:
+            updates = {"enable_cuda_graph": "1"}
+        try:
+            session = self.recipe.create(overrides, updates)
+        except ValueError as error:
+            raise RuntimeError(f"{error}{'; ' + '; '.join(problems) if problems else ''}") from error
+        return CudaGraphRunner(
+            session,
+            dict(input_specs),
+            {name: (tuple(output_shapes[name]), dtype) for name, dtype in self.output_dtypes.items()},
+            self.recipe.device,
+            self.run_options,
+        )
+
+    def _fixed_session(self, signature: Signature, overrides: Mapping[str, int]) -> Optional[FixedShapeSession]:
+        try:
+            return FixedShapeSession(self.recipe.create(overrides))
+        except Exception as error:  # the dynamic session can still run it
+            logger.info("%s: input shapes %s run in the model's dynamic session; a fixed-shape one failed: %s",
+                        self.name, dict(signature), error)
+            return None
+
+    def _report(self, signature: Signature, reason: str) -> None:
+        self.fallbacks[signature] = reason
+        message = f"{self.name}: no CUDA graph for input shapes {dict(signature)}; running without one. Why: {reason}"
+        if self.cuda_graph == "auto":
+            logger.info(message)
+        else:
+            warnings.warn(message, RuntimeWarning, stacklevel=6)

@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence, Union
 
@@ -28,11 +29,19 @@ import onnx
 import torch
 from tqdm.auto import tqdm
 
+from .layout import (  # noqa: F401 — the folder layout lives in layout.py; these names stay importable from here
+    ONNX_COMPONENTS,
+    building_beside,
+    check_output_folder,
+    save_tokenizer,
+    write_model_index,
+    write_xl_model_index,
+)
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["export_pipeline", "build_tiny_random_pipeline", "write_tiny_tokenizer", "save_tokenizer", "ONNX_COMPONENTS"]
 
-ONNX_COMPONENTS = ("text_encoder", "unet", "vae_encoder", "vae_decoder")
 EXTERNAL_DATA_FILE = "weights.pb"
 # Protobuf cannot serialize a message over 2 GiB; keep well below it in one file.
 _MAX_SINGLE_FILE_BYTES = 1 << 30
@@ -552,12 +561,21 @@ def _optimized_to_float16(optimized: Any, folder: Path) -> onnx.ModelProto:
     return converted.model
 
 
-def _export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool, optimize: Optional[str]) -> None:
+def _export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool, optimize: Optional[str],
+                      xl: bool = False) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         scratch_path = Path(scratch) / "model.onnx"
         if optimize:
             _use_classic_attention(spec["module"])
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # the TorchScript exporter's notes on Python control flow it traced (TracerWarning) and constant folding
+            # it skipped: expected for diffusers' modules, and not the user's to act on
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            warnings.filterwarnings("ignore", message="Constant folding - Only steps=1")
+            # the exporter announcing its own deprecation, and how it spells advanced indexing: nothing to act on
+            warnings.filterwarnings("ignore", message="You are using the legacy TorchScript-based ONNX export")
+            warnings.filterwarnings("ignore", message="The feature will be removed")
+            warnings.filterwarnings("ignore", message="Exporting aten::index operator of advanced indexing")
             torch.onnx.export(
                 spec["module"].eval(), spec["args"], str(scratch_path), dynamo=False,
                 input_names=spec["input_names"], output_names=spec["output_names"],
@@ -583,11 +601,12 @@ def _export_component(name: str, spec: dict, target: Path, opset: int, fp16: boo
     if fp16 and config.get("force_upcast"):
         # diffusers upcasts such a VAE to float32 before decoding (SDXL's stock VAE overflows float16); a float16 ONNX
         # model cannot be upcast, and pipelines that try (optimum-onnx's, through diffusers' upcast_vae) fail.
-        logger.warning(
-            "%s: the VAE's config says force_upcast=True (its activations can overflow float16: SDXL's stock VAE "
-            "then decodes NaN/black images), but this export is float16 and cannot be upcast, so its config.json "
-            "says force_upcast=false. Export a float16-safe VAE (e.g. madebyollin/sdxl-vae-fp16-fix, passed in "
-            "through torch_pipeline=) if the images come out black.", name)
+        if xl:  # SD 1.x/2.x VAEs decode fine in float16 although their configs say force_upcast too
+            logger.warning(
+                "%s: the VAE's config says force_upcast=True (SDXL's stock VAE overflows float16 and then decodes "
+                "NaN/black images), but this export is float16 and cannot be upcast, so its config.json says "
+                "force_upcast=false. If the images come out black, export a float16-safe VAE: vae= (CLI: --vae), "
+                "e.g. madebyollin/sdxl-vae-fp16-fix.", name)
         config["force_upcast"] = False
     (target / name / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
 
@@ -604,6 +623,8 @@ def export_pipeline(
     progress: bool = True,
     pipeline_loader: Optional[Callable[[str], object]] = None,
     torch_pipeline: Optional[object] = None,
+    overwrite: bool = False,
+    vae: Union[str, os.PathLike, object, None] = None,
 ) -> Path:
     """Exports a diffusers Stable Diffusion (1.x/2.x, LCM, Turbo) pipeline to the diffusers ONNX layout, or an SDXL
     pipeline to optimum's SDXL layout (two text encoders with their hidden states; a UNet taking ``text_embeds`` and
@@ -611,7 +632,9 @@ def export_pipeline(
 
     Args:
         model_id_or_path: a local diffusers folder or a hub id; ignored with ``tiny_random``.
-        output_dir: where to write the ONNX folder (created; components in it are replaced).
+        output_dir: where to write the ONNX folder: a new or empty folder, outside the source folder. The export is
+            built in a temporary folder beside it and moved into place only once all of it succeeded: a failed or
+            interrupted export leaves ``output_dir`` as it was.
         fp16: export fp32, then convert with ORT's float16 converter.
         opset: ONNX opset.
         optimize: ``"cuda"`` or ``"cpu"``: run ORT's transformer optimizer (model types unet/vae/clip) on each
@@ -624,12 +647,24 @@ def export_pipeline(
         pipeline_loader: how to load ``model_id_or_path`` (default ``DiffusionPipeline.from_pretrained``, which
             picks the pipeline class from the folder's model_index.json).
         torch_pipeline: an already built diffusers pipeline to export instead.
+        overwrite: replace a non-empty ``output_dir`` — whole: nothing of the previous folder stays.
+        vae: a VAE to export instead of the pipeline's: an ``AutoencoderKL``, or its folder or hub id (e.g. SDXL's
+            float16-safe ``madebyollin/sdxl-vae-fp16-fix``).
 
     Returns:
         The output folder.
+
+    Raises:
+        FileExistsError: ``output_dir`` is not empty (without ``overwrite``) or is a file.
+        ValueError: ``output_dir`` is the source folder, inside it, or holds it.
     """
     if optimize not in (None, "cuda", "cpu"):
         raise ValueError(f"optimize: expected None, 'cuda' or 'cpu', got {optimize!r}")
+    if not isinstance(opset, int) or isinstance(opset, bool) or not 7 <= opset <= 22:
+        raise ValueError(f"opset: expected an integer in [7, 22] (17 is tested), got {opset!r}")
+    source = Path(model_id_or_path) if (model_id_or_path is not None and torch_pipeline is None and not tiny_random
+                                         and Path(model_id_or_path).exists()) else None
+    target = check_output_folder(output_dir, source, overwrite)
     if torch_pipeline is not None:
         pipe = torch_pipeline
     elif tiny_random:
@@ -645,94 +680,33 @@ def export_pipeline(
         from diffusers import DiffusionPipeline
 
         pipe = DiffusionPipeline.from_pretrained(model_id_or_path, torch_dtype=torch.float32, safety_checker=None)
+    if vae is not None:
+        if isinstance(vae, (str, os.PathLike)):
+            from diffusers import AutoencoderKL
+
+            vae = AutoencoderKL.from_pretrained(os.fspath(vae), torch_dtype=torch.float32)
+        if not hasattr(vae, "decode") or not hasattr(vae, "config"):
+            raise TypeError(f"vae: expected an AutoencoderKL or its folder or hub id, got {type(vae).__name__}")
+        pipe.vae = vae
     available = onnx_components_of(pipe)
     components = available if components is None else tuple(components)
     unknown = [c for c in components if c not in available]
     if unknown:
         raise ValueError(f"components: expected names from {list(available)}, got {unknown}")
-    target = Path(output_dir)
-    target.mkdir(parents=True, exist_ok=True)
     specs = _component_specs(pipe)
-    for name in tqdm(components, desc="export", unit="model", disable=not progress):
-        shutil.rmtree(target / name, ignore_errors=True)
-        _export_component(name, specs[name], target, opset, fp16, optimize)
-    for name in ("tokenizer", "tokenizer_2"):
-        if getattr(pipe, name, None) is not None:
-            save_tokenizer(getattr(pipe, name), target / name)
-    pipe.scheduler.save_pretrained(str(target / "scheduler"))
-    if is_xl(pipe):
-        modules = {name: type(getattr(pipe, name)).__name__ if getattr(pipe, name, None) is not None else None
-                   for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")}
-        write_xl_model_index(target, type(pipe).__name__, type(pipe.scheduler).__name__, modules,
-                             getattr(pipe.config, "force_zeros_for_empty_prompt", True),
-                             getattr(pipe.config, "requires_aesthetics_score", False))
-    else:
-        write_model_index(target, type(pipe.scheduler).__name__, type(pipe.tokenizer).__name__)
+    with building_beside(target) as scratch:
+        for name in tqdm(components, desc="export", unit="model", disable=not progress):
+            _export_component(name, specs[name], scratch, opset, fp16, optimize, xl=is_xl(pipe))
+        for name in ("tokenizer", "tokenizer_2"):
+            if getattr(pipe, name, None) is not None:
+                save_tokenizer(getattr(pipe, name), scratch / name)
+        pipe.scheduler.save_pretrained(str(scratch / "scheduler"))
+        if is_xl(pipe):
+            modules = {name: type(getattr(pipe, name)).__name__ if getattr(pipe, name, None) is not None else None
+                       for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")}
+            write_xl_model_index(scratch, type(pipe).__name__, type(pipe.scheduler).__name__, modules,
+                                 getattr(pipe.config, "force_zeros_for_empty_prompt", True),
+                                 getattr(pipe.config, "requires_aesthetics_score", False))
+        else:
+            write_model_index(scratch, type(pipe.scheduler).__name__, type(pipe.tokenizer).__name__)
     return target
-
-
-def save_tokenizer(tokenizer: Any, folder: Union[str, os.PathLike]) -> None:
-    """Saves a tokenizer so that transformers 4 and 5 both load it: transformers 5 writes only tokenizer.json, while
-    transformers 4's CLIPTokenizer (diffusers' ONNX pipeline, optimum's environment) reads vocab.json and merges.txt,
-    which are written here from the BPE model inside tokenizer.json."""
-    folder = Path(folder)
-    tokenizer.save_pretrained(str(folder))
-    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
-        return
-    backend = folder / "tokenizer.json"
-    if not backend.is_file():
-        return
-    model = json.loads(backend.read_text(encoding="utf-8")).get("model", {})
-    if model.get("type") != "BPE":
-        return
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    (folder / "vocab.json").write_text(json.dumps(model["vocab"], ensure_ascii=False), encoding="utf-8")
-    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{m}\n" for m in merges), encoding="utf-8")
-
-
-def write_model_index(folder: Union[str, os.PathLike], scheduler_class: str, tokenizer_class: str = "CLIPTokenizer",
-                      components: Sequence[str] = ONNX_COMPONENTS) -> None:
-    """Writes model_index.json as diffusers' ONNX pipeline expects it (its components are ``OnnxRuntimeModel``)."""
-    import diffusers
-
-    index = {
-        "_class_name": "OnnxStableDiffusionPipeline",
-        "_diffusers_version": diffusers.__version__,
-        "feature_extractor": [None, None],
-        "requires_safety_checker": False,
-        "safety_checker": [None, None],
-        "scheduler": ["diffusers", scheduler_class],
-        "tokenizer": ["transformers", tokenizer_class],
-    }
-    for name in components:
-        index[name] = ["diffusers", "OnnxRuntimeModel"]
-    Path(folder, "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
-
-
-def write_xl_model_index(
-    folder: Union[str, os.PathLike],
-    class_name: str,
-    scheduler_class: str,
-    modules: Dict[str, Optional[str]],
-    force_zeros_for_empty_prompt: bool = True,
-    requires_aesthetics_score: bool = False,
-) -> None:
-    """SDXL folders follow optimum's export: the torch pipeline's index (torch class names; one ``vae`` entry for the
-    two VAE folders), which optimum's ``ORTStableDiffusionXLPipeline`` and ours both load. ``modules`` maps
-    text_encoder(_2) and tokenizer(_2) to their transformers class name, or ``None`` where the pipeline has none."""
-    import diffusers
-
-    index = {
-        "_class_name": class_name,
-        "_diffusers_version": diffusers.__version__,
-        "force_zeros_for_empty_prompt": bool(force_zeros_for_empty_prompt),
-        "requires_aesthetics_score": bool(requires_aesthetics_score),
-        "feature_extractor": [None, None],
-        "image_encoder": [None, None],
-        "scheduler": ["diffusers", scheduler_class],
-        "unet": ["diffusers", "UNet2DConditionModel"],
-        "vae": ["diffusers", "AutoencoderKL"],
-    }
-    for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
-        index[name] = ["transformers", modules[name]] if modules.get(name) else [None, None]
-    Path(folder, "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))

@@ -1,4 +1,9 @@
-"""IOBindingORTModel: runs an ONNX model through ONNX Runtime IO binding with torch tensors bound by ``data_ptr()``."""
+"""IOBindingORTModel: runs an ONNX model through ONNX Runtime IO binding with torch tensors bound by ``data_ptr()``.
+
+The model is a public face over three parts: the session recipe (:mod:`.session`: providers, stream, session
+creation, owned weights), the graph pool (:class:`~optimum_iobinding.cuda.GraphPool`: input signature → captured CUDA
+graph or fixed-shape session) and input conversion (:mod:`.inputs`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,6 @@ import logging
 import os
 import shutil
 import threading
-import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -17,111 +21,35 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from .dtypes import ORT_TO_TORCH, TORCH_TO_ONNX, conversion_allowed
-from .cuda import (
-    DISABLE_SYNC_RUN_OPTION,
-    CudaGraphRunner,
-    free_dimension_overrides,
-    stream_of_session,
-    tensorrt_profile_options,
-    with_diffusion_defaults,
-    with_stream,
+from .cuda import DISABLE_SYNC_RUN_OPTION, CudaGraphRunner, CudaGraphSetting, GraphPool, check_cuda_graph_setting
+from .dtypes import ORT_TO_TORCH, TORCH_TO_ONNX
+from .layout import download_from_hub, read_json_object
+from .inputs import InputValue, as_checked_tensor, check_input_device, check_input_names, numpy_bits, to_bindable
+from .session import (  # noqa: F401 — re-exported: where users and earlier versions import them from
+    CUDA_LIKE_PROVIDERS,
+    GPU_PROVIDERS,
+    ROCM_LIKE_PROVIDERS,
+    UNBINDABLE_PROVIDERS,
+    ProviderSpec,
+    SessionRecipe,
+    copy_session_options,
+    create_session,
+    normalize_providers,
 )
-from .shapes import inferencer_from_session
+from .session import declared_types
+from .session import session_device as _device_of_providers
+from .shapes import inferencer_from_model_proto, inferencer_from_session
 
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
-# Execution providers whose memory is a CUDA device that torch can address as ``cuda:N``; they get the diffusion
-# defaults, the shared stream and CUDA graphs.
-CUDA_LIKE_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
-# AMD GPUs: a ROCm build of torch addresses them as ``cuda:N`` too, so their tensors bind the same way (device type
-# "cuda", the provider's device_id). Untested here (no AMD GPU): no shared stream or graphs — ORT runs on its own
-# stream after the caller's stream is synchronized, as for a CUDA session created without user_compute_stream.
-ROCM_LIKE_PROVIDERS = ("ROCMExecutionProvider", "MIGraphXExecutionProvider")
-GPU_PROVIDERS = CUDA_LIKE_PROVIDERS + ROCM_LIKE_PROVIDERS
-# Providers whose device memory torch cannot address: nothing to bind a data_ptr to.
-UNBINDABLE_PROVIDERS = {
-    "DmlExecutionProvider": (
-        "DirectML device memory has no torch device, so torch tensors cannot be bound to it by data_ptr. Use "
-        "io_binding=False (session.run on numpy arrays, which ORT copies to the DirectML device: what diffusers' and "
-        "optimum's DirectML pipelines do), or CUDAExecutionProvider on NVIDIA / ROCMExecutionProvider or "
-        "MIGraphXExecutionProvider on AMD GPUs with io_binding=True"
-    ),
-}
-
-ProviderSpec = Union[str, Tuple[str, Dict[str, Any]], Sequence[Union[str, Tuple[str, Dict[str, Any]]]], None]
-InputValue = Union[torch.Tensor, np.ndarray, np.generic, int, float, bool]
-
-
-def normalize_providers(
-    provider: ProviderSpec,
-    provider_options: Union[Dict[str, Any], Sequence[Dict[str, Any]], None] = None,
-    io_binding: bool = False,
-) -> Tuple[List[str], List[Dict[str, str]]]:
-    """Turns the ways users name providers into ORT's two aligned lists, and checks the build has them.
-
-    ``provider`` may be one name, a ``(name, options)`` pair, or a list of either, as ``InferenceSession`` takes
-    them; ``None`` means ``"CPUExecutionProvider"``, as in diffusers. ``provider_options`` is one dict (for a single
-    provider) or a list aligned with the providers; options given in pairs win over it. With ``io_binding`` a first
-    provider whose memory torch cannot address (DirectML) is refused, saying what to use instead.
-    """
-    if provider is None:
-        provider = "CPUExecutionProvider"
-    if isinstance(provider, str) or (isinstance(provider, tuple) and len(provider) == 2 and isinstance(provider[1], dict)):
-        provider = [provider]
-    names: List[str] = []
-    options: List[Dict[str, Any]] = []
-    for entry in provider:
-        if isinstance(entry, str):
-            names.append(entry)
-            options.append({})
-        elif isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], dict):
-            names.append(entry[0])
-            options.append(dict(entry[1]))
-        else:
-            raise TypeError(f"provider: expected a provider name or a (name, options dict) pair, got {entry!r}")
-    if provider_options is not None:
-        extra = [provider_options] if isinstance(provider_options, dict) else list(provider_options)
-        if len(extra) != len(names):
-            raise ValueError(
-                f"provider_options: expected {len(names)} dict(s), one per provider {names}, got {len(extra)}"
-            )
-        options = [{**given, **paired} for given, paired in zip(extra, options)]
-    if io_binding and names and names[0] in UNBINDABLE_PROVIDERS:
-        raise ValueError(f"provider: {names[0]!r} with io_binding=True: {UNBINDABLE_PROVIDERS[names[0]]}")
-    available = ort.get_available_providers()
-    for name in names:
-        if name not in available:
-            hint = " (install onnxruntime-gpu: pip install 'optimum-iobinding[gpu]')" if "CUDA" in name or "Tensorrt" in name else ""
-            raise ValueError(f"provider: {name!r} is not available in this onnxruntime build{hint}; available: {available}")
-    return names, [{key: str(value) for key, value in opts.items()} for opts in options]
-
-
-def create_session(
-    path_or_bytes: Union[str, bytes],
-    providers: Sequence[str],
-    provider_options: Sequence[Dict[str, str]],
-    sess_options: Optional[ort.SessionOptions] = None,
-) -> ort.InferenceSession:
-    """``onnxruntime.InferenceSession`` with errors that name the file."""
-    if isinstance(path_or_bytes, str) and not os.path.isfile(path_or_bytes):
-        raise FileNotFoundError(f"path: expected an .onnx file, found nothing at {path_or_bytes!r}")
-    try:
-        return ort.InferenceSession(path_or_bytes, sess_options=sess_options, providers=list(providers),
-                                    provider_options=list(provider_options))
-    except Exception as error:  # ORT's own exception types are not importable in a stable place
-        where = repr(path_or_bytes) if isinstance(path_or_bytes, str) else "the model bytes"
-        raise ValueError(f"path: onnxruntime could not load {where}: {error}") from error
 
 
 def session_device(session: ort.InferenceSession) -> torch.device:
     """The torch device where the session's first execution provider keeps its tensors."""
-    provider = session.get_providers()[0]
-    if provider in GPU_PROVIDERS:
-        options = session.get_provider_options().get(provider, {})
-        return torch.device("cuda", int(options.get("device_id", 0)))
-    return torch.device("cpu")
+    providers = session.get_providers()
+    by_name = session.get_provider_options()
+    return _device_of_providers(providers, [by_name.get(providers[0], {})])
 
 
 class IOBindingORTModel:
@@ -130,55 +58,64 @@ class IOBindingORTModel:
     Offers the surface of diffusers' ``OnnxRuntimeModel`` (``from_pretrained``, ``save_pretrained``, ``load_model``,
     ``__call__(**inputs)``) without depending on it.
 
-    Inputs (``io_binding=True``):
-        * a torch tensor already on ``self.device``, of the input's dtype and contiguous, is bound as it is: no copy;
-        * anything else is converted once, and the converted tensor is held until the run ends. Silent conversions:
-          a move between CPU and the session's device; ``.contiguous()``; a numpy array or Python/numpy scalar
-          (a scalar becomes a 0-d tensor); a dtype cast float→float (e.g. float32 → float16), int→int (int64 →
-          int32) and int/bool→float. Errors: float→int, anything→bool, bool→int, complex, a CUDA tensor on another
-          GPU than the session's, any other Python type, wrong rank, a static dim mismatch, unknown or missing inputs.
+    Inputs (``io_binding=True``): a torch tensor already on ``self.device``, of the input's dtype and contiguous, is
+    bound as it is: no copy. Anything else is converted once (see :mod:`optimum_iobinding.inputs`), and the
+    converted tensor is held until the run ends.
 
     Outputs:
         A list of torch tensors on ``self.device`` in the session's output order. Outputs live in buffers allocated
         once per input-shape signature and reused by later calls with the same shapes: **a later call overwrites
         what an earlier one returned** (clone what you keep, or pass ``reuse_outputs=False`` for fresh tensors).
-        At most ``max_output_signatures`` (thread, signature) pairs keep buffers (least recently used dropped
-        first), which bounds the memory that alternating shapes can take. An output
-        is never bound to an input's memory: a call whose input is an earlier output gets fresh output tensors.
-        An output whose shape depends on the data is allocated by ORT on the device and handed over via DLPack.
+        At most ``max_output_signatures`` signatures per thread keep buffers (least recently used dropped first).
+        An output is never bound to an input's memory: a call whose input is an earlier output gets fresh output
+        tensors. An output whose shape depends on the data is allocated by ORT and handed over via DLPack.
 
-    Threads: one lock per model serializes binding and running; reused output buffers are kept per thread, so calls
-    from several threads never overwrite each other's results. With ``cuda_graph`` the graph's output buffers are
-    shared by every thread: clone what you keep before another thread calls (pipelines serialize their calls).
+    Threads: one lock per model serializes binding and running; reused output buffers belong to the thread that
+    made them (``threading.local``: they die with it, and a later thread never gets them), so calls from several
+    threads never overwrite each other's results. A captured CUDA graph has one set of output buffers, shared by
+    every thread: clone what you keep before another thread calls (pipelines serialize their calls).
+
+    CUDA (``io_binding=True``): provider options default to :data:`~optimum_iobinding.cuda.CUDA_DIFFUSION_DEFAULTS`
+    (the user's win); the model runs on one CUDA stream (``stream``, else its own) with
+    ``disable_synchronize_execution_providers=1``: no host synchronization anywhere in a call. Each input signature
+    gets an entry of its own in the graph pool: with ``cuda_graph`` a session whose free dims are fixed to those
+    shapes, captured as a CUDA graph on its first run and replayed after (new inputs are copied into its fixed input
+    buffers; its outputs are always the same tensors); where capture is off or fails, a fixed-shape session run
+    without a graph (its convolutions keep the algorithms chosen for that shape, which ORT searches again whenever a
+    session's shape changes). All of them use one copy of the weights (``share_weights``): a signature costs its
+    activations and graph buffers only.
 
     With ``io_binding=False`` the model runs plain ``session.run`` on numpy arrays — the numpy baseline — and returns
     CPU torch tensors.
 
     Args:
-        session_or_path: an ``onnxruntime.InferenceSession`` or a path to an .onnx file.
+        session_or_path: a path to an .onnx file, an ``onnxruntime.InferenceSession`` or a
+            :class:`~optimum_iobinding.session.SessionRecipe`.
         provider: execution provider name, ``(name, options)`` pair or list of them; default CPU.
         provider_options: options dict (or list of dicts aligned with the providers).
         sess_options: ``onnxruntime.SessionOptions``.
         io_binding: bind torch tensors (default) or run the numpy baseline.
         reuse_outputs: reuse output buffers per input-shape signature (default) or return fresh tensors.
-        max_output_signatures: how many input-shape signatures keep their output buffers.
+        max_output_signatures: how many input-shape signatures per thread keep their output buffers.
         config: the component's config (``from_pretrained`` reads the ``config.json`` beside the model, as optimum
             writes it); pipelines read scaling factors and channel counts from it.
         stream: CUDA only: the torch stream ORT runs on (``user_compute_stream``); by default the model makes its
             own. Pipelines pass one stream to all their components.
-        cuda_graph: CUDA only: run each input signature through a CUDA graph — a session with its free dims fixed
-            to those shapes (so every node lands on the GPU), fixed input/output buffers that new inputs are copied
-            into, captured on the first run and replayed after. Outputs are then always the same tensors. A
-            signature whose capture fails runs without a graph, after one warning saying why.
-        max_graph_sessions: how many signatures keep a graph session (each holds the weights once more).
-
-    CUDA: provider options default to :data:`~optimum_iobinding.cuda.CUDA_DIFFUSION_DEFAULTS` (the user's win), and
-    runs use ``disable_synchronize_execution_providers=1``: no host synchronization anywhere in a call.
+        cuda_graph: ``"auto"`` (default): on CUDA capture each signature where it can and run without a graph where
+            it cannot (one INFO log line says why), elsewhere silently no graph; ``True``: the same, but a fallback
+            is a warning and a model that cannot have graphs at all (CPU, no binding) is an error; ``False``: never.
+        max_graph_signatures: how many signatures keep their pool entry (least recently used go first); ``None``
+            (default): all of them, bounded by memory.
+        share_weights: keep the float weights once as torch tensors on the device, shared by every session of the
+            model (``None``: where the model keeps a pool, CUDA with binding). The tensors are
+            :attr:`owned_weights`; an in-place change is seen by every session's next run, graphs included.
     """
+
+    SIBLING_SETTINGS = ("reuse_outputs", "max_output_signatures", "cuda_graph", "max_graph_signatures")
 
     def __init__(
         self,
-        session_or_path: Union[ort.InferenceSession, str, os.PathLike],
+        session_or_path: Union[ort.InferenceSession, SessionRecipe, str, os.PathLike],
         *,
         provider: ProviderSpec = None,
         provider_options: Union[Dict[str, Any], Sequence[Dict[str, Any]], None] = None,
@@ -188,55 +125,71 @@ class IOBindingORTModel:
         max_output_signatures: int = 8,
         config: Optional[Dict[str, Any]] = None,
         stream: Optional["torch.cuda.Stream"] = None,
-        cuda_graph: bool = False,
-        max_graph_sessions: int = 2,
+        cuda_graph: CudaGraphSetting = "auto",
+        max_graph_signatures: Optional[int] = None,
+        share_weights: Optional[bool] = None,
     ):
-        if max_output_signatures < 1:
-            raise ValueError(f"max_output_signatures: expected an integer ≥ 1, got {max_output_signatures}")
-        if max_graph_sessions < 1:
-            raise ValueError(f"max_graph_sessions: expected an integer ≥ 1, got {max_graph_sessions}")
-        if isinstance(session_or_path, ort.InferenceSession):
-            session = session_or_path
-            providers = session.get_providers()
-            options_by_name = session.get_provider_options()
-            provider_option_list = [dict(options_by_name.get(name, {})) for name in providers]
-            recipe_sess_options = getattr(session, "_sess_options", None)
+        if not isinstance(max_output_signatures, int) or max_output_signatures < 1:
+            raise ValueError(f"max_output_signatures: expected an integer ≥ 1, got {max_output_signatures!r}")
+        if max_graph_signatures is not None and (not isinstance(max_graph_signatures, int) or max_graph_signatures < 1):
+            raise ValueError(f"max_graph_signatures: expected None or an integer ≥ 1, got {max_graph_signatures!r}")
+        if not isinstance(io_binding, bool):
+            raise TypeError(f"io_binding: expected True or False, got {io_binding!r}")
+        cuda_graph = check_cuda_graph_setting(cuda_graph)
+        if isinstance(session_or_path, SessionRecipe):
+            recipe, session = session_or_path, None
+        elif isinstance(session_or_path, ort.InferenceSession):
             if stream is not None:
                 raise ValueError("stream: a stream is set when a session is created; pass a path (or create the "
                                  "session with the provider option user_compute_stream) instead of a session")
+            session = session_or_path
+            recipe = SessionRecipe.for_session(session, io_binding)
         elif isinstance(session_or_path, (str, os.PathLike)):
-            providers, provider_option_list = normalize_providers(provider, provider_options, io_binding)
-            if io_binding and providers[0] in CUDA_LIKE_PROVIDERS:
-                provider_option_list = with_diffusion_defaults(providers, provider_option_list)
-                if stream is None:
-                    stream = torch.cuda.Stream(torch.device("cuda", int(provider_option_list[0].get("device_id", 0))))
-                provider_option_list = with_stream(providers, provider_option_list, stream)
-            session = create_session(os.fspath(session_or_path), providers, provider_option_list, sess_options)
-            recipe_sess_options = sess_options
+            recipe = SessionRecipe.for_path(session_or_path, provider, provider_options, sess_options, io_binding,
+                                            stream, share_weights)
+            session = None
         else:
             raise TypeError(
                 "session_or_path: expected an onnxruntime.InferenceSession or a path to an .onnx file, "
                 f"got {type(session_or_path).__name__}"
             )
-        input_dtypes = {i.name: ORT_TO_TORCH.get(i.type) for i in session.get_inputs()}
-        output_dtypes = {o.name: ORT_TO_TORCH.get(o.type) for o in session.get_outputs()}
-        for kind, dtypes, args in (("input", input_dtypes, session.get_inputs()), ("output", output_dtypes, session.get_outputs())):
-            for arg in args:
-                if dtypes[arg.name] is None:
+        device = recipe.device
+        first = recipe.providers[0]
+        if io_binding and first in UNBINDABLE_PROVIDERS:
+            raise ValueError(f"session: {first!r} with io_binding=True: {UNBINDABLE_PROVIDERS[first]}")
+        if io_binding and device.type == "cpu" and first != "CPUExecutionProvider":
+            raise ValueError(
+                f"provider: IOBindingORTModel binds torch tensors on CPU or CUDA devices; {first!r} is neither (use "
+                "CUDAExecutionProvider or CPUExecutionProvider, or io_binding=False)"
+            )
+        # CUDA: the stream ORT runs on (ours, or the one the given session was created with); None means ORT's own
+        # stream, which costs a host synchronization before and after every run.
+        stream_in_use = recipe.stream if device.type == "cuda" and io_binding else None
+        pool_possible = device.type == "cuda" and io_binding and stream_in_use is not None and recipe.can_create
+        keeps_pool = pool_possible and (cuda_graph is not False or recipe.share_weights)
+        if session is None and not (keeps_pool and isinstance(recipe.source, str)):
+            session = recipe.create()
+        if session is not None:
+            input_types = {i.name: i.type for i in session.get_inputs()}
+            output_types = {o.name: o.type for o in session.get_outputs()}
+            shape_inferencer = inferencer_from_session(session)
+        else:
+            # every signature gets a session of its own: the dynamic one is made only if a signature needs it, and
+            # what the model declares is read from the graph (without its weights)
+            graph_only = onnx.load(recipe.source, load_external_data=False)
+            input_types, output_types = declared_types(graph_only)
+            shape_inferencer = inferencer_from_model_proto(graph_only, recipe.source)
+            del graph_only
+        input_dtypes = {name: ORT_TO_TORCH.get(kind) for name, kind in input_types.items()}
+        output_dtypes = {name: ORT_TO_TORCH.get(kind) for name, kind in output_types.items()}
+        for kind, dtypes, types in (("input", input_dtypes, input_types), ("output", output_dtypes, output_types)):
+            for name, dtype in dtypes.items():
+                if dtype is None:
                     raise TypeError(
-                        f"{kind} {arg.name!r} has type {arg.type}; IOBindingORTModel supports tensors of "
+                        f"{kind} {name!r} has type {types[name]}; IOBindingORTModel supports tensors of "
                         f"{sorted(t[7:-1] for t in ORT_TO_TORCH)}"
                     )
-        device = session_device(session)
-        if io_binding and session.get_providers()[0] in UNBINDABLE_PROVIDERS:
-            raise ValueError(f"session: {session.get_providers()[0]!r} with io_binding=True: "
-                             f"{UNBINDABLE_PROVIDERS[session.get_providers()[0]]}")
-        if io_binding and device.type == "cpu" and session.get_providers()[0] != "CPUExecutionProvider":
-            raise ValueError(
-                f"provider: IOBindingORTModel binds torch tensors on CPU or CUDA devices; "
-                f"{session.get_providers()[0]!r} is neither (use CUDAExecutionProvider or CPUExecutionProvider, "
-                "or io_binding=False)"
-            )
+        self._recipe = recipe
         self._session = session
         self._device = device
         self._input_dtypes: Dict[str, torch.dtype] = input_dtypes  # type: ignore[assignment]
@@ -244,63 +197,51 @@ class IOBindingORTModel:
         self.io_binding = io_binding
         self.reuse_outputs = reuse_outputs
         self.max_output_signatures = max_output_signatures
-        self.model_path: Optional[str] = getattr(session, "_model_path", None)
+        self.model_path: Optional[str] = recipe.source if isinstance(recipe.source, str) else None
         self.config: Dict[str, Any] = dict(config or {})
-        self.shape_inferencer = inferencer_from_session(session)
+        self.shape_inferencer = shape_inferencer
         self._ort_device_type = "cuda" if device.type == "cuda" else "cpu"
         self._ort_device_id = device.index or 0
-        self._output_buffers: "OrderedDict[Tuple, Dict[str, torch.Tensor]]" = OrderedDict()
-        self._binding = session.io_binding() if io_binding else None
+        self._thread_state = threading.local()  # per thread: its reused output buffers
+        self._binding = session.io_binding() if io_binding and session is not None else None
         self._lock = threading.Lock()
-        # CUDA: the stream ORT runs on (ours, or the one the given session was created with); None means ORT's own
-        # stream, which costs a host synchronization before and after every run.
-        self._stream = None
-        if device.type == "cuda" and io_binding:
-            self._stream = stream if stream is not None else stream_of_session(session, device)
+        self._stream = stream_in_use
         self._run_options = ort.RunOptions()
         if self._stream is not None:
             self._run_options.add_run_config_entry(DISABLE_SYNC_RUN_OPTION, "1")
-        if cuda_graph and (device.type != "cuda" or not io_binding):
-            raise ValueError(f"cuda_graph: needs a CUDA session with io_binding=True, got device {device} and "
-                             f"io_binding={io_binding}")
-        if cuda_graph and self._stream is None:
-            raise ValueError("cuda_graph: needs the session's stream; create the model from a path (or a session "
-                             "made with the provider option user_compute_stream)")
-        self.cuda_graph = cuda_graph
-        self.max_graph_sessions = max_graph_sessions
-        self._session_recipe = (self.model_path or getattr(session, "_model_bytes", None), list(providers),
-                                provider_option_list, recipe_sess_options)
-        self._graph_runners: "OrderedDict[Tuple, CudaGraphRunner]" = OrderedDict()
-        self._graph_disabled: Dict[Tuple, str] = {}
-
-    SIBLING_SETTINGS = ("reuse_outputs", "max_output_signatures", "cuda_graph", "max_graph_sessions")
+        if cuda_graph is True and not pool_possible:
+            if device.type != "cuda" or not io_binding:
+                raise ValueError(f"cuda_graph: needs a CUDA session with io_binding=True, got device {device} and "
+                                 f"io_binding={io_binding}")
+            if self._stream is None:
+                raise ValueError("cuda_graph: needs the session's stream; create the model from a path (or a session "
+                                 "made with the provider option user_compute_stream)")
+            raise ValueError("cuda_graph: the session was created from neither a path nor bytes, so no session "
+                             "with fixed dims can be made for a graph")
+        self.cuda_graph: CudaGraphSetting = cuda_graph if pool_possible else False
+        self.max_graph_signatures = max_graph_signatures
+        self._pool: Optional[GraphPool] = None
+        if keeps_pool:
+            self._pool = GraphPool(recipe, self.cuda_graph, max_graph_signatures, output_dtypes, self._run_options,
+                                   name=self.model_path or "model")
 
     def sibling(self, **changes: Any) -> "IOBindingORTModel":
-        """A new model on the same file (or bytes), providers, provider options, session options and CUDA stream,
-        with a session of its own: its own copy of the weights on the device and its own kernel state.
-
-        What it is for: ORT's CUDA convolutions choose their cuDNN algorithms again whenever a session's input shape
-        changes, even back to a shape it has run before — measured on an H100 with onnxruntime-gpu 1.31.1 for the
-        SD1.5 VAE decoder (fp16, 64×64 latents): 22 ms per call while the shape repeats, 0.7–1 s per call while four
-        shapes alternate (EXHAUSTIVE search; ~95 ms with HEURISTIC; benchmarks/vae_shapes.py). A caller that
-        alternates a few shapes, as tiled decoding does, is fast with one sibling per shape.
+        """A new model from the same recipe (file, providers, options, CUDA stream and owned weights), with sessions
+        of its own.
 
         Args:
             changes: settings to differ from this model's, among ``reuse_outputs``, ``max_output_signatures``,
-                ``cuda_graph`` and ``max_graph_sessions``.
+                ``cuda_graph`` and ``max_graph_signatures``.
         """
         unknown = sorted(set(changes) - set(self.SIBLING_SETTINGS))
         if unknown:
             raise TypeError(f"sibling: expected settings among {list(self.SIBLING_SETTINGS)}, got {unknown}")
-        source, providers, options, sess_options = self._session_recipe
-        if source is None:
+        if not self._recipe.can_create:
             raise RuntimeError("sibling: the session was created from neither a path nor bytes, so it cannot be "
                                "created again")
         settings = {name: getattr(self, name) for name in self.SIBLING_SETTINGS}
         settings.update(changes)
-        session = create_session(source, providers, options, copy_session_options(sess_options))
-        # the options carry this model's user_compute_stream: the sibling runs on the same CUDA stream
-        return IOBindingORTModel(session, io_binding=self.io_binding, config=self.config, **settings)
+        return IOBindingORTModel(self._recipe, io_binding=self.io_binding, config=self.config, **settings)
 
     # ----------------------------------------------------------------------------------------------------- loading
     @staticmethod
@@ -331,7 +272,10 @@ class IOBindingORTModel:
         io_binding: bool = True,
         reuse_outputs: bool = True,
         stream: Optional["torch.cuda.Stream"] = None,
-        cuda_graph: bool = False,
+        cuda_graph: CudaGraphSetting = "auto",
+        max_graph_signatures: Optional[int] = None,
+        share_weights: Optional[bool] = None,
+        max_output_signatures: int = 8,
         **hub_kwargs: Any,
     ) -> "IOBindingORTModel":
         """Loads ``model_id/subfolder/file_name`` (a file, a local folder or a Hugging Face Hub id).
@@ -340,17 +284,17 @@ class IOBindingORTModel:
             model_id: an .onnx file, a folder holding one, or a hub repository id.
             subfolder: folder inside ``model_id`` (e.g. ``"unet"``).
             file_name: the model's file name inside that folder.
-            provider, provider_options, sess_options, io_binding, reuse_outputs, stream, cuda_graph: as for the
-                constructor.
+            provider, provider_options, sess_options, io_binding, reuse_outputs, stream, cuda_graph,
+                max_graph_signatures, share_weights, max_output_signatures: as for the constructor.
             **hub_kwargs: passed to ``huggingface_hub.snapshot_download`` for hub ids (revision, token, cache_dir,
-                local_files_only).
+                local_files_only, force_download, proxies, local_dir).
 
         Returns:
             The loaded model.
         """
+        check_hub_kwargs("IOBindingORTModel.from_pretrained", hub_kwargs)
         path = resolve_model_file(model_id, subfolder, file_name, **hub_kwargs)
-        config_path = os.path.join(os.path.dirname(path), CONFIG_NAME)
-        config = json.loads(Path(config_path).read_text()) if os.path.isfile(config_path) else None
+        config = read_json_object(os.path.join(os.path.dirname(path), CONFIG_NAME))
         return cls(
             path,
             provider=provider,
@@ -361,45 +305,69 @@ class IOBindingORTModel:
             config=config,
             stream=stream,
             cuda_graph=cuda_graph,
+            max_graph_signatures=max_graph_signatures,
+            share_weights=share_weights,
+            max_output_signatures=max_output_signatures,
         )
 
-    def save_pretrained(self, save_directory: Union[str, os.PathLike], file_name: str = "model.onnx") -> str:
+    def save_pretrained(self, save_directory: Union[str, os.PathLike], file_name: str = "model.onnx",
+                        overwrite: bool = False) -> str:
         """Writes the model, every external-data file it references, and its config (if any) into
-        ``save_directory``.
+        ``save_directory``. A file of the same name already there is an error unless ``overwrite=True`` (a save
+        onto the model's own files leaves them as they are); each file is written beside its place and renamed
+        into it, so a failed save never leaves half a file.
 
         Returns:
             The path of the written .onnx file.
         """
-        save_directory = os.fspath(save_directory)
-        os.makedirs(save_directory, exist_ok=True)
-        target = os.path.join(save_directory, file_name)
-        if self.config:
-            Path(save_directory, CONFIG_NAME).write_text(json.dumps(self.config, indent=2, sort_keys=True))
-        if self.model_path is None:
-            model_bytes = getattr(self.session, "_model_bytes", None)
-            if model_bytes is None:
+        directory = Path(save_directory)
+        if directory.exists() and not directory.is_dir():
+            raise FileExistsError(f"save_directory: expected a folder, got the file {str(directory)!r}")
+        target = directory / file_name
+        source = self.model_path
+        writes: List[Tuple[Optional[str], Path, Optional[bytes]]] = []  # (file to copy, target, or bytes to write)
+        if source is None:
+            if not isinstance(self._recipe.source, bytes):
                 raise ValueError("save_pretrained: this session was created from neither a path nor bytes")
-            Path(target).write_bytes(model_bytes)
-            return target
-        source = os.path.abspath(self.model_path)
-        if os.path.abspath(target) != source:
-            shutil.copyfile(source, target)
-        source_dir = os.path.dirname(source)
-        for location in external_data_locations(source):
-            source_file = os.path.join(source_dir, location)
-            target_file = os.path.join(save_directory, location)
-            if os.path.abspath(source_file) != os.path.abspath(target_file):
-                os.makedirs(os.path.dirname(target_file), exist_ok=True)
-                shutil.copyfile(source_file, target_file)
-        return target
+            writes.append((None, target, self._recipe.source))
+        else:
+            writes.append((source, target, None))
+            for location in external_data_locations(source):
+                writes.append((os.path.join(os.path.dirname(source), location), directory / location, None))
+        if self.config:
+            writes.append((None, directory / CONFIG_NAME,
+                           json.dumps(self.config, indent=2, sort_keys=True).encode()))
+        same = {path for copy_from, path, data in writes if path.exists() and (
+            os.path.samefile(copy_from, path) if copy_from is not None else path.read_bytes() == data)}
+        existing = [str(path) for _, path, _ in writes if path.exists() and path not in same]
+        if existing and not overwrite:
+            raise FileExistsError(f"save_directory: expected no files named like the model's there, got "
+                                  f"{existing}; pass overwrite=True to replace them")
+        directory.mkdir(parents=True, exist_ok=True)
+        for copy_from, path, data in writes:
+            if path in same:
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            scratch = path.with_name(path.name + ".partial")
+            if data is not None:
+                scratch.write_bytes(data)
+            else:
+                shutil.copyfile(copy_from, scratch)
+            os.replace(scratch, path)
+        return str(target)
 
     # -------------------------------------------------------------------------------------------------- properties
     @property
     def session(self) -> ort.InferenceSession:
-        """The ORT session (with ``cuda_graph``, the most recent graph session once one runs)."""
-        if self._session is None and self._graph_runners:
-            return next(reversed(self._graph_runners.values())).session
-        return self._main_session()
+        """The model's dynamic session (all shapes, no graph): the same object for the model's whole life. With a
+        graph pool (CUDA) it is created on first use: every signature runs in a session of its own."""
+        if self._session is None:
+            with self._lock:
+                if self._session is None:
+                    session = self._recipe.create()
+                    self._binding = session.io_binding() if self.io_binding else None
+                    self._session = session
+        return self._session
 
     @property
     def device(self) -> torch.device:
@@ -408,7 +376,7 @@ class IOBindingORTModel:
 
     @property
     def providers(self) -> List[str]:
-        return self.session.get_providers()
+        return list(self._recipe.providers)
 
     @property
     def input_names(self) -> List[str]:
@@ -426,11 +394,87 @@ class IOBindingORTModel:
     def output_dtypes(self) -> Dict[str, torch.dtype]:
         return dict(self._output_dtypes)
 
+    @property
+    def input_dims(self) -> Dict[str, Optional[List[Union[int, str, None]]]]:
+        """Each input's declared dims as ORT reports them: ``int`` (static), ``str`` (named) or ``None``."""
+        return {name: None if dims is None else list(dims) for name, dims in self.shape_inferencer.input_dims.items()}
+
+    @property
+    def stream(self) -> Optional["torch.cuda.Stream"]:
+        """The CUDA stream ORT runs this model on (``None`` on the CPU or for a session without one)."""
+        return self._stream
+
+    @property
+    def sessions_created(self) -> int:
+        """How many ORT sessions this model's recipe has created (its siblings' included): a service that has
+        warmed up creates none."""
+        return self._recipe.sessions_created
+
+    @property
+    def graph_signatures(self) -> List[Dict[str, Tuple[int, ...]]]:
+        """The input shapes captured as CUDA graphs (least recently used first)."""
+        return [dict(signature) for signature in self._pool.captured] if self._pool is not None else []
+
+    @property
+    def signatures(self) -> List[Dict[str, Tuple[int, ...]]]:
+        """Every input signature with an entry in the graph pool (captured or not)."""
+        if self._pool is None:
+            return []
+        with self._pool.lock:
+            return [dict(signature) for signature in self._pool.entries]
+
+    @property
+    def graph_fallbacks(self) -> Dict[Tuple, str]:
+        """Signature → why it runs without a CUDA graph."""
+        return dict(self._pool.fallbacks) if self._pool is not None else {}
+
+    @property
+    def keeps_session_per_signature(self) -> bool:
+        """Whether each input signature runs in a session of its own (the graph pool, on CUDA)."""
+        return self._pool is not None
+
+    @property
+    def owned_weights(self) -> Dict[str, torch.Tensor]:
+        """The weights every session of this model reads, by initializer name (empty unless ``share_weights``).
+        Change them in place only: their addresses are bound into the sessions and captured graphs."""
+        return self._recipe.weights
+
+    @property
+    def output_signatures(self) -> int:
+        """How many input signatures keep reused output buffers in the calling thread."""
+        return len(self._thread_buffers())
+
+    def graph_runner(self, input_shapes: Mapping[str, Sequence[int]]) -> Optional[CudaGraphRunner]:
+        """The captured graph of these input shapes, or ``None`` (benchmarks replay it alone)."""
+        if self._pool is None:
+            return None
+        from .cuda import signature_of
+
+        entry = self._pool.entries.get(signature_of(input_shapes))
+        return entry if isinstance(entry, CudaGraphRunner) else None
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(path={self.model_path!r}, device={self.device}, providers={self.providers}, "
-            f"io_binding={self.io_binding}, inputs={self.input_names}, outputs={self.output_names})"
+            f"io_binding={self.io_binding}, cuda_graph={self.cuda_graph!r}, inputs={self.input_names}, "
+            f"outputs={self.output_names})"
         )
+
+    # ------------------------------------------------------------------------------------------------------ warm-up
+    def warmup(self, *input_shapes: Mapping[str, Sequence[int]], runs: int = 3) -> None:
+        """Runs each set of input shapes ``runs`` times on placeholder inputs, so that its session is created, its
+        convolution algorithms chosen and its CUDA graph captured before the first real call.
+
+        Args:
+            input_shapes: one mapping of input name → shape per signature.
+            runs: runs per signature (ORT captures a graph after a first regular run).
+        """
+        for shapes in input_shapes:
+            check_input_names(shapes, self.input_names)
+            inputs = {name: torch.zeros(tuple(shape), dtype=self._input_dtypes[name], device=self.device)
+                      for name, shape in shapes.items()}
+            for _ in range(runs):
+                self(**inputs)
 
     # ------------------------------------------------------------------------------------------------------ running
     def __call__(self, **inputs: InputValue) -> List[torch.Tensor]:
@@ -439,7 +483,7 @@ class IOBindingORTModel:
         On CUDA the run is enqueued on the model's stream after the caller's pending work, and the caller's stream
         waits for it: results are ready for whatever the caller enqueues next, and the host never waits.
         """
-        self._check_input_names(inputs)
+        check_input_names(inputs, self.input_names)
         if not self.io_binding:
             return self._run_without_binding(inputs)
         if self._stream is None:
@@ -453,24 +497,34 @@ class IOBindingORTModel:
             caller.wait_stream(self._stream)
         return results
 
-    @property
-    def stream(self) -> Optional["torch.cuda.Stream"]:
-        """The CUDA stream ORT runs this model on (``None`` on the CPU or for a session without one)."""
-        return self._stream
-
     def _run_bound(self, inputs: Mapping[str, InputValue]) -> List[torch.Tensor]:
         # `bound` holds every tensor whose pointer is bound until the run has returned (converted temporaries too).
-        bound = {name: self._to_bindable(name, value) for name, value in inputs.items()}
+        bound = {name: to_bindable(name, value, self._input_dtypes[name], self._device)
+                 for name, value in inputs.items()}
         input_shapes = {name: tuple(tensor.shape) for name, tensor in bound.items()}
         output_shapes = self.shape_inferencer(input_shapes)
-        if self.cuda_graph:
-            results = self._run_graph(bound, input_shapes, output_shapes)
-            if results is not None:
-                return results
+        session = binding = None
+        if self._pool is not None:
+            specs = {name: (input_shapes[name], tensor.dtype) for name, tensor in bound.items()}
+            entry = self._pool.entry(self.shape_inferencer.input_dims, specs, output_shapes)
+            if isinstance(entry, CudaGraphRunner):
+                with self._lock:
+                    try:
+                        outputs = entry.run(bound)
+                    except Exception as error:  # the capture failed on its first run
+                        from .cuda import signature_of
+
+                        entry = self._pool.drop(signature_of(input_shapes), str(error))
+                    else:
+                        results = [outputs[name] for name in self.output_names]
+                        return results if self.reuse_outputs else [tensor.clone() for tensor in results]
+            if entry is not None:
+                session, binding = entry.session, entry.binding
+        if session is None:
+            session = self.session
+            binding = self._binding
         outputs = self._output_tensors(input_shapes, output_shapes, bound)
         with self._lock:
-            session = self._main_session()
-            binding = self._binding
             try:
                 for name, tensor in bound.items():
                     binding.bind_input(
@@ -504,102 +558,11 @@ class IOBindingORTModel:
         del bound
         return results
 
-    # ------------------------------------------------------------------------------------------------ CUDA graphs
-    def _run_graph(
-        self,
-        bound: Mapping[str, torch.Tensor],
-        input_shapes: Mapping[str, Tuple[int, ...]],
-        output_shapes: Mapping[str, Optional[Tuple[int, ...]]],
-    ) -> Optional[List[torch.Tensor]]:
-        """Runs through the CUDA graph of this input signature; ``None`` where this signature cannot have one."""
-        signature = tuple(sorted(input_shapes.items()))
-        if signature in self._graph_disabled:
-            return None
-        with self._lock:
-            runner = self._graph_runners.get(signature)
-            try:
-                if runner is None:
-                    runner = self._new_graph_runner(bound, input_shapes, output_shapes)
-                    self._graph_runners[signature] = runner
-                    while len(self._graph_runners) > self.max_graph_sessions:
-                        self._graph_runners.popitem(last=False)
-                self._graph_runners.move_to_end(signature)
-                outputs = runner.run(bound)
-            except Exception as error:  # capture refused (nodes left on the CPU, unsupported op): run without
-                self._graph_runners.pop(signature, None)
-                self._graph_disabled[signature] = str(error)
-                warnings.warn(
-                    f"{self.model_path or 'model'}: no CUDA graph for input shapes {dict(input_shapes)}; running "
-                    f"without one. Why: {error}", RuntimeWarning, stacklevel=4,
-                )
-                return None
-        results = [outputs[name] for name in self.output_names]
-        return results if self.reuse_outputs else [tensor.clone() for tensor in results]
-
-    def _new_graph_runner(
-        self,
-        bound: Mapping[str, torch.Tensor],
-        input_shapes: Mapping[str, Tuple[int, ...]],
-        output_shapes: Mapping[str, Optional[Tuple[int, ...]]],
-    ) -> CudaGraphRunner:
-        dynamic = [name for name, shape in output_shapes.items() if shape is None]
-        if dynamic:
-            raise RuntimeError(f"output {dynamic[0]!r} has a data-dependent shape, which a graph cannot replay")
-        overrides, problems = free_dimension_overrides(self.shape_inferencer.input_dims, input_shapes)
-        source, providers, options, base_sess_options = self._session_recipe
-        if source is None:
-            raise RuntimeError("the session was created from neither a path nor bytes, so it cannot be re-created "
-                               "with fixed dims")
-        sess_options = copy_session_options(base_sess_options)
-        for dim, size in overrides.items():
-            sess_options.add_free_dimension_override_by_name(dim, size)
-        graph_options = [dict(opts) for opts in options]
-        if providers[0] == "TensorrtExecutionProvider":
-            graph_options[0].update(trt_cuda_graph_enable="1", **tensorrt_profile_options(input_shapes))
-        else:
-            graph_options[0]["enable_cuda_graph"] = "1"
-        # The model's weights live once on the GPU: the plain session goes before the graph session loads (it is
-        # re-created if a signature ever needs it).
-        self._session = None
-        self._binding = None  # an IOBinding holds its session (and so the weights) alive
-        try:
-            session = create_session(source, providers, graph_options, sess_options)
-        except ValueError as error:
-            raise RuntimeError(f"{error}{'; ' + '; '.join(problems) if problems else ''}") from error
-        return CudaGraphRunner(
-            session,
-            {name: (tuple(input_shapes[name]), bound[name].dtype) for name in input_shapes},
-            {name: (tuple(output_shapes[name]), self._output_dtypes[name]) for name in self.output_names},
-            self._device,
-            self._run_options,
-        )
-
-    def _main_session(self) -> ort.InferenceSession:
-        """The plain session (all shapes, no graph), re-created if graph sessions replaced it."""
-        if self._session is None:
-            source, providers, options, sess_options = self._session_recipe
-            self._session = create_session(source, providers, options, sess_options)
-            self._binding = self._session.io_binding()
-        return self._session
-
-    def _check_input_names(self, inputs: Mapping[str, Any]) -> None:
-        for name in inputs:
-            if name not in self._input_dtypes:
-                raise ValueError(f"unknown input {name!r}: the model's inputs are {self.input_names}")
-        for name in self._input_dtypes:
-            if name not in inputs:
-                raise ValueError(
-                    f"missing input {name!r}: the model's inputs are {self.input_names}, got {sorted(inputs)}"
-                )
-
-    def _to_bindable(self, name: str, value: InputValue) -> torch.Tensor:
-        """Returns ``value`` as a contiguous tensor of the input's dtype on the session's device (the same tensor if
-        it already is one)."""
-        expected = self._input_dtypes[name]
-        tensor = as_checked_tensor(name, value, expected)
-        check_input_device(name, tensor.device, self._device)
-        tensor = tensor.detach().to(device=self._device, dtype=expected)
-        return tensor.contiguous()
+    def _thread_buffers(self) -> "OrderedDict[Tuple, Dict[str, Optional[torch.Tensor]]]":
+        buffers = getattr(self._thread_state, "buffers", None)
+        if buffers is None:
+            buffers = self._thread_state.buffers = OrderedDict()
+        return buffers
 
     def _output_tensors(
         self,
@@ -609,17 +572,16 @@ class IOBindingORTModel:
     ) -> Dict[str, Optional[torch.Tensor]]:
         """The output tensors to bind, in session order; ``None`` where ORT must allocate. Buffers are kept per
         thread and input signature: a call never overwrites what a call from another thread is still reading."""
-        signature = (threading.get_ident(), tuple(sorted(input_shapes.items())))
-        with self._lock:
-            cached = self._output_buffers.get(signature) if self.reuse_outputs else None
-            if cached is not None:
-                input_storages = {t.untyped_storage().data_ptr() for t in bound_inputs.values() if t.numel()}
-                if any(t is not None and t.numel() and t.untyped_storage().data_ptr() in input_storages
+        signature = tuple(sorted(input_shapes.items()))
+        kept = self._thread_buffers()
+        cached = kept.get(signature) if self.reuse_outputs else None
+        if cached is not None:
+            input_storages = {t.untyped_storage().data_ptr() for t in bound_inputs.values() if t.numel()}
+            if not any(t is not None and t.numel() and t.untyped_storage().data_ptr() in input_storages
                        for t in cached.values()):
-                    cached = None  # an input is an earlier output: never bind an output onto an input
-                else:
-                    self._output_buffers.move_to_end(signature)
-                    return cached
+                kept.move_to_end(signature)
+                return cached
+            # an input is an earlier output: never bind an output onto an input
         buffers: Dict[str, Optional[torch.Tensor]] = {}
         for name in self._output_dtypes:
             shape = output_shapes[name]
@@ -628,11 +590,10 @@ class IOBindingORTModel:
             else:
                 buffers[name] = torch.empty(shape, dtype=self._output_dtypes[name], device=self._device)
         if self.reuse_outputs:
-            with self._lock:
-                self._output_buffers[signature] = buffers
-                self._output_buffers.move_to_end(signature)
-                while len(self._output_buffers) > self.max_output_signatures:
-                    self._output_buffers.popitem(last=False)
+            kept[signature] = buffers
+            kept.move_to_end(signature)
+            while len(kept) > self.max_output_signatures:
+                kept.popitem(last=False)
         return buffers
 
     @staticmethod
@@ -653,7 +614,7 @@ class IOBindingORTModel:
         if any(t.dtype == torch.bfloat16 for t in arrays.values()) or torch.bfloat16 in self._output_dtypes.values():
             # numpy has no bfloat16: feed OrtValues instead of arrays
             feed = {
-                name: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(_numpy_bits(t), TORCH_TO_ONNX[t.dtype])
+                name: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(numpy_bits(t), TORCH_TO_ONNX[t.dtype])
                 for name, t in arrays.items()
             }
             values = self.session.run_with_ort_values(self.output_names, feed)
@@ -662,61 +623,17 @@ class IOBindingORTModel:
         return [torch.from_numpy(np.asarray(r)) for r in results]
 
 
-def copy_session_options(base: Optional[ort.SessionOptions]) -> ort.SessionOptions:
-    """A new ``SessionOptions`` with the settings of ``base`` that matter here (the user's object is never changed)."""
-    copy = ort.SessionOptions()
-    if base is not None:
-        for attribute in ("graph_optimization_level", "intra_op_num_threads", "inter_op_num_threads", "execution_mode",
-                          "log_severity_level", "log_verbosity_level", "enable_mem_pattern", "enable_mem_reuse",
-                          "enable_cpu_mem_arena", "use_deterministic_compute"):
-            setattr(copy, attribute, getattr(base, attribute))
-    return copy
+# Keywords huggingface_hub's snapshot_download takes that make sense for loading a model folder.
+HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "proxies", "local_dir",
+              "etag_timeout", "endpoint", "user_agent", "max_workers", "repo_type", "use_auth_token")
 
 
-def check_input_device(name: str, device: torch.device, session_device: torch.device) -> None:
-    """Refuses tensors that would need a silent copy between GPUs (or live on a device ORT cannot read)."""
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"input {name!r}: expected a CPU or CUDA tensor, got one on {device}")
-    if device.type == "cuda" and session_device.type == "cuda" and device.index != session_device.index:
-        raise ValueError(
-            f"input {name!r}: expected a tensor on {session_device} (the session's device) or on the CPU, "
-            f"got one on {device}; move it with .to({str(session_device)!r}) if the copy is intended"
-        )
-
-
-def _numpy_bits(tensor: torch.Tensor) -> np.ndarray:
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(np.uint16)
-    return tensor.numpy()
-
-
-def as_tensor(name: str, value: InputValue, expected: torch.dtype) -> torch.Tensor:
-    """Wraps a torch tensor, numpy array or Python/numpy scalar as a torch tensor, without copying where possible."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, np.ndarray):
-        if value.dtype == object or value.dtype.kind not in "biuf":
-            raise TypeError(f"input {name!r}: expected a numeric numpy array for dtype {expected}, got dtype {value.dtype}")
-        return torch.from_numpy(np.ascontiguousarray(value))
-    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
-        return torch.from_numpy(np.asarray(value))
-    if isinstance(value, (bool, int, float)):
-        python_dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.float64
-        if not conversion_allowed(python_dtype, expected):
-            raise TypeError(f"input {name!r}: expected dtype {expected}, got Python {type(value).__name__} {value!r}")
-        return torch.tensor(value, dtype=expected)
-    raise TypeError(
-        f"input {name!r}: expected a torch.Tensor, numpy.ndarray or Python scalar, got {type(value).__name__}"
-    )
-
-
-def as_checked_tensor(name: str, value: InputValue, expected: torch.dtype) -> torch.Tensor:
-    """:func:`as_tensor`, refusing a dtype that does not convert to ``expected`` without loss."""
-    tensor = as_tensor(name, value, expected)
-    if tensor.dtype != expected and not conversion_allowed(tensor.dtype, expected):
-        raise TypeError(f"input {name!r}: expected dtype {expected}, got {tensor.dtype}, which does not convert "
-                        "without loss (cast it explicitly if intended)")
-    return tensor
+def check_hub_kwargs(where: str, hub_kwargs: Mapping[str, Any]) -> None:
+    """Unknown keywords are an error naming them, not silently passed on or dropped (a misspelled ``io_bindng``)."""
+    unknown = sorted(set(hub_kwargs) - set(HUB_KWARGS))
+    if unknown:
+        raise TypeError(f"{where}: got unexpected keyword argument(s) {unknown}; the hub download takes "
+                        f"{list(HUB_KWARGS)}")
 
 
 def external_data_locations(model_path: Union[str, os.PathLike]) -> List[str]:
@@ -758,12 +675,8 @@ def resolve_model_file(
             raise FileNotFoundError(f"model_id: expected {file_name!r} in {os.path.join(model_id, subfolder or '')!r}, "
                                     f"found no such file")
         return path
-    if model_id.count("/") > 1 or model_id.startswith((".", "/")):
-        raise FileNotFoundError(f"model_id: {model_id!r} is neither a local file or folder nor a hub repository id")
-    from huggingface_hub import snapshot_download
-
     pattern = f"{subfolder}/*" if subfolder else "*"
-    folder = snapshot_download(model_id, allow_patterns=[pattern], **hub_kwargs)
+    folder = download_from_hub(model_id, [pattern], "model_id", **hub_kwargs)
     path = os.path.join(folder, subfolder or "", file_name)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model_id: hub repository {model_id!r} has no {os.path.join(subfolder or '', file_name)!r}")

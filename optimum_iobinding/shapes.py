@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import math
+import operator
 import os
 import threading
 import weakref
@@ -60,6 +61,10 @@ _FUNCTIONS = {
 }
 _MAX_EXPRESSION_LENGTH = 256
 _MAX_EXPONENT = 64
+# Every intermediate value's numerator and denominator must fit in this many bits: a dim is a size, and with the
+# bound checked before each power no expression of 256 characters can take more than a few microseconds or any memory
+# (((h**64)**64)**64 would otherwise grow to billions of digits and hang the process).
+MAX_VALUE_BITS = 256
 
 
 def evaluate_dim_expression(expression: str, symbols: Mapping[str, int]) -> int:
@@ -90,12 +95,29 @@ def evaluate_dim_expression(expression: str, symbols: Mapping[str, int]) -> int:
         value = _evaluate(tree.body, symbols, expression)
     except ZeroDivisionError as error:
         raise DimExpressionError(f"dim {expression!r} divides by zero") from error
+    except RecursionError as error:
+        raise DimExpressionError(f"dim {expression!r} nests too deeply") from error
     if value.denominator != 1:
         raise DimExpressionError(f"dim {expression!r} evaluates to {value}, not a whole number")
     return int(value)
 
 
+def _bits(value: Fraction) -> int:
+    return max(abs(value.numerator).bit_length(), value.denominator.bit_length())
+
+
+def _bounded(value: Fraction, expression: str) -> Fraction:
+    if _bits(value) > MAX_VALUE_BITS:
+        raise DimExpressionError(f"dim {expression!r}: an intermediate value exceeds {MAX_VALUE_BITS} bits, far beyond "
+                                 "any tensor size")
+    return value
+
+
 def _evaluate(node: ast.AST, symbols: Mapping[str, int], expression: str) -> Fraction:
+    return _bounded(_evaluate_unbounded(node, symbols, expression), expression)
+
+
+def _evaluate_unbounded(node: ast.AST, symbols: Mapping[str, int], expression: str) -> Fraction:
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return Fraction(node.value)
     if isinstance(node, ast.Name):
@@ -124,6 +146,9 @@ def _evaluate(node: ast.AST, symbols: Mapping[str, int], expression: str) -> Fra
         if isinstance(op, ast.Pow):
             if right.denominator != 1 or not 0 <= right <= _MAX_EXPONENT:
                 raise DimExpressionError(f"dim {expression!r}: exponent {right} is not an integer in [0, 64]")
+            if _bits(left) > 1 and (_bits(left) - 1) * int(right) > MAX_VALUE_BITS:  # checked before computing it
+                raise DimExpressionError(f"dim {expression!r}: an intermediate value exceeds {MAX_VALUE_BITS} bits, "
+                                         "far beyond any tensor size")
             return left ** int(right)
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.keywords:
         function = _FUNCTIONS.get(node.func.id)
@@ -181,6 +206,30 @@ def bind_input_dims(
     return symbols
 
 
+def checked_shape(name: str, shape: Any) -> Shape:
+    """``shape`` as a tuple of non-negative ints; an error naming the input for anything else (a negative or
+    fractional size, a float, a bool, a string)."""
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"input {name!r}: expected a shape (a sequence of non-negative integers), got "
+                        f"{type(shape).__name__} {shape!r}") from None
+    checked = []
+    for axis, size in enumerate(dims):
+        try:  # ints, numpy and torch integers; not floats (1.5, and 2.0 too), strings or bools
+            if type(size).__name__ in ("bool", "bool_"):
+                raise TypeError
+            size = operator.index(size)
+        except TypeError:
+            raise TypeError(f"input {name!r}: expected non-negative integer sizes, got {size!r} in dim {axis} "
+                            f"(shape {list(dims)})") from None
+        if size < 0:
+            raise ValueError(f"input {name!r}: expected non-negative integer sizes, got {size} in dim {axis} "
+                             f"(shape {list(dims)})")
+        checked.append(int(size))
+    return tuple(checked)
+
+
 def _format_dims(dims: Sequence[Dim]) -> str:
     return "[" + ", ".join("?" if d is None else repr(d) if isinstance(d, str) else str(d) for d in dims) + "]"
 
@@ -234,7 +283,7 @@ class ShapeInferencer:
         self._lock = threading.Lock()
 
     def __call__(self, input_shapes: Mapping[str, Sequence[int]]) -> Dict[str, Optional[Shape]]:
-        signature = tuple(sorted((name, tuple(int(d) for d in shape)) for name, shape in input_shapes.items()))
+        signature = tuple(sorted((name, checked_shape(name, shape)) for name, shape in input_shapes.items()))
         with self._lock:
             cached = self._cache.get(signature)
             if cached is not None:

@@ -9,11 +9,11 @@ edges into its neighbours, raster order), with the PCIe transfer of one tile ove
 Events order the two streams; the host waits only for copies it is about to read. Off CUDA the same tiles and blends
 run one after another.
 
-On CUDA each tile shape (the full tile, the right and bottom edge tiles, the corner) runs in a session of its own
-(:meth:`IOBindingORTModel.sibling`): ORT's CUDA convolutions choose their algorithms again whenever a session's input
-shape changes, which made a 2048² tiled decode take 10.5 s on an H100 with one session, 0.55 s on an H200 with one
-per shape (benchmarks/vae_shapes.py, benchmarks/results/h100/session3). Each extra session holds the VAE's weights
-once more; ``max_tile_sessions`` bounds them.
+On CUDA each tile shape (the full tile, the right and bottom edge tiles, the corner) runs in a session of its own:
+ORT's CUDA convolutions choose their algorithms again whenever a session's input shape changes (see the README's
+"Shape changes"). A model with a graph pool (the default on CUDA) already keeps a session per input signature, all
+sharing its weights; for a model without one, each tile shape gets a :meth:`IOBindingORTModel.sibling`
+(``max_tile_sessions`` bounds them).
 
 ``overlap_copies=False`` runs the sequential CUDA version (each tile's copy waited for before the next tile starts)
 — the comparison the benchmark makes (benchmarks/tiled_vae.py).
@@ -62,10 +62,11 @@ class TiledVAE:
         vae_encoder: the encoder (image → latents or latent parameters), or ``None``.
         tile_sample_size: tile size in pixels (diffusers: the VAE's ``sample_size``, 512 for SD1.5).
         scale_factor: pixels per latent (8 for every Stable Diffusion VAE).
-        overlap: fraction of a tile shared with each neighbour (diffusers: 0.25).
+        overlap: fraction of a tile shared with each neighbour, in [0, 0.5] (diffusers: 0.25).
         overlap_copies: on CUDA, overlap each tile's host transfer with the next tile's compute.
-        session_per_shape: run each tile shape in a session of its own (default: on CUDA, where a shape change costs
-            an algorithm search; the first shape runs in the given model, the others in its siblings).
+        session_per_shape: run each tile shape in a sibling of its own (default: on CUDA for a model without a
+            graph pool, where a shape change costs an algorithm search; the first shape runs in the given model,
+            the others in its siblings).
         max_tile_sessions: how many tile shapes per model keep their session (least recently used go first); four
             cover every tile of one image size.
     """
@@ -81,12 +82,15 @@ class TiledVAE:
         session_per_shape: Optional[bool] = None,
         max_tile_sessions: int = 4,
     ):
-        if tile_sample_size % scale_factor != 0 or tile_sample_size <= 0:
+        if not isinstance(tile_sample_size, int) or isinstance(tile_sample_size, bool) or tile_sample_size <= 0 \
+                or tile_sample_size % scale_factor != 0:
             raise ValueError(f"tile_sample_size: expected a positive multiple of {scale_factor} (the VAE's scale "
-                             f"factor), got {tile_sample_size}")
-        if not 0.0 <= overlap < 1.0:
-            raise ValueError(f"overlap: expected a fraction in [0, 1), got {overlap}")
-        if max_tile_sessions < 1:
+                             f"factor), got {tile_sample_size!r}")
+        if not isinstance(overlap, (int, float)) or isinstance(overlap, bool) or not 0.0 <= overlap <= 0.5:
+            # past a half, a tile's blended edge reaches beyond its neighbour's: tiles would blend with tiles that
+            # are not their neighbours, and the tile count grows without bound as the overlap nears 1
+            raise ValueError(f"overlap: expected a fraction in [0, 0.5] (diffusers uses 0.25), got {overlap!r}")
+        if not isinstance(max_tile_sessions, int) or max_tile_sessions < 1:
             raise ValueError(f"max_tile_sessions: expected an integer ≥ 1, got {max_tile_sessions}")
         self.vae_decoder = vae_decoder
         self.vae_encoder = vae_encoder
@@ -146,8 +150,8 @@ class TiledVAE:
         """The model that runs tiles of ``shape``: ``model`` itself, or with ``session_per_shape`` the sibling that
         has only ever seen this shape (the first shape seen runs in ``model``)."""
         per_shape = self.session_per_shape
-        if per_shape is None:
-            per_shape = model.device.type == "cuda"
+        if per_shape is None:  # a model with a graph pool already runs each shape in a session of its own
+            per_shape = model.device.type == "cuda" and not model.keeps_session_per_signature
         if not per_shape:
             return model
         if role not in self._shape_models or self._shape_models[role][0] is not model:

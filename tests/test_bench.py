@@ -48,22 +48,22 @@ def test_an_export_is_made_once_and_a_failed_one_leaves_no_folder_that_looks_who
 
     calls = []
 
-    def fake_export(model, output_dir, **kwargs):
+    def fake_export(model, output_dir, **kwargs):  # as export_pipeline writes: beside, renamed when whole
         calls.append(Path(output_dir))
-        Path(output_dir).mkdir(parents=True)
-        (Path(output_dir) / "unet").mkdir()
-        if len(calls) == 1:
-            raise RuntimeError("export died half way")
-        (Path(output_dir) / "model_index.json").write_text("{}")
+        with export.building_beside(Path(output_dir)) as scratch:
+            (scratch / "unet").mkdir()
+            if len(calls) == 1:
+                raise RuntimeError("export died half way")
+            (scratch / "model_index.json").write_text("{}")
 
     monkeypatch.setattr(export, "export_pipeline", fake_export)
     monkeypatch.setattr(bench, "build_torch_pipeline", lambda kind: None)
     with pytest.raises(RuntimeError, match="half way"):
         bench.ensure_export("tiny", "fp16", "plain", tmp_path)
     assert not (tmp_path / "tiny-fp16-plain").exists()
+    assert not [p for p in tmp_path.iterdir() if "partial" in p.name]  # nothing half-built left behind
     folder = bench.ensure_export("tiny", "fp16", "plain", tmp_path)
     assert folder == tmp_path / "tiny-fp16-plain" and (folder / "model_index.json").is_file()
-    assert calls[0] != folder and calls[1] != folder  # written beside, renamed into place
     assert bench.ensure_export("tiny", "fp16", "plain", tmp_path) == folder
     assert len(calls) == 2
 
@@ -80,3 +80,15 @@ def test_the_ddim_recipe_turns_clip_sample_off_whatever_the_scheduler_config_say
     pipe = SimpleNamespace(scheduler=PNDMScheduler(skip_prk_steps=True, steps_offset=1))
     set_recipe_scheduler(pipe, "tiny")
     assert type(pipe.scheduler).__name__ == "DDIMScheduler" and pipe.scheduler.config.clip_sample is False
+
+
+def test_the_export_cache_never_deletes_a_folder_it_did_not_make(tmp_path, monkeypatch):
+    import optimum_iobinding.bench as bench
+
+    mine = tmp_path / "tiny-fp16-plain"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    monkeypatch.setattr(bench, "build_torch_pipeline", lambda kind: None)
+    with pytest.raises(FileExistsError, match="not a finished export"):
+        bench.ensure_export("tiny", "fp16", "plain", tmp_path)
+    assert (mine / "notes.txt").read_text() == "mine"

@@ -108,3 +108,13 @@ def test_turbo_recipe_matches_diffusers(sd, steps):
     got = pipe(PROMPT, height=SIZE, width=SIZE, num_inference_steps=steps, guidance_scale=0.0, latents=latents,
                generator=torch.Generator().manual_seed(5), output_type="np").images
     np.testing.assert_allclose(got, expected, atol=TOLERANCE)
+
+
+def test_cli_generate_picks_the_lcm_pipeline_from_the_folder(lcm, tmp_path, capsys):
+    from optimum_iobinding.cli import main as cli_main
+
+    _, folder = lcm
+    out = tmp_path / "lcm.png"
+    assert cli_main(["generate", "a cat", "--model", str(folder), "--steps", "2", "--guidance", "1.5",
+                     "--height", "64", "--width", "64", "--out", str(out)]) == 0
+    assert "OnnxLatentConsistencyModelPipeline" in capsys.readouterr().out and out.is_file()

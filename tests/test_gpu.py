@@ -29,7 +29,7 @@ def tiny_folder(tmp_path_factory):
 
 def unet_inputs(unet, batch=2, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    hidden = unet.session.get_inputs()[2].shape[2]
+    hidden = unet.input_dims["encoder_hidden_states"][2]
     return {
         "sample": torch.randn(batch, 4, 8, 8, generator=generator).to(unet.device),
         "timestep": torch.full((batch,), 500.0, device=unet.device),
@@ -57,7 +57,8 @@ def generate(pipe, steps=5):
 def test_graph_model_equals_the_plain_model_and_replays(tiny_folder):
     from optimum_iobinding import IOBindingORTModel
 
-    plain = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT)
+    plain = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT,
+                                              cuda_graph=False)
     graph = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT,
                                               cuda_graph=True)
     with warnings.catch_warnings():
@@ -67,8 +68,8 @@ def test_graph_model_equals_the_plain_model_and_replays(tiny_folder):
             expected = plain(**inputs)[0].clone()
             got = graph(**inputs)[0]
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    (runner,) = graph._graph_runners.values()
-    assert runner.runs == 3  # one capture, then replays reading the new inputs
+    runner = graph.graph_runner({name: tuple(value.shape) for name, value in inputs.items()})
+    assert len(graph.graph_signatures) == 1 and runner.runs == 3  # one capture, then replays reading the new inputs
 
 
 def test_pipeline_graph_equals_no_graph_equals_numpy_loop(tiny_folder):
@@ -76,11 +77,11 @@ def test_pipeline_graph_equals_no_graph_equals_numpy_loop(tiny_folder):
         warnings.simplefilter("error", RuntimeWarning)
         graph_pipe = pipeline(tiny_folder, cuda_graph=True)
         with_graph = generate(graph_pipe)
-    without_graph = generate(pipeline(tiny_folder))
+    without_graph = generate(pipeline(tiny_folder, cuda_graph=False))
     numpy_loop = generate(pipeline(tiny_folder, io_binding=False))
     assert np.abs(with_graph - without_graph).max() <= 1e-3
     assert np.abs(without_graph - numpy_loop).max() <= 1e-3
-    assert graph_pipe.unet._graph_runners  # the graph path really ran
+    assert graph_pipe.unet.graph_signatures  # the graph path really ran
 
 
 @pytest.mark.parametrize("scheduler,guidance,cuda_graph", [
@@ -239,24 +240,23 @@ def test_a_thousand_calls_grow_neither_torch_nor_ort_memory(tiny_folder):
 
 @pytest.mark.parametrize("cuda_graph", [False, True])
 def test_shape_changes_mid_session_on_the_gpu(tiny_folder, cuda_graph):
-    pipe = pipeline(tiny_folder, cuda_graph=cuda_graph)
-    pipe.unet.max_graph_sessions = 2
+    pipe = pipeline(tiny_folder, cuda_graph=cuda_graph, component_options={"unet": {"max_graph_signatures": 2}})
     for height, width, prompts in [(64, 64, 1), (128, 64, 1), (64, 64, 2), (64, 128, 1), (64, 64, 1)]:
         arguments = dict(prompt=["a cat"] * prompts, height=height, width=width, num_inference_steps=3,
                          generator=np.random.RandomState(0), output_type="np")
-        fresh = pipeline(tiny_folder)  # no graph: the reference
+        fresh = pipeline(tiny_folder, cuda_graph=False)  # no graph: the reference
         expected = fresh(**dict(arguments, generator=np.random.RandomState(0))).images
         got = pipe(**arguments).images
         assert got.shape == (prompts, height, width, 3)
         assert np.abs(got - expected).max() <= 1e-3
-    if cuda_graph:
-        assert len(pipe.unet._graph_runners) == 2  # bounded: least recently used graphs were dropped
+    assert len(pipe.unet.signatures) == 2  # bounded: least recently used signatures were dropped
+    assert len(pipe.unet.graph_signatures) == (2 if cuda_graph else 0)
 
 
 def test_two_pipelines_share_the_gpu_concurrently_and_correctly(tiny_folder):
     from concurrent.futures import ThreadPoolExecutor
 
-    pipes = [pipeline(tiny_folder, cuda_graph=True), pipeline(tiny_folder)]
+    pipes = [pipeline(tiny_folder, cuda_graph=True), pipeline(tiny_folder, cuda_graph=False)]
     serial = [generate(pipe) for pipe in pipes]
     with ThreadPoolExecutor(max_workers=2) as pool:
         threaded = list(pool.map(generate, pipes * 2))
@@ -318,3 +318,139 @@ def test_sdxl_and_lcm_graph_loops_equal_their_plain_loops(tmp_path, kind):
             images.append(pipe("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=4, latents=latents,
                                generator=torch.Generator("cuda").manual_seed(0), output_type="np").images)
     np.testing.assert_allclose(images[1], images[0], atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------- fast by default
+def test_defaults_capture_every_component_and_equal_the_numpy_loop(tiny_folder, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="optimum_iobinding")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # "auto" never warns
+        pipe = pipeline(tiny_folder)  # no graph argument
+        images = generate(pipe)
+    numpy_loop = generate(pipeline(tiny_folder, io_binding=False))
+    assert np.abs(images - numpy_loop).max() <= 1e-3
+    for name in ("unet", "vae_decoder"):
+        assert pipe.onnx_models[name].graph_signatures, (name, pipe.onnx_models[name].graph_fallbacks)
+    # CLIP's pooling (an ArgMax over integer token ids) has no CUDA kernel: the text encoder keeps a node on the CPU,
+    # so it runs without a graph, and "auto" says so once per signature at INFO
+    encoder = pipe.onnx_models["text_encoder"]
+    assert encoder.graph_signatures or encoder.graph_fallbacks
+    fallbacks = [r for r in caplog.records if "no CUDA graph" in r.getMessage()]
+    assert all(r.levelname == "INFO" for r in fallbacks) and len(fallbacks) == len(encoder.graph_fallbacks)
+
+
+def test_mixed_batch_sizes_after_warmup_create_no_session_and_keep_every_graph(tiny_folder):
+    pipe = pipeline(tiny_folder)
+    batches = (1, 4, 8, 2)
+    pipe.warmup(heights=SIZE, batch_sizes=list(batches))
+    created = pipe.sessions_created
+    reference = pipeline(tiny_folder, cuda_graph=False)
+    for round_index in range(3):
+        for batch in batches:
+            arguments = dict(prompt=["a cat"] * batch, height=SIZE, width=SIZE, num_inference_steps=3,
+                             generator=np.random.RandomState(batch), output_type="np")
+            got = pipe(**arguments).images
+            if round_index == 0:
+                expected = reference(**dict(arguments, generator=np.random.RandomState(batch))).images
+                assert np.abs(got - expected).max() <= 1e-3
+    assert pipe.sessions_created == created
+    unet_batches = sorted(signature["sample"][0] for signature in pipe.unet.graph_signatures)
+    assert unet_batches == [2, 4, 8, 16]  # CFG doubles each batch; every signature kept
+
+
+def test_every_captured_signature_reads_the_one_copy_of_the_weights(tiny_folder):
+    from optimum_iobinding import IOBindingORTModel
+
+    unet = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT)
+    inputs = {batch: unet_inputs(unet, batch=batch, seed=batch) for batch in (1, 2, 4)}
+    with torch.cuda.stream(unet.stream):
+        before = {batch: unet(**feed)[0].clone() for batch, feed in inputs.items()}
+        sessions = unet.sessions_created
+        assert len(unet.graph_signatures) == 3
+        weights = list(unet.owned_weights.values())
+        assert weights and all(w.device == unet.device for w in weights)
+        for weight in weights:
+            weight.mul_(0.5)  # in place: the addresses the graphs captured stay the same
+        changed = {batch: unet(**feed)[0].clone() for batch, feed in inputs.items()}
+        for weight in weights:
+            weight.mul_(2.0)
+        restored = {batch: unet(**feed)[0].clone() for batch, feed in inputs.items()}
+    for batch in inputs:
+        assert (changed[batch] - before[batch]).abs().max() > 1e-2  # every graph saw the change
+        torch.testing.assert_close(restored[batch], before[batch], atol=1e-4, rtol=1e-4)
+    assert unet.sessions_created == sessions
+
+
+def test_an_extra_signature_costs_activations_not_another_copy_of_the_weights(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from conftest import make_model
+    from optimum_iobinding import IOBindingORTModel
+
+    # 256 MiB of weights, a few KiB of activations: a second signature that loaded the weights again would show
+    width = 8192
+    weight = numpy_helper.from_array(np.random.RandomState(0).randn(width, width).astype(np.float32), "W")
+    path = tmp_path / "wide.onnx"
+    onnx.save(make_model([helper.make_node("MatMul", ["x", "W"], ["y"])],
+                         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])], [weight]),
+              str(path))
+    model = IOBindingORTModel(path, provider=CUDA, provider_options=EXACT)
+    weight_bytes = sum(w.numel() * w.element_size() for w in model.owned_weights.values())
+    assert weight_bytes == width * width * 4
+
+    def used():
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+
+    model.warmup({"x": (2, width)})
+    before = used()
+    model.warmup({"x": (1, width)}, {"x": (4, width)})
+    grown = used() - before
+    assert len(model.graph_signatures) == 3
+    # two more signatures grew the device's use by less than one copy of the weights would (each session's own
+    # workspace and arena chunk measured 64 MiB on an H100): neither loaded them again
+    assert grown < weight_bytes, (grown, weight_bytes)
+    x = torch.randn(4, width, device="cuda")
+    torch.testing.assert_close(model(x=x)[0], x @ model.owned_weights["W"], atol=1e-2, rtol=1e-3)
+
+
+def test_auto_runs_an_uncapturable_model_without_a_graph_and_logs_why(tmp_path, caplog):
+    import logging
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    from conftest import make_model
+    from optimum_iobinding import IOBindingORTModel
+
+    path = tmp_path / "nonzero.onnx"  # NonZero: an output whose size depends on the data, which no graph replays
+    onnx.save(make_model([helper.make_node("NonZero", ["x"], ["y"])],
+                         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+                         [helper.make_tensor_value_info("y", TensorProto.INT64, [1, "k"])]), str(path))
+    caplog.set_level(logging.INFO, logger="optimum_iobinding")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        model = IOBindingORTModel(path, provider=CUDA)
+        (y,) = model(x=torch.tensor([0.0, 1.0, 0.0, 2.0], device="cuda"))
+    assert y.cpu().tolist() == [[1, 3]] and model.graph_signatures == []
+    assert [r.levelname for r in caplog.records if "no CUDA graph" in r.getMessage()] == ["INFO"]
+    with pytest.warns(RuntimeWarning, match="no CUDA graph"):
+        IOBindingORTModel(path, provider=CUDA, cuda_graph=True)(x=torch.tensor([1.0], device="cuda"))
+
+
+def test_alternating_shapes_without_graphs_keep_a_session_per_shape(tiny_folder):
+    from optimum_iobinding import IOBindingORTModel
+
+    decoder = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="vae_decoder", provider=CUDA,
+                                                cuda_graph=False)
+    shapes = [(1, 4, 8, 8), (1, 4, 16, 8), (1, 4, 8, 16)]
+    for _ in range(3):
+        for shape in shapes:
+            decoder(latent_sample=torch.randn(shape, device="cuda"))
+    assert len(decoder.signatures) == 3 and decoder.graph_signatures == []
+    assert decoder.sessions_created == 1 + 3  # the dynamic session, then one per shape, each made once

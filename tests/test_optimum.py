@@ -173,7 +173,7 @@ def test_accelerated_on_cuda_with_a_graph_matches_optimums_own_binding(optimum_f
                                                                  provider_options=exact),
                       cuda_graph=True, provider_options=exact)
     got = optimum_images(ours, num_inference_steps=4)
-    assert ours.unet.fast_model.cuda_graph and ours.unet.fast_model._graph_runners
+    assert ours.unet.fast_model.cuda_graph and ours.unet.fast_model.graph_signatures
     np.testing.assert_allclose(got, expected, atol=1e-4)
 
 

@@ -217,7 +217,7 @@ def test_model_index_with_an_unknown_class_is_an_error(tiny_folder, tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(height=60), r"height and width: expected multiples of 8"),
+        (dict(height=60), r"height and width: expected multiples of 16 \(the VAE.s scale factor 8 × 2\^1"),
         (dict(num_inference_steps=0), r"num_inference_steps: expected a positive integer, got 0"),
         (dict(prompt=["a", "b"], negative_prompt=["c"]), r"negative_prompt: expected a list of 2"),
         (dict(output_type="jpeg"), r"output_type: expected"),
@@ -319,3 +319,17 @@ def test_accelerate_without_optimum_onnx_says_what_to_install():
 
     with pytest.raises(ImportError, match=r"optimum-iobinding\[optimum\]"):
         accelerate(object())
+
+
+def test_a_normal_generate_run_is_quiet(tmp_path, monkeypatch, capfd):
+    import warnings
+
+    monkeypatch.setenv("OPTIMUM_IOBINDING_CACHE", str(tmp_path / "cache"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli_main(["generate", "--steps", "1", "--height", "64", "--width", "64",
+                         "--out", str(tmp_path / "quiet.png")]) == 0  # builds the tiny model first: an export
+    output = capfd.readouterr()
+    assert [str(w.message)[:100] for w in caught] == []
+    for notice in ("Warning", "[transformers]", "should be kept in float32", "deprecated"):
+        assert notice not in output.err + output.out, output.err

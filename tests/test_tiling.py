@@ -83,7 +83,9 @@ def test_a_pipeline_with_vae_tiling_matches_diffusers_with_vae_tiling(tiny):
 
 @pytest.mark.parametrize("arguments,message", [
     (dict(tile_sample_size=60), "tile_sample_size: expected a positive multiple of 8"),
-    (dict(tile_sample_size=64, overlap=1.0), r"overlap: expected a fraction in \[0, 1\)"),
+    (dict(tile_sample_size=64, overlap=1.0), r"overlap: expected a fraction in \[0, 0.5\] \(diffusers uses 0.25\), got 1.0"),
+    (dict(tile_sample_size=64, overlap=0.9), r"overlap: expected a fraction in \[0, 0.5\].*got 0.9"),
+    (dict(tile_sample_size=64.0), "tile_sample_size: expected a positive multiple of 8 .*got 64.0"),
 ])
 def test_bad_tiling_arguments_are_refused(tiler, arguments, message):
     with pytest.raises(ValueError, match=message):

@@ -194,3 +194,13 @@ def test_an_ort_fused_sdxl_export_matches_the_plain_one(xl, tmp_path):
     kwargs = dict(height=SIZE, width=SIZE, num_inference_steps=2, latents=initial_latents(), output_type="np")
     np.testing.assert_allclose(load(OnnxStableDiffusionXLPipeline, fused)(PROMPT, **kwargs).images,
                                load(OnnxStableDiffusionXLPipeline, folder)(PROMPT, **kwargs).images, atol=TOLERANCE)
+
+
+def test_cli_generate_picks_the_sdxl_pipeline_from_the_folder(xl, tmp_path, capsys):
+    from optimum_iobinding.cli import main as cli_main
+
+    _, folder = xl
+    out = tmp_path / "xl.png"
+    assert cli_main(["generate", "a cat", "--model", str(folder), "--steps", "1", "--height", "64", "--width", "64",
+                     "--out", str(out)]) == 0
+    assert "OnnxStableDiffusionXLPipeline" in capsys.readouterr().out and out.is_file()

@@ -7,6 +7,7 @@ import functools
 import inspect
 import json
 import logging
+import math
 import os
 import threading
 from pathlib import Path
@@ -20,8 +21,20 @@ from diffusers.pipelines.stable_diffusion import StableDiffusionPipelineOutput
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
-from ..export import ONNX_COMPONENTS, save_tokenizer, write_model_index
-from ..model import CUDA_LIKE_PROVIDERS, IOBindingORTModel, ProviderSpec, normalize_providers
+from ..layout import (
+    ONNX_COMPONENTS,
+    building_beside,
+    check_output_folder,
+    load_scheduler,
+    load_tokenizer,
+    read_model_index,
+    resolve_pipeline_folder,
+    save_tokenizer,
+    write_model_index,
+)
+from ..cuda import CudaGraphSetting, check_cuda_graph_setting
+from ..model import CUDA_LIKE_PROVIDERS, IOBindingORTModel, ProviderSpec, check_hub_kwargs, normalize_providers
+from ..session import check_sess_options
 from ..shapes import infer_output_shapes
 from ..tiling import TiledVAE
 
@@ -29,13 +42,6 @@ logger = logging.getLogger(__name__)
 
 Generator = Union[np.random.RandomState, torch.Generator, None]
 
-# Class names a model_index.json may give an ONNX component: diffusers' ONNX layout names OnnxRuntimeModel, optimum's
-# export keeps the torch pipeline's index (torch classes; its VAE is one entry, "vae", split into two folders).
-_ONNX_COMPONENT_CLASSES = {
-    "OnnxRuntimeModel", "IOBindingORTModel", "ORTModel",
-    "CLIPTextModel", "CLIPTextModelWithProjection", "UNet2DConditionModel", "AutoencoderKL",
-}
-_IGNORED_COMPONENTS = {"safety_checker", "feature_extractor", "image_encoder", "vae"}
 # AutoencoderKL's default scaling factor, for folders whose VAE has no config.json (diffusers' ONNX conversion).
 _DEFAULT_VAE_SCALING_FACTOR = 0.18215
 
@@ -83,9 +89,10 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         self._vae_tiler: Optional[TiledVAE] = None
         self.vae_scale_factor = self._read_vae_scale_factor()
         self.latent_channels = self._read_latent_channels()
-        self.vae_scaling_factor = float(self.vae_decoder.config.get("scaling_factor", _DEFAULT_VAE_SCALING_FACTOR))
+        self.vae_scaling_factor = self._read_vae_scaling_factor()
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor)
         self._call_lock = threading.RLock()
+        self._calling = threading.local()  # set while this thread is inside a call (a callback re-entering is refused)
 
     # ------------------------------------------------------------------------------------------------- properties
     @property
@@ -107,7 +114,7 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         return self.unet.io_binding
 
     def _check_unet_inputs(self) -> None:
-        declared = [arg.name for arg in self.unet.session.get_inputs()]
+        declared = self.unet.input_names
         expected = ["sample", "timestep", "encoder_hidden_states", *self._unet_extra_inputs]
         unexpected = [name for name in declared if name not in expected]
         missing = [name for name in expected if name not in declared]
@@ -121,10 +128,31 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
             hint = f"{type(self).__name__} needs a UNet exported with {missing}"
         raise ValueError(f"unet: expected inputs {expected}, got {declared} ({hint})")
 
+    def _read_vae_scaling_factor(self) -> float:
+        value = self.vae_decoder.config.get("scaling_factor", _DEFAULT_VAE_SCALING_FACTOR)
+        if not _is_real(value) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"vae_decoder config.json: scaling_factor: expected a positive finite number, got "
+                             f"{value!r} (SD 1.x/2.x use 0.18215, SDXL 0.13025)")
+        return float(value)
+
     def _read_vae_scale_factor(self) -> int:
         blocks = self.vae_decoder.config.get("block_out_channels")
-        if blocks:
-            return 2 ** (len(blocks) - 1)
+        if blocks is not None:
+            if not isinstance(blocks, list) or not blocks or len(blocks) > 8:
+                raise ValueError(f"vae_decoder config.json: block_out_channels: expected a list of 1 to 8 channel "
+                                 f"counts, got {blocks!r}")
+            factor = 2 ** (len(blocks) - 1)
+            channels = self._declared_dim(self.vae_decoder, "latent_sample", 1) or 4
+            try:
+                shapes = infer_output_shapes(self.vae_decoder, {"latent_sample": (1, channels, 8, 8)})
+            except ValueError:
+                shapes = {}
+            image_shape = next(iter(shapes.values()), None)
+            if image_shape is not None and image_shape[2] != 8 * factor:
+                raise ValueError(f"vae_decoder config.json: block_out_channels: {len(blocks)} blocks mean a scale "
+                                 f"factor of {factor}, but the decoder turns 8 latent rows into {image_shape[2]} "
+                                 f"(a factor of {image_shape[2] // 8})")
+            return factor
         # No config: ask the decoder how much larger its output is than its input.
         channels = self._declared_dim(self.vae_decoder, "latent_sample", 1) or 4
         shapes = infer_output_shapes(self.vae_decoder, {"latent_sample": (1, channels, 8, 8)})
@@ -135,8 +163,20 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         return image_shape[2] // 8
 
     def _read_latent_channels(self) -> int:
-        if self.vae_decoder.config.get("latent_channels"):
-            return int(self.vae_decoder.config["latent_channels"])
+        configured = self.vae_decoder.config.get("latent_channels")
+        if configured is not None:
+            declared = {name: self._declared_dim(model, input_name, 1) for name, model, input_name in
+                        (("vae_decoder", self.vae_decoder, "latent_sample"), ("unet", self.unet, "sample"))}
+            if not _is_integer(configured) or configured < 1:
+                raise ValueError(f"vae_decoder config.json: latent_channels: expected a positive integer, got "
+                                 f"{configured!r}")
+            if declared["vae_decoder"] is not None and declared["vae_decoder"] != configured:
+                raise ValueError(f"vae_decoder config.json: latent_channels: expected {declared['vae_decoder']} (the "
+                                 f"decoder's latent_sample channels), got {configured}")
+            if declared["vae_decoder"] is None and declared["unet"] is not None and declared["unet"] < configured:
+                raise ValueError(f"vae_decoder config.json: latent_channels: expected at most {declared['unet']} (the "
+                                 f"UNet's sample channels), got {configured}")
+            return int(configured)
         if self.unet.config.get("out_channels"):
             return int(self.unet.config["out_channels"])
         channels = self._declared_dim(self.vae_decoder, "latent_sample", 1) or self._declared_dim(self.unet, "sample", 1)
@@ -147,9 +187,9 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
 
     @staticmethod
     def _declared_dim(model: IOBindingORTModel, input_name: str, axis: int) -> Optional[int]:
-        for arg in model.session.get_inputs():
-            if arg.name == input_name and len(arg.shape) > axis and isinstance(arg.shape[axis], int):
-                return arg.shape[axis]
+        dims = model.input_dims.get(input_name)
+        if dims is not None and len(dims) > axis and isinstance(dims[axis], int):
+            return dims[axis]
         return None
 
     # -------------------------------------------------------------------------------------------- loading, saving
@@ -161,9 +201,10 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         provider_options: Optional[Dict[str, Any]] = None,
         sess_options: Any = None,
         io_binding: bool = True,
-        cuda_graph: bool = False,
+        cuda_graph: CudaGraphSetting = "auto",
         scheduler: Optional[SchedulerMixin] = None,
         tokenizer: Any = None,
+        component_options: Optional[Dict[str, Dict[str, Any]]] = None,
         **hub_kwargs: Any,
     ):
         """Loads a diffusers-converted ONNX folder or an ``optimum-cli export onnx`` folder, or a hub id.
@@ -172,14 +213,23 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
             pretrained_model_name_or_path: local folder or hub repository id.
             provider, provider_options, sess_options: for every ONNX component (see :class:`IOBindingORTModel`).
             io_binding: bind torch tensors on the session's device (default), or run diffusers' numpy baseline.
-            cuda_graph: CUDA: replay the UNet as a CUDA graph (see :class:`IOBindingORTModel`).
+            cuda_graph: ``"auto"`` (default): on CUDA every component captures each input signature as a CUDA graph
+                where it can (one INFO log line where it cannot); ``True``: the same, but a UNet signature that
+                cannot be captured warns; ``False``: no graphs (see :class:`IOBindingORTModel`). Sessions are created lazily, one per input
+                signature, sharing one copy of the weights; :meth:`warmup` creates them ahead of the first request.
             scheduler, tokenizer: replace the folder's.
+            component_options: per component (``"unet"``, ``"text_encoder"``, ``"vae_decoder"``, …) settings of its
+                :class:`IOBindingORTModel` that override the ones above: ``cuda_graph``, ``reuse_outputs``,
+                ``max_output_signatures``, ``max_graph_signatures``, ``share_weights``.
             **hub_kwargs: for ``huggingface_hub.snapshot_download`` (revision, token, cache_dir, local_files_only).
         """
-        folder = _resolve_pipeline_folder(pretrained_model_name_or_path, cls._onnx_components, cls._tokenizer_names,
+        check_hub_kwargs(f"{cls.__name__}.from_pretrained", hub_kwargs)
+        settings = component_settings(cls._onnx_components, cuda_graph, component_options)
+        folder = resolve_pipeline_folder(pretrained_model_name_or_path, cls._onnx_components, cls._tokenizer_names,
                                           **hub_kwargs)
-        index = _read_model_index(folder, cls._onnx_components)
+        index = read_model_index(folder, cls._onnx_components)
         providers, options = normalize_providers(provider, provider_options, io_binding)
+        check_sess_options(sess_options)
         stream = None
         if io_binding and providers[0] in CUDA_LIKE_PROVIDERS:
             # one stream for every component and every torch op of the loop: nothing to synchronize between them
@@ -198,37 +248,90 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
                     )
                 components[name] = IOBindingORTModel.from_pretrained(
                     model_folder, provider=provider, provider_options=provider_options, sess_options=sess_options,
-                    io_binding=io_binding, stream=stream, cuda_graph=cuda_graph and name == "unet",
+                    io_binding=io_binding, stream=stream, **settings[name],
                 )
             for name in cls._tokenizer_names:
                 if name == "tokenizer" and tokenizer is not None:
                     components[name] = tokenizer
                 elif (folder / name).is_dir() or name not in cls._optional_components:
-                    components[name] = _load_tokenizer(folder, index, name)
+                    components[name] = load_tokenizer(folder, index, name)
                 else:
                     components[name] = None
-            components["scheduler"] = scheduler if scheduler is not None else _load_scheduler(folder, index)
-            settings = {key: index[key] for key in cls._index_settings if key in index}
-            return cls(**components, **settings)
+            components["scheduler"] = scheduler if scheduler is not None else load_scheduler(folder, index)
+            index_settings = {key: index[key] for key in cls._index_settings if key in index}
+            return cls(**components, **index_settings)
         except BaseException:
             components.clear()  # release sessions now, not when the traceback goes
             raise
 
-    def save_pretrained(self, save_directory: Union[str, os.PathLike], **kwargs: Any) -> None:
-        """Writes the diffusers ONNX layout, which this class and diffusers' own ONNX pipeline both load."""
-        target = Path(save_directory)
-        target.mkdir(parents=True, exist_ok=True)
-        written = []
-        for name in self._onnx_components:
-            model = getattr(self, name, None)
-            if model is not None:
-                model.save_pretrained(target / name)
-                written.append(name)
-        for name in self._tokenizer_names:
-            if getattr(self, name, None) is not None:
-                save_tokenizer(getattr(self, name), target / name)
-        self.scheduler.save_pretrained(str(target / "scheduler"))
-        self._write_model_index(target, written)
+    # ---------------------------------------------------------------------------------------------------- warm-up
+    def warmup(
+        self,
+        heights: Union[int, Sequence[int]] = 512,
+        widths: Union[int, Sequence[int], None] = None,
+        batch_sizes: Union[int, Sequence[int]] = 1,
+        guidance_scales: Union[float, Sequence[float]] = 7.5,
+        num_inference_steps: int = 2,
+    ) -> None:
+        """Creates the sessions, chooses the convolution algorithms and captures the CUDA graphs that calls of these
+        sizes will use, so that a service's first request runs as fast as its steady state. Each combination runs
+        the pipeline once for ``num_inference_steps`` steps on empty prompts (the result is thrown away; no random
+        state of the caller's is used).
+
+        Args:
+            heights, widths: image sizes in pixels (``widths`` default: the heights, as squares).
+            batch_sizes: images per call (prompts × ``num_images_per_prompt``).
+            guidance_scales: guidance scales the calls use (> 1 doubles the UNet batch; ≤ 1 does not).
+            num_inference_steps: steps per warm-up call.
+        """
+        as_list = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]  # noqa: E731
+        sizes = list(zip(as_list(heights), as_list(widths))) if widths is not None else \
+            [(h, h) for h in as_list(heights)]
+        if widths is not None and len(as_list(heights)) != len(as_list(widths)):
+            sizes = [(h, w) for h in as_list(heights) for w in as_list(widths)]
+        for height, width in sizes:
+            for batch_size in as_list(batch_sizes):
+                if not isinstance(batch_size, int) or batch_size < 1:
+                    raise ValueError(f"batch_sizes: expected positive integers, got {batch_size!r}")
+                for guidance_scale in as_list(guidance_scales):
+                    self._warmup_call(height, width, batch_size, guidance_scale, num_inference_steps)
+
+    def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int) -> None:
+        """One call of this pipeline at these sizes (pipelines that need an image override it)."""
+        self(prompt=[""] * batch_size, height=height, width=width, num_inference_steps=steps,
+             guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0), output_type="np")
+
+    @property
+    def onnx_models(self) -> Dict[str, IOBindingORTModel]:
+        """The pipeline's ONNX components by name."""
+        return {name: getattr(self, name) for name in self._onnx_components
+                if isinstance(getattr(self, name, None), IOBindingORTModel)}
+
+    @property
+    def sessions_created(self) -> int:
+        """ORT sessions created so far by all components (a warmed-up service creates no more)."""
+        return sum(model.sessions_created for model in self.onnx_models.values())
+
+    def save_pretrained(self, save_directory: Union[str, os.PathLike], overwrite: bool = False) -> None:
+        """Writes the diffusers ONNX layout, which this class and diffusers' own ONNX pipeline both load.
+
+        The folder is built beside ``save_directory`` and moved into place when whole, so a failed save leaves
+        what was there. ``save_directory`` must be new or empty unless ``overwrite=True``, which replaces it whole
+        (the folder the pipeline was loaded from included: its files are copied out first).
+        """
+        target = check_output_folder(save_directory, None, overwrite, argument="save_directory")
+        with building_beside(target) as scratch:
+            written = []
+            for name in self._onnx_components:
+                model = getattr(self, name, None)
+                if model is not None:
+                    model.save_pretrained(scratch / name)
+                    written.append(name)
+            for name in self._tokenizer_names:
+                if getattr(self, name, None) is not None:
+                    save_tokenizer(getattr(self, name), scratch / name)
+            self.scheduler.save_pretrained(str(scratch / "scheduler"))
+            self._write_model_index(scratch, written)
 
     def _write_model_index(self, target: Path, written: List[str]) -> None:
         write_model_index(target, type(self.scheduler).__name__, type(self.tokenizer).__name__, written)
@@ -246,13 +349,44 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         negative_prompt_embeds: Optional[torch.Tensor] = None,
         output_type: str = "pil",
         strength: Optional[float] = None,
+        guidance_scale: Optional[float] = None,
+        num_images_per_prompt: int = 1,
     ) -> None:
-        if strength is not None and not 0.0 <= strength <= 1.0:
-            raise ValueError(f"strength: expected a value in [0, 1], got {strength}")
-        factor = self.vae_scale_factor
-        if height % factor != 0 or width % factor != 0:
-            raise ValueError(f"height and width: expected multiples of {factor} (the VAE's scale factor), "
-                             f"got {height} and {width}")
+        """Refuses, before any work, every argument the call cannot run with, naming it, what was expected and
+        what came."""
+        if strength is not None and (not _is_real(strength) or not 0.0 <= strength <= 1.0):
+            raise ValueError(f"strength: expected a value in [0, 1], got {strength!r}")
+        if guidance_scale is not None and (not _is_real(guidance_scale) or not math.isfinite(guidance_scale)):
+            raise ValueError(f"guidance_scale: expected a finite number, got {guidance_scale!r}")
+        if not _is_integer(num_images_per_prompt) or num_images_per_prompt < 1:
+            raise ValueError(f"num_images_per_prompt: expected a positive integer, got {num_images_per_prompt!r}")
+        self.check_size(height, width)
+        if not _is_integer(num_inference_steps) or num_inference_steps <= 0:
+            raise ValueError(f"num_inference_steps: expected a positive integer, got {num_inference_steps!r}")
+        train_steps = getattr(self.scheduler.config, "num_train_timesteps", None)
+        if train_steps and num_inference_steps > train_steps:
+            raise ValueError(f"num_inference_steps: expected at most {train_steps} (the scheduler's "
+                             f"num_train_timesteps), got {num_inference_steps}")
+        if isinstance(prompt, list):
+            if not prompt:
+                raise ValueError("prompt: expected a str or a non-empty list of str, got an empty list")
+            wrong = next((i for i, item in enumerate(prompt) if not isinstance(item, str)), None)
+            if wrong is not None:
+                raise TypeError(f"prompt[{wrong}]: expected a str, got {type(prompt[wrong]).__name__} {prompt[wrong]!r}")
+        if isinstance(negative_prompt, list):
+            wrong = next((i for i, item in enumerate(negative_prompt) if not isinstance(item, str)), None)
+            if wrong is not None:
+                raise TypeError(f"negative_prompt[{wrong}]: expected a str, got "
+                                f"{type(negative_prompt[wrong]).__name__} {negative_prompt[wrong]!r}")
+        for name, embeds in (("prompt_embeds", prompt_embeds), ("negative_prompt_embeds", negative_prompt_embeds)):
+            if embeds is None:
+                continue
+            dtype = torch.as_tensor(embeds).dtype if not isinstance(embeds, torch.Tensor) else embeds.dtype
+            if not dtype.is_floating_point:
+                raise TypeError(f"{name}: expected a float tensor (the text encoder's output), got dtype {dtype}")
+            if torch.as_tensor(embeds).ndim != 3:
+                raise ValueError(f"{name}: expected shape (batch, sequence, hidden), got "
+                                 f"{tuple(torch.as_tensor(embeds).shape)}")
         if output_type not in ("pil", "np", "pt", "latent"):
             raise ValueError(f"output_type: expected 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
         if not isinstance(num_inference_steps, int) or num_inference_steps <= 0:
@@ -277,6 +411,30 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
                 prompt_embeds.shape != negative_prompt_embeds.shape:
             raise ValueError(f"negative_prompt_embeds: expected shape {tuple(prompt_embeds.shape)} like "
                              f"prompt_embeds, got {tuple(negative_prompt_embeds.shape)}")
+
+    def check_size(self, height: Any, width: Any) -> None:
+        """Height and width must be positive integers the UNet can run: multiples of :attr:`size_multiple`."""
+        multiple = self.size_multiple
+        for name, value in (("height", height), ("width", width)):
+            if not _is_integer(value) or value <= 0:
+                raise ValueError(f"{name}: expected a positive integer multiple of {multiple}, got {value!r}")
+        if height % multiple != 0 or width % multiple != 0:
+            raise ValueError(
+                f"height and width: expected multiples of {multiple} (the VAE's scale factor {self.vae_scale_factor} "
+                f"× 2^{self.unet_downsamples}, the UNet's downsamplings), got {height} and {width}; e.g. "
+                f"{-(-height // multiple) * multiple} × {-(-width // multiple) * multiple}")
+
+    @property
+    def unet_downsamples(self) -> int:
+        """How often the UNet halves the latents (its down blocks minus one), from its config; 0 if unknown."""
+        blocks = self.unet.config.get("down_block_types") or self.unet.config.get("block_out_channels")
+        return max(len(blocks) - 1, 0) if isinstance(blocks, (list, tuple)) else 0
+
+    @property
+    def size_multiple(self) -> int:
+        """What heights and widths must be multiples of: 8 × 2^(down blocks − 1) for Stable Diffusion (64 for
+        SD1.5): a latent the UNet halves to an odd size cannot be concatenated with its skip connection again."""
+        return self.vae_scale_factor * 2 ** self.unet_downsamples
 
     @staticmethod
     def batch_size_of(prompt: Union[str, List[str], None], prompt_embeds: Optional[torch.Tensor]) -> int:
@@ -351,14 +509,14 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
     def timestep_inputs(self, timesteps: torch.Tensor, batch_size: int) -> torch.Tensor:
         """The UNet's ``timestep`` input for every step, made once on the device: row ``i`` is step ``i``'s, in the
         dtype and rank the UNet declares (a scalar, ``[1]`` or ``[batch]``)."""
-        timestep_arg = next(arg for arg in self.unet.session.get_inputs() if arg.name == "timestep")
+        timestep_dims = self.unet.input_dims["timestep"] or []
         values = timesteps.to(dtype=self.unet.input_dtypes["timestep"])
         if self.device.type == "cuda":
             # from pinned memory the upload is asynchronous: a pageable one would make the host wait
             values = values.pin_memory().to(self.device, non_blocking=True)
-        if len(timestep_arg.shape) == 0:
+        if len(timestep_dims) == 0:
             return values
-        if timestep_arg.shape[0] == 1:
+        if timestep_dims[0] == 1:
             return values[:, None]
         return values[:, None].expand(-1, batch_size).contiguous()
 
@@ -549,6 +707,14 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         return StableDiffusionPipelineOutput(images=image, nsfw_content_detected=None)
 
 
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
 def rescale_noise_cfg(noise_cfg: torch.Tensor, noise_pred_text: torch.Tensor, guidance_rescale: float) -> torch.Tensor:
     """Guided noise rescaled to the text branch's per-sample standard deviation, mixed back by ``guidance_rescale``
     (the correction of "Common Diffusion Noise Schedules and Sample Steps are Flawed", as diffusers applies it)."""
@@ -566,78 +732,64 @@ def on_device_stream(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def on_stream(self: "OnnxStableDiffusionPipelineBase", *args: Any, **kwargs: Any) -> Any:
+        if getattr(self._calling, "active", False):
+            raise RuntimeError(f"{type(self).__name__}: called again from inside its own call (a callback?); the "
+                               "scheduler's state and the models' buffers belong to the running call. Collect what "
+                               "you need in the callback and call the pipeline after it returns")
         with self._call_lock:
-            stream = self.stream
-            if stream is None:
-                return method(self, *args, **kwargs)
-            # the pipeline's GPU is the current one for the call: nothing (pinned buffers, a context) lands on cuda:0
-            with torch.cuda.device(stream.device):
-                caller = torch.cuda.current_stream(stream.device)
-                stream.wait_stream(caller)
-                with torch.cuda.stream(stream):
-                    result = method(self, *args, **kwargs)
-                caller.wait_stream(stream)
-            return result
+            self._calling.active = True
+            try:
+                return _call_on_stream(self, method, args, kwargs)
+            finally:
+                self._calling.active = False
 
     return on_stream
 
 
+def _call_on_stream(self: "OnnxStableDiffusionPipelineBase", method: Callable, args: Any, kwargs: Any) -> Any:
+    """``method`` on the pipeline's CUDA stream, ordered after the caller's stream and before its next work."""
+    stream = self.stream
+    if stream is None:
+        return method(self, *args, **kwargs)
+    # the pipeline's GPU is the current one for the call: nothing (pinned buffers, a context) lands on cuda:0
+    with torch.cuda.device(stream.device):
+        caller = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            result = method(self, *args, **kwargs)
+        caller.wait_stream(stream)
+    return result
+
+
 # ------------------------------------------------------------------------------------------------------ loading
-def _resolve_pipeline_folder(name_or_path: Union[str, os.PathLike], onnx_components: Sequence[str] = ONNX_COMPONENTS,
-                             tokenizers: Sequence[str] = ("tokenizer",), **hub_kwargs: Any) -> Path:
-    path = Path(name_or_path)
-    if path.is_dir():
-        return path
-    if path.exists() or str(name_or_path).startswith((".", "/")) or str(name_or_path).count("/") > 1:
-        raise FileNotFoundError(f"pretrained_model_name_or_path: {str(name_or_path)!r} is neither a local folder "
-                                "nor a hub repository id")
-    from huggingface_hub import snapshot_download
-
-    patterns = [f"{c}/*" for c in [*onnx_components, *tokenizers]] + ["scheduler/*", "model_index.json"]
-    return Path(snapshot_download(str(name_or_path), allow_patterns=patterns, **hub_kwargs))
+COMPONENT_SETTINGS = ("cuda_graph", "reuse_outputs", "max_output_signatures", "max_graph_signatures", "share_weights")
 
 
-def _read_model_index(folder: Path, onnx_components: Sequence[str] = ONNX_COMPONENTS) -> Dict[str, Any]:
-    index_path = folder / "model_index.json"
-    if not index_path.is_file():
-        raise FileNotFoundError(f"pretrained_model_name_or_path: expected a model_index.json in {str(folder)!r}")
-    index = json.loads(index_path.read_text())
-    for name, value in index.items():
-        if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[1] is None:
-            continue
-        if name in onnx_components:
-            if value[1] not in _ONNX_COMPONENT_CLASSES:
-                raise ValueError(f"model_index.json: component {name!r} is {value}; expected an ONNX component "
-                                 f"(one of {sorted(_ONNX_COMPONENT_CLASSES)})")
-    return index
+def component_settings(
+    components: Sequence[str], cuda_graph: CudaGraphSetting, component_options: Optional[Dict[str, Dict[str, Any]]]
+) -> Dict[str, Dict[str, Any]]:
+    """Each component's :class:`IOBindingORTModel` settings: the pipeline-wide ``cuda_graph``, overridden by
+    ``component_options[name]`` — the one place where per-component options are read and checked."""
+    check_cuda_graph_setting(cuda_graph)
+    component_options = dict(component_options or {})
+    if not all(isinstance(value, dict) for value in component_options.values()):
+        raise TypeError(f"component_options: expected a dict of dicts (component → settings), got {component_options!r}")
+    unknown = sorted(set(component_options) - set(components))
+    if unknown:
+        raise ValueError(f"component_options: expected components among {list(components)}, got {unknown}")
+    settings = {}
+    for name in components:
+        # True keeps its meaning from before graphs were the default: the UNet must be captured (a fallback warns);
+        # the other components capture where they can, silently
+        default = cuda_graph if cuda_graph is not True or name == "unet" else "auto"
+        given = component_options.get(name, {})
+        wrong = sorted(set(given) - set(COMPONENT_SETTINGS))
+        if wrong:
+            raise ValueError(f"component_options[{name!r}]: expected settings among {list(COMPONENT_SETTINGS)}, "
+                             f"got {wrong}")
+        if "cuda_graph" in given:
+            check_cuda_graph_setting(given["cuda_graph"])
+        settings[name] = {"cuda_graph": default, **given}
+    return settings
 
 
-def _component_class(index: Dict[str, Any], name: str, module: Any, base: Optional[type], default: str) -> type:
-    library, class_name = (index.get(name) or [None, default])
-    class_name = class_name or default
-    component_class = getattr(module, class_name, None)
-    if component_class is None or (base is not None and not (isinstance(component_class, type)
-                                                             and issubclass(component_class, base))):
-        raise ValueError(f"model_index.json: {name} class {class_name!r} is not a {module.__name__} "
-                         f"{base.__name__ if base else 'class'}")
-    return component_class
-
-
-def _load_scheduler(folder: Path, index: Dict[str, Any]) -> SchedulerMixin:
-    import diffusers
-
-    config_path = folder / "scheduler" / "scheduler_config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"pretrained_model_name_or_path: expected {config_path}")
-    default = json.loads(config_path.read_text()).get("_class_name", "PNDMScheduler")
-    scheduler_class = _component_class(index, "scheduler", diffusers, SchedulerMixin, default)
-    return scheduler_class.from_pretrained(str(folder), subfolder="scheduler")
-
-
-def _load_tokenizer(folder: Path, index: Dict[str, Any], name: str = "tokenizer") -> Any:
-    import transformers
-
-    if not (folder / name).is_dir():
-        raise FileNotFoundError(f"pretrained_model_name_or_path: expected a {name} folder in {str(folder)!r}")
-    tokenizer_class = _component_class(index, name, transformers, None, "CLIPTokenizer")
-    return tokenizer_class.from_pretrained(str(folder / name))

@@ -15,6 +15,11 @@ ImageInput = Union[torch.Tensor, np.ndarray, "PIL.Image.Image", List[Any]]  # no
 class OnnxStableDiffusionImg2ImgPipeline(OnnxStableDiffusionPipelineBase):
     """Image-to-image Stable Diffusion on ONNX Runtime; needs the folder's ``vae_encoder``."""
 
+    def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int) -> None:
+        image = torch.zeros(1, 3, height, width)
+        self(prompt=[""] * batch_size, image=image, strength=1.0, num_inference_steps=steps,
+             guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0), output_type="np")
+
     @torch.no_grad()
     @on_device_stream
     def __call__(
@@ -46,7 +51,8 @@ class OnnxStableDiffusionImg2ImgPipeline(OnnxStableDiffusionPipelineBase):
         image = self.image_processor.preprocess(image)
         height, width = image.shape[-2:]
         self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
-                          prompt_embeds, negative_prompt_embeds, output_type, strength)
+                          prompt_embeds, negative_prompt_embeds, output_type, strength,
+                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
 

@@ -31,6 +31,12 @@ class OnnxStableDiffusionInpaintPipeline(OnnxStableDiffusionPipelineBase):
         return int(self.unet.config.get("in_channels") or self._declared_dim(self.unet, "sample", 1)
                    or self.latent_channels)
 
+    def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int) -> None:
+        image, mask = torch.zeros(1, 3, height, width), torch.ones(1, 1, height, width)
+        self(prompt=[""] * batch_size, image=image, mask_image=mask, height=height, width=width,
+             num_inference_steps=steps, guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0),
+             output_type="np")
+
     @torch.no_grad()
     @on_device_stream
     def __call__(
@@ -70,7 +76,8 @@ class OnnxStableDiffusionInpaintPipeline(OnnxStableDiffusionPipelineBase):
             raise ValueError(f"mask_image: expected the size of image (height × width {image_size[0]} × "
                              f"{image_size[1]}), got {mask_size[0]} × {mask_size[1]}")
         self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
-                          prompt_embeds, negative_prompt_embeds, output_type, strength)
+                          prompt_embeds, negative_prompt_embeds, output_type, strength,
+                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
 

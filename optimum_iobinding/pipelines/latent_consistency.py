@@ -34,7 +34,7 @@ class OnnxLatentConsistencyModelPipeline(OnnxStableDiffusionPipelineBase):
 
     @property
     def time_cond_proj_dim(self) -> int:
-        declared = next(arg.shape for arg in self.unet.session.get_inputs() if arg.name == "timestep_cond")
+        declared = self.unet.input_dims["timestep_cond"]
         if isinstance(declared[-1], int):
             return declared[-1]
         return int(self.unet.config["time_cond_proj_dim"])
@@ -64,7 +64,8 @@ class OnnxLatentConsistencyModelPipeline(OnnxStableDiffusionPipelineBase):
         Returns:
             ``StableDiffusionPipelineOutput(images, nsfw_content_detected=None)``, or a tuple without return_dict.
         """
-        self.check_inputs(prompt, height, width, num_inference_steps, None, None, prompt_embeds, None, output_type)
+        self.check_inputs(prompt, height, width, num_inference_steps, None, None, prompt_embeds, None, output_type,
+                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         prompt_embeds = self.encode_prompt(prompt, num_images_per_prompt, False, prompt_embeds=prompt_embeds)
         rows = batch_size * num_images_per_prompt

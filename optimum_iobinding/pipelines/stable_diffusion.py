@@ -52,8 +52,12 @@ class OnnxStableDiffusionPipeline(OnnxStableDiffusionPipelineBase):
             ``StableDiffusionPipelineOutput(images, nsfw_content_detected=None)``, or a tuple without return_dict.
         """
         # 1. check inputs
+        default_size = int(self.unet.config.get("sample_size", 64)) * self.vae_scale_factor
+        height = default_size if height is None else height
+        width = default_size if width is None else width
         self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
-                          prompt_embeds, negative_prompt_embeds, output_type)
+                          prompt_embeds, negative_prompt_embeds, output_type, guidance_scale=guidance_scale,
+                          num_images_per_prompt=num_images_per_prompt)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
 

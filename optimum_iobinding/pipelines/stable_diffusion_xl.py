@@ -3,6 +3,8 @@ text encoders with their hidden states; a UNet taking the pooled text embedding 
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -12,7 +14,7 @@ import torch
 from diffusers.pipelines.stable_diffusion_xl import StableDiffusionXLPipelineOutput
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-from ..export import write_xl_model_index
+from ..layout import write_xl_model_index
 from ..model import IOBindingORTModel
 from .base import Generator, OnnxStableDiffusionPipelineBase, on_device_stream
 
@@ -57,7 +59,7 @@ class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
         self.register_to_config(force_zeros_for_empty_prompt=force_zeros_for_empty_prompt,
                                 requires_aesthetics_score=requires_aesthetics_score)
         self._init_image_side()
-        declared = {arg.name: arg.shape for arg in unet.session.get_inputs()}
+        declared = unet.input_dims
         self.time_ids_length = declared["time_ids"][1] if isinstance(declared["time_ids"][1], int) else None
 
     @property
@@ -134,9 +136,10 @@ class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
                 raise ValueError(f"text encoder outputs: expected hidden_states.0 … hidden_states.N (an SDXL export "
                                  f"with output_hidden_states), got {list(outputs)}")
             # diffusers takes hidden_states[-2] ([-(clip_skip + 2)]); copies: the next call reuses these buffers
+            if clip_skip is not None and (not isinstance(clip_skip, int) or isinstance(clip_skip, bool)
+                                          or not 0 <= clip_skip <= len(layers) - 2):
+                raise ValueError(f"clip_skip: expected None or an integer in [0, {len(layers) - 2}], got {clip_skip!r}")
             index = len(layers) - 2 - (clip_skip or 0)
-            if index < 0:
-                raise ValueError(f"clip_skip: expected at most {len(layers) - 2}, got {clip_skip}")
             hidden_states.append(outputs[layers[index]].clone())
             if pooled is None and "text_embeds" in outputs:
                 pooled = outputs["text_embeds"].clone()
@@ -155,6 +158,13 @@ class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
     ) -> torch.Tensor:
         """SDXL's micro-conditioning: original size, crop corner, then target size (base) or aesthetic score
         (refiner, ``requires_aesthetics_score``), as one row."""
+        for name, pair in (("original_size", original_size), ("crops_coords_top_left", crops_coords_top_left),
+                           ("target_size", target_size)):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pair):
+                raise ValueError(f"{name}: expected (height, width): two numbers, got {pair!r}")
+        if not isinstance(aesthetic_score, (int, float)) or not math.isfinite(aesthetic_score):
+            raise ValueError(f"aesthetic_score: expected a finite number, got {aesthetic_score!r}")
         if self.config.requires_aesthetics_score:
             values = list(original_size) + list(crops_coords_top_left) + [aesthetic_score]
         else:
@@ -197,7 +207,7 @@ class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
 
 class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
     """SDXL text-to-image with the arguments of diffusers' ``StableDiffusionXLPipeline``: every tensor of the loop
-    stays on the UNet's device with ``io_binding=True``; ``cuda_graph=True`` replays the UNet as a CUDA graph."""
+    stays on the UNet's device with ``io_binding=True``; on CUDA every component replays its CUDA graphs by default (``cuda_graph="auto"``)."""
 
     @torch.no_grad()
     @on_device_stream
@@ -238,10 +248,11 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
         Returns:
             ``StableDiffusionXLPipelineOutput(images)``, or a tuple without return_dict.
         """
-        height = height or self.default_sample_size * self.vae_scale_factor
-        width = width or self.default_sample_size * self.vae_scale_factor
+        height = self.default_sample_size * self.vae_scale_factor if height is None else height
+        width = self.default_sample_size * self.vae_scale_factor if width is None else width
         self.check_inputs(prompt, height, width, num_inference_steps, None, negative_prompt, prompt_embeds,
-                          negative_prompt_embeds, output_type)
+                          negative_prompt_embeds, output_type, guidance_scale=guidance_scale,
+                          num_images_per_prompt=num_images_per_prompt)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
 
@@ -284,6 +295,11 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
     """SDXL image-to-image (also the refiner, whose folder has only ``text_encoder_2`` and sets
     ``requires_aesthetics_score``), with the arguments of diffusers' ``StableDiffusionXLImg2ImgPipeline``."""
 
+    def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int) -> None:
+        image = torch.zeros(1, 3, height, width)
+        self(prompt=[""] * batch_size, image=image, strength=1.0, num_inference_steps=steps,
+             guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0), output_type="np")
+
     @torch.no_grad()
     @on_device_stream
     def __call__(
@@ -325,7 +341,8 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
         pixels = self.image_processor.preprocess(image)
         height, width = pixels.shape[-2:]
         self.check_inputs(prompt, height, width, num_inference_steps, None, negative_prompt, prompt_embeds,
-                          negative_prompt_embeds, output_type, strength=strength)
+                          negative_prompt_embeds, output_type, strength=strength, guidance_scale=guidance_scale,
+                          num_images_per_prompt=num_images_per_prompt)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
         prompt_embeds, pooled = self.encode_prompt_xl(

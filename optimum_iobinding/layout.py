@@ -1,0 +1,279 @@
+"""The ONNX folder layout, read and written in one place: model_index.json, the component folders, tokenizers and the
+scheduler config; and the safe way to write such a folder (built beside it, moved into place when whole).
+
+Pipelines read it (:mod:`optimum_iobinding.pipelines`), the exporter and ``save_pretrained`` write it; neither
+imports the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional, Sequence, Union
+
+ONNX_COMPONENTS = ("text_encoder", "unet", "vae_encoder", "vae_decoder")
+
+
+# ------------------------------------------------------------------------------------------------ safe writing
+def check_output_folder(output_dir: Union[str, os.PathLike], source: Union[str, os.PathLike, None] = None,
+                        overwrite: bool = False, argument: str = "output_dir") -> Path:
+    """Checks, before any work, that writing a folder at ``output_dir`` destroys nothing it did not make.
+
+    Refused: the source folder itself, a folder inside it, a folder holding it (replacing that would delete the
+    source), a file, and a non-empty folder unless ``overwrite`` (which then replaces it whole).
+
+    Returns:
+        ``output_dir`` as a path.
+    """
+    target = Path(output_dir).expanduser()
+    resolved = target.resolve()
+    if source is not None:
+        source_resolved = Path(source).expanduser().resolve()
+        if resolved == source_resolved or source_resolved in resolved.parents:
+            raise ValueError(f"{argument}: expected a folder outside the source folder {str(source_resolved)!r}, got "
+                             f"{str(target)!r}, which is {'the source itself' if resolved == source_resolved else 'inside it'}: "
+                             "writing there would overwrite or bury the files being read")
+        if resolved in source_resolved.parents:
+            raise ValueError(f"{argument}: expected a folder that does not hold the source folder "
+                             f"{str(source_resolved)!r}, got {str(target)!r}: replacing it would delete the source")
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"{argument}: expected a folder, got the file {str(target)!r}")
+    if target.is_dir():
+        entries = sorted(entry.name for entry in target.iterdir())
+        if entries and not overwrite:
+            raise FileExistsError(
+                f"{argument}: expected a new or empty folder, got {str(target)!r} holding {len(entries)} entries "
+                f"({', '.join(entries[:3])}{', …' if len(entries) > 3 else ''}); pass overwrite=True (CLI: "
+                "--overwrite) to replace it whole, or choose another folder")
+    return target
+
+
+@contextlib.contextmanager
+def building_beside(target: Path) -> Iterator[Path]:
+    """Yields a new temporary folder beside ``target``; when the block ends without an error, the folder replaces
+    ``target`` (whole: nothing of a previous ``target`` stays); when it raises (or is interrupted), the temporary
+    folder is removed and ``target`` is left exactly as it was."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        yield scratch
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    replace_folder(scratch, target)
+
+
+def replace_folder(new: Path, target: Path) -> None:
+    """Moves folder ``new`` to ``target``, replacing what was there; the previous folder is deleted only after the
+    new one is in place (and put back if the move fails)."""
+    if not target.exists():
+        os.replace(new, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.rmdir(old)
+    os.replace(target, old)
+    try:
+        os.replace(new, target)
+    except BaseException:
+        os.replace(old, target)
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------------ reading
+def read_json_object(path: Union[str, os.PathLike]) -> Optional[Dict[str, Any]]:
+    """A JSON object file (``config.json``, ``model_index.json``, ``scheduler_config.json``); ``None`` where it is
+    absent; an error naming the file where it is not a JSON object."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: expected a JSON object, got a file that does not parse: {error}") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a JSON {type(value).__name__}")
+    return value
+
+
+# Class names a model_index.json may give an ONNX component: diffusers' ONNX layout names OnnxRuntimeModel, optimum's
+# export keeps the torch pipeline's index (torch classes; its VAE is one entry, "vae", split into two folders).
+_ONNX_COMPONENT_CLASSES = {
+    "OnnxRuntimeModel", "IOBindingORTModel", "ORTModel",
+    "CLIPTextModel", "CLIPTextModelWithProjection", "UNet2DConditionModel", "AutoencoderKL",
+}
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """``name`` or ``owner/name`` in the Hub's characters (a path like ``./x``, ``/x`` or ``a/b/c`` is not)."""
+    parts = name.split("/")
+    return 1 <= len(parts) <= 2 and all(part and not part.startswith((".", "-")) and
+                                        all(c.isalnum() or c in "-_." for c in part) for part in parts)
+
+
+def download_from_hub(name: str, allow_patterns: Sequence[str], argument: str, **hub_kwargs: Any) -> Path:
+    """``snapshot_download`` of ``name``; a local path that does not exist, or a download that fails, is one
+    line naming the argument (not a 100-line "check your internet connection" traceback)."""
+    if not looks_like_hub_id(name):
+        raise FileNotFoundError(f"{argument}: expected an existing local folder or a hub repository id, got "
+                                f"{name!r}: no such file or folder")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=list(allow_patterns), **hub_kwargs))
+    except Exception as error:  # offline, unknown repository, no access: all mean "not here, not there"
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise FileNotFoundError(f"{argument}: {name!r} is not a local folder (no such path here), and the Hugging "
+                                f"Face Hub could not provide it: {type(error).__name__}: {reason[:200]}") from error
+
+
+def resolve_pipeline_folder(name_or_path: Union[str, os.PathLike], onnx_components: Sequence[str] = ONNX_COMPONENTS,
+                            tokenizers: Sequence[str] = ("tokenizer",), **hub_kwargs: Any) -> Path:
+    """A pipeline folder: local, or downloaded from the Hub (only the files the pipeline reads)."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"pretrained_model_name_or_path: expected a folder path or a hub repository id, got "
+                        f"{type(name_or_path).__name__} {name_or_path!r}")
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise NotADirectoryError(f"pretrained_model_name_or_path: expected a folder, got the file {str(path)!r}")
+    patterns = [f"{c}/*" for c in [*onnx_components, *tokenizers]] + ["scheduler/*", "model_index.json"]
+    return download_from_hub(os.fspath(name_or_path), patterns, "pretrained_model_name_or_path", **hub_kwargs)
+
+
+def read_model_index(folder: Path, onnx_components: Sequence[str] = ONNX_COMPONENTS) -> Dict[str, Any]:
+    index = read_json_object(folder / "model_index.json")
+    if index is None:
+        raise FileNotFoundError(f"pretrained_model_name_or_path: expected a model_index.json in {str(folder)!r}")
+    for name, value in index.items():
+        if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[1] is None:
+            continue
+        if name in onnx_components:
+            if value[1] not in _ONNX_COMPONENT_CLASSES:
+                raise ValueError(f"model_index.json: component {name!r} is {value}; expected an ONNX component "
+                                 f"(one of {sorted(_ONNX_COMPONENT_CLASSES)})")
+    return index
+
+
+def component_class(index: Dict[str, Any], name: str, module: Any, base: Optional[type], default: str) -> type:
+    library, class_name = (index.get(name) or [None, default])
+    class_name = class_name or default
+    component_class = getattr(module, class_name, None)
+    if component_class is None or (base is not None and not (isinstance(component_class, type)
+                                                             and issubclass(component_class, base))):
+        raise ValueError(f"model_index.json: {name} class {class_name!r} is not a {module.__name__} "
+                         f"{base.__name__ if base else 'class'}")
+    return component_class
+
+
+def load_scheduler(folder: Path, index: Dict[str, Any]) -> Any:
+    import diffusers
+    from diffusers.schedulers.scheduling_utils import SchedulerMixin
+
+    config_path = folder / "scheduler" / "scheduler_config.json"
+    config = read_json_object(config_path)
+    if config is None:
+        raise FileNotFoundError(f"pretrained_model_name_or_path: expected {config_path}")
+    default = config.get("_class_name", "PNDMScheduler")
+    scheduler_class = component_class(index, "scheduler", diffusers, SchedulerMixin, default)
+    return scheduler_class.from_pretrained(str(folder), subfolder="scheduler")
+
+
+def load_tokenizer(folder: Path, index: Dict[str, Any], name: str = "tokenizer") -> Any:
+    import transformers
+
+    if not (folder / name).is_dir():
+        raise FileNotFoundError(f"pretrained_model_name_or_path: expected a {name} folder in {str(folder)!r}")
+    tokenizer_class = component_class(index, name, transformers, None, "CLIPTokenizer")
+    found = sorted(p.name for p in (folder / name).iterdir())
+
+    def refuse(why: str, error: Optional[BaseException] = None) -> ValueError:
+        return ValueError(f"{name}: expected a {tokenizer_class.__name__} folder (tokenizer.json, or vocab.json and "
+                          f"merges.txt, with tokenizer_config.json), got {str(folder / name)!r} holding "
+                          f"{found or 'nothing'}: {why}")
+
+    try:
+        tokenizer = tokenizer_class.from_pretrained(str(folder / name))
+    except Exception as error:  # a broken folder fails deep inside transformers (OverflowError, OSError…)
+        raise refuse(f"{type(error).__name__}: {str(error)[:200]}") from error
+    # an empty folder loads as a tokenizer with no vocabulary and no length limit, which fails only when used
+    if len(tokenizer) < 3:
+        raise refuse(f"it has {len(tokenizer)} tokens")
+    if not 0 < getattr(tokenizer, "model_max_length", 0) <= 1_000_000:
+        raise refuse(f"its model_max_length is {getattr(tokenizer, 'model_max_length', None)} (CLIP's is 77)")
+    return tokenizer
+
+
+# ------------------------------------------------------------------------------------------------------ writing
+def save_tokenizer(tokenizer: Any, folder: Union[str, os.PathLike]) -> None:
+    """Saves a tokenizer so that transformers 4 and 5 both load it: transformers 5 writes only tokenizer.json, while
+    transformers 4's CLIPTokenizer (diffusers' ONNX pipeline, optimum's environment) reads vocab.json and merges.txt,
+    which are written here from the BPE model inside tokenizer.json."""
+    folder = Path(folder)
+    tokenizer.save_pretrained(str(folder))
+    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+        return
+    backend = folder / "tokenizer.json"
+    if not backend.is_file():
+        return
+    model = json.loads(backend.read_text(encoding="utf-8")).get("model", {})
+    if model.get("type") != "BPE":
+        return
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    (folder / "vocab.json").write_text(json.dumps(model["vocab"], ensure_ascii=False), encoding="utf-8")
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{m}\n" for m in merges), encoding="utf-8")
+
+
+def write_model_index(folder: Union[str, os.PathLike], scheduler_class: str, tokenizer_class: str = "CLIPTokenizer",
+                      components: Sequence[str] = ONNX_COMPONENTS) -> None:
+    """Writes model_index.json as diffusers' ONNX pipeline expects it (its components are ``OnnxRuntimeModel``)."""
+    import diffusers
+
+    index = {
+        "_class_name": "OnnxStableDiffusionPipeline",
+        "_diffusers_version": diffusers.__version__,
+        "feature_extractor": [None, None],
+        "requires_safety_checker": False,
+        "safety_checker": [None, None],
+        "scheduler": ["diffusers", scheduler_class],
+        "tokenizer": ["transformers", tokenizer_class],
+    }
+    for name in components:
+        index[name] = ["diffusers", "OnnxRuntimeModel"]
+    Path(folder, "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def write_xl_model_index(
+    folder: Union[str, os.PathLike],
+    class_name: str,
+    scheduler_class: str,
+    modules: Dict[str, Optional[str]],
+    force_zeros_for_empty_prompt: bool = True,
+    requires_aesthetics_score: bool = False,
+) -> None:
+    """SDXL folders follow optimum's export: the torch pipeline's index (torch class names; one ``vae`` entry for the
+    two VAE folders), which optimum's ``ORTStableDiffusionXLPipeline`` and ours both load. ``modules`` maps
+    text_encoder(_2) and tokenizer(_2) to their transformers class name, or ``None`` where the pipeline has none."""
+    import diffusers
+
+    index = {
+        "_class_name": class_name,
+        "_diffusers_version": diffusers.__version__,
+        "force_zeros_for_empty_prompt": bool(force_zeros_for_empty_prompt),
+        "requires_aesthetics_score": bool(requires_aesthetics_score),
+        "feature_extractor": [None, None],
+        "image_encoder": [None, None],
+        "scheduler": ["diffusers", scheduler_class],
+        "unet": ["diffusers", "UNet2DConditionModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    }
+    for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
+        index[name] = ["transformers", modules[name]] if modules.get(name) else [None, None]
+    Path(folder, "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))

@@ -1,0 +1,231 @@
+"""Fast by default, on the CPU: "auto" graphs mean nothing (and say nothing) off CUDA; the graph pool's sessions share
+one copy of the weights and are made once per signature; warm-up; options checked in one place. The CUDA side of the
+same behaviours is in test_gpu.py."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from conftest import make_model
+from optimum_iobinding import IOBindingORTModel
+from optimum_iobinding.cuda import FixedShapeSession, GraphPool
+from optimum_iobinding.session import SessionRecipe
+
+
+def matmul_model(rows: int = 64, columns: int = 32) -> onnx.ModelProto:
+    """y = x @ W + b with a weight large enough to be owned (≥ 1024 elements) and a bias too small to be."""
+    weight = np.random.RandomState(0).randn(rows, columns).astype(np.float32)
+    bias = np.arange(columns, dtype=np.float32)
+    return make_model(
+        [helper.make_node("MatMul", ["x", "W"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", rows])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", columns])],
+        initializers=[numpy_helper.from_array(weight, "W"), numpy_helper.from_array(bias, "b")],
+    )
+
+
+@pytest.fixture
+def matmul_path(tmp_path):
+    path = tmp_path / "matmul.onnx"
+    onnx.save(matmul_model(), str(path))
+    return path
+
+
+def test_auto_on_the_cpu_means_no_graph_and_says_nothing(matmul_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="optimum_iobinding")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = IOBindingORTModel(matmul_path)
+        model(x=torch.randn(3, 64))
+    assert model.cuda_graph is False and model.graph_signatures == [] and not model.keeps_session_per_signature
+    assert caplog.records == []
+
+
+def test_cuda_graph_must_be_auto_true_or_false(matmul_path):
+    with pytest.raises(ValueError, match=r"cuda_graph: expected 'auto', True or False, got 'yes'"):
+        IOBindingORTModel(matmul_path, cuda_graph="yes")
+
+
+def test_one_session_on_the_cpu_serves_every_shape(matmul_path):
+    model = IOBindingORTModel(matmul_path)
+    for batch in (1, 4, 8, 2, 1, 4):
+        model(x=torch.randn(batch, 64))
+    assert model.sessions_created == 1
+
+
+def cpu_pool(path, cuda_graph=False, max_signatures=None):
+    recipe = SessionRecipe.for_path(path, share_weights=True)
+    return recipe, GraphPool(recipe, cuda_graph, max_signatures, {"y": torch.float32}, ort.RunOptions())
+
+
+def run_entry(entry, x):
+    return entry.session.run(None, {"x": x.numpy()})[0]
+
+
+def test_pool_sessions_share_one_copy_of_the_weights(matmul_path):
+    recipe, pool = cpu_pool(matmul_path)
+    declared = {"x": ["batch", 64]}
+    x = {batch: torch.randn(batch, 64, generator=torch.Generator().manual_seed(batch)) for batch in (1, 4, 8)}
+    entries = {batch: pool.entry(declared, {"x": ((batch, 64), torch.float32)}, {"y": (batch, 32)}) for batch in x}
+    assert all(isinstance(entry, FixedShapeSession) for entry in entries.values())
+    (weight,) = recipe.weights.values()  # W is owned; the 32-element bias is not
+    assert list(recipe.weights) == ["W"]
+    reference = ort.InferenceSession(str(matmul_path), providers=["CPUExecutionProvider"])
+    for batch, entry in entries.items():
+        np.testing.assert_allclose(run_entry(entry, x[batch]), reference.run(None, {"x": x[batch].numpy()})[0],
+                                   rtol=1e-6, atol=1e-5)
+    weight.mul_(2.0)  # one in-place change, seen by every session: they read the same memory
+    bias = np.arange(32, dtype=np.float32)
+    for batch, entry in entries.items():
+        expected = x[batch].numpy() @ weight.numpy() + bias
+        np.testing.assert_allclose(run_entry(entry, x[batch]), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_a_cycle_of_signatures_creates_no_session_after_the_first_round(matmul_path):
+    recipe, pool = cpu_pool(matmul_path)
+    declared = {"x": ["batch", 64]}
+    for round_index in range(3):
+        for batch in (1, 4, 8, 2, 3, 5, 6, 7):  # eight signatures: all kept (no small LRU)
+            pool.entry(declared, {"x": ((batch, 64), torch.float32)}, {"y": (batch, 32)})
+        if round_index == 0:
+            after_first_round = recipe.sessions_created
+    assert after_first_round == 8 and recipe.sessions_created == 8 and len(pool.entries) == 8
+
+
+def test_a_bounded_pool_drops_the_least_recently_used_signature(matmul_path):
+    recipe, pool = cpu_pool(matmul_path, max_signatures=2)
+    declared = {"x": ["batch", 64]}
+    for batch in (1, 2, 1, 3):
+        pool.entry(declared, {"x": ((batch, 64), torch.float32)}, {"y": (batch, 32)})
+    assert [dict(signature)["x"][0] for signature in pool.entries] == [1, 3]
+
+
+def test_a_signature_whose_capture_fails_runs_without_a_graph_with_an_info_line(matmul_path, caplog):
+    # an output whose shape depends on the data (None) cannot be replayed: the signature gets a fixed-shape session
+    caplog.set_level(logging.INFO, logger="optimum_iobinding")
+    recipe, pool = cpu_pool(matmul_path, cuda_graph="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        entry = pool.entry({"x": ["batch", 64]}, {"x": ((2, 64), torch.float32)}, {"y": None})
+    assert isinstance(entry, FixedShapeSession)
+    assert "data-dependent shape" in next(iter(pool.fallbacks.values()))
+    assert [r.levelname for r in caplog.records] == ["INFO"] and "no CUDA graph" in caplog.records[0].getMessage()
+    _, strict = cpu_pool(matmul_path, cuda_graph=True)
+    with pytest.warns(RuntimeWarning, match="no CUDA graph for input shapes"):
+        strict.entry({"x": ["batch", 64]}, {"x": ((2, 64), torch.float32)}, {"y": None})
+
+
+def test_a_sibling_shares_the_owned_weights(matmul_path):
+    model = IOBindingORTModel(matmul_path, share_weights=True)
+    twin = model.sibling()
+    assert twin.owned_weights["W"].data_ptr() == model.owned_weights["W"].data_ptr()
+    x = torch.randn(2, 64)
+    model.owned_weights["W"].mul_(0.5)
+    torch.testing.assert_close(twin(x=x)[0], model(x=x)[0])
+    torch.testing.assert_close(model(x=x)[0], x @ model.owned_weights["W"] + torch.arange(32.0))
+
+
+def test_buffers_of_threads_that_ran_one_after_another_are_never_shared(matmul_path):
+    # Python reuses thread idents: buffers keyed by ident were handed to the next thread, which overwrote them
+    model = IOBindingORTModel(matmul_path)
+    results = [None] * 6
+
+    def call(index):
+        results[index] = model(x=torch.full((1, 64), float(index)))[0]
+
+    for index in range(6):
+        thread = threading.Thread(target=call, args=(index,))
+        thread.start()
+        thread.join()
+    weight = numpy_helper.to_array(matmul_model().graph.initializer[0])
+    for index, result in enumerate(results):
+        expected = np.full((1, 64), float(index), np.float32) @ weight + np.arange(32, dtype=np.float32)
+        np.testing.assert_allclose(result.numpy(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_model_warmup_runs_each_signature(matmul_path):
+    model = IOBindingORTModel(matmul_path)
+    model.warmup({"x": (1, 64)}, {"x": (4, 64)}, runs=1)
+    assert model.output_signatures == 2
+    with pytest.raises(ValueError, match="unknown input 'y'"):
+        model.warmup({"y": (1, 64)})
+
+
+# ------------------------------------------------------------------------------------------------------ pipelines
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from optimum_iobinding.export import export_pipeline
+
+    return export_pipeline(None, tmp_path_factory.mktemp("fast") / "sd", tiny_random=True, progress=False)
+
+
+def test_pipeline_defaults_to_auto_graphs_for_every_component(tiny_folder):
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
+    # on the CPU "auto" resolves to no graph; the setting reached every component
+    assert {name: model.cuda_graph for name, model in pipe.onnx_models.items()} == {
+        name: False for name in pipe.onnx_models}
+    assert set(pipe.onnx_models) == {"vae_encoder", "vae_decoder", "text_encoder", "unet"}
+
+
+def test_per_component_options_are_read_in_one_place_and_checked(tiny_folder):
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(
+        tiny_folder, component_options={"unet": {"reuse_outputs": False, "max_output_signatures": 2}})
+    assert pipe.unet.reuse_outputs is False and pipe.unet.max_output_signatures == 2
+    assert pipe.vae_decoder.reuse_outputs is True
+    with pytest.raises(ValueError, match=r"component_options: expected components among .*got \['unte'\]"):
+        OnnxStableDiffusionPipeline.from_pretrained(tiny_folder, component_options={"unte": {}})
+    with pytest.raises(ValueError, match=r"component_options\['unet'\]: expected settings among .*got \['graph'\]"):
+        OnnxStableDiffusionPipeline.from_pretrained(tiny_folder, component_options={"unet": {"graph": True}})
+    with pytest.raises(ValueError, match="cuda_graph: expected 'auto', True or False, got 'on'"):
+        OnnxStableDiffusionPipeline.from_pretrained(tiny_folder, cuda_graph="on")
+
+
+@pytest.mark.parametrize("keyword", ["io_bindng", "cuda_grpah"])
+def test_a_misspelled_keyword_is_a_type_error_naming_it(tiny_folder, keyword):
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument\(s\) \['{keyword}'\]"):
+        OnnxStableDiffusionPipeline.from_pretrained(tiny_folder, **{keyword: False})
+    with pytest.raises(TypeError, match=rf"\['{keyword}'\]"):
+        IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", **{keyword: False})
+
+
+def test_pipeline_warmup_makes_every_later_call_of_those_sizes_create_no_session(tiny_folder):
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.warmup(heights=64, batch_sizes=[1, 2])
+    created = pipe.sessions_created
+    for batch in (1, 2, 1):
+        pipe(["a cat"] * batch, height=64, width=64, num_inference_steps=2, output_type="np")
+    assert pipe.sessions_created == created
+    with pytest.raises(ValueError, match="batch_sizes: expected positive integers, got 0"):
+        pipe.warmup(heights=64, batch_sizes=[0])
+
+
+def test_warmup_leaves_the_callers_random_state_alone(tiny_folder):
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
+    pipe.set_progress_bar_config(disable=True)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    expected = (np.random.rand(), torch.rand(1).item())
+    np.random.seed(3)
+    torch.manual_seed(3)
+    pipe.warmup(heights=64)
+    assert (np.random.rand(), torch.rand(1).item()) == expected
