@@ -623,17 +623,30 @@ class IOBindingORTModel:
         return [torch.from_numpy(np.asarray(r)) for r in results]
 
 
-# Keywords huggingface_hub's snapshot_download takes that make sense for loading a model folder.
-HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "proxies", "local_dir",
-              "etag_timeout", "endpoint", "user_agent", "max_workers", "repo_type", "use_auth_token")
+# snapshot_download's own parameters that a loader sets itself: never the caller's to pass
+_HUB_OWN = {"repo_id", "allow_patterns", "ignore_patterns", "tqdm_class", "dry_run"}
+
+
+def hub_keywords() -> List[str]:
+    """The keywords this huggingface_hub's ``snapshot_download`` takes for loading (revision, token, cache_dir …)."""
+    import inspect
+
+    from huggingface_hub import snapshot_download
+
+    return [name for name, parameter in inspect.signature(snapshot_download).parameters.items()
+            if name not in _HUB_OWN and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)]
 
 
 def check_hub_kwargs(where: str, hub_kwargs: Mapping[str, Any]) -> None:
-    """Unknown keywords are an error naming them, not silently passed on or dropped (a misspelled ``io_bindng``)."""
-    unknown = sorted(set(hub_kwargs) - set(HUB_KWARGS))
+    """Unknown keywords are an error naming them, not silently passed on or dropped (a misspelled ``io_bindng``):
+    the keywords left for the hub download pass only if this huggingface_hub's ``snapshot_download`` takes them."""
+    if not hub_kwargs:
+        return
+    known = hub_keywords()
+    unknown = sorted(set(hub_kwargs) - set(known))
     if unknown:
-        raise TypeError(f"{where}: got unexpected keyword argument(s) {unknown}; the hub download takes "
-                        f"{list(HUB_KWARGS)}")
+        raise TypeError(f"{where}: got unexpected keyword argument(s) {unknown}; besides its own arguments it takes "
+                        f"huggingface_hub's download keywords {known}")
 
 
 def external_data_locations(model_path: Union[str, os.PathLike]) -> List[str]:

@@ -229,3 +229,38 @@ def test_warmup_leaves_the_callers_random_state_alone(tiny_folder):
     torch.manual_seed(3)
     pipe.warmup(heights=64)
     assert (np.random.rand(), torch.rand(1).item()) == expected
+
+
+# --------------------------------------------------------------------------------------------- owned weights
+def test_owned_weights_are_read_straight_from_external_data(tmp_path):
+    from optimum_iobinding.session import load_owned_weights
+
+    expected = numpy_helper.to_array(matmul_model().graph.initializer[0])
+    inline, external = tmp_path / "inline.onnx", tmp_path / "external.onnx"
+    onnx.save(matmul_model(), str(inline))
+    onnx.save_model(matmul_model(), str(external), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="weights.pb", size_threshold=0)
+    for path in (inline, external):
+        weights = load_owned_weights(str(path), torch.device("cpu"))
+        assert list(weights) == ["W"]  # the 32-element bias stays with each session
+        np.testing.assert_array_equal(weights["W"].numpy(), expected)
+    (tmp_path / "weights.pb").write_bytes(b"short")
+    with pytest.raises(ValueError, match=r"initializer 'W' needs 8192 bytes at offset 0, the file gives 5"):
+        load_owned_weights(str(external), torch.device("cpu"))
+
+
+def test_what_the_graph_declares_is_what_ort_reports(tiny_folder):
+    # on CUDA a model with a graph pool reads its inputs and outputs from the graph instead of a session
+    from optimum_iobinding.session import declared_types
+    from optimum_iobinding.shapes import inferencer_from_model_proto, inferencer_from_session
+
+    for component in ("text_encoder", "unet", "vae_encoder", "vae_decoder"):
+        path = str(tiny_folder / component / "model.onnx")
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        graph = onnx.load(path, load_external_data=False)
+        inputs, outputs = declared_types(graph)
+        assert inputs == {i.name: i.type for i in session.get_inputs()}
+        assert outputs == {o.name: o.type for o in session.get_outputs()}
+        from_graph, from_session = inferencer_from_model_proto(graph, path), inferencer_from_session(session)
+        assert from_graph.input_dims == from_session.input_dims
+        assert from_graph.output_dims == from_session.output_dims
