@@ -653,12 +653,8 @@ def write_mixed_report(results: Dict[str, Any], out: Path) -> None:
                          f"{'' if created is None else created} | {result['load_s']:.1f} | {warm} | "
                          f"{result['first_image_s']:.2f} |")
     (out / "mixed.md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return
     for row in results["rows"]:
         figure, axis = plt.subplots(figsize=(10, 4))
@@ -678,6 +674,18 @@ def write_mixed_report(results: Dict[str, Any], out: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- report
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file-only backend, or ``None`` where matplotlib is not installed (tables only)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def write_report(results: Dict[str, Any], out: Path) -> None:
     """results.json → results.md (table) and results.png (chart)."""
     env = results["environment"]
@@ -720,12 +728,8 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
             lines.append(f"| {row['model']} {row['size']}² | {row['dtype']} | {row['export']} | GPU floor (UNet graph "
                          f"replays) | | {floor:.2f} | | 1.000 | | | |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return
     labels, values, colors = [], [], []
     palette = {"numpy": "#999999", "optimum": "#e69f00", "accelerated": "#d55e00", "defaults": "#0072b2", "binding": "#56b4e9", "graph": "#009e73", "torch": "#cc79a7"}

@@ -92,3 +92,27 @@ def test_the_export_cache_never_deletes_a_folder_it_did_not_make(tmp_path, monke
     with pytest.raises(FileExistsError, match="not a finished export"):
         bench.ensure_export("tiny", "fp16", "plain", tmp_path)
     assert (mine / "notes.txt").read_text() == "mine"
+
+
+def test_the_mixed_report_gives_the_worst_later_round_and_sessions_created(tmp_path):
+    from optimum_iobinding.bench import mixed_summary, write_mixed_report
+
+    result = {"peer": "defaults", "batches": [1, 4], "per_round_ms": [{"1": 900.0, "4": 2000.0},
+                                                                     {"1": 100.0, "4": 300.0},
+                                                                     {"1": 104.0, "4": 330.0}],
+              "sessions_after_round": [6, 6, 7], "peak_memory_mib": 2000.0, "load_s": 3.0, "warmup_s": None,
+              "first_image_s": 1.5}
+    summary = mixed_summary(result)
+    assert summary["best_ms"] == {"1": 100.0, "4": 300.0}
+    assert summary["worst_later_round_ratio"] == {"1": 1.04, "4": 1.1}
+    assert summary["sessions_created_after_round_1"] == 1  # a rebuild after warm-up shows
+    results = {"environment": {"device": "GPU", "command": "bench", "date": "today"}, "batches": [1, 4],
+               "steps": 10, "rounds": 3, "first_steps": 30,
+               "rows": [{"model": "tiny", "dtype": "fp16", "export": "plain", "size": 512,
+                         "peers": {"numpy": dict(result, peer="numpy", peak_memory_mib=1000.0,
+                                                 sessions_after_round=[None] * 3),
+                                   "defaults": result, "graph": {"error": "Traceback\nRuntimeError: boom"}}}]}
+    write_mixed_report(results, tmp_path)
+    table = (tmp_path / "mixed.md").read_text()
+    assert "| 900 / 2000 | 100 / 300 | 104 / 330 | 1.100 | 2000 | 2.00 | 1 | 3.0 |  | 1.50 |" in table
+    assert "failed: RuntimeError: boom" in table
