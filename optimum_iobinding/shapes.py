@@ -223,9 +223,9 @@ def checked_shape(name: str, shape: Any) -> Shape:
         except TypeError:
             raise TypeError(f"input {name!r}: expected non-negative integer sizes, got {size!r} in dim {axis} "
                             f"(shape {list(dims)})") from None
-        if size < 0:
-            raise ValueError(f"input {name!r}: expected non-negative integer sizes, got {size} in dim {axis} "
-                             f"(shape {list(dims)})")
+        if size < 0 or size >= 2**62:
+            raise ValueError(f"input {name!r}: expected non-negative integer sizes below 2**62, got {size} in dim "
+                             f"{axis} (shape {list(dims)})")
         checked.append(int(size))
     return tuple(checked)
 

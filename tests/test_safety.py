@@ -199,7 +199,8 @@ def test_a_model_declaring_a_hostile_output_dim_still_runs(tmp_path):
 
 
 @pytest.mark.parametrize("shape, error, message", [
-    ((2, -3), ValueError, r"input 'x': expected non-negative integer sizes, got -3 in dim 1"),
+    ((2, -3), ValueError, r"input 'x': expected non-negative integer sizes below 2\*\*62, got -3 in dim 1"),
+    ((2**70, 3), ValueError, r"input 'x': expected non-negative integer sizes below 2\*\*62, got 1180591620717411303424"),
     ((2, 1.5), TypeError, r"input 'x': expected non-negative integer sizes, got 1.5 in dim 1"),
     ((2.0, 3), TypeError, r"input 'x': expected non-negative integer sizes, got 2.0 in dim 0"),
     ((True, 3), TypeError, r"got True in dim 0"),
@@ -246,6 +247,10 @@ def test_integers_that_fit_are_converted(tiny_folder):
     (dict(width=True), ValueError, r"width: expected a positive integer multiple of 16, got True"),
     (dict(height=72), ValueError, r"height and width: expected multiples of 16 .*got 72 and 64; e.g. 80 × 64"),
     (dict(num_images_per_prompt=0), ValueError, r"num_images_per_prompt: expected a positive integer, got 0"),
+    (dict(eta=float("nan")), ValueError, r"eta: expected a number in \[0, 1\] \(DDIM's noise share\), got nan"),
+    (dict(height="512"), ValueError, r"height: expected a positive integer multiple of 16, got '512'"),
+    (dict(num_inference_steps=True), ValueError, r"num_inference_steps: expected a positive integer, got True"),
+    (dict(strength=0.5), TypeError, r"unexpected keyword argument 'strength'"),
     (dict(num_images_per_prompt=-1), ValueError, r"num_images_per_prompt: expected a positive integer, got -1"),
     (dict(prompt=["a cat", None]), TypeError, r"prompt\[1\]: expected a str, got NoneType None"),
     (dict(prompt=[]), ValueError, r"prompt: expected a str or a non-empty list of str, got an empty list"),
@@ -369,4 +374,6 @@ def test_xl_micro_conditioning_and_clip_skip_are_checked(tmp_path):
         xl(**base, original_size=(1, 2, 3))
     with pytest.raises(ValueError, match=r"height: expected a positive integer multiple of \d+, got 0"):
         xl(**dict(base, height=0))
+    with pytest.raises(ValueError, match=r"guidance_rescale: expected a number in \[0, 1\], got nan"):
+        xl(**base, guidance_rescale=float("nan"))
     assert math.isfinite(float(xl(**base).images.mean()))

@@ -522,6 +522,8 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
 
     def scheduler_step_kwargs(self, generator: Generator, eta: float) -> Dict[str, Any]:
         """``eta`` for DDIM-like schedulers, and a torch generator for stochastic ones (a numpy one cannot serve)."""
+        if not _is_real(eta) or not 0.0 <= eta <= 1.0:
+            raise ValueError(f"eta: expected a number in [0, 1] (DDIM's noise share), got {eta!r}")
         accepted = set(inspect.signature(self.scheduler.step).parameters)
         kwargs: Dict[str, Any] = {}
         if "eta" in accepted:
@@ -629,6 +631,8 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         Returns:
             The denoised latents.
         """
+        if not _is_real(guidance_rescale) or not 0.0 <= guidance_rescale <= 1.0:
+            raise ValueError(f"guidance_rescale: expected a number in [0, 1], got {guidance_rescale!r}")
         do_classifier_free_guidance = guidance_scale > 1.0
         unet_batch = latents.shape[0] * (2 if do_classifier_free_guidance else 1)
         timestep_inputs = self.timestep_inputs(timesteps, unet_batch)
