@@ -166,6 +166,15 @@ class IOBindingORTModel:
         # stream, which costs a host synchronization before and after every run.
         stream_in_use = recipe.stream if device.type == "cuda" and io_binding else None
         pool_possible = device.type == "cuda" and io_binding and stream_in_use is not None and recipe.can_create
+        if cuda_graph is True and not pool_possible:
+            if device.type != "cuda" or not io_binding:
+                raise ValueError(f"cuda_graph: needs a CUDA session with io_binding=True, got device {device} and "
+                                 f"io_binding={io_binding}")
+            if stream_in_use is None:
+                raise ValueError("cuda_graph: needs the session's stream; create the model from a path (or a session "
+                                 "made with the provider option user_compute_stream)")
+            raise ValueError("cuda_graph: the session was created from neither a path nor bytes, so no session "
+                             "with fixed dims can be made for a graph")
         keeps_pool = pool_possible and (cuda_graph is not False or recipe.share_weights)
         if session is None and not (keeps_pool and isinstance(recipe.source, str)):
             session = recipe.create()
@@ -176,7 +185,7 @@ class IOBindingORTModel:
         else:
             # every signature gets a session of its own: the dynamic one is made only if a signature needs it, and
             # what the model declares is read from the graph (without its weights)
-            graph_only = onnx.load(recipe.source, load_external_data=False)
+            graph_only = _load_graph(recipe.source)
             input_types, output_types = declared_types(graph_only)
             shape_inferencer = inferencer_from_model_proto(graph_only, recipe.source)
             del graph_only
@@ -209,15 +218,6 @@ class IOBindingORTModel:
         self._run_options = ort.RunOptions()
         if self._stream is not None:
             self._run_options.add_run_config_entry(DISABLE_SYNC_RUN_OPTION, "1")
-        if cuda_graph is True and not pool_possible:
-            if device.type != "cuda" or not io_binding:
-                raise ValueError(f"cuda_graph: needs a CUDA session with io_binding=True, got device {device} and "
-                                 f"io_binding={io_binding}")
-            if self._stream is None:
-                raise ValueError("cuda_graph: needs the session's stream; create the model from a path (or a session "
-                                 "made with the provider option user_compute_stream)")
-            raise ValueError("cuda_graph: the session was created from neither a path nor bytes, so no session "
-                             "with fixed dims can be made for a graph")
         self.cuda_graph: CudaGraphSetting = cuda_graph if pool_possible else False
         self.max_graph_signatures = max_graph_signatures
         self._pool: Optional[GraphPool] = None
@@ -647,6 +647,16 @@ def check_hub_kwargs(where: str, hub_kwargs: Mapping[str, Any]) -> None:
     if unknown:
         raise TypeError(f"{where}: got unexpected keyword argument(s) {unknown}; besides its own arguments it takes "
                         f"huggingface_hub's download keywords {known}")
+
+
+def _load_graph(path: str) -> onnx.ModelProto:
+    """The graph of an .onnx file without its external weights, with errors that name the file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"path: expected an .onnx file, found nothing at {path!r}")
+    try:
+        return onnx.load(path, load_external_data=False)
+    except Exception as error:  # protobuf's DecodeError and friends
+        raise ValueError(f"path: {path!r} is not a readable ONNX model: {type(error).__name__}: {error}") from error
 
 
 def external_data_locations(model_path: Union[str, os.PathLike]) -> List[str]:
