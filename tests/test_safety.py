@@ -313,6 +313,12 @@ def test_bad_loading_arguments_name_themselves(tiny_folder, arguments, error, me
         OnnxStableDiffusionPipeline.from_pretrained(tiny_folder, **arguments)
 
 
+def test_a_config_value_that_is_not_a_size_is_named(copy_of):
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(copy_of(unet={"sample_size": "large"}))
+    with pytest.raises(ValueError, match=r"unet config.json: sample_size: expected a positive integer, got 'large'"):
+        pipe(PROMPT, height=None, width=None, num_inference_steps=1)
+
+
 def test_a_broken_config_json_is_named(copy_of):
     folder = copy_of()
     (folder / "unet" / "config.json").write_text("{not json")

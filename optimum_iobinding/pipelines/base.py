@@ -412,6 +412,14 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
             raise ValueError(f"negative_prompt_embeds: expected shape {tuple(prompt_embeds.shape)} like "
                              f"prompt_embeds, got {tuple(negative_prompt_embeds.shape)}")
 
+    @staticmethod
+    def config_int(model: IOBindingORTModel, key: str, default: int, component: str) -> int:
+        """A positive integer from a component's config.json (``default`` where absent), or an error naming it."""
+        value = model.config.get(key, default)
+        if not _is_integer(value) or value <= 0:
+            raise ValueError(f"{component} config.json: {key}: expected a positive integer, got {value!r}")
+        return int(value)
+
     def check_size(self, height: Any, width: Any) -> None:
         """Height and width must be positive integers the UNet can run: multiples of :attr:`size_multiple`."""
         multiple = self.size_multiple
@@ -543,7 +551,7 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
             overlap: fraction of a tile blended with each neighbour.
             overlap_copies: overlap transfers with compute (``False``: the sequential comparison).
         """
-        size = tile_sample_size or int(self.vae_decoder.config.get("sample_size", 512))
+        size = tile_sample_size or self.config_int(self.vae_decoder, "sample_size", 512, "vae_decoder")
         self._vae_tiler = TiledVAE(self.vae_decoder, self.vae_encoder, size, self.vae_scale_factor, overlap,
                                    overlap_copies)
 

@@ -37,7 +37,10 @@ class OnnxLatentConsistencyModelPipeline(OnnxStableDiffusionPipelineBase):
         declared = self.unet.input_dims["timestep_cond"]
         if isinstance(declared[-1], int):
             return declared[-1]
-        return int(self.unet.config["time_cond_proj_dim"])
+        if "time_cond_proj_dim" not in self.unet.config:
+            raise ValueError("unet: its timestep_cond width is dynamic and its config.json has no time_cond_proj_dim; "
+                             "expected one of them to give the guidance embedding's size")
+        return self.config_int(self.unet, "time_cond_proj_dim", 0, "unet")
 
     @torch.no_grad()
     @on_device_stream

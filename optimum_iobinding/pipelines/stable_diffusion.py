@@ -52,7 +52,7 @@ class OnnxStableDiffusionPipeline(OnnxStableDiffusionPipelineBase):
             ``StableDiffusionPipelineOutput(images, nsfw_content_detected=None)``, or a tuple without return_dict.
         """
         # 1. check inputs
-        default_size = int(self.unet.config.get("sample_size", 64)) * self.vae_scale_factor
+        default_size = self.config_int(self.unet, "sample_size", 64, "unet") * self.vae_scale_factor
         height = default_size if height is None else height
         width = default_size if width is None else width
         self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,

@@ -64,7 +64,7 @@ class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
 
     @property
     def default_sample_size(self) -> int:
-        return int(self.unet.config.get("sample_size", 128))
+        return self.config_int(self.unet, "sample_size", 128, "unet")
 
     # ------------------------------------------------------------------------------------------------ prompts
     def encode_prompt_xl(
