@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 #   cudnn_conv_algo_search HEURISTIC: cuDNN's heuristics pick each conv algorithm without timing them all. With a
 #     session per input signature the search runs once per signature either way, and measured on the SD1.5 fused
 #     fp16 export the steady image was no slower and the first image came sooner than with EXHAUSTIVE (README
-#     "Cold start"; benchmarks/cold_start.py). Pass cudnn_conv_algo_search="EXHAUSTIVE" to time every algorithm;
+#     "Fast by default"; benchmarks/cold_start.py). Pass cudnn_conv_algo_search="EXHAUSTIVE" to time every algorithm;
 #   cudnn_conv_use_max_workspace: let cuDNN pick algorithms that need a large workspace (faster on big convs);
 #   arena_extend_strategy kSameAsRequested: grow the arena by what is asked, not by powers of two (less memory).
 # Not fuse_conv_bias, though it is faster where it works (the bias inside the cuDNN-frontend convolution instead of a
