@@ -240,7 +240,8 @@ class GraphPool:
             entry = self._make(signature, declared, input_specs, output_shapes)
             self.entries[signature] = entry
             while self.max_signatures is not None and len(self.entries) > self.max_signatures:
-                self.entries.popitem(last=False)
+                evicted, _ = self.entries.popitem(last=False)
+                self._overrides.pop(evicted, None)
             return entry
 
     def drop(self, signature: Signature, reason: str) -> Union[FixedShapeSession, None]:

@@ -187,7 +187,10 @@ def load_owned_weights(source: Union[str, bytes], device: torch.device,
             dtype = np.dtype(_NUMPY_OF_ONNX[initializer.data_type])
             if initializer.data_location == onnx.TensorProto.EXTERNAL and base is not None:
                 info = {entry.key: entry.value for entry in initializer.external_data}
-                location = os.path.join(base, info["location"])
+                location = os.path.normpath(os.path.join(base, info["location"]))
+                if os.path.commonpath([base, location]) != base:  # as onnx's own loader refuses it
+                    raise ValueError(f"{source}: initializer {initializer.name!r} names external data outside the "
+                                     f"model's folder: {info['location']!r}")
                 if location not in files:
                     files[location] = open(location, "rb")
                 handle = files[location]

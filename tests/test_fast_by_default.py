@@ -244,6 +244,13 @@ def test_owned_weights_are_read_straight_from_external_data(tmp_path):
         weights = load_owned_weights(str(path), torch.device("cpu"))
         assert list(weights) == ["W"]  # the 32-element bias stays with each session
         np.testing.assert_array_equal(weights["W"].numpy(), expected)
+    escaping = onnx.load(str(external), load_external_data=False)
+    for entry in escaping.graph.initializer[0].external_data:
+        if entry.key == "location":
+            entry.value = "../../etc/passwd"
+    onnx.save(escaping, str(tmp_path / "escaping.onnx"))
+    with pytest.raises(ValueError, match=r"names external data outside the model's folder: '../../etc/passwd'"):
+        load_owned_weights(str(tmp_path / "escaping.onnx"), torch.device("cpu"))
     (tmp_path / "weights.pb").write_bytes(b"short")
     with pytest.raises(ValueError, match=r"initializer 'W' needs 8192 bytes at offset 0, the file gives 5"):
         load_owned_weights(str(external), torch.device("cpu"))
