@@ -213,8 +213,11 @@ def test_pipeline_warmup_makes_every_later_call_of_those_sizes_create_no_session
     for batch in (1, 2, 1):
         pipe(["a cat"] * batch, height=64, width=64, num_inference_steps=2, output_type="np")
     assert pipe.sessions_created == created
-    with pytest.raises(ValueError, match="batch_sizes: expected positive integers, got 0"):
-        pipe.warmup(heights=64, batch_sizes=[0])
+    with pytest.raises(ValueError, match=r"batch_sizes: expected positive integers, got \[1, 0\]"):
+        pipe.warmup(heights=64, batch_sizes=[1, 0])
+    with pytest.raises(ValueError, match=r"height and width: expected multiples of 16"):
+        pipe.warmup(heights=[64, 72])
+    assert pipe.sessions_created == created  # refused before any call
 
 
 def test_warmup_leaves_the_callers_random_state_alone(tiny_folder):

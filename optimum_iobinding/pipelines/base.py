@@ -267,7 +267,7 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
     # ---------------------------------------------------------------------------------------------------- warm-up
     def warmup(
         self,
-        heights: Union[int, Sequence[int]] = 512,
+        heights: Union[int, Sequence[int], None] = None,
         widths: Union[int, Sequence[int], None] = None,
         batch_sizes: Union[int, Sequence[int]] = 1,
         guidance_scales: Union[float, Sequence[float]] = 7.5,
@@ -276,23 +276,35 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         """Creates the sessions, chooses the convolution algorithms and captures the CUDA graphs that calls of these
         sizes will use, so that a service's first request runs as fast as its steady state. Each combination runs
         the pipeline once for ``num_inference_steps`` steps on empty prompts (the result is thrown away; no random
-        state of the caller's is used).
+        state of the caller's is used). Every argument is checked before the first call.
 
         Args:
-            heights, widths: image sizes in pixels (``widths`` default: the heights, as squares).
+            heights, widths: image sizes in pixels. ``heights`` default: the pipeline's default size; ``widths``
+                default: the heights (squares). Lists of the same length pair up; otherwise every combination.
             batch_sizes: images per call (prompts × ``num_images_per_prompt``).
             guidance_scales: guidance scales the calls use (> 1 doubles the UNet batch; ≤ 1 does not).
             num_inference_steps: steps per warm-up call.
         """
         as_list = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]  # noqa: E731
-        sizes = list(zip(as_list(heights), as_list(widths))) if widths is not None else \
-            [(h, h) for h in as_list(heights)]
-        if widths is not None and len(as_list(heights)) != len(as_list(widths)):
-            sizes = [(h, w) for h in as_list(heights) for w in as_list(widths)]
+        if heights is None:
+            heights = self.config_int(self.unet, "sample_size", 64, "unet") * self.vae_scale_factor
+        heights_list = as_list(heights)
+        widths_list = heights_list if widths is None else as_list(widths)
+        if len(heights_list) == len(widths_list):
+            sizes = list(zip(heights_list, widths_list))
+        else:
+            sizes = [(h, w) for h in heights_list for w in widths_list]
+        batches = as_list(batch_sizes)
+        wrong = next((b for b in batches if not _is_integer(b) or b < 1), None)
+        if wrong is not None or not batches:
+            raise ValueError(f"batch_sizes: expected positive integers, got {batch_sizes!r}")
         for height, width in sizes:
-            for batch_size in as_list(batch_sizes):
-                if not isinstance(batch_size, int) or batch_size < 1:
-                    raise ValueError(f"batch_sizes: expected positive integers, got {batch_size!r}")
+            self.check_size(height, width)
+        for guidance_scale in as_list(guidance_scales):
+            if not _is_real(guidance_scale) or not math.isfinite(guidance_scale):
+                raise ValueError(f"guidance_scales: expected finite numbers, got {guidance_scales!r}")
+        for height, width in sizes:
+            for batch_size in batches:
                 for guidance_scale in as_list(guidance_scales):
                     self._warmup_call(height, width, batch_size, guidance_scale, num_inference_steps)
 
