@@ -19,7 +19,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 import warnings
 from pathlib import Path

@@ -24,7 +24,14 @@ import torch
 from .cuda import DISABLE_SYNC_RUN_OPTION, CudaGraphRunner, CudaGraphSetting, GraphPool, check_cuda_graph_setting
 from .dtypes import ORT_TO_TORCH, TORCH_TO_ONNX
 from .layout import download_from_hub, read_json_object
-from .inputs import InputValue, as_checked_tensor, check_input_device, check_input_names, numpy_bits, to_bindable
+from .inputs import (  # noqa: F401 — check_input_device: re-exported, where earlier versions had it
+    InputValue,
+    as_checked_tensor,
+    check_input_device,
+    check_input_names,
+    numpy_bits,
+    to_bindable,
+)
 from .session import (  # noqa: F401 — re-exported: where users and earlier versions import them from
     CUDA_LIKE_PROVIDERS,
     GPU_PROVIDERS,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import logging
 import math
 import os
