@@ -220,13 +220,13 @@ def test_contiguous_tensor_of_the_right_dtype_is_bound_without_a_copy(monkeypatc
     model = IOBindingORTModel(make_session(identity_model()))
     x = random_tensor((2, 4), torch.float32)
     bound = {}
-    original = model._binding.bind_input
+    original = ort.IOBinding.bind_input  # every binding's: the model's own is private to it
 
-    def record(name, device_type, device_id, element_type, shape, buffer_ptr):
+    def record(binding, name, device_type, device_id, element_type, shape, buffer_ptr):
         bound[name] = buffer_ptr
-        return original(name, device_type, device_id, element_type, shape, buffer_ptr)
+        return original(binding, name, device_type, device_id, element_type, shape, buffer_ptr)
 
-    monkeypatch.setattr(model._binding, "bind_input", record)
+    monkeypatch.setattr(ort.IOBinding, "bind_input", record)
     model(x=x)
     assert bound["x"] == x.data_ptr()
 
