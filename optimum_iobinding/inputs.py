@@ -53,8 +53,8 @@ def as_tensor(name: str, value: InputValue, expected: torch.dtype) -> torch.Tens
         python_dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.float64
         if not conversion_allowed(python_dtype, expected):
             raise TypeError(f"input {name!r}: expected dtype {expected}, got Python {type(value).__name__} {value!r}")
-        if python_dtype == torch.int64:
-            check_integer_range(name, torch.tensor(value), expected)
+        if python_dtype == torch.int64 and not expected.is_floating_point:
+            _check_range(name, value, value, expected)
         return torch.tensor(value, dtype=expected)
     raise TypeError(
         f"input {name!r}: expected a torch.Tensor, numpy.ndarray or Python scalar, got {type(value).__name__}"
@@ -68,7 +68,11 @@ def check_integer_range(name: str, tensor: torch.Tensor, expected: torch.dtype) 
     info, given = torch.iinfo(expected), torch.iinfo(tensor.dtype)
     if given.min >= info.min and given.max <= info.max:
         return  # every value fits: nothing to look at
-    low, high = int(tensor.min()), int(tensor.max())
+    _check_range(name, int(tensor.min()), int(tensor.max()), expected)
+
+
+def _check_range(name: str, low: int, high: int, expected: torch.dtype) -> None:
+    info = torch.iinfo(expected)
     if low < info.min or high > info.max:
         raise ValueError(f"input {name!r}: expected values in [{info.min}, {info.max}] (the model's {expected}), "
                          f"got values in [{low}, {high}]")

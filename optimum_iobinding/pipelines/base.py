@@ -61,6 +61,8 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
     _index_settings: Tuple[str, ...] = ()
     # UNet inputs beyond sample, timestep and encoder_hidden_states that this pipeline feeds
     _unet_extra_inputs: Tuple[str, ...] = ()
+    # the UNet's sample_size (in latents) where its config.json gives none: SD1.5's 64 (512 px)
+    _default_unet_sample_size = 64
 
     def __init__(
         self,
@@ -286,7 +288,7 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         """
         as_list = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]  # noqa: E731
         if heights is None:
-            heights = self.config_int(self.unet, "sample_size", 64, "unet") * self.vae_scale_factor
+            heights = self.default_image_size
         heights_list = as_list(heights)
         widths_list = heights_list if widths is None else as_list(widths)
         if len(heights_list) == len(widths_list):
@@ -378,26 +380,23 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         if train_steps and num_inference_steps > train_steps:
             raise ValueError(f"num_inference_steps: expected at most {train_steps} (the scheduler's "
                              f"num_train_timesteps), got {num_inference_steps}")
-        if isinstance(prompt, list):
-            if not prompt:
-                raise ValueError("prompt: expected a str or a non-empty list of str, got an empty list")
-            wrong = next((i for i, item in enumerate(prompt) if not isinstance(item, str)), None)
-            if wrong is not None:
-                raise TypeError(f"prompt[{wrong}]: expected a str, got {type(prompt[wrong]).__name__} {prompt[wrong]!r}")
-        if isinstance(negative_prompt, list):
-            wrong = next((i for i, item in enumerate(negative_prompt) if not isinstance(item, str)), None)
-            if wrong is not None:
-                raise TypeError(f"negative_prompt[{wrong}]: expected a str, got "
-                                f"{type(negative_prompt[wrong]).__name__} {negative_prompt[wrong]!r}")
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt: expected a str or a non-empty list of str, got an empty list")
+        for name, texts in (("prompt", prompt), ("negative_prompt", negative_prompt)):
+            if isinstance(texts, list):
+                wrong = next((i for i, item in enumerate(texts) if not isinstance(item, str)), None)
+                if wrong is not None:
+                    raise TypeError(f"{name}[{wrong}]: expected a str, got {type(texts[wrong]).__name__} "
+                                    f"{texts[wrong]!r}")
         for name, embeds in (("prompt_embeds", prompt_embeds), ("negative_prompt_embeds", negative_prompt_embeds)):
             if embeds is None:
                 continue
-            dtype = torch.as_tensor(embeds).dtype if not isinstance(embeds, torch.Tensor) else embeds.dtype
-            if not dtype.is_floating_point:
-                raise TypeError(f"{name}: expected a float tensor (the text encoder's output), got dtype {dtype}")
-            if torch.as_tensor(embeds).ndim != 3:
-                raise ValueError(f"{name}: expected shape (batch, sequence, hidden), got "
-                                 f"{tuple(torch.as_tensor(embeds).shape)}")
+            embeds = torch.as_tensor(embeds)  # a numpy array is wrapped, not copied
+            if not embeds.dtype.is_floating_point:
+                raise TypeError(f"{name}: expected a float tensor (the text encoder's output), got dtype "
+                                f"{embeds.dtype}")
+            if embeds.ndim != 3:
+                raise ValueError(f"{name}: expected shape (batch, sequence, hidden), got {tuple(embeds.shape)}")
         if output_type not in ("pil", "np", "pt", "latent"):
             raise ValueError(f"output_type: expected 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
         if not isinstance(num_inference_steps, int) or num_inference_steps <= 0:
@@ -422,6 +421,13 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
                 prompt_embeds.shape != negative_prompt_embeds.shape:
             raise ValueError(f"negative_prompt_embeds: expected shape {tuple(prompt_embeds.shape)} like "
                              f"prompt_embeds, got {tuple(negative_prompt_embeds.shape)}")
+
+    @property
+    def default_image_size(self) -> int:
+        """The height and width a call gets where it gives none: the UNet config's ``sample_size`` (latents) times
+        the VAE's scale factor, as in diffusers."""
+        return self.config_int(self.unet, "sample_size", self._default_unet_sample_size, "unet") * \
+            self.vae_scale_factor
 
     @staticmethod
     def config_int(model: IOBindingORTModel, key: str, default: int, component: str) -> int:

@@ -52,9 +52,8 @@ class OnnxStableDiffusionPipeline(OnnxStableDiffusionPipelineBase):
             ``StableDiffusionPipelineOutput(images, nsfw_content_detected=None)``, or a tuple without return_dict.
         """
         # 1. check inputs
-        default_size = self.config_int(self.unet, "sample_size", 64, "unet") * self.vae_scale_factor
-        height = default_size if height is None else height
-        width = default_size if width is None else width
+        height = self.default_image_size if height is None else height
+        width = self.default_image_size if width is None else width
         self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
                           prompt_embeds, negative_prompt_embeds, output_type, guidance_scale=guidance_scale,
                           num_images_per_prompt=num_images_per_prompt)

@@ -36,6 +36,7 @@ class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
     _tokenizer_names = ("tokenizer", "tokenizer_2")
     _index_settings = ("force_zeros_for_empty_prompt", "requires_aesthetics_score")
     _unet_extra_inputs = ("text_embeds", "time_ids")
+    _default_unet_sample_size = 128  # SDXL base: 1024 px
 
     def __init__(
         self,
@@ -64,7 +65,8 @@ class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
 
     @property
     def default_sample_size(self) -> int:
-        return self.config_int(self.unet, "sample_size", 128, "unet")
+        """The UNet's sample size in latents (diffusers' SDXL pipelines have the same attribute)."""
+        return self.default_image_size // self.vae_scale_factor
 
     # ------------------------------------------------------------------------------------------------ prompts
     def encode_prompt_xl(
@@ -248,8 +250,8 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
         Returns:
             ``StableDiffusionXLPipelineOutput(images)``, or a tuple without return_dict.
         """
-        height = self.default_sample_size * self.vae_scale_factor if height is None else height
-        width = self.default_sample_size * self.vae_scale_factor if width is None else width
+        height = self.default_image_size if height is None else height
+        width = self.default_image_size if width is None else width
         self.check_inputs(prompt, height, width, num_inference_steps, None, negative_prompt, prompt_embeds,
                           negative_prompt_embeds, output_type, guidance_scale=guidance_scale,
                           num_images_per_prompt=num_images_per_prompt)
