@@ -85,12 +85,14 @@ class IOBindingORTModel:
     CUDA (``io_binding=True``): provider options default to :data:`~optimum_iobinding.cuda.CUDA_DIFFUSION_DEFAULTS`
     (the user's win); the model runs on one CUDA stream (``stream``, else its own) with
     ``disable_synchronize_execution_providers=1``: no host synchronization anywhere in a call. Each input signature
-    gets an entry of its own in the graph pool: with ``cuda_graph`` a session whose free dims are fixed to those
-    shapes, captured as a CUDA graph on its first run and replayed after (new inputs are copied into its fixed input
-    buffers; its outputs are always the same tensors); where capture is off or fails, a fixed-shape session run
-    without a graph (its convolutions keep the algorithms chosen for that shape, which ORT searches again whenever a
-    session's shape changes). All of them use one copy of the weights (``share_weights``): a signature costs its
-    activations and graph buffers only.
+    gets an entry of its own in the graph pool: with ``cuda_graph`` a CUDA graph captured on its first run and
+    replayed after (new inputs are copied into its fixed input buffers; its outputs are always the same tensors).
+    The graphs of all signatures live in one session with dynamic dims (selected by ``gpu_graph_id``) and share its
+    arena: the device holds the activations of the largest signature, not the sum. Where ORT refuses such a session
+    (a node left on the CPU), each signature gets a session whose free dims are fixed to its shapes. Where capture is
+    off or fails, a fixed-shape session runs the signature without a graph (its convolutions keep the algorithms
+    chosen for that shape, which ORT searches again whenever a session's shape changes). All of them use one copy of
+    the weights (``share_weights``).
 
     With ``io_binding=False`` the model runs plain ``session.run`` on numpy arrays — the numpy baseline — and returns
     CPU torch tensors.
@@ -190,7 +192,7 @@ class IOBindingORTModel:
             output_types = {o.name: o.type for o in session.get_outputs()}
             shape_inferencer = inferencer_from_session(session)
         else:
-            # every signature gets a session of its own: the dynamic one is made only if a signature needs it, and
+            # the graph pool runs every signature: the plain dynamic session is made only if a signature needs it, and
             # what the model declares is read from the graph (without its weights)
             graph_only = _load_graph(recipe.source)
             input_types, output_types = declared_types(graph_only)
@@ -367,7 +369,8 @@ class IOBindingORTModel:
     @property
     def session(self) -> ort.InferenceSession:
         """The model's dynamic session (all shapes, no graph): the same object for the model's whole life. With a
-        graph pool (CUDA) it is created on first use: every signature runs in a session of its own."""
+        graph pool (CUDA) it is created on first use: every signature runs in a graph or fixed-shape session of the
+        pool, and this one only where both fail."""
         if self._session is None:
             with self._lock:
                 if self._session is None:
@@ -437,7 +440,8 @@ class IOBindingORTModel:
 
     @property
     def keeps_session_per_signature(self) -> bool:
-        """Whether each input signature runs in a session of its own (the graph pool, on CUDA)."""
+        """Whether each input signature runs apart from the others (the graph pool, on CUDA): in a graph of its own
+        or a fixed-shape session, so that a shape change never makes ORT search convolution algorithms again."""
         return self._pool is not None
 
     @property

@@ -339,16 +339,21 @@ class SessionRecipe:
         self,
         free_dims: Optional[Mapping[str, int]] = None,
         provider_updates: Optional[Mapping[str, str]] = None,
+        quiet: bool = False,
     ) -> ort.InferenceSession:
         """A new session of the model.
 
         Args:
             free_dims: named input dims to fix (``add_free_dimension_override_by_name``).
             provider_updates: options added to the first provider's (e.g. ``enable_cuda_graph``).
+            quiet: an attempt whose refusal the caller reports itself: unless the user gave ``sess_options``,
+                ORT's own log lines for it (warnings and the refusal's error line) are not printed.
         """
         if self.source is None:
             raise RuntimeError("the session was created from neither a path nor bytes, so it cannot be created again")
         sess_options = copy_session_options(self.sess_options)
+        if quiet and self.sess_options is None:
+            sess_options.log_severity_level = 4  # fatal only
         for dim, size in (free_dims or {}).items():
             sess_options.add_free_dimension_override_by_name(dim, int(size))
         if self.share_weights:

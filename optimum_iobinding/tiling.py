@@ -11,8 +11,8 @@ run one after another.
 
 On CUDA each tile shape (the full tile, the right and bottom edge tiles, the corner) runs in a session of its own:
 ORT's CUDA convolutions choose their algorithms again whenever a session's input shape changes (see the README's
-"Shape changes"). A model with a graph pool (the default on CUDA) already keeps a session per input signature, all
-sharing its weights; for a model without one, each tile shape gets a :meth:`IOBindingORTModel.sibling`
+"Shape changes"). A model with a graph pool (the default on CUDA) already runs each input signature apart (a graph
+of its own, or a fixed-shape session), all reading its weights; for a model without one, each tile shape gets a :meth:`IOBindingORTModel.sibling`
 (``max_tile_sessions`` bounds them).
 
 ``overlap_copies=False`` runs the sequential CUDA version (each tile's copy waited for before the next tile starts)
@@ -150,7 +150,7 @@ class TiledVAE:
         """The model that runs tiles of ``shape``: ``model`` itself, or with ``session_per_shape`` the sibling that
         has only ever seen this shape (the first shape seen runs in ``model``)."""
         per_shape = self.session_per_shape
-        if per_shape is None:  # a model with a graph pool already runs each shape in a session of its own
+        if per_shape is None:  # a model with a graph pool already runs each shape apart (graph or fixed session)
             per_shape = model.device.type == "cuda" and not model.keeps_session_per_signature
         if not per_shape:
             return model

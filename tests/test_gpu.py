@@ -454,3 +454,77 @@ def test_alternating_shapes_without_graphs_keep_a_session_per_shape(tiny_folder)
             decoder(latent_sample=torch.randn(shape, device="cuda"))
     assert len(decoder.signatures) == 3 and decoder.graph_signatures == []
     assert decoder.sessions_created == 3  # one per shape, each made once; the dynamic session is never needed
+
+
+# ------------------------------------------------------------------------- one session, a graph per signature
+def test_every_signature_is_a_graph_of_one_session_and_replays_stay_right_after_later_captures(tiny_folder):
+    from optimum_iobinding import IOBindingORTModel
+
+    plain = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT,
+                                              cuda_graph=False)
+    unet = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT)
+    batches = (2, 8, 16, 4)
+    inputs = {batch: unet_inputs(unet, batch=batch, seed=batch) for batch in batches}
+    expected = {batch: plain(**feed)[0].clone() for batch, feed in inputs.items()}
+    first = {batch: unet(**feed)[0].clone() for batch, feed in inputs.items()}  # each captured in turn
+    assert unet.sessions_created == 1 and len(unet.graph_signatures) == len(batches)
+    for _ in range(2):  # a graph captured early replays right after later captures reused the arena's memory
+        for batch, feed in inputs.items():
+            got = unet(**feed)[0]
+            torch.testing.assert_close(got, expected[batch], atol=1e-4, rtol=1e-4)
+            assert torch.equal(got, first[batch])
+    assert unet.sessions_created == 1
+
+
+def test_signatures_of_one_session_share_its_arena(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    from conftest import make_model
+    from optimum_iobinding import IOBindingORTModel
+
+    # no weights, large activations: x (b × 16M floats) → two intermediates of the same size → y
+    path = tmp_path / "wide.onnx"
+    width = 1 << 24
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Sigmoid", ["a"], ["b"]),
+             helper.make_node("Add", ["a", "b"], ["y"])]
+    onnx.save(make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])]), str(path))
+    model = IOBindingORTModel(path, provider=CUDA)
+
+    def used():
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+
+    x = {batch: torch.randn(batch, width, device="cuda") for batch in (4, 1, 2)}
+    model(x=x[4])
+    before = used()
+    results = {batch: model(x=x[batch])[0].clone() for batch in (1, 2)}
+    grown = used() - before - sum(t.numel() * t.element_size() * 3 for t in results.values())  # minus the clones'
+    # and the two signatures' own output buffers: their intermediates fit in what batch 4 left in the arena
+    one_intermediate = width * 4  # of batch 1
+    assert model.sessions_created == 1 and len(model.graph_signatures) == 3
+    assert grown < one_intermediate, (grown, one_intermediate)
+    for batch, result in results.items():
+        a = torch.relu(x[batch])
+        torch.testing.assert_close(result, a + torch.sigmoid(a))
+
+
+def test_a_model_ort_cannot_capture_as_one_session_gets_a_session_per_signature_and_says_why(tiny_folder, caplog):
+    import logging
+
+    from optimum_iobinding import IOBindingORTModel
+
+    caplog.set_level(logging.INFO, logger="optimum_iobinding")
+    encoder = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="text_encoder", provider=CUDA,
+                                                provider_options=EXACT)
+    plain = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="text_encoder", provider=CUDA,
+                                              provider_options=EXACT, cuda_graph=False)
+    for batch in (1, 2, 1):
+        ids = torch.randint(0, 100, (batch, 77), generator=torch.Generator().manual_seed(batch)).to("cuda")
+        ids = ids.to(encoder.input_dtypes["input_ids"])
+        torch.testing.assert_close(encoder(input_ids=ids)[0], plain(input_ids=ids)[0], atol=1e-4, rtol=1e-4)
+    refused = [r for r in caplog.records if "one session cannot capture" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].levelname == "INFO"  # said once, not per signature
+    assert encoder.sessions_created == 2 and len(encoder.signatures) == 2  # one per signature, each made once
