@@ -1,8 +1,12 @@
-"""Cold start of the default pipeline, with each cuDNN algorithm search: load, first image, steady image.
+"""Cold start of the default pipeline against diffusers' numpy pipeline: imports, load, first image, steady image.
 
-Each variant runs in a fresh process (nothing cached between them): ``from_pretrained`` timed, then the first
-``--steps``-step image at batch 1 (sessions created, algorithms searched, graphs captured), then the median of three
-more (the steady state), and the same once more after ``pipe.warmup(...)`` in another fresh process.
+Each variant runs in a fresh process (nothing cached between them but the OS's file cache: run the script once
+before the run you keep): the imports timed, ``from_pretrained`` timed, then the first ``--steps``-step image at
+batch 1 (sessions created, algorithms searched, graphs captured), then the median of three more (the steady state).
+Variants: diffusers' ``OnnxStableDiffusionPipeline`` (numpy; what it creates at load is its sessions), ours with
+each cuDNN algorithm search, ours with ORT's graph optimizations at the basic level (the export is already fused
+offline), and ours after ``pipe.warmup(...)``. For ours, each component's session creations are listed with their
+seconds (``session_creation_log``).
 
     python benchmarks/cold_start.py --folder WORK/sd15-fp16-optimized --out OUT/cold-start
 """
@@ -17,19 +21,38 @@ import sys
 import time
 from pathlib import Path
 
+VARIANTS = ("numpy", "HEURISTIC:cold", "EXHAUSTIVE:cold", "HEURISTIC:cold:basic", "HEURISTIC:warm",
+            "EXHAUSTIVE:warm")
 
-def measure(folder: str, search: str, warm: bool, steps: int, size: int) -> dict:
+
+def measure(folder: str, variant: str, steps: int, size: int) -> dict:
+    start = time.perf_counter()
+    import onnxruntime as ort
     import torch
 
     from optimum_iobinding import OnnxStableDiffusionPipeline
 
+    if variant == "numpy":
+        from diffusers import OnnxStableDiffusionPipeline as NumpyPipeline
+    import_s = time.perf_counter() - start
+    torch.cuda.init()
     start = time.perf_counter()
-    pipe = OnnxStableDiffusionPipeline.from_pretrained(
-        folder, provider="CUDAExecutionProvider", provider_options={"cudnn_conv_algo_search": search})
+    if variant == "numpy":
+        pipe = NumpyPipeline.from_pretrained(folder, provider="CUDAExecutionProvider")
+        search = warm = None
+    else:
+        search, warm, *level = variant.split(":")
+        options = None
+        if level == ["basic"]:
+            options = ort.SessionOptions()
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        pipe = OnnxStableDiffusionPipeline.from_pretrained(
+            folder, provider="CUDAExecutionProvider", provider_options={"cudnn_conv_algo_search": search},
+            sess_options=options)
     pipe.set_progress_bar_config(disable=True)
     load_s = time.perf_counter() - start
     warmup_s = None
-    if warm:
+    if warm == "warm":
         start = time.perf_counter()
         pipe.warmup(heights=size, batch_sizes=1)
         torch.cuda.synchronize()
@@ -43,9 +66,13 @@ def measure(folder: str, search: str, warm: bool, steps: int, size: int) -> dict
 
     first_s = image()
     steady_s = statistics.median(image() for _ in range(3))
-    return {"search": search, "warmup": warm, "load_s": load_s, "warmup_s": warmup_s, "first_image_s": first_s,
-            "steady_image_s": steady_s, "first_over_steady": first_s / steady_s,
-            "sessions_created": pipe.sessions_created}
+    row = {"variant": variant, "search": search, "warmup": warm == "warm", "import_s": import_s, "load_s": load_s,
+           "warmup_s": warmup_s, "first_image_s": first_s, "steady_image_s": steady_s,
+           "load_plus_first_s": load_s + first_s, "first_over_steady": first_s / steady_s}
+    if variant != "numpy":
+        row["sessions_created"] = pipe.sessions_created
+        row["session_creation_log"] = {name: model.session_creation_log for name, model in pipe.onnx_models.items()}
+    return row
 
 
 def main() -> int:
@@ -54,14 +81,14 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        search, warm = args.one.split(":")
-        print(json.dumps(measure(args.folder, search, warm == "warm", args.steps, args.size)))
+        print(json.dumps(measure(args.folder, args.one, args.steps, args.size)))
         return 0
     rows = []
-    for variant in ("EXHAUSTIVE:cold", "HEURISTIC:cold", "EXHAUSTIVE:warm", "HEURISTIC:warm"):
+    for variant in args.variants.split(","):
         done = subprocess.run([sys.executable, __file__, "--folder", args.folder, "--out", args.out, "--steps",
                                str(args.steps), "--size", str(args.size), "--one", variant],
                               capture_output=True, text=True)

@@ -288,6 +288,11 @@ class GraphPool:
                 self._report(signature, str(error))
         return self._fixed_session(signature, overrides)
 
+    @property
+    def shared_tried(self) -> bool:
+        """Whether the one graph session was made or refused already."""
+        return self._shared is not None or self.shared_refused is not None
+
     def shared_session(self) -> Optional[ort.InferenceSession]:
         """The one session with graph capture on whose graphs every signature shares (made on first use), or
         ``None`` where ORT refused it (:attr:`shared_refused` says why) or the pool does not use one."""

@@ -421,6 +421,12 @@ class IOBindingORTModel:
         return self._recipe.sessions_created
 
     @property
+    def session_creation_log(self) -> List[Tuple[str, float]]:
+        """Each session creation of this model's recipe: ``("session", seconds)``, or ``("refused", seconds)`` for
+        an attempt ORT refused (the one graph session of a model with a node on the CPU)."""
+        return list(self._recipe.creation_log)
+
+    @property
     def graph_signatures(self) -> List[Dict[str, Tuple[int, ...]]]:
         """The input shapes captured as CUDA graphs (least recently used first)."""
         return [dict(signature) for signature in self._pool.captured] if self._pool is not None else []
@@ -472,6 +478,23 @@ class IOBindingORTModel:
         )
 
     # ------------------------------------------------------------------------------------------------------ warm-up
+    def prepare(self, wait: bool = True) -> Optional[threading.Thread]:
+        """Creates, ahead of the first call, the session that needs no input shapes: on CUDA the one session whose
+        graphs every signature shares (nothing where the model keeps a session per signature, or has its session
+        already). ``wait=False`` builds it in a background thread, which is returned: ORT releases the GIL while it
+        builds a session, so pipelines make the UNet's and the VAE's while the text encoder runs. A call that needs
+        the session meanwhile waits for it; a session ORT refuses is reported as a call would report it."""
+        pool = self._pool
+        if pool is None or not pool.one_session or pool.shared_tried:
+            return None
+        if wait:
+            pool.shared_session()
+            return None
+        # not a daemon: the interpreter waits for a session being built rather than tearing ORT down under it
+        thread = threading.Thread(target=pool.shared_session, name=f"prepare {self.model_path}")
+        thread.start()
+        return thread
+
     def warmup(self, *input_shapes: Mapping[str, Sequence[int]], runs: int = 3) -> None:
         """Runs each set of input shapes ``runs`` times on placeholder inputs, so that its session is created, its
         convolution algorithms chosen and its CUDA graph captured before the first real call.

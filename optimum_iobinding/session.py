@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -277,6 +278,8 @@ class SessionRecipe:
         self._weight_values: Dict[str, ort.OrtValue] = {}
         self._lock = threading.Lock()
         self.sessions_created = 0
+        # (what, seconds) per attempt: "session" for a session made, "refused" for one ORT refused
+        self.creation_log: List[Tuple[str, float]] = []
 
     @classmethod
     def for_path(
@@ -366,7 +369,14 @@ class SessionRecipe:
         options = [dict(o) for o in self.provider_options]
         if provider_updates:
             options[0].update(provider_updates)
-        session = create_session(self.source, self.providers, options, sess_options)
+        start = time.perf_counter()
+        try:
+            session = create_session(self.source, self.providers, options, sess_options)
+        except Exception:
+            with self._lock:
+                self.creation_log.append(("refused", time.perf_counter() - start))
+            raise
         with self._lock:
             self.sessions_created += 1
+            self.creation_log.append(("session", time.perf_counter() - start))
         return session

@@ -94,6 +94,7 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor)
         self._call_lock = threading.RLock()
         self._calling = threading.local()  # set while this thread is inside a call (a callback re-entering is refused)
+        self._prepared = False
 
     # ------------------------------------------------------------------------------------------------- properties
     @property
@@ -313,6 +314,15 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         """One call of this pipeline at these sizes (pipelines that need an image override it)."""
         self(prompt=[""] * batch_size, height=height, width=width, num_inference_steps=steps,
              guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0), output_type="np")
+
+    def _prepare_sessions(self) -> None:
+        """On the first call, each component's shape-free session starts building in a background thread
+        (:meth:`IOBindingORTModel.prepare`): the UNet's and the VAE's are made while the text encoder's is made and
+        run, instead of one after another."""
+        if not self._prepared:
+            self._prepared = True
+            for model in self.onnx_models.values():
+                model.prepare(wait=False)
 
     @property
     def onnx_models(self) -> Dict[str, IOBindingORTModel]:
@@ -768,6 +778,7 @@ def on_device_stream(method: Callable) -> Callable:
         with self._call_lock:
             self._calling.active = True
             try:
+                self._prepare_sessions()
                 return _call_on_stream(self, method, args, kwargs)
             finally:
                 self._calling.active = False
