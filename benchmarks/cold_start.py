@@ -38,7 +38,10 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
     torch.cuda.init()
     start = time.perf_counter()
     if variant == "numpy":
-        pipe = NumpyPipeline.from_pretrained(folder, provider="CUDAExecutionProvider")
+        # provider_options={} or diffusers' loader trips ORT's length check and falls back to the CPU
+        pipe = NumpyPipeline.from_pretrained(folder, provider="CUDAExecutionProvider", provider_options={})
+        if pipe.unet.model.get_providers()[0] != "CUDAExecutionProvider":
+            raise RuntimeError(f"numpy: the UNet runs on {pipe.unet.model.get_providers()}, not CUDA")
         search = warm = None
     else:
         search, warm, *level = variant.split(":")

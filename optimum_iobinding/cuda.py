@@ -46,6 +46,8 @@ TENSORRT_DIFFUSION_DEFAULTS: Dict[str, str] = {
 }
 
 DISABLE_SYNC_RUN_OPTION = "disable_synchronize_execution_providers"
+# what ORT says when it refuses graph capture because a node is placed on another EP (the CPU)
+PLACEMENT_REFUSAL = "all compute graph nodes have not been partitioned"
 GRAPH_ID_RUN_OPTION = "gpu_graph_id"
 
 
@@ -240,6 +242,9 @@ class GraphPool:
         self._shared: Optional[ort.InferenceSession] = None  # the one session whose graphs every signature shares
         self.shared_refused: Optional[str] = None  # why ORT refused it (then: a session per signature)
         self._next_graph_id = 1  # never reused: a dropped signature's graph keeps the addresses it captured
+        # why ORT refused graph capture for a fixed-shape session (a node it keeps on the CPU): later signatures go
+        # straight to a session without a graph instead of paying for another refused session
+        self.placement_refused: Optional[str] = None
 
     def entry(
         self,
@@ -328,10 +333,16 @@ class GraphPool:
                 {name: shape for name, (shape, _) in input_specs.items()}))
         else:
             updates = {"enable_cuda_graph": "1"}
+        if self.placement_refused is not None:
+            # a node stayed on the CPU with one signature's dims fixed: it stays there with any other's
+            raise RuntimeError(self.placement_refused)
         try:
-            session = self.recipe.create(overrides, updates)
+            session = self.recipe.create(overrides, updates, quiet=True)
         except ValueError as error:
-            raise RuntimeError(f"{error}{'; ' + '; '.join(problems) if problems else ''}") from error
+            reason = f"{error}{'; ' + '; '.join(problems) if problems else ''}"
+            if PLACEMENT_REFUSAL in str(error):
+                self.placement_refused = reason
+            raise RuntimeError(reason) from error
         return CudaGraphRunner(session, dict(input_specs), output_specs, self.recipe.device, self.run_options)
 
     def _fixed_session(self, signature: Signature, overrides: Mapping[str, int]) -> Optional[FixedShapeSession]:

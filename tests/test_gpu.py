@@ -541,6 +541,9 @@ def test_a_model_ort_cannot_capture_as_one_session_gets_a_session_per_signature_
     refused = [r for r in caplog.records if "one session cannot capture" in r.getMessage()]
     assert len(refused) == 1 and refused[0].levelname == "INFO"  # said once, not per signature
     assert encoder.sessions_created == 2 and len(encoder.signatures) == 2  # one per signature, each made once
+    # refused twice, then never again: the one graph session, and a graph of the first signature's fixed shape
+    # (the ArgMax stays on the CPU); the second signature goes straight to a session without a graph
+    assert [what for what, _ in encoder.session_creation_log] == ["refused", "refused", "session", "session"]
 
 
 def test_the_first_call_builds_the_shape_free_sessions_in_the_background(fused_tiny_folder):

@@ -63,6 +63,8 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
     _unet_extra_inputs: Tuple[str, ...] = ()
     # the UNet's sample_size (in latents) where its config.json gives none: SD1.5's 64 (512 px)
     _default_unet_sample_size = 64
+    # whether a call encodes images (img2img, inpaint): only then is the VAE encoder's session prepared
+    _encodes_images = False
 
     def __init__(
         self,
@@ -321,8 +323,9 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         run, instead of one after another."""
         if not self._prepared:
             self._prepared = True
-            for model in self.onnx_models.values():
-                model.prepare(wait=False)
+            for name, model in self.onnx_models.items():
+                if name != "vae_encoder" or self._encodes_images:  # text-to-image never runs the encoder
+                    model.prepare(wait=False)
 
     @property
     def onnx_models(self) -> Dict[str, IOBindingORTModel]:

@@ -15,6 +15,8 @@ ImageInput = Union[torch.Tensor, np.ndarray, "PIL.Image.Image", List[Any]]  # no
 class OnnxStableDiffusionImg2ImgPipeline(OnnxStableDiffusionPipelineBase):
     """Image-to-image Stable Diffusion on ONNX Runtime; needs the folder's ``vae_encoder``."""
 
+    _encodes_images = True
+
     def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int) -> None:
         image = torch.zeros(1, 3, height, width)
         self(prompt=[""] * batch_size, image=image, strength=1.0, num_inference_steps=steps,

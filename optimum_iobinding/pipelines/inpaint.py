@@ -21,6 +21,8 @@ class OnnxStableDiffusionInpaintPipeline(OnnxStableDiffusionPipelineBase):
     original latents in after every step, as diffusers' torch inpaint pipeline does.
     """
 
+    _encodes_images = True
+
     @property
     def mask_processor(self) -> VaeImageProcessor:
         return VaeImageProcessor(vae_scale_factor=self.vae_scale_factor, do_normalize=False, do_binarize=True,

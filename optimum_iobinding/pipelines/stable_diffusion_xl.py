@@ -297,6 +297,8 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
     """SDXL image-to-image (also the refiner, whose folder has only ``text_encoder_2`` and sets
     ``requires_aesthetics_score``), with the arguments of diffusers' ``StableDiffusionXLImg2ImgPipeline``."""
 
+    _encodes_images = True
+
     def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int) -> None:
         image = torch.zeros(1, 3, height, width)
         self(prompt=[""] * batch_size, image=image, strength=1.0, num_inference_steps=steps,
