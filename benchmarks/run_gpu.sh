@@ -64,8 +64,11 @@ run_step() {
     sd15-fp16-defaults) bench --models sd15 --dtypes fp16 --exports optimized --peers numpy,optimum,defaults,binding,graph --out "$out/sd15-fp16-defaults" ;;
     small-fp16-defaults) bench --models small --dtypes fp16 --exports optimized --peers numpy,defaults,binding,graph --out "$out/small-fp16-defaults" ;;
     sd15-fp16-mixed) bench --scenario mixed --models sd15 --dtypes fp16 --exports optimized --out "$out/sd15-fp16-mixed" ;;
-    cold-start) script benchmarks/cold_start.py --folder "$work/sd15-fp16-optimized" --out "$out/cold-start" ;;
-    signature-memory) script benchmarks/signature_memory.py --folder "$work/sd15-fp16-optimized" --out "$out/signature-memory" ;;
+    # scripts read an export folder: make it first (or wait for EXPORT_AHEAD's, which holds the lock)
+    cold-start) bench --export-only --models sd15 --dtypes fp16 --exports optimized &&
+                script benchmarks/cold_start.py --folder "$work/sd15-fp16-optimized" --out "$out/cold-start" ;;
+    signature-memory) bench --export-only --models sd15 --dtypes fp16 --exports optimized &&
+                      script benchmarks/signature_memory.py --folder "$work/sd15-fp16-optimized" --out "$out/signature-memory" ;;
     few-step-small) script benchmarks/few_step_loop.py --model small --work "$work" --out "$out/few-step-small" ;;
     unet-options) script benchmarks/unet_options.py --model sd15 --work "$work" --out "$out/unet-options" ;;
     *) echo "unknown step: $1 (expected one of: $ALL_STEPS)"; return 2 ;;
