@@ -39,7 +39,7 @@ from ..tiling import TiledVAE
 
 logger = logging.getLogger(__name__)
 
-Generator = Union[np.random.RandomState, torch.Generator, None]
+Generator = Union[np.random.RandomState, torch.Generator, List[torch.Generator], None]
 
 # AutoencoderKL's default scaling factor, for folders whose VAE has no config.json (diffusers' ONNX conversion).
 _DEFAULT_VAE_SCALING_FACTOR = 0.18215
@@ -540,9 +540,10 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
             numpy_dtype = torch.empty((), dtype=dtype).numpy().dtype
             noise = (generator or np.random).randn(*shape).astype(numpy_dtype)
             return torch.from_numpy(noise).to(self.device)
-        if isinstance(generator, (torch.Generator, list)):
+        if _is_torch_generator(generator):
             return randn_tensor(shape, generator=generator, device=self.device, dtype=dtype)
-        raise TypeError(f"generator: expected a numpy RandomState or a torch.Generator, got {type(generator).__name__}")
+        raise TypeError(f"generator: expected a numpy RandomState, a torch.Generator or a list of torch.Generators "
+                        f"(one per image), got {type(generator).__name__}")
 
     def timestep_inputs(self, timesteps: torch.Tensor, batch_size: int) -> torch.Tensor:
         """The UNet's ``timestep`` input for every step, made once on the device: row ``i`` is step ``i``'s, in the
@@ -566,8 +567,8 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         kwargs: Dict[str, Any] = {}
         if "eta" in accepted:
             kwargs["eta"] = eta
-        if "generator" in accepted and isinstance(generator, torch.Generator):
-            kwargs["generator"] = generator
+        if "generator" in accepted and _is_torch_generator(generator):
+            kwargs["generator"] = generator  # a list: one per image, as diffusers' schedulers take it
         return kwargs
 
     # ------------------------------------------------------------------------------------------------- tiling
@@ -616,7 +617,7 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
                                  for i in range(image.shape[0])])
         if self.vae_encoder.output_names[0] == "latent_parameters":
             mean, logvar = latents.chunk(2, dim=1)
-            if isinstance(generator, torch.Generator):
+            if _is_torch_generator(generator):
                 std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
                 latents = mean + std * randn_tensor(mean.shape, generator=generator, device=self.device,
                                                     dtype=mean.dtype)
@@ -747,6 +748,13 @@ class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
         if not return_dict:
             return (image, None)
         return StableDiffusionPipelineOutput(images=image, nsfw_content_detected=None)
+
+
+def _is_torch_generator(generator: Any) -> bool:
+    """A torch.Generator, or a non-empty list of them (one per image)."""
+    if isinstance(generator, list):
+        return bool(generator) and all(isinstance(g, torch.Generator) for g in generator)
+    return isinstance(generator, torch.Generator)
 
 
 def _is_integer(value: Any) -> bool:

@@ -1,0 +1,436 @@
+"""Serving with Ray Serve: one pipeline per replica, one replica per GPU, requests batched into the captured UNet.
+
+The application has two deployments:
+
+* ``ImageGenerator`` holds one pipeline (``num_gpus=1`` per replica on a GPU cluster, CPU replicas without one). At
+  start it captures the signatures it will serve (:meth:`~optimum_iobinding.pipelines.base.
+  OnnxStableDiffusionPipelineBase.warmup`: every batch size up to ``max_batch_size`` at the default size), so the
+  first request runs as fast as later ones. Requests are batched by ``@serve.batch`` (``max_batch_size`` counts
+  images, ``batch_wait_timeout_s``). A batch runs one pipeline call per group of requests that agree on what a call
+  cannot mix — size, steps, guidance — so requests of different sizes, step counts or guidance ride in the same
+  ``@serve.batch`` window but in different pipeline calls. Within a call every request keeps its own prompt,
+  negative prompt and seed: image ``k`` of a request with seed ``s`` is drawn from its own ``torch.Generator``
+  seeded ``s + k`` (the latents and every scheduler noise), so it equals the image of a single call
+  ``pipe(prompt, generator=torch.Generator().manual_seed(s + k))`` up to the batch's floating-point rounding.
+* ``ImagesAPI`` is the HTTP ingress (FastAPI through ``@serve.ingress``): ``POST /v1/images``, ``GET /health``,
+  ``GET /v1/models``. It validates requests (422 for a malformed body, 400 with the pipeline's own message for
+  values the pipeline refuses — checked per request before batching, so a bad request never fails the others),
+  encodes PNGs off the GPU replicas, and answers 503 when the replicas' queues are full (Serve's
+  ``max_ongoing_requests`` / ``max_queued_requests``). Ray replaces a replica that dies.
+
+Build it with :func:`build_app` (or ``serve run optimum_iobinding.serve:app_builder model=FOLDER ...`` from a config
+file); the command line's ``optimum-iobinding serve MODEL`` runs it on a local Ray cluster or joins ``RAY_ADDRESS``.
+Needs the ``serve`` extra (``pip install 'optimum-iobinding[serve]'``).
+"""
+
+# no `from __future__ import annotations`: FastAPI reads the route methods' annotations as objects
+import asyncio
+import base64
+import inspect
+import io
+import logging
+import os
+import secrets
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+
+try:
+    from fastapi import FastAPI, HTTPException
+    from fastapi.responses import JSONResponse, Response
+    from pydantic import BaseModel, ConfigDict, Field
+    from ray import serve
+    from ray.serve.exceptions import BackPressureError
+except ImportError as error:  # pragma: no cover - the message is the point
+    raise ImportError("optimum_iobinding.serve needs Ray Serve: pip install 'optimum-iobinding[serve]'") from error
+
+logger = logging.getLogger(__name__)
+
+MAX_SEED = 2**63 - 1
+
+
+# ---------------------------------------------------------------------------------------------------- settings
+@dataclass
+class ServeConfig:
+    """What the application serves and how.
+
+    Args:
+        model: a pipeline folder (diffusers ONNX layout; SD, SDXL or LCM, picked from the folder) or a hub id.
+        replicas: ``ImageGenerator`` replicas; each takes one GPU on a GPU cluster.
+        max_batch_size: images per pipeline call (``@serve.batch`` counts a request's ``n`` images).
+        batch_wait_timeout_s: how long a replica waits for a batch to fill once its first request came.
+        device: ``"auto"`` (a GPU per replica if the cluster has GPUs), ``"cuda"`` or ``"cpu"``.
+        provider: the ONNX Runtime provider; default CUDA on a GPU replica, CPU otherwise.
+        steps, guidance: the defaults of requests that give none.
+        warmup_batch_sizes: batch sizes captured at replica start; default 1 … ``max_batch_size``. ``[]``: none.
+        warmup_sizes: image sizes (pixels, squares) captured at start; default the pipeline's default size.
+        max_images_per_request: the most images one request may ask for (at most ``max_batch_size``).
+        max_ongoing_requests: requests a generator replica holds at once (the rest queue).
+        max_queued_requests: requests waiting for a replica before new ones get 503.
+        ingress_replicas: ``ImagesAPI`` replicas (CPU; they decode requests and encode PNGs).
+        pipeline_options: extra keyword arguments for the pipeline's ``from_pretrained``.
+    """
+
+    model: str
+    replicas: int = 1
+    max_batch_size: int = 4
+    batch_wait_timeout_s: float = 0.05
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    provider: Optional[str] = None
+    steps: int = 30
+    guidance: float = 7.5
+    warmup_batch_sizes: Optional[List[int]] = None
+    warmup_sizes: Optional[List[int]] = None
+    max_images_per_request: int = 4
+    max_ongoing_requests: int = 64
+    max_queued_requests: int = 256
+    ingress_replicas: int = 1
+    pipeline_options: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+
+        if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
+            raise ValueError(f"model: expected a pipeline folder or a hub id, got {self.model!r}")
+        self.model = os.fspath(self.model)
+        for name in ("replicas", "max_batch_size", "steps", "max_images_per_request", "max_ongoing_requests",
+                     "max_queued_requests", "ingress_replicas"):
+            positive_int(name)
+        if not isinstance(self.batch_wait_timeout_s, (int, float)) or not 0 <= self.batch_wait_timeout_s <= 60:
+            raise ValueError(f"batch_wait_timeout_s: expected seconds in [0, 60], got {self.batch_wait_timeout_s!r}")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device: expected 'auto', 'cuda' or 'cpu', got {self.device!r}")
+        if self.max_images_per_request > self.max_batch_size:
+            self.max_images_per_request = self.max_batch_size
+        for name in ("warmup_batch_sizes", "warmup_sizes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (list, tuple)) or any(
+                    isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value)):
+                raise ValueError(f"{name}: expected a list of positive integers, got {value!r}")
+
+    @classmethod
+    def from_args(cls, args: Dict[str, Any]) -> "ServeConfig":
+        """From ``serve run``'s ``key=value`` arguments (strings) or a config file's ``args`` (typed)."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(args) - set(known))
+        if unknown:
+            raise ValueError(f"args: unknown {unknown}; expected some of {sorted(known)}")
+        typed: Dict[str, Any] = {}
+        for name, value in args.items():
+            if isinstance(value, str) and name in ("replicas", "max_batch_size", "steps", "max_images_per_request",
+                                                   "max_ongoing_requests", "max_queued_requests",
+                                                   "ingress_replicas"):
+                value = _parse(name, value, int)
+            elif isinstance(value, str) and name in ("batch_wait_timeout_s", "guidance"):
+                value = _parse(name, value, float)
+            elif isinstance(value, str) and name in ("warmup_batch_sizes", "warmup_sizes"):
+                value = [_parse(name, part, int) for part in value.split(",") if part.strip()]
+            typed[name] = value
+        return cls(**typed)
+
+
+def _parse(name: str, text: str, kind: type) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+
+
+# ------------------------------------------------------------------------------------------------------ requests
+class ImageRequest(BaseModel):
+    """The body of ``POST /v1/images``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str
+    negative_prompt: Optional[str] = None
+    seed: Optional[int] = Field(default=None, ge=0, le=MAX_SEED)
+    steps: Optional[int] = None
+    guidance: Optional[float] = None
+    size: Union[int, str, None] = Field(default=None, description="pixels: 512 (square) or '768x512' (width x height)")
+    n: int = Field(default=1, ge=1)
+    response_format: Literal["png", "b64_json"] = "png"
+
+
+def parse_size(size: Union[int, str, None], default: int) -> Tuple[int, int]:
+    """``(width, height)`` of a request's ``size``: an int (a square), ``"WxH"``, or ``None`` (the default)."""
+    if size is None:
+        return default, default
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size, size
+    if isinstance(size, str):
+        parts = size.lower().split("x")
+        if len(parts) == 2 and all(part.strip().isdigit() for part in parts):
+            return int(parts[0]), int(parts[1])
+    raise ValueError(f"size: expected pixels as 512 or '768x512' (width x height), got {size!r}")
+
+
+def encode_pngs(images: Sequence[Any]) -> List[bytes]:
+    """PNG bytes of uint8 HxWx3 arrays."""
+    from PIL import Image
+
+    encoded = []
+    for pixels in images:
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        encoded.append(buffer.getvalue())
+    return encoded
+
+
+def _group_key(request: Dict[str, Any]) -> Tuple:
+    """What one pipeline call cannot mix."""
+    return request["width"], request["height"], request["steps"], request["guidance"]
+
+
+def _images_in(requests: Sequence[Dict[str, Any]]) -> int:
+    return sum(request["n"] for request in requests)
+
+
+# ------------------------------------------------------------------------------------------------ the generator
+@serve.deployment(name="ImageGenerator")
+class ImageGenerator:
+    """One pipeline; batched calls (see the module's docstring)."""
+
+    def __init__(self, config: Dict[str, Any]):
+        import torch
+
+        from .pipelines import pipeline_class_for
+
+        self.config = ServeConfig(**config)
+        use_cuda = self.config.device == "cuda" or (self.config.device == "auto" and torch.cuda.is_available())
+        provider = self.config.provider or ("CUDAExecutionProvider" if use_cuda else "CPUExecutionProvider")
+        folder = self.config.model
+        if not os.path.isdir(folder):
+            from .layout import download_from_hub
+
+            folder = str(download_from_hub(folder))
+        pipeline_class = pipeline_class_for(folder)
+        self.pipe = pipeline_class.from_pretrained(folder, provider=provider, **self.config.pipeline_options)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.pipeline_name = pipeline_class.__name__
+        self.accepts = set(inspect.signature(self.pipe.__call__).parameters)
+        self.default_size = self.pipe.default_image_size
+        self._batched.set_max_batch_size(self.config.max_batch_size)
+        self._batched.set_batch_wait_timeout_s(self.config.batch_wait_timeout_s)
+        batches = self.config.warmup_batch_sizes
+        if batches is None:
+            batches = list(range(1, self.config.max_batch_size + 1))
+        self.warmup_s = 0.0
+        if batches:
+            start = time.perf_counter()
+            self.pipe.warmup(heights=self.config.warmup_sizes or self.default_size, batch_sizes=batches,
+                             guidance_scales=self.config.guidance)
+            self.warmup_s = time.perf_counter() - start
+        self.batches_run = 0
+
+    def info(self) -> Dict[str, Any]:
+        return {"pipeline": self.pipeline_name, "default_size": self.default_size, "warmup_s": self.warmup_s,
+                "max_batch_size": self.config.max_batch_size, "device": str(self.pipe.device),
+                "batches_run": self.batches_run}
+
+    def check_health(self) -> None:
+        """Serve calls this periodically; a replica whose pipeline is gone is replaced."""
+        if getattr(self, "pipe", None) is None:
+            raise RuntimeError("the pipeline is not loaded")
+
+    def _complete(self, request: Dict[str, Any]) -> Dict[str, Any]:
+        """The request with its defaults filled in and checked by the pipeline's own checks (ValueError/TypeError
+        with the pipeline's message)."""
+        request = dict(request)
+        if request.get("steps") is None:
+            request["steps"] = self.config.steps
+        if request.get("guidance") is None:
+            request["guidance"] = self.config.guidance
+        request["width"], request["height"] = parse_size(request.get("size"), self.default_size)
+        if request["n"] > self.config.max_images_per_request:
+            raise ValueError(f"n: expected at most {self.config.max_images_per_request} images per request, got "
+                             f"{request['n']}")
+        if request.get("negative_prompt") is not None and "negative_prompt" not in self.accepts:
+            raise ValueError(f"negative_prompt: {self.pipeline_name} takes none")
+        if request["seed"] + request["n"] - 1 > MAX_SEED:
+            raise ValueError(f"seed: expected at most {MAX_SEED - request['n'] + 1} for n={request['n']}, got "
+                             f"{request['seed']}")
+        checks = dict(prompt=request["prompt"], height=request["height"], width=request["width"],
+                      num_inference_steps=request["steps"], callback_steps=None, guidance_scale=request["guidance"],
+                      num_images_per_prompt=request["n"])
+        if "negative_prompt" in self.accepts:
+            checks["negative_prompt"] = request.get("negative_prompt")
+        self.pipe.check_inputs(**checks)
+        return request
+
+    async def generate(self, request: Dict[str, Any]) -> Dict[str, Any]:
+        """One request → ``{"images": [uint8 HxWx3], "seeds", "batch_images", "batch_requests"}`` or
+        ``{"error": message}`` for a request the pipeline refuses."""
+        try:
+            request = self._complete(request)
+        except (ValueError, TypeError) as error:
+            return {"error": str(error)}
+        return await self._batched(request)
+
+    @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.05, batch_size_fn=_images_in)
+    async def _batched(self, requests: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        # the pipeline call blocks: run it off the event loop, which keeps taking requests for the next batch
+        return await asyncio.to_thread(self._run_batch, requests)
+
+    def _run_batch(self, requests: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        results: List[Optional[Dict[str, Any]]] = [None] * len(requests)
+        groups: Dict[Tuple, List[int]] = {}
+        for index, request in enumerate(requests):
+            groups.setdefault(_group_key(request), []).append(index)
+        for indices in groups.values():
+            members = [requests[i] for i in indices]
+            try:
+                outputs = self._call(members)
+            except (ValueError, TypeError):
+                # one request the checks let through: run each alone, so only it fails
+                outputs = []
+                for member in members:
+                    try:
+                        outputs.extend(self._call([member]))
+                    except (ValueError, TypeError) as error:
+                        outputs.append({"error": str(error)})
+            for index, output in zip(indices, outputs):
+                results[index] = output
+        self.batches_run += 1
+        return results  # type: ignore[return-value]
+
+    def _call(self, members: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        import numpy as np
+        import torch
+
+        prompts, negatives, seeds = [], [], []
+        for member in members:
+            for k in range(member["n"]):
+                prompts.append(member["prompt"])
+                negatives.append(member.get("negative_prompt") or "")
+                seeds.append(member["seed"] + k)
+        first = members[0]
+        arguments = dict(prompt=prompts, height=first["height"], width=first["width"],
+                         num_inference_steps=first["steps"], guidance_scale=first["guidance"],
+                         generator=[torch.Generator().manual_seed(seed) for seed in seeds], output_type="np")
+        if "negative_prompt" in self.accepts and any(negatives):
+            arguments["negative_prompt"] = negatives
+        images = self.pipe(**arguments).images
+        pixels = (np.clip(images, 0.0, 1.0) * 255).round().astype(np.uint8)  # as diffusers' numpy_to_pil
+        outputs, row = [], 0
+        for member in members:
+            outputs.append({"images": [pixels[row + k] for k in range(member["n"])],
+                            "seeds": seeds[row: row + member["n"]], "batch_images": len(prompts),
+                            "batch_requests": len(members)})
+            row += member["n"]
+        return outputs
+
+
+# ------------------------------------------------------------------------------------------------- the ingress
+api = FastAPI(title="optimum-iobinding", description="Stable Diffusion on ONNX Runtime, served by Ray Serve")
+
+
+@serve.deployment(name="ImagesAPI")
+@serve.ingress(api)
+class ImagesAPI:
+    """HTTP in front of the generator replicas."""
+
+    def __init__(self, generator: Any, config: Dict[str, Any]):
+        self.generator = generator
+        self.config = ServeConfig(**config)
+        self.model_id = os.path.basename(os.path.normpath(self.config.model)) or self.config.model
+
+    @api.get("/health")
+    async def health(self) -> Dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self) -> Dict[str, Any]:
+        info = await self.generator.info.remote()
+        return {"object": "list", "data": [{"id": self.model_id, "object": "model", **info,
+                                            "replicas": self.config.replicas}]}
+
+    @api.post("/v1/images", responses={200: {"content": {"image/png": {}, "application/json": {}}}})
+    async def images(self, body: ImageRequest) -> Response:
+        request = body.model_dump()
+        if request["seed"] is None:
+            request["seed"] = secrets.randbelow(2**31)
+        if request["response_format"] == "png" and request["n"] != 1:
+            raise HTTPException(400, f"n: a png response holds one image; ask for response_format='b64_json' for "
+                                     f"n={request['n']}")
+        try:
+            result = await self.generator.generate.remote(request)
+        except BackPressureError as error:
+            raise HTTPException(503, f"overloaded, try again later: {error}") from None
+        if "error" in result:
+            raise HTTPException(400, result["error"])
+        headers = {"X-Batch-Images": str(result["batch_images"]), "X-Batch-Requests": str(result["batch_requests"]),
+                   "X-Seed": str(result["seeds"][0])}
+        encoded = await asyncio.to_thread(encode_pngs, result["images"])
+        if request["response_format"] == "png":
+            return Response(content=encoded[0], media_type="image/png", headers=headers)
+        data = [{"b64_json": base64.b64encode(png).decode("ascii"), "seed": seed}
+                for png, seed in zip(encoded, result["seeds"])]
+        return JSONResponse({"created": int(time.time()), "model": self.model_id, "data": data,
+                             "batch_images": result["batch_images"], "batch_requests": result["batch_requests"]},
+                            headers=headers)
+
+
+# ------------------------------------------------------------------------------------------------- building it
+def cluster_has_gpus() -> bool:
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) >= 1
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def build_app(config: Union[ServeConfig, str, os.PathLike], **settings: Any) -> "serve.Application":
+    """The Serve application for ``config`` (a :class:`ServeConfig`, or a model folder plus its settings):
+    ``serve.run(build_app("folder", replicas=2))``."""
+    if not isinstance(config, ServeConfig):
+        config = ServeConfig(model=os.fspath(config), **settings)
+    elif settings:
+        raise TypeError("build_app: give either a ServeConfig or a model and settings, not both")
+    gpus = config.device == "cuda" or (config.device == "auto" and cluster_has_gpus())
+    actor_options = {"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": 1}
+    values = asdict(config)
+    generator = ImageGenerator.options(
+        num_replicas=config.replicas, ray_actor_options=actor_options,
+        max_ongoing_requests=config.max_ongoing_requests, max_queued_requests=config.max_queued_requests,
+    ).bind(values)
+    return ImagesAPI.options(
+        num_replicas=config.ingress_replicas, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=config.max_ongoing_requests * config.replicas,
+        max_queued_requests=config.max_queued_requests,
+    ).bind(generator, values)
+
+
+def app_builder(args: Dict[str, Any]) -> "serve.Application":
+    """For ``serve run optimum_iobinding.serve:app_builder model=FOLDER replicas=2 ...`` and config files
+    (``import_path: optimum_iobinding.serve:app_builder`` with ``args``)."""
+    return build_app(ServeConfig.from_args(dict(args)))
+
+
+def run(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, blocking: bool = True,
+        address: Optional[str] = None) -> Any:
+    """Starts (or joins, with ``address`` or ``RAY_ADDRESS``) a Ray cluster and runs the application on
+    ``host:port``. Blocking: until interrupted, then Serve is shut down. Returns the ingress handle otherwise."""
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not ray.is_initialized():
+        ray.init(address=address or None, log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port})
+    app = build_app(config)
+    handle = serve.run(app, name="optimum-iobinding", route_prefix="/", blocking=False)
+    if not blocking:
+        return handle
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+    return None

@@ -1,0 +1,187 @@
+"""Serving with Ray Serve on a real local Ray cluster (127.0.0.1, CPU replicas, the tiny model): concurrent HTTP
+requests get the images of single calls with their seeds, batching happens, a bad request gets 400 while the others
+succeed, and shutting down leaves no Ray process behind."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import socket
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+ray = pytest.importorskip("ray", reason="needs the serve extra (ray[serve])")
+import psutil  # noqa: E402  (vendored by ray: importable once ray is)
+
+SIZE = 64
+STEPS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def post(url: str, body: dict):
+    request = urllib.request.Request(url + "/v1/images", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, {k.lower(): v for k, v in error.headers.items()}, error.read()
+
+
+def decode_png(data: bytes) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+class Server:
+    def __init__(self, folder):
+        from ray import serve
+
+        from optimum_iobinding.serve import ServeConfig, build_app
+
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        self.ray_processes = psutil.Process().children(recursive=True)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        config = ServeConfig(model=str(folder), device="cpu", max_batch_size=4, batch_wait_timeout_s=1.0,
+                             steps=STEPS, warmup_batch_sizes=[1], warmup_sizes=[SIZE])
+        serve.run(build_app(config), name="test", route_prefix="/", blocking=False)
+        self.url = f"http://127.0.0.1:{port}"
+        self.running = True
+
+    def shutdown(self):
+        if self.running:
+            from ray import serve
+
+            serve.shutdown()
+            ray.shutdown()
+            self.running = False
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from optimum_iobinding.export import export_pipeline
+
+    return export_pipeline(None, tmp_path_factory.mktemp("serve") / "tiny", tiny_random=True, progress=False)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_folder):
+    server = Server(tiny_folder)
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_folder):
+    """Single calls, one seed each, in this process."""
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
+    pipe.set_progress_bar_config(disable=True)
+
+    def image(prompt: str, seed: int, negative_prompt=None) -> np.ndarray:
+        images = pipe(prompt, negative_prompt=negative_prompt, height=SIZE, width=SIZE, num_inference_steps=STEPS,
+                      generator=torch.Generator().manual_seed(seed), output_type="np").images
+        return (np.clip(images[0], 0, 1) * 255).round().astype(np.uint8)
+
+    return image
+
+
+def test_health_and_models(server):
+    with urllib.request.urlopen(server.url + "/health", timeout=60) as response:
+        assert json.loads(response.read()) == {"status": "ok"}
+    with urllib.request.urlopen(server.url + "/v1/models", timeout=60) as response:
+        (model,) = json.loads(response.read())["data"]
+    assert model["pipeline"] == "OnnxStableDiffusionPipeline" and model["max_batch_size"] == 4
+
+
+def test_concurrent_requests_are_batched_and_each_image_is_its_seeds_single_call_image(server, reference):
+    requests = [dict(prompt=f"a photo of a cat, number {i}", negative_prompt="blurry" if i % 2 else None,
+                     seed=1000 + i, size=SIZE) for i in range(8)]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        answers = list(pool.map(lambda body: post(server.url, body), requests))
+    assert [status for status, _, _ in answers] == [200] * len(requests), [a[2][:200] for a in answers]
+    batch_images = [int(headers["x-batch-images"]) for _, headers, _ in answers]
+    assert max(batch_images) > 1, batch_images  # eight requests within a second of each other rode together
+    for body, (_, headers, data) in zip(requests, answers):
+        assert int(headers["x-seed"]) == body["seed"]
+        expected = reference(body["prompt"], body["seed"], body["negative_prompt"])
+        # the same numbers through a batched call: equal up to the uint8 rounding of float noise
+        assert np.abs(decode_png(data).astype(int) - expected.astype(int)).max() <= 1
+
+
+def test_n_images_come_from_consecutive_seeds_as_base64_json(server, reference):
+    status, headers, data = post(server.url, dict(prompt="a red house", seed=7, size=SIZE, n=2,
+                                                  response_format="b64_json"))
+    assert status == 200, data
+    answer = json.loads(data)
+    assert [item["seed"] for item in answer["data"]] == [7, 8]
+    for item in answer["data"]:
+        image = decode_png(base64.b64decode(item["b64_json"]))
+        assert np.abs(image.astype(int) - reference("a red house", item["seed"]).astype(int)).max() <= 1
+
+
+def test_a_bad_request_gets_400_with_the_pipelines_message_while_the_others_succeed(server):
+    bodies = [dict(prompt="fine", seed=1, size=SIZE), dict(prompt="wrong size", seed=2, size=SIZE + 8),
+              dict(prompt="fine too", seed=3, size=SIZE)]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda body: post(server.url, body), bodies))
+    assert [status for status, _, _ in answers] == [200, 400, 200]
+    detail = json.loads(answers[1][2])["detail"]
+    assert "height" in detail and str(SIZE + 8) in detail  # the pipeline's own check, naming the value
+
+
+@pytest.mark.parametrize("body", [
+    {"seed": 1},  # no prompt
+    {"prompt": "x", "n": "two"},
+    {"prompt": "x", "steps_count": 3},  # unknown field
+    {"prompt": "x", "seed": -1},
+])
+def test_a_malformed_body_gets_422(server, body):
+    status, _, _ = post(server.url, body)
+    assert status == 422
+
+
+def test_values_the_api_refuses_get_400(server):
+    status, _, data = post(server.url, dict(prompt="x", n=2))  # two images cannot be one png
+    assert status == 400 and "b64_json" in json.loads(data)["detail"]
+    status, _, data = post(server.url, dict(prompt="x", size="64 by 64"))
+    assert status == 400 and "size" in json.loads(data)["detail"]
+    status, _, data = post(server.url, dict(prompt="x", n=9, response_format="b64_json"))
+    assert status == 400 and "at most 4" in json.loads(data)["detail"]
+
+
+def test_shutdown_leaves_no_ray_process(server):  # last: it ends the module's server
+    processes = [p for p in server.ray_processes if p.is_running()]
+    assert any("raylet" in p.name() for p in processes)
+    server.shutdown()
+    _, alive = psutil.wait_procs(processes, timeout=120)
+    assert alive == [], [p.name() for p in alive]
+
+
+def test_config_from_serve_run_arguments():
+    from optimum_iobinding.serve import ServeConfig
+
+    config = ServeConfig.from_args({"model": "folder", "replicas": "2", "max_batch_size": "8",
+                                    "batch_wait_timeout_s": "0.1", "warmup_batch_sizes": "1,2,4"})
+    assert (config.replicas, config.max_batch_size, config.batch_wait_timeout_s) == (2, 8, 0.1)
+    assert config.warmup_batch_sizes == [1, 2, 4]
+    with pytest.raises(ValueError, match="replicas: expected an integer, got 'two'"):
+        ServeConfig.from_args({"model": "folder", "replicas": "two"})
+    with pytest.raises(ValueError, match=r"unknown \['replica'\]"):
+        ServeConfig.from_args({"model": "folder", "replica": "2"})
+    with pytest.raises(ValueError, match="max_batch_size: expected a positive integer, got 0"):
+        ServeConfig(model="folder", max_batch_size=0)
