@@ -173,6 +173,43 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    from .layout import looks_like_hub_id
+
+    if args.model is not None and not Path(args.model).exists() and not looks_like_hub_id(args.model):
+        raise UsageError(f"model: expected an existing local folder or a hub repository id, got {args.model!r}")
+    try:
+        from .serve import ServeConfig, run
+    except ImportError as error:
+        raise UsageError(str(error)) from None
+    model = args.model if args.model is not None else str(tiny_model_folder(
+        Path(args.cache_dir) if args.cache_dir else None))
+    warmup = None
+    if args.warmup_batch_sizes is not None:
+        warmup = ServeConfig.from_args({"model": model, "warmup_batch_sizes": args.warmup_batch_sizes}
+                                       ).warmup_batch_sizes
+    config = ServeConfig(model=model, replicas=args.replicas, max_batch_size=args.max_batch_size,
+                         batch_wait_timeout_s=args.batch_wait_ms / 1000.0, device=args.device, provider=args.provider,
+                         steps=args.steps, guidance=args.guidance, warmup_batch_sizes=warmup,
+                         max_queued_requests=args.max_queued_requests)
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port: expected 1–65535, got {args.port}")
+    if Path(model).is_dir():  # before Ray starts: a folder that is no pipeline fails here, not in every replica
+        from .pipelines import pipeline_class_for
+
+        pipeline_class_for(model)
+    print(f"optimum-iobinding: serving {model} on http://{args.host}:{args.port}/v1/images "
+          f"({args.replicas} replica(s), batches of up to {args.max_batch_size}); Ctrl-C stops", flush=True)
+    run(config, host=args.host, port=args.port)
+    return 0
+
+
+def run_loadtest_command(args: argparse.Namespace) -> int:
+    from .loadtest import main_from_args
+
+    return main_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="optimum-iobinding", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -196,6 +233,47 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--cache-dir", default=None, help="where the tiny model is built (default ~/.cache)")
     generate.add_argument("--out", default="image.png", help="PNG to write (default image.png)")
     generate.set_defaults(run=run_generate)
+
+    serve_command = commands.add_parser(
+        "serve", help="serve POST /v1/images with Ray Serve: a pipeline per replica, a GPU per replica",
+        description="Runs the Ray Serve application of optimum_iobinding.serve on a local Ray cluster, or joins "
+                    "RAY_ADDRESS. Needs the serve extra: pip install 'optimum-iobinding[serve]'.")
+    serve_command.add_argument("model", nargs="?", default=None,
+                               help="ONNX pipeline folder or hub id (default: the tiny random model built offline)")
+    serve_command.add_argument("--replicas", type=int, default=1, help="generator replicas, a GPU each (default 1)")
+    serve_command.add_argument("--max-batch-size", type=int, default=4, help="images per pipeline call (default 4)")
+    serve_command.add_argument("--batch-wait-ms", type=float, default=50.0,
+                               help="how long a replica waits for a batch to fill (default 50)")
+    serve_command.add_argument("--host", default="127.0.0.1")
+    serve_command.add_argument("--port", type=int, default=8000)
+    serve_command.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    serve_command.add_argument("--provider", default=None, help="ORT execution provider (default: by device)")
+    serve_command.add_argument("--steps", type=int, default=30, help="default steps of a request (default 30)")
+    serve_command.add_argument("--guidance", type=float, default=7.5, help="default guidance (default 7.5)")
+    serve_command.add_argument("--warmup-batch-sizes", default=None,
+                               help="batch sizes captured at start, e.g. 1,2,4 (default 1 … max batch size)")
+    serve_command.add_argument("--max-queued-requests", type=int, default=256,
+                               help="requests waiting before new ones get 503 (default 256)")
+    serve_command.add_argument("--cache-dir", default=None, help="where the tiny model is built (default ~/.cache)")
+    serve_command.set_defaults(run=run_serve)
+
+    loadtest = commands.add_parser(
+        "loadtest", help="load-test a running /v1/images service: images/s, p50/p95/p99 latency",
+        description="Closed-loop load test of POST /v1/images at each concurrency; prints a table and writes "
+                    "loadtest.json/.md/.png with --out.")
+    loadtest.add_argument("url", help="the service, e.g. http://127.0.0.1:8000")
+    loadtest.add_argument("--concurrency", default="1,4,16", help="client threads, one level each (default 1,4,16)")
+    loadtest.add_argument("--requests", type=int, default=32, help="counted requests per level (default 32)")
+    loadtest.add_argument("--warmup", type=int, default=-1,
+                          help="uncounted requests first (default: one per client thread)")
+    loadtest.add_argument("--prompt", default="a photo of an astronaut riding a horse")
+    loadtest.add_argument("--seed", type=int, default=0, help="first seed; each request takes the next")
+    loadtest.add_argument("--steps", type=int, default=None)
+    loadtest.add_argument("--guidance", type=float, default=None)
+    loadtest.add_argument("--size", default=None, help="512 or 768x512 (default: the service's)")
+    loadtest.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    loadtest.add_argument("--out", default=None, help="folder for loadtest.json, .md and .png")
+    loadtest.set_defaults(run=run_loadtest_command)
 
     commands.add_parser("bench", help="benchmark every peer on the GPU (optimum-iobinding bench --help)")
     export = commands.add_parser("export", help="export a diffusers pipeline to the ONNX layout")

@@ -164,6 +164,19 @@ def test_values_the_api_refuses_get_400(server):
     assert status == 400 and "at most 4" in json.loads(data)["detail"]
 
 
+def test_the_loadtest_reports_throughput_and_latency_percentiles(server, tmp_path):
+    from optimum_iobinding.loadtest import run_loadtest, write_results
+
+    rows = run_loadtest(server.url, [1, 3], 3, {"prompt": "a dog", "seed": 5, "size": SIZE}, warmup=0)
+    for row, level in zip(rows, (1, 3)):
+        assert row["concurrency"] == level and row["ok"] == 3 and row["statuses"] == {"200": 3}
+        assert row["images_per_s"] > 0 and 0 < row["p50_s"] <= row["p95_s"] <= row["p99_s"]
+        assert sum(row["batch_images"].values()) == 3
+    written = write_results(tmp_path, rows, {"url": server.url, "command": "test", "date": "now"})
+    assert json.loads(written[0].read_text())["rows"][1]["concurrency"] == 3
+    assert "| 3 | 3 (3) |" in written[1].read_text()
+
+
 def test_shutdown_leaves_no_ray_process(server):  # last: it ends the module's server
     processes = [p for p in server.ray_processes if p.is_running()]
     assert any("raylet" in p.name() for p in processes)
@@ -185,3 +198,15 @@ def test_config_from_serve_run_arguments():
         ServeConfig.from_args({"model": "folder", "replica": "2"})
     with pytest.raises(ValueError, match="max_batch_size: expected a positive integer, got 0"):
         ServeConfig(model="folder", max_batch_size=0)
+
+
+def test_serve_command_checks_its_arguments_before_starting_ray(tmp_path, capsys):
+    from optimum_iobinding.cli import main
+
+    assert main(["serve", str(tmp_path / "missing")]) == 2
+    assert "model: expected an existing local folder" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--replicas", "0"]) == 2
+    assert "replicas: expected a positive integer, got 0" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--port", "70000"]) == 2
+    assert main(["loadtest", "http://127.0.0.1:1", "--concurrency", "0"]) == 2
+    assert "--concurrency: expected positive integers" in capsys.readouterr().err

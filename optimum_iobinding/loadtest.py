@@ -1,0 +1,157 @@
+"""Load test of a running ``/v1/images`` service: images/s and latency percentiles at one or more concurrencies.
+
+Each concurrency level sends ``requests`` requests from that many client threads (each thread sends its next request
+once its last one is answered: a closed loop), after ``warmup`` requests that are not counted. A level's row gives
+images/s over its wall time, p50/p95/p99 latency of the answered requests, the status codes, and the batch sizes the
+service reported (``X-Batch-Images``). Writes ``loadtest.json`` (with the command, URL and date), ``loadtest.md`` and,
+where matplotlib is installed, ``loadtest.png``.
+
+    optimum-iobinding loadtest http://127.0.0.1:8000 --concurrency 1,4,16,64 --requests 128 --out results/
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    """The ``q``-th percentile (0–100) by linear interpolation between closest ranks; ``None`` for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def one_request(url: str, body: Dict[str, Any], timeout: float) -> Dict[str, Any]:
+    data = json.dumps(body).encode()
+    request = urllib.request.Request(url.rstrip("/") + "/v1/images", data=data,
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    start = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            response.read()
+            status, headers = response.status, response.headers
+    except urllib.error.HTTPError as error:
+        error.read()
+        status, headers = error.code, error.headers
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+        return {"status": None, "error": str(error), "seconds": time.perf_counter() - start}
+    batch = headers.get("X-Batch-Images")
+    return {"status": status, "seconds": time.perf_counter() - start, "batch_images": int(batch) if batch else None}
+
+
+def run_level(url: str, concurrency: int, requests: int, body: Dict[str, Any], warmup: int = 0,
+              timeout: float = 600.0) -> Dict[str, Any]:
+    """One concurrency level: ``warmup`` uncounted requests, then ``requests`` from ``concurrency`` threads."""
+    if concurrency < 1 or requests < 1:
+        raise ValueError(f"concurrency and requests: expected positive integers, got {concurrency} and {requests}")
+    counter = iter(range(10**12))
+    lock = threading.Lock()
+
+    def next_body() -> Dict[str, Any]:
+        with lock:
+            index = next(counter)
+        return dict(body, seed=int(body.get("seed", 0)) + index)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(lambda _: one_request(url, next_body(), timeout), range(warmup)))
+        start = time.perf_counter()
+        results = list(pool.map(lambda _: one_request(url, next_body(), timeout), range(requests)))
+        wall = time.perf_counter() - start
+    ok = [r for r in results if r["status"] == 200]
+    latencies = [r["seconds"] for r in ok]
+    images = len(ok) * int(body.get("n", 1))
+    return {
+        "concurrency": concurrency, "requests": requests, "ok": len(ok), "wall_s": wall,
+        "images_per_s": images / wall if wall > 0 else None,
+        "p50_s": percentile(latencies, 50), "p95_s": percentile(latencies, 95), "p99_s": percentile(latencies, 99),
+        "mean_s": statistics.fmean(latencies) if latencies else None,
+        "statuses": dict(Counter(str(r["status"]) for r in results)),
+        "batch_images": dict(sorted(Counter(r.get("batch_images") for r in ok if r.get("batch_images")).items())),
+        "errors": sorted({r["error"] for r in results if "error" in r})[:5],
+    }
+
+
+def run_loadtest(url: str, concurrency: Sequence[int], requests: int, body: Dict[str, Any], warmup: int = -1,
+                 timeout: float = 600.0) -> List[Dict[str, Any]]:
+    """Every level in turn; ``warmup=-1`` sends one uncounted request per client thread first."""
+    return [run_level(url, level, requests, body, level if warmup < 0 else warmup, timeout) for level in concurrency]
+
+
+def table(rows: Sequence[Dict[str, Any]]) -> str:
+    def ms(value: Optional[float]) -> str:
+        return "" if value is None else f"{value * 1000:.0f}"
+
+    lines = ["| concurrency | requests (ok) | images/s | p50 ms | p95 ms | p99 ms | batch images seen |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        batches = ", ".join(f"{size}×{count}" for size, count in row["batch_images"].items())
+        rate = "" if row["images_per_s"] is None else f"{row['images_per_s']:.2f}"
+        lines.append(f"| {row['concurrency']} | {row['requests']} ({row['ok']}) | {rate} | {ms(row['p50_s'])} | "
+                     f"{ms(row['p95_s'])} | {ms(row['p99_s'])} | {batches} |")
+    return "\n".join(lines)
+
+
+def write_results(out: Path, rows: Sequence[Dict[str, Any]], meta: Dict[str, Any]) -> List[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "loadtest.json", out / "loadtest.md"]
+    written[0].write_text(json.dumps({**meta, "rows": list(rows)}, indent=2))
+    written[1].write_text(f"# Load test: {meta['url']}\n\n`{meta['command']}` — {meta['date']}\n\n{table(rows)}\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    levels = [row["concurrency"] for row in rows]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(levels, [row["images_per_s"] or 0 for row in rows], marker="o")
+    left.set_xscale("log", base=2)
+    left.set_xlabel("concurrency")
+    left.set_ylabel("images/s")
+    for key, label in (("p50_s", "p50"), ("p99_s", "p99")):
+        right.plot(levels, [(row[key] or 0) * 1000 for row in rows], marker="o", label=label)
+    right.set_xscale("log", base=2)
+    right.set_xlabel("concurrency")
+    right.set_ylabel("latency ms")
+    right.legend()
+    figure.suptitle(meta["url"])
+    figure.tight_layout()
+    figure.savefig(out / "loadtest.png", dpi=100)
+    plt.close(figure)
+    return written + [out / "loadtest.png"]
+
+
+def main_from_args(args: Any) -> int:
+    """The ``optimum-iobinding loadtest`` command."""
+    levels = [int(part) for part in str(args.concurrency).split(",") if part.strip()]
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency: expected positive integers like 1,4,16, got {args.concurrency!r}")
+    if args.requests < 1:
+        raise ValueError(f"--requests: expected a positive integer, got {args.requests}")
+    body: Dict[str, Any] = {"prompt": args.prompt, "seed": args.seed, "response_format": "png"}
+    for key, value in (("steps", args.steps), ("guidance", args.guidance), ("size", args.size)):
+        if value is not None:
+            body[key] = value
+    rows = run_loadtest(args.url, levels, args.requests, body, args.warmup, args.timeout)
+    print(table(rows))
+    if args.out:
+        meta = {"url": args.url, "command": " ".join(["optimum-iobinding", *sys.argv[1:]]),
+                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "body": body}
+        for path in write_results(Path(args.out), rows, meta):
+            print(path)
+    return 0 if all(row["ok"] == row["requests"] for row in rows) else 1
