@@ -69,12 +69,17 @@ run_step() {
                 script benchmarks/cold_start.py --folder "$work/sd15-fp16-optimized" --out "$out/cold-start" ;;
     signature-memory) bench --export-only --models sd15 --dtypes fp16 --exports optimized &&
                       script benchmarks/signature_memory.py --folder "$work/sd15-fp16-optimized" --out "$out/signature-memory" ;;
+    # Ray Serve (issue 15): after bash .device/rdeps/install-ray.sh; every GPU of the machine gets a replica
+    serve) bench --export-only --models sd15 --dtypes fp16 --exports optimized &&
+           PYTHONPATH=/tmp/site-ray:$PYTHONPATH NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+           python3 benchmarks/serve_bench.py --folder "$work/sd15-fp16-optimized" --out "$out/serve" \
+             --replicas "${SERVE_REPLICAS:-1,2}" ;;
     few-step-small) script benchmarks/few_step_loop.py --model small --work "$work" --out "$out/few-step-small" ;;
     unet-options) script benchmarks/unet_options.py --model sd15 --work "$work" --out "$out/unet-options" ;;
     *) echo "unknown step: $1 (expected one of: $ALL_STEPS)"; return 2 ;;
   esac
 }
-ALL_STEPS="sd15-fp16-defaults small-fp16-defaults sd15-fp16-mixed cold-start signature-memory few-step-small sd15-fp32 sd15-fp32-optimized sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options"
+ALL_STEPS="sd15-fp16-defaults small-fp16-defaults sd15-fp16-mixed cold-start signature-memory few-step-small sd15-fp32 sd15-fp32-optimized sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options serve"
 for name in ${selected:-$ALL_STEPS}; do
   run_step "$name" > "$out/$name.log" 2>&1
   echo "$name $?" >> "$out/status"

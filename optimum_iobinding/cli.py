@@ -242,8 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                                help="ONNX pipeline folder or hub id (default: the tiny random model built offline)")
     serve_command.add_argument("--replicas", type=int, default=1, help="generator replicas, a GPU each (default 1)")
     serve_command.add_argument("--max-batch-size", type=int, default=4, help="images per pipeline call (default 4)")
-    serve_command.add_argument("--batch-wait-ms", type=float, default=50.0,
-                               help="how long a replica waits for a batch to fill (default 50)")
+    serve_command.add_argument("--batch-wait-ms", type=float, default=0.0,
+                               help="how long a replica waits for a batch to fill (default 0: batches form from the "
+                                    "requests that queue while one runs)")
     serve_command.add_argument("--host", default="127.0.0.1")
     serve_command.add_argument("--port", type=int, default=8000)
     serve_command.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")

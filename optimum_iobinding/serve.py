@@ -58,7 +58,9 @@ class ServeConfig:
         model: a pipeline folder (diffusers ONNX layout; SD, SDXL or LCM, picked from the folder) or a hub id.
         replicas: ``ImageGenerator`` replicas; each takes one GPU on a GPU cluster.
         max_batch_size: images per pipeline call (``@serve.batch`` counts a request's ``n`` images).
-        batch_wait_timeout_s: how long a replica waits for a batch to fill once its first request came.
+        batch_wait_timeout_s: how long a replica waits for a batch to fill once its first request came. 0 (the
+            default) adds no latency to a lone request, and batches still form under load: the pipeline runs off the
+            replica's event loop, so requests that come while a batch runs queue up and ride in the next one.
         device: ``"auto"`` (a GPU per replica if the cluster has GPUs), ``"cuda"`` or ``"cpu"``.
         provider: the ONNX Runtime provider; default CUDA on a GPU replica, CPU otherwise.
         steps, guidance: the defaults of requests that give none.
@@ -69,12 +71,16 @@ class ServeConfig:
         max_queued_requests: requests waiting for a replica before new ones get 503.
         ingress_replicas: ``ImagesAPI`` replicas (CPU; they decode requests and encode PNGs).
         pipeline_options: extra keyword arguments for the pipeline's ``from_pretrained``.
+        engine: ``"optimum-iobinding"``, or ``"diffusers-numpy"``: diffusers' ``OnnxStableDiffusionPipeline`` (the
+            numpy loop), the anchor the serving benchmark compares against. Its batches draw every image's noise
+            from one ``RandomState`` seeded with the first request's seed, so a batched image is not the single
+            call's; without batching (``max_batch_size=1``) it is.
     """
 
     model: str
     replicas: int = 1
     max_batch_size: int = 4
-    batch_wait_timeout_s: float = 0.05
+    batch_wait_timeout_s: float = 0.0
     device: Literal["auto", "cuda", "cpu"] = "auto"
     provider: Optional[str] = None
     steps: int = 30
@@ -86,6 +92,7 @@ class ServeConfig:
     max_queued_requests: int = 256
     ingress_replicas: int = 1
     pipeline_options: Dict[str, Any] = field(default_factory=dict)
+    engine: Literal["optimum-iobinding", "diffusers-numpy"] = "optimum-iobinding"
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -101,6 +108,8 @@ class ServeConfig:
             positive_int(name)
         if not isinstance(self.batch_wait_timeout_s, (int, float)) or not 0 <= self.batch_wait_timeout_s <= 60:
             raise ValueError(f"batch_wait_timeout_s: expected seconds in [0, 60], got {self.batch_wait_timeout_s!r}")
+        if self.engine not in ("optimum-iobinding", "diffusers-numpy"):
+            raise ValueError(f"engine: expected 'optimum-iobinding' or 'diffusers-numpy', got {self.engine!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device: expected 'auto', 'cuda' or 'cpu', got {self.device!r}")
         if self.max_images_per_request > self.max_batch_size:
@@ -207,12 +216,22 @@ class ImageGenerator:
             from .layout import download_from_hub
 
             folder = str(download_from_hub(folder))
-        pipeline_class = pipeline_class_for(folder)
-        self.pipe = pipeline_class.from_pretrained(folder, provider=provider, **self.config.pipeline_options)
+        self.numpy_engine = self.config.engine == "diffusers-numpy"
+        if self.numpy_engine:
+            from diffusers import OnnxStableDiffusionPipeline as NumpyPipeline
+
+            # provider_options={} or diffusers' loader trips ORT's length check and falls back to the CPU
+            self.pipe = NumpyPipeline.from_pretrained(folder, provider=provider, provider_options={},
+                                                      **self.config.pipeline_options)
+            self.pipeline_name = "diffusers.OnnxStableDiffusionPipeline"
+            self.default_size = 512  # its call's default
+        else:
+            pipeline_class = pipeline_class_for(folder)
+            self.pipe = pipeline_class.from_pretrained(folder, provider=provider, **self.config.pipeline_options)
+            self.pipeline_name = pipeline_class.__name__
+            self.default_size = self.pipe.default_image_size
         self.pipe.set_progress_bar_config(disable=True)
-        self.pipeline_name = pipeline_class.__name__
         self.accepts = set(inspect.signature(self.pipe.__call__).parameters)
-        self.default_size = self.pipe.default_image_size
         self._batched.set_max_batch_size(self.config.max_batch_size)
         self._batched.set_batch_wait_timeout_s(self.config.batch_wait_timeout_s)
         batches = self.config.warmup_batch_sizes
@@ -221,8 +240,14 @@ class ImageGenerator:
         self.warmup_s = 0.0
         if batches:
             start = time.perf_counter()
-            self.pipe.warmup(heights=self.config.warmup_sizes or self.default_size, batch_sizes=batches,
-                             guidance_scales=self.config.guidance)
+            if self.numpy_engine:  # no graphs to capture: one short call per batch size (cuDNN's algorithm search)
+                for size in self.config.warmup_sizes or [self.default_size]:
+                    for batch in batches:
+                        self.pipe([""] * batch, height=size, width=size, num_inference_steps=2,
+                                  guidance_scale=self.config.guidance, output_type="np")
+            else:
+                self.pipe.warmup(heights=self.config.warmup_sizes or self.default_size, batch_sizes=batches,
+                                 guidance_scales=self.config.guidance)
             self.warmup_s = time.perf_counter() - start
         self.batches_run = 0
 
@@ -253,6 +278,8 @@ class ImageGenerator:
         if request["seed"] + request["n"] - 1 > MAX_SEED:
             raise ValueError(f"seed: expected at most {MAX_SEED - request['n'] + 1} for n={request['n']}, got "
                              f"{request['seed']}")
+        if self.numpy_engine:  # its own checks run when it is called (a failing batch is retried one by one)
+            return request
         checks = dict(prompt=request["prompt"], height=request["height"], width=request["width"],
                       num_inference_steps=request["steps"], callback_steps=None, guidance_scale=request["guidance"],
                       num_images_per_prompt=request["n"])
@@ -270,7 +297,7 @@ class ImageGenerator:
             return {"error": str(error)}
         return await self._batched(request)
 
-    @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.05, batch_size_fn=_images_in)
+    @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.0, batch_size_fn=_images_in)
     async def _batched(self, requests: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         # the pipeline call blocks: run it off the event loop, which keeps taking requests for the next batch
         return await asyncio.to_thread(self._run_batch, requests)
@@ -308,9 +335,13 @@ class ImageGenerator:
                 negatives.append(member.get("negative_prompt") or "")
                 seeds.append(member["seed"] + k)
         first = members[0]
+        if self.numpy_engine:
+            generator: Any = np.random.RandomState(seeds[0] % 2**32)
+        else:
+            generator = [torch.Generator().manual_seed(seed) for seed in seeds]
         arguments = dict(prompt=prompts, height=first["height"], width=first["width"],
                          num_inference_steps=first["steps"], guidance_scale=first["guidance"],
-                         generator=[torch.Generator().manual_seed(seed) for seed in seeds], output_type="np")
+                         generator=generator, output_type="np")
         if "negative_prompt" in self.accepts and any(negatives):
             arguments["negative_prompt"] = negatives
         images = self.pipe(**arguments).images

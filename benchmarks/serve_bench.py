@@ -1,0 +1,225 @@
+"""Serving benchmark: the Ray Serve application (``optimum_iobinding.serve``) under load, against the same
+application serving diffusers' numpy ``OnnxStableDiffusionPipeline``, and the bare pipeline in one process.
+
+For each engine × replica count × batching (on: ``max_batch_size`` images per call; off: 1), the app is deployed
+on the local Ray cluster (replicas take a GPU each where there are GPUs) and ``optimum_iobinding.loadtest`` measures
+images/s and p50/p95/p99 latency at each concurrency (closed loop; one uncounted request per client first). Before
+Ray starts, a fresh process measures the bare pipeline on one GPU: the batch-1 latency and images/s at fixed batch
+sizes. Writes ``serve.json`` (device, versions, command, every row), ``serve.md`` (table and the issue's ratios)
+and ``serve.png``.
+
+    python benchmarks/serve_bench.py --folder WORK/sd15-fp16-optimized --out OUT/serve --replicas 1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT = "a photo of an astronaut riding a horse on mars"
+
+
+def bare(folder: str, steps: int, size: int, batches, device: str) -> dict:
+    import torch
+
+    from optimum_iobinding.pipelines import pipeline_class_for
+
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    pipe = pipeline_class_for(folder).from_pretrained(
+        folder, provider="CUDAExecutionProvider" if cuda else "CPUExecutionProvider")
+    pipe.set_progress_bar_config(disable=True)
+    pipe.warmup(heights=size, batch_sizes=list(batches))
+
+    def seconds(batch: int) -> float:
+        start = time.perf_counter()
+        pipe([PROMPT] * batch, height=size, width=size, num_inference_steps=steps,
+             generator=[torch.Generator().manual_seed(i) for i in range(batch)], output_type="np")
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    latency = statistics.median(seconds(1) for _ in range(5))
+    fixed = {}
+    for batch in batches:
+        median = statistics.median(seconds(batch) for _ in range(3))
+        fixed[str(batch)] = {"seconds": median, "images_per_s": batch / median}
+    return {"latency_batch1_s": latency, "fixed_batches": fixed}
+
+
+def versions() -> dict:
+    found = {}
+    for name in ("onnxruntime", "torch", "diffusers", "transformers", "ray"):
+        try:
+            found[name] = __import__(name).__version__
+        except ImportError:
+            found[name] = None
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--replicas", default="1,2")
+    parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--requests", type=int, default=32, help="counted requests per level, at least")
+    parser.add_argument("--requests-per-client", type=int, default=2,
+                        help="a level sends max(--requests, this × concurrency) requests")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--batch-wait-ms", type=float, default=0.0)
+    parser.add_argument("--engines", default="optimum-iobinding,diffusers-numpy")
+    parser.add_argument("--numpy-batching", action="store_true", help="also run the numpy engine with batching")
+    parser.add_argument("--bare-batches", default="1,2,4,8")
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.bare_batches.split(",")]
+    if args.bare:
+        print("BARE " + json.dumps(bare(args.folder, args.steps, args.size, batches, args.device)), flush=True)
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--bare"], capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("BARE ")]
+    bare_result = json.loads(lines[-1][5:]) if lines else {"error": done.stderr[-2000:]}
+    print("bare:", bare_result, flush=True)
+
+    import ray
+    from ray import serve
+
+    from optimum_iobinding.loadtest import run_loadtest
+    from optimum_iobinding.serve import ServeConfig, build_app
+
+    ray.init(log_to_driver=False, include_dashboard=False)
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    url = f"http://127.0.0.1:{args.port}"
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rows = []
+    for engine in args.engines.split(","):
+        for replicas in [int(r) for r in args.replicas.split(",")]:
+            for batching in ((True, False) if engine == "optimum-iobinding" or args.numpy_batching else (False,)):
+                batch = args.max_batch_size if batching else 1
+                config = ServeConfig(model=args.folder, replicas=replicas, max_batch_size=batch,
+                                     max_images_per_request=1, batch_wait_timeout_s=args.batch_wait_ms / 1000,
+                                     steps=args.steps, engine=engine, device=args.device, warmup_sizes=[args.size],
+                                     max_ongoing_requests=max(64, 2 * batch), max_queued_requests=4096)
+                start = time.perf_counter()
+                try:
+                    serve.run(build_app(config), name="bench", route_prefix="/", blocking=False)
+                except Exception as error:  # noqa: BLE001 — recorded, the next configuration still runs
+                    rows.append({"engine": engine, "replicas": replicas, "batching": batching, "error": str(error)})
+                    print(rows[-1], flush=True)
+                    serve.delete("bench")
+                    continue
+                ready_s = time.perf_counter() - start
+                for level in levels:
+                    requests = max(args.requests, args.requests_per_client * level)
+                    (result,) = run_loadtest(url, [level], requests,
+                                             {"prompt": PROMPT, "seed": 0, "size": args.size, "steps": args.steps})
+                    rows.append({"engine": engine, "replicas": replicas, "batching": batching,
+                                 "max_batch_size": batch, "ready_s": ready_s, **result})
+                    print({k: rows[-1][k] for k in ("engine", "replicas", "batching", "concurrency", "images_per_s",
+                                                     "p50_s", "p99_s", "statuses")}, flush=True)
+                serve.delete("bench")
+    serve.shutdown()
+    ray.shutdown()
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    result = {"device": device, "gpus": gpus, "versions": versions(), "command": " ".join(["python", *sys.argv]),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "steps": args.steps, "size": args.size,
+              "bare": bare_result, "rows": rows}
+    (out / "serve.json").write_text(json.dumps(result, indent=2))
+    (out / "serve.md").write_text(report(result))
+    plot(result, out / "serve.png")
+    print(report(result))
+    return 0
+
+
+def _row(rows, engine, replicas, batching, concurrency):
+    for row in rows:
+        if (row.get("engine"), row.get("replicas"), row.get("batching"), row.get("concurrency")) == (
+                engine, replicas, batching, concurrency) and "images_per_s" in row:
+            return row
+    return None
+
+
+def report(result: dict) -> str:
+    lines = [f"# Serving: {result['device']} × {result['gpus']}", "",
+             f"`{result['command']}` — {result['date']}; {result['versions']}; {result['size']}², "
+             f"{result['steps']} steps", "",
+             "| engine | replicas | batching | concurrency | images/s | p50 ms | p99 ms | statuses | batch images |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        if "error" in row:
+            lines.append(f"| {row['engine']} | {row['replicas']} | {row['batching']} | | error: {row['error'][:80]} "
+                         "| | | | |")
+            continue
+        lines.append(f"| {row['engine']} | {row['replicas']} | {'on' if row['batching'] else 'off'} | "
+                     f"{row['concurrency']} | {row['images_per_s']:.2f} | {row['p50_s'] * 1000:.0f} | "
+                     f"{row['p99_s'] * 1000:.0f} | {row['statuses']} | {row['batch_images']} |")
+    bare_result = result["bare"]
+    rows = result["rows"]
+    lines += ["", f"Bare pipeline (one process, one GPU): {json.dumps(bare_result)}", ""]
+    ours = "optimum-iobinding"
+    checks = []
+    one, two = _row(rows, ours, 1, True, 16), _row(rows, ours, 2, True, 16)
+    if one and two:
+        checks.append(f"two replicas / one at concurrency 16 (batching): {two['images_per_s'] / one['images_per_s']:.2f} "
+                      "(target ≥ 1.9)")
+    anchor = _row(rows, "diffusers-numpy", 1, False, 16)
+    if one and anchor:
+        checks.append(f"per GPU vs the numpy deployment at concurrency 16: "
+                      f"{one['images_per_s'] / anchor['images_per_s']:.2f} (target ≥ 1.5)")
+    single = _row(rows, ours, 1, True, 1) or _row(rows, ours, 1, False, 1)
+    if single and "latency_batch1_s" in bare_result:
+        checks.append(f"concurrency 1 p50 / bare latency: {single['p50_s'] / bare_result['latency_batch1_s']:.3f} "
+                      "(target ≤ 1.10)")
+    if one and "fixed_batches" in bare_result:
+        best = max(v["images_per_s"] for v in bare_result["fixed_batches"].values())
+        checks.append(f"batching at concurrency 16 / best fixed batch of the bare pipeline: "
+                      f"{one['images_per_s'] / best:.2f} (target ≥ 1.0)")
+    lines += [f"- {check}" for check in checks]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    series = {}
+    for row in result["rows"]:
+        if "images_per_s" not in row:
+            continue
+        key = f"{row['engine']}, {row['replicas']} replica(s), batching {'on' if row['batching'] else 'off'}"
+        series.setdefault(key, []).append(row)
+    for key, rows in series.items():
+        levels = [r["concurrency"] for r in rows]
+        left.plot(levels, [r["images_per_s"] for r in rows], marker="o", label=key)
+        right.plot(levels, [r["p99_s"] * 1000 for r in rows], marker="o", label=key)
+    for axis, label in ((left, "images/s"), (right, "p99 latency ms")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrency")
+        axis.set_ylabel(label)
+    left.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
