@@ -261,10 +261,13 @@ class ImageGenerator:
         if getattr(self, "pipe", None) is None:
             raise RuntimeError("the pipeline is not loaded")
 
-    def _complete(self, request: Dict[str, Any]) -> Dict[str, Any]:
+    def complete_request(self, request: Dict[str, Any]) -> Dict[str, Any]:
         """The request with its defaults filled in and checked by the pipeline's own checks (ValueError/TypeError
         with the pipeline's message)."""
         request = dict(request)
+        request.setdefault("n", 1)
+        if request.get("seed") is None:
+            request["seed"] = secrets.randbelow(2**31)
         if request.get("steps") is None:
             request["steps"] = self.config.steps
         if request.get("guidance") is None:
@@ -292,7 +295,7 @@ class ImageGenerator:
         """One request → ``{"images": [uint8 HxWx3], "seeds", "batch_images", "batch_requests"}`` or
         ``{"error": message}`` for a request the pipeline refuses."""
         try:
-            request = self._complete(request)
+            request = self.complete_request(request)
         except (ValueError, TypeError) as error:
             return {"error": str(error)}
         return await self._batched(request)
@@ -300,9 +303,11 @@ class ImageGenerator:
     @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.0, batch_size_fn=_images_in)
     async def _batched(self, requests: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         # the pipeline call blocks: run it off the event loop, which keeps taking requests for the next batch
-        return await asyncio.to_thread(self._run_batch, requests)
+        return await asyncio.to_thread(self.run_batch, requests)
 
-    def _run_batch(self, requests: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    def run_batch(self, requests: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """Completed requests → one result each: a pipeline call per group that agrees on size, steps and guidance
+        (a group whose call the pipeline refuses runs one request at a time, so only the bad one fails)."""
         results: List[Optional[Dict[str, Any]]] = [None] * len(requests)
         groups: Dict[Tuple, List[int]] = {}
         for index, request in enumerate(requests):

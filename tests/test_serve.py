@@ -210,3 +210,35 @@ def test_serve_command_checks_its_arguments_before_starting_ray(tmp_path, capsys
     assert main(["serve", str(tmp_path), "--port", "70000"]) == 2
     assert main(["loadtest", "http://127.0.0.1:1", "--concurrency", "0"]) == 2
     assert "--concurrency: expected positive integers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["xl", "lcm"])
+def test_sdxl_and_lcm_folders_are_served_with_each_requests_seed(tmp_path, kind):
+    """The generator replica's class in this process (no Ray; its two steps, checking a request and running a
+    batch): a batch of two requests gives each the image of a single call with its seed."""
+    from dataclasses import asdict
+
+    from optimum_iobinding.export import export_pipeline
+    from optimum_iobinding.pipelines import pipeline_class_for
+    from optimum_iobinding.serve import ImageGenerator, ServeConfig
+
+    folder = export_pipeline(None, tmp_path / kind, tiny_random=kind, progress=False)
+    config = ServeConfig(model=str(folder), device="cpu", max_batch_size=2, steps=2, warmup_batch_sizes=[])
+    generator = ImageGenerator.func_or_class(asdict(config))
+    size = generator.default_size
+    requests = [dict(prompt=f"a cat {i}", negative_prompt=None, seed=10 + i, size=size, n=1, steps=None,
+                     guidance=None) for i in range(2)]
+
+    answers = generator.run_batch([generator.complete_request(request) for request in requests])
+    assert [answer["batch_images"] for answer in answers] == [2, 2]  # batched into one call
+    pipe = pipeline_class_for(folder).from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    for request, answer in zip(requests, answers):
+        single = pipe(request["prompt"], height=size, width=size, num_inference_steps=2,
+                      guidance_scale=config.guidance, generator=torch.Generator().manual_seed(request["seed"]),
+                      output_type="np").images[0]
+        expected = (np.clip(single, 0, 1) * 255).round().astype(np.uint8)
+        assert np.abs(answer["images"][0].astype(int) - expected.astype(int)).max() <= 1
+    if kind == "lcm":  # its guidance is an embedding: no negative prompt, refused by name
+        with pytest.raises(ValueError, match="negative_prompt: OnnxLatentConsistencyModelPipeline takes none"):
+            generator.complete_request(dict(requests[0], negative_prompt="blurry"))
