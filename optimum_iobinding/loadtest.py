@@ -50,7 +50,9 @@ def one_request(url: str, body: Dict[str, Any], timeout: float) -> Dict[str, Any
     except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
         return {"status": None, "error": str(error), "seconds": time.perf_counter() - start}
     batch = headers.get("X-Batch-Images")
-    return {"status": status, "seconds": time.perf_counter() - start, "batch_images": int(batch) if batch else None}
+    pipeline = headers.get("X-Pipeline-Seconds")
+    return {"status": status, "seconds": time.perf_counter() - start, "batch_images": int(batch) if batch else None,
+            "pipeline_s": float(pipeline) if pipeline else None}
 
 
 def run_level(url: str, concurrency: int, requests: int, body: Dict[str, Any], warmup: int = 0,
@@ -79,6 +81,10 @@ def run_level(url: str, concurrency: int, requests: int, body: Dict[str, Any], w
         "images_per_s": images / wall if wall > 0 else None,
         "p50_s": percentile(latencies, 50), "p95_s": percentile(latencies, 95), "p99_s": percentile(latencies, 99),
         "mean_s": statistics.fmean(latencies) if latencies else None,
+        # the server's own time in the pipeline call that made each answer (X-Pipeline-Seconds): latency minus this
+        # is queueing, HTTP, Ray and PNG encoding
+        "pipeline_mean_s": statistics.fmean(pipeline) if (pipeline := [r["pipeline_s"] for r in ok
+                                                                        if r.get("pipeline_s")]) else None,
         "statuses": dict(Counter(str(r["status"]) for r in results)),
         "batch_images": dict(sorted(Counter(r.get("batch_images") for r in ok if r.get("batch_images")).items())),
         "errors": sorted({r["error"] for r in results if "error" in r})[:5],

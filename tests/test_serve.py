@@ -117,7 +117,7 @@ def test_concurrent_requests_are_batched_and_each_image_is_its_seeds_single_call
     batch_images = [int(headers["x-batch-images"]) for _, headers, _ in answers]
     assert max(batch_images) > 1, batch_images  # eight requests within a second of each other rode together
     for body, (_, headers, data) in zip(requests, answers):
-        assert int(headers["x-seed"]) == body["seed"]
+        assert int(headers["x-seed"]) == body["seed"] and float(headers["x-pipeline-seconds"]) > 0
         expected = reference(body["prompt"], body["seed"], body["negative_prompt"])
         # the same numbers through a batched call: equal up to the uint8 rounding of float noise
         assert np.abs(decode_png(data).astype(int) - expected.astype(int)).max() <= 1
@@ -171,7 +171,7 @@ def test_the_loadtest_reports_throughput_and_latency_percentiles(server, tmp_pat
     for row, level in zip(rows, (1, 3)):
         assert row["concurrency"] == level and row["ok"] == 3 and row["statuses"] == {"200": 3}
         assert row["images_per_s"] > 0 and 0 < row["p50_s"] <= row["p95_s"] <= row["p99_s"]
-        assert sum(row["batch_images"].values()) == 3
+        assert sum(row["batch_images"].values()) == 3 and 0 < row["pipeline_mean_s"] <= row["mean_s"]
     written = write_results(tmp_path, rows, {"url": server.url, "command": "test", "date": "now"})
     assert json.loads(written[0].read_text())["rows"][1]["concurrency"] == 3
     assert "| 3 | 3 (3) |" in written[1].read_text()
