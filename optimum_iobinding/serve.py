@@ -12,6 +12,8 @@ The application has two deployments:
   negative prompt and seed: image ``k`` of a request with seed ``s`` is drawn from its own ``torch.Generator``
   seeded ``s + k`` (the latents and every scheduler noise), so it equals the image of a single call
   ``pipe(prompt, generator=torch.Generator().manual_seed(s + k))`` up to the batch's floating-point rounding.
+  Requests with an ``image`` run image-to-image (SD and SDXL folders with a VAE encoder) on a pipeline that shares
+  the same models, batched with the image-to-image requests of the same strength.
 * ``ImagesAPI`` is the HTTP ingress (FastAPI through ``@serve.ingress``): ``POST /v1/images``, ``GET /health``,
   ``GET /v1/models``. It validates requests (422 for a malformed body, 400 with the pipeline's own message for
   values the pipeline refuses — checked per request before batching, so a bad request never fails the others),
@@ -163,6 +165,8 @@ class ImageRequest(BaseModel):
     size: Union[int, str, None] = Field(default=None, description="pixels: 512 (square) or '768x512' (width x height)")
     n: int = Field(default=1, ge=1)
     response_format: Literal["png", "b64_json"] = "png"
+    image: Optional[str] = Field(default=None, description="image-to-image: the start image, base64 PNG or JPEG")
+    strength: Optional[float] = Field(default=None, description="image-to-image: how much of the schedule runs")
 
 
 def parse_size(size: Union[int, str, None], default: int) -> Tuple[int, int]:
@@ -192,8 +196,25 @@ def encode_pngs(images: Sequence[Any]) -> List[bytes]:
 
 
 def _group_key(request: Dict[str, Any]) -> Tuple:
-    """What one pipeline call cannot mix."""
-    return request["width"], request["height"], request["steps"], request["guidance"]
+    """What one pipeline call cannot mix (image-to-image requests run apart from text-to-image ones)."""
+    return (request["width"], request["height"], request["steps"], request["guidance"],
+            request.get("start_image") is not None, request.get("strength"))
+
+
+def decode_image(data: str) -> Any:
+    """A base64 PNG or JPEG → float32 HxWx3 in [0, 1] (what the image-to-image pipelines take)."""
+    import binascii
+
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        raw = base64.b64decode(data, validate=True)
+        with Image.open(io.BytesIO(raw)) as image:
+            pixels = np.asarray(image.convert("RGB"))
+    except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as error:
+        raise ValueError(f"image: expected a base64 PNG or JPEG, could not read it: {error}") from None
+    return pixels.astype(np.float32) / 255.0
 
 
 def _images_in(requests: Sequence[Dict[str, Any]]) -> int:
@@ -232,6 +253,7 @@ class ImageGenerator:
             self.pipe = pipeline_class.from_pretrained(folder, provider=provider, **self.config.pipeline_options)
             self.pipeline_name = pipeline_class.__name__
             self.default_size = self.pipe.default_image_size
+            self.img2img = self._image_to_image(pipeline_class)
         self.pipe.set_progress_bar_config(disable=True)
         self.accepts = set(inspect.signature(self.pipe.__call__).parameters)
         self._batched.set_max_batch_size(self.config.max_batch_size)
@@ -256,8 +278,24 @@ class ImageGenerator:
         # make new ones for each new thread
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline")
 
+    def _image_to_image(self, pipeline_class: type) -> Any:
+        """The image-to-image pipeline on the same models (no second copy of anything), where the folder has a VAE
+        encoder and the pipeline has an image-to-image sibling; else ``None``."""
+        from .pipelines import (OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionPipeline,
+                                OnnxStableDiffusionXLImg2ImgPipeline, OnnxStableDiffusionXLPipeline)
+
+        sibling = {OnnxStableDiffusionPipeline: OnnxStableDiffusionImg2ImgPipeline,
+                   OnnxStableDiffusionXLPipeline: OnnxStableDiffusionXLImg2ImgPipeline}.get(pipeline_class)
+        if sibling is None or getattr(self.pipe, "vae_encoder", None) is None:
+            return None
+        accepted = inspect.signature(sibling.__init__).parameters
+        pipe = sibling(**{name: module for name, module in self.pipe.components.items() if name in accepted})
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
     def info(self) -> Dict[str, Any]:
         return {"pipeline": self.pipeline_name, "default_size": self.default_size, "warmup_s": self.warmup_s,
+                "image_to_image": getattr(self, "img2img", None) is not None,
                 "max_batch_size": self.config.max_batch_size, "device": str(self.pipe.device),
                 "batches_run": self.batches_run}
 
@@ -277,6 +315,22 @@ class ImageGenerator:
             request["steps"] = self.config.steps
         if request.get("guidance") is None:
             request["guidance"] = self.config.guidance
+        request["start_image"] = None
+        if request.get("image") is not None:
+            if getattr(self, "img2img", None) is None:
+                raise ValueError(f"image: {self.pipeline_name} on this folder has no image-to-image pipeline (it "
+                                 "needs a vae_encoder, and SD or SDXL)")
+            request["start_image"] = decode_image(request["image"])
+            height, width = request["start_image"].shape[:2]
+            if request.get("size") is not None and parse_size(request["size"], self.default_size) != (width, height):
+                raise ValueError(f"size: the image is {width}x{height}; leave size out or give that, got "
+                                 f"{request['size']!r}")
+            request["size"] = f"{width}x{height}"
+            if request.get("strength") is None:
+                request["strength"] = 0.8
+        elif request.get("strength") is not None:
+            raise ValueError("strength: only an image-to-image request (with image) takes one")
+        request.pop("image", None)
         request["width"], request["height"] = parse_size(request.get("size"), self.default_size)
         if request["n"] > self.config.max_images_per_request:
             raise ValueError(f"n: expected at most {self.config.max_images_per_request} images per request, got "
@@ -290,7 +344,7 @@ class ImageGenerator:
             return request
         checks = dict(prompt=request["prompt"], height=request["height"], width=request["width"],
                       num_inference_steps=request["steps"], callback_steps=None, guidance_scale=request["guidance"],
-                      num_images_per_prompt=request["n"])
+                      num_images_per_prompt=request["n"], strength=request.get("strength"))
         if "negative_prompt" in self.accepts:
             checks["negative_prompt"] = request.get("negative_prompt")
         self.pipe.check_inputs(**checks)
@@ -338,24 +392,30 @@ class ImageGenerator:
         import numpy as np
         import torch
 
-        prompts, negatives, seeds = [], [], []
+        prompts, negatives, seeds, starts = [], [], [], []
         for member in members:
             for k in range(member["n"]):
                 prompts.append(member["prompt"])
                 negatives.append(member.get("negative_prompt") or "")
                 seeds.append(member["seed"] + k)
+                starts.append(member.get("start_image"))
         first = members[0]
         if self.numpy_engine:
             generator: Any = np.random.RandomState(seeds[0] % 2**32)
         else:
             generator = [torch.Generator().manual_seed(seed) for seed in seeds]
-        arguments = dict(prompt=prompts, height=first["height"], width=first["width"],
-                         num_inference_steps=first["steps"], guidance_scale=first["guidance"],
+        arguments = dict(prompt=prompts, num_inference_steps=first["steps"], guidance_scale=first["guidance"],
                          generator=generator, output_type="np")
         if "negative_prompt" in self.accepts and any(negatives):
             arguments["negative_prompt"] = negatives
+        pipe = self.pipe
+        if first.get("start_image") is not None:  # one start image per image row, each with its own generator
+            pipe = self.img2img
+            arguments.update(image=np.stack(starts), strength=first["strength"])
+        else:
+            arguments.update(height=first["height"], width=first["width"])
         start = time.perf_counter()
-        images = self.pipe(**arguments).images
+        images = pipe(**arguments).images
         seconds = time.perf_counter() - start
         pixels = (np.clip(images, 0.0, 1.0) * 255).round().astype(np.uint8)  # as diffusers' numpy_to_pil
         outputs, row = [], 0

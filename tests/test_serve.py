@@ -177,6 +177,35 @@ def test_the_loadtest_reports_throughput_and_latency_percentiles(server, tmp_pat
     assert "| 3 | 3 (3) |" in written[1].read_text()
 
 
+def test_image_to_image_requests_get_their_seeds_single_call_image(server, tiny_folder):
+    from PIL import Image
+
+    from optimum_iobinding import OnnxStableDiffusionImg2ImgPipeline
+
+    start = np.random.RandomState(0).randint(0, 256, (SIZE, SIZE, 3)).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(start).save(buffer, format="PNG")
+    image = base64.b64encode(buffer.getvalue()).decode("ascii")
+    bodies = [dict(prompt=f"a painting {i}", seed=20 + i, image=image, strength=0.6) for i in range(3)]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda body: post(server.url, body), bodies))
+    assert [status for status, _, _ in answers] == [200] * len(bodies), [a[2][:300] for a in answers]
+    pipe = OnnxStableDiffusionImg2ImgPipeline.from_pretrained(tiny_folder)
+    pipe.set_progress_bar_config(disable=True)
+    for body, (_, _, data) in zip(bodies, answers):
+        single = pipe(body["prompt"], image=start.astype(np.float32) / 255.0, strength=0.6,
+                      num_inference_steps=STEPS, generator=torch.Generator().manual_seed(body["seed"]),
+                      output_type="np").images[0]
+        expected = (np.clip(single, 0, 1) * 255).round().astype(np.uint8)
+        assert np.abs(decode_png(data).astype(int) - expected.astype(int)).max() <= 1
+    status, _, data = post(server.url, dict(prompt="x", image=image, size=SIZE * 2))
+    assert status == 400 and "the image is 64x64" in json.loads(data)["detail"]
+    status, _, data = post(server.url, dict(prompt="x", strength=0.5))
+    assert status == 400 and "strength: only an image-to-image request" in json.loads(data)["detail"]
+    status, _, data = post(server.url, dict(prompt="x", image="not an image"))
+    assert status == 400 and "image: expected a base64 PNG or JPEG" in json.loads(data)["detail"]
+
+
 def test_shutdown_leaves_no_ray_process(server):  # last: it ends the module's server
     processes = [p for p in server.ray_processes if p.is_running()]
     assert any("raylet" in p.name() for p in processes)
