@@ -206,6 +206,24 @@ def test_image_to_image_requests_get_their_seeds_single_call_image(server, tiny_
     assert status == 400 and "image: expected a base64 PNG or JPEG" in json.loads(data)["detail"]
 
 
+def test_overload_gets_503_and_the_admitted_requests_succeed(server, tiny_folder):
+    from ray import serve
+
+    from optimum_iobinding.serve import ServeConfig, build_app
+
+    config = ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=1, steps=STEPS,
+                         warmup_batch_sizes=[], max_ongoing_requests=1, max_queued_requests=1)
+    serve.run(build_app(config), name="overload", route_prefix="/overload", blocking=False)
+    try:
+        bodies = [dict(prompt="busy", seed=i, size=SIZE) for i in range(12)]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            statuses = [status for status, _, _ in pool.map(lambda body: post(server.url + "/overload", body),
+                                                            bodies)]
+    finally:
+        serve.delete("overload")
+    assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses, statuses
+
+
 def test_shutdown_leaves_no_ray_process(server):  # last: it ends the module's server
     processes = [p for p in server.ray_processes if p.is_running()]
     assert any("raylet" in p.name() for p in processes)
