@@ -34,6 +34,8 @@ import io
 import logging
 import os
 import secrets
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
@@ -535,5 +537,13 @@ def run(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, blocking
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
+        # a second Ctrl-C during the shutdown must not leave Ray half shut down
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+        try:
+            serve.shutdown()
+            ray.shutdown()
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGINT, previous)
     return None
