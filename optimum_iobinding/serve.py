@@ -236,11 +236,11 @@ class ImageGenerator:
         self.config = ServeConfig(**config)
         use_cuda = self.config.device == "cuda" or (self.config.device == "auto" and torch.cuda.is_available())
         provider = self.config.provider or ("CUDAExecutionProvider" if use_cuda else "CPUExecutionProvider")
-        folder = self.config.model
-        if not os.path.isdir(folder):
-            from .layout import download_from_hub
+        # a hub id: the files every pipeline kind reads (SD, SDXL, LCM), downloaded once per replica's machine
+        from .layout import resolve_pipeline_folder
+        from .pipelines.stable_diffusion_xl import XL_COMPONENTS
 
-            folder = str(download_from_hub(folder))
+        folder = str(resolve_pipeline_folder(self.config.model, XL_COMPONENTS, ("tokenizer", "tokenizer_2")))
         self.numpy_engine = self.config.engine == "diffusers-numpy"
         if self.numpy_engine:
             from diffusers import OnnxStableDiffusionPipeline as NumpyPipeline

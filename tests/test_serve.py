@@ -289,3 +289,13 @@ def test_sdxl_and_lcm_folders_are_served_with_each_requests_seed(tmp_path, kind)
     if kind == "lcm":  # its guidance is an embedding: no negative prompt, refused by name
         with pytest.raises(ValueError, match="negative_prompt: OnnxLatentConsistencyModelPipeline takes none"):
             generator.complete_request(dict(requests[0], negative_prompt="blurry"))
+
+
+def test_a_missing_model_fails_the_replica_with_the_message_naming_it(tmp_path):
+    from dataclasses import asdict
+
+    from optimum_iobinding.serve import ImageGenerator, ServeConfig
+
+    config = ServeConfig(model=str(tmp_path / "nowhere"), device="cpu")
+    with pytest.raises(FileNotFoundError, match="expected an existing local folder or a hub repository id"):
+        ImageGenerator.func_or_class(asdict(config))
