@@ -33,15 +33,12 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
     from optimum_iobinding import OnnxStableDiffusionPipeline
 
     if variant == "numpy":
-        from diffusers import OnnxStableDiffusionPipeline as NumpyPipeline
+        from optimum_iobinding.bench import load_numpy_pipeline
     import_s = time.perf_counter() - start
     torch.cuda.init()
     start = time.perf_counter()
     if variant == "numpy":
-        # provider_options={} or diffusers' loader trips ORT's length check and falls back to the CPU
-        pipe = NumpyPipeline.from_pretrained(folder, provider="CUDAExecutionProvider", provider_options={})
-        if pipe.unet.model.get_providers()[0] != "CUDAExecutionProvider":
-            raise RuntimeError(f"numpy: the UNet runs on {pipe.unet.model.get_providers()}, not CUDA")
+        pipe = load_numpy_pipeline(folder)
         search = warm = None
     else:
         search, warm, *level = variant.split(":")

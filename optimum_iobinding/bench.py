@@ -306,6 +306,18 @@ class PeerUnavailable(RuntimeError):
     """A peer that has no pipeline for a model (diffusers' numpy pipelines exist for SD 1.x/2.x only)."""
 
 
+def load_numpy_pipeline(folder: Any, provider: str = "CUDAExecutionProvider", **kwargs: Any):
+    """diffusers' ``OnnxStableDiffusionPipeline`` (the numpy loop every benchmark compares against) on ``provider``,
+    checked to run there."""
+    from diffusers import OnnxStableDiffusionPipeline as DiffusersOnnx
+
+    # provider_options={} or diffusers' loader trips ORT's length check and silently falls back to the CPU
+    pipe = DiffusersOnnx.from_pretrained(folder, provider=provider, provider_options={}, **kwargs)
+    if pipe.unet.model.get_providers()[0] != provider:
+        raise RuntimeError(f"numpy pipeline: the UNet runs on {pipe.unet.model.get_providers()}, not {provider}")
+    return pipe
+
+
 def load_peer(peer: str, folder: Path, kind: str, dtype: str):
     """The pipeline of one peer, with the model's recipe scheduler, and how to pass it the initial latents."""
     torch_dtype = torch.float16 if dtype == "fp16" else torch.float32
@@ -313,12 +325,7 @@ def load_peer(peer: str, folder: Path, kind: str, dtype: str):
     if peer == "numpy":
         if kind in ("sdxl", "lcm"):
             raise PeerUnavailable(f"diffusers has no ONNX (numpy) pipeline for {kind}")
-        from diffusers import OnnxStableDiffusionPipeline as DiffusersOnnx
-
-        # provider_options={} or diffusers' loader trips ORT's length check and silently falls back to the CPU
-        pipe = DiffusersOnnx.from_pretrained(folder, provider="CUDAExecutionProvider", provider_options={})
-        if pipe.unet.model.get_providers()[0] != "CUDAExecutionProvider":
-            raise RuntimeError(f"numpy peer: the UNet runs on {pipe.unet.model.get_providers()}, not CUDA")
+        pipe = load_numpy_pipeline(folder)
         latents_of = lambda lat: lat.astype(np.float16 if dtype == "fp16" else np.float32)  # noqa: E731
     elif peer in OPTIMUM_PEERS:
         from optimum.onnxruntime import (

@@ -80,15 +80,6 @@ def with_stream(providers: Sequence[str], options: Sequence[Dict[str, str]], str
     ]
 
 
-def stream_of_session(session: ort.InferenceSession, device: torch.device) -> Optional[torch.cuda.Stream]:
-    """The stream a session was created with (``user_compute_stream``), wrapped for torch; ``None`` if it has none."""
-    options = session.get_provider_options().get(session.get_providers()[0], {})
-    handle = options.get("user_compute_stream")
-    if not handle or int(handle) == 0:
-        return None
-    return torch.cuda.ExternalStream(int(handle), device=device)
-
-
 def free_dimension_overrides(
     declared: Mapping[str, Optional[Sequence[Any]]], input_shapes: Mapping[str, Sequence[int]]
 ) -> Tuple[Dict[str, int], List[str]]:

@@ -52,6 +52,9 @@ except ImportError as error:  # pragma: no cover - the message is the point
 logger = logging.getLogger(__name__)
 
 MAX_SEED = 2**63 - 1
+# ServeConfig's settings that are positive integers (checked, and parsed from serve run's strings)
+_INT_SETTINGS = ("replicas", "max_batch_size", "steps", "max_images_per_request", "max_ongoing_requests",
+                 "max_queued_requests", "ingress_replicas")
 
 
 # ---------------------------------------------------------------------------------------------------- settings
@@ -108,8 +111,7 @@ class ServeConfig:
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
             raise ValueError(f"model: expected a pipeline folder or a hub id, got {self.model!r}")
         self.model = os.fspath(self.model)
-        for name in ("replicas", "max_batch_size", "steps", "max_images_per_request", "max_ongoing_requests",
-                     "max_queued_requests", "ingress_replicas"):
+        for name in _INT_SETTINGS:
             positive_int(name)
         if not isinstance(self.batch_wait_timeout_s, (int, float)) or not 0 <= self.batch_wait_timeout_s <= 60:
             raise ValueError(f"batch_wait_timeout_s: expected seconds in [0, 60], got {self.batch_wait_timeout_s!r}")
@@ -134,9 +136,7 @@ class ServeConfig:
             raise ValueError(f"args: unknown {unknown}; expected some of {sorted(known)}")
         typed: Dict[str, Any] = {}
         for name, value in args.items():
-            if isinstance(value, str) and name in ("replicas", "max_batch_size", "steps", "max_images_per_request",
-                                                   "max_ongoing_requests", "max_queued_requests",
-                                                   "ingress_replicas"):
+            if isinstance(value, str) and name in _INT_SETTINGS:
                 value = _parse(name, value, int)
             elif isinstance(value, str) and name in ("batch_wait_timeout_s", "guidance"):
                 value = _parse(name, value, float)
@@ -243,11 +243,9 @@ class ImageGenerator:
         folder = str(resolve_pipeline_folder(self.config.model, XL_COMPONENTS, ("tokenizer", "tokenizer_2")))
         self.numpy_engine = self.config.engine == "diffusers-numpy"
         if self.numpy_engine:
-            from diffusers import OnnxStableDiffusionPipeline as NumpyPipeline
+            from .bench import load_numpy_pipeline
 
-            # provider_options={} or diffusers' loader trips ORT's length check and falls back to the CPU
-            self.pipe = NumpyPipeline.from_pretrained(folder, provider=provider, provider_options={},
-                                                      **self.config.pipeline_options)
+            self.pipe = load_numpy_pipeline(folder, provider, **self.config.pipeline_options)
             self.pipeline_name = "diffusers.OnnxStableDiffusionPipeline"
             self.default_size = 512  # its call's default
         else:
