@@ -157,16 +157,22 @@ def report(result: dict) -> str:
     lines = [f"# Serving: {result['device']} × {result['gpus']}", "",
              f"`{result['command']}` — {result['date']}; {result['versions']}; {result['size']}², "
              f"{result['steps']} steps", "",
-             "| engine | replicas | batching | concurrency | images/s | p50 ms | p99 ms | statuses | batch images |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Mean ms: the client's latency, then the service's own account of it (`X-Server-Seconds` in the ingress ⊃ "
+             "`X-Replica-Seconds` in the generator replica, queue and batch ⊃ `X-Pipeline-Seconds`, the pipeline call).",
+             "",
+             "| engine | replicas | batching | concurrency | images/s | p50 ms | p99 ms | mean ms: client / server / "
+             "replica / pipeline | statuses | batch images |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         if "error" in row:
             lines.append(f"| {row['engine']} | {row['replicas']} | {row['batching']} | | error: {row['error'][:80]} "
-                         "| | | | |")
+                         "| | | | | |")
             continue
+        means = " / ".join("" if row.get(key) is None else f"{row[key] * 1000:.0f}"
+                           for key in ("mean_s", "server_mean_s", "replica_mean_s", "pipeline_mean_s"))
         lines.append(f"| {row['engine']} | {row['replicas']} | {'on' if row['batching'] else 'off'} | "
                      f"{row['concurrency']} | {row['images_per_s']:.2f} | {row['p50_s'] * 1000:.0f} | "
-                     f"{row['p99_s'] * 1000:.0f} | {row['statuses']} | {row['batch_images']} |")
+                     f"{row['p99_s'] * 1000:.0f} | {means} | {row['statuses']} | {row['batch_images']} |")
     bare_result = result["bare"]
     rows = result["rows"]
     lines += ["", f"Bare pipeline (one process, one GPU): {json.dumps(bare_result)}", ""]

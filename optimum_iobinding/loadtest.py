@@ -31,6 +31,12 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
     return float(np.percentile(values, q)) if values else None
 
 
+# the service's own account of a request's time (seconds), nested: the pipeline call that made its image ⊂ its time
+# in the generator replica (waiting for and riding in a batch) ⊂ its time in the HTTP ingress (+ the hop to the
+# replica and PNG encoding); the client's latency adds HTTP and Serve's proxy
+SERVER_TIMES = {"pipeline_s": "X-Pipeline-Seconds", "replica_s": "X-Replica-Seconds", "server_s": "X-Server-Seconds"}
+
+
 def one_request(url: str, body: Dict[str, Any], timeout: float) -> Dict[str, Any]:
     data = json.dumps(body).encode()
     request = urllib.request.Request(url.rstrip("/") + "/v1/images", data=data,
@@ -45,10 +51,13 @@ def one_request(url: str, body: Dict[str, Any], timeout: float) -> Dict[str, Any
         status, headers = error.code, error.headers
     except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
         return {"status": None, "error": str(error), "seconds": time.perf_counter() - start}
+    seconds = time.perf_counter() - start
     batch = headers.get("X-Batch-Images")
-    pipeline = headers.get("X-Pipeline-Seconds")
-    return {"status": status, "seconds": time.perf_counter() - start, "batch_images": int(batch) if batch else None,
-            "pipeline_s": float(pipeline) if pipeline else None}
+    result = {"status": status, "seconds": seconds, "batch_images": int(batch) if batch else None}
+    for key, header in SERVER_TIMES.items():
+        value = headers.get(header)
+        result[key] = float(value) if value else None
+    return result
 
 
 def run_level(url: str, concurrency: int, requests: int, body: Dict[str, Any], warmup: int = 0,
@@ -77,10 +86,9 @@ def run_level(url: str, concurrency: int, requests: int, body: Dict[str, Any], w
         "images_per_s": images / wall if wall > 0 else None,
         "p50_s": percentile(latencies, 50), "p95_s": percentile(latencies, 95), "p99_s": percentile(latencies, 99),
         "mean_s": statistics.fmean(latencies) if latencies else None,
-        # the server's own time in the pipeline call that made each answer (X-Pipeline-Seconds): latency minus this
-        # is queueing, HTTP, Ray and PNG encoding
-        "pipeline_mean_s": statistics.fmean(pipeline) if (pipeline := [r["pipeline_s"] for r in ok
-                                                                        if r.get("pipeline_s")]) else None,
+        # means of the service's own times (SERVER_TIMES): where the latency went
+        **{key.replace("_s", "_mean_s"): statistics.fmean(values) if (values := [r[key] for r in ok if r.get(key)])
+           else None for key in SERVER_TIMES},
         "statuses": dict(Counter(str(r["status"]) for r in results)),
         "batch_images": dict(sorted(Counter(r.get("batch_images") for r in ok if r.get("batch_images")).items())),
         "errors": sorted({r["error"] for r in results if "error" in r})[:5],

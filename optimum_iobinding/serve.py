@@ -274,6 +274,10 @@ class ImageGenerator:
                                  guidance_scales=self.config.guidance)
             self.warmup_s = time.perf_counter() - start
         self.batches_run = 0
+        # set while no batch runs: requests that come during a batch wait here and enter the batch queue together
+        # when it ends (see generate)
+        self._idle = asyncio.Event()
+        self._idle.set()
         # every pipeline call on one thread: the models' reused output buffers are per thread, and a pool would
         # make new ones for each new thread
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline")
@@ -353,16 +357,31 @@ class ImageGenerator:
     async def generate(self, request: Dict[str, Any]) -> Dict[str, Any]:
         """One request → ``{"images": [uint8 HxWx3], "seeds", "batch_images", "batch_requests"}`` or
         ``{"error": message}`` for a request the pipeline refuses."""
+        arrived = time.perf_counter()
         try:
             request = self.complete_request(request)
         except (ValueError, TypeError) as error:
             return {"error": str(error)}
-        return await self._batched(request)
+        # Serve's @serve.batch (2.60) forms a batch as soon as its first request comes, also while the previous
+        # batch still runs; that batch then waits for the replica's one batch slot with the requests it had. With
+        # batch_wait_timeout_s=0 each request that comes during a running batch would ride in a batch of its own.
+        # Holding requests here until the running batch ends gives Serve's batch queue all of them at once: the
+        # next batch is formed when the GPU is free to run it (what Serve documents as opportunistic batching).
+        while not self._idle.is_set():
+            await self._idle.wait()
+        result = await self._batched(request)
+        if "error" not in result:
+            result = dict(result, replica_s=time.perf_counter() - arrived)
+        return result
 
     @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.0, batch_size_fn=_images_in)
     async def _batched(self, requests: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         # the pipeline call blocks: run it off the event loop, which keeps taking requests for the next batch
-        return await asyncio.get_running_loop().run_in_executor(self._worker, self.run_batch, requests)
+        self._idle.clear()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._worker, self.run_batch, requests)
+        finally:
+            self._idle.set()
 
     def run_batch(self, requests: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         """Completed requests → one result each: a pipeline call per group that agrees on size, steps and guidance
@@ -453,6 +472,7 @@ class ImagesAPI:
 
     @api.post("/v1/images", responses={200: {"content": {"image/png": {}, "application/json": {}}}})
     async def images(self, body: ImageRequest) -> Response:
+        start = time.perf_counter()
         request = body.model_dump()
         if request["seed"] is None:
             request["seed"] = secrets.randbelow(2**31)
@@ -468,6 +488,9 @@ class ImagesAPI:
         headers = {"X-Batch-Images": str(result["batch_images"]), "X-Batch-Requests": str(result["batch_requests"]),
                    "X-Seed": str(result["seeds"][0]), "X-Pipeline-Seconds": f"{result['pipeline_s']:.4f}"}
         encoded = await asyncio.to_thread(encode_pngs, result["images"])
+        # where a request's time went: pipeline call ⊂ replica (queue + batch) ⊂ server (+ Ray hop + PNG encoding)
+        headers["X-Replica-Seconds"] = f"{result['replica_s']:.4f}"
+        headers["X-Server-Seconds"] = f"{time.perf_counter() - start:.4f}"
         if request["response_format"] == "png":
             return Response(content=encoded[0], media_type="image/png", headers=headers)
         data = [{"b64_json": base64.b64encode(png).decode("ascii"), "seed": seed}
