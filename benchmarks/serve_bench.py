@@ -3,7 +3,8 @@ application serving diffusers' numpy ``OnnxStableDiffusionPipeline``, and the ba
 
 For each engine × replica count × batching (on: ``max_batch_size`` images per call; off: 1), the app is deployed
 on the local Ray cluster (replicas take a GPU each where there are GPUs) and ``optimum_iobinding.loadtest`` measures
-images/s and p50/p95/p99 latency at each concurrency (closed loop; one uncounted request per client first). Before
+images/s and p50/p95/p99 latency at each concurrency (a closed loop at steady state: one uncounted answer per client,
+then the counted ones, without draining in between). Before
 Ray starts, a fresh process measures the bare pipeline on one GPU: the batch-1 latency and images/s at fixed batch
 sizes. Writes ``serve.json`` (device, versions, command, every row), ``serve.md`` (table and the issue's ratios)
 and ``serve.png``.
@@ -67,9 +68,12 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--replicas", default="1,2")
     parser.add_argument("--concurrency", default="1,4,16,64")
-    parser.add_argument("--requests", type=int, default=32, help="counted requests per level, at least")
-    parser.add_argument("--requests-per-client", type=int, default=2,
-                        help="a level sends max(--requests, this × concurrency) requests")
+    parser.add_argument("--requests", type=int, default=16, help="counted requests per level, at least")
+    parser.add_argument("--requests-per-client", type=int, default=4,
+                        help="a level counts max(--requests, this × concurrency) answers, at most --max-requests, "
+                             "after one uncounted answer per client (the loop does not drain in between)")
+    parser.add_argument("--max-requests", type=int, default=128)
+    parser.add_argument("--png-compression", type=int, default=0)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--max-batch-size", type=int, default=8)
@@ -111,7 +115,8 @@ def main() -> int:
                 config = ServeConfig(model=args.folder, replicas=replicas, max_batch_size=batch,
                                      max_images_per_request=1, batch_wait_timeout_s=args.batch_wait_ms / 1000,
                                      steps=args.steps, engine=engine, device=args.device, warmup_sizes=[args.size],
-                                     max_ongoing_requests=max(64, 2 * batch), max_queued_requests=4096)
+                                     max_ongoing_requests=max(64, 2 * batch), max_queued_requests=4096,
+                                     png_compression=args.png_compression)
                 start = time.perf_counter()
                 try:
                     serve.run(build_app(config), name="bench", route_prefix="/", blocking=False)
@@ -122,7 +127,7 @@ def main() -> int:
                     continue
                 ready_s = time.perf_counter() - start
                 for level in levels:
-                    requests = max(args.requests, args.requests_per_client * level)
+                    requests = min(args.max_requests, max(args.requests, args.requests_per_client * level))
                     (result,) = run_loadtest(url, [level], requests,
                                              {"prompt": PROMPT, "seed": 0, "size": args.size, "steps": args.steps})
                     rows.append({"engine": engine, "replicas": replicas, "batching": batching,

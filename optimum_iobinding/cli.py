@@ -191,7 +191,7 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(model=model, replicas=args.replicas, max_batch_size=args.max_batch_size,
                          batch_wait_timeout_s=args.batch_wait_ms / 1000.0, device=args.device, provider=args.provider,
                          steps=args.steps, guidance=args.guidance, warmup_batch_sizes=warmup,
-                         max_queued_requests=args.max_queued_requests)
+                         max_queued_requests=args.max_queued_requests, png_compression=args.png_compression)
     if not 0 < args.port < 65536:
         raise UsageError(f"--port: expected 1–65535, got {args.port}")
     if Path(model).is_dir():  # before Ray starts: a folder that is no pipeline fails here, not in every replica
@@ -255,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
                                help="batch sizes captured at start, e.g. 1,2,4 (default 1 … max batch size)")
     serve_command.add_argument("--max-queued-requests", type=int, default=256,
                                help="requests waiting before new ones get 503 (default 256)")
+    serve_command.add_argument("--png-compression", type=int, default=0,
+                               help="zlib level of the PNG answers: 0 (default) uncompressed, about 1 ms per 512² "
+                                    "image; 1-9 about half the bytes for tens of ms")
     serve_command.add_argument("--cache-dir", default=None, help="where the tiny model is built (default ~/.cache)")
     serve_command.set_defaults(run=run_serve)
 

@@ -1,8 +1,8 @@
 """Load test of a running ``/v1/images`` service: images/s and latency percentiles at one or more concurrencies.
 
-Each concurrency level sends ``requests`` requests from that many client threads (each thread sends its next request
-once its last one is answered: a closed loop), after ``warmup`` requests that are not counted. A level's row gives
-images/s over its wall time, p50/p95/p99 latency of the answered requests, the status codes, and the batch sizes the
+Each concurrency level runs that many client threads in a closed loop (each sends its next request once its last
+one is answered) until ``warmup`` uncounted answers and then ``requests`` counted ones came, without draining in
+between (see :func:`run_level`). A level's row gives images/s over the counted answers' time, p50/p95/p99 latency of the answered requests, the status codes, and the batch sizes the
 service reported (``X-Batch-Images``). Writes ``loadtest.json`` (with the command, URL and date), ``loadtest.md`` and,
 where matplotlib is installed, ``loadtest.png``.
 
@@ -62,27 +62,44 @@ def one_request(url: str, body: Dict[str, Any], timeout: float) -> Dict[str, Any
 
 def run_level(url: str, concurrency: int, requests: int, body: Dict[str, Any], warmup: int = 0,
               timeout: float = 600.0) -> Dict[str, Any]:
-    """One concurrency level: ``warmup`` uncounted requests, then ``requests`` from ``concurrency`` threads."""
-    if concurrency < 1 or requests < 1:
-        raise ValueError(f"concurrency and requests: expected positive integers, got {concurrency} and {requests}")
-    counter = iter(range(10**12))
+    """One concurrency level, a closed loop at steady state: ``concurrency`` clients each send their next request
+    when their last one is answered, without pause, until ``warmup + requests`` answers came. The first ``warmup``
+    answers are not counted; the level's row covers answers ``warmup + 1`` … ``warmup + requests``, and its time runs
+    from the ``warmup``-th answer (the start, without warm-up) to the last counted one. The clients never drain in
+    between, so a batching service is measured at the concurrency asked for; answers to the requests still out at
+    the end are awaited and not counted."""
+    if concurrency < 1 or requests < 1 or warmup < 0:
+        raise ValueError(f"concurrency and requests: expected positive integers and warmup ≥ 0, got {concurrency}, "
+                         f"{requests} and {warmup}")
+    total = warmup + requests
     lock = threading.Lock()
+    state = {"sent": 0, "answers": []}  # answers in the order they came, each with the time it came
 
-    def next_body() -> Dict[str, Any]:
-        with lock:
-            index = next(counter)
-        return dict(body, seed=int(body.get("seed", 0)) + index)
+    def client() -> None:
+        while True:
+            with lock:
+                if len(state["answers"]) >= total:  # still sending until then: the load never drops in the window
+                    return
+                index = state["sent"]
+                state["sent"] += 1
+            result = one_request(url, dict(body, seed=int(body.get("seed", 0)) + index), timeout)
+            with lock:
+                result["answered"] = time.perf_counter()
+                state["answers"].append(result)
 
+    start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(lambda _: one_request(url, next_body(), timeout), range(warmup)))
-        start = time.perf_counter()
-        results = list(pool.map(lambda _: one_request(url, next_body(), timeout), range(requests)))
-        wall = time.perf_counter() - start
+        for future in [pool.submit(client) for _ in range(concurrency)]:
+            future.result()
+    answers = sorted(state["answers"], key=lambda r: r["answered"])
+    window_start = answers[warmup - 1]["answered"] if warmup else start
+    results = answers[warmup:total]
+    wall = results[-1]["answered"] - window_start
     ok = [r for r in results if r["status"] == 200]
     latencies = [r["seconds"] for r in ok]
     images = len(ok) * int(body.get("n", 1))
     return {
-        "concurrency": concurrency, "requests": requests, "ok": len(ok), "wall_s": wall,
+        "concurrency": concurrency, "requests": requests, "warmup": warmup, "ok": len(ok), "wall_s": wall,
         "images_per_s": images / wall if wall > 0 else None,
         "p50_s": percentile(latencies, 50), "p95_s": percentile(latencies, 95), "p99_s": percentile(latencies, 99),
         "mean_s": statistics.fmean(latencies) if latencies else None,

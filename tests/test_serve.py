@@ -272,6 +272,21 @@ def test_config_from_serve_run_arguments():
         ServeConfig.from_args({"model": "folder", "replica": "2"})
     with pytest.raises(ValueError, match="max_batch_size: expected a positive integer, got 0"):
         ServeConfig(model="folder", max_batch_size=0)
+    assert ServeConfig.from_args({"model": "folder", "png_compression": "6"}).png_compression == 6
+    with pytest.raises(ValueError, match="png_compression: expected a zlib level 0–9, got 10"):
+        ServeConfig(model="folder", png_compression=10)
+
+
+@pytest.mark.parametrize("compression", [0, 1, 9])
+def test_png_answers_are_the_pixels_at_every_compression(compression):
+    from optimum_iobinding.serve import encode_pngs
+
+    pixels = [np.random.RandomState(0).randint(0, 256, (5, 7, 3)).astype(np.uint8),  # not square: rows are rows
+              np.full((3, 2, 3), 200, np.uint8)]
+    encoded = encode_pngs(pixels, compression)
+    for image, data in zip(pixels, encoded):
+        assert data.startswith(b"\x89PNG") and np.array_equal(decode_png(data), image)
+    assert len(encode_pngs(pixels[1:], 0)[0]) > len(encode_pngs(pixels[1:], 9)[0])  # 0 is stored, 9 compressed
 
 
 def test_serve_command_checks_its_arguments_before_starting_ray(tmp_path, capsys):
@@ -298,7 +313,7 @@ def test_sdxl_and_lcm_folders_are_served_with_each_requests_seed(tmp_path, kind)
 
     folder = export_pipeline(None, tmp_path / kind, tiny_random=kind, progress=False)
     config = ServeConfig(model=str(folder), device="cpu", max_batch_size=2, steps=2, warmup_batch_sizes=[])
-    generator = ImageGenerator.func_or_class(asdict(config))
+    generator = ImageGenerator(asdict(config))
     size = generator.default_size
     requests = [dict(prompt=f"a cat {i}", negative_prompt=None, seed=10 + i, size=size, n=1, steps=None,
                      guidance=None) for i in range(2)]
@@ -325,4 +340,4 @@ def test_a_missing_model_fails_the_replica_with_the_message_naming_it(tmp_path):
 
     config = ServeConfig(model=str(tmp_path / "nowhere"), device="cpu")
     with pytest.raises(FileNotFoundError, match="expected an existing local folder or a hub repository id"):
-        ImageGenerator.func_or_class(asdict(config))
+        ImageGenerator(asdict(config))
