@@ -31,6 +31,7 @@ Needs the ``serve`` extra (``pip install 'optimum-iobinding[serve]'``).
 # no `from __future__ import annotations`: FastAPI reads the route methods' annotations as objects
 import asyncio
 import base64
+import collections
 import concurrent.futures
 import inspect
 import io
@@ -43,7 +44,7 @@ import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Any, Deque, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 try:
     from fastapi import FastAPI, HTTPException
@@ -304,10 +305,12 @@ class ImageGenerator:
                                  guidance_scales=self.config.guidance)
             self.warmup_s = time.perf_counter() - start
         self.batches_run = 0
-        # set while no batch runs: requests that come during a batch wait here and enter the batch queue together
-        # when it ends (see generate)
-        self._idle = asyncio.Event()
-        self._idle.set()
+        # admission into Serve's batch queue (see generate): the waiting requests (a future and its images each),
+        # the images let in and not answered yet, whether a batch runs
+        self._waiting: Deque[Tuple[asyncio.Future, int]] = collections.deque()
+        self._admitted = 0
+        self._batch_running = False
+        self._batch_cap = self.config.max_batch_size  # images of the next batch (see _expect_return)
         # every pipeline call on one thread: the models' reused output buffers are per thread, and a pool would
         # make new ones for each new thread
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline")
@@ -392,26 +395,76 @@ class ImageGenerator:
             request = self.complete_request(request)
         except (ValueError, TypeError) as error:
             return {"error": str(error)}
-        # Serve's @serve.batch (2.60) forms a batch as soon as its first request comes, also while the previous
-        # batch still runs; that batch then waits for the replica's one batch slot with the requests it had. With
-        # batch_wait_timeout_s=0 each request that comes during a running batch would ride in a batch of its own.
-        # Holding requests here until the running batch ends gives Serve's batch queue all of them at once: the
-        # next batch is formed when the GPU is free to run it (what Serve documents as opportunistic batching).
-        while not self._idle.is_set():
-            await self._idle.wait()
-        result = await self._batched(request)
+        images = request["n"]
+        await self._enter(images)
+        try:
+            result = await self._batched(request)
+        finally:
+            self._admitted -= images
+            self._release()
         if "error" not in result:
             result = dict(result, replica_s=time.perf_counter() - arrived)
         return result
 
+    # Admission. Serve's @serve.batch (2.60) forms a batch as soon as its first request comes, also while the
+    # previous batch still runs; that batch then waits for the replica's one batch slot with the requests it had.
+    # With batch_wait_timeout_s=0 each request that comes during a running batch would make a batch of its own,
+    # and closed-loop clients stay split in those small groups. So requests wait here while a batch runs, and when
+    # it ends, the oldest are let into Serve's queue together, as many images as one batch holds: the next batch is
+    # formed when the GPU is free to run it (what Serve documents as opportunistic batching).
+    async def _enter(self, images: int) -> None:
+        if not self._waiting and self._fits(images):
+            self._admitted += images
+            return
+        entry = (asyncio.get_running_loop().create_future(), images)
+        self._waiting.append(entry)
+        try:
+            await entry[0]
+        except asyncio.CancelledError:
+            if entry[0].done() and not entry[0].cancelled():  # let in just before its client went away
+                self._admitted -= images
+                self._release()
+            elif entry in self._waiting:
+                self._waiting.remove(entry)
+            raise
+
+    def _fits(self, images: int) -> bool:
+        return not self._batch_running and self._admitted + images <= self._batch_cap
+
+    def _release(self) -> None:
+        while self._waiting and self._fits(self._waiting[0][1]):
+            future, images = self._waiting.popleft()
+            if not future.done():
+                self._admitted += images
+                future.set_result(None)
+
+    def _expect_return(self, images: int, seconds: float) -> None:
+        """After a batch of ``images`` that took ``seconds``, when fewer images wait: the next batch waits up to
+        5 % of that time for as many images (up to ``max_batch_size``), since clients that got their answers tend
+        to send their next requests at once; it starts as soon as they are there. Without this, a group of clients
+        split once (the first of them to come back runs alone) stays split. A lone client's batch waits for
+        nothing."""
+        expected = min(images, self.config.max_batch_size)
+        if expected <= 1 or sum(waiting for _, waiting in self._waiting) >= expected:
+            return
+        self._batch_cap = expected
+        self._batched.set_max_batch_size(expected)
+        self._batched.set_batch_wait_timeout_s(max(self.config.batch_wait_timeout_s, 0.05 * seconds))
+
     @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.0, batch_size_fn=_images_in)
     async def _batched(self, requests: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-        # the pipeline call blocks: run it off the event loop, which keeps taking requests for the next batch
-        self._idle.clear()
+        self._batch_running = True
+        self._batch_cap = self.config.max_batch_size
+        self._batched.set_max_batch_size(self.config.max_batch_size)
+        self._batched.set_batch_wait_timeout_s(self.config.batch_wait_timeout_s)
+        start = time.perf_counter()
         try:
+            # the pipeline call blocks: run it off the event loop, which keeps taking requests
             return await asyncio.get_running_loop().run_in_executor(self._worker, self.run_batch, requests)
         finally:
-            self._idle.set()
+            self._batch_running = False
+            self._expect_return(_images_in(requests), time.perf_counter() - start)
+            self._release()
 
     def run_batch(self, requests: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         """Completed requests → one result each: a pipeline call per group that agrees on size, steps and guidance

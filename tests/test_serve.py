@@ -148,6 +148,46 @@ def test_requests_that_come_while_a_batch_runs_ride_together_in_the_next_one(ser
     assert round(sum(1 / size for size in sizes)) <= 2, sizes
 
 
+def test_admission_lets_in_one_batch_of_the_oldest_waiting_requests_when_the_running_batch_ends(tiny_folder):
+    """The replica's gate in front of Serve's batch queue, driven by hand (no Ray): while a batch runs nobody
+    enters; when it ends, the oldest waiting requests enter, as many images as one batch holds."""
+    import asyncio
+    from dataclasses import asdict
+
+    from optimum_iobinding.serve import ImageGenerator, ServeConfig
+
+    generator = ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=3,
+                                                  warmup_batch_sizes=[])))
+
+    async def scenario():
+        await generator._enter(1)  # an idle replica: straight in
+        assert generator._admitted == 1
+        generator._batch_running = True  # its batch runs
+        waiters = [asyncio.ensure_future(generator._enter(images)) for images in (1, 2, 1, 1)]
+        await asyncio.sleep(0)  # (lets the waiters run up to their wait)
+        assert not any(waiter.done() for waiter in waiters)
+        generator._batch_running = False  # the batch ended and its request was answered
+        generator._admitted -= 1
+        generator._release()
+        await asyncio.sleep(0)
+        assert [waiter.done() for waiter in waiters] == [True, True, False, False]  # 1 + 2 images: a full batch
+        waiters[2].cancel()  # a client that goes away while it waits is forgotten
+        await asyncio.sleep(0)
+        generator._admitted -= 3  # that batch answered
+        generator._release()
+        await asyncio.sleep(0)
+        assert waiters[3].done() and generator._admitted == 1 and not generator._waiting
+
+    asyncio.run(scenario())
+    # after a batch of several images with nobody waiting, the next batch waits a little for as many images (its
+    # clients coming back); after a lone request's batch it waits for nothing
+    generator._expect_return(1, 1.0)
+    assert generator._batched._get_max_batch_size() == 3 and generator._batched._get_batch_wait_timeout_s() == 0
+    generator._expect_return(2, 1.0)
+    assert generator._batch_cap == 2 and generator._batched._get_max_batch_size() == 2
+    assert generator._batched._get_batch_wait_timeout_s() == pytest.approx(0.05)
+
+
 def test_n_images_come_from_consecutive_seeds_as_base64_json(server, reference):
     status, headers, data = post(server.url, dict(prompt="a red house", seed=7, size=SIZE, n=2,
                                                   response_format="b64_json"))
