@@ -162,8 +162,9 @@ def report(result: dict) -> str:
     lines = [f"# Serving: {result['device']} × {result['gpus']}", "",
              f"`{result['command']}` — {result['date']}; {result['versions']}; {result['size']}², "
              f"{result['steps']} steps", "",
-             "Mean ms: the client's latency, then the service's own account of it (`X-Server-Seconds` in the ingress ⊃ "
-             "`X-Replica-Seconds` in the generator replica, queue and batch ⊃ `X-Pipeline-Seconds`, the pipeline call).",
+             "Mean ms: the client's latency, then the service's own account of it (`X-Server-Seconds` in the replica's "
+             "HTTP handler ⊃ `X-Replica-Seconds` waiting for and riding in a batch ⊃ `X-Pipeline-Seconds`, the "
+             "pipeline call).",
              "",
              "| engine | replicas | batching | concurrency | images/s | p50 ms | p99 ms | mean ms: client / server / "
              "replica / pipeline | statuses | batch images |",

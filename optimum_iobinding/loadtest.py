@@ -32,8 +32,8 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
 
 
 # the service's own account of a request's time (seconds), nested: the pipeline call that made its image ⊂ its time
-# in the generator replica (waiting for and riding in a batch) ⊂ its time in the HTTP ingress (+ the hop to the
-# replica and PNG encoding); the client's latency adds HTTP and Serve's proxy
+# waiting for and riding in a batch ⊂ its time in the replica's HTTP handler (+ checks and PNG encoding); the
+# client's latency adds HTTP and Serve's proxy
 SERVER_TIMES = {"pipeline_s": "X-Pipeline-Seconds", "replica_s": "X-Replica-Seconds", "server_s": "X-Server-Seconds"}
 
 
