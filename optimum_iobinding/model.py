@@ -22,6 +22,7 @@ import onnxruntime as ort
 import torch
 
 from .cuda import DISABLE_SYNC_RUN_OPTION, CudaGraphRunner, CudaGraphSetting, GraphPool, check_cuda_graph_setting
+from .lora import LORA_MAP_NAME
 from .dtypes import ORT_TO_TORCH, TORCH_TO_ONNX
 from .layout import download_from_hub, read_json_object
 from .inputs import (  # noqa: F401 — check_input_device: re-exported, where earlier versions had it
@@ -321,7 +322,7 @@ class IOBindingORTModel:
 
     def save_pretrained(self, save_directory: Union[str, os.PathLike], file_name: str = "model.onnx",
                         overwrite: bool = False) -> str:
-        """Writes the model, every external-data file it references, and its config (if any) into
+        """Writes the model, every external-data file it references, its config and LoRA map (if any) into
         ``save_directory``. A file of the same name already there is an error unless ``overwrite=True`` (a save
         onto the model's own files leaves them as they are); each file is written beside its place and renamed
         into it, so a failed save never leaves half a file.
@@ -343,6 +344,9 @@ class IOBindingORTModel:
             writes.append((source, target, None))
             for location in external_data_locations(source):
                 writes.append((os.path.join(os.path.dirname(source), location), directory / location, None))
+            lora_map = os.path.join(os.path.dirname(source), LORA_MAP_NAME)  # where LoRA finds each layer's weight
+            if os.path.isfile(lora_map):
+                writes.append((lora_map, directory / LORA_MAP_NAME, None))
         if self.config:
             writes.append((None, directory / CONFIG_NAME,
                            json.dumps(self.config, indent=2, sort_keys=True).encode()))

@@ -79,3 +79,13 @@ def test_a_folder_without_a_map_names_the_fix(tmp_path):
     (tmp_path / "lora_map.json").write_text('{"version": 99, "layers": {}}')
     with pytest.raises(ValueError, match="not a LoRA map this version reads: version 99"):
         read_weight_map(tmp_path)
+
+
+def test_a_saved_pipeline_keeps_its_lora_maps(tmp_path):
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+    from optimum_iobinding.export import export_pipeline
+
+    folder = export_pipeline(None, tmp_path / "tiny", tiny_random=True, progress=False)
+    OnnxStableDiffusionPipeline.from_pretrained(folder).save_pretrained(tmp_path / "saved")
+    for component in ("unet", "text_encoder"):
+        assert read_weight_map(tmp_path / "saved" / component) == read_weight_map(folder / component)
