@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import onnx
@@ -187,3 +187,323 @@ def to_view_layout(weight: torch.Tensor, place: WeightPlace) -> torch.Tensor:
         out_features, in_features = weight.shape
         return weight.t().reshape(in_features, place.heads, out_features // place.heads)
     return weight
+
+
+def torch_shape(tensor: torch.Tensor, place: WeightPlace) -> Tuple[int, ...]:
+    """The torch-layout shape of the weight at ``place`` in ``tensor`` (the initializer)."""
+    if place.layout == "same":
+        return tuple(tensor.shape)
+    if place.layout == "transposed":
+        return (tensor.shape[1], tensor.shape[0])
+    if place.layout == "nhwc":
+        out_channels, kh, kw, in_channels = tensor.shape
+        return (out_channels, in_channels, kh, kw)
+    return (tensor.shape[1] // place.parts, tensor.shape[0])
+
+
+# ------------------------------------------------------------------------------------------------ runtime LoRA
+LORA_COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
+# how LoRA files name a layer's two matrices, after diffusers' conversion of the kohya format
+_MATRIX_SUFFIXES = ((".lora_A.weight", "down"), (".lora_B.weight", "up"), (".lora.down.weight", "down"),
+                    (".lora.up.weight", "up"), (".lora_linear_layer.down.weight", "down"),
+                    (".lora_linear_layer.up.weight", "up"))
+
+
+@dataclass
+class _LayerUpdate:
+    """One adapter's update of one layer: ``scale · up @ down``."""
+
+    down: torch.Tensor  # (rank, in[, kh, kw])
+    up: torch.Tensor  # (out, rank[, 1, 1])
+    scale: float
+
+    def delta(self, shape: Sequence[int]) -> torch.Tensor:
+        product = self.up.flatten(1).float() @ self.down.flatten(1).float()
+        return (self.scale * product).reshape(tuple(shape))
+
+
+class _Layer:
+    """A layer's weight in the owned initializers: the views that write it and its weight before any LoRA."""
+
+    def __init__(self, weights: Dict[str, torch.Tensor], places: Sequence[WeightPlace], component: str, name: str):
+        missing = [place.initializer for place in places if place.initializer not in weights]
+        if missing:
+            raise ValueError(f"{component} layer {name}: its weight ({missing[0]}) is not among the weights the model "
+                             "keeps as tensors (too small to be one), so no LoRA can change it")
+        self.places = list(places)
+        self.shape = torch_shape(weights[places[0].initializer], places[0])
+        self.views = [torch_layout_view(weights[place.initializer], place, self.shape) for place in places]
+        self.base = self._read().clone()
+        self.dtype = weights[places[0].initializer].dtype
+
+    def _read(self) -> torch.Tensor:
+        view, place = self.views[0], self.places[0]
+        if place.layout == "packed" and place.heads > 1:
+            return view.reshape(self.shape[1], self.shape[0]).t()
+        return view
+
+    def write(self, delta: Optional[torch.Tensor]) -> None:
+        weight = self.base if delta is None else (self.base.float() + delta.to(self.base.device)).to(self.dtype)
+        with torch.no_grad():
+            for view, place in zip(self.views, self.places):
+                view.copy_(to_view_layout(weight, place))
+
+
+def _layer_of(key: str) -> Optional[Tuple[str, str, str]]:
+    """``(component, layer, "down" | "up")`` of a LoRA state-dict key, or ``None`` for a key of no matrix."""
+    for suffix, matrix in _MATRIX_SUFFIXES:
+        if key.endswith(suffix):
+            component, _, layer = key[: -len(suffix)].partition(".")
+            return component, layer, matrix
+    return None
+
+
+class LoraLoaderMixin:
+    """Runtime LoRA for the pipelines, with diffusers' names. A LoRA changes the weights the models keep as owned
+    tensors in place (``W = W₀ + Σ weight · scale · B @ A`` over the active adapters), where the export's
+    ``lora_map.json`` says each layer's weight went: no session is created again, and captured CUDA graphs replay
+    the new weights (their addresses do not move). LoRA files are read by diffusers' own ``lora_state_dict``
+    (diffusers/PEFT keys, the kohya format, hub ids)."""
+
+    def _lora(self) -> Dict[str, Any]:
+        if getattr(self, "_lora_state", None) is None:
+            # adapters: name → (component, layer) → update; active: component → adapter → weight (as diffusers,
+            # each component has its own); fused: (adapter, component) → the factor it was fused with
+            self._lora_state = {"adapters": {}, "active": {}, "fused": {}, "enabled": True, "layers": {}}
+        return self._lora_state
+
+    def _lora_state_dict(self, source: Any, **kwargs: Any) -> Tuple[Dict[str, torch.Tensor], Dict[str, float],
+                                                                    Optional[Dict[str, Any]]]:
+        from diffusers.loaders import StableDiffusionLoraLoaderMixin, StableDiffusionXLLoraLoaderMixin
+
+        reader = (StableDiffusionXLLoraLoaderMixin if getattr(self, "text_encoder_2", None) is not None
+                  else StableDiffusionLoraLoaderMixin)
+        found = reader.lora_state_dict(source, return_lora_metadata=True, **kwargs)
+        state_dict, alphas = found[0], found[1]
+        metadata = found[2] if len(found) > 2 else None
+        return state_dict, dict(alphas or {}), metadata
+
+    def _lora_layer(self, component: str, layer: str) -> Tuple[str, "_Layer"]:
+        """The layer (its name as the export's map has it) of a component, made ready for in-place updates."""
+        state = self._lora()
+        model = getattr(self, component, None)
+        if model is None:
+            raise ValueError(f"{component}: the LoRA changes this component, which the pipeline does not have")
+        maps = state.setdefault("maps", {})
+        if component not in maps:
+            if model.model_path is None:
+                raise ValueError(f"{component}: the model was not loaded from a file, so it has no lora_map.json")
+            maps[component] = read_weight_map(Path(model.model_path).parent)[0]
+        places_by_layer = maps[component]
+        for candidate in (layer, f"text_model.{layer}", layer[len("text_model."):] if layer.startswith(
+                "text_model.") else None):
+            if candidate is not None and candidate in places_by_layer:
+                break
+        else:
+            raise ValueError(f"{component}: the LoRA changes layer {layer!r}, which this model does not have (a LoRA "
+                             "for another architecture?)")
+        key = (component, candidate)
+        if key not in state["layers"]:
+            state["layers"][key] = _Layer(model.own_weights(), places_by_layer[candidate], component, candidate)
+        return candidate, state["layers"][key]
+
+    def load_lora_weights(self, pretrained_model_name_or_path_or_dict: Any, adapter_name: Optional[str] = None,
+                          **kwargs: Any) -> None:
+        """Loads a LoRA (a folder, a ``.safetensors`` file, a hub id with ``weight_name=``, or a state dict) as the
+        adapter ``adapter_name`` (default ``default_N``). As in diffusers it becomes the one active adapter of the
+        components it changes (the others keep theirs) until :meth:`set_adapters` says otherwise.
+
+        Raises:
+            ValueError: the name is taken, or the LoRA does not fit the models (the message names the layer).
+        """
+        state = self._lora()
+        if adapter_name is None:
+            adapter_name = f"default_{len(state['adapters'])}"
+        if adapter_name in state["adapters"]:
+            raise ValueError(f"adapter_name: {adapter_name!r} is already loaded; unload_lora_weights() or pick "
+                             "another name")
+        state_dict, network_alphas, metadata = self._lora_state_dict(pretrained_model_name_or_path_or_dict, **kwargs)
+        state_dict, alphas = _to_peft_names(state_dict, network_alphas)
+        matrices: Dict[Tuple[str, str], Dict[str, torch.Tensor]] = {}
+        for key, value in state_dict.items():
+            found = _layer_of(key)
+            if found is None:
+                continue
+            component, layer, matrix = found
+            if component not in LORA_COMPONENTS:
+                raise ValueError(f"{key}: expected a LoRA key of {list(LORA_COMPONENTS)}, got component "
+                                 f"{component!r}")
+            matrices.setdefault((component, layer), {})[matrix] = value
+        if not matrices:
+            raise ValueError(f"pretrained_model_name_or_path_or_dict: no LoRA matrices found in "
+                             f"{pretrained_model_name_or_path_or_dict!r}")
+        updates: Dict[Tuple[str, str], _LayerUpdate] = {}
+        ranks: Dict[str, List[int]] = {}
+        for (component, layer), pair in matrices.items():
+            if set(pair) != {"down", "up"}:
+                raise ValueError(f"{component} layer {layer}: the LoRA has only its {sorted(pair)[0]} matrix")
+            ranks.setdefault(component, []).append(pair["down"].shape[0])
+        for (component, layer), pair in matrices.items():
+            name, target = self._lora_layer(component, layer)
+            down, up = pair["down"], pair["up"]
+            rank = down.shape[0]
+            expected_out, expected_in = target.shape[0], target.shape[1]
+            if up.shape[0] != expected_out or down.shape[1] != expected_in or up.shape[1] != rank or (
+                    len(target.shape) == 4 and tuple(down.shape[2:]) != tuple(target.shape[2:])):
+                raise ValueError(f"{component} layer {name}: the LoRA's update is {tuple(up.shape)} @ "
+                                 f"{tuple(down.shape)}, the layer's weight is {tuple(target.shape)} (a LoRA for "
+                                 "another architecture?)")
+            alpha = alphas.get((component, layer))
+            if alpha is None and metadata:
+                alpha = (metadata.get(component) or metadata).get("lora_alpha")
+            if alpha is None:  # as diffusers: the most common rank, which makes a uniform-rank LoRA's scale 1
+                alpha = max(set(ranks[component]), key=ranks[component].count)
+            device = target.base.device
+            updates[(component, name)] = _LayerUpdate(down.to(device, torch.float32), up.to(device, torch.float32),
+                                                      float(alpha) / rank)
+        state["adapters"][adapter_name] = updates
+        for component in {component for component, _ in updates}:  # as diffusers: the new one, in what it changes
+            state["active"][component] = {adapter_name: 1.0}
+        self._apply_lora()
+
+    def set_adapters(self, adapter_names: Union[str, Sequence[str]],
+                     adapter_weights: Union[float, Dict[str, float], Sequence[Any], None] = None) -> None:
+        """Makes ``adapter_names`` the active adapters, with ``adapter_weights`` (one number for all, one per
+        adapter, or per adapter a dict of component → number)."""
+        state = self._lora()
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        unknown = [name for name in names if name not in state["adapters"]]
+        if unknown:
+            raise ValueError(f"adapter_names: expected names of loaded adapters {sorted(state['adapters'])}, got "
+                             f"{unknown}")
+        if adapter_weights is None or isinstance(adapter_weights, (int, float, dict)):
+            weights = [1.0 if adapter_weights is None else adapter_weights] * len(names)
+        else:
+            weights = list(adapter_weights)
+            if len(weights) != len(names):
+                raise ValueError(f"adapter_weights: expected {len(names)} weights (one per adapter), got "
+                                 f"{len(weights)}")
+        state["active"] = {
+            component: {name: _weight_for(weight, component) for name, weight in zip(names, weights)
+                        if any(key[0] == component for key in state["adapters"][name])}
+            for component in LORA_COMPONENTS}
+        self._apply_lora()
+
+    def get_active_adapters(self) -> List[str]:
+        """The active adapters of the first component that has any (the UNet's, usually)."""
+        for component in LORA_COMPONENTS:
+            if self._lora()["active"].get(component):
+                return list(self._lora()["active"][component])
+        return []
+
+    def get_list_adapters(self) -> Dict[str, List[str]]:
+        listed: Dict[str, List[str]] = {}
+        for name, updates in self._lora()["adapters"].items():
+            for component in sorted({component for component, _ in updates}):
+                listed.setdefault(component, []).append(name)
+        return listed
+
+    def disable_lora(self) -> None:
+        """Runs the models without any adapter (fused ones included) until :meth:`enable_lora`."""
+        self._lora()["enabled"] = False
+        self._apply_lora()
+
+    def enable_lora(self) -> None:
+        self._lora()["enabled"] = True
+        self._apply_lora()
+
+    def unload_lora_weights(self) -> None:
+        """Removes every adapter: the models get their weights as exported."""
+        state = self._lora()
+        for layer in state["layers"].values():
+            layer.write(None)
+        self._lora_state = None
+
+    def fuse_lora(self, components: Sequence[str] = ("unet", "text_encoder"), lora_scale: float = 1.0,
+                  safe_fusing: bool = False, adapter_names: Optional[Sequence[str]] = None, **kwargs: Any) -> None:
+        """Fuses the active adapters (or ``adapter_names``), times ``lora_scale``, into the weights of
+        ``components``: they stay applied, whatever :meth:`set_adapters` says, until :meth:`unfuse_lora`."""
+        state = self._lora()
+        unknown = [name for name in adapter_names or () if name not in state["adapters"]]
+        if unknown:
+            raise ValueError(f"adapter_names: expected names of loaded adapters {sorted(state['adapters'])}, got "
+                             f"{unknown}")
+        for component in components:
+            active = state["active"].setdefault(component, {})
+            for name in adapter_names if adapter_names is not None else list(active):
+                state["fused"][(name, component)] = lora_scale * active.get(name, 1.0)
+                if name in active:  # as diffusers: the adapter keeps the scaled weight once unfused
+                    active[name] *= lora_scale
+        self._apply_lora()
+        if safe_fusing:
+            bad = [f"{component} layer {layer}" for (component, layer), target in state["layers"].items()
+                   if not torch.isfinite(target.views[0]).all()]
+            if bad:
+                self.unfuse_lora(components)
+                raise ValueError(f"fuse_lora: the fused weights are not finite in {bad[:3]}; unfused again")
+
+    def unfuse_lora(self, components: Sequence[str] = ("unet", "text_encoder"), **kwargs: Any) -> None:
+        state = self._lora()
+        state["fused"] = {key: value for key, value in state["fused"].items() if key[1] not in components}
+        self._apply_lora()
+
+    def _apply_lora(self) -> None:
+        """Writes every touched layer: base + fused updates + the active, unfused adapters' updates."""
+        state = self._lora()
+        deltas: Dict[Tuple[str, str], torch.Tensor] = {}
+        if state["enabled"]:
+            for name, updates in state["adapters"].items():
+                for (component, layer), update in updates.items():
+                    factor = state["fused"].get((name, component))
+                    if factor is None:
+                        factor = state["active"].get(component, {}).get(name)
+                    if not factor:
+                        continue
+                    target = state["layers"][(component, layer)]
+                    delta = factor * update.delta(target.shape)
+                    key = (component, layer)
+                    deltas[key] = deltas[key] + delta if key in deltas else delta
+        for key, target in state["layers"].items():
+            target.write(deltas.get(key))
+
+
+def _to_peft_names(state_dict: Dict[str, torch.Tensor], network_alphas: Dict[str, float]
+                   ) -> Tuple[Dict[str, torch.Tensor], Dict[Tuple[str, str], float]]:
+    """The state dict in the PEFT names (``<component>.<layer>.lora_A.weight``), as diffusers converts it before
+    loading (the kohya format comes out of ``lora_state_dict`` in diffusers' older names), and the alphas by
+    ``(component, layer)``."""
+    from diffusers.utils import (convert_state_dict_to_diffusers, convert_state_dict_to_peft,
+                                 convert_unet_state_dict_to_peft)
+
+    def convert(component: str, part: Dict[str, Any]) -> Dict[str, Any]:
+        try:  # diffusers' converters refuse names they recognise no format in: those are kept as they are
+            if component == "unet":
+                return convert_unet_state_dict_to_peft(part)
+            try:
+                part = convert_state_dict_to_diffusers(part)
+            except ValueError:
+                pass
+            return convert_state_dict_to_peft(part)
+        except ValueError:
+            return part
+
+    by_component: Dict[str, Dict[str, torch.Tensor]] = {}
+    for key, value in state_dict.items():
+        by_component.setdefault(key.partition(".")[0], {})[key] = value
+    converted: Dict[str, torch.Tensor] = {}
+    for component, part in by_component.items():
+        converted.update(convert(component, part))
+    alphas: Dict[Tuple[str, str], float] = {}
+    for key, alpha in network_alphas.items():
+        base = key[: -len(".alpha")] if key.endswith(".alpha") else key
+        component = base.partition(".")[0]
+        (name,) = convert(component, {base: torch.zeros(())}) or (base,)
+        found = _layer_of(name)
+        alphas[(component, found[1] if found else base.partition(".")[2])] = float(alpha)
+    return converted, alphas
+
+
+def _weight_for(weight: Any, component: str) -> float:
+    if isinstance(weight, dict):
+        return float(weight.get(component, 1.0))
+    return float(weight)

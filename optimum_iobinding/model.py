@@ -454,6 +454,27 @@ class IOBindingORTModel:
         or a fixed-shape session, so that a shape change never makes ORT search convolution algorithms again."""
         return self._pool is not None
 
+    def own_weights(self) -> Dict[str, torch.Tensor]:
+        """:attr:`owned_weights`, made so where the model was created without them (the CPU's default): its next run
+        creates its session anew, reading them (once; what runtime LoRA needs to change weights in place).
+
+        Raises:
+            RuntimeError: the model keeps captured graphs or fixed-shape sessions without owned weights
+                (``share_weights=False`` on CUDA), or its session cannot be created again.
+        """
+        if not self._recipe.share_weights:
+            if self._pool is not None:
+                raise RuntimeError("own_weights: this model keeps per-signature sessions without owned weights "
+                                   "(share_weights=False); create it with share_weights=True (or the default)")
+            if not self._recipe.can_create:
+                raise RuntimeError("own_weights: the session was created from neither a path nor bytes, so it "
+                                   "cannot be created again around owned weights")
+            with self._lock:
+                self._recipe.share_weights = True
+                self._session = None
+                self._binding = None
+        return self._recipe.weights
+
     @property
     def owned_weights(self) -> Dict[str, torch.Tensor]:
         """The weights every session of this model reads, by initializer name (empty unless ``share_weights``).

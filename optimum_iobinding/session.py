@@ -364,6 +364,11 @@ class SessionRecipe:
             if self.device.type == "cpu":
                 # the CPU EP would otherwise prepack (copy) MatMul/Conv weights, and miss in-place changes
                 sess_options.add_session_config_entry("session.disable_prepacking", "1")
+                # so would the layout optimizations above EXTENDED (NCHWc convolutions reorder a copy of the
+                # weights): measured, a change of the owned Conv weights then barely reached the UNet's output
+                extended = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+                if int(sess_options.graph_optimization_level) > int(extended):
+                    sess_options.graph_optimization_level = extended
             for name, value in self._weight_values.items():
                 sess_options.add_initializer(name, value)
         options = [dict(o) for o in self.provider_options]

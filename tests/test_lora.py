@@ -89,3 +89,158 @@ def test_a_saved_pipeline_keeps_its_lora_maps(tmp_path):
     OnnxStableDiffusionPipeline.from_pretrained(folder).save_pretrained(tmp_path / "saved")
     for component in ("unet", "text_encoder"):
         assert read_weight_map(tmp_path / "saved" / component) == read_weight_map(folder / component)
+
+
+# ------------------------------------------------------------------------------------------------ runtime LoRA
+def make_lora(pipe, folder, seed, unet_targets, text_targets=(), rank=4, text_rank=2):
+    """A LoRA file of random (non-zero) updates for ``pipe``, written by diffusers' own ``save_lora_weights``."""
+    from diffusers import StableDiffusionPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    torch.manual_seed(seed)
+    pipe.unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(unet_targets),
+                                     init_lora_weights=False), adapter_name=f"make{seed}")
+    layers = {"unet_lora_layers": get_peft_model_state_dict(pipe.unet, adapter_name=f"make{seed}")}
+    if text_targets:
+        pipe.text_encoder.add_adapter(LoraConfig(r=text_rank, lora_alpha=text_rank, target_modules=list(text_targets),
+                                                 init_lora_weights=False), adapter_name=f"make{seed}")
+        layers["text_encoder_lora_layers"] = get_peft_model_state_dict(pipe.text_encoder, adapter_name=f"make{seed}")
+    StableDiffusionPipeline.save_lora_weights(str(folder), **layers)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def loras(tmp_path_factory):
+    from optimum_iobinding.export import TINY_RANDOM_KINDS
+
+    folder = tmp_path_factory.mktemp("loras")
+    maker = TINY_RANDOM_KINDS["sd"]()
+    first = make_lora(maker, folder / "a", 1, ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "ff.net.2"],
+                      ["q_proj", "v_proj", "fc1"])
+    maker = TINY_RANDOM_KINDS["sd"]()
+    second = make_lora(maker, folder / "b", 2, ["to_q", "to_v", "conv1"], rank=2)
+    return first, second
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    from optimum_iobinding.export import export_pipeline
+
+    folder = tmp_path_factory.mktemp("lora-exports")
+    return {"plain": export_pipeline(None, folder / "plain", tiny_random=True, progress=False),
+            "fused": export_pipeline(None, folder / "fused", tiny_random=True, optimize="cpu", progress=False)}
+
+
+def images(pipe):
+    return pipe("a photo of a cat", num_inference_steps=3, generator=torch.Generator().manual_seed(0),
+                height=64, width=64, output_type="np").images
+
+
+@pytest.mark.parametrize("export, io_binding", [("plain", True), ("plain", False), ("fused", True)])
+def test_lora_images_equal_diffusers_through_load_set_disable_fuse_and_unload(exports, loras, export, io_binding):
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+    from optimum_iobinding.export import TINY_RANDOM_KINDS
+
+    reference = TINY_RANDOM_KINDS["sd"]()  # the exported weights
+    ours = OnnxStableDiffusionPipeline.from_pretrained(exports[export], io_binding=io_binding)
+    for pipe in (reference, ours):
+        pipe.set_progress_bar_config(disable=True)
+    first, second = loras
+
+    def same(step):
+        expected, got = images(reference), images(ours)
+        assert np.abs(expected - got).max() <= 1e-4, step
+        return got
+
+    base = same("no LoRA")
+    steps = [
+        ("load a", lambda p: p.load_lora_weights(first, adapter_name="a")),
+        ("load b: the active adapter of the UNet, a stays the text encoder's",
+         lambda p: p.load_lora_weights(second, adapter_name="b")),
+        ("set a and b", lambda p: p.set_adapters(["a", "b"], adapter_weights=[0.7, 1.3])),
+        ("per component", lambda p: p.set_adapters(["a", "b"], [{"unet": 0.5, "text_encoder": 2.0}, 1.0])),
+        ("disable", lambda p: p.disable_lora()),
+        ("enable", lambda p: p.enable_lora()),
+        ("fuse", lambda p: p.fuse_lora(lora_scale=0.5)),
+        ("unfuse", lambda p: p.unfuse_lora()),
+    ]
+    for step, action in steps:
+        action(reference)
+        action(ours)
+        got = same(step)
+        assert step in ("disable",) or np.abs(got - base).max() > 1e-3, step  # the LoRA changed the image
+    assert ours.get_list_adapters() == {"unet": ["a", "b"], "text_encoder": ["a"]}
+    reference.unload_lora_weights()
+    ours.unload_lora_weights()
+    # the exported weights again (on the CPU the session reading owned weights skips the layout optimizations, so
+    # its rounding differs from the first session's by a few 1e-6)
+    np.testing.assert_allclose(same("unload"), base, atol=1e-5)
+
+
+def test_adapters_switch_without_creating_a_session(exports, loras):
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(exports["plain"])
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(loras[0], adapter_name="a")  # the CPU's models now keep their weights as tensors
+    pipe.load_lora_weights(loras[1], adapter_name="b")
+    images(pipe)
+    created = {name: getattr(pipe, name).sessions_created for name in ("unet", "text_encoder")}
+    for action in (lambda: pipe.set_adapters(["a", "b"], [0.3, 0.9]), pipe.disable_lora, pipe.enable_lora,
+                   lambda: pipe.fuse_lora(), pipe.unfuse_lora, lambda: pipe.set_adapters("b"),
+                   pipe.unload_lora_weights):
+        action()
+        images(pipe)
+    assert {name: getattr(pipe, name).sessions_created for name in ("unet", "text_encoder")} == created
+
+
+def test_a_kohya_lora_with_alphas_equals_diffusers(exports, loras, tmp_path):
+    """The same updates renamed the kohya way (``lora_unet_…``, ``lora_te_…``, ``alpha`` = 2 × rank: scale 2)."""
+    from safetensors.torch import load_file, save_file
+
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+    from optimum_iobinding.export import TINY_RANDOM_KINDS
+
+    kohya = {}
+    for key, value in load_file(str(loras[0] / "pytorch_lora_weights.safetensors")).items():
+        component, _, rest = key.partition(".")
+        module, _, matrix = rest.rpartition(".lora_")
+        prefix = "lora_unet_" if component == "unet" else "lora_te_text_model_"
+        name = prefix + module.replace(".", "_")
+        kohya[f"{name}.lora_{'down' if matrix.startswith('A') else 'up'}.weight"] = value
+        kohya[f"{name}.alpha"] = torch.tensor(2.0 * value.shape[0 if matrix.startswith("A") else 1])
+    save_file(kohya, str(tmp_path / "kohya.safetensors"))
+    reference = TINY_RANDOM_KINDS["sd"]()
+    ours = OnnxStableDiffusionPipeline.from_pretrained(exports["plain"])
+    for pipe in (reference, ours):
+        pipe.set_progress_bar_config(disable=True)
+        pipe.load_lora_weights(str(tmp_path), weight_name="kohya.safetensors")
+    assert np.abs(images(reference) - images(ours)).max() <= 1e-4
+
+
+def test_lora_mistakes_get_messages_that_name_them(exports, loras):
+    from safetensors.torch import load_file
+
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(exports["plain"])
+    state = load_file(str(loras[0] / "pytorch_lora_weights.safetensors"))
+    layer = "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q"
+    wrong = dict(state, **{f"{layer}.lora_A.weight": torch.zeros(4, 99)})  # a LoRA for a wider model
+    with pytest.raises(ValueError, match=r"unet layer down_blocks\.1\.attentions\.0\.transformer_blocks\.0\.attn1\."
+                                         r"to_q: the LoRA's update is \(64, 4\) @ \(4, 99\), the layer's weight is "
+                                         r"\(64, 64\)"):
+        pipe.load_lora_weights(wrong, adapter_name="wide")
+    unknown = {"unet.down_blocks.9.attn.to_q.lora_A.weight": torch.zeros(4, 8),
+               "unet.down_blocks.9.attn.to_q.lora_B.weight": torch.zeros(8, 4)}
+    with pytest.raises(ValueError, match=r"unet: the LoRA changes layer 'down_blocks\.9\.attn\.to_q', which this "
+                                         "model does not have"):
+        pipe.load_lora_weights(unknown)
+    pipe.load_lora_weights(loras[0], adapter_name="a")
+    with pytest.raises(ValueError, match="adapter_name: 'a' is already loaded"):
+        pipe.load_lora_weights(loras[1], adapter_name="a")
+    with pytest.raises(ValueError, match=r"adapter_names: expected names of loaded adapters \['a'\], got \['x'\]"):
+        pipe.set_adapters(["a", "x"])
+    with pytest.raises(ValueError, match="adapter_weights: expected 1 weights"):
+        pipe.set_adapters(["a"], [1.0, 2.0])

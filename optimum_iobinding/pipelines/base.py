@@ -32,6 +32,7 @@ from ..layout import (
     write_model_index,
 )
 from ..cuda import CudaGraphSetting, check_cuda_graph_setting
+from ..lora import LoraLoaderMixin
 from ..model import CUDA_LIKE_PROVIDERS, IOBindingORTModel, ProviderSpec, check_hub_kwargs, normalize_providers
 from ..session import check_sess_options
 from ..shapes import infer_output_shapes
@@ -45,7 +46,7 @@ Generator = Union[np.random.RandomState, torch.Generator, List[torch.Generator],
 _DEFAULT_VAE_SCALING_FACTOR = 0.18215
 
 
-class OnnxStableDiffusionPipelineBase(DiffusionPipeline):
+class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
     """Components are :class:`IOBindingORTModel`\\ s; the denoising loop runs in torch on ``self.device``.
 
     With ``io_binding=True`` (components binding on the session's device) every tensor of the loop stays there and
