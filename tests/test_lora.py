@@ -206,6 +206,7 @@ def test_a_kohya_lora_with_alphas_equals_diffusers(exports, loras, tmp_path):
     for key, value in load_file(str(loras[0] / "pytorch_lora_weights.safetensors")).items():
         component, _, rest = key.partition(".")
         module, _, matrix = rest.rpartition(".lora_")
+        module = module[len("text_model."):] if module.startswith("text_model.") else module  # transformers 4 names
         prefix = "lora_unet_" if component == "unet" else "lora_te_text_model_"
         name = prefix + module.replace(".", "_")
         kohya[f"{name}.lora_{'down' if matrix.startswith('A') else 'up'}.weight"] = value
