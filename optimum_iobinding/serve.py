@@ -3,8 +3,7 @@
 The application is one deployment, ``ImageService``: each replica holds one pipeline (``num_gpus=1`` per replica on
 a GPU cluster, CPU replicas without one) and the HTTP API (FastAPI through ``@serve.ingress``: ``POST /v1/images``,
 ``GET /health``, ``GET /v1/models``). Serve's proxy routes each HTTP request to a replica. (A separate ingress
-deployment adds a process hop that carries every image: on the H200s that hop and a zlib-compressed PNG took 52 ms
-of a 299 ms SD1.5 request at concurrency 1.)
+deployment adds a process hop that carries every image; benchmarks/results/h200x2/session8 measured what it cost.)
 
 * At start a replica captures the signatures it will serve (:meth:`~optimum_iobinding.pipelines.base.
   OnnxStableDiffusionPipelineBase.warmup`: every batch size up to ``max_batch_size`` at the default size), so the
@@ -83,9 +82,9 @@ class ServeConfig:
         max_ongoing_requests: requests a replica holds at once (waiting for or riding in a batch; the rest queue in
             Serve's proxy).
         max_queued_requests: requests waiting in the proxy for a replica before new ones get 503.
-        png_compression: 0 (default) answers uncompressed PNGs: about 1 ms to make for 512² instead of the 20–40 ms
-            of zlib level 1 with PNG's row filters, which would be a tenth of an SD1.5 image's latency; 1–9 trade
-            that time for about half the bytes (smooth images; noise does not compress).
+        png_compression: 0 (default) answers uncompressed PNGs, a copy of the pixels; 1–9 are zlib's levels with
+            PNG's row filters (Pillow), about half the bytes of a smooth image for tens of times the encoding time,
+            which at concurrency 1 is a visible part of a request's latency.
         pipeline_options: extra keyword arguments for the pipeline's ``from_pretrained``.
         engine: ``"optimum-iobinding"``, or ``"diffusers-numpy"``: diffusers' ``OnnxStableDiffusionPipeline`` (the
             numpy loop), the anchor the serving benchmark compares against. Its batches draw every image's noise
@@ -213,9 +212,8 @@ def stored_png(pixels: Any) -> bytes:
 
 
 def encode_pngs(images: Sequence[Any], compression: int = 0) -> List[bytes]:
-    """PNG bytes of uint8 HxWx3 arrays. ``compression`` 0: stored (about 1 ms for 512², 0.77 MB); 1–9: zlib's
-    levels through Pillow, whose adaptive row filters make it about half the size of a smooth image and take
-    20–40 ms for 512² at level 1 on one core."""
+    """PNG bytes of uint8 HxWx3 arrays. ``compression`` 0: stored (:func:`stored_png`, a copy of the pixels);
+    1–9: zlib's levels through Pillow, whose adaptive row filters make about half the bytes of a smooth image."""
     if compression == 0:
         return [stored_png(pixels) for pixels in images]
     from PIL import Image

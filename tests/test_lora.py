@@ -245,3 +245,39 @@ def test_lora_mistakes_get_messages_that_name_them(exports, loras):
         pipe.set_adapters(["a", "x"])
     with pytest.raises(ValueError, match="adapter_weights: expected 1 weights"):
         pipe.set_adapters(["a"], [1.0, 2.0])
+
+
+@pytest.mark.parametrize("kind", ["xl", "lcm"])
+def test_sdxl_and_lcm_loras_equal_diffusers(tmp_path, kind):
+    """SDXL: a UNet and second-text-encoder LoRA (diffusers' SDXL reader); LCM: a UNet LoRA on the LCM UNet."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from optimum_iobinding.export import TINY_RANDOM_KINDS, export_pipeline
+    from optimum_iobinding.pipelines import pipeline_class_for
+
+    folder = export_pipeline(None, tmp_path / kind, tiny_random=kind, progress=False)
+    maker = TINY_RANDOM_KINDS[kind]()
+    torch.manual_seed(3)
+    maker.unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_v"], init_lora_weights=False))
+    layers = {"unet_lora_layers": get_peft_model_state_dict(maker.unet)}
+    if kind == "xl":
+        maker.text_encoder_2.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["q_proj"],
+                                                    init_lora_weights=False))
+        layers["text_encoder_2_lora_layers"] = get_peft_model_state_dict(maker.text_encoder_2)
+    type(maker).save_lora_weights(str(tmp_path / "lora"), **layers)
+    reference = TINY_RANDOM_KINDS[kind]()
+    ours = pipeline_class_for(str(folder)).from_pretrained(folder)
+    size = ours.default_image_size
+
+    def image(pipe):
+        return pipe("a cat", num_inference_steps=2, generator=torch.Generator().manual_seed(0), height=size,
+                    width=size, output_type="np").images[0]
+
+    base = image(ours)
+    for pipe in (reference, ours):
+        pipe.set_progress_bar_config(disable=True)
+        pipe.load_lora_weights(str(tmp_path / "lora"), adapter_name="x")
+    got = image(ours)
+    assert np.abs(image(reference) - got).max() <= 1e-4 and np.abs(got - base).max() > 1e-3
+    assert ours.get_list_adapters() == ({"text_encoder_2": ["x"], "unet": ["x"]} if kind == "xl" else {"unet": ["x"]})
