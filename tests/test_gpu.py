@@ -557,3 +557,39 @@ def test_the_first_call_builds_the_shape_free_sessions_in_the_background(fused_t
     assert pipe.unet.sessions_created == 1 and pipe.vae_decoder.sessions_created == 1
     numpy_loop = generate(pipeline(fused_tiny_folder, io_binding=False))
     assert np.abs(images - numpy_loop).max() <= 1e-3
+
+
+# ------------------------------------------------------------------------------------------------ runtime LoRA
+@pytest.mark.parametrize("export", ["fused", "plain"])
+def test_captured_graphs_replay_lora_weights_and_switching_creates_no_session(tiny_folder, fused_tiny_folder, export,
+                                                                             tmp_path):
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from optimum_iobinding.export import TINY_RANDOM_KINDS
+
+    maker = TINY_RANDOM_KINDS["sd"]()
+    torch.manual_seed(5)
+    maker.unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                                      init_lora_weights=False))
+    maker.text_encoder.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["q_proj", "fc1"],
+                                              init_lora_weights=False))
+    type(maker).save_lora_weights(str(tmp_path / "lora"), unet_lora_layers=get_peft_model_state_dict(maker.unet),
+                                  text_encoder_lora_layers=get_peft_model_state_dict(maker.text_encoder))
+    folder = fused_tiny_folder if export == "fused" else tiny_folder
+    graphs = pipeline(folder)  # the defaults: graphs where ORT captures them
+    base = generate(graphs)
+    created = {name: getattr(graphs, name).sessions_created for name in ("unet", "text_encoder", "vae_decoder")}
+    graphs.load_lora_weights(str(tmp_path / "lora"), adapter_name="x")
+    with_lora = generate(graphs)
+    graphs.disable_lora()
+    disabled = generate(graphs)
+    graphs.enable_lora()
+    assert np.abs(generate(graphs) - with_lora).max() <= 1e-5
+    # the weights changed under the captured graphs: nothing was created again
+    assert {name: getattr(graphs, name).sessions_created for name in created} == created
+    assert graphs.unet.graph_signatures
+    fresh = pipeline(folder, cuda_graph=False)
+    fresh.load_lora_weights(str(tmp_path / "lora"), adapter_name="x")
+    assert np.abs(with_lora - generate(fresh)).max() <= 1e-3
+    assert np.abs(with_lora - base).max() > 1e-3 and np.abs(disabled - base).max() <= 1e-5
