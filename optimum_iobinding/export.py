@@ -597,11 +597,11 @@ def _export_component(name: str, spec: dict, target: Path, opset: int, fp16: boo
             model = onnx.load(str(scratch_path))  # with any external data the exporter wrote beside it
     layers_of = getattr(spec["module"], "unet", None) or getattr(spec["module"], "text_encoder", None)
     if layers_of is not None:  # where each layer's weight went: runtime LoRA updates it there
-        from .lora import _lora_layers, weight_map, write_weight_map
+        from .lora import lora_layers, weight_map, write_weight_map
 
         (target / name).mkdir(parents=True, exist_ok=True)
         write_weight_map(weight_map(layers_of, model), target / name,
-                         [layer for layer, _ in _lora_layers(layers_of)])
+                         [layer for layer, _ in lora_layers(layers_of)])
     _save_onnx(model, target / name / "model.onnx")
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
     if fp16 and config.get("force_upcast"):

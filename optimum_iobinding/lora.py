@@ -105,7 +105,8 @@ def _places_of(weight: np.ndarray, by_shape: Dict[Tuple[int, ...], List[Tuple[st
     return places
 
 
-def _lora_layers(module: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module]]:
+def lora_layers(module: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module]]:
+    """The layers a LoRA can change (Linear and Conv2d), by module name."""
     for name, layer in module.named_modules():
         if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)) and name:
             yield name, layer
@@ -122,7 +123,7 @@ def weight_map(module: torch.nn.Module, model: onnx.ModelProto,
         by_shape.setdefault(tuple(array.shape), []).append((name, array))
     found: Dict[str, List[WeightPlace]] = {}
     with torch.no_grad():
-        for name, layer in _lora_layers(module):
+        for name, layer in lora_layers(module):
             places = _places_of(layer.weight.detach().float().cpu().numpy(), by_shape)
             if places:
                 found[name] = places
@@ -203,7 +204,8 @@ def torch_shape(tensor: torch.Tensor, place: WeightPlace) -> Tuple[int, ...]:
 
 # ------------------------------------------------------------------------------------------------ runtime LoRA
 LORA_COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
-# how LoRA files name a layer's two matrices, after diffusers' conversion of the kohya format
+# how a layer's two matrices are named: PEFT's names (what _to_peft_names converts to), and diffusers' older ones
+# for keys its converters leave as they are
 _MATRIX_SUFFIXES = ((".lora_A.weight", "down"), (".lora_B.weight", "up"), (".lora.down.weight", "down"),
                     (".lora.up.weight", "up"), (".lora_linear_layer.down.weight", "down"),
                     (".lora_linear_layer.up.weight", "up"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from optimum_iobinding.lora import (WeightPlace, _lora_layers, _places_of, read_weight_map, to_view_layout,
+from optimum_iobinding.lora import (WeightPlace, lora_layers, _places_of, read_weight_map, to_view_layout,
                                     torch_layout_view)
 
 EXPORTS = {"plain": {}, "fp16": {"fp16": True}, "fused": {"optimize": "cpu"}, "fused-fp16": {"optimize": "cpu", "fp16": True}}
@@ -30,7 +30,7 @@ def test_every_linear_and_conv_weight_of_the_unet_and_text_encoder_is_found_in_t
                              progress=False, **EXPORTS[export])
     for component, module in (("unet", tiny_torch.unet), ("text_encoder", tiny_torch.text_encoder)):
         places, not_found = read_weight_map(folder / component)
-        layers = dict(_lora_layers(module))
+        layers = dict(lora_layers(module))
         assert not_found == [] and set(places) == set(layers)
         model = onnx.load(str(folder / component / "model.onnx"))
         arrays = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
