@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import requires_cuda
+from conftest import make_lora, requires_cuda
 from optimum_iobinding.bench import host_waits
 
 pytestmark = requires_cuda
@@ -563,19 +563,10 @@ def test_the_first_call_builds_the_shape_free_sessions_in_the_background(fused_t
 @pytest.mark.parametrize("export", ["fused", "plain"])
 def test_captured_graphs_replay_lora_weights_and_switching_creates_no_session(tiny_folder, fused_tiny_folder, export,
                                                                              tmp_path):
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
     from optimum_iobinding.export import TINY_RANDOM_KINDS
 
-    maker = TINY_RANDOM_KINDS["sd"]()
-    torch.manual_seed(5)
-    maker.unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
-                                      init_lora_weights=False))
-    maker.text_encoder.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["q_proj", "fc1"],
-                                              init_lora_weights=False))
-    type(maker).save_lora_weights(str(tmp_path / "lora"), unet_lora_layers=get_peft_model_state_dict(maker.unet),
-                                  text_encoder_lora_layers=get_peft_model_state_dict(maker.text_encoder))
+    make_lora(TINY_RANDOM_KINDS["sd"](), tmp_path / "lora", 5, ["to_q", "to_k", "to_v", "to_out.0"],
+              ["q_proj", "fc1"])
     folder = fused_tiny_folder if export == "fused" else tiny_folder
     graphs = pipeline(folder)  # the defaults: graphs where ORT captures them
     base = generate(graphs)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from onnx import numpy_helper
 
+from conftest import make_lora
 from optimum_iobinding.lora import (WeightPlace, lora_layers, _places_of, read_weight_map, to_view_layout,
                                     torch_layout_view)
 
@@ -92,24 +93,6 @@ def test_a_saved_pipeline_keeps_its_lora_maps(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ runtime LoRA
-def make_lora(pipe, folder, seed, unet_targets, text_targets=(), rank=4, text_rank=2):
-    """A LoRA file of random (non-zero) updates for ``pipe``, written by diffusers' own ``save_lora_weights``."""
-    from diffusers import StableDiffusionPipeline
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
-    torch.manual_seed(seed)
-    pipe.unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(unet_targets),
-                                     init_lora_weights=False), adapter_name=f"make{seed}")
-    layers = {"unet_lora_layers": get_peft_model_state_dict(pipe.unet, adapter_name=f"make{seed}")}
-    if text_targets:
-        pipe.text_encoder.add_adapter(LoraConfig(r=text_rank, lora_alpha=text_rank, target_modules=list(text_targets),
-                                                 init_lora_weights=False), adapter_name=f"make{seed}")
-        layers["text_encoder_lora_layers"] = get_peft_model_state_dict(pipe.text_encoder, adapter_name=f"make{seed}")
-    StableDiffusionPipeline.save_lora_weights(str(folder), **layers)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def loras(tmp_path_factory):
     from optimum_iobinding.export import TINY_RANDOM_KINDS
@@ -250,22 +233,12 @@ def test_lora_mistakes_get_messages_that_name_them(exports, loras):
 @pytest.mark.parametrize("kind", ["xl", "lcm"])
 def test_sdxl_and_lcm_loras_equal_diffusers(tmp_path, kind):
     """SDXL: a UNet and second-text-encoder LoRA (diffusers' SDXL reader); LCM: a UNet LoRA on the LCM UNet."""
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
     from optimum_iobinding.export import TINY_RANDOM_KINDS, export_pipeline
     from optimum_iobinding.pipelines import pipeline_class_for
 
     folder = export_pipeline(None, tmp_path / kind, tiny_random=kind, progress=False)
-    maker = TINY_RANDOM_KINDS[kind]()
-    torch.manual_seed(3)
-    maker.unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_v"], init_lora_weights=False))
-    layers = {"unet_lora_layers": get_peft_model_state_dict(maker.unet)}
-    if kind == "xl":
-        maker.text_encoder_2.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["q_proj"],
-                                                    init_lora_weights=False))
-        layers["text_encoder_2_lora_layers"] = get_peft_model_state_dict(maker.text_encoder_2)
-    type(maker).save_lora_weights(str(tmp_path / "lora"), **layers)
+    make_lora(TINY_RANDOM_KINDS[kind](), tmp_path / "lora", 3, ["to_q", "to_v"],
+              ["q_proj"] if kind == "xl" else (), text_encoder="text_encoder_2")
     reference = TINY_RANDOM_KINDS[kind]()
     ours = pipeline_class_for(str(folder)).from_pretrained(folder)
     size = ours.default_image_size
