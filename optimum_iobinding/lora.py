@@ -374,10 +374,7 @@ class LoraLoaderMixin:
         adapter, or per adapter a dict of component → number)."""
         state = self._lora()
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
-        unknown = [name for name in names if name not in state["adapters"]]
-        if unknown:
-            raise ValueError(f"adapter_names: expected names of loaded adapters {sorted(state['adapters'])}, got "
-                             f"{unknown}")
+        _check_adapter_names(state, names)
         if adapter_weights is None or isinstance(adapter_weights, (int, float, dict)):
             weights = [1.0 if adapter_weights is None else adapter_weights] * len(names)
         else:
@@ -426,10 +423,7 @@ class LoraLoaderMixin:
         """Fuses the active adapters (or ``adapter_names``), times ``lora_scale``, into the weights of
         ``components``: they stay applied, whatever :meth:`set_adapters` says, until :meth:`unfuse_lora`."""
         state = self._lora()
-        unknown = [name for name in adapter_names or () if name not in state["adapters"]]
-        if unknown:
-            raise ValueError(f"adapter_names: expected names of loaded adapters {sorted(state['adapters'])}, got "
-                             f"{unknown}")
+        _check_adapter_names(state, adapter_names or ())
         for component in components:
             active = state["active"].setdefault(component, {})
             for name in adapter_names if adapter_names is not None else list(active):
@@ -503,6 +497,13 @@ def _to_peft_names(state_dict: Dict[str, torch.Tensor], network_alphas: Dict[str
         found = _layer_of(name)
         alphas[(component, found[1] if found else base.partition(".")[2])] = float(alpha)
     return converted, alphas
+
+
+def _check_adapter_names(state: Dict[str, Any], names: Sequence[str]) -> None:
+    unknown = [name for name in names if name not in state["adapters"]]
+    if unknown:
+        raise ValueError(f"adapter_names: expected names of loaded adapters {sorted(state['adapters'])}, got "
+                         f"{unknown}")
 
 
 def _weight_for(weight: Any, component: str) -> float:
