@@ -16,6 +16,8 @@ _PIPELINES = (
     "OnnxStableDiffusionXLPipeline",
     "OnnxStableDiffusionXLImg2ImgPipeline",
     "OnnxLatentConsistencyModelPipeline",
+    "OnnxStableDiffusionControlNetPipeline",
+    "OnnxStableDiffusionControlNetImg2ImgPipeline",
 )
 
 __all__ = ["IOBindingORTModel", "infer_output_shapes", "TiledVAE", "accelerate", "__version__", *_PIPELINES]

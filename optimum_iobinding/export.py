@@ -7,6 +7,10 @@ Layout written (what diffusers' ``OnnxStableDiffusionPipeline`` and ours both lo
     unet/model.onnx             sample, timestep, encoder_hidden_states → out_sample
     vae_encoder/model.onnx      sample → latent_sample (the latent distribution's mean: deterministic)
     vae_decoder/model.onnx      latent_sample → sample
+    controlnet/model.onnx       (a ControlNet pipeline) sample, timestep, encoder_hidden_states, controlnet_cond,
+                                conditioning_scale → down_block_res_sample_0 … _N-1, mid_block_res_sample;
+                                controlnet_1/, controlnet_2/ … for more than one ControlNet (diffusers' names), and a
+                                UNet that also takes down_block_additional_residual_0 … and mid_block_additional_residual
     */config.json               the torch component's config (scaling factor, channels, block widths)
     tokenizer/, scheduler/
 
@@ -217,10 +221,41 @@ def build_tiny_random_lcm_pipeline(seed: int = 0):
     ).to(torch.float32)
 
 
+def build_tiny_random_controlnet(unet, seed: int = 0):
+    """A tiny random-weights ``ControlNetModel`` for the tiny UNet: its encoder half (``ControlNetModel.from_unet``,
+    a conditioning embedding that downsamples 8×, as the tiny VAE does) with every weight drawn at random — the
+    zero convolutions too, which a fresh ControlNet starts at zero (its residuals would then be zero and prove
+    nothing)."""
+    from diffusers import ControlNetModel
+
+    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(8, 16, 16, 32))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in controlnet.named_parameters():
+            if name.startswith(("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding")):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    return controlnet.to(torch.float32)
+
+
+def build_tiny_random_controlnet_pipeline(seed: int = 0, controlnets: int = 1):
+    """The tiny pipeline with one (or ``controlnets``) tiny random ControlNets: a ``StableDiffusionControlNetPipeline``
+    (with a ``MultiControlNetModel`` for more than one)."""
+    from diffusers import StableDiffusionControlNetPipeline
+
+    base = build_tiny_random_pipeline(seed)
+    nets = [build_tiny_random_controlnet(base.unet, seed + 10 + k) for k in range(controlnets)]
+    return StableDiffusionControlNetPipeline(
+        vae=base.vae, text_encoder=base.text_encoder, tokenizer=base.tokenizer, unet=base.unet,
+        controlnet=nets[0] if controlnets == 1 else nets, scheduler=base.scheduler, safety_checker=None,
+        feature_extractor=None, requires_safety_checker=False,
+    )
+
+
 TINY_RANDOM_KINDS: Dict[str, Callable[[], Any]] = {
     "sd": build_tiny_random_pipeline,
     "xl": build_tiny_random_xl_pipeline,
     "lcm": build_tiny_random_lcm_pipeline,
+    "controlnet": build_tiny_random_controlnet_pipeline,
 }
 
 
@@ -264,8 +299,43 @@ class _UNet(torch.nn.Module):
     def forward(self, sample, timestep, encoder_hidden_states, *extra):
         named = dict(zip(self.extra_inputs, extra))
         added = {key: named[key] for key in ("text_embeds", "time_ids") if key in named} or None
+        down = [named[name] for name in self.extra_inputs if name.startswith(DOWN_RESIDUAL_INPUT)] or None
         return self.unet(sample, timestep, encoder_hidden_states, timestep_cond=named.get("timestep_cond"),
-                         added_cond_kwargs=added, return_dict=False)[0]
+                         added_cond_kwargs=added, down_block_additional_residuals=down,
+                         mid_block_additional_residual=named.get(MID_RESIDUAL_INPUT), return_dict=False)[0]
+
+
+# What a ControlNet gives and its UNet takes: one residual per down-block output, one for the mid block.
+DOWN_RESIDUAL_OUTPUT, MID_RESIDUAL_OUTPUT = "down_block_res_sample_", "mid_block_res_sample"
+DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT = "down_block_additional_residual_", "mid_block_additional_residual"
+
+
+class _ControlNet(torch.nn.Module):
+    """A ControlNet whose residuals come out scaled by ``conditioning_scale``, one factor per residual (down blocks,
+    then mid): a plain call gives every residual the same factor, guess mode diffusers' ``logspace(-1, 0)`` ramp, and
+    steps outside the guidance window 0 — all the same graph."""
+
+    def __init__(self, controlnet):
+        super().__init__()
+        self.controlnet = controlnet
+
+    def forward(self, sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale):
+        down, mid = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale=1.0,
+                                    guess_mode=False, return_dict=False)
+        return (*(residual * conditioning_scale[i] for i, residual in enumerate(down)), mid * conditioning_scale[-1])
+
+
+def controlnets_of(pipe) -> list:
+    """The pipeline's ControlNets in order (a ``MultiControlNetModel``'s nets), or ``[]``."""
+    controlnet = getattr(pipe, "controlnet", None)
+    if controlnet is None:
+        return []
+    return list(getattr(controlnet, "nets", None) or [controlnet])
+
+
+def controlnet_component_names(count: int) -> tuple:
+    """diffusers' folder names for ``count`` ControlNets: ``controlnet``, ``controlnet_1``, ``controlnet_2`` …"""
+    return tuple("controlnet" if k == 0 else f"controlnet_{k}" for k in range(count))
 
 
 class _VaeEncoder(torch.nn.Module):
@@ -293,9 +363,10 @@ def is_xl(pipe) -> bool:
 
 
 def onnx_components_of(pipe) -> tuple:
-    """The ONNX components a torch pipeline exports to (SDXL's refiner has no first text encoder)."""
+    """The ONNX components a torch pipeline exports to (SDXL's refiner has no first text encoder; a ControlNet
+    pipeline adds its ControlNets)."""
     if not is_xl(pipe):
-        return ONNX_COMPONENTS
+        return ONNX_COMPONENTS + controlnet_component_names(len(controlnets_of(pipe)))
     encoders = tuple(name for name in ("text_encoder", "text_encoder_2") if getattr(pipe, name, None) is not None)
     return encoders + ("unet", "vae_encoder", "vae_decoder")
 
@@ -355,10 +426,38 @@ def _component_specs(pipe) -> Dict[str, dict]:
         extra_names += ["text_embeds", "time_ids"]
         extra_args += [torch.randn(2, pooled_dim), torch.randn(2, time_ids)]
         extra_axes.update({"text_embeds": {0: "batch"}, "time_ids": {0: "batch"}})
+    unet_args = (torch.randn(2, unet.config.in_channels, latent_size, latent_size), torch.tensor([1.0]),
+                 torch.randn(2, sequence, unet.config.cross_attention_dim))
+    controlnets = controlnets_of(pipe)
+    if controlnets:
+        if xl:
+            raise ValueError("controlnet: only Stable Diffusion 1.x/2.x ControlNet pipelines export (not SDXL's)")
+        image = torch.rand(2, controlnets[0].config.conditioning_channels, latent_size * vae_scale_factor,
+                           latent_size * vae_scale_factor)
+        with torch.no_grad():  # the residuals' shapes, for the example inputs of the UNet
+            down, mid = controlnets[0](*unet_args, image, return_dict=False)
+        residuals = [f"{DOWN_RESIDUAL_INPUT}{i}" for i in range(len(down))] + [MID_RESIDUAL_INPUT]
+        extra_names += residuals
+        extra_args += [torch.randn(r.shape) for r in (*down, mid)]
+        extra_axes.update({name: {0: "batch", 2: f"{name}_height", 3: f"{name}_width"} for name in residuals})
+        scale_count = len(down) + 1
+        outputs = [f"{DOWN_RESIDUAL_OUTPUT}{i}" for i in range(len(down))] + [MID_RESIDUAL_OUTPUT]
+        for name, controlnet in zip(controlnet_component_names(len(controlnets)), controlnets):
+            specs[name] = dict(
+                module=_ControlNet(controlnet),
+                args=(*unet_args, image, torch.ones(scale_count)),
+                input_names=["sample", "timestep", "encoder_hidden_states", "controlnet_cond", "conditioning_scale"],
+                output_names=outputs,
+                dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"}, "timestep": {0: "timestep_batch"},
+                              "encoder_hidden_states": {0: "batch", 1: "sequence"},
+                              "controlnet_cond": {0: "batch", 2: "image_height", 3: "image_width"},
+                              **{output: {0: "batch", 2: f"{output}_height", 3: f"{output}_width"}
+                                 for output in outputs}},
+                config=controlnet.config,
+            )
     specs["unet"] = dict(
         module=_UNet(unet, extra_names),
-        args=(torch.randn(2, unet.config.in_channels, latent_size, latent_size), torch.tensor([1.0]),
-              torch.randn(2, sequence, unet.config.cross_attention_dim), *extra_args),
+        args=(*unet_args, *extra_args),
         input_names=["sample", "timestep", "encoder_hidden_states", *extra_names],
         output_names=["out_sample"],
         dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"}, "timestep": {0: "timestep_batch"},
@@ -419,7 +518,12 @@ def convert_to_float16(model: onnx.ModelProto, shapes_known: bool = False) -> on
 
 # ORT's optimizer model types, and the hidden sizes its BiasSplitGelu kernel takes (others must skip that fusion).
 _OPTIMIZER_MODEL_TYPES = {"text_encoder": "clip", "text_encoder_2": "clip", "unet": "unet", "vae_encoder": "vae",
-                          "vae_decoder": "vae"}
+                          "vae_decoder": "vae", "controlnet": "unet"}
+
+
+def _kind(name: str) -> str:
+    """A component's kind: ``controlnet_1``, ``controlnet_2`` … are ControlNets like ``controlnet``."""
+    return "controlnet" if name.startswith("controlnet") else name
 BIAS_SPLIT_GELU_HIDDEN_SIZES = (2560, 5120, 6144, 10240, 12288)
 
 
@@ -433,6 +537,7 @@ def fusion_options(name: str, config: Any, target: str):
     """
     from onnxruntime.transformers.fusion_options import FusionOptions
 
+    name = _kind(name)
     options = FusionOptions(_OPTIMIZER_MODEL_TYPES[name])
     if target == "cpu":
         for flag in ("enable_nhwc_conv", "enable_group_norm", "enable_skip_group_norm", "enable_bias_splitgelu",
@@ -442,11 +547,11 @@ def fusion_options(name: str, config: Any, target: str):
     else:
         channels = list(config.get("block_out_channels", [])) if isinstance(config, dict) else \
             list(getattr(config, "block_out_channels", []))
-        if name == "unet" and not all(8 * c in BIAS_SPLIT_GELU_HIDDEN_SIZES for c in channels):
+        if name in ("unet", "controlnet") and not all(8 * c in BIAS_SPLIT_GELU_HIDDEN_SIZES for c in channels):
             options.enable_bias_splitgelu = False
         # ORT's CUDA GroupNorm takes only some channel counts (it refuses 32 channels in 32 groups, for one): the
         # SD-size widths it was written for, UNet blocks of ≥ 320 and VAE blocks of ≥ 128 channels
-        smallest = {"unet": 320, "vae_encoder": 128, "vae_decoder": 128}.get(name)
+        smallest = {"unet": 320, "controlnet": 320, "vae_encoder": 128, "vae_decoder": 128}.get(name)
         if smallest is not None and channels and min(channels) < smallest:
             for flag in ("enable_group_norm", "enable_skip_group_norm"):
                 if hasattr(options, flag):
@@ -510,7 +615,7 @@ def _optimize(name: str, path: Path, options: Any, target: str):
 
     def run(fusions):
         with _in_folder(path.parent):
-            return optimize_model(_load_light(path), model_type=_OPTIMIZER_MODEL_TYPES[name], opt_level=0,
+            return optimize_model(_load_light(path), model_type=_OPTIMIZER_MODEL_TYPES[_kind(name)], opt_level=0,
                                   optimization_options=fusions, use_gpu=target == "cuda")
 
     try:
@@ -631,6 +736,7 @@ def export_pipeline(
     torch_pipeline: Optional[object] = None,
     overwrite: bool = False,
     vae: Union[str, os.PathLike, object, None] = None,
+    controlnet: Union[str, os.PathLike, object, Sequence[Union[str, os.PathLike, object]], None] = None,
 ) -> Path:
     """Exports a diffusers Stable Diffusion (1.x/2.x, LCM, Turbo) pipeline to the diffusers ONNX layout, or an SDXL
     pipeline to optimum's SDXL layout (two text encoders with their hidden states; a UNet taking ``text_embeds`` and
@@ -656,6 +762,11 @@ def export_pipeline(
         overwrite: replace a non-empty ``output_dir`` — whole: nothing of the previous folder stays.
         vae: a VAE to export instead of the pipeline's: an ``AutoencoderKL``, or its folder or hub id (e.g. SDXL's
             float16-safe ``madebyollin/sdxl-vae-fp16-fix``).
+        controlnet: one or several ControlNets (``ControlNetModel``\ s, or their folders or hub ids, e.g.
+            ``lllyasviel/sd-controlnet-canny``) to export with a Stable Diffusion 1.x/2.x pipeline: the folder gets
+            ``controlnet`` (``controlnet_1`` … for more) and a UNet that takes their residuals, which
+            :class:`OnnxStableDiffusionControlNetPipeline` loads. A diffusers ``StableDiffusionControlNetPipeline``
+            given as ``torch_pipeline`` (or its folder) exports its own.
 
     Returns:
         The output folder.
@@ -694,6 +805,8 @@ def export_pipeline(
         if not hasattr(vae, "decode") or not hasattr(vae, "config"):
             raise TypeError(f"vae: expected an AutoencoderKL or its folder or hub id, got {type(vae).__name__}")
         pipe.vae = vae
+    if controlnet is not None:
+        pipe = _with_controlnets(pipe, controlnet)
     available = onnx_components_of(pipe)
     components = available if components is None else tuple(components)
     unknown = [c for c in components if c not in available]
@@ -714,5 +827,39 @@ def export_pipeline(
                                  getattr(pipe.config, "force_zeros_for_empty_prompt", True),
                                  getattr(pipe.config, "requires_aesthetics_score", False))
         else:
-            write_model_index(scratch, type(pipe.scheduler).__name__, type(pipe.tokenizer).__name__)
+            nets = controlnet_component_names(len(controlnets_of(pipe)))
+            write_model_index(scratch, type(pipe.scheduler).__name__, type(pipe.tokenizer).__name__,
+                              ONNX_COMPONENTS + nets,
+                              "OnnxStableDiffusionControlNetPipeline" if nets else "OnnxStableDiffusionPipeline")
     return target
+
+
+def _with_controlnets(pipe, controlnet):
+    """``pipe`` as a diffusers ``StableDiffusionControlNetPipeline`` with these ControlNets (models, folders or hub
+    ids), each checked against the UNet it will feed."""
+    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
+
+    if is_xl(pipe):
+        raise ValueError("controlnet: only Stable Diffusion 1.x/2.x pipelines export with a ControlNet (not SDXL)")
+    given = list(controlnet) if isinstance(controlnet, (list, tuple)) else [controlnet]
+    if not given:
+        raise ValueError("controlnet: expected one or more ControlNets, got an empty list")
+    nets = []
+    for k, item in enumerate(given):
+        if isinstance(item, (str, os.PathLike)):
+            item = ControlNetModel.from_pretrained(os.fspath(item), torch_dtype=torch.float32)
+        if not hasattr(item, "controlnet_down_blocks") or not hasattr(item, "config"):
+            raise TypeError(f"controlnet[{k}]: expected a ControlNetModel or its folder or hub id, got "
+                            f"{type(item).__name__}")
+        for key in ("block_out_channels", "cross_attention_dim"):
+            mine, theirs = getattr(item.config, key), getattr(pipe.unet.config, key)
+            if list(mine if isinstance(mine, (list, tuple)) else [mine]) != \
+                    list(theirs if isinstance(theirs, (list, tuple)) else [theirs]):
+                raise ValueError(f"controlnet[{k}]: {key} is {mine}, but the pipeline's UNet has {theirs}: a "
+                                 "ControlNet must be made for this UNet's architecture")
+        nets.append(item)
+    return StableDiffusionControlNetPipeline(
+        vae=pipe.vae, text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer, unet=pipe.unet,
+        controlnet=nets[0] if len(nets) == 1 else nets, scheduler=pipe.scheduler, safety_checker=None,
+        feature_extractor=None, requires_safety_checker=False,
+    )

@@ -232,12 +232,13 @@ def save_tokenizer(tokenizer: Any, folder: Union[str, os.PathLike]) -> None:
 
 
 def write_model_index(folder: Union[str, os.PathLike], scheduler_class: str, tokenizer_class: str = "CLIPTokenizer",
-                      components: Sequence[str] = ONNX_COMPONENTS) -> None:
+                      components: Sequence[str] = ONNX_COMPONENTS,
+                      class_name: str = "OnnxStableDiffusionPipeline") -> None:
     """Writes model_index.json as diffusers' ONNX pipeline expects it (its components are ``OnnxRuntimeModel``)."""
     import diffusers
 
     index = {
-        "_class_name": "OnnxStableDiffusionPipeline",
+        "_class_name": class_name,
         "_diffusers_version": diffusers.__version__,
         "feature_extractor": [None, None],
         "requires_safety_checker": False,

@@ -1,6 +1,7 @@
 """Stable Diffusion pipelines whose denoising loop runs on the device."""
 
 from .base import OnnxStableDiffusionPipelineBase
+from .controlnet import OnnxStableDiffusionControlNetImg2ImgPipeline, OnnxStableDiffusionControlNetPipeline
 from .img2img import OnnxStableDiffusionImg2ImgPipeline
 from .inpaint import OnnxStableDiffusionInpaintPipeline
 from .latent_consistency import OnnxLatentConsistencyModelPipeline
@@ -32,6 +33,9 @@ def pipeline_class_for(folder) -> type:
             raise ValueError(f"model: {str(folder)!r} is an SDXL refiner (no text_encoder): it transforms images; use "
                              "OnnxStableDiffusionXLImg2ImgPipeline from Python")
         return OnnxStableDiffusionXLPipeline
+    if "mid_block_additional_residual" in inputs:
+        raise ValueError(f"model: {str(folder)!r} is a ControlNet folder (its UNet takes the ControlNet's residuals): "
+                         "use OnnxStableDiffusionControlNetPipeline from Python with a control image")
     if "timestep_cond" in inputs:
         return OnnxLatentConsistencyModelPipeline
     sample = inputs.get("sample")
@@ -52,4 +56,6 @@ __all__ = [
     "OnnxStableDiffusionXLPipeline",
     "OnnxStableDiffusionXLImg2ImgPipeline",
     "OnnxLatentConsistencyModelPipeline",
+    "OnnxStableDiffusionControlNetPipeline",
+    "OnnxStableDiffusionControlNetImg2ImgPipeline",
 ]

@@ -8,6 +8,7 @@ import inspect
 import logging
 import math
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -127,7 +128,9 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
             return
         hints = {"timestep_cond": "an LCM UNet: use OnnxLatentConsistencyModelPipeline",
                  "text_embeds": "an SDXL UNet: use OnnxStableDiffusionXLPipeline or its Img2Img",
-                 "time_ids": "an SDXL UNet: use OnnxStableDiffusionXLPipeline or its Img2Img"}
+                 "time_ids": "an SDXL UNet: use OnnxStableDiffusionXLPipeline or its Img2Img",
+                 "mid_block_additional_residual": "a UNet exported with a ControlNet: use "
+                                                  "OnnxStableDiffusionControlNetPipeline or its Img2Img"}
         hint = next((hints[name] for name in unexpected if name in hints), None)
         if hint is None and missing:
             hint = f"{type(self).__name__} needs a UNet exported with {missing}"
@@ -229,10 +232,12 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
             **hub_kwargs: for ``huggingface_hub.snapshot_download`` (revision, token, cache_dir, local_files_only).
         """
         check_hub_kwargs(f"{cls.__name__}.from_pretrained", hub_kwargs)
-        settings = component_settings(cls._onnx_components, cuda_graph, component_options)
-        folder = resolve_pipeline_folder(pretrained_model_name_or_path, cls._onnx_components, cls._tokenizer_names,
-                                          **hub_kwargs)
-        index = read_model_index(folder, cls._onnx_components)
+        component_settings(cls._onnx_components, cuda_graph, component_options)  # checked before any download
+        folder = resolve_pipeline_folder(pretrained_model_name_or_path, cls._download_components(),
+                                          cls._tokenizer_names, **hub_kwargs)
+        onnx_components = cls._components_in(folder)
+        settings = component_settings(onnx_components, cuda_graph, component_options)
+        index = read_model_index(folder, onnx_components)
         providers, options = normalize_providers(provider, provider_options, io_binding)
         check_sess_options(sess_options)
         stream = None
@@ -241,7 +246,7 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
             stream = torch.cuda.Stream(torch.device("cuda", int(options[0].get("device_id", 0))))
         components: Dict[str, Any] = {}
         try:
-            for name in cls._onnx_components:
+            for name in onnx_components:
                 model_folder = folder / name
                 if not (model_folder / "model.onnx").is_file():
                     if name in cls._optional_components:
@@ -268,6 +273,16 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         except BaseException:
             components.clear()  # release sessions now, not when the traceback goes
             raise
+
+    @classmethod
+    def _download_components(cls) -> Sequence[str]:
+        """The component folders to fetch from the Hub (glob patterns)."""
+        return cls._onnx_components
+
+    @classmethod
+    def _components_in(cls, folder: Path) -> Tuple[str, ...]:
+        """The ONNX components to load from ``folder`` (a pipeline with a variable number of them finds them)."""
+        return cls._onnx_components
 
     # ---------------------------------------------------------------------------------------------------- warm-up
     def warmup(
@@ -546,11 +561,13 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         raise TypeError(f"generator: expected a numpy RandomState, a torch.Generator or a list of torch.Generators "
                         f"(one per image), got {type(generator).__name__}")
 
-    def timestep_inputs(self, timesteps: torch.Tensor, batch_size: int) -> torch.Tensor:
-        """The UNet's ``timestep`` input for every step, made once on the device: row ``i`` is step ``i``'s, in the
-        dtype and rank the UNet declares (a scalar, ``[1]`` or ``[batch]``)."""
-        timestep_dims = self.unet.input_dims["timestep"] or []
-        values = timesteps.to(dtype=self.unet.input_dtypes["timestep"])
+    def timestep_inputs(self, timesteps: torch.Tensor, batch_size: int,
+                        model: Optional[IOBindingORTModel] = None) -> torch.Tensor:
+        """The UNet's (or ``model``'s) ``timestep`` input for every step, made once on the device: row ``i`` is step
+        ``i``'s, in the dtype and rank the model declares (a scalar, ``[1]`` or ``[batch]``)."""
+        model = self.unet if model is None else model
+        timestep_dims = model.input_dims["timestep"] or []
+        values = timesteps.to(dtype=model.input_dtypes["timestep"])
         if self.device.type == "cuda":
             # from pinned memory the upload is asynchronous: a pageable one would make the host wait
             values = values.pin_memory().to(self.device, non_blocking=True)
@@ -652,6 +669,7 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         unet_inputs: Optional[Dict[str, torch.Tensor]] = None,
         guidance_rescale: float = 0.0,
         return_denoised: bool = False,
+        step_inputs: Optional[Callable[[int, torch.Tensor, torch.Tensor], Dict[str, torch.Tensor]]] = None,
     ) -> torch.Tensor:
         """The denoising loop. Every tensor stays on ``self.device``; nothing waits on the host.
 
@@ -668,6 +686,8 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
                 ``rescale_noise_cfg``, "Common Diffusion Noise Schedules and Sample Steps are Flawed" §3.4).
             return_denoised: return the last step's denoised prediction (the second output of ``LCMScheduler.step``)
                 instead of its next sample, as diffusers' LCM pipeline decodes.
+            step_inputs: ``step_inputs(i, latent_model_input, prompt_embeds) -> {name: tensor}``: further UNet inputs
+                made each step from the scaled model input (a ControlNet's residuals).
         Returns:
             The denoised latents.
         """
@@ -679,10 +699,11 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         for i, t in enumerate(self.progress_bar(timesteps)):
             latent_model_input = torch.cat([latents] * 2) if do_classifier_free_guidance else latents
             latent_model_input = self.scheduler.scale_model_input(latent_model_input, t)
+            per_step = step_inputs(i, latent_model_input, prompt_embeds) if step_inputs is not None else {}
             if unet_extra_channels is not None:
                 latent_model_input = torch.cat([latent_model_input, unet_extra_channels], dim=1)
             noise_pred = self.unet(sample=latent_model_input, timestep=timestep_inputs[i],
-                                   encoder_hidden_states=prompt_embeds, **(unet_inputs or {}))[0]
+                                   encoder_hidden_states=prompt_embeds, **(unet_inputs or {}), **per_step)[0]
             if do_classifier_free_guidance:
                 noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
                 noise_pred = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
@@ -826,7 +847,8 @@ def component_settings(
     component_options = dict(component_options or {})
     if not all(isinstance(value, dict) for value in component_options.values()):
         raise TypeError(f"component_options: expected a dict of dicts (component → settings), got {component_options!r}")
-    unknown = sorted(set(component_options) - set(components))
+    unknown = sorted(name for name in set(component_options) - set(components)
+                     if not (re.fullmatch(r"controlnet_[1-9][0-9]*", name) and "controlnet" in components))
     if unknown:
         raise ValueError(f"component_options: expected components among {list(components)}, got {unknown}")
     settings = {}
@@ -834,7 +856,8 @@ def component_settings(
         # True keeps its meaning from before graphs were the default: the UNet must be captured (a fallback warns);
         # the other components capture where they can, silently
         default = cuda_graph if cuda_graph is not True or name == "unet" else "auto"
-        given = component_options.get(name, {})
+        given = component_options.get(name, component_options.get("controlnet", {}) if name.startswith("controlnet_")
+                                      else {})
         wrong = sorted(set(given) - set(COMPONENT_SETTINGS))
         if wrong:
             raise ValueError(f"component_options[{name!r}]: expected settings among {list(COMPONENT_SETTINGS)}, "

@@ -1,0 +1,502 @@
+"""ControlNet: diffusers' ``StableDiffusionControlNetPipeline`` and its img2img, with the ControlNets and the UNet
+on ONNX Runtime and the loop on the device.
+
+The folder (``export_pipeline(..., controlnet=...)`` or ``optimum-iobinding export MODEL --controlnet ID``) holds
+``controlnet`` (``controlnet_1`` … for multi-ControlNet) beside a UNet exported to take their residuals. Each
+ControlNet takes ``conditioning_scale`` as one factor per residual, so the conditioning scale, guess mode's ramp and
+the guidance window are input values, not graphs: a captured CUDA graph serves every call of its shape. Steps where
+every ControlNet is outside its guidance window skip the ControlNets (their residuals would be zero).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from diffusers.image_processor import VaeImageProcessor
+
+from ..layout import ONNX_COMPONENTS, write_model_index
+from ..model import IOBindingORTModel
+from ..shapes import infer_output_shapes
+from .base import Generator, OnnxStableDiffusionPipelineBase, _is_real, on_device_stream
+from .img2img import expand_to_batch
+
+ImageInput = Union[torch.Tensor, np.ndarray, "PIL.Image.Image", List[Any]]  # noqa: F821
+
+DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT = "down_block_additional_residual_", "mid_block_additional_residual"
+_EXTRA_CONTROLNET = re.compile(r"controlnet_([1-9][0-9]*)")
+
+
+def _controlnet_names(count: int) -> Tuple[str, ...]:
+    return tuple("controlnet" if k == 0 else f"controlnet_{k}" for k in range(count))
+
+
+class _ControlNetMixin:
+    """What the ControlNet pipelines share: their components, checks, control images and per-step residuals."""
+
+    _onnx_components: Tuple[str, ...] = ONNX_COMPONENTS + ("controlnet",)
+
+    def __init__(
+        self,
+        vae_encoder: Optional[IOBindingORTModel],
+        vae_decoder: IOBindingORTModel,
+        text_encoder: IOBindingORTModel,
+        tokenizer: Any,
+        unet: IOBindingORTModel,
+        scheduler: Any,
+        controlnet: Optional[IOBindingORTModel] = None,
+        safety_checker: Any = None,
+        feature_extractor: Any = None,
+        requires_safety_checker: bool = False,
+        **more_controlnets: IOBindingORTModel,
+    ):
+        self._register_controlnets(controlnet, more_controlnets)
+        super().__init__(vae_encoder, vae_decoder, text_encoder, tokenizer, unet, scheduler, safety_checker,
+                         feature_extractor, requires_safety_checker)
+        self.register_modules(controlnet=controlnet, **more_controlnets)
+
+    # --------------------------------------------------------------------------------------------- components
+    @classmethod
+    def _get_signature_keys(cls, obj: Any) -> Tuple[List[str], List[str]]:
+        """diffusers' view of the components (``pipe.components``): every ControlNet is one, by its name."""
+        expected, optional = super()._get_signature_keys(obj)
+        names = getattr(obj, "_onnx_components", cls._onnx_components)
+        nets = [name for name in names if name.startswith("controlnet")]
+        expected = sorted((set(expected) - {"more_controlnets"}) | set(nets))
+        return expected, [name for name in optional if name not in nets]
+
+    @classmethod
+    def _download_components(cls) -> Sequence[str]:
+        return ONNX_COMPONENTS + ("controlnet*",)
+
+    @classmethod
+    def _components_in(cls, folder: Path) -> Tuple[str, ...]:
+        numbers = sorted(int(match.group(1)) for entry in Path(folder).iterdir()
+                         if (match := _EXTRA_CONTROLNET.fullmatch(entry.name)) and (entry / "model.onnx").is_file())
+        if numbers != list(range(1, len(numbers) + 1)):
+            raise ValueError(f"pretrained_model_name_or_path: expected ControlNet folders controlnet, controlnet_1, "
+                             f"controlnet_2 … without gaps, got controlnet_{numbers} in {str(folder)!r}")
+        return ONNX_COMPONENTS + _controlnet_names(len(numbers) + 1)
+
+    def _register_controlnets(self, controlnet: Optional[IOBindingORTModel], more: Dict[str, Any]) -> None:
+        """Keeps the ControlNets in order (``self.controlnets``) before the base class checks the UNet against
+        them, and names them as components."""
+        if controlnet is None:
+            raise ValueError("controlnet: this pipeline needs a ControlNet; the folder has no controlnet/model.onnx "
+                             "(export one with optimum-iobinding export MODEL --controlnet ID)")
+        wrong = sorted(name for name in more if not _EXTRA_CONTROLNET.fullmatch(name))
+        if wrong:
+            raise TypeError(f"{type(self).__name__}: unexpected arguments {wrong}")
+        count = len(more) + 1
+        if sorted(more) != sorted(_controlnet_names(count)[1:]):
+            raise ValueError(f"controlnet_1 …: expected {list(_controlnet_names(count)[1:])}, got {sorted(more)}")
+        self.controlnets: List[IOBindingORTModel] = [controlnet] + [more[name] for name in _controlnet_names(count)[1:]]
+        self._onnx_components = ONNX_COMPONENTS + _controlnet_names(count)
+
+    def _check_unet_inputs(self) -> None:
+        """The UNet must take the residuals the ControlNets give, one input per output, in the same order."""
+        outputs = self.controlnets[0].output_names
+        expected = [f"{DOWN_RESIDUAL_INPUT}{i}" for i in range(len(outputs) - 1)] + [MID_RESIDUAL_INPUT]
+        declared = self.unet.input_names
+        missing = [name for name in expected if name not in declared]
+        if missing:
+            raise ValueError(f"unet: a ControlNet pipeline needs the UNet exported with its ControlNet (inputs "
+                             f"{expected[0]} … {expected[-1]}); this folder's UNet takes {declared}, so it is not "
+                             "the UNet of this ControlNet. Export the pipeline with optimum-iobinding export MODEL "
+                             "--controlnet ID (or export_pipeline(..., controlnet=...))")
+        unexpected = [name for name in declared if name not in ["sample", "timestep", "encoder_hidden_states", *expected]]
+        if unexpected:
+            raise ValueError(f"unet: expected inputs sample, timestep, encoder_hidden_states and {expected}, got "
+                             f"{declared} (an SDXL or LCM ControlNet UNet is not supported)")
+        for k, net in enumerate(self.controlnets):
+            if len(net.output_names) != len(outputs):
+                raise ValueError(f"{_controlnet_names(k + 1)[-1]}: gives {len(net.output_names)} residuals, the UNet "
+                                 f"takes {len(outputs)}: a ControlNet of another architecture")
+        self._residual_inputs = expected
+
+    def _write_model_index(self, target: Path, written: List[str]) -> None:
+        write_model_index(target, type(self.scheduler).__name__, type(self.tokenizer).__name__, written,
+                          type(self).__name__)
+
+    @property
+    def control_image_processor(self) -> VaeImageProcessor:
+        """diffusers' control-image preprocessing: RGB, resized to a multiple of the VAE factor, in [0, 1]."""
+        return VaeImageProcessor(vae_scale_factor=self.vae_scale_factor, do_convert_rgb=True, do_normalize=False)
+
+    # ---------------------------------------------------------------------------------------------- arguments
+    def _per_net(self, value: Any, name: str, check: Callable[[Any], bool], expected: str) -> List[Any]:
+        """A per-ControlNet argument as a list of one value per ControlNet (one value is every net's)."""
+        count = len(self.controlnets)
+        values = list(value) if isinstance(value, (list, tuple)) else [value] * count
+        if len(values) != count:
+            raise ValueError(f"{name}: expected {count} values (one per ControlNet), got {len(values)}")
+        wrong = next((v for v in values if not check(v)), None)
+        if wrong is not None or not values:
+            raise ValueError(f"{name}: expected {expected}, got {value!r}")
+        return values
+
+    def _check_control_arguments(self, conditioning_scale: Any, guidance_start: Any, guidance_end: Any
+                                 ) -> Tuple[List[float], List[float], List[float]]:
+        real = lambda v: _is_real(v) and math.isfinite(v)  # noqa: E731
+        scales = self._per_net(conditioning_scale, "controlnet_conditioning_scale", real, "finite numbers")
+        starts = self._per_net(guidance_start, "control_guidance_start", lambda v: real(v) and 0 <= v <= 1,
+                               "numbers in [0, 1]")
+        ends = self._per_net(guidance_end, "control_guidance_end", lambda v: real(v) and 0 <= v <= 1,
+                             "numbers in [0, 1]")
+        for k, (start, end) in enumerate(zip(starts, ends)):
+            if start >= end:
+                raise ValueError(f"control_guidance_start: expected each start below its end, got start {start} and "
+                                 f"end {end} for ControlNet {k}")
+        return [float(s) for s in scales], [float(s) for s in starts], [float(e) for e in ends]
+
+    def _control_images(self, image: Any, name: str) -> List[Any]:
+        """One control image (or list of images, one per prompt) per ControlNet."""
+        count = len(self.controlnets)
+        if image is None:
+            raise ValueError(f"{name}: expected a control image (PIL, numpy or a float tensor in [0, 1]), got None")
+        if count == 1:
+            return [image]
+        if not isinstance(image, (list, tuple)) or len(image) != count:
+            raise ValueError(f"{name}: expected a list of {count} control images (one per ControlNet), got "
+                             f"{type(image).__name__}{f' of {len(image)}' if isinstance(image, (list, tuple)) else ''}")
+        return list(image)
+
+    def _check_channels(self, image: Any, name: str, channels: int) -> None:
+        """A control image must have the ControlNet's channels (RGB): PIL images are converted, arrays checked."""
+        items = image if isinstance(image, (list, tuple)) else [image]
+        for index, item in enumerate(items):
+            label = f"{name}[{index}]" if isinstance(image, (list, tuple)) else name
+            if isinstance(item, torch.Tensor):
+                got = item.shape[-3] if item.ndim >= 3 else None
+                layout = "(batch, channels, height, width) or (channels, height, width)"
+            elif isinstance(item, np.ndarray):
+                got = item.shape[-1] if item.ndim >= 3 else (1 if item.ndim == 2 else None)
+                layout = "(height, width, channels) or (batch, height, width, channels)"
+            else:
+                continue  # PIL: converted to RGB by the image processor
+            if got != channels or item.ndim > 4:
+                raise ValueError(f"{label}: expected a control image with {channels} channels in the layout {layout}, "
+                                 f"got shape {tuple(item.shape)}")
+            if isinstance(item, torch.Tensor) and not item.dtype.is_floating_point:
+                raise TypeError(f"{label}: expected a float tensor in [0, 1], got dtype {item.dtype}")
+
+    def prepare_control_image(self, image: Any, name: str, height: Optional[int], width: Optional[int],
+                              batch_size: int, num_images_per_prompt: int, do_classifier_free_guidance: bool,
+                              guess_mode: bool, net: IOBindingORTModel) -> torch.Tensor:
+        """diffusers' ``prepare_image``: preprocessed to ``height`` × ``width`` (default: its own size, rounded down
+        to the VAE factor), one per image of the call, doubled for guidance unless in guess mode; on the device in
+        the ControlNet's input dtype."""
+        channels = self._declared_dim(net, "controlnet_cond", 1) or 3
+        self._check_channels(image, name, channels)
+        try:
+            tensor = self.control_image_processor.preprocess(image, height=height, width=width).to(torch.float32)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{name}: {error}") from error
+        try:
+            self.check_size(*tensor.shape[-2:])
+        except ValueError as error:
+            raise ValueError(f"{name}: a control image of {tensor.shape[-2]} × {tensor.shape[-1]} (after rounding "
+                             f"down to the VAE factor {self.vae_scale_factor}) cannot be used: {error}; resize it or "
+                             "give height and width") from None
+        images = batch_size * num_images_per_prompt
+        if tensor.shape[0] not in (1, batch_size):
+            raise ValueError(f"{name}: expected 1 control image or {batch_size} (one per prompt), got "
+                             f"{tensor.shape[0]}")
+        tensor = tensor.repeat_interleave(images if tensor.shape[0] == 1 else num_images_per_prompt, dim=0)
+        tensor = tensor.to(device=self.device, dtype=net.input_dtypes["controlnet_cond"])
+        if do_classifier_free_guidance and not guess_mode:
+            tensor = torch.cat([tensor] * 2)
+        return tensor
+
+    def prepare_control_images(self, image: Any, name: str, height: Optional[int], width: Optional[int],
+                               batch_size: int, num_images_per_prompt: int, do_classifier_free_guidance: bool,
+                               guess_mode: bool) -> List[torch.Tensor]:
+        """Every ControlNet's control images; all of one size (the first image's, where no size is given)."""
+        given = self._control_images(image, name)
+        prepared = []
+        for k, (item, net) in enumerate(zip(given, self.controlnets)):
+            label = name if len(given) == 1 else f"{name}[{k}]"
+            prepared.append(self.prepare_control_image(item, label, height, width, batch_size, num_images_per_prompt,
+                                                       do_classifier_free_guidance, guess_mode, net))
+            if k and tuple(prepared[k].shape[-2:]) != tuple(prepared[0].shape[-2:]):
+                raise ValueError(f"{label}: expected a control image of {prepared[0].shape[-2]} × "
+                                 f"{prepared[0].shape[-1]} like {name}[0] (or give height and width), got "
+                                 f"{prepared[k].shape[-2]} × {prepared[k].shape[-1]}")
+        return prepared
+
+    # -------------------------------------------------------------------------------------------- the residuals
+    def controlnet_step_inputs(
+        self,
+        images: List[torch.Tensor],
+        timesteps: torch.Tensor,
+        scales: List[float],
+        starts: List[float],
+        ends: List[float],
+        guess_mode: bool,
+        do_classifier_free_guidance: bool,
+        unet_batch: int,
+    ) -> Callable[[int, torch.Tensor, torch.Tensor], Dict[str, torch.Tensor]]:
+        """The UNet's residual inputs for step ``i``, as diffusers computes them: each ControlNet on the scaled
+        model input (in guess mode with guidance: the text half only, the other half zeros), scaled by its
+        conditioning scale while step ``i`` is inside its guidance window, and summed over the ControlNets. The
+        per-step factors go to the device once per call."""
+        steps = len(timesteps)
+        residuals = len(self._residual_inputs)
+        pool = bool(self.controlnets[0].config.get("global_pool_conditions", False))
+        ramp = torch.logspace(-1, 0, residuals) if guess_mode and not pool else torch.ones(residuals)
+        keep = [[1.0 - float(i / steps < s or (i + 1) / steps > e) for s, e in zip(starts, ends)]
+                for i in range(steps)]
+        factors, timestep_rows = [], []
+        half = guess_mode and do_classifier_free_guidance
+        control_batch = unet_batch // 2 if half else unet_batch
+        for k, net in enumerate(self.controlnets):
+            table = torch.stack([ramp * (scales[k] * keep[i][k]) for i in range(steps)])
+            table = table.to(net.input_dtypes["conditioning_scale"])
+            if self.device.type == "cuda":
+                table = table.pin_memory().to(self.device, non_blocking=True)
+            factors.append(table)
+            timestep_rows.append(self.timestep_inputs(timesteps, control_batch, net))
+        runs = [[scales[k] * keep[i][k] != 0.0 for k in range(len(self.controlnets))] for i in range(steps)]
+        zeros: Dict[Tuple[int, ...], List[torch.Tensor]] = {}
+
+        def zero_residuals(sample_shape: Tuple[int, ...], batch: int) -> List[torch.Tensor]:
+            key = (batch, *sample_shape[1:])
+            if key not in zeros:
+                shapes = self._residual_shapes(images[0], sample_shape, batch)
+                zeros[key] = [torch.zeros(shape, device=self.device, dtype=self.unet.input_dtypes[name])
+                              for name, shape in zip(self._residual_inputs, shapes)]
+            return zeros[key]
+
+        def step_inputs(i: int, latent_model_input: torch.Tensor, prompt_embeds: torch.Tensor
+                        ) -> Dict[str, torch.Tensor]:
+            control_input, embeds = latent_model_input, prompt_embeds
+            if half:
+                control_input, embeds = latent_model_input.chunk(2)[1], prompt_embeds.chunk(2)[1]
+            total: Optional[List[torch.Tensor]] = None
+            for k, net in enumerate(self.controlnets):
+                if not runs[i][k]:
+                    continue  # outside its window (or scale 0): its residuals are zeros
+                outputs = net(sample=control_input, timestep=timestep_rows[k][i], encoder_hidden_states=embeds,
+                              controlnet_cond=images[k], conditioning_scale=factors[k][i])
+                # the first ControlNet's output buffers are read by this step's UNet before that net runs again
+                total = list(outputs) if total is None else [a + b for a, b in zip(total, outputs)]
+            if total is None:
+                return dict(zip(self._residual_inputs, zero_residuals(tuple(latent_model_input.shape), unet_batch)))
+            if half:
+                total = [torch.cat([torch.zeros_like(r), r]) for r in total]
+            return dict(zip(self._residual_inputs, total))
+
+        return step_inputs
+
+    def _residual_shapes(self, image: torch.Tensor, sample_shape: Tuple[int, ...], batch: int) -> List[Tuple[int, ...]]:
+        """The residuals' shapes for a UNet input of ``sample_shape`` (batch ``batch``), from the ControlNet's graph."""
+        net = self.controlnets[0]
+        sequence = self.tokenizer.model_max_length
+        hidden = self._declared_dim(net, "encoder_hidden_states", 2) or 768
+        timestep_dims = net.input_dims.get("timestep") or []
+        shapes = infer_output_shapes(net, {
+            "sample": (batch, *sample_shape[1:]), "timestep": (batch,) if timestep_dims else (),
+            "encoder_hidden_states": (batch, sequence, hidden),
+            "controlnet_cond": (batch, *image.shape[1:]),
+            "conditioning_scale": (len(self._residual_inputs),),
+        })
+        result = list(shapes.values())
+        if any(shape is None for shape in result):
+            raise ValueError("controlnet: its residuals' shapes depend on the input data; cannot make zero residuals")
+        return result
+
+    def _controlnet_guess_mode(self, guess_mode: bool) -> bool:
+        if not isinstance(guess_mode, (bool, np.bool_)):
+            raise TypeError(f"guess_mode: expected True or False, got {guess_mode!r}")
+        return bool(guess_mode) or bool(self.controlnets[0].config.get("global_pool_conditions", False))
+
+
+class OnnxStableDiffusionControlNetPipeline(_ControlNetMixin, OnnxStableDiffusionPipelineBase):
+    """Text-to-image with one or several ControlNets on ONNX Runtime, with diffusers'
+    ``StableDiffusionControlNetPipeline`` call arguments (``image``, ``controlnet_conditioning_scale``,
+    ``guess_mode``, ``control_guidance_start``/``control_guidance_end``; lists for multi-ControlNet)."""
+
+    def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int) -> None:
+        image = torch.zeros(1, 3, height, width)
+        self(prompt=[""] * batch_size, image=image if len(self.controlnets) == 1 else [image] * len(self.controlnets),
+             num_inference_steps=steps, guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0),
+             output_type="np")
+
+    @torch.no_grad()
+    @on_device_stream
+    def __call__(
+        self,
+        prompt: Union[str, List[str], None] = None,
+        image: ImageInput = None,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
+        num_inference_steps: int = 50,
+        guidance_scale: float = 7.5,
+        negative_prompt: Union[str, List[str], None] = None,
+        num_images_per_prompt: int = 1,
+        eta: float = 0.0,
+        generator: Generator = None,
+        latents: Optional[Union[torch.Tensor, np.ndarray]] = None,
+        prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
+        negative_prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        controlnet_conditioning_scale: Union[float, List[float]] = 1.0,
+        guess_mode: bool = False,
+        control_guidance_start: Union[float, List[float]] = 0.0,
+        control_guidance_end: Union[float, List[float]] = 1.0,
+        callback: Optional[Callable[[int, int, torch.Tensor], None]] = None,
+        callback_steps: int = 1,
+        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
+        callback_on_step_end_tensor_inputs: List[str] = ("latents",),
+    ):
+        """Generates images from text guided by control images, with the arguments of diffusers'
+        ``StableDiffusionControlNetPipeline``.
+
+        ``image``: the control image — PIL, numpy (H, W, 3) in [0, 1], a float tensor (B, 3, H, W) in [0, 1], or a
+        list of them (one per prompt); for multi-ControlNet a list with one such entry per ControlNet. ``height`` and
+        ``width`` default to the control image's size. ``controlnet_conditioning_scale`` multiplies the residuals (0:
+        the plain pipeline's image); ``guess_mode`` runs the ControlNet on the text branch only, its residuals ramped
+        from 0.1 to 1 (diffusers' guess mode); ``control_guidance_start``/``_end`` is the fraction of the steps
+        where a ControlNet applies. Per-ControlNet lists for multi-ControlNet. The rest as
+        :class:`OnnxStableDiffusionPipeline`.
+        """
+        # 1. check inputs (the size once the control images give it)
+        scales, starts, ends = self._check_control_arguments(controlnet_conditioning_scale, control_guidance_start,
+                                                             control_guidance_end)
+        guess_mode = self._controlnet_guess_mode(guess_mode)
+        for value in (height, width):
+            if value is not None:
+                self.check_size(height or value, width or value)
+        self.check_inputs(prompt, self.size_multiple, self.size_multiple, num_inference_steps, callback_steps,
+                          negative_prompt, prompt_embeds, negative_prompt_embeds, output_type,
+                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt)
+        batch_size = self.batch_size_of(prompt, prompt_embeds)
+        do_classifier_free_guidance = guidance_scale > 1.0
+        images = self.prepare_control_images(image, "image", height, width, batch_size, num_images_per_prompt,
+                                             do_classifier_free_guidance, guess_mode)
+        height, width = images[0].shape[-2:]
+
+        # 2. text embeddings, on the device
+        prompt_embeds = self.encode_prompt(prompt, num_images_per_prompt, do_classifier_free_guidance,
+                                           negative_prompt, prompt_embeds, negative_prompt_embeds)
+
+        # 3. timesteps and initial noise
+        timesteps = self.set_timesteps(num_inference_steps)
+        if hasattr(self.scheduler, "set_begin_index"):
+            self.scheduler.set_begin_index(0)
+        latents_shape = (batch_size * num_images_per_prompt, self.latent_channels,
+                         height // self.vae_scale_factor, width // self.vae_scale_factor)
+        latents = self.prepare_latents(latents_shape, prompt_embeds.dtype, generator, latents)
+        latents = latents * self.scheduler.init_noise_sigma
+
+        # 4. denoising loop, the ControlNets' residuals made each step: every tensor stays on self.device
+        unet_batch = latents.shape[0] * (2 if do_classifier_free_guidance else 1)
+        residuals = self.controlnet_step_inputs(images, timesteps, scales, starts, ends, guess_mode,
+                                                do_classifier_free_guidance, unet_batch)
+        latents = self.denoise(
+            latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
+            callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
+            step_inputs=residuals,
+        )
+
+        # 5. decode: only now does anything leave the device
+        return self.finish(latents, output_type, return_dict)
+
+
+class OnnxStableDiffusionControlNetImg2ImgPipeline(_ControlNetMixin, OnnxStableDiffusionPipelineBase):
+    """Image-to-image with ControlNets on ONNX Runtime, with diffusers' ``StableDiffusionControlNetImg2ImgPipeline``
+    call arguments (``image`` to start from, ``control_image``, ``strength``, …); needs the folder's
+    ``vae_encoder``."""
+
+    _encodes_images = True
+
+    def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int) -> None:
+        image = torch.zeros(1, 3, height, width)
+        self(prompt=[""] * batch_size, image=image,
+             control_image=image if len(self.controlnets) == 1 else [image] * len(self.controlnets), strength=1.0,
+             num_inference_steps=steps, guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0),
+             output_type="np")
+
+    @torch.no_grad()
+    @on_device_stream
+    def __call__(
+        self,
+        prompt: Union[str, List[str], None] = None,
+        image: ImageInput = None,
+        control_image: ImageInput = None,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
+        strength: float = 0.8,
+        num_inference_steps: int = 50,
+        guidance_scale: float = 7.5,
+        negative_prompt: Union[str, List[str], None] = None,
+        num_images_per_prompt: int = 1,
+        eta: float = 0.0,
+        generator: Generator = None,
+        prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
+        negative_prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        controlnet_conditioning_scale: Union[float, List[float]] = 0.8,
+        guess_mode: bool = False,
+        control_guidance_start: Union[float, List[float]] = 0.0,
+        control_guidance_end: Union[float, List[float]] = 1.0,
+        callback: Optional[Callable[[int, int, torch.Tensor], None]] = None,
+        callback_steps: int = 1,
+        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
+        callback_on_step_end_tensor_inputs: List[str] = ("latents",),
+    ):
+        """Transforms ``image`` as ``prompt`` says, guided by ``control_image``, with the arguments of diffusers'
+        ``StableDiffusionControlNetImg2ImgPipeline`` (``controlnet_conditioning_scale`` defaults to 0.8 there too).
+        ``image`` is resized to ``height`` × ``width`` where given, else kept at its size (rounded down to the VAE
+        factor); the control image is brought to the same size."""
+        # 1. check inputs
+        scales, starts, ends = self._check_control_arguments(controlnet_conditioning_scale, control_guidance_start,
+                                                             control_guidance_end)
+        guess_mode = self._controlnet_guess_mode(guess_mode)
+        if image is None:
+            raise ValueError("image: expected an image to start from, got None")
+        if prompt is None and prompt_embeds is None:
+            raise ValueError("prompt and prompt_embeds: expected one of them, got neither")
+        if prompt is not None and not isinstance(prompt, (str, list)):
+            raise TypeError(f"prompt: expected a str or a list of str, got {type(prompt).__name__}")
+        if height is not None or width is not None:
+            self.check_size(height or width, width or height)
+        start_image = self.image_processor.preprocess(image, height=height, width=width).to(torch.float32)
+        height, width = start_image.shape[-2:]
+        self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
+                          prompt_embeds, negative_prompt_embeds, output_type, strength,
+                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt)
+        batch_size = self.batch_size_of(prompt, prompt_embeds)
+        do_classifier_free_guidance = guidance_scale > 1.0
+        images = self.prepare_control_images(control_image, "control_image", height, width, batch_size,
+                                             num_images_per_prompt, do_classifier_free_guidance, guess_mode)
+
+        # 2. text embeddings, on the device
+        prompt_embeds = self.encode_prompt(prompt, num_images_per_prompt, do_classifier_free_guidance,
+                                           negative_prompt, prompt_embeds, negative_prompt_embeds)
+
+        # 3. timesteps for this strength; the image's latents noised to the first of them
+        timesteps = self.strength_timesteps(num_inference_steps, strength)
+        image_latents = self.encode_image(start_image, generator).to(prompt_embeds.dtype)
+        image_latents = expand_to_batch(image_latents, batch_size, num_images_per_prompt, "image")
+        noise = self.prepare_latents(tuple(image_latents.shape), prompt_embeds.dtype, generator)
+        latents = self.scheduler.add_noise(image_latents, noise, timesteps[:1].repeat(image_latents.shape[0]))
+
+        # 4. denoising loop, the ControlNets' residuals made each step: every tensor stays on self.device
+        unet_batch = latents.shape[0] * (2 if do_classifier_free_guidance else 1)
+        residuals = self.controlnet_step_inputs(images, timesteps, scales, starts, ends, guess_mode,
+                                                do_classifier_free_guidance, unet_batch)
+        latents = self.denoise(
+            latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
+            callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
+            step_inputs=residuals,
+        )
+
+        # 5. decode: only now does anything leave the device
+        return self.finish(latents, output_type, return_dict)
