@@ -61,8 +61,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", "-o", required=True, help="folder to write the ONNX pipeline to")
     parser.add_argument("--fp16", action="store_true", help="convert to float16 with ORT's converter after export")
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
-    parser.add_argument("--tiny-random", nargs="?", const="sd", default=None, choices=("sd", "xl", "lcm"),
-                        help="export a tiny random-weights pipeline built offline: sd (default), xl or lcm")
+    parser.add_argument("--tiny-random", nargs="?", const="sd", default=None, choices=("sd", "xl", "lcm", "controlnet"),
+                        help="export a tiny random-weights pipeline built offline: sd (default), xl, lcm or controlnet "
+                             "(SD with a tiny random ControlNet)")
     parser.add_argument("--optimize", choices=("cuda", "cpu"), default=None,
                         help="run ORT's transformer optimizer with the fusions this execution provider runs")
     parser.add_argument("--overwrite", action="store_true",
@@ -70,6 +71,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vae", default=None,
                         help="export this VAE (folder or hub id) instead of the pipeline's, e.g. SDXL's float16-safe "
                              "madebyollin/sdxl-vae-fp16-fix")
+    parser.add_argument("--controlnet", action="append", default=None, metavar="ID_OR_FOLDER",
+                        help="export with this ControlNet (folder or hub id, e.g. lllyasviel/sd-controlnet-canny); "
+                             "repeat for multi-ControlNet. Load the result with OnnxStableDiffusionControlNetPipeline")
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -82,11 +86,16 @@ def run_export(args: argparse.Namespace) -> int:
     if args.model and not args.tiny_random and not Path(args.model).exists() and not looks_like_hub_id(args.model):
         raise UsageError(f"model: expected an existing local folder or a hub repository id, got {args.model!r}: no "
                          "such file or folder")
+    for controlnet in args.controlnet or ():
+        if not Path(controlnet).exists() and not looks_like_hub_id(controlnet):
+            raise UsageError(f"--controlnet: expected an existing local folder or a hub repository id, got "
+                             f"{controlnet!r}: no such file or folder")
     source = Path(args.model) if args.model and not args.tiny_random and Path(args.model).exists() else None
     check_output_folder(args.output, source, args.overwrite, argument="--output")  # before the minutes of export
     start = time.perf_counter()
     folder = export_pipeline(args.model, args.output, fp16=args.fp16, opset=args.opset, optimize=args.optimize,
-                             tiny_random=args.tiny_random or False, overwrite=args.overwrite, vae=args.vae)
+                             tiny_random=args.tiny_random or False, overwrite=args.overwrite, vae=args.vae,
+                             controlnet=args.controlnet)
     print(f"exported {f'the tiny random {args.tiny_random} pipeline' if args.tiny_random else args.model} to {folder} "
           f"({'fp16' if args.fp16 else 'fp32'}, opset {args.opset}) in {time.perf_counter() - start:.1f} s")
     return 0

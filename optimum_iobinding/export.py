@@ -762,7 +762,7 @@ def export_pipeline(
         overwrite: replace a non-empty ``output_dir`` — whole: nothing of the previous folder stays.
         vae: a VAE to export instead of the pipeline's: an ``AutoencoderKL``, or its folder or hub id (e.g. SDXL's
             float16-safe ``madebyollin/sdxl-vae-fp16-fix``).
-        controlnet: one or several ControlNets (``ControlNetModel``\ s, or their folders or hub ids, e.g.
+        controlnet: one or several ControlNets (``ControlNetModel`` objects, or their folders or hub ids, e.g.
             ``lllyasviel/sd-controlnet-canny``) to export with a Stable Diffusion 1.x/2.x pipeline: the folder gets
             ``controlnet`` (``controlnet_1`` … for more) and a UNet that takes their residuals, which
             :class:`OnnxStableDiffusionControlNetPipeline` loads. A diffusers ``StableDiffusionControlNetPipeline``
