@@ -85,3 +85,25 @@ def make_lora(pipe, folder, seed, unet_targets, text_targets=(), rank=4, text_ra
         layers[f"{text_encoder}_lora_layers"] = get_peft_model_state_dict(encoder, adapter_name=name)
     type(pipe).save_lora_weights(str(folder), **layers)
     return folder
+
+
+class _ModeOnly:
+    """A latent distribution whose sample is its mode (what the export's VAE encoder gives)."""
+
+    def __init__(self, distribution):
+        self.distribution = distribution
+
+    def sample(self, generator=None):
+        return self.distribution.mode()
+
+    def mode(self):
+        return self.distribution.mode()
+
+
+def vae_encodes_its_mode(pipe):
+    """A diffusers torch pipeline whose VAE encoder gives the latent distribution's mode instead of a sample, as the
+    ONNX export's encoder does (and diffusers' ONNX img2img): so img2img and inpainting images can be compared."""
+    encode = pipe.vae.encode
+    pipe.vae.encode = lambda sample, **kwargs: type("Encoded", (), {
+        "latent_dist": _ModeOnly(encode(sample, **kwargs).latent_dist)})()
+    return pipe

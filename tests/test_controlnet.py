@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_lora
+from conftest import make_lora, vae_encodes_its_mode
 
 PROMPT = "a photo of a cat"
 
@@ -34,23 +34,9 @@ def reference(controlnets: int = 1, img2img: bool = False):
 
     pipe = build_tiny_random_controlnet_pipeline(controlnets=controlnets)
     if img2img:
-        pipe = StableDiffusionControlNetImg2ImgPipeline(**pipe.components)
-        # the export's VAE encoder gives the latent distribution's mode (diffusers' ONNX img2img does the same)
-        encode = pipe.vae.encode
-        pipe.vae.encode = lambda sample, **kw: type("Out", (), {"latent_dist": _Mode(encode(sample, **kw).latent_dist)})()
+        pipe = vae_encodes_its_mode(StableDiffusionControlNetImg2ImgPipeline(**pipe.components))
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-class _Mode:
-    def __init__(self, dist):
-        self.dist = dist
-
-    def sample(self, generator=None):
-        return self.dist.mode()
-
-    def mode(self):
-        return self.dist.mode()
 
 
 def ours(folder, io_binding=True, img2img=False):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from conftest import make_lora
+from conftest import make_lora, vae_encodes_its_mode
 from optimum_iobinding.lora import (WeightPlace, lora_layers, _places_of, read_weight_map, to_view_layout,
                                     torch_layout_view)
 
@@ -159,6 +159,40 @@ def test_lora_images_equal_diffusers_through_load_set_disable_fuse_and_unload(ex
     # the exported weights again (on the CPU the session reading owned weights skips the layout optimizations, so
     # its rounding differs from the first session's by a few 1e-6)
     np.testing.assert_allclose(same("unload"), base, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["img2img", "inpaint"])
+def test_img2img_and_inpaint_loras_equal_diffusers(exports, loras, kind):
+    from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline
+
+    from optimum_iobinding import OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionInpaintPipeline
+    from optimum_iobinding.export import TINY_RANDOM_KINDS
+
+    start = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(7))
+    mask = torch.zeros(1, 1, 64, 64)
+    mask[..., 16:48, 16:48] = 1
+    torch_class, our_class, kwargs = {
+        "img2img": (StableDiffusionImg2ImgPipeline, OnnxStableDiffusionImg2ImgPipeline, {}),
+        "inpaint": (StableDiffusionInpaintPipeline, OnnxStableDiffusionInpaintPipeline,
+                    {"mask_image": mask, "height": 64, "width": 64}),
+    }[kind]
+    reference = vae_encodes_its_mode(torch_class(**TINY_RANDOM_KINDS["sd"]().components))
+    ours = our_class.from_pretrained(exports["fused"])
+    first, second = loras
+
+    def image(pipe):
+        pipe.set_progress_bar_config(disable=True)
+        return pipe("a photo of a cat", image=start, strength=0.75, num_inference_steps=3, output_type="np",
+                    generator=torch.Generator().manual_seed(0), **kwargs).images
+
+    base = image(ours)
+    for pipe in (reference, ours):
+        pipe.load_lora_weights(first, adapter_name="a")
+        pipe.load_lora_weights(second, adapter_name="b")
+        pipe.set_adapters(["a", "b"], adapter_weights=[0.6, 1.1])
+    got = image(ours)
+    np.testing.assert_allclose(got, image(reference), atol=1e-4)
+    assert np.abs(got - base).max() > 1e-3
 
 
 def test_adapters_switch_without_creating_a_session(exports, loras):
