@@ -202,6 +202,44 @@ def torch_shape(tensor: torch.Tensor, place: WeightPlace) -> Tuple[int, ...]:
     return (tensor.shape[1] // place.parts, tensor.shape[0])
 
 
+def random_lora_layers(module: torch.nn.Module, targets: Sequence[str], rank: int = 4,
+                       seed: int = 0) -> Dict[str, torch.Tensor]:
+    """A random LoRA for ``module`` (tests and benchmarks: no LoRA can be downloaded offline): for every Linear and
+    Conv2d whose name is one of ``targets`` or ends with ``"." + target`` (PEFT's matching), ``lora_A`` (rank × in,
+    with the layer's kernel for a convolution) and ``lora_B`` (out × rank, 1 × 1), both non-zero, keyed by PEFT's
+    names (``down_blocks.0….to_q.lora_A.weight``). Works on a module made on the ``meta`` device (shapes only)."""
+    generator = torch.Generator().manual_seed(seed)
+    layers: Dict[str, torch.Tensor] = {}
+    for name, layer in module.named_modules():
+        if not any(name == target or name.endswith("." + target) for target in targets):
+            continue
+        if isinstance(layer, torch.nn.Linear):
+            down_shape, up_shape = (rank, layer.in_features), (layer.out_features, rank)
+        elif isinstance(layer, torch.nn.Conv2d):
+            down_shape = (rank, layer.in_channels, *layer.kernel_size)
+            up_shape = (layer.out_channels, rank, 1, 1)
+        else:
+            continue
+        fan_in = int(np.prod(down_shape[1:]))
+        layers[f"{name}.lora_A.weight"] = torch.randn(down_shape, generator=generator) / fan_in ** 0.5
+        layers[f"{name}.lora_B.weight"] = torch.randn(up_shape, generator=generator) * 0.5 / rank ** 0.5
+    if not layers:
+        raise ValueError(f"targets: no Linear or Conv2d layer of the module is named {list(targets)}")
+    return layers
+
+
+def save_lora(folder: Union[str, Path], **components: Dict[str, torch.Tensor]) -> Path:
+    """Writes ``pytorch_lora_weights.safetensors`` in diffusers' format: each component's layers (e.g.
+    ``unet=random_lora_layers(...)``) under its name (``unet.…``, ``text_encoder.…``)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({f"{component}.{key}": value.contiguous() for component, layers in components.items()
+               for key, value in layers.items()}, str(folder / "pytorch_lora_weights.safetensors"))
+    return folder
+
+
 # ------------------------------------------------------------------------------------------------ runtime LoRA
 LORA_COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
 # how a layer's two matrices are named: PEFT's names (what _to_peft_names converts to), and diffusers' older ones

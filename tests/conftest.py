@@ -68,23 +68,14 @@ def three_output_model() -> onnx.ModelProto:
 
 
 def make_lora(pipe, folder, seed, unet_targets, text_targets=(), rank=4, text_rank=2, text_encoder="text_encoder"):
-    """A LoRA file of random (non-zero) updates for the diffusers pipeline ``pipe``, written by diffusers' own
-    ``save_lora_weights``: the UNet's ``unet_targets`` and, with ``text_targets``, those of ``text_encoder``."""
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
+    """A LoRA file of random (non-zero) updates for the diffusers pipeline ``pipe`` in diffusers' format: the UNet's
+    ``unet_targets`` and, with ``text_targets``, those of ``text_encoder`` (no peft needed: the GPU machine has none)."""
+    from optimum_iobinding.lora import random_lora_layers, save_lora
 
-    torch.manual_seed(seed)
-    name = f"make{seed}"
-    pipe.unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(unet_targets),
-                                     init_lora_weights=False), adapter_name=name)
-    layers = {"unet_lora_layers": get_peft_model_state_dict(pipe.unet, adapter_name=name)}
+    layers = {"unet": random_lora_layers(pipe.unet, unet_targets, rank, seed)}
     if text_targets:
-        encoder = getattr(pipe, text_encoder)
-        encoder.add_adapter(LoraConfig(r=text_rank, lora_alpha=text_rank, target_modules=list(text_targets),
-                                       init_lora_weights=False), adapter_name=name)
-        layers[f"{text_encoder}_lora_layers"] = get_peft_model_state_dict(encoder, adapter_name=name)
-    type(pipe).save_lora_weights(str(folder), **layers)
-    return folder
+        layers[text_encoder] = random_lora_layers(getattr(pipe, text_encoder), text_targets, text_rank, seed + 1000)
+    return save_lora(folder, **layers)
 
 
 class _ModeOnly:
