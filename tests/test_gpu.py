@@ -584,3 +584,70 @@ def test_captured_graphs_replay_lora_weights_and_switching_creates_no_session(ti
     fresh.load_lora_weights(str(tmp_path / "lora"), adapter_name="x")
     assert np.abs(with_lora - generate(fresh)).max() <= 1e-3
     assert np.abs(with_lora - base).max() > 1e-3 and np.abs(disabled - base).max() <= 1e-5
+
+
+# -------------------------------------------------------------------------------------------------- ControlNet
+@pytest.fixture(scope="module")
+def controlnet_folders(tmp_path_factory):
+    from optimum_iobinding.export import build_tiny_random_controlnet_pipeline, export_pipeline
+
+    root = tmp_path_factory.mktemp("gpu-controlnet")
+    return {"one": export_pipeline(None, root / "one", tiny_random="controlnet", progress=False),
+            "two": export_pipeline(None, root / "two", progress=False,
+                                   torch_pipeline=build_tiny_random_controlnet_pipeline(controlnets=2))}
+
+
+def controlnet_pipeline(folder, **kwargs):
+    from diffusers import DDIMScheduler
+
+    from optimum_iobinding import OnnxStableDiffusionControlNetPipeline
+
+    kwargs.setdefault("provider_options", EXACT)
+    pipe = OnnxStableDiffusionControlNetPipeline.from_pretrained(folder, **kwargs)
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("net, kwargs", [
+    ("one", {}),
+    ("one", {"guess_mode": True, "control_guidance_start": 0.25}),
+    ("two", {"controlnet_conditioning_scale": [0.7, 1.2], "control_guidance_end": [0.5, 1.0]}),
+])
+def test_controlnet_graphs_equal_the_cpu_pipeline_and_the_host_never_waits(controlnet_folders, net, kwargs):
+    count = 1 if net == "one" else 2
+    images = [torch.rand(1, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(3 + k)) for k in range(count)]
+    image = images[0] if count == 1 else images
+
+    def generate_with(pipe):
+        return pipe("a photo of a cat", image=image, num_inference_steps=4, generator=np.random.RandomState(0),
+                    output_type="np", **kwargs).images
+
+    graphs = controlnet_pipeline(controlnet_folders[net], provider=CUDA)
+    expected = generate_with(controlnet_pipeline(controlnet_folders[net], provider="CPUExecutionProvider"))
+    np.testing.assert_allclose(generate_with(graphs), expected, atol=1e-4)
+    for name in ("unet", "controlnet"):
+        assert getattr(graphs, name).graph_signatures, f"{name} was not captured"
+    created = graphs.sessions_created
+    # the loop with the ControlNets' residuals made each step: enqueued without one host wait
+    with torch.cuda.stream(graphs.stream):
+        embeds = graphs.encode_prompt("a photo of a cat", 1, True)
+        latents = graphs.prepare_latents((1, 4, SIZE // 8, SIZE // 8), embeds.dtype, np.random.RandomState(0))
+        guess = kwargs.get("guess_mode", False)
+        prepared = graphs.prepare_control_images(image, "image", None, None, 1, 1, True, guess)
+
+        def loop():
+            timesteps = graphs.set_timesteps(4)
+            scales, starts, ends = graphs._check_control_arguments(
+                kwargs.get("controlnet_conditioning_scale", 1.0), kwargs.get("control_guidance_start", 0.0),
+                kwargs.get("control_guidance_end", 1.0))
+            residuals = graphs.controlnet_step_inputs(prepared, timesteps, scales, starts, ends, guess, True, 2)
+            return graphs.denoise(latents, timesteps, embeds, 7.5, graphs.scheduler_step_kwargs(None, 0.0),
+                                  step_inputs=residuals)
+
+        loop()
+        torch.cuda.synchronize()
+        waits = host_waits(loop)
+    assert waits == [], "\n".join(f"{waits.count(w)}× {w}" for w in sorted(set(waits)))
+    assert graphs.sessions_created == created
+    torch.cuda.synchronize()
