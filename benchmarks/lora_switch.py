@@ -11,7 +11,9 @@ on the ``meta`` device from the folder's configs):
   the same size (what applying a LoRA costs where the weights are baked into the session), and
   ``recreate_pipeline_s`` (``from_pretrained`` + ``warmup``);
 - ``per_step_ms`` without a LoRA, with adapter A, with A and B mixed, after ``unload_lora_weights``: (median of
-  30-step calls − median of 10-step calls) / 20, latents output (no decode);
+  30-step calls − median of 10-step calls) / 20, latents output (no decode); then the same three states again in
+  interleaved rounds (``per_step_ms_interleaved``, whose medians the summary compares: the GPU's clocks drift over
+  a run, so states measured one after another differ by a few percent whatever they hold);
 - ``sessions_created`` before and after all of it, and whether the images changed and came back.
 
     python benchmarks/lora_switch.py --folder WORK/sd15-fp16-optimized --out OUT/lora-switch
@@ -86,6 +88,7 @@ def main() -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--switches", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of the per-step measurement")
     parser.add_argument("--provider", default="CUDAExecutionProvider", help="CPUExecutionProvider: a dry run")
     args = parser.parse_args()
 
@@ -133,6 +136,19 @@ def main() -> int:
     result["unload_s"] = timed(pipe.unload_lora_weights)
     unloaded = image(pipe, args.size)
     result["per_step_ms"]["after unload"] = per_step_ms(pipe, args.size)
+    # the same states interleaved (clocks drift over a run): rounds of no LoRA, a, a + b
+    pipe.load_lora_weights(str(loras["a"]), adapter_name="a")
+    pipe.load_lora_weights(str(loras["b"]), adapter_name="b")
+    interleaved = {"no LoRA": [], "LoRA a": [], "LoRAs a + b": []}
+    for _ in range(args.rounds):
+        pipe.disable_lora()
+        interleaved["no LoRA"].append(per_step_ms(pipe, args.size))
+        pipe.enable_lora()
+        pipe.set_adapters(["a"])
+        interleaved["LoRA a"].append(per_step_ms(pipe, args.size))
+        pipe.set_adapters(["a", "b"], adapter_weights=[0.7, 0.5])
+        interleaved["LoRAs a + b"].append(per_step_ms(pipe, args.size))
+    result["per_step_ms_interleaved"] = interleaved
     result["sessions_created_after"] = pipe.sessions_created
     result["images"] = {
         "a changed the image (max |Δ|)": float(np.abs(with_a - base).max()),
@@ -153,13 +169,14 @@ def main() -> int:
         del unet
 
     result["recreate_unet_s"] = timed(recreate)
-    steps = result["per_step_ms"]
+    steps = {state: statistics.median(values) for state, values in interleaved.items()}
     result["summary"] = {
         "switch median s (target < 0.5)": result["switch_s"]["median"],
         "switch max s": result["switch_s"]["max"],
         "recreate UNet session s": result["recreate_unet_s"],
-        "per step with LoRA a / without": steps["LoRA a"] / steps["no LoRA"],
-        "per step with a + b / without": steps["LoRAs a + b"] / steps["no LoRA"],
+        "per step ms, medians of the interleaved rounds": steps,
+        "per step with LoRA a / without (interleaved)": steps["LoRA a"] / steps["no LoRA"],
+        "per step with a + b / without (interleaved)": steps["LoRAs a + b"] / steps["no LoRA"],
         "sessions created by LoRA work": result["sessions_created_after"] - created,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -625,7 +625,8 @@ def test_controlnet_graphs_equal_the_cpu_pipeline_and_the_host_never_waits(contr
 
     graphs = controlnet_pipeline(controlnet_folders[net], provider=CUDA)
     expected = generate_with(controlnet_pipeline(controlnet_folders[net], provider="CPUExecutionProvider"))
-    np.testing.assert_allclose(generate_with(graphs), expected, atol=1e-4)
+    # CUDA's fp32 kernels against the CPU's (no TF32): rounding, not a different computation
+    np.testing.assert_allclose(generate_with(graphs), expected, atol=1e-3)
     for name in ("unet", "controlnet"):
         assert getattr(graphs, name).graph_signatures, f"{name} was not captured"
     created = graphs.sessions_created
