@@ -29,18 +29,18 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "optimum-iobinding"
 
 
-def tiny_model_folder(cache_dir: Optional[Path] = None, progress: bool = True) -> Path:
-    """The tiny random-weights ONNX pipeline, built once into the cache folder (atomically: a half-built folder is
-    never mistaken for a finished one)."""
+def tiny_model_folder(cache_dir: Optional[Path] = None, progress: bool = True, kind: str = "sd") -> Path:
+    """The tiny random-weights ONNX pipeline (``kind``: one of ``export.TINY_RANDOM_KINDS``), built once into the
+    cache folder (atomically: a half-built folder is never mistaken for a finished one)."""
     from .export import export_pipeline
 
-    folder = (cache_dir or default_cache_dir()) / "tiny-random-sd"
+    folder = (cache_dir or default_cache_dir()) / f"tiny-random-{kind}"
     if (folder / "model_index.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".tiny-", dir=folder.parent))
     try:
-        export_pipeline(None, scratch, tiny_random=True, progress=progress)
+        export_pipeline(None, scratch, tiny_random=kind, progress=progress)
         if not (folder / "model_index.json").is_file():
             shutil.rmtree(folder, ignore_errors=True)
             scratch.rename(folder)
