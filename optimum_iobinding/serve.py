@@ -9,7 +9,9 @@ deployment adds a process hop that carries every image; benchmarks/results/h200x
   OnnxStableDiffusionPipelineBase.warmup`: every batch size up to ``max_batch_size`` at the default size), so the
   first request runs as fast as later ones.
 * Requests are batched by ``@serve.batch`` (``max_batch_size`` counts images, ``batch_wait_timeout_s``). Requests
-  that come while a batch runs wait and enter the next batch together. A batch runs one pipeline call per group of
+  that come while a batch runs wait and enter the next batch together. On CUDA a batch is put on the GPU and the
+  next one is let in at once, queued behind it on the pipeline's stream, while the first one's images come back and
+  are answered: the GPU does not wait for the host between batches (at most two batches are unfinished). A batch runs one pipeline call per group of
   requests that agree on what a call cannot mix — size, steps, guidance — so requests of different sizes, step
   counts or guidance ride in the same ``@serve.batch`` window but in different pipeline calls.
 * Within a call every request keeps its own prompt, negative prompt and seed: image ``k`` of a request with seed
@@ -248,6 +250,13 @@ def decode_image(data: str) -> Any:
     return pixels.astype(np.float32) / 255.0
 
 
+# How long (a share of the batch's time) a batch waits for the clients of the previous one to come back. 5 % (64 ms
+# after a 1.28 s batch of 8) was too short on two H200s with 8 clients per replica: their 8 answers of 786 KB pass
+# the proxy one after another (36 ms per request from replica to client on average), the late ones missed the batch
+# and the groups split into 4, 5 and 7 images (benchmarks/results/h200x2/session8/run3-994f4f2).
+REGROUP_WAIT = 0.10
+
+
 def _images_in(requests: Sequence[Dict[str, Any]]) -> int:
     return sum(request["n"] for request in requests)
 
@@ -307,11 +316,16 @@ class ImageGenerator:
         # the images let in and not answered yet, whether a batch runs
         self._waiting: Deque[Tuple[asyncio.Future, int]] = collections.deque()
         self._admitted = 0
-        self._batch_running = False
+        self._batch_running = False  # a batch's pipeline call runs (on CUDA: until its work is on the GPU)
+        self._unfinished = 0  # batches whose images are not on the host yet
+        # on CUDA the call returns once its work is queued on the GPU: a second batch may queue behind it
+        self._deferred = not self.numpy_engine and self.pipe.device.type == "cuda"
+        self._max_unfinished = 2 if self._deferred else 1
         self._batch_cap = self.config.max_batch_size  # images of the next batch (see _expect_return)
         # every pipeline call on one thread: the models' reused output buffers are per thread, and a pool would
-        # make new ones for each new thread
+        # make new ones for each new thread; the images come back on other threads
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline")
+        self._finisher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="images")
 
     def _image_to_image(self, pipeline_class: type) -> Any:
         """The image-to-image pipeline on the same models (no second copy of anything), where the folder has a VAE
@@ -398,18 +412,21 @@ class ImageGenerator:
         try:
             result = await self._batched(request)
         finally:
-            self._admitted -= images
-            self._release()
+            if not request.get("_started"):  # let in, but gone before its batch started (cancelled)
+                request["_abandoned"] = True
+                self._admitted -= images
+                self._release()
         if "error" not in result:
             result = dict(result, replica_s=time.perf_counter() - arrived)
         return result
 
     # Admission. Serve's @serve.batch (2.60) forms a batch as soon as its first request comes, also while the
-    # previous batch still runs; that batch then waits for the replica's one batch slot with the requests it had.
+    # previous batch still runs; that batch then waits for a free batch slot with the requests it had.
     # With batch_wait_timeout_s=0 each request that comes during a running batch would make a batch of its own,
     # and closed-loop clients stay split in those small groups. So requests wait here while a batch runs, and when
     # it ends, the oldest are let into Serve's queue together, as many images as one batch holds: the next batch is
-    # formed when the GPU is free to run it (what Serve documents as opportunistic batching).
+    # formed when the GPU is free to run it (what Serve documents as opportunistic batching). On CUDA "ends" is when
+    # its work is queued on the GPU (the next batch queues behind it), with at most two batches unfinished.
     async def _enter(self, images: int) -> None:
         if not self._waiting and self._fits(images):
             self._admitted += images
@@ -427,7 +444,8 @@ class ImageGenerator:
             raise
 
     def _fits(self, images: int) -> bool:
-        return not self._batch_running and self._admitted + images <= self._batch_cap
+        return (not self._batch_running and self._unfinished < self._max_unfinished
+                and self._admitted + images <= self._batch_cap)
 
     def _release(self) -> None:
         while self._waiting and self._fits(self._waiting[0][1]):
@@ -438,57 +456,80 @@ class ImageGenerator:
 
     def _expect_return(self, images: int, seconds: float) -> None:
         """After a batch of ``images`` that took ``seconds``, when fewer images wait: the next batch waits up to
-        5 % of that time for as many images (up to ``max_batch_size``), since clients that got their answers tend
-        to send their next requests at once; it starts as soon as they are there. Without this, a group of clients
-        split once (the first of them to come back runs alone) stays split. A lone client's batch waits for
-        nothing."""
+        :data:`REGROUP_WAIT` of that time for as many images (up to ``max_batch_size``), since clients that got
+        their answers tend to send their next requests at once; it starts as soon as they are there. Without this, a
+        group of clients split once (the first of them to come back runs alone) stays split. A lone client's batch
+        waits for nothing."""
         expected = min(images, self.config.max_batch_size)
         if expected <= 1 or sum(waiting for _, waiting in self._waiting) >= expected:
             return
         self._batch_cap = expected
         self._batched.set_max_batch_size(expected)
-        self._batched.set_batch_wait_timeout_s(max(self.config.batch_wait_timeout_s, 0.05 * seconds))
+        self._batched.set_batch_wait_timeout_s(max(self.config.batch_wait_timeout_s, REGROUP_WAIT * seconds))
 
-    @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.0, batch_size_fn=_images_in)
+    @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.0, batch_size_fn=_images_in, max_concurrent_batches=2)
     async def _batched(self, requests: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        for request in requests:
+            if not request.get("_abandoned"):
+                self._admitted -= request["n"]
+            request["_started"] = True
         self._batch_running = True
+        self._unfinished += 1
         self._batch_cap = self.config.max_batch_size
         self._batched.set_max_batch_size(self.config.max_batch_size)
         self._batched.set_batch_wait_timeout_s(self.config.batch_wait_timeout_s)
         start = time.perf_counter()
+        loop = asyncio.get_running_loop()
         try:
-            # the pipeline call blocks: run it off the event loop, which keeps taking requests
-            return await asyncio.get_running_loop().run_in_executor(self._worker, self.run_batch, requests)
+            try:
+                # the pipeline call blocks: run it off the event loop, which keeps taking requests
+                started = await loop.run_in_executor(self._worker, self.start_batch, requests)
+            finally:
+                self._batch_running = False
+                self._release()  # on CUDA the next batch queues behind this one on the GPU
+            return await loop.run_in_executor(self._finisher, self.finish_batch, started)
         finally:
-            self._batch_running = False
+            self._unfinished -= 1
             self._expect_return(_images_in(requests), time.perf_counter() - start)
             self._release()
 
     def run_batch(self, requests: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         """Completed requests → one result each: a pipeline call per group that agrees on size, steps and guidance
         (a group whose call the pipeline refuses runs one request at a time, so only the bad one fails)."""
+        return self.finish_batch(self.start_batch(requests))
+
+    def start_batch(self, requests: List[Dict[str, Any]]) -> Tuple[List[Optional[Dict[str, Any]]], List[Tuple]]:
+        """:meth:`run_batch` up to the point where every call's work is on the device (on CUDA the images are
+        still being made when it returns); :meth:`finish_batch` waits for them. On the pipeline's thread."""
         results: List[Optional[Dict[str, Any]]] = [None] * len(requests)
+        calls: List[Tuple[List[int], _Images]] = []
         groups: Dict[Tuple, List[int]] = {}
         for index, request in enumerate(requests):
             groups.setdefault(_group_key(request), []).append(index)
         for indices in groups.values():
             members = [requests[i] for i in indices]
             try:
-                outputs = self._call(members)
+                calls.append((indices, self._call(members)))
             except (ValueError, TypeError):
                 # one request the checks let through: run each alone, so only it fails
-                outputs = []
-                for member in members:
+                for index, member in zip(indices, members):
                     try:
-                        outputs.extend(self._call([member]))
+                        calls.append(([index], self._call([member])))
                     except (ValueError, TypeError) as error:
-                        outputs.append({"error": str(error)})
-            for index, output in zip(indices, outputs):
-                results[index] = output
+                        results[index] = {"error": str(error)}
         self.batches_run += 1
+        return results, calls
+
+    @staticmethod
+    def finish_batch(started: Tuple[List[Optional[Dict[str, Any]]], List[Tuple]]) -> List[Dict[str, Any]]:
+        """The results of a :meth:`start_batch`, once its images are on the host (any thread)."""
+        results, calls = started
+        for indices, images in calls:
+            for index, output in zip(indices, images.outputs()):
+                results[index] = output
         return results  # type: ignore[return-value]
 
-    def _call(self, members: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    def _call(self, members: List[Dict[str, Any]]) -> "_Images":
         import numpy as np
         import torch
 
@@ -515,14 +556,43 @@ class ImageGenerator:
         else:
             arguments.update(height=first["height"], width=first["width"])
         start = time.perf_counter()
+        if self._deferred:
+            # the images stay on the device (no host wait): made uint8 HWC there, copied to pinned memory behind
+            # the call on the stream, and waited for in _Images.outputs (another thread), while the next call runs
+            images = pipe(**dict(arguments, output_type="pt")).images
+            with torch.cuda.device(images.device):
+                pixels = (images.float().clamp(0.0, 1.0) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+                host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
+                host.copy_(pixels, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(images.device))
+            return _Images(members, seeds, start, host=host, done=done)
         images = pipe(**arguments).images
-        seconds = time.perf_counter() - start
         pixels = (np.clip(images, 0.0, 1.0) * 255).round().astype(np.uint8)  # as diffusers' numpy_to_pil
+        return _Images(members, seeds, start, pixels=pixels)
+
+
+class _Images:
+    """One pipeline call's images: uint8 HxWx3 on the host, or on their way there (a pinned buffer and the CUDA
+    event after its copy); :meth:`outputs` gives each request its images once they are there."""
+
+    def __init__(self, members: List[Dict[str, Any]], seeds: List[int], start: float, pixels: Any = None,
+                 host: Any = None, done: Any = None):
+        self.members, self.seeds, self.start = members, seeds, start
+        self.pixels, self.host, self.done = pixels, host, done
+        self.seconds = None if pixels is None else time.perf_counter() - start
+
+    def outputs(self) -> List[Dict[str, Any]]:
+        if self.pixels is None:
+            self.done.synchronize()
+            self.seconds = time.perf_counter() - self.start  # the call and its images' way to the host
+            self.pixels = self.host.numpy().copy()  # out of pinned memory, which is scarce
+            self.host = self.done = None
         outputs, row = [], 0
-        for member in members:
-            outputs.append({"images": [pixels[row + k] for k in range(member["n"])],
-                            "seeds": seeds[row: row + member["n"]], "batch_images": len(prompts),
-                            "batch_requests": len(members), "pipeline_s": seconds})
+        for member in self.members:
+            outputs.append({"images": [self.pixels[row + k] for k in range(member["n"])],
+                            "seeds": self.seeds[row: row + member["n"]], "batch_images": len(self.seeds),
+                            "batch_requests": len(self.members), "pipeline_s": self.seconds})
             row += member["n"]
         return outputs
 

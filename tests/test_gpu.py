@@ -652,3 +652,27 @@ def test_controlnet_graphs_equal_the_cpu_pipeline_and_the_host_never_waits(contr
     assert waits == [], "\n".join(f"{waits.count(w)}× {w}" for w in sorted(set(waits)))
     assert graphs.sessions_created == created
     torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------------------------ serving
+def test_served_batches_queue_behind_each_other_on_the_gpu_and_equal_single_calls(tiny_folder):
+    """A replica on CUDA puts a batch on the GPU and starts the next before the first's images are back
+    (ImageGenerator.start_batch / finish_batch, what Serve's batch handler runs): both equal single calls."""
+    pytest.importorskip("ray.serve")
+    from dataclasses import asdict
+
+    from optimum_iobinding.serve import ImageGenerator, ServeConfig
+
+    generator = ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cuda", max_batch_size=2, steps=4,
+                                                  warmup_sizes=[SIZE], warmup_batch_sizes=[1, 2])))
+    assert generator._deferred and generator._max_unfinished == 2
+    requests = [generator.complete_request(dict(prompt=prompt, seed=seed, size=SIZE))
+                for prompt, seed in (("a red house", 1), ("a green tree", 2), ("a blue boat", 3))]
+    first = generator.start_batch(requests[:2])
+    second = generator.start_batch(requests[2:])  # queued on the GPU behind the first
+    batched = generator.finish_batch(first) + generator.finish_batch(second)
+    assert [result["batch_images"] for result in batched] == [2, 2, 1]
+    for request, result in zip(requests, batched):
+        (alone,) = generator.run_batch([request])
+        assert np.abs(result["images"][0].astype(int) - alone["images"][0].astype(int)).max() <= 1
+        assert result["pipeline_s"] > 0

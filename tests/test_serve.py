@@ -154,7 +154,7 @@ def test_admission_lets_in_one_batch_of_the_oldest_waiting_requests_when_the_run
     import asyncio
     from dataclasses import asdict
 
-    from optimum_iobinding.serve import ImageGenerator, ServeConfig
+    from optimum_iobinding.serve import REGROUP_WAIT, ImageGenerator, ServeConfig
 
     generator = ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=3,
                                                   warmup_batch_sizes=[])))
@@ -185,7 +185,7 @@ def test_admission_lets_in_one_batch_of_the_oldest_waiting_requests_when_the_run
     assert generator._batched._get_max_batch_size() == 3 and generator._batched._get_batch_wait_timeout_s() == 0
     generator._expect_return(2, 1.0)
     assert generator._batch_cap == 2 and generator._batched._get_max_batch_size() == 2
-    assert generator._batched._get_batch_wait_timeout_s() == pytest.approx(0.05)
+    assert generator._batched._get_batch_wait_timeout_s() == pytest.approx(REGROUP_WAIT)
 
 
 def test_n_images_come_from_consecutive_seeds_as_base64_json(server, reference):
