@@ -33,7 +33,12 @@ import torch
 from tqdm.auto import tqdm
 
 from .layout import (  # noqa: F401 — the folder layout lives in layout.py; these names stay importable from here
+    DOWN_RESIDUAL_INPUT,
+    DOWN_RESIDUAL_OUTPUT,
+    MID_RESIDUAL_INPUT,
+    MID_RESIDUAL_OUTPUT,
     ONNX_COMPONENTS,
+    controlnet_component_names,
     building_beside,
     check_output_folder,
     save_tokenizer,
@@ -305,10 +310,6 @@ class _UNet(torch.nn.Module):
                          mid_block_additional_residual=named.get(MID_RESIDUAL_INPUT), return_dict=False)[0]
 
 
-# What a ControlNet gives and its UNet takes: one residual per down-block output, one for the mid block.
-DOWN_RESIDUAL_OUTPUT, MID_RESIDUAL_OUTPUT = "down_block_res_sample_", "mid_block_res_sample"
-DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT = "down_block_additional_residual_", "mid_block_additional_residual"
-
 
 class _ControlNet(torch.nn.Module):
     """A ControlNet whose residuals come out scaled by ``conditioning_scale``, one factor per residual (down blocks,
@@ -332,10 +333,6 @@ def controlnets_of(pipe) -> list:
         return []
     return list(getattr(controlnet, "nets", None) or [controlnet])
 
-
-def controlnet_component_names(count: int) -> tuple:
-    """diffusers' folder names for ``count`` ControlNets: ``controlnet``, ``controlnet_1``, ``controlnet_2`` …"""
-    return tuple("controlnet" if k == 0 else f"controlnet_{k}" for k in range(count))
 
 
 class _VaeEncoder(torch.nn.Module):

@@ -16,6 +16,14 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, Optional, Sequence, Union
 
 ONNX_COMPONENTS = ("text_encoder", "unet", "vae_encoder", "vae_decoder")
+# What a ControlNet gives and its UNet takes: one residual per down-block output, one for the mid block.
+DOWN_RESIDUAL_OUTPUT, MID_RESIDUAL_OUTPUT = "down_block_res_sample_", "mid_block_res_sample"
+DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT = "down_block_additional_residual_", "mid_block_additional_residual"
+
+
+def controlnet_component_names(count: int) -> tuple:
+    """diffusers' folder names for ``count`` ControlNets: ``controlnet``, ``controlnet_1``, ``controlnet_2`` …"""
+    return tuple("controlnet" if k == 0 else f"controlnet_{k}" for k in range(count))
 
 
 # ------------------------------------------------------------------------------------------------ safe writing

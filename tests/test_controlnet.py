@@ -186,6 +186,7 @@ def test_cli_exports_with_a_controlnet_folder(tmp_path):
     ({"image": None}, "image: expected a control image"),
     ({"image": control_image(batch=3), "prompt": ["a", "b"]}, "image: expected 1 control image or 2"),
     ({"controlnet_conditioning_scale": [1.0, 1.0]}, "controlnet_conditioning_scale: expected 1 values"),
+    ({"controlnet_conditioning_scale": None}, "controlnet_conditioning_scale: expected finite numbers"),
     ({"control_guidance_start": 0.8, "control_guidance_end": 0.2}, "control_guidance_start: expected each start"),
     ({"control_guidance_end": 1.5}, "control_guidance_end: expected numbers in [0, 1]"),
     ({"guess_mode": "yes"}, "guess_mode: expected True or False"),

@@ -19,20 +19,14 @@ import numpy as np
 import torch
 from diffusers.image_processor import VaeImageProcessor
 
-from ..layout import ONNX_COMPONENTS, write_model_index
+from ..layout import DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT, ONNX_COMPONENTS, write_model_index
+from ..layout import controlnet_component_names as _controlnet_names
 from ..model import IOBindingORTModel
 from ..shapes import infer_output_shapes
 from .base import Generator, OnnxStableDiffusionPipelineBase, _is_real, on_device_stream
-from .img2img import expand_to_batch
+from .img2img import ImageInput, expand_to_batch
 
-ImageInput = Union[torch.Tensor, np.ndarray, "PIL.Image.Image", List[Any]]  # noqa: F821
-
-DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT = "down_block_additional_residual_", "mid_block_additional_residual"
 _EXTRA_CONTROLNET = re.compile(r"controlnet_([1-9][0-9]*)")
-
-
-def _controlnet_names(count: int) -> Tuple[str, ...]:
-    return tuple("controlnet" if k == 0 else f"controlnet_{k}" for k in range(count))
 
 
 class _ControlNetMixin:
@@ -134,8 +128,7 @@ class _ControlNetMixin:
         values = list(value) if isinstance(value, (list, tuple)) else [value] * count
         if len(values) != count:
             raise ValueError(f"{name}: expected {count} values (one per ControlNet), got {len(values)}")
-        wrong = next((v for v in values if not check(v)), None)
-        if wrong is not None or not values:
+        if not values or not all(check(v) for v in values):
             raise ValueError(f"{name}: expected {expected}, got {value!r}")
         return values
 
