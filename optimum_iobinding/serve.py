@@ -11,9 +11,10 @@ deployment adds a process hop that carries every image; benchmarks/results/h200x
 * Requests are batched by ``@serve.batch`` (``max_batch_size`` counts images, ``batch_wait_timeout_s``). Requests
   that come while a batch runs wait and enter the next batch together. On CUDA a batch is put on the GPU and the
   next one is let in at once, queued behind it on the pipeline's stream, while the first one's images come back and
-  are answered: the GPU does not wait for the host between batches (at most two batches are unfinished). A batch runs one pipeline call per group of
-  requests that agree on what a call cannot mix — size, steps, guidance — so requests of different sizes, step
-  counts or guidance ride in the same ``@serve.batch`` window but in different pipeline calls.
+  are answered: the GPU does not wait for the host between batches (at most two batches are unfinished). A batch
+  runs one pipeline call per group of requests that agree on what a call cannot mix — size, steps, guidance — so
+  requests of different sizes, step counts or guidance ride in the same ``@serve.batch`` window but in different
+  pipeline calls.
 * Within a call every request keeps its own prompt, negative prompt and seed: image ``k`` of a request with seed
   ``s`` is drawn from its own ``torch.Generator`` seeded ``s + k`` (the latents and every scheduler noise), so it
   equals the image of a single call ``pipe(prompt, generator=torch.Generator().manual_seed(s + k))`` up to the
@@ -313,7 +314,7 @@ class ImageGenerator:
             self.warmup_s = time.perf_counter() - start
         self.batches_run = 0
         # admission into Serve's batch queue (see generate): the waiting requests (a future and its images each),
-        # the images let in and not answered yet, whether a batch runs
+        # the images let in whose batch has not started yet, whether a batch runs
         self._waiting: Deque[Tuple[asyncio.Future, int]] = collections.deque()
         self._admitted = 0
         self._batch_running = False  # a batch's pipeline call runs (on CUDA: until its work is on the GPU)
