@@ -642,7 +642,7 @@ def test_controlnet_graphs_equal_the_cpu_pipeline_and_the_host_never_waits(contr
             scales, starts, ends = graphs._check_control_arguments(
                 kwargs.get("controlnet_conditioning_scale", 1.0), kwargs.get("control_guidance_start", 0.0),
                 kwargs.get("control_guidance_end", 1.0))
-            residuals = graphs.controlnet_step_inputs(prepared, timesteps, scales, starts, ends, guess, True, 2)
+            residuals = graphs.controlnet_step_inputs(prepared, timesteps, scales, starts, ends, guess, True)
             return graphs.denoise(latents, timesteps, embeds, 7.5, graphs.scheduler_step_kwargs(None, 0.0),
                                   step_inputs=residuals)
 

@@ -231,7 +231,6 @@ class _ControlNetMixin:
         ends: List[float],
         guess_mode: bool,
         do_classifier_free_guidance: bool,
-        unet_batch: int,
     ) -> Callable[[int, torch.Tensor, torch.Tensor], Dict[str, torch.Tensor]]:
         """The UNet's residual inputs for step ``i``, as diffusers computes them: each ControlNet on the scaled
         model input (in guess mode with guidance: the text half only, the other half zeros), scaled by its
@@ -245,7 +244,7 @@ class _ControlNetMixin:
                 for i in range(steps)]
         factors, timestep_rows = [], []
         half = guess_mode and do_classifier_free_guidance
-        control_batch = unet_batch // 2 if half else unet_batch
+        control_batch = images[0].shape[0]  # prepared for the ControlNets' batch (doubled for guidance or not)
         for k, net in enumerate(self.controlnets):
             table = torch.stack([ramp * (scales[k] * keep[i][k]) for i in range(steps)])
             table = table.to(net.input_dtypes["conditioning_scale"])
@@ -254,12 +253,12 @@ class _ControlNetMixin:
             factors.append(table)
             timestep_rows.append(self.timestep_inputs(timesteps, control_batch, net))
         runs = [[scales[k] * keep[i][k] != 0.0 for k in range(len(self.controlnets))] for i in range(steps)]
-        zeros: Dict[Tuple[int, ...], List[torch.Tensor]] = {}
+        zeros: Dict[Tuple, List[torch.Tensor]] = {}
 
-        def zero_residuals(sample_shape: Tuple[int, ...], batch: int) -> List[torch.Tensor]:
-            key = (batch, *sample_shape[1:])
+        def zero_residuals(sample: torch.Tensor, embeds: torch.Tensor) -> List[torch.Tensor]:
+            key = (tuple(sample.shape), tuple(embeds.shape))
             if key not in zeros:
-                shapes = self._residual_shapes(images[0], sample_shape, batch)
+                shapes = self._residual_shapes(tuple(sample.shape), tuple(embeds.shape), tuple(images[0].shape))
                 zeros[key] = [torch.zeros(shape, device=self.device, dtype=self.unet.input_dtypes[name])
                               for name, shape in zip(self._residual_inputs, shapes)]
             return zeros[key]
@@ -278,23 +277,22 @@ class _ControlNetMixin:
                 # the first ControlNet's output buffers are read by this step's UNet before that net runs again
                 total = list(outputs) if total is None else [a + b for a, b in zip(total, outputs)]
             if total is None:
-                return dict(zip(self._residual_inputs, zero_residuals(tuple(latent_model_input.shape), unet_batch)))
+                return dict(zip(self._residual_inputs, zero_residuals(latent_model_input, prompt_embeds)))
             if half:
                 total = [torch.cat([torch.zeros_like(r), r]) for r in total]
             return dict(zip(self._residual_inputs, total))
 
         return step_inputs
 
-    def _residual_shapes(self, image: torch.Tensor, sample_shape: Tuple[int, ...], batch: int) -> List[Tuple[int, ...]]:
-        """The residuals' shapes for a UNet input of ``sample_shape`` (batch ``batch``), from the ControlNet's graph."""
+    def _residual_shapes(self, sample_shape: Tuple[int, ...], embeds_shape: Tuple[int, ...],
+                         image_shape: Tuple[int, ...]) -> List[Tuple[int, ...]]:
+        """The residuals' shapes for the UNet's ``sample`` and ``encoder_hidden_states`` of these shapes, from the
+        ControlNet's graph (as if it ran on the UNet's whole batch)."""
         net = self.controlnets[0]
-        sequence = self.tokenizer.model_max_length
-        hidden = self._declared_dim(net, "encoder_hidden_states", 2) or 768
-        timestep_dims = net.input_dims.get("timestep") or []
+        batch = sample_shape[0]
         shapes = infer_output_shapes(net, {
-            "sample": (batch, *sample_shape[1:]), "timestep": (batch,) if timestep_dims else (),
-            "encoder_hidden_states": (batch, sequence, hidden),
-            "controlnet_cond": (batch, *image.shape[1:]),
+            "sample": sample_shape, "timestep": (batch,) if net.input_dims.get("timestep") else (),
+            "encoder_hidden_states": embeds_shape, "controlnet_cond": (batch, *image_shape[1:]),
             "conditioning_scale": (len(self._residual_inputs),),
         })
         result = list(shapes.values())
@@ -388,9 +386,8 @@ class OnnxStableDiffusionControlNetPipeline(_ControlNetMixin, OnnxStableDiffusio
         latents = latents * self.scheduler.init_noise_sigma
 
         # 4. denoising loop, the ControlNets' residuals made each step: every tensor stays on self.device
-        unet_batch = latents.shape[0] * (2 if do_classifier_free_guidance else 1)
         residuals = self.controlnet_step_inputs(images, timesteps, scales, starts, ends, guess_mode,
-                                                do_classifier_free_guidance, unet_batch)
+                                                do_classifier_free_guidance)
         latents = self.denoise(
             latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
             callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
@@ -482,9 +479,8 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(_ControlNetMixin, OnnxStableD
         latents = self.scheduler.add_noise(image_latents, noise, timesteps[:1].repeat(image_latents.shape[0]))
 
         # 4. denoising loop, the ControlNets' residuals made each step: every tensor stays on self.device
-        unet_batch = latents.shape[0] * (2 if do_classifier_free_guidance else 1)
         residuals = self.controlnet_step_inputs(images, timesteps, scales, starts, ends, guess_mode,
-                                                do_classifier_free_guidance, unet_batch)
+                                                do_classifier_free_guidance)
         latents = self.denoise(
             latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
             callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
