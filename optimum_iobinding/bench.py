@@ -16,6 +16,8 @@ ms (median of ``--runs`` after ``--warmup``), per-step ms ((median at N steps �
 alone), peak GPU memory above the process's idle (device-wide, sampled every 2 ms, so ORT's arenas count), host↔device
 bytes per step (profiled: (bytes at 4 steps − bytes at 2 steps) / 2), the largest pixel difference from the numpy
 pipeline's image, and the cold start: seconds to load the pipeline and seconds for its first image (fresh process).
+``--repeats N`` runs each peer in N processes, the peer order rotated each time, and reports the median over them
+(host-bound loops move by ±20 % from one process to the next on the same machine).
 
 ``--scenario mixed`` is a service's load instead: batch sizes 1, 4, 8, 2 in turn (``--mixed-batches``), ``--mixed-
 steps`` steps each, for ``--rounds`` rounds: per-call ms per round and batch size, device memory, sessions created
@@ -561,15 +563,44 @@ def _subprocess(args: List[str], pythonpath: Optional[str], timeout: int) -> Dic
         os.unlink(result_path)
 
 
+def combine_repeats(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """One peer's results from several processes (``--repeats``) as one: the median over the processes of each
+    one's median time, per-step time, load and first-image seconds; the highest memory peak and copy counts; every
+    timed run in ``end_to_end_ms_all``; each process's own result in ``repeats``. A process that failed or was
+    skipped makes the whole result that failure (with the others kept in ``repeats``)."""
+    if len(results) == 1:
+        return results[0]
+    kept = [{key: value for key, value in result.items() if key != "image"} for result in results]
+    for result in results:
+        if "error" in result or "skipped" in result:
+            return {**result, "repeats": kept}
+    combined = dict(results[0])
+    for key in ("end_to_end_ms", "per_step_ms", "load_s", "first_image_s"):
+        values = [result[key] for result in results if result.get(key) is not None]
+        combined[key] = statistics.median(values) if values else None
+    for key in ("peak_memory_mib", "htod_bytes_per_step", "dtoh_bytes_per_step"):
+        combined[key] = max(result[key] for result in results)
+    combined["end_to_end_ms_all"] = [ms for result in results for ms in result.get("end_to_end_ms_all", [])]
+    combined["repeats"] = kept
+    return combined
+
+
 def benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[str], peers: Sequence[str], steps: int,
-              runs: int, warmup: int, work: Path, out: Path, optimum_pythonpath: Optional[str], timeout: int) -> Dict:
+              runs: int, warmup: int, work: Path, out: Path, optimum_pythonpath: Optional[str], timeout: int,
+              repeats: int = 1) -> Dict:
+    """Every peer of every (model, dtype, export), each in a process of its own, ``repeats`` times: repeat ``r``
+    runs the peers in the given order rotated by ``r``, so that no peer always follows the same one (host-bound
+    loops move by ±20 % between processes on the same machine), and the table shows the median over the
+    processes (:func:`combine_repeats`)."""
     from tqdm.auto import tqdm
 
+    if repeats < 1:
+        raise ValueError(f"repeats: expected at least 1, got {repeats}")
     out.mkdir(parents=True, exist_ok=True)
     results: Dict[str, Any] = {"environment": environment(), "steps": steps, "runs": runs, "warmup": warmup,
-                               "rows": []}
+                               "repeats": repeats, "rows": []}
     configs = [(m, d, e) for m in models for d in dtypes for e in exports]
-    progress = tqdm(total=len(configs) * (len(peers) + 2), desc="bench", unit="task")
+    progress = tqdm(total=len(configs) * (len(peers) * repeats + 2), desc="bench", unit="task")
     for kind, dtype, export in configs:
         progress.set_postfix_str(f"{kind} {dtype} {export}: export")
         folder = ensure_export(kind, dtype, export, work)
@@ -579,17 +610,22 @@ def benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[st
         progress.set_postfix_str(f"{kind} {dtype} {export}: floor")
         row["floor"] = _subprocess(floor_args, None, timeout)
         progress.update()
-        for peer in peers:
-            if peer == "torch" and (dtype != "fp16" or export != "plain"):
+        by_peer: Dict[str, List[Dict[str, Any]]] = {}
+        for repeat in range(repeats):
+            for peer in list(peers[repeat % len(peers):]) + list(peers[:repeat % len(peers)]):
+                if peer == "torch" and (dtype != "fp16" or export != "plain"):
+                    progress.update()
+                    continue  # the torch peer is fp16 eager, once per model
+                progress.set_postfix_str(f"{kind} {dtype} {export}: {peer}"
+                                         + (f" ({repeat + 1}/{repeats})" if repeats > 1 else ""))
+                image = work / f"image-{kind}-{dtype}-{export}-{peer}.npy"
+                peer_args = ["--run-peer", peer, "--folder", str(folder), "--model", kind, "--dtype", dtype,
+                             "--steps", str(steps), "--runs", str(runs), "--warmup", str(warmup), "--image",
+                             str(image)]
+                by_peer.setdefault(peer, []).append(
+                    _subprocess(peer_args, optimum_pythonpath if peer in OPTIMUM_PEERS else None, timeout))
                 progress.update()
-                continue  # the torch peer is fp16 eager, once per model
-            progress.set_postfix_str(f"{kind} {dtype} {export}: {peer}")
-            image = work / f"image-{kind}-{dtype}-{export}-{peer}.npy"
-            peer_args = ["--run-peer", peer, "--folder", str(folder), "--model", kind, "--dtype", dtype,
-                         "--steps", str(steps), "--runs", str(runs), "--warmup", str(warmup), "--image", str(image)]
-            row["peers"][peer] = _subprocess(peer_args, optimum_pythonpath if peer in OPTIMUM_PEERS else None,
-                                             timeout)
-            progress.update()
+        row["peers"] = {peer: combine_repeats(by_peer[peer]) for peer in peers if peer in by_peer}
         reference = row["peers"].get("numpy", {}).get("image") or row["peers"].get("optimum", {}).get("image")
         row["reference"] = "numpy" if row["peers"].get("numpy", {}).get("image") else "optimum"
         for result in row["peers"].values():
@@ -701,7 +737,9 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
         f"`{env.get('command')}` — {env.get('date')}; torch {env.get('torch')} (CUDA {env.get('cuda')}), onnxruntime "
         f"{env.get('onnxruntime')}, diffusers {env.get('diffusers')}, transformers {env.get('transformers')}; "
         f"{results['steps']} DDIM steps, CFG (batch 2), median of {results['runs']} runs after {results['warmup']} "
-        "warm-up; SDXL guidance 5; LCM 4 steps (LCM scheduler, guidance embedded, batch 1); Turbo 4 Euler-ancestral "
+        + (f"warm-up in each of {results['repeats']} processes per peer (peer order rotated each time), then the "
+           "median over the processes" if results.get("repeats", 1) > 1 else "warm-up")
+        + "; SDXL guidance 5; LCM 4 steps (LCM scheduler, guidance embedded, batch 1); Turbo 4 Euler-ancestral "
         "trailing steps, guidance 0. Where diffusers has no numpy pipeline (SDXL, LCM), × and diff are against "
         "optimum-onnx.",
         "",
@@ -764,6 +802,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="single: processes per peer, the peer order rotated each time; the table shows the "
+                             "median over them")
     parser.add_argument("--work", default="bench-work", help="where exports and images go")
     parser.add_argument("--out", default="benchmarks/results/latest")
     parser.add_argument("--optimum-pythonpath", default=None, help="site folder of the optimum-onnx environment")
@@ -826,7 +867,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print((out / "mixed.md").read_text())
         return 0
     results = benchmark(split(args.models), split(args.dtypes), split(args.exports), split(args.peers), args.steps,
-                        args.runs, args.warmup, Path(args.work), out, args.optimum_pythonpath, args.timeout)
+                        args.runs, args.warmup, Path(args.work), out, args.optimum_pythonpath, args.timeout,
+                        args.repeats)
     print((out / "results.md").read_text())
     measured = [result for row in results["rows"] for result in row["peers"].values()
                 if "error" not in result and "skipped" not in result]

@@ -116,3 +116,50 @@ def test_the_mixed_report_gives_the_worst_later_round_and_sessions_created(tmp_p
     table = (tmp_path / "mixed.md").read_text()
     assert "| 900 / 2000 | 100 / 300 | 104 / 330 | 1.100 | 2000 | 2.00 | 1 | 3.0 |  | 1.50 |" in table
     assert "failed: RuntimeError: boom" in table
+
+
+def test_repeated_processes_combine_into_their_median_and_keep_every_run():
+    from optimum_iobinding.bench import combine_repeats
+
+    first = {**peer(100.0, 3.0, memory=900.0), "end_to_end_ms_all": [100.0, 101.0], "load_s": 10.0,
+             "first_image_s": 2.0, "image": "a.npy"}
+    second = {**peer(80.0, 2.5, memory=950.0), "end_to_end_ms_all": [80.0, 79.0], "load_s": 12.0,
+              "first_image_s": 2.4, "image": "a.npy"}
+    third = {**peer(90.0, 2.8, memory=940.0), "end_to_end_ms_all": [90.0], "load_s": 11.0, "first_image_s": 2.2,
+             "image": "a.npy"}
+    combined = combine_repeats([first, second, third])
+    assert combined["end_to_end_ms"] == 90.0 and combined["per_step_ms"] == 2.8
+    assert combined["load_s"] == 11.0 and combined["first_image_s"] == 2.2
+    assert combined["peak_memory_mib"] == 950.0
+    assert combined["end_to_end_ms_all"] == [100.0, 101.0, 80.0, 79.0, 90.0]
+    assert [r["end_to_end_ms"] for r in combined["repeats"]] == [100.0, 80.0, 90.0]
+    assert combine_repeats([first]) is first
+    failed = combine_repeats([first, {"error": "Traceback\nRuntimeError: boom"}])
+    assert failed["error"].endswith("boom") and len(failed["repeats"]) == 2
+
+
+def test_repeats_rotate_the_peer_order_so_no_peer_always_follows_the_same_one(tmp_path, monkeypatch):
+    import optimum_iobinding.bench as bench
+
+    order = []
+
+    def fake_subprocess(args, pythonpath, timeout):
+        if "--run-floor" in args:
+            return {"per_step_ms": 1.0}
+        name = args[args.index("--run-peer") + 1]
+        order.append(name)
+        ms = {"numpy": 300.0, "defaults": 100.0, "graph": 90.0}[name] + len(order)
+        return {**peer(ms, ms / 30), "end_to_end_ms_all": [ms], "load_s": 1.0, "first_image_s": 1.0}
+
+    monkeypatch.setattr(bench, "_subprocess", fake_subprocess)
+    monkeypatch.setattr(bench, "ensure_export", lambda kind, dtype, export, work: tmp_path / "export")
+    monkeypatch.setattr(bench, "environment", lambda: {"device": "GPU", "command": "bench"})
+    results = bench.benchmark(["small"], ["fp16"], ["optimized"], ["numpy", "defaults", "graph"], 30, 3, 1,
+                              tmp_path, tmp_path / "out", None, 60, repeats=3)
+    assert order == ["numpy", "defaults", "graph", "defaults", "graph", "numpy", "graph", "numpy", "defaults"]
+    defaults = results["rows"][0]["peers"]["defaults"]
+    assert defaults["end_to_end_ms_all"] == [102.0, 104.0, 109.0] and defaults["end_to_end_ms"] == 104.0
+    assert "median over the processes" in (tmp_path / "out" / "results.md").read_text()
+    with pytest.raises(ValueError, match="repeats: expected at least 1, got 0"):
+        bench.benchmark(["small"], ["fp16"], ["optimized"], ["numpy"], 30, 3, 1, tmp_path, tmp_path / "out2",
+                        None, 60, repeats=0)
