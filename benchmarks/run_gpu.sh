@@ -9,6 +9,8 @@
 #   benches GPU work and one host thread each. A bench that needs an export still being made waits for it (a lock).
 #   Queues separated by "|" run side by side (e.g. "sdxl:fp16:optimized | tiny:fp32:optimized sd15:fp32:plain": the
 #   long SDXL export does not hold the others back).
+# Bring results back as one archive (tar czf "$OUT/res.tgz" -C /tmp res): the device returns at most 8 files
+# from $OUT, and a run of several steps writes more (session 10 lost its JSON that way).
 # Give the most important first, so that a run cut short by the machine's time still reports them. What issues 4
 # and 6 still lacked after session 4: EXPORT_AHEAD="sdxl:fp16:optimized | sd15:fp32:optimized" with the steps
 # sd15-fp32-optimized sdxl-fp16.
