@@ -828,6 +828,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected at least 1, got {args.repeats}")
     if args.run_mixed:
         result = run_mixed(args.run_mixed, Path(args.folder), args.model, args.dtype,
                            [int(b) for b in split(args.mixed_batches)], args.mixed_steps, args.rounds, args.steps)

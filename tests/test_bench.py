@@ -163,3 +163,12 @@ def test_repeats_rotate_the_peer_order_so_no_peer_always_follows_the_same_one(tm
     with pytest.raises(ValueError, match="repeats: expected at least 1, got 0"):
         bench.benchmark(["small"], ["fp16"], ["optimized"], ["numpy"], 30, 3, 1, tmp_path, tmp_path / "out2",
                         None, 60, repeats=0)
+
+
+def test_the_cli_refuses_fewer_than_one_repeat_before_looking_for_a_gpu(capsys):
+    from optimum_iobinding.bench import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--repeats", "0"])
+    assert exit_info.value.code == 2
+    assert "--repeats: expected at least 1, got 0" in capsys.readouterr().err
