@@ -157,14 +157,16 @@ def test_requests_that_come_while_a_batch_runs_ride_together_in_the_next_one(tin
         loop = asyncio.get_running_loop()
         first = asyncio.ensure_future(generator.generate(dict(prompt="a bird 0", seed=0, size=SIZE)))
         assert await loop.run_in_executor(None, entered.wait, 120)
-        later = [asyncio.ensure_future(generator.generate(dict(prompt=f"a bird {i}", seed=i, size=SIZE)))
-                 for i in range(1, 6)]
-        for _ in range(1000):  # event-loop turns until the five wait at the gate
-            if len(generator._waiting) == 5:
-                break
-            await asyncio.sleep(0)
-        assert len(generator._waiting) == 5
-        go.set()
+        try:
+            later = [asyncio.ensure_future(generator.generate(dict(prompt=f"a bird {i}", seed=i, size=SIZE)))
+                     for i in range(1, 6)]
+            for _ in range(1000):  # event-loop turns until the five wait at the gate
+                if len(generator._waiting) == 5:
+                    break
+                await asyncio.sleep(0)
+            assert len(generator._waiting) == 5
+        finally:
+            go.set()  # also when an assertion failed: the held call must not keep its thread
         return await asyncio.gather(first, *later)
 
     # @serve.batch keeps one queue per decorated method, made on first use and bound to that event loop: a replica
