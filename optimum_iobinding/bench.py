@@ -15,13 +15,14 @@ Every pipeline gets the same initial latents, prompt, DDIM scheduler and step co
 ms (median of ``--runs`` after ``--warmup``), per-step ms ((median at N steps − median at 2 steps) / (N − 2): the loop
 alone), peak GPU memory above the process's idle (device-wide, sampled every 2 ms, so ORT's arenas count), host↔device
 bytes per step (profiled: (bytes at 4 steps − bytes at 2 steps) / 2), the largest pixel difference from the numpy
-pipeline's image, and the cold start: seconds to load the pipeline and seconds for its first image (fresh process).
+pipeline's image, and the cold start: seconds to load the pipeline (its imports timed apart, as ``import_s``) and seconds
+for its first image (fresh process).
 ``--repeats N`` runs each peer in N processes, the peer order rotated each time, and reports the median over them
 (host-bound loops move by ±20 % from one process to the next on the same machine).
 
 ``--scenario mixed`` is a service's load instead: batch sizes 1, 4, 8, 2 in turn (``--mixed-batches``), ``--mixed-
-steps`` steps each, for ``--rounds`` rounds: per-call ms per round and batch size, device memory, sessions created
-after the first round; the peer ``warmed`` is "defaults" with ``pipe.warmup(...)`` for those batch sizes after loading.
+steps`` steps each, for ``--rounds`` rounds of ``--cycles`` passes over them: per round and batch size the median
+ms of its calls, device memory, sessions created after the first round; the peer ``warmed`` is "defaults" with ``pipe.warmup(...)`` for those batch sizes after loading.
 
     optimum-iobinding bench --models tiny,small,sd15 --dtypes fp16 --exports plain,optimized --out benchmarks/results/h100
 """
@@ -320,6 +321,21 @@ def load_numpy_pipeline(folder: Any, provider: str = "CUDAExecutionProvider", **
     return pipe
 
 
+def import_peer(peer: str) -> float:
+    """Imports what ``peer`` loads with, and returns the seconds it took: the cold-start columns time loading and the
+    first image, not Python's imports (15–20 s on the GPU machines, and ±2 s from one process to the next)."""
+    start = time.perf_counter()
+    if peer == "numpy":
+        from diffusers import OnnxStableDiffusionPipeline  # noqa: F401
+    elif peer == "torch":
+        from diffusers import StableDiffusionPipeline  # noqa: F401
+    elif peer in OPTIMUM_PEERS:
+        from optimum.onnxruntime import ORTStableDiffusionPipeline  # noqa: F401
+    elif peer in OUR_PEERS:
+        from .pipelines import OnnxStableDiffusionPipeline  # noqa: F401
+    return time.perf_counter() - start
+
+
 def load_peer(peer: str, folder: Path, kind: str, dtype: str):
     """The pipeline of one peer, with the model's recipe scheduler, and how to pass it the initial latents."""
     torch_dtype = torch.float16 if dtype == "fp16" else torch.float32
@@ -376,6 +392,7 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
     steps = recipe["steps"] or steps
     short_steps = recipe["short_steps"]
     latents = np.random.RandomState(0).randn(1, 4, size // 8, size // 8).astype(np.float32)
+    import_s = import_peer(peer)
     with PeakMemory(device) as memory:
         start = time.perf_counter()
         try:
@@ -419,6 +436,7 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
         "steps": steps,
         "per_step_ms": (statistics.median(full) - statistics.median(short)) / (steps - short_steps),
         "peak_memory_mib": (memory.peak - idle) / 2**20,
+        "import_s": import_s,
         "load_s": load_s,
         "first_image_s": first_image_s,
         "htod_bytes_per_step": (bytes_long["htod"] - bytes_short["htod"]) / 2,
@@ -428,14 +446,17 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
 
 
 def run_mixed(peer: str, folder: Path, kind: str, dtype: str, batches: Sequence[int], steps: int, rounds: int,
-              first_steps: int) -> Dict[str, Any]:
-    """A service's load on one peer: load (timed), a first image of ``first_steps`` steps at batch 1 (timed: the
-    cold start), then ``rounds`` rounds of calls with ``batches`` images each, ``steps`` steps per call."""
+              first_steps: int, cycles: int = 1) -> Dict[str, Any]:
+    """A service's load on one peer: load (timed, imports apart), a first image of ``first_steps`` steps at batch 1
+    (timed: the cold start), then ``rounds`` rounds, each going ``cycles`` times through ``batches`` in turn (a call
+    with that many images, ``steps`` steps per call). A round's time per batch size is the median of its ``cycles``
+    calls (every call is kept in ``per_round_calls_ms``)."""
     device = torch.device("cuda", 0)
     torch.cuda.init()
     size = MODEL_SIZES[kind]
     idle = PeakMemory(device).used()
     guidance = recipe_of(kind)["guidance"]
+    import_s = import_peer("defaults" if peer == "warmed" else peer)
     with PeakMemory(device) as memory:
         start = time.perf_counter()
         pipe, _ = load_peer("defaults" if peer == "warmed" else peer, folder, kind, dtype)
@@ -458,17 +479,33 @@ def run_mixed(peer: str, folder: Path, kind: str, dtype: str, batches: Sequence[
 
         first_image_s = call(1, first_steps) / 1000
         created = lambda: getattr(pipe, "sessions_created", None)  # noqa: E731 — ours only
-        per_round: List[Dict[str, float]] = []
-        sessions_after_round: List[Optional[int]] = []
-        for _ in range(rounds):
-            per_round.append({str(batch): call(batch, steps) for batch in batches})
-            sessions_after_round.append(created())
+        per_round_calls, sessions_after_round = mixed_rounds(lambda batch: call(batch, steps), batches, rounds,
+                                                             cycles, created)
     return {
         "peer": peer, "scenario": "mixed", "batches": list(batches), "steps": steps, "rounds": rounds,
-        "load_s": load_s, "warmup_s": warmup_s, "first_image_s": first_image_s, "first_steps": first_steps,
-        "per_round_ms": per_round, "sessions_after_round": sessions_after_round,
+        "cycles": cycles, "import_s": import_s, "load_s": load_s, "warmup_s": warmup_s,
+        "first_image_s": first_image_s, "first_steps": first_steps,
+        "per_round_ms": [{batch: statistics.median(times) for batch, times in calls.items()}
+                         for calls in per_round_calls],
+        "per_round_calls_ms": per_round_calls, "sessions_after_round": sessions_after_round,
         "peak_memory_mib": (memory.peak - idle) / 2**20,
     }
+
+
+def mixed_rounds(call: Callable[[int], float], batches: Sequence[int], rounds: int, cycles: int,
+                 created: Callable[[], Optional[int]]):
+    """``rounds`` rounds of ``cycles`` passes over ``batches`` in turn: each round's ms per batch size (every call)
+    and the session count after each round."""
+    per_round_calls: List[Dict[str, List[float]]] = []
+    sessions_after_round: List[Optional[int]] = []
+    for _ in range(rounds):
+        calls: Dict[str, List[float]] = {str(batch): [] for batch in batches}
+        for _ in range(cycles):
+            for batch in batches:
+                calls[str(batch)].append(call(batch))
+        per_round_calls.append(calls)
+        sessions_after_round.append(created())
+    return per_round_calls, sessions_after_round
 
 
 def mixed_summary(result: Dict[str, Any]) -> Dict[str, Any]:
@@ -641,11 +678,14 @@ def benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[st
 
 def mixed_benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[str], peers: Sequence[str],
                     batches: Sequence[int], steps: int, rounds: int, first_steps: int, work: Path, out: Path,
-                    timeout: int) -> Dict:
+                    timeout: int, cycles: int = 1) -> Dict:
     """``--scenario mixed``: every peer in a fresh process on the same export, results in mixed.json/md/png."""
+    if cycles < 1:
+        raise ValueError(f"cycles: expected at least 1, got {cycles}")
     out.mkdir(parents=True, exist_ok=True)
     results: Dict[str, Any] = {"environment": environment(), "scenario": "mixed", "batches": list(batches),
-                               "steps": steps, "rounds": rounds, "first_steps": first_steps, "rows": []}
+                               "steps": steps, "rounds": rounds, "cycles": cycles, "first_steps": first_steps,
+                               "rows": []}
     for kind, dtype, export in [(m, d, e) for m in models for d in dtypes for e in exports]:
         folder = ensure_export(kind, dtype, export, work)
         row = {"model": kind, "dtype": dtype, "export": export, "size": MODEL_SIZES[kind], "peers": {}}
@@ -654,7 +694,7 @@ def mixed_benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Seque
             row["peers"][peer] = _subprocess(
                 ["--run-mixed", peer, "--folder", str(folder), "--model", kind, "--dtype", dtype,
                  "--mixed-batches", ",".join(map(str, batches)), "--mixed-steps", str(steps), "--rounds",
-                 str(rounds), "--steps", str(first_steps)], None, timeout)
+                 str(rounds), "--cycles", str(cycles), "--steps", str(first_steps)], None, timeout)
         results["rows"].append(row)
         (out / "mixed.json").write_text(json.dumps(results, indent=2))
     write_mixed_report(results, out)
@@ -665,13 +705,16 @@ def write_mixed_report(results: Dict[str, Any], out: Path) -> None:
     """mixed.json → mixed.md (tables) and mixed.png (per-call ms per round)."""
     env = results["environment"]
     batches = [str(b) for b in results["batches"]]
+    cycles = results.get("cycles", 1)
     lines = [
         f"# Mixed batch sizes: {env.get('device')}",
         "",
         f"`{env.get('command')}` — {env.get('date')}; torch {env.get('torch')}, onnxruntime {env.get('onnxruntime')}, "
         f"diffusers {env.get('diffusers')}. Batch sizes {' → '.join(batches)} in turn, {results['steps']} DDIM steps "
-        f"each, CFG, {results['rounds']} rounds, one process per peer. Cold start: load, then a first batch-1 image of "
-        f"{results['first_steps']} steps. Memory: device-wide peak above the process's idle.",
+        f"each, CFG, {results['rounds']} rounds of {cycles} pass{'es' if cycles > 1 else ''} over them (a round's ms: "
+        f"the median of its {cycles} call{'s' if cycles > 1 else ''} per batch size), one process per peer. Cold start "
+        f"(imports apart): load, then a first batch-1 image of {results['first_steps']} steps. Memory: device-wide "
+        "peak above the process's idle.",
         "",
         "| model | pipeline | " + " | ".join(f"round {r + 1} ms (b{'/b'.join(batches)})" for r in range(results["rounds"]))
         + " | worst later round / best | peak MiB | × numpy MiB | sessions created after round 1 | load s | warm-up s "
@@ -815,6 +858,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--mixed-batches", default="1,4,8,2", help="mixed: images per call, in turn")
     parser.add_argument("--mixed-steps", type=int, default=10, help="mixed: steps per call")
     parser.add_argument("--rounds", type=int, default=3, help="mixed: rounds over the batch sizes")
+    parser.add_argument("--cycles", type=int, default=3,
+                        help="mixed: passes over the batch sizes per round; a round's time per batch size is the "
+                             "median of its calls")
     parser.add_argument("--export-only", action="store_true",
                         help="only make the exports under --work (e.g. in the background, ahead of the benches)")
     # one peer in this process (used by the orchestrator)
@@ -830,9 +876,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
     if args.repeats < 1:
         parser.error(f"--repeats: expected at least 1, got {args.repeats}")
+    if args.cycles < 1:
+        parser.error(f"--cycles: expected at least 1, got {args.cycles}")
     if args.run_mixed:
         result = run_mixed(args.run_mixed, Path(args.folder), args.model, args.dtype,
-                           [int(b) for b in split(args.mixed_batches)], args.mixed_steps, args.rounds, args.steps)
+                           [int(b) for b in split(args.mixed_batches)], args.mixed_steps, args.rounds, args.steps,
+                           args.cycles)
         Path(args.result).write_text(json.dumps(result))
         return 0
     if args.run_peer or args.run_floor:
@@ -865,7 +914,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "peers") else list(MIXED_PEERS)
         mixed_benchmark(split(args.models), split(args.dtypes), split(args.exports), peers,
                         [int(b) for b in split(args.mixed_batches)], args.mixed_steps, args.rounds, args.steps,
-                        Path(args.work), out, args.timeout)
+                        Path(args.work), out, args.timeout, args.cycles)
         print((out / "mixed.md").read_text())
         return 0
     results = benchmark(split(args.models), split(args.dtypes), split(args.exports), split(args.peers), args.steps,

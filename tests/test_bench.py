@@ -172,3 +172,37 @@ def test_the_cli_refuses_fewer_than_one_repeat_before_looking_for_a_gpu(capsys):
         main(["--repeats", "0"])
     assert exit_info.value.code == 2
     assert "--repeats: expected at least 1, got 0" in capsys.readouterr().err
+
+
+def test_a_mixed_round_goes_through_the_batch_sizes_in_turn_and_keeps_every_call():
+    from optimum_iobinding.bench import mixed_rounds
+
+    order, sessions = [], iter([5, 5, 6])
+
+    def call(batch):
+        order.append(batch)
+        return float(10 * batch + len(order))
+
+    per_round, created = mixed_rounds(call, [1, 4, 8, 2], rounds=3, cycles=2, created=lambda: next(sessions))
+    assert order == [1, 4, 8, 2] * 6  # the size changes on every call, as a service's would
+    assert created == [5, 5, 6]
+    assert per_round[0] == {"1": [11.0, 15.0], "4": [42.0, 46.0], "8": [83.0, 87.0], "2": [24.0, 28.0]}
+    assert [len(calls["8"]) for calls in per_round] == [2, 2, 2]
+
+
+def test_the_bench_cli_refuses_fewer_than_one_cycle(capsys):
+    from optimum_iobinding.bench import main
+
+    with pytest.raises(SystemExit):
+        main(["--scenario", "mixed", "--cycles", "0"])
+    assert "--cycles: expected at least 1, got 0" in capsys.readouterr().err
+
+
+def test_a_peers_imports_are_timed_apart_from_its_load():
+    import sys
+
+    from optimum_iobinding.bench import import_peer
+
+    seconds = import_peer("defaults")
+    assert seconds >= 0.0 and "optimum_iobinding.pipelines" in sys.modules
+    assert import_peer("numpy") >= 0.0 and hasattr(sys.modules["diffusers"], "OnnxStableDiffusionPipeline")
