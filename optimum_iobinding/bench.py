@@ -22,7 +22,8 @@ for its first image (fresh process).
 
 ``--scenario mixed`` is a service's load instead: batch sizes 1, 4, 8, 2 in turn (``--mixed-batches``), ``--mixed-
 steps`` steps each, for ``--rounds`` rounds of ``--cycles`` passes over them: per round and batch size the median
-ms of its calls, device memory, sessions created after the first round; the peer ``warmed`` is "defaults" with ``pipe.warmup(...)`` for those batch sizes after loading.
+ms of its calls, device memory, sessions created after the first round; the peer ``warmed`` is "defaults" with
+``pipe.warmup(...)`` for those batch sizes after loading.
 
     optimum-iobinding bench --models tiny,small,sd15 --dtypes fp16 --exports plain,optimized --out benchmarks/results/h100
 """
@@ -323,7 +324,7 @@ def load_numpy_pipeline(folder: Any, provider: str = "CUDAExecutionProvider", **
 
 def import_peer(peer: str) -> float:
     """Imports what ``peer`` loads with, and returns the seconds it took: the cold-start columns time loading and the
-    first image, not Python's imports (15–20 s on the GPU machines, and ±2 s from one process to the next)."""
+    first image, not Python's imports (11–20 s on the GPU machines, and ±2 s from one process to the next)."""
     start = time.perf_counter()
     if peer == "numpy":
         from diffusers import OnnxStableDiffusionPipeline  # noqa: F401
@@ -706,15 +707,18 @@ def write_mixed_report(results: Dict[str, Any], out: Path) -> None:
     env = results["environment"]
     batches = [str(b) for b in results["batches"]]
     cycles = results.get("cycles", 1)
+    timed_apart = any("import_s" in peer for row in results["rows"] for peer in row["peers"].values())
+    imports = " (imports apart)" if timed_apart else " (imports included)"
     lines = [
         f"# Mixed batch sizes: {env.get('device')}",
         "",
         f"`{env.get('command')}` — {env.get('date')}; torch {env.get('torch')}, onnxruntime {env.get('onnxruntime')}, "
         f"diffusers {env.get('diffusers')}. Batch sizes {' → '.join(batches)} in turn, {results['steps']} DDIM steps "
-        f"each, CFG, {results['rounds']} rounds of {cycles} pass{'es' if cycles > 1 else ''} over them (a round's ms: "
-        f"the median of its {cycles} call{'s' if cycles > 1 else ''} per batch size), one process per peer. Cold start "
-        f"(imports apart): load, then a first batch-1 image of {results['first_steps']} steps. Memory: device-wide "
-        "peak above the process's idle.",
+        f"each, CFG, {results['rounds']} rounds"
+        + (f" of {cycles} passes over them (a round's ms: the median of its {cycles} calls per batch size)"
+           if cycles > 1 else ", one call per batch size each")
+        + f", one process per peer. Cold start: load{imports}, then a first batch-1 image of "
+        f"{results['first_steps']} steps. Memory: device-wide peak above the process's idle.",
         "",
         "| model | pipeline | " + " | ".join(f"round {r + 1} ms (b{'/b'.join(batches)})" for r in range(results["rounds"]))
         + " | worst later round / best | peak MiB | × numpy MiB | sessions created after round 1 | load s | warm-up s "

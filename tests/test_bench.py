@@ -116,6 +116,13 @@ def test_the_mixed_report_gives_the_worst_later_round_and_sessions_created(tmp_p
     table = (tmp_path / "mixed.md").read_text()
     assert "| 900 / 2000 | 100 / 300 | 104 / 330 | 1.100 | 2000 | 2.00 | 1 | 3.0 |  | 1.50 |" in table
     assert "failed: RuntimeError: boom" in table
+    assert "3 rounds, one call per batch size each" in table and "load (imports included)" in table
+    results["cycles"] = 3
+    results["rows"][0]["peers"]["defaults"] = dict(result, import_s=12.0)
+    write_mixed_report(results, tmp_path)
+    table = (tmp_path / "mixed.md").read_text()
+    assert "3 rounds of 3 passes over them (a round's ms: the median of its 3 calls" in table
+    assert "load (imports apart)" in table
 
 
 def test_repeated_processes_combine_into_their_median_and_keep_every_run():
