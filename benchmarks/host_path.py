@@ -16,7 +16,11 @@ argument), it writes OUT/host-path-<model>.json and prints:
   * with ``--threads``: 60 whole calls of the default pipeline against 60 of one made with ORT's intra-op pool at
     one thread (``SessionOptions.intra_op_num_threads = 1``: no worker threads spinning after each run), in
     interleaved blocks of 10, each call split at the first and last step (host clock and CUDA events), and the
-    process's thread count with each.
+    process's thread count with each;
+  * with ``--split``: whole pipeline calls against bare ``denoise`` loops, interleaved in one process (20 rounds of
+    30 and 2 steps each): the per-step ms by difference of medians, as the bench takes it, and the GPU's own per-step
+    ms inside each call (CUDA events after the first and the last step, (last − first) / (steps − 1)), which has no
+    difference of two noisy medians in it.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/bench-work")
     parser.add_argument("--out", required=True)
     parser.add_argument("--threads", action="store_true", help="also compare ORT's intra-op pool at one thread")
+    parser.add_argument("--split", action="store_true", help="also compare whole calls with bare loops per step")
     args = parser.parse_args()
 
     folder = ensure_export(args.model, "fp16", "optimized", Path(args.work))
@@ -199,17 +204,81 @@ def main() -> None:
                 "calls_with_collection": sum(1 for c in rows if c["collections"])}
         for label, rows in calls.items()}
 
+    if args.split:
+        result["split"] = split_whole_and_loop(pipe, steps, size, guidance)
     if args.threads:
         result["threads"] = compare_threads(pipe, folder, args.model, steps, size, guidance)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"host-path-{args.model}.json").write_text(json.dumps(result, indent=2))
-    shown = {k: v for k, v in result.items() if k not in ("loop_ms", "cprofile_three_loops", "whole_calls", "threads")}
+    shown = {k: v for k, v in result.items()
+             if k not in ("loop_ms", "cprofile_three_loops", "whole_calls", "threads", "split")}
     if "threads" in result:
         shown["threads"] = {k: v for k, v in result["threads"].items() if k != "calls"}
+    if "split" in result:
+        shown["split"] = result["split"]["summary"]
     print(json.dumps(shown, indent=2))
     print(result["cprofile_three_loops"])
+
+
+def split_whole_and_loop(pipe, steps: int, size: int, guidance: float, rounds: int = 20) -> dict:
+    """Per-step ms of whole calls and of bare loops, in one process, interleaved (see the module's docstring)."""
+    from optimum_iobinding.bench import PROMPT
+
+    def events_at_steps(n: int):
+        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def on_step(_pipe, i, _t, tensors):
+            if i == 0:
+                first.record(pipe.stream)
+            if i == n - 1:
+                last.record(pipe.stream)
+            return tensors
+
+        return on_step, first, last
+
+    def whole(n: int):
+        on_step, first, last = events_at_steps(n)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            pipe(PROMPT, height=size, width=size, num_inference_steps=n, guidance_scale=guidance,
+                 generator=torch.Generator("cuda").manual_seed(0), output_type="np", callback_on_step_end=on_step)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1000, first.elapsed_time(last) / (n - 1)
+
+    with torch.cuda.stream(pipe.stream), torch.inference_mode():
+        embeds = pipe.encode_prompt(PROMPT, 1, guidance > 1)
+        latents = pipe.prepare_latents((1, 4, size // 8, size // 8), embeds.dtype, np.random.RandomState(0))
+
+    def loop(n: int):
+        on_step, first, last = events_at_steps(n)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.cuda.stream(pipe.stream), torch.inference_mode():
+            timesteps = pipe.set_timesteps(n)
+            kwargs = pipe.scheduler_step_kwargs(torch.Generator("cuda").manual_seed(0), 0.0)
+            pipe.denoise(latents, timesteps, embeds, guidance, kwargs, callback_on_step_end=on_step)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1000, first.elapsed_time(last) / (n - 1)
+
+    runs: dict = {"whole": {steps: [], 2: []}, "loop": {steps: [], 2: []}}
+    for run in (whole, loop):
+        run(steps)
+    for _ in range(rounds):
+        for label, run in (("whole", whole), ("loop", loop)):
+            for n in (steps, 2):
+                runs[label][n].append(run(n))
+    summary = {}
+    for label, by_steps in runs.items():
+        long_ms = statistics.median(ms for ms, _ in by_steps[steps])
+        short_ms = statistics.median(ms for ms, _ in by_steps[2])
+        summary[label] = {"per_step_by_difference_ms": (long_ms - short_ms) / (steps - 2),
+                          "per_step_gpu_events_ms": statistics.median(gpu for _, gpu in by_steps[steps]),
+                          "median_ms": {steps: long_ms, 2: short_ms}}
+    return {"summary": summary, "runs": {label: {str(n): rows for n, rows in by_steps.items()}
+                                         for label, by_steps in runs.items()}}
 
 
 def compare_threads(pipe, folder, model: str, steps: int, size: int, guidance: float) -> dict:

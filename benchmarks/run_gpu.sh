@@ -78,7 +78,7 @@ run_step() {
            PYTHONPATH=/tmp/site-ray:$PYTHONPATH NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
            python3 benchmarks/serve_bench.py --folder "$work/sd15-fp16-optimized" --out "$out/serve" \
              --replicas "${SERVE_REPLICAS:-1,2}" ;;
-    host-path-small) script benchmarks/host_path.py --model small --work "$work" --out "$out/host-path-small" --threads ;;
+    host-path-small) script benchmarks/host_path.py --model small --work "$work" --out "$out/host-path-small" --split ;;
     few-step-small) script benchmarks/few_step_loop.py --model small --work "$work" --out "$out/few-step-small" ;;
     unet-options) script benchmarks/unet_options.py --model sd15 --work "$work" --out "$out/unet-options" ;;
     *) echo "unknown step: $1 (expected one of: $ALL_STEPS)"; return 2 ;;
