@@ -8,7 +8,9 @@ argument), it writes OUT/host-path-<model>.json and prints:
   * the denoising loop's per-step ms: how long the host takes to enqueue a step and when the GPU is done;
   * the host µs of each piece of a step, each timed as 20 back-to-back enqueues without a wait: our UNet call, the
     captured graph's bare ``run_with_iobinding`` (ORT's own cost), the scheduler step, the guidance arithmetic, the
-    ``torch.cat`` of the guidance batch and an empty kernel (this host's launch cost);
+    ``torch.cat`` of the guidance batch and an empty kernel (this host's launch cost). Twenty UNet graphs outrun
+    the GPU: their figure includes the host's wait for room in the launch queue (a 2-step loop shows the unhindered
+    cost);
   * the CUDA runtime calls of one loop by host time (``cudaGraphLaunch``, ``cudaLaunchKernel`` … from the
     profiler), and the Python functions of three loops by own time (cProfile);
   * 40 whole pipeline calls with the garbage collector's collections during each (generation, ms), then 40 with
