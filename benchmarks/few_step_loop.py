@@ -27,6 +27,34 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+def bare_loop(pipe, prompt: str, guidance: float, size: int):
+    """The denoising loop alone, on prompt embeddings and initial latents made once here (on the pipeline's stream).
+
+    Returns ``(embeds, latents, loop, timed)``: ``loop(n, callback_on_step_end=None)`` runs ``n`` DDIM-style steps
+    of ``pipe.denoise``; ``timed(n)`` runs it once, the GPU drained before, and returns (ms until the host had
+    enqueued it, ms until the GPU was done)."""
+    with torch.cuda.stream(pipe.stream), torch.inference_mode():
+        embeds = pipe.encode_prompt(prompt, 1, guidance > 1)
+        latents = pipe.prepare_latents((1, 4, size // 8, size // 8), embeds.dtype, np.random.RandomState(0))
+
+    def loop(n: int, callback_on_step_end=None):
+        with torch.cuda.stream(pipe.stream), torch.inference_mode():
+            timesteps = pipe.set_timesteps(n)
+            kwargs = pipe.scheduler_step_kwargs(torch.Generator("cuda").manual_seed(0), 0.0)
+            return pipe.denoise(latents, timesteps, embeds, guidance, kwargs,
+                                callback_on_step_end=callback_on_step_end)
+
+    def timed(n: int):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loop(n)
+        enqueued = time.perf_counter()
+        torch.cuda.synchronize()
+        return (enqueued - start) * 1000, (time.perf_counter() - start) * 1000
+
+    return embeds, latents, loop, timed
+
+
 def main() -> None:
     from optimum_iobinding import OnnxStableDiffusionPipeline
     from optimum_iobinding.bench import MODEL_SIZES, PROMPT, ensure_export, host_waits, recipe_of, set_recipe_scheduler
@@ -49,24 +77,8 @@ def main() -> None:
     pipe(PROMPT, height=size, width=size, num_inference_steps=steps, guidance_scale=guidance,
          generator=torch.Generator("cuda").manual_seed(0), output_type="np")
 
+    embeds, _, loop, timed = bare_loop(pipe, PROMPT, guidance, size)
     with torch.cuda.stream(pipe.stream), torch.inference_mode():
-        embeds = pipe.encode_prompt(PROMPT, 1, guidance > 1)
-        latents0 = pipe.prepare_latents((1, 4, size // 8, size // 8), embeds.dtype, np.random.RandomState(0))
-
-        def loop(n: int):
-            timesteps = pipe.set_timesteps(n)
-            kwargs = pipe.scheduler_step_kwargs(torch.Generator("cuda").manual_seed(0), 0.0)
-            return pipe.denoise(latents0, timesteps, embeds, guidance, kwargs)
-
-        def timed(n: int):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            loop(n)
-            enqueued = time.perf_counter()
-            torch.cuda.synchronize()
-            done = time.perf_counter()
-            return (enqueued - start) * 1000, (done - start) * 1000
-
         loop(steps)
         long_runs = [timed(steps) for _ in range(5)]
         short_runs = [timed(1) for _ in range(5)]

@@ -38,10 +38,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from few_step_loop import bare_loop  # noqa: E402 — this folder is the script's own, first on sys.path
 
 
 def host_us(run, count: int = 20) -> float:
@@ -92,23 +92,8 @@ def main() -> None:
 
     result["onnxruntime"] = ort.__version__
 
+    embeds, latents0, loop, timed = bare_loop(pipe, PROMPT, guidance, size)
     with torch.cuda.stream(pipe.stream), torch.inference_mode():
-        embeds = pipe.encode_prompt(PROMPT, 1, guidance > 1)
-        latents0 = pipe.prepare_latents((1, 4, size // 8, size // 8), embeds.dtype, np.random.RandomState(0))
-
-        def loop(n: int):
-            timesteps = pipe.set_timesteps(n)
-            kwargs = pipe.scheduler_step_kwargs(torch.Generator("cuda").manual_seed(0), 0.0)
-            return pipe.denoise(latents0, timesteps, embeds, guidance, kwargs)
-
-        def timed(n: int):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            loop(n)
-            enqueued = time.perf_counter()
-            torch.cuda.synchronize()
-            return (enqueued - start) * 1000, (time.perf_counter() - start) * 1000
-
         loop(steps)
         long_runs = [timed(steps) for _ in range(7)]
         short_runs = [timed(2) for _ in range(7)]
@@ -207,7 +192,7 @@ def main() -> None:
         for label, rows in calls.items()}
 
     if args.split:
-        result["split"] = split_whole_and_loop(pipe, steps, size, guidance)
+        result["split"] = split_whole_and_loop(pipe, steps, size, guidance, loop)
     if args.threads:
         result["threads"] = compare_threads(pipe, folder, args.model, steps, size, guidance)
 
@@ -224,7 +209,7 @@ def main() -> None:
     print(result["cprofile_three_loops"])
 
 
-def split_whole_and_loop(pipe, steps: int, size: int, guidance: float, rounds: int = 20) -> dict:
+def split_whole_and_loop(pipe, steps: int, size: int, guidance: float, bare, rounds: int = 20) -> dict:
     """Per-step ms of whole calls and of bare loops, in one process, interleaved (see the module's docstring)."""
     from optimum_iobinding.bench import PROMPT
 
@@ -240,30 +225,25 @@ def split_whole_and_loop(pipe, steps: int, size: int, guidance: float, rounds: i
 
         return on_step, first, last
 
-    def whole(n: int):
-        on_step, first, last = events_at_steps(n)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+    def call_whole(n: int, on_step) -> None:
         with torch.inference_mode():
             pipe(PROMPT, height=size, width=size, num_inference_steps=n, guidance_scale=guidance,
                  generator=torch.Generator("cuda").manual_seed(0), output_type="np", callback_on_step_end=on_step)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1000, first.elapsed_time(last) / (n - 1)
 
-    with torch.cuda.stream(pipe.stream), torch.inference_mode():
-        embeds = pipe.encode_prompt(PROMPT, 1, guidance > 1)
-        latents = pipe.prepare_latents((1, 4, size // 8, size // 8), embeds.dtype, np.random.RandomState(0))
+    def measured(run):
+        """``run(n, on_step)`` timed: (ms of the call, the GPU's ms per step between the first and last step)."""
+        def timed(n: int):
+            on_step, first, last = events_at_steps(n)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            run(n, on_step)
+            torch.cuda.synchronize()
+            return (time.perf_counter() - start) * 1000, first.elapsed_time(last) / (n - 1)
 
-    def loop(n: int):
-        on_step, first, last = events_at_steps(n)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.cuda.stream(pipe.stream), torch.inference_mode():
-            timesteps = pipe.set_timesteps(n)
-            kwargs = pipe.scheduler_step_kwargs(torch.Generator("cuda").manual_seed(0), 0.0)
-            pipe.denoise(latents, timesteps, embeds, guidance, kwargs, callback_on_step_end=on_step)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1000, first.elapsed_time(last) / (n - 1)
+        return timed
+
+    whole = measured(call_whole)
+    loop = measured(lambda n, on_step: bare(n, callback_on_step_end=on_step))
 
     runs: dict = {"whole": {steps: [], 2: []}, "loop": {steps: [], 2: []}}
     for run in (whole, loop):

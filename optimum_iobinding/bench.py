@@ -457,10 +457,11 @@ def run_mixed(peer: str, folder: Path, kind: str, dtype: str, batches: Sequence[
     size = MODEL_SIZES[kind]
     idle = PeakMemory(device).used()
     guidance = recipe_of(kind)["guidance"]
-    import_s = import_peer("defaults" if peer == "warmed" else peer)
+    loaded_as = "defaults" if peer == "warmed" else peer
+    import_s = import_peer(loaded_as)
     with PeakMemory(device) as memory:
         start = time.perf_counter()
-        pipe, _ = load_peer("defaults" if peer == "warmed" else peer, folder, kind, dtype)
+        pipe, _ = load_peer(loaded_as, folder, kind, dtype)
         load_s = time.perf_counter() - start
         warmup_s = None
         if peer == "warmed":
