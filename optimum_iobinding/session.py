@@ -161,18 +161,23 @@ _NUMPY_OF_ONNX = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "
                   onnx.TensorProto.BFLOAT16: "uint16", onnx.TensorProto.DOUBLE: "float64"}
 
 
+def parse_model(source: Union[str, bytes]) -> onnx.ModelProto:
+    """The model of an .onnx path (its external weights left on disk) or of model bytes."""
+    if isinstance(source, bytes):
+        return onnx.load_from_string(source)
+    return onnx.load(source, load_external_data=False)
+
+
 def load_owned_weights(source: Union[str, bytes], device: torch.device,
-                       min_elements: int = OWNED_WEIGHT_MIN_ELEMENTS) -> Dict[str, torch.Tensor]:
+                       min_elements: int = OWNED_WEIGHT_MIN_ELEMENTS,
+                       model: Optional[onnx.ModelProto] = None) -> Dict[str, torch.Tensor]:
     """The model's float initializers of at least ``min_elements`` elements, as torch tensors on ``device``.
 
     Weights in external data files are read straight from their files (the graph is parsed without them), each
-    file opened once: no second full parse of a multi-GB model next to ORT's own."""
-    if isinstance(source, bytes):
-        model = onnx.load_from_string(source)
-        base = None
-    else:
-        model = onnx.load(source, load_external_data=False)
-        base = os.path.dirname(os.path.abspath(source))
+    file opened once: no second full parse of a multi-GB model next to ORT's own. ``model``: ``source`` already
+    parsed (:func:`parse_model`)."""
+    model = parse_model(source) if model is None else model
+    base = None if isinstance(source, bytes) else os.path.dirname(os.path.abspath(source))
     weights: Dict[str, torch.Tensor] = {}
     files: Dict[str, Any] = {}
     try:
@@ -276,6 +281,7 @@ class SessionRecipe:
         self.share_weights = share_weights and source is not None
         self._weights: Optional[Dict[str, torch.Tensor]] = None
         self._weight_values: Dict[str, ort.OrtValue] = {}
+        self._graph: Optional[onnx.ModelProto] = None  # the graph without the owned weights' data, once they load
         self._lock = threading.Lock()
         self.sessions_created = 0
         # (what, seconds) per attempt: "session" for a session made, "refused" for one ORT refused
@@ -334,9 +340,27 @@ class SessionRecipe:
             return {}
         with self._lock:
             if self._weights is None:
-                self._weights = load_owned_weights(self.source, self.device)
+                model = parse_model(self.source)
+                self._weights = load_owned_weights(self.source, self.device, model=model)
+                for initializer in model.graph.initializer:  # the tensors hold them now: keep the graph alone
+                    if initializer.name in self._weights:
+                        initializer.ClearField("raw_data")
+                        initializer.ClearField("float_data")
+                        initializer.ClearField("double_data")
+                        initializer.ClearField("int32_data")  # float16 and bfloat16 values without raw_data
+                self._graph = model
                 self._weight_values = {name: _ort_value_of(tensor) for name, tensor in self._weights.items()}
         return self._weights
+
+    def graph(self) -> onnx.ModelProto:
+        """The model's graph: kept from loading the owned weights (without their data), else parsed anew (external
+        weights left on disk). Read it, do not change it."""
+        if self.source is None:
+            raise RuntimeError("the session was created from neither a path nor bytes, so its graph is not known")
+        with self._lock:
+            if self._graph is not None:
+                return self._graph
+        return parse_model(self.source)
 
     def create(
         self,

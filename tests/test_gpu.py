@@ -541,9 +541,27 @@ def test_a_model_ort_cannot_capture_as_one_session_gets_a_session_per_signature_
     refused = [r for r in caplog.records if "one session cannot capture" in r.getMessage()]
     assert len(refused) == 1 and refused[0].levelname == "INFO"  # said once, not per signature
     assert encoder.sessions_created == 2 and len(encoder.signatures) == 2  # one per signature, each made once
-    # refused twice, then never again: the one graph session, and a graph of the first signature's fixed shape
-    # (the ArgMax stays on the CPU); the second signature goes straight to a session without a graph
-    assert [what for what, _ in encoder.session_creation_log] == ["refused", "refused", "session", "session"]
+    # refused once, then never again: ORT refused the one graph session, and the ArgMax that it keeps on the CPU
+    # reads the token ids' values, so fixing the dims cannot move it: no signature tries a graph session of its own
+    assert [what for what, _ in encoder.session_creation_log] == ["refused", "session", "session"]
+    reasons = list(encoder.graph_fallbacks.values())
+    assert len(reasons) == 2 and all("runs the ArgMax node" in reason for reason in reasons), reasons
+
+
+def test_onnxruntime_lists_its_cuda_kernels_and_a_pipelines_graphs_are_not_blocked_by_them(tiny_folder):
+    # what the text encoder's analysis rests on: ORT's own kernel list, with the CUDA provider's ArgMax taking
+    # floats only; the UNet's and the VAE's nodes all have CUDA kernels
+    import onnx
+
+    from optimum_iobinding.cuda import nodes_kept_on_cpu, provider_kernels
+
+    kernels = provider_kernels("CUDAExecutionProvider")
+    assert kernels is not None and torch.cuda.current_device() == 0
+    argmax = [constraints["T"] for first, last, constraints in kernels[("", "ArgMax")] if first <= 13 <= last]
+    assert argmax and not any("tensor(int32)" in types or "tensor(int64)" in types for types in argmax)
+    for component in ("unet", "vae_decoder"):
+        graph = onnx.load(str(tiny_folder / component / "model.onnx"), load_external_data=False)
+        assert nodes_kept_on_cpu(graph, kernels) == [], component
 
 
 def test_the_first_call_builds_the_shape_free_sessions_in_the_background(fused_tiny_folder):
