@@ -22,7 +22,8 @@ argument), it writes OUT/host-path-<model>.json and prints:
   * with ``--split``: whole pipeline calls against bare ``denoise`` loops, interleaved in one process (20 rounds of
     30 and 2 steps each): the per-step ms by difference of medians, as the bench takes it, and the GPU's own per-step
     ms inside each call (CUDA events after the first and the last step, (last − first) / (steps − 1)), which has no
-    difference of two noisy medians in it.
+    difference of two noisy medians in it; then one of each under torch's profiler: the GPU's busy time, its idle
+    gaps (the longest with the work around them) and the kernels both run, by name, with their µs in each.
 """
 
 from __future__ import annotations
@@ -253,14 +254,50 @@ def split_whole_and_loop(pipe, steps: int, size: int, guidance: float, bare, rou
             for n in (steps, 2):
                 runs[label][n].append(run(n))
     summary = {}
+    timelines = {"whole": gpu_timeline(lambda: whole(steps)), "loop": gpu_timeline(lambda: loop(steps))}
     for label, by_steps in runs.items():
         long_ms = statistics.median(ms for ms, _ in by_steps[steps])
         short_ms = statistics.median(ms for ms, _ in by_steps[2])
         summary[label] = {"per_step_by_difference_ms": (long_ms - short_ms) / (steps - 2),
                           "per_step_gpu_events_ms": statistics.median(gpu for _, gpu in by_steps[steps]),
                           "median_ms": {steps: long_ms, 2: short_ms}}
+        summary[label]["gpu_timeline"] = {k: v for k, v in timelines[label].items() if k != "by_kernel"}
+    whole_kernels, loop_kernels = (timelines[label].get("by_kernel", {}) for label in ("whole", "loop"))
+    # the kernels both run (the UNet graph's, the step's): (µs, count) in each, the largest differences first
+    summary["shared_kernels_us"] = sorted(
+        ((name, whole_kernels[name], loop_kernels[name]) for name in set(whole_kernels) & set(loop_kernels)),
+        key=lambda row: -abs(row[1][0] - row[2][0]))[:15]
     return {"summary": summary, "runs": {label: {str(n): rows for n, rows in by_steps.items()}
-                                         for label, by_steps in runs.items()}}
+                                         for label, by_steps in runs.items()},
+            "timelines": timelines}
+
+
+def gpu_timeline(run) -> dict:
+    """One ``run()`` under torch's profiler: what the GPU did, from its first to its last kernel or copy. Busy and
+    span ms, the idle gaps over 2 µs (count, total, the 8 longest with the work before and after them) and, by
+    kernel name, (total µs, count)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    work = sorted((event.time_range.start, event.time_range.end, event.name) for event in prof.events()
+                  if event.device_type == torch.autograd.DeviceType.CUDA)
+    if not work:
+        return {"error": "the profiler saw no GPU work"}
+    busy, gaps, by_kernel = 0.0, [], {}
+    reach = work[0][0]
+    for index, (start, end, name) in enumerate(work):
+        if start > reach + 2:
+            gaps.append((start - reach, work[index - 1][2][:70], name[:70]))
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+        total, count = by_kernel.get(name[:90], (0.0, 0))
+        by_kernel[name[:90]] = (total + end - start, count + 1)
+    return {"busy_ms": busy / 1000, "span_ms": (reach - work[0][0]) / 1000, "gaps": len(gaps),
+            "gaps_ms": sum(gap for gap, _, _ in gaps) / 1000,
+            "longest_gaps_us": sorted(gaps, key=lambda gap: -gap[0])[:8], "by_kernel": by_kernel}
 
 
 def compare_threads(pipe, folder, model: str, steps: int, size: int, guidance: float) -> dict:
