@@ -5,8 +5,9 @@ before the run you keep): the imports timed, ``from_pretrained`` timed, then the
 batch 1 (sessions created, algorithms searched, graphs captured), then the median of three more (the steady state).
 Variants: diffusers' ``OnnxStableDiffusionPipeline`` (numpy; what it creates at load is its sessions), ours with
 each cuDNN algorithm search, ours with ORT's graph optimizations at the basic level (the export is already fused
-offline), and ours after ``pipe.warmup(...)``. For ours, each component's session creations are listed with their
-seconds (``session_creation_log``).
+offline), ours after ``pipe.warmup(...)``, and ours cold again with the first image's work timed piece by piece
+(``first_image_timeline``: weight loading, session creations, each model's first runs on the host and on the GPU).
+For ours, each component's session creations are listed with their seconds (``session_creation_log``).
 
     python benchmarks/cold_start.py --folder WORK/sd15-fp16-optimized --out OUT/cold-start
 """
@@ -22,7 +23,78 @@ import time
 from pathlib import Path
 
 VARIANTS = ("numpy", "HEURISTIC:cold", "EXHAUSTIVE:cold", "HEURISTIC:cold:basic", "HEURISTIC:warm",
-            "EXHAUSTIVE:warm")
+            "EXHAUSTIVE:warm", "HEURISTIC:cold:timeline")
+
+
+def record_timeline(torch) -> tuple:
+    """Wraps the library's first-call work so that it is timed on the host clock, without adding a wait: weight
+    loading, session creation (made or refused), the CPU-node analysis, and each model's first three runs (host
+    return, and when the GPU finished them, from CUDA events read after the image). Returns ``(start, finish)``:
+    ``start()`` at the image's start, ``finish()`` after it, giving the rows ``[from s, to s, what, thread]``."""
+    import threading
+
+    from optimum_iobinding import cuda, model, session
+
+    rows, events, origin = [], [], {}
+
+    def timed(what, function):
+        def wrapper(*args, **kwargs):
+            begin, outcome = time.perf_counter(), "failed"
+            try:
+                result = function(*args, **kwargs)
+                outcome = ""
+                return result
+            finally:
+                rows.append([begin, time.perf_counter(), f"{what(args, kwargs)} {outcome}".strip(),
+                             threading.current_thread().name])
+        return wrapper
+
+    def component(path) -> str:
+        return Path(str(path)).parent.name
+
+    def session_label(args, kwargs) -> str:
+        updates = kwargs.get("provider_updates", args[2] if len(args) > 2 else None) or {}
+        dims = kwargs.get("free_dims", args[1] if len(args) > 1 else None) or {}
+        return (f"session {component(args[0].source)}{' graph' if 'enable_cuda_graph' in updates else ''}"
+                f"{' fixed dims' if dims else ''}")
+
+    session.load_owned_weights = timed(lambda a, k: f"weights {component(a[0])}", session.load_owned_weights)
+    session.SessionRecipe.create = timed(session_label, session.SessionRecipe.create)
+    cuda.nodes_kept_on_cpu = timed(lambda a, k: "cpu-node analysis", cuda.nodes_kept_on_cpu)
+    runs: dict = {}
+    call = model.IOBindingORTModel.__call__
+
+    def counted(self, **inputs):
+        name = Path(str(self.model_path)).parent.name
+        runs[name] = runs.get(name, 0) + 1
+        if runs[name] > 3:
+            return call(self, **inputs)
+        begin = time.perf_counter()
+        result = call(self, **inputs)
+        rows.append([begin, time.perf_counter(), f"run {runs[name]} {name} (host)", threading.current_thread().name])
+        if self.stream is not None:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record(self.stream)
+            events.append((done, f"run {runs[name]} {name} (GPU done)"))
+        return result
+
+    model.IOBindingORTModel.__call__ = counted
+
+    def start():
+        origin["t"] = time.perf_counter()
+        if torch.cuda.is_available():
+            origin["event"] = torch.cuda.Event(enable_timing=True)
+            origin["event"].record()
+
+    def finish():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = origin["t"]
+        table = [[round(a - t0, 4), round(b - t0, 4), what, thread] for a, b, what, thread in rows]
+        table += [[None, round(origin["event"].elapsed_time(event) / 1000, 4), what, "GPU"] for event, what in events]
+        return sorted(table, key=lambda row: row[1])
+
+    return start, finish
 
 
 def measure(folder: str, variant: str, steps: int, size: int) -> dict:
@@ -37,11 +109,14 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
     import_s = time.perf_counter() - start
     torch.cuda.init()
     start = time.perf_counter()
+    timeline = None
     if variant == "numpy":
         pipe = load_numpy_pipeline(folder)
         search = warm = None
     else:
         search, warm, *level = variant.split(":")
+        if level == ["timeline"]:
+            timeline, level = record_timeline(torch), []
         options = None
         if level == ["basic"]:
             options = ort.SessionOptions()
@@ -64,6 +139,8 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
+    if timeline is not None:
+        timeline[0]()
     first_s = image()
     steady_s = statistics.median(image() for _ in range(3))
     row = {"variant": variant, "search": search, "warmup": warm == "warm", "import_s": import_s, "load_s": load_s,
@@ -72,6 +149,8 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
     if variant != "numpy":
         row["sessions_created"] = pipe.sessions_created
         row["session_creation_log"] = {name: model.session_creation_log for name, model in pipe.onnx_models.items()}
+    if timeline is not None:
+        row["first_image_timeline"] = timeline[1]()
     return row
 
 
