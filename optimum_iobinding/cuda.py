@@ -9,9 +9,8 @@ import os
 import threading
 import warnings
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-import onnx
 import onnxruntime as ort
 import torch
 
@@ -50,14 +49,6 @@ DISABLE_SYNC_RUN_OPTION = "disable_synchronize_execution_providers"
 # what ORT says when it refuses graph capture because a node is placed on another EP (the CPU)
 PLACEMENT_REFUSAL = "all compute graph nodes have not been partitioned"
 GRAPH_ID_RUN_OPTION = "gpu_graph_id"
-
-# (domain, op type) → [(first opset version, last opset version, {type constraint: the types it takes})], one entry
-# per kernel a provider registers
-KernelTable = Dict[Tuple[str, str], List[Tuple[int, int, Dict[str, FrozenSet[str]]]]]
-_kernel_tables: Dict[str, Optional[KernelTable]] = {}
-_kernel_tables_lock = threading.Lock()
-# outputs that carry an input's shape, not its values: with the dims fixed ORT folds what follows them
-_SHAPE_READERS = {"Shape", "Size"}
 
 
 def default_trt_cache_dir() -> str:
@@ -123,112 +114,6 @@ def tensorrt_profile_options(input_shapes: Mapping[str, Sequence[int]]) -> Dict[
     """TensorRT EP options for one static optimization profile: min = opt = max = the given shapes."""
     profile = ",".join(f"{name}:{'x'.join(str(int(d)) for d in shape)}" for name, shape in input_shapes.items())
     return {"trt_profile_min_shapes": profile, "trt_profile_opt_shapes": profile, "trt_profile_max_shapes": profile}
-
-
-def provider_kernels(provider: str = "CUDAExecutionProvider") -> Optional[KernelTable]:
-    """The kernels this onnxruntime build registers for ``provider``, from ORT's own list
-    (``get_all_opkernel_def``), read once per process; ``None`` where the build lists none (a CPU-only build).
-
-    ORT builds that list by making each provider once, which sets the calling thread's current CUDA device: it is
-    read in a thread of its own, so the caller's device stays as it was."""
-    with _kernel_tables_lock:
-        if provider not in _kernel_tables:
-            found: List[Any] = []
-
-            def read() -> None:
-                try:
-                    from onnxruntime.capi import _pybind_state
-
-                    found.extend(_pybind_state.get_all_opkernel_def())
-                except Exception as error:  # an ORT without the schema functions: nothing can be said
-                    logger.debug("onnxruntime lists no kernels: %s", error)
-
-            reader = threading.Thread(target=read, name="onnxruntime kernel list")
-            reader.start()
-            reader.join()
-            table: KernelTable = {}
-            for kernel in found:
-                if kernel.provider != provider:
-                    continue
-                domain = "" if kernel.domain == "ai.onnx" else kernel.domain
-                constraints = {name: frozenset(types) for name, types in kernel.type_constraints.items()}
-                table.setdefault((domain, kernel.op_name), []).append(
-                    (kernel.version_range[0], kernel.version_range[1], constraints))
-            _kernel_tables[provider] = table or None
-        return _kernel_tables[provider]
-
-
-def _type_names(model: onnx.ModelProto) -> Dict[str, str]:
-    """Every typed tensor of the graph (inputs, initializers, what onnx's shape inference finds) → ORT's type name,
-    ``"tensor(int32)"``."""
-    try:
-        model = onnx.shape_inference.infer_shapes(model)
-    except Exception as error:  # an op onnx cannot infer: the declared types are all there is
-        logger.debug("shape inference failed: %s", error)
-    names: Dict[str, str] = {}
-    graph = model.graph
-    for value in list(graph.input) + list(graph.value_info) + list(graph.output):
-        elem_type = value.type.tensor_type.elem_type if value.type.HasField("tensor_type") else 0
-        if elem_type:
-            names[value.name] = f"tensor({onnx.TensorProto.DataType.Name(elem_type).lower()})"
-    for initializer in graph.initializer:
-        names[initializer.name] = f"tensor({onnx.TensorProto.DataType.Name(initializer.data_type).lower()})"
-    return names
-
-
-def nodes_kept_on_cpu(model: onnx.ModelProto, kernels: Optional[KernelTable]) -> Optional[List[str]]:
-    """The nodes ORT will run on the CPU whatever the input shapes: nodes of the default ONNX domain that read the
-    values of a graph input (not only its shape, which fixed dims fold away) and for whose op version and tensor
-    types ``kernels`` (:func:`provider_kernels`) has no kernel. ORT refuses to capture a CUDA graph around such a
-    node, with the dims fixed or not.
-
-    Each is described as ``"ArgMax node '/text_model/ArgMax' over tensor(int32) (the CUDA kernels take
-    tensor(float), ...)"``. ``None`` where ``kernels`` is ``None`` (nothing can be said). Where a type is unknown, or
-    the op belongs to another domain (ORT's fused ops), the node is not listed: the list may miss a node, it never
-    names one that runs on the GPU."""
-    if kernels is None:
-        return None
-    graph = model.graph
-    types = _type_names(model)
-    initializers = {initializer.name for initializer in graph.initializer}
-    reads_values = {value.name for value in graph.input if value.name not in initializers}
-    opset = next((entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")), None)
-    found: List[str] = []
-    for node in graph.node:  # in topological order, as ONNX requires
-        if node.op_type in _SHAPE_READERS or not any(name in reads_values for name in node.input):
-            continue
-        reads_values.update(name for name in node.output if name)
-        if node.domain not in ("", "ai.onnx") or opset is None:
-            continue
-        try:
-            schema = onnx.defs.get_schema(node.op_type, opset, "")
-        except onnx.defs.SchemaError:
-            continue
-        bound: Dict[str, set] = {}  # type constraint → the node's types for it
-        for formals, actuals in ((schema.inputs, node.input), (schema.outputs, node.output)):
-            for index, name in enumerate(actuals):
-                if not formals or not name:
-                    continue
-                formal = formals[min(index, len(formals) - 1)]  # a variadic last formal takes the rest
-                if index >= len(formals) and formal.option != onnx.defs.OpSchema.FormalParameterOption.Variadic:
-                    continue
-                if name not in types:
-                    bound[formal.type_str] = None  # unknown: no kernel can be ruled out on it
-                elif bound.get(formal.type_str, set()) is not None:
-                    bound.setdefault(formal.type_str, set()).add(types[name])
-        candidates = [constraints for first, last, constraints in kernels.get(("", node.op_type), [])
-                      if first <= schema.since_version <= last]
-
-        def fits(constraints: Dict[str, FrozenSet[str]]) -> bool:
-            return all(bound.get(name) is None or bound[name] <= allowed for name, allowed in constraints.items())
-
-        if any(fits(constraints) for constraints in candidates):
-            continue
-        node_types = sorted({types[name] for name in node.input if name in types})
-        taken = sorted({t for constraints in candidates for allowed in constraints.values() for t in allowed})
-        found.append(f"{node.op_type} node {node.name!r} over {', '.join(node_types) or 'its inputs'} "
-                     f"({'the CUDA kernels take ' + ', '.join(taken) if taken else 'no CUDA kernel for its version'})")
-    return found
 
 
 class CudaGraphRunner:
@@ -415,23 +300,7 @@ class GraphPool:
                     self.shared_refused = str(error)
                     logger.info("%s: one session cannot capture a graph for every input shape, so each shape gets a "
                                 "session of its own (all reading the same weights). Why: %s", self.name, error)
-                    if PLACEMENT_REFUSAL in str(error):
-                        self._explain_placement(str(error))
             return self._shared
-
-    def _explain_placement(self, refusal: str) -> None:
-        """After ORT refused the one graph session for a node on the CPU: where that node reads a graph input's
-        values (CLIP's ArgMax over the token ids), fixing the dims cannot move it, so no signature tries a graph
-        session of its own (each such attempt cost the text encoder 0.3 s of its first call on the H100)."""
-        try:
-            blockers = nodes_kept_on_cpu(self.recipe.graph(), provider_kernels(self.recipe.providers[0]))
-        except Exception as error:  # the analysis is an optimization: without it each signature simply tries
-            logger.debug("%s: could not tell which node stays on the CPU: %s", self.name, error)
-            return
-        if blockers:
-            more = f" (and {len(blockers) - 1} more)" if len(blockers) > 1 else ""
-            self.placement_refused = (f"{refusal}: ONNX Runtime runs the {blockers[0]}{more} on the CPU whatever the "
-                                      "input shapes, and captures no CUDA graph around a node on the CPU")
 
     def _graph_run_options(self, graph_id: int) -> ort.RunOptions:
         options = ort.RunOptions()

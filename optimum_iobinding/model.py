@@ -198,6 +198,7 @@ class IOBindingORTModel:
             graph_only = _load_graph(recipe.source)
             input_types, output_types = declared_types(graph_only)
             shape_inferencer = inferencer_from_model_proto(graph_only, recipe.source)
+            recipe.adopt(graph_only)  # the weights load from this parse instead of parsing the file again
             del graph_only
         input_dtypes = {name: ORT_TO_TORCH.get(kind) for name, kind in input_types.items()}
         output_dtypes = {name: ORT_TO_TORCH.get(kind) for name, kind in output_types.items()}

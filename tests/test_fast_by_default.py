@@ -259,6 +259,23 @@ def test_owned_weights_are_read_straight_from_external_data(tmp_path):
         load_owned_weights(str(external), torch.device("cpu"))
 
 
+def test_weights_load_from_the_parse_the_model_adopted_and_parse_no_file(matmul_path, monkeypatch):
+    from optimum_iobinding import session as session_module
+
+    parsed = onnx.load(str(matmul_path))
+    recipe = SessionRecipe.for_path(matmul_path, share_weights=True)
+    recipe.adopt(parsed)
+    parses = []
+    monkeypatch.setattr(session_module, "parse_model", lambda source: parses.append(source) or onnx.load(source))
+    np.testing.assert_array_equal(recipe.weights["W"].numpy(), numpy_helper.to_array(parsed.graph.initializer[0]))
+    assert parses == []
+    # a recipe that does not share the weights keeps no parse
+    plain = SessionRecipe.for_path(matmul_path, share_weights=False)
+    plain.adopt(parsed)
+    plain.share_weights = True  # turned on later (the CPU's first LoRA): the weights come from the file
+    assert list(plain.weights) == ["W"] and parses == [str(matmul_path)]
+
+
 def test_what_the_graph_declares_is_what_ort_reports(tiny_folder):
     # on CUDA a model with a graph pool reads its inputs and outputs from the graph instead of a session
     from optimum_iobinding.session import declared_types
@@ -274,75 +291,3 @@ def test_what_the_graph_declares_is_what_ort_reports(tiny_folder):
         from_graph, from_session = inferencer_from_model_proto(graph, path), inferencer_from_session(session)
         assert from_graph.input_dims == from_session.input_dims
         assert from_graph.output_dims == from_session.output_dims
-
-
-# ------------------------------------------------------------------------------ which node stays on the CPU
-def argmax_model(reads: str) -> onnx.ModelProto:
-    """ids → Cast(int32) → ArgMax, where the ArgMax reads the ids' values (``reads="values"``, as CLIP's pooling
-    does) or only their shape (``reads="shape"``)."""
-    nodes = [helper.make_node("Shape", ["ids"], ["ids_shape"])] if reads == "shape" else []
-    nodes += [helper.make_node("Cast", ["ids_shape" if reads == "shape" else "ids"], ["ids32"], to=TensorProto.INT32),
-              helper.make_node("ArgMax", ["ids32"], ["position"], name="pool", axis=-1, keepdims=0)]
-    return make_model(nodes, [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 77])],
-                      [helper.make_tensor_value_info("position", TensorProto.INT64, ["batch"])])
-
-
-def kernels_without(op: str, types: set) -> dict:
-    """ORT's CPU kernels (this build's own list) as if a GPU provider had them all but ``op`` for ``types``."""
-    from optimum_iobinding.cuda import provider_kernels
-
-    table = {key: list(kernels) for key, kernels in provider_kernels("CPUExecutionProvider").items()}
-    table[("", op)] = [(first, last, constraints) for first, last, constraints in table[("", op)]
-                       if not any(allowed & types for allowed in constraints.values())]
-    return table
-
-
-def test_onnxruntime_lists_its_kernels_by_op_version_and_type():
-    from optimum_iobinding.cuda import provider_kernels
-
-    argmax = provider_kernels("CPUExecutionProvider")[("", "ArgMax")]
-    assert any(first <= 13 <= last and "tensor(int32)" in constraints["T"] for first, last, constraints in argmax)
-    assert provider_kernels("NoSuchExecutionProvider") is None  # nothing listed: nothing can be said
-
-
-def test_a_node_reading_input_values_without_a_kernel_for_its_type_is_named():
-    from optimum_iobinding.cuda import nodes_kept_on_cpu
-
-    (named,) = nodes_kept_on_cpu(argmax_model("values"), kernels_without("ArgMax", {"tensor(int32)"}))
-    assert named.startswith("ArgMax node 'pool' over tensor(int32)") and "tensor(float)" in named
-    assert nodes_kept_on_cpu(argmax_model("values"), kernels_without("ArgMax", {"tensor(int8)"})) == []
-    # no kernel of that op at all
-    table = kernels_without("ArgMax", set())
-    del table[("", "ArgMax")]
-    (named,) = nodes_kept_on_cpu(argmax_model("values"), table)
-    assert "no CUDA kernel for its version" in named
-    assert nodes_kept_on_cpu(argmax_model("values"), None) is None
-
-
-def test_a_node_that_reads_only_a_shape_is_not_named():
-    # with the dims fixed ORT folds it away, so a graph session with fixed dims may still capture
-    from optimum_iobinding.cuda import nodes_kept_on_cpu
-
-    assert nodes_kept_on_cpu(argmax_model("shape"), kernels_without("ArgMax", {"tensor(int32)"})) == []
-
-
-def test_a_node_of_unknown_type_is_not_named():
-    # the ids pass through an op onnx cannot infer (another domain): the ArgMax's type is unknown, so it is not named
-    from optimum_iobinding.cuda import nodes_kept_on_cpu
-
-    model = argmax_model("values")
-    model.graph.node[0].domain = "com.example"
-    model.opset_import.append(helper.make_opsetid("com.example", 1))
-    assert nodes_kept_on_cpu(model, kernels_without("ArgMax", {"tensor(int32)"})) == []
-
-
-def test_the_exported_text_encoders_argmax_is_the_node_named(tiny_folder):
-    from optimum_iobinding.cuda import nodes_kept_on_cpu, provider_kernels
-
-    encoder = onnx.load(str(tiny_folder / "text_encoder" / "model.onnx"), load_external_data=False)
-    int_types = {"tensor(int32)", "tensor(int64)"}
-    (named,) = nodes_kept_on_cpu(encoder, kernels_without("ArgMax", int_types))
-    assert named.startswith("ArgMax node")
-    for component in ("text_encoder", "unet", "vae_decoder"):  # every node has a kernel of ORT's CPU provider
-        graph = onnx.load(str(tiny_folder / component / "model.onnx"), load_external_data=False)
-        assert nodes_kept_on_cpu(graph, provider_kernels("CPUExecutionProvider")) == []

@@ -541,27 +541,28 @@ def test_a_model_ort_cannot_capture_as_one_session_gets_a_session_per_signature_
     refused = [r for r in caplog.records if "one session cannot capture" in r.getMessage()]
     assert len(refused) == 1 and refused[0].levelname == "INFO"  # said once, not per signature
     assert encoder.sessions_created == 2 and len(encoder.signatures) == 2  # one per signature, each made once
-    # refused once, then never again: ORT refused the one graph session, and the ArgMax that it keeps on the CPU
-    # reads the token ids' values, so fixing the dims cannot move it: no signature tries a graph session of its own
-    assert [what for what, _ in encoder.session_creation_log] == ["refused", "session", "session"]
-    reasons = list(encoder.graph_fallbacks.values())
-    assert len(reasons) == 2 and all("runs the ArgMax node" in reason for reason in reasons), reasons
+    # refused twice, then never again: the one graph session, and a graph of the first signature's fixed shape
+    # (the ArgMax stays on the CPU); the second signature goes straight to a session without a graph
+    assert [what for what, _ in encoder.session_creation_log] == ["refused", "refused", "session", "session"]
 
 
-def test_onnxruntime_lists_its_cuda_kernels_and_a_pipelines_graphs_are_not_blocked_by_them(tiny_folder):
-    # what the text encoder's analysis rests on: ORT's own kernel list, with the CUDA provider's ArgMax taking
-    # floats only; the UNet's and the VAE's nodes all have CUDA kernels
+def test_a_graph_pool_model_parses_its_file_once(tiny_folder, monkeypatch):
+    # the model reads its declared inputs from one parse, and its owned weights load from that same parse
     import onnx
 
-    from optimum_iobinding.cuda import nodes_kept_on_cpu, provider_kernels
+    from optimum_iobinding import IOBindingORTModel
+    from optimum_iobinding import session as session_module
 
-    kernels = provider_kernels("CUDAExecutionProvider")
-    assert kernels is not None and torch.cuda.current_device() == 0
-    argmax = [constraints["T"] for first, last, constraints in kernels[("", "ArgMax")] if first <= 13 <= last]
-    assert argmax and not any("tensor(int32)" in types or "tensor(int64)" in types for types in argmax)
-    for component in ("unet", "vae_decoder"):
-        graph = onnx.load(str(tiny_folder / component / "model.onnx"), load_external_data=False)
-        assert nodes_kept_on_cpu(graph, kernels) == [], component
+    parses = []
+    monkeypatch.setattr(session_module, "parse_model", lambda source: parses.append(source) or onnx.load(source))
+    encoder = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="text_encoder", provider=CUDA,
+                                                provider_options=EXACT)
+    plain = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="text_encoder", provider=CUDA,
+                                              provider_options=EXACT, cuda_graph=False, share_weights=False)
+    ids = torch.randint(0, 100, (1, 77), generator=torch.Generator().manual_seed(0)).to("cuda")
+    ids = ids.to(encoder.input_dtypes["input_ids"])
+    torch.testing.assert_close(encoder(input_ids=ids)[0], plain(input_ids=ids)[0], atol=1e-4, rtol=1e-4)
+    assert encoder.owned_weights and parses == []
 
 
 def test_the_first_call_builds_the_shape_free_sessions_in_the_background(fused_tiny_folder):
