@@ -27,13 +27,13 @@ VARIANTS = ("numpy", "HEURISTIC:cold", "EXHAUSTIVE:cold", "HEURISTIC:cold:basic"
 
 
 def record_timeline(torch) -> tuple:
-    """Wraps the library's first-call work so that it is timed on the host clock, without adding a wait: weight
-    loading, session creation (made or refused), the CPU-node analysis, and each model's first three runs (host
+    """Wraps the library's work so that it is timed on the host clock, without adding a wait: parsing a model file,
+    weight loading, session creation (made or refused), and each model's first three runs (host
     return, and when the GPU finished them, from CUDA events read after the image). Returns ``(start, finish)``:
     ``start()`` at the image's start, ``finish()`` after it, giving the rows ``[from s, to s, what, thread]``."""
     import threading
 
-    from optimum_iobinding import cuda, model, session
+    from optimum_iobinding import model, session
 
     rows, events, origin = [], [], {}
 
@@ -58,9 +58,10 @@ def record_timeline(torch) -> tuple:
         return (f"session {component(args[0].source)}{' graph' if 'enable_cuda_graph' in updates else ''}"
                 f"{' fixed dims' if dims else ''}")
 
+    session.parse_model = timed(lambda a, k: f"parse {component(a[0])}", session.parse_model)
     session.load_owned_weights = timed(lambda a, k: f"weights {component(a[0])}", session.load_owned_weights)
     session.SessionRecipe.create = timed(session_label, session.SessionRecipe.create)
-    cuda.nodes_kept_on_cpu = timed(lambda a, k: "cpu-node analysis", cuda.nodes_kept_on_cpu)
+    model._load_graph = timed(lambda a, k: f"parse {component(a[0])} (declared inputs)", model._load_graph)
     runs: dict = {}
     call = model.IOBindingORTModel.__call__
 

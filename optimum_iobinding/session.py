@@ -10,6 +10,7 @@ weight is seen by every session's next run (CUDA graphs included: the addresses 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -168,57 +169,109 @@ def parse_model(source: Union[str, bytes]) -> onnx.ModelProto:
     return onnx.load(source, load_external_data=False)
 
 
+class _WeightUploader:
+    """Host arrays → tensors on ``device``.
+
+    On CUDA each array is copied into one of two pinned staging buffers and uploaded from there asynchronously,
+    while the next arrays fill the other buffer: one host copy per weight instead of a copy into a writable array and
+    the driver's own staging of a pageable upload, and the host's copying overlaps the transfers. Arrays larger
+    than a buffer go up directly. Elsewhere (or with ``staging_bytes=0``) each array becomes a writable copy.
+    :meth:`finish` waits until every upload is done."""
+
+    def __init__(self, device: torch.device, staging_bytes: int = 64 << 20, staged: Optional[bool] = None):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        # staged=True off CUDA runs the same path through unpinned buffers (for tests on any machine)
+        self.staging_bytes = staging_bytes if (self.cuda if staged is None else staged) else 0
+        self.buffers = [torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=self.cuda)
+                        for _ in range(2)] if self.staging_bytes else []
+        self.done: List[Optional[Any]] = [None, None]  # the event after each buffer's last upload
+        self.current, self.offset = 0, 0
+
+    def put(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """``array`` (may be read-only; ``dtype`` is its element type as torch names it) on the device."""
+        if not self.staging_bytes or array.nbytes > self.staging_bytes:
+            return torch.from_numpy(np.array(array, copy=True)).view(dtype).to(self.device)
+        if self.offset + array.nbytes > self.staging_bytes:
+            self._switch()
+        staged = self.buffers[self.current][self.offset : self.offset + array.nbytes]
+        staged.numpy()[:] = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        self.offset += -(-array.nbytes // 256) * 256  # the next array starts aligned for any element type
+        target = torch.empty(array.shape, dtype=dtype, device=self.device)
+        target.copy_(staged.view(dtype).view(array.shape), non_blocking=self.cuda)
+        return target
+
+    def _switch(self) -> None:
+        if self.cuda:
+            self.done[self.current] = torch.cuda.Event()
+            self.done[self.current].record()
+        self.current, self.offset = 1 - self.current, 0
+        if self.done[self.current] is not None:
+            self.done[self.current].synchronize()  # its uploads have left the buffer: it can be refilled
+
+    def finish(self) -> None:
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+
 def load_owned_weights(source: Union[str, bytes], device: torch.device,
                        min_elements: int = OWNED_WEIGHT_MIN_ELEMENTS,
-                       model: Optional[onnx.ModelProto] = None) -> Dict[str, torch.Tensor]:
+                       model: Optional[onnx.ModelProto] = None,
+                       staging_bytes: int = 64 << 20) -> Dict[str, torch.Tensor]:
     """The model's float initializers of at least ``min_elements`` elements, as torch tensors on ``device``.
 
     Weights in external data files are read straight from their files (the graph is parsed without them), each
     file opened once: no second full parse of a multi-GB model next to ORT's own. ``model``: ``source`` already
-    parsed (:func:`parse_model`)."""
+    parsed (:func:`parse_model`). On CUDA the weights go up through pinned staging buffers of ``staging_bytes``
+    (:class:`_WeightUploader`)."""
     model = parse_model(source) if model is None else model
     base = None if isinstance(source, bytes) else os.path.dirname(os.path.abspath(source))
     weights: Dict[str, torch.Tensor] = {}
     files: Dict[str, Any] = {}
-    try:
-        for initializer in model.graph.initializer:
-            if initializer.data_type not in _OWNED_TYPES:
-                continue
-            shape = tuple(initializer.dims)
-            elements = 1
-            for dim in shape:
-                elements *= dim
-            if elements < min_elements:
-                continue
-            dtype = np.dtype(_NUMPY_OF_ONNX[initializer.data_type])
-            if initializer.data_location == onnx.TensorProto.EXTERNAL and base is not None:
-                info = {entry.key: entry.value for entry in initializer.external_data}
-                location = os.path.normpath(os.path.join(base, info["location"]))
-                if os.path.commonpath([base, location]) != base:  # as onnx's own loader refuses it
-                    raise ValueError(f"{source}: initializer {initializer.name!r} names external data outside the "
-                                     f"model's folder: {info['location']!r}")
-                if location not in files:
-                    files[location] = open(location, "rb")
-                handle = files[location]
-                handle.seek(int(info.get("offset", 0)))
-                length = int(info.get("length", elements * dtype.itemsize))
-                data = handle.read(length)
-                if len(data) != elements * dtype.itemsize:
-                    raise ValueError(f"{location}: initializer {initializer.name!r} needs {elements * dtype.itemsize} "
-                                     f"bytes at offset {info.get('offset', 0)}, the file gives {len(data)}")
-                array = np.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
-            else:
-                array = numpy_helper.to_array(initializer, base_dir=base or "")
-                if initializer.data_type == onnx.TensorProto.BFLOAT16:
-                    array = np.asarray(array).view(np.uint16)
-                array = np.array(array, dtype=dtype, copy=True)
-            tensor = torch.from_numpy(array)
-            if initializer.data_type == onnx.TensorProto.BFLOAT16:
-                tensor = tensor.view(torch.bfloat16)
-            weights[initializer.name] = tensor.to(device)
-    finally:
-        for handle in files.values():
-            handle.close()
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        uploader = _WeightUploader(device, staging_bytes)
+        try:
+            for initializer in model.graph.initializer:
+                if initializer.data_type not in _OWNED_TYPES:
+                    continue
+                shape = tuple(initializer.dims)
+                elements = 1
+                for dim in shape:
+                    elements *= dim
+                if elements < min_elements:
+                    continue
+                dtype = np.dtype(_NUMPY_OF_ONNX[initializer.data_type])
+                if initializer.data_location == onnx.TensorProto.EXTERNAL and base is not None:
+                    info = {entry.key: entry.value for entry in initializer.external_data}
+                    location = os.path.normpath(os.path.join(base, info["location"]))
+                    if os.path.commonpath([base, location]) != base:  # as onnx's own loader refuses it
+                        raise ValueError(f"{source}: initializer {initializer.name!r} names external data outside "
+                                         f"the model's folder: {info['location']!r}")
+                    if location not in files:
+                        files[location] = open(location, "rb")
+                    handle = files[location]
+                    handle.seek(int(info.get("offset", 0)))
+                    length = int(info.get("length", elements * dtype.itemsize))
+                    data = handle.read(length)
+                    if len(data) != elements * dtype.itemsize:
+                        raise ValueError(f"{location}: initializer {initializer.name!r} needs "
+                                         f"{elements * dtype.itemsize} bytes at offset {info.get('offset', 0)}, the "
+                                         f"file gives {len(data)}")
+                    array = np.frombuffer(data, dtype=dtype).reshape(shape)
+                elif initializer.raw_data:
+                    array = np.frombuffer(initializer.raw_data, dtype=dtype).reshape(shape)
+                else:
+                    array = numpy_helper.to_array(initializer, base_dir=base or "")
+                    if initializer.data_type == onnx.TensorProto.BFLOAT16:
+                        array = np.asarray(array).view(np.uint16)
+                    array = np.asarray(array, dtype=dtype)
+                torch_dtype = torch.bfloat16 if initializer.data_type == onnx.TensorProto.BFLOAT16 else \
+                    torch.from_numpy(np.empty(0, dtype)).dtype
+                weights[initializer.name] = uploader.put(array, torch_dtype)
+            uploader.finish()
+        finally:
+            for handle in files.values():
+                handle.close()
     return weights
 
 

@@ -291,3 +291,28 @@ def test_what_the_graph_declares_is_what_ort_reports(tiny_folder):
         from_graph, from_session = inferencer_from_model_proto(graph, path), inferencer_from_session(session)
         assert from_graph.input_dims == from_session.input_dims
         assert from_graph.output_dims == from_session.output_dims
+
+
+@pytest.mark.parametrize("staging_bytes", [4096, 16384, 1 << 20])  # some direct; buffers refilled; all staged
+def test_staged_uploads_keep_every_weight_whatever_the_buffer_size(staging_bytes):
+    # the CUDA path's staging (two buffers, refilled in turn; arrays larger than one go up directly), run on the CPU
+    from optimum_iobinding.session import _WeightUploader
+
+    rng = np.random.RandomState(0)
+    arrays = [(rng.randn(*shape).astype(dtype), torch_dtype) for shape, dtype, torch_dtype in [
+        ((32, 16), np.float16, torch.float16), ((3, 1000), np.float32, torch.float32),
+        ((1025,), np.float64, torch.float64), ((40, 40), np.float32, torch.float32),
+        ((7, 300), np.float16, torch.float16)]]
+    bfloat = torch.randn(33, 40).to(torch.bfloat16)
+    arrays.append((bfloat.view(torch.int16).numpy().view(np.uint16), torch.bfloat16))
+    uploader = _WeightUploader(torch.device("cpu"), staging_bytes, staged=True)
+    for array, _ in arrays:
+        array.setflags(write=False)  # as read from the model's bytes
+    tensors = [uploader.put(array, dtype) for array, dtype in arrays]
+    uploader.finish()
+    for (array, dtype), tensor in zip(arrays[:-1], tensors[:-1]):
+        assert tensor.dtype == dtype and tensor.shape == array.shape
+        np.testing.assert_array_equal(tensor.numpy(), array)
+    assert torch.equal(tensors[-1], bfloat)
+    # each tensor owns its memory: the staging buffers are reused, the weights are not overwritten
+    assert len({t.data_ptr() for t in tensors}) == len(tensors)

@@ -565,6 +565,18 @@ def test_a_graph_pool_model_parses_its_file_once(tiny_folder, monkeypatch):
     assert encoder.owned_weights and parses == []
 
 
+@pytest.mark.parametrize("staging_bytes", [1 << 16, 64 << 20])  # buffers refilled many times; the default
+def test_weights_uploaded_through_pinned_staging_equal_the_files(tiny_folder, staging_bytes):
+    from optimum_iobinding.session import load_owned_weights
+
+    path = str(tiny_folder / "unet" / "model.onnx")
+    on_cpu = load_owned_weights(path, torch.device("cpu"))
+    on_gpu = load_owned_weights(path, torch.device("cuda", 0), staging_bytes=staging_bytes)
+    assert list(on_gpu) == list(on_cpu) and len(on_gpu) > 10
+    for name, tensor in on_cpu.items():
+        assert on_gpu[name].device.type == "cuda" and torch.equal(on_gpu[name].cpu(), tensor), name
+
+
 def test_the_first_call_builds_the_shape_free_sessions_in_the_background(fused_tiny_folder):
     pipe = pipeline(fused_tiny_folder)
     assert pipe.sessions_created == 0  # loading stays lazy
