@@ -213,3 +213,29 @@ def test_a_peers_imports_are_timed_apart_from_its_load():
     seconds = import_peer("defaults")
     assert seconds >= 0.0 and "optimum_iobinding.pipelines" in sys.modules
     assert import_peer("numpy") >= 0.0 and hasattr(sys.modules["diffusers"], "OnnxStableDiffusionPipeline")
+
+
+def test_the_cold_start_timeline_wraps_what_the_library_has(tmp_path):
+    # benchmarks/cold_start.py's timeline variant replaces library functions by name; run it on the CPU with the tiny
+    # pipeline, in a process of its own (it patches the library for good)
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from optimum_iobinding.export import export_pipeline
+
+    folder = export_pipeline(None, tmp_path / "sd", tiny_random=True, progress=False)
+    root = Path(__file__).resolve().parents[1]
+    script = (
+        "import sys, torch; sys.path.insert(0, 'benchmarks'); import cold_start\n"
+        "start, finish = cold_start.record_timeline(torch)\n"
+        "from optimum_iobinding import OnnxStableDiffusionPipeline\n"
+        f"pipe = OnnxStableDiffusionPipeline.from_pretrained({str(folder)!r})\n"
+        "pipe.set_progress_bar_config(disable=True)\n"
+        "start(); pipe('a', height=64, width=64, num_inference_steps=2, output_type='np')\n"
+        "print([row[2] for row in finish()])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = done.stdout.strip().splitlines()[-1]
+    assert "'session unet'" in rows and "'run 1 unet (host)'" in rows and "'run 1 vae_decoder (host)'" in rows
