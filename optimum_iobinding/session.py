@@ -400,9 +400,11 @@ class SessionRecipe:
 
     def adopt(self, model: onnx.ModelProto) -> None:
         """``model``, the source already parsed (by the model reading its declared inputs), is kept until the owned
-        weights load and read from instead of parsing the file again: on a model whose weights are inside its .onnx
-        (the SD1.5 fp16 UNet, 1.7 GB) that parse is the largest piece of the first call's critical path. Nothing is
-        kept where the weights are not shared or are loaded already."""
+        weights load and read from instead of parsing the file again. On the SD1.5 fp16 UNet, whose 1.7 GB of
+        weights are inside its .onnx, loading the weights (a parse included) was the longest piece of the first
+        image's critical path on the H100: 1.67 s. Until then the parse holds host memory the size of the file (a
+        model never called keeps it: a text-to-image pipeline's VAE encoder). Nothing is kept where the weights
+        are not shared or are loaded already."""
         with self._lock:
             if self.share_weights and self._weights is None:
                 self._parsed = model
