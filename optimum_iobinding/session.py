@@ -24,6 +24,7 @@ import torch
 from onnx import numpy_helper
 
 from .cuda import with_diffusion_defaults, with_stream
+from .dtypes import TORCH_TO_ONNX
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,7 @@ def stream_from_options(providers: Sequence[str], provider_options: Sequence[Map
     return torch.cuda.ExternalStream(int(handle), device=device)
 
 
+_TORCH_OF_ONNX = {onnx_type: torch_dtype for torch_dtype, onnx_type in TORCH_TO_ONNX.items()}
 _NUMPY_OF_ONNX = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
                   onnx.TensorProto.BFLOAT16: "uint16", onnx.TensorProto.DOUBLE: "float64"}
 
@@ -265,9 +267,7 @@ def load_owned_weights(source: Union[str, bytes], device: torch.device,
                     if initializer.data_type == onnx.TensorProto.BFLOAT16:
                         array = np.asarray(array).view(np.uint16)
                     array = np.asarray(array, dtype=dtype)
-                torch_dtype = torch.bfloat16 if initializer.data_type == onnx.TensorProto.BFLOAT16 else \
-                    torch.from_numpy(np.empty(0, dtype)).dtype
-                weights[initializer.name] = uploader.put(array, torch_dtype)
+                weights[initializer.name] = uploader.put(array, _TORCH_OF_ONNX[initializer.data_type])
             uploader.finish()
         finally:
             for handle in files.values():
