@@ -273,16 +273,32 @@ class GraphPool:
         input_shapes = {name: shape for name, (shape, _) in input_specs.items()}
         overrides, problems = free_dimension_overrides(declared, input_shapes)
         self._overrides[signature] = overrides
+        ahead = None
         if self.cuda_graph:
             dynamic = [name for name, shape in output_shapes.items() if shape is None]
             try:
                 if dynamic:
                     raise RuntimeError(f"output {dynamic[0]!r} has a data-dependent shape, which a graph cannot "
                                        "replay")
+                self.shared_session()
+                ahead = self._plain_session_ahead(overrides)
                 return self._graph_runner(overrides, problems, input_specs, output_shapes)
             except Exception as error:  # capture refused (nodes left on the CPU, unsupported op): run without
                 self._report(signature, str(error))
-        return self._fixed_session(signature, overrides)
+        return self._fixed_session(signature, overrides, ahead)
+
+    def _plain_session_ahead(self, overrides: Mapping[str, int]) -> Optional["_SessionAhead"]:
+        """Where ORT refused the one graph session because a node stays on the CPU, the session without a graph
+        that the signature falls back to starts building beside the fixed-dims graph attempt: fixing the dims helps
+        only where the CPU nodes computed shapes, and where they read values (CLIP's ArgMax over the token ids) both
+        graph attempts are refused. On the first image that fallback session came after two refused attempts on the
+        text encoder's path (0.27 s each on the H100, ``cold-start.json``'s timeline, session 12). A graph accepted
+        leaves the session ahead unused: it is dropped when built (counted in ``sessions_created``)."""
+        refused = self.shared_refused
+        if (not self.one_session or refused is None or PLACEMENT_REFUSAL not in refused
+                or self.placement_refused is not None):
+            return None
+        return _SessionAhead(lambda: self.recipe.create(overrides))
 
     @property
     def shared_tried(self) -> bool:
@@ -336,9 +352,10 @@ class GraphPool:
             raise RuntimeError(reason) from error
         return CudaGraphRunner(session, dict(input_specs), output_specs, self.recipe.device, self.run_options)
 
-    def _fixed_session(self, signature: Signature, overrides: Mapping[str, int]) -> Optional[FixedShapeSession]:
+    def _fixed_session(self, signature: Signature, overrides: Mapping[str, int],
+                       ahead: Optional["_SessionAhead"] = None) -> Optional[FixedShapeSession]:
         try:
-            return FixedShapeSession(self.recipe.create(overrides))
+            return FixedShapeSession(ahead.result() if ahead is not None else self.recipe.create(overrides))
         except Exception as error:  # the dynamic session can still run it
             logger.info("%s: input shapes %s run in the model's dynamic session; a fixed-shape one failed: %s",
                         self.name, dict(signature), error)
@@ -351,3 +368,26 @@ class GraphPool:
             logger.info(message)
         else:
             warnings.warn(message, RuntimeWarning, stacklevel=6)
+
+
+class _SessionAhead:
+    """A session being created in a thread of its own (ORT releases the GIL while it builds one)."""
+
+    def __init__(self, create: Any):
+        self._session: Optional[ort.InferenceSession] = None
+        self._error: Optional[BaseException] = None
+        # not a daemon: the interpreter waits for a session being built rather than tearing ORT down under it
+        self._thread = threading.Thread(target=self._build, args=(create,), name="session ahead")
+        self._thread.start()
+
+    def _build(self, create: Any) -> None:
+        try:
+            self._session = create()
+        except Exception as error:  # raised to whoever asks for the result
+            self._error = error
+
+    def result(self) -> ort.InferenceSession:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._session

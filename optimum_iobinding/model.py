@@ -493,8 +493,20 @@ class IOBindingORTModel:
             return None
         from .cuda import signature_of
 
-        entry = self._pool.entries.get(signature_of(input_shapes))
+        with self._pool.lock:
+            entry = self._pool.entries.get(signature_of(input_shapes))
         return entry if isinstance(entry, CudaGraphRunner) else None
+
+    def graph_input_buffers(self, input_shapes: Mapping[str, Sequence[int]]) -> Optional[Dict[str, torch.Tensor]]:
+        """The tensors the CUDA graph of these input shapes reads its inputs from, by input name, or ``None`` where
+        these shapes have no graph (yet: a signature's graph exists from its first call).
+
+        A call that passes one of these tensors as that very input skips its copy: a loop can write an input
+        straight into it (``torch.cat(..., out=buffer)``) or copy an input that stays the same over many calls once.
+        Write them on the model's stream (or one ordered with it): the graph reads them when it replays, and a call
+        passing other tensors overwrites them. They belong to whoever calls the model, as its reused outputs do."""
+        runner = self.graph_runner(input_shapes)
+        return dict(runner.input_buffers) if runner is not None else None
 
     def __repr__(self) -> str:
         return (

@@ -124,6 +124,42 @@ def test_a_signature_whose_capture_fails_runs_without_a_graph_with_an_info_line(
         strict.entry({"x": ["batch", 64]}, {"x": ((2, 64), torch.float32)}, {"y": None})
 
 
+def test_after_a_placement_refusal_the_fallback_session_is_built_beside_the_graph_attempt(matmul_path, monkeypatch):
+    # The CUDA side: ORT refused the one graph session because a node stays on the CPU (the text encoder's ArgMax).
+    # A fixed-dims graph attempt follows; the session without a graph it falls back to is built at the same time,
+    # in another thread, and is the one the signature gets. ORT's refusals are played here on the CPU provider.
+    from optimum_iobinding.cuda import PLACEMENT_REFUSAL
+
+    recipe, pool = cpu_pool(matmul_path, cuda_graph="auto")
+    pool.one_session = True
+    pool.shared_refused = f"This session cannot use the graph capture feature as {PLACEMENT_REFUSAL} to the CUDA EP"
+    create = recipe.create
+    made_in, graph_attempts = [], []
+    both_running = threading.Barrier(2, timeout=60)
+
+    def spying_create(free_dims=None, provider_updates=None, quiet=False):
+        if provider_updates:  # the graph attempt: waits until the fallback is being built beside it, then refused
+            graph_attempts.append(dict(free_dims))
+            both_running.wait()
+            raise ValueError(pool.shared_refused)
+        made_in.append(threading.current_thread().name)
+        both_running.wait()
+        return create(free_dims, provider_updates, quiet)
+
+    monkeypatch.setattr(recipe, "create", spying_create)
+    entry = pool.entry({"x": ["batch", 64]}, {"x": ((2, 64), torch.float32)}, {"y": (2, 32)})
+    assert isinstance(entry, FixedShapeSession) and graph_attempts == [{"batch": 2}]
+    assert made_in == ["session ahead"] and recipe.sessions_created == 1
+    x = torch.randn(2, 64)
+    reference = ort.InferenceSession(str(matmul_path), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(run_entry(entry, x), reference.run(None, {"x": x.numpy()})[0], rtol=1e-6, atol=1e-5)
+    # the next signature knows the placement refusal: no graph attempt, and nothing built ahead
+    made_in.clear()
+    both_running = threading.Barrier(1)
+    pool.entry({"x": ["batch", 64]}, {"x": ((3, 64), torch.float32)}, {"y": (3, 32)})
+    assert graph_attempts == [{"batch": 2}] and made_in == ["MainThread"]
+
+
 def test_a_sibling_shares_the_owned_weights(matmul_path):
     model = IOBindingORTModel(matmul_path, share_weights=True)
     twin = model.sibling()
@@ -218,6 +254,59 @@ def test_pipeline_warmup_makes_every_later_call_of_those_sizes_create_no_session
     with pytest.raises(ValueError, match=r"height and width: expected multiples of 16"):
         pipe.warmup(heights=[64, 72])
     assert pipe.sessions_created == created  # refused before any call
+
+
+def test_the_loop_writes_its_inputs_into_the_graph_buffers_and_copies_constant_ones_once(tiny_folder, monkeypatch):
+    # A UNet graph reads its inputs from buffers of its own: the loop concatenates the guidance batch straight into
+    # the "sample" buffer and copies the prompt embeddings in once, not each step (one kernel fewer each between
+    # two replays on the GPU). On the CPU there is no graph; the UNet is made to report buffers as a graph would,
+    # and binds them like any tensor: the images must not change, and the calls must pass the buffers themselves.
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
+    pipe.set_progress_bar_config(disable=True)
+
+    def nudge(pipeline, step, timestep, tensors):
+        if step == 1:
+            tensors["prompt_embeds"].add_(0.5)  # in place: the copy in the buffer is stale from here on
+        return tensors
+
+    def generate():
+        return pipe("a cat", height=64, width=64, num_inference_steps=4, output_type="np",
+                    generator=np.random.RandomState(0), callback_on_step_end=nudge,
+                    callback_on_step_end_tensor_inputs=["prompt_embeds"]).images
+
+    expected = generate()
+    buffers = {}
+
+    def graph_input_buffers(input_shapes):
+        if not buffers:
+            buffers.update({name: torch.full(shape, float("nan"), dtype=pipe.unet.input_dtypes[name])
+                            for name, shape in input_shapes.items()})
+        return dict(buffers)
+
+    passed = []
+    run_bound = pipe.unet._run_bound
+
+    def spy(inputs):
+        passed.append({name: inputs[name].data_ptr() for name in ("sample", "encoder_hidden_states")})
+        return run_bound(inputs)
+
+    monkeypatch.setattr(pipe.unet, "graph_input_buffers", graph_input_buffers)
+    monkeypatch.setattr(pipe.unet, "_run_bound", spy)
+    copies = []
+    copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: copies.append(self.data_ptr()) or copy(
+        self, *a, **k))
+    images = generate()
+    monkeypatch.undo()
+    np.testing.assert_allclose(images, expected, rtol=0, atol=1e-6)
+    pointers = {name: tensor.data_ptr() for name, tensor in buffers.items()}
+    assert len(passed) == len(pipe.scheduler.timesteps) > 2
+    assert passed[0]["sample"] != pointers["sample"]  # the first call has no graph yet
+    assert all(call == {name: pointers[name] for name in call} for call in passed[1:])
+    # the embeddings went in after the first call, and again after the in-place change of step 1: not each step
+    assert copies.count(pointers["encoder_hidden_states"]) == 2
 
 
 def test_warmup_leaves_the_callers_random_state_alone(tiny_folder):

@@ -114,6 +114,35 @@ def test_the_host_enqueues_the_whole_loop_without_waiting(tiny_folder, scheduler
     torch.cuda.synchronize()
 
 
+def device_copies(run):
+    """Device-to-device copies (``cudaMemcpyAsync``) that ``run`` puts on the GPU, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return sum(1 for event in prof.events() if event.name.startswith("Memcpy DtoD"))
+
+
+def test_a_captured_step_copies_only_its_timestep_into_the_graph(tiny_folder):
+    # the guidance batch is concatenated straight into the graph's sample input and the prompt embeddings are
+    # copied in once a call: of the graph's three inputs only the timestep is copied each step
+    pipe = pipeline(tiny_folder, cuda_graph=True)
+    with torch.cuda.stream(pipe.stream):
+        embeds = pipe.encode_prompt("a photo of a cat", 1, True)
+        latents = pipe.prepare_latents((1, 4, 8, 8), embeds.dtype, np.random.RandomState(0))
+
+        def loop(steps):
+            return pipe.denoise(latents, pipe.set_timesteps(steps), embeds, 7.5, pipe.scheduler_step_kwargs(None, 0.0))
+
+        loop(4)  # the capture
+        torch.cuda.synchronize()
+        short, long = device_copies(lambda: loop(4)), device_copies(lambda: loop(8))
+    assert pipe.unet.graph_signatures
+    assert (long - short) / 4 == 1
+    torch.cuda.synchronize()
+
+
 def test_the_profiler_sees_ort_synchronizing_when_it_is_allowed_to(tiny_folder):
     # the control for the test above: a session on ORT's own stream waits after every run, and we see it
     import onnxruntime as ort

@@ -696,17 +696,28 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         do_classifier_free_guidance = guidance_scale > 1.0
         unet_batch = latents.shape[0] * (2 if do_classifier_free_guidance else 1)
         timestep_inputs = self.timestep_inputs(timesteps, unet_batch)
+        feed = GraphFeed(self.unet)
         for i, t in enumerate(self.progress_bar(timesteps)):
-            latent_model_input = torch.cat([latents] * 2) if do_classifier_free_guidance else latents
-            latent_model_input = self.scheduler.scale_model_input(latent_model_input, t)
+            # scaled before the guidance batch is made (an elementwise scale by the step's scalar: the same values),
+            # so that the batch can be written straight into the UNet graph's input
+            scaled = self.scheduler.scale_model_input(latents, t)
+            copies = [scaled] * 2 if do_classifier_free_guidance else [scaled]
+            if unet_extra_channels is None:
+                latent_model_input = feed.cat("sample", copies)
+            else:
+                latent_model_input = torch.cat(copies) if do_classifier_free_guidance else scaled
             per_step = step_inputs(i, latent_model_input, prompt_embeds) if step_inputs is not None else {}
             if unet_extra_channels is not None:
-                latent_model_input = torch.cat([latent_model_input, unet_extra_channels], dim=1)
-            noise_pred = self.unet(sample=latent_model_input, timestep=timestep_inputs[i],
-                                   encoder_hidden_states=prompt_embeds, **(unet_inputs or {}), **per_step)[0]
+                latent_model_input = feed.cat("sample", [latent_model_input, unet_extra_channels], dim=1)
+            inputs = {"sample": latent_model_input, "timestep": timestep_inputs[i],
+                      "encoder_hidden_states": feed.same("encoder_hidden_states", prompt_embeds),
+                      **{name: feed.same(name, value) for name, value in (unet_inputs or {}).items()}, **per_step}
+            noise_pred = self.unet(**inputs)[0]
+            feed.learn(inputs)
             if do_classifier_free_guidance:
                 noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
-                noise_pred = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
+                # uncond + scale * (text - uncond) in one kernel (diffusers' three), in fp32 inside
+                noise_pred = torch.lerp(noise_pred_uncond, noise_pred_text, float(guidance_scale))
                 if guidance_rescale > 0.0:
                     noise_pred = rescale_noise_cfg(noise_pred, noise_pred_text, guidance_rescale)
             else:
@@ -795,6 +806,66 @@ def rescale_noise_cfg(noise_cfg: torch.Tensor, noise_pred_text: torch.Tensor, gu
     std_cfg = noise_cfg.std(dim=dims, keepdim=True)
     rescaled = noise_cfg * (std_text / std_cfg)
     return guidance_rescale * rescaled + (1 - guidance_rescale) * noise_cfg
+
+
+class GraphFeed:
+    """Writes a denoising loop's UNet inputs straight into the tensors the UNet's CUDA graph reads them from
+    (:meth:`IOBindingORTModel.graph_input_buffers`), where the loop's input shapes have a graph: the guidance batch
+    is concatenated into the graph's ``sample`` input, and the inputs that stay the same over the loop (the prompt
+    embeddings, SDXL's conditioning) are copied in once instead of once a step.
+
+    A step of the captured loop is the UNet graph plus a few small kernels (the guidance batch, guidance, the
+    scheduler's update, the graph's input copies). Each one saved shortens the step on the GPU: on the small UNet
+    the step came out about 2.5 % above the graph's own time on the H100 (session 12), against a target of 2 %.
+    Where the shapes have no graph (off CUDA, ``cuda_graph=False``, a graph ORT refused) it changes nothing. The
+    buffers are looked up once, after the loop's first call (a signature's graph exists from its first call on)."""
+
+    def __init__(self, model: IOBindingORTModel):
+        self.model = model
+        self.buffers: Optional[Dict[str, torch.Tensor]] = None
+        self.looked_up = False
+        self.held: Dict[str, Tuple[torch.Tensor, int]] = {}  # input → (the tensor copied in, its version then)
+
+    def learn(self, inputs: Dict[str, torch.Tensor]) -> None:
+        """After the loop's first call: the graph buffers of its input shapes, if any."""
+        if not self.looked_up:
+            self.looked_up = True
+            if isinstance(self.model, IOBindingORTModel):
+                self.buffers = self.model.graph_input_buffers({name: tuple(value.shape)
+                                                               for name, value in inputs.items()})
+
+    def _buffer(self, name: str, shape: Sequence[int], dtype: torch.dtype,
+                device: torch.device) -> Optional[torch.Tensor]:
+        buffer = (self.buffers or {}).get(name)
+        if buffer is None or tuple(buffer.shape) != tuple(shape) or buffer.dtype != dtype or buffer.device != device:
+            return None
+        return buffer
+
+    def cat(self, name: str, tensors: List[torch.Tensor], dim: int = 0) -> torch.Tensor:
+        """``torch.cat(tensors, dim)``, written into the graph's ``name`` input where there is one to take it."""
+        shape = list(tensors[0].shape)
+        shape[dim] = sum(tensor.shape[dim] for tensor in tensors)
+        first = tensors[0]
+        same_kind = all(tensor.dtype == first.dtype and tensor.device == first.device for tensor in tensors)
+        buffer = self._buffer(name, shape, first.dtype, first.device) if same_kind else None
+        if buffer is None:
+            return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
+        self.held.pop(name, None)
+        return torch.cat(tensors, dim, out=buffer)
+
+    def same(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The graph's ``name`` input holding ``tensor``'s values: copied in when ``tensor`` is another tensor than
+        the one copied last, or was changed in place since (torch's version counter), else left as it is."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        buffer = self._buffer(name, tensor.shape, tensor.dtype, tensor.device)
+        if buffer is None:
+            return tensor
+        held = self.held.get(name)
+        if held is None or held[0] is not tensor or held[1] != tensor._version:
+            buffer.copy_(tensor, non_blocking=True)
+            self.held[name] = (tensor, tensor._version)
+        return buffer
 
 
 def on_device_stream(method: Callable) -> Callable:
