@@ -4,12 +4,13 @@ here; ``IOBindingORTModel`` decides when to use each piece."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import warnings
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import onnxruntime as ort
 import torch
@@ -49,6 +50,52 @@ DISABLE_SYNC_RUN_OPTION = "disable_synchronize_execution_providers"
 # what ORT says when it refuses graph capture because a node is placed on another EP (the CPU)
 PLACEMENT_REFUSAL = "all compute graph nodes have not been partitioned"
 GRAPH_ID_RUN_OPTION = "gpu_graph_id"
+
+class _SetupGate:
+    """Any number of device set-ups at a time, or one capture, never both.
+
+    ORT captures a graph in the stream capture mode in which any thread's ``cudaMalloc`` or synchronous copy fails the
+    capture ("operation failed due to a previous error during capture": seen on the H100 when a session was built in
+    a thread beside a capture). Building a session or uploading owned weights on CUDA is a set-up (pipelines make
+    them in background threads, side by side); the first runs of a graph runner, which may capture, wait until no
+    set-up runs, and set-ups wait for them. A pipeline's first image captures after its set-ups are done: it waits
+    for nothing."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._setups = 0
+        self._capturing = False
+
+    @contextlib.contextmanager
+    def setup(self) -> Iterator[None]:
+        with self._condition:
+            while self._capturing:
+                self._condition.wait()
+            self._setups += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._setups -= 1
+                self._condition.notify_all()
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        with self._condition:
+            while self._capturing or self._setups:
+                self._condition.wait()
+            self._capturing = True
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._capturing = False
+                self._condition.notify_all()
+
+
+DEVICE_SETUP = _SetupGate()
+# a runner's first runs: ORT makes one regular run before it captures (allocations), then captures and replays
+_CAPTURE_RUNS = 3
 
 
 def default_trt_cache_dir() -> str:
@@ -135,8 +182,11 @@ class CudaGraphRunner:
         self.session = session
         self.device = device
         self.run_options = run_options
-        self.input_buffers = {n: torch.zeros(s, dtype=d, device=device) for n, (s, d) in input_specs.items()}
-        self.output_buffers = {n: torch.empty(s, dtype=d, device=device) for n, (s, d) in output_specs.items()}
+        # normal tensors even when the first call runs under torch.inference_mode: inputs are copied into them on
+        # every later call, and an inference tensor refuses in-place writes outside inference mode
+        with torch.inference_mode(False):
+            self.input_buffers = {n: torch.zeros(s, dtype=d, device=device) for n, (s, d) in input_specs.items()}
+            self.output_buffers = {n: torch.empty(s, dtype=d, device=device) for n, (s, d) in output_specs.items()}
         self.binding = session.io_binding()
         for buffers, bind in ((self.input_buffers, self.binding.bind_input), (self.output_buffers, self.binding.bind_output)):
             for name, tensor in buffers.items():
@@ -148,7 +198,11 @@ class CudaGraphRunner:
             buffer = self.input_buffers[name]
             if tensor.data_ptr() != buffer.data_ptr():
                 buffer.copy_(tensor, non_blocking=True)
-        self.session.run_with_iobinding(self.binding, self.run_options)
+        if self.runs < _CAPTURE_RUNS:
+            with DEVICE_SETUP.capture():
+                self.session.run_with_iobinding(self.binding, self.run_options)
+        else:
+            self.session.run_with_iobinding(self.binding, self.run_options)
         self.runs += 1
         return self.output_buffers
 
@@ -273,32 +327,16 @@ class GraphPool:
         input_shapes = {name: shape for name, (shape, _) in input_specs.items()}
         overrides, problems = free_dimension_overrides(declared, input_shapes)
         self._overrides[signature] = overrides
-        ahead = None
         if self.cuda_graph:
             dynamic = [name for name, shape in output_shapes.items() if shape is None]
             try:
                 if dynamic:
                     raise RuntimeError(f"output {dynamic[0]!r} has a data-dependent shape, which a graph cannot "
                                        "replay")
-                self.shared_session()
-                ahead = self._plain_session_ahead(overrides)
                 return self._graph_runner(overrides, problems, input_specs, output_shapes)
             except Exception as error:  # capture refused (nodes left on the CPU, unsupported op): run without
                 self._report(signature, str(error))
-        return self._fixed_session(signature, overrides, ahead)
-
-    def _plain_session_ahead(self, overrides: Mapping[str, int]) -> Optional["_SessionAhead"]:
-        """Where ORT refused the one graph session because a node stays on the CPU, the session without a graph
-        that the signature falls back to starts building beside the fixed-dims graph attempt: fixing the dims helps
-        only where the CPU nodes computed shapes, and where they read values (CLIP's ArgMax over the token ids) both
-        graph attempts are refused. On the first image that fallback session came after two refused attempts on the
-        text encoder's path (0.27 s each on the H100, ``cold-start.json``'s timeline, session 12). A graph accepted
-        leaves the session ahead unused: it is dropped when built (counted in ``sessions_created``)."""
-        refused = self.shared_refused
-        if (not self.one_session or refused is None or PLACEMENT_REFUSAL not in refused
-                or self.placement_refused is not None):
-            return None
-        return _SessionAhead(lambda: self.recipe.create(overrides))
+        return self._fixed_session(signature, overrides)
 
     @property
     def shared_tried(self) -> bool:
@@ -352,10 +390,9 @@ class GraphPool:
             raise RuntimeError(reason) from error
         return CudaGraphRunner(session, dict(input_specs), output_specs, self.recipe.device, self.run_options)
 
-    def _fixed_session(self, signature: Signature, overrides: Mapping[str, int],
-                       ahead: Optional["_SessionAhead"] = None) -> Optional[FixedShapeSession]:
+    def _fixed_session(self, signature: Signature, overrides: Mapping[str, int]) -> Optional[FixedShapeSession]:
         try:
-            return FixedShapeSession(ahead.result() if ahead is not None else self.recipe.create(overrides))
+            return FixedShapeSession(self.recipe.create(overrides))
         except Exception as error:  # the dynamic session can still run it
             logger.info("%s: input shapes %s run in the model's dynamic session; a fixed-shape one failed: %s",
                         self.name, dict(signature), error)
@@ -368,26 +405,3 @@ class GraphPool:
             logger.info(message)
         else:
             warnings.warn(message, RuntimeWarning, stacklevel=6)
-
-
-class _SessionAhead:
-    """A session being created in a thread of its own (ORT releases the GIL while it builds one)."""
-
-    def __init__(self, create: Any):
-        self._session: Optional[ort.InferenceSession] = None
-        self._error: Optional[BaseException] = None
-        # not a daemon: the interpreter waits for a session being built rather than tearing ORT down under it
-        self._thread = threading.Thread(target=self._build, args=(create,), name="session ahead")
-        self._thread.start()
-
-    def _build(self, create: Any) -> None:
-        try:
-            self._session = create()
-        except Exception as error:  # raised to whoever asks for the result
-            self._error = error
-
-    def result(self) -> ort.InferenceSession:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._session

@@ -23,7 +23,7 @@ import onnxruntime as ort
 import torch
 from onnx import numpy_helper
 
-from .cuda import with_diffusion_defaults, with_stream
+from .cuda import DEVICE_SETUP, with_diffusion_defaults, with_stream
 from .dtypes import TORCH_TO_ONNX
 
 logger = logging.getLogger(__name__)
@@ -394,9 +394,15 @@ class SessionRecipe:
         with self._lock:
             if self._weights is None:
                 model, self._parsed = self._parsed, None
-                self._weights = load_owned_weights(self.source, self.device, model=model)
+                with self._device_setup():
+                    self._weights = load_owned_weights(self.source, self.device, model=model)
                 self._weight_values = {name: _ort_value_of(tensor) for name, tensor in self._weights.items()}
         return self._weights
+
+    def _device_setup(self) -> Any:
+        """Held while sessions are built and weights uploaded on CUDA: never beside a graph capture
+        (:data:`~optimum_iobinding.cuda.DEVICE_SETUP`)."""
+        return DEVICE_SETUP.setup() if self.device.type == "cuda" else contextlib.nullcontext()
 
     def adopt(self, model: onnx.ModelProto) -> None:
         """``model``, the source already parsed (by the model reading its declared inputs), is kept until the owned
@@ -447,7 +453,8 @@ class SessionRecipe:
             options[0].update(provider_updates)
         start = time.perf_counter()
         try:
-            session = create_session(self.source, self.providers, options, sess_options)
+            with self._device_setup():
+                session = create_session(self.source, self.providers, options, sess_options)
         except Exception:
             with self._lock:
                 self.creation_log.append(("refused", time.perf_counter() - start))

@@ -124,40 +124,44 @@ def test_a_signature_whose_capture_fails_runs_without_a_graph_with_an_info_line(
         strict.entry({"x": ["batch", 64]}, {"x": ((2, 64), torch.float32)}, {"y": None})
 
 
-def test_after_a_placement_refusal_the_fallback_session_is_built_beside_the_graph_attempt(matmul_path, monkeypatch):
-    # The CUDA side: ORT refused the one graph session because a node stays on the CPU (the text encoder's ArgMax).
-    # A fixed-dims graph attempt follows; the session without a graph it falls back to is built at the same time,
-    # in another thread, and is the one the signature gets. ORT's refusals are played here on the CPU provider.
-    from optimum_iobinding.cuda import PLACEMENT_REFUSAL
+def test_a_capture_never_overlaps_a_device_setup():
+    # set-ups (sessions built, weights uploaded) run side by side; a capture waits until none runs, and a set-up
+    # that comes during a capture waits for it: another thread's cudaMalloc would fail the capture
+    from optimum_iobinding.cuda import _SetupGate
 
-    recipe, pool = cpu_pool(matmul_path, cuda_graph="auto")
-    pool.one_session = True
-    pool.shared_refused = f"This session cannot use the graph capture feature as {PLACEMENT_REFUSAL} to the CUDA EP"
-    create = recipe.create
-    made_in, graph_attempts = [], []
-    both_running = threading.Barrier(2, timeout=60)
+    gate, log = _SetupGate(), []
+    in_setup, release, in_capture, capture_release = (threading.Event() for _ in range(4))
 
-    def spying_create(free_dims=None, provider_updates=None, quiet=False):
-        if provider_updates:  # the graph attempt: waits until the fallback is being built beside it, then refused
-            graph_attempts.append(dict(free_dims))
-            both_running.wait()
-            raise ValueError(pool.shared_refused)
-        made_in.append(threading.current_thread().name)
-        both_running.wait()
-        return create(free_dims, provider_updates, quiet)
+    def setup():
+        with gate.setup():
+            log.append("setup")
+            in_setup.set()
+            assert release.wait(60)
+            log.append("setup done")
 
-    monkeypatch.setattr(recipe, "create", spying_create)
-    entry = pool.entry({"x": ["batch", 64]}, {"x": ((2, 64), torch.float32)}, {"y": (2, 32)})
-    assert isinstance(entry, FixedShapeSession) and graph_attempts == [{"batch": 2}]
-    assert made_in == ["session ahead"] and recipe.sessions_created == 1
-    x = torch.randn(2, 64)
-    reference = ort.InferenceSession(str(matmul_path), providers=["CPUExecutionProvider"])
-    np.testing.assert_allclose(run_entry(entry, x), reference.run(None, {"x": x.numpy()})[0], rtol=1e-6, atol=1e-5)
-    # the next signature knows the placement refusal: no graph attempt, and nothing built ahead
-    made_in.clear()
-    both_running = threading.Barrier(1)
-    pool.entry({"x": ["batch", 64]}, {"x": ((3, 64), torch.float32)}, {"y": (3, 32)})
-    assert graph_attempts == [{"batch": 2}] and made_in == ["MainThread"]
+    def capture():
+        with gate.capture():
+            log.append("capture")
+            in_capture.set()
+            assert capture_release.wait(60)
+            log.append("capture done")
+
+    first = threading.Thread(target=setup)
+    first.start()
+    assert in_setup.wait(60)
+    capturing = threading.Thread(target=capture)
+    capturing.start()
+    with gate.setup():  # a second set-up beside the first, while the capture waits
+        log.append("second setup")
+    release.set()
+    first.join(60)
+    assert in_capture.wait(60)
+    late = threading.Thread(target=lambda: gate.setup().__enter__() or log.append("late setup"))
+    late.start()
+    capture_release.set()
+    capturing.join(60)
+    late.join(60)
+    assert log == ["setup", "second setup", "setup done", "capture", "capture done", "late setup"]
 
 
 def test_a_sibling_shares_the_owned_weights(matmul_path):
@@ -281,8 +285,9 @@ def test_the_loop_writes_its_inputs_into_the_graph_buffers_and_copies_constant_o
 
     def graph_input_buffers(input_shapes):
         if not buffers:
-            buffers.update({name: torch.full(shape, float("nan"), dtype=pipe.unet.input_dtypes[name])
-                            for name, shape in input_shapes.items()})
+            with torch.inference_mode(False):  # as CudaGraphRunner makes its buffers
+                buffers.update({name: torch.full(shape, float("nan"), dtype=pipe.unet.input_dtypes[name])
+                                for name, shape in input_shapes.items()})
         return dict(buffers)
 
     passed = []
@@ -298,15 +303,25 @@ def test_the_loop_writes_its_inputs_into_the_graph_buffers_and_copies_constant_o
     copy = torch.Tensor.copy_
     monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: copies.append(self.data_ptr()) or copy(
         self, *a, **k))
-    images = generate()
+    with torch.inference_mode():  # as benchmarks and services call it: no version counters
+        images = generate()
     monkeypatch.undo()
     np.testing.assert_allclose(images, expected, rtol=0, atol=1e-6)
     pointers = {name: tensor.data_ptr() for name, tensor in buffers.items()}
     assert len(passed) == len(pipe.scheduler.timesteps) > 2
     assert passed[0]["sample"] != pointers["sample"]  # the first call has no graph yet
     assert all(call == {name: pointers[name] for name in call} for call in passed[1:])
-    # the embeddings went in after the first call, and again after the in-place change of step 1: not each step
-    assert copies.count(pointers["encoder_hidden_states"]) == 2
+    # the embeddings went in after the first call and again after each step callback (it may change them in place,
+    # as step 1's does): once a step here, where a callback runs every step
+    assert copies.count(pointers["encoder_hidden_states"]) == len(passed) - 1
+    # without a callback: once a call
+    copies.clear()
+    monkeypatch.setattr(pipe.unet, "graph_input_buffers", graph_input_buffers)
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: copies.append(self.data_ptr()) or copy(
+        self, *a, **k))
+    pipe("a cat", height=64, width=64, num_inference_steps=4, output_type="np", generator=np.random.RandomState(0))
+    monkeypatch.undo()
+    assert copies.count(pointers["encoder_hidden_states"]) == 1
 
 
 def test_warmup_leaves_the_callers_random_state_alone(tiny_folder):

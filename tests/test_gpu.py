@@ -114,17 +114,7 @@ def test_the_host_enqueues_the_whole_loop_without_waiting(tiny_folder, scheduler
     torch.cuda.synchronize()
 
 
-def device_copies(run):
-    """Device-to-device copies (``cudaMemcpyAsync``) that ``run`` puts on the GPU, from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    return sum(1 for event in prof.events() if event.name.startswith("Memcpy DtoD"))
-
-
-def test_a_captured_step_copies_only_its_timestep_into_the_graph(tiny_folder):
+def test_a_captured_step_copies_only_its_timestep_into_the_graph(tiny_folder, monkeypatch):
     # the guidance batch is concatenated straight into the graph's sample input and the prompt embeddings are
     # copied in once a call: of the graph's three inputs only the timestep is copied each step
     pipe = pipeline(tiny_folder, cuda_graph=True)
@@ -135,12 +125,36 @@ def test_a_captured_step_copies_only_its_timestep_into_the_graph(tiny_folder):
         def loop(steps):
             return pipe.denoise(latents, pipe.set_timesteps(steps), embeds, 7.5, pipe.scheduler_step_kwargs(None, 0.0))
 
-        loop(4)  # the capture
+        expected = loop(6).clone()  # the first call captures
+        copied = []
+        copy = torch.Tensor.copy_
+        monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: copied.append(self.data_ptr()) or copy(
+            self, *a, **k))
+        with torch.inference_mode():
+            latents_out = loop(6)
+        monkeypatch.undo()
         torch.cuda.synchronize()
-        short, long = device_copies(lambda: loop(4)), device_copies(lambda: loop(8))
-    assert pipe.unet.graph_signatures
-    assert (long - short) / 4 == 1
-    torch.cuda.synchronize()
+    (signature,) = pipe.unet.graph_signatures
+    buffers = pipe.unet.graph_input_buffers(signature)
+    # the loop finds the buffers after its first call, whose sample is copied in as any input is
+    assert {name: copied.count(tensor.data_ptr()) for name, tensor in buffers.items()} == {
+        "sample": 1, "timestep": 6, "encoder_hidden_states": 1}
+    torch.testing.assert_close(latents_out, expected, rtol=0, atol=0)
+
+
+def test_a_graph_first_run_under_inference_mode_takes_inputs_outside_it(tiny_folder):
+    # its input buffers are normal tensors: an inference tensor would refuse the copies of later calls
+    from optimum_iobinding import IOBindingORTModel
+
+    unet = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT,
+                                             cuda_graph=True)
+    inputs = unet_inputs(unet)
+    with torch.inference_mode():
+        first = unet(**inputs)[0].clone()
+    for _ in range(3):
+        again = unet(**unet_inputs(unet))[0]
+    assert unet.graph_signatures
+    torch.testing.assert_close(again, first)
 
 
 def test_the_profiler_sees_ort_synchronizing_when_it_is_allowed_to(tiny_folder):
