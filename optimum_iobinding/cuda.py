@@ -51,6 +51,7 @@ DISABLE_SYNC_RUN_OPTION = "disable_synchronize_execution_providers"
 PLACEMENT_REFUSAL = "all compute graph nodes have not been partitioned"
 GRAPH_ID_RUN_OPTION = "gpu_graph_id"
 
+
 class _SetupGate:
     """Any number of device set-ups at a time, or one capture, never both.
 
