@@ -132,31 +132,31 @@ def test_a_capture_never_overlaps_a_device_setup():
     gate, log = _SetupGate(), []
     in_setup, release, in_capture, capture_release = (threading.Event() for _ in range(4))
 
-    def setup():
+    def holding(enter, name, entered, released):
+        """A thread's target: inside ``enter()`` it logs ``name``, says so, and stays until released."""
+        def hold():
+            with enter():
+                log.append(name)
+                entered.set()
+                assert released.wait(60)
+                log.append(f"{name} done")
+        return hold
+
+    def late_setup():
         with gate.setup():
-            log.append("setup")
-            in_setup.set()
-            assert release.wait(60)
-            log.append("setup done")
+            log.append("late setup")
 
-    def capture():
-        with gate.capture():
-            log.append("capture")
-            in_capture.set()
-            assert capture_release.wait(60)
-            log.append("capture done")
-
-    first = threading.Thread(target=setup)
+    first = threading.Thread(target=holding(gate.setup, "setup", in_setup, release))
     first.start()
     assert in_setup.wait(60)
-    capturing = threading.Thread(target=capture)
+    capturing = threading.Thread(target=holding(gate.capture, "capture", in_capture, capture_release))
     capturing.start()
     with gate.setup():  # a second set-up beside the first, while the capture waits
         log.append("second setup")
     release.set()
     first.join(60)
     assert in_capture.wait(60)
-    late = threading.Thread(target=lambda: gate.setup().__enter__() or log.append("late setup"))
+    late = threading.Thread(target=late_setup)
     late.start()
     capture_release.set()
     capturing.join(60)
