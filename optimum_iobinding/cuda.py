@@ -199,10 +199,7 @@ class CudaGraphRunner:
             buffer = self.input_buffers[name]
             if tensor.data_ptr() != buffer.data_ptr():
                 buffer.copy_(tensor, non_blocking=True)
-        if self.runs < _CAPTURE_RUNS:
-            with DEVICE_SETUP.capture():
-                self.session.run_with_iobinding(self.binding, self.run_options)
-        else:
+        with DEVICE_SETUP.capture() if self.runs < _CAPTURE_RUNS else contextlib.nullcontext():
             self.session.run_with_iobinding(self.binding, self.run_options)
         self.runs += 1
         return self.output_buffers
