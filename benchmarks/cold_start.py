@@ -5,8 +5,11 @@ before the run you keep): the imports timed, ``from_pretrained`` timed, then the
 batch 1 (sessions created, algorithms searched, graphs captured), then the median of three more (the steady state).
 Variants: diffusers' ``OnnxStableDiffusionPipeline`` (numpy; what it creates at load is its sessions), ours with
 each cuDNN algorithm search, ours with ORT's graph optimizations at the basic level (the export is already fused
-offline), ours after ``pipe.warmup(...)``, and ours cold again with the first image's work timed piece by piece
-(``first_image_timeline``: weight loading, session creations, each model's first runs on the host and on the GPU).
+offline), ours after ``pipe.warmup(...)``, ours with the bench's memory sampler running through the load and the
+first image (``sampled-cudart``: cudaMemGetInfo every 2 ms, what the bench did up to session 13; ``sampled-nvml``:
+NVML, what it does now), ours after one Conv has run through ONNX Runtime before the load (``conv-preloaded``: cuDNN
+already loaded), and ours cold again with the first image's work timed piece by piece (``first_image_timeline``:
+weight loading, session creations, each model's first runs on the host and on the GPU).
 For ours, each component's session creations are listed with their seconds (``session_creation_log``).
 
     python benchmarks/cold_start.py --folder WORK/sd15-fp16-optimized --out OUT/cold-start
@@ -22,8 +25,27 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = ("numpy", "HEURISTIC:cold", "EXHAUSTIVE:cold", "HEURISTIC:cold:basic", "HEURISTIC:warm",
-            "EXHAUSTIVE:warm", "HEURISTIC:cold:timeline")
+VARIANTS = ("numpy", "HEURISTIC:cold", "HEURISTIC:cold:sampled-cudart", "HEURISTIC:cold:sampled-nvml",
+            "HEURISTIC:cold:conv-preloaded", "HEURISTIC:warm", "HEURISTIC:cold:timeline")
+# also measured before (sessions 6-13), and still accepted by --variants: EXHAUSTIVE:cold, EXHAUSTIVE:warm,
+# HEURISTIC:cold:basic
+
+
+def conv_session_run(ort, search: str) -> None:
+    """An experiment (the variant ``conv-preloaded``): one fp16 Conv through ONNX Runtime's CUDA provider, run once
+    before the timed load, so that cuDNN's libraries and handle are loaded when the pipeline's first UNet run comes.
+    The difference to ``HEURISTIC:cold`` bounds what loading them beside the UNet's weights could save."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.random.RandomState(0).randn(320, 4, 3, 3).astype(np.float16), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, 4, 64, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, 320, 64, 64])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=[("CUDAExecutionProvider", {"cudnn_conv_algo_search": search})])
+    session.run(None, {"x": np.ones((1, 4, 64, 64), np.float16)})
 
 
 def record_timeline(torch) -> tuple:
@@ -110,7 +132,7 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
     import_s = time.perf_counter() - start
     torch.cuda.init()
     start = time.perf_counter()
-    timeline = None
+    timeline = sampler = preload_s = None
     if variant == "numpy":
         pipe = load_numpy_pipeline(folder)
         search = warm = None
@@ -118,10 +140,23 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
         search, warm, *level = variant.split(":")
         if level == ["timeline"]:
             timeline, level = record_timeline(torch), []
+        if level == ["conv-preloaded"]:
+            begin = time.perf_counter()
+            conv_session_run(ort, search)
+            preload_s, level = time.perf_counter() - begin, []
+        if level and level[0].startswith("sampled-"):
+            # the bench's memory sampler (every 2 ms) running through the load and the first image, as in a bench
+            from optimum_iobinding.bench import PeakMemory
+
+            sampler, level = PeakMemory(torch.device("cuda", 0), source=level[0][len("sampled-"):]), []
+            sampler.__enter__()
         options = None
         if level == ["basic"]:
             options = ort.SessionOptions()
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        elif level:
+            raise ValueError(f"variant: unknown {variant!r}")
+        start = time.perf_counter()  # what a variant does before (the experiment's preload) is not the load
         pipe = OnnxStableDiffusionPipeline.from_pretrained(
             folder, provider="CUDAExecutionProvider", provider_options={"cudnn_conv_algo_search": search},
             sess_options=options)
@@ -143,10 +178,17 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
     if timeline is not None:
         timeline[0]()
     first_s = image()
+    if sampler is not None:
+        sampler.__exit__(None, None, None)
     steady_s = statistics.median(image() for _ in range(3))
     row = {"variant": variant, "search": search, "warmup": warm == "warm", "import_s": import_s, "load_s": load_s,
            "warmup_s": warmup_s, "first_image_s": first_s, "steady_image_s": steady_s,
            "load_plus_first_s": load_s + first_s, "first_over_steady": first_s / steady_s}
+    if sampler is not None:
+        row["memory_sampled_through"] = sampler.source
+        row["sampled_peak_mib"] = sampler.peak / 2**20
+    if preload_s is not None:
+        row["conv_preload_s"] = preload_s
     if variant != "numpy":
         row["sessions_created"] = pipe.sessions_created
         row["session_creation_log"] = {name: model.session_creation_log for name, model in pipe.onnx_models.items()}

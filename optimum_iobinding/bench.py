@@ -233,15 +233,29 @@ class _ExportLock:
 
 # ------------------------------------------------------------------------------------------------- measurement
 class PeakMemory:
-    """Samples device-wide used memory (cudaMemGetInfo: ORT's arenas count too) in a thread, every 2 ms."""
+    """Samples device-wide used memory (ORT's arenas count too) in a thread, every 2 ms.
 
-    def __init__(self, device: torch.device):
+    It reads NVML (``pynvml``, from the package nvidia-ml-py) where it is installed and finds the device, and
+    ``cudaMemGetInfo`` otherwise (``source`` forces one: "nvml" or "cudart"). NVML asks the driver without going
+    through the process's CUDA context, so a sample never waits on, or holds up, a thread that loads kernels or
+    allocates in that context; the sampling used to be cudaMemGetInfo's alone, and ``benchmarks/cold_start.py``'s
+    ``sampled-*`` variants measure what each costs a first image."""
+
+    def __init__(self, device: torch.device, source: str = "auto"):
+        if source not in ("auto", "nvml", "cudart"):
+            raise ValueError(f"source: expected 'auto', 'nvml' or 'cudart', got {source!r}")
         self.device = device
         self.peak = 0
+        self._read = _nvml_reader(device) if source in ("auto", "nvml") else None
+        if self._read is None and source == "nvml":
+            raise RuntimeError("source='nvml': pynvml is not installed or does not find this device")
+        self.source = "nvml" if self._read is not None else "cudart"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def used(self) -> int:
+        if self._read is not None:
+            return self._read()
         free, total = torch.cuda.mem_get_info(self.device)
         return total - free
 
@@ -259,6 +273,22 @@ class PeakMemory:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self.used())
+
+
+def _nvml_reader(device: torch.device) -> Optional[Callable[[], int]]:
+    """A reader of the device's used bytes through NVML, the device found by its PCI address (so that
+    CUDA_VISIBLE_DEVICES needs no mapping), or None where pynvml is missing or cannot answer."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        props = torch.cuda.get_device_properties(device)
+        handle = pynvml.nvmlDeviceGetHandleByPciBusId(
+            f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0")
+        pynvml.nvmlDeviceGetMemoryInfo(handle)
+    except Exception:  # noqa: BLE001 — any failure means: sample through the CUDA runtime instead
+        return None
+    return lambda: int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
 
 
 def copied_bytes(run: Callable[[], Any]) -> Dict[str, int]:
@@ -388,7 +418,7 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
     device = torch.device("cuda", 0)
     torch.cuda.init()
     size = MODEL_SIZES[kind]
-    idle = PeakMemory(device).used()
+    idle = PeakMemory(device).used()  # the same source as the sampler below: "auto" picks the same one
     recipe = recipe_of(kind)
     steps = recipe["steps"] or steps
     short_steps = recipe["short_steps"]
@@ -428,15 +458,20 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
             image = call(steps)
         full = timed(steps)
         short = timed(short_steps)
+    own_floor = own_graph_floor(pipe) if peer in OUR_PEERS else None
     bytes_short, bytes_long = copied_bytes(lambda: call(short_steps)), copied_bytes(lambda: call(short_steps + 2))
     np.save(image_path, image.astype(np.float32))
+    per_step = (statistics.median(full) - statistics.median(short)) / (steps - short_steps)
     return {
         "peer": peer,
         "end_to_end_ms": statistics.median(full),
         "end_to_end_ms_all": full,
         "steps": steps,
-        "per_step_ms": (statistics.median(full) - statistics.median(short)) / (steps - short_steps),
+        "per_step_ms": per_step,
+        "own_floor_ms": own_floor,
+        "per_step_over_own_floor": per_step / own_floor if own_floor else None,
         "peak_memory_mib": (memory.peak - idle) / 2**20,
+        "memory_source": memory.source,
         "import_s": import_s,
         "load_s": load_s,
         "first_image_s": first_image_s,
@@ -490,7 +525,7 @@ def run_mixed(peer: str, folder: Path, kind: str, dtype: str, batches: Sequence[
         "per_round_ms": [{batch: statistics.median(times) for batch, times in calls.items()}
                          for calls in per_round_calls],
         "per_round_calls_ms": per_round_calls, "sessions_after_round": sessions_after_round,
-        "peak_memory_mib": (memory.peak - idle) / 2**20,
+        "peak_memory_mib": (memory.peak - idle) / 2**20, "memory_source": memory.source,
     }
 
 
@@ -562,6 +597,31 @@ def run_floor(folder: Path, kind: str, replays: int = 50,
     return {"peer": "floor", "per_step_ms": start.elapsed_time(end) / replays}
 
 
+def own_graph_floor(pipe, replays: int = 50) -> Optional[float]:
+    """The GPU floor measured inside a peer's own process: back-to-back replays of the UNet graph its loop captured
+    (the same graph, the same memory, the same clocks as its timed calls), in ms per replay; None where its UNet has
+    no graph or more than one (the single scenario uses one shape). ``floor`` (:func:`run_floor`) is the same
+    measurement in a process of its own; from one process to the next the same step moves by ±3 % on the H100
+    (session 13), so the per-step target compares each process's loop with its own floor."""
+    unet = getattr(pipe, "unet", None)
+    signatures = getattr(unet, "graph_signatures", [])
+    if len(signatures) != 1:
+        return None
+    runner = unet.graph_runner(signatures[0])
+    if runner is None:
+        return None
+    stream = unet.stream
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        runner.run(runner.input_buffers)
+        start.record(stream)
+        for _ in range(replays):
+            runner.run(runner.input_buffers)
+        end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 # ------------------------------------------------------------------------------------------------- orchestration
 def environment() -> Dict[str, Any]:
     import onnxruntime as ort
@@ -614,7 +674,8 @@ def combine_repeats(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         if "error" in result or "skipped" in result:
             return {**result, "repeats": kept}
     combined = dict(results[0])
-    for key in ("end_to_end_ms", "per_step_ms", "load_s", "first_image_s"):
+    for key in ("end_to_end_ms", "per_step_ms", "load_s", "first_image_s", "own_floor_ms",
+                "per_step_over_own_floor"):
         values = [result[key] for result in results if result.get(key) is not None]
         combined[key] = statistics.median(values) if values else None
     for key in ("peak_memory_mib", "htod_bytes_per_step", "dtoh_bytes_per_step"):
@@ -791,9 +852,9 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
         "trailing steps, guidance 0. Where diffusers has no numpy pipeline (SDXL, LCM), × and diff are against "
         "optimum-onnx.",
         "",
-        "| model | dtype | export | pipeline | end-to-end ms | per-step ms | × numpy | step / GPU floor | peak GPU MiB "
-        "| H↔D bytes/step | max diff vs numpy | load s | first image s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | dtype | export | pipeline | end-to-end ms | per-step ms | × numpy | step / GPU floor "
+        "| step / own graph | peak GPU MiB | H↔D bytes/step | max diff vs numpy | load s | first image s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
         floor = row.get("floor", {}).get("per_step_ms")
@@ -801,24 +862,26 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
         for peer, result in row["peers"].items():
             label = f"| {row['model']} {row['size']}² | {row['dtype']} | {row['export']} | {peer} |"
             if "skipped" in result:
-                lines.append(f"{label} — ({result['skipped']}) | | | | | | |")
+                lines.append(f"{label} — ({result['skipped']}) |" + " |" * 9)
                 continue
             if "error" in result:
-                lines.append(f"{label} failed: {result['error'].strip().splitlines()[-1][:120]} | | | | | | |")
+                lines.append(f"{label} failed: {result['error'].strip().splitlines()[-1][:120]} |" + " |" * 9)
                 continue
             speedup = f"{numpy_ms / result['end_to_end_ms']:.2f}" if numpy_ms else ""
             vs_floor = f"{result['per_step_ms'] / floor:.3f}" if floor else ""
+            own = result.get("per_step_over_own_floor")
+            vs_own = "" if own is None else f"{own:.3f} ({result['own_floor_ms']:.2f})"
             copies = result["htod_bytes_per_step"] + result["dtoh_bytes_per_step"]
             diff = result.get("max_abs_diff_vs_numpy")
             cold = " | ".join(f"{result[key]:.2f}" if result.get(key) is not None else "" for key in
                               ("load_s", "first_image_s"))
             lines.append(
                 f"{label} {result['end_to_end_ms']:.1f} | {result['per_step_ms']:.2f} | {speedup} | {vs_floor} | "
-                f"{result['peak_memory_mib']:.0f} | {copies:,.0f} | {'' if diff is None else f'{diff:.2e}'} | {cold} |"
+                f"{vs_own} | {result['peak_memory_mib']:.0f} | {copies:,.0f} | {'' if diff is None else f'{diff:.2e}'} | {cold} |"
             )
         if floor:
             lines.append(f"| {row['model']} {row['size']}² | {row['dtype']} | {row['export']} | GPU floor (UNet graph "
-                         f"replays) | | {floor:.2f} | | 1.000 | | | |")
+                         f"replays, a process of its own) | | {floor:.2f} | | 1.000 | | | | | | |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     plt = _pyplot()
     if plt is None:

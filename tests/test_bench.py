@@ -141,6 +141,7 @@ def test_repeated_processes_combine_into_their_median_and_keep_every_run():
     assert combined["end_to_end_ms_all"] == [100.0, 101.0, 80.0, 79.0, 90.0]
     assert [r["end_to_end_ms"] for r in combined["repeats"]] == [100.0, 80.0, 90.0]
     assert combine_repeats([first]) is first
+    assert combined["per_step_over_own_floor"] is None  # no process measured its own graph (numpy, binding)
     failed = combine_repeats([first, {"error": "Traceback\nRuntimeError: boom"}])
     assert failed["error"].endswith("boom") and len(failed["repeats"]) == 2
 
@@ -239,3 +240,47 @@ def test_the_cold_start_timeline_wraps_what_the_library_has(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     rows = done.stdout.strip().splitlines()[-1]
     assert "'session unet'" in rows and "'run 1 unet (host)'" in rows and "'run 1 vae_decoder (host)'" in rows
+
+
+def test_each_process_compares_its_loop_with_its_own_graph_and_the_table_shows_both_floors(tmp_path):
+    """The per-step target divides each process's step by the replays of the very graph its loop ran, and the
+    combined result is the median of those ratios (not a ratio of medians from different processes)."""
+    from optimum_iobinding.bench import combine_repeats
+
+    processes = [{**peer(90.0, step), "own_floor_ms": floor, "per_step_over_own_floor": step / floor}
+                 for step, floor in ((2.36, 2.32), (2.27, 2.25), (2.37, 2.31))]
+    combined = combine_repeats(processes)
+    assert combined["per_step_over_own_floor"] == pytest.approx(2.36 / 2.32)
+    assert combined["own_floor_ms"] == 2.31
+    results = {
+        "environment": {"device": "GPU", "command": "optimum-iobinding bench"}, "steps": 30, "runs": 3, "warmup": 1,
+        "rows": [{"model": "small", "size": 256, "dtype": "fp16", "export": "optimized", "reference": "numpy",
+                  "floor": {"per_step_ms": 2.27},
+                  "peers": {"numpy": peer(350.0, 9.0), "defaults": combined}}],
+    }
+    write_report(results, tmp_path)
+    table = (tmp_path / "results.md").read_text()
+    assert "| small 256² | fp16 | optimized | defaults | 90.0 | 2.36 | 3.89 | 1.040 | 1.017 (2.31) |" in table
+    numpy_row = next(line for line in table.splitlines() if "| numpy |" in line)
+    assert numpy_row.split("|")[9].strip() == ""  # no graph, no own floor
+
+
+def test_a_pipeline_without_a_captured_unet_graph_has_no_own_floor():
+    from types import SimpleNamespace
+
+    from optimum_iobinding.bench import own_graph_floor
+
+    assert own_graph_floor(SimpleNamespace()) is None
+    assert own_graph_floor(SimpleNamespace(unet=SimpleNamespace(graph_signatures=[]))) is None
+    two = [{"sample": (2, 4, 32, 32)}, {"sample": (8, 4, 32, 32)}]
+    assert own_graph_floor(SimpleNamespace(unet=SimpleNamespace(graph_signatures=two))) is None
+
+
+def test_the_memory_sampler_names_its_source_and_refuses_an_unknown_one():
+    import torch
+
+    from optimum_iobinding.bench import PeakMemory
+
+    with pytest.raises(ValueError, match="source: expected 'auto', 'nvml' or 'cudart', got 'smi'"):
+        PeakMemory(torch.device("cuda", 0), source="smi")
+    assert PeakMemory(torch.device("cuda", 0), source="cudart").source == "cudart"
