@@ -74,7 +74,8 @@ run_step() {
     sd15-fp16-mixed) bench --scenario mixed --cycles "${MIXED_CYCLES:-5}" --models sd15 --dtypes fp16 --exports optimized --out "$out/sd15-fp16-mixed" ;;
     # scripts read an export folder: make it first (or wait for EXPORT_AHEAD's, which holds the lock)
     cold-start) bench --export-only --models sd15 --dtypes fp16 --exports optimized &&
-                script benchmarks/cold_start.py --folder "$work/sd15-fp16-optimized" --out "$out/cold-start" ;;
+                script benchmarks/cold_start.py --folder "$work/sd15-fp16-optimized" --out "$out/cold-start" \
+                  ${COLD_VARIANTS:+--variants "$COLD_VARIANTS"} ;;
     signature-memory) bench --export-only --models sd15 --dtypes fp16 --exports optimized &&
                       script benchmarks/signature_memory.py --folder "$work/sd15-fp16-optimized" --out "$out/signature-memory" ;;
     # Ray Serve (issue 15): after bash .device/rdeps/install-ray.sh; every GPU of the machine gets a replica

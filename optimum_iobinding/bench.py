@@ -233,25 +233,31 @@ class _ExportLock:
 
 # ------------------------------------------------------------------------------------------------- measurement
 class PeakMemory:
-    """Samples device-wide used memory (ORT's arenas count too) in a thread, every 2 ms.
+    """Samples device-wide used memory (ORT's arenas count too) every 2 ms or sooner, from load to the last call.
 
-    It reads NVML (``pynvml``, from the package nvidia-ml-py) where it is installed and finds the device, and
-    ``cudaMemGetInfo`` otherwise (``source`` forces one: "nvml" or "cudart"). NVML asks the driver without going
-    through the process's CUDA context, so a sample never waits on, or holds up, a thread that loads kernels or
-    allocates in that context; the sampling used to be cudaMemGetInfo's alone, and ``benchmarks/cold_start.py``'s
-    ``sampled-*`` variants measure what each costs a first image."""
+    ``source``:
+      * ``"process"`` (what ``"auto"`` picks where ``pynvml``, from the package nvidia-ml-py, finds the device): a
+        child process polls NVML every millisecond. The measured process runs no sampling thread at all.
+      * ``"nvml"``: a thread of this process polls NVML every 2 ms.
+      * ``"cudart"`` (what ``"auto"`` falls back to): a thread polls ``cudaMemGetInfo`` every 2 ms, as the bench did
+        up to session 13.
+    A sampling thread competes for the GIL with the pipeline's own threads. On the H100 the first image of a fresh
+    process came 0.75 s later with either thread sampling than without (session 14, ``benchmarks/cold_start.py``'s
+    ``sampled-*`` variants: 4.50 and 4.52 s against 3.75 s), which made the bench's cold-start columns read ours
+    about 0.8 s slower than ``cold_start.py`` did in sessions 13 and 14."""
 
     def __init__(self, device: torch.device, source: str = "auto"):
-        if source not in ("auto", "nvml", "cudart"):
-            raise ValueError(f"source: expected 'auto', 'nvml' or 'cudart', got {source!r}")
+        if source not in ("auto", "process", "nvml", "cudart"):
+            raise ValueError(f"source: expected 'auto', 'process', 'nvml' or 'cudart', got {source!r}")
         self.device = device
         self.peak = 0
-        self._read = _nvml_reader(device) if source in ("auto", "nvml") else None
-        if self._read is None and source == "nvml":
-            raise RuntimeError("source='nvml': pynvml is not installed or does not find this device")
-        self.source = "nvml" if self._read is not None else "cudart"
+        self._read = _nvml_reader(device) if source != "cudart" else None
+        if self._read is None and source in ("process", "nvml"):
+            raise RuntimeError(f"source={source!r}: pynvml is not installed or does not find this device")
+        self.source = source if source != "auto" else ("process" if self._read is not None else "cudart")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._child: Optional[subprocess.Popen] = None
 
     def used(self) -> int:
         if self._read is not None:
@@ -266,13 +272,44 @@ class PeakMemory:
 
     def __enter__(self) -> "PeakMemory":
         self.peak = self.used()
-        self._thread.start()
+        if self.source == "process":
+            self._child = subprocess.Popen([sys.executable, "-c", _SAMPLER, _pci_bus_id(self.device)],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            ready = self._child.stdout.readline().strip()
+            if ready != "ready":
+                self._child.kill()
+                raise RuntimeError(f"the memory sampling process did not start (it said {ready!r})")
+        else:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
+        if self._child is not None:
+            answer, _ = self._child.communicate("stop\n", timeout=30)
+            self.peak = max(self.peak, int(answer.split()[-1]))
+        else:
+            self._stop.set()
+            self._thread.join()
         self.peak = max(self.peak, self.used())
+
+
+# the sampling process: NVML's used bytes of one device every millisecond until a line comes in; then the peak
+_SAMPLER = """
+import select, sys, pynvml
+pynvml.nvmlInit()
+handle = pynvml.nvmlDeviceGetHandleByPciBusId(sys.argv[1])
+read = lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used
+peak = read()
+print("ready", flush=True)
+while not select.select([sys.stdin], [], [], 0.001)[0]:
+    peak = max(peak, read())
+print(max(peak, read()), flush=True)
+"""
+
+
+def _pci_bus_id(device: torch.device) -> str:
+    props = torch.cuda.get_device_properties(device)
+    return f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
 
 
 def _nvml_reader(device: torch.device) -> Optional[Callable[[], int]]:
@@ -282,9 +319,7 @@ def _nvml_reader(device: torch.device) -> Optional[Callable[[], int]]:
         import pynvml
 
         pynvml.nvmlInit()
-        props = torch.cuda.get_device_properties(device)
-        handle = pynvml.nvmlDeviceGetHandleByPciBusId(
-            f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0")
+        handle = pynvml.nvmlDeviceGetHandleByPciBusId(_pci_bus_id(device))
         pynvml.nvmlDeviceGetMemoryInfo(handle)
     except Exception:  # noqa: BLE001 — any failure means: sample through the CUDA runtime instead
         return None
@@ -458,6 +493,25 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
             image = call(steps)
         full = timed(steps)
         short = timed(short_steps)
+
+        def gpu_step_ms() -> float:
+            # CUDA events on the pipeline's stream at the end of the first and of the last step (the old-style
+            # callback at steps 0 and steps - 1 only: the loop copies its constant inputs once more after it)
+            events: Dict[int, torch.cuda.Event] = {}
+
+            def mark(i: int, _t: Any, _latents: Any) -> None:
+                events[i] = torch.cuda.Event(enable_timing=True)
+                events[i].record()
+
+            with torch.inference_mode():
+                pipe(PROMPT, height=size, width=size, num_inference_steps=steps, guidance_scale=recipe["guidance"],
+                     latents=latents_of(latents), output_type="np", generator=torch.Generator("cuda").manual_seed(0),
+                     callback=mark, callback_steps=steps - 1)
+            torch.cuda.synchronize()
+            return events[0].elapsed_time(events[steps - 1]) / (steps - 1)
+
+        # the loop's GPU time per step inside whole calls (ours): no difference of two noisy medians in it
+        gpu_steps = [gpu_step_ms() for _ in range(runs)] if peer in OUR_PEERS and steps > 2 else None
     own_floor = own_graph_floor(pipe) if peer in OUR_PEERS else None
     bytes_short, bytes_long = copied_bytes(lambda: call(short_steps)), copied_bytes(lambda: call(short_steps + 2))
     np.save(image_path, image.astype(np.float32))
@@ -468,8 +522,11 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
         "end_to_end_ms_all": full,
         "steps": steps,
         "per_step_ms": per_step,
+        "gpu_step_ms": statistics.median(gpu_steps) if gpu_steps else None,
+        "gpu_step_ms_all": gpu_steps,
         "own_floor_ms": own_floor,
         "per_step_over_own_floor": per_step / own_floor if own_floor else None,
+        "gpu_step_over_own_floor": statistics.median(gpu_steps) / own_floor if own_floor and gpu_steps else None,
         "peak_memory_mib": (memory.peak - idle) / 2**20,
         "memory_source": memory.source,
         "import_s": import_s,
@@ -675,7 +732,7 @@ def combine_repeats(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
             return {**result, "repeats": kept}
     combined = dict(results[0])
     for key in ("end_to_end_ms", "per_step_ms", "load_s", "first_image_s", "own_floor_ms",
-                "per_step_over_own_floor"):
+                "per_step_over_own_floor", "gpu_step_ms", "gpu_step_over_own_floor"):
         values = [result[key] for result in results if result.get(key) is not None]
         combined[key] = statistics.median(values) if values else None
     for key in ("peak_memory_mib", "htod_bytes_per_step", "dtoh_bytes_per_step"):
@@ -853,8 +910,9 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
         "optimum-onnx.",
         "",
         "| model | dtype | export | pipeline | end-to-end ms | per-step ms | × numpy | step / GPU floor "
-        "| step / own graph | peak GPU MiB | H↔D bytes/step | max diff vs numpy | load s | first image s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| step / own graph | GPU step / own graph | peak GPU MiB | H↔D bytes/step | max diff vs numpy | load s "
+        "| first image s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
         floor = row.get("floor", {}).get("per_step_ms")
@@ -862,26 +920,28 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
         for peer, result in row["peers"].items():
             label = f"| {row['model']} {row['size']}² | {row['dtype']} | {row['export']} | {peer} |"
             if "skipped" in result:
-                lines.append(f"{label} — ({result['skipped']}) |" + " |" * 9)
+                lines.append(f"{label} — ({result['skipped']}) |" + " |" * 10)
                 continue
             if "error" in result:
-                lines.append(f"{label} failed: {result['error'].strip().splitlines()[-1][:120]} |" + " |" * 9)
+                lines.append(f"{label} failed: {result['error'].strip().splitlines()[-1][:120]} |" + " |" * 10)
                 continue
             speedup = f"{numpy_ms / result['end_to_end_ms']:.2f}" if numpy_ms else ""
             vs_floor = f"{result['per_step_ms'] / floor:.3f}" if floor else ""
             own = result.get("per_step_over_own_floor")
             vs_own = "" if own is None else f"{own:.3f} ({result['own_floor_ms']:.2f})"
+            gpu_own = result.get("gpu_step_over_own_floor")
+            gpu_vs_own = "" if gpu_own is None else f"{gpu_own:.3f} ({result['gpu_step_ms']:.3f})"
             copies = result["htod_bytes_per_step"] + result["dtoh_bytes_per_step"]
             diff = result.get("max_abs_diff_vs_numpy")
             cold = " | ".join(f"{result[key]:.2f}" if result.get(key) is not None else "" for key in
                               ("load_s", "first_image_s"))
             lines.append(
                 f"{label} {result['end_to_end_ms']:.1f} | {result['per_step_ms']:.2f} | {speedup} | {vs_floor} | "
-                f"{vs_own} | {result['peak_memory_mib']:.0f} | {copies:,.0f} | {'' if diff is None else f'{diff:.2e}'} | {cold} |"
+                f"{vs_own} | {gpu_vs_own} | {result['peak_memory_mib']:.0f} | {copies:,.0f} | {'' if diff is None else f'{diff:.2e}'} | {cold} |"
             )
         if floor:
             lines.append(f"| {row['model']} {row['size']}² | {row['dtype']} | {row['export']} | GPU floor (UNet graph "
-                         f"replays, a process of its own) | | {floor:.2f} | | 1.000 | | | | | | |")
+                         f"replays, a process of its own) | | {floor:.2f} | | 1.000 |" + " |" * 7)
     (out / "results.md").write_text("\n".join(lines) + "\n")
     plt = _pyplot()
     if plt is None:

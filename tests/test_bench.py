@@ -247,11 +247,13 @@ def test_each_process_compares_its_loop_with_its_own_graph_and_the_table_shows_b
     combined result is the median of those ratios (not a ratio of medians from different processes)."""
     from optimum_iobinding.bench import combine_repeats
 
-    processes = [{**peer(90.0, step), "own_floor_ms": floor, "per_step_over_own_floor": step / floor}
-                 for step, floor in ((2.36, 2.32), (2.27, 2.25), (2.37, 2.31))]
+    processes = [{**peer(90.0, step), "own_floor_ms": floor, "per_step_over_own_floor": step / floor,
+                  "gpu_step_ms": gpu, "gpu_step_over_own_floor": gpu / floor}
+                 for step, floor, gpu in ((2.36, 2.32, 2.33), (2.27, 2.25, 2.30), (2.37, 2.31, 2.34))]
     combined = combine_repeats(processes)
     assert combined["per_step_over_own_floor"] == pytest.approx(2.36 / 2.32)
-    assert combined["own_floor_ms"] == 2.31
+    assert combined["gpu_step_over_own_floor"] == pytest.approx(2.34 / 2.31)
+    assert combined["own_floor_ms"] == 2.31 and combined["gpu_step_ms"] == 2.33
     results = {
         "environment": {"device": "GPU", "command": "optimum-iobinding bench"}, "steps": 30, "runs": 3, "warmup": 1,
         "rows": [{"model": "small", "size": 256, "dtype": "fp16", "export": "optimized", "reference": "numpy",
@@ -260,9 +262,12 @@ def test_each_process_compares_its_loop_with_its_own_graph_and_the_table_shows_b
     }
     write_report(results, tmp_path)
     table = (tmp_path / "results.md").read_text()
-    assert "| small 256² | fp16 | optimized | defaults | 90.0 | 2.36 | 3.89 | 1.040 | 1.017 (2.31) |" in table
+    assert ("| small 256² | fp16 | optimized | defaults | 90.0 | 2.36 | 3.89 | 1.040 | 1.017 (2.31) | 1.013 (2.330) |"
+            in table)
     numpy_row = next(line for line in table.splitlines() if "| numpy |" in line)
-    assert numpy_row.split("|")[9].strip() == ""  # no graph, no own floor
+    assert numpy_row.split("|")[9].strip() == numpy_row.split("|")[10].strip() == ""  # no graph, no own floor
+    header = table.splitlines()[4]
+    assert all(line.count("|") == header.count("|") for line in table.splitlines()[4:] if line.startswith("|"))
 
 
 def test_a_pipeline_without_a_captured_unet_graph_has_no_own_floor():
@@ -281,6 +286,33 @@ def test_the_memory_sampler_names_its_source_and_refuses_an_unknown_one():
 
     from optimum_iobinding.bench import PeakMemory
 
-    with pytest.raises(ValueError, match="source: expected 'auto', 'nvml' or 'cudart', got 'smi'"):
+    with pytest.raises(ValueError, match="source: expected 'auto', 'process', 'nvml' or 'cudart', got 'smi'"):
         PeakMemory(torch.device("cuda", 0), source="smi")
     assert PeakMemory(torch.device("cuda", 0), source="cudart").source == "cudart"
+
+
+def test_the_sampling_process_reports_the_peak_it_saw_between_enter_and_exit(tmp_path, monkeypatch):
+    """The sampler of ``source="process"`` is a child process polling NVML (here a stand-in pynvml whose used
+    memory is 100 at its start, 700 at its next read, whether that comes in its loop or at the stop, and 150 after),
+    so that the measured process runs no sampling thread."""
+    import torch
+
+    from optimum_iobinding import bench
+
+    (tmp_path / "pynvml.py").write_text(
+        "import itertools\n"
+        "from types import SimpleNamespace\n"
+        "reads = itertools.chain([100, 700], itertools.repeat(150))\n"
+        "def nvmlInit(): pass\n"
+        "def nvmlDeviceGetHandleByPciBusId(bus):\n"
+        "    assert bus == '00000000:17:00.0', bus\n"
+        "    return 'handle'\n"
+        "def nvmlDeviceGetMemoryInfo(handle): return SimpleNamespace(used=next(reads))\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(bench, "_nvml_reader", lambda device: lambda: 120)
+    monkeypatch.setattr(bench, "_pci_bus_id", lambda device: "00000000:17:00.0")
+    sampler = bench.PeakMemory(torch.device("cuda", 0))
+    assert sampler.source == "process"
+    with sampler:
+        pass
+    assert sampler.peak == 700 and sampler._child.returncode == 0
