@@ -13,7 +13,9 @@ own environment — pass its site folder with ``--optimum-pythonpath``):
 
 Every pipeline gets the same initial latents, prompt, DDIM scheduler and step count. Reported per pipeline: end-to-end
 ms (median of ``--runs`` after ``--warmup``), per-step ms ((median at N steps − median at 2 steps) / (N − 2): the loop
-alone), peak GPU memory above the process's idle (device-wide, sampled every 2 ms, so ORT's arenas count), host↔device
+alone), for ours also the GPU's time per step inside whole calls (CUDA events at the first and the last step) and
+their UNet graph replayed alone in the same process, peak GPU memory above the process's idle (device-wide, sampled
+every millisecond by a child process through NVML where pynvml is installed, so ORT's arenas count), host↔device
 bytes per step (profiled: (bytes at 4 steps − bytes at 2 steps) / 2), the largest pixel difference from the numpy
 pipeline's image, and the cold start: seconds to load the pipeline (its imports timed apart, as ``import_s``) and seconds
 for its first image (fresh process).
