@@ -8,9 +8,10 @@ each cuDNN algorithm search, ours with ORT's graph optimizations at the basic le
 offline), ours after ``pipe.warmup(...)``, ours with the bench's memory sampler running through the load and the
 first image (the sources of ``optimum_iobinding.bench.PeakMemory``: ``sampled-cudart``, a thread calling
 cudaMemGetInfo every 2 ms, what the bench did up to session 13; ``sampled-nvml``, a thread reading NVML;
-``sampled-process``, a child process reading NVML, what the bench does now), ours after one Conv has run through ONNX Runtime before the load (``conv-preloaded``: cuDNN
-already loaded), and ours cold again with the first image's work timed piece by piece (``first_image_timeline``:
-weight loading, session creations, each model's first runs on the host and on the GPU).
+``sampled-process``, a child process reading NVML, what the bench does now), ours after one Conv has run through
+ONNX Runtime before the load (``conv-preloaded``: cuDNN already loaded), and ours cold again with the first image's
+work timed piece by piece (``first_image_timeline``: weight loading, session creations, each model's first runs on
+the host and on the GPU).
 For ours, each component's session creations are listed with their seconds (``session_creation_log``).
 
     python benchmarks/cold_start.py --folder WORK/sd15-fp16-optimized --out OUT/cold-start
@@ -46,7 +47,8 @@ def conv_session_run(ort, search: str) -> None:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, 320, 64, 64])], [weight])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8  # what every ONNX Runtime since 1.10 reads (onnx's newest IR may be newer than ORT's)
-    session = ort.InferenceSession(model.SerializeToString(), providers=[("CUDAExecutionProvider", {"cudnn_conv_algo_search": search})])
+    session = ort.InferenceSession(model.SerializeToString(),
+                                   providers=[("CUDAExecutionProvider", {"cudnn_conv_algo_search": search})])
     session.run(None, {"x": np.ones((1, 4, 64, 64), np.float16)})
 
 
@@ -147,7 +149,7 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
             conv_session_run(ort, search)
             preload_s, level = time.perf_counter() - begin, []
         if level and level[0].startswith("sampled-"):
-            # the bench's memory sampler (every 2 ms) running through the load and the first image, as in a bench
+            # the bench's memory sampler running through the load and the first image, as in a bench
             from optimum_iobinding.bench import PeakMemory
 
             sampler, level = PeakMemory(torch.device("cuda", 0), source=level[0][len("sampled-"):]), []
