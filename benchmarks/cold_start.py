@@ -30,7 +30,7 @@ from pathlib import Path
 VARIANTS = ("numpy", "HEURISTIC:cold", "HEURISTIC:cold:sampled-cudart", "HEURISTIC:cold:sampled-process",
             "HEURISTIC:cold:conv-preloaded", "HEURISTIC:warm", "HEURISTIC:cold:timeline")
 # also measured before (sessions 6-14), and still accepted by --variants: EXHAUSTIVE:cold, EXHAUSTIVE:warm,
-# HEURISTIC:cold:basic, HEURISTIC:cold:sampled-nvml
+# HEURISTIC:cold:basic, HEURISTIC:cold:sampled-nvml, HEURISTIC:cold:unet-native (the UNet's session from the file)
 
 
 def conv_session_run(ort, search: str) -> None:
@@ -154,16 +154,20 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
 
             sampler, level = PeakMemory(torch.device("cuda", 0), source=level[0][len("sampled-"):]), []
             sampler.__enter__()
-        options = None
+        options = component_options = None
         if level == ["basic"]:
             options = ort.SessionOptions()
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        elif level == ["unet-native"]:
+            # an experiment: the UNet's one session made by ORT from the file (its own parse and upload), not from
+            # weights the project owns (which LoRA and sessions per signature need)
+            component_options = {"unet": {"share_weights": False}}
         elif level:
             raise ValueError(f"variant: unknown {variant!r}")
         start = time.perf_counter()  # what a variant does before (the experiment's preload) is not the load
         pipe = OnnxStableDiffusionPipeline.from_pretrained(
             folder, provider="CUDAExecutionProvider", provider_options={"cudnn_conv_algo_search": search},
-            sess_options=options)
+            sess_options=options, component_options=component_options)
     pipe.set_progress_bar_config(disable=True)
     load_s = time.perf_counter() - start
     warmup_s = None
