@@ -469,14 +469,14 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
             return {"peer": peer, "skipped": str(reason)}
         load_s = time.perf_counter() - start
 
-        def call(num_steps: int):
+        def call(num_steps: int, **extra: Any):
             # stochastic steps (LCM, Euler ancestral) draw from a seeded device generator, the same for every peer
             # but the numpy one (diffusers' ONNX pipeline takes numpy generators only)
             noise = {} if peer == "numpy" else {"generator": torch.Generator("cuda").manual_seed(0)}
             with torch.inference_mode():
                 images = pipe(PROMPT, height=size, width=size, num_inference_steps=num_steps,
                               guidance_scale=recipe["guidance"], latents=latents_of(latents), output_type="np",
-                              **noise).images
+                              **noise, **extra).images
             torch.cuda.synchronize()
             return np.asarray(images)
 
@@ -505,11 +505,7 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
                 events[i] = torch.cuda.Event(enable_timing=True)
                 events[i].record()
 
-            with torch.inference_mode():
-                pipe(PROMPT, height=size, width=size, num_inference_steps=steps, guidance_scale=recipe["guidance"],
-                     latents=latents_of(latents), output_type="np", generator=torch.Generator("cuda").manual_seed(0),
-                     callback=mark, callback_steps=steps - 1)
-            torch.cuda.synchronize()
+            call(steps, callback=mark, callback_steps=steps - 1)
             return events[0].elapsed_time(events[steps - 1]) / (steps - 1)
 
         # the loop's GPU time per step inside whole calls (ours): no difference of two noisy medians in it
@@ -647,13 +643,19 @@ def run_floor(folder: Path, kind: str, replays: int = 50,
         runner = unet.graph_runner({name: tuple(tensor.shape) for name, tensor in inputs.items()})
         if runner is None:
             return {"peer": "floor", "error": "the UNet could not be captured as a CUDA graph"}
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    return {"peer": "floor", "per_step_ms": replay_ms(runner, stream, replays)}
+
+
+def replay_ms(runner, stream: "torch.cuda.Stream", replays: int) -> float:
+    """ms per replay of ``runner``'s graph, ``replays`` of them back to back on ``stream`` (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
         start.record(stream)
         for _ in range(replays):
             runner.run(runner.input_buffers)
         end.record(stream)
     end.synchronize()
-    return {"peer": "floor", "per_step_ms": start.elapsed_time(end) / replays}
+    return start.elapsed_time(end) / replays
 
 
 def own_graph_floor(pipe, replays: int = 50) -> Optional[float]:
@@ -669,16 +671,9 @@ def own_graph_floor(pipe, replays: int = 50) -> Optional[float]:
     runner = unet.graph_runner(signatures[0])
     if runner is None:
         return None
-    stream = unet.stream
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(unet.stream):
         runner.run(runner.input_buffers)
-        start.record(stream)
-        for _ in range(replays):
-            runner.run(runner.input_buffers)
-        end.record(stream)
-    end.synchronize()
-    return start.elapsed_time(end) / replays
+    return replay_ms(runner, unet.stream, replays)
 
 
 # ------------------------------------------------------------------------------------------------- orchestration
