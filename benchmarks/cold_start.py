@@ -30,7 +30,8 @@ from pathlib import Path
 VARIANTS = ("numpy", "HEURISTIC:cold", "HEURISTIC:cold:sampled-cudart", "HEURISTIC:cold:sampled-process",
             "HEURISTIC:cold:conv-preloaded", "HEURISTIC:warm", "HEURISTIC:cold:timeline")
 # also measured before (sessions 6-14), and still accepted by --variants: EXHAUSTIVE:cold, EXHAUSTIVE:warm,
-# HEURISTIC:cold:basic, HEURISTIC:cold:sampled-nvml, HEURISTIC:cold:unet-native (the UNet's session from the file)
+# HEURISTIC:cold:basic, HEURISTIC:cold:sampled-nvml, HEURISTIC:cold:unet-native (the UNet's weights never owned);
+# new in session 15: HEURISTIC:cold:unet-owned (its weights owned from the start, the default up to session 14)
 
 
 def conv_session_run(ort, search: str) -> None:
@@ -159,9 +160,12 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
             options = ort.SessionOptions()
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         elif level == ["unet-native"]:
-            # an experiment: the UNet's one session made by ORT from the file (its own parse and upload), not from
-            # weights the project owns (which LoRA and sessions per signature need)
+            # the UNet's one session made by ORT from the file, its weights never owned (the default makes the same
+            # session, and owns the weights only when a second session or LoRA needs them)
             component_options = {"unet": {"share_weights": False}}
+        elif level == ["unet-owned"]:
+            # the default up to session 14: the UNet's weights parsed and uploaded by the project, then handed to ORT
+            component_options = {"unet": {"share_weights": True}}
         elif level:
             raise ValueError(f"variant: unknown {variant!r}")
         start = time.perf_counter()  # what a variant does before (the experiment's preload) is not the load

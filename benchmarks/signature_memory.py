@@ -28,6 +28,7 @@ def measure(folder: str, variant: str, batches, size: int) -> dict:
     import torch
 
     from optimum_iobinding import IOBindingORTModel
+    from optimum_iobinding.session import load_owned_weights
 
     def used() -> int:
         torch.cuda.synchronize()
@@ -39,7 +40,9 @@ def measure(folder: str, variant: str, batches, size: int) -> dict:
     options = VARIANTS[variant]
     unet = IOBindingORTModel.from_pretrained(folder, subfolder="unet", provider="CUDAExecutionProvider",
                                              provider_options=options or {}, cuda_graph=options is not None)
-    weights = sum(w.numel() * w.element_size() for w in unet.owned_weights.values())
+    # the weights' size from the file: by default the one graph session loads them itself (none owned)
+    weights = sum(w.numel() * w.element_size() for w in load_owned_weights(unet.model_path, torch.device("cpu"),
+                                                                           min_elements=1).values())
     loaded = used()
     hidden = unet.input_dims["encoder_hidden_states"][2]
     timestep_dims = unet.input_dims["timestep"]

@@ -243,8 +243,11 @@ class GraphPool:
     against 938 MiB with a session per signature (``benchmarks/results/h100/session7``). ORT refuses such a session
     when a node must run on the CPU between CUDA nodes (the text encoder's ArgMax over token ids); that model's
     signatures then get a session each, with the free dims fixed so that ORT folds the shape arithmetic. Either way
-    every session comes from the model's :class:`~optimum_iobinding.session.SessionRecipe`, whose owned weights
-    they all read: a signature never costs another copy of the weights.
+    every session comes from the model's :class:`~optimum_iobinding.session.SessionRecipe`: a signature never costs
+    another copy of the weights. Where the recipe owns its weights on need (the default), the one session loads them
+    itself from the file (ONNX Runtime's own loading puts it up sooner: README "One session, a graph per
+    signature"); before the pool makes any other session, the weights become owned tensors, the one session (and
+    the graphs captured in it) is dropped and made again around them, once, so that all sessions read one copy.
 
     Args:
         recipe: makes the sessions.
@@ -283,6 +286,7 @@ class GraphPool:
         self.lock = threading.RLock()
         self.one_session = one_session and recipe.providers[0] == "CUDAExecutionProvider"
         self._shared: Optional[ort.InferenceSession] = None  # the one session whose graphs every signature shares
+        self.shared_updates = {"enable_cuda_graph": "1"}  # the first provider's options for it
         self.shared_refused: Optional[str] = None  # why ORT refused it (then: a session per signature)
         self._next_graph_id = 1  # never reused: a dropped signature's graph keeps the addresses it captured
         # why ORT refused graph capture for a fixed-shape session (a node it keeps on the CPU): later signatures go
@@ -321,6 +325,31 @@ class GraphPool:
         with self.lock:
             return [signature for signature, entry in self.entries.items() if isinstance(entry, CudaGraphRunner)]
 
+    def own_weights(self, why: str) -> None:
+        """Every session from now on reads the recipe's owned weights. The one graph session, if it loaded its
+        weights itself, is dropped with the graphs captured in it (each signature captures again on its next call),
+        so that the device never holds two copies of the weights."""
+        with self.lock:
+            if self.recipe.share_weights:
+                return
+            shared, self._shared = self._shared, None
+            if shared is not None:
+                dropped = [signature for signature, entry in self.entries.items()
+                           if isinstance(entry, CudaGraphRunner) and entry.session is shared]
+                for signature in dropped:
+                    del self.entries[signature]
+                    self._overrides.pop(signature, None)
+                logger.info("%s: %s, so its weights become tensors the project owns, read by every session: the one "
+                            "graph session (which loaded them from the file) is made again around them, and its %d "
+                            "graph(s) captured again on their next call", self.name, why, len(dropped))
+                del shared, dropped
+            self.recipe.start_owning()
+
+    def _before_another_session(self, why: str) -> None:
+        """Called before the pool makes a session other than the one graph session."""
+        if self.recipe.owns_on_need and not self.recipe.share_weights:
+            self.own_weights(why)
+
     def _make(self, signature, declared, input_specs, output_shapes):
         input_shapes = {name: shape for name, (shape, _) in input_specs.items()}
         overrides, problems = free_dimension_overrides(declared, input_shapes)
@@ -347,7 +376,8 @@ class GraphPool:
         with self.lock:
             if self.one_session and self._shared is None and self.shared_refused is None:
                 try:
-                    self._shared = self.recipe.create(provider_updates={"enable_cuda_graph": "1"}, quiet=True)
+                    self._shared = self.recipe.create(provider_updates=self.shared_updates, quiet=True)
+                    self.recipe.release_parse()  # the session loaded the weights itself (unless they are owned)
                 except Exception as error:  # a node left on the CPU: ORT refuses capture for the whole session
                     self.shared_refused = str(error)
                     logger.info("%s: one session cannot capture a graph for every input shape, so each shape gets a "
@@ -379,6 +409,7 @@ class GraphPool:
         if self.placement_refused is not None:
             # a node stayed on the CPU with one signature's dims fixed: it stays there with any other's
             raise RuntimeError(self.placement_refused)
+        self._before_another_session("it needs a session per input signature")
         try:
             session = self.recipe.create(overrides, updates, quiet=True)
         except ValueError as error:
@@ -390,6 +421,7 @@ class GraphPool:
 
     def _fixed_session(self, signature: Signature, overrides: Mapping[str, int]) -> Optional[FixedShapeSession]:
         try:
+            self._before_another_session(f"input shapes {dict(signature)} need a session without a graph")
             return FixedShapeSession(self.recipe.create(overrides))
         except Exception as error:  # the dynamic session can still run it
             logger.info("%s: input shapes %s run in the model's dynamic session; a fixed-shape one failed: %s",

@@ -93,7 +93,9 @@ class IOBindingORTModel:
     (a node left on the CPU), each signature gets a session whose free dims are fixed to its shapes. Where capture is
     off or fails, a fixed-shape session runs the signature without a graph (its convolutions keep the algorithms
     chosen for that shape, which ORT searches again whenever a session's shape changes). All of them use one copy of
-    the weights (``share_weights``).
+    the weights: the one session loads them itself from the file; where a second session is needed (a signature ORT
+    cannot capture in it, a model ORT refuses as one session, :meth:`own_weights` for runtime LoRA), they become
+    tensors the project owns, read by every session (``share_weights``).
 
     With ``io_binding=False`` the model runs plain ``session.run`` on numpy arrays — the numpy baseline — and returns
     CPU torch tensors.
@@ -116,9 +118,12 @@ class IOBindingORTModel:
             is a warning and a model that cannot have graphs at all (CPU, no binding) is an error; ``False``: never.
         max_graph_signatures: how many signatures keep their pool entry (least recently used go first); ``None``
             (default): all of them, bounded by memory.
-        share_weights: keep the float weights once as torch tensors on the device, shared by every session of the
-            model (``None``: where the model keeps a pool, CUDA with binding). The tensors are
-            :attr:`owned_weights`; an in-place change is seen by every session's next run, graphs included.
+        share_weights: ``True``: keep the float weights once as torch tensors on the device, shared by every
+            session of the model (:attr:`owned_weights`; an in-place change is seen by every session's next run,
+            graphs included). ``None`` (default): where the model keeps a graph pool (CUDA with binding), the one
+            graph session loads the weights itself, and they become owned on first need (a second session, or
+            :meth:`own_weights`), the graph session being made again around them once; elsewhere never unless
+            :meth:`own_weights` is called. ``False``: never (each session of the pool loads its own copy).
     """
 
     SIBLING_SETTINGS = ("reuse_outputs", "max_output_signatures", "cuda_graph", "max_graph_signatures")
@@ -185,7 +190,7 @@ class IOBindingORTModel:
                                  "made with the provider option user_compute_stream)")
             raise ValueError("cuda_graph: the session was created from neither a path nor bytes, so no session "
                              "with fixed dims can be made for a graph")
-        keeps_pool = pool_possible and (cuda_graph is not False or recipe.share_weights)
+        keeps_pool = pool_possible and (cuda_graph is not False or recipe.share_weights or recipe.owns_on_need)
         if session is None and not (keeps_pool and isinstance(recipe.source, str)):
             session = recipe.create()
         if session is not None:
@@ -250,6 +255,8 @@ class IOBindingORTModel:
         if not self._recipe.can_create:
             raise RuntimeError("sibling: the session was created from neither a path nor bytes, so it cannot be "
                                "created again")
+        if self._pool is not None and self._recipe.owns_on_need:
+            self.own_weights()  # the sibling's sessions and this model's read one copy of the weights
         settings = {name: getattr(self, name) for name in self.SIBLING_SETTINGS}
         settings.update(changes)
         return IOBindingORTModel(self._recipe, io_binding=self.io_binding, config=self.config, **settings)
@@ -379,6 +386,8 @@ class IOBindingORTModel:
         if self._session is None:
             with self._lock:
                 if self._session is None:
+                    if self._pool is not None:  # a second session of the recipe: one copy of the weights for both
+                        self._pool._before_another_session("it needs its dynamic session")
                     session = self._recipe.create()
                     self._binding = session.io_binding() if self.io_binding else None
                     self._session = session
@@ -456,22 +465,27 @@ class IOBindingORTModel:
         return self._pool is not None
 
     def own_weights(self) -> Dict[str, torch.Tensor]:
-        """:attr:`owned_weights`, made so where the model was created without them (the CPU's default): its next run
-        creates its session anew, reading them (once; what runtime LoRA needs to change weights in place).
+        """:attr:`owned_weights`, made so where the model was created without them (the default everywhere until a
+        second session or runtime LoRA needs them): sessions that loaded the weights themselves are dropped, and
+        the next run creates its session anew around the owned tensors (once; on CUDA its graphs are captured
+        again). Runtime LoRA changes these tensors in place.
 
         Raises:
             RuntimeError: the model keeps captured graphs or fixed-shape sessions without owned weights
                 (``share_weights=False`` on CUDA), or its session cannot be created again.
         """
         if not self._recipe.share_weights:
-            if self._pool is not None:
+            if self._pool is not None and not self._recipe.owns_on_need:
                 raise RuntimeError("own_weights: this model keeps per-signature sessions without owned weights "
                                    "(share_weights=False); create it with share_weights=True (or the default)")
             if not self._recipe.can_create:
                 raise RuntimeError("own_weights: the session was created from neither a path nor bytes, so it "
                                    "cannot be created again around owned weights")
             with self._lock:
-                self._recipe.share_weights = True
+                if self._pool is not None:
+                    self._pool.own_weights("own_weights() was called")
+                else:
+                    self._recipe.start_owning()
                 self._session = None
                 self._binding = None
         return self._recipe.weights

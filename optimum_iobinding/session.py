@@ -313,7 +313,10 @@ class SessionRecipe:
         providers, provider_options: ORT's aligned lists, already normalized.
         sess_options: the user's ``SessionOptions`` (never changed: each session gets a copy).
         stream: the CUDA stream the sessions run on (already in the provider options as ``user_compute_stream``).
-        share_weights: keep the float weights once as owned torch tensors on the device, used by every session.
+        share_weights: ``True``: keep the float weights once as owned torch tensors on the device, used by every
+            session; ``False``: each session loads them from the source; ``None``: each session loads them from the
+            source until :meth:`start_owning` (the graph pool calls it before it makes a second session, and
+            ``own_weights()`` for runtime LoRA): ONNX Runtime's own loading puts a single session up sooner.
     """
 
     def __init__(
@@ -323,7 +326,7 @@ class SessionRecipe:
         provider_options: Sequence[Dict[str, str]],
         sess_options: Optional[ort.SessionOptions] = None,
         stream: Optional["torch.cuda.Stream"] = None,
-        share_weights: bool = False,
+        share_weights: Optional[bool] = False,
     ):
         self.source = source
         self.providers = list(providers)
@@ -331,7 +334,9 @@ class SessionRecipe:
         self.sess_options = check_sess_options(sess_options)
         self.device = session_device(self.providers, self.provider_options)
         self.stream = stream
-        self.share_weights = share_weights and source is not None
+        self.share_weights = bool(share_weights) and source is not None
+        # the weights become owned when a second session is needed (share_weights=None)
+        self.owns_on_need = share_weights is None and source is not None
         self._weights: Optional[Dict[str, torch.Tensor]] = None
         self._weight_values: Dict[str, ort.OrtValue] = {}
         self._parsed: Optional[onnx.ModelProto] = None  # the source parsed by the model, until the weights load
@@ -352,8 +357,8 @@ class SessionRecipe:
         share_weights: Optional[bool] = None,
     ) -> "SessionRecipe":
         """The recipe for an .onnx file: providers normalized, CUDA defaults and the stream added (with
-        ``io_binding``); ``share_weights=None`` shares them where a model keeps several sessions (CUDA-like
-        providers with ``io_binding``)."""
+        ``io_binding``); ``share_weights=None`` owns the weights on first need where a model keeps a graph pool
+        (CUDA-like providers with ``io_binding``), and never elsewhere unless asked (:meth:`start_owning`)."""
         check_sess_options(sess_options)
         providers, options = normalize_providers(provider, provider_options, io_binding)
         cuda_like = io_binding and providers[0] in CUDA_LIKE_PROVIDERS
@@ -365,8 +370,8 @@ class SessionRecipe:
             if stream is None:
                 stream = torch.cuda.Stream(session_device(providers, options))
             options = with_stream(providers, options, stream)
-        if share_weights is None:
-            share_weights = cuda_like
+        if share_weights is None and not cuda_like:
+            share_weights = False
         return cls(os.fspath(path), providers, options, sess_options, stream, share_weights)
 
     @classmethod
@@ -399,6 +404,22 @@ class SessionRecipe:
                 self._weight_values = {name: _ort_value_of(tensor) for name, tensor in self._weights.items()}
         return self._weights
 
+    def start_owning(self) -> None:
+        """From now on every new session reads the owned weights (loaded on the next :meth:`create`). Sessions made
+        before keep the weights they loaded: whoever holds them drops them (the graph pool does)."""
+        with self._lock:
+            if self.source is None:
+                raise RuntimeError("the session was created from neither a path nor bytes, so its weights cannot be "
+                                   "loaded as owned tensors")
+            self.share_weights = True
+            self.owns_on_need = False
+
+    def release_parse(self) -> None:
+        """Drops the parse kept by :meth:`adopt` where the weights are not owned (a session loaded them itself)."""
+        with self._lock:
+            if not self.share_weights:
+                self._parsed = None
+
     def _device_setup(self) -> Any:
         """Held while sessions are built and weights uploaded on CUDA: never beside a graph capture
         (:data:`~optimum_iobinding.cuda.DEVICE_SETUP`)."""
@@ -409,10 +430,11 @@ class SessionRecipe:
         weights load and read from instead of parsing the file again. On the SD1.5 fp16 UNet, whose 1.7 GB of
         weights are inside its .onnx, loading the weights (a parse included) was the longest piece of the first
         image's critical path on the H100: 1.67 s. Until then the parse holds host memory the size of the file (a
-        model never called keeps it: a text-to-image pipeline's VAE encoder). Nothing is kept where the weights
-        are not shared or are loaded already."""
+        model never called keeps it: a text-to-image pipeline's VAE encoder); where the weights are owned on need, a
+        session that loads them itself releases it (:meth:`release_parse`). Nothing is kept where the weights are
+        never owned or are loaded already."""
         with self._lock:
-            if self.share_weights and self._weights is None:
+            if (self.share_weights or self.owns_on_need) and self._weights is None:
                 self._parsed = model
 
     def create(

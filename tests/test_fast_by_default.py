@@ -124,6 +124,54 @@ def test_a_signature_whose_capture_fails_runs_without_a_graph_with_an_info_line(
         strict.entry({"x": ["batch", 64]}, {"x": ((2, 64), torch.float32)}, {"y": None})
 
 
+def test_the_one_session_loads_its_weights_itself_until_a_second_session_needs_them_owned(matmul_path, caplog):
+    # the CUDA default (share_weights=None), run on the CPU: the one graph session is made by ORT from the file; the
+    # first other session makes the weights owned, and the one session (with the graphs captured in it) is dropped
+    # and made again around them, so that both read one copy
+    from optimum_iobinding.cuda import CudaGraphRunner
+
+    caplog.set_level(logging.INFO, logger="optimum_iobinding")
+    recipe = SessionRecipe(str(matmul_path), ["CPUExecutionProvider"], [{}], share_weights=None)
+    recipe.adopt(onnx.load(str(matmul_path)))
+    pool = GraphPool(recipe, "auto", None, {"y": torch.float32}, ort.RunOptions())
+    pool.one_session, pool.shared_updates = True, {}  # as on CUDA, without the CUDA option
+    shared = pool.shared_session()
+    assert recipe.sessions_created == 1 and recipe.weights == {} and not recipe.share_weights
+    assert recipe._parsed is None  # the parse kept for owned weights is released: ORT loaded them itself
+    captured = CudaGraphRunner.__new__(CudaGraphRunner)  # what a capture in the one session leaves in the pool
+    captured.session = shared
+    pool.entries[(("x", (4, 64)),)] = captured
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    native = shared.run(None, {"x": x.numpy()})[0]
+    del shared
+    # an output of data-dependent shape: this signature needs a session without a graph, a second session
+    entry = pool.entry({"x": ["batch", 64]}, {"x": ((2, 64), torch.float32)}, {"y": None})
+    assert isinstance(entry, FixedShapeSession) and recipe.share_weights and list(recipe.weights) == ["W"]
+    assert list(pool.entries) == [(("x", (2, 64)),)]  # the graph captured in the dropped session is gone
+    assert not pool.shared_tried and recipe.sessions_created == 2
+    remade = [r.getMessage() for r in caplog.records if "made again around them" in r.getMessage()]
+    assert len(remade) == 1 and "1 graph(s)" in remade[0]
+    again = pool.shared_session()
+    assert recipe.sessions_created == 3
+    np.testing.assert_allclose(run_entry(entry, x), native, rtol=1e-6, atol=1e-5)
+    recipe.weights["W"].mul_(2.0)  # both sessions read the owned copy
+    expected = x.numpy() @ recipe.weights["W"].numpy() + np.arange(32, dtype=np.float32)
+    for got in (run_entry(entry, x), again.run(None, {"x": x.numpy()})[0]):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_weights_owned_on_need_never_load_while_one_session_serves(matmul_path):
+    # share_weights=False never owns them; None owns them on need; a recipe for the CPU owns them only when asked
+    assert SessionRecipe.for_path(matmul_path).owns_on_need is False
+    never = SessionRecipe(str(matmul_path), ["CPUExecutionProvider"], [{}], share_weights=False)
+    assert not never.owns_on_need and never.weights == {}
+    on_need = SessionRecipe(str(matmul_path), ["CPUExecutionProvider"], [{}], share_weights=None)
+    on_need.create()
+    assert on_need.owns_on_need and on_need.weights == {}
+    on_need.start_owning()
+    assert not on_need.owns_on_need and list(on_need.weights) == ["W"]
+
+
 def test_a_capture_never_overlaps_a_device_setup():
     # set-ups (sessions built, weights uploaded) run side by side; a capture waits until none runs, and a set-up
     # that comes during a capture waits for it: another thread's cudaMalloc would fail the capture

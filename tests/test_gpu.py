@@ -443,8 +443,7 @@ def test_an_extra_signature_costs_activations_not_another_copy_of_the_weights(tm
                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])], [weight]),
               str(path))
     model = IOBindingORTModel(path, provider=CUDA, provider_options=EXACT)
-    weight_bytes = sum(w.numel() * w.element_size() for w in model.owned_weights.values())
-    assert weight_bytes == width * width * 4
+    weight_bytes = width * width * 4  # in the one graph session, which loads them itself
 
     def used():
         torch.cuda.synchronize()
@@ -459,8 +458,39 @@ def test_an_extra_signature_costs_activations_not_another_copy_of_the_weights(tm
     # two more signatures grew the device's use by less than one copy of the weights would (each session's own
     # workspace and arena chunk measured 64 MiB on an H100): neither loaded them again
     assert grown < weight_bytes, (grown, weight_bytes)
+    assert model.sessions_created == 1 and model.owned_weights == {}
     x = torch.randn(4, width, device="cuda")
-    torch.testing.assert_close(model(x=x)[0], x @ model.owned_weights["W"], atol=1e-2, rtol=1e-3)
+    expected = x @ torch.from_numpy(numpy_helper.to_array(weight)).to("cuda")
+    torch.testing.assert_close(model(x=x)[0], expected, atol=1e-2, rtol=1e-3)
+
+
+def test_the_one_graph_session_loads_its_weights_and_own_weights_makes_it_again_around_owned_ones(
+        fused_tiny_folder, caplog):
+    import logging
+
+    from optimum_iobinding import IOBindingORTModel
+
+    caplog.set_level(logging.INFO, logger="optimum_iobinding")
+    unet = IOBindingORTModel.from_pretrained(fused_tiny_folder, subfolder="unet", provider=CUDA,
+                                             provider_options=EXACT)
+    inputs = {batch: unet_inputs(unet, batch=batch, seed=batch) for batch in (1, 2)}
+    with torch.cuda.stream(unet.stream):
+        native = {batch: unet(**feed)[0].clone() for batch, feed in inputs.items()}
+        # ORT loaded the weights from the file into the one session that holds both graphs: nothing owned
+        assert unet.sessions_created == 1 and len(unet.graph_signatures) == 2 and unet.owned_weights == {}
+        weights = unet.own_weights()  # what runtime LoRA calls
+        assert weights and all(w.device == unet.device for w in weights.values())
+        assert unet.graph_signatures == []  # dropped with the session that loaded the weights itself
+        owned = {batch: unet(**feed)[0].clone() for batch, feed in inputs.items()}
+        assert unet.sessions_created == 2 and len(unet.graph_signatures) == 2  # made again once, both recaptured
+        for weight in weights.values():
+            weight.mul_(0.5)
+        changed = {batch: unet(**feed)[0].clone() for batch, feed in inputs.items()}
+    for batch in inputs:
+        torch.testing.assert_close(owned[batch], native[batch], atol=1e-4, rtol=1e-4)
+        assert (changed[batch] - owned[batch]).abs().max() > 1e-2  # the new graphs read the owned tensors
+    assert unet.sessions_created == 2 and unet.own_weights() is weights
+    assert len([r for r in caplog.records if "made again around them" in r.getMessage()]) == 1
 
 
 def test_auto_runs_an_uncapturable_model_without_a_graph_and_logs_why(tmp_path, caplog):
@@ -645,9 +675,14 @@ def test_captured_graphs_replay_lora_weights_and_switching_creates_no_session(ti
     folder = fused_tiny_folder if export == "fused" else tiny_folder
     graphs = pipeline(folder)  # the defaults: graphs where ORT captures them
     base = generate(graphs)
-    created = {name: getattr(graphs, name).sessions_created for name in ("unet", "text_encoder", "vae_decoder")}
+    before = {name: getattr(graphs, name).sessions_created for name in ("unet", "text_encoder")}
     graphs.load_lora_weights(str(tmp_path / "lora"), adapter_name="x")
     with_lora = generate(graphs)
+    created = {name: getattr(graphs, name).sessions_created for name in ("unet", "text_encoder", "vae_decoder")}
+    # the first LoRA makes the weights owned: a component whose one graph session had loaded them itself (the fused
+    # UNet) makes it again around them, once; one with a session per signature (the text encoder) owned them already
+    assert created["unet"] - before["unet"] == (1 if export == "fused" else 0)
+    assert created["text_encoder"] == before["text_encoder"] and graphs.unet.owned_weights
     graphs.disable_lora()
     disabled = generate(graphs)
     graphs.enable_lora()
