@@ -186,12 +186,12 @@ def report(result: dict) -> str:
     checks = []
     one, two = _row(rows, ours, 1, True, 16), _row(rows, ours, 2, True, 16)
     if one and two:
-        checks.append(f"two replicas / one at concurrency 16 (batching): {two['images_per_s'] / one['images_per_s']:.2f} "
+        checks.append(f"two replicas / one at concurrency 16 (batching): {two['images_per_s'] / one['images_per_s']:.3f} "
                       "(target ≥ 1.9)")
     anchor = _row(rows, "diffusers-numpy", 1, False, 16)
     if one and anchor:
         checks.append(f"per GPU vs the numpy deployment at concurrency 16: "
-                      f"{one['images_per_s'] / anchor['images_per_s']:.2f} (target ≥ 1.5)")
+                      f"{one['images_per_s'] / anchor['images_per_s']:.3f} (target ≥ 1.5)")
     single = _row(rows, ours, 1, True, 1) or _row(rows, ours, 1, False, 1)
     if single and "latency_batch1_s" in bare_result:
         checks.append(f"concurrency 1 p50 / bare latency: {single['p50_s'] / bare_result['latency_batch1_s']:.3f} "
@@ -199,7 +199,7 @@ def report(result: dict) -> str:
     if one and "fixed_batches" in bare_result:
         best = max(v["images_per_s"] for v in bare_result["fixed_batches"].values())
         checks.append(f"batching at concurrency 16 / best fixed batch of the bare pipeline: "
-                      f"{one['images_per_s'] / best:.2f} (target ≥ 1.0)")
+                      f"{one['images_per_s'] / best:.3f} (target ≥ 1.0)")
     lines += [f"- {check}" for check in checks]
     return "\n".join(lines) + "\n"
 
