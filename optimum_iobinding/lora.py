@@ -301,8 +301,9 @@ def _layer_of(key: str) -> Optional[Tuple[str, str, str]]:
 class LoraLoaderMixin:
     """Runtime LoRA for the pipelines, with diffusers' names. A LoRA changes the weights the models keep as owned
     tensors in place (``W = W₀ + Σ weight · scale · B @ A`` over the active adapters), where the export's
-    ``lora_map.json`` says each layer's weight went: no session is created again, and captured CUDA graphs replay
-    the new weights (their addresses do not move). LoRA files are read by diffusers' own ``lora_state_dict``
+    ``lora_map.json`` says each layer's weight went. A model touched for the first time makes its weights owned
+    (:meth:`IOBindingORTModel.own_weights`: one session made again, where a session had loaded them itself); after
+    that no session is created again, and captured CUDA graphs replay the new weights (their addresses do not move). LoRA files are read by diffusers' own ``lora_state_dict``
     (diffusers/PEFT keys, the kohya format, hub ids)."""
 
     def _lora(self) -> Dict[str, Any]:
