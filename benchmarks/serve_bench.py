@@ -186,8 +186,8 @@ def report(result: dict) -> str:
     checks = []
     one, two = _row(rows, ours, 1, True, 16), _row(rows, ours, 2, True, 16)
     if one and two:
-        checks.append(f"two replicas / one at concurrency 16 (batching): {two['images_per_s'] / one['images_per_s']:.3f} "
-                      "(target ≥ 1.9)")
+        checks.append(f"two replicas / one at concurrency 16 (batching): "
+                      f"{two['images_per_s'] / one['images_per_s']:.3f} (target ≥ 1.9)")
     anchor = _row(rows, "diffusers-numpy", 1, False, 16)
     if one and anchor:
         checks.append(f"per GPU vs the numpy deployment at concurrency 16: "
