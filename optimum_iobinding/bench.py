@@ -514,17 +514,18 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
     bytes_short, bytes_long = copied_bytes(lambda: call(short_steps)), copied_bytes(lambda: call(short_steps + 2))
     np.save(image_path, image.astype(np.float32))
     per_step = (statistics.median(full) - statistics.median(short)) / (steps - short_steps)
+    gpu_step = statistics.median(gpu_steps) if gpu_steps else None
     return {
         "peer": peer,
         "end_to_end_ms": statistics.median(full),
         "end_to_end_ms_all": full,
         "steps": steps,
         "per_step_ms": per_step,
-        "gpu_step_ms": statistics.median(gpu_steps) if gpu_steps else None,
+        "gpu_step_ms": gpu_step,
         "gpu_step_ms_all": gpu_steps,
         "own_floor_ms": own_floor,
         "per_step_over_own_floor": per_step / own_floor if own_floor else None,
-        "gpu_step_over_own_floor": statistics.median(gpu_steps) / own_floor if own_floor and gpu_steps else None,
+        "gpu_step_over_own_floor": gpu_step / own_floor if own_floor and gpu_step else None,
         "peak_memory_mib": (memory.peak - idle) / 2**20,
         "memory_source": memory.source,
         "import_s": import_s,

@@ -345,8 +345,9 @@ class GraphPool:
                 del shared, dropped
             self.recipe.start_owning()
 
-    def _before_another_session(self, why: str) -> None:
-        """Called before the pool makes a session other than the one graph session."""
+    def before_another_session(self, why: str) -> None:
+        """Called before a session of the recipe other than the one graph session is made (by the pool, or by the
+        model for its dynamic session): where the weights are owned on need, they become owned now."""
         if self.recipe.owns_on_need and not self.recipe.share_weights:
             self.own_weights(why)
 
@@ -409,7 +410,7 @@ class GraphPool:
         if self.placement_refused is not None:
             # a node stayed on the CPU with one signature's dims fixed: it stays there with any other's
             raise RuntimeError(self.placement_refused)
-        self._before_another_session("it needs a session per input signature")
+        self.before_another_session("it needs a session per input signature")
         try:
             session = self.recipe.create(overrides, updates, quiet=True)
         except ValueError as error:
@@ -421,7 +422,7 @@ class GraphPool:
 
     def _fixed_session(self, signature: Signature, overrides: Mapping[str, int]) -> Optional[FixedShapeSession]:
         try:
-            self._before_another_session(f"input shapes {dict(signature)} need a session without a graph")
+            self.before_another_session(f"input shapes {dict(signature)} need a session without a graph")
             return FixedShapeSession(self.recipe.create(overrides))
         except Exception as error:  # the dynamic session can still run it
             logger.info("%s: input shapes %s run in the model's dynamic session; a fixed-shape one failed: %s",

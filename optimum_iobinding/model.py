@@ -387,7 +387,7 @@ class IOBindingORTModel:
             with self._lock:
                 if self._session is None:
                     if self._pool is not None:  # a second session of the recipe: one copy of the weights for both
-                        self._pool._before_another_session("it needs its dynamic session")
+                        self._pool.before_another_session("it needs its dynamic session")
                     session = self._recipe.create()
                     self._binding = session.io_binding() if self.io_binding else None
                     self._session = session
