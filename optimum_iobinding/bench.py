@@ -244,9 +244,8 @@ class PeakMemory:
       * ``"cudart"`` (what ``"auto"`` falls back to): a thread polls ``cudaMemGetInfo`` every 2 ms, as the bench did
         up to session 13.
     A sampling thread shares the GIL with the pipeline's own threads; the child process keeps the measured process
-    as a user's would be. Whether the thread costs anything measurable is open: in session 14 on the H100 the first
-    image of a fresh process came 0.75 s later with a sampling thread in one run and not in the next
-    (``benchmarks/cold_start.py``'s ``sampled-*`` variants), inside the ±0.5 s that first images move by."""
+    as a user's would be. Whether the thread costs anything measurable is open (``benchmarks/cold_start.py``'s
+    ``sampled-*`` variants; ``benchmarks/results/h100/session14``)."""
 
     def __init__(self, device: torch.device, source: str = "auto"):
         if source not in ("auto", "process", "nvml", "cudart"):
@@ -663,8 +662,8 @@ def own_graph_floor(pipe, replays: int = 50) -> Optional[float]:
     """The GPU floor measured inside a peer's own process: back-to-back replays of the UNet graph its loop captured
     (the same graph, the same memory, the same clocks as its timed calls), in ms per replay; None where its UNet has
     no graph or more than one (the single scenario uses one shape). ``floor`` (:func:`run_floor`) is the same
-    measurement in a process of its own. On the H100 (session 14) these replays read about 1 % below the separate
-    floor process in every process, for reasons not known."""
+    measurement in a process of its own; the two differ slightly, for reasons not known
+    (``benchmarks/results/h100/session14``)."""
     unet = getattr(pipe, "unet", None)
     signatures = getattr(unet, "graph_signatures", [])
     if len(signatures) != 1:
