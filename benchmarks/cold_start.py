@@ -133,7 +133,7 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
     from optimum_iobinding import OnnxStableDiffusionPipeline
 
     if variant == "numpy":
-        from optimum_iobinding.bench import load_numpy_pipeline
+        from optimum_iobinding.bench.cli import load_numpy_pipeline
     import_s = time.perf_counter() - start
     torch.cuda.init()
     start = time.perf_counter()
@@ -151,7 +151,7 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
             preload_s, level = time.perf_counter() - begin, []
         if level and level[0].startswith("sampled-"):
             # the bench's memory sampler running through the load and the first image, as in a bench
-            from optimum_iobinding.bench import PeakMemory
+            from optimum_iobinding.bench.cli import PeakMemory
 
             sampler, level = PeakMemory(torch.device("cuda", 0), source=level[0][len("sampled-"):]), []
             sampler.__enter__()

@@ -57,7 +57,7 @@ def bare_loop(pipe, prompt: str, guidance: float, size: int):
 
 def main() -> None:
     from optimum_iobinding import OnnxStableDiffusionPipeline
-    from optimum_iobinding.bench import MODEL_SIZES, PROMPT, ensure_export, host_waits, recipe_of, set_recipe_scheduler
+    from optimum_iobinding.bench.cli import MODEL_SIZES, PROMPT, ensure_export, host_waits, recipe_of, set_recipe_scheduler
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="turbo", choices=("turbo", "tiny", "small", "sd15"))

@@ -85,7 +85,7 @@ def one(folder, mode, size, batches):
                 s.run_with_iobinding(bind, ro); torch.cuda.synchronize()
                 res["later"][f"{rnd}-{b}"] = diff(b, o)
         return res
-    import optimum_iobinding.session as S
+    import optimum_iobinding.runtime.session as S
     from optimum_iobinding import IOBindingORTModel
     if mode == "env":
         mi = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)

@@ -99,7 +99,7 @@ def main() -> int:
     import ray
     from ray import serve
 
-    from optimum_iobinding.loadtest import run_loadtest
+    from optimum_iobinding.serve.loadtest import run_loadtest
     from optimum_iobinding.serve import ServeConfig, build_app
 
     ray.init(log_to_driver=False, include_dashboard=False)

@@ -43,7 +43,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from optimum_iobinding import IOBindingORTModel, TiledVAE
-    from optimum_iobinding.bench import ensure_export, environment
+    from optimum_iobinding.bench.cli import ensure_export, environment
 
     folder = ensure_export("sd15", args.dtype, "plain", Path(args.work))
     decoder = IOBindingORTModel.from_pretrained(folder, subfolder="vae_decoder", provider="CUDAExecutionProvider")

@@ -38,7 +38,7 @@ VARIANTS = {
 
 
 def floor_in_process(folder: str, model: str, options: dict, repeats: int) -> dict:
-    from optimum_iobinding.bench import run_floor
+    from optimum_iobinding.bench.cli import run_floor
 
     runs = [run_floor(Path(folder), model, replays=100, provider_options=options) for _ in range(repeats)]
     errors = [r["error"] for r in runs if "error" in r]
@@ -53,8 +53,8 @@ def kernels_in_process(folder: str, model: str, steps: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from optimum_iobinding.bench import MODEL_SIZES
-    from optimum_iobinding.model import IOBindingORTModel
+    from optimum_iobinding.bench.cli import MODEL_SIZES
+    from optimum_iobinding.runtime.model import IOBindingORTModel
 
     size = MODEL_SIZES[model]
     unet = IOBindingORTModel.from_pretrained(folder, subfolder="unet", provider="CUDAExecutionProvider")
@@ -159,7 +159,7 @@ def main() -> int:
         Path(args.result).write_text(json.dumps(result))
         return 0
 
-    from optimum_iobinding.bench import ensure_export, environment
+    from optimum_iobinding.bench.cli import ensure_export, environment
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

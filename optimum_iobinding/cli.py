@@ -214,7 +214,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_loadtest_command(args: argparse.Namespace) -> int:
-    from .loadtest import main_from_args
+    from .serve.loadtest import main_from_args
 
     return main_from_args(args)
 
@@ -324,7 +324,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     if argv[:1] == ["bench"]:  # its own parser: many options, and one peer per process behind it
-        from .bench import main as bench_main
+        from .bench.cli import main as bench_main
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -70,7 +70,7 @@ def three_output_model() -> onnx.ModelProto:
 def make_lora(pipe, folder, seed, unet_targets, text_targets=(), rank=4, text_rank=2, text_encoder="text_encoder"):
     """A LoRA file of random (non-zero) updates for the diffusers pipeline ``pipe`` in diffusers' format: the UNet's
     ``unet_targets`` and, with ``text_targets``, those of ``text_encoder`` (no peft needed: the GPU machine has none)."""
-    from optimum_iobinding.lora import random_lora_layers, save_lora
+    from optimum_iobinding.export.tiny import random_lora_layers, save_lora
 
     layers = {"unet": random_lora_layers(pipe.unet, unet_targets, rank, seed)}
     if text_targets:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from optimum_iobinding.bench import recipe_of, write_report
+from optimum_iobinding.bench.cli import recipe_of, write_report
 
 
 def peer(ms, per_step, memory=1000.0):
@@ -43,7 +43,7 @@ def test_few_step_recipes_fix_their_steps_and_guidance():
 
 
 def test_an_export_is_made_once_and_a_failed_one_leaves_no_folder_that_looks_whole(tmp_path, monkeypatch):
-    import optimum_iobinding.bench as bench
+    import optimum_iobinding.bench.cli as bench
     import optimum_iobinding.export as export
 
     calls = []
@@ -75,7 +75,7 @@ def test_the_ddim_recipe_turns_clip_sample_off_whatever_the_scheduler_config_say
 
     from diffusers import PNDMScheduler
 
-    from optimum_iobinding.bench import set_recipe_scheduler
+    from optimum_iobinding.bench.cli import set_recipe_scheduler
 
     pipe = SimpleNamespace(scheduler=PNDMScheduler(skip_prk_steps=True, steps_offset=1))
     set_recipe_scheduler(pipe, "tiny")
@@ -83,7 +83,7 @@ def test_the_ddim_recipe_turns_clip_sample_off_whatever_the_scheduler_config_say
 
 
 def test_the_export_cache_never_deletes_a_folder_it_did_not_make(tmp_path, monkeypatch):
-    import optimum_iobinding.bench as bench
+    import optimum_iobinding.bench.cli as bench
 
     mine = tmp_path / "tiny-fp16-plain"
     mine.mkdir()
@@ -95,7 +95,7 @@ def test_the_export_cache_never_deletes_a_folder_it_did_not_make(tmp_path, monke
 
 
 def test_the_mixed_report_gives_the_worst_later_round_and_sessions_created(tmp_path):
-    from optimum_iobinding.bench import mixed_summary, write_mixed_report
+    from optimum_iobinding.bench.cli import mixed_summary, write_mixed_report
 
     result = {"peer": "defaults", "batches": [1, 4], "per_round_ms": [{"1": 900.0, "4": 2000.0},
                                                                      {"1": 100.0, "4": 300.0},
@@ -126,7 +126,7 @@ def test_the_mixed_report_gives_the_worst_later_round_and_sessions_created(tmp_p
 
 
 def test_repeated_processes_combine_into_their_median_and_keep_every_run():
-    from optimum_iobinding.bench import combine_repeats
+    from optimum_iobinding.bench.cli import combine_repeats
 
     first = {**peer(100.0, 3.0, memory=900.0), "end_to_end_ms_all": [100.0, 101.0], "load_s": 10.0,
              "first_image_s": 2.0, "image": "a.npy"}
@@ -147,7 +147,7 @@ def test_repeated_processes_combine_into_their_median_and_keep_every_run():
 
 
 def test_repeats_rotate_the_peer_order_so_no_peer_always_follows_the_same_one(tmp_path, monkeypatch):
-    import optimum_iobinding.bench as bench
+    import optimum_iobinding.bench.cli as bench
 
     order = []
 
@@ -174,7 +174,7 @@ def test_repeats_rotate_the_peer_order_so_no_peer_always_follows_the_same_one(tm
 
 
 def test_the_cli_refuses_fewer_than_one_repeat_before_looking_for_a_gpu(capsys):
-    from optimum_iobinding.bench import main
+    from optimum_iobinding.bench.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--repeats", "0"])
@@ -183,7 +183,7 @@ def test_the_cli_refuses_fewer_than_one_repeat_before_looking_for_a_gpu(capsys):
 
 
 def test_a_mixed_round_goes_through_the_batch_sizes_in_turn_and_keeps_every_call():
-    from optimum_iobinding.bench import mixed_rounds
+    from optimum_iobinding.bench.cli import mixed_rounds
 
     order, sessions = [], iter([5, 5, 6])
 
@@ -199,7 +199,7 @@ def test_a_mixed_round_goes_through_the_batch_sizes_in_turn_and_keeps_every_call
 
 
 def test_the_bench_cli_refuses_fewer_than_one_cycle(capsys):
-    from optimum_iobinding.bench import main
+    from optimum_iobinding.bench.cli import main
 
     with pytest.raises(SystemExit):
         main(["--scenario", "mixed", "--cycles", "0"])
@@ -209,7 +209,7 @@ def test_the_bench_cli_refuses_fewer_than_one_cycle(capsys):
 def test_a_peers_imports_are_timed_apart_from_its_load():
     import sys
 
-    from optimum_iobinding.bench import import_peer
+    from optimum_iobinding.bench.cli import import_peer
 
     seconds = import_peer("defaults")
     assert seconds >= 0.0 and "optimum_iobinding.pipelines" in sys.modules
@@ -245,7 +245,7 @@ def test_the_cold_start_timeline_wraps_what_the_library_has(tmp_path):
 def test_each_process_compares_its_loop_with_its_own_graph_and_the_table_shows_both_floors(tmp_path):
     """The per-step target divides each process's step by the replays of the very graph its loop ran, and the
     combined result is the median of those ratios (not a ratio of medians from different processes)."""
-    from optimum_iobinding.bench import combine_repeats
+    from optimum_iobinding.bench.cli import combine_repeats
 
     processes = [{**peer(90.0, step), "own_floor_ms": floor, "per_step_over_own_floor": step / floor,
                   "gpu_step_ms": gpu, "gpu_step_over_own_floor": gpu / floor}
@@ -273,7 +273,7 @@ def test_each_process_compares_its_loop_with_its_own_graph_and_the_table_shows_b
 def test_a_pipeline_without_a_captured_unet_graph_has_no_own_floor():
     from types import SimpleNamespace
 
-    from optimum_iobinding.bench import own_graph_floor
+    from optimum_iobinding.bench.cli import own_graph_floor
 
     assert own_graph_floor(SimpleNamespace()) is None
     assert own_graph_floor(SimpleNamespace(unet=SimpleNamespace(graph_signatures=[]))) is None
@@ -284,7 +284,7 @@ def test_a_pipeline_without_a_captured_unet_graph_has_no_own_floor():
 def test_the_memory_sampler_names_its_source_and_refuses_an_unknown_one():
     import torch
 
-    from optimum_iobinding.bench import PeakMemory
+    from optimum_iobinding.bench.cli import PeakMemory
 
     with pytest.raises(ValueError, match="source: expected 'auto', 'process', 'nvml' or 'cudart', got 'smi'"):
         PeakMemory(torch.device("cuda", 0), source="smi")

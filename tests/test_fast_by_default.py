@@ -388,7 +388,7 @@ def test_warmup_leaves_the_callers_random_state_alone(tiny_folder):
 
 # --------------------------------------------------------------------------------------------- owned weights
 def test_owned_weights_are_read_straight_from_external_data(tmp_path):
-    from optimum_iobinding.session import load_owned_weights
+    from optimum_iobinding.runtime.weights import load_owned_weights
 
     expected = numpy_helper.to_array(matmul_model().graph.initializer[0])
     inline, external = tmp_path / "inline.onnx", tmp_path / "external.onnx"
@@ -412,7 +412,7 @@ def test_owned_weights_are_read_straight_from_external_data(tmp_path):
 
 
 def test_weights_load_from_the_parse_the_model_adopted_and_parse_no_file(matmul_path, monkeypatch):
-    from optimum_iobinding import session as session_module
+    from optimum_iobinding.runtime import weights as session_module
 
     parsed = onnx.load(str(matmul_path))
     recipe = SessionRecipe.for_path(matmul_path, share_weights=True)
@@ -430,8 +430,8 @@ def test_weights_load_from_the_parse_the_model_adopted_and_parse_no_file(matmul_
 
 def test_what_the_graph_declares_is_what_ort_reports(tiny_folder):
     # on CUDA a model with a graph pool reads its inputs and outputs from the graph instead of a session
-    from optimum_iobinding.session import declared_types
-    from optimum_iobinding.shapes import inferencer_from_model_proto, inferencer_from_session
+    from optimum_iobinding.runtime.session import declared_types
+    from optimum_iobinding.runtime.shapes import inferencer_from_model_proto, inferencer_from_session
 
     for component in ("text_encoder", "unet", "vae_encoder", "vae_decoder"):
         path = str(tiny_folder / component / "model.onnx")
@@ -448,7 +448,7 @@ def test_what_the_graph_declares_is_what_ort_reports(tiny_folder):
 @pytest.mark.parametrize("staging_bytes", [4096, 16384, 1 << 20])  # some direct; buffers refilled; all staged
 def test_staged_uploads_keep_every_weight_whatever_the_buffer_size(staging_bytes):
     # the CUDA path's staging (two buffers, refilled in turn; arrays larger than one go up directly), run on the CPU
-    from optimum_iobinding.session import _WeightUploader
+    from optimum_iobinding.runtime.weights import WeightUploader
 
     rng = np.random.RandomState(0)
     arrays = [(rng.randn(*shape).astype(dtype), torch_dtype) for shape, dtype, torch_dtype in [

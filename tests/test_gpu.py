@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import make_lora, requires_cuda
-from optimum_iobinding.bench import host_waits
+from optimum_iobinding.bench.cli import host_waits
 
 pytestmark = requires_cuda
 
@@ -625,7 +625,7 @@ def test_a_graph_pool_model_parses_its_file_once(tiny_folder, monkeypatch):
     import onnx
 
     from optimum_iobinding import IOBindingORTModel
-    from optimum_iobinding import session as session_module
+    from optimum_iobinding.runtime import weights as session_module
 
     parses = []
     monkeypatch.setattr(session_module, "parse_model", lambda source: parses.append(source) or onnx.load(source))
@@ -641,7 +641,7 @@ def test_a_graph_pool_model_parses_its_file_once(tiny_folder, monkeypatch):
 
 @pytest.mark.parametrize("staging_bytes", [1 << 16, 64 << 20])  # buffers refilled many times; the default
 def test_weights_uploaded_through_pinned_staging_equal_the_files(tiny_folder, staging_bytes):
-    from optimum_iobinding.session import load_owned_weights
+    from optimum_iobinding.runtime.weights import load_owned_weights
 
     path = str(tiny_folder / "unet" / "model.onnx")
     on_cpu = load_owned_weights(path, torch.device("cpu"))
@@ -668,7 +668,7 @@ def test_the_first_call_builds_the_shape_free_sessions_in_the_background(fused_t
 @pytest.mark.parametrize("export", ["fused", "plain"])
 def test_captured_graphs_replay_lora_weights_and_switching_creates_no_session(tiny_folder, fused_tiny_folder, export,
                                                                              tmp_path):
-    from optimum_iobinding.export import TINY_RANDOM_KINDS
+    from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
 
     make_lora(TINY_RANDOM_KINDS["sd"](), tmp_path / "lora", 5, ["to_q", "to_k", "to_v", "to_out.0"],
               ["q_proj", "fc1"])
@@ -699,7 +699,7 @@ def test_captured_graphs_replay_lora_weights_and_switching_creates_no_session(ti
 # -------------------------------------------------------------------------------------------------- ControlNet
 @pytest.fixture(scope="module")
 def controlnet_folders(tmp_path_factory):
-    from optimum_iobinding.export import build_tiny_random_controlnet_pipeline, export_pipeline
+    from optimum_iobinding.export.tiny import build_tiny_random_controlnet_pipeline, export_pipeline
 
     root = tmp_path_factory.mktemp("gpu-controlnet")
     return {"one": export_pipeline(None, root / "one", tiny_random="controlnet", progress=False),

@@ -17,7 +17,7 @@ EXPORTS = {"plain": {}, "fp16": {"fp16": True}, "fused": {"optimize": "cpu"}, "f
 
 @pytest.fixture(scope="module")
 def tiny_torch():
-    from optimum_iobinding.export import TINY_RANDOM_KINDS
+    from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
 
     return TINY_RANDOM_KINDS["sd"]()
 
@@ -95,7 +95,7 @@ def test_a_saved_pipeline_keeps_its_lora_maps(tmp_path):
 # ------------------------------------------------------------------------------------------------ runtime LoRA
 @pytest.fixture(scope="module")
 def loras(tmp_path_factory):
-    from optimum_iobinding.export import TINY_RANDOM_KINDS
+    from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
 
     folder = tmp_path_factory.mktemp("loras")
     maker = TINY_RANDOM_KINDS["sd"]()
@@ -123,7 +123,7 @@ def images(pipe):
 @pytest.mark.parametrize("export, io_binding", [("plain", True), ("plain", False), ("fused", True)])
 def test_lora_images_equal_diffusers_through_load_set_disable_fuse_and_unload(exports, loras, export, io_binding):
     from optimum_iobinding import OnnxStableDiffusionPipeline
-    from optimum_iobinding.export import TINY_RANDOM_KINDS
+    from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
 
     reference = TINY_RANDOM_KINDS["sd"]()  # the exported weights
     ours = OnnxStableDiffusionPipeline.from_pretrained(exports[export], io_binding=io_binding)
@@ -166,7 +166,7 @@ def test_img2img_and_inpaint_loras_equal_diffusers(exports, loras, kind):
     from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline
 
     from optimum_iobinding import OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionInpaintPipeline
-    from optimum_iobinding.export import TINY_RANDOM_KINDS
+    from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
 
     start = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(7))
     mask = torch.zeros(1, 1, 64, 64)
@@ -217,7 +217,7 @@ def test_a_kohya_lora_with_alphas_equals_diffusers(exports, loras, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from optimum_iobinding import OnnxStableDiffusionPipeline
-    from optimum_iobinding.export import TINY_RANDOM_KINDS
+    from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
 
     kohya = {}
     for key, value in load_file(str(loras[0] / "pytorch_lora_weights.safetensors")).items():
@@ -267,7 +267,7 @@ def test_lora_mistakes_get_messages_that_name_them(exports, loras):
 @pytest.mark.parametrize("kind", ["xl", "lcm"])
 def test_sdxl_and_lcm_loras_equal_diffusers(tmp_path, kind):
     """SDXL: a UNet and second-text-encoder LoRA (diffusers' SDXL reader); LCM: a UNet LoRA on the LCM UNet."""
-    from optimum_iobinding.export import TINY_RANDOM_KINDS, export_pipeline
+    from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS, export_pipeline
     from optimum_iobinding.pipelines import pipeline_class_for
 
     folder = export_pipeline(None, tmp_path / kind, tiny_random=kind, progress=False)

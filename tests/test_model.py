@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from conftest import make_model, make_session, requires_cuda, tensor
 from optimum_iobinding import IOBindingORTModel, infer_output_shapes
 from optimum_iobinding.dtypes import TORCH_TO_ONNX
-from optimum_iobinding.model import check_input_device
+from optimum_iobinding.runtime.model import check_input_device
 
 ALL_DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64,
@@ -487,7 +487,7 @@ def test_directml_with_binding_is_refused_saying_what_to_use_instead(tmp_path, c
 
 
 def test_an_amd_gpu_session_binds_on_the_torch_cuda_device_of_its_device_id():
-    from optimum_iobinding.model import session_device
+    from optimum_iobinding.runtime.model import session_device
 
     class RocmSession:  # what a ROCm/MIGraphX session reports (no AMD GPU here to make a real one)
         def __init__(self, provider):

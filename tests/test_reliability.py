@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 from conftest import make_model, make_session, tensor
 from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionPipeline, infer_output_shapes
 from optimum_iobinding.export import export_pipeline
-from optimum_iobinding.shapes import evaluate_dim_expression
+from optimum_iobinding.runtime.shapes import evaluate_dim_expression
 
 SIZE = 64
 

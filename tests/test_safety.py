@@ -19,8 +19,8 @@ from onnx import TensorProto, helper
 from conftest import make_model, make_session
 from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionPipeline, infer_output_shapes
 from optimum_iobinding import shapes as shape_module
-from optimum_iobinding.export import build_tiny_random_pipeline, export_pipeline
-from optimum_iobinding.shapes import DimExpressionError, evaluate_dim_expression
+from optimum_iobinding.export.tiny import build_tiny_random_pipeline, export_pipeline
+from optimum_iobinding.runtime.shapes import DimExpressionError, evaluate_dim_expression
 
 PROMPT = "a photo of a cat"
 

@@ -264,7 +264,7 @@ def test_values_the_api_refuses_get_400(server):
 
 
 def test_the_loadtest_reports_throughput_and_latency_percentiles(server, tmp_path):
-    from optimum_iobinding.loadtest import run_loadtest, write_results
+    from optimum_iobinding.serve.loadtest import run_loadtest, write_results
 
     rows = run_loadtest(server.url, [1, 3], 3, {"prompt": "a dog", "seed": 5, "size": SIZE}, warmup=0)
     for row, level in zip(rows, (1, 3)):

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import make_model, make_session, tensor
 from optimum_iobinding import IOBindingORTModel, infer_output_shapes
-from optimum_iobinding.shapes import DimExpressionError, evaluate_dim_expression
+from optimum_iobinding.runtime.shapes import DimExpressionError, evaluate_dim_expression
 
 
 @pytest.mark.parametrize(

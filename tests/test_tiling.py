@@ -9,7 +9,7 @@ import torch
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
 from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionPipeline, TiledVAE
-from optimum_iobinding.export import build_tiny_random_pipeline, export_pipeline
+from optimum_iobinding.export.tiny import build_tiny_random_pipeline, export_pipeline
 
 TOLERANCE = 1e-4
 

@@ -270,19 +270,19 @@ class ImageGenerator:
     def __init__(self, config: Dict[str, Any]):
         import torch
 
-        from .pipelines import pipeline_class_for
+        from ..pipelines import pipeline_class_for
 
         self.config = ServeConfig(**config)
         use_cuda = self.config.device == "cuda" or (self.config.device == "auto" and torch.cuda.is_available())
         provider = self.config.provider or ("CUDAExecutionProvider" if use_cuda else "CPUExecutionProvider")
         # a hub id: the files every pipeline kind reads (SD, SDXL, LCM), downloaded once per replica's machine
-        from .layout import resolve_pipeline_folder
-        from .pipelines.stable_diffusion_xl import XL_COMPONENTS
+        from ..layout import resolve_pipeline_folder
+        from ..pipelines.stable_diffusion_xl import XL_COMPONENTS
 
         folder = str(resolve_pipeline_folder(self.config.model, XL_COMPONENTS, ("tokenizer", "tokenizer_2")))
         self.numpy_engine = self.config.engine == "diffusers-numpy"
         if self.numpy_engine:
-            from .bench import load_numpy_pipeline
+            from ..pipelines import load_numpy_pipeline
 
             self.pipe = load_numpy_pipeline(folder, provider, **self.config.pipeline_options)
             self.pipeline_name = "diffusers.OnnxStableDiffusionPipeline"
@@ -331,7 +331,7 @@ class ImageGenerator:
     def _image_to_image(self, pipeline_class: type) -> Any:
         """The image-to-image pipeline on the same models (no second copy of anything), where the folder has a VAE
         encoder and the pipeline has an image-to-image sibling; else ``None``."""
-        from .pipelines import (OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionPipeline,
+        from ..pipelines import (OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionPipeline,
                                 OnnxStableDiffusionXLImg2ImgPipeline, OnnxStableDiffusionXLPipeline)
 
         sibling = {OnnxStableDiffusionPipeline: OnnxStableDiffusionImg2ImgPipeline,

@@ -14,7 +14,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .model import CUDA_LIKE_PROVIDERS, IOBindingORTModel
+from ..runtime.model import IOBindingORTModel
+from ..runtime.options import CUDA_LIKE_PROVIDERS
 
 __all__ = ["accelerate"]
 

@@ -27,7 +27,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .model import IOBindingORTModel
+from ..runtime.model import IOBindingORTModel
 
 __all__ = ["TiledVAE"]
 

@@ -82,7 +82,7 @@ def build_torch_pipeline(kind: str, seed: int = 0):
     from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from .export import build_tiny_random_pipeline, write_tiny_tokenizer
+    from ..export.tiny import build_tiny_random_pipeline, write_tiny_tokenizer
 
     if kind == "tiny":
         pipe = build_tiny_random_pipeline(seed)
@@ -199,7 +199,7 @@ def ensure_export(kind: str, dtype: str, export: str, work: Path) -> Path:
     a lock file serialises processes that want the same export (``--export-only`` can make the next models' exports in
     the background while the GPU measures the current one).
     """
-    from .export import export_pipeline
+    from ..export import export_pipeline
 
     folder = work / f"{kind}-{dtype}-{export}"
     work.mkdir(parents=True, exist_ok=True)
@@ -376,18 +376,6 @@ class PeerUnavailable(RuntimeError):
     """A peer that has no pipeline for a model (diffusers' numpy pipelines exist for SD 1.x/2.x only)."""
 
 
-def load_numpy_pipeline(folder: Any, provider: str = "CUDAExecutionProvider", **kwargs: Any):
-    """diffusers' ``OnnxStableDiffusionPipeline`` (the numpy loop every benchmark compares against) on ``provider``,
-    checked to run there."""
-    from diffusers import OnnxStableDiffusionPipeline as DiffusersOnnx
-
-    # provider_options={} or diffusers' loader trips ORT's length check and silently falls back to the CPU
-    pipe = DiffusersOnnx.from_pretrained(folder, provider=provider, provider_options={}, **kwargs)
-    if pipe.unet.model.get_providers()[0] != provider:
-        raise RuntimeError(f"numpy pipeline: the UNet runs on {pipe.unet.model.get_providers()}, not {provider}")
-    return pipe
-
-
 def import_peer(peer: str) -> float:
     """Imports what ``peer`` loads with, and returns the seconds it took: the cold-start columns time loading and the
     first image, not Python's imports (11–20 s on the GPU machines, and ±2 s from one process to the next)."""
@@ -399,7 +387,7 @@ def import_peer(peer: str) -> float:
     elif peer in OPTIMUM_PEERS:
         from optimum.onnxruntime import ORTStableDiffusionPipeline  # noqa: F401
     elif peer in OUR_PEERS:
-        from .pipelines import OnnxStableDiffusionPipeline  # noqa: F401
+        from ..pipelines import OnnxStableDiffusionPipeline  # noqa: F401
     return time.perf_counter() - start
 
 
@@ -410,6 +398,8 @@ def load_peer(peer: str, folder: Path, kind: str, dtype: str):
     if peer == "numpy":
         if kind in ("sdxl", "lcm"):
             raise PeerUnavailable(f"diffusers has no ONNX (numpy) pipeline for {kind}")
+        from ..pipelines.loading import load_numpy_pipeline
+
         pipe = load_numpy_pipeline(folder)
         latents_of = lambda lat: lat.astype(np.float16 if dtype == "fp16" else np.float32)  # noqa: E731
     elif peer in OPTIMUM_PEERS:
@@ -423,12 +413,12 @@ def load_peer(peer: str, folder: Path, kind: str, dtype: str):
             kind, ORTStableDiffusionPipeline)
         pipe = optimum_class.from_pretrained(folder, provider="CUDAExecutionProvider", use_io_binding=True)
         if peer == "accelerated":  # optimum's pipeline and loop, its parts switched to our fast path
-            from .optimum_parts import accelerate
+            from ..integrations.optimum import accelerate
 
             accelerate(pipe, cuda_graph=True)
         latents_of = on_device
     elif peer in OUR_PEERS:
-        from .pipelines import (
+        from ..pipelines import (
             OnnxLatentConsistencyModelPipeline,
             OnnxStableDiffusionPipeline,
             OnnxStableDiffusionXLPipeline,
@@ -618,7 +608,7 @@ def run_floor(folder: Path, kind: str, replays: int = 50,
               provider_options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Back-to-back CUDA-graph replays of the UNet alone, with CFG batch 2: the GPU time of one step.
     ``provider_options`` go on top of the diffusion defaults (benchmarks/unet_options.py compares them)."""
-    from .model import IOBindingORTModel
+    from ..runtime.model import IOBindingORTModel
 
     size = MODEL_SIZES[kind]
     unet = IOBindingORTModel.from_pretrained(folder, subfolder="unet", provider="CUDAExecutionProvider",
