@@ -1,4 +1,5 @@
-"""Tiny ONNX models built in memory with onnx.helper: nothing is downloaded."""
+"""The fixtures every test file shares, all built offline (nothing is downloaded): tiny ONNX models made in memory
+with onnx.helper, the tiny random-weights Stable Diffusion export, and random LoRAs."""
 
 from __future__ import annotations
 
@@ -65,6 +66,15 @@ def three_output_model() -> onnx.ModelProto:
             tensor("greater", TensorProto.BOOL, ["batch", 3]),
         ],
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """The tiny random-weights Stable Diffusion pipeline exported to the ONNX layout (fp32, unfused), once per test
+    process; tests only read it."""
+    from optimum_iobinding.export import export_pipeline
+
+    return export_pipeline(None, tmp_path_factory.mktemp("tiny") / "sd", tiny_random=True, progress=False)
 
 
 def make_lora(pipe, folder, seed, unet_targets, text_targets=(), rank=4, text_rank=2, text_encoder="text_encoder"):

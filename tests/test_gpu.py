@@ -20,13 +20,6 @@ EXACT = {"use_tf32": "0"}
 SIZE = 64
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    from optimum_iobinding.export import export_pipeline
-
-    return export_pipeline(None, tmp_path_factory.mktemp("gpu") / "tiny", tiny_random=True, progress=False)
-
-
 def unet_inputs(unet, batch=2, seed=0):
     generator = torch.Generator().manual_seed(seed)
     hidden = unet.input_dims["encoder_hidden_states"][2]
@@ -137,7 +130,7 @@ def test_a_captured_step_copies_only_its_timestep_into_the_graph(tiny_folder, mo
     (signature,) = pipe.unet.graph_signatures
     buffers = pipe.unet.graph_input_buffers(signature)
     # the loop finds the buffers after its first call, whose inputs the graph runner copies in as any input; the
-    # loop then copies the embeddings in once more and passes the buffer itself from there on (H100, session 13)
+    # loop then copies the embeddings in once more and passes the buffer itself from there on
     assert {name: copied.count(tensor.data_ptr()) for name, tensor in buffers.items()} == {
         "sample": 1, "timestep": 6, "encoder_hidden_states": 2}
     torch.testing.assert_close(latents_out, expected, rtol=0, atol=0)
@@ -173,18 +166,12 @@ def test_the_profiler_sees_ort_synchronizing_when_it_is_allowed_to(tiny_folder):
 
 def test_buffers_are_not_reallocated_between_steps(tiny_folder):
     pipe = pipeline(tiny_folder)
-    output_pointers, allocated = [], []
-    run_bound = pipe.unet._run_bound
-
-    def recording_run(inputs):
-        outputs = run_bound(inputs)
-        output_pointers.append(outputs[0].data_ptr())
-        return outputs
-
-    pipe.unet._run_bound = recording_run
-    pipe("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=6, generator=np.random.RandomState(0),
-         output_type="latent",
-         callback_on_step_end=lambda p, i, t, tensors: allocated.append(torch.cuda.memory_allocated()) or tensors)
+    allocated = []
+    with pipe.unet.watch_runs() as runs:
+        pipe("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=6, generator=np.random.RandomState(0),
+             output_type="latent",
+             callback_on_step_end=lambda p, i, t, tensors: allocated.append(torch.cuda.memory_allocated()) or tensors)
+    output_pointers = [run.outputs[0] for run in runs]
     assert len(output_pointers) == 6 and len(set(output_pointers)) == 1
     assert len(set(allocated[1:])) == 1  # after the first step, every step ends with the same memory in use
 
@@ -699,7 +686,8 @@ def test_captured_graphs_replay_lora_weights_and_switching_creates_no_session(ti
 # -------------------------------------------------------------------------------------------------- ControlNet
 @pytest.fixture(scope="module")
 def controlnet_folders(tmp_path_factory):
-    from optimum_iobinding.export.tiny import build_tiny_random_controlnet_pipeline, export_pipeline
+    from optimum_iobinding.export import export_pipeline
+    from optimum_iobinding.export.tiny import build_tiny_random_controlnet_pipeline
 
     root = tmp_path_factory.mktemp("gpu-controlnet")
     return {"one": export_pipeline(None, root / "one", tiny_random="controlnet", progress=False),
@@ -749,7 +737,7 @@ def test_controlnet_graphs_equal_the_cpu_pipeline_and_the_host_never_waits(contr
 
         def loop():
             timesteps = graphs.set_timesteps(4)
-            scales, starts, ends = graphs._check_control_arguments(
+            scales, starts, ends = graphs.check_control_arguments(
                 kwargs.get("controlnet_conditioning_scale", 1.0), kwargs.get("control_guidance_start", 0.0),
                 kwargs.get("control_guidance_end", 1.0))
             residuals = graphs.controlnet_step_inputs(prepared, timesteps, scales, starts, ends, guess, True)

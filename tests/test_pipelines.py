@@ -26,11 +26,6 @@ SCHEDULERS = {"pndm": PNDMScheduler, "ddim": DDIMScheduler, "euler": EulerDiscre
               "dpm++": DPMSolverMultistepScheduler}
 
 
-@pytest.fixture(scope="session")
-def tiny_folder(tmp_path_factory):
-    return export_pipeline(None, tmp_path_factory.mktemp("tiny") / "sd", tiny_random=True, progress=False)
-
-
 def load(pipeline_class, folder, io_binding=True, scheduler=None):
     pipe = pipeline_class.from_pretrained(folder, io_binding=io_binding)
     if scheduler is not None:

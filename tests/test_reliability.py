@@ -20,7 +20,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import make_model, make_session, tensor
 from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionPipeline, infer_output_shapes
-from optimum_iobinding.export import export_pipeline
 from optimum_iobinding.runtime.shapes import evaluate_dim_expression
 
 SIZE = 64
@@ -32,11 +31,6 @@ def tanh_model():
         [tensor("x", TensorProto.FLOAT, ["batch", 16])],
         [tensor("y", TensorProto.FLOAT, ["batch", 16])],
     )
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return export_pipeline(None, tmp_path_factory.mktemp("reliability") / "sd", tiny_random=True, progress=False)
 
 
 def rss_bytes() -> int:

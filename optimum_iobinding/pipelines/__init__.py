@@ -1,10 +1,11 @@
 """The pipelines: diffusers' ``__call__`` surface over ONNX components, the denoising loop on the device."""
 
+from .auto import pipeline_class_for
 from .controlnet import OnnxStableDiffusionControlNetImg2ImgPipeline, OnnxStableDiffusionControlNetPipeline
 from .img2img import OnnxStableDiffusionImg2ImgPipeline
 from .inpaint import OnnxStableDiffusionInpaintPipeline
 from .latent_consistency import OnnxLatentConsistencyModelPipeline
-from .loading import load_numpy_pipeline, pipeline_class_for
+from .loading import load_numpy_pipeline
 from .pipeline import OnnxStableDiffusionPipelineBase
 from .stable_diffusion import OnnxStableDiffusionPipeline
 from .stable_diffusion_xl import OnnxStableDiffusionXLImg2ImgPipeline, OnnxStableDiffusionXLPipeline

@@ -134,7 +134,7 @@ class _ControlNetMixin:
             raise ValueError(f"{name}: expected {expected}, got {value!r}")
         return values
 
-    def _check_control_arguments(self, conditioning_scale: Any, guidance_start: Any, guidance_end: Any
+    def check_control_arguments(self, conditioning_scale: Any, guidance_start: Any, guidance_end: Any
                                  ) -> Tuple[List[float], List[float], List[float]]:
         real = lambda v: is_real(v) and math.isfinite(v)  # noqa: E731
         scales = self._per_net(conditioning_scale, "controlnet_conditioning_scale", real, "finite numbers")
@@ -359,7 +359,7 @@ class OnnxStableDiffusionControlNetPipeline(_ControlNetMixin, OnnxStableDiffusio
         :class:`OnnxStableDiffusionPipeline`.
         """
         # 1. check inputs (the size once the control images give it)
-        scales, starts, ends = self._check_control_arguments(controlnet_conditioning_scale, control_guidance_start,
+        scales, starts, ends = self.check_control_arguments(controlnet_conditioning_scale, control_guidance_start,
                                                              control_guidance_end)
         guess_mode = self._controlnet_guess_mode(guess_mode)
         for value in (height, width):
@@ -448,7 +448,7 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(_ControlNetMixin, OnnxStableD
         ``image`` is resized to ``height`` × ``width`` where given, else kept at its size (rounded down to the VAE
         factor); the control image is brought to the same size."""
         # 1. check inputs
-        scales, starts, ends = self._check_control_arguments(controlnet_conditioning_scale, control_guidance_start,
+        scales, starts, ends = self.check_control_arguments(controlnet_conditioning_scale, control_guidance_start,
                                                              control_guidance_end)
         guess_mode = self._controlnet_guess_mode(guess_mode)
         if image is None:

@@ -565,6 +565,11 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         self._vae_tiler = TiledVAE(self.vae_decoder, self.vae_encoder, size, self.vae_scale_factor, overlap,
                                    overlap_copies)
 
+    @property
+    def vae_tiler(self) -> Optional[TiledVAE]:
+        """The tiler :meth:`enable_vae_tiling` set up (``None`` while tiling is off)."""
+        return self._vae_tiler
+
     def disable_vae_tiling(self) -> None:
         self._vae_tiler = None
 
@@ -614,11 +619,8 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         torch.cuda.current_stream(image.device).synchronize()
         return self.image_processor.postprocess(host, output_type=output_type, do_denormalize=[False] * len(host))
 
-    def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, prompt_embeds: torch.Tensor,
-                guidance_scale: float, step_kwargs: Dict[str, Any], **options: Any) -> torch.Tensor:
-        """The denoising loop (:func:`optimum_iobinding.pipelines.denoise.denoise`): every tensor stays on
-        ``self.device``; nothing waits on the host."""
-        return denoise(self, latents, timesteps, prompt_embeds, guidance_scale, step_kwargs, **options)
+    # the denoising loop (every tensor stays on self.device; nothing waits on the host): .denoise.denoise
+    denoise = denoise
 
     def set_timesteps(self, num_inference_steps: int) -> torch.Tensor:
         """Sets the scheduler's timesteps, keeping its state on the CPU: its per-step scalars (sigmas, alphas) then

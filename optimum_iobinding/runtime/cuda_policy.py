@@ -15,14 +15,14 @@ import torch
 # Defaults for the CUDA EP where they suit diffusion's static, repeated shapes; a user's options always win.
 #   cudnn_conv_algo_search HEURISTIC: cuDNN's heuristics pick each conv algorithm without timing them all. With a
 #     session per input signature the search runs once per signature either way, and measured on the SD1.5 fused
-#     fp16 export the steady image was no slower and the first image came sooner than with EXHAUSTIVE (README
-#     "Fast by default"; benchmarks/cold_start.py). Pass cudnn_conv_algo_search="EXHAUSTIVE" to time every algorithm;
+#     fp16 export the steady image was no slower and the first image came sooner than with EXHAUSTIVE (benchmarks/cold_start.py;
+#     benchmarks/results/h100). Pass cudnn_conv_algo_search="EXHAUSTIVE" to time every algorithm;
 #   cudnn_conv_use_max_workspace: let cuDNN pick algorithms that need a large workspace (faster on big convs);
 #   arena_extend_strategy kSameAsRequested: grow the arena by what is asked, not by powers of two (less memory).
 # Not fuse_conv_bias, though it is faster where it works (the bias inside the cuDNN-frontend convolution instead of a
-# cuDNN add-tensor kernel after it: SD1.5 fused UNet step 7.23 → 6.92 ms on the H100, and the host-bound binding loop
-# 4 ms/step faster): with onnxruntime-gpu 1.31.1 it computed wrong images (tiny fp16 fused and fp32 exports; CUDA
-# graphs too) and failed to build cuDNN graphs for fp16 plain exports (benchmarks/results/h100/fuse-conv-bias).
+# cuDNN add-tensor kernel after it): with onnxruntime-gpu 1.31.1 it computed wrong images (tiny fp16 fused and fp32
+# exports; CUDA graphs too) and failed to build cuDNN graphs for fp16 plain exports
+# (benchmarks/results/h100/fuse-conv-bias).
 CUDA_DIFFUSION_DEFAULTS: Dict[str, str] = {
     "cudnn_conv_algo_search": "HEURISTIC",
     "cudnn_conv_use_max_workspace": "1",
@@ -42,7 +42,7 @@ PLACEMENT_REFUSAL = "all compute graph nodes have not been partitioned"
 GRAPH_ID_RUN_OPTION = "gpu_graph_id"
 
 
-class _SetupGate:
+class SetupGate:
     """Any number of device set-ups at a time, or one capture, never both.
 
     ORT captures a graph in the stream capture mode in which any thread's ``cudaMalloc`` or synchronous copy fails the
@@ -84,7 +84,7 @@ class _SetupGate:
                 self._condition.notify_all()
 
 
-DEVICE_SETUP = _SetupGate()
+DEVICE_SETUP = SetupGate()
 
 
 def default_trt_cache_dir() -> str:

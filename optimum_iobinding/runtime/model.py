@@ -53,7 +53,7 @@ class IOBindingORTModel:
     ``__call__(**inputs)``) without depending on it.
 
     Inputs (``io_binding=True``): a torch tensor already on ``self.device``, of the input's dtype and contiguous, is
-    bound as it is: no copy. Anything else is converted once (see :mod:`optimum_iobinding.inputs`), and the
+    bound as it is: no copy. Anything else is converted once (see :mod:`optimum_iobinding.runtime.inputs`), and the
     converted tensor is held until the run ends.
 
     Outputs:
