@@ -5,7 +5,8 @@
 #                   first the layering contracts (lint-imports, setup.cfg), then the whole suite
 #   .venv-optimum   optimum-onnx: diffusers 0.39, transformers 4.57, optimum 2.1 (constraints-optimum.txt)
 #                   the tests whose outcome can differ between those library versions: all but the ones that never
-#                   touch diffusers, transformers or optimum (the runtime's own, serving and the benchmark's)
+#                   touch diffusers, transformers or optimum (the model's own, shapes, CUDA policy, the load test),
+#                   the server's (no Ray there) and the GPU's (no CUDA on the CI machines)
 # Arguments go to both pytest runs (e.g. -k lora, -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,5 +20,4 @@ setup .venv constraints.txt cpu,test,serve
 setup .venv-optimum constraints-optimum.txt cpu,test,optimum
 .venv-optimum/bin/python -m pytest -q -n auto \
   --ignore=tests/test_model.py --ignore=tests/test_shapes.py --ignore=tests/test_cuda_policy.py \
-  --ignore=tests/test_reliability.py --ignore=tests/test_serve.py --ignore=tests/test_loadtest.py \
-  --ignore=tests/test_bench.py --ignore=tests/test_gpu.py "$@"
+  --ignore=tests/test_loadtest.py --ignore=tests/test_serve.py --ignore=tests/test_gpu.py "$@"
