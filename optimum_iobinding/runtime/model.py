@@ -136,10 +136,7 @@ class IOBindingORTModel:
                         io_binding=io_binding, reuse_outputs=reuse_outputs, max_output_signatures=max_output_signatures,
                         cuda_graph=cuda_graph, max_graph_signatures=max_graph_signatures, share_weights=share_weights,
                         stream=stream)
-        if options is not None:
-            given = sorted(name for name, value in settings.items() if value != _DEFAULTS[name])
-            if given:
-                raise TypeError(f"options: expected either options or the settings {given}, got both")
+        _check_either(options, settings)
         if isinstance(session_or_path, _Recipe):  # a sibling: the recipe (and its weights) of another model
             recipe, session = session_or_path.recipe, None
             options = options or recipe.options
@@ -299,10 +296,12 @@ class IOBindingORTModel:
             The loaded model.
         """
         check_hub_kwargs("IOBindingORTModel.from_pretrained", hub_kwargs)
-        if options is None:  # checked before anything is downloaded
-            options = ModelOptions.resolve(provider, provider_options, sess_options, io_binding, reuse_outputs,
-                                           max_output_signatures, cuda_graph, max_graph_signatures, share_weights,
-                                           stream)
+        settings = dict(provider=provider, provider_options=provider_options, sess_options=sess_options,
+                        io_binding=io_binding, reuse_outputs=reuse_outputs, max_output_signatures=max_output_signatures,
+                        cuda_graph=cuda_graph, max_graph_signatures=max_graph_signatures, share_weights=share_weights,
+                        stream=stream)
+        _check_either(options, settings)
+        options = options or ModelOptions.resolve(**settings)  # checked before anything is downloaded
         path = resolve_model_file(model_id, subfolder, file_name, **hub_kwargs)
         config = read_json_object(os.path.join(os.path.dirname(path), CONFIG_NAME))
         return cls(path, config=config, options=options)
@@ -729,3 +728,15 @@ class _Recipe:
 _DEFAULTS = dict(provider=None, provider_options=None, sess_options=None, io_binding=True, reuse_outputs=True,
                  max_output_signatures=8, cuda_graph="auto", max_graph_signatures=None, share_weights=None,
                  stream=None)
+
+
+def _check_either(options: Optional[ModelOptions], settings: Mapping[str, Any]) -> None:
+    """Resolved ``options`` or the single settings, never both (a setting given beside ``options`` would be lost)."""
+    if options is None:
+        return
+    if not isinstance(options, ModelOptions):
+        raise TypeError(f"options: expected a ModelOptions, got {type(options).__name__}")
+    given = sorted(name for name, value in settings.items() if value is not _DEFAULTS[name]
+                   and value != _DEFAULTS[name])
+    if given:
+        raise TypeError(f"options: expected either options or the settings {given}, got both")
