@@ -4,19 +4,20 @@ CUDA-graph input feed, guidance, and the decorator that runs a call on the pipel
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_real
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .pipeline import OnnxStableDiffusionPipelineBase
+# What the loop needs of a pipeline (an OnnxStableDiffusionPipelineBase): its UNet, scheduler, timestep inputs,
+# progress bar and call state. Not imported: the pipeline imports this module.
+Pipeline = Any
 
 
 def denoise(
-    pipe: "OnnxStableDiffusionPipelineBase",
+    pipe: Pipeline,
     latents: torch.Tensor,
     timesteps: torch.Tensor,
     prompt_embeds: torch.Tensor,
@@ -186,7 +187,7 @@ def on_device_stream(method: Callable) -> Callable:
     and before its next work (no host wait); off CUDA it just calls."""
 
     @functools.wraps(method)
-    def on_stream(self: "OnnxStableDiffusionPipelineBase", *args: Any, **kwargs: Any) -> Any:
+    def on_stream(self: Pipeline, *args: Any, **kwargs: Any) -> Any:
         if getattr(self._calling, "active", False):
             raise RuntimeError(f"{type(self).__name__}: called again from inside its own call (a callback?); the "
                                "scheduler's state and the models' buffers belong to the running call. Collect what "
@@ -202,7 +203,7 @@ def on_device_stream(method: Callable) -> Callable:
     return on_stream
 
 
-def _call_on_stream(self: "OnnxStableDiffusionPipelineBase", method: Callable, args: Any, kwargs: Any) -> Any:
+def _call_on_stream(self: Pipeline, method: Callable, args: Any, kwargs: Any) -> Any:
     """``method`` on the pipeline's CUDA stream, ordered after the caller's stream and before its next work."""
     stream = self.stream
     if stream is None:
