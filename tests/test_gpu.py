@@ -763,7 +763,7 @@ def test_served_batches_queue_behind_each_other_on_the_gpu_and_equal_single_call
 
     generator = ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cuda", max_batch_size=2, steps=4,
                                                   warmup_sizes=[SIZE], warmup_batch_sizes=[1, 2])))
-    assert generator._deferred and generator._max_unfinished == 2
+    assert generator.defers_images and generator.admission.max_unfinished == 2
     requests = [generator.complete_request(dict(prompt=prompt, seed=seed, size=SIZE))
                 for prompt, seed in (("a red house", 1), ("a green tree", 2), ("a blue boat", 3))]
     first = generator.start_batch(requests[:2])

@@ -5,7 +5,7 @@ The application is one deployment, ``ImageService``: each replica holds one pipe
 (:class:`~optimum_iobinding.serve.batching.ImageGenerator`; ``num_gpus=1`` per replica on a GPU cluster, CPU
 replicas without one) and the HTTP API (FastAPI through ``@serve.ingress``: ``POST /v1/images``, ``GET /health``,
 ``GET /v1/models``). Serve's proxy routes each HTTP request to a replica. (A separate ingress deployment adds a
-process hop that carries every image; benchmarks/results/h200x2/session8 measured what it cost.)
+process hop that carries every image; benchmarks/results/h200x2/2026-11-23-36d6c4e measured what it cost.)
 
 Requests are checked before batching: 422 for a malformed body, 400 with the pipeline's own message for values the
 pipeline refuses, so a bad request never fails the others. The proxy answers 503 when the replicas' queues are full

@@ -39,7 +39,7 @@ from .schema import MAX_SEED, decode_image, parse_size
 
 # How long (a share of the batch's time) a batch waits for the clients of the previous one to come back. 5 % was too
 # short with 8 clients per replica on two GPUs: their answers pass the proxy one after another, the late ones missed
-# the batch and the groups split in three (the measurements: benchmarks/results/h200x2/session8/run3-994f4f2).
+# the batch and the groups split in three (the measurements: benchmarks/results/h200x2/2026-11-23-36d6c4e/run3-994f4f2).
 REGROUP_WAIT = 0.10
 
 
