@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import make_lora, requires_cuda
-from optimum_iobinding.bench.cli import host_waits
+from optimum_iobinding.bench.probes import host_waits
 
 pytestmark = requires_cuda
 
