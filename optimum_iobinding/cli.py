@@ -1,4 +1,5 @@
-"""The ``optimum-iobinding`` command: ``generate`` an image, ``export`` a pipeline to ONNX."""
+"""The ``optimum-iobinding`` command: ``generate`` an image, ``export`` a pipeline to ONNX, ``serve`` it over HTTP,
+``loadtest`` a running service, ``bench`` every peer on the GPU."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def default_cache_dir() -> Path:
 
 
 def tiny_model_folder(cache_dir: Optional[Path] = None, progress: bool = True, kind: str = "sd") -> Path:
-    """The tiny random-weights ONNX pipeline (``kind``: one of ``export.TINY_RANDOM_KINDS``), built once into the
+    """The tiny random-weights ONNX pipeline (``kind``: one of ``export.tiny.TINY_RANDOM_KINDS``), built once into the
     cache folder (atomically: a half-built folder is never mistaken for a finished one)."""
     from .export import export_pipeline
 
@@ -78,7 +79,6 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     from .export import export_pipeline
-
     from .layout import check_output_folder, looks_like_hub_id
 
     if not args.tiny_random and not args.model:

@@ -15,7 +15,8 @@ PROMPT = "a photo of a cat"
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    from optimum_iobinding.export.tiny import build_tiny_random_controlnet_pipeline, export_pipeline
+    from optimum_iobinding.export import export_pipeline
+    from optimum_iobinding.export.tiny import build_tiny_random_controlnet_pipeline
 
     root = tmp_path_factory.mktemp("controlnet")
     return {

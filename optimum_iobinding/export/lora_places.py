@@ -46,7 +46,17 @@ def _close(candidate: np.ndarray, weight: np.ndarray) -> bool:
     return True
 
 
-def _places_of(weight: np.ndarray, by_shape: Dict[Tuple[int, ...], List[Tuple[str, np.ndarray]]]) -> List[WeightPlace]:
+def places_of(weight: np.ndarray, by_shape: Dict[Tuple[int, ...], List[Tuple[str, np.ndarray]]]) -> List[WeightPlace]:
+    """Every place of one torch weight among the candidate arrays, in each form the export can give it.
+
+    Args:
+        weight: the layer's weight in torch layout, ``(out, in)`` or ``(out, in, kh, kw)``.
+        by_shape: candidate arrays (initializer name, values) grouped by their shape.
+
+    Returns:
+        One :class:`~optimum_iobinding.layout.WeightPlace` per array that holds the weight (same, transposed,
+        packed with its Q/K/V neighbours, or NHWC); empty if none does.
+    """
     places = []
     if weight.ndim == 2:
         out_features, in_features = weight.shape
@@ -103,7 +113,7 @@ def weight_map(module: torch.nn.Module, model: onnx.ModelProto,
     found: Dict[str, List[WeightPlace]] = {}
     with torch.no_grad():
         for name, layer in lora_layers(module):
-            places = _places_of(layer.weight.detach().float().cpu().numpy(), by_shape)
+            places = places_of(layer.weight.detach().float().cpu().numpy(), by_shape)
             if places:
                 found[name] = places
     return found

@@ -43,14 +43,23 @@ def convert_to_float16(model: onnx.ModelProto, shapes_known: bool = False) -> on
     return convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=shapes_known)
 
 
-# ORT's optimizer model types, and the hidden sizes its BiasSplitGelu kernel takes (others must skip that fusion).
-_OPTIMIZER_MODEL_TYPES = {"text_encoder": "clip", "text_encoder_2": "clip", "unet": "unet", "vae_encoder": "vae",
-                          "vae_decoder": "vae", "controlnet": "unet"}
+# ORT's optimizer model type of each kind of component.
+OPTIMIZER_MODEL_TYPES = {"text_encoder": "clip", "text_encoder_2": "clip", "unet": "unet", "vae_encoder": "vae",
+                         "vae_decoder": "vae", "controlnet": "unet"}
 
 
 def _kind(name: str) -> str:
     """A component's kind: ``controlnet_1``, ``controlnet_2`` … are ControlNets like ``controlnet``."""
     return "controlnet" if name.startswith("controlnet") else name
+
+
+def optimizer_model_type(name: str) -> str:
+    """The ``model_type`` ORT's transformer optimizer takes for the component ``name`` (``"unet"``, ``"vae"`` or
+    ``"clip"``)."""
+    return OPTIMIZER_MODEL_TYPES[_kind(name)]
+
+
+# The hidden sizes ORT's BiasSplitGelu kernel takes (other widths must skip that fusion).
 BIAS_SPLIT_GELU_HIDDEN_SIZES = (2560, 5120, 6144, 10240, 12288)
 
 
@@ -58,14 +67,14 @@ def fusion_options(name: str, config: Any, target: str):
     """ORT transformer-optimizer fusions for one component.
 
     ``target="cuda"``: every fusion ORT has for the model type, except BiasSplitGelu where the UNet's GEGLU widths
-    are not among :data:`BIAS_SPLIT_GELU_HIDDEN_SIZES`, and GroupNorm for blocks narrower than ORT's kernel takes. ``target="cpu"``: only fusions whose fused ops have CPU
-    kernels (attention, layer norm, GELU) — NhwcConv, GroupNorm, SkipGroupNorm, BiasSplitGelu and BiasAdd run on
-    CUDA only.
+    are not among :data:`BIAS_SPLIT_GELU_HIDDEN_SIZES`, and GroupNorm for blocks narrower than ORT's kernel takes.
+    ``target="cpu"``: only fusions whose fused ops have CPU kernels (attention, layer norm, GELU) — NhwcConv,
+    GroupNorm, SkipGroupNorm, BiasSplitGelu and BiasAdd run on CUDA only.
     """
     from onnxruntime.transformers.fusion_options import FusionOptions
 
     name = _kind(name)
-    options = FusionOptions(_OPTIMIZER_MODEL_TYPES[name])
+    options = FusionOptions(optimizer_model_type(name))
     if target == "cpu":
         for flag in ("enable_nhwc_conv", "enable_group_norm", "enable_skip_group_norm", "enable_bias_splitgelu",
                      "enable_bias_add", "enable_packed_qkv", "enable_packed_kv"):
@@ -115,8 +124,8 @@ def load_light(path: Path) -> onnx.ModelProto:
 
     ORT's symbolic shape inference copies the whole ModelProto, weights included, in the passes that use it: on the
     SD1.5 UNet (3.4 GB fp32) its ``remove_useless_reshape_nodes`` pass alone went past 24 GB and was killed, and on
-    the SDXL UNet each such pass took minutes. Without the weights in the proto the same fusions ran in 73 s and
-    3.2 GB peak (SD1.5, 2 CPUs). The exporter already writes large models this way; a small one is rewritten so."""
+    the SDXL UNet each such pass took minutes. Without the weights in the proto the same fusions need about the
+    memory of the weights alone. The exporter already writes large models this way; a small one is rewritten so."""
     from onnx.external_data_helper import uses_external_data
 
     model = onnx.load(str(path), load_external_data=False)
@@ -126,7 +135,7 @@ def load_light(path: Path) -> onnx.ModelProto:
 
 
 def unload(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
-    """Writes ``model`` to ``path`` with its weights beside it and returns it loaded light (see :func:`_load_light`)."""
+    """Writes ``model`` to ``path`` with its weights beside it and returns it loaded light (see :func:`load_light`)."""
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=path.stem + ".weights", size_threshold=1024)
     return onnx.load(str(path), load_external_data=False)
@@ -134,7 +143,7 @@ def unload(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
 
 def optimize_component(name: str, path: Path, options: Any, target: str):
     """ORT's transformer optimizer on the model at ``path``, its weights left on disk while the graph is rewritten
-    (:func:`_load_light`; fusions that need a weight read it from there); where its attention fusion breaks on a
+    (:func:`load_light`; fusions that need a weight read it from there); where its attention fusion breaks on a
     graph (the VAE's single-head attention reshapes trip ``get_num_heads_and_hidden_size``), the component is
     optimized again without that fusion. Returns ORT's ``OnnxModel``; initializers it did not touch are still on disk
     in ``path``'s folder: load them (``onnx.load_external_data_for_model``) before that folder goes."""
@@ -142,7 +151,7 @@ def optimize_component(name: str, path: Path, options: Any, target: str):
 
     def run(fusions):
         with in_folder(path.parent):
-            return optimize_model(load_light(path), model_type=_OPTIMIZER_MODEL_TYPES[_kind(name)], opt_level=0,
+            return optimize_model(load_light(path), model_type=optimizer_model_type(name), opt_level=0,
                                   optimization_options=fusions, use_gpu=target == "cuda")
 
     try:
