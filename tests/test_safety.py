@@ -33,11 +33,6 @@ def snapshot(folder: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return export_pipeline(None, tmp_path_factory.mktemp("safety") / "sd", tiny_random=True, progress=False)
-
-
-@pytest.fixture(scope="module")
 def pipe(tiny_folder):
     pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
     pipe.set_progress_bar_config(disable=True)

@@ -85,13 +85,6 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    from optimum_iobinding.export import export_pipeline
-
-    return export_pipeline(None, tmp_path_factory.mktemp("serve") / "tiny", tiny_random=True, progress=False)
-
-
-@pytest.fixture(scope="module")
 def server(tiny_folder):
     server = Server(tiny_folder)
     yield server
