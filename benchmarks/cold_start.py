@@ -6,12 +6,12 @@ batch 1 (sessions created, algorithms searched, graphs captured), then the media
 Variants: diffusers' ``OnnxStableDiffusionPipeline`` (numpy; what it creates at load is its sessions), ours with
 each cuDNN algorithm search, ours with ORT's graph optimizations at the basic level (the export is already fused
 offline), ours after ``pipe.warmup(...)``, ours with the bench's memory sampler running through the load and the
-first image (the sources of ``optimum_iobinding.bench.PeakMemory``: ``sampled-cudart``, a thread calling
-cudaMemGetInfo every 2 ms, what the bench did up to session 13; ``sampled-nvml``, a thread reading NVML;
-``sampled-process``, a child process reading NVML, what the bench does now), ours after one Conv has run through
+first image (the sources of ``optimum_iobinding.bench.probes.PeakMemory``: ``sampled-cudart``, a thread calling
+cudaMemGetInfo every 2 ms, the bench's only source before the sampling process; ``sampled-nvml``, a thread reading
+NVML; ``sampled-process``, a child process reading NVML, what the bench does now), ours after one Conv has run through
 ONNX Runtime before the load (``conv-preloaded``: cuDNN already loaded), and ours cold again with the first image's
-work timed piece by piece (``first_image_timeline``: weight loading, session creations, each model's first runs on
-the host and on the GPU).
+work timed piece by piece (``first_image_timeline``: model parses, weight loading, session creations, each model's
+first runs on the host and on the GPU, from the runtime's opt-in timeline).
 For ours, each component's session creations are listed with their seconds (``session_creation_log``).
 
     python benchmarks/cold_start.py --folder WORK/sd15-fp16-optimized --out OUT/cold-start
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -29,9 +30,10 @@ from pathlib import Path
 
 VARIANTS = ("numpy", "HEURISTIC:cold", "HEURISTIC:cold:sampled-cudart", "HEURISTIC:cold:sampled-process",
             "HEURISTIC:cold:conv-preloaded", "HEURISTIC:warm", "HEURISTIC:cold:timeline")
-# also measured before (sessions 6-14), and still accepted by --variants: EXHAUSTIVE:cold, EXHAUSTIVE:warm,
-# HEURISTIC:cold:basic, HEURISTIC:cold:sampled-nvml, HEURISTIC:cold:unet-native (the UNet's weights never owned);
-# new in session 15: HEURISTIC:cold:unet-owned (its weights owned from the start, the default up to session 14)
+# also measured in earlier runs (benchmarks/results/h100/), and still accepted by --variants: EXHAUSTIVE:cold,
+# EXHAUSTIVE:warm, HEURISTIC:cold:basic, HEURISTIC:cold:sampled-nvml, HEURISTIC:cold:unet-native (the UNet's weights
+# never owned), HEURISTIC:cold:unet-owned (its weights owned from the start, what the runtime did before it owned
+# them only where a second session or LoRA needs them; benchmarks/results/h100/2026-11-24-8b781aa)
 
 
 def conv_session_run(ort, search: str) -> None:
@@ -53,60 +55,43 @@ def conv_session_run(ort, search: str) -> None:
     session.run(None, {"x": np.ones((1, 4, 64, 64), np.float16)})
 
 
+# a timeline step's label: what, the model's path, and what follows it (see optimum_iobinding.runtime.timeline)
+STEP_LABEL = re.compile(r"(?P<what>parse|weights|session|run \d+) (?P<path>.+?)"
+                        r"(?P<rest>(?: \(declared inputs\)| \(host\))?(?: graph)?(?: fixed dims)?(?: failed)?)$")
+
+
+def component(path) -> str:
+    """A model's component folder (``unet`` for ``…/unet/model.onnx``): how the timeline's rows name it."""
+    return Path(str(path)).parent.name or str(path)
+
+
+def short_label(what: str) -> str:
+    """A timeline step's label with the model's path shortened to its component folder."""
+    match = STEP_LABEL.match(what)
+    return f"{match['what']} {component(match['path'])}{match['rest']}" if match else what
+
+
 def record_timeline(torch) -> tuple:
-    """Wraps the library's work so that it is timed on the host clock, without adding a wait: parsing a model file,
-    weight loading, session creation (made or refused), and each model's first three runs (host
-    return, and when the GPU finished them, from CUDA events read after the image). Returns ``(start, finish)``:
-    ``start()`` at the image's start, ``finish()`` after it, giving the rows ``[from s, to s, what, thread]``."""
-    import threading
+    """Records the runtime's set-up work on the host clock, without adding a wait, through its opt-in timeline
+    (``optimum_iobinding.runtime.timeline``): parsing a model file, weight loading, session creation (made or
+    refused), and each model's first three runs (host return, and when the GPU finished them, from CUDA events
+    enqueued on the model's stream after each run and read after the image). The recording starts here. Returns
+    ``(start, finish)``: ``start()`` at the image's start, ``finish()`` after it (it ends the recording), giving the
+    rows ``[from s, to s, what, thread]`` (each model named by its component folder), sorted by their end."""
+    import contextlib
 
-    from optimum_iobinding import model, session
+    from optimum_iobinding.runtime import timeline
 
-    rows, events, origin = [], [], {}
+    events, origin = [], {}
 
-    def timed(what, function):
-        def wrapper(*args, **kwargs):
-            begin, outcome = time.perf_counter(), "failed"
-            try:
-                result = function(*args, **kwargs)
-                outcome = ""
-                return result
-            finally:
-                rows.append([begin, time.perf_counter(), f"{what(args, kwargs)} {outcome}".strip(),
-                             threading.current_thread().name])
-        return wrapper
-
-    def component(path) -> str:
-        return Path(str(path)).parent.name
-
-    def session_label(args, kwargs) -> str:
-        updates = kwargs.get("provider_updates", args[2] if len(args) > 2 else None) or {}
-        dims = kwargs.get("free_dims", args[1] if len(args) > 1 else None) or {}
-        return (f"session {component(args[0].source)}{' graph' if 'enable_cuda_graph' in updates else ''}"
-                f"{' fixed dims' if dims else ''}")
-
-    session.parse_model = timed(lambda a, k: f"parse {component(a[0])}", session.parse_model)
-    session.load_owned_weights = timed(lambda a, k: f"weights {component(a[0])}", session.load_owned_weights)
-    session.SessionRecipe.create = timed(session_label, session.SessionRecipe.create)
-    model._load_graph = timed(lambda a, k: f"parse {component(a[0])} (declared inputs)", model._load_graph)
-    runs: dict = {}
-    call = model.IOBindingORTModel.__call__
-
-    def counted(self, **inputs):
-        name = Path(str(self.model_path)).parent.name
-        runs[name] = runs.get(name, 0) + 1
-        if runs[name] > 3:
-            return call(self, **inputs)
-        begin = time.perf_counter()
-        result = call(self, **inputs)
-        rows.append([begin, time.perf_counter(), f"run {runs[name]} {name} (host)", threading.current_thread().name])
-        if self.stream is not None:
+    def on_run(model, index: int) -> None:
+        if model.stream is not None:
             done = torch.cuda.Event(enable_timing=True)
-            done.record(self.stream)
-            events.append((done, f"run {runs[name]} {name} (GPU done)"))
-        return result
+            done.record(model.stream)
+            events.append((done, f"run {index} {component(model.model_path)} (GPU done)"))
 
-    model.IOBindingORTModel.__call__ = counted
+    recording = contextlib.ExitStack()
+    record = recording.enter_context(timeline.recording(on_run=on_run))
 
     def start():
         origin["t"] = time.perf_counter()
@@ -115,10 +100,12 @@ def record_timeline(torch) -> tuple:
             origin["event"].record()
 
     def finish():
+        recording.close()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t0 = origin["t"]
-        table = [[round(a - t0, 4), round(b - t0, 4), what, thread] for a, b, what, thread in rows]
+        table = [[round(step.begin - t0, 4), round(step.end - t0, 4), short_label(step.what), step.thread]
+                 for step in record.steps]
         table += [[None, round(origin["event"].elapsed_time(event) / 1000, 4), what, "GPU"] for event, what in events]
         return sorted(table, key=lambda row: row[1])
 
@@ -133,7 +120,7 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
     from optimum_iobinding import OnnxStableDiffusionPipeline
 
     if variant == "numpy":
-        from optimum_iobinding.bench import load_numpy_pipeline
+        from optimum_iobinding.pipelines import load_numpy_pipeline
     import_s = time.perf_counter() - start
     torch.cuda.init()
     start = time.perf_counter()
@@ -151,7 +138,7 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
             preload_s, level = time.perf_counter() - begin, []
         if level and level[0].startswith("sampled-"):
             # the bench's memory sampler running through the load and the first image, as in a bench
-            from optimum_iobinding.bench import PeakMemory
+            from optimum_iobinding.bench.probes import PeakMemory
 
             sampler, level = PeakMemory(torch.device("cuda", 0), source=level[0][len("sampled-"):]), []
             sampler.__enter__()
@@ -164,7 +151,7 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
             # session, and owns the weights only when a second session or LoRA needs them)
             component_options = {"unet": {"share_weights": False}}
         elif level == ["unet-owned"]:
-            # the default up to session 14: the UNet's weights parsed and uploaded by the project, then handed to ORT
+            # the runtime's earlier default: the UNet's weights parsed and uploaded by the project, then handed to ORT
             component_options = {"unet": {"share_weights": True}}
         elif level:
             raise ValueError(f"variant: unknown {variant!r}")

@@ -1,16 +1,18 @@
-"""Where a few-step graph loop spends the time above its GPU floor (SD-Turbo: 6.36 vs 4.74 ms/step in session 3).
+"""Where a few-step graph loop spends the time above its GPU floor.
 
 On the GPU machine, from the project root (after .device/w/install.sh):
     python3 benchmarks/few_step_loop.py --model turbo --work /tmp/bench-work --out OUT
 
-For the model's fp16 ``--optimize cuda`` export (made with optimum_iobinding.bench's export if missing), with the
-model's bench recipe (scheduler, guidance, steps) and ``cuda_graph=True``, it writes OUT/few-step-<model>.json with:
+For the model's fp16 ``--optimize cuda`` export (made by optimum_iobinding.bench.zoo's export cache if missing),
+with the model's bench recipe (scheduler, guidance, steps) and ``cuda_graph=True``, it writes
+OUT/few-step-<model>.json with:
   * per-step ms of the denoising loop alone (``pipe.denoise``; (N-step − 1-step) / (N − 1), median of 5), both the
     time the host takes to enqueue it and the time until the GPU is done,
   * the UNet's own floor (back-to-back calls of the graph model on the same inputs),
   * per-step ms of the whole pipeline as the bench times it, over 20 interleaved N-step and 1-step calls each,
   * the host waits inside one loop (CUDA sync calls and synchronous copies, with the Python frames behind them),
   * the GPU kernels of one loop by total time (CUPTI sees ORT's kernels and those of the captured graphs).
+Its SD-Turbo results: benchmarks/results/h100/2026-11-22-589dfef (the gap it looks into: 2026-11-22-619b03d).
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def bare_loop(pipe, prompt: str, guidance: float, size: int):
 
 def main() -> None:
     from optimum_iobinding import OnnxStableDiffusionPipeline
-    from optimum_iobinding.bench import MODEL_SIZES, PROMPT, ensure_export, host_waits, recipe_of, set_recipe_scheduler
+    from optimum_iobinding.bench.probes import host_waits
+    from optimum_iobinding.bench.zoo import MODEL_SIZES, PROMPT, ensure_export, recipe_of, set_recipe_scheduler
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="turbo", choices=("turbo", "tiny", "small", "sd15"))

@@ -1,14 +1,19 @@
-"""Probe (session 7, not part of the project): which way of sharing activation memory across the CUDA graphs of
-one model's input signatures stays correct?  Modes:
-  own      a session per signature, each with its own arena (the committed design)
-  env      a session per signature, all on ORT's environment arena
+"""A probe, not part of the project: which way of sharing activation memory across the CUDA graphs of one model's
+input signatures stays correct? Modes:
+  own      the runtime's IOBindingORTModel as it is (when the probe was written: a session per signature, each with
+           its own arena; since then: one session with a gpu_graph_id per signature where ORT allows it)
+  env      a session per signature (its free dims fixed, enable_cuda_graph), all on ORT's environment arena
+           (create_and_register_allocator_v2 + the session config entry session.use_env_allocators)
   route-a  one session with dynamic dims, enable_cuda_graph, a gpu_graph_id per signature
 Every output is compared with a plain dynamic session (no graph) on the same inputs, right after its capture and in
-two later rounds of replays."""
+two later rounds of replays. Results: benchmarks/results/h100/2026-11-23-892cff2 (graph-memory-routes.jsonl).
+
+    python benchmarks/graph_memory_routes.py FOLDER SIZE BATCHES     e.g. WORK/small-fp16-optimized 256 2,8,16,4
+"""
 import json, os, subprocess, sys
 import torch
 import onnxruntime as ort
-from optimum_iobinding.dtypes import ORT_TO_TORCH, TORCH_TO_ONNX
+from optimum_iobinding.runtime.dtypes import ORT_TO_TORCH, TORCH_TO_ONNX
 
 
 def used():
@@ -31,12 +36,17 @@ def make_inputs(session, b, size):
     return feeds
 
 
-def run_bound(session, feeds, out, ro):
+def bound(session, feeds, out):
+    """An IOBinding of ``session`` to the tensors ``feeds`` (inputs by name) and ``out`` (its first output)."""
     bind = session.io_binding()
     for n, t in feeds.items():
         bind.bind_input(n, "cuda", 0, TORCH_TO_ONNX[t.dtype], list(t.shape), t.data_ptr())
     bind.bind_output(session.get_outputs()[0].name, "cuda", 0, TORCH_TO_ONNX[out.dtype], list(out.shape), out.data_ptr())
-    session.run_with_iobinding(bind, ro)
+    return bind
+
+
+def run_bound(session, feeds, out, ro):
+    session.run_with_iobinding(bound(session, feeds, out), ro)
     torch.cuda.synchronize()
 
 
@@ -51,6 +61,7 @@ def one(folder, mode, size, batches):
         out = torch.empty((b, 4, size // 8, size // 8), dtype=feeds[b]["sample"].dtype, device="cuda")
         run_bound(ref_session, feeds[b], out, ort.RunOptions())
         refs[b] = out.float().clone()
+    declared = {i.name: i.shape for i in ref_session.get_inputs()}
     del ref_session
     base = used() - idle
     res = {"mode": mode, "base_mib": base, "rows": [], "later": {}}
@@ -85,16 +96,38 @@ def one(folder, mode, size, batches):
                 s.run_with_iobinding(bind, ro); torch.cuda.synchronize()
                 res["later"][f"{rnd}-{b}"] = diff(b, o)
         return res
-    import optimum_iobinding.session as S
-    from optimum_iobinding import IOBindingORTModel
     if mode == "env":
+        # the sessions are made here: the runtime's sessions take no session config entries from the caller
         mi = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
         ort.create_and_register_allocator_v2("CUDAExecutionProvider", mi, {"device_id": "0"}, ort.OrtArenaCfg(0, 1, -1, -1))
-        orig = S.copy_session_options
-
-        def patched(base):
-            so = orig(base); so.add_session_config_entry("session.use_env_allocators", "1"); return so
-        S.copy_session_options = patched
+        graphs = {}
+        for b in batches:
+            so = ort.SessionOptions()
+            so.add_session_config_entry("session.use_env_allocators", "1")
+            for name, shape in declared.items():  # the free dims fixed to this signature's sizes
+                for k, dim in enumerate(shape):
+                    if isinstance(dim, str):
+                        so.add_free_dimension_override_by_name(dim, feeds[b][name].shape[k])
+            try:
+                s = ort.InferenceSession(path, so, providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"})])
+            except Exception as e:
+                res["error"] = str(e)[:2000]
+                return res
+            o = torch.empty_like(refs[b], dtype=feeds[b]["sample"].dtype)
+            bind, ro = bound(s, feeds[b], o), ort.RunOptions()
+            graphs[b] = (s, bind, ro, o)
+            errs = []
+            for _ in range(4):
+                s.run_with_iobinding(bind, ro); torch.cuda.synchronize(); errs.append(diff(b, o))
+            res["rows"].append({"batch": b, "used_mib": used() - idle, "diffs": errs})
+        for rnd in range(2):
+            for b in batches:
+                s, bind, ro, o = graphs[b]
+                o.zero_()
+                s.run_with_iobinding(bind, ro); torch.cuda.synchronize()
+                res["later"][f"{rnd}-{b}"] = diff(b, o)
+        return res
+    from optimum_iobinding import IOBindingORTModel
     unet = IOBindingORTModel.from_pretrained(folder, subfolder="unet", provider="CUDAExecutionProvider")
     for b in batches:
         errs = [diff(b, unet(**feeds[b])[0]) for _ in range(4)]

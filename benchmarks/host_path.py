@@ -58,7 +58,7 @@ def host_us(run, count: int = 20) -> float:
 
 def main() -> None:
     from optimum_iobinding import OnnxStableDiffusionPipeline
-    from optimum_iobinding.bench import MODEL_SIZES, PROMPT, ensure_export, recipe_of, set_recipe_scheduler
+    from optimum_iobinding.bench.zoo import MODEL_SIZES, PROMPT, ensure_export, recipe_of, set_recipe_scheduler
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", choices=("tiny", "small", "sd15"))
@@ -212,7 +212,7 @@ def main() -> None:
 
 def split_whole_and_loop(pipe, steps: int, size: int, guidance: float, bare, rounds: int = 20) -> dict:
     """Per-step ms of whole calls and of bare loops, in one process, interleaved (see the module's docstring)."""
-    from optimum_iobinding.bench import PROMPT
+    from optimum_iobinding.bench.zoo import PROMPT
 
     def events_at_steps(n: int):
         first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -307,7 +307,7 @@ def compare_threads(pipe, folder, model: str, steps: int, size: int, guidance: f
     import onnxruntime as ort
 
     from optimum_iobinding import OnnxStableDiffusionPipeline
-    from optimum_iobinding.bench import PROMPT, set_recipe_scheduler
+    from optimum_iobinding.bench.zoo import PROMPT, set_recipe_scheduler
 
     def threads() -> int:
         return len(os.listdir("/proc/self/task"))

@@ -1,4 +1,4 @@
-"""Runtime LoRA on the GPU (issue 16): loading, applying and switching adapters against re-creating the sessions,
+"""Runtime LoRA on the GPU: loading, applying and switching adapters against re-creating the sessions,
 and the per-step time with a LoRA applied against without one.
 
 On the default pipeline (CUDA graphs captured by ``warmup``) of an export folder, with two random LoRAs made for its
@@ -37,7 +37,7 @@ def make_loras(folder: Path, work: Path) -> dict:
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from optimum_iobinding.lora import random_lora_layers, save_lora
+    from optimum_iobinding.export.tiny import random_lora_layers, save_lora
 
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(json.loads((folder / "unet" / "config.json").read_text()))
@@ -93,7 +93,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionPipeline
-    from optimum_iobinding.bench import environment
+    from optimum_iobinding.bench.probes import environment
 
     result = {**environment(), "command": " ".join(["python", *sys.argv]), "folder": str(args.folder),
               "size": args.size}

@@ -10,9 +10,9 @@
 #   Queues separated by "|" run side by side (e.g. "sdxl:fp16:optimized | tiny:fp32:optimized sd15:fp32:plain": the
 #   long SDXL export does not hold the others back).
 # Bring results back as one archive (tar czf "$OUT/res.tgz" -C /tmp res): the device returns at most 8 files
-# from $OUT, and a run of several steps writes more (session 10 lost its JSON that way).
-# Give the most important first, so that a run cut short by the machine's time still reports them. What issues 4
-# and 6 still lacked after session 4: EXPORT_AHEAD="sdxl:fp16:optimized | sd15:fp32:optimized" with the steps
+# from $OUT, and a run of several steps writes more (one run lost its JSON that way).
+# Give the most important first, so that a run cut short by the machine's time still reports them. The long exports
+# (SDXL, SD1.5 fp32), e.g.: EXPORT_AHEAD="sdxl:fp16:optimized | sd15:fp32:optimized" with the steps
 # sd15-fp32-optimized sdxl-fp16.
 set -uo pipefail
 out=${1:?output folder}
@@ -63,14 +63,16 @@ run_step() {
     gpu-tests) (cd tests && python3 -m pytest -q -p no:cacheprovider -rs test_gpu.py test_model.py test_fast_by_default.py -k 'cuda or gpu or fast'; a=$?
                PYTHONPATH=/tmp/site-optimum:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider -rs test_optimum.py -k cuda
                exit $(( a | $? ))) ;;
-    # 10 timed runs a process: whole calls scatter by 5-60 % now and then on some hosts (session 11's host_path.py)
+    # 10 timed runs a process: whole calls scatter by 5-60 % now and then on some hosts (host_path.py in
+    # benchmarks/results/h100/2026-11-23-1750f70)
     sd15-fp16-defaults) bench --models sd15 --dtypes fp16 --exports optimized --peers numpy,optimum,defaults,binding,graph --runs 10 --out "$out/sd15-fp16-defaults" ;;
     # the small UNet's loop is host-bound on the numpy side: three processes per peer, order rotated (SMALL_REPEATS).
     # 30 timed runs: the per-step target (1.02 x a 2.26 ms floor) is 1.3 ms over the 28 steps of the difference, and
-    # medians of 10 runs put the same code at 2.28-2.37 ms a step in different processes (sessions 11 and 12)
+    # medians of 10 runs put the same code at 2.28-2.37 ms a step in different processes
+    # (benchmarks/results/h100/2026-11-23-1750f70 and 2026-11-23-74fd47f)
     small-fp16-defaults) bench --models small --dtypes fp16 --exports optimized --peers numpy,defaults,graph --runs 30 --repeats "${SMALL_REPEATS:-3}" --out "$out/small-fp16-defaults" ;;
     # 5 passes a round (a round's ms per batch size: the median of 5 calls): the same b1 call moved 95-101 ms with
-    # 3 (session 13), so "every later round within 5 % of the best" read noise
+    # 3 (benchmarks/results/h100/2026-11-23-3a81b6d), so "every later round within 5 % of the best" read noise
     sd15-fp16-mixed) bench --scenario mixed --cycles "${MIXED_CYCLES:-5}" --models sd15 --dtypes fp16 --exports optimized --out "$out/sd15-fp16-mixed" ;;
     # scripts read an export folder: make it first (or wait for EXPORT_AHEAD's, which holds the lock)
     cold-start) bench --export-only --models sd15 --dtypes fp16 --exports optimized &&
@@ -78,7 +80,7 @@ run_step() {
                   ${COLD_VARIANTS:+--variants "$COLD_VARIANTS"} ;;
     signature-memory) bench --export-only --models sd15 --dtypes fp16 --exports optimized &&
                       script benchmarks/signature_memory.py --folder "$work/sd15-fp16-optimized" --out "$out/signature-memory" ;;
-    # Ray Serve (issue 15): after bash .device/rdeps/install-ray.sh; every GPU of the machine gets a replica
+    # Ray Serve: after bash .device/rdeps/install-ray.sh; every GPU of the machine gets a replica
     serve) bench --export-only --models sd15 --dtypes fp16 --exports optimized &&
            PYTHONPATH=/tmp/site-ray:$PYTHONPATH NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
            python3 benchmarks/serve_bench.py --folder "$work/sd15-fp16-optimized" --out "$out/serve" \

@@ -2,12 +2,11 @@
 application serving diffusers' numpy ``OnnxStableDiffusionPipeline``, and the bare pipeline in one process.
 
 For each engine × replica count × batching (on: ``max_batch_size`` images per call; off: 1), the app is deployed
-on the local Ray cluster (replicas take a GPU each where there are GPUs) and ``optimum_iobinding.loadtest`` measures
-images/s and p50/p95/p99 latency at each concurrency (a closed loop at steady state: one uncounted answer per client,
-then the counted ones, without draining in between). Before
-Ray starts, a fresh process measures the bare pipeline on one GPU: the batch-1 latency and images/s at fixed batch
-sizes. Writes ``serve.json`` (device, versions, command, every row), ``serve.md`` (table and the issue's ratios)
-and ``serve.png``.
+on the local Ray cluster (replicas take a GPU each where there are GPUs) and ``optimum_iobinding.serve.loadtest``
+measures images/s and p50/p95/p99 latency at each concurrency (a closed loop at steady state: one uncounted answer
+per client, then the counted ones, without draining in between). Before Ray starts, a fresh process measures the
+bare pipeline on one GPU: the batch-1 latency and images/s at fixed batch sizes. Writes ``serve.json`` (device,
+versions, command, every row), ``serve.md`` (the table, and the ratios against their targets) and ``serve.png``.
 
     python benchmarks/serve_bench.py --folder WORK/sd15-fp16-optimized --out OUT/serve --replicas 1,2
 """
@@ -99,7 +98,7 @@ def main() -> int:
     import ray
     from ray import serve
 
-    from optimum_iobinding.loadtest import run_loadtest
+    from optimum_iobinding.serve.loadtest import run_loadtest
     from optimum_iobinding.serve import ServeConfig, build_app
 
     ray.init(log_to_driver=False, include_dashboard=False)

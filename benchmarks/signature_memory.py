@@ -28,7 +28,7 @@ def measure(folder: str, variant: str, batches, size: int) -> dict:
     import torch
 
     from optimum_iobinding import IOBindingORTModel
-    from optimum_iobinding.session import load_owned_weights
+    from optimum_iobinding.runtime.weights import load_owned_weights
 
     def used() -> int:
         torch.cuda.synchronize()

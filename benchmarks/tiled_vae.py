@@ -1,5 +1,5 @@
 """Tiled VAE decode of a large image on the GPU: untiled, tiled with sequential host copies, tiled with each tile's
-copy overlapping the next tile's decode (optimum_iobinding.TiledVAE). Issue 6's tiled-VAE figures.
+copy overlapping the next tile's decode (optimum_iobinding.TiledVAE).
 
 On the GPU machine, from the project root (after .device/w/install.sh):
     python3 benchmarks/tiled_vae.py --size 2048 --work /tmp/bench-work --out OUT
@@ -43,7 +43,8 @@ def main() -> int:
     args = parser.parse_args()
 
     from optimum_iobinding import IOBindingORTModel, TiledVAE
-    from optimum_iobinding.bench import ensure_export, environment
+    from optimum_iobinding.bench.probes import environment
+    from optimum_iobinding.bench.zoo import ensure_export
 
     folder = ensure_export("sd15", args.dtype, "plain", Path(args.work))
     decoder = IOBindingORTModel.from_pretrained(folder, subfolder="vae_decoder", provider="CUDAExecutionProvider")

@@ -1,10 +1,10 @@
-"""Where the fused UNet's step time goes, and which CUDA EP options move it (issue 4's ≤ 6.5 ms/step target).
+"""Where the fused UNet's step time goes, and which CUDA EP options move it.
 
 On the GPU machine, from the project root (after .device/w/install.sh):
     python3 benchmarks/unet_options.py --model sd15 --work /tmp/bench-work --out OUT
 
-For the fp16 ``--optimize cuda`` export of the model (made with optimum_iobinding.bench's export if missing) it writes
-OUT/unet-options.json and .md:
+For the fp16 ``--optimize cuda`` export of the model (made by optimum_iobinding.bench.zoo's export cache if missing)
+it writes OUT/unet-options.json and .md:
   * the UNet's operator counts (what the fusions left),
   * the GPU kernel time per kernel name over plain (non-graph) runs, from the torch profiler (CUPTI sees ORT's kernels),
     and which attention kernel ORT picked per node (ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO),
@@ -38,7 +38,7 @@ VARIANTS = {
 
 
 def floor_in_process(folder: str, model: str, options: dict, repeats: int) -> dict:
-    from optimum_iobinding.bench import run_floor
+    from optimum_iobinding.bench.probes import run_floor
 
     runs = [run_floor(Path(folder), model, replays=100, provider_options=options) for _ in range(repeats)]
     errors = [r["error"] for r in runs if "error" in r]
@@ -53,8 +53,8 @@ def kernels_in_process(folder: str, model: str, steps: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from optimum_iobinding.bench import MODEL_SIZES
-    from optimum_iobinding.model import IOBindingORTModel
+    from optimum_iobinding.bench.zoo import MODEL_SIZES
+    from optimum_iobinding.runtime.model import IOBindingORTModel
 
     size = MODEL_SIZES[model]
     unet = IOBindingORTModel.from_pretrained(folder, subfolder="unet", provider="CUDAExecutionProvider")
@@ -159,7 +159,8 @@ def main() -> int:
         Path(args.result).write_text(json.dumps(result))
         return 0
 
-    from optimum_iobinding.bench import ensure_export, environment
+    from optimum_iobinding.bench.probes import environment
+    from optimum_iobinding.bench.zoo import ensure_export
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

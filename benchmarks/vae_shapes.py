@@ -66,7 +66,8 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args()
 
-    from optimum_iobinding.bench import ensure_export, environment
+    from optimum_iobinding.bench.probes import environment
+    from optimum_iobinding.bench.zoo import ensure_export
 
     folder = ensure_export("sd15", args.dtype, "plain", Path(args.work))
     results = {"environment": environment(), "command": " ".join(["python3 benchmarks/vae_shapes.py", *sys.argv[1:]]),

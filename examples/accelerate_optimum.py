@@ -15,7 +15,7 @@ import torch
 
 from optimum_iobinding import accelerate
 from optimum_iobinding.cli import default_provider
-from optimum_iobinding.export import build_tiny_random_pipeline
+from optimum_iobinding.export.tiny import build_tiny_random_pipeline
 
 
 def main() -> None:

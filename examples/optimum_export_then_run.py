@@ -18,7 +18,7 @@ import numpy as np
 
 from optimum_iobinding import OnnxStableDiffusionPipeline
 from optimum_iobinding.cli import default_provider
-from optimum_iobinding.export import build_tiny_random_pipeline
+from optimum_iobinding.export.tiny import build_tiny_random_pipeline
 
 
 def main() -> None:

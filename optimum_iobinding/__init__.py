@@ -2,10 +2,11 @@
 
 from typing import Any
 
-from .model import IOBindingORTModel
-from .optimum_parts import accelerate
-from .shapes import infer_output_shapes
-from .tiling import TiledVAE
+from .integrations.optimum import accelerate
+from .pipelines.tiling import TiledVAE
+from .runtime.model import IOBindingORTModel
+from .runtime.options import ModelOptions, PipelineOptions
+from .runtime.shapes import infer_output_shapes
 
 __version__ = "0.1.0"
 
@@ -20,7 +21,7 @@ _PIPELINES = (
     "OnnxStableDiffusionControlNetImg2ImgPipeline",
 )
 
-__all__ = ["IOBindingORTModel", "infer_output_shapes", "TiledVAE", "accelerate", "__version__", *_PIPELINES]
+__all__ = ["IOBindingORTModel", "ModelOptions", "PipelineOptions", "infer_output_shapes", "TiledVAE", "accelerate", "__version__", *_PIPELINES]
 
 
 def __getattr__(name: str) -> Any:

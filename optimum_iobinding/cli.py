@@ -1,4 +1,5 @@
-"""The ``optimum-iobinding`` command: ``generate`` an image, ``export`` a pipeline to ONNX."""
+"""The ``optimum-iobinding`` command: ``generate`` an image, ``export`` a pipeline to ONNX, ``serve`` it over HTTP,
+``loadtest`` a running service, ``bench`` every peer on the GPU."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def default_cache_dir() -> Path:
 
 
 def tiny_model_folder(cache_dir: Optional[Path] = None, progress: bool = True, kind: str = "sd") -> Path:
-    """The tiny random-weights ONNX pipeline (``kind``: one of ``export.TINY_RANDOM_KINDS``), built once into the
+    """The tiny random-weights ONNX pipeline (``kind``: one of ``export.tiny.TINY_RANDOM_KINDS``), built once into the
     cache folder (atomically: a half-built folder is never mistaken for a finished one)."""
     from .export import export_pipeline
 
@@ -78,7 +79,6 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     from .export import export_pipeline
-
     from .layout import check_output_folder, looks_like_hub_id
 
     if not args.tiny_random and not args.model:
@@ -214,7 +214,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_loadtest_command(args: argparse.Namespace) -> int:
-    from .loadtest import main_from_args
+    from .serve.loadtest import main_from_args
 
     return main_from_args(args)
 
@@ -324,7 +324,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     if argv[:1] == ["bench"]:  # its own parser: many options, and one peer per process behind it
-        from .bench import main as bench_main
+        from .bench.cli import main as bench_main
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -12,8 +12,9 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 ONNX_COMPONENTS = ("text_encoder", "unet", "vae_encoder", "vae_decoder")
 # What a ControlNet gives and its UNet takes: one residual per down-block output, one for the mid block.
@@ -286,3 +287,60 @@ def write_xl_model_index(
     for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
         index[name] = ["transformers", modules[name]] if modules.get(name) else [None, None]
     Path(folder, "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+# ------------------------------------------------------------------------------------------------ LoRA map
+# Where each torch layer's weight went in an ONNX export (written by the export, read by runtime LoRA).
+LORA_MAP_NAME = "lora_map.json"
+LORA_MAP_VERSION = 1
+
+
+@dataclass(frozen=True)
+class WeightPlace:
+    """Where (part of) an initializer holds one torch weight.
+
+    Attributes:
+        initializer: the initializer's name.
+        layout: ``"same"`` (the torch layout), ``"transposed"`` (a Linear weight as ``(in, out)``), ``"nhwc"`` (a
+            Conv2d weight as ``(out, kh, kw, in)``) or ``"packed"`` (a Linear weight, transposed, as part ``index``
+            of ``parts`` packed side by side in an ``(in, parts·out)`` weight: per head, ``heads`` blocks of
+            ``parts`` × ``out / heads`` columns; ``heads`` 1 is plain concatenation).
+    """
+
+    initializer: str
+    layout: str
+    parts: int = 1
+    index: int = 0
+    heads: int = 1
+
+
+def write_weight_map(places: Dict[str, List[WeightPlace]], folder: Union[str, Path], layers: Sequence[str]) -> Path:
+    """Writes ``lora_map.json`` into ``folder``: the places, and the layers the torch module had without a place."""
+    missing = sorted(set(layers) - set(places))
+    path = Path(folder) / LORA_MAP_NAME
+    path.write_text(json.dumps({"version": LORA_MAP_VERSION,
+                                "layers": {name: [asdict(place) for place in found]
+                                           for name, found in sorted(places.items())},
+                                "not_found": missing}, indent=1))
+    return path
+
+
+def read_weight_map(folder: Union[str, Path]) -> Tuple[Dict[str, List[WeightPlace]], List[str]]:
+    """The places and the layers without one, from the ``lora_map.json`` in ``folder``.
+
+    Raises:
+        FileNotFoundError: the folder has no map (an export made before LoRA support: export again).
+        ValueError: the map is of another version or malformed.
+    """
+    path = Path(folder) / LORA_MAP_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no {LORA_MAP_NAME}; it is written by optimum-iobinding's export, which "
+                                "records where each layer's weight went. Export the model again to use LoRA with it")
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != LORA_MAP_VERSION:
+            raise ValueError(f"version {data.get('version')!r}, expected {LORA_MAP_VERSION}")
+        places = {name: [WeightPlace(**place) for place in found] for name, found in data["layers"].items()}
+        return places, list(data.get("not_found", []))
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: not a LoRA map this version reads: {error}") from None

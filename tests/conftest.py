@@ -1,4 +1,5 @@
-"""Tiny ONNX models built in memory with onnx.helper: nothing is downloaded."""
+"""The fixtures every test file shares, all built offline (nothing is downloaded): tiny ONNX models made in memory
+with onnx.helper, the tiny random-weights Stable Diffusion export, and random LoRAs."""
 
 from __future__ import annotations
 
@@ -67,10 +68,19 @@ def three_output_model() -> onnx.ModelProto:
     )
 
 
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """The tiny random-weights Stable Diffusion pipeline exported to the ONNX layout (fp32, unfused), once per test
+    process; tests only read it."""
+    from optimum_iobinding.export import export_pipeline
+
+    return export_pipeline(None, tmp_path_factory.mktemp("tiny") / "sd", tiny_random=True, progress=False)
+
+
 def make_lora(pipe, folder, seed, unet_targets, text_targets=(), rank=4, text_rank=2, text_encoder="text_encoder"):
     """A LoRA file of random (non-zero) updates for the diffusers pipeline ``pipe`` in diffusers' format: the UNet's
     ``unet_targets`` and, with ``text_targets``, those of ``text_encoder`` (no peft needed: the GPU machine has none)."""
-    from optimum_iobinding.lora import random_lora_layers, save_lora
+    from optimum_iobinding.export.tiny import random_lora_layers, save_lora
 
     layers = {"unet": random_lora_layers(pipe.unet, unet_targets, rank, seed)}
     if text_targets:

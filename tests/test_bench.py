@@ -1,4 +1,6 @@
-"""The benchmark's report (the GPU runs themselves happen on the GPU machine): rows, ratios and skipped peers."""
+"""The benchmark's parts that run without a GPU (the GPU runs themselves happen on the GPU machine): the recipes and
+the export cache, the reports (rows, ratios, skipped peers), the orchestration's order, the command line, the memory
+sampler and the cold-start timeline."""
 
 from __future__ import annotations
 
@@ -6,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from optimum_iobinding.bench import recipe_of, write_report
+from optimum_iobinding.bench.report import write_report
+from optimum_iobinding.bench.zoo import recipe_of
 
 
 def peer(ms, per_step, memory=1000.0):
@@ -43,28 +46,29 @@ def test_few_step_recipes_fix_their_steps_and_guidance():
 
 
 def test_an_export_is_made_once_and_a_failed_one_leaves_no_folder_that_looks_whole(tmp_path, monkeypatch):
-    import optimum_iobinding.bench as bench
+    import optimum_iobinding.bench.zoo as zoo
     import optimum_iobinding.export as export
+    from optimum_iobinding.layout import building_beside
 
     calls = []
 
     def fake_export(model, output_dir, **kwargs):  # as export_pipeline writes: beside, renamed when whole
         calls.append(Path(output_dir))
-        with export.building_beside(Path(output_dir)) as scratch:
+        with building_beside(Path(output_dir)) as scratch:
             (scratch / "unet").mkdir()
             if len(calls) == 1:
                 raise RuntimeError("export died half way")
             (scratch / "model_index.json").write_text("{}")
 
     monkeypatch.setattr(export, "export_pipeline", fake_export)
-    monkeypatch.setattr(bench, "build_torch_pipeline", lambda kind: None)
+    monkeypatch.setattr(zoo, "build_torch_pipeline", lambda kind: None)
     with pytest.raises(RuntimeError, match="half way"):
-        bench.ensure_export("tiny", "fp16", "plain", tmp_path)
+        zoo.ensure_export("tiny", "fp16", "plain", tmp_path)
     assert not (tmp_path / "tiny-fp16-plain").exists()
     assert not [p for p in tmp_path.iterdir() if "partial" in p.name]  # nothing half-built left behind
-    folder = bench.ensure_export("tiny", "fp16", "plain", tmp_path)
+    folder = zoo.ensure_export("tiny", "fp16", "plain", tmp_path)
     assert folder == tmp_path / "tiny-fp16-plain" and (folder / "model_index.json").is_file()
-    assert bench.ensure_export("tiny", "fp16", "plain", tmp_path) == folder
+    assert zoo.ensure_export("tiny", "fp16", "plain", tmp_path) == folder
     assert len(calls) == 2
 
 
@@ -75,7 +79,7 @@ def test_the_ddim_recipe_turns_clip_sample_off_whatever_the_scheduler_config_say
 
     from diffusers import PNDMScheduler
 
-    from optimum_iobinding.bench import set_recipe_scheduler
+    from optimum_iobinding.bench.zoo import set_recipe_scheduler
 
     pipe = SimpleNamespace(scheduler=PNDMScheduler(skip_prk_steps=True, steps_offset=1))
     set_recipe_scheduler(pipe, "tiny")
@@ -83,19 +87,19 @@ def test_the_ddim_recipe_turns_clip_sample_off_whatever_the_scheduler_config_say
 
 
 def test_the_export_cache_never_deletes_a_folder_it_did_not_make(tmp_path, monkeypatch):
-    import optimum_iobinding.bench as bench
+    import optimum_iobinding.bench.zoo as zoo
 
     mine = tmp_path / "tiny-fp16-plain"
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
-    monkeypatch.setattr(bench, "build_torch_pipeline", lambda kind: None)
+    monkeypatch.setattr(zoo, "build_torch_pipeline", lambda kind: None)
     with pytest.raises(FileExistsError, match="not a finished export"):
-        bench.ensure_export("tiny", "fp16", "plain", tmp_path)
+        zoo.ensure_export("tiny", "fp16", "plain", tmp_path)
     assert (mine / "notes.txt").read_text() == "mine"
 
 
 def test_the_mixed_report_gives_the_worst_later_round_and_sessions_created(tmp_path):
-    from optimum_iobinding.bench import mixed_summary, write_mixed_report
+    from optimum_iobinding.bench.report import mixed_summary, write_mixed_report
 
     result = {"peer": "defaults", "batches": [1, 4], "per_round_ms": [{"1": 900.0, "4": 2000.0},
                                                                      {"1": 100.0, "4": 300.0},
@@ -126,7 +130,7 @@ def test_the_mixed_report_gives_the_worst_later_round_and_sessions_created(tmp_p
 
 
 def test_repeated_processes_combine_into_their_median_and_keep_every_run():
-    from optimum_iobinding.bench import combine_repeats
+    from optimum_iobinding.bench.report import combine_repeats
 
     first = {**peer(100.0, 3.0, memory=900.0), "end_to_end_ms_all": [100.0, 101.0], "load_s": 10.0,
              "first_image_s": 2.0, "image": "a.npy"}
@@ -147,7 +151,7 @@ def test_repeated_processes_combine_into_their_median_and_keep_every_run():
 
 
 def test_repeats_rotate_the_peer_order_so_no_peer_always_follows_the_same_one(tmp_path, monkeypatch):
-    import optimum_iobinding.bench as bench
+    import optimum_iobinding.bench.cli as cli
 
     order = []
 
@@ -159,22 +163,22 @@ def test_repeats_rotate_the_peer_order_so_no_peer_always_follows_the_same_one(tm
         ms = {"numpy": 300.0, "defaults": 100.0, "graph": 90.0}[name] + len(order)
         return {**peer(ms, ms / 30), "end_to_end_ms_all": [ms], "load_s": 1.0, "first_image_s": 1.0}
 
-    monkeypatch.setattr(bench, "_subprocess", fake_subprocess)
-    monkeypatch.setattr(bench, "ensure_export", lambda kind, dtype, export, work: tmp_path / "export")
-    monkeypatch.setattr(bench, "environment", lambda: {"device": "GPU", "command": "bench"})
-    results = bench.benchmark(["small"], ["fp16"], ["optimized"], ["numpy", "defaults", "graph"], 30, 3, 1,
-                              tmp_path, tmp_path / "out", None, 60, repeats=3)
+    monkeypatch.setattr(cli, "run_in_subprocess", fake_subprocess)
+    monkeypatch.setattr(cli, "ensure_export", lambda kind, dtype, export, work: tmp_path / "export")
+    monkeypatch.setattr(cli, "environment", lambda: {"device": "GPU", "command": "bench"})
+    results = cli.benchmark(["small"], ["fp16"], ["optimized"], ["numpy", "defaults", "graph"], 30, 3, 1,
+                            tmp_path, tmp_path / "out", None, 60, repeats=3)
     assert order == ["numpy", "defaults", "graph", "defaults", "graph", "numpy", "graph", "numpy", "defaults"]
     defaults = results["rows"][0]["peers"]["defaults"]
     assert defaults["end_to_end_ms_all"] == [102.0, 104.0, 109.0] and defaults["end_to_end_ms"] == 104.0
     assert "median over the processes" in (tmp_path / "out" / "results.md").read_text()
     with pytest.raises(ValueError, match="repeats: expected at least 1, got 0"):
-        bench.benchmark(["small"], ["fp16"], ["optimized"], ["numpy"], 30, 3, 1, tmp_path, tmp_path / "out2",
-                        None, 60, repeats=0)
+        cli.benchmark(["small"], ["fp16"], ["optimized"], ["numpy"], 30, 3, 1, tmp_path, tmp_path / "out2",
+                      None, 60, repeats=0)
 
 
 def test_the_cli_refuses_fewer_than_one_repeat_before_looking_for_a_gpu(capsys):
-    from optimum_iobinding.bench import main
+    from optimum_iobinding.bench.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--repeats", "0"])
@@ -183,7 +187,7 @@ def test_the_cli_refuses_fewer_than_one_repeat_before_looking_for_a_gpu(capsys):
 
 
 def test_a_mixed_round_goes_through_the_batch_sizes_in_turn_and_keeps_every_call():
-    from optimum_iobinding.bench import mixed_rounds
+    from optimum_iobinding.bench.peers import mixed_rounds
 
     order, sessions = [], iter([5, 5, 6])
 
@@ -199,7 +203,7 @@ def test_a_mixed_round_goes_through_the_batch_sizes_in_turn_and_keeps_every_call
 
 
 def test_the_bench_cli_refuses_fewer_than_one_cycle(capsys):
-    from optimum_iobinding.bench import main
+    from optimum_iobinding.bench.cli import main
 
     with pytest.raises(SystemExit):
         main(["--scenario", "mixed", "--cycles", "0"])
@@ -209,43 +213,46 @@ def test_the_bench_cli_refuses_fewer_than_one_cycle(capsys):
 def test_a_peers_imports_are_timed_apart_from_its_load():
     import sys
 
-    from optimum_iobinding.bench import import_peer
+    from optimum_iobinding.bench.peers import import_peer
 
     seconds = import_peer("defaults")
     assert seconds >= 0.0 and "optimum_iobinding.pipelines" in sys.modules
     assert import_peer("numpy") >= 0.0 and hasattr(sys.modules["diffusers"], "OnnxStableDiffusionPipeline")
 
 
-def test_the_cold_start_timeline_wraps_what_the_library_has(tmp_path):
-    # benchmarks/cold_start.py's timeline variant replaces library functions by name; run it on the CPU with the tiny
-    # pipeline, in a process of its own (it patches the library for good)
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_the_cold_start_timeline_names_the_runtimes_set_up_and_first_runs_by_component(tmp_path):
+    # benchmarks/cold_start.py's timeline variant on the CPU with the tiny pipeline: its rows come from the runtime's
+    # opt-in timeline, each model named by its component folder
+    import importlib.util
 
+    import torch
+
+    from optimum_iobinding import OnnxStableDiffusionPipeline
     from optimum_iobinding.export import export_pipeline
 
     folder = export_pipeline(None, tmp_path / "sd", tiny_random=True, progress=False)
-    root = Path(__file__).resolve().parents[1]
-    script = (
-        "import sys, torch; sys.path.insert(0, 'benchmarks'); import cold_start\n"
-        "start, finish = cold_start.record_timeline(torch)\n"
-        "from optimum_iobinding import OnnxStableDiffusionPipeline\n"
-        f"pipe = OnnxStableDiffusionPipeline.from_pretrained({str(folder)!r})\n"
-        "pipe.set_progress_bar_config(disable=True)\n"
-        "start(); pipe('a', height=64, width=64, num_inference_steps=2, output_type='np')\n"
-        "print([row[2] for row in finish()])\n"
-    )
-    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = done.stdout.strip().splitlines()[-1]
-    assert "'session unet'" in rows and "'run 1 unet (host)'" in rows and "'run 1 vae_decoder (host)'" in rows
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cold_start.py"
+    spec = importlib.util.spec_from_file_location("cold_start", script)
+    cold_start = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cold_start)
+    start, finish = cold_start.record_timeline(torch)
+    start()  # from the load on (the benchmark starts the clock at the first image)
+    try:
+        pipe = OnnxStableDiffusionPipeline.from_pretrained(str(folder))
+        pipe.set_progress_bar_config(disable=True)
+        pipe("a", height=64, width=64, num_inference_steps=2, output_type="np")
+    finally:
+        rows = finish()  # ends the recording whatever happened
+    labels = [row[2] for row in rows]
+    assert "session unet" in labels and "run 1 unet (host)" in labels and "run 1 vae_decoder (host)" in labels
+    assert "run 4 unet (host)" not in labels  # each model's first three runs only
+    assert all(begin <= end for begin, end, _, _ in rows) and [row[1] for row in rows] == sorted(row[1] for row in rows)
 
 
 def test_each_process_compares_its_loop_with_its_own_graph_and_the_table_shows_both_floors(tmp_path):
     """The per-step target divides each process's step by the replays of the very graph its loop ran, and the
     combined result is the median of those ratios (not a ratio of medians from different processes)."""
-    from optimum_iobinding.bench import combine_repeats
+    from optimum_iobinding.bench.report import combine_repeats
 
     processes = [{**peer(90.0, step), "own_floor_ms": floor, "per_step_over_own_floor": step / floor,
                   "gpu_step_ms": gpu, "gpu_step_over_own_floor": gpu / floor}
@@ -273,7 +280,7 @@ def test_each_process_compares_its_loop_with_its_own_graph_and_the_table_shows_b
 def test_a_pipeline_without_a_captured_unet_graph_has_no_own_floor():
     from types import SimpleNamespace
 
-    from optimum_iobinding.bench import own_graph_floor
+    from optimum_iobinding.bench.probes import own_graph_floor
 
     assert own_graph_floor(SimpleNamespace()) is None
     assert own_graph_floor(SimpleNamespace(unet=SimpleNamespace(graph_signatures=[]))) is None
@@ -284,7 +291,7 @@ def test_a_pipeline_without_a_captured_unet_graph_has_no_own_floor():
 def test_the_memory_sampler_names_its_source_and_refuses_an_unknown_one():
     import torch
 
-    from optimum_iobinding.bench import PeakMemory
+    from optimum_iobinding.bench.probes import PeakMemory
 
     with pytest.raises(ValueError, match="source: expected 'auto', 'process', 'nvml' or 'cudart', got 'smi'"):
         PeakMemory(torch.device("cuda", 0), source="smi")
@@ -297,7 +304,7 @@ def test_the_sampling_process_reports_the_peak_it_saw_between_enter_and_exit(tmp
     so that the measured process runs no sampling thread."""
     import torch
 
-    from optimum_iobinding import bench
+    from optimum_iobinding.bench import probes
 
     (tmp_path / "pynvml.py").write_text(
         "import itertools\n"
@@ -309,10 +316,10 @@ def test_the_sampling_process_reports_the_peak_it_saw_between_enter_and_exit(tmp
         "    return 'handle'\n"
         "def nvmlDeviceGetMemoryInfo(handle): return SimpleNamespace(used=next(reads))\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    monkeypatch.setattr(bench, "_nvml_reader", lambda device: lambda: 120)
-    monkeypatch.setattr(bench, "_pci_bus_id", lambda device: "00000000:17:00.0")
-    sampler = bench.PeakMemory(torch.device("cuda", 0))
-    assert sampler.source == "process"
+    monkeypatch.setattr(probes, "nvml_reader", lambda device: lambda: 120)
+    monkeypatch.setattr(probes, "pci_bus_id", lambda device: "00000000:17:00.0")
+    sampler = probes.PeakMemory(torch.device("cuda", 0))
+    assert sampler.source == "process" and sampler.exit_code is None
     with sampler:
         pass
-    assert sampler.peak == 700 and sampler._child.returncode == 0
+    assert sampler.peak == 700 and sampler.exit_code == 0

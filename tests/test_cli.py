@@ -70,6 +70,15 @@ def test_export_without_a_model_is_a_usage_error(tmp_path, capsys, no_work):
     assert "export: give a model folder or hub id, or --tiny-random" in error_line(capsys)
 
 
+@pytest.mark.parametrize("command", [[], ["generate"], ["export"], ["serve"], ["loadtest"], ["bench"]],
+                         ids=["top", "generate", "export", "serve", "loadtest", "bench"])
+def test_every_command_prints_its_help_and_exits_0(capsys, no_work, command):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: optimum-iobinding")
+
+
 def test_argparse_mistakes_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--steps", "many"])
@@ -77,13 +86,21 @@ def test_argparse_mistakes_exit_2(capsys):
     assert "invalid int value: 'many'" in capsys.readouterr().err
 
 
-def test_a_failure_while_working_exits_1_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+@pytest.fixture
+def failing_work(monkeypatch):
+    """The command fails once it starts working (after its arguments passed their checks)."""
     def failing(*args, **kwargs):
         raise RuntimeError("the GPU caught fire")
 
     monkeypatch.setattr(cli, "tiny_model_folder", failing)
+
+
+def test_a_failure_while_working_exits_1_in_one_line(tmp_path, capsys, failing_work):
     assert main(["generate", "--out", str(tmp_path / "a.png")]) == 1
     assert error_line(capsys) == "optimum-iobinding: error: the GPU caught fire"
+
+
+def test_debug_shows_the_traceback_of_a_failure(tmp_path, failing_work):
     with pytest.raises(RuntimeError, match="caught fire"):
         main(["--debug", "generate", "--out", str(tmp_path / "a.png")])
 

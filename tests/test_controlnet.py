@@ -15,7 +15,8 @@ PROMPT = "a photo of a cat"
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    from optimum_iobinding.export import build_tiny_random_controlnet_pipeline, export_pipeline
+    from optimum_iobinding.export import export_pipeline
+    from optimum_iobinding.export.tiny import build_tiny_random_controlnet_pipeline
 
     root = tmp_path_factory.mktemp("controlnet")
     return {
@@ -30,7 +31,7 @@ def reference(controlnets: int = 1, img2img: bool = False):
     """diffusers' torch pipeline with the exported weights (the builders are seeded)."""
     from diffusers import StableDiffusionControlNetImg2ImgPipeline
 
-    from optimum_iobinding.export import build_tiny_random_controlnet_pipeline
+    from optimum_iobinding.export.tiny import build_tiny_random_controlnet_pipeline
 
     pipe = build_tiny_random_controlnet_pipeline(controlnets=controlnets)
     if img2img:
@@ -142,7 +143,7 @@ def test_img2img_equals_diffusers(folders, io_binding):
 
 
 def test_lora_on_a_controlnet_pipeline_equals_diffusers(folders, tmp_path):
-    from optimum_iobinding.export import build_tiny_random_pipeline
+    from optimum_iobinding.export.tiny import build_tiny_random_pipeline
 
     lora = make_lora(build_tiny_random_pipeline(), tmp_path / "lora", 5, ["to_q", "to_v", "conv1"], ["q_proj"])
     expected, got = reference(), ours(folders["one"])
@@ -166,7 +167,7 @@ def test_save_and_warmup_keep_the_controlnets(folders, tmp_path):
 
 def test_cli_exports_with_a_controlnet_folder(tmp_path):
     from optimum_iobinding.cli import main
-    from optimum_iobinding.export import build_tiny_random_controlnet, build_tiny_random_pipeline
+    from optimum_iobinding.export.tiny import build_tiny_random_controlnet, build_tiny_random_pipeline
 
     build_tiny_random_controlnet(build_tiny_random_pipeline().unet, seed=10).save_pretrained(tmp_path / "net")
     assert main(["export", "--tiny-random", "--controlnet", str(tmp_path / "net"), "--controlnet",

@@ -8,7 +8,7 @@ from onnx import TensorProto, helper
 
 from conftest import make_model, make_session, tensor
 from optimum_iobinding import IOBindingORTModel
-from optimum_iobinding.cuda import (
+from optimum_iobinding.runtime.cuda_policy import (
     CUDA_DIFFUSION_DEFAULTS,
     free_dimension_overrides,
     tensorrt_profile_options,

@@ -1,4 +1,4 @@
-"""The fused export keeps the weights on disk while ORT's optimizer rewrites the graph (export._optimize): the
+"""The fused export keeps the weights on disk while ORT's optimizer rewrites the graph (optimize_component): the
 result must be exactly what ORT's optimizer and float16 conversion give on the fully loaded model."""
 
 import numpy as np
@@ -7,7 +7,12 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from optimum_iobinding import export as ex
+from optimum_iobinding.export import export_pipeline
+from optimum_iobinding.export import export as export_module
+from optimum_iobinding.export.export import component_specs
+from optimum_iobinding.export.optimize import (fusion_options, in_folder, optimize_component, optimized_to_float16,
+                                               optimizer_model_type, use_classic_attention)
+from optimum_iobinding.export.tiny import build_tiny_random_pipeline, build_tiny_random_xl_pipeline
 
 
 def _graph_of(model: onnx.ModelProto):
@@ -21,7 +26,7 @@ def _reference(name, path, options, target, fp16):
     """ORT's own way: optimize_model on the path (weights loaded), OnnxModel.convert_float_to_float16."""
     from onnxruntime.transformers.optimizer import optimize_model
 
-    model = optimize_model(str(path), model_type=ex._OPTIMIZER_MODEL_TYPES[name], opt_level=0,
+    model = optimize_model(str(path), model_type=optimizer_model_type(name), opt_level=0,
                            optimization_options=options, use_gpu=target == "cuda")
     if fp16:
         model.convert_float_to_float16(keep_io_types=False)
@@ -30,7 +35,7 @@ def _reference(name, path, options, target, fp16):
 
 @pytest.fixture(scope="module")
 def tiny_specs():
-    return ex._component_specs(ex.build_tiny_random_pipeline())
+    return component_specs(build_tiny_random_pipeline())
 
 
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
@@ -38,23 +43,23 @@ def tiny_specs():
 @pytest.mark.parametrize("name", ["unet", "vae_decoder", "text_encoder"])
 def test_optimizing_with_the_weights_on_disk_gives_exactly_ORTs_result(tmp_path, tiny_specs, name, fp16, target):
     spec = tiny_specs[name]
-    ex._use_classic_attention(spec["module"])
+    use_classic_attention(spec["module"])
     path = tmp_path / "model.onnx"
     with torch.no_grad():
         torch.onnx.export(spec["module"].eval(), spec["args"], str(path), dynamo=False,
                           input_names=spec["input_names"], output_names=spec["output_names"],
                           dynamic_axes=spec["dynamic_axes"], opset_version=17, do_constant_folding=True)
-    options = lambda: ex.fusion_options(name, spec["config"], target)  # noqa: E731 (the fallback mutates them)
+    options = lambda: fusion_options(name, spec["config"], target)  # noqa: E731 (the fallback mutates them)
     try:
         expected = _reference(name, path, options(), target, fp16)
-    except Exception:  # the VAE's attention fusion fails in ORT; _optimize retries without it, and so must this
+    except Exception:  # the VAE's attention fusion fails in ORT; optimize_component retries without it, so must this
         reference_options = options()
         reference_options.enable_attention = False
         expected = _reference(name, path, reference_options, target, fp16)
 
-    optimized = ex._optimize(name, path, options(), target)
+    optimized = optimize_component(name, path, options(), target)
     if fp16:
-        ours = ex._optimized_to_float16(optimized, tmp_path)
+        ours = optimized_to_float16(optimized, tmp_path)
     else:
         ours = optimized.model
         onnx.load_external_data_for_model(ours, str(tmp_path))
@@ -81,7 +86,7 @@ def test_the_working_directory_is_restored_when_the_optimizer_fails(tmp_path):
 
     before = os.getcwd()
     with pytest.raises(RuntimeError, match="boom"):
-        with ex._in_folder(tmp_path):
+        with in_folder(tmp_path):
             assert os.getcwd() == str(tmp_path.resolve())
             raise RuntimeError("boom")
     assert os.getcwd() == before
@@ -94,10 +99,10 @@ def test_a_float16_vae_export_cannot_be_upcast_and_warns_only_for_sdxl(tmp_path,
     SDXL's VAE overflows float16, so only an SDXL export warns."""
     import json
 
-    pipe = ex.build_tiny_random_pipeline() if kind == "sd" else ex.build_tiny_random_xl_pipeline()
+    pipe = build_tiny_random_pipeline() if kind == "sd" else build_tiny_random_xl_pipeline()
     assert pipe.vae.config.force_upcast  # diffusers' default, as in SD 1.x/SDXL
-    with caplog.at_level("WARNING", logger=ex.__name__):
-        ex.export_pipeline(None, tmp_path / "out", torch_pipeline=pipe, fp16=fp16, components=("vae_decoder",),
+    with caplog.at_level("WARNING", logger=export_module.__name__):
+        export_pipeline(None, tmp_path / "out", torch_pipeline=pipe, fp16=fp16, components=("vae_decoder",),
                            progress=False)
     config = json.loads((tmp_path / "out" / "vae_decoder" / "config.json").read_text())
     assert config["force_upcast"] is (not fp16)

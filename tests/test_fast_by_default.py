@@ -17,8 +17,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import make_model
 from optimum_iobinding import IOBindingORTModel
-from optimum_iobinding.cuda import FixedShapeSession, GraphPool
-from optimum_iobinding.session import SessionRecipe
+from optimum_iobinding.runtime.graph_pool import CudaGraphRunner, FixedShapeSession, GraphPool
+from optimum_iobinding.runtime.options import ModelOptions
+from optimum_iobinding.runtime.session import SessionRecipe
 
 
 def matmul_model(rows: int = 64, columns: int = 32) -> onnx.ModelProto:
@@ -63,8 +64,13 @@ def test_one_session_on_the_cpu_serves_every_shape(matmul_path):
 
 
 def cpu_pool(path, cuda_graph=False, max_signatures=None):
-    recipe = SessionRecipe.for_path(path, share_weights=True)
+    recipe = SessionRecipe(str(path), ModelOptions.resolve(share_weights=True))
     return recipe, GraphPool(recipe, cuda_graph, max_signatures, {"y": torch.float32}, ort.RunOptions())
+
+
+def on_need_options():
+    """The CUDA default (weights owned on first need), on the CPU: what a CUDA model's recipe is made with."""
+    return ModelOptions(("CPUExecutionProvider",), ({},), share_weights=None)
 
 
 def run_entry(entry, x):
@@ -77,8 +83,8 @@ def test_pool_sessions_share_one_copy_of_the_weights(matmul_path):
     x = {batch: torch.randn(batch, 64, generator=torch.Generator().manual_seed(batch)) for batch in (1, 4, 8)}
     entries = {batch: pool.entry(declared, {"x": ((batch, 64), torch.float32)}, {"y": (batch, 32)}) for batch in x}
     assert all(isinstance(entry, FixedShapeSession) for entry in entries.values())
-    (weight,) = recipe.weights.values()  # W is owned; the 32-element bias is not
-    assert list(recipe.weights) == ["W"]
+    (weight,) = recipe.weights.tensors.values()  # W is owned; the 32-element bias is not
+    assert list(recipe.weights.tensors) == ["W"]
     reference = ort.InferenceSession(str(matmul_path), providers=["CPUExecutionProvider"])
     for batch, entry in entries.items():
         np.testing.assert_allclose(run_entry(entry, x[batch]), reference.run(None, {"x": x[batch].numpy()})[0],
@@ -128,16 +134,14 @@ def test_the_one_session_loads_its_weights_itself_until_a_second_session_needs_t
     # the CUDA default (share_weights=None), run on the CPU: the one graph session is made by ORT from the file; the
     # first other session makes the weights owned, and the one session (with the graphs captured in it) is dropped
     # and made again around them, so that both read one copy
-    from optimum_iobinding.cuda import CudaGraphRunner
-
     caplog.set_level(logging.INFO, logger="optimum_iobinding")
-    recipe = SessionRecipe(str(matmul_path), ["CPUExecutionProvider"], [{}], share_weights=None)
-    recipe.adopt(onnx.load(str(matmul_path)))
+    recipe = SessionRecipe(str(matmul_path), on_need_options())
+    recipe.weights.adopt(onnx.load(str(matmul_path)))
     pool = GraphPool(recipe, "auto", None, {"y": torch.float32}, ort.RunOptions())
     pool.one_session, pool.shared_updates = True, {}  # as on CUDA, without the CUDA option
     shared = pool.shared_session()
-    assert recipe.sessions_created == 1 and recipe.weights == {} and not recipe.share_weights
-    assert recipe._parsed is None  # the parse kept for owned weights is released: ORT loaded them itself
+    assert recipe.sessions_created == 1 and recipe.weights.tensors == {} and not recipe.weights.owned
+    assert not recipe.weights.parse_kept  # the parse kept for owned weights is released: ORT loaded them itself
     captured = CudaGraphRunner.__new__(CudaGraphRunner)  # what a capture in the one session leaves in the pool
     captured.session = shared
     pool.entries[(("x", (4, 64)),)] = captured
@@ -146,7 +150,7 @@ def test_the_one_session_loads_its_weights_itself_until_a_second_session_needs_t
     del shared
     # an output of data-dependent shape: this signature needs a session without a graph, a second session
     entry = pool.entry({"x": ["batch", 64]}, {"x": ((2, 64), torch.float32)}, {"y": None})
-    assert isinstance(entry, FixedShapeSession) and recipe.share_weights and list(recipe.weights) == ["W"]
+    assert isinstance(entry, FixedShapeSession) and recipe.weights.owned and list(recipe.weights.tensors) == ["W"]
     assert list(pool.entries) == [(("x", (2, 64)),)]  # the graph captured in the dropped session is gone
     assert not pool.shared_tried and recipe.sessions_created == 2
     remade = [r.getMessage() for r in caplog.records if "made again around them" in r.getMessage()]
@@ -154,30 +158,30 @@ def test_the_one_session_loads_its_weights_itself_until_a_second_session_needs_t
     again = pool.shared_session()
     assert recipe.sessions_created == 3
     np.testing.assert_allclose(run_entry(entry, x), native, rtol=1e-6, atol=1e-5)
-    recipe.weights["W"].mul_(2.0)  # both sessions read the owned copy
-    expected = x.numpy() @ recipe.weights["W"].numpy() + np.arange(32, dtype=np.float32)
+    recipe.weights.tensors["W"].mul_(2.0)  # both sessions read the owned copy
+    expected = x.numpy() @ recipe.weights.tensors["W"].numpy() + np.arange(32, dtype=np.float32)
     for got in (run_entry(entry, x), again.run(None, {"x": x.numpy()})[0]):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
 
 
 def test_weights_owned_on_need_never_load_while_one_session_serves(matmul_path):
     # share_weights=False never owns them; None owns them on need; a recipe for the CPU owns them only when asked
-    assert SessionRecipe.for_path(matmul_path).owns_on_need is False
-    never = SessionRecipe(str(matmul_path), ["CPUExecutionProvider"], [{}], share_weights=False)
-    assert not never.owns_on_need and never.weights == {}
-    on_need = SessionRecipe(str(matmul_path), ["CPUExecutionProvider"], [{}], share_weights=None)
+    assert SessionRecipe(str(matmul_path), ModelOptions.resolve()).weights.on_need is False
+    never = SessionRecipe(str(matmul_path), ModelOptions.resolve(share_weights=False))
+    assert not never.weights.on_need and never.weights.tensors == {}
+    on_need = SessionRecipe(str(matmul_path), on_need_options())
     on_need.create()
-    assert on_need.owns_on_need and on_need.weights == {}
-    on_need.start_owning()
-    assert not on_need.owns_on_need and list(on_need.weights) == ["W"]
+    assert on_need.weights.on_need and on_need.weights.tensors == {}
+    on_need.weights.start_owning()
+    assert not on_need.weights.on_need and list(on_need.weights.tensors) == ["W"]
 
 
 def test_a_capture_never_overlaps_a_device_setup():
     # set-ups (sessions built, weights uploaded) run side by side; a capture waits until none runs, and a set-up
     # that comes during a capture waits for it: another thread's cudaMalloc would fail the capture
-    from optimum_iobinding.cuda import _SetupGate
+    from optimum_iobinding.runtime.cuda_policy import SetupGate
 
-    gate, log = _SetupGate(), []
+    gate, log = SetupGate(), []
     in_setup, release, in_capture, capture_release = (threading.Event() for _ in range(4))
 
     def holding(enter, name, entered, released):
@@ -249,13 +253,6 @@ def test_model_warmup_runs_each_signature(matmul_path):
 
 
 # ------------------------------------------------------------------------------------------------------ pipelines
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    from optimum_iobinding.export import export_pipeline
-
-    return export_pipeline(None, tmp_path_factory.mktemp("fast") / "sd", tiny_random=True, progress=False)
-
-
 def test_pipeline_defaults_to_auto_graphs_for_every_component(tiny_folder):
     from optimum_iobinding import OnnxStableDiffusionPipeline
 
@@ -338,22 +335,15 @@ def test_the_loop_writes_its_inputs_into_the_graph_buffers_and_copies_constant_o
                                 for name, shape in input_shapes.items()})
         return dict(buffers)
 
-    passed = []
-    run_bound = pipe.unet._run_bound
-
-    def spy(inputs):
-        passed.append({name: inputs[name].data_ptr() for name in ("sample", "encoder_hidden_states")})
-        return run_bound(inputs)
-
     monkeypatch.setattr(pipe.unet, "graph_input_buffers", graph_input_buffers)
-    monkeypatch.setattr(pipe.unet, "_run_bound", spy)
     copies = []
     copy = torch.Tensor.copy_
     monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: copies.append(self.data_ptr()) or copy(
         self, *a, **k))
-    with torch.inference_mode():  # as benchmarks and services call it: no version counters
+    with pipe.unet.watch_runs() as runs, torch.inference_mode():  # as benchmarks and services call it
         images = generate()
     monkeypatch.undo()
+    passed = [{name: run.inputs[name] for name in ("sample", "encoder_hidden_states")} for run in runs]
     np.testing.assert_allclose(images, expected, rtol=0, atol=1e-6)
     pointers = {name: tensor.data_ptr() for name, tensor in buffers.items()}
     assert len(passed) == len(pipe.scheduler.timesteps) > 2
@@ -388,7 +378,7 @@ def test_warmup_leaves_the_callers_random_state_alone(tiny_folder):
 
 # --------------------------------------------------------------------------------------------- owned weights
 def test_owned_weights_are_read_straight_from_external_data(tmp_path):
-    from optimum_iobinding.session import load_owned_weights
+    from optimum_iobinding.runtime.weights import load_owned_weights
 
     expected = numpy_helper.to_array(matmul_model().graph.initializer[0])
     inline, external = tmp_path / "inline.onnx", tmp_path / "external.onnx"
@@ -411,27 +401,30 @@ def test_owned_weights_are_read_straight_from_external_data(tmp_path):
         load_owned_weights(str(external), torch.device("cpu"))
 
 
-def test_weights_load_from_the_parse_the_model_adopted_and_parse_no_file(matmul_path, monkeypatch):
-    from optimum_iobinding import session as session_module
+def test_weights_load_from_the_parse_the_model_adopted_and_parse_no_file(matmul_path):
+    from optimum_iobinding.runtime import timeline
+    from optimum_iobinding.runtime.weights import OwnedWeights
 
     parsed = onnx.load(str(matmul_path))
-    recipe = SessionRecipe.for_path(matmul_path, share_weights=True)
-    recipe.adopt(parsed)
-    parses = []
-    monkeypatch.setattr(session_module, "parse_model", lambda source: parses.append(source) or onnx.load(source))
-    np.testing.assert_array_equal(recipe.weights["W"].numpy(), numpy_helper.to_array(parsed.graph.initializer[0]))
-    assert parses == []
-    # a recipe that does not share the weights keeps no parse
-    plain = SessionRecipe.for_path(matmul_path, share_weights=False)
+    owned = OwnedWeights(str(matmul_path), torch.device("cpu"), share_weights=True)
+    owned.adopt(parsed)
+    with timeline.recording() as record:
+        np.testing.assert_array_equal(owned.tensors["W"].numpy(), numpy_helper.to_array(parsed.graph.initializer[0]))
+    assert [step.what for step in record.steps] == [f"weights {matmul_path}"]  # no parse of the file
+    # weights that are not shared keep no parse
+    plain = OwnedWeights(str(matmul_path), torch.device("cpu"), share_weights=False)
     plain.adopt(parsed)
-    plain.share_weights = True  # turned on later (the CPU's first LoRA): the weights come from the file
-    assert list(plain.weights) == ["W"] and parses == [str(matmul_path)]
+    assert not plain.parse_kept
+    plain.start_owning()  # turned on later (the CPU's first LoRA): the weights come from the file
+    with timeline.recording() as record:
+        assert list(plain.tensors) == ["W"]
+    assert [step.what for step in record.steps] == [f"parse {matmul_path}", f"weights {matmul_path}"]
 
 
 def test_what_the_graph_declares_is_what_ort_reports(tiny_folder):
     # on CUDA a model with a graph pool reads its inputs and outputs from the graph instead of a session
-    from optimum_iobinding.session import declared_types
-    from optimum_iobinding.shapes import inferencer_from_model_proto, inferencer_from_session
+    from optimum_iobinding.runtime.session import declared_types
+    from optimum_iobinding.runtime.shapes import inferencer_from_model_proto, inferencer_from_session
 
     for component in ("text_encoder", "unet", "vae_encoder", "vae_decoder"):
         path = str(tiny_folder / component / "model.onnx")
@@ -448,7 +441,7 @@ def test_what_the_graph_declares_is_what_ort_reports(tiny_folder):
 @pytest.mark.parametrize("staging_bytes", [4096, 16384, 1 << 20])  # some direct; buffers refilled; all staged
 def test_staged_uploads_keep_every_weight_whatever_the_buffer_size(staging_bytes):
     # the CUDA path's staging (two buffers, refilled in turn; arrays larger than one go up directly), run on the CPU
-    from optimum_iobinding.session import _WeightUploader
+    from optimum_iobinding.runtime.weights import WeightUploader
 
     rng = np.random.RandomState(0)
     arrays = [(rng.randn(*shape).astype(dtype), torch_dtype) for shape, dtype, torch_dtype in [
@@ -457,7 +450,7 @@ def test_staged_uploads_keep_every_weight_whatever_the_buffer_size(staging_bytes
         ((7, 300), np.float16, torch.float16)]]
     bfloat = torch.randn(33, 40).to(torch.bfloat16)
     arrays.append((bfloat.view(torch.int16).numpy().view(np.uint16), torch.bfloat16))
-    uploader = _WeightUploader(torch.device("cpu"), staging_bytes, staged=True)
+    uploader = WeightUploader(torch.device("cpu"), staging_bytes, staged=True)
     for array, _ in arrays:
         array.setflags(write=False)  # as read from the model's bytes
     tensors = [uploader.put(array, dtype) for array, dtype in arrays]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from optimum_iobinding import OnnxLatentConsistencyModelPipeline, OnnxStableDiffusionPipeline
-from optimum_iobinding.export import build_tiny_random_lcm_pipeline, build_tiny_random_pipeline, export_pipeline
+from optimum_iobinding.export import export_pipeline
+from optimum_iobinding.export.tiny import build_tiny_random_lcm_pipeline, build_tiny_random_pipeline
 from optimum_iobinding.pipelines.latent_consistency import guidance_scale_embedding
 
 SIZE = 64

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import make_lora, requires_cuda
-from optimum_iobinding.bench import host_waits
+from optimum_iobinding.bench.probes import host_waits
 
 pytestmark = requires_cuda
 
@@ -18,13 +18,6 @@ CUDA = "CUDAExecutionProvider"
 # exact comparisons: without TF32, fp32 convolutions and matmuls on Hopper round like the CPU's
 EXACT = {"use_tf32": "0"}
 SIZE = 64
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    from optimum_iobinding.export import export_pipeline
-
-    return export_pipeline(None, tmp_path_factory.mktemp("gpu") / "tiny", tiny_random=True, progress=False)
 
 
 def unet_inputs(unet, batch=2, seed=0):
@@ -137,7 +130,7 @@ def test_a_captured_step_copies_only_its_timestep_into_the_graph(tiny_folder, mo
     (signature,) = pipe.unet.graph_signatures
     buffers = pipe.unet.graph_input_buffers(signature)
     # the loop finds the buffers after its first call, whose inputs the graph runner copies in as any input; the
-    # loop then copies the embeddings in once more and passes the buffer itself from there on (H100, session 13)
+    # loop then copies the embeddings in once more and passes the buffer itself from there on
     assert {name: copied.count(tensor.data_ptr()) for name, tensor in buffers.items()} == {
         "sample": 1, "timestep": 6, "encoder_hidden_states": 2}
     torch.testing.assert_close(latents_out, expected, rtol=0, atol=0)
@@ -173,18 +166,12 @@ def test_the_profiler_sees_ort_synchronizing_when_it_is_allowed_to(tiny_folder):
 
 def test_buffers_are_not_reallocated_between_steps(tiny_folder):
     pipe = pipeline(tiny_folder)
-    output_pointers, allocated = [], []
-    run_bound = pipe.unet._run_bound
-
-    def recording_run(inputs):
-        outputs = run_bound(inputs)
-        output_pointers.append(outputs[0].data_ptr())
-        return outputs
-
-    pipe.unet._run_bound = recording_run
-    pipe("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=6, generator=np.random.RandomState(0),
-         output_type="latent",
-         callback_on_step_end=lambda p, i, t, tensors: allocated.append(torch.cuda.memory_allocated()) or tensors)
+    allocated = []
+    with pipe.unet.watch_runs() as runs:
+        pipe("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=6, generator=np.random.RandomState(0),
+             output_type="latent",
+             callback_on_step_end=lambda p, i, t, tensors: allocated.append(torch.cuda.memory_allocated()) or tensors)
+    output_pointers = [run.outputs[0] for run in runs]
     assert len(output_pointers) == 6 and len(set(output_pointers)) == 1
     assert len(set(allocated[1:])) == 1  # after the first step, every step ends with the same memory in use
 
@@ -625,7 +612,7 @@ def test_a_graph_pool_model_parses_its_file_once(tiny_folder, monkeypatch):
     import onnx
 
     from optimum_iobinding import IOBindingORTModel
-    from optimum_iobinding import session as session_module
+    from optimum_iobinding.runtime import weights as session_module
 
     parses = []
     monkeypatch.setattr(session_module, "parse_model", lambda source: parses.append(source) or onnx.load(source))
@@ -641,7 +628,7 @@ def test_a_graph_pool_model_parses_its_file_once(tiny_folder, monkeypatch):
 
 @pytest.mark.parametrize("staging_bytes", [1 << 16, 64 << 20])  # buffers refilled many times; the default
 def test_weights_uploaded_through_pinned_staging_equal_the_files(tiny_folder, staging_bytes):
-    from optimum_iobinding.session import load_owned_weights
+    from optimum_iobinding.runtime.weights import load_owned_weights
 
     path = str(tiny_folder / "unet" / "model.onnx")
     on_cpu = load_owned_weights(path, torch.device("cpu"))
@@ -668,7 +655,7 @@ def test_the_first_call_builds_the_shape_free_sessions_in_the_background(fused_t
 @pytest.mark.parametrize("export", ["fused", "plain"])
 def test_captured_graphs_replay_lora_weights_and_switching_creates_no_session(tiny_folder, fused_tiny_folder, export,
                                                                              tmp_path):
-    from optimum_iobinding.export import TINY_RANDOM_KINDS
+    from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
 
     make_lora(TINY_RANDOM_KINDS["sd"](), tmp_path / "lora", 5, ["to_q", "to_k", "to_v", "to_out.0"],
               ["q_proj", "fc1"])
@@ -699,7 +686,8 @@ def test_captured_graphs_replay_lora_weights_and_switching_creates_no_session(ti
 # -------------------------------------------------------------------------------------------------- ControlNet
 @pytest.fixture(scope="module")
 def controlnet_folders(tmp_path_factory):
-    from optimum_iobinding.export import build_tiny_random_controlnet_pipeline, export_pipeline
+    from optimum_iobinding.export import export_pipeline
+    from optimum_iobinding.export.tiny import build_tiny_random_controlnet_pipeline
 
     root = tmp_path_factory.mktemp("gpu-controlnet")
     return {"one": export_pipeline(None, root / "one", tiny_random="controlnet", progress=False),
@@ -749,7 +737,7 @@ def test_controlnet_graphs_equal_the_cpu_pipeline_and_the_host_never_waits(contr
 
         def loop():
             timesteps = graphs.set_timesteps(4)
-            scales, starts, ends = graphs._check_control_arguments(
+            scales, starts, ends = graphs.check_control_arguments(
                 kwargs.get("controlnet_conditioning_scale", 1.0), kwargs.get("control_guidance_start", 0.0),
                 kwargs.get("control_guidance_end", 1.0))
             residuals = graphs.controlnet_step_inputs(prepared, timesteps, scales, starts, ends, guess, True)
@@ -775,7 +763,7 @@ def test_served_batches_queue_behind_each_other_on_the_gpu_and_equal_single_call
 
     generator = ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cuda", max_batch_size=2, steps=4,
                                                   warmup_sizes=[SIZE], warmup_batch_sizes=[1, 2])))
-    assert generator._deferred and generator._max_unfinished == 2
+    assert generator.defers_images and generator.admission.max_unfinished == 2
     requests = [generator.complete_request(dict(prompt=prompt, seed=seed, size=SIZE))
                 for prompt, seed in (("a red house", 1), ("a green tree", 2), ("a blue boat", 3))]
     first = generator.start_batch(requests[:2])

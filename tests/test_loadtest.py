@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from optimum_iobinding.loadtest import run_level
+from optimum_iobinding.serve.loadtest import run_level
 
 
 class Service:

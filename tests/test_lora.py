@@ -9,24 +9,24 @@ import torch
 from onnx import numpy_helper
 
 from conftest import make_lora, vae_encodes_its_mode
-from optimum_iobinding.lora import (WeightPlace, lora_layers, _places_of, read_weight_map, to_view_layout,
-                                    torch_layout_view)
+from optimum_iobinding import OnnxStableDiffusionPipeline
+from optimum_iobinding.export import export_pipeline
+from optimum_iobinding.export.lora_places import lora_layers, places_of
+from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
+from optimum_iobinding.layout import WeightPlace, read_weight_map
+from optimum_iobinding.pipelines.lora import to_view_layout, torch_layout_view
 
 EXPORTS = {"plain": {}, "fp16": {"fp16": True}, "fused": {"optimize": "cpu"}, "fused-fp16": {"optimize": "cpu", "fp16": True}}
 
 
 @pytest.fixture(scope="module")
 def tiny_torch():
-    from optimum_iobinding.export import TINY_RANDOM_KINDS
-
     return TINY_RANDOM_KINDS["sd"]()
 
 
 @pytest.mark.parametrize("export", sorted(EXPORTS))
 def test_every_linear_and_conv_weight_of_the_unet_and_text_encoder_is_found_in_the_export(tmp_path, tiny_torch,
                                                                                            export):
-    from optimum_iobinding.export import export_pipeline
-
     folder = export_pipeline(None, tmp_path / export, torch_pipeline=tiny_torch, components=("unet", "text_encoder"),
                              progress=False, **EXPORTS[export])
     for component, module in (("unet", tiny_torch.unet), ("text_encoder", tiny_torch.text_encoder)):
@@ -59,16 +59,16 @@ def test_a_view_in_torch_layout_writes_the_initializer_in_place_for_every_layout
     by_shape = {}
     for name, array in arrays.items():
         by_shape.setdefault(array.shape, []).append((name, array))
-    assert _places_of(k, by_shape) == [WeightPlace("qkv", "packed", 3, 1, heads)]
-    assert _places_of(q, by_shape) == [WeightPlace("q_t", "transposed"), WeightPlace("qkv", "packed", 3, 0, heads)]
-    assert _places_of(conv, by_shape) == [WeightPlace("conv", "same"), WeightPlace("conv_nhwc", "nhwc")]
+    assert places_of(k, by_shape) == [WeightPlace("qkv", "packed", 3, 1, heads)]
+    assert places_of(q, by_shape) == [WeightPlace("q_t", "transposed"), WeightPlace("qkv", "packed", 3, 0, heads)]
+    assert places_of(conv, by_shape) == [WeightPlace("conv", "same"), WeightPlace("conv_nhwc", "nhwc")]
     # writing through the view changes exactly that weight's numbers
     tensors = {name: torch.from_numpy(array.copy()) for name, array in arrays.items()}
     new_k = torch.from_numpy(k) * 3
     place = WeightPlace("qkv", "packed", 3, 1, heads)
     torch_layout_view(tensors["qkv"], place, k.shape).copy_(to_view_layout(new_k, place))
-    assert _places_of(new_k.numpy(), {(6, 24): [("qkv", tensors["qkv"].numpy())]}) == [place]
-    assert _places_of(q, {(6, 24): [("qkv", tensors["qkv"].numpy())]}) == [WeightPlace("qkv", "packed", 3, 0, heads)]
+    assert places_of(new_k.numpy(), {(6, 24): [("qkv", tensors["qkv"].numpy())]}) == [place]
+    assert places_of(q, {(6, 24): [("qkv", tensors["qkv"].numpy())]}) == [WeightPlace("qkv", "packed", 3, 0, heads)]
     new_conv = torch.from_numpy(conv) + 1
     torch_layout_view(tensors["conv_nhwc"], WeightPlace("conv_nhwc", "nhwc"), conv.shape).copy_(new_conv)
     np.testing.assert_array_equal(tensors["conv_nhwc"].numpy(), new_conv.numpy().transpose(0, 2, 3, 1))
@@ -83,9 +83,6 @@ def test_a_folder_without_a_map_names_the_fix(tmp_path):
 
 
 def test_a_saved_pipeline_keeps_its_lora_maps(tmp_path):
-    from optimum_iobinding import OnnxStableDiffusionPipeline
-    from optimum_iobinding.export import export_pipeline
-
     folder = export_pipeline(None, tmp_path / "tiny", tiny_random=True, progress=False)
     OnnxStableDiffusionPipeline.from_pretrained(folder).save_pretrained(tmp_path / "saved")
     for component in ("unet", "text_encoder"):
@@ -95,8 +92,6 @@ def test_a_saved_pipeline_keeps_its_lora_maps(tmp_path):
 # ------------------------------------------------------------------------------------------------ runtime LoRA
 @pytest.fixture(scope="module")
 def loras(tmp_path_factory):
-    from optimum_iobinding.export import TINY_RANDOM_KINDS
-
     folder = tmp_path_factory.mktemp("loras")
     maker = TINY_RANDOM_KINDS["sd"]()
     first = make_lora(maker, folder / "a", 1, ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "ff.net.2"],
@@ -108,8 +103,6 @@ def loras(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
-    from optimum_iobinding.export import export_pipeline
-
     folder = tmp_path_factory.mktemp("lora-exports")
     return {"plain": export_pipeline(None, folder / "plain", tiny_random=True, progress=False),
             "fused": export_pipeline(None, folder / "fused", tiny_random=True, optimize="cpu", progress=False)}
@@ -122,9 +115,6 @@ def images(pipe):
 
 @pytest.mark.parametrize("export, io_binding", [("plain", True), ("plain", False), ("fused", True)])
 def test_lora_images_equal_diffusers_through_load_set_disable_fuse_and_unload(exports, loras, export, io_binding):
-    from optimum_iobinding import OnnxStableDiffusionPipeline
-    from optimum_iobinding.export import TINY_RANDOM_KINDS
-
     reference = TINY_RANDOM_KINDS["sd"]()  # the exported weights
     ours = OnnxStableDiffusionPipeline.from_pretrained(exports[export], io_binding=io_binding)
     for pipe in (reference, ours):
@@ -166,7 +156,6 @@ def test_img2img_and_inpaint_loras_equal_diffusers(exports, loras, kind):
     from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline
 
     from optimum_iobinding import OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionInpaintPipeline
-    from optimum_iobinding.export import TINY_RANDOM_KINDS
 
     start = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(7))
     mask = torch.zeros(1, 1, 64, 64)
@@ -196,8 +185,6 @@ def test_img2img_and_inpaint_loras_equal_diffusers(exports, loras, kind):
 
 
 def test_adapters_switch_without_creating_a_session(exports, loras):
-    from optimum_iobinding import OnnxStableDiffusionPipeline
-
     pipe = OnnxStableDiffusionPipeline.from_pretrained(exports["plain"])
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(loras[0], adapter_name="a")  # the CPU's models now keep their weights as tensors
@@ -215,9 +202,6 @@ def test_adapters_switch_without_creating_a_session(exports, loras):
 def test_a_kohya_lora_with_alphas_equals_diffusers(exports, loras, tmp_path):
     """The same updates renamed the kohya way (``lora_unet_…``, ``lora_te_…``, ``alpha`` = 2 × rank: scale 2)."""
     from safetensors.torch import load_file, save_file
-
-    from optimum_iobinding import OnnxStableDiffusionPipeline
-    from optimum_iobinding.export import TINY_RANDOM_KINDS
 
     kohya = {}
     for key, value in load_file(str(loras[0] / "pytorch_lora_weights.safetensors")).items():
@@ -239,8 +223,6 @@ def test_a_kohya_lora_with_alphas_equals_diffusers(exports, loras, tmp_path):
 
 def test_lora_mistakes_get_messages_that_name_them(exports, loras):
     from safetensors.torch import load_file
-
-    from optimum_iobinding import OnnxStableDiffusionPipeline
 
     pipe = OnnxStableDiffusionPipeline.from_pretrained(exports["plain"])
     state = load_file(str(loras[0] / "pytorch_lora_weights.safetensors"))
@@ -267,7 +249,6 @@ def test_lora_mistakes_get_messages_that_name_them(exports, loras):
 @pytest.mark.parametrize("kind", ["xl", "lcm"])
 def test_sdxl_and_lcm_loras_equal_diffusers(tmp_path, kind):
     """SDXL: a UNet and second-text-encoder LoRA (diffusers' SDXL reader); LCM: a UNet LoRA on the LCM UNet."""
-    from optimum_iobinding.export import TINY_RANDOM_KINDS, export_pipeline
     from optimum_iobinding.pipelines import pipeline_class_for
 
     folder = export_pipeline(None, tmp_path / kind, tiny_random=kind, progress=False)

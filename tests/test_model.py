@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import gc
 
 import numpy as np
@@ -13,8 +15,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import make_model, make_session, requires_cuda, tensor
 from optimum_iobinding import IOBindingORTModel, infer_output_shapes
-from optimum_iobinding.dtypes import TORCH_TO_ONNX
-from optimum_iobinding.model import check_input_device
+from optimum_iobinding.runtime.dtypes import TORCH_TO_ONNX
+from optimum_iobinding.runtime.inputs import check_input_device
 
 ALL_DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64,
@@ -41,7 +43,9 @@ def session_run(session: ort.InferenceSession, feeds: dict) -> list:
             for name, t in feeds.items()
         }
         outputs = session.run_with_ort_values([o.name for o in session.get_outputs()], values)
-        return [torch.from_dlpack(o._ortvalue).clone() for o in outputs]
+        # numpy has no bfloat16: the bytes are read through the OrtValue's public address and size
+        return [torch.frombuffer(bytearray((ctypes.c_uint8 * o.tensor_size_in_bytes()).from_address(o.data_ptr())),
+                                 dtype=torch.bfloat16).reshape(o.shape()) for o in outputs]
     return [torch.from_numpy(r) for r in session.run(None, {n: t.numpy() for n, t in feeds.items()})]
 
 
@@ -487,7 +491,7 @@ def test_directml_with_binding_is_refused_saying_what_to_use_instead(tmp_path, c
 
 
 def test_an_amd_gpu_session_binds_on_the_torch_cuda_device_of_its_device_id():
-    from optimum_iobinding.model import session_device
+    from optimum_iobinding.runtime.model import session_device
 
     class RocmSession:  # what a ROCm/MIGraphX session reports (no AMD GPU here to make a real one)
         def __init__(self, provider):

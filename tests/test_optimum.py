@@ -14,7 +14,7 @@ from optimum_iobinding import (  # noqa: E402
     OnnxStableDiffusionPipeline,
     infer_output_shapes,
 )
-from optimum_iobinding.export import build_tiny_random_pipeline  # noqa: E402
+from optimum_iobinding.export.tiny import build_tiny_random_pipeline  # noqa: E402
 
 SIZE = 64
 
@@ -88,7 +88,7 @@ def test_same_latents_give_optimum_ort_pipelines_image(optimum_folder):
 
 @pytest.fixture(scope="module")
 def optimum_xl_folder(tmp_path_factory):
-    from optimum_iobinding.export import build_tiny_random_xl_pipeline
+    from optimum_iobinding.export.tiny import build_tiny_random_xl_pipeline
 
     return optimum_export(build_tiny_random_xl_pipeline(), tmp_path_factory.mktemp("optimum-xl"))
 

@@ -26,11 +26,6 @@ SCHEDULERS = {"pndm": PNDMScheduler, "ddim": DDIMScheduler, "euler": EulerDiscre
               "dpm++": DPMSolverMultistepScheduler}
 
 
-@pytest.fixture(scope="session")
-def tiny_folder(tmp_path_factory):
-    return export_pipeline(None, tmp_path_factory.mktemp("tiny") / "sd", tiny_random=True, progress=False)
-
-
 def load(pipeline_class, folder, io_binding=True, scheduler=None):
     pipe = pipeline_class.from_pretrained(folder, io_binding=io_binding)
     if scheduler is not None:
@@ -306,11 +301,9 @@ def test_a_directml_pipeline_with_binding_is_refused_before_anything_loads(tiny_
 
 
 def _has_optimum_onnx() -> bool:
-    try:
-        import optimum.onnxruntime  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.onnxruntime") is not None
 
 
 @pytest.mark.skipif(_has_optimum_onnx(), reason="checks the message where optimum-onnx is missing")

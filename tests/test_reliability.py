@@ -20,8 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import make_model, make_session, tensor
 from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionPipeline, infer_output_shapes
-from optimum_iobinding.export import export_pipeline
-from optimum_iobinding.shapes import evaluate_dim_expression
+from optimum_iobinding.runtime.shapes import evaluate_dim_expression
 
 SIZE = 64
 
@@ -32,11 +31,6 @@ def tanh_model():
         [tensor("x", TensorProto.FLOAT, ["batch", 16])],
         [tensor("y", TensorProto.FLOAT, ["batch", 16])],
     )
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return export_pipeline(None, tmp_path_factory.mktemp("reliability") / "sd", tiny_random=True, progress=False)
 
 
 def rss_bytes() -> int:
@@ -112,7 +106,7 @@ def test_a_thousand_calls_with_constant_shapes_do_not_grow_memory():
         gc.collect()
         growth.append(rss_bytes() - before)
     assert min(growth) < 2**19, f"RSS grew by {growth} bytes in three windows of 2000 calls"
-    assert model.output_signatures == 1 and len(model.shape_inferencer._cache) == 1
+    assert model.output_signatures == 1 and len(model.shape_inferencer.cached_signatures) == 1
 
 
 def test_alternating_shapes_keep_at_most_max_output_signatures_buffers():
@@ -120,7 +114,7 @@ def test_alternating_shapes_keep_at_most_max_output_signatures_buffers():
     for call in range(200):
         model(x=torch.randn(1 + call % 20, 16))
     assert model.output_signatures == 4
-    assert len(model.shape_inferencer._cache) <= model.shape_inferencer._max_cached_signatures
+    assert len(model.shape_inferencer.cached_signatures) <= model.shape_inferencer.max_cached_signatures
 
 
 # ----------------------------------------------------------------------------------------------- shape changes

@@ -18,9 +18,10 @@ from onnx import TensorProto, helper
 
 from conftest import make_model, make_session
 from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionPipeline, infer_output_shapes
-from optimum_iobinding import shapes as shape_module
-from optimum_iobinding.export import build_tiny_random_pipeline, export_pipeline
-from optimum_iobinding.shapes import DimExpressionError, evaluate_dim_expression
+from optimum_iobinding.export import export_pipeline
+from optimum_iobinding.export.tiny import build_tiny_random_pipeline
+from optimum_iobinding.runtime import shapes as shape_module
+from optimum_iobinding.runtime.shapes import DimExpressionError, evaluate_dim_expression
 
 PROMPT = "a photo of a cat"
 
@@ -29,11 +30,6 @@ def snapshot(folder: Path) -> dict:
     """Every file under ``folder`` with the hash of its bytes."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return export_pipeline(None, tmp_path_factory.mktemp("safety") / "sd", tiny_random=True, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -105,27 +101,31 @@ def test_export_with_overwrite_replaces_the_folder_whole(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no scratch folders left
 
 
-@pytest.mark.parametrize("failure", ["bad opset", "error in the last component", "interrupt"])
-def test_a_failed_export_leaves_the_previous_export_exactly_as_it_was(tmp_path, monkeypatch, failure):
-    import optimum_iobinding.export as export
+def pipeline_failing_at_its_vae_encoder(error: type):
+    """The tiny torch pipeline, but its VAE encoder raises ``error`` when the export traces it."""
+    pipe = build_tiny_random_pipeline()
 
+    def failing(*args, **kwargs):
+        raise error("injected")
+
+    pipe.vae.encode = failing
+    return pipe
+
+
+@pytest.mark.parametrize("failure", ["bad opset", "error in the last component", "interrupt"])
+def test_a_failed_export_leaves_the_previous_export_exactly_as_it_was(tmp_path, failure):
     target = tmp_path / "target"
-    export_pipeline(None, target, tiny_random=True, progress=False, components=("vae_decoder", "vae_encoder"))
+    components = ("vae_decoder", "vae_encoder")  # the encoder last: everything before it was written when it fails
+    export_pipeline(None, target, tiny_random=True, progress=False, components=components)
     before = snapshot(target)
-    arguments = dict(tiny_random=True, progress=False, overwrite=True, components=("vae_decoder", "vae_encoder"))
+    arguments = dict(progress=False, overwrite=True, components=components)
     if failure == "bad opset":
-        expected, arguments["opset"] = ValueError, 1
+        expected = ValueError
+        arguments.update(tiny_random=True, opset=1)
     else:
         expected = RuntimeError if failure == "error in the last component" else KeyboardInterrupt
-        real = export._export_component
-
-        def failing(name, *args, **kwargs):
-            if name == "vae_encoder":  # the last one: everything before it was written
-                raise expected("injected")
-            return real(name, *args, **kwargs)
-
-        monkeypatch.setattr(export, "_export_component", failing)
-    with pytest.raises(expected):
+        arguments.update(torch_pipeline=pipeline_failing_at_its_vae_encoder(expected))
+    with pytest.raises(expected, match="opset" if failure == "bad opset" else "injected"):
         export_pipeline(None, target, **arguments)
     assert snapshot(target) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]  # no half-built folder beside it
@@ -177,13 +177,13 @@ def test_model_save_pretrained_refuses_to_overwrite_a_file_unasked(tiny_folder, 
 def test_a_hostile_dim_expression_is_refused_by_the_value_bound(expression, monkeypatch):
     # the work bound: no intermediate value may pass MAX_VALUE_BITS, checked before every power is computed
     largest = []
-    real = shape_module._bounded
+    real = shape_module.bounded
 
     def recording(value, text):
-        largest.append(shape_module._bits(value))
+        largest.append(shape_module.value_bits(value))
         return real(value, text)
 
-    monkeypatch.setattr(shape_module, "_bounded", recording)
+    monkeypatch.setattr(shape_module, "bounded", recording)
     with pytest.raises(DimExpressionError, match=r"exceeds 256 bits"):
         evaluate_dim_expression(expression, {"h": 1000})
     assert max(largest) <= 2 * shape_module.MAX_VALUE_BITS  # a product of two bounded values at most

@@ -1,9 +1,11 @@
 """Serving with Ray Serve on a real local Ray cluster (127.0.0.1, CPU replicas, the tiny model): concurrent HTTP
 requests get the images of single calls with their seeds, batching happens, a bad request gets 400 while the others
-succeed, and shutting down leaves no Ray process behind."""
+succeed, and shutting down leaves no Ray process behind; and a replica's batching in this process (its admission
+driven by hand, the limits of its next batch)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -39,6 +41,18 @@ def post(url: str, body: dict):
         return error.code, {k.lower(): v for k, v in error.headers.items()}, error.read()
 
 
+def until(condition, timeout_s: float = 120.0) -> bool:
+    """Whether ``condition()`` came true within ``timeout_s`` (asked again every 10 ms)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def decode_png(data: bytes) -> np.ndarray:
     from PIL import Image
 
@@ -68,13 +82,6 @@ class Server:
             serve.shutdown()
             ray.shutdown()
             self.running = False
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    from optimum_iobinding.export import export_pipeline
-
-    return export_pipeline(None, tmp_path_factory.mktemp("serve") / "tiny", tiny_random=True, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -123,103 +130,195 @@ def test_concurrent_requests_are_batched_and_each_image_is_its_seeds_single_call
         assert np.abs(decode_png(data).astype(int) - expected.astype(int)).max() <= 1
 
 
-def test_requests_that_come_while_a_batch_runs_ride_together_in_the_next_one(tiny_folder, monkeypatch):
+def test_requests_that_come_while_a_batch_runs_ride_together_in_the_next_one(server, tiny_folder):
     """batch_wait_timeout_s=0 (the default): a batch never waits to fill, but the requests that come while one runs
     must not each become a batch of their own (Serve 2.60 forms a batch as soon as a request comes; the replica holds
-    them until the running batch ends). Through Serve's own batch queue and the real pipeline, without HTTP: the
-    first batch's pipeline call is held until five more requests wait, so the order of events is fixed (over HTTP it
-    depended on how fast the proxy passed the requests on, and CI once saw them split 3 / 1 / 2)."""
-    import asyncio
+    them until the running batch ends). In a replica of its own, through Serve's own batch queue and the real
+    pipeline, without HTTP: the first batch's pipeline call is held until five more requests wait, so the order of
+    events is fixed (over HTTP it depended on how fast the proxy passed the requests on, and CI once saw them split
+    3 / 1 / 2)."""
     import threading
     from dataclasses import asdict
 
-    from ray.serve import batching
+    from ray import serve
 
     from optimum_iobinding.serve import ImageGenerator, ServeConfig
 
-    # outside a deployment Serve's batch queue cannot read the replica's max_ongoing_requests for its warning
-    monkeypatch.setattr(batching._BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests",
-                        lambda self: None)
-    generator = ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=8,
-                                                  batch_wait_timeout_s=0.0, steps=2, warmup_batch_sizes=[])))
-    entered, go = threading.Event(), threading.Event()
-    start_batch = generator.start_batch
+    class FirstCallHeld(ImageGenerator):
+        """A generator replica whose first pipeline call waits until the test lets it go."""
 
-    def held_first_call(requests):
-        if not entered.is_set():
-            entered.set()
-            assert go.wait(120), "the test never let the first batch go"
-        return start_batch(requests)
+        def __init__(self, config):
+            super().__init__(config)
+            self.first_call_came, self.first_call_may_go = threading.Event(), threading.Event()
 
-    generator.start_batch = held_first_call
+        def start_batch(self, requests):
+            if not self.first_call_came.is_set():
+                self.first_call_came.set()
+                assert self.first_call_may_go.wait(120), "the test never let the first batch go"
+            return super().start_batch(requests)
 
-    async def scenario():
-        loop = asyncio.get_running_loop()
-        first = asyncio.ensure_future(generator.generate(dict(prompt="a bird 0", seed=0, size=SIZE)))
-        assert await loop.run_in_executor(None, entered.wait, 120)
-        try:
-            later = [asyncio.ensure_future(generator.generate(dict(prompt=f"a bird {i}", seed=i, size=SIZE)))
-                     for i in range(1, 6)]
-            for _ in range(1000):  # event-loop turns until the five wait at the gate
-                if len(generator._waiting) == 5:
-                    break
-                await asyncio.sleep(0)
-            assert len(generator._waiting) == 5
-        finally:
-            go.set()  # also when an assertion failed: the held call must not keep its thread
-        return await asyncio.gather(first, *later)
+        async def first_call_is_held(self) -> bool:
+            return self.first_call_came.is_set()
 
-    # @serve.batch keeps one queue per decorated method, made on first use and bound to that event loop: a replica
-    # has one instance and one loop, this process makes more of both, so the queue goes with this test's loop
-    queue_holder = ImageGenerator._batched.set_max_batch_size.__self__
+        async def requests_waiting(self) -> int:
+            return self.admission.waiting
+
+        async def let_the_first_call_go(self) -> None:
+            self.first_call_may_go.set()
+
+        async def batches_run_so_far(self) -> int:
+            return self.batches_run
+
+    config = ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=8, batch_wait_timeout_s=0.0, steps=2,
+                         warmup_batch_sizes=[])
+    deployment = serve.deployment(name="FirstCallHeld", ray_actor_options={"num_cpus": 1},
+                                  max_ongoing_requests=16)(FirstCallHeld)
+    replica = serve.run(deployment.bind(asdict(config)), name="held", route_prefix=None, blocking=False)
     try:
-        answers = asyncio.run(scenario())
+        first = replica.generate.remote(dict(prompt="a bird 0", seed=0, size=SIZE))
+        assert until(lambda: replica.first_call_is_held.remote().result())
+        try:
+            later = [replica.generate.remote(dict(prompt=f"a bird {i}", seed=i, size=SIZE)) for i in range(1, 6)]
+            assert until(lambda: replica.requests_waiting.remote().result() == 5)  # the five wait at the gate
+        finally:
+            replica.let_the_first_call_go.remote().result()  # also when an assertion failed
+        answers = [response.result(timeout_s=300) for response in (first, *later)]
+        batches_run = replica.batches_run_so_far.remote().result()
     finally:
-        queue_holder._queue = None
+        serve.delete("held")
     assert [answer.get("error") for answer in answers] == [None] * 6
     assert [answer["batch_images"] for answer in answers] == [1, 5, 5, 5, 5, 5]
     assert [answer["seeds"] for answer in answers] == [[i] for i in range(6)]
-    assert generator.batches_run == 2
+    assert batches_run == 2
 
 
-def test_admission_lets_in_one_batch_of_the_oldest_waiting_requests_when_the_running_batch_ends(tiny_folder):
-    """The replica's gate in front of Serve's batch queue, driven by hand (no Ray): while a batch runs nobody
-    enters; when it ends, the oldest waiting requests enter, as many images as one batch holds."""
-    import asyncio
-    from dataclasses import asdict
+# The replica's gate in front of Serve's batch queue, driven by hand (no Ray): while a batch runs nobody enters; when
+# it ends, the oldest waiting requests enter, as many images as one batch holds.
+async def waiting_behind_a_running_batch(admission, images):
+    """A request of one image let in and its batch started; then requests of ``images`` images each, waiting."""
+    await admission.admit(1)
+    admission.batch_started(1)
+    waiters = [asyncio.ensure_future(admission.admit(n)) for n in images]
+    await asyncio.sleep(0)  # (lets the waiters run up to their wait)
+    return waiters
 
-    from optimum_iobinding.serve import REGROUP_WAIT, ImageGenerator, ServeConfig
 
-    generator = ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=3,
-                                                  warmup_batch_sizes=[])))
+def test_an_idle_replica_lets_a_request_in_at_once():
+    from optimum_iobinding.serve import Admission
 
     async def scenario():
-        await generator._enter(1)  # an idle replica: straight in
-        assert generator._admitted == 1
-        generator._batch_running = True  # its batch runs
-        waiters = [asyncio.ensure_future(generator._enter(images)) for images in (1, 2, 1, 1)]
-        await asyncio.sleep(0)  # (lets the waiters run up to their wait)
-        assert not any(waiter.done() for waiter in waiters)
-        generator._batch_running = False  # the batch ended and its request was answered
-        generator._admitted -= 1
-        generator._release()
-        await asyncio.sleep(0)
-        assert [waiter.done() for waiter in waiters] == [True, True, False, False]  # 1 + 2 images: a full batch
-        waiters[2].cancel()  # a client that goes away while it waits is forgotten
-        await asyncio.sleep(0)
-        generator._admitted -= 3  # that batch answered
-        generator._release()
-        await asyncio.sleep(0)
-        assert waiters[3].done() and generator._admitted == 1 and not generator._waiting
+        admission = Admission(batch_cap=3)
+        await admission.admit(1)
+        assert admission.admitted == 1 and admission.waiting == 0
 
     asyncio.run(scenario())
-    # after a batch of several images with nobody waiting, the next batch waits a little for as many images (its
-    # clients coming back); after a lone request's batch it waits for nothing
-    generator._expect_return(1, 1.0)
-    assert generator._batched._get_max_batch_size() == 3 and generator._batched._get_batch_wait_timeout_s() == 0
-    generator._expect_return(2, 1.0)
-    assert generator._batch_cap == 2 and generator._batched._get_max_batch_size() == 2
-    assert generator._batched._get_batch_wait_timeout_s() == pytest.approx(REGROUP_WAIT)
+
+
+def test_no_request_enters_while_a_batch_runs():
+    from optimum_iobinding.serve import Admission
+
+    async def scenario():
+        admission = Admission(batch_cap=3)
+        waiters = await waiting_behind_a_running_batch(admission, (1, 2, 1, 1))
+        assert admission.batch_running and not any(waiter.done() for waiter in waiters)
+        assert admission.waiting == 4 and admission.waiting_images == 5 and admission.admitted == 0
+
+    asyncio.run(scenario())
+
+
+def test_when_the_running_batch_ends_the_oldest_waiting_requests_enter_as_one_batch():
+    from optimum_iobinding.serve import Admission
+
+    async def scenario():
+        admission = Admission(batch_cap=3)
+        waiters = await waiting_behind_a_running_batch(admission, (1, 2, 1, 1))
+        admission.batch_queued()
+        admission.batch_finished()  # the batch ended and its request was answered
+        await asyncio.sleep(0)
+        assert [waiter.done() for waiter in waiters] == [True, True, False, False]  # 1 + 2 images: a full batch
+        assert admission.admitted == 3 and admission.waiting == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_goes_away_while_it_waits_is_forgotten():
+    from optimum_iobinding.serve import Admission
+
+    async def scenario():
+        admission = Admission(batch_cap=3)
+        waiters = await waiting_behind_a_running_batch(admission, (1, 2, 1, 1))
+        admission.batch_queued()
+        admission.batch_finished()
+        await asyncio.sleep(0)
+        waiters[2].cancel()  # its client went away while it waited
+        await asyncio.sleep(0)
+        admission.batch_started(3)  # the batch of the first two ran and was answered
+        admission.batch_queued()
+        admission.batch_finished()
+        await asyncio.sleep(0)
+        assert waiters[3].done() and admission.admitted == 1 and admission.waiting == 0
+
+    asyncio.run(scenario())
+
+
+def test_on_cuda_the_next_batch_enters_once_the_running_ones_work_is_queued():
+    """Two batches may be unfinished: the next one queues behind the running one on the GPU."""
+    from optimum_iobinding.serve import Admission
+
+    async def scenario():
+        admission = Admission(batch_cap=3, max_unfinished=2)
+        (waiter,) = await waiting_behind_a_running_batch(admission, (1,))
+        admission.batch_queued()
+        await asyncio.sleep(0)
+        assert waiter.done() and admission.unfinished == 1 and admission.admitted == 1
+
+    asyncio.run(scenario())
+
+
+def test_on_cpu_the_next_batch_enters_once_the_running_ones_images_are_back():
+    from optimum_iobinding.serve import Admission
+
+    async def scenario():
+        admission = Admission(batch_cap=3, max_unfinished=1)
+        (waiter,) = await waiting_behind_a_running_batch(admission, (1,))
+        admission.batch_queued()
+        await asyncio.sleep(0)
+        assert not waiter.done() and admission.unfinished == 1
+        admission.batch_finished()
+        await asyncio.sleep(0)
+        assert waiter.done() and admission.admitted == 1
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture
+def generator(tiny_folder):
+    """A replica's generator in this process (no Ray), up to 3 images per batch, no batch wait."""
+    from dataclasses import asdict
+
+    from optimum_iobinding.serve import ImageGenerator, ServeConfig
+
+    return ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=3,
+                                             warmup_batch_sizes=[])))
+
+
+def test_a_cpu_replica_lets_in_batches_of_max_batch_size_one_unfinished_at_a_time(generator):
+    assert generator.batch_limits == (3, 0.0) and generator.admission.batch_cap == 3
+    assert generator.admission.max_unfinished == 1 and not generator.defers_images
+
+
+def test_after_a_lone_requests_batch_the_next_batch_waits_for_nothing(generator):
+    generator.expect_return(1, 1.0)
+    assert generator.batch_limits == (3, 0) and generator.admission.batch_cap == 3
+
+
+def test_after_a_batch_of_several_images_the_next_one_waits_a_little_for_as_many(generator):
+    """Nobody waits after a batch of two images: the next batch waits a share of the last one's time for two images
+    (its clients coming back)."""
+    from optimum_iobinding.serve import REGROUP_WAIT
+
+    generator.expect_return(2, 1.0)
+    assert generator.batch_limits == pytest.approx((2, REGROUP_WAIT)) and generator.admission.batch_cap == 2
 
 
 def test_n_images_come_from_consecutive_seeds_as_base64_json(server, reference):
@@ -264,7 +363,7 @@ def test_values_the_api_refuses_get_400(server):
 
 
 def test_the_loadtest_reports_throughput_and_latency_percentiles(server, tmp_path):
-    from optimum_iobinding.loadtest import run_loadtest, write_results
+    from optimum_iobinding.serve.loadtest import run_loadtest, write_results
 
     rows = run_loadtest(server.url, [1, 3], 3, {"prompt": "a dog", "seed": 5, "size": SIZE}, warmup=0)
     for row, level in zip(rows, (1, 3)):

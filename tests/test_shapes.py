@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import make_model, make_session, tensor
 from optimum_iobinding import IOBindingORTModel, infer_output_shapes
-from optimum_iobinding.shapes import DimExpressionError, evaluate_dim_expression
+from optimum_iobinding.runtime.shapes import DimExpressionError, ShapeInferencer, evaluate_dim_expression
 
 
 @pytest.mark.parametrize(
@@ -60,9 +60,15 @@ def test_named_dims_resolve_from_the_inputs(three_output_model):
 
 def test_expression_dims_resolve_without_running_shape_inference(concat_model):
     session = make_session(concat_model)
-    model = IOBindingORTModel(session)
-    model.shape_inferencer._model_source = None  # shape inference is unavailable: the expression alone must do
-    assert infer_output_shapes(model, {"x": (4, 9)}) == {"y": (8, 9)}
+    # no model source: ONNX shape inference cannot run, so the expression alone must size the output
+    inferencer = ShapeInferencer({i.name: i.shape for i in session.get_inputs()},
+                                 {o.name: o.shape for o in session.get_outputs()})
+    assert inferencer({"x": (4, 9)}) == {"y": (8, 9)}
+
+
+def test_dims_nothing_resolves_are_data_dependent_without_a_model_source():
+    inferencer = ShapeInferencer({"x": ["batch", 4]}, {"y": [None, None]})
+    assert inferencer({"x": (3, 4)}) == {"y": None}
 
 
 def test_upsampling_expression_dim_resolves(tmp_path):
@@ -110,10 +116,17 @@ def test_unnamed_dims_resolve_for_a_model_with_external_data(tmp_path):
 def test_results_are_cached_per_signature(concat_model):
     model = IOBindingORTModel(make_session(concat_model))
     first = infer_output_shapes(model, {"x": (2, 3)})
-    assert len(model.shape_inferencer._cache) == 1
+    assert model.shape_inferencer.cached_signatures == ((("x", (2, 3)),),)
     assert infer_output_shapes(model, {"x": (2, 3)}) == first
     infer_output_shapes(model, {"x": (4, 3)})
-    assert len(model.shape_inferencer._cache) == 2
+    assert model.shape_inferencer.cached_signatures == ((("x", (2, 3)),), (("x", (4, 3)),))
+
+
+def test_the_cache_keeps_the_most_recently_used_signatures():
+    inferencer = ShapeInferencer({"x": ["batch", "h"]}, {"y": ["2*batch", "h"]}, max_cached_signatures=2)
+    for batch in (1, 2, 1, 3):
+        inferencer({"x": (batch, 5)})
+    assert inferencer.cached_signatures == ((("x", (1, 5)),), (("x", (3, 5)),))
 
 
 def test_data_dependent_output_shape_is_none():

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
 from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionPipeline, TiledVAE
-from optimum_iobinding.export import build_tiny_random_pipeline, export_pipeline
+from optimum_iobinding.export import export_pipeline
+from optimum_iobinding.export.tiny import build_tiny_random_pipeline
 
 TOLERANCE = 1e-4
 
@@ -60,7 +60,7 @@ def test_decoding_to_the_host_gives_the_postprocessed_tiled_image(tiler):
 def test_tiled_encode_matches_diffusers_tiled_encode(tiny, tiler, size):
     image = torch.rand(1, 3, *size, generator=torch.Generator().manual_seed(2)) * 2 - 1
     with torch.no_grad():
-        expected = DiagonalGaussianDistribution(torch_vae(tiny)._tiled_encode(image)).mode()
+        expected = torch_vae(tiny).encode(image).latent_dist.mode()
     torch.testing.assert_close(tiler.encode(image), expected, atol=TOLERANCE, rtol=0)
 
 
@@ -73,7 +73,7 @@ def test_a_pipeline_with_vae_tiling_matches_diffusers_with_vae_tiling(tiny):
     pipe = OnnxStableDiffusionPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     pipe.enable_vae_tiling()
-    assert pipe._vae_tiler.tile_sample_size == torch_pipe.vae.config.sample_size
+    assert pipe.vae_tiler.tile_sample_size == torch_pipe.vae.config.sample_size
     got = pipe("a cat", height=160, width=192, num_inference_steps=2, latents=latents, output_type="np").images
     np.testing.assert_allclose(got, expected, atol=TOLERANCE)
     pipe.disable_vae_tiling()
@@ -105,14 +105,14 @@ def test_each_tile_shape_can_run_in_a_session_of_its_own_with_the_same_result(ti
     latents = torch.randn(1, 4, 20, 20, generator=torch.Generator().manual_seed(2))
     expected = tiler.decode(latents)
     torch.testing.assert_close(per_shape.decode(latents), expected, atol=0, rtol=0)
-    models = per_shape._shape_models["decoder"][1]
+    models = per_shape.tile_models("decoder")
     # tiles of 8 latents every 6: 8, 8, 8 and an edge of 2 along each axis → four shapes, four sessions
     assert sorted(shape[2:] for shape in models) == [(2, 2), (2, 8), (8, 2), (8, 8)]
     assert decoder in models.values() and len({id(model.session) for model in models.values()}) == 4
     before = {shape: id(model) for shape, model in models.items()}
     torch.testing.assert_close(per_shape.decode(latents), expected, atol=0, rtol=0)
-    assert {shape: id(model) for shape, model in per_shape._shape_models["decoder"][1].items()} == before  # reused
-    assert tiler.session_per_shape is None and "decoder" not in tiler._shape_models  # CPU default: one session
+    assert {shape: id(model) for shape, model in per_shape.tile_models("decoder").items()} == before  # reused
+    assert tiler.session_per_shape is None and tiler.tile_models("decoder") == {}  # CPU default: one session
 
 
 def test_tile_sessions_are_bounded(tiny):
@@ -122,7 +122,7 @@ def test_tile_sessions_are_bounded(tiny):
     latents = torch.randn(1, 4, 20, 20, generator=torch.Generator().manual_seed(3))
     reference = TiledVAE(decoder, tile_sample_size=64, session_per_shape=False).decode(latents)
     torch.testing.assert_close(bounded.decode(latents), reference, atol=0, rtol=0)
-    assert len(bounded._shape_models["decoder"][1]) == 2
+    assert len(bounded.tile_models("decoder")) == 2
     with pytest.raises(ValueError, match="max_tile_sessions: expected an integer ≥ 1, got 0"):
         TiledVAE(decoder, max_tile_sessions=0)
 
@@ -133,4 +133,4 @@ def test_tiled_encoding_with_a_session_per_shape_gives_the_same_latents(tiny, ti
     per_shape = TiledVAE(None, encoder, tile_sample_size=64, session_per_shape=True)
     image = torch.rand(1, 3, 160, 112, generator=torch.Generator().manual_seed(4)) * 2 - 1
     torch.testing.assert_close(per_shape.encode(image), tiler.encode(image), atol=0, rtol=0)
-    assert len(per_shape._shape_models["encoder"][1]) == 4  # 64², and edges of 16 (rows) and 16 (columns)
+    assert len(per_shape.tile_models("encoder")) == 4  # 64², and edges of 16 (rows) and 16 (columns)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from optimum_iobinding import OnnxStableDiffusionXLImg2ImgPipeline, OnnxStableDiffusionXLPipeline
-from optimum_iobinding.export import build_tiny_random_xl_pipeline, export_pipeline
+from optimum_iobinding.export import export_pipeline
+from optimum_iobinding.export.tiny import build_tiny_random_xl_pipeline
 
 SIZE = 64
 PROMPT = "a photo of an astronaut riding a horse"

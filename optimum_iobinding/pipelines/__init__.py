@@ -1,54 +1,19 @@
-"""Stable Diffusion pipelines whose denoising loop runs on the device."""
+"""The pipelines: diffusers' ``__call__`` surface over ONNX components, the denoising loop on the device."""
 
-from .base import OnnxStableDiffusionPipelineBase
+from .auto import pipeline_class_for
 from .controlnet import OnnxStableDiffusionControlNetImg2ImgPipeline, OnnxStableDiffusionControlNetPipeline
 from .img2img import OnnxStableDiffusionImg2ImgPipeline
 from .inpaint import OnnxStableDiffusionInpaintPipeline
 from .latent_consistency import OnnxLatentConsistencyModelPipeline
+from .loading import load_numpy_pipeline
+from .pipeline import OnnxStableDiffusionPipelineBase
 from .stable_diffusion import OnnxStableDiffusionPipeline
 from .stable_diffusion_xl import OnnxStableDiffusionXLImg2ImgPipeline, OnnxStableDiffusionXLPipeline
 
 
-def pipeline_class_for(folder) -> type:
-    """The text-to-image pipeline class for an ONNX folder, as diffusers' ``AutoPipelineForText2Image`` picks one:
-    SDXL when the UNet takes ``text_embeds``/``time_ids``, LCM when it takes ``timestep_cond``, else Stable
-    Diffusion 1.x/2.x (SD-Turbo included). A folder no text-to-image pipeline runs (an inpainting UNet, an SDXL
-    refiner) is an error saying which pipeline to use."""
-    from pathlib import Path
-
-    import onnx
-
-    from ..layout import read_model_index
-
-    folder = Path(folder)
-    read_model_index(folder, ())  # a pipeline folder: its model_index.json is there and parses
-    unet_path = folder / "unet" / "model.onnx"
-    if not unet_path.is_file():
-        raise FileNotFoundError(f"model: expected {str(unet_path)!r} (an ONNX Stable Diffusion folder), found none")
-    graph = onnx.load(str(unet_path), load_external_data=False).graph
-    initializers = {init.name for init in graph.initializer}
-    inputs = {value.name: value for value in graph.input if value.name not in initializers}
-    if "text_embeds" in inputs or "time_ids" in inputs:
-        if not (folder / "text_encoder").is_dir():
-            raise ValueError(f"model: {str(folder)!r} is an SDXL refiner (no text_encoder): it transforms images; use "
-                             "OnnxStableDiffusionXLImg2ImgPipeline from Python")
-        return OnnxStableDiffusionXLPipeline
-    if "mid_block_additional_residual" in inputs:
-        raise ValueError(f"model: {str(folder)!r} is a ControlNet folder (its UNet takes the ControlNet's residuals): "
-                         "use OnnxStableDiffusionControlNetPipeline from Python with a control image")
-    if "timestep_cond" in inputs:
-        return OnnxLatentConsistencyModelPipeline
-    sample = inputs.get("sample")
-    channels = sample.type.tensor_type.shape.dim[1].dim_value if sample is not None and len(
-        sample.type.tensor_type.shape.dim) > 1 else 0
-    if channels == 9:
-        raise ValueError(f"model: {str(folder)!r} is an inpainting model (its UNet takes 9 channels): use "
-                         "OnnxStableDiffusionInpaintPipeline from Python with an image and a mask")
-    return OnnxStableDiffusionPipeline
-
-
 __all__ = [
     "pipeline_class_for",
+    "load_numpy_pipeline",
     "OnnxStableDiffusionPipelineBase",
     "OnnxStableDiffusionPipeline",
     "OnnxStableDiffusionImg2ImgPipeline",

@@ -21,9 +21,11 @@ from diffusers.image_processor import VaeImageProcessor
 
 from ..layout import DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT, ONNX_COMPONENTS, write_model_index
 from ..layout import controlnet_component_names as _controlnet_names
-from ..model import IOBindingORTModel
-from ..shapes import infer_output_shapes
-from .base import Generator, OnnxStableDiffusionPipelineBase, _is_real, on_device_stream
+from ..runtime.model import IOBindingORTModel
+from ..runtime.shapes import infer_output_shapes
+from .arguments import Generator, is_real
+from .denoise import on_device_stream
+from .pipeline import OnnxStableDiffusionPipelineBase
 from .img2img import ImageInput, expand_to_batch
 
 _EXTRA_CONTROLNET = re.compile(r"controlnet_([1-9][0-9]*)")
@@ -132,9 +134,9 @@ class _ControlNetMixin:
             raise ValueError(f"{name}: expected {expected}, got {value!r}")
         return values
 
-    def _check_control_arguments(self, conditioning_scale: Any, guidance_start: Any, guidance_end: Any
+    def check_control_arguments(self, conditioning_scale: Any, guidance_start: Any, guidance_end: Any
                                  ) -> Tuple[List[float], List[float], List[float]]:
-        real = lambda v: _is_real(v) and math.isfinite(v)  # noqa: E731
+        real = lambda v: is_real(v) and math.isfinite(v)  # noqa: E731
         scales = self._per_net(conditioning_scale, "controlnet_conditioning_scale", real, "finite numbers")
         starts = self._per_net(guidance_start, "control_guidance_start", lambda v: real(v) and 0 <= v <= 1,
                                "numbers in [0, 1]")
@@ -357,7 +359,7 @@ class OnnxStableDiffusionControlNetPipeline(_ControlNetMixin, OnnxStableDiffusio
         :class:`OnnxStableDiffusionPipeline`.
         """
         # 1. check inputs (the size once the control images give it)
-        scales, starts, ends = self._check_control_arguments(controlnet_conditioning_scale, control_guidance_start,
+        scales, starts, ends = self.check_control_arguments(controlnet_conditioning_scale, control_guidance_start,
                                                              control_guidance_end)
         guess_mode = self._controlnet_guess_mode(guess_mode)
         for value in (height, width):
@@ -446,7 +448,7 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(_ControlNetMixin, OnnxStableD
         ``image`` is resized to ``height`` × ``width`` where given, else kept at its size (rounded down to the VAE
         factor); the control image is brought to the same size."""
         # 1. check inputs
-        scales, starts, ends = self._check_control_arguments(controlnet_conditioning_scale, control_guidance_start,
+        scales, starts, ends = self.check_control_arguments(controlnet_conditioning_scale, control_guidance_start,
                                                              control_guidance_end)
         guess_mode = self._controlnet_guess_mode(guess_mode)
         if image is None:

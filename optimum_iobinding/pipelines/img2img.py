@@ -7,7 +7,9 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import numpy as np
 import torch
 
-from .base import Generator, OnnxStableDiffusionPipelineBase, on_device_stream
+from .arguments import Generator
+from .denoise import on_device_stream
+from .pipeline import OnnxStableDiffusionPipelineBase
 
 ImageInput = Union[torch.Tensor, np.ndarray, "PIL.Image.Image", List[Any]]  # noqa: F821
 

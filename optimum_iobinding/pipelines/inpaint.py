@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 from diffusers.image_processor import VaeImageProcessor
 
-from .base import Generator, OnnxStableDiffusionPipelineBase, on_device_stream
+from .arguments import Generator
+from .denoise import on_device_stream
+from .pipeline import OnnxStableDiffusionPipelineBase
 from .img2img import ImageInput, expand_to_batch
 
 

@@ -10,7 +10,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .base import Generator, OnnxStableDiffusionPipelineBase, on_device_stream
+from .arguments import Generator
+from .denoise import on_device_stream
+from .pipeline import OnnxStableDiffusionPipelineBase
 
 
 def guidance_scale_embedding(w: torch.Tensor, embedding_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

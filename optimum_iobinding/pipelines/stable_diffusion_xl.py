@@ -15,8 +15,10 @@ from diffusers.pipelines.stable_diffusion_xl import StableDiffusionXLPipelineOut
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
 from ..layout import write_xl_model_index
-from ..model import IOBindingORTModel
-from .base import Generator, OnnxStableDiffusionPipelineBase, on_device_stream
+from ..runtime.model import IOBindingORTModel
+from .arguments import Generator
+from .denoise import on_device_stream
+from .pipeline import OnnxStableDiffusionPipelineBase
 
 XL_COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae_encoder", "vae_decoder")
 # the diffusers pipeline each of ours mirrors: the class name a saved folder's model_index.json gives (optimum's way)

@@ -102,19 +102,26 @@ def evaluate_dim_expression(expression: str, symbols: Mapping[str, int]) -> int:
     return int(value)
 
 
-def _bits(value: Fraction) -> int:
+def value_bits(value: Fraction) -> int:
+    """The size of an exact value in bits: the longer of its numerator's and its denominator's."""
     return max(abs(value.numerator).bit_length(), value.denominator.bit_length())
 
 
-def _bounded(value: Fraction, expression: str) -> Fraction:
-    if _bits(value) > MAX_VALUE_BITS:
+def bounded(value: Fraction, expression: str) -> Fraction:
+    """``value`` itself, if it fits :data:`MAX_VALUE_BITS`; the evaluator passes every intermediate value through
+    here.
+
+    Raises:
+        DimExpressionError: the value is larger, naming ``expression``.
+    """
+    if value_bits(value) > MAX_VALUE_BITS:
         raise DimExpressionError(f"dim {expression!r}: an intermediate value exceeds {MAX_VALUE_BITS} bits, far beyond "
                                  "any tensor size")
     return value
 
 
 def _evaluate(node: ast.AST, symbols: Mapping[str, int], expression: str) -> Fraction:
-    return _bounded(_evaluate_unbounded(node, symbols, expression), expression)
+    return bounded(_evaluate_unbounded(node, symbols, expression), expression)
 
 
 def _evaluate_unbounded(node: ast.AST, symbols: Mapping[str, int], expression: str) -> Fraction:
@@ -146,7 +153,8 @@ def _evaluate_unbounded(node: ast.AST, symbols: Mapping[str, int], expression: s
         if isinstance(op, ast.Pow):
             if right.denominator != 1 or not 0 <= right <= _MAX_EXPONENT:
                 raise DimExpressionError(f"dim {expression!r}: exponent {right} is not an integer in [0, 64]")
-            if _bits(left) > 1 and (_bits(left) - 1) * int(right) > MAX_VALUE_BITS:  # checked before computing it
+            # checked before computing it
+            if value_bits(left) > 1 and (value_bits(left) - 1) * int(right) > MAX_VALUE_BITS:
                 raise DimExpressionError(f"dim {expression!r}: an intermediate value exceeds {MAX_VALUE_BITS} bits, "
                                          "far beyond any tensor size")
             return left ** int(right)
@@ -262,16 +270,20 @@ class ShapeInferencer:
 
     Args:
         input_dims / output_dims: name → dims as ORT reports them, in session order.
-        model_source: a path to the .onnx file, its bytes, a ``ModelProto``, or ``None`` when unknown (then dims that
-            names and expressions cannot resolve are reported as data-dependent).
-        max_cached_signatures: how many input signatures keep their result.
+        model_source: a path to the .onnx file, its bytes, a ``ModelProto``, or ``None`` (the default) when unknown:
+            then ONNX shape inference never runs, and dims that names and expressions cannot resolve are reported as
+            data-dependent.
+        max_cached_signatures: how many input signatures keep their result (the least recently used goes first).
+
+    Attributes:
+        max_cached_signatures: the bound given above.
     """
 
     def __init__(
         self,
         input_dims: Mapping[str, Optional[Sequence[Dim]]],
         output_dims: Mapping[str, Optional[Sequence[Dim]]],
-        model_source: Union[str, os.PathLike, bytes, onnx.ModelProto, None],
+        model_source: Union[str, os.PathLike, bytes, onnx.ModelProto, None] = None,
         max_cached_signatures: int = 64,
     ):
         self.input_dims = {name: None if dims is None else list(dims) for name, dims in input_dims.items()}
@@ -279,8 +291,15 @@ class ShapeInferencer:
         self._model_source = model_source
         self._skeleton: Optional[onnx.ModelProto] = None
         self._cache: "OrderedDict[Tuple, Dict[str, Optional[Shape]]]" = OrderedDict()
-        self._max_cached_signatures = max_cached_signatures
+        self.max_cached_signatures = max_cached_signatures
         self._lock = threading.Lock()
+
+    @property
+    def cached_signatures(self) -> Tuple[Tuple[Tuple[str, Shape], ...], ...]:
+        """The input signatures whose results are cached, least recently used first; each is a tuple of
+        ``(input name, shape)`` pairs sorted by name."""
+        with self._lock:
+            return tuple(self._cache)
 
     def __call__(self, input_shapes: Mapping[str, Sequence[int]]) -> Dict[str, Optional[Shape]]:
         signature = tuple(sorted((name, checked_shape(name, shape)) for name, shape in input_shapes.items()))
@@ -292,7 +311,7 @@ class ShapeInferencer:
         result = self._infer(dict(signature))
         with self._lock:
             self._cache[signature] = result
-            while len(self._cache) > self._max_cached_signatures:
+            while len(self._cache) > self.max_cached_signatures:
                 self._cache.popitem(last=False)
         return dict(result)
 

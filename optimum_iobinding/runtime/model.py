@@ -1,12 +1,13 @@
 """IOBindingORTModel: runs an ONNX model through ONNX Runtime IO binding with torch tensors bound by ``data_ptr()``.
 
-The model is a public face over three parts: the session recipe (:mod:`.session`: providers, stream, session
-creation, owned weights), the graph pool (:class:`~optimum_iobinding.cuda.GraphPool`: input signature → captured CUDA
-graph or fixed-shape session) and input conversion (:mod:`.inputs`).
+The model is the public face over the runtime's parts: its options (:mod:`.options`, resolved once), the session
+recipe (:mod:`.session`), the owned weights (:mod:`.weights`), the graph pool (:mod:`.graph_pool`: input signature →
+captured CUDA graph or fixed-shape session) and input conversion (:mod:`.inputs`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -14,38 +15,23 @@ import shutil
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import torch
 
-from .cuda import DISABLE_SYNC_RUN_OPTION, CudaGraphRunner, CudaGraphSetting, GraphPool, check_cuda_graph_setting
-from .lora import LORA_MAP_NAME
+from ..layout import LORA_MAP_NAME, read_json_object
+from .cuda_policy import DISABLE_SYNC_RUN_OPTION
 from .dtypes import ORT_TO_TORCH, TORCH_TO_ONNX
-from .layout import download_from_hub, read_json_object
-from .inputs import (  # noqa: F401 — check_input_device: re-exported, where earlier versions had it
-    InputValue,
-    as_checked_tensor,
-    check_input_device,
-    check_input_names,
-    numpy_bits,
-    to_bindable,
-)
-from .session import (  # noqa: F401 — re-exported: where users and earlier versions import them from
-    CUDA_LIKE_PROVIDERS,
-    GPU_PROVIDERS,
-    ROCM_LIKE_PROVIDERS,
-    UNBINDABLE_PROVIDERS,
-    ProviderSpec,
-    SessionRecipe,
-    copy_session_options,
-    create_session,
-    normalize_providers,
-)
-from .session import declared_types
-from .session import session_device as _device_of_providers
+from . import timeline
+from .graph_pool import CudaGraphRunner, GraphPool, signature_of
+from .hub import check_hub_kwargs, external_data_locations, load_graph, resolve_model_file
+from .inputs import InputValue, as_checked_tensor, check_input_names, numpy_bits, to_bindable
+from .options import (MODEL_SETTINGS, CudaGraphSetting, ModelOptions, ProviderOptionsSpec, ProviderSpec,
+                      provider_device)
+from .session import SessionRecipe, create_session, declared_types
 from .shapes import inferencer_from_model_proto, inferencer_from_session
 
 logger = logging.getLogger(__name__)
@@ -57,7 +43,7 @@ def session_device(session: ort.InferenceSession) -> torch.device:
     """The torch device where the session's first execution provider keeps its tensors."""
     providers = session.get_providers()
     by_name = session.get_provider_options()
-    return _device_of_providers(providers, [by_name.get(providers[0], {})])
+    return provider_device(providers, [by_name.get(providers[0], {})])
 
 
 class IOBindingORTModel:
@@ -67,7 +53,7 @@ class IOBindingORTModel:
     ``__call__(**inputs)``) without depending on it.
 
     Inputs (``io_binding=True``): a torch tensor already on ``self.device``, of the input's dtype and contiguous, is
-    bound as it is: no copy. Anything else is converted once (see :mod:`optimum_iobinding.inputs`), and the
+    bound as it is: no copy. Anything else is converted once (see :mod:`optimum_iobinding.runtime.inputs`), and the
     converted tensor is held until the run ends.
 
     Outputs:
@@ -83,7 +69,7 @@ class IOBindingORTModel:
     threads never overwrite each other's results. A captured CUDA graph has one set of output buffers, shared by
     every thread: clone what you keep before another thread calls (pipelines serialize their calls).
 
-    CUDA (``io_binding=True``): provider options default to :data:`~optimum_iobinding.cuda.CUDA_DIFFUSION_DEFAULTS`
+    CUDA (``io_binding=True``): provider options default to :data:`~optimum_iobinding.runtime.cuda_policy.CUDA_DIFFUSION_DEFAULTS`
     (the user's win); the model runs on one CUDA stream (``stream``, else its own) with
     ``disable_synchronize_execution_providers=1``: no host synchronization anywhere in a call. Each input signature
     gets an entry of its own in the graph pool: with ``cuda_graph`` a CUDA graph captured on its first run and
@@ -101,8 +87,9 @@ class IOBindingORTModel:
     CPU torch tensors.
 
     Args:
-        session_or_path: a path to an .onnx file, an ``onnxruntime.InferenceSession`` or a
-            :class:`~optimum_iobinding.session.SessionRecipe`.
+        session_or_path: a path to an .onnx file, or an ``onnxruntime.InferenceSession``.
+        options: the settings below resolved already (:class:`~optimum_iobinding.runtime.options.ModelOptions`,
+            what pipelines pass); give either ``options`` or the settings, not both.
         provider: execution provider name, ``(name, options)`` pair or list of them; default CPU.
         provider_options: options dict (or list of dicts aligned with the providers).
         sess_options: ``onnxruntime.SessionOptions``.
@@ -126,14 +113,14 @@ class IOBindingORTModel:
             :meth:`own_weights` is called. ``False``: never (each session of the pool loads its own copy).
     """
 
-    SIBLING_SETTINGS = ("reuse_outputs", "max_output_signatures", "cuda_graph", "max_graph_signatures")
+    SIBLING_SETTINGS = MODEL_SETTINGS
 
     def __init__(
         self,
-        session_or_path: Union[ort.InferenceSession, SessionRecipe, str, os.PathLike],
+        session_or_path: Union[ort.InferenceSession, str, os.PathLike],
         *,
         provider: ProviderSpec = None,
-        provider_options: Union[Dict[str, Any], Sequence[Dict[str, Any]], None] = None,
+        provider_options: ProviderOptionsSpec = None,
         sess_options: Optional[ort.SessionOptions] = None,
         io_binding: bool = True,
         reuse_outputs: bool = True,
@@ -143,25 +130,26 @@ class IOBindingORTModel:
         cuda_graph: CudaGraphSetting = "auto",
         max_graph_signatures: Optional[int] = None,
         share_weights: Optional[bool] = None,
+        options: Optional[ModelOptions] = None,
     ):
-        if not isinstance(max_output_signatures, int) or max_output_signatures < 1:
-            raise ValueError(f"max_output_signatures: expected an integer ≥ 1, got {max_output_signatures!r}")
-        if max_graph_signatures is not None and (not isinstance(max_graph_signatures, int) or max_graph_signatures < 1):
-            raise ValueError(f"max_graph_signatures: expected None or an integer ≥ 1, got {max_graph_signatures!r}")
-        if not isinstance(io_binding, bool):
-            raise TypeError(f"io_binding: expected True or False, got {io_binding!r}")
-        cuda_graph = check_cuda_graph_setting(cuda_graph)
-        if isinstance(session_or_path, SessionRecipe):
-            recipe, session = session_or_path, None
+        settings = dict(provider=provider, provider_options=provider_options, sess_options=sess_options,
+                        io_binding=io_binding, reuse_outputs=reuse_outputs, max_output_signatures=max_output_signatures,
+                        cuda_graph=cuda_graph, max_graph_signatures=max_graph_signatures, share_weights=share_weights,
+                        stream=stream)
+        _check_either(options, settings)
+        if isinstance(session_or_path, _Recipe):  # a sibling: the recipe (and its weights) of another model
+            recipe, session = session_or_path.recipe, None
+            options = options or recipe.options
         elif isinstance(session_or_path, ort.InferenceSession):
-            if stream is not None:
-                raise ValueError("stream: a stream is set when a session is created; pass a path (or create the "
-                                 "session with the provider option user_compute_stream) instead of a session")
             session = session_or_path
-            recipe = SessionRecipe.for_session(session, io_binding)
+            if options is None:
+                options = ModelOptions.of_session(session, io_binding, reuse_outputs=reuse_outputs,
+                                                  max_output_signatures=max_output_signatures, cuda_graph=cuda_graph,
+                                                  max_graph_signatures=max_graph_signatures, stream=stream)
+            recipe = SessionRecipe.for_session(session, options)
         elif isinstance(session_or_path, (str, os.PathLike)):
-            recipe = SessionRecipe.for_path(session_or_path, provider, provider_options, sess_options, io_binding,
-                                            stream, share_weights)
+            options = options or ModelOptions.resolve(**settings)
+            recipe = SessionRecipe(os.fspath(session_or_path), options)
             session = None
         else:
             raise TypeError(
@@ -169,19 +157,12 @@ class IOBindingORTModel:
                 f"got {type(session_or_path).__name__}"
             )
         device = recipe.device
-        first = recipe.providers[0]
-        if io_binding and first in UNBINDABLE_PROVIDERS:
-            raise ValueError(f"session: {first!r} with io_binding=True: {UNBINDABLE_PROVIDERS[first]}")
-        if io_binding and device.type == "cpu" and first != "CPUExecutionProvider":
-            raise ValueError(
-                f"provider: IOBindingORTModel binds torch tensors on CPU or CUDA devices; {first!r} is neither (use "
-                "CUDAExecutionProvider or CPUExecutionProvider, or io_binding=False)"
-            )
+        io_binding = options.io_binding
         # CUDA: the stream ORT runs on (ours, or the one the given session was created with); None means ORT's own
         # stream, which costs a host synchronization before and after every run.
         stream_in_use = recipe.stream if device.type == "cuda" and io_binding else None
         pool_possible = device.type == "cuda" and io_binding and stream_in_use is not None and recipe.can_create
-        if cuda_graph is True and not pool_possible:
+        if options.cuda_graph is True and not pool_possible:
             if device.type != "cuda" or not io_binding:
                 raise ValueError(f"cuda_graph: needs a CUDA session with io_binding=True, got device {device} and "
                                  f"io_binding={io_binding}")
@@ -190,7 +171,8 @@ class IOBindingORTModel:
                                  "made with the provider option user_compute_stream)")
             raise ValueError("cuda_graph: the session was created from neither a path nor bytes, so no session "
                              "with fixed dims can be made for a graph")
-        keeps_pool = pool_possible and (cuda_graph is not False or recipe.share_weights or recipe.owns_on_need)
+        weights = recipe.weights
+        keeps_pool = pool_possible and (options.cuda_graph is not False or weights.owned or weights.on_need)
         if session is None and not (keeps_pool and isinstance(recipe.source, str)):
             session = recipe.create()
         if session is not None:
@@ -200,10 +182,11 @@ class IOBindingORTModel:
         else:
             # the graph pool runs every signature: the plain dynamic session is made only if a signature needs it, and
             # what the model declares is read from the graph (without its weights)
-            graph_only = _load_graph(recipe.source)
+            with timeline.step(f"parse {recipe.source} (declared inputs)"):
+                graph_only = load_graph(recipe.source)
             input_types, output_types = declared_types(graph_only)
             shape_inferencer = inferencer_from_model_proto(graph_only, recipe.source)
-            recipe.adopt(graph_only)  # the weights load from this parse instead of parsing the file again
+            weights.adopt(graph_only)  # the weights load from this parse instead of parsing the file again
             del graph_only
         input_dtypes = {name: ORT_TO_TORCH.get(kind) for name, kind in input_types.items()}
         output_dtypes = {name: ORT_TO_TORCH.get(kind) for name, kind in output_types.items()}
@@ -214,14 +197,15 @@ class IOBindingORTModel:
                         f"{kind} {name!r} has type {types[name]}; IOBindingORTModel supports tensors of "
                         f"{sorted(t[7:-1] for t in ORT_TO_TORCH)}"
                     )
+        self.options = options
         self._recipe = recipe
         self._session = session
         self._device = device
         self._input_dtypes: Dict[str, torch.dtype] = input_dtypes  # type: ignore[assignment]
         self._output_dtypes: Dict[str, torch.dtype] = output_dtypes  # type: ignore[assignment]
         self.io_binding = io_binding
-        self.reuse_outputs = reuse_outputs
-        self.max_output_signatures = max_output_signatures
+        self.reuse_outputs = options.reuse_outputs
+        self.max_output_signatures = options.max_output_signatures
         self.model_path: Optional[str] = recipe.source if isinstance(recipe.source, str) else None
         self.config: Dict[str, Any] = dict(config or {})
         self.shape_inferencer = shape_inferencer
@@ -234,12 +218,13 @@ class IOBindingORTModel:
         self._run_options = ort.RunOptions()
         if self._stream is not None:
             self._run_options.add_run_config_entry(DISABLE_SYNC_RUN_OPTION, "1")
-        self.cuda_graph: CudaGraphSetting = cuda_graph if pool_possible else False
-        self.max_graph_signatures = max_graph_signatures
+        self.cuda_graph: CudaGraphSetting = options.cuda_graph if pool_possible else False
+        self.max_graph_signatures = options.max_graph_signatures
         self._pool: Optional[GraphPool] = None
         if keeps_pool:
-            self._pool = GraphPool(recipe, self.cuda_graph, max_graph_signatures, output_dtypes, self._run_options,
+            self._pool = GraphPool(recipe, self.cuda_graph, self.max_graph_signatures, output_dtypes, self._run_options,
                                    name=self.model_path or "model")
+        self._run_watchers: List[List[RunRecord]] = []
 
     def sibling(self, **changes: Any) -> "IOBindingORTModel":
         """A new model from the same recipe (file, providers, options, CUDA stream and owned weights), with sessions
@@ -255,11 +240,10 @@ class IOBindingORTModel:
         if not self._recipe.can_create:
             raise RuntimeError("sibling: the session was created from neither a path nor bytes, so it cannot be "
                                "created again")
-        if self._pool is not None and self._recipe.owns_on_need:
+        if self._pool is not None and self._recipe.weights.on_need:
             self.own_weights()  # the sibling's sessions and this model's read one copy of the weights
-        settings = {name: getattr(self, name) for name in self.SIBLING_SETTINGS}
-        settings.update(changes)
-        return IOBindingORTModel(self._recipe, io_binding=self.io_binding, config=self.config, **settings)
+        options = self.options.replace(**{**self.options.settings(), "cuda_graph": self.cuda_graph, **changes})
+        return IOBindingORTModel(_Recipe(self._recipe), config=self.config, options=options)
 
     # ----------------------------------------------------------------------------------------------------- loading
     @staticmethod
@@ -267,7 +251,7 @@ class IOBindingORTModel:
         path: Union[str, os.PathLike],
         provider: ProviderSpec = None,
         sess_options: Optional[ort.SessionOptions] = None,
-        provider_options: Union[Dict[str, Any], Sequence[Dict[str, Any]], None] = None,
+        provider_options: ProviderOptionsSpec = None,
     ) -> ort.InferenceSession:
         """Creates an ``onnxruntime.InferenceSession`` for ``path`` with the given provider(s), as diffusers does.
 
@@ -275,8 +259,8 @@ class IOBindingORTModel:
             FileNotFoundError: no file at ``path``.
             ValueError: the provider is not available, or ORT cannot load the file.
         """
-        providers, options = normalize_providers(provider, provider_options)
-        return create_session(os.fspath(path), providers, options, sess_options)
+        options = ModelOptions.resolve(provider, provider_options, sess_options, io_binding=False)
+        return create_session(os.fspath(path), options.providers, options.provider_options, sess_options)
 
     @classmethod
     def from_pretrained(
@@ -285,7 +269,7 @@ class IOBindingORTModel:
         subfolder: Optional[str] = None,
         file_name: str = "model.onnx",
         provider: ProviderSpec = None,
-        provider_options: Union[Dict[str, Any], Sequence[Dict[str, Any]], None] = None,
+        provider_options: ProviderOptionsSpec = None,
         sess_options: Optional[ort.SessionOptions] = None,
         io_binding: bool = True,
         reuse_outputs: bool = True,
@@ -294,6 +278,7 @@ class IOBindingORTModel:
         max_graph_signatures: Optional[int] = None,
         share_weights: Optional[bool] = None,
         max_output_signatures: int = 8,
+        options: Optional[ModelOptions] = None,
         **hub_kwargs: Any,
     ) -> "IOBindingORTModel":
         """Loads ``model_id/subfolder/file_name`` (a file, a local folder or a Hugging Face Hub id).
@@ -303,7 +288,7 @@ class IOBindingORTModel:
             subfolder: folder inside ``model_id`` (e.g. ``"unet"``).
             file_name: the model's file name inside that folder.
             provider, provider_options, sess_options, io_binding, reuse_outputs, stream, cuda_graph,
-                max_graph_signatures, share_weights, max_output_signatures: as for the constructor.
+                max_graph_signatures, share_weights, max_output_signatures, options: as for the constructor.
             **hub_kwargs: passed to ``huggingface_hub.snapshot_download`` for hub ids (revision, token, cache_dir,
                 local_files_only, force_download, proxies, local_dir).
 
@@ -311,22 +296,15 @@ class IOBindingORTModel:
             The loaded model.
         """
         check_hub_kwargs("IOBindingORTModel.from_pretrained", hub_kwargs)
+        settings = dict(provider=provider, provider_options=provider_options, sess_options=sess_options,
+                        io_binding=io_binding, reuse_outputs=reuse_outputs, max_output_signatures=max_output_signatures,
+                        cuda_graph=cuda_graph, max_graph_signatures=max_graph_signatures, share_weights=share_weights,
+                        stream=stream)
+        _check_either(options, settings)
+        options = options or ModelOptions.resolve(**settings)  # checked before anything is downloaded
         path = resolve_model_file(model_id, subfolder, file_name, **hub_kwargs)
         config = read_json_object(os.path.join(os.path.dirname(path), CONFIG_NAME))
-        return cls(
-            path,
-            provider=provider,
-            provider_options=provider_options,
-            sess_options=sess_options,
-            io_binding=io_binding,
-            reuse_outputs=reuse_outputs,
-            config=config,
-            stream=stream,
-            cuda_graph=cuda_graph,
-            max_graph_signatures=max_graph_signatures,
-            share_weights=share_weights,
-            max_output_signatures=max_output_signatures,
-        )
+        return cls(path, config=config, options=options)
 
     def save_pretrained(self, save_directory: Union[str, os.PathLike], file_name: str = "model.onnx",
                         overwrite: bool = False) -> str:
@@ -474,8 +452,9 @@ class IOBindingORTModel:
             RuntimeError: the model keeps captured graphs or fixed-shape sessions without owned weights
                 (``share_weights=False`` on CUDA), or its session cannot be created again.
         """
-        if not self._recipe.share_weights:
-            if self._pool is not None and not self._recipe.owns_on_need:
+        weights = self._recipe.weights
+        if not weights.owned:
+            if self._pool is not None and not weights.on_need:
                 raise RuntimeError("own_weights: this model keeps per-signature sessions without owned weights "
                                    "(share_weights=False); create it with share_weights=True (or the default)")
             if not self._recipe.can_create:
@@ -485,16 +464,16 @@ class IOBindingORTModel:
                 if self._pool is not None:
                     self._pool.own_weights("own_weights() was called")
                 else:
-                    self._recipe.start_owning()
+                    weights.start_owning()
                 self._session = None
                 self._binding = None
-        return self._recipe.weights
+        return self._recipe.weights.tensors
 
     @property
     def owned_weights(self) -> Dict[str, torch.Tensor]:
         """The weights every session of this model reads, by initializer name (empty unless ``share_weights``).
         Change them in place only: their addresses are bound into the sessions and captured graphs."""
-        return self._recipe.weights
+        return self._recipe.weights.tensors
 
     @property
     def output_signatures(self) -> int:
@@ -505,8 +484,6 @@ class IOBindingORTModel:
         """The captured graph of these input shapes, or ``None`` (benchmarks replay it alone)."""
         if self._pool is None:
             return None
-        from .cuda import signature_of
-
         with self._pool.lock:
             entry = self._pool.entries.get(signature_of(input_shapes))
         return entry if isinstance(entry, CudaGraphRunner) else None
@@ -570,6 +547,31 @@ class IOBindingORTModel:
         waits for it: results are ready for whatever the caller enqueues next, and the host never waits.
         """
         check_input_names(inputs, self.input_names)
+        index = timeline.run_index(self)
+        if index is None:
+            results = self._run(inputs)
+        else:
+            with timeline.step(f"run {index} {self.model_path} (host)"):
+                results = self._run(inputs)
+            timeline.ran(self, index)
+        for watcher in self._run_watchers:
+            watcher.append(RunRecord({name: value.data_ptr() for name, value in inputs.items()
+                                      if isinstance(value, torch.Tensor)}, [tensor.data_ptr() for tensor in results]))
+        return results
+
+    @contextlib.contextmanager
+    def watch_runs(self) -> Iterator[List["RunRecord"]]:
+        """Records every call while the block runs: the addresses of the torch tensors it was given and of the
+        outputs it returned (:class:`RunRecord`), for tests and benchmarks that check where a loop's tensors live
+        (graph input buffers written in place, output buffers reused)."""
+        records: List[RunRecord] = []
+        self._run_watchers.append(records)
+        try:
+            yield records
+        finally:
+            self._run_watchers.remove(records)
+
+    def _run(self, inputs: Mapping[str, InputValue]) -> List[torch.Tensor]:
         if not self.io_binding:
             return self._run_without_binding(inputs)
         if self._stream is None:
@@ -598,8 +600,6 @@ class IOBindingORTModel:
                     try:
                         outputs = entry.run(bound)
                     except Exception as error:  # the capture failed on its first run
-                        from .cuda import signature_of
-
                         entry = self._pool.drop(signature_of(input_shapes), str(error))
                     else:
                         results = [outputs[name] for name in self.output_names]
@@ -709,84 +709,34 @@ class IOBindingORTModel:
         return [torch.from_numpy(np.asarray(r)) for r in results]
 
 
-# snapshot_download's own parameters that a loader sets itself: never the caller's to pass
-_HUB_OWN = {"repo_id", "allow_patterns", "ignore_patterns", "tqdm_class", "dry_run"}
+@dataclass
+class RunRecord:
+    """One call seen by :meth:`IOBindingORTModel.watch_runs`: ``data_ptr()`` of each torch input by name, and of each
+    output in order."""
+
+    inputs: Dict[str, int]
+    outputs: List[int]
 
 
-def hub_keywords() -> List[str]:
-    """The keywords this huggingface_hub's ``snapshot_download`` takes for loading (revision, token, cache_dir …)."""
-    import inspect
+class _Recipe:
+    """Hands another model's recipe to the constructor (a sibling shares its sessions' recipe and weights)."""
 
-    from huggingface_hub import snapshot_download
-
-    return [name for name, parameter in inspect.signature(snapshot_download).parameters.items()
-            if name not in _HUB_OWN and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)]
+    def __init__(self, recipe: SessionRecipe):
+        self.recipe = recipe
 
 
-def check_hub_kwargs(where: str, hub_kwargs: Mapping[str, Any]) -> None:
-    """Unknown keywords are an error naming them, not silently passed on or dropped (a misspelled ``io_bindng``):
-    the keywords left for the hub download pass only if this huggingface_hub's ``snapshot_download`` takes them."""
-    if not hub_kwargs:
+_DEFAULTS = dict(provider=None, provider_options=None, sess_options=None, io_binding=True, reuse_outputs=True,
+                 max_output_signatures=8, cuda_graph="auto", max_graph_signatures=None, share_weights=None,
+                 stream=None)
+
+
+def _check_either(options: Optional[ModelOptions], settings: Mapping[str, Any]) -> None:
+    """Resolved ``options`` or the single settings, never both (a setting given beside ``options`` would be lost)."""
+    if options is None:
         return
-    known = hub_keywords()
-    unknown = sorted(set(hub_kwargs) - set(known))
-    if unknown:
-        raise TypeError(f"{where}: got unexpected keyword argument(s) {unknown}; besides its own arguments it takes "
-                        f"huggingface_hub's download keywords {known}")
-
-
-def _load_graph(path: str) -> onnx.ModelProto:
-    """The graph of an .onnx file without its external weights, with errors that name the file."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"path: expected an .onnx file, found nothing at {path!r}")
-    try:
-        return onnx.load(path, load_external_data=False)
-    except Exception as error:  # protobuf's DecodeError and friends
-        raise ValueError(f"path: {path!r} is not a readable ONNX model: {type(error).__name__}: {error}") from error
-
-
-def external_data_locations(model_path: Union[str, os.PathLike]) -> List[str]:
-    """The relative paths of the external-data files an .onnx file references, in first-use order."""
-    model = onnx.load(os.fspath(model_path), load_external_data=False)
-    locations: "OrderedDict[str, None]" = OrderedDict()
-    for tensor in _all_tensors(model.graph):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            for entry in tensor.external_data:
-                if entry.key == "location":
-                    locations[entry.value] = None
-    return list(locations)
-
-
-def _all_tensors(graph: onnx.GraphProto):
-    """Initializers and tensor attributes of a graph and of its subgraphs (If/Loop/Scan bodies)."""
-    yield from graph.initializer
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.HasField("t"):
-                yield attribute.t
-            yield from attribute.tensors
-            if attribute.HasField("g"):
-                yield from _all_tensors(attribute.g)
-            for subgraph in attribute.graphs:
-                yield from _all_tensors(subgraph)
-
-
-def resolve_model_file(
-    model_id: Union[str, os.PathLike], subfolder: Optional[str], file_name: str, **hub_kwargs: Any
-) -> str:
-    """Finds ``model_id[/subfolder]/file_name`` locally, or downloads that folder from the Hugging Face Hub."""
-    model_id = os.fspath(model_id)
-    if os.path.isfile(model_id):
-        return model_id
-    if os.path.isdir(model_id):
-        path = os.path.join(model_id, subfolder or "", file_name)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"model_id: expected {file_name!r} in {os.path.join(model_id, subfolder or '')!r}, "
-                                    f"found no such file")
-        return path
-    pattern = f"{subfolder}/*" if subfolder else "*"
-    folder = download_from_hub(model_id, [pattern], "model_id", **hub_kwargs)
-    path = os.path.join(folder, subfolder or "", file_name)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"model_id: hub repository {model_id!r} has no {os.path.join(subfolder or '', file_name)!r}")
-    return path
+    if not isinstance(options, ModelOptions):
+        raise TypeError(f"options: expected a ModelOptions, got {type(options).__name__}")
+    given = sorted(name for name, value in settings.items() if value is not _DEFAULTS[name]
+                   and value != _DEFAULTS[name])
+    if given:
+        raise TypeError(f"options: expected either options or the settings {given}, got both")

@@ -14,7 +14,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .model import CUDA_LIKE_PROVIDERS, IOBindingORTModel
+from ..runtime.model import IOBindingORTModel
+from ..runtime.options import CUDA_LIKE_PROVIDERS, ModelOptions
 
 __all__ = ["accelerate"]
 
@@ -49,21 +50,21 @@ def accelerate(pipe: Any, *, cuda_graph: bool = True, provider_options: Optional
     first = next(iter(parts.values()))
     provider = first.provider
     device_id = int(first.provider_option.get("device_id", 0)) if provider in CUDA_LIKE_PROVIDERS else None
-    stream = torch.cuda.Stream(torch.device("cuda", device_id)) if device_id is not None else None
-
-    models = {}
     for name, part in parts.items():
         if part.provider != provider:
             raise ValueError(f"pipe.{name}: runs on {part.provider}, the other parts on {provider}; move the "
                              "pipeline to one device first (pipe.to(...))")
-        options = dict(provider_options or {})
-        if device_id is not None:
-            options.setdefault("device_id", device_id)
-        models[name] = IOBindingORTModel(
-            str(part.path), provider=provider, provider_options=options,
-            sess_options=part.session.get_session_options(), stream=stream,
-            cuda_graph=cuda_graph and name == "unet" and stream is not None, config=dict(part.config),
-        )
+    given = dict(provider_options or {})
+    if device_id is not None:
+        given.setdefault("device_id", device_id)
+    # each part keeps its own SessionOptions; the first part's options make the one stream every part runs on
+    models, stream = {}, None
+    for name, part in parts.items():
+        options = ModelOptions.resolve(provider, given, part.session.get_session_options(), stream=stream)
+        stream = options.stream
+        graphs = cuda_graph and name == "unet" and stream is not None
+        models[name] = IOBindingORTModel(str(part.path), config=dict(part.config),
+                                         options=options.replace(cuda_graph=graphs))
     replaced = {name: _ACCELERATED[_part_kind(parts[name])](model, pipe) for name, model in models.items()}
     for name, part in replaced.items():
         setattr(pipe, name, part)

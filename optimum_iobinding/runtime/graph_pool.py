@@ -1,167 +1,30 @@
-"""CUDA execution policy: provider options that suit diffusion, the shared stream, free-dimension overrides, the
-CUDA-graph runner and the graph pool (input signature → captured graph or fixed-shape session). No pipeline logic
-here; ``IOBindingORTModel`` decides when to use each piece."""
+"""The graph pool: input signature → what runs it on CUDA (a captured CUDA graph, or a fixed-shape session without
+one), all in sessions of one recipe, so that a signature never costs another copy of the weights."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import warnings
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import onnxruntime as ort
 import torch
 
+from .cuda_policy import (DEVICE_SETUP, DISABLE_SYNC_RUN_OPTION, GRAPH_ID_RUN_OPTION, PLACEMENT_REFUSAL,
+                          free_dimension_overrides, tensorrt_profile_options)
 from .dtypes import TORCH_TO_ONNX
+from .options import CudaGraphSetting
 
 if TYPE_CHECKING:  # pragma: no cover
     from .session import SessionRecipe
 
 logger = logging.getLogger(__name__)
 
-# Defaults for the CUDA EP where they suit diffusion's static, repeated shapes; a user's options always win.
-#   cudnn_conv_algo_search HEURISTIC: cuDNN's heuristics pick each conv algorithm without timing them all. With a
-#     session per input signature the search runs once per signature either way, and measured on the SD1.5 fused
-#     fp16 export the steady image was no slower and the first image came sooner than with EXHAUSTIVE (README
-#     "Fast by default"; benchmarks/cold_start.py). Pass cudnn_conv_algo_search="EXHAUSTIVE" to time every algorithm;
-#   cudnn_conv_use_max_workspace: let cuDNN pick algorithms that need a large workspace (faster on big convs);
-#   arena_extend_strategy kSameAsRequested: grow the arena by what is asked, not by powers of two (less memory).
-# Not fuse_conv_bias, though it is faster where it works (the bias inside the cuDNN-frontend convolution instead of a
-# cuDNN add-tensor kernel after it: SD1.5 fused UNet step 7.23 → 6.92 ms on the H100, and the host-bound binding loop
-# 4 ms/step faster): with onnxruntime-gpu 1.31.1 it computed wrong images (tiny fp16 fused and fp32 exports; CUDA
-# graphs too) and failed to build cuDNN graphs for fp16 plain exports (benchmarks/results/h100/fuse-conv-bias).
-CUDA_DIFFUSION_DEFAULTS: Dict[str, str] = {
-    "cudnn_conv_algo_search": "HEURISTIC",
-    "cudnn_conv_use_max_workspace": "1",
-    "arena_extend_strategy": "kSameAsRequested",
-}
-
-# TensorRT EP defaults: fp16 engines, cached on disk (building one takes minutes), CUDA graphs inside TensorRT.
-TENSORRT_DIFFUSION_DEFAULTS: Dict[str, str] = {
-    "trt_fp16_enable": "1",
-    "trt_engine_cache_enable": "1",
-    "trt_timing_cache_enable": "1",
-}
-
-DISABLE_SYNC_RUN_OPTION = "disable_synchronize_execution_providers"
-# what ORT says when it refuses graph capture because a node is placed on another EP (the CPU)
-PLACEMENT_REFUSAL = "all compute graph nodes have not been partitioned"
-GRAPH_ID_RUN_OPTION = "gpu_graph_id"
-
-
-class _SetupGate:
-    """Any number of device set-ups at a time, or one capture, never both.
-
-    ORT captures a graph in the stream capture mode in which any thread's ``cudaMalloc`` or synchronous copy fails the
-    capture ("operation failed due to a previous error during capture": seen on the H100 when a session was built in
-    a thread beside a capture). Building a session or uploading owned weights on CUDA is a set-up (pipelines make
-    them in background threads, side by side); the first runs of a graph runner, which may capture, wait until no
-    set-up runs, and set-ups wait for them. A pipeline's first image captures after its set-ups are done: it waits
-    for nothing."""
-
-    def __init__(self) -> None:
-        self._condition = threading.Condition()
-        self._setups = 0
-        self._capturing = False
-
-    @contextlib.contextmanager
-    def setup(self) -> Iterator[None]:
-        with self._condition:
-            while self._capturing:
-                self._condition.wait()
-            self._setups += 1
-        try:
-            yield
-        finally:
-            with self._condition:
-                self._setups -= 1
-                self._condition.notify_all()
-
-    @contextlib.contextmanager
-    def capture(self) -> Iterator[None]:
-        with self._condition:
-            while self._capturing or self._setups:
-                self._condition.wait()
-            self._capturing = True
-        try:
-            yield
-        finally:
-            with self._condition:
-                self._capturing = False
-                self._condition.notify_all()
-
-
-DEVICE_SETUP = _SetupGate()
 # a runner's first runs: ORT makes one regular run before it captures (allocations), then captures and replays
 _CAPTURE_RUNS = 3
-
-
-def default_trt_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
-    return os.path.join(base, "optimum-iobinding", "tensorrt")
-
-
-def with_diffusion_defaults(providers: Sequence[str], options: Sequence[Dict[str, str]]) -> List[Dict[str, str]]:
-    """Adds :data:`CUDA_DIFFUSION_DEFAULTS` / :data:`TENSORRT_DIFFUSION_DEFAULTS` under the user's own options."""
-    merged = []
-    for name, given in zip(providers, options):
-        if name == "CUDAExecutionProvider":
-            merged.append({**CUDA_DIFFUSION_DEFAULTS, **given})
-        elif name == "TensorrtExecutionProvider":
-            merged.append({**TENSORRT_DIFFUSION_DEFAULTS, "trt_engine_cache_path": default_trt_cache_dir(),
-                           "trt_timing_cache_path": default_trt_cache_dir(), **given})
-        else:
-            merged.append(dict(given))
-    return merged
-
-
-def with_stream(providers: Sequence[str], options: Sequence[Dict[str, str]], stream: torch.cuda.Stream) -> List[Dict[str, str]]:
-    """Points every CUDA-like provider at ``stream``: ORT then enqueues its kernels where torch enqueues its own."""
-    handle = str(stream.cuda_stream)
-    return [
-        {**opts, "user_compute_stream": handle, "has_user_compute_stream": "1"}
-        if name in ("CUDAExecutionProvider", "TensorrtExecutionProvider") else dict(opts)
-        for name, opts in zip(providers, options)
-    ]
-
-
-def free_dimension_overrides(
-    declared: Mapping[str, Optional[Sequence[Any]]], input_shapes: Mapping[str, Sequence[int]]
-) -> Tuple[Dict[str, int], List[str]]:
-    """The named input dims to fix for one input signature, and the reasons some dims cannot be fixed.
-
-    With every free dim fixed, ORT folds the shape subgraphs exporters write (Shape → Gather → Concat …) into
-    constants, so no node is left on the CPU and the graph can be captured. A dim two inputs give different sizes,
-    or an unnamed one, cannot be fixed by name.
-    """
-    overrides: Dict[str, int] = {}
-    problems: List[str] = []
-    conflicting = set()
-    for name, shape in input_shapes.items():
-        dims = declared.get(name)
-        if dims is None:
-            problems.append(f"input {name!r} has no declared shape")
-            continue
-        for axis, (dim, size) in enumerate(zip(dims, shape)):
-            if isinstance(dim, str):
-                if overrides.get(dim, size) != size:
-                    conflicting.add(dim)
-                overrides[dim] = int(size)
-            elif dim is None:
-                problems.append(f"input {name!r} dim {axis} is unnamed")
-    for dim in conflicting:
-        del overrides[dim]
-        problems.append(f"inputs give dim {dim!r} different sizes")
-    return overrides, problems
-
-
-def tensorrt_profile_options(input_shapes: Mapping[str, Sequence[int]]) -> Dict[str, str]:
-    """TensorRT EP options for one static optimization profile: min = opt = max = the given shapes."""
-    profile = ",".join(f"{name}:{'x'.join(str(int(d)) for d in shape)}" for name, shape in input_shapes.items())
-    return {"trt_profile_min_shapes": profile, "trt_profile_opt_shapes": profile, "trt_profile_max_shapes": profile}
 
 
 class CudaGraphRunner:
@@ -206,18 +69,12 @@ class CudaGraphRunner:
 
 
 Signature = Tuple[Tuple[str, Tuple[int, ...]], ...]
-CudaGraphSetting = Union[bool, str]
 
 
 def signature_of(input_shapes: Mapping[str, Sequence[int]]) -> Signature:
     """A hashable key for one set of input shapes."""
     return tuple(sorted((name, tuple(int(d) for d in shape)) for name, shape in input_shapes.items()))
 
-
-def check_cuda_graph_setting(value: Any) -> CudaGraphSetting:
-    if value is True or value is False or value == "auto":
-        return value
-    raise ValueError(f"cuda_graph: expected 'auto', True or False, got {value!r}")
 
 
 class FixedShapeSession:
@@ -240,13 +97,12 @@ class GraphPool:
     own stable_diffusion demo binds several shapes). Its graphs share the session's one arena, so a new signature
     costs the activations the arena does not already hold, and the device holds the largest signature's activations
     rather than their sum: measured on the H100 (small UNet, batches 2, 8, 16, 4), 200 MiB for four signatures
-    against 938 MiB with a session per signature (``benchmarks/results/h100/session7``). ORT refuses such a session
+    against 938 MiB with a session per signature (``benchmarks/results/h100/2026-11-23-892cff2``). ORT refuses such a session
     when a node must run on the CPU between CUDA nodes (the text encoder's ArgMax over token ids); that model's
     signatures then get a session each, with the free dims fixed so that ORT folds the shape arithmetic. Either way
-    every session comes from the model's :class:`~optimum_iobinding.session.SessionRecipe`: a signature never costs
+    every session comes from the model's :class:`~optimum_iobinding.runtime.session.SessionRecipe`: a signature never costs
     another copy of the weights. Where the recipe owns its weights on need (the default), the one session loads them
-    itself from the file (ONNX Runtime's own loading puts it up sooner: README "One session, a graph per
-    signature"); before the pool makes any other session, the weights become owned tensors, the one session (and
+    itself from the file (ONNX Runtime's own loading puts it up sooner); before the pool makes any other session, the weights become owned tensors, the one session (and
     the graphs captured in it) is dropped and made again around them, once, so that all sessions read one copy.
 
     Args:
@@ -272,10 +128,8 @@ class GraphPool:
         name: str = "model",
         one_session: bool = True,
     ):
-        if max_signatures is not None and (not isinstance(max_signatures, int) or max_signatures < 1):
-            raise ValueError(f"max_graph_signatures: expected None or an integer ≥ 1, got {max_signatures!r}")
         self.recipe = recipe
-        self.cuda_graph = check_cuda_graph_setting(cuda_graph)
+        self.cuda_graph = cuda_graph
         self.max_signatures = max_signatures
         self.output_dtypes = dict(output_dtypes)
         self.run_options = run_options
@@ -330,7 +184,7 @@ class GraphPool:
         weights itself, is dropped with the graphs captured in it (each signature captures again on its next call),
         so that the device never holds two copies of the weights."""
         with self.lock:
-            if self.recipe.share_weights:
+            if self.recipe.weights.owned:
                 return
             shared, self._shared = self._shared, None
             if shared is not None:
@@ -343,12 +197,12 @@ class GraphPool:
                             "graph session (which loaded them from the file) is made again around them, and its %d "
                             "graph(s) captured again on their next call", self.name, why, len(dropped))
                 del shared, dropped
-            self.recipe.start_owning()
+            self.recipe.weights.start_owning()
 
     def before_another_session(self, why: str) -> None:
         """Called before a session of the recipe other than the one graph session is made (by the pool, or by the
         model for its dynamic session): where the weights are owned on need, they become owned now."""
-        if self.recipe.owns_on_need and not self.recipe.share_weights:
+        if self.recipe.weights.on_need and not self.recipe.weights.owned:
             self.own_weights(why)
 
     def _make(self, signature, declared, input_specs, output_shapes):
@@ -378,7 +232,7 @@ class GraphPool:
             if self.one_session and self._shared is None and self.shared_refused is None:
                 try:
                     self._shared = self.recipe.create(provider_updates=self.shared_updates, quiet=True)
-                    self.recipe.release_parse()  # the session loaded the weights itself (unless they are owned)
+                    self.recipe.weights.release_parse()  # the session loaded the weights itself (unless they are owned)
                 except Exception as error:  # a node left on the CPU: ORT refuses capture for the whole session
                     self.shared_refused = str(error)
                     logger.info("%s: one session cannot capture a graph for every input shape, so each shape gets a "

@@ -1,17 +1,16 @@
-"""What the Stable Diffusion pipelines share: loading both ONNX folder layouts, saving, prompt encoding, latents,
-timestep inputs and VAE decoding — all as torch tensors on the UNet's device."""
+"""The pipeline every Stable Diffusion family builds on: its components, what it reads from them once, loading and
+saving, warm-up, argument checks, prompt encoding, latents, timestep inputs and the VAE — all as torch tensors on the
+UNet's device. The denoising loop is :mod:`.denoise`'s; each family's ``__call__`` is in its own file."""
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import math
 import os
-import re
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -25,23 +24,21 @@ from ..layout import (
     ONNX_COMPONENTS,
     building_beside,
     check_output_folder,
-    load_scheduler,
-    load_tokenizer,
-    read_model_index,
     resolve_pipeline_folder,
     save_tokenizer,
     write_model_index,
 )
-from ..cuda import CudaGraphSetting, check_cuda_graph_setting
-from ..lora import LoraLoaderMixin
-from ..model import CUDA_LIKE_PROVIDERS, IOBindingORTModel, ProviderSpec, check_hub_kwargs, normalize_providers
-from ..session import check_sess_options
-from ..shapes import infer_output_shapes
-from ..tiling import TiledVAE
+from ..runtime.hub import check_hub_kwargs
+from ..runtime.model import IOBindingORTModel
+from ..runtime.options import CudaGraphSetting, PipelineOptions, ProviderSpec
+from ..runtime.shapes import infer_output_shapes
+from .arguments import Generator, is_integer, is_real, is_torch_generator
+from .denoise import denoise
+from .lora import LoraLoaderMixin
+from .loading import load_components
+from .tiling import TiledVAE
 
 logger = logging.getLogger(__name__)
-
-Generator = Union[np.random.RandomState, torch.Generator, List[torch.Generator], None]
 
 # AutoencoderKL's default scaling factor, for folders whose VAE has no config.json (diffusers' ONNX conversion).
 _DEFAULT_VAE_SCALING_FACTOR = 0.18215
@@ -138,7 +135,7 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
 
     def _read_vae_scaling_factor(self) -> float:
         value = self.vae_decoder.config.get("scaling_factor", _DEFAULT_VAE_SCALING_FACTOR)
-        if not _is_real(value) or not math.isfinite(value) or value <= 0:
+        if not is_real(value) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"vae_decoder config.json: scaling_factor: expected a positive finite number, got "
                              f"{value!r} (SD 1.x/2.x use 0.18215, SDXL 0.13025)")
         return float(value)
@@ -175,7 +172,7 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         if configured is not None:
             declared = {name: self._declared_dim(model, input_name, 1) for name, model, input_name in
                         (("vae_decoder", self.vae_decoder, "latent_sample"), ("unet", self.unet, "sample"))}
-            if not _is_integer(configured) or configured < 1:
+            if not is_integer(configured) or configured < 1:
                 raise ValueError(f"vae_decoder config.json: latent_channels: expected a positive integer, got "
                                  f"{configured!r}")
             if declared["vae_decoder"] is not None and declared["vae_decoder"] != configured:
@@ -232,47 +229,11 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
             **hub_kwargs: for ``huggingface_hub.snapshot_download`` (revision, token, cache_dir, local_files_only).
         """
         check_hub_kwargs(f"{cls.__name__}.from_pretrained", hub_kwargs)
-        component_settings(cls._onnx_components, cuda_graph, component_options)  # checked before any download
+        options = PipelineOptions.resolve(cls._onnx_components, provider, provider_options, sess_options, io_binding,
+                                          cuda_graph, component_options)  # checked before any download
         folder = resolve_pipeline_folder(pretrained_model_name_or_path, cls._download_components(),
                                           cls._tokenizer_names, **hub_kwargs)
-        onnx_components = cls._components_in(folder)
-        settings = component_settings(onnx_components, cuda_graph, component_options)
-        index = read_model_index(folder, onnx_components)
-        providers, options = normalize_providers(provider, provider_options, io_binding)
-        check_sess_options(sess_options)
-        stream = None
-        if io_binding and providers[0] in CUDA_LIKE_PROVIDERS:
-            # one stream for every component and every torch op of the loop: nothing to synchronize between them
-            stream = torch.cuda.Stream(torch.device("cuda", int(options[0].get("device_id", 0))))
-        components: Dict[str, Any] = {}
-        try:
-            for name in onnx_components:
-                model_folder = folder / name
-                if not (model_folder / "model.onnx").is_file():
-                    if name in cls._optional_components:
-                        components[name] = None
-                        continue
-                    raise FileNotFoundError(
-                        f"pretrained_model_name_or_path: component {name!r} is missing: expected "
-                        f"{model_folder / 'model.onnx'}"
-                    )
-                components[name] = IOBindingORTModel.from_pretrained(
-                    model_folder, provider=provider, provider_options=provider_options, sess_options=sess_options,
-                    io_binding=io_binding, stream=stream, **settings[name],
-                )
-            for name in cls._tokenizer_names:
-                if name == "tokenizer" and tokenizer is not None:
-                    components[name] = tokenizer
-                elif (folder / name).is_dir() or name not in cls._optional_components:
-                    components[name] = load_tokenizer(folder, index, name)
-                else:
-                    components[name] = None
-            components["scheduler"] = scheduler if scheduler is not None else load_scheduler(folder, index)
-            index_settings = {key: index[key] for key in cls._index_settings if key in index}
-            return cls(**components, **index_settings)
-        except BaseException:
-            components.clear()  # release sessions now, not when the traceback goes
-            raise
+        return cls(**load_components(cls, folder, options, scheduler, tokenizer))
 
     @classmethod
     def _download_components(cls) -> Sequence[str]:
@@ -315,13 +276,13 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         else:
             sizes = [(h, w) for h in heights_list for w in widths_list]
         batches = as_list(batch_sizes)
-        wrong = next((b for b in batches if not _is_integer(b) or b < 1), None)
+        wrong = next((b for b in batches if not is_integer(b) or b < 1), None)
         if wrong is not None or not batches:
             raise ValueError(f"batch_sizes: expected positive integers, got {batch_sizes!r}")
         for height, width in sizes:
             self.check_size(height, width)
         for guidance_scale in as_list(guidance_scales):
-            if not _is_real(guidance_scale) or not math.isfinite(guidance_scale):
+            if not is_real(guidance_scale) or not math.isfinite(guidance_scale):
                 raise ValueError(f"guidance_scales: expected finite numbers, got {guidance_scales!r}")
         for height, width in sizes:
             for batch_size in batches:
@@ -396,14 +357,14 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
     ) -> None:
         """Refuses, before any work, every argument the call cannot run with, naming it, what was expected and
         what came."""
-        if strength is not None and (not _is_real(strength) or not 0.0 <= strength <= 1.0):
+        if strength is not None and (not is_real(strength) or not 0.0 <= strength <= 1.0):
             raise ValueError(f"strength: expected a value in [0, 1], got {strength!r}")
-        if guidance_scale is not None and (not _is_real(guidance_scale) or not math.isfinite(guidance_scale)):
+        if guidance_scale is not None and (not is_real(guidance_scale) or not math.isfinite(guidance_scale)):
             raise ValueError(f"guidance_scale: expected a finite number, got {guidance_scale!r}")
-        if not _is_integer(num_images_per_prompt) or num_images_per_prompt < 1:
+        if not is_integer(num_images_per_prompt) or num_images_per_prompt < 1:
             raise ValueError(f"num_images_per_prompt: expected a positive integer, got {num_images_per_prompt!r}")
         self.check_size(height, width)
-        if not _is_integer(num_inference_steps) or num_inference_steps <= 0:
+        if not is_integer(num_inference_steps) or num_inference_steps <= 0:
             raise ValueError(f"num_inference_steps: expected a positive integer, got {num_inference_steps!r}")
         train_steps = getattr(self.scheduler.config, "num_train_timesteps", None)
         if train_steps and num_inference_steps > train_steps:
@@ -462,7 +423,7 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
     def config_int(model: IOBindingORTModel, key: str, default: int, component: str) -> int:
         """A positive integer from a component's config.json (``default`` where absent), or an error naming it."""
         value = model.config.get(key, default)
-        if not _is_integer(value) or value <= 0:
+        if not is_integer(value) or value <= 0:
             raise ValueError(f"{component} config.json: {key}: expected a positive integer, got {value!r}")
         return int(value)
 
@@ -470,7 +431,7 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         """Height and width must be positive integers the UNet can run: multiples of :attr:`size_multiple`."""
         multiple = self.size_multiple
         for name, value in (("height", height), ("width", width)):
-            if not _is_integer(value) or value <= 0:
+            if not is_integer(value) or value <= 0:
                 raise ValueError(f"{name}: expected a positive integer multiple of {multiple}, got {value!r}")
         if height % multiple != 0 or width % multiple != 0:
             raise ValueError(
@@ -556,7 +517,7 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
             numpy_dtype = torch.empty((), dtype=dtype).numpy().dtype
             noise = (generator or np.random).randn(*shape).astype(numpy_dtype)
             return torch.from_numpy(noise).to(self.device)
-        if _is_torch_generator(generator):
+        if is_torch_generator(generator):
             return randn_tensor(shape, generator=generator, device=self.device, dtype=dtype)
         raise TypeError(f"generator: expected a numpy RandomState, a torch.Generator or a list of torch.Generators "
                         f"(one per image), got {type(generator).__name__}")
@@ -579,13 +540,13 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
 
     def scheduler_step_kwargs(self, generator: Generator, eta: float) -> Dict[str, Any]:
         """``eta`` for DDIM-like schedulers, and a torch generator for stochastic ones (a numpy one cannot serve)."""
-        if not _is_real(eta) or not 0.0 <= eta <= 1.0:
+        if not is_real(eta) or not 0.0 <= eta <= 1.0:
             raise ValueError(f"eta: expected a number in [0, 1] (DDIM's noise share), got {eta!r}")
         accepted = set(inspect.signature(self.scheduler.step).parameters)
         kwargs: Dict[str, Any] = {}
         if "eta" in accepted:
             kwargs["eta"] = eta
-        if "generator" in accepted and _is_torch_generator(generator):
+        if "generator" in accepted and is_torch_generator(generator):
             kwargs["generator"] = generator  # a list: one per image, as diffusers' schedulers take it
         return kwargs
 
@@ -603,6 +564,11 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         size = tile_sample_size or self.config_int(self.vae_decoder, "sample_size", 512, "vae_decoder")
         self._vae_tiler = TiledVAE(self.vae_decoder, self.vae_encoder, size, self.vae_scale_factor, overlap,
                                    overlap_copies)
+
+    @property
+    def vae_tiler(self) -> Optional[TiledVAE]:
+        """The tiler :meth:`enable_vae_tiling` set up (``None`` while tiling is off)."""
+        return self._vae_tiler
 
     def disable_vae_tiling(self) -> None:
         self._vae_tiler = None
@@ -635,7 +601,7 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
                                  for i in range(image.shape[0])])
         if self.vae_encoder.output_names[0] == "latent_parameters":
             mean, logvar = latents.chunk(2, dim=1)
-            if _is_torch_generator(generator):
+            if is_torch_generator(generator):
                 std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
                 latents = mean + std * randn_tensor(mean.shape, generator=generator, device=self.device,
                                                     dtype=mean.dtype)
@@ -653,94 +619,8 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         torch.cuda.current_stream(image.device).synchronize()
         return self.image_processor.postprocess(host, output_type=output_type, do_denormalize=[False] * len(host))
 
-    def denoise(
-        self,
-        latents: torch.Tensor,
-        timesteps: torch.Tensor,
-        prompt_embeds: torch.Tensor,
-        guidance_scale: float,
-        step_kwargs: Dict[str, Any],
-        callback: Optional[Callable[[int, int, torch.Tensor], None]] = None,
-        callback_steps: int = 1,
-        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
-        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
-        unet_extra_channels: Optional[torch.Tensor] = None,
-        after_step: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
-        unet_inputs: Optional[Dict[str, torch.Tensor]] = None,
-        guidance_rescale: float = 0.0,
-        return_denoised: bool = False,
-        step_inputs: Optional[Callable[[int, torch.Tensor, torch.Tensor], Dict[str, torch.Tensor]]] = None,
-    ) -> torch.Tensor:
-        """The denoising loop. Every tensor stays on ``self.device``; nothing waits on the host.
-
-        Args:
-            latents: initial latents (already scaled by the scheduler's init sigma or noised).
-            timesteps: the scheduler's timesteps to run.
-            prompt_embeds: ``[negative; positive]`` when ``guidance_scale > 1``, else positive.
-            unet_extra_channels: concatenated to the UNet input after scaling (an inpainting UNet's mask and masked
-                image latents), already doubled for guidance.
-            after_step: ``after_step(i, latents) -> latents`` after each scheduler step (inpainting's blending).
-            unet_inputs: further UNet inputs, the same every step (SDXL's ``text_embeds`` and ``time_ids``, LCM's
-                ``timestep_cond``), already doubled for guidance.
-            guidance_rescale: rescales the guided noise towards the text branch's standard deviation (diffusers'
-                ``rescale_noise_cfg``, "Common Diffusion Noise Schedules and Sample Steps are Flawed" §3.4).
-            return_denoised: return the last step's denoised prediction (the second output of ``LCMScheduler.step``)
-                instead of its next sample, as diffusers' LCM pipeline decodes.
-            step_inputs: ``step_inputs(i, latent_model_input, prompt_embeds) -> {name: tensor}``: further UNet inputs
-                made each step from the scaled model input (a ControlNet's residuals).
-        Returns:
-            The denoised latents.
-        """
-        if not _is_real(guidance_rescale) or not 0.0 <= guidance_rescale <= 1.0:
-            raise ValueError(f"guidance_rescale: expected a number in [0, 1], got {guidance_rescale!r}")
-        do_classifier_free_guidance = guidance_scale > 1.0
-        unet_batch = latents.shape[0] * (2 if do_classifier_free_guidance else 1)
-        timestep_inputs = self.timestep_inputs(timesteps, unet_batch)
-        feed = GraphFeed(self.unet)
-        for i, t in enumerate(self.progress_bar(timesteps)):
-            # scaled before the guidance batch is made (an elementwise scale by the step's scalar: the same values),
-            # so that the batch can be written straight into the UNet graph's input
-            scaled = self.scheduler.scale_model_input(latents, t)
-            copies = [scaled] * 2 if do_classifier_free_guidance else [scaled]
-            if unet_extra_channels is None:
-                latent_model_input = feed.cat("sample", copies)
-            else:
-                latent_model_input = torch.cat(copies) if do_classifier_free_guidance else scaled
-            per_step = step_inputs(i, latent_model_input, prompt_embeds) if step_inputs is not None else {}
-            if unet_extra_channels is not None:
-                latent_model_input = feed.cat("sample", [latent_model_input, unet_extra_channels], dim=1)
-            inputs = {"sample": latent_model_input, "timestep": timestep_inputs[i],
-                      "encoder_hidden_states": feed.same("encoder_hidden_states", prompt_embeds),
-                      **{name: feed.same(name, value) for name, value in (unet_inputs or {}).items()}, **per_step}
-            noise_pred = self.unet(**inputs)[0]
-            feed.learn(inputs)
-            if do_classifier_free_guidance:
-                noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
-                # uncond + scale * (text - uncond) in one kernel (diffusers' three), in fp32 inside
-                noise_pred = torch.lerp(noise_pred_uncond, noise_pred_text, float(guidance_scale))
-                if guidance_rescale > 0.0:
-                    noise_pred = rescale_noise_cfg(noise_pred, noise_pred_text, guidance_rescale)
-            else:
-                # multistep schedulers keep model outputs across steps: never hand them the reused UNet buffer
-                noise_pred = noise_pred.clone()
-            step_output = self.scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)
-            latents = step_output[0]
-            if return_denoised:
-                denoised = step_output[1]
-            if after_step is not None:
-                latents = after_step(i, latents)
-
-            if callback is not None and i % callback_steps == 0:
-                callback(i // getattr(self.scheduler, "order", 1), t, latents)
-                feed.forget()
-            if callback_on_step_end is not None:
-                feed.forget()
-                available = {"latents": latents, "prompt_embeds": prompt_embeds}
-                tensors = {name: available[name] for name in callback_on_step_end_tensor_inputs}
-                replaced = callback_on_step_end(self, i, t, tensors) or {}
-                latents = replaced.get("latents", latents)
-                prompt_embeds = replaced.get("prompt_embeds", prompt_embeds)
-        return denoised if return_denoised else latents
+    # the denoising loop (every tensor stays on self.device; nothing waits on the host): .denoise.denoise
+    denoise = denoise
 
     def set_timesteps(self, num_inference_steps: int) -> torch.Tensor:
         """Sets the scheduler's timesteps, keeping its state on the CPU: its per-step scalars (sigmas, alphas) then
@@ -783,166 +663,3 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         if not return_dict:
             return (image, None)
         return StableDiffusionPipelineOutput(images=image, nsfw_content_detected=None)
-
-
-def _is_torch_generator(generator: Any) -> bool:
-    """A torch.Generator, or a non-empty list of them (one per image)."""
-    if isinstance(generator, list):
-        return bool(generator) and all(isinstance(g, torch.Generator) for g in generator)
-    return isinstance(generator, torch.Generator)
-
-
-def _is_integer(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
-
-
-def rescale_noise_cfg(noise_cfg: torch.Tensor, noise_pred_text: torch.Tensor, guidance_rescale: float) -> torch.Tensor:
-    """Guided noise rescaled to the text branch's per-sample standard deviation, mixed back by ``guidance_rescale``
-    (the correction of "Common Diffusion Noise Schedules and Sample Steps are Flawed", as diffusers applies it)."""
-    dims = list(range(1, noise_pred_text.ndim))
-    std_text = noise_pred_text.std(dim=dims, keepdim=True)
-    std_cfg = noise_cfg.std(dim=dims, keepdim=True)
-    rescaled = noise_cfg * (std_text / std_cfg)
-    return guidance_rescale * rescaled + (1 - guidance_rescale) * noise_cfg
-
-
-class GraphFeed:
-    """Writes a denoising loop's UNet inputs straight into the tensors the UNet's CUDA graph reads them from
-    (:meth:`IOBindingORTModel.graph_input_buffers`), where the loop's input shapes have a graph: the guidance batch
-    is concatenated into the graph's ``sample`` input, and the inputs that stay the same over the loop (the prompt
-    embeddings, SDXL's conditioning) are copied in once instead of once a step.
-
-    A step of the captured loop is the UNet graph plus a few small kernels (the guidance batch, guidance, the
-    scheduler's update, the graph's input copies). Each one saved shortens the step on the GPU: on the small UNet
-    the step came out about 2.5 % above the graph's own time on the H100 (session 12), against a target of 2 %.
-    Where the shapes have no graph (off CUDA, ``cuda_graph=False``, a graph ORT refused) it changes nothing. The
-    buffers are looked up once, after the loop's first call (a signature's graph exists from its first call on).
-    A constant input is copied again when the loop passes another tensor, and after every step callback (which may
-    have changed it in place: torch's version counter cannot say so under ``torch.inference_mode``)."""
-
-    def __init__(self, model: IOBindingORTModel):
-        self.model = model
-        self.buffers: Optional[Dict[str, torch.Tensor]] = None
-        self.looked_up = False
-        self.held: Dict[str, torch.Tensor] = {}  # input → the tensor whose values its buffer holds
-
-    def learn(self, inputs: Dict[str, torch.Tensor]) -> None:
-        """After the loop's first call: the graph buffers of its input shapes, if any."""
-        if not self.looked_up:
-            self.looked_up = True
-            if isinstance(self.model, IOBindingORTModel):
-                self.buffers = self.model.graph_input_buffers({name: tuple(value.shape)
-                                                               for name, value in inputs.items()})
-
-    def _buffer(self, name: str, shape: Sequence[int], dtype: torch.dtype,
-                device: torch.device) -> Optional[torch.Tensor]:
-        buffer = (self.buffers or {}).get(name)
-        if buffer is None or tuple(buffer.shape) != tuple(shape) or buffer.dtype != dtype or buffer.device != device:
-            return None
-        return buffer
-
-    def cat(self, name: str, tensors: List[torch.Tensor], dim: int = 0) -> torch.Tensor:
-        """``torch.cat(tensors, dim)``, written into the graph's ``name`` input where there is one to take it."""
-        shape = list(tensors[0].shape)
-        shape[dim] = sum(tensor.shape[dim] for tensor in tensors)
-        first = tensors[0]
-        same_kind = all(tensor.dtype == first.dtype and tensor.device == first.device for tensor in tensors)
-        buffer = self._buffer(name, shape, first.dtype, first.device) if same_kind else None
-        if buffer is None:
-            return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
-        self.held.pop(name, None)
-        return torch.cat(tensors, dim, out=buffer)
-
-    def same(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The graph's ``name`` input holding ``tensor``'s values: copied in unless it holds this very tensor's
-        already (copied since the last :meth:`forget`)."""
-        if not isinstance(tensor, torch.Tensor):
-            return tensor
-        buffer = self._buffer(name, tensor.shape, tensor.dtype, tensor.device)
-        if buffer is None:
-            return tensor
-        if self.held.get(name) is not tensor:
-            buffer.copy_(tensor, non_blocking=True)
-            self.held[name] = tensor
-        return buffer
-
-    def forget(self) -> None:
-        """Code outside the loop ran (a step callback) and may have changed any input in place: copy them again."""
-        self.held.clear()
-
-
-def on_device_stream(method: Callable) -> Callable:
-    """One pipeline call at a time (the scheduler's state and the models' reused buffers belong to the pipeline, so
-    calls from several threads are serialized), run on the pipeline's CUDA stream, ordered after the caller's stream
-    and before its next work (no host wait); off CUDA it just calls."""
-
-    @functools.wraps(method)
-    def on_stream(self: "OnnxStableDiffusionPipelineBase", *args: Any, **kwargs: Any) -> Any:
-        if getattr(self._calling, "active", False):
-            raise RuntimeError(f"{type(self).__name__}: called again from inside its own call (a callback?); the "
-                               "scheduler's state and the models' buffers belong to the running call. Collect what "
-                               "you need in the callback and call the pipeline after it returns")
-        with self._call_lock:
-            self._calling.active = True
-            try:
-                self._prepare_sessions()
-                return _call_on_stream(self, method, args, kwargs)
-            finally:
-                self._calling.active = False
-
-    return on_stream
-
-
-def _call_on_stream(self: "OnnxStableDiffusionPipelineBase", method: Callable, args: Any, kwargs: Any) -> Any:
-    """``method`` on the pipeline's CUDA stream, ordered after the caller's stream and before its next work."""
-    stream = self.stream
-    if stream is None:
-        return method(self, *args, **kwargs)
-    # the pipeline's GPU is the current one for the call: nothing (pinned buffers, a context) lands on cuda:0
-    with torch.cuda.device(stream.device):
-        caller = torch.cuda.current_stream(stream.device)
-        stream.wait_stream(caller)
-        with torch.cuda.stream(stream):
-            result = method(self, *args, **kwargs)
-        caller.wait_stream(stream)
-    return result
-
-
-# ------------------------------------------------------------------------------------------------------ loading
-COMPONENT_SETTINGS = ("cuda_graph", "reuse_outputs", "max_output_signatures", "max_graph_signatures", "share_weights")
-
-
-def component_settings(
-    components: Sequence[str], cuda_graph: CudaGraphSetting, component_options: Optional[Dict[str, Dict[str, Any]]]
-) -> Dict[str, Dict[str, Any]]:
-    """Each component's :class:`IOBindingORTModel` settings: the pipeline-wide ``cuda_graph``, overridden by
-    ``component_options[name]`` — the one place where per-component options are read and checked."""
-    check_cuda_graph_setting(cuda_graph)
-    component_options = dict(component_options or {})
-    if not all(isinstance(value, dict) for value in component_options.values()):
-        raise TypeError(f"component_options: expected a dict of dicts (component → settings), got {component_options!r}")
-    unknown = sorted(name for name in set(component_options) - set(components)
-                     if not (re.fullmatch(r"controlnet_[1-9][0-9]*", name) and "controlnet" in components))
-    if unknown:
-        raise ValueError(f"component_options: expected components among {list(components)}, got {unknown}")
-    settings = {}
-    for name in components:
-        # True keeps its meaning from before graphs were the default: the UNet must be captured (a fallback warns);
-        # the other components capture where they can, silently
-        default = cuda_graph if cuda_graph is not True or name == "unet" else "auto"
-        given = component_options.get(name, component_options.get("controlnet", {}) if name.startswith("controlnet_")
-                                      else {})
-        wrong = sorted(set(given) - set(COMPONENT_SETTINGS))
-        if wrong:
-            raise ValueError(f"component_options[{name!r}]: expected settings among {list(COMPONENT_SETTINGS)}, "
-                             f"got {wrong}")
-        if "cuda_graph" in given:
-            check_cuda_graph_setting(given["cuda_graph"])
-        settings[name] = {"cuda_graph": default, **given}
-    return settings
-
-

@@ -1,166 +1,18 @@
-"""Where a torch model's weights went in its ONNX export, for LoRA at run time.
+"""Runtime LoRA for the pipelines, with diffusers' names: a LoRA changes the owned weights of the ONNX models in place.
 
-A LoRA changes a layer's weight ``W`` (torch layout: ``(out, in)`` for a Linear, ``(out, in, kh, kw)`` for a Conv2d)
-by ``scale · B @ A``. In the ONNX file that weight is an initializer in one of several forms: as it was (Conv, Gemm
-with ``transB``), transposed (the exporter's MatMul takes ``(in, out)``), packed with its neighbours by ONNX Runtime's
-attention fusion (Q, K and V side by side in one ``(in, k·out)`` MatMul weight, contiguous or interleaved per head),
-in NHWC order (the CUDA fusion's NhwcConv), and in float16 after the float16 conversion. :func:`weight_map` finds
-each Linear and Conv2d weight of the torch module among the final initializers by value, and records the form as a
-:class:`WeightPlace`; the export writes the map beside the model as ``lora_map.json``. At run time a view of the
-owned initializer in torch layout (:func:`torch_layout_view`) takes the updated weight in place.
+The export's ``lora_map.json`` (:func:`~optimum_iobinding.layout.read_weight_map`) says where each layer's weight
+went; :func:`torch_layout_view` gives a view of the owned initializer in torch layout, which takes the updated weight.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-import numpy as np
-import onnx
 import torch
-from onnx import numpy_helper
 
-LORA_MAP_NAME = "lora_map.json"
-LORA_MAP_VERSION = 1
-# how closely an initializer must hold a torch weight to be taken for it: float16 rounding (2^-11 relative) with
-# room, and the float16 converter's clamping of tiny magnitudes; weights of different layers differ far more
-_RTOL, _ATOL = 2e-3, 1e-6
-
-
-@dataclass(frozen=True)
-class WeightPlace:
-    """Where (part of) an initializer holds one torch weight.
-
-    Attributes:
-        initializer: the initializer's name.
-        layout: ``"same"`` (the torch layout), ``"transposed"`` (a Linear weight as ``(in, out)``), ``"nhwc"`` (a
-            Conv2d weight as ``(out, kh, kw, in)``) or ``"packed"`` (a Linear weight, transposed, as part ``index``
-            of ``parts`` packed side by side in an ``(in, parts·out)`` weight: per head, ``heads`` blocks of
-            ``parts`` × ``out / heads`` columns; ``heads`` 1 is plain concatenation).
-    """
-
-    initializer: str
-    layout: str
-    parts: int = 1
-    index: int = 0
-    heads: int = 1
-
-
-def _float_initializers(model: onnx.ModelProto, base_dir: Optional[Union[str, Path]]) -> Dict[str, np.ndarray]:
-    arrays = {}
-    for initializer in model.graph.initializer:
-        if initializer.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE):
-            arrays[initializer.name] = numpy_helper.to_array(initializer, base_dir=str(base_dir or ""))
-    return arrays
-
-
-def _close(candidate: np.ndarray, weight: np.ndarray) -> bool:
-    """Whether ``candidate`` holds ``weight`` (its first row decides for almost every other candidate)."""
-    if candidate.shape != weight.shape:
-        return False
-    for rows in (slice(0, 1), slice(None)):
-        expected = weight[rows].astype(candidate.dtype).astype(np.float32)
-        if not np.allclose(candidate[rows].astype(np.float32), expected, rtol=_RTOL, atol=_ATOL):
-            return False
-    return True
-
-
-def _places_of(weight: np.ndarray, by_shape: Dict[Tuple[int, ...], List[Tuple[str, np.ndarray]]]) -> List[WeightPlace]:
-    places = []
-    if weight.ndim == 2:
-        out_features, in_features = weight.shape
-        for name, array in by_shape.get((out_features, in_features), []):
-            if _close(array, weight):
-                places.append(WeightPlace(name, "same"))
-        for name, array in by_shape.get((in_features, out_features), []):
-            if _close(array, weight.T):
-                places.append(WeightPlace(name, "transposed"))
-        first_column = weight[:, 0]
-        for parts in (2, 3):
-            for name, array in by_shape.get((in_features, parts * out_features), []):
-                place = None
-                for heads in [h for h in range(1, out_features + 1) if out_features % h == 0]:
-                    first_row = array[0].reshape(heads, parts, out_features // heads)
-                    for index in range(parts):
-                        if not _close(first_row[:, index, :].reshape(out_features), first_column):
-                            continue
-                        blocks = array.reshape(in_features, heads, parts, out_features // heads)
-                        if _close(blocks[:, :, index, :].reshape(in_features, out_features), weight.T):
-                            place = WeightPlace(name, "packed", parts, index, heads)
-                            break
-                    if place is not None:
-                        places.append(place)
-                        break
-    elif weight.ndim == 4:
-        for name, array in by_shape.get(weight.shape, []):
-            if _close(array, weight):
-                places.append(WeightPlace(name, "same"))
-        nhwc = np.ascontiguousarray(weight.transpose(0, 2, 3, 1))
-        if nhwc.shape != weight.shape or not np.array_equal(nhwc, weight):  # else found as "same" already
-            for name, array in by_shape.get(nhwc.shape, []):
-                if _close(array, nhwc):
-                    places.append(WeightPlace(name, "nhwc"))
-    return places
-
-
-def lora_layers(module: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module]]:
-    """The layers a LoRA can change (Linear and Conv2d), by module name."""
-    for name, layer in module.named_modules():
-        if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)) and name:
-            yield name, layer
-
-
-def weight_map(module: torch.nn.Module, model: onnx.ModelProto,
-               base_dir: Optional[Union[str, Path]] = None) -> Dict[str, List[WeightPlace]]:
-    """Each Linear and Conv2d layer of ``module`` (by its module name, as LoRA files name layers) → the places of its
-    weight among ``model``'s initializers (usually one; several where ONNX Runtime copied it). Layers whose weight
-    was not found (folded into another computation) are left out."""
-    arrays = _float_initializers(model, base_dir)
-    by_shape: Dict[Tuple[int, ...], List[Tuple[str, np.ndarray]]] = {}
-    for name, array in arrays.items():
-        by_shape.setdefault(tuple(array.shape), []).append((name, array))
-    found: Dict[str, List[WeightPlace]] = {}
-    with torch.no_grad():
-        for name, layer in lora_layers(module):
-            places = _places_of(layer.weight.detach().float().cpu().numpy(), by_shape)
-            if places:
-                found[name] = places
-    return found
-
-
-def write_weight_map(places: Dict[str, List[WeightPlace]], folder: Union[str, Path], layers: Sequence[str]) -> Path:
-    """Writes ``lora_map.json`` into ``folder``: the places, and the layers the torch module had without a place."""
-    missing = sorted(set(layers) - set(places))
-    path = Path(folder) / LORA_MAP_NAME
-    path.write_text(json.dumps({"version": LORA_MAP_VERSION,
-                                "layers": {name: [asdict(place) for place in found]
-                                           for name, found in sorted(places.items())},
-                                "not_found": missing}, indent=1))
-    return path
-
-
-def read_weight_map(folder: Union[str, Path]) -> Tuple[Dict[str, List[WeightPlace]], List[str]]:
-    """The places and the layers without one, from the ``lora_map.json`` in ``folder``.
-
-    Raises:
-        FileNotFoundError: the folder has no map (an export made before LoRA support: export again).
-        ValueError: the map is of another version or malformed.
-    """
-    path = Path(folder) / LORA_MAP_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no {LORA_MAP_NAME}; it is written by optimum-iobinding's export, which "
-                                "records where each layer's weight went. Export the model again to use LoRA with it")
-    try:
-        data = json.loads(path.read_text())
-        if data.get("version") != LORA_MAP_VERSION:
-            raise ValueError(f"version {data.get('version')!r}, expected {LORA_MAP_VERSION}")
-        places = {name: [WeightPlace(**place) for place in found] for name, found in data["layers"].items()}
-        return places, list(data.get("not_found", []))
-    except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{path}: not a LoRA map this version reads: {error}") from None
-
+from ..layout import WeightPlace, read_weight_map
 
 def torch_layout_view(tensor: torch.Tensor, place: WeightPlace, shape: Sequence[int]) -> torch.Tensor:
     """A view of ``tensor`` (the initializer) in the torch layout ``shape`` of the weight at ``place``: writing into
@@ -200,45 +52,6 @@ def torch_shape(tensor: torch.Tensor, place: WeightPlace) -> Tuple[int, ...]:
         out_channels, kh, kw, in_channels = tensor.shape
         return (out_channels, in_channels, kh, kw)
     return (tensor.shape[1] // place.parts, tensor.shape[0])
-
-
-def random_lora_layers(module: torch.nn.Module, targets: Sequence[str], rank: int = 4,
-                       seed: int = 0) -> Dict[str, torch.Tensor]:
-    """A random LoRA for ``module`` (tests and benchmarks: no LoRA can be downloaded offline): for every Linear and
-    Conv2d whose name is one of ``targets`` or ends with ``"." + target`` (PEFT's matching), ``lora_A`` (rank × in,
-    with the layer's kernel for a convolution) and ``lora_B`` (out × rank, 1 × 1), both non-zero, keyed by PEFT's
-    names (``down_blocks.0….to_q.lora_A.weight``). Works on a module made on the ``meta`` device (shapes only)."""
-    generator = torch.Generator().manual_seed(seed)
-    layers: Dict[str, torch.Tensor] = {}
-    for name, layer in module.named_modules():
-        if not any(name == target or name.endswith("." + target) for target in targets):
-            continue
-        if isinstance(layer, torch.nn.Linear):
-            down_shape, up_shape = (rank, layer.in_features), (layer.out_features, rank)
-        elif isinstance(layer, torch.nn.Conv2d):
-            down_shape = (rank, layer.in_channels, *layer.kernel_size)
-            up_shape = (layer.out_channels, rank, 1, 1)
-        else:
-            continue
-        fan_in = int(np.prod(down_shape[1:]))
-        layers[f"{name}.lora_A.weight"] = torch.randn(down_shape, generator=generator) / fan_in ** 0.5
-        layers[f"{name}.lora_B.weight"] = torch.randn(up_shape, generator=generator) * 0.5 / rank ** 0.5
-    if not layers:
-        raise ValueError(f"targets: no Linear or Conv2d layer of the module is named {list(targets)}")
-    return layers
-
-
-def save_lora(folder: Union[str, Path], **components: Dict[str, torch.Tensor]) -> Path:
-    """Writes ``pytorch_lora_weights.safetensors`` in diffusers' format: each component's layers (e.g.
-    ``unet=random_lora_layers(...)``) under its name (``unet.…``, ``text_encoder.…``)."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({f"{component}.{key}": value.contiguous() for component, layers in components.items()
-               for key, value in layers.items()}, str(folder / "pytorch_lora_weights.safetensors"))
-    return folder
-
 
 # ------------------------------------------------------------------------------------------------ runtime LoRA
 LORA_COMPONENTS = ("unet", "text_encoder", "text_encoder_2")

@@ -10,8 +10,8 @@ Events order the two streams; the host waits only for copies it is about to read
 run one after another.
 
 On CUDA each tile shape (the full tile, the right and bottom edge tiles, the corner) runs in a session of its own:
-ORT's CUDA convolutions choose their algorithms again whenever a session's input shape changes (see the README's
-"Shape changes"). A model with a graph pool (the default on CUDA) already runs each input signature apart (a graph
+ORT's CUDA convolutions choose their algorithms again whenever a session's input shape changes (measured:
+benchmarks/vae_shapes.py). A model with a graph pool (the default on CUDA) already runs each input signature apart (a graph
 of its own, or a fixed-shape session), all reading its weights; for a model without one, each tile shape gets a :meth:`IOBindingORTModel.sibling`
 (``max_tile_sessions`` bounds them).
 
@@ -27,7 +27,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .model import IOBindingORTModel
+from ..runtime.model import IOBindingORTModel
 
 __all__ = ["TiledVAE"]
 
@@ -108,6 +108,12 @@ class TiledVAE:
         self._staging: Dict[Tuple[int, Tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------------------------ geometry
+    def tile_models(self, role: str) -> Dict[Tuple[int, ...], IOBindingORTModel]:
+        """The model each tile shape ran in so far, by input shape, for ``role`` ``"decoder"`` or ``"encoder"``
+        (empty where tiles share the model's own session: ``session_per_shape`` off)."""
+        entry = self._shape_models.get(role)
+        return dict(entry[1]) if entry is not None else {}
+
     def _geometry(self, tile_in: int, tile_out: int) -> Tuple[int, int, int]:
         stride = int(tile_in * (1 - self.overlap))
         blend = int(tile_out * self.overlap)

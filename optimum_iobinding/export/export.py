@@ -1,4 +1,4 @@
-"""Export a diffusers Stable Diffusion pipeline to the diffusers ONNX layout, and build a tiny random one offline.
+"""Export a diffusers Stable Diffusion pipeline to the diffusers ONNX layout.
 
 Layout written (what diffusers' ``OnnxStableDiffusionPipeline`` and ours both load)::
 
@@ -19,252 +19,42 @@ Large models go to one external-data file ``weights.pb`` next to their ``model.o
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Callable, Dict, Optional, Sequence, Union
 
 import onnx
 import torch
 from tqdm.auto import tqdm
 
-from .layout import (  # noqa: F401 — the folder layout lives in layout.py; these names stay importable from here
+from ..layout import (
     DOWN_RESIDUAL_INPUT,
     DOWN_RESIDUAL_OUTPUT,
     MID_RESIDUAL_INPUT,
     MID_RESIDUAL_OUTPUT,
     ONNX_COMPONENTS,
-    controlnet_component_names,
     building_beside,
     check_output_folder,
+    controlnet_component_names,
     save_tokenizer,
     write_model_index,
+    write_weight_map,
     write_xl_model_index,
 )
+from .lora_places import lora_layers, weight_map
+from .optimize import (convert_to_float16, fusion_options, optimize_component, optimized_to_float16, save_onnx,
+                       use_classic_attention)
+from .tiny import TINY_RANDOM_KINDS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["export_pipeline", "build_tiny_random_pipeline", "write_tiny_tokenizer", "save_tokenizer", "ONNX_COMPONENTS"]
-
-EXTERNAL_DATA_FILE = "weights.pb"
-# Protobuf cannot serialize a message over 2 GiB; keep well below it in one file.
-_MAX_SINGLE_FILE_BYTES = 1 << 30
+__all__ = ["export_pipeline"]
 
 
-# ------------------------------------------------------------------------------------------------- tiny pipeline
-def _byte_to_unicode() -> Dict[int, str]:
-    """GPT-2/CLIP's reversible byte → printable character map (printable bytes stand for themselves)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
-_TINY_WORDS = (
-    "a an the of on in with and photo painting picture astronaut horse riding cat dog house tree mountain sky red "
-    "blue green portrait landscape city night sunset beautiful detailed castle forest river car"
-).split()
-
-
-def write_tiny_tokenizer(folder: Union[str, os.PathLike]) -> "object":
-    """Writes a small byte-level BPE vocabulary (vocab.json, merges.txt) and returns the CLIPTokenizer saved there.
-
-    Every byte has a token, alone and word-final (``</w>``), so any text tokenizes; merges spell out a few common
-    prompt words. ``CLIPTokenizer`` skips the first line of merges.txt, hence the ``#version: 0.2`` header.
-    """
-    from transformers import CLIPTokenizer
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    characters = list(_byte_to_unicode().values())
-    vocab = {}
-    for token in characters + [c + "</w>" for c in characters]:
-        vocab.setdefault(token, len(vocab))
-    merges = []
-    for word in _TINY_WORDS:
-        symbols = list(word[:-1]) + [word[-1] + "</w>"]
-        while len(symbols) > 1:
-            pair = (symbols[0], symbols[1])
-            merged = pair[0] + pair[1]
-            if pair not in merges:
-                merges.append(pair)
-                vocab.setdefault(merged, len(vocab))
-            symbols = [merged] + symbols[2:]
-    for special in ("<|startoftext|>", "<|endoftext|>"):
-        vocab[special] = len(vocab)
-    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    (folder / "merges.txt").write_text(
-        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8"
-    )
-    tokenizer = CLIPTokenizer(
-        str(folder / "vocab.json"),
-        str(folder / "merges.txt"),
-        bos_token="<|startoftext|>",
-        eos_token="<|endoftext|>",
-        unk_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        model_max_length=77,
-    )
-    tokenizer.save_pretrained(str(folder))
-    return tokenizer
-
-
-def build_tiny_random_pipeline(seed: int = 0):
-    """A tiny random-weights ``StableDiffusionPipeline`` built offline: UNet of two blocks (32/64 channels), a
-    2-layer CLIP text model of hidden size 32, a small four-block VAE (8× scale), a small byte-level BPE tokenizer,
-    PNDM scheduler."""
-    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    torch.manual_seed(seed)
-    unet = UNet2DConditionModel(
-        block_out_channels=(32, 64),
-        layers_per_block=2,
-        sample_size=32,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=32,
-        norm_num_groups=32,
-    )
-    # four blocks: the usual 8× scale, which diffusers' ONNX pipeline assumes (the baseline must run on it too)
-    vae = AutoencoderKL(
-        block_out_channels=(32, 32, 32, 64),
-        layers_per_block=1,
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        latent_channels=4,
-        norm_num_groups=32,
-        sample_size=64,
-    )
-    with tempfile.TemporaryDirectory() as folder:
-        tokenizer = write_tiny_tokenizer(folder)
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            hidden_size=32,
-            intermediate_size=37,
-            num_attention_heads=4,
-            num_hidden_layers=2,
-            layer_norm_eps=1e-5,
-            vocab_size=len(tokenizer),
-            max_position_embeddings=77,
-        )
-    )
-    scheduler = PNDMScheduler(
-        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
-        skip_prk_steps=True, set_alpha_to_one=False, steps_offset=1,
-    )
-    return StableDiffusionPipeline(
-        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-    ).to(torch.float32)
-
-
-def _tiny_text_encoder_config(tokenizer, layers: int = 2, **extra):
-    from transformers import CLIPTextConfig
-
-    return CLIPTextConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=layers, layer_norm_eps=1e-5,
-        vocab_size=len(tokenizer), max_position_embeddings=77, **extra,
-    )
-
-
-def build_tiny_random_xl_pipeline(seed: int = 0):
-    """A tiny random-weights ``StableDiffusionXLPipeline`` built offline: two 3-layer CLIP encoders (the second with
-    a projection), a UNet of two blocks conditioned on pooled text and time ids (SDXL's ``text_time``), the tiny
-    VAE, Euler scheduler as SDXL ships."""
-    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection
-
-    base = build_tiny_random_pipeline(seed)
-    torch.manual_seed(seed + 1)
-    tokenizer = base.tokenizer
-    text_encoder = CLIPTextModel(_tiny_text_encoder_config(tokenizer, layers=3))
-    text_encoder_2 = CLIPTextModelWithProjection(_tiny_text_encoder_config(tokenizer, layers=3, projection_dim=32))
-    unet = UNet2DConditionModel(
-        block_out_channels=(32, 64), layers_per_block=2, sample_size=32, in_channels=4, out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        attention_head_dim=(2, 4), use_linear_projection=True, transformer_layers_per_block=(1, 2),
-        addition_embed_type="text_time", addition_time_embed_dim=8, projection_class_embeddings_input_dim=6 * 8 + 32,
-        cross_attention_dim=64, norm_num_groups=32,
-    )
-    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                                       steps_offset=1, timestep_spacing="leading")
-    return StableDiffusionXLPipeline(
-        vae=base.vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer,
-        tokenizer_2=tokenizer, unet=unet, scheduler=scheduler,
-    ).to(torch.float32)
-
-
-def build_tiny_random_lcm_pipeline(seed: int = 0):
-    """The tiny pipeline with an LCM UNet (``time_cond_proj_dim``: a guidance-scale embedding input) and
-    ``LCMScheduler``: a ``LatentConsistencyModelPipeline``."""
-    from diffusers import LatentConsistencyModelPipeline, LCMScheduler, UNet2DConditionModel
-
-    base = build_tiny_random_pipeline(seed)
-    torch.manual_seed(seed + 2)
-    unet = UNet2DConditionModel(**{**base.unet.config, "time_cond_proj_dim": 32})
-    return LatentConsistencyModelPipeline(
-        vae=base.vae, text_encoder=base.text_encoder, tokenizer=base.tokenizer, unet=unet,
-        scheduler=LCMScheduler.from_config(base.scheduler.config), safety_checker=None, feature_extractor=None,
-        requires_safety_checker=False,
-    ).to(torch.float32)
-
-
-def build_tiny_random_controlnet(unet, seed: int = 0):
-    """A tiny random-weights ``ControlNetModel`` for the tiny UNet: its encoder half (``ControlNetModel.from_unet``,
-    a conditioning embedding that downsamples 8×, as the tiny VAE does) with every weight drawn at random — the
-    zero convolutions too, which a fresh ControlNet starts at zero (its residuals would then be zero and prove
-    nothing)."""
-    from diffusers import ControlNetModel
-
-    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(8, 16, 16, 32))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in controlnet.named_parameters():
-            if name.startswith(("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding")):
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
-    return controlnet.to(torch.float32)
-
-
-def build_tiny_random_controlnet_pipeline(seed: int = 0, controlnets: int = 1):
-    """The tiny pipeline with one (or ``controlnets``) tiny random ControlNets: a ``StableDiffusionControlNetPipeline``
-    (with a ``MultiControlNetModel`` for more than one)."""
-    from diffusers import StableDiffusionControlNetPipeline
-
-    base = build_tiny_random_pipeline(seed)
-    nets = [build_tiny_random_controlnet(base.unet, seed + 10 + k) for k in range(controlnets)]
-    return StableDiffusionControlNetPipeline(
-        vae=base.vae, text_encoder=base.text_encoder, tokenizer=base.tokenizer, unet=base.unet,
-        controlnet=nets[0] if controlnets == 1 else nets, scheduler=base.scheduler, safety_checker=None,
-        feature_extractor=None, requires_safety_checker=False,
-    )
-
-
-TINY_RANDOM_KINDS: Dict[str, Callable[[], Any]] = {
-    "sd": build_tiny_random_pipeline,
-    "xl": build_tiny_random_xl_pipeline,
-    "lcm": build_tiny_random_lcm_pipeline,
-    "controlnet": build_tiny_random_controlnet_pipeline,
-}
-
-
-# --------------------------------------------------------------------------------------------------- components
 class _TextEncoder(torch.nn.Module):
     def __init__(self, text_encoder):
         super().__init__()
@@ -394,7 +184,7 @@ def _text_encoder_spec(text_encoder, sequence: int, xl: bool, with_projection: b
     )
 
 
-def _component_specs(pipe) -> Dict[str, dict]:
+def component_specs(pipe) -> Dict[str, dict]:
     """What to export for each component: module, example inputs, names and dynamic axes."""
     xl = is_xl(pipe)
     unet = pipe.unet
@@ -489,185 +279,12 @@ def _component_specs(pipe) -> Dict[str, dict]:
     }
 
 
-def _weight_bytes(model: onnx.ModelProto) -> int:
-    """Bytes of the initializers (what decides whether a model fits one protobuf; ByteSize() itself fails > 2 GiB)."""
-    return sum(len(t.raw_data) or 4 * (len(t.float_data) + len(t.int32_data)) + 8 * len(t.int64_data)
-               for t in model.graph.initializer)
-
-
-def _save_onnx(model: onnx.ModelProto, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if _weight_bytes(model) > _MAX_SINGLE_FILE_BYTES:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=EXTERNAL_DATA_FILE, size_threshold=1024)
-    else:
-        onnx.save_model(model, str(path))
-
-
-def convert_to_float16(model: onnx.ModelProto, shapes_known: bool = False) -> onnx.ModelProto:
-    """fp32 → fp16 with ORT's converter: inputs and outputs become fp16 too (``keep_io_types=False``), the ops in
-    its default block list (those that need fp32) stay fp32 behind casts. The converter needs every intermediate's
-    type; ``shapes_known`` says the model already carries them (its own inference cannot serialize > 2 GiB)."""
-    from onnxruntime.transformers.float16 import convert_float_to_float16
-
-    return convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=shapes_known)
-
-
-# ORT's optimizer model types, and the hidden sizes its BiasSplitGelu kernel takes (others must skip that fusion).
-_OPTIMIZER_MODEL_TYPES = {"text_encoder": "clip", "text_encoder_2": "clip", "unet": "unet", "vae_encoder": "vae",
-                          "vae_decoder": "vae", "controlnet": "unet"}
-
-
-def _kind(name: str) -> str:
-    """A component's kind: ``controlnet_1``, ``controlnet_2`` … are ControlNets like ``controlnet``."""
-    return "controlnet" if name.startswith("controlnet") else name
-BIAS_SPLIT_GELU_HIDDEN_SIZES = (2560, 5120, 6144, 10240, 12288)
-
-
-def fusion_options(name: str, config: Any, target: str):
-    """ORT transformer-optimizer fusions for one component.
-
-    ``target="cuda"``: every fusion ORT has for the model type, except BiasSplitGelu where the UNet's GEGLU widths
-    are not among :data:`BIAS_SPLIT_GELU_HIDDEN_SIZES`, and GroupNorm for blocks narrower than ORT's kernel takes. ``target="cpu"``: only fusions whose fused ops have CPU
-    kernels (attention, layer norm, GELU) — NhwcConv, GroupNorm, SkipGroupNorm, BiasSplitGelu and BiasAdd run on
-    CUDA only.
-    """
-    from onnxruntime.transformers.fusion_options import FusionOptions
-
-    name = _kind(name)
-    options = FusionOptions(_OPTIMIZER_MODEL_TYPES[name])
-    if target == "cpu":
-        for flag in ("enable_nhwc_conv", "enable_group_norm", "enable_skip_group_norm", "enable_bias_splitgelu",
-                     "enable_bias_add", "enable_packed_qkv", "enable_packed_kv"):
-            if hasattr(options, flag):
-                setattr(options, flag, False)
-    else:
-        channels = list(config.get("block_out_channels", [])) if isinstance(config, dict) else \
-            list(getattr(config, "block_out_channels", []))
-        if name in ("unet", "controlnet") and not all(8 * c in BIAS_SPLIT_GELU_HIDDEN_SIZES for c in channels):
-            options.enable_bias_splitgelu = False
-        # ORT's CUDA GroupNorm takes only some channel counts (it refuses 32 channels in 32 groups, for one): the
-        # SD-size widths it was written for, UNet blocks of ≥ 320 and VAE blocks of ≥ 128 channels
-        smallest = {"unet": 320, "controlnet": 320, "vae_encoder": 128, "vae_decoder": 128}.get(name)
-        if smallest is not None and channels and min(channels) < smallest:
-            for flag in ("enable_group_norm", "enable_skip_group_norm"):
-                if hasattr(options, flag):
-                    setattr(options, flag, False)
-    return options
-
-
-def _use_classic_attention(module: torch.nn.Module) -> None:
-    """ORT's UNet attention fusion fails on graphs exported from SDPA attention (a TypeError in get_num_heads) and
-    fuses the classic processor's MatMul/Softmax pattern into MultiHeadAttention: export with the classic one."""
-    from diffusers.models.attention_processor import AttnProcessor
-
-    for child in module.modules():
-        if hasattr(child, "set_attn_processor") and hasattr(child, "attn_processors"):
-            child.set_attn_processor(AttnProcessor())
-            return
-
-
-@contextlib.contextmanager
-def _in_folder(folder: Path):
-    """ORT's fusion and shape-inference code reads initializers with ``numpy_helper.to_array(tensor)``, which resolves
-    external data relative to the working directory: run it from the model's folder. (The working directory is the
-    process's: exporting is not something to run on two threads at once.)"""
-    previous = os.getcwd()
-    os.chdir(folder)
-    try:
-        yield
-    finally:
-        os.chdir(previous)
-
-
-def _load_light(path: Path) -> onnx.ModelProto:
-    """The model at ``path`` with every initializer over 1 KiB left on disk beside it (read on demand).
-
-    ORT's symbolic shape inference copies the whole ModelProto, weights included, in the passes that use it: on the
-    SD1.5 UNet (3.4 GB fp32) its ``remove_useless_reshape_nodes`` pass alone went past 24 GB and was killed, and on
-    the SDXL UNet each such pass took minutes. Without the weights in the proto the same fusions ran in 73 s and
-    3.2 GB peak (SD1.5, 2 CPUs). The exporter already writes large models this way; a small one is rewritten so."""
-    from onnx.external_data_helper import uses_external_data
-
-    model = onnx.load(str(path), load_external_data=False)
-    if not any(uses_external_data(tensor) for tensor in model.graph.initializer):
-        model = _unload(model, path)
-    return model
-
-
-def _unload(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
-    """Writes ``model`` to ``path`` with its weights beside it and returns it loaded light (see :func:`_load_light`)."""
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=path.stem + ".weights", size_threshold=1024)
-    return onnx.load(str(path), load_external_data=False)
-
-
-def _optimize(name: str, path: Path, options: Any, target: str):
-    """ORT's transformer optimizer on the model at ``path``, its weights left on disk while the graph is rewritten
-    (:func:`_load_light`; fusions that need a weight read it from there); where its attention fusion breaks on a
-    graph (the VAE's single-head attention reshapes trip ``get_num_heads_and_hidden_size``), the component is
-    optimized again without that fusion. Returns ORT's ``OnnxModel``; initializers it did not touch are still on disk
-    in ``path``'s folder: load them (``onnx.load_external_data_for_model``) before that folder goes."""
-    from onnxruntime.transformers.optimizer import optimize_model
-
-    def run(fusions):
-        with _in_folder(path.parent):
-            return optimize_model(_load_light(path), model_type=_OPTIMIZER_MODEL_TYPES[_kind(name)], opt_level=0,
-                                  optimization_options=fusions, use_gpu=target == "cuda")
-
-    try:
-        return run(options)
-    except Exception as error:  # the fusion scripts raise whatever the numpy code under them raises
-        if not options.enable_attention:
-            raise
-        logger.warning("%s: ORT's attention fusion failed (%s: %s); optimizing without it", name,
-                       type(error).__name__, error)
-        options.enable_attention = False
-        return run(options)
-
-
-def _optimized_to_float16(optimized: Any, folder: Path) -> onnx.ModelProto:
-    """What ORT's ``OnnxModel.convert_float_to_float16(keep_io_types=False)`` does — symbolic type inference (onnx's
-    own cannot type the fused com.microsoft ops), its float16 converter, then removing cascaded and useless Casts —
-    with the weights on disk in ``folder`` for the two inference passes and in memory only for the conversion."""
-    from onnx import ValueInfoProto
-    from onnxruntime.transformers.float16 import convert_float_to_float16
-    from onnxruntime.transformers.onnx_model import OnnxModel
-    from onnxruntime.transformers.shape_infer_helper import SymbolicShapeInferenceHelper
-
-    model = optimized.model
-    try:
-        with _in_folder(folder):
-            typed = SymbolicShapeInferenceHelper(model).infer_shapes(model, auto_merge=True, guess_output_rank=False)
-    except Exception as error:  # ORT goes on without the types, warning; so do we, saying why
-        logger.warning("ORT's symbolic shape inference failed before the float16 conversion (%s: %s); converting "
-                       "without its types", type(error).__name__, error)
-        typed = None
-    # element types only, as ORT merges them (auto_merge may widen shapes: microsoft/onnxruntime#15521)
-    known = {info.name for info in model.graph.value_info}
-    for info in (typed.graph.value_info if typed is not None else ()):
-        if info.name and info.name not in known and info.type.tensor_type.elem_type != onnx.TensorProto.UNDEFINED:
-            typed_only = ValueInfoProto()
-            typed_only.CopyFrom(info)
-            typed_only.type.tensor_type.ClearField("shape")
-            model.graph.value_info.append(typed_only)
-            known.add(info.name)
-    onnx.load_external_data_for_model(model, str(folder))
-    converted = OnnxModel(convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=True))
-    converted.remove_cascaded_cast_nodes()
-    converted = OnnxModel(_unload(converted.model, folder / "fp16.onnx"))
-    with _in_folder(folder):
-        converted.remove_useless_cast_nodes()
-    onnx.load_external_data_for_model(converted.model, str(folder))
-    return converted.model
-
-
-def _export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool, optimize: Optional[str],
+def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool, optimize: Optional[str],
                       xl: bool = False) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         scratch_path = Path(scratch) / "model.onnx"
         if optimize:
-            _use_classic_attention(spec["module"])
+            use_classic_attention(spec["module"])
         with torch.no_grad(), warnings.catch_warnings():
             # the TorchScript exporter's notes on Python control flow it traced (TracerWarning) and constant folding
             # it skipped: expected for diffusers' modules, and not the user's to act on
@@ -683,9 +300,9 @@ def _export_component(name: str, spec: dict, target: Path, opset: int, fp16: boo
                 dynamic_axes=spec["dynamic_axes"], opset_version=opset, do_constant_folding=True,
             )
         if optimize:
-            optimized = _optimize(name, scratch_path, fusion_options(name, spec["config"], optimize), optimize)
+            optimized = optimize_component(name, scratch_path, fusion_options(name, spec["config"], optimize), optimize)
             if fp16:
-                model = _optimized_to_float16(optimized, Path(scratch))
+                model = optimized_to_float16(optimized, Path(scratch))
             else:
                 model = optimized.model
                 onnx.load_external_data_for_model(model, scratch)
@@ -699,12 +316,11 @@ def _export_component(name: str, spec: dict, target: Path, opset: int, fp16: boo
             model = onnx.load(str(scratch_path))  # with any external data the exporter wrote beside it
     layers_of = getattr(spec["module"], "unet", None) or getattr(spec["module"], "text_encoder", None)
     if layers_of is not None:  # where each layer's weight went: runtime LoRA updates it there
-        from .lora import lora_layers, weight_map, write_weight_map
 
         (target / name).mkdir(parents=True, exist_ok=True)
         write_weight_map(weight_map(layers_of, model), target / name,
                          [layer for layer, _ in lora_layers(layers_of)])
-    _save_onnx(model, target / name / "model.onnx")
+    save_onnx(model, target / name / "model.onnx")
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
     if fp16 and config.get("force_upcast"):
         # diffusers upcasts such a VAE to float32 before decoding (SDXL's stock VAE overflows float16); a float16 ONNX
@@ -809,10 +425,10 @@ def export_pipeline(
     unknown = [c for c in components if c not in available]
     if unknown:
         raise ValueError(f"components: expected names from {list(available)}, got {unknown}")
-    specs = _component_specs(pipe)
+    specs = component_specs(pipe)
     with building_beside(target) as scratch:
         for name in tqdm(components, desc="export", unit="model", disable=not progress):
-            _export_component(name, specs[name], scratch, opset, fp16, optimize, xl=is_xl(pipe))
+            export_component(name, specs[name], scratch, opset, fp16, optimize, xl=is_xl(pipe))
         for name in ("tokenizer", "tokenizer_2"):
             if getattr(pipe, name, None) is not None:
                 save_tokenizer(getattr(pipe, name), scratch / name)

@@ -1,0 +1,248 @@
+"""``optimum-iobinding bench``: its command line, and the orchestration of a run — every peer of every (model,
+dtype, export) in a process of its own, then the report.
+
+The same ONNX files go through every ONNX peer (:mod:`.peers`), plus diffusers' torch pipeline, on one GPU in one
+run. Each peer runs in its own process, so that memory and ORT arenas do not mix, and so that optimum-onnx can run
+in its own environment (pass its site folder with ``--optimum-pythonpath``). Beside the peers, ``floor`` (not a
+pipeline: back-to-back CUDA-graph replays of the UNet alone, :func:`.probes.run_floor`) gives the GPU floor of one
+step.
+
+Reported per pipeline (:mod:`.report`): end-to-end ms (median of ``--runs`` after ``--warmup``), per-step ms
+((median at N steps − median at the short step count) / the steps between: the loop alone), for ours also the GPU's
+time per step inside whole calls (CUDA events at the first and the last step) and their UNet graph replayed alone in
+the same process, peak GPU memory above the process's idle (device-wide, sampled every millisecond by a child process
+through NVML where pynvml is installed, so ORT's arenas count), host↔device bytes per step (profiled: (bytes at 4
+steps − bytes at 2 steps) / 2), the largest pixel difference from the numpy pipeline's image, and the cold start:
+seconds to load the pipeline (its imports timed apart, as ``import_s``) and seconds for its first image (fresh
+process).
+``--repeats N`` runs each peer in N processes, the peer order rotated each time, and reports the median over them
+(host-bound loops move from one process to the next on the same machine).
+
+``--scenario mixed`` is a service's load instead: batch sizes 1, 4, 8, 2 in turn (``--mixed-batches``), ``--mixed-
+steps`` steps each, for ``--rounds`` rounds of ``--cycles`` passes over them: per round and batch size the median
+ms of its calls, device memory, sessions created after the first round; the peer ``warmed`` is "defaults" with
+``pipe.warmup(...)`` for those batch sizes after loading.
+
+    optimum-iobinding bench --models tiny,small,sd15 --dtypes fp16 --exports plain,optimized --out benchmarks/results/h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .peers import MIXED_PEERS, OPTIMUM_PEERS, PEERS, run_mixed, run_peer
+from .probes import environment, run_floor
+from .report import combine_repeats, write_mixed_report, write_report
+from .zoo import MODEL_SIZES, ensure_export
+
+# what --help says the benchmark is
+DESCRIPTION = ("Benchmark: the same ONNX files through every ONNX peer, plus diffusers' torch pipeline, on one GPU in "
+               "one run.")
+
+
+def run_in_subprocess(args: List[str], pythonpath: Optional[str], timeout: int) -> Dict[str, Any]:
+    """``python -m optimum_iobinding.bench ARGS --result FILE`` in a fresh process (``pythonpath`` put first on its
+    PYTHONPATH), and the JSON it wrote; ``{"error": ...}`` with the end of its output where it failed or ran past
+    ``timeout`` seconds."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as result_file:
+        result_path = result_file.name
+    try:
+        completed = subprocess.run([sys.executable, "-m", "optimum_iobinding.bench", *args, "--result", result_path],
+                                   env=env, capture_output=True, text=True, timeout=timeout)
+        if completed.returncode != 0:
+            return {"error": (completed.stderr or completed.stdout)[-2000:]}
+        return json.loads(Path(result_path).read_text())
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    finally:
+        os.unlink(result_path)
+
+
+def benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[str], peers: Sequence[str], steps: int,
+              runs: int, warmup: int, work: Path, out: Path, optimum_pythonpath: Optional[str], timeout: int,
+              repeats: int = 1) -> Dict:
+    """Every peer of every (model, dtype, export), each in a process of its own, ``repeats`` times: repeat ``r``
+    runs the peers in the given order rotated by ``r``, so that no peer always follows the same one (host-bound
+    loops move between processes on the same machine), and the table shows the median over the processes
+    (:func:`.report.combine_repeats`)."""
+    from tqdm.auto import tqdm
+
+    if repeats < 1:
+        raise ValueError(f"repeats: expected at least 1, got {repeats}")
+    out.mkdir(parents=True, exist_ok=True)
+    results: Dict[str, Any] = {"environment": environment(), "steps": steps, "runs": runs, "warmup": warmup,
+                               "repeats": repeats, "rows": []}
+    configs = [(m, d, e) for m in models for d in dtypes for e in exports]
+    progress = tqdm(total=len(configs) * (len(peers) * repeats + 2), desc="bench", unit="task")
+    for kind, dtype, export in configs:
+        progress.set_postfix_str(f"{kind} {dtype} {export}: export")
+        folder = ensure_export(kind, dtype, export, work)
+        progress.update()
+        row = {"model": kind, "dtype": dtype, "export": export, "size": MODEL_SIZES[kind], "peers": {}}
+        floor_args = ["--run-floor", "--folder", str(folder), "--model", kind]
+        progress.set_postfix_str(f"{kind} {dtype} {export}: floor")
+        row["floor"] = run_in_subprocess(floor_args, None, timeout)
+        progress.update()
+        by_peer: Dict[str, List[Dict[str, Any]]] = {}
+        for repeat in range(repeats):
+            for peer in list(peers[repeat % len(peers):]) + list(peers[:repeat % len(peers)]):
+                if peer == "torch" and (dtype != "fp16" or export != "plain"):
+                    progress.update()
+                    continue  # the torch peer is fp16 eager, once per model
+                progress.set_postfix_str(f"{kind} {dtype} {export}: {peer}"
+                                         + (f" ({repeat + 1}/{repeats})" if repeats > 1 else ""))
+                image = work / f"image-{kind}-{dtype}-{export}-{peer}.npy"
+                peer_args = ["--run-peer", peer, "--folder", str(folder), "--model", kind, "--dtype", dtype,
+                             "--steps", str(steps), "--runs", str(runs), "--warmup", str(warmup), "--image",
+                             str(image)]
+                by_peer.setdefault(peer, []).append(
+                    run_in_subprocess(peer_args, optimum_pythonpath if peer in OPTIMUM_PEERS else None, timeout))
+                progress.update()
+        row["peers"] = {peer: combine_repeats(by_peer[peer]) for peer in peers if peer in by_peer}
+        reference = row["peers"].get("numpy", {}).get("image") or row["peers"].get("optimum", {}).get("image")
+        row["reference"] = "numpy" if row["peers"].get("numpy", {}).get("image") else "optimum"
+        for result in row["peers"].values():
+            if reference and result.get("image") and "error" not in result:
+                difference = np.abs(np.load(result["image"]) - np.load(reference)).max()
+                result["max_abs_diff_vs_numpy"] = float(difference)
+        results["rows"].append(row)
+        (out / "results.json").write_text(json.dumps(results, indent=2))
+    progress.close()
+    write_report(results, out)
+    return results
+
+
+def mixed_benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[str], peers: Sequence[str],
+                    batches: Sequence[int], steps: int, rounds: int, first_steps: int, work: Path, out: Path,
+                    timeout: int, cycles: int = 1) -> Dict:
+    """``--scenario mixed``: every peer in a fresh process on the same export, results in mixed.json/md/png."""
+    if cycles < 1:
+        raise ValueError(f"cycles: expected at least 1, got {cycles}")
+    out.mkdir(parents=True, exist_ok=True)
+    results: Dict[str, Any] = {"environment": environment(), "scenario": "mixed", "batches": list(batches),
+                               "steps": steps, "rounds": rounds, "cycles": cycles, "first_steps": first_steps,
+                               "rows": []}
+    for kind, dtype, export in [(m, d, e) for m in models for d in dtypes for e in exports]:
+        folder = ensure_export(kind, dtype, export, work)
+        row = {"model": kind, "dtype": dtype, "export": export, "size": MODEL_SIZES[kind], "peers": {}}
+        for peer in peers:
+            print(f"mixed: {kind} {dtype} {export}: {peer}", file=sys.stderr, flush=True)
+            row["peers"][peer] = run_in_subprocess(
+                ["--run-mixed", peer, "--folder", str(folder), "--model", kind, "--dtype", dtype,
+                 "--mixed-batches", ",".join(map(str, batches)), "--mixed-steps", str(steps), "--rounds",
+                 str(rounds), "--cycles", str(cycles), "--steps", str(first_steps)], None, timeout)
+        results["rows"].append(row)
+        (out / "mixed.json").write_text(json.dumps(results, indent=2))
+    write_mixed_report(results, out)
+    return results
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="optimum-iobinding bench", description=DESCRIPTION)
+    parser.add_argument("--models", default="tiny,small,sd15")
+    parser.add_argument("--dtypes", default="fp16,fp32")
+    parser.add_argument("--exports", default="plain,optimized")
+    parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="single: processes per peer, the peer order rotated each time; the table shows the "
+                             "median over them")
+    parser.add_argument("--work", default="bench-work", help="where exports and images go")
+    parser.add_argument("--out", default="benchmarks/results/latest")
+    parser.add_argument("--optimum-pythonpath", default=None, help="site folder of the optimum-onnx environment")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per peer process")
+    parser.add_argument("--report-only", action="store_true", help="re-render results.md/png from results.json")
+    parser.add_argument("--scenario", choices=("single", "mixed"), default="single",
+                        help="single: one batch size, every peer (default); mixed: batch sizes in turn, rounds")
+    parser.add_argument("--mixed-batches", default="1,4,8,2", help="mixed: images per call, in turn")
+    parser.add_argument("--mixed-steps", type=int, default=10, help="mixed: steps per call")
+    parser.add_argument("--rounds", type=int, default=3, help="mixed: rounds over the batch sizes")
+    parser.add_argument("--cycles", type=int, default=3,
+                        help="mixed: passes over the batch sizes per round; a round's time per batch size is the "
+                             "median of its calls")
+    parser.add_argument("--export-only", action="store_true",
+                        help="only make the exports under --work (e.g. in the background, ahead of the benches)")
+    # one peer in this process (used by the orchestrator)
+    parser.add_argument("--run-peer", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run-floor", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--run-mixed", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--folder", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--image", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected at least 1, got {args.repeats}")
+    if args.cycles < 1:
+        parser.error(f"--cycles: expected at least 1, got {args.cycles}")
+    if args.run_mixed:
+        result = run_mixed(args.run_mixed, Path(args.folder), args.model, args.dtype,
+                           [int(b) for b in split(args.mixed_batches)], args.mixed_steps, args.rounds, args.steps,
+                           args.cycles)
+        Path(args.result).write_text(json.dumps(result))
+        return 0
+    if args.run_peer or args.run_floor:
+        if args.run_floor:
+            result = run_floor(Path(args.folder), args.model)
+        else:
+            result = run_peer(args.run_peer, Path(args.folder), args.model, args.dtype, args.steps, args.runs,
+                              args.warmup, Path(args.image))
+        Path(args.result).write_text(json.dumps(result))
+        return 0
+    out = Path(args.out)
+    if args.report_only:
+        if (out / "mixed.json").is_file():
+            write_mixed_report(json.loads((out / "mixed.json").read_text()), out)
+        if (out / "results.json").is_file():
+            write_report(json.loads((out / "results.json").read_text()), out)
+        return 0
+    if args.export_only:
+        for kind in split(args.models):
+            for dtype in split(args.dtypes):
+                for export in split(args.exports):
+                    print(ensure_export(kind, dtype, export, Path(args.work)), flush=True)
+        return 0
+    if not torch.cuda.is_available():
+        print("optimum-iobinding bench: error: no CUDA GPU is visible to torch here; the benchmark measures CUDA "
+              "pipelines (--export-only and --report-only work without one)", file=sys.stderr)
+        return 1
+    if args.scenario == "mixed":
+        peers = [peer for peer in split(args.peers) if peer in MIXED_PEERS] if args.peers != parser.get_default(
+            "peers") else list(MIXED_PEERS)
+        mixed_benchmark(split(args.models), split(args.dtypes), split(args.exports), peers,
+                        [int(b) for b in split(args.mixed_batches)], args.mixed_steps, args.rounds, args.steps,
+                        Path(args.work), out, args.timeout, args.cycles)
+        print((out / "mixed.md").read_text())
+        return 0
+    results = benchmark(split(args.models), split(args.dtypes), split(args.exports), split(args.peers), args.steps,
+                        args.runs, args.warmup, Path(args.work), out, args.optimum_pythonpath, args.timeout,
+                        args.repeats)
+    print((out / "results.md").read_text())
+    measured = [result for row in results["rows"] for result in row["peers"].values()
+                if "error" not in result and "skipped" not in result]
+    if not measured:
+        print("optimum-iobinding bench: error: every peer failed or was skipped; see results.md for why",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""The benchmark's reports: peers' results combined (:func:`combine_repeats`, :func:`mixed_summary`) and rendered
+— results.json → results.md and results.png, mixed.json → mixed.md and one mixed-*.png per configuration (charts
+only where matplotlib is installed)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any, Dict, Sequence
+
+
+def combine_repeats(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """One peer's results from several processes (``--repeats``) as one: the median over the processes of each
+    one's median time, per-step time, load and first-image seconds; the highest memory peak and copy counts; every
+    timed run in ``end_to_end_ms_all``; each process's own result in ``repeats``. A process that failed or was
+    skipped makes the whole result that failure (with the others kept in ``repeats``)."""
+    if len(results) == 1:
+        return results[0]
+    kept = [{key: value for key, value in result.items() if key != "image"} for result in results]
+    for result in results:
+        if "error" in result or "skipped" in result:
+            return {**result, "repeats": kept}
+    combined = dict(results[0])
+    for key in ("end_to_end_ms", "per_step_ms", "load_s", "first_image_s", "own_floor_ms",
+                "per_step_over_own_floor", "gpu_step_ms", "gpu_step_over_own_floor"):
+        values = [result[key] for result in results if result.get(key) is not None]
+        combined[key] = statistics.median(values) if values else None
+    for key in ("peak_memory_mib", "htod_bytes_per_step", "dtoh_bytes_per_step"):
+        combined[key] = max(result[key] for result in results)
+    combined["end_to_end_ms_all"] = [ms for result in results for ms in result.get("end_to_end_ms_all", [])]
+    combined["repeats"] = kept
+    return combined
+
+
+def mixed_summary(result: Dict[str, Any]) -> Dict[str, Any]:
+    """Per batch size: the best round's ms and the worst later round's ratio to it (the "within 5 %" check); and
+    whether any session was created after the first round."""
+    rounds = result["per_round_ms"]
+    worst, best = {}, {}
+    for batch in map(str, result["batches"]):
+        times = [row[batch] for row in rounds]
+        best[batch] = min(times)
+        worst[batch] = max(times[1:]) / best[batch] if len(times) > 1 else 1.0
+    sessions = [count for count in result.get("sessions_after_round", []) if count is not None]
+    return {"best_ms": best, "worst_later_round_ratio": worst,
+            "sessions_created_after_round_1": (sessions[-1] - sessions[0]) if sessions else None}
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file-only backend, or ``None`` where matplotlib is not installed (tables only)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def write_report(results: Dict[str, Any], out: Path) -> None:
+    """results.json → results.md (table) and results.png (chart)."""
+    env = results["environment"]
+    lines = [
+        f"# Benchmark: {env.get('device')}",
+        "",
+        f"`{env.get('command')}` — {env.get('date')}; torch {env.get('torch')} (CUDA {env.get('cuda')}), onnxruntime "
+        f"{env.get('onnxruntime')}, diffusers {env.get('diffusers')}, transformers {env.get('transformers')}; "
+        f"{results['steps']} DDIM steps, CFG (batch 2), median of {results['runs']} runs after {results['warmup']} "
+        + (f"warm-up in each of {results['repeats']} processes per peer (peer order rotated each time), then the "
+           "median over the processes" if results.get("repeats", 1) > 1 else "warm-up")
+        + "; SDXL guidance 5; LCM 4 steps (LCM scheduler, guidance embedded, batch 1); Turbo 4 Euler-ancestral "
+        "trailing steps, guidance 0. Where diffusers has no numpy pipeline (SDXL, LCM), × and diff are against "
+        "optimum-onnx.",
+        "",
+        "| model | dtype | export | pipeline | end-to-end ms | per-step ms | × numpy | step / GPU floor "
+        "| step / own graph | GPU step / own graph | peak GPU MiB | H↔D bytes/step | max diff vs numpy | load s "
+        "| first image s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        floor = row.get("floor", {}).get("per_step_ms")
+        numpy_ms = row["peers"].get(row.get("reference", "numpy"), {}).get("end_to_end_ms")
+        for peer, result in row["peers"].items():
+            label = f"| {row['model']} {row['size']}² | {row['dtype']} | {row['export']} | {peer} |"
+            if "skipped" in result:
+                lines.append(f"{label} — ({result['skipped']}) |" + " |" * 10)
+                continue
+            if "error" in result:
+                lines.append(f"{label} failed: {result['error'].strip().splitlines()[-1][:120]} |" + " |" * 10)
+                continue
+            speedup = f"{numpy_ms / result['end_to_end_ms']:.2f}" if numpy_ms else ""
+            vs_floor = f"{result['per_step_ms'] / floor:.3f}" if floor else ""
+            own = result.get("per_step_over_own_floor")
+            vs_own = "" if own is None else f"{own:.3f} ({result['own_floor_ms']:.2f})"
+            gpu_own = result.get("gpu_step_over_own_floor")
+            gpu_vs_own = "" if gpu_own is None else f"{gpu_own:.3f} ({result['gpu_step_ms']:.3f})"
+            copies = result["htod_bytes_per_step"] + result["dtoh_bytes_per_step"]
+            diff = result.get("max_abs_diff_vs_numpy")
+            cold = " | ".join(f"{result[key]:.2f}" if result.get(key) is not None else "" for key in
+                              ("load_s", "first_image_s"))
+            lines.append(
+                f"{label} {result['end_to_end_ms']:.1f} | {result['per_step_ms']:.2f} | {speedup} | {vs_floor} | "
+                f"{vs_own} | {gpu_vs_own} | {result['peak_memory_mib']:.0f} | {copies:,.0f} | "
+                f"{'' if diff is None else f'{diff:.2e}'} | {cold} |"
+            )
+        if floor:
+            lines.append(f"| {row['model']} {row['size']}² | {row['dtype']} | {row['export']} | GPU floor (UNet graph "
+                         f"replays, a process of its own) | | {floor:.2f} | | 1.000 |" + " |" * 7)
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    plt = _pyplot()
+    if plt is None:
+        return
+    labels, values, colors = [], [], []
+    palette = {"numpy": "#999999", "optimum": "#e69f00", "accelerated": "#d55e00", "defaults": "#0072b2",
+               "binding": "#56b4e9", "graph": "#009e73", "torch": "#cc79a7"}
+    for row in results["rows"]:
+        for peer, result in row["peers"].items():
+            if "error" not in result and "skipped" not in result:
+                labels.append(f"{row['model']} {row['dtype']} {row['export']}\n{peer}")
+                values.append(result["end_to_end_ms"])
+                colors.append(palette.get(peer, "#333333"))
+    figure, axis = plt.subplots(figsize=(10, 0.35 * len(labels) + 1.5))
+    axis.barh(range(len(labels)), values, color=colors)
+    axis.set_yticks(range(len(labels)), labels, fontsize=7)
+    axis.invert_yaxis()
+    axis.set_xlabel(f"end-to-end ms ({results['steps']} steps, CFG), lower is better")
+    axis.set_title(f"optimum-iobinding benchmark — {env.get('device')}")
+    figure.tight_layout()
+    figure.savefig(out / "results.png", dpi=120)
+
+
+def write_mixed_report(results: Dict[str, Any], out: Path) -> None:
+    """mixed.json → mixed.md (tables) and mixed.png (per-call ms per round)."""
+    env = results["environment"]
+    batches = [str(b) for b in results["batches"]]
+    cycles = results.get("cycles", 1)
+    timed_apart = any("import_s" in peer for row in results["rows"] for peer in row["peers"].values())
+    imports = " (imports apart)" if timed_apart else " (imports included)"
+    lines = [
+        f"# Mixed batch sizes: {env.get('device')}",
+        "",
+        f"`{env.get('command')}` — {env.get('date')}; torch {env.get('torch')}, onnxruntime {env.get('onnxruntime')}, "
+        f"diffusers {env.get('diffusers')}. Batch sizes {' → '.join(batches)} in turn, {results['steps']} DDIM steps "
+        f"each, CFG, {results['rounds']} rounds"
+        + (f" of {cycles} passes over them (a round's ms: the median of its {cycles} calls per batch size)"
+           if cycles > 1 else ", one call per batch size each")
+        + f", one process per peer. Cold start: load{imports}, then a first batch-1 image of "
+        f"{results['first_steps']} steps. Memory: device-wide peak above the process's idle.",
+        "",
+        "| model | pipeline | " + " | ".join(f"round {r + 1} ms (b{'/b'.join(batches)})" for r in range(results["rounds"]))
+        + " | worst later round / best | peak MiB | × numpy MiB | sessions created after round 1 | load s | warm-up s "
+        "| first image s |",
+        "|---|---|" + "---|" * results["rounds"] + "---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        numpy_mib = row["peers"].get("numpy", {}).get("peak_memory_mib")
+        for peer, result in row["peers"].items():
+            label = f"| {row['model']} {row['dtype']} {row['export']} {row['size']}² | {peer} |"
+            if "error" in result:
+                lines.append(f"{label} failed: {result['error'].strip().splitlines()[-1][:120]} |")
+                continue
+            summary = mixed_summary(result)
+            rounds = " | ".join(" / ".join(f"{r[b]:.0f}" for b in batches) for r in result["per_round_ms"])
+            worst = max(summary["worst_later_round_ratio"].values())
+            ratio = f"{result['peak_memory_mib'] / numpy_mib:.2f}" if numpy_mib else ""
+            created = summary["sessions_created_after_round_1"]
+            warm = f"{result['warmup_s']:.1f}" if result.get("warmup_s") is not None else ""
+            lines.append(f"{label} {rounds} | {worst:.3f} | {result['peak_memory_mib']:.0f} | {ratio} | "
+                         f"{'' if created is None else created} | {result['load_s']:.1f} | {warm} | "
+                         f"{result['first_image_s']:.2f} |")
+    (out / "mixed.md").write_text("\n".join(lines) + "\n")
+    plt = _pyplot()
+    if plt is None:
+        return
+    for row in results["rows"]:
+        figure, axis = plt.subplots(figsize=(10, 4))
+        for peer, result in row["peers"].items():
+            if "error" in result:
+                continue
+            series = [r[b] for r in result["per_round_ms"] for b in batches]
+            axis.plot(range(len(series)), series, marker="o", label=peer)
+        axis.set_xticks(range(len(batches) * results["rounds"]),
+                        [f"r{r + 1} b{b}" for r in range(results["rounds"]) for b in batches], fontsize=7)
+        axis.set_ylabel("ms per call")
+        axis.set_yscale("log")
+        axis.set_title(f"mixed batch sizes — {row['model']} {row['dtype']} {row['export']} — {env.get('device')}")
+        axis.legend()
+        figure.tight_layout()
+        figure.savefig(out / f"mixed-{row['model']}-{row['dtype']}-{row['export']}.png", dpi=120)

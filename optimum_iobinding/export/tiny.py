@@ -1,0 +1,260 @@
+"""Tiny random-weights diffusers pipelines and LoRAs, built offline (no weights can be downloaded in tests): the
+default demo, the tests' fixtures and the benchmark's small models start from these."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Dict, Sequence, Union
+
+import numpy as np
+import torch
+
+# ------------------------------------------------------------------------------------------------- tiny pipeline
+def _byte_to_unicode() -> Dict[int, str]:
+    """GPT-2/CLIP's reversible byte → printable character map (printable bytes stand for themselves)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+_TINY_WORDS = (
+    "a an the of on in with and photo painting picture astronaut horse riding cat dog house tree mountain sky red "
+    "blue green portrait landscape city night sunset beautiful detailed castle forest river car"
+).split()
+
+
+def write_tiny_tokenizer(folder: Union[str, os.PathLike]) -> "object":
+    """Writes a small byte-level BPE vocabulary (vocab.json, merges.txt) and returns the CLIPTokenizer saved there.
+
+    Every byte has a token, alone and word-final (``</w>``), so any text tokenizes; merges spell out a few common
+    prompt words. ``CLIPTokenizer`` skips the first line of merges.txt, hence the ``#version: 0.2`` header.
+    """
+    from transformers import CLIPTokenizer
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    characters = list(_byte_to_unicode().values())
+    vocab = {}
+    for token in characters + [c + "</w>" for c in characters]:
+        vocab.setdefault(token, len(vocab))
+    merges = []
+    for word in _TINY_WORDS:
+        symbols = list(word[:-1]) + [word[-1] + "</w>"]
+        while len(symbols) > 1:
+            pair = (symbols[0], symbols[1])
+            merged = pair[0] + pair[1]
+            if pair not in merges:
+                merges.append(pair)
+                vocab.setdefault(merged, len(vocab))
+            symbols = [merged] + symbols[2:]
+    for special in ("<|startoftext|>", "<|endoftext|>"):
+        vocab[special] = len(vocab)
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (folder / "merges.txt").write_text(
+        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8"
+    )
+    tokenizer = CLIPTokenizer(
+        str(folder / "vocab.json"),
+        str(folder / "merges.txt"),
+        bos_token="<|startoftext|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        model_max_length=77,
+    )
+    tokenizer.save_pretrained(str(folder))
+    return tokenizer
+
+
+def build_tiny_random_pipeline(seed: int = 0):
+    """A tiny random-weights ``StableDiffusionPipeline`` built offline: UNet of two blocks (32/64 channels), a
+    2-layer CLIP text model of hidden size 32, a small four-block VAE (8× scale), a small byte-level BPE tokenizer,
+    PNDM scheduler."""
+    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        sample_size=32,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        norm_num_groups=32,
+    )
+    # four blocks: the usual 8× scale, which diffusers' ONNX pipeline assumes (the baseline must run on it too)
+    vae = AutoencoderKL(
+        block_out_channels=(32, 32, 32, 64),
+        layers_per_block=1,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        latent_channels=4,
+        norm_num_groups=32,
+        sample_size=64,
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = write_tiny_tokenizer(folder)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            hidden_size=32,
+            intermediate_size=37,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            layer_norm_eps=1e-5,
+            vocab_size=len(tokenizer),
+            max_position_embeddings=77,
+        )
+    )
+    scheduler = PNDMScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
+        skip_prk_steps=True, set_alpha_to_one=False, steps_offset=1,
+    )
+    return StableDiffusionPipeline(
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    ).to(torch.float32)
+
+
+def _tiny_text_encoder_config(tokenizer, layers: int = 2, **extra):
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=layers, layer_norm_eps=1e-5,
+        vocab_size=len(tokenizer), max_position_embeddings=77, **extra,
+    )
+
+
+def build_tiny_random_xl_pipeline(seed: int = 0):
+    """A tiny random-weights ``StableDiffusionXLPipeline`` built offline: two 3-layer CLIP encoders (the second with
+    a projection), a UNet of two blocks conditioned on pooled text and time ids (SDXL's ``text_time``), the tiny
+    VAE, Euler scheduler as SDXL ships."""
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    base = build_tiny_random_pipeline(seed)
+    torch.manual_seed(seed + 1)
+    tokenizer = base.tokenizer
+    text_encoder = CLIPTextModel(_tiny_text_encoder_config(tokenizer, layers=3))
+    text_encoder_2 = CLIPTextModelWithProjection(_tiny_text_encoder_config(tokenizer, layers=3, projection_dim=32))
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64), layers_per_block=2, sample_size=32, in_channels=4, out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4), use_linear_projection=True, transformer_layers_per_block=(1, 2),
+        addition_embed_type="text_time", addition_time_embed_dim=8, projection_class_embeddings_input_dim=6 * 8 + 32,
+        cross_attention_dim=64, norm_num_groups=32,
+    )
+    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                       steps_offset=1, timestep_spacing="leading")
+    return StableDiffusionXLPipeline(
+        vae=base.vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer,
+        tokenizer_2=tokenizer, unet=unet, scheduler=scheduler,
+    ).to(torch.float32)
+
+
+def build_tiny_random_lcm_pipeline(seed: int = 0):
+    """The tiny pipeline with an LCM UNet (``time_cond_proj_dim``: a guidance-scale embedding input) and
+    ``LCMScheduler``: a ``LatentConsistencyModelPipeline``."""
+    from diffusers import LatentConsistencyModelPipeline, LCMScheduler, UNet2DConditionModel
+
+    base = build_tiny_random_pipeline(seed)
+    torch.manual_seed(seed + 2)
+    unet = UNet2DConditionModel(**{**base.unet.config, "time_cond_proj_dim": 32})
+    return LatentConsistencyModelPipeline(
+        vae=base.vae, text_encoder=base.text_encoder, tokenizer=base.tokenizer, unet=unet,
+        scheduler=LCMScheduler.from_config(base.scheduler.config), safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False,
+    ).to(torch.float32)
+
+
+def build_tiny_random_controlnet(unet, seed: int = 0):
+    """A tiny random-weights ``ControlNetModel`` for the tiny UNet: its encoder half (``ControlNetModel.from_unet``,
+    a conditioning embedding that downsamples 8×, as the tiny VAE does) with every weight drawn at random — the
+    zero convolutions too, which a fresh ControlNet starts at zero (its residuals would then be zero and prove
+    nothing)."""
+    from diffusers import ControlNetModel
+
+    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(8, 16, 16, 32))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in controlnet.named_parameters():
+            if name.startswith(("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding")):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    return controlnet.to(torch.float32)
+
+
+def build_tiny_random_controlnet_pipeline(seed: int = 0, controlnets: int = 1):
+    """The tiny pipeline with one (or ``controlnets``) tiny random ControlNets: a ``StableDiffusionControlNetPipeline``
+    (with a ``MultiControlNetModel`` for more than one)."""
+    from diffusers import StableDiffusionControlNetPipeline
+
+    base = build_tiny_random_pipeline(seed)
+    nets = [build_tiny_random_controlnet(base.unet, seed + 10 + k) for k in range(controlnets)]
+    return StableDiffusionControlNetPipeline(
+        vae=base.vae, text_encoder=base.text_encoder, tokenizer=base.tokenizer, unet=base.unet,
+        controlnet=nets[0] if controlnets == 1 else nets, scheduler=base.scheduler, safety_checker=None,
+        feature_extractor=None, requires_safety_checker=False,
+    )
+
+
+TINY_RANDOM_KINDS: Dict[str, Callable[[], Any]] = {
+    "sd": build_tiny_random_pipeline,
+    "xl": build_tiny_random_xl_pipeline,
+    "lcm": build_tiny_random_lcm_pipeline,
+    "controlnet": build_tiny_random_controlnet_pipeline,
+}
+
+
+# ------------------------------------------------------------------------------------------------- tiny LoRA
+def random_lora_layers(module: torch.nn.Module, targets: Sequence[str], rank: int = 4,
+                       seed: int = 0) -> Dict[str, torch.Tensor]:
+    """A random LoRA for ``module`` (tests and benchmarks: no LoRA can be downloaded offline): for every Linear and
+    Conv2d whose name is one of ``targets`` or ends with ``"." + target`` (PEFT's matching), ``lora_A`` (rank × in,
+    with the layer's kernel for a convolution) and ``lora_B`` (out × rank, 1 × 1), both non-zero, keyed by PEFT's
+    names (``down_blocks.0….to_q.lora_A.weight``). Works on a module made on the ``meta`` device (shapes only)."""
+    generator = torch.Generator().manual_seed(seed)
+    layers: Dict[str, torch.Tensor] = {}
+    for name, layer in module.named_modules():
+        if not any(name == target or name.endswith("." + target) for target in targets):
+            continue
+        if isinstance(layer, torch.nn.Linear):
+            down_shape, up_shape = (rank, layer.in_features), (layer.out_features, rank)
+        elif isinstance(layer, torch.nn.Conv2d):
+            down_shape = (rank, layer.in_channels, *layer.kernel_size)
+            up_shape = (layer.out_channels, rank, 1, 1)
+        else:
+            continue
+        fan_in = int(np.prod(down_shape[1:]))
+        layers[f"{name}.lora_A.weight"] = torch.randn(down_shape, generator=generator) / fan_in ** 0.5
+        layers[f"{name}.lora_B.weight"] = torch.randn(up_shape, generator=generator) * 0.5 / rank ** 0.5
+    if not layers:
+        raise ValueError(f"targets: no Linear or Conv2d layer of the module is named {list(targets)}")
+    return layers
+
+
+def save_lora(folder: Union[str, Path], **components: Dict[str, torch.Tensor]) -> Path:
+    """Writes ``pytorch_lora_weights.safetensors`` in diffusers' format: each component's layers (e.g.
+    ``unet=random_lora_layers(...)``) under its name (``unet.…``, ``text_encoder.…``)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({f"{component}.{key}": value.contiguous() for component, layers in components.items()
+               for key, value in layers.items()}, str(folder / "pytorch_lora_weights.safetensors"))
+    return folder

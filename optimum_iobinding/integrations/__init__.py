@@ -1,0 +1,1 @@
+"""Integrations with other libraries' pipelines (optimum's ORT pipelines: ``accelerate``)."""

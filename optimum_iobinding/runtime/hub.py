@@ -1,0 +1,94 @@
+"""Where a model's files are: a local file or folder, or a Hugging Face Hub repository; the external-data files an
+.onnx file references; its graph read without its weights."""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Any, List, Mapping, Optional, Union
+
+import onnx
+
+from ..layout import download_from_hub
+
+# snapshot_download's own parameters that a loader sets itself: never the caller's to pass
+_HUB_OWN = {"repo_id", "allow_patterns", "ignore_patterns", "tqdm_class", "dry_run"}
+
+
+def hub_keywords() -> List[str]:
+    """The keywords this huggingface_hub's ``snapshot_download`` takes for loading (revision, token, cache_dir …)."""
+    import inspect
+
+    from huggingface_hub import snapshot_download
+
+    return [name for name, parameter in inspect.signature(snapshot_download).parameters.items()
+            if name not in _HUB_OWN and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)]
+
+
+def check_hub_kwargs(where: str, hub_kwargs: Mapping[str, Any]) -> None:
+    """Unknown keywords are an error naming them, not silently passed on or dropped (a misspelled ``io_bindng``):
+    the keywords left for the hub download pass only if this huggingface_hub's ``snapshot_download`` takes them."""
+    if not hub_kwargs:
+        return
+    known = hub_keywords()
+    unknown = sorted(set(hub_kwargs) - set(known))
+    if unknown:
+        raise TypeError(f"{where}: got unexpected keyword argument(s) {unknown}; besides its own arguments it takes "
+                        f"huggingface_hub's download keywords {known}")
+
+
+def load_graph(path: str) -> onnx.ModelProto:
+    """The graph of an .onnx file without its external weights, with errors that name the file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"path: expected an .onnx file, found nothing at {path!r}")
+    try:
+        return onnx.load(path, load_external_data=False)
+    except Exception as error:  # protobuf's DecodeError and friends
+        raise ValueError(f"path: {path!r} is not a readable ONNX model: {type(error).__name__}: {error}") from error
+
+
+def external_data_locations(model_path: Union[str, os.PathLike]) -> List[str]:
+    """The relative paths of the external-data files an .onnx file references, in first-use order."""
+    model = onnx.load(os.fspath(model_path), load_external_data=False)
+    locations: "OrderedDict[str, None]" = OrderedDict()
+    for tensor in _all_tensors(model.graph):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    locations[entry.value] = None
+    return list(locations)
+
+
+def _all_tensors(graph: onnx.GraphProto):
+    """Initializers and tensor attributes of a graph and of its subgraphs (If/Loop/Scan bodies)."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            if attribute.HasField("g"):
+                yield from _all_tensors(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from _all_tensors(subgraph)
+
+
+def resolve_model_file(
+    model_id: Union[str, os.PathLike], subfolder: Optional[str], file_name: str, **hub_kwargs: Any
+) -> str:
+    """Finds ``model_id[/subfolder]/file_name`` locally, or downloads that folder from the Hugging Face Hub."""
+    model_id = os.fspath(model_id)
+    if os.path.isfile(model_id):
+        return model_id
+    if os.path.isdir(model_id):
+        path = os.path.join(model_id, subfolder or "", file_name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"model_id: expected {file_name!r} in {os.path.join(model_id, subfolder or '')!r}, "
+                                    f"found no such file")
+        return path
+    pattern = f"{subfolder}/*" if subfolder else "*"
+    folder = download_from_hub(model_id, [pattern], "model_id", **hub_kwargs)
+    path = os.path.join(folder, subfolder or "", file_name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model_id: hub repository {model_id!r} has no {os.path.join(subfolder or '', file_name)!r}")
+    return path

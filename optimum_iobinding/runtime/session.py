@@ -1,0 +1,154 @@
+"""The session recipe: how every ONNX Runtime session of one model is made, and how many were.
+
+Every session of a model (the plain one, the graph pool's, its siblings') comes from :meth:`SessionRecipe.create`
+with the model's resolved :class:`~optimum_iobinding.runtime.options.ModelOptions` (providers, their options with the
+stream, ``sess_options``) and its :class:`~optimum_iobinding.runtime.weights.OwnedWeights`, and is counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import onnx
+import onnxruntime as ort
+
+from .cuda_policy import DEVICE_SETUP
+from .options import ModelOptions
+from . import timeline
+from .weights import OwnedWeights, source_name
+
+logger = logging.getLogger(__name__)
+
+
+def create_session(
+    path_or_bytes: Union[str, bytes],
+    providers: Sequence[str],
+    provider_options: Sequence[Dict[str, str]],
+    sess_options: Optional[ort.SessionOptions] = None,
+) -> ort.InferenceSession:
+    """``onnxruntime.InferenceSession`` with errors that name the file."""
+    if isinstance(path_or_bytes, str) and not os.path.isfile(path_or_bytes):
+        raise FileNotFoundError(f"path: expected an .onnx file, found nothing at {path_or_bytes!r}")
+    try:
+        return ort.InferenceSession(path_or_bytes, sess_options=sess_options, providers=list(providers),
+                                    provider_options=list(provider_options))
+    except Exception as error:  # ORT's own exception types are not importable in a stable place
+        where = repr(path_or_bytes) if isinstance(path_or_bytes, str) else "the model bytes"
+        raise ValueError(f"path: onnxruntime could not load {where}: {error}") from error
+
+
+def copy_session_options(base: Optional[ort.SessionOptions]) -> ort.SessionOptions:
+    """A new ``SessionOptions`` with the settings of ``base`` that matter here (the user's object is never changed)."""
+    copy = ort.SessionOptions()
+    if base is not None:
+        for attribute in ("graph_optimization_level", "intra_op_num_threads", "inter_op_num_threads", "execution_mode",
+                          "log_severity_level", "log_verbosity_level", "enable_mem_pattern", "enable_mem_reuse",
+                          "enable_cpu_mem_arena", "use_deterministic_compute"):
+            setattr(copy, attribute, getattr(base, attribute))
+    return copy
+
+
+_ORT_TYPE_NAMES = {
+    onnx.TensorProto.FLOAT: "float", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16",
+    onnx.TensorProto.DOUBLE: "double", onnx.TensorProto.INT64: "int64", onnx.TensorProto.INT32: "int32",
+    onnx.TensorProto.INT16: "int16", onnx.TensorProto.INT8: "int8", onnx.TensorProto.UINT8: "uint8",
+    onnx.TensorProto.BOOL: "bool",
+}
+
+
+def declared_types(model: onnx.ModelProto) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """The graph's inputs and outputs with their types as ORT names them (``"tensor(float16)"``), in order; graph
+    inputs that are initializers (older IR versions list them) are not inputs to feed."""
+    initializers = {tensor.name for tensor in model.graph.initializer}
+
+    def type_of(value: onnx.ValueInfoProto) -> str:
+        if not value.type.HasField("tensor_type"):
+            return value.type.WhichOneof("value") or "unknown"
+        elem = value.type.tensor_type.elem_type
+        return f"tensor({_ORT_TYPE_NAMES.get(elem, onnx.TensorProto.DataType.Name(elem).lower())})"
+
+    inputs = {value.name: type_of(value) for value in model.graph.input if value.name not in initializers}
+    outputs = {value.name: type_of(value) for value in model.graph.output}
+    return inputs, outputs
+
+
+
+class SessionRecipe:
+    """Everything needed to create a session of one model, decided once, and the count of sessions made.
+
+    Args:
+        source: the .onnx path or the model bytes (``None`` for a session given from outside, which cannot be
+            created again).
+        options: the model's resolved options (providers with the stream, ``sess_options``, ``share_weights``).
+    """
+
+    def __init__(self, source: Union[str, bytes, None], options: ModelOptions):
+        self.source = source
+        self.options = options
+        self.providers = list(options.providers)
+        self.provider_options = [dict(o) for o in options.provider_options]
+        self.sess_options = options.sess_options
+        self.device = options.device
+        self.stream = options.stream
+        self.weights = OwnedWeights(source, self.device, options.share_weights)
+        self._lock = threading.Lock()
+        self.sessions_created = 0
+        # (what, seconds) per attempt: "session" for a session made, "refused" for one ORT refused
+        self.creation_log: List[Tuple[str, float]] = []
+
+    @classmethod
+    def for_session(cls, session: ort.InferenceSession, options: ModelOptions) -> "SessionRecipe":
+        """The recipe a given session was made with (as far as ORT tells it), to create more like it."""
+        source = getattr(session, "_model_path", None) or getattr(session, "_model_bytes", None)
+        recipe = cls(source, options)
+        recipe.sessions_created = 1
+        return recipe
+
+    @property
+    def can_create(self) -> bool:
+        return self.source is not None
+
+    def create(
+        self,
+        free_dims: Optional[Mapping[str, int]] = None,
+        provider_updates: Optional[Mapping[str, str]] = None,
+        quiet: bool = False,
+    ) -> ort.InferenceSession:
+        """A new session of the model.
+
+        Args:
+            free_dims: named input dims to fix (``add_free_dimension_override_by_name``).
+            provider_updates: options added to the first provider's (e.g. ``enable_cuda_graph``).
+            quiet: an attempt whose refusal the caller reports itself: unless the user gave ``sess_options``,
+                ORT's own log lines for it (warnings and the refusal's error line) are not printed.
+        """
+        if self.source is None:
+            raise RuntimeError("the session was created from neither a path nor bytes, so it cannot be created again")
+        sess_options = copy_session_options(self.sess_options)
+        if quiet and self.sess_options is None:
+            sess_options.log_severity_level = 4  # fatal only
+        for dim, size in (free_dims or {}).items():
+            sess_options.add_free_dimension_override_by_name(dim, int(size))
+        self.weights.add_to(sess_options)
+        options = [dict(o) for o in self.provider_options]
+        if provider_updates:
+            options[0].update(provider_updates)
+        start = time.perf_counter()
+        try:
+            what = (f"session {source_name(self.source)}{' graph' if (provider_updates or {}).get('enable_cuda_graph') else ''}"
+                    f"{' fixed dims' if free_dims else ''}")
+            with DEVICE_SETUP.setup() if self.device.type == "cuda" else contextlib.nullcontext(), timeline.step(what):
+                session = create_session(self.source, self.providers, options, sess_options)
+        except Exception:
+            with self._lock:
+                self.creation_log.append(("refused", time.perf_counter() - start))
+            raise
+        with self._lock:
+            self.sessions_created += 1
+            self.creation_log.append(("session", time.perf_counter() - start))
+        return session

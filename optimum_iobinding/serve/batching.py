@@ -1,0 +1,479 @@
+"""A replica's batching: its pipeline, which requests it lets into Serve's batch queue and when, and how a batch
+becomes pipeline calls and answers — :class:`ImageGenerator` (no HTTP) and its gate, :class:`Admission`.
+
+* At start a replica captures the signatures it will serve (:meth:`~optimum_iobinding.pipelines.pipeline.
+  OnnxStableDiffusionPipelineBase.warmup`: every batch size up to ``max_batch_size`` at the default size), so the
+  first request runs as fast as later ones.
+* Requests are batched by ``@serve.batch`` (``max_batch_size`` counts images, ``batch_wait_timeout_s``). Requests
+  that come while a batch runs wait (:class:`Admission`) and enter the next batch together. On CUDA a batch is put
+  on the GPU and the next one is let in at once, queued behind it on the pipeline's stream, while the first one's
+  images come back and are answered: the GPU does not wait for the host between batches (at most two batches are
+  unfinished). A batch runs one pipeline call per group of requests that agree on what a call cannot mix — size,
+  steps, guidance — so requests of different sizes, step counts or guidance ride in the same ``@serve.batch``
+  window but in different pipeline calls.
+* Within a call every request keeps its own prompt, negative prompt and seed: image ``k`` of a request with seed
+  ``s`` is drawn from its own ``torch.Generator`` seeded ``s + k`` (the latents and every scheduler noise), so it
+  equals the image of a single call ``pipe(prompt, generator=torch.Generator().manual_seed(s + k))`` up to the
+  batch's floating-point rounding.
+* Requests with an ``image`` run image-to-image (SD and SDXL folders with a VAE encoder) on a pipeline that shares
+  the same models, batched with the image-to-image requests of the same strength.
+* Requests are checked before batching (:meth:`ImageGenerator.complete_request`, with the pipeline's own checks), so
+  a bad request never fails the others.
+"""
+
+import asyncio
+import collections
+import concurrent.futures
+import inspect
+import secrets
+import time
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+
+try:
+    from ray import serve
+except ImportError as error:  # pragma: no cover - the message is the point
+    raise ImportError("optimum_iobinding.serve needs Ray Serve: pip install 'optimum-iobinding[serve]'") from error
+
+from .config import ServeConfig
+from .schema import MAX_SEED, decode_image, parse_size
+
+# How long (a share of the batch's time) a batch waits for the clients of the previous one to come back. 5 % was too
+# short with 8 clients per replica on two GPUs: their answers pass the proxy one after another, the late ones missed
+# the batch and the groups split in three (the measurements: benchmarks/results/h200x2/2026-11-23-36d6c4e/run3-994f4f2).
+REGROUP_WAIT = 0.10
+
+
+def _images_in(requests: Sequence[Dict[str, Any]]) -> int:
+    return sum(request["n"] for request in requests)
+
+
+def _group_key(request: Dict[str, Any]) -> Tuple:
+    """What one pipeline call cannot mix (image-to-image requests run apart from text-to-image ones)."""
+    return (request["width"], request["height"], request["steps"], request["guidance"],
+            request.get("start_image") is not None, request.get("strength"))
+
+
+# ---------------------------------------------------------------------------------------------------- admission
+class Admission:
+    """The gate in front of Serve's batch queue, counted in images.
+
+    Serve's ``@serve.batch`` (2.60) forms a batch as soon as its first request comes, also while the previous batch
+    still runs; that batch then waits for a free batch slot with the requests it had. With ``batch_wait_timeout_s=0``
+    each request that comes during a running batch would make a batch of its own, and closed-loop clients stay split
+    in those small groups. So requests wait here while a batch runs, and when it ends, the oldest are let into
+    Serve's queue together, as many images as one batch holds (:attr:`batch_cap`): the next batch is formed when the
+    GPU is free to run it (what Serve documents as opportunistic batching). On CUDA "ends" is when its work is
+    queued on the GPU (the next batch queues behind it), with at most ``max_unfinished`` batches unfinished.
+
+    A request calls :meth:`admit` and then enters Serve's queue, or :meth:`withdraw` if it goes away before its batch
+    starts; the batch handler reports :meth:`batch_started`, :meth:`batch_queued` and :meth:`batch_finished`. All on
+    one event loop.
+
+    Args:
+        batch_cap: images of one batch (``max_batch_size``).
+        max_unfinished: batches whose images may be on their way at once (2 where a batch's images come back on
+            another thread while the next batch runs, else 1).
+    """
+
+    def __init__(self, batch_cap: int, max_unfinished: int = 1):
+        if isinstance(batch_cap, bool) or not isinstance(batch_cap, int) or batch_cap < 1:
+            raise ValueError(f"batch_cap: expected a positive integer, got {batch_cap!r}")
+        if isinstance(max_unfinished, bool) or not isinstance(max_unfinished, int) or max_unfinished < 1:
+            raise ValueError(f"max_unfinished: expected a positive integer, got {max_unfinished!r}")
+        self._waiting: Deque[Tuple[asyncio.Future, int]] = collections.deque()  # a future and its images each
+        self._admitted = 0  # images let in whose batch has not started yet
+        self._batch_running = False  # a batch's pipeline call runs (on CUDA: until its work is on the GPU)
+        self._unfinished = 0  # batches whose images are not on the host yet
+        self._max_unfinished = max_unfinished
+        self._batch_cap = batch_cap
+
+    @property
+    def admitted(self) -> int:
+        """Images let in whose batch has not started yet."""
+        return self._admitted
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting to be let in."""
+        return len(self._waiting)
+
+    @property
+    def waiting_images(self) -> int:
+        """The images of the requests waiting to be let in."""
+        return sum(images for _, images in self._waiting)
+
+    @property
+    def batch_running(self) -> bool:
+        """Whether a batch's pipeline call runs (on CUDA: until its work is queued on the GPU)."""
+        return self._batch_running
+
+    @property
+    def unfinished(self) -> int:
+        """Batches started whose images are not on the host yet."""
+        return self._unfinished
+
+    @property
+    def max_unfinished(self) -> int:
+        """How many batches may be unfinished when the next one is let in."""
+        return self._max_unfinished
+
+    @property
+    def batch_cap(self) -> int:
+        """The images the next batch may hold (``max_batch_size``, or fewer while clients are expected back)."""
+        return self._batch_cap
+
+    def set_batch_cap(self, images: int) -> None:
+        """The images the next batch may hold; lets nobody in by itself."""
+        self._batch_cap = images
+
+    async def admit(self, images: int) -> None:
+        """Returns once a request of ``images`` images may enter Serve's queue: at once on an idle replica, else
+        when a batch ends and it is among the oldest that fit. A request cancelled while it waits is forgotten."""
+        if not self._waiting and self._fits(images):
+            self._admitted += images
+            return
+        entry = (asyncio.get_running_loop().create_future(), images)
+        self._waiting.append(entry)
+        try:
+            await entry[0]
+        except asyncio.CancelledError:
+            if entry[0].done() and not entry[0].cancelled():  # let in just before its client went away
+                self.withdraw(images)
+            elif entry in self._waiting:
+                self._waiting.remove(entry)
+            raise
+
+    def withdraw(self, images: int) -> None:
+        """A request let in went away before its batch started: its images make room for waiting ones."""
+        self._admitted -= images
+        self._release()
+
+    def batch_started(self, images: int) -> None:
+        """A batch started with ``images`` of the admitted images (those whose requests are still there)."""
+        self._admitted -= images
+        self._batch_running = True
+        self._unfinished += 1
+
+    def batch_queued(self) -> None:
+        """The running batch's pipeline call returned (on CUDA its work is queued on the GPU): the next may enter."""
+        self._batch_running = False
+        self._release()
+
+    def batch_finished(self) -> None:
+        """A batch's images are on the host and answered."""
+        self._unfinished -= 1
+        self._release()
+
+    def _fits(self, images: int) -> bool:
+        return (not self._batch_running and self._unfinished < self._max_unfinished
+                and self._admitted + images <= self._batch_cap)
+
+    def _release(self) -> None:
+        while self._waiting and self._fits(self._waiting[0][1]):
+            future, images = self._waiting.popleft()
+            if not future.done():
+                self._admitted += images
+                future.set_result(None)
+
+
+# ------------------------------------------------------------------------------------------------ the generator
+class ImageGenerator:
+    """One pipeline and its batched calls, without HTTP: what a replica of
+    :class:`~optimum_iobinding.serve.app.ImageService` runs (see the module's docstring); usable in a process of its
+    own (``complete_request`` then ``run_batch``)."""
+
+    def __init__(self, config: Dict[str, Any]):
+        import torch
+
+        from ..pipelines import pipeline_class_for
+
+        self.config = ServeConfig(**config)
+        use_cuda = self.config.device == "cuda" or (self.config.device == "auto" and torch.cuda.is_available())
+        provider = self.config.provider or ("CUDAExecutionProvider" if use_cuda else "CPUExecutionProvider")
+        # a hub id: the files every pipeline kind reads (SD, SDXL, LCM), downloaded once per replica's machine
+        from ..layout import resolve_pipeline_folder
+        from ..pipelines.stable_diffusion_xl import XL_COMPONENTS
+
+        folder = str(resolve_pipeline_folder(self.config.model, XL_COMPONENTS, ("tokenizer", "tokenizer_2")))
+        self.numpy_engine = self.config.engine == "diffusers-numpy"
+        if self.numpy_engine:
+            from ..pipelines import load_numpy_pipeline
+
+            self.pipe = load_numpy_pipeline(folder, provider, **self.config.pipeline_options)
+            self.pipeline_name = "diffusers.OnnxStableDiffusionPipeline"
+            self.default_size = 512  # its call's default
+        else:
+            pipeline_class = pipeline_class_for(folder)
+            self.pipe = pipeline_class.from_pretrained(folder, provider=provider, **self.config.pipeline_options)
+            self.pipeline_name = pipeline_class.__name__
+            self.default_size = self.pipe.default_image_size
+            self.img2img = self._image_to_image(pipeline_class)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.accepts = set(inspect.signature(self.pipe.__call__).parameters)
+        # on CUDA the call returns once its work is queued on the GPU: a second batch may queue behind it
+        self._deferred = not self.numpy_engine and self.pipe.device.type == "cuda"
+        self.admission = Admission(self.config.max_batch_size, max_unfinished=2 if self._deferred else 1)
+        self._limit_batches(self.config.max_batch_size, self.config.batch_wait_timeout_s)
+        batches = self.config.warmup_batch_sizes
+        if batches is None:
+            batches = list(range(1, self.config.max_batch_size + 1))
+        self.warmup_s = 0.0
+        if batches:
+            start = time.perf_counter()
+            if self.numpy_engine:  # no graphs to capture: one short call per batch size (cuDNN's algorithm search)
+                for size in self.config.warmup_sizes or [self.default_size]:
+                    for batch in batches:
+                        self.pipe([""] * batch, height=size, width=size, num_inference_steps=2,
+                                  guidance_scale=self.config.guidance, output_type="np")
+            else:
+                self.pipe.warmup(heights=self.config.warmup_sizes or self.default_size, batch_sizes=batches,
+                                 guidance_scales=self.config.guidance)
+            self.warmup_s = time.perf_counter() - start
+        self.batches_run = 0
+        # every pipeline call on one thread: the models' reused output buffers are per thread, and a pool would
+        # make new ones for each new thread; the images come back on other threads
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline")
+        self._finisher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="images")
+
+    def _image_to_image(self, pipeline_class: type) -> Any:
+        """The image-to-image pipeline on the same models (no second copy of anything), where the folder has a VAE
+        encoder and the pipeline has an image-to-image sibling; else ``None``."""
+        from ..pipelines import (OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionPipeline,
+                                OnnxStableDiffusionXLImg2ImgPipeline, OnnxStableDiffusionXLPipeline)
+
+        sibling = {OnnxStableDiffusionPipeline: OnnxStableDiffusionImg2ImgPipeline,
+                   OnnxStableDiffusionXLPipeline: OnnxStableDiffusionXLImg2ImgPipeline}.get(pipeline_class)
+        if sibling is None or getattr(self.pipe, "vae_encoder", None) is None:
+            return None
+        accepted = inspect.signature(sibling.__init__).parameters
+        pipe = sibling(**{name: module for name, module in self.pipe.components.items() if name in accepted})
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    @property
+    def defers_images(self) -> bool:
+        """Whether a batch's pipeline call returns with its images still on the device (CUDA): they come back on
+        another thread while the next batch runs."""
+        return self._deferred
+
+    @property
+    def batch_limits(self) -> Tuple[int, float]:
+        """``(max_batch_size, batch_wait_timeout_s)`` of the next batch, as last given to Serve's batch queue."""
+        return self._batch_limits
+
+    def info(self) -> Dict[str, Any]:
+        return {"pipeline": self.pipeline_name, "default_size": self.default_size, "warmup_s": self.warmup_s,
+                "image_to_image": getattr(self, "img2img", None) is not None,
+                "max_batch_size": self.config.max_batch_size, "device": str(self.pipe.device),
+                "batches_run": self.batches_run}
+
+    def check_health(self) -> None:
+        """Serve calls this periodically; a replica whose pipeline is gone is replaced."""
+        if getattr(self, "pipe", None) is None:
+            raise RuntimeError("the pipeline is not loaded")
+
+    def complete_request(self, request: Dict[str, Any]) -> Dict[str, Any]:
+        """The request with its defaults filled in and checked by the pipeline's own checks (ValueError/TypeError
+        with the pipeline's message)."""
+        request = dict(request)
+        request.setdefault("n", 1)
+        if request.get("seed") is None:
+            request["seed"] = secrets.randbelow(2**31)
+        if request.get("steps") is None:
+            request["steps"] = self.config.steps
+        if request.get("guidance") is None:
+            request["guidance"] = self.config.guidance
+        request["start_image"] = None
+        if request.get("image") is not None:
+            if getattr(self, "img2img", None) is None:
+                raise ValueError(f"image: {self.pipeline_name} on this folder has no image-to-image pipeline (it "
+                                 "needs a vae_encoder, and SD or SDXL)")
+            request["start_image"] = decode_image(request["image"])
+            height, width = request["start_image"].shape[:2]
+            if request.get("size") is not None and parse_size(request["size"], self.default_size) != (width, height):
+                raise ValueError(f"size: the image is {width}x{height}; leave size out or give that, got "
+                                 f"{request['size']!r}")
+            request["size"] = f"{width}x{height}"
+            if request.get("strength") is None:
+                request["strength"] = 0.8
+        elif request.get("strength") is not None:
+            raise ValueError("strength: only an image-to-image request (with image) takes one")
+        request.pop("image", None)
+        request["width"], request["height"] = parse_size(request.get("size"), self.default_size)
+        if request["n"] > self.config.max_images_per_request:
+            raise ValueError(f"n: expected at most {self.config.max_images_per_request} images per request, got "
+                             f"{request['n']}")
+        if request.get("negative_prompt") is not None and "negative_prompt" not in self.accepts:
+            raise ValueError(f"negative_prompt: {self.pipeline_name} takes none")
+        if request["seed"] + request["n"] - 1 > MAX_SEED:
+            raise ValueError(f"seed: expected at most {MAX_SEED - request['n'] + 1} for n={request['n']}, got "
+                             f"{request['seed']}")
+        if self.numpy_engine:  # its own checks run when it is called (a failing batch is retried one by one)
+            return request
+        checks = dict(prompt=request["prompt"], height=request["height"], width=request["width"],
+                      num_inference_steps=request["steps"], callback_steps=None, guidance_scale=request["guidance"],
+                      num_images_per_prompt=request["n"], strength=request.get("strength"))
+        if "negative_prompt" in self.accepts:
+            checks["negative_prompt"] = request.get("negative_prompt")
+        self.pipe.check_inputs(**checks)
+        return request
+
+    async def generate(self, request: Dict[str, Any]) -> Dict[str, Any]:
+        """One request → ``{"images": [uint8 HxWx3], "seeds", "batch_images", "batch_requests"}`` or
+        ``{"error": message}`` for a request the pipeline refuses."""
+        arrived = time.perf_counter()
+        try:
+            request = self.complete_request(request)
+        except (ValueError, TypeError) as error:
+            return {"error": str(error)}
+        images = request["n"]
+        await self.admission.admit(images)
+        try:
+            result = await self._batched(request)
+        finally:
+            if not request.get("_started"):  # let in, but gone before its batch started (cancelled)
+                request["_abandoned"] = True
+                self.admission.withdraw(images)
+        if "error" not in result:
+            result = dict(result, replica_s=time.perf_counter() - arrived)
+        return result
+
+    def expect_return(self, images: int, seconds: float) -> None:
+        """After a batch of ``images`` that took ``seconds``, when fewer images wait: the next batch waits up to
+        :data:`REGROUP_WAIT` of that time for as many images (up to ``max_batch_size``), since clients that got
+        their answers tend to send their next requests at once; it starts as soon as they are there. Without this, a
+        group of clients split once (the first of them to come back runs alone) stays split. A lone client's batch
+        waits for nothing."""
+        expected = min(images, self.config.max_batch_size)
+        if expected <= 1 or self.admission.waiting_images >= expected:
+            return
+        self._limit_batches(expected, max(self.config.batch_wait_timeout_s, REGROUP_WAIT * seconds))
+
+    def _limit_batches(self, max_batch_size: int, wait_timeout_s: float) -> None:
+        """The next batch's limits, for the gate and for Serve's batch queue (kept: :attr:`batch_limits`)."""
+        self.admission.set_batch_cap(max_batch_size)
+        self._batched.set_max_batch_size(max_batch_size)
+        self._batched.set_batch_wait_timeout_s(wait_timeout_s)
+        self._batch_limits = (max_batch_size, wait_timeout_s)
+
+    @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.0, batch_size_fn=_images_in, max_concurrent_batches=2)
+    async def _batched(self, requests: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        for request in requests:
+            request["_started"] = True
+        self.admission.batch_started(_images_in([r for r in requests if not r.get("_abandoned")]))
+        self._limit_batches(self.config.max_batch_size, self.config.batch_wait_timeout_s)
+        start = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        try:
+            try:
+                # the pipeline call blocks: run it off the event loop, which keeps taking requests
+                started = await loop.run_in_executor(self._worker, self.start_batch, requests)
+            finally:
+                self.admission.batch_queued()  # on CUDA the next batch queues behind this one on the GPU
+            return await loop.run_in_executor(self._finisher, self.finish_batch, started)
+        finally:
+            self.expect_return(_images_in(requests), time.perf_counter() - start)
+            self.admission.batch_finished()
+
+    def run_batch(self, requests: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """Completed requests → one result each: a pipeline call per group that agrees on size, steps and guidance
+        (a group whose call the pipeline refuses runs one request at a time, so only the bad one fails)."""
+        return self.finish_batch(self.start_batch(requests))
+
+    def start_batch(self, requests: List[Dict[str, Any]]) -> Tuple[List[Optional[Dict[str, Any]]], List[Tuple]]:
+        """:meth:`run_batch` up to the point where every call's work is on the device (on CUDA the images are
+        still being made when it returns); :meth:`finish_batch` waits for them. On the pipeline's thread."""
+        results: List[Optional[Dict[str, Any]]] = [None] * len(requests)
+        calls: List[Tuple[List[int], _Images]] = []
+        groups: Dict[Tuple, List[int]] = {}
+        for index, request in enumerate(requests):
+            groups.setdefault(_group_key(request), []).append(index)
+        for indices in groups.values():
+            members = [requests[i] for i in indices]
+            try:
+                calls.append((indices, self._call(members)))
+            except (ValueError, TypeError):
+                # one request the checks let through: run each alone, so only it fails
+                for index, member in zip(indices, members):
+                    try:
+                        calls.append(([index], self._call([member])))
+                    except (ValueError, TypeError) as error:
+                        results[index] = {"error": str(error)}
+        self.batches_run += 1
+        return results, calls
+
+    @staticmethod
+    def finish_batch(started: Tuple[List[Optional[Dict[str, Any]]], List[Tuple]]) -> List[Dict[str, Any]]:
+        """The results of a :meth:`start_batch`, once its images are on the host (any thread)."""
+        results, calls = started
+        for indices, images in calls:
+            for index, output in zip(indices, images.outputs()):
+                results[index] = output
+        return results  # type: ignore[return-value]
+
+    def _call(self, members: List[Dict[str, Any]]) -> "_Images":
+        import numpy as np
+        import torch
+
+        prompts, negatives, seeds, starts = [], [], [], []
+        for member in members:
+            for k in range(member["n"]):
+                prompts.append(member["prompt"])
+                negatives.append(member.get("negative_prompt") or "")
+                seeds.append(member["seed"] + k)
+                starts.append(member.get("start_image"))
+        first = members[0]
+        if self.numpy_engine:
+            generator: Any = np.random.RandomState(seeds[0] % 2**32)
+        else:
+            generator = [torch.Generator().manual_seed(seed) for seed in seeds]
+        arguments = dict(prompt=prompts, num_inference_steps=first["steps"], guidance_scale=first["guidance"],
+                         generator=generator, output_type="np")
+        if "negative_prompt" in self.accepts and any(negatives):
+            arguments["negative_prompt"] = negatives
+        pipe = self.pipe
+        if first.get("start_image") is not None:  # one start image per image row, each with its own generator
+            pipe = self.img2img
+            arguments.update(image=np.stack(starts), strength=first["strength"])
+        else:
+            arguments.update(height=first["height"], width=first["width"])
+        start = time.perf_counter()
+        if self._deferred:
+            # the images stay on the device (no host wait): made uint8 HWC there, copied to pinned memory behind
+            # the call on the stream, and waited for in _Images.outputs (another thread), while the next call runs
+            images = pipe(**dict(arguments, output_type="pt")).images
+            with torch.cuda.device(images.device):
+                pixels = (images.float().clamp(0.0, 1.0) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+                host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
+                host.copy_(pixels, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(images.device))
+            return _Images(members, seeds, start, host=host, done=done)
+        images = pipe(**arguments).images
+        pixels = (np.clip(images, 0.0, 1.0) * 255).round().astype(np.uint8)  # as diffusers' numpy_to_pil
+        return _Images(members, seeds, start, pixels=pixels)
+
+
+class _Images:
+    """One pipeline call's images: uint8 HxWx3 on the host, or on their way there (a pinned buffer and the CUDA
+    event after its copy); :meth:`outputs` gives each request its images once they are there."""
+
+    def __init__(self, members: List[Dict[str, Any]], seeds: List[int], start: float, pixels: Any = None,
+                 host: Any = None, done: Any = None):
+        self.members, self.seeds, self.start = members, seeds, start
+        self.pixels, self.host, self.done = pixels, host, done
+        self.seconds = None if pixels is None else time.perf_counter() - start
+
+    def outputs(self) -> List[Dict[str, Any]]:
+        if self.pixels is None:
+            self.done.synchronize()
+            self.seconds = time.perf_counter() - self.start  # the call and its images' way to the host
+            self.pixels = self.host.numpy().copy()  # out of pinned memory, which is scarce
+            self.host = self.done = None
+        outputs, row = [], 0
+        for member in self.members:
+            outputs.append({"images": [self.pixels[row + k] for k in range(member["n"])],
+                            "seeds": self.seeds[row: row + member["n"]], "batch_images": len(self.seeds),
+                            "batch_requests": len(self.members), "pipeline_s": self.seconds})
+            row += member["n"]
+        return outputs

@@ -1,0 +1,95 @@
+"""What goes into and comes out of a request: the body of ``POST /v1/images`` (:class:`ImageRequest`), its size and
+start image read into what the pipelines take, and the images written as PNG bytes."""
+
+# no `from __future__ import annotations`: FastAPI reads ImageRequest's annotations as objects
+import base64
+import io
+import struct
+import zlib
+from typing import Any, List, Literal, Optional, Sequence, Tuple, Union
+
+try:
+    from pydantic import BaseModel, ConfigDict, Field
+except ImportError as error:  # pragma: no cover - the message is the point
+    raise ImportError("optimum_iobinding.serve needs Ray Serve: pip install 'optimum-iobinding[serve]'") from error
+
+MAX_SEED = 2**63 - 1
+
+
+class ImageRequest(BaseModel):
+    """The body of ``POST /v1/images``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str
+    negative_prompt: Optional[str] = None
+    seed: Optional[int] = Field(default=None, ge=0, le=MAX_SEED)
+    steps: Optional[int] = None
+    guidance: Optional[float] = None
+    size: Union[int, str, None] = Field(default=None, description="pixels: 512 (square) or '768x512' (width x height)")
+    n: int = Field(default=1, ge=1)
+    response_format: Literal["png", "b64_json"] = "png"
+    image: Optional[str] = Field(default=None, description="image-to-image: the start image, base64 PNG or JPEG")
+    strength: Optional[float] = Field(default=None, description="image-to-image: how much of the schedule runs")
+
+
+def parse_size(size: Union[int, str, None], default: int) -> Tuple[int, int]:
+    """``(width, height)`` of a request's ``size``: an int (a square), ``"WxH"``, or ``None`` (the default)."""
+    if size is None:
+        return default, default
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size, size
+    if isinstance(size, str):
+        parts = size.lower().split("x")
+        if len(parts) == 2 and all(part.strip().isdigit() for part in parts):
+            return int(parts[0]), int(parts[1])
+    raise ValueError(f"size: expected pixels as 512 or '768x512' (width x height), got {size!r}")
+
+
+def decode_image(data: str) -> Any:
+    """A base64 PNG or JPEG → float32 HxWx3 in [0, 1] (what the image-to-image pipelines take)."""
+    import binascii
+
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        raw = base64.b64decode(data, validate=True)
+        with Image.open(io.BytesIO(raw)) as image:
+            pixels = np.asarray(image.convert("RGB"))
+    except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as error:
+        raise ValueError(f"image: expected a base64 PNG or JPEG, could not read it: {error}") from None
+    return pixels.astype(np.float32) / 255.0
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def stored_png(pixels: Any) -> bytes:
+    """An uncompressed PNG of a uint8 HxWx3 array: rows unfiltered, zlib's stored blocks (PNG spec, level 0)."""
+    import numpy as np
+
+    height, width, channels = pixels.shape
+    if pixels.dtype != np.uint8 or channels != 3:
+        raise ValueError(f"pixels: expected uint8 HxWx3, got {pixels.dtype} {pixels.shape}")
+    rows = np.zeros((height, 1 + width * 3), np.uint8)  # each row: filter type 0 (none), then its bytes
+    rows[:, 1:] = pixels.reshape(height, width * 3)
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8 bits, truecolour, no interlace
+    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", zlib.compress(rows.tobytes(), 0))
+            + _png_chunk(b"IEND", b""))
+
+
+def encode_pngs(images: Sequence[Any], compression: int = 0) -> List[bytes]:
+    """PNG bytes of uint8 HxWx3 arrays. ``compression`` 0: stored (:func:`stored_png`, a copy of the pixels);
+    1–9: zlib's levels through Pillow, whose adaptive row filters make about half the bytes of a smooth image."""
+    if compression == 0:
+        return [stored_png(pixels) for pixels in images]
+    from PIL import Image
+
+    encoded = []
+    for pixels in images:
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG", compress_level=compression)
+        encoded.append(buffer.getvalue())
+    return encoded
