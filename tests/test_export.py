@@ -110,3 +110,36 @@ def test_a_float16_vae_export_cannot_be_upcast_and_warns_only_for_sdxl(tmp_path,
     assert ("force_upcast" in caplog.text) is warns
     if warns:
         assert "--vae" in caplog.text and "torch_pipeline" not in caplog.text
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("eos_token_id", [2, 49407], ids=["legacy-eos-id", "eos-id"])
+def test_the_text_encoder_pools_the_end_token_on_floats_and_equals_transformers(tmp_path, eos_token_id, fp16):
+    # CLIP pools the end-of-text token: with SD 1.x's legacy config (eos_token_id 2) the largest id, else the first
+    # id equal to eos_token_id. ORT's CUDA provider has no ArgMax over integers, so the export finds it on floats
+    # that float16 holds exactly (ids near 49407 are 32 apart in float16: the start token 49406 would tie with the
+    # end token 49407)
+    import onnxruntime as ort
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    pipe = build_tiny_random_pipeline()
+    torch.manual_seed(0)
+    pipe.text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=49408, hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
+        max_position_embeddings=77, bos_token_id=49406, eos_token_id=eos_token_id, pad_token_id=1)).eval()
+    spec = component_specs(pipe)["text_encoder"]
+    export_module.export_component("text_encoder", spec, tmp_path, 17, fp16, None)
+    graph = onnx.load(str(tmp_path / "text_encoder" / "model.onnx"))
+    producers = {output: node for node in graph.graph.node for output in node.output}
+    argmaxes = [node for node in graph.graph.node if node.op_type == "ArgMax"]
+    assert argmaxes and all(producers[node.input[0]].op_type == "Cast" for node in argmaxes)
+    assert all(producers[producers[node.input[0]].input[0]].op_type in ("Equal", "And") for node in argmaxes)
+    ids = torch.full((2, 77), 49407, dtype=torch.int32)  # padded with the end token, as SD 1.x's tokenizer pads
+    ids[:, 0] = 49406
+    ids[0, 1:4] = torch.tensor([320, 49400, 1929])
+    ids[1, 1:2] = torch.tensor([49405])
+    with torch.no_grad():
+        expected = pipe.text_encoder(input_ids=ids.long()).pooler_output.numpy()
+    session = ort.InferenceSession(str(tmp_path / "text_encoder" / "model.onnx"), providers=["CPUExecutionProvider"])
+    _, pooled = session.run(None, {"input_ids": ids.numpy()})
+    np.testing.assert_allclose(pooled.astype(np.float32), expected, atol=2e-2 if fp16 else 1e-5)

@@ -585,26 +585,67 @@ def test_signatures_of_one_session_share_its_arena(tmp_path):
         torch.testing.assert_close(result, a + torch.sigmoid(a))
 
 
-def test_a_model_ort_cannot_capture_as_one_session_gets_a_session_per_signature_and_says_why(tiny_folder, caplog):
+def cpu_argmax_model_path(folder):
+    """y = x + x[argmax(ids)] per row: an ArgMax over integers, which ORT's CUDA provider keeps on the CPU (what the
+    text encoders of other exporters do to pool CLIP's end token)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from conftest import make_model, tensor
+
+    model = make_model(
+        [helper.make_node("Cast", ["ids"], ["ids32"], to=TensorProto.INT32),
+         helper.make_node("ArgMax", ["ids32"], ["position"], axis=1, keepdims=1),
+         helper.make_node("GatherElements", ["x", "position"], ["picked"], axis=1),
+         helper.make_node("Add", ["x", "picked"], ["y"])],
+        [tensor("x", TensorProto.FLOAT, ["batch", 8]), tensor("ids", TensorProto.INT64, ["batch", 8])],
+        [tensor("y", TensorProto.FLOAT, ["batch", 8])])
+    path = folder / "cpu_argmax.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+def test_a_model_ort_cannot_capture_as_one_session_gets_a_session_per_signature_and_says_why(tmp_path, caplog):
     import logging
 
     from optimum_iobinding import IOBindingORTModel
 
     caplog.set_level(logging.INFO, logger="optimum_iobinding")
-    encoder = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="text_encoder", provider=CUDA,
-                                                provider_options=EXACT)
-    plain = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="text_encoder", provider=CUDA,
-                                              provider_options=EXACT, cuda_graph=False)
+    path = cpu_argmax_model_path(tmp_path)
+    model = IOBindingORTModel(path, provider=CUDA, provider_options=EXACT)
+    plain = IOBindingORTModel(path, provider=CUDA, provider_options=EXACT, cuda_graph=False)
     for batch in (1, 2, 1):
-        ids = torch.randint(0, 100, (batch, 77), generator=torch.Generator().manual_seed(batch)).to("cuda")
-        ids = ids.to(encoder.input_dtypes["input_ids"])
-        torch.testing.assert_close(encoder(input_ids=ids)[0], plain(input_ids=ids)[0], atol=1e-4, rtol=1e-4)
+        generator = torch.Generator().manual_seed(batch)
+        x = torch.randn(batch, 8, generator=generator).to("cuda")
+        ids = torch.randint(0, 100, (batch, 8), generator=generator).to("cuda")
+        torch.testing.assert_close(model(x=x, ids=ids)[0], plain(x=x, ids=ids)[0])
     refused = [r for r in caplog.records if "one session cannot capture" in r.getMessage()]
     assert len(refused) == 1 and refused[0].levelname == "INFO"  # said once, not per signature
-    assert encoder.sessions_created == 2 and len(encoder.signatures) == 2  # one per signature, each made once
+    assert model.sessions_created == 2 and len(model.signatures) == 2  # one per signature, each made once
     # refused twice, then never again: the one graph session, and a graph of the first signature's fixed shape
     # (the ArgMax stays on the CPU); the second signature goes straight to a session without a graph
-    assert [what for what, _ in encoder.session_creation_log] == ["refused", "refused", "session", "session"]
+    assert [what for what, _ in model.session_creation_log] == ["refused", "refused", "session", "session"]
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+def test_the_exported_text_encoder_runs_on_the_device_as_one_session_with_a_graph_per_batch(tmp_path, fp16):
+    # the export pools CLIP's end token with an ArgMax over floats, so no node is left on the CPU: the text encoder
+    # is captured like the UNet, one session and one graph per signature, and gives what it gives without graphs
+    from optimum_iobinding import IOBindingORTModel
+    from optimum_iobinding.export import export_pipeline
+
+    folder = export_pipeline(None, tmp_path / "sd", tiny_random=True, fp16=fp16, progress=False)
+    encoder = IOBindingORTModel.from_pretrained(folder, subfolder="text_encoder", provider=CUDA,
+                                                provider_options=EXACT)
+    plain = IOBindingORTModel.from_pretrained(folder, subfolder="text_encoder", provider=CUDA,
+                                              provider_options=EXACT, cuda_graph=False)
+    for batch in (1, 2, 1, 2):
+        ids = torch.randint(0, 100, (batch, 77), generator=torch.Generator().manual_seed(batch)).to("cuda")
+        ids = ids.to(encoder.input_dtypes["input_ids"])
+        for got, expected in zip(encoder(input_ids=ids), plain(input_ids=ids)):
+            torch.testing.assert_close(got, expected, atol=1e-3 if fp16 else 1e-4, rtol=1e-3)
+    assert [what for what, _ in encoder.session_creation_log] == ["session"]
+    assert len(encoder.graph_signatures) == 2 and encoder.graph_fallbacks == {}
 
 
 def test_a_graph_pool_model_parses_its_file_once(tiny_folder, monkeypatch):

@@ -55,6 +55,31 @@ logger = logging.getLogger(__name__)
 __all__ = ["export_pipeline"]
 
 
+def end_of_text_positions(input_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """Where each sequence's end-of-text token is, the position CLIP pools, as transformers finds it (the first id
+    equal to ``eos_token_id``; with a config from before transformers fixed CLIP's eos id, 2, the first largest id) —
+    but with the ArgMax over a 0/1 float mask: ONNX Runtime's CUDA provider has no ArgMax over integers, so an ArgMax
+    over ``input_ids`` stays on the CPU, keeps the text encoder out of CUDA graphs and makes the host wait. Every
+    float here is an integer below 2048, exact in float16 too (a float16 export converts them): the largest id is
+    found in two steps, its multiple of 2048 and then its remainder."""
+    if eos_token_id != 2:
+        return (input_ids == eos_token_id).to(torch.float32).argmax(dim=-1)
+    high = torch.div(input_ids, 2048, rounding_mode="floor")
+    low = (input_ids - high * 2048).to(torch.float32)
+    high = high.to(torch.float32)
+    top = high == high.max(dim=-1, keepdim=True).values
+    low = torch.where(top, low, torch.full_like(low, -1.0))
+    largest = top & (low == low.max(dim=-1, keepdim=True).values)
+    return largest.to(torch.float32).argmax(dim=-1)
+
+
+def pooled_output(text_encoder, last_hidden_state: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """CLIP's pooled output (the end-of-text token's final hidden state), pooled on the device (see
+    :func:`end_of_text_positions`); transformers' own pooling is left unused, so the exporter drops it."""
+    rows = torch.arange(last_hidden_state.shape[0], device=last_hidden_state.device)
+    return last_hidden_state[rows, end_of_text_positions(input_ids, text_encoder.config.eos_token_id)]
+
+
 class _TextEncoder(torch.nn.Module):
     def __init__(self, text_encoder):
         super().__init__()
@@ -62,7 +87,7 @@ class _TextEncoder(torch.nn.Module):
 
     def forward(self, input_ids):
         output = self.text_encoder(input_ids=input_ids, return_dict=True)
-        return output.last_hidden_state, output.pooler_output
+        return output.last_hidden_state, pooled_output(self.text_encoder, output.last_hidden_state, input_ids)
 
 
 class _TextEncoderWithHiddenStates(torch.nn.Module):
@@ -77,9 +102,10 @@ class _TextEncoderWithHiddenStates(torch.nn.Module):
 
     def forward(self, input_ids):
         output = self.text_encoder(input_ids=input_ids, output_hidden_states=True, return_dict=True)
+        pooled = pooled_output(self.text_encoder, output.last_hidden_state, input_ids)
         if self.with_projection:
-            return (output.text_embeds, output.last_hidden_state, *output.hidden_states)
-        return (output.last_hidden_state, output.pooler_output, *output.hidden_states)
+            return (self.text_encoder.text_projection(pooled), output.last_hidden_state, *output.hidden_states)
+        return (output.last_hidden_state, pooled, *output.hidden_states)
 
 
 class _UNet(torch.nn.Module):
