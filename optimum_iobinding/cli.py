@@ -4,13 +4,18 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, Any, Iterator, List, Mapping, Optional
+
+if TYPE_CHECKING:
+    from .serve.config import ServeConfig
 
 SCHEDULERS = {
     "pndm": "PNDMScheduler",
@@ -79,19 +84,23 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     from .export import export_pipeline
-    from .layout import check_output_folder, looks_like_hub_id
+    from .layout import check_output_folder
 
     if not args.tiny_random and not args.model:
         raise UsageError("export: give a model folder or hub id, or --tiny-random")
-    if args.model and not args.tiny_random and not Path(args.model).exists() and not looks_like_hub_id(args.model):
-        raise UsageError(f"model: expected an existing local folder or a hub repository id, got {args.model!r}: no "
-                         "such file or folder")
-    for controlnet in args.controlnet or ():
-        if not Path(controlnet).exists() and not looks_like_hub_id(controlnet):
-            raise UsageError(f"--controlnet: expected an existing local folder or a hub repository id, got "
-                             f"{controlnet!r}: no such file or folder")
-    source = Path(args.model) if args.model and not args.tiny_random and Path(args.model).exists() else None
+    if args.tiny_random and args.model:
+        raise UsageError(f"model: expected a model folder or hub id, or --tiny-random, got both ({args.model!r} and "
+                         f"--tiny-random {args.tiny_random})")
+    check(args.opset in OPSETS, "--opset", f"an integer in {OPSETS[0]} … {OPSETS[-1]} (17 is tested)", args.opset)
+    sources = [("model", args.model, "model_index.json"), ("--vae", args.vae, "config.json"),
+               *(("--controlnet", controlnet, "config.json") for controlnet in args.controlnet or ())]
+    for option, name, _ in sources:
+        check_local_or_hub(option, name)
+    source = Path(args.model) if args.model and Path(args.model).exists() else None
     check_output_folder(args.output, source, args.overwrite, argument="--output")  # before the minutes of export
+    for option, name, config in sources:  # a hub id that cannot be fetched fails now, not after minutes of export
+        if name is not None and not Path(name).exists():
+            fetch_from_hub(option, name, config)
     start = time.perf_counter()
     folder = export_pipeline(args.model, args.output, fp16=args.fp16, opset=args.opset, optimize=args.optimize,
                              tiny_random=args.tiny_random or False, overwrite=args.overwrite, vae=args.vae,
@@ -103,6 +112,49 @@ def run_export(args: argparse.Namespace) -> int:
 
 class UsageError(Exception):
     """A mistake in the command line: reported in one line, exit status 2."""
+
+
+# ------------------------------------------------------------------------------------------- argument checks
+# Every command checks its arguments first, before anything is loaded, built or downloaded, and names the option.
+
+NUMPY_SEEDS = range(2**32)  # what np.random.RandomState takes, the generator of `generate`
+OPSETS = range(7, 23)  # what export_pipeline exports with (it checks the same range itself)
+
+
+def check(ok: bool, option: str, expected: str, value: object) -> None:
+    """``option: expected X, got Y`` unless ``ok``."""
+    if not ok:
+        raise UsageError(f"{option}: expected {expected}, got {value!r}")
+
+
+def check_local_or_hub(option: str, name: Optional[str]) -> None:
+    """``name`` (where given) is an existing path or could be a hub repository id."""
+    from .layout import looks_like_hub_id
+
+    if name is not None and not Path(name).exists() and not looks_like_hub_id(name):
+        raise UsageError(f"{option}: expected an existing local folder or a hub repository id, got {name!r}: no such "
+                         "file or folder")
+
+
+def fetch_from_hub(option: str, name: str, first_file: str) -> None:
+    """Fetches one small file of the hub repository ``name`` (into the Hub's cache, where the loading that follows
+    finds it), so that a repository that cannot be had fails here, in one line naming ``option``."""
+    from .layout import download_from_hub
+
+    download_from_hub(name, [first_file], option)
+
+
+@contextmanager
+def options_named(names: Mapping[str, str]) -> Iterator[None]:
+    """A library's checks name its parameter (``provider: …``, ``pretrained_model_name_or_path: …``); inside this
+    block they name the command line's option instead (``--provider: …``), keeping the reason."""
+    try:
+        yield
+    except USAGE_ERRORS as error:
+        name, separator, reason = str(error).partition(": ")
+        if separator and name in names:
+            raise UsageError(f"{names[name]}: {reason}") from error
+        raise
 
 
 def check_image_path(out: str) -> Path:
@@ -125,28 +177,48 @@ def check_image_path(out: str) -> Path:
     return path
 
 
+# what the pipelines' own checks call the options of `generate`
+GENERATE_OPTIONS = {"num_inference_steps": "--steps", "guidance_scale": "--guidance", "height": "--height",
+                    "width": "--width", "height and width": "--height and --width",
+                    "negative_prompt": "--negative-prompt", "provider": "--provider"}
+# what loading calls the model (layout's hub download, the folder checks)
+MODEL_OPTION = {"pretrained_model_name_or_path": "--model", "model": "--model"}
+
+
+def check_generate_arguments(args: argparse.Namespace) -> Path:
+    """Every check that needs no model; returns the image path. What depends on the model (sizes the UNet can run,
+    at most the scheduler's steps) the pipeline checks before its first step."""
+    from .runtime.options import normalize_providers
+
+    out = check_image_path(args.out)
+    for option in ("--steps", "--height", "--width"):
+        value = getattr(args, option[2:])
+        check(value > 0, option, "a positive integer", value)
+    check(math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
+    check(args.seed in NUMPY_SEEDS, "--seed", f"an integer in 0 … {NUMPY_SEEDS[-1]} (numpy's seeds)", args.seed)
+    check_local_or_hub("--model", args.model)
+    if args.provider is not None:
+        with options_named(GENERATE_OPTIONS):
+            normalize_providers(args.provider, io_binding=args.io_binding)
+    return out
+
+
 def run_generate(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from .layout import looks_like_hub_id
     from .pipelines import pipeline_class_for
 
-    out = check_image_path(args.out)
-    for name in ("steps", "height", "width"):
-        if getattr(args, name) <= 0:
-            raise UsageError(f"--{name}: expected a positive integer, got {getattr(args, name)}")
-    if args.model is not None and not Path(args.model).exists() and not looks_like_hub_id(args.model):
-        raise UsageError(f"--model: expected an existing local folder or a hub repository id, got {args.model!r}: "
-                         "no such file or folder")
+    out = check_generate_arguments(args)
     model = Path(args.model) if args.model and Path(args.model).exists() else args.model
     if model is None:
         model = tiny_model_folder(Path(args.cache_dir) if args.cache_dir else None)
     provider = args.provider or default_provider()
     load_start = time.perf_counter()
-    pipeline_class = pipeline_class_for(model) if isinstance(model, Path) else None
-    if pipeline_class is None:
-        from .pipelines import OnnxStableDiffusionPipeline as pipeline_class
-    pipe = pipeline_class.from_pretrained(model, provider=provider, io_binding=args.io_binding)
+    with options_named(MODEL_OPTION if args.model is not None else {}):  # a hub id that cannot be had: --model
+        pipeline_class = pipeline_class_for(model) if isinstance(model, Path) else None
+        if pipeline_class is None:
+            from .pipelines import OnnxStableDiffusionPipeline as pipeline_class
+        pipe = pipeline_class.from_pretrained(model, provider=provider, io_binding=args.io_binding)
     if args.scheduler:
         import diffusers
 
@@ -170,7 +242,8 @@ def run_generate(args: argparse.Namespace) -> int:
                              "embedding, with no unconditional batch)")
         call["negative_prompt"] = args.negative_prompt
     start = time.perf_counter()
-    image = pipe(args.prompt, **call).images[0]
+    with options_named(GENERATE_OPTIONS):  # the pipeline's checks of what depends on the model
+        image = pipe(args.prompt, **call).images[0]
     seconds = time.perf_counter() - start
     out.parent.mkdir(parents=True, exist_ok=True)
     image.save(out)
@@ -182,32 +255,52 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    from .layout import looks_like_hub_id
+# ServeConfig's settings and the options of `serve` that give them
+SERVE_OPTIONS = {"model": "model", "replicas": "--replicas", "max_batch_size": "--max-batch-size",
+                 "batch_wait_timeout_s": "--batch-wait-ms", "device": "--device", "provider": "--provider",
+                 "steps": "--steps", "guidance": "--guidance", "warmup_batch_sizes": "--warmup-batch-sizes",
+                 "max_queued_requests": "--max-queued-requests", "png_compression": "--png-compression"}
 
-    if args.model is not None and not Path(args.model).exists() and not looks_like_hub_id(args.model):
-        raise UsageError(f"model: expected an existing local folder or a hub repository id, got {args.model!r}")
+
+def check_serve_arguments(args: argparse.Namespace, model: str) -> ServeConfig:
+    """The service's settings, checked (by ServeConfig, its one place) and named by their options."""
+    from .serve.config import ServeConfig  # the standard library only: checks run without Ray
+
+    check(0 < args.port < 65536, "--port", "a port in 1 … 65535", args.port)
+    check(math.isfinite(args.batch_wait_ms) and 0 <= args.batch_wait_ms <= 60_000, "--batch-wait-ms",
+          "milliseconds in 0 … 60000", args.batch_wait_ms)
+    check(math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
+    with options_named(SERVE_OPTIONS):
+        warmup = None
+        if args.warmup_batch_sizes is not None:
+            warmup = ServeConfig.from_args({"model": model, "warmup_batch_sizes": args.warmup_batch_sizes}
+                                           ).warmup_batch_sizes
+        return ServeConfig(model=model, replicas=args.replicas, max_batch_size=args.max_batch_size,
+                           batch_wait_timeout_s=args.batch_wait_ms / 1000.0, device=args.device,
+                           provider=args.provider, steps=args.steps, guidance=args.guidance,
+                           warmup_batch_sizes=warmup, max_queued_requests=args.max_queued_requests,
+                           png_compression=args.png_compression)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    check_local_or_hub("model", args.model)
+    config = check_serve_arguments(args, args.model if args.model is not None else "the tiny random model")
     try:
-        from .serve import ServeConfig, run
+        from .serve import run
     except ImportError as error:
         raise UsageError(str(error)) from None
-    model = args.model if args.model is not None else str(tiny_model_folder(
-        Path(args.cache_dir) if args.cache_dir else None))
-    warmup = None
-    if args.warmup_batch_sizes is not None:
-        warmup = ServeConfig.from_args({"model": model, "warmup_batch_sizes": args.warmup_batch_sizes}
-                                       ).warmup_batch_sizes
-    config = ServeConfig(model=model, replicas=args.replicas, max_batch_size=args.max_batch_size,
-                         batch_wait_timeout_s=args.batch_wait_ms / 1000.0, device=args.device, provider=args.provider,
-                         steps=args.steps, guidance=args.guidance, warmup_batch_sizes=warmup,
-                         max_queued_requests=args.max_queued_requests, png_compression=args.png_compression)
-    if not 0 < args.port < 65536:
-        raise UsageError(f"--port: expected 1–65535, got {args.port}")
-    if Path(model).is_dir():  # before Ray starts: a folder that is no pipeline fails here, not in every replica
+    if args.model is not None and not Path(args.model).exists():  # before Ray starts, as the folder check below
+        fetch_from_hub("model", args.model, "model_index.json")
+    if args.model is None:
+        config = dataclasses.replace(config, model=str(tiny_model_folder(
+            Path(args.cache_dir) if args.cache_dir else None)))
+    if Path(config.model).is_dir():  # before Ray starts: a folder that is no pipeline fails here, not in every replica
         from .pipelines import pipeline_class_for
 
-        pipeline_class_for(model)
-    print(f"optimum-iobinding: serving {model} on http://{args.host}:{args.port}/v1/images "
+        pipeline_class_for(config.model)
+    print(f"optimum-iobinding: serving {config.model} on http://{args.host}:{args.port}/v1/images "
           f"({args.replicas} replica(s), batches of up to {args.max_batch_size}); Ctrl-C stops", flush=True)
     run(config, host=args.host, port=args.port)
     return 0
@@ -219,12 +312,24 @@ def run_loadtest_command(args: argparse.Namespace) -> int:
     return main_from_args(args)
 
 
+DEBUG_HELP = "show the traceback of an error (before or after the command's name)"
+
+
+def add_command(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A command's parser: options spelled out in full (``--step`` is no ``--steps``), and ``--debug`` among its own
+    options, given no default there, so that a ``--debug`` before the command's name stays set. ``commands``: what
+    ``add_subparsers`` returned."""
+    command = commands.add_parser(name, allow_abbrev=False, **kwargs)
+    command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    return command
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="optimum-iobinding", description=__doc__)
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser = argparse.ArgumentParser(prog="optimum-iobinding", description=__doc__, allow_abbrev=False)
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    generate = commands.add_parser("generate", help="generate an image (offline with the tiny model by default)")
+    generate = add_command(commands, "generate", help="generate an image (offline with the tiny model by default)")
     generate.add_argument("prompt", nargs="?", default="a photo of an astronaut riding a horse")
     generate.add_argument("--negative-prompt", default=None)
     generate.add_argument("--steps", type=int, default=20, help="denoising steps (default 20)")
@@ -243,8 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--out", default="image.png", help="PNG to write (default image.png)")
     generate.set_defaults(run=run_generate)
 
-    serve_command = commands.add_parser(
-        "serve", help="serve POST /v1/images with Ray Serve: a pipeline per replica, a GPU per replica",
+    serve_command = add_command(
+        commands, "serve", help="serve POST /v1/images with Ray Serve: a pipeline per replica, a GPU per replica",
         description="Runs the Ray Serve application of optimum_iobinding.serve on a local Ray cluster, or joins "
                     "RAY_ADDRESS. Needs the serve extra: pip install 'optimum-iobinding[serve]'.")
     serve_command.add_argument("model", nargs="?", default=None,
@@ -270,26 +375,29 @@ def build_parser() -> argparse.ArgumentParser:
     serve_command.add_argument("--cache-dir", default=None, help="where the tiny model is built (default ~/.cache)")
     serve_command.set_defaults(run=run_serve)
 
-    loadtest = commands.add_parser(
-        "loadtest", help="load-test a running /v1/images service: images/s, p50/p95/p99 latency",
-        description="Closed-loop load test of POST /v1/images at each concurrency; prints a table and writes "
-                    "loadtest.json/.md/.png with --out.")
+    loadtest = add_command(
+        commands, "loadtest", help="load-test a running /v1/images service: images/s, p50/p95/p99 latency",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the install command on one line
+        description="Closed-loop load test of POST /v1/images at each concurrency; prints a table.\n"
+                    "With --out, writes loadtest.json and loadtest.md, and the plot loadtest.png\n"
+                    "where matplotlib is installed: pip install 'optimum-iobinding[plot]'")
     loadtest.add_argument("url", help="the service, e.g. http://127.0.0.1:8000")
     loadtest.add_argument("--concurrency", default="1,4,16", help="client threads, one level each (default 1,4,16)")
     loadtest.add_argument("--requests", type=int, default=32, help="counted requests per level (default 32)")
     loadtest.add_argument("--warmup", type=int, default=-1,
-                          help="uncounted requests first (default: one per client thread)")
+                          help="uncounted requests first (default -1: one per client thread)")
     loadtest.add_argument("--prompt", default="a photo of an astronaut riding a horse")
     loadtest.add_argument("--seed", type=int, default=0, help="first seed; each request takes the next")
     loadtest.add_argument("--steps", type=int, default=None)
     loadtest.add_argument("--guidance", type=float, default=None)
     loadtest.add_argument("--size", default=None, help="512 or 768x512 (default: the service's)")
     loadtest.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
-    loadtest.add_argument("--out", default=None, help="folder for loadtest.json, .md and .png")
+    loadtest.add_argument("--out", default=None,
+                          help="folder for loadtest.json and .md, and .png with matplotlib (the plot extra)")
     loadtest.set_defaults(run=run_loadtest_command)
 
-    commands.add_parser("bench", help="benchmark every peer on the GPU (optimum-iobinding bench --help)")
-    export = commands.add_parser("export", help="export a diffusers pipeline to the ONNX layout")
+    add_command(commands, "bench", help="benchmark every peer on the GPU (optimum-iobinding bench --help)")
+    export = add_command(commands, "export", help="export a diffusers pipeline to the ONNX layout")
     add_export_arguments(export)
     export.set_defaults(run=run_export)
     return parser
@@ -320,17 +428,28 @@ USAGE_ERRORS = (UsageError, ValueError, TypeError, FileNotFoundError, FileExists
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs a command. Errors are one line, ``optimum-iobinding: error: <message>``: exit status 2 for a mistake in
-    what was asked (arguments, files, sizes), 1 for a failure while doing it; ``--debug`` shows the traceback."""
+    what was asked (arguments, files, sizes), 1 for a failure while doing it; ``--debug``, before or after the
+    command's name, shows the traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
-    if argv[:1] == ["bench"]:  # its own parser: many options, and one peer per process behind it
+    command = next((arg for arg in argv if arg != "--debug"), None)
+    if command == "bench":  # its own parser: many options, and one peer per process behind it
         from .bench.cli import main as bench_main
 
-        return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    quiet_libraries()
+        start = argv.index("bench")
+        debug = "--debug" in argv
+        bench_argv = [arg for arg in argv[start + 1:] if arg != "--debug"]  # bench takes no values like "--debug"
+
+        def run() -> int:
+            return bench_main(bench_argv)
+    else:
+        args = build_parser().parse_args(argv)
+        quiet_libraries()
+        debug = args.debug
+
+        def run() -> int:
+            return args.run(args)
     try:
-        return args.run(args)
+        return run()
     except KeyboardInterrupt:
         print("optimum-iobinding: interrupted", file=sys.stderr)
         return 130

@@ -110,3 +110,175 @@ def test_bench_without_a_gpu_exits_1_saying_why(tmp_path, capsys):
     assert main(["bench", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 1
     assert "no CUDA GPU is visible to torch here" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()  # nothing exported or written first
+
+
+# ------------------------------------------------------------------------------------------------------ --debug
+@pytest.mark.parametrize("argv", [
+    ["--debug", "generate", "--out", "{out}"],
+    ["generate", "--debug", "--out", "{out}"],
+    ["generate", "a cat", "--out", "{out}", "--debug"],
+], ids=["before the command", "after the command", "last"])
+def test_debug_works_after_the_subcommand(tmp_path, failing_work, argv):
+    with pytest.raises(RuntimeError, match="caught fire"):
+        main([arg.format(out=tmp_path / "a.png") for arg in argv])
+
+
+@pytest.fixture
+def bench_calls(monkeypatch):
+    """The arguments ``bench`` was given, where its run fails."""
+    import optimum_iobinding.bench.cli as bench_cli
+
+    calls = []
+
+    def failing_bench(argv):
+        calls.append(argv)
+        raise RuntimeError("no GPU in the test")
+
+    monkeypatch.setattr(bench_cli, "main", failing_bench)
+    return calls
+
+
+@pytest.mark.parametrize("argv", [["--debug", "bench", "--runs", "2"], ["bench", "--runs", "2", "--debug"]],
+                         ids=["before", "after"])
+def test_debug_works_around_bench_and_is_not_passed_to_it(bench_calls, argv):
+    with pytest.raises(RuntimeError, match="no GPU in the test"):
+        main(argv)
+    assert bench_calls == [["--runs", "2"]]
+
+
+def test_a_bench_failure_is_one_line_without_debug(bench_calls, capsys):
+    assert main(["bench", "--runs", "2"]) == 1
+    assert error_line(capsys) == "optimum-iobinding: error: no GPU in the test"
+
+
+# ------------------------------------------------------------------------------------------------ abbreviations
+@pytest.mark.parametrize("argv, unknown", [
+    (["generate", "--step", "2"], "--step"),
+    (["generate", "--guid", "2"], "--guid"),
+    (["serve", "--replica", "2"], "--replica"),
+    (["loadtest", "http://127.0.0.1:8000", "--concurren", "2"], "--concurren"),
+    (["export", "--tiny-random", "--output", "x", "--opt", "cpu"], "--opt"),
+    (["--deb", "generate"], "--deb"),
+], ids=["generate", "generate-float", "serve", "loadtest", "export", "top"])
+def test_an_abbreviated_option_is_refused_by_name(capsys, no_work, argv, unknown):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert f"unrecognized arguments: {unknown}" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ numbers, before the model loads
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_a_negative_seed_is_refused_before_the_model_loads(capsys, no_work, seed):
+    assert main(["generate", "--seed", seed]) == 2
+    assert error_line(capsys) == ("optimum-iobinding: error: --seed: expected an integer in 0 … 4294967295 (numpy's "
+                                  f"seeds), got {seed}")
+
+
+def test_the_largest_numpy_seed_is_accepted(tmp_path, failing_work):
+    assert main(["generate", "--seed", str(2**32 - 1), "--out", str(tmp_path / "a.png")]) == 1  # got to work
+
+
+@pytest.mark.parametrize("guidance", ["nan", "inf", "-inf"])
+def test_guidance_must_be_a_finite_number(capsys, no_work, guidance):
+    assert main(["generate", f"--guidance={guidance}"]) == 2
+    assert error_line(capsys) == f"optimum-iobinding: error: --guidance: expected a finite number, got {guidance}"
+
+
+def test_a_provider_this_onnxruntime_lacks_is_refused_before_the_model_loads(capsys, no_work):
+    assert main(["generate", "--provider", "NoSuchExecutionProvider"]) == 2
+    assert error_line(capsys).startswith("optimum-iobinding: error: --provider: 'NoSuchExecutionProvider' is not "
+                                         "available in this onnxruntime build")
+
+
+def test_a_size_the_model_cannot_run_is_refused_naming_height_and_width(tiny_folder, tmp_path, capsys):
+    """Which sizes a UNet runs depends on the model: the pipeline checks them before its first step, and the
+    command names its own options."""
+    assert main(["generate", "--model", str(tiny_folder), "--height", "100", "--width", "64", "--steps", "1",
+                 "--provider", "CPUExecutionProvider", "--out", str(tmp_path / "a.png")]) == 2
+    assert error_line(capsys).startswith("optimum-iobinding: error: --height and --width: expected multiples of ")
+    assert not (tmp_path / "a.png").exists()
+
+
+SERVE_MISTAKES = [
+    (["--replicas", "0"], "--replicas: expected a positive integer, got 0"),
+    (["--max-batch-size", "0"], "--max-batch-size: expected a positive integer, got 0"),
+    (["--batch-wait-ms", "-1"], "--batch-wait-ms: expected milliseconds in 0 … 60000, got -1.0"),
+    (["--batch-wait-ms", "nan"], "--batch-wait-ms: expected milliseconds in 0 … 60000, got nan"),
+    (["--port", "0"], "--port: expected a port in 1 … 65535, got 0"),
+    (["--port", "65536"], "--port: expected a port in 1 … 65535, got 65536"),
+    (["--steps", "0"], "--steps: expected a positive integer, got 0"),
+    (["--guidance", "nan"], "--guidance: expected a finite number, got nan"),
+    (["--warmup-batch-sizes", "1,x"], "--warmup-batch-sizes: expected an integer, got 'x'"),
+    (["--warmup-batch-sizes", "1,0"], "--warmup-batch-sizes: expected a list of positive integers, got [1, 0]"),
+    (["--max-queued-requests", "0"], "--max-queued-requests: expected a positive integer, got 0"),
+    (["--png-compression", "10"], "--png-compression: expected a zlib level 0–9, got 10"),
+]
+
+
+@pytest.mark.parametrize("argv, message", SERVE_MISTAKES, ids=[" ".join(argv) for argv, _ in SERVE_MISTAKES])
+def test_serve_refuses_each_setting_by_its_option_before_building_anything(capsys, no_work, argv, message):
+    assert main(["serve", *argv]) == 2
+    assert error_line(capsys) == f"optimum-iobinding: error: {message}"
+
+
+@pytest.mark.parametrize("opset", [6, 23])
+def test_export_refuses_the_opsets_the_exporter_refuses_before_exporting(tmp_path, capsys, no_work, opset):
+    assert main(["export", "--tiny-random", "--opset", str(opset), "--output", str(tmp_path / "out")]) == 2
+    assert error_line(capsys) == f"optimum-iobinding: error: --opset: expected an integer in 7 … 22 (17 is " \
+                                 f"tested), got {opset}"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("opset", [6, 23])
+def test_the_exporter_refuses_the_same_opsets(tmp_path, opset):
+    from optimum_iobinding.export import export_pipeline
+
+    with pytest.raises(ValueError, match=r"opset: expected an integer in \[7, 22\]"):
+        export_pipeline(None, tmp_path / "out", tiny_random=True, opset=opset, progress=False)
+
+
+def test_export_refuses_a_model_and_tiny_random_together(tmp_path, capsys, no_work):
+    assert main(["export", "some/model", "--tiny-random", "--output", str(tmp_path / "out")]) == 2
+    assert error_line(capsys) == ("optimum-iobinding: error: model: expected a model folder or hub id, or "
+                                  "--tiny-random, got both ('some/model' and --tiny-random sd)")
+
+
+# ------------------------------------------------------------------------------ a hub id that cannot be had
+@pytest.fixture
+def offline_hub(monkeypatch):
+    """The Hugging Face Hub cannot be reached: every download fails as huggingface_hub's own offline error."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def unreachable(repo_id, **kwargs):
+        raise LocalEntryNotFoundError("the Hub cannot be reached from this test")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+
+
+def test_a_hub_id_that_cannot_be_fetched_names_model(tmp_path, capsys, offline_hub):
+    assert main(["generate", "--model", "nobody/nothing-here", "--out", str(tmp_path / "a.png")]) == 2
+    assert error_line(capsys) == (
+        "optimum-iobinding: error: --model: 'nobody/nothing-here' is not a local folder (no such path here), and the "
+        "Hugging Face Hub could not provide it: LocalEntryNotFoundError: the Hub cannot be reached from this test")
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["nobody/nothing-here"], "model"),
+    (["--tiny-random", "--vae", "nobody/some-vae"], "--vae"),
+    (["--tiny-random", "--controlnet", "nobody/some-controlnet"], "--controlnet"),
+], ids=["model", "vae", "controlnet"])
+def test_export_of_a_hub_id_that_cannot_be_fetched_names_it_before_exporting(tmp_path, capsys, no_work, offline_hub,
+                                                                            argv, option):
+    assert main(["export", *argv, "--output", str(tmp_path / "out")]) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"optimum-iobinding: error: {option}: '") and "Hub could not provide it" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_serve_of_a_hub_id_that_cannot_be_fetched_names_it_before_starting_ray(capsys, no_work, offline_hub):
+    pytest.importorskip("ray.serve")
+    assert main(["serve", "nobody/nothing-here"]) == 2
+    assert error_line(capsys).startswith("optimum-iobinding: error: model: 'nobody/nothing-here' is not a local "
+                                         "folder (no such path here), and the Hugging Face Hub could not provide it")

@@ -1,14 +1,20 @@
-"""The load test's closed loop against a local HTTP server (no Ray): which answers it counts, and what it reports."""
+"""The load test's closed loop against a local HTTP server (no Ray): which answers it counts, and what it reports;
+the ``loadtest`` command's checks of its options, and what it says where no service answers."""
 
 from __future__ import annotations
 
 import json
+import logging
+import socket
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from optimum_iobinding.serve.loadtest import run_level
+from optimum_iobinding.cli import main
+from optimum_iobinding.serve import loadtest
+from optimum_iobinding.serve.loadtest import run_level, write_results
 
 
 class Service:
@@ -77,3 +83,115 @@ def test_a_level_refuses_non_positive_counts(service, arguments):
     concurrency, requests, warmup = arguments
     with pytest.raises(ValueError, match="concurrency and requests"):
         run_level(service.url, concurrency, requests, {"prompt": "x"}, warmup=warmup)
+
+
+# --------------------------------------------------------------------------------------------------- the command
+def error_line(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines  # one line, no traceback
+    return lines[0]
+
+
+@pytest.fixture
+def no_server():
+    """The URL of a port nothing listens on: bound here (so nothing else takes it) and never listening."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as bound:
+        bound.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{bound.getsockname()[1]}"
+
+
+def test_loadtest_against_no_server_says_why_in_one_line_and_exits_1(no_server, tmp_path, capsys):
+    assert main(["loadtest", no_server, "--concurrency", "1,2", "--requests", "2", "--out", str(tmp_path / "out")]) == 1
+    assert error_line(capsys) == (f"optimum-iobinding: error: url: no service answered at {no_server}: Connection "
+                                  "refused (is the server running?)")
+    assert capsys.readouterr().out == ""  # no empty table
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_service_that_stops_answering_keeps_the_levels_measured_before(service, no_server, tmp_path, capsys,
+                                                                        monkeypatch):
+    """The first level reaches the service, the second finds nothing there: the first is reported and written, then
+    the command says why it stopped."""
+    urls = iter([service.url, no_server])
+    level = loadtest.run_level
+    monkeypatch.setattr(loadtest, "run_level", lambda url, *args: level(next(urls), *args))
+    assert main(["loadtest", service.url, "--concurrency", "1,2,4", "--requests", "2", "--out", str(tmp_path)]) == 1
+    output = capsys.readouterr()
+    assert "| 1 | 2 (2) |" in output.out
+    assert "no service answered" in output.err and "Connection refused" in output.err
+    rows = json.loads((tmp_path / "loadtest.json").read_text())["rows"]
+    assert [(row["concurrency"], row["ok"]) for row in rows] == [(1, 2), (2, 0)]  # level 4 never ran
+
+
+LOADTEST_MISTAKES = [
+    (["--concurrency", "0,x"], "--concurrency: expected positive integers, comma-separated like 1,4,16, got '0,x'"),
+    (["--concurrency", "1,0"], "--concurrency: expected positive integers, comma-separated like 1,4,16, got '1,0'"),
+    (["--concurrency", ","], "--concurrency: expected positive integers, comma-separated like 1,4,16, got ','"),
+    (["--requests", "0"], "--requests: expected a positive integer, got 0"),
+    (["--warmup", "-2"], "--warmup: expected a count ≥ 0, or -1 for one per client thread, got -2"),
+    (["--seed", "-1"], f"--seed: expected an integer in 0 … {2**63 - 1} (the service's seeds), got -1"),
+    (["--steps", "0"], "--steps: expected a positive integer, got 0"),
+    (["--guidance", "nan"], "--guidance: expected a finite number, got nan"),
+    (["--size", "512x"], "--size: expected pixels as 512 or 768x512 (width x height), got '512x'"),
+    (["--size", "0"], "--size: expected pixels as 512 or 768x512 (width x height), got '0'"),
+    (["--timeout", "0"], "--timeout: expected seconds > 0, got 0.0"),
+]
+
+
+@pytest.mark.parametrize("argv, message", LOADTEST_MISTAKES, ids=[" ".join(argv) for argv, _ in LOADTEST_MISTAKES])
+def test_every_option_error_names_the_option_before_any_request(service, capsys, argv, message):
+    assert main(["loadtest", service.url, *argv]) == 2
+    assert error_line(capsys) == f"optimum-iobinding: error: {message}"
+    assert service.bodies == []
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://127.0.0.1:8000", "http://", "http://127.0.0.1:99999"])
+def test_a_url_that_is_no_service_address_is_refused_before_any_request(capsys, url):
+    assert main(["loadtest", url]) == 2
+    assert error_line(capsys) == f"optimum-iobinding: error: url: expected the service's address, like " \
+                                 f"http://127.0.0.1:8000, got {url!r}"
+
+
+def test_an_out_that_is_a_file_is_refused_before_any_request(service, tmp_path, capsys):
+    (tmp_path / "results").write_text("mine")
+    assert main(["loadtest", service.url, "--out", str(tmp_path / "results")]) == 2
+    assert "--out: expected a folder, not a file, got" in error_line(capsys)
+    assert service.bodies == [] and (tmp_path / "results").read_text() == "mine"
+
+
+@pytest.mark.parametrize("size, sent", [("512", 512), ("768X512", "768x512")])
+def test_the_size_is_sent_as_the_service_reads_it(service, size, sent):
+    assert main(["loadtest", service.url, "--concurrency", "1", "--requests", "1", "--warmup", "0",
+                 "--size", size]) == 0
+    assert [body["size"] for body in service.bodies] == [sent]
+
+
+def test_the_load_test_speaks_the_services_seeds_and_sizes():
+    schema = pytest.importorskip("optimum_iobinding.serve.schema")  # needs the serve extra (pydantic)
+    assert loadtest.MAX_SEED == schema.MAX_SEED
+    assert schema.parse_size(loadtest.request_size("512"), 64) == (512, 512)
+    assert schema.parse_size(loadtest.request_size("768x512"), 64) == (768, 512)
+
+
+# ----------------------------------------------------------------------------------------------------- the plot
+def test_the_help_names_the_extra_the_plot_needs(capsys):
+    with pytest.raises(SystemExit):
+        main(["loadtest", "--help"])
+    assert "optimum-iobinding[plot]" in " ".join(capsys.readouterr().out.split())
+
+
+def test_without_matplotlib_the_plot_is_one_warning_naming_the_plot_extra(service, tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    rows = [run_level(service.url, 1, 2, {"prompt": "a cat"})]
+    with caplog.at_level(logging.WARNING, logger=loadtest.__name__):
+        written = write_results(tmp_path, rows, {"url": service.url, "command": "test", "date": "now"})
+    assert [path.name for path in written] == ["loadtest.json", "loadtest.md"]
+    assert [(record.levelname, record.getMessage()) for record in caplog.records] == [
+        ("WARNING", "loadtest.png not drawn: matplotlib is not installed (pip install 'optimum-iobinding[plot]')")]
+
+
+def test_with_matplotlib_the_plot_is_written(service, tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [run_level(service.url, level, 2, {"prompt": "a cat"}) for level in (1, 2)]
+    written = write_results(tmp_path, rows, {"url": service.url, "command": "test", "date": "now"})
+    assert written[-1] == tmp_path / "loadtest.png" and written[-1].read_bytes().startswith(b"\x89PNG")

@@ -4,24 +4,33 @@ Each concurrency level runs that many client threads in a closed loop (each send
 one is answered) until ``warmup`` uncounted answers and then ``requests`` counted ones came, without draining in
 between (see :func:`run_level`). A level's row gives images/s over the counted answers' time, p50/p95/p99 latency of the answered requests, the status codes, and the batch sizes the
 service reported (``X-Batch-Images``). Writes ``loadtest.json`` (with the command, URL and date), ``loadtest.md`` and,
-where matplotlib is installed, ``loadtest.png``.
+where matplotlib is installed (the ``plot`` extra: ``pip install 'optimum-iobinding[plot]'``), ``loadtest.png``.
 
     optimum-iobinding loadtest http://127.0.0.1:8000 --concurrency 1,4,16,64 --requests 128 --out results/
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import logging
+import math
 import statistics
 import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+logger = logging.getLogger(__name__)
+
+# the service's seeds (serve.schema.MAX_SEED; not imported from there: the load test runs without the serve extra)
+MAX_SEED = 2**63 - 1
 
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
@@ -49,8 +58,8 @@ def one_request(url: str, body: Dict[str, Any], timeout: float) -> Dict[str, Any
     except urllib.error.HTTPError as error:
         error.read()
         status, headers = error.code, error.headers
-    except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
-        return {"status": None, "error": str(error), "seconds": time.perf_counter() - start}
+    except (OSError, http.client.HTTPException) as error:  # no HTTP answer: refused, reset, timed out, not HTTP
+        return {"status": None, "error": failure_reason(error), "seconds": time.perf_counter() - start}
     seconds = time.perf_counter() - start
     batch = headers.get("X-Batch-Images")
     result = {"status": status, "seconds": seconds, "batch_images": int(batch) if batch else None}
@@ -58,6 +67,15 @@ def one_request(url: str, body: Dict[str, Any], timeout: float) -> Dict[str, Any
         value = headers.get(header)
         result[key] = float(value) if value else None
     return result
+
+
+def failure_reason(error: BaseException) -> str:
+    """Why a request got no HTTP answer, in a few words: ``Connection refused``, not ``<urlopen error [Errno 111]
+    Connection refused>``."""
+    reason = error.reason if isinstance(error, urllib.error.URLError) else error
+    if isinstance(reason, OSError) and reason.strerror:
+        return reason.strerror
+    return str(reason) or type(reason).__name__
 
 
 def run_level(url: str, concurrency: int, requests: int, body: Dict[str, Any], warmup: int = 0,
@@ -132,18 +150,30 @@ def table(rows: Sequence[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+PLOT_EXTRA = "pip install 'optimum-iobinding[plot]'"
+
+
 def write_results(out: Path, rows: Sequence[Dict[str, Any]], meta: Dict[str, Any]) -> List[Path]:
+    """``loadtest.json`` and ``loadtest.md`` into ``out``, and ``loadtest.png`` where matplotlib is installed (where
+    it is not, one warning says so and names the extra that installs it). Returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "loadtest.json", out / "loadtest.md"]
     written[0].write_text(json.dumps({**meta, "rows": list(rows)}, indent=2))
     written[1].write_text(f"# Load test: {meta['url']}\n\n`{meta['command']}` — {meta['date']}\n\n{table(rows)}\n")
+    plot = write_plot(out / "loadtest.png", rows, meta["url"])
+    return written + ([plot] if plot else [])
+
+
+def write_plot(path: Path, rows: Sequence[Dict[str, Any]], title: str) -> Optional[Path]:
+    """images/s and p50/p99 latency against concurrency; ``None`` (and a warning) where matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return written
+        logger.warning("%s not drawn: matplotlib is not installed (%s)", path.name, PLOT_EXTRA)
+        return None
     levels = [row["concurrency"] for row in rows]
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(levels, [row["images_per_s"] or 0 for row in rows], marker="o")
@@ -156,29 +186,96 @@ def write_results(out: Path, rows: Sequence[Dict[str, Any]], meta: Dict[str, Any
     right.set_xlabel("concurrency")
     right.set_ylabel("latency ms")
     right.legend()
-    figure.suptitle(meta["url"])
+    figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(out / "loadtest.png", dpi=100)
+    figure.savefig(path, dpi=100)
     plt.close(figure)
-    return written + [out / "loadtest.png"]
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ the command
+def positive_integers(option: str, text: str) -> List[int]:
+    """``"1,4,16"`` → ``[1, 4, 16]``."""
+    try:
+        values = [int(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"{option}: expected positive integers, comma-separated like 1,4,16, got {text!r}")
+    return values
+
+
+def request_size(text: str) -> Union[int, str]:
+    """``--size`` as the service's ``size`` takes it: ``512`` (an int: a square) or ``"768x512"`` (width x height)."""
+    parts = text.lower().split("x")
+    if len(parts) in (1, 2) and all(part.strip().isdecimal() and int(part) > 0 for part in parts):
+        return int(parts[0]) if len(parts) == 1 else f"{int(parts[0])}x{int(parts[1])}"
+    raise ValueError(f"--size: expected pixels as 512 or 768x512 (width x height), got {text!r}")
+
+
+def check_url(url: str) -> str:
+    """The service's address, ``http(s)://host[:port]``."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a port that is no number, or out of range
+        valid = False
+    if not valid:
+        raise ValueError(f"url: expected the service's address, like http://127.0.0.1:8000, got {url!r}")
+    return url
+
+
+def check_arguments(args: Any) -> Tuple[List[int], Dict[str, Any]]:
+    """Every option, checked before the first request and named in its error; returns the concurrency levels and
+    the request body."""
+    def check(ok: bool, option: str, expected: str, value: Any) -> None:
+        if not ok:
+            raise ValueError(f"{option}: expected {expected}, got {value!r}")
+
+    check_url(args.url)
+    levels = positive_integers("--concurrency", args.concurrency)
+    check(args.requests >= 1, "--requests", "a positive integer", args.requests)
+    check(args.warmup >= -1, "--warmup", "a count ≥ 0, or -1 for one per client thread", args.warmup)
+    check(0 <= args.seed <= MAX_SEED, "--seed", f"an integer in 0 … {MAX_SEED} (the service's seeds)", args.seed)
+    check(args.steps is None or args.steps >= 1, "--steps", "a positive integer", args.steps)
+    check(args.guidance is None or math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
+    check(math.isfinite(args.timeout) and args.timeout > 0, "--timeout", "seconds > 0", args.timeout)
+    check(not args.out or not Path(args.out).exists() or Path(args.out).is_dir(), "--out", "a folder, not a file",
+          args.out)
+    body: Dict[str, Any] = {"prompt": args.prompt, "seed": args.seed, "response_format": "png"}
+    for key, value in (("steps", args.steps), ("guidance", args.guidance)):
+        if value is not None:
+            body[key] = value
+    if args.size is not None:
+        body["size"] = request_size(args.size)
+    return levels, body
+
+
+def unanswered(row: Dict[str, Any]) -> bool:
+    """Whether no request of a level got an HTTP answer (none reached a service)."""
+    return set(row["statuses"]) == {"None"}
 
 
 def main_from_args(args: Any) -> int:
-    """The ``optimum-iobinding loadtest`` command."""
-    levels = [int(part) for part in str(args.concurrency).split(",") if part.strip()]
-    if not levels or min(levels) < 1:
-        raise ValueError(f"--concurrency: expected positive integers like 1,4,16, got {args.concurrency!r}")
-    if args.requests < 1:
-        raise ValueError(f"--requests: expected a positive integer, got {args.requests}")
-    body: Dict[str, Any] = {"prompt": args.prompt, "seed": args.seed, "response_format": "png"}
-    for key, value in (("steps", args.steps), ("guidance", args.guidance), ("size", args.size)):
-        if value is not None:
-            body[key] = value
-    rows = run_loadtest(args.url, levels, args.requests, body, args.warmup, args.timeout)
-    print(table(rows))
-    if args.out:
-        meta = {"url": args.url, "command": " ".join(["optimum-iobinding", *sys.argv[1:]]),
-                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "body": body}
-        for path in write_results(Path(args.out), rows, meta):
-            print(path)
+    """The ``optimum-iobinding loadtest`` command. Levels run in turn; where no request of a level got an HTTP
+    answer, the next ones would not either: the command stops and says why in one line (exit status 1), after
+    writing what the levels before measured."""
+    levels, body = check_arguments(args)
+    rows: List[Dict[str, Any]] = []
+    for level in levels:
+        rows.append(run_level(args.url, level, args.requests, body, level if args.warmup < 0 else args.warmup,
+                              args.timeout))
+        if unanswered(rows[-1]):
+            break
+    measured = rows[:-1] if unanswered(rows[-1]) else rows
+    if measured:
+        print(table(rows))
+        if args.out:
+            meta = {"url": args.url, "command": " ".join(["optimum-iobinding", *sys.argv[1:]]),
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "body": body}
+            for path in write_results(Path(args.out), rows, meta):
+                print(path)
+    if unanswered(rows[-1]):
+        reason = rows[-1]["errors"][0] if rows[-1]["errors"] else "no answer"
+        raise ConnectionError(f"url: no service answered at {args.url}: {reason} (is the server running?)")
     return 0 if all(row["ok"] == row["requests"] for row in rows) else 1
