@@ -164,6 +164,32 @@ def test_the_profiler_sees_ort_synchronizing_when_it_is_allowed_to(tiny_folder):
     assert host_waits(lambda: model(**inputs))
 
 
+@pytest.mark.parametrize("generator", ["torch-cpu", "numpy"])
+def test_prompt_ids_and_initial_noise_go_up_while_the_gpu_is_still_busy(tiny_folder, generator):
+    # in a server the next batch is prepared while the last one runs: its uploads must not wait for the stream (a copy
+    # from pageable memory would). The GPU is kept busy on the pipeline's stream; the host prepares a call's inputs,
+    # and the busy work must still be running when the host is done
+    pipe = pipeline(tiny_folder)
+    generate(pipe)  # sessions made and graphs captured
+    size = (1, 4, SIZE // 8, SIZE // 8)
+    make = {"torch-cpu": lambda: torch.Generator().manual_seed(0), "numpy": lambda: np.random.RandomState(0)}[generator]
+    with torch.cuda.stream(pipe.stream):
+        embeds = pipe.encode_prompt("a photo of a cat", 1, True)
+        expected = pipe.prepare_latents(size, embeds.dtype, make()).clone()
+        torch.cuda.synchronize()
+        a = torch.randn(4096, 4096, device="cuda")
+        for _ in range(200):  # a second or so of GPU work, queued ahead of the uploads
+            a = a @ a / 64
+        busy = torch.cuda.Event()
+        busy.record()
+        embeds = pipe.encode_prompt("a photo of a cat", 1, True)
+        latents = pipe.prepare_latents(size, embeds.dtype, make())
+        still_busy = not busy.query()
+        torch.cuda.synchronize()
+    assert still_busy, "the host waited for the GPU's earlier work while preparing the call's inputs"
+    torch.testing.assert_close(latents, expected, rtol=0, atol=0)
+
+
 def test_buffers_are_not_reallocated_between_steps(tiny_folder):
     pipe = pipeline(tiny_folder)
     allocated = []

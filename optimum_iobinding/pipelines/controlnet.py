@@ -25,7 +25,7 @@ from ..runtime.model import IOBindingORTModel
 from ..runtime.shapes import infer_output_shapes
 from .arguments import Generator, is_real
 from .denoise import on_device_stream
-from .pipeline import OnnxStableDiffusionPipelineBase
+from .pipeline import OnnxStableDiffusionPipelineBase, upload
 from .img2img import ImageInput, expand_to_batch
 
 _EXTRA_CONTROLNET = re.compile(r"controlnet_([1-9][0-9]*)")
@@ -251,7 +251,7 @@ class _ControlNetMixin:
             table = torch.stack([ramp * (scales[k] * keep[i][k]) for i in range(steps)])
             table = table.to(net.input_dtypes["conditioning_scale"])
             if self.device.type == "cuda":
-                table = table.pin_memory().to(self.device, non_blocking=True)
+                table = upload(table, self.device)
             factors.append(table)
             timestep_rows.append(self.timestep_inputs(timesteps, control_batch, net))
         runs = [[scales[k] * keep[i][k] != 0.0 for k in range(len(self.controlnets))] for i in range(steps)]

@@ -495,7 +495,7 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
             removed = self.tokenizer.batch_decode(untruncated[:, max_length - 1 : -1])
             logger.warning("The following part of your input was truncated because CLIP can only handle sequences "
                            f"up to {max_length} tokens: {removed}")
-        input_ids = torch.from_numpy(tokens.input_ids).to(self.device)
+        input_ids = upload(torch.from_numpy(tokens.input_ids), self.device)
         # the encoder's output buffer is reused by its next call (the negative prompt): keep a copy
         return self.text_encoder(input_ids=input_ids)[0].clone()
 
@@ -516,8 +516,12 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         if generator is None or isinstance(generator, np.random.RandomState):
             numpy_dtype = torch.empty((), dtype=dtype).numpy().dtype
             noise = (generator or np.random).randn(*shape).astype(numpy_dtype)
-            return torch.from_numpy(noise).to(self.device)
+            return upload(torch.from_numpy(noise), self.device)
         if is_torch_generator(generator):
+            if self.device.type == "cuda" and _on_cpu(generator):
+                # drawn on the host as diffusers draws it, then uploaded without making the host wait
+                return upload(randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=dtype),
+                              self.device)
             return randn_tensor(shape, generator=generator, device=self.device, dtype=dtype)
         raise TypeError(f"generator: expected a numpy RandomState, a torch.Generator or a list of torch.Generators "
                         f"(one per image), got {type(generator).__name__}")
@@ -531,7 +535,7 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         values = timesteps.to(dtype=model.input_dtypes["timestep"])
         if self.device.type == "cuda":
             # from pinned memory the upload is asynchronous: a pageable one would make the host wait
-            values = values.pin_memory().to(self.device, non_blocking=True)
+            values = upload(values, self.device)
         if len(timestep_dims) == 0:
             return values
         if timestep_dims[0] == 1:
@@ -663,3 +667,18 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         if not return_dict:
             return (image, None)
         return StableDiffusionPipelineOutput(images=image, nsfw_content_detected=None)
+
+
+def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (on the host) on ``device`` without making the host wait: to CUDA through pinned memory, an
+    asynchronous copy ordered on the current stream (a copy from pageable memory waits for the stream's pending work:
+    in a server, for the batch running on the GPU). Elsewhere a plain ``.to(device)``."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _on_cpu(generator: Any) -> bool:
+    """Whether a torch generator (or the first of a list) draws on the CPU."""
+    first = generator[0] if isinstance(generator, list) else generator
+    return first.device.type == "cpu"
