@@ -29,6 +29,8 @@ from ..layout import (
     write_model_index,
 )
 from ..runtime.hub import check_hub_kwargs
+from ..runtime.cuda_policy import DEVICE_SETUP
+from ..runtime.inputs import as_checked_tensor
 from ..runtime.model import IOBindingORTModel
 from ..runtime.options import CudaGraphSetting, PipelineOptions, ProviderSpec
 from ..runtime.shapes import infer_output_shapes
@@ -495,9 +497,15 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
             removed = self.tokenizer.batch_decode(untruncated[:, max_length - 1 : -1])
             logger.warning("The following part of your input was truncated because CLIP can only handle sequences "
                            f"up to {max_length} tokens: {removed}")
-        input_ids = upload(torch.from_numpy(tokens.input_ids), self.device)
+        input_ids = self.token_ids(self.text_encoder, tokens.input_ids)
         # the encoder's output buffer is reused by its next call (the negative prompt): keep a copy
         return self.text_encoder(input_ids=input_ids)[0].clone()
+
+    def token_ids(self, encoder: IOBindingORTModel, ids: np.ndarray) -> torch.Tensor:
+        """A tokenizer's ids on the device in the dtype ``encoder`` declares, converted and range-checked on the host:
+        converted on the device, the check would read the values back and make the host wait."""
+        dtype = encoder.input_dtypes["input_ids"]
+        return upload(as_checked_tensor("input_ids", torch.from_numpy(ids), dtype).to(dtype), self.device)
 
     def prepare_latents(
         self,
@@ -675,7 +683,9 @@ def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     in a server, for the batch running on the GPU). Elsewhere a plain ``.to(device)``."""
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    with DEVICE_SETUP.setup():  # pinning may allocate, which a graph capture in another thread must not see
+        pinned = tensor.pin_memory()
+    return pinned.to(device, non_blocking=True)
 
 
 def _on_cpu(generator: Any) -> bool:

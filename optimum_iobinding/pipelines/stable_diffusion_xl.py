@@ -18,7 +18,7 @@ from ..layout import write_xl_model_index
 from ..runtime.model import IOBindingORTModel
 from .arguments import Generator
 from .denoise import on_device_stream
-from .pipeline import OnnxStableDiffusionPipelineBase, upload
+from .pipeline import OnnxStableDiffusionPipelineBase
 
 XL_COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae_encoder", "vae_decoder")
 # the diffusers pipeline each of ours mirrors: the class name a saved folder's model_index.json gives (optimum's way)
@@ -133,7 +133,7 @@ class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
                 continue
             ids = tokenizer(text, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
                             return_tensors="np").input_ids
-            outputs = dict(zip(encoder.output_names, encoder(input_ids=upload(torch.from_numpy(ids), self.device))))
+            outputs = dict(zip(encoder.output_names, encoder(input_ids=self.token_ids(encoder, ids))))
             layers = sorted((name for name in outputs if name.startswith("hidden_states.")),
                             key=lambda name: int(name.split(".")[1]))
             if len(layers) < 2:
