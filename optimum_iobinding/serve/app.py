@@ -2,86 +2,150 @@
 (:func:`build_app`, :func:`app_builder`) and run (:func:`run`). One pipeline per replica, one replica per GPU.
 
 The application is one deployment, ``ImageService``: each replica holds one pipeline and its batching
-(:class:`~optimum_iobinding.serve.batching.ImageGenerator`; ``num_gpus=1`` per replica on a GPU cluster, CPU
-replicas without one) and the HTTP API (FastAPI through ``@serve.ingress``: ``POST /v1/images``, ``GET /health``,
-``GET /v1/models``). Serve's proxy routes each HTTP request to a replica. (A separate ingress deployment adds a
-process hop that carries every image; benchmarks/results/h200x2/2026-11-23-36d6c4e measured what it cost.)
+(:class:`~optimum_iobinding.serve.batching.ImageGenerator`, or a subclass given to :func:`build_app`; ``num_gpus=1``
+per replica on a GPU cluster, CPU replicas without one) and the HTTP API (FastAPI through ``@serve.ingress``:
+``POST /v1/images``, ``GET /health``, ``GET /v1/models``, the routes of :data:`api`, each answered by its replica's
+generator). Serve's proxy routes each HTTP request to a replica. (A separate ingress deployment adds a process hop
+that carries every image; benchmarks/results/h200x2/2026-11-23-36d6c4e measured what it cost.)
 
-Requests are checked before batching: 422 for a malformed body, 400 with the pipeline's own message for values the
-pipeline refuses, so a bad request never fails the others. The proxy answers 503 when the replicas' queues are full
-(Serve's ``max_ongoing_requests`` / ``max_queued_requests``). Ray replaces a replica that dies.
+Requests are checked before batching, before any of their work is queued: 413 for a body over ``max_body_bytes``,
+422 for a malformed body, 400 naming the limit or the pipeline's own message for values beyond the replica's limits
+(:class:`~optimum_iobinding.serve.config.RequestLimits`) or that the pipeline refuses, so a bad request never fails
+the others. A pipeline call that fails otherwise (an allocation failure) answers its requests 503 with a one-line
+reason and the replica goes on; a request not answered within ``request_timeout_s`` gets 504. The proxy answers 503
+when the replicas' queues are full (Serve's ``max_ongoing_requests`` / ``max_queued_requests``). Ray replaces a
+replica that dies. No request is answered 500.
 
 Build it with :func:`build_app` (or ``serve run optimum_iobinding.serve:app_builder model=FOLDER ...`` from a config
-file); the command line's ``optimum-iobinding serve MODEL`` runs it on a local Ray cluster or joins ``RAY_ADDRESS``.
-Needs the ``serve`` extra (``pip install 'optimum-iobinding[serve]'``).
+file); the command line's ``optimum-iobinding serve MODEL`` runs it (:func:`run`) on a local Ray cluster of this
+machine alone, every port of which listens on loopback, or joins ``RAY_ADDRESS``. Needs the ``serve`` extra
+(``pip install 'optimum-iobinding[serve]'``).
 """
 
-# no `from __future__ import annotations`: FastAPI reads the route methods' annotations as objects
+# no `from __future__ import annotations`: FastAPI reads the routes' annotations as objects
 import asyncio
 import base64
+import logging
 import os
 import signal
 import threading
 import time
 from dataclasses import asdict
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Type, Union
 
 try:
-    from fastapi import FastAPI, HTTPException
+    from fastapi import FastAPI, HTTPException, Request
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
+    from pydantic import ValidationError
     from ray import serve
+    from starlette.requests import ClientDisconnect
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("optimum_iobinding.serve needs Ray Serve: pip install 'optimum-iobinding[serve]'") from error
 
 from .batching import ImageGenerator
-from .config import ServeConfig
+from .config import ServeConfig, is_loopback
 from .schema import ImageRequest, encode_pngs
+
+logger = logging.getLogger(__name__)
 
 api = FastAPI(title="optimum-iobinding", description="Stable Diffusion on ONNX Runtime, served by Ray Serve")
 
 
-@serve.deployment(name="ImageService")
-@serve.ingress(api)
-class ImageService(ImageGenerator):
-    """The HTTP API on each generator replica: Serve's proxy routes requests straight to a replica (no second hop
-    through an ingress deployment, which carried every image between processes)."""
+def replica_generator() -> ImageGenerator:
+    """The generator of the replica answering the request (the deployment's instance)."""
+    return serve.get_replica_context().servable_object
 
-    def __init__(self, config: Dict[str, Any]):
-        super().__init__(config)
-        self.model_id = os.path.basename(os.path.normpath(self.config.model)) or self.config.model
 
-    @api.get("/health")
-    async def health(self) -> Dict[str, str]:
-        return {"status": "ok"}
+@api.get("/health")
+async def health() -> Dict[str, str]:
+    return {"status": "ok"}
 
-    @api.get("/v1/models")
-    async def models(self) -> Dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model_id, "object": "model", **self.info(),
-                                            "replicas": self.config.replicas}]}
 
-    @api.post("/v1/images", responses={200: {"content": {"image/png": {}, "application/json": {}}}})
-    async def images(self, body: ImageRequest) -> Response:
-        start = time.perf_counter()
-        request = body.model_dump()
-        if request["response_format"] == "png" and request["n"] != 1:
-            raise HTTPException(400, f"n: a png response holds one image; ask for response_format='b64_json' for "
-                                     f"n={request['n']}")
-        result = await self.generate(request)
-        if "error" in result:
-            raise HTTPException(400, result["error"])
-        encoded = await asyncio.to_thread(encode_pngs, result["images"], self.config.png_compression)
-        # where a request's time went: the pipeline call ⊂ the replica's queue and batch ⊂ the server (+ PNGs)
-        headers = {"X-Batch-Images": str(result["batch_images"]), "X-Batch-Requests": str(result["batch_requests"]),
-                   "X-Seed": str(result["seeds"][0]), "X-Pipeline-Seconds": f"{result['pipeline_s']:.4f}",
-                   "X-Replica-Seconds": f"{result['replica_s']:.4f}",
-                   "X-Server-Seconds": f"{time.perf_counter() - start:.4f}"}
-        if request["response_format"] == "png":
-            return Response(content=encoded[0], media_type="image/png", headers=headers)
-        data = [{"b64_json": base64.b64encode(png).decode("ascii"), "seed": seed}
-                for png, seed in zip(encoded, result["seeds"])]
-        return JSONResponse({"created": int(time.time()), "model": self.model_id, "data": data,
-                             "batch_images": result["batch_images"], "batch_requests": result["batch_requests"]},
-                            headers=headers)
+@api.get("/v1/models")
+async def models() -> Dict[str, Any]:
+    generator = replica_generator()
+    return {"object": "list", "data": [{"id": generator.model_id, "object": "model", **generator.info(),
+                                        "replicas": generator.config.replicas}]}
+
+
+_IMAGE_REQUEST_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": ImageRequest.model_json_schema()}}}}
+
+
+@api.post("/v1/images", openapi_extra=_IMAGE_REQUEST_BODY,
+          responses={200: {"content": {"image/png": {}, "application/json": {}}}})
+async def images(request: Request) -> Response:
+    """The body is read here, not by FastAPI, so that one over ``max_body_bytes`` is refused (413) before it is all
+    read; anything that fails outside the client's request answers 503 with a one-line reason, never 500."""
+    try:
+        return await _images(request)
+    except (HTTPException, RequestValidationError):
+        raise
+    except ClientDisconnect:  # gone while it sent its body: nobody reads the answer
+        raise HTTPException(400, "body: expected all of it, got part; the client went away") from None
+    except Exception as error:  # noqa: BLE001 — the replica goes on; the reason is logged with its traceback
+        logger.exception("POST /v1/images failed")
+        raise HTTPException(503, f"service: expected to answer, got {type(error).__name__}: "
+                                 f"{(str(error).strip().splitlines() or [''])[0][:300]}; try again") from None
+
+
+async def _images(http_request: Request) -> Response:
+    start = time.perf_counter()
+    generator = replica_generator()
+    body = await read_body(http_request, generator.limits.max_body_bytes)
+    try:
+        request = ImageRequest.model_validate_json(body).model_dump()
+    except ValidationError as error:  # 422 as FastAPI answers it, without echoing what was sent
+        raise RequestValidationError([dict(detail, loc=("body", *detail["loc"])) for detail in
+                                      error.errors(include_url=False, include_input=False, include_context=False)])
+    if request["response_format"] == "png" and request["n"] != 1:
+        raise HTTPException(400, f"n: a png response holds one image; ask for response_format='b64_json' for "
+                                 f"n={request['n']}")
+    result = await generator.generate(request)
+    if "error" in result:
+        raise HTTPException(result.get("status", 400), result["error"])
+    encoded = await asyncio.to_thread(encode_pngs, result["images"], generator.config.png_compression)
+    # where a request's time went: the pipeline call ⊂ the replica's queue and batch ⊂ the server (+ PNGs)
+    headers = {"X-Batch-Images": str(result["batch_images"]), "X-Batch-Requests": str(result["batch_requests"]),
+               "X-Seed": str(result["seeds"][0]), "X-Pipeline-Seconds": f"{result['pipeline_s']:.4f}",
+               "X-Replica-Seconds": f"{result['replica_s']:.4f}",
+               "X-Server-Seconds": f"{time.perf_counter() - start:.4f}"}
+    if request["response_format"] == "png":
+        return Response(content=encoded[0], media_type="image/png", headers=headers)
+    data = [{"b64_json": base64.b64encode(png).decode("ascii"), "seed": seed}
+            for png, seed in zip(encoded, result["seeds"])]
+    return JSONResponse({"created": int(time.time()), "model": generator.model_id, "data": data,
+                         "batch_images": result["batch_images"], "batch_requests": result["batch_requests"]},
+                        headers=headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, or 413 as soon as it is known to be over ``limit`` bytes (its Content-Length, else
+    while it comes)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise HTTPException(413, f"body: expected at most {limit} bytes (max_body_bytes), got {int(declared)}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(413, f"body: expected at most {limit} bytes (max_body_bytes), got more")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def http_deployment(generator_class: Type[ImageGenerator]) -> "serve.Deployment":
+    """The deployment ``ImageService`` for replicas of ``generator_class``: its instances answer :data:`api`'s
+    routes."""
+    if not (isinstance(generator_class, type) and issubclass(generator_class, ImageGenerator)):
+        raise TypeError(f"generator_class: expected ImageGenerator or a subclass, got {generator_class!r}")
+    return serve.deployment(name="ImageService")(serve.ingress(api)(generator_class))
+
+
+ImageService = http_deployment(ImageGenerator)
+"""The deployment of the application: a replica per pipeline, the HTTP API on each (Serve's proxy routes requests
+straight to a replica: no second hop through an ingress deployment, which carried every image between processes)."""
 
 
 # ------------------------------------------------------------------------------------------------- building it
@@ -95,16 +159,19 @@ def cluster_has_gpus() -> bool:
     return torch.cuda.is_available()
 
 
-def build_app(config: Union[ServeConfig, str, os.PathLike], **settings: Any) -> "serve.Application":
+def build_app(config: Union[ServeConfig, str, os.PathLike], generator_class: Type[ImageGenerator] = ImageGenerator,
+              **settings: Any) -> "serve.Application":
     """The Serve application for ``config`` (a :class:`ServeConfig`, or a model folder plus its settings):
-    ``serve.run(build_app("folder", replicas=2))``."""
+    ``serve.run(build_app("folder", replicas=2))``. ``generator_class``: what each replica runs, ImageGenerator or a
+    subclass of it (one that wraps its pipeline, say: the HTTP API is the same)."""
     if not isinstance(config, ServeConfig):
         config = ServeConfig(model=os.fspath(config), **settings)
     elif settings:
         raise TypeError("build_app: give either a ServeConfig or a model and settings, not both")
+    deployment = ImageService if generator_class is ImageGenerator else http_deployment(generator_class)
     gpus = config.device == "cuda" or (config.device == "auto" and cluster_has_gpus())
     actor_options = {"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": 1}
-    return ImageService.options(
+    return deployment.options(
         num_replicas=config.replicas, ray_actor_options=actor_options,
         max_ongoing_requests=config.max_ongoing_requests, max_queued_requests=config.max_queued_requests,
     ).bind(asdict(config))
@@ -116,33 +183,143 @@ def app_builder(args: Dict[str, Any]) -> "serve.Application":
     return build_app(ServeConfig.from_args(dict(args)))
 
 
+# ---------------------------------------------------------------------------------------------------- running it
+APP_NAME = "optimum-iobinding"
+
+
+class _Stop(BaseException):
+    """Raised in the main thread by a SIGINT or SIGTERM while :func:`run` blocks (or starts)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signal.Signals(signum)
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM raise :class:`_Stop` in the main thread while installed (:meth:`install` again once Ray
+    started: ``ray.init`` replaces the SIGTERM handler, and its core worker's dumps a stack, aborts and leaves Ray
+    processes behind); :meth:`ignore` during the shutdown, :meth:`restore` the handlers there were."""
+
+    NAMES = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.active = threading.current_thread() is threading.main_thread()
+        self.previous = {signum: signal.getsignal(signum) for signum in self.NAMES} if self.active else {}
+
+    @staticmethod
+    def _raise(signum: int, frame: Any) -> None:
+        raise _Stop(signum)
+
+    def install(self) -> None:
+        for signum in self.previous:
+            signal.signal(signum, self._raise)
+
+    def ignore(self) -> None:
+        for signum in self.previous:
+            signal.signal(signum, signal.SIG_IGN)
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
 def run(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, blocking: bool = True,
-        address: Optional[str] = None) -> Any:
-    """Starts (or joins, with ``address`` or ``RAY_ADDRESS``) a Ray cluster and runs the application on
-    ``host:port``. Blocking: until interrupted, then Serve is shut down. Returns the ingress handle otherwise."""
+        address: Optional[str] = None, dashboard: bool = False) -> Any:
+    """Runs the application on ``host:port``, on the Ray cluster at ``address`` (or ``RAY_ADDRESS``), else on a
+    local Ray cluster it starts.
+
+    The local cluster is this machine's alone: every port Ray opens listens on 127.0.0.1 (only the HTTP API listens
+    on ``host``), provided Ray was not imported before :func:`optimum_iobinding.serve.run` set it so (a warning says
+    when it was); its dashboard is off unless ``dashboard`` (then on 127.0.0.1:8265).
+
+    Args:
+        config: what to serve.
+        host, port: where the HTTP API listens (a non-loopback ``host`` such as ``0.0.0.0`` exposes it).
+        blocking: wait until SIGINT or SIGTERM, then shut Serve and the Ray cluster this call started down (a
+            second signal during the shutdown is ignored); otherwise return once the application runs.
+        address: a Ray cluster to join (``ray://`` or ``host:port``).
+        dashboard: start Ray's dashboard with the local cluster.
+
+    Returns:
+        Blocking: the signal that stopped it (``signal.SIGINT`` or ``signal.SIGTERM``), the application shut down.
+        Otherwise: the application's handle (Serve and Ray keep running; ``serve.shutdown()``, ``ray.shutdown()``).
+    """
     import ray
 
-    address = address or os.environ.get("RAY_ADDRESS")
-    if not ray.is_initialized():
-        ray.init(address=address or None, log_to_driver=False)
-    serve.start(http_options={"host": host, "port": port})
-    app = build_app(config)
-    handle = serve.run(app, name="optimum-iobinding", route_prefix="/", blocking=False)
-    if not blocking:
-        return handle
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    signals = _StopSignals() if blocking else None
+    started_ray = False
+    stopped_by = None
     try:
+        if signals:
+            signals.install()  # a signal while Ray or the replicas start stops them too
+        if not ray.is_initialized():
+            if address is None and not is_loopback(ray.util.get_node_ip_address()):
+                logger.warning("Ray was imported before optimum_iobinding.serve.run could keep the local cluster "
+                               "on 127.0.0.1: its ports listen on every interface. Set "
+                               "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported.")
+            started_ray = True
+            if address is None:
+                ray.init(include_dashboard=dashboard, dashboard_host="127.0.0.1", log_to_driver=False)
+            else:
+                ray.init(address=address, log_to_driver=False)
+        if signals:
+            signals.install()  # over Ray's SIGTERM handlers
+        serve.start(http_options={"host": host, "port": port})
+        handle = serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        if not blocking:
+            return handle
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
+    except _Stop as stop:
+        stopped_by = stop.signum
     finally:
-        # a second Ctrl-C during the shutdown must not leave Ray half shut down
-        main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+        if signals:
+            signals.ignore()
+            try:
+                _shut_down(started_ray, local=address is None)
+            finally:
+                signals.restore()
+    return stopped_by
+
+
+def _shut_down(started_ray: bool, local: bool) -> None:
+    """The application, then Serve and the Ray cluster where this process started it (its processes stopped);
+    quietly where they are already gone. On a local cluster, deleting the application (its replicas finish their
+    requests) and stopping Ray ends Serve's actors too: ``serve.shutdown()`` there makes Ray print a failed task of
+    Serve's controller, which kills itself. Where the cluster goes away meanwhile (a SIGTERM sent to the whole
+    process group, systemd's default, stops its processes with this one), Serve is left to go with it: its calls
+    would wait a minute for the GCS."""
+    import ray
+
+    def stop_serve() -> None:
         try:
-            serve.shutdown()
-            ray.shutdown()
-        finally:
-            if main_thread:
-                signal.signal(signal.SIGINT, previous)
-    return None
+            if started_ray and local:
+                serve.delete(APP_NAME)
+            else:
+                serve.shutdown()
+        except Exception as error:  # noqa: BLE001 — the cluster going away with it is no error of the service's
+            logger.warning("Serve did not shut down cleanly: %s", error)
+
+    if ray.is_initialized():
+        stopping = threading.Thread(target=stop_serve, name="serve-shutdown", daemon=True)
+        stopping.start()
+        while stopping.is_alive() and _cluster_answers():
+            stopping.join(0.25)
+    if started_ray:
+        ray.shutdown()
+
+
+def _cluster_answers() -> bool:
+    """Whether the cluster's GCS still accepts connections: a SIGTERM sent to the whole process group (systemd's
+    default) stops the local cluster's processes with this one, and Serve's calls would wait a minute for it."""
+    import socket
+
+    import ray
+
+    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+            return True
+    except (OSError, ValueError):
+        return False

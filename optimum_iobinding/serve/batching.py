@@ -17,14 +17,20 @@ becomes pipeline calls and answers — :class:`ImageGenerator` (no HTTP) and its
   batch's floating-point rounding.
 * Requests with an ``image`` run image-to-image (SD and SDXL folders with a VAE encoder) on a pipeline that shares
   the same models, batched with the image-to-image requests of the same strength.
-* Requests are checked before batching (:meth:`ImageGenerator.complete_request`, with the pipeline's own checks), so
-  a bad request never fails the others.
+* Requests are checked before batching (:meth:`ImageGenerator.complete_request`: the replica's limits, then the
+  pipeline's own checks), so a bad request never fails the others and never queues any work.
+* A pipeline call that fails is retried one request at a time, so only the requests whose own call fails get an
+  error: 400 for a value the pipeline refuses, 503 for anything else (an allocation failure, a device error); the
+  replica goes on with the next batch. A request not answered within ``request_timeout_s`` gets 504.
 """
 
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import inspect
+import logging
+import os
 import secrets
 import time
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
@@ -34,8 +40,10 @@ try:
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("optimum_iobinding.serve needs Ray Serve: pip install 'optimum-iobinding[serve]'") from error
 
-from .config import ServeConfig
-from .schema import MAX_SEED, decode_image, parse_size
+from .config import RequestLimits, ServeConfig
+from .schema import MAX_SEED, decode_image, parse_size, shown
+
+logger = logging.getLogger(__name__)
 
 # How long (a share of the batch's time) a batch waits for the clients of the previous one to come back. 5 % was too
 # short with 8 clients per replica on two GPUs: their answers pass the proxy one after another, the late ones missed
@@ -51,6 +59,14 @@ def _group_key(request: Dict[str, Any]) -> Tuple:
     """What one pipeline call cannot mix (image-to-image requests run apart from text-to-image ones)."""
     return (request["width"], request["height"], request["steps"], request["guidance"],
             request.get("start_image") is not None, request.get("strength"))
+
+
+def _failure(error: BaseException) -> str:
+    """The one-line answer to a request whose pipeline call failed through no fault of its own."""
+    lines = str(error).strip().splitlines()
+    what = f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
+    return (f"pipeline: expected images, got {what}; the replica goes on serving: try again, or ask for fewer or "
+            "smaller images")
 
 
 # ---------------------------------------------------------------------------------------------------- admission
@@ -209,6 +225,11 @@ class ImageGenerator:
             self.default_size = self.pipe.default_image_size
             self.img2img = self._image_to_image(pipeline_class)
         self.pipe.set_progress_bar_config(disable=True)
+        self.model_id = os.path.basename(os.path.normpath(self.config.model)) or self.config.model
+        tokenizer_max = getattr(getattr(self.pipe, "tokenizer", None), "model_max_length", None)
+        if not isinstance(tokenizer_max, int) or tokenizer_max > 100_000:  # transformers' "no limit" is 1e30
+            tokenizer_max = None
+        self.limits: RequestLimits = self.config.limits(self.default_size, tokenizer_max)
         self.accepts = set(inspect.signature(self.pipe.__call__).parameters)
         # on CUDA the call returns once its work is queued on the GPU: a second batch may queue behind it
         self._deferred = not self.numpy_engine and self.pipe.device.type == "cuda"
@@ -265,7 +286,7 @@ class ImageGenerator:
         return {"pipeline": self.pipeline_name, "default_size": self.default_size, "warmup_s": self.warmup_s,
                 "image_to_image": getattr(self, "img2img", None) is not None,
                 "max_batch_size": self.config.max_batch_size, "device": str(self.pipe.device),
-                "batches_run": self.batches_run}
+                "batches_run": self.batches_run, "limits": dataclasses.asdict(self.limits)}
 
     def check_health(self) -> None:
         """Serve calls this periodically; a replica whose pipeline is gone is replaced."""
@@ -273,14 +294,26 @@ class ImageGenerator:
             raise RuntimeError("the pipeline is not loaded")
 
     def complete_request(self, request: Dict[str, Any]) -> Dict[str, Any]:
-        """The request with its defaults filled in and checked by the pipeline's own checks (ValueError/TypeError
-        with the pipeline's message)."""
+        """The request with its defaults filled in, checked against the replica's :attr:`limits` (cheapest first:
+        nothing large is decoded or tokenized before the checks that bound it) and by the pipeline's own checks
+        (ValueError/TypeError naming the value and, for a limit, the setting)."""
+        limits = self.limits
         request = dict(request)
         request.setdefault("n", 1)
+        for name in ("prompt", "negative_prompt"):
+            text = request.get(name)
+            if text is not None and len(text) > limits.max_prompt_chars:
+                raise ValueError(f"{name}: expected at most {limits.max_prompt_chars} characters (max_prompt_chars), "
+                                 f"got {len(text)}")
+        if request["n"] > limits.max_images_per_request:
+            raise ValueError(f"n: expected at most {limits.max_images_per_request} images per request "
+                             f"(max_images_per_request), got {shown(request['n'])}")
         if request.get("seed") is None:
             request["seed"] = secrets.randbelow(2**31)
         if request.get("steps") is None:
             request["steps"] = self.config.steps
+        if not 1 <= request["steps"] <= limits.max_steps:
+            raise ValueError(f"steps: expected 1 to {limits.max_steps} (max_steps), got {shown(request['steps'])}")
         if request.get("guidance") is None:
             request["guidance"] = self.config.guidance
         request["start_image"] = None
@@ -288,26 +321,30 @@ class ImageGenerator:
             if getattr(self, "img2img", None) is None:
                 raise ValueError(f"image: {self.pipeline_name} on this folder has no image-to-image pipeline (it "
                                  "needs a vae_encoder, and SD or SDXL)")
-            request["start_image"] = decode_image(request["image"])
+            request["start_image"] = decode_image(request["image"], limits.max_pixels_per_image)
             height, width = request["start_image"].shape[:2]
             if request.get("size") is not None and parse_size(request["size"], self.default_size) != (width, height):
                 raise ValueError(f"size: the image is {width}x{height}; leave size out or give that, got "
-                                 f"{request['size']!r}")
+                                 f"{shown(request['size'])}")
             request["size"] = f"{width}x{height}"
             if request.get("strength") is None:
                 request["strength"] = 0.8
         elif request.get("strength") is not None:
             raise ValueError("strength: only an image-to-image request (with image) takes one")
         request.pop("image", None)
-        request["width"], request["height"] = parse_size(request.get("size"), self.default_size)
-        if request["n"] > self.config.max_images_per_request:
-            raise ValueError(f"n: expected at most {self.config.max_images_per_request} images per request, got "
-                             f"{request['n']}")
+        request["width"], request["height"] = width, height = parse_size(request.get("size"), self.default_size)
+        if width * height > limits.max_pixels_per_image:
+            raise ValueError(f"size: expected at most {limits.max_pixels_per_image} pixels (max_pixels_per_image), "
+                             f"got {shown(width)}×{shown(height)}")
+        if request["n"] * width * height > limits.max_pixels_per_batch:
+            raise ValueError(f"n: expected at most {limits.max_pixels_per_batch} pixels in one request's images "
+                             f"(max_pixels_per_batch), got {request['n']}×{width}×{height}; ask for fewer images")
         if request.get("negative_prompt") is not None and "negative_prompt" not in self.accepts:
             raise ValueError(f"negative_prompt: {self.pipeline_name} takes none")
         if request["seed"] + request["n"] - 1 > MAX_SEED:
             raise ValueError(f"seed: expected at most {MAX_SEED - request['n'] + 1} for n={request['n']}, got "
                              f"{request['seed']}")
+        self._check_tokens(request)
         if self.numpy_engine:  # its own checks run when it is called (a failing batch is retried one by one)
             return request
         checks = dict(prompt=request["prompt"], height=request["height"], width=request["width"],
@@ -318,25 +355,50 @@ class ImageGenerator:
         self.pipe.check_inputs(**checks)
         return request
 
+    def _check_tokens(self, request: Dict[str, Any]) -> None:
+        limit = self.limits.max_prompt_tokens
+        tokenizer = getattr(self.pipe, "tokenizer", None)
+        if limit is None or tokenizer is None:
+            return
+        for name in ("prompt", "negative_prompt"):
+            text = request.get(name)
+            if not text:
+                continue
+            tokens = len(tokenizer(text, truncation=False, verbose=False).input_ids)  # with its start and end
+            if tokens > limit:
+                raise ValueError(f"{name}: expected at most {limit} tokens (max_prompt_tokens), got {tokens}; the text "
+                                 f"encoder reads {tokenizer.model_max_length}: shorten it")
+
     async def generate(self, request: Dict[str, Any]) -> Dict[str, Any]:
-        """One request → ``{"images": [uint8 HxWx3], "seeds", "batch_images", "batch_requests"}`` or
-        ``{"error": message}`` for a request the pipeline refuses."""
+        """One request → ``{"images": [uint8 HxWx3], "seeds", "batch_images", "batch_requests", "replica_s"}``, or
+        ``{"error": message, "status": code}``: 400 for a request the limits or the pipeline refuse (checked before
+        any of its work is queued), 503 where its pipeline call failed, 504 where no answer came within
+        ``request_timeout_s``."""
         arrived = time.perf_counter()
         try:
             request = self.complete_request(request)
         except (ValueError, TypeError) as error:
-            return {"error": str(error)}
-        images = request["n"]
-        await self.admission.admit(images)
+            return {"error": str(error), "status": 400}
+        timeout = self.limits.request_timeout_s
         try:
-            result = await self._batched(request)
-        finally:
-            if not request.get("_started"):  # let in, but gone before its batch started (cancelled)
-                request["_abandoned"] = True
-                self.admission.withdraw(images)
+            result = await asyncio.wait_for(self._queue_and_run(request), timeout)
+        except asyncio.TimeoutError:
+            return {"error": f"request_timeout_s: expected an answer within {timeout:g} s, got none; the replica is "
+                             "busy: try again later", "status": 504}
         if "error" not in result:
             result = dict(result, replica_s=time.perf_counter() - arrived)
         return result
+
+    async def _queue_and_run(self, request: Dict[str, Any]) -> Dict[str, Any]:
+        """A completed request through the gate and Serve's batch queue into a batch."""
+        images = request["n"]
+        await self.admission.admit(images)
+        try:
+            return await self._batched(request)
+        finally:
+            if not request.get("_started"):  # let in, but gone before its batch started (cancelled, timed out)
+                request["_abandoned"] = True
+                self.admission.withdraw(images)
 
     def expect_return(self, images: int, seconds: float) -> None:
         """After a batch of ``images`` that took ``seconds``, when fewer images wait: the next batch waits up to
@@ -382,32 +444,68 @@ class ImageGenerator:
 
     def start_batch(self, requests: List[Dict[str, Any]]) -> Tuple[List[Optional[Dict[str, Any]]], List[Tuple]]:
         """:meth:`run_batch` up to the point where every call's work is on the device (on CUDA the images are
-        still being made when it returns); :meth:`finish_batch` waits for them. On the pipeline's thread."""
+        still being made when it returns); :meth:`finish_batch` waits for them. On the pipeline's thread.
+
+        A call runs a group of requests that agree on size, steps and guidance, as many as fit in
+        ``max_pixels_per_batch``. A call that fails runs its requests again one at a time, so only a request whose
+        own call fails gets an error: 400 where the pipeline refuses a value (ValueError, TypeError), else 503."""
         results: List[Optional[Dict[str, Any]]] = [None] * len(requests)
         calls: List[Tuple[List[int], _Images]] = []
         groups: Dict[Tuple, List[int]] = {}
         for index, request in enumerate(requests):
             groups.setdefault(_group_key(request), []).append(index)
         for indices in groups.values():
-            members = [requests[i] for i in indices]
-            try:
-                calls.append((indices, self._call(members)))
-            except (ValueError, TypeError):
-                # one request the checks let through: run each alone, so only it fails
-                for index, member in zip(indices, members):
+            for chunk in self._within_pixels(requests, indices):
+                members = [requests[i] for i in chunk]
+                try:
+                    calls.append((chunk, self._call(members)))
+                    continue
+                except Exception as error:  # noqa: BLE001 — each request alone says whose it is
+                    if len(chunk) == 1:
+                        results[chunk[0]] = self._error_result(error)
+                        continue
+                for index, member in zip(chunk, members):
                     try:
                         calls.append(([index], self._call([member])))
-                    except (ValueError, TypeError) as error:
-                        results[index] = {"error": str(error)}
+                    except Exception as error:  # noqa: BLE001
+                        results[index] = self._error_result(error)
         self.batches_run += 1
         return results, calls
 
+    def _within_pixels(self, requests: List[Dict[str, Any]], indices: List[int]) -> List[List[int]]:
+        """A group's requests (same size) split into calls of at most ``max_pixels_per_batch`` pixels (each request
+        fits alone: :meth:`complete_request` checked it)."""
+        limit = self.limits.max_pixels_per_batch
+        chunks: List[List[int]] = []
+        pixels = 0
+        for index in indices:
+            request = requests[index]
+            more = request["n"] * request["width"] * request["height"]
+            if not chunks or pixels + more > limit:
+                chunks.append([])
+                pixels = 0
+            chunks[-1].append(index)
+            pixels += more
+        return chunks
+
     @staticmethod
-    def finish_batch(started: Tuple[List[Optional[Dict[str, Any]]], List[Tuple]]) -> List[Dict[str, Any]]:
-        """The results of a :meth:`start_batch`, once its images are on the host (any thread)."""
+    def _error_result(error: BaseException) -> Dict[str, Any]:
+        if isinstance(error, (ValueError, TypeError)):  # a value the pipeline's checks let through and it refused
+            return {"error": str(error), "status": 400}
+        logger.error("a pipeline call failed; its requests get 503", exc_info=error)
+        return {"error": _failure(error), "status": 503}
+
+    @classmethod
+    def finish_batch(cls, started: Tuple[List[Optional[Dict[str, Any]]], List[Tuple]]) -> List[Dict[str, Any]]:
+        """The results of a :meth:`start_batch`, once its images are on the host (any thread); a call whose images
+        do not come back (a device error) answers its requests 503."""
         results, calls = started
         for indices, images in calls:
-            for index, output in zip(indices, images.outputs()):
+            try:
+                outputs = images.outputs()
+            except Exception as error:  # noqa: BLE001
+                outputs = [cls._error_result(error)] * len(indices)
+            for index, output in zip(indices, outputs):
                 results[index] = output
         return results  # type: ignore[return-value]
 

@@ -1,13 +1,28 @@
 """What the application serves and how: :class:`ServeConfig`, its checks, and its parsing from ``serve run``'s
-``key=value`` arguments. Needs nothing beyond the standard library."""
+``key=value`` arguments; the limits a replica puts on requests (:class:`RequestLimits`, resolved from the config and
+the pipeline); and the environment of a local Ray cluster that listens on loopback only
+(:func:`prepare_local_ray`). Needs nothing beyond the standard library."""
 
+import ipaddress
+import math
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Literal, Optional
 
 # ServeConfig's settings that are positive integers (checked, and parsed from serve run's strings)
 _INT_SETTINGS = ("replicas", "max_batch_size", "steps", "max_images_per_request", "max_ongoing_requests",
-                 "max_queued_requests")
+                 "max_queued_requests", "max_steps", "max_prompt_chars")
+# ... and those that are positive integers or None (None: derived by the replica, see RequestLimits)
+_OPTIONAL_INT_SETTINGS = ("max_pixels_per_image", "max_pixels_per_batch", "max_prompt_tokens", "max_body_bytes")
+# the bytes per pixel of the largest start image a body may carry: a stored 16-bit RGBA PNG (8 bytes a pixel) in
+# base64 (4 characters for 3 bytes)
+_BODY_BYTES_PER_PIXEL = 11
+_BODY_BYTES_BESIDES_THE_IMAGE = 2**20  # the prompts and the other fields, with room to spare
+
+# Ray's switch for a cluster of this machine alone (its node address is 127.0.0.1, so each of its ports listens on
+# loopback); read when Ray is imported, by every process of the cluster
+LOCAL_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 @dataclass
@@ -33,6 +48,27 @@ class ServeConfig:
         png_compression: 0 (default) answers uncompressed PNGs, a copy of the pixels; 1–9 are zlib's levels with
             PNG's row filters (Pillow), about half the bytes of a smooth image for tens of times the encoding time,
             which at concurrency 1 is a visible part of a request's latency.
+        max_pixels_per_image: the most pixels (width × height) of one image, a start image's too. Default: an image
+            of twice the side of the largest size the replica is made for (the larger of the pipeline's default size
+            and ``warmup_sizes``): 1024² = 1048576 for SD 1.5 (512), 2048² for SDXL (1024). Beyond that the
+            activations grow past what the service was sized for, and the model was not trained for it.
+        max_pixels_per_batch: the most pixels of one pipeline call, its images together; a request's ``n`` images
+            must fit in it, and a batch runs in as many calls as it needs to stay within it. Default
+            ``max_batch_size`` images of the default ``max_pixels_per_image`` (or one image of
+            ``max_pixels_per_image`` where that is more). Lower it where a full batch of large images does not fit
+            in the device's memory.
+        max_steps: the most denoising steps of a request (default 150: five times the usual 30; the schedulers'
+            quality stops improving long before, while the cost grows linearly). At least ``steps``.
+        max_prompt_chars: the most characters of a prompt or negative prompt (default 2000: several times what the
+            text encoder reads; bounds the tokenizer's work on a hostile prompt).
+        max_prompt_tokens: the most tokens of a prompt or negative prompt, its start and end tokens included.
+            Default the tokenizer's ``model_max_length`` (77 for CLIP): the text encoder reads no more, and a longer
+            prompt would be cut off without the client knowing. Set it higher to let such prompts through, cut off.
+        max_body_bytes: the most bytes of a request's body (a larger one gets 413 before it is read). Default room
+            for a start image of ``max_pixels_per_image`` (a base64 16-bit RGBA PNG, 11 bytes a pixel) and 1 MiB
+            for the rest: 12.5 MB for SD 1.5.
+        request_timeout_s: how long a request may take in its replica, waiting for its batch included, before it
+            gets 504 (default 300: minutes beyond any single batch; a replica that far behind is overloaded).
         pipeline_options: extra keyword arguments for the pipeline's ``from_pretrained``.
         engine: ``"optimum-iobinding"``, or ``"diffusers-numpy"``: diffusers' ``OnnxStableDiffusionPipeline`` (the
             numpy loop), the anchor the serving benchmark compares against. Its batches draw every image's noise
@@ -54,6 +90,13 @@ class ServeConfig:
     max_ongoing_requests: int = 64
     max_queued_requests: int = 256
     png_compression: int = 0
+    max_pixels_per_image: Optional[int] = None
+    max_pixels_per_batch: Optional[int] = None
+    max_steps: int = 150
+    max_prompt_chars: int = 2000
+    max_prompt_tokens: Optional[int] = None
+    max_body_bytes: Optional[int] = None
+    request_timeout_s: float = 300.0
     pipeline_options: Dict[str, Any] = field(default_factory=dict)
     engine: Literal["optimum-iobinding", "diffusers-numpy"] = "optimum-iobinding"
 
@@ -68,6 +111,19 @@ class ServeConfig:
         self.model = os.fspath(self.model)
         for name in _INT_SETTINGS:
             positive_int(name)
+        for name in _OPTIONAL_INT_SETTINGS:
+            if getattr(self, name) is not None:
+                positive_int(name)
+        if self.steps > self.max_steps:
+            raise ValueError(f"steps: expected at most max_steps={self.max_steps}, got {self.steps}; raise max_steps")
+        if (self.max_pixels_per_image is not None and self.max_pixels_per_batch is not None
+                and self.max_pixels_per_batch < self.max_pixels_per_image):
+            raise ValueError(f"max_pixels_per_batch: expected at least max_pixels_per_image="
+                             f"{self.max_pixels_per_image} (one image must fit), got {self.max_pixels_per_batch}")
+        if (isinstance(self.request_timeout_s, bool) or not isinstance(self.request_timeout_s, (int, float))
+                or not math.isfinite(self.request_timeout_s) or self.request_timeout_s <= 0):
+            raise ValueError(f"request_timeout_s: expected a positive number of seconds, got "
+                             f"{self.request_timeout_s!r}")
         if not isinstance(self.batch_wait_timeout_s, (int, float)) or not 0 <= self.batch_wait_timeout_s <= 60:
             raise ValueError(f"batch_wait_timeout_s: expected seconds in [0, 60], got {self.batch_wait_timeout_s!r}")
         if isinstance(self.png_compression, bool) or self.png_compression not in range(10):
@@ -93,14 +149,67 @@ class ServeConfig:
             raise ValueError(f"args: unknown {unknown}; expected some of {sorted(known)}")
         typed: Dict[str, Any] = {}
         for name, value in args.items():
-            if isinstance(value, str) and name in (*_INT_SETTINGS, "png_compression"):
+            if isinstance(value, str) and name in (*_INT_SETTINGS, *_OPTIONAL_INT_SETTINGS, "png_compression"):
                 value = _parse(name, value, int)
-            elif isinstance(value, str) and name in ("batch_wait_timeout_s", "guidance"):
+            elif isinstance(value, str) and name in ("batch_wait_timeout_s", "guidance", "request_timeout_s"):
                 value = _parse(name, value, float)
             elif isinstance(value, str) and name in ("warmup_batch_sizes", "warmup_sizes"):
                 value = [_parse(name, part, int) for part in value.split(",") if part.strip()]
             typed[name] = value
         return cls(**typed)
+
+    def limits(self, default_size: int, tokenizer_max_length: Optional[int] = None) -> "RequestLimits":
+        """The limits a replica puts on requests: the settings given, the others derived (see the class's Args) from
+        the pipeline's ``default_size`` (pixels, the side of its default square) and its tokenizer's
+        ``model_max_length`` (``None``: no token limit unless ``max_prompt_tokens`` is given)."""
+        side = 2 * max([default_size, *(self.warmup_sizes or [])])
+        per_image = self.max_pixels_per_image or side * side
+        per_batch = self.max_pixels_per_batch or max(self.max_batch_size * side * side, per_image)
+        return RequestLimits(
+            max_pixels_per_image=per_image, max_pixels_per_batch=per_batch,
+            max_images_per_request=self.max_images_per_request, max_steps=self.max_steps,
+            max_prompt_chars=self.max_prompt_chars,
+            max_prompt_tokens=self.max_prompt_tokens or tokenizer_max_length,
+            max_body_bytes=self.max_body_bytes or _BODY_BYTES_PER_PIXEL * per_image + _BODY_BYTES_BESIDES_THE_IMAGE,
+            request_timeout_s=float(self.request_timeout_s))
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a replica accepts (:meth:`ServeConfig.limits`); a request beyond one gets 400 naming it (413 for the
+    body), before any of its work is queued. ``max_prompt_tokens`` ``None``: no token limit."""
+
+    max_pixels_per_image: int
+    max_pixels_per_batch: int
+    max_images_per_request: int
+    max_steps: int
+    max_prompt_chars: int
+    max_prompt_tokens: Optional[int]
+    max_body_bytes: int
+    request_timeout_s: float
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) names this machine's loopback interface only."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def prepare_local_ray(address: Optional[str] = None) -> bool:
+    """Before Ray is imported: where no cluster is given (``address`` nor ``RAY_ADDRESS``), makes the local Ray
+    cluster that will be started one of this machine alone, every port of it on 127.0.0.1 (Ray's
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, the default of Ray on Windows and macOS; an explicit setting is kept).
+    Returns whether Ray is set so. Once Ray is imported it is too late (this process read the setting, the processes
+    it starts would read another): nothing is changed then, and :func:`~optimum_iobinding.serve.app.run` warns."""
+    if address or os.environ.get("RAY_ADDRESS"):
+        return False
+    if "ray" not in sys.modules:
+        os.environ.setdefault(LOCAL_RAY_ENV, "0")
+    return os.environ.get(LOCAL_RAY_ENV, "").lower() not in ("", "1", "true")  # how Ray reads it
 
 
 def _parse(name: str, text: str, kind: type) -> Any:

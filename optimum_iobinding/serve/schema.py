@@ -1,10 +1,12 @@
 """What goes into and comes out of a request: the body of ``POST /v1/images`` (:class:`ImageRequest`), its size and
-start image read into what the pipelines take, and the images written as PNG bytes."""
+start image read into what the pipelines take (within the replica's limits), and the images written as PNG bytes."""
 
 # no `from __future__ import annotations`: FastAPI reads ImageRequest's annotations as objects
 import base64
 import io
 import struct
+import sys
+import warnings
 import zlib
 from typing import Any, List, Literal, Optional, Sequence, Tuple, Union
 
@@ -33,32 +35,64 @@ class ImageRequest(BaseModel):
     strength: Optional[float] = Field(default=None, description="image-to-image: how much of the schedule runs")
 
 
+def shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages that name what a client sent (which may be
+    huge: Python refuses to print an int of more than 4300 digits)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an integer of more than {sys.get_int_max_str_digits()} digits"
+    return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text)} characters)"
+
+
 def parse_size(size: Union[int, str, None], default: int) -> Tuple[int, int]:
     """``(width, height)`` of a request's ``size``: an int (a square), ``"WxH"``, or ``None`` (the default)."""
     if size is None:
         return default, default
+    sides = None
     if isinstance(size, int) and not isinstance(size, bool):
-        return size, size
-    if isinstance(size, str):
+        sides = size, size
+    elif isinstance(size, str):
         parts = size.lower().split("x")
-        if len(parts) == 2 and all(part.strip().isdigit() for part in parts):
-            return int(parts[0]), int(parts[1])
-    raise ValueError(f"size: expected pixels as 512 or '768x512' (width x height), got {size!r}")
+        if len(parts) == 2 and all(part.strip().isascii() and part.strip().isdigit() for part in parts):
+            try:
+                sides = int(parts[0]), int(parts[1])
+            except ValueError:  # more digits than Python reads
+                pass
+    if sides is None or min(sides) < 1:
+        raise ValueError(f"size: expected positive pixels as 512 or '768x512' (width x height), got {shown(size)}")
+    return sides
 
 
-def decode_image(data: str) -> Any:
-    """A base64 PNG or JPEG → float32 HxWx3 in [0, 1] (what the image-to-image pipelines take)."""
-    import binascii
-
+def decode_image(data: str, max_pixels: Optional[int] = None) -> Any:
+    """A base64 PNG or JPEG → float32 HxWx3 in [0, 1] (what the image-to-image pipelines take). An image of more than
+    ``max_pixels`` is refused from its header, before its pixels are decoded."""
     import numpy as np
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
-    try:
-        raw = base64.b64decode(data, validate=True)
-        with Image.open(io.BytesIO(raw)) as image:
-            pixels = np.asarray(image.convert("RGB"))
-    except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as error:
-        raise ValueError(f"image: expected a base64 PNG or JPEG, could not read it: {error}") from None
+    def unreadable(error: Exception) -> ValueError:
+        return ValueError(f"image: expected a base64 PNG or JPEG, could not read it: {error}")
+
+    # Pillow raises many kinds of errors on a damaged file (OSError, SyntaxError, struct.error ...), and warns of a
+    # decompression bomb: each is the client's image failing, never the service's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            image = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+            limit = f"at most {max_pixels} pixels (max_pixels_per_image)" if max_pixels else "an image Pillow decodes"
+            raise ValueError(f"image: expected {limit}, got more: {error}") from None
+        except Exception as error:  # noqa: BLE001
+            raise unreadable(error) from None
+        with image:
+            width, height = image.size
+            if max_pixels is not None and width * height > max_pixels:
+                raise ValueError(f"image: expected at most {max_pixels} pixels (max_pixels_per_image), got "
+                                 f"{width}×{height}")
+            try:
+                pixels = np.asarray(image.convert("RGB"))
+            except Exception as error:  # noqa: BLE001
+                raise unreadable(error) from None
     return pixels.astype(np.float32) / 255.0
 
 

@@ -1,0 +1,498 @@
+"""Serving safely: a replica's limits refuse what would exhaust it (400 naming the limit, 413 for a large body) before
+any work is queued, and no body gets a 500; a pipeline call that fails through no fault of its request answers 503
+while the replica goes on, and a request left too long answers 504; a local cluster listens on loopback only; and
+SIGINT or SIGTERM stops ``run`` cleanly: Serve and Ray shut down, nothing dumped on stderr, no Ray process left.
+
+The limits and the batching within them are checked on a replica's generator in this process (no Ray); the HTTP
+answers on a real local Ray cluster in this process (CPU replicas, the tiny model); the loopback and the stops on a
+server run in a process of its own, as ``optimum-iobinding serve`` runs it."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="needs the serve extra (ray[serve])")
+import psutil  # noqa: E402  (vendored by ray: importable once ray is)
+
+SIZE = 64
+STEPS = 2
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def post(url: str, body, headers=None):
+    """``(status, detail or body)`` of a POST of ``body``: a dict (as JSON), bytes, or an iterable of bytes (sent
+    chunked, without Content-Length)."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    request = urllib.request.Request(url + "/v1/images", data=data, method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        content = error.read()
+        try:
+            return error.code, json.loads(content)["detail"]
+        except (ValueError, KeyError):
+            return error.code, content
+
+
+def png_header(width: int, height: int) -> str:
+    """A base64 PNG that claims ``width`` × ``height`` pixels (its pixel data is a stub: only its header is read)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    data = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0")) + chunk(b"IEND", b"")
+    return base64.b64encode(data).decode("ascii")
+
+
+def png_of(pixels: np.ndarray) -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+# ------------------------------------------------------------------------------------------ the limits, no Ray
+def test_limits_default_to_twice_the_side_the_replica_is_made_for():
+    from optimum_iobinding.serve import ServeConfig
+
+    limits = ServeConfig(model="folder").limits(default_size=512, tokenizer_max_length=77)
+    assert limits.max_pixels_per_image == 1024 * 1024 and limits.max_pixels_per_batch == 4 * 1024 * 1024
+    assert (limits.max_steps, limits.max_prompt_chars, limits.max_prompt_tokens) == (150, 2000, 77)
+    assert limits.max_body_bytes == 11 * 1024 * 1024 + 2**20 and limits.request_timeout_s == 300
+    larger = ServeConfig(model="folder", warmup_sizes=[768], max_batch_size=2).limits(512, None)
+    assert larger.max_pixels_per_image == 1536**2 and larger.max_pixels_per_batch == 2 * 1536**2
+    assert larger.max_prompt_tokens is None  # a tokenizer without a length: no token limit unless one is given
+    given = ServeConfig(model="folder", max_pixels_per_image=100, max_prompt_tokens=200).limits(512, 77)
+    assert given.max_pixels_per_image == 100 and given.max_prompt_tokens == 200
+
+
+def test_the_config_refuses_limits_that_contradict_each_other():
+    from optimum_iobinding.serve import ServeConfig
+
+    with pytest.raises(ValueError, match="steps: expected at most max_steps=150, got 200; raise max_steps"):
+        ServeConfig(model="folder", steps=200)
+    with pytest.raises(ValueError, match="max_pixels_per_batch: expected at least max_pixels_per_image=4096"):
+        ServeConfig(model="folder", max_pixels_per_image=4096, max_pixels_per_batch=1024)
+    with pytest.raises(ValueError, match="request_timeout_s: expected a positive number of seconds, got 0"):
+        ServeConfig(model="folder", request_timeout_s=0)
+    with pytest.raises(ValueError, match="max_prompt_tokens: expected a positive integer, got 0"):
+        ServeConfig(model="folder", max_prompt_tokens=0)
+    config = ServeConfig.from_args({"model": "folder", "max_pixels_per_image": "4096", "max_steps": "50",
+                                    "request_timeout_s": "2.5"})
+    assert (config.max_pixels_per_image, config.max_steps, config.request_timeout_s) == (4096, 50, 2.5)
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_folder):
+    """A replica's generator in this process (no Ray): default size 256, so at most 512² pixels an image."""
+    from optimum_iobinding.serve import ImageGenerator, ServeConfig
+
+    return ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=4, steps=STEPS,
+                                             warmup_batch_sizes=[])))
+
+
+@pytest.mark.parametrize("request_body, message", [
+    (dict(size=100000), "size: expected at most 262144 pixels (max_pixels_per_image), got 100000×100000"),
+    (dict(size="100000x64"), "(max_pixels_per_image), got 100000×64"),
+    (dict(steps=10**9), "steps: expected 1 to 150 (max_steps), got 1000000000"),
+    (dict(steps=10**5000), "steps: expected 1 to 150 (max_steps), got an integer of more than"),
+    (dict(n=10**6), "n: expected at most 4 images per request (max_images_per_request), got 1000000"),
+    (dict(prompt="x" * 100_000), "prompt: expected at most 2000 characters (max_prompt_chars), got 100000"),
+    (dict(negative_prompt="x" * 2001), "negative_prompt: expected at most 2000 characters (max_prompt_chars)"),
+    (dict(prompt="a cat, " * 60), "prompt: expected at most 77 tokens (max_prompt_tokens)"),
+    (dict(image=png_header(1000, 1000)), "image: expected at most 262144 pixels (max_pixels_per_image), got "
+                                         "1000×1000"),
+    (dict(image=png_header(100000, 100000)), "image: expected at most 262144 pixels (max_pixels_per_image), got "
+                                             "more: Image size (10000000000 pixels) exceeds"),
+    (dict(size=0), "size: expected positive pixels"),
+    (dict(size="²x2"), "size: expected positive pixels"),
+    (dict(size="9" * 5000 + "x64"), "size: expected positive pixels"),
+])
+def test_a_request_beyond_a_limit_is_refused_naming_the_limit(generator, request_body, message):
+    with pytest.raises(ValueError) as refused:
+        generator.complete_request(dict(dict(prompt="a cat", seed=1), **request_body))
+    assert message in str(refused.value) and len(str(refused.value)) < 300
+
+
+def test_a_batch_runs_in_calls_within_max_pixels_per_batch(tiny_folder):
+    from optimum_iobinding.serve import ImageGenerator, ServeConfig
+
+    generator = ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=4,
+                                                  steps=STEPS, warmup_batch_sizes=[],
+                                                  max_pixels_per_batch=2 * SIZE * SIZE)))
+    requests = [generator.complete_request(dict(prompt=f"a cat {i}", seed=i, size=SIZE)) for i in range(3)]
+    answers = generator.run_batch(requests)
+    assert [answer["batch_images"] for answer in answers] == [2, 2, 1]
+    assert [answer["seeds"] for answer in answers] == [[0], [1], [2]]
+    with pytest.raises(ValueError, match=r"\(max_pixels_per_batch\), got 3×64×64; ask for fewer images"):
+        generator.complete_request(dict(prompt="three cats", seed=1, size=SIZE, n=3))
+
+
+def allocation_failing():
+    """A generator class whose pipeline fails as ONNX Runtime fails an allocation when a prompt asks for it ("too
+    large"), and otherwise is the replica's pipeline (defined here, in a function, so that Ray sends the class itself
+    to its replicas)."""
+    from optimum_iobinding.serve import ImageGenerator
+
+    class AllocationFails:
+        def __init__(self, pipe):
+            self.pipe = pipe
+
+        def __call__(self, *args, **kwargs):
+            from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
+
+            if any("too large" in prompt for prompt in kwargs["prompt"]):
+                raise RuntimeException("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned "
+                                       "while running Conv node. Name:'/conv_in/Conv' Status Message: Failed to "
+                                       "allocate memory for requested buffer of size 4294967296\nits context")
+            return self.pipe(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.pipe, name)
+
+    class AllocationFailing(ImageGenerator):
+        def __init__(self, config):
+            super().__init__(config)
+            self.pipe = AllocationFails(self.pipe)
+
+    return AllocationFailing
+
+
+def test_a_failed_call_runs_its_requests_alone_so_only_the_failing_one_gets_503(tiny_folder):
+    from optimum_iobinding.serve import ServeConfig
+
+    generator = allocation_failing()(asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=4,
+                                                        steps=STEPS, warmup_batch_sizes=[])))
+    prompts = ["a cat", "a cat too large for memory", "a dog"]
+    answers = generator.run_batch([generator.complete_request(dict(prompt=prompt, seed=i, size=SIZE))
+                                   for i, prompt in enumerate(prompts)])
+    assert [answer.get("status") for answer in answers] == [None, 503, None]
+    assert [answer.get("batch_images") for answer in answers] == [1, None, 1]  # each ran alone after the failure
+    reason = answers[1]["error"]
+    assert "Failed to allocate memory" in reason and "\n" not in reason
+    (again,) = generator.run_batch([generator.complete_request(dict(prompt="a bird", seed=3, size=SIZE))])
+    assert "images" in again
+
+
+def test_is_loopback_names_the_loopback_addresses_only():
+    from optimum_iobinding.serve.config import is_loopback
+
+    assert all(is_loopback(host) for host in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2"))
+    assert not any(is_loopback(host) for host in ("0.0.0.0", "::", "192.0.2.1", "example.com"))
+
+
+def test_a_local_ray_is_set_to_listen_on_loopback_unless_a_cluster_is_given(monkeypatch):
+    from optimum_iobinding.serve.config import LOCAL_RAY_ENV, prepare_local_ray
+
+    monkeypatch.delenv(LOCAL_RAY_ENV, raising=False)
+    monkeypatch.delitem(sys.modules, "ray")  # as before Ray is imported
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert not prepare_local_ray() and LOCAL_RAY_ENV not in os.environ
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert not prepare_local_ray("ray://10.0.0.1:10001") and LOCAL_RAY_ENV not in os.environ
+    assert prepare_local_ray() and os.environ[LOCAL_RAY_ENV] == "0"
+    monkeypatch.setenv(LOCAL_RAY_ENV, "1")  # the user's own setting stays
+    assert not prepare_local_ray() and os.environ[LOCAL_RAY_ENV] == "1"
+
+
+def test_once_ray_is_imported_its_setting_is_left_alone(monkeypatch):
+    from optimum_iobinding.serve.config import LOCAL_RAY_ENV, prepare_local_ray
+
+    monkeypatch.delenv(LOCAL_RAY_ENV, raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert "ray" in sys.modules and not prepare_local_ray() and LOCAL_RAY_ENV not in os.environ
+
+
+# -------------------------------------------------------- a server in a process of its own, as the CLI runs it
+SERVE = """
+import sys
+from optimum_iobinding.serve import ServeConfig, run
+config = ServeConfig(model=sys.argv[1], device="cpu", steps=2, warmup_batch_sizes=[1], warmup_sizes=[64])
+stopped = run(config, port=int(sys.argv[2]))
+print(f"stopped by {stopped.name}", flush=True)
+"""
+
+
+class ServerProcess:
+    """``run(config)`` in a process of its own session (as in a terminal of its own), answering /health."""
+
+    def __init__(self, folder, tmp_path):
+        self.port = free_port()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")]))
+        env.pop("RAY_ADDRESS", None)
+        self.stdout, self.stderr = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")
+        self.process = subprocess.Popen([sys.executable, "-c", SERVE, str(folder), str(self.port)], env=env,
+                                        stdout=self.stdout, stderr=self.stderr, start_new_session=True)
+        for _ in range(600):  # up to 10 minutes: Ray's start, then the replica's
+            if self.answers():
+                break
+            try:
+                self.process.wait(timeout=1)  # ... unless it ended
+                break
+            except subprocess.TimeoutExpired:
+                pass
+        assert self.answers(), f"the server did not start; stderr: {self.errors()[-3000:]}"
+        self.processes = [psutil.Process(self.process.pid), *psutil.Process(self.process.pid).children(recursive=True)]
+
+    def answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def errors(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read()
+
+    def output(self) -> str:
+        self.stdout.seek(0)
+        return self.stdout.read()
+
+    def stop(self, signum: int, whole_group: bool) -> int:
+        """Sends ``signum`` to the server (or its whole process group, as Ctrl-C in a terminal or systemd do);
+        returns its exit status."""
+        if whole_group:
+            os.killpg(self.process.pid, signum)
+        else:
+            self.process.send_signal(signum)
+        try:
+            return self.process.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        for process in self.processes:
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+
+
+@pytest.fixture(scope="module")
+def server_process(tiny_folder, tmp_path_factory):
+    server = ServerProcess(tiny_folder, tmp_path_factory.mktemp("server"))
+    yield server
+    if server.process.poll() is None:
+        server.kill()
+
+
+# Ray Serve 2.60 binds each replica's inter-deployment gRPC server to [::]:0, with no setting to bind it elsewhere
+# (ray/serve/_private/replica.py; Ray's token authentication guards it): the one listener allowed off loopback.
+SERVE_REPLICA_GRPC = "ray::ServeReplica"
+
+
+def test_a_local_cluster_listens_on_loopback_only(server_process):
+    listening, off_loopback = [], []
+    for process in server_process.processes:
+        try:
+            name = process.name()
+            sockets = [c for c in process.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            continue
+        for sock in sockets:
+            address = sock.laddr.ip.removeprefix("::ffff:")  # an IPv4 address on a dual-stack socket
+            listening.append((name, address, sock.laddr.port))
+            if address not in ("127.0.0.1", "::1"):
+                off_loopback.append((name, address, sock.laddr.port))
+    names = {name for name, _, _ in listening}
+    assert {"gcs_server", "raylet"} <= names and server_process.port in {port for _, _, port in listening}
+    replica_grpc = [entry for entry in off_loopback if entry[0].startswith(SERVE_REPLICA_GRPC)]
+    assert len(replica_grpc) <= 1 and off_loopback == replica_grpc, off_loopback
+
+
+def stopped_cleanly(server: ServerProcess, status: int, signum: int) -> None:
+    errors = server.errors()
+    assert status == 0, errors[-3000:]
+    assert f"stopped by {signal.Signals(signum).name}" in server.output()
+    for dump in ("Traceback", "*** SIG", "received at time", "graceful_shutdown failed", "Failed to connect to GCS"):
+        assert dump not in errors, errors[-3000:]
+    assert not re.search(r"^\[[^\]]* E \d+ \d+\]", errors, re.MULTILINE), errors[-3000:]  # Ray's C++ error lines
+    _, alive = psutil.wait_procs(server.processes, timeout=120)
+    assert alive == [], [process.name() for process in alive]
+
+
+def test_sigint_to_the_terminal_stops_the_server_cleanly(server_process):  # last of the module's server
+    status = server_process.stop(signal.SIGINT, whole_group=True)
+    stopped_cleanly(server_process, status, signal.SIGINT)
+
+
+@pytest.mark.parametrize("whole_group", [False, True], ids=["to-the-server", "to-its-process-group"])
+def test_sigterm_stops_the_server_cleanly(tiny_folder, tmp_path, whole_group):
+    server = ServerProcess(tiny_folder, tmp_path)
+    try:
+        status = server.stop(signal.SIGTERM, whole_group=whole_group)
+    finally:
+        if server.process.poll() is None:
+            server.kill()
+    stopped_cleanly(server, status, signal.SIGTERM)
+
+
+# ------------------------------------------------------------ HTTP on a local Ray cluster in this process
+@pytest.fixture(scope="module")
+def server(tiny_folder):
+    from ray import serve
+
+    from optimum_iobinding.serve import ServeConfig, build_app
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    config = ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=4, steps=STEPS,
+                         warmup_batch_sizes=[1], warmup_sizes=[SIZE])
+    serve.run(build_app(config), name="limits", route_prefix="/", blocking=False)
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def batches_run(url: str) -> int:
+    with urllib.request.urlopen(url + "/v1/models", timeout=60) as response:
+        return json.loads(response.read())["data"][0]["batches_run"]
+
+
+def test_the_models_endpoint_lists_the_replicas_limits(server):
+    with urllib.request.urlopen(server + "/v1/models", timeout=60) as response:
+        (model,) = json.loads(response.read())["data"]
+    assert model["limits"]["max_pixels_per_image"] == 512 * 512 and model["limits"]["max_steps"] == 150
+
+
+def test_requests_beyond_the_limits_get_400_naming_them_and_queue_no_work(server):
+    before = batches_run(server)
+    bodies = [dict(prompt="x", size=100000), dict(prompt="x", steps=10**9),
+              dict(prompt="x", n=10**6, response_format="b64_json"), dict(prompt="x" * 100_000),
+              dict(prompt="x", image=png_header(100000, 100000))]
+    answers = [post(server, body) for body in bodies]
+    assert [status for status, _ in answers] == [400] * len(bodies)
+    for name, (_, detail) in zip(("max_pixels_per_image", "max_steps", "max_images_per_request", "max_prompt_chars",
+                                  "max_pixels_per_image"), answers):
+        assert f"({name})" in detail
+    assert batches_run(server) == before
+
+
+@pytest.mark.parametrize("body, status", [
+    (b'{"prompt": "x", ', 422),  # malformed JSON
+    (b"\xff\xfe\x00", 422),  # not UTF-8
+    (b"[" * 100_000 + b"]" * 100_000, 422),  # nested deeper than any parser recurses
+    (b'{"prompt": "\\ud800"}', 422),  # a lone surrogate
+    (b'{"prompt": ["a", "list"]}', 422),
+    (b'{"prompt": "x", "n": 1e30}', 422),
+    (b'{"prompt": "x", "seed": 1e400}', 422),
+    (b'{"prompt": "x", "guidance": NaN}', 400),
+    (b'{"prompt": "x", "size": 1.5}', 422),
+    (b'{"prompt": "x", "size": -8}', 400),
+    (b'{"prompt": "x", "size": "64x64x64"}', 400),
+    (b'{"prompt": "x", "strength": 7, "image": "AAAA"}', 400),
+    (b'{"prompt": "x", "image": "not base64!"}', 400),
+    (b'{"prompt": "x", "steps": 0}', 400),
+    (b"null", 422),
+    (b"", 422),
+])
+def test_a_hostile_body_gets_an_answer_naming_what_is_wrong_never_500(server, body, status):
+    answer_status, detail = post(server, body)
+    assert answer_status == status, detail
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_body_over_max_body_bytes_gets_413(server, chunked):
+    body = json.dumps({"prompt": "x", "image": "A" * 5_000_000}).encode()  # max_body_bytes: 3932160
+    sent = (body[i:i + 65536] for i in range(0, len(body), 65536)) if chunked else body
+    status, detail = post(server, sent)
+    assert status == 413 and "body: expected at most 3932160 bytes (max_body_bytes)" in detail
+
+
+def test_a_pipeline_failure_gets_503_and_the_replica_serves_the_next_requests(server, tiny_folder):
+    """Through a real replica: a pipeline that fails one prompt as ONNX Runtime fails an allocation."""
+    from ray import serve
+
+    from optimum_iobinding.serve import ServeConfig, build_app
+
+    config = ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=4, batch_wait_timeout_s=0.5,
+                         steps=STEPS, warmup_batch_sizes=[])
+    serve.run(build_app(config, generator_class=allocation_failing()), name="failing", route_prefix="/failing",
+              blocking=False)
+    try:
+        bodies = [dict(prompt="a cat", seed=1, size=SIZE), dict(prompt="a cat too large", seed=2, size=SIZE),
+                  dict(prompt="a dog", seed=3, size=SIZE)]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda body: post(server + "/failing", body), bodies))
+        later = post(server + "/failing", dict(prompt="a bird", seed=4, size=SIZE))
+    finally:
+        serve.delete("failing")
+    assert [status for status, _ in answers] == [200, 503, 200]
+    reason = answers[1][1]
+    assert "Failed to allocate memory" in reason and "\n" not in reason
+    assert later[0] == 200
+
+
+def test_a_request_not_answered_within_request_timeout_s_gets_504_and_the_replica_goes_on(server, tiny_folder):
+    """Its pipeline call is held until the test lets it go, long after the request's time is up."""
+    import threading
+
+    from ray import serve
+
+    from optimum_iobinding.serve import ImageGenerator, ServeConfig, build_app
+
+    class HeldCalls(ImageGenerator):
+        def __init__(self, config):
+            super().__init__(config)
+            self.may_go = threading.Event()
+
+        def start_batch(self, requests):
+            if any(request["prompt"] == "held" for request in requests):
+                assert self.may_go.wait(120), "the test never let the held call go"
+            return super().start_batch(requests)
+
+        async def let_go(self) -> None:
+            self.may_go.set()
+
+    config = ServeConfig(model=str(tiny_folder), device="cpu", steps=STEPS, warmup_batch_sizes=[],
+                         request_timeout_s=10)
+    handle = serve.run(build_app(config, generator_class=HeldCalls), name="held", route_prefix="/held",
+                       blocking=False)
+    try:
+        try:
+            held = post(server + "/held", dict(prompt="held", seed=1, size=SIZE))
+        finally:
+            handle.let_go.remote().result()
+        later = post(server + "/held", dict(prompt="a bird", seed=2, size=SIZE))
+    finally:
+        serve.delete("held")
+    assert held[0] == 504 and "request_timeout_s: expected an answer within 10 s" in held[1]
+    assert later[0] == 200
+
+
+def test_normal_requests_are_answered_as_before(server):
+    status, data = post(server, dict(prompt="a red house", seed=7, size=SIZE))
+    assert status == 200 and data.startswith(b"\x89PNG")
+    start = (np.random.RandomState(0).rand(SIZE, SIZE, 3) * 255).astype(np.uint8)
+    status, data = post(server, dict(prompt="a painting", seed=8, image=png_of(start), strength=0.5))
+    assert status == 200 and data.startswith(b"\x89PNG")
