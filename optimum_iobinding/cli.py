@@ -7,6 +7,7 @@ import argparse
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -259,7 +260,11 @@ def run_generate(args: argparse.Namespace) -> int:
 SERVE_OPTIONS = {"model": "model", "replicas": "--replicas", "max_batch_size": "--max-batch-size",
                  "batch_wait_timeout_s": "--batch-wait-ms", "device": "--device", "provider": "--provider",
                  "steps": "--steps", "guidance": "--guidance", "warmup_batch_sizes": "--warmup-batch-sizes",
-                 "max_queued_requests": "--max-queued-requests", "png_compression": "--png-compression"}
+                 "max_queued_requests": "--max-queued-requests", "png_compression": "--png-compression",
+                 "max_images_per_request": "--max-images-per-request", "max_pixels_per_image": "--max-pixels-per-image",
+                 "max_pixels_per_batch": "--max-pixels-per-batch", "max_steps": "--max-steps",
+                 "max_prompt_chars": "--max-prompt-chars", "max_prompt_tokens": "--max-prompt-tokens",
+                 "max_body_bytes": "--max-body-bytes", "request_timeout_s": "--request-timeout-s"}
 
 
 def check_serve_arguments(args: argparse.Namespace, model: str) -> ServeConfig:
@@ -279,7 +284,11 @@ def check_serve_arguments(args: argparse.Namespace, model: str) -> ServeConfig:
                            batch_wait_timeout_s=args.batch_wait_ms / 1000.0, device=args.device,
                            provider=args.provider, steps=args.steps, guidance=args.guidance,
                            warmup_batch_sizes=warmup, max_queued_requests=args.max_queued_requests,
-                           png_compression=args.png_compression)
+                           png_compression=args.png_compression, max_images_per_request=args.max_images_per_request,
+                           max_pixels_per_image=args.max_pixels_per_image,
+                           max_pixels_per_batch=args.max_pixels_per_batch, max_steps=args.max_steps,
+                           max_prompt_chars=args.max_prompt_chars, max_prompt_tokens=args.max_prompt_tokens,
+                           max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -302,8 +311,8 @@ def run_serve(args: argparse.Namespace) -> int:
         pipeline_class_for(config.model)
     print(f"optimum-iobinding: serving {config.model} on http://{args.host}:{args.port}/v1/images "
           f"({args.replicas} replica(s), batches of up to {args.max_batch_size}); Ctrl-C stops", flush=True)
-    run(config, host=args.host, port=args.port)
-    return 0
+    stopped = run(config, host=args.host, port=args.port, dashboard=args.dashboard)
+    return 130 if stopped == signal.SIGINT else 0  # stopped by a signal, Serve and the local Ray shut down
 
 
 def run_loadtest_command(args: argparse.Namespace) -> int:
@@ -344,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="bind torch tensors on the device (default) or run diffusers' numpy loop")
     generate.add_argument("--model", default=None,
                           help="ONNX pipeline folder or hub id (default: a tiny random model built offline)")
-    generate.add_argument("--cache-dir", default=None, help="where the tiny model is built (default ~/.cache)")
+    generate.add_argument("--cache-dir", default=None, help="where the tiny model is built (default ~/.cache/optimum-iobinding)")
     generate.add_argument("--out", default="image.png", help="PNG to write (default image.png)")
     generate.set_defaults(run=run_generate)
 
@@ -372,7 +381,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve_command.add_argument("--png-compression", type=int, default=0,
                                help="zlib level of the PNG answers: 0 (default) uncompressed, about 1 ms per 512² "
                                     "image; 1-9 about half the bytes for tens of ms")
-    serve_command.add_argument("--cache-dir", default=None, help="where the tiny model is built (default ~/.cache)")
+    serve_command.add_argument("--cache-dir", default=None,
+                               help="where the tiny model is built (default ~/.cache/optimum-iobinding)")
+    serve_command.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (on 127.0.0.1)")
+    limits = serve_command.add_argument_group("request limits (beyond them: 400 or 413 before any work)")
+    limits.add_argument("--max-images-per-request", type=int, default=4, help="images of one request (default 4)")
+    limits.add_argument("--max-pixels-per-image", type=int, default=None,
+                        help="default: (2 × the larger of the model's and the warm-up's side)²")
+    limits.add_argument("--max-pixels-per-batch", type=int, default=None,
+                        help="default: --max-batch-size images of --max-pixels-per-image")
+    limits.add_argument("--max-steps", type=int, default=150, help="steps of one request (default 150)")
+    limits.add_argument("--max-prompt-chars", type=int, default=2000, help="characters of a prompt (default 2000)")
+    limits.add_argument("--max-prompt-tokens", type=int, default=None,
+                        help="tokens of a prompt (default: the tokenizer's length, 77 for CLIP)")
+    limits.add_argument("--max-body-bytes", type=int, default=None,
+                        help="bytes of a request's body (default: room for a start image of the largest size)")
+    limits.add_argument("--request-timeout-s", type=float, default=300.0,
+                        help="seconds a request may take in its replica before it gets 504 (default 300)")
     serve_command.set_defaults(run=run_serve)
 
     loadtest = add_command(

@@ -213,6 +213,8 @@ SERVE_MISTAKES = [
     (["--warmup-batch-sizes", "1,0"], "--warmup-batch-sizes: expected a list of positive integers, got [1, 0]"),
     (["--max-queued-requests", "0"], "--max-queued-requests: expected a positive integer, got 0"),
     (["--png-compression", "10"], "--png-compression: expected a zlib level 0–9, got 10"),
+    (["--max-steps", "0"], "--max-steps: expected a positive integer, got 0"),
+    (["--max-prompt-chars", "0"], "--max-prompt-chars: expected a positive integer, got 0"),
 ]
 
 
@@ -282,3 +284,26 @@ def test_serve_of_a_hub_id_that_cannot_be_fetched_names_it_before_starting_ray(c
     assert main(["serve", "nobody/nothing-here"]) == 2
     assert error_line(capsys).startswith("optimum-iobinding: error: model: 'nobody/nothing-here' is not a local "
                                          "folder (no such path here), and the Hugging Face Hub could not provide it")
+
+
+@pytest.mark.parametrize("stopped, status", [("SIGINT", 130), ("SIGTERM", 0), (None, 0)])
+def test_serve_hands_its_limits_to_the_service_and_exits_by_the_signal_that_stopped_it(
+        tmp_path, monkeypatch, tiny_folder, stopped, status):
+    pytest.importorskip("ray.serve")
+    import signal
+
+    import optimum_iobinding.serve as serve
+
+    started = {}
+
+    def run(config, **kwargs):  # what the service would be started with; it stops at once, as by the signal
+        started.update(config=config, **kwargs)
+        return getattr(signal, stopped) if stopped else None
+
+    monkeypatch.setattr(serve, "run", run)
+    assert main(["serve", str(tiny_folder), "--max-steps", "60", "--max-prompt-chars", "500", "--max-pixels-per-image",
+                 "262144", "--request-timeout-s", "30", "--dashboard", "--port", "8123"]) == status
+    config = started["config"]
+    assert (config.max_steps, config.max_prompt_chars, config.max_pixels_per_image, config.request_timeout_s) == (
+        60, 500, 262144, 30.0)
+    assert started["dashboard"] is True and started["port"] == 8123
