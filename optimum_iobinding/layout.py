@@ -174,6 +174,9 @@ def read_model_index(folder: Path, onnx_components: Sequence[str] = ONNX_COMPONE
 def component_class(index: Dict[str, Any], name: str, module: Any, base: Optional[type], default: str) -> type:
     library, class_name = (index.get(name) or [None, default])
     class_name = class_name or default
+    if not isinstance(class_name, str):
+        raise ValueError(f"model_index.json: {name}: expected a class name, got {type(class_name).__name__} "
+                         f"{class_name!r}")
     component_class = getattr(module, class_name, None)
     if component_class is None or (base is not None and not (isinstance(component_class, type)
                                                              and issubclass(component_class, base))):
@@ -201,6 +204,12 @@ def load_tokenizer(folder: Path, index: Dict[str, Any], name: str = "tokenizer")
     if not (folder / name).is_dir():
         raise FileNotFoundError(f"pretrained_model_name_or_path: expected a {name} folder in {str(folder)!r}")
     tokenizer_class = component_class(index, name, transformers, None, "CLIPTokenizer")
+    if not (isinstance(tokenizer_class, type) and (issubclass(tokenizer_class, transformers.PreTrainedTokenizerBase)
+                                                   or tokenizer_class is transformers.AutoTokenizer)):
+        kind = "class" if isinstance(tokenizer_class, type) else type(tokenizer_class).__name__
+        raise ValueError(f"model_index.json: {name}: expected a transformers tokenizer class (CLIPTokenizer, "
+                         f"CLIPTokenizerFast, AutoTokenizer …), got the {kind} {index[name][1]!r}, which is not a "
+                         "tokenizer")
     found = sorted(p.name for p in (folder / name).iterdir())
 
     def refuse(why: str, error: Optional[BaseException] = None) -> ValueError:
@@ -215,6 +224,8 @@ def load_tokenizer(folder: Path, index: Dict[str, Any], name: str = "tokenizer")
     # an empty folder loads as a tokenizer with no vocabulary and no length limit, which fails only when used
     if len(tokenizer) < 3:
         raise refuse(f"it has {len(tokenizer)} tokens")
+    if not isinstance(tokenizer, transformers.PreTrainedTokenizerBase):
+        raise refuse(f"it loads as a {type(tokenizer).__name__}, not a tokenizer")
     if not 0 < getattr(tokenizer, "model_max_length", 0) <= 1_000_000:
         raise refuse(f"its model_max_length is {getattr(tokenizer, 'model_max_length', None)} (CLIP's is 77)")
     return tokenizer

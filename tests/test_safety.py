@@ -4,6 +4,8 @@ make; no model file can make shape evaluation hang."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
 import math
@@ -12,18 +14,27 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
+import PIL.Image
 import pytest
 import torch
 from onnx import TensorProto, helper
 
 from conftest import make_model, make_session
-from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionPipeline, infer_output_shapes
+from optimum_iobinding import (IOBindingORTModel, OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionInpaintPipeline,
+                               OnnxStableDiffusionPipeline, OnnxStableDiffusionXLImg2ImgPipeline,
+                               OnnxStableDiffusionXLPipeline, infer_output_shapes)
 from optimum_iobinding.export import export_pipeline
 from optimum_iobinding.export.tiny import build_tiny_random_pipeline
 from optimum_iobinding.runtime import shapes as shape_module
 from optimum_iobinding.runtime.shapes import DimExpressionError, evaluate_dim_expression
 
 PROMPT = "a photo of a cat"
+
+
+def live_sessions() -> int:
+    gc.collect()
+    return sum(issubclass(type(obj), ort.InferenceSession) for obj in gc.get_objects())
 
 
 def snapshot(folder: Path) -> dict:
@@ -35,6 +46,18 @@ def snapshot(folder: Path) -> dict:
 @pytest.fixture(scope="module")
 def pipe(tiny_folder):
     pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def xl_folder(tmp_path_factory):
+    return export_pipeline(None, tmp_path_factory.mktemp("xl") / "xl", tiny_random="xl", progress=False)
+
+
+@pytest.fixture(scope="module")
+def xl(xl_folder):
+    pipe = OnnxStableDiffusionXLPipeline.from_pretrained(xl_folder)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -367,12 +390,7 @@ def test_tiling_options_are_checked(pipe, arguments, message):
         pipe.enable_vae_tiling(**arguments)
 
 
-def test_xl_micro_conditioning_and_clip_skip_are_checked(tmp_path):
-    from optimum_iobinding import OnnxStableDiffusionXLPipeline
-
-    folder = export_pipeline(None, tmp_path / "xl", tiny_random="xl", progress=False)
-    xl = OnnxStableDiffusionXLPipeline.from_pretrained(folder)
-    xl.set_progress_bar_config(disable=True)
+def test_xl_micro_conditioning_and_clip_skip_are_checked(xl):
     base = dict(prompt=PROMPT, height=64, width=64, num_inference_steps=1, output_type="np")
     with pytest.raises(ValueError, match=r"clip_skip: expected None or an integer in \[0, \d+\], got -5"):
         xl(**base, clip_skip=-5)
@@ -383,3 +401,512 @@ def test_xl_micro_conditioning_and_clip_skip_are_checked(tmp_path):
     with pytest.raises(ValueError, match=r"guidance_rescale: expected a number in \[0, 1\], got nan"):
         xl(**base, guidance_rescale=float("nan"))
     assert math.isfinite(float(xl(**base).images.mean()))
+
+
+# ------------------------------------------------------------------------------------- arrays a model cannot bind
+def identity_model(elem_type: int = TensorProto.FLOAT, io_binding: bool = True) -> IOBindingORTModel:
+    return IOBindingORTModel(make_session(make_model(
+        [helper.make_node("Identity", ["x"], ["y"])], [helper.make_tensor_value_info("x", elem_type, ["n"])],
+        [helper.make_tensor_value_info("y", elem_type, ["n"])])), io_binding=io_binding)
+
+
+@pytest.mark.parametrize("io_binding", [True, False])
+@pytest.mark.parametrize("dtype, elem_type", [(">f4", TensorProto.FLOAT), (">f8", TensorProto.FLOAT16),
+                                              (">i8", TensorProto.INT32), (">u2", TensorProto.INT64)])
+def test_an_array_of_the_other_byte_order_is_read_as_the_same_values(dtype, elem_type, io_binding):
+    # a big-endian array (read from a file or a network buffer) means the same numbers: converted, not refused
+    values = np.array([1, -2, 300], dtype=dtype) if dtype[1] != "u" else np.array([1, 2, 300], dtype=dtype)
+    model = identity_model(elem_type, io_binding)
+    assert model(x=values)[0].tolist() == values.astype(values.dtype.newbyteorder("=")).tolist()
+
+
+@pytest.mark.skipif(np.dtype(np.longdouble).itemsize <= 8, reason="longdouble is float64 on this platform")
+@pytest.mark.parametrize("io_binding", [True, False])
+@pytest.mark.parametrize("value", [np.ones(3, dtype=np.longdouble), np.longdouble(1.5)], ids=["array", "scalar"])
+def test_a_longdouble_array_is_refused_naming_the_input(value, io_binding):
+    with pytest.raises(TypeError, match=r"input 'x': expected a numpy dtype torch can hold .*, got float(96|128) "
+                                        r"\(numpy's longdouble\); cast it with .astype\(np.float64\)"):
+        identity_model(io_binding=io_binding)(x=value)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's: sparse and quantized tensors are beta or deprecated
+@pytest.mark.parametrize("io_binding", [True, False])
+@pytest.mark.parametrize("make, message", [
+    (lambda: torch.ones(3).to_sparse(), r"input 'x': expected a dense \(strided\) tensor, got a sparse_coo tensor; "
+                                        r"call .to_dense\(\)"),
+    (lambda: torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (3,)),
+     r"input 'x': expected a dense \(strided\) tensor, got a sparse_coo tensor"),
+    (lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8),
+     r"input 'x': expected a tensor of a plain dtype, got the quantized torch.quint8; call .dequantize\(\)"),
+], ids=["to_sparse", "sparse_coo_tensor", "quantized"])
+def test_tensors_that_are_not_one_dense_block_are_refused_naming_the_input(make, message, io_binding):
+    with pytest.raises(TypeError, match=message):
+        identity_model(io_binding=io_binding)(x=make())
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's: sparse CSR and nested tensors are beta
+def test_a_sparse_csr_or_nested_tensor_is_refused_naming_the_input():
+    model = identity_model()
+    with pytest.raises(TypeError, match=r"input 'x': expected a dense \(strided\) tensor, got a sparse_csr tensor"):
+        model(x=torch.eye(3).to_sparse_csr())
+    with pytest.raises(TypeError, match=r"input 'x': expected a dense \(strided\) tensor, got a nested tensor"):
+        model(x=torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]))
+    assert model(x=np.ones(3, np.float32))[0].tolist() == [1.0, 1.0, 1.0]  # nothing left half-done
+
+
+@pytest.mark.parametrize("elem_type", [TensorProto.INT32, TensorProto.UINT8])
+def test_wide_unsigned_numpy_integers_are_range_checked_like_any_other(elem_type):
+    model = identity_model(elem_type)
+    assert model(x=np.array([1, 200], dtype=np.uint64))[0].tolist() == [1, 200]
+    with pytest.raises(ValueError, match=r"input 'x': expected values in \[.*\] \(the model's torch.(int32|uint8)\), "
+                                         r"got values in \[1, 18446744073709551615\]"):
+        model(x=np.array([1, 2**64 - 1], dtype=np.uint64))
+
+
+# ------------------------------------------------------------------------------------- model files that are no model
+UNREADABLE = {
+    "empty": (b"", r"is empty \(0 bytes\), expected an ONNX model"),
+    "garbage": (b"\xff\xfe this is not a protobuf message \x00\x01" * 8, r"is not a readable ONNX model: DecodeError"),
+    "no graph": (onnx.ModelProto(ir_version=8).SerializeToString(), r"is not a readable ONNX model: it parses as a "
+                                                                     r"protobuf message but holds no ONNX graph"),
+}
+
+
+@pytest.mark.parametrize("kind", list(UNREADABLE))
+@pytest.mark.parametrize("settings", [{}, dict(io_binding=False), dict(share_weights=True)],
+                         ids=["default", "numpy", "owned-weights"])
+def test_a_model_file_that_is_no_model_is_named_by_the_constructor_and_from_pretrained(tmp_path, kind, settings):
+    data, message = UNREADABLE[kind]
+    path = tmp_path / "unet" / "model.onnx"
+    path.parent.mkdir()
+    path.write_bytes(data)
+    named = rf"path: '{path}' {message}"
+    with pytest.raises(ValueError, match=named):
+        IOBindingORTModel(path, **settings)
+    with pytest.raises(ValueError, match=named):
+        IOBindingORTModel.from_pretrained(tmp_path, subfolder="unet", **settings)
+    with pytest.raises(ValueError, match=named):
+        IOBindingORTModel.load_model(path)
+
+
+@pytest.mark.parametrize("kind", list(UNREADABLE))
+def test_a_model_file_that_is_no_model_is_named_where_cuda_reads_its_graph(tmp_path, kind):
+    # on CUDA the constructor reads the declared inputs from the graph (load_graph) instead of making a session
+    from optimum_iobinding.runtime.hub import load_graph
+
+    data, message = UNREADABLE[kind]
+    path = tmp_path / "model.onnx"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=rf"path: '{path}' {message}"):
+        load_graph(str(path))
+    with pytest.raises(ValueError, match=rf"model: '{path}' (is empty|is not a readable ONNX model)"):
+        infer_output_shapes(path, {"x": (1,)})
+
+
+@pytest.mark.parametrize("kind", ["empty", "garbage"])
+@pytest.mark.parametrize("component", ["unet", "vae_decoder"])
+def test_a_pipeline_names_the_component_file_that_is_no_model(copy_of, kind, component):
+    from optimum_iobinding.pipelines.auto import pipeline_class_for
+
+    folder = copy_of()
+    data, message = UNREADABLE[kind]
+    (folder / component / "model.onnx").write_bytes(data)
+    with pytest.raises(ValueError, match=rf"path: '.*{component}/model\.onnx' {message}"):
+        OnnxStableDiffusionPipeline.from_pretrained(folder)
+    if component == "unet":  # the CLI's choice of pipeline reads the UNet's graph first
+        with pytest.raises(ValueError, match=rf"path: '.*unet/model\.onnx' {message}"):
+            pipeline_class_for(folder)
+
+
+# ----------------------------------------------------------------------------- declared output shapes and their size
+def test_an_output_declaration_that_contradicts_the_graph_is_refused_naming_the_output(tmp_path):
+    declared = make_model([helper.make_node("Identity", ["x"], ["y"])],
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["2*n", 3])])
+    message = (r"output 'y': the model declares shape \['2\*n', 3\], which is \[4, 3\] for these inputs, but its graph "
+               r"computes \[2, 3\] \(ONNX shape inference\)")
+    onnx.save(declared, str(tmp_path / "model.onnx"))
+    for model in (IOBindingORTModel(make_session(declared)), IOBindingORTModel(tmp_path / "model.onnx")):
+        with pytest.raises(ValueError, match=message):
+            model(x=torch.ones(2, 3))
+        assert model.output_signatures == 0  # nothing allocated, nothing kept
+
+
+def test_an_enormous_declared_output_dim_is_refused_from_the_graph_as_cuda_reads_it():
+    # what the file declares (and the CUDA path reads from the graph): 10**12 columns, 8 TB; the graph makes 3
+    declared = make_model([helper.make_node("Identity", ["x"], ["y"])],
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 10**12])])
+    with pytest.raises(ValueError, match=r"output 'y': the model declares shape \['n', 1000000000000\], which is "
+                                         r"\[2, 1000000000000\] for these inputs, but its graph computes \[2, 3\]"):
+        infer_output_shapes(declared, {"x": (2, 3)})
+
+
+def constant_of_shape_model() -> onnx.ModelProto:
+    """y = zeros(shape) with the output declared as large as the graph makes it: 1.2 TB for [10**6, 10**6, 300]."""
+    return make_model([helper.make_node("ConstantOfShape", ["shape"], ["y"])],
+                      [helper.make_tensor_value_info("shape", TensorProto.INT64, [3])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [10**6, 10**6, 300])])
+
+
+@pytest.mark.parametrize("io_binding", [True, False])
+def test_an_output_larger_than_memory_is_refused_before_anything_is_allocated(monkeypatch, io_binding):
+    model = IOBindingORTModel(make_session(constant_of_shape_model()), io_binding=io_binding)
+    allocated = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: allocated.append(a) or real_empty(*a, **k))
+    with pytest.raises(ValueError, match=r"output 'y': expected an output that fits in the host's (available|physical) "
+                                         r"memory \(\d+ bytes.*\), got shape \[1000000, 1000000, 300\] "
+                                         r"\(1200000000000000 bytes, 1091.4 TiB\) from the model's declared dims "
+                                         r"\[1000000, 1000000, 300\]; nothing was allocated"):
+        model(shape=torch.tensor([10**6, 10**6, 300]))
+    assert allocated == [] and model.output_signatures == 0 and model.shape_inferencer.cached_signatures == ()
+
+
+def test_outputs_are_measured_against_the_device_memory_once_per_signature(monkeypatch):
+    from optimum_iobinding.runtime import model as model_module
+
+    model = identity_model()
+    queries = []
+
+    def limit():
+        queries.append(1)
+        return 24 << 20, "a 24 MiB test bound"
+
+    monkeypatch.setattr(model_module, "available_host_memory", limit)
+    for _ in range(3):
+        model(x=torch.ones(5))
+    assert queries == []  # small outputs are never measured
+    for _ in range(3):
+        model(x=torch.ones(5 << 20))  # 20 MiB: measured, and it fits
+    assert len(queries) == 1  # once per signature, not per call
+    with pytest.raises(ValueError, match=r"output 'y': expected an output that fits in a 24 MiB test bound "
+                                         r"\(25165824 bytes, 24.0 MiB\), got shape \[8388608\] \(33554432 bytes, 32.0 "
+                                         r"MiB\) from the model's declared dims \['n'\]"):
+        model(x=torch.ones(8 << 20))
+    assert model.output_signatures == 2
+
+
+# ------------------------------------------------------------------------------------- components of the wrong kind
+@pytest.mark.parametrize("source, target, message", [
+    ("vae_encoder", "vae_decoder", r"vae_decoder: expected a VAE decoder \(inputs \['latent_sample'\]\), got a model "
+                                   r"with inputs \['sample'\] and outputs \['latent_sample'\]: '.*vae_decoder/model"
+                                   r"\.onnx' is a VAE encoder, not a VAE decoder"),
+    ("vae_decoder", "vae_encoder", r"vae_encoder: expected a VAE encoder \(inputs \['sample'\]\), got a model with "
+                                   r"inputs \['latent_sample'\] .* is a VAE decoder, not a VAE encoder"),
+    ("unet", "text_encoder", r"text_encoder: expected a text encoder \(inputs \['input_ids'\]\), got a model with "
+                             r"inputs \['sample', 'timestep', 'encoder_hidden_states'\] .* is a UNet, not a text "
+                             r"encoder"),
+    ("text_encoder", "unet", r"unet: expected a UNet \(inputs \['sample', 'timestep', 'encoder_hidden_states'\] and "
+                             r"more\), got a model with inputs \['input_ids'\] .* is a text encoder, not a UNet"),
+    ("unet", "vae_decoder", r"vae_decoder: expected a VAE decoder .* is a UNet, not a VAE decoder"),
+])
+def test_a_component_of_the_wrong_kind_names_its_folder(copy_of, source, target, message):
+    folder = copy_of()
+    shutil.copyfile(folder / source / "model.onnx", folder / target / "model.onnx")
+    gc.collect()
+    before = live_sessions()
+    with pytest.raises(ValueError, match=message):
+        OnnxStableDiffusionPipeline.from_pretrained(folder)
+    assert live_sessions() == before  # the components loaded before it are released
+
+
+def test_an_sdxl_text_encoder_without_hidden_states_is_refused_when_loading(xl_folder, tiny_folder, tmp_path):
+    folder = shutil.copytree(xl_folder, tmp_path / "xl")
+    shutil.copyfile(tiny_folder / "text_encoder" / "model.onnx", folder / "text_encoder_2" / "model.onnx")
+    with pytest.raises(ValueError, match=r"text_encoder_2: expected an SDXL text encoder with outputs hidden_states.0 "
+                                         r"… hidden_states.N and text_embeds .*got outputs \['last_hidden_state', "
+                                         r"'pooler_output'\]"):
+        OnnxStableDiffusionXLPipeline.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("class_name, message", [
+    ("CLIPTextModel", r"model_index.json: tokenizer: expected a transformers tokenizer class \(CLIPTokenizer, "
+                      r"CLIPTokenizerFast, AutoTokenizer …\), got the class 'CLIPTextModel', which is not a tokenizer"),
+    ("AutoConfig", r"tokenizer: expected a transformers tokenizer class .*got the class 'AutoConfig'"),
+    ("pipeline", r"tokenizer: expected a transformers tokenizer class .*got the function 'pipeline'"),
+    ("__version__", r"tokenizer: expected a transformers tokenizer class .*got the str '__version__'"),
+    (5, r"model_index.json: tokenizer: expected a class name, got int 5"),
+])
+def test_a_tokenizer_class_that_is_not_a_tokenizer_is_named(copy_of, class_name, message):
+    folder = copy_of()
+    index = json.loads((folder / "model_index.json").read_text())
+    index["tokenizer"] = ["transformers", class_name]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=message):
+        OnnxStableDiffusionPipeline.from_pretrained(folder)
+
+
+def test_a_tokenizer_or_scheduler_argument_of_the_wrong_kind_is_named(tiny_folder):
+    with pytest.raises(TypeError, match=r"tokenizer: expected a transformers tokenizer \(callable, with a "
+                                        r"model_max_length\), got str 'openai/clip-vit-large-patch14'"):
+        OnnxStableDiffusionPipeline.from_pretrained(tiny_folder, tokenizer="openai/clip-vit-large-patch14")
+    with pytest.raises(TypeError, match=r"scheduler: expected a diffusers scheduler \(with set_timesteps and step\), "
+                                        r"got str 'ddim'"):
+        OnnxStableDiffusionPipeline.from_pretrained(tiny_folder, scheduler="ddim")
+
+
+# --------------------------------------------------------------------------------------------- step-end callbacks
+def no_model_runs(pipe):
+    """A context that records every run of the pipeline's text encoder and UNet (to show a refusal came first)."""
+    stack = contextlib.ExitStack()
+    runs = [stack.enter_context(pipe.text_encoder.watch_runs()), stack.enter_context(pipe.unet.watch_runs())]
+    return stack, runs
+
+
+@pytest.mark.parametrize("arguments, error, message", [
+    (dict(callback_on_step_end_tensor_inputs=["latents", "noise_pred"]), ValueError,
+     r"callback_on_step_end_tensor_inputs: expected names among \['latents', 'prompt_embeds'\], got \['noise_pred'\]"),
+    (dict(callback_on_step_end_tensor_inputs=["add_text_embeds"]), ValueError, r"got \['add_text_embeds'\]"),
+    (dict(callback_on_step_end_tensor_inputs="latents"), TypeError,
+     r"callback_on_step_end_tensor_inputs: expected a list of tensor names among \['latents', 'prompt_embeds'\], "
+     r"got str 'latents'"),
+    (dict(callback_on_step_end="print"), TypeError,
+     r"callback_on_step_end: expected a callable \(pipe, step, timestep, tensors\) -> dict, got str 'print'"),
+])
+def test_step_end_callback_arguments_are_refused_before_any_work(pipe, arguments, error, message):
+    arguments.setdefault("callback_on_step_end", lambda p, i, t, tensors: tensors)
+    stack, runs = no_model_runs(pipe)
+    with stack, pytest.raises(error, match=message):
+        pipe(PROMPT, height=64, width=64, num_inference_steps=2, output_type="np", **arguments)
+    assert runs == [[], []]
+
+
+def returns_a_list(pipe, step, timestep, tensors):
+    return [tensors["latents"]]
+
+
+@pytest.mark.parametrize("callback, error, message", [
+    (returns_a_list, TypeError, r"callback_on_step_end: expected returns_a_list to return a dict of tensors \(or "
+                                r"None\), got list at step 0"),
+    (lambda p, i, t, tensors: {"latents": tensors["latents"].numpy()}, TypeError,
+     r"callback_on_step_end: .*<lambda> returned 'latents' as ndarray at step 0, expected a float torch.Tensor of "
+     r"shape \(1, 4, 8, 8\)"),
+    (lambda p, i, t, tensors: {"latents": tensors["latents"][:, :2]}, ValueError,
+     r"returned 'latents' of shape \(1, 2, 8, 8\) at step 0, expected a float torch.Tensor of shape \(1, 4, 8, 8\)"),
+    (lambda p, i, t, tensors: {"prompt_embeds": tensors["prompt_embeds"][..., :16]}, ValueError,
+     r"returned 'prompt_embeds' of shape \(2, 77, 16\) at step 0, expected a float torch.Tensor of shape "
+     r"\(2, 77, 32\)"),
+    (lambda p, i, t, tensors: {"latents": tensors["latents"].to(torch.int64)}, TypeError,
+     r"returned 'latents' of dtype torch.int64 .*expected a float torch.Tensor"),
+    (lambda p, i, t, tensors: {"latent": tensors["latents"]}, ValueError,
+     r"callback_on_step_end: expected .*<lambda> to return keys among \['latents', 'prompt_embeds'\], got "
+     r"\['latent'\] at step 0"),
+])
+def test_what_a_step_end_callback_returns_is_checked_naming_it_and_the_key(pipe, callback, error, message):
+    with pytest.raises(error, match=message):
+        pipe(PROMPT, height=64, width=64, num_inference_steps=2, output_type="np", callback_on_step_end=callback,
+             callback_on_step_end_tensor_inputs=["latents", "prompt_embeds"])
+    # the pipeline is not left half-initialised: the next call works
+    assert pipe(PROMPT, height=64, width=64, num_inference_steps=1, output_type="np").images.shape == (1, 64, 64, 3)
+
+
+def test_latents_a_callback_returns_in_another_float_dtype_are_cast_back(pipe):
+    def run(callback):
+        return pipe(PROMPT, height=64, width=64, num_inference_steps=2, output_type="latent", callback_on_step_end=callback,
+                    generator=np.random.RandomState(0)).images
+
+    unchanged = run(lambda p, i, t, tensors: tensors)
+    as_double = run(lambda p, i, t, tensors: {"latents": tensors["latents"].double()})
+    returned_none = run(lambda p, i, t, tensors: None)
+    assert as_double.dtype == unchanged.dtype == torch.float32
+    torch.testing.assert_close(as_double, unchanged)
+    torch.testing.assert_close(returned_none, unchanged)
+
+
+# ------------------------------------------------------------------------------------------- embeddings' widths
+@pytest.mark.parametrize("arguments, message", [
+    (dict(prompt=None, prompt_embeds=torch.ones(1, 77, 16)),
+     r"prompt_embeds: expected hidden size 32 \(the width of the UNet's encoder_hidden_states\), got 16 \(shape "
+     r"\(1, 77, 16\)\)"),
+    (dict(prompt=None, prompt_embeds=np.ones((1, 77, 768), np.float32)),
+     r"prompt_embeds: expected hidden size 32 .*got 768"),
+    (dict(negative_prompt_embeds=torch.ones(1, 77, 64)),
+     r"negative_prompt_embeds: expected hidden size 32 \(the width of the UNet's encoder_hidden_states\), got 64"),
+    (dict(prompt=["a cat", "a dog"], negative_prompt_embeds=torch.ones(1, 77, 32)),
+     r"negative_prompt_embeds: expected 2 rows \(one per prompt\), got shape \(1, 77, 32\)"),
+    (dict(prompt=None, prompt_embeds=torch.ones(1, 0, 32)), r"prompt_embeds: expected a non-empty tensor"),
+    (dict(prompt=None, prompt_embeds=torch.ones(1, 77, 32).to_sparse()),
+     r"prompt_embeds: expected a dense torch.Tensor or numpy array \(batch, sequence, hidden\), got a sparse_coo "
+     r"tensor"),
+    (dict(prompt=None, prompt_embeds=[[[0.0] * 32] * 77]),
+     r"prompt_embeds: expected a dense torch.Tensor or numpy array \(batch, sequence, hidden\), got list"),
+])
+def test_embeddings_of_the_wrong_width_are_refused_before_any_work(pipe, arguments, message):
+    stack, runs = no_model_runs(pipe)
+    with stack, pytest.raises((ValueError, TypeError), match=message):
+        pipe(**{**dict(prompt=PROMPT, height=64, width=64, num_inference_steps=1, output_type="np"), **arguments})
+    assert runs == [[], []]
+
+
+def test_big_endian_embeddings_give_the_same_image(pipe):
+    embeds = pipe._encode_text([PROMPT]).numpy()
+    arguments = dict(prompt=None, height=64, width=64, num_inference_steps=1, output_type="np", guidance_scale=1.0,
+                     generator=np.random.RandomState(0))
+    native = pipe(prompt_embeds=embeds, **arguments).images
+    arguments["generator"] = np.random.RandomState(0)
+    np.testing.assert_array_equal(pipe(prompt_embeds=embeds.astype(">f4"), **arguments).images, native)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(prompt_embeds=torch.ones(1, 77, 32), pooled_prompt_embeds=torch.ones(1, 32)),
+     r"prompt_embeds: expected hidden size 64 \(the width of the UNet's encoder_hidden_states\), got 32"),
+    (dict(prompt_embeds=torch.ones(1, 77, 64), pooled_prompt_embeds=torch.ones(1, 7)),
+     r"pooled_prompt_embeds: expected hidden size 32 \(the width of the UNet's text_embeds\), got 7 \(shape \(1, 7\)\)"),
+    (dict(prompt_embeds=torch.ones(1, 77, 64), pooled_prompt_embeds=torch.ones(32)),
+     r"pooled_prompt_embeds: expected shape \(batch, width\), got \(32,\)"),
+    (dict(prompt_embeds=torch.ones(1, 77, 64), pooled_prompt_embeds=torch.ones(2, 32)),
+     r"pooled_prompt_embeds: expected 1 rows like prompt_embeds, got shape \(2, 32\)"),
+    (dict(prompt_embeds=torch.ones(1, 77, 64), pooled_prompt_embeds=torch.ones(1, 32),
+          negative_prompt_embeds=torch.ones(1, 77, 64), negative_pooled_prompt_embeds=torch.ones(1, 16)),
+     r"negative_pooled_prompt_embeds: expected hidden size 32 \(the width of the UNet's text_embeds\), got 16"),
+    (dict(prompt_embeds=torch.ones(1, 77, 64)),
+     r"pooled_prompt_embeds: expected them with prompt_embeds \(SDXL's UNet takes both\), got None"),
+])
+def test_sdxl_embeddings_of_the_wrong_width_are_refused_before_any_work(xl, arguments, message):
+    with xl.text_encoder_2.watch_runs() as runs, xl.unet.watch_runs() as unet_runs, \
+            pytest.raises(ValueError, match=message):
+        xl(prompt=None, height=64, width=64, num_inference_steps=1, output_type="np", **arguments)
+    assert runs == [] and unet_runs == []
+
+
+# ------------------------------------------------------------------------------------ images that are no picture
+EMPTY_IMAGES = {
+    "0x0 array": (np.zeros((0, 0, 3), np.float32), r"image: expected a non-empty image, got shape \(0, 0, 3\)"),
+    "0-wide tensor": (torch.zeros(1, 3, 64, 0), r"image: expected a non-empty image, got shape \(1, 3, 64, 0\)"),
+    "empty batch": (torch.zeros(0, 3, 64, 64), r"image: expected a non-empty image, got shape \(0, 3, 64, 64\)"),
+    "0x0 PIL": (PIL.Image.new("RGB", (0, 0)), r"image: expected a non-empty image, got 0 × 0 pixels"),
+    "empty list": ([], r"image: expected an image or a non-empty list of images, got an empty list"),
+    "1-d array": (np.zeros(5, np.float32), r"image: expected an image of shape \(height, width, channels\).*, or a "
+                                           r"batch of them, got shape \(5,\)"),
+    "4 channels": (torch.zeros(1, 4, 64, 64), r"image: expected 3 channels in the layout \(channels, height, width\), "
+                                              r"got shape \(1, 4, 64, 64\)"),
+    "a file name": ("cat.png", r"image: expected a PIL image, a numpy array or a torch tensor \(or a list of them\), "
+                               r"got str"),
+}
+TINY_IMAGES = {
+    "4x4 PIL": (PIL.Image.new("RGB", (4, 4)), r"image: expected at least 8 × 8 pixels \(one latent pixel: the VAE's "
+                                              r"scale factor\), got 4 × 4"),
+    "1x64 array": (np.zeros((1, 64, 3), np.float32), r"image: expected at least 8 × 8 pixels .*got 1 × 64"),
+    "72x64 tensor": (torch.zeros(1, 3, 72, 64), r"image: a 72 × 64 image \(after rounding down to the VAE factor 8\) "
+                                                r"cannot be used: height and width: expected multiples of 16"),
+}
+
+
+@pytest.fixture(scope="module")
+def img2img(tiny_folder):
+    pipe = OnnxStableDiffusionImg2ImgPipeline.from_pretrained(tiny_folder)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def inpaint(tiny_folder):
+    pipe = OnnxStableDiffusionInpaintPipeline.from_pretrained(tiny_folder)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("name", [*EMPTY_IMAGES, *TINY_IMAGES])
+def test_img2img_refuses_an_empty_or_tiny_image_before_any_work(img2img, name):
+    image, message = {**EMPTY_IMAGES, **TINY_IMAGES}[name]
+    stack, runs = no_model_runs(img2img)
+    with stack, pytest.raises((ValueError, TypeError), match=message):
+        img2img(PROMPT, image=image, num_inference_steps=2, output_type="np")
+    assert runs == [[], []]
+
+
+@pytest.mark.parametrize("name", list(EMPTY_IMAGES))
+def test_inpainting_refuses_an_empty_image_or_mask_before_any_work(inpaint, name):
+    image, message = EMPTY_IMAGES[name]
+    good = torch.zeros(1, 3, 64, 64)
+    mask = torch.ones(1, 1, 64, 64)
+    stack, runs = no_model_runs(inpaint)
+    with stack:
+        with pytest.raises((ValueError, TypeError), match=message):
+            inpaint(PROMPT, image=image, mask_image=mask, height=64, width=64, num_inference_steps=2, output_type="np")
+        if name != "4 channels":  # a mask may have any channels: it is made grayscale
+            with pytest.raises((ValueError, TypeError), match=message.replace("image", "mask_image", 1)):
+                inpaint(PROMPT, image=good, mask_image=image, height=64, width=64, num_inference_steps=2,
+                        output_type="np")
+    assert runs == [[], []]
+
+
+def test_inpainting_resizes_a_tiny_image_to_the_size_asked_for(inpaint):
+    # with height and width given, a 4 × 4 image and mask are resized to them: small, but not empty
+    images = inpaint(PROMPT, image=PIL.Image.new("RGB", (4, 4)), mask_image=np.ones((4, 4), np.float32), height=64,
+                     width=64, num_inference_steps=1, output_type="np").images
+    assert images.shape == (1, 64, 64, 3)
+
+
+def test_sdxl_img2img_refuses_an_empty_image_before_any_work(xl_folder):
+    pipe = OnnxStableDiffusionXLImg2ImgPipeline.from_pretrained(xl_folder)
+    with pytest.raises(ValueError, match=r"image: expected a non-empty image, got shape \(0, 0, 3\)"):
+        pipe(PROMPT, image=np.zeros((0, 0, 3), np.float32), num_inference_steps=2, output_type="np")
+    with pytest.raises(ValueError, match=r"image: expected at least 8 × 8 pixels .*got 4 × 4"):
+        pipe(PROMPT, image=PIL.Image.new("RGB", (4, 4)), num_inference_steps=2, output_type="np")
+
+
+# ------------------------------------------------------------------------------------------------------ tile sizes
+@pytest.mark.parametrize("size, message", [
+    (0, r"tile_sample_size: expected a positive multiple of 8 \(the VAE's scale factor\), got 0"),
+    (-64, r"tile_sample_size: expected a positive multiple of 8 .*got -64"),
+    (64.0, r"tile_sample_size: expected a positive multiple of 8 .*got 64.0"),
+    (True, r"tile_sample_size: expected a positive multiple of 8 .*got True"),
+    ("64", r"tile_sample_size: expected a positive multiple of 8 .*got '64'"),
+    (12, r"tile_sample_size: expected a positive multiple of 8 .*got 12"),
+])
+def test_a_tile_size_that_is_no_size_is_refused_not_read_as_the_default(pipe, size, message):
+    from optimum_iobinding.pipelines.tiling import TiledVAE
+
+    with pytest.raises(ValueError, match=message):
+        pipe.enable_vae_tiling(tile_sample_size=size)
+    assert pipe.vae_tiler is None  # nothing half set up
+    with pytest.raises(ValueError, match=message):
+        TiledVAE(pipe.vae_decoder, pipe.vae_encoder, tile_sample_size=size)
+
+
+def test_tiling_defaults_and_numpy_sizes(pipe):
+    from optimum_iobinding.pipelines.tiling import TiledVAE
+
+    pipe.enable_vae_tiling()
+    assert pipe.vae_tiler.tile_sample_size == pipe.vae_decoder.config.get("sample_size", 512)
+    pipe.enable_vae_tiling(tile_sample_size=np.int64(32))
+    assert pipe.vae_tiler.tile_sample_size == 32 and pipe.vae_tiler.tile_latent_size == 4
+    pipe.disable_vae_tiling()
+    with pytest.raises(ValueError, match=r"scale_factor: expected a positive integer \(pixels per latent, 8 for "
+                                         r"Stable Diffusion\), got 0"):
+        TiledVAE(pipe.vae_decoder, tile_sample_size=64, scale_factor=0)
+    with pytest.raises(ValueError, match=r"max_tile_sessions: expected an integer ≥ 1, got True"):
+        TiledVAE(pipe.vae_decoder, tile_sample_size=64, max_tile_sessions=True)
+
+
+# ------------------------------------------------------------------------------------------- SDXL's second prompts
+@pytest.mark.parametrize("arguments, error, message", [
+    (dict(prompt_2=5), TypeError, r"prompt_2: expected a str or a list of str, got int 5"),
+    (dict(prompt_2=["a", 7]), TypeError, r"prompt_2\[1\]: expected a str, got int 7"),
+    (dict(prompt_2=[]), ValueError, r"prompt_2: expected a str or a non-empty list of str, got an empty list"),
+    (dict(prompt=["a cat", "a dog"], prompt_2=["a painting"]), ValueError,
+     r"prompt_2: expected 2 prompts \(as many as prompt\), got 1"),
+    (dict(prompt_2=["a painting", "a photo"]), ValueError, r"prompt_2: expected 1 prompt \(as many as prompt\), got 2"),
+    (dict(negative_prompt_2=3.5), TypeError, r"negative_prompt_2: expected a str or a list of str, got float 3.5"),
+    (dict(negative_prompt_2=[None]), TypeError, r"negative_prompt_2\[0\]: expected a str, got NoneType None"),
+    (dict(prompt=["a cat", "a dog"], negative_prompt_2=["blurry"] * 3), ValueError,
+     r"negative_prompt_2: expected 2 prompts \(as many as prompt\), got 3"),
+    (dict(prompt=None, prompt_2="a painting", prompt_embeds=torch.ones(1, 77, 64),
+          pooled_prompt_embeds=torch.ones(1, 32)), ValueError,
+     r"prompt_2 and prompt_embeds: expected at most one of them, got both"),
+])
+def test_sdxl_second_prompts_of_the_wrong_kind_are_refused_before_any_work(xl, arguments, error, message):
+    call = dict(prompt=PROMPT, height=64, width=64, num_inference_steps=1, output_type="np")
+    call.update(arguments)
+    with xl.text_encoder.watch_runs() as runs, xl.text_encoder_2.watch_runs() as runs_2, \
+            pytest.raises(error, match=message):
+        xl(**call)
+    assert runs == [] and runs_2 == []
+
+
+def test_sdxl_one_negative_prompt_2_serves_every_prompt(xl):
+    images = xl(["a cat", "a dog"], negative_prompt_2="blurry", height=64, width=64, num_inference_steps=1,
+                output_type="np").images
+    assert images.shape == (2, 64, 64, 3)

@@ -7,9 +7,8 @@ import os
 from pathlib import Path
 from typing import Union
 
-import onnx
-
 from ..layout import read_model_index
+from ..runtime.hub import load_graph
 from .latent_consistency import OnnxLatentConsistencyModelPipeline
 from .stable_diffusion import OnnxStableDiffusionPipeline
 from .stable_diffusion_xl import OnnxStableDiffusionXLPipeline
@@ -25,7 +24,7 @@ def pipeline_class_for(folder: Union[str, os.PathLike]) -> type:
     unet_path = folder / "unet" / "model.onnx"
     if not unet_path.is_file():
         raise FileNotFoundError(f"model: expected {str(unet_path)!r} (an ONNX Stable Diffusion folder), found none")
-    graph = onnx.load(str(unet_path), load_external_data=False).graph
+    graph = load_graph(str(unet_path)).graph
     initializers = {init.name for init in graph.initializer}
     inputs = {value.name: value for value in graph.input if value.name not in initializers}
     if "text_embeds" in inputs or "time_ids" in inputs:

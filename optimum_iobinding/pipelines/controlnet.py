@@ -187,6 +187,8 @@ class _ControlNetMixin:
         the ControlNet's input dtype."""
         channels = self._declared_dim(net, "controlnet_cond", 1) or 3
         self._check_channels(image, name, channels)
+        self.check_image(image, name, resized=height is not None and width is not None, mask=channels == 1,
+                         channels=())
         try:
             tensor = self.control_image_processor.preprocess(image, height=height, width=width).to(torch.float32)
         except (ValueError, TypeError) as error:
@@ -367,7 +369,9 @@ class OnnxStableDiffusionControlNetPipeline(_ControlNetMixin, OnnxStableDiffusio
                 self.check_size(height or value, width or value)
         self.check_inputs(prompt, self.size_multiple, self.size_multiple, num_inference_steps, callback_steps,
                           negative_prompt, prompt_embeds, negative_prompt_embeds, output_type,
-                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt)
+                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt,
+                          callback_on_step_end=callback_on_step_end,
+                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
         images = self.prepare_control_images(image, "image", height, width, batch_size, num_images_per_prompt,
@@ -459,11 +463,15 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(_ControlNetMixin, OnnxStableD
             raise TypeError(f"prompt: expected a str or a list of str, got {type(prompt).__name__}")
         if height is not None or width is not None:
             self.check_size(height or width, width or height)
+        self.check_image(image, "image", resized=height is not None and width is not None)
         start_image = self.image_processor.preprocess(image, height=height, width=width).to(torch.float32)
         height, width = start_image.shape[-2:]
+        self.check_image_size(height, width, "image")
         self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
                           prompt_embeds, negative_prompt_embeds, output_type, strength,
-                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt)
+                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt,
+                          callback_on_step_end=callback_on_step_end,
+                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
         images = self.prepare_control_images(control_image, "control_image", height, width, batch_size,

@@ -4,7 +4,7 @@ CUDA-graph input feed, guidance, and the decorator that runs a call on the pipel
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -14,6 +14,67 @@ from .arguments import is_real
 # What the loop needs of a pipeline (an OnnxStableDiffusionPipelineBase): its UNet, scheduler, timestep inputs,
 # progress bar and call state. Not imported: the pipeline imports this module.
 Pipeline = Any
+
+# The loop's tensors a step-end callback may ask for (callback_on_step_end_tensor_inputs) and give back replaced.
+CALLBACK_TENSOR_INPUTS = ("latents", "prompt_embeds")
+
+
+def check_callback_arguments(callback_on_step_end: Any, tensor_inputs: Any) -> None:
+    """Refuses, before any work, a step-end callback that is not callable and tensor names the loop does not have,
+    listing the ones it has (as diffusers refuses them)."""
+    if callback_on_step_end is not None and not callable(callback_on_step_end):
+        raise TypeError(f"callback_on_step_end: expected a callable (pipe, step, timestep, tensors) -> dict, got "
+                        f"{type(callback_on_step_end).__name__} {callback_on_step_end!r}")
+    try:
+        if isinstance(tensor_inputs, (str, bytes)):
+            raise TypeError
+        names = list(tensor_inputs)
+    except TypeError:
+        raise TypeError(f"callback_on_step_end_tensor_inputs: expected a list of tensor names among "
+                        f"{list(CALLBACK_TENSOR_INPUTS)}, got {type(tensor_inputs).__name__} {tensor_inputs!r}") from None
+    unknown = [name for name in names if not isinstance(name, str) or name not in CALLBACK_TENSOR_INPUTS]
+    if unknown:
+        raise ValueError(f"callback_on_step_end_tensor_inputs: expected names among {list(CALLBACK_TENSOR_INPUTS)}, "
+                         f"got {unknown}")
+
+
+def callback_name(callback: Any) -> str:
+    return getattr(callback, "__qualname__", None) or type(callback).__name__
+
+
+def replaced_tensors(callback: Any, step: int, returned: Any,
+                     current: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The loop's tensors after a step-end callback: ``current``, with what the callback returned in place of them.
+
+    A callback returns a dict (or ``None``: nothing replaced) whose keys are among :data:`CALLBACK_TENSOR_INPUTS`
+    and whose values are float torch tensors of the replaced tensor's shape. One on another device or of another
+    float dtype is moved and cast (as the loop's own would be); anything else is refused, naming the callback, the
+    step and the key — a numpy array included (diffusers' loop takes tensors only)."""
+    if returned is None:
+        return dict(current)
+    name = callback_name(callback)
+    if not isinstance(returned, Mapping):
+        raise TypeError(f"callback_on_step_end: expected {name} to return a dict of tensors (or None), got "
+                        f"{type(returned).__name__} at step {step}")
+    unknown = [key for key in returned if key not in CALLBACK_TENSOR_INPUTS]
+    if unknown:
+        raise ValueError(f"callback_on_step_end: expected {name} to return keys among {list(CALLBACK_TENSOR_INPUTS)}, "
+                         f"got {unknown} at step {step}")
+    result = dict(current)
+    for key, value in returned.items():
+        old = current[key]
+        expected = f"a float torch.Tensor of shape {tuple(old.shape)}"
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"callback_on_step_end: {name} returned {key!r} as {type(value).__name__} at step {step}, "
+                            f"expected {expected}")
+        if value.layout != torch.strided or value.is_nested or not value.dtype.is_floating_point:
+            raise TypeError(f"callback_on_step_end: {name} returned {key!r} of dtype {value.dtype} and layout "
+                            f"{value.layout} at step {step}, expected {expected}")
+        if tuple(value.shape) != tuple(old.shape):
+            raise ValueError(f"callback_on_step_end: {name} returned {key!r} of shape {tuple(value.shape)} at step "
+                             f"{step}, expected {expected}")
+        result[key] = value.to(device=old.device, dtype=old.dtype)
+    return result
 
 
 def denoise(
@@ -56,6 +117,7 @@ def denoise(
     """
     if not is_real(guidance_rescale) or not 0.0 <= guidance_rescale <= 1.0:
         raise ValueError(f"guidance_rescale: expected a number in [0, 1], got {guidance_rescale!r}")
+    check_callback_arguments(callback_on_step_end, callback_on_step_end_tensor_inputs)
     do_classifier_free_guidance = guidance_scale > 1.0
     unet_batch = latents.shape[0] * (2 if do_classifier_free_guidance else 1)
     timestep_inputs = pipe.timestep_inputs(timesteps, unet_batch)
@@ -100,9 +162,8 @@ def denoise(
             feed.forget()
             available = {"latents": latents, "prompt_embeds": prompt_embeds}
             tensors = {name: available[name] for name in callback_on_step_end_tensor_inputs}
-            replaced = callback_on_step_end(pipe, i, t, tensors) or {}
-            latents = replaced.get("latents", latents)
-            prompt_embeds = replaced.get("prompt_embeds", prompt_embeds)
+            replaced = replaced_tensors(callback_on_step_end, i, callback_on_step_end(pipe, i, t, tensors), available)
+            latents, prompt_embeds = replaced["latents"], replaced["prompt_embeds"]
     return denoised if return_denoised else latents
 
 

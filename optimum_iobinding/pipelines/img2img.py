@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import numpy as np
+import PIL.Image
 import torch
 
 from .arguments import Generator
 from .denoise import on_device_stream
 from .pipeline import OnnxStableDiffusionPipelineBase
 
-ImageInput = Union[torch.Tensor, np.ndarray, "PIL.Image.Image", List[Any]]  # noqa: F821
+ImageInput = Union[torch.Tensor, np.ndarray, PIL.Image.Image, List[Any]]
 
 
 class OnnxStableDiffusionImg2ImgPipeline(OnnxStableDiffusionPipelineBase):
@@ -52,11 +53,15 @@ class OnnxStableDiffusionImg2ImgPipeline(OnnxStableDiffusionPipelineBase):
         # 1. check inputs
         if image is None:
             raise ValueError("image: expected an image to start from, got None")
+        self.check_image(image, "image")
         image = self.image_processor.preprocess(image)
         height, width = image.shape[-2:]
+        self.check_image_size(height, width, "image")
         self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
                           prompt_embeds, negative_prompt_embeds, output_type, strength,
-                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt)
+                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt,
+                          callback_on_step_end=callback_on_step_end,
+                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import numpy as np
 import torch
@@ -75,13 +75,16 @@ class OnnxStableDiffusionInpaintPipeline(OnnxStableDiffusionPipelineBase):
             raise ValueError("image and mask_image: expected both, got "
                              f"{'no image' if image is None else 'an image'} and "
                              f"{'no mask_image' if mask_image is None else 'a mask_image'}")
-        image_size, mask_size = image_hw(image), image_hw(mask_image)
+        image_size = self.check_image(image, "image", resized=True)
+        mask_size = self.check_image(mask_image, "mask_image", resized=True, mask=True)
         if image_size != mask_size:
             raise ValueError(f"mask_image: expected the size of image (height × width {image_size[0]} × "
                              f"{image_size[1]}), got {mask_size[0]} × {mask_size[1]}")
         self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
                           prompt_embeds, negative_prompt_embeds, output_type, strength,
-                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt)
+                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt,
+                          callback_on_step_end=callback_on_step_end,
+                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
 
@@ -117,12 +120,14 @@ class OnnxStableDiffusionInpaintPipeline(OnnxStableDiffusionPipelineBase):
             if do_classifier_free_guidance:
                 unet_extra_channels = torch.cat([unet_extra_channels] * 2)
         elif self.unet_in_channels == self.latent_channels:
-            def after_step(i: int, step_latents: torch.Tensor) -> torch.Tensor:
+            def keep_unmasked(i: int, step_latents: torch.Tensor) -> torch.Tensor:
                 # keep the unmasked area: the original latents, noised to where the next step starts
                 known = image_latents
                 if i < len(timesteps) - 1:
                     known = self.scheduler.add_noise(image_latents, noise, timesteps[i + 1 : i + 2].repeat(shape[0]))
                 return (1 - mask_latents) * known + mask_latents * step_latents
+
+            after_step = keep_unmasked
         else:
             raise ValueError(f"unet: expected {self.latent_channels} input channels (a plain UNet) or "
                              f"{2 * self.latent_channels + 1} (an inpainting UNet), got {self.unet_in_channels}")
@@ -137,18 +142,3 @@ class OnnxStableDiffusionInpaintPipeline(OnnxStableDiffusionPipelineBase):
         # 6. decode: only now does anything leave the device
         return self.finish(latents, output_type, return_dict)
 
-
-def image_hw(image: Any) -> Tuple[int, int]:
-    """Height and width of a PIL image, a numpy HWC/NHWC array, a torch CHW/NCHW tensor, or the first of a list."""
-    if isinstance(image, list):
-        if not image:
-            raise ValueError("image: expected at least one image, got an empty list")
-        image = image[0]
-    if hasattr(image, "size") and not callable(image.size):  # PIL
-        width, height = image.size
-        return height, width
-    if isinstance(image, np.ndarray):
-        return tuple(image.shape[-3:-1]) if image.ndim >= 3 else tuple(image.shape)  # type: ignore[return-value]
-    if isinstance(image, torch.Tensor):
-        return tuple(image.shape[-2:])  # type: ignore[return-value]
-    raise TypeError(f"image: expected a PIL image, numpy array or torch tensor, got {type(image).__name__}")

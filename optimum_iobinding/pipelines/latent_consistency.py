@@ -70,7 +70,9 @@ class OnnxLatentConsistencyModelPipeline(OnnxStableDiffusionPipelineBase):
             ``StableDiffusionPipelineOutput(images, nsfw_content_detected=None)``, or a tuple without return_dict.
         """
         self.check_inputs(prompt, height, width, num_inference_steps, None, None, prompt_embeds, None, output_type,
-                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt)
+                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt,
+                          callback_on_step_end=callback_on_step_end,
+                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         prompt_embeds = self.encode_prompt(prompt, num_images_per_prompt, False, prompt_embeds=prompt_embeds)
         rows = batch_size * num_images_per_prompt

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
+import PIL.Image
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.image_processor import VaeImageProcessor
@@ -35,15 +36,23 @@ from ..runtime.model import IOBindingORTModel
 from ..runtime.options import CudaGraphSetting, PipelineOptions, ProviderSpec
 from ..runtime.shapes import infer_output_shapes
 from .arguments import Generator, is_integer, is_real, is_torch_generator
-from .denoise import denoise
+from .denoise import CALLBACK_TENSOR_INPUTS, check_callback_arguments, denoise
 from .lora import LoraLoaderMixin
-from .loading import load_components
+from .loading import check_component_kind, component_kind, load_components
 from .tiling import TiledVAE
 
 logger = logging.getLogger(__name__)
 
 # AutoencoderKL's default scaling factor, for folders whose VAE has no config.json (diffusers' ONNX conversion).
 _DEFAULT_VAE_SCALING_FACTOR = 0.18215
+
+
+def tensor_of(value: Union[torch.Tensor, np.ndarray]) -> torch.Tensor:
+    """Given embeddings or latents as a torch tensor: a numpy array is wrapped (one of the other byte order is
+    converted to the native one first, as the models' inputs are)."""
+    if isinstance(value, np.ndarray) and not value.dtype.isnative:
+        value = value.astype(value.dtype.newbyteorder("="))
+    return torch.as_tensor(value)
 
 
 class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
@@ -66,6 +75,8 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
     _default_unet_sample_size = 64
     # whether a call encodes images (img2img, inpaint): only then is the VAE encoder's session prepared
     _encodes_images = False
+    # the loop's tensors a step-end callback may ask for (diffusers' name for the list)
+    _callback_tensor_inputs = list(CALLBACK_TENSOR_INPUTS)
 
     def __init__(
         self,
@@ -89,6 +100,8 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
 
     def _init_image_side(self) -> None:
         """What every pipeline reads from its VAE and UNet once, after its modules are registered."""
+        for name in self._onnx_components:
+            check_component_kind(name, getattr(self, name, None))
         self._check_unet_inputs()
         self._vae_tiler: Optional[TiledVAE] = None
         self.vae_scale_factor = self._read_vae_scale_factor()
@@ -131,6 +144,9 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
                  "mid_block_additional_residual": "a UNet exported with a ControlNet: use "
                                                   "OnnxStableDiffusionControlNetPipeline or its Img2Img"}
         hint = next((hints[name] for name in unexpected if name in hints), None)
+        found = component_kind(declared)
+        if hint is None and found not in (None, "a UNet"):
+            hint = f"{found}, not a UNet: put the right model.onnx in the unet folder"
         if hint is None and missing:
             hint = f"{type(self).__name__} needs a UNet exported with {missing}"
         raise ValueError(f"unet: expected inputs {expected}, got {declared} ({hint})")
@@ -356,9 +372,12 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         strength: Optional[float] = None,
         guidance_scale: Optional[float] = None,
         num_images_per_prompt: int = 1,
+        callback_on_step_end: Any = None,
+        callback_on_step_end_tensor_inputs: Any = ("latents",),
     ) -> None:
         """Refuses, before any work, every argument the call cannot run with, naming it, what was expected and
         what came."""
+        check_callback_arguments(callback_on_step_end, callback_on_step_end_tensor_inputs)
         if strength is not None and (not is_real(strength) or not 0.0 <= strength <= 1.0):
             raise ValueError(f"strength: expected a value in [0, 1], got {strength!r}")
         if guidance_scale is not None and (not is_real(guidance_scale) or not math.isfinite(guidance_scale)):
@@ -381,14 +400,8 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
                     raise TypeError(f"{name}[{wrong}]: expected a str, got {type(texts[wrong]).__name__} "
                                     f"{texts[wrong]!r}")
         for name, embeds in (("prompt_embeds", prompt_embeds), ("negative_prompt_embeds", negative_prompt_embeds)):
-            if embeds is None:
-                continue
-            embeds = torch.as_tensor(embeds)  # a numpy array is wrapped, not copied
-            if not embeds.dtype.is_floating_point:
-                raise TypeError(f"{name}: expected a float tensor (the text encoder's output), got dtype "
-                                f"{embeds.dtype}")
-            if embeds.ndim != 3:
-                raise ValueError(f"{name}: expected shape (batch, sequence, hidden), got {tuple(embeds.shape)}")
+            if embeds is not None:
+                self.check_embeds(name, embeds, 3, "(batch, sequence, hidden)", "encoder_hidden_states")
         if output_type not in ("pil", "np", "pt", "latent"):
             raise ValueError(f"output_type: expected 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
         if not isinstance(num_inference_steps, int) or num_inference_steps <= 0:
@@ -410,9 +423,102 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
             raise TypeError(f"negative_prompt: expected a {type(prompt).__name__} like prompt, "
                             f"got {type(negative_prompt).__name__}")
         if prompt_embeds is not None and negative_prompt_embeds is not None and \
-                prompt_embeds.shape != negative_prompt_embeds.shape:
+                tuple(prompt_embeds.shape) != tuple(negative_prompt_embeds.shape):
             raise ValueError(f"negative_prompt_embeds: expected shape {tuple(prompt_embeds.shape)} like "
                              f"prompt_embeds, got {tuple(negative_prompt_embeds.shape)}")
+        if prompt is not None and negative_prompt_embeds is not None and \
+                negative_prompt_embeds.shape[0] != self.batch_size_of(prompt, None):
+            raise ValueError(f"negative_prompt_embeds: expected {self.batch_size_of(prompt, None)} rows (one per "
+                             f"prompt), got shape {tuple(negative_prompt_embeds.shape)}")
+
+    def check_embeds(self, name: str, embeds: Any, rank: int, layout: str, unet_input: str) -> None:
+        """Given embeddings must be a float tensor (or numpy array) of ``rank`` dims whose last (the hidden size)
+        is the width the UNet's ``unet_input`` declares, and whose sequence length is the one it declares (where
+        static): refused before any work otherwise, naming ``name``."""
+        if isinstance(embeds, np.ndarray):
+            dtype, floating = embeds.dtype, embeds.dtype.kind == "f" and embeds.dtype.itemsize <= 8
+        elif isinstance(embeds, torch.Tensor) and embeds.layout == torch.strided and not embeds.is_nested:
+            dtype, floating = embeds.dtype, embeds.dtype.is_floating_point
+        else:
+            kind = f"a {str(embeds.layout)[6:]} tensor" if isinstance(embeds, torch.Tensor) else type(embeds).__name__
+            raise TypeError(f"{name}: expected a dense torch.Tensor or numpy array {layout}, got {kind}")
+        if not floating:
+            raise TypeError(f"{name}: expected a float tensor (the text encoder's output), got dtype {dtype}")
+        if embeds.ndim != rank:
+            raise ValueError(f"{name}: expected shape {layout}, got {tuple(embeds.shape)}")
+        if 0 in embeds.shape:
+            raise ValueError(f"{name}: expected a non-empty tensor {layout}, got shape {tuple(embeds.shape)}")
+        declared = self.unet.input_dims.get(unet_input) or []
+        if len(declared) == rank and isinstance(declared[-1], int) and embeds.shape[-1] != declared[-1]:
+            raise ValueError(f"{name}: expected hidden size {declared[-1]} (the width of the UNet's {unet_input}), "
+                             f"got {embeds.shape[-1]} (shape {tuple(embeds.shape)})")
+        if rank == 3 and len(declared) == 3 and isinstance(declared[1], int) and embeds.shape[1] != declared[1]:
+            raise ValueError(f"{name}: expected sequence length {declared[1]} (the UNet's {unet_input}), got "
+                             f"{embeds.shape[1]} (shape {tuple(embeds.shape)})")
+
+    def check_image(self, image: Any, name: str = "image", resized: bool = False, mask: bool = False,
+                    channels: Optional[Tuple[int, ...]] = None) -> Tuple[int, int]:
+        """Refuses, before any work, an image the pipeline cannot use, naming ``name``: not a PIL image, numpy array
+        (``(height, width, channels)``, or a batch of them) or torch tensor (``([batch, ]channels, height,
+        width)``), or a list of them; empty (a size of 0); with other ``channels`` than these (default: the VAE
+        encoder's; ``()``: any); or, where the image's own size becomes the call's (``resized=False``: img2img),
+        smaller than one latent pixel (the VAE's scale factor). A ``mask`` may also be ``(height, width)`` or a
+        batch of those, of any channels (it is made grayscale).
+
+        Returns:
+            The (first) image's height and width.
+        """
+        allowed = () if mask else self._image_channels() if channels is None else channels
+        items = image if isinstance(image, list) else [image]
+        if not items:
+            raise ValueError(f"{name}: expected an image or a non-empty list of images, got an empty list")
+        sizes = []
+        for index, item in enumerate(items):
+            label = f"{name}[{index}]" if isinstance(image, list) else name
+            if isinstance(item, PIL.Image.Image):
+                shape, size = None, (item.height, item.width)
+            elif isinstance(item, (np.ndarray, torch.Tensor)):
+                shape = tuple(item.shape)
+                layout = ("(height, width, channels)" if isinstance(item, np.ndarray)
+                          else "(channels, height, width)")
+                if not (2 if mask else 3) <= len(shape) <= 4:
+                    also = " or (height, width)" if mask else ""
+                    raise ValueError(f"{label}: expected an image of shape {layout}{also}, or a batch of them, got "
+                                     f"shape {shape}")
+                if isinstance(item, np.ndarray):
+                    size, given = (shape[-3:-1], shape[-1]) if len(shape) >= 3 else (shape, 1)
+                    if mask and len(shape) == 3 and shape[-1] != 1:  # a mask's (batch, height, width), as diffusers
+                        size = shape[1:]
+                else:
+                    size, given = shape[-2:], (shape[-3] if len(shape) >= 3 else 1)
+                if allowed and given not in allowed and 0 not in shape:
+                    raise ValueError(f"{label}: expected {' or '.join(map(str, allowed))} channel"
+                                     f"{'s' if allowed != (1,) else ''} in the layout {layout}, got shape {shape}")
+            else:
+                raise TypeError(f"{label}: expected a PIL image, a numpy array or a torch tensor (or a list of them), "
+                                f"got {type(item).__name__}")
+            if 0 in (shape or size):
+                got = f"shape {shape}" if shape is not None else f"{size[0]} × {size[1]} pixels"
+                raise ValueError(f"{label}: expected a non-empty image, got {got}")
+            factor = self.vae_scale_factor
+            if not resized and min(size) < factor:
+                raise ValueError(f"{label}: expected at least {factor} × {factor} pixels (one latent pixel: the VAE's "
+                                 f"scale factor), got {size[0]} × {size[1]}")
+            sizes.append(tuple(int(d) for d in size))
+        return sizes[0]
+
+    def _image_channels(self) -> Tuple[int, ...]:
+        """The channels an image may have: the VAE encoder's (3 for RGB; unknown: any)."""
+        channels = self._declared_dim(self.vae_encoder, "sample", 1) if self.vae_encoder is not None else None
+        return (channels,) if channels else ()
+
+    def check_image_size(self, height: int, width: int, name: str = "image") -> None:
+        """:meth:`check_size` for a size that an image gave (img2img), naming the image."""
+        try:
+            self.check_size(height, width)
+        except ValueError as error:
+            raise ValueError(f"{name}: a {height} × {width} image (after rounding down to the VAE factor "
+                             f"{self.vae_scale_factor}) cannot be used: {error}; resize it") from None
 
     @property
     def default_image_size(self) -> int:
@@ -473,7 +579,7 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         device = self.device
         if prompt_embeds is None:
             prompt_embeds = self._encode_text(prompt)
-        prompt_embeds = torch.as_tensor(prompt_embeds).to(device)
+        prompt_embeds = tensor_of(prompt_embeds).to(device)
         batch_size = prompt_embeds.shape[0]
         prompt_embeds = prompt_embeds.repeat_interleave(num_images_per_prompt, dim=0)
         if not do_classifier_free_guidance:
@@ -484,7 +590,7 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
             elif isinstance(negative_prompt, str):
                 negative_prompt = [negative_prompt] * batch_size
             negative_prompt_embeds = self._encode_text(negative_prompt, max_length=prompt_embeds.shape[1])
-        negative_prompt_embeds = torch.as_tensor(negative_prompt_embeds).to(device)
+        negative_prompt_embeds = tensor_of(negative_prompt_embeds).to(device)
         negative_prompt_embeds = negative_prompt_embeds.repeat_interleave(num_images_per_prompt, dim=0)
         return torch.cat([negative_prompt_embeds, prompt_embeds])
 
@@ -517,7 +623,7 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         """Initial noise on ``self.device``: from a numpy ``RandomState`` (the same numbers as diffusers' ONNX
         pipeline for the same seed; ``None`` means ``np.random``), from a ``torch.Generator``, or given."""
         if latents is not None:
-            latents = torch.as_tensor(latents)
+            latents = tensor_of(latents)
             if tuple(latents.shape) != tuple(shape):
                 raise ValueError(f"latents: expected shape {tuple(shape)}, got {tuple(latents.shape)}")
             return latents.to(device=self.device, dtype=dtype)
@@ -569,11 +675,13 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         with each tile's host transfer overlapping the next tile's compute on CUDA (see :class:`TiledVAE`).
 
         Args:
-            tile_sample_size: tile size in pixels; default the VAE config's ``sample_size`` (diffusers' choice).
+            tile_sample_size: tile size in pixels, a positive multiple of the VAE's scale factor; ``None`` (the
+                default): the VAE config's ``sample_size`` (diffusers' choice). 0 is refused, not read as the default.
             overlap: fraction of a tile blended with each neighbour.
             overlap_copies: overlap transfers with compute (``False``: the sequential comparison).
         """
-        size = tile_sample_size or self.config_int(self.vae_decoder, "sample_size", 512, "vae_decoder")
+        size = self.config_int(self.vae_decoder, "sample_size", 512, "vae_decoder") if tile_sample_size is None \
+            else tile_sample_size
         self._vae_tiler = TiledVAE(self.vae_decoder, self.vae_encoder, size, self.vae_scale_factor, overlap,
                                    overlap_copies)
 

@@ -58,7 +58,9 @@ class OnnxStableDiffusionPipeline(OnnxStableDiffusionPipelineBase):
         width = self.default_image_size if width is None else width
         self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
                           prompt_embeds, negative_prompt_embeds, output_type, guidance_scale=guidance_scale,
-                          num_images_per_prompt=num_images_per_prompt)
+                          num_images_per_prompt=num_images_per_prompt,
+                          callback_on_step_end=callback_on_step_end,
+                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
 

@@ -18,7 +18,7 @@ from ..layout import write_xl_model_index
 from ..runtime.model import IOBindingORTModel
 from .arguments import Generator
 from .denoise import on_device_stream
-from .pipeline import OnnxStableDiffusionPipelineBase
+from .pipeline import OnnxStableDiffusionPipelineBase, tensor_of
 
 XL_COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae_encoder", "vae_decoder")
 # the diffusers pipeline each of ours mirrors: the class name a saved folder's model_index.json gives (optimum's way)
@@ -62,8 +62,81 @@ class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
         self.register_to_config(force_zeros_for_empty_prompt=force_zeros_for_empty_prompt,
                                 requires_aesthetics_score=requires_aesthetics_score)
         self._init_image_side()
+        self._check_text_encoder_outputs()
         declared = unet.input_dims
         self.time_ids_length = declared["time_ids"][1] if isinstance(declared["time_ids"][1], int) else None
+
+    def _check_text_encoder_outputs(self) -> None:
+        """SDXL reads the text encoders' hidden states (``hidden_states.0`` …, an export with
+        ``output_hidden_states``) and the second one's pooled projection ``text_embeds``: a folder whose encoders
+        give less is refused when loading, naming the component."""
+        for name in ("text_encoder", "text_encoder_2"):
+            encoder = getattr(self, name, None)
+            if encoder is None:
+                continue
+            outputs = encoder.output_names
+            layers = [output for output in outputs if output.startswith("hidden_states.")]
+            if len(layers) < 2 or (name == "text_encoder_2" and "text_embeds" not in outputs):
+                needs = "hidden_states.0 … hidden_states.N" + (" and text_embeds (CLIPTextModelWithProjection)"
+                                                                if name == "text_encoder_2" else "")
+                raise ValueError(f"{name}: expected an SDXL text encoder with outputs {needs} (exported with "
+                                 f"output_hidden_states), got outputs {outputs} in {encoder.model_path!r}")
+
+    def check_inputs_xl(
+        self,
+        prompt: Prompt,
+        prompt_2: Prompt,
+        negative_prompt: Prompt,
+        negative_prompt_2: Prompt,
+        prompt_embeds: Any,
+        negative_prompt_embeds: Any,
+        pooled_prompt_embeds: Any,
+        negative_pooled_prompt_embeds: Any,
+    ) -> None:
+        """What SDXL adds to :meth:`check_inputs`, refused before any work: the second prompts (a str or a list of
+        str, one per prompt) and the pooled embeddings (``(batch, width)``, the width the UNet's ``text_embeds``
+        declares, one row per row of the hidden states)."""
+        prompts = self.batch_size_of(prompt, prompt_embeds) if prompt is not None or prompt_embeds is not None \
+            else None
+        if prompt_embeds is not None and pooled_prompt_embeds is None:
+            raise ValueError("pooled_prompt_embeds: expected them with prompt_embeds (SDXL's UNet takes both), "
+                             "got None")
+        for name, texts, rival, rival_name in (("prompt_2", prompt_2, prompt_embeds, "prompt_embeds"),
+                                               ("negative_prompt_2", negative_prompt_2, negative_prompt_embeds,
+                                                "negative_prompt_embeds")):
+            if texts is None:
+                continue
+            if rival is not None:
+                raise ValueError(f"{name} and {rival_name}: expected at most one of them, got both")
+            if not isinstance(texts, (str, list)):
+                raise TypeError(f"{name}: expected a str or a list of str, got {type(texts).__name__} {texts!r}")
+            if isinstance(texts, list):
+                if not texts:
+                    raise ValueError(f"{name}: expected a str or a non-empty list of str, got an empty list")
+                wrong = next((i for i, item in enumerate(texts) if not isinstance(item, str)), None)
+                if wrong is not None:
+                    raise TypeError(f"{name}[{wrong}]: expected a str, got {type(texts[wrong]).__name__} "
+                                    f"{texts[wrong]!r}")
+            count = 1 if isinstance(texts, str) else len(texts)
+            broadcast = name == "negative_prompt_2" and isinstance(texts, str)  # one negative for every prompt
+            if prompts is not None and count != prompts and not broadcast:
+                raise ValueError(f"{name}: expected {prompts} prompt{'s' if prompts > 1 else ''} (as many as prompt), "
+                                 f"got {count}")
+        if isinstance(negative_prompt, list) and isinstance(negative_prompt_2, list) and \
+                len(negative_prompt) != len(negative_prompt_2):
+            raise ValueError(f"negative_prompt_2: expected {len(negative_prompt)} prompts (as many as "
+                             f"negative_prompt), got {len(negative_prompt_2)}")
+        for name, pooled, embeds in (("pooled_prompt_embeds", pooled_prompt_embeds, prompt_embeds),
+                                     ("negative_pooled_prompt_embeds", negative_pooled_prompt_embeds,
+                                      negative_prompt_embeds)):
+            if pooled is None:
+                continue
+            self.check_embeds(name, pooled, 2, "(batch, width)", "text_embeds")
+            if embeds is not None and pooled.shape[0] != embeds.shape[0]:
+                raise ValueError(f"{name}: expected {embeds.shape[0]} rows like {name.replace('pooled_', '')}, got "
+                                 f"shape {tuple(pooled.shape)}")
+            if embeds is None:
+                raise ValueError(f"{name}: expected it with {name.replace('pooled_', '')}, got it alone")
 
     @property
     def default_sample_size(self) -> int:
@@ -95,8 +168,8 @@ class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
         elif pooled_prompt_embeds is None:
             raise ValueError("pooled_prompt_embeds: expected them with prompt_embeds (SDXL's UNet takes both), "
                              "got None")
-        prompt_embeds = torch.as_tensor(prompt_embeds).to(device)
-        pooled_prompt_embeds = torch.as_tensor(pooled_prompt_embeds).to(device)
+        prompt_embeds = tensor_of(prompt_embeds).to(device)
+        pooled_prompt_embeds = tensor_of(pooled_prompt_embeds).to(device)
         batch_size = prompt_embeds.shape[0]
         if do_classifier_free_guidance and negative_prompt_embeds is None:
             if negative_prompt is None and negative_prompt_2 is None and self.config.force_zeros_for_empty_prompt:
@@ -114,7 +187,7 @@ class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
             raise ValueError("negative_pooled_prompt_embeds: expected them with negative_prompt_embeds, got None")
 
         def repeat(tensor: torch.Tensor) -> torch.Tensor:
-            return torch.as_tensor(tensor).to(device).repeat_interleave(num_images_per_prompt, dim=0)
+            return tensor_of(tensor).to(device).repeat_interleave(num_images_per_prompt, dim=0)
 
         prompt_embeds, pooled_prompt_embeds = repeat(prompt_embeds), repeat(pooled_prompt_embeds)
         if not do_classifier_free_guidance:
@@ -256,7 +329,11 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
         width = self.default_image_size if width is None else width
         self.check_inputs(prompt, height, width, num_inference_steps, None, negative_prompt, prompt_embeds,
                           negative_prompt_embeds, output_type, guidance_scale=guidance_scale,
-                          num_images_per_prompt=num_images_per_prompt)
+                          num_images_per_prompt=num_images_per_prompt,
+                          callback_on_step_end=callback_on_step_end,
+                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
+        self.check_inputs_xl(prompt, prompt_2, negative_prompt, negative_prompt_2, prompt_embeds, negative_prompt_embeds,
+                             pooled_prompt_embeds, negative_pooled_prompt_embeds)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
 
@@ -344,11 +421,17 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
         """
         if image is None:
             raise ValueError("image: expected a PIL image, numpy array or tensor to start from, got None")
+        self.check_image(image, "image")
         pixels = self.image_processor.preprocess(image)
         height, width = pixels.shape[-2:]
+        self.check_image_size(height, width, "image")
         self.check_inputs(prompt, height, width, num_inference_steps, None, negative_prompt, prompt_embeds,
                           negative_prompt_embeds, output_type, strength=strength, guidance_scale=guidance_scale,
-                          num_images_per_prompt=num_images_per_prompt)
+                          num_images_per_prompt=num_images_per_prompt,
+                          callback_on_step_end=callback_on_step_end,
+                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
+        self.check_inputs_xl(prompt, prompt_2, negative_prompt, negative_prompt_2, prompt_embeds, negative_prompt_embeds,
+                             pooled_prompt_embeds, negative_pooled_prompt_embeds)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
         prompt_embeds, pooled = self.encode_prompt_xl(

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..runtime.model import IOBindingORTModel
+from .arguments import is_integer, is_real
 
 __all__ = ["TiledVAE"]
 
@@ -82,22 +83,24 @@ class TiledVAE:
         session_per_shape: Optional[bool] = None,
         max_tile_sessions: int = 4,
     ):
-        if not isinstance(tile_sample_size, int) or isinstance(tile_sample_size, bool) or tile_sample_size <= 0 \
-                or tile_sample_size % scale_factor != 0:
+        if not is_integer(scale_factor) or scale_factor < 1:
+            raise ValueError(f"scale_factor: expected a positive integer (pixels per latent, 8 for Stable Diffusion), "
+                             f"got {scale_factor!r}")
+        if not is_integer(tile_sample_size) or tile_sample_size <= 0 or tile_sample_size % scale_factor != 0:
             raise ValueError(f"tile_sample_size: expected a positive multiple of {scale_factor} (the VAE's scale "
                              f"factor), got {tile_sample_size!r}")
-        if not isinstance(overlap, (int, float)) or isinstance(overlap, bool) or not 0.0 <= overlap <= 0.5:
+        if not is_real(overlap) or not 0.0 <= overlap <= 0.5:
             # past a half, a tile's blended edge reaches beyond its neighbour's: tiles would blend with tiles that
             # are not their neighbours, and the tile count grows without bound as the overlap nears 1
             raise ValueError(f"overlap: expected a fraction in [0, 0.5] (diffusers uses 0.25), got {overlap!r}")
-        if not isinstance(max_tile_sessions, int) or max_tile_sessions < 1:
-            raise ValueError(f"max_tile_sessions: expected an integer ≥ 1, got {max_tile_sessions}")
+        if not is_integer(max_tile_sessions) or max_tile_sessions < 1:
+            raise ValueError(f"max_tile_sessions: expected an integer ≥ 1, got {max_tile_sessions!r}")
         self.vae_decoder = vae_decoder
         self.vae_encoder = vae_encoder
-        self.tile_sample_size = tile_sample_size
-        self.tile_latent_size = tile_sample_size // scale_factor
-        self.scale_factor = scale_factor
-        self.overlap = overlap
+        self.tile_sample_size = int(tile_sample_size)
+        self.tile_latent_size = self.tile_sample_size // int(scale_factor)
+        self.scale_factor = int(scale_factor)
+        self.overlap = float(overlap)
         self.overlap_copies = overlap_copies
         self.session_per_shape = session_per_shape
         self.max_tile_sessions = max_tile_sessions

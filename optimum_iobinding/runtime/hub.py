@@ -37,14 +37,46 @@ def check_hub_kwargs(where: str, hub_kwargs: Mapping[str, Any]) -> None:
                         f"huggingface_hub's download keywords {known}")
 
 
-def load_graph(path: str) -> onnx.ModelProto:
-    """The graph of an .onnx file without its external weights, with errors that name the file."""
+def check_model_file(path: str) -> None:
+    """The checks that cost no parse: a file is at ``path``, and it is not empty; errors name the file.
+
+    Raises:
+        FileNotFoundError: nothing (or a folder) at ``path``.
+        ValueError: the file is empty.
+    """
+    if os.path.isdir(path):
+        raise FileNotFoundError(f"path: expected an .onnx file, got the folder {path!r}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"path: expected an .onnx file, found nothing at {path!r}")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"path: {path!r} is empty (0 bytes), expected an ONNX model; export or download it again")
+
+
+def unreadable_reason(path: str) -> Optional[str]:
+    """Why the file at ``path`` is not an ONNX model (it is empty, does not parse, or holds no graph), or ``None``
+    where its graph parses. Parses the file (without external data): for diagnosing a failure, not on a fast path."""
     try:
-        return onnx.load(path, load_external_data=False)
+        if os.path.getsize(path) == 0:
+            return "it is empty (0 bytes)"
+        model = onnx.load(path, load_external_data=False)
+    except Exception as error:  # protobuf's DecodeError and friends
+        return f"{type(error).__name__}: {error}"
+    if not model.HasField("graph") or not (model.graph.node or model.graph.output):
+        return "it parses as a protobuf message but holds no ONNX graph"
+    return None
+
+
+def load_graph(path: str) -> onnx.ModelProto:
+    """The graph of an .onnx file without its external weights, with errors that name the file."""
+    check_model_file(path)
+    try:
+        model = onnx.load(path, load_external_data=False)
     except Exception as error:  # protobuf's DecodeError and friends
         raise ValueError(f"path: {path!r} is not a readable ONNX model: {type(error).__name__}: {error}") from error
+    if not model.HasField("graph") or not (model.graph.node or model.graph.output):
+        raise ValueError(f"path: {path!r} is not a readable ONNX model: it parses as a protobuf message but holds no "
+                         "ONNX graph")
+    return model
 
 
 def external_data_locations(model_path: Union[str, os.PathLike]) -> List[str]:

@@ -1,9 +1,13 @@
 """Input conversion and checks: what a caller passes to an ONNX model, as the tensor ORT will read.
 
 Silent conversions: a move between the CPU and the session's device; ``.contiguous()``; a numpy array or Python /
-numpy scalar (a scalar becomes a 0-d tensor); a dtype cast float→float, int→int (values checked to fit) and
-int/bool→float. Errors: float→int, anything→bool, bool→int, complex, integers out of the input dtype's range, a
-CUDA tensor on another GPU than the session's, any other Python type, unknown or missing inputs.
+numpy scalar (a scalar becomes a 0-d tensor); a numpy array of the other byte order (``>f4`` on a little-endian
+machine) to the native one (the same values: what a caller reading such data from a file means); a dtype cast
+float→float, int→int (values checked to fit) and int/bool→float. Errors: float→int, anything→bool, bool→int,
+complex, numpy's ``longdouble`` (float96/float128: torch has no such dtype, and its range exceeds float64's), a
+sparse, nested or quantized tensor (``.to_dense()`` / ``.dequantize()`` say whether that copy is meant), integers out
+of the input dtype's range, a CUDA tensor on another GPU than the session's, any other Python type, unknown or
+missing inputs.
 """
 
 from __future__ import annotations
@@ -42,13 +46,14 @@ def check_input_device(name: str, device: torch.device, session_device: torch.de
 def as_tensor(name: str, value: InputValue, expected: torch.dtype) -> torch.Tensor:
     """Wraps a torch tensor, numpy array or Python/numpy scalar as a torch tensor, without copying where possible."""
     if isinstance(value, torch.Tensor):
+        check_dense(name, value)
         return value
     if isinstance(value, np.ndarray):
         if value.dtype == object or value.dtype.kind not in "biuf":
             raise TypeError(f"input {name!r}: expected a numeric numpy array for dtype {expected}, got dtype {value.dtype}")
-        return torch.from_numpy(np.ascontiguousarray(value))
+        return torch.from_numpy(np.ascontiguousarray(native_numpy(name, value)))
     if isinstance(value, np.generic) and value.dtype.kind in "biuf":
-        return torch.from_numpy(np.asarray(value))
+        return torch.from_numpy(native_numpy(name, np.asarray(value)))
     if isinstance(value, (bool, int, float)):
         python_dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.float64
         if not conversion_allowed(python_dtype, expected):
@@ -61,6 +66,29 @@ def as_tensor(name: str, value: InputValue, expected: torch.dtype) -> torch.Tens
     )
 
 
+def check_dense(name: str, tensor: torch.Tensor) -> None:
+    """Refuses tensors ORT cannot read as one block of memory: sparse, nested and quantized ones."""
+    if tensor.layout != torch.strided:
+        raise TypeError(f"input {name!r}: expected a dense (strided) tensor, got a {str(tensor.layout)[6:]} tensor; "
+                        "call .to_dense() if the copy is intended")
+    if tensor.is_nested:
+        raise TypeError(f"input {name!r}: expected a dense (strided) tensor, got a nested tensor; pad it to one shape "
+                        "(torch.nested.to_padded_tensor) if intended")
+    if tensor.is_quantized:
+        raise TypeError(f"input {name!r}: expected a tensor of a plain dtype, got the quantized {tensor.dtype}; call "
+                        ".dequantize() if intended")
+
+
+def native_numpy(name: str, array: np.ndarray) -> np.ndarray:
+    """``array`` in the machine's byte order (a copy where it is the other one), refusing dtypes torch lacks."""
+    if array.dtype.kind == "f" and array.dtype.itemsize > 8:
+        raise TypeError(f"input {name!r}: expected a numpy dtype torch can hold (float16/32/64, int8-64, uint8-64, "
+                        f"bool), got {array.dtype} (numpy's longdouble); cast it with .astype(np.float64) if intended")
+    if not array.dtype.isnative:
+        return array.astype(array.dtype.newbyteorder("="))
+    return array
+
+
 def check_integer_range(name: str, tensor: torch.Tensor, expected: torch.dtype) -> None:
     """Refuses integers that would wrap when cast to the narrower integer dtype ``expected`` (300 → 44 as uint8)."""
     if tensor.dtype.is_floating_point or expected.is_floating_point or expected == torch.bool or tensor.numel() == 0:
@@ -68,7 +96,14 @@ def check_integer_range(name: str, tensor: torch.Tensor, expected: torch.dtype) 
     info, given = torch.iinfo(expected), torch.iinfo(tensor.dtype)
     if given.min >= info.min and given.max <= info.max:
         return  # every value fits: nothing to look at
+    if tensor.dtype in _UNSIGNED_WIDE:  # torch has no min/max kernels for these (they come from numpy)
+        values = tensor.detach().cpu().numpy()
+        _check_range(name, int(values.min()), int(values.max()), expected)
+        return
     _check_range(name, int(tensor.min()), int(tensor.max()), expected)
+
+
+_UNSIGNED_WIDE = tuple(getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name))
 
 
 def _check_range(name: str, low: int, high: int, expected: torch.dtype) -> None:

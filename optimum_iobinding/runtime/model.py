@@ -23,11 +23,11 @@ import onnxruntime as ort
 import torch
 
 from ..layout import LORA_MAP_NAME, read_json_object
-from .cuda_policy import DISABLE_SYNC_RUN_OPTION
+from .cuda_policy import DEVICE_SETUP, DISABLE_SYNC_RUN_OPTION
 from .dtypes import ORT_TO_TORCH, TORCH_TO_ONNX
 from . import timeline
 from .graph_pool import CudaGraphRunner, GraphPool, signature_of
-from .hub import check_hub_kwargs, external_data_locations, load_graph, resolve_model_file
+from .hub import check_hub_kwargs, check_model_file, external_data_locations, load_graph, resolve_model_file
 from .inputs import InputValue, as_checked_tensor, check_input_names, numpy_bits, to_bindable
 from .options import (MODEL_SETTINGS, CudaGraphSetting, ModelOptions, ProviderOptionsSpec, ProviderSpec,
                       provider_device)
@@ -44,6 +44,35 @@ def session_device(session: ort.InferenceSession) -> torch.device:
     providers = session.get_providers()
     by_name = session.get_provider_options()
     return provider_device(providers, [by_name.get(providers[0], {})])
+
+
+def output_byte_limit(device: torch.device) -> Tuple[int, str]:
+    """The most bytes one output buffer may take, and what that is: on CUDA the device's free memory (the driver's,
+    plus what torch's allocator holds unused), on the CPU the host's available memory. A larger output could never
+    be allocated (or would push the host into swap): :class:`~optimum_iobinding.runtime.shapes.ShapeInferencer`
+    refuses it, naming the output, before anything is allocated."""
+    if device.type == "cuda":
+        with DEVICE_SETUP.setup():  # a memory query is no call to make beside a graph capture
+            free, _ = torch.cuda.mem_get_info(device)
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + unused, f"the free memory of {device}"
+    return available_host_memory()
+
+
+def available_host_memory() -> Tuple[int, str]:
+    """The host memory a new allocation can have without swapping: Linux's MemAvailable, else the physical memory,
+    else a fixed 1 TiB."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "the host's available memory"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the host's physical memory"
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40, "a fixed bound of 1 TiB"
 
 
 class IOBindingORTModel:
@@ -148,6 +177,7 @@ class IOBindingORTModel:
                                                   max_graph_signatures=max_graph_signatures, stream=stream)
             recipe = SessionRecipe.for_session(session, options)
         elif isinstance(session_or_path, (str, os.PathLike)):
+            check_model_file(os.fspath(session_or_path))  # missing or empty: named before any option is resolved
             options = options or ModelOptions.resolve(**settings)
             recipe = SessionRecipe(os.fspath(session_or_path), options)
             session = None
@@ -209,6 +239,9 @@ class IOBindingORTModel:
         self.model_path: Optional[str] = recipe.source if isinstance(recipe.source, str) else None
         self.config: Dict[str, Any] = dict(config or {})
         self.shape_inferencer = shape_inferencer
+        # every new input signature's outputs are sized against the device's memory before any is allocated
+        shape_inferencer.bound_outputs({name: dtype.itemsize for name, dtype in self._output_dtypes.items()},
+                                       lambda: output_byte_limit(device))
         self._ort_device_type = "cuda" if device.type == "cuda" else "cpu"
         self._ort_device_id = device.index or 0
         self._thread_state = threading.local()  # per thread: its reused output buffers

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -18,6 +17,7 @@ import onnx
 import onnxruntime as ort
 
 from .cuda_policy import DEVICE_SETUP
+from .hub import check_model_file, unreadable_reason
 from .options import ModelOptions
 from . import timeline
 from .weights import OwnedWeights, source_name
@@ -31,15 +31,20 @@ def create_session(
     provider_options: Sequence[Dict[str, str]],
     sess_options: Optional[ort.SessionOptions] = None,
 ) -> ort.InferenceSession:
-    """``onnxruntime.InferenceSession`` with errors that name the file."""
-    if isinstance(path_or_bytes, str) and not os.path.isfile(path_or_bytes):
-        raise FileNotFoundError(f"path: expected an .onnx file, found nothing at {path_or_bytes!r}")
+    """``onnxruntime.InferenceSession`` with errors that name the file (and say so where it is no ONNX model)."""
+    if isinstance(path_or_bytes, str):
+        check_model_file(path_or_bytes)
     try:
         return ort.InferenceSession(path_or_bytes, sess_options=sess_options, providers=list(providers),
                                     provider_options=list(provider_options))
     except Exception as error:  # ORT's own exception types are not importable in a stable place
-        where = repr(path_or_bytes) if isinstance(path_or_bytes, str) else "the model bytes"
-        raise ValueError(f"path: onnxruntime could not load {where}: {error}") from error
+        if not isinstance(path_or_bytes, str):
+            raise ValueError(f"path: onnxruntime could not load the model bytes: {error}") from error
+        reason = unreadable_reason(path_or_bytes)
+        if reason is not None:
+            raise ValueError(f"path: {path_or_bytes!r} is not a readable ONNX model: {reason} (onnxruntime could not "
+                             f"load {path_or_bytes!r} either: {error})") from error
+        raise ValueError(f"path: onnxruntime could not load {path_or_bytes!r}: {error}") from error
 
 
 def copy_session_options(base: Optional[ort.SessionOptions]) -> ort.SessionOptions:
@@ -134,7 +139,15 @@ class SessionRecipe:
             sess_options.log_severity_level = 4  # fatal only
         for dim, size in (free_dims or {}).items():
             sess_options.add_free_dimension_override_by_name(dim, int(size))
-        self.weights.add_to(sess_options)
+        if isinstance(self.source, str):
+            check_model_file(self.source)
+        try:
+            self.weights.add_to(sess_options)  # owned weights: the file is parsed here, before ORT sees it
+        except Exception as error:
+            reason = unreadable_reason(self.source) if isinstance(self.source, str) else None
+            if reason is None:
+                raise
+            raise ValueError(f"path: {self.source!r} is not a readable ONNX model: {reason}") from error
         options = [dict(o) for o in self.provider_options]
         if provider_updates:
             options[0].update(provider_updates)

@@ -8,6 +8,12 @@ as an ``int`` (static), a ``str`` (a symbolic name, or an expression an exporter
 (b) by evaluating an expression over those names with :func:`evaluate_dim_expression` (never Python ``eval``);
 (c) otherwise by ONNX shape inference of the model with the input shapes fixed (cached per input signature);
 (d) and returns ``None`` for an output whose shape still depends on data (e.g. the output of ``NonZero``).
+
+Each new input signature is also checked, once (its result is cached): a dim that both the declaration (a, b) and
+ONNX shape inference give must agree — a declaration that contradicts the graph would size a buffer ORT cannot
+write — and, where a bound is set (:meth:`ShapeInferencer.bound_outputs`; a model sets the free memory of its
+device), no output may need more bytes than the bound: an enormous declared dim is an error naming the output
+before anything is allocated.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from fractions import Fraction
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import onnx
 
@@ -238,8 +244,22 @@ def checked_shape(name: str, shape: Any) -> Shape:
     return tuple(checked)
 
 
-def _format_dims(dims: Sequence[Dim]) -> str:
+def _format_dims(dims: Optional[Sequence[Dim]]) -> str:
+    if dims is None:
+        return "(rank not declared)"
     return "[" + ", ".join("?" if d is None else repr(d) if isinstance(d, str) else str(d) for d in dims) + "]"
+
+
+def _format_bytes(size: int) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size} bytes, {size / scale:.1f} {unit}"
+    return f"{size} bytes"
+
+
+# Outputs up to this size are never measured against the bound: no memory query for the everyday signature (on
+# CUDA the query waits for any graph capture under way), and no machine lacks this much.
+UNCHECKED_OUTPUT_BYTES = 16 << 20
 
 
 def resolve_dims(dims: Optional[Sequence[Dim]], symbols: Mapping[str, int]) -> Optional[Tuple[Optional[int], ...]]:
@@ -293,6 +313,20 @@ class ShapeInferencer:
         self._cache: "OrderedDict[Tuple, Dict[str, Optional[Shape]]]" = OrderedDict()
         self.max_cached_signatures = max_cached_signatures
         self._lock = threading.Lock()
+        self._element_sizes: Dict[str, int] = {}
+        self._byte_limit: Optional[Callable[[], Tuple[int, str]]] = None
+
+    def bound_outputs(self, element_sizes: Mapping[str, int], byte_limit: Callable[[], Tuple[int, str]]) -> None:
+        """Makes each new input signature check every output's size before its shapes are returned (and anything
+        is allocated): an output of more bytes than ``byte_limit()`` is an error naming it.
+
+        Args:
+            element_sizes: output name → bytes per element.
+            byte_limit: returns ``(bytes, what they are)``, e.g. ``(free, "the free memory of cuda:0")``; called once
+                per new signature, and only where an output is larger than :data:`UNCHECKED_OUTPUT_BYTES`.
+        """
+        self._element_sizes = dict(element_sizes)
+        self._byte_limit = byte_limit
 
     @property
     def cached_signatures(self) -> Tuple[Tuple[Tuple[str, Shape], ...], ...]:
@@ -321,18 +355,65 @@ class ShapeInferencer:
             raise ValueError(f"unknown input {unknown[0]!r}: the model's inputs are {list(self.input_dims)}")
         symbols = bind_input_dims(self.input_dims, input_shapes)
         resolved = {name: resolve_dims(dims, symbols) for name, dims in self.output_dims.items()}
-        if all(dims is not None and None not in dims for dims in resolved.values()):
-            return {name: tuple(dims) for name, dims in resolved.items()}  # type: ignore[arg-type]
+        # run for every new signature (the result is cached): it fills the dims (a) and (b) leave open, and checks
+        # the ones they resolve against what the graph computes
         inferred = self._onnx_shape_inference(input_shapes)
         result: Dict[str, Optional[Shape]] = {}
         for name, dims in resolved.items():
             from_onnx = inferred.get(name)
             if dims is None:
                 dims = from_onnx
-            elif from_onnx is not None and len(from_onnx) == len(dims):
+            elif from_onnx is not None:
+                self._check_declaration(name, dims, from_onnx)
                 dims = tuple(d if d is not None else o for d, o in zip(dims, from_onnx))
             result[name] = tuple(dims) if dims is not None and None not in dims else None  # type: ignore[misc]
+        self._check_sizes(result)
         return result
+
+    def _check_declaration(self, name: str, declared: Tuple[Optional[int], ...],
+                           inferred: Tuple[Optional[int], ...]) -> None:
+        """The declared dims (resolved for this signature) must agree with ONNX shape inference wherever both give
+        a size."""
+        conflict = len(declared) != len(inferred) or any(
+            d is not None and o is not None and d != o for d, o in zip(declared, inferred))
+        if conflict:
+            reported = _format_dims(self.output_dims[name])
+            in_file = self._declared_in_file(name)
+            declaration = reported if in_file in (None, reported) else f"{in_file} (onnxruntime reads it as {reported})"
+            raise ValueError(
+                f"output {name!r}: the model declares shape {declaration}, which is "
+                f"{_format_dims(declared)} for these inputs, but its graph computes {_format_dims(inferred)} (ONNX "
+                "shape inference); expected the declared output shape to match the graph: the file's output "
+                "declaration is wrong (export the model again)")
+
+    def _declared_in_file(self, name: str) -> Optional[str]:
+        """The output's dims as the model file writes them (ORT reports its own merge of them with its inference)."""
+        skeleton = self._skeleton
+        for value_info in skeleton.graph.output if skeleton is not None else ():
+            if value_info.name == name and value_info.type.tensor_type.HasField("shape"):
+                return _format_dims([d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                                     for d in value_info.type.tensor_type.shape.dim])
+        return None
+
+    def _check_sizes(self, shapes: Mapping[str, Optional[Shape]]) -> None:
+        """Each output's bytes against the bound of :meth:`bound_outputs`, before anything is allocated."""
+        if self._byte_limit is None:
+            return
+        limit: Optional[Tuple[int, str]] = None
+        for name, shape in shapes.items():
+            if shape is None:
+                continue
+            size = math.prod(shape) * self._element_sizes.get(name, 1)
+            if size <= UNCHECKED_OUTPUT_BYTES:
+                continue
+            if limit is None:
+                limit = self._byte_limit()
+            if size > limit[0]:
+                raise ValueError(
+                    f"output {name!r}: expected an output that fits in {limit[1]} ({_format_bytes(limit[0])}), got "
+                    f"shape {list(shape)} ({_format_bytes(size)}) from the model's declared dims "
+                    f"{_format_dims(self.output_dims[name])}; nothing was allocated. The declaration is probably "
+                    "wrong (or the inputs far larger than meant)")
 
     def _onnx_shape_inference(self, input_shapes: Mapping[str, Shape]) -> Dict[str, Optional[Tuple[Optional[int], ...]]]:
         skeleton = self._load_skeleton()
@@ -454,13 +535,28 @@ def _inferencer_for(model: Any) -> ShapeInferencer:
         return inferencer
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
-        return inferencer_from_model_proto(onnx.load(path, load_external_data=False), source=path)
+        return inferencer_from_model_proto(_read_graph(path), source=path)
     if isinstance(model, onnx.ModelProto):
         return inferencer_from_model_proto(model, source=model)
     raise TypeError(
         "model: expected an IOBindingORTModel, an onnxruntime.InferenceSession, a path to an .onnx file or an "
         f"onnx.ModelProto, got {type(model).__name__}"
     )
+
+
+def _read_graph(path: str) -> onnx.ModelProto:
+    """The graph of the .onnx file ``path`` (without external data), with errors that name the file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model: expected an .onnx file, found nothing at {path!r}")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"model: {path!r} is empty (0 bytes), expected an ONNX model")
+    try:
+        graph = onnx.load(path, load_external_data=False)
+    except Exception as error:  # protobuf's DecodeError and friends
+        raise ValueError(f"model: {path!r} is not a readable ONNX model: {type(error).__name__}: {error}") from error
+    if not graph.HasField("graph"):
+        raise ValueError(f"model: {path!r} is not a readable ONNX model: it holds no graph")
+    return graph
 
 
 def inferencer_from_session(session: Any) -> ShapeInferencer:
