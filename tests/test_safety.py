@@ -740,7 +740,7 @@ def test_embeddings_of_the_wrong_width_are_refused_before_any_work(pipe, argumen
 
 
 def test_big_endian_embeddings_give_the_same_image(pipe):
-    embeds = pipe._encode_text([PROMPT]).numpy()
+    embeds = pipe.encode_prompt([PROMPT], 1, False).numpy()
     arguments = dict(prompt=None, height=64, width=64, num_inference_steps=1, output_type="np", guidance_scale=1.0,
                      generator=np.random.RandomState(0))
     native = pipe(prompt_embeds=embeds, **arguments).images
