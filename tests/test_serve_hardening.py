@@ -305,12 +305,9 @@ def server_process(tiny_folder, tmp_path_factory):
         server.kill()
 
 
-# Ray Serve 2.60 binds each replica's inter-deployment gRPC server to [::]:0, with no setting to bind it elsewhere
-# (ray/serve/_private/replica.py; Ray's token authentication guards it): the one listener allowed off loopback.
-SERVE_REPLICA_GRPC = "ray::ServeReplica"
-
-
 def test_a_local_cluster_listens_on_loopback_only(server_process):
+    """Ray's GCS, raylet, agents and workers, Serve's proxy, and each replica's own gRPC server (which Ray Serve
+    binds to every interface unless the replica narrows it)."""
     listening, off_loopback = [], []
     for process in server_process.processes:
         try:
@@ -325,8 +322,8 @@ def test_a_local_cluster_listens_on_loopback_only(server_process):
                 off_loopback.append((name, address, sock.laddr.port))
     names = {name for name, _, _ in listening}
     assert {"gcs_server", "raylet"} <= names and server_process.port in {port for _, _, port in listening}
-    replica_grpc = [entry for entry in off_loopback if entry[0].startswith(SERVE_REPLICA_GRPC)]
-    assert len(replica_grpc) <= 1 and off_loopback == replica_grpc, off_loopback
+    assert any(name.startswith("ray::ServeReplica") for name in names), listening
+    assert off_loopback == [], off_loopback
 
 
 def stopped_cleanly(server: ServerProcess, status: int, signum: int) -> None:
