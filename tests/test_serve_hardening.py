@@ -104,6 +104,11 @@ def test_the_config_refuses_limits_that_contradict_each_other():
         ServeConfig(model="folder", request_timeout_s=0)
     with pytest.raises(ValueError, match="max_prompt_tokens: expected a positive integer, got 0"):
         ServeConfig(model="folder", max_prompt_tokens=0)
+    for guidance in (float("nan"), float("inf"), -1.0, "7.5"):
+        with pytest.raises(ValueError, match="guidance: expected a finite number ≥ 0"):
+            ServeConfig(model="folder", guidance=guidance)
+    with pytest.raises(ValueError, match="guidance: expected a finite number ≥ 0, got nan"):
+        ServeConfig.from_args({"model": "folder", "guidance": "nan"})
     config = ServeConfig.from_args({"model": "folder", "max_pixels_per_image": "4096", "max_steps": "50",
                                     "request_timeout_s": "2.5"})
     assert (config.max_pixels_per_image, config.max_steps, config.request_timeout_s) == (4096, 50, 2.5)
