@@ -183,7 +183,7 @@ def test_the_cli_refuses_fewer_than_one_repeat_before_looking_for_a_gpu(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--repeats", "0"])
     assert exit_info.value.code == 2
-    assert "--repeats: expected at least 1, got 0" in capsys.readouterr().err
+    assert "--repeats: expected an integer ≥ 1, got 0" in capsys.readouterr().err
 
 
 def test_a_mixed_round_goes_through_the_batch_sizes_in_turn_and_keeps_every_call():
@@ -207,7 +207,7 @@ def test_the_bench_cli_refuses_fewer_than_one_cycle(capsys):
 
     with pytest.raises(SystemExit):
         main(["--scenario", "mixed", "--cycles", "0"])
-    assert "--cycles: expected at least 1, got 0" in capsys.readouterr().err
+    assert "--cycles: expected an integer ≥ 1, got 0" in capsys.readouterr().err
 
 
 def test_a_peers_imports_are_timed_apart_from_its_load():
@@ -323,3 +323,28 @@ def test_the_sampling_process_reports_the_peak_it_saw_between_enter_and_exit(tmp
     with sampler:
         pass
     assert sampler.peak == 700 and sampler.exit_code == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--models", "sd15,sdx"], "--models: expected a comma-separated list of tiny, small, sd15, sdxl, lcm, turbo, got "
+                               "'sd15,sdx'"),
+    (["--dtypes", "bf16"], "--dtypes: expected a comma-separated list of fp16, fp32, got 'bf16'"),
+    (["--peers", ""], "--peers: expected a comma-separated list of"),
+    (["--steps", "0"], "--steps: expected an integer ≥ 1, got 0"),
+    (["--warmup", "-1"], "--warmup: expected an integer ≥ 0, got -1"),
+    (["--mixed-batches", "1,x"], "--mixed-batches: expected a comma-separated list of positive integers, got '1,x'"),
+])
+def test_the_bench_cli_names_every_bad_option_before_any_work(argv, message, capsys):
+    from optimum_iobinding.bench.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_bench_cli_takes_no_abbreviations(capsys):
+    from optimum_iobinding.bench.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--step", "2"])  # not taken for --steps
+    assert "unrecognized arguments: --step 2" in capsys.readouterr().err

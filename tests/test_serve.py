@@ -321,6 +321,23 @@ def test_after_a_batch_of_several_images_the_next_one_waits_a_little_for_as_many
     assert generator.batch_limits == pytest.approx((2, REGROUP_WAIT)) and generator.admission.batch_cap == 2
 
 
+def test_the_warm_up_runs_on_the_thread_of_the_pipeline_calls_so_their_first_batch_finds_it_done(tiny_folder):
+    """ONNX Runtime keeps captured CUDA graphs per thread, as the models keep their reused output buffers: a warm-up
+    on another thread than the batches' would leave a fresh replica's first batches to start over."""
+    from dataclasses import asdict
+
+    from optimum_iobinding.serve import ImageGenerator, ServeConfig
+
+    generator = ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=2, steps=2,
+                                                  warmup_batch_sizes=[1, 2], warmup_sizes=[SIZE])))
+    unet = generator.pipe.unet
+    warmed = generator.on_pipeline_thread(lambda: unet.output_signatures)
+    assert warmed > 0 and unet.output_signatures == 0  # nothing was left in this thread
+    request = generator.complete_request(dict(prompt="a red house", seed=1, size=SIZE))
+    generator.run_batch([request])
+    assert generator.on_pipeline_thread(lambda: unet.output_signatures) == warmed
+
+
 def test_n_images_come_from_consecutive_seeds_as_base64_json(server, reference):
     status, headers, data = post(server.url, dict(prompt="a red house", seed=7, size=SIZE, n=2,
                                                   response_format="b64_json"))

@@ -150,8 +150,32 @@ def mixed_benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Seque
     return results
 
 
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any) -> None:
+    """Every option checked before any export or peer starts: ``parser.error`` names the option, what it expects
+    and what came."""
+    def expect(ok: bool, option: str, expected: str, got: Any) -> None:
+        if not ok:
+            parser.error(f"{option}: expected {expected}, got {got!r}")
+
+    choices = {"--models": (args.models, tuple(MODEL_SIZES)), "--dtypes": (args.dtypes, ("fp16", "fp32")),
+               "--exports": (args.exports, ("plain", "optimized")),
+               "--peers": (args.peers, tuple(dict.fromkeys((*PEERS, *MIXED_PEERS))))}
+    for option, (text, known) in choices.items():
+        items = split(text)
+        unknown = [item for item in items if item not in known]
+        expect(bool(items) and not unknown, option, f"a comma-separated list of {', '.join(known)}", text)
+    for option, value, least in (("--steps", args.steps, 1), ("--runs", args.runs, 1), ("--warmup", args.warmup, 0),
+                                 ("--repeats", args.repeats, 1), ("--timeout", args.timeout, 1),
+                                 ("--mixed-steps", args.mixed_steps, 1), ("--rounds", args.rounds, 1),
+                                 ("--cycles", args.cycles, 1)):
+        expect(value >= least, option, f"an integer ≥ {least}", value)
+    batches = split(args.mixed_batches)
+    expect(bool(batches) and all(item.isdigit() and int(item) >= 1 for item in batches), "--mixed-batches",
+           "a comma-separated list of positive integers", args.mixed_batches)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="optimum-iobinding bench", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="optimum-iobinding bench", description=DESCRIPTION, allow_abbrev=False)
     parser.add_argument("--models", default="tiny,small,sd15")
     parser.add_argument("--dtypes", default="fp16,fp32")
     parser.add_argument("--exports", default="plain,optimized")
@@ -188,10 +212,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
-    if args.repeats < 1:
-        parser.error(f"--repeats: expected at least 1, got {args.repeats}")
-    if args.cycles < 1:
-        parser.error(f"--cycles: expected at least 1, got {args.cycles}")
+    check_arguments(parser, args, split)
     if args.run_mixed:
         result = run_mixed(args.run_mixed, Path(args.folder), args.model, args.dtype,
                            [int(b) for b in split(args.mixed_batches)], args.mixed_steps, args.rounds, args.steps,

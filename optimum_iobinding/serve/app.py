@@ -135,12 +135,59 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def keep_replica_grpc_on_loopback() -> bool:
+    """In a replica's process on a cluster whose node address is loopback (the local cluster :func:`run` starts),
+    binds the replica's inter-deployment gRPC server to 127.0.0.1 instead of every interface.
+
+    Ray Serve 2.60 starts that server in every replica on ``[::]:0``, with no setting to bind it elsewhere
+    (``ray/serve/_private/replica.py``, ``Replica._on_initialized``). On a loopback-only cluster its peers are on this
+    machine alone, so a loopback address serves them all; the bind function that module calls is wrapped, in this
+    process only, to narrow an any-address (``[::]``, ``0.0.0.0``) to ``127.0.0.1`` — nothing else changes. Where Ray's
+    module no longer has that name, a warning says the port stays on every interface.
+
+    Returns:
+        Whether the bind is narrowed (``False`` on a cluster with a network address: nothing is changed there).
+    """
+    import ray
+
+    if not is_loopback(ray.util.get_node_ip_address()):
+        return False
+    try:
+        from ray.serve._private import replica as replica_module
+    except ImportError:  # pragma: no cover - a Ray without that module
+        replica_module = None
+    bind = getattr(replica_module, "add_port_to_grpc_server", None)
+    if bind is None:
+        logger.warning("this Ray version binds replicas' gRPC servers where optimum-iobinding cannot see: they may "
+                       "listen on every interface")
+        return False
+    if getattr(bind, "narrowed_to_loopback", False):
+        return True
+
+    def bind_on_loopback(server: Any, address: str) -> Any:
+        host, _, port = address.rpartition(":")
+        if host in ("[::]", "0.0.0.0", ""):
+            address = f"127.0.0.1:{port}"
+        return bind(server, address)
+
+    bind_on_loopback.narrowed_to_loopback = True
+    replica_module.add_port_to_grpc_server = bind_on_loopback
+    return True
+
+
 def http_deployment(generator_class: Type[ImageGenerator]) -> "serve.Deployment":
     """The deployment ``ImageService`` for replicas of ``generator_class``: its instances answer :data:`api`'s
-    routes."""
+    routes; on a loopback-only cluster their gRPC servers listen on loopback (:func:`keep_replica_grpc_on_loopback`)."""
     if not (isinstance(generator_class, type) and issubclass(generator_class, ImageGenerator)):
         raise TypeError(f"generator_class: expected ImageGenerator or a subclass, got {generator_class!r}")
-    return serve.deployment(name="ImageService")(serve.ingress(api)(generator_class))
+
+    class Replica(generator_class):  # type: ignore[misc, valid-type]
+        def __init__(self, config: Dict[str, Any]):
+            keep_replica_grpc_on_loopback()  # before Serve starts the replica's gRPC server, once this returns
+            super().__init__(config)
+
+    Replica.__doc__ = generator_class.__doc__
+    return serve.deployment(name="ImageService")(serve.ingress(api)(Replica))
 
 
 ImageService = http_deployment(ImageGenerator)

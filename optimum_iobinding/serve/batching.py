@@ -32,8 +32,9 @@ import inspect
 import logging
 import os
 import secrets
+import threading
 import time
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 try:
     from ray import serve
@@ -235,26 +236,37 @@ class ImageGenerator:
         self._deferred = not self.numpy_engine and self.pipe.device.type == "cuda"
         self.admission = Admission(self.config.max_batch_size, max_unfinished=2 if self._deferred else 1)
         self._limit_batches(self.config.max_batch_size, self.config.batch_wait_timeout_s)
+        # every pipeline call on one thread, the warm-up's too: ONNX Runtime's CUDA provider keeps its captured
+        # graphs per thread, as the models keep their reused output buffers, so a warm-up on another thread would
+        # leave the first batches to capture again; the images come back on other threads
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline")
+        try:
+            self.warmup_s = self._worker.submit(self._warm_up).result()
+        except BaseException:
+            self._worker.shutdown(wait=False)
+            raise
+        self.batches_run = 0
+        self._finisher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="images")
+
+    def _warm_up(self) -> float:
+        """Captures every batch size the replica will run (``warmup_batch_sizes``, default 1 … ``max_batch_size``) at
+        ``warmup_sizes``; on the pipeline's thread. Returns the seconds it took."""
+        self._pipeline_thread = threading.get_ident()
         batches = self.config.warmup_batch_sizes
         if batches is None:
             batches = list(range(1, self.config.max_batch_size + 1))
-        self.warmup_s = 0.0
-        if batches:
-            start = time.perf_counter()
-            if self.numpy_engine:  # no graphs to capture: one short call per batch size (cuDNN's algorithm search)
-                for size in self.config.warmup_sizes or [self.default_size]:
-                    for batch in batches:
-                        self.pipe([""] * batch, height=size, width=size, num_inference_steps=2,
-                                  guidance_scale=self.config.guidance, output_type="np")
-            else:
-                self.pipe.warmup(heights=self.config.warmup_sizes or self.default_size, batch_sizes=batches,
-                                 guidance_scales=self.config.guidance)
-            self.warmup_s = time.perf_counter() - start
-        self.batches_run = 0
-        # every pipeline call on one thread: the models' reused output buffers are per thread, and a pool would
-        # make new ones for each new thread; the images come back on other threads
-        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline")
-        self._finisher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="images")
+        if not batches:
+            return 0.0
+        start = time.perf_counter()
+        if self.numpy_engine:  # no graphs to capture: one short call per batch size (cuDNN's algorithm search)
+            for size in self.config.warmup_sizes or [self.default_size]:
+                for batch in batches:
+                    self.pipe([""] * batch, height=size, width=size, num_inference_steps=2,
+                              guidance_scale=self.config.guidance, output_type="np")
+        else:
+            self.pipe.warmup(heights=self.config.warmup_sizes or self.default_size, batch_sizes=batches,
+                             guidance_scales=self.config.guidance)
+        return time.perf_counter() - start
 
     def _image_to_image(self, pipeline_class: type) -> Any:
         """The image-to-image pipeline on the same models (no second copy of anything), where the folder has a VAE
@@ -440,7 +452,15 @@ class ImageGenerator:
     def run_batch(self, requests: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         """Completed requests → one result each: a pipeline call per group that agrees on size, steps and guidance
         (a group whose call the pipeline refuses runs one request at a time, so only the bad one fails)."""
-        return self.finish_batch(self.start_batch(requests))
+        return self.finish_batch(self.on_pipeline_thread(self.start_batch, requests))
+
+    def on_pipeline_thread(self, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)`` on the thread that runs every pipeline call (and ran the warm-up), waited for: where
+        per-thread state lives (ONNX Runtime's captured CUDA graphs, the models' reused output buffers), and where a
+        change to the pipeline (a LoRA scale, a scheduler) cannot race a running batch."""
+        if threading.get_ident() == self._pipeline_thread:
+            return function(*args)
+        return self._worker.submit(function, *args).result()
 
     def start_batch(self, requests: List[Dict[str, Any]]) -> Tuple[List[Optional[Dict[str, Any]]], List[Tuple]]:
         """:meth:`run_batch` up to the point where every call's work is on the device (on CUDA the images are

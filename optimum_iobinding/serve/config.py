@@ -114,6 +114,9 @@ class ServeConfig:
         for name in _OPTIONAL_INT_SETTINGS:
             if getattr(self, name) is not None:
                 positive_int(name)
+        if (isinstance(self.guidance, bool) or not isinstance(self.guidance, (int, float))
+                or not math.isfinite(self.guidance) or self.guidance < 0):
+            raise ValueError(f"guidance: expected a finite number ≥ 0, got {self.guidance!r}")
         if self.steps > self.max_steps:
             raise ValueError(f"steps: expected at most max_steps={self.max_steps}, got {self.steps}; raise max_steps")
         if (self.max_pixels_per_image is not None and self.max_pixels_per_batch is not None
