@@ -833,6 +833,10 @@ def test_served_batches_queue_behind_each_other_on_the_gpu_and_equal_single_call
     generator = ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cuda", max_batch_size=2, steps=4,
                                                   warmup_sizes=[SIZE], warmup_batch_sizes=[1, 2])))
     assert generator.defers_images and generator.admission.max_unfinished == 2
+    from optimum_iobinding.serve import QUEUED_REGROUP_WAIT
+
+    generator.expect_return(2, 1.0)  # the next batch queues behind this one: it waits longer for its group
+    assert generator.batch_limits == pytest.approx((2, QUEUED_REGROUP_WAIT))
     requests = [generator.complete_request(dict(prompt=prompt, seed=seed, size=SIZE))
                 for prompt, seed in (("a red house", 1), ("a green tree", 2), ("a blue boat", 3))]
     first = generator.start_batch(requests[:2])

@@ -16,6 +16,7 @@ _APP_NAMES = {
     "ImageRequest": "schema",
     "encode_pngs": "schema",
     "REGROUP_WAIT": "batching",
+    "QUEUED_REGROUP_WAIT": "batching",
     "Admission": "batching",
     "ImageGenerator": "batching",
     "ImageService": "app",

@@ -50,6 +50,11 @@ logger = logging.getLogger(__name__)
 # short with 8 clients per replica on two GPUs: their answers pass the proxy one after another, the late ones missed
 # the batch and the groups split in three (the measurements: benchmarks/results/h200x2/2026-11-23-36d6c4e/run3-994f4f2).
 REGROUP_WAIT = 0.10
+# The same where the next batch queues on the GPU behind the running one (CUDA replicas): it could not start before
+# that one ends anyway, so waiting up to half the last batch's time for its whole group costs nothing. At 10 %, a
+# fresh H100 server's steady concurrency-16 load formed batches of 7 and 8 in turn instead of 8
+# (benchmarks/results/h100/2026-11-24-5303db4).
+QUEUED_REGROUP_WAIT = 0.5
 
 
 def _images_in(requests: Sequence[Dict[str, Any]]) -> int:
@@ -417,11 +422,13 @@ class ImageGenerator:
         :data:`REGROUP_WAIT` of that time for as many images (up to ``max_batch_size``), since clients that got
         their answers tend to send their next requests at once; it starts as soon as they are there. Without this, a
         group of clients split once (the first of them to come back runs alone) stays split. A lone client's batch
-        waits for nothing."""
+        waits for nothing. Where the next batch queues behind the running one on the GPU (:attr:`defers_images`), it
+        waits up to :data:`QUEUED_REGROUP_WAIT` of that time instead."""
         expected = min(images, self.config.max_batch_size)
         if expected <= 1 or self.admission.waiting_images >= expected:
             return
-        self._limit_batches(expected, max(self.config.batch_wait_timeout_s, REGROUP_WAIT * seconds))
+        share = QUEUED_REGROUP_WAIT if self._deferred else REGROUP_WAIT
+        self._limit_batches(expected, max(self.config.batch_wait_timeout_s, share * seconds))
 
     def _limit_batches(self, max_batch_size: int, wait_timeout_s: float) -> None:
         """The next batch's limits, for the gate and for Serve's batch queue (kept: :attr:`batch_limits`)."""
