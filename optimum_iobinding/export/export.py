@@ -19,6 +19,7 @@ Large models go to one external-data file ``weights.pb`` next to their ``model.o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -45,9 +46,10 @@ from ..layout import (
     write_weight_map,
     write_xl_model_index,
 )
+from .attention import fused_vae_attention
 from .lora_places import lora_layers, weight_map
-from .optimize import (convert_to_float16, fusion_options, optimize_component, optimized_to_float16, save_onnx,
-                       use_classic_attention)
+from .optimize import (convert_to_float16, fusion_options, optimize_component, optimized_to_float16,
+                       optimizer_model_type, save_onnx, use_classic_attention)
 from .tiny import TINY_RANDOM_KINDS
 
 logger = logging.getLogger(__name__)
@@ -309,9 +311,12 @@ def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool
                       xl: bool = False) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         scratch_path = Path(scratch) / "model.onnx"
-        if optimize:
+        attention = contextlib.nullcontext()
+        if optimize and optimizer_model_type(name) == "vae":  # ORT's VAE attention fusion cannot: see .attention
+            attention = fused_vae_attention(spec["module"])
+        elif optimize:
             use_classic_attention(spec["module"])
-        with torch.no_grad(), warnings.catch_warnings():
+        with attention, torch.no_grad(), warnings.catch_warnings():
             # the TorchScript exporter's notes on Python control flow it traced (TracerWarning) and constant folding
             # it skipped: expected for diffusers' modules, and not the user's to act on
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
