@@ -131,7 +131,8 @@ def run_export(args: argparse.Namespace) -> int:
         what = f"the tiny VAE {tiny_vae}" if tiny_vae else "a tiny random tiny VAE"
     else:
         what = f"the tiny random {args.tiny_random} pipeline" if args.tiny_random else args.model
-        what += f" with the tiny VAE {tiny_vae}" if tiny_vae else " with a tiny random tiny VAE" if args.tiny_vae else ""
+        if args.tiny_vae is not None:
+            what += f" with the tiny VAE {tiny_vae}" if tiny_vae else " with a tiny random tiny VAE"
     print(f"exported {what} to {folder} ({'fp16' if args.fp16 else 'fp32'}, opset {args.opset}) in "
           f"{time.perf_counter() - start:.1f} s")
     return 0

@@ -221,7 +221,8 @@ def error_line(capsys) -> str:
     (["--tiny-vae", "{tmp}"], "--tiny-vae: expected a folder holding an AutoencoderTiny's config.json, got '{tmp}'"),
     (["--tiny-vae", "./no/such/folder"], "--tiny-vae: expected an existing local folder or a hub repository id"),
     (["some/model", "--tiny-vae"], "--tiny-vae: expected an AutoencoderTiny's folder or hub id for 'some/model'"),
-    (["--tiny-random", "--tiny-vae", "--vae", "some/vae"], "--vae and --tiny-vae: expected one VAE to export, got both"),
+    (["--tiny-random", "--tiny-vae", "--vae", "some/vae"],
+     "--vae and --tiny-vae: expected one VAE to export, got both"),
     (["--tiny-vae", "--controlnet", "some/controlnet"], "--controlnet: expected none for a folder of the tiny VAE "
                                                         "alone"),
 ], ids=["full-vae", "latent-channels", "no-config", "missing", "random-for-a-model", "two-vaes", "controlnet"])

@@ -34,10 +34,13 @@ class _SelfAttention(torch.autograd.Function):
     def forward(ctx: Any, hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, heads: int,
                 scale: float) -> torch.Tensor:
         batch, sequence, _ = hidden_states.shape
-        query, key, value = (torch.matmul(hidden_states, weight) + bias).chunk(3, dim=-1)
-        split = lambda t: t.reshape(batch, sequence, heads, -1).transpose(1, 2)  # noqa: E731
-        probabilities = (torch.matmul(split(query), split(key).transpose(-1, -2)) * scale).softmax(dim=-1)
-        return torch.matmul(probabilities, split(value)).transpose(1, 2).reshape(batch, sequence, -1)
+
+        def by_head(projected: torch.Tensor) -> torch.Tensor:  # (batch, heads, sequence, head_size)
+            return projected.reshape(batch, sequence, heads, -1).transpose(1, 2)
+
+        query, key, value = map(by_head, (torch.matmul(hidden_states, weight) + bias).chunk(3, dim=-1))
+        probabilities = (torch.matmul(query, key.transpose(-1, -2)) * scale).softmax(dim=-1)
+        return torch.matmul(probabilities, value).transpose(1, 2).reshape(batch, sequence, -1)
 
     @staticmethod
     def symbolic(g: Any, hidden_states: Any, weight: Any, bias: Any, heads: int, scale: float) -> Any:

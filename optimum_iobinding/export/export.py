@@ -458,8 +458,8 @@ def export_pipeline(
             ``controlnet`` (``controlnet_1`` … for more) and a UNet that takes their residuals, which
             :class:`OnnxStableDiffusionControlNetPipeline` loads. A diffusers ``StableDiffusionControlNetPipeline``
             given as ``torch_pipeline`` (or its folder) exports its own.
-        tiny_vae: export ``vae_encoder`` and ``vae_decoder`` from this diffusers ``AutoencoderTiny`` (TAESD: about a
-            seventh of the full VAE's time per frame, for few-step real-time work) instead of the pipeline's VAE: an
+        tiny_vae: export ``vae_encoder`` and ``vae_decoder`` from this diffusers ``AutoencoderTiny`` (TAESD, a VAE
+            a fraction of the full one's cost, for few-step real-time work) instead of the pipeline's VAE: an
             ``AutoencoderTiny``, its folder or hub id (``"madebyollin/taesd"`` for SD 1.x/2.x, ``"madebyollin/taesdxl"``
             for SDXL), or ``True`` for a tiny random one built offline (with ``tiny_random``, or alone). The same
             inputs, outputs and axes as the full VAE's; its ``config.json`` says ``_class_name: AutoencoderTiny`` and
