@@ -64,7 +64,8 @@ def default_provider() -> str:
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?",
-                        help="diffusers Stable Diffusion / SDXL / LCM folder or hub id (omit with --tiny-random)")
+                        help="diffusers Stable Diffusion / SDXL / LCM folder or hub id (omit with --tiny-random, or "
+                             "with --tiny-vae for a folder of the tiny VAE alone)")
     parser.add_argument("--output", "-o", required=True, help="folder to write the ONNX pipeline to")
     parser.add_argument("--fp16", action="store_true", help="convert to float16 with ORT's converter after export")
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
@@ -81,20 +82,37 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--controlnet", action="append", default=None, metavar="ID_OR_FOLDER",
                         help="export with this ControlNet (folder or hub id, e.g. lllyasviel/sd-controlnet-canny); "
                              "repeat for multi-ControlNet. Load the result with OnnxStableDiffusionControlNetPipeline")
+    parser.add_argument("--tiny-vae", nargs="?", const=True, default=None, metavar="ID_OR_FOLDER",
+                        help="export the VAE from this diffusers AutoencoderTiny (TAESD; folder or hub id, e.g. "
+                             "madebyollin/taesd, or madebyollin/taesdxl for SDXL) instead of the pipeline's; without "
+                             "a value a tiny random one built offline (with --tiny-random, or alone). Without a model "
+                             "and --tiny-random: a folder of the tiny VAE alone (vae_encoder/, vae_decoder/)")
 
 
 def run_export(args: argparse.Namespace) -> int:
     from .export import export_pipeline
+    from .export.export import check_tiny_vae_arguments
     from .layout import check_output_folder
 
-    if not args.tiny_random and not args.model:
-        raise UsageError("export: give a model folder or hub id, or --tiny-random")
+    vae_only = args.tiny_vae is not None and not args.tiny_random and not args.model
+    if not args.tiny_random and not args.model and not vae_only:
+        raise UsageError("export: give a model folder or hub id, or --tiny-random (or --tiny-vae alone for a folder "
+                         "of the tiny VAE only)")
     if args.tiny_random and args.model:
         raise UsageError(f"model: expected a model folder or hub id, or --tiny-random, got both ({args.model!r} and "
                          f"--tiny-random {args.tiny_random})")
     check(args.opset in OPSETS, "--opset", f"an integer in {OPSETS[0]} … {OPSETS[-1]} (17 is tested)", args.opset)
+    if args.tiny_vae is True and args.model:
+        raise UsageError(f"--tiny-vae: expected an AutoencoderTiny's folder or hub id for {args.model!r} (e.g. "
+                         "madebyollin/taesd, or madebyollin/taesdxl for SDXL), got no value, which means a tiny "
+                         "random one: for --tiny-random, or alone")
+    with options_named(EXPORT_OPTIONS):
+        check_tiny_vae_arguments(args.tiny_vae, vae_only=vae_only, random_pipeline=bool(args.tiny_random),
+                                 vae=args.vae, controlnet=args.controlnet)
+    tiny_vae = args.tiny_vae if isinstance(args.tiny_vae, str) else None  # a name, not the random one
     sources = [("model", args.model, "model_index.json"), ("--vae", args.vae, "config.json"),
-               *(("--controlnet", controlnet, "config.json") for controlnet in args.controlnet or ())]
+               *(("--controlnet", controlnet, "config.json") for controlnet in args.controlnet or ()),
+               ("--tiny-vae", tiny_vae, "config.json")]
     for option, name, _ in sources:
         check_local_or_hub(option, name)
     source = Path(args.model) if args.model and Path(args.model).exists() else None
@@ -102,13 +120,48 @@ def run_export(args: argparse.Namespace) -> int:
     for option, name, config in sources:  # a hub id that cannot be fetched fails now, not after minutes of export
         if name is not None and not Path(name).exists():
             fetch_from_hub(option, name, config)
+    if tiny_vae is not None:
+        check_tiny_vae_folder(tiny_vae, args.model)
     start = time.perf_counter()
-    folder = export_pipeline(args.model, args.output, fp16=args.fp16, opset=args.opset, optimize=args.optimize,
-                             tiny_random=args.tiny_random or False, overwrite=args.overwrite, vae=args.vae,
-                             controlnet=args.controlnet)
-    print(f"exported {f'the tiny random {args.tiny_random} pipeline' if args.tiny_random else args.model} to {folder} "
-          f"({'fp16' if args.fp16 else 'fp32'}, opset {args.opset}) in {time.perf_counter() - start:.1f} s")
+    with options_named(EXPORT_OPTIONS):  # the exporter's own checks of --tiny-vae (the weights it loads)
+        folder = export_pipeline(args.model, args.output, fp16=args.fp16, opset=args.opset, optimize=args.optimize,
+                                 tiny_random=args.tiny_random or False, overwrite=args.overwrite, vae=args.vae,
+                                 controlnet=args.controlnet, tiny_vae=args.tiny_vae)
+    if vae_only:
+        what = f"the tiny VAE {tiny_vae}" if tiny_vae else "a tiny random tiny VAE"
+    else:
+        what = f"the tiny random {args.tiny_random} pipeline" if args.tiny_random else args.model
+        if args.tiny_vae is not None:
+            what += f" with the tiny VAE {tiny_vae}" if tiny_vae else " with a tiny random tiny VAE"
+    print(f"exported {what} to {folder} ({'fp16' if args.fp16 else 'fp32'}, opset {args.opset}) in "
+          f"{time.perf_counter() - start:.1f} s")
     return 0
+
+
+# what the exporter's checks call the options of `export`
+EXPORT_OPTIONS = {"tiny_vae": "--tiny-vae", "vae and tiny_vae": "--vae and --tiny-vae", "controlnet": "--controlnet"}
+
+
+def check_tiny_vae_folder(tiny_vae: str, model: Optional[str]) -> None:
+    """--tiny-vae's config.json (a local folder's, or fetched from the Hub) is an AutoencoderTiny's, and its latent
+    channels are those of the model's UNet (its unet/config.json; one file more from the Hub): before any weights
+    load."""
+    from .export.export import check_tiny_vae_config, check_tiny_vae_fits
+    from .layout import download_from_hub, read_json_object
+
+    def config_of(name: str, file: str, option: str) -> Optional[dict]:
+        folder = Path(name) if Path(name).exists() else download_from_hub(name, [file], option)
+        return read_json_object(folder / file)
+
+    config = config_of(tiny_vae, "config.json", "--tiny-vae")
+    if config is None:
+        raise UsageError(f"--tiny-vae: expected a folder holding an AutoencoderTiny's config.json, got {tiny_vae!r}, "
+                         "which has none")
+    with options_named(EXPORT_OPTIONS):
+        check_tiny_vae_config(config, tiny_vae)
+        unet = config_of(model, "unet/config.json", "model") if model else None
+        if unet is not None:
+            check_tiny_vae_fits(config, unet)
 
 
 class UsageError(Exception):

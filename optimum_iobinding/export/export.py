@@ -5,7 +5,8 @@ Layout written (what diffusers' ``OnnxStableDiffusionPipeline`` and ours both lo
     model_index.json            components named as diffusers' ONNX pipeline names them
     text_encoder/model.onnx     input_ids (int32) → last_hidden_state, pooler_output
     unet/model.onnx             sample, timestep, encoder_hidden_states → out_sample
-    vae_encoder/model.onnx      sample → latent_sample (the latent distribution's mean: deterministic)
+    vae_encoder/model.onnx      sample → latent_sample (the latent distribution's mean: deterministic; a tiny VAE's,
+                                diffusers' AutoencoderTiny's, latents)
     vae_decoder/model.onnx      latent_sample → sample
     controlnet/model.onnx       (a ControlNet pipeline) sample, timestep, encoder_hidden_states, controlnet_cond,
                                 conditioning_scale → down_block_res_sample_0 … _N-1, mid_block_res_sample;
@@ -15,17 +16,21 @@ Layout written (what diffusers' ``OnnxStableDiffusionPipeline`` and ours both lo
     tokenizer/, scheduler/
 
 Large models go to one external-data file ``weights.pb`` next to their ``model.onnx``, as diffusers writes them.
+
+A tiny VAE alone (``export_pipeline(None, folder, tiny_vae=...)``) is written as ``vae_encoder/`` and ``vae_decoder/``
+only: no model_index.json, tokenizer or scheduler.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 import onnx
 import torch
@@ -45,10 +50,11 @@ from ..layout import (
     write_weight_map,
     write_xl_model_index,
 )
+from .attention import fused_vae_attention
 from .lora_places import lora_layers, weight_map
-from .optimize import (convert_to_float16, fusion_options, optimize_component, optimized_to_float16, save_onnx,
-                       use_classic_attention)
-from .tiny import TINY_RANDOM_KINDS
+from .optimize import (convert_to_float16, fusion_options, optimize_component, optimized_to_float16,
+                       optimizer_model_type, save_onnx, use_classic_attention)
+from .tiny import TINY_RANDOM_KINDS, build_tiny_random_tiny_vae
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +166,18 @@ class _VaeEncoder(torch.nn.Module):
         return self.vae.encode(sample).latent_dist.mode()
 
 
+class _TinyVaeEncoder(torch.nn.Module):
+    """diffusers' ``AutoencoderTiny``: images in [-1, 1] → its latents (deterministic: what diffusers' img2img
+    pipelines take from its ``encode(...).latents``)."""
+
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, sample):
+        return self.vae.encode(sample).latents
+
+
 class _VaeDecoder(torch.nn.Module):
     def __init__(self, vae):
         super().__init__()
@@ -210,12 +228,60 @@ def _text_encoder_spec(text_encoder, sequence: int, xl: bool, with_projection: b
     )
 
 
-def component_specs(pipe) -> Dict[str, dict]:
-    """What to export for each component: module, example inputs, names and dynamic axes."""
+def is_tiny_vae(vae) -> bool:
+    """``vae`` is diffusers' ``AutoencoderTiny`` (TAESD)."""
+    from diffusers import AutoencoderTiny
+
+    return isinstance(vae, AutoencoderTiny)
+
+
+def vae_specs(vae, latent_size: int) -> Dict[str, dict]:
+    """The ``vae_encoder`` and ``vae_decoder`` specs of an ``AutoencoderKL`` or an ``AutoencoderTiny``: the same
+    names, dtypes and dynamic axes for both (every pipeline loads either), examples of ``latent_size`` latents."""
+    config = vae.config
+    if is_tiny_vae(vae):
+        # EncoderTiny halves the size in every block but the first; DecoderTiny upsamples after every block but the last
+        encoder_factor = 2 ** (len(config.encoder_block_out_channels) - 1)
+        decoder_factor = config.upsampling_scaling_factor ** (len(config.decoder_block_out_channels) - 1)
+        encoder = _TinyVaeEncoder(vae)
+    else:
+        encoder_factor = decoder_factor = 2 ** (len(config.block_out_channels) - 1)
+        encoder = _VaeEncoder(vae)
+    image_size = latent_size * encoder_factor
+    return {
+        "vae_encoder": dict(
+            module=encoder,
+            args=(torch.randn(1, config.in_channels, image_size, image_size),),
+            input_names=["sample"],
+            output_names=["latent_sample"],
+            dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"},
+                          "latent_sample": {0: "batch", 2: f"height / {encoder_factor}",
+                                            3: f"width / {encoder_factor}"}},
+            config=config,
+            class_name=type(vae).__name__,
+        ),
+        "vae_decoder": dict(
+            module=_VaeDecoder(vae),
+            args=(torch.randn(1, config.latent_channels, latent_size, latent_size),),
+            input_names=["latent_sample"],
+            output_names=["sample"],
+            # output dims as expressions of the input dims: sized before the run without shape inference (ours)
+            # or eval (optimum's IO binding, which fails on a dim name no input has)
+            dynamic_axes={"latent_sample": {0: "batch", 2: "latent_height", 3: "latent_width"},
+                          "sample": {0: "batch", 2: f"latent_height * {decoder_factor}",
+                                     3: f"latent_width * {decoder_factor}"}},
+            config=config,
+            class_name=type(vae).__name__,
+        ),
+    }
+
+
+def component_specs(pipe, vae=None) -> Dict[str, dict]:
+    """What to export for each component: module, example inputs, names and dynamic axes; the VAE's from ``vae``
+    where given (a tiny VAE), else from the pipeline's."""
     xl = is_xl(pipe)
     unet = pipe.unet
-    vae = pipe.vae
-    latent_channels = vae.config.latent_channels
+    vae = pipe.vae if vae is None else vae
     vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
     # small example shapes: every spatial dim is dynamic, and exporting at full size would only cost time
     latent_size = 2 ** (len(unet.config.block_out_channels) - 1) * 4
@@ -278,40 +344,19 @@ def component_specs(pipe) -> Dict[str, dict]:
                       "out_sample": {0: "batch", 2: "height", 3: "width"}},
         config=unet.config,
     )
-    return {
-        **specs,
-        "vae_encoder": dict(
-            module=_VaeEncoder(vae),
-            args=(torch.randn(1, vae.config.in_channels, latent_size * vae_scale_factor, latent_size * vae_scale_factor),),
-            input_names=["sample"],
-            output_names=["latent_sample"],
-            dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"},
-                          "latent_sample": {0: "batch", 2: f"height / {vae_scale_factor}",
-                                            3: f"width / {vae_scale_factor}"}},
-            config=vae.config,
-        ),
-        "vae_decoder": dict(
-            module=_VaeDecoder(vae),
-            args=(torch.randn(1, latent_channels, latent_size, latent_size),),
-            input_names=["latent_sample"],
-            output_names=["sample"],
-            # output dims as expressions of the input dims: sized before the run without shape inference (ours)
-            # or eval (optimum's IO binding, which fails on a dim name no input has)
-            dynamic_axes={"latent_sample": {0: "batch", 2: "latent_height", 3: "latent_width"},
-                          "sample": {0: "batch", 2: f"latent_height * {vae_scale_factor}",
-                                     3: f"latent_width * {vae_scale_factor}"}},
-            config=vae.config,
-        ),
-    }
+    return {**specs, **vae_specs(vae, latent_size)}
 
 
 def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool, optimize: Optional[str],
                       xl: bool = False) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         scratch_path = Path(scratch) / "model.onnx"
-        if optimize:
+        attention = contextlib.nullcontext()
+        if optimize and optimizer_model_type(name) == "vae":  # ORT's VAE attention fusion cannot: see .attention
+            attention = fused_vae_attention(spec["module"])
+        elif optimize:
             use_classic_attention(spec["module"])
-        with torch.no_grad(), warnings.catch_warnings():
+        with attention, torch.no_grad(), warnings.catch_warnings():
             # the TorchScript exporter's notes on Python control flow it traced (TracerWarning) and constant folding
             # it skipped: expected for diffusers' modules, and not the user's to act on
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
@@ -348,6 +393,8 @@ def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool
                          [layer for layer, _ in lora_layers(layers_of)])
     save_onnx(model, target / name / "model.onnx")
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
+    if spec.get("class_name"):  # which torch class it came from (an AutoencoderKL or AutoencoderTiny VAE)
+        config.setdefault("_class_name", spec["class_name"])
     if fp16 and config.get("force_upcast"):
         # diffusers upcasts such a VAE to float32 before decoding (SDXL's stock VAE overflows float16); a float16 ONNX
         # model cannot be upcast, and pipelines that try (optimum-onnx's, through diffusers' upcast_vae) fail.
@@ -376,13 +423,18 @@ def export_pipeline(
     overwrite: bool = False,
     vae: Union[str, os.PathLike, object, None] = None,
     controlnet: Union[str, os.PathLike, object, Sequence[Union[str, os.PathLike, object]], None] = None,
+    tiny_vae: Union[str, os.PathLike, object, bool, None] = None,
 ) -> Path:
     """Exports a diffusers Stable Diffusion (1.x/2.x, LCM, Turbo) pipeline to the diffusers ONNX layout, or an SDXL
     pipeline to optimum's SDXL layout (two text encoders with their hidden states; a UNet taking ``text_embeds`` and
     ``time_ids``). A UNet with ``time_cond_proj_dim`` (LCM) also takes ``timestep_cond``.
 
+    With ``tiny_vae`` and no pipeline (``model_id_or_path=None``, no ``tiny_random`` or ``torch_pipeline``) it writes
+    a folder of that tiny VAE alone: ``vae_encoder/`` and ``vae_decoder/`` (what a pipeline takes as its tiny VAE).
+
     Args:
-        model_id_or_path: a local diffusers folder or a hub id; ignored with ``tiny_random``.
+        model_id_or_path: a local diffusers folder or a hub id; ignored with ``tiny_random``; ``None`` with
+            ``tiny_vae`` alone for a folder of the tiny VAE only.
         output_dir: where to write the ONNX folder: a new or empty folder, outside the source folder. The export is
             built in a temporary folder beside it and moved into place only once all of it succeeded: a failed or
             interrupted export leaves ``output_dir`` as it was.
@@ -406,21 +458,41 @@ def export_pipeline(
             ``controlnet`` (``controlnet_1`` … for more) and a UNet that takes their residuals, which
             :class:`OnnxStableDiffusionControlNetPipeline` loads. A diffusers ``StableDiffusionControlNetPipeline``
             given as ``torch_pipeline`` (or its folder) exports its own.
+        tiny_vae: export ``vae_encoder`` and ``vae_decoder`` from this diffusers ``AutoencoderTiny`` (TAESD, a VAE
+            a fraction of the full one's cost, for few-step real-time work) instead of the pipeline's VAE: an
+            ``AutoencoderTiny``, its folder or hub id (``"madebyollin/taesd"`` for SD 1.x/2.x, ``"madebyollin/taesdxl"``
+            for SDXL), or ``True`` for a tiny random one built offline (with ``tiny_random``, or alone). The same
+            inputs, outputs and axes as the full VAE's; its ``config.json`` says ``_class_name: AutoencoderTiny`` and
+            ``scaling_factor: 1.0``, so the pipelines scale latents as diffusers does with it. Its latent channels
+            must be the UNet's.
 
     Returns:
         The output folder.
 
     Raises:
         FileExistsError: ``output_dir`` is not empty (without ``overwrite``) or is a file.
-        ValueError: ``output_dir`` is the source folder, inside it, or holds it.
+        ValueError: ``output_dir`` is the source folder, inside it, or holds it; a ``tiny_vae`` that cannot be loaded
+            or whose latent channels are not the UNet's.
+        TypeError: a ``tiny_vae`` that is not an ``AutoencoderTiny`` (an ``AutoencoderKL`` goes in ``vae``).
     """
     if optimize not in (None, "cuda", "cpu"):
         raise ValueError(f"optimize: expected None, 'cuda' or 'cpu', got {optimize!r}")
     if not isinstance(opset, int) or isinstance(opset, bool) or not 7 <= opset <= 22:
         raise ValueError(f"opset: expected an integer in [7, 22] (17 is tested), got {opset!r}")
+    tiny_vae = None if tiny_vae is False else tiny_vae
+    vae_only = tiny_vae is not None and model_id_or_path is None and torch_pipeline is None and not tiny_random
+    check_tiny_vae_arguments(tiny_vae, vae_only=vae_only, random_pipeline=bool(tiny_random), vae=vae,
+                             controlnet=controlnet)
+    if vae_only:
+        components = vae_only_components(components)
     source = Path(model_id_or_path) if (model_id_or_path is not None and torch_pipeline is None and not tiny_random
                                          and Path(model_id_or_path).exists()) else None
     target = check_output_folder(output_dir, source, overwrite)
+    # the tiny VAE before the pipeline: a name that cannot be loaded fails in seconds, not after the pipeline's minutes
+    tiny = load_tiny_vae(tiny_vae) if tiny_vae is not None else None
+    if vae_only:
+        return _export_vae_only(tiny, target, components, opset=opset, fp16=fp16, optimize=optimize,
+                                progress=progress)
     if torch_pipeline is not None:
         pipe = torch_pipeline
     elif tiny_random:
@@ -429,7 +501,8 @@ def export_pipeline(
             raise ValueError(f"tiny_random: expected True or one of {sorted(TINY_RANDOM_KINDS)}, got {tiny_random!r}")
         pipe = TINY_RANDOM_KINDS[kind]()
     elif model_id_or_path is None:
-        raise ValueError("model_id_or_path: expected a diffusers folder or hub id (or tiny_random=True), got None")
+        raise ValueError("model_id_or_path: expected a diffusers folder or hub id (or tiny_random=True; or tiny_vae "
+                         "alone for a folder of a tiny VAE), got None")
     elif pipeline_loader is not None:
         pipe = pipeline_loader(model_id_or_path)
     else:
@@ -446,12 +519,14 @@ def export_pipeline(
         pipe.vae = vae
     if controlnet is not None:
         pipe = _with_controlnets(pipe, controlnet)
+    if tiny is not None:
+        check_tiny_vae_fits(tiny.config, pipe.unet.config)
     available = onnx_components_of(pipe)
     components = available if components is None else tuple(components)
     unknown = [c for c in components if c not in available]
     if unknown:
         raise ValueError(f"components: expected names from {list(available)}, got {unknown}")
-    specs = component_specs(pipe)
+    specs = component_specs(pipe, vae=tiny)
     with building_beside(target) as scratch:
         for name in tqdm(components, desc="export", unit="model", disable=not progress):
             export_component(name, specs[name], scratch, opset, fp16, optimize, xl=is_xl(pipe))
@@ -470,6 +545,103 @@ def export_pipeline(
             write_model_index(scratch, type(pipe.scheduler).__name__, type(pipe.tokenizer).__name__,
                               ONNX_COMPONENTS + nets,
                               "OnnxStableDiffusionControlNetPipeline" if nets else "OnnxStableDiffusionPipeline")
+    return target
+
+
+TINY_VAE_COMPONENTS = ("vae_encoder", "vae_decoder")
+
+
+def check_tiny_vae_arguments(tiny_vae, *, vae_only: bool, random_pipeline: bool, vae=None, controlnet=None) -> None:
+    """What can be said of ``tiny_vae`` before anything is loaded: a random one goes with a random pipeline or alone,
+    one VAE at a time, and a folder of the VAE alone has nothing else to take."""
+    if tiny_vae is None:
+        return
+    if tiny_vae is True and not (random_pipeline or vae_only):
+        raise ValueError("tiny_vae: True (a tiny random AutoencoderTiny) goes with tiny_random or alone (a folder of "
+                         "the tiny VAE only); a trained pipeline needs a trained tiny VAE, e.g. 'madebyollin/taesd' "
+                         "(SD 1.x/2.x) or 'madebyollin/taesdxl' (SDXL)")
+    if vae is not None:
+        raise ValueError("vae and tiny_vae: expected one VAE to export, got both")
+    if vae_only and controlnet is not None:
+        raise ValueError("controlnet: expected none for a folder of the tiny VAE alone, got one; export the "
+                         "ControlNet with its pipeline")
+
+
+def load_tiny_vae(tiny_vae):
+    """``tiny_vae`` as a diffusers ``AutoencoderTiny`` in float32: the model itself, one loaded from its folder or hub
+    id, or (``True``) a tiny random one built offline.
+
+    Raises:
+        TypeError: not an ``AutoencoderTiny``, nor a folder or hub id of one (its config.json names another class).
+        ValueError: a folder or hub id that does not load.
+    """
+    from diffusers import AutoencoderKL, AutoencoderTiny
+
+    if tiny_vae is True:
+        return build_tiny_random_tiny_vae()
+    if isinstance(tiny_vae, AutoencoderTiny):
+        return tiny_vae
+    if not isinstance(tiny_vae, (str, os.PathLike)):
+        hint = "; an AutoencoderKL is a full VAE: pass it as vae=" if isinstance(tiny_vae, AutoencoderKL) else ""
+        raise TypeError(f"tiny_vae: expected an AutoencoderTiny, its folder or hub id, or True (a tiny random one), "
+                        f"got {type(tiny_vae).__name__}{hint}")
+    name = os.fspath(tiny_vae)
+
+    def unloadable(error: BaseException) -> ValueError:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return ValueError(f"tiny_vae: expected an AutoencoderTiny folder or hub id (e.g. 'madebyollin/taesd'), got "
+                          f"{name!r}, which does not load: {type(error).__name__}: {reason[:200]}")
+
+    try:
+        config = AutoencoderTiny.load_config(name)
+    except Exception as error:  # no such folder, no config.json, no network, no such repository
+        raise unloadable(error) from error
+    check_tiny_vae_config(config, name)
+    try:
+        return AutoencoderTiny.from_pretrained(name, torch_dtype=torch.float32)
+    except Exception as error:  # weights missing or not this architecture's
+        raise unloadable(error) from error
+
+
+def check_tiny_vae_config(config: Any, name: str) -> None:
+    """``config`` (a config.json's object) is an ``AutoencoderTiny``'s, or names no class.
+
+    Raises:
+        TypeError: it names another class (an ``AutoencoderKL``'s goes in ``vae``).
+    """
+    class_name = config.get("_class_name") if isinstance(config, dict) else None
+    if class_name not in (None, "AutoencoderTiny"):
+        hint = "; a full VAE goes in vae= (CLI: --vae)" if class_name == "AutoencoderKL" else ""
+        raise TypeError(f"tiny_vae: expected an AutoencoderTiny folder or hub id, got {name!r}, whose config.json "
+                        f"names the class {class_name}{hint}")
+
+
+def check_tiny_vae_fits(tiny_vae_config, unet_config) -> None:
+    """The tiny VAE's latents are the UNet's: its ``latent_channels`` must be the UNet's ``out_channels`` (the
+    channels of the latents the UNet denoises; an inpainting UNet takes more in)."""
+    mine, unet = tiny_vae_config.get("latent_channels"), unet_config.get("out_channels")
+    if mine is not None and unet is not None and mine != unet:
+        raise ValueError(f"tiny_vae: expected a tiny VAE of {unet} latent channels (the UNet's), got one of {mine}; "
+                         "e.g. 'madebyollin/taesd' or 'madebyollin/taesdxl' have 4, for SD 1.x/2.x and SDXL")
+
+
+def vae_only_components(components: Optional[Sequence[str]]) -> tuple:
+    """The components of a folder of a tiny VAE alone: both (default), or those of them asked for."""
+    components = TINY_VAE_COMPONENTS if components is None else tuple(components)
+    unknown = [c for c in components if c not in TINY_VAE_COMPONENTS]
+    if unknown or not components:
+        raise ValueError(f"components: a folder of the tiny VAE alone has {list(TINY_VAE_COMPONENTS)}, got "
+                         f"{unknown or list(components)}; give model_id_or_path (or tiny_random) for a pipeline")
+    return components
+
+
+def _export_vae_only(vae, target: Path, components: Sequence[str], *, opset: int, fp16: bool,
+                     optimize: Optional[str], progress: bool) -> Path:
+    """A folder of ``vae`` alone: ``vae_encoder/`` and ``vae_decoder/`` (or the one of them in ``components``)."""
+    specs = vae_specs(vae, latent_size=8)
+    with building_beside(target) as scratch:
+        for name in tqdm(components, desc="export", unit="model", disable=not progress):
+            export_component(name, specs[name], scratch, opset, fp16, optimize)
     return target
 
 

@@ -144,8 +144,8 @@ def unload(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
 def optimize_component(name: str, path: Path, options: Any, target: str):
     """ORT's transformer optimizer on the model at ``path``, its weights left on disk while the graph is rewritten
     (:func:`load_light`; fusions that need a weight read it from there); where its attention fusion breaks on a
-    graph (the VAE's single-head attention reshapes trip ``get_num_heads_and_hidden_size``), the component is
-    optimized again without that fusion. Returns ORT's ``OnnxModel``; initializers it did not touch are still on disk
+    graph (the VAE's attention exported by the classic processor trips ``get_num_heads_and_hidden_size``: the export
+    writes the VAE's attention fused itself, see :mod:`.attention`), the component is optimized again without it. Returns ORT's ``OnnxModel``; initializers it did not touch are still on disk
     in ``path``'s folder: load them (``onnx.load_external_data_for_model``) before that folder goes."""
     from onnxruntime.transformers.optimizer import optimize_model
 

@@ -213,6 +213,32 @@ def build_tiny_random_controlnet_pipeline(seed: int = 0, controlnets: int = 1):
     )
 
 
+def build_tiny_random_tiny_vae(seed: int = 0, latent_channels: int = 4):
+    """A tiny random-weights ``AutoencoderTiny`` (diffusers' TAESD, narrower and shallower) built offline: four blocks
+    each way, so the 8× scale of the tiny pipelines' VAE, and ``latent_channels`` (4, what the tiny UNets take).
+
+    Its weights are drawn so that latents and images vary as a trained model's do (torch's default scale shrinks the
+    signal through every ReLU: images came out nearly constant, about -1, proving little): convolutions of variance
+    1.2 / fan-in, biases of 0.1, and the decoder's last bias 0.5, which centres its images (it returns 2x - 1)."""
+    from diffusers import AutoencoderTiny
+
+    torch.manual_seed(seed)
+    vae = AutoencoderTiny(
+        encoder_block_out_channels=(16, 16, 16, 16), decoder_block_out_channels=(16, 16, 16, 16),
+        num_encoder_blocks=(1, 1, 1, 1), num_decoder_blocks=(1, 1, 1, 1), latent_channels=latent_channels,
+    )
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in (module for module in vae.modules() if isinstance(module, torch.nn.Conv2d)):
+            scale = (1.2 / layer.weight[0].numel()) ** 0.5  # fan-in: one output channel's weights
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator) * scale)
+            if layer.bias is not None:
+                layer.bias.copy_(torch.randn(layer.bias.shape, generator=generator) * 0.1)
+        last = [layer for layer in vae.decoder.modules() if isinstance(layer, torch.nn.Conv2d)][-1]
+        last.bias.fill_(0.5)
+    return vae.to(torch.float32)
+
+
 TINY_RANDOM_KINDS: Dict[str, Callable[[], Any]] = {
     "sd": build_tiny_random_pipeline,
     "xl": build_tiny_random_xl_pipeline,

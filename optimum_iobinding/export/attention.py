@@ -1,0 +1,122 @@
+"""The VAE's self-attention exported as one ONNX Runtime ``Attention`` node (``com.microsoft``), for the optimized
+exports.
+
+Why not ORT's own VAE attention fusion (``onnxruntime.transformers.fusion_attention_vae``, ORT 1.31.1): on the graph
+diffusers' classic attention processor exports it fails and, made to run, computes another model.
+
+- It reads the head count from the ``Concat`` that builds the query's head reshape (``batch, sequence, heads,
+  head_size``) and converts that 1-element 1-D constant with ``int()``: NumPy deprecated converting arrays of
+  ``ndim > 0`` to scalars in 1.25 and refuses it now (``TypeError: only 0-dimensional arrays can be converted to
+  Python scalars``, NumPy 2.4). ``Concat`` only takes tensors of rank ≥ 1, so no export makes that constant a scalar.
+- Past that point it builds the fused node with a bias of zeros in place of the query, key and value biases. The
+  key's bias does not change a softmax over keys, but the query's and the value's do: on the tiny random VAE decoder
+  the fused output differed from the unfused one by 0.33 (outputs of magnitude 3); with the query and value biases
+  set to zero in torch first, by 6e-6.
+
+So the optimized export writes the node itself, from the weights, with every bias: :class:`FusedSelfAttnProcessor`
+replaces the VAE's attention processor while the exporter traces; ORT's VAE fusion then finds no ``Softmax`` left
+to fuse, and the other fusions (GroupNorm, NhwcConv …) run around the node as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+
+
+class _SelfAttention(torch.autograd.Function):
+    """Multi-head self-attention from packed projections, ``softmax(q kᵀ · scale) v`` with ``q, k, v = x W + b``:
+    computed in torch while the exporter traces, written as one ``com.microsoft`` ``Attention`` node."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, heads: int,
+                scale: float) -> torch.Tensor:
+        batch, sequence, _ = hidden_states.shape
+
+        def by_head(projected: torch.Tensor) -> torch.Tensor:  # (batch, heads, sequence, head_size)
+            return projected.reshape(batch, sequence, heads, -1).transpose(1, 2)
+
+        query, key, value = map(by_head, (torch.matmul(hidden_states, weight) + bias).chunk(3, dim=-1))
+        probabilities = (torch.matmul(query, key.transpose(-1, -2)) * scale).softmax(dim=-1)
+        return torch.matmul(probabilities, value).transpose(1, 2).reshape(batch, sequence, -1)
+
+    @staticmethod
+    def symbolic(g: Any, hidden_states: Any, weight: Any, bias: Any, heads: int, scale: float) -> Any:
+        # ORT's Attention: input (batch, sequence, input_hidden), weights (input_hidden, 3 × hidden) as [Wq | Wk | Wv],
+        # bias (3 × hidden) as [bq | bk | bv]; output (batch, sequence, hidden)
+        output = g.op("com.microsoft::Attention", hidden_states, weight, bias, num_heads_i=heads, scale_f=scale)
+        output.setType(hidden_states.type())  # the VAE's attention keeps the width (checked in fusable)
+        return output
+
+
+def fusable(attn: Any) -> bool:
+    """Whether this diffusers ``Attention`` is a self-attention the ``Attention`` node computes: equal query, key and
+    value widths, the input's width kept, no normalization of queries or keys."""
+    layers = (attn.to_q, attn.to_k, attn.to_v)
+    widths = {layer.out_features for layer in layers}
+    return (len(widths) == 1 and attn.to_q.in_features in widths and widths.pop() % attn.heads == 0
+            and getattr(attn, "norm_q", None) is None and getattr(attn, "norm_k", None) is None
+            and not getattr(attn, "is_cross_attention", False)
+            and all(isinstance(layer, torch.nn.Linear) for layer in layers))
+
+
+class FusedSelfAttnProcessor:
+    """A diffusers attention processor for export: the steps of diffusers' classic ``AttnProcessor`` around the
+    attention, the attention itself one ``Attention`` node (see the module's docstring). What that node does not
+    cover (cross-attention, a mask, a layer :func:`fusable` refuses) goes to the classic processor."""
+
+    def __init__(self) -> None:
+        from diffusers.models.attention_processor import AttnProcessor
+
+        self.classic = AttnProcessor()
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor] = None,
+                 attention_mask: Optional[torch.Tensor] = None, temb: Optional[torch.Tensor] = None,
+                 *args: Any, **kwargs: Any) -> torch.Tensor:
+        if encoder_hidden_states is not None or attention_mask is not None or not fusable(attn):
+            return self.classic(attn, hidden_states, encoder_hidden_states, attention_mask, temb)
+        residual = hidden_states
+        if attn.spatial_norm is not None:
+            hidden_states = attn.spatial_norm(hidden_states, temb)
+        image_shape = hidden_states.shape if hidden_states.ndim == 4 else None
+        if image_shape is not None:  # NCHW → (batch, pixels, channels)
+            hidden_states = hidden_states.flatten(2).transpose(1, 2)
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+        layers = (attn.to_q, attn.to_k, attn.to_v)
+        weight = torch.cat([layer.weight for layer in layers]).t()
+        bias = torch.cat([layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features)
+                          for layer in layers])
+        hidden_states = _SelfAttention.apply(hidden_states, weight, bias, int(attn.heads), float(attn.scale))
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))  # projection, dropout
+        if image_shape is not None:
+            hidden_states = hidden_states.transpose(1, 2).reshape(image_shape)
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+        return hidden_states / attn.rescale_output_factor
+
+
+def _attention_owner(module: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The first module under ``module`` (itself included) that sets diffusers attention processors and has any."""
+    for child in module.modules():
+        if hasattr(child, "set_attn_processor") and getattr(child, "attn_processors", None):
+            return child
+    return None
+
+
+@contextlib.contextmanager
+def fused_vae_attention(module: torch.nn.Module) -> Iterator[None]:
+    """Inside the block, every attention layer of the VAE in ``module`` runs :class:`FusedSelfAttnProcessor`; after
+    it, the processors it had before (the caller's VAE is left as it was)."""
+    owner = _attention_owner(module)
+    if owner is None:  # no attention (diffusers' AutoencoderTiny)
+        yield
+        return
+    previous = dict(owner.attn_processors)
+    owner.set_attn_processor(FusedSelfAttnProcessor())
+    try:
+        yield
+    finally:
+        owner.set_attn_processor(previous)
