@@ -1,0 +1,220 @@
+"""Video decode and encode throughput of PyAV (``av``) against imageio-ffmpeg, frames as numpy HWC uint8 RGB.
+
+What optimum_iobinding.video's choice of library rests on. From the project root, with either or both installed:
+    python3 benchmarks/video_codec_bench.py --frames 300 --size 512 --repeats 3 --out OUT
+Writes OUT/video-codec-bench.json (every run, the versions, the machine) and prints one line per case.
+
+Both libraries run the same FFmpeg codecs with the same options; they differ in where the work happens: PyAV calls
+libavcodec in this process (the codec releases the GIL; the RGB <-> YUV conversion runs on the calling thread),
+imageio-ffmpeg pipes raw RGB frames to and from an ``ffmpeg`` child process. So each case reports frames per second
+of wall time (median of ``--repeats``) and the CPU seconds spent in this process and in children, which tells how
+much of the host a decoding or encoding thread takes from the thread that feeds the GPU.
+
+Cases: H.264 (libx264, yuv420p, CRF 18; presets medium and veryfast) in MP4 and VP9 (libvpx-vp9, realtime,
+cpu-used 8, row-mt, CRF 32) in WebM. PyAV runs with FFmpeg's default slice threading and with ``thread_type="AUTO"``
+(frame and slice threads); imageio-ffmpeg with ffmpeg's own default (threads chosen by ffmpeg). Every decode case
+reads the same file, written beforehand. The frames: a 512-pixel window panning over a textured image (moving
+content a codec has to work for, unlike a still or pure noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import numpy as np
+
+CODECS = {
+    # name: (extension, FFmpeg encoder, FFmpeg decoder, encoder options)
+    "h264-medium": (".mp4", "libx264", "h264", {"crf": "18", "preset": "medium"}),
+    "h264-veryfast": (".mp4", "libx264", "h264", {"crf": "18", "preset": "veryfast"}),
+    "vp9-realtime": (".webm", "libvpx-vp9", "libvpx-vp9",
+                     {"crf": "32", "b": "0", "deadline": "realtime", "cpu-used": "8", "row-mt": "1"}),
+}
+FPS = 30
+
+
+def synthetic_frames(count: int, size: int) -> List[np.ndarray]:
+    """``count`` RGB frames: a ``size`` window panning diagonally over a texture of several scales."""
+    rng = np.random.default_rng(0)
+    side = size + count * 2
+    texture = np.zeros((side, side, 3), np.float32)
+    for cell, weight in ((64, 0.5), (16, 0.3), (4, 0.2)):
+        coarse = rng.random((side // cell + 1, side // cell + 1, 3), dtype=np.float32)
+        texture += weight * np.repeat(np.repeat(coarse, cell, 0), cell, 1)[:side, :side]
+    texture = (texture * 255).astype(np.uint8)
+    return [np.ascontiguousarray(texture[2 * k:2 * k + size, k:k + size]) for k in range(count)]
+
+
+def cpu_seconds() -> tuple:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+def measure(run: Callable[[], int], repeats: int) -> Dict:
+    """Runs ``run`` (which returns the number of frames it handled) ``repeats`` times."""
+    runs = []
+    for _ in range(repeats):
+        own0, children0 = cpu_seconds()
+        start = time.perf_counter()
+        frames = run()
+        wall = time.perf_counter() - start
+        own1, children1 = cpu_seconds()
+        runs.append({"frames": frames, "wall_s": round(wall, 4), "fps": round(frames / wall, 1),
+                     "cpu_s_process": round(own1 - own0, 3), "cpu_s_children": round(children1 - children0, 3)})
+    return {"fps_median": statistics.median(run["fps"] for run in runs), "runs": runs}
+
+
+# ------------------------------------------------------------------------------------------------------- PyAV
+def pyav_encode(path: str, frames: List[np.ndarray], codec: str, options: Dict[str, str], thread_type) -> int:
+    import av
+
+    with av.open(path, "w") as container:
+        stream = container.add_stream(codec, rate=FPS)
+        stream.width, stream.height = frames[0].shape[1], frames[0].shape[0]
+        stream.pix_fmt = "yuv420p"
+        stream.options = dict(options)
+        if thread_type is not None:
+            stream.codec_context.thread_type = thread_type
+            stream.codec_context.thread_count = 0
+        for array in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")))
+        container.mux(stream.encode(None))
+    return len(frames)
+
+
+def pyav_decode(path: str, thread_type) -> int:
+    import av
+
+    count = 0
+    with av.open(path) as container:
+        stream = container.streams.video[0]
+        if thread_type is not None:
+            stream.thread_type = thread_type
+            stream.codec_context.thread_count = 0
+        for frame in container.decode(stream):
+            array = frame.to_ndarray(format="rgb24")
+            count += array.shape[0] > 0
+    return count
+
+
+# ----------------------------------------------------------------------------------------------- imageio-ffmpeg
+def imageio_encode(path: str, frames: List[np.ndarray], codec: str, options: Dict[str, str]) -> int:
+    import imageio_ffmpeg
+
+    # the ffmpeg command line names the codec context's bitrate "b:v" ("-b" is ambiguous there)
+    params = [item for key, value in options.items() for item in (f"-{'b:v' if key == 'b' else key}", value)]
+    writer = imageio_ffmpeg.write_frames(path, (frames[0].shape[1], frames[0].shape[0]), fps=FPS, codec=codec,
+                                         quality=None, macro_block_size=1, output_params=params)
+    writer.send(None)
+    for array in frames:
+        writer.send(array)
+    writer.close()
+    return len(frames)
+
+
+def imageio_decode(path: str, decoder: str) -> int:
+    import imageio_ffmpeg
+
+    reader = imageio_ffmpeg.read_frames(path, pix_fmt="rgb24", input_params=["-c:v", decoder])
+    meta = reader.__next__()
+    width, height = meta["size"]
+    count = 0
+    for chunk in reader:
+        array = np.frombuffer(chunk, np.uint8).reshape(height, width, 3)
+        count += array.shape[0] > 0
+    return count
+
+
+def versions() -> Dict[str, str]:
+    found = {"python": platform.python_version(), "numpy": np.__version__}
+    try:
+        import av
+
+        found["av"] = av.__version__
+        found["av_ffmpeg_libavcodec"] = ".".join(map(str, av.library_versions["libavcodec"]))
+    except ImportError:
+        pass
+    try:
+        import subprocess
+
+        import imageio_ffmpeg
+
+        found["imageio_ffmpeg"] = imageio_ffmpeg.__version__
+        banner = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-version"], capture_output=True, text=True)
+        found["imageio_ffmpeg_binary"] = banner.stdout.splitlines()[0]
+    except ImportError:
+        pass
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frames", type=int, default=300)
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--codecs", default=",".join(CODECS), help=f"comma-separated, of {', '.join(CODECS)}")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    found = versions()
+    libraries = [name for name in ("av", "imageio_ffmpeg") if name in found]
+    if not libraries:
+        parser.error("neither av nor imageio-ffmpeg is installed")
+    frames = synthetic_frames(args.frames, args.size)
+    cases = []
+    work = tempfile.mkdtemp(prefix="video-codec-bench-")
+
+    def record(library: str, operation: str, codec: str, threads: str, result: Dict, extra: Dict = None):
+        case = {"library": library, "operation": operation, "codec": codec, "threads": threads, **(extra or {}),
+                **result}
+        cases.append(case)
+        cpu = statistics.median(run["cpu_s_process"] for run in result["runs"])
+        children = statistics.median(run["cpu_s_children"] for run in result["runs"])
+        print(f"{operation:6} {codec:14} {library:15} threads={threads:8} {result['fps_median']:7.1f} frames/s  "
+              f"cpu s: process {cpu:6.2f} children {children:6.2f}", flush=True)
+
+    for codec_name in args.codecs.split(","):
+        extension, encoder, decoder, options = CODECS[codec_name]
+        reference = os.path.join(work, f"reference-{codec_name}{extension}")
+        if "av" in libraries:
+            for threads, thread_type in (("default", None), ("auto", "AUTO")):
+                path = os.path.join(work, f"av-{threads}-{codec_name}{extension}")
+                result = measure(lambda: pyav_encode(path, frames, encoder, options, thread_type), args.repeats)
+                record("av", "encode", codec_name, threads, result, {"bytes": os.path.getsize(path)})
+            os.replace(path, reference)
+        if "imageio_ffmpeg" in libraries:
+            path = os.path.join(work, f"imageio-{codec_name}{extension}")
+            result = measure(lambda: imageio_encode(path, frames, encoder, options), args.repeats)
+            record("imageio_ffmpeg", "encode", codec_name, "default", result, {"bytes": os.path.getsize(path)})
+            if not os.path.exists(reference):
+                os.replace(path, reference)
+        if "av" in libraries:
+            for threads, thread_type in (("default", None), ("auto", "AUTO")):
+                result = measure(lambda: pyav_decode(reference, thread_type), args.repeats)
+                record("av", "decode", codec_name, threads, result)
+        if "imageio_ffmpeg" in libraries:
+            result = measure(lambda: imageio_decode(reference, decoder), args.repeats)
+            record("imageio_ffmpeg", "decode", codec_name, "default", result)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"command": " ".join(sys.argv), "frames": args.frames, "size": args.size, "fps_of_file": FPS,
+              "repeats": args.repeats, "machine": {"cpus": os.cpu_count(), "processor": platform.processor(),
+                                                   "platform": platform.platform()},
+              "versions": found, "codec_options": {name: CODECS[name][3] for name in args.codecs.split(",")},
+              "cases": cases}
+    (out / "video-codec-bench.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
