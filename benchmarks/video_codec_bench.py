@@ -7,8 +7,9 @@ Writes OUT/video-codec-bench.json (every run, the versions, the machine) and pri
 Both libraries run the same FFmpeg codecs with the same options; they differ in where the work happens: PyAV calls
 libavcodec in this process (the codec releases the GIL; the RGB <-> YUV conversion runs on the calling thread),
 imageio-ffmpeg pipes raw RGB frames to and from an ``ffmpeg`` child process. So each case reports frames per second
-of wall time (median of ``--repeats``) and the CPU seconds spent in this process and in children, which tells how
-much of the host a decoding or encoding thread takes from the thread that feeds the GPU.
+of wall time (median of ``--repeats``, the cases interleaved), the CPU seconds spent in this process and in
+children, and the share of pure-Python work a thread keeps doing while another thread decodes or encodes (how much
+of the GIL and of the cores a codec thread leaves to the thread that feeds the GPU; 1.0: all of it).
 
 Cases: H.264 (libx264, yuv420p, CRF 18; presets medium and veryfast) in MP4 and VP9 (libvpx-vp9, realtime,
 cpu-used 8, row-mt, CRF 32) in WebM. PyAV runs with FFmpeg's default slice threading and with ``thread_type="AUTO"``
@@ -60,18 +61,37 @@ def cpu_seconds() -> tuple:
     return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
 
-def measure(run: Callable[[], int], repeats: int) -> Dict:
-    """Runs ``run`` (which returns the number of frames it handled) ``repeats`` times."""
-    runs = []
-    for _ in range(repeats):
-        own0, children0 = cpu_seconds()
-        start = time.perf_counter()
-        frames = run()
-        wall = time.perf_counter() - start
-        own1, children1 = cpu_seconds()
-        runs.append({"frames": frames, "wall_s": round(wall, 4), "fps": round(frames / wall, 1),
-                     "cpu_s_process": round(own1 - own0, 3), "cpu_s_children": round(children1 - children0, 3)})
-    return {"fps_median": statistics.median(run["fps"] for run in runs), "runs": runs}
+def run_once(run: Callable[[], int]) -> Dict:
+    """Runs ``run`` (which returns the number of frames it handled) once; wall time and CPU time."""
+    own0, children0 = cpu_seconds()
+    start = time.perf_counter()
+    frames = run()
+    wall = time.perf_counter() - start
+    own1, children1 = cpu_seconds()
+    return {"frames": frames, "wall_s": round(wall, 4), "fps": round(frames / wall, 1),
+            "cpu_s_process": round(own1 - own0, 3), "cpu_s_children": round(children1 - children0, 3)}
+
+
+def python_work_while(run: Callable[[], int], seconds_alone: float = 0.5) -> float:
+    """How much pure-Python work the calling thread gets done while ``run`` goes on a background thread, as a
+    fraction of what it does alone: what a decoding or encoding thread leaves to the thread that feeds the GPU
+    (both the GIL and the cores count)."""
+    import threading
+
+    def spin(stop: Callable[[], bool]) -> float:
+        count, start = 0, time.perf_counter()
+        while not stop():
+            for _ in range(1000):
+                count += 1
+        return count / (time.perf_counter() - start)
+
+    deadline = time.perf_counter() + seconds_alone
+    alone = spin(lambda: time.perf_counter() > deadline)
+    worker = threading.Thread(target=run)
+    worker.start()
+    busy = spin(lambda: not worker.is_alive())
+    worker.join()
+    return round(busy / alone, 3)
 
 
 # ------------------------------------------------------------------------------------------------------- PyAV
@@ -173,42 +193,57 @@ def main() -> int:
     cases = []
     work = tempfile.mkdtemp(prefix="video-codec-bench-")
 
-    def record(library: str, operation: str, codec: str, threads: str, result: Dict, extra: Dict = None):
-        case = {"library": library, "operation": operation, "codec": codec, "threads": threads, **(extra or {}),
-                **result}
-        cases.append(case)
-        cpu = statistics.median(run["cpu_s_process"] for run in result["runs"])
-        children = statistics.median(run["cpu_s_children"] for run in result["runs"])
-        print(f"{operation:6} {codec:14} {library:15} threads={threads:8} {result['fps_median']:7.1f} frames/s  "
-              f"cpu s: process {cpu:6.2f} children {children:6.2f}", flush=True)
+    def measure(operation: str, codec: str, runs: Dict[tuple, Callable[[], int]], sizes: Dict[tuple, str] = None):
+        """Runs each of ``runs`` (keyed by (library, threads)) ``--repeats`` times, interleaved so that load from
+        other processes on the machine falls on every case alike, then once more beside a spinning Python thread."""
+        results = {key: [] for key in runs}
+        for _ in range(args.repeats):
+            for key, run in runs.items():
+                results[key].append(run_once(run))
+        for (library, threads), measured in results.items():
+            case = {"library": library, "operation": operation, "codec": codec, "threads": threads,
+                    "fps_median": statistics.median(run["fps"] for run in measured),
+                    "python_work_left": python_work_while(runs[library, threads]), "runs": measured}
+            if sizes:
+                case["bytes"] = os.path.getsize(sizes[library, threads])
+            cases.append(case)
+            cpu = statistics.median(run["cpu_s_process"] for run in measured)
+            children = statistics.median(run["cpu_s_children"] for run in measured)
+            print(f"{operation:6} {codec:14} {library:15} threads={threads:8} {case['fps_median']:7.1f} frames/s  "
+                  f"cpu s: process {cpu:5.2f} children {children:5.2f}  python work left "
+                  f"{case['python_work_left']:.2f}", flush=True)
 
+    def pyav_encoder(path, encoder, options, thread_type):
+        return lambda: pyav_encode(path, frames, encoder, options, thread_type)
+
+    def pyav_decoder(path, thread_type):
+        return lambda: pyav_decode(path, thread_type)
+
+    load_before = os.getloadavg()
     for codec_name in args.codecs.split(","):
         extension, encoder, decoder, options = CODECS[codec_name]
-        reference = os.path.join(work, f"reference-{codec_name}{extension}")
+        encoders, paths = {}, {}
         if "av" in libraries:
             for threads, thread_type in (("default", None), ("auto", "AUTO")):
-                path = os.path.join(work, f"av-{threads}-{codec_name}{extension}")
-                result = measure(lambda: pyav_encode(path, frames, encoder, options, thread_type), args.repeats)
-                record("av", "encode", codec_name, threads, result, {"bytes": os.path.getsize(path)})
-            os.replace(path, reference)
+                paths["av", threads] = os.path.join(work, f"av-{threads}-{codec_name}{extension}")
+                encoders["av", threads] = pyav_encoder(paths["av", threads], encoder, options, thread_type)
         if "imageio_ffmpeg" in libraries:
-            path = os.path.join(work, f"imageio-{codec_name}{extension}")
-            result = measure(lambda: imageio_encode(path, frames, encoder, options), args.repeats)
-            record("imageio_ffmpeg", "encode", codec_name, "default", result, {"bytes": os.path.getsize(path)})
-            if not os.path.exists(reference):
-                os.replace(path, reference)
+            path = paths["imageio_ffmpeg", "default"] = os.path.join(work, f"imageio-{codec_name}{extension}")
+            encoders["imageio_ffmpeg", "default"] = lambda: imageio_encode(path, frames, encoder, options)
+        measure("encode", codec_name, encoders, paths)
+        reference = next(iter(paths.values()))  # every decoder reads the same file
+        decoders = {}
         if "av" in libraries:
             for threads, thread_type in (("default", None), ("auto", "AUTO")):
-                result = measure(lambda: pyav_decode(reference, thread_type), args.repeats)
-                record("av", "decode", codec_name, threads, result)
+                decoders["av", threads] = pyav_decoder(reference, thread_type)
         if "imageio_ffmpeg" in libraries:
-            result = measure(lambda: imageio_decode(reference, decoder), args.repeats)
-            record("imageio_ffmpeg", "decode", codec_name, "default", result)
+            decoders["imageio_ffmpeg", "default"] = lambda: imageio_decode(reference, decoder)
+        measure("decode", codec_name, decoders)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"command": " ".join(sys.argv), "frames": args.frames, "size": args.size, "fps_of_file": FPS,
-              "repeats": args.repeats, "machine": {"cpus": os.cpu_count(), "processor": platform.processor(),
+              "repeats": args.repeats, "load_average_before_after": [load_before, os.getloadavg()], "machine": {"cpus": os.cpu_count(), "processor": platform.processor(),
                                                    "platform": platform.platform()},
               "versions": found, "codec_options": {name: CODECS[name][3] for name in args.codecs.split(",")},
               "cases": cases}
