@@ -13,7 +13,9 @@ of the GIL and of the cores a codec thread leaves to the thread that feeds the G
 
 Cases: H.264 (libx264, yuv420p, CRF 18; presets medium and veryfast) in MP4 and VP9 (libvpx-vp9, realtime,
 cpu-used 8, row-mt, CRF 32) in WebM. PyAV runs with FFmpeg's default slice threading and with ``thread_type="AUTO"``
-(frame and slice threads); imageio-ffmpeg with ffmpeg's own default (threads chosen by ffmpeg). Every decode case
+(frame and slice threads); imageio-ffmpeg with ffmpeg's own default (threads chosen by ffmpeg); where the project
+imports, optimum_iobinding.video too (PyAV with AUTO threads, the codec on a background thread; ``threads=thread``:
+encode includes the rename into place). Every decode case
 reads the same file, written beforehand. The frames: a 512-pixel window panning over a textured image (moving
 content a codec has to work for, unlike a still or pure noise).
 """
@@ -33,6 +35,8 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CODECS = {
     # name: (extension, FFmpeg encoder, FFmpeg decoder, encoder options)
@@ -155,6 +159,22 @@ def imageio_decode(path: str, decoder: str) -> int:
     return count
 
 
+# ------------------------------------------------------------------------------- optimum_iobinding.video (PyAV)
+def module_encode(path: str, frames: List[np.ndarray], options: Dict[str, str]) -> int:
+    from optimum_iobinding.video import FrameWriter
+
+    with FrameWriter(path, fps=FPS, overwrite=True, codec_options=options) as writer:
+        for array in frames:
+            writer.write(array)
+    return len(frames)
+
+
+def module_decode(path: str) -> int:
+    from optimum_iobinding.video import open_frames
+
+    return sum(array.shape[0] > 0 for array in open_frames(path))
+
+
 def versions() -> Dict[str, str]:
     found = {"python": platform.python_version(), "numpy": np.__version__}
     try:
@@ -187,6 +207,12 @@ def main() -> int:
     args = parser.parse_args()
     found = versions()
     libraries = [name for name in ("av", "imageio_ffmpeg") if name in found]
+    try:
+        import optimum_iobinding.video  # noqa: F401  (PyAV behind the project's own background threads)
+
+        libraries.append("optimum_iobinding.video")
+    except ImportError:
+        pass
     if not libraries:
         parser.error("neither av nor imageio-ffmpeg is installed")
     frames = synthetic_frames(args.frames, args.size)
@@ -209,7 +235,7 @@ def main() -> int:
             cases.append(case)
             cpu = statistics.median(run["cpu_s_process"] for run in measured)
             children = statistics.median(run["cpu_s_children"] for run in measured)
-            print(f"{operation:6} {codec:14} {library:15} threads={threads:8} {case['fps_median']:7.1f} frames/s  "
+            print(f"{operation:6} {codec:14} {library:23} threads={threads:8} {case['fps_median']:7.1f} frames/s  "
                   f"cpu s: process {cpu:5.2f} children {children:5.2f}  python work left "
                   f"{case['python_work_left']:.2f}", flush=True)
 
@@ -230,6 +256,9 @@ def main() -> int:
         if "imageio_ffmpeg" in libraries:
             path = paths["imageio_ffmpeg", "default"] = os.path.join(work, f"imageio-{codec_name}{extension}")
             encoders["imageio_ffmpeg", "default"] = lambda: imageio_encode(path, frames, encoder, options)
+        if "optimum_iobinding.video" in libraries:
+            module_path = paths["optimum_iobinding.video", "thread"] = os.path.join(work, f"module-{codec_name}{extension}")
+            encoders["optimum_iobinding.video", "thread"] = lambda: module_encode(module_path, frames, options)
         measure("encode", codec_name, encoders, paths)
         reference = next(iter(paths.values()))  # every decoder reads the same file
         decoders = {}
@@ -238,6 +267,8 @@ def main() -> int:
                 decoders["av", threads] = pyav_decoder(reference, thread_type)
         if "imageio_ffmpeg" in libraries:
             decoders["imageio_ffmpeg", "default"] = lambda: imageio_decode(reference, decoder)
+        if "optimum_iobinding.video" in libraries:
+            decoders["optimum_iobinding.video", "thread"] = lambda: module_decode(reference)
         measure("decode", codec_name, decoders)
 
     out = Path(args.out)
