@@ -2,10 +2,11 @@
 
 What optimum_iobinding.video's choice of library rests on. From the project root, with either or both installed:
     python3 benchmarks/video_codec_bench.py --frames 300 --size 512 --repeats 3 --out OUT
-Writes OUT/video-codec-bench.json (every run, the versions, the machine) and prints one line per case.
+Writes OUT/video-codec-bench.json (every run, the versions, the machine) and prints one line per case. Its results
+on the development machine: benchmarks/results/cpu/2026-11-24-6b70f59.
 
 Both libraries run the same FFmpeg codecs with the same options; they differ in where the work happens: PyAV calls
-libavcodec in this process (the codec releases the GIL; the RGB <-> YUV conversion runs on the calling thread),
+libavcodec in this process (the RGB <-> YUV conversion runs on the calling thread, beside the codec),
 imageio-ffmpeg pipes raw RGB frames to and from an ``ffmpeg`` child process. So each case reports frames per second
 of wall time (median of ``--repeats``, the cases interleaved), the CPU seconds spent in this process and in
 children, and the share of pure-Python work a thread keeps doing while another thread decodes or encodes (how much
@@ -15,14 +16,14 @@ Cases: H.264 (libx264, yuv420p, CRF 18; presets medium and veryfast) in MP4 and 
 cpu-used 8, row-mt, CRF 32) in WebM. PyAV runs with FFmpeg's default slice threading and with ``thread_type="AUTO"``
 (frame and slice threads); imageio-ffmpeg with ffmpeg's own default (threads chosen by ffmpeg); where the project
 imports, optimum_iobinding.video too (PyAV with AUTO threads, the codec on a background thread; ``threads=thread``:
-encode includes the rename into place). Every decode case
-reads the same file, written beforehand. The frames: a 512-pixel window panning over a textured image (moving
+encode includes the rename into place). Every decode case reads the same file, written beforehand. The frames: a 512-pixel window panning over a textured image (moving
 content a codec has to work for, unlike a still or pure noise).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -207,9 +208,8 @@ def main() -> int:
     args = parser.parse_args()
     found = versions()
     libraries = [name for name in ("av", "imageio_ffmpeg") if name in found]
-    try:
-        import optimum_iobinding.video  # noqa: F401  (PyAV behind the project's own background threads)
-
+    try:  # PyAV behind the project's own background threads, where the project imports (it needs torch)
+        importlib.import_module("optimum_iobinding.video")
         libraries.append("optimum_iobinding.video")
     except ImportError:
         pass
@@ -257,7 +257,8 @@ def main() -> int:
             path = paths["imageio_ffmpeg", "default"] = os.path.join(work, f"imageio-{codec_name}{extension}")
             encoders["imageio_ffmpeg", "default"] = lambda: imageio_encode(path, frames, encoder, options)
         if "optimum_iobinding.video" in libraries:
-            module_path = paths["optimum_iobinding.video", "thread"] = os.path.join(work, f"module-{codec_name}{extension}")
+            module_path = os.path.join(work, f"module-{codec_name}{extension}")
+            paths["optimum_iobinding.video", "thread"] = module_path
             encoders["optimum_iobinding.video", "thread"] = lambda: module_encode(module_path, frames, options)
         measure("encode", codec_name, encoders, paths)
         reference = next(iter(paths.values()))  # every decoder reads the same file
@@ -274,8 +275,9 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"command": " ".join(sys.argv), "frames": args.frames, "size": args.size, "fps_of_file": FPS,
-              "repeats": args.repeats, "load_average_before_after": [load_before, os.getloadavg()], "machine": {"cpus": os.cpu_count(), "processor": platform.processor(),
-                                                   "platform": platform.platform()},
+              "repeats": args.repeats, "load_average_before_after": [load_before, os.getloadavg()],
+              "machine": {"cpus": os.cpu_count(), "processor": platform.processor(),
+                          "platform": platform.platform()},
               "versions": found, "codec_options": {name: CODECS[name][3] for name in args.codecs.split(",")},
               "cases": cases}
     (out / "video-codec-bench.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")

@@ -9,11 +9,12 @@ producer back instead of filling the memory. Tooling for the ``stream`` command 
 pipelines/ never import it (a layering contract in setup.cfg).
 
 Why this library: PyAV (FFmpeg's libraries in this process) rather than imageio-ffmpeg (an ``ffmpeg`` child process
-fed through pipes). Both run the same FFmpeg codecs and on 2 shared CPU cores, 300 frames of 512², neither was
-clearly faster (H.264 decode 390–1440 vs 880–1330 frames/s, encode 160–420 vs 215–290, VP9 similar; the spread is the
-machine's load: benchmarks/video_codec_bench.py, benchmarks/results/cpu/); PyAV's codecs release the GIL, it reports
-rate, frame count and size without parsing a child's stderr, fails with exceptions rather than a broken pipe, stops
-without a process to kill, and its manylinux wheel is half the size (35 vs 68 MB).
+fed through pipes). On 2 shared CPU cores, 300 frames of 512² (benchmarks/video_codec_bench.py, results in
+benchmarks/results/cpu/), both encode at the same speed and CPU cost (H.264 130–350, VP9 150–235 frames/s), and
+imageio-ffmpeg decodes faster in wall time (530–980 against 300–810 frames/s: its child converts to RGB beside the
+decoder) for 20–75 % more CPU per frame; either keeps far ahead of a 100 frames/s stream. What decided: PyAV reports
+rate, frame count and size without parsing a child's stderr, fails with exceptions naming the cause rather than a
+broken pipe, stops without a process to kill, and its manylinux wheel is half the size (35 against 68 MB).
 
 Sizes: ``open_frames(..., size=...)`` fits every frame to one size by scaling it to cover the size and cropping the
 centre (no distortion, nothing letterboxed); without ``size`` every frame must have the first one's size. H.264 and
