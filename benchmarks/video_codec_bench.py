@@ -16,8 +16,8 @@ Cases: H.264 (libx264, yuv420p, CRF 18; presets medium and veryfast) in MP4 and 
 cpu-used 8, row-mt, CRF 32) in WebM. PyAV runs with FFmpeg's default slice threading and with ``thread_type="AUTO"``
 (frame and slice threads); imageio-ffmpeg with ffmpeg's own default (threads chosen by ffmpeg); where the project
 imports, optimum_iobinding.video too (PyAV with AUTO threads, the codec on a background thread; ``threads=thread``:
-encode includes the rename into place). Every decode case reads the same file, written beforehand. The frames: a 512-pixel window panning over a textured image (moving
-content a codec has to work for, unlike a still or pure noise).
+encode includes the rename into place). Every decode case reads the same file, written beforehand. The frames: a
+512-pixel window panning over a textured image (moving content a codec has to work for, unlike a still or noise).
 """
 
 from __future__ import annotations

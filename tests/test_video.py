@@ -307,13 +307,16 @@ def test_an_abandoned_writer_leaves_no_thread_and_no_scratch(tmp_path, frames):
     assert codec_threads() == [] and os.listdir(tmp_path) == []
 
 
-def test_a_slow_consumer_holds_the_decoder_to_the_queue_size(tmp_path, frames):
-    reader = open_frames(write_video(tmp_path / "in", frames), queue_frames=2)
-    iterator = iter(reader)
-    first = next(iterator)
-    # the decoder has stopped at the full queue: the rest are still to come, unchanged
-    rest = list(iterator)
-    assert np.array_equal(first, frames[0]) and len(rest) == 5
+def test_the_decoder_runs_no_further_ahead_than_its_queue(tmp_path, frames):
+    folder = write_video(tmp_path / "in", frames + frames[:2])
+    iterator = iter(open_frames(folder, queue_frames=1))
+    assert np.array_equal(next(iterator), frames[0])
+    # at most one frame waits in the queue and one in the decoder's hand: the last image has not been read yet, so
+    # removing it now is seen when its turn comes
+    (folder / "000007.png").unlink()
+    with pytest.raises(ValueError, match=r"000007\.png"):
+        list(iterator)
+    assert codec_threads() == []
 
 
 # ------------------------------------------------------------------------------------------------- bad input
