@@ -404,9 +404,9 @@ class OnnxStreamDiffusionPipeline(OnnxStableDiffusionPipelineBase):
     def frames(self, frames: Iterable[FrameInput]) -> Iterator[Any]:
         """Yields one output per frame of ``frames``, in order, overlapping the frames' copies with the compute.
 
-        Host frames (numpy, PIL, CPU tensors) on CUDA go up through pinned double buffers on a copy stream while
-        the previous frame computes, and their outputs come down the same way, each handed out one frame behind,
-        once its download has arrived. CUDA frames never pass through the host, and their outputs are yielded as
+        Host frames (numpy, PIL, CPU tensors) on CUDA go up through pinned double buffers on an upload stream while
+        the previous frame computes, and their outputs come down on a download stream into fresh pinned memory, each
+        handed out one frame behind, once its download has arrived. CUDA frames never pass through the host, and their outputs are yielded as
         soon as they are enqueued. In a stream batch the first output comes after k frames, and the last k − 1 are
         flushed when ``frames`` ends; stopping the loop early drops the frames still in flight.
 

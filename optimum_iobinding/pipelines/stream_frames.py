@@ -214,18 +214,20 @@ class FrameCopies:
 
     Each frame layout (dtype and size) has one device staging tensor, which the captured preprocessing reads. A CUDA
     frame is copied into it on the pipeline's stream. A host frame (numpy, PIL, CPU tensor) on a CUDA pipeline goes
-    through one of two pinned buffers, then up on a copy stream of its own: the upload waits only until the previous
-    frame's preprocessing has read the staging tensor, so it travels while that frame is denoised and decoded. A host
-    output comes down on the copy stream too, into a fresh pinned tensor (torch's caching host allocator: the caller
-    may keep it), and the next write of the device output waits on the device, not on the host, for that download.
-    Nothing comes from or goes to pageable memory on CUDA. On the CPU every copy is a plain one.
+    through one of two pinned buffers, then up on an upload stream: the upload waits only until the previous frame's
+    preprocessing has read the staging tensor, so it travels while that frame is denoised and decoded. A host output
+    comes down on a download stream (a second one: on one copy stream the next upload would queue behind this
+    frame's download, which waits for the whole frame), into a fresh pinned tensor (torch's caching host allocator:
+    the caller may keep it), and the next write of the device output waits on the device, not on the host, for that
+    download. Nothing comes from or goes to pageable memory on CUDA. On the CPU every copy is a plain one.
     """
 
     def __init__(self, device: torch.device, max_layouts: int = 8):
         self.device = device
         self.on_cuda = device.type == "cuda"
         self.max_layouts = max_layouts
-        self.copy_stream: Optional["torch.cuda.Stream"] = torch.cuda.Stream(device) if self.on_cuda else None
+        self.upload_stream: Optional["torch.cuda.Stream"] = torch.cuda.Stream(device) if self.on_cuda else None
+        self.download_stream: Optional["torch.cuda.Stream"] = torch.cuda.Stream(device) if self.on_cuda else None
         self._staging: "OrderedDict[Tuple, torch.Tensor]" = OrderedDict()
         self._staging_read: Dict[int, "torch.cuda.Event"] = {}  # staging address → its last reader is done
         self._pinned: Dict[Tuple, Tuple[torch.Tensor, Optional["torch.cuda.Event"]]] = {}
@@ -264,11 +266,11 @@ class FrameCopies:
             pinned.copy_(source)
         read = self._staging_read.get(staging.data_ptr())
         if read is not None:
-            self.copy_stream.wait_event(read)
-        with torch.cuda.stream(self.copy_stream):
+            self.upload_stream.wait_event(read)
+        with torch.cuda.stream(self.upload_stream):
             staging.copy_(pinned, non_blocking=True)
             arrived = torch.cuda.Event()
-            arrived.record(self.copy_stream)
+            arrived.record(self.upload_stream)
         compute.wait_event(arrived)
         self._pinned[self._pinned_key(staging, self._slot)] = (pinned, arrived)
         return staging
@@ -295,11 +297,11 @@ class FrameCopies:
         ready.record(torch.cuda.current_stream(self.device))
         with DEVICE_SETUP.setup():  # pinning may allocate, which a graph capture in another thread must not see
             host = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
-        self.copy_stream.wait_event(ready)
-        with torch.cuda.stream(self.copy_stream):
+        self.download_stream.wait_event(ready)
+        with torch.cuda.stream(self.download_stream):
             host.copy_(output, non_blocking=True)
             arrived = torch.cuda.Event()
-            arrived.record(self.copy_stream)
+            arrived.record(self.download_stream)
         self._output_read[output.data_ptr()] = arrived
         return host, arrived
 
