@@ -59,6 +59,9 @@ class OnnxStreamDiffusionPipeline(OnnxStableDiffusionPipelineBase):
     cropped); its first frame captures the preprocessing of that size once. A float output is clamped to [-1, 1],
     a uint8 one rounded as diffusers rounds. **Outputs are fresh tensors** from torch's caching allocator (pinned host
     memory for host outputs): no later frame overwrites one the caller holds.
+
+    ``prepare`` reads the scheduler (``stream.scheduler = …`` before it, as for the other pipelines) and the prompt;
+    :meth:`update_prompt` changes the prompt alone. Calls from several threads are serialized.
     """
 
     _encodes_images = True

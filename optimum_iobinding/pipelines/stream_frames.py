@@ -245,6 +245,8 @@ class FrameCopies:
             while len(self._staging) > self.max_layouts:
                 _, dropped = self._staging.popitem(last=False)
                 self._staging_read.pop(dropped.data_ptr(), None)
+                for slot in (0, 1):
+                    self._pinned.pop(self._pinned_key(dropped, slot), None)
         self._staging.move_to_end(key)
         return tensor
 
