@@ -27,10 +27,9 @@ SLEEP_CYCLES = 2_000_000_000
 @pytest.fixture(scope="module")
 def folders(tiny_folder, tmp_path_factory):
     from optimum_iobinding.export import export_pipeline
-    from test_stream import export_tiny_vae, tiny_autoencoder
 
     lcm = export_pipeline(None, tmp_path_factory.mktemp("gpu-stream") / "lcm", tiny_random="lcm", progress=False)
-    tiny_vae = export_tiny_vae(tiny_autoencoder(), tmp_path_factory.mktemp("gpu-stream") / "taesd")
+    tiny_vae = export_pipeline(None, tmp_path_factory.mktemp("gpu-stream") / "taesd", tiny_vae=True, progress=False)
     return {"sd": (tiny_folder, {}), "tiny-vae": (tiny_folder, {"tiny_vae": tiny_vae}), "lcm": (lcm, {})}
 
 

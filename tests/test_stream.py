@@ -5,9 +5,6 @@ every kind of frame, and the errors."""
 
 from __future__ import annotations
 
-import json
-import warnings
-
 import numpy as np
 import PIL.Image
 import pytest
@@ -18,7 +15,8 @@ from diffusers.utils.torch_utils import randn_tensor
 from conftest import vae_encodes_its_mode
 from optimum_iobinding import OnnxStreamDiffusionPipeline
 from optimum_iobinding.export import export_pipeline
-from optimum_iobinding.export.tiny import build_tiny_random_lcm_pipeline, build_tiny_random_pipeline
+from optimum_iobinding.export.tiny import (build_tiny_random_lcm_pipeline, build_tiny_random_pipeline,
+                                          build_tiny_random_tiny_vae)
 
 SIZE = 64  # 8×8 latents
 PROMPT = "a photo of an astronaut riding a horse"
@@ -45,52 +43,11 @@ def lcm(tmp_path_factory):
     return vae_encodes_its_mode(torch_pipe), folder
 
 
-def tiny_autoencoder(latent_channels=4, seed=0):
-    torch.manual_seed(seed)
-    return diffusers.AutoencoderTiny(encoder_block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
-                                     num_encoder_blocks=(1, 1, 1, 1), num_decoder_blocks=(1, 1, 1, 1),
-                                     latent_channels=latent_channels).eval()
-
-
-def export_tiny_vae(vae, folder):
-    """vae_encoder/ and vae_decoder/ of an AutoencoderTiny, named like the project's VAE exports (its encoder takes
-    and its decoder gives images in [-1, 1], as diffusers' img2img pipelines use them), with its config.json."""
-
-    class Encoder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.vae = vae
-
-        def forward(self, sample):
-            return self.vae.encode(sample, return_dict=False)[0]
-
-    class Decoder(Encoder):
-        def forward(self, latent_sample):
-            return self.vae.decode(latent_sample, return_dict=False)[0]
-
-    channels = vae.config.latent_channels
-    specs = {"vae_encoder": (Encoder(), torch.randn(1, 3, SIZE, SIZE), "sample", "latent_sample",
-                             {"sample": {0: "batch", 2: "height", 3: "width"},
-                              "latent_sample": {0: "batch", 2: "height / 8", 3: "width / 8"}}),
-             "vae_decoder": (Decoder(), torch.randn(1, channels, SIZE // 8, SIZE // 8), "latent_sample", "sample",
-                             {"latent_sample": {0: "batch", 2: "latent_height", 3: "latent_width"},
-                              "sample": {0: "batch", 2: "latent_height * 8", 3: "latent_width * 8"}})}
-    for name, (module, example, input_name, output_name, axes) in specs.items():
-        (folder / name).mkdir(parents=True)
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.onnx.export(module, (example,), str(folder / name / "model.onnx"), input_names=[input_name],
-                              output_names=[output_name], dynamic_axes=axes, opset_version=17, dynamo=False)
-        (folder / name / "config.json").write_text(json.dumps({k: v for k, v in dict(vae.config).items()
-                                                               if not k.startswith("_")} |
-                                                              {"_class_name": "AutoencoderTiny"}))
-    return folder
-
-
 @pytest.fixture(scope="module")
 def tiny_vae(tmp_path_factory):
-    vae = tiny_autoencoder()
-    return vae, export_tiny_vae(vae, tmp_path_factory.mktemp("taesd") / "taesd")
+    """A tiny random AutoencoderTiny and a folder of its export alone (vae_encoder/ and vae_decoder/)."""
+    vae = build_tiny_random_tiny_vae()
+    return vae, export_pipeline(None, tmp_path_factory.mktemp("taesd") / "taesd", tiny_vae=vae, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -422,7 +379,8 @@ def test_a_tiny_vae_folder_without_both_components_is_refused_naming_it(sd, tiny
 
 def test_a_tiny_vae_of_other_latent_channels_is_refused_naming_it(sd, tmp_path):
     _, folder = sd
-    other = export_tiny_vae(tiny_autoencoder(latent_channels=8), tmp_path / "taesd8")
+    other = export_pipeline(None, tmp_path / "taesd8", tiny_vae=build_tiny_random_tiny_vae(latent_channels=8),
+                            progress=False)
     with pytest.raises(ValueError, match=r"tiny_vae: .* expected a VAE with 4 latent channels \(the UNet's sample "
                                          r"channels\), got 8"):
         OnnxStreamDiffusionPipeline.from_pretrained(folder, tiny_vae=other)
