@@ -1,7 +1,7 @@
 """Real-time image to image: a stream of frames (here, a drawn sun crossing the sky) through a few-step model, one
 frame in, one frame out.
 
-    python examples/stream.py [--model FOLDER] [--tiny-vae FOLDER] [--provider CUDAExecutionProvider] [--frames 120]
+    python examples/stream.py [--model FOLDER] [--tiny-vae FOLDER] [--provider CUDAExecutionProvider] [--frames 30]
 
 For SD-Turbo (``optimum-iobinding export stabilityai/sd-turbo --fp16 --optimize cuda``) the defaults are its recipe:
 one UNet step (2 steps at strength 0.5), no guidance, Euler ancestral with trailing timesteps.
@@ -35,10 +35,12 @@ def main() -> None:
     parser.add_argument("--tiny-vae", default=None, help="folder of an AutoencoderTiny export (vae_encoder/ and "
                                                          "vae_decoder/) to use instead of the model's VAE")
     parser.add_argument("--provider", default=None)
-    parser.add_argument("--frames", type=int, default=120)
+    parser.add_argument("--frames", type=int, default=30)
     parser.add_argument("--size", type=int, default=None, help="frame height and width (default: the model's)")
     parser.add_argument("--out", default="stream.png", help="where the last output frame goes")
     args = parser.parse_args()
+    if args.frames < 1:
+        parser.error(f"--frames: expected a positive number of frames, got {args.frames}")
 
     stream = OnnxStreamDiffusionPipeline.from_pretrained(args.model or tiny_model_folder(),
                                                          provider=args.provider or default_provider(),
