@@ -19,6 +19,7 @@ _PIPELINES = (
     "OnnxLatentConsistencyModelPipeline",
     "OnnxStableDiffusionControlNetPipeline",
     "OnnxStableDiffusionControlNetImg2ImgPipeline",
+    "OnnxStreamDiffusionPipeline",
 )
 
 __all__ = ["IOBindingORTModel", "ModelOptions", "PipelineOptions", "infer_output_shapes", "TiledVAE", "accelerate", "__version__", *_PIPELINES]

@@ -9,6 +9,7 @@ from .loading import load_numpy_pipeline
 from .pipeline import OnnxStableDiffusionPipelineBase
 from .stable_diffusion import OnnxStableDiffusionPipeline
 from .stable_diffusion_xl import OnnxStableDiffusionXLImg2ImgPipeline, OnnxStableDiffusionXLPipeline
+from .stream import OnnxStreamDiffusionPipeline
 
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "OnnxLatentConsistencyModelPipeline",
     "OnnxStableDiffusionControlNetPipeline",
     "OnnxStableDiffusionControlNetImg2ImgPipeline",
+    "OnnxStreamDiffusionPipeline",
 ]

@@ -1,0 +1,520 @@
+"""Real-time image to image on a stream of frames: the prompt encoded once, the noise and the scheduler's constants
+fixed per stream, a few UNet steps per frame, and on CUDA every frame a handful of graph replays on one stream with
+no host wait (the ideas of StreamDiffusion, Kodaira et al. 2023, on ONNX Runtime)."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+from ..layout import resolve_pipeline_folder
+from ..runtime.hub import check_hub_kwargs
+from ..runtime.model import IOBindingORTModel
+from ..runtime.options import CudaGraphSetting, PipelineOptions, ProviderSpec
+from .arguments import is_integer
+from .denoise import on_device_stream
+from .latent_consistency import guidance_scale_embedding
+from .loading import TINY_VAE_COMPONENTS, check_component_kind, check_latent_channels, load_components, tiny_vae_folder
+from .pipeline import OnnxStableDiffusionPipelineBase, upload
+from .stream_frames import FrameCopies, FrameInput, FrameKind, PendingFrame, output_layout, read_frame
+from .stream_plan import StreamPlan, make_stages, stream_schedule
+
+_KEEP = object()  # update_prompt: the negative prompt that prepare was given
+
+
+# ------------------------------------------------------------------------------------------------ the pipeline
+class OnnxStreamDiffusionPipeline(OnnxStableDiffusionPipelineBase):
+    """Few-step image to image on a stream of frames: one frame in, one frame out, every frame's work on the device.
+
+    ``prepare`` encodes the prompt, fixes the noise of every step from ``seed``, computes the img2img timesteps with
+    the folder's scheduler and its constants at each, creates the sessions and captures every graph; a frame is then
+    preprocess → VAE encode → noise to the first timestep → UNet step(s) → scheduler arithmetic → decode → back to the
+    frame's kind. On CUDA with graphs (the default) each of these is a CUDA-graph replay: the models' own (ONNX
+    Runtime's), and torch's for the arithmetic between them, all on the pipeline's one stream; the models' graph
+    inputs are written in place, and nothing in a frame makes the host wait. For SD 1.x/2.x, SD-Turbo and LCM folders
+    (an LCM UNet's ``timestep_cond`` is the guidance embedding, as in :class:`OnnxLatentConsistencyModelPipeline`).
+
+    **Steps.** Each step predicts x0 from the UNet's output (ε, v or x0, as the scheduler's ``prediction_type``
+    says; LCMScheduler's boundary condition ``c_skip``/``c_out`` applied); the next step re-noises that x0 to its
+    timestep with the stream's fixed noise of that step (StreamDiffusion's rule), and the last step's x0 is decoded.
+    With one step this is what Euler, Euler ancestral, LCM, DPM-Solver and DDIM with ``set_alpha_to_one=True`` give
+    after their last step, so it equals diffusers' img2img pipeline; DDIM with ``set_alpha_to_one=False`` keeps a
+    share √(1 − ᾱ₀) ≈ 0.03 of the predicted noise in its last step, which the stream drops. The noising at each
+    step is the scheduler's own (``add_noise``, ``scale_model_input``): √ᾱ and √(1 − ᾱ) for DDPM-style schedulers,
+    the same through the sigmas for Euler-style ones; schedulers that are not variance-preserving (EDM) are refused.
+
+    **Stream batch** (``stream_batch=True`` and more than one step): one UNet call of batch k per frame holds frame t
+    at step 1, frame t − 1 at step 2, …, so a frame costs one UNet call and comes out k − 1 frames later: the first
+    k − 1 calls return ``None`` and :meth:`flush` returns the last k − 1 outputs. :meth:`frames` yields exactly one
+    output per frame, in order. ``stream_batch=False`` runs a frame's k steps one after another (k UNet calls).
+
+    **Frames**: torch tensors (CUDA or CPU: float ``(3, H, W)`` or ``(1, 3, H, W)`` in [-1, 1], or uint8
+    ``(H, W, 3)``), numpy uint8 ``(H, W, 3)`` arrays and PIL images (made RGB). The output is of the input's kind,
+    dtype, layout and device (a CUDA tensor in, a CUDA tensor out with no host copy), at the prepared size: a frame
+    of another size is resized on the device to ``(height, width)`` (bilinear with antialiasing, stretched, not
+    cropped); its first frame captures the preprocessing of that size once. A float output is clamped to [-1, 1],
+    a uint8 one rounded as diffusers rounds. **Outputs are fresh tensors** from torch's caching allocator (pinned host
+    memory for host outputs): no later frame overwrites one the caller holds.
+
+    ``prepare`` reads the scheduler (``stream.scheduler = …`` before it, as for the other pipelines) and the prompt;
+    :meth:`update_prompt` changes the prompt alone. Calls from several threads are serialized.
+    """
+
+    _encodes_images = True
+
+    def _init_image_side(self) -> None:
+        if getattr(self, "vae_encoder", None) is None:
+            raise ValueError("vae_encoder: expected a VAE encoder (the stream encodes every frame), got none: the "
+                             "folder has no vae_encoder/model.onnx; export one, or pass tiny_vae=<an AutoencoderTiny "
+                             "export>")
+        super()._init_image_side()
+        self._plan: Optional[StreamPlan] = None
+        self._copies = FrameCopies(self.device)
+
+    def _check_unet_inputs(self) -> None:
+        # an LCM UNet takes the guidance embedding; any other SD 1.x/2.x UNet takes the three inputs alone
+        self._unet_extra_inputs = ("timestep_cond",) if "timestep_cond" in self.unet.input_names else ()
+        super()._check_unet_inputs()
+
+    # -------------------------------------------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: Union[str, os.PathLike],
+        provider: ProviderSpec = None,
+        provider_options: Optional[Dict[str, Any]] = None,
+        sess_options: Any = None,
+        io_binding: bool = True,
+        cuda_graph: CudaGraphSetting = "auto",
+        scheduler: Any = None,
+        tokenizer: Any = None,
+        component_options: Optional[Dict[str, Dict[str, Any]]] = None,
+        tiny_vae: Union[str, os.PathLike, None] = None,
+        **hub_kwargs: Any,
+    ) -> "OnnxStreamDiffusionPipeline":
+        """Loads an ONNX Stable Diffusion folder (or hub id) as :class:`OnnxStableDiffusionPipelineBase` does, with
+        the same options, and optionally a tiny VAE in place of the folder's.
+
+        Args:
+            tiny_vae: a folder (or hub id) holding ``vae_encoder/`` and ``vae_decoder/`` of an AutoencoderTiny export
+                (TAESD-shaped: a few ms a frame where the full VAE takes tens); its latent channels must match the
+                UNet's. ``None``: the folder's own VAE. The folder's VAE is then neither downloaded nor loaded.
+            others: see :meth:`OnnxStableDiffusionPipelineBase.from_pretrained` (``component_options`` for
+                ``"vae_encoder"``/``"vae_decoder"`` apply to the tiny VAE).
+        """
+        check_hub_kwargs(f"{cls.__name__}.from_pretrained", hub_kwargs)
+        options = PipelineOptions.resolve(cls._onnx_components, provider, provider_options, sess_options, io_binding,
+                                          cuda_graph, component_options)  # checked before any download
+        if tiny_vae is not None and not isinstance(tiny_vae, (str, os.PathLike)):
+            raise TypeError(f"tiny_vae: expected a folder or hub id of an AutoencoderTiny export (vae_encoder/ and "
+                            f"vae_decoder/), or None, got {type(tiny_vae).__name__} {tiny_vae!r:.80}")
+        own = tuple(name for name in cls._onnx_components if tiny_vae is None or name not in TINY_VAE_COMPONENTS)
+        folder = resolve_pipeline_folder(pretrained_model_name_or_path, own, cls._tokenizer_names, **hub_kwargs)
+        tiny_folder = tiny_vae_folder(tiny_vae, **hub_kwargs) if tiny_vae is not None else None
+        components = load_components(cls, folder, options, scheduler, tokenizer, onnx_components=own)
+        try:
+            if tiny_folder is not None:
+                for name in TINY_VAE_COMPONENTS:
+                    components[name] = IOBindingORTModel.from_pretrained(tiny_folder / name,
+                                                                         options=options.for_component(name))
+                    check_component_kind(name, components[name])
+                check_latent_channels(components["vae_encoder"], components["vae_decoder"], components["unet"],
+                                      f"tiny_vae: {str(tiny_folder)!r}")
+            return cls(**components)
+        except BaseException:
+            components.clear()  # release sessions now, not when the traceback goes
+            raise
+
+    def warmup(self, *args: Any, **kwargs: Any) -> None:
+        """A stream warms up in :meth:`prepare`: its sessions, graphs and captures are made there."""
+        raise TypeError(f"{type(self).__name__}.warmup: a stream warms up in prepare(prompt, …), which makes its "
+                        "sessions and captures its graphs for the prepared size and steps; call that instead")
+
+    # ---------------------------------------------------------------------------------------------- properties
+    @property
+    def prepared(self) -> bool:
+        """Whether :meth:`prepare` has run (frames can come)."""
+        return self._plan is not None
+
+    @property
+    def timesteps(self) -> List[float]:
+        """The prepared UNet steps' timesteps (empty before :meth:`prepare`)."""
+        return list(self._plan.schedule.timesteps) if self._plan is not None else []
+
+    @property
+    def frames_in_flight(self) -> int:
+        """Frames given to the stream batch whose outputs have not come out yet (:meth:`flush` returns them)."""
+        return sum(kind is not None for kind in self._plan.in_flight) if self._plan is not None else 0
+
+    @property
+    def captured_graphs(self) -> int:
+        """How many torch CUDA graphs the prepared stream has captured (the models' own graphs are counted by
+        each model's ``graph_signatures``): ``prepare`` captures what frames of the prepared size need."""
+        if self._plan is None:
+            return 0
+        return sum(stage.captures for stage in [*self._plan.stages.values(), *self._plan.step_stages])
+
+    # ------------------------------------------------------------------------------------------------- prepare
+    @torch.no_grad()
+    @on_device_stream
+    def prepare(
+        self,
+        prompt: str,
+        negative_prompt: Optional[str] = None,
+        num_inference_steps: int = 2,
+        strength: float = 0.5,
+        guidance_scale: float = 0.0,
+        seed: int = 0,
+        height: int = 512,
+        width: int = 512,
+        stream_batch: bool = True,
+    ) -> None:
+        """Fixes everything the frames that follow share, and makes every session and graph they use.
+
+        Args:
+            prompt: what the frames should become (one prompt: a stream is a batch of one).
+            negative_prompt: what to guide away from (with ``guidance_scale > 1`` on a UNet without
+                ``timestep_cond``; default: the empty prompt).
+            num_inference_steps, strength: the img2img schedule: the scheduler's ``num_inference_steps`` timesteps
+                after skipping the first ``1 − strength`` of them (diffusers' img2img rule; a scheduler whose
+                ``set_timesteps`` takes ``strength``, as LCMScheduler's does, applies it itself, as diffusers' LCM
+                img2img pipeline lets it). Each remaining timestep is one UNet step. SD-Turbo: ``2, 0.5`` is one step.
+            guidance_scale: > 1 on a UNet without ``timestep_cond``: classifier-free guidance (the UNet batch
+                doubles); an LCM UNet gets it as its guidance embedding (``w = guidance_scale − 1``).
+            seed: the stream's fixed noise (one draw per step from ``torch.Generator().manual_seed(seed)``, the
+                first being the noise diffusers' img2img pipeline draws from the same generator).
+            height, width: the size frames are denoised (and returned) at; multiples of :attr:`size_multiple`.
+            stream_batch: with more than one step, one UNet call of batch k per frame (outputs come k − 1 frames
+                late); ``False``: each frame's k steps in turn.
+
+        Raises:
+            ValueError, TypeError: a bad argument (named), before any work.
+        """
+        # 1. every argument, before any work
+        for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
+            if not isinstance(text, str) and not (name == "negative_prompt" and text is None):
+                raise TypeError(f"{name}: expected a str (a stream has one prompt), got {type(text).__name__}")
+        self.check_inputs(prompt, height, width, num_inference_steps, None, negative_prompt, output_type="pt",
+                          strength=strength, guidance_scale=guidance_scale)
+        if not is_integer(seed) or not 0 <= seed < 2 ** 64:
+            raise ValueError(f"seed: expected an integer in [0, 2**64), got {seed!r}")
+        if not isinstance(stream_batch, bool):
+            raise TypeError(f"stream_batch: expected True or False, got {type(stream_batch).__name__} "
+                            f"{stream_batch!r}")
+
+        # 2. the timesteps for this strength, and the scheduler's constants at each (refused schedulers are named)
+        timesteps, begin = self.stream_timesteps(num_inference_steps, strength)
+        schedule = stream_schedule(self.scheduler, timesteps, begin)
+        lcm = "timestep_cond" in self.unet.input_names
+        guidance = guidance_scale > 1.0 and not lcm
+        batched = stream_batch and len(timesteps) > 1
+        if batched:
+            self._check_timestep_rows()
+        self._plan = None  # the last prepare's buffers and graphs go before this one's are made
+        plan = StreamPlan(height, width, schedule, batched, guidance, float(guidance_scale), prompt, negative_prompt)
+
+        # 3. the prompt (encoded once), the noise, the constants and the models' inputs, on the device
+        embeddings = self.encode_prompt(prompt, 1, guidance, negative_prompt)
+        self._make_tensors(plan, seed, lcm, tuple(embeddings.shape[1:]))
+        self._write_embeddings(plan, embeddings)
+
+        # 4. sessions and the models' graphs (3 runs: ORT captures after one regular run), then their buffers
+        if self.device.type == "cuda":
+            for model, shapes in self._model_shapes(plan):
+                model.warmup(shapes)
+            self._adopt_graph_buffers(plan)
+        make_stages(plan, self._uses_graphs(), self.latent_channels, self.vae_scaling_factor)
+        if self.device.type == "cuda":
+            self._warm_stages(plan)
+            torch.cuda.current_stream(self.device).synchronize()  # set-up ends here: the first frame waits for none
+        self._plan = plan
+
+    def stream_timesteps(self, num_inference_steps: int, strength: float) -> Tuple[List[Any], int]:
+        """The scheduler's timesteps for ``num_inference_steps`` and ``strength``, and the index of the first in its
+        full schedule (see :meth:`prepare`)."""
+        if "strength" in inspect.signature(self.scheduler.set_timesteps).parameters:
+            self.scheduler.set_timesteps(num_inference_steps, strength=strength)
+            timesteps = list(self.scheduler.timesteps)
+            if not timesteps:
+                raise ValueError(f"strength: {strength} with num_inference_steps={num_inference_steps} leaves no "
+                                 "denoising step; raise either")
+            return timesteps, 0
+        timesteps = list(self.strength_timesteps(num_inference_steps, strength))
+        return timesteps, len(self.scheduler.timesteps) - len(timesteps)
+
+    def _check_timestep_rows(self) -> None:
+        dims = self.unet.input_dims.get("timestep") or []
+        if len(dims) != 1 or dims[0] == 1:
+            declared = "a scalar" if not dims else f"shape {dims}"
+            raise ValueError(f"stream_batch: expected a UNet whose timestep input has one row per sample (a stream "
+                             f"batch gives each step its own timestep), got {declared}; pass stream_batch=False")
+
+    def _make_tensors(self, plan: StreamPlan, seed: int, lcm: bool, embedding_shape: Tuple[int, ...]) -> None:
+        device, unet = self.device, self.unet
+        channels = self.latent_channels
+        latent_height, latent_width = plan.height // self.vae_scale_factor, plan.width // self.vae_scale_factor
+        generator = torch.Generator().manual_seed(int(seed))
+        noise = torch.cat([randn_tensor((1, channels, latent_height, latent_width), generator=generator,
+                                        device=torch.device("cpu"), dtype=torch.float32)
+                           for _ in range(plan.steps)])
+        schedule = plan.schedule
+        columns = {"noise": noise, "signal": schedule.signal, "noise_scale": schedule.noise}
+        if schedule.skip is not None:
+            columns.update(skip=schedule.skip, out=schedule.out)
+        with torch.inference_mode(False):  # later frames write them in place, in or out of inference mode
+            for name, values in columns.items():
+                values = values if isinstance(values, torch.Tensor) else \
+                    torch.tensor(values, dtype=torch.float32).reshape(-1, 1, 1, 1)
+                plan.tensors[name] = upload(values, device)
+            rows = plan.rows
+            plan.tensors["image"] = torch.zeros(1, 3, plan.height, plan.width, device=device,
+                                                dtype=self.vae_encoder.input_dtypes["sample"])
+            plan.tensors["latent"] = torch.zeros(1, channels, latent_height, latent_width, device=device,
+                                                 dtype=self.vae_decoder.input_dtypes["latent_sample"])
+            plan.tensors["x0"] = torch.zeros(plan.steps, channels, latent_height, latent_width, device=device)
+            plan.unet_inputs["sample"] = torch.zeros(rows, channels, latent_height, latent_width, device=device,
+                                                     dtype=unet.input_dtypes["sample"])
+            plan.unet_inputs["encoder_hidden_states"] = torch.zeros(
+                rows, *embedding_shape, device=device, dtype=unet.input_dtypes["encoder_hidden_states"])
+            timestep_dtype = unet.input_dtypes["timestep"]
+            if plan.batched:  # rows [uncond: steps 1…k; text: steps 1…k]
+                values = torch.tensor(schedule.timesteps, dtype=torch.float64).repeat(plan.copies)
+                plan.unet_inputs["timestep"] = upload(values.to(timestep_dtype), device)
+            else:
+                plan.step_timesteps = [upload(self._timestep_input(t, rows).to(timestep_dtype), device)
+                                       for t in schedule.timesteps]
+                plan.unet_inputs["timestep"] = plan.step_timesteps[0]
+            if lcm:
+                w = torch.full((rows,), plan.guidance_scale - 1.0)
+                embedding = guidance_scale_embedding(w, self._time_cond_proj_dim())
+                plan.unet_inputs["timestep_cond"] = upload(embedding.to(unet.input_dtypes["timestep_cond"]), device)
+
+    def _timestep_input(self, timestep: float, rows: int) -> torch.Tensor:
+        """One step's UNet timestep input, in the rank the UNet declares (a scalar, ``[1]`` or ``[rows]``)."""
+        dims = self.unet.input_dims.get("timestep") or []
+        value = torch.tensor(timestep, dtype=torch.float64)
+        if not dims:
+            return value
+        return value.reshape(1) if dims[0] == 1 else value.repeat(rows)
+
+    def _time_cond_proj_dim(self) -> int:
+        declared = self.unet.input_dims["timestep_cond"]
+        if declared and isinstance(declared[-1], int):
+            return declared[-1]
+        if "time_cond_proj_dim" not in self.unet.config:
+            raise ValueError("unet: its timestep_cond width is dynamic and its config.json has no time_cond_proj_dim; "
+                             "expected one of them to give the guidance embedding's size")
+        return self.config_int(self.unet, "time_cond_proj_dim", 0, "unet")
+
+    def _write_embeddings(self, plan: StreamPlan, embeddings: torch.Tensor) -> None:
+        """The prompt's embeddings (``[negative; positive]`` when guiding) into the UNet's input, one row per step
+        in a stream batch: always the same tensor, so captured graphs keep reading it."""
+        rows = embeddings.repeat_interleave(plan.steps, dim=0) if plan.batched else embeddings
+        plan.unet_inputs["encoder_hidden_states"].copy_(rows)
+
+    def _model_shapes(self, plan: StreamPlan) -> List[Tuple[IOBindingORTModel, Dict[str, Tuple[int, ...]]]]:
+        return [(self.vae_encoder, {"sample": tuple(plan.tensors["image"].shape)}),
+                (self.unet, {name: tuple(value.shape) for name, value in plan.unet_inputs.items()}),
+                (self.vae_decoder, {"latent_sample": tuple(plan.tensors["latent"].shape)})]
+
+    def _adopt_graph_buffers(self, plan: StreamPlan) -> None:
+        """Where a model has a CUDA graph for the plan's shapes, its input buffers become the plan's tensors (with
+        the values written so far): the stages write straight into them, and a call passing them copies nothing."""
+        own = {"vae_encoder": {"sample": "image"}, "vae_decoder": {"latent_sample": "latent"}}
+        for model, shapes in self._model_shapes(plan):
+            buffers = model.graph_input_buffers(shapes) or {}
+            for name, buffer in buffers.items():
+                if model is self.unet:
+                    current, store, key = plan.unet_inputs.get(name), plan.unet_inputs, name
+                else:
+                    key = own["vae_encoder" if model is self.vae_encoder else "vae_decoder"][name]
+                    current, store = plan.tensors[key], plan.tensors
+                if current is None or buffer.shape != current.shape or buffer.dtype != current.dtype:
+                    continue
+                if model is self.unet and name == "timestep" and not plan.batched:
+                    continue  # each step passes its own: the graph copies it in
+                buffer.copy_(current)
+                store[key] = buffer
+
+    def _uses_graphs(self) -> bool:
+        return self.device.type == "cuda" and self.unet.cuda_graph is not False
+
+    def _warm_stages(self, plan: StreamPlan) -> None:
+        """One frame through every stage for the frame layouts most streams send (uint8 HWC and float32 NCHW at the
+        prepared size): their graphs are captured here, not by the first frame. Then the stream starts empty."""
+        layouts = [(torch.uint8, (plan.height, plan.width, 3)), (torch.float32, (1, 3, plan.height, plan.width))]
+        for dtype, shape in layouts:
+            staging = self._copies.staging(dtype, shape)
+            plan.stages["pre"](staging, plan.tensors["image"])
+            self._copies.read(staging)
+        plan.encoded = self.vae_encoder(sample=plan.tensors["image"])[0]
+        self._denoise(plan, plan.encoded)
+        for dtype, _ in layouts:
+            self._emit(plan, FrameKind("torch", self.device, dtype, batched=True))
+        plan.tensors["x0"].zero_()
+
+    # -------------------------------------------------------------------------------------------- prompt updates
+    @torch.no_grad()
+    @on_device_stream
+    def update_prompt(self, prompt: str, negative_prompt: Any = _KEEP) -> None:
+        """Encodes a new prompt once into the same device tensor the UNet reads: no graph is captured again and no
+        session made. Frames already in a stream batch take it for their remaining steps.
+
+        Args:
+            prompt: the new prompt.
+            negative_prompt: a new negative prompt (``None``: the empty one); default: the one given to prepare.
+        """
+        plan = self._require_plan("update_prompt")
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt: expected a str (a stream has one prompt), got {type(prompt).__name__}")
+        if negative_prompt is _KEEP:
+            negative_prompt = plan.negative_prompt
+        elif negative_prompt is not None and not isinstance(negative_prompt, str):
+            raise TypeError(f"negative_prompt: expected a str or None, got {type(negative_prompt).__name__}")
+        self._write_embeddings(plan, self.encode_prompt(prompt, 1, plan.guidance, negative_prompt))
+        plan.prompt, plan.negative_prompt = prompt, negative_prompt
+
+    # -------------------------------------------------------------------------------------------------- frames
+    @torch.no_grad()
+    @on_device_stream
+    def __call__(self, frame: FrameInput) -> Any:
+        """One frame in, one frame out (see the class docstring for the kinds).
+
+        With a CUDA frame the call returns as soon as the frame's work is enqueued on the pipeline's stream (the
+        caller's stream waits for it on the device, not the host); a host frame's output is waited for.
+
+        Returns:
+            The output frame, of the input's kind; in a stream batch, the output of the frame given k − 1 calls
+            earlier (``None`` for the first k − 1 calls: :meth:`flush` returns the last ones).
+        """
+        plan = self._require_plan("frame")
+        source, kind = read_frame(frame, self.device)
+        pending = self._enqueue(plan, source, kind)
+        return None if pending is None else pending.result()
+
+    @torch.no_grad()
+    @on_device_stream
+    def flush(self) -> List[Any]:
+        """The outputs of the frames still in the stream batch, in order (an empty list without a stream batch or
+        when none is in flight); the stream is empty after it."""
+        plan = self._require_plan("flush")
+        return [pending.result() for pending in self._flush(plan)]
+
+    def frames(self, frames: Iterable[FrameInput]) -> Iterator[Any]:
+        """Yields one output per frame of ``frames``, in order, overlapping the frames' copies with the compute.
+
+        Host frames (numpy, PIL, CPU tensors) on CUDA go up through pinned double buffers on an upload stream while
+        the previous frame computes, and their outputs come down on a download stream into fresh pinned memory, each
+        handed out one frame behind, once its download has arrived. CUDA frames never pass through the host, and their outputs are yielded as
+        soon as they are enqueued. In a stream batch the first output comes after k frames, and the last k − 1 are
+        flushed when ``frames`` ends; stopping the loop early drops the frames still in flight.
+
+        Raises:
+            RuntimeError: before :meth:`prepare`, or with frames of earlier calls still in the stream batch.
+        """
+        self._require_plan("frames")
+        if self.frames_in_flight:
+            raise RuntimeError(f"frames: expected an empty stream batch, got {self.frames_in_flight} frames of earlier "
+                               "calls still in it; call flush() first (it returns their outputs)")
+        return self._overlapped(frames)
+
+    def _overlapped(self, frames: Iterable[FrameInput]) -> Iterator[Any]:
+        held: Optional[PendingFrame] = None  # a host output waiting for its download
+        try:
+            for frame in frames:
+                pending = self._enqueue_frame(frame)
+                if pending is None:
+                    continue
+                if held is not None:
+                    yield held.result()
+                    held = None
+                if pending.waits:
+                    held = pending
+                else:
+                    yield pending.result()
+            if held is not None:
+                yield held.result()
+                held = None
+            for pending in self._flush_frames():
+                yield pending.result()
+        finally:
+            self._drop_in_flight()
+
+    @torch.no_grad()
+    @on_device_stream
+    def _enqueue_frame(self, frame: FrameInput) -> Optional[PendingFrame]:
+        plan = self._require_plan("frame")
+        source, kind = read_frame(frame, self.device)
+        return self._enqueue(plan, source, kind)
+
+    @torch.no_grad()
+    @on_device_stream
+    def _flush_frames(self) -> List[PendingFrame]:
+        return self._flush(self._require_plan("flush"))
+
+    @on_device_stream
+    def _drop_in_flight(self) -> None:
+        if self._plan is not None:
+            self._plan.in_flight.clear()
+
+    def _require_plan(self, what: str) -> StreamPlan:
+        if self._plan is None:
+            raise RuntimeError(f"{what}: expected a prepared stream, got none; call prepare(prompt, …) first (it "
+                               "encodes the prompt and captures the graphs every frame replays)")
+        return self._plan
+
+    # ------------------------------------------------------------------------------------------- a frame's work
+    def _enqueue(self, plan: StreamPlan, source: Any, kind: FrameKind) -> Optional[PendingFrame]:
+        """Enqueues a frame's work on the current (the pipeline's) stream; returns the output that comes out."""
+        staging = self._copies.bring(source)
+        plan.stages["pre"](staging, plan.tensors["image"])
+        self._copies.read(staging)
+        plan.encoded = self.vae_encoder(sample=plan.tensors["image"])[0]
+        self._denoise(plan, plan.encoded)
+        if not plan.batched:
+            return self._emit(plan, kind)
+        plan.in_flight.append(kind)
+        if len(plan.in_flight) < plan.steps:
+            return None  # the batch fills: the oldest frame is not through its last step yet
+        oldest = plan.in_flight.popleft()
+        return None if oldest is None else self._emit(plan, oldest)
+
+    def _denoise(self, plan: StreamPlan, encoded: torch.Tensor) -> None:
+        """Noises the encoded frame and runs the UNet step(s): a stream batch moves every frame one step on."""
+        sample = plan.unet_inputs["sample"]
+        if plan.batched:
+            plan.stages["start"](encoded, plan.tensors["x0"], sample)
+            model_output = self.unet(**plan.unet_inputs)[0]
+            plan.stages["step"](model_output, sample, plan.tensors["x0"], plan.tensors["latent"])
+            return
+        plan.stages["start"](encoded, sample)
+        for index, stage in enumerate(plan.step_stages):
+            model_output = self.unet(**{**plan.unet_inputs, "timestep": plan.step_timesteps[index]})[0]
+            stage(model_output, sample, plan.tensors["latent"])
+
+    def _emit(self, plan: StreamPlan, kind: FrameKind) -> PendingFrame:
+        """Decodes the last step's x0 into the output of a frame of ``kind``, copied out for the caller."""
+        image = self.vae_decoder(latent_sample=plan.tensors["latent"])[0]
+        shape, dtype = output_layout(kind, plan.height, plan.width)
+        output = plan.output(shape, dtype, self.device)
+        self._copies.before_write(output)
+        plan.stages["post"](image, output)
+        tensor, arrived = self._copies.take(output, to_host=not kind.on_cuda)
+        return PendingFrame(kind, tensor, arrived)
+
+    def _flush(self, plan: StreamPlan) -> List[PendingFrame]:
+        """Moves the stream batch on without new frames until every frame in it has come out."""
+        pending: List[PendingFrame] = []
+        while any(kind is not None for kind in plan.in_flight):
+            self._denoise(plan, plan.encoded)  # row 0 holds no frame: what it computes never comes out
+            plan.in_flight.append(None)
+            if len(plan.in_flight) >= plan.steps:
+                oldest = plan.in_flight.popleft()
+                if oldest is not None:
+                    pending.append(self._emit(plan, oldest))
+        plan.in_flight.clear()
+        return pending

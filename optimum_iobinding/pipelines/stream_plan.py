@@ -1,0 +1,200 @@
+"""What ``prepare`` fixes for a stream: the scheduler's timesteps and constants at each step, the device tensors the
+models read and write, and the arithmetic between the model calls (noising, the x0 prediction, re-noising to the
+next step) as captured stages."""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .stream_frames import CapturedStage, FrameKind, to_output_frame, to_vae_input
+
+_PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+
+
+@dataclass
+class StreamSchedule:
+    """The UNet steps a frame goes through, and the scheduler's constants at each (host floats).
+
+    Attributes:
+        timesteps: the scheduler's timestep of each step (what the UNet's ``timestep`` input gets).
+        signal, noise: the scheduler's own noising at each step, ``add_noise`` then ``scale_model_input``, as
+            ``x_t = signal * x0 + noise * ε``: √ᾱ and √(1 − ᾱ) for every variance-preserving scheduler (DDPM-style
+            ones directly, Euler-style ones through their sigmas).
+        skip, out: LCM's boundary condition at each step (``c_skip``, ``c_out``); ``None`` for other schedulers.
+        prediction_type: what the UNet predicts: ``"epsilon"``, ``"v_prediction"`` or ``"sample"``.
+        clip: the x0 prediction is clamped to ``[-clip, clip]`` (the scheduler's ``clip_sample``), or ``None``.
+    """
+
+    timesteps: List[float]
+    signal: List[float]
+    noise: List[float]
+    skip: Optional[List[float]]
+    out: Optional[List[float]]
+    prediction_type: str
+    clip: Optional[float]
+
+
+def stream_schedule(scheduler: Any, timesteps: Sequence[Any], begin_index: int) -> StreamSchedule:
+    """The constants of ``timesteps`` (the scheduler's, from its ``begin_index`` on), read off ``scheduler`` itself:
+    a copy of it, set at each step, noises a unit signal and a unit noise.
+
+    Raises:
+        ValueError: the scheduler is not variance-preserving (an EDM one), thresholds, or predicts something else
+            than ε, v or x0.
+    """
+    config = scheduler.config
+    name = type(scheduler).__name__
+    prediction_type = config.get("prediction_type", "epsilon")
+    if prediction_type not in _PREDICTION_TYPES:
+        raise ValueError(f"scheduler: expected prediction_type among {list(_PREDICTION_TYPES)}, got "
+                         f"{prediction_type!r} ({name})")
+    if config.get("thresholding", False):
+        raise ValueError(f"scheduler: expected thresholding=False (dynamic thresholding depends on each frame's "
+                         f"values), got True ({name})")
+    one, zero = torch.ones(1, 1, 1, 1, dtype=torch.float64), torch.zeros(1, 1, 1, 1, dtype=torch.float64)
+    signal, noise, skip, out = [], [], [], []
+    boundary = hasattr(scheduler, "get_scalings_for_boundary_condition_discrete")
+    for index, timestep in enumerate(timesteps):
+        timestep = torch.as_tensor(timestep)
+        coefficients = []
+        for sample, eps in ((one, zero), (zero, one)):
+            probe = copy.deepcopy(scheduler)  # Euler-style schedulers keep the step they are at
+            if hasattr(probe, "set_begin_index"):
+                probe.set_begin_index(begin_index + index)
+            noised = probe.add_noise(sample, eps, timestep.reshape(1))
+            coefficients.append(float(probe.scale_model_input(noised, timestep).reshape(())))
+        a, b = coefficients
+        if not (a > 0 and abs(a * a + b * b - 1) <= 1e-3):
+            raise ValueError(f"scheduler: expected a variance-preserving noise schedule (the model input √ᾱ·x0 + "
+                             f"√(1 − ᾱ)·noise), got {name}, whose step {index} (timestep {float(timestep):g}) gives "
+                             f"{a:.4g}·x0 + {b:.4g}·noise; use a DDPM-style or Euler-style scheduler")
+        signal.append(a)
+        noise.append(b)
+        if boundary:
+            c_skip, c_out = scheduler.get_scalings_for_boundary_condition_discrete(timestep)
+            skip.append(float(c_skip))
+            out.append(float(c_out))
+    clip = float(config.get("clip_sample_range", 1.0)) if config.get("clip_sample", False) else None
+    return StreamSchedule([float(t) for t in timesteps], signal, noise, skip if boundary else None,
+                          out if boundary else None, prediction_type, clip)
+
+
+# ---------------------------------------------------------------------------------------------------- the plan
+class StreamPlan:
+    """What ``prepare`` fixes for the frames that follow: the schedule, the device tensors the models read and write
+    (their graphs' own input buffers where they have graphs), the captured stages and the frames in flight."""
+
+    def __init__(self, height: int, width: int, schedule: StreamSchedule, batched: bool, guidance: bool,
+                 guidance_scale: float, prompt: str, negative_prompt: Optional[str]):
+        self.height, self.width = height, width
+        self.schedule = schedule
+        self.steps = len(schedule.timesteps)
+        self.batched = batched
+        self.guidance = guidance
+        self.guidance_scale = guidance_scale
+        self.prompt, self.negative_prompt = prompt, negative_prompt
+        self.copies = 2 if guidance else 1  # the UNet batch holds the latents once, or twice for guidance
+        self.rows = self.copies * (self.steps if batched else 1)
+        self.tensors: Dict[str, torch.Tensor] = {}
+        self.unet_inputs: Dict[str, torch.Tensor] = {}
+        self.step_timesteps: List[torch.Tensor] = []  # one UNet timestep input per step (a frame at a time)
+        self.outputs: Dict[Tuple, torch.Tensor] = {}
+        self.stages: Dict[str, CapturedStage] = {}
+        self.step_stages: List[CapturedStage] = []
+        self.encoded: Optional[torch.Tensor] = None  # the encoder's last output
+        self.in_flight: Deque[Optional[FrameKind]] = deque()  # a stream batch's frames, oldest first
+
+    def output(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The device tensor outputs of this layout are written into (then copied out: see :meth:`FrameCopies.take`)."""
+        key = (tuple(shape), dtype)
+        if key not in self.outputs:
+            with torch.inference_mode(False):
+                self.outputs[key] = torch.zeros(shape, dtype=dtype, device=device)
+        return self.outputs[key]
+
+
+# --------------------------------------------------------------------------------------------- the arithmetic
+def make_stages(plan: StreamPlan, graphs: bool, channels: int, scaling: float) -> None:
+    """The torch arithmetic between the model calls, as :class:`CapturedStage`\\ s in ``plan.stages`` (and one
+    per step in ``plan.step_stages`` without a stream batch); ``graphs``: replayed as CUDA graphs.
+
+    Args:
+        channels: the latent channels (an encoder output of twice as many holds (mean, logvar)).
+        scaling: the VAE's scaling factor.
+    """
+    tensors, schedule = plan.tensors, plan.schedule
+    signal, noise_scale, noise = tensors["signal"], tensors["noise_scale"], tensors["noise"]
+    skip, out = tensors.get("skip"), tensors.get("out")
+    steps, guidance, guidance_scale = plan.steps, plan.guidance, plan.guidance_scale
+
+    def write_sample(sample: torch.Tensor, noised: torch.Tensor) -> None:
+        # the UNet batch: the latents once, or [uncond; text] for guidance
+        if guidance:
+            sample[: noised.shape[0]].copy_(noised)
+            sample[noised.shape[0]:].copy_(noised)
+        else:
+            sample.copy_(noised)
+
+    def predict(x_t: torch.Tensor, model_output: torch.Tensor, rows: slice) -> torch.Tensor:
+        """x0 from the UNet's output (guided first), as the scheduler's prediction_type says."""
+        prediction = model_output.float()
+        if guidance:
+            half = prediction.shape[0] // 2
+            prediction = torch.lerp(prediction[:half], prediction[half:], guidance_scale)
+        if schedule.prediction_type == "epsilon":
+            x0 = (x_t - noise_scale[rows] * prediction) / signal[rows]
+        elif schedule.prediction_type == "v_prediction":
+            x0 = signal[rows] * x_t - noise_scale[rows] * prediction
+        else:
+            x0 = prediction
+        if schedule.clip is not None:
+            x0 = x0.clamp(-schedule.clip, schedule.clip)
+        if skip is not None:
+            x0 = out[rows] * x0 + skip[rows] * x_t
+        return x0
+
+    def encoded_latents(encoded: torch.Tensor) -> torch.Tensor:
+        # an optimum export gives the latent distribution's (mean, logvar): its mean, as a numpy generator would
+        return encoded[:, :channels].float() * scaling
+
+    plan.stages["pre"] = CapturedStage(to_vae_input, graphs)
+    plan.stages["post"] = CapturedStage(to_output_frame, graphs)
+    if plan.batched:
+        def start(encoded: torch.Tensor, x0: torch.Tensor, sample: torch.Tensor) -> None:
+            # row 0: the new frame at step 1; row i: the frame that came i calls ago, at step i + 1
+            latents = torch.cat([encoded_latents(encoded), x0[:-1]])
+            write_sample(sample, signal * latents + noise_scale * noise)
+
+        def step(model_output: torch.Tensor, sample: torch.Tensor, x0: torch.Tensor,
+                 latent: torch.Tensor) -> None:
+            denoised = predict(sample[:steps].float(), model_output, slice(None))
+            x0.copy_(denoised)
+            latent.copy_(denoised[-1:] / scaling)
+
+        plan.stages["start"] = CapturedStage(start, graphs)
+        plan.stages["step"] = CapturedStage(step, graphs)
+        return
+
+    def start_alone(encoded: torch.Tensor, sample: torch.Tensor) -> None:
+        write_sample(sample, signal[:1] * encoded_latents(encoded) + noise_scale[:1] * noise[:1])
+
+    def step_at(index: int):
+        rows, following = slice(index, index + 1), slice(index + 1, index + 2)
+
+        def step(model_output: torch.Tensor, sample: torch.Tensor, latent: torch.Tensor) -> None:
+            denoised = predict(sample[:1].float(), model_output, rows)
+            if index + 1 < steps:
+                write_sample(sample, signal[following] * denoised + noise_scale[following] * noise[following])
+            else:
+                latent.copy_(denoised / scaling)
+
+        return step
+
+    plan.stages["start"] = CapturedStage(start_alone, graphs)
+    plan.step_stages = [CapturedStage(step_at(index), graphs) for index in range(steps)]
+
