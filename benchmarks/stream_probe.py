@@ -1,0 +1,145 @@
+"""A first measure of the real-time stream on a GPU: frames/s and per-frame latency of `OnnxStreamDiffusionPipeline`
+(torch CUDA frames in and out) against the floor of its components' own graph replays.
+
+SD-Turbo architecture (the bench zoo's ``turbo``, random weights, fused fp16), a TAESD-shaped `AutoencoderTiny`
+with random weights (fp16, CUDA-optimized), 512², batch 1. Writes ``stream_probe.json`` (every row, device, versions,
+the command) to ``--out``. The full comparison with the other peers is ``optimum-iobinding bench --scenario stream``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from optimum_iobinding import OnnxStreamDiffusionPipeline
+from optimum_iobinding.bench.probes import environment
+from optimum_iobinding.bench.zoo import ensure_export
+from optimum_iobinding.export import export_pipeline
+
+
+def tiny_vae_folder(work: Path) -> Path:
+    folder = work / "taesd-random-fp16-optimized"
+    if not (folder / "vae_decoder" / "model.onnx").is_file():
+        from diffusers import AutoencoderTiny
+
+        torch.manual_seed(0)
+        export_pipeline(None, folder, tiny_vae=AutoencoderTiny(), fp16=True, optimize="cuda", progress=False)
+    return folder
+
+
+def events_ms(function, runs: int) -> float:
+    """Median ms of ``function()`` over ``runs`` calls, each timed with CUDA events on the current stream."""
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        function()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(stream: OnnxStreamDiffusionPipeline, frame: torch.Tensor, frames: int) -> dict:
+    for _ in range(20):
+        stream(frame)
+    torch.cuda.synchronize()
+    latencies = []
+    for _ in range(frames):  # latency: each frame waited for
+        start = time.perf_counter()
+        out = stream(frame)
+        torch.cuda.synchronize()
+        latencies.append((time.perf_counter() - start) * 1e3)
+    start = time.perf_counter()
+    for _ in range(frames):  # throughput: frames enqueued back to back, as a stream runs
+        out = stream(frame)
+    torch.cuda.synchronize()
+    fps = frames / (time.perf_counter() - start)
+    latencies.sort()
+    return {"fps": fps, "p50_ms": latencies[len(latencies) // 2], "p99_ms": latencies[int(len(latencies) * 0.99) - 1],
+            "output": [list(out.shape), str(out.dtype), str(out.device)] if out is not None else None}
+
+
+def floor_ms(stream: OnnxStreamDiffusionPipeline, batch: int, size: int) -> dict:
+    """Each component's own graph replays back to back (median of 50), at the stream's shapes."""
+    device = stream.device
+    latent = size // stream.vae_scale_factor
+    channels = stream.unet.input_dims["sample"][1] if isinstance(stream.unet.input_dims["sample"][1], int) else 4
+
+    def typed(name, model, shape):
+        return torch.randn(shape, device=device).to(model.input_dtypes[name])
+
+    image = typed("sample", stream.vae_encoder, (1, 3, size, size))
+    z = typed("latent_sample", stream.vae_decoder, (1, channels, latent, latent))
+    unet_inputs = {"sample": typed("sample", stream.unet, (batch, channels, latent, latent)),
+                   "encoder_hidden_states": typed("encoder_hidden_states", stream.unet,
+                                                  (batch, 77, stream.unet.input_dims["encoder_hidden_states"][2]))}
+    timestep_dims = stream.unet.input_dims["timestep"]
+    unet_inputs["timestep"] = torch.full((batch,) if timestep_dims and len(timestep_dims) == 1 else (), 500,
+                                         device=device).to(stream.unet.input_dtypes["timestep"])
+    if "timestep_cond" in stream.unet.input_names:
+        unet_inputs["timestep_cond"] = typed("timestep_cond", stream.unet,
+                                             (batch, stream.unet.input_dims["timestep_cond"][1]))
+    calls = {"vae_encoder": lambda: stream.vae_encoder(sample=image), "unet": lambda: stream.unet(**unet_inputs),
+             "vae_decoder": lambda: stream.vae_decoder(latent_sample=z)}
+    result = {}
+    for name, call in calls.items():
+        for _ in range(5):
+            call()
+        result[name] = events_ms(lambda: [call() for _ in range(10)], 20) / 10
+    result["sum"] = sum(result.values())
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--work", default="/tmp/bench-work")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--frames", type=int, default=300)
+    parser.add_argument("--size", type=int, default=512)
+    args = parser.parse_args()
+    work, out = Path(args.work), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    folder = ensure_export("turbo", "fp16", "optimized", work)
+    tiny = tiny_vae_folder(work)
+    rows = []
+    torch.manual_seed(0)
+    frame = torch.rand(1, 3, args.size, args.size, device="cuda") * 2 - 1
+    for vae in ("tiny", "full"):
+        stream = OnnxStreamDiffusionPipeline.from_pretrained(folder, provider="CUDAExecutionProvider",
+                                                             tiny_vae=tiny if vae == "tiny" else None)
+        for steps, stream_batch in ((1, False), (2, True), (2, False)):
+            row = {"vae": vae, "unet_steps": steps, "stream_batch": stream_batch}
+            try:
+                start = time.perf_counter()
+                stream.prepare("a photo of a cat", num_inference_steps=2 * steps, strength=0.5, guidance_scale=0.0,
+                               seed=0, height=args.size, width=args.size, stream_batch=stream_batch)
+                row["prepare_s"] = time.perf_counter() - start
+                row.update(measure(stream, frame, args.frames))
+                row["floor_ms"] = floor_ms(stream, steps if stream_batch else 1, args.size)
+                unet_calls = 1 if stream_batch else steps
+                floor = (row["floor_ms"]["vae_encoder"] + unet_calls * row["floor_ms"]["unet"]
+                         + row["floor_ms"]["vae_decoder"])
+                row["floor_frame_ms"] = floor
+                row["frame_ms"] = 1e3 / row["fps"]
+                row["ratio_to_floor"] = row["frame_ms"] / floor
+            except Exception as error:  # one configuration failing must not lose the others
+                row["error"] = f"{type(error).__name__}: {error}"[:2000]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del stream
+        torch.cuda.empty_cache()
+    result = {"command": " ".join(["python3", *sys.argv]), "environment": environment(), "size": args.size,
+              "frames": args.frames, "rows": rows}
+    (out / "stream_probe.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
