@@ -331,13 +331,19 @@ def test_a_local_cluster_listens_on_loopback_only(server_process):
     assert off_loopback == [], off_loopback
 
 
-def stopped_cleanly(server: ServerProcess, status: int, signum: int) -> None:
+def stopped_cleanly(server: ServerProcess, status: int, signum: int, whole_group: bool = False) -> None:
     errors = server.errors()
     assert status == 0, errors[-3000:]
     assert f"stopped by {signal.Signals(signum).name}" in server.output()
     for dump in ("Traceback", "*** SIG", "received at time", "graceful_shutdown failed", "Failed to connect to GCS"):
         assert dump not in errors, errors[-3000:]
-    assert not re.search(r"^\[[^\]]* E \d+ \d+\]", errors, re.MULTILINE), errors[-3000:]  # Ray's C++ error lines
+    # Ray's C++ error lines. A SIGTERM sent to the whole group stops the cluster's processes beside the server's:
+    # the server's core worker may then report, until it disconnects, that it cannot reach the GCS the same signal
+    # stopped; that line and no other is the cluster's going, not a failed shutdown.
+    gone = re.compile(r"task_manager\.cc:\d+: Failed to push error to driver for task")
+    failed = [line for line in errors.splitlines()
+              if re.match(r"\[[^\]]* E \d+ \d+\]", line) and not (whole_group and gone.search(line))]
+    assert failed == [], errors[-3000:]
     _, alive = psutil.wait_procs(server.processes, timeout=120)
     assert alive == [], [process.name() for process in alive]
 
@@ -355,7 +361,7 @@ def test_sigterm_stops_the_server_cleanly(tiny_folder, tmp_path, whole_group):
     finally:
         if server.process.poll() is None:
             server.kill()
-    stopped_cleanly(server, status, signal.SIGTERM)
+    stopped_cleanly(server, status, signal.SIGTERM, whole_group)
 
 
 # ------------------------------------------------------------ HTTP on a local Ray cluster in this process
