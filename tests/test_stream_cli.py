@@ -9,7 +9,9 @@ import os
 import re
 
 import numpy as np
+import onnxruntime as ort
 import pytest
+import torch
 from PIL import Image
 
 from optimum_iobinding import OnnxStreamDiffusionPipeline
@@ -251,3 +253,36 @@ def test_a_prompt_is_required(capsys, no_work, tmp_path):
         main(["stream", str(tmp_path), str(tmp_path / "out")])
     assert exit_info.value.code == 2
     assert "--prompt" in capsys.readouterr().err
+
+
+def test_the_stream_command_prints_its_help(capsys, no_work):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["stream", "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: optimum-iobinding stream")
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+requires_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()),
+    reason="needs a CUDA GPU, a CUDA build of torch and onnxruntime-gpu")
+
+
+@requires_cuda
+@pytest.mark.parametrize("options", [(), ("--steps", "4"), ("--steps", "4", "--no-stream-batch")],
+                         ids=["one-step", "two-steps-stream-batch", "two-steps-in-turn"])
+def test_on_cuda_the_command_gives_the_frames_of_the_pipeline_run_directly(tmp_path, tiny_folder, image_folder,
+                                                                           tiny_vae, options):
+    assert main(["stream", str(image_folder), str(tmp_path / "out"), "--prompt", PROMPT, "--model", str(tiny_folder),
+                 "--tiny-vae", str(tiny_vae), "--provider", "CUDAExecutionProvider", *options]) == 0
+    _, inputs = read_all(image_folder)
+    _, outputs = read_all(tmp_path / "out")
+    stream = OnnxStreamDiffusionPipeline.from_pretrained(tiny_folder, provider="CUDAExecutionProvider",
+                                                         tiny_vae=tiny_vae)
+    steps = 4 if "4" in options else 2
+    stream.prepare(PROMPT, num_inference_steps=steps, strength=0.5, guidance_scale=0.0, seed=0, height=SIZE,
+                   width=SIZE, stream_batch="--no-stream-batch" not in options)
+    expected = list(stream.frames(inputs))
+    assert len(outputs) == len(expected) == FRAMES
+    for output, reference in zip(outputs, expected):
+        np.testing.assert_array_equal(output, reference)
