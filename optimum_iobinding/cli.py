@@ -355,7 +355,8 @@ def check_stream_folders(model: Optional[str], tiny_vae: Optional[str]) -> None:
                              f"{', '.join(missing)}{hint}")
     if tiny_vae is not None and Path(tiny_vae).exists():
         folder = Path(tiny_vae)
-        missing = [f"{name}/model.onnx" for name in STREAM_VAE_COMPONENTS if not (folder / name / "model.onnx").is_file()]
+        missing = [f"{name}/model.onnx" for name in STREAM_VAE_COMPONENTS
+                   if not (folder / name / "model.onnx").is_file()]
         if missing:
             raise UsageError(f"--tiny-vae: expected an AutoencoderTiny export holding vae_encoder/model.onnx and "
                              f"vae_decoder/model.onnx, got {tiny_vae!r} without {' and '.join(missing)}; make one "

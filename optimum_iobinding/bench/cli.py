@@ -24,10 +24,10 @@ ms of its calls, device memory, sessions created after the first round; the peer
 ``pipe.warmup(...)`` for those batch sizes after loading.
 
 ``--scenario stream`` is real-time image to image instead (:func:`stream_benchmark`): the turbo architecture at 512²,
-batch 1, fused fp16 (or the first of ``--dtypes``/``--exports`` where given), its full VAE and a TAESD-shaped tiny VAE, 1 step and
-2 steps (stream batch on and off); per peer (:data:`.peers.STREAM_PEERS`) per-frame latency p50/p99 and frames/s over
-``--frames`` frames, the floor of the components' graphs, and a ``--video-frames`` video through the ``stream``
-command; results in stream.json/md/png.
+batch 1, fused fp16 (or the first of ``--dtypes``/``--exports`` where given), its full VAE and a TAESD-shaped tiny
+VAE, 1 step and 2 steps (stream batch on and off); per peer (:data:`.peers.STREAM_PEERS`) per-frame latency
+p50/p99 and frames/s over ``--frames`` frames, the floor of the components' graphs, and a ``--video-frames`` video
+through the ``stream`` command; results in stream.json/md/png.
 
     optimum-iobinding bench --models tiny,small,sd15 --dtypes fp16 --exports plain,optimized --out benchmarks/results/h100
     optimum-iobinding bench --scenario stream --dtypes fp16 --exports optimized --out benchmarks/results/h100/stream

@@ -271,8 +271,8 @@ def mixed_rounds(call: Callable[[int], float], batches: Sequence[int], rounds: i
 #           prompt's embeddings computed once
 #   floor   the components' own CUDA graphs replayed back to back: VAE encoder + UNet (the stream's batch, or each
 #           step in turn) + VAE decoder
-#   video   a 512² video file: the codec alone (decode + encode), the ``stream`` command (decode → stream → encode),
-#           and the same decoded frames through the stream from memory
+#   video   a 512² video file: the codec alone (decode + encode), the ``stream`` command (decode → stream →
+#           encode), and the same decoded frames through the stream from memory
 STREAM_PEERS = ("ours", "numpy", "torch", "floor", "video")
 STREAM_SIZE = 512
 STREAM_KIND = "turbo"

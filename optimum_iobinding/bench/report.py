@@ -243,8 +243,9 @@ def write_stream_report(results: Dict[str, Any], out: Path) -> None:
             if peer == "floor":
                 parts = result["parts_ms"]
                 lines.append(f"| {label} | floor (encoder {parts['vae_encoder']:.2f} + UNet {result['unet_calls']} × "
-                             f"{parts['unet']:.2f} at batch {result['unet_batch']} + decoder {parts['vae_decoder']:.2f}) "
-                             f"| {result['frame_ms']:.2f} | | {result['fps']:.1f} | 1.00 | |")
+                             f"{parts['unet']:.2f} at batch {result['unet_batch']} + decoder "
+                             f"{parts['vae_decoder']:.2f}) | {result['frame_ms']:.2f} | | {result['fps']:.1f} "
+                             "| 1.00 | |")
                 continue
             vs_floor = f"{result['p50_ms'] / floor:.2f}" if floor else ""
             vs_torch = f"{torch_tiny / result['p50_ms']:.2f}" if torch_tiny else ""
@@ -254,9 +255,9 @@ def write_stream_report(results: Dict[str, Any], out: Path) -> None:
     if videos:
         lines += [
             "",
-            f"A {results['size']}² H.264 video through the `stream` command (decode → stream → encode, its frame loop; "
-            "load and prepare apart), against the same decoded frames through the stream from memory (numpy in and "
-            "out) and ours with CUDA frames, and the codec alone (decode, then encode, no model):",
+            f"A {results['size']}² H.264 video through the `stream` command (decode → stream → encode, its frame "
+            "loop; load and prepare apart), against the same decoded frames through the stream from memory (numpy in "
+            "and out) and ours with CUDA frames, and the codec alone (decode, then encode, no model):",
             "",
             "| configuration | frames | codec alone frames/s | stream command frames/s | in memory, host frames "
             "frames/s | in memory, CUDA frames frames/s |",
