@@ -1,5 +1,5 @@
-"""The ``optimum-iobinding`` command: ``generate`` an image, ``export`` a pipeline to ONNX, ``serve`` it over HTTP,
-``loadtest`` a running service, ``bench`` every peer on the GPU."""
+"""The ``optimum-iobinding`` command: ``generate`` an image, ``stream`` a video through a few-step model, ``export`` a
+pipeline to ONNX, ``serve`` it over HTTP, ``loadtest`` a running service, ``bench`` every peer on the GPU."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterator, List, Mapping, Optional, Tuple
 
 if TYPE_CHECKING:
     from .serve.config import ServeConfig
@@ -309,6 +309,127 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# what the stream pipeline's own checks call the options of `stream`
+STREAM_OPTIONS = {"num_inference_steps": "--steps", "strength": "--strength", "guidance_scale": "--guidance",
+                  "height": "--size", "width": "--size", "height and width": "--size", "provider": "--provider",
+                  "tiny_vae": "--tiny-vae", "pretrained_model_name_or_path": "--model", "model": "--model",
+                  "prompt": "--prompt", "negative_prompt": "--negative-prompt", "seed": "--seed"}
+STREAM_SEEDS = range(2**63)  # what torch.Generator().manual_seed takes without wrapping around
+SIZE_MULTIPLE = 8  # Stable Diffusion's VAE scale: the pipeline checks the model's own multiple again
+STREAM_DEFAULT_FPS = 30.0  # a folder of images carries no rate: a video written from one plays at this rate
+# an SD pipeline folder the stream loads: the text encoder, the UNet and (unless --tiny-vae) both halves of the VAE
+STREAM_COMPONENTS = ("text_encoder", "unet")
+STREAM_VAE_COMPONENTS = ("vae_encoder", "vae_decoder")
+
+
+def parse_frame_size(text: Optional[str]) -> Optional[Tuple[int, int]]:
+    """``--size``: ``512`` (a square) or ``768x512`` (width x height), as (width, height); ``None`` keeps the
+    input's size."""
+    if text is None:
+        return None
+    width, separator, height = text.lower().partition("x")
+    if not separator:
+        height = width
+    if not (width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+        raise UsageError(f"--size: expected pixels as 512 or 768x512 (width x height), got {text!r}")
+    return int(width), int(height)
+
+
+def check_stream_folders(model: Optional[str], tiny_vae: Optional[str]) -> None:
+    """A local --model folder holds what the stream loads (model_index.json, the tokenizer, the text encoder, the
+    UNet, and the VAE's encoder and decoder unless --tiny-vae replaces them); a local --tiny-vae folder holds
+    vae_encoder/ and vae_decoder/. Hub ids are fetched by the loading."""
+    if model is not None and Path(model).exists():
+        folder = Path(model)
+        if not folder.is_dir():
+            raise UsageError(f"--model: expected an ONNX pipeline folder or a hub id, got the file {model!r}")
+        needed = [*STREAM_COMPONENTS, *(() if tiny_vae is not None else STREAM_VAE_COMPONENTS)]
+        missing = (["model_index.json"] if not (folder / "model_index.json").is_file() else []) + [
+            f"{name}/model.onnx" for name in needed if not (folder / name / "model.onnx").is_file()]
+        if not (folder / "tokenizer").is_dir():
+            missing.append("tokenizer/")
+        if missing:
+            hint = ("; pass --tiny-vae FOLDER for a folder without a VAE encoder" if any(
+                name.startswith("vae_") for name in missing) else "; export one with optimum-iobinding export")
+            raise UsageError(f"--model: expected an ONNX Stable Diffusion folder, got {model!r} without "
+                             f"{', '.join(missing)}{hint}")
+    if tiny_vae is not None and Path(tiny_vae).exists():
+        folder = Path(tiny_vae)
+        missing = [f"{name}/model.onnx" for name in STREAM_VAE_COMPONENTS
+                   if not (folder / name / "model.onnx").is_file()]
+        if missing:
+            raise UsageError(f"--tiny-vae: expected an AutoencoderTiny export holding vae_encoder/model.onnx and "
+                             f"vae_decoder/model.onnx, got {tiny_vae!r} without {' and '.join(missing)}; make one "
+                             "with optimum-iobinding export --tiny-vae ID_OR_FOLDER -o FOLDER")
+
+
+def check_stream_arguments(args: argparse.Namespace) -> Optional[Tuple[int, int]]:
+    """Every check of `stream` that needs neither the frames nor the model; returns --size as (width, height)."""
+    from .runtime.options import normalize_providers
+
+    check(args.steps > 0, "--steps", "a positive integer", args.steps)
+    check(math.isfinite(args.strength) and 0 < args.strength <= 1, "--strength", "a number in (0, 1]",
+          args.strength)
+    check(math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
+    check(args.seed in STREAM_SEEDS, "--seed", f"an integer in 0 … {STREAM_SEEDS[-1]}", args.seed)
+    size = parse_frame_size(args.size)
+    if size is not None:
+        check(size[0] % SIZE_MULTIPLE == 0 and size[1] % SIZE_MULTIPLE == 0, "--size",
+              f"a width and height that are multiples of {SIZE_MULTIPLE} (the VAE's scale)", args.size)
+    check_local_or_hub("--model", args.model)
+    check_local_or_hub("--tiny-vae", args.tiny_vae)
+    check_stream_folders(args.model, args.tiny_vae)
+    if args.provider is not None:
+        with options_named(STREAM_OPTIONS):
+            normalize_providers(args.provider, io_binding=True)
+    return size
+
+
+def run_stream(args: argparse.Namespace) -> int:
+    """``stream INPUT OUTPUT``: every frame of a video file or a folder of images through
+    :class:`OnnxStreamDiffusionPipeline`, written to a video file or a folder of PNGs (atomically)."""
+    from tqdm.auto import tqdm
+
+    from .video import FrameWriter, open_frames
+
+    size = check_stream_arguments(args)
+    if Path(args.output).expanduser().resolve() == Path(args.input).expanduser().resolve():
+        raise UsageError(f"OUTPUT: expected another path than INPUT, got {args.output!r} for both (the input is read "
+                         "while the output is written)")
+    reader = open_frames(args.input, size, argument="INPUT")  # its first frame decoded: a bad file fails here
+    width, height = reader.size
+    if width % SIZE_MULTIPLE or height % SIZE_MULTIPLE:
+        raise UsageError(f"INPUT: expected frames whose width and height are multiples of {SIZE_MULTIPLE}, got "
+                         f"{width}×{height} frames in {args.input!r}; pass --size (e.g. --size "
+                         f"{max(SIZE_MULTIPLE, width // SIZE_MULTIPLE * SIZE_MULTIPLE)}) to fit every frame to one")
+    writer = FrameWriter(args.output, fps=reader.fps or STREAM_DEFAULT_FPS, overwrite=args.overwrite,
+                         argument="OUTPUT")  # an existing output refused before any model loads
+
+    model = Path(args.model) if args.model and Path(args.model).exists() else args.model
+    if model is None:
+        model = tiny_model_folder(Path(args.cache_dir) if args.cache_dir else None)
+    provider = args.provider or default_provider()
+    from .pipelines import OnnxStreamDiffusionPipeline
+
+    started = time.perf_counter()
+    with writer, reader, options_named(STREAM_OPTIONS):
+        stream = OnnxStreamDiffusionPipeline.from_pretrained(model, provider=provider, tiny_vae=args.tiny_vae)
+        stream.prepare(args.prompt, negative_prompt=args.negative_prompt, num_inference_steps=args.steps,
+                       strength=args.strength, guidance_scale=args.guidance, seed=args.seed, height=height,
+                       width=width, stream_batch=args.stream_batch)
+        ready = time.perf_counter()
+        outputs = stream.frames(reader)
+        for frame in tqdm(outputs, total=reader.frame_count, desc="stream", unit="frame"):
+            writer.write(frame)
+        seconds = time.perf_counter() - ready
+    frames = writer.frames_written
+    print(f"{args.output}: {frames} frames of {width}×{height} in {seconds:.2f} s ({frames / seconds:.1f} frames/s; "
+          f"load and prepare {ready - started:.1f} s; {args.steps} steps at strength {args.strength}, "
+          f"{len(stream.timesteps)} UNet step(s) a frame; {provider}; model {model}"
+          + (f", tiny VAE {args.tiny_vae}" if args.tiny_vae else "") + ")")
+    return 0
+
+
 # ServeConfig's settings and the options of `serve` that give them
 SERVE_OPTIONS = {"model": "model", "replicas": "--replicas", "max_batch_size": "--max-batch-size",
                  "batch_wait_timeout_s": "--batch-wait-ms", "device": "--device", "provider": "--provider",
@@ -473,6 +594,41 @@ def build_parser() -> argparse.ArgumentParser:
     loadtest.add_argument("--out", default=None,
                           help="folder for loadtest.json and .md, and .png with matplotlib (the plot extra)")
     loadtest.set_defaults(run=run_loadtest_command)
+
+    stream = add_command(
+        commands, "stream", help="a video (or a folder of images) through a few-step model, frame by frame",
+        description="Runs every frame of INPUT through OnnxStreamDiffusionPipeline (the prompt encoded once, the "
+                    "noise fixed, CUDA graphs on CUDA) and writes OUTPUT: a video file (.mp4, .mkv, .mov: H.264; "
+                    ".webm: VP9) at the input's rate, or a folder of PNGs (a path without an extension). The "
+                    "defaults are SD-Turbo's recipe: one UNet step (--steps 2 at --strength 0.5), no guidance. "
+                    "Video files need the video extra: pip install 'optimum-iobinding[video]'.")
+    stream.add_argument("input", metavar="INPUT", help="a video file or a folder of images (read in natural order)")
+    stream.add_argument("output", metavar="OUTPUT", help="a video file or a folder for PNG frames")
+    stream.add_argument("--prompt", required=True, help="what every frame should become")
+    stream.add_argument("--negative-prompt", default=None, help="with --guidance above 1")
+    stream.add_argument("--model", default=None,
+                        help="ONNX pipeline folder or hub id (default: a tiny random model built offline)")
+    stream.add_argument("--steps", type=int, default=2,
+                        help="the scheduler's steps, of which the last --strength are run (default 2)")
+    stream.add_argument("--strength", type=float, default=0.5,
+                        help="how far each frame is noised, in (0, 1] (default 0.5)")
+    stream.add_argument("--guidance", type=float, default=0.0, help="guidance scale (default 0: none)")
+    stream.add_argument("--seed", type=int, default=0, help="the stream's fixed noise (default 0)")
+    stream.add_argument("--tiny-vae", default=None, metavar="FOLDER",
+                        help="an AutoencoderTiny export (vae_encoder/, vae_decoder/; optimum-iobinding export "
+                             "--tiny-vae) in place of the model's VAE")
+    stream.add_argument("--size", default=None,
+                        help="fit every frame to this size, 512 or 768x512 (width x height; scaled to cover, "
+                             "centre cropped); default: the input's, which must then be multiples of 8")
+    stream.add_argument("--stream-batch", action=argparse.BooleanOptionalAction, default=True,
+                        help="with several UNet steps, one UNet call a frame holding consecutive frames at their "
+                             "steps (default); --no-stream-batch runs a frame's steps in turn")
+    stream.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT (once the new one is "
+                                                                 "whole)")
+    stream.add_argument("--provider", default=None, help="ORT execution provider (default: CUDA if available)")
+    stream.add_argument("--cache-dir", default=None,
+                        help="where the tiny model is built (default ~/.cache/optimum-iobinding)")
+    stream.set_defaults(run=run_stream)
 
     add_command(commands, "bench", help="benchmark every peer on the GPU (optimum-iobinding bench --help)")
     export = add_command(commands, "export", help="export a diffusers pipeline to the ONNX layout")

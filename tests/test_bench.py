@@ -348,3 +348,125 @@ def test_the_bench_cli_takes_no_abbreviations(capsys):
     with pytest.raises(SystemExit):
         main(["--step", "2"])  # not taken for --steps
     assert "unrecognized arguments: --step 2" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- the stream scenario
+def stream_result(p50, p99, fps):
+    return {"p50_ms": p50, "p99_ms": p99, "fps": fps, "latency_ms_all": [p50, p99]}
+
+
+def stream_results():
+    from optimum_iobinding.bench.cli import stream_rows
+
+    rows = stream_rows()
+    for row in rows:
+        tiny = row["vae"] == "tiny"
+        row["peers"] = {
+            "ours": stream_result(10.0 if tiny else 30.0, 12.0, 110.0),
+            "numpy": ({"peer": "numpy", "skipped": "diffusers' ONNX img2img pipeline runs the folder's own VAE"}
+                      if tiny else stream_result(90.0, 95.0, 11.0)),
+            "torch": stream_result(40.0 if tiny else 60.0, 45.0, 25.0),
+            "floor": {"peer": "floor", "frame_ms": 8.0, "fps": 125.0, "unet_batch": 1, "unet_calls": 1,
+                      "parts_ms": {"vae_encoder": 2.0, "unet": 5.0, "vae_decoder": 1.0}},
+        }
+        if row["unet_steps"] == 1:
+            row["peers"]["video"] = {"peer": "video", "frames": 120, "codec_fps": 300.0, "command_fps": 80.0,
+                                     "in_memory_host_fps": 95.0}
+    rows[-1]["peers"]["ours"] = {"peer": "ours", "error": "Traceback …\nRuntimeError: the graph broke"}
+    return {"environment": {"device": "GPU", "command": "optimum-iobinding bench --scenario stream", "date": "today"},
+            "scenario": "stream", "model": "turbo", "size": 512, "dtype": "fp16", "export": "optimized",
+            "frames": 200, "video_frames": 120, "warmup": 10, "rows": rows}
+
+
+def test_the_stream_report_gives_latency_frames_per_second_and_ratios_to_the_floor_and_torch_tiny(tmp_path):
+    from optimum_iobinding.bench.report import write_stream_report
+
+    write_stream_report(stream_results(), tmp_path)
+    table = (tmp_path / "stream.md").read_text()
+    # ours with the tiny VAE: 10 ms against a floor of 8 (1.25) and torch tiny-VAE's 40 ms (4.00 × faster)
+    assert "| 1 step, tiny VAE | ours | 10.00 | 12.00 | 110.0 | 1.25 | 4.00 |" in table
+    # with the full VAE: 30 / 8 and 40 / 30 (torch tiny-VAE of the same step count)
+    assert "| 1 step, full VAE | ours | 30.00 | 12.00 | 110.0 | 3.75 | 1.33 |" in table
+    assert "| 2 steps, stream batch, full VAE | numpy | 90.00 | 95.00 | 11.0 | 11.25 | 0.44 |" in table
+    assert "| 1 step, tiny VAE | numpy | — (diffusers' ONNX img2img pipeline runs the folder's own VAE) |" in table
+    assert "| 2 steps in turn, tiny VAE | ours | failed: RuntimeError: the graph broke |" in table
+    assert "floor (encoder 2.00 + UNet 1 × 5.00 at batch 1 + decoder 1.00) | 8.00 |" in table
+    # the video: codec alone, the command, from memory with host frames, ours with CUDA frames
+    assert "| 1 step, tiny VAE | 120 | 300.0 | 80.0 | 95.0 | 110.0 |" in table
+    assert "`optimum-iobinding bench --scenario stream`" in table
+
+
+def test_a_failing_stream_peer_records_its_error_and_the_others_go_on(tmp_path, monkeypatch):
+    import optimum_iobinding.bench.cli as cli
+
+    calls = []
+
+    def fake_run(args, pythonpath, timeout):
+        peer = args[args.index("--run-stream") + 1]
+        calls.append((peer, args))
+        if peer == "numpy":
+            return {"error": "Traceback …\nValueError: no such pipeline"}
+        if peer == "video":
+            return {"peer": "video", "frames": 30, "codec_fps": 300.0, "command_fps": 80.0, "in_memory_host_fps": 90.0}
+        return stream_result(10.0, 11.0, 100.0)
+
+    monkeypatch.setattr(cli, "ensure_export", lambda kind, dtype, export, work: tmp_path / f"{kind}-{dtype}-{export}")
+    monkeypatch.setattr(cli, "ensure_tiny_vae_export", lambda dtype, export, work: tmp_path / "taesd")
+    monkeypatch.setattr(cli, "environment", lambda: {"device": "GPU", "command": "bench", "date": "today"})
+    results = cli.stream_benchmark(["ours", "numpy", "torch", "video"], "fp16", "optimized", 50, 30, 5, tmp_path,
+                                   tmp_path / "out", 60, run=fake_run)
+    assert [(row["unet_steps"], row["stream_batch"], row["vae"]) for row in results["rows"]] == [
+        (1, True, "full"), (1, True, "tiny"), (2, True, "full"), (2, True, "tiny"), (2, False, "full"),
+        (2, False, "tiny")]
+    for row in results["rows"]:
+        assert "error" in row["peers"]["numpy"] and row["peers"]["ours"]["fps"] == 100.0
+        assert ("video" in row["peers"]) == (row["unet_steps"] == 1)
+    # numpy and torch run once per step count and VAE: the row without the stream batch reuses them
+    assert [peer for peer, _ in calls].count("torch") == 4 and [peer for peer, _ in calls].count("ours") == 6
+    assert results["rows"][4]["peers"]["torch"]["measured_in"] == "2 steps, stream batch, full VAE"
+    tiny_args = [args for peer, args in calls if peer == "ours"][1]
+    assert tiny_args[tiny_args.index("--tiny-vae-folder") + 1] == str(tmp_path / "taesd")
+    assert (tmp_path / "out" / "stream.md").is_file() and (tmp_path / "out" / "stream.json").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--frames", "0"], "--frames: expected an integer ≥ 1, got 0"),
+    (["--video-frames", "0"], "--video-frames: expected an integer ≥ 1, got 0"),
+    (["--frame-warmup", "-1"], "--frame-warmup: expected an integer ≥ 0, got -1"),
+    (["--peers", "ours,graph"], "--peers: expected for --scenario stream a comma-separated list of ours, numpy, "
+                                "torch, floor, video, got 'ours,graph'"),
+])
+def test_the_stream_scenario_checks_its_options_before_looking_for_a_gpu(capsys, argv, message):
+    from optimum_iobinding.bench.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--scenario", "stream", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_stream_scenario_uses_the_fused_fp16_export_unless_told_otherwise():
+    import argparse
+
+    from optimum_iobinding.bench.cli import stream_export
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtypes", default="fp16,fp32")
+    parser.add_argument("--exports", default="plain,optimized")
+    split = lambda text: text.split(",")  # noqa: E731
+    assert stream_export(parser, parser.parse_args([]), split) == ("fp16", "optimized")
+    assert stream_export(parser, parser.parse_args(["--exports", "plain"]), split) == ("fp16", "plain")
+
+
+@pytest.mark.parametrize("steps, strength, unet_steps", [(2, 0.5, 1), (4, 0.5, 2), (1, 1.0, 1), (3, 0.5, 1)])
+def test_the_stream_takes_the_last_strength_of_the_steps_as_diffusers_img2img_does(steps, strength, unet_steps):
+    from diffusers import EulerAncestralDiscreteScheduler, StableDiffusionImg2ImgPipeline
+
+    from optimum_iobinding.bench.peers import stream_unet_steps
+
+    scheduler = EulerAncestralDiscreteScheduler(timestep_spacing="trailing")
+    scheduler.set_timesteps(steps)
+    pipe = StableDiffusionImg2ImgPipeline.__new__(StableDiffusionImg2ImgPipeline)
+    pipe.scheduler = scheduler
+    timesteps, count = pipe.get_timesteps(steps, strength, "cpu")
+    assert stream_unet_steps(steps, strength) == count == unet_steps

@@ -23,7 +23,14 @@ steps`` steps each, for ``--rounds`` rounds of ``--cycles`` passes over them: pe
 ms of its calls, device memory, sessions created after the first round; the peer ``warmed`` is "defaults" with
 ``pipe.warmup(...)`` for those batch sizes after loading.
 
+``--scenario stream`` is real-time image to image instead (:func:`stream_benchmark`): the turbo architecture at 512²,
+batch 1, fused fp16 (or the first of ``--dtypes``/``--exports`` where given), its full VAE and a TAESD-shaped tiny
+VAE, 1 step and 2 steps (stream batch on and off); per peer (:data:`.peers.STREAM_PEERS`) per-frame latency
+p50/p99 and frames/s over ``--frames`` frames, the floor of the components' graphs, and a ``--video-frames`` video
+through the ``stream`` command; results in stream.json/md/png.
+
     optimum-iobinding bench --models tiny,small,sd15 --dtypes fp16 --exports plain,optimized --out benchmarks/results/h100
+    optimum-iobinding bench --scenario stream --dtypes fp16 --exports optimized --out benchmarks/results/h100/stream
 """
 
 from __future__ import annotations
@@ -35,15 +42,20 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .peers import MIXED_PEERS, OPTIMUM_PEERS, PEERS, run_mixed, run_peer
+from .peers import (MIXED_PEERS, OPTIMUM_PEERS, PEERS, STREAM_BATCH_BLIND, STREAM_KIND, STREAM_PEERS, STREAM_SIZE,
+                    PeerUnavailable, run_mixed, run_peer, run_stream_peer, stream_unet_steps)
 from .probes import environment, run_floor
-from .report import combine_repeats, write_mixed_report, write_report
-from .zoo import MODEL_SIZES, ensure_export
+from .report import combine_repeats, stream_row_label, write_mixed_report, write_report, write_stream_report
+from .zoo import MODEL_SIZES, ensure_export, ensure_tiny_vae_export
+
+# the stream scenario's configurations: (num_inference_steps, strength, stream batch), each with both VAEs
+STREAM_CONFIGS = ((2, 0.5, True), (4, 0.5, True), (4, 0.5, False))
+STREAM_VAES = ("full", "tiny")
 
 # what --help says the benchmark is
 DESCRIPTION = ("Benchmark: the same ONNX files through every ONNX peer, plus diffusers' torch pipeline, on one GPU in "
@@ -150,6 +162,59 @@ def mixed_benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Seque
     return results
 
 
+def stream_rows() -> List[Dict[str, Any]]:
+    """The stream scenario's rows, in order: each configuration of :data:`STREAM_CONFIGS` with each VAE."""
+    return [{"steps": steps, "strength": strength, "stream_batch": stream_batch, "vae": vae,
+             "unet_steps": stream_unet_steps(steps, strength), "peers": {}}
+            for steps, strength, stream_batch in STREAM_CONFIGS for vae in STREAM_VAES]
+
+
+def stream_benchmark(peers: Sequence[str], dtype: str, export: str, frames: int, video_frames: int, warmup: int,
+                     work: Path, out: Path, timeout: int,
+                     run: Any = run_in_subprocess) -> Dict[str, Any]:
+    """``--scenario stream``: every peer of every row in a process of its own (``run``, :func:`run_in_subprocess`);
+    a peer that fails has its error in its row and the others go on. The numpy and torch peers, whose work the
+    stream batch does not change, run once per step count and VAE (the row without the stream batch shows the same
+    result, ``measured_in`` naming the row); the video runs on the 1-step rows. stream.json is rewritten after every
+    row, stream.md/png at the end."""
+    out.mkdir(parents=True, exist_ok=True)
+    results: Dict[str, Any] = {"environment": environment(), "scenario": "stream", "model": STREAM_KIND,
+                               "size": STREAM_SIZE, "dtype": dtype, "export": export, "frames": frames,
+                               "video_frames": video_frames, "warmup": warmup, "rows": []}
+    folder = ensure_export(STREAM_KIND, dtype, export, work)
+    try:
+        tiny_vae: Optional[Path] = ensure_tiny_vae_export(dtype, export, work)
+        tiny_error = None
+    except Exception as error:  # noqa: BLE001 — the full-VAE rows still run
+        tiny_vae, tiny_error = None, f"the tiny VAE export failed: {type(error).__name__}: {error}"
+    measured: Dict[Any, Dict[str, Any]] = {}
+    for row in stream_rows():
+        label = stream_row_label(row)
+        config = {key: row[key] for key in ("steps", "strength", "stream_batch", "vae")}
+        for peer in peers:
+            if peer == "video" and row["unet_steps"] != 1:
+                continue
+            if row["vae"] == "tiny" and tiny_vae is None:
+                row["peers"][peer] = {"peer": peer, "error": tiny_error}
+                continue
+            key = (peer, row["steps"], row["strength"], row["vae"])
+            if peer in STREAM_BATCH_BLIND and key in measured:
+                row["peers"][peer] = measured[key]
+                continue
+            print(f"stream: {label}: {peer}", file=sys.stderr, flush=True)
+            args = ["--run-stream", peer, "--folder", str(folder), "--stream-config", json.dumps(config),
+                    "--frames", str(video_frames if peer == "video" else frames), "--frame-warmup", str(warmup),
+                    "--work", str(work)] + (["--tiny-vae-folder", str(tiny_vae)] if row["vae"] == "tiny" else [])
+            result = run(args, None, timeout)
+            row["peers"][peer] = result
+            if peer in STREAM_BATCH_BLIND:
+                measured[key] = {**result, "measured_in": label}
+        results["rows"].append(row)
+        (out / "stream.json").write_text(json.dumps(results, indent=2))
+    write_stream_report(results, out)
+    return results
+
+
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any) -> None:
     """Every option checked before any export or peer starts: ``parser.error`` names the option, what it expects
     and what came."""
@@ -160,6 +225,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
     choices = {"--models": (args.models, tuple(MODEL_SIZES)), "--dtypes": (args.dtypes, ("fp16", "fp32")),
                "--exports": (args.exports, ("plain", "optimized")),
                "--peers": (args.peers, tuple(dict.fromkeys((*PEERS, *MIXED_PEERS))))}
+    if args.scenario == "stream":
+        del choices["--peers"]  # its own peers, checked below
     for option, (text, known) in choices.items():
         items = split(text)
         unknown = [item for item in items if item not in known]
@@ -167,11 +234,23 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
     for option, value, least in (("--steps", args.steps, 1), ("--runs", args.runs, 1), ("--warmup", args.warmup, 0),
                                  ("--repeats", args.repeats, 1), ("--timeout", args.timeout, 1),
                                  ("--mixed-steps", args.mixed_steps, 1), ("--rounds", args.rounds, 1),
-                                 ("--cycles", args.cycles, 1)):
+                                 ("--cycles", args.cycles, 1), ("--frames", args.frames, 1),
+                                 ("--video-frames", args.video_frames, 1), ("--frame-warmup", args.frame_warmup, 0)):
         expect(value >= least, option, f"an integer ≥ {least}", value)
+    if args.scenario == "stream" and args.peers != parser.get_default("peers"):
+        unknown = [item for item in split(args.peers) if item not in STREAM_PEERS]
+        expect(bool(split(args.peers)) and not unknown, "--peers",
+               f"for --scenario stream a comma-separated list of {', '.join(STREAM_PEERS)}", args.peers)
     batches = split(args.mixed_batches)
     expect(bool(batches) and all(item.isdigit() and int(item) >= 1 for item in batches), "--mixed-batches",
            "a comma-separated list of positive integers", args.mixed_batches)
+
+
+def stream_export(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any) -> Tuple[str, str]:
+    """The stream scenario's one export: the first of --dtypes and of --exports where given, else fused fp16."""
+    dtype = split(args.dtypes)[0] if args.dtypes != parser.get_default("dtypes") else "fp16"
+    export = split(args.exports)[0] if args.exports != parser.get_default("exports") else "optimized"
+    return dtype, export
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -191,20 +270,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--optimum-pythonpath", default=None, help="site folder of the optimum-onnx environment")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per peer process")
     parser.add_argument("--report-only", action="store_true", help="re-render results.md/png from results.json")
-    parser.add_argument("--scenario", choices=("single", "mixed"), default="single",
-                        help="single: one batch size, every peer (default); mixed: batch sizes in turn, rounds")
+    parser.add_argument("--scenario", choices=("single", "mixed", "stream"), default="single",
+                        help="single: one batch size, every peer (default); mixed: batch sizes in turn, rounds; "
+                             "stream: frames through few-step image to image (turbo, 512², batch 1)")
     parser.add_argument("--mixed-batches", default="1,4,8,2", help="mixed: images per call, in turn")
     parser.add_argument("--mixed-steps", type=int, default=10, help="mixed: steps per call")
     parser.add_argument("--rounds", type=int, default=3, help="mixed: rounds over the batch sizes")
     parser.add_argument("--cycles", type=int, default=3,
                         help="mixed: passes over the batch sizes per round; a round's time per batch size is the "
                              "median of its calls")
+    parser.add_argument("--frames", type=int, default=200, help="stream: timed frames per peer")
+    parser.add_argument("--video-frames", type=int, default=120, help="stream: frames of the 512² video")
+    parser.add_argument("--frame-warmup", type=int, default=10, help="stream: untimed frames first")
     parser.add_argument("--export-only", action="store_true",
                         help="only make the exports under --work (e.g. in the background, ahead of the benches)")
     # one peer in this process (used by the orchestrator)
     parser.add_argument("--run-peer", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-floor", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run-mixed", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run-stream", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--stream-config", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--tiny-vae-folder", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default=None, help=argparse.SUPPRESS)
@@ -217,6 +303,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         result = run_mixed(args.run_mixed, Path(args.folder), args.model, args.dtype,
                            [int(b) for b in split(args.mixed_batches)], args.mixed_steps, args.rounds, args.steps,
                            args.cycles)
+        Path(args.result).write_text(json.dumps(result))
+        return 0
+    if args.run_stream:
+        tiny_vae = Path(args.tiny_vae_folder) if args.tiny_vae_folder else None
+        try:
+            result = run_stream_peer(args.run_stream, Path(args.folder), tiny_vae, json.loads(args.stream_config),
+                                     args.frames, args.frame_warmup, Path(args.work))
+        except PeerUnavailable as reason:
+            result = {"peer": args.run_stream, "skipped": str(reason)}
         Path(args.result).write_text(json.dumps(result))
         return 0
     if args.run_peer or args.run_floor:
@@ -233,6 +328,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             write_mixed_report(json.loads((out / "mixed.json").read_text()), out)
         if (out / "results.json").is_file():
             write_report(json.loads((out / "results.json").read_text()), out)
+        if (out / "stream.json").is_file():
+            write_stream_report(json.loads((out / "stream.json").read_text()), out)
+        return 0
+    if args.export_only and args.scenario == "stream":
+        dtype, export = stream_export(parser, args, split)
+        print(ensure_export(STREAM_KIND, dtype, export, Path(args.work)), flush=True)
+        print(ensure_tiny_vae_export(dtype, export, Path(args.work)), flush=True)
         return 0
     if args.export_only:
         for kind in split(args.models):
@@ -244,6 +346,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("optimum-iobinding bench: error: no CUDA GPU is visible to torch here; the benchmark measures CUDA "
               "pipelines (--export-only and --report-only work without one)", file=sys.stderr)
         return 1
+    if args.scenario == "stream":
+        peers = split(args.peers) if args.peers != parser.get_default("peers") else list(STREAM_PEERS)
+        dtype, export = stream_export(parser, args, split)
+        results = stream_benchmark(peers, dtype, export, args.frames,
+                                   args.video_frames, args.frame_warmup, Path(args.work), out, args.timeout)
+        print((out / "stream.md").read_text())
+        failed = all("fps" not in result for row in results["rows"] for result in row["peers"].values())
+        if failed:
+            print("optimum-iobinding bench: error: every stream peer failed or was skipped; see stream.md for why",
+                  file=sys.stderr)
+        return 1 if failed else 0
     if args.scenario == "mixed":
         peers = [peer for peer in split(args.peers) if peer in MIXED_PEERS] if args.peers != parser.get_default(
             "peers") else list(MIXED_PEERS)

@@ -1,5 +1,6 @@
 """The benchmark's peers: what each one loads and how one peer is measured in its own process — a single batch size
-(:func:`run_peer`) or a service's mixed load (:func:`run_mixed`).
+(:func:`run_peer`), a service's mixed load (:func:`run_mixed`) or a stream of frames (:func:`run_stream_peer`, its
+peers listed above :data:`STREAM_PEERS`).
 
   numpy       diffusers' OnnxStableDiffusionPipeline (numpy round trips every step)
   optimum     optimum-onnx's ORTStableDiffusionPipeline(use_io_binding=True)
@@ -26,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from .probes import PeakMemory, copied_bytes, own_graph_floor
+from .probes import PeakMemory, copied_bytes, own_graph_floor, replay_ms
 from .zoo import MODEL_SIZES, PROMPT, build_torch_pipeline, recipe_of, set_recipe_scheduler
 
 PEERS = ("numpy", "optimum", "accelerated", "defaults", "binding", "graph", "torch")
@@ -260,3 +261,254 @@ def mixed_rounds(call: Callable[[int], float], batches: Sequence[int], rounds: i
         per_round_calls.append(calls)
         sessions_after_round.append(created())
     return per_round_calls, sessions_after_round
+
+
+# ------------------------------------------------------------------------------------------- the stream scenario
+# ``--scenario stream``: few-step image to image on a stream of 512² frames, batch 1, the turbo architecture.
+#   ours    OnnxStreamDiffusionPipeline, torch CUDA frames in and out
+#   numpy   diffusers' OnnxStableDiffusionImg2ImgPipeline (numpy round trips; the folder's full VAE only)
+#   torch   diffusers' StableDiffusionImg2ImgPipeline, fp16, the row's VAE (AutoencoderKL or AutoencoderTiny), the
+#           prompt's embeddings computed once
+#   floor   the components' own CUDA graphs replayed back to back: VAE encoder + UNet (the stream's batch, or each
+#           step in turn) + VAE decoder
+#   video   a 512² video file: the codec alone (decode + encode), the ``stream`` command (decode → stream →
+#           encode), and the same decoded frames through the stream from memory
+STREAM_PEERS = ("ours", "numpy", "torch", "floor", "video")
+STREAM_SIZE = 512
+STREAM_KIND = "turbo"
+# peers whose work does not depend on the stream batch: run once per (steps, VAE)
+STREAM_BATCH_BLIND = ("numpy", "torch")
+
+
+def stream_unet_steps(num_inference_steps: int, strength: float) -> int:
+    """UNet steps per frame of diffusers' img2img rule: the last ``strength`` of ``num_inference_steps``."""
+    return min(int(num_inference_steps * strength), num_inference_steps)
+
+
+def latency_summary(latencies_ms: Sequence[float]) -> Dict[str, Any]:
+    """p50 and p99 of per-frame latencies (ms), and every latency."""
+    return {"p50_ms": float(np.percentile(latencies_ms, 50)), "p99_ms": float(np.percentile(latencies_ms, 99)),
+            "latency_ms_all": [float(ms) for ms in latencies_ms]}
+
+
+def synchronized_latencies(call: Callable[[int], Any], count: int) -> List[float]:
+    """ms of ``count`` calls ``call(i)``, each waited for on the device before the next starts."""
+    times = []
+    for index in range(count):
+        start = time.perf_counter()
+        call(index)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def cuda_frames(count: int, size: int, seed: int = 0) -> List[torch.Tensor]:
+    """Distinct float (3, size, size) CUDA frames in [-1, 1]."""
+    generator = torch.Generator("cuda").manual_seed(seed)
+    return [torch.rand(3, size, size, device="cuda", generator=generator) * 2 - 1 for _ in range(count)]
+
+
+def load_stream(folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any]):
+    """Ours, prepared for ``config`` at 512²."""
+    from ..pipelines import OnnxStreamDiffusionPipeline
+
+    stream = OnnxStreamDiffusionPipeline.from_pretrained(folder, provider="CUDAExecutionProvider", tiny_vae=tiny_vae)
+    set_recipe_scheduler(stream, STREAM_KIND)
+    stream.prepare(PROMPT, num_inference_steps=config["steps"], strength=config["strength"], guidance_scale=0.0,
+                   seed=0, height=STREAM_SIZE, width=STREAM_SIZE, stream_batch=config["stream_batch"])
+    return stream
+
+
+def run_stream_peer(peer: str, folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any], frames: int,
+                    warmup: int, work: Path) -> Dict[str, Any]:
+    """One peer of the stream scenario on one configuration (``config``: steps, strength, stream_batch, vae), in this
+    process: ``warmup`` frames, then per-frame latency over ``frames`` synchronized calls (p50, p99) and frames/s
+    (ours: the frames given to :meth:`frames` back to back, waited for once at the end; the others cannot overlap
+    frames: 1000 / their mean latency)."""
+    torch.cuda.init()
+    if peer == "floor":
+        return {"peer": peer, **stream_floor(folder, tiny_vae, config)}
+    if peer == "video":
+        return {"peer": peer, **stream_video(folder, tiny_vae, config, frames, warmup, work)}
+    sources = cuda_frames(8, STREAM_SIZE)
+    if peer == "ours":
+        stream = load_stream(folder, tiny_vae, config)
+        for index in range(warmup):
+            stream(sources[index % len(sources)])
+        stream.flush()
+        latencies = synchronized_latencies(lambda i: stream(sources[i % len(sources)]), frames)
+        stream.flush()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in stream.frames(sources[i % len(sources)] for i in range(frames)):
+            pass
+        torch.cuda.synchronize()
+        fps = frames / (time.perf_counter() - start)
+        return {"peer": peer, **latency_summary(latencies), "fps": fps, "frames": frames,
+                "unet_steps": len(stream.timesteps)}
+    if peer == "numpy":
+        if tiny_vae is not None:
+            raise PeerUnavailable("diffusers' ONNX img2img pipeline runs the folder's own VAE")
+        call = numpy_img2img(folder, config, sources)
+    elif peer == "torch":
+        call = torch_img2img(tiny_vae is not None, config, sources)
+    else:
+        raise ValueError(f"peer: expected one of {STREAM_PEERS}, got {peer!r}")
+    for index in range(warmup):
+        call(index)
+    latencies = synchronized_latencies(call, frames)
+    return {"peer": peer, **latency_summary(latencies), "fps": 1000 / statistics.mean(latencies), "frames": frames}
+
+
+def numpy_img2img(folder: Path, config: Dict[str, Any], sources: Sequence[torch.Tensor]) -> Callable[[int], Any]:
+    """diffusers' ONNX img2img pipeline on the folder (numpy in and out, as its users call it: PIL frames)."""
+    import PIL.Image
+    from diffusers import OnnxStableDiffusionImg2ImgPipeline
+
+    # provider_options={} or diffusers' loader trips ORT's length check and silently falls back to the CPU
+    pipe = OnnxStableDiffusionImg2ImgPipeline.from_pretrained(folder, provider="CUDAExecutionProvider",
+                                                              provider_options={})
+    if pipe.unet.model.get_providers()[0] != "CUDAExecutionProvider":
+        raise RuntimeError(f"numpy pipeline: the UNet runs on {pipe.unet.model.get_providers()}, not CUDA")
+    set_recipe_scheduler(pipe, STREAM_KIND)
+    pipe.set_progress_bar_config(disable=True)
+    images = [PIL.Image.fromarray(((frame.permute(1, 2, 0).float().cpu().numpy() + 1) * 127.5).round()
+                                  .clip(0, 255).astype(np.uint8)) for frame in sources]
+
+    def call(index: int) -> Any:
+        return pipe(PROMPT, image=images[index % len(images)], num_inference_steps=config["steps"],
+                    strength=config["strength"], guidance_scale=0.0, generator=np.random.RandomState(0),
+                    output_type="np").images
+
+    return call
+
+
+def torch_img2img(tiny_vae: bool, config: Dict[str, Any], sources: Sequence[torch.Tensor]) -> Callable[[int], Any]:
+    """diffusers' torch img2img pipeline, fp16, with the full VAE or a TAESD-shaped AutoencoderTiny, the prompt's
+    embeddings computed once; CUDA frames in [0, 1] in, CUDA tensors out."""
+    from diffusers import StableDiffusionImg2ImgPipeline
+
+    from .zoo import build_taesd_architecture
+
+    base = build_torch_pipeline(STREAM_KIND)
+    vae = {"vae": build_taesd_architecture()} if tiny_vae else {}
+    pipe = StableDiffusionImg2ImgPipeline.from_pipe(base, **vae).to("cuda", torch.float16)
+    set_recipe_scheduler(pipe, STREAM_KIND)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.inference_mode():
+        embeddings, _ = pipe.encode_prompt(PROMPT, "cuda", 1, False)
+    images = [((frame + 1) / 2).to(torch.float16).unsqueeze(0) for frame in sources]
+
+    def call(index: int) -> Any:
+        with torch.inference_mode():
+            return pipe(prompt_embeds=embeddings, image=images[index % len(images)],
+                        num_inference_steps=config["steps"], strength=config["strength"], guidance_scale=0.0,
+                        generator=torch.Generator("cuda").manual_seed(0), output_type="pt").images
+
+    return call
+
+
+def stream_floor(folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any], replays: int = 50) -> Dict[str, Any]:
+    """The GPU floor of one frame: each component's own CUDA graph (IOBindingORTModel's capture) replayed back to
+    back, timed with CUDA events: VAE encoder (batch 1) + UNet (batch k with the stream batch, else k replays of
+    batch 1) + VAE decoder (batch 1)."""
+    from ..runtime.model import IOBindingORTModel
+
+    latent = STREAM_SIZE // 8
+    unet_steps = stream_unet_steps(config["steps"], config["strength"])
+    unet_batch = unet_steps if config["stream_batch"] else 1
+
+    def load(name: str) -> IOBindingORTModel:
+        source = tiny_vae if tiny_vae is not None and name.startswith("vae_") else folder
+        return IOBindingORTModel.from_pretrained(source, subfolder=name, provider="CUDAExecutionProvider",
+                                                 cuda_graph=True)
+
+    def replayed(model: IOBindingORTModel, inputs: Dict[str, torch.Tensor]) -> float:
+        with torch.cuda.stream(model.stream):
+            for _ in range(3):
+                model(**inputs)
+            runner = model.graph_runner({name: tuple(tensor.shape) for name, tensor in inputs.items()})
+        if runner is None:
+            raise RuntimeError(f"{model.input_names}: the model could not be captured as a CUDA graph")
+        return replay_ms(runner, model.stream, replays)
+
+    encoder, unet, decoder = load("vae_encoder"), load("unet"), load("vae_decoder")
+    (image_name,), (latent_name,) = encoder.input_names, decoder.input_names
+    declared = unet.input_dims
+    dtype = unet.input_dtypes["sample"]
+    parts = {
+        "vae_encoder": replayed(encoder, {image_name: torch.randn(1, 3, STREAM_SIZE, STREAM_SIZE, device="cuda",
+                                                                  dtype=encoder.input_dtypes[image_name])}),
+        "unet": replayed(unet, {
+            "sample": torch.randn(unet_batch, 4, latent, latent, device="cuda", dtype=dtype),
+            "timestep": torch.full([unet_batch] if declared["timestep"] else [], 500, device="cuda",
+                                   dtype=unet.input_dtypes["timestep"]),
+            "encoder_hidden_states": torch.randn(unet_batch, 77, declared["encoder_hidden_states"][2], device="cuda",
+                                                 dtype=dtype)}),
+        "vae_decoder": replayed(decoder, {latent_name: torch.randn(1, 4, latent, latent, device="cuda",
+                                                                   dtype=decoder.input_dtypes[latent_name])}),
+    }
+    unet_calls = 1 if config["stream_batch"] else unet_steps
+    frame_ms = parts["vae_encoder"] + unet_calls * parts["unet"] + parts["vae_decoder"]
+    return {"frame_ms": frame_ms, "fps": 1000 / frame_ms, "parts_ms": parts, "unet_batch": unet_batch,
+            "unet_calls": unet_calls}
+
+
+def stream_video(folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any], frames: int, warmup: int,
+                 work: Path) -> Dict[str, Any]:
+    """A 512² H.264 video of ``frames`` frames (made once under ``work``) three ways: the codec alone (decode, then
+    encode the same frames), the ``stream`` command in a process of its own (decode → stream → encode; its own
+    summary line's seconds: the frame loop, load and prepare apart), and its decoded frames through the stream from
+    memory (numpy frames in and out, as the command passes them)."""
+    import re
+    import subprocess
+    import sys
+    import tempfile
+
+    from ..video import FrameWriter, open_frames
+
+    source = work / f"stream-video-{STREAM_SIZE}-{frames}.mp4"
+    if not source.is_file():
+        with FrameWriter(source, fps=30, overwrite=True) as writer:
+            for index in range(frames):
+                writer.write(moving_pattern(index, STREAM_SIZE))
+    with tempfile.TemporaryDirectory(dir=work) as scratch:
+        start = time.perf_counter()
+        with open_frames(source) as reader, FrameWriter(Path(scratch) / "codec.mp4", fps=reader.fps) as writer:
+            for frame in reader:
+                writer.write(frame)
+        codec_s = time.perf_counter() - start
+
+        command = [sys.executable, "-m", "optimum_iobinding.cli", "stream", str(source),
+                   str(Path(scratch) / "stream.mp4"), "--prompt", PROMPT, "--model", str(folder), "--steps",
+                   str(config["steps"]), "--strength", str(config["strength"]), "--provider", "CUDAExecutionProvider",
+                   "--stream-batch" if config["stream_batch"] else "--no-stream-batch",
+                   *(["--tiny-vae", str(tiny_vae)] if tiny_vae is not None else [])]
+        completed = subprocess.run(command, capture_output=True, text=True)
+        summary = re.search(r": (\d+) frames of .* in ([0-9.]+) s \(", completed.stdout)
+        if completed.returncode != 0 or summary is None:
+            raise RuntimeError(f"the stream command failed ({completed.returncode}): "
+                               f"{(completed.stderr or completed.stdout)[-1500:]}")
+        command_s = float(summary.group(2))
+
+    with open_frames(source) as reader:
+        decoded = list(reader)
+    stream = load_stream(folder, tiny_vae, config)
+    for _ in stream.frames(decoded[:warmup]):
+        pass
+    start = time.perf_counter()
+    for _ in stream.frames(decoded):
+        pass
+    in_memory_s = time.perf_counter() - start
+    return {"frames": frames, "codec_s": codec_s, "codec_fps": frames / codec_s, "command_s": command_s,
+            "command_fps": frames / command_s, "in_memory_host_s": in_memory_s,
+            "in_memory_host_fps": frames / in_memory_s, "command": " ".join(command[2:])}
+
+
+def moving_pattern(index: int, size: int) -> np.ndarray:
+    """Frame ``index`` of a smooth moving pattern, uint8 (size, size, 3): something a codec compresses as it would a
+    camera's frames, not noise."""
+    y, x = np.mgrid[0:size, 0:size].astype(np.float32)
+    phase = index / 8.0
+    channels = [np.sin(x / 37.0 + phase), np.cos(y / 29.0 - phase), np.sin((x + y) / 53.0 + 2 * phase)]
+    return np.ascontiguousarray(((np.stack(channels, axis=-1) + 1) * 127.5).astype(np.uint8))

@@ -188,3 +188,107 @@ def write_mixed_report(results: Dict[str, Any], out: Path) -> None:
         axis.legend()
         figure.tight_layout()
         figure.savefig(out / f"mixed-{row['model']}-{row['dtype']}-{row['export']}.png", dpi=120)
+
+
+def stream_row_label(row: Dict[str, Any]) -> str:
+    """``1 step, tiny VAE`` / ``2 steps, stream batch, full VAE`` / ``2 steps in turn, full VAE``."""
+    steps = row["unet_steps"]
+    batching = "" if steps == 1 else (", stream batch" if row["stream_batch"] else " in turn")
+    return f"{steps} step{'s' if steps > 1 else ''}{batching}, {row['vae']} VAE"
+
+
+def _torch_tiny_p50(results: Dict[str, Any], row: Dict[str, Any]) -> Any:
+    """The torch tiny-VAE peer's p50 at ``row``'s step count (the stream batch does not change its work)."""
+    for other in results["rows"]:
+        if other["vae"] == "tiny" and other["unet_steps"] == row["unet_steps"]:
+            torch_result = other["peers"].get("torch", {})
+            if "p50_ms" in torch_result:
+                return torch_result["p50_ms"]
+    return None
+
+
+def write_stream_report(results: Dict[str, Any], out: Path) -> None:
+    """stream.json → stream.md (per-frame latency, frames/s, ratios to the floor and to torch with the tiny VAE; the
+    video file's three figures) and stream.png (frames/s per peer and configuration)."""
+    env = results["environment"]
+    lines = [
+        f"# Stream: {env.get('device')}",
+        "",
+        f"`{env.get('command')}` — {env.get('date')}; torch {env.get('torch')} (CUDA {env.get('cuda')}), onnxruntime "
+        f"{env.get('onnxruntime')}, diffusers {env.get('diffusers')}. {results['model']} architecture "
+        f"({results['dtype']} {results['export']} export; the tiny VAE TAESD-shaped), {results['size']}², batch 1, "
+        f"guidance 0, Euler ancestral trailing; 1 step: 2 steps at strength 0.5, 2 steps: 4 at 0.5. Latency: "
+        f"{results['frames']} frames, each waited for on the device before the next, after {results['warmup']} "
+        "warm-up frames; frames/s: ours back to back through `frames()` (CUDA frames in and out), the others "
+        "1000 / mean latency (one frame at a time). In a stream batch a frame comes out k − 1 frames later. Floor: "
+        "each component's own CUDA graph replayed back to back (VAE encoder + UNet + VAE decoder). One process per "
+        "peer.",
+        "",
+        "| configuration | pipeline | p50 ms | p99 ms | frames/s | / floor | torch tiny-VAE p50 / this p50 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        label = stream_row_label(row)
+        floor = row["peers"].get("floor", {}).get("frame_ms")
+        torch_tiny = _torch_tiny_p50(results, row)
+        for peer, result in row["peers"].items():
+            if peer == "video":
+                continue
+            if "skipped" in result:
+                lines.append(f"| {label} | {peer} | — ({result['skipped']}) | | | | |")
+                continue
+            if "error" in result:
+                lines.append(f"| {label} | {peer} | failed: {result['error'].strip().splitlines()[-1][:120]} | | | | |")
+                continue
+            if peer == "floor":
+                parts = result["parts_ms"]
+                lines.append(f"| {label} | floor (encoder {parts['vae_encoder']:.2f} + UNet {result['unet_calls']} × "
+                             f"{parts['unet']:.2f} at batch {result['unet_batch']} + decoder "
+                             f"{parts['vae_decoder']:.2f}) | {result['frame_ms']:.2f} | | {result['fps']:.1f} "
+                             "| 1.00 | |")
+                continue
+            vs_floor = f"{result['p50_ms'] / floor:.2f}" if floor else ""
+            vs_torch = f"{torch_tiny / result['p50_ms']:.2f}" if torch_tiny else ""
+            lines.append(f"| {label} | {peer} | {result['p50_ms']:.2f} | {result['p99_ms']:.2f} | {result['fps']:.1f} "
+                         f"| {vs_floor} | {vs_torch} |")
+    videos = [(row, row["peers"]["video"]) for row in results["rows"] if "video" in row["peers"]]
+    if videos:
+        lines += [
+            "",
+            f"A {results['size']}² H.264 video through the `stream` command (decode → stream → encode, its frame "
+            "loop; load and prepare apart), against the same decoded frames through the stream from memory (numpy in "
+            "and out) and ours with CUDA frames, and the codec alone (decode, then encode, no model):",
+            "",
+            "| configuration | frames | codec alone frames/s | stream command frames/s | in memory, host frames "
+            "frames/s | in memory, CUDA frames frames/s |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row, video in videos:
+            label = stream_row_label(row)
+            if "command_fps" not in video:
+                reason = video.get("error") or video.get("skipped") or "no figures in its result"
+                lines.append(f"| {label} | failed: {reason.strip().splitlines()[-1][:120]} | | | | |")
+                continue
+            ours = row["peers"].get("ours", {}).get("fps")
+            lines.append(f"| {label} | {video['frames']} | {video['codec_fps']:.1f} | {video['command_fps']:.1f} | "
+                         f"{video['in_memory_host_fps']:.1f} | {'' if ours is None else f'{ours:.1f}'} |")
+    (out / "stream.md").write_text("\n".join(lines) + "\n")
+    plt = _pyplot()
+    if plt is None:
+        return
+    labels, values, colors = [], [], []
+    palette = {"ours": "#009e73", "numpy": "#999999", "torch": "#cc79a7", "floor": "#0072b2"}
+    for row in results["rows"]:
+        for peer, result in row["peers"].items():
+            if peer in palette and "fps" in result:
+                labels.append(f"{stream_row_label(row)}\n{peer}")
+                values.append(result["fps"])
+                colors.append(palette[peer])
+    figure, axis = plt.subplots(figsize=(10, 0.35 * len(labels) + 1.5))
+    axis.barh(range(len(labels)), values, color=colors)
+    axis.set_yticks(range(len(labels)), labels, fontsize=7)
+    axis.invert_yaxis()
+    axis.set_xlabel(f"frames/s at {results['size']}², batch 1, higher is better")
+    axis.set_title(f"stream — {results['model']} — {env.get('device')}")
+    figure.tight_layout()
+    figure.savefig(out / "stream.png", dpi=120)

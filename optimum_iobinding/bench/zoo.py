@@ -152,6 +152,32 @@ def set_recipe_scheduler(pipe: Any, kind: str) -> None:
                                                                      timestep_spacing="trailing")
 
 
+def build_taesd_architecture(seed: int = 0):
+    """A random-weights ``AutoencoderTiny`` with TAESD's architecture (diffusers' defaults are TAESD's: 64 channels,
+    blocks 1-3-3-3 down and 3-3-3-1 up, 4 latent channels, scaling factor 1): the tiny VAE of the stream scenario."""
+    from diffusers import AutoencoderTiny
+
+    torch.manual_seed(seed)
+    return AutoencoderTiny().to(torch.float32)
+
+
+def ensure_tiny_vae_export(dtype: str, export: str, work: Path) -> Path:
+    """The export of the TAESD-shaped tiny VAE alone (``vae_encoder/``, ``vae_decoder/``) under ``work``, made once
+    and shared as :func:`ensure_export` shares the pipelines'."""
+    from ..export import export_pipeline
+
+    folder = work / f"taesd-{dtype}-{export}"
+    work.mkdir(parents=True, exist_ok=True)
+    with _ExportLock(work / f".{folder.name}.lock"):
+        if not (folder / "vae_decoder" / "model.onnx").is_file():
+            if folder.exists():
+                raise FileExistsError(f"--work: {str(folder)!r} exists but is not a finished tiny VAE export (no "
+                                      "vae_decoder/model.onnx); move it away or choose another --work folder")
+            export_pipeline(None, folder, fp16=dtype == "fp16", optimize="cuda" if export == "optimized" else None,
+                            progress=False, tiny_vae=build_taesd_architecture())
+    return folder
+
+
 def ensure_export(kind: str, dtype: str, export: str, work: Path) -> Path:
     """The export of one configuration under ``work``, made once and shared by every process that asks for it.
 

@@ -1,0 +1,288 @@
+"""``optimum-iobinding stream INPUT OUTPUT``: every frame of a video or a folder of images through the stream pipeline
+on the tiny random model (CPU), written to a video or a folder of PNGs; the same frames as the pipeline run directly;
+every bad input refused in one line before any model loads, and no output left half written."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from PIL import Image
+
+from optimum_iobinding import OnnxStreamDiffusionPipeline
+from optimum_iobinding import cli
+from optimum_iobinding.cli import main
+from optimum_iobinding.export import export_pipeline
+from optimum_iobinding.export.tiny import build_tiny_random_tiny_vae
+from optimum_iobinding.video import FrameWriter, open_frames
+
+requires_av = pytest.mark.skipif(importlib.util.find_spec("av") is None, reason="needs the video extra (av)")
+
+SIZE = 64
+FRAMES = 4
+PROMPT = "a watercolor landscape"
+
+
+def sketch(index: int, width: int = SIZE, height: int = SIZE) -> np.ndarray:
+    """A frame of a smooth moving pattern (compresses well, so a video's frames stay close to the originals)."""
+    y, x = np.mgrid[0:height, 0:width]
+    phase = index / 3.0
+    channels = [np.sin(x / 9.0 + phase), np.cos(y / 7.0 - phase), np.sin((x + y) / 11.0 + phase)]
+    return np.ascontiguousarray(((np.stack(channels, axis=-1) + 1) * 127.5).astype(np.uint8))
+
+
+def write_frames(path, count=FRAMES, width=SIZE, height=SIZE, fps=12):
+    with FrameWriter(path, fps=fps) as writer:
+        for index in range(count):
+            writer.write(sketch(index, width, height))
+    return path
+
+
+def read_all(path):
+    with open_frames(path) as reader:
+        return reader, list(reader)
+
+
+@pytest.fixture(scope="module")
+def tiny_vae(tmp_path_factory):
+    """A folder of a tiny random AutoencoderTiny's export alone (vae_encoder/ and vae_decoder/)."""
+    return export_pipeline(None, tmp_path_factory.mktemp("taesd") / "taesd", tiny_vae=build_tiny_random_tiny_vae(),
+                           progress=False)
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    return write_frames(tmp_path / "frames")
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fails the test if the command gets as far as loading a pipeline or building the tiny model."""
+    def reached(*args, **kwargs):
+        raise AssertionError("the command started working before it checked its arguments")
+
+    monkeypatch.setattr(OnnxStreamDiffusionPipeline, "from_pretrained", reached)
+    monkeypatch.setattr(cli, "tiny_model_folder", reached)
+
+
+def error_line(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines  # one line, no traceback
+    return lines[0]
+
+
+def stream_directly(folder, frames, tiny_vae=None, steps=2, strength=0.5, stream_batch=True, seed=0):
+    stream = OnnxStreamDiffusionPipeline.from_pretrained(folder, provider="CPUExecutionProvider", tiny_vae=tiny_vae)
+    stream.prepare(PROMPT, num_inference_steps=steps, strength=strength, guidance_scale=0.0, seed=seed, height=SIZE,
+                   width=SIZE, stream_batch=stream_batch)
+    return list(stream.frames(frames))
+
+
+def run_stream(source, target, model, *options):
+    return main(["stream", str(source), str(target), "--prompt", PROMPT, "--model", str(model),
+                 "--provider", "CPUExecutionProvider", *options])
+
+
+# ------------------------------------------------------------------------------------------------ what it makes
+@requires_av
+def test_a_video_in_gives_a_video_of_as_many_frames_of_the_same_size_and_rate(tmp_path, tiny_folder, capsys):
+    source = write_frames(tmp_path / "in.mp4", fps=12)
+    assert run_stream(source, tmp_path / "out.mp4", tiny_folder) == 0
+    reader, frames = read_all(tmp_path / "out.mp4")
+    assert len(frames) == FRAMES
+    assert reader.size == (SIZE, SIZE)
+    assert reader.fps == pytest.approx(12)
+
+
+@pytest.mark.parametrize("options, steps, stream_batch", [
+    ((), 2, True),
+    (("--steps", "4"), 4, True),
+    (("--steps", "4", "--no-stream-batch"), 4, False),
+], ids=["one-step", "two-steps-stream-batch", "two-steps-in-turn"])
+def test_an_image_folder_in_gives_the_frames_of_the_pipeline_run_directly(tmp_path, tiny_folder, image_folder,
+                                                                           options, steps, stream_batch):
+    assert run_stream(image_folder, tmp_path / "out", tiny_folder, *options) == 0
+    _, inputs = read_all(image_folder)
+    _, outputs = read_all(tmp_path / "out")
+    expected = stream_directly(tiny_folder, inputs, steps=steps, stream_batch=stream_batch)
+    assert sorted(os.listdir(tmp_path / "out")) == [f"{index:06d}.png" for index in range(FRAMES)]
+    assert len(outputs) == len(expected) == FRAMES
+    for output, reference in zip(outputs, expected):
+        np.testing.assert_array_equal(output, reference)
+    assert not np.array_equal(outputs[0], inputs[0])  # the model changed the frames
+
+
+def test_the_tiny_vae_replaces_the_models_vae(tmp_path, tiny_folder, image_folder, tiny_vae):
+    assert run_stream(image_folder, tmp_path / "out", tiny_folder, "--tiny-vae", str(tiny_vae)) == 0
+    _, inputs = read_all(image_folder)
+    _, outputs = read_all(tmp_path / "out")
+    for output, reference in zip(outputs, stream_directly(tiny_folder, inputs, tiny_vae=tiny_vae), strict=True):
+        np.testing.assert_array_equal(output, reference)
+    full_vae = stream_directly(tiny_folder, inputs)
+    assert not np.array_equal(outputs[0], full_vae[0])
+
+
+def test_the_seed_strength_and_prompt_reach_the_pipeline(tmp_path, tiny_folder, image_folder):
+    assert run_stream(image_folder, tmp_path / "out", tiny_folder, "--seed", "7", "--strength", "0.75") == 0
+    _, inputs = read_all(image_folder)
+    _, outputs = read_all(tmp_path / "out")
+    for output, reference in zip(outputs, stream_directly(tiny_folder, inputs, strength=0.75, seed=7), strict=True):
+        np.testing.assert_array_equal(output, reference)
+
+
+def test_size_fits_every_frame_to_one_size(tmp_path, tiny_folder):
+    source = write_frames(tmp_path / "wide", count=2, width=96, height=72)
+    assert run_stream(source, tmp_path / "out", tiny_folder, "--size", "64x48") == 0
+    reader, outputs = read_all(tmp_path / "out")
+    assert reader.size == (64, 48) and len(outputs) == 2
+
+
+def test_without_a_model_the_tiny_random_model_is_used(tmp_path, tiny_folder, image_folder, capsys):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "tiny-random-sd").symlink_to(tiny_folder)  # what tiny_model_folder builds there once
+    assert main(["stream", str(image_folder), str(tmp_path / "out"), "--prompt", PROMPT, "--cache-dir", str(cache),
+                 "--provider", "CPUExecutionProvider"]) == 0
+    _, inputs = read_all(image_folder)
+    _, outputs = read_all(tmp_path / "out")
+    for output, reference in zip(outputs, stream_directly(tiny_folder, inputs), strict=True):
+        np.testing.assert_array_equal(output, reference)
+
+
+def test_the_summary_line_gives_frames_seconds_and_frames_per_second(tmp_path, tiny_folder, image_folder, capsys):
+    assert run_stream(image_folder, tmp_path / "out", tiny_folder) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    assert re.match(rf".*out: {FRAMES} frames of {SIZE}×{SIZE} in [0-9.]+ s \([0-9.]+ frames/s;", lines[0])
+
+
+def test_an_existing_output_is_kept_without_overwrite_and_replaced_with_it(tmp_path, tiny_folder, image_folder,
+                                                                          capsys):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "mine.txt").write_text("keep me")
+    assert run_stream(image_folder, target, tiny_folder) == 2
+    assert "OUTPUT: expected a new or empty folder" in error_line(capsys)
+    assert os.listdir(target) == ["mine.txt"]
+    assert run_stream(image_folder, target, tiny_folder, "--overwrite") == 0
+    assert sorted(os.listdir(target)) == [f"{index:06d}.png" for index in range(FRAMES)]
+
+
+def test_a_frame_that_fails_midway_leaves_no_output(tmp_path, tiny_folder, capsys):
+    source = write_frames(tmp_path / "frames", count=3)
+    Image.fromarray(sketch(3, 72, 64)).save(source / "000003.png")  # the last frame of another size
+    assert run_stream(source, tmp_path / "out", tiny_folder) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
+    assert last.startswith("optimum-iobinding: error: INPUT: expected every frame of"), last
+    assert sorted(os.listdir(tmp_path)) == ["frames"]  # neither the output nor a partial one
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+def bad_inputs(tmp_path):
+    """Each case: (INPUT, OUTPUT, extra options); made in tmp_path."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "garbage.mp4").write_bytes(b"this is not a video")
+    write_frames(tmp_path / "odd", count=2, width=60, height=64)
+    write_frames(tmp_path / "frames", count=2)
+    (tmp_path / "no-vae").mkdir()
+    (tmp_path / "half-taesd" / "vae_encoder").mkdir(parents=True)
+    (tmp_path / "half-taesd" / "vae_encoder" / "model.onnx").write_bytes(b"")
+    (tmp_path / "existing.mp4").write_bytes(b"mine")
+    frames = tmp_path / "frames"
+    return {
+        "missing": (tmp_path / "nothing.mp4", tmp_path / "out", (), r"INPUT: expected a video file or a folder of "
+                                                                    r"images, got .*nothing\.mp4.*no such file"),
+        "unreadable": (tmp_path / "garbage.mp4", tmp_path / "out", (), r"INPUT: expected a video file or a folder "
+                                                                       r"of images, got .*garbage\.mp4"),
+        "no-frames": (tmp_path / "empty", tmp_path / "out", (), r"INPUT: expected a video file or a folder holding "
+                                                                r"images .* with no frames"),
+        "odd-size": (tmp_path / "odd", tmp_path / "out", (), r"INPUT: expected frames whose width and height are "
+                                                             r"multiples of 8, got 60×64 .*--size"),
+        "odd-size-option": (frames, tmp_path / "out", ("--size", "65"), r"--size: expected a width and height that "
+                                                                        r"are multiples of 8 .*got '65'"),
+        "size-text": (frames, tmp_path / "out", ("--size", "big"), r"--size: expected pixels as 512 or 768x512"),
+        "steps": (frames, tmp_path / "out", ("--steps", "0"), r"--steps: expected a positive integer, got 0"),
+        "strength": (frames, tmp_path / "out", ("--strength", "1.5"), r"--strength: expected a number in \(0, 1\]"),
+        "guidance": (frames, tmp_path / "out", ("--guidance", "nan"), r"--guidance: expected a finite number"),
+        "seed": (frames, tmp_path / "out", ("--seed", "-1"), r"--seed: expected an integer in 0 …"),
+        "model-without-vae": (frames, tmp_path / "out", ("--model", str(tmp_path / "no-vae")),
+                              r"--model: expected an ONNX Stable Diffusion folder, got .*no-vae.* without "
+                              r"model_index\.json, text_encoder/model\.onnx, unet/model\.onnx, "
+                              r"vae_encoder/model\.onnx"),
+        "tiny-vae-without-decoder": (frames, tmp_path / "out", ("--tiny-vae", str(tmp_path / "half-taesd")),
+                                     r"--tiny-vae: expected an AutoencoderTiny export holding vae_encoder/model\.onnx "
+                                     r"and vae_decoder/model\.onnx, got .*half-taesd.* without "
+                                     r"vae_decoder/model\.onnx"),
+        "output-extension": (frames, tmp_path / "out.gif", (), r"OUTPUT: expected a video file \(\.mp4.*\) or a "
+                                                               r"folder for PNG frames"),
+        "output-is-input": (frames, frames, ("--overwrite",), r"OUTPUT: expected another path than INPUT"),
+        "output-exists": (frames, tmp_path / "existing.mp4", (), r"OUTPUT: expected a new file, got the existing "
+                                                                 r"file .*existing\.mp4"),
+        "provider": (frames, tmp_path / "out", ("--provider", "NoSuchExecutionProvider"),
+                     r"--provider: .NoSuchExecutionProvider. is not available"),
+    }
+
+
+BAD_INPUTS = ["missing", "unreadable", "no-frames", "odd-size", "odd-size-option", "size-text", "steps", "strength",
+              "guidance", "seed", "model-without-vae", "tiny-vae-without-decoder", "output-extension",
+              "output-is-input", "output-exists", "provider"]
+NEEDS_AV = {"unreadable", "output-exists"}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_is_one_line_and_exit_status_2_before_any_model_loads(tmp_path, capsys, no_work, case):
+    if case in NEEDS_AV and importlib.util.find_spec("av") is None:
+        pytest.skip("needs the video extra (av)")
+    source, target, options, message = bad_inputs(tmp_path)[case]
+    before = sorted(os.listdir(tmp_path))
+    assert main(["stream", str(source), str(target), "--prompt", PROMPT, *options]) == 2
+    line = error_line(capsys)
+    assert line.startswith("optimum-iobinding: error: ")
+    assert re.search(message, line), line
+    assert sorted(os.listdir(tmp_path)) == before  # nothing written, nothing removed
+    assert (tmp_path / "existing.mp4").read_bytes() == b"mine"
+
+
+def test_a_prompt_is_required(capsys, no_work, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["stream", str(tmp_path), str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert "--prompt" in capsys.readouterr().err
+
+
+def test_the_stream_command_prints_its_help(capsys, no_work):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["stream", "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: optimum-iobinding stream")
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+requires_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()),
+    reason="needs a CUDA GPU, a CUDA build of torch and onnxruntime-gpu")
+
+
+@requires_cuda
+@pytest.mark.parametrize("options", [(), ("--steps", "4"), ("--steps", "4", "--no-stream-batch")],
+                         ids=["one-step", "two-steps-stream-batch", "two-steps-in-turn"])
+def test_on_cuda_the_command_gives_the_frames_of_the_pipeline_run_directly(tmp_path, tiny_folder, image_folder,
+                                                                           tiny_vae, options):
+    assert main(["stream", str(image_folder), str(tmp_path / "out"), "--prompt", PROMPT, "--model", str(tiny_folder),
+                 "--tiny-vae", str(tiny_vae), "--provider", "CUDAExecutionProvider", *options]) == 0
+    _, inputs = read_all(image_folder)
+    _, outputs = read_all(tmp_path / "out")
+    stream = OnnxStreamDiffusionPipeline.from_pretrained(tiny_folder, provider="CUDAExecutionProvider",
+                                                         tiny_vae=tiny_vae)
+    steps = 4 if "4" in options else 2
+    stream.prepare(PROMPT, num_inference_steps=steps, strength=0.5, guidance_scale=0.0, seed=0, height=SIZE,
+                   width=SIZE, stream_batch="--no-stream-batch" not in options)
+    expected = list(stream.frames(inputs))
+    assert len(outputs) == len(expected) == FRAMES
+    for output, reference in zip(outputs, expected):
+        np.testing.assert_array_equal(output, reference)
