@@ -145,14 +145,19 @@ def test_the_text_encoder_pools_the_end_token_on_floats_and_equals_transformers(
     np.testing.assert_allclose(pooled.astype(np.float32), expected, atol=2e-2 if fp16 else 1e-5)
 
 
-@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
-def test_the_vae_encoder_declares_its_latent_channels_so_its_output_is_sized_before_the_run(tmp_path, fp16):
+@pytest.mark.parametrize("fp16, optimize", [(False, None), (True, None), (False, "cpu")],
+                         ids=["fp32", "fp16", "fused"])
+def test_the_vae_declares_its_output_channels_so_its_outputs_are_sized_before_the_run(tmp_path, fp16, optimize):
     from optimum_iobinding import IOBindingORTModel, infer_output_shapes
 
-    folder = export_pipeline(None, tmp_path / "sd", tiny_random=True, fp16=fp16, components=("vae_encoder",),
-                             progress=False)
-    output = onnx.load(str(folder / "vae_encoder" / "model.onnx")).graph.output[0]
-    channels = build_tiny_random_pipeline().vae.config.latent_channels
-    assert output.type.tensor_type.shape.dim[1].dim_value == channels
-    encoder = IOBindingORTModel.from_pretrained(folder, subfolder="vae_encoder")
-    assert infer_output_shapes(encoder, {"sample": (2, 3, 64, 96)}) == {"latent_sample": (2, channels, 8, 12)}
+    folder = export_pipeline(None, tmp_path / "sd", tiny_random=True, fp16=fp16, optimize=optimize,
+                             components=("vae_encoder", "vae_decoder"), progress=False)
+    config = build_tiny_random_pipeline().vae.config
+    for name, channels in (("vae_encoder", config.latent_channels), ("vae_decoder", config.out_channels)):
+        output = onnx.load(str(folder / name / "model.onnx")).graph.output[0]
+        assert output.type.tensor_type.shape.dim[1].dim_value == channels, name
+    encoder, decoder = (IOBindingORTModel.from_pretrained(folder, subfolder=name)
+                        for name in ("vae_encoder", "vae_decoder"))
+    latent = config.latent_channels
+    assert infer_output_shapes(encoder, {"sample": (2, 3, 64, 96)}) == {"latent_sample": (2, latent, 8, 12)}
+    assert infer_output_shapes(decoder, {"latent_sample": (2, latent, 8, 12)}) == {"sample": (2, 3, 64, 96)}

@@ -257,8 +257,8 @@ def vae_specs(vae, latent_size: int) -> Dict[str, dict]:
             dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"},
                           "latent_sample": {0: "batch", 2: f"height / {encoder_factor}",
                                             3: f"width / {encoder_factor}"}},
-            # the exporter names the channels of the mean it slices from the moments ("Slice…_dim_1"): fixed here,
-            # the output's size is known before the run and the encoder can be captured as a CUDA graph
+            # the exporter (or ORT's optimizer) may name the output's channels ("Slice…_dim_1", "Conv…_dim_1"):
+            # fixed here, the output's size is known before the run and the model can be captured as a CUDA graph
             fixed_output_dims={"latent_sample": {1: config.latent_channels}},
             config=config,
             class_name=type(vae).__name__,
@@ -273,6 +273,7 @@ def vae_specs(vae, latent_size: int) -> Dict[str, dict]:
             dynamic_axes={"latent_sample": {0: "batch", 2: "latent_height", 3: "latent_width"},
                           "sample": {0: "batch", 2: f"latent_height * {decoder_factor}",
                                      3: f"latent_width * {decoder_factor}"}},
+            fixed_output_dims={"sample": {1: config.out_channels}},  # as the encoder's
             config=config,
             class_name=type(vae).__name__,
         ),
