@@ -58,6 +58,9 @@ SD3_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "transform
 # ORT's transformer-optimizer model type of the components this module exports itself (CLIP and the VAE go through
 # the Stable Diffusion export's own component exporter)
 _OPTIMIZER_MODEL_TYPES = {"text_encoder_3": "t5", "transformer": "mmdit"}
+# components ORT's optimizer is run on for CUDA only: its T5 fusions always write RelativePositionBias, an operator
+# with a CUDA kernel only (a CPU session refuses the model); the CPU gets the T5 graph as exported
+_OPTIMIZED_FOR_CUDA_ONLY = frozenset({"text_encoder_3"})
 # fusions whose fused operators have CUDA kernels only
 _CUDA_ONLY_FUSIONS = ("enable_nhwc_conv", "enable_group_norm", "enable_skip_group_norm", "enable_bias_splitgelu",
                       "enable_bias_add", "enable_packed_qkv", "enable_packed_kv")
@@ -236,6 +239,8 @@ def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "model.onnx"
         _torch_export(spec, path, opset)
+        if optimize == "cpu" and name in _OPTIMIZED_FOR_CUDA_ONLY:
+            optimize = None
         if optimize:
             with in_folder(path.parent):
                 optimized = optimize_model(load_light(path), model_type=_OPTIMIZER_MODEL_TYPES[name], opt_level=0,
@@ -301,7 +306,8 @@ def export_sd3_pipeline(
         opset: ONNX opset.
         fp16: convert the components of :data:`FP16_COMPONENTS` to float16 (T5 stays float32).
         optimize: ``"cuda"`` or ``"cpu"``: ORT's transformer optimizer (``clip``, ``t5``, ``mmdit``, ``vae``) on
-            each component before the float16 conversion, with the fusions that target runs.
+            each component before the float16 conversion, with the fusions that target runs (for ``"cpu"`` the T5
+            encoder is left as exported: ORT's T5 fusions write an operator only CUDA runs).
         progress: show a progress bar.
         external_data_threshold: weights above this many bytes go to ``model.onnx_data``.
 
