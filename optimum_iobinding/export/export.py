@@ -427,7 +427,9 @@ def export_pipeline(
 ) -> Path:
     """Exports a diffusers Stable Diffusion (1.x/2.x, LCM, Turbo) pipeline to the diffusers ONNX layout, or an SDXL
     pipeline to optimum's SDXL layout (two text encoders with their hidden states; a UNet taking ``text_embeds`` and
-    ``time_ids``). A UNet with ``time_cond_proj_dim`` (LCM) also takes ``timestep_cond``.
+    ``time_ids``). A UNet with ``time_cond_proj_dim`` (LCM) also takes ``timestep_cond``. A Stable Diffusion 3
+    pipeline goes to optimum's SD3 layout (:func:`optimum_iobinding.export.transformer.export_sd3_pipeline`: the T5
+    encoder stays float32 in a float16 export).
 
     With ``tiny_vae`` and no pipeline (``model_id_or_path=None``, no ``tiny_random`` or ``torch_pipeline``) it writes
     a folder of that tiny VAE alone: ``vae_encoder/`` and ``vae_decoder/`` (what a pipeline takes as its tiny VAE).
