@@ -118,6 +118,9 @@ _ONNX_COMPONENT_CLASSES = {
     "CLIPTextModel", "CLIPTextModelWithProjection", "UNet2DConditionModel", "AutoencoderKL",
 }
 
+# diffusion-transformer folders (optimum's export of SD3): the transformer and the T5 encoder
+_ONNX_COMPONENT_CLASSES |= {"SD3Transformer2DModel", "T5EncoderModel"}
+
 
 def looks_like_hub_id(name: str) -> bool:
     """``name`` or ``owner/name`` in the Hub's characters (a path like ``./x``, ``/x`` or ``a/b/c`` is not)."""
@@ -297,6 +300,19 @@ def write_xl_model_index(
     }
     for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
         index[name] = ["transformers", modules[name]] if modules.get(name) else [None, None]
+    Path(folder, "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def write_transformer_model_index(folder: Union[str, os.PathLike], class_name: str,
+                                  modules: Dict[str, Optional[Tuple[str, str]]]) -> None:
+    """Diffusion-transformer folders (SD3) follow optimum's export: the torch pipeline's index, each component as
+    ``[library, class name]`` (``[null, null]`` where ``modules`` gives ``None``), which optimum's ORT pipelines and
+    ours both load."""
+    import diffusers
+
+    index: Dict[str, Any] = {"_class_name": class_name, "_diffusers_version": diffusers.__version__}
+    for name, entry in modules.items():
+        index[name] = list(entry) if entry is not None else [None, None]
     Path(folder, "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
 
 

@@ -239,11 +239,85 @@ def build_tiny_random_tiny_vae(seed: int = 0, latent_channels: int = 4):
     return vae.to(torch.float32)
 
 
+# ------------------------------------------------------------------------------------------ tiny SD3 (MMDiT)
+_T5_SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # T5's ids 0, 1 and 2: padding, end of text, unknown
+
+
+def write_tiny_t5_tokenizer(folder: Union[str, os.PathLike], model_max_length: int = 512) -> "object":
+    """Writes a small unigram (sentencepiece-style) vocabulary as ``tokenizer.json`` and returns the
+    ``T5TokenizerFast`` loaded from ``folder`` (transformers 4 and 5 both load it; nothing is downloaded).
+
+    As T5's: ``<pad>`` 0, ``</s>`` 1 (appended to every text), ``<unk>`` 2, words prefixed with ``▁`` (the
+    Metaspace marker), and every printable ASCII character as a piece of its own, so any text tokenizes; no
+    ``<extra_id_N>`` sentinels (``extra_ids=0``): a text encoder needs none."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import T5TokenizerFast
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    pieces = [(token, 0.0) for token in _T5_SPECIAL_TOKENS] + [("▁" + word, -2.0) for word in _TINY_WORDS]
+    pieces += [("▁", -3.0)] + [(chr(code), -5.0) for code in range(ord("!"), ord("~") + 1)]
+    backend = Tokenizer(models.Unigram(pieces, unk_id=_T5_SPECIAL_TOKENS.index("<unk>"), byte_fallback=False))
+    backend.normalizer = normalizers.Replace(" {2,}", " ")
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    backend.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
+                                                           special_tokens=[("</s>", 1)])
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "T5TokenizerFast", "model_max_length": model_max_length, "eos_token": "</s>",
+        "unk_token": "<unk>", "pad_token": "<pad>", "extra_ids": 0}, indent=2))
+    return T5TokenizerFast.from_pretrained(str(folder))
+
+
+def build_tiny_random_sd3_pipeline(seed: int = 0, with_t5: bool = True):
+    """A tiny random-weights ``StableDiffusion3Pipeline`` built offline: two 2-layer CLIP text encoders with
+    projections (hidden size 32, projection 32: pooled projections of 64), a 2-layer T5 encoder of width 64 (the
+    transformer's ``joint_attention_dim``; ``with_t5=False``: none, as ``text_encoder_3=None`` runs), an MMDiT of
+    two layers (patch size 2, 16 latent channels), a four-block VAE of 16 latent channels (8× scale) with SD3's
+    scaling and shift factors, and the flow-matching Euler scheduler with SD3's shift of 3."""
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                           StableDiffusion3Pipeline)
+    from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = write_tiny_tokenizer(folder)
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer_3 = write_tiny_t5_tokenizer(folder) if with_t5 else None
+    text_encoder = CLIPTextModelWithProjection(_tiny_text_encoder_config(tokenizer, projection_dim=32))
+    text_encoder_2 = CLIPTextModelWithProjection(_tiny_text_encoder_config(tokenizer, projection_dim=32))
+    text_encoder_3 = None
+    if with_t5:
+        text_encoder_3 = T5EncoderModel(T5Config(
+            vocab_size=len(tokenizer_3), d_model=64, d_kv=16, d_ff=37, num_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, pad_token_id=tokenizer_3.pad_token_id,
+            eos_token_id=tokenizer_3.eos_token_id, decoder_start_token_id=tokenizer_3.pad_token_id)).eval()  # built in training mode: its dropout would make every call differ
+    transformer = SD3Transformer2DModel(
+        sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
+        pos_embed_max_size=32,
+    )
+    vae = AutoencoderKL(
+        block_out_channels=(32, 32, 32, 64), layers_per_block=1, in_channels=3, out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=16,
+        norm_num_groups=32, sample_size=64, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer, text_encoder_3=text_encoder_3,
+        tokenizer_3=tokenizer_3,
+    )
+
+
 TINY_RANDOM_KINDS: Dict[str, Callable[[], Any]] = {
     "sd": build_tiny_random_pipeline,
     "xl": build_tiny_random_xl_pipeline,
     "lcm": build_tiny_random_lcm_pipeline,
     "controlnet": build_tiny_random_controlnet_pipeline,
+    "sd3": build_tiny_random_sd3_pipeline,
 }
 
 

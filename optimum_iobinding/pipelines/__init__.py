@@ -8,6 +8,7 @@ from .latent_consistency import OnnxLatentConsistencyModelPipeline
 from .loading import load_numpy_pipeline
 from .pipeline import OnnxStableDiffusionPipelineBase
 from .stable_diffusion import OnnxStableDiffusionPipeline
+from .stable_diffusion_3 import OnnxStableDiffusion3Pipeline
 from .stable_diffusion_xl import OnnxStableDiffusionXLImg2ImgPipeline, OnnxStableDiffusionXLPipeline
 from .stream import OnnxStreamDiffusionPipeline
 
@@ -25,4 +26,5 @@ __all__ = [
     "OnnxStableDiffusionControlNetPipeline",
     "OnnxStableDiffusionControlNetImg2ImgPipeline",
     "OnnxStreamDiffusionPipeline",
+    "OnnxStableDiffusion3Pipeline",
 ]

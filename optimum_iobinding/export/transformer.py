@@ -1,0 +1,351 @@
+"""Export of diffusion-transformer pipelines (Stable Diffusion 3 / 3.5) to optimum's ONNX layout, and the text-encoder
+pieces any such pipeline shares (CLIP with its hidden states and projection, the T5 encoder).
+
+Layout written (what ``optimum-cli export onnx`` writes for these models, and what both
+:class:`OnnxStableDiffusion3Pipeline` and optimum's ``ORTStableDiffusion3Pipeline`` load)::
+
+    model_index.json              the torch pipeline's index (torch class names; one ``vae`` entry for both VAE folders)
+    text_encoder/, text_encoder_2/  CLIPTextModelWithProjection: input_ids (int64) → text_embeds, last_hidden_state,
+                                  hidden_states.0 … hidden_states.N (SD3 takes the penultimate)
+    text_encoder_3/               T5EncoderModel: input_ids (int64) → last_hidden_state (absent without a T5)
+    transformer/                  SD3Transformer2DModel: hidden_states, encoder_hidden_states, pooled_projections,
+                                  timestep → out_hidden_states
+    vae_encoder/, vae_decoder/    as the Stable Diffusion export (16 latent channels; config.json keeps the VAE's
+                                  scaling_factor and shift_factor)
+    tokenizer/, tokenizer_2/, tokenizer_3/, scheduler/
+
+Precision with ``fp16=True`` (:data:`FP16_COMPONENTS`), per component:
+
+- ``text_encoder``, ``text_encoder_2`` (CLIP): float16, as for SD 1.x/2.x and SDXL.
+- ``transformer`` (MMDiT): float16; diffusers runs the SD3 transformer in float16 itself (its model cards load the
+  pipeline with ``torch_dtype=torch.float16``), and ORT's MMDiT fusions target float16.
+- ``vae_encoder``, ``vae_decoder``: float16; diffusers' SD3 pipeline decodes in the pipeline's dtype, without the
+  upcast SDXL's VAE needs.
+- ``text_encoder_3`` (T5): **float32**. T5's feed-forward activations overflow float16 (transformers keeps T5's
+  ``wo`` projections in float32 for that reason, and clamps its hidden states only when the torch model itself runs
+  in float16, which an exported float32 graph does not record). The pipeline casts its output to the transformer's
+  dtype.
+
+Models whose weights exceed :data:`EXTERNAL_DATA_THRESHOLD` (2 GB: protobuf's limit) are written with their weights
+in ``model.onnx_data`` beside ``model.onnx``, as optimum writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+import onnx
+import torch
+from tqdm.auto import tqdm
+
+from ..layout import building_beside, save_tokenizer, write_transformer_model_index
+from .export import export_component, pooled_output, vae_specs
+from .optimize import convert_to_float16, in_folder, load_light, optimized_to_float16, weight_bytes
+
+__all__ = ["export_sd3_pipeline", "is_sd3_pipeline", "clip_text_encoder_spec", "t5_encoder_spec",
+           "FP16_COMPONENTS", "EXTERNAL_DATA_THRESHOLD"]
+
+# The components a float16 export converts (see the module's docstring for each one's reason); the others stay fp32.
+FP16_COMPONENTS = frozenset({"text_encoder", "text_encoder_2", "transformer", "vae_encoder", "vae_decoder"})
+# Weights beyond this many bytes go to an external-data file (protobuf cannot serialize a message over 2 GiB).
+EXTERNAL_DATA_THRESHOLD = 2 * 10**9
+EXTERNAL_DATA_FILE = "model.onnx_data"  # optimum's name for it
+SD3_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_encoder", "vae_decoder")
+# ORT's transformer-optimizer model type of the components this module exports itself (CLIP and the VAE go through
+# the Stable Diffusion export's own component exporter)
+_OPTIMIZER_MODEL_TYPES = {"text_encoder_3": "t5", "transformer": "mmdit"}
+# components ORT's optimizer is run on for CUDA only: its T5 fusions always write RelativePositionBias, an operator
+# with a CUDA kernel only (a CPU session refuses the model); the CPU gets the T5 graph as exported
+_OPTIMIZED_FOR_CUDA_ONLY = frozenset({"text_encoder_3"})
+# fusions whose fused operators have CUDA kernels only
+_CUDA_ONLY_FUSIONS = ("enable_nhwc_conv", "enable_group_norm", "enable_skip_group_norm", "enable_bias_splitgelu",
+                      "enable_bias_add", "enable_packed_qkv", "enable_packed_kv")
+
+
+# ------------------------------------------------------------------------------------------------ text encoders
+class ClipTextEncoder(torch.nn.Module):
+    """A CLIP text encoder as optimum exports it for SD3 (and SDXL): with a projection, ``text_embeds`` (the projected
+    pooled output) then ``last_hidden_state``; without one, ``last_hidden_state`` then ``pooler_output``; then, with
+    ``hidden_states``, every layer's ``hidden_states.i``. The pooled output is pooled on the device (see
+    :func:`~optimum_iobinding.export.export.pooled_output`)."""
+
+    def __init__(self, text_encoder: torch.nn.Module, with_projection: bool, hidden_states: bool = True):
+        super().__init__()
+        self.text_encoder = text_encoder
+        self.with_projection = with_projection
+        self.hidden_states = hidden_states
+
+    def forward(self, input_ids: torch.Tensor):
+        output = self.text_encoder(input_ids=input_ids, output_hidden_states=self.hidden_states, return_dict=True)
+        last = output.last_hidden_state
+        pooled = pooled_output(self.text_encoder, last, input_ids)
+        layers = tuple(output.hidden_states) if self.hidden_states else ()
+        if self.with_projection:
+            return (self.text_encoder.text_projection(pooled), last, *layers)
+        return (last, pooled, *layers)
+
+
+def clip_text_encoder_spec(text_encoder: torch.nn.Module, sequence: int, with_projection: bool,
+                           hidden_states: bool = True) -> Dict[str, Any]:
+    """The export spec of a CLIP text encoder with optimum's names (``CLIPTextWithProjectionOnnxConfig`` /
+    ``CLIPTextOnnxConfig``): int64 ``input_ids`` of dynamic batch and sequence; outputs as :class:`ClipTextEncoder`.
+
+    Args:
+        text_encoder: a transformers ``CLIPTextModelWithProjection`` (``with_projection``) or ``CLIPTextModel``.
+        sequence: the example's sequence length (the tokenizer's ``model_max_length``).
+        with_projection: export ``text_embeds`` (the projection) instead of ``pooler_output``.
+        hidden_states: also export every layer's hidden states (SD3 and SDXL read the penultimate; Flux none).
+    """
+    pooled = "text_embeds" if with_projection else "pooler_output"
+    layers = [f"hidden_states.{i}" for i in range(text_encoder.config.num_hidden_layers + 1)] if hidden_states else []
+    names = [pooled, "last_hidden_state"] if with_projection else ["last_hidden_state", pooled]
+    return dict(
+        module=ClipTextEncoder(text_encoder, with_projection, hidden_states),
+        args=(torch.zeros(1, sequence, dtype=torch.int64),),
+        input_names=["input_ids"],
+        output_names=names + layers,
+        dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}, pooled: {0: "batch"},
+                      **{name: {0: "batch", 1: "sequence"} for name in ["last_hidden_state", *layers]}},
+        config=text_encoder.config,
+    )
+
+
+class T5Encoder(torch.nn.Module):
+    """transformers' ``T5EncoderModel``: ``input_ids`` → ``last_hidden_state`` (optimum's ``T5EncoderOnnxConfig``)."""
+
+    def __init__(self, text_encoder: torch.nn.Module):
+        super().__init__()
+        self.text_encoder = text_encoder
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.text_encoder(input_ids=input_ids, return_dict=True).last_hidden_state
+
+
+def t5_encoder_spec(text_encoder: torch.nn.Module, sequence: int = 16) -> Dict[str, Any]:
+    """The export spec of a T5 encoder with optimum's names: int64 ``input_ids`` (batch, sequence) →
+    ``last_hidden_state``; both dims dynamic (T5's relative positions take any length)."""
+    return dict(
+        module=T5Encoder(text_encoder),
+        args=(torch.zeros(1, sequence, dtype=torch.int64),),
+        input_names=["input_ids"],
+        output_names=["last_hidden_state"],
+        dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}, "last_hidden_state": {0: "batch", 1: "sequence"}},
+        config=text_encoder.config,
+    )
+
+
+# -------------------------------------------------------------------------------------------------- transformer
+class SD3Transformer(torch.nn.Module):
+    """diffusers' ``SD3Transformer2DModel`` with optimum's inputs, in its order: ``hidden_states`` (latents),
+    ``encoder_hidden_states`` (CLIP and T5 states), ``pooled_projections`` (both CLIPs' pooled projections),
+    ``timestep`` (one per row) → ``out_hidden_states``."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        super().__init__()
+        self.transformer = transformer
+
+    def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep):
+        return self.transformer(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                                pooled_projections=pooled_projections, timestep=timestep, return_dict=False)[0]
+
+
+def sd3_transformer_spec(transformer: torch.nn.Module, sequence: int = 8) -> Dict[str, Any]:
+    """The export spec of an SD3 transformer (optimum's ``SD3TransformerOnnxConfig`` names), batch, latent height and
+    width and the text sequence dynamic."""
+    config = transformer.config
+    latent = 4 * config.patch_size
+    return dict(
+        module=SD3Transformer(transformer),
+        args=(torch.randn(2, config.in_channels, latent, latent), torch.randn(2, sequence, config.joint_attention_dim),
+              torch.randn(2, config.pooled_projection_dim), torch.tensor([500.0, 500.0])),
+        input_names=["hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"],
+        output_names=["out_hidden_states"],
+        dynamic_axes={"hidden_states": {0: "batch", 2: "height", 3: "width"},
+                      "encoder_hidden_states": {0: "batch", 1: "sequence"}, "pooled_projections": {0: "batch"},
+                      "timestep": {0: "batch"}, "out_hidden_states": {0: "batch", 2: "height", 3: "width"}},
+        config=config,
+    )
+
+
+def is_sd3_pipeline(pipe: Any) -> bool:
+    """A diffusers Stable Diffusion 3 pipeline: an ``SD3Transformer2DModel`` as its ``transformer``."""
+    transformer = getattr(pipe, "transformer", None)
+    return transformer is not None and type(transformer).__name__ == "SD3Transformer2DModel"
+
+
+def sd3_component_specs(pipe: Any) -> Dict[str, Dict[str, Any]]:
+    """What to export of an SD3 pipeline: each component's module, example inputs, names and dynamic axes."""
+    sequence = pipe.tokenizer.model_max_length
+    specs = {name: clip_text_encoder_spec(getattr(pipe, name), sequence, with_projection=True)
+             for name in ("text_encoder", "text_encoder_2")}
+    if getattr(pipe, "text_encoder_3", None) is not None:
+        specs["text_encoder_3"] = t5_encoder_spec(pipe.text_encoder_3)
+    specs["transformer"] = sd3_transformer_spec(pipe.transformer)
+    return {**specs, **vae_specs(pipe.vae, latent_size=8)}
+
+
+# ------------------------------------------------------------------------------------------------------ writing
+def save_model(model: onnx.ModelProto, path: Path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> bool:
+    """Writes ``model`` to ``path``; with its weights in ``model.onnx_data`` beside it where they exceed
+    ``external_data_threshold`` bytes. Returns whether it wrote external data."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    external = weight_bytes(model) > external_data_threshold
+    if external:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=EXTERNAL_DATA_FILE, size_threshold=1024)
+    else:
+        onnx.save_model(model, str(path))
+    return external
+
+
+def fusion_options_for(model_type: str, target: str) -> Any:
+    """ORT's fusions for ``model_type`` on ``target`` (``"cpu"``: only fusions whose fused operators have CPU
+    kernels)."""
+    from onnxruntime.transformers.fusion_options import FusionOptions
+
+    options = FusionOptions(model_type)
+    if target == "cpu":
+        for flag in _CUDA_ONLY_FUSIONS:
+            if hasattr(options, flag):
+                setattr(options, flag, False)
+    return options
+
+
+def _torch_export(spec: Dict[str, Any], path: Path, opset: int) -> None:
+    with torch.no_grad(), warnings.catch_warnings():
+        # the TorchScript exporter's notes on the Python control flow it traced and on its own deprecation: expected
+        # for diffusers' and transformers' modules, and not the user's to act on
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        for message in ("Constant folding - Only steps=1", "You are using the legacy TorchScript-based ONNX export",
+                        "The feature will be removed", "Exporting aten::index operator of advanced indexing"):
+            warnings.filterwarnings("ignore", message=message)
+        torch.onnx.export(spec["module"].eval(), spec["args"], str(path), dynamo=False,
+                          input_names=spec["input_names"], output_names=spec["output_names"],
+                          dynamic_axes=spec["dynamic_axes"], opset_version=opset, do_constant_folding=True)
+
+
+def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16: bool, optimize: Optional[str],
+                 external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> None:
+    """Exports one component this module owns (the T5 encoder, the transformer) to ``target/name``: the TorchScript
+    exporter, then ORT's transformer optimizer (``optimize``: ``"cuda"`` or ``"cpu"``; model type ``t5`` or
+    ``mmdit``) with the weights kept on disk, then ORT's float16 converter (``fp16``), then ``model.onnx`` (and its
+    external data above ``external_data_threshold`` bytes) and ``config.json``."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "model.onnx"
+        _torch_export(spec, path, opset)
+        if optimize == "cpu" and name in _OPTIMIZED_FOR_CUDA_ONLY:
+            optimize = None
+        if optimize:
+            with in_folder(path.parent):
+                optimized = optimize_model(load_light(path), model_type=_OPTIMIZER_MODEL_TYPES[name], opt_level=0,
+                                           optimization_options=fusion_options_for(_OPTIMIZER_MODEL_TYPES[name],
+                                                                                   optimize),
+                                           use_gpu=optimize == "cuda")
+            if fp16:
+                model = optimized_to_float16(optimized, Path(scratch))
+            else:
+                model = optimized.model
+                onnx.load_external_data_for_model(model, scratch)
+        elif fp16:
+            # every intermediate's type first, from the file (works past 2 GiB, unlike in-memory inference)
+            typed = Path(scratch) / "typed.onnx"
+            onnx.shape_inference.infer_shapes_path(str(path), str(typed))
+            model = convert_to_float16(onnx.load(str(typed)), shapes_known=True)
+        else:
+            model = onnx.load(str(path))
+    save_model(model, target / name / "model.onnx", external_data_threshold)
+    config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
+    (target / name / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
+
+
+def save_t5_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """Saves a T5 tokenizer so that transformers 4 loads it too: transformers 5 writes ``extra_special_tokens`` as a
+    list, which transformers 4 reads as a mapping and fails on; an empty one is left out."""
+    tokenizer.save_pretrained(str(folder))
+    config_path = folder / "tokenizer_config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        if config.get("extra_special_tokens") == []:
+            del config["extra_special_tokens"]
+            config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def t5_tokenizer_class_name(tokenizer: Any) -> str:
+    """The class name model_index.json gives a T5 tokenizer: transformers 5's ``T5Tokenizer`` is the fast one
+    (``T5TokenizerFast`` is its alias there), while transformers 4's ``T5Tokenizer`` needs a sentencepiece file; the
+    fast name loads in both."""
+    name = type(tokenizer).__name__
+    return "T5TokenizerFast" if name == "T5Tokenizer" and getattr(tokenizer, "is_fast", False) else name
+
+
+def export_sd3_pipeline(
+    pipe: Any,
+    target: Path,
+    *,
+    components: Optional[Sequence[str]] = None,
+    opset: int = 17,
+    fp16: bool = False,
+    optimize: Optional[str] = None,
+    progress: bool = True,
+    external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
+) -> Path:
+    """Exports a diffusers ``StableDiffusion3Pipeline`` to optimum's ONNX layout at ``target`` (see the module's
+    docstring), built beside it and moved into place when whole.
+
+    Args:
+        pipe: the torch pipeline (float32).
+        target: the output folder (checked by the caller: new, empty, or to be replaced).
+        components: which ONNX components to export (default: all the pipeline has; no ``text_encoder_3`` without a
+            T5).
+        opset: ONNX opset.
+        fp16: convert the components of :data:`FP16_COMPONENTS` to float16 (T5 stays float32).
+        optimize: ``"cuda"`` or ``"cpu"``: ORT's transformer optimizer (``clip``, ``t5``, ``mmdit``, ``vae``) on
+            each component before the float16 conversion, with the fusions that target runs (for ``"cpu"`` the T5
+            encoder is left as exported: ORT's T5 fusions write an operator only CUDA runs).
+        progress: show a progress bar.
+        external_data_threshold: weights above this many bytes go to ``model.onnx_data``.
+
+    Returns:
+        ``target``.
+    """
+    available = tuple(name for name in SD3_COMPONENTS
+                      if name != "text_encoder_3" or getattr(pipe, "text_encoder_3", None) is not None)
+    components = available if components is None else tuple(components)
+    unknown = [name for name in components if name not in available]
+    if unknown:
+        raise ValueError(f"components: expected names from {list(available)}, got {unknown}")
+    specs = sd3_component_specs(pipe)
+    with building_beside(target) as scratch:
+        for name in tqdm(components, desc="export", unit="model", disable=not progress):
+            half = fp16 and name in FP16_COMPONENTS
+            if name in _OPTIMIZER_MODEL_TYPES:
+                export_model(name, specs[name], scratch, opset, half, optimize, external_data_threshold)
+            else:  # CLIP and the VAE: the Stable Diffusion export's own (its fusions, LoRA map, VAE attention)
+                export_component(name, specs[name], scratch, opset, half, optimize)
+        for name in ("tokenizer", "tokenizer_2"):
+            save_tokenizer(getattr(pipe, name), scratch / name)
+        if getattr(pipe, "tokenizer_3", None) is not None:
+            save_t5_tokenizer(pipe.tokenizer_3, scratch / "tokenizer_3")
+        pipe.scheduler.save_pretrained(str(scratch / "scheduler"))
+        has_t5 = getattr(pipe, "text_encoder_3", None) is not None
+        write_transformer_model_index(scratch, type(pipe).__name__, {
+            "scheduler": ("diffusers", type(pipe.scheduler).__name__),
+            "transformer": ("diffusers", type(pipe.transformer).__name__),
+            "vae": ("diffusers", type(pipe.vae).__name__),
+            "text_encoder": ("transformers", type(pipe.text_encoder).__name__),
+            "text_encoder_2": ("transformers", type(pipe.text_encoder_2).__name__),
+            "text_encoder_3": ("transformers", type(pipe.text_encoder_3).__name__) if has_t5 else None,
+            "tokenizer": ("transformers", type(pipe.tokenizer).__name__),
+            "tokenizer_2": ("transformers", type(pipe.tokenizer_2).__name__),
+            "tokenizer_3": ("transformers", t5_tokenizer_class_name(pipe.tokenizer_3))
+            if getattr(pipe, "tokenizer_3", None) is not None else None,
+            "image_encoder": None,
+            "feature_extractor": None,
+        })
+    return target
