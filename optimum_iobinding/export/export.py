@@ -427,7 +427,8 @@ def export_pipeline(
 ) -> Path:
     """Exports a diffusers Stable Diffusion (1.x/2.x, LCM, Turbo) pipeline to the diffusers ONNX layout, or an SDXL
     pipeline to optimum's SDXL layout (two text encoders with their hidden states; a UNet taking ``text_embeds`` and
-    ``time_ids``). A UNet with ``time_cond_proj_dim`` (LCM) also takes ``timestep_cond``.
+    ``time_ids``), or a ``FluxPipeline`` to optimum's Flux layout (:mod:`.flux`, which says each component's
+    precision). A UNet with ``time_cond_proj_dim`` (LCM) also takes ``timestep_cond``.
 
     With ``tiny_vae`` and no pipeline (``model_id_or_path=None``, no ``tiny_random`` or ``torch_pipeline``) it writes
     a folder of that tiny VAE alone: ``vae_encoder/`` and ``vae_decoder/`` (what a pipeline takes as its tiny VAE).
@@ -444,7 +445,8 @@ def export_pipeline(
             component before the fp16 conversion, with the fusions that target runs (see :func:`fusion_options`).
             The CUDA fusions (NhwcConv, GroupNorm, BiasSplitGelu …) only run on the CUDA execution provider.
         tiny_random: build a tiny random-weights pipeline offline instead of loading one: ``True`` or ``"sd"``,
-            ``"xl"`` (SDXL) or ``"lcm"`` (an LCM UNet with ``timestep_cond``); see :data:`TINY_RANDOM_KINDS`.
+            ``"xl"`` (SDXL) or ``"lcm"`` (an LCM UNet with ``timestep_cond``), ``"flux"`` or ``"flux-dev"`` (FLUX.1
+            schnell's and dev's shapes); see :data:`TINY_RANDOM_KINDS`.
         components: which ONNX components to export (default: all the pipeline has).
         progress: show a progress bar.
         pipeline_loader: how to load ``model_id_or_path`` (default ``DiffusionPipeline.from_pretrained``, which
@@ -509,6 +511,15 @@ def export_pipeline(
         from diffusers import DiffusionPipeline
 
         pipe = DiffusionPipeline.from_pretrained(model_id_or_path, torch_dtype=torch.float32, safety_checker=None)
+    from .flux import export_flux_pipeline, is_flux
+
+    if is_flux(pipe):
+        for name, value in (("vae", vae), ("controlnet", controlnet), ("tiny_vae", tiny_vae)):
+            if value is not None:
+                raise ValueError(f"{name}: expected None for a Flux pipeline (it exports its own VAE and no "
+                                 f"ControlNet), got {type(value).__name__}")
+        return export_flux_pipeline(pipe, target, fp16=fp16, opset=opset, optimize=optimize, components=components,
+                                    progress=progress)
     if vae is not None:
         if isinstance(vae, (str, os.PathLike)):
             from diffusers import AutoencoderKL
