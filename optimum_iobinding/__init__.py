@@ -20,6 +20,7 @@ _PIPELINES = (
     "OnnxStableDiffusionControlNetPipeline",
     "OnnxStableDiffusionControlNetImg2ImgPipeline",
     "OnnxStreamDiffusionPipeline",
+    "OnnxFluxPipeline",
 )
 
 __all__ = ["IOBindingORTModel", "ModelOptions", "PipelineOptions", "infer_output_shapes", "TiledVAE", "accelerate", "__version__", *_PIPELINES]

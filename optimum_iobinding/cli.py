@@ -69,9 +69,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", "-o", required=True, help="folder to write the ONNX pipeline to")
     parser.add_argument("--fp16", action="store_true", help="convert to float16 with ORT's converter after export")
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
-    parser.add_argument("--tiny-random", nargs="?", const="sd", default=None, choices=("sd", "xl", "lcm", "controlnet"),
-                        help="export a tiny random-weights pipeline built offline: sd (default), xl, lcm or controlnet "
-                             "(SD with a tiny random ControlNet)")
+    parser.add_argument("--tiny-random", nargs="?", const="sd", default=None, choices=("sd", "xl", "lcm", "controlnet", "flux", "flux-dev"),
+                        help="export a tiny random-weights pipeline built offline: sd (default), xl, lcm, controlnet "
+                             "(SD with a tiny random ControlNet), flux or flux-dev (FLUX.1 schnell's and dev's shapes)")
     parser.add_argument("--optimize", choices=("cuda", "cpu"), default=None,
                         help="run ORT's transformer optimizer with the fusions this execution provider runs")
     parser.add_argument("--overwrite", action="store_true",

@@ -124,11 +124,12 @@ def build_tiny_flux_pipeline(seed: int = 0, guidance_embeds: bool = False):
         tokenizer = write_tiny_tokenizer(Path(folder) / "clip")
         tokenizer_2 = write_tiny_t5_tokenizer_to(Path(folder) / "t5")
     torch.manual_seed(seed)
-    text_encoder = CLIPTextModel(_tiny_text_encoder_config(tokenizer))
+    # in inference mode, as from_pretrained gives them (a model built from a config starts in training mode)
+    text_encoder = CLIPTextModel(_tiny_text_encoder_config(tokenizer)).eval()
     text_encoder_2 = T5EncoderModel(T5Config(
         vocab_size=len(tokenizer_2), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
         relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1,
-        decoder_start_token_id=0, is_encoder_decoder=False, use_cache=False))
+        decoder_start_token_id=0, is_encoder_decoder=False, use_cache=False, dropout_rate=0.0)).eval()
     transformer = FluxTransformer2DModel(
         patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=guidance_embeds,
@@ -411,7 +412,9 @@ def export_flux_component(name: str, spec: dict, target: Path, opset: int, fp16:
             torch.onnx.export(spec["module"].eval(), spec["args"], str(scratch_path), dynamo=False,
                               input_names=spec["input_names"], output_names=spec["output_names"],
                               dynamic_axes=spec["dynamic_axes"], opset_version=opset, do_constant_folding=True)
-        if optimize:
+        # ORT's T5 optimizer always fuses the relative position bias into its RelativePositionBias op, which only
+        # the CUDA provider implements: on the CPU T5 stays as exported
+        if optimize and not (name == "text_encoder_2" and optimize == "cpu"):
             optimized = optimize_flux_component(name, scratch_path, optimize)
             if fp16:
                 model = optimized_to_float16(optimized, Path(scratch))

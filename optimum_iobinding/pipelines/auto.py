@@ -9,6 +9,7 @@ from typing import Union
 
 from ..layout import read_model_index
 from ..runtime.hub import load_graph
+from .flux import OnnxFluxPipeline
 from .latent_consistency import OnnxLatentConsistencyModelPipeline
 from .stable_diffusion import OnnxStableDiffusionPipeline
 from .stable_diffusion_xl import OnnxStableDiffusionXLPipeline
@@ -16,11 +17,16 @@ from .stable_diffusion_xl import OnnxStableDiffusionXLPipeline
 
 def pipeline_class_for(folder: Union[str, os.PathLike]) -> type:
     """The text-to-image pipeline class for an ONNX folder, as diffusers' ``AutoPipelineForText2Image`` picks one:
-    SDXL when the UNet takes ``text_embeds``/``time_ids``, LCM when it takes ``timestep_cond``, else Stable
-    Diffusion 1.x/2.x (SD-Turbo included). A folder no text-to-image pipeline runs (an inpainting UNet, an SDXL
-    refiner) is an error saying which pipeline to use."""
+    FLUX.1 when its transformer takes ``img_ids``; SDXL when the UNet takes ``text_embeds``/``time_ids``, LCM when
+    it takes ``timestep_cond``, else Stable Diffusion 1.x/2.x (SD-Turbo included). A folder no text-to-image pipeline
+    runs (an inpainting UNet, an SDXL refiner) is an error saying which pipeline to use."""
     folder = Path(folder)
     read_model_index(folder, ())  # a pipeline folder: its model_index.json is there and parses
+    transformer_path = folder / "transformer" / "model.onnx"
+    if transformer_path.is_file():  # a diffusion transformer: Flux takes rotary position ids
+        transformer_graph = load_graph(str(transformer_path)).graph
+        if "img_ids" in {value.name for value in transformer_graph.input}:
+            return OnnxFluxPipeline
     unet_path = folder / "unet" / "model.onnx"
     if not unet_path.is_file():
         raise FileNotFoundError(f"model: expected {str(unet_path)!r} (an ONNX Stable Diffusion folder), found none")

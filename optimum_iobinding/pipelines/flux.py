@@ -244,6 +244,15 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
                                           cuda_graph, component_options)
         folder = resolve_pipeline_folder(pretrained_model_name_or_path, cls._onnx_components, cls._tokenizer_names,
                                           **hub_kwargs)
+        # every model file is there before anything loads: the transformer's first, the one that says "Flux"
+        for name in ("transformer", *cls._onnx_components):
+            path = folder / name / "model.onnx"
+            if name not in cls._optional_components and not path.is_file():
+                unet = (folder / "unet" / "model.onnx").is_file()
+                hint = (f"; {str(folder)!r} holds a UNet: a Stable Diffusion folder, for the pipeline "
+                        "pipeline_class_for picks") if unet else ""
+                raise FileNotFoundError(f"pretrained_model_name_or_path: component {name!r} is missing: expected "
+                                        f"{path} (a FLUX.1 ONNX folder){hint}")
         # tokenizers and scheduler through the shared loader; the ONNX components here (optimum's index names them
         # by their torch classes, T5EncoderModel and FluxTransformer2DModel)
         components = load_components(cls, folder, options, scheduler, tokenizer, onnx_components=())
@@ -253,13 +262,9 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
                                 f"{type(tokenizer_2).__name__}")
             components["tokenizer_2"] = tokenizer_2
         for name in cls._onnx_components:
-            path = folder / name / "model.onnx"
-            if not path.is_file():
-                if name in cls._optional_components:
-                    components[name] = None
-                    continue
-                raise FileNotFoundError(f"pretrained_model_name_or_path: component {name!r} is missing: expected "
-                                        f"{path}")
+            if not (folder / name / "model.onnx").is_file():  # an optional one (checked above)
+                components[name] = None
+                continue
             components[name] = IOBindingORTModel.from_pretrained(folder / name, options=options.for_component(name))
             check_component_kind(name, components[name])
         return cls(**components)
