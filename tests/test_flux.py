@@ -97,9 +97,11 @@ def test_a_component_over_the_threshold_gets_its_weights_in_external_data(schnel
                                load(folder)(PROMPTS[0], generator=seeded(), **CALL).images, atol=TOLERANCE)
 
 
-def test_an_ort_optimized_export_matches_diffusers(dev, tmp_path):
+def test_an_ort_optimized_export_fuses_the_attention_and_matches_diffusers(dev, tmp_path):
     torch_pipe, _ = dev
     fused = export_pipeline(None, tmp_path / "fused", torch_pipeline=torch_pipe, optimize="cpu", progress=False)
+    ops = [node.op_type for node in onnx.load(str(fused / "transformer" / "model.onnx")).graph.node]
+    assert ops.count("MultiHeadAttention") == 2  # ORT's MMDiT fusion: the double block's and the single block's
     np.testing.assert_allclose(load(fused)(PROMPTS, generator=seeded(), **CALL).images,
                                torch_pipe(PROMPTS, generator=seeded(), **CALL).images, atol=TOLERANCE)
 

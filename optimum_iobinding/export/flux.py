@@ -227,17 +227,17 @@ class _RotaryPositions(torch.nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Flux's rotary embedding applied to ``x`` of shape ``(batch, sequence, heads, head_dim)``: each pair of
+    """Flux's rotary embedding applied to ``x`` of shape ``(batch, heads, sequence, head_dim)``: each pair of
     neighbouring values rotated, by slicing (a reshape into pairs traces with the example's sequence length)."""
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     rotated = torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(3)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    return x * cos[None, None] + rotated * sin[None, None]
 
 
 class _FluxAttentionForExport:
     """Flux's attention (``FluxAttnProcessor``'s computation: per-head RMS-normed queries and keys, the text tokens
     first, rotary embedding, scaled dot-product attention) with every shape taken from the inputs, so that the
-    exported graph takes any number of text and image tokens."""
+    exported graph takes any number of text and image tokens; in the (batch, heads, sequence, head_dim) layout and op
+    order that ORT's MMDiT attention fusion matches (the export is float32: no casts in between)."""
 
     def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor] = None,
                  attention_mask: Optional[torch.Tensor] = None,
@@ -245,21 +245,20 @@ class _FluxAttentionForExport:
         batch = hidden_states.shape[0]
 
         def heads(projected: torch.Tensor) -> torch.Tensor:
-            return projected.view(batch, -1, attn.heads, attn.head_dim)
+            return projected.view(batch, -1, attn.heads, attn.head_dim).transpose(1, 2)
 
         query = attn.norm_q(heads(attn.to_q(hidden_states)))
         key = attn.norm_k(heads(attn.to_k(hidden_states)))
         value = heads(attn.to_v(hidden_states))
         if attn.added_kv_proj_dim is not None and encoder_hidden_states is not None:
-            query = torch.cat([attn.norm_added_q(heads(attn.add_q_proj(encoder_hidden_states))), query], dim=1)
-            key = torch.cat([attn.norm_added_k(heads(attn.add_k_proj(encoder_hidden_states))), key], dim=1)
-            value = torch.cat([heads(attn.add_v_proj(encoder_hidden_states)), value], dim=1)
+            query = torch.cat([attn.norm_added_q(heads(attn.add_q_proj(encoder_hidden_states))), query], dim=2)
+            key = torch.cat([attn.norm_added_k(heads(attn.add_k_proj(encoder_hidden_states))), key], dim=2)
+            value = torch.cat([heads(attn.add_v_proj(encoder_hidden_states)), value], dim=2)
         if image_rotary_emb is not None:
             cos, sin = image_rotary_emb
             query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-        attended = torch.nn.functional.scaled_dot_product_attention(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=attention_mask)
-        attended = attended.transpose(1, 2).reshape(batch, -1, attn.heads * attn.head_dim).to(query.dtype)
+        attended = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask)
+        attended = attended.transpose(1, 2).reshape(batch, -1, attn.heads * attn.head_dim)
         if encoder_hidden_states is None:
             return attended
         text_tokens = encoder_hidden_states.shape[1]
