@@ -23,8 +23,8 @@ component           precision  why
 text_encoder        fp16       CLIP-L runs in float16 in every SD/Flux deployment; it is small and bounded
 text_encoder_2      fp32       T5-XXL's feed-forward activations exceed float16's range (65504): inf/NaN
                                embeddings; diffusers' own T5 guidance is bf16 or fp32, never fp16
-transformer         fp16       where the time goes; ORT's converter keeps its normalizations and softmax in
-                               fp32, but Flux's residual stream can grow past float16's range on some prompts
+transformer         fp16       where the time goes; ORT's (fused) normalization and softmax kernels accumulate
+                               in fp32, but Flux's residual stream can grow past float16's range on some prompts
                                (diffusers clips it in fp16): check images, or export with ``fp16=False``
 vae_encoder/decoder fp16, or   float16 unless the VAE's config says ``force_upcast`` (FLUX.1's does: its
                     fp32       decoder is run in fp32 by diffusers' own pipelines when they run in fp16)
