@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.image_processor import VaeImageProcessor
+from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
 from ..layout import building_beside, check_output_folder, resolve_pipeline_folder, save_tokenizer
@@ -553,8 +554,6 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
         Returns:
             ``FluxPipelineOutput(images)``, or ``(images,)`` without ``return_dict``.
         """
-        from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
-
         # 1. check inputs
         height = self.default_image_size if height is None else height
         width = self.default_image_size if width is None else width
@@ -564,9 +563,9 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
                                negative_pooled_prompt_embeds, output_type, joint_attention_kwargs,
                                callback_on_step_end, callback_on_step_end_tensor_inputs, max_sequence_length)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
-        images = batch_size * num_images_per_prompt
-        if isinstance(generator, list) and len(generator) != images:
-            raise ValueError(f"generator: expected one generator per image ({images}: {batch_size} prompts × "
+        image_count = batch_size * num_images_per_prompt
+        if isinstance(generator, list) and len(generator) != image_count:
+            raise ValueError(f"generator: expected one generator per image ({image_count}: {batch_size} prompts × "
                              f"num_images_per_prompt {num_images_per_prompt}), got a list of {len(generator)}")
         has_negative = negative_prompt is not None or (negative_prompt_embeds is not None
                                                        and negative_pooled_prompt_embeds is not None)
@@ -591,12 +590,12 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
         dtype = self.transformer.input_dtypes["hidden_states"]
         tokens = (latent_height // 2) * (latent_width // 2)
         if latents is None:
-            noise = self.prepare_latents((images, self.latent_channels, latent_height, latent_width), torch.float32,
+            noise = self.prepare_latents((image_count, self.latent_channels, latent_height, latent_width), torch.float32,
                                          generator)
             latents = pack_latents(noise).to(dtype)
         else:
             latents = tensor_of(latents)
-            expected = (images, tokens, self.latent_channels * 4)
+            expected = (image_count, tokens, self.latent_channels * 4)
             if tuple(latents.shape) != expected:
                 raise ValueError(f"latents: expected packed latents of shape {expected} (batch, tokens, 4 × latent "
                                  f"channels), got {tuple(latents.shape)}")
@@ -606,7 +605,7 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
 
         # 4. timesteps: the transformer's timestep (t / 1000) and guidance inputs made once on the device
         timesteps = self.flux_timesteps(num_inference_steps, tokens, sigmas)
-        model_batch = images * (2 if do_true_cfg else 1)
+        model_batch = image_count * (2 if do_true_cfg else 1)
         timestep_dtype = self.transformer.input_dtypes["timestep"]
         timestep_rows = upload((timesteps.to(dtype) / 1000).to(timestep_dtype)[:, None].expand(-1, model_batch)
                                .contiguous(), self.device)
