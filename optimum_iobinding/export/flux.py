@@ -15,24 +15,25 @@ Layout written (what ``optimum-cli export onnx`` writes for Flux, which optimum'
     vae_decoder/model.onnx          latent_sample → sample
     */config.json, tokenizer/, tokenizer_2/, scheduler/
 
-Precision of each component with ``fp16=True`` (:data:`FLUX_FP16_COMPONENTS`, and why):
+Precision of each component with ``fp16=True`` (:func:`flux_fp16_components`, and why):
 
 ==================  =========  ==============================================================================
 component           precision  why
 ==================  =========  ==============================================================================
-text_encoder        fp16       CLIP-L runs in float16 in every SD/Flux deployment; it is small and bounded
-text_encoder_2      fp32       T5-XXL's feed-forward activations exceed float16's range (65504): inf/NaN
-                               embeddings; diffusers' own T5 guidance is bf16 or fp32, never fp16
+text_encoder        fp16       CLIP-L is small and its activations stay well inside float16's range (the SD
+                               exports run it in fp16 too)
+text_encoder_2      fp32       T5's feed-forward activations exceed float16's range (65504) on ordinary
+                               prompts: inf/NaN embeddings
 transformer         fp16       where the time goes; ORT's (fused) normalization and softmax kernels accumulate
                                in fp32, but Flux's residual stream can grow past float16's range on some prompts
                                (diffusers clips it in fp16): check images, or export with ``fp16=False``
-vae_encoder/decoder fp16, or   float16 unless the VAE's config says ``force_upcast`` (FLUX.1's does: its
-                    fp32       decoder is run in fp32 by diffusers' own pipelines when they run in fp16)
+vae_encoder/decoder fp16, or   fp32 where the VAE's config says ``force_upcast`` (diffusers' AutoencoderKL
+                    fp32       default; diffusers then decodes in fp32 itself), else fp16
 ==================  =========  ==============================================================================
 
-Components whose weights are over :data:`EXTERNAL_DATA_THRESHOLD` bytes (FLUX.1's transformer, 23 GB in fp32, and
-T5-XXL, 19 GB) are written with their weights in one external-data file ``model.onnx_data`` beside ``model.onnx``,
-as optimum writes them; smaller ones are one file.
+Components whose weights are over :data:`EXTERNAL_DATA_THRESHOLD` bytes (FLUX.1's transformer: 12 billion
+parameters, 48 GB in fp32, 24 GB in fp16; T5-XXL's encoder, 19 GB in fp32) are written with their weights in one
+external-data file ``model.onnx_data`` beside ``model.onnx``, as optimum writes them; smaller ones are one file.
 """
 
 from __future__ import annotations

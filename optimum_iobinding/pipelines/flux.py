@@ -1,7 +1,7 @@
 """FLUX.1 (schnell and dev) text-to-image on ONNX Runtime, the loop on the device: optimum's Flux export layout (a CLIP
 text encoder for the pooled prompt, a T5 encoder for the token embeddings, a transformer over 2×2-packed latent
-tokens with rotary position ids, an AutoencoderKL of 16 latent channels), diffusers' ``FlowMatchEulerDiscreteScheduler``.
-"""
+tokens with rotary position ids, an AutoencoderKL of 16 latent channels), diffusers'
+``FlowMatchEulerDiscreteScheduler``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-from ..layout import building_beside, check_output_folder, resolve_pipeline_folder, save_tokenizer
+from ..layout import resolve_pipeline_folder
 from ..runtime.hub import check_hub_kwargs
 from ..runtime.model import IOBindingORTModel
 from ..runtime.options import CudaGraphSetting, PipelineOptions, ProviderSpec
@@ -283,7 +283,8 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
         index = {"_class_name": "FluxPipeline", "_diffusers_version": diffusers.__version__,
                  "feature_extractor": [None, None], "image_encoder": [None, None],
                  "scheduler": ["diffusers", type(self.scheduler).__name__],
-                 "text_encoder": ["transformers", "CLIPTextModel"], "text_encoder_2": ["transformers", "T5EncoderModel"],
+                 "text_encoder": ["transformers", "CLIPTextModel"],
+                 "text_encoder_2": ["transformers", "T5EncoderModel"],
                  "tokenizer": tokenizer_entry(self.tokenizer), "tokenizer_2": tokenizer_entry(self.tokenizer_2),
                  "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]}
         (Path(target) / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
@@ -590,8 +591,8 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
         dtype = self.transformer.input_dtypes["hidden_states"]
         tokens = (latent_height // 2) * (latent_width // 2)
         if latents is None:
-            noise = self.prepare_latents((image_count, self.latent_channels, latent_height, latent_width), torch.float32,
-                                         generator)
+            shape = (image_count, self.latent_channels, latent_height, latent_width)
+            noise = self.prepare_latents(shape, torch.float32, generator)
             latents = pack_latents(noise).to(dtype)
         else:
             latents = tensor_of(latents)
