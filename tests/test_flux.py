@@ -82,6 +82,19 @@ def test_the_export_has_optimums_flux_layout(schnell, dev):
         assert index["tokenizer_2"] == ["transformers", "T5TokenizerFast"]
 
 
+def test_the_export_gives_the_torch_pipeline_back_as_it_was(schnell):
+    torch_pipe, _ = schnell
+    attention = torch_pipe.transformer.transformer_blocks[0].attn
+    assert type(attention.norm_q) is torch.nn.RMSNorm and type(attention.processor).__name__ == "FluxAttnProcessor"
+    assert type(torch_pipe.transformer.pos_embed).__name__ == "FluxPosEmbed"
+
+
+def test_a_vae_or_controlnet_for_a_flux_export_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="vae: expected None for a Flux pipeline"):
+        export_pipeline(None, tmp_path / "out", tiny_random="flux", vae="some/vae", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_tiny_random_kinds_are_schnell_and_dev():
     assert not build_tiny_random_flux_pipeline().transformer.config.guidance_embeds
     assert build_tiny_random_flux_pipeline(guidance_embeds=True).transformer.config.guidance_embeds
