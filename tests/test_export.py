@@ -143,3 +143,16 @@ def test_the_text_encoder_pools_the_end_token_on_floats_and_equals_transformers(
     session = ort.InferenceSession(str(tmp_path / "text_encoder" / "model.onnx"), providers=["CPUExecutionProvider"])
     _, pooled = session.run(None, {"input_ids": ids.numpy()})
     np.testing.assert_allclose(pooled.astype(np.float32), expected, atol=2e-2 if fp16 else 1e-5)
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+def test_the_vae_encoder_declares_its_latent_channels_so_its_output_is_sized_before_the_run(tmp_path, fp16):
+    from optimum_iobinding import IOBindingORTModel, infer_output_shapes
+
+    folder = export_pipeline(None, tmp_path / "sd", tiny_random=True, fp16=fp16, components=("vae_encoder",),
+                             progress=False)
+    output = onnx.load(str(folder / "vae_encoder" / "model.onnx")).graph.output[0]
+    channels = build_tiny_random_pipeline().vae.config.latent_channels
+    assert output.type.tensor_type.shape.dim[1].dim_value == channels
+    encoder = IOBindingORTModel.from_pretrained(folder, subfolder="vae_encoder")
+    assert infer_output_shapes(encoder, {"sample": (2, 3, 64, 96)}) == {"latent_sample": (2, channels, 8, 12)}

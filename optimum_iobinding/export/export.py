@@ -257,6 +257,9 @@ def vae_specs(vae, latent_size: int) -> Dict[str, dict]:
             dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"},
                           "latent_sample": {0: "batch", 2: f"height / {encoder_factor}",
                                             3: f"width / {encoder_factor}"}},
+            # the exporter names the channels of the mean it slices from the moments ("Slice…_dim_1"): fixed here,
+            # the output's size is known before the run and the encoder can be captured as a CUDA graph
+            fixed_output_dims={"latent_sample": {1: config.latent_channels}},
             config=config,
             class_name=type(vae).__name__,
         ),
@@ -347,6 +350,15 @@ def component_specs(pipe, vae=None) -> Dict[str, dict]:
     return {**specs, **vae_specs(vae, latent_size)}
 
 
+def fix_output_dims(model: onnx.ModelProto, fixed: Dict[str, Dict[int, int]]) -> None:
+    """Declares ``fixed[output][axis]`` as the size of those output dims (in place)."""
+    for output in model.graph.output:
+        for axis, size in fixed.get(output.name, {}).items():
+            dim = output.type.tensor_type.shape.dim[axis]
+            dim.Clear()
+            dim.dim_value = int(size)
+
+
 def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool, optimize: Optional[str],
                       xl: bool = False) -> None:
     with tempfile.TemporaryDirectory() as scratch:
@@ -391,6 +403,7 @@ def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool
         (target / name).mkdir(parents=True, exist_ok=True)
         write_weight_map(weight_map(layers_of, model), target / name,
                          [layer for layer, _ in lora_layers(layers_of)])
+    fix_output_dims(model, spec.get("fixed_output_dims", {}))
     save_onnx(model, target / name / "model.onnx")
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
     if spec.get("class_name"):  # which torch class it came from (an AutoencoderKL or AutoencoderTiny VAE)
