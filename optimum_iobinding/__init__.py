@@ -21,6 +21,7 @@ _PIPELINES = (
     "OnnxStableDiffusionControlNetImg2ImgPipeline",
     "OnnxStreamDiffusionPipeline",
     "OnnxStableDiffusion3Pipeline",
+    "OnnxFluxPipeline",
 )
 
 __all__ = ["IOBindingORTModel", "ModelOptions", "PipelineOptions", "infer_output_shapes", "TiledVAE", "accelerate", "__version__", *_PIPELINES]

@@ -69,9 +69,11 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", "-o", required=True, help="folder to write the ONNX pipeline to")
     parser.add_argument("--fp16", action="store_true", help="convert to float16 with ORT's converter after export")
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
-    parser.add_argument("--tiny-random", nargs="?", const="sd", default=None, choices=("sd", "xl", "lcm", "controlnet", "sd3"),
+    parser.add_argument("--tiny-random", nargs="?", const="sd", default=None,
+                        choices=("sd", "xl", "lcm", "controlnet", "sd3", "flux", "flux-dev"),
                         help="export a tiny random-weights pipeline built offline: sd (default), xl, lcm, controlnet "
-                             "(SD with a tiny random ControlNet) or sd3 (Stable Diffusion 3)")
+                             "(SD with a tiny random ControlNet), sd3 (Stable Diffusion 3), flux or flux-dev "
+                             "(FLUX.1 schnell's and dev's shapes)")
     parser.add_argument("--optimize", choices=("cuda", "cpu"), default=None,
                         help="run ORT's transformer optimizer with the fusions this execution provider runs")
     parser.add_argument("--overwrite", action="store_true",

@@ -118,8 +118,8 @@ _ONNX_COMPONENT_CLASSES = {
     "CLIPTextModel", "CLIPTextModelWithProjection", "UNet2DConditionModel", "AutoencoderKL",
 }
 
-# diffusion-transformer folders (optimum's export of SD3): the transformer and the T5 encoder
-_ONNX_COMPONENT_CLASSES |= {"SD3Transformer2DModel", "T5EncoderModel"}
+# diffusion-transformer folders (optimum's export of SD3 and FLUX.1): the transformer and the T5 encoder
+_ONNX_COMPONENT_CLASSES |= {"SD3Transformer2DModel", "FluxTransformer2DModel", "T5EncoderModel"}
 
 
 def looks_like_hub_id(name: str) -> bool:

@@ -443,7 +443,8 @@ def export_pipeline(
     pipeline to optimum's SDXL layout (two text encoders with their hidden states; a UNet taking ``text_embeds`` and
     ``time_ids``). A UNet with ``time_cond_proj_dim`` (LCM) also takes ``timestep_cond``. A Stable Diffusion 3
     pipeline goes to optimum's SD3 layout (:func:`optimum_iobinding.export.transformer.export_sd3_pipeline`: the T5
-    encoder stays float32 in a float16 export).
+    encoder stays float32 in a float16 export), a ``FluxPipeline`` to optimum's Flux layout (:mod:`.flux`, which
+    says each component's precision).
 
     With ``tiny_vae`` and no pipeline (``model_id_or_path=None``, no ``tiny_random`` or ``torch_pipeline``) it writes
     a folder of that tiny VAE alone: ``vae_encoder/`` and ``vae_decoder/`` (what a pipeline takes as its tiny VAE).
@@ -460,8 +461,8 @@ def export_pipeline(
             component before the fp16 conversion, with the fusions that target runs (see :func:`fusion_options`).
             The CUDA fusions (NhwcConv, GroupNorm, BiasSplitGelu …) only run on the CUDA execution provider.
         tiny_random: build a tiny random-weights pipeline offline instead of loading one: ``True`` or ``"sd"``,
-            ``"xl"`` (SDXL), ``"lcm"`` (an LCM UNet with ``timestep_cond``) or ``"sd3"`` (Stable Diffusion 3); see
-            :data:`TINY_RANDOM_KINDS`.
+            ``"xl"`` (SDXL), ``"lcm"`` (an LCM UNet with ``timestep_cond``), ``"sd3"`` (Stable Diffusion 3),
+            ``"flux"`` or ``"flux-dev"`` (FLUX.1 schnell's and dev's shapes); see :data:`TINY_RANDOM_KINDS`.
         components: which ONNX components to export (default: all the pipeline has).
         progress: show a progress bar.
         pipeline_loader: how to load ``model_id_or_path`` (default ``DiffusionPipeline.from_pretrained``, which
@@ -526,7 +527,7 @@ def export_pipeline(
         from diffusers import DiffusionPipeline
 
         pipe = DiffusionPipeline.from_pretrained(model_id_or_path, torch_dtype=torch.float32, safety_checker=None)
-    if getattr(pipe, "transformer", None) is not None:  # a diffusion transformer (SD3): .transformer exports it
+    if getattr(pipe, "transformer", None) is not None:  # a diffusion transformer (SD3, Flux)
         return _export_transformer_pipeline(pipe, target, vae=vae, controlnet=controlnet, tiny_vae=tiny_vae,
                                             components=components, opset=opset, fp16=fp16, optimize=optimize,
                                             progress=progress)
@@ -570,18 +571,24 @@ def export_pipeline(
 
 
 def _export_transformer_pipeline(pipe, target: Path, *, vae, controlnet, tiny_vae, **options) -> Path:
-    """A diffusion-transformer pipeline (SD3) through :mod:`.transformer`, which imports this module."""
+    """A diffusion-transformer pipeline (SD3 through :mod:`.transformer`, FLUX.1 through :mod:`.flux`; both import
+    this module)."""
+    from .flux import export_flux_pipeline, is_flux
     from .transformer import export_sd3_pipeline, is_sd3_pipeline
 
-    if not is_sd3_pipeline(pipe):
-        raise ValueError(f"model: expected a Stable Diffusion (1.x/2.x, XL) or Stable Diffusion 3 pipeline, got a "
-                         f"{type(pipe).__name__} with a {type(pipe.transformer).__name__}, which this version does "
+    if is_flux(pipe):
+        family, export = "a Flux", export_flux_pipeline
+    elif is_sd3_pipeline(pipe):
+        family, export = "a Stable Diffusion 3", export_sd3_pipeline
+    else:
+        raise ValueError(f"model: expected a Stable Diffusion (1.x/2.x, XL), Stable Diffusion 3 or Flux pipeline, got "
+                         f"a {type(pipe).__name__} with a {type(pipe.transformer).__name__}, which this version does "
                          "not export")
     for name, value in (("vae", vae), ("controlnet", controlnet), ("tiny_vae", tiny_vae)):
         if value is not None:
-            raise ValueError(f"{name}: expected None for a Stable Diffusion 3 pipeline (its own VAE is exported), "
+            raise ValueError(f"{name}: expected None for {family} pipeline (its own VAE is exported, no ControlNet), "
                              f"got {type(value).__name__}")
-    return export_sd3_pipeline(pipe, target, **options)
+    return export(pipe, target, **options)
 
 
 TINY_VAE_COMPONENTS = ("vae_encoder", "vae_decoder")

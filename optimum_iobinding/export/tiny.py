@@ -312,12 +312,22 @@ def build_tiny_random_sd3_pipeline(seed: int = 0, with_t5: bool = True):
     )
 
 
+def build_tiny_random_flux_pipeline(seed: int = 0, guidance_embeds: bool = False):
+    """A tiny random-weights ``FluxPipeline`` built offline: schnell's shape, or dev's with ``guidance_embeds`` (see
+    :func:`optimum_iobinding.export.flux.build_tiny_flux_pipeline`)."""
+    from .flux import build_tiny_flux_pipeline
+
+    return build_tiny_flux_pipeline(seed, guidance_embeds)
+
+
 TINY_RANDOM_KINDS: Dict[str, Callable[[], Any]] = {
     "sd": build_tiny_random_pipeline,
     "xl": build_tiny_random_xl_pipeline,
     "lcm": build_tiny_random_lcm_pipeline,
     "controlnet": build_tiny_random_controlnet_pipeline,
     "sd3": build_tiny_random_sd3_pipeline,
+    "flux": build_tiny_random_flux_pipeline,
+    "flux-dev": lambda: build_tiny_random_flux_pipeline(guidance_embeds=True),
 }
 
 

@@ -2,6 +2,7 @@
 
 from .auto import pipeline_class_for
 from .controlnet import OnnxStableDiffusionControlNetImg2ImgPipeline, OnnxStableDiffusionControlNetPipeline
+from .flux import OnnxFluxPipeline
 from .img2img import OnnxStableDiffusionImg2ImgPipeline
 from .inpaint import OnnxStableDiffusionInpaintPipeline
 from .latent_consistency import OnnxLatentConsistencyModelPipeline
@@ -27,4 +28,5 @@ __all__ = [
     "OnnxStableDiffusionControlNetImg2ImgPipeline",
     "OnnxStreamDiffusionPipeline",
     "OnnxStableDiffusion3Pipeline",
+    "OnnxFluxPipeline",
 ]

@@ -9,6 +9,7 @@ from typing import Union
 
 from ..layout import read_model_index
 from ..runtime.hub import load_graph
+from .flux import OnnxFluxPipeline
 from .latent_consistency import OnnxLatentConsistencyModelPipeline
 from .stable_diffusion import OnnxStableDiffusionPipeline
 from .stable_diffusion_3 import TRANSFORMER_INPUTS, OnnxStableDiffusion3Pipeline
@@ -17,14 +18,14 @@ from .stable_diffusion_xl import OnnxStableDiffusionXLPipeline
 
 def pipeline_class_for(folder: Union[str, os.PathLike]) -> type:
     """The text-to-image pipeline class for an ONNX folder, as diffusers' ``AutoPipelineForText2Image`` picks one:
-    SDXL when the UNet takes ``text_embeds``/``time_ids``, LCM when it takes ``timestep_cond``, else Stable
-    Diffusion 1.x/2.x (SD-Turbo included); a folder with a ``transformer`` instead of a UNet: Stable Diffusion 3
-    when it takes SD3's inputs. A folder no text-to-image pipeline runs (an inpainting UNet, an SDXL
-    refiner) is an error saying which pipeline to use."""
+    FLUX.1 when its transformer takes ``img_ids``, Stable Diffusion 3 when it takes SD3's inputs; SDXL when the
+    UNet takes ``text_embeds``/``time_ids``, LCM when it takes ``timestep_cond``, else Stable Diffusion 1.x/2.x
+    (SD-Turbo included). A folder no text-to-image pipeline runs (an inpainting UNet, an SDXL refiner) is an error
+    saying which pipeline to use."""
     folder = Path(folder)
     read_model_index(folder, ())  # a pipeline folder: its model_index.json is there and parses
     transformer_path = folder / "transformer" / "model.onnx"
-    if transformer_path.is_file():  # a diffusion transformer: SD3's takes exactly its four inputs
+    if transformer_path.is_file():  # a diffusion transformer
         return _transformer_pipeline_class(folder, transformer_path)
     unet_path = folder / "unet" / "model.onnx"
     if not unet_path.is_file():
@@ -55,7 +56,9 @@ def _transformer_pipeline_class(folder: Path, transformer_path: Path) -> type:
     graph = load_graph(str(transformer_path)).graph
     initializers = {init.name for init in graph.initializer}
     inputs = sorted(value.name for value in graph.input if value.name not in initializers)
+    if "img_ids" in inputs:  # Flux takes rotary position ids
+        return OnnxFluxPipeline
     if inputs == sorted(TRANSFORMER_INPUTS):
         return OnnxStableDiffusion3Pipeline
     raise ValueError(f"model: {str(folder)!r} has a transformer with inputs {inputs}, which no pipeline of this "
-                     f"version runs (Stable Diffusion 3's takes {list(TRANSFORMER_INPUTS)})")
+                     f"version runs (Stable Diffusion 3's takes {list(TRANSFORMER_INPUTS)}, FLUX.1's img_ids too)")

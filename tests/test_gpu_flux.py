@@ -1,0 +1,133 @@
+"""FLUX.1 on the GPU (skipped without CUDA; run on the GPU machine): our pipeline against diffusers' torch
+FluxPipeline on CUDA, the transformer's CUDA graphs, no session after warm-up, no host wait in the loop, and the
+ORT-optimized float16 export."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import requires_cuda
+from optimum_iobinding import IOBindingORTModel, OnnxFluxPipeline
+from optimum_iobinding.bench.probes import host_waits
+from optimum_iobinding.export import export_pipeline
+from optimum_iobinding.export.flux import build_tiny_flux_pipeline
+from optimum_iobinding.pipelines.flux import latent_image_ids, pack_latents
+
+pytestmark = requires_cuda
+
+CUDA = "CUDAExecutionProvider"
+# exact comparisons: without TF32, fp32 matmuls and convolutions on Hopper round like the CPU's
+EXACT = {"use_tf32": "0"}
+PROMPTS = ["a photo of an astronaut riding a horse", "a red castle in the forest"]
+CALL = dict(height=64, width=48, num_inference_steps=3, max_sequence_length=16, output_type="np")
+TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module", params=["schnell", "dev"])
+def flux(request, tmp_path_factory):
+    torch_pipe = build_tiny_flux_pipeline(0, guidance_embeds=request.param == "dev")
+    torch_pipe.set_progress_bar_config(disable=True)
+    folder = export_pipeline(None, tmp_path_factory.mktemp("flux") / "flux", torch_pipeline=torch_pipe,
+                             progress=False)
+    return torch_pipe, folder
+
+
+def load(folder, **kwargs):
+    kwargs.setdefault("provider_options", EXACT)
+    pipe = OnnxFluxPipeline.from_pretrained(folder, provider=CUDA, **kwargs)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def seeded(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_flux_on_cuda_equals_diffusers_on_cuda_and_captures_every_component(flux):
+    torch_pipe, folder = flux
+    pipe = load(folder)
+    arguments = dict(CALL, num_images_per_prompt=2, guidance_scale=4.0)
+    ours = pipe(PROMPTS, generator=seeded(), **arguments).images
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        theirs = torch_pipe.to("cuda")(PROMPTS, generator=seeded(), **arguments).images
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous
+        torch_pipe.to("cpu")
+    np.testing.assert_allclose(ours, theirs, atol=TOLERANCE)
+    assert pipe.transformer.graph_signatures, pipe.transformer.graph_fallbacks
+    for name, model in pipe.onnx_models.items():
+        if name != "vae_encoder":  # text-to-image never runs it
+            assert model.graph_signatures or model.graph_fallbacks, name
+
+
+def test_a_warmed_up_flux_pipeline_creates_no_session_and_keeps_a_graph_per_batch(flux):
+    _, folder = flux
+    pipe = load(folder)
+    pipe.warmup(heights=64, widths=48, batch_sizes=[1, 2], max_sequence_length=16)
+    created = pipe.sessions_created
+    for prompts in (PROMPTS, PROMPTS[:1], PROMPTS):
+        pipe(prompts, generator=seeded(), **CALL)
+    assert pipe.sessions_created == created
+    batches = sorted(signature["hidden_states"][0] for signature in pipe.transformer.graph_signatures)
+    assert batches == [1, 2]
+
+
+def test_true_cfg_on_cuda_equals_the_cpu_pipeline(flux):
+    _, folder = flux
+    arguments = dict(CALL, negative_prompt=["a blue sky", "a dog"], true_cfg_scale=2.5)
+    on_cpu = OnnxFluxPipeline.from_pretrained(folder)
+    on_cpu.set_progress_bar_config(disable=True)
+    np.testing.assert_allclose(load(folder)(PROMPTS, generator=seeded(), **arguments).images,
+                               on_cpu(PROMPTS, generator=seeded(), **arguments).images, atol=TOLERANCE)
+
+
+def test_the_host_enqueues_the_whole_flux_loop_without_waiting(flux):
+    _, folder = flux
+    pipe = load(folder)
+    with torch.cuda.stream(pipe.stream):
+        embeds, pooled, text_ids = pipe.encode_prompt(PROMPTS[0], max_sequence_length=16)
+        noise = pipe.prepare_latents((1, pipe.latent_channels, 8, 6), torch.float32, seeded())
+        latents = pack_latents(noise)
+        image_ids = latent_image_ids(4, 3).to(pipe.transformer.input_dtypes["img_ids"]).to(pipe.device)
+        guidance = torch.full((1,), 3.5, device=pipe.device) if pipe.guidance_embeds else None
+
+        def loop():
+            timesteps = pipe.flux_timesteps(4, image_seq_len=12)
+            rows = (timesteps / 1000)[:, None].pin_memory().to(pipe.device, non_blocking=True)
+            return pipe.denoise_flux(latents, timesteps, rows, embeds, pooled, text_ids, image_ids, guidance, None,
+                                     None, None, None, ())
+
+        loop()  # warm up: capture
+        torch.cuda.synchronize()
+        waits = host_waits(loop)
+    assert waits == [], "\n".join(f"{waits.count(w)}× {w}" for w in sorted(set(waits)))
+    torch.cuda.synchronize()
+
+
+def test_the_fused_fp16_transformer_adds_no_error_beyond_fp16_itself(tmp_path):
+    """The mmdit-optimized float16 transformer is as close to the fp32 export as the plain float16 one is."""
+    torch_pipe = build_tiny_flux_pipeline(0, guidance_embeds=True)
+    folders = {
+        "fp32": export_pipeline(None, tmp_path / "fp32", torch_pipeline=torch_pipe, progress=False),
+        "plain": export_pipeline(None, tmp_path / "plain", torch_pipeline=torch_pipe, fp16=True, progress=False),
+        "fused": export_pipeline(None, tmp_path / "fused", torch_pipeline=torch_pipe, fp16=True, optimize="cuda",
+                                 progress=False),
+    }
+    generator = torch.Generator().manual_seed(0)
+    feed = {"hidden_states": torch.randn(2, 12, 64, generator=generator),
+            "encoder_hidden_states": torch.randn(2, 16, 32, generator=generator),
+            "pooled_projections": torch.randn(2, 32, generator=generator), "timestep": torch.full((2,), 0.5),
+            "txt_ids": torch.zeros(16, 3), "img_ids": latent_image_ids(4, 3), "guidance": torch.full((2,), 3.5)}
+    outputs = {}
+    for name, folder in folders.items():
+        model = IOBindingORTModel.from_pretrained(folder, subfolder="transformer", provider=CUDA,
+                                                  provider_options=EXACT)
+        cast = {key: value.to(model.device, model.input_dtypes[key]) for key, value in feed.items()}
+        outputs[name] = model(**cast)[0].float().cpu().clone()
+    plain_error = (outputs["plain"] - outputs["fp32"]).abs().max().item()
+    fused_error = (outputs["fused"] - outputs["fp32"]).abs().max().item()
+    assert fused_error <= 2 * plain_error + 2e-3, (fused_error, plain_error)
