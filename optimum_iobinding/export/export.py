@@ -351,6 +351,26 @@ def component_specs(pipe, vae=None) -> Dict[str, dict]:
     return {**specs, **vae_specs(vae, latent_size)}
 
 
+def to_precision(exported: Path, optimized: Any, fp16: bool) -> onnx.ModelProto:
+    """The model exported to ``exported`` (with any external data beside it), or ORT's optimization of it
+    (``optimized``, an ``OnnxModel``; ``None``: none), in memory, converted to float16 by ORT's converter where
+    ``fp16``."""
+    scratch = exported.parent
+    if optimized is not None:
+        if fp16:
+            return optimized_to_float16(optimized, scratch)
+        model = optimized.model
+        onnx.load_external_data_for_model(model, str(scratch))
+        return model
+    if fp16:
+        # Types of every intermediate first, from the file (works past 2 GiB, unlike in-memory inference): without
+        # them the converter turns Resize's float scales into float16, which ORT refuses.
+        typed_path = scratch / "typed.onnx"
+        onnx.shape_inference.infer_shapes_path(str(exported), str(typed_path))
+        return convert_to_float16(onnx.load(str(typed_path)), shapes_known=True)
+    return onnx.load(str(exported))
+
+
 def fix_output_dims(model: onnx.ModelProto, fixed: Dict[str, Dict[int, int]]) -> None:
     """Declares ``fixed[output][axis]`` as the size of those output dims (in place)."""
     for output in model.graph.output:
@@ -383,21 +403,9 @@ def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool
                 input_names=spec["input_names"], output_names=spec["output_names"],
                 dynamic_axes=spec["dynamic_axes"], opset_version=opset, do_constant_folding=True,
             )
-        if optimize:
-            optimized = optimize_component(name, scratch_path, fusion_options(name, spec["config"], optimize), optimize)
-            if fp16:
-                model = optimized_to_float16(optimized, Path(scratch))
-            else:
-                model = optimized.model
-                onnx.load_external_data_for_model(model, scratch)
-        elif fp16:
-            # Types of every intermediate first, from the file (works past 2 GiB, unlike in-memory inference):
-            # without them the converter turns Resize's float scales into float16, which ORT refuses.
-            typed_path = Path(scratch) / "typed.onnx"
-            onnx.shape_inference.infer_shapes_path(str(scratch_path), str(typed_path))
-            model = convert_to_float16(onnx.load(str(typed_path)), shapes_known=True)
-        else:
-            model = onnx.load(str(scratch_path))  # with any external data the exporter wrote beside it
+        optimized = (optimize_component(name, scratch_path, fusion_options(name, spec["config"], optimize), optimize)
+                     if optimize else None)
+        model = to_precision(scratch_path, optimized, fp16)
     layers_of = getattr(spec["module"], "unet", None) or getattr(spec["module"], "text_encoder", None)
     if layers_of is not None:  # where each layer's weight went: runtime LoRA updates it there
 

@@ -51,8 +51,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..layout import building_beside, save_tokenizer
-from .export import pooled_output, vae_specs
-from .optimize import convert_to_float16, fusion_options, optimize_component, optimized_to_float16
+from .export import pooled_output, to_precision, vae_specs
+from .optimize import fusion_options, optimize_component
 
 logger = logging.getLogger(__name__)
 
@@ -414,20 +414,10 @@ def export_flux_component(name: str, spec: dict, target: Path, opset: int, fp16:
                               dynamic_axes=spec["dynamic_axes"], opset_version=opset, do_constant_folding=True)
         # ORT's T5 optimizer always fuses the relative position bias into its RelativePositionBias op, which only
         # the CUDA provider implements: on the CPU T5 stays as exported
+        optimized = None
         if optimize and not (name == "text_encoder_2" and optimize == "cpu"):
             optimized = optimize_flux_component(name, scratch_path, optimize)
-            if fp16:
-                model = optimized_to_float16(optimized, Path(scratch))
-            else:
-                model = optimized.model
-                onnx.load_external_data_for_model(model, scratch)
-        elif fp16:
-            # every intermediate's type first (from the file, which works past 2 GiB): the converter needs them
-            typed_path = Path(scratch) / "typed.onnx"
-            onnx.shape_inference.infer_shapes_path(str(scratch_path), str(typed_path))
-            model = convert_to_float16(onnx.load(str(typed_path)), shapes_known=True)
-        else:
-            model = onnx.load(str(scratch_path))
+        model = to_precision(scratch_path, optimized, fp16)
     save_flux_onnx(model, target / name / "model.onnx", external_data_threshold)
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
     if spec.get("class_name"):

@@ -43,8 +43,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..layout import building_beside, save_tokenizer, write_transformer_model_index
-from .export import export_component, pooled_output, vae_specs
-from .optimize import convert_to_float16, in_folder, load_light, optimized_to_float16, weight_bytes
+from .export import export_component, pooled_output, to_precision, vae_specs
+from .optimize import in_folder, load_light, weight_bytes
 
 __all__ = ["export_sd3_pipeline", "is_sd3_pipeline", "clip_text_encoder_spec", "t5_encoder_spec",
            "FP16_COMPONENTS", "EXTERNAL_DATA_THRESHOLD"]
@@ -247,18 +247,9 @@ def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16
                                            optimization_options=fusion_options_for(_OPTIMIZER_MODEL_TYPES[name],
                                                                                    optimize),
                                            use_gpu=optimize == "cuda")
-            if fp16:
-                model = optimized_to_float16(optimized, Path(scratch))
-            else:
-                model = optimized.model
-                onnx.load_external_data_for_model(model, scratch)
-        elif fp16:
-            # every intermediate's type first, from the file (works past 2 GiB, unlike in-memory inference)
-            typed = Path(scratch) / "typed.onnx"
-            onnx.shape_inference.infer_shapes_path(str(path), str(typed))
-            model = convert_to_float16(onnx.load(str(typed)), shapes_known=True)
         else:
-            model = onnx.load(str(path))
+            optimized = None
+        model = to_precision(path, optimized, fp16)
     save_model(model, target / name / "model.onnx", external_data_threshold)
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
     (target / name / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))

@@ -90,6 +90,7 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
     _optional_components = ["vae_encoder"]
     model_cpu_offload_seq = "text_encoder->text_encoder_2->transformer->vae_decoder"
     _onnx_components = FLUX_COMPONENTS
+    denoiser_name = "transformer"
     _tokenizer_names = ("tokenizer", "tokenizer_2")
     _callback_tensor_inputs = ["latents", "prompt_embeds"]
 
@@ -167,20 +168,6 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
             raise ValueError(f"vae_decoder: expected {channels} latent channels (the transformer's token width "
                              f"{width} / 4), got {declared}")
         return channels
-
-    @property
-    def device(self) -> torch.device:
-        """Where the loop's tensors live: the transformer session's device (the CPU for the numpy baseline)."""
-        return self.transformer.device if self.transformer.io_binding else torch.device("cpu")
-
-    @property
-    def stream(self) -> Optional["torch.cuda.Stream"]:
-        """The CUDA stream shared by the components and the loop's torch ops (``None`` off CUDA)."""
-        return self.transformer.stream
-
-    @property
-    def io_binding(self) -> bool:
-        return self.transformer.io_binding
 
     @property
     def guidance_embeds(self) -> bool:

@@ -113,10 +113,19 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         self._prepared = False
 
     # ------------------------------------------------------------------------------------------------- properties
+    #: the component the loop calls at every step (``"transformer"`` for the diffusion transformers): its session
+    #: decides where the loop's tensors live, the stream and whether tensors are bound
+    denoiser_name = "unet"
+
+    @property
+    def denoiser(self) -> IOBindingORTModel:
+        """The component the loop calls at every step (the UNet, or a diffusion transformer)."""
+        return getattr(self, self.denoiser_name)
+
     @property
     def device(self) -> torch.device:
-        """Where the loop's tensors live: the UNet session's device (the CPU for the numpy baseline)."""
-        return self.unet.device if self.unet.io_binding else torch.device("cpu")
+        """Where the loop's tensors live: the denoiser session's device (the CPU for the numpy baseline)."""
+        return self.denoiser.device if self.denoiser.io_binding else torch.device("cpu")
 
     @property
     def _execution_device(self) -> torch.device:
@@ -125,11 +134,11 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
     @property
     def stream(self) -> Optional["torch.cuda.Stream"]:
         """The CUDA stream shared by the components and the loop's torch ops (``None`` off CUDA)."""
-        return self.unet.stream
+        return self.denoiser.stream
 
     @property
     def io_binding(self) -> bool:
-        return self.unet.io_binding
+        return self.denoiser.io_binding
 
     def _check_unet_inputs(self) -> None:
         declared = self.unet.input_names

@@ -44,6 +44,7 @@ class OnnxStableDiffusion3Pipeline(OnnxStableDiffusionPipelineBase):
     _optional_components = ["text_encoder_3", "tokenizer_3", "vae_encoder"]
     model_cpu_offload_seq = "text_encoder->text_encoder_2->text_encoder_3->transformer->vae_decoder"
     _onnx_components = SD3_COMPONENTS
+    denoiser_name = "transformer"
     _tokenizer_names = ("tokenizer", "tokenizer_2", "tokenizer_3")
     _callback_tensor_inputs = list(SD3_CALLBACK_TENSOR_INPUTS)
     _default_unet_sample_size = 128  # SD3: 1024 px
@@ -81,20 +82,6 @@ class OnnxStableDiffusion3Pipeline(OnnxStableDiffusionPipelineBase):
         self.patch_size = self.config_int(self.transformer, "patch_size", 2, "transformer")
 
     # ------------------------------------------------------------------------------------------------ properties
-    @property
-    def device(self) -> torch.device:
-        """Where the loop's tensors live: the transformer session's device (the CPU for the numpy baseline)."""
-        return self.transformer.device if self.transformer.io_binding else torch.device("cpu")
-
-    @property
-    def stream(self) -> Optional["torch.cuda.Stream"]:
-        """The CUDA stream shared by the components and the loop's torch ops (``None`` off CUDA)."""
-        return self.transformer.stream
-
-    @property
-    def io_binding(self) -> bool:
-        return self.transformer.io_binding
-
     @property
     def default_image_size(self) -> int:
         """The height and width a call gets where it gives none: the transformer config's ``sample_size`` (latents)
