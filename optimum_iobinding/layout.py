@@ -305,7 +305,7 @@ def write_xl_model_index(
 
 def write_transformer_model_index(folder: Union[str, os.PathLike], class_name: str,
                                   modules: Dict[str, Optional[Tuple[str, str]]]) -> None:
-    """Diffusion-transformer folders (SD3) follow optimum's export: the torch pipeline's index, each component as
+    """Diffusion-transformer folders (SD3, Flux) follow optimum's export: the torch pipeline's index, each component as
     ``[library, class name]`` (``[null, null]`` where ``modules`` gives ``None``), which optimum's ORT pipelines and
     ours both load."""
     import diffusers

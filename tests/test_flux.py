@@ -15,8 +15,9 @@ import torch
 
 from optimum_iobinding import OnnxFluxPipeline
 from optimum_iobinding.export import export_pipeline
-from optimum_iobinding.export.flux import EXTERNAL_DATA_NAME, build_tiny_flux_pipeline, export_flux_pipeline
+from optimum_iobinding.export.flux import export_flux_pipeline
 from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline
+from optimum_iobinding.export.transformer import EXTERNAL_DATA_FILE
 from optimum_iobinding.pipelines import pipeline_class_for
 
 PROMPTS = ["a photo of an astronaut riding a horse", "a red castle in the forest"]
@@ -32,7 +33,7 @@ def seeded(seed: int = 0) -> torch.Generator:
 
 
 def export_tiny(root, guidance_embeds: bool):
-    torch_pipe = build_tiny_flux_pipeline(0, guidance_embeds=guidance_embeds)
+    torch_pipe = build_tiny_random_flux_pipeline(0, guidance_embeds=guidance_embeds)
     torch_pipe.set_progress_bar_config(disable=True)
     folder = export_pipeline(None, root / "flux", torch_pipeline=torch_pipe, progress=False)
     return torch_pipe, folder
@@ -104,8 +105,8 @@ def test_a_component_over_the_threshold_gets_its_weights_in_external_data(schnel
     torch_pipe, folder = schnell
     external = export_flux_pipeline(torch_pipe, tmp_path / "external", progress=False, external_data_threshold=1024)
     for name in ("text_encoder", "text_encoder_2", "transformer", "vae_encoder", "vae_decoder"):
-        assert (external / name / EXTERNAL_DATA_NAME).is_file()
-        assert not (folder / name / EXTERNAL_DATA_NAME).exists()
+        assert (external / name / EXTERNAL_DATA_FILE).is_file()
+        assert not (folder / name / EXTERNAL_DATA_FILE).exists()
     np.testing.assert_allclose(load(external)(PROMPTS[0], generator=seeded(), **CALL).images,
                                load(folder)(PROMPTS[0], generator=seeded(), **CALL).images, atol=TOLERANCE)
 

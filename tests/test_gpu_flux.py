@@ -12,7 +12,7 @@ from conftest import requires_cuda
 from optimum_iobinding import IOBindingORTModel, OnnxFluxPipeline
 from optimum_iobinding.bench.probes import host_waits
 from optimum_iobinding.export import export_pipeline
-from optimum_iobinding.export.flux import build_tiny_flux_pipeline
+from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline
 from optimum_iobinding.pipelines.flux import latent_image_ids, pack_latents
 
 pytestmark = requires_cuda
@@ -27,7 +27,7 @@ TOLERANCE = 1e-3
 
 @pytest.fixture(scope="module", params=["schnell", "dev"])
 def flux(request, tmp_path_factory):
-    torch_pipe = build_tiny_flux_pipeline(0, guidance_embeds=request.param == "dev")
+    torch_pipe = build_tiny_random_flux_pipeline(0, guidance_embeds=request.param == "dev")
     torch_pipe.set_progress_bar_config(disable=True)
     folder = export_pipeline(None, tmp_path_factory.mktemp("flux") / "flux", torch_pipeline=torch_pipe,
                              progress=False)
@@ -110,7 +110,7 @@ def test_the_host_enqueues_the_whole_flux_loop_without_waiting(flux):
 
 def test_the_fused_fp16_transformer_adds_no_error_beyond_fp16_itself(tmp_path):
     """The mmdit-optimized float16 transformer is as close to the fp32 export as the plain float16 one is."""
-    torch_pipe = build_tiny_flux_pipeline(0, guidance_embeds=True)
+    torch_pipe = build_tiny_random_flux_pipeline(0, guidance_embeds=True)
     folders = {
         "fp32": export_pipeline(None, tmp_path / "fp32", torch_pipeline=torch_pipe, progress=False),
         "plain": export_pipeline(None, tmp_path / "plain", torch_pipeline=torch_pipe, fp16=True, progress=False),

@@ -52,8 +52,9 @@ from ..layout import (
 )
 from .attention import fused_vae_attention
 from .lora_places import lora_layers, weight_map
-from .optimize import (convert_to_float16, fusion_options, optimize_component, optimized_to_float16,
-                       optimizer_model_type, save_onnx, use_classic_attention)
+from .optimize import (EXTERNAL_DATA_FILE, MAX_SINGLE_FILE_BYTES, convert_to_float16, fusion_options,
+                       optimize_component, optimized_to_float16, optimizer_model_type, save_onnx,
+                       use_classic_attention)
 from .tiny import TINY_RANDOM_KINDS, build_tiny_random_tiny_vae
 
 logger = logging.getLogger(__name__)
@@ -381,7 +382,12 @@ def fix_output_dims(model: onnx.ModelProto, fixed: Dict[str, Dict[int, int]]) ->
 
 
 def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool, optimize: Optional[str],
-                      xl: bool = False) -> None:
+                      xl: bool = False, external_data_threshold: int = MAX_SINGLE_FILE_BYTES,
+                      external_data_file: str = EXTERNAL_DATA_FILE) -> None:
+    """Exports one UNet-family component (text encoder, UNet, ControlNet, VAE) to ``target/name``: the TorchScript
+    exporter (with the attention ORT's optimizer fuses), ORT's optimizer (``optimize``), float16 (``fp16``), the
+    LoRA map of a UNet or text encoder, ``model.onnx`` (its weights in ``external_data_file`` beside it past
+    ``external_data_threshold`` bytes) and ``config.json``."""
     with tempfile.TemporaryDirectory() as scratch:
         scratch_path = Path(scratch) / "model.onnx"
         attention = contextlib.nullcontext()
@@ -413,7 +419,7 @@ def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool
         write_weight_map(weight_map(layers_of, model), target / name,
                          [layer for layer, _ in lora_layers(layers_of)])
     fix_output_dims(model, spec.get("fixed_output_dims", {}))
-    save_onnx(model, target / name / "model.onnx")
+    save_onnx(model, target / name / "model.onnx", external_data_threshold, external_data_file)
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
     if spec.get("class_name"):  # which torch class it came from (an AutoencoderKL or AutoencoderTiny VAE)
         config.setdefault("_class_name", spec["class_name"])

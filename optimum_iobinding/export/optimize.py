@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import onnx
 import torch
@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 EXTERNAL_DATA_FILE = "weights.pb"
 # Protobuf cannot serialize a message over 2 GiB; keep well below it in one file.
-_MAX_SINGLE_FILE_BYTES = 1 << 30
+MAX_SINGLE_FILE_BYTES = 1 << 30
 
 
 def weight_bytes(model: onnx.ModelProto) -> int:
@@ -25,13 +25,18 @@ def weight_bytes(model: onnx.ModelProto) -> int:
                for t in model.graph.initializer)
 
 
-def save_onnx(model: onnx.ModelProto, path: Path) -> None:
+def save_onnx(model: onnx.ModelProto, path: Path, threshold: int = MAX_SINGLE_FILE_BYTES,
+              external_data_file: str = EXTERNAL_DATA_FILE) -> bool:
+    """Writes ``model`` to ``path``: one file, or with its weights in one ``external_data_file`` beside it where they
+    are over ``threshold`` bytes. Returns whether it wrote external data."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if weight_bytes(model) > _MAX_SINGLE_FILE_BYTES:
+    external = weight_bytes(model) > threshold
+    if external:
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=EXTERNAL_DATA_FILE, size_threshold=1024)
+                        location=external_data_file, size_threshold=1024)
     else:
         onnx.save_model(model, str(path))
+    return external
 
 
 def convert_to_float16(model: onnx.ModelProto, shapes_known: bool = False) -> onnx.ModelProto:
@@ -63,6 +68,24 @@ def optimizer_model_type(name: str) -> str:
 BIAS_SPLIT_GELU_HIDDEN_SIZES = (2560, 5120, 6144, 10240, 12288)
 
 
+# fusions whose fused operators have CUDA kernels only
+CUDA_ONLY_FUSIONS = ("enable_nhwc_conv", "enable_group_norm", "enable_skip_group_norm", "enable_bias_splitgelu",
+                     "enable_bias_add", "enable_packed_qkv", "enable_packed_kv")
+
+
+def fusion_options_for(model_type: str, target: str) -> Any:
+    """ORT's fusions for ``model_type`` on ``target`` (``"cpu"``: only fusions whose fused operators have CPU
+    kernels, see :data:`CUDA_ONLY_FUSIONS`)."""
+    from onnxruntime.transformers.fusion_options import FusionOptions
+
+    options = FusionOptions(model_type)
+    if target == "cpu":
+        for flag in CUDA_ONLY_FUSIONS:
+            if hasattr(options, flag):
+                setattr(options, flag, False)
+    return options
+
+
 def fusion_options(name: str, config: Any, target: str):
     """ORT transformer-optimizer fusions for one component.
 
@@ -71,16 +94,9 @@ def fusion_options(name: str, config: Any, target: str):
     ``target="cpu"``: only fusions whose fused ops have CPU kernels (attention, layer norm, GELU) — NhwcConv,
     GroupNorm, SkipGroupNorm, BiasSplitGelu and BiasAdd run on CUDA only.
     """
-    from onnxruntime.transformers.fusion_options import FusionOptions
-
     name = _kind(name)
-    options = FusionOptions(optimizer_model_type(name))
-    if target == "cpu":
-        for flag in ("enable_nhwc_conv", "enable_group_norm", "enable_skip_group_norm", "enable_bias_splitgelu",
-                     "enable_bias_add", "enable_packed_qkv", "enable_packed_kv"):
-            if hasattr(options, flag):
-                setattr(options, flag, False)
-    else:
+    options = fusion_options_for(optimizer_model_type(name), target)
+    if target != "cpu":
         channels = list(config.get("block_out_channels", [])) if isinstance(config, dict) else \
             list(getattr(config, "block_out_channels", []))
         if name in ("unet", "controlnet") and not all(8 * c in BIAS_SPLIT_GELU_HIDDEN_SIZES for c in channels):
@@ -141,17 +157,21 @@ def unload(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
     return onnx.load(str(path), load_external_data=False)
 
 
-def optimize_component(name: str, path: Path, options: Any, target: str):
+def optimize_component(name: str, path: Path, options: Any, target: str, model_type: Optional[str] = None):
     """ORT's transformer optimizer on the model at ``path``, its weights left on disk while the graph is rewritten
     (:func:`load_light`; fusions that need a weight read it from there); where its attention fusion breaks on a
     graph (the VAE's attention exported by the classic processor trips ``get_num_heads_and_hidden_size``: the export
-    writes the VAE's attention fused itself, see :mod:`.attention`), the component is optimized again without it. Returns ORT's ``OnnxModel``; initializers it did not touch are still on disk
-    in ``path``'s folder: load them (``onnx.load_external_data_for_model``) before that folder goes."""
+    writes the VAE's attention fused itself, see :mod:`.attention`), the component is optimized again without it.
+    ``model_type``: ORT's model type (default: the one of the UNet family's component ``name``, see
+    :func:`optimizer_model_type`). Returns ORT's ``OnnxModel``; initializers it did not touch are still on disk in
+    ``path``'s folder: load them (``onnx.load_external_data_for_model``) before that folder goes."""
     from onnxruntime.transformers.optimizer import optimize_model
+
+    model_type = optimizer_model_type(name) if model_type is None else model_type
 
     def run(fusions):
         with in_folder(path.parent):
-            return optimize_model(load_light(path), model_type=optimizer_model_type(name), opt_level=0,
+            return optimize_model(load_light(path), model_type=model_type, opt_level=0,
                                   optimization_options=fusions, use_gpu=target == "cuda")
 
     try:

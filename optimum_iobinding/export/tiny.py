@@ -239,7 +239,7 @@ def build_tiny_random_tiny_vae(seed: int = 0, latent_channels: int = 4):
     return vae.to(torch.float32)
 
 
-# ------------------------------------------------------------------------------------------ tiny SD3 (MMDiT)
+# -------------------------------------------------------------------------------- tiny SD3 and Flux (MMDiT)
 _T5_SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # T5's ids 0, 1 and 2: padding, end of text, unknown
 
 
@@ -313,11 +313,39 @@ def build_tiny_random_sd3_pipeline(seed: int = 0, with_t5: bool = True):
 
 
 def build_tiny_random_flux_pipeline(seed: int = 0, guidance_embeds: bool = False):
-    """A tiny random-weights ``FluxPipeline`` built offline: schnell's shape, or dev's with ``guidance_embeds`` (see
-    :func:`optimum_iobinding.export.flux.build_tiny_flux_pipeline`)."""
-    from .flux import build_tiny_flux_pipeline
+    """A tiny random-weights ``FluxPipeline`` built offline: a 2-layer CLIP text model (hidden 32; its pooled output
+    is Flux's ``pooled_projections``), a 2-layer gated-GELU T5 encoder (d_model 32), a Flux transformer of one double
+    and one single block (2 heads of 16, rotary axes 4/6/6), a four-block VAE (8× scale) of 16 latent channels with
+    FLUX.1's scaling and shift factors, FLUX.1's FlowMatchEulerDiscreteScheduler settings. ``guidance_embeds``:
+    FLUX.1 dev's guidance embedding (a ``guidance`` input); without it, schnell's shape."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel, T5Config, T5EncoderModel
 
-    return build_tiny_flux_pipeline(seed, guidance_embeds)
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = write_tiny_tokenizer(Path(folder) / "clip")
+        tokenizer_2 = write_tiny_t5_tokenizer(Path(folder) / "t5")
+    torch.manual_seed(seed)
+    # in inference mode, as from_pretrained gives them (a model built from a config starts in training mode)
+    text_encoder = CLIPTextModel(_tiny_text_encoder_config(tokenizer)).eval()
+    text_encoder_2 = T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer_2), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0, is_encoder_decoder=False, use_cache=False, dropout_rate=0.0)).eval()
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=guidance_embeds,
+        axes_dims_rope=(4, 6, 6))
+    vae = AutoencoderKL(
+        block_out_channels=(16, 16, 32, 32), layers_per_block=1, in_channels=3, out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        latent_channels=16, norm_num_groups=8, sample_size=64, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False)
+    # FLUX.1 dev's schedule (resolution-dependent shift); schnell's has a fixed shift of 1
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0 if guidance_embeds else 1.0, use_dynamic_shifting=guidance_embeds,
+        base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+    return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer)
 
 
 TINY_RANDOM_KINDS: Dict[str, Callable[[], Any]] = {

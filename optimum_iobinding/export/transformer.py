@@ -1,5 +1,6 @@
-"""Export of diffusion-transformer pipelines (Stable Diffusion 3 / 3.5) to optimum's ONNX layout, and the text-encoder
-pieces any such pipeline shares (CLIP with its hidden states and projection, the T5 encoder).
+"""Export of diffusion-transformer pipelines to optimum's ONNX layout: what every such export shares (CLIP with its
+hidden states and projection, the T5 encoder, the per-component exporter of the transformer and T5, external data,
+the model index, the pipeline folder) and Stable Diffusion 3 / 3.5's own specs (FLUX.1's are in :mod:`.flux`).
 
 Layout written (what ``optimum-cli export onnx`` writes for these models, and what both
 :class:`OnnxStableDiffusion3Pipeline` and optimum's ``ORTStableDiffusion3Pipeline`` load)::
@@ -26,17 +27,19 @@ Precision with ``fp16=True`` (:data:`FP16_COMPONENTS`), per component:
   in float16, which an exported float32 graph does not record). The pipeline casts its output to the transformer's
   dtype.
 
-Models whose weights exceed :data:`EXTERNAL_DATA_THRESHOLD` (2 GB: protobuf's limit) are written with their weights
-in ``model.onnx_data`` beside ``model.onnx``, as optimum writes them.
+Transformers and T5 encoders whose weights exceed :data:`EXTERNAL_DATA_THRESHOLD` bytes (protobuf cannot serialize a
+message over 2 GiB, and the graph itself needs some of that) are written with their weights in ``model.onnx_data``
+beside ``model.onnx``, as optimum writes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, ContextManager, Collection, Dict, Mapping, Optional, Sequence
 
 import onnx
 import torch
@@ -44,33 +47,32 @@ from tqdm.auto import tqdm
 
 from ..layout import building_beside, save_tokenizer, write_transformer_model_index
 from .export import export_component, pooled_output, to_precision, vae_specs
-from .optimize import in_folder, load_light, weight_bytes
+from .optimize import MAX_SINGLE_FILE_BYTES, fusion_options_for, optimize_component, save_onnx
 
 __all__ = ["export_sd3_pipeline", "is_sd3_pipeline", "clip_text_encoder_spec", "t5_encoder_spec",
-           "FP16_COMPONENTS", "EXTERNAL_DATA_THRESHOLD"]
+           "export_transformer_pipeline", "FP16_COMPONENTS", "EXTERNAL_DATA_FILE", "EXTERNAL_DATA_THRESHOLD"]
 
-# The components a float16 export converts (see the module's docstring for each one's reason); the others stay fp32.
+# The SD3 components a float16 export converts (see the module's docstring for each one's reason); the others stay
+# fp32.
 FP16_COMPONENTS = frozenset({"text_encoder", "text_encoder_2", "transformer", "vae_encoder", "vae_decoder"})
-# Weights beyond this many bytes go to an external-data file (protobuf cannot serialize a message over 2 GiB).
-EXTERNAL_DATA_THRESHOLD = 2 * 10**9
+# Weights beyond this many bytes go to an external-data file: protobuf cannot serialize a message over 2 GiB, and the
+# graph itself needs some of that (the limit every export of the project keeps).
+EXTERNAL_DATA_THRESHOLD = MAX_SINGLE_FILE_BYTES
 EXTERNAL_DATA_FILE = "model.onnx_data"  # optimum's name for it
 SD3_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_encoder", "vae_decoder")
-# ORT's transformer-optimizer model type of the components this module exports itself (CLIP and the VAE go through
-# the Stable Diffusion export's own component exporter)
-_OPTIMIZER_MODEL_TYPES = {"text_encoder_3": "t5", "transformer": "mmdit"}
-# components ORT's optimizer is run on for CUDA only: its T5 fusions always write RelativePositionBias, an operator
+# ORT's transformer-optimizer model type of the SD3 components exported by :func:`export_model` (CLIP and the VAE go
+# through the Stable Diffusion export's own component exporter)
+SD3_OPTIMIZER_MODEL_TYPES = {"text_encoder_3": "t5", "transformer": "mmdit"}
+# model types ORT's optimizer is run on for CUDA only: its T5 fusions always write RelativePositionBias, an operator
 # with a CUDA kernel only (a CPU session refuses the model); the CPU gets the T5 graph as exported
-_OPTIMIZED_FOR_CUDA_ONLY = frozenset({"text_encoder_3"})
-# fusions whose fused operators have CUDA kernels only
-_CUDA_ONLY_FUSIONS = ("enable_nhwc_conv", "enable_group_norm", "enable_skip_group_norm", "enable_bias_splitgelu",
-                      "enable_bias_add", "enable_packed_qkv", "enable_packed_kv")
+_OPTIMIZED_FOR_CUDA_ONLY = frozenset({"t5"})
 
 
 # ------------------------------------------------------------------------------------------------ text encoders
 class ClipTextEncoder(torch.nn.Module):
-    """A CLIP text encoder as optimum exports it for SD3 (and SDXL): with a projection, ``text_embeds`` (the projected
-    pooled output) then ``last_hidden_state``; without one, ``last_hidden_state`` then ``pooler_output``; then, with
-    ``hidden_states``, every layer's ``hidden_states.i``. The pooled output is pooled on the device (see
+    """A CLIP text encoder as optimum exports it for SD3, SDXL and Flux: with a projection, ``text_embeds`` (the
+    projected pooled output) then ``last_hidden_state``; without one, ``last_hidden_state`` then ``pooler_output``;
+    then, with ``hidden_states``, every layer's ``hidden_states.i``. The pooled output is pooled on the device (see
     :func:`~optimum_iobinding.export.export.pooled_output`)."""
 
     def __init__(self, text_encoder: torch.nn.Module, with_projection: bool, hidden_states: bool = True):
@@ -99,6 +101,9 @@ def clip_text_encoder_spec(text_encoder: torch.nn.Module, sequence: int, with_pr
         sequence: the example's sequence length (the tokenizer's ``model_max_length``).
         with_projection: export ``text_embeds`` (the projection) instead of ``pooler_output``.
         hidden_states: also export every layer's hidden states (SD3 and SDXL read the penultimate; Flux none).
+
+    Returns:
+        The spec: ``module``, example ``args``, ``input_names``, ``output_names``, ``dynamic_axes``, ``config``.
     """
     pooled = "text_embeds" if with_projection else "pooler_output"
     layers = [f"hidden_states.{i}" for i in range(text_encoder.config.num_hidden_layers + 1)] if hidden_states else []
@@ -127,7 +132,8 @@ class T5Encoder(torch.nn.Module):
 
 def t5_encoder_spec(text_encoder: torch.nn.Module, sequence: int = 16) -> Dict[str, Any]:
     """The export spec of a T5 encoder with optimum's names: int64 ``input_ids`` (batch, sequence) →
-    ``last_hidden_state``; both dims dynamic (T5's relative positions take any length)."""
+    ``last_hidden_state``; both dims dynamic (T5's relative positions take any length, so a short example exports
+    faster)."""
     return dict(
         module=T5Encoder(text_encoder),
         args=(torch.zeros(1, sequence, dtype=torch.int64),),
@@ -190,29 +196,9 @@ def sd3_component_specs(pipe: Any) -> Dict[str, Dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------------------ writing
 def save_model(model: onnx.ModelProto, path: Path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> bool:
-    """Writes ``model`` to ``path``; with its weights in ``model.onnx_data`` beside it where they exceed
-    ``external_data_threshold`` bytes. Returns whether it wrote external data."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    external = weight_bytes(model) > external_data_threshold
-    if external:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=EXTERNAL_DATA_FILE, size_threshold=1024)
-    else:
-        onnx.save_model(model, str(path))
-    return external
-
-
-def fusion_options_for(model_type: str, target: str) -> Any:
-    """ORT's fusions for ``model_type`` on ``target`` (``"cpu"``: only fusions whose fused operators have CPU
-    kernels)."""
-    from onnxruntime.transformers.fusion_options import FusionOptions
-
-    options = FusionOptions(model_type)
-    if target == "cpu":
-        for flag in _CUDA_ONLY_FUSIONS:
-            if hasattr(options, flag):
-                setattr(options, flag, False)
-    return options
+    """Writes ``model`` to ``path``; with its weights in ``model.onnx_data`` beside it (optimum's layout) where they
+    exceed ``external_data_threshold`` bytes. Returns whether it wrote external data."""
+    return save_onnx(model, path, external_data_threshold, EXTERNAL_DATA_FILE)
 
 
 def _torch_export(spec: Dict[str, Any], path: Path, opset: int) -> None:
@@ -229,26 +215,35 @@ def _torch_export(spec: Dict[str, Any], path: Path, opset: int) -> None:
 
 
 def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16: bool, optimize: Optional[str],
-                 external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> None:
-    """Exports one component this module owns (the T5 encoder, the transformer) to ``target/name``: the TorchScript
-    exporter, then ORT's transformer optimizer (``optimize``: ``"cuda"`` or ``"cpu"``; model type ``t5`` or
-    ``mmdit``) with the weights kept on disk, then ORT's float16 converter (``fp16``), then ``model.onnx`` (and its
-    external data above ``external_data_threshold`` bytes) and ``config.json``."""
-    from onnxruntime.transformers.optimizer import optimize_model
+                 model_type: str, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
+                 exportable: Optional[Callable[[torch.nn.Module], ContextManager]] = None) -> None:
+    """Exports one transformer-family component (a diffusion transformer, a T5 encoder) to ``target/name``: the
+    TorchScript exporter, then ORT's transformer optimizer (``optimize``: ``"cuda"`` or ``"cpu"``; ``model_type``,
+    e.g. ``t5`` or ``mmdit``; again without the attention fusion where that fusion raises) with the weights kept on
+    disk, then ORT's float16 converter (``fp16``), then ``model.onnx`` (and its external data above
+    ``external_data_threshold`` bytes) and ``config.json``.
 
+    Args:
+        name: the component's folder name.
+        spec: its export spec (``module``, ``args``, ``input_names``, ``output_names``, ``dynamic_axes``, ``config``).
+        target: the pipeline folder.
+        opset: ONNX opset.
+        fp16: convert to float16.
+        optimize: ``"cuda"``, ``"cpu"`` or ``None``; for ``"cpu"`` a T5 encoder is left as exported (ORT's T5 fusions
+            write an operator only CUDA runs).
+        model_type: ORT's optimizer model type of the component.
+        external_data_threshold: weights above this many bytes go to ``model.onnx_data``.
+        exportable: a context manager factory that makes the module traceable while the exporter runs (given the
+            module; it puts back what it changed).
+    """
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "model.onnx"
-        _torch_export(spec, path, opset)
-        if optimize == "cpu" and name in _OPTIMIZED_FOR_CUDA_ONLY:
+        with (exportable or (lambda module: contextlib.nullcontext()))(spec["module"]):
+            _torch_export(spec, path, opset)
+        if optimize == "cpu" and model_type in _OPTIMIZED_FOR_CUDA_ONLY:
             optimize = None
-        if optimize:
-            with in_folder(path.parent):
-                optimized = optimize_model(load_light(path), model_type=_OPTIMIZER_MODEL_TYPES[name], opt_level=0,
-                                           optimization_options=fusion_options_for(_OPTIMIZER_MODEL_TYPES[name],
-                                                                                   optimize),
-                                           use_gpu=optimize == "cuda")
-        else:
-            optimized = None
+        optimized = (optimize_component(name, path, fusion_options_for(model_type, optimize), optimize, model_type)
+                     if optimize else None)
         model = to_precision(path, optimized, fp16)
     save_model(model, target / name / "model.onnx", external_data_threshold)
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
@@ -267,12 +262,73 @@ def save_t5_tokenizer(tokenizer: Any, folder: Path) -> None:
             config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
 
 
-def t5_tokenizer_class_name(tokenizer: Any) -> str:
-    """The class name model_index.json gives a T5 tokenizer: transformers 5's ``T5Tokenizer`` is the fast one
-    (``T5TokenizerFast`` is its alias there), while transformers 4's ``T5Tokenizer`` needs a sentencepiece file; the
-    fast name loads in both."""
-    name = type(tokenizer).__name__
-    return "T5TokenizerFast" if name == "T5Tokenizer" and getattr(tokenizer, "is_fast", False) else name
+def is_t5_tokenizer(tokenizer: Any) -> bool:
+    """``tokenizer`` is one of transformers' T5 tokenizers (slow or fast)."""
+    return type(tokenizer).__name__ in ("T5Tokenizer", "T5TokenizerFast")
+
+
+def torch_class_entry(module: Any) -> Optional[tuple]:
+    """A component's model_index.json entry, ``(library, class name)`` (``None`` for a missing one): transformers 5's
+    ``T5Tokenizer`` is the fast one (``T5TokenizerFast`` is its alias there), while transformers 4's ``T5Tokenizer``
+    needs a sentencepiece file the folder does not have; the fast name loads in both."""
+    if module is None:
+        return None
+    library = "diffusers" if type(module).__module__.startswith("diffusers") else "transformers"
+    name = type(module).__name__
+    if name == "T5Tokenizer" and getattr(module, "is_fast", False):
+        name = "T5TokenizerFast"
+    return library, name
+
+
+def export_transformer_pipeline(
+    pipe: Any,
+    target: Path,
+    specs: Mapping[str, Dict[str, Any]],
+    components: Sequence[str],
+    *,
+    class_name: str,
+    optimizer_model_types: Mapping[str, str],
+    fp16_components: Collection[str],
+    opset: int,
+    fp16: bool,
+    optimize: Optional[str],
+    progress: bool,
+    external_data_threshold: int,
+    exportable: Optional[Callable[[torch.nn.Module], ContextManager]] = None,
+) -> Path:
+    """Writes a diffusion-transformer pipeline folder at ``target`` (built beside it, moved into place when whole):
+    each of ``components`` from ``specs`` (those in ``optimizer_model_types`` by :func:`export_model`, CLIP and the
+    VAE by the Stable Diffusion export's own component exporter: its fusions, LoRA map, VAE attention), float16 where
+    ``fp16`` and the component is in ``fp16_components``; the pipeline's tokenizers (T5's through
+    :func:`save_t5_tokenizer`) and scheduler; and the torch pipeline's model_index.json under ``class_name`` (torch
+    class names; one ``vae`` entry for both VAE folders), as optimum writes it. The caller has checked ``target`` and
+    ``components``.
+
+    Returns:
+        ``target``.
+    """
+    tokenizers = [name for name in ("tokenizer", "tokenizer_2", "tokenizer_3") if getattr(pipe, name, None) is not None]
+    with building_beside(target) as scratch:
+        for name in tqdm(components, desc="export", unit="model", disable=not progress):
+            half = fp16 and name in fp16_components
+            if name in optimizer_model_types:
+                export_model(name, specs[name], scratch, opset, half, optimize, optimizer_model_types[name],
+                             external_data_threshold, exportable)
+            else:
+                export_component(name, specs[name], scratch, opset, half, optimize,
+                                 external_data_threshold=external_data_threshold,
+                                 external_data_file=EXTERNAL_DATA_FILE)
+        for name in tokenizers:
+            tokenizer = getattr(pipe, name)
+            (save_t5_tokenizer if is_t5_tokenizer(tokenizer) else save_tokenizer)(tokenizer, scratch / name)
+        pipe.scheduler.save_pretrained(str(scratch / "scheduler"))
+        # every component the pipeline class has, ``None`` where this pipeline has none (an SD3 without T5)
+        modules = ("scheduler", "transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer",
+                   "tokenizer_2", "tokenizer_3")
+        write_transformer_model_index(scratch, class_name, {
+            **{name: torch_class_entry(getattr(pipe, name)) for name in modules if hasattr(pipe, name)},
+            "image_encoder": None, "feature_extractor": None})
+    return target
 
 
 def export_sd3_pipeline(
@@ -311,32 +367,7 @@ def export_sd3_pipeline(
     unknown = [name for name in components if name not in available]
     if unknown:
         raise ValueError(f"components: expected names from {list(available)}, got {unknown}")
-    specs = sd3_component_specs(pipe)
-    with building_beside(target) as scratch:
-        for name in tqdm(components, desc="export", unit="model", disable=not progress):
-            half = fp16 and name in FP16_COMPONENTS
-            if name in _OPTIMIZER_MODEL_TYPES:
-                export_model(name, specs[name], scratch, opset, half, optimize, external_data_threshold)
-            else:  # CLIP and the VAE: the Stable Diffusion export's own (its fusions, LoRA map, VAE attention)
-                export_component(name, specs[name], scratch, opset, half, optimize)
-        for name in ("tokenizer", "tokenizer_2"):
-            save_tokenizer(getattr(pipe, name), scratch / name)
-        if getattr(pipe, "tokenizer_3", None) is not None:
-            save_t5_tokenizer(pipe.tokenizer_3, scratch / "tokenizer_3")
-        pipe.scheduler.save_pretrained(str(scratch / "scheduler"))
-        has_t5 = getattr(pipe, "text_encoder_3", None) is not None
-        write_transformer_model_index(scratch, type(pipe).__name__, {
-            "scheduler": ("diffusers", type(pipe.scheduler).__name__),
-            "transformer": ("diffusers", type(pipe.transformer).__name__),
-            "vae": ("diffusers", type(pipe.vae).__name__),
-            "text_encoder": ("transformers", type(pipe.text_encoder).__name__),
-            "text_encoder_2": ("transformers", type(pipe.text_encoder_2).__name__),
-            "text_encoder_3": ("transformers", type(pipe.text_encoder_3).__name__) if has_t5 else None,
-            "tokenizer": ("transformers", type(pipe.tokenizer).__name__),
-            "tokenizer_2": ("transformers", type(pipe.tokenizer_2).__name__),
-            "tokenizer_3": ("transformers", t5_tokenizer_class_name(pipe.tokenizer_3))
-            if getattr(pipe, "tokenizer_3", None) is not None else None,
-            "image_encoder": None,
-            "feature_extractor": None,
-        })
-    return target
+    return export_transformer_pipeline(
+        pipe, target, sd3_component_specs(pipe), components, class_name=type(pipe).__name__,
+        optimizer_model_types=SD3_OPTIMIZER_MODEL_TYPES, fp16_components=FP16_COMPONENTS, opset=opset, fp16=fp16,
+        optimize=optimize, progress=progress, external_data_threshold=external_data_threshold)
