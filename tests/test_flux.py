@@ -276,8 +276,8 @@ def test_prompt_embeds_without_pooled_embeds_are_refused(schnell):
 
 def test_prompt_embeds_of_the_wrong_width_name_the_transformers_width(schnell):
     _, folder = schnell
-    with pytest.raises(ValueError, match=r"prompt_embeds: expected a width of 32 \(the transformer's "
-                                         r"encoder_hidden_states\), got 48"):
+    with pytest.raises(ValueError, match=r"prompt_embeds: expected hidden size 32 \(the width of the "
+                                         r"transformer's encoder_hidden_states\), got 48"):
         load(folder)(prompt_embeds=torch.zeros(1, 16, 48), pooled_prompt_embeds=torch.zeros(1, 32), **CALL)
 
 

@@ -307,8 +307,8 @@ def test_prompt_embeds_without_pooled_embeds_are_refused(sd3):
 
 def test_pooled_embeds_of_the_wrong_width_are_refused_naming_the_transformer_input(sd3):
     pipe = load(sd3[1])
-    with pytest.raises(ValueError, match=r"pooled_prompt_embeds: expected width 64 \(the transformer's "
-                                         r"pooled_projections\), got 32"):
+    with pytest.raises(ValueError, match=r"pooled_prompt_embeds: expected hidden size 64 \(the width of the "
+                                         r"transformer's pooled_projections\), got 32"):
         pipe(prompt_embeds=torch.zeros(1, 77 + SEQUENCE, 64), pooled_prompt_embeds=torch.zeros(1, 32),
              height=SIZE, width=SIZE, num_inference_steps=1)
 

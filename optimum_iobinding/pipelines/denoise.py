@@ -19,9 +19,10 @@ Pipeline = Any
 CALLBACK_TENSOR_INPUTS = ("latents", "prompt_embeds")
 
 
-def check_callback_arguments(callback_on_step_end: Any, tensor_inputs: Any) -> None:
-    """Refuses, before any work, a step-end callback that is not callable and tensor names the loop does not have,
-    listing the ones it has (as diffusers refuses them)."""
+def check_callback_arguments(callback_on_step_end: Any, tensor_inputs: Any,
+                             allowed: Sequence[str] = CALLBACK_TENSOR_INPUTS) -> None:
+    """Refuses, before any work, a step-end callback that is not callable and tensor names the loop does not have
+    (``allowed``: the ones it has), listing the ones it has (as diffusers refuses them)."""
     if callback_on_step_end is not None and not callable(callback_on_step_end):
         raise TypeError(f"callback_on_step_end: expected a callable (pipe, step, timestep, tensors) -> dict, got "
                         f"{type(callback_on_step_end).__name__} {callback_on_step_end!r}")
@@ -31,10 +32,10 @@ def check_callback_arguments(callback_on_step_end: Any, tensor_inputs: Any) -> N
         names = list(tensor_inputs)
     except TypeError:
         raise TypeError(f"callback_on_step_end_tensor_inputs: expected a list of tensor names among "
-                        f"{list(CALLBACK_TENSOR_INPUTS)}, got {type(tensor_inputs).__name__} {tensor_inputs!r}") from None
-    unknown = [name for name in names if not isinstance(name, str) or name not in CALLBACK_TENSOR_INPUTS]
+                        f"{list(allowed)}, got {type(tensor_inputs).__name__} {tensor_inputs!r}") from None
+    unknown = [name for name in names if not isinstance(name, str) or name not in allowed]
     if unknown:
-        raise ValueError(f"callback_on_step_end_tensor_inputs: expected names among {list(CALLBACK_TENSOR_INPUTS)}, "
+        raise ValueError(f"callback_on_step_end_tensor_inputs: expected names among {list(allowed)}, "
                          f"got {unknown}")
 
 
@@ -42,12 +43,12 @@ def callback_name(callback: Any) -> str:
     return getattr(callback, "__qualname__", None) or type(callback).__name__
 
 
-def replaced_tensors(callback: Any, step: int, returned: Any,
-                     current: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def replaced_tensors(callback: Any, step: int, returned: Any, current: Mapping[str, torch.Tensor],
+                     allowed: Sequence[str] = CALLBACK_TENSOR_INPUTS) -> Dict[str, torch.Tensor]:
     """The loop's tensors after a step-end callback: ``current``, with what the callback returned in place of them.
 
-    A callback returns a dict (or ``None``: nothing replaced) whose keys are among :data:`CALLBACK_TENSOR_INPUTS`
-    and whose values are float torch tensors of the replaced tensor's shape. One on another device or of another
+    A callback returns a dict (or ``None``: nothing replaced) whose keys are among ``allowed`` (the loop's tensors
+    a callback may replace, by default :data:`CALLBACK_TENSOR_INPUTS`) and whose values are float torch tensors of the replaced tensor's shape. One on another device or of another
     float dtype is moved and cast (as the loop's own would be); anything else is refused, naming the callback, the
     step and the key — a numpy array included (diffusers' loop takes tensors only)."""
     if returned is None:
@@ -56,9 +57,9 @@ def replaced_tensors(callback: Any, step: int, returned: Any,
     if not isinstance(returned, Mapping):
         raise TypeError(f"callback_on_step_end: expected {name} to return a dict of tensors (or None), got "
                         f"{type(returned).__name__} at step {step}")
-    unknown = [key for key in returned if key not in CALLBACK_TENSOR_INPUTS]
+    unknown = [key for key in returned if key not in allowed]
     if unknown:
-        raise ValueError(f"callback_on_step_end: expected {name} to return keys among {list(CALLBACK_TENSOR_INPUTS)}, "
+        raise ValueError(f"callback_on_step_end: expected {name} to return keys among {list(allowed)}, "
                          f"got {unknown} at step {step}")
     result = dict(current)
     for key, value in returned.items():

@@ -184,18 +184,9 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
         """What heights and widths must be multiples of: the VAE's scale factor × 2 (the 2×2 token packing)."""
         return self.vae_scale_factor * 2
 
-    def check_size(self, height: Any, width: Any) -> None:
-        """Height and width must be positive integer multiples of :attr:`size_multiple` (diffusers rounds others
-        down with a warning; here they are refused, so that the image has the size asked for)."""
-        multiple = self.size_multiple
-        for name, value in (("height", height), ("width", width)):
-            if not is_integer(value) or value <= 0:
-                raise ValueError(f"{name}: expected a positive integer multiple of {multiple}, got {value!r}")
-        if height % multiple or width % multiple:
-            raise ValueError(
-                f"height and width: expected multiples of {multiple} (the VAE's scale factor {self.vae_scale_factor} "
-                f"× 2, Flux's 2×2 packing of latents into tokens), got {height} and {width}; e.g. "
-                f"{-(-height // multiple) * multiple} × {-(-width // multiple) * multiple}")
+    @property
+    def size_multiple_reason(self) -> str:
+        return "2, Flux's 2×2 packing of latents into tokens"
 
     def load_lora_weights(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("load_lora_weights: runtime LoRA is not available for Flux pipelines yet; fuse the "
@@ -360,10 +351,10 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
             raise ValueError("pooled_prompt_embeds: expected them with prompt_embeds, got them alone")
         if negative_prompt_embeds is not None and negative_pooled_prompt_embeds is None:
             raise ValueError("negative_pooled_prompt_embeds: expected them with negative_prompt_embeds, got None")
-        batch = self._check_texts("prompt", prompt, None)
-        self._check_texts("prompt_2", prompt_2, batch)
-        negatives = self._check_texts("negative_prompt", negative_prompt, batch, broadcast=True)
-        self._check_texts("negative_prompt_2", negative_prompt_2, negatives, broadcast=True)
+        batch = self.check_texts("prompt", prompt, None)
+        self.check_texts("prompt_2", prompt_2, batch)
+        negatives = self.check_texts("negative_prompt", negative_prompt, batch, broadcast=True)
+        self.check_texts("negative_prompt_2", negative_prompt_2, negatives, broadcast=True)
         for name, texts, rival, rival_name in (("prompt_2", prompt_2, prompt_embeds, "prompt_embeds"),
                                                ("negative_prompt", negative_prompt, negative_prompt_embeds,
                                                 "negative_prompt_embeds"),
@@ -381,7 +372,7 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
                  "pooled_projections")):
             if embeds is None:
                 continue
-            self._check_embeds(name, embeds, rank, layout, input_name)
+            self.check_embeds(name, embeds, rank, layout, input_name)
             rows = embeds.shape[0] if rows is None else rows
             if embeds.shape[0] != rows:
                 raise ValueError(f"{name}: expected {rows} rows (one per prompt), got shape {tuple(embeds.shape)}")
@@ -390,51 +381,12 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
             raise ValueError(f"negative_prompt_embeds: expected shape {tuple(prompt_embeds.shape)} like prompt_embeds, "
                              f"got {tuple(negative_prompt_embeds.shape)}")
 
-    @staticmethod
-    def _check_texts(name: str, texts: Prompt, count: Optional[int], broadcast: bool = False) -> Optional[int]:
-        """A prompt argument: a str or a non-empty list of str, as many as ``count`` (a str goes with any count where
-        ``broadcast``). Returns how many it holds (``None`` for ``None``)."""
-        if texts is None:
-            return None
-        if not isinstance(texts, (str, list)):
-            raise TypeError(f"{name}: expected a str or a list of str, got {type(texts).__name__}")
-        if isinstance(texts, list):
-            if not texts:
-                raise ValueError(f"{name}: expected a str or a non-empty list of str, got an empty list")
-            wrong = next((i for i, item in enumerate(texts) if not isinstance(item, str)), None)
-            if wrong is not None:
-                raise TypeError(f"{name}[{wrong}]: expected a str, got {type(texts[wrong]).__name__} "
-                                f"{texts[wrong]!r}")
-        given = 1 if isinstance(texts, str) else len(texts)
-        if count is not None and given != count and not (broadcast and isinstance(texts, str)):
-            raise ValueError(f"{name}: expected {count} prompt{'s' if count > 1 else ''} (as many as prompt), got "
-                             f"{given}")
-        return given
-
-    def _check_embeds(self, name: str, embeds: Any, rank: int, layout: str, input_name: str) -> None:
-        """Given embeddings: a float tensor (or numpy array) of ``rank`` dims whose last is the width the
-        transformer's ``input_name`` declares."""
-        if isinstance(embeds, np.ndarray):
-            floating = embeds.dtype.kind == "f"
-        elif isinstance(embeds, torch.Tensor) and embeds.layout == torch.strided:
-            floating = embeds.dtype.is_floating_point
-        else:
-            raise TypeError(f"{name}: expected a torch.Tensor or numpy array {layout}, got {type(embeds).__name__}")
-        if not floating:
-            raise TypeError(f"{name}: expected a float tensor (a text encoder's output), got dtype {embeds.dtype}")
-        if embeds.ndim != rank or 0 in embeds.shape:
-            raise ValueError(f"{name}: expected a non-empty tensor of shape {layout}, got {tuple(embeds.shape)}")
-        width = self._declared_dim(self.transformer, input_name, rank - 1)
-        if width is not None and embeds.shape[-1] != width:
-            raise ValueError(f"{name}: expected a width of {width} (the transformer's {input_name}), got "
-                             f"{embeds.shape[-1]} (shape {tuple(embeds.shape)})")
-
     # ------------------------------------------------------------------------------------------------ prompts
     def _clip_pooled(self, prompt: List[str]) -> torch.Tensor:
         max_length = self.tokenizer.model_max_length
         ids = self.tokenizer(prompt, padding="max_length", max_length=max_length, truncation=True,
                              return_tensors="np").input_ids
-        self._warn_truncated(self.tokenizer, prompt, max_length, "CLIP can only handle sequences up to")
+        self.warn_truncated(self.tokenizer, prompt, max_length, "CLIP can only handle sequences up to")
         outputs = dict(zip(self.text_encoder.output_names,
                            self.text_encoder(input_ids=self.token_ids(self.text_encoder, ids))))
         return outputs["pooler_output"].clone()  # the encoder's next call reuses its output buffer
@@ -442,18 +394,10 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
     def _t5_embeds(self, prompt: List[str], max_sequence_length: int) -> torch.Tensor:
         ids = self.tokenizer_2(prompt, padding="max_length", max_length=max_sequence_length, truncation=True,
                                return_tensors="np").input_ids
-        self._warn_truncated(self.tokenizer_2, prompt, max_sequence_length, "`max_sequence_length` is set to")
+        self.warn_truncated(self.tokenizer_2, prompt, max_sequence_length, "`max_sequence_length` is set to")
         outputs = dict(zip(self.text_encoder_2.output_names,
                            self.text_encoder_2(input_ids=self.token_ids(self.text_encoder_2, ids))))
         return outputs["last_hidden_state"].clone()
-
-    @staticmethod
-    def _warn_truncated(tokenizer: Any, prompt: List[str], max_length: int, why: str) -> None:
-        untruncated = tokenizer(prompt, padding="longest", return_tensors="np").input_ids
-        if untruncated.shape[-1] > max_length:
-            removed = tokenizer.batch_decode(untruncated[:, max_length - 1 : -1])
-            logger.warning(f"The following part of your input was truncated because {why} {max_length} tokens: "
-                           f"{removed}")
 
     def encode_prompt(
         self,

@@ -442,8 +442,8 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
 
     def check_embeds(self, name: str, embeds: Any, rank: int, layout: str, unet_input: str) -> None:
         """Given embeddings must be a float tensor (or numpy array) of ``rank`` dims whose last (the hidden size)
-        is the width the UNet's ``unet_input`` declares, and whose sequence length is the one it declares (where
-        static): refused before any work otherwise, naming ``name``."""
+        is the width the denoiser's (UNet's or transformer's) ``unet_input`` declares, and whose sequence length is
+        the one it declares (where static): refused before any work otherwise, naming ``name``."""
         if isinstance(embeds, np.ndarray):
             dtype, floating = embeds.dtype, embeds.dtype.kind == "f" and embeds.dtype.itemsize <= 8
         elif isinstance(embeds, torch.Tensor) and embeds.layout == torch.strided and not embeds.is_nested:
@@ -457,13 +457,36 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
             raise ValueError(f"{name}: expected shape {layout}, got {tuple(embeds.shape)}")
         if 0 in embeds.shape:
             raise ValueError(f"{name}: expected a non-empty tensor {layout}, got shape {tuple(embeds.shape)}")
-        declared = self.unet.input_dims.get(unet_input) or []
+        denoiser = "UNet" if self.denoiser_name == "unet" else self.denoiser_name
+        declared = self.denoiser.input_dims.get(unet_input) or []
         if len(declared) == rank and isinstance(declared[-1], int) and embeds.shape[-1] != declared[-1]:
-            raise ValueError(f"{name}: expected hidden size {declared[-1]} (the width of the UNet's {unet_input}), "
-                             f"got {embeds.shape[-1]} (shape {tuple(embeds.shape)})")
+            raise ValueError(f"{name}: expected hidden size {declared[-1]} (the width of the {denoiser}'s "
+                             f"{unet_input}), got {embeds.shape[-1]} (shape {tuple(embeds.shape)})")
         if rank == 3 and len(declared) == 3 and isinstance(declared[1], int) and embeds.shape[1] != declared[1]:
-            raise ValueError(f"{name}: expected sequence length {declared[1]} (the UNet's {unet_input}), got "
+            raise ValueError(f"{name}: expected sequence length {declared[1]} (the {denoiser}'s {unet_input}), got "
                              f"{embeds.shape[1]} (shape {tuple(embeds.shape)})")
+
+    @staticmethod
+    def check_texts(name: str, texts: Any, count: Optional[int], broadcast: bool = False) -> Optional[int]:
+        """A prompt argument, refused before any work otherwise, naming ``name``: a str or a non-empty list of str,
+        as many as ``count`` (a str goes with any count where ``broadcast``). Returns how many it holds (``None``
+        for ``None``)."""
+        if texts is None:
+            return None
+        if not isinstance(texts, (str, list)):
+            raise TypeError(f"{name}: expected a str or a list of str, got {type(texts).__name__} {texts!r}")
+        if isinstance(texts, list):
+            if not texts:
+                raise ValueError(f"{name}: expected a str or a non-empty list of str, got an empty list")
+            wrong = next((i for i, item in enumerate(texts) if not isinstance(item, str)), None)
+            if wrong is not None:
+                raise TypeError(f"{name}[{wrong}]: expected a str, got {type(texts[wrong]).__name__} "
+                                f"{texts[wrong]!r}")
+        given = 1 if isinstance(texts, str) else len(texts)
+        if count is not None and given != count and not (broadcast and isinstance(texts, str)):
+            raise ValueError(f"{name}: expected {count} prompt{'s' if count > 1 else ''} (as many as prompt), got "
+                             f"{given}")
+        return given
 
     def check_image(self, image: Any, name: str = "image", resized: bool = False, mask: bool = False,
                     channels: Optional[Tuple[int, ...]] = None) -> Tuple[int, int]:
@@ -545,7 +568,9 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         return int(value)
 
     def check_size(self, height: Any, width: Any) -> None:
-        """Height and width must be positive integers the UNet can run: multiples of :attr:`size_multiple`."""
+        """Height and width must be positive integers the denoiser can run: multiples of :attr:`size_multiple`
+        (diffusers rounds others down with a warning; here they are refused, so that the image has the size asked
+        for)."""
         multiple = self.size_multiple
         for name, value in (("height", height), ("width", width)):
             if not is_integer(value) or value <= 0:
@@ -553,8 +578,14 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         if height % multiple != 0 or width % multiple != 0:
             raise ValueError(
                 f"height and width: expected multiples of {multiple} (the VAE's scale factor {self.vae_scale_factor} "
-                f"× 2^{self.unet_downsamples}, the UNet's downsamplings), got {height} and {width}; e.g. "
+                f"× {self.size_multiple_reason}), got {height} and {width}; e.g. "
                 f"{-(-height // multiple) * multiple} × {-(-width // multiple) * multiple}")
+
+    @property
+    def size_multiple_reason(self) -> str:
+        """Why :attr:`size_multiple` is what it is beyond the VAE's scale factor (for :meth:`check_size`'s
+        message): here the UNet's downsamplings."""
+        return f"2^{self.unet_downsamples}, the UNet's downsamplings"
 
     @property
     def unet_downsamples(self) -> int:
@@ -607,14 +638,20 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         max_length = max_length or self.tokenizer.model_max_length
         tokens = self.tokenizer(text, padding="max_length", max_length=max_length, truncation=True,
                                 return_tensors="np")
-        untruncated = self.tokenizer(text, padding="longest", return_tensors="np").input_ids
-        if untruncated.shape[-1] > max_length:
-            removed = self.tokenizer.batch_decode(untruncated[:, max_length - 1 : -1])
-            logger.warning("The following part of your input was truncated because CLIP can only handle sequences "
-                           f"up to {max_length} tokens: {removed}")
+        self.warn_truncated(self.tokenizer, text, max_length, "CLIP can only handle sequences up to")
         input_ids = self.token_ids(self.text_encoder, tokens.input_ids)
         # the encoder's output buffer is reused by its next call (the negative prompt): keep a copy
         return self.text_encoder(input_ids=input_ids)[0].clone()
+
+    @staticmethod
+    def warn_truncated(tokenizer: Any, texts: Union[str, List[str]], max_length: int, why: str) -> None:
+        """Logs, as diffusers does, the part of ``texts`` that ``max_length`` tokens cut off (``why``: the reason's
+        start, e.g. ``"CLIP can only handle sequences up to"``)."""
+        untruncated = tokenizer(texts, padding="longest", return_tensors="np").input_ids
+        if untruncated.shape[-1] > max_length:
+            removed = tokenizer.batch_decode(untruncated[:, max_length - 1 : -1])
+            logger.warning(f"The following part of your input was truncated because {why} {max_length} tokens: "
+                           f"{removed}")
 
     def token_ids(self, encoder: IOBindingORTModel, ids: np.ndarray) -> torch.Tensor:
         """A tokenizer's ids on the device in the dtype ``encoder`` declares, converted and range-checked on the host:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -18,7 +18,7 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from ..layout import write_transformer_model_index
 from ..runtime.model import IOBindingORTModel
 from .arguments import Generator, is_integer, is_real
-from .denoise import GraphFeed, callback_name, on_device_stream
+from .denoise import GraphFeed, check_callback_arguments, on_device_stream, replaced_tensors
 from .pipeline import OnnxStableDiffusionPipelineBase, tensor_of
 
 logger = logging.getLogger(__name__)
@@ -153,39 +153,9 @@ class OnnxStableDiffusion3Pipeline(OnnxStableDiffusionPipelineBase):
                              f"got {decoder}")
         return int(channels)
 
-    def check_size(self, height: Any, width: Any) -> None:
-        """Height and width must be positive integer multiples of :attr:`size_multiple`."""
-        multiple = self.size_multiple
-        for name, value in (("height", height), ("width", width)):
-            if not is_integer(value) or value <= 0:
-                raise ValueError(f"{name}: expected a positive integer multiple of {multiple}, got {value!r}")
-        if height % multiple != 0 or width % multiple != 0:
-            raise ValueError(
-                f"height and width: expected multiples of {multiple} (the VAE's scale factor {self.vae_scale_factor} "
-                f"× the transformer's patch size {self.patch_size}), got {height} and {width}; e.g. "
-                f"{-(-height // multiple) * multiple} × {-(-width // multiple) * multiple}")
-
-    def check_embeds(self, name: str, embeds: Any, rank: int, layout: str, unet_input: str) -> None:
-        """Given embeddings must be a dense float tensor (or numpy array) of ``rank`` dims whose last (the width) is
-        the one the transformer's input ``unet_input`` declares (``encoder_hidden_states``,
-        ``pooled_projections``): refused before any work otherwise, naming ``name``."""
-        if isinstance(embeds, np.ndarray):
-            dtype, floating = embeds.dtype, embeds.dtype.kind == "f" and embeds.dtype.itemsize <= 8
-        elif isinstance(embeds, torch.Tensor) and embeds.layout == torch.strided and not embeds.is_nested:
-            dtype, floating = embeds.dtype, embeds.dtype.is_floating_point
-        else:
-            kind = f"a {str(embeds.layout)[6:]} tensor" if isinstance(embeds, torch.Tensor) else type(embeds).__name__
-            raise TypeError(f"{name}: expected a dense torch.Tensor or numpy array {layout}, got {kind}")
-        if not floating:
-            raise TypeError(f"{name}: expected a float tensor (the text encoders' output), got dtype {dtype}")
-        if embeds.ndim != rank:
-            raise ValueError(f"{name}: expected shape {layout}, got {tuple(embeds.shape)}")
-        if 0 in embeds.shape:
-            raise ValueError(f"{name}: expected a non-empty tensor {layout}, got shape {tuple(embeds.shape)}")
-        width = self._declared_dim(self.transformer, unet_input, rank - 1)
-        if width is not None and embeds.shape[-1] != width:
-            raise ValueError(f"{name}: expected width {width} (the transformer's {unet_input}), got "
-                             f"{embeds.shape[-1]} (shape {tuple(embeds.shape)})")
+    @property
+    def size_multiple_reason(self) -> str:
+        return f"the transformer's patch size {self.patch_size}"
 
     def check_inputs_sd3(
         self,
@@ -205,18 +175,8 @@ class OnnxStableDiffusion3Pipeline(OnnxStableDiffusionPipelineBase):
         """What SD3 adds to :meth:`check_inputs`, refused before any work: the second and third prompts (a str or a
         list of str, one per prompt), the pooled embeddings (``(batch, width)`` of the transformer's
         ``pooled_projections``, with their hidden states), ``max_sequence_length`` and the callback's tensors."""
-        if callback_on_step_end is not None and not callable(callback_on_step_end):
-            raise TypeError(f"callback_on_step_end: expected a callable (pipe, step, timestep, tensors) -> dict, got "
-                            f"{type(callback_on_step_end).__name__} {callback_on_step_end!r}")
-        if isinstance(callback_on_step_end_tensor_inputs, (str, bytes)) or \
-                not isinstance(callback_on_step_end_tensor_inputs, (list, tuple)):
-            raise TypeError(f"callback_on_step_end_tensor_inputs: expected a list of tensor names among "
-                            f"{list(SD3_CALLBACK_TENSOR_INPUTS)}, got {type(callback_on_step_end_tensor_inputs).__name__}"
-                            f" {callback_on_step_end_tensor_inputs!r}")
-        unknown = [name for name in callback_on_step_end_tensor_inputs if name not in SD3_CALLBACK_TENSOR_INPUTS]
-        if unknown:
-            raise ValueError(f"callback_on_step_end_tensor_inputs: expected names among "
-                             f"{list(SD3_CALLBACK_TENSOR_INPUTS)}, got {unknown}")
+        check_callback_arguments(callback_on_step_end, callback_on_step_end_tensor_inputs,
+                                 SD3_CALLBACK_TENSOR_INPUTS)
         if not is_integer(max_sequence_length) or not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
             raise ValueError(f"max_sequence_length: expected an integer in [1, {MAX_SEQUENCE_LENGTH}] (T5's tokens), "
                              f"got {max_sequence_length!r}")
@@ -231,20 +191,7 @@ class OnnxStableDiffusion3Pipeline(OnnxStableDiffusionPipelineBase):
                 continue
             if rival is not None:
                 raise ValueError(f"{name} and {rival_name}: expected at most one of them, got both")
-            if not isinstance(texts, (str, list)):
-                raise TypeError(f"{name}: expected a str or a list of str, got {type(texts).__name__} {texts!r}")
-            if isinstance(texts, list):
-                if not texts:
-                    raise ValueError(f"{name}: expected a str or a non-empty list of str, got an empty list")
-                wrong = next((i for i, item in enumerate(texts) if not isinstance(item, str)), None)
-                if wrong is not None:
-                    raise TypeError(f"{name}[{wrong}]: expected a str, got {type(texts[wrong]).__name__} "
-                                    f"{texts[wrong]!r}")
-            count = 1 if isinstance(texts, str) else len(texts)
-            broadcast = isinstance(texts, str)
-            if prompts is not None and count != prompts and not broadcast:
-                raise ValueError(f"{name}: expected {prompts} prompt{'s' if prompts > 1 else ''} (as many as prompt), "
-                                 f"got {count}")
+            self.check_texts(name, texts, prompts, broadcast=True)
         if prompt_embeds is not None and pooled_prompt_embeds is None:
             raise ValueError("pooled_prompt_embeds: expected them with prompt_embeds (SD3's transformer takes both), "
                              "got None")
@@ -331,7 +278,7 @@ class OnnxStableDiffusion3Pipeline(OnnxStableDiffusionPipelineBase):
         max_length = tokenizer.model_max_length
         ids = tokenizer(texts, padding="max_length", max_length=max_length, truncation=True,
                         return_tensors="np").input_ids
-        self._warn_truncated(tokenizer, texts, max_length, "CLIP can only handle sequences up to")
+        self.warn_truncated(tokenizer, texts, max_length, "CLIP can only handle sequences up to")
         outputs = dict(zip(encoder.output_names, encoder(input_ids=self.token_ids(encoder, ids))))
         layers = sorted((name for name in outputs if name.startswith("hidden_states.")),
                         key=lambda name: int(name.split(".")[1]))
@@ -348,16 +295,8 @@ class OnnxStableDiffusion3Pipeline(OnnxStableDiffusionPipelineBase):
                                dtype=self.transformer.input_dtypes["encoder_hidden_states"])
         ids = self.tokenizer_3(texts, padding="max_length", max_length=max_sequence_length, truncation=True,
                                add_special_tokens=True, return_tensors="np").input_ids
-        self._warn_truncated(self.tokenizer_3, texts, max_sequence_length, "`max_sequence_length` is set to")
+        self.warn_truncated(self.tokenizer_3, texts, max_sequence_length, "`max_sequence_length` is set to")
         return self.text_encoder_3(input_ids=self.token_ids(self.text_encoder_3, ids))[0].clone()
-
-    @staticmethod
-    def _warn_truncated(tokenizer: Any, texts: List[str], max_length: int, why: str) -> None:
-        untruncated = tokenizer(texts, padding="longest", return_tensors="np").input_ids
-        if untruncated.shape[-1] > max_length:
-            removed = tokenizer.batch_decode(untruncated[:, max_length - 1 : -1])
-            logger.warning(f"The following part of your input was truncated because {why} {max_length} tokens: "
-                           f"{removed}")
 
     # ------------------------------------------------------------------------------------------------ schedule
     def flow_timesteps(self, num_inference_steps: Optional[int], sigmas: Optional[Sequence[float]],
@@ -426,8 +365,8 @@ class OnnxStableDiffusion3Pipeline(OnnxStableDiffusionPipelineBase):
                 available = {"latents": latents, "prompt_embeds": prompt_embeds,
                              "pooled_prompt_embeds": pooled_prompt_embeds}
                 tensors = {name: available[name] for name in callback_on_step_end_tensor_inputs}
-                replaced = _replaced_tensors(callback_on_step_end, i, callback_on_step_end(self, i, t, tensors),
-                                             available)
+                replaced = replaced_tensors(callback_on_step_end, i, callback_on_step_end(self, i, t, tensors),
+                                            available, SD3_CALLBACK_TENSOR_INPUTS)
                 latents, prompt_embeds = replaced["latents"], replaced["prompt_embeds"]
                 pooled_prompt_embeds = replaced["pooled_prompt_embeds"]
         return latents
@@ -553,35 +492,3 @@ class OnnxStableDiffusion3Pipeline(OnnxStableDiffusionPipelineBase):
         if not return_dict:
             return (image,)
         return StableDiffusion3PipelineOutput(images=image)
-
-
-def _replaced_tensors(callback: Any, step: int, returned: Any,
-                      current: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """The loop's tensors after a step-end callback: ``current``, with what it returned in place of them (a dict
-    with keys among :data:`SD3_CALLBACK_TENSOR_INPUTS` and float tensors of the replaced tensor's shape, moved and
-    cast as the loop's own; ``None``: nothing replaced). Anything else is refused, naming the callback, the step and
-    the key."""
-    if returned is None:
-        return dict(current)
-    name = callback_name(callback)
-    if not isinstance(returned, Mapping):
-        raise TypeError(f"callback_on_step_end: expected {name} to return a dict of tensors (or None), got "
-                        f"{type(returned).__name__} at step {step}")
-    unknown = [key for key in returned if key not in SD3_CALLBACK_TENSOR_INPUTS]
-    if unknown:
-        raise ValueError(f"callback_on_step_end: expected {name} to return keys among "
-                         f"{list(SD3_CALLBACK_TENSOR_INPUTS)}, got {unknown} at step {step}")
-    result = dict(current)
-    for key, value in returned.items():
-        old = current[key]
-        expected = f"a float torch.Tensor of shape {tuple(old.shape)}"
-        if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point or value.is_nested or \
-                value.layout != torch.strided:
-            kind = f"dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise TypeError(f"callback_on_step_end: {name} returned {key!r} as {kind} at step {step}, expected "
-                            f"{expected}")
-        if tuple(value.shape) != tuple(old.shape):
-            raise ValueError(f"callback_on_step_end: {name} returned {key!r} of shape {tuple(value.shape)} at step "
-                             f"{step}, expected {expected}")
-        result[key] = value.to(device=old.device, dtype=old.dtype)
-    return result

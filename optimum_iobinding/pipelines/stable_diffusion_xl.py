@@ -108,20 +108,8 @@ class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
                 continue
             if rival is not None:
                 raise ValueError(f"{name} and {rival_name}: expected at most one of them, got both")
-            if not isinstance(texts, (str, list)):
-                raise TypeError(f"{name}: expected a str or a list of str, got {type(texts).__name__} {texts!r}")
-            if isinstance(texts, list):
-                if not texts:
-                    raise ValueError(f"{name}: expected a str or a non-empty list of str, got an empty list")
-                wrong = next((i for i, item in enumerate(texts) if not isinstance(item, str)), None)
-                if wrong is not None:
-                    raise TypeError(f"{name}[{wrong}]: expected a str, got {type(texts[wrong]).__name__} "
-                                    f"{texts[wrong]!r}")
-            count = 1 if isinstance(texts, str) else len(texts)
-            broadcast = name == "negative_prompt_2" and isinstance(texts, str)  # one negative for every prompt
-            if prompts is not None and count != prompts and not broadcast:
-                raise ValueError(f"{name}: expected {prompts} prompt{'s' if prompts > 1 else ''} (as many as prompt), "
-                                 f"got {count}")
+            # a single negative_prompt_2 goes with every prompt
+            self.check_texts(name, texts, prompts, broadcast=name == "negative_prompt_2")
         if isinstance(negative_prompt, list) and isinstance(negative_prompt_2, list) and \
                 len(negative_prompt) != len(negative_prompt_2):
             raise ValueError(f"negative_prompt_2: expected {len(negative_prompt)} prompts (as many as "
