@@ -616,6 +616,7 @@ def test_a_failing_transformer_peer_records_its_error_and_a_compile_past_its_lim
 
 
 def test_the_transformer_scenario_runs_tiny_sd3_end_to_end_on_the_cpu_each_peer_in_its_own_process(tmp_path):
+    import importlib.util
     import json
 
     from optimum_iobinding.bench.cli import main
@@ -630,7 +631,11 @@ def test_the_transformer_scenario_runs_tiny_sd3_end_to_end_on_the_cpu_each_peer_
     assert ours["end_to_end_ms"] > 0 and ours["steps"] == 3 and ours["short_steps"] == 1
     # the same fp32 weights through ONNX Runtime and through diffusers' torch pipeline: the same image
     assert torch_peer["weights"] == "the export's" and torch_peer["max_abs_diff_vs_ours"] < 1e-3
-    assert "cannot be imported in this environment" in row["peers"]["optimum"]["skipped"]
+    optimum = row["peers"]["optimum"]
+    if importlib.util.find_spec("optimum") is None:  # the main environment: recorded as unavailable
+        assert "cannot be imported in this environment" in optimum["skipped"]
+    else:  # the optimum environment: optimum-onnx's pipeline on the same folder makes the same image
+        assert optimum["max_abs_diff_vs_ours"] < 1e-3
     table = (out / "transformer.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| tiny-sd3")]
     assert len(rows) == 3 and all("| 1 of 2 blocks (not the full model) |" in line for line in rows)
