@@ -659,3 +659,24 @@ def test_the_transformer_scenario_runs_tiny_flux_and_ours_makes_diffusers_image(
     assert peers["torch"]["max_abs_diff_vs_ours"] < 1e-3 and peers["ours"]["image"].endswith("-ours.npy")
     assert peers["floor"]["skipped"] == "floor measures CUDA-graph replays: it needs --device cuda"
     assert "| tiny-flux 64² | full model | ours |" in (tmp_path / "out" / "transformer.md").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU and onnxruntime-gpu")
+def test_on_the_gpu_every_transformer_peer_measures_tiny_sd3_against_the_floor_of_its_cfg_graph(tmp_path):
+    import json
+
+    from optimum_iobinding.bench.cli import main
+
+    out = tmp_path / "out"
+    assert main(["--scenario", "transformer", "--models", "tiny-sd3", "--peers", "ours,torch,compile,floor",
+                 "--runs", "2", "--warmup", "1", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    (row,) = json.loads((out / "transformer.json").read_text())["rows"]
+    peers = row["peers"]
+    assert peers["floor"]["per_step_ms"] > 0 and peers["floor"]["graph_inputs"]["hidden_states"][0] == 2  # CFG
+    ours = peers["ours"]
+    assert ours["own_floor_ms"] > 0 and ours["peak_memory_mib"] > 0 and ours["memory_source"]
+    # the torch peers draw their weights on the device: measured, but not compared with ours' image
+    assert "drawn on the device" in peers["torch"]["weights"] and "max_abs_diff_vs_ours" not in peers["torch"]
+    assert peers["compile"].get("compile_s") is not None or "did not compile" in peers["compile"].get("skipped", "")
+    assert "| tiny-sd3 64² | full model | ours |" in (out / "transformer.md").read_text()
