@@ -470,3 +470,213 @@ def test_the_stream_takes_the_last_strength_of_the_steps_as_diffusers_img2img_do
     pipe.scheduler = scheduler
     timesteps, count = pipe.get_timesteps(steps, strength, "cpu")
     assert stream_unet_steps(steps, strength) == count == unet_steps
+
+
+# ------------------------------------------------------------------------------------ the transformer scenario
+TRANSFORMER_CPU_RUN = ["--scenario", "transformer", "--dtypes", "fp32", "--exports", "plain", "--device", "cpu",
+                       "--runs", "1", "--warmup", "0"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--scenario", "transformer", "--models", "sd35m,sd15"],
+     "--models: expected a comma-separated list of sd35m, flux-schnell, flux-dev, tiny-sd3, tiny-flux, got "
+     "'sd35m,sd15'"),
+    (["--scenario", "transformer", "--peers", "ours,numpy"],
+     "--peers: expected a comma-separated list of ours, optimum, torch, compile, floor, got 'ours,numpy'"),
+    (["--scenario", "transformer", "--blocks", "0"], "--blocks: expected an integer ≥ 1, got 0"),
+    (["--scenario", "transformer", "--text-layers", "0"], "--text-layers: expected an integer ≥ 1, got 0"),
+    (["--scenario", "transformer", "--compile-timeout", "0"], "--compile-timeout: expected an integer ≥ 1, got 0"),
+    (["--blocks", "4"], "--blocks: expected only with --scenario transformer, got '--scenario single'"),
+    (["--scenario", "stream", "--text-layers", "2"],
+     "--text-layers: expected only with --scenario transformer, got '--scenario stream'"),
+])
+def test_the_transformer_scenario_names_every_bad_option_before_any_work(argv, message, capsys):
+    from optimum_iobinding.bench.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def transformer_architecture(kind, blocks=None, text_layers=None):
+    """The torch pipeline of ``kind`` built on the meta device: its configuration and sizes, no memory."""
+    import torch
+
+    from optimum_iobinding.bench.transformer_peers import weights_made_on
+    from optimum_iobinding.bench.zoo import build_transformer_pipeline
+
+    with weights_made_on(torch.device("meta"), torch.float32):
+        return build_transformer_pipeline(kind, blocks, text_layers)
+
+
+def parameters(module):
+    return sum(parameter.numel() for parameter in module.parameters())
+
+
+def test_sd35m_has_sd35_mediums_mmdit_and_text_encoders():
+    pipe = transformer_architecture("sd35m")
+    config = pipe.transformer.config
+    assert (config.num_layers, config.num_attention_heads, config.attention_head_dim) == (24, 24, 64)
+    assert (config.joint_attention_dim, config.caption_projection_dim, config.pooled_projection_dim) == (4096, 1536,
+                                                                                                         2048)
+    assert tuple(config.dual_attention_layers) == tuple(range(13)) and config.qk_norm == "rms_norm"
+    assert config.pos_embed_max_size == 384 and config.sample_size * 8 == 1024
+    assert (pipe.text_encoder.config.hidden_size, pipe.text_encoder.config.num_hidden_layers) == (768, 12)
+    assert (pipe.text_encoder_2.config.hidden_size, pipe.text_encoder_2.config.num_hidden_layers) == (1280, 32)
+    # CLIP-L's and CLIP-G's projections make SD3's pooled 2048; T5-XXL's encoder is 4.76 B parameters
+    assert pipe.text_encoder.config.projection_dim + pipe.text_encoder_2.config.projection_dim == 2048
+    assert 4.7e9 < parameters(pipe.text_encoder_3) < 4.8e9 and pipe.text_encoder_3.config.d_model == 4096
+
+
+def test_flux_dev_is_flux1s_12b_transformer_with_the_guidance_embedding_and_schnell_without():
+    dev, schnell = transformer_architecture("flux-dev"), transformer_architecture("flux-schnell")
+    assert 11.8e9 < parameters(dev.transformer) < 12.0e9  # FLUX.1's 12 B
+    assert (dev.transformer.config.num_layers, dev.transformer.config.num_single_layers) == (19, 38)
+    assert tuple(dev.transformer.config.axes_dims_rope) == (16, 56, 56)
+    assert dev.transformer.config.guidance_embeds and not schnell.transformer.config.guidance_embeds
+    assert dev.scheduler.config.use_dynamic_shifting and not schnell.scheduler.config.use_dynamic_shifting
+
+
+def test_blocks_keep_the_full_width_and_text_layers_shrink_every_text_encoder():
+    flux = transformer_architecture("flux-schnell", blocks=2, text_layers=1)
+    assert (flux.transformer.config.num_layers, flux.transformer.config.num_single_layers) == (2, 4)
+    assert (flux.transformer.config.num_attention_heads, flux.transformer.config.attention_head_dim) == (24, 128)
+    assert flux.text_encoder.config.num_hidden_layers == 1 and flux.text_encoder_2.config.num_layers == 1
+    sd3 = transformer_architecture("sd35m", blocks=4, text_layers=2)
+    assert sd3.transformer.config.num_layers == 4 and tuple(sd3.transformer.config.dual_attention_layers) == (0, 1, 2,
+                                                                                                            3)
+    assert [sd3.text_encoder.config.num_hidden_layers, sd3.text_encoder_2.config.num_hidden_layers,
+            sd3.text_encoder_3.config.num_layers] == [2, 2, 2]
+
+
+def transformer_peer(ms, per_step, **extra):
+    return {"end_to_end_ms": ms, "per_step_ms": per_step, "peak_memory_mib": 9000.0, "load_s": 10.0,
+            "first_image_s": 20.0, "compile_s": None, "weights": "the export's", **extra}
+
+
+def test_the_transformer_report_gives_every_ratio_to_ours_and_the_floor(tmp_path):
+    from optimum_iobinding.bench.report import write_transformer_report
+
+    results = {"environment": {"device": "GPU", "command": "optimum-iobinding bench --scenario transformer"},
+               "dtype": "fp16", "export": "optimized", "device": "cuda", "runs": 3, "warmup": 1, "rows": [
+                   {"model": "sd35m", "size": 1024, "blocks": None, "text_layers": None, "peers": {
+                       "ours": transformer_peer(2000.0, 60.0), "optimum": transformer_peer(4000.0, 110.0),
+                       "torch": transformer_peer(2500.0, 80.0), "compile": transformer_peer(1600.0, 50.0,
+                                                                                            compile_s=95.0),
+                       "floor": {"peer": "floor", "per_step_ms": 50.0, "graph_inputs": {"hidden_states": [2]}}}},
+                   {"model": "flux-dev", "size": 1024, "blocks": [4, 8], "text_layers": 2, "peers": {
+                       "ours": transformer_peer(1000.0, 30.0),
+                       "compile": {"peer": "compile", "skipped": "did not compile within 900 s"}}}]}
+    write_transformer_report(results, tmp_path)
+    table = (tmp_path / "transformer.md").read_text()
+    assert "| sd35m 1024² | full model | ours | 2000.0 | 60.00 | 1.200 | 1.00 | 9000 |" in table
+    assert "| sd35m 1024² | full model | optimum | 4000.0 | 110.00 | 2.200 | 0.50 |" in table
+    assert "| sd35m 1024² | full model | compile | 1600.0 | 50.00 | 1.000 | 1.25 | 9000 | 10.0 | 20.0 | 95.0 |" in table
+    assert "| sd35m 1024² | full model | GPU floor (transformer graph replays, batch 2) | | 50.00 | 1.000 |" in table
+    cut = "4 of 19 double + 8 of 38 single blocks (not the full model), text encoders ≤ 2 layers"
+    assert f"| flux-dev 1024² | {cut} | ours | 1000.0 |" in table
+    assert f"| flux-dev 1024² | {cut} | compile | — (did not compile within 900 s) |" in table
+
+
+def test_a_failing_transformer_peer_records_its_error_and_a_compile_past_its_limit_is_skipped(tmp_path, monkeypatch):
+    import optimum_iobinding.bench.cli as cli
+
+    calls = []
+
+    def fake_run(args, pythonpath, timeout):
+        peer = args[args.index("--run-transformer") + 1]
+        calls.append((peer, pythonpath, timeout, args))
+        if peer == "torch":
+            return {"error": "Traceback …\nRuntimeError: out of memory"}
+        if peer == "compile":
+            return {"error": f"timed out after {timeout} s"}
+        if peer == "floor":
+            return {"peer": "floor", "per_step_ms": 20.0, "graph_inputs": {"hidden_states": [1]}}
+        return transformer_peer(500.0, 21.0, image=None)
+
+    monkeypatch.setattr(cli, "ensure_transformer_export", lambda kind, dtype, export, work, blocks, text_layers:
+                        tmp_path / f"{kind}-{dtype}-{export}")
+    monkeypatch.setattr(cli, "environment", lambda: {"device": "GPU", "command": "bench", "date": "today"})
+    results = cli.transformer_benchmark(["flux-schnell"], ["ours", "optimum", "torch", "compile", "floor"], "fp16",
+                                        "optimized", 3, None, 3, 1, "cuda", tmp_path, tmp_path / "out", "/optimum/site",
+                                        600, 1200, run=fake_run)
+    peers = results["rows"][0]["peers"]
+    assert "out of memory" in peers["torch"]["error"] and peers["ours"]["end_to_end_ms"] == 500.0
+    assert peers["compile"] == {"peer": "compile", "skipped": "did not compile within 1200 s"}
+    assert [(peer, pythonpath, timeout) for peer, pythonpath, timeout, _ in calls] == [
+        ("ours", None, 600), ("optimum", "/optimum/site", 600), ("torch", None, 600), ("compile", None, 1200),
+        ("floor", None, 600)]
+    ours_args = calls[0][3]
+    assert ours_args[ours_args.index("--blocks") + 1] == "3" and "--text-layers" not in ours_args
+    assert results["rows"][0]["blocks"] == [3, 6]
+    table = (tmp_path / "out" / "transformer.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| flux-schnell")]
+    assert len(rows) == 5 and all("3 of 19 double + 6 of 38 single blocks (not the full model)" in row for row in rows)
+    assert (tmp_path / "out" / "transformer.json").is_file()
+
+
+def test_the_transformer_scenario_runs_tiny_sd3_end_to_end_on_the_cpu_each_peer_in_its_own_process(tmp_path):
+    import importlib.util
+    import json
+
+    from optimum_iobinding.bench.cli import main
+
+    out = tmp_path / "out"
+    assert main([*TRANSFORMER_CPU_RUN, "--models", "tiny-sd3", "--peers", "ours,torch,optimum", "--blocks", "1",
+                 "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    results = json.loads((out / "transformer.json").read_text())
+    (row,) = results["rows"]
+    assert row["blocks"] == [1, 0] and results["environment"]["command"].startswith("optimum-iobinding bench")
+    ours, torch_peer = row["peers"]["ours"], row["peers"]["torch"]
+    assert ours["end_to_end_ms"] > 0 and ours["steps"] == 3 and ours["short_steps"] == 1
+    # the same fp32 weights through ONNX Runtime and through diffusers' torch pipeline: the same image
+    assert torch_peer["weights"] == "the export's" and torch_peer["max_abs_diff_vs_ours"] < 1e-3
+    optimum = row["peers"]["optimum"]
+    if importlib.util.find_spec("optimum") is None:  # the main environment: recorded as unavailable
+        assert "cannot be imported in this environment" in optimum["skipped"]
+    else:  # the optimum environment: optimum-onnx's pipeline on the same folder makes the same image
+        assert optimum["max_abs_diff_vs_ours"] < 1e-3
+    table = (out / "transformer.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| tiny-sd3")]
+    assert len(rows) == 3 and all("| 1 of 2 blocks (not the full model) |" in line for line in rows)
+    assert (tmp_path / "work" / "tiny-sd3-fp32-plain-blocks1x0" / "model_index.json").is_file()
+
+
+def test_the_transformer_scenario_runs_tiny_flux_and_ours_makes_diffusers_image(tmp_path):
+    import json
+
+    import optimum_iobinding.bench.cli as cli
+
+    def in_this_process(args, pythonpath, timeout):  # the peer's own entry point, without a new interpreter
+        result_path = tmp_path / "result.json"
+        assert cli.main([*args, "--result", str(result_path)]) == 0
+        return json.loads(result_path.read_text())
+
+    results = cli.transformer_benchmark(["tiny-flux"], ["ours", "torch", "floor"], "fp32", "plain", None, None, 1, 0,
+                                        "cpu", tmp_path / "work", tmp_path / "out", None, 600, 600,
+                                        run=in_this_process)
+    peers = results["rows"][0]["peers"]
+    assert peers["torch"]["max_abs_diff_vs_ours"] < 1e-3 and peers["ours"]["image"].endswith("-ours.npy")
+    assert peers["floor"]["skipped"] == "floor measures CUDA-graph replays: it needs --device cuda"
+    assert "| tiny-flux 64² | full model | ours |" in (tmp_path / "out" / "transformer.md").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU and onnxruntime-gpu")
+def test_on_the_gpu_every_transformer_peer_measures_tiny_sd3_against_the_floor_of_its_cfg_graph(tmp_path):
+    import json
+
+    from optimum_iobinding.bench.cli import main
+
+    out = tmp_path / "out"
+    assert main(["--scenario", "transformer", "--models", "tiny-sd3", "--peers", "ours,torch,compile,floor",
+                 "--runs", "2", "--warmup", "1", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    (row,) = json.loads((out / "transformer.json").read_text())["rows"]
+    peers = row["peers"]
+    assert peers["floor"]["per_step_ms"] > 0 and peers["floor"]["graph_inputs"]["hidden_states"][0] == 2  # CFG
+    ours = peers["ours"]
+    assert ours["own_floor_ms"] > 0 and ours["peak_memory_mib"] > 0 and ours["memory_source"]
+    # the torch peers draw their weights on the device: measured, but not compared with ours' image
+    assert "drawn on the device" in peers["torch"]["weights"] and "max_abs_diff_vs_ours" not in peers["torch"]
+    assert peers["compile"].get("compile_s") is not None or "did not compile" in peers["compile"].get("skipped", "")
+    assert "| tiny-sd3 64² | full model | ours |" in (out / "transformer.md").read_text()

@@ -30,7 +30,16 @@ p50/p99 and frames/s over ``--frames`` frames, the floor of the components' grap
 through the ``stream`` command; results in stream.json/md/png.
 
     optimum-iobinding bench --models tiny,small,sd15 --dtypes fp16 --exports plain,optimized --out benchmarks/results/h100
+``--scenario transformer`` measures SD3.5 Medium's and FLUX.1's architectures (:mod:`.transformer_peers`) at 1024²,
+batch 1, each at its recipe (:data:`.zoo.TRANSFORMER_RECIPES`), fused fp16 (or the first of ``--dtypes``/
+``--exports``): ours, optimum-onnx on the same folder, diffusers' torch pipeline in bf16, the same with
+``torch.compile`` (``--compile-timeout``) and the floor of our transformer's CUDA graph; ``--blocks N`` builds the
+transformers with fewer blocks (every row says so), ``--text-layers N`` shallower text encoders. Results in
+transformer.json/md/png.
+
+    optimum-iobinding bench --models tiny,small,sd15 --dtypes fp16 --exports plain,optimized --out benchmarks/results/h100
     optimum-iobinding bench --scenario stream --dtypes fp16 --exports optimized --out benchmarks/results/h100/stream
+    optimum-iobinding bench --scenario transformer --models sd35m,flux-schnell --out benchmarks/results/h100/transformer
 """
 
 from __future__ import annotations
@@ -50,8 +59,12 @@ import torch
 from .peers import (MIXED_PEERS, OPTIMUM_PEERS, PEERS, STREAM_BATCH_BLIND, STREAM_KIND, STREAM_PEERS, STREAM_SIZE,
                     PeerUnavailable, run_mixed, run_peer, run_stream_peer, stream_unet_steps)
 from .probes import environment, run_floor
-from .report import combine_repeats, stream_row_label, write_mixed_report, write_report, write_stream_report
-from .zoo import MODEL_SIZES, ensure_export, ensure_tiny_vae_export
+from .report import (combine_repeats, stream_row_label, write_mixed_report, write_report, write_stream_report,
+                     write_transformer_report)
+from .transformer_peers import (OPTIMUM_TRANSFORMER_PEERS, TRANSFORMER_PEERS, run_transformer_floor,
+                                run_transformer_peer)
+from .zoo import (MODEL_SIZES, TRANSFORMER_RECIPES, ensure_export, ensure_tiny_vae_export, ensure_transformer_export,
+                  transformer_blocks)
 
 # the stream scenario's configurations: (num_inference_steps, strength, stream batch), each with both VAEs
 STREAM_CONFIGS = ((2, 0.5, True), (4, 0.5, True), (4, 0.5, False))
@@ -215,6 +228,62 @@ def stream_benchmark(peers: Sequence[str], dtype: str, export: str, frames: int,
     return results
 
 
+def transformer_benchmark(models: Sequence[str], peers: Sequence[str], dtype: str, export: str,
+                          blocks: Optional[int], text_layers: Optional[int], runs: int, warmup: int, device: str,
+                          work: Path, out: Path, optimum_pythonpath: Optional[str], timeout: int,
+                          compile_timeout: int, run: Any = run_in_subprocess) -> Dict[str, Any]:
+    """``--scenario transformer``: per model one export (:func:`.zoo.ensure_transformer_export`), then every peer in a
+    process of its own (``run``, :func:`run_in_subprocess`; optimum's in its environment); a peer that fails has its
+    error in its row and the others go on, a ``compile`` peer past ``compile_timeout`` seconds is skipped as "did not
+    compile". Images are compared with ours where the weights are the export's. transformer.json is rewritten after
+    every peer, transformer.md/png at the end."""
+    out.mkdir(parents=True, exist_ok=True)
+    results: Dict[str, Any] = {"environment": environment(), "scenario": "transformer", "dtype": dtype,
+                               "export": export, "blocks": blocks, "text_layers": text_layers, "runs": runs,
+                               "warmup": warmup, "device": device, "rows": []}
+    for kind in models:
+        recipe = TRANSFORMER_RECIPES[kind]
+        depth = transformer_blocks(kind, blocks)
+        row: Dict[str, Any] = {"model": kind, **recipe, "blocks": list(depth) if depth else None,
+                               "text_layers": None if kind.startswith("tiny") else text_layers, "peers": {}}
+        results["rows"].append(row)
+        print(f"transformer: {kind}: export", file=sys.stderr, flush=True)
+        try:
+            folder = ensure_transformer_export(kind, dtype, export, work, blocks, text_layers)
+        except Exception as error:  # noqa: BLE001 — the next model still runs
+            row["export_error"] = f"{type(error).__name__}: {error}"
+            (out / "transformer.json").write_text(json.dumps(results, indent=2))
+            continue
+        row["folder"] = str(folder)
+        for peer in peers:
+            print(f"transformer: {kind}: {peer}", file=sys.stderr, flush=True)
+            args = ["--scenario", "transformer", "--run-transformer", peer, "--folder", str(folder), "--model", kind, "--runs", str(runs),
+                    "--warmup", str(warmup), "--device", device, "--image", str(work / f"image-{folder.name}-{peer}.npy"),
+                    *(["--blocks", str(blocks)] if blocks is not None else []),
+                    *(["--text-layers", str(text_layers)] if text_layers is not None else [])]
+            limit = compile_timeout if peer == "compile" else timeout
+            result = run(args, optimum_pythonpath if peer in OPTIMUM_TRANSFORMER_PEERS else None, limit)
+            if peer == "compile" and str(result.get("error", "")).startswith("timed out"):
+                result = {"peer": peer, "skipped": f"did not compile within {limit} s"}
+            row["peers"][peer] = result
+            (out / "transformer.json").write_text(json.dumps(results, indent=2))
+        compare_with_ours(row)
+        (out / "transformer.json").write_text(json.dumps(results, indent=2))
+    write_transformer_report(results, out)
+    return results
+
+
+def compare_with_ours(row: Dict[str, Any]) -> None:
+    """Each peer's largest pixel difference from ours (``max_abs_diff_vs_ours``), where both made an image from the
+    export's own weights (the torch peers on the GPU draw theirs on the device: not comparable)."""
+    ours = row["peers"].get("ours", {})
+    if not ours.get("image") or "error" in ours or "skipped" in ours:
+        return
+    for peer, result in row["peers"].items():
+        if peer != "ours" and result.get("image") and result.get("weights") == "the export's":
+            result["max_abs_diff_vs_ours"] = float(np.abs(np.load(result["image"]) - np.load(ours["image"])).max())
+
+
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any) -> None:
     """Every option checked before any export or peer starts: ``parser.error`` names the option, what it expects
     and what came."""
@@ -222,11 +291,18 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
         if not ok:
             parser.error(f"{option}: expected {expected}, got {got!r}")
 
-    choices = {"--models": (args.models, tuple(MODEL_SIZES)), "--dtypes": (args.dtypes, ("fp16", "fp32")),
+    transformer = args.scenario == "transformer"
+    choices = {"--models": (args.models, tuple(TRANSFORMER_RECIPES) if transformer else tuple(MODEL_SIZES)),
+               "--dtypes": (args.dtypes, ("fp16", "fp32")),
                "--exports": (args.exports, ("plain", "optimized")),
                "--peers": (args.peers, tuple(dict.fromkeys((*PEERS, *MIXED_PEERS))))}
     if args.scenario == "stream":
         del choices["--peers"]  # its own peers, checked below
+    if transformer:
+        choices["--peers"] = (args.peers, TRANSFORMER_PEERS)
+        for option in ("--models", "--peers"):  # the other scenarios' defaults mean: the transformer scenario's own
+            if choices[option][0] == parser.get_default(option[2:]):
+                del choices[option]
     for option, (text, known) in choices.items():
         items = split(text)
         unknown = [item for item in items if item not in known]
@@ -237,6 +313,11 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
                                  ("--cycles", args.cycles, 1), ("--frames", args.frames, 1),
                                  ("--video-frames", args.video_frames, 1), ("--frame-warmup", args.frame_warmup, 0)):
         expect(value >= least, option, f"an integer ≥ {least}", value)
+    for option, value in (("--blocks", args.blocks), ("--text-layers", args.text_layers)):
+        if value is not None:
+            expect(transformer, option, "only with --scenario transformer", f"--scenario {args.scenario}")
+            expect(value >= 1, option, "an integer ≥ 1", value)
+    expect(args.compile_timeout >= 1, "--compile-timeout", "an integer ≥ 1", args.compile_timeout)
     if args.scenario == "stream" and args.peers != parser.get_default("peers"):
         unknown = [item for item in split(args.peers) if item not in STREAM_PEERS]
         expect(bool(split(args.peers)) and not unknown, "--peers",
@@ -247,10 +328,38 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
 
 
 def stream_export(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any) -> Tuple[str, str]:
-    """The stream scenario's one export: the first of --dtypes and of --exports where given, else fused fp16."""
+    """The stream and transformer scenarios' one export: the first of --dtypes and of --exports where given, else
+    fused fp16."""
     dtype = split(args.dtypes)[0] if args.dtypes != parser.get_default("dtypes") else "fp16"
     export = split(args.exports)[0] if args.exports != parser.get_default("exports") else "optimized"
     return dtype, export
+
+
+def transformer_main(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any, out: Path) -> int:
+    """``--scenario transformer`` from the command line: its exports alone (``--export-only``), or the benchmark."""
+    models = split(args.models) if args.models != parser.get_default("models") else ["sd35m", "flux-schnell",
+                                                                                       "flux-dev"]
+    peers = split(args.peers) if args.peers != parser.get_default("peers") else list(TRANSFORMER_PEERS)
+    dtype, export = stream_export(parser, args, split)
+    if args.export_only:
+        for kind in models:
+            print(ensure_transformer_export(kind, dtype, export, Path(args.work), args.blocks, args.text_layers),
+                  flush=True)
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("optimum-iobinding bench: error: --device cuda: no CUDA GPU is visible to torch here (--device cpu runs "
+              "the tiny models on the host)", file=sys.stderr)
+        return 1
+    results = transformer_benchmark(models, peers, dtype, export, args.blocks, args.text_layers, args.runs,
+                                    args.warmup, args.device, Path(args.work), out, args.optimum_pythonpath,
+                                    args.timeout, args.compile_timeout)
+    print((out / "transformer.md").read_text())
+    measured = [result for row in results["rows"] for result in row["peers"].values() if "end_to_end_ms" in result]
+    if not measured:
+        print("optimum-iobinding bench: error: every transformer peer failed or was skipped; see transformer.md for "
+              "why", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -270,9 +379,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--optimum-pythonpath", default=None, help="site folder of the optimum-onnx environment")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per peer process")
     parser.add_argument("--report-only", action="store_true", help="re-render results.md/png from results.json")
-    parser.add_argument("--scenario", choices=("single", "mixed", "stream"), default="single",
+    parser.add_argument("--scenario", choices=("single", "mixed", "stream", "transformer"), default="single",
                         help="single: one batch size, every peer (default); mixed: batch sizes in turn, rounds; "
-                             "stream: frames through few-step image to image (turbo, 512², batch 1)")
+                             "stream: frames through few-step image to image (turbo, 512², batch 1); transformer: "
+                             "SD3.5 Medium and FLUX.1 (--models sd35m,flux-schnell,flux-dev; tiny-sd3,tiny-flux), "
+                             "1024², batch 1")
     parser.add_argument("--mixed-batches", default="1,4,8,2", help="mixed: images per call, in turn")
     parser.add_argument("--mixed-steps", type=int, default=10, help="mixed: steps per call")
     parser.add_argument("--rounds", type=int, default=3, help="mixed: rounds over the batch sizes")
@@ -282,6 +393,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--frames", type=int, default=200, help="stream: timed frames per peer")
     parser.add_argument("--video-frames", type=int, default=120, help="stream: frames of the 512² video")
     parser.add_argument("--frame-warmup", type=int, default=10, help="stream: untimed frames first")
+    parser.add_argument("--blocks", type=int, default=None,
+                        help="transformer: build the transformers with N blocks (FLUX.1: N double, 2N single), full "
+                             "width; every result row says so")
+    parser.add_argument("--text-layers", type=int, default=None,
+                        help="transformer: at most N layers in each text encoder (CLIP-L, CLIP-G, T5)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="transformer: where the peers run (cpu: the tiny models, to check a setup)")
+    parser.add_argument("--compile-timeout", type=int, default=900,
+                        help="transformer: seconds for the compile peer's process; past it: skipped, did not compile")
     parser.add_argument("--export-only", action="store_true",
                         help="only make the exports under --work (e.g. in the background, ahead of the benches)")
     # one peer in this process (used by the orchestrator)
@@ -289,6 +409,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--run-floor", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run-mixed", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-stream", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run-transformer", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--stream-config", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tiny-vae-folder", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", default=None, help=argparse.SUPPRESS)
@@ -314,6 +435,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             result = {"peer": args.run_stream, "skipped": str(reason)}
         Path(args.result).write_text(json.dumps(result))
         return 0
+    if args.run_transformer:
+        peer = args.run_transformer
+        try:
+            if peer == "floor":
+                result = run_transformer_floor(Path(args.folder), args.model, args.device)
+            else:
+                result = run_transformer_peer(peer, Path(args.folder), args.model, args.blocks, args.text_layers,
+                                              args.runs, args.warmup, args.device, Path(args.image))
+        except PeerUnavailable as reason:
+            result = {"peer": peer, "skipped": str(reason)}
+        Path(args.result).write_text(json.dumps(result))
+        return 0
     if args.run_peer or args.run_floor:
         if args.run_floor:
             result = run_floor(Path(args.folder), args.model)
@@ -330,7 +463,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             write_report(json.loads((out / "results.json").read_text()), out)
         if (out / "stream.json").is_file():
             write_stream_report(json.loads((out / "stream.json").read_text()), out)
+        if (out / "transformer.json").is_file():
+            write_transformer_report(json.loads((out / "transformer.json").read_text()), out)
         return 0
+    if args.scenario == "transformer":
+        return transformer_main(parser, args, split, out)
     if args.export_only and args.scenario == "stream":
         dtype, export = stream_export(parser, args, split)
         print(ensure_export(STREAM_KIND, dtype, export, Path(args.work)), flush=True)

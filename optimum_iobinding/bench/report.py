@@ -8,6 +8,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Dict, Sequence
 
+from .zoo import TRANSFORMER_BLOCKS
+
 
 def combine_repeats(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """One peer's results from several processes (``--repeats``) as one: the median over the processes of each
@@ -292,3 +294,94 @@ def write_stream_report(results: Dict[str, Any], out: Path) -> None:
     axis.set_title(f"stream — {results['model']} — {env.get('device')}")
     figure.tight_layout()
     figure.savefig(out / "stream.png", dpi=120)
+
+
+def transformer_depth_label(row: Dict[str, Any]) -> str:
+    """What a transformer row measured: ``full model`` or ``4 of 24 blocks (not the full model)`` (FLUX.1: double and
+    single blocks), with the text encoders' depth where ``--text-layers`` shrank them."""
+    full = TRANSFORMER_BLOCKS.get(row["model"])
+    if row.get("blocks") is None or full is None:
+        label = "full model"
+    elif full[1]:
+        label = (f"{row['blocks'][0]} of {full[0]} double + {row['blocks'][1]} of {full[1]} single blocks "
+                 "(not the full model)")
+    else:
+        label = f"{row['blocks'][0]} of {full[0]} blocks (not the full model)"
+    if row.get("text_layers") is not None:
+        label += f", text encoders ≤ {row['text_layers']} layers"
+    return label
+
+
+def _reason(result: Dict[str, Any]) -> str:
+    """A failed or skipped peer's one line: its reason, or the last line of its error."""
+    if "skipped" in result:
+        return f"— ({result['skipped']})"
+    return f"failed: {str(result['error']).strip().splitlines()[-1][:160]}"
+
+
+def write_transformer_report(results: Dict[str, Any], out: Path) -> None:
+    """transformer.json → transformer.md (per model and peer: end-to-end and per-step ms, step / GPU floor, ours ÷
+    the peer end to end, peak memory, load, first image, compile seconds, difference from ours' image; every row
+    names the transformer's depth) and transformer.png (end-to-end ms, where matplotlib is installed)."""
+    env = results["environment"]
+    lines = [
+        f"# Transformers: {env.get('device')}",
+        "",
+        f"`{env.get('command')}` — {env.get('date')}; torch {env.get('torch')} (CUDA {env.get('cuda')}), onnxruntime "
+        f"{env.get('onnxruntime')}, diffusers {env.get('diffusers')}, transformers {env.get('transformers')}. Random "
+        f"weights, batch 1, {results['dtype']} {results['export']} export on {results['device']}; median of "
+        f"{results['runs']} runs after {results['warmup']} warm-up; per-step ms: (median at the recipe's steps − "
+        "median at its short step count) / the steps between. SD3.5 Medium: 28 steps, CFG 7 (transformer batch 2), "
+        "T5 256 tokens; FLUX.1 schnell: 4 steps, guidance 0, T5 256; FLUX.1 dev: 28 steps, embedded guidance 3.5, "
+        "T5 512. torch/compile: diffusers' pipeline in bf16 (on the GPU its random weights are drawn there with the "
+        "same seed: the images are not compared). Floor: our transformer's CUDA graph replayed back to back, a "
+        "process of its own. One process per peer.",
+        "",
+        "| model | transformer | pipeline | end-to-end ms | per-step ms | step / floor | ours ÷ this (end to end) "
+        "| peak GPU MiB | load s | first image s | compile s | max diff vs ours |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        depth = transformer_depth_label(row)
+        label = f"| {row['model']} {row['size']}² | {depth} |"
+        if "export_error" in row:
+            lines.append(f"{label} export | failed: {row['export_error'].strip().splitlines()[-1][:160]} |"
+                         + " |" * 8)
+            continue
+        floor = row["peers"].get("floor", {}).get("per_step_ms")
+        ours = row["peers"].get("ours", {}).get("end_to_end_ms")
+        for peer, result in row["peers"].items():
+            if "per_step_ms" not in result:
+                lines.append(f"{label} {peer} | {_reason(result)} |" + " |" * 8)
+                continue
+            if peer == "floor":
+                lines.append(f"{label} GPU floor (transformer graph replays, batch "
+                             f"{result['graph_inputs']['hidden_states'][0]}) | | {floor:.2f} | 1.000 |" + " |" * 6)
+                continue
+            vs_floor = f"{result['per_step_ms'] / floor:.3f}" if floor else ""
+            vs_ours = f"{ours / result['end_to_end_ms']:.2f}" if ours else ""
+            numbers = [result.get(key) for key in ("peak_memory_mib", "load_s", "first_image_s", "compile_s")]
+            cells = " | ".join("" if value is None else (f"{value:.0f}" if i == 0 else f"{value:.1f}")
+                               for i, value in enumerate(numbers))
+            diff = result.get("max_abs_diff_vs_ours")
+            lines.append(f"{label} {peer} | {result['end_to_end_ms']:.1f} | {result['per_step_ms']:.2f} | {vs_floor} | "
+                         f"{vs_ours} | {cells} | {'' if diff is None else f'{diff:.2e}'} |")
+    (out / "transformer.md").write_text("\n".join(lines) + "\n")
+    plt = _pyplot()
+    if plt is None:
+        return
+    labels, values = [], []
+    for row in results["rows"]:
+        for peer, result in row["peers"].items():
+            if "end_to_end_ms" in result:
+                blocks = "" if row.get("blocks") is None else f" ({transformer_depth_label(row).split(' (')[0]})"
+                labels.append(f"{row['model']}{blocks}\n{peer}")
+                values.append(result["end_to_end_ms"])
+    figure, axis = plt.subplots(figsize=(10, 0.35 * len(labels) + 1.5))
+    axis.barh(range(len(labels)), values, color="#0072b2")
+    axis.set_yticks(range(len(labels)), labels, fontsize=7)
+    axis.invert_yaxis()
+    axis.set_xlabel("end-to-end ms, batch 1, lower is better")
+    axis.set_title(f"transformers — {env.get('device')}")
+    figure.tight_layout()
+    figure.savefig(out / "transformer.png", dpi=120)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -185,18 +185,22 @@ def ensure_export(kind: str, dtype: str, export: str, work: Path) -> Path:
     a lock file serialises processes that want the same export (``--export-only`` can make the next models' exports in
     the background while the GPU measures the current one).
     """
+    return _ensure_pipeline_export(work / f"{kind}-{dtype}-{export}", dtype, export, lambda: build_torch_pipeline(kind))
+
+
+def _ensure_pipeline_export(folder: Path, dtype: str, export: str, build: Callable[[], Any]) -> Path:
+    """``folder``: the export of the torch pipeline ``build()`` makes, made once under the folder's lock."""
     from ..export import export_pipeline
 
-    folder = work / f"{kind}-{dtype}-{export}"
-    work.mkdir(parents=True, exist_ok=True)
-    with _ExportLock(work / f".{folder.name}.lock"):
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _ExportLock(folder.parent / f".{folder.name}.lock"):
         if not (folder / "model_index.json").is_file():
             if folder.exists():  # not one of ours (ours appear whole, by a rename): never delete it
                 raise FileExistsError(f"--work: {str(folder)!r} exists but is not a finished export (no "
                                       "model_index.json); move it away or choose another --work folder")
             # export_pipeline builds beside the folder and renames it into place once whole
             export_pipeline(None, folder, fp16=dtype == "fp16", optimize="cuda" if export == "optimized" else None,
-                            progress=False, torch_pipeline=build_torch_pipeline(kind))
+                            progress=False, torch_pipeline=build())
     return folder
 
 
@@ -218,3 +222,163 @@ class _ExportLock:
             fcntl.flock(self.handle.fileno(), fcntl.LOCK_UN)
         self.handle.close()
 
+
+
+# ------------------------------------------------------------------------------ the transformer scenario's models
+# ``--scenario transformer``: SD3.5 Medium's and FLUX.1's architectures (random weights) at their own recipes, and
+# tiny versions of both for the CPU. ``family``: which pipelines run it; ``steps``/``short_steps``: the step counts
+# whose difference gives the per-step time; ``max_sequence_length``: T5's tokens; ``guidance``: diffusers' defaults
+# (SD3.5: CFG 7 at 28 steps; FLUX.1 schnell: 4 steps, no guidance; FLUX.1 dev: 28 steps, embedded guidance 3.5).
+TRANSFORMER_RECIPES: Dict[str, Dict[str, Any]] = {
+    "sd35m": dict(family="sd3", size=1024, steps=28, short_steps=2, guidance=7.0, max_sequence_length=256),
+    "flux-schnell": dict(family="flux", size=1024, steps=4, short_steps=1, guidance=0.0, max_sequence_length=256),
+    "flux-dev": dict(family="flux", size=1024, steps=28, short_steps=2, guidance=3.5, max_sequence_length=512),
+    "tiny-sd3": dict(family="sd3", size=64, steps=3, short_steps=1, guidance=7.0, max_sequence_length=16),
+    "tiny-flux": dict(family="flux", size=64, steps=3, short_steps=1, guidance=0.0, max_sequence_length=16),
+}
+# the full models' transformer depth: (double-stream blocks, single-stream blocks); SD3's are all joint blocks
+TRANSFORMER_BLOCKS = {"sd35m": (24, 0), "flux-schnell": (19, 38), "flux-dev": (19, 38), "tiny-sd3": (2, 0),
+                      "tiny-flux": (1, 1)}
+# the text encoders' depth in the full models: CLIP ViT-L, OpenCLIP bigG (SD3 only), T5-XXL's encoder
+TEXT_LAYERS = {"clip_l": 12, "clip_g": 32, "t5": 24}
+
+
+def transformer_denoiser_batch(kind: str) -> int:
+    """The transformer's batch per step for one image: 2 with CFG (SD3 with guidance > 1), else 1 (FLUX.1's guidance
+    is an embedding, or none)."""
+    recipe = TRANSFORMER_RECIPES[kind]
+    return 2 if recipe["family"] == "sd3" and recipe["guidance"] > 1.0 else 1
+
+
+def transformer_blocks(kind: str, blocks: Optional[int]) -> Optional[Tuple[int, int]]:
+    """The (double, single) block counts ``--blocks N`` builds: SD3's first ``N`` joint blocks; FLUX.1's first ``N``
+    double-stream and ``2 N`` single-stream blocks (the full model's 19:38), each at most the full model's. ``None``
+    where the model keeps its own depth (no ``--blocks``)."""
+    if blocks is None:
+        return None
+    double, single = TRANSFORMER_BLOCKS[kind]
+    return min(blocks, double), min(2 * blocks, single)
+
+
+def transformer_export_name(kind: str, dtype: str, export: str, blocks: Optional[int],
+                            text_layers: Optional[int]) -> str:
+    """The folder name of one transformer export under ``--work``: every setting that changes the files is in it."""
+    name = f"{kind}-{dtype}-{export}"
+    depth = transformer_blocks(kind, blocks)
+    if depth is not None:
+        name += f"-blocks{depth[0]}x{depth[1]}"
+    if text_layers is not None and not kind.startswith("tiny"):
+        name += f"-text{text_layers}"
+    return name
+
+
+def build_transformer_pipeline(kind: str, blocks: Optional[int] = None, text_layers: Optional[int] = None,
+                               seed: int = 0):
+    """A random-weights diffusers pipeline of ``kind`` (:data:`TRANSFORMER_RECIPES`): ``StableDiffusion3Pipeline`` with
+    SD3.5 Medium's MMDiT, CLIP-L, CLIP-G and T5-XXL's encoder, or ``FluxPipeline`` with FLUX.1's transformer (dev:
+    with the guidance embedding), CLIP-L and T5-XXL's encoder; the tiny ones from :mod:`optimum_iobinding.export.tiny`.
+    Weights are drawn in the current default dtype and device.
+
+    Args:
+        kind: a key of :data:`TRANSFORMER_RECIPES`.
+        blocks: build the transformer with fewer blocks, full width (:func:`transformer_blocks`).
+        text_layers: at most this many layers in each text encoder; full models only.
+        seed: the random weights' seed.
+    """
+    if kind not in TRANSFORMER_RECIPES:
+        raise ValueError(f"model: expected one of {', '.join(TRANSFORMER_RECIPES)}, got {kind!r}")
+    if kind.startswith("tiny"):
+        return _tiny_transformer_pipeline(kind, blocks, seed)
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from ..export.tiny import write_tiny_t5_tokenizer, write_tiny_tokenizer
+
+    torch.manual_seed(seed)
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = write_tiny_tokenizer(Path(folder) / "clip")
+        tokenizer_t5 = write_tiny_t5_tokenizer(Path(folder) / "t5")
+    depth = lambda name: min(TEXT_LAYERS[name], text_layers or TEXT_LAYERS[name])  # noqa: E731
+
+    def clip(width: int, layers: int, heads: int, act: str, projection: bool):
+        # the real vocabularies' sizes (their embedding tables), the tiny tokenizer's special ids
+        config = CLIPTextConfig(
+            vocab_size=49408, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
+            num_attention_heads=heads, max_position_embeddings=77, hidden_act=act, projection_dim=width,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id)
+        return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
+
+    t5 = T5EncoderModel(T5Config(
+        vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=depth("t5"), num_heads=64,
+        relative_attention_num_buckets=32, feed_forward_proj="gated-gelu", dropout_rate=0.0, pad_token_id=0,
+        eos_token_id=1, decoder_start_token_id=0, is_encoder_decoder=False, use_cache=False)).eval()
+    recipe = TRANSFORMER_RECIPES[kind]
+    double, single = transformer_blocks(kind, blocks) or TRANSFORMER_BLOCKS[kind]
+    if recipe["family"] == "sd3":
+        from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+        transformer = SD3Transformer2DModel(
+            sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=double, attention_head_dim=64,
+            num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+            pooled_projection_dim=2048, pos_embed_max_size=384, dual_attention_layers=tuple(range(min(13, double))),
+            qk_norm="rms_norm")
+        return StableDiffusion3Pipeline(
+            transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+            vae=_transformer_vae(AutoencoderKL, scaling_factor=1.5305, shift_factor=0.0609),
+            text_encoder=clip(768, depth("clip_l"), 12, "quick_gelu", True), tokenizer=tokenizer,
+            text_encoder_2=clip(1280, depth("clip_g"), 20, "gelu", True), tokenizer_2=tokenizer,
+            text_encoder_3=t5, tokenizer_3=tokenizer_t5)
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    dev = kind == "flux-dev"
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=double, num_single_layers=single, attention_head_dim=128,
+        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=dev,
+        axes_dims_rope=(16, 56, 56))
+    # FLUX.1 dev's schedule shifts with the resolution; schnell's has a fixed shift of 1
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0 if dev else 1.0, use_dynamic_shifting=dev, base_shift=0.5,
+        max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+    return FluxPipeline(scheduler=scheduler, vae=_transformer_vae(AutoencoderKL, scaling_factor=0.3611,
+                                                                  shift_factor=0.1159),
+                        text_encoder=clip(768, depth("clip_l"), 12, "quick_gelu", False), tokenizer=tokenizer,
+                        text_encoder_2=t5, tokenizer_2=tokenizer_t5, transformer=transformer)
+
+
+def _tiny_transformer_pipeline(kind: str, blocks: Optional[int], seed: int):
+    """The tiny SD3 or FLUX.1 pipeline of :mod:`optimum_iobinding.export.tiny`; with ``blocks``, its transformer
+    rebuilt from its own config with fewer blocks (so that the CPU runs exercise ``--blocks``)."""
+    from ..export.tiny import build_tiny_random_flux_pipeline, build_tiny_random_sd3_pipeline
+
+    pipe = (build_tiny_random_sd3_pipeline if kind == "tiny-sd3" else build_tiny_random_flux_pipeline)(seed)
+    depth = transformer_blocks(kind, blocks)
+    if depth is not None:
+        config = dict(pipe.transformer.config)
+        overrides: Dict[str, Any] = {"num_layers": depth[0]}
+        if "num_single_layers" in config:
+            overrides["num_single_layers"] = depth[1]
+        if "dual_attention_layers" in config:
+            overrides["dual_attention_layers"] = tuple(i for i in config["dual_attention_layers"] if i < depth[0])
+        torch.manual_seed(seed)
+        pipe.register_modules(transformer=type(pipe.transformer).from_config(config, **overrides).eval())
+    return pipe
+
+
+def _transformer_vae(autoencoder: Any, scaling_factor: float, shift_factor: float):
+    """SD3's and FLUX.1's VAE: SD's four blocks with 16 latent channels and no quant convolutions."""
+    return autoencoder(
+        in_channels=3, out_channels=3, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=16,
+        sample_size=1024, scaling_factor=scaling_factor, shift_factor=shift_factor, use_quant_conv=False,
+        use_post_quant_conv=False)
+
+
+def ensure_transformer_export(kind: str, dtype: str, export: str, work: Path, blocks: Optional[int] = None,
+                              text_layers: Optional[int] = None) -> Path:
+    """The export of one transformer configuration under ``work`` (:func:`transformer_export_name`), made once and
+    shared as :func:`ensure_export` shares the UNet pipelines'. The exporter decides each component's precision
+    (T5 stays float32 in a float16 export) and writes external data for the large ones."""
+    folder = work / transformer_export_name(kind, dtype, export, blocks, text_layers)
+    return _ensure_pipeline_export(folder, dtype, export,
+                                   lambda: build_transformer_pipeline(kind, blocks, text_layers))

@@ -1,0 +1,221 @@
+"""The transformer scenario's peers (``--scenario transformer``): SD3.5 Medium's and FLUX.1's architectures
+(:data:`.zoo.TRANSFORMER_RECIPES`), each peer measured in a process of its own on the same ONNX folder.
+
+  ours     OnnxStableDiffusion3Pipeline / OnnxFluxPipeline, from_pretrained(folder) with its defaults (CUDA graphs)
+  optimum  optimum-onnx's ORTStableDiffusion3Pipeline / ORTFluxPipeline(use_io_binding=True) on the same folder
+  torch    diffusers' StableDiffusion3Pipeline / FluxPipeline, bf16 eager, the same architecture and seed
+  compile  the same with ``torch.compile(pipe.transformer)`` (its first image, compilation included, timed apart)
+  floor    back-to-back replays of our transformer's CUDA graph at the loop's batch (CFG: 2), as captured by our loop
+
+Every pipeline gets the same initial latents, prompt, step count, guidance and T5 length (the model's recipe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .peers import PeerUnavailable
+from .probes import PeakMemory, replay_ms
+from .zoo import PROMPT, TRANSFORMER_RECIPES, build_transformer_pipeline
+
+TRANSFORMER_PEERS = ("ours", "optimum", "torch", "compile", "floor")
+# peers that run in the optimum-onnx environment (--optimum-pythonpath)
+OPTIMUM_TRANSFORMER_PEERS = ("optimum",)
+# peers that need CUDA whatever the device: compiled kernels and captured graphs are what they measure
+CUDA_ONLY_TRANSFORMER_PEERS = ("compile", "floor")
+# what each peer loads with, per family, as (module, name)
+TRANSFORMER_LOADED_WITH = {
+    ("ours", "sd3"): ("..pipelines", "OnnxStableDiffusion3Pipeline"),
+    ("ours", "flux"): ("..pipelines", "OnnxFluxPipeline"),
+    ("optimum", "sd3"): ("optimum.onnxruntime", "ORTStableDiffusion3Pipeline"),
+    ("optimum", "flux"): ("optimum.onnxruntime", "ORTFluxPipeline"),
+    ("torch", "sd3"): ("diffusers", "StableDiffusion3Pipeline"),
+    ("torch", "flux"): ("diffusers", "FluxPipeline"),
+    ("compile", "sd3"): ("diffusers", "StableDiffusion3Pipeline"),
+    ("compile", "flux"): ("diffusers", "FluxPipeline"),
+}
+
+
+def pipeline_class(peer: str, kind: str) -> Any:
+    """The pipeline class ``peer`` loads ``kind`` with; :class:`.peers.PeerUnavailable` where it cannot be imported
+    here (optimum-onnx lives in an environment of its own: ``--optimum-pythonpath``)."""
+    module, name = TRANSFORMER_LOADED_WITH[(peer, TRANSFORMER_RECIPES[kind]["family"])]
+    try:
+        return getattr(importlib.import_module(module, __package__), name)
+    except (ImportError, AttributeError) as error:
+        raise PeerUnavailable(f"{name} cannot be imported in this environment ({type(error).__name__}: {error}); "
+                              "pass the optimum-onnx environment's site folder with --optimum-pythonpath") from error
+
+
+def initial_latents(kind: str, seed: int = 0) -> np.ndarray:
+    """The initial noise every peer starts from, float32: SD3's ``(1, 16, H/8, W/8)``; FLUX.1's the same noise packed
+    into 2×2 patches, ``(1, H/16 · W/16, 64)``, the layout its pipelines take latents in."""
+    size = TRANSFORMER_RECIPES[kind]["size"]
+    noise = np.random.RandomState(seed).randn(1, 16, size // 8, size // 8).astype(np.float32)
+    if TRANSFORMER_RECIPES[kind]["family"] == "sd3":
+        return noise
+    half = size // 16
+    patches = noise.reshape(1, 16, half, 2, half, 2).transpose(0, 2, 4, 1, 3, 5)
+    return np.ascontiguousarray(patches.reshape(1, half * half, 64))
+
+
+def onnx_input_dtype(folder: Path, component: str, name: str) -> torch.dtype:
+    """The element type of input ``name`` of ``folder/component/model.onnx``, read without its weights."""
+    import onnx
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    model = onnx.load(str(folder / component / "model.onnx"), load_external_data=False)
+    for value in model.graph.input:
+        if value.name == name:
+            return torch.from_numpy(np.zeros(0, tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type))).dtype
+    raise ValueError(f"{folder / component / 'model.onnx'}: expected an input named {name!r}, got "
+                     f"{[value.name for value in model.graph.input]}")
+
+
+@contextlib.contextmanager
+def weights_made_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Modules built inside are made on ``device`` in ``dtype`` directly: the full models' random weights are drawn
+    there, not in float32 on the host (FLUX.1's transformer alone is 48 GB in float32)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[int], text_layers: Optional[int],
+                          device: str) -> Tuple[Any, Any, Dict[str, Any]]:
+    """The pipeline of one peer on ``device`` ("cuda" or "cpu"), the initial latents in the form it takes them, and
+    what the result should say about its weights."""
+    if peer in CUDA_ONLY_TRANSFORMER_PEERS and device != "cuda":
+        raise PeerUnavailable(f"{peer} measures CUDA work: it needs --device cuda")
+    latents = torch.from_numpy(initial_latents(kind))
+    provider = "CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider"
+    if peer == "ours":
+        pipe = pipeline_class(peer, kind).from_pretrained(folder, provider=provider)
+        return pipe, latents.to(device, pipe.transformer.input_dtypes["hidden_states"]), {"weights": "the export's"}
+    if peer == "optimum":
+        pipe = pipeline_class(peer, kind).from_pretrained(folder, provider=provider,
+                                                          use_io_binding=device == "cuda")
+        dtype = onnx_input_dtype(folder, "transformer", "hidden_states")
+        return pipe, latents.to(device, dtype), {"weights": "the export's"}
+    if peer in ("torch", "compile"):
+        pipeline_class(peer, kind)
+        if device == "cuda":
+            with weights_made_on(torch.device(device), torch.bfloat16):
+                pipe = build_transformer_pipeline(kind, blocks, text_layers)
+            weights = "the export's seed, drawn on the device in bf16 (not the export's values)"
+        else:  # the host: the export's own float32 weights (the same seed on the same device)
+            pipe = build_transformer_pipeline(kind, blocks, text_layers)
+            weights = "the export's"
+        # the scheduler's constants in float32 on the host, as from_pretrained gives them
+        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+        pipe = pipe.to(device, torch.bfloat16 if device == "cuda" else torch.float32)
+        if peer == "compile":
+            pipe.transformer = torch.compile(pipe.transformer)
+        return pipe, latents.to(device, pipe.transformer.dtype), {"weights": weights}
+    raise ValueError(f"peer: expected one of {', '.join(TRANSFORMER_PEERS[:-1])}, got {peer!r}")
+
+
+def run_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[int], text_layers: Optional[int],
+                         runs: int, warmup: int, device: str, image_path: Path) -> Dict[str, Any]:
+    """One peer on one export, in this process: load (timed), the first image (timed: sessions and graph capture, or
+    ``torch.compile``'s compilation), ``warmup`` calls, ``runs`` timed calls at the recipe's steps and at its short
+    step count (per-step ms: the difference of their medians over the steps between), for ours its transformer graph
+    replayed alone in this process, the device's memory peak above its idle (CUDA), and the image, saved to
+    ``image_path``."""
+    recipe = TRANSFORMER_RECIPES[kind]
+    cuda = device == "cuda"
+    memory = PeakMemory(torch.device("cuda", 0)) if cuda else contextlib.nullcontext()
+    idle = memory.used() if cuda else None
+    with memory:
+        start = time.perf_counter()
+        pipe, latents, about = load_transformer_peer(peer, folder, kind, blocks, text_layers, device)
+        load_s = time.perf_counter() - start
+        pipe.set_progress_bar_config(disable=True)
+
+        def call(steps: int) -> np.ndarray:
+            with torch.inference_mode():
+                images = pipe(PROMPT, height=recipe["size"], width=recipe["size"], num_inference_steps=steps,
+                              guidance_scale=recipe["guidance"], latents=latents.clone(),
+                              max_sequence_length=recipe["max_sequence_length"], output_type="np").images
+            if cuda:
+                torch.cuda.synchronize()
+            return np.asarray(images)
+
+        def timed(steps: int) -> List[float]:
+            times = []
+            for _ in range(runs):
+                start = time.perf_counter()
+                call(steps)
+                times.append((time.perf_counter() - start) * 1000)
+            return times
+
+        start = time.perf_counter()
+        image = call(recipe["steps"])
+        first_image_s = time.perf_counter() - start
+        for _ in range(warmup):
+            image = call(recipe["steps"])
+        full, short = timed(recipe["steps"]), timed(recipe["short_steps"])
+    own_floor = graph_floor_ms(pipe.transformer) if peer == "ours" and cuda else None
+    np.save(image_path, image.astype(np.float32))
+    per_step = (statistics.median(full) - statistics.median(short)) / (recipe["steps"] - recipe["short_steps"])
+    return {
+        "peer": peer, **about,
+        "end_to_end_ms": statistics.median(full), "end_to_end_ms_all": full, "short_ms_all": short,
+        "steps": recipe["steps"], "short_steps": recipe["short_steps"], "per_step_ms": per_step,
+        "own_floor_ms": own_floor, "per_step_over_own_floor": per_step / own_floor if own_floor else None,
+        "peak_memory_mib": (memory.peak - idle) / 2**20 if cuda else None,
+        "memory_source": memory.source if cuda else None,
+        "load_s": load_s, "first_image_s": first_image_s,
+        # torch.compile compiles during the first image: that image's time less a warm one's
+        "compile_s": first_image_s - statistics.median(full) / 1000 if peer == "compile" else None,
+        "image": str(image_path),
+    }
+
+
+def graph_floor_ms(model: Any, replays: int = 20) -> Optional[float]:
+    """ms per back-to-back replay of the one CUDA graph ``model`` (an :class:`IOBindingORTModel`) captured; None where
+    it captured none or more than one."""
+    signatures = model.graph_signatures
+    if len(signatures) != 1:
+        return None
+    runner = model.graph_runner(signatures[0])
+    if runner is None:
+        return None
+    with torch.cuda.stream(model.stream):
+        runner.run(runner.input_buffers)
+    return replay_ms(runner, model.stream, replays)
+
+
+def run_transformer_floor(folder: Path, kind: str, device: str, replays: int = 20) -> Dict[str, Any]:
+    """The GPU floor of one step, in a process of its own: our pipeline makes one image at the recipe's short step
+    count (its loop captures the transformer's graph at the loop's own batch and shapes: CFG's 2 for SD3), then that
+    graph replays back to back (:func:`graph_floor_ms`)."""
+    if device != "cuda":
+        raise PeerUnavailable("floor measures CUDA-graph replays: it needs --device cuda")
+    recipe = TRANSFORMER_RECIPES[kind]
+    pipe = pipeline_class("ours", kind).from_pretrained(folder, provider="CUDAExecutionProvider", cuda_graph=True)
+    pipe.set_progress_bar_config(disable=True)
+    latents = torch.from_numpy(initial_latents(kind)).to("cuda", pipe.transformer.input_dtypes["hidden_states"])
+    with torch.inference_mode():
+        pipe(PROMPT, height=recipe["size"], width=recipe["size"], num_inference_steps=recipe["short_steps"],
+             guidance_scale=recipe["guidance"], latents=latents, max_sequence_length=recipe["max_sequence_length"],
+             output_type="latent")
+    torch.cuda.synchronize()
+    per_step = graph_floor_ms(pipe.transformer, replays)
+    if per_step is None:
+        return {"peer": "floor", "error": f"the transformer captured {len(pipe.transformer.graph_signatures)} CUDA "
+                                          "graphs, expected exactly one"}
+    return {"peer": "floor", "per_step_ms": per_step, "graph_inputs": pipe.transformer.graph_signatures[0],
+            "replays": replays}
