@@ -348,6 +348,42 @@ def stopped_cleanly(server: ServerProcess, status: int, signum: int, whole_group
     assert alive == [], [process.name() for process in alive]
 
 
+class FakeRay:
+    """A module with ``init``: what :class:`NoNewCluster` guards."""
+
+    def __init__(self):
+        self.started = 0
+
+    def init(self, *args, **kwargs):
+        self.started += 1
+
+
+def test_a_shutdown_call_outliving_its_cluster_cannot_start_another_until_it_ends():
+    from optimum_iobinding.serve.app import NoNewCluster
+
+    ray_module = FakeRay()
+    real_init = ray_module.init
+    guard = NoNewCluster(ray_module)
+    guard.refuse_until_done()  # the call is still waiting on the cluster that went away
+    with pytest.raises(RuntimeError, match="no other is started"):
+        ray_module.init(namespace="serve")
+    guard.done()
+    ray_module.init()
+    assert ray_module.started == 1 and ray_module.init == real_init
+
+
+def test_the_guard_changes_nothing_where_the_shutdown_call_ended_first():
+    from optimum_iobinding.serve.app import NoNewCluster
+
+    ray_module = FakeRay()
+    real_init = ray_module.init
+    guard = NoNewCluster(ray_module)
+    guard.done()
+    guard.refuse_until_done()
+    ray_module.init()
+    assert ray_module.started == 1 and ray_module.init == real_init
+
+
 def test_sigint_to_the_terminal_stops_the_server_cleanly(server_process):  # last of the module's server
     status = server_process.stop(signal.SIGINT, whole_group=True)
     stopped_cleanly(server_process, status, signal.SIGINT)

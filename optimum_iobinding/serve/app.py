@@ -336,8 +336,11 @@ def _shut_down(started_ray: bool, local: bool) -> None:
     requests) and stopping Ray ends Serve's actors too: ``serve.shutdown()`` there makes Ray print a failed task of
     Serve's controller, which kills itself. Where the cluster goes away meanwhile (a SIGTERM sent to the whole
     process group, systemd's default, stops its processes with this one), Serve is left to go with it: its calls
-    would wait a minute for the GCS."""
+    would wait a minute for the GCS, and once this process disconnects they must not start a cluster of their own
+    (:class:`NoNewCluster`)."""
     import ray
+
+    guard = NoNewCluster(ray)
 
     def stop_serve() -> None:
         try:
@@ -347,14 +350,49 @@ def _shut_down(started_ray: bool, local: bool) -> None:
                 serve.shutdown()
         except Exception as error:  # noqa: BLE001 — the cluster going away with it is no error of the service's
             logger.warning("Serve did not shut down cleanly: %s", error)
+        finally:
+            guard.done()
 
     if ray.is_initialized():
         stopping = threading.Thread(target=stop_serve, name="serve-shutdown", daemon=True)
         stopping.start()
         while stopping.is_alive() and _cluster_answers():
             stopping.join(0.25)
+        guard.refuse_until_done()  # the cluster went away under Serve's call, or nothing: it is done
     if started_ray:
         ray.shutdown()
+
+
+class NoNewCluster:
+    """Keeps a Serve call that outlives this process's connection from starting a Ray cluster.
+
+    Serve's client and ``ray.get`` call ``ray.init()`` where no cluster is connected: a shutdown call still waiting
+    on a cluster that went away would, once :func:`ray.shutdown` disconnects this process, start a new local
+    cluster (its dashboard included) and then fail on it. From :meth:`refuse_until_done` until the call ends
+    (:meth:`done`), ``ray.init`` raises instead; nothing changes where the call ended first."""
+
+    def __init__(self, ray_module: Any):
+        self.ray = ray_module
+        self.init = ray_module.init
+        self._lock = threading.Lock()
+        self._finished = False
+        self._refusing = False
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("ray.init: the cluster went away while Serve shut down; no other is started for it")
+
+    def refuse_until_done(self) -> None:
+        with self._lock:
+            if not self._finished:
+                self._refusing = True
+                self.ray.init = self._refuse
+
+    def done(self) -> None:
+        with self._lock:
+            self._finished = True
+            if self._refusing:
+                self._refusing = False
+                self.ray.init = self.init
 
 
 def _cluster_answers() -> bool:
