@@ -4,6 +4,7 @@ pipeline to ONNX, ``serve`` it over HTTP, ``loadtest`` a running service, ``benc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import shutil
@@ -398,32 +399,33 @@ def run_stream(args: argparse.Namespace) -> int:
     if Path(args.output).expanduser().resolve() == Path(args.input).expanduser().resolve():
         raise UsageError(f"OUTPUT: expected another path than INPUT, got {args.output!r} for both (the input is read "
                          "while the output is written)")
-    reader = open_frames(args.input, size, argument="INPUT")  # its first frame decoded: a bad file fails here
-    width, height = reader.size
-    if width % SIZE_MULTIPLE or height % SIZE_MULTIPLE:
-        raise UsageError(f"INPUT: expected frames whose width and height are multiples of {SIZE_MULTIPLE}, got "
-                         f"{width}×{height} frames in {args.input!r}; pass --size (e.g. --size "
-                         f"{max(SIZE_MULTIPLE, width // SIZE_MULTIPLE * SIZE_MULTIPLE)}) to fit every frame to one")
-    writer = FrameWriter(args.output, fps=reader.fps or STREAM_DEFAULT_FPS, overwrite=args.overwrite,
-                         argument="OUTPUT")  # an existing output refused before any model loads
+    with contextlib.ExitStack() as opened:  # what is opened is closed on every way out (the output discarded)
+        reader = opened.enter_context(open_frames(args.input, size, argument="INPUT"))  # a bad file fails here
+        width, height = reader.size
+        if width % SIZE_MULTIPLE or height % SIZE_MULTIPLE:
+            raise UsageError(f"INPUT: expected frames whose width and height are multiples of {SIZE_MULTIPLE}, got "
+                             f"{width}×{height} frames in {args.input!r}; pass --size (e.g. --size "
+                             f"{max(SIZE_MULTIPLE, width // SIZE_MULTIPLE * SIZE_MULTIPLE)}) to fit every frame to one")
+        writer = opened.enter_context(FrameWriter(args.output, fps=reader.fps or STREAM_DEFAULT_FPS,
+                                                  overwrite=args.overwrite, argument="OUTPUT"))  # before any model
 
-    model = Path(args.model) if args.model and Path(args.model).exists() else args.model
-    if model is None:
-        model = tiny_model_folder(Path(args.cache_dir) if args.cache_dir else None)
-    provider = args.provider or default_provider()
-    from .pipelines import OnnxStreamDiffusionPipeline
+        model = Path(args.model) if args.model and Path(args.model).exists() else args.model
+        if model is None:
+            model = tiny_model_folder(Path(args.cache_dir) if args.cache_dir else None)
+        provider = args.provider or default_provider()
+        from .pipelines import OnnxStreamDiffusionPipeline
 
-    started = time.perf_counter()
-    with writer, reader, options_named(STREAM_OPTIONS):
-        stream = OnnxStreamDiffusionPipeline.from_pretrained(model, provider=provider, tiny_vae=args.tiny_vae)
-        stream.prepare(args.prompt, negative_prompt=args.negative_prompt, num_inference_steps=args.steps,
-                       strength=args.strength, guidance_scale=args.guidance, seed=args.seed, height=height,
-                       width=width, stream_batch=args.stream_batch)
-        ready = time.perf_counter()
-        outputs = stream.frames(reader)
-        for frame in tqdm(outputs, total=reader.frame_count, desc="stream", unit="frame"):
-            writer.write(frame)
-        seconds = time.perf_counter() - ready
+        started = time.perf_counter()
+        with options_named(STREAM_OPTIONS):
+            stream = OnnxStreamDiffusionPipeline.from_pretrained(model, provider=provider, tiny_vae=args.tiny_vae)
+            stream.prepare(args.prompt, negative_prompt=args.negative_prompt, num_inference_steps=args.steps,
+                           strength=args.strength, guidance_scale=args.guidance, seed=args.seed, height=height,
+                           width=width, stream_batch=args.stream_batch)
+            ready = time.perf_counter()
+            outputs = stream.frames(reader)
+            for frame in tqdm(outputs, total=reader.frame_count, desc="stream", unit="frame"):
+                writer.write(frame)
+            seconds = time.perf_counter() - ready
     frames = writer.frames_written
     print(f"{args.output}: {frames} frames of {width}×{height} in {seconds:.2f} s ({frames / seconds:.1f} frames/s; "
           f"load and prepare {ready - started:.1f} s; {args.steps} steps at strength {args.strength}, "

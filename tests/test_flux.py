@@ -334,3 +334,15 @@ def test_an_optimum_cli_flux_export_loads_unchanged_and_gives_diffusers_image(de
                                                        **CALL).images,
                                torch_pipe(PROMPTS, generator=seeded(), guidance_scale=4.0, **CALL).images,
                                atol=TOLERANCE)
+
+
+def test_given_prompt_embeds_shorter_than_max_sequence_length_take_a_text_negative_prompt(dev):
+    torch_pipe, folder = dev
+    with torch.no_grad():
+        embeds, pooled, _ = torch_pipe.encode_prompt(PROMPTS, max_sequence_length=16)
+    pipe = load(folder)
+    arguments = dict(CALL, negative_prompt=["a blue sky", "a dog"], true_cfg_scale=2.5)
+    longer = dict(arguments, max_sequence_length=32)  # the embeddings have 16 tokens
+    given = pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, generator=seeded(), **longer).images
+    from_text = pipe(PROMPTS, generator=seeded(), **arguments).images  # prompt and negative at 16 tokens
+    np.testing.assert_allclose(given, from_text, atol=TOLERANCE)

@@ -349,3 +349,20 @@ def test_our_export_loads_in_optimums_sd3_pipeline(sd3):
     theirs.set_progress_bar_config(disable=True)
     expected, got = both(torch_pipe, theirs, PROMPT, latents=initial_latents())
     np.testing.assert_allclose(got, expected, atol=TOLERANCE)
+
+
+def test_one_prompt_2_and_prompt_3_string_serves_every_prompt(sd3):
+    _, folder = sd3
+    pipe = load(folder)
+    call = dict(height=SIZE, width=SIZE, num_inference_steps=2, max_sequence_length=SEQUENCE, output_type="np")
+    prompts = [PROMPT, "a red car"]
+    one = pipe(prompts, prompt_2="a cat", prompt_3="a dog", latents=initial_latents(2), **call).images
+    each = pipe(prompts, prompt_2=["a cat"] * 2, prompt_3=["a dog"] * 2, latents=initial_latents(2), **call).images
+    np.testing.assert_allclose(one, each, atol=0)
+
+
+def test_runtime_lora_is_refused_naming_the_way_that_works(sd3, tmp_path):
+    _, folder = sd3
+    with pytest.raises(NotImplementedError, match="load_lora_weights: runtime LoRA is not available for Stable "
+                                                  "Diffusion 3"):
+        load(folder).load_lora_weights(str(tmp_path))

@@ -512,9 +512,11 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
                     else negative_prompt
                 negative_prompt_2 = [negative_prompt_2] * batch_size if isinstance(negative_prompt_2, str) \
                     else negative_prompt_2
+            # the negative joins the prompt in one transformer batch: its text at the prompt's token count (given
+            # embeddings may be shorter than max_sequence_length)
             negative_prompt_embeds, negative_pooled_prompt_embeds, _ = self.encode_prompt(
                 negative_prompt, negative_prompt_2, num_images_per_prompt, negative_prompt_embeds,
-                negative_pooled_prompt_embeds, max_sequence_length)
+                negative_pooled_prompt_embeds, prompt_embeds.shape[1])
 
         # 3. initial noise (drawn unpacked, as diffusers draws it), packed into tokens, and their position ids
         latent_height = 2 * (height // (self.vae_scale_factor * 2))

@@ -157,6 +157,11 @@ class OnnxStableDiffusion3Pipeline(OnnxStableDiffusionPipelineBase):
     def size_multiple_reason(self) -> str:
         return f"the transformer's patch size {self.patch_size}"
 
+    def load_lora_weights(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("load_lora_weights: runtime LoRA is not available for Stable Diffusion 3 pipelines "
+                                  "yet; fuse the LoRA into the torch pipeline (diffusers' fuse_lora) before exporting "
+                                  "it")
+
     def check_inputs_sd3(
         self,
         prompt: Prompt,
@@ -259,8 +264,9 @@ class OnnxStableDiffusion3Pipeline(OnnxStableDiffusionPipelineBase):
 
     def _encode_text_sd3(self, prompt: List[str], prompt_2: Prompt, prompt_3: Prompt, clip_skip: Optional[int],
                          max_sequence_length: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        prompt_2 = [prompt_2] if isinstance(prompt_2, str) else prompt_2
-        prompt_3 = [prompt_3] if isinstance(prompt_3, str) else prompt_3
+        # one string serves every prompt (the checks allow it)
+        prompt_2 = [prompt_2] * len(prompt) if isinstance(prompt_2, str) else prompt_2
+        prompt_3 = [prompt_3] * len(prompt) if isinstance(prompt_3, str) else prompt_3
         for name, texts in (("prompt_2", prompt_2), ("prompt_3", prompt_3)):
             if len(texts) != len(prompt):
                 raise ValueError(f"{name}: expected {len(prompt)} prompts like prompt, got {len(texts)}")
