@@ -251,7 +251,8 @@ def check_generate_arguments(args: argparse.Namespace) -> Path:
     for option in ("--steps", "--height", "--width"):
         value = getattr(args, option[2:])
         check(value > 0, option, "a positive integer", value)
-    check(math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
+    if args.guidance is not None:
+        check(math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
     check(args.seed in NUMPY_SEEDS, "--seed", f"an integer in 0 … {NUMPY_SEEDS[-1]} (numpy's seeds)", args.seed)
     check_local_or_hub("--model", args.model)
     if args.provider is not None:
@@ -275,6 +276,7 @@ def run_generate(args: argparse.Namespace) -> int:
         pipeline_class = pipeline_class_for(model) if isinstance(model, Path) else None
         if pipeline_class is None:
             from .pipelines import OnnxStableDiffusionPipeline as pipeline_class
+        check_generate_fits(pipeline_class, args)
         pipe = pipeline_class.from_pretrained(model, provider=provider, io_binding=args.io_binding)
     if args.scheduler:
         import diffusers
@@ -290,8 +292,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
     import inspect
 
-    call = dict(num_inference_steps=args.steps, guidance_scale=args.guidance, height=args.height, width=args.width,
+    call = dict(num_inference_steps=args.steps, height=args.height, width=args.width,
                 generator=np.random.RandomState(args.seed), callback_on_step_end=record_step)
+    if args.guidance is not None:  # else the pipeline's own default, as diffusers' (7.5 for SD, 3.5 for FLUX.1 …)
+        call["guidance_scale"] = args.guidance
     accepted = inspect.signature(pipe.__call__).parameters
     if args.negative_prompt is not None:
         if "negative_prompt" not in accepted:
@@ -310,6 +314,22 @@ def run_generate(args: argparse.Namespace) -> int:
           f"load {load_seconds:.1f} s; {type(pipe).__name__}, {provider}, io_binding={args.io_binding}; "
           f"model {model})")
     return 0
+
+
+def check_generate_fits(pipeline_class: type, args: argparse.Namespace) -> None:
+    """What the pipeline a folder needs cannot take, refused before it loads: the diffusion transformers run
+    diffusers' flow-matching scheduler (``--scheduler`` names discrete-time ones), and FLUX.1 uses a negative prompt
+    only with true classifier-free guidance (``true_cfg_scale``, which ``generate`` does not set)."""
+    from .pipelines import OnnxFluxPipeline, OnnxStableDiffusion3Pipeline
+
+    name = pipeline_class.__name__
+    if args.scheduler and issubclass(pipeline_class, (OnnxFluxPipeline, OnnxStableDiffusion3Pipeline)):
+        raise UsageError(f"--scheduler: expected none for {name} (it runs diffusers' flow-matching scheduler from the "
+                         f"folder), got {args.scheduler!r}")
+    if args.negative_prompt is not None and issubclass(pipeline_class, OnnxFluxPipeline):
+        raise UsageError(f"--negative-prompt: expected none for {name} (FLUX.1 uses a negative prompt only with true "
+                         "classifier-free guidance, true_cfg_scale > 1: call the pipeline from Python for it), got "
+                         f"{args.negative_prompt!r}")
 
 
 # what the stream pipeline's own checks call the options of `stream`
@@ -520,7 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt", nargs="?", default="a photo of an astronaut riding a horse")
     generate.add_argument("--negative-prompt", default=None)
     generate.add_argument("--steps", type=int, default=20, help="denoising steps (default 20)")
-    generate.add_argument("--guidance", type=float, default=7.5, help="guidance scale (default 7.5)")
+    generate.add_argument("--guidance", type=float, default=None,
+                          help="guidance scale (default: the pipeline's, as diffusers': 7.5 for SD 1.x/2.x, 5.0 for "
+                               "SDXL, 7.0 for SD3, 3.5 for FLUX.1 dev)")
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--height", type=int, default=512)
     generate.add_argument("--width", type=int, default=512)

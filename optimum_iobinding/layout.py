@@ -238,9 +238,17 @@ def load_tokenizer(folder: Path, index: Dict[str, Any], name: str = "tokenizer")
 def save_tokenizer(tokenizer: Any, folder: Union[str, os.PathLike]) -> None:
     """Saves a tokenizer so that transformers 4 and 5 both load it: transformers 5 writes only tokenizer.json, while
     transformers 4's CLIPTokenizer (diffusers' ONNX pipeline, optimum's environment) reads vocab.json and merges.txt,
-    which are written here from the BPE model inside tokenizer.json."""
+    which are written here from the BPE model inside tokenizer.json; and transformers 5 writes
+    ``extra_special_tokens`` as a list, which transformers 4 reads as a mapping and fails on: an empty one is left
+    out."""
     folder = Path(folder)
     tokenizer.save_pretrained(str(folder))
+    config_path = folder / "tokenizer_config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        if config.get("extra_special_tokens") == []:
+            del config["extra_special_tokens"]
+            config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
     if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
         return
     backend = folder / "tokenizer.json"

@@ -346,3 +346,16 @@ def test_given_prompt_embeds_shorter_than_max_sequence_length_take_a_text_negati
     given = pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, generator=seeded(), **longer).images
     from_text = pipe(PROMPTS, generator=seeded(), **arguments).images  # prompt and negative at 16 tokens
     np.testing.assert_allclose(given, from_text, atol=TOLERANCE)
+
+
+def test_generate_refuses_a_negative_prompt_flux_would_ignore_and_takes_its_default_guidance(dev, tmp_path,
+                                                                                              capsys):
+    from optimum_iobinding.cli import main
+
+    folder = str(dev[1])
+    assert main(["generate", "a cat", "--model", folder, "--negative-prompt", "a dog", "--height", "64",
+                 "--width", "64", "--out", str(tmp_path / "cat.png")]) == 2
+    assert "--negative-prompt: expected none for OnnxFluxPipeline" in capsys.readouterr().err
+    assert main(["generate", "a cat", "--model", folder, "--steps", "2", "--height", "64", "--width", "64",
+                 "--out", str(tmp_path / "cat.png")]) == 0
+    assert (tmp_path / "cat.png").is_file()

@@ -256,6 +256,9 @@ def test_a_saved_pipeline_loads_and_gives_the_same_image(sd3, tmp_path):
     np.testing.assert_array_equal(load(tmp_path / "saved")(PROMPT, **call).images, pipe(PROMPT, **call).images)
     assert json.loads((tmp_path / "saved" / "model_index.json").read_text())["transformer"] == \
         ["diffusers", "SD3Transformer2DModel"]
+    for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):  # transformers 4 (optimum's) reads them too
+        config = json.loads((tmp_path / "saved" / name / "tokenizer_config.json").read_text())
+        assert config.get("extra_special_tokens") != [], name
 
 
 def test_after_warmup_a_call_of_that_size_creates_no_session(sd3):
@@ -366,3 +369,10 @@ def test_runtime_lora_is_refused_naming_the_way_that_works(sd3, tmp_path):
     with pytest.raises(NotImplementedError, match="load_lora_weights: runtime LoRA is not available for Stable "
                                                   "Diffusion 3"):
         load(folder).load_lora_weights(str(tmp_path))
+
+
+def test_generate_refuses_a_discrete_time_scheduler_for_sd3_before_loading_it(sd3, tmp_path, capsys):
+    assert main(["generate", "a cat", "--model", str(sd3[1]), "--scheduler", "ddim",
+                 "--out", str(tmp_path / "cat.png")]) == 2
+    assert "--scheduler: expected none for OnnxStableDiffusion3Pipeline" in capsys.readouterr().err
+    assert not (tmp_path / "cat.png").exists()

@@ -250,23 +250,6 @@ def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16
     (target / name / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
 
 
-def save_t5_tokenizer(tokenizer: Any, folder: Path) -> None:
-    """Saves a T5 tokenizer so that transformers 4 loads it too: transformers 5 writes ``extra_special_tokens`` as a
-    list, which transformers 4 reads as a mapping and fails on; an empty one is left out."""
-    tokenizer.save_pretrained(str(folder))
-    config_path = folder / "tokenizer_config.json"
-    if config_path.is_file():
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-        if config.get("extra_special_tokens") == []:
-            del config["extra_special_tokens"]
-            config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
-
-
-def is_t5_tokenizer(tokenizer: Any) -> bool:
-    """``tokenizer`` is one of transformers' T5 tokenizers (slow or fast)."""
-    return type(tokenizer).__name__ in ("T5Tokenizer", "T5TokenizerFast")
-
-
 def torch_class_entry(module: Any) -> Optional[tuple]:
     """A component's model_index.json entry, ``(library, class name)`` (``None`` for a missing one): transformers 5's
     ``T5Tokenizer`` is the fast one (``T5TokenizerFast`` is its alias there), while transformers 4's ``T5Tokenizer``
@@ -299,8 +282,8 @@ def export_transformer_pipeline(
     """Writes a diffusion-transformer pipeline folder at ``target`` (built beside it, moved into place when whole):
     each of ``components`` from ``specs`` (those in ``optimizer_model_types`` by :func:`export_model`, CLIP and the
     VAE by the Stable Diffusion export's own component exporter: its fusions, LoRA map, VAE attention), float16 where
-    ``fp16`` and the component is in ``fp16_components``; the pipeline's tokenizers (T5's through
-    :func:`save_t5_tokenizer`) and scheduler; and the torch pipeline's model_index.json under ``class_name`` (torch
+    ``fp16`` and the component is in ``fp16_components``; the pipeline's tokenizers (as both transformers 4 and 5
+    read them) and scheduler; and the torch pipeline's model_index.json under ``class_name`` (torch
     class names; one ``vae`` entry for both VAE folders), as optimum writes it. The caller has checked ``target`` and
     ``components``.
 
@@ -320,7 +303,7 @@ def export_transformer_pipeline(
                                  external_data_file=EXTERNAL_DATA_FILE)
         for name in tokenizers:
             tokenizer = getattr(pipe, name)
-            (save_t5_tokenizer if is_t5_tokenizer(tokenizer) else save_tokenizer)(tokenizer, scratch / name)
+            save_tokenizer(tokenizer, scratch / name)
         pipe.scheduler.save_pretrained(str(scratch / "scheduler"))
         # every component the pipeline class has, ``None`` where this pipeline has none (an SD3 without T5)
         modules = ("scheduler", "transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer",
