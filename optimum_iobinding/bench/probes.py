@@ -218,15 +218,21 @@ def own_graph_floor(pipe, replays: int = 50) -> Optional[float]:
     measurement in a process of its own; the two differ slightly, for reasons not known
     (``benchmarks/results/h100/2026-11-24-61d0f43``)."""
     unet = getattr(pipe, "unet", None)
-    signatures = getattr(unet, "graph_signatures", [])
+    return graph_floor_ms(unet, replays) if unet is not None and hasattr(unet, "graph_signatures") else None
+
+
+def graph_floor_ms(model: Any, replays: int = 20) -> Optional[float]:
+    """ms per back-to-back replay of the one CUDA graph ``model`` (an :class:`IOBindingORTModel`) captured; None where
+    it captured none or more than one."""
+    signatures = model.graph_signatures
     if len(signatures) != 1:
         return None
-    runner = unet.graph_runner(signatures[0])
+    runner = model.graph_runner(signatures[0])
     if runner is None:
         return None
-    with torch.cuda.stream(unet.stream):
+    with torch.cuda.stream(model.stream):
         runner.run(runner.input_buffers)
-    return replay_ms(runner, unet.stream, replays)
+    return replay_ms(runner, model.stream, replays)
 
 
 def environment() -> Dict[str, Any]:

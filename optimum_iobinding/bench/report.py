@@ -48,6 +48,19 @@ def mixed_summary(result: Dict[str, Any]) -> Dict[str, Any]:
             "sessions_created_after_round_1": (sessions[-1] - sessions[0]) if sessions else None}
 
 
+def _bar_chart(plt: Any, labels: Sequence[str], values: Sequence[float], colors: Any, xlabel: str, title: str,
+               path: Path) -> None:
+    """One horizontal bar per label, top to bottom, written to ``path``."""
+    figure, axis = plt.subplots(figsize=(10, 0.35 * len(labels) + 1.5))
+    axis.barh(range(len(labels)), values, color=colors)
+    axis.set_yticks(range(len(labels)), labels, fontsize=7)
+    axis.invert_yaxis()
+    axis.set_xlabel(xlabel)
+    axis.set_title(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
 def _pyplot() -> Any:
     """matplotlib's pyplot on the file-only backend, or ``None`` where matplotlib is not installed (tables only)."""
     try:
@@ -122,14 +135,8 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
                 labels.append(f"{row['model']} {row['dtype']} {row['export']}\n{peer}")
                 values.append(result["end_to_end_ms"])
                 colors.append(palette.get(peer, "#333333"))
-    figure, axis = plt.subplots(figsize=(10, 0.35 * len(labels) + 1.5))
-    axis.barh(range(len(labels)), values, color=colors)
-    axis.set_yticks(range(len(labels)), labels, fontsize=7)
-    axis.invert_yaxis()
-    axis.set_xlabel(f"end-to-end ms ({results['steps']} steps, CFG), lower is better")
-    axis.set_title(f"optimum-iobinding benchmark — {env.get('device')}")
-    figure.tight_layout()
-    figure.savefig(out / "results.png", dpi=120)
+    _bar_chart(plt, labels, values, colors, f"end-to-end ms ({results['steps']} steps, CFG), lower is better",
+               f"optimum-iobinding benchmark — {env.get('device')}", out / "results.png")
 
 
 def write_mixed_report(results: Dict[str, Any], out: Path) -> None:
@@ -286,14 +293,8 @@ def write_stream_report(results: Dict[str, Any], out: Path) -> None:
                 labels.append(f"{stream_row_label(row)}\n{peer}")
                 values.append(result["fps"])
                 colors.append(palette[peer])
-    figure, axis = plt.subplots(figsize=(10, 0.35 * len(labels) + 1.5))
-    axis.barh(range(len(labels)), values, color=colors)
-    axis.set_yticks(range(len(labels)), labels, fontsize=7)
-    axis.invert_yaxis()
-    axis.set_xlabel(f"frames/s at {results['size']}², batch 1, higher is better")
-    axis.set_title(f"stream — {results['model']} — {env.get('device')}")
-    figure.tight_layout()
-    figure.savefig(out / "stream.png", dpi=120)
+    _bar_chart(plt, labels, values, colors, f"frames/s at {results['size']}², batch 1, higher is better",
+               f"stream — {results['model']} — {env.get('device')}", out / "stream.png")
 
 
 def transformer_depth_label(row: Dict[str, Any]) -> str:
@@ -377,11 +378,5 @@ def write_transformer_report(results: Dict[str, Any], out: Path) -> None:
                 blocks = "" if row.get("blocks") is None else f" ({transformer_depth_label(row).split(' (')[0]})"
                 labels.append(f"{row['model']}{blocks}\n{peer}")
                 values.append(result["end_to_end_ms"])
-    figure, axis = plt.subplots(figsize=(10, 0.35 * len(labels) + 1.5))
-    axis.barh(range(len(labels)), values, color="#0072b2")
-    axis.set_yticks(range(len(labels)), labels, fontsize=7)
-    axis.invert_yaxis()
-    axis.set_xlabel("end-to-end ms, batch 1, lower is better")
-    axis.set_title(f"transformers — {env.get('device')}")
-    figure.tight_layout()
-    figure.savefig(out / "transformer.png", dpi=120)
+    _bar_chart(plt, labels, values, "#0072b2", "end-to-end ms, batch 1, lower is better",
+               f"transformers — {env.get('device')}", out / "transformer.png")

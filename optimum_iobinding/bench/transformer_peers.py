@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .peers import PeerUnavailable
-from .probes import PeakMemory, replay_ms
+from .probes import PeakMemory, graph_floor_ms
 from .zoo import PROMPT, TRANSFORMER_RECIPES, build_transformer_pipeline
 
 TRANSFORMER_PEERS = ("ours", "optimum", "torch", "compile", "floor")
@@ -182,20 +182,6 @@ def run_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[in
         "compile_s": first_image_s - statistics.median(full) / 1000 if peer == "compile" else None,
         "image": str(image_path),
     }
-
-
-def graph_floor_ms(model: Any, replays: int = 20) -> Optional[float]:
-    """ms per back-to-back replay of the one CUDA graph ``model`` (an :class:`IOBindingORTModel`) captured; None where
-    it captured none or more than one."""
-    signatures = model.graph_signatures
-    if len(signatures) != 1:
-        return None
-    runner = model.graph_runner(signatures[0])
-    if runner is None:
-        return None
-    with torch.cuda.stream(model.stream):
-        runner.run(runner.input_buffers)
-    return replay_ms(runner, model.stream, replays)
 
 
 def run_transformer_floor(folder: Path, kind: str, device: str, replays: int = 20) -> Dict[str, Any]:
