@@ -1,8 +1,12 @@
 """The fixtures every test file shares, all built offline (nothing is downloaded): tiny ONNX models made in memory
-with onnx.helper, the tiny random-weights Stable Diffusion export, and random LoRAs."""
+with onnx.helper, the tiny random-weights Stable Diffusion export, random LoRAs, and helpers the pipelines' tests
+share."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import shutil
 from typing import Iterable, Sequence
 
 import onnx
@@ -108,3 +112,26 @@ def vae_encodes_its_mode(pipe):
     pipe.vae.encode = lambda sample, **kwargs: type("Encoded", (), {
         "latent_dist": _ModeOnly(encode(sample, **kwargs).latent_dist)})()
     return pipe
+
+
+def with_vae_config(folder, target, **changes):
+    """A copy of ``folder`` whose vae_decoder config.json has ``changes`` (a value of ``...``: the key left out)."""
+    shutil.copytree(folder, target)
+    path = target / "vae_decoder" / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is ...:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+    return target
+
+
+def refused_runs_nothing(pipe, error, message, action):
+    """Runs ``action``, expects it refused, and whether no component of ``pipe`` ran meanwhile."""
+    with contextlib.ExitStack() as stack:
+        runs = [stack.enter_context(model.watch_runs()) for model in pipe.onnx_models.values()]
+        with pytest.raises(error, match=message):
+            action()
+    return not any(runs)

@@ -13,12 +13,14 @@ import PIL.Image
 import pytest
 import torch
 
+from conftest import refused_runs_nothing, with_vae_config
 from optimum_iobinding import OnnxFluxPipeline
 from optimum_iobinding.export import export_pipeline
 from optimum_iobinding.export.flux import export_flux_pipeline
 from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline
 from optimum_iobinding.export.transformer import EXTERNAL_DATA_FILE
 from optimum_iobinding.pipelines import pipeline_class_for
+from optimum_iobinding.pipelines.flux import FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR
 
 PROMPTS = ["a photo of an astronaut riding a horse", "a red castle in the forest"]
 HEIGHT, WIDTH = 64, 48  # 4 × 3 tokens of 2 × 2 latent pixels: not square, so rows and columns cannot be swapped
@@ -232,6 +234,43 @@ def test_a_warmed_up_pipeline_creates_no_session_in_a_call(dev):
     created = pipe.sessions_created
     pipe(PROMPTS, generator=seeded(), **CALL)
     assert pipe.sessions_created == created
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(heights=[HEIGHT, 72]), r"height and width: expected multiples of 16"),
+    (dict(batch_sizes=[1, 0]), r"batch_sizes: expected positive integers, got \[1, 0\]"),
+    (dict(guidance_scales=[3.5, float("inf")]), r"guidance_scales: expected finite numbers"),
+    (dict(num_inference_steps=0), r"num_inference_steps: expected a positive integer, got 0"),
+    (dict(max_sequence_length=513), r"max_sequence_length: expected an integer in \[1, 512\] \(T5 tokens\), got 513"),
+], ids=["height", "batch", "guidance", "steps", "sequence"])
+def test_a_warmup_with_a_bad_argument_is_refused_by_name_before_any_component_runs(schnell, arguments, message):
+    _, folder = schnell
+    pipe = load(folder)
+    # where a list is refused, its first item is good: a check made late would have warmed that one up
+    call = {**dict(heights=HEIGHT, widths=WIDTH, num_inference_steps=1, max_sequence_length=16), **arguments}
+    created = pipe.sessions_created
+    assert refused_runs_nothing(pipe, ValueError, message, lambda: pipe.warmup(**call))
+    assert pipe.sessions_created == created
+
+
+def test_a_vae_config_without_flux_constants_decodes_as_diffusers_flux_vae(schnell, tmp_path):
+    torch_pipe, folder = schnell
+    assert (torch_pipe.vae.config.scaling_factor, torch_pipe.vae.config.shift_factor) == \
+        (FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR)
+    pipe = load(with_vae_config(folder, tmp_path / "bare", scaling_factor=..., shift_factor=...))
+    np.testing.assert_allclose(pipe(PROMPTS[0], generator=seeded(), **CALL).images,
+                               torch_pipe(PROMPTS[0], generator=seeded(), **CALL).images, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("scaling_factor", 0, r"scaling_factor: expected a positive finite number, got 0"),
+    ("shift_factor", float("nan"), r"shift_factor: expected a finite number, got nan"),
+], ids=["zero-scale", "nan-shift"])
+def test_a_bad_vae_constant_is_refused_by_name_quoting_flux(schnell, tmp_path, key, value, message):
+    folder = with_vae_config(schnell[1], tmp_path / "bad", **{key: value})
+    with pytest.raises(ValueError, match=rf"vae_decoder config.json: {message} \(FLUX.1's are scaling_factor "
+                                         r"0.3611, shift_factor 0.1159\)"):
+        load(folder)
 
 
 def test_save_pretrained_round_trips(dev, tmp_path):

@@ -76,6 +76,16 @@ def test_a_warmed_up_flux_pipeline_creates_no_session_and_keeps_a_graph_per_batc
     assert batches == [1, 2]
 
 
+def test_a_warmup_refused_for_its_height_leaves_the_next_one_at_the_default_t5_length(flux):
+    _, folder = flux
+    pipe = load(folder)
+    with pytest.raises(ValueError, match="height and width: expected multiples of 16"):
+        pipe.warmup(heights=[64, 72], widths=48, max_sequence_length=16)
+    assert pipe.transformer.signatures == []  # refused before the good size ran
+    pipe.warmup(heights=64, widths=48)
+    assert [signature["encoder_hidden_states"][1] for signature in pipe.transformer.signatures] == [512]
+
+
 def test_true_cfg_on_cuda_equals_the_cpu_pipeline(flux):
     _, folder = flux
     arguments = dict(CALL, negative_prompt=["a blue sky", "a dog"], true_cfg_scale=2.5)

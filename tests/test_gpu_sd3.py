@@ -31,6 +31,15 @@ def sd3(tmp_path_factory):
     return torch_pipe, folder
 
 
+@pytest.fixture(scope="module")
+def sd3_without_t5(tmp_path_factory):
+    from optimum_iobinding.export import export_pipeline
+    from optimum_iobinding.export.tiny import build_tiny_random_sd3_pipeline
+
+    torch_pipe = build_tiny_random_sd3_pipeline(with_t5=False)
+    return export_pipeline(None, tmp_path_factory.mktemp("sd3") / "no-t5", torch_pipeline=torch_pipe, progress=False)
+
+
 def load(folder, **kwargs):
     from optimum_iobinding import OnnxStableDiffusion3Pipeline
 
@@ -83,7 +92,8 @@ def test_the_cuda_pipeline_equals_the_cpu_pipeline(sd3):
 def test_after_warmup_no_session_is_created_and_the_components_replay_graphs(sd3):
     _, folder = sd3
     pipe = load(folder)
-    pipe.warmup(heights=SIZE, batch_sizes=[1, 2], guidance_scales=7.0, num_inference_steps=2)
+    pipe.warmup(heights=SIZE, batch_sizes=[1, 2], guidance_scales=7.0, num_inference_steps=2,
+                max_sequence_length=SEQUENCE)
     created = pipe.sessions_created
     for prompts in ([PROMPT], [PROMPT, "a red car"]):
         pipe(prompts, **call(guidance_scale=7.0, generator=torch.Generator().manual_seed(0)))
@@ -92,6 +102,28 @@ def test_after_warmup_no_session_is_created_and_the_components_replay_graphs(sd3
     # placed on the CPU by ORT, which keeps its graph from being captured: it is left out)
     for name in ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"):
         assert getattr(pipe, name).graph_signatures, name
+
+
+def test_a_warmup_refused_for_its_height_leaves_the_next_one_at_the_default_t5_length(sd3):
+    _, folder = sd3
+    pipe = load(folder)
+    with pytest.raises(ValueError, match="height and width: expected multiples of 16"):
+        pipe.warmup(heights=[SIZE, 72], max_sequence_length=SEQUENCE)
+    assert pipe.transformer.signatures == []  # refused before the good size ran
+    pipe.warmup(heights=SIZE)
+    # CLIP's 77 tokens, then T5's: __call__'s default of 256
+    assert [signature["encoder_hidden_states"][1] for signature in pipe.transformer.signatures] == [77 + 256]
+
+
+def test_without_t5_a_warmup_makes_the_graph_a_call_of_its_t5_length_replays(sd3_without_t5):
+    pipe = load(sd3_without_t5)
+    assert pipe.text_encoder_3 is None
+    pipe.warmup(heights=SIZE, max_sequence_length=SEQUENCE)
+    created, signatures = pipe.sessions_created, pipe.transformer.signatures
+    # the T5 part is SEQUENCE tokens of zeros, as in diffusers
+    assert [signature["encoder_hidden_states"][1] for signature in signatures] == [77 + SEQUENCE]
+    pipe(PROMPT, **call(num_inference_steps=2))
+    assert pipe.sessions_created == created and pipe.transformer.signatures == signatures
 
 
 def test_a_captured_step_writes_the_guidance_batch_into_the_transformer_graph(sd3):

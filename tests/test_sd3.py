@@ -13,12 +13,14 @@ import PIL.Image
 import pytest
 import torch
 
+from conftest import refused_runs_nothing, with_vae_config
 from optimum_iobinding import OnnxStableDiffusion3Pipeline
 from optimum_iobinding.cli import main
 from optimum_iobinding.export import export_pipeline
 from optimum_iobinding.export.tiny import build_tiny_random_sd3_pipeline
 from optimum_iobinding.export.transformer import export_sd3_pipeline
 from optimum_iobinding.pipelines import pipeline_class_for
+from optimum_iobinding.pipelines.stable_diffusion_3 import SD3_VAE_SCALING_FACTOR, SD3_VAE_SHIFT_FACTOR
 
 SIZE = 64
 PROMPT = "a photo of an astronaut riding a horse"
@@ -268,6 +270,57 @@ def test_after_warmup_a_call_of_that_size_creates_no_session(sd3):
     created = pipe.sessions_created
     pipe([""], height=SIZE, width=SIZE, num_inference_steps=2, guidance_scale=7.0, output_type="np")
     assert pipe.sessions_created == created
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(heights=[SIZE, 72]), r"height and width: expected multiples of 16"),
+    (dict(heights=[]), r"heights and widths: expected at least one size"),
+    (dict(batch_sizes=[1, 0]), r"batch_sizes: expected positive integers, got \[1, 0\]"),
+    (dict(guidance_scales=[7.0, float("nan")]), r"guidance_scales: expected finite numbers"),
+    (dict(num_inference_steps=0), r"num_inference_steps: expected a positive integer, got 0"),
+    (dict(max_sequence_length=513), r"max_sequence_length: expected an integer in \[1, 512\] \(T5 tokens\), got 513"),
+    (dict(max_sequence_length=16.0), r"max_sequence_length: expected an integer in \[1, 512\]"),
+], ids=["height", "no-size", "batch", "guidance", "steps", "sequence", "sequence-float"])
+def test_a_warmup_with_a_bad_argument_is_refused_by_name_before_any_component_runs(sd3, arguments, message):
+    pipe = load(sd3[1])
+    # where a list is refused, its first item is good: a check made late would have warmed that one up
+    call = {**dict(heights=SIZE, batch_sizes=1, num_inference_steps=1, max_sequence_length=SEQUENCE), **arguments}
+    created = pipe.sessions_created
+    assert refused_runs_nothing(pipe, ValueError, message, lambda: pipe.warmup(**call))
+    assert pipe.sessions_created == created
+
+
+def test_without_t5_a_warmup_checks_and_takes_max_sequence_length_as_a_call_does(sd3_without_t5):
+    # the T5 part is max_sequence_length tokens of zeros then (diffusers' too): the length still shapes the
+    # transformer's input (the graphs it makes are checked in test_gpu_sd3.py)
+    pipe = load(sd3_without_t5[1])
+    assert refused_runs_nothing(pipe, ValueError, r"max_sequence_length: expected an integer in \[1, 512\]",
+                                lambda: pipe.warmup(heights=SIZE, max_sequence_length=0))
+    pipe.warmup(heights=SIZE, num_inference_steps=1, max_sequence_length=SEQUENCE)
+
+
+def test_a_vae_config_without_sd3s_constants_decodes_as_diffusers_sd3_vae(sd3, tmp_path):
+    torch_pipe, folder = sd3
+    assert (torch_pipe.vae.config.scaling_factor, torch_pipe.vae.config.shift_factor) == \
+        (SD3_VAE_SCALING_FACTOR, SD3_VAE_SHIFT_FACTOR)
+    for name, value in (("absent", ...), ("null", None)):
+        pipe = load(with_vae_config(folder, tmp_path / name, scaling_factor=value, shift_factor=value))
+        expected, got = both(torch_pipe, pipe, PROMPT, latents=initial_latents(), num_inference_steps=2)
+        np.testing.assert_allclose(got, expected, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("scaling_factor", 0, r"scaling_factor: expected a positive finite number, got 0"),
+    ("scaling_factor", -1.5, r"scaling_factor: expected a positive finite number, got -1.5"),
+    ("scaling_factor", "1.5305", r"scaling_factor: expected a positive finite number, got '1.5305'"),
+    ("shift_factor", float("nan"), r"shift_factor: expected a finite number, got nan"),
+    ("shift_factor", "0.0609", r"shift_factor: expected a finite number, got '0.0609'"),
+], ids=["zero-scale", "negative-scale", "text-scale", "nan-shift", "text-shift"])
+def test_a_bad_vae_constant_is_refused_by_name_quoting_sd3s(sd3, tmp_path, key, value, message):
+    folder = with_vae_config(sd3[1], tmp_path / "bad", **{key: value})
+    with pytest.raises(ValueError, match=rf"vae_decoder config.json: {message} \(SD3's are scaling_factor 1.5305, "
+                                         r"shift_factor 0.0609\)"):
+        load(folder)
 
 
 def test_an_sd_folder_is_refused_by_the_sd3_pipeline(tiny_folder):

@@ -1,4 +1,5 @@
-"""What a pipeline call's arguments are: the kinds of generator, and the predicates its checks use."""
+"""What a pipeline call's arguments are: the kinds of generator, the predicates its checks use, and the checks more
+than one pipeline makes."""
 
 from __future__ import annotations
 
@@ -24,3 +25,11 @@ def is_integer(value: Any) -> bool:
 def is_real(value: Any) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
+
+
+def check_sequence_length(max_sequence_length: Any, maximum: int) -> None:
+    """Refuses a T5 prompt length that is not an integer in ``[1, maximum]`` (diffusers' check_inputs refuses more
+    than its pipeline's maximum), naming the argument."""
+    if not is_integer(max_sequence_length) or not 1 <= max_sequence_length <= maximum:
+        raise ValueError(f"max_sequence_length: expected an integer in [1, {maximum}] (T5 tokens), got "
+                         f"{max_sequence_length!r}")

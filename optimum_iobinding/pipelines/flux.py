@@ -24,7 +24,7 @@ from ..layout import resolve_pipeline_folder
 from ..runtime.hub import check_hub_kwargs
 from ..runtime.model import IOBindingORTModel
 from ..runtime.options import CudaGraphSetting, PipelineOptions, ProviderSpec
-from .arguments import Generator, is_integer, is_real
+from .arguments import Generator, check_sequence_length, is_integer, is_real
 from .denoise import GraphFeed, check_callback_arguments, on_device_stream, replaced_tensors
 from .loading import check_component_kind, load_components
 from .pipeline import OnnxStableDiffusionPipelineBase, tensor_of, upload
@@ -35,8 +35,8 @@ FLUX_COMPONENTS = ("text_encoder", "text_encoder_2", "transformer", "vae_encoder
 # the transformer's inputs (optimum's FluxTransformerOnnxConfig); FLUX.1 dev also takes "guidance"
 TRANSFORMER_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "txt_ids",
                       "img_ids")
-# FLUX.1's VAE latent scaling, for a folder whose vae_decoder has no config.json
-_FLUX_SCALING_FACTOR, _FLUX_SHIFT_FACTOR = 0.3611, 0.1159
+# FLUX.1's VAE latent scaling, for a folder whose vae_decoder config.json names none (diffusers' FLUX.1 VAE config)
+FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR = 0.3611, 0.1159
 # diffusers' FluxPipeline: 128 latent pixels (1024 px) by default, T5 prompts of at most 512 tokens
 _DEFAULT_SAMPLE_SIZE = 128
 MAX_SEQUENCE_LENGTH = 512
@@ -93,6 +93,9 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
     denoiser_name = "transformer"
     _tokenizer_names = ("tokenizer", "tokenizer_2")
     _callback_tensor_inputs = ["latents", "prompt_embeds"]
+    _default_vae_scaling_factor = FLUX_VAE_SCALING_FACTOR
+    _vae_constants_hint = (f"FLUX.1's are scaling_factor {FLUX_VAE_SCALING_FACTOR}, shift_factor "
+                           f"{FLUX_VAE_SHIFT_FACTOR}")
 
     def __init__(
         self,
@@ -114,13 +117,12 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
         self._check_flux_components()
         self._vae_tiler = None
         self.vae_scale_factor = self._read_vae_scale_factor()
-        self.vae_scaling_factor = self._vae_config_float("scaling_factor", _FLUX_SCALING_FACTOR, positive=True)
-        self.vae_shift_factor = self._vae_config_float("shift_factor", _FLUX_SHIFT_FACTOR, positive=False)
+        self.vae_scaling_factor = self._read_vae_scaling_factor()
+        self.vae_shift_factor = self._vae_config_float("shift_factor", FLUX_VAE_SHIFT_FACTOR, positive=False)
         self.latent_channels = self._read_flux_latent_channels()
         # the 2×2 packing halves the latents once more: images are multiples of twice the VAE's factor
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
         self.default_sample_size = _DEFAULT_SAMPLE_SIZE
-        self._warmup_sequence_length = MAX_SEQUENCE_LENGTH
         self._call_lock = threading.RLock()
         self._calling = threading.local()
         self._prepared = False
@@ -146,14 +148,6 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
                 what = "a CLIP text encoder with its pooled output" if name == "text_encoder" else "a T5 encoder"
                 raise ValueError(f"{name}: expected {what} (output {output!r}), got outputs {outputs} in "
                                  f"{getattr(self, name).model_path!r}")
-
-    def _vae_config_float(self, key: str, default: float, positive: bool) -> float:
-        value = self.vae_decoder.config.get(key, default)
-        value = default if value is None else value
-        if not is_real(value) or not math.isfinite(value) or (positive and value <= 0):
-            raise ValueError(f"vae_decoder config.json: {key}: expected a {'positive ' if positive else ''}finite "
-                             f"number, got {value!r} (FLUX.1's is {default})")
-        return float(value)
 
     def _read_flux_latent_channels(self) -> int:
         """The VAE's latent channels: a quarter of the transformer's token width (its ``in_channels``)."""
@@ -278,23 +272,25 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
         max_sequence_length: int = MAX_SEQUENCE_LENGTH,
     ) -> None:
         """Creates the sessions and captures the CUDA graphs that calls of these sizes will use (see
-        :meth:`OnnxStableDiffusionPipelineBase.warmup`); ``max_sequence_length`` is the T5 prompt length the calls
-        will use (it is part of the transformer's input shapes)."""
-        self._check_sequence_length(max_sequence_length)
-        self._warmup_sequence_length = int(max_sequence_length)
-        super().warmup(heights, widths, batch_sizes, guidance_scales, num_inference_steps)
+        :meth:`OnnxStableDiffusionPipelineBase.warmup`). Every argument is checked before the first call: a refused
+        warm-up runs nothing.
 
-    def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int) -> None:
+        Args:
+            max_sequence_length: the T5 prompt length the calls will use: part of the transformer's input shapes, so
+                a warm-up at another length makes graphs the calls do not replay.
+        """
+        check_sequence_length(max_sequence_length, MAX_SEQUENCE_LENGTH)
+        for height, width, batch_size, guidance_scale in self._warmup_combinations(
+                heights, widths, batch_sizes, guidance_scales, num_inference_steps):
+            self._warmup_call(height, width, batch_size, guidance_scale, num_inference_steps, max_sequence_length)
+
+    def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int,
+                     max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> None:
         self(prompt=[""] * batch_size, height=height, width=width, num_inference_steps=steps,
              guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0), output_type="np",
-             max_sequence_length=self._warmup_sequence_length)
+             max_sequence_length=max_sequence_length)
 
     # ------------------------------------------------------------------------------------------------- checks
-    @staticmethod
-    def _check_sequence_length(max_sequence_length: Any) -> None:
-        if not is_integer(max_sequence_length) or not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
-            raise ValueError(f"max_sequence_length: expected an integer in [1, {MAX_SEQUENCE_LENGTH}] (T5 tokens), "
-                             f"got {max_sequence_length!r}")
 
     def check_inputs_flux(
         self,
@@ -334,7 +330,7 @@ class OnnxFluxPipeline(OnnxStableDiffusionPipelineBase):
                 raise ValueError(f"{name}: expected a finite number, got {value!r}")
         if not is_integer(num_images_per_prompt) or num_images_per_prompt < 1:
             raise ValueError(f"num_images_per_prompt: expected a positive integer, got {num_images_per_prompt!r}")
-        self._check_sequence_length(max_sequence_length)
+        check_sequence_length(max_sequence_length, MAX_SEQUENCE_LENGTH)
         if output_type not in ("pil", "np", "pt", "latent"):
             raise ValueError(f"output_type: expected 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
         if joint_attention_kwargs:

@@ -43,9 +43,6 @@ from .tiling import TiledVAE
 
 logger = logging.getLogger(__name__)
 
-# AutoencoderKL's default scaling factor, for folders whose VAE has no config.json (diffusers' ONNX conversion).
-_DEFAULT_VAE_SCALING_FACTOR = 0.18215
-
 
 def tensor_of(value: Union[torch.Tensor, np.ndarray]) -> torch.Tensor:
     """Given embeddings or latents as a torch tensor: a numpy array is wrapped (one of the other byte order is
@@ -77,6 +74,11 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
     _encodes_images = False
     # the loop's tensors a step-end callback may ask for (diffusers' name for the list)
     _callback_tensor_inputs = list(CALLBACK_TENSOR_INPUTS)
+    # the VAE's latent scaling for a vae_decoder whose config.json names none (diffusers' ONNX conversion writes no
+    # config.json; a hand-made folder may leave the key out): AutoencoderKL's default, SD 1.x/2.x's; and the family's
+    # constants, quoted by the error on a bad value
+    _default_vae_scaling_factor = 0.18215
+    _vae_constants_hint = "SD 1.x/2.x use 0.18215, SDXL 0.13025"
 
     def __init__(
         self,
@@ -161,10 +163,17 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         raise ValueError(f"unet: expected inputs {expected}, got {declared} ({hint})")
 
     def _read_vae_scaling_factor(self) -> float:
-        value = self.vae_decoder.config.get("scaling_factor", _DEFAULT_VAE_SCALING_FACTOR)
-        if not is_real(value) or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"vae_decoder config.json: scaling_factor: expected a positive finite number, got "
-                             f"{value!r} (SD 1.x/2.x use 0.18215, SDXL 0.13025)")
+        return self._vae_config_float("scaling_factor", self._default_vae_scaling_factor, positive=True)
+
+    def _vae_config_float(self, key: str, default: float, positive: bool) -> float:
+        """A latent constant of the VAE decoder's config.json (``scaling_factor``, ``shift_factor``): ``default``
+        where the key is absent or null, refused by name where it is not a finite number (or, with ``positive``, not
+        above zero)."""
+        value = self.vae_decoder.config.get(key)
+        value = default if value is None else value
+        if not is_real(value) or not math.isfinite(value) or (positive and value <= 0):
+            raise ValueError(f"vae_decoder config.json: {key}: expected a {'positive ' if positive else ''}finite "
+                             f"number, got {value!r} ({self._vae_constants_hint})")
         return float(value)
 
     def _read_vae_scale_factor(self) -> int:
@@ -293,6 +302,20 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
             guidance_scales: guidance scales the calls use (> 1 doubles the UNet batch; ≤ 1 does not).
             num_inference_steps: steps per warm-up call.
         """
+        for height, width, batch_size, guidance_scale in self._warmup_combinations(
+                heights, widths, batch_sizes, guidance_scales, num_inference_steps):
+            self._warmup_call(height, width, batch_size, guidance_scale, num_inference_steps)
+
+    def _warmup_combinations(
+        self,
+        heights: Union[int, Sequence[int], None],
+        widths: Union[int, Sequence[int], None],
+        batch_sizes: Union[int, Sequence[int]],
+        guidance_scales: Union[float, Sequence[float]],
+        num_inference_steps: Any,
+    ) -> List[Tuple[int, int, int, float]]:
+        """Every ``(height, width, batch_size, guidance_scale)`` a :meth:`warmup` of these arguments runs, each
+        argument checked first: a warm-up refused runs nothing and changes nothing."""
         as_list = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]  # noqa: E731
         if heights is None:
             heights = self.default_image_size
@@ -302,19 +325,22 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
             sizes = list(zip(heights_list, widths_list))
         else:
             sizes = [(h, w) for h in heights_list for w in widths_list]
+        if not sizes:
+            raise ValueError(f"heights and widths: expected at least one size, got heights {heights!r} and widths "
+                             f"{widths!r}")
         batches = as_list(batch_sizes)
         wrong = next((b for b in batches if not is_integer(b) or b < 1), None)
         if wrong is not None or not batches:
             raise ValueError(f"batch_sizes: expected positive integers, got {batch_sizes!r}")
         for height, width in sizes:
             self.check_size(height, width)
-        for guidance_scale in as_list(guidance_scales):
-            if not is_real(guidance_scale) or not math.isfinite(guidance_scale):
-                raise ValueError(f"guidance_scales: expected finite numbers, got {guidance_scales!r}")
-        for height, width in sizes:
-            for batch_size in batches:
-                for guidance_scale in as_list(guidance_scales):
-                    self._warmup_call(height, width, batch_size, guidance_scale, num_inference_steps)
+        scales = as_list(guidance_scales)
+        if not scales or not all(is_real(scale) and math.isfinite(scale) for scale in scales):
+            raise ValueError(f"guidance_scales: expected finite numbers, got {guidance_scales!r}")
+        if not is_integer(num_inference_steps) or num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps: expected a positive integer, got {num_inference_steps!r}")
+        return [(height, width, batch_size, guidance_scale) for height, width in sizes for batch_size in batches
+                for guidance_scale in scales]
 
     def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int) -> None:
         """One call of this pipeline at these sizes (pipelines that need an image override it)."""

@@ -17,7 +17,7 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
 from ..layout import write_transformer_model_index
 from ..runtime.model import IOBindingORTModel
-from .arguments import Generator, is_integer, is_real
+from .arguments import Generator, check_sequence_length, is_integer, is_real
 from .denoise import GraphFeed, check_callback_arguments, on_device_stream, replaced_tensors
 from .pipeline import OnnxStableDiffusionPipelineBase, tensor_of
 
@@ -29,6 +29,8 @@ TRANSFORMER_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projecti
 SD3_CALLBACK_TENSOR_INPUTS = ("latents", "prompt_embeds", "pooled_prompt_embeds")
 # diffusers' limit on the T5 sequence (its check_inputs refuses more)
 MAX_SEQUENCE_LENGTH = 512
+# SD3's VAE latent scaling (SD3 and SD3.5 share the VAE), for a folder whose vae_decoder config.json names none
+SD3_VAE_SCALING_FACTOR, SD3_VAE_SHIFT_FACTOR = 1.5305, 0.0609
 Prompt = Union[str, List[str], None]
 
 
@@ -48,6 +50,8 @@ class OnnxStableDiffusion3Pipeline(OnnxStableDiffusionPipelineBase):
     _tokenizer_names = ("tokenizer", "tokenizer_2", "tokenizer_3")
     _callback_tensor_inputs = list(SD3_CALLBACK_TENSOR_INPUTS)
     _default_unet_sample_size = 128  # SD3: 1024 px
+    _default_vae_scaling_factor = SD3_VAE_SCALING_FACTOR
+    _vae_constants_hint = f"SD3's are scaling_factor {SD3_VAE_SCALING_FACTOR}, shift_factor {SD3_VAE_SHIFT_FACTOR}"
 
     def __init__(
         self,
@@ -73,12 +77,7 @@ class OnnxStableDiffusion3Pipeline(OnnxStableDiffusionPipelineBase):
                              "tokenizer_3/)")
         self._init_image_side()
         self._check_text_encoders()
-        shift = self.vae_decoder.config.get("shift_factor", 0.0)
-        if shift is None:
-            shift = 0.0
-        if not is_real(shift) or not math.isfinite(shift):
-            raise ValueError(f"vae_decoder config.json: shift_factor: expected a finite number, got {shift!r}")
-        self.vae_shift_factor = float(shift)
+        self.vae_shift_factor = self._vae_config_float("shift_factor", SD3_VAE_SHIFT_FACTOR, positive=False)
         self.patch_size = self.config_int(self.transformer, "patch_size", 2, "transformer")
 
     # ------------------------------------------------------------------------------------------------ properties
@@ -182,9 +181,7 @@ class OnnxStableDiffusion3Pipeline(OnnxStableDiffusionPipelineBase):
         ``pooled_projections``, with their hidden states), ``max_sequence_length`` and the callback's tensors."""
         check_callback_arguments(callback_on_step_end, callback_on_step_end_tensor_inputs,
                                  SD3_CALLBACK_TENSOR_INPUTS)
-        if not is_integer(max_sequence_length) or not 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
-            raise ValueError(f"max_sequence_length: expected an integer in [1, {MAX_SEQUENCE_LENGTH}] (T5's tokens), "
-                             f"got {max_sequence_length!r}")
+        check_sequence_length(max_sequence_length, MAX_SEQUENCE_LENGTH)
         prompts = self.batch_size_of(prompt, prompt_embeds) if prompt is not None or prompt_embeds is not None \
             else None
         for name, texts, rival, rival_name in (
@@ -469,6 +466,37 @@ class OnnxStableDiffusion3Pipeline(OnnxStableDiffusionPipelineBase):
         if output_type != "latent":
             latents = latents + self.vae_shift_factor * self.vae_scaling_factor
         return self.finish(latents, output_type, return_dict)
+
+    # ---------------------------------------------------------------------------------------------------- warm-up
+    def warmup(
+        self,
+        heights: Union[int, Sequence[int], None] = None,
+        widths: Union[int, Sequence[int], None] = None,
+        batch_sizes: Union[int, Sequence[int]] = 1,
+        guidance_scales: Union[float, Sequence[float]] = 7.0,
+        num_inference_steps: int = 2,
+        max_sequence_length: int = 256,
+    ) -> None:
+        """Creates the sessions and captures the CUDA graphs that calls of these sizes will use (see
+        :meth:`OnnxStableDiffusionPipelineBase.warmup`). Every argument is checked before the first call: a refused
+        warm-up runs nothing.
+
+        Args:
+            max_sequence_length: the T5 prompt length the calls will use (``__call__``'s default: 256). The
+                transformer's text sequence is CLIP's 77 tokens plus this many, so a warm-up at another length makes
+                graphs the calls do not replay. Without a T5 encoder it counts the same: the T5 part is this many
+                tokens of zeros, as in diffusers.
+        """
+        check_sequence_length(max_sequence_length, MAX_SEQUENCE_LENGTH)
+        for height, width, batch_size, guidance_scale in self._warmup_combinations(
+                heights, widths, batch_sizes, guidance_scales, num_inference_steps):
+            self._warmup_call(height, width, batch_size, guidance_scale, num_inference_steps, max_sequence_length)
+
+    def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int,
+                     max_sequence_length: int = 256) -> None:
+        self(prompt=[""] * batch_size, height=height, width=width, num_inference_steps=steps,
+             guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0), output_type="np",
+             max_sequence_length=max_sequence_length)
 
     def _write_model_index(self, target: Path, written: List[str]) -> None:
         def module(name: str, library: str, class_name: str) -> Optional[Tuple[str, str]]:
