@@ -352,14 +352,17 @@ def component_specs(pipe, vae=None) -> Dict[str, dict]:
     return {**specs, **vae_specs(vae, latent_size)}
 
 
-def to_precision(exported: Path, optimized: Any, fp16: bool) -> onnx.ModelProto:
+def to_precision(exported: Path, optimized: Any, fp16: bool,
+                 float32_inputs: Sequence[str] = ()) -> onnx.ModelProto:
     """The model exported to ``exported`` (with any external data beside it), or ORT's optimization of it
     (``optimized``, an ``OnnxModel``; ``None``: none), in memory, converted to float16 by ORT's converter where
-    ``fp16``."""
+    ``fp16``: every float input and output but ``float32_inputs`` becomes float16, and the arithmetic of the
+    timestep/guidance embeddings and rotary tables stays float32 (see
+    :func:`~optimum_iobinding.export.optimize.float32_island`)."""
     scratch = exported.parent
     if optimized is not None:
         if fp16:
-            return optimized_to_float16(optimized, scratch)
+            return optimized_to_float16(optimized, scratch, float32_inputs)
         model = optimized.model
         onnx.load_external_data_for_model(model, str(scratch))
         return model
@@ -368,7 +371,7 @@ def to_precision(exported: Path, optimized: Any, fp16: bool) -> onnx.ModelProto:
         # them the converter turns Resize's float scales into float16, which ORT refuses.
         typed_path = scratch / "typed.onnx"
         onnx.shape_inference.infer_shapes_path(str(exported), str(typed_path))
-        return convert_to_float16(onnx.load(str(typed_path)), shapes_known=True)
+        return convert_to_float16(onnx.load(str(typed_path)), shapes_known=True, float32_inputs=float32_inputs)
     return onnx.load(str(exported))
 
 

@@ -173,6 +173,9 @@ def sd3_transformer_spec(transformer: torch.nn.Module, sequence: int = 8) -> Dic
         dynamic_axes={"hidden_states": {0: "batch", 2: "height", 3: "width"},
                       "encoder_hidden_states": {0: "batch", 1: "sequence"}, "pooled_projections": {0: "batch"},
                       "timestep": {0: "batch"}, "out_hidden_states": {0: "batch", 2: "height", 3: "width"}},
+        # diffusers' SD3 pipeline feeds the timestep in float32 whatever the pipeline's dtype (FLUX.1 rounds it to
+        # the latents' dtype first): a float16 export keeps this input float32
+        float32_inputs=["timestep"],
         config=config,
     )
 
@@ -244,7 +247,7 @@ def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16
             optimize = None
         optimized = (optimize_component(name, path, fusion_options_for(model_type, optimize), optimize, model_type)
                      if optimize else None)
-        model = to_precision(path, optimized, fp16)
+        model = to_precision(path, optimized, fp16, spec.get("float32_inputs", ()))
     save_model(model, target / name / "model.onnx", external_data_threshold)
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
     (target / name / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
