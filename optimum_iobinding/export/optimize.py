@@ -129,19 +129,38 @@ def convert_to_float16(model: onnx.ModelProto, shapes_known: bool = False,
     are removed, as ORT's ``OnnxModel.convert_float_to_float16`` removes them. The converter needs every
     intermediate's type; ``shapes_known`` says the model already carries them (its own inference cannot serialize
     > 2 GiB)."""
+    if not shapes_known:
+        model = onnx.shape_inference.infer_shapes(model)
+    converted = _converted_keeping_island(model, float32_inputs)
+    # the types are in value_info already: no symbolic inference (it copies the model, weights and all)
+    converted.disable_shape_inference()
+    converted.remove_useless_cast_nodes()
+    return converted.model
+
+
+def _converted_keeping_island(model: onnx.ModelProto, float32_inputs: Sequence[str]) -> Any:
+    """ORT's float16 converter on ``model`` (typed), all float inputs and outputs but ``float32_inputs`` float16,
+    its :func:`float32_island` float32; then the converter's duplicate Casts and float16 round trips removed. Returns
+    ORT's ``OnnxModel`` of it (the useless Casts, float32 to float32, are the caller's to remove)."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
     from onnxruntime.transformers.onnx_model import OnnxModel
 
-    if not shapes_known:
-        model = onnx.shape_inference.infer_shapes(model)
-    converted = OnnxModel(convert_float_to_float16(model, keep_io_types=list(float32_inputs),
-                                                   disable_shape_infer=True,
-                                                   node_block_list=float32_island(model.graph)))
-    # the types are in value_info already: no symbolic inference (it copies the model, weights and all)
-    converted.disable_shape_inference()
+    converted = convert_float_to_float16(model, keep_io_types=list(float32_inputs), disable_shape_infer=True,
+                                         node_block_list=float32_island(model.graph))
+    # The converter casts a float16 value to float32 once for each float32 node that reads it, every Cast writing
+    # the same name: identical nodes, of which an ONNX graph may have one.
+    seen: set = set()
+    nodes = []
+    for node in converted.graph.node:
+        key = node.SerializeToString() if node.op_type == "Cast" else None
+        if key is None or key not in seen:
+            nodes.append(node)
+            seen.add(key)
+    del converted.graph.node[:]
+    converted.graph.node.extend(nodes)
+    converted = OnnxModel(converted)
     remove_cascaded_casts(converted)
-    converted.remove_useless_cast_nodes()
-    return converted.model
+    return converted
 
 
 def remove_cascaded_casts(converted: Any) -> None:
@@ -300,7 +319,6 @@ def optimized_to_float16(optimized: Any, folder: Path, float32_inputs: Sequence[
     conversion, and the :func:`float32_island` of the conditioning inputs kept float32 (as
     :func:`convert_to_float16`)."""
     from onnx import ValueInfoProto
-    from onnxruntime.transformers.float16 import convert_float_to_float16
     from onnxruntime.transformers.onnx_model import OnnxModel
     from onnxruntime.transformers.shape_infer_helper import SymbolicShapeInferenceHelper
 
@@ -322,9 +340,7 @@ def optimized_to_float16(optimized: Any, folder: Path, float32_inputs: Sequence[
             model.graph.value_info.append(typed_only)
             known.add(info.name)
     onnx.load_external_data_for_model(model, str(folder))
-    converted = OnnxModel(convert_float_to_float16(model, keep_io_types=list(float32_inputs), disable_shape_infer=True,
-                                                   node_block_list=float32_island(model.graph)))
-    remove_cascaded_casts(converted)
+    converted = _converted_keeping_island(model, float32_inputs)
     converted = OnnxModel(unload(converted.model, folder / "fp16.onnx"))
     with in_folder(folder):
         converted.remove_useless_cast_nodes()
