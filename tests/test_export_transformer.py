@@ -182,3 +182,48 @@ def test_the_flux_rotary_tables_of_a_float16_export_are_diffusers_ones(flux_dev_
         assert table.dtype == np.float32
         matches.append(int(np.argmin(errors)))
     assert sorted(set(matches)) == [0, 1]  # both tables
+
+
+# ------------------------------------------------------------------------------------ options refused up front
+UNFETCHABLE = "nobody/nothing-here"  # a hub id no download can provide (the Hub is unreachable in these tests)
+
+
+@pytest.fixture
+def offline_hub(monkeypatch):
+    """The Hugging Face Hub cannot be reached: every download fails as huggingface_hub's own offline error."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def unreachable(repo_id, **kwargs):
+        raise LocalEntryNotFoundError("the Hub cannot be reached from this test")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+
+
+@pytest.mark.parametrize("option", ["vae", "controlnet", "tiny_vae"])
+@pytest.mark.parametrize("kind, family", [("flux", "Flux"), ("sd3", "Stable Diffusion 3")])
+def test_a_tiny_random_transformer_export_refuses_a_vae_or_controlnet_by_name_before_fetching_it(
+        tmp_path, offline_hub, option, kind, family):
+    with pytest.raises(ValueError, match=f"^{option}: expected None for a {family} pipeline .* got '{UNFETCHABLE}'$"):
+        export_pipeline(None, tmp_path / "out", tiny_random=kind, progress=False, **{option: UNFETCHABLE})
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def sd3_folder(sd3_pipe, tmp_path_factory):
+    """The tiny SD3 pipeline saved as a diffusers folder (what a hub id downloads to)."""
+    folder = tmp_path_factory.mktemp("sd3-diffusers") / "sd3"
+    sd3_pipe.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("option", ["vae", "controlnet", "tiny_vae"])
+def test_an_sd3_folder_export_refuses_a_vae_or_controlnet_before_it_loads_the_pipeline(sd3_folder, tmp_path,
+                                                                                       offline_hub, option):
+    def loader(name):
+        raise AssertionError("the pipeline was loaded before the options were checked")
+
+    with pytest.raises(ValueError, match=f"^{option}: expected None for a Stable Diffusion 3 pipeline"):
+        export_pipeline(str(sd3_folder), tmp_path / "out", pipeline_loader=loader, progress=False,
+                        **{option: UNFETCHABLE})
+    assert not (tmp_path / "out").exists()
