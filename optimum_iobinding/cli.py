@@ -94,7 +94,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     from .export import export_pipeline
-    from .export.export import check_tiny_vae_arguments
+    from .export.export import check_tiny_vae_arguments, check_transformer_options, transformer_family
     from .layout import check_output_folder
 
     vae_only = args.tiny_vae is not None and not args.tiny_random and not args.model
@@ -123,6 +123,10 @@ def run_export(args: argparse.Namespace) -> int:
     for option, name, config in sources:  # a hub id that cannot be fetched fails now, not after minutes of export
         if name is not None and not Path(name).exists():
             fetch_from_hub(option, name, config)
+        if option == "model":  # what an SD3 or Flux pipeline cannot take, refused before the rest is fetched
+            with options_named(EXPORT_OPTIONS):
+                check_transformer_options(transformer_family(args.model, tiny_random=args.tiny_random or False),
+                                          vae=args.vae, controlnet=args.controlnet, tiny_vae=args.tiny_vae)
     if tiny_vae is not None:
         check_tiny_vae_folder(tiny_vae, args.model)
     start = time.perf_counter()
@@ -142,7 +146,8 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 # what the exporter's checks call the options of `export`
-EXPORT_OPTIONS = {"tiny_vae": "--tiny-vae", "vae and tiny_vae": "--vae and --tiny-vae", "controlnet": "--controlnet"}
+EXPORT_OPTIONS = {"tiny_vae": "--tiny-vae", "vae and tiny_vae": "--vae and --tiny-vae", "controlnet": "--controlnet",
+                  "vae": "--vae"}
 
 
 def check_tiny_vae_folder(tiny_vae: str, model: Optional[str]) -> None:

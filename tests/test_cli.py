@@ -279,6 +279,17 @@ def test_export_of_a_hub_id_that_cannot_be_fetched_names_it_before_exporting(tmp
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("kind, family", [("flux", "Flux"), ("sd3", "Stable Diffusion 3")])
+@pytest.mark.parametrize("option", ["--vae", "--controlnet", "--tiny-vae"])
+def test_export_refuses_a_vae_or_controlnet_for_a_transformer_pipeline_before_fetching_it(tmp_path, capsys, no_work,
+                                                                                          offline_hub, kind, family,
+                                                                                          option):
+    argv = ["export", "--tiny-random", kind, option, "nobody/some-model", "--output", str(tmp_path / "out")]
+    assert main(argv) == 2
+    assert error_line(capsys).startswith(f"optimum-iobinding: error: {option}: expected None for a {family} pipeline")
+    assert not (tmp_path / "out").exists()
+
+
 def test_serve_of_a_hub_id_that_cannot_be_fetched_names_it_before_starting_ray(capsys, no_work, offline_hub):
     pytest.importorskip("ray.serve")
     assert main(["serve", "nobody/nothing-here"]) == 2

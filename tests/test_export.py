@@ -10,8 +10,8 @@ from onnx import numpy_helper
 from optimum_iobinding.export import export_pipeline
 from optimum_iobinding.export import export as export_module
 from optimum_iobinding.export.export import component_specs
-from optimum_iobinding.export.optimize import (fusion_options, in_folder, optimize_component, optimized_to_float16,
-                                               optimizer_model_type, use_classic_attention)
+from optimum_iobinding.export.optimize import (float32_island, fusion_options, in_folder, optimize_component,
+                                               optimized_to_float16, optimizer_model_type, use_classic_attention)
 from optimum_iobinding.export.tiny import build_tiny_random_pipeline, build_tiny_random_xl_pipeline
 
 
@@ -69,7 +69,19 @@ def test_optimizing_with_the_weights_on_disk_gives_exactly_ORTs_result(tmp_path,
                for t in onnx.load(str(path), load_external_data=False).graph.initializer)
     expected_nodes, expected_weights = _graph_of(expected)
     our_nodes, our_weights = _graph_of(ours)
-    assert our_nodes == expected_nodes
+    if fp16 and name == "unet":
+        # the timestep embedding stays float32 (float32_island), which ORT's own conversion makes float16: its
+        # nodes and the Casts around them differ; every other node is exactly ORT's
+        island = set(float32_island(ours.graph))
+        assert island
+
+        def outside(model):
+            return [(n.op_type, n.domain, tuple(n.output), tuple(sorted(a.SerializeToString() for a in n.attribute)))
+                    for n in model.graph.node if n.op_type != "Cast" and n.name not in island]
+
+        assert outside(ours) == outside(expected)
+    else:
+        assert our_nodes == expected_nodes
     assert sorted(our_weights) == sorted(expected_weights)
     for key, value in expected_weights.items():
         assert our_weights[key].dtype == value.dtype, key

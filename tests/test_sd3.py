@@ -101,6 +101,17 @@ def test_a_float16_export_keeps_t5_in_float32_and_converts_the_rest(sd3, tmp_pat
     assert input_type("transformer", "hidden_states") == onnx.TensorProto.FLOAT16
     assert output_type("text_encoder") == onnx.TensorProto.FLOAT16
     assert input_type("vae_decoder", "latent_sample") == onnx.TensorProto.FLOAT16
+    # diffusers feeds SD3's timestep in float32 whatever the pipeline's dtype
+    assert input_type("transformer", "timestep") == onnx.TensorProto.FLOAT
+
+
+def test_a_float16_export_loads_feeds_a_float32_timestep_and_stays_close_to_diffusers(sd3, tmp_path):
+    torch_pipe, _ = sd3
+    half = load(export_pipeline(None, tmp_path / "fp16", torch_pipeline=torch_pipe, fp16=True, progress=False))
+    assert half.transformer.input_dtypes["timestep"] == torch.float32
+    assert half.transformer.input_dtypes["hidden_states"] == torch.float16
+    expected, got = both(torch_pipe, half, PROMPT, latents=initial_latents())
+    np.testing.assert_allclose(got, expected, atol=0.05)
 
 
 def test_weights_past_the_threshold_go_to_external_data_and_load_the_same(sd3, tmp_path):

@@ -45,6 +45,9 @@ from ..layout import (
     building_beside,
     check_output_folder,
     controlnet_component_names,
+    download_from_hub,
+    looks_like_hub_id,
+    read_json_object,
     save_tokenizer,
     write_model_index,
     write_weight_map,
@@ -352,14 +355,17 @@ def component_specs(pipe, vae=None) -> Dict[str, dict]:
     return {**specs, **vae_specs(vae, latent_size)}
 
 
-def to_precision(exported: Path, optimized: Any, fp16: bool) -> onnx.ModelProto:
+def to_precision(exported: Path, optimized: Any, fp16: bool,
+                 float32_inputs: Sequence[str] = ()) -> onnx.ModelProto:
     """The model exported to ``exported`` (with any external data beside it), or ORT's optimization of it
     (``optimized``, an ``OnnxModel``; ``None``: none), in memory, converted to float16 by ORT's converter where
-    ``fp16``."""
+    ``fp16``: every float input and output but ``float32_inputs`` becomes float16, and the arithmetic of the
+    timestep/guidance embeddings and rotary tables stays float32 (see
+    :func:`~optimum_iobinding.export.optimize.float32_island`)."""
     scratch = exported.parent
     if optimized is not None:
         if fp16:
-            return optimized_to_float16(optimized, scratch)
+            return optimized_to_float16(optimized, scratch, float32_inputs)
         model = optimized.model
         onnx.load_external_data_for_model(model, str(scratch))
         return model
@@ -368,7 +374,7 @@ def to_precision(exported: Path, optimized: Any, fp16: bool) -> onnx.ModelProto:
         # them the converter turns Resize's float scales into float16, which ORT refuses.
         typed_path = scratch / "typed.onnx"
         onnx.shape_inference.infer_shapes_path(str(exported), str(typed_path))
-        return convert_to_float16(onnx.load(str(typed_path)), shapes_known=True)
+        return convert_to_float16(onnx.load(str(typed_path)), shapes_known=True, float32_inputs=float32_inputs)
     return onnx.load(str(exported))
 
 
@@ -512,6 +518,10 @@ def export_pipeline(
     if not isinstance(opset, int) or isinstance(opset, bool) or not 7 <= opset <= 22:
         raise ValueError(f"opset: expected an integer in [7, 22] (17 is tested), got {opset!r}")
     tiny_vae = None if tiny_vae is False else tiny_vae
+    if vae is not None or controlnet is not None or tiny_vae is not None:  # before anything is loaded or fetched
+        check_transformer_options(transformer_family(model_id_or_path, torch_pipeline=torch_pipeline,
+                                                     tiny_random=tiny_random),
+                                  vae=vae, controlnet=controlnet, tiny_vae=tiny_vae)
     vae_only = tiny_vae is not None and model_id_or_path is None and torch_pipeline is None and not tiny_random
     check_tiny_vae_arguments(tiny_vae, vae_only=vae_only, random_pipeline=bool(tiny_random), vae=vae,
                              controlnet=controlnet)
@@ -591,18 +601,66 @@ def _export_transformer_pipeline(pipe, target: Path, *, vae, controlnet, tiny_va
     from .transformer import export_sd3_pipeline, is_sd3_pipeline
 
     if is_flux(pipe):
-        family, export = "a Flux", export_flux_pipeline
+        export = export_flux_pipeline
     elif is_sd3_pipeline(pipe):
-        family, export = "a Stable Diffusion 3", export_sd3_pipeline
+        export = export_sd3_pipeline
     else:
         raise ValueError(f"model: expected a Stable Diffusion (1.x/2.x, XL), Stable Diffusion 3 or Flux pipeline, got "
                          f"a {type(pipe).__name__} with a {type(pipe.transformer).__name__}, which this version does "
                          "not export")
+    # a pipeline_loader's pipeline is known only now
+    check_transformer_options(transformer_family(torch_pipeline=pipe), vae=vae, controlnet=controlnet,
+                              tiny_vae=tiny_vae)
+    return export(pipe, target, **options)
+
+
+# the diffusion-transformer families, by their transformer's class (what model_index.json names)
+TRANSFORMER_FAMILIES = {"FluxTransformer2DModel": "Flux", "SD3Transformer2DModel": "Stable Diffusion 3"}
+TINY_RANDOM_FAMILIES = {"sd3": "Stable Diffusion 3", "flux": "Flux", "flux-dev": "Flux"}
+
+
+def transformer_family(model_id_or_path: Optional[Union[str, os.PathLike]] = None, *,
+                       torch_pipeline: Optional[object] = None, tiny_random: Union[bool, str] = False) -> Optional[str]:
+    """The diffusion-transformer family (``"Flux"``, ``"Stable Diffusion 3"``) of what :func:`export_pipeline` would
+    export, known before the pipeline loads: from the pipeline given, the tiny random kind, or the transformer that
+    ``model_id_or_path``'s model_index.json names (a local folder's, or that one file fetched from the Hub).
+    ``None``: a UNet pipeline, or not known before loading (a repository that cannot be fetched now fails when it
+    loads, with the loader's own error)."""
+    if torch_pipeline is not None:
+        transformer = getattr(torch_pipeline, "transformer", None)
+        return TRANSFORMER_FAMILIES.get(type(transformer).__name__) if transformer is not None else None
+    if tiny_random:
+        return TINY_RANDOM_FAMILIES.get("sd" if tiny_random is True else tiny_random)
+    if model_id_or_path is None:
+        return None
+    folder = Path(model_id_or_path)
+    if not folder.exists():
+        if not looks_like_hub_id(os.fspath(model_id_or_path)):
+            return None
+        try:
+            folder = download_from_hub(os.fspath(model_id_or_path), ["model_index.json"], "model_id_or_path")
+        except FileNotFoundError:
+            return None
+    index = read_json_object(folder / "model_index.json") if folder.is_dir() else None
+    entry = index.get("transformer") if index else None
+    return TRANSFORMER_FAMILIES.get(entry[-1]) if isinstance(entry, list) and entry else None
+
+
+def check_transformer_options(family: Optional[str], *, vae=None, controlnet=None, tiny_vae=None) -> None:
+    """A diffusion-transformer pipeline (``family``, see :func:`transformer_family`) exports its own VAE and no
+    ControlNet: ``vae``, ``controlnet`` and ``tiny_vae`` are refused by name, before anything is loaded.
+
+    Raises:
+        ValueError: one of them is given for a ``family`` pipeline.
+    """
+    if family is None:
+        return
     for name, value in (("vae", vae), ("controlnet", controlnet), ("tiny_vae", tiny_vae)):
         if value is not None:
-            raise ValueError(f"{name}: expected None for {family} pipeline (its own VAE is exported, no ControlNet), "
-                             f"got {type(value).__name__}")
-    return export(pipe, target, **options)
+            shown = repr(os.fspath(value)) if isinstance(value, os.PathLike) else \
+                repr(value) if isinstance(value, (str, bool, list, tuple)) else type(value).__name__
+            raise ValueError(f"{name}: expected None for a {family} pipeline (its own VAE is exported, no ControlNet), "
+                             f"got {shown}")
 
 
 TINY_VAE_COMPONENTS = ("vae_encoder", "vae_decoder")

@@ -16,7 +16,8 @@ Layout written (what ``optimum-cli export onnx`` writes for Flux, which optimum'
     vae_decoder/model.onnx          latent_sample → sample
     */config.json, tokenizer/, tokenizer_2/, scheduler/
 
-Precision of each component with ``fp16=True`` (:func:`flux_fp16_components`, and why):
+Precision of each component with ``fp16=True`` (:func:`~optimum_iobinding.export.transformer.float16_components`,
+the rule of every diffusion-transformer export, and why):
 
 ==================  =========  ==============================================================================
 component           precision  why
@@ -27,9 +28,16 @@ text_encoder_2      fp32       T5's feed-forward activations exceed float16's ra
                                prompts: inf/NaN embeddings
 transformer         fp16       where the time goes; ORT's (fused) normalization and softmax kernels accumulate
                                in fp32, but Flux's residual stream can grow past float16's range on some prompts
-                               (diffusers clips it in fp16): check images, or export with ``fp16=False``
-vae_encoder/decoder fp16, or   fp32 where the VAE's config says ``force_upcast`` (diffusers' AutoencoderKL
-                    fp32       default; diffusers then decodes in fp32 itself), else fp16
+                               (diffusers clips it in fp16): check images, or export with ``fp16=False``. The
+                               sinusoidal timestep and guidance embeddings and the rotary cos/sin tables are
+                               computed in fp32 up to the first layer, as diffusers computes them; the
+                               ``timestep`` and ``guidance`` inputs are fp16 (diffusers rounds them to the
+                               latents' dtype too)
+vae_encoder/decoder fp16       diffusers' ``FluxPipeline`` decodes in the pipeline's dtype: it never reads the
+                               VAE config's ``force_upcast`` (AutoencoderKL's default, set in FLUX.1's config
+                               too; only the SDXL pipelines upcast), so the export writes ``force_upcast:
+                               false``, as its SDXL export does, and does not warn as that one does: diffusers
+                               runs this VAE in fp16 itself
 ==================  =========  ==============================================================================
 
 Components whose weights are over :data:`~optimum_iobinding.export.transformer.EXTERNAL_DATA_THRESHOLD` bytes
@@ -54,14 +62,6 @@ FLUX_COMPONENTS = ("text_encoder", "text_encoder_2", "transformer", "vae_encoder
 # ORT's transformer-optimizer model type of the components exported by the transformer family's exporter: "mmdit"
 # fuses the Flux transformer's attention (CLIP and the VAE go through the Stable Diffusion export's own exporter)
 FLUX_OPTIMIZER_MODEL_TYPES = {"text_encoder_2": "t5", "transformer": "mmdit"}
-
-
-def flux_fp16_components(vae_config: Any) -> Dict[str, bool]:
-    """Which components ``fp16=True`` converts to float16 (see the module's table): all but T5, and the VAE only
-    where its config does not ask diffusers to upcast it."""
-    force_upcast = bool(vae_config.get("force_upcast", False)) if hasattr(vae_config, "get") else False
-    return {"text_encoder": True, "text_encoder_2": False, "transformer": True,
-            "vae_encoder": not force_upcast, "vae_decoder": not force_upcast}
 
 
 def is_flux(pipe: Any) -> bool:
@@ -239,8 +239,7 @@ def export_flux_pipeline(pipe, target: Path, *, fp16: bool = False, opset: int =
     Args:
         pipe: the ``FluxPipeline`` (schnell or dev), in float32.
         target: the output folder.
-        fp16: convert the components :func:`flux_fp16_components` names to float16 (the module's table says why
-            the others stay float32).
+        fp16: convert all but T5 to float16 (the module's table says why T5 stays float32).
         opset: ONNX opset.
         optimize: ``"cuda"`` or ``"cpu"``: ORT's transformer optimizer on each component (``mmdit`` for the
             transformer) before the float16 conversion.
@@ -255,10 +254,7 @@ def export_flux_pipeline(pipe, target: Path, *, fp16: bool = False, opset: int =
     unknown = [name for name in components if name not in FLUX_COMPONENTS]
     if unknown:
         raise ValueError(f"components: expected names from {list(FLUX_COMPONENTS)}, got {unknown}")
-    precision = flux_fp16_components(pipe.vae.config)
     return export_transformer_pipeline(
         pipe, target, flux_component_specs(pipe), components, class_name="FluxPipeline",
-        optimizer_model_types=FLUX_OPTIMIZER_MODEL_TYPES,
-        fp16_components={name for name, half in precision.items() if half}, opset=opset, fp16=fp16,
-        optimize=optimize, progress=progress, external_data_threshold=external_data_threshold,
-        exportable=exportable_flux_modules)
+        optimizer_model_types=FLUX_OPTIMIZER_MODEL_TYPES, opset=opset, fp16=fp16, optimize=optimize,
+        progress=progress, external_data_threshold=external_data_threshold, exportable=exportable_flux_modules)

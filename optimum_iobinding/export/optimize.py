@@ -7,7 +7,8 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional
+from collections import deque
+from typing import Any, Dict, List, Optional, Sequence
 
 import onnx
 import torch
@@ -39,13 +40,139 @@ def save_onnx(model: onnx.ModelProto, path: Path, threshold: int = MAX_SINGLE_FI
     return external
 
 
-def convert_to_float16(model: onnx.ModelProto, shapes_known: bool = False) -> onnx.ModelProto:
-    """fp32 → fp16 with ORT's converter: inputs and outputs become fp16 too (``keep_io_types=False``), the ops in
-    its default block list (those that need fp32) stay fp32 behind casts. The converter needs every intermediate's
-    type; ``shapes_known`` says the model already carries them (its own inference cannot serialize > 2 GiB)."""
-    from onnxruntime.transformers.float16 import convert_float_to_float16
+# The inputs of a denoiser whose embeddings diffusers computes in float32 whatever the model's dtype: the sinusoidal
+# embeddings of the timestep, FLUX.1 dev's guidance and SDXL's time ids (``get_timestep_embedding`` makes floats of
+# them first), LCM's guidance embedding, and FLUX.1's rotary tables of the position ids. In float16 a timestep near
+# 1000 times a frequency near 1 is rounded by 0.5, and its sine and cosine come out up to ~0.3 wrong.
+CONDITIONING_INPUTS = ("timestep", "guidance", "img_ids", "txt_ids", "timestep_cond", "time_ids")
+# Where the float32 island ends: the first layer with weights (the embedder's Linear) runs in float16, as in diffusers.
+_ISLAND_ENDS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "FusedMatMul", "MatMulNBits",
+                          "Attention", "MultiHeadAttention"})
+_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
+                          onnx.TensorProto.BFLOAT16})
 
-    return convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=shapes_known)
+
+def float32_island(graph: onnx.GraphProto, inputs: Sequence[str] = CONDITIONING_INPUTS) -> List[str]:
+    """The names of the nodes that compute from the graph inputs ``inputs`` (those the graph has) and constants only,
+    up to and without the first MatMul, Gemm or Conv: the arithmetic of the sinusoidal timestep/guidance embeddings
+    and of the rotary cos/sin tables, which a float16 conversion keeps in float32 (ORT's converter takes them as its
+    ``node_block_list`` and casts at the island's edges).
+
+    A node joins when one of its inputs comes from ``inputs`` or the island and every float input it has does, or is
+    a constant (an initializer, or computed from initializers and Constant nodes); integer inputs (shapes of the
+    latents, say) may come from anywhere: they carry no rounding. The Constant nodes and constant computations the
+    island reads join too, so that its frequencies are not rounded to float16 first. Unnamed nodes cannot be named in
+    a block list and are left out (the exporters name every node).
+
+    Args:
+        graph: the graph, with the element types of its intermediates in ``value_info`` where they are known (a value
+            of unknown type is taken for a float).
+        inputs: the graph inputs the island grows from.
+
+    Returns:
+        The island's node names, in graph order.
+    """
+    types = {value.name: value.type.tensor_type.elem_type
+             for value in (*graph.input, *graph.value_info, *graph.output)}
+    types.update({tensor.name: tensor.data_type for tensor in graph.initializer})
+    producer = {output: node for node in graph.node for output in node.output}
+    consumers: Dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    initializers = {tensor.name for tensor in graph.initializer}
+    constant_memo: Dict[str, bool] = {}
+
+    def constant(value: str) -> bool:
+        if value in initializers:
+            return True
+        if value not in constant_memo:
+            node = producer.get(value)
+            constant_memo[value] = False  # a cycle is no constant
+            constant_memo[value] = node is not None and not _has_subgraph(node) and (
+                node.op_type == "Constant" or (bool(node.input) and all(not name or constant(name)
+                                                                        for name in node.input)))
+        return constant_memo[value]
+
+    derived = {value.name for value in graph.input if value.name in inputs}
+    island: set = set()
+    queue = deque(derived)
+    while queue:
+        for node in consumers.get(queue.popleft(), ()):
+            if id(node) in island or node.op_type in _ISLAND_ENDS or _has_subgraph(node):
+                continue
+            if all(not name or name in derived or constant(name) or types.get(name, onnx.TensorProto.FLOAT)
+                   not in _FLOAT_TYPES for name in node.input):
+                island.add(id(node))
+                derived.update(node.output)
+                queue.extend(node.output)
+    # the constants the island reads, and the constant computations behind them
+    stack = [name for node in graph.node if id(node) in island for name in node.input]
+    while stack:
+        node = producer.get(stack.pop())
+        if node is not None and id(node) not in island and constant(node.output[0]):
+            island.add(id(node))
+            stack.extend(node.input)
+    return [node.name for node in graph.node if id(node) in island and node.name]
+
+
+def _has_subgraph(node: onnx.NodeProto) -> bool:
+    return any(attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+               for attribute in node.attribute)
+
+
+def convert_to_float16(model: onnx.ModelProto, shapes_known: bool = False,
+                       float32_inputs: Sequence[str] = ()) -> onnx.ModelProto:
+    """fp32 → fp16 with ORT's converter: inputs and outputs become fp16 too but for ``float32_inputs``; the ops in
+    its default block list (those that need fp32) and the :func:`float32_island` of the conditioning inputs stay
+    fp32 behind casts; then the casts ORT's converter puts between two float32 nodes (to float16 and straight back)
+    are removed, as ORT's ``OnnxModel.convert_float_to_float16`` removes them. The converter needs every
+    intermediate's type; ``shapes_known`` says the model already carries them (its own inference cannot serialize
+    > 2 GiB)."""
+    if not shapes_known:
+        model = onnx.shape_inference.infer_shapes(model)
+    converted = _converted_keeping_island(model, float32_inputs)
+    # the types are in value_info already: no symbolic inference (it copies the model, weights and all)
+    converted.disable_shape_inference()
+    converted.remove_useless_cast_nodes()
+    return converted.model
+
+
+def _converted_keeping_island(model: onnx.ModelProto, float32_inputs: Sequence[str]) -> Any:
+    """ORT's float16 converter on ``model`` (typed), all float inputs and outputs but ``float32_inputs`` float16,
+    its :func:`float32_island` float32; then the converter's duplicate Casts and float16 round trips removed. Returns
+    ORT's ``OnnxModel`` of it (the useless Casts, float32 to float32, are the caller's to remove)."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    converted = convert_float_to_float16(model, keep_io_types=list(float32_inputs), disable_shape_infer=True,
+                                         node_block_list=float32_island(model.graph))
+    # The converter casts a float16 value to float32 once for each float32 node that reads it, every Cast writing
+    # the same name: identical nodes, of which an ONNX graph may have one.
+    seen: set = set()
+    nodes = []
+    for node in converted.graph.node:
+        key = node.SerializeToString() if node.op_type == "Cast" else None
+        if key is None or key not in seen:
+            nodes.append(node)
+            seen.add(key)
+    del converted.graph.node[:]
+    converted.graph.node.extend(nodes)
+    converted = OnnxModel(converted)
+    remove_cascaded_casts(converted)
+    return converted
+
+
+def remove_cascaded_casts(converted: Any) -> None:
+    """ORT's ``OnnxModel.remove_cascaded_cast_nodes`` until no Cast reads another Cast: one pass points each Cast at
+    its parent's input, so along a float32 island the converter's Cast to float16 and back, or a model's own Cast to
+    float32 between them, would still read a value rounded to float16 after it."""
+    for _ in range(16):  # a chain shortens every pass; the island's chains are three Casts long
+        producer = {output: node for node in converted.nodes() for output in node.output}
+        if not any(node.op_type == "Cast" and getattr(producer.get(node.input[0]), "op_type", None) == "Cast"
+                   for node in converted.nodes()):
+            return
+        converted.remove_cascaded_cast_nodes()
 
 
 # ORT's optimizer model type of each kind of component.
@@ -185,12 +312,13 @@ def optimize_component(name: str, path: Path, options: Any, target: str, model_t
         return run(options)
 
 
-def optimized_to_float16(optimized: Any, folder: Path) -> onnx.ModelProto:
-    """What ORT's ``OnnxModel.convert_float_to_float16(keep_io_types=False)`` does — symbolic type inference (onnx's
-    own cannot type the fused com.microsoft ops), its float16 converter, then removing cascaded and useless Casts —
-    with the weights on disk in ``folder`` for the two inference passes and in memory only for the conversion."""
+def optimized_to_float16(optimized: Any, folder: Path, float32_inputs: Sequence[str] = ()) -> onnx.ModelProto:
+    """What ORT's ``OnnxModel.convert_float_to_float16(keep_io_types=float32_inputs)`` does — symbolic type inference
+    (onnx's own cannot type the fused com.microsoft ops), its float16 converter, then removing cascaded and useless
+    Casts — with the weights on disk in ``folder`` for the two inference passes and in memory only for the
+    conversion, and the :func:`float32_island` of the conditioning inputs kept float32 (as
+    :func:`convert_to_float16`)."""
     from onnx import ValueInfoProto
-    from onnxruntime.transformers.float16 import convert_float_to_float16
     from onnxruntime.transformers.onnx_model import OnnxModel
     from onnxruntime.transformers.shape_infer_helper import SymbolicShapeInferenceHelper
 
@@ -212,8 +340,7 @@ def optimized_to_float16(optimized: Any, folder: Path) -> onnx.ModelProto:
             model.graph.value_info.append(typed_only)
             known.add(info.name)
     onnx.load_external_data_for_model(model, str(folder))
-    converted = OnnxModel(convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=True))
-    converted.remove_cascaded_cast_nodes()
+    converted = _converted_keeping_island(model, float32_inputs)
     converted = OnnxModel(unload(converted.model, folder / "fp16.onnx"))
     with in_folder(folder):
         converted.remove_useless_cast_nodes()

@@ -15,13 +15,18 @@ Layout written (what ``optimum-cli export onnx`` writes for these models, and wh
                                   scaling_factor and shift_factor)
     tokenizer/, tokenizer_2/, tokenizer_3/, scheduler/
 
-Precision with ``fp16=True`` (:data:`FP16_COMPONENTS`), per component:
+Precision with ``fp16=True`` (:func:`float16_components`, one rule for SD3 and FLUX.1), per component:
 
 - ``text_encoder``, ``text_encoder_2`` (CLIP): float16, as for SD 1.x/2.x and SDXL.
 - ``transformer`` (MMDiT): float16; diffusers runs the SD3 transformer in float16 itself (its model cards load the
-  pipeline with ``torch_dtype=torch.float16``), and ORT's MMDiT fusions target float16.
-- ``vae_encoder``, ``vae_decoder``: float16; diffusers' SD3 pipeline decodes in the pipeline's dtype, without the
-  upcast SDXL's VAE needs.
+  pipeline with ``torch_dtype=torch.float16``), and ORT's MMDiT fusions target float16. Its sinusoidal timestep
+  embedding is computed in float32 up to the first layer, and its ``timestep`` input is float32: diffusers feeds the
+  timestep in float32 and embeds it in float32 whatever the pipeline's dtype (a float16 timestep near 1000 is off by
+  up to 0.5, and its sines and cosines by up to ~0.3).
+- ``vae_encoder``, ``vae_decoder``: float16; diffusers' SD3 and Flux pipelines decode in the pipeline's dtype and
+  never read the VAE config's ``force_upcast`` (AutoencoderKL's default, in these VAEs' configs too; only the SDXL
+  pipelines upcast). The export writes ``force_upcast: false``, as the SDXL export does; unlike that one it does not
+  warn, since diffusers runs these VAEs in float16 itself.
 - ``text_encoder_3`` (T5): **float32**. T5's feed-forward activations overflow float16 (transformers keeps T5's
   ``wo`` projections in float32 for that reason, and clamps its hidden states only when the torch model itself runs
   in float16, which an exported float32 graph does not record). The pipeline casts its output to the transformer's
@@ -50,19 +55,37 @@ from .export import export_component, pooled_output, to_precision, vae_specs
 from .optimize import MAX_SINGLE_FILE_BYTES, fusion_options_for, optimize_component, save_onnx
 
 __all__ = ["export_sd3_pipeline", "is_sd3_pipeline", "clip_text_encoder_spec", "t5_encoder_spec",
-           "export_transformer_pipeline", "FP16_COMPONENTS", "EXTERNAL_DATA_FILE", "EXTERNAL_DATA_THRESHOLD"]
+           "export_transformer_pipeline", "float16_components", "FP16_COMPONENTS", "EXTERNAL_DATA_FILE",
+           "EXTERNAL_DATA_THRESHOLD"]
 
-# The SD3 components a float16 export converts (see the module's docstring for each one's reason); the others stay
-# fp32.
-FP16_COMPONENTS = frozenset({"text_encoder", "text_encoder_2", "transformer", "vae_encoder", "vae_decoder"})
-# Weights beyond this many bytes go to an external-data file: protobuf cannot serialize a message over 2 GiB, and the
-# graph itself needs some of that (the limit every export of the project keeps).
-EXTERNAL_DATA_THRESHOLD = MAX_SINGLE_FILE_BYTES
-EXTERNAL_DATA_FILE = "model.onnx_data"  # optimum's name for it
+# ORT's optimizer model type of the components a float16 export leaves float32: T5 (see the module's docstring)
+FLOAT32_MODEL_TYPES = frozenset({"t5"})
+
+
+def float16_components(components: Collection[str], optimizer_model_types: Mapping[str, str]) -> frozenset:
+    """The components of a diffusion-transformer pipeline (SD3, FLUX.1) that ``fp16=True`` converts to float16: all
+    but the T5 encoder, VAE included (the module's docstring says why).
+
+    Args:
+        components: the pipeline's component names.
+        optimizer_model_types: ORT's optimizer model type of the components that have one (T5's is ``"t5"``).
+
+    Returns:
+        The names to convert.
+    """
+    return frozenset(name for name in components if optimizer_model_types.get(name) not in FLOAT32_MODEL_TYPES)
+
+
 SD3_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_encoder", "vae_decoder")
 # ORT's transformer-optimizer model type of the SD3 components exported by :func:`export_model` (CLIP and the VAE go
 # through the Stable Diffusion export's own component exporter)
 SD3_OPTIMIZER_MODEL_TYPES = {"text_encoder_3": "t5", "transformer": "mmdit"}
+# The SD3 components a float16 export converts
+FP16_COMPONENTS = float16_components(SD3_COMPONENTS, SD3_OPTIMIZER_MODEL_TYPES)
+# Weights beyond this many bytes go to an external-data file: protobuf cannot serialize a message over 2 GiB, and the
+# graph itself needs some of that (the limit every export of the project keeps).
+EXTERNAL_DATA_THRESHOLD = MAX_SINGLE_FILE_BYTES
+EXTERNAL_DATA_FILE = "model.onnx_data"  # optimum's name for it
 # model types ORT's optimizer is run on for CUDA only: its T5 fusions always write RelativePositionBias, an operator
 # with a CUDA kernel only (a CPU session refuses the model); the CPU gets the T5 graph as exported
 _OPTIMIZED_FOR_CUDA_ONLY = frozenset({"t5"})
@@ -173,6 +196,9 @@ def sd3_transformer_spec(transformer: torch.nn.Module, sequence: int = 8) -> Dic
         dynamic_axes={"hidden_states": {0: "batch", 2: "height", 3: "width"},
                       "encoder_hidden_states": {0: "batch", 1: "sequence"}, "pooled_projections": {0: "batch"},
                       "timestep": {0: "batch"}, "out_hidden_states": {0: "batch", 2: "height", 3: "width"}},
+        # diffusers' SD3 pipeline feeds the timestep in float32 whatever the pipeline's dtype (FLUX.1 rounds it to
+        # the latents' dtype first): a float16 export keeps this input float32
+        float32_inputs=["timestep"],
         config=config,
     )
 
@@ -244,7 +270,7 @@ def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16
             optimize = None
         optimized = (optimize_component(name, path, fusion_options_for(model_type, optimize), optimize, model_type)
                      if optimize else None)
-        model = to_precision(path, optimized, fp16)
+        model = to_precision(path, optimized, fp16, spec.get("float32_inputs", ()))
     save_model(model, target / name / "model.onnx", external_data_threshold)
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
     (target / name / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
@@ -271,7 +297,6 @@ def export_transformer_pipeline(
     *,
     class_name: str,
     optimizer_model_types: Mapping[str, str],
-    fp16_components: Collection[str],
     opset: int,
     fp16: bool,
     optimize: Optional[str],
@@ -282,7 +307,7 @@ def export_transformer_pipeline(
     """Writes a diffusion-transformer pipeline folder at ``target`` (built beside it, moved into place when whole):
     each of ``components`` from ``specs`` (those in ``optimizer_model_types`` by :func:`export_model`, CLIP and the
     VAE by the Stable Diffusion export's own component exporter: its fusions, LoRA map, VAE attention), float16 where
-    ``fp16`` and the component is in ``fp16_components``; the pipeline's tokenizers (as both transformers 4 and 5
+    ``fp16`` and :func:`float16_components` names it; the pipeline's tokenizers (as both transformers 4 and 5
     read them) and scheduler; and the torch pipeline's model_index.json under ``class_name`` (torch
     class names; one ``vae`` entry for both VAE folders), as optimum writes it. The caller has checked ``target`` and
     ``components``.
@@ -291,9 +316,10 @@ def export_transformer_pipeline(
         ``target``.
     """
     tokenizers = [name for name in ("tokenizer", "tokenizer_2", "tokenizer_3") if getattr(pipe, name, None) is not None]
+    half_components = float16_components(components, optimizer_model_types) if fp16 else frozenset()
     with building_beside(target) as scratch:
         for name in tqdm(components, desc="export", unit="model", disable=not progress):
-            half = fp16 and name in fp16_components
+            half = name in half_components
             if name in optimizer_model_types:
                 export_model(name, specs[name], scratch, opset, half, optimize, optimizer_model_types[name],
                              external_data_threshold, exportable)
@@ -334,7 +360,7 @@ def export_sd3_pipeline(
         components: which ONNX components to export (default: all the pipeline has; no ``text_encoder_3`` without a
             T5).
         opset: ONNX opset.
-        fp16: convert the components of :data:`FP16_COMPONENTS` to float16 (T5 stays float32).
+        fp16: convert all but T5 to float16 (:func:`float16_components`; T5 stays float32).
         optimize: ``"cuda"`` or ``"cpu"``: ORT's transformer optimizer (``clip``, ``t5``, ``mmdit``, ``vae``) on
             each component before the float16 conversion, with the fusions that target runs (for ``"cpu"`` the T5
             encoder is left as exported: ORT's T5 fusions write an operator only CUDA runs).
@@ -352,5 +378,5 @@ def export_sd3_pipeline(
         raise ValueError(f"components: expected names from {list(available)}, got {unknown}")
     return export_transformer_pipeline(
         pipe, target, sd3_component_specs(pipe), components, class_name=type(pipe).__name__,
-        optimizer_model_types=SD3_OPTIMIZER_MODEL_TYPES, fp16_components=FP16_COMPONENTS, opset=opset, fp16=fp16,
+        optimizer_model_types=SD3_OPTIMIZER_MODEL_TYPES, opset=opset, fp16=fp16,
         optimize=optimize, progress=progress, external_data_threshold=external_data_threshold)
