@@ -173,3 +173,60 @@ def test_the_vae_declares_its_output_channels_so_its_outputs_are_sized_before_th
     latent = config.latent_channels
     assert infer_output_shapes(encoder, {"sample": (2, 3, 64, 96)}) == {"latent_sample": (2, latent, 8, 12)}
     assert infer_output_shapes(decoder, {"latent_sample": (2, latent, 8, 12)}) == {"sample": (2, 3, 64, 96)}
+
+
+@pytest.mark.parametrize("optimize", [None, "cpu"], ids=["plain", "fused"])
+def test_the_vae_encoder_pads_inside_its_convolutions_and_equals_diffusers(tmp_path, optimize):
+    import onnxruntime as ort
+
+    folder = export_pipeline(None, tmp_path / "sd", tiny_random=True, optimize=optimize,
+                             components=("vae_encoder",), progress=False)
+    model = onnx.load(str(folder / "vae_encoder" / "model.onnx"))
+    assert [node.name for node in model.graph.node if node.op_type == "Pad"] == []
+    asymmetric = [list(a.ints) for node in model.graph.node if node.op_type in ("Conv", "NhwcConv")
+                  for a in node.attribute if a.name == "pads" and list(a.ints) == [0, 0, 1, 1]]
+    vae = build_tiny_random_pipeline().vae
+    assert len(asymmetric) == len(vae.config.block_out_channels) - 1  # one per downsampling block
+    image = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    with torch.no_grad():
+        expected = vae.encode(image).latent_dist.mode().numpy()
+    session = ort.InferenceSession(str(folder / "vae_encoder" / "model.onnx"), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"sample": image.numpy()})
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def _pad_then_conv(mode=b"constant", fill=0.0, reader="Conv", channel_pad=0):
+    from onnx import TensorProto, helper
+
+    pads = numpy_helper.from_array(np.array([0, channel_pad, 0, 0, 0, 0, 1, 1], np.int64), "pads")
+    value = numpy_helper.from_array(np.array(fill, np.float32), "value")
+    weight = numpy_helper.from_array(np.random.RandomState(0).randn(2, 2 + channel_pad, 3, 3).astype(np.float32), "w")
+    pad = helper.make_node("Pad", ["x", "pads", "value"], ["padded"], mode=mode.decode())
+    if reader == "Conv":
+        read = helper.make_node("Conv", ["padded", "w"], ["y"], strides=[2, 2], kernel_shape=[3, 3])
+    else:
+        read = helper.make_node("Relu", ["padded"], ["y"])
+    graph = helper.make_graph([pad, read], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [pads, value, weight])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("case, folds", [
+    (dict(), True),
+    (dict(mode=b"reflect"), False),
+    (dict(fill=1.0), False),
+    (dict(reader="Relu"), False),
+    (dict(channel_pad=1), False),
+], ids=["zero-pad-into-conv", "reflect", "nonzero-fill", "not-a-conv", "channel-pad"])
+def test_only_a_zero_spatial_pad_read_by_convolutions_is_folded_and_the_result_is_the_same(case, folds):
+    import onnxruntime as ort
+    from optimum_iobinding.export.optimize import fold_pads_into_convs
+
+    model = _pad_then_conv(**case)
+    x = np.random.RandomState(1).randn(1, 2, 8, 8).astype(np.float32)
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(  # noqa: E731
+        None, {"x": x})[0]
+    expected = run(model)
+    assert fold_pads_into_convs(model) == int(folds)
+    assert any(node.op_type == "Pad" for node in model.graph.node) != folds
+    np.testing.assert_allclose(run(model), expected, atol=1e-6)

@@ -55,8 +55,8 @@ from ..layout import (
 )
 from .attention import fused_vae_attention
 from .lora_places import lora_layers, weight_map
-from .optimize import (EXTERNAL_DATA_FILE, MAX_SINGLE_FILE_BYTES, convert_to_float16, fusion_options,
-                       optimize_component, optimized_to_float16, optimizer_model_type, save_onnx,
+from .optimize import (EXTERNAL_DATA_FILE, MAX_SINGLE_FILE_BYTES, convert_to_float16, fold_pads_into_convs,
+                       fusion_options, optimize_component, optimized_to_float16, optimizer_model_type, save_onnx,
                        use_classic_attention)
 from .tiny import TINY_RANDOM_KINDS, build_tiny_random_tiny_vae
 
@@ -415,6 +415,10 @@ def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool
                 input_names=spec["input_names"], output_names=spec["output_names"],
                 dynamic_axes=spec["dynamic_axes"], opset_version=opset, do_constant_folding=True,
             )
+        exported = onnx.load(str(scratch_path), load_external_data=False)  # weights past 2 GiB stay in their files
+        if fold_pads_into_convs(exported):
+            onnx.save_model(exported, str(scratch_path))
+        del exported
         optimized = (optimize_component(name, scratch_path, fusion_options(name, spec["config"], optimize), optimize)
                      if optimize else None)
         model = to_precision(scratch_path, optimized, fp16)
