@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from optimum_iobinding.bench.report import write_report
@@ -629,6 +630,12 @@ def test_the_transformer_scenario_runs_tiny_sd3_end_to_end_on_the_cpu_each_peer_
     assert row["blocks"] == [1, 0] and results["environment"]["command"].startswith("optimum-iobinding bench")
     ours, torch_peer = row["peers"]["ours"], row["peers"]["torch"]
     assert ours["end_to_end_ms"] > 0 and ours["steps"] == 3 and ours["short_steps"] == 1
+    # each image's range and share of non-finite values: a float16 overflow shows there at a glance
+    image = np.load(ours["image"])
+    assert ours["image_stats"] == pytest.approx({"min": float(image.min()), "max": float(image.max()),
+                                                 "mean": float(image.mean()), "std": float(image.std()),
+                                                 "non_finite": 0.0}, rel=1e-5)
+    assert ours["graph_fallbacks"] == {}  # off CUDA nothing asks for a graph
     # the same fp32 weights through ONNX Runtime and through diffusers' torch pipeline: the same image
     assert torch_peer["weights"] == "the export's" and torch_peer["max_abs_diff_vs_ours"] < 1e-3
     optimum = row["peers"]["optimum"]

@@ -169,6 +169,10 @@ def run_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[in
         full, short = timed(recipe["steps"]), timed(recipe["short_steps"])
     own_floor = graph_floor_ms(pipe.transformer) if peer == "ours" and cuda else None
     np.save(image_path, image.astype(np.float32))
+    if peer == "ours":  # which of our components ran without a CUDA graph, and ORT's reason
+        about["graph_fallbacks"] = {name: {str(dict(signature)): reason for signature, reason in
+                                           model.graph_fallbacks.items()}
+                                    for name, model in pipe.onnx_models.items() if model.graph_fallbacks}
     per_step = (statistics.median(full) - statistics.median(short)) / (recipe["steps"] - recipe["short_steps"])
     return {
         "peer": peer, **about,
@@ -180,8 +184,20 @@ def run_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[in
         "load_s": load_s, "first_image_s": first_image_s,
         # torch.compile compiles during the first image: that image's time less a warm one's
         "compile_s": first_image_s - statistics.median(full) / 1000 if peer == "compile" else None,
-        "image": str(image_path),
+        "image": str(image_path), "image_stats": image_stats(image),
     }
+
+
+def image_stats(image: np.ndarray) -> Dict[str, float]:
+    """What says at a glance whether an image is an image: its range, mean, spread and share of non-finite values
+    (float16 overflow shows as NaN or a flat image)."""
+    image = np.asarray(image, dtype=np.float32)
+    finite = image[np.isfinite(image)]
+    return {"min": float(finite.min()) if finite.size else float("nan"),
+            "max": float(finite.max()) if finite.size else float("nan"),
+            "mean": float(finite.mean()) if finite.size else float("nan"),
+            "std": float(finite.std()) if finite.size else float("nan"),
+            "non_finite": float(1 - finite.size / max(image.size, 1))}
 
 
 def run_transformer_floor(folder: Path, kind: str, device: str, replays: int = 20) -> Dict[str, Any]:
@@ -201,7 +217,8 @@ def run_transformer_floor(folder: Path, kind: str, device: str, replays: int = 2
     torch.cuda.synchronize()
     per_step = graph_floor_ms(pipe.transformer, replays)
     if per_step is None:
+        reasons = "; ".join(sorted(set(pipe.transformer.graph_fallbacks.values())))
         return {"peer": "floor", "error": f"the transformer captured {len(pipe.transformer.graph_signatures)} CUDA "
-                                          "graphs, expected exactly one"}
+                                          f"graphs, expected exactly one{' (ORT: ' + reasons + ')' if reasons else ''}"}
     return {"peer": "floor", "per_step_ms": per_step, "graph_inputs": pipe.transformer.graph_signatures[0],
             "replays": replays}
