@@ -13,36 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict
 
 import torch
 
 from optimum_iobinding import IOBindingORTModel
-from optimum_iobinding.bench.probes import environment, replay_ms
+from optimum_iobinding.bench.probes import environment, kernel_table, replay_ms
 from optimum_iobinding.bench.zoo import build_torch_pipeline, ensure_export
-
-
-def kernel_table(work: Callable[[], object], calls: int = 5, top: int = 15) -> List[Dict[str, object]]:
-    """The GPU kernels of ``calls`` runs of ``work``: name, ms per run, share of the GPU time, launches per run."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            work()
-        torch.cuda.synchronize()
-    total: Dict[str, float] = defaultdict(float)
-    count: Dict[str, int] = defaultdict(int)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            total[event.name] += event.time_range.elapsed_us()
-            count[event.name] += 1
-    whole = sum(total.values()) or 1.0
-    rows = sorted(total, key=total.get, reverse=True)[:top]
-    return [{"kernel": name[:160], "ms": total[name] / calls / 1000, "share": total[name] / whole,
-             "launches": count[name] / calls} for name in rows] + [{"kernel": "(all)", "ms": whole / calls / 1000}]
 
 
 def graph_ms(function: Callable[[], object], replays: int = 30) -> float:

@@ -167,6 +167,29 @@ def host_waits(run: Callable[[], Any]) -> List[str]:
             and inside.start <= event.time_range.start and event.time_range.end <= inside.end]
 
 
+def kernel_table(work: Callable[[], object], calls: int = 5, top: int = 15) -> List[Dict[str, object]]:
+    """The GPU kernels of ``calls`` runs of ``work``: name, ms per run, share of the GPU time, launches per run."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            work()
+        torch.cuda.synchronize()
+    total: Dict[str, float] = defaultdict(float)
+    count: Dict[str, int] = defaultdict(int)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total[event.name] += event.time_range.elapsed_us()
+            count[event.name] += 1
+    whole = sum(total.values()) or 1.0
+    rows = sorted(total, key=total.get, reverse=True)[:top]
+    return [{"kernel": name[:160], "ms": total[name] / calls / 1000, "share": total[name] / whole,
+             "launches": count[name] / calls} for name in rows] + [{"kernel": "(all)", "ms": whole / calls / 1000}]
+
+
 def run_floor(folder: Path, kind: str, replays: int = 50,
               provider_options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Back-to-back CUDA-graph replays of the UNet alone, with CFG batch 2: the GPU time of one step.

@@ -296,7 +296,7 @@ def build_tiny_random_sd3_pipeline(seed: int = 0, with_t5: bool = True):
     transformer = SD3Transformer2DModel(
         sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
         num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
-        pos_embed_max_size=32,
+        pos_embed_max_size=32, dual_attention_layers=(0,), qk_norm="rms_norm",  # SD3.5's MMDiT-X features
     )
     vae = AutoencoderKL(
         block_out_channels=(32, 32, 32, 64), layers_per_block=1, in_channels=3, out_channels=3,
