@@ -225,7 +225,9 @@ def flux_component_specs(pipe) -> Dict[str, dict]:
         args.append(torch.tensor([3.5, 3.5]))
         axes["guidance"] = {0: "batch_size"}
     specs["transformer"] = dict(module=_FluxTransformer(transformer), args=tuple(args), input_names=names,
-                                output_names=["out_hidden_states"], dynamic_axes=axes, config=config)
+                                output_names=["out_hidden_states"], dynamic_axes=axes, config=config,
+                                # the token width as a number, whatever ORT's fusions leave (as SD3's channels)
+                                fixed_output_dims={"out_hidden_states": {2: transformer.proj_out.out_features}})
     specs.update(vae_specs(pipe.vae, latent_size=8))
     return specs
 

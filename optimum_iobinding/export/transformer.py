@@ -51,7 +51,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..layout import building_beside, save_tokenizer, write_transformer_model_index
-from .export import export_component, pooled_output, to_precision, vae_specs
+from .export import export_component, fix_output_dims, pooled_output, to_precision, vae_specs
 from .optimize import MAX_SINGLE_FILE_BYTES, fusion_options_for, optimize_component, save_onnx
 
 __all__ = ["export_sd3_pipeline", "is_sd3_pipeline", "clip_text_encoder_spec", "t5_encoder_spec",
@@ -199,6 +199,9 @@ def sd3_transformer_spec(transformer: torch.nn.Module, sequence: int = 8) -> Dic
         # diffusers' SD3 pipeline feeds the timestep in float32 whatever the pipeline's dtype (FLUX.1 rounds it to
         # the latents' dtype first): a float16 export keeps this input float32
         float32_inputs=["timestep"],
+        # the output's channels as a number: ORT's fused float16 graph names them by an unresolved Reshape dim, so the
+        # output's shape was unknown before the run and the transformer ran without a CUDA graph
+        fixed_output_dims={"out_hidden_states": {1: transformer.out_channels}},
         config=config,
     )
 
@@ -271,6 +274,7 @@ def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16
         optimized = (optimize_component(name, path, fusion_options_for(model_type, optimize), optimize, model_type)
                      if optimize else None)
         model = to_precision(path, optimized, fp16, spec.get("float32_inputs", ()))
+    fix_output_dims(model, spec.get("fixed_output_dims", {}))
     save_model(model, target / name / "model.onnx", external_data_threshold)
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
     (target / name / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
