@@ -34,7 +34,8 @@ def step_inputs(model: IOBindingORTModel, size: int, text_tokens: int) -> dict:
     else:  # SD3: CLIP's 77 tokens and T5's, CFG batch
         shapes = {"hidden_states": (2, 16, latent, latent), "encoder_hidden_states": (2, 77 + text_tokens, 4096),
                   "pooled_projections": (2, 2048), "timestep": (2,)}
-    return {name: (torch.rand(shapes[name], device="cuda") * (1000 if name == "timestep" else 1)).to(dtypes[name])
+    scale = 1000 if "img_ids" not in model.input_names else 1  # SD3's timestep in [0, 1000], FLUX.1's sigma in [0, 1]
+    return {name: (torch.rand(shapes[name], device="cuda") * (scale if name == "timestep" else 1)).to(dtypes[name])
             for name in model.input_names}
 
 

@@ -230,3 +230,26 @@ def test_only_a_zero_spatial_pad_read_by_convolutions_is_folded_and_the_result_i
     assert fold_pads_into_convs(model) == int(folds)
     assert any(node.op_type == "Pad" for node in model.graph.node) != folds
     np.testing.assert_allclose(run(model), expected, atol=1e-6)
+
+
+def test_a_graph_with_control_flow_is_left_as_it_is_and_the_pads_chain_alone_goes():
+    from onnx import TensorProto, helper
+    from optimum_iobinding.export.optimize import fold_pads_into_convs
+
+    model = _pad_then_conv()
+    branch = helper.make_graph([helper.make_node("Identity", ["pads"], ["kept"])], "branch", [],
+                               [helper.make_tensor_value_info("kept", TensorProto.INT64, None)])
+    with_if = onnx.ModelProto()
+    with_if.CopyFrom(model)
+    with_if.graph.input.append(helper.make_tensor_value_info("flag", TensorProto.BOOL, []))
+    with_if.graph.node.append(helper.make_node("If", ["flag"], ["chosen"], then_branch=branch, else_branch=branch))
+    with_if.graph.output.append(helper.make_tensor_value_info("chosen", TensorProto.INT64, None))
+    before = with_if.SerializeToString()
+    assert fold_pads_into_convs(with_if) == 0 and with_if.SerializeToString() == before
+    # without control flow: the Pad's own constants go, an unrelated unread initializer stays
+    model.graph.initializer.append(numpy_helper.from_array(np.zeros(3, np.float32), "unrelated"))
+    assert fold_pads_into_convs(model) == 1
+    assert {t.name for t in model.graph.initializer} == {"w", "unrelated"}
+    import onnxruntime as ort
+
+    ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])  # a valid graph

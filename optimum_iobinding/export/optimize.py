@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from pathlib import Path
 from collections import deque
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -102,7 +102,7 @@ def float32_island(graph: onnx.GraphProto, inputs: Sequence[str] = CONDITIONING_
         for node in consumers.get(queue.popleft(), ()):
             if id(node) in island or node.op_type in _ISLAND_ENDS or _has_subgraph(node):
                 continue
-            if all(not name or name in derived or constant(name) or types.get(name, onnx.TensorProto.FLOAT)
+            if all(not name or name in derived or constant(name) or (types.get(name) or onnx.TensorProto.FLOAT)
                    not in _FLOAT_TYPES for name in node.input):
                 island.add(id(node))
                 derived.update(node.output)
@@ -125,11 +125,14 @@ def _constant_value(graph: onnx.GraphProto, name: str, opset: int, depth: int = 
     from onnx.external_data_helper import uses_external_data
     from onnx.reference import ReferenceEvaluator
 
+    if any(value.name == name for value in graph.input):  # an input (one an initializer only defaults): fed
+        return None
     for tensor in graph.initializer:
         if tensor.name == name:
             return None if uses_external_data(tensor) else numpy_helper.to_array(tensor)
     producer = next((node for node in graph.node if name in node.output), None)
-    if producer is None or depth == 0 or _has_subgraph(producer):
+    if producer is None or depth == 0 or _has_subgraph(producer) or (
+            producer.op_type != "Constant" and not any(producer.input)):  # RandomNormal and the like
         return None
     if producer.op_type == "Constant":
         value = next((a for a in producer.attribute if a.name == "value"), None)
@@ -156,11 +159,13 @@ def fold_pads_into_convs(model: onnx.ModelProto) -> int:
     own ``pads`` (in place); returns how many it folded.
 
     diffusers' ``Downsample2D`` without padding (the VAE encoder's) pads its input by one row and column on one side
-    before a stride-2 convolution. Exported, that is a Pad node on the full activation: on the H100 ORT's CUDA Pad
-    kernel took 7.5 of the fused fp16 VAE encoder's 13 ms at 512² (benchmarks/vae_floor.py), and ORT's own
-    Pad-into-Conv fusion does not fire on these graphs. A convolution takes asymmetric padding itself (ONNX Conv's
-    ``pads`` are begin and end values per spatial axis), which costs nothing."""
+    before a stride-2 convolution. Exported, that is a Pad node on the full activation, which ORT's CUDA Pad kernel
+    copies slowly (most of the fused fp16 encoder's time: README, Real-time streams), and ORT's own Pad-into-Conv
+    fusion does not fire on these graphs. A convolution takes asymmetric padding itself (ONNX Conv's ``pads`` are
+    begin and end values per spatial axis), which costs nothing. Graphs with control flow are left as they are."""
     graph = model.graph
+    if any(_has_subgraph(node) for node in graph.node):  # values read inside subgraphs: not followed here
+        return 0
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
     readers: Dict[str, List[onnx.NodeProto]] = {}
     for node in graph.node:
@@ -184,13 +189,12 @@ def fold_pads_into_convs(model: onnx.ModelProto) -> int:
             continue
         if not all(conv.op_type == "Conv" and conv.input[0] == pad.output[0] and pad.output[0] not in conv.input[1:]
                    and next((a.s for a in conv.attribute if a.name == "auto_pad"), b"NOTSET") == b"NOTSET"
-                   for conv in convs):
+                   and len(_conv_pads(conv, rank)) == 2 * (rank - 2) for conv in convs):
             continue
+        spatial = [int(v) for v in begin[2:]] + [int(v) for v in end[2:]]
         for conv in convs:
+            merged = [a + b for a, b in zip(_conv_pads(conv, rank), spatial)]
             attribute = next((a for a in conv.attribute if a.name == "pads"), None)
-            own = list(attribute.ints) if attribute is not None else [0] * (2 * (rank - 2))
-            spatial = [int(v) for v in begin[2:]] + [int(v) for v in end[2:]]
-            merged = [a + b for a, b in zip(own, spatial)]
             if attribute is None:
                 conv.attribute.append(onnx.helper.make_attribute("pads", merged))
             else:
@@ -198,19 +202,29 @@ def fold_pads_into_convs(model: onnx.ModelProto) -> int:
                 attribute.ints.extend(merged)
             conv.input[0] = pad.input[0]
         folded.append(pad)
+    # the folded Pads, then what computed their pads and fill that nothing else reads now
+    unread = [name for pad in folded for name in pad.input[1:] if name]
     for pad in folded:
         graph.node.remove(pad)
-    if folded:  # the nodes and constants that computed the pads, which nothing reads now
-        while True:
-            read = {name for node in graph.node for name in node.input} | outputs
-            dead = [node for node in graph.node if not any(name in read for name in node.output)]
-            if not dead:
-                break
-            for node in dead:
-                graph.node.remove(node)
-        for tensor in [t for t in graph.initializer if t.name not in read]:
+    inputs = {value.name for value in graph.input}
+    while unread:
+        name = unread.pop()
+        if name in outputs or any(name in node.input for node in graph.node):
+            continue
+        producer = next((node for node in graph.node if name in node.output), None)
+        if producer is not None and not any(output in outputs or any(output in node.input for node in graph.node)
+                                            for output in producer.output):
+            graph.node.remove(producer)
+            unread.extend(input_name for input_name in producer.input if input_name)
+        for tensor in [t for t in graph.initializer if t.name == name and name not in inputs]:
             graph.initializer.remove(tensor)
     return len(folded)
+
+
+def _conv_pads(conv: onnx.NodeProto, rank: int) -> List[int]:
+    """A Conv's own ``pads`` (zeros where it has none) for an input of ``rank`` dims."""
+    attribute = next((a for a in conv.attribute if a.name == "pads"), None)
+    return list(attribute.ints) if attribute is not None else [0] * (2 * (rank - 2))
 
 
 def _has_subgraph(node: onnx.NodeProto) -> bool:

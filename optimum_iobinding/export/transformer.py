@@ -199,8 +199,8 @@ def sd3_transformer_spec(transformer: torch.nn.Module, sequence: int = 8) -> Dic
         # diffusers' SD3 pipeline feeds the timestep in float32 whatever the pipeline's dtype (FLUX.1 rounds it to
         # the latents' dtype first): a float16 export keeps this input float32
         float32_inputs=["timestep"],
-        # the output's channels as a number: ORT's fused float16 graph names them by an unresolved Reshape dim, so the
-        # output's shape was unknown before the run and the transformer ran without a CUDA graph
+        # the output's channels as a number: ORT's fused float16 graph names them by an unresolved Reshape dim, which
+        # would leave the output's shape unknown before the run, and the transformer without a CUDA graph
         fixed_output_dims={"out_hidden_states": {1: transformer.out_channels}},
         config=config,
     )

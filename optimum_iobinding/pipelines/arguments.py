@@ -26,7 +26,6 @@ def is_real(value: Any) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
-
 def check_sequence_length(max_sequence_length: Any, maximum: int) -> None:
     """Refuses a T5 prompt length that is not an integer in ``[1, maximum]`` (diffusers' check_inputs refuses more
     than its pipeline's maximum), naming the argument."""
