@@ -253,3 +253,29 @@ def test_a_graph_with_control_flow_is_left_as_it_is_and_the_pads_chain_alone_goe
     import onnxruntime as ort
 
     ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])  # a valid graph
+
+
+def test_cascaded_casts_merge_between_float_types_and_never_through_an_integer():
+    from onnx import TensorProto, helper
+    from onnxruntime.transformers.onnx_model import OnnxModel
+    from optimum_iobinding.export.optimize import remove_cascaded_casts
+
+    nodes = [helper.make_node("Cast", ["x"], ["half"], to=TensorProto.FLOAT16),
+             helper.make_node("Cast", ["half"], ["back"], to=TensorProto.FLOAT),  # fp32 → fp16 → fp32: merged
+             helper.make_node("Cast", ["x"], ["whole"], to=TensorProto.INT32),
+             helper.make_node("Cast", ["whole"], ["rounded"], to=TensorProto.FLOAT)]  # rounds: kept
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info("back", TensorProto.FLOAT, [3]),
+                               helper.make_tensor_value_info("rounded", TensorProto.FLOAT, [3])])
+    model = OnnxModel(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+    remove_cascaded_casts(model)
+    producers = {node.output[0]: node for node in model.model.graph.node}
+    assert producers["back"].input[0] == "x" and "half" not in producers
+    assert producers["rounded"].input[0] == "whole"
+    import onnxruntime as ort
+
+    x = np.array([0.4, 1.6, 2.5], np.float32)
+    back, rounded = ort.InferenceSession(model.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})
+    np.testing.assert_array_equal(back, x)
+    np.testing.assert_array_equal(rounded, x.astype(np.int32).astype(np.float32))

@@ -275,15 +275,28 @@ def _converted_keeping_island(model: onnx.ModelProto, float32_inputs: Sequence[s
 
 
 def remove_cascaded_casts(converted: Any) -> None:
-    """ORT's ``OnnxModel.remove_cascaded_cast_nodes`` until no Cast reads another Cast: one pass points each Cast at
-    its parent's input, so along a float32 island the converter's Cast to float16 and back, or a model's own Cast to
-    float32 between them, would still read a value rounded to float16 after it."""
-    for _ in range(16):  # a chain shortens every pass; the island's chains are three Casts long
-        producer = {output: node for node in converted.nodes() for output in node.output}
-        if not any(node.op_type == "Cast" and getattr(producer.get(node.input[0]), "op_type", None) == "Cast"
-                   for node in converted.nodes()):
-            return
-        converted.remove_cascaded_cast_nodes()
+    """Points each Cast that reads another Cast at that Cast's input where this keeps the values: both cast to float
+    types (along a float32 island the converter's Cast to float16 and back, or a model's own Cast to float32 between
+    them, would otherwise still read a value rounded to float16), or both to the same type. Unlike ORT's
+    ``OnnxModel.remove_cascaded_cast_nodes`` it leaves a float → integer → float pair alone (that one rounds) and
+    removes only the Casts nobody reads afterwards."""
+    graph = converted.model.graph
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+    to = lambda node: next((a.i for a in node.attribute if a.name == "to"), None)  # noqa: E731
+    outputs = {value.name for value in graph.output}
+    changed = True
+    while changed:
+        changed = False
+        casts = {node.output[0]: node for node in graph.node if node.op_type == "Cast"}
+        for node in graph.node:
+            parent = casts.get(node.input[0]) if node.op_type == "Cast" else None
+            if parent is not None and parent is not node and (
+                    (to(parent) in floats and to(node) in floats) or to(parent) == to(node)):
+                node.input[0] = parent.input[0]
+                changed = True
+        read = {name for node in graph.node for name in node.input} | outputs
+        for node in [n for n in graph.node if n.op_type == "Cast" and n.output[0] not in read]:
+            graph.node.remove(node)
 
 
 # ORT's optimizer model type of each kind of component.
