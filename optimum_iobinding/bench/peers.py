@@ -143,12 +143,7 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
             return np.asarray(images)
 
         def timed(num_steps: int) -> List[float]:
-            times = []
-            for _ in range(runs):
-                start = time.perf_counter()
-                call(num_steps)
-                times.append((time.perf_counter() - start) * 1000)
-            return times
+            return wall_ms(lambda: call(num_steps), runs)
 
         start = time.perf_counter()
         image = call(steps)  # the cold start's first image: sessions, algorithm search, graph capture
@@ -289,6 +284,16 @@ def latency_summary(latencies_ms: Sequence[float]) -> Dict[str, Any]:
     """p50 and p99 of per-frame latencies (ms), and every latency."""
     return {"p50_ms": float(np.percentile(latencies_ms, 50)), "p99_ms": float(np.percentile(latencies_ms, 99)),
             "latency_ms_all": [float(ms) for ms in latencies_ms]}
+
+
+def wall_ms(call: Callable[[], Any], runs: int) -> List[float]:
+    """Wall-clock ms of each of ``runs`` calls of ``call()`` (which waits for its own device work)."""
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1000)
+    return times
 
 
 def synchronized_latencies(call: Callable[[int], Any], count: int) -> List[float]:

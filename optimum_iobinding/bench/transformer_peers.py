@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .peers import PeerUnavailable
+from .peers import PeerUnavailable, wall_ms
 from .probes import PeakMemory, graph_floor_ms
 from .zoo import PROMPT, TRANSFORMER_RECIPES, build_transformer_pipeline
 
@@ -154,12 +154,7 @@ def run_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[in
             return np.asarray(images)
 
         def timed(steps: int) -> List[float]:
-            times = []
-            for _ in range(runs):
-                start = time.perf_counter()
-                call(steps)
-                times.append((time.perf_counter() - start) * 1000)
-            return times
+            return wall_ms(lambda: call(steps), runs)
 
         start = time.perf_counter()
         image = call(recipe["steps"])
