@@ -385,7 +385,10 @@ class OnnxStreamDiffusionPipeline(OnnxStableDiffusionPipelineBase):
         """One frame in, one frame out (see the class docstring for the kinds).
 
         With a CUDA frame the call returns as soon as the frame's work is enqueued on the pipeline's stream (the
-        caller's stream waits for it on the device, not the host); a host frame's output is waited for.
+        caller's stream waits for it on the device, not the host); a host frame's output is waited for. How far the
+        host runs ahead of the device is bounded by the CUDA driver, which holds only so many launches of a graph in
+        flight (a stream batch's UNet graph: 6, measured on the H100), so a host that keeps feeding frames waits
+        there, a few frames ahead.
 
         Returns:
             The output frame, of the input's kind; in a stream batch, the output of the frame given k − 1 calls
