@@ -806,9 +806,11 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         if output_type == "pt" or image.device.type != "cuda":
             return self.image_processor.postprocess(image.float(), output_type=output_type)
         image = (image.float() / 2 + 0.5).clamp(0, 1)
-        host = torch.empty(image.shape, dtype=image.dtype, pin_memory=True)
-        host.copy_(image, non_blocking=True)
-        torch.cuda.current_stream(image.device).synchronize()
+        # pinning may allocate and the wait synchronizes: neither may run beside a graph capture in another thread
+        with DEVICE_SETUP.setup():
+            host = torch.empty(image.shape, dtype=image.dtype, pin_memory=True)
+            host.copy_(image, non_blocking=True)
+            torch.cuda.current_stream(image.device).synchronize()
         return self.image_processor.postprocess(host, output_type=output_type, do_denormalize=[False] * len(host))
 
     # the denoising loop (every tensor stays on self.device; nothing waits on the host): .denoise.denoise

@@ -27,6 +27,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..runtime.cuda_policy import DEVICE_SETUP
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_integer, is_real
 
@@ -314,5 +315,6 @@ class TiledVAE:
     def _staging_buffer(self, slot: int, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         key = (slot, shape, dtype)
         if key not in self._staging:
-            self._staging[key] = torch.empty(shape, dtype=dtype, pin_memory=True)
+            with DEVICE_SETUP.setup():  # pinning may allocate, which a graph capture in another thread must not see
+                self._staging[key] = torch.empty(shape, dtype=dtype, pin_memory=True)
         return self._staging[key]
