@@ -97,7 +97,7 @@ def test_the_host_enqueues_frames_without_waiting(folders, case):
     k = len(stream.timesteps)
     # the most frames whose UNet launches (a stream batch's flush adds k − 1; one at a time, k per frame) stay
     # within what the driver holds in flight of the UNet's graph
-    unet_inputs = stream._plan.unet_inputs  # the UNet graph's own input buffers, as a frame's call binds them
+    unet_inputs = stream.unet_inputs  # the UNet graph's own input buffers, as a frame's call binds them
     held = launches_held(stream, lambda: stream.unet(**unet_inputs))
     count = min(6, held - (k - 1)) if stream_batch and k > 1 else min(6, held // k)
     assert count >= 1, f"the driver holds {held} launches of the UNet's graph; a stream of {k} steps needs more"

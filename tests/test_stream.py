@@ -246,6 +246,20 @@ def test_update_prompt_equals_a_fresh_prepare_and_keeps_the_unets_input_where_it
     torch.testing.assert_close(updated, fresh[2:], atol=0, rtol=0)
 
 
+def test_unet_inputs_are_what_every_frames_unet_call_is_given(sd):
+    _, folder = sd
+    stream = stream_for(folder, TURBO)
+    assert stream.unet_inputs == {}
+    stream.prepare(PROMPT, num_inference_steps=4, strength=0.5, seed=SEED, height=SIZE, width=SIZE)
+    inputs = stream.unet_inputs
+    assert sorted(inputs) == sorted(stream.unet.input_names) and inputs["sample"].shape[0] == len(stream.timesteps)
+    with stream.unet.watch_runs() as runs:
+        for frame in frames_of(3):
+            stream(frame)
+    addresses = {name: tensor.data_ptr() for name, tensor in inputs.items()}
+    assert len(runs) == 3 and all(run.inputs == addresses for run in runs)
+
+
 # -------------------------------------------------------------------------------------------------- frames
 def test_every_kind_of_frame_comes_back_as_it_came(turbo):
     stream = turbo

@@ -151,6 +151,12 @@ class OnnxStreamDiffusionPipeline(OnnxStableDiffusionPipelineBase):
         return sum(kind is not None for kind in self._plan.in_flight) if self._plan is not None else 0
 
     @property
+    def unet_inputs(self) -> Dict[str, torch.Tensor]:
+        """The UNet inputs every frame's call passes (the UNet graph's own input buffers where it has a graph),
+        by name; empty before :meth:`prepare`. The tensors are the stream's: read them, do not write them."""
+        return dict(self._plan.unet_inputs) if self._plan is not None else {}
+
+    @property
     def captured_graphs(self) -> int:
         """How many torch CUDA graphs the prepared stream has captured (the models' own graphs are counted by
         each model's ``graph_signatures``): ``prepare`` captures what frames of the prepared size need."""
