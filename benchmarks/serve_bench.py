@@ -79,6 +79,7 @@ def main() -> int:
     parser.add_argument("--batch-wait-ms", type=float, default=0.0)
     parser.add_argument("--engines", default="optimum-iobinding,diffusers-numpy")
     parser.add_argument("--numpy-batching", action="store_true", help="also run the numpy engine with batching")
+    parser.add_argument("--batching", default="on,off", help="optimum-iobinding with batching on, off or both")
     parser.add_argument("--bare-batches", default="1,2,4,8")
     parser.add_argument("--fresh-requests", type=int, default=64,
                         help="right after each deployment is ready (its replicas warmed up), this many requests at "
@@ -88,6 +89,8 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not args.batching or not set(args.batching.split(",")) <= {"on", "off"}:
+        parser.error(f"--batching: expected on, off or on,off, got {args.batching!r}")
     batches = [int(b) for b in args.bare_batches.split(",")]
     if args.bare:
         print("BARE " + json.dumps(bare(args.folder, args.steps, args.size, batches, args.device)), flush=True)
@@ -99,6 +102,9 @@ def main() -> int:
     bare_result = json.loads(lines[-1][5:]) if lines else {"error": done.stderr[-2000:]}
     print("bare:", bare_result, flush=True)
 
+    from optimum_iobinding.serve.config import prepare_local_ray
+
+    prepare_local_ray()  # the local cluster `optimum-iobinding serve` starts: on loopback, Serve's loop settings
     import ray
     from ray import serve
 
@@ -113,7 +119,9 @@ def main() -> int:
     rows = []
     for engine in args.engines.split(","):
         for replicas in [int(r) for r in args.replicas.split(",")]:
-            for batching in ((True, False) if engine == "optimum-iobinding" or args.numpy_batching else (False,)):
+            modes = [mode == "on" for mode in args.batching.split(",")] if engine == "optimum-iobinding" else (
+                [True, False] if args.numpy_batching else [False])
+            for batching in modes:
                 batch = args.max_batch_size if batching else 1
                 config = ServeConfig(model=args.folder, replicas=replicas, max_batch_size=batch,
                                      max_images_per_request=1, batch_wait_timeout_s=args.batch_wait_ms / 1000,

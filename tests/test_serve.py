@@ -10,6 +10,8 @@ import base64
 import io
 import json
 import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -319,6 +321,74 @@ def test_after_a_batch_of_several_images_the_next_one_waits_a_little_for_as_many
 
     generator.expect_return(2, 1.0)
     assert generator.batch_limits == pytest.approx((2, REGROUP_WAIT)) and generator.admission.batch_cap == 2
+
+
+def test_on_an_idle_replica_that_expects_company_a_batch_waits_for_more_unless_a_regroup_set_its_limits(generator):
+    from optimum_iobinding.serve import IDLE_GATHER_WAIT
+
+    assert generator.expects_company and generator.admission.idle  # a fresh replica: its first users may be a burst
+    generator.gather_on_idle()
+    assert generator.batch_limits == (3, IDLE_GATHER_WAIT) and generator.admission.batch_cap == 3
+    generator.expect_return(2, 1.0)  # clients coming back after a batch of two: that wait is kept
+    regroup = generator.batch_limits
+    generator.gather_on_idle()
+    assert generator.batch_limits == regroup != (3, IDLE_GATHER_WAIT)
+
+
+# Run in a process of its own: Serve's batch queue belongs to the batched function (every ImageGenerator of a process
+# shares it) and to the event loop that first used it.
+_BURST_AND_LONE_CLIENT = """
+import asyncio, json, sys
+from dataclasses import asdict
+
+from ray.serve import batching
+
+from optimum_iobinding.serve import ImageGenerator, ServeConfig
+
+# Serve's batch queue, made outside a replica, would read the replica's settings for a warning only
+batching._BatchQueue._warn_if_max_batch_size_exceeds_max_ongoing_requests = lambda self: None
+generator = ImageGenerator(asdict(ServeConfig(model=sys.argv[1], device="cpu", max_batch_size=3,
+                                              warmup_batch_sizes=[])))
+body = dict(prompt="a red house", size=int(sys.argv[2]), steps=1)
+
+
+async def apart(*seeds):
+    # the later requests sent once the first is in Serve's batch queue and its batch would have started without a
+    # wait (the event loop went round many times)
+    first = asyncio.ensure_future(generator.generate(dict(body, seed=seeds[0])))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    results = await asyncio.gather(first, *[generator.generate(dict(body, seed=seed)) for seed in seeds[1:]])
+    return [result.get("batch_requests", result.get("error")) for result in results]
+
+
+async def scenario():
+    seen = {"fresh": generator.expects_company}
+    seen["burst"] = await apart(1, 2)
+    seen["after_burst"] = generator.expects_company
+    seen["lone"] = [(await generator.generate(dict(body, seed=4)))["batch_requests"]]
+    seen["after_lone"] = generator.expects_company
+    seen["next"] = await apart(5, 6, 7)
+    seen["after_next"] = generator.expects_company
+    return seen
+
+
+print("SEEN " + json.dumps(asyncio.run(scenario())))
+"""
+
+
+def test_a_fresh_replica_gathers_a_burst_into_one_batch_and_a_lone_clients_requests_start_at_once(tiny_folder):
+    """The first request of a fresh replica waits (IDLE_GATHER_WAIT) for others: one that comes meanwhile rides in
+    its batch. A batch of one request during which nothing else came marks a lone client: then the first of the
+    same requests starts without waiting, and the later ones ride in the next batch together."""
+    done = subprocess.run([sys.executable, "-c", _BURST_AND_LONE_CLIENT, str(tiny_folder), str(SIZE)],
+                          capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("SEEN ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    seen = json.loads(lines[-1][5:])
+    assert seen["fresh"] and seen["burst"] == [2, 2] and seen["after_burst"]  # a batch of two: company
+    assert seen["lone"] == [1] and not seen["after_lone"]  # waited for company; none came, before or after
+    assert seen["next"] == [1, 2, 2] and seen["after_next"]  # others came while the first one's batch ran
 
 
 def test_the_warm_up_runs_on_the_thread_of_the_pipeline_calls_so_their_first_batch_finds_it_done(tiny_folder):

@@ -17,6 +17,7 @@ _APP_NAMES = {
     "encode_pngs": "schema",
     "REGROUP_WAIT": "batching",
     "QUEUED_REGROUP_WAIT": "batching",
+    "IDLE_GATHER_WAIT": "batching",
     "Admission": "batching",
     "ImageGenerator": "batching",
     "ImageService": "app",

@@ -8,7 +8,9 @@ becomes pipeline calls and answers — :class:`ImageGenerator` (no HTTP) and its
   that come while a batch runs wait (:class:`Admission`) and enter the next batch together. On CUDA a batch is put
   on the GPU and the next one is let in at once, queued behind it on the pipeline's stream, while the first one's
   images come back and are answered: the GPU does not wait for the host between batches (at most two batches are
-  unfinished). A batch runs one pipeline call per group of requests that agree on what a call cannot mix — size,
+  unfinished). A request on an idle replica starts its batch at once where its client is alone (the last batch held
+  it alone, and nothing came while it ran); otherwise (a fresh replica, a burst) that batch waits up to
+  :data:`IDLE_GATHER_WAIT` for a full batch. A batch runs one pipeline call per group of requests that agree on what a call cannot mix — size,
   steps, guidance — so requests of different sizes, step counts or guidance ride in the same ``@serve.batch``
   window but in different pipeline calls.
 * Within a call every request keeps its own prompt, negative prompt and seed: image ``k`` of a request with seed
@@ -55,6 +57,13 @@ REGROUP_WAIT = 0.10
 # fresh H100 server's steady concurrency-16 load formed batches of 7 and 8 in turn instead of 8
 # (benchmarks/results/h100/2026-11-24-5303db4).
 QUEUED_REGROUP_WAIT = 0.5
+# How long a batch that starts on an idle replica waits for more requests (up to ``max_batch_size`` images; it starts
+# as soon as they are there) while the replica expects company: at start, and after any batch but one of a single
+# request during which nothing else came (a lone client, whose requests then start at once). A burst of clients reaches a replica over some
+# milliseconds: 16 clients' first requests over 35 ms on a 2-core machine. Without the wait a fresh server's first
+# burst ran its first request (or two) alone and every other batch a step behind: 0.95–0.97 × the steady rate on an
+# H100 (benchmarks/results/h100/2026-11-24-21914a1).
+IDLE_GATHER_WAIT = 0.05
 
 
 def _images_in(requests: Sequence[Dict[str, Any]]) -> int:
@@ -123,6 +132,11 @@ class Admission:
     def waiting_images(self) -> int:
         """The images of the requests waiting to be let in."""
         return sum(images for _, images in self._waiting)
+
+    @property
+    def idle(self) -> bool:
+        """Whether nothing is let in, waiting, running or unfinished: a request now would start a batch at once."""
+        return not (self._waiting or self._admitted or self._batch_running or self._unfinished)
 
     @property
     def batch_running(self) -> bool:
@@ -251,6 +265,8 @@ class ImageGenerator:
             self._worker.shutdown(wait=False)
             raise
         self.batches_run = 0
+        self._arrivals = 0  # requests that passed the checks and went to the gate
+        self._company_expected = True  # a batch that starts idle waits for more (IDLE_GATHER_WAIT)
         self._finisher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="images")
 
     def _warm_up(self) -> float:
@@ -409,6 +425,9 @@ class ImageGenerator:
     async def _queue_and_run(self, request: Dict[str, Any]) -> Dict[str, Any]:
         """A completed request through the gate and Serve's batch queue into a batch."""
         images = request["n"]
+        self._arrivals += 1
+        if self.admission.idle and self._company_expected:
+            self.gather_on_idle()
         await self.admission.admit(images)
         try:
             return await self._batched(request)
@@ -430,6 +449,20 @@ class ImageGenerator:
         share = QUEUED_REGROUP_WAIT if self._deferred else REGROUP_WAIT
         self._limit_batches(expected, max(self.config.batch_wait_timeout_s, share * seconds))
 
+    def gather_on_idle(self) -> None:
+        """The batch a request on an idle replica starts waits up to :data:`IDLE_GATHER_WAIT` for as many images as
+        a batch holds (the rest of a burst), unless a regroup (:meth:`expect_return`) already set its limits. Called
+        while the replica expects company: at start, and after a batch during which other requests came."""
+        if self.config.max_batch_size > 1 and self._batch_limits == (self.config.max_batch_size,
+                                                                      self.config.batch_wait_timeout_s):
+            self._limit_batches(self.config.max_batch_size, max(self.config.batch_wait_timeout_s, IDLE_GATHER_WAIT))
+
+    @property
+    def expects_company(self) -> bool:
+        """Whether a request on an idle replica waits for others (:meth:`gather_on_idle`): at start, then as long as
+        the last batch saw other requests come while it ran."""
+        return self._company_expected
+
     def _limit_batches(self, max_batch_size: int, wait_timeout_s: float) -> None:
         """The next batch's limits, for the gate and for Serve's batch queue (kept: :attr:`batch_limits`)."""
         self.admission.set_batch_cap(max_batch_size)
@@ -443,6 +476,7 @@ class ImageGenerator:
             request["_started"] = True
         self.admission.batch_started(_images_in([r for r in requests if not r.get("_abandoned")]))
         self._limit_batches(self.config.max_batch_size, self.config.batch_wait_timeout_s)
+        arrivals = self._arrivals
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:
@@ -453,6 +487,9 @@ class ImageGenerator:
                 self.admission.batch_queued()  # on CUDA the next batch queues behind this one on the GPU
             return await loop.run_in_executor(self._finisher, self.finish_batch, started)
         finally:
+            # a batch of one request with nothing else coming while it ran: a lone client, whose next request
+            # starts at once
+            self._company_expected = len(requests) > 1 or self._arrivals > arrivals
             self.expect_return(_images_in(requests), time.perf_counter() - start)
             self.admission.batch_finished()
 
