@@ -227,6 +227,23 @@ def test_a_local_ray_is_set_to_listen_on_loopback_unless_a_cluster_is_given(monk
     assert not prepare_local_ray() and os.environ[LOCAL_RAY_ENV] == "1"
 
 
+def test_a_local_ray_and_the_replicas_take_serves_request_path_settings_unless_set_otherwise(monkeypatch):
+    from optimum_iobinding.serve import build_app
+    from optimum_iobinding.serve.config import SERVE_REQUEST_PATH_ENV, prepare_local_ray, serve_request_path_env
+
+    for name in SERVE_REQUEST_PATH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RAY_SERVE_PROXY_USE_GRPC", "0")  # the user's own setting stays
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    wanted = dict(SERVE_REQUEST_PATH_ENV, RAY_SERVE_PROXY_USE_GRPC="0")
+    assert serve_request_path_env() == wanted
+    options = build_app("sd-onnx", device="cpu")._bound_deployment.ray_actor_options
+    assert options["runtime_env"]["env_vars"] == wanted
+    monkeypatch.delitem(sys.modules, "ray")  # as before Ray is imported
+    prepare_local_ray()
+    assert {name: os.environ.get(name) for name in SERVE_REQUEST_PATH_ENV} == wanted
+
+
 def test_once_ray_is_imported_its_setting_is_left_alone(monkeypatch):
     from optimum_iobinding.serve.config import LOCAL_RAY_ENV, prepare_local_ray
 
@@ -329,6 +346,22 @@ def test_a_local_cluster_listens_on_loopback_only(server_process):
     assert {"gcs_server", "raylet"} <= names and server_process.port in {port for _, _, port in listening}
     assert any(name.startswith("ray::ServeReplica") for name in names), listening
     assert off_loopback == [], off_loopback
+
+
+def test_serves_proxy_and_replicas_run_with_its_request_path_settings(server_process):
+    """Serve reads them when it is imported, in each process: the proxy's gRPC to the replicas, the loops."""
+    from optimum_iobinding.serve.config import SERVE_REQUEST_PATH_ENV
+
+    seen = {}
+    for process in server_process.processes:
+        try:
+            name, environment = process.name(), process.environ()
+        except psutil.Error:
+            continue
+        if name.startswith(("ray::ProxyActor", "ray::ServeReplica")):
+            seen[name.split(":")[2]] = {key: environment.get(key) for key in SERVE_REQUEST_PATH_ENV}
+    assert {"ProxyActor", "ServeReplica"} <= {name.split(".")[0] for name in seen}, seen
+    assert all(settings == SERVE_REQUEST_PATH_ENV for settings in seen.values()), seen
 
 
 def stopped_cleanly(server: ServerProcess, status: int, signum: int, whole_group: bool = False) -> None:

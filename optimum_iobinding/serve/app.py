@@ -44,7 +44,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("optimum_iobinding.serve needs Ray Serve: pip install 'optimum-iobinding[serve]'") from error
 
 from .batching import ImageGenerator
-from .config import ServeConfig, is_loopback, serve_loop_env
+from .config import ServeConfig, is_loopback, serve_request_path_env
 from .schema import ImageRequest, encode_pngs
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ def http_deployment(generator_class: Type[ImageGenerator]) -> "serve.Deployment"
         async def __init__(self, config: Dict[str, Any]):  # Serve awaits it
             keep_replica_grpc_on_loopback()  # before Serve starts the replica's gRPC server, once this returns
             # the pipeline's load and warm-up (tens of seconds) on a thread: the replica's event loop, where its
-            # handlers run (SERVE_LOOP_ENV), goes on answering Serve meanwhile
+            # handlers run (SERVE_REQUEST_PATH_ENV), goes on answering Serve meanwhile
             await asyncio.to_thread(generator_class.__init__, self, config)
 
     Replica.__doc__ = generator_class.__doc__
@@ -220,7 +220,7 @@ def build_app(config: Union[ServeConfig, str, os.PathLike], generator_class: Typ
     deployment = ImageService if generator_class is ImageGenerator else http_deployment(generator_class)
     gpus = config.device == "cuda" or (config.device == "auto" and cluster_has_gpus())
     actor_options = {"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": 1}
-    actor_options["runtime_env"] = {"env_vars": serve_loop_env()}  # Serve combines them with the application's
+    actor_options["runtime_env"] = {"env_vars": serve_request_path_env()}  # Serve combines them with the application's
     return deployment.options(
         num_replicas=config.replicas, ray_actor_options=actor_options,
         max_ongoing_requests=config.max_ongoing_requests, max_queued_requests=config.max_queued_requests,

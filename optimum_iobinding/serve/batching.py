@@ -10,9 +10,9 @@ becomes pipeline calls and answers — :class:`ImageGenerator` (no HTTP) and its
   images come back and are answered: the GPU does not wait for the host between batches (at most two batches are
   unfinished). A request on an idle replica starts its batch at once where its client is alone (the last batch held
   it alone, and nothing came while it ran); otherwise (a fresh replica, a burst) that batch waits up to
-  :data:`IDLE_GATHER_WAIT` for a full batch. A batch runs one pipeline call per group of requests that agree on what a call cannot mix — size,
-  steps, guidance — so requests of different sizes, step counts or guidance ride in the same ``@serve.batch``
-  window but in different pipeline calls.
+  :data:`IDLE_GATHER_WAIT` for a full batch. A batch runs one pipeline call per group of requests that agree on
+  what a call cannot mix — size, steps, guidance — so requests of different sizes, step counts or guidance ride in
+  the same ``@serve.batch`` window but in different pipeline calls.
 * Within a call every request keeps its own prompt, negative prompt and seed: image ``k`` of a request with seed
   ``s`` is drawn from its own ``torch.Generator`` seeded ``s + k`` (the latents and every scheduler noise), so it
   equals the image of a single call ``pipe(prompt, generator=torch.Generator().manual_seed(s + k))`` up to the
@@ -59,10 +59,10 @@ REGROUP_WAIT = 0.10
 QUEUED_REGROUP_WAIT = 0.5
 # How long a batch that starts on an idle replica waits for more requests (up to ``max_batch_size`` images; it starts
 # as soon as they are there) while the replica expects company: at start, and after any batch but one of a single
-# request during which nothing else came (a lone client, whose requests then start at once). A burst of clients reaches a replica over some
-# milliseconds: 16 clients' first requests over 35 ms on a 2-core machine. Without the wait a fresh server's first
-# burst ran its first request (or two) alone and every other batch a step behind: 0.95–0.97 × the steady rate on an
-# H100 (benchmarks/results/h100/2026-11-24-21914a1).
+# request during which nothing else came (a lone client, whose requests then start at once). A burst of clients
+# reaches a replica over some milliseconds: 16 clients' first requests over 35 ms on a 2-core machine. Without the
+# wait a fresh H100 server's first burst ran its first request (or two) alone, and its first 64 answers took a batch
+# more: 0.95–0.97 × the bare pipeline's best rate (benchmarks/results/h100/2026-11-24-21914a1).
 IDLE_GATHER_WAIT = 0.05
 
 
