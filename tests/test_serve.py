@@ -323,6 +323,23 @@ def test_after_a_batch_of_several_images_the_next_one_waits_a_little_for_as_many
     assert generator.batch_limits == pytest.approx((2, REGROUP_WAIT)) and generator.admission.batch_cap == 2
 
 
+def test_a_regroup_takes_the_requests_already_waiting_along_so_a_split_group_heals(generator):
+    """After a batch of two, two images are expected back; one request already waits (left over from a group split
+    before): the next batch waits for three, not two, so the leftover rides with them."""
+    from optimum_iobinding.serve import REGROUP_WAIT
+
+    async def scenario():
+        generator.admission.batch_started(0)  # a batch runs: a request now waits at the gate
+        waiting = asyncio.ensure_future(generator.admission.admit(1))
+        await asyncio.sleep(0)
+        assert generator.admission.waiting_images == 1
+        generator.expect_return(2, 1.0)
+        waiting.cancel()
+
+    asyncio.run(scenario())
+    assert generator.batch_limits == pytest.approx((3, REGROUP_WAIT)) and generator.admission.batch_cap == 3
+
+
 def test_on_an_idle_replica_that_expects_company_a_batch_waits_for_more_unless_a_regroup_set_its_limits(generator):
     from optimum_iobinding.serve import IDLE_GATHER_WAIT
 

@@ -440,14 +440,19 @@ class ImageGenerator:
         """After a batch of ``images`` that took ``seconds``, when fewer images wait: the next batch waits up to
         :data:`REGROUP_WAIT` of that time for as many images (up to ``max_batch_size``), since clients that got
         their answers tend to send their next requests at once; it starts as soon as they are there. Without this, a
-        group of clients split once (the first of them to come back runs alone) stays split. A lone client's batch
-        waits for nothing. Where the next batch queues behind the running one on the GPU (:attr:`defers_images`), it
-        waits up to :data:`QUEUED_REGROUP_WAIT` of that time instead."""
+        group of clients split once (the first of them to come back runs alone) stays split. The requests already
+        waiting ride with them (up to ``max_batch_size``): capped at the returning images alone, a group of 7 of 16
+        clients and the one left over from it stayed apart, batches of 7 and 8 in turn (H100,
+        benchmarks/results/h100/2026-11-25-3fad6d1). A lone client's batch waits for nothing. Where the next batch
+        queues behind the running one on the GPU (:attr:`defers_images`), it waits up to
+        :data:`QUEUED_REGROUP_WAIT` of that time instead."""
         expected = min(images, self.config.max_batch_size)
-        if expected <= 1 or self.admission.waiting_images >= expected:
+        pending = self.admission.waiting_images + self.admission.admitted
+        if expected <= 1 or pending >= expected:
             return
         share = QUEUED_REGROUP_WAIT if self._deferred else REGROUP_WAIT
-        self._limit_batches(expected, max(self.config.batch_wait_timeout_s, share * seconds))
+        self._limit_batches(min(self.config.max_batch_size, expected + pending),
+                            max(self.config.batch_wait_timeout_s, share * seconds))
 
     def gather_on_idle(self) -> None:
         """The batch a request on an idle replica starts waits up to :data:`IDLE_GATHER_WAIT` for as many images as
