@@ -340,6 +340,18 @@ def test_a_regroup_takes_the_requests_already_waiting_along_so_a_split_group_hea
     assert generator.batch_limits == pytest.approx((3, REGROUP_WAIT)) and generator.admission.batch_cap == 3
 
 
+def test_a_regroup_whose_clients_did_not_come_back_in_time_is_over_for_the_next_idle_arrival(generator):
+    from optimum_iobinding.serve import IDLE_GATHER_WAIT
+
+    generator.expect_return(2, 1000.0)  # their wait (100 s) has not run out: the regroup stays
+    regroup = generator.batch_limits
+    generator.on_arrival()
+    assert generator.batch_limits == regroup and regroup[0] == 2
+    generator.expect_return(2, 0.0)  # a wait that has run out: the arrival starts as on a fresh replica
+    generator.on_arrival()
+    assert generator.batch_limits == (3, IDLE_GATHER_WAIT)
+
+
 def test_on_an_idle_replica_that_expects_company_a_batch_waits_for_more_unless_a_regroup_set_its_limits(generator):
     from optimum_iobinding.serve import IDLE_GATHER_WAIT
 
@@ -362,10 +374,14 @@ from ray.serve import batching
 
 from optimum_iobinding.serve import ImageGenerator, ServeConfig
 
+from optimum_iobinding.serve import batching as ours
+
 # Serve's batch queue, made outside a replica, would read the replica's settings for a warning only
+assert hasattr(batching._BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests")
 batching._BatchQueue._warn_if_max_batch_size_exceeds_max_ongoing_requests = lambda self: None
 generator = ImageGenerator(asdict(ServeConfig(model=sys.argv[1], device="cpu", max_batch_size=3,
                                               warmup_batch_sizes=[])))
+gather = ours.IDLE_GATHER_WAIT
 body = dict(prompt="a red house", size=int(sys.argv[2]), steps=1)
 
 
@@ -381,10 +397,14 @@ async def apart(*seeds):
 
 async def scenario():
     seen = {"fresh": generator.expects_company}
-    seen["burst"] = await apart(1, 2)
+    ours.IDLE_GATHER_WAIT = 600.0  # the burst fills the batch (3 images) long before: no clock decides
+    seen["burst"] = await apart(1, 2, 3)
+    ours.IDLE_GATHER_WAIT = gather
     seen["after_burst"] = generator.expects_company
     seen["lone"] = [(await generator.generate(dict(body, seed=4)))["batch_requests"]]
     seen["after_lone"] = generator.expects_company
+    generator.expect_return(2, 1.0)  # a lone client's batch of two images: nobody else to wait for
+    seen["limits_after_lone"] = list(generator.batch_limits)
     seen["next"] = await apart(5, 6, 7)
     seen["after_next"] = generator.expects_company
     return seen
@@ -395,7 +415,7 @@ print("SEEN " + json.dumps(asyncio.run(scenario())))
 
 
 def test_a_fresh_replica_gathers_a_burst_into_one_batch_and_a_lone_clients_requests_start_at_once(tiny_folder):
-    """The first request of a fresh replica waits (IDLE_GATHER_WAIT) for others: one that comes meanwhile rides in
+    """The first request of a fresh replica waits (IDLE_GATHER_WAIT) for others: those that come meanwhile ride in
     its batch. A batch of one request during which nothing else came marks a lone client: then the first of the
     same requests starts without waiting, and the later ones ride in the next batch together."""
     done = subprocess.run([sys.executable, "-c", _BURST_AND_LONE_CLIENT, str(tiny_folder), str(SIZE)],
@@ -403,8 +423,9 @@ def test_a_fresh_replica_gathers_a_burst_into_one_batch_and_a_lone_clients_reque
     lines = [line for line in done.stdout.splitlines() if line.startswith("SEEN ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     seen = json.loads(lines[-1][5:])
-    assert seen["fresh"] and seen["burst"] == [2, 2] and seen["after_burst"]  # a batch of two: company
+    assert seen["fresh"] and seen["burst"] == [3, 3, 3] and seen["after_burst"]  # a batch of three: company
     assert seen["lone"] == [1] and not seen["after_lone"]  # waited for company; none came, before or after
+    assert seen["limits_after_lone"] == [3, 0.0]
     assert seen["next"] == [1, 2, 2] and seen["after_next"]  # others came while the first one's batch ran
 
 

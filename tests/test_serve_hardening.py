@@ -216,6 +216,7 @@ def test_is_loopback_names_the_loopback_addresses_only():
 def test_a_local_ray_is_set_to_listen_on_loopback_unless_a_cluster_is_given(monkeypatch):
     from optimum_iobinding.serve.config import LOCAL_RAY_ENV, prepare_local_ray
 
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what it sets stays in this test
     monkeypatch.delenv(LOCAL_RAY_ENV, raising=False)
     monkeypatch.delitem(sys.modules, "ray")  # as before Ray is imported
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
@@ -227,17 +228,18 @@ def test_a_local_ray_is_set_to_listen_on_loopback_unless_a_cluster_is_given(monk
     assert not prepare_local_ray() and os.environ[LOCAL_RAY_ENV] == "1"
 
 
-def test_a_local_ray_and_the_replicas_take_serves_request_path_settings_unless_set_otherwise(monkeypatch):
-    from optimum_iobinding.serve.config import SERVE_REQUEST_PATH_ENV, prepare_local_ray, serve_request_path_env
+def test_a_local_ray_takes_serves_request_path_settings_unless_set_otherwise(monkeypatch):
+    from optimum_iobinding.serve.config import SERVE_REQUEST_PATH_ENV, prepare_local_ray
 
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what it sets stays in this test
     for name in SERVE_REQUEST_PATH_ENV:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("RAY_SERVE_PROXY_USE_GRPC", "0")  # the user's own setting stays
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    wanted = dict(SERVE_REQUEST_PATH_ENV, RAY_SERVE_PROXY_USE_GRPC="0")
-    assert serve_request_path_env() == wanted  # the replicas' runtime_env (their processes: the test below)
+        os.environ.pop(name, None)
+    os.environ.pop("RAY_ADDRESS", None)
+    os.environ["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] = "1"  # the user's own setting stays
     monkeypatch.delitem(sys.modules, "ray")  # as before Ray is imported
+    assert not prepare_local_ray("10.0.0.1:6379") and "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD" not in os.environ
     prepare_local_ray()
+    wanted = dict(SERVE_REQUEST_PATH_ENV, RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP="1")
     assert {name: os.environ.get(name) for name in SERVE_REQUEST_PATH_ENV} == wanted
 
 
@@ -349,16 +351,16 @@ def test_serves_proxy_and_replicas_run_with_its_request_path_settings(server_pro
     """Serve reads them when it is imported, in each process: the proxy's gRPC to the replicas, the loops."""
     from optimum_iobinding.serve.config import SERVE_REQUEST_PATH_ENV
 
-    seen = {}
+    seen = []
     for process in server_process.processes:
         try:
             name, environment = process.name(), process.environ()
         except psutil.Error:
             continue
         if name.startswith(("ray::ProxyActor", "ray::ServeReplica")):
-            seen[name.split(":")[2]] = {key: environment.get(key) for key in SERVE_REQUEST_PATH_ENV}
-    assert {"ProxyActor", "ServeReplica"} <= {name.split(".")[0] for name in seen}, seen
-    assert all(settings == SERVE_REQUEST_PATH_ENV for settings in seen.values()), seen
+            seen.append((name, {key: environment.get(key) for key in SERVE_REQUEST_PATH_ENV}))
+    assert {"ProxyActor", "ServeReplica"} <= {name.split(":")[2].split(".")[0] for name, _ in seen}, seen
+    assert all(settings == SERVE_REQUEST_PATH_ENV for _, settings in seen), seen
 
 
 def stopped_cleanly(server: ServerProcess, status: int, signum: int, whole_group: bool = False) -> None:

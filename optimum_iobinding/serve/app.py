@@ -25,6 +25,7 @@ machine alone, every port of which listens on loopback, or joins ``RAY_ADDRESS``
 # no `from __future__ import annotations`: FastAPI reads the routes' annotations as objects
 import asyncio
 import base64
+import inspect
 import logging
 import os
 import signal
@@ -44,7 +45,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("optimum_iobinding.serve needs Ray Serve: pip install 'optimum-iobinding[serve]'") from error
 
 from .batching import ImageGenerator
-from .config import ServeConfig, is_loopback, serve_request_path_env
+from .config import ServeConfig, is_loopback
 from .schema import ImageRequest, encode_pngs
 
 logger = logging.getLogger(__name__)
@@ -184,8 +185,11 @@ def http_deployment(generator_class: Type[ImageGenerator]) -> "serve.Deployment"
     class Replica(generator_class):  # type: ignore[misc, valid-type]
         async def __init__(self, config: Dict[str, Any]):  # Serve awaits it
             keep_replica_grpc_on_loopback()  # before Serve starts the replica's gRPC server, once this returns
+            if inspect.iscoroutinefunction(generator_class.__init__):
+                await generator_class.__init__(self, config)
+                return
             # the pipeline's load and warm-up (tens of seconds) on a thread: the replica's event loop, where its
-            # handlers run (SERVE_REQUEST_PATH_ENV), goes on answering Serve meanwhile
+            # handlers may run (SERVE_REQUEST_PATH_ENV), goes on answering Serve meanwhile
             await asyncio.to_thread(generator_class.__init__, self, config)
 
     Replica.__doc__ = generator_class.__doc__
@@ -220,7 +224,6 @@ def build_app(config: Union[ServeConfig, str, os.PathLike], generator_class: Typ
     deployment = ImageService if generator_class is ImageGenerator else http_deployment(generator_class)
     gpus = config.device == "cuda" or (config.device == "auto" and cluster_has_gpus())
     actor_options = {"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": 1}
-    actor_options["runtime_env"] = {"env_vars": serve_request_path_env()}  # Serve combines them with the application's
     return deployment.options(
         num_replicas=config.replicas, ray_actor_options=actor_options,
         max_ongoing_requests=config.max_ongoing_requests, max_queued_requests=config.max_queued_requests,

@@ -62,7 +62,7 @@ QUEUED_REGROUP_WAIT = 0.5
 # request during which nothing else came (a lone client, whose requests then start at once). A burst of clients
 # reaches a replica over some milliseconds: 16 clients' first requests over 35 ms on a 2-core machine. Without the
 # wait a fresh H100 server's first burst ran its first request (or two) alone, and its first 64 answers took a batch
-# more: 0.95–0.97 × the bare pipeline's best rate (benchmarks/results/h100/2026-11-24-21914a1).
+# more (benchmarks/results/h100/2026-11-24-21914a1; with the wait, batches of 8 from the first: 2026-11-25-08006a2).
 IDLE_GATHER_WAIT = 0.05
 
 
@@ -254,7 +254,9 @@ class ImageGenerator:
         # on CUDA the call returns once its work is queued on the GPU: a second batch may queue behind it
         self._deferred = not self.numpy_engine and self.pipe.device.type == "cuda"
         self.admission = Admission(self.config.max_batch_size, max_unfinished=2 if self._deferred else 1)
-        self._limit_batches(self.config.max_batch_size, self.config.batch_wait_timeout_s)
+        self._default_limits = (self.config.max_batch_size, self.config.batch_wait_timeout_s)
+        self._regroup_until = 0.0  # when the wait of the last regroup (expect_return) ran out
+        self._limit_batches(*self._default_limits)
         # every pipeline call on one thread, the warm-up's too: ONNX Runtime's CUDA provider keeps its captured
         # graphs per thread, as the models keep their reused output buffers, so a warm-up on another thread would
         # leave the first batches to capture again; the images come back on other threads
@@ -426,8 +428,7 @@ class ImageGenerator:
         """A completed request through the gate and Serve's batch queue into a batch."""
         images = request["n"]
         self._arrivals += 1
-        if self.admission.idle and self._company_expected:
-            self.gather_on_idle()
+        self.on_arrival()
         await self.admission.admit(images)
         try:
             return await self._batched(request)
@@ -443,24 +444,38 @@ class ImageGenerator:
         group of clients split once (the first of them to come back runs alone) stays split. The requests already
         waiting ride with them (up to ``max_batch_size``): capped at the returning images alone, a group of 7 of 16
         clients and the one left over from it stayed apart, batches of 7 and 8 in turn (H100,
-        benchmarks/results/h100/2026-11-25-3fad6d1). A lone client's batch waits for nothing. Where the next batch
-        queues behind the running one on the GPU (:attr:`defers_images`), it waits up to
-        :data:`QUEUED_REGROUP_WAIT` of that time instead."""
+        benchmarks/results/h100/2026-11-25-3fad6d1). After a lone client's batch (one request, nothing else came:
+        :attr:`expects_company` is false) nothing waits. Where the next batch queues behind the running one on the
+        GPU (:attr:`defers_images`), it waits up to :data:`QUEUED_REGROUP_WAIT` of that time instead. A request that
+        finds the replica idle once that wait has run out (its clients did not come back) starts as on a fresh
+        replica (:meth:`on_arrival`)."""
         expected = min(images, self.config.max_batch_size)
         pending = self.admission.waiting_images + self.admission.admitted
-        if expected <= 1 or pending >= expected:
+        if expected <= 1 or pending >= expected or not self._company_expected:
             return
         share = QUEUED_REGROUP_WAIT if self._deferred else REGROUP_WAIT
-        self._limit_batches(min(self.config.max_batch_size, expected + pending),
-                            max(self.config.batch_wait_timeout_s, share * seconds))
+        wait = max(self.config.batch_wait_timeout_s, share * seconds)
+        self._limit_batches(min(self.config.max_batch_size, expected + pending), wait)
+        self._regroup_until = time.monotonic() + wait
+
+    def on_arrival(self) -> None:
+        """A request passed the checks and goes to the gate. On an idle replica: a regroup whose clients did not
+        come back within its wait is over (the next batch takes the defaults), and where the replica expects
+        company, the batch this request starts gathers (:meth:`gather_on_idle`)."""
+        if not self.admission.idle:
+            return
+        if self._batch_limits != self._default_limits and time.monotonic() >= self._regroup_until:
+            self._limit_batches(*self._default_limits)
+        if self._company_expected:
+            self.gather_on_idle()
 
     def gather_on_idle(self) -> None:
         """The batch a request on an idle replica starts waits up to :data:`IDLE_GATHER_WAIT` for as many images as
         a batch holds (the rest of a burst), unless a regroup (:meth:`expect_return`) already set its limits. Called
         while the replica expects company: at start, and after a batch during which other requests came."""
-        if self.config.max_batch_size > 1 and self._batch_limits == (self.config.max_batch_size,
-                                                                      self.config.batch_wait_timeout_s):
-            self._limit_batches(self.config.max_batch_size, max(self.config.batch_wait_timeout_s, IDLE_GATHER_WAIT))
+        if self.config.max_batch_size > 1 and self._batch_limits == self._default_limits:
+            self._limit_batches(self.config.max_batch_size,
+                                max(self.config.batch_wait_timeout_s, IDLE_GATHER_WAIT))
 
     @property
     def expects_company(self) -> bool:
@@ -480,7 +495,7 @@ class ImageGenerator:
         for request in requests:
             request["_started"] = True
         self.admission.batch_started(_images_in([r for r in requests if not r.get("_abandoned")]))
-        self._limit_batches(self.config.max_batch_size, self.config.batch_wait_timeout_s)
+        self._limit_batches(*self._default_limits)
         arrivals = self._arrivals
         start = time.perf_counter()
         loop = asyncio.get_running_loop()

@@ -24,21 +24,14 @@ _BODY_BYTES_BESIDES_THE_IMAGE = 2**20  # the prompts and the other fields, with 
 # loopback); read when Ray is imported, by every process of the cluster
 LOCAL_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
-# Ray Serve's settings of its request path that the application sets (read when Serve is imported, in each process):
-# the proxy sends requests to replicas over gRPC, by value, instead of Ray actor calls by reference (a request's
-# client − handler time at concurrency 1, 512² PNG answers: 9.8–10.8 → 7.0–7.9 ms on a 2-core machine); the replica's
-# handlers run on its main event loop and the proxy's router on the proxy's loop, each saving a hand-off between
-# threads. Ray's performance guide recommends all three ("throughput-optimized" serving); the handlers here never
-# block their loop (pipeline calls and PNG encoding run on threads). The replicas' gRPC servers listen on loopback
-# on a local cluster (:func:`~optimum_iobinding.serve.app.keep_replica_grpc_on_loopback`).
-SERVE_REQUEST_PATH_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+# Ray Serve's settings of its request path that a local cluster takes (read when Serve is imported, in each of its
+# processes, which inherit them): the replica's handlers run on its main event loop and the proxy's router on the
+# proxy's main loop, not on loops of their own, each saving a hand-off between threads per request. Ray's performance
+# guide recommends both ("throughput-optimized" serving). The pipeline calls and PNG encoding run on threads; what
+# runs on the loop (parsing and checking a request) takes milliseconds. (Its gRPC between proxy and replicas, also
+# recommended there, caps an answer at 4 MiB, less than a few b64 images: left off.)
+SERVE_REQUEST_PATH_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
                           "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
-
-
-def serve_request_path_env() -> Dict[str, str]:
-    """:data:`SERVE_REQUEST_PATH_ENV`, where this process's environment does not set them otherwise (its setting is
-    kept): the replicas' ``runtime_env`` variables."""
-    return {name: os.environ.get(name, value) for name, value in SERVE_REQUEST_PATH_ENV.items()}
 
 
 @dataclass
