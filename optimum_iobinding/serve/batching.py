@@ -472,15 +472,15 @@ class ImageGenerator:
     def gather_on_idle(self) -> None:
         """The batch a request on an idle replica starts waits up to :data:`IDLE_GATHER_WAIT` for as many images as
         a batch holds (the rest of a burst), unless a regroup (:meth:`expect_return`) already set its limits. Called
-        while the replica expects company: at start, and after a batch during which other requests came."""
+        while the replica expects company (:attr:`expects_company`)."""
         if self.config.max_batch_size > 1 and self._batch_limits == self._default_limits:
             self._limit_batches(self.config.max_batch_size,
                                 max(self.config.batch_wait_timeout_s, IDLE_GATHER_WAIT))
 
     @property
     def expects_company(self) -> bool:
-        """Whether a request on an idle replica waits for others (:meth:`gather_on_idle`): at start, then as long as
-        the last batch saw other requests come while it ran."""
+        """Whether a request on an idle replica waits for others (:meth:`gather_on_idle`): at start, and after any
+        batch but a lone client's (one request, and nothing else came while it ran)."""
         return self._company_expected
 
     def _limit_batches(self, max_batch_size: int, wait_timeout_s: float) -> None:

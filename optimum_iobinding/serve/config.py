@@ -216,9 +216,8 @@ def prepare_local_ray(address: Optional[str] = None) -> bool:
     cluster that will be started one of this machine alone, every port of it on 127.0.0.1 (Ray's
     ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, the default of Ray on Windows and macOS; an explicit setting is kept),
     whose processes (Serve's proxy among them) take :data:`SERVE_REQUEST_PATH_ENV`. Returns whether Ray is set to
-    loopback.
-    Once Ray is imported it is too late (this process read the setting, the processes it starts would read
-    another): nothing is changed then, and :func:`~optimum_iobinding.serve.app.run` warns."""
+    loopback. Once Ray is imported it is too late (this process read the setting, the processes it starts would
+    read another): nothing is changed then, and :func:`~optimum_iobinding.serve.app.run` warns."""
     if address or os.environ.get("RAY_ADDRESS"):
         return False
     if "ray" not in sys.modules:
