@@ -373,7 +373,6 @@ from dataclasses import asdict
 from ray.serve import batching
 
 from optimum_iobinding.serve import ImageGenerator, ServeConfig
-
 from optimum_iobinding.serve import batching as ours
 
 # Serve's batch queue, made outside a replica, would read the replica's settings for a warning only

@@ -348,7 +348,8 @@ def test_a_local_cluster_listens_on_loopback_only(server_process):
 
 
 def test_serves_proxy_and_replicas_run_with_its_request_path_settings(server_process):
-    """Serve reads them when it is imported, in each process: the proxy's gRPC to the replicas, the loops."""
+    """Serve reads them when it is imported, in each process: where the proxy's router and the replicas' handlers
+    run."""
     from optimum_iobinding.serve.config import SERVE_REQUEST_PATH_ENV
 
     seen = []
