@@ -181,21 +181,24 @@ def report(result: dict) -> str:
              f"{result['steps']} steps", "",
              "Mean ms: the client's latency, then the service's own account of it (`X-Server-Seconds` in the replica's "
              "HTTP handler ⊃ `X-Replica-Seconds` waiting for and riding in a batch ⊃ `X-Pipeline-Seconds`, the "
-             "pipeline call).",
+             "pipeline call); then, also in the handler, reading the body from Serve's proxy (`X-Body-Seconds`) and "
+             "encoding the PNGs (`X-Encode-Seconds`).",
              "",
              "| engine | replicas | batching | concurrency | images/s | p50 ms | p99 ms | mean ms: client / server / "
-             "replica / pipeline | statuses | batch images |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "replica / pipeline | mean ms: body / encode | statuses | batch images |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         if "error" in row:
             lines.append(f"| {row['engine']} | {row['replicas']} | {row['batching']} | | error: {row['error'][:80]} "
-                         "| | | | | |")
+                         "| | | | | | |")
             continue
         means = " / ".join("" if row.get(key) is None else f"{row[key] * 1000:.0f}"
                            for key in ("mean_s", "server_mean_s", "replica_mean_s", "pipeline_mean_s"))
+        handler = " / ".join("" if row.get(key) is None else f"{row[key] * 1000:.1f}"
+                             for key in ("body_mean_s", "encode_mean_s"))
         lines.append(f"| {row['engine']} | {row['replicas']} | {'on' if row['batching'] else 'off'} | "
                      f"{row['concurrency']}{' (fresh)' if row.get('fresh') else ''} | {row['images_per_s']:.2f} | {row['p50_s'] * 1000:.0f} | "
-                     f"{row['p99_s'] * 1000:.0f} | {means} | {row['statuses']} | {row['batch_images']} |")
+                     f"{row['p99_s'] * 1000:.0f} | {means} | {handler} | {row['statuses']} | {row['batch_images']} |")
     bare_result = result["bare"]
     rows = result["rows"]
     lines += ["", f"Bare pipeline (one process, one GPU): {json.dumps(bare_result)}", ""]

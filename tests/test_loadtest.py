@@ -34,7 +34,8 @@ class Service:
                 status = 400 if body["prompt"] == "bad" else 200
                 self.send_response(status)
                 for name, value in (("X-Batch-Images", "2"), ("X-Pipeline-Seconds", "0.001"),
-                                    ("X-Replica-Seconds", "0.002"), ("X-Server-Seconds", "0.003")):
+                                    ("X-Replica-Seconds", "0.002"), ("X-Server-Seconds", "0.003"),
+                                    ("X-Body-Seconds", "0.0004"), ("X-Encode-Seconds", "0.0005")):
                     self.send_header(name, value)
                 self.send_header("Content-Length", "2")
                 self.end_headers()
@@ -70,6 +71,7 @@ def test_a_level_counts_the_answers_after_the_warmup_and_keeps_sending_until_the
     assert row["images_per_s"] > 0 and row["wall_s"] > 0
     assert 0 < row["p50_s"] <= row["p95_s"] <= row["p99_s"]
     assert (row["pipeline_mean_s"], row["replica_mean_s"], row["server_mean_s"]) == (0.001, 0.002, 0.003)
+    assert (row["body_mean_s"], row["encode_mean_s"]) == (0.0004, 0.0005)
 
 
 def test_refused_requests_are_reported_by_status_and_not_counted_as_images(service):

@@ -496,6 +496,7 @@ def test_the_loadtest_reports_throughput_and_latency_percentiles(server, tmp_pat
         assert sum(row["batch_images"].values()) == 3
         # the service's account of the time nests: pipeline call ⊂ replica ⊂ ingress ⊂ what the client waited
         assert 0 < row["pipeline_mean_s"] <= row["replica_mean_s"] <= row["server_mean_s"] <= row["mean_s"]
+        assert 0 < row["body_mean_s"] + row["encode_mean_s"] <= row["server_mean_s"] - row["replica_mean_s"]
     written = write_results(tmp_path, rows, {"url": server.url, "command": "test", "date": "now"})
     assert json.loads(written[0].read_text())["rows"][1]["concurrency"] == 3
     assert "| 3 | 3 (3) |" in written[1].read_text()

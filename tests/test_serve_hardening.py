@@ -255,7 +255,8 @@ def test_once_ray_is_imported_its_setting_is_left_alone(monkeypatch):
 SERVE = """
 import sys
 from optimum_iobinding.serve import ServeConfig, run
-config = ServeConfig(model=sys.argv[1], device="cpu", steps=2, warmup_batch_sizes=[1], warmup_sizes=[64])
+config = ServeConfig(model=sys.argv[1], device="cpu", steps=2, warmup_batch_sizes=[1], warmup_sizes=[64],
+                     max_pixels_per_image=1024 * 1024, max_pixels_per_batch=2 * 1024 * 1024)
 stopped = run(config, port=int(sys.argv[2]))
 print(f"stopped by {stopped.name}", flush=True)
 """
@@ -364,6 +365,19 @@ def test_serves_proxy_and_replicas_run_with_its_request_path_settings(server_pro
     assert all(settings == SERVE_REQUEST_PATH_ENV for _, settings in seen), seen
 
 
+def test_an_answer_beyond_4_mib_comes_whole_through_serves_grpc(server_process):
+    """The local cluster's proxy takes the replicas' answers over gRPC, which Serve caps at 4 MiB unless told
+    otherwise: two 1024² images in base64 (8.4 MB) come whole."""
+    from PIL import Image
+
+    status, body = post(f"http://127.0.0.1:{server_process.port}",
+                        {"prompt": "a cat", "size": 1024, "n": 2, "steps": 1, "response_format": "b64_json"})
+    assert status == 200, body
+    assert len(body) > 2 * 4 * 2**20
+    images = [Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))) for item in json.loads(body)["data"]]
+    assert [image.size for image in images] == [(1024, 1024)] * 2
+
+
 def stopped_cleanly(server: ServerProcess, status: int, signum: int, whole_group: bool = False) -> None:
     errors = server.errors()
     assert status == 0, errors[-3000:]
@@ -436,11 +450,18 @@ def test_sigterm_stops_the_server_cleanly(tiny_folder, tmp_path, whole_group):
 # ------------------------------------------------------------ HTTP on a local Ray cluster in this process
 @pytest.fixture(scope="module")
 def server(tiny_folder):
+    """The cluster's processes take the request path settings of a local cluster (SERVE_REQUEST_PATH_ENV: the
+    proxy's gRPC to the replicas among them), as under ``optimum-iobinding serve``; tests/test_serve.py's cluster
+    keeps Serve's defaults (actor calls), as on a cluster of the user's own."""
     from ray import serve
 
     from optimum_iobinding.serve import ServeConfig, build_app
+    from optimum_iobinding.serve.config import SERVE_REQUEST_PATH_ENV
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in SERVE_REQUEST_PATH_ENV.items():
+            patch.setenv(name, value)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)  # its processes inherit them
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=4, steps=STEPS,
@@ -565,6 +586,23 @@ def test_a_request_not_answered_within_request_timeout_s_gets_504_and_the_replic
         serve.delete("held")
     assert held[0] == 504 and "request_timeout_s: expected an answer within 10 s" in held[1]
     assert later[0] == 200
+
+
+def test_a_flood_beyond_the_queues_gets_503_never_500_and_the_admitted_requests_succeed(server, tiny_folder):
+    from ray import serve
+
+    from optimum_iobinding.serve import ServeConfig, build_app
+
+    config = ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=1, steps=STEPS,
+                         warmup_batch_sizes=[], max_ongoing_requests=1, max_queued_requests=1)
+    serve.run(build_app(config), name="flood", route_prefix="/flood", blocking=False)
+    try:
+        bodies = [dict(prompt="busy", seed=i, size=SIZE) for i in range(16)]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            statuses = [status for status, _ in pool.map(lambda body: post(server + "/flood", body), bodies)]
+    finally:
+        serve.delete("flood")
+    assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses, statuses
 
 
 def test_normal_requests_are_answered_as_before(server):

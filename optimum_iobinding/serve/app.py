@@ -95,6 +95,7 @@ async def _images(http_request: Request) -> Response:
     start = time.perf_counter()
     generator = replica_generator()
     body = await read_body(http_request, generator.limits.max_body_bytes)
+    body_s = time.perf_counter() - start
     try:
         request = ImageRequest.model_validate_json(body).model_dump()
     except ValidationError as error:  # 422 as FastAPI answers it, without echoing what was sent
@@ -106,12 +107,15 @@ async def _images(http_request: Request) -> Response:
     result = await generator.generate(request)
     if "error" in result:
         raise HTTPException(result.get("status", 400), result["error"])
+    encoding = time.perf_counter()
     encoded = await asyncio.to_thread(encode_pngs, result["images"], generator.config.png_compression)
-    # where a request's time went: the pipeline call ⊂ the replica's queue and batch ⊂ the server (+ PNGs)
+    encode_s = time.perf_counter() - encoding
+    # where a request's time went: the pipeline call ⊂ the replica's queue and batch ⊂ the server (⊃ its body's
+    # read from Serve's proxy and the PNGs' encoding)
     headers = {"X-Batch-Images": str(result["batch_images"]), "X-Batch-Requests": str(result["batch_requests"]),
                "X-Seed": str(result["seeds"][0]), "X-Pipeline-Seconds": f"{result['pipeline_s']:.4f}",
-               "X-Replica-Seconds": f"{result['replica_s']:.4f}",
-               "X-Server-Seconds": f"{time.perf_counter() - start:.4f}"}
+               "X-Replica-Seconds": f"{result['replica_s']:.4f}", "X-Body-Seconds": f"{body_s:.4f}",
+               "X-Encode-Seconds": f"{encode_s:.4f}", "X-Server-Seconds": f"{time.perf_counter() - start:.4f}"}
     if request["response_format"] == "png":
         return Response(content=encoded[0], media_type="image/png", headers=headers)
     data = [{"b64_json": base64.b64encode(png).decode("ascii"), "seed": seed}

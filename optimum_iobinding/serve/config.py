@@ -26,12 +26,16 @@ LOCAL_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 # Ray Serve's settings of its request path that a local cluster takes (read when Serve is imported, in each of its
 # processes, which inherit them): the replica's handlers run on its main event loop and the proxy's router on the
-# proxy's main loop, not on loops of their own, each saving a hand-off between threads per request. Ray's performance
-# guide recommends both ("throughput-optimized" serving). The pipeline calls and PNG encoding run on threads; what
-# runs on the loop (parsing and checking a request) takes milliseconds. (Its gRPC between proxy and replicas, also
-# recommended there, caps an answer at 4 MiB, less than a few b64 images: left off.)
+# proxy's main loop, not on loops of their own, each saving a hand-off between threads per request; the proxy sends
+# requests to the replicas, and takes their answers back, over gRPC rather than as Ray actor calls whose answers of
+# more than 100 KiB go through Ray's object store (at concurrency 1 a 512² PNG's way from replica to client took
+# about 3 ms less). Ray's performance guide recommends all three ("throughput-optimized" serving). Serve caps a gRPC
+# message at 4 MiB by default, less than one 1024² image in base64: the cap is lifted (-1, gRPC's "no limit"), since
+# what a replica answers is bounded by its RequestLimits. The pipeline calls and PNG encoding run on threads; what
+# runs on the loop (parsing and checking a request) takes milliseconds.
 SERVE_REQUEST_PATH_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-                          "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+                          "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0", "RAY_SERVE_PROXY_USE_GRPC": "1",
+                          "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": "-1"}
 
 
 @dataclass

@@ -96,12 +96,14 @@ def decode_image(data: str, max_pixels: Optional[int] = None) -> Any:
     return pixels.astype(np.float32) / 255.0
 
 
-def _png_chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+def _png_chunk(kind: bytes, data: Any) -> List[Any]:
+    """A PNG chunk as its pieces (length, type, data, CRC of type and data), to be joined once."""
+    return [struct.pack(">I", len(data)), kind, data, struct.pack(">I", zlib.crc32(data, zlib.crc32(kind)))]
 
 
 def stored_png(pixels: Any) -> bytes:
-    """An uncompressed PNG of a uint8 HxWx3 array: rows unfiltered, zlib's stored blocks (PNG spec, level 0)."""
+    """An uncompressed PNG of a uint8 HxWx3 array: rows unfiltered, zlib's stored blocks (PNG spec, level 0). Three
+    passes over the pixels: the rows with their filter bytes, zlib's stored stream, the PNG's bytes."""
     import numpy as np
 
     height, width, channels = pixels.shape
@@ -110,12 +112,12 @@ def stored_png(pixels: Any) -> bytes:
     rows = np.zeros((height, 1 + width * 3), np.uint8)  # each row: filter type 0 (none), then its bytes
     rows[:, 1:] = pixels.reshape(height, width * 3)
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8 bits, truecolour, no interlace
-    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", zlib.compress(rows.tobytes(), 0))
-            + _png_chunk(b"IEND", b""))
+    return b"".join([b"\x89PNG\r\n\x1a\n", *_png_chunk(b"IHDR", header),
+                     *_png_chunk(b"IDAT", zlib.compress(rows, 0)), *_png_chunk(b"IEND", b"")])
 
 
 def encode_pngs(images: Sequence[Any], compression: int = 0) -> List[bytes]:
-    """PNG bytes of uint8 HxWx3 arrays. ``compression`` 0: stored (:func:`stored_png`, a copy of the pixels);
+    """PNG bytes of uint8 HxWx3 arrays. ``compression`` 0: stored (:func:`stored_png`, the pixels' bytes as they are);
     1–9: zlib's levels through Pillow, whose adaptive row filters make about half the bytes of a smooth image."""
     if compression == 0:
         return [stored_png(pixels) for pixels in images]
