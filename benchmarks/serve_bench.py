@@ -182,7 +182,7 @@ def report(result: dict) -> str:
              "Mean ms: the client's latency, then the service's own account of it (`X-Server-Seconds` in the replica's "
              "HTTP handler ⊃ `X-Replica-Seconds` waiting for and riding in a batch ⊃ `X-Pipeline-Seconds`, the "
              "pipeline call); then, also in the handler, reading the body from Serve's proxy (`X-Body-Seconds`) and "
-             "encoding the PNGs (`X-Encode-Seconds`).",
+             "encoding the PNGs (`X-Encode-Seconds`; within the batch's time for stored PNGs, `--png-compression 0`).",
              "",
              "| engine | replicas | batching | concurrency | images/s | p50 ms | p99 ms | mean ms: client / server / "
              "replica / pipeline | mean ms: body / encode | statuses | batch images |",

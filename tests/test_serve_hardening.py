@@ -605,6 +605,23 @@ def test_a_flood_beyond_the_queues_gets_503_never_500_and_the_admitted_requests_
     assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses, statuses
 
 
+def test_compressed_pngs_are_encoded_by_the_handler(server, tiny_folder):
+    from PIL import Image
+    from ray import serve
+
+    from optimum_iobinding.serve import ServeConfig, build_app
+
+    config = ServeConfig(model=str(tiny_folder), device="cpu", steps=STEPS, warmup_batch_sizes=[], png_compression=9)
+    serve.run(build_app(config), name="compressed", route_prefix="/compressed", blocking=False)
+    try:
+        status, data = post(server + "/compressed", dict(prompt="a red house", seed=7, size=SIZE))
+    finally:
+        serve.delete("compressed")
+    assert status == 200 and data.startswith(b"\x89PNG")
+    image = Image.open(io.BytesIO(data))
+    assert image.size == (SIZE, SIZE) and len(data) < SIZE * SIZE * 3  # zlib's level 9 beats the stored pixels
+
+
 def test_normal_requests_are_answered_as_before(server):
     status, data = post(server, dict(prompt="a red house", seed=7, size=SIZE))
     assert status == 200 and data.startswith(b"\x89PNG")

@@ -107,11 +107,13 @@ async def _images(http_request: Request) -> Response:
     result = await generator.generate(request)
     if "error" in result:
         raise HTTPException(result.get("status", 400), result["error"])
-    encoding = time.perf_counter()
-    encoded = await asyncio.to_thread(encode_pngs, result["images"], generator.config.png_compression)
-    encode_s = time.perf_counter() - encoding
+    encoded, encode_s = result.get("pngs"), result.get("encode_s")
+    if encoded is None:  # compressed PNGs: on a thread of their own, beside the others
+        encoding = time.perf_counter()
+        encoded = await asyncio.to_thread(encode_pngs, result["images"], generator.config.png_compression)
+        encode_s = time.perf_counter() - encoding
     # where a request's time went: the pipeline call ⊂ the replica's queue and batch ⊂ the server (⊃ its body's
-    # read from Serve's proxy and the PNGs' encoding)
+    # read from Serve's proxy; the PNGs' encoding, in the batch for stored PNGs, else after it)
     headers = {"X-Batch-Images": str(result["batch_images"]), "X-Batch-Requests": str(result["batch_requests"]),
                "X-Seed": str(result["seeds"][0]), "X-Pipeline-Seconds": f"{result['pipeline_s']:.4f}",
                "X-Replica-Seconds": f"{result['replica_s']:.4f}", "X-Body-Seconds": f"{body_s:.4f}",

@@ -42,7 +42,8 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
 
 # the service's own account of a request's time (seconds), nested: the pipeline call that made its image ⊂ its time
 # waiting for and riding in a batch ⊂ its time in the replica's HTTP handler, which besides holds the read of its body
-# (from Serve's proxy), its checks and its PNGs' encoding; the client's latency adds HTTP and Serve's proxy
+# (from Serve's proxy), its checks and its PNGs' encoding (in the batch's time for stored PNGs); the client's latency
+# adds HTTP and Serve's proxy
 SERVER_TIMES = {"pipeline_s": "X-Pipeline-Seconds", "replica_s": "X-Replica-Seconds", "server_s": "X-Server-Seconds",
                 "body_s": "X-Body-Seconds", "encode_s": "X-Encode-Seconds"}
 
