@@ -596,10 +596,10 @@ class ImageGenerator:
 
     def answers_of_batch(self, started: Tuple[List[Optional[Dict[str, Any]]], List[Tuple]]) -> List[Dict[str, Any]]:
         """:meth:`finish_batch`, and where the answers are stored PNGs (``png_compression`` 0: three passes over
-        the pixels, 1.3–1.5 ms for 512² on the host of an H100 machine) each result's ``"pngs"`` and ``"encode_s"``, made here on the batch's
-        finishing thread rather than on another thread after the result reached the event loop: a request at
-        concurrency 1 saves that hand-off. Compressed PNGs (tens of milliseconds each) are left to the HTTP handler,
-        which encodes them on threads of their own, in parallel."""
+        the pixels, 1.3–1.5 ms for 512² on the host of an H100 machine) each result's ``"pngs"`` and ``"encode_s"``,
+        made here on the batch's finishing thread rather than on another thread after the result reached the event
+        loop: a request at concurrency 1 saves that hand-off. Compressed PNGs (tens of milliseconds each) are left to
+        the HTTP handler, which encodes them on threads of their own, in parallel."""
         results = self.finish_batch(started)
         if self.config.png_compression == 0:
             for result in results:
