@@ -28,8 +28,8 @@ LOCAL_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 # processes, which inherit them): the replica's handlers run on its main event loop and the proxy's router on the
 # proxy's main loop, not on loops of their own, each saving a hand-off between threads per request; the proxy sends
 # requests to the replicas, and takes their answers back, over gRPC rather than as Ray actor calls whose answers of
-# more than 100 KiB go through Ray's object store (at concurrency 1 a 512² PNG's way from replica to client took
-# about 3 ms less). Ray's performance guide recommends all three ("throughput-optimized" serving). Serve caps a gRPC
+# more than 100 KiB go through Ray's object store (at concurrency 1, client − handler with a 512² PNG answer: about
+# 3 ms less on a 2-core machine, 1–4 ms on an H100's host). Ray's performance guide recommends all three ("throughput-optimized" serving). Serve caps a gRPC
 # message at 4 MiB by default, less than one 1024² image in base64: the cap is lifted (-1, gRPC's "no limit"), since
 # what a replica answers is bounded by its RequestLimits. The pipeline calls and PNG encoding run on threads; what
 # runs on the loop (parsing and checking a request) takes milliseconds.
