@@ -115,9 +115,9 @@ async def _images(http_request: Request) -> Response:
     # where a request's time went: the pipeline call ⊂ the replica's queue and batch ⊂ the server (⊃ its body's
     # read from Serve's proxy; the PNGs' encoding, in the batch for stored PNGs, else after it)
     headers = {"X-Batch-Images": str(result["batch_images"]), "X-Batch-Requests": str(result["batch_requests"]),
-               "X-Seed": str(result["seeds"][0]), "X-Pipeline-Seconds": f"{result['pipeline_s']:.4f}",
-               "X-Replica-Seconds": f"{result['replica_s']:.4f}", "X-Body-Seconds": f"{body_s:.4f}",
-               "X-Encode-Seconds": f"{encode_s:.4f}", "X-Server-Seconds": f"{time.perf_counter() - start:.4f}"}
+               "X-Seed": str(result["seeds"][0]), "X-Pipeline-Seconds": f"{result['pipeline_s']:.6f}",
+               "X-Replica-Seconds": f"{result['replica_s']:.6f}", "X-Body-Seconds": f"{body_s:.6f}",
+               "X-Encode-Seconds": f"{encode_s:.6f}", "X-Server-Seconds": f"{time.perf_counter() - start:.6f}"}
     if request["response_format"] == "png":
         return Response(content=encoded[0], media_type="image/png", headers=headers)
     data = [{"b64_json": base64.b64encode(png).decode("ascii"), "seed": seed}
