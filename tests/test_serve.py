@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
+from conftest import flood_statuses
 
 ray = pytest.importorskip("ray", reason="needs the serve extra (ray[serve])")
 import psutil  # noqa: E402  (vendored by ray: importable once ray is)
@@ -534,20 +535,7 @@ def test_image_to_image_requests_get_their_seeds_single_call_image(server, tiny_
 
 
 def test_overload_gets_503_and_the_admitted_requests_succeed(server, tiny_folder):
-    from ray import serve
-
-    from optimum_iobinding.serve import ServeConfig, build_app
-
-    config = ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=1, steps=STEPS,
-                         warmup_batch_sizes=[], max_ongoing_requests=1, max_queued_requests=1)
-    serve.run(build_app(config), name="overload", route_prefix="/overload", blocking=False)
-    try:
-        bodies = [dict(prompt="busy", seed=i, size=SIZE) for i in range(12)]
-        with ThreadPoolExecutor(len(bodies)) as pool:
-            statuses = [status for status, _, _ in pool.map(lambda body: post(server.url + "/overload", body),
-                                                            bodies)]
-    finally:
-        serve.delete("overload")
+    statuses = flood_statuses(tiny_folder, server.url, "overload", 12, STEPS, SIZE, post)
     assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses, statuses
 
 

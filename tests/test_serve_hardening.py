@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import flood_statuses
 
 ray = pytest.importorskip("ray", reason="needs the serve extra (ray[serve])")
 import psutil  # noqa: E402  (vendored by ray: importable once ray is)
@@ -589,19 +590,7 @@ def test_a_request_not_answered_within_request_timeout_s_gets_504_and_the_replic
 
 
 def test_a_flood_beyond_the_queues_gets_503_never_500_and_the_admitted_requests_succeed(server, tiny_folder):
-    from ray import serve
-
-    from optimum_iobinding.serve import ServeConfig, build_app
-
-    config = ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=1, steps=STEPS,
-                         warmup_batch_sizes=[], max_ongoing_requests=1, max_queued_requests=1)
-    serve.run(build_app(config), name="flood", route_prefix="/flood", blocking=False)
-    try:
-        bodies = [dict(prompt="busy", seed=i, size=SIZE) for i in range(16)]
-        with ThreadPoolExecutor(len(bodies)) as pool:
-            statuses = [status for status, _ in pool.map(lambda body: post(server + "/flood", body), bodies)]
-    finally:
-        serve.delete("flood")
+    statuses = flood_statuses(tiny_folder, server, "flood", 16, STEPS, SIZE, post)
     assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses, statuses
 
 
