@@ -1,6 +1,6 @@
 """The pipelines: diffusers' ``__call__`` surface over ONNX components, the denoising loop on the device."""
 
-from .auto import pipeline_class_for
+from .auto import pipeline_class_for, resolve_model_folder
 from .controlnet import OnnxStableDiffusionControlNetImg2ImgPipeline, OnnxStableDiffusionControlNetPipeline
 from .flux import OnnxFluxPipeline
 from .img2img import OnnxStableDiffusionImg2ImgPipeline
@@ -16,6 +16,7 @@ from .stream import OnnxStreamDiffusionPipeline
 
 __all__ = [
     "pipeline_class_for",
+    "resolve_model_folder",
     "load_numpy_pipeline",
     "OnnxStableDiffusionPipelineBase",
     "OnnxStableDiffusionPipeline",

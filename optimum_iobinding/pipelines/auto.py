@@ -7,13 +7,27 @@ import os
 from pathlib import Path
 from typing import Union
 
-from ..layout import read_model_index
+from ..layout import read_model_index, resolve_pipeline_folder
 from ..runtime.hub import load_graph
 from .flux import OnnxFluxPipeline
 from .latent_consistency import OnnxLatentConsistencyModelPipeline
 from .stable_diffusion import OnnxStableDiffusionPipeline
 from .stable_diffusion_3 import TRANSFORMER_INPUTS, OnnxStableDiffusion3Pipeline
 from .stable_diffusion_xl import OnnxStableDiffusionXLPipeline
+
+
+# what any text-to-image family reads from a pipeline folder: a Hub id is downloaded with these, once
+TEXT_TO_IMAGE_CLASSES = (OnnxStableDiffusionPipeline, OnnxStableDiffusionXLPipeline,
+                         OnnxLatentConsistencyModelPipeline, OnnxStableDiffusion3Pipeline, OnnxFluxPipeline)
+
+
+def resolve_model_folder(model: Union[str, os.PathLike], **hub_kwargs) -> Path:
+    """A pipeline folder for :func:`pipeline_class_for`: ``model`` itself where it is a local folder, else the Hub
+    repository ``model`` downloaded with the files any text-to-image family reads (its ONNX components, tokenizers,
+    scheduler and model_index.json)."""
+    components = dict.fromkeys(name for cls in TEXT_TO_IMAGE_CLASSES for name in cls._onnx_components)
+    tokenizers = dict.fromkeys(name for cls in TEXT_TO_IMAGE_CLASSES for name in cls._tokenizer_names)
+    return resolve_pipeline_folder(model, tuple(components), tuple(tokenizers), **hub_kwargs)
 
 
 def pipeline_class_for(folder: Union[str, os.PathLike]) -> type:

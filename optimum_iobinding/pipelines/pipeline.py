@@ -357,6 +357,18 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
                 if name != "vae_encoder" or self._encodes_images:  # text-to-image never runs the encoder
                     model.prepare(wait=False)
 
+    #: the family's image-to-image pipeline (the same components, an image to start from), where it has one
+    image_to_image_class: Optional[type] = None
+
+    def image_to_image(self) -> Optional["OnnxStableDiffusionPipelineBase"]:
+        """This pipeline's image-to-image sibling on the same components (no second copy of any model), or ``None``
+        where the family has none or the folder has no VAE encoder."""
+        sibling = self.image_to_image_class
+        if sibling is None or getattr(self, "vae_encoder", None) is None:
+            return None
+        accepted = inspect.signature(sibling.__init__).parameters
+        return sibling(**{name: module for name, module in self.components.items() if name in accepted})
+
     @property
     def onnx_models(self) -> Dict[str, IOBindingORTModel]:
         """The pipeline's ONNX components by name."""

@@ -9,6 +9,7 @@ import torch
 
 from .arguments import Generator
 from .denoise import on_device_stream
+from .img2img import OnnxStableDiffusionImg2ImgPipeline
 from .pipeline import OnnxStableDiffusionPipelineBase
 
 
@@ -19,6 +20,8 @@ class OnnxStableDiffusionPipeline(OnnxStableDiffusionPipelineBase):
     text embeddings, latents, noise predictions, guidance and the scheduler step on the GPU as torch tensors; only
     the final image is downloaded. ``io_binding=False`` is diffusers' numpy pipeline.
     """
+
+    image_to_image_class = OnnxStableDiffusionImg2ImgPipeline
 
     @torch.no_grad()
     @on_device_stream

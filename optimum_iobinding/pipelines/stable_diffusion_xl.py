@@ -453,3 +453,6 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
             unet_inputs=conditioning, guidance_rescale=guidance_rescale,
         )
         return self.finish(latents, output_type, return_dict)
+
+
+OnnxStableDiffusionXLPipeline.image_to_image_class = OnnxStableDiffusionXLImg2ImgPipeline
