@@ -5,8 +5,8 @@ The application is one deployment, ``ImageService``: each replica holds one pipe
 (:class:`~optimum_iobinding.serve.batching.ImageGenerator`, or a subclass given to :func:`build_app`; ``num_gpus=1``
 per replica on a GPU cluster, CPU replicas without one) and the HTTP API (FastAPI through ``@serve.ingress``:
 ``POST /v1/images``, ``GET /health``, ``GET /v1/models``, the routes of :data:`api`, each answered by its replica's
-generator). Serve's proxy routes each HTTP request to a replica. (A separate ingress deployment adds a process hop
-that carries every image; benchmarks/results/h200x2/2026-11-23-36d6c4e measured what it cost.)
+generator). Serve's proxy routes each HTTP request to a replica. (A separate ingress deployment would add a process
+hop that carries every image, for nothing the one deployment cannot do.)
 
 Requests are checked before batching, before any of their work is queued: 413 for a body over ``max_body_bytes``,
 422 for a malformed body, 400 naming the limit or the pipeline's own message for values beyond the replica's limits
