@@ -48,21 +48,19 @@ from .schema import MAX_SEED, decode_image, encode_pngs, parse_size, shown
 
 logger = logging.getLogger(__name__)
 
-# How long (a share of the batch's time) a batch waits for the clients of the previous one to come back. 5 % was too
-# short with 8 clients per replica on two GPUs: their answers pass the proxy one after another, the late ones missed
-# the batch and the groups split in three (the measurements: benchmarks/results/h200x2/2026-11-23-36d6c4e/run3-994f4f2).
+# How long (a share of the batch's time) a batch waits for the clients of the previous one to come back. Too short a
+# share fails with several clients per replica: their answers pass the proxy one after another, the late ones miss
+# the batch and the groups split (docs/serving.md gives the measurements behind these waits).
 REGROUP_WAIT = 0.10
 # The same where the next batch queues on the GPU behind the running one (CUDA replicas): it could not start before
-# that one ends anyway, so waiting up to half the last batch's time for its whole group costs nothing. At 10 %, a
-# fresh H100 server's steady concurrency-16 load formed batches of 7 and 8 in turn instead of 8
-# (benchmarks/results/h100/2026-11-24-5303db4).
+# that one ends anyway, so waiting up to half the last batch's time for its whole group costs nothing, where the
+# shorter share let a steady load alternate between a batch one image short and a full one.
 QUEUED_REGROUP_WAIT = 0.5
 # How long a batch that starts on an idle replica waits for more requests (up to ``max_batch_size`` images; it starts
 # as soon as they are there) while the replica expects company: at start, and after any batch but one of a single
 # request during which nothing else came (a lone client, whose requests then start at once). A burst of clients
-# reaches a replica over some milliseconds: 16 clients' first requests over 35 ms on a 2-core machine. Without the
-# wait a fresh H100 server's first burst ran its first request (or two) alone, and its first 64 answers took a batch
-# more (benchmarks/results/h100/2026-11-24-21914a1; with the wait, batches of 8 from the first: 2026-11-25-08006a2).
+# reaches a replica over some milliseconds. Without the wait a fresh server's first burst ran its first request (or
+# two) alone, and its first answers took a batch more; with it, its batches are full from the first.
 IDLE_GATHER_WAIT = 0.05
 
 
@@ -443,10 +441,9 @@ class ImageGenerator:
         :data:`REGROUP_WAIT` of that time for as many images (up to ``max_batch_size``), since clients that got
         their answers tend to send their next requests at once; it starts as soon as they are there. Without this, a
         group of clients split once (the first of them to come back runs alone) stays split. The requests already
-        waiting ride with them (up to ``max_batch_size``): capped at the returning images alone, a group of 7 of 16
-        clients and the one left over from it stayed apart, batches of 7 and 8 in turn (H100,
-        benchmarks/results/h100/2026-11-25-3fad6d1). After a lone client's batch (one request, nothing else came:
-        :attr:`expects_company` is false) nothing waits. Where the next batch queues behind the running one on the
+        waiting ride with them (up to ``max_batch_size``): capped at the returning images alone, a returning group
+        and a request left over from it stayed apart, a batch one image short and a full one in turn. After a lone
+        client's batch (one request, nothing else came: :attr:`expects_company` is false) nothing waits. Where the next batch queues behind the running one on the
         GPU (:attr:`defers_images`), it waits up to :data:`QUEUED_REGROUP_WAIT` of that time instead. A request that
         finds the replica idle once that wait has run out (its clients did not come back) starts as on a fresh
         replica (:meth:`on_arrival`)."""
@@ -596,9 +593,9 @@ class ImageGenerator:
 
     def answers_of_batch(self, started: Tuple[List[Optional[Dict[str, Any]]], List[Tuple]]) -> List[Dict[str, Any]]:
         """:meth:`finish_batch`, and where the answers are stored PNGs (``png_compression`` 0: three passes over
-        the pixels, 1.3–1.5 ms for 512² on the host of an H100 machine) each result's ``"pngs"`` and ``"encode_s"``,
+        the pixels, short next to the batch's own time) each result's ``"pngs"`` and ``"encode_s"``,
         made here on the batch's finishing thread rather than on another thread after the result reached the event
-        loop: a request at concurrency 1 saves that hand-off. Compressed PNGs (tens of milliseconds each) are left to
+        loop: a request at concurrency 1 saves that hand-off. Compressed PNGs (many times slower to make) are left to
         the HTTP handler, which encodes them on threads of their own, in parallel."""
         results = self.finish_batch(started)
         if self.config.png_compression == 0:
