@@ -443,10 +443,10 @@ class ImageGenerator:
         group of clients split once (the first of them to come back runs alone) stays split. The requests already
         waiting ride with them (up to ``max_batch_size``): capped at the returning images alone, a returning group
         and a request left over from it stayed apart, a batch one image short and a full one in turn. After a lone
-        client's batch (one request, nothing else came: :attr:`expects_company` is false) nothing waits. Where the next batch queues behind the running one on the
-        GPU (:attr:`defers_images`), it waits up to :data:`QUEUED_REGROUP_WAIT` of that time instead. A request that
-        finds the replica idle once that wait has run out (its clients did not come back) starts as on a fresh
-        replica (:meth:`on_arrival`)."""
+        client's batch (one request, nothing else came: :attr:`expects_company` is false) nothing waits. Where the
+        next batch queues behind the running one on the GPU (:attr:`defers_images`), it waits up to
+        :data:`QUEUED_REGROUP_WAIT` of that time instead. A request that finds the replica idle once that wait has run
+        out (its clients did not come back) starts as on a fresh replica (:meth:`on_arrival`)."""
         expected = min(images, self.config.max_batch_size)
         pending = self.admission.waiting_images + self.admission.admitted
         if expected <= 1 or pending >= expected or not self._company_expected:
