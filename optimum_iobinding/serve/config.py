@@ -28,11 +28,11 @@ LOCAL_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 # processes, which inherit them): the replica's handlers run on its main event loop and the proxy's router on the
 # proxy's main loop, not on loops of their own, each saving a hand-off between threads per request; the proxy sends
 # requests to the replicas, and takes their answers back, over gRPC rather than as Ray actor calls whose answers of
-# more than 100 KiB go through Ray's object store (at concurrency 1, client − handler with a 512² PNG answer: about
-# 3 ms less on a 2-core machine, 1–4 ms on an H100's host). Ray's performance guide recommends all three ("throughput-optimized" serving). Serve caps a gRPC
-# message at 4 MiB by default, less than one 1024² image in base64: the cap is lifted (-1, gRPC's "no limit"), since
-# what a replica answers is bounded by its RequestLimits. The pipeline calls and PNG encoding run on threads; what
-# runs on the loop (parsing and checking a request) takes milliseconds.
+# more than 100 KiB go through Ray's object store (an image's answer takes the shorter way from replica to client).
+# Ray's performance guide recommends all three ("throughput-optimized" serving). Serve caps a gRPC message at 4 MiB by
+# default, less than one 1024² image in base64: the cap is lifted (-1, gRPC's "no limit"), since what a replica
+# answers is bounded by its RequestLimits. The pipeline calls and PNG encoding run on threads; what runs on the loop
+# (parsing and checking a request) takes milliseconds.
 SERVE_REQUEST_PATH_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
                           "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0", "RAY_SERVE_PROXY_USE_GRPC": "1",
                           "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": "-1"}
@@ -59,8 +59,8 @@ class ServeConfig:
             Serve's proxy).
         max_queued_requests: requests waiting in the proxy for a replica before new ones get 503.
         png_compression: 0 (default) answers uncompressed PNGs, a copy of the pixels; 1–9 are zlib's levels with
-            PNG's row filters (Pillow), about half the bytes of a smooth image for tens of times the encoding time,
-            which at concurrency 1 is a visible part of a request's latency.
+            PNG's row filters (Pillow): fewer bytes for many times the encoding time, which at concurrency 1 is a
+            visible part of a request's latency.
         max_pixels_per_image: the most pixels (width × height) of one image, a start image's too. Default: an image
             of twice the side of the largest size the replica is made for (the larger of the pipeline's default size
             and ``warmup_sizes``): 1024² = 1048576 for SD 1.5 (512), 2048² for SDXL (1024). Beyond that the
