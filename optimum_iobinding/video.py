@@ -9,12 +9,11 @@ producer back instead of filling the memory. Tooling for the ``stream`` command 
 pipelines/ never import it (a layering contract in setup.cfg).
 
 Why this library: PyAV (FFmpeg's libraries in this process) rather than imageio-ffmpeg (an ``ffmpeg`` child process
-fed through pipes). On 2 shared CPU cores, 300 frames of 512² (benchmarks/video_codec_bench.py, results in
-benchmarks/results/cpu/), both encode at the same speed and CPU cost (H.264 130–350, VP9 150–235 frames/s), and
-imageio-ffmpeg decodes faster in wall time (530–980 against 300–810 frames/s: its child converts to RGB beside the
-decoder) for 20–75 % more CPU per frame; either keeps far ahead of a 100 frames/s stream. What decided: PyAV reports
+fed through pipes). Both encode at the same speed and CPU cost, and imageio-ffmpeg decodes faster in wall time (its
+child converts to RGB beside the decoder) for more CPU per frame; either keeps far ahead of a real-time stream
+(benchmarks/video_codec_bench.py compares them; docs/streams.md gives the figures). What decided: PyAV reports
 rate, frame count and size without parsing a child's stderr, fails with exceptions naming the cause rather than a
-broken pipe, stops without a process to kill, and its manylinux wheel is half the size (35 against 68 MB).
+broken pipe, stops without a process to kill, and its manylinux wheel is the smaller.
 
 Sizes: ``open_frames(..., size=...)`` fits every frame to one size by scaling it to cover the size and cropping the
 centre (no distortion, nothing letterboxed); without ``size`` every frame must have the first one's size. H.264 and
@@ -59,7 +58,7 @@ VIDEO_ENCODERS: Dict[str, Tuple[str, Dict[str, str]]] = {
     ".webm": ("libvpx-vp9", {"crf": "32", "b": "0", "deadline": "realtime", "cpu-used": "8", "row-mt": "1"}),
 }
 PIXEL_FORMAT = "yuv420p"  # what players play; it halves the colour planes, hence even sizes
-PNG_COMPRESS_LEVEL = 1  # zlib's fastest level: PNGs 10-20 % larger, written several times faster than the default 6
+PNG_COMPRESS_LEVEL = 1  # zlib's fastest level: PNGs a little larger, written much faster than at the default 6
 FRAME_FILE_PATTERN = "{:06d}.png"
 DEFAULT_QUEUE_FRAMES = 8
 # how often a thread blocked on a queue looks whether the other side stopped (a stop never waits longer)
