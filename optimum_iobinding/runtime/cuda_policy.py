@@ -13,16 +13,15 @@ import torch
 
 
 # Defaults for the CUDA EP where they suit diffusion's static, repeated shapes; a user's options always win.
-#   cudnn_conv_algo_search HEURISTIC: cuDNN's heuristics pick each conv algorithm without timing them all. With a
-#     session per input signature the search runs once per signature either way, and measured on the SD1.5 fused
-#     fp16 export the steady image was no slower and the first image came sooner than with EXHAUSTIVE (benchmarks/cold_start.py;
-#     benchmarks/results/h100). Pass cudnn_conv_algo_search="EXHAUSTIVE" to time every algorithm;
+#   cudnn_conv_algo_search HEURISTIC: cuDNN's heuristics pick each conv algorithm without timing them all, so a new
+#     input signature's first run does not wait for a search; with a session (or graph) per signature the choice is
+#     made once per signature either way. Pass cudnn_conv_algo_search="EXHAUSTIVE" to time every algorithm (each
+#     signature's first run then waits for it);
 #   cudnn_conv_use_max_workspace: let cuDNN pick algorithms that need a large workspace (faster on big convs);
 #   arena_extend_strategy kSameAsRequested: grow the arena by what is asked, not by powers of two (less memory).
-# Not fuse_conv_bias, though it is faster where it works (the bias inside the cuDNN-frontend convolution instead of a
-# cuDNN add-tensor kernel after it): with onnxruntime-gpu 1.31.1 it computed wrong images (tiny fp16 fused and fp32
-# exports; CUDA graphs too) and failed to build cuDNN graphs for fp16 plain exports
-# (benchmarks/results/h100/fuse-conv-bias).
+# Not fuse_conv_bias, though it saves a kernel where it works (the bias inside the cuDNN-frontend convolution instead
+# of a cuDNN add-tensor kernel after it): with onnxruntime-gpu 1.31.1 it computed wrong outputs (fp16 and fp32
+# exports, with CUDA graphs too) and failed to build cuDNN graphs for some fp16 exports.
 CUDA_DIFFUSION_DEFAULTS: Dict[str, str] = {
     "cudnn_conv_algo_search": "HEURISTIC",
     "cudnn_conv_use_max_workspace": "1",
@@ -46,11 +45,10 @@ class SetupGate:
     """Any number of device set-ups at a time, or one capture, never both.
 
     ORT captures a graph in the stream capture mode in which any thread's ``cudaMalloc`` or synchronous copy fails the
-    capture ("operation failed due to a previous error during capture": seen on the H100 when a session was built in
-    a thread beside a capture). Building a session or uploading owned weights on CUDA is a set-up (pipelines make
-    them in background threads, side by side); the first runs of a graph runner, which may capture, wait until no
-    set-up runs, and set-ups wait for them. A pipeline's first image captures after its set-ups are done: it waits
-    for nothing."""
+    capture ("operation failed due to a previous error during capture", when a session is built in a thread beside a
+    capture). Building a session or uploading owned weights on CUDA is a set-up (pipelines make them in background
+    threads, side by side); the first runs of a graph runner, which may capture, wait until no set-up runs, and
+    set-ups wait for them. A pipeline's first image captures after its set-ups are done: it waits for nothing."""
 
     def __init__(self) -> None:
         self._condition = threading.Condition()

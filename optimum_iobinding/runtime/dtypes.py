@@ -1,9 +1,11 @@
-"""Element types: ORT type strings ↔ torch dtypes ↔ ONNX element types, and the conversions done silently."""
+"""Element types: ORT type strings ↔ torch dtypes ↔ ONNX element types, the conversions done silently, and the
+zero-copy exchange of tensors between ORT and torch (DLPack)."""
 
 from __future__ import annotations
 
 from typing import Dict
 
+import onnxruntime as ort
 import torch
 from onnx import TensorProto
 
@@ -38,7 +40,7 @@ TORCH_TO_ONNX: Dict[torch.dtype, int] = {
 def conversion_allowed(source: torch.dtype, target: torch.dtype) -> bool:
     """Whether a value of ``source`` dtype is cast to ``target`` silently.
 
-    Silent: any float to any float (a float32 latent for a float16 UNet), any integer to any integer
+    Silent: any float to any float (a float32 latent for a float16 model), any integer to any integer
     (int64 token ids for an int32 ``input_ids``), and integer or bool to float (an integer timestep for a float
     ``timestep`` input). An error: float to integer (would truncate), anything but bool to bool, bool to integer,
     and complex to anything.
@@ -50,3 +52,23 @@ def conversion_allowed(source: torch.dtype, target: torch.dtype) -> bool:
     if target.is_floating_point:
         return True
     return not source.is_floating_point
+
+
+# recent onnxruntime releases give OrtValue the DLPack protocol; older ones only through its C binding
+_ORT_VALUE_HAS_DLPACK = hasattr(ort.OrtValue, "__dlpack__") and hasattr(ort.OrtValue, "from_dlpack")
+
+
+def tensor_of_ort_value(value: ort.OrtValue) -> torch.Tensor:
+    """A torch tensor over ``value``'s memory (zero copy; the DLPack capsule keeps ORT's buffer alive). Bool
+    tensors come as uint8, as DLPack carries them."""
+    if _ORT_VALUE_HAS_DLPACK:
+        return torch.from_dlpack(value)
+    return torch.from_dlpack(value._ortvalue)  # older onnxruntime: the C binding's DLPack, the only one it has
+
+
+def ort_value_of_tensor(tensor: torch.Tensor) -> ort.OrtValue:
+    """An OrtValue over ``tensor``'s memory (zero copy): ORT reads and the caller owns."""
+    if _ORT_VALUE_HAS_DLPACK:
+        return ort.OrtValue.from_dlpack(tensor)
+    # older onnxruntime: the C binding's DLPack, the only one it has
+    return ort.OrtValue(ort.capi._pybind_state.OrtValue.from_dlpack(tensor.__dlpack__(), tensor.dtype == torch.bool))

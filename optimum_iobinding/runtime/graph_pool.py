@@ -96,12 +96,11 @@ class GraphPool:
     on, each signature captured as its own graph selected by the run option ``gpu_graph_id`` (the way ONNX Runtime's
     own stable_diffusion demo binds several shapes). Its graphs share the session's one arena, so a new signature
     costs the activations the arena does not already hold, and the device holds the largest signature's activations
-    rather than their sum: measured on the H100 (small UNet, batches 2, 8, 16, 4), 200 MiB for four signatures
-    against 938 MiB with a session per signature (``benchmarks/results/h100/2026-11-23-892cff2``). ORT refuses such
-    a session when a node must run on the CPU between CUDA nodes (an ArgMax over integer ids, as in the text
-    encoders other exporters write); that model's signatures then get a session each, with the free dims fixed so
-    that ORT folds the shape arithmetic. Either way every session comes from the model's
-    :class:`~optimum_iobinding.runtime.session.SessionRecipe`: a signature never costs another copy of the weights.
+    rather than their sum, as a session per signature would. ORT refuses such a session when a node must run on the
+    CPU between CUDA nodes (an ArgMax over integer ids, which some exporters write); that model's signatures then get
+    a session each, with the free dims fixed so that ORT folds the shape arithmetic. Either way every session comes
+    from the model's :class:`~optimum_iobinding.runtime.session.SessionRecipe`: a signature never costs another copy
+    of the weights.
     Where the recipe owns its weights on need (the default), the one session loads them itself from the file (ONNX
     Runtime's own loading puts it up sooner); before the pool makes any other session, the weights become owned
     tensors, the one session (and the graphs captured in it) is dropped and made again around them, once, so that

@@ -24,13 +24,13 @@ import torch
 
 from ..layout import LORA_MAP_NAME, read_json_object
 from .cuda_policy import DEVICE_SETUP, DISABLE_SYNC_RUN_OPTION
-from .dtypes import ORT_TO_TORCH, TORCH_TO_ONNX
+from .dtypes import ORT_TO_TORCH, TORCH_TO_ONNX, tensor_of_ort_value
 from . import timeline
 from .graph_pool import CudaGraphRunner, GraphPool, signature_of
 from .hub import check_hub_kwargs, check_model_file, external_data_locations, load_graph, resolve_model_file
 from .inputs import InputValue, as_checked_tensor, check_input_names, numpy_bits, to_bindable
-from .options import (MODEL_SETTINGS, CudaGraphSetting, ModelOptions, ProviderOptionsSpec, ProviderSpec,
-                      provider_device)
+from .options import (MODEL_SETTINGS, NOT_GIVEN, CudaGraphSetting, ModelOptions, ProviderOptionsSpec, ProviderSpec,
+                      given_settings, provider_device)
 from .session import SessionRecipe, create_session, declared_types
 from .shapes import inferencer_from_model_proto, inferencer_from_session
 
@@ -117,29 +117,16 @@ class IOBindingORTModel:
 
     Args:
         session_or_path: a path to an .onnx file, or an ``onnxruntime.InferenceSession``.
-        options: the settings below resolved already (:class:`~optimum_iobinding.runtime.options.ModelOptions`,
-            what pipelines pass); give either ``options`` or the settings, not both.
-        provider: execution provider name, ``(name, options)`` pair or list of them; default CPU.
-        provider_options: options dict (or list of dicts aligned with the providers).
-        sess_options: ``onnxruntime.SessionOptions``.
-        io_binding: bind torch tensors (default) or run the numpy baseline.
-        reuse_outputs: reuse output buffers per input-shape signature (default) or return fresh tensors.
-        max_output_signatures: how many input-shape signatures per thread keep their output buffers.
+        provider, provider_options, sess_options, io_binding, reuse_outputs, max_output_signatures, stream,
+            cuda_graph, max_graph_signatures, share_weights: the model's settings, each declared with its default
+            and its meaning in :class:`~optimum_iobinding.runtime.options.ModelOptions`; a setting not given takes
+            its default. With a session, only ``io_binding``, ``reuse_outputs``, ``max_output_signatures``,
+            ``cuda_graph`` and ``max_graph_signatures`` apply (the session was made with the rest).
         config: the component's config (``from_pretrained`` reads the ``config.json`` beside the model, as optimum
             writes it); pipelines read scaling factors and channel counts from it.
-        stream: CUDA only: the torch stream ORT runs on (``user_compute_stream``); by default the model makes its
-            own. Pipelines pass one stream to all their components.
-        cuda_graph: ``"auto"`` (default): on CUDA capture each signature where it can and run without a graph where
-            it cannot (one INFO log line says why), elsewhere silently no graph; ``True``: the same, but a fallback
-            is a warning and a model that cannot have graphs at all (CPU, no binding) is an error; ``False``: never.
-        max_graph_signatures: how many signatures keep their pool entry (least recently used go first); ``None``
-            (default): all of them, bounded by memory.
-        share_weights: ``True``: keep the float weights once as torch tensors on the device, shared by every
-            session of the model (:attr:`owned_weights`; an in-place change is seen by every session's next run,
-            graphs included). ``None`` (default): where the model keeps a graph pool (CUDA with binding), the one
-            graph session loads the weights itself, and they become owned on first need (a second session, or
-            :meth:`own_weights`), the graph session being made again around them once; elsewhere never unless
-            :meth:`own_weights` is called. ``False``: never (each session of the pool loads its own copy).
+        options: the settings resolved already (:meth:`ModelOptions.resolve
+            <optimum_iobinding.runtime.options.ModelOptions.resolve>`, what pipelines pass); give either
+            ``options`` or the settings, not both.
     """
 
     SIBLING_SETTINGS = MODEL_SETTINGS
@@ -148,24 +135,25 @@ class IOBindingORTModel:
         self,
         session_or_path: Union[ort.InferenceSession, str, os.PathLike],
         *,
-        provider: ProviderSpec = None,
-        provider_options: ProviderOptionsSpec = None,
-        sess_options: Optional[ort.SessionOptions] = None,
-        io_binding: bool = True,
-        reuse_outputs: bool = True,
-        max_output_signatures: int = 8,
+        provider: ProviderSpec = NOT_GIVEN,
+        provider_options: ProviderOptionsSpec = NOT_GIVEN,
+        sess_options: Optional[ort.SessionOptions] = NOT_GIVEN,
+        io_binding: bool = NOT_GIVEN,
+        reuse_outputs: bool = NOT_GIVEN,
+        max_output_signatures: int = NOT_GIVEN,
         config: Optional[Dict[str, Any]] = None,
-        stream: Optional["torch.cuda.Stream"] = None,
-        cuda_graph: CudaGraphSetting = "auto",
-        max_graph_signatures: Optional[int] = None,
-        share_weights: Optional[bool] = None,
+        stream: Optional["torch.cuda.Stream"] = NOT_GIVEN,
+        cuda_graph: CudaGraphSetting = NOT_GIVEN,
+        max_graph_signatures: Optional[int] = NOT_GIVEN,
+        share_weights: Optional[bool] = NOT_GIVEN,
         options: Optional[ModelOptions] = None,
     ):
         settings = dict(provider=provider, provider_options=provider_options, sess_options=sess_options,
                         io_binding=io_binding, reuse_outputs=reuse_outputs, max_output_signatures=max_output_signatures,
                         cuda_graph=cuda_graph, max_graph_signatures=max_graph_signatures, share_weights=share_weights,
                         stream=stream)
-        _check_either(options, settings)
+        if options is not None:
+            options = ModelOptions.alone(options, given_settings(**settings))
         if isinstance(session_or_path, _Recipe):  # a sibling: the recipe (and its weights) of another model
             recipe, session = session_or_path.recipe, None
             options = options or recipe.options
@@ -208,7 +196,7 @@ class IOBindingORTModel:
         if session is not None:
             input_types = {i.name: i.type for i in session.get_inputs()}
             output_types = {o.name: o.type for o in session.get_outputs()}
-            shape_inferencer = inferencer_from_session(session)
+            shape_inferencer = inferencer_from_session(session, recipe.source)
         else:
             # the graph pool runs every signature: the plain dynamic session is made only if a signature needs it, and
             # what the model declares is read from the graph (without its weights)
@@ -282,18 +270,19 @@ class IOBindingORTModel:
     @staticmethod
     def load_model(
         path: Union[str, os.PathLike],
-        provider: ProviderSpec = None,
-        sess_options: Optional[ort.SessionOptions] = None,
-        provider_options: ProviderOptionsSpec = None,
+        provider: ProviderSpec = NOT_GIVEN,
+        sess_options: Optional[ort.SessionOptions] = NOT_GIVEN,
+        provider_options: ProviderOptionsSpec = NOT_GIVEN,
     ) -> ort.InferenceSession:
-        """Creates an ``onnxruntime.InferenceSession`` for ``path`` with the given provider(s), as diffusers does.
+        """Creates an ``onnxruntime.InferenceSession`` for ``path`` with the given provider(s), as diffusers does
+        (not given: the defaults of :class:`~optimum_iobinding.runtime.options.ModelOptions`).
 
         Raises:
             FileNotFoundError: no file at ``path``.
             ValueError: the provider is not available, or ORT cannot load the file.
         """
         options = ModelOptions.resolve(provider, provider_options, sess_options, io_binding=False)
-        return create_session(os.fspath(path), options.providers, options.provider_options, sess_options)
+        return create_session(os.fspath(path), options.providers, options.provider_options, options.sess_options)
 
     @classmethod
     def from_pretrained(
@@ -301,16 +290,16 @@ class IOBindingORTModel:
         model_id: Union[str, os.PathLike],
         subfolder: Optional[str] = None,
         file_name: str = "model.onnx",
-        provider: ProviderSpec = None,
-        provider_options: ProviderOptionsSpec = None,
-        sess_options: Optional[ort.SessionOptions] = None,
-        io_binding: bool = True,
-        reuse_outputs: bool = True,
-        stream: Optional["torch.cuda.Stream"] = None,
-        cuda_graph: CudaGraphSetting = "auto",
-        max_graph_signatures: Optional[int] = None,
-        share_weights: Optional[bool] = None,
-        max_output_signatures: int = 8,
+        provider: ProviderSpec = NOT_GIVEN,
+        provider_options: ProviderOptionsSpec = NOT_GIVEN,
+        sess_options: Optional[ort.SessionOptions] = NOT_GIVEN,
+        io_binding: bool = NOT_GIVEN,
+        reuse_outputs: bool = NOT_GIVEN,
+        stream: Optional["torch.cuda.Stream"] = NOT_GIVEN,
+        cuda_graph: CudaGraphSetting = NOT_GIVEN,
+        max_graph_signatures: Optional[int] = NOT_GIVEN,
+        share_weights: Optional[bool] = NOT_GIVEN,
+        max_output_signatures: int = NOT_GIVEN,
         options: Optional[ModelOptions] = None,
         **hub_kwargs: Any,
     ) -> "IOBindingORTModel":
@@ -318,7 +307,7 @@ class IOBindingORTModel:
 
         Args:
             model_id: an .onnx file, a folder holding one, or a hub repository id.
-            subfolder: folder inside ``model_id`` (e.g. ``"unet"``).
+            subfolder: folder inside ``model_id`` (a pipeline's component folder, say).
             file_name: the model's file name inside that folder.
             provider, provider_options, sess_options, io_binding, reuse_outputs, stream, cuda_graph,
                 max_graph_signatures, share_weights, max_output_signatures, options: as for the constructor.
@@ -329,12 +318,9 @@ class IOBindingORTModel:
             The loaded model.
         """
         check_hub_kwargs("IOBindingORTModel.from_pretrained", hub_kwargs)
-        settings = dict(provider=provider, provider_options=provider_options, sess_options=sess_options,
-                        io_binding=io_binding, reuse_outputs=reuse_outputs, max_output_signatures=max_output_signatures,
-                        cuda_graph=cuda_graph, max_graph_signatures=max_graph_signatures, share_weights=share_weights,
-                        stream=stream)
-        _check_either(options, settings)
-        options = options or ModelOptions.resolve(**settings)  # checked before anything is downloaded
+        options = ModelOptions.resolve(  # checked before anything is downloaded
+            provider, provider_options, sess_options, io_binding, reuse_outputs, max_output_signatures, cuda_graph,
+            max_graph_signatures, share_weights, stream, options=options)
         path = resolve_model_file(model_id, subfolder, file_name, **hub_kwargs)
         config = read_json_object(os.path.join(os.path.dirname(path), CONFIG_NAME))
         return cls(path, config=config, options=options)
@@ -544,8 +530,8 @@ class IOBindingORTModel:
         """Creates, ahead of the first call, the session that needs no input shapes: on CUDA the one session whose
         graphs every signature shares (nothing where the model keeps a session per signature, or has its session
         already). ``wait=False`` builds it in a background thread, which is returned: ORT releases the GIL while it
-        builds a session, so pipelines make the UNet's and the VAE's while the text encoder runs. A call that needs
-        the session meanwhile waits for it; a session ORT refuses is reported as a call would report it."""
+        builds a session, so a pipeline makes its components' sessions while an earlier component runs. A call that
+        needs the session meanwhile waits for it; a session ORT refuses is reported as a call would report it."""
         pool = self._pool
         if pool is None or not pool.one_session or pool.shared_tried:
             return None
@@ -717,7 +703,7 @@ class IOBindingORTModel:
 
     @staticmethod
     def _from_ort_value(value: ort.OrtValue, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.from_dlpack(value._ortvalue)  # zero copy; the capsule keeps ORT's buffer alive
+        tensor = tensor_of_ort_value(value)  # zero copy; the capsule keeps ORT's buffer alive
         if tensor.dtype != dtype:  # ORT exports bool as uint8 over DLPack
             tensor = tensor.view(dtype)
         return tensor
@@ -757,19 +743,3 @@ class _Recipe:
     def __init__(self, recipe: SessionRecipe):
         self.recipe = recipe
 
-
-_DEFAULTS = dict(provider=None, provider_options=None, sess_options=None, io_binding=True, reuse_outputs=True,
-                 max_output_signatures=8, cuda_graph="auto", max_graph_signatures=None, share_weights=None,
-                 stream=None)
-
-
-def _check_either(options: Optional[ModelOptions], settings: Mapping[str, Any]) -> None:
-    """Resolved ``options`` or the single settings, never both (a setting given beside ``options`` would be lost)."""
-    if options is None:
-        return
-    if not isinstance(options, ModelOptions):
-        raise TypeError(f"options: expected a ModelOptions, got {type(options).__name__}")
-    given = sorted(name for name, value in settings.items() if value is not _DEFAULTS[name]
-                   and value != _DEFAULTS[name])
-    if given:
-        raise TypeError(f"options: expected either options or the settings {given}, got both")

@@ -19,6 +19,7 @@ import onnxruntime as ort
 from .cuda_policy import DEVICE_SETUP
 from .hub import check_model_file, unreadable_reason
 from .options import ModelOptions
+from .shapes import session_source
 from . import timeline
 from .weights import OwnedWeights, source_name
 
@@ -109,8 +110,7 @@ class SessionRecipe:
     @classmethod
     def for_session(cls, session: ort.InferenceSession, options: ModelOptions) -> "SessionRecipe":
         """The recipe a given session was made with (as far as ORT tells it), to create more like it."""
-        source = getattr(session, "_model_path", None) or getattr(session, "_model_bytes", None)
-        recipe = cls(source, options)
+        recipe = cls(session_source(session), options)
         recipe.sessions_created = 1
         return recipe
 

@@ -257,7 +257,7 @@ def _format_bytes(size: int) -> str:
     return f"{size} bytes"
 
 
-# Outputs up to this size are never measured against the bound: no memory query for the everyday signature (on
+# Outputs up to this size are never checked against the bound: no memory query for the everyday signature (on
 # CUDA the query waits for any graph capture under way), and no machine lacks this much.
 UNCHECKED_OUTPUT_BYTES = 16 << 20
 
@@ -559,9 +559,18 @@ def _read_graph(path: str) -> onnx.ModelProto:
     return graph
 
 
-def inferencer_from_session(session: Any) -> ShapeInferencer:
-    """Builds the inferencer of a live session: dims as ORT reports them, the model from its path or bytes."""
-    source = getattr(session, "_model_path", None) or getattr(session, "_model_bytes", None)
+def session_source(session: Any) -> Union[str, bytes, None]:
+    """The path or the bytes a live ``onnxruntime.InferenceSession`` was made from (``None`` where it tells
+    neither). ONNX Runtime keeps them only in private attributes, with no public accessor: this is the one place
+    the package reads them."""
+    return getattr(session, "_model_path", None) or getattr(session, "_model_bytes", None)
+
+
+def inferencer_from_session(session: Any, source: Union[str, bytes, None] = None) -> ShapeInferencer:
+    """Builds the inferencer of a live session: dims as ORT reports them, the model from its path or bytes
+    (``source``; by default what the session was made from, :func:`session_source`)."""
+    if source is None:
+        source = session_source(session)
     return ShapeInferencer(
         {i.name: i.shape for i in session.get_inputs()},
         {o.name: o.shape for o in session.get_outputs()},

@@ -23,7 +23,7 @@ from onnx import numpy_helper
 
 from .cuda_policy import DEVICE_SETUP
 from . import timeline
-from .dtypes import TORCH_TO_ONNX
+from .dtypes import TORCH_TO_ONNX, ort_value_of_tensor
 
 # Float initializers with at least this many elements become owned weights. Smaller ones (scales, epsilons, the
 # constants of shape arithmetic) stay with each session: ORT may plan them on the CPU, where it refuses a user buffer
@@ -153,11 +153,6 @@ def load_owned_weights(source: Union[str, bytes], device: torch.device,
     return weights
 
 
-def _ort_value_of(tensor: torch.Tensor) -> ort.OrtValue:
-    """An OrtValue over ``tensor``'s memory (zero copy): ORT reads and the caller owns."""
-    return ort.OrtValue(ort.capi._pybind_state.OrtValue.from_dlpack(tensor.__dlpack__(), False))
-
-
 class OwnedWeights:
     """Whether one model's float weights are owned tensors, and the tensors (shared by every session of the model,
     its siblings' included).
@@ -191,7 +186,7 @@ class OwnedWeights:
                 with DEVICE_SETUP.setup() if self.device.type == "cuda" else contextlib.nullcontext():
                     with timeline.step(f"weights {source_name(self.source)}"):
                         self._tensors = load_owned_weights(self.source, self.device, model=model)
-                self._values = {name: _ort_value_of(tensor) for name, tensor in self._tensors.items()}
+                self._values = {name: ort_value_of_tensor(tensor) for name, tensor in self._tensors.items()}
         return self._tensors
 
     @property
@@ -211,11 +206,10 @@ class OwnedWeights:
 
     def adopt(self, model: onnx.ModelProto) -> None:
         """``model``, the source already parsed (by the model reading its declared inputs), is kept until the owned
-        weights load and read from instead of parsing the file again (on a UNet whose weights are inside its .onnx,
-        loading them, a parse included, is the longest piece of the first image's critical path). Until then the
-        parse holds host memory the size of the file; where the weights are owned on need, a session that loads
-        them itself releases it (:meth:`release_parse`). Nothing is kept where the weights are never owned or are
-        loaded already."""
+        weights load and read from instead of parsing the file again (for a large model whose weights are inside its
+        .onnx, the parse is a long piece of the first call's critical path). Until then the parse holds host memory
+        the size of the file; where the weights are owned on need, a session that loads them itself releases it
+        (:meth:`release_parse`). Nothing is kept where the weights are never owned or are loaded already."""
         with self._lock:
             if (self.owned or self.on_need) and self._tensors is None:
                 self._parsed = model
@@ -235,7 +229,7 @@ class OwnedWeights:
             # the CPU EP would otherwise prepack (copy) MatMul/Conv weights, and miss in-place changes
             sess_options.add_session_config_entry("session.disable_prepacking", "1")
             # so would the layout optimizations above EXTENDED (NCHWc convolutions reorder a copy of the weights):
-            # measured, a change of the owned Conv weights then barely reached the UNet's output
+            # an in-place change of the owned Conv weights would then not reach the model's output
             extended = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
             if int(sess_options.graph_optimization_level) > int(extended):
                 sess_options.graph_optimization_level = extended
