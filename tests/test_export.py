@@ -8,8 +8,8 @@ import torch
 from onnx import numpy_helper
 
 from optimum_iobinding.export import export_pipeline
-from optimum_iobinding.export import export as export_module
-from optimum_iobinding.export.export import component_specs
+from optimum_iobinding.export import components as components_module
+from optimum_iobinding.export.unet import component_specs
 from optimum_iobinding.export.optimize import (float32_island, fusion_options, in_folder, optimize_component,
                                                optimized_to_float16, optimizer_model_type, use_classic_attention)
 from optimum_iobinding.export.tiny import build_tiny_random_pipeline, build_tiny_random_xl_pipeline
@@ -113,7 +113,7 @@ def test_a_float16_vae_export_cannot_be_upcast_and_warns_only_for_sdxl(tmp_path,
 
     pipe = build_tiny_random_pipeline() if kind == "sd" else build_tiny_random_xl_pipeline()
     assert pipe.vae.config.force_upcast  # diffusers' default, as in SD 1.x/SDXL
-    with caplog.at_level("WARNING", logger=export_module.__name__):
+    with caplog.at_level("WARNING", logger=components_module.__name__):
         export_pipeline(None, tmp_path / "out", torch_pipeline=pipe, fp16=fp16, components=("vae_decoder",),
                            progress=False)
     config = json.loads((tmp_path / "out" / "vae_decoder" / "config.json").read_text())
@@ -140,7 +140,7 @@ def test_the_text_encoder_pools_the_end_token_on_floats_and_equals_transformers(
         vocab_size=49408, hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
         max_position_embeddings=77, bos_token_id=49406, eos_token_id=eos_token_id, pad_token_id=1)).eval()
     spec = component_specs(pipe)["text_encoder"]
-    export_module.export_component("text_encoder", spec, tmp_path, 17, fp16, None)
+    components_module.export_component("text_encoder", spec, tmp_path, 17, fp16, None)
     graph = onnx.load(str(tmp_path / "text_encoder" / "model.onnx"))
     producers = {output: node for node in graph.graph.node for output in node.output}
     argmaxes = [node for node in graph.graph.node if node.op_type == "ArgMax"]

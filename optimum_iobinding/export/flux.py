@@ -1,6 +1,6 @@
 """Export a diffusers ``FluxPipeline`` (FLUX.1 schnell or dev) to optimum's Flux ONNX layout: Flux's specs and the
-traceable stand-ins of its attention, rotary embedding and RMS norms; the text encoders, the component exporter and
-the folder are :mod:`.transformer`'s, shared with Stable Diffusion 3.
+traceable stand-ins of its attention, rotary embedding and RMS norms; the text encoders, the VAE and the component
+exporters are :mod:`.components`', the folder :mod:`.transformer_pipeline`'s, shared with Stable Diffusion 3.
 
 Layout written (what ``optimum-cli export onnx`` writes for Flux, which optimum's ``ORTFluxPipeline`` and our
 :class:`~optimum_iobinding.pipelines.flux.OnnxFluxPipeline` both load)::
@@ -16,8 +16,9 @@ Layout written (what ``optimum-cli export onnx`` writes for Flux, which optimum'
     vae_decoder/model.onnx          latent_sample → sample
     */config.json, tokenizer/, tokenizer_2/, scheduler/
 
-Precision of each component with ``fp16=True`` (:func:`~optimum_iobinding.export.transformer.float16_components`,
-the rule of every diffusion-transformer export, and why):
+Precision of each component with ``fp16=True``
+(:func:`~optimum_iobinding.export.transformer_pipeline.float16_components`, the rule of every diffusion-transformer
+export, and why):
 
 ==================  =========  ==============================================================================
 component           precision  why
@@ -40,7 +41,7 @@ vae_encoder/decoder fp16       diffusers' ``FluxPipeline`` decodes in the pipeli
                                runs this VAE in fp16 itself
 ==================  =========  ==============================================================================
 
-Components whose weights are over :data:`~optimum_iobinding.export.transformer.EXTERNAL_DATA_THRESHOLD` bytes
+Components whose weights are over :data:`~optimum_iobinding.export.components.EXTERNAL_DATA_THRESHOLD` bytes
 (FLUX.1's transformer: 12 billion parameters, 48 GB in fp32, 24 GB in fp16; T5-XXL's encoder, 19 GB in fp32) are
 written with their weights in one external-data file ``model.onnx_data`` beside ``model.onnx``, as optimum writes
 them; smaller ones are one file.
@@ -54,13 +55,12 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .export import vae_specs
-from .transformer import (EXTERNAL_DATA_THRESHOLD, clip_text_encoder_spec, export_transformer_pipeline,
-                          t5_encoder_spec)
+from .components import EXTERNAL_DATA_THRESHOLD, clip_text_encoder_spec, t5_encoder_spec, vae_specs
+from .transformer_pipeline import export_transformer_pipeline
 
 FLUX_COMPONENTS = ("text_encoder", "text_encoder_2", "transformer", "vae_encoder", "vae_decoder")
 # ORT's transformer-optimizer model type of the components exported by the transformer family's exporter: "mmdit"
-# fuses the Flux transformer's attention (CLIP and the VAE go through the Stable Diffusion export's own exporter)
+# fuses the Flux transformer's attention (CLIP and the VAE go through the UNet families' component exporter)
 FLUX_OPTIMIZER_MODEL_TYPES = {"text_encoder_2": "t5", "transformer": "mmdit"}
 
 

@@ -389,9 +389,9 @@ def in_folder(folder: Path):
 def load_light(path: Path) -> onnx.ModelProto:
     """The model at ``path`` with every initializer over 1 KiB left on disk beside it (read on demand).
 
-    ORT's symbolic shape inference copies the whole ModelProto, weights included, in the passes that use it: on the
-    SD1.5 UNet (3.4 GB fp32) its ``remove_useless_reshape_nodes`` pass alone went past 24 GB and was killed, and on
-    the SDXL UNet each such pass took minutes. Without the weights in the proto the same fusions need about the
+    ORT's symbolic shape inference copies the whole ModelProto, weights included, in the passes that use it (its
+    ``remove_useless_reshape_nodes`` pass among them): on a UNet that multiplies the memory of the weights many times
+    over and copies gigabytes in every such pass. Without the weights in the proto the same fusions need about the
     memory of the weights alone. The exporter already writes large models this way; a small one is rewritten so."""
     from onnx.external_data_helper import uses_external_data
 

@@ -1,0 +1,109 @@
+"""The folder of a diffusion-transformer export (Stable Diffusion 3 in :mod:`.transformer`, FLUX.1 in :mod:`.flux`),
+in optimum's layout: each component through its exporter (:mod:`.components`), float16 by one rule for both
+families, the tokenizers, the scheduler and the torch pipeline's model_index.json.
+
+Precision with ``fp16=True`` (:func:`float16_components`): every component but the T5 encoder, VAE included.
+
+- T5 stays **float32**: its feed-forward activations overflow float16 (transformers keeps T5's ``wo`` projections in
+  float32 for that reason, and clamps its hidden states only when the torch model itself runs in float16, which an
+  exported float32 graph does not record). The pipelines cast its output to the transformer's dtype.
+- The VAE goes float16: diffusers' SD3 and Flux pipelines decode in the pipeline's dtype and never read the VAE
+  config's ``force_upcast`` (only the SDXL pipelines upcast), so the export writes ``force_upcast: false``.
+
+Each family's module says what this means for each of its components.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Collection, ContextManager, Dict, Mapping, Optional, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..layout import building_beside, save_tokenizer, write_transformer_model_index
+from .components import OPTIMUM_EXTERNAL_DATA_FILE, export_component, export_model
+
+__all__ = ["export_transformer_pipeline", "float16_components", "torch_class_entry"]
+
+# ORT's optimizer model type of the components a float16 export leaves float32: T5 (see the module's docstring)
+FLOAT32_MODEL_TYPES = frozenset({"t5"})
+
+
+def float16_components(components: Collection[str], optimizer_model_types: Mapping[str, str]) -> frozenset:
+    """The components of a diffusion-transformer pipeline (SD3, FLUX.1) that ``fp16=True`` converts to float16: all
+    but the T5 encoder, VAE included (the module's docstring says why).
+
+    Args:
+        components: the pipeline's component names.
+        optimizer_model_types: ORT's optimizer model type of the components that have one (T5's is ``"t5"``).
+
+    Returns:
+        The names to convert.
+    """
+    return frozenset(name for name in components if optimizer_model_types.get(name) not in FLOAT32_MODEL_TYPES)
+
+
+def torch_class_entry(module: Any) -> Optional[tuple]:
+    """A component's model_index.json entry, ``(library, class name)`` (``None`` for a missing one): transformers 5's
+    ``T5Tokenizer`` is the fast one (``T5TokenizerFast`` is its alias there), while transformers 4's ``T5Tokenizer``
+    needs a sentencepiece file the folder does not have; the fast name loads in both."""
+    if module is None:
+        return None
+    library = "diffusers" if type(module).__module__.startswith("diffusers") else "transformers"
+    name = type(module).__name__
+    if name == "T5Tokenizer" and getattr(module, "is_fast", False):
+        name = "T5TokenizerFast"
+    return library, name
+
+
+def export_transformer_pipeline(
+    pipe: Any,
+    target: Path,
+    specs: Mapping[str, Dict[str, Any]],
+    components: Sequence[str],
+    *,
+    class_name: str,
+    optimizer_model_types: Mapping[str, str],
+    opset: int,
+    fp16: bool,
+    optimize: Optional[str],
+    progress: bool,
+    external_data_threshold: int,
+    exportable: Optional[Callable[[torch.nn.Module], ContextManager]] = None,
+) -> Path:
+    """Writes a diffusion-transformer pipeline folder at ``target`` (built beside it, moved into place when whole):
+    each of ``components`` from ``specs`` (those in ``optimizer_model_types`` by
+    :func:`~optimum_iobinding.export.components.export_model`, CLIP and the VAE by the UNet families' component
+    exporter, :func:`~optimum_iobinding.export.components.export_component`: its fusions, LoRA map, VAE attention),
+    float16 where ``fp16`` and :func:`float16_components` names it; the pipeline's tokenizers (as both transformers 4
+    and 5 read them) and scheduler; and the torch pipeline's model_index.json under ``class_name`` (torch class names;
+    one ``vae`` entry for both VAE folders), as optimum writes it. The caller has checked ``target`` and
+    ``components``.
+
+    Returns:
+        ``target``.
+    """
+    tokenizers = [name for name in ("tokenizer", "tokenizer_2", "tokenizer_3") if getattr(pipe, name, None) is not None]
+    half_components = float16_components(components, optimizer_model_types) if fp16 else frozenset()
+    with building_beside(target) as scratch:
+        for name in tqdm(components, desc="export", unit="model", disable=not progress):
+            half = name in half_components
+            if name in optimizer_model_types:
+                export_model(name, specs[name], scratch, opset, half, optimize, optimizer_model_types[name],
+                             external_data_threshold, exportable)
+            else:
+                export_component(name, specs[name], scratch, opset, half, optimize,
+                                 external_data_threshold=external_data_threshold,
+                                 external_data_file=OPTIMUM_EXTERNAL_DATA_FILE)
+        for name in tokenizers:
+            tokenizer = getattr(pipe, name)
+            save_tokenizer(tokenizer, scratch / name)
+        pipe.scheduler.save_pretrained(str(scratch / "scheduler"))
+        # every component the pipeline class has, ``None`` where this pipeline has none (an SD3 without T5)
+        modules = ("scheduler", "transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer",
+                   "tokenizer_2", "tokenizer_3")
+        write_transformer_model_index(scratch, class_name, {
+            **{name: torch_class_entry(getattr(pipe, name)) for name in modules if hasattr(pipe, name)},
+            "image_encoder": None, "feature_extractor": None})
+    return target

@@ -1,0 +1,327 @@
+"""Export of the UNet families (Stable Diffusion 1.x/2.x, LCM, Turbo; SDXL; ControlNet) to the diffusers ONNX layout
+(SDXL to optimum's): their text encoders, UNet and ControlNets' specs, and the folder; each component goes through
+:func:`~optimum_iobinding.export.components.export_component`, the VAE's spec is :mod:`.components`'.
+
+Layout written (what diffusers' ``OnnxStableDiffusionPipeline`` and ours both load)::
+
+    model_index.json            components named as diffusers' ONNX pipeline names them
+    text_encoder/model.onnx     input_ids (int32) → last_hidden_state, pooler_output
+    unet/model.onnx             sample, timestep, encoder_hidden_states → out_sample
+    vae_encoder/model.onnx      sample → latent_sample (the latent distribution's mean: deterministic; a tiny VAE's,
+                                diffusers' AutoencoderTiny's, latents)
+    vae_decoder/model.onnx      latent_sample → sample
+    controlnet/model.onnx       (a ControlNet pipeline) sample, timestep, encoder_hidden_states, controlnet_cond,
+                                conditioning_scale → down_block_res_sample_0 … _N-1, mid_block_res_sample;
+                                controlnet_1/, controlnet_2/ … for more than one ControlNet (diffusers' names), and a
+                                UNet that also takes down_block_additional_residual_0 … and mid_block_additional_residual
+    */config.json               the torch component's config (scaling factor, channels, block widths)
+    tokenizer/, scheduler/
+
+Large models go to one external-data file ``weights.pb`` next to their ``model.onnx``, as diffusers writes them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Dict, Optional, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..layout import (
+    DOWN_RESIDUAL_INPUT,
+    DOWN_RESIDUAL_OUTPUT,
+    MID_RESIDUAL_INPUT,
+    MID_RESIDUAL_OUTPUT,
+    ONNX_COMPONENTS,
+    building_beside,
+    controlnet_component_names,
+    save_tokenizer,
+    write_model_index,
+    write_xl_model_index,
+)
+from .components import export_component, pooled_output, vae_specs
+
+__all__ = ["export_unet_pipeline", "component_specs", "onnx_components_of", "is_xl", "check_tiny_vae_fits"]
+
+
+class _TextEncoder(torch.nn.Module):
+    def __init__(self, text_encoder):
+        super().__init__()
+        self.text_encoder = text_encoder
+
+    def forward(self, input_ids):
+        output = self.text_encoder(input_ids=input_ids, return_dict=True)
+        return output.last_hidden_state, pooled_output(self.text_encoder, output.last_hidden_state, input_ids)
+
+
+class _TextEncoderWithHiddenStates(torch.nn.Module):
+    """SDXL's encoders, as optimum exports them: the pooled output first for the projection model (``text_embeds``),
+    then ``last_hidden_state`` (and ``pooler_output`` for the plain one), then every layer's ``hidden_states.i``
+    (the pipeline takes the penultimate)."""
+
+    def __init__(self, text_encoder, with_projection: bool):
+        super().__init__()
+        self.text_encoder = text_encoder
+        self.with_projection = with_projection
+
+    def forward(self, input_ids):
+        output = self.text_encoder(input_ids=input_ids, output_hidden_states=True, return_dict=True)
+        pooled = pooled_output(self.text_encoder, output.last_hidden_state, input_ids)
+        if self.with_projection:
+            return (self.text_encoder.text_projection(pooled), output.last_hidden_state, *output.hidden_states)
+        return (output.last_hidden_state, pooled, *output.hidden_states)
+
+
+class _UNet(torch.nn.Module):
+    """``sample, timestep, encoder_hidden_states`` and, where the UNet takes them, ``timestep_cond`` (LCM's guidance
+    embedding) and SDXL's ``text_embeds``, ``time_ids``."""
+
+    def __init__(self, unet, extra_inputs: Sequence[str] = ()):
+        super().__init__()
+        self.unet = unet
+        self.extra_inputs = tuple(extra_inputs)
+
+    def forward(self, sample, timestep, encoder_hidden_states, *extra):
+        named = dict(zip(self.extra_inputs, extra))
+        added = {key: named[key] for key in ("text_embeds", "time_ids") if key in named} or None
+        down = [named[name] for name in self.extra_inputs if name.startswith(DOWN_RESIDUAL_INPUT)] or None
+        return self.unet(sample, timestep, encoder_hidden_states, timestep_cond=named.get("timestep_cond"),
+                         added_cond_kwargs=added, down_block_additional_residuals=down,
+                         mid_block_additional_residual=named.get(MID_RESIDUAL_INPUT), return_dict=False)[0]
+
+
+class _ControlNet(torch.nn.Module):
+    """A ControlNet whose residuals come out scaled by ``conditioning_scale``, one factor per residual (down blocks,
+    then mid): a plain call gives every residual the same factor, guess mode diffusers' ``logspace(-1, 0)`` ramp, and
+    steps outside the guidance window 0 — all the same graph."""
+
+    def __init__(self, controlnet):
+        super().__init__()
+        self.controlnet = controlnet
+
+    def forward(self, sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale):
+        down, mid = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale=1.0,
+                                    guess_mode=False, return_dict=False)
+        return (*(residual * conditioning_scale[i] for i, residual in enumerate(down)), mid * conditioning_scale[-1])
+
+
+def controlnets_of(pipe) -> list:
+    """The pipeline's ControlNets in order (a ``MultiControlNetModel``'s nets), or ``[]``."""
+    controlnet = getattr(pipe, "controlnet", None)
+    if controlnet is None:
+        return []
+    return list(getattr(controlnet, "nets", None) or [controlnet])
+
+
+def is_xl(pipe) -> bool:
+    """An SDXL pipeline: a second text encoder, or a UNet conditioned on pooled text and time ids."""
+    return getattr(pipe, "text_encoder_2", None) is not None or \
+        getattr(pipe.unet.config, "addition_embed_type", None) == "text_time"
+
+
+def onnx_components_of(pipe) -> tuple:
+    """The ONNX components a torch pipeline exports to (SDXL's refiner has no first text encoder; a ControlNet
+    pipeline adds its ControlNets)."""
+    if not is_xl(pipe):
+        return ONNX_COMPONENTS + controlnet_component_names(len(controlnets_of(pipe)))
+    encoders = tuple(name for name in ("text_encoder", "text_encoder_2") if getattr(pipe, name, None) is not None)
+    return encoders + ("unet", "vae_encoder", "vae_decoder")
+
+
+def _text_encoder_spec(text_encoder, sequence: int, xl: bool, with_projection: bool) -> dict:
+    if not xl:
+        return dict(
+            module=_TextEncoder(text_encoder),
+            args=(torch.zeros(1, sequence, dtype=torch.int32),),
+            input_names=["input_ids"],
+            output_names=["last_hidden_state", "pooler_output"],
+            dynamic_axes={"input_ids": {0: "batch", 1: "sequence"},
+                          "last_hidden_state": {0: "batch", 1: "sequence"}, "pooler_output": {0: "batch"}},
+            config=text_encoder.config,
+        )
+    layers = text_encoder.config.num_hidden_layers
+    hidden = [f"hidden_states.{i}" for i in range(layers + 1)]
+    pooled = "text_embeds" if with_projection else "pooler_output"
+    names = [pooled, "last_hidden_state", *hidden] if with_projection else ["last_hidden_state", pooled, *hidden]
+    axes = {name: {0: "batch", 1: "sequence"} for name in ["last_hidden_state", *hidden]}
+    return dict(
+        module=_TextEncoderWithHiddenStates(text_encoder, with_projection),
+        args=(torch.zeros(1, sequence, dtype=torch.int64),),  # optimum's SDXL export takes int64 ids
+        input_names=["input_ids"],
+        output_names=names,
+        dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}, pooled: {0: "batch"}, **axes},
+        config=text_encoder.config,
+    )
+
+
+def component_specs(pipe, vae=None) -> Dict[str, dict]:
+    """What to export for each component: module, example inputs, names and dynamic axes; the VAE's from ``vae``
+    where given (a tiny VAE), else from the pipeline's."""
+    xl = is_xl(pipe)
+    unet = pipe.unet
+    vae = pipe.vae if vae is None else vae
+    vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    # small example shapes: every spatial dim is dynamic, and exporting at full size would only cost time
+    latent_size = 2 ** (len(unet.config.block_out_channels) - 1) * 4
+    tokenizer = pipe.tokenizer if getattr(pipe, "tokenizer", None) is not None else pipe.tokenizer_2
+    sequence = tokenizer.model_max_length
+    specs: Dict[str, dict] = {}
+    if getattr(pipe, "text_encoder", None) is not None:
+        specs["text_encoder"] = _text_encoder_spec(pipe.text_encoder, sequence, xl, with_projection=False)
+    if xl and getattr(pipe, "text_encoder_2", None) is not None:
+        specs["text_encoder_2"] = _text_encoder_spec(pipe.text_encoder_2, sequence, xl, with_projection=True)
+
+    extra_names, extra_args, extra_axes = [], [], {}
+    if getattr(unet.config, "time_cond_proj_dim", None):
+        extra_names.append("timestep_cond")
+        extra_args.append(torch.randn(2, unet.config.time_cond_proj_dim))
+        extra_axes["timestep_cond"] = {0: "batch"}
+    if getattr(unet.config, "addition_embed_type", None) == "text_time":
+        # original size, crop corner and target size; the refiner has an aesthetic score instead of the target size
+        time_ids = 5 if getattr(pipe.config, "requires_aesthetics_score", False) else 6
+        pooled_dim = unet.config.projection_class_embeddings_input_dim - time_ids * unet.config.addition_time_embed_dim
+        extra_names += ["text_embeds", "time_ids"]
+        extra_args += [torch.randn(2, pooled_dim), torch.randn(2, time_ids)]
+        extra_axes.update({"text_embeds": {0: "batch"}, "time_ids": {0: "batch"}})
+    unet_args = (torch.randn(2, unet.config.in_channels, latent_size, latent_size), torch.tensor([1.0]),
+                 torch.randn(2, sequence, unet.config.cross_attention_dim))
+    controlnets = controlnets_of(pipe)
+    if controlnets:
+        if xl:
+            raise ValueError("controlnet: only Stable Diffusion 1.x/2.x ControlNet pipelines export (not SDXL's)")
+        image = torch.rand(2, controlnets[0].config.conditioning_channels, latent_size * vae_scale_factor,
+                           latent_size * vae_scale_factor)
+        with torch.no_grad():  # the residuals' shapes, for the example inputs of the UNet
+            down, mid = controlnets[0](*unet_args, image, return_dict=False)
+        residuals = [f"{DOWN_RESIDUAL_INPUT}{i}" for i in range(len(down))] + [MID_RESIDUAL_INPUT]
+        extra_names += residuals
+        extra_args += [torch.randn(r.shape) for r in (*down, mid)]
+        extra_axes.update({name: {0: "batch", 2: f"{name}_height", 3: f"{name}_width"} for name in residuals})
+        scale_count = len(down) + 1
+        outputs = [f"{DOWN_RESIDUAL_OUTPUT}{i}" for i in range(len(down))] + [MID_RESIDUAL_OUTPUT]
+        for name, controlnet in zip(controlnet_component_names(len(controlnets)), controlnets):
+            specs[name] = dict(
+                module=_ControlNet(controlnet),
+                args=(*unet_args, image, torch.ones(scale_count)),
+                input_names=["sample", "timestep", "encoder_hidden_states", "controlnet_cond", "conditioning_scale"],
+                output_names=outputs,
+                dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"}, "timestep": {0: "timestep_batch"},
+                              "encoder_hidden_states": {0: "batch", 1: "sequence"},
+                              "controlnet_cond": {0: "batch", 2: "image_height", 3: "image_width"},
+                              **{output: {0: "batch", 2: f"{output}_height", 3: f"{output}_width"}
+                                 for output in outputs}},
+                config=controlnet.config,
+            )
+    specs["unet"] = dict(
+        module=_UNet(unet, extra_names),
+        args=(*unet_args, *extra_args),
+        input_names=["sample", "timestep", "encoder_hidden_states", *extra_names],
+        output_names=["out_sample"],
+        dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"}, "timestep": {0: "timestep_batch"},
+                      "encoder_hidden_states": {0: "batch", 1: "sequence"}, **extra_axes,
+                      "out_sample": {0: "batch", 2: "height", 3: "width"}},
+        config=unet.config,
+    )
+    return {**specs, **vae_specs(vae, latent_size)}
+
+
+def check_tiny_vae_fits(tiny_vae_config, unet_config) -> None:
+    """The tiny VAE's latents are the UNet's: its ``latent_channels`` must be the UNet's ``out_channels`` (the
+    channels of the latents the UNet denoises; an inpainting UNet takes more in)."""
+    mine, unet = tiny_vae_config.get("latent_channels"), unet_config.get("out_channels")
+    if mine is not None and unet is not None and mine != unet:
+        raise ValueError(f"tiny_vae: expected a tiny VAE of {unet} latent channels (the UNet's), got one of {mine}; "
+                         "e.g. 'madebyollin/taesd' or 'madebyollin/taesdxl' have 4, for SD 1.x/2.x and SDXL")
+
+
+def _with_controlnets(pipe, controlnet):
+    """``pipe`` as a diffusers ``StableDiffusionControlNetPipeline`` with these ControlNets (models, folders or hub
+    ids), each checked against the UNet it will feed."""
+    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
+
+    if is_xl(pipe):
+        raise ValueError("controlnet: only Stable Diffusion 1.x/2.x pipelines export with a ControlNet (not SDXL)")
+    given = list(controlnet) if isinstance(controlnet, (list, tuple)) else [controlnet]
+    if not given:
+        raise ValueError("controlnet: expected one or more ControlNets, got an empty list")
+    nets = []
+    for k, item in enumerate(given):
+        if isinstance(item, (str, os.PathLike)):
+            item = ControlNetModel.from_pretrained(os.fspath(item), torch_dtype=torch.float32)
+        if not hasattr(item, "controlnet_down_blocks") or not hasattr(item, "config"):
+            raise TypeError(f"controlnet[{k}]: expected a ControlNetModel or its folder or hub id, got "
+                            f"{type(item).__name__}")
+        for key in ("block_out_channels", "cross_attention_dim"):
+            mine, theirs = getattr(item.config, key), getattr(pipe.unet.config, key)
+            if list(mine if isinstance(mine, (list, tuple)) else [mine]) != \
+                    list(theirs if isinstance(theirs, (list, tuple)) else [theirs]):
+                raise ValueError(f"controlnet[{k}]: {key} is {mine}, but the pipeline's UNet has {theirs}: a "
+                                 "ControlNet must be made for this UNet's architecture")
+        nets.append(item)
+    return StableDiffusionControlNetPipeline(
+        vae=pipe.vae, text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer, unet=pipe.unet,
+        controlnet=nets[0] if len(nets) == 1 else nets, scheduler=pipe.scheduler, safety_checker=None,
+        feature_extractor=None, requires_safety_checker=False,
+    )
+
+
+def export_unet_pipeline(pipe, target: Path, *, vae=None, controlnet=None, tiny_vae=None,
+                         components: Optional[Sequence[str]] = None, opset: int = 17, fp16: bool = False,
+                         optimize: Optional[str] = None, progress: bool = True) -> Path:
+    """Writes a UNet pipeline's folder at ``target`` (see the module's docstring), built beside it and moved into
+    place when whole; the caller has checked ``target``.
+
+    Args:
+        pipe: the torch pipeline (float32).
+        target: the output folder.
+        vae: an ``AutoencoderKL``, or its folder or hub id, to export instead of the pipeline's.
+        controlnet: one or several ControlNets (models, folders or hub ids) to export with the pipeline.
+        tiny_vae: a loaded ``AutoencoderTiny`` to export as ``vae_encoder`` and ``vae_decoder``, or ``None``.
+        components: which ONNX components to export (default: all the pipeline has).
+        opset: ONNX opset.
+        fp16: convert to float16.
+        optimize: ``"cuda"``, ``"cpu"`` or ``None``: ORT's optimizer on each component.
+        progress: show a progress bar.
+
+    Returns:
+        ``target``.
+    """
+    if vae is not None:
+        if isinstance(vae, (str, os.PathLike)):
+            from diffusers import AutoencoderKL
+
+            vae = AutoencoderKL.from_pretrained(os.fspath(vae), torch_dtype=torch.float32)
+        if not hasattr(vae, "decode") or not hasattr(vae, "config"):
+            raise TypeError(f"vae: expected an AutoencoderKL or its folder or hub id, got {type(vae).__name__}")
+        pipe.vae = vae
+    if controlnet is not None:
+        pipe = _with_controlnets(pipe, controlnet)
+    if tiny_vae is not None:
+        check_tiny_vae_fits(tiny_vae.config, pipe.unet.config)
+    available = onnx_components_of(pipe)
+    components = available if components is None else tuple(components)
+    unknown = [c for c in components if c not in available]
+    if unknown:
+        raise ValueError(f"components: expected names from {list(available)}, got {unknown}")
+    specs = component_specs(pipe, vae=tiny_vae)
+    with building_beside(target) as scratch:
+        for name in tqdm(components, desc="export", unit="model", disable=not progress):
+            export_component(name, specs[name], scratch, opset, fp16, optimize, xl=is_xl(pipe))
+        for name in ("tokenizer", "tokenizer_2"):
+            if getattr(pipe, name, None) is not None:
+                save_tokenizer(getattr(pipe, name), scratch / name)
+        pipe.scheduler.save_pretrained(str(scratch / "scheduler"))
+        if is_xl(pipe):
+            modules = {name: type(getattr(pipe, name)).__name__ if getattr(pipe, name, None) is not None else None
+                       for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")}
+            write_xl_model_index(scratch, type(pipe).__name__, type(pipe.scheduler).__name__, modules,
+                                 getattr(pipe.config, "force_zeros_for_empty_prompt", True),
+                                 getattr(pipe.config, "requires_aesthetics_score", False))
+        else:
+            nets = controlnet_component_names(len(controlnets_of(pipe)))
+            write_model_index(scratch, type(pipe.scheduler).__name__, type(pipe.tokenizer).__name__,
+                              ONNX_COMPONENTS + nets,
+                              "OnnxStableDiffusionControlNetPipeline" if nets else "OnnxStableDiffusionPipeline")
+    return target
