@@ -6,8 +6,8 @@ from .flux import OnnxFluxPipeline
 from .img2img import OnnxStableDiffusionImg2ImgPipeline
 from .inpaint import OnnxStableDiffusionInpaintPipeline
 from .latent_consistency import OnnxLatentConsistencyModelPipeline
-from .loading import load_numpy_pipeline
-from .pipeline import OnnxStableDiffusionPipelineBase
+from .components import load_numpy_pipeline
+from .core import OnnxDiffusionPipeline
 from .stable_diffusion import OnnxStableDiffusionPipeline
 from .stable_diffusion_3 import OnnxStableDiffusion3Pipeline
 from .stable_diffusion_xl import OnnxStableDiffusionXLImg2ImgPipeline, OnnxStableDiffusionXLPipeline
@@ -18,7 +18,7 @@ __all__ = [
     "pipeline_class_for",
     "resolve_model_folder",
     "load_numpy_pipeline",
-    "OnnxStableDiffusionPipelineBase",
+    "OnnxDiffusionPipeline",
     "OnnxStableDiffusionPipeline",
     "OnnxStableDiffusionImg2ImgPipeline",
     "OnnxStableDiffusionInpaintPipeline",

@@ -9,10 +9,12 @@ from typing import Union
 
 from ..layout import read_model_index, resolve_pipeline_folder
 from ..runtime.hub import load_graph
+from .components import names_of
 from .flux import OnnxFluxPipeline
 from .latent_consistency import OnnxLatentConsistencyModelPipeline
 from .stable_diffusion import OnnxStableDiffusionPipeline
-from .stable_diffusion_3 import TRANSFORMER_INPUTS, OnnxStableDiffusion3Pipeline
+from .denoisers import MMDIT_INPUTS
+from .stable_diffusion_3 import OnnxStableDiffusion3Pipeline
 from .stable_diffusion_xl import OnnxStableDiffusionXLPipeline
 
 
@@ -25,8 +27,9 @@ def resolve_model_folder(model: Union[str, os.PathLike], **hub_kwargs) -> Path:
     """A pipeline folder for :func:`pipeline_class_for`: ``model`` itself where it is a local folder, else the Hub
     repository ``model`` downloaded with the files any text-to-image family reads (its ONNX components, tokenizers,
     scheduler and model_index.json)."""
-    components = dict.fromkeys(name for cls in TEXT_TO_IMAGE_CLASSES for name in cls._onnx_components)
-    tokenizers = dict.fromkeys(name for cls in TEXT_TO_IMAGE_CLASSES for name in cls._tokenizer_names)
+    components = dict.fromkeys(name for cls in TEXT_TO_IMAGE_CLASSES for name in names_of(cls.declared_components, "onnx"))
+    tokenizers = dict.fromkeys(name for cls in TEXT_TO_IMAGE_CLASSES
+                               for name in names_of(cls.declared_components, "tokenizer"))
     return resolve_pipeline_folder(model, tuple(components), tuple(tokenizers), **hub_kwargs)
 
 
@@ -72,7 +75,7 @@ def _transformer_pipeline_class(folder: Path, transformer_path: Path) -> type:
     inputs = sorted(value.name for value in graph.input if value.name not in initializers)
     if "img_ids" in inputs:  # Flux takes rotary position ids
         return OnnxFluxPipeline
-    if inputs == sorted(TRANSFORMER_INPUTS):
+    if inputs == sorted(MMDIT_INPUTS):
         return OnnxStableDiffusion3Pipeline
     raise ValueError(f"model: {str(folder)!r} has a transformer with inputs {inputs}, which no pipeline of this "
-                     f"version runs (Stable Diffusion 3's takes {list(TRANSFORMER_INPUTS)}, FLUX.1's img_ids too)")
+                     f"version runs (Stable Diffusion 3's takes {list(MMDIT_INPUTS)}, FLUX.1's img_ids too)")

@@ -1,10 +1,12 @@
-"""Loading a pipeline: its components from an ONNX folder (diffusers' or optimum's layout) with one set of resolved
-options; and diffusers' own numpy ONNX pipeline, the baseline every comparison
-runs against."""
+"""What a family is made of and how it loads: each family declares its components once (:class:`Component`: name,
+kind, optional), from which the core loads them from an ONNX folder (diffusers' or optimum's layout) with one set of
+resolved options, checks that each model is of its kind, and writes them back; and diffusers' own numpy ONNX
+pipeline, the baseline every comparison runs against."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
@@ -13,10 +15,46 @@ from ..runtime.model import IOBindingORTModel
 from ..runtime.options import PipelineOptions
 from ..runtime.shapes import infer_output_shapes
 
+@dataclass(frozen=True)
+class Component:
+    """One component of a family: its ``name`` (the folder and the pipeline attribute), its ``kind`` (``"onnx"``: an
+    ONNX model, an :class:`IOBindingORTModel`; ``"tokenizer"``; ``"module"``: accepted and kept, never loaded, as a
+    diffusers folder's safety checker) and whether the family runs without it (``optional``)."""
+
+    name: str
+    kind: str = "onnx"
+    optional: bool = False
+
+
+def onnx(name: str, optional: bool = False) -> Component:
+    return Component(name, "onnx", optional)
+
+
+def tokenizer(name: str, optional: bool = False) -> Component:
+    return Component(name, "tokenizer", optional)
+
+
+def module(name: str) -> Component:
+    return Component(name, "module", optional=True)
+
+
+def names_of(components: Sequence[Component], kind: Optional[str] = None) -> Tuple[str, ...]:
+    """The names of ``components`` (of ``kind`` only, where given), in declaration order."""
+    return tuple(c.name for c in components if kind is None or c.kind == kind)
+
+
+def declared_dim(model: Optional[IOBindingORTModel], input_name: str, axis: int) -> Optional[int]:
+    """The static size of ``axis`` of ``model``'s input ``input_name``, or ``None`` (dynamic, or no such input)."""
+    dims = model.input_dims.get(input_name) if model is not None else None
+    if dims is not None and len(dims) > axis and isinstance(dims[axis], int):
+        return dims[axis]
+    return None
+
+
 # the ONNX components of a tiny VAE export (diffusers' AutoencoderTiny), which a stream may load from a folder of its own
 TINY_VAE_COMPONENTS = ("vae_encoder", "vae_decoder")
 
-# What each ONNX component is, by the inputs a pipeline feeds it (the UNet's are checked by _check_unet_inputs):
+# What each ONNX component is, by the inputs a pipeline feeds it (the denoiser's own part checks its exact inputs):
 # component name (or its prefix, for controlnet_1 …) → (what it is, its inputs).
 COMPONENT_INPUTS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "text_encoder": ("a text encoder", ("input_ids",)),
@@ -46,7 +84,7 @@ def check_component_kind(name: str, model: Any) -> None:
     UNet where the text encoder does), naming the folder, the inputs expected and what the model takes and gives."""
     if not isinstance(model, IOBindingORTModel):
         return
-    if name == "unet":  # its exact inputs depend on the pipeline (_check_unet_inputs); here: is it a UNet at all
+    if name == "unet":  # its exact inputs depend on the family (its denoiser part); here: is it a UNet at all
         spec = ("a UNet", ("sample", "timestep", "encoder_hidden_states"))
         if set(spec[1]) <= set(model.input_names) and "controlnet_cond" not in model.input_names:
             return
@@ -67,45 +105,56 @@ def check_component_kind(name: str, model: Any) -> None:
                      "folder")
 
 
-def load_components(pipeline_class: type, folder: Path, options: PipelineOptions, scheduler: Any = None,
-                    tokenizer: Any = None, onnx_components: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    """The components ``pipeline_class`` is made of, loaded from ``folder``: each ONNX component an
-    :class:`IOBindingORTModel` with its options (one stream for all), the tokenizers and the scheduler (``scheduler``
-    and ``tokenizer`` replace the folder's), and the model_index.json settings the class takes.
-    ``onnx_components``: load only these ONNX components (default: all the class has in ``folder``); the caller
-    provides the others (a stream's tiny VAE from another folder)."""
-    if tokenizer is not None and not (callable(tokenizer) and hasattr(tokenizer, "model_max_length")):
-        raise TypeError(f"tokenizer: expected a transformers tokenizer (callable, with a model_max_length), got "
-                        f"{type(tokenizer).__name__} {tokenizer!r:.80}")
-    if scheduler is not None and not all(hasattr(scheduler, name) for name in ("set_timesteps", "step")):
-        raise TypeError(f"scheduler: expected a diffusers scheduler (with set_timesteps and step), got "
-                        f"{type(scheduler).__name__} {scheduler!r:.80}")
-    if onnx_components is None:
-        onnx_components = pipeline_class._components_in(folder)
-    index = read_model_index(folder, onnx_components)
+def check_replacement(name: str, value: Any) -> None:
+    """A component given to ``from_pretrained`` in place of the folder's: a tokenizer must be a transformers tokenizer,
+    the scheduler a diffusers scheduler; refused by name otherwise, before anything loads."""
+    if name == "scheduler":
+        if not all(hasattr(value, method) for method in ("set_timesteps", "step")):
+            raise TypeError(f"scheduler: expected a diffusers scheduler (with set_timesteps and step), got "
+                            f"{type(value).__name__} {value!r:.80}")
+    elif not (callable(value) and hasattr(value, "model_max_length")):
+        raise TypeError(f"{name}: expected a transformers tokenizer (callable, with a model_max_length), got "
+                        f"{type(value).__name__} {value!r:.80}")
+
+
+def load_components(folder: Path, model_folders: Dict[str, Path], declared: Sequence[Component],
+                    options: PipelineOptions, must_capture: str, replacements: Dict[str, Any],
+                    settings: Sequence[str] = (), missing_hint: str = "") -> Dict[str, Any]:
+    """The components of a family, loaded: each ONNX component from its folder in ``model_folders`` as an
+    :class:`IOBindingORTModel` with its options (one stream for all; ``must_capture``: the component whose graphs
+    ``cuda_graph=True`` requires), the tokenizers and the scheduler from ``folder`` unless ``replacements`` gives them,
+    and the model_index.json ``settings`` the family takes. Every required model file is looked for before any loads
+    (the denoiser's first: its absence says the folder is of another family, ``missing_hint``). A failure releases
+    what was loaded."""
+    optional = {component.name for component in declared if component.optional}
+    order = sorted(model_folders, key=lambda name: name != must_capture)
+    for name in order:
+        path = model_folders[name] / "model.onnx"
+        if name not in optional and not path.is_file():
+            raise FileNotFoundError(f"pretrained_model_name_or_path: component {name!r} is missing: expected "
+                                    f"{path}{missing_hint if name == must_capture else ''}")
+    index = read_model_index(folder, tuple(model_folders))
     components: Dict[str, Any] = {}
     try:
-        for name in onnx_components:
-            model_folder = folder / name
+        for name, model_folder in model_folders.items():
             if not (model_folder / "model.onnx").is_file():
-                if name in pipeline_class._optional_components:
-                    components[name] = None
-                    continue
-                raise FileNotFoundError(
-                    f"pretrained_model_name_or_path: component {name!r} is missing: expected "
-                    f"{model_folder / 'model.onnx'}"
-                )
-            components[name] = IOBindingORTModel.from_pretrained(model_folder, options=options.for_component(name))
+                components[name] = None
+                continue
+            components[name] = IOBindingORTModel.from_pretrained(
+                model_folder, options=options.for_component(name, must_capture=name == must_capture))
             check_component_kind(name, components[name])  # a wrong file fails here, before the next one loads
-        for name in pipeline_class._tokenizer_names:
-            if name == "tokenizer" and tokenizer is not None:
-                components[name] = tokenizer
-            elif (folder / name).is_dir() or name not in pipeline_class._optional_components:
+        for component in declared:
+            name = component.name
+            if component.kind != "tokenizer":
+                continue
+            if name in replacements:
+                components[name] = replacements[name]
+            elif (folder / name).is_dir() or not component.optional:
                 components[name] = load_tokenizer(folder, index, name)
             else:
                 components[name] = None
-        components["scheduler"] = scheduler if scheduler is not None else load_scheduler(folder, index)
-        components.update({key: index[key] for key in pipeline_class._index_settings if key in index})
+        components["scheduler"] = replacements.get("scheduler") or load_scheduler(folder, index)
+        components.update({key: index[key] for key in settings if key in index})
         return components
     except BaseException:
         components.clear()  # release sessions now, not when the traceback goes

@@ -19,85 +19,32 @@ import numpy as np
 import torch
 from diffusers.image_processor import VaeImageProcessor
 
-from ..layout import DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT, ONNX_COMPONENTS, write_model_index
-from ..layout import controlnet_component_names as _controlnet_names
+from ..layout import DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT, controlnet_component_names, write_model_index
 from ..runtime.model import IOBindingORTModel
 from ..runtime.shapes import infer_output_shapes
 from .arguments import Generator, is_real
-from .denoise import on_device_stream
-from .pipeline import OnnxStableDiffusionPipelineBase, upload
+from .clip_unet import STABLE_DIFFUSION_COMPONENTS, ClipUNetPipeline
+from .components import declared_dim, names_of, onnx
+from .core import on_device_stream
+from .denoisers import UNetDenoiser, timestep_inputs
 from .img2img import ImageInput, expand_to_batch
+from .transfer import upload
 
 _EXTRA_CONTROLNET = re.compile(r"controlnet_([1-9][0-9]*)")
 
 
-class _ControlNetMixin:
-    """What the ControlNet pipelines share: their components, checks, control images and per-step residuals."""
+class ControlNetUNet(UNetDenoiser):
+    """A UNet exported with its ControlNet: beside its three inputs it takes the residuals the ControlNets give, one
+    input per output, in the same order (:attr:`residual_inputs`)."""
 
-    _onnx_components: Tuple[str, ...] = ONNX_COMPONENTS + ("controlnet",)
+    @property
+    def residual_inputs(self) -> List[str]:
+        outputs = self.pipe.controlnets[0].output_names
+        return [f"{DOWN_RESIDUAL_INPUT}{i}" for i in range(len(outputs) - 1)] + [MID_RESIDUAL_INPUT]
 
-    def __init__(
-        self,
-        vae_encoder: Optional[IOBindingORTModel],
-        vae_decoder: IOBindingORTModel,
-        text_encoder: IOBindingORTModel,
-        tokenizer: Any,
-        unet: IOBindingORTModel,
-        scheduler: Any,
-        controlnet: Optional[IOBindingORTModel] = None,
-        safety_checker: Any = None,
-        feature_extractor: Any = None,
-        requires_safety_checker: bool = False,
-        **more_controlnets: IOBindingORTModel,
-    ):
-        self._register_controlnets(controlnet, more_controlnets)
-        super().__init__(vae_encoder, vae_decoder, text_encoder, tokenizer, unet, scheduler, safety_checker,
-                         feature_extractor, requires_safety_checker)
-        self.register_modules(controlnet=controlnet, **more_controlnets)
-
-    # --------------------------------------------------------------------------------------------- components
-    @classmethod
-    def _get_signature_keys(cls, obj: Any) -> Tuple[List[str], List[str]]:
-        """diffusers' view of the components (``pipe.components``): every ControlNet is one, by its name."""
-        expected, optional = super()._get_signature_keys(obj)
-        names = getattr(obj, "_onnx_components", cls._onnx_components)
-        nets = [name for name in names if name.startswith("controlnet")]
-        expected = sorted((set(expected) - {"more_controlnets"}) | set(nets))
-        return expected, [name for name in optional if name not in nets]
-
-    @classmethod
-    def _download_components(cls) -> Sequence[str]:
-        return ONNX_COMPONENTS + ("controlnet*",)
-
-    @classmethod
-    def _components_in(cls, folder: Path) -> Tuple[str, ...]:
-        numbers = sorted(int(match.group(1)) for entry in Path(folder).iterdir()
-                         if (match := _EXTRA_CONTROLNET.fullmatch(entry.name)) and (entry / "model.onnx").is_file())
-        if numbers != list(range(1, len(numbers) + 1)):
-            raise ValueError(f"pretrained_model_name_or_path: expected ControlNet folders controlnet, controlnet_1, "
-                             f"controlnet_2 … without gaps, got controlnet_{numbers} in {str(folder)!r}")
-        return ONNX_COMPONENTS + _controlnet_names(len(numbers) + 1)
-
-    def _register_controlnets(self, controlnet: Optional[IOBindingORTModel], more: Dict[str, Any]) -> None:
-        """Keeps the ControlNets in order (``self.controlnets``) before the base class checks the UNet against
-        them, and names them as components."""
-        if controlnet is None:
-            raise ValueError("controlnet: this pipeline needs a ControlNet; the folder has no controlnet/model.onnx "
-                             "(export one with optimum-iobinding export MODEL --controlnet ID)")
-        wrong = sorted(name for name in more if not _EXTRA_CONTROLNET.fullmatch(name))
-        if wrong:
-            raise TypeError(f"{type(self).__name__}: unexpected arguments {wrong}")
-        count = len(more) + 1
-        if sorted(more) != sorted(_controlnet_names(count)[1:]):
-            raise ValueError(f"controlnet_1 …: expected {list(_controlnet_names(count)[1:])}, got {sorted(more)}")
-        self.controlnets: List[IOBindingORTModel] = [controlnet] + [more[name] for name in _controlnet_names(count)[1:]]
-        self._onnx_components = ONNX_COMPONENTS + _controlnet_names(count)
-
-    def _check_unet_inputs(self) -> None:
-        """The UNet must take the residuals the ControlNets give, one input per output, in the same order."""
-        outputs = self.controlnets[0].output_names
-        expected = [f"{DOWN_RESIDUAL_INPUT}{i}" for i in range(len(outputs) - 1)] + [MID_RESIDUAL_INPUT]
-        declared = self.unet.input_names
+    def check_model(self) -> None:
+        expected = self.residual_inputs
+        declared = self.model.input_names
         missing = [name for name in expected if name not in declared]
         if missing:
             raise ValueError(f"unet: a ControlNet pipeline needs the UNet exported with its ControlNet (inputs "
@@ -108,15 +55,55 @@ class _ControlNetMixin:
         if unexpected:
             raise ValueError(f"unet: expected inputs sample, timestep, encoder_hidden_states and {expected}, got "
                              f"{declared} (an SDXL or LCM ControlNet UNet is not supported)")
-        for k, net in enumerate(self.controlnets):
-            if len(net.output_names) != len(outputs):
-                raise ValueError(f"{_controlnet_names(k + 1)[-1]}: gives {len(net.output_names)} residuals, the UNet "
-                                 f"takes {len(outputs)}: a ControlNet of another architecture")
-        self._residual_inputs = expected
+        for k, net in enumerate(self.pipe.controlnets):
+            if len(net.output_names) != len(expected):
+                raise ValueError(f"{controlnet_component_names(k + 1)[-1]}: gives {len(net.output_names)} residuals, "
+                                 f"the UNet takes {len(expected)}: a ControlNet of another architecture")
 
-    def _write_model_index(self, target: Path, written: List[str]) -> None:
+
+class ControlNetPipeline(ClipUNetPipeline):
+    """The declaration the ControlNet families share: Stable Diffusion's components and ``controlnet``
+    (``controlnet_1`` … for multi-ControlNet), the UNet that takes their residuals; their checks, control images and
+    per-step residuals."""
+
+    declared_components = STABLE_DIFFUSION_COMPONENTS + (onnx("controlnet"),)
+    denoiser_part = ControlNetUNet
+    numbered_components = ("controlnet",)
+
+    def __init__(self, **components: Any):
+        controlnet = components.get("controlnet")
+        if controlnet is None:
+            raise ValueError("controlnet: this pipeline needs a ControlNet; the folder has no controlnet/model.onnx "
+                             "(export one with optimum-iobinding export MODEL --controlnet ID)")
+        more = {name: value for name, value in components.items() if name.startswith("controlnet_")}
+        wrong = sorted(name for name in more if not _EXTRA_CONTROLNET.fullmatch(name))
+        if wrong:
+            raise TypeError(f"{type(self).__name__}: unexpected arguments {wrong}")
+        names = controlnet_component_names(len(more) + 1)
+        if sorted(more) != sorted(names[1:]):
+            raise ValueError(f"controlnet_1 …: expected {list(names[1:])}, got {sorted(more)}")
+        # this pipeline's ControlNets, in order, are components of their own
+        self.declared_components = STABLE_DIFFUSION_COMPONENTS + tuple(onnx(name) for name in names)
+        self.controlnets: List[IOBindingORTModel] = [components[name] for name in names]
+        super().__init__(**components)
+
+    def write_model_index(self, target: Path, written: List[str]) -> None:
+        # the class name: diffusers' ONNX pipeline has no ControlNet, the folder is ours
         write_model_index(target, type(self.scheduler).__name__, type(self.tokenizer).__name__, written,
                           type(self).__name__)
+
+    @classmethod
+    def download_names(cls) -> Sequence[str]:
+        return (*names_of(STABLE_DIFFUSION_COMPONENTS, "onnx"), "controlnet*")
+
+    @classmethod
+    def onnx_names_in(cls, folder: Path) -> Tuple[str, ...]:
+        numbers = sorted(int(match.group(1)) for entry in Path(folder).iterdir()
+                         if (match := _EXTRA_CONTROLNET.fullmatch(entry.name)) and (entry / "model.onnx").is_file())
+        if numbers != list(range(1, len(numbers) + 1)):
+            raise ValueError(f"pretrained_model_name_or_path: expected ControlNet folders controlnet, controlnet_1, "
+                             f"controlnet_2 … without gaps, got controlnet_{numbers} in {str(folder)!r}")
+        return (*names_of(STABLE_DIFFUSION_COMPONENTS, "onnx"), *controlnet_component_names(len(numbers) + 1))
 
     @property
     def control_image_processor(self) -> VaeImageProcessor:
@@ -185,7 +172,7 @@ class _ControlNetMixin:
         """diffusers' ``prepare_image``: preprocessed to ``height`` × ``width`` (default: its own size, rounded down
         to the VAE factor), one per image of the call, doubled for guidance unless in guess mode; on the device in
         the ControlNet's input dtype."""
-        channels = self._declared_dim(net, "controlnet_cond", 1) or 3
+        channels = declared_dim(net, "controlnet_cond", 1) or 3
         self._check_channels(image, name, channels)
         self.check_image(image, name, resized=height is not None and width is not None, mask=channels == 1,
                          channels=())
@@ -241,7 +228,8 @@ class _ControlNetMixin:
         conditioning scale while step ``i`` is inside its guidance window, and summed over the ControlNets. The
         per-step factors go to the device once per call."""
         steps = len(timesteps)
-        residuals = len(self._residual_inputs)
+        residual_inputs = self.denoiser.residual_inputs
+        residuals = len(residual_inputs)
         pool = bool(self.controlnets[0].config.get("global_pool_conditions", False))
         ramp = torch.logspace(-1, 0, residuals) if guess_mode and not pool else torch.ones(residuals)
         keep = [[1.0 - float(i / steps < s or (i + 1) / steps > e) for s, e in zip(starts, ends)]
@@ -255,7 +243,7 @@ class _ControlNetMixin:
             if self.device.type == "cuda":
                 table = upload(table, self.device)
             factors.append(table)
-            timestep_rows.append(self.timestep_inputs(timesteps, control_batch, net))
+            timestep_rows.append(timestep_inputs(net, timesteps, control_batch, self.device))
         runs = [[scales[k] * keep[i][k] != 0.0 for k in range(len(self.controlnets))] for i in range(steps)]
         zeros: Dict[Tuple, List[torch.Tensor]] = {}
 
@@ -264,7 +252,7 @@ class _ControlNetMixin:
             if key not in zeros:
                 shapes = self._residual_shapes(tuple(sample.shape), tuple(embeds.shape), tuple(images[0].shape))
                 zeros[key] = [torch.zeros(shape, device=self.device, dtype=self.unet.input_dtypes[name])
-                              for name, shape in zip(self._residual_inputs, shapes)]
+                              for name, shape in zip(residual_inputs, shapes)]
             return zeros[key]
 
         def step_inputs(i: int, latent_model_input: torch.Tensor, prompt_embeds: torch.Tensor
@@ -281,10 +269,10 @@ class _ControlNetMixin:
                 # the first ControlNet's output buffers are read by this step's UNet before that net runs again
                 total = list(outputs) if total is None else [a + b for a, b in zip(total, outputs)]
             if total is None:
-                return dict(zip(self._residual_inputs, zero_residuals(latent_model_input, prompt_embeds)))
+                return dict(zip(residual_inputs, zero_residuals(latent_model_input, prompt_embeds)))
             if half:
                 total = [torch.cat([torch.zeros_like(r), r]) for r in total]
-            return dict(zip(self._residual_inputs, total))
+            return dict(zip(residual_inputs, total))
 
         return step_inputs
 
@@ -297,7 +285,7 @@ class _ControlNetMixin:
         shapes = infer_output_shapes(net, {
             "sample": sample_shape, "timestep": (batch,) if net.input_dims.get("timestep") else (),
             "encoder_hidden_states": embeds_shape, "controlnet_cond": (batch, *image_shape[1:]),
-            "conditioning_scale": (len(self._residual_inputs),),
+            "conditioning_scale": (len(self.denoiser.residual_inputs),),
         })
         result = list(shapes.values())
         if any(shape is None for shape in result):
@@ -310,12 +298,13 @@ class _ControlNetMixin:
         return bool(guess_mode) or bool(self.controlnets[0].config.get("global_pool_conditions", False))
 
 
-class OnnxStableDiffusionControlNetPipeline(_ControlNetMixin, OnnxStableDiffusionPipelineBase):
+class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):
     """Text-to-image with one or several ControlNets on ONNX Runtime, with diffusers'
     ``StableDiffusionControlNetPipeline`` call arguments (``image``, ``controlnet_conditioning_scale``,
     ``guess_mode``, ``control_guidance_start``/``control_guidance_end``; lists for multi-ControlNet)."""
 
-    def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int) -> None:
+    def warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int,
+                    **call_arguments: Any) -> None:
         image = torch.zeros(1, 3, height, width)
         self(prompt=[""] * batch_size, image=image if len(self.controlnets) == 1 else [image] * len(self.controlnets),
              num_inference_steps=steps, guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0),
@@ -394,7 +383,7 @@ class OnnxStableDiffusionControlNetPipeline(_ControlNetMixin, OnnxStableDiffusio
         # 4. denoising loop, the ControlNets' residuals made each step: every tensor stays on self.device
         residuals = self.controlnet_step_inputs(images, timesteps, scales, starts, ends, guess_mode,
                                                 do_classifier_free_guidance)
-        latents = self.denoise(
+        latents = self.denoiser.loop(
             latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
             callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
             step_inputs=residuals,
@@ -404,14 +393,15 @@ class OnnxStableDiffusionControlNetPipeline(_ControlNetMixin, OnnxStableDiffusio
         return self.finish(latents, output_type, return_dict)
 
 
-class OnnxStableDiffusionControlNetImg2ImgPipeline(_ControlNetMixin, OnnxStableDiffusionPipelineBase):
+class OnnxStableDiffusionControlNetImg2ImgPipeline(ControlNetPipeline):
     """Image-to-image with ControlNets on ONNX Runtime, with diffusers' ``StableDiffusionControlNetImg2ImgPipeline``
     call arguments (``image`` to start from, ``control_image``, ``strength``, …); needs the folder's
     ``vae_encoder``."""
 
-    _encodes_images = True
+    encodes_images = True
 
-    def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int) -> None:
+    def warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int,
+                    **call_arguments: Any) -> None:
         image = torch.zeros(1, 3, height, width)
         self(prompt=[""] * batch_size, image=image,
              control_image=image if len(self.controlnets) == 1 else [image] * len(self.controlnets), strength=1.0,
@@ -491,7 +481,7 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(_ControlNetMixin, OnnxStableD
         # 4. denoising loop, the ControlNets' residuals made each step: every tensor stays on self.device
         residuals = self.controlnet_step_inputs(images, timesteps, scales, starts, ends, guess_mode,
                                                 do_classifier_free_guidance)
-        latents = self.denoise(
+        latents = self.denoiser.loop(
             latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
             callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
             step_inputs=residuals,

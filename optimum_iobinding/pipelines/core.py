@@ -1,16 +1,21 @@
-"""The pipeline every Stable Diffusion family builds on: its components, what it reads from them once, loading and
-saving, warm-up, argument checks, prompt encoding, latents, timestep inputs and the VAE — all as torch tensors on the
-UNet's device. The denoising loop is :mod:`.denoise`'s; each family's ``__call__`` is in its own file."""
+"""The pipeline core every family and the stream stand on, whatever their denoiser: components declared once per family
+(:class:`~.components.Component`), from which one ``from_pretrained`` and ``save_pretrained`` work for all; the
+device, the stream and ``io_binding``; the call guard (one call at a time, on the pipeline's stream); the warm-up
+driver; the argument checks every family shares; latent upload; the VAE as a latent codec; output conversion.
+
+A family is a declaration — its components, its denoiser part (:mod:`.denoisers`), its prompt part
+(:mod:`.prompts`), its VAE constants, its opt-in capabilities (LoRA) — plus its own ``__call__`` in numbered steps."""
 
 from __future__ import annotations
 
+import functools
 import inspect
-import logging
 import math
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import PIL.Image
@@ -18,220 +23,249 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.stable_diffusion import StableDiffusionPipelineOutput
-from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
-from ..layout import (
-    ONNX_COMPONENTS,
-    building_beside,
-    check_output_folder,
-    resolve_pipeline_folder,
-    save_tokenizer,
-    write_model_index,
-)
-from ..runtime.hub import check_hub_kwargs
+from ..layout import building_beside, check_output_folder, resolve_pipeline_folder, save_tokenizer
 from ..runtime.cuda_policy import DEVICE_SETUP
-from ..runtime.inputs import as_checked_tensor
+from ..runtime.hub import check_hub_kwargs
 from ..runtime.model import IOBindingORTModel
 from ..runtime.options import CudaGraphSetting, PipelineOptions, ProviderSpec
-from ..runtime.shapes import infer_output_shapes
 from .arguments import Generator, is_integer, is_real, is_torch_generator
-from .denoise import CALLBACK_TENSOR_INPUTS, check_callback_arguments, denoise
-from .lora import LoraLoaderMixin
-from .loading import check_component_kind, component_kind, load_components
+from .codec import LatentCodec, unpack_latents
+from .components import Component, check_component_kind, check_replacement, load_components, names_of
+from .denoisers import Denoiser
+from .loop import check_callback_arguments
+from .prompts import PromptEncoder
 from .tiling import TiledVAE
-
-logger = logging.getLogger(__name__)
-
-
-def tensor_of(value: Union[torch.Tensor, np.ndarray]) -> torch.Tensor:
-    """Given embeddings or latents as a torch tensor: a numpy array is wrapped (one of the other byte order is
-    converted to the native one first, as the models' inputs are)."""
-    if isinstance(value, np.ndarray) and not value.dtype.isnative:
-        value = value.astype(value.dtype.newbyteorder("="))
-    return torch.as_tensor(value)
+from .transfer import on_cpu, tensor_of, upload
 
 
-class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
+@dataclass(frozen=True)
+class VaeConstants:
+    """A family's latent scaling and shift (``shift_factor=None``: none), for a VAE decoder whose config.json names
+    none, and the hint a bad value in config.json quotes."""
+
+    scaling_factor: float
+    shift_factor: Optional[float]
+    hint: str
+
+
+class CallGuard:
+    """One pipeline call at a time: the scheduler's state and the models' reused buffers belong to the running call,
+    so calls from several threads are serialized, and a call from inside a call (a callback re-entering) is refused.
+    :meth:`holding` is the public way in for anything that runs the pipeline's models outside ``__call__``."""
+
+    def __init__(self, owner: str):
+        self.owner = owner
+        self.lock = threading.RLock()
+        self._state = threading.local()
+
+    @property
+    def active(self) -> bool:
+        """Whether this thread is inside a call."""
+        return getattr(self._state, "active", False)
+
+    def holding(self) -> "CallGuard":
+        return self
+
+    def __enter__(self) -> "CallGuard":
+        if self.active:
+            raise RuntimeError(f"{self.owner}: called again from inside its own call (a callback?); the scheduler's "
+                               "state and the models' buffers belong to the running call. Collect what you need in "
+                               "the callback and call the pipeline after it returns")
+        self.lock.acquire()
+        self._state.active = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._state.active = False
+        self.lock.release()
+
+
+def on_device_stream(method: Callable) -> Callable:
+    """Runs a pipeline method under its :class:`CallGuard`, on the pipeline's CUDA stream, ordered after the caller's
+    stream and before its next work (no host wait); off CUDA it just calls. The first call starts every component's
+    session building (:meth:`OnnxDiffusionPipeline.prepare_sessions`)."""
+
+    @functools.wraps(method)
+    def on_stream(self: "OnnxDiffusionPipeline", *args: Any, **kwargs: Any) -> Any:
+        with self.call_guard:
+            self.prepare_sessions()
+            stream = self.stream
+            if stream is None:
+                return method(self, *args, **kwargs)
+            # the pipeline's GPU is the current one for the call: nothing (pinned buffers, a context) lands on cuda:0
+            with torch.cuda.device(stream.device):
+                caller = torch.cuda.current_stream(stream.device)
+                stream.wait_stream(caller)
+                with torch.cuda.stream(stream):
+                    result = method(self, *args, **kwargs)
+                caller.wait_stream(stream)
+            return result
+
+    return on_stream
+
+
+class OnnxDiffusionPipeline(DiffusionPipeline):
     """Components are :class:`IOBindingORTModel`\\ s; the denoising loop runs in torch on ``self.device``.
 
     With ``io_binding=True`` (components binding on the session's device) every tensor of the loop stays there and
     only the final image is downloaded. With ``io_binding=False`` the components run ``session.run`` on numpy arrays
     and the loop runs on the CPU: diffusers' numpy pipeline, the baseline.
+
+    A family declares (class attributes): ``declared_components``; ``denoiser_part`` and ``prompt_part`` (a part class,
+    or a ``functools.partial`` of one, called with the pipeline); ``vae_constants``; ``settings`` (model_index.json
+    entries it takes, with their defaults); ``encodes_images`` (whether a call runs the VAE encoder);
+    ``packed_latents`` (Flux's 2×2 tokens); ``image_to_image_class`` (its image-to-image sibling, if any);
+    ``loading_arguments`` (``from_pretrained`` keywords its :meth:`model_folders` takes). Capabilities are
+    opt-in mixins: :class:`Warmup`, LoRA (:class:`~.lora.LoraLoaderMixin`).
     """
 
-    _optional_components = ["vae_encoder", "safety_checker", "feature_extractor"]
-    model_cpu_offload_seq = "text_encoder->unet->vae_decoder"
-    # the ONNX folders and tokenizers this pipeline loads, and the model_index.json settings it takes
-    _onnx_components: Tuple[str, ...] = ONNX_COMPONENTS
-    _tokenizer_names: Tuple[str, ...] = ("tokenizer",)
-    _index_settings: Tuple[str, ...] = ()
-    # UNet inputs beyond sample, timestep and encoder_hidden_states that this pipeline feeds
-    _unet_extra_inputs: Tuple[str, ...] = ()
-    # the UNet's sample_size (in latents) where its config.json gives none: SD1.5's 64 (512 px)
-    _default_unet_sample_size = 64
-    # whether a call encodes images (img2img, inpaint): only then is the VAE encoder's session prepared
-    _encodes_images = False
-    # the loop's tensors a step-end callback may ask for (diffusers' name for the list)
-    _callback_tensor_inputs = list(CALLBACK_TENSOR_INPUTS)
-    # the VAE's latent scaling for a vae_decoder whose config.json names none (diffusers' ONNX conversion writes no
-    # config.json; a hand-made folder may leave the key out): AutoencoderKL's default, SD 1.x/2.x's; and the family's
-    # constants, quoted by the error on a bad value
-    _default_vae_scaling_factor = 0.18215
-    _vae_constants_hint = "SD 1.x/2.x use 0.18215, SDXL 0.13025"
+    declared_components: ClassVar[Tuple[Component, ...]] = ()
+    denoiser_part: ClassVar[Callable[[Any], Denoiser]]
+    prompt_part: ClassVar[Callable[[Any], PromptEncoder]]
+    vae_constants: ClassVar[VaeConstants] = VaeConstants(0.18215, None, "SD 1.x/2.x use 0.18215, SDXL 0.13025")
+    settings: ClassVar[Dict[str, Any]] = {}
+    encodes_images: ClassVar[bool] = False
+    packed_latents: ClassVar[bool] = False
+    image_to_image_class: ClassVar[Optional[type]] = None
+    loading_arguments: ClassVar[Tuple[str, ...]] = ()
+    # components a folder may hold numbered copies of (controlnet_1 …), each taking the first's options
+    numbered_components: ClassVar[Tuple[str, ...]] = ()
+    # the folder kind a missing denoiser's error names (e.g. " (a FLUX.1 ONNX folder)")
+    folder_description: ClassVar[str] = ""
 
-    def __init__(
-        self,
-        vae_encoder: Optional[IOBindingORTModel],
-        vae_decoder: IOBindingORTModel,
-        text_encoder: IOBindingORTModel,
-        tokenizer: Any,
-        unet: IOBindingORTModel,
-        scheduler: SchedulerMixin,
-        safety_checker: Any = None,
-        feature_extractor: Any = None,
-        requires_safety_checker: bool = False,
-    ):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # diffusers' name for what the declaration says
+        cls._optional_components = [c.name for c in cls.declared_components if c.optional]
+
+    def __init__(self, **components: Any):
         super().__init__()
-        self.register_modules(
-            vae_encoder=vae_encoder, vae_decoder=vae_decoder, text_encoder=text_encoder, tokenizer=tokenizer,
-            unet=unet, scheduler=scheduler, safety_checker=safety_checker, feature_extractor=feature_extractor,
-        )
-        self.register_to_config(requires_safety_checker=requires_safety_checker)
-        self._init_image_side()
-
-    def _init_image_side(self) -> None:
-        """What every pipeline reads from its VAE and UNet once, after its modules are registered."""
-        for name in self._onnx_components:
+        names = self.component_names()
+        unexpected = sorted(set(components) - set(names) - {"scheduler"} - set(self.settings))
+        if unexpected:
+            raise TypeError(f"{type(self).__name__}: unexpected arguments {unexpected}")
+        required = [c.name for c in self.declared_components if not c.optional and c.name not in components]
+        if required or "scheduler" not in components:
+            raise TypeError(f"{type(self).__name__}: missing components {required + ['scheduler'] * ('scheduler' not in components)}")
+        self.register_modules(**{name: components.get(name) for name in (*names, "scheduler")})
+        if self.settings:
+            self.register_to_config(**{key: components.get(key, default) for key, default in self.settings.items()})
+        for name in self.onnx_names():
             check_component_kind(name, getattr(self, name, None))
-        self._check_unet_inputs()
-        self._vae_tiler: Optional[TiledVAE] = None
-        self.vae_scale_factor = self._read_vae_scale_factor()
-        self.latent_channels = self._read_latent_channels()
-        self.vae_scaling_factor = self._read_vae_scaling_factor()
-        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor)
-        self._call_lock = threading.RLock()
-        self._calling = threading.local()  # set while this thread is inside a call (a callback re-entering is refused)
-        self._prepared = False
+        self.call_guard = CallGuard(type(self).__name__)
+        self._sessions_started = False
+        self.denoiser: Denoiser = self.denoiser_part(self)
+        self.denoiser.check_model()
+        self.prompt: PromptEncoder = self.prompt_part(self)
+        if hasattr(self.prompt, "check_encoders"):
+            self.prompt.check_encoders()
+        constants = self.vae_constants
+        self.codec = LatentCodec(self, constants.scaling_factor, constants.shift_factor, constants.hint)
+        self.latent_channels = self.denoiser.latent_channels(self.vae_decoder)
+        # Flux's 2×2 packing halves the latents once more: images are multiples of twice the VAE's factor
+        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor *
+                                                 (2 if self.packed_latents else 1))
 
-    # ------------------------------------------------------------------------------------------------- properties
-    #: the component the loop calls at every step (``"transformer"`` for the diffusion transformers): its session
-    #: decides where the loop's tensors live, the stream and whether tensors are bound
-    denoiser_name = "unet"
+    # ------------------------------------------------------------------------------------------- the declaration
+    def component_names(self) -> Tuple[str, ...]:
+        """Every component this pipeline takes (ONNX models, tokenizers, kept modules), the scheduler aside."""
+        return names_of(self.declared_components)
+
+    def onnx_names(self) -> Tuple[str, ...]:
+        return names_of(self.declared_components, "onnx")
+
+    def tokenizer_names(self) -> Tuple[str, ...]:
+        return names_of(self.declared_components, "tokenizer")
+
+    @classmethod
+    def denoiser_component(cls) -> str:
+        """The component the loop calls at every step: the one ``cuda_graph=True`` requires captured."""
+        part = cls.denoiser_part
+        return getattr(part, "func", part).component
+
+    @classmethod
+    def _get_signature_keys(cls, obj: Any) -> Tuple[List[str], List[str]]:
+        """diffusers' view of the components (``pipe.components``): the declared ones, the scheduler and the
+        settings."""
+        declared = obj.declared_components
+        optional = [c.name for c in declared if c.optional]
+        return sorted({*names_of(declared), "scheduler"} - set(optional)), [*optional, *cls.settings]
 
     @property
-    def denoiser(self) -> IOBindingORTModel:
-        """The component the loop calls at every step (the UNet, or a diffusion transformer)."""
-        return getattr(self, self.denoiser_name)
+    def component_kinds(self) -> Dict[str, str]:
+        """Each component's kind by name (``"onnx"``, ``"tokenizer"``, ``"module"``)."""
+        return {c.name: c.kind for c in self.declared_components}
 
+    # ------------------------------------------------------------------------------------------------ properties
     @property
     def device(self) -> torch.device:
         """Where the loop's tensors live: the denoiser session's device (the CPU for the numpy baseline)."""
-        return self.denoiser.device if self.denoiser.io_binding else torch.device("cpu")
+        model = self.denoiser.model
+        return model.device if model.io_binding else torch.device("cpu")
 
     @property
-    def _execution_device(self) -> torch.device:
+    def _execution_device(self) -> torch.device:  # diffusers' name
         return self.device
 
     @property
     def stream(self) -> Optional["torch.cuda.Stream"]:
         """The CUDA stream shared by the components and the loop's torch ops (``None`` off CUDA)."""
-        return self.denoiser.stream
+        return self.denoiser.model.stream
 
     @property
     def io_binding(self) -> bool:
-        return self.denoiser.io_binding
+        return self.denoiser.model.io_binding
 
-    def _check_unet_inputs(self) -> None:
-        declared = self.unet.input_names
-        expected = ["sample", "timestep", "encoder_hidden_states", *self._unet_extra_inputs]
-        unexpected = [name for name in declared if name not in expected]
-        missing = [name for name in expected if name not in declared]
-        if not unexpected and not missing:
-            return
-        hints = {"timestep_cond": "an LCM UNet: use OnnxLatentConsistencyModelPipeline",
-                 "text_embeds": "an SDXL UNet: use OnnxStableDiffusionXLPipeline or its Img2Img",
-                 "time_ids": "an SDXL UNet: use OnnxStableDiffusionXLPipeline or its Img2Img",
-                 "mid_block_additional_residual": "a UNet exported with a ControlNet: use "
-                                                  "OnnxStableDiffusionControlNetPipeline or its Img2Img"}
-        hint = next((hints[name] for name in unexpected if name in hints), None)
-        found = component_kind(declared)
-        if hint is None and found not in (None, "a UNet"):
-            hint = f"{found}, not a UNet: put the right model.onnx in the unet folder"
-        if hint is None and missing:
-            hint = f"{type(self).__name__} needs a UNet exported with {missing}"
-        raise ValueError(f"unet: expected inputs {expected}, got {declared} ({hint})")
+    @property
+    def vae_scale_factor(self) -> int:
+        """How many pixels a latent pixel is, each way (the VAE's upsampling)."""
+        return self.codec.scale_factor
 
-    def _read_vae_scaling_factor(self) -> float:
-        return self._vae_config_float("scaling_factor", self._default_vae_scaling_factor, positive=True)
+    @property
+    def vae_scaling_factor(self) -> float:
+        return self.codec.scaling_factor
 
-    def _vae_config_float(self, key: str, default: float, positive: bool) -> float:
-        """A latent constant of the VAE decoder's config.json (``scaling_factor``, ``shift_factor``): ``default``
-        where the key is absent or null, refused by name where it is not a finite number (or, with ``positive``, not
-        above zero)."""
-        value = self.vae_decoder.config.get(key)
-        value = default if value is None else value
-        if not is_real(value) or not math.isfinite(value) or (positive and value <= 0):
-            raise ValueError(f"vae_decoder config.json: {key}: expected a {'positive ' if positive else ''}finite "
-                             f"number, got {value!r} ({self._vae_constants_hint})")
-        return float(value)
+    @property
+    def vae_shift_factor(self) -> Optional[float]:
+        return self.codec.shift_factor
 
-    def _read_vae_scale_factor(self) -> int:
-        blocks = self.vae_decoder.config.get("block_out_channels")
-        if blocks is not None:
-            if not isinstance(blocks, list) or not blocks or len(blocks) > 8:
-                raise ValueError(f"vae_decoder config.json: block_out_channels: expected a list of 1 to 8 channel "
-                                 f"counts, got {blocks!r}")
-            factor = 2 ** (len(blocks) - 1)
-            channels = self._declared_dim(self.vae_decoder, "latent_sample", 1) or 4
-            try:
-                shapes = infer_output_shapes(self.vae_decoder, {"latent_sample": (1, channels, 8, 8)})
-            except ValueError:
-                shapes = {}
-            image_shape = next(iter(shapes.values()), None)
-            if image_shape is not None and image_shape[2] != 8 * factor:
-                raise ValueError(f"vae_decoder config.json: block_out_channels: {len(blocks)} blocks mean a scale "
-                                 f"factor of {factor}, but the decoder turns 8 latent rows into {image_shape[2]} "
-                                 f"(a factor of {image_shape[2] // 8})")
-            return factor
-        # No config: ask the decoder how much larger its output is than its input.
-        channels = self._declared_dim(self.vae_decoder, "latent_sample", 1) or 4
-        shapes = infer_output_shapes(self.vae_decoder, {"latent_sample": (1, channels, 8, 8)})
-        image_shape = next(iter(shapes.values()))
-        if image_shape is None:
-            raise ValueError("vae_decoder: cannot tell its upsampling factor: no config.json and its output shape "
-                             "is not inferable")
-        return image_shape[2] // 8
+    @property
+    def default_sample_size(self) -> int:
+        """The denoiser's sample size in latents (diffusers' SDXL, SD3 and Flux pipelines have the attribute)."""
+        return self.denoiser.default_sample_size
 
-    def _read_latent_channels(self) -> int:
-        configured = self.vae_decoder.config.get("latent_channels")
-        if configured is not None:
-            declared = {name: self._declared_dim(model, input_name, 1) for name, model, input_name in
-                        (("vae_decoder", self.vae_decoder, "latent_sample"), ("unet", self.unet, "sample"))}
-            if not is_integer(configured) or configured < 1:
-                raise ValueError(f"vae_decoder config.json: latent_channels: expected a positive integer, got "
-                                 f"{configured!r}")
-            if declared["vae_decoder"] is not None and declared["vae_decoder"] != configured:
-                raise ValueError(f"vae_decoder config.json: latent_channels: expected {declared['vae_decoder']} (the "
-                                 f"decoder's latent_sample channels), got {configured}")
-            if declared["vae_decoder"] is None and declared["unet"] is not None and declared["unet"] < configured:
-                raise ValueError(f"vae_decoder config.json: latent_channels: expected at most {declared['unet']} (the "
-                                 f"UNet's sample channels), got {configured}")
-            return int(configured)
-        if self.unet.config.get("out_channels"):
-            return int(self.unet.config["out_channels"])
-        channels = self._declared_dim(self.vae_decoder, "latent_sample", 1) or self._declared_dim(self.unet, "sample", 1)
-        if channels is None:
-            raise ValueError("vae_decoder: cannot tell the number of latent channels: no config.json and a dynamic "
-                             "channel dim")
-        return channels
+    @property
+    def default_image_size(self) -> int:
+        """The height and width a call gets where it gives none: the denoiser's sample size (latents) times the
+        VAE's scale factor, as in diffusers."""
+        return self.default_sample_size * self.vae_scale_factor
 
-    @staticmethod
-    def _declared_dim(model: IOBindingORTModel, input_name: str, axis: int) -> Optional[int]:
-        dims = model.input_dims.get(input_name)
-        if dims is not None and len(dims) > axis and isinstance(dims[axis], int):
-            return dims[axis]
-        return None
+    @property
+    def size_multiple(self) -> int:
+        """What heights and widths must be multiples of (the denoiser's rule: see its ``size_multiple``)."""
+        return self.denoiser.size_multiple
+
+    @property
+    def onnx_models(self) -> Dict[str, IOBindingORTModel]:
+        """The pipeline's ONNX components by name."""
+        return {name: getattr(self, name) for name in self.onnx_names()
+                if isinstance(getattr(self, name, None), IOBindingORTModel)}
+
+    @property
+    def sessions_created(self) -> int:
+        """ORT sessions created so far by all components (a warmed-up service creates no more)."""
+        return sum(model.sessions_created for model in self.onnx_models.values())
+
+    def image_to_image(self) -> Optional["OnnxDiffusionPipeline"]:
+        """This pipeline's image-to-image sibling on the same components (no second copy of any model), or ``None``
+        where the family has none or the folder has no VAE encoder."""
+        sibling = self.image_to_image_class
+        if sibling is None or getattr(self, "vae_encoder", None) is None:
+            return None
+        accepted = {*names_of(sibling.declared_components), "scheduler", *sibling.settings}
+        return sibling(**{name: module for name, module in self.components.items() if name in accepted})
 
     # -------------------------------------------------------------------------------------------- loading, saving
     @classmethod
@@ -243,145 +277,78 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         sess_options: Any = None,
         io_binding: bool = True,
         cuda_graph: CudaGraphSetting = "auto",
-        scheduler: Optional[SchedulerMixin] = None,
-        tokenizer: Any = None,
         component_options: Optional[Dict[str, Dict[str, Any]]] = None,
-        **hub_kwargs: Any,
-    ):
-        """Loads a diffusers-converted ONNX folder or an ``optimum-cli export onnx`` folder, or a hub id.
+        **kwargs: Any,
+    ) -> "OnnxDiffusionPipeline":
+        """Loads a diffusers-converted ONNX folder, an ``optimum-cli export onnx`` folder or ours, or a hub id.
 
         Args:
             pretrained_model_name_or_path: local folder or hub repository id.
             provider, provider_options, sess_options: for every ONNX component (see :class:`IOBindingORTModel`).
             io_binding: bind torch tensors on the session's device (default), or run diffusers' numpy baseline.
             cuda_graph: ``"auto"`` (default): on CUDA every component captures each input signature as a CUDA graph
-                where it can (one INFO log line where it cannot); ``True``: the same, but a UNet signature that
-                cannot be captured warns; ``False``: no graphs (see :class:`IOBindingORTModel`). Sessions are created lazily, one per input
-                signature, sharing one copy of the weights; :meth:`warmup` creates them ahead of the first request.
-            scheduler, tokenizer: replace the folder's.
-            component_options: per component (``"unet"``, ``"text_encoder"``, ``"vae_decoder"``, …) settings of its
-                :class:`IOBindingORTModel` that override the ones above: ``cuda_graph``, ``reuse_outputs``,
-                ``max_output_signatures``, ``max_graph_signatures``, ``share_weights``.
-            **hub_kwargs: for ``huggingface_hub.snapshot_download`` (revision, token, cache_dir, local_files_only).
+                where it can (one INFO log line where it cannot); ``True``: the same, but the denoiser (the UNet or
+                the transformer) must be captured; ``False``: no graphs (see :class:`IOBindingORTModel`). Sessions
+                are created lazily, one per input signature, sharing one copy of the weights; :meth:`warmup` creates
+                them ahead of the first request.
+            component_options: per component (``"unet"``, ``"transformer"``, ``"text_encoder"``, ``"vae_decoder"``,
+                …) settings of its :class:`IOBindingORTModel` that override the ones above: ``cuda_graph``,
+                ``reuse_outputs``, ``max_output_signatures``, ``max_graph_signatures``, ``share_weights``.
+            **kwargs: components in place of the folder's (``scheduler=``, ``tokenizer=``, ``tokenizer_2=`` …); the
+                family's loading arguments (the stream's ``tiny_vae``); and for ``huggingface_hub.snapshot_download``
+                (revision, token, cache_dir, local_files_only).
         """
-        check_hub_kwargs(f"{cls.__name__}.from_pretrained", hub_kwargs)
-        options = PipelineOptions.resolve(cls._onnx_components, provider, provider_options, sess_options, io_binding,
-                                          cuda_graph, component_options)  # checked before any download
-        folder = resolve_pipeline_folder(pretrained_model_name_or_path, cls._download_components(),
-                                          cls._tokenizer_names, **hub_kwargs)
-        return cls(**load_components(cls, folder, options, scheduler, tokenizer))
+        replaceable = {"scheduler", *names_of(cls.declared_components, "tokenizer")}
+        replacements = {name: kwargs.pop(name) for name in list(kwargs) if name in replaceable}
+        replacements = {name: value for name, value in replacements.items() if value is not None}
+        loading = {name: kwargs.pop(name) for name in list(kwargs) if name in cls.loading_arguments}
+        check_hub_kwargs(f"{cls.__name__}.from_pretrained", kwargs)
+        options = PipelineOptions.resolve(names_of(cls.declared_components, "onnx"), provider, provider_options,
+                                          sess_options, io_binding, cuda_graph, component_options,
+                                          numbered=cls.numbered_components)  # checked before any download
+        for name, value in replacements.items():
+            check_replacement(name, value)
+        folder, model_folders = cls.model_folders(pretrained_model_name_or_path, kwargs, **loading)
+        components = load_components(folder, model_folders, cls.declared_components, options,
+                                     cls.denoiser_component(), replacements, tuple(cls.settings),
+                                     cls.missing_denoiser_hint(folder))
+        try:
+            return cls(**components)
+        except BaseException:
+            components.clear()  # release sessions now, not when the traceback goes
+            raise
 
     @classmethod
-    def _download_components(cls) -> Sequence[str]:
+    def model_folders(cls, pretrained_model_name_or_path: Union[str, os.PathLike], hub_kwargs: Dict[str, Any],
+                      **loading: Any) -> Tuple[Path, Dict[str, Path]]:
+        """The pipeline folder (downloaded with what the family reads, for a hub id) and each ONNX component's
+        folder in it (a family with its own loading arguments finds some elsewhere)."""
+        folder = resolve_pipeline_folder(pretrained_model_name_or_path, cls.download_names(),
+                                         names_of(cls.declared_components, "tokenizer"), **hub_kwargs)
+        return folder, {name: folder / name for name in cls.onnx_names_in(folder)}
+
+    @classmethod
+    def download_names(cls) -> Sequence[str]:
         """The component folders to fetch from the Hub (glob patterns)."""
-        return cls._onnx_components
+        return names_of(cls.declared_components, "onnx")
 
     @classmethod
-    def _components_in(cls, folder: Path) -> Tuple[str, ...]:
-        """The ONNX components to load from ``folder`` (a pipeline with a variable number of them finds them)."""
-        return cls._onnx_components
+    def onnx_names_in(cls, folder: Path) -> Tuple[str, ...]:
+        """The ONNX components to load from ``folder`` (a family with a variable number of them finds them)."""
+        return names_of(cls.declared_components, "onnx")
 
-    # ---------------------------------------------------------------------------------------------------- warm-up
-    def warmup(
-        self,
-        heights: Union[int, Sequence[int], None] = None,
-        widths: Union[int, Sequence[int], None] = None,
-        batch_sizes: Union[int, Sequence[int]] = 1,
-        guidance_scales: Union[float, Sequence[float]] = 7.5,
-        num_inference_steps: int = 2,
-    ) -> None:
-        """Creates the sessions, chooses the convolution algorithms and captures the CUDA graphs that calls of these
-        sizes will use, so that a service's first request runs as fast as its steady state. Each combination runs
-        the pipeline once for ``num_inference_steps`` steps on empty prompts (the result is thrown away; no random
-        state of the caller's is used). Every argument is checked before the first call.
-
-        Args:
-            heights, widths: image sizes in pixels. ``heights`` default: the pipeline's default size; ``widths``
-                default: the heights (squares). Lists of the same length pair up; otherwise every combination.
-            batch_sizes: images per call (prompts × ``num_images_per_prompt``).
-            guidance_scales: guidance scales the calls use (> 1 doubles the UNet batch; ≤ 1 does not).
-            num_inference_steps: steps per warm-up call.
-        """
-        for height, width, batch_size, guidance_scale in self._warmup_combinations(
-                heights, widths, batch_sizes, guidance_scales, num_inference_steps):
-            self._warmup_call(height, width, batch_size, guidance_scale, num_inference_steps)
-
-    def _warmup_combinations(
-        self,
-        heights: Union[int, Sequence[int], None],
-        widths: Union[int, Sequence[int], None],
-        batch_sizes: Union[int, Sequence[int]],
-        guidance_scales: Union[float, Sequence[float]],
-        num_inference_steps: Any,
-    ) -> List[Tuple[int, int, int, float]]:
-        """Every ``(height, width, batch_size, guidance_scale)`` a :meth:`warmup` of these arguments runs, each
-        argument checked first: a warm-up refused runs nothing and changes nothing."""
-        as_list = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]  # noqa: E731
-        if heights is None:
-            heights = self.default_image_size
-        heights_list = as_list(heights)
-        widths_list = heights_list if widths is None else as_list(widths)
-        if len(heights_list) == len(widths_list):
-            sizes = list(zip(heights_list, widths_list))
-        else:
-            sizes = [(h, w) for h in heights_list for w in widths_list]
-        if not sizes:
-            raise ValueError(f"heights and widths: expected at least one size, got heights {heights!r} and widths "
-                             f"{widths!r}")
-        batches = as_list(batch_sizes)
-        wrong = next((b for b in batches if not is_integer(b) or b < 1), None)
-        if wrong is not None or not batches:
-            raise ValueError(f"batch_sizes: expected positive integers, got {batch_sizes!r}")
-        for height, width in sizes:
-            self.check_size(height, width)
-        scales = as_list(guidance_scales)
-        if not scales or not all(is_real(scale) and math.isfinite(scale) for scale in scales):
-            raise ValueError(f"guidance_scales: expected finite numbers, got {guidance_scales!r}")
-        if not is_integer(num_inference_steps) or num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps: expected a positive integer, got {num_inference_steps!r}")
-        return [(height, width, batch_size, guidance_scale) for height, width in sizes for batch_size in batches
-                for guidance_scale in scales]
-
-    def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int) -> None:
-        """One call of this pipeline at these sizes (pipelines that need an image override it)."""
-        self(prompt=[""] * batch_size, height=height, width=width, num_inference_steps=steps,
-             guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0), output_type="np")
-
-    def _prepare_sessions(self) -> None:
-        """On the first call, each component's shape-free session starts building in a background thread
-        (:meth:`IOBindingORTModel.prepare`): the UNet's and the VAE's are made while the text encoder's is made and
-        run, instead of one after another."""
-        if not self._prepared:
-            self._prepared = True
-            for name, model in self.onnx_models.items():
-                if name != "vae_encoder" or self._encodes_images:  # text-to-image never runs the encoder
-                    model.prepare(wait=False)
-
-    #: the family's image-to-image pipeline (the same components, an image to start from), where it has one
-    image_to_image_class: Optional[type] = None
-
-    def image_to_image(self) -> Optional["OnnxStableDiffusionPipelineBase"]:
-        """This pipeline's image-to-image sibling on the same components (no second copy of any model), or ``None``
-        where the family has none or the folder has no VAE encoder."""
-        sibling = self.image_to_image_class
-        if sibling is None or getattr(self, "vae_encoder", None) is None:
-            return None
-        accepted = inspect.signature(sibling.__init__).parameters
-        return sibling(**{name: module for name, module in self.components.items() if name in accepted})
-
-    @property
-    def onnx_models(self) -> Dict[str, IOBindingORTModel]:
-        """The pipeline's ONNX components by name."""
-        return {name: getattr(self, name) for name in self._onnx_components
-                if isinstance(getattr(self, name, None), IOBindingORTModel)}
-
-    @property
-    def sessions_created(self) -> int:
-        """ORT sessions created so far by all components (a warmed-up service creates no more)."""
-        return sum(model.sessions_created for model in self.onnx_models.values())
+    @classmethod
+    def missing_denoiser_hint(cls, folder: Path) -> str:
+        """What a folder without this family's denoiser is instead (for the error)."""
+        other = {"unet": "transformer", "transformer": "unet"}.get(cls.denoiser_component())
+        if other is not None and (folder / other / "model.onnx").is_file():
+            return (f"{cls.folder_description}; {str(folder)!r} holds a {other}: a folder of another family, for the "
+                    "pipeline pipeline_class_for picks")
+        return cls.folder_description
 
     def save_pretrained(self, save_directory: Union[str, os.PathLike], overwrite: bool = False) -> None:
-        """Writes the diffusers ONNX layout, which this class and diffusers' own ONNX pipeline both load.
+        """Writes the folder's layout (diffusers' ONNX layout for the UNet families, optimum's for the transformers),
+        which this class loads again.
 
         The folder is built beside ``save_directory`` and moved into place when whole, so a failed save leaves
         what was there. ``save_directory`` must be new or empty unless ``overwrite=True``, which replaces it whole
@@ -390,21 +357,33 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         target = check_output_folder(save_directory, None, overwrite, argument="save_directory")
         with building_beside(target) as scratch:
             written = []
-            for name in self._onnx_components:
+            for name in self.onnx_names():
                 model = getattr(self, name, None)
                 if model is not None:
                     model.save_pretrained(scratch / name)
                     written.append(name)
-            for name in self._tokenizer_names:
+            for name in self.tokenizer_names():
                 if getattr(self, name, None) is not None:
                     save_tokenizer(getattr(self, name), scratch / name)
             self.scheduler.save_pretrained(str(scratch / "scheduler"))
-            self._write_model_index(scratch, written)
+            self.write_model_index(scratch, written)
 
-    def _write_model_index(self, target: Path, written: List[str]) -> None:
-        write_model_index(target, type(self.scheduler).__name__, type(self.tokenizer).__name__, written)
+    def write_model_index(self, target: Path, written: List[str]) -> None:
+        """Writes the family's model_index.json into ``target`` (``written``: the ONNX components saved)."""
+        raise TypeError(f"{type(self).__name__}: declares no model_index.json layout")
 
-    # ----------------------------------------------------------------------------------------------- the pieces
+    # ---------------------------------------------------------------------------------------------------- warm-up
+    def prepare_sessions(self) -> None:
+        """On the first call, each component's shape-free session starts building in a background thread
+        (:meth:`IOBindingORTModel.prepare`): the denoiser's and the VAE's are made while the text encoder's is made
+        and run, instead of one after another. The VAE encoder only where the family encodes images."""
+        if not self._sessions_started:
+            self._sessions_started = True
+            for name, model in self.onnx_models.items():
+                if name != "vae_encoder" or self.encodes_images:
+                    model.prepare(wait=False)
+
+    # ----------------------------------------------------------------------------------------------- the checks
     def check_inputs(
         self,
         prompt: Union[str, List[str], None],
@@ -495,8 +474,8 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
             raise ValueError(f"{name}: expected shape {layout}, got {tuple(embeds.shape)}")
         if 0 in embeds.shape:
             raise ValueError(f"{name}: expected a non-empty tensor {layout}, got shape {tuple(embeds.shape)}")
-        denoiser = "UNet" if self.denoiser_name == "unet" else self.denoiser_name
-        declared = self.denoiser.input_dims.get(unet_input) or []
+        denoiser = "UNet" if self.denoiser.component == "unet" else self.denoiser.component
+        declared = self.denoiser.model.input_dims.get(unet_input) or []
         if len(declared) == rank and isinstance(declared[-1], int) and embeds.shape[-1] != declared[-1]:
             raise ValueError(f"{name}: expected hidden size {declared[-1]} (the width of the {denoiser}'s "
                              f"{unet_input}), got {embeds.shape[-1]} (shape {tuple(embeds.shape)})")
@@ -538,7 +517,7 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         Returns:
             The (first) image's height and width.
         """
-        allowed = () if mask else self._image_channels() if channels is None else channels
+        allowed = () if mask else self.codec.image_channels() if channels is None else channels
         items = image if isinstance(image, list) else [image]
         if not items:
             raise ValueError(f"{name}: expected an image or a non-empty list of images, got an empty list")
@@ -577,11 +556,6 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
             sizes.append(tuple(int(d) for d in size))
         return sizes[0]
 
-    def _image_channels(self) -> Tuple[int, ...]:
-        """The channels an image may have: the VAE encoder's (3 for RGB; unknown: any)."""
-        channels = self._declared_dim(self.vae_encoder, "sample", 1) if self.vae_encoder is not None else None
-        return (channels,) if channels else ()
-
     def check_image_size(self, height: int, width: int, name: str = "image") -> None:
         """:meth:`check_size` for a size that an image gave (img2img), naming the image."""
         try:
@@ -590,20 +564,6 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
             raise ValueError(f"{name}: a {height} × {width} image (after rounding down to the VAE factor "
                              f"{self.vae_scale_factor}) cannot be used: {error}; resize it") from None
 
-    @property
-    def default_image_size(self) -> int:
-        """The height and width a call gets where it gives none: the UNet config's ``sample_size`` (latents) times
-        the VAE's scale factor, as in diffusers."""
-        return self.config_int(self.unet, "sample_size", self._default_unet_sample_size, "unet") * \
-            self.vae_scale_factor
-
-    @staticmethod
-    def config_int(model: IOBindingORTModel, key: str, default: int, component: str) -> int:
-        """A positive integer from a component's config.json (``default`` where absent), or an error naming it."""
-        value = model.config.get(key, default)
-        if not is_integer(value) or value <= 0:
-            raise ValueError(f"{component} config.json: {key}: expected a positive integer, got {value!r}")
-        return int(value)
 
     def check_size(self, height: Any, width: Any) -> None:
         """Height and width must be positive integers the denoiser can run: multiples of :attr:`size_multiple`
@@ -616,26 +576,8 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         if height % multiple != 0 or width % multiple != 0:
             raise ValueError(
                 f"height and width: expected multiples of {multiple} (the VAE's scale factor {self.vae_scale_factor} "
-                f"× {self.size_multiple_reason}), got {height} and {width}; e.g. "
+                f"× {self.denoiser.size_multiple_reason}), got {height} and {width}; e.g. "
                 f"{-(-height // multiple) * multiple} × {-(-width // multiple) * multiple}")
-
-    @property
-    def size_multiple_reason(self) -> str:
-        """Why :attr:`size_multiple` is what it is beyond the VAE's scale factor (for :meth:`check_size`'s
-        message): here the UNet's downsamplings."""
-        return f"2^{self.unet_downsamples}, the UNet's downsamplings"
-
-    @property
-    def unet_downsamples(self) -> int:
-        """How often the UNet halves the latents (its down blocks minus one), from its config; 0 if unknown."""
-        blocks = self.unet.config.get("down_block_types") or self.unet.config.get("block_out_channels")
-        return max(len(blocks) - 1, 0) if isinstance(blocks, (list, tuple)) else 0
-
-    @property
-    def size_multiple(self) -> int:
-        """What heights and widths must be multiples of: 8 × 2^(down blocks − 1) for Stable Diffusion (64 for
-        SD1.5): a latent the UNet halves to an odd size cannot be concatenated with its skip connection again."""
-        return self.vae_scale_factor * 2 ** self.unet_downsamples
 
     @staticmethod
     def batch_size_of(prompt: Union[str, List[str], None], prompt_embeds: Optional[torch.Tensor]) -> int:
@@ -644,59 +586,7 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
             return 1 if isinstance(prompt, str) else len(prompt)
         return prompt_embeds.shape[0]
 
-    def encode_prompt(
-        self,
-        prompt: Union[str, List[str], None],
-        num_images_per_prompt: int,
-        do_classifier_free_guidance: bool,
-        negative_prompt: Union[str, List[str], None] = None,
-        prompt_embeds: Optional[torch.Tensor] = None,
-        negative_prompt_embeds: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Text embeddings on ``self.device``: ``[negative; positive]`` when guiding, else positive only."""
-        device = self.device
-        if prompt_embeds is None:
-            prompt_embeds = self._encode_text(prompt)
-        prompt_embeds = tensor_of(prompt_embeds).to(device)
-        batch_size = prompt_embeds.shape[0]
-        prompt_embeds = prompt_embeds.repeat_interleave(num_images_per_prompt, dim=0)
-        if not do_classifier_free_guidance:
-            return prompt_embeds
-        if negative_prompt_embeds is None:
-            if negative_prompt is None:
-                negative_prompt = [""] * batch_size
-            elif isinstance(negative_prompt, str):
-                negative_prompt = [negative_prompt] * batch_size
-            negative_prompt_embeds = self._encode_text(negative_prompt, max_length=prompt_embeds.shape[1])
-        negative_prompt_embeds = tensor_of(negative_prompt_embeds).to(device)
-        negative_prompt_embeds = negative_prompt_embeds.repeat_interleave(num_images_per_prompt, dim=0)
-        return torch.cat([negative_prompt_embeds, prompt_embeds])
-
-    def _encode_text(self, text: Union[str, List[str]], max_length: Optional[int] = None) -> torch.Tensor:
-        max_length = max_length or self.tokenizer.model_max_length
-        tokens = self.tokenizer(text, padding="max_length", max_length=max_length, truncation=True,
-                                return_tensors="np")
-        self.warn_truncated(self.tokenizer, text, max_length, "CLIP can only handle sequences up to")
-        input_ids = self.token_ids(self.text_encoder, tokens.input_ids)
-        # the encoder's output buffer is reused by its next call (the negative prompt): keep a copy
-        return self.text_encoder(input_ids=input_ids)[0].clone()
-
-    @staticmethod
-    def warn_truncated(tokenizer: Any, texts: Union[str, List[str]], max_length: int, why: str) -> None:
-        """Logs, as diffusers does, the part of ``texts`` that ``max_length`` tokens cut off (``why``: the reason's
-        start, e.g. ``"CLIP can only handle sequences up to"``)."""
-        untruncated = tokenizer(texts, padding="longest", return_tensors="np").input_ids
-        if untruncated.shape[-1] > max_length:
-            removed = tokenizer.batch_decode(untruncated[:, max_length - 1 : -1])
-            logger.warning(f"The following part of your input was truncated because {why} {max_length} tokens: "
-                           f"{removed}")
-
-    def token_ids(self, encoder: IOBindingORTModel, ids: np.ndarray) -> torch.Tensor:
-        """A tokenizer's ids on the device in the dtype ``encoder`` declares, converted and range-checked on the host:
-        converted on the device, the check would read the values back and make the host wait."""
-        dtype = encoder.input_dtypes["input_ids"]
-        return upload(as_checked_tensor("input_ids", torch.from_numpy(ids), dtype).to(dtype), self.device)
-
+    # ------------------------------------------------------------------------------------------------ latents
     def prepare_latents(
         self,
         shape: Tuple[int, ...],
@@ -716,29 +606,13 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
             noise = (generator or np.random).randn(*shape).astype(numpy_dtype)
             return upload(torch.from_numpy(noise), self.device)
         if is_torch_generator(generator):
-            if self.device.type == "cuda" and _on_cpu(generator):
+            if self.device.type == "cuda" and on_cpu(generator):
                 # drawn on the host as diffusers draws it, then uploaded without making the host wait
                 return upload(randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=dtype),
                               self.device)
             return randn_tensor(shape, generator=generator, device=self.device, dtype=dtype)
         raise TypeError(f"generator: expected a numpy RandomState, a torch.Generator or a list of torch.Generators "
                         f"(one per image), got {type(generator).__name__}")
-
-    def timestep_inputs(self, timesteps: torch.Tensor, batch_size: int,
-                        model: Optional[IOBindingORTModel] = None) -> torch.Tensor:
-        """The UNet's (or ``model``'s) ``timestep`` input for every step, made once on the device: row ``i`` is step
-        ``i``'s, in the dtype and rank the model declares (a scalar, ``[1]`` or ``[batch]``)."""
-        model = self.unet if model is None else model
-        timestep_dims = model.input_dims["timestep"] or []
-        values = timesteps.to(dtype=model.input_dtypes["timestep"])
-        if self.device.type == "cuda":
-            # from pinned memory the upload is asynchronous: a pageable one would make the host wait
-            values = upload(values, self.device)
-        if len(timestep_dims) == 0:
-            return values
-        if timestep_dims[0] == 1:
-            return values[:, None]
-        return values[:, None].expand(-1, batch_size).contiguous()
 
     def scheduler_step_kwargs(self, generator: Generator, eta: float) -> Dict[str, Any]:
         """``eta`` for DDIM-like schedulers, and a torch generator for stochastic ones (a numpy one cannot serve)."""
@@ -751,82 +625,6 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
         if "generator" in accepted and is_torch_generator(generator):
             kwargs["generator"] = generator  # a list: one per image, as diffusers' schedulers take it
         return kwargs
-
-    # ------------------------------------------------------------------------------------------------- tiling
-    def enable_vae_tiling(self, tile_sample_size: Optional[int] = None, overlap: float = 0.25,
-                          overlap_copies: bool = True) -> None:
-        """Decode (and encode) images larger than a tile tile by tile, as diffusers' ``enable_vae_tiling`` does,
-        with each tile's host transfer overlapping the next tile's compute on CUDA (see :class:`TiledVAE`).
-
-        Args:
-            tile_sample_size: tile size in pixels, a positive multiple of the VAE's scale factor; ``None`` (the
-                default): the VAE config's ``sample_size`` (diffusers' choice). 0 is refused, not read as the default.
-            overlap: fraction of a tile blended with each neighbour.
-            overlap_copies: overlap transfers with compute (``False``: the sequential comparison).
-        """
-        size = self.config_int(self.vae_decoder, "sample_size", 512, "vae_decoder") if tile_sample_size is None \
-            else tile_sample_size
-        self._vae_tiler = TiledVAE(self.vae_decoder, self.vae_encoder, size, self.vae_scale_factor, overlap,
-                                   overlap_copies)
-
-    @property
-    def vae_tiler(self) -> Optional[TiledVAE]:
-        """The tiler :meth:`enable_vae_tiling` set up (``None`` while tiling is off)."""
-        return self._vae_tiler
-
-    def disable_vae_tiling(self) -> None:
-        self._vae_tiler = None
-
-    def _tiles_latents(self, latents: torch.Tensor) -> bool:
-        tiler = self._vae_tiler
-        return tiler is not None and max(latents.shape[-2:]) > tiler.tile_latent_size
-
-    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images in [-1, 1], NCHW, on ``self.device``. One image per VAE call, as diffusers' ONNX pipeline does
-        (fp16 VAE exports misbehave at batch > 1)."""
-        latents = latents / self.vae_scaling_factor
-        if self._tiles_latents(latents):
-            return torch.cat([self._vae_tiler.decode(latents[i : i + 1]) for i in range(latents.shape[0])])
-        # each call reuses the decoder's output buffer: copy each image out before the next call
-        return torch.cat([self.vae_decoder(latent_sample=latents[i : i + 1])[0].clone()
-                          for i in range(latents.shape[0])])
-
-    def encode_image(self, image: torch.Tensor, generator: Generator) -> torch.Tensor:
-        """Scaled latents of ``image`` (NCHW in [-1, 1] on the device). An optimum export returns the latent
-        distribution's parameters: sampled here with ``generator`` (its mean for a numpy generator)."""
-        if self.vae_encoder is None:
-            raise ValueError("vae_encoder: this pipeline needs one, and the folder has no vae_encoder/model.onnx")
-        tiler = self._vae_tiler
-        if tiler is not None and max(image.shape[-2:]) > tiler.tile_sample_size:
-            latents = torch.cat([tiler.encode(image[i : i + 1]) for i in range(image.shape[0])])
-        else:
-            image = image.to(device=self.device, dtype=self.vae_encoder.input_dtypes["sample"])
-            latents = torch.cat([self.vae_encoder(sample=image[i : i + 1])[0].clone()
-                                 for i in range(image.shape[0])])
-        if self.vae_encoder.output_names[0] == "latent_parameters":
-            mean, logvar = latents.chunk(2, dim=1)
-            if is_torch_generator(generator):
-                std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
-                latents = mean + std * randn_tensor(mean.shape, generator=generator, device=self.device,
-                                                    dtype=mean.dtype)
-            else:
-                latents = mean
-        return latents * self.vae_scaling_factor
-
-    def postprocess(self, image: torch.Tensor, output_type: str) -> Any:
-        """"pt" stays on the device; "np" and "pil" come back through a pinned buffer, the one wait of the call."""
-        if output_type == "pt" or image.device.type != "cuda":
-            return self.image_processor.postprocess(image.float(), output_type=output_type)
-        image = (image.float() / 2 + 0.5).clamp(0, 1)
-        # pinning may allocate and the wait synchronizes: neither may run beside a graph capture in another thread
-        with DEVICE_SETUP.setup():
-            host = torch.empty(image.shape, dtype=image.dtype, pin_memory=True)
-            host.copy_(image, non_blocking=True)
-            torch.cuda.current_stream(image.device).synchronize()
-        return self.image_processor.postprocess(host, output_type=output_type, do_denormalize=[False] * len(host))
-
-    # the denoising loop (every tensor stays on self.device; nothing waits on the host): .denoise.denoise
-    denoise = denoise
 
     def set_timesteps(self, num_inference_steps: int) -> torch.Tensor:
         """Sets the scheduler's timesteps, keeping its state on the CPU: its per-step scalars (sigmas, alphas) then
@@ -848,41 +646,170 @@ class OnnxStableDiffusionPipelineBase(LoraLoaderMixin, DiffusionPipeline):
                              "denoising step; raise either")
         return timesteps
 
-    def finish(self, latents: torch.Tensor, output_type: str, return_dict: bool):
-        """Decodes (unless ``output_type="latent"``) and packs the output as diffusers does. A tiled decode to "np"
-        or "pil" on CUDA downloads each tile while the next one decodes."""
-        if output_type in ("np", "pil") and latents.device.type == "cuda" and self._tiles_latents(latents):
-            scaled = latents / self.vae_scaling_factor
-            image = np.concatenate([self._vae_tiler.decode_to_host(scaled[i : i + 1])
-                                    for i in range(scaled.shape[0])])
-            if output_type == "pil":
-                image = self.image_processor.numpy_to_pil(image)
-        elif output_type == "latent":
+    # ------------------------------------------------------------------------------------------------- the VAE
+    def enable_vae_tiling(self, tile_sample_size: Optional[int] = None, overlap: float = 0.25,
+                          overlap_copies: bool = True) -> None:
+        """Decode (and encode) images larger than a tile tile by tile, as diffusers' ``enable_vae_tiling`` does,
+        with each tile's host transfer overlapping the next tile's compute on CUDA (see :class:`TiledVAE`).
+
+        Args:
+            tile_sample_size: tile size in pixels, a positive multiple of the VAE's scale factor; ``None`` (the
+                default): the VAE config's ``sample_size`` (diffusers' choice). 0 is refused, not read as the default.
+            overlap: fraction of a tile blended with each neighbour.
+            overlap_copies: overlap transfers with compute (``False``: the sequential comparison).
+        """
+        size = tile_sample_size
+        if size is None:
+            value = self.vae_decoder.config.get("sample_size", 512)
+            if not is_integer(value) or value <= 0:
+                raise ValueError(f"vae_decoder config.json: sample_size: expected a positive integer, got {value!r}")
+            size = int(value)
+        self.codec.enable_tiling(size, overlap, overlap_copies)
+
+    @property
+    def vae_tiler(self) -> Optional[TiledVAE]:
+        """The tiler :meth:`enable_vae_tiling` set up (``None`` while tiling is off)."""
+        return self.codec.tiler
+
+    def disable_vae_tiling(self) -> None:
+        self.codec.disable_tiling()
+
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1], NCHW, on ``self.device`` (see :meth:`LatentCodec.decode`)."""
+        return self.codec.decode(latents)
+
+    def encode_image(self, image: torch.Tensor, generator: Generator) -> torch.Tensor:
+        """Scaled latents of ``image`` (NCHW in [-1, 1] on the device; see :meth:`LatentCodec.encode`)."""
+        return self.codec.encode(image, generator)
+
+    def postprocess(self, image: torch.Tensor, output_type: str) -> Any:
+        """"pt" stays on the device; "np" and "pil" come back through a pinned buffer, the one wait of the call."""
+        if output_type == "pt" or image.device.type != "cuda":
+            return self.image_processor.postprocess(image.float(), output_type=output_type)
+        image = (image.float() / 2 + 0.5).clamp(0, 1)
+        # pinning may allocate and the wait synchronizes: neither may run beside a graph capture in another thread
+        with DEVICE_SETUP.setup():
+            host = torch.empty(image.shape, dtype=image.dtype, pin_memory=True)
+            host.copy_(image, non_blocking=True)
+            torch.cuda.current_stream(image.device).synchronize()
+        return self.image_processor.postprocess(host, output_type=output_type, do_denormalize=[False] * len(host))
+
+    def finish(self, latents: torch.Tensor, output_type: str, return_dict: bool,
+               latent_size: Optional[Tuple[int, int]] = None) -> Any:
+        """Decodes (unless ``output_type="latent"``) and packs the output as diffusers does. Packed latents (Flux's
+        tokens) are unpacked to ``latent_size`` first. A tiled decode to "np" or "pil" on CUDA downloads each tile
+        while the next one decodes."""
+        if output_type == "latent":
             image = latents
         else:
-            image = self.postprocess(self.decode_latents(latents), output_type)
+            if self.packed_latents:
+                latents = unpack_latents(latents, *latent_size)
+            if output_type in ("np", "pil") and latents.device.type == "cuda" and self.codec.tiles(latents):
+                image = self.codec.decode_to_host(latents)
+                if output_type == "pil":
+                    image = self.image_processor.numpy_to_pil(image)
+            else:
+                image = self.postprocess(self.codec.decode(latents), output_type)
         self.maybe_free_model_hooks()
         return self.pack_output(image, return_dict)
 
+    #: the family's output class (diffusers'); its fields beyond ``images`` are ``None``
+    output_class: ClassVar[type] = StableDiffusionPipelineOutput
+
     def pack_output(self, image: Any, return_dict: bool) -> Any:
-        """diffusers' output for this pipeline (no safety checker runs: ``nsfw_content_detected`` is ``None``)."""
+        """diffusers' output for this family (no safety checker runs: ``nsfw_content_detected`` is ``None``)."""
+        fields = [name for name in inspect.signature(self.output_class).parameters if name != "images"]
         if not return_dict:
-            return (image, None)
-        return StableDiffusionPipelineOutput(images=image, nsfw_content_detected=None)
+            return (image, *([None] * len(fields)))
+        return self.output_class(images=image, **{name: None for name in fields})
 
 
-def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` (on the host) on ``device`` without making the host wait: to CUDA through pinned memory, an
-    asynchronous copy ordered on the current stream (a copy from pageable memory waits for the stream's pending work:
-    in a server, for the batch running on the GPU). Elsewhere a plain ``.to(device)``."""
-    if device.type != "cuda" or tensor.device.type != "cpu":
-        return tensor.to(device)
-    with DEVICE_SETUP.setup():  # pinning may allocate, which a graph capture in another thread must not see
-        pinned = tensor.pin_memory()
-    return pinned.to(device, non_blocking=True)
+class Warmup:
+    """Warm-up for the families whose calls take a prompt and a size (the stream warms up in its ``prepare``)."""
 
+    def warmup(
+        self,
+        heights: Union[int, Sequence[int], None] = None,
+        widths: Union[int, Sequence[int], None] = None,
+        batch_sizes: Union[int, Sequence[int]] = 1,
+        guidance_scales: Union[float, Sequence[float], None] = None,
+        num_inference_steps: int = 2,
+        **call_arguments: Any,
+    ) -> None:
+        """Creates the sessions, chooses the convolution algorithms and captures the CUDA graphs that calls of these
+        sizes will use, so that a service's first request runs as fast as its steady state. Each combination runs
+        the pipeline once for ``num_inference_steps`` steps on empty prompts (the result is thrown away; no random
+        state of the caller's is used). Every argument is checked before the first call: a refused warm-up runs
+        nothing.
 
-def _on_cpu(generator: Any) -> bool:
-    """Whether a torch generator (or the first of a list) draws on the CPU."""
-    first = generator[0] if isinstance(generator, list) else generator
-    return first.device.type == "cpu"
+        Args:
+            heights, widths: image sizes in pixels. ``heights`` default: the pipeline's default size; ``widths``
+                default: the heights (squares). Lists of the same length pair up; otherwise every combination.
+            batch_sizes: images per call (prompts × ``num_images_per_prompt``).
+            guidance_scales: guidance scales the calls use (default: the family's ``__call__`` default; for guided
+                families > 1 doubles the denoiser's batch, ≤ 1 does not).
+            num_inference_steps: steps per warm-up call.
+            **call_arguments: further ``__call__`` arguments that shape the calls, among the family's
+                :meth:`warmup_arguments` (SD3's and Flux's ``max_sequence_length``: part of the transformer's
+                input shapes, so a warm-up at another length makes graphs the calls do not replay).
+        """
+        known = self.warmup_arguments()
+        unknown = sorted(set(call_arguments) - set(known))
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.warmup: unexpected arguments {unknown}"
+                            f"{f' (it takes {sorted(known)})' if known else ''}")
+        for name, value in call_arguments.items():
+            known[name](value)
+        if guidance_scales is None:
+            guidance_scales = inspect.signature(type(self).__call__).parameters["guidance_scale"].default
+        for height, width, batch_size, guidance_scale in self.warmup_combinations(
+                heights, widths, batch_sizes, guidance_scales, num_inference_steps):
+            self.warmup_call(height, width, batch_size, guidance_scale, num_inference_steps, **call_arguments)
+
+    def warmup_arguments(self) -> Dict[str, Callable[[Any], None]]:
+        """The ``__call__`` arguments :meth:`warmup` passes on, each with its check (none by default)."""
+        return {}
+
+    def warmup_combinations(
+        self,
+        heights: Union[int, Sequence[int], None],
+        widths: Union[int, Sequence[int], None],
+        batch_sizes: Union[int, Sequence[int]],
+        guidance_scales: Union[float, Sequence[float]],
+        num_inference_steps: Any,
+    ) -> List[Tuple[int, int, int, float]]:
+        """Every ``(height, width, batch_size, guidance_scale)`` a :meth:`warmup` of these arguments runs, each
+        argument checked first: a warm-up refused runs nothing and changes nothing."""
+        as_list = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]  # noqa: E731
+        if heights is None:
+            heights = self.default_image_size
+        heights_list = as_list(heights)
+        widths_list = heights_list if widths is None else as_list(widths)
+        if len(heights_list) == len(widths_list):
+            sizes = list(zip(heights_list, widths_list))
+        else:
+            sizes = [(h, w) for h in heights_list for w in widths_list]
+        if not sizes:
+            raise ValueError(f"heights and widths: expected at least one size, got heights {heights!r} and widths "
+                             f"{widths!r}")
+        batches = as_list(batch_sizes)
+        wrong = next((b for b in batches if not is_integer(b) or b < 1), None)
+        if wrong is not None or not batches:
+            raise ValueError(f"batch_sizes: expected positive integers, got {batch_sizes!r}")
+        for height, width in sizes:
+            self.check_size(height, width)
+        scales = as_list(guidance_scales)
+        if not scales or not all(is_real(scale) and math.isfinite(scale) for scale in scales):
+            raise ValueError(f"guidance_scales: expected finite numbers, got {guidance_scales!r}")
+        if not is_integer(num_inference_steps) or num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps: expected a positive integer, got {num_inference_steps!r}")
+        return [(height, width, batch_size, guidance_scale) for height, width in sizes for batch_size in batches
+                for guidance_scale in scales]
+
+    def warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int,
+                    **call_arguments: Any) -> None:
+        """One call of this pipeline at these sizes; a family that needs an image starts from a blank one."""
+        image = {"image": torch.zeros(1, 3, height, width), "strength": 1.0} if self.encodes_images else \
+            {"height": height, "width": width}
+        self(prompt=[""] * batch_size, num_inference_steps=steps, guidance_scale=guidance_scale,
+             generator=torch.Generator().manual_seed(0), output_type="np", **image, **call_arguments)

@@ -9,21 +9,16 @@ import PIL.Image
 import torch
 
 from .arguments import Generator
-from .denoise import on_device_stream
-from .pipeline import OnnxStableDiffusionPipelineBase
+from .clip_unet import ClipUNetPipeline
+from .core import on_device_stream
 
 ImageInput = Union[torch.Tensor, np.ndarray, PIL.Image.Image, List[Any]]
 
 
-class OnnxStableDiffusionImg2ImgPipeline(OnnxStableDiffusionPipelineBase):
+class OnnxStableDiffusionImg2ImgPipeline(ClipUNetPipeline):
     """Image-to-image Stable Diffusion on ONNX Runtime; needs the folder's ``vae_encoder``."""
 
-    _encodes_images = True
-
-    def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int) -> None:
-        image = torch.zeros(1, 3, height, width)
-        self(prompt=[""] * batch_size, image=image, strength=1.0, num_inference_steps=steps,
-             guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0), output_type="np")
+    encodes_images = True
 
     @torch.no_grad()
     @on_device_stream
@@ -77,7 +72,7 @@ class OnnxStableDiffusionImg2ImgPipeline(OnnxStableDiffusionPipelineBase):
         latents = self.scheduler.add_noise(image_latents, noise, timesteps[:1].repeat(image_latents.shape[0]))
 
         # 4. denoising loop: every tensor stays on self.device
-        latents = self.denoise(
+        latents = self.denoiser.loop(
             latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
             callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
         )

@@ -10,12 +10,13 @@ import torch.nn.functional as F
 from diffusers.image_processor import VaeImageProcessor
 
 from .arguments import Generator
-from .denoise import on_device_stream
-from .pipeline import OnnxStableDiffusionPipelineBase
+from .clip_unet import ClipUNetPipeline
+from .components import declared_dim
+from .core import on_device_stream
 from .img2img import ImageInput, expand_to_batch
 
 
-class OnnxStableDiffusionInpaintPipeline(OnnxStableDiffusionPipelineBase):
+class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
     """Inpainting on ONNX Runtime: repaints where ``mask_image`` is white.
 
     An inpainting UNet (9 input channels: latents, mask, masked-image latents) is conditioned on the mask, as in
@@ -23,7 +24,7 @@ class OnnxStableDiffusionInpaintPipeline(OnnxStableDiffusionPipelineBase):
     original latents in after every step, as diffusers' torch inpaint pipeline does.
     """
 
-    _encodes_images = True
+    encodes_images = True
 
     @property
     def mask_processor(self) -> VaeImageProcessor:
@@ -32,10 +33,11 @@ class OnnxStableDiffusionInpaintPipeline(OnnxStableDiffusionPipelineBase):
 
     @property
     def unet_in_channels(self) -> int:
-        return int(self.unet.config.get("in_channels") or self._declared_dim(self.unet, "sample", 1)
+        return int(self.unet.config.get("in_channels") or declared_dim(self.unet, "sample", 1)
                    or self.latent_channels)
 
-    def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int) -> None:
+    def warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int,
+                    **call_arguments: Any) -> None:
         image, mask = torch.zeros(1, 3, height, width), torch.ones(1, 1, height, width)
         self(prompt=[""] * batch_size, image=image, mask_image=mask, height=height, width=width,
              num_inference_steps=steps, guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0),
@@ -133,7 +135,7 @@ class OnnxStableDiffusionInpaintPipeline(OnnxStableDiffusionPipelineBase):
                              f"{2 * self.latent_channels + 1} (an inpainting UNet), got {self.unet_in_channels}")
 
         # 5. denoising loop: every tensor stays on self.device
-        latents = self.denoise(
+        latents = self.denoiser.loop(
             latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
             callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
             unet_extra_channels=unet_extra_channels, after_step=after_step,

@@ -4,6 +4,7 @@ most, so the device loop and CUDA graphs matter most."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -11,8 +12,9 @@ import numpy as np
 import torch
 
 from .arguments import Generator
-from .denoise import on_device_stream
-from .pipeline import OnnxStableDiffusionPipelineBase
+from .core import on_device_stream
+from .clip_unet import ClipUNetPipeline
+from .denoisers import UNetDenoiser
 
 
 def guidance_scale_embedding(w: torch.Tensor, embedding_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -27,22 +29,12 @@ def guidance_scale_embedding(w: torch.Tensor, embedding_dim: int, dtype: torch.d
     return embedding
 
 
-class OnnxLatentConsistencyModelPipeline(OnnxStableDiffusionPipelineBase):
+class OnnxLatentConsistencyModelPipeline(ClipUNetPipeline):
     """Text-to-image with an LCM UNet (``timestep_cond`` input) and ``LCMScheduler``, with the arguments of diffusers'
     ``LatentConsistencyModelPipeline``: no unconditional batch (guidance goes in as an embedding), the scheduler's
     denoised prediction decoded after the last of a few steps."""
 
-    _unet_extra_inputs = ("timestep_cond",)
-
-    @property
-    def time_cond_proj_dim(self) -> int:
-        declared = self.unet.input_dims["timestep_cond"]
-        if isinstance(declared[-1], int):
-            return declared[-1]
-        if "time_cond_proj_dim" not in self.unet.config:
-            raise ValueError("unet: its timestep_cond width is dynamic and its config.json has no time_cond_proj_dim; "
-                             "expected one of them to give the guidance embedding's size")
-        return self.config_int(self.unet, "time_cond_proj_dim", 0, "unet")
+    denoiser_part = functools.partial(UNetDenoiser, extra_inputs=("timestep_cond",))
 
     @torch.no_grad()
     @on_device_stream
@@ -86,8 +78,8 @@ class OnnxLatentConsistencyModelPipeline(OnnxStableDiffusionPipelineBase):
         latents = latents * self.scheduler.init_noise_sigma
 
         w = torch.full((rows,), guidance_scale - 1.0)
-        timestep_cond = guidance_scale_embedding(w, self.time_cond_proj_dim).to(self.device, prompt_embeds.dtype)
-        denoised = self.denoise(
+        timestep_cond = guidance_scale_embedding(w, self.denoiser.time_cond_proj_dim).to(self.device, prompt_embeds.dtype)
+        denoised = self.denoiser.loop(
             latents, timesteps, prompt_embeds, 1.0, self.scheduler_step_kwargs(generator, 0.0),
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,

@@ -1,19 +1,13 @@
-"""The denoising loop every pipeline shares, and what makes it run on the device without the host waiting: the
-CUDA-graph input feed, guidance, and the decorator that runs a call on the pipeline's stream."""
+"""What every denoising loop shares: the CUDA-graph input feed, step-end callbacks and their checks, guidance
+rescaling. The loops themselves belong to the denoisers (:mod:`.denoisers`)."""
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
 from ..runtime.model import IOBindingORTModel
-from .arguments import is_real
-
-# What the loop needs of a pipeline (an OnnxStableDiffusionPipelineBase): its UNet, scheduler, timestep inputs,
-# progress bar and call state. Not imported: the pipeline imports this module.
-Pipeline = Any
 
 # The loop's tensors a step-end callback may ask for (callback_on_step_end_tensor_inputs) and give back replaced.
 CALLBACK_TENSOR_INPUTS = ("latents", "prompt_embeds")
@@ -76,96 +70,6 @@ def replaced_tensors(callback: Any, step: int, returned: Any, current: Mapping[s
                              f"{step}, expected {expected}")
         result[key] = value.to(device=old.device, dtype=old.dtype)
     return result
-
-
-def denoise(
-    pipe: Pipeline,
-    latents: torch.Tensor,
-    timesteps: torch.Tensor,
-    prompt_embeds: torch.Tensor,
-    guidance_scale: float,
-    step_kwargs: Dict[str, Any],
-    callback: Optional[Callable[[int, int, torch.Tensor], None]] = None,
-    callback_steps: int = 1,
-    callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
-    callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
-    unet_extra_channels: Optional[torch.Tensor] = None,
-    after_step: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
-    unet_inputs: Optional[Dict[str, torch.Tensor]] = None,
-    guidance_rescale: float = 0.0,
-    return_denoised: bool = False,
-    step_inputs: Optional[Callable[[int, torch.Tensor, torch.Tensor], Dict[str, torch.Tensor]]] = None,
-    ) -> torch.Tensor:
-    """The denoising loop of ``pipe``. Every tensor stays on ``pipe.device``; nothing waits on the host.
-
-    Args:
-        latents: initial latents (already scaled by the scheduler's init sigma or noised).
-        timesteps: the scheduler's timesteps to run.
-        prompt_embeds: ``[negative; positive]`` when ``guidance_scale > 1``, else positive.
-        unet_extra_channels: concatenated to the UNet input after scaling (an inpainting UNet's mask and masked
-            image latents), already doubled for guidance.
-        after_step: ``after_step(i, latents) -> latents`` after each scheduler step (inpainting's blending).
-        unet_inputs: further UNet inputs, the same every step (SDXL's ``text_embeds`` and ``time_ids``, LCM's
-            ``timestep_cond``), already doubled for guidance.
-        guidance_rescale: rescales the guided noise towards the text branch's standard deviation (diffusers'
-            ``rescale_noise_cfg``, "Common Diffusion Noise Schedules and Sample Steps are Flawed" §3.4).
-        return_denoised: return the last step's denoised prediction (the second output of ``LCMScheduler.step``)
-            instead of its next sample, as diffusers' LCM pipeline decodes.
-        step_inputs: ``step_inputs(i, latent_model_input, prompt_embeds) -> {name: tensor}``: further UNet inputs
-            made each step from the scaled model input (a ControlNet's residuals).
-    Returns:
-        The denoised latents.
-    """
-    if not is_real(guidance_rescale) or not 0.0 <= guidance_rescale <= 1.0:
-        raise ValueError(f"guidance_rescale: expected a number in [0, 1], got {guidance_rescale!r}")
-    check_callback_arguments(callback_on_step_end, callback_on_step_end_tensor_inputs)
-    do_classifier_free_guidance = guidance_scale > 1.0
-    unet_batch = latents.shape[0] * (2 if do_classifier_free_guidance else 1)
-    timestep_inputs = pipe.timestep_inputs(timesteps, unet_batch)
-    feed = GraphFeed(pipe.unet)
-    for i, t in enumerate(pipe.progress_bar(timesteps)):
-        # scaled before the guidance batch is made (an elementwise scale by the step's scalar: the same values),
-        # so that the batch can be written straight into the UNet graph's input
-        scaled = pipe.scheduler.scale_model_input(latents, t)
-        copies = [scaled] * 2 if do_classifier_free_guidance else [scaled]
-        if unet_extra_channels is None:
-            latent_model_input = feed.cat("sample", copies)
-        else:
-            latent_model_input = torch.cat(copies) if do_classifier_free_guidance else scaled
-        per_step = step_inputs(i, latent_model_input, prompt_embeds) if step_inputs is not None else {}
-        if unet_extra_channels is not None:
-            latent_model_input = feed.cat("sample", [latent_model_input, unet_extra_channels], dim=1)
-        inputs = {"sample": latent_model_input, "timestep": timestep_inputs[i],
-                  "encoder_hidden_states": feed.same("encoder_hidden_states", prompt_embeds),
-                  **{name: feed.same(name, value) for name, value in (unet_inputs or {}).items()}, **per_step}
-        noise_pred = pipe.unet(**inputs)[0]
-        feed.learn(inputs)
-        if do_classifier_free_guidance:
-            noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
-            # uncond + scale * (text - uncond) in one kernel (diffusers' three), in fp32 inside
-            noise_pred = torch.lerp(noise_pred_uncond, noise_pred_text, float(guidance_scale))
-            if guidance_rescale > 0.0:
-                noise_pred = rescale_noise_cfg(noise_pred, noise_pred_text, guidance_rescale)
-        else:
-            # multistep schedulers keep model outputs across steps: never hand them the reused UNet buffer
-            noise_pred = noise_pred.clone()
-        step_output = pipe.scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)
-        latents = step_output[0]
-        if return_denoised:
-            denoised = step_output[1]
-        if after_step is not None:
-            latents = after_step(i, latents)
-
-        if callback is not None and i % callback_steps == 0:
-            callback(i // getattr(pipe.scheduler, "order", 1), t, latents)
-            feed.forget()
-        if callback_on_step_end is not None:
-            feed.forget()
-            available = {"latents": latents, "prompt_embeds": prompt_embeds}
-            tensors = {name: available[name] for name in callback_on_step_end_tensor_inputs}
-            replaced = replaced_tensors(callback_on_step_end, i, callback_on_step_end(pipe, i, t, tensors), available)
-            latents, prompt_embeds = replaced["latents"], replaced["prompt_embeds"]
-    return denoised if return_denoised else latents
 
 
 def rescale_noise_cfg(noise_cfg: torch.Tensor, noise_pred_text: torch.Tensor, guidance_rescale: float) -> torch.Tensor:
@@ -241,40 +145,3 @@ class GraphFeed:
     def forget(self) -> None:
         """Code outside the loop ran (a step callback) and may have changed any input in place: copy them again."""
         self.held.clear()
-
-
-def on_device_stream(method: Callable) -> Callable:
-    """One pipeline call at a time (the scheduler's state and the models' reused buffers belong to the pipeline, so
-    calls from several threads are serialized), run on the pipeline's CUDA stream, ordered after the caller's stream
-    and before its next work (no host wait); off CUDA it just calls."""
-
-    @functools.wraps(method)
-    def on_stream(self: Pipeline, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self._calling, "active", False):
-            raise RuntimeError(f"{type(self).__name__}: called again from inside its own call (a callback?); the "
-                               "scheduler's state and the models' buffers belong to the running call. Collect what "
-                               "you need in the callback and call the pipeline after it returns")
-        with self._call_lock:
-            self._calling.active = True
-            try:
-                self._prepare_sessions()
-                return _call_on_stream(self, method, args, kwargs)
-            finally:
-                self._calling.active = False
-
-    return on_stream
-
-
-def _call_on_stream(self: Pipeline, method: Callable, args: Any, kwargs: Any) -> Any:
-    """``method`` on the pipeline's CUDA stream, ordered after the caller's stream and before its next work."""
-    stream = self.stream
-    if stream is None:
-        return method(self, *args, **kwargs)
-    # the pipeline's GPU is the current one for the call: nothing (pinned buffers, a context) lands on cuda:0
-    with torch.cuda.device(stream.device):
-        caller = torch.cuda.current_stream(stream.device)
-        stream.wait_stream(caller)
-        with torch.cuda.stream(stream):
-            result = method(self, *args, **kwargs)
-        caller.wait_stream(stream)
-    return result

@@ -8,12 +8,12 @@ import numpy as np
 import torch
 
 from .arguments import Generator
-from .denoise import on_device_stream
+from .clip_unet import ClipUNetPipeline
+from .core import on_device_stream
 from .img2img import OnnxStableDiffusionImg2ImgPipeline
-from .pipeline import OnnxStableDiffusionPipelineBase
 
 
-class OnnxStableDiffusionPipeline(OnnxStableDiffusionPipelineBase):
+class OnnxStableDiffusionPipeline(ClipUNetPipeline):
     """Text-to-image Stable Diffusion on ONNX Runtime.
 
     ``OnnxStableDiffusionPipeline.from_pretrained(folder, provider="CUDAExecutionProvider", io_binding=True)`` keeps
@@ -81,7 +81,7 @@ class OnnxStableDiffusionPipeline(OnnxStableDiffusionPipelineBase):
         latents = latents * self.scheduler.init_noise_sigma
 
         # 4. denoising loop: every tensor stays on self.device
-        latents = self.denoise(
+        latents = self.denoiser.loop(
             latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
             callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
         )

@@ -3,8 +3,8 @@ text encoders with their hidden states; a UNet taking the pooled text embedding 
 
 from __future__ import annotations
 
+import functools
 import math
-
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -12,75 +12,40 @@ import numpy as np
 import PIL.Image
 import torch
 from diffusers.pipelines.stable_diffusion_xl import StableDiffusionXLPipelineOutput
-from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
 from ..layout import write_xl_model_index
-from ..runtime.model import IOBindingORTModel
 from .arguments import Generator
-from .denoise import on_device_stream
-from .pipeline import OnnxStableDiffusionPipelineBase, tensor_of
+from .components import declared_dim, onnx, tokenizer
+from .core import OnnxDiffusionPipeline, Warmup, on_device_stream
+from .denoisers import UNetDenoiser
+from .lora import LoraLoaderMixin
+from .prompts import CLIPPairPrompt
 
-XL_COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae_encoder", "vae_decoder")
+# optimum's SDXL folder (the refiner has no first text encoder)
+XL_COMPONENTS = (onnx("text_encoder", optional=True), onnx("text_encoder_2"), tokenizer("tokenizer", optional=True),
+                 tokenizer("tokenizer_2"), onnx("unet"), onnx("vae_encoder", optional=True), onnx("vae_decoder"))
 # the diffusers pipeline each of ours mirrors: the class name a saved folder's model_index.json gives (optimum's way)
 _TORCH_CLASS_NAMES = {"OnnxStableDiffusionXLPipeline": "StableDiffusionXLPipeline",
                       "OnnxStableDiffusionXLImg2ImgPipeline": "StableDiffusionXLImg2ImgPipeline"}
 Prompt = Union[str, List[str], None]
 
 
-class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
-    """What SDXL's pipelines share: two tokenizers and text encoders (the refiner has only the second), the
-    penultimate hidden states of both concatenated, the second's pooled projection, and the size/crop/aesthetic
+class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
+    """The declaration SDXL's pipelines share: two tokenizers and text encoders (the refiner has only the second),
+    the penultimate hidden states of both concatenated, the second's pooled projection, and the size/crop/aesthetic
     conditioning ``time_ids``."""
 
-    _optional_components = ["text_encoder", "tokenizer", "vae_encoder"]
+    declared_components = XL_COMPONENTS
+    denoiser_part = functools.partial(UNetDenoiser, default_sample_size=128, extra_inputs=("text_embeds", "time_ids"))
+    prompt_part = CLIPPairPrompt
+    settings = {"force_zeros_for_empty_prompt": True, "requires_aesthetics_score": False}
     model_cpu_offload_seq = "text_encoder->text_encoder_2->unet->vae_decoder"
-    _onnx_components = XL_COMPONENTS
-    _tokenizer_names = ("tokenizer", "tokenizer_2")
-    _index_settings = ("force_zeros_for_empty_prompt", "requires_aesthetics_score")
-    _unet_extra_inputs = ("text_embeds", "time_ids")
-    _default_unet_sample_size = 128  # SDXL base: 1024 px
+    output_class = StableDiffusionXLPipelineOutput
 
-    def __init__(
-        self,
-        vae_encoder: Optional[IOBindingORTModel],
-        vae_decoder: IOBindingORTModel,
-        text_encoder: Optional[IOBindingORTModel],
-        text_encoder_2: IOBindingORTModel,
-        tokenizer: Any,
-        tokenizer_2: Any,
-        unet: IOBindingORTModel,
-        scheduler: SchedulerMixin,
-        force_zeros_for_empty_prompt: bool = True,
-        requires_aesthetics_score: bool = False,
-    ):
-        super(OnnxStableDiffusionPipelineBase, self).__init__()  # DiffusionPipeline's, not the SD module list
-        self.register_modules(
-            vae_encoder=vae_encoder, vae_decoder=vae_decoder, text_encoder=text_encoder,
-            text_encoder_2=text_encoder_2, tokenizer=tokenizer, tokenizer_2=tokenizer_2, unet=unet,
-            scheduler=scheduler,
-        )
-        self.register_to_config(force_zeros_for_empty_prompt=force_zeros_for_empty_prompt,
-                                requires_aesthetics_score=requires_aesthetics_score)
-        self._init_image_side()
-        self._check_text_encoder_outputs()
-        declared = unet.input_dims
-        self.time_ids_length = declared["time_ids"][1] if isinstance(declared["time_ids"][1], int) else None
-
-    def _check_text_encoder_outputs(self) -> None:
-        """SDXL reads the text encoders' hidden states (``hidden_states.0`` …, an export with
-        ``output_hidden_states``) and the second one's pooled projection ``text_embeds``: a folder whose encoders
-        give less is refused when loading, naming the component."""
-        for name in ("text_encoder", "text_encoder_2"):
-            encoder = getattr(self, name, None)
-            if encoder is None:
-                continue
-            outputs = encoder.output_names
-            layers = [output for output in outputs if output.startswith("hidden_states.")]
-            if len(layers) < 2 or (name == "text_encoder_2" and "text_embeds" not in outputs):
-                needs = "hidden_states.0 … hidden_states.N" + (" and text_embeds (CLIPTextModelWithProjection)"
-                                                                if name == "text_encoder_2" else "")
-                raise ValueError(f"{name}: expected an SDXL text encoder with outputs {needs} (exported with "
-                                 f"output_hidden_states), got outputs {outputs} in {encoder.model_path!r}")
+    @property
+    def time_ids_length(self) -> Optional[int]:
+        """How many micro-conditioning values the UNet's ``time_ids`` takes (``None``: dynamic)."""
+        return declared_dim(self.unet, "time_ids", 1)
 
     def check_inputs_xl(
         self,
@@ -126,13 +91,7 @@ class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
             if embeds is None:
                 raise ValueError(f"{name}: expected it with {name.replace('pooled_', '')}, got it alone")
 
-    @property
-    def default_sample_size(self) -> int:
-        """The UNet's sample size in latents (diffusers' SDXL pipelines have the same attribute)."""
-        return self.default_image_size // self.vae_scale_factor
-
-    # ------------------------------------------------------------------------------------------------ prompts
-    def encode_prompt_xl(
+    def encode_prompt(
         self,
         prompt: Prompt,
         prompt_2: Prompt,
@@ -146,71 +105,12 @@ class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
         negative_pooled_prompt_embeds: Optional[torch.Tensor] = None,
         clip_skip: Optional[int] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(prompt_embeds, pooled)`` on ``self.device``, ``[negative; positive]`` when guiding. As diffusers: an
-        absent negative prompt gives zeros when the model asks for them (``force_zeros_for_empty_prompt``)."""
-        device = self.device
-        if prompt_embeds is None:
-            prompt = [prompt] if isinstance(prompt, str) else prompt
-            prompt_2 = prompt if prompt_2 is None else ([prompt_2] if isinstance(prompt_2, str) else prompt_2)
-            prompt_embeds, pooled_prompt_embeds = self._encode_text_xl(prompt, prompt_2, clip_skip)
-        elif pooled_prompt_embeds is None:
-            raise ValueError("pooled_prompt_embeds: expected them with prompt_embeds (SDXL's UNet takes both), "
-                             "got None")
-        prompt_embeds = tensor_of(prompt_embeds).to(device)
-        pooled_prompt_embeds = tensor_of(pooled_prompt_embeds).to(device)
-        batch_size = prompt_embeds.shape[0]
-        if do_classifier_free_guidance and negative_prompt_embeds is None:
-            if negative_prompt is None and negative_prompt_2 is None and self.config.force_zeros_for_empty_prompt:
-                negative_prompt_embeds = torch.zeros_like(prompt_embeds)
-                negative_pooled_prompt_embeds = torch.zeros_like(pooled_prompt_embeds)
-            else:
-                negative_prompt = negative_prompt or ""
-                negative_prompt_2 = negative_prompt_2 or negative_prompt
-                negative_prompt = batch_size * [negative_prompt] if isinstance(negative_prompt, str) else negative_prompt
-                negative_prompt_2 = batch_size * [negative_prompt_2] if isinstance(negative_prompt_2, str) \
-                    else negative_prompt_2
-                negative_prompt_embeds, negative_pooled_prompt_embeds = self._encode_text_xl(
-                    negative_prompt, negative_prompt_2, clip_skip=None)
-        elif do_classifier_free_guidance and negative_pooled_prompt_embeds is None:
-            raise ValueError("negative_pooled_prompt_embeds: expected them with negative_prompt_embeds, got None")
-
-        def repeat(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor_of(tensor).to(device).repeat_interleave(num_images_per_prompt, dim=0)
-
-        prompt_embeds, pooled_prompt_embeds = repeat(prompt_embeds), repeat(pooled_prompt_embeds)
-        if not do_classifier_free_guidance:
-            return prompt_embeds, pooled_prompt_embeds
-        return (torch.cat([repeat(negative_prompt_embeds), prompt_embeds]),
-                torch.cat([repeat(negative_pooled_prompt_embeds), pooled_prompt_embeds]))
-
-    def _encode_text_xl(self, prompt: List[str], prompt_2: List[str],
-                        clip_skip: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
-        if len(prompt) != len(prompt_2):
-            raise ValueError(f"prompt_2: expected {len(prompt)} prompts like prompt, got {len(prompt_2)}")
-        pairs = [(prompt, self.tokenizer, self.text_encoder), (prompt_2, self.tokenizer_2, self.text_encoder_2)]
-        hidden_states, pooled = [], None
-        for text, tokenizer, encoder in pairs:
-            if encoder is None:
-                continue
-            ids = tokenizer(text, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                            return_tensors="np").input_ids
-            outputs = dict(zip(encoder.output_names, encoder(input_ids=self.token_ids(encoder, ids))))
-            layers = sorted((name for name in outputs if name.startswith("hidden_states.")),
-                            key=lambda name: int(name.split(".")[1]))
-            if len(layers) < 2:
-                raise ValueError(f"text encoder outputs: expected hidden_states.0 … hidden_states.N (an SDXL export "
-                                 f"with output_hidden_states), got {list(outputs)}")
-            # diffusers takes hidden_states[-2] ([-(clip_skip + 2)]); copies: the next call reuses these buffers
-            if clip_skip is not None and (not isinstance(clip_skip, int) or isinstance(clip_skip, bool)
-                                          or not 0 <= clip_skip <= len(layers) - 2):
-                raise ValueError(f"clip_skip: expected None or an integer in [0, {len(layers) - 2}], got {clip_skip!r}")
-            index = len(layers) - 2 - (clip_skip or 0)
-            hidden_states.append(outputs[layers[index]].clone())
-            if pooled is None and "text_embeds" in outputs:
-                pooled = outputs["text_embeds"].clone()
-        if pooled is None:
-            raise ValueError("text_encoder_2: expected a text_embeds output (CLIPTextModelWithProjection), got none")
-        return torch.cat(hidden_states, dim=-1), pooled
+        """``(prompt_embeds, pooled)`` on ``self.device``, ``[negative; positive]`` when guiding (see
+        :meth:`CLIPPairPrompt.encode`)."""
+        return self.prompt.encode(prompt, prompt_2, num_images_per_prompt, do_classifier_free_guidance,
+                                  negative_prompt, negative_prompt_2, prompt_embeds, negative_prompt_embeds,
+                                  pooled_prompt_embeds, negative_pooled_prompt_embeds, clip_skip,
+                                  self.config.force_zeros_for_empty_prompt)
 
     # ------------------------------------------------------------------------------------------ conditioning
     def time_ids(
@@ -255,7 +155,7 @@ class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
             else positive
         return {"text_embeds": pooled, "time_ids": time_ids.to(self.device)}
 
-    def _write_model_index(self, target: Path, written: List[str]) -> None:
+    def write_model_index(self, target: Path, written: List[str]) -> None:
         modules = {"text_encoder": "CLIPTextModel" if "text_encoder" in written else None,
                    "text_encoder_2": "CLIPTextModelWithProjection"}
         for name in ("tokenizer", "tokenizer_2"):
@@ -264,15 +164,102 @@ class OnnxStableDiffusionXLPipelineBase(OnnxStableDiffusionPipelineBase):
                              type(self.scheduler).__name__, modules, self.config.force_zeros_for_empty_prompt,
                              self.config.requires_aesthetics_score)
 
-    def pack_output(self, image: Any, return_dict: bool) -> Any:
-        if not return_dict:
-            return (image,)
-        return StableDiffusionXLPipelineOutput(images=image)
+
+class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
+    """SDXL image-to-image (also the refiner, whose folder has only ``text_encoder_2`` and sets
+    ``requires_aesthetics_score``), with the arguments of diffusers' ``StableDiffusionXLImg2ImgPipeline``."""
+
+    encodes_images = True
+
+    @torch.no_grad()
+    @on_device_stream
+    def __call__(
+        self,
+        prompt: Prompt = None,
+        prompt_2: Prompt = None,
+        image: Union[PIL.Image.Image, np.ndarray, torch.Tensor, List[PIL.Image.Image], None] = None,
+        strength: float = 0.3,
+        num_inference_steps: int = 50,
+        guidance_scale: float = 5.0,
+        negative_prompt: Prompt = None,
+        negative_prompt_2: Prompt = None,
+        num_images_per_prompt: int = 1,
+        eta: float = 0.0,
+        generator: Generator = None,
+        prompt_embeds: Optional[torch.Tensor] = None,
+        negative_prompt_embeds: Optional[torch.Tensor] = None,
+        pooled_prompt_embeds: Optional[torch.Tensor] = None,
+        negative_pooled_prompt_embeds: Optional[torch.Tensor] = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        guidance_rescale: float = 0.0,
+        original_size: Optional[Tuple[int, int]] = None,
+        crops_coords_top_left: Tuple[int, int] = (0, 0),
+        target_size: Optional[Tuple[int, int]] = None,
+        aesthetic_score: float = 6.0,
+        negative_aesthetic_score: float = 2.5,
+        clip_skip: Optional[int] = None,
+        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+    ):
+        """Transforms ``image`` guided by text; ``strength`` in [0, 1] says how much of the schedule runs.
+
+        Returns:
+            ``StableDiffusionXLPipelineOutput(images)``, or a tuple without return_dict.
+        """
+        if image is None:
+            raise ValueError("image: expected a PIL image, numpy array or tensor to start from, got None")
+        self.check_image(image, "image")
+        pixels = self.image_processor.preprocess(image)
+        height, width = pixels.shape[-2:]
+        self.check_image_size(height, width, "image")
+        self.check_inputs(prompt, height, width, num_inference_steps, None, negative_prompt, prompt_embeds,
+                          negative_prompt_embeds, output_type, strength=strength, guidance_scale=guidance_scale,
+                          num_images_per_prompt=num_images_per_prompt,
+                          callback_on_step_end=callback_on_step_end,
+                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
+        self.check_inputs_xl(prompt, prompt_2, negative_prompt, negative_prompt_2, prompt_embeds, negative_prompt_embeds,
+                             pooled_prompt_embeds, negative_pooled_prompt_embeds)
+        batch_size = self.batch_size_of(prompt, prompt_embeds)
+        do_classifier_free_guidance = guidance_scale > 1.0
+        prompt_embeds, pooled = self.encode_prompt(
+            prompt, prompt_2, num_images_per_prompt, do_classifier_free_guidance, negative_prompt,
+            negative_prompt_2, prompt_embeds, negative_prompt_embeds, pooled_prompt_embeds,
+            negative_pooled_prompt_embeds, clip_skip)
+        rows = batch_size * num_images_per_prompt
+
+        # the image's latents, noised to where the shortened schedule starts
+        timesteps = self.strength_timesteps(num_inference_steps, strength)
+        if pixels.shape[0] not in (1, rows // num_images_per_prompt):
+            raise ValueError(f"image: expected 1 or {rows // num_images_per_prompt} images (one per prompt), "
+                             f"got {pixels.shape[0]}")
+        init_latents = self.encode_image(pixels, generator).to(prompt_embeds.dtype)
+        init_latents = init_latents.repeat_interleave(rows // init_latents.shape[0], dim=0)
+        noise = self.prepare_latents(tuple(init_latents.shape), init_latents.dtype, generator)
+        latents = self.scheduler.add_noise(init_latents, noise, timesteps[:1].repeat(rows))
+
+        original_size = original_size or (height, width)
+        target_size = target_size or (height, width)
+        add_time_ids = self.time_ids(original_size, crops_coords_top_left, target_size, aesthetic_score,
+                                     prompt_embeds.dtype)
+        negative_time_ids = self.time_ids(original_size, crops_coords_top_left, target_size,
+                                          negative_aesthetic_score, prompt_embeds.dtype)
+        conditioning = self.unet_conditioning(pooled, add_time_ids, negative_time_ids, rows,
+                                              do_classifier_free_guidance)
+        latents = self.denoiser.loop(
+            latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            unet_inputs=conditioning, guidance_rescale=guidance_rescale,
+        )
+        return self.finish(latents, output_type, return_dict)
 
 
 class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
     """SDXL text-to-image with the arguments of diffusers' ``StableDiffusionXLPipeline``: every tensor of the loop
     stays on the UNet's device with ``io_binding=True``; on CUDA every component replays its CUDA graphs by default (``cuda_graph="auto"``)."""
+
+    image_to_image_class = OnnxStableDiffusionXLImg2ImgPipeline
 
     @torch.no_grad()
     @on_device_stream
@@ -326,7 +313,7 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
         do_classifier_free_guidance = guidance_scale > 1.0
 
         # 1. text: both encoders' penultimate states, the second's pooled projection
-        prompt_embeds, pooled = self.encode_prompt_xl(
+        prompt_embeds, pooled = self.encode_prompt(
             prompt, prompt_2, num_images_per_prompt, do_classifier_free_guidance, negative_prompt,
             negative_prompt_2, prompt_embeds, negative_prompt_embeds, pooled_prompt_embeds,
             negative_pooled_prompt_embeds, clip_skip)
@@ -351,108 +338,10 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
                                               do_classifier_free_guidance)
 
         # 4. denoising loop on the device
-        latents = self.denoise(
+        latents = self.denoiser.loop(
             latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
             unet_inputs=conditioning, guidance_rescale=guidance_rescale,
         )
         return self.finish(latents, output_type, return_dict)
-
-
-class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
-    """SDXL image-to-image (also the refiner, whose folder has only ``text_encoder_2`` and sets
-    ``requires_aesthetics_score``), with the arguments of diffusers' ``StableDiffusionXLImg2ImgPipeline``."""
-
-    _encodes_images = True
-
-    def _warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int) -> None:
-        image = torch.zeros(1, 3, height, width)
-        self(prompt=[""] * batch_size, image=image, strength=1.0, num_inference_steps=steps,
-             guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0), output_type="np")
-
-    @torch.no_grad()
-    @on_device_stream
-    def __call__(
-        self,
-        prompt: Prompt = None,
-        prompt_2: Prompt = None,
-        image: Union[PIL.Image.Image, np.ndarray, torch.Tensor, List[PIL.Image.Image], None] = None,
-        strength: float = 0.3,
-        num_inference_steps: int = 50,
-        guidance_scale: float = 5.0,
-        negative_prompt: Prompt = None,
-        negative_prompt_2: Prompt = None,
-        num_images_per_prompt: int = 1,
-        eta: float = 0.0,
-        generator: Generator = None,
-        prompt_embeds: Optional[torch.Tensor] = None,
-        negative_prompt_embeds: Optional[torch.Tensor] = None,
-        pooled_prompt_embeds: Optional[torch.Tensor] = None,
-        negative_pooled_prompt_embeds: Optional[torch.Tensor] = None,
-        output_type: str = "pil",
-        return_dict: bool = True,
-        guidance_rescale: float = 0.0,
-        original_size: Optional[Tuple[int, int]] = None,
-        crops_coords_top_left: Tuple[int, int] = (0, 0),
-        target_size: Optional[Tuple[int, int]] = None,
-        aesthetic_score: float = 6.0,
-        negative_aesthetic_score: float = 2.5,
-        clip_skip: Optional[int] = None,
-        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
-        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
-    ):
-        """Transforms ``image`` guided by text; ``strength`` in [0, 1] says how much of the schedule runs.
-
-        Returns:
-            ``StableDiffusionXLPipelineOutput(images)``, or a tuple without return_dict.
-        """
-        if image is None:
-            raise ValueError("image: expected a PIL image, numpy array or tensor to start from, got None")
-        self.check_image(image, "image")
-        pixels = self.image_processor.preprocess(image)
-        height, width = pixels.shape[-2:]
-        self.check_image_size(height, width, "image")
-        self.check_inputs(prompt, height, width, num_inference_steps, None, negative_prompt, prompt_embeds,
-                          negative_prompt_embeds, output_type, strength=strength, guidance_scale=guidance_scale,
-                          num_images_per_prompt=num_images_per_prompt,
-                          callback_on_step_end=callback_on_step_end,
-                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
-        self.check_inputs_xl(prompt, prompt_2, negative_prompt, negative_prompt_2, prompt_embeds, negative_prompt_embeds,
-                             pooled_prompt_embeds, negative_pooled_prompt_embeds)
-        batch_size = self.batch_size_of(prompt, prompt_embeds)
-        do_classifier_free_guidance = guidance_scale > 1.0
-        prompt_embeds, pooled = self.encode_prompt_xl(
-            prompt, prompt_2, num_images_per_prompt, do_classifier_free_guidance, negative_prompt,
-            negative_prompt_2, prompt_embeds, negative_prompt_embeds, pooled_prompt_embeds,
-            negative_pooled_prompt_embeds, clip_skip)
-        rows = batch_size * num_images_per_prompt
-
-        # the image's latents, noised to where the shortened schedule starts
-        timesteps = self.strength_timesteps(num_inference_steps, strength)
-        if pixels.shape[0] not in (1, rows // num_images_per_prompt):
-            raise ValueError(f"image: expected 1 or {rows // num_images_per_prompt} images (one per prompt), "
-                             f"got {pixels.shape[0]}")
-        init_latents = self.encode_image(pixels, generator).to(prompt_embeds.dtype)
-        init_latents = init_latents.repeat_interleave(rows // init_latents.shape[0], dim=0)
-        noise = self.prepare_latents(tuple(init_latents.shape), init_latents.dtype, generator)
-        latents = self.scheduler.add_noise(init_latents, noise, timesteps[:1].repeat(rows))
-
-        original_size = original_size or (height, width)
-        target_size = target_size or (height, width)
-        add_time_ids = self.time_ids(original_size, crops_coords_top_left, target_size, aesthetic_score,
-                                     prompt_embeds.dtype)
-        negative_time_ids = self.time_ids(original_size, crops_coords_top_left, target_size,
-                                          negative_aesthetic_score, prompt_embeds.dtype)
-        conditioning = self.unet_conditioning(pooled, add_time_ids, negative_time_ids, rows,
-                                              do_classifier_free_guidance)
-        latents = self.denoise(
-            latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
-            callback_on_step_end=callback_on_step_end,
-            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-            unet_inputs=conditioning, guidance_rescale=guidance_rescale,
-        )
-        return self.finish(latents, output_type, return_dict)
-
-
-OnnxStableDiffusionXLPipeline.image_to_image_class = OnnxStableDiffusionXLImg2ImgPipeline

@@ -6,28 +6,39 @@ from __future__ import annotations
 
 import inspect
 import os
+from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..layout import resolve_pipeline_folder
-from ..runtime.hub import check_hub_kwargs
 from ..runtime.model import IOBindingORTModel
-from ..runtime.options import CudaGraphSetting, PipelineOptions, ProviderSpec
 from .arguments import is_integer
-from .denoise import on_device_stream
+from .clip_unet import STABLE_DIFFUSION_COMPONENTS
+from .components import TINY_VAE_COMPONENTS, check_latent_channels, names_of, tiny_vae_folder
+from .core import OnnxDiffusionPipeline, on_device_stream
+from .denoisers import UNetDenoiser
 from .latent_consistency import guidance_scale_embedding
-from .loading import TINY_VAE_COMPONENTS, check_component_kind, check_latent_channels, load_components, tiny_vae_folder
-from .pipeline import OnnxStableDiffusionPipelineBase, upload
+from .lora import LoraLoaderMixin
+from .prompts import CLIPPrompt
+from .transfer import upload
 from .stream_frames import FrameCopies, FrameInput, FrameKind, PendingFrame, output_layout, read_frame
 from .stream_plan import StreamPlan, make_stages, stream_schedule
 
 _KEEP = object()  # update_prompt: the negative prompt that prepare was given
 
 
+class StreamUNet(UNetDenoiser):
+    """An SD 1.x/2.x, SD-Turbo or LCM UNet: an LCM UNet's ``timestep_cond`` (the guidance embedding) is fed too."""
+
+    @property
+    def extra_inputs(self) -> Tuple[str, ...]:
+        return ("timestep_cond",) if "timestep_cond" in self.model.input_names else ()
+
+
 # ------------------------------------------------------------------------------------------------ the pipeline
-class OnnxStreamDiffusionPipeline(OnnxStableDiffusionPipelineBase):
+class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
     """Few-step image to image on a stream of frames: one frame in, one frame out, every frame's work on the device.
 
     ``prepare`` encodes the prompt, fixes the noise of every step from ``seed``, computes the img2img timesteps with
@@ -64,70 +75,49 @@ class OnnxStreamDiffusionPipeline(OnnxStableDiffusionPipelineBase):
     :meth:`update_prompt` changes the prompt alone. Calls from several threads are serialized.
     """
 
-    _encodes_images = True
+    declared_components = STABLE_DIFFUSION_COMPONENTS
+    denoiser_part = StreamUNet
+    prompt_part = CLIPPrompt
+    settings = {"requires_safety_checker": False}
+    encodes_images = True
+    loading_arguments = ("tiny_vae",)
 
-    def _init_image_side(self) -> None:
-        if getattr(self, "vae_encoder", None) is None:
+    def __init__(self, **components: Any):
+        if components.get("vae_encoder") is None:
             raise ValueError("vae_encoder: expected a VAE encoder (the stream encodes every frame), got none: the "
                              "folder has no vae_encoder/model.onnx; export one, or pass tiny_vae=<an AutoencoderTiny "
                              "export>")
-        super()._init_image_side()
+        super().__init__(**components)
+        self._check_vae()
         self._plan: Optional[StreamPlan] = None
         self._copies = FrameCopies(self.device)
 
-    def _check_unet_inputs(self) -> None:
-        # an LCM UNet takes the guidance embedding; any other SD 1.x/2.x UNet takes the three inputs alone
-        self._unet_extra_inputs = ("timestep_cond",) if "timestep_cond" in self.unet.input_names else ()
-        super()._check_unet_inputs()
-
     # -------------------------------------------------------------------------------------------------- loading
     @classmethod
-    def from_pretrained(
-        cls,
-        pretrained_model_name_or_path: Union[str, os.PathLike],
-        provider: ProviderSpec = None,
-        provider_options: Optional[Dict[str, Any]] = None,
-        sess_options: Any = None,
-        io_binding: bool = True,
-        cuda_graph: CudaGraphSetting = "auto",
-        scheduler: Any = None,
-        tokenizer: Any = None,
-        component_options: Optional[Dict[str, Dict[str, Any]]] = None,
-        tiny_vae: Union[str, os.PathLike, None] = None,
-        **hub_kwargs: Any,
-    ) -> "OnnxStreamDiffusionPipeline":
-        """Loads an ONNX Stable Diffusion folder (or hub id) as :class:`OnnxStableDiffusionPipelineBase` does, with
-        the same options, and optionally a tiny VAE in place of the folder's.
-
-        Args:
-            tiny_vae: a folder (or hub id) holding ``vae_encoder/`` and ``vae_decoder/`` of an AutoencoderTiny export
-                (TAESD-shaped: a few ms a frame where the full VAE takes tens); its latent channels must match the
-                UNet's. ``None``: the folder's own VAE. The folder's VAE is then neither downloaded nor loaded.
-            others: see :meth:`OnnxStableDiffusionPipelineBase.from_pretrained` (``component_options`` for
-                ``"vae_encoder"``/``"vae_decoder"`` apply to the tiny VAE).
-        """
-        check_hub_kwargs(f"{cls.__name__}.from_pretrained", hub_kwargs)
-        options = PipelineOptions.resolve(cls._onnx_components, provider, provider_options, sess_options, io_binding,
-                                          cuda_graph, component_options)  # checked before any download
+    def model_folders(cls, pretrained_model_name_or_path: Union[str, os.PathLike], hub_kwargs: Dict[str, Any],
+                      tiny_vae: Union[str, os.PathLike, None] = None) -> Tuple[Path, Dict[str, Path]]:
+        """The folder's components, with the VAE from ``tiny_vae`` where given: a folder (or hub id) holding
+        ``vae_encoder/`` and ``vae_decoder/`` of an AutoencoderTiny export (TAESD-shaped, far cheaper a frame than
+        the full VAE), whose latent channels must match the UNet's; the folder's own VAE is then neither downloaded
+        nor loaded (``component_options`` for ``"vae_encoder"``/``"vae_decoder"`` apply to the tiny VAE)."""
         if tiny_vae is not None and not isinstance(tiny_vae, (str, os.PathLike)):
             raise TypeError(f"tiny_vae: expected a folder or hub id of an AutoencoderTiny export (vae_encoder/ and "
                             f"vae_decoder/), or None, got {type(tiny_vae).__name__} {tiny_vae!r:.80}")
-        own = tuple(name for name in cls._onnx_components if tiny_vae is None or name not in TINY_VAE_COMPONENTS)
-        folder = resolve_pipeline_folder(pretrained_model_name_or_path, own, cls._tokenizer_names, **hub_kwargs)
-        tiny_folder = tiny_vae_folder(tiny_vae, **hub_kwargs) if tiny_vae is not None else None
-        components = load_components(cls, folder, options, scheduler, tokenizer, onnx_components=own)
-        try:
-            if tiny_folder is not None:
-                for name in TINY_VAE_COMPONENTS:
-                    components[name] = IOBindingORTModel.from_pretrained(tiny_folder / name,
-                                                                         options=options.for_component(name))
-                    check_component_kind(name, components[name])
-                check_latent_channels(components["vae_encoder"], components["vae_decoder"], components["unet"],
-                                      f"tiny_vae: {str(tiny_folder)!r}")
-            return cls(**components)
-        except BaseException:
-            components.clear()  # release sessions now, not when the traceback goes
-            raise
+        own = tuple(name for name in names_of(cls.declared_components, "onnx")
+                    if tiny_vae is None or name not in TINY_VAE_COMPONENTS)
+        folder = resolve_pipeline_folder(pretrained_model_name_or_path, own,
+                                         names_of(cls.declared_components, "tokenizer"), **hub_kwargs)
+        folders = {name: folder / name for name in own}
+        if tiny_vae is not None:
+            tiny_folder = tiny_vae_folder(tiny_vae, **hub_kwargs)
+            folders.update({name: tiny_folder / name for name in TINY_VAE_COMPONENTS})
+        return folder, folders
+
+    def _check_vae(self) -> None:
+        """A VAE from another folder than the UNet's (a tiny VAE) must have the UNet's latent channels."""
+        vae_folder = Path(self.vae_decoder.model_path or ".").parent.parent
+        if self.unet.model_path is not None and vae_folder != Path(self.unet.model_path).parent.parent:
+            check_latent_channels(self.vae_encoder, self.vae_decoder, self.unet, f"tiny_vae: {str(vae_folder)!r}")
 
     def warmup(self, *args: Any, **kwargs: Any) -> None:
         """A stream warms up in :meth:`prepare`: its sessions, graphs and captures are made there."""
@@ -224,7 +214,7 @@ class OnnxStreamDiffusionPipeline(OnnxStableDiffusionPipelineBase):
         plan = StreamPlan(height, width, schedule, batched, guidance, float(guidance_scale), prompt, negative_prompt)
 
         # 3. the prompt (encoded once), the noise, the constants and the models' inputs, on the device
-        embeddings = self.encode_prompt(prompt, 1, guidance, negative_prompt)
+        embeddings = self.prompt.encode(prompt, 1, guidance, negative_prompt)
         self._make_tensors(plan, seed, lcm, tuple(embeddings.shape[1:]))
         self._write_embeddings(plan, embeddings)
 
@@ -296,7 +286,7 @@ class OnnxStreamDiffusionPipeline(OnnxStableDiffusionPipelineBase):
                 plan.unet_inputs["timestep"] = plan.step_timesteps[0]
             if lcm:
                 w = torch.full((rows,), plan.guidance_scale - 1.0)
-                embedding = guidance_scale_embedding(w, self._time_cond_proj_dim())
+                embedding = guidance_scale_embedding(w, self.denoiser.time_cond_proj_dim)
                 plan.unet_inputs["timestep_cond"] = upload(embedding.to(unet.input_dtypes["timestep_cond"]), device)
 
     def _timestep_input(self, timestep: float, rows: int) -> torch.Tensor:
@@ -306,15 +296,6 @@ class OnnxStreamDiffusionPipeline(OnnxStableDiffusionPipelineBase):
         if not dims:
             return value
         return value.reshape(1) if dims[0] == 1 else value.repeat(rows)
-
-    def _time_cond_proj_dim(self) -> int:
-        declared = self.unet.input_dims["timestep_cond"]
-        if declared and isinstance(declared[-1], int):
-            return declared[-1]
-        if "time_cond_proj_dim" not in self.unet.config:
-            raise ValueError("unet: its timestep_cond width is dynamic and its config.json has no time_cond_proj_dim; "
-                             "expected one of them to give the guidance embedding's size")
-        return self.config_int(self.unet, "time_cond_proj_dim", 0, "unet")
 
     def _write_embeddings(self, plan: StreamPlan, embeddings: torch.Tensor) -> None:
         """The prompt's embeddings (``[negative; positive]`` when guiding) into the UNet's input, one row per step

@@ -1,0 +1,552 @@
+"""The denoisers: the model a pipeline calls at every step, as a part its family declares. Each owns what its model
+takes (the inputs and their checks), what an image's size must be a multiple of, the latent channels it denoises, the
+default sample size, its loop on the device with the CUDA-graph feed, and the component that must be captured.
+
+- :class:`UNetDenoiser`: SD 1.x/2.x, SDXL, LCM, ControlNet, inpainting (extra inputs and channels per family);
+- :class:`MMDiTDenoiser`: Stable Diffusion 3 / 3.5's transformer, flow matching, CFG in one batch;
+- :class:`FluxDenoiser`: FLUX.1's transformer over 2×2-packed latent tokens with rotary position ids, true CFG.
+
+A part reads the pipeline's public surface only (its components, ``scheduler``, ``device``, ``progress_bar``)."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..runtime.model import IOBindingORTModel
+from .arguments import is_integer, is_real
+from .components import component_kind, declared_dim
+from .loop import CALLBACK_TENSOR_INPUTS, GraphFeed, check_callback_arguments, replaced_tensors, rescale_noise_cfg
+from .transfer import upload
+
+# the inputs of SD3's transformer; Flux's adds rotary position ids (and FLUX.1 dev's the guidance scale)
+MMDIT_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
+FLUX_INPUTS = (*MMDIT_INPUTS, "txt_ids", "img_ids")
+# the loop's tensors a step-end callback may ask for and give back replaced (diffusers' SD3 list)
+SD3_CALLBACK_TENSOR_INPUTS = ("latents", "prompt_embeds", "pooled_prompt_embeds")
+
+
+def config_int(model: IOBindingORTModel, key: str, default: int, component: str) -> int:
+    """A positive integer from a component's config.json (``default`` where absent), or an error naming it."""
+    value = model.config.get(key, default)
+    if not is_integer(value) or value <= 0:
+        raise ValueError(f"{component} config.json: {key}: expected a positive integer, got {value!r}")
+    return int(value)
+
+
+def timestep_inputs(model: IOBindingORTModel, timesteps: torch.Tensor, rows: int,
+                    device: torch.device) -> torch.Tensor:
+    """``model``'s ``timestep`` input for every step, made once on ``device``: row ``i`` is step ``i``'s, in the dtype
+    and rank the model declares (a scalar, ``[1]`` or ``[rows]``)."""
+    timestep_dims = model.input_dims["timestep"] or []
+    values = timesteps.to(dtype=model.input_dtypes["timestep"])
+    if device.type == "cuda":
+        # from pinned memory the upload is asynchronous: a pageable one would make the host wait
+        values = upload(values, device)
+    if len(timestep_dims) == 0:
+        return values
+    if timestep_dims[0] == 1:
+        return values[:, None]
+    return values[:, None].expand(-1, rows).contiguous()
+
+
+class Denoiser(abc.ABC):
+    """What every denoiser offers its pipeline. ``component`` is the pipeline component it runs: the one whose
+    session decides where the loop's tensors live, whose stream the call runs on, and whose CUDA graphs
+    ``cuda_graph=True`` requires."""
+
+    component = ""
+    #: the loop's tensors a step-end callback may ask for
+    callback_tensor_inputs: Tuple[str, ...] = CALLBACK_TENSOR_INPUTS
+
+    def __init__(self, pipe: Any, default_sample_size: int):
+        self.pipe = pipe
+        self.fallback_sample_size = default_sample_size
+
+    @property
+    def model(self) -> IOBindingORTModel:
+        return getattr(self.pipe, self.component)
+
+    def check_model(self) -> None:
+        """Refuses, when loading, a model that is not this denoiser's (raises ``ValueError`` naming the component)."""
+
+    @property
+    def default_sample_size(self) -> int:
+        """The latent size a call gets where it gives none: the model config's ``sample_size``, else the family's."""
+        return config_int(self.model, "sample_size", self.fallback_sample_size, self.component)
+
+    @property
+    @abc.abstractmethod
+    def size_multiple(self) -> int:
+        """What heights and widths must be multiples of."""
+
+    @property
+    @abc.abstractmethod
+    def size_multiple_reason(self) -> str:
+        """Why :attr:`size_multiple` is what it is beyond the VAE's scale factor (for the size check's message)."""
+
+    @abc.abstractmethod
+    def latent_channels(self, vae_decoder: IOBindingORTModel) -> int:
+        """The channels of the latents it denoises, read from the model and checked against ``vae_decoder``."""
+
+    def timestep_inputs(self, timesteps: torch.Tensor, rows: int) -> torch.Tensor:
+        """The model's ``timestep`` input for every step (see :func:`timestep_inputs`)."""
+        return timestep_inputs(self.model, timesteps, rows, self.pipe.device)
+
+    def step_end(self, callback: Optional[Callable[..., Any]], names: Sequence[str], step: int, t: Any,
+                 available: Dict[str, torch.Tensor], feed: GraphFeed) -> Dict[str, torch.Tensor]:
+        """Runs a step-end callback on the tensors it asked for and returns the loop's tensors with its
+        replacements (the feed copies its constant inputs again: the callback may have changed them in place)."""
+        if callback is None:
+            return available
+        feed.forget()
+        tensors = {name: available[name] for name in names}
+        return replaced_tensors(callback, step, callback(self.pipe, step, t, tensors), available,
+                                self.callback_tensor_inputs)
+
+
+class UNetDenoiser(Denoiser):
+    """A Stable Diffusion UNet: ``sample``, ``timestep``, ``encoder_hidden_states`` and the family's
+    ``extra_inputs`` (SDXL's ``text_embeds``/``time_ids``, LCM's ``timestep_cond``, a ControlNet's residuals)."""
+
+    component = "unet"
+    # why a UNet takes more inputs than a family feeds: the family that feeds them
+    FAMILY_OF_INPUT = {"timestep_cond": "an LCM UNet: use OnnxLatentConsistencyModelPipeline",
+                       "text_embeds": "an SDXL UNet: use OnnxStableDiffusionXLPipeline or its Img2Img",
+                       "time_ids": "an SDXL UNet: use OnnxStableDiffusionXLPipeline or its Img2Img",
+                       "mid_block_additional_residual": "a UNet exported with a ControlNet: use "
+                                                        "OnnxStableDiffusionControlNetPipeline or its Img2Img"}
+
+    def __init__(self, pipe: Any, default_sample_size: int = 64, extra_inputs: Sequence[str] = ()):
+        super().__init__(pipe, default_sample_size)
+        self.declared_extra_inputs = tuple(extra_inputs)
+
+    @property
+    def extra_inputs(self) -> Tuple[str, ...]:
+        """The inputs the family feeds beyond ``sample``, ``timestep`` and ``encoder_hidden_states``."""
+        return self.declared_extra_inputs
+
+    def check_model(self) -> None:
+        declared = self.model.input_names
+        expected = ["sample", "timestep", "encoder_hidden_states", *self.extra_inputs]
+        unexpected = [name for name in declared if name not in expected]
+        missing = [name for name in expected if name not in declared]
+        if not unexpected and not missing:
+            return
+        hint = next((self.FAMILY_OF_INPUT[name] for name in unexpected if name in self.FAMILY_OF_INPUT), None)
+        found = component_kind(declared)
+        if hint is None and found not in (None, "a UNet"):
+            hint = f"{found}, not a UNet: put the right model.onnx in the unet folder"
+        if hint is None and missing:
+            hint = f"{type(self.pipe).__name__} needs a UNet exported with {missing}"
+        raise ValueError(f"unet: expected inputs {expected}, got {declared} ({hint})")
+
+    def latent_channels(self, vae_decoder: IOBindingORTModel) -> int:
+        configured = vae_decoder.config.get("latent_channels")
+        if configured is not None:
+            declared = {"vae_decoder": declared_dim(vae_decoder, "latent_sample", 1),
+                        "unet": declared_dim(self.model, "sample", 1)}
+            if not is_integer(configured) or configured < 1:
+                raise ValueError(f"vae_decoder config.json: latent_channels: expected a positive integer, got "
+                                 f"{configured!r}")
+            if declared["vae_decoder"] is not None and declared["vae_decoder"] != configured:
+                raise ValueError(f"vae_decoder config.json: latent_channels: expected {declared['vae_decoder']} (the "
+                                 f"decoder's latent_sample channels), got {configured}")
+            if declared["vae_decoder"] is None and declared["unet"] is not None and declared["unet"] < configured:
+                raise ValueError(f"vae_decoder config.json: latent_channels: expected at most {declared['unet']} (the "
+                                 f"UNet's sample channels), got {configured}")
+            return int(configured)
+        if self.model.config.get("out_channels"):
+            return int(self.model.config["out_channels"])
+        channels = declared_dim(vae_decoder, "latent_sample", 1) or declared_dim(self.model, "sample", 1)
+        if channels is None:
+            raise ValueError("vae_decoder: cannot tell the number of latent channels: no config.json and a dynamic "
+                             "channel dim")
+        return channels
+
+    @property
+    def downsamples(self) -> int:
+        """How often the UNet halves the latents (its down blocks minus one), from its config; 0 if unknown."""
+        blocks = self.model.config.get("down_block_types") or self.model.config.get("block_out_channels")
+        return max(len(blocks) - 1, 0) if isinstance(blocks, (list, tuple)) else 0
+
+    @property
+    def size_multiple(self) -> int:
+        """8 × 2^(down blocks − 1) for Stable Diffusion: a latent the UNet halves to an odd size cannot be
+        concatenated with its skip connection again."""
+        return self.pipe.vae_scale_factor * 2 ** self.downsamples
+
+    @property
+    def size_multiple_reason(self) -> str:
+        return f"2^{self.downsamples}, the UNet's downsamplings"
+
+    @property
+    def time_cond_proj_dim(self) -> int:
+        """The width of an LCM UNet's ``timestep_cond`` (the guidance embedding), declared or from its config."""
+        declared = self.model.input_dims["timestep_cond"]
+        if declared and isinstance(declared[-1], int):
+            return declared[-1]
+        if "time_cond_proj_dim" not in self.model.config:
+            raise ValueError("unet: its timestep_cond width is dynamic and its config.json has no time_cond_proj_dim; "
+                             "expected one of them to give the guidance embedding's size")
+        return config_int(self.model, "time_cond_proj_dim", 0, "unet")
+
+    def loop(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        guidance_scale: float,
+        step_kwargs: Dict[str, Any],
+        callback: Optional[Callable[[int, int, torch.Tensor], None]] = None,
+        callback_steps: int = 1,
+        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+        unet_extra_channels: Optional[torch.Tensor] = None,
+        after_step: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
+        unet_inputs: Optional[Dict[str, torch.Tensor]] = None,
+        guidance_rescale: float = 0.0,
+        return_denoised: bool = False,
+        step_inputs: Optional[Callable[[int, torch.Tensor, torch.Tensor], Dict[str, torch.Tensor]]] = None,
+    ) -> torch.Tensor:
+        """The denoising loop. Every tensor stays on the pipeline's device; nothing waits on the host.
+
+        Args:
+            latents: initial latents (already scaled by the scheduler's init sigma or noised).
+            timesteps: the scheduler's timesteps to run.
+            prompt_embeds: ``[negative; positive]`` when ``guidance_scale > 1``, else positive.
+            unet_extra_channels: concatenated to the UNet input after scaling (an inpainting UNet's mask and masked
+                image latents), already doubled for guidance.
+            after_step: ``after_step(i, latents) -> latents`` after each scheduler step (inpainting's blending).
+            unet_inputs: further UNet inputs, the same every step (SDXL's ``text_embeds`` and ``time_ids``, LCM's
+                ``timestep_cond``), already doubled for guidance.
+            guidance_rescale: rescales the guided noise towards the text branch's standard deviation (diffusers'
+                ``rescale_noise_cfg``, "Common Diffusion Noise Schedules and Sample Steps are Flawed" §3.4).
+            return_denoised: return the last step's denoised prediction (the second output of ``LCMScheduler.step``)
+                instead of its next sample, as diffusers' LCM pipeline decodes.
+            step_inputs: ``step_inputs(i, latent_model_input, prompt_embeds) -> {name: tensor}``: further UNet inputs
+                made each step from the scaled model input (a ControlNet's residuals).
+        Returns:
+            The denoised latents.
+        """
+        if not is_real(guidance_rescale) or not 0.0 <= guidance_rescale <= 1.0:
+            raise ValueError(f"guidance_rescale: expected a number in [0, 1], got {guidance_rescale!r}")
+        check_callback_arguments(callback_on_step_end, callback_on_step_end_tensor_inputs)
+        pipe, unet, scheduler = self.pipe, self.model, self.pipe.scheduler
+        do_classifier_free_guidance = guidance_scale > 1.0
+        unet_batch = latents.shape[0] * (2 if do_classifier_free_guidance else 1)
+        timestep_inputs = self.timestep_inputs(timesteps, unet_batch)
+        feed = GraphFeed(unet)
+        for i, t in enumerate(pipe.progress_bar(timesteps)):
+            # scaled before the guidance batch is made (an elementwise scale by the step's scalar: the same values),
+            # so that the batch can be written straight into the UNet graph's input
+            scaled = scheduler.scale_model_input(latents, t)
+            copies = [scaled] * 2 if do_classifier_free_guidance else [scaled]
+            if unet_extra_channels is None:
+                latent_model_input = feed.cat("sample", copies)
+            else:
+                latent_model_input = torch.cat(copies) if do_classifier_free_guidance else scaled
+            per_step = step_inputs(i, latent_model_input, prompt_embeds) if step_inputs is not None else {}
+            if unet_extra_channels is not None:
+                latent_model_input = feed.cat("sample", [latent_model_input, unet_extra_channels], dim=1)
+            inputs = {"sample": latent_model_input, "timestep": timestep_inputs[i],
+                      "encoder_hidden_states": feed.same("encoder_hidden_states", prompt_embeds),
+                      **{name: feed.same(name, value) for name, value in (unet_inputs or {}).items()}, **per_step}
+            noise_pred = unet(**inputs)[0]
+            feed.learn(inputs)
+            if do_classifier_free_guidance:
+                noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
+                # uncond + scale * (text - uncond) in one kernel (diffusers' three), in fp32 inside
+                noise_pred = torch.lerp(noise_pred_uncond, noise_pred_text, float(guidance_scale))
+                if guidance_rescale > 0.0:
+                    noise_pred = rescale_noise_cfg(noise_pred, noise_pred_text, guidance_rescale)
+            else:
+                # multistep schedulers keep model outputs across steps: never hand them the reused UNet buffer
+                noise_pred = noise_pred.clone()
+            step_output = scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)
+            latents = step_output[0]
+            if return_denoised:
+                denoised = step_output[1]
+            if after_step is not None:
+                latents = after_step(i, latents)
+
+            if callback is not None and i % callback_steps == 0:
+                callback(i // getattr(scheduler, "order", 1), t, latents)
+                feed.forget()
+            replaced = self.step_end(callback_on_step_end, callback_on_step_end_tensor_inputs, i, t,
+                                     {"latents": latents, "prompt_embeds": prompt_embeds}, feed)
+            latents, prompt_embeds = replaced["latents"], replaced["prompt_embeds"]
+        return denoised if return_denoised else latents
+
+
+class FlowTransformer(Denoiser):
+    """What SD3's and Flux's transformers share: the ``transformer`` component, its patch size, flow matching."""
+
+    component = "transformer"
+
+    def __init__(self, pipe: Any, default_sample_size: int = 128):
+        super().__init__(pipe, default_sample_size)
+
+    @property
+    def input_dtypes(self) -> Dict[str, torch.dtype]:
+        return self.model.input_dtypes
+
+    def set_flow_timesteps(self, num_inference_steps: Optional[int], sigmas: Optional[Sequence[float]],
+                           mu: Optional[float]) -> torch.Tensor:
+        """The scheduler's timesteps for this call (``sigmas`` when given, else ``num_inference_steps``), shifted by
+        ``mu`` where given, its state kept on the CPU: its per-step scalars meet the device tensors without making
+        the host wait."""
+        scheduler = self.pipe.scheduler
+        kwargs: Dict[str, Any] = {} if mu is None else {"mu": float(mu)}
+        if sigmas is not None:
+            scheduler.set_timesteps(sigmas=list(sigmas), **kwargs)
+        else:
+            scheduler.set_timesteps(num_inference_steps, **kwargs)
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(0)
+        return scheduler.timesteps
+
+
+def linear_shift(tokens: int, base_tokens: int, max_tokens: int, base_shift: float, max_shift: float) -> float:
+    """The resolution-dependent shift ``mu`` of a flow-matching schedule: linear in the number of latent tokens,
+    ``base_shift`` at ``base_tokens`` and ``max_shift`` at ``max_tokens`` (SD3.5's and FLUX.1 dev's rule)."""
+    slope = (max_shift - base_shift) / (max_tokens - base_tokens)
+    return tokens * slope + base_shift - slope * base_tokens
+
+
+class MMDiTDenoiser(FlowTransformer):
+    """Stable Diffusion 3's MMDiT transformer: ``hidden_states`` (latents), ``encoder_hidden_states`` (CLIP and T5
+    tokens), ``pooled_projections`` and ``timestep``; cut into patches of ``patch_size``."""
+
+    callback_tensor_inputs = SD3_CALLBACK_TENSOR_INPUTS
+
+    def check_model(self) -> None:
+        """The transformer must take SD3's four inputs (a Flux transformer also takes ids; a UNet other ones)."""
+        declared = self.model.input_names
+        if sorted(declared) == sorted(MMDIT_INPUTS):
+            return
+        if {"img_ids", "txt_ids"} & set(declared):
+            hint = "a Flux transformer: use OnnxFluxPipeline"
+        elif "sample" in declared:
+            hint = "a UNet, not an SD3 transformer: use OnnxStableDiffusionPipeline or its XL variant"
+        else:
+            hint = "put an SD3 transformer's model.onnx in the transformer folder"
+        raise ValueError(f"transformer: expected inputs {list(MMDIT_INPUTS)}, got {declared} in "
+                         f"{self.model.model_path!r} ({hint})")
+
+    @property
+    def patch_size(self) -> int:
+        return config_int(self.model, "patch_size", 2, "transformer")
+
+    @property
+    def size_multiple(self) -> int:
+        """The VAE's scale factor times the transformer's patch size: the transformer cuts the latents into
+        patches."""
+        return self.pipe.vae_scale_factor * self.patch_size
+
+    @property
+    def size_multiple_reason(self) -> str:
+        return f"the transformer's patch size {self.patch_size}"
+
+    @property
+    def joint_attention_dim(self) -> int:
+        """The width of the transformer's ``encoder_hidden_states`` (T5's width)."""
+        declared = declared_dim(self.model, "encoder_hidden_states", 2)
+        return declared or config_int(self.model, "joint_attention_dim", 4096, "transformer")
+
+    def latent_channels(self, vae_decoder: IOBindingORTModel) -> int:
+        configured = self.model.config.get("out_channels") or self.model.config.get("in_channels")
+        declared = declared_dim(self.model, "hidden_states", 1)
+        decoder = declared_dim(vae_decoder, "latent_sample", 1) or vae_decoder.config.get("latent_channels")
+        channels = declared or configured or decoder
+        if not is_integer(channels) or channels < 1:
+            raise ValueError("transformer: cannot tell the number of latent channels: no config.json and a dynamic "
+                             "channel dim")
+        if decoder is not None and decoder != channels:
+            raise ValueError(f"vae_decoder: expected {channels} latent channels (the transformer's hidden_states), "
+                             f"got {decoder}")
+        return int(channels)
+
+    def timesteps(self, num_inference_steps: Optional[int], sigmas: Optional[Sequence[float]], mu: Optional[float],
+                  latent_height: int, latent_width: int) -> torch.Tensor:
+        """The schedule of a call. With ``use_dynamic_shifting`` (SD3.5) and no ``mu``, ``mu`` is the shift for this
+        image's token count (:func:`linear_shift` with the scheduler config's values, as diffusers computes it)."""
+        config = self.pipe.scheduler.config
+        if mu is None and config.get("use_dynamic_shifting", False):
+            tokens = (latent_height // self.patch_size) * (latent_width // self.patch_size)
+            mu = linear_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                              config.get("base_shift", 0.5), config.get("max_shift", 1.16))
+        return self.set_flow_timesteps(num_inference_steps, sigmas, mu)
+
+    def loop(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        pooled_prompt_embeds: torch.Tensor,
+        guidance_scale: float,
+        step_kwargs: Dict[str, Any],
+        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+    ) -> torch.Tensor:
+        """The flow-matching loop. Every tensor stays on the device; nothing waits on the host: the guidance batch is
+        written straight into the transformer graph's ``hidden_states`` input, the embeddings copied into its inputs
+        once (:class:`GraphFeed`), the timesteps made once on the device.
+
+        Returns:
+            The denoised latents.
+        """
+        transformer, scheduler = self.model, self.pipe.scheduler
+        do_classifier_free_guidance = guidance_scale > 1.0
+        rows = latents.shape[0] * (2 if do_classifier_free_guidance else 1)
+        timestep_inputs = self.timestep_inputs(timesteps, rows)
+        feed = GraphFeed(transformer)
+        for i, t in enumerate(self.pipe.progress_bar(timesteps)):
+            model_input = feed.cat("hidden_states", [latents] * 2 if do_classifier_free_guidance else [latents])
+            inputs = {"hidden_states": model_input, "timestep": timestep_inputs[i],
+                      "encoder_hidden_states": feed.same("encoder_hidden_states", prompt_embeds),
+                      "pooled_projections": feed.same("pooled_projections", pooled_prompt_embeds)}
+            noise_pred = transformer(**inputs)[0]
+            feed.learn(inputs)
+            if do_classifier_free_guidance:
+                noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
+                # uncond + scale * (text - uncond) in one kernel
+                noise_pred = torch.lerp(noise_pred_uncond, noise_pred_text, float(guidance_scale))
+            # the Euler step makes a new tensor from the velocity: the reused output buffer is read before the next
+            # call writes it
+            latents = scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)[0]
+            replaced = self.step_end(callback_on_step_end, callback_on_step_end_tensor_inputs, i, t,
+                                     {"latents": latents, "prompt_embeds": prompt_embeds,
+                                      "pooled_prompt_embeds": pooled_prompt_embeds}, feed)
+            latents, prompt_embeds = replaced["latents"], replaced["prompt_embeds"]
+            pooled_prompt_embeds = replaced["pooled_prompt_embeds"]
+        return latents
+
+
+def latent_image_ids(height: int, width: int) -> torch.Tensor:
+    """The rotary position ids of the packed tokens of a ``height`` × ``width`` token grid: ``(0, row, column)``."""
+    rows = torch.arange(height, dtype=torch.float32)[:, None].expand(height, width)
+    columns = torch.arange(width, dtype=torch.float32)[None, :].expand(height, width)
+    return torch.stack([torch.zeros_like(rows), rows, columns], dim=-1).reshape(height * width, 3)
+
+
+class FluxDenoiser(FlowTransformer):
+    """FLUX.1's transformer: latent tokens of 2×2 patches (``hidden_states``), T5 tokens, CLIP's pooled prompt,
+    ``timestep`` (t / 1000), rotary position ids of both (``txt_ids``, ``img_ids``) and, for FLUX.1 dev, the distilled
+    ``guidance`` scale."""
+
+    def check_model(self) -> None:
+        declared = self.model.input_names
+        missing = [name for name in FLUX_INPUTS if name not in declared]
+        unexpected = [name for name in declared if name not in (*FLUX_INPUTS, "guidance")]
+        if missing or unexpected:
+            hint = ("a UNet: use OnnxStableDiffusionPipeline or OnnxStableDiffusionXLPipeline" if "sample" in declared
+                    else "an SD3 transformer: use OnnxStableDiffusion3Pipeline" if "txt_ids" not in declared
+                    and "pooled_projections" in declared else "export the Flux transformer with optimum-iobinding "
+                    "export or optimum-cli export onnx")
+            raise ValueError(f"transformer: expected a Flux transformer with inputs {list(FLUX_INPUTS)} (and "
+                             f"guidance for FLUX.1 dev), got inputs {declared} in {self.model.model_path!r} "
+                             f"({hint})")
+
+    @property
+    def default_sample_size(self) -> int:
+        """diffusers' FluxPipeline default: 128 latent pixels, whatever the config says."""
+        return self.fallback_sample_size
+
+    @property
+    def guidance_embeds(self) -> bool:
+        """Whether the transformer takes the guidance scale as an input (FLUX.1 dev), or not (schnell)."""
+        return "guidance" in self.model.input_names
+
+    @property
+    def size_multiple(self) -> int:
+        """The VAE's scale factor × 2 (the 2×2 token packing)."""
+        return self.pipe.vae_scale_factor * 2
+
+    @property
+    def size_multiple_reason(self) -> str:
+        return "2, Flux's 2×2 packing of latents into tokens"
+
+    def latent_channels(self, vae_decoder: IOBindingORTModel) -> int:
+        """The VAE's latent channels: a quarter of the transformer's token width (its ``in_channels``)."""
+        width = declared_dim(self.model, "hidden_states", 2) or self.model.config.get("in_channels")
+        if not is_integer(width) or width < 4 or width % 4:
+            raise ValueError(f"transformer: expected hidden_states of 4 × latent channels per token (Flux's 2×2 "
+                             f"packing), got a width of {width!r}")
+        channels = width // 4
+        declared = declared_dim(vae_decoder, "latent_sample", 1) or vae_decoder.config.get("latent_channels")
+        if declared is not None and declared != channels:
+            raise ValueError(f"vae_decoder: expected {channels} latent channels (the transformer's token width "
+                             f"{width} / 4), got {declared}")
+        return channels
+
+    def timesteps(self, num_inference_steps: int, image_seq_len: int,
+                  sigmas: Optional[Sequence[float]] = None) -> torch.Tensor:
+        """The schedule of a call over ``image_seq_len`` latent tokens, as diffusers' FluxPipeline sets it: sigmas
+        evenly from 1 to 1/steps (or the given ones), shifted by the scheduler (FLUX.1 dev: by
+        :func:`linear_shift` of the token count)."""
+        config = self.pipe.scheduler.config
+        if sigmas is None:
+            sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
+        if getattr(config, "use_flow_sigmas", False):
+            sigmas = None
+        mu = linear_shift(image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                          config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+        return self.set_flow_timesteps(num_inference_steps, sigmas, mu)
+
+    def loop(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        timestep_rows: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        pooled_prompt_embeds: torch.Tensor,
+        text_ids: torch.Tensor,
+        image_ids: torch.Tensor,
+        guidance: Optional[torch.Tensor],
+        true_cfg_scale: Optional[float],
+        negative_prompt_embeds: Optional[torch.Tensor],
+        negative_pooled_prompt_embeds: Optional[torch.Tensor],
+        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]],
+        callback_on_step_end_tensor_inputs: Sequence[str],
+    ) -> torch.Tensor:
+        """The flow-matching loop: one transformer call per step (negative and positive in one batch with
+        ``true_cfg_scale``), its inputs written into the transformer's CUDA-graph buffers where it has them (the
+        ones constant over the loop once), the scheduler's Euler step on the device. Nothing waits on the host."""
+        transformer, scheduler = self.model, self.pipe.scheduler
+        feed = GraphFeed(transformer)
+        guided = true_cfg_scale is not None
+
+        def conditioning() -> Tuple[torch.Tensor, torch.Tensor]:
+            if not guided:
+                return prompt_embeds, pooled_prompt_embeds
+            return (torch.cat([negative_prompt_embeds, prompt_embeds]),
+                    torch.cat([negative_pooled_prompt_embeds, pooled_prompt_embeds]))
+
+        embeds, pooled = conditioning()
+        for i, t in enumerate(self.pipe.progress_bar(timesteps)):
+            inputs = {"hidden_states": feed.cat("hidden_states", [latents] * (2 if guided else 1)),
+                      "encoder_hidden_states": feed.same("encoder_hidden_states", embeds),
+                      "pooled_projections": feed.same("pooled_projections", pooled),
+                      "timestep": timestep_rows[i], "txt_ids": feed.same("txt_ids", text_ids),
+                      "img_ids": feed.same("img_ids", image_ids)}
+            if guidance is not None:
+                inputs["guidance"] = feed.same("guidance", guidance)
+            noise_pred = transformer(**inputs)[0]
+            feed.learn(inputs)
+            if guided:
+                negative, positive = noise_pred.chunk(2)
+                # negative + scale · (positive − negative), in one kernel
+                noise_pred = torch.lerp(negative, positive, float(true_cfg_scale))
+            # the Euler step makes a new tensor: the transformer's reused output buffer is not kept
+            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+            replaced = self.step_end(callback_on_step_end, callback_on_step_end_tensor_inputs, i, t,
+                                     {"latents": latents, "prompt_embeds": prompt_embeds}, feed)
+            latents = replaced["latents"]
+            if replaced["prompt_embeds"] is not prompt_embeds:
+                prompt_embeds = replaced["prompt_embeds"]
+                embeds, pooled = conditioning()
+        return latents
