@@ -1,12 +1,7 @@
 """optimum-iobinding: Stable Diffusion on ONNX Runtime with every tensor of the denoising loop on the device."""
 
-from typing import Any
-
-from .integrations.optimum import accelerate
-from .pipelines.tiling import TiledVAE
-from .runtime.model import IOBindingORTModel
-from .runtime.options import ModelOptions, PipelineOptions
-from .runtime.shapes import infer_output_shapes
+from importlib import import_module
+from typing import TYPE_CHECKING, Any, List
 
 __version__ = "0.1.0"
 
@@ -24,13 +19,43 @@ _PIPELINES = (
     "OnnxFluxPipeline",
 )
 
-__all__ = ["IOBindingORTModel", "ModelOptions", "PipelineOptions", "infer_output_shapes", "TiledVAE", "accelerate", "__version__", *_PIPELINES]
+# Each public name and the module that defines it, imported on its first use: the pipelines bring diffusers,
+# transformers and torch, the runtime onnxruntime, and `import optimum_iobinding` (the command line's --help, a
+# module that needs only the version) should pay for none of them.
+_PUBLIC_NAMES = {
+    "IOBindingORTModel": ".runtime.model",
+    "ModelOptions": ".runtime.options",
+    "PipelineOptions": ".runtime.options",
+    "infer_output_shapes": ".runtime.shapes",
+    "TiledVAE": ".pipelines.tiling",
+    "accelerate": ".integrations.optimum",
+    **dict.fromkeys(_PIPELINES, ".pipelines"),
+}
+
+__all__ = ["IOBindingORTModel", "ModelOptions", "PipelineOptions", "infer_output_shapes", "TiledVAE", "accelerate",
+           "__version__", *_PIPELINES]
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time each name comes from __getattr__
+    from .integrations.optimum import accelerate
+    from .pipelines import (OnnxFluxPipeline, OnnxLatentConsistencyModelPipeline, OnnxStableDiffusion3Pipeline,
+                            OnnxStableDiffusionControlNetImg2ImgPipeline, OnnxStableDiffusionControlNetPipeline,
+                            OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionInpaintPipeline,
+                            OnnxStableDiffusionPipeline, OnnxStableDiffusionXLImg2ImgPipeline,
+                            OnnxStableDiffusionXLPipeline, OnnxStreamDiffusionPipeline)
+    from .pipelines.tiling import TiledVAE
+    from .runtime.model import IOBindingORTModel
+    from .runtime.options import ModelOptions, PipelineOptions
+    from .runtime.shapes import infer_output_shapes
 
 
 def __getattr__(name: str) -> Any:
-    # the pipelines import diffusers and transformers: only pay for that when they are used
-    if name in _PIPELINES:
-        from . import pipelines
+    module = _PUBLIC_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'optimum_iobinding' has no attribute {name!r}")
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value  # found here from now on, without this function
+    return value
 
-        return getattr(pipelines, name)
-    raise AttributeError(f"module 'optimum_iobinding' has no attribute {name!r}")
+
+def __dir__() -> List[str]:
+    return sorted({*globals(), *_PUBLIC_NAMES})

@@ -54,7 +54,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
 
 from .peers import (MIXED_PEERS, OPTIMUM_PEERS, PEERS, STREAM_BATCH_BLIND, STREAM_KIND, STREAM_PEERS, STREAM_SIZE,
                     PeerUnavailable, run_mixed, run_peer, run_stream_peer, stream_unet_steps)
@@ -337,6 +336,8 @@ def stream_export(parser: argparse.ArgumentParser, args: argparse.Namespace, spl
 
 def transformer_main(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any, out: Path) -> int:
     """``--scenario transformer`` from the command line: its exports alone (``--export-only``), or the benchmark."""
+    import torch
+
     models = split(args.models) if args.models != parser.get_default("models") else ["sd35m", "flux-schnell",
                                                                                        "flux-dev"]
     peers = split(args.peers) if args.peers != parser.get_default("peers") else list(TRANSFORMER_PEERS)
@@ -479,6 +480,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 for export in split(args.exports):
                     print(ensure_export(kind, dtype, export, Path(args.work)), flush=True)
         return 0
+    import torch  # here, after the arguments: --help and their mistakes need no torch
+
     if not torch.cuda.is_available():
         print("optimum-iobinding bench: error: no CUDA GPU is visible to torch here; the benchmark measures CUDA "
               "pipelines (--export-only and --report-only work without one)", file=sys.stderr)

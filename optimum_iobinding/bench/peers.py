@@ -22,10 +22,12 @@ import importlib
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it is used, not for --help
+    import torch
 
 from .probes import PeakMemory, copied_bytes, own_graph_floor, replay_ms
 from .zoo import MODEL_SIZES, PROMPT, build_torch_pipeline, recipe_of, set_recipe_scheduler
@@ -60,6 +62,8 @@ def import_peer(peer: str) -> float:
 
 def load_peer(peer: str, folder: Path, kind: str, dtype: str):
     """The pipeline of one peer, with the model's recipe scheduler, and how to pass it the initial latents."""
+    import torch
+
     torch_dtype = torch.float16 if dtype == "fp16" else torch.float32
     on_device = lambda lat: torch.from_numpy(lat).to("cuda", torch_dtype)  # noqa: E731
     if peer == "numpy":
@@ -114,6 +118,8 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
     (CUDA events at the first and the last step) and their UNet graph replayed alone (:func:`.probes.own_graph_floor`),
     the device's memory peak above its idle (:class:`.probes.PeakMemory`), host↔device bytes per step (profiled at
     two step counts), and the image, saved to ``image_path``."""
+    import torch
+
     device = torch.device("cuda", 0)
     torch.cuda.init()
     size = MODEL_SIZES[kind]
@@ -200,6 +206,8 @@ def run_mixed(peer: str, folder: Path, kind: str, dtype: str, batches: Sequence[
     (timed: the cold start), then ``rounds`` rounds, each going ``cycles`` times through ``batches`` in turn (a call
     with that many images, ``steps`` steps per call). A round's time per batch size is the median of its ``cycles``
     calls (every call is kept in ``per_round_calls_ms``)."""
+    import torch
+
     device = torch.device("cuda", 0)
     torch.cuda.init()
     size = MODEL_SIZES[kind]
@@ -298,6 +306,8 @@ def wall_ms(call: Callable[[], Any], runs: int) -> List[float]:
 
 def synchronized_latencies(call: Callable[[int], Any], count: int) -> List[float]:
     """ms of ``count`` calls ``call(i)``, each waited for on the device before the next starts."""
+    import torch
+
     times = []
     for index in range(count):
         start = time.perf_counter()
@@ -309,6 +319,8 @@ def synchronized_latencies(call: Callable[[int], Any], count: int) -> List[float
 
 def cuda_frames(count: int, size: int, seed: int = 0) -> List[torch.Tensor]:
     """Distinct float (3, size, size) CUDA frames in [-1, 1]."""
+    import torch
+
     generator = torch.Generator("cuda").manual_seed(seed)
     return [torch.rand(3, size, size, device="cuda", generator=generator) * 2 - 1 for _ in range(count)]
 
@@ -330,6 +342,8 @@ def run_stream_peer(peer: str, folder: Path, tiny_vae: Optional[Path], config: D
     process: ``warmup`` frames, then per-frame latency over ``frames`` synchronized calls (p50, p99) and frames/s
     (ours: the frames given to :meth:`frames` back to back, waited for once at the end; the others cannot overlap
     frames: 1000 / their mean latency)."""
+    import torch
+
     torch.cuda.init()
     if peer == "floor":
         return {"peer": peer, **stream_floor(folder, tiny_vae, config)}
@@ -391,6 +405,7 @@ def numpy_img2img(folder: Path, config: Dict[str, Any], sources: Sequence[torch.
 def torch_img2img(tiny_vae: bool, config: Dict[str, Any], sources: Sequence[torch.Tensor]) -> Callable[[int], Any]:
     """diffusers' torch img2img pipeline, fp16, with the full VAE or a TAESD-shaped AutoencoderTiny, the prompt's
     embeddings computed once; CUDA frames in [0, 1] in, CUDA tensors out."""
+    import torch
     from diffusers import StableDiffusionImg2ImgPipeline
 
     from .zoo import build_taesd_architecture
@@ -417,6 +432,7 @@ def stream_floor(folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any],
     """The GPU floor of one frame: each component's own CUDA graph (IOBindingORTModel's capture) replayed back to
     back, timed with CUDA events: VAE encoder (batch 1) + UNet (batch k with the stream batch, else k replays of
     batch 1) + VAE decoder (batch 1)."""
+    import torch
     from ..runtime.model import IOBindingORTModel
 
     latent = STREAM_SIZE // 8

@@ -14,9 +14,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
-import torch
+if TYPE_CHECKING:  # annotations only: torch is imported where it is used, not for --help
+    import torch
 
 from .zoo import MODEL_SIZES, recipe_of
 
@@ -55,6 +56,8 @@ class PeakMemory:
 
     def used(self) -> int:
         """The device's used bytes now, from this sampler's source."""
+        import torch
+
         if self._read is not None:
             return self._read()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -104,6 +107,8 @@ print(max(peak, read()), flush=True)
 
 def pci_bus_id(device: torch.device) -> str:
     """The PCI address of ``device`` as NVML names it (``"00000000:17:00.0"``)."""
+    import torch
+
     props = torch.cuda.get_device_properties(device)
     return f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
 
@@ -124,6 +129,7 @@ def nvml_reader(device: torch.device) -> Optional[Callable[[], int]]:
 
 def copied_bytes(run: Callable[[], Any]) -> Dict[str, int]:
     """Host↔device bytes that ``run`` moves, from the profiler's memcpy activity (ORT's copies included)."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -153,6 +159,7 @@ HOST_WAITS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaE
 def host_waits(run: Callable[[], Any]) -> List[str]:
     """The host waits inside ``run`` (ORT's included; the profiler's own device synchronization when it stops is
     outside), each as its name and the innermost Python frames that led to it (where the profiler recorded them)."""
+    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
@@ -169,6 +176,7 @@ def host_waits(run: Callable[[], Any]) -> List[str]:
 
 def kernel_table(work: Callable[[], object], calls: int = 5, top: int = 15) -> List[Dict[str, object]]:
     """The GPU kernels of ``calls`` runs of ``work``: name, ms per run, share of the GPU time, launches per run."""
+    import torch
     from collections import defaultdict
 
     from torch.profiler import ProfilerActivity, profile
@@ -194,6 +202,7 @@ def run_floor(folder: Path, kind: str, replays: int = 50,
               provider_options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Back-to-back CUDA-graph replays of the UNet alone, with CFG batch 2: the GPU time of one step.
     ``provider_options`` go on top of the diffusion defaults (benchmarks/unet_options.py compares them)."""
+    import torch
     from ..runtime.model import IOBindingORTModel
 
     size = MODEL_SIZES[kind]
@@ -224,6 +233,8 @@ def run_floor(folder: Path, kind: str, replays: int = 50,
 
 def replay_ms(runner, stream: "torch.cuda.Stream", replays: int) -> float:
     """ms per replay of ``runner``'s graph, ``replays`` of them back to back on ``stream`` (CUDA events)."""
+    import torch
+
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(stream):
         start.record(stream)
@@ -247,6 +258,8 @@ def own_graph_floor(pipe, replays: int = 50) -> Optional[float]:
 def graph_floor_ms(model: Any, replays: int = 20) -> Optional[float]:
     """ms per back-to-back replay of the one CUDA graph ``model`` (an :class:`IOBindingORTModel`) captured; None where
     it captured none or more than one."""
+    import torch
+
     signatures = model.graph_signatures
     if len(signatures) != 1:
         return None
@@ -261,6 +274,7 @@ def graph_floor_ms(model: Any, replays: int = 20) -> Optional[float]:
 def environment() -> Dict[str, Any]:
     """What a result was measured with: the device, the versions of Python, torch, CUDA, ONNX Runtime, diffusers,
     transformers and onnx, the command line and the date."""
+    import torch
     import onnxruntime as ort
 
     info = {

@@ -17,10 +17,12 @@ import importlib
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it is used, not for --help
+    import torch
 
 from .peers import PeerUnavailable, wall_ms
 from .probes import PeakMemory, graph_floor_ms
@@ -69,6 +71,7 @@ def initial_latents(kind: str, seed: int = 0) -> np.ndarray:
 
 def onnx_input_dtype(folder: Path, component: str, name: str) -> torch.dtype:
     """The element type of input ``name`` of ``folder/component/model.onnx``, read without its weights."""
+    import torch
     import onnx
     from onnx.helper import tensor_dtype_to_np_dtype
 
@@ -84,6 +87,8 @@ def onnx_input_dtype(folder: Path, component: str, name: str) -> torch.dtype:
 def weights_made_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
     """Modules built inside are made on ``device`` in ``dtype`` directly: the full models' random weights are drawn
     there, not in float32 on the host (FLUX.1's transformer alone is 48 GB in float32)."""
+    import torch
+
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -97,6 +102,8 @@ def load_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[i
                           device: str) -> Tuple[Any, Any, Dict[str, Any]]:
     """The pipeline of one peer on ``device`` ("cuda" or "cpu"), the initial latents in the form it takes them, and
     what the result should say about its weights."""
+    import torch
+
     if peer in CUDA_ONLY_TRANSFORMER_PEERS and device != "cuda":
         raise PeerUnavailable(f"{peer} measures CUDA work: it needs --device cuda")
     latents = torch.from_numpy(initial_latents(kind))
@@ -134,6 +141,8 @@ def run_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[in
     step count (per-step ms: the difference of their medians over the steps between), for ours its transformer graph
     replayed alone in this process, the device's memory peak above its idle (CUDA), and the image, saved to
     ``image_path``."""
+    import torch
+
     recipe = TRANSFORMER_RECIPES[kind]
     cuda = device == "cuda"
     memory = PeakMemory(torch.device("cuda", 0)) if cuda else contextlib.nullcontext()
@@ -199,6 +208,8 @@ def run_transformer_floor(folder: Path, kind: str, device: str, replays: int = 2
     """The GPU floor of one step, in a process of its own: our pipeline makes one image at the recipe's short step
     count (its loop captures the transformer's graph at the loop's own batch and shapes: CFG's 2 for SD3), then that
     graph replays back to back (:func:`graph_floor_ms`)."""
+    import torch
+
     if device != "cuda":
         raise PeerUnavailable("floor measures CUDA-graph replays: it needs --device cuda")
     recipe = TRANSFORMER_RECIPES[kind]

@@ -8,7 +8,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
-import torch
 
 try:  # the export lock; absent on Windows, where bench processes then must not share a work folder
     import fcntl
@@ -38,6 +37,7 @@ def build_torch_pipeline(kind: str, seed: int = 0):
     """Random-weights torch pipelines (weights do not change speed): the tiny one, a small UNet (64–256 channels,
     for 256²), the SD1.5 architecture, LCM (SD1.5 with a guidance-embedding input), SD-Turbo (SD 2.1-base) and
     SDXL base."""
+    import torch
     from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
@@ -155,6 +155,7 @@ def set_recipe_scheduler(pipe: Any, kind: str) -> None:
 def build_taesd_architecture(seed: int = 0):
     """A random-weights ``AutoencoderTiny`` with TAESD's architecture (diffusers' defaults are TAESD's: 64 channels,
     blocks 1-3-3-3 down and 3-3-3-1 up, 4 latent channels, scaling factor 1): the tiny VAE of the stream scenario."""
+    import torch
     from diffusers import AutoencoderTiny
 
     torch.manual_seed(seed)
@@ -285,6 +286,8 @@ def build_transformer_pipeline(kind: str, blocks: Optional[int] = None, text_lay
         text_layers: at most this many layers in each text encoder; full models only.
         seed: the random weights' seed.
     """
+    import torch
+
     if kind not in TRANSFORMER_RECIPES:
         raise ValueError(f"model: expected one of {', '.join(TRANSFORMER_RECIPES)}, got {kind!r}")
     if kind.startswith("tiny"):
@@ -349,6 +352,7 @@ def build_transformer_pipeline(kind: str, blocks: Optional[int] = None, text_lay
 def _tiny_transformer_pipeline(kind: str, blocks: Optional[int], seed: int):
     """The tiny SD3 or FLUX.1 pipeline of :mod:`optimum_iobinding.export.tiny`; with ``blocks``, its transformer
     rebuilt from its own config with fewer blocks (so that the CPU runs exercise ``--blocks``)."""
+    import torch
     from ..export.tiny import build_tiny_random_flux_pipeline, build_tiny_random_sd3_pipeline
 
     pipe = (build_tiny_random_sd3_pipeline if kind == "tiny-sd3" else build_tiny_random_flux_pipeline)(seed)
