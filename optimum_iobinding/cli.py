@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, List, Mapping, Optional, Tuple
 
+from .errors import ArgumentError  # the standard library only: every heavy module is imported by the command using it
+
 if TYPE_CHECKING:
     from .serve.config import ServeConfig
 
@@ -93,8 +95,6 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from .export import export_pipeline
-    from .export.export import check_tiny_vae_arguments, check_transformer_options, transformer_family
     from .layout import check_output_folder
 
     vae_only = args.tiny_vae is not None and not args.tiny_random and not args.model
@@ -109,9 +109,6 @@ def run_export(args: argparse.Namespace) -> int:
         raise UsageError(f"--tiny-vae: expected an AutoencoderTiny's folder or hub id for {args.model!r} (e.g. "
                          "madebyollin/taesd, or madebyollin/taesdxl for SDXL), got no value, which means a tiny "
                          "random one: for --tiny-random, or alone")
-    with options_named(EXPORT_OPTIONS):
-        check_tiny_vae_arguments(args.tiny_vae, vae_only=vae_only, random_pipeline=bool(args.tiny_random),
-                                 vae=args.vae, controlnet=args.controlnet)
     tiny_vae = args.tiny_vae if isinstance(args.tiny_vae, str) else None  # a name, not the random one
     sources = [("model", args.model, "model_index.json"), ("--vae", args.vae, "config.json"),
                *(("--controlnet", controlnet, "config.json") for controlnet in args.controlnet or ()),
@@ -120,6 +117,13 @@ def run_export(args: argparse.Namespace) -> int:
         check_local_or_hub(option, name)
     source = Path(args.model) if args.model and Path(args.model).exists() else None
     check_output_folder(args.output, source, args.overwrite, argument="--output")  # before the minutes of export
+    quiet_libraries()
+    from .export import export_pipeline
+    from .export.export import check_tiny_vae_arguments, check_transformer_options, transformer_family
+
+    with options_named(EXPORT_OPTIONS):
+        check_tiny_vae_arguments(args.tiny_vae, vae_only=vae_only, random_pipeline=bool(args.tiny_random),
+                                 vae=args.vae, controlnet=args.controlnet)
     for option, name, config in sources:  # a hub id that cannot be fetched fails now, not after minutes of export
         if name is not None and not Path(name).exists():
             fetch_from_hub(option, name, config)
@@ -208,15 +212,17 @@ def fetch_from_hub(option: str, name: str, first_file: str) -> None:
 
 @contextmanager
 def options_named(names: Mapping[str, str]) -> Iterator[None]:
-    """A library's checks name its parameter (``provider: …``, ``pretrained_model_name_or_path: …``); inside this
-    block they name the command line's option instead (``--provider: …``), keeping the reason."""
+    """A library refuses an argument by its parameter's name (an :class:`~optimum_iobinding.errors.ArgumentError`
+    whose ``argument`` is ``provider``, ``pretrained_model_name_or_path`` …); inside this block a refusal of a
+    parameter in ``names`` names the command line's option instead (``--provider: …``), keeping the reason. Every
+    other error passes through as it is."""
     try:
         yield
-    except USAGE_ERRORS as error:
-        name, separator, reason = str(error).partition(": ")
-        if separator and name in names:
-            raise UsageError(f"{names[name]}: {reason}") from error
-        raise
+    except ArgumentError as error:
+        option = names.get(error.argument)
+        if option is None:
+            raise
+        raise UsageError(f"{option}: {error.reason}") from error
 
 
 def check_image_path(out: str) -> Path:
@@ -250,8 +256,6 @@ MODEL_OPTION = {"pretrained_model_name_or_path": "--model", "model": "--model"}
 def check_generate_arguments(args: argparse.Namespace) -> Path:
     """Every check that needs no model; returns the image path. What depends on the model (sizes the UNet can run,
     at most the scheduler's steps) the pipeline checks before its first step."""
-    from .runtime.options import normalize_providers
-
     out = check_image_path(args.out)
     for option in ("--steps", "--height", "--width"):
         value = getattr(args, option[2:])
@@ -260,27 +264,28 @@ def check_generate_arguments(args: argparse.Namespace) -> Path:
         check(math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
     check(args.seed in NUMPY_SEEDS, "--seed", f"an integer in 0 … {NUMPY_SEEDS[-1]} (numpy's seeds)", args.seed)
     check_local_or_hub("--model", args.model)
-    if args.provider is not None:
+    if args.provider is not None:  # the last check: it imports the runtime (and onnxruntime) to ask
+        from .runtime.options import normalize_providers
+
         with options_named(GENERATE_OPTIONS):
             normalize_providers(args.provider, io_binding=args.io_binding)
     return out
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    out = check_generate_arguments(args)
+    quiet_libraries()
     import numpy as np
 
-    from .pipelines import pipeline_class_for
+    from .pipelines import pipeline_class_for, resolve_model_folder
 
-    out = check_generate_arguments(args)
-    model = Path(args.model) if args.model and Path(args.model).exists() else args.model
-    if model is None:
-        model = tiny_model_folder(Path(args.cache_dir) if args.cache_dir else None)
+    model = tiny_model_folder(Path(args.cache_dir) if args.cache_dir else None) if args.model is None else None
     provider = args.provider or default_provider()
     load_start = time.perf_counter()
     with options_named(MODEL_OPTION if args.model is not None else {}):  # a hub id that cannot be had: --model
-        pipeline_class = pipeline_class_for(model) if isinstance(model, Path) else None
-        if pipeline_class is None:
-            from .pipelines import OnnxStableDiffusionPipeline as pipeline_class
+        if model is None:  # a hub id: downloaded with what any text-to-image family reads
+            model = resolve_model_folder(args.model)
+        pipeline_class = pipeline_class_for(model)
         check_generate_fits(pipeline_class, args)
         pipe = pipeline_class.from_pretrained(model, provider=provider, io_binding=args.io_binding)
     if args.scheduler:
@@ -317,7 +322,7 @@ def run_generate(args: argparse.Namespace) -> int:
     per_step = loop / (len(step_times) - 1) * 1000 if len(step_times) > 1 else float("nan")
     print(f"{out}: {args.width}×{args.height}, {args.steps} steps in {seconds:.2f} s ({per_step:.1f} ms/step; "
           f"load {load_seconds:.1f} s; {type(pipe).__name__}, {provider}, io_binding={args.io_binding}; "
-          f"model {model})")
+          f"model {args.model or model})")
     return 0
 
 
@@ -343,7 +348,6 @@ STREAM_OPTIONS = {"num_inference_steps": "--steps", "strength": "--strength", "g
                   "tiny_vae": "--tiny-vae", "pretrained_model_name_or_path": "--model", "model": "--model",
                   "prompt": "--prompt", "negative_prompt": "--negative-prompt", "seed": "--seed"}
 STREAM_SEEDS = range(2**63)  # what torch.Generator().manual_seed takes without wrapping around
-SIZE_MULTIPLE = 8  # Stable Diffusion's VAE scale: the pipeline checks the model's own multiple again
 STREAM_DEFAULT_FPS = 30.0  # a folder of images carries no rate: a video written from one plays at this rate
 # an SD pipeline folder the stream loads: the text encoder, the UNet and (unless --tiny-vae) both halves of the VAE
 STREAM_COMPONENTS = ("text_encoder", "unet")
@@ -391,23 +395,34 @@ def check_stream_folders(model: Optional[str], tiny_vae: Optional[str]) -> None:
                              "with optimum-iobinding export --tiny-vae ID_OR_FOLDER -o FOLDER")
 
 
+def check_frame_size(multiple: int, width: int, height: int, args: argparse.Namespace) -> None:
+    """The frames' size (``--size``, else the input's) is one the loaded model runs: multiples of its
+    ``size_multiple``."""
+    if width % multiple == 0 and height % multiple == 0:
+        return
+    if args.size is not None:
+        raise UsageError(f"--size: expected a width and height that are multiples of {multiple} (the model's size "
+                         f"multiple), got {args.size!r}")
+    fitted = f"{max(multiple, width // multiple * multiple)}x{max(multiple, height // multiple * multiple)}"
+    raise UsageError(f"INPUT: expected frames whose width and height are multiples of {multiple}, got "
+                     f"{width}×{height} frames in {args.input!r} ({multiple}: the model's size multiple); pass --size "
+                     f"(e.g. --size {fitted}) to fit every frame to one")
+
+
 def check_stream_arguments(args: argparse.Namespace) -> Optional[Tuple[int, int]]:
     """Every check of `stream` that needs neither the frames nor the model; returns --size as (width, height)."""
-    from .runtime.options import normalize_providers
-
     check(args.steps > 0, "--steps", "a positive integer", args.steps)
     check(math.isfinite(args.strength) and 0 < args.strength <= 1, "--strength", "a number in (0, 1]",
           args.strength)
     check(math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
     check(args.seed in STREAM_SEEDS, "--seed", f"an integer in 0 … {STREAM_SEEDS[-1]}", args.seed)
-    size = parse_frame_size(args.size)
-    if size is not None:
-        check(size[0] % SIZE_MULTIPLE == 0 and size[1] % SIZE_MULTIPLE == 0, "--size",
-              f"a width and height that are multiples of {SIZE_MULTIPLE} (the VAE's scale)", args.size)
+    size = parse_frame_size(args.size)  # its multiple is the model's: checked once the model is loaded
     check_local_or_hub("--model", args.model)
     check_local_or_hub("--tiny-vae", args.tiny_vae)
     check_stream_folders(args.model, args.tiny_vae)
-    if args.provider is not None:
+    if args.provider is not None:  # the last check: it imports the runtime (and onnxruntime) to ask
+        from .runtime.options import normalize_providers
+
         with options_named(STREAM_OPTIONS):
             normalize_providers(args.provider, io_binding=True)
     return size
@@ -416,24 +431,21 @@ def check_stream_arguments(args: argparse.Namespace) -> Optional[Tuple[int, int]
 def run_stream(args: argparse.Namespace) -> int:
     """``stream INPUT OUTPUT``: every frame of a video file or a folder of images through
     :class:`OnnxStreamDiffusionPipeline`, written to a video file or a folder of PNGs (atomically)."""
+    size = check_stream_arguments(args)
     from tqdm.auto import tqdm
 
     from .video import FrameWriter, open_frames
 
-    size = check_stream_arguments(args)
     if Path(args.output).expanduser().resolve() == Path(args.input).expanduser().resolve():
         raise UsageError(f"OUTPUT: expected another path than INPUT, got {args.output!r} for both (the input is read "
                          "while the output is written)")
     with contextlib.ExitStack() as opened:  # what is opened is closed on every way out (the output discarded)
         reader = opened.enter_context(open_frames(args.input, size, argument="INPUT"))  # a bad file fails here
         width, height = reader.size
-        if width % SIZE_MULTIPLE or height % SIZE_MULTIPLE:
-            raise UsageError(f"INPUT: expected frames whose width and height are multiples of {SIZE_MULTIPLE}, got "
-                             f"{width}×{height} frames in {args.input!r}; pass --size (e.g. --size "
-                             f"{max(SIZE_MULTIPLE, width // SIZE_MULTIPLE * SIZE_MULTIPLE)}) to fit every frame to one")
         writer = opened.enter_context(FrameWriter(args.output, fps=reader.fps or STREAM_DEFAULT_FPS,
                                                   overwrite=args.overwrite, argument="OUTPUT"))  # before any model
 
+        quiet_libraries()
         model = Path(args.model) if args.model and Path(args.model).exists() else args.model
         if model is None:
             model = tiny_model_folder(Path(args.cache_dir) if args.cache_dir else None)
@@ -443,6 +455,7 @@ def run_stream(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         with options_named(STREAM_OPTIONS):
             stream = OnnxStreamDiffusionPipeline.from_pretrained(model, provider=provider, tiny_vae=args.tiny_vae)
+            check_frame_size(stream.size_multiple, width, height, args)
             stream.prepare(args.prompt, negative_prompt=args.negative_prompt, num_inference_steps=args.steps,
                            strength=args.strength, guidance_scale=args.guidance, seed=args.seed, height=height,
                            width=width, stream_batch=args.stream_batch)
@@ -494,6 +507,10 @@ def check_serve_arguments(args: argparse.Namespace, model: str) -> ServeConfig:
                            max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s)
 
 
+# what loading calls the model `serve` serves
+SERVED_MODEL_OPTION = {"pretrained_model_name_or_path": "model", "model": "model"}
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -505,13 +522,15 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from None
     if args.model is not None and not Path(args.model).exists():  # before Ray starts, as the folder check below
         fetch_from_hub("model", args.model, "model_index.json")
+    quiet_libraries()
     if args.model is None:
         config = dataclasses.replace(config, model=str(tiny_model_folder(
             Path(args.cache_dir) if args.cache_dir else None)))
-    if Path(config.model).is_dir():  # before Ray starts: a folder that is no pipeline fails here, not in every replica
+    if Path(config.model).exists():  # before Ray starts: a path that is no pipeline fails here, not in every replica
         from .pipelines import pipeline_class_for
 
-        pipeline_class_for(config.model)
+        with options_named(SERVED_MODEL_OPTION):
+            pipeline_class_for(config.model)
     print(f"optimum-iobinding: serving {config.model} on http://{args.host}:{args.port}/v1/images "
           f"({args.replicas} replica(s), batches of up to {args.max_batch_size}); Ctrl-C stops", flush=True)
     stopped = run(config, host=args.host, port=args.port, dashboard=args.dashboard)
@@ -584,8 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve_command.add_argument("--max-queued-requests", type=int, default=256,
                                help="requests waiting before new ones get 503 (default 256)")
     serve_command.add_argument("--png-compression", type=int, default=0,
-                               help="zlib level of the PNG answers: 0 (default) uncompressed, about 1 ms per 512² "
-                                    "image; 1-9 about half the bytes for tens of ms")
+                               help="zlib level of the PNG answers: 0 (default) uncompressed, the quickest to "
+                                    "make; 1-9 about half the bytes for many times the encoding time")
     serve_command.add_argument("--cache-dir", default=None,
                                help="where the tiny model is built (default ~/.cache/optimum-iobinding)")
     serve_command.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (on 127.0.0.1)")
@@ -650,7 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "--tiny-vae) in place of the model's VAE")
     stream.add_argument("--size", default=None,
                         help="fit every frame to this size, 512 or 768x512 (width x height; scaled to cover, "
-                             "centre cropped); default: the input's, which must then be multiples of 8")
+                             "centre cropped); default: the input's. Both must be multiples of the model's size "
+                             "multiple (8 for Stable Diffusion)")
     stream.add_argument("--stream-batch", action=argparse.BooleanOptionalAction, default=True,
                         help="with several UNet steps, one UNet call a frame holding consecutive frames at their "
                              "steps (default); --no-stream-batch runs a frame's steps in turn")
@@ -668,15 +688,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def quiet_libraries() -> None:
-    """A command prints its own results and errors: the libraries' notices (transformers' "requires torchvision",
-    diffusers' dtype notes while the tiny model is built) are for library users, so the command shows their errors
-    only; this project's own warnings still show."""
+def show_warnings() -> None:
+    """This project's warnings, one line each: ``optimum-iobinding: WARNING: …``."""
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="optimum-iobinding: %(levelname)s: %(message)s")
-    for name in ("transformers", "diffusers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def quiet_libraries() -> None:
+    """A command prints its own results and errors: the libraries' notices (transformers' "requires torchvision",
+    diffusers' dtype notes while the tiny model is built) are for library users, so the command shows their errors
+    only; this project's own warnings still show. Each command calls this once its arguments passed their checks,
+    before it loads anything: it imports diffusers and transformers (each sets its own level when imported), which
+    --help and a mistake in the arguments need not wait for."""
     try:
         import diffusers.utils.logging as diffusers_logging
         import transformers.utils.logging as transformers_logging
@@ -708,7 +732,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return bench_main(bench_argv)
     else:
         args = build_parser().parse_args(argv)
-        quiet_libraries()
+        show_warnings()
         debug = args.debug
 
         def run() -> int:

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
+from .errors import ArgumentError, ArgumentPathError, ArgumentTypeError
+
 ONNX_COMPONENTS = ("text_encoder", "unet", "vae_encoder", "vae_decoder")
 # What a ControlNet gives and its UNet takes: one residual per down-block output, one for the mid block.
 DOWN_RESIDUAL_OUTPUT, MID_RESIDUAL_OUTPUT = "down_block_res_sample_", "mid_block_res_sample"
@@ -43,12 +45,12 @@ def check_output_folder(output_dir: Union[str, os.PathLike], source: Union[str, 
     if source is not None:
         source_resolved = Path(source).expanduser().resolve()
         if resolved == source_resolved or source_resolved in resolved.parents:
-            raise ValueError(f"{argument}: expected a folder outside the source folder {str(source_resolved)!r}, got "
-                             f"{str(target)!r}, which is {'the source itself' if resolved == source_resolved else 'inside it'}: "
-                             "writing there would overwrite or bury the files being read")
+            raise ArgumentError(argument, f"expected a folder outside the source folder {str(source_resolved)!r}, got "
+                                f"{str(target)!r}, which is {'the source itself' if resolved == source_resolved else 'inside it'}: "
+                                "writing there would overwrite or bury the files being read")
         if resolved in source_resolved.parents:
-            raise ValueError(f"{argument}: expected a folder that does not hold the source folder "
-                             f"{str(source_resolved)!r}, got {str(target)!r}: replacing it would delete the source")
+            raise ArgumentError(argument, f"expected a folder that does not hold the source folder "
+                                f"{str(source_resolved)!r}, got {str(target)!r}: replacing it would delete the source")
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"{argument}: expected a folder, got the file {str(target)!r}")
     if target.is_dir():
@@ -133,24 +135,25 @@ def download_from_hub(name: str, allow_patterns: Sequence[str], argument: str, *
     """``snapshot_download`` of ``name``; a local path that does not exist, or a download that fails, is one
     line naming the argument (not a 100-line "check your internet connection" traceback)."""
     if not looks_like_hub_id(name):
-        raise FileNotFoundError(f"{argument}: expected an existing local folder or a hub repository id, got "
-                                f"{name!r}: no such file or folder")
+        raise ArgumentPathError(argument, f"expected an existing local folder or a hub repository id, got {name!r}: "
+                                          "no such file or folder")
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(name, allow_patterns=list(allow_patterns), **hub_kwargs))
     except Exception as error:  # offline, unknown repository, no access: all mean "not here, not there"
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise FileNotFoundError(f"{argument}: {name!r} is not a local folder (no such path here), and the Hugging "
-                                f"Face Hub could not provide it: {type(error).__name__}: {reason[:200]}") from error
+        raise ArgumentPathError(argument, f"{name!r} is not a local folder (no such path here), and the Hugging Face "
+                                          f"Hub could not provide it: {type(error).__name__}: {reason[:200]}"
+                                ) from error
 
 
 def resolve_pipeline_folder(name_or_path: Union[str, os.PathLike], onnx_components: Sequence[str] = ONNX_COMPONENTS,
                             tokenizers: Sequence[str] = ("tokenizer",), **hub_kwargs: Any) -> Path:
     """A pipeline folder: local, or downloaded from the Hub (only the files the pipeline reads)."""
     if not isinstance(name_or_path, (str, os.PathLike)):
-        raise TypeError(f"pretrained_model_name_or_path: expected a folder path or a hub repository id, got "
-                        f"{type(name_or_path).__name__} {name_or_path!r}")
+        raise ArgumentTypeError("pretrained_model_name_or_path", f"expected a folder path or a hub repository id, got "
+                                                                 f"{type(name_or_path).__name__} {name_or_path!r}")
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -163,7 +166,7 @@ def resolve_pipeline_folder(name_or_path: Union[str, os.PathLike], onnx_componen
 def read_model_index(folder: Path, onnx_components: Sequence[str] = ONNX_COMPONENTS) -> Dict[str, Any]:
     index = read_json_object(folder / "model_index.json")
     if index is None:
-        raise FileNotFoundError(f"pretrained_model_name_or_path: expected a model_index.json in {str(folder)!r}")
+        raise ArgumentPathError("pretrained_model_name_or_path", f"expected a model_index.json in {str(folder)!r}")
     for name, value in index.items():
         if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[1] is None:
             continue
@@ -195,7 +198,7 @@ def load_scheduler(folder: Path, index: Dict[str, Any]) -> Any:
     config_path = folder / "scheduler" / "scheduler_config.json"
     config = read_json_object(config_path)
     if config is None:
-        raise FileNotFoundError(f"pretrained_model_name_or_path: expected {config_path}")
+        raise ArgumentPathError("pretrained_model_name_or_path", f"expected {config_path}")
     default = config.get("_class_name", "PNDMScheduler")
     scheduler_class = component_class(index, "scheduler", diffusers, SchedulerMixin, default)
     return scheduler_class.from_pretrained(str(folder), subfolder="scheduler")
@@ -205,7 +208,7 @@ def load_tokenizer(folder: Path, index: Dict[str, Any], name: str = "tokenizer")
     import transformers
 
     if not (folder / name).is_dir():
-        raise FileNotFoundError(f"pretrained_model_name_or_path: expected a {name} folder in {str(folder)!r}")
+        raise ArgumentPathError("pretrained_model_name_or_path", f"expected a {name} folder in {str(folder)!r}")
     tokenizer_class = component_class(index, name, transformers, None, "CLIPTokenizer")
     if not (isinstance(tokenizer_class, type) and (issubclass(tokenizer_class, transformers.PreTrainedTokenizerBase)
                                                    or tokenizer_class is transformers.AutoTokenizer)):

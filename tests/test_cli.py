@@ -3,9 +3,15 @@ asked (checked before any work), 1 for a failure while doing it, a traceback onl
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+import optimum_iobinding
 from optimum_iobinding import cli
 from optimum_iobinding.cli import main
 
@@ -318,3 +324,100 @@ def test_serve_hands_its_limits_to_the_service_and_exits_by_the_signal_that_stop
     assert (config.max_steps, config.max_prompt_chars, config.max_pixels_per_image, config.request_timeout_s) == (
         60, 500, 262144, 30.0)
     assert started["dashboard"] is True and started["port"] == 8123
+
+
+# ------------------------------------------------------------------------------------------ what a command imports
+PIPELINE_LIBRARIES = ("diffusers", "transformers", "onnxruntime", "torch", "ray")
+REPOSITORY = Path(cli.__file__).resolve().parents[1]
+
+
+def libraries_loaded_by(code: str) -> list:
+    """The pipeline libraries in ``sys.modules`` after ``code`` ran in a fresh interpreter (this checkout's package)."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps([m for m in {PIPELINE_LIBRARIES!r} if m in sys.modules]))"
+    completed = subprocess.run([sys.executable, "-c", probe], cwd=REPOSITORY, capture_output=True, text=True,
+                               timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_package_loads_no_pipeline_library():
+    assert libraries_loaded_by("import optimum_iobinding; optimum_iobinding.__version__") == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["--help"], ["generate", "--help"], ["stream", "--help"], ["serve", "--help"], ["export", "--help"],
+    ["loadtest", "--help"], ["bench", "--help"], ["no-such-command"], ["generate", "--steps", "-1"],
+    ["generate", "--seed", "-1"], ["serve", "--port", "x"], ["serve", "--port", "0"], ["serve", "--replicas", "0"],
+    ["export", "--tiny-random", "--opset", "6", "--output", "unused"], ["export", "--output", "unused"],
+    ["stream", "in", "out", "--prompt", "a cat", "--steps", "0"], ["stream", "in", "out", "--prompt", "a cat",
+                                                                   "--size", "big"],
+    ["loadtest", "http://127.0.0.1:1", "--requests", "0"],
+], ids=lambda argv: " ".join(argv))
+def test_help_and_argument_mistakes_load_no_pipeline_library(argv):
+    """--help and each mistake in the arguments are answered before diffusers, transformers, onnxruntime, torch or
+    Ray is imported (each takes seconds to import)."""
+    code = ("import contextlib, io\nfrom optimum_iobinding.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "    try:\n"
+            f"        status = main({argv!r})\n"
+            "    except SystemExit as exit:\n"
+            "        status = exit.code\n"
+            "assert status in (0, 2), status")
+    assert libraries_loaded_by(code) == []
+
+
+@pytest.mark.parametrize("name", optimum_iobinding.__all__)
+def test_every_public_name_is_importable_from_the_package(name):
+    namespace = {}
+    exec(f"from optimum_iobinding import {name}", namespace)  # the statement users write
+    assert namespace[name] is getattr(optimum_iobinding, name)
+    assert name in dir(optimum_iobinding)
+
+
+def test_an_unknown_name_of_the_package_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="has no attribute 'NoSuchPipeline'"):
+        optimum_iobinding.NoSuchPipeline  # noqa: B018
+
+
+# ------------------------------------------------------------------------------- a library's names, the command's
+def test_a_refused_argument_in_the_table_is_named_by_its_option_with_the_same_reason():
+    from optimum_iobinding.errors import ArgumentTypeError
+
+    refusal = ArgumentTypeError("num_inference_steps", "expected a positive integer, got 0")
+    with pytest.raises(cli.UsageError) as raised:
+        with cli.options_named({"num_inference_steps": "--steps"}):
+            raise refusal
+    assert str(raised.value) == "--steps: expected a positive integer, got 0"
+    assert raised.value.__cause__ is refusal
+
+
+def test_a_refused_argument_outside_the_table_passes_through_untouched():
+    from optimum_iobinding.errors import ArgumentError
+
+    refusal = ArgumentError("clip_skip", "expected at most 11, got 12")
+    with pytest.raises(ArgumentError) as raised:
+        with cli.options_named({"num_inference_steps": "--steps"}):
+            raise refusal
+    assert raised.value is refusal
+
+
+@pytest.mark.parametrize("error", [ValueError("provider: expected a name"), FileNotFoundError("model: no such file"),
+                                   TypeError("height and width: expected integers")], ids=repr)
+def test_an_error_that_names_no_argument_passes_through_though_its_text_looks_like_one(error):
+    """The table is looked up with the refusal's ``argument``: an error's text is never parsed."""
+    names = {"provider": "--provider", "model": "--model", "height and width": "--height and --width"}
+    with pytest.raises(type(error)) as raised:
+        with cli.options_named(names):
+            raise error
+    assert raised.value is error
+
+
+def test_serve_names_a_model_path_that_is_no_pipeline_folder_before_starting_ray(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("ray.serve")
+    import optimum_iobinding.serve as serve
+
+    monkeypatch.setattr(serve, "run", lambda *args, **kwargs: pytest.fail("the service started"))
+    (tmp_path / "model.onnx").write_bytes(b"")
+    assert main(["serve", str(tmp_path / "model.onnx")]) == 2
+    assert error_line(capsys) == ("optimum-iobinding: error: model: expected a model_index.json in "
+                                  f"{str(tmp_path / 'model.onnx')!r}")

@@ -644,6 +644,30 @@ def test_sdxl_and_lcm_folders_are_served_with_each_requests_seed(tmp_path, kind)
             generator.complete_request(dict(requests[0], negative_prompt="blurry"))
 
 
+def test_image_to_image_runs_on_the_pipelines_own_sibling_over_the_same_models(generator):
+    """The replica asks the pipeline for its image-to-image sibling: it shares every model, no second copy."""
+    assert generator.info()["image_to_image"] is True
+    assert type(generator.img2img) is type(generator.pipe).image_to_image_class
+    assert generator.img2img.unet is generator.pipe.unet and generator.img2img.vae_encoder is generator.pipe.vae_encoder
+
+
+def test_an_image_request_to_a_folder_without_a_vae_encoder_is_refused_by_name(tiny_folder, tmp_path):
+    import shutil
+    from dataclasses import asdict
+
+    from optimum_iobinding.serve import ImageGenerator, ServeConfig
+
+    folder = tmp_path / "no-encoder"
+    shutil.copytree(tiny_folder, folder, ignore=shutil.ignore_patterns("vae_encoder"))
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps(dict(index, vae_encoder=[None, None])))
+    generator = ImageGenerator(asdict(ServeConfig(model=str(folder), device="cpu", warmup_batch_sizes=[])))
+    assert generator.img2img is None and generator.info()["image_to_image"] is False
+    with pytest.raises(ValueError, match="image: OnnxStableDiffusionPipeline on this folder has no image-to-image "
+                                         "pipeline"):
+        generator.complete_request(dict(prompt="a cat", image="unread"))
+
+
 def test_a_missing_model_fails_the_replica_with_the_message_naming_it(tmp_path):
     from dataclasses import asdict
 

@@ -187,7 +187,6 @@ def bad_inputs(tmp_path):
     """Each case: (INPUT, OUTPUT, extra options); made in tmp_path."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "garbage.mp4").write_bytes(b"this is not a video")
-    write_frames(tmp_path / "odd", count=2, width=60, height=64)
     write_frames(tmp_path / "frames", count=2)
     (tmp_path / "no-vae").mkdir()
     (tmp_path / "half-taesd" / "vae_encoder").mkdir(parents=True)
@@ -201,10 +200,6 @@ def bad_inputs(tmp_path):
                                                                        r"of images, got .*garbage\.mp4"),
         "no-frames": (tmp_path / "empty", tmp_path / "out", (), r"INPUT: expected a video file or a folder holding "
                                                                 r"images .* with no frames"),
-        "odd-size": (tmp_path / "odd", tmp_path / "out", (), r"INPUT: expected frames whose width and height are "
-                                                             r"multiples of 8, got 60×64 .*--size"),
-        "odd-size-option": (frames, tmp_path / "out", ("--size", "65"), r"--size: expected a width and height that "
-                                                                        r"are multiples of 8 .*got '65'"),
         "size-text": (frames, tmp_path / "out", ("--size", "big"), r"--size: expected pixels as 512 or 768x512"),
         "steps": (frames, tmp_path / "out", ("--steps", "0"), r"--steps: expected a positive integer, got 0"),
         "strength": (frames, tmp_path / "out", ("--strength", "1.5"), r"--strength: expected a number in \(0, 1\]"),
@@ -228,9 +223,9 @@ def bad_inputs(tmp_path):
     }
 
 
-BAD_INPUTS = ["missing", "unreadable", "no-frames", "odd-size", "odd-size-option", "size-text", "steps", "strength",
-              "guidance", "seed", "model-without-vae", "tiny-vae-without-decoder", "output-extension",
-              "output-is-input", "output-exists", "provider"]
+BAD_INPUTS = ["missing", "unreadable", "no-frames", "size-text", "steps", "strength", "guidance", "seed",
+              "model-without-vae", "tiny-vae-without-decoder", "output-extension", "output-is-input", "output-exists",
+              "provider"]
 NEEDS_AV = {"unreadable", "output-exists"}
 
 
@@ -246,6 +241,20 @@ def test_bad_input_is_one_line_and_exit_status_2_before_any_model_loads(tmp_path
     assert re.search(message, line), line
     assert sorted(os.listdir(tmp_path)) == before  # nothing written, nothing removed
     assert (tmp_path / "existing.mp4").read_bytes() == b"mine"
+
+
+@pytest.mark.parametrize("frame_size, options, message", [
+    ((60, 64), (), r"INPUT: expected frames whose width and height are multiples of {multiple}, got 60×64 .*--size"),
+    ((64, 64), ("--size", "65"), r"--size: expected a width and height that are multiples of {multiple} .*got '65'"),
+], ids=["input", "size-option"])
+def test_a_frame_size_the_model_cannot_run_is_refused_naming_the_option_and_the_models_multiple(
+        tmp_path, tiny_folder, capsys, frame_size, options, message):
+    """The multiple is the model's (its ``size_multiple``), known once it is loaded; nothing is written."""
+    multiple = OnnxStreamDiffusionPipeline.from_pretrained(tiny_folder, provider="CPUExecutionProvider").size_multiple
+    source = write_frames(tmp_path / "frames", count=2, width=frame_size[0], height=frame_size[1])
+    assert run_stream(source, tmp_path / "out", tiny_folder, *options) == 2
+    assert re.search(message.format(multiple=multiple), error_line(capsys))
+    assert sorted(os.listdir(tmp_path)) == ["frames"]
 
 
 def test_a_prompt_is_required(capsys, no_work, tmp_path):

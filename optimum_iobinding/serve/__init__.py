@@ -1,4 +1,4 @@
-"""Serving with Ray Serve: one pipeline per replica, one replica per GPU, requests batched into the captured UNet;
+"""Serving with Ray Serve: one pipeline per replica, one replica per GPU, requests batched into captured graphs;
 and a load test for a running service (which needs nothing beyond the core). One job per module: ``config``
 (ServeConfig, the request limits), ``schema`` (what goes into and comes out of a request), ``batching`` (a
 replica's batching: the generator and its admission), ``app`` (the deployment, building and running it),

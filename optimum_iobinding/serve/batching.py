@@ -1,9 +1,8 @@
 """A replica's batching: its pipeline, which requests it lets into Serve's batch queue and when, and how a batch
 becomes pipeline calls and answers — :class:`ImageGenerator` (no HTTP) and its gate, :class:`Admission`.
 
-* At start a replica captures the signatures it will serve (:meth:`~optimum_iobinding.pipelines.pipeline.
-  OnnxStableDiffusionPipelineBase.warmup`: every batch size up to ``max_batch_size`` at the default size), so the
-  first request runs as fast as later ones.
+* At start a replica captures the signatures it will serve (the pipeline's ``warmup``: every batch size up to
+  ``max_batch_size`` at the default size), so the first request runs as fast as later ones.
 * Requests are batched by ``@serve.batch`` (``max_batch_size`` counts images, ``batch_wait_timeout_s``). Requests
   that come while a batch runs wait (:class:`Admission`) and enter the next batch together. On CUDA a batch is put
   on the GPU and the next one is let in at once, queued behind it on the pipeline's stream, while the first one's
@@ -17,8 +16,9 @@ becomes pipeline calls and answers — :class:`ImageGenerator` (no HTTP) and its
   ``s`` is drawn from its own ``torch.Generator`` seeded ``s + k`` (the latents and every scheduler noise), so it
   equals the image of a single call ``pipe(prompt, generator=torch.Generator().manual_seed(s + k))`` up to the
   batch's floating-point rounding.
-* Requests with an ``image`` run image-to-image (SD and SDXL folders with a VAE encoder) on a pipeline that shares
-  the same models, batched with the image-to-image requests of the same strength.
+* Requests with an ``image`` run image-to-image on the pipeline's image-to-image sibling, which shares the same
+  models (where the family has one and the folder a VAE encoder: :meth:`~optimum_iobinding.pipelines.
+  OnnxDiffusionPipeline.image_to_image`), batched with the image-to-image requests of the same strength.
 * Requests are checked before batching (:meth:`ImageGenerator.complete_request`: the replica's limits, then the
   pipeline's own checks), so a bad request never fails the others and never queues any work.
 * A pipeline call that fails is retried one request at a time, so only the requests whose own call fails get an
@@ -219,17 +219,15 @@ class ImageGenerator:
     def __init__(self, config: Dict[str, Any]):
         import torch
 
-        from ..pipelines import pipeline_class_for
+        from ..pipelines import pipeline_class_for, resolve_model_folder
 
         self.config = ServeConfig(**config)
         use_cuda = self.config.device == "cuda" or (self.config.device == "auto" and torch.cuda.is_available())
         provider = self.config.provider or ("CUDAExecutionProvider" if use_cuda else "CPUExecutionProvider")
-        # a hub id: the files every pipeline kind reads (SD, SDXL, LCM), downloaded once per replica's machine
-        from ..layout import resolve_pipeline_folder
-        from ..pipelines.stable_diffusion_xl import XL_COMPONENTS
-
-        folder = str(resolve_pipeline_folder(self.config.model, XL_COMPONENTS, ("tokenizer", "tokenizer_2")))
+        # a hub id: the files any text-to-image family reads, downloaded once per replica's machine
+        folder = str(resolve_model_folder(self.config.model))
         self.numpy_engine = self.config.engine == "diffusers-numpy"
+        self.img2img: Any = None  # the image-to-image pipeline on the same models, where there is one
         if self.numpy_engine:
             from ..pipelines import load_numpy_pipeline
 
@@ -241,7 +239,9 @@ class ImageGenerator:
             self.pipe = pipeline_class.from_pretrained(folder, provider=provider, **self.config.pipeline_options)
             self.pipeline_name = pipeline_class.__name__
             self.default_size = self.pipe.default_image_size
-            self.img2img = self._image_to_image(pipeline_class)
+            self.img2img = self.pipe.image_to_image()  # no second copy of any model
+            if self.img2img is not None:
+                self.img2img.set_progress_bar_config(disable=True)
         self.pipe.set_progress_bar_config(disable=True)
         self.model_id = os.path.basename(os.path.normpath(self.config.model)) or self.config.model
         tokenizer_max = getattr(getattr(self.pipe, "tokenizer", None), "model_max_length", None)
@@ -289,21 +289,6 @@ class ImageGenerator:
                              guidance_scales=self.config.guidance)
         return time.perf_counter() - start
 
-    def _image_to_image(self, pipeline_class: type) -> Any:
-        """The image-to-image pipeline on the same models (no second copy of anything), where the folder has a VAE
-        encoder and the pipeline has an image-to-image sibling; else ``None``."""
-        from ..pipelines import (OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionPipeline,
-                                OnnxStableDiffusionXLImg2ImgPipeline, OnnxStableDiffusionXLPipeline)
-
-        sibling = {OnnxStableDiffusionPipeline: OnnxStableDiffusionImg2ImgPipeline,
-                   OnnxStableDiffusionXLPipeline: OnnxStableDiffusionXLImg2ImgPipeline}.get(pipeline_class)
-        if sibling is None or getattr(self.pipe, "vae_encoder", None) is None:
-            return None
-        accepted = inspect.signature(sibling.__init__).parameters
-        pipe = sibling(**{name: module for name, module in self.pipe.components.items() if name in accepted})
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-
     @property
     def defers_images(self) -> bool:
         """Whether a batch's pipeline call returns with its images still on the device (CUDA): they come back on
@@ -317,7 +302,7 @@ class ImageGenerator:
 
     def info(self) -> Dict[str, Any]:
         return {"pipeline": self.pipeline_name, "default_size": self.default_size, "warmup_s": self.warmup_s,
-                "image_to_image": getattr(self, "img2img", None) is not None,
+                "image_to_image": self.img2img is not None,
                 "max_batch_size": self.config.max_batch_size, "device": str(self.pipe.device),
                 "batches_run": self.batches_run, "limits": dataclasses.asdict(self.limits)}
 
@@ -351,9 +336,9 @@ class ImageGenerator:
             request["guidance"] = self.config.guidance
         request["start_image"] = None
         if request.get("image") is not None:
-            if getattr(self, "img2img", None) is None:
-                raise ValueError(f"image: {self.pipeline_name} on this folder has no image-to-image pipeline (it "
-                                 "needs a vae_encoder, and SD or SDXL)")
+            if self.img2img is None:
+                raise ValueError(f"image: {self.pipeline_name} on this folder has no image-to-image pipeline (its "
+                                 "family has none, or the folder has no VAE encoder)")
             request["start_image"] = decode_image(request["image"], limits.max_pixels_per_image)
             height, width = request["start_image"].shape[:2]
             if request.get("size") is not None and parse_size(request["size"], self.default_size) != (width, height):

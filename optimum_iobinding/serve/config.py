@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Literal, Optional
 
+from ..errors import ArgumentError
+
 # ServeConfig's settings that are positive integers (checked, and parsed from serve run's strings)
 _INT_SETTINGS = ("replicas", "max_batch_size", "steps", "max_images_per_request", "max_ongoing_requests",
                  "max_queued_requests", "max_steps", "max_prompt_chars")
@@ -43,7 +45,8 @@ class ServeConfig:
     """What the application serves and how.
 
     Args:
-        model: a pipeline folder (diffusers ONNX layout; SD, SDXL or LCM, picked from the folder) or a hub id.
+        model: a pipeline folder (diffusers ONNX layout; any text-to-image family, picked from the folder) or a hub
+            id.
         replicas: ``ImageService`` replicas; each takes one GPU on a GPU cluster.
         max_batch_size: images per pipeline call (``@serve.batch`` counts a request's ``n`` images).
         batch_wait_timeout_s: how long a replica waits for a batch to fill once its first request came. 0 (the
@@ -117,10 +120,10 @@ class ServeConfig:
         def positive_int(name: str) -> None:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+                raise ArgumentError(name, f"expected a positive integer, got {value!r}")
 
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
-            raise ValueError(f"model: expected a pipeline folder or a hub id, got {self.model!r}")
+            raise ArgumentError("model", f"expected a pipeline folder or a hub id, got {self.model!r}")
         self.model = os.fspath(self.model)
         for name in _INT_SETTINGS:
             positive_int(name)
@@ -129,32 +132,34 @@ class ServeConfig:
                 positive_int(name)
         if (isinstance(self.guidance, bool) or not isinstance(self.guidance, (int, float))
                 or not math.isfinite(self.guidance) or self.guidance < 0):
-            raise ValueError(f"guidance: expected a finite number ≥ 0, got {self.guidance!r}")
+            raise ArgumentError("guidance", f"expected a finite number ≥ 0, got {self.guidance!r}")
         if self.steps > self.max_steps:
-            raise ValueError(f"steps: expected at most max_steps={self.max_steps}, got {self.steps}; raise max_steps")
+            raise ArgumentError("steps", f"expected at most max_steps={self.max_steps}, got {self.steps}; raise "
+                                         "max_steps")
         if (self.max_pixels_per_image is not None and self.max_pixels_per_batch is not None
                 and self.max_pixels_per_batch < self.max_pixels_per_image):
-            raise ValueError(f"max_pixels_per_batch: expected at least max_pixels_per_image="
-                             f"{self.max_pixels_per_image} (one image must fit), got {self.max_pixels_per_batch}")
+            raise ArgumentError("max_pixels_per_batch", f"expected at least max_pixels_per_image="
+                                f"{self.max_pixels_per_image} (one image must fit), got {self.max_pixels_per_batch}")
         if (isinstance(self.request_timeout_s, bool) or not isinstance(self.request_timeout_s, (int, float))
                 or not math.isfinite(self.request_timeout_s) or self.request_timeout_s <= 0):
-            raise ValueError(f"request_timeout_s: expected a positive number of seconds, got "
-                             f"{self.request_timeout_s!r}")
+            raise ArgumentError("request_timeout_s", f"expected a positive number of seconds, got "
+                                f"{self.request_timeout_s!r}")
         if not isinstance(self.batch_wait_timeout_s, (int, float)) or not 0 <= self.batch_wait_timeout_s <= 60:
-            raise ValueError(f"batch_wait_timeout_s: expected seconds in [0, 60], got {self.batch_wait_timeout_s!r}")
+            raise ArgumentError("batch_wait_timeout_s",
+                                f"expected seconds in [0, 60], got {self.batch_wait_timeout_s!r}")
         if isinstance(self.png_compression, bool) or self.png_compression not in range(10):
-            raise ValueError(f"png_compression: expected a zlib level 0–9, got {self.png_compression!r}")
+            raise ArgumentError("png_compression", f"expected a zlib level 0–9, got {self.png_compression!r}")
         if self.engine not in ("optimum-iobinding", "diffusers-numpy"):
-            raise ValueError(f"engine: expected 'optimum-iobinding' or 'diffusers-numpy', got {self.engine!r}")
+            raise ArgumentError("engine", f"expected 'optimum-iobinding' or 'diffusers-numpy', got {self.engine!r}")
         if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"device: expected 'auto', 'cuda' or 'cpu', got {self.device!r}")
+            raise ArgumentError("device", f"expected 'auto', 'cuda' or 'cpu', got {self.device!r}")
         if self.max_images_per_request > self.max_batch_size:
             self.max_images_per_request = self.max_batch_size
         for name in ("warmup_batch_sizes", "warmup_sizes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (list, tuple)) or any(
                     isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value)):
-                raise ValueError(f"{name}: expected a list of positive integers, got {value!r}")
+                raise ArgumentError(name, f"expected a list of positive integers, got {value!r}")
 
     @classmethod
     def from_args(cls, args: Dict[str, Any]) -> "ServeConfig":
@@ -162,7 +167,7 @@ class ServeConfig:
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(args) - set(known))
         if unknown:
-            raise ValueError(f"args: unknown {unknown}; expected some of {sorted(known)}")
+            raise ArgumentError("args", f"unknown {unknown}; expected some of {sorted(known)}")
         typed: Dict[str, Any] = {}
         for name, value in args.items():
             if isinstance(value, str) and name in (*_INT_SETTINGS, *_OPTIONAL_INT_SETTINGS, "png_compression"):
@@ -235,4 +240,4 @@ def _parse(name: str, text: str, kind: type) -> Any:
     try:
         return kind(text)
     except ValueError:
-        raise ValueError(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        raise ArgumentError(name, f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
