@@ -4,6 +4,8 @@ ORT-optimized float16 export."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -141,3 +143,16 @@ def test_the_fused_fp16_transformer_adds_no_error_beyond_fp16_itself(tmp_path):
     plain_error = (outputs["plain"] - outputs["fp32"]).abs().max().item()
     fused_error = (outputs["fused"] - outputs["fp32"]).abs().max().item()
     assert fused_error <= 2 * plain_error + 2e-3, (fused_error, plain_error)
+
+
+def test_cuda_graph_true_requires_the_transformer_captured_and_it_is(flux):
+    _, folder = flux
+    pipe = load(folder, cuda_graph=True)
+    # the family's denoiser is the component that must be captured; the others capture where they can
+    assert pipe.transformer.options.cuda_graph is True
+    assert {name: model.options.cuda_graph for name, model in pipe.onnx_models.items() if name != "transformer"} == \
+        {name: "auto" for name in pipe.onnx_models if name != "transformer"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback of the transformer would warn
+        pipe(PROMPTS, generator=seeded(), **CALL)
+    assert pipe.transformer.graph_signatures and not pipe.transformer.graph_fallbacks

@@ -4,6 +4,8 @@ session created after warm-up, the fused float16 export."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -172,3 +174,16 @@ def test_the_fused_float16_export_stays_close_to_the_float32_one(sd3, tmp_path):
             outputs.append(model(**cast)[0].float().cpu().clone())
         error = (outputs[0] - outputs[1]).abs().max().item()
         assert error <= tolerances[component] * max(1.0, outputs[0].abs().max().item()), (component, error)
+
+
+def test_cuda_graph_true_requires_the_transformer_captured_and_it_is(sd3):
+    _, folder = sd3
+    pipe = load(folder, cuda_graph=True)
+    # the family's denoiser is the component that must be captured; the others capture where they can
+    assert pipe.transformer.options.cuda_graph is True
+    assert {name: model.options.cuda_graph for name, model in pipe.onnx_models.items() if name != "transformer"} == \
+        {name: "auto" for name in pipe.onnx_models if name != "transformer"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback of the transformer would warn
+        pipe(PROMPT, **call(latents=latents()))
+    assert pipe.transformer.graph_signatures and not pipe.transformer.graph_fallbacks

@@ -336,7 +336,7 @@ def test_a_bad_vae_constant_is_refused_by_name_quoting_sd3s(sd3, tmp_path, key, 
 
 def test_an_sd_folder_is_refused_by_the_sd3_pipeline(tiny_folder):
     # the denoiser is looked for first: its absence says the folder is of another family
-    with pytest.raises(FileNotFoundError, match=r"component 'transformer' is missing.*holds a unet.*pipeline_class_for"):
+    with pytest.raises(FileNotFoundError, match=r"component 'transformer' is missing.*holds a UNet.*pipeline_class_for"):
         OnnxStableDiffusion3Pipeline.from_pretrained(tiny_folder)
 
 
@@ -429,11 +429,13 @@ def test_one_prompt_2_and_prompt_3_string_serves_every_prompt(sd3):
     np.testing.assert_allclose(one, each, atol=0)
 
 
-def test_runtime_lora_is_refused_naming_the_way_that_works(sd3, tmp_path):
+def test_runtime_lora_is_a_capability_of_the_unet_families_only(sd3):
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
     _, folder = sd3
-    with pytest.raises(NotImplementedError, match="load_lora_weights: runtime LoRA is not available for Stable "
-                                                  "Diffusion 3"):
-        load(folder).load_lora_weights(str(tmp_path))
+    # opt in, not inherited to be refused: the SD3 pipeline has no LoRA methods at all (fuse a LoRA before export)
+    assert not any(hasattr(load(folder), name) for name in ("load_lora_weights", "set_adapters", "fuse_lora"))
+    assert all(hasattr(OnnxStableDiffusionPipeline, name) for name in ("load_lora_weights", "set_adapters", "fuse_lora"))
 
 
 def test_generate_refuses_a_discrete_time_scheduler_for_sd3_before_loading_it(sd3, tmp_path, capsys):

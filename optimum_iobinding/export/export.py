@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import ArgumentError, ArgumentTypeError
 from ..layout import building_beside, check_output_folder, download_from_hub, looks_like_hub_id, read_json_object
 from .components import export_component, vae_specs
 from .flux import export_flux_pipeline, is_flux
@@ -103,9 +104,9 @@ def export_pipeline(
         TypeError: a ``tiny_vae`` that is not an ``AutoencoderTiny`` (an ``AutoencoderKL`` goes in ``vae``).
     """
     if optimize not in (None, "cuda", "cpu"):
-        raise ValueError(f"optimize: expected None, 'cuda' or 'cpu', got {optimize!r}")
+        raise ArgumentError("optimize", f"expected None, 'cuda' or 'cpu', got {optimize!r}")
     if not isinstance(opset, int) or isinstance(opset, bool) or not 7 <= opset <= 22:
-        raise ValueError(f"opset: expected an integer in [7, 22] (17 is tested), got {opset!r}")
+        raise ArgumentError("opset", f"expected an integer in [7, 22] (17 is tested), got {opset!r}")
     tiny_vae = None if tiny_vae is False else tiny_vae
     if vae is not None or controlnet is not None or tiny_vae is not None:  # before anything is loaded or fetched
         check_transformer_options(transformer_family(model_id_or_path, torch_pipeline=torch_pipeline,
@@ -129,10 +130,10 @@ def export_pipeline(
     elif tiny_random:
         kind = "sd" if tiny_random is True else tiny_random
         if kind not in TINY_RANDOM_KINDS:
-            raise ValueError(f"tiny_random: expected True or one of {sorted(TINY_RANDOM_KINDS)}, got {tiny_random!r}")
+            raise ArgumentError("tiny_random", f"expected True or one of {sorted(TINY_RANDOM_KINDS)}, got {tiny_random!r}")
         pipe = TINY_RANDOM_KINDS[kind]()
     elif model_id_or_path is None:
-        raise ValueError("model_id_or_path: expected a diffusers folder or hub id (or tiny_random=True; or tiny_vae "
+        raise ArgumentError("model_id_or_path", "expected a diffusers folder or hub id (or tiny_random=True; or tiny_vae "
                          "alone for a folder of a tiny VAE), got None")
     elif pipeline_loader is not None:
         pipe = pipeline_loader(model_id_or_path)
@@ -155,7 +156,7 @@ def _export_transformer_pipeline(pipe, target: Path, *, vae, controlnet, tiny_va
     elif is_sd3_pipeline(pipe):
         export = export_sd3_pipeline
     else:
-        raise ValueError(f"model: expected a Stable Diffusion (1.x/2.x, XL), Stable Diffusion 3 or Flux pipeline, got "
+        raise ArgumentError("model", f"expected a Stable Diffusion (1.x/2.x, XL), Stable Diffusion 3 or Flux pipeline, got "
                          f"a {type(pipe).__name__} with a {type(pipe.transformer).__name__}, which this version does "
                          "not export")
     # a pipeline_loader's pipeline is known only now
@@ -209,7 +210,7 @@ def check_transformer_options(family: Optional[str], *, vae=None, controlnet=Non
         if value is not None:
             shown = repr(os.fspath(value)) if isinstance(value, os.PathLike) else \
                 repr(value) if isinstance(value, (str, bool, list, tuple)) else type(value).__name__
-            raise ValueError(f"{name}: expected None for a {family} pipeline (its own VAE is exported, no ControlNet), "
+            raise ArgumentError(name, f"expected None for a {family} pipeline (its own VAE is exported, no ControlNet), "
                              f"got {shown}")
 
 
@@ -222,13 +223,13 @@ def check_tiny_vae_arguments(tiny_vae, *, vae_only: bool, random_pipeline: bool,
     if tiny_vae is None:
         return
     if tiny_vae is True and not (random_pipeline or vae_only):
-        raise ValueError("tiny_vae: True (a tiny random AutoencoderTiny) goes with tiny_random or alone (a folder of "
+        raise ArgumentError("tiny_vae", "True (a tiny random AutoencoderTiny) goes with tiny_random or alone (a folder of "
                          "the tiny VAE only); a trained pipeline needs a trained tiny VAE, e.g. 'madebyollin/taesd' "
                          "(SD 1.x/2.x) or 'madebyollin/taesdxl' (SDXL)")
     if vae is not None:
-        raise ValueError("vae and tiny_vae: expected one VAE to export, got both")
+        raise ArgumentError("vae and tiny_vae", "expected one VAE to export, got both")
     if vae_only and controlnet is not None:
-        raise ValueError("controlnet: expected none for a folder of the tiny VAE alone, got one; export the "
+        raise ArgumentError("controlnet", "expected none for a folder of the tiny VAE alone, got one; export the "
                          "ControlNet with its pipeline")
 
 
@@ -248,7 +249,7 @@ def load_tiny_vae(tiny_vae):
         return tiny_vae
     if not isinstance(tiny_vae, (str, os.PathLike)):
         hint = "; an AutoencoderKL is a full VAE: pass it as vae=" if isinstance(tiny_vae, AutoencoderKL) else ""
-        raise TypeError(f"tiny_vae: expected an AutoencoderTiny, its folder or hub id, or True (a tiny random one), "
+        raise ArgumentTypeError("tiny_vae", f"expected an AutoencoderTiny, its folder or hub id, or True (a tiny random one), "
                         f"got {type(tiny_vae).__name__}{hint}")
     name = os.fspath(tiny_vae)
 
@@ -277,7 +278,7 @@ def check_tiny_vae_config(config: Any, name: str) -> None:
     class_name = config.get("_class_name") if isinstance(config, dict) else None
     if class_name not in (None, "AutoencoderTiny"):
         hint = "; a full VAE goes in vae= (CLI: --vae)" if class_name == "AutoencoderKL" else ""
-        raise TypeError(f"tiny_vae: expected an AutoencoderTiny folder or hub id, got {name!r}, whose config.json "
+        raise ArgumentTypeError("tiny_vae", f"expected an AutoencoderTiny folder or hub id, got {name!r}, whose config.json "
                         f"names the class {class_name}{hint}")
 
 
@@ -286,7 +287,7 @@ def vae_only_components(components: Optional[Sequence[str]]) -> tuple:
     components = TINY_VAE_COMPONENTS if components is None else tuple(components)
     unknown = [c for c in components if c not in TINY_VAE_COMPONENTS]
     if unknown or not components:
-        raise ValueError(f"components: a folder of the tiny VAE alone has {list(TINY_VAE_COMPONENTS)}, got "
+        raise ArgumentError("components", f"a folder of the tiny VAE alone has {list(TINY_VAE_COMPONENTS)}, got "
                          f"{unknown or list(components)}; give model_id_or_path (or tiny_random) for a pipeline")
     return components
 

@@ -55,6 +55,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from ..errors import ArgumentError
 from .components import EXTERNAL_DATA_THRESHOLD, clip_text_encoder_spec, t5_encoder_spec, vae_specs
 from .transformer_pipeline import export_transformer_pipeline
 
@@ -255,7 +256,7 @@ def export_flux_pipeline(pipe, target: Path, *, fp16: bool = False, opset: int =
     components = FLUX_COMPONENTS if components is None else tuple(components)
     unknown = [name for name in components if name not in FLUX_COMPONENTS]
     if unknown:
-        raise ValueError(f"components: expected names from {list(FLUX_COMPONENTS)}, got {unknown}")
+        raise ArgumentError("components", f"expected names from {list(FLUX_COMPONENTS)}, got {unknown}")
     return export_transformer_pipeline(
         pipe, target, flux_component_specs(pipe), components, class_name="FluxPipeline",
         optimizer_model_types=FLUX_OPTIMIZER_MODEL_TYPES, opset=opset, fp16=fp16, optimize=optimize,

@@ -12,6 +12,8 @@ from typing import Any, Callable, Dict, Sequence, Union
 import numpy as np
 import torch
 
+from ..errors import ArgumentError
+
 # ------------------------------------------------------------------------------------------------- tiny pipeline
 def _byte_to_unicode() -> Dict[int, str]:
     """GPT-2/CLIP's reversible byte → printable character map (printable bytes stand for themselves)."""
@@ -382,7 +384,7 @@ def random_lora_layers(module: torch.nn.Module, targets: Sequence[str], rank: in
         layers[f"{name}.lora_A.weight"] = torch.randn(down_shape, generator=generator) / fan_in ** 0.5
         layers[f"{name}.lora_B.weight"] = torch.randn(up_shape, generator=generator) * 0.5 / rank ** 0.5
     if not layers:
-        raise ValueError(f"targets: no Linear or Conv2d layer of the module is named {list(targets)}")
+        raise ArgumentError("targets", f"no Linear or Conv2d layer of the module is named {list(targets)}")
     return layers
 
 

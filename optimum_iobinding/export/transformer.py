@@ -46,6 +46,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
+from ..errors import ArgumentError
 from .components import EXTERNAL_DATA_THRESHOLD, clip_text_encoder_spec, t5_encoder_spec, vae_specs
 from .components import OPTIMUM_EXTERNAL_DATA_FILE as EXTERNAL_DATA_FILE
 from .transformer_pipeline import export_transformer_pipeline, float16_components
@@ -157,7 +158,7 @@ def export_sd3_pipeline(
     components = available if components is None else tuple(components)
     unknown = [name for name in components if name not in available]
     if unknown:
-        raise ValueError(f"components: expected names from {list(available)}, got {unknown}")
+        raise ArgumentError("components", f"expected names from {list(available)}, got {unknown}")
     return export_transformer_pipeline(
         pipe, target, sd3_component_specs(pipe), components, class_name=type(pipe).__name__,
         optimizer_model_types=SD3_OPTIMIZER_MODEL_TYPES, opset=opset, fp16=fp16,

@@ -29,6 +29,7 @@ from typing import Dict, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import ArgumentError, ArgumentTypeError
 from ..layout import (
     DOWN_RESIDUAL_INPUT,
     DOWN_RESIDUAL_OUTPUT,
@@ -190,7 +191,7 @@ def component_specs(pipe, vae=None) -> Dict[str, dict]:
     controlnets = controlnets_of(pipe)
     if controlnets:
         if xl:
-            raise ValueError("controlnet: only Stable Diffusion 1.x/2.x ControlNet pipelines export (not SDXL's)")
+            raise ArgumentError("controlnet", "only Stable Diffusion 1.x/2.x ControlNet pipelines export (not SDXL's)")
         image = torch.rand(2, controlnets[0].config.conditioning_channels, latent_size * vae_scale_factor,
                            latent_size * vae_scale_factor)
         with torch.no_grad():  # the residuals' shapes, for the example inputs of the UNet
@@ -232,7 +233,7 @@ def check_tiny_vae_fits(tiny_vae_config, unet_config) -> None:
     channels of the latents the UNet denoises; an inpainting UNet takes more in)."""
     mine, unet = tiny_vae_config.get("latent_channels"), unet_config.get("out_channels")
     if mine is not None and unet is not None and mine != unet:
-        raise ValueError(f"tiny_vae: expected a tiny VAE of {unet} latent channels (the UNet's), got one of {mine}; "
+        raise ArgumentError("tiny_vae", f"expected a tiny VAE of {unet} latent channels (the UNet's), got one of {mine}; "
                          "e.g. 'madebyollin/taesd' or 'madebyollin/taesdxl' have 4, for SD 1.x/2.x and SDXL")
 
 
@@ -242,10 +243,10 @@ def _with_controlnets(pipe, controlnet):
     from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
 
     if is_xl(pipe):
-        raise ValueError("controlnet: only Stable Diffusion 1.x/2.x pipelines export with a ControlNet (not SDXL)")
+        raise ArgumentError("controlnet", "only Stable Diffusion 1.x/2.x pipelines export with a ControlNet (not SDXL)")
     given = list(controlnet) if isinstance(controlnet, (list, tuple)) else [controlnet]
     if not given:
-        raise ValueError("controlnet: expected one or more ControlNets, got an empty list")
+        raise ArgumentError("controlnet", "expected one or more ControlNets, got an empty list")
     nets = []
     for k, item in enumerate(given):
         if isinstance(item, (str, os.PathLike)):
@@ -294,7 +295,7 @@ def export_unet_pipeline(pipe, target: Path, *, vae=None, controlnet=None, tiny_
 
             vae = AutoencoderKL.from_pretrained(os.fspath(vae), torch_dtype=torch.float32)
         if not hasattr(vae, "decode") or not hasattr(vae, "config"):
-            raise TypeError(f"vae: expected an AutoencoderKL or its folder or hub id, got {type(vae).__name__}")
+            raise ArgumentTypeError("vae", f"expected an AutoencoderKL or its folder or hub id, got {type(vae).__name__}")
         pipe.vae = vae
     if controlnet is not None:
         pipe = _with_controlnets(pipe, controlnet)
@@ -304,7 +305,7 @@ def export_unet_pipeline(pipe, target: Path, *, vae=None, controlnet=None, tiny_
     components = available if components is None else tuple(components)
     unknown = [c for c in components if c not in available]
     if unknown:
-        raise ValueError(f"components: expected names from {list(available)}, got {unknown}")
+        raise ArgumentError("components", f"expected names from {list(available)}, got {unknown}")
     specs = component_specs(pipe, vae=tiny_vae)
     with building_beside(target) as scratch:
         for name in tqdm(components, desc="export", unit="model", disable=not progress):

@@ -3,12 +3,21 @@ than one pipeline makes."""
 
 from __future__ import annotations
 
-from typing import Any, List, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
+from ..errors import ArgumentError
+
 Generator = Union[np.random.RandomState, torch.Generator, List[torch.Generator], None]
+# the kinds of a call's other arguments, named once for every family's signature
+Prompt = Union[str, List[str], None]
+Embeds = Optional[Union[torch.Tensor, np.ndarray]]
+Latents = Optional[Union[torch.Tensor, np.ndarray]]
+StepCallback = Optional[Callable[[int, int, torch.Tensor], None]]
+StepEndCallback = Optional[Callable[..., Dict[str, Any]]]
+TensorNames = Sequence[str]
 
 
 def is_torch_generator(generator: Any) -> bool:
@@ -30,5 +39,5 @@ def check_sequence_length(max_sequence_length: Any, maximum: int) -> None:
     """Refuses a T5 prompt length that is not an integer in ``[1, maximum]`` (diffusers' check_inputs refuses more
     than its pipeline's maximum), naming the argument."""
     if not is_integer(max_sequence_length) or not 1 <= max_sequence_length <= maximum:
-        raise ValueError(f"max_sequence_length: expected an integer in [1, {maximum}] (T5 tokens), got "
+        raise ArgumentError("max_sequence_length", f"expected an integer in [1, {maximum}] (T5 tokens), got "
                          f"{max_sequence_length!r}")

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Union
 
+from ..errors import ArgumentError, ArgumentPathError
 from ..layout import read_model_index, resolve_pipeline_folder
 from ..runtime.hub import load_graph
 from .components import names_of
@@ -46,17 +47,17 @@ def pipeline_class_for(folder: Union[str, os.PathLike]) -> type:
         return _transformer_pipeline_class(folder, transformer_path)
     unet_path = folder / "unet" / "model.onnx"
     if not unet_path.is_file():
-        raise FileNotFoundError(f"model: expected {str(unet_path)!r} (an ONNX Stable Diffusion folder), found none")
+        raise ArgumentPathError("model", f"expected {str(unet_path)!r} (an ONNX Stable Diffusion folder), found none")
     graph = load_graph(str(unet_path)).graph
     initializers = {init.name for init in graph.initializer}
     inputs = {value.name: value for value in graph.input if value.name not in initializers}
     if "text_embeds" in inputs or "time_ids" in inputs:
         if not (folder / "text_encoder").is_dir():
-            raise ValueError(f"model: {str(folder)!r} is an SDXL refiner (no text_encoder): it transforms images; use "
+            raise ArgumentError("model", f"{str(folder)!r} is an SDXL refiner (no text_encoder): it transforms images; use "
                              "OnnxStableDiffusionXLImg2ImgPipeline from Python")
         return OnnxStableDiffusionXLPipeline
     if "mid_block_additional_residual" in inputs:
-        raise ValueError(f"model: {str(folder)!r} is a ControlNet folder (its UNet takes the ControlNet's residuals): "
+        raise ArgumentError("model", f"{str(folder)!r} is a ControlNet folder (its UNet takes the ControlNet's residuals): "
                          "use OnnxStableDiffusionControlNetPipeline from Python with a control image")
     if "timestep_cond" in inputs:
         return OnnxLatentConsistencyModelPipeline
@@ -64,7 +65,7 @@ def pipeline_class_for(folder: Union[str, os.PathLike]) -> type:
     channels = sample.type.tensor_type.shape.dim[1].dim_value if sample is not None and len(
         sample.type.tensor_type.shape.dim) > 1 else 0
     if channels == 9:
-        raise ValueError(f"model: {str(folder)!r} is an inpainting model (its UNet takes 9 channels): use "
+        raise ArgumentError("model", f"{str(folder)!r} is an inpainting model (its UNet takes 9 channels): use "
                          "OnnxStableDiffusionInpaintPipeline from Python with an image and a mask")
     return OnnxStableDiffusionPipeline
 
@@ -77,5 +78,5 @@ def _transformer_pipeline_class(folder: Path, transformer_path: Path) -> type:
         return OnnxFluxPipeline
     if inputs == sorted(MMDIT_INPUTS):
         return OnnxStableDiffusion3Pipeline
-    raise ValueError(f"model: {str(folder)!r} has a transformer with inputs {inputs}, which no pipeline of this "
+    raise ArgumentError("model", f"{str(folder)!r} has a transformer with inputs {inputs}, which no pipeline of this "
                      f"version runs (Stable Diffusion 3's takes {list(MMDIT_INPUTS)}, FLUX.1's img_ids too)")

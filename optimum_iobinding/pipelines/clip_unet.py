@@ -5,9 +5,7 @@ runtime LoRA, and diffusers' ONNX model_index.json."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional, Union
-
-import torch
+from typing import List
 
 from ..layout import write_model_index
 from .components import module, onnx, tokenizer
@@ -32,19 +30,6 @@ class ClipUNetPipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
     model_cpu_offload_seq = "text_encoder->unet->vae_decoder"
     # the class a saved folder's model_index.json names: diffusers' ONNX pipeline, which loads it too
     index_class_name = "OnnxStableDiffusionPipeline"
-
-    def encode_prompt(
-        self,
-        prompt: Union[str, List[str], None],
-        num_images_per_prompt: int,
-        do_classifier_free_guidance: bool,
-        negative_prompt: Union[str, List[str], None] = None,
-        prompt_embeds: Optional[torch.Tensor] = None,
-        negative_prompt_embeds: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Text embeddings on ``self.device``: ``[negative; positive]`` when guiding, else positive only."""
-        return self.prompt.encode(prompt, num_images_per_prompt, do_classifier_free_guidance, negative_prompt,
-                                  prompt_embeds, negative_prompt_embeds)
 
     def write_model_index(self, target: Path, written: List[str]) -> None:
         write_model_index(target, type(self.scheduler).__name__, type(self.tokenizer).__name__, written,

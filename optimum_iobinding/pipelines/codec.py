@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from ..errors import ArgumentError
 from ..runtime.model import IOBindingORTModel
 from ..runtime.shapes import infer_output_shapes
 from .arguments import Generator, is_real, is_torch_generator
@@ -95,7 +96,7 @@ class LatentCodec:
         shapes = infer_output_shapes(decoder, {"latent_sample": (1, channels, 8, 8)})
         image_shape = next(iter(shapes.values()))
         if image_shape is None:
-            raise ValueError("vae_decoder: cannot tell its upsampling factor: no config.json and its output shape "
+            raise ArgumentError("vae_decoder", "cannot tell its upsampling factor: no config.json and its output shape "
                              "is not inferable")
         return image_shape[2] // 8
 
@@ -144,7 +145,7 @@ class LatentCodec:
         parameters: sampled here with ``generator`` (its mean for a numpy generator)."""
         encoder, device = self.encoder, self.pipe.device
         if encoder is None:
-            raise ValueError("vae_encoder: this pipeline needs one, and the folder has no vae_encoder/model.onnx")
+            raise ArgumentError("vae_encoder", "this pipeline needs one, and the folder has no vae_encoder/model.onnx")
         tiler = self.tiler
         if tiler is not None and max(image.shape[-2:]) > tiler.tile_sample_size:
             latents = torch.cat([tiler.encode(image[i : i + 1]) for i in range(image.shape[0])])

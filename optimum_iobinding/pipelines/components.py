@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
+from ..errors import ArgumentError, ArgumentPathError, ArgumentTypeError
 from ..layout import download_from_hub, load_scheduler, load_tokenizer, read_model_index
 from ..runtime.model import IOBindingORTModel
 from ..runtime.options import PipelineOptions
@@ -99,7 +100,7 @@ def check_component_kind(name: str, model: Any) -> None:
     found = component_kind(declared)
     looks = f"{found}, not {kind}" if found is not None and found != kind else "not a model the pipeline can feed"
     where = f"{model.model_path!r}" if model.model_path else "the model"
-    raise ValueError(f"{name}: expected {kind} (inputs {list(expected)}{' and more' if name == 'unet' else ''}), got a "
+    raise ArgumentError(name, f"expected {kind} (inputs {list(expected)}{' and more' if name == 'unet' else ''}), got a "
                      f"model with inputs {declared} and "
                      f"outputs {model.output_names}: {where} is {looks}; put the right model.onnx in the {name} "
                      "folder")
@@ -110,10 +111,10 @@ def check_replacement(name: str, value: Any) -> None:
     the scheduler a diffusers scheduler; refused by name otherwise, before anything loads."""
     if name == "scheduler":
         if not all(hasattr(value, method) for method in ("set_timesteps", "step")):
-            raise TypeError(f"scheduler: expected a diffusers scheduler (with set_timesteps and step), got "
+            raise ArgumentTypeError("scheduler", f"expected a diffusers scheduler (with set_timesteps and step), got "
                             f"{type(value).__name__} {value!r:.80}")
     elif not (callable(value) and hasattr(value, "model_max_length")):
-        raise TypeError(f"{name}: expected a transformers tokenizer (callable, with a model_max_length), got "
+        raise ArgumentTypeError(name, f"expected a transformers tokenizer (callable, with a model_max_length), got "
                         f"{type(value).__name__} {value!r:.80}")
 
 
@@ -131,7 +132,7 @@ def load_components(folder: Path, model_folders: Dict[str, Path], declared: Sequ
     for name in order:
         path = model_folders[name] / "model.onnx"
         if name not in optional and not path.is_file():
-            raise FileNotFoundError(f"pretrained_model_name_or_path: component {name!r} is missing: expected "
+            raise ArgumentPathError("pretrained_model_name_or_path", f"component {name!r} is missing: expected "
                                     f"{path}{missing_hint if name == must_capture else ''}")
     index = read_model_index(folder, tuple(model_folders))
     components: Dict[str, Any] = {}
@@ -175,7 +176,7 @@ def tiny_vae_folder(tiny_vae: Union[str, os.PathLike], **hub_kwargs: Any) -> Pat
                                    **hub_kwargs)
     missing = [f"{name}/model.onnx" for name in TINY_VAE_COMPONENTS if not (folder / name / "model.onnx").is_file()]
     if missing:
-        raise FileNotFoundError(f"tiny_vae: expected an AutoencoderTiny export holding vae_encoder/model.onnx and "
+        raise ArgumentPathError("tiny_vae", f"expected an AutoencoderTiny export holding vae_encoder/model.onnx and "
                                 f"vae_decoder/model.onnx, got {str(folder)!r} without {' and '.join(missing)}")
     return folder
 
@@ -201,7 +202,7 @@ def check_latent_channels(vae_encoder: IOBindingORTModel, vae_decoder: IOBinding
         found["vae_encoder"] = shape[1] // halves
     for name, channels in found.items():
         if channels is not None and channels != expected:
-            raise ValueError(f"{where}: expected a VAE with {expected} latent channels (the UNet's sample channels), "
+            raise ArgumentError(where, f"expected a VAE with {expected} latent channels (the UNet's sample channels), "
                              f"got {channels} in its {name}; use a tiny VAE trained for this model's latent space "
                              "(madebyollin/taesd for SD 1.x/2.x)")
 

@@ -19,15 +19,16 @@ import numpy as np
 import torch
 from diffusers.image_processor import VaeImageProcessor
 
+from ..errors import ArgumentError, ArgumentTypeError
 from ..layout import DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT, controlnet_component_names, write_model_index
 from ..runtime.model import IOBindingORTModel
 from ..runtime.shapes import infer_output_shapes
-from .arguments import Generator, is_real
+from .arguments import Embeds, Generator, Latents, Prompt, StepCallback, StepEndCallback, TensorNames, is_real
 from .clip_unet import STABLE_DIFFUSION_COMPONENTS, ClipUNetPipeline
 from .components import declared_dim, names_of, onnx
 from .core import on_device_stream
 from .denoisers import UNetDenoiser, timestep_inputs
-from .img2img import ImageInput, expand_to_batch
+from .img2img import ImageInput
 from .transfer import upload
 
 _EXTRA_CONTROLNET = re.compile(r"controlnet_([1-9][0-9]*)")
@@ -47,13 +48,13 @@ class ControlNetUNet(UNetDenoiser):
         declared = self.model.input_names
         missing = [name for name in expected if name not in declared]
         if missing:
-            raise ValueError(f"unet: a ControlNet pipeline needs the UNet exported with its ControlNet (inputs "
+            raise ArgumentError("unet", f"a ControlNet pipeline needs the UNet exported with its ControlNet (inputs "
                              f"{expected[0]} … {expected[-1]}); this folder's UNet takes {declared}, so it is not "
                              "the UNet of this ControlNet. Export the pipeline with optimum-iobinding export MODEL "
                              "--controlnet ID (or export_pipeline(..., controlnet=...))")
         unexpected = [name for name in declared if name not in ["sample", "timestep", "encoder_hidden_states", *expected]]
         if unexpected:
-            raise ValueError(f"unet: expected inputs sample, timestep, encoder_hidden_states and {expected}, got "
+            raise ArgumentError("unet", f"expected inputs sample, timestep, encoder_hidden_states and {expected}, got "
                              f"{declared} (an SDXL or LCM ControlNet UNet is not supported)")
         for k, net in enumerate(self.pipe.controlnets):
             if len(net.output_names) != len(expected):
@@ -73,7 +74,7 @@ class ControlNetPipeline(ClipUNetPipeline):
     def __init__(self, **components: Any):
         controlnet = components.get("controlnet")
         if controlnet is None:
-            raise ValueError("controlnet: this pipeline needs a ControlNet; the folder has no controlnet/model.onnx "
+            raise ArgumentError("controlnet", "this pipeline needs a ControlNet; the folder has no controlnet/model.onnx "
                              "(export one with optimum-iobinding export MODEL --controlnet ID)")
         more = {name: value for name, value in components.items() if name.startswith("controlnet_")}
         wrong = sorted(name for name in more if not _EXTRA_CONTROLNET.fullmatch(name))
@@ -101,9 +102,14 @@ class ControlNetPipeline(ClipUNetPipeline):
         numbers = sorted(int(match.group(1)) for entry in Path(folder).iterdir()
                          if (match := _EXTRA_CONTROLNET.fullmatch(entry.name)) and (entry / "model.onnx").is_file())
         if numbers != list(range(1, len(numbers) + 1)):
-            raise ValueError(f"pretrained_model_name_or_path: expected ControlNet folders controlnet, controlnet_1, "
+            raise ArgumentError("pretrained_model_name_or_path", f"expected ControlNet folders controlnet, controlnet_1, "
                              f"controlnet_2 … without gaps, got controlnet_{numbers} in {str(folder)!r}")
         return (*names_of(STABLE_DIFFUSION_COMPONENTS, "onnx"), *controlnet_component_names(len(numbers) + 1))
+
+    def blank_control_images(self, height: int, width: int) -> Any:
+        """A blank control image of this size for each ControlNet (a warm-up's)."""
+        image = torch.zeros(1, 3, height, width)
+        return image if len(self.controlnets) == 1 else [image] * len(self.controlnets)
 
     @property
     def control_image_processor(self) -> VaeImageProcessor:
@@ -116,9 +122,9 @@ class ControlNetPipeline(ClipUNetPipeline):
         count = len(self.controlnets)
         values = list(value) if isinstance(value, (list, tuple)) else [value] * count
         if len(values) != count:
-            raise ValueError(f"{name}: expected {count} values (one per ControlNet), got {len(values)}")
+            raise ArgumentError(name, f"expected {count} values (one per ControlNet), got {len(values)}")
         if not values or not all(check(v) for v in values):
-            raise ValueError(f"{name}: expected {expected}, got {value!r}")
+            raise ArgumentError(name, f"expected {expected}, got {value!r}")
         return values
 
     def check_control_arguments(self, conditioning_scale: Any, guidance_start: Any, guidance_end: Any
@@ -131,7 +137,7 @@ class ControlNetPipeline(ClipUNetPipeline):
                              "numbers in [0, 1]")
         for k, (start, end) in enumerate(zip(starts, ends)):
             if start >= end:
-                raise ValueError(f"control_guidance_start: expected each start below its end, got start {start} and "
+                raise ArgumentError("control_guidance_start", f"expected each start below its end, got start {start} and "
                                  f"end {end} for ControlNet {k}")
         return [float(s) for s in scales], [float(s) for s in starts], [float(e) for e in ends]
 
@@ -139,11 +145,11 @@ class ControlNetPipeline(ClipUNetPipeline):
         """One control image (or list of images, one per prompt) per ControlNet."""
         count = len(self.controlnets)
         if image is None:
-            raise ValueError(f"{name}: expected a control image (PIL, numpy or a float tensor in [0, 1]), got None")
+            raise ArgumentError(name, "expected a control image (PIL, numpy or a float tensor in [0, 1]), got None")
         if count == 1:
             return [image]
         if not isinstance(image, (list, tuple)) or len(image) != count:
-            raise ValueError(f"{name}: expected a list of {count} control images (one per ControlNet), got "
+            raise ArgumentError(name, f"expected a list of {count} control images (one per ControlNet), got "
                              f"{type(image).__name__}{f' of {len(image)}' if isinstance(image, (list, tuple)) else ''}")
         return list(image)
 
@@ -161,10 +167,10 @@ class ControlNetPipeline(ClipUNetPipeline):
             else:
                 continue  # PIL: converted to RGB by the image processor
             if got != channels or item.ndim > 4:
-                raise ValueError(f"{label}: expected a control image with {channels} channels in the layout {layout}, "
+                raise ArgumentError(label, f"expected a control image with {channels} channels in the layout {layout}, "
                                  f"got shape {tuple(item.shape)}")
             if isinstance(item, torch.Tensor) and not item.dtype.is_floating_point:
-                raise TypeError(f"{label}: expected a float tensor in [0, 1], got dtype {item.dtype}")
+                raise ArgumentTypeError(label, f"expected a float tensor in [0, 1], got dtype {item.dtype}")
 
     def prepare_control_image(self, image: Any, name: str, height: Optional[int], width: Optional[int],
                               batch_size: int, num_images_per_prompt: int, do_classifier_free_guidance: bool,
@@ -179,16 +185,16 @@ class ControlNetPipeline(ClipUNetPipeline):
         try:
             tensor = self.control_image_processor.preprocess(image, height=height, width=width).to(torch.float32)
         except (ValueError, TypeError) as error:
-            raise ValueError(f"{name}: {error}") from error
+            raise ArgumentError(name, f"{error}") from error
         try:
             self.check_size(*tensor.shape[-2:])
         except ValueError as error:
-            raise ValueError(f"{name}: a control image of {tensor.shape[-2]} × {tensor.shape[-1]} (after rounding "
+            raise ArgumentError(name, f"a control image of {tensor.shape[-2]} × {tensor.shape[-1]} (after rounding "
                              f"down to the VAE factor {self.vae_scale_factor}) cannot be used: {error}; resize it or "
                              "give height and width") from None
         images = batch_size * num_images_per_prompt
         if tensor.shape[0] not in (1, batch_size):
-            raise ValueError(f"{name}: expected 1 control image or {batch_size} (one per prompt), got "
+            raise ArgumentError(name, f"expected 1 control image or {batch_size} (one per prompt), got "
                              f"{tensor.shape[0]}")
         tensor = tensor.repeat_interleave(images if tensor.shape[0] == 1 else num_images_per_prompt, dim=0)
         tensor = tensor.to(device=self.device, dtype=net.input_dtypes["controlnet_cond"])
@@ -207,7 +213,7 @@ class ControlNetPipeline(ClipUNetPipeline):
             prepared.append(self.prepare_control_image(item, label, height, width, batch_size, num_images_per_prompt,
                                                        do_classifier_free_guidance, guess_mode, net))
             if k and tuple(prepared[k].shape[-2:]) != tuple(prepared[0].shape[-2:]):
-                raise ValueError(f"{label}: expected a control image of {prepared[0].shape[-2]} × "
+                raise ArgumentError(label, f"expected a control image of {prepared[0].shape[-2]} × "
                                  f"{prepared[0].shape[-1]} like {name}[0] (or give height and width), got "
                                  f"{prepared[k].shape[-2]} × {prepared[k].shape[-1]}")
         return prepared
@@ -289,12 +295,12 @@ class ControlNetPipeline(ClipUNetPipeline):
         })
         result = list(shapes.values())
         if any(shape is None for shape in result):
-            raise ValueError("controlnet: its residuals' shapes depend on the input data; cannot make zero residuals")
+            raise ArgumentError("controlnet", "its residuals' shapes depend on the input data; cannot make zero residuals")
         return result
 
     def _controlnet_guess_mode(self, guess_mode: bool) -> bool:
         if not isinstance(guess_mode, (bool, np.bool_)):
-            raise TypeError(f"guess_mode: expected True or False, got {guess_mode!r}")
+            raise ArgumentTypeError("guess_mode", f"expected True or False, got {guess_mode!r}")
         return bool(guess_mode) or bool(self.controlnets[0].config.get("global_pool_conditions", False))
 
 
@@ -303,40 +309,29 @@ class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):
     ``StableDiffusionControlNetPipeline`` call arguments (``image``, ``controlnet_conditioning_scale``,
     ``guess_mode``, ``control_guidance_start``/``control_guidance_end``; lists for multi-ControlNet)."""
 
-    def warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int,
-                    **call_arguments: Any) -> None:
-        image = torch.zeros(1, 3, height, width)
-        self(prompt=[""] * batch_size, image=image if len(self.controlnets) == 1 else [image] * len(self.controlnets),
-             num_inference_steps=steps, guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0),
-             output_type="np")
+    def warmup_images(self, height: int, width: int) -> Dict[str, Any]:
+        return {"image": self.blank_control_images(height, width)}
 
-    @torch.no_grad()
     @on_device_stream
     def __call__(
         self,
-        prompt: Union[str, List[str], None] = None,
+        prompt: Prompt = None,
         image: ImageInput = None,
-        height: Optional[int] = None,
-        width: Optional[int] = None,
+        height: Optional[int] = None, width: Optional[int] = None,
         num_inference_steps: int = 50,
         guidance_scale: float = 7.5,
-        negative_prompt: Union[str, List[str], None] = None,
+        negative_prompt: Prompt = None,
         num_images_per_prompt: int = 1,
-        eta: float = 0.0,
-        generator: Generator = None,
-        latents: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        negative_prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        output_type: str = "pil",
-        return_dict: bool = True,
+        eta: float = 0.0, generator: Generator = None,
+        latents: Latents = None,
+        prompt_embeds: Embeds = None, negative_prompt_embeds: Embeds = None,
+        output_type: str = "pil", return_dict: bool = True,
         controlnet_conditioning_scale: Union[float, List[float]] = 1.0,
         guess_mode: bool = False,
         control_guidance_start: Union[float, List[float]] = 0.0,
         control_guidance_end: Union[float, List[float]] = 1.0,
-        callback: Optional[Callable[[int, int, torch.Tensor], None]] = None,
-        callback_steps: int = 1,
-        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
-        callback_on_step_end_tensor_inputs: List[str] = ("latents",),
+        callback: StepCallback = None, callback_steps: int = 1,
+        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
     ):
         """Generates images from text guided by control images, with the arguments of diffusers'
         ``StableDiffusionControlNetPipeline``.
@@ -373,12 +368,8 @@ class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):
 
         # 3. timesteps and initial noise
         timesteps = self.set_timesteps(num_inference_steps)
-        if hasattr(self.scheduler, "set_begin_index"):
-            self.scheduler.set_begin_index(0)
-        latents_shape = (batch_size * num_images_per_prompt, self.latent_channels,
-                         height // self.vae_scale_factor, width // self.vae_scale_factor)
-        latents = self.prepare_latents(latents_shape, prompt_embeds.dtype, generator, latents)
-        latents = latents * self.scheduler.init_noise_sigma
+        latents = self.initial_noise(batch_size * num_images_per_prompt, height, width, prompt_embeds.dtype,
+                                     generator, latents)
 
         # 4. denoising loop, the ControlNets' residuals made each step: every tensor stays on self.device
         residuals = self.controlnet_step_inputs(images, timesteps, scales, starts, ends, guess_mode,
@@ -400,42 +391,31 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(ControlNetPipeline):
 
     encodes_images = True
 
-    def warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int,
-                    **call_arguments: Any) -> None:
-        image = torch.zeros(1, 3, height, width)
-        self(prompt=[""] * batch_size, image=image,
-             control_image=image if len(self.controlnets) == 1 else [image] * len(self.controlnets), strength=1.0,
-             num_inference_steps=steps, guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0),
-             output_type="np")
+    def warmup_images(self, height: int, width: int) -> Dict[str, Any]:
+        return {"image": torch.zeros(1, 3, height, width), "control_image": self.blank_control_images(height, width),
+                "strength": 1.0}
 
-    @torch.no_grad()
     @on_device_stream
     def __call__(
         self,
-        prompt: Union[str, List[str], None] = None,
+        prompt: Prompt = None,
         image: ImageInput = None,
         control_image: ImageInput = None,
-        height: Optional[int] = None,
-        width: Optional[int] = None,
+        height: Optional[int] = None, width: Optional[int] = None,
         strength: float = 0.8,
         num_inference_steps: int = 50,
         guidance_scale: float = 7.5,
-        negative_prompt: Union[str, List[str], None] = None,
+        negative_prompt: Prompt = None,
         num_images_per_prompt: int = 1,
-        eta: float = 0.0,
-        generator: Generator = None,
-        prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        negative_prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        output_type: str = "pil",
-        return_dict: bool = True,
+        eta: float = 0.0, generator: Generator = None,
+        prompt_embeds: Embeds = None, negative_prompt_embeds: Embeds = None,
+        output_type: str = "pil", return_dict: bool = True,
         controlnet_conditioning_scale: Union[float, List[float]] = 0.8,
         guess_mode: bool = False,
         control_guidance_start: Union[float, List[float]] = 0.0,
         control_guidance_end: Union[float, List[float]] = 1.0,
-        callback: Optional[Callable[[int, int, torch.Tensor], None]] = None,
-        callback_steps: int = 1,
-        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
-        callback_on_step_end_tensor_inputs: List[str] = ("latents",),
+        callback: StepCallback = None, callback_steps: int = 1,
+        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
     ):
         """Transforms ``image`` as ``prompt`` says, guided by ``control_image``, with the arguments of diffusers'
         ``StableDiffusionControlNetImg2ImgPipeline`` (``controlnet_conditioning_scale`` defaults to 0.8 there too).
@@ -446,17 +426,15 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(ControlNetPipeline):
                                                              control_guidance_end)
         guess_mode = self._controlnet_guess_mode(guess_mode)
         if image is None:
-            raise ValueError("image: expected an image to start from, got None")
+            raise ArgumentError("image", "expected an image to start from, got None")
         if prompt is None and prompt_embeds is None:
-            raise ValueError("prompt and prompt_embeds: expected one of them, got neither")
+            raise ArgumentError("prompt and prompt_embeds", "expected one of them, got neither")
         if prompt is not None and not isinstance(prompt, (str, list)):
-            raise TypeError(f"prompt: expected a str or a list of str, got {type(prompt).__name__}")
+            raise ArgumentTypeError("prompt", f"expected a str or a list of str, got {type(prompt).__name__}")
         if height is not None or width is not None:
             self.check_size(height or width, width or height)
-        self.check_image(image, "image", resized=height is not None and width is not None)
-        start_image = self.image_processor.preprocess(image, height=height, width=width).to(torch.float32)
+        start_image = self.start_image(image, height, width)
         height, width = start_image.shape[-2:]
-        self.check_image_size(height, width, "image")
         self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
                           prompt_embeds, negative_prompt_embeds, output_type, strength,
                           guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt,
@@ -473,10 +451,8 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(ControlNetPipeline):
 
         # 3. timesteps for this strength; the image's latents noised to the first of them
         timesteps = self.strength_timesteps(num_inference_steps, strength)
-        image_latents = self.encode_image(start_image, generator).to(prompt_embeds.dtype)
-        image_latents = expand_to_batch(image_latents, batch_size, num_images_per_prompt, "image")
-        noise = self.prepare_latents(tuple(image_latents.shape), prompt_embeds.dtype, generator)
-        latents = self.scheduler.add_noise(image_latents, noise, timesteps[:1].repeat(image_latents.shape[0]))
+        latents = self.noised_image_latents(start_image, timesteps, generator, batch_size, num_images_per_prompt,
+                                            prompt_embeds.dtype)
 
         # 4. denoising loop, the ControlNets' residuals made each step: every tensor stays on self.device
         residuals = self.controlnet_step_inputs(images, timesteps, scales, starts, ends, guess_mode,

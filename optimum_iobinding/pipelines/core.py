@@ -25,6 +25,7 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.stable_diffusion import StableDiffusionPipelineOutput
 from diffusers.utils.torch_utils import randn_tensor
 
+from ..errors import ArgumentError, ArgumentTypeError
 from ..layout import building_beside, check_output_folder, resolve_pipeline_folder, save_tokenizer
 from ..runtime.cuda_policy import DEVICE_SETUP
 from ..runtime.hub import check_hub_kwargs
@@ -83,13 +84,13 @@ class CallGuard:
 
 
 def on_device_stream(method: Callable) -> Callable:
-    """Runs a pipeline method under its :class:`CallGuard`, on the pipeline's CUDA stream, ordered after the caller's
-    stream and before its next work (no host wait); off CUDA it just calls. The first call starts every component's
-    session building (:meth:`OnnxDiffusionPipeline.prepare_sessions`)."""
+    """Runs a pipeline method without autograd (``torch.no_grad``), under its :class:`CallGuard`, on the pipeline's
+    CUDA stream, ordered after the caller's stream and before its next work (no host wait); off CUDA it just calls.
+    The first call starts every component's session building (:meth:`OnnxDiffusionPipeline.prepare_sessions`)."""
 
     @functools.wraps(method)
     def on_stream(self: "OnnxDiffusionPipeline", *args: Any, **kwargs: Any) -> Any:
-        with self.call_guard:
+        with self.call_guard, torch.no_grad():
             self.prepare_sessions()
             stream = self.stream
             if stream is None:
@@ -146,9 +147,10 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         unexpected = sorted(set(components) - set(names) - {"scheduler"} - set(self.settings))
         if unexpected:
             raise TypeError(f"{type(self).__name__}: unexpected arguments {unexpected}")
-        required = [c.name for c in self.declared_components if not c.optional and c.name not in components]
-        if required or "scheduler" not in components:
-            raise TypeError(f"{type(self).__name__}: missing components {required + ['scheduler'] * ('scheduler' not in components)}")
+        missing = [c.name for c in self.declared_components if not c.optional and c.name not in components]
+        missing += [] if "scheduler" in components else ["scheduler"]
+        if missing:
+            raise TypeError(f"{type(self).__name__}: missing components {missing}")
         self.register_modules(**{name: components.get(name) for name in (*names, "scheduler")})
         if self.settings:
             self.register_to_config(**{key: components.get(key, default) for key, default in self.settings.items()})
@@ -187,11 +189,9 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
 
     @classmethod
     def _get_signature_keys(cls, obj: Any) -> Tuple[List[str], List[str]]:
-        """diffusers' view of the components (``pipe.components``): the declared ones, the scheduler and the
-        settings."""
-        declared = obj.declared_components
-        optional = [c.name for c in declared if c.optional]
-        return sorted({*names_of(declared), "scheduler"} - set(optional)), [*optional, *cls.settings]
+        """diffusers' view of the components (``pipe.components``): the declared ones (optional ones included) and
+        the scheduler are the modules; the settings are the optional parameters."""
+        return sorted({*names_of(obj.declared_components), "scheduler"}), sorted(cls.settings)
 
     @property
     def component_kinds(self) -> Dict[str, str]:
@@ -257,6 +257,12 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
     def sessions_created(self) -> int:
         """ORT sessions created so far by all components (a warmed-up service creates no more)."""
         return sum(model.sessions_created for model in self.onnx_models.values())
+
+    @property
+    def encode_prompt(self) -> Callable[..., Any]:
+        """diffusers' ``encode_prompt`` with the family's arguments: its prompt part's ``encode`` (see
+        :mod:`.prompts`), whose embeddings are on ``self.device``."""
+        return self.prompt.encode
 
     def image_to_image(self) -> Optional["OnnxDiffusionPipeline"]:
         """This pipeline's image-to-image sibling on the same components (no second copy of any model), or ``None``
@@ -340,10 +346,11 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
     @classmethod
     def missing_denoiser_hint(cls, folder: Path) -> str:
         """What a folder without this family's denoiser is instead (for the error)."""
-        other = {"unet": "transformer", "transformer": "unet"}.get(cls.denoiser_component())
-        if other is not None and (folder / other / "model.onnx").is_file():
-            return (f"{cls.folder_description}; {str(folder)!r} holds a {other}: a folder of another family, for the "
-                    "pipeline pipeline_class_for picks")
+        others = {"unet": "a UNet: a Stable Diffusion folder", "transformer": "a diffusion transformer: an SD3 or FLUX.1 "
+                  "folder"}
+        for name, what in others.items():
+            if name != cls.denoiser_component() and (folder / name / "model.onnx").is_file():
+                return f"{cls.folder_description}; {str(folder)!r} holds {what}, for the pipeline pipeline_class_for picks"
         return cls.folder_description
 
     def save_pretrained(self, save_directory: Union[str, os.PathLike], overwrite: bool = False) -> None:
@@ -405,20 +412,20 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         what came."""
         check_callback_arguments(callback_on_step_end, callback_on_step_end_tensor_inputs)
         if strength is not None and (not is_real(strength) or not 0.0 <= strength <= 1.0):
-            raise ValueError(f"strength: expected a value in [0, 1], got {strength!r}")
+            raise ArgumentError("strength", f"expected a value in [0, 1], got {strength!r}")
         if guidance_scale is not None and (not is_real(guidance_scale) or not math.isfinite(guidance_scale)):
-            raise ValueError(f"guidance_scale: expected a finite number, got {guidance_scale!r}")
+            raise ArgumentError("guidance_scale", f"expected a finite number, got {guidance_scale!r}")
         if not is_integer(num_images_per_prompt) or num_images_per_prompt < 1:
-            raise ValueError(f"num_images_per_prompt: expected a positive integer, got {num_images_per_prompt!r}")
+            raise ArgumentError("num_images_per_prompt", f"expected a positive integer, got {num_images_per_prompt!r}")
         self.check_size(height, width)
         if not is_integer(num_inference_steps) or num_inference_steps <= 0:
-            raise ValueError(f"num_inference_steps: expected a positive integer, got {num_inference_steps!r}")
+            raise ArgumentError("num_inference_steps", f"expected a positive integer, got {num_inference_steps!r}")
         train_steps = getattr(self.scheduler.config, "num_train_timesteps", None)
         if train_steps and num_inference_steps > train_steps:
-            raise ValueError(f"num_inference_steps: expected at most {train_steps} (the scheduler's "
+            raise ArgumentError("num_inference_steps", f"expected at most {train_steps} (the scheduler's "
                              f"num_train_timesteps), got {num_inference_steps}")
         if isinstance(prompt, list) and not prompt:
-            raise ValueError("prompt: expected a str or a non-empty list of str, got an empty list")
+            raise ArgumentError("prompt", "expected a str or a non-empty list of str, got an empty list")
         for name, texts in (("prompt", prompt), ("negative_prompt", negative_prompt)):
             if isinstance(texts, list):
                 wrong = next((i for i, item in enumerate(texts) if not isinstance(item, str)), None)
@@ -429,32 +436,32 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
             if embeds is not None:
                 self.check_embeds(name, embeds, 3, "(batch, sequence, hidden)", "encoder_hidden_states")
         if output_type not in ("pil", "np", "pt", "latent"):
-            raise ValueError(f"output_type: expected 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
+            raise ArgumentError("output_type", f"expected 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
         if not isinstance(num_inference_steps, int) or num_inference_steps <= 0:
-            raise ValueError(f"num_inference_steps: expected a positive integer, got {num_inference_steps!r}")
+            raise ArgumentError("num_inference_steps", f"expected a positive integer, got {num_inference_steps!r}")
         if callback_steps is not None and (not isinstance(callback_steps, int) or callback_steps <= 0):
-            raise ValueError(f"callback_steps: expected a positive integer, got {callback_steps!r}")
+            raise ArgumentError("callback_steps", f"expected a positive integer, got {callback_steps!r}")
         if prompt is not None and prompt_embeds is not None:
-            raise ValueError("prompt and prompt_embeds: expected one of them, got both")
+            raise ArgumentError("prompt and prompt_embeds", "expected one of them, got both")
         if prompt is None and prompt_embeds is None:
-            raise ValueError("prompt and prompt_embeds: expected one of them, got neither")
+            raise ArgumentError("prompt and prompt_embeds", "expected one of them, got neither")
         if prompt is not None and not isinstance(prompt, (str, list)):
-            raise TypeError(f"prompt: expected a str or a list of str, got {type(prompt).__name__}")
+            raise ArgumentTypeError("prompt", f"expected a str or a list of str, got {type(prompt).__name__}")
         if negative_prompt is not None and negative_prompt_embeds is not None:
-            raise ValueError("negative_prompt and negative_prompt_embeds: expected at most one of them, got both")
+            raise ArgumentError("negative_prompt and negative_prompt_embeds", "expected at most one of them, got both")
         if isinstance(prompt, list) and isinstance(negative_prompt, list) and len(prompt) != len(negative_prompt):
-            raise ValueError(f"negative_prompt: expected a list of {len(prompt)} (as many as prompt), "
+            raise ArgumentError("negative_prompt", f"expected a list of {len(prompt)} (as many as prompt), "
                              f"got {len(negative_prompt)}")
         if negative_prompt is not None and prompt is not None and type(prompt) is not type(negative_prompt):
-            raise TypeError(f"negative_prompt: expected a {type(prompt).__name__} like prompt, "
+            raise ArgumentTypeError("negative_prompt", f"expected a {type(prompt).__name__} like prompt, "
                             f"got {type(negative_prompt).__name__}")
         if prompt_embeds is not None and negative_prompt_embeds is not None and \
                 tuple(prompt_embeds.shape) != tuple(negative_prompt_embeds.shape):
-            raise ValueError(f"negative_prompt_embeds: expected shape {tuple(prompt_embeds.shape)} like "
+            raise ArgumentError("negative_prompt_embeds", f"expected shape {tuple(prompt_embeds.shape)} like "
                              f"prompt_embeds, got {tuple(negative_prompt_embeds.shape)}")
         if prompt is not None and negative_prompt_embeds is not None and \
                 negative_prompt_embeds.shape[0] != self.batch_size_of(prompt, None):
-            raise ValueError(f"negative_prompt_embeds: expected {self.batch_size_of(prompt, None)} rows (one per "
+            raise ArgumentError("negative_prompt_embeds", f"expected {self.batch_size_of(prompt, None)} rows (one per "
                              f"prompt), got shape {tuple(negative_prompt_embeds.shape)}")
 
     def check_embeds(self, name: str, embeds: Any, rank: int, layout: str, unet_input: str) -> None:
@@ -467,20 +474,20 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
             dtype, floating = embeds.dtype, embeds.dtype.is_floating_point
         else:
             kind = f"a {str(embeds.layout)[6:]} tensor" if isinstance(embeds, torch.Tensor) else type(embeds).__name__
-            raise TypeError(f"{name}: expected a dense torch.Tensor or numpy array {layout}, got {kind}")
+            raise ArgumentTypeError(name, f"expected a dense torch.Tensor or numpy array {layout}, got {kind}")
         if not floating:
-            raise TypeError(f"{name}: expected a float tensor (the text encoder's output), got dtype {dtype}")
+            raise ArgumentTypeError(name, f"expected a float tensor (the text encoder's output), got dtype {dtype}")
         if embeds.ndim != rank:
-            raise ValueError(f"{name}: expected shape {layout}, got {tuple(embeds.shape)}")
+            raise ArgumentError(name, f"expected shape {layout}, got {tuple(embeds.shape)}")
         if 0 in embeds.shape:
-            raise ValueError(f"{name}: expected a non-empty tensor {layout}, got shape {tuple(embeds.shape)}")
+            raise ArgumentError(name, f"expected a non-empty tensor {layout}, got shape {tuple(embeds.shape)}")
         denoiser = "UNet" if self.denoiser.component == "unet" else self.denoiser.component
         declared = self.denoiser.model.input_dims.get(unet_input) or []
         if len(declared) == rank and isinstance(declared[-1], int) and embeds.shape[-1] != declared[-1]:
-            raise ValueError(f"{name}: expected hidden size {declared[-1]} (the width of the {denoiser}'s "
+            raise ArgumentError(name, f"expected hidden size {declared[-1]} (the width of the {denoiser}'s "
                              f"{unet_input}), got {embeds.shape[-1]} (shape {tuple(embeds.shape)})")
         if rank == 3 and len(declared) == 3 and isinstance(declared[1], int) and embeds.shape[1] != declared[1]:
-            raise ValueError(f"{name}: expected sequence length {declared[1]} (the {denoiser}'s {unet_input}), got "
+            raise ArgumentError(name, f"expected sequence length {declared[1]} (the {denoiser}'s {unet_input}), got "
                              f"{embeds.shape[1]} (shape {tuple(embeds.shape)})")
 
     @staticmethod
@@ -491,17 +498,17 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         if texts is None:
             return None
         if not isinstance(texts, (str, list)):
-            raise TypeError(f"{name}: expected a str or a list of str, got {type(texts).__name__} {texts!r}")
+            raise ArgumentTypeError(name, f"expected a str or a list of str, got {type(texts).__name__} {texts!r}")
         if isinstance(texts, list):
             if not texts:
-                raise ValueError(f"{name}: expected a str or a non-empty list of str, got an empty list")
+                raise ArgumentError(name, "expected a str or a non-empty list of str, got an empty list")
             wrong = next((i for i, item in enumerate(texts) if not isinstance(item, str)), None)
             if wrong is not None:
                 raise TypeError(f"{name}[{wrong}]: expected a str, got {type(texts[wrong]).__name__} "
                                 f"{texts[wrong]!r}")
         given = 1 if isinstance(texts, str) else len(texts)
         if count is not None and given != count and not (broadcast and isinstance(texts, str)):
-            raise ValueError(f"{name}: expected {count} prompt{'s' if count > 1 else ''} (as many as prompt), got "
+            raise ArgumentError(name, f"expected {count} prompt{'s' if count > 1 else ''} (as many as prompt), got "
                              f"{given}")
         return given
 
@@ -520,7 +527,7 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         allowed = () if mask else self.codec.image_channels() if channels is None else channels
         items = image if isinstance(image, list) else [image]
         if not items:
-            raise ValueError(f"{name}: expected an image or a non-empty list of images, got an empty list")
+            raise ArgumentError(name, "expected an image or a non-empty list of images, got an empty list")
         sizes = []
         for index, item in enumerate(items):
             label = f"{name}[{index}]" if isinstance(image, list) else name
@@ -532,7 +539,7 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
                           else "(channels, height, width)")
                 if not (2 if mask else 3) <= len(shape) <= 4:
                     also = " or (height, width)" if mask else ""
-                    raise ValueError(f"{label}: expected an image of shape {layout}{also}, or a batch of them, got "
+                    raise ArgumentError(label, f"expected an image of shape {layout}{also}, or a batch of them, got "
                                      f"shape {shape}")
                 if isinstance(item, np.ndarray):
                     size, given = (shape[-3:-1], shape[-1]) if len(shape) >= 3 else (shape, 1)
@@ -541,27 +548,46 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
                 else:
                     size, given = shape[-2:], (shape[-3] if len(shape) >= 3 else 1)
                 if allowed and given not in allowed and 0 not in shape:
-                    raise ValueError(f"{label}: expected {' or '.join(map(str, allowed))} channel"
+                    raise ArgumentError(label, f"expected {' or '.join(map(str, allowed))} channel"
                                      f"{'s' if allowed != (1,) else ''} in the layout {layout}, got shape {shape}")
             else:
-                raise TypeError(f"{label}: expected a PIL image, a numpy array or a torch tensor (or a list of them), "
+                raise ArgumentTypeError(label, f"expected a PIL image, a numpy array or a torch tensor (or a list of them), "
                                 f"got {type(item).__name__}")
             if 0 in (shape or size):
                 got = f"shape {shape}" if shape is not None else f"{size[0]} × {size[1]} pixels"
-                raise ValueError(f"{label}: expected a non-empty image, got {got}")
+                raise ArgumentError(label, f"expected a non-empty image, got {got}")
             factor = self.vae_scale_factor
             if not resized and min(size) < factor:
-                raise ValueError(f"{label}: expected at least {factor} × {factor} pixels (one latent pixel: the VAE's "
+                raise ArgumentError(label, f"expected at least {factor} × {factor} pixels (one latent pixel: the VAE's "
                                  f"scale factor), got {size[0]} × {size[1]}")
             sizes.append(tuple(int(d) for d in size))
         return sizes[0]
+
+    def start_image(self, image: Any, height: Optional[int] = None, width: Optional[int] = None) -> torch.Tensor:
+        """The image an image-to-image call starts from, checked and preprocessed (NCHW in [-1, 1], resized to
+        ``height`` × ``width`` where both are given, else of its own size rounded down to the VAE's factor)."""
+        if image is None:
+            raise ArgumentError("image", "expected an image to start from (a PIL image, numpy array or tensor), got None")
+        self.check_image(image, "image", resized=height is not None and width is not None)
+        pixels = self.image_processor.preprocess(image, height=height, width=width).to(torch.float32)
+        self.check_image_size(*pixels.shape[-2:], "image")
+        return pixels
+
+    def noised_image_latents(self, pixels: torch.Tensor, timesteps: torch.Tensor, generator: Generator,
+                             batch_size: int, num_images_per_prompt: int, dtype: torch.dtype) -> torch.Tensor:
+        """The latents an image-to-image loop starts from: ``pixels`` encoded (one image for every prompt, or one
+        per prompt, each ``num_images_per_prompt`` times), noised to the first of ``timesteps``."""
+        image_latents = self.encode_image(pixels, generator).to(dtype)
+        image_latents = expand_to_batch(image_latents, batch_size, num_images_per_prompt, "image")
+        noise = self.prepare_latents(tuple(image_latents.shape), dtype, generator)
+        return self.scheduler.add_noise(image_latents, noise, timesteps[:1].repeat(image_latents.shape[0]))
 
     def check_image_size(self, height: int, width: int, name: str = "image") -> None:
         """:meth:`check_size` for a size that an image gave (img2img), naming the image."""
         try:
             self.check_size(height, width)
         except ValueError as error:
-            raise ValueError(f"{name}: a {height} × {width} image (after rounding down to the VAE factor "
+            raise ArgumentError(name, f"a {height} × {width} image (after rounding down to the VAE factor "
                              f"{self.vae_scale_factor}) cannot be used: {error}; resize it") from None
 
 
@@ -572,11 +598,11 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         multiple = self.size_multiple
         for name, value in (("height", height), ("width", width)):
             if not is_integer(value) or value <= 0:
-                raise ValueError(f"{name}: expected a positive integer multiple of {multiple}, got {value!r}")
+                raise ArgumentError(name, f"expected a positive integer multiple of {multiple}, got {value!r}")
         if height % multiple != 0 or width % multiple != 0:
-            raise ValueError(
-                f"height and width: expected multiples of {multiple} (the VAE's scale factor {self.vae_scale_factor} "
-                f"× {self.denoiser.size_multiple_reason}), got {height} and {width}; e.g. "
+            raise ArgumentError(
+                "height and width", f"expected multiples of {multiple} (the VAE's scale factor "
+                f"{self.vae_scale_factor} × {self.denoiser.size_multiple_reason}), got {height} and {width}; e.g. "
                 f"{-(-height // multiple) * multiple} × {-(-width // multiple) * multiple}")
 
     @staticmethod
@@ -599,7 +625,7 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         if latents is not None:
             latents = tensor_of(latents)
             if tuple(latents.shape) != tuple(shape):
-                raise ValueError(f"latents: expected shape {tuple(shape)}, got {tuple(latents.shape)}")
+                raise ArgumentError("latents", f"expected shape {tuple(shape)}, got {tuple(latents.shape)}")
             return latents.to(device=self.device, dtype=dtype)
         if generator is None or isinstance(generator, np.random.RandomState):
             numpy_dtype = torch.empty((), dtype=dtype).numpy().dtype
@@ -611,13 +637,13 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
                 return upload(randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=dtype),
                               self.device)
             return randn_tensor(shape, generator=generator, device=self.device, dtype=dtype)
-        raise TypeError(f"generator: expected a numpy RandomState, a torch.Generator or a list of torch.Generators "
+        raise ArgumentTypeError("generator", f"expected a numpy RandomState, a torch.Generator or a list of torch.Generators "
                         f"(one per image), got {type(generator).__name__}")
 
     def scheduler_step_kwargs(self, generator: Generator, eta: float) -> Dict[str, Any]:
         """``eta`` for DDIM-like schedulers, and a torch generator for stochastic ones (a numpy one cannot serve)."""
         if not is_real(eta) or not 0.0 <= eta <= 1.0:
-            raise ValueError(f"eta: expected a number in [0, 1] (DDIM's noise share), got {eta!r}")
+            raise ArgumentError("eta", f"expected a number in [0, 1] (DDIM's noise share), got {eta!r}")
         accepted = set(inspect.signature(self.scheduler.step).parameters)
         kwargs: Dict[str, Any] = {}
         if "eta" in accepted:
@@ -626,12 +652,22 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
             kwargs["generator"] = generator  # a list: one per image, as diffusers' schedulers take it
         return kwargs
 
-    def set_timesteps(self, num_inference_steps: int) -> torch.Tensor:
-        """Sets the scheduler's timesteps, keeping its state on the CPU: its per-step scalars (sigmas, alphas) then
-        meet the device tensors as CPU scalars, which never makes the host wait; a schedule on the GPU would
-        (Euler compares a sigma with a Python float, DDIM indexes a CPU table with the timestep)."""
-        self.scheduler.set_timesteps(num_inference_steps)
+    def set_timesteps(self, num_inference_steps: int, **scheduler_arguments: Any) -> torch.Tensor:
+        """Sets the scheduler's timesteps from the first (``scheduler_arguments``: the scheduler's own, as LCM's
+        ``original_inference_steps``), keeping its state on the CPU: its per-step scalars (sigmas, alphas) then meet
+        the device tensors as CPU scalars, which never makes the host wait; a schedule on the GPU would (Euler
+        compares a sigma with a Python float, DDIM indexes a CPU table with the timestep)."""
+        self.scheduler.set_timesteps(num_inference_steps, **scheduler_arguments)
+        if hasattr(self.scheduler, "set_begin_index"):
+            self.scheduler.set_begin_index(0)
         return self.scheduler.timesteps
+
+    def initial_noise(self, rows: int, height: int, width: int, dtype: torch.dtype, generator: Generator,
+                      latents: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A text-to-image loop's first latents on ``self.device``: ``rows`` images of noise (or the given
+        ``latents``) of the latent size of ``height`` × ``width``, scaled by the scheduler's initial sigma."""
+        shape = (rows, self.latent_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
+        return self.prepare_latents(shape, dtype, generator, latents) * self.scheduler.init_noise_sigma
 
     def strength_timesteps(self, num_inference_steps: int, strength: float) -> torch.Tensor:
         """The scheduler's timesteps after skipping the first ``1 - strength`` of them (img2img, inpainting)."""
@@ -642,7 +678,7 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         if hasattr(self.scheduler, "set_begin_index"):
             self.scheduler.set_begin_index(t_start * self.scheduler.order)
         if len(timesteps) == 0:
-            raise ValueError(f"strength: {strength} with num_inference_steps={num_inference_steps} leaves no "
+            raise ArgumentError("strength", f"{strength} with num_inference_steps={num_inference_steps} leaves no "
                              "denoising step; raise either")
         return timesteps
 
@@ -790,26 +826,41 @@ class Warmup:
         else:
             sizes = [(h, w) for h in heights_list for w in widths_list]
         if not sizes:
-            raise ValueError(f"heights and widths: expected at least one size, got heights {heights!r} and widths "
+            raise ArgumentError("heights and widths", f"expected at least one size, got heights {heights!r} and widths "
                              f"{widths!r}")
         batches = as_list(batch_sizes)
         wrong = next((b for b in batches if not is_integer(b) or b < 1), None)
         if wrong is not None or not batches:
-            raise ValueError(f"batch_sizes: expected positive integers, got {batch_sizes!r}")
+            raise ArgumentError("batch_sizes", f"expected positive integers, got {batch_sizes!r}")
         for height, width in sizes:
             self.check_size(height, width)
         scales = as_list(guidance_scales)
         if not scales or not all(is_real(scale) and math.isfinite(scale) for scale in scales):
-            raise ValueError(f"guidance_scales: expected finite numbers, got {guidance_scales!r}")
+            raise ArgumentError("guidance_scales", f"expected finite numbers, got {guidance_scales!r}")
         if not is_integer(num_inference_steps) or num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps: expected a positive integer, got {num_inference_steps!r}")
+            raise ArgumentError("num_inference_steps", f"expected a positive integer, got {num_inference_steps!r}")
         return [(height, width, batch_size, guidance_scale) for height, width in sizes for batch_size in batches
                 for guidance_scale in scales]
 
     def warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int,
                     **call_arguments: Any) -> None:
-        """One call of this pipeline at these sizes; a family that needs an image starts from a blank one."""
-        image = {"image": torch.zeros(1, 3, height, width), "strength": 1.0} if self.encodes_images else \
-            {"height": height, "width": width}
+        """One call of this pipeline at these sizes, on empty prompts and the :meth:`warmup_images`."""
         self(prompt=[""] * batch_size, num_inference_steps=steps, guidance_scale=guidance_scale,
-             generator=torch.Generator().manual_seed(0), output_type="np", **image, **call_arguments)
+             generator=torch.Generator().manual_seed(0), output_type="np", **self.warmup_images(height, width),
+             **call_arguments)
+
+    def warmup_images(self, height: int, width: int) -> Dict[str, Any]:
+        """The image arguments of a warm-up call of this size: the size itself, or a blank image to start from
+        (at full strength) for a family that encodes one."""
+        if self.encodes_images:
+            return {"image": torch.zeros(1, 3, height, width), "strength": 1.0}
+        return {"height": height, "width": width}
+
+
+def expand_to_batch(tensor: torch.Tensor, batch_size: int, num_images_per_prompt: int, name: str) -> torch.Tensor:
+    """One image for every prompt, or one per prompt; then ``num_images_per_prompt`` copies of each."""
+    if tensor.shape[0] == 1 and batch_size > 1:
+        tensor = tensor.expand(batch_size, *tensor.shape[1:])
+    elif tensor.shape[0] != batch_size:
+        raise ArgumentError(name, f"expected 1 or {batch_size} images (one per prompt), got {tensor.shape[0]}")
+    return tensor.repeat_interleave(num_images_per_prompt, dim=0)

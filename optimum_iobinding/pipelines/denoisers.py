@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..errors import ArgumentError
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_integer, is_real
 from .components import component_kind, declared_dim
@@ -142,7 +143,7 @@ class UNetDenoiser(Denoiser):
             hint = f"{found}, not a UNet: put the right model.onnx in the unet folder"
         if hint is None and missing:
             hint = f"{type(self.pipe).__name__} needs a UNet exported with {missing}"
-        raise ValueError(f"unet: expected inputs {expected}, got {declared} ({hint})")
+        raise ArgumentError("unet", f"expected inputs {expected}, got {declared} ({hint})")
 
     def latent_channels(self, vae_decoder: IOBindingORTModel) -> int:
         configured = vae_decoder.config.get("latent_channels")
@@ -163,7 +164,7 @@ class UNetDenoiser(Denoiser):
             return int(self.model.config["out_channels"])
         channels = declared_dim(vae_decoder, "latent_sample", 1) or declared_dim(self.model, "sample", 1)
         if channels is None:
-            raise ValueError("vae_decoder: cannot tell the number of latent channels: no config.json and a dynamic "
+            raise ArgumentError("vae_decoder", "cannot tell the number of latent channels: no config.json and a dynamic "
                              "channel dim")
         return channels
 
@@ -190,7 +191,7 @@ class UNetDenoiser(Denoiser):
         if declared and isinstance(declared[-1], int):
             return declared[-1]
         if "time_cond_proj_dim" not in self.model.config:
-            raise ValueError("unet: its timestep_cond width is dynamic and its config.json has no time_cond_proj_dim; "
+            raise ArgumentError("unet", "its timestep_cond width is dynamic and its config.json has no time_cond_proj_dim; "
                              "expected one of them to give the guidance embedding's size")
         return config_int(self.model, "time_cond_proj_dim", 0, "unet")
 
@@ -233,7 +234,7 @@ class UNetDenoiser(Denoiser):
             The denoised latents.
         """
         if not is_real(guidance_rescale) or not 0.0 <= guidance_rescale <= 1.0:
-            raise ValueError(f"guidance_rescale: expected a number in [0, 1], got {guidance_rescale!r}")
+            raise ArgumentError("guidance_rescale", f"expected a number in [0, 1], got {guidance_rescale!r}")
         check_callback_arguments(callback_on_step_end, callback_on_step_end_tensor_inputs)
         pipe, unet, scheduler = self.pipe, self.model, self.pipe.scheduler
         do_classifier_free_guidance = guidance_scale > 1.0
@@ -334,7 +335,7 @@ class MMDiTDenoiser(FlowTransformer):
             hint = "a UNet, not an SD3 transformer: use OnnxStableDiffusionPipeline or its XL variant"
         else:
             hint = "put an SD3 transformer's model.onnx in the transformer folder"
-        raise ValueError(f"transformer: expected inputs {list(MMDIT_INPUTS)}, got {declared} in "
+        raise ArgumentError("transformer", f"expected inputs {list(MMDIT_INPUTS)}, got {declared} in "
                          f"{self.model.model_path!r} ({hint})")
 
     @property
@@ -363,10 +364,10 @@ class MMDiTDenoiser(FlowTransformer):
         decoder = declared_dim(vae_decoder, "latent_sample", 1) or vae_decoder.config.get("latent_channels")
         channels = declared or configured or decoder
         if not is_integer(channels) or channels < 1:
-            raise ValueError("transformer: cannot tell the number of latent channels: no config.json and a dynamic "
+            raise ArgumentError("transformer", "cannot tell the number of latent channels: no config.json and a dynamic "
                              "channel dim")
         if decoder is not None and decoder != channels:
-            raise ValueError(f"vae_decoder: expected {channels} latent channels (the transformer's hidden_states), "
+            raise ArgumentError("vae_decoder", f"expected {channels} latent channels (the transformer's hidden_states), "
                              f"got {decoder}")
         return int(channels)
 
@@ -447,7 +448,7 @@ class FluxDenoiser(FlowTransformer):
                     else "an SD3 transformer: use OnnxStableDiffusion3Pipeline" if "txt_ids" not in declared
                     and "pooled_projections" in declared else "export the Flux transformer with optimum-iobinding "
                     "export or optimum-cli export onnx")
-            raise ValueError(f"transformer: expected a Flux transformer with inputs {list(FLUX_INPUTS)} (and "
+            raise ArgumentError("transformer", f"expected a Flux transformer with inputs {list(FLUX_INPUTS)} (and "
                              f"guidance for FLUX.1 dev), got inputs {declared} in {self.model.model_path!r} "
                              f"({hint})")
 
@@ -474,12 +475,12 @@ class FluxDenoiser(FlowTransformer):
         """The VAE's latent channels: a quarter of the transformer's token width (its ``in_channels``)."""
         width = declared_dim(self.model, "hidden_states", 2) or self.model.config.get("in_channels")
         if not is_integer(width) or width < 4 or width % 4:
-            raise ValueError(f"transformer: expected hidden_states of 4 × latent channels per token (Flux's 2×2 "
+            raise ArgumentError("transformer", f"expected hidden_states of 4 × latent channels per token (Flux's 2×2 "
                              f"packing), got a width of {width!r}")
         channels = width // 4
         declared = declared_dim(vae_decoder, "latent_sample", 1) or vae_decoder.config.get("latent_channels")
         if declared is not None and declared != channels:
-            raise ValueError(f"vae_decoder: expected {channels} latent channels (the transformer's token width "
+            raise ArgumentError("vae_decoder", f"expected {channels} latent channels (the transformer's token width "
                              f"{width} / 4), got {declared}")
         return channels
 

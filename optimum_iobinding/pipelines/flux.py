@@ -9,13 +9,14 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
 from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
 
-from .arguments import Generator, check_sequence_length, is_integer, is_real
+from ..errors import ArgumentError
+from .arguments import (Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames, check_sequence_length, is_integer, is_real)
 from .codec import pack_latents
 from .components import onnx, tokenizer
 from .core import OnnxDiffusionPipeline, VaeConstants, Warmup, on_device_stream
@@ -33,7 +34,6 @@ FLUX_COMPONENTS = (onnx("text_encoder"), onnx("text_encoder_2"), tokenizer("toke
 FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR = 0.3611, 0.1159
 # diffusers' FluxPipeline: 128 latent pixels (1024 px) by default, T5 prompts of at most 512 tokens
 MAX_SEQUENCE_LENGTH = 512
-Prompt = Union[str, List[str], None]
 
 
 def flux_shift(image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096, base_shift: float = 0.5,
@@ -126,33 +126,33 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
         check_callback_arguments(callback_on_step_end, callback_on_step_end_tensor_inputs)
         self.check_size(height, width)
         if not is_integer(num_inference_steps) or num_inference_steps <= 0:
-            raise ValueError(f"num_inference_steps: expected a positive integer, got {num_inference_steps!r}")
+            raise ArgumentError("num_inference_steps", f"expected a positive integer, got {num_inference_steps!r}")
         if sigmas is not None:
             values = list(sigmas) if isinstance(sigmas, (list, tuple, np.ndarray)) else None
             if not values or not all(is_real(v) and math.isfinite(v) for v in values):
-                raise ValueError(f"sigmas: expected a non-empty list of finite numbers (one per step), got {sigmas!r}")
+                raise ArgumentError("sigmas", f"expected a non-empty list of finite numbers (one per step), got {sigmas!r}")
         for name, value in (("guidance_scale", guidance_scale), ("true_cfg_scale", true_cfg_scale)):
             if not is_real(value) or not math.isfinite(value):
-                raise ValueError(f"{name}: expected a finite number, got {value!r}")
+                raise ArgumentError(name, f"expected a finite number, got {value!r}")
         if not is_integer(num_images_per_prompt) or num_images_per_prompt < 1:
-            raise ValueError(f"num_images_per_prompt: expected a positive integer, got {num_images_per_prompt!r}")
+            raise ArgumentError("num_images_per_prompt", f"expected a positive integer, got {num_images_per_prompt!r}")
         check_sequence_length(max_sequence_length, MAX_SEQUENCE_LENGTH)
         if output_type not in ("pil", "np", "pt", "latent"):
-            raise ValueError(f"output_type: expected 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
+            raise ArgumentError("output_type", f"expected 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
         if joint_attention_kwargs:
-            raise ValueError(f"joint_attention_kwargs: expected None (an ONNX transformer has no attention processors "
+            raise ArgumentError("joint_attention_kwargs", f"expected None (an ONNX transformer has no attention processors "
                              f"to pass them to), got {joint_attention_kwargs!r}")
         if prompt is not None and prompt_embeds is not None:
-            raise ValueError("prompt and prompt_embeds: expected one of them, got both")
+            raise ArgumentError("prompt and prompt_embeds", "expected one of them, got both")
         if prompt is None and prompt_embeds is None:
-            raise ValueError("prompt and prompt_embeds: expected one of them, got neither")
+            raise ArgumentError("prompt and prompt_embeds", "expected one of them, got neither")
         if prompt_embeds is not None and pooled_prompt_embeds is None:
-            raise ValueError("pooled_prompt_embeds: expected them with prompt_embeds (the transformer takes both), "
+            raise ArgumentError("pooled_prompt_embeds", "expected them with prompt_embeds (the transformer takes both), "
                              "got None")
         if pooled_prompt_embeds is not None and prompt_embeds is None:
-            raise ValueError("pooled_prompt_embeds: expected them with prompt_embeds, got them alone")
+            raise ArgumentError("pooled_prompt_embeds", "expected them with prompt_embeds, got them alone")
         if negative_prompt_embeds is not None and negative_pooled_prompt_embeds is None:
-            raise ValueError("negative_pooled_prompt_embeds: expected them with negative_prompt_embeds, got None")
+            raise ArgumentError("negative_pooled_prompt_embeds", "expected them with negative_prompt_embeds, got None")
         batch = self.check_texts("prompt", prompt, None)
         self.check_texts("prompt_2", prompt_2, batch)
         negatives = self.check_texts("negative_prompt", negative_prompt, batch, broadcast=True)
@@ -177,54 +177,34 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
             self.check_embeds(name, embeds, rank, layout, input_name)
             rows = embeds.shape[0] if rows is None else rows
             if embeds.shape[0] != rows:
-                raise ValueError(f"{name}: expected {rows} rows (one per prompt), got shape {tuple(embeds.shape)}")
+                raise ArgumentError(name, f"expected {rows} rows (one per prompt), got shape {tuple(embeds.shape)}")
         if prompt_embeds is not None and negative_prompt_embeds is not None and \
                 tuple(prompt_embeds.shape) != tuple(negative_prompt_embeds.shape):
-            raise ValueError(f"negative_prompt_embeds: expected shape {tuple(prompt_embeds.shape)} like prompt_embeds, "
+            raise ArgumentError("negative_prompt_embeds", f"expected shape {tuple(prompt_embeds.shape)} like prompt_embeds, "
                              f"got {tuple(negative_prompt_embeds.shape)}")
 
     # ------------------------------------------------------------------------------------------------ prompts
-    def encode_prompt(
-        self,
-        prompt: Prompt,
-        prompt_2: Prompt = None,
-        num_images_per_prompt: int = 1,
-        prompt_embeds: Optional[torch.Tensor] = None,
-        pooled_prompt_embeds: Optional[torch.Tensor] = None,
-        max_sequence_length: int = MAX_SEQUENCE_LENGTH,
-    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(prompt_embeds, pooled_prompt_embeds, text_ids)`` on ``self.device`` as diffusers' ``FluxPipeline``
-        makes them (see :meth:`FluxPrompt.encode`)."""
-        return self.prompt.encode(prompt, prompt_2, num_images_per_prompt, prompt_embeds, pooled_prompt_embeds,
-                                  max_sequence_length)
-
     # --------------------------------------------------------------------------------------------------- call
-    @torch.no_grad()
     @on_device_stream
     def __call__(
         self,
-        prompt: Prompt = None,
-        prompt_2: Prompt = None,
-        negative_prompt: Prompt = None,
-        negative_prompt_2: Prompt = None,
+        prompt: Prompt = None, prompt_2: Prompt = None,
+        negative_prompt: Prompt = None, negative_prompt_2: Prompt = None,
         true_cfg_scale: float = 1.0,
-        height: Optional[int] = None,
-        width: Optional[int] = None,
+        height: Optional[int] = None, width: Optional[int] = None,
         num_inference_steps: int = 28,
         sigmas: Optional[List[float]] = None,
         guidance_scale: float = 3.5,
         num_images_per_prompt: int = 1,
         generator: Generator = None,
-        latents: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        pooled_prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        negative_prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        negative_pooled_prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        output_type: str = "pil",
-        return_dict: bool = True,
+        latents: Latents = None,
+        prompt_embeds: Embeds = None,
+        pooled_prompt_embeds: Embeds = None,
+        negative_prompt_embeds: Embeds = None,
+        negative_pooled_prompt_embeds: Embeds = None,
+        output_type: str = "pil", return_dict: bool = True,
         joint_attention_kwargs: Optional[Dict[str, Any]] = None,
-        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
-        callback_on_step_end_tensor_inputs: List[str] = ("latents",),
+        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
         max_sequence_length: int = MAX_SEQUENCE_LENGTH,
     ):
         """Generates images from text, with the arguments of diffusers' ``FluxPipeline`` (IP-Adapter aside).
@@ -248,7 +228,7 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         image_count = batch_size * num_images_per_prompt
         if isinstance(generator, list) and len(generator) != image_count:
-            raise ValueError(f"generator: expected one generator per image ({image_count}: {batch_size} prompts × "
+            raise ArgumentError("generator", f"expected one generator per image ({image_count}: {batch_size} prompts × "
                              f"num_images_per_prompt {num_images_per_prompt}), got a list of {len(generator)}")
         has_negative = negative_prompt is not None or (negative_prompt_embeds is not None
                                                        and negative_pooled_prompt_embeds is not None)
@@ -282,7 +262,7 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
             latents = tensor_of(latents)
             expected = (image_count, tokens, self.latent_channels * 4)
             if tuple(latents.shape) != expected:
-                raise ValueError(f"latents: expected packed latents of shape {expected} (batch, tokens, 4 × latent "
+                raise ArgumentError("latents", f"expected packed latents of shape {expected} (batch, tokens, 4 × latent "
                                  f"channels), got {tuple(latents.shape)}")
             latents = latents.to(device=self.device, dtype=dtype)
         image_ids = upload(latent_image_ids(latent_height // 2, latent_width // 2).to(

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, List, Union
 
 import numpy as np
 import PIL.Image
 import torch
 
-from .arguments import Generator
+from .arguments import Embeds, Generator, Prompt, StepCallback, StepEndCallback, TensorNames
 from .clip_unet import ClipUNetPipeline
 from .core import on_device_stream
 
@@ -20,38 +20,28 @@ class OnnxStableDiffusionImg2ImgPipeline(ClipUNetPipeline):
 
     encodes_images = True
 
-    @torch.no_grad()
     @on_device_stream
     def __call__(
         self,
-        prompt: Union[str, List[str], None] = None,
+        prompt: Prompt = None,
         image: ImageInput = None,
         strength: float = 0.8,
         num_inference_steps: int = 50,
         guidance_scale: float = 7.5,
-        negative_prompt: Union[str, List[str], None] = None,
+        negative_prompt: Prompt = None,
         num_images_per_prompt: int = 1,
-        eta: float = 0.0,
-        generator: Generator = None,
-        prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        negative_prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        output_type: str = "pil",
-        return_dict: bool = True,
-        callback: Optional[Callable[[int, int, torch.Tensor], None]] = None,
-        callback_steps: int = 1,
-        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
-        callback_on_step_end_tensor_inputs: List[str] = ("latents",),
+        eta: float = 0.0, generator: Generator = None,
+        prompt_embeds: Embeds = None, negative_prompt_embeds: Embeds = None,
+        output_type: str = "pil", return_dict: bool = True,
+        callback: StepCallback = None, callback_steps: int = 1,
+        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
     ):
         """Transforms ``image`` (PIL, numpy HWC in [0, 1], or torch NCHW in [-1, 1]) as ``prompt`` says; arguments
         as diffusers' ``OnnxStableDiffusionImg2ImgPipeline``, plus ``callback_on_step_end``. ``strength`` in
         [0, 1] is how much of the schedule runs (1: ignore the image's content)."""
         # 1. check inputs
-        if image is None:
-            raise ValueError("image: expected an image to start from, got None")
-        self.check_image(image, "image")
-        image = self.image_processor.preprocess(image)
+        image = self.start_image(image)
         height, width = image.shape[-2:]
-        self.check_image_size(height, width, "image")
         self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
                           prompt_embeds, negative_prompt_embeds, output_type, strength,
                           guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt,
@@ -66,10 +56,8 @@ class OnnxStableDiffusionImg2ImgPipeline(ClipUNetPipeline):
 
         # 3. timesteps for this strength; the image's latents noised to the first of them
         timesteps = self.strength_timesteps(num_inference_steps, strength)
-        image_latents = self.encode_image(image, generator).to(prompt_embeds.dtype)
-        image_latents = expand_to_batch(image_latents, batch_size, num_images_per_prompt, "image")
-        noise = self.prepare_latents(tuple(image_latents.shape), prompt_embeds.dtype, generator)
-        latents = self.scheduler.add_noise(image_latents, noise, timesteps[:1].repeat(image_latents.shape[0]))
+        latents = self.noised_image_latents(image, timesteps, generator, batch_size, num_images_per_prompt,
+                                            prompt_embeds.dtype)
 
         # 4. denoising loop: every tensor stays on self.device
         latents = self.denoiser.loop(
@@ -79,12 +67,3 @@ class OnnxStableDiffusionImg2ImgPipeline(ClipUNetPipeline):
 
         # 5. decode: only now does anything leave the device
         return self.finish(latents, output_type, return_dict)
-
-
-def expand_to_batch(tensor: torch.Tensor, batch_size: int, num_images_per_prompt: int, name: str) -> torch.Tensor:
-    """One image for every prompt, or one per prompt; then ``num_images_per_prompt`` copies of each."""
-    if tensor.shape[0] == 1 and batch_size > 1:
-        tensor = tensor.expand(batch_size, *tensor.shape[1:])
-    elif tensor.shape[0] != batch_size:
-        raise ValueError(f"{name}: expected 1 or {batch_size} images (one per prompt), got {tensor.shape[0]}")
-    return tensor.repeat_interleave(num_images_per_prompt, dim=0)

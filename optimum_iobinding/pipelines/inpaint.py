@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Dict, Optional
 
-import numpy as np
+
 import torch
 import torch.nn.functional as F
 from diffusers.image_processor import VaeImageProcessor
 
-from .arguments import Generator
+from ..errors import ArgumentError
+from .arguments import Embeds, Generator, Latents, Prompt, StepCallback, StepEndCallback, TensorNames
 from .clip_unet import ClipUNetPipeline
 from .components import declared_dim
-from .core import on_device_stream
-from .img2img import ImageInput, expand_to_batch
+from .core import expand_to_batch, on_device_stream
+from .img2img import ImageInput
 
 
 class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
@@ -36,51 +37,41 @@ class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
         return int(self.unet.config.get("in_channels") or declared_dim(self.unet, "sample", 1)
                    or self.latent_channels)
 
-    def warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int,
-                    **call_arguments: Any) -> None:
-        image, mask = torch.zeros(1, 3, height, width), torch.ones(1, 1, height, width)
-        self(prompt=[""] * batch_size, image=image, mask_image=mask, height=height, width=width,
-             num_inference_steps=steps, guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(0),
-             output_type="np")
+    def warmup_images(self, height: int, width: int) -> Dict[str, Any]:
+        return {"image": torch.zeros(1, 3, height, width), "mask_image": torch.ones(1, 1, height, width),
+                "height": height, "width": width}
 
-    @torch.no_grad()
     @on_device_stream
     def __call__(
         self,
-        prompt: Union[str, List[str], None] = None,
+        prompt: Prompt = None,
         image: ImageInput = None,
         mask_image: ImageInput = None,
-        height: Optional[int] = 512,
-        width: Optional[int] = 512,
+        height: Optional[int] = 512, width: Optional[int] = 512,
         strength: float = 1.0,
         num_inference_steps: int = 50,
         guidance_scale: float = 7.5,
-        negative_prompt: Union[str, List[str], None] = None,
+        negative_prompt: Prompt = None,
         num_images_per_prompt: int = 1,
-        eta: float = 0.0,
-        generator: Generator = None,
-        latents: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        negative_prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        output_type: str = "pil",
-        return_dict: bool = True,
-        callback: Optional[Callable[[int, int, torch.Tensor], None]] = None,
-        callback_steps: int = 1,
-        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
-        callback_on_step_end_tensor_inputs: List[str] = ("latents",),
+        eta: float = 0.0, generator: Generator = None,
+        latents: Latents = None,
+        prompt_embeds: Embeds = None, negative_prompt_embeds: Embeds = None,
+        output_type: str = "pil", return_dict: bool = True,
+        callback: StepCallback = None, callback_steps: int = 1,
+        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
     ):
         """Repaints the white area of ``mask_image`` in ``image`` as ``prompt`` says; arguments as diffusers'
         ``OnnxStableDiffusionInpaintPipeline``, plus ``strength`` (as in diffusers' torch pipeline, default 1: start
         from pure noise) and ``callback_on_step_end``."""
         # 1. check inputs
         if image is None or mask_image is None:
-            raise ValueError("image and mask_image: expected both, got "
+            raise ArgumentError("image and mask_image", "expected both, got "
                              f"{'no image' if image is None else 'an image'} and "
                              f"{'no mask_image' if mask_image is None else 'a mask_image'}")
         image_size = self.check_image(image, "image", resized=True)
         mask_size = self.check_image(mask_image, "mask_image", resized=True, mask=True)
         if image_size != mask_size:
-            raise ValueError(f"mask_image: expected the size of image (height × width {image_size[0]} × "
+            raise ArgumentError("mask_image", f"expected the size of image (height × width {image_size[0]} × "
                              f"{image_size[1]}), got {mask_size[0]} × {mask_size[1]}")
         self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
                           prompt_embeds, negative_prompt_embeds, output_type, strength,
@@ -131,7 +122,7 @@ class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
 
             after_step = keep_unmasked
         else:
-            raise ValueError(f"unet: expected {self.latent_channels} input channels (a plain UNet) or "
+            raise ArgumentError("unet", f"expected {self.latent_channels} input channels (a plain UNet) or "
                              f"{2 * self.latent_channels + 1} (an inpainting UNet), got {self.unet_in_channels}")
 
         # 5. denoising loop: every tensor stays on self.device

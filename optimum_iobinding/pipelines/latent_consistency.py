@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Optional
 
-import numpy as np
+
 import torch
 
-from .arguments import Generator
+from .arguments import Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames
 from .core import on_device_stream
 from .clip_unet import ClipUNetPipeline
 from .denoisers import UNetDenoiser
@@ -36,24 +36,20 @@ class OnnxLatentConsistencyModelPipeline(ClipUNetPipeline):
 
     denoiser_part = functools.partial(UNetDenoiser, extra_inputs=("timestep_cond",))
 
-    @torch.no_grad()
     @on_device_stream
     def __call__(
         self,
-        prompt: Union[str, List[str], None] = None,
-        height: Optional[int] = 512,
-        width: Optional[int] = 512,
+        prompt: Prompt = None,
+        height: Optional[int] = 512, width: Optional[int] = 512,
         num_inference_steps: int = 4,
         original_inference_steps: Optional[int] = None,
         guidance_scale: float = 8.5,
         num_images_per_prompt: int = 1,
         generator: Generator = None,
-        latents: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        output_type: str = "pil",
-        return_dict: bool = True,
-        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
-        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+        latents: Latents = None,
+        prompt_embeds: Embeds = None,
+        output_type: str = "pil", return_dict: bool = True,
+        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
     ):
         """Generates images in a few steps. ``guidance_scale`` is embedded (``w = guidance_scale - 1``), not applied
         as classifier-free guidance, so the UNet runs once per step on the prompt batch alone.
@@ -69,13 +65,8 @@ class OnnxLatentConsistencyModelPipeline(ClipUNetPipeline):
         prompt_embeds = self.encode_prompt(prompt, num_images_per_prompt, False, prompt_embeds=prompt_embeds)
         rows = batch_size * num_images_per_prompt
 
-        self.scheduler.set_timesteps(num_inference_steps, original_inference_steps=original_inference_steps)
-        timesteps = self.scheduler.timesteps
-        if hasattr(self.scheduler, "set_begin_index"):
-            self.scheduler.set_begin_index(0)
-        latents_shape = (rows, self.latent_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
-        latents = self.prepare_latents(latents_shape, prompt_embeds.dtype, generator, latents)
-        latents = latents * self.scheduler.init_noise_sigma
+        timesteps = self.set_timesteps(num_inference_steps, original_inference_steps=original_inference_steps)
+        latents = self.initial_noise(rows, height, width, prompt_embeds.dtype, generator, latents)
 
         w = torch.full((rows,), guidance_scale - 1.0)
         timestep_cond = guidance_scale_embedding(w, self.denoiser.time_cond_proj_dim).to(self.device, prompt_embeds.dtype)

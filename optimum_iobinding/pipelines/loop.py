@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
+from ..errors import ArgumentError, ArgumentTypeError
 from ..runtime.model import IOBindingORTModel
 
 # The loop's tensors a step-end callback may ask for (callback_on_step_end_tensor_inputs) and give back replaced.
@@ -18,18 +19,18 @@ def check_callback_arguments(callback_on_step_end: Any, tensor_inputs: Any,
     """Refuses, before any work, a step-end callback that is not callable and tensor names the loop does not have
     (``allowed``: the ones it has), listing the ones it has (as diffusers refuses them)."""
     if callback_on_step_end is not None and not callable(callback_on_step_end):
-        raise TypeError(f"callback_on_step_end: expected a callable (pipe, step, timestep, tensors) -> dict, got "
+        raise ArgumentTypeError("callback_on_step_end", f"expected a callable (pipe, step, timestep, tensors) -> dict, got "
                         f"{type(callback_on_step_end).__name__} {callback_on_step_end!r}")
     try:
         if isinstance(tensor_inputs, (str, bytes)):
             raise TypeError
         names = list(tensor_inputs)
     except TypeError:
-        raise TypeError(f"callback_on_step_end_tensor_inputs: expected a list of tensor names among "
+        raise ArgumentTypeError("callback_on_step_end_tensor_inputs", f"expected a list of tensor names among "
                         f"{list(allowed)}, got {type(tensor_inputs).__name__} {tensor_inputs!r}") from None
     unknown = [name for name in names if not isinstance(name, str) or name not in allowed]
     if unknown:
-        raise ValueError(f"callback_on_step_end_tensor_inputs: expected names among {list(allowed)}, "
+        raise ArgumentError("callback_on_step_end_tensor_inputs", f"expected names among {list(allowed)}, "
                          f"got {unknown}")
 
 
@@ -49,24 +50,24 @@ def replaced_tensors(callback: Any, step: int, returned: Any, current: Mapping[s
         return dict(current)
     name = callback_name(callback)
     if not isinstance(returned, Mapping):
-        raise TypeError(f"callback_on_step_end: expected {name} to return a dict of tensors (or None), got "
+        raise ArgumentTypeError("callback_on_step_end", f"expected {name} to return a dict of tensors (or None), got "
                         f"{type(returned).__name__} at step {step}")
     unknown = [key for key in returned if key not in allowed]
     if unknown:
-        raise ValueError(f"callback_on_step_end: expected {name} to return keys among {list(allowed)}, "
+        raise ArgumentError("callback_on_step_end", f"expected {name} to return keys among {list(allowed)}, "
                          f"got {unknown} at step {step}")
     result = dict(current)
     for key, value in returned.items():
         old = current[key]
         expected = f"a float torch.Tensor of shape {tuple(old.shape)}"
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"callback_on_step_end: {name} returned {key!r} as {type(value).__name__} at step {step}, "
+            raise ArgumentTypeError("callback_on_step_end", f"{name} returned {key!r} as {type(value).__name__} at step {step}, "
                             f"expected {expected}")
         if value.layout != torch.strided or value.is_nested or not value.dtype.is_floating_point:
-            raise TypeError(f"callback_on_step_end: {name} returned {key!r} of dtype {value.dtype} and layout "
+            raise ArgumentTypeError("callback_on_step_end", f"{name} returned {key!r} of dtype {value.dtype} and layout "
                             f"{value.layout} at step {step}, expected {expected}")
         if tuple(value.shape) != tuple(old.shape):
-            raise ValueError(f"callback_on_step_end: {name} returned {key!r} of shape {tuple(value.shape)} at step "
+            raise ArgumentError("callback_on_step_end", f"{name} returned {key!r} of shape {tuple(value.shape)} at step "
                              f"{step}, expected {expected}")
         result[key] = value.to(device=old.device, dtype=old.dtype)
     return result
@@ -89,8 +90,8 @@ class GraphFeed:
     embeddings, SDXL's conditioning) are copied in once instead of once a step.
 
     A step of the captured loop is the UNet graph plus a few small kernels (the guidance batch, guidance, the
-    scheduler's update, the graph's input copies). Each one saved shortens the step on the GPU: on the small UNet
-    the step came out about 2.5 % above the graph's own time on the H100, against a target of 2 %.
+    scheduler's update, the graph's input copies). Each one saved shortens the step on the GPU, where a small UNet's
+    step is not much longer than those kernels together.
     Where the shapes have no graph (off CUDA, ``cuda_graph=False``, a graph ORT refused) it changes nothing. The
     buffers are looked up once, after the loop's first call (a signature's graph exists from its first call on).
     A constant input is copied again when the loop passes another tensor, and after every step callback (which may

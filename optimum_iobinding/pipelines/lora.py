@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..errors import ArgumentError
 from ..layout import WeightPlace, read_weight_map
 
 def torch_layout_view(tensor: torch.Tensor, place: WeightPlace, shape: Sequence[int]) -> torch.Tensor:
@@ -31,7 +32,7 @@ def torch_layout_view(tensor: torch.Tensor, place: WeightPlace, shape: Sequence[
         if place.heads == 1:
             return blocks[:, 0, place.index, :].t()
         return blocks[:, :, place.index, :]
-    raise ValueError(f"place: unknown layout {place.layout!r}")
+    raise ArgumentError("place", f"unknown layout {place.layout!r}")
 
 
 def to_view_layout(weight: torch.Tensor, place: WeightPlace) -> torch.Tensor:
@@ -142,11 +143,11 @@ class LoraLoaderMixin:
         state = self._lora()
         model = getattr(self, component, None)
         if model is None:
-            raise ValueError(f"{component}: the LoRA changes this component, which the pipeline does not have")
+            raise ArgumentError(component, "the LoRA changes this component, which the pipeline does not have")
         maps = state.setdefault("maps", {})
         if component not in maps:
             if model.model_path is None:
-                raise ValueError(f"{component}: the model was not loaded from a file, so it has no lora_map.json")
+                raise ArgumentError(component, "the model was not loaded from a file, so it has no lora_map.json")
             maps[component] = read_weight_map(Path(model.model_path).parent)[0]
         places_by_layer = maps[component]
         for candidate in (layer, f"text_model.{layer}", layer[len("text_model."):] if layer.startswith(
@@ -154,7 +155,7 @@ class LoraLoaderMixin:
             if candidate is not None and candidate in places_by_layer:
                 break
         else:
-            raise ValueError(f"{component}: the LoRA changes layer {layer!r}, which this model does not have (a LoRA "
+            raise ArgumentError(component, f"the LoRA changes layer {layer!r}, which this model does not have (a LoRA "
                              "for another architecture?)")
         key = (component, candidate)
         if key not in state["layers"]:
@@ -174,7 +175,7 @@ class LoraLoaderMixin:
         if adapter_name is None:
             adapter_name = f"default_{len(state['adapters'])}"
         if adapter_name in state["adapters"]:
-            raise ValueError(f"adapter_name: {adapter_name!r} is already loaded; unload_lora_weights() or pick "
+            raise ArgumentError("adapter_name", f"{adapter_name!r} is already loaded; unload_lora_weights() or pick "
                              "another name")
         state_dict, network_alphas, metadata = self._lora_state_dict(pretrained_model_name_or_path_or_dict, **kwargs)
         state_dict, alphas = _to_peft_names(state_dict, network_alphas)
@@ -185,11 +186,11 @@ class LoraLoaderMixin:
                 continue
             component, layer, matrix = found
             if component not in LORA_COMPONENTS:
-                raise ValueError(f"{key}: expected a LoRA key of {list(LORA_COMPONENTS)}, got component "
+                raise ArgumentError(key, f"expected a LoRA key of {list(LORA_COMPONENTS)}, got component "
                                  f"{component!r}")
             matrices.setdefault((component, layer), {})[matrix] = value
         if not matrices:
-            raise ValueError(f"pretrained_model_name_or_path_or_dict: no LoRA matrices found in "
+            raise ArgumentError("pretrained_model_name_or_path_or_dict", f"no LoRA matrices found in "
                              f"{pretrained_model_name_or_path_or_dict!r}")
         updates: Dict[Tuple[str, str], _LayerUpdate] = {}
         ranks: Dict[str, List[int]] = {}
@@ -232,7 +233,7 @@ class LoraLoaderMixin:
         else:
             weights = list(adapter_weights)
             if len(weights) != len(names):
-                raise ValueError(f"adapter_weights: expected {len(names)} weights (one per adapter), got "
+                raise ArgumentError("adapter_weights", f"expected {len(names)} weights (one per adapter), got "
                                  f"{len(weights)}")
         state["active"] = {
             component: {name: _weight_for(weight, component) for name, weight in zip(names, weights)
@@ -288,7 +289,7 @@ class LoraLoaderMixin:
                    if not torch.isfinite(target.views[0]).all()]
             if bad:
                 self.unfuse_lora(components)
-                raise ValueError(f"fuse_lora: the fused weights are not finite in {bad[:3]}; unfused again")
+                raise ArgumentError("fuse_lora", f"the fused weights are not finite in {bad[:3]}; unfused again")
 
     def unfuse_lora(self, components: Sequence[str] = ("unet", "text_encoder"), **kwargs: Any) -> None:
         state = self._lora()
@@ -354,7 +355,7 @@ def _to_peft_names(state_dict: Dict[str, torch.Tensor], network_alphas: Dict[str
 def _check_adapter_names(state: Dict[str, Any], names: Sequence[str]) -> None:
     unknown = [name for name in names if name not in state["adapters"]]
     if unknown:
-        raise ValueError(f"adapter_names: expected names of loaded adapters {sorted(state['adapters'])}, got "
+        raise ArgumentError("adapter_names", f"expected names of loaded adapters {sorted(state['adapters'])}, got "
                          f"{unknown}")
 
 

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
+from ..errors import ArgumentError
 from ..runtime.inputs import as_checked_tensor
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_integer
@@ -53,7 +54,7 @@ def clip_skip_layer(outputs: Dict[str, torch.Tensor], clip_skip: Optional[int]) 
         raise ValueError(f"text encoder outputs: expected hidden_states.0 … hidden_states.N (an export with "
                          f"output_hidden_states), got {list(outputs)}")
     if clip_skip is not None and (not is_integer(clip_skip) or not 0 <= clip_skip <= len(layers) - 2):
-        raise ValueError(f"clip_skip: expected None or an integer in [0, {len(layers) - 2}], got {clip_skip!r}")
+        raise ArgumentError("clip_skip", f"expected None or an integer in [0, {len(layers) - 2}], got {clip_skip!r}")
     return outputs[layers[len(layers) - 2 - (clip_skip or 0)]]
 
 
@@ -137,7 +138,7 @@ class CLIPPairPrompt(PromptEncoder):
             if len(layers) < 2 or (name == "text_encoder_2" and "text_embeds" not in outputs):
                 needs = "hidden_states.0 … hidden_states.N" + (" and text_embeds (CLIPTextModelWithProjection)"
                                                                 if name == "text_encoder_2" else "")
-                raise ValueError(f"{name}: expected an SDXL text encoder with outputs {needs} (exported with "
+                raise ArgumentError(name, f"expected an SDXL text encoder with outputs {needs} (exported with "
                                  f"output_hidden_states), got outputs {outputs} in {encoder.model_path!r}")
 
     def encode(
@@ -153,22 +154,21 @@ class CLIPPairPrompt(PromptEncoder):
         pooled_prompt_embeds: Optional[torch.Tensor] = None,
         negative_pooled_prompt_embeds: Optional[torch.Tensor] = None,
         clip_skip: Optional[int] = None,
-        force_zeros_for_empty_prompt: bool = True,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(prompt_embeds, pooled)`` on the device, ``[negative; positive]`` when guiding. As diffusers: an absent
-        negative prompt gives zeros when the model asks for them (``force_zeros_for_empty_prompt``)."""
+        negative prompt gives zeros when the model asks for them (the pipeline's ``force_zeros_for_empty_prompt``)."""
         if prompt_embeds is None:
             prompt = [prompt] if isinstance(prompt, str) else prompt
             prompt_2 = prompt if prompt_2 is None else as_list(prompt_2, len(prompt))
             prompt_embeds, pooled_prompt_embeds = self.encode_text(prompt, prompt_2, clip_skip)
         elif pooled_prompt_embeds is None:
-            raise ValueError("pooled_prompt_embeds: expected them with prompt_embeds (SDXL's UNet takes both), "
+            raise ArgumentError("pooled_prompt_embeds", "expected them with prompt_embeds (SDXL's UNet takes both), "
                              "got None")
         prompt_embeds = tensor_of(prompt_embeds).to(self.device)
         pooled_prompt_embeds = tensor_of(pooled_prompt_embeds).to(self.device)
         batch_size = prompt_embeds.shape[0]
         if do_classifier_free_guidance and negative_prompt_embeds is None:
-            if negative_prompt is None and negative_prompt_2 is None and force_zeros_for_empty_prompt:
+            if negative_prompt is None and negative_prompt_2 is None and self.pipe.config.force_zeros_for_empty_prompt:
                 negative_prompt_embeds = torch.zeros_like(prompt_embeds)
                 negative_pooled_prompt_embeds = torch.zeros_like(pooled_prompt_embeds)
             else:
@@ -177,7 +177,7 @@ class CLIPPairPrompt(PromptEncoder):
                 negative_prompt_embeds, negative_pooled_prompt_embeds = self.encode_text(
                     as_list(negative_prompt, batch_size), as_list(negative_prompt_2, batch_size), clip_skip=None)
         elif do_classifier_free_guidance and negative_pooled_prompt_embeds is None:
-            raise ValueError("negative_pooled_prompt_embeds: expected them with negative_prompt_embeds, got None")
+            raise ArgumentError("negative_pooled_prompt_embeds", "expected them with negative_prompt_embeds, got None")
 
         prompt_embeds = self.repeated(prompt_embeds, num_images_per_prompt)
         pooled_prompt_embeds = self.repeated(pooled_prompt_embeds, num_images_per_prompt)
@@ -189,7 +189,7 @@ class CLIPPairPrompt(PromptEncoder):
     def encode_text(self, prompt: List[str], prompt_2: List[str],
                     clip_skip: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         if len(prompt) != len(prompt_2):
-            raise ValueError(f"prompt_2: expected {len(prompt)} prompts like prompt, got {len(prompt_2)}")
+            raise ArgumentError("prompt_2", f"expected {len(prompt)} prompts like prompt, got {len(prompt_2)}")
         pipe = self.pipe
         pairs = [(prompt, pipe.tokenizer, pipe.text_encoder), (prompt_2, pipe.tokenizer_2, pipe.text_encoder_2)]
         hidden_states, pooled = [], None
@@ -203,7 +203,7 @@ class CLIPPairPrompt(PromptEncoder):
             if pooled is None and "text_embeds" in outputs:
                 pooled = outputs["text_embeds"].clone()
         if pooled is None:
-            raise ValueError("text_encoder_2: expected a text_embeds output (CLIPTextModelWithProjection), got none")
+            raise ArgumentError("text_encoder_2", "expected a text_embeds output (CLIPTextModelWithProjection), got none")
         return torch.cat(hidden_states, dim=-1), pooled
 
 
@@ -233,17 +233,17 @@ class SD3Prompt(T5Prompt):
             outputs = encoder.output_names
             layers = [output for output in outputs if output.startswith("hidden_states.")]
             if encoder.input_names != ["input_ids"] or "text_embeds" not in outputs or len(layers) < 2:
-                raise ValueError(f"{name}: expected a CLIPTextModelWithProjection export taking input_ids, with "
+                raise ArgumentError(name, f"expected a CLIPTextModelWithProjection export taking input_ids, with "
                                  f"outputs text_embeds and hidden_states.0 … hidden_states.N, got inputs "
                                  f"{encoder.input_names} and outputs {outputs} in {encoder.model_path!r}")
         encoder = self.pipe.text_encoder_3
         if encoder is not None:
             if encoder.input_names != ["input_ids"] or "last_hidden_state" not in encoder.output_names:
-                raise ValueError(f"text_encoder_3: expected a T5 encoder export (input_ids → last_hidden_state), got "
+                raise ArgumentError("text_encoder_3", f"expected a T5 encoder export (input_ids → last_hidden_state), got "
                                  f"inputs {encoder.input_names} and outputs {encoder.output_names} in "
                                  f"{encoder.model_path!r}")
             if self.pipe.tokenizer_3 is None:
-                raise ValueError("tokenizer_3: expected the T5 tokenizer with text_encoder_3, got None (the folder has "
+                raise ArgumentError("tokenizer_3", "expected the T5 tokenizer with text_encoder_3, got None (the folder has "
                                  "no tokenizer_3/)")
 
     def encode(
@@ -276,7 +276,7 @@ class SD3Prompt(T5Prompt):
             negatives = [negative_prompt, negative_prompt_2 or negative_prompt, negative_prompt_3 or negative_prompt]
             negatives = [batch_size * [text] if isinstance(text, str) else text for text in negatives]
             if len(negatives[0]) != batch_size:
-                raise ValueError(f"negative_prompt: expected {batch_size} prompts (as many as prompt), got "
+                raise ArgumentError("negative_prompt", f"expected {batch_size} prompts (as many as prompt), got "
                                  f"{len(negatives[0])}")
             negative_prompt_embeds, negative_pooled_prompt_embeds = self.encode_text(
                 *negatives, clip_skip=None, max_sequence_length=max_sequence_length)
@@ -294,7 +294,7 @@ class SD3Prompt(T5Prompt):
         prompt_2, prompt_3 = as_list(prompt_2, len(prompt)), as_list(prompt_3, len(prompt))
         for name, texts in (("prompt_2", prompt_2), ("prompt_3", prompt_3)):
             if len(texts) != len(prompt):
-                raise ValueError(f"{name}: expected {len(prompt)} prompts like prompt, got {len(texts)}")
+                raise ArgumentError(name, f"expected {len(prompt)} prompts like prompt, got {len(texts)}")
         pipe = self.pipe
         hidden_1, pooled_1 = self.clip_embeds(prompt, pipe.tokenizer, pipe.text_encoder, clip_skip)
         hidden_2, pooled_2 = self.clip_embeds(prompt_2, pipe.tokenizer_2, pipe.text_encoder_2, clip_skip)
@@ -330,7 +330,7 @@ class FluxPrompt(T5Prompt):
             encoder = getattr(self.pipe, name)
             if output not in encoder.output_names:
                 what = "a CLIP text encoder with its pooled output" if name == "text_encoder" else "a T5 encoder"
-                raise ValueError(f"{name}: expected {what} (output {output!r}), got outputs {encoder.output_names} in "
+                raise ArgumentError(name, f"expected {what} (output {output!r}), got outputs {encoder.output_names} in "
                                  f"{encoder.model_path!r}")
 
     def encode(

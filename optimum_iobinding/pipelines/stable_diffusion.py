@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Optional
 
-import numpy as np
-import torch
 
-from .arguments import Generator
+
+from .arguments import Embeds, Generator, Latents, Prompt, StepCallback, StepEndCallback, TensorNames
 from .clip_unet import ClipUNetPipeline
 from .core import on_device_stream
 from .img2img import OnnxStableDiffusionImg2ImgPipeline
@@ -23,28 +22,21 @@ class OnnxStableDiffusionPipeline(ClipUNetPipeline):
 
     image_to_image_class = OnnxStableDiffusionImg2ImgPipeline
 
-    @torch.no_grad()
     @on_device_stream
     def __call__(
         self,
-        prompt: Union[str, List[str], None] = None,
-        height: Optional[int] = 512,
-        width: Optional[int] = 512,
+        prompt: Prompt = None,
+        height: Optional[int] = 512, width: Optional[int] = 512,
         num_inference_steps: int = 50,
         guidance_scale: float = 7.5,
-        negative_prompt: Union[str, List[str], None] = None,
+        negative_prompt: Prompt = None,
         num_images_per_prompt: int = 1,
-        eta: float = 0.0,
-        generator: Generator = None,
-        latents: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        negative_prompt_embeds: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        output_type: str = "pil",
-        return_dict: bool = True,
-        callback: Optional[Callable[[int, int, torch.Tensor], None]] = None,
-        callback_steps: int = 1,
-        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
-        callback_on_step_end_tensor_inputs: List[str] = ("latents",),
+        eta: float = 0.0, generator: Generator = None,
+        latents: Latents = None,
+        prompt_embeds: Embeds = None, negative_prompt_embeds: Embeds = None,
+        output_type: str = "pil", return_dict: bool = True,
+        callback: StepCallback = None, callback_steps: int = 1,
+        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
     ):
         """Generates images from text, with the arguments of diffusers' ``OnnxStableDiffusionPipeline``.
 
@@ -73,12 +65,8 @@ class OnnxStableDiffusionPipeline(ClipUNetPipeline):
 
         # 3. timesteps and initial noise
         timesteps = self.set_timesteps(num_inference_steps)
-        if hasattr(self.scheduler, "set_begin_index"):
-            self.scheduler.set_begin_index(0)
-        latents_shape = (batch_size * num_images_per_prompt, self.latent_channels,
-                         height // self.vae_scale_factor, width // self.vae_scale_factor)
-        latents = self.prepare_latents(latents_shape, prompt_embeds.dtype, generator, latents)
-        latents = latents * self.scheduler.init_noise_sigma
+        latents = self.initial_noise(batch_size * num_images_per_prompt, height, width, prompt_embeds.dtype,
+                                     generator, latents)
 
         # 4. denoising loop: every tensor stays on self.device
         latents = self.denoiser.loop(

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
-import torch
 from diffusers.pipelines.stable_diffusion_3 import StableDiffusion3PipelineOutput
 
+from ..errors import ArgumentError
 from ..layout import write_transformer_model_index
-from .arguments import Generator, check_sequence_length, is_real
+from .arguments import (Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames, check_sequence_length, is_real)
 from .components import onnx, tokenizer
 from .core import OnnxDiffusionPipeline, VaeConstants, Warmup, on_device_stream
 from .denoisers import MMDiTDenoiser
@@ -29,7 +29,6 @@ SD3_COMPONENTS = (onnx("text_encoder"), onnx("text_encoder_2"), onnx("text_encod
 MAX_SEQUENCE_LENGTH = 512
 # SD3's VAE latent scaling (SD3 and SD3.5 share the VAE), for a folder whose vae_decoder config.json names none
 SD3_VAE_SCALING_FACTOR, SD3_VAE_SHIFT_FACTOR = 1.5305, 0.0609
-Prompt = Union[str, List[str], None]
 
 
 class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
@@ -83,75 +82,43 @@ class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
                 raise ValueError(f"{name} and {rival_name}: expected at most one of them, got both")
             self.check_texts(name, texts, prompts, broadcast=True)
         if prompt_embeds is not None and pooled_prompt_embeds is None:
-            raise ValueError("pooled_prompt_embeds: expected them with prompt_embeds (SD3's transformer takes both), "
+            raise ArgumentError("pooled_prompt_embeds", "expected them with prompt_embeds (SD3's transformer takes both), "
                              "got None")
         if negative_prompt_embeds is not None and negative_pooled_prompt_embeds is None:
-            raise ValueError("negative_pooled_prompt_embeds: expected them with negative_prompt_embeds, got None")
+            raise ArgumentError("negative_pooled_prompt_embeds", "expected them with negative_prompt_embeds, got None")
         for name, pooled, embeds in (("pooled_prompt_embeds", pooled_prompt_embeds, prompt_embeds),
                                      ("negative_pooled_prompt_embeds", negative_pooled_prompt_embeds,
                                       negative_prompt_embeds)):
             if pooled is None:
                 continue
             if embeds is None:
-                raise ValueError(f"{name}: expected it with {name.replace('pooled_', '')}, got it alone")
+                raise ArgumentError(name, f"expected it with {name.replace('pooled_', '')}, got it alone")
             self.check_embeds(name, pooled, 2, "(batch, width)", "pooled_projections")
             if pooled.shape[0] != embeds.shape[0]:
-                raise ValueError(f"{name}: expected {embeds.shape[0]} rows like {name.replace('pooled_', '')}, got "
+                raise ArgumentError(name, f"expected {embeds.shape[0]} rows like {name.replace('pooled_', '')}, got "
                                  f"shape {tuple(pooled.shape)}")
 
     # ------------------------------------------------------------------------------------------------ prompts
-    def encode_prompt(
-        self,
-        prompt: Prompt,
-        prompt_2: Prompt = None,
-        prompt_3: Prompt = None,
-        num_images_per_prompt: int = 1,
-        do_classifier_free_guidance: bool = True,
-        negative_prompt: Prompt = None,
-        negative_prompt_2: Prompt = None,
-        negative_prompt_3: Prompt = None,
-        prompt_embeds: Optional[torch.Tensor] = None,
-        negative_prompt_embeds: Optional[torch.Tensor] = None,
-        pooled_prompt_embeds: Optional[torch.Tensor] = None,
-        negative_pooled_prompt_embeds: Optional[torch.Tensor] = None,
-        clip_skip: Optional[int] = None,
-        max_sequence_length: int = 256,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(prompt_embeds, pooled_prompt_embeds)`` on ``self.device`` in the transformer's dtype, ``[negative;
-        positive]`` when guiding (see :meth:`SD3Prompt.encode`)."""
-        return self.prompt.encode(prompt, prompt_2, prompt_3, num_images_per_prompt, do_classifier_free_guidance,
-                                  negative_prompt, negative_prompt_2, negative_prompt_3, prompt_embeds,
-                                  negative_prompt_embeds, pooled_prompt_embeds, negative_pooled_prompt_embeds,
-                                  clip_skip, max_sequence_length)
-
-    @torch.no_grad()
     @on_device_stream
     def __call__(
         self,
-        prompt: Prompt = None,
-        prompt_2: Prompt = None,
+        prompt: Prompt = None, prompt_2: Prompt = None,
         prompt_3: Prompt = None,
-        height: Optional[int] = None,
-        width: Optional[int] = None,
+        height: Optional[int] = None, width: Optional[int] = None,
         num_inference_steps: int = 28,
         sigmas: Optional[List[float]] = None,
         guidance_scale: float = 7.0,
-        negative_prompt: Prompt = None,
-        negative_prompt_2: Prompt = None,
+        negative_prompt: Prompt = None, negative_prompt_2: Prompt = None,
         negative_prompt_3: Prompt = None,
         num_images_per_prompt: int = 1,
         generator: Generator = None,
-        latents: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        prompt_embeds: Optional[torch.Tensor] = None,
-        negative_prompt_embeds: Optional[torch.Tensor] = None,
-        pooled_prompt_embeds: Optional[torch.Tensor] = None,
-        negative_pooled_prompt_embeds: Optional[torch.Tensor] = None,
-        output_type: str = "pil",
-        return_dict: bool = True,
+        latents: Latents = None,
+        prompt_embeds: Embeds = None, negative_prompt_embeds: Embeds = None,
+        pooled_prompt_embeds: Embeds = None, negative_pooled_prompt_embeds: Embeds = None,
+        output_type: str = "pil", return_dict: bool = True,
         joint_attention_kwargs: Optional[Dict[str, Any]] = None,
         clip_skip: Optional[int] = None,
-        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
-        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
         max_sequence_length: int = 256,
         skip_guidance_layers: Optional[List[int]] = None,
         mu: Optional[float] = None,
@@ -168,16 +135,16 @@ class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
             ``StableDiffusion3PipelineOutput(images)``, or a tuple without return_dict.
         """
         if skip_guidance_layers is not None:
-            raise ValueError("skip_guidance_layers: expected None, got "
+            raise ArgumentError("skip_guidance_layers", "expected None, got "
                              f"{skip_guidance_layers!r}; an exported transformer cannot leave out layers")
         if joint_attention_kwargs is not None:
-            raise ValueError(f"joint_attention_kwargs: expected None (an ONNX transformer takes no attention "
+            raise ArgumentError("joint_attention_kwargs", f"expected None (an ONNX transformer takes no attention "
                              f"arguments), got {joint_attention_kwargs!r}")
         if sigmas is not None and (not isinstance(sigmas, (list, tuple, np.ndarray)) or len(sigmas) == 0 or
                                    not all(is_real(s) and math.isfinite(s) for s in sigmas)):
-            raise ValueError(f"sigmas: expected a non-empty list of finite numbers, got {sigmas!r}")
+            raise ArgumentError("sigmas", f"expected a non-empty list of finite numbers, got {sigmas!r}")
         if mu is not None and (not is_real(mu) or not math.isfinite(mu)):
-            raise ValueError(f"mu: expected a finite number, got {mu!r}")
+            raise ArgumentError("mu", f"expected a finite number, got {mu!r}")
         height = self.default_image_size if height is None else height
         width = self.default_image_size if width is None else width
         self.check_inputs_sd3(prompt, prompt_2, prompt_3, negative_prompt_2, negative_prompt_3, prompt_embeds,

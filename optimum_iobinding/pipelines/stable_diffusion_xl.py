@@ -6,15 +6,16 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import PIL.Image
 import torch
 from diffusers.pipelines.stable_diffusion_xl import StableDiffusionXLPipelineOutput
 
+from ..errors import ArgumentError
 from ..layout import write_xl_model_index
-from .arguments import Generator
+from .arguments import Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames
 from .components import declared_dim, onnx, tokenizer
 from .core import OnnxDiffusionPipeline, Warmup, on_device_stream
 from .denoisers import UNetDenoiser
@@ -27,7 +28,6 @@ XL_COMPONENTS = (onnx("text_encoder", optional=True), onnx("text_encoder_2"), to
 # the diffusers pipeline each of ours mirrors: the class name a saved folder's model_index.json gives (optimum's way)
 _TORCH_CLASS_NAMES = {"OnnxStableDiffusionXLPipeline": "StableDiffusionXLPipeline",
                       "OnnxStableDiffusionXLImg2ImgPipeline": "StableDiffusionXLImg2ImgPipeline"}
-Prompt = Union[str, List[str], None]
 
 
 class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
@@ -64,7 +64,7 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
         prompts = self.batch_size_of(prompt, prompt_embeds) if prompt is not None or prompt_embeds is not None \
             else None
         if prompt_embeds is not None and pooled_prompt_embeds is None:
-            raise ValueError("pooled_prompt_embeds: expected them with prompt_embeds (SDXL's UNet takes both), "
+            raise ArgumentError("pooled_prompt_embeds", "expected them with prompt_embeds (SDXL's UNet takes both), "
                              "got None")
         for name, texts, rival, rival_name in (("prompt_2", prompt_2, prompt_embeds, "prompt_embeds"),
                                                ("negative_prompt_2", negative_prompt_2, negative_prompt_embeds,
@@ -77,7 +77,7 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
             self.check_texts(name, texts, prompts, broadcast=name == "negative_prompt_2")
         if isinstance(negative_prompt, list) and isinstance(negative_prompt_2, list) and \
                 len(negative_prompt) != len(negative_prompt_2):
-            raise ValueError(f"negative_prompt_2: expected {len(negative_prompt)} prompts (as many as "
+            raise ArgumentError("negative_prompt_2", f"expected {len(negative_prompt)} prompts (as many as "
                              f"negative_prompt), got {len(negative_prompt_2)}")
         for name, pooled, embeds in (("pooled_prompt_embeds", pooled_prompt_embeds, prompt_embeds),
                                      ("negative_pooled_prompt_embeds", negative_pooled_prompt_embeds,
@@ -86,31 +86,10 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
                 continue
             self.check_embeds(name, pooled, 2, "(batch, width)", "text_embeds")
             if embeds is not None and pooled.shape[0] != embeds.shape[0]:
-                raise ValueError(f"{name}: expected {embeds.shape[0]} rows like {name.replace('pooled_', '')}, got "
+                raise ArgumentError(name, f"expected {embeds.shape[0]} rows like {name.replace('pooled_', '')}, got "
                                  f"shape {tuple(pooled.shape)}")
             if embeds is None:
-                raise ValueError(f"{name}: expected it with {name.replace('pooled_', '')}, got it alone")
-
-    def encode_prompt(
-        self,
-        prompt: Prompt,
-        prompt_2: Prompt,
-        num_images_per_prompt: int,
-        do_classifier_free_guidance: bool,
-        negative_prompt: Prompt = None,
-        negative_prompt_2: Prompt = None,
-        prompt_embeds: Optional[torch.Tensor] = None,
-        negative_prompt_embeds: Optional[torch.Tensor] = None,
-        pooled_prompt_embeds: Optional[torch.Tensor] = None,
-        negative_pooled_prompt_embeds: Optional[torch.Tensor] = None,
-        clip_skip: Optional[int] = None,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(prompt_embeds, pooled)`` on ``self.device``, ``[negative; positive]`` when guiding (see
-        :meth:`CLIPPairPrompt.encode`)."""
-        return self.prompt.encode(prompt, prompt_2, num_images_per_prompt, do_classifier_free_guidance,
-                                  negative_prompt, negative_prompt_2, prompt_embeds, negative_prompt_embeds,
-                                  pooled_prompt_embeds, negative_pooled_prompt_embeds, clip_skip,
-                                  self.config.force_zeros_for_empty_prompt)
+                raise ArgumentError(name, f"expected it with {name.replace('pooled_', '')}, got it alone")
 
     # ------------------------------------------------------------------------------------------ conditioning
     def time_ids(
@@ -127,9 +106,9 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
                            ("target_size", target_size)):
             if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(
                     isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pair):
-                raise ValueError(f"{name}: expected (height, width): two numbers, got {pair!r}")
+                raise ArgumentError(name, f"expected (height, width): two numbers, got {pair!r}")
         if not isinstance(aesthetic_score, (int, float)) or not math.isfinite(aesthetic_score):
-            raise ValueError(f"aesthetic_score: expected a finite number, got {aesthetic_score!r}")
+            raise ArgumentError("aesthetic_score", f"expected a finite number, got {aesthetic_score!r}")
         if self.config.requires_aesthetics_score:
             values = list(original_size) + list(crops_coords_top_left) + [aesthetic_score]
         else:
@@ -171,27 +150,20 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
 
     encodes_images = True
 
-    @torch.no_grad()
     @on_device_stream
     def __call__(
         self,
-        prompt: Prompt = None,
-        prompt_2: Prompt = None,
+        prompt: Prompt = None, prompt_2: Prompt = None,
         image: Union[PIL.Image.Image, np.ndarray, torch.Tensor, List[PIL.Image.Image], None] = None,
         strength: float = 0.3,
         num_inference_steps: int = 50,
         guidance_scale: float = 5.0,
-        negative_prompt: Prompt = None,
-        negative_prompt_2: Prompt = None,
+        negative_prompt: Prompt = None, negative_prompt_2: Prompt = None,
         num_images_per_prompt: int = 1,
-        eta: float = 0.0,
-        generator: Generator = None,
-        prompt_embeds: Optional[torch.Tensor] = None,
-        negative_prompt_embeds: Optional[torch.Tensor] = None,
-        pooled_prompt_embeds: Optional[torch.Tensor] = None,
-        negative_pooled_prompt_embeds: Optional[torch.Tensor] = None,
-        output_type: str = "pil",
-        return_dict: bool = True,
+        eta: float = 0.0, generator: Generator = None,
+        prompt_embeds: Embeds = None, negative_prompt_embeds: Embeds = None,
+        pooled_prompt_embeds: Embeds = None, negative_pooled_prompt_embeds: Embeds = None,
+        output_type: str = "pil", return_dict: bool = True,
         guidance_rescale: float = 0.0,
         original_size: Optional[Tuple[int, int]] = None,
         crops_coords_top_left: Tuple[int, int] = (0, 0),
@@ -199,20 +171,15 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
         aesthetic_score: float = 6.0,
         negative_aesthetic_score: float = 2.5,
         clip_skip: Optional[int] = None,
-        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
-        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
     ):
         """Transforms ``image`` guided by text; ``strength`` in [0, 1] says how much of the schedule runs.
 
         Returns:
             ``StableDiffusionXLPipelineOutput(images)``, or a tuple without return_dict.
         """
-        if image is None:
-            raise ValueError("image: expected a PIL image, numpy array or tensor to start from, got None")
-        self.check_image(image, "image")
-        pixels = self.image_processor.preprocess(image)
+        pixels = self.start_image(image)
         height, width = pixels.shape[-2:]
-        self.check_image_size(height, width, "image")
         self.check_inputs(prompt, height, width, num_inference_steps, None, negative_prompt, prompt_embeds,
                           negative_prompt_embeds, output_type, strength=strength, guidance_scale=guidance_scale,
                           num_images_per_prompt=num_images_per_prompt,
@@ -230,13 +197,8 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
 
         # the image's latents, noised to where the shortened schedule starts
         timesteps = self.strength_timesteps(num_inference_steps, strength)
-        if pixels.shape[0] not in (1, rows // num_images_per_prompt):
-            raise ValueError(f"image: expected 1 or {rows // num_images_per_prompt} images (one per prompt), "
-                             f"got {pixels.shape[0]}")
-        init_latents = self.encode_image(pixels, generator).to(prompt_embeds.dtype)
-        init_latents = init_latents.repeat_interleave(rows // init_latents.shape[0], dim=0)
-        noise = self.prepare_latents(tuple(init_latents.shape), init_latents.dtype, generator)
-        latents = self.scheduler.add_noise(init_latents, noise, timesteps[:1].repeat(rows))
+        latents = self.noised_image_latents(pixels, timesteps, generator, batch_size, num_images_per_prompt,
+                                            prompt_embeds.dtype)
 
         original_size = original_size or (height, width)
         target_size = target_size or (height, width)
@@ -261,28 +223,20 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
 
     image_to_image_class = OnnxStableDiffusionXLImg2ImgPipeline
 
-    @torch.no_grad()
     @on_device_stream
     def __call__(
         self,
-        prompt: Prompt = None,
-        prompt_2: Prompt = None,
-        height: Optional[int] = None,
-        width: Optional[int] = None,
+        prompt: Prompt = None, prompt_2: Prompt = None,
+        height: Optional[int] = None, width: Optional[int] = None,
         num_inference_steps: int = 50,
         guidance_scale: float = 5.0,
-        negative_prompt: Prompt = None,
-        negative_prompt_2: Prompt = None,
+        negative_prompt: Prompt = None, negative_prompt_2: Prompt = None,
         num_images_per_prompt: int = 1,
-        eta: float = 0.0,
-        generator: Generator = None,
-        latents: Optional[Union[torch.Tensor, np.ndarray]] = None,
-        prompt_embeds: Optional[torch.Tensor] = None,
-        negative_prompt_embeds: Optional[torch.Tensor] = None,
-        pooled_prompt_embeds: Optional[torch.Tensor] = None,
-        negative_pooled_prompt_embeds: Optional[torch.Tensor] = None,
-        output_type: str = "pil",
-        return_dict: bool = True,
+        eta: float = 0.0, generator: Generator = None,
+        latents: Latents = None,
+        prompt_embeds: Embeds = None, negative_prompt_embeds: Embeds = None,
+        pooled_prompt_embeds: Embeds = None, negative_pooled_prompt_embeds: Embeds = None,
+        output_type: str = "pil", return_dict: bool = True,
         guidance_rescale: float = 0.0,
         original_size: Optional[Tuple[int, int]] = None,
         crops_coords_top_left: Tuple[int, int] = (0, 0),
@@ -291,8 +245,7 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
         negative_crops_coords_top_left: Tuple[int, int] = (0, 0),
         negative_target_size: Optional[Tuple[int, int]] = None,
         clip_skip: Optional[int] = None,
-        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
-        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
     ):
         """Generates images from text. ``height``/``width`` default to the UNet's sample size × the VAE factor
         (1024 for SDXL). ``generator`` is a numpy ``RandomState`` or a ``torch.Generator``.
@@ -320,12 +273,8 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
 
         # 2. timesteps and initial noise
         timesteps = self.set_timesteps(num_inference_steps)
-        if hasattr(self.scheduler, "set_begin_index"):
-            self.scheduler.set_begin_index(0)
         rows = batch_size * num_images_per_prompt
-        latents_shape = (rows, self.latent_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
-        latents = self.prepare_latents(latents_shape, prompt_embeds.dtype, generator, latents)
-        latents = latents * self.scheduler.init_noise_sigma
+        latents = self.initial_noise(rows, height, width, prompt_embeds.dtype, generator, latents)
 
         # 3. size conditioning, made once
         original_size = original_size or (height, width)

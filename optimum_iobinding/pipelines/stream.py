@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from ..errors import ArgumentError, ArgumentTypeError
 from ..layout import resolve_pipeline_folder
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_integer
@@ -84,7 +85,7 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
 
     def __init__(self, **components: Any):
         if components.get("vae_encoder") is None:
-            raise ValueError("vae_encoder: expected a VAE encoder (the stream encodes every frame), got none: the "
+            raise ArgumentError("vae_encoder", "expected a VAE encoder (the stream encodes every frame), got none: the "
                              "folder has no vae_encoder/model.onnx; export one, or pass tiny_vae=<an AutoencoderTiny "
                              "export>")
         super().__init__(**components)
@@ -101,7 +102,7 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         the full VAE), whose latent channels must match the UNet's; the folder's own VAE is then neither downloaded
         nor loaded (``component_options`` for ``"vae_encoder"``/``"vae_decoder"`` apply to the tiny VAE)."""
         if tiny_vae is not None and not isinstance(tiny_vae, (str, os.PathLike)):
-            raise TypeError(f"tiny_vae: expected a folder or hub id of an AutoencoderTiny export (vae_encoder/ and "
+            raise ArgumentTypeError("tiny_vae", f"expected a folder or hub id of an AutoencoderTiny export (vae_encoder/ and "
                             f"vae_decoder/), or None, got {type(tiny_vae).__name__} {tiny_vae!r:.80}")
         own = tuple(name for name in names_of(cls.declared_components, "onnx")
                     if tiny_vae is None or name not in TINY_VAE_COMPONENTS)
@@ -155,7 +156,6 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         return sum(stage.captures for stage in [*self._plan.stages.values(), *self._plan.step_stages])
 
     # ------------------------------------------------------------------------------------------------- prepare
-    @torch.no_grad()
     @on_device_stream
     def prepare(
         self,
@@ -193,13 +193,13 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         # 1. every argument, before any work
         for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
             if not isinstance(text, str) and not (name == "negative_prompt" and text is None):
-                raise TypeError(f"{name}: expected a str (a stream has one prompt), got {type(text).__name__}")
+                raise ArgumentTypeError(name, f"expected a str (a stream has one prompt), got {type(text).__name__}")
         self.check_inputs(prompt, height, width, num_inference_steps, None, negative_prompt, output_type="pt",
                           strength=strength, guidance_scale=guidance_scale)
         if not is_integer(seed) or not 0 <= seed < 2 ** 64:
-            raise ValueError(f"seed: expected an integer in [0, 2**64), got {seed!r}")
+            raise ArgumentError("seed", f"expected an integer in [0, 2**64), got {seed!r}")
         if not isinstance(stream_batch, bool):
-            raise TypeError(f"stream_batch: expected True or False, got {type(stream_batch).__name__} "
+            raise ArgumentTypeError("stream_batch", f"expected True or False, got {type(stream_batch).__name__} "
                             f"{stream_batch!r}")
 
         # 2. the timesteps for this strength, and the scheduler's constants at each (refused schedulers are named)
@@ -236,7 +236,7 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             self.scheduler.set_timesteps(num_inference_steps, strength=strength)
             timesteps = list(self.scheduler.timesteps)
             if not timesteps:
-                raise ValueError(f"strength: {strength} with num_inference_steps={num_inference_steps} leaves no "
+                raise ArgumentError("strength", f"{strength} with num_inference_steps={num_inference_steps} leaves no "
                                  "denoising step; raise either")
             return timesteps, 0
         timesteps = list(self.strength_timesteps(num_inference_steps, strength))
@@ -246,7 +246,7 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         dims = self.unet.input_dims.get("timestep") or []
         if len(dims) != 1 or dims[0] == 1:
             declared = "a scalar" if not dims else f"shape {dims}"
-            raise ValueError(f"stream_batch: expected a UNet whose timestep input has one row per sample (a stream "
+            raise ArgumentError("stream_batch", f"expected a UNet whose timestep input has one row per sample (a stream "
                              f"batch gives each step its own timestep), got {declared}; pass stream_batch=False")
 
     def _make_tensors(self, plan: StreamPlan, seed: int, lcm: bool, embedding_shape: Tuple[int, ...]) -> None:
@@ -345,7 +345,6 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         plan.tensors["x0"].zero_()
 
     # -------------------------------------------------------------------------------------------- prompt updates
-    @torch.no_grad()
     @on_device_stream
     def update_prompt(self, prompt: str, negative_prompt: Any = _KEEP) -> None:
         """Encodes a new prompt once into the same device tensor the UNet reads: no graph is captured again and no
@@ -357,16 +356,15 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         """
         plan = self._require_plan("update_prompt")
         if not isinstance(prompt, str):
-            raise TypeError(f"prompt: expected a str (a stream has one prompt), got {type(prompt).__name__}")
+            raise ArgumentTypeError("prompt", f"expected a str (a stream has one prompt), got {type(prompt).__name__}")
         if negative_prompt is _KEEP:
             negative_prompt = plan.negative_prompt
         elif negative_prompt is not None and not isinstance(negative_prompt, str):
-            raise TypeError(f"negative_prompt: expected a str or None, got {type(negative_prompt).__name__}")
+            raise ArgumentTypeError("negative_prompt", f"expected a str or None, got {type(negative_prompt).__name__}")
         self._write_embeddings(plan, self.encode_prompt(prompt, 1, plan.guidance, negative_prompt))
         plan.prompt, plan.negative_prompt = prompt, negative_prompt
 
     # -------------------------------------------------------------------------------------------------- frames
-    @torch.no_grad()
     @on_device_stream
     def __call__(self, frame: FrameInput) -> Any:
         """One frame in, one frame out (see the class docstring for the kinds).
@@ -374,8 +372,7 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         With a CUDA frame the call returns as soon as the frame's work is enqueued on the pipeline's stream (the
         caller's stream waits for it on the device, not the host); a host frame's output is waited for. How far the
         host runs ahead of the device is bounded by the CUDA driver, which holds only so many launches of a graph in
-        flight (a stream batch's UNet graph: 6, measured on the H100), so a host that keeps feeding frames waits
-        there, a few frames ahead.
+        flight (a few replays of one graph), so a host that keeps feeding frames waits there, a few frames ahead.
 
         Returns:
             The output frame, of the input's kind; in a stream batch, the output of the frame given k − 1 calls
@@ -386,7 +383,6 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         pending = self._enqueue(plan, source, kind)
         return None if pending is None else pending.result()
 
-    @torch.no_grad()
     @on_device_stream
     def flush(self) -> List[Any]:
         """The outputs of the frames still in the stream batch, in order (an empty list without a stream batch or
@@ -434,14 +430,12 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         finally:
             self._drop_in_flight()
 
-    @torch.no_grad()
     @on_device_stream
     def _enqueue_frame(self, frame: FrameInput) -> Optional[PendingFrame]:
         plan = self._require_plan("frame")
         source, kind = read_frame(frame, self.device)
         return self._enqueue(plan, source, kind)
 
-    @torch.no_grad()
     @on_device_stream
     def _flush_frames(self) -> List[PendingFrame]:
         return self._flush(self._require_plan("flush"))

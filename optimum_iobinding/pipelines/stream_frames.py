@@ -13,6 +13,7 @@ import PIL.Image
 import torch
 import torch.nn.functional as F
 
+from ..errors import ArgumentError, ArgumentTypeError
 from ..runtime.cuda_policy import DEVICE_SETUP
 
 FrameInput = Union[torch.Tensor, np.ndarray, PIL.Image.Image]
@@ -59,47 +60,47 @@ def read_frame(frame: Any, device: torch.device, name: str = "frame") -> Tuple[U
     """
     if isinstance(frame, PIL.Image.Image):
         if 0 in frame.size:
-            raise ValueError(f"{name}: expected a non-empty image, got {frame.width} × {frame.height} pixels")
+            raise ArgumentError(name, f"expected a non-empty image, got {frame.width} × {frame.height} pixels")
         rgb = frame if frame.mode == "RGB" else frame.convert("RGB")
         return np.array(rgb), FrameKind("pil", torch.device("cpu"), torch.uint8)
     if isinstance(frame, np.ndarray):
         if frame.dtype != np.uint8:
-            raise TypeError(f"{name}: expected a numpy array of dtype uint8 (height, width, 3), got dtype "
+            raise ArgumentTypeError(name, f"expected a numpy array of dtype uint8 (height, width, 3), got dtype "
                             f"{frame.dtype}; give float images as torch tensors in [-1, 1]")
         _check_hwc(name, tuple(frame.shape), "numpy array")
         return frame, FrameKind("numpy", torch.device("cpu"), torch.uint8)
     if not isinstance(frame, torch.Tensor):
-        raise TypeError(f"{name}: expected {_FRAME_KINDS}, got {type(frame).__name__}")
+        raise ArgumentTypeError(name, f"expected {_FRAME_KINDS}, got {type(frame).__name__}")
     if frame.layout != torch.strided or frame.is_nested:
-        raise TypeError(f"{name}: expected a dense torch tensor, got a {str(frame.layout)[6:]} one"
+        raise ArgumentTypeError(name, f"expected a dense torch tensor, got a {str(frame.layout)[6:]} one"
                         if not frame.is_nested else f"{name}: expected a dense torch tensor, got a nested one")
     if frame.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{name}: expected a CPU or CUDA tensor, got one on {frame.device}")
+        raise ArgumentError(name, f"expected a CPU or CUDA tensor, got one on {frame.device}")
     if frame.device.type == "cuda" and device.type == "cuda" and frame.device.index != device.index:
-        raise ValueError(f"{name}: expected a tensor on {device} (the pipeline's device) or on the CPU, got one on "
+        raise ArgumentError(name, f"expected a tensor on {device} (the pipeline's device) or on the CPU, got one on "
                          f"{frame.device}; move it with .to({str(device)!r}) if the copy is intended")
     shape = tuple(frame.shape)
     if frame.dtype == torch.uint8:
         _check_hwc(name, shape, "uint8 tensor")
         return frame.detach(), FrameKind("torch", frame.device, torch.uint8)
     if not frame.dtype.is_floating_point:
-        raise TypeError(f"{name}: expected a float tensor in [-1, 1] or a uint8 tensor (height, width, 3), got dtype "
+        raise ArgumentTypeError(name, f"expected a float tensor in [-1, 1] or a uint8 tensor (height, width, 3), got dtype "
                         f"{frame.dtype}")
     if len(shape) not in (3, 4) or (len(shape) == 4 and shape[0] != 1) or shape[-3] != 3:
         one = " (one frame a call)" if len(shape) == 4 and shape[0] != 1 else ""
-        raise ValueError(f"{name}: expected a float tensor of shape (3, height, width) or (1, 3, height, width)"
+        raise ArgumentError(name, f"expected a float tensor of shape (3, height, width) or (1, 3, height, width)"
                          f"{one}, got shape {shape}")
     if 0 in shape:
-        raise ValueError(f"{name}: expected a non-empty frame, got shape {shape}")
+        raise ArgumentError(name, f"expected a non-empty frame, got shape {shape}")
     batched = len(shape) == 4
     return frame.detach().reshape(1, *shape[-3:]), FrameKind("torch", frame.device, frame.dtype, batched)
 
 
 def _check_hwc(name: str, shape: Tuple[int, ...], what: str) -> None:
     if len(shape) != 3 or shape[2] != 3:
-        raise ValueError(f"{name}: expected a {what} of shape (height, width, 3) (RGB), got shape {shape}")
+        raise ArgumentError(name, f"expected a {what} of shape (height, width, 3) (RGB), got shape {shape}")
     if 0 in shape:
-        raise ValueError(f"{name}: expected a non-empty frame, got shape {shape}")
+        raise ArgumentError(name, f"expected a non-empty frame, got shape {shape}")
 
 
 # ------------------------------------------------------------------------------------------------- conversions

@@ -11,6 +11,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..errors import ArgumentError
 from .stream_frames import CapturedStage, FrameKind, to_output_frame, to_vae_input
 
 _PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
@@ -51,10 +52,10 @@ def stream_schedule(scheduler: Any, timesteps: Sequence[Any], begin_index: int) 
     name = type(scheduler).__name__
     prediction_type = config.get("prediction_type", "epsilon")
     if prediction_type not in _PREDICTION_TYPES:
-        raise ValueError(f"scheduler: expected prediction_type among {list(_PREDICTION_TYPES)}, got "
+        raise ArgumentError("scheduler", f"expected prediction_type among {list(_PREDICTION_TYPES)}, got "
                          f"{prediction_type!r} ({name})")
     if config.get("thresholding", False):
-        raise ValueError(f"scheduler: expected thresholding=False (dynamic thresholding depends on each frame's "
+        raise ArgumentError("scheduler", f"expected thresholding=False (dynamic thresholding depends on each frame's "
                          f"values), got True ({name})")
     one, zero = torch.ones(1, 1, 1, 1, dtype=torch.float64), torch.zeros(1, 1, 1, 1, dtype=torch.float64)
     signal, noise, skip, out = [], [], [], []
@@ -70,7 +71,7 @@ def stream_schedule(scheduler: Any, timesteps: Sequence[Any], begin_index: int) 
             coefficients.append(float(probe.scale_model_input(noised, timestep).reshape(())))
         a, b = coefficients
         if not (a > 0 and abs(a * a + b * b - 1) <= 1e-3):
-            raise ValueError(f"scheduler: expected a variance-preserving noise schedule (the model input √ᾱ·x0 + "
+            raise ArgumentError("scheduler", f"expected a variance-preserving noise schedule (the model input √ᾱ·x0 + "
                              f"√(1 − ᾱ)·noise), got {name}, whose step {index} (timestep {float(timestep):g}) gives "
                              f"{a:.4g}·x0 + {b:.4g}·noise; use a DDPM-style or Euler-style scheduler")
         signal.append(a)

@@ -10,8 +10,8 @@ Events order the two streams; the host waits only for copies it is about to read
 run one after another.
 
 On CUDA each tile shape (the full tile, the right and bottom edge tiles, the corner) runs in a session of its own:
-ORT's CUDA convolutions choose their algorithms again whenever a session's input shape changes (measured:
-benchmarks/vae_shapes.py). A model with a graph pool (the default on CUDA) already runs each input signature apart (a graph
+ORT's CUDA convolutions choose their algorithms again whenever a session's input shape changes
+(benchmarks/vae_shapes.py shows what that costs). A model with a graph pool (the default on CUDA) already runs each input signature apart (a graph
 of its own, or a fixed-shape session), all reading its weights; for a model without one, each tile shape gets a :meth:`IOBindingORTModel.sibling`
 (``max_tile_sessions`` bounds them).
 
@@ -27,6 +27,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..errors import ArgumentError
 from ..runtime.cuda_policy import DEVICE_SETUP
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_integer, is_real
@@ -85,17 +86,17 @@ class TiledVAE:
         max_tile_sessions: int = 4,
     ):
         if not is_integer(scale_factor) or scale_factor < 1:
-            raise ValueError(f"scale_factor: expected a positive integer (pixels per latent, 8 for Stable Diffusion), "
+            raise ArgumentError("scale_factor", f"expected a positive integer (pixels per latent, 8 for Stable Diffusion), "
                              f"got {scale_factor!r}")
         if not is_integer(tile_sample_size) or tile_sample_size <= 0 or tile_sample_size % scale_factor != 0:
-            raise ValueError(f"tile_sample_size: expected a positive multiple of {scale_factor} (the VAE's scale "
+            raise ArgumentError("tile_sample_size", f"expected a positive multiple of {scale_factor} (the VAE's scale "
                              f"factor), got {tile_sample_size!r}")
         if not is_real(overlap) or not 0.0 <= overlap <= 0.5:
             # past a half, a tile's blended edge reaches beyond its neighbour's: tiles would blend with tiles that
             # are not their neighbours, and the tile count grows without bound as the overlap nears 1
-            raise ValueError(f"overlap: expected a fraction in [0, 0.5] (diffusers uses 0.25), got {overlap!r}")
+            raise ArgumentError("overlap", f"expected a fraction in [0, 0.5] (diffusers uses 0.25), got {overlap!r}")
         if not is_integer(max_tile_sessions) or max_tile_sessions < 1:
-            raise ValueError(f"max_tile_sessions: expected an integer ≥ 1, got {max_tile_sessions!r}")
+            raise ArgumentError("max_tile_sessions", f"expected an integer ≥ 1, got {max_tile_sessions!r}")
         self.vae_decoder = vae_decoder
         self.vae_encoder = vae_encoder
         self.tile_sample_size = int(tile_sample_size)
@@ -190,7 +191,7 @@ class TiledVAE:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Image in [-1, 1], NCHW, on the decoder's device (already-unscaled latents, as ``vae.decode`` takes)."""
         if self.vae_decoder is None:
-            raise ValueError("vae_decoder: decoding needs one, got None")
+            raise ArgumentError("vae_decoder", "decoding needs one, got None")
         tile_out = self.tile_sample_size
         height, width = self._assembled_size(latents.shape, self.tile_latent_size, tile_out)
         image = None
@@ -204,7 +205,7 @@ class TiledVAE:
         """Image in [0, 1] as a float32 NHWC numpy array (what ``output_type="np"`` returns), each tile downloaded
         as soon as it is final; on CUDA the download overlaps the next tile's decoding (``overlap_copies``)."""
         if self.vae_decoder is None:
-            raise ValueError("vae_decoder: decoding needs one, got None")
+            raise ArgumentError("vae_decoder", "decoding needs one, got None")
         tile_out = self.tile_sample_size
         height, width = self._assembled_size(latents.shape, self.tile_latent_size, tile_out)
         result: Optional[np.ndarray] = None
@@ -249,7 +250,7 @@ class TiledVAE:
         tile by tile from pinned memory when the encoder runs on CUDA, each upload overlapping the previous tile's
         encoding (``overlap_copies``); a device image is tiled where it is."""
         if self.vae_encoder is None:
-            raise ValueError("vae_encoder: encoding needs one, got None")
+            raise ArgumentError("vae_encoder", "encoding needs one, got None")
         device = self.vae_encoder.device
         tile_in, tile_out = self.tile_sample_size, self.tile_latent_size
         stride, _, _ = self._geometry(tile_in, tile_out)

@@ -9,6 +9,7 @@ from typing import Any, List, Mapping, Optional, Union
 
 import onnx
 
+from ..errors import ArgumentError, ArgumentPathError, ArgumentTypeError
 from ..layout import download_from_hub
 
 # snapshot_download's own parameters that a loader sets itself: never the caller's to pass
@@ -33,7 +34,7 @@ def check_hub_kwargs(where: str, hub_kwargs: Mapping[str, Any]) -> None:
     known = hub_keywords()
     unknown = sorted(set(hub_kwargs) - set(known))
     if unknown:
-        raise TypeError(f"{where}: got unexpected keyword argument(s) {unknown}; besides its own arguments it takes "
+        raise ArgumentTypeError(where, f"got unexpected keyword argument(s) {unknown}; besides its own arguments it takes "
                         f"huggingface_hub's download keywords {known}")
 
 
@@ -45,11 +46,11 @@ def check_model_file(path: str) -> None:
         ValueError: the file is empty.
     """
     if os.path.isdir(path):
-        raise FileNotFoundError(f"path: expected an .onnx file, got the folder {path!r}")
+        raise ArgumentPathError("path", f"expected an .onnx file, got the folder {path!r}")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"path: expected an .onnx file, found nothing at {path!r}")
+        raise ArgumentPathError("path", f"expected an .onnx file, found nothing at {path!r}")
     if os.path.getsize(path) == 0:
-        raise ValueError(f"path: {path!r} is empty (0 bytes), expected an ONNX model; export or download it again")
+        raise ArgumentError("path", f"{path!r} is empty (0 bytes), expected an ONNX model; export or download it again")
 
 
 def unreadable_reason(path: str) -> Optional[str]:
@@ -72,9 +73,9 @@ def load_graph(path: str) -> onnx.ModelProto:
     try:
         model = onnx.load(path, load_external_data=False)
     except Exception as error:  # protobuf's DecodeError and friends
-        raise ValueError(f"path: {path!r} is not a readable ONNX model: {type(error).__name__}: {error}") from error
+        raise ArgumentError("path", f"{path!r} is not a readable ONNX model: {type(error).__name__}: {error}") from error
     if not model.HasField("graph") or not (model.graph.node or model.graph.output):
-        raise ValueError(f"path: {path!r} is not a readable ONNX model: it parses as a protobuf message but holds no "
+        raise ArgumentError("path", f"{path!r} is not a readable ONNX model: it parses as a protobuf message but holds no "
                          "ONNX graph")
     return model
 
@@ -115,12 +116,12 @@ def resolve_model_file(
     if os.path.isdir(model_id):
         path = os.path.join(model_id, subfolder or "", file_name)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"model_id: expected {file_name!r} in {os.path.join(model_id, subfolder or '')!r}, "
+            raise ArgumentPathError("model_id", f"expected {file_name!r} in {os.path.join(model_id, subfolder or '')!r}, "
                                     f"found no such file")
         return path
     pattern = f"{subfolder}/*" if subfolder else "*"
     folder = download_from_hub(model_id, [pattern], "model_id", **hub_kwargs)
     path = os.path.join(folder, subfolder or "", file_name)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"model_id: hub repository {model_id!r} has no {os.path.join(subfolder or '', file_name)!r}")
+        raise ArgumentPathError("model_id", f"hub repository {model_id!r} has no {os.path.join(subfolder or '', file_name)!r}")
     return path

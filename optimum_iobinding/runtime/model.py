@@ -22,6 +22,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from ..errors import ArgumentError, ArgumentTypeError
 from ..layout import LORA_MAP_NAME, read_json_object
 from .cuda_policy import DEVICE_SETUP, DISABLE_SYNC_RUN_OPTION
 from .dtypes import ORT_TO_TORCH, TORCH_TO_ONNX, tensor_of_ort_value
@@ -182,12 +183,12 @@ class IOBindingORTModel:
         pool_possible = device.type == "cuda" and io_binding and stream_in_use is not None and recipe.can_create
         if options.cuda_graph is True and not pool_possible:
             if device.type != "cuda" or not io_binding:
-                raise ValueError(f"cuda_graph: needs a CUDA session with io_binding=True, got device {device} and "
+                raise ArgumentError("cuda_graph", f"needs a CUDA session with io_binding=True, got device {device} and "
                                  f"io_binding={io_binding}")
             if stream_in_use is None:
-                raise ValueError("cuda_graph: needs the session's stream; create the model from a path (or a session "
+                raise ArgumentError("cuda_graph", "needs the session's stream; create the model from a path (or a session "
                                  "made with the provider option user_compute_stream)")
-            raise ValueError("cuda_graph: the session was created from neither a path nor bytes, so no session "
+            raise ArgumentError("cuda_graph", "the session was created from neither a path nor bytes, so no session "
                              "with fixed dims can be made for a graph")
         weights = recipe.weights
         keeps_pool = pool_possible and (options.cuda_graph is not False or weights.owned or weights.on_need)
@@ -257,7 +258,7 @@ class IOBindingORTModel:
         """
         unknown = sorted(set(changes) - set(self.SIBLING_SETTINGS))
         if unknown:
-            raise TypeError(f"sibling: expected settings among {list(self.SIBLING_SETTINGS)}, got {unknown}")
+            raise ArgumentTypeError("sibling", f"expected settings among {list(self.SIBLING_SETTINGS)}, got {unknown}")
         if not self._recipe.can_create:
             raise RuntimeError("sibling: the session was created from neither a path nor bytes, so it cannot be "
                                "created again")
@@ -343,7 +344,7 @@ class IOBindingORTModel:
         writes: List[Tuple[Optional[str], Path, Optional[bytes]]] = []  # (file to copy, target, or bytes to write)
         if source is None:
             if not isinstance(self._recipe.source, bytes):
-                raise ValueError("save_pretrained: this session was created from neither a path nor bytes")
+                raise ArgumentError("save_pretrained", "this session was created from neither a path nor bytes")
             writes.append((None, target, self._recipe.source))
         else:
             writes.append((source, target, None))

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import onnxruntime as ort
 import torch
 
+from ..errors import ArgumentError, ArgumentTypeError
 from .cuda_policy import with_diffusion_defaults, with_stream
 
 # Execution providers whose memory is a CUDA device that torch can address as ``cuda:N``; they get the diffusion
@@ -70,10 +71,10 @@ def normalize_providers(
     if isinstance(provider, str) or (isinstance(provider, tuple) and len(provider) == 2 and isinstance(provider[1], dict)):
         provider = [provider]
     if not isinstance(provider, (list, tuple)):
-        raise TypeError(f"provider: expected a provider name, a (name, options dict) pair or a list of them, "
+        raise ArgumentTypeError("provider", f"expected a provider name, a (name, options dict) pair or a list of them, "
                         f"got {type(provider).__name__} {provider!r}")
     if not provider:
-        raise ValueError("provider: expected at least one execution provider, got an empty list")
+        raise ArgumentError("provider", "expected at least one execution provider, got an empty list")
     names: List[str] = []
     options: List[Dict[str, Any]] = []
     for entry in provider:
@@ -84,11 +85,11 @@ def normalize_providers(
             names.append(entry[0])
             options.append(dict(entry[1]))
         else:
-            raise TypeError(f"provider: expected a provider name or a (name, options dict) pair, got {entry!r}")
+            raise ArgumentTypeError("provider", f"expected a provider name or a (name, options dict) pair, got {entry!r}")
     if provider_options is not None:
         if not isinstance(provider_options, (dict, list, tuple)) or (
                 not isinstance(provider_options, dict) and not all(isinstance(o, dict) for o in provider_options)):
-            raise TypeError(f"provider_options: expected a dict or a list of dicts, got {provider_options!r}")
+            raise ArgumentTypeError("provider_options", f"expected a dict or a list of dicts, got {provider_options!r}")
         extra = [provider_options] if isinstance(provider_options, dict) else list(provider_options)
         if len(extra) != len(names):
             raise ValueError(
@@ -100,14 +101,14 @@ def normalize_providers(
     for name in names:
         if name not in available:
             hint = " (install onnxruntime-gpu: pip install 'optimum-iobinding[gpu]')" if "CUDA" in name or "Tensorrt" in name else ""
-            raise ValueError(f"provider: {name!r} is not available in this onnxruntime build{hint}; available: {available}")
+            raise ArgumentError("provider", f"{name!r} is not available in this onnxruntime build{hint}; available: {available}")
     return names, [{key: str(value) for key, value in opts.items()} for opts in options]
 
 
 def check_bindable(first_provider: str, io_binding: bool) -> None:
     """With ``io_binding`` the first provider's memory must be one torch can address."""
     if io_binding and first_provider in UNBINDABLE_PROVIDERS:
-        raise ValueError(f"provider: {first_provider!r} with io_binding=True: {UNBINDABLE_PROVIDERS[first_provider]}")
+        raise ArgumentError("provider", f"{first_provider!r} with io_binding=True: {UNBINDABLE_PROVIDERS[first_provider]}")
 
 
 def provider_device(providers: Sequence[str], provider_options: Sequence[Mapping[str, Any]]) -> torch.device:
@@ -119,7 +120,7 @@ def provider_device(providers: Sequence[str], provider_options: Sequence[Mapping
 
 def check_sess_options(sess_options: Any) -> Optional[ort.SessionOptions]:
     if sess_options is not None and not isinstance(sess_options, ort.SessionOptions):
-        raise TypeError(f"sess_options: expected an onnxruntime.SessionOptions or None, got "
+        raise ArgumentTypeError("sess_options", f"expected an onnxruntime.SessionOptions or None, got "
                         f"{type(sess_options).__name__} {sess_options!r}")
     return sess_options
 
@@ -127,27 +128,27 @@ def check_sess_options(sess_options: Any) -> Optional[ort.SessionOptions]:
 def check_cuda_graph_setting(value: Any) -> CudaGraphSetting:
     if value is True or value is False or value == "auto":
         return value
-    raise ValueError(f"cuda_graph: expected 'auto', True or False, got {value!r}")
+    raise ArgumentError("cuda_graph", f"expected 'auto', True or False, got {value!r}")
 
 
 def _check_settings(settings: Mapping[str, Any]) -> None:
     """The model-level settings among ``settings``, each checked by the one rule that applies to it."""
     if "io_binding" in settings and not isinstance(settings["io_binding"], bool):
-        raise TypeError(f"io_binding: expected True or False, got {settings['io_binding']!r}")
+        raise ArgumentTypeError("io_binding", f"expected True or False, got {settings['io_binding']!r}")
     if "reuse_outputs" in settings and not isinstance(settings["reuse_outputs"], bool):
-        raise TypeError(f"reuse_outputs: expected True or False, got {settings['reuse_outputs']!r}")
+        raise ArgumentTypeError("reuse_outputs", f"expected True or False, got {settings['reuse_outputs']!r}")
     if "cuda_graph" in settings:
         check_cuda_graph_setting(settings["cuda_graph"])
     if "max_output_signatures" in settings:
         value = settings["max_output_signatures"]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"max_output_signatures: expected an integer ≥ 1, got {value!r}")
+            raise ArgumentError("max_output_signatures", f"expected an integer ≥ 1, got {value!r}")
     value = settings.get("max_graph_signatures")
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"max_graph_signatures: expected None or an integer ≥ 1, got {value!r}")
+        raise ArgumentError("max_graph_signatures", f"expected None or an integer ≥ 1, got {value!r}")
     value = settings.get("share_weights")
     if value is not None and not isinstance(value, bool):
-        raise TypeError(f"share_weights: expected None, True or False, got {value!r}")
+        raise ArgumentTypeError("share_weights", f"expected None, True or False, got {value!r}")
 
 
 # ---------------------------------------------------------------------------------------------------- a model
@@ -278,7 +279,7 @@ class ModelOptions:
         providers, provider_opts = normalize_providers(settings["provider"], settings["provider_options"], io_binding)
         cuda_like = io_binding and providers[0] in CUDA_LIKE_PROVIDERS
         if stream is not None and not cuda_like:
-            raise ValueError(f"stream: a CUDA stream needs a CUDA-like provider with io_binding=True, got "
+            raise ArgumentError("stream", f"a CUDA stream needs a CUDA-like provider with io_binding=True, got "
                              f"{providers[0]!r} with io_binding={io_binding}")
         device = provider_device(providers, provider_opts)
         _check_device(providers[0], device, io_binding)
@@ -298,11 +299,11 @@ class ModelOptions:
         """``options``, checked to be resolved options given without settings beside them (``given``, as
         :func:`given_settings` returns them): a setting other than its default would be lost."""
         if not isinstance(options, ModelOptions):
-            raise TypeError(f"options: expected a ModelOptions, got {type(options).__name__}")
+            raise ArgumentTypeError("options", f"expected a ModelOptions, got {type(options).__name__}")
         beside = sorted(name for name, value in given.items()
                         if value is not cls.default(name) and value != cls.default(name))
         if beside:
-            raise TypeError(f"options: expected either options or the settings {beside}, got both")
+            raise ArgumentTypeError("options", f"expected either options or the settings {beside}, got both")
         return options
 
     @classmethod
@@ -314,7 +315,7 @@ class ModelOptions:
         given = given_settings(io_binding=io_binding, **settings)
         _check_settings(given)
         if given.get("stream") is not None:
-            raise ValueError("stream: a stream is set when a session is created; pass a path (or create the session "
+            raise ArgumentError("stream", "a stream is set when a session is created; pass a path (or create the session "
                              "with the provider option user_compute_stream) instead of a session")
         given.pop("stream", None)
         given.pop("share_weights", None)
@@ -336,7 +337,7 @@ class ModelOptions:
         """These options with some model-level ``settings`` changed (a sibling's, a component's), checked."""
         unknown = sorted(set(settings) - set(COMPONENT_SETTINGS))
         if unknown:
-            raise TypeError(f"settings: expected names among {list(COMPONENT_SETTINGS)}, got {unknown}")
+            raise ArgumentTypeError("settings", f"expected names among {list(COMPONENT_SETTINGS)}, got {unknown}")
         _check_settings(settings)
         if settings.get("share_weights", self.share_weights) is None and not self.cuda_like:
             settings["share_weights"] = False
@@ -359,7 +360,7 @@ class ModelOptions:
 
 def _check_device(first_provider: str, device: torch.device, io_binding: bool) -> None:
     if io_binding and device.type == "cpu" and first_provider != "CPUExecutionProvider":
-        raise ValueError(f"provider: IOBindingORTModel binds torch tensors on CPU or CUDA devices; "
+        raise ArgumentError("provider", f"IOBindingORTModel binds torch tensors on CPU or CUDA devices; "
                          f"{first_provider!r} is neither (use CUDAExecutionProvider or CPUExecutionProvider, or "
                          "io_binding=False)")
 
@@ -413,15 +414,15 @@ class PipelineOptions:
             check_cuda_graph_setting(cuda_graph)
         given = dict(component_options or {})
         if not all(isinstance(value, dict) for value in given.values()):
-            raise TypeError(f"component_options: expected a dict of dicts (component → settings), got {given!r}")
+            raise ArgumentTypeError("component_options", f"expected a dict of dicts (component → settings), got {given!r}")
         numbered = tuple(numbered)
         if not set(numbered) <= set(components):
-            raise ValueError(f"numbered: expected components among {list(components)}, got "
+            raise ArgumentError("numbered", f"expected components among {list(components)}, got "
                              f"{sorted(set(numbered) - set(components))}")
         unknown = sorted(name for name in set(given) - set(components)
                          if _copy_of(name, components, numbered) is None)
         if unknown:
-            raise ValueError(f"component_options: expected components among {list(components)}, got {unknown}")
+            raise ArgumentError("component_options", f"expected components among {list(components)}, got {unknown}")
         for name, settings in given.items():
             wrong = sorted(set(settings) - set(COMPONENT_SETTINGS))
             if wrong:

@@ -16,6 +16,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import onnx
 import onnxruntime as ort
 
+from ..errors import ArgumentError
 from .cuda_policy import DEVICE_SETUP
 from .hub import check_model_file, unreadable_reason
 from .options import ModelOptions
@@ -40,12 +41,12 @@ def create_session(
                                     provider_options=list(provider_options))
     except Exception as error:  # ORT's own exception types are not importable in a stable place
         if not isinstance(path_or_bytes, str):
-            raise ValueError(f"path: onnxruntime could not load the model bytes: {error}") from error
+            raise ArgumentError("path", f"onnxruntime could not load the model bytes: {error}") from error
         reason = unreadable_reason(path_or_bytes)
         if reason is not None:
-            raise ValueError(f"path: {path_or_bytes!r} is not a readable ONNX model: {reason} (onnxruntime could not "
+            raise ArgumentError("path", f"{path_or_bytes!r} is not a readable ONNX model: {reason} (onnxruntime could not "
                              f"load {path_or_bytes!r} either: {error})") from error
-        raise ValueError(f"path: onnxruntime could not load {path_or_bytes!r}: {error}") from error
+        raise ArgumentError("path", f"onnxruntime could not load {path_or_bytes!r}: {error}") from error
 
 
 def copy_session_options(base: Optional[ort.SessionOptions]) -> ort.SessionOptions:
@@ -147,7 +148,7 @@ class SessionRecipe:
             reason = unreadable_reason(self.source) if isinstance(self.source, str) else None
             if reason is None:
                 raise
-            raise ValueError(f"path: {self.source!r} is not a readable ONNX model: {reason}") from error
+            raise ArgumentError("path", f"{self.source!r} is not a readable ONNX model: {reason}") from error
         options = [dict(o) for o in self.provider_options]
         if provider_updates:
             options[0].update(provider_updates)

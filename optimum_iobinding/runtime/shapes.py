@@ -30,6 +30,8 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Unio
 
 import onnx
 
+from ..errors import ArgumentError, ArgumentPathError
+
 Dim = Union[int, str, None]
 Shape = Tuple[int, ...]
 
@@ -547,15 +549,15 @@ def _inferencer_for(model: Any) -> ShapeInferencer:
 def _read_graph(path: str) -> onnx.ModelProto:
     """The graph of the .onnx file ``path`` (without external data), with errors that name the file."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"model: expected an .onnx file, found nothing at {path!r}")
+        raise ArgumentPathError("model", f"expected an .onnx file, found nothing at {path!r}")
     if os.path.getsize(path) == 0:
-        raise ValueError(f"model: {path!r} is empty (0 bytes), expected an ONNX model")
+        raise ArgumentError("model", f"{path!r} is empty (0 bytes), expected an ONNX model")
     try:
         graph = onnx.load(path, load_external_data=False)
     except Exception as error:  # protobuf's DecodeError and friends
-        raise ValueError(f"model: {path!r} is not a readable ONNX model: {type(error).__name__}: {error}") from error
+        raise ArgumentError("model", f"{path!r} is not a readable ONNX model: {type(error).__name__}: {error}") from error
     if not graph.HasField("graph"):
-        raise ValueError(f"model: {path!r} is not a readable ONNX model: it holds no graph")
+        raise ArgumentError("model", f"{path!r} is not a readable ONNX model: it holds no graph")
     return graph
 
 

@@ -21,6 +21,7 @@ import onnxruntime as ort
 import torch
 from onnx import numpy_helper
 
+from ..errors import ArgumentError
 from .cuda_policy import DEVICE_SETUP
 from . import timeline
 from .dtypes import TORCH_TO_ONNX, ort_value_of_tensor
@@ -125,7 +126,7 @@ def load_owned_weights(source: Union[str, bytes], device: torch.device,
                     info = {entry.key: entry.value for entry in initializer.external_data}
                     location = os.path.normpath(os.path.join(base, info["location"]))
                     if os.path.commonpath([base, location]) != base:  # as onnx's own loader refuses it
-                        raise ValueError(f"{source}: initializer {initializer.name!r} names external data outside "
+                        raise ArgumentError(source, f"initializer {initializer.name!r} names external data outside "
                                          f"the model's folder: {info['location']!r}")
                     if location not in files:
                         files[location] = open(location, "rb")
@@ -134,7 +135,7 @@ def load_owned_weights(source: Union[str, bytes], device: torch.device,
                     length = int(info.get("length", elements * dtype.itemsize))
                     data = handle.read(length)
                     if len(data) != elements * dtype.itemsize:
-                        raise ValueError(f"{location}: initializer {initializer.name!r} needs "
+                        raise ArgumentError(location, f"initializer {initializer.name!r} needs "
                                          f"{elements * dtype.itemsize} bytes at offset {info.get('offset', 0)}, the "
                                          f"file gives {len(data)}")
                     array = np.frombuffer(data, dtype=dtype).reshape(shape)
