@@ -98,7 +98,7 @@ def test_the_host_enqueues_the_whole_loop_without_waiting(tiny_folder, scheduler
         def loop():
             timesteps = pipe.set_timesteps(4)
             kwargs = pipe.scheduler_step_kwargs(torch.Generator("cuda").manual_seed(0), 0.0)
-            return pipe.denoise(latents, timesteps, embeds, guidance, kwargs)
+            return pipe.denoiser.loop(latents, timesteps, embeds, guidance, kwargs)
 
         loop()  # warm up at this batch (1 without guidance): capture, cuDNN algorithm search
         torch.cuda.synchronize()
@@ -116,7 +116,7 @@ def test_a_captured_step_copies_only_its_timestep_into_the_graph(tiny_folder, mo
         latents = pipe.prepare_latents((1, 4, 8, 8), embeds.dtype, np.random.RandomState(0))
 
         def loop(steps):
-            return pipe.denoise(latents, pipe.set_timesteps(steps), embeds, 7.5, pipe.scheduler_step_kwargs(None, 0.0))
+            return pipe.denoiser.loop(latents, pipe.set_timesteps(steps), embeds, 7.5, pipe.scheduler_step_kwargs(None, 0.0))
 
         expected = loop(6).clone()  # the first call captures
         copied = []
@@ -810,7 +810,7 @@ def test_controlnet_graphs_equal_the_cpu_pipeline_and_the_host_never_waits(contr
                 kwargs.get("controlnet_conditioning_scale", 1.0), kwargs.get("control_guidance_start", 0.0),
                 kwargs.get("control_guidance_end", 1.0))
             residuals = graphs.controlnet_step_inputs(prepared, timesteps, scales, starts, ends, guess, True)
-            return graphs.denoise(latents, timesteps, embeds, 7.5, graphs.scheduler_step_kwargs(None, 0.0),
+            return graphs.denoiser.loop(latents, timesteps, embeds, 7.5, graphs.scheduler_step_kwargs(None, 0.0),
                                   step_inputs=residuals)
 
         loop()

@@ -108,9 +108,9 @@ def test_the_host_enqueues_the_whole_flux_loop_without_waiting(flux):
         guidance = torch.full((1,), 3.5, device=pipe.device) if pipe.guidance_embeds else None
 
         def loop():
-            timesteps = pipe.flux_timesteps(4, image_seq_len=12)
+            timesteps = pipe.denoiser.timesteps(4, image_seq_len=12)
             rows = (timesteps / 1000)[:, None].pin_memory().to(pipe.device, non_blocking=True)
-            return pipe.denoise_flux(latents, timesteps, rows, embeds, pooled, text_ids, image_ids, guidance, None,
+            return pipe.denoiser.loop(latents, timesteps, rows, embeds, pooled, text_ids, image_ids, guidance, None,
                                      None, None, None, ())
 
         loop()  # warm up: capture
