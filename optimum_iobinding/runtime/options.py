@@ -431,7 +431,10 @@ class PipelineOptions:
             try:
                 _check_settings(settings)
             except (TypeError, ValueError) as error:
-                raise type(error)(f"component_options[{name!r}]: {error}") from None
+                where = f"component_options[{name!r}]"
+                if isinstance(error, ArgumentError):  # the same kind of refusal, of the component's option
+                    raise type(error)(where, str(error)) from None
+                raise type(error)(f"{where}: {error}") from None
         model = ModelOptions.resolve(provider, provider_options, sess_options, io_binding, cuda_graph=cuda_graph)
         return cls(model, {name: dict(settings) for name, settings in given.items()}, tuple(components), numbered)
 
