@@ -20,6 +20,6 @@ setup .venv constraints.txt cpu,test,serve,video
 .venv/bin/python -m pytest -q -n auto "$@"
 setup .venv-optimum constraints-optimum.txt cpu,test,optimum
 .venv-optimum/bin/python -m pytest -q -n auto \
-  --ignore=tests/test_model.py --ignore=tests/test_shapes.py --ignore=tests/test_cuda_policy.py \
-  --ignore=tests/test_loadtest.py --ignore=tests/test_serve.py --ignore=tests/test_gpu.py \
-  --ignore=tests/test_video.py "$@"
+  --ignore=tests/runtime/test_model.py --ignore=tests/runtime/test_shapes.py \
+  --ignore=tests/runtime/test_cuda_policy.py --ignore=tests/serve/test_loadtest.py \
+  --ignore=tests/serve/test_serve.py --ignore=tests/gpu/test_gpu.py --ignore=tests/test_video.py "$@"

@@ -232,7 +232,7 @@ def test_the_cold_start_timeline_names_the_runtimes_set_up_and_first_runs_by_com
     from optimum_iobinding.export import export_pipeline
 
     folder = export_pipeline(None, tmp_path / "sd", tiny_random=True, progress=False)
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cold_start.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "cold_start.py"
     spec = importlib.util.spec_from_file_location("cold_start", script)
     cold_start = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cold_start)

@@ -35,7 +35,7 @@ import psutil  # noqa: E402  (vendored by ray: importable once ray is)
 
 SIZE = 64
 STEPS = 2
-REPOSITORY = Path(__file__).resolve().parents[1]
+REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -452,7 +452,7 @@ def test_sigterm_stops_the_server_cleanly(tiny_folder, tmp_path, whole_group):
 @pytest.fixture(scope="module")
 def server(tiny_folder):
     """The cluster's processes take the request path settings of a local cluster (SERVE_REQUEST_PATH_ENV: the
-    proxy's gRPC to the replicas among them), as under ``optimum-iobinding serve``; tests/test_serve.py's cluster
+    proxy's gRPC to the replicas among them), as under ``optimum-iobinding serve``; tests/serve/test_serve.py's cluster
     keeps Serve's defaults (actor calls), as on a cluster of the user's own."""
     from ray import serve
 

@@ -1,5 +1,5 @@
-"""Tiled VAE decoding and encoding (CPU here; the overlapped CUDA transfers are checked in test_gpu.py): the same
-tiles and blends as diffusers' AutoencoderKL tiling, on the tiny VAE's weights."""
+"""Tiled VAE decoding and encoding (CPU here; the overlapped CUDA transfers are checked in tests/gpu/test_gpu.py): the
+same tiles and blends as diffusers' AutoencoderKL tiling, on the tiny VAE's weights."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Fast by default, on the CPU: "auto" graphs mean nothing (and say nothing) off CUDA; the graph pool's sessions share
 one copy of the weights and are made once per signature; warm-up; options checked in one place. The CUDA side of the
-same behaviours is in test_gpu.py."""
+same behaviours is in tests/gpu/test_gpu.py."""
 
 from __future__ import annotations
 

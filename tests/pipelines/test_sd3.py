@@ -303,7 +303,7 @@ def test_a_warmup_with_a_bad_argument_is_refused_by_name_before_any_component_ru
 
 def test_without_t5_a_warmup_checks_and_takes_max_sequence_length_as_a_call_does(sd3_without_t5):
     # the T5 part is max_sequence_length tokens of zeros then (diffusers' too): the length still shapes the
-    # transformer's input (the graphs it makes are checked in test_gpu_sd3.py)
+    # transformer's input (the graphs it makes are checked in tests/gpu/test_gpu_sd3.py)
     pipe = load(sd3_without_t5[1])
     assert refused_runs_nothing(pipe, ValueError, r"max_sequence_length: expected an integer in \[1, 512\]",
                                 lambda: pipe.warmup(heights=SIZE, max_sequence_length=0))
