@@ -134,7 +134,7 @@ def export_pipeline(
         pipe = TINY_RANDOM_KINDS[kind]()
     elif model_id_or_path is None:
         raise ArgumentError("model_id_or_path", "expected a diffusers folder or hub id (or tiny_random=True; or tiny_vae "
-                         "alone for a folder of a tiny VAE), got None")
+                                                "alone for a folder of a tiny VAE), got None")
     elif pipeline_loader is not None:
         pipe = pipeline_loader(model_id_or_path)
     else:
@@ -211,7 +211,7 @@ def check_transformer_options(family: Optional[str], *, vae=None, controlnet=Non
             shown = repr(os.fspath(value)) if isinstance(value, os.PathLike) else \
                 repr(value) if isinstance(value, (str, bool, list, tuple)) else type(value).__name__
             raise ArgumentError(name, f"expected None for a {family} pipeline (its own VAE is exported, no ControlNet), "
-                             f"got {shown}")
+                                      f"got {shown}")
 
 
 TINY_VAE_COMPONENTS = ("vae_encoder", "vae_decoder")
@@ -230,7 +230,7 @@ def check_tiny_vae_arguments(tiny_vae, *, vae_only: bool, random_pipeline: bool,
         raise ArgumentError("vae and tiny_vae", "expected one VAE to export, got both")
     if vae_only and controlnet is not None:
         raise ArgumentError("controlnet", "expected none for a folder of the tiny VAE alone, got one; export the "
-                         "ControlNet with its pipeline")
+                                          "ControlNet with its pipeline")
 
 
 def load_tiny_vae(tiny_vae):
@@ -250,7 +250,7 @@ def load_tiny_vae(tiny_vae):
     if not isinstance(tiny_vae, (str, os.PathLike)):
         hint = "; an AutoencoderKL is a full VAE: pass it as vae=" if isinstance(tiny_vae, AutoencoderKL) else ""
         raise ArgumentTypeError("tiny_vae", f"expected an AutoencoderTiny, its folder or hub id, or True (a tiny random one), "
-                        f"got {type(tiny_vae).__name__}{hint}")
+                                            f"got {type(tiny_vae).__name__}{hint}")
     name = os.fspath(tiny_vae)
 
     def unloadable(error: BaseException) -> ValueError:
@@ -279,7 +279,7 @@ def check_tiny_vae_config(config: Any, name: str) -> None:
     if class_name not in (None, "AutoencoderTiny"):
         hint = "; a full VAE goes in vae= (CLI: --vae)" if class_name == "AutoencoderKL" else ""
         raise ArgumentTypeError("tiny_vae", f"expected an AutoencoderTiny folder or hub id, got {name!r}, whose config.json "
-                        f"names the class {class_name}{hint}")
+                                            f"names the class {class_name}{hint}")
 
 
 def vae_only_components(components: Optional[Sequence[str]]) -> tuple:

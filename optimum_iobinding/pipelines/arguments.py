@@ -40,4 +40,4 @@ def check_sequence_length(max_sequence_length: Any, maximum: int) -> None:
     than its pipeline's maximum), naming the argument."""
     if not is_integer(max_sequence_length) or not 1 <= max_sequence_length <= maximum:
         raise ArgumentError("max_sequence_length", f"expected an integer in [1, {maximum}] (T5 tokens), got "
-                         f"{max_sequence_length!r}")
+                                                   f"{max_sequence_length!r}")

@@ -54,11 +54,11 @@ def pipeline_class_for(folder: Union[str, os.PathLike]) -> type:
     if "text_embeds" in inputs or "time_ids" in inputs:
         if not (folder / "text_encoder").is_dir():
             raise ArgumentError("model", f"{str(folder)!r} is an SDXL refiner (no text_encoder): it transforms images; use "
-                             "OnnxStableDiffusionXLImg2ImgPipeline from Python")
+                                         "OnnxStableDiffusionXLImg2ImgPipeline from Python")
         return OnnxStableDiffusionXLPipeline
     if "mid_block_additional_residual" in inputs:
         raise ArgumentError("model", f"{str(folder)!r} is a ControlNet folder (its UNet takes the ControlNet's residuals): "
-                         "use OnnxStableDiffusionControlNetPipeline from Python with a control image")
+                                     "use OnnxStableDiffusionControlNetPipeline from Python with a control image")
     if "timestep_cond" in inputs:
         return OnnxLatentConsistencyModelPipeline
     sample = inputs.get("sample")
@@ -66,7 +66,7 @@ def pipeline_class_for(folder: Union[str, os.PathLike]) -> type:
         sample.type.tensor_type.shape.dim) > 1 else 0
     if channels == 9:
         raise ArgumentError("model", f"{str(folder)!r} is an inpainting model (its UNet takes 9 channels): use "
-                         "OnnxStableDiffusionInpaintPipeline from Python with an image and a mask")
+                                     "OnnxStableDiffusionInpaintPipeline from Python with an image and a mask")
     return OnnxStableDiffusionPipeline
 
 

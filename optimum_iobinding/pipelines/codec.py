@@ -97,7 +97,7 @@ class LatentCodec:
         image_shape = next(iter(shapes.values()))
         if image_shape is None:
             raise ArgumentError("vae_decoder", "cannot tell its upsampling factor: no config.json and its output shape "
-                             "is not inferable")
+                                               "is not inferable")
         return image_shape[2] // 8
 
     def image_channels(self) -> tuple:

@@ -39,6 +39,10 @@ def module(name: str) -> Component:
     return Component(name, "module", optional=True)
 
 
+# the VAE every family declares: its decoder, and its encoder where the folder has one (image to image needs it)
+VAE_COMPONENTS = (onnx("vae_encoder", optional=True), onnx("vae_decoder"))
+
+
 def names_of(components: Sequence[Component], kind: Optional[str] = None) -> Tuple[str, ...]:
     """The names of ``components`` (of ``kind`` only, where given), in declaration order."""
     return tuple(c.name for c in components if kind is None or c.kind == kind)
@@ -112,10 +116,10 @@ def check_replacement(name: str, value: Any) -> None:
     if name == "scheduler":
         if not all(hasattr(value, method) for method in ("set_timesteps", "step")):
             raise ArgumentTypeError("scheduler", f"expected a diffusers scheduler (with set_timesteps and step), got "
-                            f"{type(value).__name__} {value!r:.80}")
+                                                 f"{type(value).__name__} {value!r:.80}")
     elif not (callable(value) and hasattr(value, "model_max_length")):
         raise ArgumentTypeError(name, f"expected a transformers tokenizer (callable, with a model_max_length), got "
-                        f"{type(value).__name__} {value!r:.80}")
+                                      f"{type(value).__name__} {value!r:.80}")
 
 
 def load_components(folder: Path, model_folders: Dict[str, Path], declared: Sequence[Component],

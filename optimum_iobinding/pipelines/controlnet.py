@@ -55,7 +55,7 @@ class ControlNetUNet(UNetDenoiser):
         unexpected = [name for name in declared if name not in ["sample", "timestep", "encoder_hidden_states", *expected]]
         if unexpected:
             raise ArgumentError("unet", f"expected inputs sample, timestep, encoder_hidden_states and {expected}, got "
-                             f"{declared} (an SDXL or LCM ControlNet UNet is not supported)")
+                                        f"{declared} (an SDXL or LCM ControlNet UNet is not supported)")
         for k, net in enumerate(self.pipe.controlnets):
             if len(net.output_names) != len(expected):
                 raise ValueError(f"{controlnet_component_names(k + 1)[-1]}: gives {len(net.output_names)} residuals, "
@@ -75,7 +75,7 @@ class ControlNetPipeline(ClipUNetPipeline):
         controlnet = components.get("controlnet")
         if controlnet is None:
             raise ArgumentError("controlnet", "this pipeline needs a ControlNet; the folder has no controlnet/model.onnx "
-                             "(export one with optimum-iobinding export MODEL --controlnet ID)")
+                                              "(export one with optimum-iobinding export MODEL --controlnet ID)")
         more = {name: value for name, value in components.items() if name.startswith("controlnet_")}
         wrong = sorted(name for name in more if not _EXTRA_CONTROLNET.fullmatch(name))
         if wrong:
@@ -138,7 +138,7 @@ class ControlNetPipeline(ClipUNetPipeline):
         for k, (start, end) in enumerate(zip(starts, ends)):
             if start >= end:
                 raise ArgumentError("control_guidance_start", f"expected each start below its end, got start {start} and "
-                                 f"end {end} for ControlNet {k}")
+                                                              f"end {end} for ControlNet {k}")
         return [float(s) for s in scales], [float(s) for s in starts], [float(e) for e in ends]
 
     def _control_images(self, image: Any, name: str) -> List[Any]:
@@ -168,7 +168,7 @@ class ControlNetPipeline(ClipUNetPipeline):
                 continue  # PIL: converted to RGB by the image processor
             if got != channels or item.ndim > 4:
                 raise ArgumentError(label, f"expected a control image with {channels} channels in the layout {layout}, "
-                                 f"got shape {tuple(item.shape)}")
+                                           f"got shape {tuple(item.shape)}")
             if isinstance(item, torch.Tensor) and not item.dtype.is_floating_point:
                 raise ArgumentTypeError(label, f"expected a float tensor in [0, 1], got dtype {item.dtype}")
 
@@ -195,7 +195,7 @@ class ControlNetPipeline(ClipUNetPipeline):
         images = batch_size * num_images_per_prompt
         if tensor.shape[0] not in (1, batch_size):
             raise ArgumentError(name, f"expected 1 control image or {batch_size} (one per prompt), got "
-                             f"{tensor.shape[0]}")
+                                      f"{tensor.shape[0]}")
         tensor = tensor.repeat_interleave(images if tensor.shape[0] == 1 else num_images_per_prompt, dim=0)
         tensor = tensor.to(device=self.device, dtype=net.input_dtypes["controlnet_cond"])
         if do_classifier_free_guidance and not guess_mode:
@@ -214,8 +214,8 @@ class ControlNetPipeline(ClipUNetPipeline):
                                                        do_classifier_free_guidance, guess_mode, net))
             if k and tuple(prepared[k].shape[-2:]) != tuple(prepared[0].shape[-2:]):
                 raise ArgumentError(label, f"expected a control image of {prepared[0].shape[-2]} × "
-                                 f"{prepared[0].shape[-1]} like {name}[0] (or give height and width), got "
-                                 f"{prepared[k].shape[-2]} × {prepared[k].shape[-1]}")
+                                           f"{prepared[0].shape[-1]} like {name}[0] (or give height and width), got "
+                                           f"{prepared[k].shape[-2]} × {prepared[k].shape[-1]}")
         return prepared
 
     # -------------------------------------------------------------------------------------------- the residuals
@@ -425,12 +425,6 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(ControlNetPipeline):
         scales, starts, ends = self.check_control_arguments(controlnet_conditioning_scale, control_guidance_start,
                                                              control_guidance_end)
         guess_mode = self._controlnet_guess_mode(guess_mode)
-        if image is None:
-            raise ArgumentError("image", "expected an image to start from, got None")
-        if prompt is None and prompt_embeds is None:
-            raise ArgumentError("prompt and prompt_embeds", "expected one of them, got neither")
-        if prompt is not None and not isinstance(prompt, (str, list)):
-            raise ArgumentTypeError("prompt", f"expected a str or a list of str, got {type(prompt).__name__}")
         if height is not None or width is not None:
             self.check_size(height or width, width or height)
         start_image = self.start_image(image, height, width)

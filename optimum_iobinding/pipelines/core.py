@@ -50,6 +50,12 @@ class VaeConstants:
     shift_factor: Optional[float]
     hint: str
 
+    @classmethod
+    def of(cls, family: str, scaling_factor: float, shift_factor: float) -> "VaeConstants":
+        """The constants of a family whose VAE has both, the hint quoting them."""
+        return cls(scaling_factor, shift_factor, f"{family}'s are scaling_factor {scaling_factor}, shift_factor "
+                                                 f"{shift_factor}")
+
 
 class CallGuard:
     """One pipeline call at a time: the scheduler's state and the models' reused buffers belong to the running call,
@@ -423,7 +429,7 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         train_steps = getattr(self.scheduler.config, "num_train_timesteps", None)
         if train_steps and num_inference_steps > train_steps:
             raise ArgumentError("num_inference_steps", f"expected at most {train_steps} (the scheduler's "
-                             f"num_train_timesteps), got {num_inference_steps}")
+                                                       f"num_train_timesteps), got {num_inference_steps}")
         if isinstance(prompt, list) and not prompt:
             raise ArgumentError("prompt", "expected a str or a non-empty list of str, got an empty list")
         for name, texts in (("prompt", prompt), ("negative_prompt", negative_prompt)):
@@ -451,18 +457,18 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
             raise ArgumentError("negative_prompt and negative_prompt_embeds", "expected at most one of them, got both")
         if isinstance(prompt, list) and isinstance(negative_prompt, list) and len(prompt) != len(negative_prompt):
             raise ArgumentError("negative_prompt", f"expected a list of {len(prompt)} (as many as prompt), "
-                             f"got {len(negative_prompt)}")
+                                                   f"got {len(negative_prompt)}")
         if negative_prompt is not None and prompt is not None and type(prompt) is not type(negative_prompt):
             raise ArgumentTypeError("negative_prompt", f"expected a {type(prompt).__name__} like prompt, "
-                            f"got {type(negative_prompt).__name__}")
+                                                       f"got {type(negative_prompt).__name__}")
         if prompt_embeds is not None and negative_prompt_embeds is not None and \
                 tuple(prompt_embeds.shape) != tuple(negative_prompt_embeds.shape):
             raise ArgumentError("negative_prompt_embeds", f"expected shape {tuple(prompt_embeds.shape)} like "
-                             f"prompt_embeds, got {tuple(negative_prompt_embeds.shape)}")
+                                                          f"prompt_embeds, got {tuple(negative_prompt_embeds.shape)}")
         if prompt is not None and negative_prompt_embeds is not None and \
                 negative_prompt_embeds.shape[0] != self.batch_size_of(prompt, None):
             raise ArgumentError("negative_prompt_embeds", f"expected {self.batch_size_of(prompt, None)} rows (one per "
-                             f"prompt), got shape {tuple(negative_prompt_embeds.shape)}")
+                                                          f"prompt), got shape {tuple(negative_prompt_embeds.shape)}")
 
     def check_embeds(self, name: str, embeds: Any, rank: int, layout: str, unet_input: str) -> None:
         """Given embeddings must be a float tensor (or numpy array) of ``rank`` dims whose last (the hidden size)
@@ -485,10 +491,10 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         declared = self.denoiser.model.input_dims.get(unet_input) or []
         if len(declared) == rank and isinstance(declared[-1], int) and embeds.shape[-1] != declared[-1]:
             raise ArgumentError(name, f"expected hidden size {declared[-1]} (the width of the {denoiser}'s "
-                             f"{unet_input}), got {embeds.shape[-1]} (shape {tuple(embeds.shape)})")
+                                      f"{unet_input}), got {embeds.shape[-1]} (shape {tuple(embeds.shape)})")
         if rank == 3 and len(declared) == 3 and isinstance(declared[1], int) and embeds.shape[1] != declared[1]:
             raise ArgumentError(name, f"expected sequence length {declared[1]} (the {denoiser}'s {unet_input}), got "
-                             f"{embeds.shape[1]} (shape {tuple(embeds.shape)})")
+                                      f"{embeds.shape[1]} (shape {tuple(embeds.shape)})")
 
     @staticmethod
     def check_texts(name: str, texts: Any, count: Optional[int], broadcast: bool = False) -> Optional[int]:
@@ -509,7 +515,7 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         given = 1 if isinstance(texts, str) else len(texts)
         if count is not None and given != count and not (broadcast and isinstance(texts, str)):
             raise ArgumentError(name, f"expected {count} prompt{'s' if count > 1 else ''} (as many as prompt), got "
-                             f"{given}")
+                                      f"{given}")
         return given
 
     def check_image(self, image: Any, name: str = "image", resized: bool = False, mask: bool = False,
@@ -540,7 +546,7 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
                 if not (2 if mask else 3) <= len(shape) <= 4:
                     also = " or (height, width)" if mask else ""
                     raise ArgumentError(label, f"expected an image of shape {layout}{also}, or a batch of them, got "
-                                     f"shape {shape}")
+                                               f"shape {shape}")
                 if isinstance(item, np.ndarray):
                     size, given = (shape[-3:-1], shape[-1]) if len(shape) >= 3 else (shape, 1)
                     if mask and len(shape) == 3 and shape[-1] != 1:  # a mask's (batch, height, width), as diffusers
@@ -552,14 +558,14 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
                                      f"{'s' if allowed != (1,) else ''} in the layout {layout}, got shape {shape}")
             else:
                 raise ArgumentTypeError(label, f"expected a PIL image, a numpy array or a torch tensor (or a list of them), "
-                                f"got {type(item).__name__}")
+                                               f"got {type(item).__name__}")
             if 0 in (shape or size):
                 got = f"shape {shape}" if shape is not None else f"{size[0]} × {size[1]} pixels"
                 raise ArgumentError(label, f"expected a non-empty image, got {got}")
             factor = self.vae_scale_factor
             if not resized and min(size) < factor:
                 raise ArgumentError(label, f"expected at least {factor} × {factor} pixels (one latent pixel: the VAE's "
-                                 f"scale factor), got {size[0]} × {size[1]}")
+                                           f"scale factor), got {size[0]} × {size[1]}")
             sizes.append(tuple(int(d) for d in size))
         return sizes[0]
 
@@ -588,7 +594,7 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
             self.check_size(height, width)
         except ValueError as error:
             raise ArgumentError(name, f"a {height} × {width} image (after rounding down to the VAE factor "
-                             f"{self.vae_scale_factor}) cannot be used: {error}; resize it") from None
+                                      f"{self.vae_scale_factor}) cannot be used: {error}; resize it") from None
 
 
     def check_size(self, height: Any, width: Any) -> None:
@@ -638,7 +644,7 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
                               self.device)
             return randn_tensor(shape, generator=generator, device=self.device, dtype=dtype)
         raise ArgumentTypeError("generator", f"expected a numpy RandomState, a torch.Generator or a list of torch.Generators "
-                        f"(one per image), got {type(generator).__name__}")
+                                             f"(one per image), got {type(generator).__name__}")
 
     def scheduler_step_kwargs(self, generator: Generator, eta: float) -> Dict[str, Any]:
         """``eta`` for DDIM-like schedulers, and a torch generator for stochastic ones (a numpy one cannot serve)."""
@@ -679,7 +685,7 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
             self.scheduler.set_begin_index(t_start * self.scheduler.order)
         if len(timesteps) == 0:
             raise ArgumentError("strength", f"{strength} with num_inference_steps={num_inference_steps} leaves no "
-                             "denoising step; raise either")
+                                            "denoising step; raise either")
         return timesteps
 
     # ------------------------------------------------------------------------------------------------- the VAE
@@ -827,7 +833,7 @@ class Warmup:
             sizes = [(h, w) for h in heights_list for w in widths_list]
         if not sizes:
             raise ArgumentError("heights and widths", f"expected at least one size, got heights {heights!r} and widths "
-                             f"{widths!r}")
+                                                      f"{widths!r}")
         batches = as_list(batch_sizes)
         wrong = next((b for b in batches if not is_integer(b) or b < 1), None)
         if wrong is not None or not batches:

@@ -165,7 +165,7 @@ class UNetDenoiser(Denoiser):
         channels = declared_dim(vae_decoder, "latent_sample", 1) or declared_dim(self.model, "sample", 1)
         if channels is None:
             raise ArgumentError("vae_decoder", "cannot tell the number of latent channels: no config.json and a dynamic "
-                             "channel dim")
+                                               "channel dim")
         return channels
 
     @property
@@ -192,7 +192,7 @@ class UNetDenoiser(Denoiser):
             return declared[-1]
         if "time_cond_proj_dim" not in self.model.config:
             raise ArgumentError("unet", "its timestep_cond width is dynamic and its config.json has no time_cond_proj_dim; "
-                             "expected one of them to give the guidance embedding's size")
+                                        "expected one of them to give the guidance embedding's size")
         return config_int(self.model, "time_cond_proj_dim", 0, "unet")
 
     def loop(
@@ -295,6 +295,13 @@ class FlowTransformer(Denoiser):
     def input_dtypes(self) -> Dict[str, torch.dtype]:
         return self.model.input_dtypes
 
+    def shift(self, tokens: int, max_shift: float) -> float:
+        """The schedule's shift ``mu`` for ``tokens`` latent tokens (:func:`linear_shift` with the scheduler
+        config's values; ``max_shift``: the family's where the config gives none)."""
+        config = self.pipe.scheduler.config
+        return linear_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                            config.get("base_shift", 0.5), config.get("max_shift", max_shift))
+
     def set_flow_timesteps(self, num_inference_steps: Optional[int], sigmas: Optional[Sequence[float]],
                            mu: Optional[float]) -> torch.Tensor:
         """The scheduler's timesteps for this call (``sigmas`` when given, else ``num_inference_steps``), shifted by
@@ -336,7 +343,7 @@ class MMDiTDenoiser(FlowTransformer):
         else:
             hint = "put an SD3 transformer's model.onnx in the transformer folder"
         raise ArgumentError("transformer", f"expected inputs {list(MMDIT_INPUTS)}, got {declared} in "
-                         f"{self.model.model_path!r} ({hint})")
+                                           f"{self.model.model_path!r} ({hint})")
 
     @property
     def patch_size(self) -> int:
@@ -365,21 +372,18 @@ class MMDiTDenoiser(FlowTransformer):
         channels = declared or configured or decoder
         if not is_integer(channels) or channels < 1:
             raise ArgumentError("transformer", "cannot tell the number of latent channels: no config.json and a dynamic "
-                             "channel dim")
+                                               "channel dim")
         if decoder is not None and decoder != channels:
             raise ArgumentError("vae_decoder", f"expected {channels} latent channels (the transformer's hidden_states), "
-                             f"got {decoder}")
+                                               f"got {decoder}")
         return int(channels)
 
     def timesteps(self, num_inference_steps: Optional[int], sigmas: Optional[Sequence[float]], mu: Optional[float],
                   latent_height: int, latent_width: int) -> torch.Tensor:
         """The schedule of a call. With ``use_dynamic_shifting`` (SD3.5) and no ``mu``, ``mu`` is the shift for this
         image's token count (:func:`linear_shift` with the scheduler config's values, as diffusers computes it)."""
-        config = self.pipe.scheduler.config
-        if mu is None and config.get("use_dynamic_shifting", False):
-            tokens = (latent_height // self.patch_size) * (latent_width // self.patch_size)
-            mu = linear_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                              config.get("base_shift", 0.5), config.get("max_shift", 1.16))
+        if mu is None and self.pipe.scheduler.config.get("use_dynamic_shifting", False):
+            mu = self.shift((latent_height // self.patch_size) * (latent_width // self.patch_size), max_shift=1.16)
         return self.set_flow_timesteps(num_inference_steps, sigmas, mu)
 
     def loop(
@@ -476,12 +480,12 @@ class FluxDenoiser(FlowTransformer):
         width = declared_dim(self.model, "hidden_states", 2) or self.model.config.get("in_channels")
         if not is_integer(width) or width < 4 or width % 4:
             raise ArgumentError("transformer", f"expected hidden_states of 4 × latent channels per token (Flux's 2×2 "
-                             f"packing), got a width of {width!r}")
+                                               f"packing), got a width of {width!r}")
         channels = width // 4
         declared = declared_dim(vae_decoder, "latent_sample", 1) or vae_decoder.config.get("latent_channels")
         if declared is not None and declared != channels:
             raise ArgumentError("vae_decoder", f"expected {channels} latent channels (the transformer's token width "
-                             f"{width} / 4), got {declared}")
+                                               f"{width} / 4), got {declared}")
         return channels
 
     def timesteps(self, num_inference_steps: int, image_seq_len: int,
@@ -494,9 +498,7 @@ class FluxDenoiser(FlowTransformer):
             sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
         if getattr(config, "use_flow_sigmas", False):
             sigmas = None
-        mu = linear_shift(image_seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                          config.get("base_shift", 0.5), config.get("max_shift", 1.15))
-        return self.set_flow_timesteps(num_inference_steps, sigmas, mu)
+        return self.set_flow_timesteps(num_inference_steps, sigmas, self.shift(image_seq_len, max_shift=1.15))
 
     def loop(
         self,

@@ -18,7 +18,7 @@ from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
 from ..errors import ArgumentError
 from .arguments import (Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames, check_sequence_length, is_integer, is_real)
 from .codec import pack_latents
-from .components import onnx, tokenizer
+from .components import VAE_COMPONENTS, onnx, tokenizer
 from .core import OnnxDiffusionPipeline, VaeConstants, Warmup, on_device_stream
 from .denoisers import FluxDenoiser, latent_image_ids, linear_shift
 from .loop import check_callback_arguments
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 # optimum's Flux folder
 FLUX_COMPONENTS = (onnx("text_encoder"), onnx("text_encoder_2"), tokenizer("tokenizer"), tokenizer("tokenizer_2"),
-                   onnx("transformer"), onnx("vae_encoder", optional=True), onnx("vae_decoder"))
+                   onnx("transformer"), *VAE_COMPONENTS)
 # FLUX.1's VAE latent scaling, for a folder whose vae_decoder config.json names none (diffusers' FLUX.1 VAE config)
 FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR = 0.3611, 0.1159
 # diffusers' FluxPipeline: 128 latent pixels (1024 px) by default, T5 prompts of at most 512 tokens
@@ -60,8 +60,7 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
     declared_components = FLUX_COMPONENTS
     denoiser_part = FluxDenoiser
     prompt_part = FluxPrompt
-    vae_constants = VaeConstants(FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR, f"FLUX.1's are scaling_factor "
-                                 f"{FLUX_VAE_SCALING_FACTOR}, shift_factor {FLUX_VAE_SHIFT_FACTOR}")
+    vae_constants = VaeConstants.of("FLUX.1", FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR)
     packed_latents = True
     output_class = FluxPipelineOutput
     folder_description = " (a FLUX.1 ONNX folder)"
@@ -141,14 +140,14 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
             raise ArgumentError("output_type", f"expected 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
         if joint_attention_kwargs:
             raise ArgumentError("joint_attention_kwargs", f"expected None (an ONNX transformer has no attention processors "
-                             f"to pass them to), got {joint_attention_kwargs!r}")
+                                                          f"to pass them to), got {joint_attention_kwargs!r}")
         if prompt is not None and prompt_embeds is not None:
             raise ArgumentError("prompt and prompt_embeds", "expected one of them, got both")
         if prompt is None and prompt_embeds is None:
             raise ArgumentError("prompt and prompt_embeds", "expected one of them, got neither")
         if prompt_embeds is not None and pooled_prompt_embeds is None:
             raise ArgumentError("pooled_prompt_embeds", "expected them with prompt_embeds (the transformer takes both), "
-                             "got None")
+                                                        "got None")
         if pooled_prompt_embeds is not None and prompt_embeds is None:
             raise ArgumentError("pooled_prompt_embeds", "expected them with prompt_embeds, got them alone")
         if negative_prompt_embeds is not None and negative_pooled_prompt_embeds is None:
@@ -181,7 +180,7 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
         if prompt_embeds is not None and negative_prompt_embeds is not None and \
                 tuple(prompt_embeds.shape) != tuple(negative_prompt_embeds.shape):
             raise ArgumentError("negative_prompt_embeds", f"expected shape {tuple(prompt_embeds.shape)} like prompt_embeds, "
-                             f"got {tuple(negative_prompt_embeds.shape)}")
+                                                          f"got {tuple(negative_prompt_embeds.shape)}")
 
     # ------------------------------------------------------------------------------------------------ prompts
     # --------------------------------------------------------------------------------------------------- call
@@ -263,7 +262,7 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
             expected = (image_count, tokens, self.latent_channels * 4)
             if tuple(latents.shape) != expected:
                 raise ArgumentError("latents", f"expected packed latents of shape {expected} (batch, tokens, 4 × latent "
-                                 f"channels), got {tuple(latents.shape)}")
+                                               f"channels), got {tuple(latents.shape)}")
             latents = latents.to(device=self.device, dtype=dtype)
         image_ids = upload(latent_image_ids(latent_height // 2, latent_width // 2).to(
             self.transformer.input_dtypes["img_ids"]), self.device)

@@ -39,20 +39,13 @@ class OnnxStableDiffusionImg2ImgPipeline(ClipUNetPipeline):
         """Transforms ``image`` (PIL, numpy HWC in [0, 1], or torch NCHW in [-1, 1]) as ``prompt`` says; arguments
         as diffusers' ``OnnxStableDiffusionImg2ImgPipeline``, plus ``callback_on_step_end``. ``strength`` in
         [0, 1] is how much of the schedule runs (1: ignore the image's content)."""
-        # 1. check inputs
+        # 1. check inputs; 2. text embeddings, on the device
         image = self.start_image(image)
         height, width = image.shape[-2:]
-        self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
-                          prompt_embeds, negative_prompt_embeds, output_type, strength,
-                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt,
-                          callback_on_step_end=callback_on_step_end,
-                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
-        batch_size = self.batch_size_of(prompt, prompt_embeds)
-        do_classifier_free_guidance = guidance_scale > 1.0
-
-        # 2. text embeddings, on the device
-        prompt_embeds = self.encode_prompt(prompt, num_images_per_prompt, do_classifier_free_guidance,
-                                           negative_prompt, prompt_embeds, negative_prompt_embeds)
+        prompt_embeds, batch_size = self.checked_text_embeddings(
+            prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, height, width, num_inference_steps,
+            guidance_scale, num_images_per_prompt, output_type, callback_steps, strength, callback_on_step_end,
+            callback_on_step_end_tensor_inputs)
 
         # 3. timesteps for this strength; the image's latents noised to the first of them
         timesteps = self.strength_timesteps(num_inference_steps, strength)

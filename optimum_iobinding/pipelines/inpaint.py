@@ -63,27 +63,20 @@ class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
         """Repaints the white area of ``mask_image`` in ``image`` as ``prompt`` says; arguments as diffusers'
         ``OnnxStableDiffusionInpaintPipeline``, plus ``strength`` (as in diffusers' torch pipeline, default 1: start
         from pure noise) and ``callback_on_step_end``."""
-        # 1. check inputs
+        # 1. check inputs; 2. text embeddings, on the device
         if image is None or mask_image is None:
             raise ArgumentError("image and mask_image", "expected both, got "
-                             f"{'no image' if image is None else 'an image'} and "
-                             f"{'no mask_image' if mask_image is None else 'a mask_image'}")
+                                                        f"{'no image' if image is None else 'an image'} and "
+                                                        f"{'no mask_image' if mask_image is None else 'a mask_image'}")
         image_size = self.check_image(image, "image", resized=True)
         mask_size = self.check_image(mask_image, "mask_image", resized=True, mask=True)
         if image_size != mask_size:
             raise ArgumentError("mask_image", f"expected the size of image (height × width {image_size[0]} × "
-                             f"{image_size[1]}), got {mask_size[0]} × {mask_size[1]}")
-        self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
-                          prompt_embeds, negative_prompt_embeds, output_type, strength,
-                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt,
-                          callback_on_step_end=callback_on_step_end,
-                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
-        batch_size = self.batch_size_of(prompt, prompt_embeds)
-        do_classifier_free_guidance = guidance_scale > 1.0
-
-        # 2. text embeddings, on the device
-        prompt_embeds = self.encode_prompt(prompt, num_images_per_prompt, do_classifier_free_guidance,
-                                           negative_prompt, prompt_embeds, negative_prompt_embeds)
+                                              f"{image_size[1]}), got {mask_size[0]} × {mask_size[1]}")
+        prompt_embeds, batch_size = self.checked_text_embeddings(
+            prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, height, width, num_inference_steps,
+            guidance_scale, num_images_per_prompt, output_type, callback_steps, strength, callback_on_step_end,
+            callback_on_step_end_tensor_inputs)
         dtype = prompt_embeds.dtype
 
         # 3. image, mask and their latents
@@ -110,7 +103,7 @@ class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
             masked_image_latents = self.encode_image(image * (mask < 0.5), generator).to(dtype)
             masked_image_latents = expand_to_batch(masked_image_latents, batch_size, num_images_per_prompt, "image")
             unet_extra_channels = torch.cat([mask_latents, masked_image_latents], dim=1)
-            if do_classifier_free_guidance:
+            if guidance_scale > 1.0:  # the guidance batch
                 unet_extra_channels = torch.cat([unet_extra_channels] * 2)
         elif self.unet_in_channels == self.latent_channels:
             def keep_unmasked(i: int, step_latents: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ def check_callback_arguments(callback_on_step_end: Any, tensor_inputs: Any,
     unknown = [name for name in names if not isinstance(name, str) or name not in allowed]
     if unknown:
         raise ArgumentError("callback_on_step_end_tensor_inputs", f"expected names among {list(allowed)}, "
-                         f"got {unknown}")
+                                                                  f"got {unknown}")
 
 
 def callback_name(callback: Any) -> str:
@@ -51,24 +51,24 @@ def replaced_tensors(callback: Any, step: int, returned: Any, current: Mapping[s
     name = callback_name(callback)
     if not isinstance(returned, Mapping):
         raise ArgumentTypeError("callback_on_step_end", f"expected {name} to return a dict of tensors (or None), got "
-                        f"{type(returned).__name__} at step {step}")
+                                                        f"{type(returned).__name__} at step {step}")
     unknown = [key for key in returned if key not in allowed]
     if unknown:
         raise ArgumentError("callback_on_step_end", f"expected {name} to return keys among {list(allowed)}, "
-                         f"got {unknown} at step {step}")
+                                                    f"got {unknown} at step {step}")
     result = dict(current)
     for key, value in returned.items():
         old = current[key]
         expected = f"a float torch.Tensor of shape {tuple(old.shape)}"
         if not isinstance(value, torch.Tensor):
             raise ArgumentTypeError("callback_on_step_end", f"{name} returned {key!r} as {type(value).__name__} at step {step}, "
-                            f"expected {expected}")
+                                                            f"expected {expected}")
         if value.layout != torch.strided or value.is_nested or not value.dtype.is_floating_point:
             raise ArgumentTypeError("callback_on_step_end", f"{name} returned {key!r} of dtype {value.dtype} and layout "
-                            f"{value.layout} at step {step}, expected {expected}")
+                                                            f"{value.layout} at step {step}, expected {expected}")
         if tuple(value.shape) != tuple(old.shape):
             raise ArgumentError("callback_on_step_end", f"{name} returned {key!r} of shape {tuple(value.shape)} at step "
-                             f"{step}, expected {expected}")
+                                                        f"{step}, expected {expected}")
         result[key] = value.to(device=old.device, dtype=old.dtype)
     return result
 

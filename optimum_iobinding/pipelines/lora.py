@@ -156,7 +156,7 @@ class LoraLoaderMixin:
                 break
         else:
             raise ArgumentError(component, f"the LoRA changes layer {layer!r}, which this model does not have (a LoRA "
-                             "for another architecture?)")
+                                           "for another architecture?)")
         key = (component, candidate)
         if key not in state["layers"]:
             state["layers"][key] = _Layer(model.own_weights(), places_by_layer[candidate], component, candidate)
@@ -176,7 +176,7 @@ class LoraLoaderMixin:
             adapter_name = f"default_{len(state['adapters'])}"
         if adapter_name in state["adapters"]:
             raise ArgumentError("adapter_name", f"{adapter_name!r} is already loaded; unload_lora_weights() or pick "
-                             "another name")
+                                                "another name")
         state_dict, network_alphas, metadata = self._lora_state_dict(pretrained_model_name_or_path_or_dict, **kwargs)
         state_dict, alphas = _to_peft_names(state_dict, network_alphas)
         matrices: Dict[Tuple[str, str], Dict[str, torch.Tensor]] = {}
@@ -187,11 +187,11 @@ class LoraLoaderMixin:
             component, layer, matrix = found
             if component not in LORA_COMPONENTS:
                 raise ArgumentError(key, f"expected a LoRA key of {list(LORA_COMPONENTS)}, got component "
-                                 f"{component!r}")
+                                         f"{component!r}")
             matrices.setdefault((component, layer), {})[matrix] = value
         if not matrices:
             raise ArgumentError("pretrained_model_name_or_path_or_dict", f"no LoRA matrices found in "
-                             f"{pretrained_model_name_or_path_or_dict!r}")
+                                                                         f"{pretrained_model_name_or_path_or_dict!r}")
         updates: Dict[Tuple[str, str], _LayerUpdate] = {}
         ranks: Dict[str, List[int]] = {}
         for (component, layer), pair in matrices.items():
@@ -234,7 +234,7 @@ class LoraLoaderMixin:
             weights = list(adapter_weights)
             if len(weights) != len(names):
                 raise ArgumentError("adapter_weights", f"expected {len(names)} weights (one per adapter), got "
-                                 f"{len(weights)}")
+                                                       f"{len(weights)}")
         state["active"] = {
             component: {name: _weight_for(weight, component) for name, weight in zip(names, weights)
                         if any(key[0] == component for key in state["adapters"][name])}
@@ -356,7 +356,7 @@ def _check_adapter_names(state: Dict[str, Any], names: Sequence[str]) -> None:
     unknown = [name for name in names if name not in state["adapters"]]
     if unknown:
         raise ArgumentError("adapter_names", f"expected names of loaded adapters {sorted(state['adapters'])}, got "
-                         f"{unknown}")
+                                             f"{unknown}")
 
 
 def _weight_for(weight: Any, component: str) -> float:

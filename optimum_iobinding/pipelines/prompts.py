@@ -139,7 +139,7 @@ class CLIPPairPrompt(PromptEncoder):
                 needs = "hidden_states.0 … hidden_states.N" + (" and text_embeds (CLIPTextModelWithProjection)"
                                                                 if name == "text_encoder_2" else "")
                 raise ArgumentError(name, f"expected an SDXL text encoder with outputs {needs} (exported with "
-                                 f"output_hidden_states), got outputs {outputs} in {encoder.model_path!r}")
+                                          f"output_hidden_states), got outputs {outputs} in {encoder.model_path!r}")
 
     def encode(
         self,
@@ -163,7 +163,7 @@ class CLIPPairPrompt(PromptEncoder):
             prompt_embeds, pooled_prompt_embeds = self.encode_text(prompt, prompt_2, clip_skip)
         elif pooled_prompt_embeds is None:
             raise ArgumentError("pooled_prompt_embeds", "expected them with prompt_embeds (SDXL's UNet takes both), "
-                             "got None")
+                                                        "got None")
         prompt_embeds = tensor_of(prompt_embeds).to(self.device)
         pooled_prompt_embeds = tensor_of(pooled_prompt_embeds).to(self.device)
         batch_size = prompt_embeds.shape[0]
@@ -234,8 +234,8 @@ class SD3Prompt(T5Prompt):
             layers = [output for output in outputs if output.startswith("hidden_states.")]
             if encoder.input_names != ["input_ids"] or "text_embeds" not in outputs or len(layers) < 2:
                 raise ArgumentError(name, f"expected a CLIPTextModelWithProjection export taking input_ids, with "
-                                 f"outputs text_embeds and hidden_states.0 … hidden_states.N, got inputs "
-                                 f"{encoder.input_names} and outputs {outputs} in {encoder.model_path!r}")
+                                          f"outputs text_embeds and hidden_states.0 … hidden_states.N, got inputs "
+                                          f"{encoder.input_names} and outputs {outputs} in {encoder.model_path!r}")
         encoder = self.pipe.text_encoder_3
         if encoder is not None:
             if encoder.input_names != ["input_ids"] or "last_hidden_state" not in encoder.output_names:
@@ -244,7 +244,7 @@ class SD3Prompt(T5Prompt):
                                  f"{encoder.model_path!r}")
             if self.pipe.tokenizer_3 is None:
                 raise ArgumentError("tokenizer_3", "expected the T5 tokenizer with text_encoder_3, got None (the folder has "
-                                 "no tokenizer_3/)")
+                                                   "no tokenizer_3/)")
 
     def encode(
         self,
@@ -277,7 +277,7 @@ class SD3Prompt(T5Prompt):
             negatives = [batch_size * [text] if isinstance(text, str) else text for text in negatives]
             if len(negatives[0]) != batch_size:
                 raise ArgumentError("negative_prompt", f"expected {batch_size} prompts (as many as prompt), got "
-                                 f"{len(negatives[0])}")
+                                                       f"{len(negatives[0])}")
             negative_prompt_embeds, negative_pooled_prompt_embeds = self.encode_text(
                 *negatives, clip_skip=None, max_sequence_length=max_sequence_length)
         dtypes = self.pipe.denoiser.model.input_dtypes
@@ -331,7 +331,7 @@ class FluxPrompt(T5Prompt):
             if output not in encoder.output_names:
                 what = "a CLIP text encoder with its pooled output" if name == "text_encoder" else "a T5 encoder"
                 raise ArgumentError(name, f"expected {what} (output {output!r}), got outputs {encoder.output_names} in "
-                                 f"{encoder.model_path!r}")
+                                          f"{encoder.model_path!r}")
 
     def encode(
         self,

@@ -48,20 +48,13 @@ class OnnxStableDiffusionPipeline(ClipUNetPipeline):
         Returns:
             ``StableDiffusionPipelineOutput(images, nsfw_content_detected=None)``, or a tuple without return_dict.
         """
-        # 1. check inputs
+        # 1. check inputs; 2. text embeddings, on the device
         height = self.default_image_size if height is None else height
         width = self.default_image_size if width is None else width
-        self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
-                          prompt_embeds, negative_prompt_embeds, output_type, guidance_scale=guidance_scale,
-                          num_images_per_prompt=num_images_per_prompt,
-                          callback_on_step_end=callback_on_step_end,
-                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
-        batch_size = self.batch_size_of(prompt, prompt_embeds)
-        do_classifier_free_guidance = guidance_scale > 1.0
-
-        # 2. text embeddings, on the device
-        prompt_embeds = self.encode_prompt(prompt, num_images_per_prompt, do_classifier_free_guidance,
-                                           negative_prompt, prompt_embeds, negative_prompt_embeds)
+        prompt_embeds, batch_size = self.checked_text_embeddings(
+            prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, height, width, num_inference_steps,
+            guidance_scale, num_images_per_prompt, output_type, callback_steps, None, callback_on_step_end,
+            callback_on_step_end_tensor_inputs)
 
         # 3. timesteps and initial noise
         timesteps = self.set_timesteps(num_inference_steps)

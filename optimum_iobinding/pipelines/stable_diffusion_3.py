@@ -15,7 +15,7 @@ from diffusers.pipelines.stable_diffusion_3 import StableDiffusion3PipelineOutpu
 from ..errors import ArgumentError
 from ..layout import write_transformer_model_index
 from .arguments import (Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames, check_sequence_length, is_real)
-from .components import onnx, tokenizer
+from .components import VAE_COMPONENTS, onnx, tokenizer
 from .core import OnnxDiffusionPipeline, VaeConstants, Warmup, on_device_stream
 from .denoisers import MMDiTDenoiser
 from .loop import check_callback_arguments
@@ -24,7 +24,7 @@ from .prompts import SD3Prompt
 # optimum's SD3 folder (a T5-less export leaves text_encoder_3 out)
 SD3_COMPONENTS = (onnx("text_encoder"), onnx("text_encoder_2"), onnx("text_encoder_3", optional=True),
                   tokenizer("tokenizer"), tokenizer("tokenizer_2"), tokenizer("tokenizer_3", optional=True),
-                  onnx("transformer"), onnx("vae_encoder", optional=True), onnx("vae_decoder"))
+                  onnx("transformer"), *VAE_COMPONENTS)
 # diffusers' limit on the T5 sequence (its check_inputs refuses more)
 MAX_SEQUENCE_LENGTH = 512
 # SD3's VAE latent scaling (SD3 and SD3.5 share the VAE), for a folder whose vae_decoder config.json names none
@@ -43,8 +43,7 @@ class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
     declared_components = SD3_COMPONENTS
     denoiser_part = MMDiTDenoiser
     prompt_part = SD3Prompt
-    vae_constants = VaeConstants(SD3_VAE_SCALING_FACTOR, SD3_VAE_SHIFT_FACTOR, f"SD3's are scaling_factor "
-                                 f"{SD3_VAE_SCALING_FACTOR}, shift_factor {SD3_VAE_SHIFT_FACTOR}")
+    vae_constants = VaeConstants.of("SD3", SD3_VAE_SCALING_FACTOR, SD3_VAE_SHIFT_FACTOR)
     output_class = StableDiffusion3PipelineOutput
     model_cpu_offload_seq = "text_encoder->text_encoder_2->text_encoder_3->transformer->vae_decoder"
 
@@ -83,7 +82,7 @@ class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
             self.check_texts(name, texts, prompts, broadcast=True)
         if prompt_embeds is not None and pooled_prompt_embeds is None:
             raise ArgumentError("pooled_prompt_embeds", "expected them with prompt_embeds (SD3's transformer takes both), "
-                             "got None")
+                                                        "got None")
         if negative_prompt_embeds is not None and negative_pooled_prompt_embeds is None:
             raise ArgumentError("negative_pooled_prompt_embeds", "expected them with negative_prompt_embeds, got None")
         for name, pooled, embeds in (("pooled_prompt_embeds", pooled_prompt_embeds, prompt_embeds),
@@ -96,7 +95,7 @@ class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
             self.check_embeds(name, pooled, 2, "(batch, width)", "pooled_projections")
             if pooled.shape[0] != embeds.shape[0]:
                 raise ArgumentError(name, f"expected {embeds.shape[0]} rows like {name.replace('pooled_', '')}, got "
-                                 f"shape {tuple(pooled.shape)}")
+                                          f"shape {tuple(pooled.shape)}")
 
     # ------------------------------------------------------------------------------------------------ prompts
     @on_device_stream
@@ -139,7 +138,7 @@ class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
                              f"{skip_guidance_layers!r}; an exported transformer cannot leave out layers")
         if joint_attention_kwargs is not None:
             raise ArgumentError("joint_attention_kwargs", f"expected None (an ONNX transformer takes no attention "
-                             f"arguments), got {joint_attention_kwargs!r}")
+                                                          f"arguments), got {joint_attention_kwargs!r}")
         if sigmas is not None and (not isinstance(sigmas, (list, tuple, np.ndarray)) or len(sigmas) == 0 or
                                    not all(is_real(s) and math.isfinite(s) for s in sigmas)):
             raise ArgumentError("sigmas", f"expected a non-empty list of finite numbers, got {sigmas!r}")

@@ -16,7 +16,7 @@ from diffusers.pipelines.stable_diffusion_xl import StableDiffusionXLPipelineOut
 from ..errors import ArgumentError
 from ..layout import write_xl_model_index
 from .arguments import Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames
-from .components import declared_dim, onnx, tokenizer
+from .components import VAE_COMPONENTS, declared_dim, onnx, tokenizer
 from .core import OnnxDiffusionPipeline, Warmup, on_device_stream
 from .denoisers import UNetDenoiser
 from .lora import LoraLoaderMixin
@@ -24,7 +24,7 @@ from .prompts import CLIPPairPrompt
 
 # optimum's SDXL folder (the refiner has no first text encoder)
 XL_COMPONENTS = (onnx("text_encoder", optional=True), onnx("text_encoder_2"), tokenizer("tokenizer", optional=True),
-                 tokenizer("tokenizer_2"), onnx("unet"), onnx("vae_encoder", optional=True), onnx("vae_decoder"))
+                 tokenizer("tokenizer_2"), onnx("unet"), *VAE_COMPONENTS)
 # the diffusers pipeline each of ours mirrors: the class name a saved folder's model_index.json gives (optimum's way)
 _TORCH_CLASS_NAMES = {"OnnxStableDiffusionXLPipeline": "StableDiffusionXLPipeline",
                       "OnnxStableDiffusionXLImg2ImgPipeline": "StableDiffusionXLImg2ImgPipeline"}
@@ -65,7 +65,7 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
             else None
         if prompt_embeds is not None and pooled_prompt_embeds is None:
             raise ArgumentError("pooled_prompt_embeds", "expected them with prompt_embeds (SDXL's UNet takes both), "
-                             "got None")
+                                                        "got None")
         for name, texts, rival, rival_name in (("prompt_2", prompt_2, prompt_embeds, "prompt_embeds"),
                                                ("negative_prompt_2", negative_prompt_2, negative_prompt_embeds,
                                                 "negative_prompt_embeds")):
@@ -78,7 +78,7 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
         if isinstance(negative_prompt, list) and isinstance(negative_prompt_2, list) and \
                 len(negative_prompt) != len(negative_prompt_2):
             raise ArgumentError("negative_prompt_2", f"expected {len(negative_prompt)} prompts (as many as "
-                             f"negative_prompt), got {len(negative_prompt_2)}")
+                                                     f"negative_prompt), got {len(negative_prompt_2)}")
         for name, pooled, embeds in (("pooled_prompt_embeds", pooled_prompt_embeds, prompt_embeds),
                                      ("negative_pooled_prompt_embeds", negative_pooled_prompt_embeds,
                                       negative_prompt_embeds)):
@@ -87,7 +87,7 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
             self.check_embeds(name, pooled, 2, "(batch, width)", "text_embeds")
             if embeds is not None and pooled.shape[0] != embeds.shape[0]:
                 raise ArgumentError(name, f"expected {embeds.shape[0]} rows like {name.replace('pooled_', '')}, got "
-                                 f"shape {tuple(pooled.shape)}")
+                                          f"shape {tuple(pooled.shape)}")
             if embeds is None:
                 raise ArgumentError(name, f"expected it with {name.replace('pooled_', '')}, got it alone")
 

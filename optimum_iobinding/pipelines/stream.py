@@ -200,7 +200,7 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             raise ArgumentError("seed", f"expected an integer in [0, 2**64), got {seed!r}")
         if not isinstance(stream_batch, bool):
             raise ArgumentTypeError("stream_batch", f"expected True or False, got {type(stream_batch).__name__} "
-                            f"{stream_batch!r}")
+                                                    f"{stream_batch!r}")
 
         # 2. the timesteps for this strength, and the scheduler's constants at each (refused schedulers are named)
         timesteps, begin = self.stream_timesteps(num_inference_steps, strength)
@@ -237,7 +237,7 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             timesteps = list(self.scheduler.timesteps)
             if not timesteps:
                 raise ArgumentError("strength", f"{strength} with num_inference_steps={num_inference_steps} leaves no "
-                                 "denoising step; raise either")
+                                                "denoising step; raise either")
             return timesteps, 0
         timesteps = list(self.strength_timesteps(num_inference_steps, strength))
         return timesteps, len(self.scheduler.timesteps) - len(timesteps)

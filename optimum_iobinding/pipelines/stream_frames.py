@@ -66,7 +66,7 @@ def read_frame(frame: Any, device: torch.device, name: str = "frame") -> Tuple[U
     if isinstance(frame, np.ndarray):
         if frame.dtype != np.uint8:
             raise ArgumentTypeError(name, f"expected a numpy array of dtype uint8 (height, width, 3), got dtype "
-                            f"{frame.dtype}; give float images as torch tensors in [-1, 1]")
+                                          f"{frame.dtype}; give float images as torch tensors in [-1, 1]")
         _check_hwc(name, tuple(frame.shape), "numpy array")
         return frame, FrameKind("numpy", torch.device("cpu"), torch.uint8)
     if not isinstance(frame, torch.Tensor):
@@ -78,18 +78,18 @@ def read_frame(frame: Any, device: torch.device, name: str = "frame") -> Tuple[U
         raise ArgumentError(name, f"expected a CPU or CUDA tensor, got one on {frame.device}")
     if frame.device.type == "cuda" and device.type == "cuda" and frame.device.index != device.index:
         raise ArgumentError(name, f"expected a tensor on {device} (the pipeline's device) or on the CPU, got one on "
-                         f"{frame.device}; move it with .to({str(device)!r}) if the copy is intended")
+                                  f"{frame.device}; move it with .to({str(device)!r}) if the copy is intended")
     shape = tuple(frame.shape)
     if frame.dtype == torch.uint8:
         _check_hwc(name, shape, "uint8 tensor")
         return frame.detach(), FrameKind("torch", frame.device, torch.uint8)
     if not frame.dtype.is_floating_point:
         raise ArgumentTypeError(name, f"expected a float tensor in [-1, 1] or a uint8 tensor (height, width, 3), got dtype "
-                        f"{frame.dtype}")
+                                      f"{frame.dtype}")
     if len(shape) not in (3, 4) or (len(shape) == 4 and shape[0] != 1) or shape[-3] != 3:
         one = " (one frame a call)" if len(shape) == 4 and shape[0] != 1 else ""
         raise ArgumentError(name, f"expected a float tensor of shape (3, height, width) or (1, 3, height, width)"
-                         f"{one}, got shape {shape}")
+                                  f"{one}, got shape {shape}")
     if 0 in shape:
         raise ArgumentError(name, f"expected a non-empty frame, got shape {shape}")
     batched = len(shape) == 4

@@ -53,10 +53,10 @@ def stream_schedule(scheduler: Any, timesteps: Sequence[Any], begin_index: int) 
     prediction_type = config.get("prediction_type", "epsilon")
     if prediction_type not in _PREDICTION_TYPES:
         raise ArgumentError("scheduler", f"expected prediction_type among {list(_PREDICTION_TYPES)}, got "
-                         f"{prediction_type!r} ({name})")
+                                         f"{prediction_type!r} ({name})")
     if config.get("thresholding", False):
         raise ArgumentError("scheduler", f"expected thresholding=False (dynamic thresholding depends on each frame's "
-                         f"values), got True ({name})")
+                                         f"values), got True ({name})")
     one, zero = torch.ones(1, 1, 1, 1, dtype=torch.float64), torch.zeros(1, 1, 1, 1, dtype=torch.float64)
     signal, noise, skip, out = [], [], [], []
     boundary = hasattr(scheduler, "get_scalings_for_boundary_condition_discrete")

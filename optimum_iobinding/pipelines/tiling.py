@@ -87,10 +87,10 @@ class TiledVAE:
     ):
         if not is_integer(scale_factor) or scale_factor < 1:
             raise ArgumentError("scale_factor", f"expected a positive integer (pixels per latent, 8 for Stable Diffusion), "
-                             f"got {scale_factor!r}")
+                                                f"got {scale_factor!r}")
         if not is_integer(tile_sample_size) or tile_sample_size <= 0 or tile_sample_size % scale_factor != 0:
             raise ArgumentError("tile_sample_size", f"expected a positive multiple of {scale_factor} (the VAE's scale "
-                             f"factor), got {tile_sample_size!r}")
+                                                    f"factor), got {tile_sample_size!r}")
         if not is_real(overlap) or not 0.0 <= overlap <= 0.5:
             # past a half, a tile's blended edge reaches beyond its neighbour's: tiles would blend with tiles that
             # are not their neighbours, and the tile count grows without bound as the overlap nears 1

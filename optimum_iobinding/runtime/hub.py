@@ -35,7 +35,7 @@ def check_hub_kwargs(where: str, hub_kwargs: Mapping[str, Any]) -> None:
     unknown = sorted(set(hub_kwargs) - set(known))
     if unknown:
         raise ArgumentTypeError(where, f"got unexpected keyword argument(s) {unknown}; besides its own arguments it takes "
-                        f"huggingface_hub's download keywords {known}")
+                                       f"huggingface_hub's download keywords {known}")
 
 
 def check_model_file(path: str) -> None:
@@ -76,7 +76,7 @@ def load_graph(path: str) -> onnx.ModelProto:
         raise ArgumentError("path", f"{path!r} is not a readable ONNX model: {type(error).__name__}: {error}") from error
     if not model.HasField("graph") or not (model.graph.node or model.graph.output):
         raise ArgumentError("path", f"{path!r} is not a readable ONNX model: it parses as a protobuf message but holds no "
-                         "ONNX graph")
+                                    "ONNX graph")
     return model
 
 
@@ -117,7 +117,7 @@ def resolve_model_file(
         path = os.path.join(model_id, subfolder or "", file_name)
         if not os.path.isfile(path):
             raise ArgumentPathError("model_id", f"expected {file_name!r} in {os.path.join(model_id, subfolder or '')!r}, "
-                                    f"found no such file")
+                                                f"found no such file")
         return path
     pattern = f"{subfolder}/*" if subfolder else "*"
     folder = download_from_hub(model_id, [pattern], "model_id", **hub_kwargs)

@@ -184,12 +184,12 @@ class IOBindingORTModel:
         if options.cuda_graph is True and not pool_possible:
             if device.type != "cuda" or not io_binding:
                 raise ArgumentError("cuda_graph", f"needs a CUDA session with io_binding=True, got device {device} and "
-                                 f"io_binding={io_binding}")
+                                                  f"io_binding={io_binding}")
             if stream_in_use is None:
                 raise ArgumentError("cuda_graph", "needs the session's stream; create the model from a path (or a session "
-                                 "made with the provider option user_compute_stream)")
+                                                  "made with the provider option user_compute_stream)")
             raise ArgumentError("cuda_graph", "the session was created from neither a path nor bytes, so no session "
-                             "with fixed dims can be made for a graph")
+                                              "with fixed dims can be made for a graph")
         weights = recipe.weights
         keeps_pool = pool_possible and (options.cuda_graph is not False or weights.owned or weights.on_need)
         if session is None and not (keeps_pool and isinstance(recipe.source, str)):

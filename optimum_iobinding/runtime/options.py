@@ -72,7 +72,7 @@ def normalize_providers(
         provider = [provider]
     if not isinstance(provider, (list, tuple)):
         raise ArgumentTypeError("provider", f"expected a provider name, a (name, options dict) pair or a list of them, "
-                        f"got {type(provider).__name__} {provider!r}")
+                                            f"got {type(provider).__name__} {provider!r}")
     if not provider:
         raise ArgumentError("provider", "expected at least one execution provider, got an empty list")
     names: List[str] = []
@@ -121,7 +121,7 @@ def provider_device(providers: Sequence[str], provider_options: Sequence[Mapping
 def check_sess_options(sess_options: Any) -> Optional[ort.SessionOptions]:
     if sess_options is not None and not isinstance(sess_options, ort.SessionOptions):
         raise ArgumentTypeError("sess_options", f"expected an onnxruntime.SessionOptions or None, got "
-                        f"{type(sess_options).__name__} {sess_options!r}")
+                                                f"{type(sess_options).__name__} {sess_options!r}")
     return sess_options
 
 
@@ -280,7 +280,7 @@ class ModelOptions:
         cuda_like = io_binding and providers[0] in CUDA_LIKE_PROVIDERS
         if stream is not None and not cuda_like:
             raise ArgumentError("stream", f"a CUDA stream needs a CUDA-like provider with io_binding=True, got "
-                             f"{providers[0]!r} with io_binding={io_binding}")
+                                          f"{providers[0]!r} with io_binding={io_binding}")
         device = provider_device(providers, provider_opts)
         _check_device(providers[0], device, io_binding)
         if cuda_like:
@@ -316,7 +316,7 @@ class ModelOptions:
         _check_settings(given)
         if given.get("stream") is not None:
             raise ArgumentError("stream", "a stream is set when a session is created; pass a path (or create the session "
-                             "with the provider option user_compute_stream) instead of a session")
+                                          "with the provider option user_compute_stream) instead of a session")
         given.pop("stream", None)
         given.pop("share_weights", None)
         io_binding = given.pop("io_binding", cls.io_binding)
@@ -418,7 +418,7 @@ class PipelineOptions:
         numbered = tuple(numbered)
         if not set(numbered) <= set(components):
             raise ArgumentError("numbered", f"expected components among {list(components)}, got "
-                             f"{sorted(set(numbered) - set(components))}")
+                                            f"{sorted(set(numbered) - set(components))}")
         unknown = sorted(name for name in set(given) - set(components)
                          if _copy_of(name, components, numbered) is None)
         if unknown:

@@ -45,7 +45,7 @@ def create_session(
         reason = unreadable_reason(path_or_bytes)
         if reason is not None:
             raise ArgumentError("path", f"{path_or_bytes!r} is not a readable ONNX model: {reason} (onnxruntime could not "
-                             f"load {path_or_bytes!r} either: {error})") from error
+                                        f"load {path_or_bytes!r} either: {error})") from error
         raise ArgumentError("path", f"onnxruntime could not load {path_or_bytes!r}: {error}") from error
 
 

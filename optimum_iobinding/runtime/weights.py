@@ -127,7 +127,7 @@ def load_owned_weights(source: Union[str, bytes], device: torch.device,
                     location = os.path.normpath(os.path.join(base, info["location"]))
                     if os.path.commonpath([base, location]) != base:  # as onnx's own loader refuses it
                         raise ArgumentError(source, f"initializer {initializer.name!r} names external data outside "
-                                         f"the model's folder: {info['location']!r}")
+                                                    f"the model's folder: {info['location']!r}")
                     if location not in files:
                         files[location] = open(location, "rb")
                     handle = files[location]

@@ -143,7 +143,7 @@ class ServeConfig:
         if (isinstance(self.request_timeout_s, bool) or not isinstance(self.request_timeout_s, (int, float))
                 or not math.isfinite(self.request_timeout_s) or self.request_timeout_s <= 0):
             raise ArgumentError("request_timeout_s", f"expected a positive number of seconds, got "
-                                f"{self.request_timeout_s!r}")
+                                                     f"{self.request_timeout_s!r}")
         if not isinstance(self.batch_wait_timeout_s, (int, float)) or not 0 <= self.batch_wait_timeout_s <= 60:
             raise ArgumentError("batch_wait_timeout_s",
                                 f"expected seconds in [0, 60], got {self.batch_wait_timeout_s!r}")
