@@ -1,12 +1,13 @@
-"""The fixtures every test file shares, all built offline (nothing is downloaded): tiny ONNX models made in memory
-with onnx.helper, the tiny random-weights Stable Diffusion export, random LoRAs, and helpers the pipelines' tests
-share."""
+"""The fixtures every test folder shares, all built offline (nothing is downloaded): tiny ONNX models made in memory
+with onnx.helper, the tiny random-weights exports that tests in more than one folder run on, random LoRAs, and the
+``gpu`` marker's skip where there is no CUDA."""
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import json
 import shutil
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import onnx
@@ -18,17 +19,25 @@ from onnx import TensorProto, helper
 OPSET = 17
 IR_VERSION = 9  # the newest onnx writes IR versions this onnxruntime cannot read
 
-requires_cuda = pytest.mark.skipif(
-    not (torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()),
-    reason="needs a CUDA GPU, a CUDA build of torch and onnxruntime-gpu",
-)
+HAS_CUDA = torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
 
 
-def tensor(name: str, elem_type: int, dims: Sequence | None):
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` (setup.cfg declares the marker) skip where CUDA is missing."""
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU, a CUDA build of torch and onnxruntime-gpu")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+# ------------------------------------------------------------------------------------------ tiny models in memory
+def _tensor(name: str, elem_type: int, dims: Sequence | None) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, elem_type, dims)
 
 
-def make_model(
+def _make_model(
     nodes: Iterable[onnx.NodeProto],
     inputs: Sequence[onnx.ValueInfoProto],
     outputs: Sequence[onnx.ValueInfoProto],
@@ -40,36 +49,66 @@ def make_model(
     return model
 
 
-def make_session(model: onnx.ModelProto, provider: str = "CPUExecutionProvider") -> ort.InferenceSession:
+def _make_session(model: onnx.ModelProto, provider: str = "CPUExecutionProvider") -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), providers=[provider])
+
+
+@pytest.fixture(scope="session")
+def tensor():
+    """``tensor(name, elem_type, dims)``: an input or output declaration (dims: sizes, names, expressions or None)."""
+    return _tensor
+
+
+@pytest.fixture(scope="session")
+def make_model():
+    """``make_model(nodes, inputs, outputs, initializers=())``: a checked ONNX model at an opset and IR version this
+    onnxruntime reads."""
+    return _make_model
+
+
+@pytest.fixture(scope="session")
+def make_session():
+    """``make_session(model, provider="CPUExecutionProvider")``: an InferenceSession of an in-memory model."""
+    return _make_session
 
 
 @pytest.fixture
 def concat_model() -> onnx.ModelProto:
     """y = concat(x, x) on axis 0, declared with an expression dim: x [batch, h] → y [2*batch, h]."""
-    return make_model(
+    return _make_model(
         [helper.make_node("Concat", ["x", "x"], ["y"], axis=0)],
-        [tensor("x", TensorProto.FLOAT, ["batch", "h"])],
-        [tensor("y", TensorProto.FLOAT, ["2*batch", "h"])],
+        [_tensor("x", TensorProto.FLOAT, ["batch", "h"])],
+        [_tensor("y", TensorProto.FLOAT, ["2*batch", "h"])],
     )
 
 
 @pytest.fixture
 def three_output_model() -> onnx.ModelProto:
     """sum = a + b (float), rounded = int64(a), greater = a > b (bool)."""
-    return make_model(
+    return _make_model(
         [
             helper.make_node("Add", ["a", "b"], ["sum"]),
             helper.make_node("Cast", ["a"], ["rounded"], to=TensorProto.INT64),
             helper.make_node("Greater", ["a", "b"], ["greater"]),
         ],
-        [tensor("a", TensorProto.FLOAT, ["batch", 3]), tensor("b", TensorProto.FLOAT, ["batch", 3])],
+        [_tensor("a", TensorProto.FLOAT, ["batch", 3]), _tensor("b", TensorProto.FLOAT, ["batch", 3])],
         [
-            tensor("sum", TensorProto.FLOAT, ["batch", 3]),
-            tensor("rounded", TensorProto.INT64, ["batch", 3]),
-            tensor("greater", TensorProto.BOOL, ["batch", 3]),
+            _tensor("sum", TensorProto.FLOAT, ["batch", 3]),
+            _tensor("rounded", TensorProto.INT64, ["batch", 3]),
+            _tensor("greater", TensorProto.BOOL, ["batch", 3]),
         ],
     )
+
+
+# ------------------------------------------------------------------------------------------------------ folders
+@pytest.fixture(scope="session")
+def snapshot():
+    """``snapshot(folder)``: every file under ``folder`` with the hash of its bytes."""
+    def hashes(folder: Path) -> dict:
+        return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(folder.rglob("*")) if p.is_file()}
+
+    return hashes
 
 
 @pytest.fixture(scope="session")
@@ -81,17 +120,25 @@ def tiny_folder(tmp_path_factory):
     return export_pipeline(None, tmp_path_factory.mktemp("tiny") / "sd", tiny_random=True, progress=False)
 
 
-def make_lora(pipe, folder, seed, unet_targets, text_targets=(), rank=4, text_rank=2, text_encoder="text_encoder"):
-    """A LoRA file of random (non-zero) updates for the diffusers pipeline ``pipe`` in diffusers' format: the UNet's
-    ``unet_targets`` and, with ``text_targets``, those of ``text_encoder`` (no peft needed: the GPU machine has none)."""
-    from optimum_iobinding.export.tiny import random_lora_layers, save_lora
+@pytest.fixture
+def copy_of(tiny_folder, tmp_path):
+    """``copy_of(**config_changes)``: a copy of tiny_folder whose components' config.json files have the changes
+    (a component's keyword names its folder, ``__`` for ``/``)."""
+    def copy(**config_changes):
+        folder = tmp_path / "copy"
+        shutil.copytree(tiny_folder, folder)
+        for relative, changes in config_changes.items():
+            path = folder / relative.replace("__", "/") / "config.json"
+            config = json.loads(path.read_text())
+            config.update(changes)
+            path.write_text(json.dumps(config))
+        return folder
 
-    layers = {"unet": random_lora_layers(pipe.unet, unet_targets, rank, seed)}
-    if text_targets:
-        layers[text_encoder] = random_lora_layers(getattr(pipe, text_encoder), text_targets, text_rank, seed + 1000)
-    return save_lora(folder, **layers)
+    return copy
 
 
+# --------------------------------------------------------------------------- tiny random exports of every family
+# Each is made once per test module that uses it (the torch pipelines are the tests' to change).
 class _ModeOnly:
     """A latent distribution whose sample is its mode (what the export's VAE encoder gives)."""
 
@@ -105,55 +152,110 @@ class _ModeOnly:
         return self.distribution.mode()
 
 
-def vae_encodes_its_mode(pipe):
-    """A diffusers torch pipeline whose VAE encoder gives the latent distribution's mode instead of a sample, as the
-    ONNX export's encoder does (and diffusers' ONNX img2img): so img2img and inpainting images can be compared."""
+def _vae_encodes_its_mode(pipe):
     encode = pipe.vae.encode
     pipe.vae.encode = lambda sample, **kwargs: type("Encoded", (), {
         "latent_dist": _ModeOnly(encode(sample, **kwargs).latent_dist)})()
     return pipe
 
 
-def with_vae_config(folder, target, **changes):
-    """A copy of ``folder`` whose vae_decoder config.json has ``changes`` (a value of ``...``: the key left out)."""
-    shutil.copytree(folder, target)
-    path = target / "vae_decoder" / "config.json"
-    config = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is ...:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    path.write_text(json.dumps(config))
-    return target
+@pytest.fixture(scope="session")
+def vae_encodes_its_mode():
+    """``vae_encodes_its_mode(pipe)``: the diffusers torch pipeline ``pipe`` with a VAE encoder that gives the latent
+    distribution's mode instead of a sample, as the ONNX export's encoder does (and diffusers' ONNX img2img): so
+    img2img and inpainting images can be compared."""
+    return _vae_encodes_its_mode
 
 
-def refused_runs_nothing(pipe, error, message, action):
-    """Runs ``action``, expects it refused, and whether no component of ``pipe`` ran meanwhile."""
-    with contextlib.ExitStack() as stack:
-        runs = [stack.enter_context(model.watch_runs()) for model in pipe.onnx_models.values()]
-        with pytest.raises(error, match=message):
-            action()
-    return not any(runs)
+def _torch_and_export(torch_pipe, folder):
+    from optimum_iobinding.export import export_pipeline
+
+    torch_pipe.set_progress_bar_config(disable=True)
+    return torch_pipe, export_pipeline(None, folder, torch_pipeline=torch_pipe, progress=False)
 
 
-def flood_statuses(folder, url: str, name: str, requests: int, steps: int, size: int, post) -> list:
-    """The HTTP statuses of ``requests`` requests sent at once to a CPU deployment ``name`` of ``folder`` on the
-    running Serve at ``url``, which holds one request in its replica and queues one more (``max_ongoing_requests`` =
-    ``max_queued_requests`` = 1); ``post(url, body)`` answers a tuple whose first item is the status. The deployment is
-    deleted afterwards."""
-    from concurrent.futures import ThreadPoolExecutor
+@pytest.fixture(scope="module")
+def lcm(tmp_path_factory):
+    """The tiny random Latent Consistency Model: diffusers' torch pipeline (its VAE encoder giving the mode, as the
+    export's does) and its export."""
+    from optimum_iobinding.export.tiny import build_tiny_random_lcm_pipeline
 
-    from ray import serve
+    torch_pipe, folder = _torch_and_export(build_tiny_random_lcm_pipeline(), tmp_path_factory.mktemp("lcm") / "lcm")
+    return _vae_encodes_its_mode(torch_pipe), folder
 
-    from optimum_iobinding.serve import ServeConfig, build_app
 
-    config = ServeConfig(model=str(folder), device="cpu", max_batch_size=1, steps=steps, warmup_batch_sizes=[],
-                         max_ongoing_requests=1, max_queued_requests=1)
-    serve.run(build_app(config), name=name, route_prefix=f"/{name}", blocking=False)
-    try:
-        bodies = [dict(prompt="busy", seed=i, size=size) for i in range(requests)]
-        with ThreadPoolExecutor(len(bodies)) as pool:
-            return [answer[0] for answer in pool.map(lambda body: post(f"{url}/{name}", body), bodies)]
-    finally:
-        serve.delete(name)
+@pytest.fixture(scope="module")
+def sd3(tmp_path_factory):
+    """The tiny random Stable Diffusion 3 pipeline: diffusers' torch pipeline and its export."""
+    from optimum_iobinding.export.tiny import build_tiny_random_sd3_pipeline
+
+    return _torch_and_export(build_tiny_random_sd3_pipeline(), tmp_path_factory.mktemp("sd3") / "sd3")
+
+
+@pytest.fixture(scope="module")
+def sd3_without_t5(tmp_path_factory):
+    """The tiny random Stable Diffusion 3 pipeline without its T5 encoder: diffusers' torch pipeline and its export."""
+    from optimum_iobinding.export.tiny import build_tiny_random_sd3_pipeline
+
+    return _torch_and_export(build_tiny_random_sd3_pipeline(with_t5=False), tmp_path_factory.mktemp("sd3") / "no-t5")
+
+
+@pytest.fixture(scope="module")
+def schnell(tmp_path_factory):
+    """The tiny random FLUX.1 schnell pipeline (no guidance embedding): diffusers' torch pipeline and its export."""
+    from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline
+
+    return _torch_and_export(build_tiny_random_flux_pipeline(0, guidance_embeds=False),
+                             tmp_path_factory.mktemp("schnell") / "flux")
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory):
+    """The tiny random FLUX.1 dev pipeline (a guidance embedding): diffusers' torch pipeline and its export."""
+    from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline
+
+    return _torch_and_export(build_tiny_random_flux_pipeline(0, guidance_embeds=True),
+                             tmp_path_factory.mktemp("dev") / "flux")
+
+
+@pytest.fixture(params=["schnell", "dev"])
+def flux(request):
+    """Each tiny random FLUX.1 pipeline in turn (schnell, dev): diffusers' torch pipeline and its export."""
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="module")
+def vae_folder(tmp_path_factory):
+    """A folder of the tiny random tiny VAE (diffusers' AutoencoderTiny) alone: vae_encoder/ and vae_decoder/."""
+    from optimum_iobinding.export import export_pipeline
+
+    return export_pipeline(None, tmp_path_factory.mktemp("taesd") / "taesd", tiny_vae=True, progress=False)
+
+
+@pytest.fixture(scope="module")
+def controlnet_folders(tmp_path_factory):
+    """The tiny random ControlNet pipeline's exports: with one ControlNet ("one") and with two ("two")."""
+    from optimum_iobinding.export import export_pipeline
+    from optimum_iobinding.export.tiny import build_tiny_random_controlnet_pipeline
+
+    root = tmp_path_factory.mktemp("controlnet")
+    return {"one": export_pipeline(None, root / "one", tiny_random="controlnet", progress=False),
+            "two": export_pipeline(None, root / "two", progress=False,
+                                   torch_pipeline=build_tiny_random_controlnet_pipeline(controlnets=2))}
+
+
+@pytest.fixture(scope="session")
+def make_lora():
+    """``make_lora(pipe, folder, seed, unet_targets, text_targets=(), rank=4, text_rank=2,
+    text_encoder="text_encoder")``: a LoRA file of random (non-zero) updates for the diffusers pipeline ``pipe`` in
+    diffusers' format: the UNet's ``unet_targets`` and, with ``text_targets``, those of ``text_encoder`` (no peft
+    needed: the GPU machine has none)."""
+    def make(pipe, folder, seed, unet_targets, text_targets=(), rank=4, text_rank=2, text_encoder="text_encoder"):
+        from optimum_iobinding.export.tiny import random_lora_layers, save_lora
+
+        layers = {"unet": random_lora_layers(pipe.unet, unet_targets, rank, seed)}
+        if text_targets:
+            layers[text_encoder] = random_lora_layers(getattr(pipe, text_encoder), text_targets, text_rank, seed + 1000)
+        return save_lora(folder, **layers)
+
+    return make

@@ -9,16 +9,12 @@ import os
 import re
 
 import numpy as np
-import onnxruntime as ort
 import pytest
-import torch
 from PIL import Image
 
 from optimum_iobinding import OnnxStreamDiffusionPipeline
 from optimum_iobinding import cli
 from optimum_iobinding.cli import main
-from optimum_iobinding.export import export_pipeline
-from optimum_iobinding.export.tiny import build_tiny_random_tiny_vae
 from optimum_iobinding.video import FrameWriter, open_frames
 
 requires_av = pytest.mark.skipif(importlib.util.find_spec("av") is None, reason="needs the video extra (av)")
@@ -49,10 +45,9 @@ def read_all(path):
 
 
 @pytest.fixture(scope="module")
-def tiny_vae(tmp_path_factory):
+def tiny_vae(vae_folder):
     """A folder of a tiny random AutoencoderTiny's export alone (vae_encoder/ and vae_decoder/)."""
-    return export_pipeline(None, tmp_path_factory.mktemp("taesd") / "taesd", tiny_vae=build_tiny_random_tiny_vae(),
-                           progress=False)
+    return vae_folder
 
 
 @pytest.fixture
@@ -272,12 +267,7 @@ def test_the_stream_command_prints_its_help(capsys, no_work):
 
 
 # ------------------------------------------------------------------------------------------------------ GPU
-requires_cuda = pytest.mark.skipif(
-    not (torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()),
-    reason="needs a CUDA GPU, a CUDA build of torch and onnxruntime-gpu")
-
-
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("options", [(), ("--steps", "4"), ("--steps", "4", "--no-stream-batch")],
                          ids=["one-step", "two-steps-stream-batch", "two-steps-in-turn"])
 def test_on_cuda_the_command_gives_the_frames_of_the_pipeline_run_directly(tmp_path, tiny_folder, image_folder,

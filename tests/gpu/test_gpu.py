@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_lora, requires_cuda
 from optimum_iobinding.bench.probes import host_waits
 
-pytestmark = requires_cuda
+pytestmark = pytest.mark.gpu
 
 CUDA = "CUDAExecutionProvider"
 # exact comparisons: without TF32, fp32 convolutions and matmuls on Hopper round like the CPU's
@@ -440,11 +439,10 @@ def test_every_captured_signature_reads_the_one_copy_of_the_weights(tiny_folder)
     assert unet.sessions_created == sessions
 
 
-def test_an_extra_signature_costs_activations_not_another_copy_of_the_weights(tmp_path):
+def test_an_extra_signature_costs_activations_not_another_copy_of_the_weights(tmp_path, make_model):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from conftest import make_model
     from optimum_iobinding import IOBindingORTModel
 
     # 256 MiB of weights, a few KiB of activations: a second signature that loaded the weights again would show
@@ -506,13 +504,12 @@ def test_the_one_graph_session_loads_its_weights_and_own_weights_makes_it_again_
     assert len([r for r in caplog.records if "made again around them" in r.getMessage()]) == 1
 
 
-def test_auto_runs_an_uncapturable_model_without_a_graph_and_logs_why(tmp_path, caplog):
+def test_auto_runs_an_uncapturable_model_without_a_graph_and_logs_why(tmp_path, caplog, make_model):
     import logging
 
     import onnx
     from onnx import TensorProto, helper
 
-    from conftest import make_model
     from optimum_iobinding import IOBindingORTModel
 
     path = tmp_path / "nonzero.onnx"  # NonZero: an output whose size depends on the data, which no graph replays
@@ -576,11 +573,10 @@ def test_signatures_replay_right_after_later_captures(tiny_folder, fused_tiny_fo
     assert unet.sessions_created == (1 if export == "fused" else len(batches))
 
 
-def test_signatures_of_one_session_share_its_arena(tmp_path):
+def test_signatures_of_one_session_share_its_arena(tmp_path, make_model):
     import onnx
     from onnx import TensorProto, helper
 
-    from conftest import make_model
     from optimum_iobinding import IOBindingORTModel
 
     # no weights, large activations: x (b × 16M floats) → two intermediates of the same size → y
@@ -611,27 +607,31 @@ def test_signatures_of_one_session_share_its_arena(tmp_path):
         torch.testing.assert_close(result, a + torch.sigmoid(a))
 
 
-def cpu_argmax_model_path(folder):
-    """y = x + x[argmax(ids)] per row: an ArgMax over integers, which ORT's CUDA provider keeps on the CPU (what the
-    text encoders of other exporters do to pool CLIP's end token)."""
-    import onnx
-    from onnx import TensorProto, helper
+@pytest.fixture
+def cpu_argmax_model_path(make_model, tensor):
+    """``cpu_argmax_model_path(folder)``: y = x + x[argmax(ids)] per row, saved in ``folder``: an ArgMax over integers,
+    which ORT's CUDA provider keeps on the CPU (what the text encoders of other exporters do to pool CLIP's end
+    token)."""
+    def save(folder):
+        import onnx
+        from onnx import TensorProto, helper
 
-    from conftest import make_model, tensor
+        model = make_model(
+            [helper.make_node("Cast", ["ids"], ["ids32"], to=TensorProto.INT32),
+             helper.make_node("ArgMax", ["ids32"], ["position"], axis=1, keepdims=1),
+             helper.make_node("GatherElements", ["x", "position"], ["picked"], axis=1),
+             helper.make_node("Add", ["x", "picked"], ["y"])],
+            [tensor("x", TensorProto.FLOAT, ["batch", 8]), tensor("ids", TensorProto.INT64, ["batch", 8])],
+            [tensor("y", TensorProto.FLOAT, ["batch", 8])])
+        path = folder / "cpu_argmax.onnx"
+        onnx.save(model, str(path))
+        return path
 
-    model = make_model(
-        [helper.make_node("Cast", ["ids"], ["ids32"], to=TensorProto.INT32),
-         helper.make_node("ArgMax", ["ids32"], ["position"], axis=1, keepdims=1),
-         helper.make_node("GatherElements", ["x", "position"], ["picked"], axis=1),
-         helper.make_node("Add", ["x", "picked"], ["y"])],
-        [tensor("x", TensorProto.FLOAT, ["batch", 8]), tensor("ids", TensorProto.INT64, ["batch", 8])],
-        [tensor("y", TensorProto.FLOAT, ["batch", 8])])
-    path = folder / "cpu_argmax.onnx"
-    onnx.save(model, str(path))
-    return path
+    return save
 
 
-def test_a_model_ort_cannot_capture_as_one_session_gets_a_session_per_signature_and_says_why(tmp_path, caplog):
+def test_a_model_ort_cannot_capture_as_one_session_gets_a_session_per_signature_and_says_why(tmp_path, caplog,
+                                                                                             cpu_argmax_model_path):
     import logging
 
     from optimum_iobinding import IOBindingORTModel
@@ -723,7 +723,7 @@ def test_the_first_call_builds_the_shape_free_sessions_in_the_background(fused_t
 # ------------------------------------------------------------------------------------------------ runtime LoRA
 @pytest.mark.parametrize("export", ["fused", "plain"])
 def test_captured_graphs_replay_lora_weights_and_switching_creates_no_session(tiny_folder, fused_tiny_folder, export,
-                                                                             tmp_path):
+                                                                              tmp_path, make_lora):
     from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
 
     make_lora(TINY_RANDOM_KINDS["sd"](), tmp_path / "lora", 5, ["to_q", "to_k", "to_v", "to_out.0"],
@@ -753,17 +753,6 @@ def test_captured_graphs_replay_lora_weights_and_switching_creates_no_session(ti
 
 
 # -------------------------------------------------------------------------------------------------- ControlNet
-@pytest.fixture(scope="module")
-def controlnet_folders(tmp_path_factory):
-    from optimum_iobinding.export import export_pipeline
-    from optimum_iobinding.export.tiny import build_tiny_random_controlnet_pipeline
-
-    root = tmp_path_factory.mktemp("gpu-controlnet")
-    return {"one": export_pipeline(None, root / "one", tiny_random="controlnet", progress=False),
-            "two": export_pipeline(None, root / "two", progress=False,
-                                   torch_pipeline=build_tiny_random_controlnet_pipeline(controlnets=2))}
-
-
 def controlnet_pipeline(folder, **kwargs):
     from diffusers import DDIMScheduler
 

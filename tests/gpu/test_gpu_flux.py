@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import requires_cuda
 from optimum_iobinding import IOBindingORTModel, OnnxFluxPipeline
 from optimum_iobinding.bench.probes import host_waits
 from optimum_iobinding.export import export_pipeline
 from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline
 from optimum_iobinding.pipelines.flux import latent_image_ids, pack_latents
 
-pytestmark = requires_cuda
+pytestmark = pytest.mark.gpu
 
 CUDA = "CUDAExecutionProvider"
 # exact comparisons: without TF32, fp32 matmuls and convolutions on Hopper round like the CPU's
@@ -25,15 +24,6 @@ EXACT = {"use_tf32": "0"}
 PROMPTS = ["a photo of an astronaut riding a horse", "a red castle in the forest"]
 CALL = dict(height=64, width=48, num_inference_steps=3, max_sequence_length=16, output_type="np")
 TOLERANCE = 1e-3
-
-
-@pytest.fixture(scope="module", params=["schnell", "dev"])
-def flux(request, tmp_path_factory):
-    torch_pipe = build_tiny_random_flux_pipeline(0, guidance_embeds=request.param == "dev")
-    torch_pipe.set_progress_bar_config(disable=True)
-    folder = export_pipeline(None, tmp_path_factory.mktemp("flux") / "flux", torch_pipeline=torch_pipe,
-                             progress=False)
-    return torch_pipe, folder
 
 
 def load(folder, **kwargs):

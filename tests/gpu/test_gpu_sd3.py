@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import requires_cuda
-
-pytestmark = requires_cuda
+pytestmark = pytest.mark.gpu
 
 CUDA = "CUDAExecutionProvider"
 # exact comparisons: without TF32, fp32 matmuls and convolutions on Hopper round like the CPU's
@@ -20,26 +18,6 @@ EXACT = {"use_tf32": "0"}
 SIZE = 64
 SEQUENCE = 16
 PROMPT = "a photo of an astronaut riding a horse"
-
-
-@pytest.fixture(scope="module")
-def sd3(tmp_path_factory):
-    from optimum_iobinding.export import export_pipeline
-    from optimum_iobinding.export.tiny import build_tiny_random_sd3_pipeline
-
-    torch_pipe = build_tiny_random_sd3_pipeline()
-    torch_pipe.set_progress_bar_config(disable=True)
-    folder = export_pipeline(None, tmp_path_factory.mktemp("sd3") / "sd3", torch_pipeline=torch_pipe, progress=False)
-    return torch_pipe, folder
-
-
-@pytest.fixture(scope="module")
-def sd3_without_t5(tmp_path_factory):
-    from optimum_iobinding.export import export_pipeline
-    from optimum_iobinding.export.tiny import build_tiny_random_sd3_pipeline
-
-    torch_pipe = build_tiny_random_sd3_pipeline(with_t5=False)
-    return export_pipeline(None, tmp_path_factory.mktemp("sd3") / "no-t5", torch_pipeline=torch_pipe, progress=False)
 
 
 def load(folder, **kwargs):
@@ -118,7 +96,7 @@ def test_a_warmup_refused_for_its_height_leaves_the_next_one_at_the_default_t5_l
 
 
 def test_without_t5_a_warmup_makes_the_graph_a_call_of_its_t5_length_replays(sd3_without_t5):
-    pipe = load(sd3_without_t5)
+    pipe = load(sd3_without_t5[1])
     assert pipe.text_encoder_3 is None
     pipe.warmup(heights=SIZE, max_sequence_length=SEQUENCE)
     created, signatures = pipe.sessions_created, pipe.transformer.signatures

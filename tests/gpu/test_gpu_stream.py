@@ -9,10 +9,9 @@ import pytest
 import torch
 import diffusers
 
-from conftest import requires_cuda
 from optimum_iobinding.bench.probes import host_waits
 
-pytestmark = requires_cuda
+pytestmark = pytest.mark.gpu
 
 CUDA = "CUDAExecutionProvider"
 # exact comparisons: without TF32, fp32 convolutions and matmuls on Hopper round like the CPU's
@@ -25,12 +24,9 @@ SLEEP_CYCLES = 2_000_000_000
 
 
 @pytest.fixture(scope="module")
-def folders(tiny_folder, tmp_path_factory):
-    from optimum_iobinding.export import export_pipeline
-
-    lcm = export_pipeline(None, tmp_path_factory.mktemp("gpu-stream") / "lcm", tiny_random="lcm", progress=False)
-    tiny_vae = export_pipeline(None, tmp_path_factory.mktemp("gpu-stream") / "taesd", tiny_vae=True, progress=False)
-    return {"sd": (tiny_folder, {}), "tiny-vae": (tiny_folder, {"tiny_vae": tiny_vae}), "lcm": (lcm, {})}
+def folders(tiny_folder, vae_folder, lcm):
+    """Each stream's folder and loading options: Stable Diffusion, with the tiny VAE, LCM."""
+    return {"sd": (tiny_folder, {}), "tiny-vae": (tiny_folder, {"tiny_vae": vae_folder}), "lcm": (lcm[1], {})}
 
 
 def prepared(folder, steps=2, strength=0.5, guidance_scale=0.0, stream_batch=True, provider=CUDA, **kwargs):

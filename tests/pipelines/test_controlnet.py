@@ -8,36 +8,31 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_lora, vae_encodes_its_mode
-
 PROMPT = "a photo of a cat"
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    from optimum_iobinding.export import export_pipeline
-    from optimum_iobinding.export.tiny import build_tiny_random_controlnet_pipeline
-
-    root = tmp_path_factory.mktemp("controlnet")
-    return {
-        "one": export_pipeline(None, root / "one", tiny_random="controlnet", progress=False),
-        "two": export_pipeline(None, root / "two", torch_pipeline=build_tiny_random_controlnet_pipeline(controlnets=2),
-                               progress=False),
-        "plain": export_pipeline(None, root / "plain", tiny_random=True, progress=False),
-    }
+def folders(controlnet_folders, tiny_folder):
+    """The exports with one ControlNet ("one") and with two ("two"), and the same pipeline without one ("plain")."""
+    return {**controlnet_folders, "plain": tiny_folder}
 
 
-def reference(controlnets: int = 1, img2img: bool = False):
-    """diffusers' torch pipeline with the exported weights (the builders are seeded)."""
-    from diffusers import StableDiffusionControlNetImg2ImgPipeline
+@pytest.fixture
+def reference(vae_encodes_its_mode):
+    """``reference(controlnets=1, img2img=False)``: diffusers' torch pipeline with the exported weights (the builders
+    are seeded)."""
+    def build(controlnets: int = 1, img2img: bool = False):
+        from diffusers import StableDiffusionControlNetImg2ImgPipeline
 
-    from optimum_iobinding.export.tiny import build_tiny_random_controlnet_pipeline
+        from optimum_iobinding.export.tiny import build_tiny_random_controlnet_pipeline
 
-    pipe = build_tiny_random_controlnet_pipeline(controlnets=controlnets)
-    if img2img:
-        pipe = vae_encodes_its_mode(StableDiffusionControlNetImg2ImgPipeline(**pipe.components))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+        pipe = build_tiny_random_controlnet_pipeline(controlnets=controlnets)
+        if img2img:
+            pipe = vae_encodes_its_mode(StableDiffusionControlNetImg2ImgPipeline(**pipe.components))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    return build
 
 
 def ours(folder, io_binding=True, img2img=False):
@@ -75,7 +70,7 @@ def test_the_export_writes_the_controlnet_and_a_unet_taking_its_residuals(folder
 
 
 @pytest.mark.parametrize("options", [{"fp16": True}, {"optimize": "cpu"}])
-def test_fp16_and_fused_exports_run(tmp_path, options):
+def test_fp16_and_fused_exports_run(tmp_path, options, reference):
     from optimum_iobinding.export import export_pipeline
 
     folder = export_pipeline(None, tmp_path / "x", tiny_random="controlnet", progress=False, **options)
@@ -96,13 +91,13 @@ def test_fp16_and_fused_exports_run(tmp_path, options):
     {"control_guidance_start": 0.3, "control_guidance_end": 0.7},
     {"control_guidance_start": 0.5},  # the first steps skip the ControlNet
 ], ids=["default", "no-guidance", "scale-0.5", "guess", "guess-no-guidance", "window", "late-start"])
-def test_images_equal_diffusers_controlnet_pipeline(folders, io_binding, kwargs):
+def test_images_equal_diffusers_controlnet_pipeline(folders, io_binding, kwargs, reference):
     expected = run(reference(), image=control_image(), **kwargs)
     np.testing.assert_allclose(run(ours(folders["one"], io_binding), image=control_image(), **kwargs), expected,
                                atol=1e-4)
 
 
-def test_conditioning_scale_zero_equals_the_plain_pipeline(folders):
+def test_conditioning_scale_zero_equals_the_plain_pipeline(folders, reference):
     from diffusers import StableDiffusionPipeline
 
     plain = StableDiffusionPipeline(**{k: v for k, v in reference().components.items() if k != "controlnet"})
@@ -112,7 +107,7 @@ def test_conditioning_scale_zero_equals_the_plain_pipeline(folders):
     assert np.abs(got - run(ours(folders["one"]), image=control_image())).max() > 1e-3  # the ControlNet matters
 
 
-def test_batches_and_a_pil_image_of_another_size_equal_diffusers(folders):
+def test_batches_and_a_pil_image_of_another_size_equal_diffusers(folders, reference):
     from PIL import Image
 
     pil = Image.fromarray((control_image(size=96)[0].permute(1, 2, 0).numpy() * 255).astype(np.uint8))
@@ -126,7 +121,7 @@ def test_batches_and_a_pil_image_of_another_size_equal_diffusers(folders):
 
 
 @pytest.mark.parametrize("io_binding", [True, False])
-def test_multi_controlnet_equals_diffusers(folders, io_binding):
+def test_multi_controlnet_equals_diffusers(folders, io_binding, reference):
     images = [control_image(3), control_image(4)]
     kwargs = dict(image=images, controlnet_conditioning_scale=[0.7, 1.2], control_guidance_start=[0.0, 0.25],
                   control_guidance_end=[0.5, 1.0])
@@ -136,13 +131,13 @@ def test_multi_controlnet_equals_diffusers(folders, io_binding):
 
 
 @pytest.mark.parametrize("io_binding", [True, False])
-def test_img2img_equals_diffusers(folders, io_binding):
+def test_img2img_equals_diffusers(folders, io_binding, reference):
     kwargs = dict(image=control_image(7), control_image=control_image(), strength=0.75)
     expected = run(reference(img2img=True), **kwargs)
     np.testing.assert_allclose(run(ours(folders["one"], io_binding, img2img=True), **kwargs), expected, atol=1e-4)
 
 
-def test_lora_on_a_controlnet_pipeline_equals_diffusers(folders, tmp_path):
+def test_lora_on_a_controlnet_pipeline_equals_diffusers(folders, tmp_path, reference, make_lora):
     from optimum_iobinding.export.tiny import build_tiny_random_pipeline
 
     lora = make_lora(build_tiny_random_pipeline(), tmp_path / "lora", 5, ["to_q", "to_v", "conv1"], ["q_proj"])
@@ -165,7 +160,7 @@ def test_save_and_warmup_keep_the_controlnets(folders, tmp_path):
     assert set(again.components) >= {"controlnet", "controlnet_1", "unet"}
 
 
-def test_cli_exports_with_a_controlnet_folder(tmp_path):
+def test_cli_exports_with_a_controlnet_folder(tmp_path, reference):
     from optimum_iobinding.cli import main
     from optimum_iobinding.export.tiny import build_tiny_random_controlnet, build_tiny_random_pipeline
 

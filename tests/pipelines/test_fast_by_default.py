@@ -15,27 +15,31 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import make_model
 from optimum_iobinding import IOBindingORTModel
 from optimum_iobinding.runtime.graph_pool import CudaGraphRunner, FixedShapeSession, GraphPool
 from optimum_iobinding.runtime.options import ModelOptions
 from optimum_iobinding.runtime.session import SessionRecipe
 
 
-def matmul_model(rows: int = 64, columns: int = 32) -> onnx.ModelProto:
-    """y = x @ W + b with a weight large enough to be owned (≥ 1024 elements) and a bias too small to be."""
-    weight = np.random.RandomState(0).randn(rows, columns).astype(np.float32)
-    bias = np.arange(columns, dtype=np.float32)
-    return make_model(
-        [helper.make_node("MatMul", ["x", "W"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["y"])],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", rows])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", columns])],
-        initializers=[numpy_helper.from_array(weight, "W"), numpy_helper.from_array(bias, "b")],
-    )
+@pytest.fixture
+def matmul_model(make_model):
+    """``matmul_model(rows=64, columns=32)``: y = x @ W + b with a weight large enough to be owned (≥ 1024 elements)
+    and a bias too small to be."""
+    def build(rows: int = 64, columns: int = 32) -> onnx.ModelProto:
+        weight = np.random.RandomState(0).randn(rows, columns).astype(np.float32)
+        bias = np.arange(columns, dtype=np.float32)
+        return make_model(
+            [helper.make_node("MatMul", ["x", "W"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["y"])],
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", rows])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", columns])],
+            initializers=[numpy_helper.from_array(weight, "W"), numpy_helper.from_array(bias, "b")],
+        )
+
+    return build
 
 
 @pytest.fixture
-def matmul_path(tmp_path):
+def matmul_path(tmp_path, matmul_model):
     path = tmp_path / "matmul.onnx"
     onnx.save(matmul_model(), str(path))
     return path
@@ -226,7 +230,7 @@ def test_a_sibling_shares_the_owned_weights(matmul_path):
     torch.testing.assert_close(model(x=x)[0], x @ model.owned_weights["W"] + torch.arange(32.0))
 
 
-def test_buffers_of_threads_that_ran_one_after_another_are_never_shared(matmul_path):
+def test_buffers_of_threads_that_ran_one_after_another_are_never_shared(matmul_path, matmul_model):
     # Python reuses thread idents: buffers keyed by ident were handed to the next thread, which overwrote them
     model = IOBindingORTModel(matmul_path)
     results = [None] * 6
@@ -377,7 +381,7 @@ def test_warmup_leaves_the_callers_random_state_alone(tiny_folder):
 
 
 # --------------------------------------------------------------------------------------------- owned weights
-def test_owned_weights_are_read_straight_from_external_data(tmp_path):
+def test_owned_weights_are_read_straight_from_external_data(tmp_path, matmul_model):
     from optimum_iobinding.runtime.weights import load_owned_weights
 
     expected = numpy_helper.to_array(matmul_model().graph.initializer[0])

@@ -9,29 +9,11 @@ import pytest
 import torch
 
 from optimum_iobinding import OnnxLatentConsistencyModelPipeline, OnnxStableDiffusionPipeline
-from optimum_iobinding.export import export_pipeline
-from optimum_iobinding.export.tiny import build_tiny_random_lcm_pipeline, build_tiny_random_pipeline
 from optimum_iobinding.pipelines.latent_consistency import guidance_scale_embedding
 
 SIZE = 64
 PROMPT = "a photo of an astronaut riding a horse"
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def lcm(tmp_path_factory):
-    torch_pipe = build_tiny_random_lcm_pipeline()
-    torch_pipe.set_progress_bar_config(disable=True)
-    folder = export_pipeline(None, tmp_path_factory.mktemp("lcm") / "lcm", torch_pipeline=torch_pipe, progress=False)
-    return torch_pipe, folder
-
-
-@pytest.fixture(scope="module")
-def sd(tmp_path_factory):
-    torch_pipe = build_tiny_random_pipeline()
-    torch_pipe.set_progress_bar_config(disable=True)
-    folder = export_pipeline(None, tmp_path_factory.mktemp("turbo") / "sd", torch_pipeline=torch_pipe, progress=False)
-    return torch_pipe, folder
 
 
 def latents_for(rows=1, seed=0):

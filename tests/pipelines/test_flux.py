@@ -13,7 +13,6 @@ import PIL.Image
 import pytest
 import torch
 
-from conftest import refused_runs_nothing, with_vae_config
 from optimum_iobinding import OnnxFluxPipeline
 from optimum_iobinding.export import export_pipeline
 from optimum_iobinding.export.flux import export_flux_pipeline
@@ -32,28 +31,6 @@ TOLERANCE = 1e-4
 
 def seeded(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def export_tiny(root, guidance_embeds: bool):
-    torch_pipe = build_tiny_random_flux_pipeline(0, guidance_embeds=guidance_embeds)
-    torch_pipe.set_progress_bar_config(disable=True)
-    folder = export_pipeline(None, root / "flux", torch_pipeline=torch_pipe, progress=False)
-    return torch_pipe, folder
-
-
-@pytest.fixture(scope="module")
-def schnell(tmp_path_factory):
-    return export_tiny(tmp_path_factory.mktemp("schnell"), guidance_embeds=False)
-
-
-@pytest.fixture(scope="module")
-def dev(tmp_path_factory):
-    return export_tiny(tmp_path_factory.mktemp("dev"), guidance_embeds=True)
-
-
-@pytest.fixture(params=["schnell", "dev"])
-def flux(request):
-    return request.getfixturevalue(request.param)
 
 
 def load(folder, io_binding=True):
@@ -246,7 +223,8 @@ def test_a_warmed_up_pipeline_creates_no_session_in_a_call(dev):
     (dict(num_inference_steps=0), r"num_inference_steps: expected a positive integer, got 0"),
     (dict(max_sequence_length=513), r"max_sequence_length: expected an integer in \[1, 512\] \(T5 tokens\), got 513"),
 ], ids=["height", "batch", "guidance", "steps", "sequence"])
-def test_a_warmup_with_a_bad_argument_is_refused_by_name_before_any_component_runs(schnell, arguments, message):
+def test_a_warmup_with_a_bad_argument_is_refused_by_name_before_any_component_runs(schnell, arguments, message,
+                                                                                   refused_runs_nothing):
     _, folder = schnell
     pipe = load(folder)
     # where a list is refused, its first item is good: a check made late would have warmed that one up
@@ -256,7 +234,7 @@ def test_a_warmup_with_a_bad_argument_is_refused_by_name_before_any_component_ru
     assert pipe.sessions_created == created
 
 
-def test_a_vae_config_without_flux_constants_decodes_as_diffusers_flux_vae(schnell, tmp_path):
+def test_a_vae_config_without_flux_constants_decodes_as_diffusers_flux_vae(schnell, tmp_path, with_vae_config):
     torch_pipe, folder = schnell
     assert (torch_pipe.vae.config.scaling_factor, torch_pipe.vae.config.shift_factor) == \
         (FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR)
@@ -269,7 +247,7 @@ def test_a_vae_config_without_flux_constants_decodes_as_diffusers_flux_vae(schne
     ("scaling_factor", 0, r"scaling_factor: expected a positive finite number, got 0"),
     ("shift_factor", float("nan"), r"shift_factor: expected a finite number, got nan"),
 ], ids=["zero-scale", "nan-shift"])
-def test_a_bad_vae_constant_is_refused_by_name_quoting_flux(schnell, tmp_path, key, value, message):
+def test_a_bad_vae_constant_is_refused_by_name_quoting_flux(schnell, tmp_path, key, value, message, with_vae_config):
     folder = with_vae_config(schnell[1], tmp_path / "bad", **{key: value})
     with pytest.raises(ValueError, match=rf"vae_decoder config.json: {message} \(FLUX.1's are scaling_factor "
                                          r"0.3611, shift_factor 0.1159\)"):

@@ -8,7 +8,6 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from conftest import make_lora, vae_encodes_its_mode
 from optimum_iobinding import OnnxStableDiffusionPipeline
 from optimum_iobinding.export import export_pipeline
 from optimum_iobinding.export.lora_places import lora_layers, places_of
@@ -91,7 +90,7 @@ def test_a_saved_pipeline_keeps_its_lora_maps(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ runtime LoRA
 @pytest.fixture(scope="module")
-def loras(tmp_path_factory):
+def loras(tmp_path_factory, make_lora):
     folder = tmp_path_factory.mktemp("loras")
     maker = TINY_RANDOM_KINDS["sd"]()
     first = make_lora(maker, folder / "a", 1, ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "ff.net.2"],
@@ -152,7 +151,7 @@ def test_lora_images_equal_diffusers_through_load_set_disable_fuse_and_unload(ex
 
 
 @pytest.mark.parametrize("kind", ["img2img", "inpaint"])
-def test_img2img_and_inpaint_loras_equal_diffusers(exports, loras, kind):
+def test_img2img_and_inpaint_loras_equal_diffusers(exports, loras, kind, vae_encodes_its_mode):
     from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline
 
     from optimum_iobinding import OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionInpaintPipeline
@@ -247,7 +246,7 @@ def test_lora_mistakes_get_messages_that_name_them(exports, loras):
 
 
 @pytest.mark.parametrize("kind", ["xl", "lcm"])
-def test_sdxl_and_lcm_loras_equal_diffusers(tmp_path, kind):
+def test_sdxl_and_lcm_loras_equal_diffusers(tmp_path, kind, make_lora):
     """SDXL: a UNet and second-text-encoder LoRA (diffusers' SDXL reader); LCM: a UNet LoRA on the LCM UNet."""
     from optimum_iobinding.pipelines import pipeline_class_for
 

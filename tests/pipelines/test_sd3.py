@@ -13,11 +13,9 @@ import PIL.Image
 import pytest
 import torch
 
-from conftest import refused_runs_nothing, with_vae_config
 from optimum_iobinding import OnnxStableDiffusion3Pipeline
 from optimum_iobinding.cli import main
 from optimum_iobinding.export import export_pipeline
-from optimum_iobinding.export.tiny import build_tiny_random_sd3_pipeline
 from optimum_iobinding.export.transformer import export_sd3_pipeline
 from optimum_iobinding.pipelines import pipeline_class_for
 from optimum_iobinding.pipelines.stable_diffusion_3 import SD3_VAE_SCALING_FACTOR, SD3_VAE_SHIFT_FACTOR
@@ -27,23 +25,6 @@ PROMPT = "a photo of an astronaut riding a horse"
 SEQUENCE = 16  # T5 tokens: small, to keep the tests fast
 # fp32 ONNX Runtime vs fp32 torch on the CPU, a few steps: rounding only
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def sd3(tmp_path_factory):
-    torch_pipe = build_tiny_random_sd3_pipeline()
-    torch_pipe.set_progress_bar_config(disable=True)
-    folder = export_pipeline(None, tmp_path_factory.mktemp("sd3") / "sd3", torch_pipeline=torch_pipe, progress=False)
-    return torch_pipe, folder
-
-
-@pytest.fixture(scope="module")
-def sd3_without_t5(tmp_path_factory):
-    torch_pipe = build_tiny_random_sd3_pipeline(with_t5=False)
-    torch_pipe.set_progress_bar_config(disable=True)
-    folder = export_pipeline(None, tmp_path_factory.mktemp("sd3") / "no-t5", torch_pipeline=torch_pipe,
-                             progress=False)
-    return torch_pipe, folder
 
 
 def load(folder, io_binding=True, **kwargs):
@@ -292,7 +273,8 @@ def test_after_warmup_a_call_of_that_size_creates_no_session(sd3):
     (dict(max_sequence_length=513), r"max_sequence_length: expected an integer in \[1, 512\] \(T5 tokens\), got 513"),
     (dict(max_sequence_length=16.0), r"max_sequence_length: expected an integer in \[1, 512\]"),
 ], ids=["height", "no-size", "batch", "guidance", "steps", "sequence", "sequence-float"])
-def test_a_warmup_with_a_bad_argument_is_refused_by_name_before_any_component_runs(sd3, arguments, message):
+def test_a_warmup_with_a_bad_argument_is_refused_by_name_before_any_component_runs(sd3, arguments, message,
+                                                                                   refused_runs_nothing):
     pipe = load(sd3[1])
     # where a list is refused, its first item is good: a check made late would have warmed that one up
     call = {**dict(heights=SIZE, batch_sizes=1, num_inference_steps=1, max_sequence_length=SEQUENCE), **arguments}
@@ -301,7 +283,7 @@ def test_a_warmup_with_a_bad_argument_is_refused_by_name_before_any_component_ru
     assert pipe.sessions_created == created
 
 
-def test_without_t5_a_warmup_checks_and_takes_max_sequence_length_as_a_call_does(sd3_without_t5):
+def test_without_t5_a_warmup_checks_and_takes_max_sequence_length_as_a_call_does(sd3_without_t5, refused_runs_nothing):
     # the T5 part is max_sequence_length tokens of zeros then (diffusers' too): the length still shapes the
     # transformer's input (the graphs it makes are checked in tests/gpu/test_gpu_sd3.py)
     pipe = load(sd3_without_t5[1])
@@ -310,7 +292,7 @@ def test_without_t5_a_warmup_checks_and_takes_max_sequence_length_as_a_call_does
     pipe.warmup(heights=SIZE, num_inference_steps=1, max_sequence_length=SEQUENCE)
 
 
-def test_a_vae_config_without_sd3s_constants_decodes_as_diffusers_sd3_vae(sd3, tmp_path):
+def test_a_vae_config_without_sd3s_constants_decodes_as_diffusers_sd3_vae(sd3, tmp_path, with_vae_config):
     torch_pipe, folder = sd3
     assert (torch_pipe.vae.config.scaling_factor, torch_pipe.vae.config.shift_factor) == \
         (SD3_VAE_SCALING_FACTOR, SD3_VAE_SHIFT_FACTOR)
@@ -327,7 +309,7 @@ def test_a_vae_config_without_sd3s_constants_decodes_as_diffusers_sd3_vae(sd3, t
     ("shift_factor", float("nan"), r"shift_factor: expected a finite number, got nan"),
     ("shift_factor", "0.0609", r"shift_factor: expected a finite number, got '0.0609'"),
 ], ids=["zero-scale", "negative-scale", "text-scale", "nan-shift", "text-shift"])
-def test_a_bad_vae_constant_is_refused_by_name_quoting_sd3s(sd3, tmp_path, key, value, message):
+def test_a_bad_vae_constant_is_refused_by_name_quoting_sd3s(sd3, tmp_path, key, value, message, with_vae_config):
     folder = with_vae_config(sd3[1], tmp_path / "bad", **{key: value})
     with pytest.raises(ValueError, match=rf"vae_decoder config.json: {message} \(SD3's are scaling_factor 1.5305, "
                                          r"shift_factor 0.0609\)"):

@@ -12,11 +12,9 @@ import torch
 import diffusers
 from diffusers.utils.torch_utils import randn_tensor
 
-from conftest import vae_encodes_its_mode
 from optimum_iobinding import OnnxStreamDiffusionPipeline
 from optimum_iobinding.export import export_pipeline
-from optimum_iobinding.export.tiny import (build_tiny_random_lcm_pipeline, build_tiny_random_pipeline,
-                                          build_tiny_random_tiny_vae)
+from optimum_iobinding.export.tiny import build_tiny_random_tiny_vae
 
 SIZE = 64  # 8×8 latents
 PROMPT = "a photo of an astronaut riding a horse"
@@ -27,27 +25,10 @@ TURBO = ("EulerAncestralDiscreteScheduler", {"timestep_spacing": "trailing"})
 
 
 @pytest.fixture(scope="module")
-def sd(tmp_path_factory):
-    torch_pipe = build_tiny_random_pipeline()
-    torch_pipe.set_progress_bar_config(disable=True)
-    folder = export_pipeline(None, tmp_path_factory.mktemp("stream") / "sd", torch_pipeline=torch_pipe, progress=False)
-    return vae_encodes_its_mode(torch_pipe), folder
-
-
-@pytest.fixture(scope="module")
-def lcm(tmp_path_factory):
-    torch_pipe = build_tiny_random_lcm_pipeline()
-    torch_pipe.set_progress_bar_config(disable=True)
-    folder = export_pipeline(None, tmp_path_factory.mktemp("stream") / "lcm", torch_pipeline=torch_pipe,
-                             progress=False)
-    return vae_encodes_its_mode(torch_pipe), folder
-
-
-@pytest.fixture(scope="module")
-def tiny_vae(tmp_path_factory):
-    """A tiny random AutoencoderTiny and a folder of its export alone (vae_encoder/ and vae_decoder/)."""
-    vae = build_tiny_random_tiny_vae()
-    return vae, export_pipeline(None, tmp_path_factory.mktemp("taesd") / "taesd", tiny_vae=vae, progress=False)
+def tiny_vae(vae_folder):
+    """A tiny random AutoencoderTiny and a folder of its export alone (vae_encoder/ and vae_decoder/): the builder is
+    seeded."""
+    return build_tiny_random_tiny_vae(), vae_folder
 
 
 @pytest.fixture(scope="module")

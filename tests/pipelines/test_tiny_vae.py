@@ -13,7 +13,6 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from conftest import requires_cuda
 from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionPipeline
 from optimum_iobinding.cli import main as cli_main
 from optimum_iobinding.export import export_pipeline
@@ -27,12 +26,6 @@ VAE = ("vae_encoder", "vae_decoder")
 def tiny_vae():
     """The tiny random AutoencoderTiny every export here is made of (the builder is seeded)."""
     return build_tiny_random_tiny_vae().eval()
-
-
-@pytest.fixture(scope="module")
-def vae_folder(tmp_path_factory):
-    """A folder of the tiny random tiny VAE alone."""
-    return export_pipeline(None, tmp_path_factory.mktemp("taesd") / "taesd", tiny_vae=True, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -319,7 +312,7 @@ def exact(fp16: bool) -> dict:
     return {} if fp16 else {"use_tf32": "0"}
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
 def test_on_cuda_the_tiny_vae_alone_equals_diffusers_through_captured_graphs(tmp_path, tiny_vae, fp16):
     folder = export_pipeline(None, tmp_path / "taesd", tiny_vae=True, fp16=fp16, optimize="cuda", progress=False)
@@ -338,7 +331,7 @@ def test_on_cuda_the_tiny_vae_alone_equals_diffusers_through_captured_graphs(tmp
     assert encoder.graph_signatures and decoder.graph_signatures
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
 def test_on_cuda_the_fused_full_vae_decoder_equals_the_unfused_one(tmp_path, tiny_folder, fp16):
     folder = export_pipeline(None, tmp_path / "vae", tiny_random=True, fp16=fp16, optimize="cuda", components=VAE,

@@ -21,11 +21,12 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def xl(tmp_path_factory):
+def xl(xl_folder):
+    """diffusers' torch SDXL pipeline with the weights of the tiny random export (the builder is seeded) and the
+    export."""
     torch_pipe = build_tiny_random_xl_pipeline()
     torch_pipe.set_progress_bar_config(disable=True)
-    folder = export_pipeline(None, tmp_path_factory.mktemp("xl") / "xl", torch_pipeline=torch_pipe, progress=False)
-    return torch_pipe, folder
+    return torch_pipe, xl_folder
 
 
 @pytest.fixture(scope="module")

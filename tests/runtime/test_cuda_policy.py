@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 from onnx import TensorProto, helper
 
-from conftest import make_model, make_session, tensor
 from optimum_iobinding import IOBindingORTModel
 from optimum_iobinding.runtime.cuda_policy import (
     CUDA_DIFFUSION_DEFAULTS,
@@ -52,14 +51,14 @@ def test_tensorrt_profile_is_the_first_shapes_as_min_opt_and_max():
     assert options["trt_profile_opt_shapes"] == options["trt_profile_max_shapes"] == options["trt_profile_min_shapes"]
 
 
-def test_cuda_graph_on_a_cpu_session_is_refused_with_the_reason():
+def test_cuda_graph_on_a_cpu_session_is_refused_with_the_reason(make_model, make_session, tensor):
     model = make_model([helper.make_node("Identity", ["x"], ["y"])], [tensor("x", TensorProto.FLOAT, [1])],
                        [tensor("y", TensorProto.FLOAT, [1])])
     with pytest.raises(ValueError, match=r"cuda_graph: needs a CUDA session with io_binding=True, got device cpu"):
         IOBindingORTModel(make_session(model), cuda_graph=True)
 
 
-def test_a_stream_with_a_ready_made_session_is_refused():
+def test_a_stream_with_a_ready_made_session_is_refused(make_model, make_session, tensor):
     model = make_model([helper.make_node("Identity", ["x"], ["y"])], [tensor("x", TensorProto.FLOAT, [1])],
                        [tensor("y", TensorProto.FLOAT, [1])])
     with pytest.raises(ValueError, match=r"stream: a stream is set when a session is created"):

@@ -13,7 +13,6 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import make_model, make_session, requires_cuda, tensor
 from optimum_iobinding import IOBindingORTModel, infer_output_shapes
 from optimum_iobinding.runtime.dtypes import TORCH_TO_ONNX
 from optimum_iobinding.runtime.inputs import check_input_device
@@ -49,26 +48,36 @@ def session_run(session: ort.InferenceSession, feeds: dict) -> list:
     return [torch.from_numpy(r) for r in session.run(None, {n: t.numpy() for n, t in feeds.items()})]
 
 
-def transpose_concat_model(elem_type: int) -> onnx.ModelProto:
-    """y = transpose(concat(x, x)): real data movement that every tensor type supports."""
-    return make_model(
-        [helper.make_node("Concat", ["x", "x"], ["c"], axis=0), helper.make_node("Transpose", ["c"], ["y"])],
-        [tensor("x", elem_type, ["batch", 5])],
-        [tensor("y", elem_type, [5, "2*batch"])],
-    )
+@pytest.fixture
+def transpose_concat_model(make_model, tensor):
+    """``transpose_concat_model(elem_type)``: y = transpose(concat(x, x)), real data movement that every tensor type
+    supports."""
+    def build(elem_type: int) -> onnx.ModelProto:
+        return make_model(
+            [helper.make_node("Concat", ["x", "x"], ["c"], axis=0), helper.make_node("Transpose", ["c"], ["y"])],
+            [tensor("x", elem_type, ["batch", 5])],
+            [tensor("y", elem_type, [5, "2*batch"])],
+        )
+
+    return build
 
 
-def identity_model(elem_type=TensorProto.FLOAT, dims=("batch", 4)) -> onnx.ModelProto:
-    return make_model(
-        [helper.make_node("Identity", ["x"], ["y"])],
-        [tensor("x", elem_type, list(dims))],
-        [tensor("y", elem_type, list(dims))],
-    )
+@pytest.fixture
+def identity_model(make_model, tensor):
+    """``identity_model(elem_type=TensorProto.FLOAT, dims=("batch", 4))``: y = x."""
+    def build(elem_type=TensorProto.FLOAT, dims=("batch", 4)) -> onnx.ModelProto:
+        return make_model(
+            [helper.make_node("Identity", ["x"], ["y"])],
+            [tensor("x", elem_type, list(dims))],
+            [tensor("y", elem_type, list(dims))],
+        )
+
+    return build
 
 
 # ------------------------------------------------------------------------------------------- equality with run()
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-def test_binding_is_bitwise_equal_to_session_run_for_every_dtype(dtype):
+def test_binding_is_bitwise_equal_to_session_run_for_every_dtype(dtype, make_session, transpose_concat_model):
     session = make_session(transpose_concat_model(TORCH_TO_ONNX[dtype]))
     x = random_tensor((3, 5), dtype)
     (expected,) = session_run(session, {"x": x})
@@ -78,7 +87,7 @@ def test_binding_is_bitwise_equal_to_session_run_for_every_dtype(dtype):
     assert torch.equal(got, expected)
 
 
-def test_binding_is_bitwise_equal_to_session_run_for_a_float_computation():
+def test_binding_is_bitwise_equal_to_session_run_for_a_float_computation(make_model, make_session, tensor):
     model = make_model(
         [helper.make_node("Tanh", ["x"], ["t"]), helper.make_node("Mul", ["t", "x"], ["y"])],
         [tensor("x", TensorProto.FLOAT, ["batch", 64])],
@@ -89,7 +98,7 @@ def test_binding_is_bitwise_equal_to_session_run_for_a_float_computation():
     assert torch.equal(IOBindingORTModel(session)(x=x)[0], session_run(session, {"x": x})[0])
 
 
-def test_three_outputs_come_back_in_session_order_and_equal_session_run(three_output_model):
+def test_three_outputs_come_back_in_session_order_and_equal_session_run(three_output_model, make_session):
     session = make_session(three_output_model)
     a, b = random_tensor((4, 3), torch.float32, 1) * 10, random_tensor((4, 3), torch.float32, 2)
     got = IOBindingORTModel(session)(a=a, b=b)
@@ -99,7 +108,7 @@ def test_three_outputs_come_back_in_session_order_and_equal_session_run(three_ou
         assert torch.equal(g, e)
 
 
-def test_without_io_binding_returns_cpu_torch_tensors_equal_to_session_run(three_output_model):
+def test_without_io_binding_returns_cpu_torch_tensors_equal_to_session_run(three_output_model, make_session):
     session = make_session(three_output_model)
     a, b = random_tensor((2, 3), torch.float32, 3), random_tensor((2, 3), torch.float32, 4)
     model = IOBindingORTModel(session, io_binding=False)
@@ -110,7 +119,7 @@ def test_without_io_binding_returns_cpu_torch_tensors_equal_to_session_run(three
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.bool, torch.int8], ids=str)
-def test_without_io_binding_handles_dtypes_numpy_lacks_or_renames(dtype):
+def test_without_io_binding_handles_dtypes_numpy_lacks_or_renames(dtype, make_session, transpose_concat_model):
     session = make_session(transpose_concat_model(TORCH_TO_ONNX[dtype]))
     x = random_tensor((2, 5), dtype)
     (got,) = IOBindingORTModel(session, io_binding=False)(x=x)
@@ -118,7 +127,7 @@ def test_without_io_binding_handles_dtypes_numpy_lacks_or_renames(dtype):
 
 
 # ---------------------------------------------------------------------------------------------------- properties
-def test_properties_describe_the_session(three_output_model):
+def test_properties_describe_the_session(three_output_model, make_session):
     model = IOBindingORTModel(make_session(three_output_model))
     assert model.device == torch.device("cpu")
     assert model.providers == ["CPUExecutionProvider"]
@@ -130,7 +139,7 @@ def test_properties_describe_the_session(three_output_model):
 
 
 # ------------------------------------------------------------------------------------------------ output shapes
-def test_expression_dim_sizes_the_bound_output(concat_model):
+def test_expression_dim_sizes_the_bound_output(concat_model, make_session):
     model = IOBindingORTModel(make_session(concat_model))
     x = random_tensor((3, 7), torch.float32)
     assert infer_output_shapes(model, {"x": (3, 7)}) == {"y": (6, 7)}
@@ -138,7 +147,7 @@ def test_expression_dim_sizes_the_bound_output(concat_model):
     assert torch.equal(y, torch.cat([x, x]))
 
 
-def test_unnamed_output_dims_are_sized_by_onnx_shape_inference_and_preallocated():
+def test_unnamed_output_dims_are_sized_by_onnx_shape_inference_and_preallocated(make_model, make_session, tensor):
     model_proto = make_model(
         [helper.make_node("Concat", ["x", "x"], ["y"], axis=1)],
         [tensor("x", TensorProto.FLOAT, [None, 4])],
@@ -153,7 +162,7 @@ def test_unnamed_output_dims_are_sized_by_onnx_shape_inference_and_preallocated(
     assert torch.equal(second, torch.cat([x + 1, x + 1], dim=1))
 
 
-def test_data_dependent_output_is_allocated_by_ort_and_handed_over_without_copy():
+def test_data_dependent_output_is_allocated_by_ort_and_handed_over_without_copy(make_model, make_session, tensor):
     model_proto = make_model(
         [helper.make_node("NonZero", ["x"], ["y"])],
         [tensor("x", TensorProto.FLOAT, ["n"])],
@@ -169,7 +178,7 @@ def test_data_dependent_output_is_allocated_by_ort_and_handed_over_without_copy(
     assert y.tolist() == [[1, 3, 4]]  # still valid once the binding let go of ORT's value
 
 
-def test_reused_output_buffers_are_overwritten_by_the_next_call_with_the_same_shapes():
+def test_reused_output_buffers_are_overwritten_by_the_next_call_with_the_same_shapes(make_session, identity_model):
     model = IOBindingORTModel(make_session(identity_model()))
     first = model(x=torch.zeros(2, 4))[0]
     second = model(x=torch.ones(2, 4))[0]
@@ -177,7 +186,7 @@ def test_reused_output_buffers_are_overwritten_by_the_next_call_with_the_same_sh
     assert torch.equal(first, torch.ones(2, 4))  # documented: reuse overwrites earlier results
 
 
-def test_different_shapes_get_their_own_buffers_and_come_back_to_them():
+def test_different_shapes_get_their_own_buffers_and_come_back_to_them(make_session, identity_model):
     model = IOBindingORTModel(make_session(identity_model()))
     small = model(x=torch.zeros(2, 4))[0]
     large = model(x=torch.ones(3, 4))[0]
@@ -188,7 +197,7 @@ def test_different_shapes_get_their_own_buffers_and_come_back_to_them():
     assert torch.equal(large, torch.ones(3, 4))
 
 
-def test_output_buffers_are_kept_for_at_most_max_output_signatures():
+def test_output_buffers_are_kept_for_at_most_max_output_signatures(make_session, identity_model):
     model = IOBindingORTModel(make_session(identity_model()), max_output_signatures=2)
     first = model(x=torch.zeros(1, 4))[0]
     model(x=torch.zeros(2, 4))
@@ -197,7 +206,7 @@ def test_output_buffers_are_kept_for_at_most_max_output_signatures():
     assert torch.equal(first, torch.zeros(1, 4))
 
 
-def test_reuse_outputs_false_returns_fresh_tensors():
+def test_reuse_outputs_false_returns_fresh_tensors(make_session, identity_model):
     model = IOBindingORTModel(make_session(identity_model()), reuse_outputs=False)
     first = model(x=torch.zeros(2, 4))[0]
     second = model(x=torch.ones(2, 4))[0]
@@ -205,7 +214,7 @@ def test_reuse_outputs_false_returns_fresh_tensors():
     assert torch.equal(first, torch.zeros(2, 4)) and torch.equal(second, torch.ones(2, 4))
 
 
-def test_an_earlier_output_fed_back_as_input_is_never_its_own_output_buffer():
+def test_an_earlier_output_fed_back_as_input_is_never_its_own_output_buffer(make_model, make_session, tensor):
     model_proto = make_model(
         [helper.make_node("Transpose", ["x"], ["y"])],
         [tensor("x", TensorProto.FLOAT, ["n", "n"])],
@@ -220,7 +229,7 @@ def test_an_earlier_output_fed_back_as_input_is_never_its_own_output_buffer():
 
 
 # ------------------------------------------------------------------------------------------ inputs and conversions
-def test_contiguous_tensor_of_the_right_dtype_is_bound_without_a_copy(monkeypatch):
+def test_contiguous_tensor_of_the_right_dtype_is_bound_without_a_copy(monkeypatch, make_session, identity_model):
     model = IOBindingORTModel(make_session(identity_model()))
     x = random_tensor((2, 4), torch.float32)
     bound = {}
@@ -235,26 +244,26 @@ def test_contiguous_tensor_of_the_right_dtype_is_bound_without_a_copy(monkeypatc
     assert bound["x"] == x.data_ptr()
 
 
-def test_non_contiguous_input_is_made_contiguous():
+def test_non_contiguous_input_is_made_contiguous(make_session, identity_model):
     model = IOBindingORTModel(make_session(identity_model(dims=("a", "b"))))
     x = random_tensor((4, 3), torch.float32)
     assert not x.t().is_contiguous()
     assert torch.equal(model(x=x.t())[0], x.t())
 
 
-def test_numpy_input_is_accepted():
+def test_numpy_input_is_accepted(make_session, identity_model):
     model = IOBindingORTModel(make_session(identity_model()))
     array = np.arange(8, dtype=np.float32).reshape(2, 4)
     assert torch.equal(model(x=array)[0], torch.from_numpy(array))
 
 
-def test_numpy_input_of_a_wider_dtype_is_cast():
+def test_numpy_input_of_a_wider_dtype_is_cast(make_session, identity_model):
     model = IOBindingORTModel(make_session(identity_model()))
     array = np.linspace(0, 1, 8).reshape(2, 4)  # float64
     assert torch.equal(model(x=array)[0], torch.from_numpy(array).float())
 
 
-def test_python_scalar_and_zero_d_tensor_bind_as_scalars():
+def test_python_scalar_and_zero_d_tensor_bind_as_scalars(make_model, make_session, tensor):
     model_proto = make_model(
         [helper.make_node("Mul", ["x", "scale"], ["y"])],
         [tensor("x", TensorProto.FLOAT, ["n"]), tensor("scale", TensorProto.FLOAT, [])],
@@ -268,27 +277,27 @@ def test_python_scalar_and_zero_d_tensor_bind_as_scalars():
     assert torch.equal(model(x=x, scale=np.float32(4.0))[0], x * 4)
 
 
-def test_empty_dim_runs_and_returns_an_empty_tensor(concat_model):
+def test_empty_dim_runs_and_returns_an_empty_tensor(concat_model, make_session):
     model = IOBindingORTModel(make_session(concat_model))
     (y,) = model(x=torch.zeros(0, 3))
     assert y.shape == (0, 3)
 
 
-def test_float16_input_is_cast_for_a_float32_model():
+def test_float16_input_is_cast_for_a_float32_model(make_session, identity_model):
     model = IOBindingORTModel(make_session(identity_model()))
     x = random_tensor((2, 4), torch.float16)
     (y,) = model(x=x)
     assert y.dtype == torch.float32 and torch.equal(y, x.float())
 
 
-def test_int64_input_is_cast_for_an_int32_model():
+def test_int64_input_is_cast_for_an_int32_model(make_session, identity_model):
     model = IOBindingORTModel(make_session(identity_model(TensorProto.INT32)))
     x = torch.tensor([[1, 2, 3, 4]], dtype=torch.int64)
     (y,) = model(x=x)
     assert y.dtype == torch.int32 and y.tolist() == [[1, 2, 3, 4]]
 
 
-def test_a_converted_temporary_input_stays_alive_until_the_run_ends(monkeypatch):
+def test_a_converted_temporary_input_stays_alive_until_the_run_ends(monkeypatch, make_session, identity_model):
     model = IOBindingORTModel(make_session(identity_model(dims=(256, 256))))
     source = np.random.default_rng(0).standard_normal((256, 256))  # float64: converted to a temporary float32
     run = model.session.run_with_iobinding
@@ -307,31 +316,31 @@ def test_a_converted_temporary_input_stays_alive_until_the_run_ends(monkeypatch)
 
 
 # ---------------------------------------------------------------------------------------------------------- errors
-def test_unknown_input_name_is_an_error_naming_it(concat_model):
+def test_unknown_input_name_is_an_error_naming_it(concat_model, make_session):
     model = IOBindingORTModel(make_session(concat_model))
     with pytest.raises(ValueError, match=r"unknown input 'z'.*\['x'\]"):
         model(x=torch.zeros(1, 2), z=torch.zeros(1))
 
 
-def test_missing_input_is_an_error_naming_it(three_output_model):
+def test_missing_input_is_an_error_naming_it(three_output_model, make_session):
     model = IOBindingORTModel(make_session(three_output_model))
     with pytest.raises(ValueError, match=r"missing input 'b'"):
         model(a=torch.zeros(1, 3))
 
 
-def test_wrong_rank_is_an_error_with_expected_and_received_shapes(concat_model):
+def test_wrong_rank_is_an_error_with_expected_and_received_shapes(concat_model, make_session):
     model = IOBindingORTModel(make_session(concat_model))
     with pytest.raises(ValueError, match=r"input 'x': expected rank 2 .*got rank 3 \(shape \[1, 2, 3\]\)"):
         model(x=torch.zeros(1, 2, 3))
 
 
-def test_static_dim_mismatch_is_an_error(three_output_model):
+def test_static_dim_mismatch_is_an_error(three_output_model, make_session):
     model = IOBindingORTModel(make_session(three_output_model))
     with pytest.raises(ValueError, match=r"input 'a': expected size 3 in dim 1 .*got 4"):
         model(a=torch.zeros(2, 4), b=torch.zeros(2, 4))
 
 
-def test_a_named_dim_the_inputs_disagree_on_is_sized_by_shape_inference():
+def test_a_named_dim_the_inputs_disagree_on_is_sized_by_shape_inference(make_model, make_session, tensor):
     # diffusers' exports name the timestep's dim "batch" too, and its pipeline passes [t] with a batch-2 sample
     model_proto = make_model(
         [helper.make_node("Unsqueeze", ["timestep", "axis"], ["t"]), helper.make_node("Mul", ["sample", "t"], ["y"])],
@@ -346,25 +355,25 @@ def test_a_named_dim_the_inputs_disagree_on_is_sized_by_shape_inference():
 
 
 @pytest.mark.parametrize("io_binding", [True, False])
-def test_lossy_dtype_is_an_error(io_binding):
+def test_lossy_dtype_is_an_error(io_binding, make_session, identity_model):
     model = IOBindingORTModel(make_session(identity_model(TensorProto.INT64)), io_binding=io_binding)
     with pytest.raises(TypeError, match=r"input 'x': expected dtype torch.int64, got torch.float32"):
         model(x=torch.zeros(1, 4))
 
 
-def test_complex_tensor_is_an_error():
+def test_complex_tensor_is_an_error(make_session, identity_model):
     model = IOBindingORTModel(make_session(identity_model()))
     with pytest.raises(TypeError, match=r"input 'x': expected dtype torch.float32, got torch.complex64"):
         model(x=torch.zeros(1, 4, dtype=torch.complex64))
 
 
-def test_unsupported_python_type_is_an_error():
+def test_unsupported_python_type_is_an_error(make_session, identity_model):
     model = IOBindingORTModel(make_session(identity_model()))
     with pytest.raises(TypeError, match=r"input 'x': expected a torch.Tensor, numpy.ndarray or Python scalar, got list"):
         model(x=[[1.0, 2.0, 3.0, 4.0]])
 
 
-def test_model_with_an_unsupported_tensor_type_is_refused_at_construction():
+def test_model_with_an_unsupported_tensor_type_is_refused_at_construction(make_model, make_session, tensor):
     model_proto = make_model(
         [helper.make_node("Identity", ["x"], ["y"])],
         [tensor("x", TensorProto.STRING, [1])],
@@ -381,13 +390,13 @@ def test_a_cuda_tensor_on_another_gpu_than_the_sessions_is_an_error():
     check_input_device("x", torch.device("cpu"), torch.device("cuda", 1))  # copied once, silently
 
 
-def test_a_meta_tensor_is_an_error():
+def test_a_meta_tensor_is_an_error(make_session, identity_model):
     model = IOBindingORTModel(make_session(identity_model()))
     with pytest.raises(ValueError, match=r"input 'x': expected a CPU or CUDA tensor, got one on meta"):
         model(x=torch.zeros(1, 4, device="meta"))
 
 
-def test_unavailable_provider_is_an_error_listing_the_available_ones(tmp_path):
+def test_unavailable_provider_is_an_error_listing_the_available_ones(tmp_path, identity_model):
     path = tmp_path / "model.onnx"
     onnx.save(identity_model(), path)
     with pytest.raises(ValueError, match=r"provider: 'NoSuchExecutionProvider' is not available.*CPUExecutionProvider"):
@@ -399,16 +408,16 @@ def test_missing_file_is_an_error_naming_the_path(tmp_path):
         IOBindingORTModel(tmp_path / "absent.onnx")
 
 
-def test_corrupt_file_is_an_error_naming_the_path(tmp_path):
+def test_corrupt_file_is_an_error_naming_the_path(tmp_path, identity_model):
     path = tmp_path / "model.onnx"
     path.write_bytes(identity_model().SerializeToString()[:20])
     with pytest.raises(ValueError, match=r"could not load .*model\.onnx"):
         IOBindingORTModel(path)
 
 
-@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_a_tensor_on_cuda_1_for_a_cuda_0_session_is_refused():
+def test_a_tensor_on_cuda_1_for_a_cuda_0_session_is_refused(make_session, identity_model):
     model = IOBindingORTModel(make_session(identity_model(), "CUDAExecutionProvider"))
     with pytest.raises(ValueError, match="got one on cuda:1"):
         model(x=torch.zeros(1, 4, device="cuda:1"))
@@ -420,7 +429,9 @@ def save_with_external_data(model: onnx.ModelProto, path) -> None:
                     location="weights.pb", size_threshold=0)
 
 
-def weighted_model() -> onnx.ModelProto:
+@pytest.fixture
+def weighted_model(make_model, tensor) -> onnx.ModelProto:
+    """y = x @ w, w = arange(12) as [4, 3], an initializer."""
     weight = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(4, 3), "w")
     return make_model(
         [helper.make_node("MatMul", ["x", "w"], ["y"])],
@@ -430,16 +441,16 @@ def weighted_model() -> onnx.ModelProto:
     )
 
 
-def test_from_pretrained_loads_a_subfolder_and_runs(tmp_path):
+def test_from_pretrained_loads_a_subfolder_and_runs(tmp_path, weighted_model):
     (tmp_path / "unet").mkdir()
-    save_with_external_data(weighted_model(), tmp_path / "unet" / "model.onnx")
+    save_with_external_data(weighted_model, tmp_path / "unet" / "model.onnx")
     model = IOBindingORTModel.from_pretrained(tmp_path, subfolder="unet")
     x = torch.ones(2, 4)
     assert torch.equal(model(x=x)[0], x @ torch.arange(12.0).reshape(4, 3))
 
 
-def test_save_pretrained_writes_the_model_and_its_external_data(tmp_path):
-    save_with_external_data(weighted_model(), tmp_path / "model.onnx")
+def test_save_pretrained_writes_the_model_and_its_external_data(tmp_path, weighted_model):
+    save_with_external_data(weighted_model, tmp_path / "model.onnx")
     model = IOBindingORTModel.from_pretrained(tmp_path / "model.onnx")
     target = tmp_path / "saved"
     model.save_pretrained(target)
@@ -449,7 +460,7 @@ def test_save_pretrained_writes_the_model_and_its_external_data(tmp_path):
     assert torch.equal(reloaded(x=x)[0], model(x=x)[0])
 
 
-def test_save_pretrained_of_an_in_memory_session_writes_its_bytes(tmp_path, concat_model):
+def test_save_pretrained_of_an_in_memory_session_writes_its_bytes(tmp_path, concat_model, make_session):
     model = IOBindingORTModel(make_session(concat_model))
     model.save_pretrained(tmp_path)
     x = random_tensor((2, 3), torch.float32)
@@ -461,7 +472,7 @@ def test_from_pretrained_of_a_folder_without_the_file_is_an_error(tmp_path):
         IOBindingORTModel.from_pretrained(tmp_path, subfolder="vae_decoder")
 
 
-def test_load_model_takes_providers_with_options_as_ort_does(tmp_path):
+def test_load_model_takes_providers_with_options_as_ort_does(tmp_path, identity_model):
     path = tmp_path / "model.onnx"
     onnx.save(identity_model(), path)
     session = IOBindingORTModel.load_model(path, [("CPUExecutionProvider", {"arena_extend_strategy": "kSameAsRequested"})])
@@ -470,8 +481,8 @@ def test_load_model_takes_providers_with_options_as_ort_does(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------- GPU
-@requires_cuda
-def test_cuda_session_binds_device_tensors_in_place_and_returns_device_tensors():
+@pytest.mark.gpu
+def test_cuda_session_binds_device_tensors_in_place_and_returns_device_tensors(make_session, transpose_concat_model):
     model = IOBindingORTModel(make_session(transpose_concat_model(TensorProto.FLOAT16), "CUDAExecutionProvider"))
     assert model.device == torch.device("cuda", 0)
     x = random_tensor((3, 5), torch.float16).cuda()
@@ -507,9 +518,9 @@ def test_an_amd_gpu_session_binds_on_the_torch_cuda_device_of_its_device_id():
         assert session_device(RocmSession(provider)) == torch.device("cuda", 1)
 
 
-def test_a_sibling_has_its_own_session_and_the_same_file_options_and_results(tmp_path):
+def test_a_sibling_has_its_own_session_and_the_same_file_options_and_results(tmp_path, sibling_model):
     path = tmp_path / "m.onnx"
-    onnx.save(_sibling_model(), path)
+    onnx.save(sibling_model, path)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     model = IOBindingORTModel(path, sess_options=options, reuse_outputs=False, config={"scale": 2})
@@ -524,7 +535,9 @@ def test_a_sibling_has_its_own_session_and_the_same_file_options_and_results(tmp
         model.sibling(provider="CPUExecutionProvider")
 
 
-def _sibling_model():
+@pytest.fixture
+def sibling_model(make_model) -> onnx.ModelProto:
+    """y = x * x."""
     return make_model([helper.make_node("Mul", ["x", "x"], ["y"])],
                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3])])

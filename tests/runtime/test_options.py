@@ -13,7 +13,6 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from conftest import make_model, make_session, tensor
 from optimum_iobinding import IOBindingORTModel, ModelOptions, PipelineOptions
 from optimum_iobinding.runtime.graph_pool import GraphPool
 from optimum_iobinding.runtime.options import MODEL_KEYWORDS, NOT_GIVEN
@@ -25,7 +24,7 @@ DENOISER, CODEC = "denoiser", "codec"
 
 
 @pytest.fixture
-def identity_path(tmp_path):
+def identity_path(tmp_path, make_model, tensor):
     """y = x over a free batch dim: any small model with a dynamic input."""
     path = tmp_path / "model.onnx"
     onnx.save(make_model([helper.make_node("Identity", ["x"], ["y"])], [tensor("x", TensorProto.FLOAT, ["batch", 4])],
@@ -216,7 +215,7 @@ def test_every_door_leaves_its_settings_not_given_so_that_defaults_come_from_mod
         assert {name: parameters[name].default for name in settings} == dict.fromkeys(settings, NOT_GIVEN), door
 
 
-def test_a_model_made_without_settings_runs_with_the_defaults(identity_path):
+def test_a_model_made_without_settings_runs_with_the_defaults(identity_path, make_session):
     assert IOBindingORTModel(identity_path).options == ModelOptions.resolve()
     assert IOBindingORTModel.from_pretrained(identity_path).options == ModelOptions.resolve()
     from_session = IOBindingORTModel(make_session(onnx.load(str(identity_path)))).options

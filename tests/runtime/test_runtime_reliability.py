@@ -1,31 +1,28 @@
-"""Reliability on the CPU: threads, leaks, shape changes mid-session, failed loads, broken files, and property tests
-of the output-shape helper against ONNX shape inference and real runs."""
+"""A model's reliability on the CPU: threads, leaks, broken files, and property tests of the output-shape helper
+against ONNX shape inference and real runs."""
 
 from __future__ import annotations
 
 import gc
 import os
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import make_model, make_session, tensor
-from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionPipeline, infer_output_shapes
+from optimum_iobinding import IOBindingORTModel, infer_output_shapes
 from optimum_iobinding.runtime.shapes import evaluate_dim_expression
 
-SIZE = 64
 
-
-def tanh_model():
+@pytest.fixture
+def tanh_model(make_model, tensor) -> onnx.ModelProto:
+    """y = tanh(x) * x, x [batch, 16]."""
     return make_model(
         [helper.make_node("Tanh", ["x"], ["t"]), helper.make_node("Mul", ["t", "x"], ["y"])],
         [tensor("x", TensorProto.FLOAT, ["batch", 16])],
@@ -38,15 +35,9 @@ def rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def live_sessions() -> int:
-    gc.collect()
-    # type(), not isinstance: isinstance reads __class__, which some deprecated module proxies answer with a warning
-    return sum(issubclass(type(obj), ort.InferenceSession) for obj in gc.get_objects())
-
-
 # --------------------------------------------------------------------------------------------------------- threads
-def test_one_model_called_from_four_threads_gives_the_serial_results():
-    model = IOBindingORTModel(make_session(tanh_model()))
+def test_one_model_called_from_four_threads_gives_the_serial_results(make_session, tanh_model):
+    model = IOBindingORTModel(make_session(tanh_model))
     inputs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(seed)) for seed in range(32)]
     serial = [model(x=x)[0].clone() for x in inputs]
 
@@ -60,40 +51,9 @@ def test_one_model_called_from_four_threads_gives_the_serial_results():
         assert torch.equal(expected, got)
 
 
-def test_one_pipeline_called_from_four_threads_gives_the_serial_images(tiny_folder):
-    pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
-    pipe.set_progress_bar_config(disable=True)
-
-    def generate(seed):
-        return pipe("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=3,
-                    generator=np.random.RandomState(seed), output_type="np").images
-
-    serial = [generate(seed) for seed in range(4)]
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        threaded = list(pool.map(generate, range(4)))
-    for expected, got in zip(serial, threaded):
-        assert np.array_equal(expected, got)
-
-
-def test_two_pipelines_run_concurrently_and_correctly(tiny_folder):
-    pipes = [OnnxStableDiffusionPipeline.from_pretrained(tiny_folder) for _ in range(2)]
-    for pipe in pipes:
-        pipe.set_progress_bar_config(disable=True)
-
-    def generate(pipe, seed):
-        return pipe("a photo of a dog", height=SIZE, width=SIZE, num_inference_steps=3,
-                    generator=np.random.RandomState(seed), output_type="np").images
-
-    serial = [generate(pipes[0], seed) for seed in range(4)]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        threaded = list(pool.map(lambda seed: generate(pipes[seed % 2], seed), range(4)))
-    for expected, got in zip(serial, threaded):
-        assert np.array_equal(expected, got)
-
-
 # ----------------------------------------------------------------------------------------------------------- leaks
-def test_a_thousand_calls_with_constant_shapes_do_not_grow_memory():
-    model = IOBindingORTModel(make_session(tanh_model()))
+def test_a_thousand_calls_with_constant_shapes_do_not_grow_memory(make_session, tanh_model):
+    model = IOBindingORTModel(make_session(tanh_model))
     x = torch.randn(8, 16)
     for _ in range(1000):  # warm up: allocator pools, ORT's arena and thread pool, the caches
         model(x=x)
@@ -109,48 +69,24 @@ def test_a_thousand_calls_with_constant_shapes_do_not_grow_memory():
     assert model.output_signatures == 1 and len(model.shape_inferencer.cached_signatures) == 1
 
 
-def test_alternating_shapes_keep_at_most_max_output_signatures_buffers():
-    model = IOBindingORTModel(make_session(tanh_model()), max_output_signatures=4)
+def test_alternating_shapes_keep_at_most_max_output_signatures_buffers(make_session, tanh_model):
+    model = IOBindingORTModel(make_session(tanh_model), max_output_signatures=4)
     for call in range(200):
         model(x=torch.randn(1 + call % 20, 16))
     assert model.output_signatures == 4
     assert len(model.shape_inferencer.cached_signatures) <= model.shape_inferencer.max_cached_signatures
 
 
-# ----------------------------------------------------------------------------------------------- shape changes
-def test_shape_changes_mid_session_give_what_a_fresh_pipeline_gives(tiny_folder):
-    pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
-    pipe.set_progress_bar_config(disable=True)
-    configs = [dict(prompt="a cat", height=64, width=64), dict(prompt="a cat", height=128, width=64),
-               dict(prompt=["a cat", "a dog"], height=64, width=128), dict(prompt="a cat", height=64, width=64)]
-    for config in configs:
-        arguments = dict(config, num_inference_steps=2, output_type="np")
-        fresh = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
-        fresh.set_progress_bar_config(disable=True)
-        images = [p(**arguments, generator=np.random.RandomState(0)).images for p in (pipe, fresh)]
-        assert images[0].shape[0] == (2 if isinstance(config["prompt"], list) else 1)
-        assert np.array_equal(images[0], images[1])
-
-
 # ----------------------------------------------------------------------------------------- failed loads, files
-def test_a_failed_from_pretrained_leaves_no_open_session(tiny_folder, tmp_path):
-    folder = shutil.copytree(tiny_folder, tmp_path / "broken")
-    shutil.rmtree(folder / "vae_decoder")  # the last component: three sessions are open when it fails
-    before = live_sessions()
-    with pytest.raises(FileNotFoundError, match="vae_decoder"):
-        OnnxStableDiffusionPipeline.from_pretrained(folder)
-    assert live_sessions() == before
-
-
-def test_a_truncated_model_file_is_an_error_naming_it(tmp_path):
+def test_a_truncated_model_file_is_an_error_naming_it(tmp_path, tanh_model):
     path = tmp_path / "model.onnx"
-    data = tanh_model().SerializeToString()
+    data = tanh_model.SerializeToString()
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match=r"could not load .*model\.onnx"):
         IOBindingORTModel(path)
 
 
-def test_a_missing_external_data_file_is_an_error_naming_it(tmp_path):
+def test_a_missing_external_data_file_is_an_error_naming_it(tmp_path, make_model, tensor):
     weight = numpy_helper.from_array(np.ones((16, 16), dtype=np.float32), "w")
     model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [tensor("x", TensorProto.FLOAT, ["n", 16])],
                        [tensor("y", TensorProto.FLOAT, ["n", 16])], [weight])
@@ -198,7 +134,7 @@ def test_dim_expressions_evaluate_to_their_exact_value(expression_and_value):
 @st.composite
 def concat_models(draw):
     """x of random rank and dims (named, static or unnamed) → y = concat(x, x) on a random axis, with output dims
-    declared by name, by an expression of the names, or not at all."""
+    declared by name, by an expression of the names, or not at all: (axis, x's dims, y's dims) and x's sizes."""
     rank = draw(st.integers(1, 4))
     axis = draw(st.integers(0, rank - 1))
     input_dims, sizes = [], []
@@ -217,15 +153,16 @@ def concat_models(draw):
                                draw(st.sampled_from([f"2*{dim}", f"{dim} + {dim}", f"{dim} * 2"])))
         else:
             output_dims.append(dim)
-    model = make_model([helper.make_node("Concat", ["x", "x"], ["y"], axis=axis)],
-                       [tensor("x", TensorProto.FLOAT, input_dims)], [tensor("y", TensorProto.FLOAT, output_dims)])
-    return model, tuple(sizes)
+    return (axis, input_dims, output_dims), tuple(sizes)
 
 
 @given(concat_models())
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_inferred_output_shapes_match_onnx_shape_inference_and_a_real_run(model_and_sizes):
-    model, sizes = model_and_sizes
+def test_inferred_output_shapes_match_onnx_shape_inference_and_a_real_run(make_model, make_session, tensor,
+                                                                          declaration_and_sizes):
+    (axis, input_dims, output_dims), sizes = declaration_and_sizes
+    model = make_model([helper.make_node("Concat", ["x", "x"], ["y"], axis=axis)],
+                       [tensor("x", TensorProto.FLOAT, input_dims)], [tensor("y", TensorProto.FLOAT, output_dims)])
     session = make_session(model)
     (expected,) = [tuple(output.shape) for output in session.run(None, {"x": np.zeros(sizes, np.float32)})]
     assert infer_output_shapes(session, {"x": sizes}) == {"y": expected}

@@ -8,7 +8,6 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import make_model, make_session, tensor
 from optimum_iobinding import IOBindingORTModel, infer_output_shapes
 from optimum_iobinding.runtime.shapes import DimExpressionError, ShapeInferencer, evaluate_dim_expression
 
@@ -53,12 +52,12 @@ def test_anything_but_arithmetic_over_known_dims_is_refused(expression, message)
         evaluate_dim_expression(expression, {"h": 7})
 
 
-def test_named_dims_resolve_from_the_inputs(three_output_model):
+def test_named_dims_resolve_from_the_inputs(three_output_model, make_session):
     shapes = infer_output_shapes(make_session(three_output_model), {"a": (5, 3), "b": (5, 3)})
     assert shapes == {"sum": (5, 3), "rounded": (5, 3), "greater": (5, 3)}
 
 
-def test_expression_dims_resolve_without_running_shape_inference(concat_model):
+def test_expression_dims_resolve_without_running_shape_inference(concat_model, make_session):
     session = make_session(concat_model)
     # no model source: ONNX shape inference cannot run, so the expression alone must size the output
     inferencer = ShapeInferencer({i.name: i.shape for i in session.get_inputs()},
@@ -71,7 +70,7 @@ def test_dims_nothing_resolves_are_data_dependent_without_a_model_source():
     assert inferencer({"x": (3, 4)}) == {"y": None}
 
 
-def test_upsampling_expression_dim_resolves(tmp_path):
+def test_upsampling_expression_dim_resolves(tmp_path, make_model, make_session, tensor):
     model = make_model(
         [helper.make_node("Tile", ["x", "repeats"], ["y"])],
         [tensor("x", TensorProto.FLOAT, ["batch", "latent_height"])],
@@ -84,7 +83,8 @@ def test_upsampling_expression_dim_resolves(tmp_path):
     assert y.shape == (2, 512)
 
 
-def reshape_model() -> onnx.ModelProto:
+@pytest.fixture
+def reshape_model(make_model, tensor) -> onnx.ModelProto:
     """y = reshape(x @ w, [-1, 2]) with an unnamed output: only shape inference of the graph can size it."""
     weight = numpy_helper.from_array(np.ones((4, 16), dtype=np.float32), "w")
     target = numpy_helper.from_array(np.array([-1, 2], dtype=np.int64), "target")
@@ -96,14 +96,14 @@ def reshape_model() -> onnx.ModelProto:
     )
 
 
-def test_unnamed_dims_resolve_by_shape_inference_of_a_model_proto():
-    assert infer_output_shapes(reshape_model(), {"x": (3, 4)}) == {"y": (24, 2)}
+def test_unnamed_dims_resolve_by_shape_inference_of_a_model_proto(reshape_model):
+    assert infer_output_shapes(reshape_model, {"x": (3, 4)}) == {"y": (24, 2)}
 
 
-def test_unnamed_dims_resolve_for_a_model_with_external_data(tmp_path):
+def test_unnamed_dims_resolve_for_a_model_with_external_data(tmp_path, reshape_model):
     path = tmp_path / "model.onnx"
     # the weight goes to the external file; ORT needs the small shape constant inline
-    onnx.save_model(reshape_model(), str(path), save_as_external_data=True, location="model.onnx_data",
+    onnx.save_model(reshape_model, str(path), save_as_external_data=True, location="model.onnx_data",
                     size_threshold=128)
     assert (tmp_path / "model.onnx_data").stat().st_size == 4 * 16 * 4
     assert infer_output_shapes(str(path), {"x": (5, 4)}) == {"y": (40, 2)}
@@ -113,7 +113,7 @@ def test_unnamed_dims_resolve_for_a_model_with_external_data(tmp_path):
     assert torch.equal(y, torch.full((8, 2), 4.0))
 
 
-def test_results_are_cached_per_signature(concat_model):
+def test_results_are_cached_per_signature(concat_model, make_session):
     model = IOBindingORTModel(make_session(concat_model))
     first = infer_output_shapes(model, {"x": (2, 3)})
     assert model.shape_inferencer.cached_signatures == ((("x", (2, 3)),),)
@@ -129,7 +129,7 @@ def test_the_cache_keeps_the_most_recently_used_signatures():
     assert inferencer.cached_signatures == ((("x", (1, 5)),), (("x", (3, 5)),))
 
 
-def test_data_dependent_output_shape_is_none():
+def test_data_dependent_output_shape_is_none(make_model, make_session, tensor):
     model = make_model(
         [helper.make_node("NonZero", ["x"], ["y"])],
         [tensor("x", TensorProto.FLOAT, [4])],
@@ -138,7 +138,7 @@ def test_data_dependent_output_shape_is_none():
     assert infer_output_shapes(make_session(model), {"x": (4,)}) == {"y": None}
 
 
-def test_missing_input_shape_is_an_error(three_output_model):
+def test_missing_input_shape_is_an_error(three_output_model, make_session):
     with pytest.raises(ValueError, match=r"missing input 'b'"):
         infer_output_shapes(make_session(three_output_model), {"a": (1, 3)})
 

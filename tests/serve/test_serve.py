@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from conftest import flood_statuses
 
 ray = pytest.importorskip("ray", reason="needs the serve extra (ray[serve])")
 import psutil  # noqa: E402  (vendored by ray: importable once ray is)
@@ -534,7 +533,7 @@ def test_image_to_image_requests_get_their_seeds_single_call_image(server, tiny_
     assert status == 400 and "image: expected a base64 PNG or JPEG" in json.loads(data)["detail"]
 
 
-def test_overload_gets_503_and_the_admitted_requests_succeed(server, tiny_folder):
+def test_overload_gets_503_and_the_admitted_requests_succeed(server, tiny_folder, flood_statuses):
     statuses = flood_statuses(tiny_folder, server.url, "overload", 12, STEPS, SIZE, post)
     assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses, statuses
 

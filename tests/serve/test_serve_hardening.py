@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import flood_statuses
 
 ray = pytest.importorskip("ray", reason="needs the serve extra (ray[serve])")
 import psutil  # noqa: E402  (vendored by ray: importable once ray is)
@@ -589,7 +588,8 @@ def test_a_request_not_answered_within_request_timeout_s_gets_504_and_the_replic
     assert later[0] == 200
 
 
-def test_a_flood_beyond_the_queues_gets_503_never_500_and_the_admitted_requests_succeed(server, tiny_folder):
+def test_a_flood_beyond_the_queues_gets_503_never_500_and_the_admitted_requests_succeed(server, tiny_folder,
+                                                                                        flood_statuses):
     statuses = flood_statuses(tiny_folder, server, "flood", 16, STEPS, SIZE, post)
     assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses, statuses
 
