@@ -60,8 +60,8 @@ run_step() {
     turbo-fp16-plain) bench --models turbo --dtypes fp16 --exports plain --out "$out/turbo-fp16-plain" ;;
     sd15-fp16-plain) bench --models sd15 --dtypes fp16 --exports plain --out "$out/sd15-fp16-plain" ;;
     small-fp16) bench --models small --dtypes fp16 --exports plain,optimized --out "$out/small-fp16" ;;
-    gpu-tests) (cd tests && python3 -m pytest -q -p no:cacheprovider -rs test_gpu.py test_model.py test_fast_by_default.py -k 'cuda or gpu or fast'; a=$?
-               PYTHONPATH=/tmp/site-optimum:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider -rs test_optimum.py -k cuda
+    gpu-tests) (python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu.py tests/runtime/test_model.py tests/pipelines/test_fast_by_default.py -k 'cuda or gpu or fast'; a=$?
+               PYTHONPATH=/tmp/site-optimum:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider -rs tests/test_optimum.py -k cuda
                exit $(( a | $? ))) ;;
     # 10 timed runs a process: whole calls scatter by 5-60 % now and then on some hosts (host_path.py in
     # benchmarks/results/h100/2026-11-23-1750f70)
