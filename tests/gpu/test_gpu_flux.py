@@ -4,8 +4,6 @@ ORT-optimized float16 export."""
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 import torch
@@ -135,14 +133,7 @@ def test_the_fused_fp16_transformer_adds_no_error_beyond_fp16_itself(tmp_path):
     assert fused_error <= 2 * plain_error + 2e-3, (fused_error, plain_error)
 
 
-def test_cuda_graph_true_requires_the_transformer_captured_and_it_is(flux):
+def test_cuda_graph_true_requires_the_transformer_captured_and_it_is(flux, captures_the_transformer_as_required):
     _, folder = flux
     pipe = load(folder, cuda_graph=True)
-    # the family's denoiser is the component that must be captured; the others capture where they can
-    assert pipe.transformer.options.cuda_graph is True
-    assert {name: model.options.cuda_graph for name, model in pipe.onnx_models.items() if name != "transformer"} == \
-        {name: "auto" for name in pipe.onnx_models if name != "transformer"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a fallback of the transformer would warn
-        pipe(PROMPTS, generator=seeded(), **CALL)
-    assert pipe.transformer.graph_signatures and not pipe.transformer.graph_fallbacks
+    captures_the_transformer_as_required(pipe, lambda: pipe(PROMPTS, generator=seeded(), **CALL))

@@ -4,8 +4,6 @@ session created after warm-up, the fused float16 export."""
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 import torch
@@ -154,14 +152,7 @@ def test_the_fused_float16_export_stays_close_to_the_float32_one(sd3, tmp_path):
         assert error <= tolerances[component] * max(1.0, outputs[0].abs().max().item()), (component, error)
 
 
-def test_cuda_graph_true_requires_the_transformer_captured_and_it_is(sd3):
+def test_cuda_graph_true_requires_the_transformer_captured_and_it_is(sd3, captures_the_transformer_as_required):
     _, folder = sd3
     pipe = load(folder, cuda_graph=True)
-    # the family's denoiser is the component that must be captured; the others capture where they can
-    assert pipe.transformer.options.cuda_graph is True
-    assert {name: model.options.cuda_graph for name, model in pipe.onnx_models.items() if name != "transformer"} == \
-        {name: "auto" for name in pipe.onnx_models if name != "transformer"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a fallback of the transformer would warn
-        pipe(PROMPT, **call(latents=latents()))
-    assert pipe.transformer.graph_signatures and not pipe.transformer.graph_fallbacks
+    captures_the_transformer_as_required(pipe, lambda: pipe(PROMPT, **call(latents=latents())))
