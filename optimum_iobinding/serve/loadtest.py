@@ -86,7 +86,7 @@ def run_level(url: str, concurrency: int, requests: int, body: Dict[str, Any], w
     when their last one is answered, without pause, until ``warmup + requests`` answers came. The first ``warmup``
     answers are not counted; the level's row covers answers ``warmup + 1`` … ``warmup + requests``, and its time runs
     from the ``warmup``-th answer (the start, without warm-up) to the last counted one. The clients never drain in
-    between, so a batching service is measured at the concurrency asked for; answers to the requests still out at
+    between, so a batching service is timed at the concurrency asked for; answers to the requests still out at
     the end are awaited and not counted."""
     if concurrency < 1 or requests < 1 or warmup < 0:
         raise ValueError(f"concurrency and requests: expected positive integers and warmup ≥ 0, got {concurrency}, "
@@ -261,7 +261,7 @@ def unanswered(row: Dict[str, Any]) -> bool:
 def main_from_args(args: Any) -> int:
     """The ``optimum-iobinding loadtest`` command. Levels run in turn; where no request of a level got an HTTP
     answer, the next ones would not either: the command stops and says why in one line (exit status 1), after
-    writing what the levels before measured."""
+    writing the rows of the levels before."""
     levels, body = check_arguments(args)
     rows: List[Dict[str, Any]] = []
     for level in levels:
@@ -269,8 +269,8 @@ def main_from_args(args: Any) -> int:
                               args.timeout))
         if unanswered(rows[-1]):
             break
-    measured = rows[:-1] if unanswered(rows[-1]) else rows
-    if measured:
+    answered_levels = rows[:-1] if unanswered(rows[-1]) else rows
+    if answered_levels:
         print(table(rows))
         if args.out:
             meta = {"url": args.url, "command": " ".join(["optimum-iobinding", *sys.argv[1:]]),
