@@ -60,7 +60,7 @@ class VaeConstants:
 class CallGuard:
     """One pipeline call at a time: the scheduler's state and the models' reused buffers belong to the running call,
     so calls from several threads are serialized, and a call from inside a call (a callback re-entering) is refused.
-    :meth:`holding` is the public way in for anything that runs the pipeline's models outside ``__call__``."""
+    ``with pipe.call_guard:`` is the public way in for anything that runs the pipeline's models outside a call."""
 
     def __init__(self, owner: str):
         self.owner = owner
@@ -71,9 +71,6 @@ class CallGuard:
     def active(self) -> bool:
         """Whether this thread is inside a call."""
         return getattr(self._state, "active", False)
-
-    def holding(self) -> "CallGuard":
-        return self
 
     def __enter__(self) -> "CallGuard":
         if self.active:
@@ -198,11 +195,6 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         """diffusers' view of the components (``pipe.components``): the declared ones (optional ones included) and
         the scheduler are the modules; the settings are the optional parameters."""
         return sorted({*names_of(obj.declared_components), "scheduler"}), sorted(cls.settings)
-
-    @property
-    def component_kinds(self) -> Dict[str, str]:
-        """Each component's kind by name (``"onnx"``, ``"tokenizer"``, ``"module"``)."""
-        return {c.name: c.kind for c in self.declared_components}
 
     # ------------------------------------------------------------------------------------------------ properties
     @property

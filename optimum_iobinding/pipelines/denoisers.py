@@ -291,10 +291,6 @@ class FlowTransformer(Denoiser):
     def __init__(self, pipe: Any, default_sample_size: int = 128):
         super().__init__(pipe, default_sample_size)
 
-    @property
-    def input_dtypes(self) -> Dict[str, torch.dtype]:
-        return self.model.input_dtypes
-
     def shift(self, tokens: int, max_shift: float) -> float:
         """The schedule's shift ``mu`` for ``tokens`` latent tokens (:func:`linear_shift` with the scheduler
         config's values; ``max_shift``: the family's where the config gives none)."""
