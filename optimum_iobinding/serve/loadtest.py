@@ -2,8 +2,10 @@
 
 Each concurrency level runs that many client threads in a closed loop (each sends its next request once its last
 one is answered) until ``warmup`` uncounted answers and then ``requests`` counted ones came, without draining in
-between (see :func:`run_level`). A level's row gives images/s over the counted answers' time, p50/p95/p99 latency of the answered requests, the status codes, and the batch sizes the
-service reported (``X-Batch-Images``). Writes ``loadtest.json`` (with the command, URL and date), ``loadtest.md`` and,
+between (see :func:`run_level`). A level's row gives images/s over the counted answers' time, p50/p95/p99 latency of
+the answered requests, the status codes, and the batch sizes the service reported (``X-Batch-Images``). While a level
+runs, :class:`LevelProgress` shows its answers so far on stderr: a line rewritten in place on a terminal, one plain
+line per level where stderr is a log. Writes ``loadtest.json`` (with the command, URL and date), ``loadtest.md`` and,
 where matplotlib is installed (the ``plot`` extra: ``pip install 'optimum-iobinding[plot]'``), ``loadtest.png``.
 
     optimum-iobinding loadtest http://127.0.0.1:8000 --concurrency 1,4,16,64 --requests 128 --out results/
@@ -25,7 +27,7 @@ import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 logger = logging.getLogger(__name__)
 
@@ -80,20 +82,107 @@ def failure_reason(error: BaseException) -> str:
     return str(reason) or type(reason).__name__
 
 
+class LevelProgress:
+    """What one level has done so far, shown on ``stream`` while it runs: the answers that came of the level's
+    ``warmup + requests``, the errors among them (answers other than 200, and requests that got no HTTP answer) and
+    the images/s of the counted answers since the warm-up ended.
+
+    Where ``stream`` is a terminal (``isatty()``) the line is tqdm's, rewritten in place at most every
+    ``refresh_seconds``; elsewhere (a log, CI) nothing shows while the level runs and one plain line is written when
+    it ends (:meth:`close`), so that a log gets a line per level rather than a stream of carriage returns.
+
+    Args:
+        concurrency: the level's client threads (named on the line).
+        requests: the level's counted requests.
+        warmup: the uncounted answers first.
+        images_per_request: images a request that succeeds makes (the request body's ``n``).
+        stream: where the line goes (the command's: ``sys.stderr``).
+        start: when the level started (``time.perf_counter()``): the start of its images/s without warm-up.
+        refresh_seconds: on a terminal, the least time between two redraws.
+    """
+
+    def __init__(self, concurrency: int, requests: int, warmup: int, images_per_request: int, stream: IO[str],
+                 start: Optional[float] = None, refresh_seconds: float = 0.1):
+        self.concurrency = concurrency
+        self.total = warmup + requests
+        self.warmup = warmup
+        self.images_per_request = images_per_request
+        self.stream = stream
+        self.answered = 0
+        self.errors = 0
+        self.images = 0
+        self.window_start = (time.perf_counter() if start is None else start) if warmup == 0 else None
+        self.bar: Any = None
+        if is_terminal(stream):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, desc=f"concurrency {concurrency}", file=stream, unit="request",
+                            bar_format="{desc}: {n_fmt}/{total_fmt} requests |{bar}| {postfix} [{elapsed}]",
+                            postfix=self.counts(None), mininterval=refresh_seconds, miniters=1, leave=True)
+
+    def counts(self, images_per_s: Optional[float]) -> str:
+        """``"2 errors, 3.10 images/s"`` (``—`` images/s until a counted answer came)."""
+        rate = "—" if images_per_s is None else f"{images_per_s:.2f}"
+        return f"{self.errors} error{'' if self.errors == 1 else 's'}, {rate} images/s"
+
+    def images_per_s(self, now: float) -> Optional[float]:
+        """Images/s of the counted answers so far, since the warm-up ended; ``None`` before any counted answer."""
+        if self.window_start is None or self.answered <= self.warmup or now <= self.window_start:
+            return None
+        return self.images / (now - self.window_start)
+
+    def add(self, ok: bool, when: float) -> None:
+        """One answer came at ``when`` (``time.perf_counter()``); ``ok``: status 200."""
+        self.answered += 1
+        self.errors += not ok
+        if self.answered == self.warmup:
+            self.window_start = when
+        elif self.answered > self.warmup and ok:
+            self.images += self.images_per_request
+        if self.bar is not None:
+            self.bar.set_postfix_str(self.counts(self.images_per_s(when)), refresh=False)
+            self.bar.update()
+
+    def close(self, row: Dict[str, Any]) -> None:
+        """The level ended with ``row`` (:func:`run_level`'s): its images/s replace the running figure. Where no
+        request got an HTTP answer the line is dropped (the command then says why in one line of its own)."""
+        if self.bar is not None:
+            if unanswered(row):
+                self.bar.leave = False
+            else:
+                self.bar.set_postfix_str(self.counts(row["images_per_s"]), refresh=False)
+            self.bar.close()
+        elif not unanswered(row):
+            print(f"concurrency {self.concurrency}: {self.answered}/{self.total} requests, "
+                  f"{self.counts(row['images_per_s'])}", file=self.stream, flush=True)
+
+
+def is_terminal(stream: IO[str]) -> bool:
+    """Whether ``stream`` is a terminal (a closed or detached stream is not)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
 def run_level(url: str, concurrency: int, requests: int, body: Dict[str, Any], warmup: int = 0,
-              timeout: float = 600.0) -> Dict[str, Any]:
+              timeout: float = 600.0, progress: Optional[IO[str]] = None) -> Dict[str, Any]:
     """One concurrency level, a closed loop at steady state: ``concurrency`` clients each send their next request
     when their last one is answered, without pause, until ``warmup + requests`` answers came. The first ``warmup``
     answers are not counted; the level's row covers answers ``warmup + 1`` … ``warmup + requests``, and its time runs
     from the ``warmup``-th answer (the start, without warm-up) to the last counted one. The clients never drain in
     between, so a batching service is timed at the concurrency asked for; answers to the requests still out at
-    the end are awaited and not counted."""
+    the end are awaited and not counted. ``progress``: a stream to show the level's progress on
+    (:class:`LevelProgress`), ``None`` for none."""
     if concurrency < 1 or requests < 1 or warmup < 0:
         raise ValueError(f"concurrency and requests: expected positive integers and warmup ≥ 0, got {concurrency}, "
                          f"{requests} and {warmup}")
     total = warmup + requests
     lock = threading.Lock()
     state = {"sent": 0, "answers": []}  # answers in the order they came, each with the time it came
+    start = time.perf_counter()
+    shown = None if progress is None else LevelProgress(concurrency, requests, warmup, int(body.get("n", 1)),
+                                                        progress, start)
 
     def client() -> None:
         while True:
@@ -106,8 +195,9 @@ def run_level(url: str, concurrency: int, requests: int, body: Dict[str, Any], w
             with lock:
                 result["answered"] = time.perf_counter()
                 state["answers"].append(result)
+                if shown is not None and len(state["answers"]) <= total:  # not those still out at the end
+                    shown.add(result["status"] == 200, result["answered"])
 
-    start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         for future in [pool.submit(client) for _ in range(concurrency)]:
             future.result()
@@ -118,7 +208,7 @@ def run_level(url: str, concurrency: int, requests: int, body: Dict[str, Any], w
     ok = [r for r in results if r["status"] == 200]
     latencies = [r["seconds"] for r in ok]
     images = len(ok) * int(body.get("n", 1))
-    return {
+    row = {
         "concurrency": concurrency, "requests": requests, "warmup": warmup, "ok": len(ok), "wall_s": wall,
         "images_per_s": images / wall if wall > 0 else None,
         "p50_s": percentile(latencies, 50), "p95_s": percentile(latencies, 95), "p99_s": percentile(latencies, 99),
@@ -130,12 +220,17 @@ def run_level(url: str, concurrency: int, requests: int, body: Dict[str, Any], w
         "batch_images": dict(sorted(Counter(r.get("batch_images") for r in ok if r.get("batch_images")).items())),
         "errors": sorted({r["error"] for r in results if "error" in r})[:5],
     }
+    if shown is not None:
+        shown.close(row)
+    return row
 
 
 def run_loadtest(url: str, concurrency: Sequence[int], requests: int, body: Dict[str, Any], warmup: int = -1,
-                 timeout: float = 600.0) -> List[Dict[str, Any]]:
-    """Every level in turn; ``warmup=-1`` sends one uncounted request per client thread first."""
-    return [run_level(url, level, requests, body, level if warmup < 0 else warmup, timeout) for level in concurrency]
+                 timeout: float = 600.0, progress: Optional[IO[str]] = None) -> List[Dict[str, Any]]:
+    """Every level in turn; ``warmup=-1`` sends one uncounted request per client thread first; ``progress`` as
+    :func:`run_level` takes it."""
+    return [run_level(url, level, requests, body, level if warmup < 0 else warmup, timeout, progress)
+            for level in concurrency]
 
 
 def table(rows: Sequence[Dict[str, Any]]) -> str:
@@ -259,14 +354,15 @@ def unanswered(row: Dict[str, Any]) -> bool:
 
 
 def main_from_args(args: Any) -> int:
-    """The ``optimum-iobinding loadtest`` command. Levels run in turn; where no request of a level got an HTTP
+    """The ``optimum-iobinding loadtest`` command. Levels run in turn, each showing its progress on stderr
+    (:class:`LevelProgress`); where no request of a level got an HTTP
     answer, the next ones would not either: the command stops and says why in one line (exit status 1), after
     writing the rows of the levels before."""
     levels, body = check_arguments(args)
     rows: List[Dict[str, Any]] = []
     for level in levels:
         rows.append(run_level(args.url, level, args.requests, body, level if args.warmup < 0 else args.warmup,
-                              args.timeout))
+                              args.timeout, progress=sys.stderr))
         if unanswered(rows[-1]):
             break
     answered_levels = rows[:-1] if unanswered(rows[-1]) else rows

@@ -1,8 +1,10 @@
 """The load test's closed loop against a local HTTP server (no Ray): which answers it counts, and what it reports;
-the ``loadtest`` command's checks of its options, and what it says where no service answers."""
+the progress it shows while a level runs (on a terminal and in a log); the ``loadtest`` command's checks of its
+options, and what it says where no service answers."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import socket
@@ -14,12 +16,12 @@ import pytest
 
 from optimum_iobinding.cli import main
 from optimum_iobinding.serve import loadtest
-from optimum_iobinding.serve.loadtest import run_level, write_results
+from optimum_iobinding.serve.loadtest import LevelProgress, run_level, write_results
 
 
 class Service:
     """Answers POST /v1/images at once with the headers the serve app sends; request bodies are recorded. A prompt
-    "bad" gets 400."""
+    "bad" gets 400, and so does a prompt "odd seeds fail" with an odd seed."""
 
     def __init__(self):
         self.bodies = []
@@ -31,7 +33,8 @@ class Service:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with lock:
                     service.bodies.append(body)
-                status = 400 if body["prompt"] == "bad" else 200
+                refused = body["prompt"] == "bad" or (body["prompt"] == "odd seeds fail" and body["seed"] % 2)
+                status = 400 if refused else 200
                 self.send_response(status)
                 for name, value in (("X-Batch-Images", "2"), ("X-Pipeline-Seconds", "0.001"),
                                     ("X-Replica-Seconds", "0.002"), ("X-Server-Seconds", "0.003"),
@@ -87,6 +90,73 @@ def test_a_level_refuses_non_positive_counts(service, arguments):
         run_level(service.url, concurrency, requests, {"prompt": "x"}, warmup=warmup)
 
 
+# ------------------------------------------------------------------------------------------------- the progress
+class Terminal(io.StringIO):
+    """What a terminal shows, written as text: a stream whose ``isatty()`` is true."""
+
+    def isatty(self):
+        return True
+
+    def frames(self):
+        """The states of the line, in order: each redraw starts with a carriage return."""
+        return [frame.strip() for frame in self.getvalue().split("\r") if frame.strip()]
+
+
+def test_in_a_log_a_level_writes_one_line_when_it_ends(service):
+    log = io.StringIO()
+    row = run_level(service.url, 2, 6, {"prompt": "a cat"}, warmup=2, progress=log)
+    assert log.getvalue() == f"concurrency 2: 8/8 requests, 0 errors, {row['images_per_s']:.2f} images/s\n"
+
+
+def test_the_progress_counts_refused_requests_as_errors_warm_up_included(service):
+    log = io.StringIO()  # one client: exactly the seeds 0 … 5 go out, and 1, 3 and 5 are refused
+    row = run_level(service.url, 1, 4, {"prompt": "odd seeds fail", "seed": 0}, warmup=2, progress=log)
+    assert row["statuses"] == {"200": 2, "400": 2}
+    assert log.getvalue() == f"concurrency 1: 6/6 requests, 3 errors, {row['images_per_s']:.2f} images/s\n"
+
+
+def test_the_progress_counts_requests_without_an_answer_as_errors():
+    log = io.StringIO()
+    progress = LevelProgress(1, requests=2, warmup=0, images_per_request=1, stream=log, start=0.0)
+    for when in (1.0, 2.0):
+        progress.add(ok=False, when=when)
+    progress.close({"statuses": {"None": 1, "200": 1}, "images_per_s": 0.0})
+    assert log.getvalue() == "concurrency 1: 2/2 requests, 2 errors, 0.00 images/s\n"
+
+
+def test_on_a_terminal_the_line_is_redrawn_in_place_with_the_answers_errors_and_images_per_second_so_far():
+    terminal = Terminal()
+    progress = LevelProgress(4, requests=2, warmup=1, images_per_request=2, stream=terminal, start=0.0,
+                             refresh_seconds=0)
+    assert "concurrency 4: 0/3 requests" in terminal.frames()[-1]
+    progress.add(ok=True, when=10.0)  # the warm-up's answer: the images/s start from here
+    assert "concurrency 4: 1/3 requests" in terminal.frames()[-1] and "0 errors, — images/s" in terminal.frames()[-1]
+    progress.add(ok=False, when=11.0)
+    assert "2/3 requests" in terminal.frames()[-1] and "1 error, 0.00 images/s" in terminal.frames()[-1]
+    progress.add(ok=True, when=12.0)  # 2 images in the 2 s since the warm-up
+    assert "3/3 requests" in terminal.frames()[-1] and "1 error, 1.00 images/s" in terminal.frames()[-1]
+    progress.close({"statuses": {"200": 1, "400": 1}, "images_per_s": 0.9})  # the level's own figure at the end
+    assert "3/3 requests" in terminal.frames()[-1] and "1 error, 0.90 images/s" in terminal.frames()[-1]
+    assert terminal.getvalue().count("\n") == 1 and terminal.getvalue().endswith("\n")  # one line, left in place
+
+
+def test_on_a_terminal_a_level_shows_its_line_while_it_runs(service):
+    terminal = Terminal()
+    row = run_level(service.url, 2, 4, {"prompt": "a cat"}, warmup=0, progress=terminal)
+    assert terminal.frames()[0].startswith("concurrency 2: 0/4 requests")
+    assert terminal.frames()[-1].startswith("concurrency 2: 4/4 requests")
+    assert f"0 errors, {row['images_per_s']:.2f} images/s" in terminal.frames()[-1]
+
+
+def test_the_command_writes_a_progress_line_per_level_on_stderr_and_the_table_on_stdout(service, capsys):
+    assert main(["loadtest", service.url, "--concurrency", "1,2", "--requests", "2", "--warmup", "0"]) == 0
+    output = capsys.readouterr()
+    lines = output.err.splitlines()
+    assert [line.split(",")[0:2] for line in lines] == [["concurrency 1: 2/2 requests", " 0 errors"],
+                                                        ["concurrency 2: 2/2 requests", " 0 errors"]]
+    assert "| 1 | 2 (2) |" in output.out and "| 2 | 2 (2) |" in output.out and "errors" not in output.out
+
+
 # --------------------------------------------------------------------------------------------------- the command
 def error_line(capsys) -> str:
     lines = capsys.readouterr().err.strip().splitlines()
@@ -116,7 +186,7 @@ def test_a_service_that_stops_answering_keeps_the_levels_measured_before(service
     the command says why it stopped."""
     urls = iter([service.url, no_server])
     level = loadtest.run_level
-    monkeypatch.setattr(loadtest, "run_level", lambda url, *args: level(next(urls), *args))
+    monkeypatch.setattr(loadtest, "run_level", lambda url, *args, **kwargs: level(next(urls), *args, **kwargs))
     assert main(["loadtest", service.url, "--concurrency", "1,2,4", "--requests", "2", "--out", str(tmp_path)]) == 1
     output = capsys.readouterr()
     assert "| 1 | 2 (2) |" in output.out
