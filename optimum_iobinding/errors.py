@@ -1,7 +1,12 @@
 """The refusals of bad arguments, carrying the argument's name as data: each surface (Python, the command line, the
-HTTP API) names the argument in its own words by looking ``argument`` up in a table, never by reading the text."""
+HTTP API) names the argument in its own words by looking ``argument`` up in a table, never by reading the text.
+:func:`did_you_mean` words the suggestion for a misspelled name (a keyword, a provider, a command-line flag) the
+same way on every surface. Standard library only: the command line imports this module at start-up."""
 
 from __future__ import annotations
+
+import difflib
+from typing import Iterable, List
 
 
 class ArgumentError(ValueError):
@@ -28,3 +33,27 @@ class ArgumentTypeError(ArgumentError, TypeError):
 
 class ArgumentPathError(ArgumentError, FileNotFoundError):
     """A path argument that names nothing there (a ``FileNotFoundError`` too)."""
+
+
+def close_matches(word: str, choices: Iterable[str], n: int = 3, cutoff: float = 0.6) -> List[str]:
+    """The choices ``word`` most likely misspells, best first: those equal to it but for case, then
+    ``difflib.get_close_matches``' (compared case-insensitively, so ``cuda_GRAPH`` finds ``cuda_graph``); at most
+    ``n``, none equal to ``word`` itself."""
+    by_folded = {}
+    for choice in choices:
+        by_folded.setdefault(choice.casefold(), choice)
+    folded = word.casefold()
+    matches = [by_folded[folded]] if folded in by_folded else []
+    matches += [by_folded[match] for match in difflib.get_close_matches(folded, list(by_folded), n + 1, cutoff)
+                if by_folded[match] not in matches]
+    return [match for match in matches if match != word][:n]
+
+
+def did_you_mean(word: str, choices: Iterable[str], n: int = 1) -> str:
+    """``"did you mean io_binding?"`` for ``word="io_bindng"`` among ``choices`` (with ``n`` > 1 up to ``n`` near
+    ones: ``"did you mean a or b?"``), or ``""`` where no choice is close: a refusal appends it to what it says is
+    wrong."""
+    matches = close_matches(word, choices, n)
+    if not matches:
+        return ""
+    return f"did you mean {' or '.join(matches)}?"

@@ -28,7 +28,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from ..errors import ArgumentError, ArgumentTypeError
 from ..layout import building_beside, check_output_folder, resolve_pipeline_folder, save_tokenizer
 from ..runtime.cuda_policy import DEVICE_SETUP
-from ..runtime.hub import check_hub_kwargs
+from ..runtime.hub import check_hub_kwargs, keywords_of
 from ..runtime.model import IOBindingORTModel
 from ..runtime.options import CudaGraphSetting, PipelineOptions, ProviderSpec
 from .arguments import Generator, is_integer, is_real, is_torch_generator
@@ -306,7 +306,8 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         replacements = {name: kwargs.pop(name) for name in list(kwargs) if name in replaceable}
         replacements = {name: value for name, value in replacements.items() if value is not None}
         loading = {name: kwargs.pop(name) for name in list(kwargs) if name in cls.loading_arguments}
-        check_hub_kwargs(f"{cls.__name__}.from_pretrained", kwargs)
+        check_hub_kwargs(f"{cls.__name__}.from_pretrained", kwargs,
+                         [*keywords_of(cls.from_pretrained), *sorted(replaceable), *cls.loading_arguments])
         options = PipelineOptions.resolve(names_of(cls.declared_components, "onnx"), provider, provider_options,
                                           sess_options, io_binding, cuda_graph, component_options,
                                           numbered=cls.numbered_components)  # checked before any download

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Any, List, Mapping, Optional, Union
+from typing import Any, List, Mapping, Optional, Sequence, Union
 
 import onnx
 
-from ..errors import ArgumentError, ArgumentPathError, ArgumentTypeError
+from ..errors import ArgumentError, ArgumentPathError, ArgumentTypeError, did_you_mean
 from ..layout import download_from_hub
 
 # snapshot_download's own parameters that a loader sets itself: never the caller's to pass
@@ -26,16 +26,40 @@ def hub_keywords() -> List[str]:
             if name not in _HUB_OWN and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)]
 
 
-def check_hub_kwargs(where: str, hub_kwargs: Mapping[str, Any]) -> None:
+def keywords_of(function: Any) -> List[str]:
+    """The parameters ``function`` takes by keyword, in its order (its ``**kwargs`` not among them)."""
+    import inspect
+
+    return [name for name, parameter in inspect.signature(function).parameters.items()
+            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)]
+
+
+def check_hub_kwargs(where: str, hub_kwargs: Mapping[str, Any], own: Sequence[str] = ()) -> None:
     """Unknown keywords are an error naming them, not silently passed on or dropped (a misspelled ``io_bindng``):
-    the keywords left for the hub download pass only if this huggingface_hub's ``snapshot_download`` takes them."""
+    the keywords left for the hub download pass only if this huggingface_hub's ``snapshot_download`` takes them.
+    The refusal names, for each unknown keyword, the keyword it likely misspells among ``own`` (the caller's own
+    keywords) and the download's; where none is close it lists the caller's own keywords first, then the
+    download's."""
     if not hub_kwargs:
         return
     known = hub_keywords()
     unknown = sorted(set(hub_kwargs) - set(known))
-    if unknown:
-        raise ArgumentTypeError(where, f"got unexpected keyword argument(s) {unknown}; besides its own arguments it takes "
-                                       f"huggingface_hub's download keywords {known}")
+    if not unknown:
+        return
+    own = [name for name in own if name not in known]
+    function = where.rsplit(".", 1)[-1]
+    hints = []
+    for name in unknown:
+        suggestion = did_you_mean(name, [*own, *known])
+        hints.append(f"{name}: not a keyword of {function}; {suggestion}" if suggestion else "")
+    reason = f"got unexpected keyword argument(s) {unknown}"
+    if all(hints):
+        reason += "; " + "; ".join(hints)
+    else:
+        reason += "; " + "".join(f"{hint}; " for hint in hints if hint)
+        reason += (f"its own keywords are {own}; besides them it takes huggingface_hub's download keywords {known}"
+                   if own else f"besides its own arguments it takes huggingface_hub's download keywords {known}")
+    raise ArgumentTypeError(where, reason)
 
 
 def check_model_file(path: str) -> None:

@@ -28,7 +28,8 @@ from .cuda_policy import DEVICE_SETUP, DISABLE_SYNC_RUN_OPTION
 from .dtypes import ORT_TO_TORCH, TORCH_TO_ONNX, tensor_of_ort_value
 from . import timeline
 from .graph_pool import CudaGraphRunner, GraphPool, signature_of
-from .hub import check_hub_kwargs, check_model_file, external_data_locations, load_graph, resolve_model_file
+from .hub import (check_hub_kwargs, check_model_file, external_data_locations, keywords_of, load_graph,
+                  resolve_model_file)
 from .inputs import InputValue, as_checked_tensor, check_input_names, numpy_bits, to_bindable
 from .options import (MODEL_SETTINGS, NOT_GIVEN, CudaGraphSetting, ModelOptions, ProviderOptionsSpec, ProviderSpec,
                       given_settings, provider_device)
@@ -318,7 +319,7 @@ class IOBindingORTModel:
         Returns:
             The loaded model.
         """
-        check_hub_kwargs("IOBindingORTModel.from_pretrained", hub_kwargs)
+        check_hub_kwargs("IOBindingORTModel.from_pretrained", hub_kwargs, keywords_of(cls.from_pretrained))
         options = ModelOptions.resolve(  # checked before anything is downloaded
             provider, provider_options, sess_options, io_binding, reuse_outputs, max_output_signatures, cuda_graph,
             max_graph_signatures, share_weights, stream, options=options)

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import onnxruntime as ort
 import torch
 
-from ..errors import ArgumentError, ArgumentTypeError
+from ..errors import ArgumentError, ArgumentTypeError, close_matches
 from .cuda_policy import with_diffusion_defaults, with_stream
 
 # Execution providers whose memory is a CUDA device that torch can address as ``cuda:N``; they get the diffusion
@@ -100,9 +100,39 @@ def normalize_providers(
     available = ort.get_available_providers()
     for name in names:
         if name not in available:
-            hint = " (install onnxruntime-gpu: pip install 'optimum-iobinding[gpu]')" if "CUDA" in name or "Tensorrt" in name else ""
-            raise ArgumentError("provider", f"{name!r} is not available in this onnxruntime build{hint}; available: {available}")
+            raise ArgumentError("provider", unavailable_provider_reason(name, available))
     return names, [{key: str(value) for key, value in opts.items()} for opts in options]
+
+
+def unavailable_provider_reason(name: str, available: Sequence[str]) -> str:
+    """Why ``name`` cannot be used: a provider this build lacks (and how to get the CUDA ones), or a name that is no
+    provider at all (a short name such as ``"cuda"``, a misspelling), then with the provider it likely means."""
+    known = list(dict.fromkeys([*ort.get_all_providers(), *GPU_PROVIDERS, *UNBINDABLE_PROVIDERS]))
+    reason = f"{name!r} is not available in this onnxruntime build"
+    meant: Optional[str] = name
+    if name not in known:
+        meant = likely_provider(name, known)
+        reason += f" (it is no execution provider onnxruntime knows{f'; did you mean {meant}?' if meant else ''})"
+    if meant is not None and meant not in available and ("CUDA" in meant or "Tensorrt" in meant):
+        reason += f"; to use {meant} install onnxruntime-gpu: pip install 'optimum-iobinding[gpu]'"
+    return f"{reason}; available: {list(available)}"
+
+
+def likely_provider(name: str, known: Sequence[str]) -> Optional[str]:
+    """The provider of ``known`` that ``name`` likely means, or ``None``: a short name (``"cuda"``, ``"tensorrt"``,
+    ``"cpu"``: ORT's name without ``ExecutionProvider``, in any case), a misspelled one, or a misspelled full name."""
+    stems = {provider[: -len("ExecutionProvider")].casefold(): provider for provider in known
+             if provider.endswith("ExecutionProvider")}
+    stem = re.split("execution", name, maxsplit=1, flags=re.IGNORECASE)[0].casefold()
+    if stem in stems:
+        return stems[stem]
+    matches = close_matches(stem, stems, n=1, cutoff=0.75)
+    if matches:
+        return stems[matches[0]]
+    if len(stem) < len(name):  # the suffix is there: the stem alone decides
+        return None
+    matches = close_matches(name, known, n=1, cutoff=0.85)  # the suffix misspelled too
+    return matches[0] if matches else None
 
 
 def check_bindable(first_provider: str, io_binding: bool) -> None:
