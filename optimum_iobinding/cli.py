@@ -30,6 +30,9 @@ SCHEDULERS = {
     "lms": "LMSDiscreteScheduler",
     "unipc": "UniPCMultistepScheduler",
 }
+# the modules a scheduler needs beyond diffusers' own requirements (diffusers defines the class only with them);
+# setup.cfg installs them, and `generate` checks them before it loads anything
+SCHEDULER_MODULES = {"lms": ("scipy",)}
 
 
 def default_cache_dir() -> Path:
@@ -264,6 +267,7 @@ def check_generate_arguments(args: argparse.Namespace) -> Path:
         check(math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
     check(args.seed in NUMPY_SEEDS, "--seed", f"an integer in 0 … {NUMPY_SEEDS[-1]} (numpy's seeds)", args.seed)
     check_local_or_hub("--model", args.model)
+    check_scheduler_modules(args.scheduler)
     if args.provider is not None:  # the last check: it imports the runtime (and onnxruntime) to ask
         from .runtime.options import normalize_providers
 
@@ -272,12 +276,24 @@ def check_generate_arguments(args: argparse.Namespace) -> Path:
     return out
 
 
+def check_scheduler_modules(scheduler: Optional[str]) -> None:
+    """``--scheduler``'s class can be made here: the modules it needs beyond diffusers are installed (asked of the
+    import system, without importing them or diffusers)."""
+    import importlib.util
+
+    missing = [name for name in SCHEDULER_MODULES.get(scheduler or "", ()) if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"--scheduler: {scheduler} ({SCHEDULERS[scheduler]}) needs {', '.join(missing)}, which this "
+                         f"environment lacks: pip install {' '.join(missing)}")
+
+
 def run_generate(args: argparse.Namespace) -> int:
     out = check_generate_arguments(args)
     quiet_libraries()
     import numpy as np
 
     from .pipelines import pipeline_class_for, resolve_model_folder
+    from .pipelines.memory import check_image_fits
 
     model = tiny_model_folder(Path(args.cache_dir) if args.cache_dir else None) if args.model is None else None
     provider = args.provider or default_provider()
@@ -287,6 +303,9 @@ def run_generate(args: argparse.Namespace) -> int:
             model = resolve_model_folder(args.model)
         pipeline_class = pipeline_class_for(model)
         check_generate_fits(pipeline_class, args)
+    with options_named(GENERATE_OPTIONS):
+        check_image_fits(Path(model) / "vae_decoder", args.width, args.height, provider)
+    with options_named(MODEL_OPTION if args.model is not None else {}):
         pipe = pipeline_class.from_pretrained(model, provider=provider, io_binding=args.io_binding)
     if args.scheduler:
         import diffusers
@@ -451,7 +470,12 @@ def run_stream(args: argparse.Namespace) -> int:
             model = tiny_model_folder(Path(args.cache_dir) if args.cache_dir else None)
         provider = args.provider or default_provider()
         from .pipelines import OnnxStreamDiffusionPipeline
+        from .pipelines.memory import check_image_fits
 
+        decoder = Path(args.tiny_vae if args.tiny_vae is not None else model) / "vae_decoder"
+        if decoder.is_dir():  # a hub id's decoder is checked by the pipeline's own loading, once downloaded
+            with options_named({"frame size": "--size" if args.size is not None else "INPUT"}):
+                check_image_fits(decoder, width, height, provider, argument="frame size")
         started = time.perf_counter()
         with options_named(STREAM_OPTIONS):
             stream = OnnxStreamDiffusionPipeline.from_pretrained(model, provider=provider, tiny_vae=args.tiny_vae)
@@ -685,7 +709,25 @@ def build_parser() -> argparse.ArgumentParser:
     export = add_command(commands, "export", help="export a diffusers pipeline to the ONNX layout")
     add_export_arguments(export)
     export.set_defaults(run=run_export)
+    parser.set_defaults(command_parsers=commands.choices)  # each command's parser, for its own usage errors
     return parser
+
+
+def parse_arguments(argv: List[str]) -> argparse.Namespace:
+    """``argv`` parsed; an option no parser knows is refused by the parser of the command it was given to (its
+    usage, exit status 2), with the options of that command it is close to."""
+    import difflib
+
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = args.command_parsers.get(args.command, parser)
+        known = [option for action in command._actions for option in action.option_strings]
+        close = [match for word in unknown if word.startswith("-")
+                 for match in difflib.get_close_matches(word.partition("=")[0], known, n=1, cutoff=0.6)]
+        hint = f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return args
 
 
 def show_warnings() -> None:
@@ -731,7 +773,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         def run() -> int:
             return bench_main(bench_argv)
     else:
-        args = build_parser().parse_args(argv)
+        args = parse_arguments(argv)
         show_warnings()
         debug = args.debug
 

@@ -421,3 +421,61 @@ def test_serve_names_a_model_path_that_is_no_pipeline_folder_before_starting_ray
     assert main(["serve", str(tmp_path / "model.onnx")]) == 2
     assert error_line(capsys) == ("optimum-iobinding: error: model: expected a model_index.json in "
                                   f"{str(tmp_path / 'model.onnx')!r}")
+
+
+# ------------------------------------------------------------------------------------------ help with mistakes
+@pytest.mark.parametrize("argv, usage, suggestion", [
+    (["generate", "--stpes", "4"], "optimum-iobinding generate", "--stpes (did you mean --steps?)"),
+    (["serve", "--max-batch", "4"], "optimum-iobinding serve", "--max-batch (did you mean --max-batch-size?)"),
+    (["export", "--tiny-randm", "--output", "x"], "optimum-iobinding export", "--tiny-randm (did you mean --tiny-random?)"),
+], ids=["generate", "serve", "export"])
+def test_a_misspelled_option_gets_its_commands_usage_and_the_option_it_is_close_to(capsys, no_work, argv, usage,
+                                                                                    suggestion):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: {usage} ") and f"unrecognized arguments: {suggestion}" in err
+
+
+def test_an_option_close_to_none_gets_no_suggestion(capsys, no_work):
+    with pytest.raises(SystemExit):
+        main(["generate", "--zzzzzz"])
+    assert capsys.readouterr().err.rstrip().endswith("unrecognized arguments: --zzzzzz")
+
+
+def test_a_scheduler_whose_module_is_missing_is_refused_before_the_model_loads(capsys, no_work, monkeypatch):
+    monkeypatch.setitem(cli.SCHEDULER_MODULES, "lms", ("no_such_module_for_a_scheduler",))
+    assert main(["generate", "--scheduler", "lms"]) == 2
+    assert error_line(capsys) == ("optimum-iobinding: error: --scheduler: lms (LMSDiscreteScheduler) needs "
+                                  "no_such_module_for_a_scheduler, which this environment lacks: pip install "
+                                  "no_such_module_for_a_scheduler")
+
+
+def test_every_scheduler_offered_has_what_it_needs_installed_with_the_package():
+    """setup.cfg installs what each scheduler needs (diffusers defines LMS only where scipy is there)."""
+    import importlib.util
+
+    for name, modules in cli.SCHEDULER_MODULES.items():
+        assert name in cli.SCHEDULERS
+        assert all(importlib.util.find_spec(module) for module in modules), name
+    config = (Path(__file__).parents[1] / "setup.cfg").read_text()
+    requires = config.split("install_requires =", 1)[1].split("\n[", 1)[0]
+    assert "scipy" in requires
+
+
+@pytest.mark.parametrize("scheduler", sorted(cli.SCHEDULERS))
+def test_every_scheduler_offered_generates_an_image(tiny_folder, tmp_path, scheduler):
+    out = tmp_path / "a.png"
+    assert main(["generate", "--model", str(tiny_folder), "--scheduler", scheduler, "--steps", "2", "--height", "64",
+                 "--width", "64", "--provider", "CPUExecutionProvider", "--out", str(out)]) == 0
+    assert out.is_file()
+
+
+def test_an_image_beyond_the_hosts_memory_is_refused_before_the_model_loads(tiny_folder, tmp_path, capsys, no_work):
+    assert main(["generate", "--model", str(tiny_folder), "--height", "100000", "--width", "100000",
+                 "--provider", "CPUExecutionProvider", "--out", str(tmp_path / "a.png")]) == 2
+    line = error_line(capsys)
+    assert line.startswith("optimum-iobinding: error: --height and --width: 100000×100000 needs at least ")
+    assert "available on this host; at most about " in line
+    assert not (tmp_path / "a.png").exists()

@@ -285,3 +285,14 @@ def test_on_cuda_the_command_gives_the_frames_of_the_pipeline_run_directly(tmp_p
     assert len(outputs) == len(expected) == FRAMES
     for output, reference in zip(outputs, expected):
         np.testing.assert_array_equal(output, reference)
+
+
+def test_a_frame_size_beyond_the_hosts_memory_is_refused_before_the_model_loads(tmp_path, tiny_folder, capsys,
+                                                                                 no_work):
+    """``--size`` is checked against the memory its decoder would need (the host's, on the CPU) before loading."""
+    source = write_frames(tmp_path / "frames", count=1)
+    assert run_stream(source, tmp_path / "out", tiny_folder, "--size", "1000000") == 2
+    assert re.match(r"optimum-iobinding: error: --size: 1000000×1000000 needs at least [0-9.]+ TB for the VAE "
+                    r"decoder's full-resolution activations alone, and [0-9.]+ GB is available on this host; at most "
+                    r"about \d+×\d+ fits that bound$", error_line(capsys))
+    assert sorted(os.listdir(tmp_path)) == ["frames"]
