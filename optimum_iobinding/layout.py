@@ -204,7 +204,28 @@ def load_scheduler(folder: Path, index: Dict[str, Any]) -> Any:
     return scheduler_class.from_pretrained(str(folder), subfolder="scheduler")
 
 
-def load_tokenizer(folder: Path, index: Dict[str, Any], name: str = "tokenizer") -> Any:
+# the largest model_max_length taken as a real one: transformers reports a tokenizer whose config names none as
+# int(1e30) (its VERY_LARGE_INTEGER)
+MAX_TOKENIZER_LENGTH = 1_000_000
+
+
+def fixed_length_problem(tokenizer: Any) -> Optional[str]:
+    """What is wrong with ``tokenizer``'s ``model_max_length`` as the length its text encoder is fed (CLIP's 77, which
+    the pipelines pad every prompt to), e.g. ``"its model_max_length is 1e+30 (…)"``; ``None`` where it can be. A T5
+    tokenizer needs none: its length is the call's ``max_sequence_length``."""
+    length = getattr(tokenizer, "model_max_length", None)
+    if not isinstance(length, (int, float)) or isinstance(length, bool):
+        return f"its model_max_length is {length!r}"
+    if length > MAX_TOKENIZER_LENGTH:
+        return f"its model_max_length is {length:.3g}, transformers' value for a tokenizer_config.json that names none"
+    return None if length > 0 else f"its model_max_length is {length!r}"
+
+
+def load_tokenizer(folder: Path, index: Dict[str, Any], name: str = "tokenizer", fixed_length: bool = True) -> Any:
+    """The tokenizer in ``folder / name``, of the class model_index.json names; refused, naming the folder and what
+    it holds, where it does not load or is no tokenizer. ``fixed_length``: its ``model_max_length`` is the length the
+    text encoder is fed (CLIP), so one that names none is refused too; ``False`` for T5, whose length each call gives
+    (``max_sequence_length``), as diffusers' SD3 and Flux pipelines read it."""
     import transformers
 
     if not (folder / name).is_dir():
@@ -232,8 +253,9 @@ def load_tokenizer(folder: Path, index: Dict[str, Any], name: str = "tokenizer")
         raise refuse(f"it has {len(tokenizer)} tokens")
     if not isinstance(tokenizer, transformers.PreTrainedTokenizerBase):
         raise refuse(f"it loads as a {type(tokenizer).__name__}, not a tokenizer")
-    if not 0 < getattr(tokenizer, "model_max_length", 0) <= 1_000_000:
-        raise refuse(f"its model_max_length is {getattr(tokenizer, 'model_max_length', None)} (CLIP's is 77)")
+    problem = fixed_length_problem(tokenizer) if fixed_length else None
+    if problem is not None:
+        raise refuse(f"{problem} (CLIP's is 77: the length its text encoder is fed)")
     return tokenizer
 
 

@@ -19,7 +19,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ArgumentError, ArgumentTypeError
-from ..layout import building_beside, check_output_folder, download_from_hub, looks_like_hub_id, read_json_object
+from ..layout import (building_beside, check_output_folder, download_from_hub, fixed_length_problem,
+                      looks_like_hub_id, read_json_object)
 from .components import export_component, vae_specs
 from .flux import export_flux_pipeline, is_flux
 from .tiny import TINY_RANDOM_KINDS, build_tiny_random_tiny_vae
@@ -141,6 +142,7 @@ def export_pipeline(
         from diffusers import DiffusionPipeline
 
         pipe = DiffusionPipeline.from_pretrained(model_id_or_path, torch_dtype=torch.float32, safety_checker=None)
+    check_tokenizer_lengths(pipe)
     if getattr(pipe, "transformer", None) is not None:  # a diffusion transformer (SD3, Flux)
         return _export_transformer_pipeline(pipe, target, vae=vae, controlnet=controlnet, tiny_vae=tiny_vae,
                                             components=components, opset=opset, fp16=fp16, optimize=optimize,
@@ -163,6 +165,27 @@ def _export_transformer_pipeline(pipe, target: Path, *, vae, controlnet, tiny_va
     check_transformer_options(transformer_family(torch_pipeline=pipe), vae=vae, controlnet=controlnet,
                               tiny_vae=tiny_vae)
     return export(pipe, target, **options)
+
+
+def check_tokenizer_lengths(pipe: Any) -> None:
+    """Refuses, before any component is exported, a pipeline whose CLIP tokenizer names no ``model_max_length``
+    (transformers then reports 1e30): that length is the text encoder's example input and every prompt's length,
+    so neither the export nor the folder's pipeline could run (nor does diffusers'). The T5 tokenizers (SD3's
+    ``tokenizer_3``, Flux's ``tokenizer_2``) need none: each call gives their length (``max_sequence_length``).
+
+    Raises:
+        ArgumentError: naming the tokenizer and its length.
+    """
+    t5 = {"tokenizer_2"} if is_flux(pipe) else {"tokenizer_3"}
+    for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
+        tokenizer = getattr(pipe, name, None)
+        if tokenizer is None or name in t5:
+            continue
+        problem = fixed_length_problem(tokenizer)
+        if problem is not None:
+            raise ArgumentError(name, f"expected a {type(tokenizer).__name__} whose model_max_length is the length "
+                                      f"its text encoder is fed (CLIP's 77), got one where {problem}: set "
+                                      "model_max_length in its tokenizer_config.json")
 
 
 # the diffusion-transformer families, by their transformer's class (what model_index.json names)

@@ -20,19 +20,23 @@ from ..runtime.shapes import infer_output_shapes
 class Component:
     """One component of a family: its ``name`` (the folder and the pipeline attribute), its ``kind`` (``"onnx"``: an
     ONNX model, an :class:`IOBindingORTModel`; ``"tokenizer"``; ``"module"``: accepted and kept, never loaded, as a
-    diffusers folder's safety checker) and whether the family runs without it (``optional``)."""
+    diffusers folder's safety checker) and whether the family runs without it (``optional``). A tokenizer's
+    ``fixed_length``: its ``model_max_length`` is the length its text encoder is fed (CLIP's 77), checked when it
+    loads; ``False`` where each call gives the length (T5's ``max_sequence_length``), so that the tokenizer may name
+    none (transformers then reports 1e30), as diffusers runs it."""
 
     name: str
     kind: str = "onnx"
     optional: bool = False
+    fixed_length: bool = True
 
 
 def onnx(name: str, optional: bool = False) -> Component:
     return Component(name, "onnx", optional)
 
 
-def tokenizer(name: str, optional: bool = False) -> Component:
-    return Component(name, "tokenizer", optional)
+def tokenizer(name: str, optional: bool = False, fixed_length: bool = True) -> Component:
+    return Component(name, "tokenizer", optional, fixed_length)
 
 
 def module(name: str) -> Component:
@@ -155,7 +159,7 @@ def load_components(folder: Path, model_folders: Dict[str, Path], declared: Sequ
             if name in replacements:
                 components[name] = replacements[name]
             elif (folder / name).is_dir() or not component.optional:
-                components[name] = load_tokenizer(folder, index, name)
+                components[name] = load_tokenizer(folder, index, name, component.fixed_length)
             else:
                 components[name] = None
         components["scheduler"] = replacements.get("scheduler") or load_scheduler(folder, index)

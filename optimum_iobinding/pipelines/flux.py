@@ -27,8 +27,9 @@ from .transfer import tensor_of, upload
 
 logger = logging.getLogger(__name__)
 
-# optimum's Flux folder
-FLUX_COMPONENTS = (onnx("text_encoder"), onnx("text_encoder_2"), tokenizer("tokenizer"), tokenizer("tokenizer_2"),
+# optimum's Flux folder (T5's length is the call's max_sequence_length)
+FLUX_COMPONENTS = (onnx("text_encoder"), onnx("text_encoder_2"), tokenizer("tokenizer"),
+                   tokenizer("tokenizer_2", fixed_length=False),
                    onnx("transformer"), *VAE_COMPONENTS)
 # FLUX.1's VAE latent scaling, for a folder whose vae_decoder config.json names none (diffusers' FLUX.1 VAE config)
 FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR = 0.3611, 0.1159

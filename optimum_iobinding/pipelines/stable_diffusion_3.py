@@ -21,9 +21,10 @@ from .denoisers import MMDiTDenoiser
 from .loop import check_callback_arguments
 from .prompts import SD3Prompt
 
-# optimum's SD3 folder (a T5-less export leaves text_encoder_3 out)
+# optimum's SD3 folder (a T5-less export leaves text_encoder_3 out; T5's length is the call's max_sequence_length)
 SD3_COMPONENTS = (onnx("text_encoder"), onnx("text_encoder_2"), onnx("text_encoder_3", optional=True),
-                  tokenizer("tokenizer"), tokenizer("tokenizer_2"), tokenizer("tokenizer_3", optional=True),
+                  tokenizer("tokenizer"), tokenizer("tokenizer_2"),
+                  tokenizer("tokenizer_3", optional=True, fixed_length=False),
                   onnx("transformer"), *VAE_COMPONENTS)
 # diffusers' limit on the T5 sequence (its check_inputs refuses more)
 MAX_SEQUENCE_LENGTH = 512
