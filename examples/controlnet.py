@@ -3,7 +3,7 @@
     python examples/controlnet.py [--model FOLDER] [--provider CUDAExecutionProvider] [--control edges.png]
 
 Without --model it builds the tiny random-weights ControlNet pipeline offline (the image is noise, the plumbing
-real). For a real one: optimum-iobinding export runwayml/stable-diffusion-v1-5 --controlnet
+real). For a real one: optimum-iobinding export stable-diffusion-v1-5/stable-diffusion-v1-5 --controlnet
 lllyasviel/sd-controlnet-canny --fp16 --output sd15-canny-onnx, and a Canny edge image as --control.
 """
 

@@ -4,7 +4,7 @@ Needs the optimum environment (transformers 4.x: see constraints-optimum.txt / `
 scripts/test.sh). With network, pass a hub id; offline, the tiny random torch pipeline is saved and exported.
 
     .venv-optimum/bin/python examples/optimum_export_then_run.py
-    .venv-optimum/bin/python examples/optimum_export_then_run.py --model runwayml/stable-diffusion-v1-5 \
+    .venv-optimum/bin/python examples/optimum_export_then_run.py --model stable-diffusion-v1-5/stable-diffusion-v1-5 \
         --provider CUDAExecutionProvider
 """
 

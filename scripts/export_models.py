@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Export a diffusers Stable Diffusion pipeline (folder or hub id) to the diffusers ONNX layout.
 
-    python scripts/export_models.py runwayml/stable-diffusion-v1-5 --output sd15-onnx --fp16
+    python scripts/export_models.py stable-diffusion-v1-5/stable-diffusion-v1-5 --output sd15-onnx --fp16
     python scripts/export_models.py --tiny-random --output tiny-onnx
 
 A thin CLI over optimum_iobinding.export.export_pipeline (also `optimum-iobinding export`).

@@ -65,11 +65,12 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
     output per frame, in order. ``stream_batch=False`` runs a frame's k steps one after another (k UNet calls).
 
     **Frames**: torch tensors (CUDA or CPU: float ``(3, H, W)`` or ``(1, 3, H, W)`` in [-1, 1], or uint8
-    ``(H, W, 3)``), numpy uint8 ``(H, W, 3)`` arrays and PIL images (made RGB). The output is of the input's kind,
-    dtype, layout and device (a CUDA tensor in, a CUDA tensor out with no host copy), at the prepared size: a frame
-    of another size is resized on the device to ``(height, width)`` (bilinear with antialiasing, stretched, not
-    cropped); its first frame captures the preprocessing of that size once. A float output is clamped to [-1, 1],
-    a uint8 one rounded as diffusers rounds. **Outputs are fresh tensors** from torch's caching allocator (pinned host
+    ``(H, W, 3)``), numpy uint8 ``(H, W, 3)`` arrays and PIL images (made RGB). Each output is of the kind, dtype,
+    layout and device of the frame it comes from (in a stream batch, the frame given k − 1 calls earlier; a CUDA
+    tensor in, a CUDA tensor out with no host copy), at the prepared size: a frame of another size is resized on
+    the device to ``(height, width)`` (bilinear with antialiasing, stretched, not cropped); its first frame
+    captures the preprocessing of that size once. A float output is clamped to [-1, 1], a uint8 one rounded as
+    diffusers rounds. **Outputs are fresh tensors** from torch's caching allocator (pinned host
     memory for host outputs): no later frame overwrites one the caller holds.
 
     ``prepare`` reads the scheduler (``stream.scheduler = …`` before it, as for the other pipelines) and the prompt;
