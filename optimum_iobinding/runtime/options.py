@@ -225,7 +225,11 @@ class ModelOptions:
             a list aligned with the providers; options given in pairs win). On a CUDA-like first provider with
             binding they hold :data:`~optimum_iobinding.runtime.cuda_policy.CUDA_DIFFUSION_DEFAULTS` under the
             user's own options, and the stream (``user_compute_stream``).
-        sess_options: the user's ``onnxruntime.SessionOptions`` (never changed: each session gets a copy).
+        sess_options: the user's ``onnxruntime.SessionOptions``, kept whole and never changed: a session to which
+            the project adds nothing is made from it as given, one to which it adds something (fixed dims, owned
+            weights) from a copy with every property and every session config entry ORT documents; a setting
+            there that owned weights must override is refused by name (see
+            :mod:`~optimum_iobinding.runtime.session_options`).
         io_binding: ``True``: bind torch tensors in place; ``False``: run plain ``session.run`` on numpy arrays
             and return CPU torch tensors — diffusers' numpy baseline.
         reuse_outputs: ``True``: output buffers are allocated once per input-shape signature and reused, so a later

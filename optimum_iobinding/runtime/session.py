@@ -20,6 +20,7 @@ from ..errors import ArgumentError
 from .cuda_policy import DEVICE_SETUP
 from .hub import check_model_file, unreadable_reason
 from .options import ModelOptions
+from .session_options import copy_session_options
 from .shapes import session_source
 from . import timeline
 from .weights import OwnedWeights, source_name
@@ -47,17 +48,6 @@ def create_session(
             raise ArgumentError("path", f"{path_or_bytes!r} is not a readable ONNX model: {reason} (onnxruntime could not "
                                         f"load {path_or_bytes!r} either: {error})") from error
         raise ArgumentError("path", f"onnxruntime could not load {path_or_bytes!r}: {error}") from error
-
-
-def copy_session_options(base: Optional[ort.SessionOptions]) -> ort.SessionOptions:
-    """A new ``SessionOptions`` with the settings of ``base`` that matter here (the user's object is never changed)."""
-    copy = ort.SessionOptions()
-    if base is not None:
-        for attribute in ("graph_optimization_level", "intra_op_num_threads", "inter_op_num_threads", "execution_mode",
-                          "log_severity_level", "log_verbosity_level", "enable_mem_pattern", "enable_mem_reuse",
-                          "enable_cpu_mem_arena", "use_deterministic_compute"):
-            setattr(copy, attribute, getattr(base, attribute))
-    return copy
 
 
 _ORT_TYPE_NAMES = {
@@ -135,7 +125,10 @@ class SessionRecipe:
         """
         if self.source is None:
             raise RuntimeError("the session was created from neither a path nor bytes, so it cannot be created again")
-        sess_options = copy_session_options(self.sess_options)
+        # the user's own object where nothing is added to it; otherwise a copy, since an addition cannot be taken
+        # back and would reach every later session made with the user's object (see session_options)
+        adds = self.sess_options is None or bool(free_dims) or self.weights.owned
+        sess_options = copy_session_options(self.sess_options) if adds else self.sess_options
         if quiet and self.sess_options is None:
             sess_options.log_severity_level = 4  # fatal only
         for dim, size in (free_dims or {}).items():
@@ -143,7 +136,8 @@ class SessionRecipe:
         if isinstance(self.source, str):
             check_model_file(self.source)
         try:
-            self.weights.add_to(sess_options)  # owned weights: the file is parsed here, before ORT sees it
+            if adds:
+                self.weights.add_to(sess_options)  # owned weights: the file is parsed here, before ORT sees it
         except Exception as error:
             reason = unreadable_reason(self.source) if isinstance(self.source, str) else None
             if reason is None:

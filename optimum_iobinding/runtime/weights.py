@@ -25,12 +25,17 @@ from ..errors import ArgumentError
 from .cuda_policy import DEVICE_SETUP
 from . import timeline
 from .dtypes import TORCH_TO_ONNX, ort_value_of_tensor
+from .session_options import require_config_entry, require_optimization_level_at_most
 
 # Float initializers with at least this many elements become owned weights. Smaller ones (scales, epsilons, the
 # constants of shape arithmetic) stay with each session: ORT may plan them on the CPU, where it refuses a user buffer
 # on the device ("Cannot use user supplied initializer ... planned memory location is different").
 OWNED_WEIGHT_MIN_ELEMENTS = 1024
 _OWNED_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+
+# why owned weights on the CPU need a setting: {} says what the setting would do otherwise
+_OWNED_ON_CPU = ("owned weights on the CPU (share_weights=True, a second session of the model, runtime LoRA), read in "
+                 "place by every session so that an in-place change reaches the output ({})")
 
 _TORCH_OF_ONNX = {onnx_type: torch_dtype for torch_dtype, onnx_type in TORCH_TO_ONNX.items()}
 _NUMPY_OF_ONNX = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
@@ -222,17 +227,20 @@ class OwnedWeights:
                 self._parsed = None
 
     def add_to(self, sess_options: ort.SessionOptions) -> None:
-        """Makes a new session read the owned weights (nothing unless they are owned)."""
+        """Makes a new session read the owned weights (nothing unless they are owned); ``sess_options`` is the
+        session's own copy. On the CPU a setting of the user's there that would keep the session from reading them
+        in place is refused by name."""
         if not self.owned:
             return
         self.tensors  # noqa: B018 — loads them once
         if self.device.type == "cpu":
             # the CPU EP would otherwise prepack (copy) MatMul/Conv weights, and miss in-place changes
-            sess_options.add_session_config_entry("session.disable_prepacking", "1")
+            require_config_entry(sess_options, "session.disable_prepacking", "1", _OWNED_ON_CPU.format(
+                "prepacking copies the MatMul and Conv weights"))
             # so would the layout optimizations above EXTENDED (NCHWc convolutions reorder a copy of the weights):
             # an in-place change of the owned Conv weights would then not reach the model's output
-            extended = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-            if int(sess_options.graph_optimization_level) > int(extended):
-                sess_options.graph_optimization_level = extended
+            require_optimization_level_at_most(sess_options, ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                                               _OWNED_ON_CPU.format("layout optimizations reorder a copy of the "
+                                                                    "Conv weights"))
         for name, value in self._values.items():
             sess_options.add_initializer(name, value)
