@@ -4,7 +4,7 @@ read, so no model is needed."""
 
 import pytest
 
-from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionPipeline
+from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionPipeline, OnnxStreamDiffusionPipeline
 from optimum_iobinding.errors import ArgumentError
 
 
@@ -50,3 +50,8 @@ def test_a_misspelled_model_keyword_names_the_one_it_likely_means(tmp_path):
         IOBindingORTModel.from_pretrained(tmp_path, max_graph_signature=2)
     with pytest.raises(TypeError, match=r"subfoldr: not a keyword of from_pretrained; did you mean subfolder\?"):
         IOBindingORTModel.from_pretrained(tmp_path, subfoldr="unet")
+
+
+def test_a_misspelled_loading_argument_of_a_family_names_it(tmp_path):
+    with pytest.raises(TypeError, match=r"tiny_vea: not a keyword of from_pretrained; did you mean tiny_vae\?"):
+        OnnxStreamDiffusionPipeline.from_pretrained(tmp_path, tiny_vea="madebyollin/taesd")
