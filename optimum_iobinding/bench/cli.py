@@ -55,8 +55,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .peers import (MIXED_PEERS, OPTIMUM_PEERS, PEERS, STREAM_BATCH_BLIND, STREAM_KIND, STREAM_PEERS, STREAM_SIZE,
-                    PeerUnavailable, run_mixed, run_peer, run_stream_peer, stream_unet_steps)
+from .peers import (MIXED_PEERS, OPTIMUM_PEERS, OUR_PEERS, PEERS, STREAM_BATCH_BLIND, STREAM_KIND, STREAM_PEERS,
+                    STREAM_SIZE, PeerUnavailable, run_mixed, run_peer, run_stream_peer, stream_unet_steps)
 from .probes import environment, run_floor
 from .report import (combine_repeats, stream_row_label, write_mixed_report, write_report, write_stream_report,
                      write_transformer_report)
@@ -231,7 +231,8 @@ def transformer_benchmark(models: Sequence[str], peers: Sequence[str], dtype: st
                           blocks: Optional[int], text_layers: Optional[int], runs: int, warmup: int, device: str,
                           work: Path, out: Path, optimum_pythonpath: Optional[str], timeout: int,
                           compile_timeout: int, run: Any = run_in_subprocess) -> Dict[str, Any]:
-    """``--scenario transformer``: per model one export (:func:`.zoo.ensure_transformer_export`), then every peer in a
+    """``--scenario transformer``: per model one export for ``device`` (:func:`.zoo.ensure_transformer_export`: an
+    optimized export for the CPU has only the fusions the CPU runs), then every peer in a
     process of its own (``run``, :func:`run_in_subprocess`; optimum's in its environment); a peer that fails has its
     error in its row and the others go on, a ``compile`` peer past ``compile_timeout`` seconds is skipped as "did not
     compile". Images are compared with ours where the weights are the export's. transformer.json is rewritten after
@@ -248,7 +249,7 @@ def transformer_benchmark(models: Sequence[str], peers: Sequence[str], dtype: st
         results["rows"].append(row)
         print(f"transformer: {kind}: export", file=sys.stderr, flush=True)
         try:
-            folder = ensure_transformer_export(kind, dtype, export, work, blocks, text_layers)
+            folder = ensure_transformer_export(kind, dtype, export, work, blocks, text_layers, device=device)
         except Exception as error:  # noqa: BLE001 — the next model still runs
             row["export_error"] = f"{type(error).__name__}: {error}"
             (out / "transformer.json").write_text(json.dumps(results, indent=2))
@@ -281,6 +282,45 @@ def compare_with_ours(row: Dict[str, Any]) -> None:
     for peer, result in row["peers"].items():
         if peer != "ours" and result.get("image") and result.get("weights") == "the export's":
             result["max_abs_diff_vs_ours"] = float(np.abs(np.load(result["image"]) - np.load(ours["image"])).max())
+
+
+# the peers that are this project's pipelines, per scenario: where one of them fails, the run fails (the others'
+# failures are rows of the report)
+OWN_PEERS = {"single": OUR_PEERS, "mixed": OUR_PEERS, "stream": ("ours",), "transformer": ("ours",)}
+
+
+def own_failure(results: Dict[str, Any], scenario: str) -> Optional[str]:
+    """Why one of our own pipelines (:data:`OWN_PEERS`) made no measurement in ``results``, in one line (the first
+    such row's: which model or configuration, which peer, the last line of its error); ``None`` where each of ours
+    that ran was measured. A transformer model whose export failed fails ours too."""
+    own = OWN_PEERS[scenario]
+    for row in results["rows"]:
+        where = stream_row_label(row) if scenario == "stream" else " ".join(
+            str(row[key]) for key in ("model", "dtype", "export") if key in row)
+        if row.get("export_error"):
+            return f"{where}: the export failed: {last_line(row['export_error'])}"
+        for peer in own:
+            result = row["peers"].get(peer, {})
+            if "error" in result:
+                return f"{peer} failed on {where}: {last_line(result['error'])}"
+            if "skipped" in result:
+                return f"{peer} did not run on {where}: {last_line(result['skipped'])}"
+    return None
+
+
+def last_line(text: Any) -> str:
+    """The last non-empty line of ``text``: a traceback's exception and message."""
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no reason given"
+
+
+def fail_on_own_failure(results: Dict[str, Any], scenario: str, report: Path) -> bool:
+    """Prints :func:`own_failure`'s reason as the command's one error line (naming ``report``, where every row
+    is), and returns whether there was one."""
+    reason = own_failure(results, scenario)
+    if reason is not None:
+        print(f"optimum-iobinding bench: error: {reason} (see {report})", file=sys.stderr)
+    return reason is not None
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any) -> None:
@@ -317,6 +357,13 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
             expect(transformer, option, "only with --scenario transformer", f"--scenario {args.scenario}")
             expect(value >= 1, option, "an integer ≥ 1", value)
     expect(args.compile_timeout >= 1, "--compile-timeout", "an integer ≥ 1", args.compile_timeout)
+    if args.device == "cpu":
+        expect(transformer, "--device", f"cuda with --scenario {args.scenario} (it measures CUDA pipelines; "
+               "--scenario transformer --models tiny-sd3,tiny-flux --device cpu checks a setup without a GPU)",
+               args.device)
+        dtypes = split(args.dtypes) if args.dtypes != parser.get_default("dtypes") else ["fp32"]
+        expect(dtypes[:1] == ["fp32"], "--dtypes", "fp32 with --device cpu (a float16 export is for the GPU)",
+               args.dtypes)
     if args.scenario == "stream" and args.peers != parser.get_default("peers"):
         unknown = [item for item in split(args.peers) if item not in STREAM_PEERS]
         expect(bool(split(args.peers)) and not unknown, "--peers",
@@ -326,26 +373,29 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
            "a comma-separated list of positive integers", args.mixed_batches)
 
 
-def stream_export(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any) -> Tuple[str, str]:
+def stream_export(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any,
+                  default_dtype: str = "fp16") -> Tuple[str, str]:
     """The stream and transformer scenarios' one export: the first of --dtypes and of --exports where given, else
-    fused fp16."""
-    dtype = split(args.dtypes)[0] if args.dtypes != parser.get_default("dtypes") else "fp16"
+    fused ``default_dtype``."""
+    dtype = split(args.dtypes)[0] if args.dtypes != parser.get_default("dtypes") else default_dtype
     export = split(args.exports)[0] if args.exports != parser.get_default("exports") else "optimized"
     return dtype, export
 
 
 def transformer_main(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any, out: Path) -> int:
-    """``--scenario transformer`` from the command line: its exports alone (``--export-only``), or the benchmark."""
+    """``--scenario transformer`` from the command line: its exports alone (``--export-only``), or the benchmark.
+    The export is made for ``--device``: on the CPU float32 with the CPU's fusions (fused float16 is the GPU's
+    default). Exit status 1 where ours failed (:func:`own_failure`) or every peer did."""
     import torch
 
     models = split(args.models) if args.models != parser.get_default("models") else ["sd35m", "flux-schnell",
                                                                                        "flux-dev"]
     peers = split(args.peers) if args.peers != parser.get_default("peers") else list(TRANSFORMER_PEERS)
-    dtype, export = stream_export(parser, args, split)
+    dtype, export = stream_export(parser, args, split, default_dtype="fp32" if args.device == "cpu" else "fp16")
     if args.export_only:
         for kind in models:
-            print(ensure_transformer_export(kind, dtype, export, Path(args.work), args.blocks, args.text_layers),
-                  flush=True)
+            print(ensure_transformer_export(kind, dtype, export, Path(args.work), args.blocks, args.text_layers,
+                                            device=args.device), flush=True)
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         print("optimum-iobinding bench: error: --device cuda: no CUDA GPU is visible to torch here (--device cpu runs "
@@ -355,6 +405,8 @@ def transformer_main(parser: argparse.ArgumentParser, args: argparse.Namespace, 
                                     args.warmup, args.device, Path(args.work), out, args.optimum_pythonpath,
                                     args.timeout, args.compile_timeout)
     print((out / "transformer.md").read_text())
+    if fail_on_own_failure(results, "transformer", out / "transformer.md"):
+        return 1
     measured = [result for row in results["rows"] for result in row["peers"].values() if "end_to_end_ms" in result]
     if not measured:
         print("optimum-iobinding bench: error: every transformer peer failed or was skipped; see transformer.md for "
@@ -400,7 +452,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--text-layers", type=int, default=None,
                         help="transformer: at most N layers in each text encoder (CLIP-L, CLIP-G, T5)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="transformer: where the peers run (cpu: the tiny models, to check a setup)")
+                        help="transformer: where the peers run, and what the export is made for (cpu: the tiny "
+                             "models on an fp32 export with the CPU's fusions, to check a setup)")
     parser.add_argument("--compile-timeout", type=int, default=900,
                         help="transformer: seconds for the compile peer's process; past it: skipped, did not compile")
     parser.add_argument("--export-only", action="store_true",
@@ -492,6 +545,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         results = stream_benchmark(peers, dtype, export, args.frames,
                                    args.video_frames, args.frame_warmup, Path(args.work), out, args.timeout)
         print((out / "stream.md").read_text())
+        if fail_on_own_failure(results, "stream", out / "stream.md"):
+            return 1
         failed = all("fps" not in result for row in results["rows"] for result in row["peers"].values())
         if failed:
             print("optimum-iobinding bench: error: every stream peer failed or was skipped; see stream.md for why",
@@ -500,15 +555,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.scenario == "mixed":
         peers = [peer for peer in split(args.peers) if peer in MIXED_PEERS] if args.peers != parser.get_default(
             "peers") else list(MIXED_PEERS)
-        mixed_benchmark(split(args.models), split(args.dtypes), split(args.exports), peers,
-                        [int(b) for b in split(args.mixed_batches)], args.mixed_steps, args.rounds, args.steps,
-                        Path(args.work), out, args.timeout, args.cycles)
+        results = mixed_benchmark(split(args.models), split(args.dtypes), split(args.exports), peers,
+                                  [int(b) for b in split(args.mixed_batches)], args.mixed_steps, args.rounds,
+                                  args.steps, Path(args.work), out, args.timeout, args.cycles)
         print((out / "mixed.md").read_text())
-        return 0
+        return 1 if fail_on_own_failure(results, "mixed", out / "mixed.md") else 0
     results = benchmark(split(args.models), split(args.dtypes), split(args.exports), split(args.peers), args.steps,
                         args.runs, args.warmup, Path(args.work), out, args.optimum_pythonpath, args.timeout,
                         args.repeats)
     print((out / "results.md").read_text())
+    if fail_on_own_failure(results, "single", out / "results.md"):
+        return 1
     measured = [result for row in results["rows"] for result in row["peers"].values()
                 if "error" not in result and "skipped" not in result]
     if not measured:

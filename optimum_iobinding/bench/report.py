@@ -320,6 +320,14 @@ def _reason(result: Dict[str, Any]) -> str:
     return f"failed: {str(result['error']).strip().splitlines()[-1][:160]}"
 
 
+# what the transformer report says of the torch peers, per device (transformer_peers.load_transformer_peer)
+TORCH_PEERS_ON = {
+    "cuda": "torch/compile: diffusers' pipeline in bf16 (on the GPU its random weights are drawn there with the same "
+            "seed: the images are not compared).",
+    "cpu": "torch: diffusers' pipeline in float32 with the export's own weights (the images are compared).",
+}
+
+
 def write_transformer_report(results: Dict[str, Any], out: Path) -> None:
     """transformer.json → transformer.md (per model and peer: end-to-end and per-step ms, step / GPU floor, ours ÷
     the peer end to end, peak memory, load, first image, compile seconds, difference from ours' image; every row
@@ -334,9 +342,8 @@ def write_transformer_report(results: Dict[str, Any], out: Path) -> None:
         f"{results['runs']} runs after {results['warmup']} warm-up; per-step ms: (median at the recipe's steps − "
         "median at its short step count) / the steps between. SD3.5 Medium: 28 steps, CFG 7 (transformer batch 2), "
         "T5 256 tokens; FLUX.1 schnell: 4 steps, guidance 0, T5 256; FLUX.1 dev: 28 steps, embedded guidance 3.5, "
-        "T5 512. torch/compile: diffusers' pipeline in bf16 (on the GPU its random weights are drawn there with the "
-        "same seed: the images are not compared). Floor: our transformer's CUDA graph replayed back to back, a "
-        "process of its own. One process per peer.",
+        f"T5 512. {TORCH_PEERS_ON[results['device']]} Floor: our transformer's CUDA graph replayed back to back, "
+        "a process of its own. One process per peer.",
         "",
         "| model | transformer | pipeline | end-to-end ms | per-step ms | step / floor | ours ÷ this (end to end) "
         "| peak GPU MiB | load s | first image s | compile s | max diff vs ours |",

@@ -173,7 +173,8 @@ def run_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[in
         full, short = timed(recipe["steps"]), timed(recipe["short_steps"])
     own_floor = graph_floor_ms(pipe.transformer) if peer == "ours" and cuda else None
     np.save(image_path, image.astype(np.float32))
-    if peer == "ours":  # which of our components ran without a CUDA graph, and ORT's reason
+    if peer == "ours":  # the provider each component ran on; which ran without a CUDA graph, and ORT's reason
+        about["providers"] = {name: model.providers[0] for name, model in pipe.onnx_models.items()}
         about["graph_fallbacks"] = {name: {str(dict(signature)): reason for signature, reason in
                                            model.graph_fallbacks.items()}
                                     for name, model in pipe.onnx_models.items() if model.graph_fallbacks}

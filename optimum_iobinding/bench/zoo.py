@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from ..errors import ArgumentError
 
 try:  # the export lock; absent on Windows, where bench processes then must not share a work folder
     import fcntl
@@ -174,9 +175,23 @@ def ensure_tiny_vae_export(dtype: str, export: str, work: Path) -> Path:
             if folder.exists():
                 raise FileExistsError(f"--work: {str(folder)!r} exists but is not a finished tiny VAE export (no "
                                       "vae_decoder/model.onnx); move it away or choose another --work folder")
-            export_pipeline(None, folder, fp16=dtype == "fp16", optimize="cuda" if export == "optimized" else None,
+            export_pipeline(None, folder, fp16=dtype == "fp16", optimize=optimize_target(export, "cuda"),
                             progress=False, tiny_vae=build_taesd_architecture())
     return folder
+
+
+EXPORT_DEVICES = ("cuda", "cpu")
+
+
+def optimize_target(export: str, device: str) -> Optional[str]:
+    """``export_pipeline``'s ``optimize`` for an ``export`` ("plain" or "optimized") that runs on ``device`` ("cuda"
+    or "cpu"): an optimized export for the CPU gets only the fusions whose operators the CPU execution provider has
+    (the CUDA ones, such as NhwcConv and GroupNorm, have no CPU kernel: such a folder does not load there)."""
+    if export not in ("plain", "optimized"):
+        raise ArgumentError("export", f"expected 'plain' or 'optimized', got {export!r}")
+    if device not in EXPORT_DEVICES:
+        raise ArgumentError("device", f"expected one of {', '.join(EXPORT_DEVICES)}, got {device!r}")
+    return device if export == "optimized" else None
 
 
 def ensure_export(kind: str, dtype: str, export: str, work: Path) -> Path:
@@ -189,8 +204,10 @@ def ensure_export(kind: str, dtype: str, export: str, work: Path) -> Path:
     return _ensure_pipeline_export(work / f"{kind}-{dtype}-{export}", dtype, export, lambda: build_torch_pipeline(kind))
 
 
-def _ensure_pipeline_export(folder: Path, dtype: str, export: str, build: Callable[[], Any]) -> Path:
-    """``folder``: the export of the torch pipeline ``build()`` makes, made once under the folder's lock."""
+def _ensure_pipeline_export(folder: Path, dtype: str, export: str, build: Callable[[], Any],
+                            device: str = "cuda") -> Path:
+    """``folder``: the export of the torch pipeline ``build()`` makes, made once under the folder's lock; an
+    "optimized" export gets the fusions ``device``'s execution provider runs (:func:`optimize_target`)."""
     from ..export import export_pipeline
 
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +217,7 @@ def _ensure_pipeline_export(folder: Path, dtype: str, export: str, build: Callab
                 raise FileExistsError(f"--work: {str(folder)!r} exists but is not a finished export (no "
                                       "model_index.json); move it away or choose another --work folder")
             # export_pipeline builds beside the folder and renames it into place once whole
-            export_pipeline(None, folder, fp16=dtype == "fp16", optimize="cuda" if export == "optimized" else None,
+            export_pipeline(None, folder, fp16=dtype == "fp16", optimize=optimize_target(export, device),
                             progress=False, torch_pipeline=build())
     return folder
 
@@ -262,9 +279,12 @@ def transformer_blocks(kind: str, blocks: Optional[int]) -> Optional[Tuple[int, 
 
 
 def transformer_export_name(kind: str, dtype: str, export: str, blocks: Optional[int],
-                            text_layers: Optional[int]) -> str:
-    """The folder name of one transformer export under ``--work``: every setting that changes the files is in it."""
+                            text_layers: Optional[int], device: str = "cuda") -> str:
+    """The folder name of one transformer export under ``--work``: every setting that changes the files is in it (an
+    optimized export for the CPU ends its name in ``-cpu``; a plain one is the same files for either device)."""
     name = f"{kind}-{dtype}-{export}"
+    if optimize_target(export, device) == "cpu":
+        name += "-cpu"
     depth = transformer_blocks(kind, blocks)
     if depth is not None:
         name += f"-blocks{depth[0]}x{depth[1]}"
@@ -379,10 +399,11 @@ def _transformer_vae(autoencoder: Any, scaling_factor: float, shift_factor: floa
 
 
 def ensure_transformer_export(kind: str, dtype: str, export: str, work: Path, blocks: Optional[int] = None,
-                              text_layers: Optional[int] = None) -> Path:
+                              text_layers: Optional[int] = None, device: str = "cuda") -> Path:
     """The export of one transformer configuration under ``work`` (:func:`transformer_export_name`), made once and
     shared as :func:`ensure_export` shares the UNet pipelines'. The exporter decides each component's precision
-    (T5 stays float32 in a float16 export) and writes external data for the large ones."""
-    folder = work / transformer_export_name(kind, dtype, export, blocks, text_layers)
+    (T5 stays float32 in a float16 export) and writes external data for the large ones; ``device``: where the
+    export runs, which decides an optimized export's fusions (:func:`optimize_target`)."""
+    folder = work / transformer_export_name(kind, dtype, export, blocks, text_layers, device)
     return _ensure_pipeline_export(folder, dtype, export,
-                                   lambda: build_transformer_pipeline(kind, blocks, text_layers))
+                                   lambda: build_transformer_pipeline(kind, blocks, text_layers), device)

@@ -474,8 +474,10 @@ def test_the_stream_takes_the_last_strength_of_the_steps_as_diffusers_img2img_do
 
 
 # ------------------------------------------------------------------------------------ the transformer scenario
-TRANSFORMER_CPU_RUN = ["--scenario", "transformer", "--dtypes", "fp32", "--exports", "plain", "--device", "cpu",
-                       "--runs", "1", "--warmup", "0"]
+# the README's set-up check without a GPU, one run: the export is --device cpu's own (float32, the CPU's fusions)
+TRANSFORMER_CPU_RUN = ["--scenario", "transformer", "--device", "cpu", "--runs", "1", "--warmup", "0"]
+# fused operators that only the CUDA execution provider has kernels for
+CUDA_ONLY_OPS = {"NhwcConv", "GroupNorm", "SkipGroupNorm", "BiasSplitGelu", "BiasAdd"}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -490,6 +492,13 @@ TRANSFORMER_CPU_RUN = ["--scenario", "transformer", "--dtypes", "fp32", "--expor
     (["--blocks", "4"], "--blocks: expected only with --scenario transformer, got '--scenario single'"),
     (["--scenario", "stream", "--text-layers", "2"],
      "--text-layers: expected only with --scenario transformer, got '--scenario stream'"),
+    (["--device", "cpu"], "--device: expected cuda with --scenario single (it measures CUDA pipelines; --scenario "
+                          "transformer --models tiny-sd3,tiny-flux --device cpu checks a setup without a GPU), got "
+                          "'cpu'"),
+    (["--scenario", "mixed", "--device", "cpu"], "--device: expected cuda with --scenario mixed"),
+    (["--scenario", "stream", "--device", "cpu"], "--device: expected cuda with --scenario stream"),
+    (["--scenario", "transformer", "--device", "cpu", "--dtypes", "fp16"],
+     "--dtypes: expected fp32 with --device cpu (a float16 export is for the GPU), got 'fp16'"),
 ])
 def test_the_transformer_scenario_names_every_bad_option_before_any_work(argv, message, capsys):
     from optimum_iobinding.bench.cli import main
@@ -595,8 +604,8 @@ def test_a_failing_transformer_peer_records_its_error_and_a_compile_past_its_lim
             return {"peer": "floor", "per_step_ms": 20.0, "graph_inputs": {"hidden_states": [1]}}
         return transformer_peer(500.0, 21.0, image=None)
 
-    monkeypatch.setattr(cli, "ensure_transformer_export", lambda kind, dtype, export, work, blocks, text_layers:
-                        tmp_path / f"{kind}-{dtype}-{export}")
+    monkeypatch.setattr(cli, "ensure_transformer_export", lambda kind, dtype, export, work, blocks, text_layers,
+                        device: tmp_path / f"{kind}-{dtype}-{export}")
     monkeypatch.setattr(cli, "environment", lambda: {"device": "GPU", "command": "bench", "date": "today"})
     results = cli.transformer_benchmark(["flux-schnell"], ["ours", "optimum", "torch", "compile", "floor"], "fp16",
                                         "optimized", 3, None, 3, 1, "cuda", tmp_path, tmp_path / "out", "/optimum/site",
@@ -622,11 +631,21 @@ def test_the_transformer_scenario_runs_tiny_sd3_end_to_end_on_the_cpu_each_peer_
 
     from optimum_iobinding.bench.cli import main
 
+    import onnx
+
     out = tmp_path / "out"
     assert main([*TRANSFORMER_CPU_RUN, "--models", "tiny-sd3", "--peers", "ours,torch,optimum", "--blocks", "1",
                  "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
     results = json.loads((out / "transformer.json").read_text())
     (row,) = results["rows"]
+    # the export is the CPU's: float32, optimized without the CUDA-only fused operators, and ours ran it there
+    assert (results["dtype"], results["export"]) == ("fp32", "optimized")
+    folder = tmp_path / "work" / "tiny-sd3-fp32-optimized-cpu-blocks1x0"
+    assert row["folder"] == str(folder)
+    ops = {node.op_type for graph in folder.glob("*/model.onnx")
+           for node in onnx.load(str(graph), load_external_data=False).graph.node}
+    assert "MultiHeadAttention" in ops and not ops & CUDA_ONLY_OPS  # fused, for the CPU
+    assert set(row["peers"]["ours"]["providers"].values()) == {"CPUExecutionProvider"}
     assert row["blocks"] == [1, 0] and results["environment"]["command"].startswith("optimum-iobinding bench")
     ours, torch_peer = row["peers"]["ours"], row["peers"]["torch"]
     assert ours["end_to_end_ms"] > 0 and ours["steps"] == 3 and ours["short_steps"] == 1
@@ -646,7 +665,6 @@ def test_the_transformer_scenario_runs_tiny_sd3_end_to_end_on_the_cpu_each_peer_
     table = (out / "transformer.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| tiny-sd3")]
     assert len(rows) == 3 and all("| 1 of 2 blocks (not the full model) |" in line for line in rows)
-    assert (tmp_path / "work" / "tiny-sd3-fp32-plain-blocks1x0" / "model_index.json").is_file()
 
 
 def test_the_transformer_scenario_runs_tiny_flux_and_ours_makes_diffusers_image(tmp_path):
@@ -687,3 +705,107 @@ def test_on_the_gpu_every_transformer_peer_measures_tiny_sd3_against_the_floor_o
     assert "drawn on the device" in peers["torch"]["weights"] and "max_abs_diff_vs_ours" not in peers["torch"]
     assert peers["compile"].get("compile_s") is not None or "did not compile" in peers["compile"].get("skipped", "")
     assert "| tiny-sd3 64² | full model | ours |" in (out / "transformer.md").read_text()
+
+
+@pytest.mark.parametrize("device, optimize", [("cpu", "cpu"), ("cuda", "cuda")])
+def test_an_optimized_transformer_export_gets_the_fusions_of_the_device_it_runs_on(tmp_path, monkeypatch, device,
+                                                                                   optimize):
+    import optimum_iobinding.bench.zoo as zoo
+    import optimum_iobinding.export as export
+
+    calls = []
+
+    def fake_export(model, output_dir, **kwargs):
+        calls.append(kwargs)
+        Path(output_dir).mkdir(parents=True)
+        (Path(output_dir) / "model_index.json").write_text("{}")
+
+    monkeypatch.setattr(export, "export_pipeline", fake_export)
+    monkeypatch.setattr(zoo, "build_transformer_pipeline", lambda kind, blocks, text_layers: None)
+    folder = zoo.ensure_transformer_export("tiny-flux", "fp32", "optimized", tmp_path, device=device)
+    assert folder.name == ("tiny-flux-fp32-optimized-cpu" if device == "cpu" else "tiny-flux-fp32-optimized")
+    assert [(call["optimize"], call["fp16"]) for call in calls] == [(optimize, False)]
+    # a plain export is the same files on either device: one folder
+    assert zoo.transformer_export_name("tiny-flux", "fp32", "plain", None, None, device) == "tiny-flux-fp32-plain"
+
+
+def test_an_export_for_an_unknown_device_is_refused_naming_the_device():
+    from optimum_iobinding.bench.zoo import optimize_target
+    from optimum_iobinding.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="^device: expected one of cuda, cpu, got 'tpu'$"):
+        optimize_target("optimized", "tpu")
+
+
+def failing_transformer_run(failing_peer):
+    """The transformer scenario's peer processes, answered at once: ``failing_peer``'s with a traceback's end."""
+    def run(args, pythonpath, timeout):
+        peer = args[args.index("--run-transformer") + 1]
+        if peer == failing_peer:
+            return {"error": "Traceback (most recent call last):\n  File \"x.py\", line 1\nRuntimeError: "
+                             "[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Failed to find kernel for "
+                             "com.microsoft.NhwcConv(1)\n"}
+        return transformer_peer(500.0, 21.0, image=None)
+    return run
+
+
+def transformer_cpu_run(tmp_path, monkeypatch, run, export=None):
+    """``bench --scenario transformer --models tiny-sd3 --peers ours,torch --device cpu`` with the peers' processes
+    answered by ``run`` and the export by ``export`` (a folder by default); its exit status."""
+    import optimum_iobinding.bench.cli as cli
+
+    benchmark = cli.transformer_benchmark
+    monkeypatch.setattr(cli, "transformer_benchmark", lambda *args, **kwargs: benchmark(*args, **kwargs, run=run))
+    monkeypatch.setattr(cli, "ensure_transformer_export", export or (lambda *args, **kwargs: tmp_path / "export"))
+    monkeypatch.setattr(cli, "environment", lambda: {"device": "CPU", "command": "bench", "date": "today"})
+    return cli.main([*TRANSFORMER_CPU_RUN, "--models", "tiny-sd3", "--peers", "ours,torch", "--work",
+                     str(tmp_path / "work"), "--out", str(tmp_path / "out")])
+
+
+def test_the_bench_fails_where_ours_fails_naming_the_model_and_the_reason_in_one_line(tmp_path, monkeypatch, capsys):
+    assert transformer_cpu_run(tmp_path, monkeypatch, failing_transformer_run("ours")) == 1
+    output = capsys.readouterr()
+    assert output.err.strip().splitlines()[-1] == (
+        "optimum-iobinding bench: error: ours failed on tiny-sd3: RuntimeError: [ONNXRuntimeError] : 9 : "
+        "NOT_IMPLEMENTED : Failed to find kernel for com.microsoft.NhwcConv(1) (see "
+        f"{tmp_path / 'out' / 'transformer.md'})")
+    assert "| tiny-sd3 64² | full model | torch | 500.0 |" in output.out  # the report is written all the same
+
+
+def test_a_peer_that_fails_stays_a_row_of_the_report_and_the_bench_succeeds(tmp_path, monkeypatch, capsys):
+    assert transformer_cpu_run(tmp_path, monkeypatch, failing_transformer_run("torch")) == 0
+    output = capsys.readouterr()
+    assert "| tiny-sd3 64² | full model | torch | failed: RuntimeError:" in output.out
+    assert "error" not in output.err
+
+
+def test_the_bench_fails_where_ours_has_no_export(tmp_path, monkeypatch, capsys):
+    def export(*args, **kwargs):
+        raise RuntimeError("the optimizer died")
+
+    assert transformer_cpu_run(tmp_path, monkeypatch, failing_transformer_run(None), export) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "optimum-iobinding bench: error: tiny-sd3: the export failed: RuntimeError: the optimizer died (see "
+        f"{tmp_path / 'out' / 'transformer.md'})")
+
+
+@pytest.mark.parametrize("scenario, row, reason", [
+    ("single", {"model": "tiny", "dtype": "fp16", "export": "plain",
+                "peers": {"numpy": {"error": "Traceback\nRuntimeError: numpy"}, "graph": {"error": "x\nOSError: y"}}},
+     "graph failed on tiny fp16 plain: OSError: y"),
+    ("single", {"model": "tiny", "dtype": "fp16", "export": "plain",
+                "peers": {"numpy": {"error": "Traceback\nRuntimeError: numpy"}, "graph": peer(1.0, 1.0)}}, None),
+    ("mixed", {"model": "tiny", "dtype": "fp16", "export": "plain",
+               "peers": {"warmed": {"error": "timed out after 900 s"}}}, "warmed failed on tiny fp16 plain: timed out "
+                                                                         "after 900 s"),
+    ("stream", {"steps": 2, "strength": 0.5, "stream_batch": True, "vae": "tiny", "unet_steps": 1,
+                "peers": {"ours": {"peer": "ours", "error": "the tiny VAE export failed: OSError: disk full"},
+                          "torch": {"error": "boom"}}},
+     "ours failed on 1 step, tiny VAE: the tiny VAE export failed: OSError: disk full"),
+    ("stream", {"steps": 2, "strength": 0.5, "stream_batch": True, "vae": "full", "unet_steps": 1,
+                "peers": {"ours": {"fps": 10.0}, "torch": {"error": "boom"}}}, None),
+])
+def test_every_scenario_fails_on_its_own_pipelines_failures_and_not_on_its_peers(scenario, row, reason):
+    from optimum_iobinding.bench.cli import own_failure
+
+    assert own_failure({"rows": [row]}, scenario) == reason
