@@ -61,7 +61,8 @@ def test_the_copy_holds_every_session_config_entry_ort_documents():
         base.add_session_config_entry(key, str(index))
     copy = copy_session_options(base)
     assert session_config_entries(copy) == {key: str(index) for index, key in enumerate(SESSION_CONFIG_KEYS)}
-    assert config_entry(copy, "session.use_env_allocators") == base.get_session_config_entry("session.use_env_allocators")
+    assert config_entry(copy, "session.use_env_allocators") == base.get_session_config_entry(
+        "session.use_env_allocators")
     assert config_entry(ort.SessionOptions(), "session.use_env_allocators") is None
 
 
@@ -161,5 +162,6 @@ def test_a_layout_optimization_level_the_user_chose_is_refused_with_owned_weight
     # ORT's default level, which no object tells apart from a choice, is lowered for the session alone
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     model = IOBindingORTModel(model_path, sess_options=options, share_weights=True)
-    assert model.session.get_session_options().graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    used = model.session.get_session_options()
+    assert used.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     assert options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
