@@ -31,11 +31,15 @@ def controlnet_component_names(count: int) -> tuple:
 
 # ------------------------------------------------------------------------------------------------ safe writing
 def check_output_folder(output_dir: Union[str, os.PathLike], source: Union[str, os.PathLike, None] = None,
-                        overwrite: bool = False, argument: str = "output_dir") -> Path:
-    """Checks, before any work, that writing a folder at ``output_dir`` destroys nothing it did not make.
+                        overwrite: bool = False, argument: str = "output_dir",
+                        overwrite_argument: str = "overwrite=True") -> Path:
+    """Checks, before any work, that writing a folder at ``output_dir`` destroys nothing it did not make, and that a
+    folder can be made there.
 
     Refused: the source folder itself, a folder inside it, a folder holding it (replacing that would delete the
-    source), a file, and a non-empty folder unless ``overwrite`` (which then replaces it whole).
+    source), a file, a non-empty folder unless ``overwrite`` (which then replaces it whole), and a path where no
+    folder can be made (:func:`check_writable`). The errors name ``argument`` and, for a non-empty folder, say to
+    pass ``overwrite_argument``: the caller's words for them (a command line gives its options).
 
     Returns:
         ``output_dir`` as a path.
@@ -58,25 +62,84 @@ def check_output_folder(output_dir: Union[str, os.PathLike], source: Union[str, 
         if entries and not overwrite:
             raise FileExistsError(
                 f"{argument}: expected a new or empty folder, got {str(target)!r} holding {len(entries)} entries "
-                f"({', '.join(entries[:3])}{', …' if len(entries) > 3 else ''}); pass overwrite=True (CLI: "
-                "--overwrite) to replace it whole, or choose another folder")
+                f"({', '.join(entries[:3])}{', …' if len(entries) > 3 else ''}); pass {overwrite_argument} to replace "
+                "it whole, or choose another folder")
+    check_writable(target, argument)
     return target
 
 
+def check_writable(target: Path, argument: str) -> None:
+    """Refuses, before any work, a ``target`` whose folder cannot be made: its nearest existing parent is a file, or
+    a folder that takes no new folder (read-only, ``/proc``), tried by making and removing an empty one there."""
+    existing = next((path for path in [target.parent, *target.parent.parents] if path.exists()), None)
+    if existing is None:
+        return
+    if not existing.is_dir():
+        raise NotADirectoryError(f"{argument}: expected a folder that can be written, got {str(target)!r}, but "
+                                 f"{str(existing)!r} is not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{target.name}.probe-", dir=existing))
+    except OSError as error:
+        raise unwritable(error, target, argument, f"making a folder in {str(existing)!r} failed") from error
+
+
 @contextlib.contextmanager
-def building_beside(target: Path) -> Iterator[Path]:
+def building_beside(target: Path, argument: str = "output_dir") -> Iterator[Path]:
     """Yields a new temporary folder beside ``target``; when the block ends without an error, the folder replaces
     ``target`` (whole: nothing of a previous ``target`` stays); when it raises (or is interrupted), the temporary
-    folder is removed and ``target`` is left exactly as it was."""
+    folder is removed and ``target`` is left exactly as it was.
+
+    The temporary folder is the layout's own: a failure to make it, to write into it or to move it into place is
+    raised as the same kind of ``OSError`` naming ``argument`` and ``target`` (see :func:`unwritable`); other errors
+    pass as they are."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    except OSError as error:
+        raise unwritable(error, target, argument, f"making a folder in {str(target.parent)!r} failed") from error
     try:
         yield scratch
+    except OSError as error:
+        shutil.rmtree(scratch, ignore_errors=True)
+        inside = _path_inside(error, scratch)
+        if inside is None:
+            raise
+        raise unwritable(error, target, argument, "writing it failed" if inside == "." else
+                         f"writing {inside} failed") from error
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
-    replace_folder(scratch, target)
+    try:
+        replace_folder(scratch, target)
+    except OSError as error:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise unwritable(error, target, argument, "moving the finished folder into place failed") from error
+
+
+def _path_inside(error: OSError, folder: Path) -> Optional[str]:
+    """The path, relative to ``folder``, that ``error`` names inside it (``"."``: ``folder`` itself), or ``None``."""
+    for name in (error.filename, error.filename2):
+        if name is None or not isinstance(name, (str, bytes, os.PathLike)):
+            continue
+        try:
+            return Path(os.fsdecode(name)).relative_to(folder).as_posix()
+        except ValueError:
+            continue
+    return None
+
+
+def unwritable(error: OSError, target: Path, argument: str, what: str) -> OSError:
+    """``error``, met writing the folder ``target`` (``what`` failed), as an error of the same class (and errno)
+    that names ``argument`` and ``target``, the folder the caller gave, instead of the temporary one beside it."""
+    reason = error.strerror or str(error) or type(error).__name__
+    message = f"{argument}: expected a folder that can be written, got {str(target)!r}: {what} ({reason})"
+    try:
+        replacement = type(error)(message)
+    except Exception:  # a subclass with a constructor of its own
+        replacement = OSError(message)
+    replacement.errno = error.errno
+    return replacement
 
 
 def replace_folder(new: Path, target: Path) -> None:

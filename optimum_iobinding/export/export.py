@@ -100,6 +100,8 @@ def export_pipeline(
 
     Raises:
         FileExistsError: ``output_dir`` is not empty (without ``overwrite``) or is a file.
+        OSError: no folder can be made or written at ``output_dir`` (the system's error class, naming ``output_dir``
+            as given, not the temporary folder beside it).
         ValueError: ``output_dir`` is the source folder, inside it, or holds it; a ``tiny_vae`` that cannot be loaded
             or whose latent channels are not the UNet's.
         TypeError: a ``tiny_vae`` that is not an ``AutoencoderTiny`` (an ``AutoencoderKL`` goes in ``vae``).
@@ -292,15 +294,16 @@ def load_tiny_vae(tiny_vae):
         raise unloadable(error) from error
 
 
-def check_tiny_vae_config(config: Any, name: str) -> None:
-    """``config`` (a config.json's object) is an ``AutoencoderTiny``'s, or names no class.
+def check_tiny_vae_config(config: Any, name: str, vae_argument: str = "vae") -> None:
+    """``config`` (a config.json's object) is an ``AutoencoderTiny``'s, or names no class; a full VAE's refusal
+    says to pass it as ``vae_argument`` (a command line gives its option).
 
     Raises:
         TypeError: it names another class (an ``AutoencoderKL``'s goes in ``vae``).
     """
     class_name = config.get("_class_name") if isinstance(config, dict) else None
     if class_name not in (None, "AutoencoderTiny"):
-        hint = "; a full VAE goes in vae= (CLI: --vae)" if class_name == "AutoencoderKL" else ""
+        hint = f"; a full VAE goes in {vae_argument}" if class_name == "AutoencoderKL" else ""
         raise ArgumentTypeError("tiny_vae", f"expected an AutoencoderTiny folder or hub id, got {name!r}, whose config.json "
                                             f"names the class {class_name}{hint}")
 

@@ -361,7 +361,7 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         (the folder the pipeline was loaded from included: its files are copied out first).
         """
         target = check_output_folder(save_directory, None, overwrite, argument="save_directory")
-        with building_beside(target) as scratch:
+        with building_beside(target, argument="save_directory") as scratch:
             written = []
             for name in self.onnx_names():
                 model = getattr(self, name, None)

@@ -1,9 +1,13 @@
 """Export never destroys what it did not make (CPU, the tiny random pipeline): an export onto its source or a
 folder holding it is refused, a folder that is not empty is replaced only when asked and then whole, and a failed
-export leaves the previous one exactly as it was."""
+export leaves the previous one exactly as it was. An output folder that cannot be written is named as the caller gave
+it, never by the temporary folder built beside it."""
 
 from __future__ import annotations
 
+import errno
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -44,7 +48,8 @@ def test_export_into_a_non_empty_folder_is_refused_without_overwrite(tmp_path, s
     (target / "model_index.json").write_text('{"mine": true}')
     before = snapshot(target)
     with pytest.raises(FileExistsError, match=r"output_dir: expected a new or empty folder, got .* holding 2 "
-                                              r"entries \(model_index.json, unet\); pass overwrite=True"):
+                                              r"entries \(model_index.json, unet\); pass overwrite=True to replace it whole, "
+                                              r"or choose another folder$"):
         export_pipeline(None, target, tiny_random=True, progress=False)
     assert snapshot(target) == before
 
@@ -87,3 +92,35 @@ def test_a_failed_export_leaves_the_previous_export_exactly_as_it_was(tmp_path, 
         export_pipeline(None, target, **arguments)
     assert snapshot(target) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]  # no half-built folder beside it
+
+
+# ------------------------------------------------------------------------------------------- unwritable targets
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no folder can be made")
+def test_an_output_dir_where_no_folder_can_be_made_is_named_before_any_work(tmp_path):
+    with pytest.raises(OSError, match=r"^output_dir: expected a folder that can be written, got '/proc/x': making a "
+                                      r"folder in '/proc' failed \(No such file or directory\)$") as refused:
+        export_pipeline(None, "/proc/x", tiny_random=True, progress=False)
+    assert "partial" not in str(refused.value) and refused.value.errno == errno.ENOENT
+
+
+def test_an_output_dir_below_a_file_is_named(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(NotADirectoryError, match=r"^output_dir: expected a folder that can be written, got "
+                                                 r"'.*file/onnx', but '.*file' is not a folder$"):
+        export_pipeline(None, tmp_path / "file" / "onnx", tiny_random=True, progress=False)
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_write_that_fails_inside_the_export_names_the_output_dir_and_what_was_written(tmp_path):
+    pipe = build_tiny_random_pipeline()
+
+    def disk_full(folder, **kwargs):  # as a full disk fails: naming the file being written
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(folder, "scheduler_config.json"))
+
+    pipe.scheduler.save_pretrained = disk_full
+    target = tmp_path / "onnx"
+    with pytest.raises(OSError, match=rf"^output_dir: expected a folder that can be written, got '{re.escape(str(target))}': writing "
+                                      r"scheduler/scheduler_config.json failed \(No space left on device\)$") as failed:
+        export_pipeline(None, target, torch_pipeline=pipe, components=("vae_decoder",), progress=False)
+    assert failed.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []  # neither the output nor the folder built beside it
