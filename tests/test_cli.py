@@ -351,7 +351,8 @@ def test_importing_the_package_loads_no_pipeline_library():
     ["export", "--tiny-random", "--opset", "6", "--output", "unused"], ["export", "--output", "unused"],
     ["stream", "in", "out", "--prompt", "a cat", "--steps", "0"], ["stream", "in", "out", "--prompt", "a cat",
                                                                    "--size", "big"],
-    ["loadtest", "http://127.0.0.1:1", "--requests", "0"],
+    ["loadtest", "http://127.0.0.1:1", "--requests", "0"], ["generate", "--stpes", "4"], ["serve", "--replica", "2"],
+    ["generate", "--scheduler", "eulr"], ["stream", "in", "out", "--prompt", "a cat", "--strenght", "0.5"],
 ], ids=lambda argv: " ".join(argv))
 def test_help_and_argument_mistakes_load_no_pipeline_library(argv):
     """--help and each mistake in the arguments are answered before diffusers, transformers, onnxruntime, torch or
@@ -364,6 +365,18 @@ def test_help_and_argument_mistakes_load_no_pipeline_library(argv):
             "        status = exit.code\n"
             "assert status in (0, 2), status")
     assert libraries_loaded_by(code) == []
+
+
+@pytest.mark.parametrize("argv", [["generate", "--provider", "cuda"], ["stream", "in", "out", "--prompt", "a cat",
+                                                                   "--provider", "CUDAExecutionProvder"]],
+                         ids=lambda argv: " ".join(argv))
+def test_a_provider_mistake_is_answered_with_onnxruntime_alone(argv):
+    """Which providers exist is onnxruntime's to say: the check imports it, and none of the other libraries."""
+    code = ("import contextlib, io\nfrom optimum_iobinding.cli import main\n"
+            "with contextlib.redirect_stderr(io.StringIO()) as err:\n"
+            f"    status = main({argv!r})\n"
+            "assert status == 2 and 'did you mean CUDAExecutionProvider?' in err.getvalue(), err.getvalue()")
+    assert libraries_loaded_by(code) == ["onnxruntime"]
 
 
 @pytest.mark.parametrize("name", optimum_iobinding.__all__)
