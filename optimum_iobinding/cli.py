@@ -269,7 +269,7 @@ def check_generate_arguments(args: argparse.Namespace) -> Path:
     check_local_or_hub("--model", args.model)
     check_scheduler_modules(args.scheduler)
     if args.provider is not None:  # the last check: it imports the runtime (and onnxruntime) to ask
-        from .runtime.options import normalize_providers
+        from .runtime.providers import normalize_providers
 
         with options_named(GENERATE_OPTIONS):
             normalize_providers(args.provider, io_binding=args.io_binding)
@@ -440,7 +440,7 @@ def check_stream_arguments(args: argparse.Namespace) -> Optional[Tuple[int, int]
     check_local_or_hub("--tiny-vae", args.tiny_vae)
     check_stream_folders(args.model, args.tiny_vae)
     if args.provider is not None:  # the last check: it imports the runtime (and onnxruntime) to ask
-        from .runtime.options import normalize_providers
+        from .runtime.providers import normalize_providers
 
         with options_named(STREAM_OPTIONS):
             normalize_providers(args.provider, io_binding=True)
