@@ -48,8 +48,8 @@ def test_export_into_a_non_empty_folder_is_refused_without_overwrite(tmp_path, s
     (target / "model_index.json").write_text('{"mine": true}')
     before = snapshot(target)
     with pytest.raises(FileExistsError, match=r"output_dir: expected a new or empty folder, got .* holding 2 "
-                                              r"entries \(model_index.json, unet\); pass overwrite=True to replace it whole, "
-                                              r"or choose another folder$"):
+                                              r"entries \(model_index.json, unet\); pass overwrite=True to "
+                                              r"replace it whole, or choose another folder$"):
         export_pipeline(None, target, tiny_random=True, progress=False)
     assert snapshot(target) == before
 
@@ -119,8 +119,9 @@ def test_a_write_that_fails_inside_the_export_names_the_output_dir_and_what_was_
 
     pipe.scheduler.save_pretrained = disk_full
     target = tmp_path / "onnx"
-    with pytest.raises(OSError, match=rf"^output_dir: expected a folder that can be written, got '{re.escape(str(target))}': writing "
-                                      r"scheduler/scheduler_config.json failed \(No space left on device\)$") as failed:
+    expected = (rf"^output_dir: expected a folder that can be written, got '{re.escape(str(target))}': writing "
+                r"scheduler/scheduler_config.json failed \(No space left on device\)$")
+    with pytest.raises(OSError, match=expected) as failed:
         export_pipeline(None, target, torch_pipeline=pipe, components=("vae_decoder",), progress=False)
     assert failed.value.errno == errno.ENOSPC
     assert list(tmp_path.iterdir()) == []  # neither the output nor the folder built beside it

@@ -41,9 +41,9 @@ def test_a_write_that_fails_while_saving_names_the_save_directory_and_what_was_w
 
     monkeypatch.setattr(pipe.scheduler, "save_pretrained", disk_full)
     target = tmp_path / "saved"
-    with pytest.raises(OSError, match=rf"^save_directory: expected a folder that can be written, got '{re.escape(str(target))}': "
-                                      r"writing scheduler/scheduler_config.json failed \(No space left on "
-                                      r"device\)$") as failed:
+    expected = (rf"^save_directory: expected a folder that can be written, got '{re.escape(str(target))}': writing "
+                r"scheduler/scheduler_config.json failed \(No space left on device\)$")
+    with pytest.raises(OSError, match=expected) as failed:
         pipe.save_pretrained(target)
     assert failed.value.errno == errno.ENOSPC
     assert list(tmp_path.iterdir()) == []  # neither the folder nor the one built beside it
