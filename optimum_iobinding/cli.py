@@ -119,7 +119,8 @@ def run_export(args: argparse.Namespace) -> int:
     for option, name, _ in sources:
         check_local_or_hub(option, name)
     source = Path(args.model) if args.model and Path(args.model).exists() else None
-    check_output_folder(args.output, source, args.overwrite, argument="--output")  # before the minutes of export
+    check_output_folder(args.output, source, args.overwrite, argument="--output",  # before the minutes of export
+                        overwrite_argument="--overwrite")
     quiet_libraries()
     from .export import export_pipeline
     from .export.export import check_tiny_vae_arguments, check_transformer_options, transformer_family
@@ -173,7 +174,7 @@ def check_tiny_vae_folder(tiny_vae: str, model: Optional[str]) -> None:
         raise UsageError(f"--tiny-vae: expected a folder holding an AutoencoderTiny's config.json, got {tiny_vae!r}, "
                          "which has none")
     with options_named(EXPORT_OPTIONS):
-        check_tiny_vae_config(config, tiny_vae)
+        check_tiny_vae_config(config, tiny_vae, vae_argument="--vae")
         unet = config_of(model, "unet/config.json", "model") if model else None
         if unet is not None:
             check_tiny_vae_fits(config, unet)
@@ -462,7 +463,8 @@ def run_stream(args: argparse.Namespace) -> int:
         reader = opened.enter_context(open_frames(args.input, size, argument="INPUT"))  # a bad file fails here
         width, height = reader.size
         writer = opened.enter_context(FrameWriter(args.output, fps=reader.fps or STREAM_DEFAULT_FPS,
-                                                  overwrite=args.overwrite, argument="OUTPUT"))  # before any model
+                                                  overwrite=args.overwrite, argument="OUTPUT",
+                                                  overwrite_argument="--overwrite"))  # before any model
 
         quiet_libraries()
         model = Path(args.model) if args.model and Path(args.model).exists() else args.model
