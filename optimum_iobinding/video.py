@@ -481,9 +481,10 @@ class FrameWriter:
 
     def __init__(self, path: Union[str, os.PathLike], fps: Union[float, Fraction] = 30.0, *, overwrite: bool = False,
                  codec_options: Optional[Dict[str, str]] = None, queue_frames: int = DEFAULT_QUEUE_FRAMES,
-                 argument: str = "path"):
+                 argument: str = "path", overwrite_argument: str = "overwrite=True"):
         self.path = Path(path).expanduser()
         self._argument, self._overwrite = argument, bool(overwrite)
+        self._overwrite_argument = overwrite_argument  # what the caller's user passes to replace it (an option)
         self.frames_written = 0
         suffix = self.path.suffix.lower()
         if suffix in VIDEO_ENCODERS:
@@ -495,7 +496,8 @@ class FrameWriter:
             if codec_options:
                 raise ValueError(f"codec_options: expected none for a folder of PNGs ({str(self.path)!r}), got "
                                  f"{codec_options!r}; give the path a video extension ({', '.join(VIDEO_ENCODERS)})")
-            check_output_folder(self.path, overwrite=self._overwrite, argument=argument)
+            check_output_folder(self.path, overwrite=self._overwrite, argument=argument,
+                                overwrite_argument=overwrite_argument)
             self._check_parent()
             self.fps = self._check_fps(fps)
         else:
@@ -533,7 +535,7 @@ class FrameWriter:
                                     f"{str(self.path)!r}")
         if self.path.exists() and not self._overwrite:
             raise FileExistsError(f"{self._argument}: expected a new file, got the existing file {str(self.path)!r}; "
-                                  "pass overwrite=True (CLI: --overwrite) to replace it, or choose another name")
+                                  f"pass {self._overwrite_argument} to replace it, or choose another name")
         self._check_parent()
         return encoder, options
 
@@ -714,7 +716,7 @@ class FrameWriter:
             os.link(result, self.path)
         except FileExistsError:
             raise FileExistsError(f"{self._argument}: expected a new file, got {str(self.path)!r}, which appeared "
-                                  "while the frames were written; pass overwrite=True (CLI: --overwrite) to replace "
+                                  f"while the frames were written; pass {self._overwrite_argument} to replace "
                                   "it") from None
         except OSError:  # a file system without hard links
             if self.path.exists():

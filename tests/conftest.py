@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -20,6 +21,25 @@ OPSET = 17
 IR_VERSION = 9  # the newest onnx writes IR versions this onnxruntime cannot read
 
 HAS_CUDA = torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+class _OneThreadSessionOptions(ort.SessionOptions):
+    """ORT's session options with one intra-op and one inter-op thread that do not spin while idle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.intra_op_num_threads = 1
+        self.inter_op_num_threads = 1
+        self.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.add_session_config_entry("session.inter_op.allow_spinning", "0")
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist runs a test process per core (scripts/test.sh: -n auto): each keeps to one thread, torch's and
+    # ORT's, so that the processes do not take each other's cores (ORT's idle threads spin by default)
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    ort.SessionOptions = _OneThreadSessionOptions
 
 
 def pytest_collection_modifyitems(config, items):

@@ -67,7 +67,9 @@ def test_sizes_and_steps_must_be_positive(capsys, no_work, flag):
 def test_export_into_a_non_empty_folder_is_refused_before_exporting(tmp_path, capsys, no_work):
     (tmp_path / "mine.txt").write_text("mine")
     assert main(["export", "--tiny-random", "--output", str(tmp_path)]) == 2
-    assert "--output: expected a new or empty folder" in error_line(capsys)
+    line = error_line(capsys)
+    assert "--output: expected a new or empty folder" in line
+    assert "pass --overwrite to replace it" in line and "overwrite=True" not in line  # the command's own words
     assert (tmp_path / "mine.txt").read_text() == "mine"
 
 

@@ -162,7 +162,9 @@ def test_an_existing_output_is_kept_without_overwrite_and_replaced_with_it(tmp_p
     target.mkdir()
     (target / "mine.txt").write_text("keep me")
     assert run_stream(image_folder, target, tiny_folder) == 2
-    assert "OUTPUT: expected a new or empty folder" in error_line(capsys)
+    line = error_line(capsys)
+    assert "OUTPUT: expected a new or empty folder" in line
+    assert "pass --overwrite to replace it" in line and "overwrite=True" not in line  # the command's own words
     assert os.listdir(target) == ["mine.txt"]
     assert run_stream(image_folder, target, tiny_folder, "--overwrite") == 0
     assert sorted(os.listdir(target)) == [f"{index:06d}.png" for index in range(FRAMES)]

@@ -208,7 +208,7 @@ def error_line(capsys) -> str:
 @pytest.mark.parametrize("argv, message", [
     (["--tiny-random", "--tiny-vae", "{full}"], "--tiny-vae: expected an AutoencoderTiny folder or hub id, got "
                                                 "'{full}', whose config.json names the class AutoencoderKL; a full "
-                                                "VAE goes in "),
+                                                "VAE goes in --vae"),
     (["--tiny-random", "--tiny-vae", "{wide}"], "--tiny-vae: expected a tiny VAE of 4 latent channels (the UNet's), "
                                                 "got one of 16"),
     (["--tiny-vae", "{tmp}"], "--tiny-vae: expected a folder holding an AutoencoderTiny's config.json, got '{tmp}'"),
