@@ -539,13 +539,18 @@ SERVED_MODEL_OPTION = {"pretrained_model_name_or_path": "model", "model": "model
 
 def run_serve(args: argparse.Namespace) -> int:
     import dataclasses
+    import importlib.util
 
     check_local_or_hub("model", args.model)
     config = check_serve_arguments(args, args.model if args.model is not None else "the tiny random model")
-    try:
-        from .serve import run
-    except ImportError as error:
-        raise UsageError(str(error)) from None
+    # asked of the import system: Ray must not be imported before `run` sets up the local cluster
+    missing = [name for name in ("ray", "fastapi") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"serve: expected the serve extra (Ray Serve), missing {', '.join(missing)}: "
+                         "pip install 'optimum-iobinding[serve]'")
+    from .serve import run
+    from .serve.config import ServeStartError, check_port_free
+
     if args.model is not None and not Path(args.model).exists():  # before Ray starts, as the folder check below
         fetch_from_hub("model", args.model, "model_index.json")
     quiet_libraries()
@@ -557,9 +562,20 @@ def run_serve(args: argparse.Namespace) -> int:
 
         with options_named(SERVED_MODEL_OPTION):
             pipeline_class_for(config.model)
-    print(f"optimum-iobinding: serving {config.model} on http://{args.host}:{args.port}/v1/images "
-          f"({args.replicas} replica(s), batches of up to {args.max_batch_size}); Ctrl-C stops", flush=True)
-    stopped = run(config, host=args.host, port=args.port, dashboard=args.dashboard)
+    if not os.environ.get("RAY_ADDRESS"):  # a local cluster: its proxy would share a port another server holds
+        with options_named({"port": "--port", "host": "--host"}):
+            check_port_free(args.host, args.port)
+    url = f"http://[{args.host}]:{args.port}" if ":" in args.host else f"http://{args.host}:{args.port}"
+    print(f"optimum-iobinding: starting Ray Serve for {config.model} on {url} …", flush=True)
+
+    def ready() -> None:  # once GET /health answers
+        print(f"optimum-iobinding: serving {config.model} on {url}/v1/images ({args.replicas} replica(s), batches "
+              f"of up to {args.max_batch_size}); Ctrl-C stops", flush=True)
+
+    try:
+        stopped = run(config, host=args.host, port=args.port, dashboard=args.dashboard, on_ready=ready)
+    except ServeStartError as error:  # one line; --debug shows the error behind it, with Ray's traceback
+        raise ServeStartError(f"serve: {error} (--debug shows the traceback)") from error.__cause__
     return 130 if stopped == signal.SIGINT else 0  # stopped by a signal, Serve and the local Ray shut down
 
 

@@ -7,12 +7,13 @@ replica's batching: the generator and its admission), ``app`` (the deployment, b
 imported."""
 
 from importlib import import_module
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 # each name and the module that defines it
 _APP_NAMES = {
     "ServeConfig": "config",
     "RequestLimits": "config",
+    "ServeStartError": "config",
     "ImageRequest": "schema",
     "encode_pngs": "schema",
     "REGROUP_WAIT": "batching",
@@ -29,7 +30,8 @@ __all__ = [*_APP_NAMES, "run"]
 
 
 def run(config: Any, host: str = "127.0.0.1", port: int = 8000, blocking: bool = True,
-        address: Optional[str] = None, dashboard: bool = False) -> Any:
+        address: Optional[str] = None, dashboard: bool = False, on_ready: Optional[Callable[[], Any]] = None,
+        ready_timeout_s: float = 120.0) -> Any:
     """:func:`optimum_iobinding.serve.app.run` (see it for the arguments and what it returns), where no cluster is
     given, with the local Ray cluster set to listen on 127.0.0.1 only before Ray is imported
     (:func:`~optimum_iobinding.serve.config.prepare_local_ray`)."""
@@ -37,7 +39,8 @@ def run(config: Any, host: str = "127.0.0.1", port: int = 8000, blocking: bool =
 
     prepare_local_ray(address)
     return import_module(".app", __name__).run(config, host=host, port=port, blocking=blocking, address=address,
-                                               dashboard=dashboard)
+                                               dashboard=dashboard, on_ready=on_ready,
+                                               ready_timeout_s=ready_timeout_s)
 
 
 def __getattr__(name: str) -> Any:

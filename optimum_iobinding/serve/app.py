@@ -28,11 +28,12 @@ import base64
 import inspect
 import logging
 import os
+import re
 import signal
 import threading
 import time
 from dataclasses import asdict
-from typing import Any, Dict, Optional, Type, Union
+from typing import Any, Callable, Dict, Optional, Type, Union
 
 try:
     from fastapi import FastAPI, HTTPException, Request
@@ -45,7 +46,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("optimum_iobinding.serve needs Ray Serve: pip install 'optimum-iobinding[serve]'") from error
 
 from .batching import ImageGenerator
-from .config import ServeConfig, is_loopback
+from .config import ServeConfig, ServeStartError, check_port_free, is_loopback, local_url, wait_until_answering
 from .schema import ImageRequest, encode_pngs
 
 logger = logging.getLogger(__name__)
@@ -283,49 +284,85 @@ class _StopSignals:
 
 
 def run(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, blocking: bool = True,
-        address: Optional[str] = None, dashboard: bool = False) -> Any:
+        address: Optional[str] = None, dashboard: bool = False, on_ready: Optional[Callable[[], Any]] = None,
+        ready_timeout_s: float = 120.0) -> Any:
     """Runs the application on ``host:port``, on the Ray cluster at ``address`` (or ``RAY_ADDRESS``), else on a
     local Ray cluster it starts.
 
     The local cluster is this machine's alone: every port Ray opens listens on 127.0.0.1 (only the HTTP API listens
     on ``host``), provided Ray was not imported before :func:`optimum_iobinding.serve.run` set it so (a warning says
-    when it was); its dashboard is off unless ``dashboard`` (then on 127.0.0.1:8265).
+    when it was); its dashboard is off unless ``dashboard`` (then on 127.0.0.1:8265). Before Ray starts, ``host:port``
+    must be free (:func:`~optimum_iobinding.serve.config.check_port_free`): Serve's proxy would share a port another
+    server holds rather than fail. The application is ready once ``GET /health`` answers on ``host:port``.
 
     Args:
         config: what to serve.
         host, port: where the HTTP API listens (a non-loopback ``host`` such as ``0.0.0.0`` exposes it).
         blocking: wait until SIGINT or SIGTERM, then shut Serve and the Ray cluster this call started down (a
-            second signal during the shutdown is ignored); otherwise return once the application runs.
-        address: a Ray cluster to join (``ray://`` or ``host:port``).
+            second signal during the shutdown is ignored); otherwise return once the application is ready.
+        address: a Ray cluster to join (``ray://`` or ``host:port``). Its proxies listen on its nodes, which this
+            machine may not reach at ``host:port``: neither the port check nor the wait for ``/health`` applies, and
+            the application is ready once Serve reports it running.
         dashboard: start Ray's dashboard with the local cluster.
+        on_ready: called once the application is ready (the command line prints its "serving" line there).
+        ready_timeout_s: how long ``/health`` may take to answer once Serve reports the application running.
 
     Returns:
         Blocking: the signal that stopped it (``signal.SIGINT`` or ``signal.SIGTERM``), the application shut down.
         Otherwise: the application's handle (Serve and Ray keep running; ``serve.shutdown()``, ``ray.shutdown()``).
+
+    Raises:
+        ArgumentError: ``port`` where something listens on ``host:port`` already, ``host`` where it is no address of
+            this machine (on a local cluster, before Ray starts).
+        ServeStartError: Ray, Serve's proxy or the replicas did not start, or ``/health`` did not answer: one line
+            saying what failed and what to do; what Ray raised is its ``__cause__``. What this call started is shut
+            down.
     """
     import ray
 
     address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is None:
+        check_port_free(host, port)
     signals = _StopSignals() if blocking else None
     started_ray = False
     stopped_by = None
     try:
         if signals:
             signals.install()  # a signal while Ray or the replicas start stops them too
-        if not ray.is_initialized():
-            if address is None and not is_loopback(ray.util.get_node_ip_address()):
-                logger.warning("Ray was imported before optimum_iobinding.serve.run could keep the local cluster "
-                               "on 127.0.0.1: its ports listen on every interface. Set "
-                               "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported.")
-            started_ray = True
-            if address is None:
-                ray.init(include_dashboard=dashboard, dashboard_host="127.0.0.1", log_to_driver=False)
-            else:
-                ray.init(address=address, log_to_driver=False)
-        if signals:
-            signals.install()  # over Ray's SIGTERM handlers
-        serve.start(http_options={"host": host, "port": port})
-        handle = serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        stage = "ray"
+        try:
+            if not ray.is_initialized():
+                if address is None and not is_loopback(ray.util.get_node_ip_address()):
+                    logger.warning("Ray was imported before optimum_iobinding.serve.run could keep the local cluster "
+                                   "on 127.0.0.1: its ports listen on every interface. Set "
+                                   "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported.")
+                started_ray = True
+                if address is None:
+                    ray.init(include_dashboard=dashboard, dashboard_host="127.0.0.1", log_to_driver=False)
+                else:
+                    ray.init(address=address, log_to_driver=False)
+            if signals:
+                signals.install()  # over Ray's SIGTERM handlers
+            stage = "proxy"
+            serve.start(http_options={"host": host, "port": port})
+            stage = "replicas"
+            handle = serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+            stage = "health"
+            health = f"{local_url(host, port)}/health"
+            if address is None and not wait_until_answering(health, ready_timeout_s):
+                raise ServeStartError(f"the application runs, but {health} did not answer within "
+                                      f"{ready_timeout_s:g} s; see Ray's logs (/tmp/ray/session_latest/logs)")
+        except ServeStartError:
+            if not blocking and started_ray:
+                _shut_down(started_ray, local=address is None)
+            raise
+        except Exception as error:
+            failure = start_failure(stage, error, host, port)
+            if not blocking and started_ray:
+                _shut_down(started_ray, local=address is None)
+            raise failure from error
+        if on_ready is not None:
+            on_ready()
         if not blocking:
             return handle
         while True:
@@ -340,6 +377,67 @@ def run(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, blocking
             finally:
                 signals.restore()
     return stopped_by
+
+
+# what failed at each stage of the start, and what to do
+_START_STAGES = {
+    "ray": ("Ray did not start", "see Ray's logs (/tmp/ray/session_latest/logs)"),
+    "proxy": ("Serve's HTTP proxy did not start on {where}",
+              "stop what listens there or choose another port; see Ray's logs (/tmp/ray/session_latest/logs)"),
+    "replicas": ("the replicas did not start", "fix what it names and start again; Ray's logs: "
+                                                "/tmp/ray/session_latest/logs/serve"),
+    "health": ("the application did not answer", "see Ray's logs (/tmp/ray/session_latest/logs)"),
+}
+# the project's refusals of an argument: their message names the argument already
+_ARGUMENT_ERRORS = ("ArgumentError", "ArgumentTypeError", "ArgumentPathError")
+
+
+def start_failure(stage: str, error: BaseException, host: str, port: int) -> ServeStartError:
+    """One line for a failed start: what failed (``stage``: ``ray``, ``proxy``, ``replicas`` or ``health``), why (the
+    last line of the error's own report: Ray's remote errors carry the remote traceback as text; a failed application
+    is asked of Serve, whose status holds the replicas' error), and what to do."""
+    what, todo = _START_STAGES[stage]
+    reason = error_line(getattr(error, "cause", None) or error)
+    if stage == "replicas":
+        reason = _replica_error(APP_NAME) or reason
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return ServeStartError(f"{what.format(where=where)}: {reason}; {todo}")
+
+
+def _replica_error(app_name: str) -> Optional[str]:
+    """The error of the application's replicas that failed to start, from Serve's status (``None`` where there is
+    none, or Serve cannot be asked)."""
+    try:
+        application = serve.status().applications.get(app_name)
+    except Exception:  # noqa: BLE001 — the status is a better reason, not the only one
+        return None
+    if application is None:
+        return None
+    for deployment in application.deployments.values():
+        if str(deployment.status).endswith(("UNHEALTHY", "DEPLOY_FAILED")) and deployment.message:
+            return error_line(deployment.message)
+    return error_line(application.message) if application.message else None
+
+
+_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:\([\w.]+\))?): (.+)$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def error_line(error: Union[BaseException, str], limit: int = 400) -> str:
+    """An error's report in one line: an exception's type and message, or, where its text is a traceback (Ray's
+    remote errors, a failed deployment's status), its last ``Type: message`` line (what was raised last); the
+    project's argument refusals by their message alone (it names the argument); at most ``limit`` characters."""
+    lines = [line.strip() for line in _ANSI.sub("", str(error)).splitlines() if line.strip()]
+    found = [match for match in map(_ERROR_LINE.match, lines) if match]
+    if isinstance(error, BaseException) and len(lines) <= 1:
+        name, message = type(error).__name__, lines[0] if lines else ""
+    elif found:
+        name, message = found[-1].group(1), found[-1].group(2)
+    else:
+        name, message = "", lines[-1] if lines else "no reason given"
+    name = name.rsplit(".", 1)[-1]
+    line = message if name in _ARGUMENT_ERRORS or not name else f"{name}: {message}" if message else name
+    return line if len(line) <= limit else line[:limit - 1] + "…"
 
 
 def _shut_down(started_ray: bool, local: bool) -> None:

@@ -29,6 +29,7 @@ becomes pipeline calls and answers — :class:`ImageGenerator` (no HTTP) and its
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -36,17 +37,47 @@ import os
 import secrets
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 try:
     from ray import serve
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("optimum_iobinding.serve needs Ray Serve: pip install 'optimum-iobinding[serve]'") from error
 
+from ..errors import ArgumentError
 from .config import RequestLimits, ServeConfig
 from .schema import MAX_SEED, decode_image, encode_pngs, parse_size, shown
 
 logger = logging.getLogger(__name__)
+
+# the request's JSON fields that give the pipeline's arguments, for a refusal by the pipeline's own checks
+PIPELINE_ARGUMENT_FIELDS = {"height": "size", "width": "size", "height and width": "size",
+                            "num_inference_steps": "steps", "guidance_scale": "guidance",
+                            "num_images_per_prompt": "n", "strength": "strength", "prompt": "prompt",
+                            "negative_prompt": "negative_prompt"}
+
+
+def named_by_field(error: ArgumentError) -> ArgumentError:
+    """A pipeline's refusal of an argument, naming the request's JSON field that gave it (``steps``, not
+    ``num_inference_steps``; ``size: height and width …`` where the field holds both); others as they are."""
+    field = PIPELINE_ARGUMENT_FIELDS.get(error.argument)
+    if field is None or field == error.argument:
+        return error
+    if field == "size":  # one field for two arguments: the reason says which
+        return ArgumentError(field, f"{error.argument} {error.reason}")
+    return error.renamed(field)
+
+
+@contextlib.contextmanager
+def model_named_as_configured() -> Iterator[None]:
+    """Loading refuses the folder as ``pretrained_model_name_or_path``; a replica was given it as ``model`` (the
+    setting of ServeConfig, and the argument of ``optimum-iobinding serve``): inside this block it is named so."""
+    try:
+        yield
+    except ArgumentError as error:
+        if error.argument != "pretrained_model_name_or_path":
+            raise
+        raise error.renamed("model") from error
 
 # How long (a share of the batch's time) a batch waits for the clients of the previous one to come back. Too short a
 # share fails with several clients per replica: their answers pass the proxy one after another, the late ones miss
@@ -224,19 +255,22 @@ class ImageGenerator:
         self.config = ServeConfig(**config)
         use_cuda = self.config.device == "cuda" or (self.config.device == "auto" and torch.cuda.is_available())
         provider = self.config.provider or ("CUDAExecutionProvider" if use_cuda else "CPUExecutionProvider")
-        # a hub id: the files any text-to-image family reads, downloaded once per replica's machine
-        folder = str(resolve_model_folder(self.config.model))
         self.numpy_engine = self.config.engine == "diffusers-numpy"
         self.img2img: Any = None  # the image-to-image pipeline on the same models, where there is one
-        if self.numpy_engine:
-            from ..pipelines import load_numpy_pipeline
+        with model_named_as_configured():
+            # a hub id: the files any text-to-image family reads, downloaded once per replica's machine
+            folder = str(resolve_model_folder(self.config.model))
+            if self.numpy_engine:
+                from ..pipelines import load_numpy_pipeline
 
-            self.pipe = load_numpy_pipeline(folder, provider, **self.config.pipeline_options)
+                self.pipe = load_numpy_pipeline(folder, provider, **self.config.pipeline_options)
+            else:
+                pipeline_class = pipeline_class_for(folder)
+                self.pipe = pipeline_class.from_pretrained(folder, provider=provider, **self.config.pipeline_options)
+        if self.numpy_engine:
             self.pipeline_name = "diffusers.OnnxStableDiffusionPipeline"
             self.default_size = 512  # its call's default
         else:
-            pipeline_class = pipeline_class_for(folder)
-            self.pipe = pipeline_class.from_pretrained(folder, provider=provider, **self.config.pipeline_options)
             self.pipeline_name = pipeline_class.__name__
             self.default_size = self.pipe.default_image_size
             self.img2img = self.pipe.image_to_image()  # no second copy of any model
@@ -370,7 +404,10 @@ class ImageGenerator:
                       num_images_per_prompt=request["n"], strength=request.get("strength"))
         if "negative_prompt" in self.accepts:
             checks["negative_prompt"] = request.get("negative_prompt")
-        self.pipe.check_inputs(**checks)
+        try:
+            self.pipe.check_inputs(**checks)
+        except ArgumentError as error:
+            raise named_by_field(error) from None
         return request
 
     def _check_tokens(self, request: Dict[str, Any]) -> None:

@@ -1,14 +1,21 @@
 """What the application serves and how: :class:`ServeConfig`, its checks, and its parsing from ``serve run``'s
 ``key=value`` arguments; the limits a replica puts on requests (:class:`RequestLimits`, resolved from the config and
-the pipeline); and the environment of a local Ray cluster that listens on loopback only
-(:func:`prepare_local_ray`). Needs nothing beyond the standard library."""
+the pipeline); the environment of a local Ray cluster that listens on loopback only (:func:`prepare_local_ray`);
+and, before and after a server starts, whether its address is free (:func:`check_port_free`) and when it answers
+(:func:`wait_until_answering`). Needs nothing beyond the standard library."""
 
+import errno
+import http.client
 import ipaddress
 import math
 import os
+import socket
 import sys
+import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Literal, Optional
+from typing import Any, Callable, Dict, List, Literal, Optional
 
 from ..errors import ArgumentError
 
@@ -218,6 +225,83 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+class ServeStartError(RuntimeError):
+    """The service did not start: one line saying what failed and what to do (the error behind it, with Ray's
+    traceback, is its ``__cause__``)."""
+
+
+def _socket_family(host: str) -> int:
+    """The address family Serve's proxy binds ``host`` with: IPv6 for an IPv6 address, IPv4 otherwise (a name such as
+    ``localhost`` resolves to its IPv4 address)."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuses ``host:port`` where a server could not listen there alone: something listens on it already (another
+    optimum-iobinding server, any other program), or ``host`` is no address of this machine.
+
+    Serve's proxy binds its port with ``SO_REUSEPORT``: a second server on a port another one holds would not fail,
+    the two would share it and the kernel would hand each connection to either. So this check binds a socket of its
+    own to ``(host, port)`` and closes it, without ``SO_REUSEPORT``: on Linux such a bind fails (``EADDRINUSE``)
+    while any socket listens on the port, with or without ``SO_REUSEPORT``, and on any address that overlaps
+    (``0.0.0.0`` and ``127.0.0.1``). It sets ``SO_REUSEADDR`` on Linux, which there shares no port with a listener but
+    lets the bind pass where only connections of a stopped server linger (``TIME_WAIT``), so a server restarted at
+    once is not refused; elsewhere the bind is plain.
+
+    Raises:
+        ArgumentError: ``port`` when the port is taken or needs privileges; ``host`` when it cannot be bound here.
+    """
+    family = _socket_family(host)
+    where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            if sys.platform.startswith("linux"):
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except socket.gaierror as error:
+        raise ArgumentError("host", f"expected an address of this machine, got {host!r}: {error.strerror}") from None
+    except OSError as error:
+        if error.errno == errno.EADDRINUSE:
+            raise ArgumentError("port", f"expected a free port, got {port}: something already listens on {where} "
+                                        "(another server?); stop it or choose another port") from None
+        if error.errno in (errno.EACCES, errno.EPERM):
+            raise ArgumentError("port", f"expected a port this user may listen on, got {port} on {where}: "
+                                        f"{error.strerror}; choose one above 1023") from None
+        raise ArgumentError("host", f"expected an address of this machine to listen on, got {host!r}: "
+                                    f"{error.strerror or error}") from None
+
+
+def local_url(host: str, port: int) -> str:
+    """The URL that reaches a server listening on ``host:port`` from this machine: an any-address (``0.0.0.0``,
+    ``::``) is reached on loopback."""
+    address = host.strip().strip("[]")
+    if address in ("", "0.0.0.0"):
+        address = "127.0.0.1"
+    elif address == "::":
+        address = "::1"
+    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
+
+
+def wait_until_answering(url: str, timeout_s: float, interval_s: float = 0.05,
+                         keep_waiting: Callable[[], bool] = lambda: True) -> bool:
+    """Asks ``GET url`` until it answers 200: ``True`` once it did, ``False`` once ``timeout_s`` passed or
+    ``keep_waiting()`` (asked between tries) says no more. A refused or dropped connection, an answer of another
+    status, or no answer within the try's own timeout: the server is still starting, asked again ``interval_s``
+    later."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with urllib.request.urlopen(url, timeout=max(0.1, min(5.0, remaining))) as answer:
+                if answer.status == 200:
+                    return True
+        except (OSError, http.client.HTTPException, urllib.error.URLError):  # HTTPError is one: another status
+            pass
+        if time.monotonic() + interval_s > deadline or not keep_waiting():
+            return False
+        time.sleep(interval_s)
 
 
 def prepare_local_ray(address: Optional[str] = None) -> bool:

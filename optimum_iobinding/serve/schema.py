@@ -3,7 +3,9 @@ start image read into what the pipelines take (within the replica's limits), and
 
 # no `from __future__ import annotations`: FastAPI reads ImageRequest's annotations as objects
 import base64
+import binascii
 import io
+import re
 import struct
 import sys
 import warnings
@@ -64,26 +66,48 @@ def parse_size(size: Union[int, str, None], default: int) -> Tuple[int, int]:
     return sides
 
 
+IMAGE_EXPECTED = "a base64 PNG or JPEG"
+
+
+def plain_reason(error: BaseException) -> str:
+    """An error's message for a client: Pillow names the file it read by its object (``<_io.BytesIO object at
+    0x7f…>``), which means nothing to the sender of a JSON field; such a name becomes ``the image``."""
+    text = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the image", str(error)).strip()
+    return (text.splitlines() or [type(error).__name__])[0][:200]
+
+
 def decode_image(data: str, max_pixels: Optional[int] = None) -> Any:
     """A base64 PNG or JPEG → float32 HxWx3 in [0, 1] (what the image-to-image pipelines take). An image of more than
-    ``max_pixels`` is refused from its header, before its pixels are decoded."""
+    ``max_pixels`` is refused from its header, before its pixels are decoded. A refusal names the JSON field
+    (``image``), what it takes and what came: text that is no base64, bytes of no image Pillow reads (their first
+    bytes shown), an image that cannot be decoded."""
     import numpy as np
     from PIL import Image
 
-    def unreadable(error: Exception) -> ValueError:
-        return ValueError(f"image: expected a base64 PNG or JPEG, could not read it: {error}")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise ValueError(f"image: expected {IMAGE_EXPECTED}, got text that is no base64 ({plain_reason(error)})"
+                         ) from None
+
+    def undecodable(kind: str, error: Exception) -> ValueError:
+        return ValueError(f"image: expected {IMAGE_EXPECTED}, got {kind} that could not be decoded: "
+                          f"{plain_reason(error)}")
 
     # Pillow raises many kinds of errors on a damaged file (OSError, SyntaxError, struct.error ...), and warns of a
     # decompression bomb: each is the client's image failing, never the service's
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
-            image = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
+            image = Image.open(io.BytesIO(raw))
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
             limit = f"at most {max_pixels} pixels (max_pixels_per_image)" if max_pixels else "an image Pillow decodes"
-            raise ValueError(f"image: expected {limit}, got more: {error}") from None
+            raise ValueError(f"image: expected {limit}, got more: {plain_reason(error)}") from None
+        except Image.UnidentifiedImageError:
+            raise ValueError(f"image: expected {IMAGE_EXPECTED}, got {len(raw)} bytes of no image Pillow reads "
+                             f"(they start with {raw[:8]!r})") from None
         except Exception as error:  # noqa: BLE001
-            raise unreadable(error) from None
+            raise undecodable(f"{len(raw)} bytes", error) from None
         with image:
             width, height = image.size
             if max_pixels is not None and width * height > max_pixels:
@@ -92,7 +116,7 @@ def decode_image(data: str, max_pixels: Optional[int] = None) -> Any:
             try:
                 pixels = np.asarray(image.convert("RGB"))
             except Exception as error:  # noqa: BLE001
-                raise unreadable(error) from None
+                raise undecodable(f"a {image.format or 'file'} of {width}×{height} pixels", error) from None
     return pixels.astype(np.float32) / 255.0
 
 
