@@ -538,6 +538,100 @@ def test_overload_gets_503_and_the_admitted_requests_succeed(server, tiny_folder
     assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses, statuses
 
 
+def test_a_second_server_on_the_port_of_a_running_one_is_refused_before_anything_starts(server, tiny_folder, capsys,
+                                                                                         monkeypatch):
+    """Serve's proxy binds its port with SO_REUSEPORT: a second one on the same port would share it, silently. The
+    command line (exit status 2, one line naming host and port) and the Python API (naming ``port``) refuse it."""
+    import optimum_iobinding.serve as serving
+    from optimum_iobinding.cli import main
+    from optimum_iobinding.errors import ArgumentError
+    from optimum_iobinding.serve import ServeConfig, app
+
+    def started(*args, **kwargs):
+        raise AssertionError("a second server was started")
+
+    port = int(server.url.rsplit(":", 1)[1])
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with monkeypatch.context() as patch:
+        patch.setattr(serving, "run", started)
+        assert main(["serve", str(tiny_folder), "--port", str(port), "--device", "cpu"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and f"--port: expected a free port, got {port}: something already " \
+                                                   f"listens on 127.0.0.1:{port}" in err
+    monkeypatch.setattr(app.serve, "start", started)  # the cluster of this process is running: nothing may start
+    with pytest.raises(ArgumentError) as refused:
+        serving.run(ServeConfig(model=str(tiny_folder), device="cpu"), port=port, blocking=False)
+    assert refused.value.argument == "port" and f"127.0.0.1:{port}" in str(refused.value)
+    test_health_and_models(server)  # the running one goes on
+
+
+def test_an_image_field_that_is_no_image_gets_400_naming_the_field_and_no_object(server):
+    status, _, data = post(server.url, dict(prompt="x", image=base64.b64encode(b"GIF? no, text").decode()))
+    detail = json.loads(data)["detail"]
+    assert status == 400 and detail == ("image: expected a base64 PNG or JPEG, got 13 bytes of no image Pillow reads "
+                                        "(they start with b'GIF? no,')")
+    status, _, data = post(server.url, dict(prompt="x", guidance=float("nan")))  # refused by the pipeline's check
+    assert status == 400 and json.loads(data)["detail"].startswith("guidance: expected a finite number, got nan")
+
+
+def test_the_pipelines_refusals_name_the_requests_fields(generator):
+    wrong = SIZE + 8
+    with pytest.raises(ValueError, match=rf"^size: height and width expected multiples of \d+ .*got {wrong} and "
+                                         rf"{wrong}"):
+        generator.complete_request(dict(prompt="x", size=wrong))
+    with pytest.raises(ValueError, match=r"^guidance: expected a finite number, got nan"):
+        generator.complete_request(dict(prompt="x", guidance=float("nan")))
+
+
+def load_serve_bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "serve_bench.py"
+    spec = importlib.util.spec_from_file_location("serve_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmarks_floor_deployment_answers_the_payload_after_its_wait(server):
+    """benchmarks/serve_bench.py's floor of Ray Serve: on this cluster's proxy (beside the module's application, at a
+    route of its own), it answers as many bytes as asked, as a PNG, only after its wait."""
+    from ray import serve
+
+    from optimum_iobinding.serve.loadtest import run_loadtest
+
+    bench = load_serve_bench()
+    wait_s = 0.05
+    serve.run(bench.floor_app(1234, wait_s), name="floor", route_prefix="/floor", blocking=False)
+    try:
+        status, headers, data = post(server.url + "/floor", {"prompt": "x"})
+        (row,) = run_loadtest(server.url + "/floor", [1], 3, {"prompt": "x"}, warmup=0)
+    finally:
+        serve.delete("floor")
+    assert status == 200 and headers["content-type"] == "image/png" and len(data) == 1234
+    assert float(headers["x-server-seconds"]) >= wait_s  # the handler's own clock: it waited, then answered
+    assert row["statuses"] == {"200": 3} and row["server_mean_s"] >= wait_s
+
+
+def test_the_benchmark_reports_served_minus_bare_minus_floor():
+    bench = load_serve_bench()
+    rows = [{"engine": "optimum-iobinding", "replicas": 1, "batching": True, "concurrency": 1, "p50_s": 0.260},
+            {"engine": "optimum-iobinding", "replicas": 1, "batching": True, "concurrency": 1, "p50_s": 0.5,
+             "fresh": True},
+            {"engine": "optimum-iobinding", "replicas": 1, "batching": True, "concurrency": 16, "p50_s": 2.0},
+            {"engine": "diffusers-numpy", "replicas": 1, "batching": False, "concurrency": 1, "p50_s": 0.3}]
+    result = {"bare": {"latency_batch1_s": 0.240}, "rows": rows,
+              "floor": {"wait_s": 0.240, "payload_bytes": 787000, "p50_s": 0.254, "statuses": {"200": 16}}}
+    summary = bench.floor_summary(result)
+    assert summary["overhead_p50_s"] == pytest.approx(0.014)
+    (served,) = summary["served_c1"]
+    assert served["beyond_floor_s"] == pytest.approx(0.260 - 0.240 - 0.014)
+    lines = bench.floor_lines(result)
+    assert "**14.0 ms** beyond its wait" in lines[0] and "= **6.0 ms**" in lines[1]
+    assert bench.floor_summary(dict(result, floor=None)) == {} and bench.floor_lines(dict(result, floor=None)) == []
+
+
 def test_shutdown_leaves_no_ray_process(server):  # last: it ends the module's server
     processes = [p for p in server.ray_processes if p.is_running()]
     assert any("raylet" in p.name() for p in processes)
