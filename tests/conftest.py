@@ -23,23 +23,38 @@ IR_VERSION = 9  # the newest onnx writes IR versions this onnxruntime cannot rea
 HAS_CUDA = torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
 
 
-class _OneThreadSessionOptions(ort.SessionOptions):
-    """ORT's session options with one intra-op and one inter-op thread that do not spin while idle."""
+def _one_thread(options: ort.SessionOptions) -> ort.SessionOptions:
+    """``options`` with one intra-op and one inter-op thread that do not spin while idle."""
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return options
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.intra_op_num_threads = 1
-        self.inter_op_num_threads = 1
-        self.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.add_session_config_entry("session.inter_op.allow_spinning", "0")
+
+def _keep_to_one_thread() -> None:
+    """pytest-xdist runs a test process per core (scripts/test.sh: -n auto): each keeps to one thread, torch's and
+    ORT's, so that the processes do not take each other's cores (ORT's idle threads spin by default). A session made
+    without options (the project's own when no ``sess_options`` is given, or a test's) gets one-thread options; one
+    made with a caller's options keeps them as they are."""
+    import optimum_iobinding.runtime.session as session_module
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    copy_session_options = session_module.copy_session_options
+    session_module.copy_session_options = lambda base: (
+        _one_thread(copy_session_options(None)) if base is None else copy_session_options(base))
+    init = ort.InferenceSession.__init__
+
+    def one_thread_init(self, path_or_bytes, sess_options=None, *args, **kwargs):
+        init(self, path_or_bytes, _one_thread(ort.SessionOptions()) if sess_options is None else sess_options,
+             *args, **kwargs)
+
+    ort.InferenceSession.__init__ = one_thread_init
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # pytest-xdist runs a test process per core (scripts/test.sh: -n auto): each keeps to one thread, torch's and
-    # ORT's, so that the processes do not take each other's cores (ORT's idle threads spin by default)
-    torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
-    ort.SessionOptions = _OneThreadSessionOptions
+    _keep_to_one_thread()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -121,23 +136,61 @@ def three_output_model() -> onnx.ModelProto:
 
 
 # ------------------------------------------------------------------------------------------------------ folders
+def _hashes(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 @pytest.fixture(scope="session")
 def snapshot():
     """``snapshot(folder)``: every file under ``folder`` with the hash of its bytes."""
-    def hashes(folder: Path) -> dict:
-        return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-                for p in sorted(folder.rglob("*")) if p.is_file()}
-
-    return hashes
+    return _hashes
 
 
 @pytest.fixture(scope="session")
-def tiny_folder(tmp_path_factory):
-    """The tiny random-weights Stable Diffusion pipeline exported to the ONNX layout (fp32, unfused), once per test
-    process; tests only read it."""
-    from optimum_iobinding.export import export_pipeline
+def shared_export(tmp_path_factory):
+    """``shared_export(name, write)``: the folder ``write(folder)`` makes, made once per test run — by the first test
+    process (pytest-xdist worker) and module that asks for ``name``, under a file lock — and read by all the others:
+    the tiny exports are deterministic (seeded), so one is as good as another, and exporting is most of what a tiny
+    model costs. Tests only read these folders; each is checked unchanged when the process ends."""
+    from filelock import FileLock
 
-    return export_pipeline(None, tmp_path_factory.mktemp("tiny") / "sd", tiny_random=True, progress=False)
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-exports"
+    root.mkdir(exist_ok=True)
+    made = {}
+
+    def export(name: str, write) -> Path:
+        target = root / name
+        with FileLock(str(root / f"{name}.lock")):
+            if not target.is_dir():
+                partial = root / f"{name}.partial"
+                shutil.rmtree(partial, ignore_errors=True)
+                write(partial)
+                partial.rename(target)
+        made.setdefault(name, _hashes(target))
+        return target
+
+    yield export
+    changed = [name for name, hashes in made.items() if _hashes(root / name) != hashes]
+    assert not changed, f"tests changed the shared exports {changed}: copy a shared folder before changing it"
+
+
+def _exported(**kwargs):
+    """``write(folder)`` for :func:`shared_export`: ``export_pipeline(None, folder, **kwargs)``."""
+    def write(folder: Path) -> None:
+        from optimum_iobinding.export import export_pipeline
+
+        export_pipeline(None, folder, progress=False, **kwargs)
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(shared_export):
+    """The tiny random-weights Stable Diffusion pipeline exported to the ONNX layout (fp32, unfused), once per test
+    run; tests only read it."""
+    return shared_export("tiny-sd", _exported(tiny_random=True))
 
 
 @pytest.fixture
@@ -158,7 +211,7 @@ def copy_of(tiny_folder, tmp_path):
 
 
 # --------------------------------------------------------------------------- tiny random exports of every family
-# Each is made once per test module that uses it (the torch pipelines are the tests' to change).
+# Each torch pipeline is made once per test module that uses it (the module's to change); the exports are shared.
 class _ModeOnly:
     """A latent distribution whose sample is its mode (what the export's VAE encoder gives)."""
 
@@ -187,55 +240,53 @@ def vae_encodes_its_mode():
     return _vae_encodes_its_mode
 
 
-def _torch_and_export(torch_pipe, folder):
-    from optimum_iobinding.export import export_pipeline
-
+def _torch_and_export(torch_pipe, shared_export, name):
+    """Diffusers' torch pipeline ``torch_pipe`` (the module's own, to change) and its export, shared as ``name`` (the
+    builders are seeded: every module's pipeline has the same weights)."""
     torch_pipe.set_progress_bar_config(disable=True)
-    return torch_pipe, export_pipeline(None, folder, torch_pipeline=torch_pipe, progress=False)
+    return torch_pipe, shared_export(name, _exported(torch_pipeline=torch_pipe))
 
 
 @pytest.fixture(scope="module")
-def lcm(tmp_path_factory):
+def lcm(shared_export):
     """The tiny random Latent Consistency Model: diffusers' torch pipeline (its VAE encoder giving the mode, as the
     export's does) and its export."""
     from optimum_iobinding.export.tiny import build_tiny_random_lcm_pipeline
 
-    torch_pipe, folder = _torch_and_export(build_tiny_random_lcm_pipeline(), tmp_path_factory.mktemp("lcm") / "lcm")
+    torch_pipe, folder = _torch_and_export(build_tiny_random_lcm_pipeline(), shared_export, "lcm")
     return _vae_encodes_its_mode(torch_pipe), folder
 
 
 @pytest.fixture(scope="module")
-def sd3(tmp_path_factory):
+def sd3(shared_export):
     """The tiny random Stable Diffusion 3 pipeline: diffusers' torch pipeline and its export."""
     from optimum_iobinding.export.tiny import build_tiny_random_sd3_pipeline
 
-    return _torch_and_export(build_tiny_random_sd3_pipeline(), tmp_path_factory.mktemp("sd3") / "sd3")
+    return _torch_and_export(build_tiny_random_sd3_pipeline(), shared_export, "sd3")
 
 
 @pytest.fixture(scope="module")
-def sd3_without_t5(tmp_path_factory):
+def sd3_without_t5(shared_export):
     """The tiny random Stable Diffusion 3 pipeline without its T5 encoder: diffusers' torch pipeline and its export."""
     from optimum_iobinding.export.tiny import build_tiny_random_sd3_pipeline
 
-    return _torch_and_export(build_tiny_random_sd3_pipeline(with_t5=False), tmp_path_factory.mktemp("sd3") / "no-t5")
+    return _torch_and_export(build_tiny_random_sd3_pipeline(with_t5=False), shared_export, "sd3-without-t5")
 
 
 @pytest.fixture(scope="module")
-def schnell(tmp_path_factory):
+def schnell(shared_export):
     """The tiny random FLUX.1 schnell pipeline (no guidance embedding): diffusers' torch pipeline and its export."""
     from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline
 
-    return _torch_and_export(build_tiny_random_flux_pipeline(0, guidance_embeds=False),
-                             tmp_path_factory.mktemp("schnell") / "flux")
+    return _torch_and_export(build_tiny_random_flux_pipeline(0, guidance_embeds=False), shared_export, "schnell")
 
 
 @pytest.fixture(scope="module")
-def dev(tmp_path_factory):
+def dev(shared_export):
     """The tiny random FLUX.1 dev pipeline (a guidance embedding): diffusers' torch pipeline and its export."""
     from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline
 
-    return _torch_and_export(build_tiny_random_flux_pipeline(0, guidance_embeds=True),
-                             tmp_path_factory.mktemp("dev") / "flux")
+    return _torch_and_export(build_tiny_random_flux_pipeline(0, guidance_embeds=True), shared_export, "dev")
 
 
 @pytest.fixture(params=["schnell", "dev"])
@@ -244,24 +295,22 @@ def flux(request):
     return request.getfixturevalue(request.param)
 
 
-@pytest.fixture(scope="module")
-def vae_folder(tmp_path_factory):
+@pytest.fixture(scope="session")
+def vae_folder(shared_export):
     """A folder of the tiny random tiny VAE (diffusers' AutoencoderTiny) alone: vae_encoder/ and vae_decoder/."""
-    from optimum_iobinding.export import export_pipeline
-
-    return export_pipeline(None, tmp_path_factory.mktemp("taesd") / "taesd", tiny_vae=True, progress=False)
+    return shared_export("taesd", _exported(tiny_vae=True))
 
 
-@pytest.fixture(scope="module")
-def controlnet_folders(tmp_path_factory):
+@pytest.fixture(scope="session")
+def controlnet_folders(shared_export):
     """The tiny random ControlNet pipeline's exports: with one ControlNet ("one") and with two ("two")."""
-    from optimum_iobinding.export import export_pipeline
     from optimum_iobinding.export.tiny import build_tiny_random_controlnet_pipeline
 
-    root = tmp_path_factory.mktemp("controlnet")
-    return {"one": export_pipeline(None, root / "one", tiny_random="controlnet", progress=False),
-            "two": export_pipeline(None, root / "two", progress=False,
-                                   torch_pipeline=build_tiny_random_controlnet_pipeline(controlnets=2))}
+    def two(folder):
+        _exported(torch_pipeline=build_tiny_random_controlnet_pipeline(controlnets=2))(folder)
+
+    return {"one": shared_export("controlnet-one", _exported(tiny_random="controlnet")),
+            "two": shared_export("controlnet-two", two)}
 
 
 @pytest.fixture(scope="session")

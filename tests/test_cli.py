@@ -311,8 +311,13 @@ def test_serve_hands_its_limits_to_the_service_and_exits_by_the_signal_that_stop
     pytest.importorskip("ray.serve")
     import signal
 
+    import socket
+
     import optimum_iobinding.serve as serve
 
+    with socket.socket() as probe:  # a port nothing listens on (the command refuses a busy one)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     started = {}
 
     def run(config, **kwargs):  # what the service would be started with; it stops at once, as by the signal
@@ -321,11 +326,11 @@ def test_serve_hands_its_limits_to_the_service_and_exits_by_the_signal_that_stop
 
     monkeypatch.setattr(serve, "run", run)
     assert main(["serve", str(tiny_folder), "--max-steps", "60", "--max-prompt-chars", "500", "--max-pixels-per-image",
-                 "262144", "--request-timeout-s", "30", "--dashboard", "--port", "8123"]) == status
+                 "262144", "--request-timeout-s", "30", "--dashboard", "--port", str(port)]) == status
     config = started["config"]
     assert (config.max_steps, config.max_prompt_chars, config.max_pixels_per_image, config.request_timeout_s) == (
         60, 500, 262144, 30.0)
-    assert started["dashboard"] is True and started["port"] == 8123
+    assert started["dashboard"] is True and started["port"] == port
 
 
 # ------------------------------------------------------------------------------------------ what a command imports

@@ -14,24 +14,25 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def sd(tmp_path_factory, vae_encodes_its_mode):
-    """The tiny random Stable Diffusion pipeline: diffusers' torch pipeline (its VAE encoder giving the mode, as the
-    export's does) and its export."""
+def sd(shared_export, vae_encodes_its_mode):
+    """The tiny random Stable Diffusion pipeline: diffusers' torch pipeline (the module's own; its VAE encoder giving
+    the mode, as the export's does) and its export (shared: the builder is seeded)."""
     from optimum_iobinding.export import export_pipeline
     from optimum_iobinding.export.tiny import build_tiny_random_pipeline
 
     torch_pipe = build_tiny_random_pipeline()
     torch_pipe.set_progress_bar_config(disable=True)
-    folder = export_pipeline(None, tmp_path_factory.mktemp("sd") / "sd", torch_pipeline=torch_pipe, progress=False)
+    folder = shared_export("sd", lambda target: export_pipeline(None, target, torch_pipeline=torch_pipe,
+                                                                progress=False))
     return vae_encodes_its_mode(torch_pipe), folder
 
 
-@pytest.fixture(scope="module")
-def xl_folder(tmp_path_factory):
+@pytest.fixture(scope="session")
+def xl_folder(shared_export):
     """The tiny random SDXL pipeline's export."""
     from optimum_iobinding.export import export_pipeline
 
-    return export_pipeline(None, tmp_path_factory.mktemp("xl") / "xl", tiny_random="xl", progress=False)
+    return shared_export("xl", lambda target: export_pipeline(None, target, tiny_random="xl", progress=False))
 
 
 @pytest.fixture(scope="session")

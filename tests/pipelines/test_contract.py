@@ -64,16 +64,15 @@ FAMILIES = [
 
 
 @pytest.fixture(scope="session")
-def exports(tmp_path_factory, tiny_folder):
-    """Each tiny random export the families run on, made once per test process on first use."""
+def exports(shared_export, tiny_folder):
+    """Each tiny random export the families run on, made once per test run on first use (shared_export)."""
     from optimum_iobinding.export import export_pipeline
 
-    made = {"sd": tiny_folder}
-
     def folder(kind: str):
-        if kind not in made:
-            made[kind] = export_pipeline(None, tmp_path_factory.mktemp(kind) / kind, tiny_random=kind, progress=False)
-        return made[kind]
+        if kind == "sd":
+            return tiny_folder
+        return shared_export(f"tiny-random-{kind}", lambda target: export_pipeline(None, target, tiny_random=kind,
+                                                                                     progress=False))
 
     return folder
 

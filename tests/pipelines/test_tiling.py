@@ -15,11 +15,11 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(shared_export):
     torch_pipe = build_tiny_random_pipeline()
     torch_pipe.set_progress_bar_config(disable=True)
-    folder = export_pipeline(None, tmp_path_factory.mktemp("tiling") / "sd", torch_pipeline=torch_pipe,
-                             progress=False)
+    folder = shared_export("sd", lambda target: export_pipeline(None, target, torch_pipeline=torch_pipe,
+                                                                progress=False))
     return torch_pipe, folder
 
 
