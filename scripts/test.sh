@@ -4,11 +4,14 @@
 #   .venv           main: diffusers 0.42, transformers 5, Ray Serve 2.60, PyAV 18   (constraints.txt)
 #                   first the layering contracts (lint-imports, setup.cfg), then the whole suite
 #   .venv-optimum   optimum-onnx: diffusers 0.39, transformers 4.57, optimum 2.1 (constraints-optimum.txt)
-#                   the tests whose outcome can differ between those library versions: all but the ones that never
-#                   touch diffusers, transformers or optimum (the model's own, shapes, CUDA policy, the load test),
-#                   the server's (no Ray there), the GPU's (no CUDA on the CI machines) and video I/O's (it touches
-#                   none of those libraries, and that environment has no video extra)
-# Arguments go to both pytest runs (e.g. -k lora, -x).
+#                   what can differ with those library versions: optimum's own pipelines and exporter
+#                   (tests/test_optimum.py) and every test of the pipelines and the export that compares with diffusers'
+#                   or optimum's output or reads their folders; ORT's fusions (the same onnxruntime in both), the
+#                   runtime, the server, the command line and video I/O run once, in .venv
+# Both run a test process per core (-n auto; conftest.py keeps each to one thread); the tests that start Ray run in one
+# of them (--dist loadgroup, their xdist_group), the optimum set a module per process (--dist loadscope: each module's
+# exports made once).
+# Arguments go to both pytest runs (e.g. -x; a -k of yours replaces the optimum run's selection there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 setup() {  # setup VENV CONSTRAINTS EXTRAS
@@ -17,9 +20,7 @@ setup() {  # setup VENV CONSTRAINTS EXTRAS
 }
 setup .venv constraints.txt cpu,test,serve,video
 .venv/bin/lint-imports
-.venv/bin/python -m pytest -q -n auto "$@"
+.venv/bin/python -m pytest -q -n auto --dist loadgroup "$@"
 setup .venv-optimum constraints-optimum.txt cpu,test,optimum
-.venv-optimum/bin/python -m pytest -q -n auto \
-  --ignore=tests/runtime/test_model.py --ignore=tests/runtime/test_shapes.py \
-  --ignore=tests/runtime/test_cuda_policy.py --ignore=tests/serve/test_loadtest.py \
-  --ignore=tests/serve/test_serve.py --ignore=tests/gpu/test_gpu.py --ignore=tests/test_video.py "$@"
+.venv-optimum/bin/python -m pytest -q -n auto --dist loadscope tests/test_optimum.py tests/pipelines tests/export \
+  -k "(diffusers or optimum) and not fused and not optimiz" "$@"

@@ -15,6 +15,9 @@ from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
 from optimum_iobinding.layout import WeightPlace, read_weight_map
 from optimum_iobinding.pipelines.lora import to_view_layout, torch_layout_view
 
+# one test process runs this module (scripts/test.sh: --dist loadgroup): its LoRA exports are made once, not in each
+pytestmark = pytest.mark.xdist_group("lora")
+
 EXPORTS = {"plain": {}, "fp16": {"fp16": True}, "fused": {"optimize": "cpu"}, "fused-fp16": {"optimize": "cpu", "fp16": True}}
 
 

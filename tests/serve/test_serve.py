@@ -23,6 +23,10 @@ import torch
 ray = pytest.importorskip("ray", reason="needs the serve extra (ray[serve])")
 import psutil  # noqa: E402  (vendored by ray: importable once ray is)
 
+# every test that starts Ray runs in one test process (scripts/test.sh: --dist loadgroup), one cluster at a time: two
+# clusters at once on a small machine take each other's cores
+pytestmark = pytest.mark.xdist_group("ray")
+
 SIZE = 64
 STEPS = 3
 
