@@ -734,17 +734,14 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_arguments(argv: List[str]) -> argparse.Namespace:
     """``argv`` parsed; an option no parser knows is refused by the parser of the command it was given to (its
     usage, exit status 2), with the options of that command it is close to."""
-    import difflib
+    from .errors import unrecognized_arguments
 
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         command = args.command_parsers.get(args.command, parser)
-        known = [option for action in command._actions for option in action.option_strings]
-        close = [match for word in unknown if word.startswith("-")
-                 for match in difflib.get_close_matches(word.partition("=")[0], known, n=1, cutoff=0.6)]
-        hint = f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
-        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        command.error(unrecognized_arguments(unknown, (option for action in command._actions
+                                                        for option in action.option_strings)))
     return args
 
 

@@ -6,7 +6,7 @@ same way on every surface. Standard library only: the command line imports this 
 from __future__ import annotations
 
 import difflib
-from typing import Iterable, List
+from typing import Iterable, List, Sequence
 
 
 class ArgumentError(ValueError):
@@ -57,3 +57,13 @@ def did_you_mean(word: str, choices: Iterable[str], n: int = 1) -> str:
     if not matches:
         return ""
     return f"did you mean {' or '.join(matches)}?"
+
+
+def unrecognized_arguments(unknown: Sequence[str], options: Iterable[str]) -> str:
+    """argparse's ``unrecognized arguments: …`` for the arguments ``unknown`` that no parser took, with the options
+    among ``options`` that the misspelled ones are close to (``(did you mean --steps?)``)."""
+    options = list(options)
+    close = list(dict.fromkeys(match for word in unknown if word.startswith("-")
+                               for match in close_matches(word.partition("=")[0], options, n=1)))
+    hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+    return f"unrecognized arguments: {' '.join(unknown)}{hint}"

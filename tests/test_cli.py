@@ -448,7 +448,8 @@ def test_serve_names_a_model_path_that_is_no_pipeline_folder_before_starting_ray
     (["generate", "--stpes", "4"], "optimum-iobinding generate", "--stpes (did you mean --steps?)"),
     (["serve", "--max-batch", "4"], "optimum-iobinding serve", "--max-batch (did you mean --max-batch-size?)"),
     (["export", "--tiny-randm", "--output", "x"], "optimum-iobinding export", "--tiny-randm (did you mean --tiny-random?)"),
-], ids=["generate", "serve", "export"])
+    (["bench", "--modls", "tiny"], "optimum-iobinding bench", "--modls tiny (did you mean --models?)"),
+], ids=["generate", "serve", "export", "bench"])
 def test_a_misspelled_option_gets_its_commands_usage_and_the_option_it_is_close_to(capsys, no_work, argv, usage,
                                                                                     suggestion):
     with pytest.raises(SystemExit) as exit_info:

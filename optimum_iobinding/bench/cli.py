@@ -55,6 +55,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..errors import unrecognized_arguments
 from .peers import (MIXED_PEERS, OPTIMUM_PEERS, OUR_PEERS, PEERS, STREAM_BATCH_BLIND, STREAM_KIND, STREAM_PEERS,
                     STREAM_SIZE, PeerUnavailable, run_mixed, run_peer, run_stream_peer, stream_unet_steps)
 from .probes import environment, run_floor
@@ -471,7 +472,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--dtype", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--image", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse's refusal, with the option a misspelled one is close to
+        parser.error(unrecognized_arguments(unknown, (option for action in parser._actions
+                                                       for option in action.option_strings)))
     split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
     check_arguments(parser, args, split)
     if args.run_mixed:
