@@ -625,6 +625,7 @@ def test_a_failing_transformer_peer_records_its_error_and_a_compile_past_its_lim
     assert (tmp_path / "out" / "transformer.json").is_file()
 
 
+@pytest.mark.slow
 def test_the_transformer_scenario_runs_tiny_sd3_end_to_end_on_the_cpu_each_peer_in_its_own_process(tmp_path):
     import importlib.util
     import json

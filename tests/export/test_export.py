@@ -44,6 +44,7 @@ OPTIMIZER_CASES = [(name, fp16, target) for name in ("unet", "vae_decoder", "tex
                    for target in ("cpu", "cuda") if name != "unet" or fp16 == (target == "cuda")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, fp16, target", OPTIMIZER_CASES,
                          ids=[f"{name}-{'fp16' if fp16 else 'fp32'}-{target}" for name, fp16, target in OPTIMIZER_CASES])
 def test_optimizing_with_the_weights_on_disk_gives_exactly_ORTs_result(tmp_path, tiny_specs, name, fp16, target):

@@ -69,6 +69,7 @@ def test_the_export_writes_the_controlnet_and_a_unet_taking_its_residuals(folder
     assert not (folders["two"] / "controlnet_2").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [{"fp16": True}, {"optimize": "cpu"}])
 def test_fp16_and_fused_exports_run(tmp_path, options, reference):
     from optimum_iobinding.export import export_pipeline

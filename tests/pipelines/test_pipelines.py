@@ -266,6 +266,7 @@ def test_cli_export_writes_the_onnx_layout(tmp_path):
 
 
 # -------------------------------------------------------------------------------------------- export for speed
+@pytest.mark.slow
 def test_cpu_fused_export_matches_the_unfused_export(tiny_folder, tmp_path):
     fused = export_pipeline(None, tmp_path / "fused", tiny_random=True, optimize="cpu", progress=False)
     import onnx

@@ -190,6 +190,7 @@ def test_the_cli_exports_a_tiny_sdxl_offline(tmp_path):
     assert image.shape == (1, SIZE, SIZE, 3)
 
 
+@pytest.mark.slow
 def test_an_ort_fused_sdxl_export_matches_the_plain_one(xl, tmp_path):
     torch_pipe, folder = xl
     fused = export_pipeline(None, tmp_path / "fused", torch_pipeline=torch_pipe, optimize="cpu", progress=False)

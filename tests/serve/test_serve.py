@@ -537,6 +537,7 @@ def test_image_to_image_requests_get_their_seeds_single_call_image(server, tiny_
     assert status == 400 and "image: expected a base64 PNG or JPEG" in json.loads(data)["detail"]
 
 
+@pytest.mark.slow
 def test_overload_gets_503_and_the_admitted_requests_succeed(server, tiny_folder, flood_statuses):
     statuses = flood_statuses(tiny_folder, server.url, "overload", 12, STEPS, SIZE, post)
     assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses, statuses

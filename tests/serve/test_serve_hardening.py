@@ -369,6 +369,7 @@ def test_serves_proxy_and_replicas_run_with_its_request_path_settings(server_pro
     assert all(settings == SERVE_REQUEST_PATH_ENV for _, settings in seen), seen
 
 
+@pytest.mark.slow
 def test_an_answer_beyond_4_mib_comes_whole_through_serves_grpc(server_process):
     """The local cluster's proxy takes the replicas' answers over gRPC, which Serve caps at 4 MiB unless told
     otherwise: two 1024² images in base64 (8.4 MB) come whole."""
@@ -440,6 +441,7 @@ def test_sigint_to_the_terminal_stops_the_server_cleanly(server_process):  # las
     stopped_cleanly(server_process, status, signal.SIGINT)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("whole_group", [False, True], ids=["to-the-server", "to-its-process-group"])
 def test_sigterm_stops_the_server_cleanly(tiny_folder, tmp_path, whole_group):
     server = ServerProcess(tiny_folder, tmp_path)
@@ -555,6 +557,7 @@ def test_a_pipeline_failure_gets_503_and_the_replica_serves_the_next_requests(se
     assert later[0] == 200
 
 
+@pytest.mark.slow
 def test_a_request_not_answered_within_request_timeout_s_gets_504_and_the_replica_goes_on(server, tiny_folder):
     """Its pipeline call is held until the test lets it go, long after the request's time is up."""
     import threading
