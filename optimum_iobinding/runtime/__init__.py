@@ -6,8 +6,9 @@ provider names, onnxruntime alone) does not import torch."""
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any, List
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_names
 
 _PUBLIC_NAMES = {"IOBindingORTModel": ".model", "ModelOptions": ".options", "PipelineOptions": ".options",
                  "infer_output_shapes": ".shapes"}
@@ -20,14 +21,4 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time each name c
     from .shapes import infer_output_shapes
 
 
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC_NAMES.get(name)
-    if module is None:
-        raise AttributeError(f"module 'optimum_iobinding.runtime' has no attribute {name!r}")
-    value = getattr(import_module(module, __name__), name)
-    globals()[name] = value  # found here from now on, without this function
-    return value
-
-
-def __dir__() -> List[str]:
-    return sorted({*globals(), *_PUBLIC_NAMES})
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC_NAMES, globals())
