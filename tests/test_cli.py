@@ -498,5 +498,5 @@ def test_an_image_beyond_the_hosts_memory_is_refused_before_the_model_loads(tiny
                  "--provider", "CPUExecutionProvider", "--out", str(tmp_path / "a.png")]) == 2
     line = error_line(capsys)
     assert line.startswith("optimum-iobinding: error: --height and --width: 100000×100000 needs at least ")
-    assert "available on this host; at most about " in line
+    assert ", the host's available memory; at most about " in line
     assert not (tmp_path / "a.png").exists()

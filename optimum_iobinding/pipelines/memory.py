@@ -14,7 +14,10 @@ import os
 from pathlib import Path
 from typing import Optional, Tuple, Union
 
+import torch
+
 from ..errors import ArgumentError
+from ..runtime.model import output_byte_limit
 
 # the decoder's full-resolution channels where its folder has no config.json: Stable Diffusion's VAE
 # (block_out_channels [128, 256, 512, 512]: 256 channels upsampled into the last stage, 128 out)
@@ -42,28 +45,17 @@ def full_resolution_channels(decoder_folder: Union[str, os.PathLike]) -> int:
 
 
 def available_memory(provider: str, device_id: int = 0) -> Optional[Tuple[int, str]]:
-    """``(bytes free, where)`` for the memory a call on ``provider`` allocates its activations in: the CUDA device's
-    free memory for CUDA and TensorRT, else the host's available memory (``MemAvailable`` of /proc/meminfo, or the
-    available pages); ``None`` where it cannot be known (another accelerator, a platform without either)."""
+    """``(bytes free, what that is)`` for the memory a call on ``provider`` allocates its activations in, as the
+    runtime bounds an output buffer (:func:`~optimum_iobinding.runtime.model.output_byte_limit`): the CUDA device's
+    free memory for CUDA and TensorRT, the host's available memory for the CPU; ``None`` where it cannot be known
+    (another accelerator, CUDA without a CUDA build of torch)."""
     if provider in CUDA_PROVIDERS:
-        import torch
-
         if not torch.cuda.is_available():
             return None
-        free, _ = torch.cuda.mem_get_info(device_id)
-        return int(free), f"free on cuda:{device_id}"
+        return output_byte_limit(torch.device("cuda", device_id))
     if provider != "CPUExecutionProvider":
         return None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024, "available on this host"
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "available on this host"
-    except (AttributeError, ValueError, OSError):
-        return None
+    return output_byte_limit(torch.device("cpu"))
 
 
 def gigabytes(count: float) -> str:
@@ -87,5 +79,5 @@ def check_image_fits(decoder_folder: Union[str, os.PathLike], width: int, height
     fit_height = max(multiple, int(height * scale) // multiple * multiple)
     images = f" × {batch_size} images" if batch_size > 1 else ""
     raise ArgumentError(argument, f"{width}×{height}{images} needs at least {gigabytes(need)} for the VAE decoder's "
-                                  f"full-resolution activations alone, and {gigabytes(free)} is {where}; at most "
+                                  f"full-resolution activations alone, more than {gigabytes(free)}, {where}; at most "
                                   f"about {fit_width}×{fit_height} fits that bound")

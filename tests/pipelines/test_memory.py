@@ -34,7 +34,8 @@ def test_the_full_resolution_channels_come_from_the_decoders_config(tmp_path, co
 @pytest.fixture
 def host_with(monkeypatch):
     def host(free):
-        monkeypatch.setattr(memory, "available_memory", lambda provider, device_id=0: (free, "available on this host"))
+        monkeypatch.setattr(memory, "available_memory",
+                            lambda provider, device_id=0: (free, "the host's available memory"))
     return host
 
 
@@ -46,7 +47,7 @@ def test_a_size_beyond_the_memory_is_refused_with_a_size_that_fits_the_bound(tmp
         memory.check_image_fits(folder, 2048, 1536, "CPUExecutionProvider")
     assert refused.value.argument == "height and width"
     found = re.fullmatch(r"2048×1536 needs at least 2\.4 GB for the VAE decoder's full-resolution activations alone, "
-                         r"and 1\.0 GB is available on this host; at most about (\d+)×(\d+) fits that bound",
+                         r"more than 1\.0 GB, the host's available memory; at most about (\d+)×(\d+) fits that bound",
                          refused.value.reason)
     assert found, refused.value.reason
     width, height = int(found[1]), int(found[2])
@@ -71,4 +72,4 @@ def test_nothing_is_refused_where_the_memory_cannot_be_known(tmp_path):
 
 def test_the_hosts_memory_is_what_the_cpu_provider_is_checked_against():
     free, where = memory.available_memory("CPUExecutionProvider")
-    assert free > 0 and where == "available on this host"
+    assert free > 0 and where == "the host's available memory"
