@@ -91,8 +91,9 @@ QUEUED_REGROUP_WAIT = 0.5
 # as soon as they are there) while the replica expects company: at start, and after any batch but one of a single
 # request during which nothing else came (a lone client, whose requests then start at once). A burst of clients
 # reaches a replica over some milliseconds. Without the wait a fresh server's first burst ran its first request (or
-# two) alone, and its first answers took a batch more; with it, its batches are full from the first.
-IDLE_GATHER_WAIT = 0.05
+# two) alone, and its first answers took a batch more; with it, its batches are full from the first. Its length costs
+# a burst once, a small share of one batch; too short, the burst's last request misses the first batch.
+IDLE_GATHER_WAIT = 0.1
 
 
 def _images_in(requests: Sequence[Dict[str, Any]]) -> int:
