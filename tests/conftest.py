@@ -57,6 +57,21 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     _keep_to_one_thread()
 
 
+def pytest_configure(config):
+    """Under ``--dist loadgroup`` the tests marked ``xdist_group`` (those starting Ray, the LoRA exports) run in one
+    process. pytest-xdist 3.8 names a test's group in its id by an attribute pytest 9.2 no longer reads, so with
+    that pytest each group would be spread over the processes, silently (each starting its own Ray cluster)."""
+    if getattr(config.option, "dist", None) != "loadgroup":
+        return
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    if Version(pytest.__version__) >= Version("9.2") and Version(version("pytest-xdist")) <= Version("3.8.0"):
+        raise pytest.UsageError(f"--dist loadgroup cannot group tests with pytest {pytest.__version__} and "
+                                f"pytest-xdist {version('pytest-xdist')}: install the pytest of constraints.txt")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` (setup.cfg declares the marker) skip where CUDA is missing."""
     if HAS_CUDA:
