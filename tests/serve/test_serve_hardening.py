@@ -372,15 +372,15 @@ def test_serves_proxy_and_replicas_run_with_its_request_path_settings(server_pro
 @pytest.mark.slow
 def test_an_answer_beyond_4_mib_comes_whole_through_serves_grpc(server_process):
     """The local cluster's proxy takes the replicas' answers over gRPC, which Serve caps at 4 MiB unless told
-    otherwise: two 1024² images in base64 (8.4 MB) come whole."""
+    otherwise: four 576² stored PNGs in base64 (5.3 MB) come whole."""
     from PIL import Image
 
     status, body = post(f"http://127.0.0.1:{server_process.port}",
-                        {"prompt": "a cat", "size": 1024, "n": 2, "steps": 1, "response_format": "b64_json"})
+                        {"prompt": "a cat", "size": 576, "n": 4, "steps": 1, "response_format": "b64_json"})
     assert status == 200, body
-    assert len(body) > 2 * 4 * 2**20
+    assert len(body) > 5 * 2**20
     images = [Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))) for item in json.loads(body)["data"]]
-    assert [image.size for image in images] == [(1024, 1024)] * 2
+    assert [image.size for image in images] == [(576, 576)] * 4
 
 
 def stopped_cleanly(server: ServerProcess, status: int, signum: int, whole_group: bool = False) -> None:
