@@ -208,6 +208,13 @@ def tiny_folder(shared_export):
     return shared_export("tiny-sd", _exported(tiny_random=True))
 
 
+@pytest.fixture(scope="session")
+def tiny_fused_folder(shared_export):
+    """The same pipeline exported fused for the CPU (ORT's optimizer, ``optimize="cpu"``), once per test run; tests
+    only read it."""
+    return shared_export("tiny-sd-fused", _exported(tiny_random=True, optimize="cpu"))
+
+
 @pytest.fixture
 def copy_of(tiny_folder, tmp_path):
     """``copy_of(**config_changes)``: a copy of tiny_folder whose components' config.json files have the changes

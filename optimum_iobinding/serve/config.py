@@ -285,16 +285,16 @@ def local_url(host: str, port: int) -> str:
 
 
 def wait_until_answering(url: str, timeout_s: float, interval_s: float = 0.05,
-                         keep_waiting: Callable[[], bool] = lambda: True) -> bool:
+                         keep_waiting: Callable[[], bool] = lambda: True, try_timeout_s: float = 5.0) -> bool:
     """Asks ``GET url`` until it answers 200: ``True`` once it did, ``False`` once ``timeout_s`` passed or
     ``keep_waiting()`` (asked between tries) says no more. A refused or dropped connection, an answer of another
-    status, or no answer within the try's own timeout: the server is still starting, asked again ``interval_s``
-    later."""
+    status, or no answer within the try's own timeout (``try_timeout_s``, at most what is left of ``timeout_s``):
+    the server is still starting, asked again ``interval_s`` later."""
     deadline = time.monotonic() + timeout_s
     while True:
         remaining = deadline - time.monotonic()
         try:
-            with urllib.request.urlopen(url, timeout=max(0.1, min(5.0, remaining))) as answer:
+            with urllib.request.urlopen(url, timeout=max(0.1, min(try_timeout_s, remaining))) as answer:
                 if answer.status == 200:
                     return True
         except (OSError, http.client.HTTPException, urllib.error.URLError):  # HTTPError is one: another status

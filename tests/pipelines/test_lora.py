@@ -15,9 +15,6 @@ from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
 from optimum_iobinding.layout import WeightPlace, read_weight_map
 from optimum_iobinding.pipelines.lora import to_view_layout, torch_layout_view
 
-# one test process runs this module (scripts/test.sh: --dist loadgroup): its LoRA exports are made once, not in each
-pytestmark = pytest.mark.xdist_group("lora")
-
 EXPORTS = {"plain": {}, "fp16": {"fp16": True}, "fused": {"optimize": "cpu"}, "fused-fp16": {"optimize": "cpu", "fp16": True}}
 
 
@@ -26,11 +23,18 @@ def tiny_torch():
     return TINY_RANDOM_KINDS["sd"]()
 
 
+# the plain and fused folders are the ones every test reads (tiny_folder, tiny_fused_folder: the same seeded weights)
+SHARED = {"plain": "tiny_folder", "fused": "tiny_fused_folder"}
+
+
 @pytest.mark.parametrize("export", sorted(EXPORTS))
 def test_every_linear_and_conv_weight_of_the_unet_and_text_encoder_is_found_in_the_export(tmp_path, tiny_torch,
-                                                                                           export):
-    folder = export_pipeline(None, tmp_path / export, torch_pipeline=tiny_torch, components=("unet", "text_encoder"),
-                             progress=False, **EXPORTS[export])
+                                                                                           export, request):
+    if export in SHARED:
+        folder = request.getfixturevalue(SHARED[export])
+    else:
+        folder = export_pipeline(None, tmp_path / export, torch_pipeline=tiny_torch,
+                                 components=("unet", "text_encoder"), progress=False, **EXPORTS[export])
     for component, module in (("unet", tiny_torch.unet), ("text_encoder", tiny_torch.text_encoder)):
         places, not_found = read_weight_map(folder / component)
         layers = dict(lora_layers(module))
@@ -103,22 +107,15 @@ def loras(tmp_path_factory, make_lora):
     return first, second
 
 
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("lora-exports")
-    return {"plain": export_pipeline(None, folder / "plain", tiny_random=True, progress=False),
-            "fused": export_pipeline(None, folder / "fused", tiny_random=True, optimize="cpu", progress=False)}
-
-
 def images(pipe):
     return pipe("a photo of a cat", num_inference_steps=3, generator=torch.Generator().manual_seed(0),
                 height=64, width=64, output_type="np").images
 
 
 @pytest.mark.parametrize("export, io_binding", [("plain", True), ("plain", False), ("fused", True)])
-def test_lora_images_equal_diffusers_through_load_set_disable_fuse_and_unload(exports, loras, export, io_binding):
+def test_lora_images_equal_diffusers_through_load_set_disable_fuse_and_unload(loras, export, io_binding, request):
     reference = TINY_RANDOM_KINDS["sd"]()  # the exported weights
-    ours = OnnxStableDiffusionPipeline.from_pretrained(exports[export], io_binding=io_binding)
+    ours = OnnxStableDiffusionPipeline.from_pretrained(request.getfixturevalue(SHARED[export]), io_binding=io_binding)
     for pipe in (reference, ours):
         pipe.set_progress_bar_config(disable=True)
     first, second = loras
@@ -154,7 +151,7 @@ def test_lora_images_equal_diffusers_through_load_set_disable_fuse_and_unload(ex
 
 
 @pytest.mark.parametrize("kind", ["img2img", "inpaint"])
-def test_img2img_and_inpaint_loras_equal_diffusers(exports, loras, kind, vae_encodes_its_mode):
+def test_img2img_and_inpaint_loras_equal_diffusers(tiny_fused_folder, loras, kind, vae_encodes_its_mode):
     from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline
 
     from optimum_iobinding import OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionInpaintPipeline
@@ -168,7 +165,7 @@ def test_img2img_and_inpaint_loras_equal_diffusers(exports, loras, kind, vae_enc
                     {"mask_image": mask, "height": 64, "width": 64}),
     }[kind]
     reference = vae_encodes_its_mode(torch_class(**TINY_RANDOM_KINDS["sd"]().components))
-    ours = our_class.from_pretrained(exports["fused"])
+    ours = our_class.from_pretrained(tiny_fused_folder)
     first, second = loras
 
     def image(pipe):
@@ -186,8 +183,8 @@ def test_img2img_and_inpaint_loras_equal_diffusers(exports, loras, kind, vae_enc
     assert np.abs(got - base).max() > 1e-3
 
 
-def test_adapters_switch_without_creating_a_session(exports, loras):
-    pipe = OnnxStableDiffusionPipeline.from_pretrained(exports["plain"])
+def test_adapters_switch_without_creating_a_session(tiny_folder, loras):
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(loras[0], adapter_name="a")  # the CPU's models now keep their weights as tensors
     pipe.load_lora_weights(loras[1], adapter_name="b")
@@ -201,7 +198,7 @@ def test_adapters_switch_without_creating_a_session(exports, loras):
     assert {name: getattr(pipe, name).sessions_created for name in ("unet", "text_encoder")} == created
 
 
-def test_a_kohya_lora_with_alphas_equals_diffusers(exports, loras, tmp_path):
+def test_a_kohya_lora_with_alphas_equals_diffusers(tiny_folder, loras, tmp_path):
     """The same updates renamed the kohya way (``lora_unet_…``, ``lora_te_…``, ``alpha`` = 2 × rank: scale 2)."""
     from safetensors.torch import load_file, save_file
 
@@ -216,17 +213,17 @@ def test_a_kohya_lora_with_alphas_equals_diffusers(exports, loras, tmp_path):
         kohya[f"{name}.alpha"] = torch.tensor(2.0 * value.shape[0 if matrix.startswith("A") else 1])
     save_file(kohya, str(tmp_path / "kohya.safetensors"))
     reference = TINY_RANDOM_KINDS["sd"]()
-    ours = OnnxStableDiffusionPipeline.from_pretrained(exports["plain"])
+    ours = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
     for pipe in (reference, ours):
         pipe.set_progress_bar_config(disable=True)
         pipe.load_lora_weights(str(tmp_path), weight_name="kohya.safetensors")
     assert np.abs(images(reference) - images(ours)).max() <= 1e-4
 
 
-def test_lora_mistakes_get_messages_that_name_them(exports, loras):
+def test_lora_mistakes_get_messages_that_name_them(tiny_folder, loras):
     from safetensors.torch import load_file
 
-    pipe = OnnxStableDiffusionPipeline.from_pretrained(exports["plain"])
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
     state = load_file(str(loras[0] / "pytorch_lora_weights.safetensors"))
     layer = "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q"
     wrong = dict(state, **{f"{layer}.lora_A.weight": torch.zeros(4, 99)})  # a LoRA for a wider model

@@ -18,7 +18,6 @@ from optimum_iobinding import (
     OnnxStableDiffusionPipeline,
 )
 from optimum_iobinding.cli import main as cli_main
-from optimum_iobinding.export import export_pipeline
 
 SIZE = 64  # 8×8 latents: every test runs in well under a second
 PROMPT = "a photo of an astronaut riding a horse"
@@ -267,8 +266,8 @@ def test_cli_export_writes_the_onnx_layout(tmp_path):
 
 # -------------------------------------------------------------------------------------------- export for speed
 @pytest.mark.slow
-def test_cpu_fused_export_matches_the_unfused_export(tiny_folder, tmp_path):
-    fused = export_pipeline(None, tmp_path / "fused", tiny_random=True, optimize="cpu", progress=False)
+def test_cpu_fused_export_matches_the_unfused_export(tiny_folder, tiny_fused_folder):
+    fused = tiny_fused_folder
     import onnx
 
     unet_ops = {node.op_type for node in onnx.load(fused / "unet" / "model.onnx").graph.node}

@@ -266,9 +266,8 @@ def test_tiny_vae_arguments_that_do_not_go_together_are_refused_first(tmp_path, 
 
 # ------------------------------------------------------------------------------ the full VAE's attention, fused
 @pytest.fixture(scope="module")
-def fused_folder(tmp_path_factory):
-    return export_pipeline(None, tmp_path_factory.mktemp("fused") / "vae", tiny_random=True, optimize="cpu",
-                           components=VAE, progress=False)
+def fused_folder(tiny_fused_folder):
+    return tiny_fused_folder
 
 
 def test_the_optimized_full_vae_fuses_its_attention_without_falling_back(tmp_path, caplog):

@@ -185,7 +185,7 @@ def test_wait_until_answering_gives_up_when_told_or_past_its_time():
     with listening_socket() as holder:  # listens, never answers: each try times out or is dropped
         url = f"http://127.0.0.1:{holder.getsockname()[1]}/health"
         asked = []
-        assert not wait_until_answering(url, timeout_s=60, interval_s=0.01,
+        assert not wait_until_answering(url, timeout_s=60, interval_s=0.01, try_timeout_s=0.2,
                                         keep_waiting=lambda: asked.append(1) or len(asked) < 3)
         assert len(asked) == 3
     port = free_port()
