@@ -16,7 +16,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 setup() {  # setup VENV CONSTRAINTS EXTRAS
   [ -x "$1/bin/python" ] || python3 -m venv "$1"
-  "$1/bin/pip" install -q --no-compile -c "$2" -e ".[$3]"  # no bytecode for all of torch and Ray: what the tests import compiles as they run
+  # no bytecode for all of torch and Ray up front: what the tests import is compiled as they run
+  "$1/bin/pip" install -q --no-compile -c "$2" -e ".[$3]"
 }
 setup .venv constraints.txt cpu,test,serve,video
 .venv/bin/lint-imports
