@@ -14,9 +14,12 @@
 # Arguments go to both pytest runs (e.g. -x; a -k of yours replaces the optimum run's selection there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The installs compile no bytecode up front (all of torch and Ray); what the tests import is compiled once, by the
+# first process that imports it, and kept: with PYTHONDONTWRITEBYTECODE set, as on some machines, every test process,
+# Ray worker and server would compile torch again.
+unset PYTHONDONTWRITEBYTECODE
 setup() {  # setup VENV CONSTRAINTS EXTRAS
   [ -x "$1/bin/python" ] || python3 -m venv "$1"
-  # no bytecode for all of torch and Ray up front: what the tests import is compiled as they run
   "$1/bin/pip" install -q --no-compile -c "$2" -e ".[$3]"
 }
 setup .venv constraints.txt cpu,test,serve,video
