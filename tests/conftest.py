@@ -63,9 +63,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 def pytest_configure(config):
-    """Under ``--dist loadgroup`` the tests marked ``xdist_group`` (those starting Ray, the LoRA exports) run in one
-    process. pytest-xdist 3.8 names a test's group in its id by an attribute pytest 9.2 no longer reads, so with
-    that pytest each group would be spread over the processes, silently (each starting its own Ray cluster)."""
+    """Under ``--dist loadgroup`` the tests marked ``xdist_group`` (those starting Ray) run in one process.
+    pytest-xdist 3.8 names a test's group in its id by an attribute pytest 9.2 no longer reads, so with that pytest
+    a group would be spread over the processes, silently (each starting its own Ray clusters)."""
     if getattr(config.option, "dist", None) != "loadgroup":
         return
     from importlib.metadata import version
