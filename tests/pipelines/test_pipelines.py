@@ -267,12 +267,12 @@ def test_cli_export_writes_the_onnx_layout(tmp_path):
 # -------------------------------------------------------------------------------------------- export for speed
 @pytest.mark.slow
 def test_cpu_fused_export_matches_the_unfused_export(tiny_folder, tiny_fused_folder):
-    fused = tiny_fused_folder
     import onnx
 
-    unet_ops = {node.op_type for node in onnx.load(fused / "unet" / "model.onnx").graph.node}
+    unet_ops = {node.op_type for node in onnx.load(tiny_fused_folder / "unet" / "model.onnx").graph.node}
     assert "MultiHeadAttention" in unet_ops or "Attention" in unet_ops  # the fusion really happened
-    images = [generate(load(OnnxStableDiffusionPipeline, folder), "txt2img") for folder in (tiny_folder, fused)]
+    images = [generate(load(OnnxStableDiffusionPipeline, folder), "txt2img")
+              for folder in (tiny_folder, tiny_fused_folder)]
     assert np.abs(images[0] - images[1]).max() <= 1e-4
 
 

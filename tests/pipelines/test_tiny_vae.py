@@ -265,11 +265,6 @@ def test_tiny_vae_arguments_that_do_not_go_together_are_refused_first(tmp_path, 
 
 
 # ------------------------------------------------------------------------------ the full VAE's attention, fused
-@pytest.fixture(scope="module")
-def fused_folder(tiny_fused_folder):
-    return tiny_fused_folder
-
-
 def test_the_optimized_full_vae_fuses_its_attention_without_falling_back(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         folder = export_pipeline(None, tmp_path / "vae", tiny_random=True, optimize="cpu", components=VAE,
@@ -281,19 +276,19 @@ def test_the_optimized_full_vae_fuses_its_attention_without_falling_back(tmp_pat
             [("com.microsoft", "Attention")]  # the mid block's one attention, fused
 
 
-def test_the_fused_full_vae_computes_what_the_unfused_export_and_diffusers_compute(fused_folder, tiny_folder):
+def test_the_fused_full_vae_computes_what_the_unfused_export_and_diffusers_compute(tiny_fused_folder, tiny_folder):
     vae = build_tiny_random_pipeline().vae.eval()
     pixels = images(batch=2, height=64, width=96)
     with torch.no_grad():
         latents = vae.encode(pixels).latent_dist.mode()
         decoded = vae.decode(latents).sample
-    for folder in (fused_folder, tiny_folder):
+    for folder in (tiny_fused_folder, tiny_folder):
         (encoded,) = session(folder, "vae_encoder").run(None, {"sample": pixels.numpy()})
         np.testing.assert_allclose(encoded, latents.numpy(), atol=1e-4, rtol=1e-4)
         (ours,) = session(folder, "vae_decoder").run(None, {"latent_sample": latents.numpy()})
         np.testing.assert_allclose(ours, decoded.numpy(), atol=1e-4, rtol=1e-4)
     fused, unfused = (session(folder, "vae_decoder").run(None, {"latent_sample": latents.numpy()})[0]
-                      for folder in (fused_folder, tiny_folder))
+                      for folder in (tiny_fused_folder, tiny_folder))
     np.testing.assert_allclose(fused, unfused, atol=1e-5, rtol=1e-5)
 
 
