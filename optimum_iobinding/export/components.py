@@ -26,6 +26,7 @@ import torch
 from ..layout import write_weight_map
 from .attention import fused_vae_attention
 from .lora_places import lora_layers, weight_map
+from .transformer_fusions import fuse_diffusion_transformer
 from .optimize import (EXTERNAL_DATA_FILE, MAX_SINGLE_FILE_BYTES, convert_to_float16, fold_pads_into_convs,
                        fusion_options, fusion_options_for, optimize_component, optimized_to_float16,
                        optimizer_model_type, save_onnx, use_classic_attention)
@@ -331,13 +332,19 @@ def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool
     (target / name / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
 
 
+# The project's own rewrites of a component's graph after ORT's optimizer, by ORT's model type: the diffusion
+# transformers' modulated LayerNorms and GELU biases (see :mod:`.transformer_fusions`)
+GRAPH_REWRITES: Dict[str, Callable[[onnx.ModelProto], Dict[str, int]]] = {"mmdit": fuse_diffusion_transformer}
+
+
 def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16: bool, optimize: Optional[str],
                  model_type: str, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                  exportable: Optional[Callable[[torch.nn.Module], ContextManager]] = None) -> None:
     """Exports one transformer-family component (a diffusion transformer, a T5 encoder) to ``target/name``: the
     TorchScript exporter, then ORT's transformer optimizer (``optimize``: ``"cuda"`` or ``"cpu"``; ``model_type``,
     e.g. ``t5`` or ``mmdit``; again without the attention fusion where that fusion raises) with the weights kept on
-    disk, then ORT's float16 converter (``fp16``), then ``model.onnx`` (and its external data above
+    disk and the project's rewrites of that model type after it (:data:`GRAPH_REWRITES`), then ORT's float16
+    converter (``fp16``), then ``model.onnx`` (and its external data above
     ``external_data_threshold`` bytes) and ``config.json``.
 
     Args:
@@ -361,6 +368,9 @@ def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16
             optimize = None
         optimized = (optimize_component(name, path, fusion_options_for(model_type, optimize), optimize, model_type)
                      if optimize else None)
+        if optimized is not None and model_type in GRAPH_REWRITES:
+            made = GRAPH_REWRITES[model_type](optimized.model)
+            logger.info("%s: graph rewrites %s", name, made)
         model = to_precision(path, optimized, fp16, spec.get("float32_inputs", ()))
     fix_output_dims(model, spec.get("fixed_output_dims", {}))
     save_model(model, target / name / "model.onnx", external_data_threshold)

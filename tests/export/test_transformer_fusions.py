@@ -1,0 +1,181 @@
+"""The project's rewrites of the diffusion transformers' graphs (SD3.5-shaped MMDiT with dual attention and QK norms,
+FLUX.1 schnell and dev) after ORT's MMDiT optimizer: each rewritten graph computes what ORT's optimized graph computed,
+on tiny random weights with ONNX Runtime's CPU kernels; each rewrite finds every place of its pattern and leaves
+look-alikes that are not it alone."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Callable, Dict
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from optimum_iobinding.export import export_pipeline
+from optimum_iobinding.export.optimize import fusion_options_for, optimize_component
+from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline, build_tiny_random_sd3_pipeline
+from optimum_iobinding.export.transformer_fusions import (fuse_diffusion_transformer, fuse_gelu_biases,
+                                                          fuse_modulated_layer_norms)
+
+BUILDERS: Dict[str, Callable] = {
+    "sd3.5": build_tiny_random_sd3_pipeline,
+    "flux-schnell": build_tiny_random_flux_pipeline,
+    "flux-dev": lambda: build_tiny_random_flux_pipeline(guidance_embeds=True),
+}
+# AdaLN places of each tiny transformer: SD3.5's two blocks (norm1 feeds the attention's and the dual attention's
+# modulation in the first, the context's norm1 and both norm2s; the last block's context has norm1 only) and
+# norm_out; FLUX.1's double block (norm1, norm1_context, norm2, norm2_context), single block and norm_out
+MODULATED_NORMS = {"sd3.5": 9, "flux-schnell": 6, "flux-dev": 6}
+# feed-forward GELUs: SD3.5's ff, ff_context, ff (the last block has no context feed-forward); FLUX.1's ff,
+# ff_context and the single block's proj_mlp
+GELUS = {"sd3.5": 3, "flux-schnell": 3, "flux-dev": 3}
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def optimized(request, tmp_path_factory) -> tuple:
+    """(kind, ORT's CPU-optimized float32 transformer, before the project's rewrites)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    export_pipeline(None, folder / "plain", torch_pipeline=BUILDERS[request.param](), components=["transformer"],
+                    progress=False)
+    path = folder / "plain" / "transformer" / "model.onnx"
+    model = optimize_component("transformer", path, fusion_options_for("mmdit", "cpu"), "cpu", "mmdit").model
+    onnx.load_external_data_for_model(model, str(path.parent))
+    return request.param, model
+
+
+def random_inputs(model: onnx.ModelProto) -> Dict[str, np.ndarray]:
+    """Inputs of a tiny SD3 / FLUX.1 transformer at 16² latents (SD3: CFG batch 2) with 7 text tokens."""
+    rng = np.random.default_rng(0)
+    names = {value.name for value in model.graph.input}
+    if "img_ids" in names:  # FLUX.1: 8×8 packed tokens of 64 channels, batch 1
+        ids = np.stack(np.meshgrid(np.arange(8), np.arange(8), indexing="ij"), -1).reshape(-1, 2)
+        inputs = {"hidden_states": rng.standard_normal((1, 64, 64)), "encoder_hidden_states":
+                  rng.standard_normal((1, 7, 32)), "pooled_projections": rng.standard_normal((1, 32)),
+                  "timestep": np.array([0.7]), "img_ids": np.concatenate([np.zeros((64, 1)), ids], 1),
+                  "txt_ids": np.zeros((7, 3)), "guidance": np.array([3.5])}
+    else:
+        inputs = {"hidden_states": rng.standard_normal((2, 16, 16, 16)), "encoder_hidden_states":
+                  rng.standard_normal((2, 7, 64)), "pooled_projections": rng.standard_normal((2, 64)),
+                  "timestep": np.array([700.0, 700.0])}
+    types = {value.name: helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+             for value in model.graph.input}
+    return {name: value.astype(types[name]) for name, value in inputs.items() if name in names}
+
+
+def run(model: onnx.ModelProto, inputs: Dict[str, np.ndarray]) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, inputs)[0]
+
+
+def unit_affine_norms(model: onnx.ModelProto) -> int:
+    """LayerNormalizations whose scale is a constant (a unit scale, as ORT's fusion writes AdaLN's norm)."""
+    constants = {output for node in model.graph.node if node.op_type == "Constant" for output in node.output}
+    constants |= {tensor.name for tensor in model.graph.initializer}
+    return sum(node.op_type == "LayerNormalization" and node.input[1] in constants for node in model.graph.node)
+
+
+@pytest.mark.parametrize("rewrite", [fuse_modulated_layer_norms, fuse_gelu_biases, fuse_diffusion_transformer],
+                         ids=["modulated-layer-norm", "gelu-bias", "all"])
+def test_a_rewritten_transformer_computes_what_orts_optimized_graph_computed(optimized, rewrite):
+    kind, model = optimized
+    rewritten = copy.deepcopy(model)
+    made = rewrite(rewritten)
+    assert made, f"{rewrite.__name__} found nothing to rewrite in the {kind} transformer"
+    inputs = random_inputs(model)
+    expected, actual = run(model, inputs), run(rewritten, inputs)
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+
+
+def test_every_adaln_modulation_runs_inside_its_layer_norm(optimized):
+    kind, model = optimized
+    rewritten = copy.deepcopy(model)
+    assert fuse_modulated_layer_norms(rewritten) == MODULATED_NORMS[kind]
+    assert unit_affine_norms(rewritten) == 0
+    producer = {output: node for node in rewritten.graph.node for output in node.output}
+    for node in rewritten.graph.node:
+        if node.op_type == "LayerNormalization":  # its scale and bias: the per-sample modulation, not a constant
+            assert producer[node.input[1]].op_type in ("Add", "Unsqueeze") and node.input[2] in producer
+
+
+def test_every_feed_forward_gelu_adds_its_projections_bias_itself(optimized):
+    kind, model = optimized
+    rewritten = copy.deepcopy(model)
+    assert fuse_gelu_biases(rewritten) == GELUS[kind]
+    producer = {output: node for node in rewritten.graph.node for output in node.output}
+    gelus = [node for node in rewritten.graph.node if node.op_type == "FastGelu"]
+    assert len(gelus) == GELUS[kind]
+    assert all(len(gelu.input) == 2 and producer[gelu.input[0]].op_type == "MatMul" for gelu in gelus)
+
+
+def test_the_default_optimized_export_carries_the_rewrites(tmp_path):
+    out = export_pipeline(None, tmp_path / "flux", torch_pipeline=build_tiny_random_flux_pipeline(),
+                          components=["transformer"], optimize="cpu", fp16=True, progress=False)
+    model = onnx.load(str(out / "transformer" / "model.onnx"))
+    assert unit_affine_norms(model) == 0
+    assert all(len(node.input) == 2 for node in model.graph.node if node.op_type == "FastGelu")
+
+
+# ------------------------------------------------------------------------------- what is not the pattern stays
+def layer_norm_graph(scale: np.ndarray, modulation_shape, shift_shape=None, second_reader: bool = False):
+    """x (2, 5, 4) → LayerNormalization(scale, 0) → Mul(modulation) → Add(shift) → y, with the modulation and the
+    shift graph inputs of the given shapes (and, with ``second_reader``, the norm's output read by an Identity too)."""
+    nodes = [helper.make_node("LayerNormalization", ["x", "scale", "zero"], ["normed"], axis=-1, epsilon=1e-6),
+             helper.make_node("Mul", ["normed", "modulation"], ["scaled"]),
+             helper.make_node("Add", ["scaled", "shift"], ["y"])]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    if second_reader:
+        nodes.append(helper.make_node("Identity", ["normed"], ["z"]))
+        outputs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, None))
+    graph = helper.make_graph(
+        nodes, "norm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 4]),
+         helper.make_tensor_value_info("modulation", TensorProto.FLOAT, list(modulation_shape)),
+         helper.make_tensor_value_info("shift", TensorProto.FLOAT, list(shift_shape or modulation_shape))],
+        outputs, [numpy_helper.from_array(scale.astype(np.float32), "scale"),
+                  numpy_helper.from_array(np.zeros(4, np.float32), "zero")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+def test_a_per_sample_modulation_of_a_unit_norm_is_fused_and_computes_the_same():
+    model = layer_norm_graph(np.ones(4), (2, 1, 4))
+    rng = np.random.default_rng(1)
+    inputs = {"x": rng.standard_normal((2, 5, 4), np.float32), "modulation": rng.standard_normal((2, 1, 4), np.float32),
+              "shift": rng.standard_normal((2, 1, 4), np.float32)}
+    expected = run(model, inputs)
+    assert fuse_modulated_layer_norms(model) == 1
+    assert [node.op_type for node in model.graph.node] == ["LayerNormalization"]
+    np.testing.assert_allclose(run(model, inputs), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale, modulation, shift, second_reader", [
+    (np.full(4, 2.0), (2, 1, 4), None, False),    # a learned scale: the norm's own affine would be lost
+    (np.ones(4), (2, 5, 4), None, False),         # a per-token tensor, not a per-sample modulation
+    (np.ones(4), (2, 1, 4), (2, 5, 4), False),     # a per-token shift
+    (np.ones(4), (2, 1, 4), None, True),          # the plain norm is read elsewhere too
+], ids=["learned-scale", "per-token-modulation", "per-token-shift", "norm-read-elsewhere"])
+def test_what_is_not_an_adaln_modulation_is_left_alone(scale, modulation, shift, second_reader):
+    model = layer_norm_graph(scale, modulation, shift, second_reader)
+    before = model.SerializeToString()
+    assert fuse_modulated_layer_norms(model) == 0
+    assert model.SerializeToString() == before
+
+
+def test_a_gelu_whose_input_is_read_elsewhere_keeps_its_bias_add():
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["projected"]),
+             helper.make_node("Add", ["projected", "b"], ["biased"]),
+             helper.make_node("FastGelu", ["biased"], ["y"], domain="com.microsoft"),
+             helper.make_node("Identity", ["biased"], ["z"])]
+    graph = helper.make_graph(
+        nodes, "gelu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.ones((4, 6), np.float32), "w"),
+         numpy_helper.from_array(np.ones(6, np.float32), "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                              ir_version=10)
+    assert fuse_gelu_biases(model) == 0
+    assert [node.op_type for node in model.graph.node] == ["MatMul", "Add", "FastGelu", "Identity"]
