@@ -54,7 +54,7 @@ for model in $models; do
   for side in before after; do
     folder=$(ls -d "$work/$side-work"/*-fp16-optimized-blocks* 2>/dev/null | grep -E "$( [ "$model" = flux ] && echo flux || echo sd35m)" | head -1)
     ( cd "$work" && PYTHONPATH="$site:$work/$side" timeout 600 python3 transformer_kernels.py --folder "$folder" --out "$work/k" \
-        > "$out/kernels-$side-$model.log" 2>&1 && cp "$work/k/transformer_kernels-$(basename "$folder").json" "$out/kernels-$side-$model.json" )
+        > "$out/kernels-$side-$model.log" 2>&1; rc=$?; cp "$work/k/transformer_kernels-$(basename "$folder").json" "$out/kernels-$side-$model.json"; exit $rc )
     stamp "kernels $side $model rc $?"
   done
 done

@@ -26,10 +26,10 @@ import torch
 from ..layout import write_weight_map
 from .attention import fused_vae_attention
 from .lora_places import lora_layers, weight_map
-from .transformer_fusions import fuse_diffusion_transformer
 from .optimize import (EXTERNAL_DATA_FILE, MAX_SINGLE_FILE_BYTES, convert_to_float16, fold_pads_into_convs,
-                       fusion_options, fusion_options_for, optimize_component, optimized_to_float16,
+                       fusion_options, fusion_options_for, in_folder, optimize_component, optimized_to_float16,
                        optimizer_model_type, save_onnx, use_classic_attention)
+from .transformer_fusions import fuse_diffusion_transformer
 
 logger = logging.getLogger(__name__)
 
@@ -369,7 +369,8 @@ def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16
         optimized = (optimize_component(name, path, fusion_options_for(model_type, optimize), optimize, model_type)
                      if optimize else None)
         if optimized is not None and model_type in GRAPH_REWRITES:
-            made = GRAPH_REWRITES[model_type](optimized.model)
+            with in_folder(path.parent):  # the small constants they read may be on disk beside the model
+                made = GRAPH_REWRITES[model_type](optimized.model)
             logger.info("%s: graph rewrites %s", name, made)
         model = to_precision(path, optimized, fp16, spec.get("float32_inputs", ()))
     fix_output_dims(model, spec.get("fixed_output_dims", {}))

@@ -12,19 +12,27 @@ the values the graph computes (up to float rounding) and only changes how many p
   ``FastGelu(MatMul, bias)``: the bias is added inside the GELU kernel, so the GEMM writes its output once and no bias
   pass (ORT's ``BroadcastBiasKernel`` before a beta-accumulating GEMM, or an ``Add``) runs over the widest
   activation of the block.
+- :func:`fuse_rotary_embeddings`: FLUX.1's rotary embedding of the queries and keys, ``x · cos + rotate(x) · sin``
+  with ``rotate`` pairing neighbouring channels (two strided Slices, a Neg, a Concat, two Muls and an Add, each a
+  pass over the activation), becomes ORT's ``RotaryEmbedding`` in its interleaved form, one pass, reading
+  half-width cos/sin tables that the graph computes once for all blocks.
 
 :func:`fuse_diffusion_transformer` applies every rewrite and says how many of each it made.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["fuse_diffusion_transformer", "fuse_modulated_layer_norms", "fuse_gelu_biases"]
+__all__ = ["fuse_diffusion_transformer", "fuse_modulated_layer_norms", "fuse_gelu_biases",
+           "fuse_rotary_embeddings"]
+
+# the most elements of a constant a rewrite reads (a norm's scale or a bias: one value per channel)
+_SMALL = 1 << 16
 
 
 class _Graph:
@@ -40,6 +48,7 @@ class _Graph:
         self.initializers = {tensor.name: tensor for tensor in graph.initializer}
         self.outputs = {value.name for value in graph.output}
         self.inputs = {value.name for value in graph.input}
+        self._values: Optional[Dict[str, List[onnx.ValueInfoProto]]] = None  # see _value_infos
 
     def only_reader(self, value: str) -> Optional[onnx.NodeProto]:
         """The one node reading ``value``, where exactly one does and ``value`` is no graph output."""
@@ -47,30 +56,50 @@ class _Graph:
         return readers[0] if len(readers) == 1 and value not in self.outputs else None
 
     def constant(self, name: str) -> Optional[np.ndarray]:
-        """The value of ``name`` where it is an initializer held in the file or a ``Constant`` node's, else None."""
-        from onnx.external_data_helper import uses_external_data
-
+        """The value of ``name`` where it is a small initializer or a ``Constant`` node's (read from its external data,
+        relative to the working directory, where the model was loaded without it), else None."""
         if name in self.inputs:
             return None
         tensor = self.initializers.get(name)
-        if tensor is not None:
-            return None if uses_external_data(tensor) else numpy_helper.to_array(tensor)
-        node = self.producer.get(name)
+        node = self.producer.get(name) if tensor is None else None
         if node is not None and node.op_type == "Constant":
             value = next((a for a in node.attribute if a.name == "value"), None)
-            return None if value is None else numpy_helper.to_array(value.t)
-        return None
+            tensor = None if value is None else value.t
+        if tensor is None or int(np.prod(tensor.dims)) > _SMALL:
+            return None
+        try:
+            return numpy_helper.to_array(tensor)
+        except Exception:  # external data that is not where the working directory says: unknown here
+            return None
 
     def dims(self, name: str) -> Optional[tuple]:
         """``name``'s dims as written by shape inference (ints, names, or None where unknown); None without a rank."""
         tensor = self.initializers.get(name)
         if tensor is not None:
             return tuple(tensor.dims)
-        for value in (*self.graph.value_info, *self.graph.input, *self.graph.output):
-            if value.name == name and value.type.tensor_type.HasField("shape"):
+        for value in self._value_infos(name):
+            if value.type.tensor_type.HasField("shape"):
                 return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
                              for d in value.type.tensor_type.shape.dim)
         return None
+
+    def element_type(self, name: str) -> Optional[int]:
+        """``name``'s element type (a ``TensorProto`` data type) where the graph says it, else None."""
+        tensor = self.initializers.get(name)
+        if tensor is not None:
+            return tensor.data_type
+        for value in self._value_infos(name):
+            if value.type.tensor_type.elem_type != onnx.TensorProto.UNDEFINED:
+                return value.type.tensor_type.elem_type
+        return None
+
+    def _value_infos(self, name: str) -> List[onnx.ValueInfoProto]:
+        """The graph's value infos, inputs and outputs naming ``name``, in that order (indexed on first use)."""
+        if self._values is None:
+            self._values = {}
+            for value in (*self.graph.value_info, *self.graph.input, *self.graph.output):
+                self._values.setdefault(value.name, []).append(value)
+        return self._values.get(name, [])
 
 
 def _attribute(node: onnx.NodeProto, name: str, default):
@@ -81,8 +110,9 @@ def _attribute(node: onnx.NodeProto, name: str, default):
 def _with_shapes(model: onnx.ModelProto) -> onnx.GraphProto:
     """A copy of ``model``'s graph with the shapes of its values from ORT's symbolic shape inference (onnx's own stops at
     the com.microsoft operators ORT's optimizer writes), so that a rewrite can ask a value's rank and dims. The copy
-    holds the small initializers (shape constants and the like, which inference reads) and only the dims of the
-    others: the weights are neither copied nor read."""
+    holds the small initializers (shape constants, biases: inference may compute with them; read from disk, relative
+    to the working directory, where the model was loaded without them) and only the dims of the others: the weights
+    are neither copied nor read."""
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     light = onnx.ModelProto()
@@ -93,8 +123,11 @@ def _with_shapes(model: onnx.ModelProto) -> onnx.GraphProto:
     light.graph.input.extend(model.graph.input)
     light.graph.output.extend(model.graph.output)
     for tensor in model.graph.initializer:
-        if len(tensor.raw_data) <= 1024 and not tensor.external_data:
+        small = int(np.prod(tensor.dims)) <= _SMALL
+        if small and not tensor.external_data:
             light.graph.initializer.append(tensor)
+        elif small:  # inference may compute with it (a bias added to a constant): its values, from disk
+            light.graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
         else:  # a weight: its name, type and dims are all inference needs
             stub = light.graph.initializer.add()
             stub.name, stub.data_type = tensor.name, tensor.data_type
@@ -193,17 +226,289 @@ def fuse_gelu_biases(model: onnx.ModelProto) -> int:
     return rewritten
 
 
+class _RotaryPlace(NamedTuple):
+    """One rotary embedding matched in the graph: its input ``x``, the full-width cos and sin tables ``(S, D)`` it
+    reads, whether ``x`` is laid out ``(batch, sequence, heads, head_dim)`` (else ``(batch, heads, sequence,
+    head_dim)``), its number of heads and head size, the nodes computing it and the value it writes."""
+    x: str
+    cos: str
+    sin: str
+    sequence_second: bool
+    heads: Optional[int]
+    head_dim: int
+    nodes: Tuple[onnx.NodeProto, ...]
+    output: str
+
+
+def _unsqueeze_axes(index: _Graph, node: onnx.NodeProto) -> Optional[List[int]]:
+    """An ``Unsqueeze``'s axes (its attribute before opset 13, its constant second input since)."""
+    if len(node.input) > 1 and node.input[1]:
+        axes = index.constant(node.input[1])
+        return None if axes is None else [int(a) for a in np.ravel(axes)]
+    axes = _attribute(node, "axes", None)
+    return None if axes is None else [int(a) for a in axes]
+
+
+def _every_other(index: _Graph, node: Optional[onnx.NodeProto], rank: int, head_dim) -> Optional[Tuple[str, int]]:
+    """``(data, start)`` where ``node`` is ``Slice(data, start, ≥ head_dim, last axis, step 2)`` with ``start`` 0 or
+    1: every other channel of the last axis, from the first or from the second."""
+    if node is None or node.op_type != "Slice" or len(node.input) != 5 or not isinstance(head_dim, int):
+        return None
+    starts, ends, axes, steps = (index.constant(name) for name in node.input[1:])
+    if any(value is None or value.size != 1 for value in (starts, ends, axes, steps)):
+        return None
+    if int(axes.item()) not in (-1, rank - 1) or int(steps.item()) != 2 or int(ends.item()) < head_dim \
+            or int(starts.item()) not in (0, 1):
+        return None
+    return node.input[0], int(starts.item())
+
+
+def _last_axis_unsqueeze(index: _Graph, node: Optional[onnx.NodeProto], rank: int) -> bool:
+    """``node`` is an ``Unsqueeze`` adding a last axis to a value of rank ``rank``."""
+    return node is not None and node.op_type == "Unsqueeze" and _unsqueeze_axes(index, node) in ([-1], [rank])
+
+
+def _feeds_only_shape_of(index: _Graph, node: onnx.NodeProto, reshape: onnx.NodeProto, depth: int = 8) -> bool:
+    """What ``node`` computes is read only, through at most ``depth`` nodes, as ``reshape``'s shape."""
+    for output in node.output:
+        if output in index.outputs:
+            return False
+        for reader in index.readers.get(output, []):
+            if reader is reshape:
+                if list(reshape.input).index(output) != 1:
+                    return False
+            elif depth == 0 or not _feeds_only_shape_of(index, reader, reshape, depth - 1):
+                return False
+    return True
+
+
+def _broadcast_table(index: _Graph, shapes: _Graph, name: str) -> Optional[Tuple[str, int]]:
+    """``(table, axis)`` where ``name`` is ``Unsqueeze``\\ s of a 2-D ``(S, D)`` table ``table`` to rank 4 with its
+    rows on ``axis`` (1 or 2) and its columns last, every other axis of size one: how diffusers broadcasts FLUX.1's
+    cos/sin to ``(batch, heads, sequence, head_dim)``, and ORT's attention fusion to its query's
+    ``(batch, sequence, heads, head_dim)``."""
+    unsqueezes = []
+    node = index.producer.get(name)
+    while node is not None and node.op_type == "Unsqueeze":
+        unsqueezes.append(node)
+        name = node.input[0]
+        node = index.producer.get(name)
+    dims = shapes.dims(name)
+    if not unsqueezes or dims is None or len(dims) != 2:
+        return None
+    layout: List[Optional[int]] = [0, 1]  # where each axis comes from: the table's rows, its columns, or nowhere
+    for unsqueeze in reversed(unsqueezes):
+        axes = _unsqueeze_axes(index, unsqueeze)
+        if axes is None:
+            return None
+        rank = len(layout) + len(axes)
+        for axis in sorted(a + rank if a < 0 else a for a in axes):
+            layout.insert(axis, None)
+    if layout == [None, 0, None, 1]:
+        return name, 1
+    if layout == [None, None, 0, 1]:
+        return name, 2
+    return None
+
+
+def _pair_repeated(index: _Graph, shapes: _Graph, name: str) -> Optional[List[str]]:
+    """The 2-D values ``h_1 … h_k`` where ``name`` is ``[h_1 … h_k]`` side by side with each column repeated twice in
+    a row (``Flatten(Concat([h[..., None], h[..., None]], -1))`` per part, the parts concatenated on the last axis:
+    how FLUX.1's position embedding interleaves each frequency's cos or sin with itself), else None."""
+    node = index.producer.get(name)
+    if node is None:
+        return None
+    if node.op_type == "Concat" and _attribute(node, "axis", None) in (-1, 1) and len(node.input) > 1:
+        parts = [_pair_repeated(index, shapes, part) for part in node.input]
+        return None if any(part is None for part in parts) else [h for part in parts for h in part]
+    if node.op_type != "Flatten" or _attribute(node, "axis", 1) != 1:
+        return None
+    stack = index.producer.get(node.input[0])
+    if stack is None or stack.op_type != "Concat" or _attribute(stack, "axis", None) not in (-1, 2) \
+            or len(stack.input) != 2:
+        return None
+    halves = [index.producer.get(value) for value in stack.input]
+    if not all(_last_axis_unsqueeze(index, half, 2) for half in halves) or halves[0].input[0] != halves[1].input[0]:
+        return None
+    values = halves[0].input[0]
+    dims = shapes.dims(values)
+    return [values] if dims is not None and len(dims) == 2 else None
+
+
+def _rotary_place(index: _Graph, shapes: _Graph, neg: onnx.NodeProto) -> Optional[_RotaryPlace]:
+    """The rotary embedding around ``neg``, where it is FLUX.1's (see :func:`fuse_rotary_embeddings`), else None."""
+    only = index.only_reader
+    imaginary = index.producer.get(neg.input[0])
+    x = imaginary.input[0] if imaginary is not None and imaginary.op_type == "Slice" else None
+    dims = shapes.dims(x) if x else None
+    if dims is None or len(dims) != 4 or any(d is None for d in dims) or not isinstance(dims[3], int) \
+            or dims[3] % 2:
+        return None
+    head_dim = dims[3]
+    if _every_other(index, imaginary, 4, head_dim) != (x, 1) or only(imaginary.output[0]) is not neg:
+        return None
+    negated = only(neg.output[0])
+    if not _last_axis_unsqueeze(index, negated, 4):
+        return None
+    stack = only(negated.output[0])
+    if stack is None or stack.op_type != "Concat" or _attribute(stack, "axis", None) not in (-1, 4) \
+            or list(stack.input[:1]) != [negated.output[0]] or len(stack.input) != 2:
+        return None
+    unsqueezed_real = index.producer.get(stack.input[1])
+    real = index.producer.get(unsqueezed_real.input[0]) if unsqueezed_real is not None else None
+    if not _last_axis_unsqueeze(index, unsqueezed_real, 4) or only(unsqueezed_real.output[0]) is not stack \
+            or _every_other(index, real, 4, head_dim) != (x, 0) or only(real.output[0]) is not unsqueezed_real:
+        return None
+    # the stacked pairs are read by their Reshape back to x's shape, and by the Shape nodes computing that shape
+    flattens = [node for node in index.readers.get(stack.output[0], []) if node.op_type != "Shape"]
+    flatten = flattens[0] if len(flattens) == 1 and stack.output[0] not in index.outputs else None
+    if flatten is None or flatten.op_type != "Reshape" or flatten.input[0] != stack.output[0] \
+            or shapes.dims(flatten.output[0]) != dims or not all(
+                _feeds_only_shape_of(index, node, flatten) for node in index.readers[stack.output[0]]
+                if node is not flatten):
+        return None
+    times_sin = only(flatten.output[0])
+    add = only(times_sin.output[0]) if times_sin is not None and times_sin.op_type == "Mul" else None
+    if add is None or add.op_type != "Add" or len(set(add.input)) != 2:
+        return None
+    times_cos = index.producer.get(add.input[1] if add.input[0] == times_sin.output[0] else add.input[0])
+    if times_cos is None or times_cos.op_type != "Mul" or only(times_cos.output[0]) is not add \
+            or list(times_cos.input).count(x) != 1:
+        return None
+    sin = _broadcast_table(index, shapes, times_sin.input[1] if times_sin.input[0] == flatten.output[0]
+                           else times_sin.input[0])
+    cos = _broadcast_table(index, shapes, times_cos.input[1] if times_cos.input[0] == x else times_cos.input[0])
+    if sin is None or cos is None or sin[1] != cos[1]:
+        return None
+    sequence_axis = cos[1]
+    for table in (cos[0], sin[0]):
+        if shapes.dims(table) != (dims[sequence_axis], head_dim):
+            return None
+    types = {shapes.element_type(name) for name in (x, cos[0], sin[0])}
+    if len(types) != 1 or None in types:
+        return None
+    heads = dims[2] if sequence_axis == 1 else dims[1]
+    if sequence_axis == 1 and not isinstance(heads, int):  # the 3-D form needs the number of heads
+        return None
+    return _RotaryPlace(x, cos[0], sin[0], sequence_axis == 1, heads if isinstance(heads, int) else None, head_dim,
+                        (imaginary, neg, negated, real, unsqueezed_real, stack, flatten, times_sin, times_cos, add),
+                        add.output[0])
+
+
+def fuse_rotary_embeddings(model: onnx.ModelProto) -> int:
+    """Rewrites each FLUX.1 rotary embedding of a query or key ``x`` of head size ``D`` into ORT's
+    ``com.microsoft.RotaryEmbedding(interleaved=1)``. Modifies ``model`` in place; returns how many it rewrote.
+
+    The pattern (diffusers' ``apply_rotary_emb`` with ``use_real_unbind_dim=-1``, as the export writes it):
+    ``Slice(x, 1::2) → Neg → Unsqueeze(-1)`` and ``Slice(x, 0::2) → Unsqueeze(-1)``, concatenated on the last axis
+    in that order and reshaped to ``x``'s shape (``rotate(x)``), then ``Add(Mul(x, cos), Mul(rotate(x), sin))``;
+    ``cos`` and ``sin`` are 2-D ``(S, D)`` tables unsqueezed onto ``x``'s sequence axis, each the graph's
+    pair-repeated cosines or sines (``Flatten(Concat([h[..., None], h[..., None]], -1))`` per rotary axis, the axes
+    concatenated; see :func:`_pair_repeated`). Token ``s`` then gets, for each pair ``k``,
+    ``y[2k] = x[2k]·c[s, k] - x[2k+1]·s[s, k]`` and ``y[2k+1] = x[2k+1]·c[s, k] + x[2k]·s[s, k]`` with ``c``/``s``
+    the tables before the repeat: exactly ORT's interleaved rotation ``y[i] = x[i]·cos[p, ⌊i/2⌋] ∓ x[i±1]·sin[p,
+    ⌊i/2⌋]`` (upper signs for even ``i``) at position ``p = s``, over the whole head (``rotary_embedding_dim`` left at
+    its default: twice the tables' width).
+
+    The RotaryEmbedding reads:
+
+    - cos_cache / sin_cache: the ``(S, D/2)`` tables before the repeat, the graph's own per-axis cosines and sines
+      concatenated (made once per graph and read by every RotaryEmbedding; the full-width tables and their
+      broadcasts are removed once nothing reads them).
+    - position_ids: the one-element ``[0]``, ORT's start offset: token ``s`` reads row ``0 + s`` (the tables have a
+      row per token, text tokens first, as ``x``).
+    - input: ``x`` itself where it is ``(batch, heads, sequence, head_dim)`` (the keys: ORT's 4-D layout); where ORT's
+      attention fusion has laid the query out ``(batch, sequence, heads, head_dim)`` (which the 4-D form does not
+      take), ``x`` reshaped to ``(batch, sequence, heads·head_dim)`` with ``num_heads``, the 3-D layout, which the
+      fused MultiHeadAttention reads its query in anyway (its Reshape to that shape is dropped; any other reader
+      gets the 4-D shape back).
+
+    ORT's CPU kernel (float32 and float16) and its CUDA kernel (float32, float16, bfloat16) take both layouts and the
+    one-element position ids. A pattern whose tables cannot be traced to their values before the repeat, whose
+    ``x`` has another layout or unknown dims, or whose ``x`` and tables differ in element type, is left alone.
+    """
+    graph = model.graph
+    index = _Graph(graph)
+    shapes = _Graph(_with_shapes(model))
+    places = [place for place in (_rotary_place(index, shapes, neg) for neg in graph.node if neg.op_type == "Neg")
+              if place is not None]
+    parts = {table: _pair_repeated(index, shapes, table) for place in places for table in (place.cos, place.sin)}
+    places = [place for place in places if parts[place.cos] is not None and parts[place.sin] is not None]
+    if not places:
+        return 0
+    taken = {name for node in graph.node for name in (*node.input, *node.output, node.name)} \
+        | set(index.initializers) | index.inputs | index.outputs
+
+    def fresh(name: str) -> str:
+        number, candidate = 0, name
+        while candidate in taken:
+            number += 1
+            candidate = f"{name}_{number}"
+        taken.add(candidate)
+        return candidate
+
+    removed: List[onnx.NodeProto] = []
+    added: List[onnx.NodeProto] = []  # each after the added nodes it reads
+    halves: Dict[str, str] = {}  # each table's columns before the repeat: its parts side by side, made once
+    for table in dict.fromkeys(name for place in places for name in (place.cos, place.sin)):
+        if len(parts[table]) == 1:
+            halves[table] = parts[table][0]
+            continue
+        halves[table] = fresh(f"{table}/every_other_column")
+        added.append(helper.make_node("Concat", parts[table], [halves[table]], axis=-1,
+                                      name=fresh(f"{table}/every_other_column/Concat")))
+    positions = fresh("rotary_embedding/position_ids")
+    graph.initializer.append(numpy_helper.from_array(np.zeros(1, np.int64), positions))
+    flat_shape = ""
+    if any(place.sequence_second for place in places):
+        flat_shape = fresh("rotary_embedding/bsnh_to_bsd_shape")
+        graph.initializer.append(numpy_helper.from_array(np.array([0, 0, -1], np.int64), flat_shape))
+    if not any(opset.domain == "com.microsoft" for opset in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+
+    for place in places:
+        name = place.nodes[-1].name or place.output
+        removed.extend(place.nodes)
+        tables = [positions, halves[place.cos], halves[place.sin]]
+        if not place.sequence_second:
+            added.append(helper.make_node("RotaryEmbedding", [place.x, *tables], [place.output], interleaved=1,
+                                          domain="com.microsoft", name=fresh(f"{name}/RotaryEmbedding")))
+            continue
+        flat = fresh(f"{place.x}_BSD")
+        added.append(helper.make_node("Reshape", [place.x, flat_shape], [flat], name=fresh(f"{name}/Reshape_BSD")))
+        reshape = index.only_reader(place.output)
+        target = index.constant(reshape.input[1]) if reshape is not None and reshape.op_type == "Reshape" else None
+        if target is None or target.tolist() != [0, 0, -1] or _attribute(reshape, "allowzero", 0) != 0:
+            reshape = None
+        else:  # the attention's own Reshape to (batch, sequence, heads·head_dim): the RotaryEmbedding writes that
+            removed.append(reshape)
+        output = reshape.output[0] if reshape is not None else fresh(f"{place.output}_BSD")
+        added.append(helper.make_node("RotaryEmbedding", [flat, *tables], [output], interleaved=1,
+                                      num_heads=place.heads, domain="com.microsoft",
+                                      name=fresh(f"{name}/RotaryEmbedding")))
+        if reshape is None:  # the other readers get the (batch, sequence, heads, head_dim) they read
+            back = fresh(f"{place.output}/bsd_to_bsnh_shape")
+            graph.initializer.append(numpy_helper.from_array(np.array([0, 0, place.heads, place.head_dim], np.int64),
+                                                             back))
+            added.append(helper.make_node("Reshape", [output, back], [place.output],
+                                          name=fresh(f"{name}/Reshape_BSNH")))
+    _replace_nodes(graph, removed, added)
+    _remove_dead(graph, [name for node in removed for name in node.input])
+    return len(places)
+
+
 def fuse_diffusion_transformer(model: onnx.ModelProto) -> Dict[str, int]:
     """Every rewrite of this module on an ORT-optimized SD3 / FLUX.1 transformer, in place.
 
     Args:
-        model: the transformer after ORT's ``mmdit`` optimizer (float32 or float16; weights may be left on disk: no
-            rewrite reads a weight larger than a bias).
+        model: the transformer after ORT's ``mmdit`` optimizer (float32 or float16; weights may be left on disk, to
+            be found from the working directory: no rewrite reads a weight larger than a bias).
 
     Returns:
         How many places each rewrite changed, by its name.
     """
-    return {"modulated_layer_norm": fuse_modulated_layer_norms(model), "gelu_bias": fuse_gelu_biases(model)}
+    return {"modulated_layer_norm": fuse_modulated_layer_norms(model), "gelu_bias": fuse_gelu_biases(model),
+            "rotary_embedding": fuse_rotary_embeddings(model)}
 
 
 def _insert_after_producers(graph: onnx.GraphProto, node: onnx.NodeProto) -> None:
@@ -227,3 +532,63 @@ def _remove_unread(graph: onnx.GraphProto, names: Sequence[str]) -> None:
             graph.node.remove(node)
         for tensor in [t for t in graph.initializer if t.name == name]:
             graph.initializer.remove(tensor)
+
+
+def _replace_nodes(graph: onnx.GraphProto, removed: Sequence[onnx.NodeProto], added: Sequence[onnx.NodeProto]) -> None:
+    """Takes ``removed`` out of ``graph`` and puts each of ``added`` (listed after the added nodes it reads) right
+    after the last node producing one of its inputs, as :func:`_insert_after_producers` does, in one pass."""
+    gone = {output for node in removed for output in node.output if output}
+    kept = [node for node in graph.node if not any(output in gone for output in node.output)]
+    position = {output: number for number, node in enumerate(kept) for output in node.output if output}
+    after: Dict[int, List[onnx.NodeProto]] = {}
+    for node in added:
+        slot = max((position[name] for name in node.input if name in position), default=-1)
+        after.setdefault(slot, []).append(node)
+        position.update((output, slot) for output in node.output)
+    nodes = list(after.get(-1, []))
+    for number, node in enumerate(kept):
+        nodes.append(node)
+        nodes.extend(after.get(number, []))
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def _remove_dead(graph: onnx.GraphProto, names: Sequence[str]) -> None:
+    """Removes the nodes and initializers behind ``names`` that nothing reads any more, and in turn those behind
+    their inputs that nothing else reads (nodes inside subgraphs count as readers of what they name)."""
+    reads: Dict[str, int] = {}
+
+    def count(nodes) -> None:
+        for node in nodes:
+            for name in node.input:
+                reads[name] = reads.get(name, 0) + 1
+            for attribute in node.attribute:
+                for subgraph in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs):
+                    count(subgraph.node)
+                    for value in subgraph.output:
+                        reads[value.name] = reads.get(value.name, 0) + 1
+
+    count(graph.node)
+    for value in graph.output:
+        reads[value.name] = reads.get(value.name, 0) + 1
+    producer = {output: node for node in graph.node for output in node.output if output}
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    removed: set = set()  # the removed nodes, by the values they wrote
+    stack = [name for name in names if name]
+    while stack:
+        name = stack.pop()
+        if reads.get(name, 0):
+            continue
+        node = producer.get(name)
+        if node is not None and name not in removed and not any(reads.get(output, 0) for output in node.output):
+            removed.update(output for output in node.output if output)
+            for value in node.input:
+                if value:
+                    reads[value] -= 1
+                    stack.append(value)
+        elif node is None and name in initializers:
+            graph.initializer.remove(initializers.pop(name))
+    if removed:
+        kept = [node for node in graph.node if not any(output in removed for output in node.output)]
+        del graph.node[:]
+        graph.node.extend(kept)

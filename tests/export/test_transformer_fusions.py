@@ -1,7 +1,8 @@
 """The project's rewrites of the diffusion transformers' graphs (SD3.5-shaped MMDiT with dual attention and QK norms,
 FLUX.1 schnell and dev) after ORT's MMDiT optimizer: each rewritten graph computes what ORT's optimized graph computed,
 on tiny random weights with ONNX Runtime's CPU kernels; each rewrite finds every place of its pattern and leaves
-look-alikes that are not it alone."""
+look-alikes that are not it alone. FLUX.1's rotary embedding is also checked in a float16 export, which ORT's CPU
+RotaryEmbedding kernel runs in float16."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from optimum_iobinding.export import export_pipeline
+from optimum_iobinding.export import export_pipeline, transformer_fusions
 from optimum_iobinding.export.optimize import fusion_options_for, optimize_component
 from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline, build_tiny_random_sd3_pipeline
 from optimum_iobinding.export.transformer_fusions import (fuse_diffusion_transformer, fuse_gelu_biases,
-                                                          fuse_modulated_layer_norms)
+                                                          fuse_modulated_layer_norms, fuse_rotary_embeddings)
 
 BUILDERS: Dict[str, Callable] = {
     "sd3.5": build_tiny_random_sd3_pipeline,
@@ -33,6 +34,9 @@ MODULATED_NORMS = {"sd3.5": 9, "flux-schnell": 6, "flux-dev": 6}
 # feed-forward GELUs: SD3.5's ff, ff_context, ff (the last block has no context feed-forward); FLUX.1's ff,
 # ff_context and the single block's proj_mlp
 GELUS = {"sd3.5": 3, "flux-schnell": 3, "flux-dev": 3}
+# rotary embeddings: FLUX.1's double block rotates its joint attention's query and key, its single block its
+# attention's query and key; SD3.5 has none
+ROTARY_EMBEDDINGS = {"sd3.5": 0, "flux-schnell": 4, "flux-dev": 4}
 
 
 @pytest.fixture(scope="module", params=list(BUILDERS))
@@ -78,13 +82,17 @@ def unit_affine_norms(model: onnx.ModelProto) -> int:
     return sum(node.op_type == "LayerNormalization" and node.input[1] in constants for node in model.graph.node)
 
 
-@pytest.mark.parametrize("rewrite", [fuse_modulated_layer_norms, fuse_gelu_biases, fuse_diffusion_transformer],
-                         ids=["modulated-layer-norm", "gelu-bias", "all"])
+@pytest.mark.parametrize("rewrite", [fuse_modulated_layer_norms, fuse_gelu_biases, fuse_rotary_embeddings,
+                                     fuse_diffusion_transformer],
+                         ids=["modulated-layer-norm", "gelu-bias", "rotary-embedding", "all"])
 def test_a_rewritten_transformer_computes_what_orts_optimized_graph_computed(optimized, rewrite):
     kind, model = optimized
     rewritten = copy.deepcopy(model)
     made = rewrite(rewritten)
-    assert made, f"{rewrite.__name__} found nothing to rewrite in the {kind} transformer"
+    if rewrite is fuse_rotary_embeddings and not ROTARY_EMBEDDINGS[kind]:
+        assert made == 0  # no rotary embedding in this transformer: nothing to find
+    else:
+        assert made, f"{rewrite.__name__} found nothing to rewrite in the {kind} transformer"
     inputs = random_inputs(model)
     expected, actual = run(model, inputs), run(rewritten, inputs)
     np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
@@ -111,12 +119,61 @@ def test_every_feed_forward_gelu_adds_its_projections_bias_itself(optimized):
     assert all(len(gelu.input) == 2 and producer[gelu.input[0]].op_type == "MatMul" for gelu in gelus)
 
 
+def test_every_rotary_embedding_is_one_rotary_embedding_node_reading_shared_half_tables(optimized):
+    kind, model = optimized
+    rewritten = copy.deepcopy(model)
+    assert fuse_rotary_embeddings(rewritten) == ROTARY_EMBEDDINGS[kind]
+    if not ROTARY_EMBEDDINGS[kind]:
+        assert rewritten.SerializeToString() == model.SerializeToString()
+        return
+    assert not [node for node in rewritten.graph.node if node.op_type == "Neg"]
+    rotaries = [node for node in rewritten.graph.node if node.op_type == "RotaryEmbedding"]
+    assert len(rotaries) == ROTARY_EMBEDDINGS[kind]
+    assert all(node.domain == "com.microsoft" for node in rotaries)
+    # the queries in the 3-D layout the fused attention reads (so with their number of heads), the keys in their 4-D
+    # one; pairs of neighbouring channels rotated (interleaved)
+    attributes = sorted(({a.name: helper.get_attribute_value(a) for a in node.attribute} for node in rotaries),
+                        key=len)
+    assert attributes == [{"interleaved": 1}] * 2 + [{"interleaved": 1, "num_heads": 2}] * 2
+    # one cos and one sin table of half the head size for all of them, token s at row s (a start offset of 0)
+    assert len({tuple(node.input[1:]) for node in rotaries}) == 1
+    initializers = {tensor.name: numpy_helper.to_array(tensor) for tensor in rewritten.graph.initializer}
+    assert initializers[rotaries[0].input[1]].tolist() == [0]
+    producer = {output: node for node in rewritten.graph.node for output in node.output}
+    for table, function in zip(rotaries[0].input[2:], ("Cos", "Sin")):
+        halves = producer[table]
+        assert halves.op_type == "Concat" and [producer[part].op_type for part in halves.input] == [function] * 3
+    # the full-width tables (each cos and sin written twice) went with the pattern
+    assert not [node for node in rewritten.graph.node if node.op_type == "Flatten"]
+
+
+def test_a_float16_flux_export_with_rotary_embedding_nodes_computes_what_it_computes_without(tmp_path, monkeypatch):
+    def export(folder: Path) -> onnx.ModelProto:
+        out = export_pipeline(None, folder, torch_pipeline=build_tiny_random_flux_pipeline(guidance_embeds=True),
+                              components=["transformer"], optimize="cpu", fp16=True, progress=False)
+        return onnx.load(str(out / "transformer" / "model.onnx"))
+
+    rewritten = export(tmp_path / "rotary")
+    with monkeypatch.context() as patch:
+        patch.setattr(transformer_fusions, "fuse_rotary_embeddings", lambda model: 0)
+        plain = export(tmp_path / "plain")
+    assert [node.op_type for node in plain.graph.node].count("Neg") == 4
+    assert [node.op_type for node in rewritten.graph.node].count("RotaryEmbedding") == 4
+    assert "Neg" not in [node.op_type for node in rewritten.graph.node]
+    inputs = random_inputs(plain)
+    expected, actual = run(plain, inputs), run(rewritten, inputs)
+    assert actual.dtype == np.float16
+    expected, actual = expected.astype(np.float32), actual.astype(np.float32)
+    np.testing.assert_allclose(actual, expected, rtol=1e-2, atol=5e-3 * np.abs(expected).max())
+
+
 def test_the_default_optimized_export_carries_the_rewrites(tmp_path):
     out = export_pipeline(None, tmp_path / "flux", torch_pipeline=build_tiny_random_flux_pipeline(),
                           components=["transformer"], optimize="cpu", fp16=True, progress=False)
     model = onnx.load(str(out / "transformer" / "model.onnx"))
     assert unit_affine_norms(model) == 0
     assert all(len(node.input) == 2 for node in model.graph.node if node.op_type == "FastGelu")
+    assert [node.op_type for node in model.graph.node].count("RotaryEmbedding") == 4
 
 
 # ------------------------------------------------------------------------------- what is not the pattern stays
@@ -179,3 +236,67 @@ def test_a_gelu_whose_input_is_read_elsewhere_keeps_its_bias_add():
                               ir_version=10)
     assert fuse_gelu_biases(model) == 0
     assert [node.op_type for node in model.graph.node] == ["MatMul", "Add", "FastGelu", "Identity"]
+
+
+def rotary_graph(layout: str = "bnsh", stacked: str = "-imaginary,real", table: str = "interleaved"):
+    """q (1, 2 heads, 5 tokens, 8) in ``layout`` (``bnsh`` or ``bsnh``) → FLUX.1's rotary embedding as the export
+    writes it → y, with the cos and sin of the graph input ``angles`` (5, 4): each column repeated twice in a row
+    (``interleaved``, FLUX.1's tables) or the four columns twice side by side (``halves``); the rotation stacks
+    ``stacked``'s two parts in that order."""
+    heads, tokens, dim = 2, 5, 8
+    shape = [1, heads, tokens, dim] if layout == "bnsh" else [1, tokens, heads, dim]
+    int64 = lambda name, values: numpy_helper.from_array(np.array(values, np.int64), name)  # noqa: E731
+    constants = [int64("zero", [0]), int64("one", [1]), int64("two", [2]), int64("last", [-1]),
+                 int64("end", [2 ** 63 - 1]), int64("shape", shape),
+                 int64("broadcast", [0, 1] if layout == "bnsh" else [0, 2])]
+    nodes = []
+    for function in ("Cos", "Sin"):
+        name = function.lower()
+        nodes.append(helper.make_node(function, ["angles"], [f"{name}_half"]))
+        if table == "interleaved":
+            nodes += [helper.make_node("Unsqueeze", [f"{name}_half", "last"], [f"{name}_{side}"]) for side in "ab"]
+            nodes += [helper.make_node("Concat", [f"{name}_a", f"{name}_b"], [f"{name}_pairs"], axis=-1),
+                      helper.make_node("Flatten", [f"{name}_pairs"], [f"{name}_table"], axis=1)]
+        else:
+            nodes.append(helper.make_node("Concat", [f"{name}_half", f"{name}_half"], [f"{name}_table"], axis=-1))
+        nodes.append(helper.make_node("Unsqueeze", [f"{name}_table", "broadcast"], [f"{name}_4d"]))
+    nodes += [helper.make_node("Slice", ["q", "one", "end", "last", "two"], ["imaginary"]),
+              helper.make_node("Neg", ["imaginary"], ["-imaginary"]),
+              helper.make_node("Slice", ["q", "zero", "end", "last", "two"], ["real"]),
+              helper.make_node("Unsqueeze", ["-imaginary", "last"], ["-imaginary_1"]),
+              helper.make_node("Unsqueeze", ["real", "last"], ["real_1"]),
+              helper.make_node("Concat", [f"{part}_1" for part in stacked.split(",")], ["stacked"], axis=-1),
+              helper.make_node("Reshape", ["stacked", "shape"], ["rotated"]),
+              helper.make_node("Mul", ["q", "cos_4d"], ["q_cos"]),
+              helper.make_node("Mul", ["rotated", "sin_4d"], ["rotated_sin"]),
+              helper.make_node("Add", ["q_cos", "rotated_sin"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "rotary", [helper.make_tensor_value_info("q", TensorProto.FLOAT, shape),
+                          helper.make_tensor_value_info("angles", TensorProto.FLOAT, [tokens, dim // 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], constants)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+@pytest.mark.parametrize("layout", ["bnsh", "bsnh"])
+def test_a_rotary_embedding_becomes_one_rotary_embedding_node_in_either_layout_and_computes_the_same(layout):
+    model = rotary_graph(layout)
+    rng = np.random.default_rng(2)
+    inputs = {"q": rng.standard_normal([1, 2, 5, 8] if layout == "bnsh" else [1, 5, 2, 8], np.float32),
+              "angles": rng.uniform(-4, 4, (5, 4)).astype(np.float32)}
+    expected = run(model, inputs)
+    assert fuse_rotary_embeddings(model) == 1
+    # the keys' 4-D layout as it is; the queries' (batch, sequence, heads, head_dim) through the 3-D one and back
+    rotation = ["RotaryEmbedding"] if layout == "bnsh" else ["Reshape", "RotaryEmbedding", "Reshape"]
+    assert sorted(node.op_type for node in model.graph.node) == sorted(["Cos", "Sin", *rotation])
+    np.testing.assert_allclose(run(model, inputs), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stacked, table", [
+    ("real,-imaginary", "interleaved"),        # the other rotation: (x₀, -x₁) pairs instead of (-x₁, x₀)
+    ("-imaginary,real", "halves"),             # tables repeated half after half: not the pairs the Slices make
+], ids=["other-rotation", "tables-in-halves"])
+def test_what_is_not_fluxs_rotary_embedding_is_left_alone(stacked, table):
+    model = rotary_graph("bnsh", stacked, table)
+    before = model.SerializeToString()
+    assert fuse_rotary_embeddings(model) == 0
+    assert model.SerializeToString() == before
