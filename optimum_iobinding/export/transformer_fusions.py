@@ -16,6 +16,9 @@ the values the graph computes (up to float rounding) and only changes how many p
   with ``rotate`` pairing neighbouring channels (two strided Slices, a Neg, a Concat, two Muls and an Add, each a
   pass over the activation), becomes ORT's ``RotaryEmbedding`` in its interleaved form, one pass, reading
   half-width cos/sin tables that the graph computes once for all blocks.
+- :func:`fold_value_biases`: where one stream attends alone (SD3.5's second attention, FLUX.1's single blocks), the
+  value projection's bias moves into the output projection's (each row of attention weights sums to one): one bias
+  pass over the activations fewer per such attention.
 
 :func:`fuse_diffusion_transformer` applies every rewrite and says how many of each it made.
 """
@@ -29,7 +32,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 __all__ = ["fuse_diffusion_transformer", "fuse_modulated_layer_norms", "fuse_gelu_biases",
-           "fuse_rotary_embeddings"]
+           "fuse_rotary_embeddings", "fold_value_biases"]
 
 # the most elements of a constant a rewrite reads (a norm's scale or a bias: one value per channel)
 _SMALL = 1 << 16
@@ -497,6 +500,101 @@ def fuse_rotary_embeddings(model: onnx.ModelProto) -> int:
     return len(places)
 
 
+def _value_bias(index: _Graph, shapes: _Graph, value: str) -> Optional[Tuple[onnx.NodeProto, np.ndarray]]:
+    """``(Add, bias)`` where ``value`` is ``Add(MatMul(x, W), b)`` of a constant 1-D ``b``, or that behind a
+    ``Reshape`` splitting its channels into heads ``(…, heads, head_dim)`` and a ``Transpose`` to ``(batch, heads,
+    sequence, head_dim)``, each read only by the next (the channel order stays the heads' ``h · head_dim + d``, the
+    order of the attention's output); else None."""
+    node = index.producer.get(value)
+    if node is not None and node.op_type == "Transpose":
+        if list(_attribute(node, "perm", [])) != [0, 2, 1, 3] or index.only_reader(node.input[0]) is not node:
+            return None
+        node = index.producer.get(node.input[0])
+        if node is None or node.op_type != "Reshape":
+            return None
+    if node is not None and node.op_type == "Reshape":
+        before, after = shapes.dims(node.input[0]), shapes.dims(node.output[0])
+        if before is None or after is None or len(before) != 3 or len(after) != 4 or not all(
+                isinstance(d, int) for d in (before[2], after[2], after[3])) or before[2] != after[2] * after[3] \
+                or index.only_reader(node.input[0]) is not node:
+            return None
+        node = index.producer.get(node.input[0])
+    if node is None or node.op_type != "Add":
+        return None
+    for position in (0, 1):
+        product = index.producer.get(node.input[position])
+        bias = index.constant(node.input[1 - position])
+        if product is not None and product.op_type == "MatMul" and bias is not None and bias.ndim == 1 \
+                and index.only_reader(node.output[0]) is not None:
+            return node, bias
+    return None
+
+
+def fold_value_biases(model: onnx.ModelProto) -> int:
+    """Moves the bias of an attention's values into its output projection's bias, where one stream attends alone
+    (SD3.5's second, image-only attention; FLUX.1's single blocks): each row of attention weights sums to one, so
+    ``softmax(q kᵀ) (v + b) = softmax(q kᵀ) v + b``, and ``(o + b) W + c = o W + (b W + c)``. The value projection's
+    bias pass over the activations goes; the output projection's bias, one vector, changes.
+
+    Rewrites each ``MultiHeadAttention`` (com.microsoft, with no inputs beyond query, key and value) whose value is
+    ``Add(MatMul(x, W_v), b_v)`` (see :func:`_value_bias`) and whose output is read only by ``MatMul(·, W_o)`` —
+    directly, or as one part of a ``Concat`` along channels of known widths, FLUX.1's attention and MLP outputs —
+    followed by ``Add(·, c)`` with a constant 1-D ``c``: ``c`` becomes ``c + b_v W_o[rows of the attention]``. A joint
+    attention (values of two streams, each with its own bias) is left alone. Modifies ``model`` in place (the output
+    projection's weight is read, from disk relative to the working directory where the model was loaded without
+    it); returns how many biases it moved."""
+    graph = model.graph
+    index = _Graph(graph)
+    shapes = _Graph(_with_shapes(model))
+    moved = 0
+    for attention in [node for node in graph.node if node.op_type == "MultiHeadAttention"]:
+        if len(attention.input) != 3 or len(attention.output) != 1:
+            continue
+        found = _value_bias(index, shapes, attention.input[2])
+        if found is None:
+            continue
+        value_add, value_bias = found
+        reader, offset = index.only_reader(attention.output[0]), 0
+        if reader is not None and reader.op_type == "Concat":
+            rank = len(shapes.dims(reader.output[0]) or ())
+            if _attribute(reader, "axis", 0) not in (-1, rank - 1) or rank == 0:
+                continue
+            widths = [(shapes.dims(name) or (None,))[-1] for name in reader.input]
+            place = list(reader.input).index(attention.output[0])
+            if list(reader.input).count(attention.output[0]) != 1 or not all(isinstance(w, int) for w in widths):
+                continue
+            offset = sum(widths[:place])
+            reader = index.only_reader(reader.output[0])
+        if reader is None or reader.op_type != "MatMul" or reader.input[1] not in index.initializers:
+            continue
+        output_add = index.only_reader(reader.output[0])
+        if output_add is None or output_add.op_type != "Add":
+            continue
+        bias_name = output_add.input[1] if output_add.input[0] == reader.output[0] else output_add.input[0]
+        output_bias = index.constant(bias_name)
+        if output_bias is None or output_bias.ndim != 1 or bias_name not in index.initializers:
+            continue
+        try:
+            weight = numpy_helper.to_array(index.initializers[reader.input[1]])
+        except Exception:  # its data is not where the working directory says
+            continue
+        rows = weight[offset:offset + value_bias.shape[0]]
+        if weight.ndim != 2 or rows.shape[0] != value_bias.shape[0] or weight.shape[1] != output_bias.shape[0]:
+            continue
+        folded = output_bias.astype(np.float64) + value_bias.astype(np.float64) @ rows.astype(np.float64)
+        name = f"{bias_name}/with_value_bias"
+        graph.initializer.append(numpy_helper.from_array(folded.astype(output_bias.dtype), name))
+        output_add.input[list(output_add.input).index(bias_name)] = name
+        product = next(i for i in value_add.input if index.producer.get(i) is not None
+                       and index.producer[i].op_type == "MatMul")
+        for node in index.readers[value_add.output[0]]:
+            node.input[list(node.input).index(value_add.output[0])] = product
+        graph.node.remove(value_add)
+        _remove_unread(graph, [name for name in value_add.input if name != product] + [bias_name])
+        moved += 1
+    return moved
+
+
 def fuse_diffusion_transformer(model: onnx.ModelProto) -> Dict[str, int]:
     """Every rewrite of this module on an ORT-optimized SD3 / FLUX.1 transformer, in place.
 
@@ -508,7 +606,7 @@ def fuse_diffusion_transformer(model: onnx.ModelProto) -> Dict[str, int]:
         How many places each rewrite changed, by its name.
     """
     return {"modulated_layer_norm": fuse_modulated_layer_norms(model), "gelu_bias": fuse_gelu_biases(model),
-            "rotary_embedding": fuse_rotary_embeddings(model)}
+            "rotary_embedding": fuse_rotary_embeddings(model), "value_bias": fold_value_biases(model)}
 
 
 def _insert_after_producers(graph: onnx.GraphProto, node: onnx.NodeProto) -> None:

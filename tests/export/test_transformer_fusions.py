@@ -19,8 +19,9 @@ from onnx import TensorProto, helper, numpy_helper
 from optimum_iobinding.export import export_pipeline, transformer_fusions
 from optimum_iobinding.export.optimize import fusion_options_for, optimize_component
 from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline, build_tiny_random_sd3_pipeline
-from optimum_iobinding.export.transformer_fusions import (fuse_diffusion_transformer, fuse_gelu_biases,
-                                                          fuse_modulated_layer_norms, fuse_rotary_embeddings)
+from optimum_iobinding.export.transformer_fusions import (fold_value_biases, fuse_diffusion_transformer,
+                                                          fuse_gelu_biases, fuse_modulated_layer_norms,
+                                                          fuse_rotary_embeddings)
 
 BUILDERS: Dict[str, Callable] = {
     "sd3.5": build_tiny_random_sd3_pipeline,
@@ -37,6 +38,9 @@ GELUS = {"sd3.5": 3, "flux-schnell": 3, "flux-dev": 3}
 # rotary embeddings: FLUX.1's double block rotates its joint attention's query and key, its single block its
 # attention's query and key; SD3.5 has none
 ROTARY_EMBEDDINGS = {"sd3.5": 0, "flux-schnell": 4, "flux-dev": 4}
+# attentions of one stream, whose value bias can move into the output projection: SD3.5's second (image-only)
+# attention in its first block, FLUX.1's single block; the joint attentions keep theirs
+VALUE_BIASES = {"sd3.5": 1, "flux-schnell": 1, "flux-dev": 1}
 
 
 @pytest.fixture(scope="module", params=list(BUILDERS))
@@ -83,8 +87,8 @@ def unit_affine_norms(model: onnx.ModelProto) -> int:
 
 
 @pytest.mark.parametrize("rewrite", [fuse_modulated_layer_norms, fuse_gelu_biases, fuse_rotary_embeddings,
-                                     fuse_diffusion_transformer],
-                         ids=["modulated-layer-norm", "gelu-bias", "rotary-embedding", "all"])
+                                     fold_value_biases, fuse_diffusion_transformer],
+                         ids=["modulated-layer-norm", "gelu-bias", "rotary-embedding", "value-bias", "all"])
 def test_a_rewritten_transformer_computes_what_orts_optimized_graph_computed(optimized, rewrite):
     kind, model = optimized
     rewritten = copy.deepcopy(model)
@@ -96,6 +100,26 @@ def test_a_rewritten_transformer_computes_what_orts_optimized_graph_computed(opt
     inputs = random_inputs(model)
     expected, actual = run(model, inputs), run(rewritten, inputs)
     np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+
+
+def test_each_single_stream_attention_hands_its_value_bias_to_the_output_projection(optimized):
+    kind, model = optimized
+    rewritten = copy.deepcopy(model)
+    assert fold_value_biases(rewritten) == VALUE_BIASES[kind]
+    producer = {output: node for node in rewritten.graph.node for output in node.output}
+
+    def behind(value: str) -> onnx.NodeProto:  # the node computing the values, behind the head split
+        node = producer[value]
+        while node.op_type in ("Transpose", "Reshape"):
+            node = producer[node.input[0]]
+        return node
+
+    attentions = [node for node in rewritten.graph.node if node.op_type == "MultiHeadAttention"]
+    single = [node for node in attentions if producer[node.input[2]].op_type != "Concat"]
+    assert len(single) == VALUE_BIASES[kind]
+    assert all(behind(node.input[2]).op_type == "MatMul" for node in single)  # no bias Add left
+    joint = [node for node in attentions if node not in single]
+    assert joint and all(behind(producer[node.input[2]].input[0]).op_type == "Add" for node in joint)
 
 
 def test_every_adaln_modulation_runs_inside_its_layer_norm(optimized):
