@@ -137,3 +137,33 @@ def test_cuda_graph_true_requires_the_transformer_captured_and_it_is(flux, captu
     _, folder = flux
     pipe = load(folder, cuda_graph=True)
     captures_the_transformer_as_required(pipe, lambda: pipe(PROMPTS, generator=seeded(), **CALL))
+
+
+def test_the_fused_float16_pipeline_is_no_further_from_diffusers_float32_image_than_diffusers_float16_is(flux,
+                                                                                                        tmp_path):
+    """The export people deploy (fused float16 with the project's graph rewrites, T5 float32) against diffusers' own
+    FluxPipeline on the same weights and latents: its image lies within twice the distance float16 puts diffusers'
+    own float16 image from the float32 one, plus 1e-2 (images in [0, 1])."""
+    import copy
+
+    torch_pipe, _ = flux
+    fused = export_pipeline(None, tmp_path / "fused", torch_pipeline=torch_pipe, fp16=True, optimize="cuda",
+                            progress=False)
+    # FLUX.1's packed latents of a 64×48 image: 4 × 3 tokens of 64 channels, one row per prompt
+    packed = torch.randn(len(PROMPTS), 12, 64, generator=seeded())
+    arguments = dict(CALL, guidance_scale=4.0)
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    images = {}
+    try:
+        for dtype in (torch.float32, torch.float16):  # a copy: the module's pipeline keeps its float32 weights
+            pipe = copy.deepcopy(torch_pipe).to("cuda", dtype)
+            images[dtype] = pipe(PROMPTS, latents=packed.to("cuda", dtype), **arguments).images
+            del pipe
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous
+    ours = load(fused, provider_options={})(PROMPTS, latents=packed, **arguments).images
+    assert np.isfinite(ours).all()
+    theirs_error = np.abs(images[torch.float16] - images[torch.float32]).max()
+    our_error = np.abs(ours - images[torch.float32]).max()
+    assert our_error <= 2 * theirs_error + 1e-2, (our_error, theirs_error)

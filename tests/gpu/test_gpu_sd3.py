@@ -156,3 +156,30 @@ def test_cuda_graph_true_requires_the_transformer_captured_and_it_is(sd3, captur
     _, folder = sd3
     pipe = load(folder, cuda_graph=True)
     captures_the_transformer_as_required(pipe, lambda: pipe(PROMPT, **call(latents=latents())))
+
+
+def test_the_fused_float16_pipeline_is_no_further_from_diffusers_float32_image_than_diffusers_float16_is(sd3,
+                                                                                                        tmp_path):
+    """The export people deploy (fused float16 with the project's graph rewrites, T5 float32) against diffusers' own
+    pipeline on the same weights and latents: its image lies within twice the distance float16 puts diffusers' own
+    float16 image from the float32 one, plus 1e-2 (images in [0, 1])."""
+    import copy
+
+    from optimum_iobinding.export import export_pipeline
+
+    torch_pipe, _ = sd3
+    fused = export_pipeline(None, tmp_path / "fused", torch_pipeline=torch_pipe, fp16=True, optimize="cuda",
+                            progress=False)
+    arguments = call(guidance_scale=7.0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    images = {}
+    for dtype in (torch.float32, torch.float16):  # a copy: the module's pipeline keeps its float32 weights
+        pipe = copy.deepcopy(torch_pipe).to("cuda", dtype)
+        images[dtype] = pipe([PROMPT, "a red car"], latents=latents(2).to("cuda", dtype), **arguments).images
+        del pipe
+    ours = load(fused, provider_options={})([PROMPT, "a red car"], latents=latents(2), **arguments).images
+    assert np.isfinite(ours).all()
+    theirs_error = np.abs(images[torch.float16] - images[torch.float32]).max()
+    our_error = np.abs(ours - images[torch.float32]).max()
+    assert our_error <= 2 * theirs_error + 1e-2, (our_error, theirs_error)
