@@ -6,7 +6,10 @@ CUDA-graph replay time of the same step.
     python benchmarks/transformer_kernels.py --folder /tmp/bench-work/flux-schnell-fp16-optimized-blocks2x4-text4 \
         --out /tmp/res/kernels
 
-Writes ``transformer_kernels-<folder name>.json`` to ``--out``.
+Writes ``transformer_kernels-<folder name>.json`` to ``--out`` (with ``--session-config``, the entries' values in the
+name too). ``--session-config KEY=VALUE`` (repeatable) puts an ONNX Runtime session config entry on both sessions, e.g.
+``optimization.disable_specified_optimizers=MatMulAddFusion`` to keep each bias as its own ``Add`` rather than ORT's
+``Gemm`` with a broadcast bias.
 """
 
 from __future__ import annotations
@@ -45,12 +48,25 @@ def main() -> int:
     parser.add_argument("--out", default="transformer-kernels")
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--text-tokens", type=int, default=256)
+    parser.add_argument("--session-config", action="append", default=[], metavar="KEY=VALUE",
+                        help="an ONNX Runtime session config entry for both sessions (repeatable)")
     args = parser.parse_args()
     folder, out = Path(args.folder), Path(args.out)
+    entries = dict(entry.split("=", 1) for entry in args.session_config)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"environment": environment(), "command": " ".join(sys.argv), "folder": folder.name}
+    result = {"environment": environment(), "command": " ".join(sys.argv), "folder": folder.name,
+              "session_config": entries}
+
+    def session_options():  # a fresh object per session: ORT keeps what it is given
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        for key, value in entries.items():
+            options.add_session_config_entry(key, value)
+        return options
+
     captured = IOBindingORTModel.from_pretrained(folder, subfolder="transformer", provider="CUDAExecutionProvider",
-                                                 cuda_graph=True)
+                                                 cuda_graph=True, sess_options=session_options())
     inputs = step_inputs(captured, args.size, args.text_tokens)
     with torch.cuda.stream(captured.stream):
         for _ in range(3):
@@ -60,11 +76,12 @@ def main() -> int:
     result["graph_replay_ms"] = replay_ms(runner, captured.stream, 10) if runner is not None else None
     del captured, runner
     plain = IOBindingORTModel.from_pretrained(folder, subfolder="transformer", provider="CUDAExecutionProvider",
-                                              cuda_graph=False)
+                                              cuda_graph=False, sess_options=session_options())
     with torch.cuda.stream(plain.stream):
         plain(**inputs)
         result["kernels"] = kernel_table(lambda: plain(**inputs), calls=3, top=20)
-    (out / f"transformer_kernels-{folder.name}.json").write_text(json.dumps(result, indent=2))
+    suffix = "".join(f"-{value.replace(',', '+')}" for value in entries.values())
+    (out / f"transformer_kernels-{folder.name}{suffix}.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     return 0
 
