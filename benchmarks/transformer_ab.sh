@@ -53,6 +53,7 @@ for pid in "${pids[@]}"; do wait "$pid"; done
 for model in $models; do
   for side in before after; do
     folder=$(ls -d "$work/$side-work"/*-fp16-optimized-blocks* 2>/dev/null | grep -E "$( [ "$model" = flux ] && echo flux || echo sd35m)" | head -1)
+    rm -rf "$work/k"  # a failed run must not leave the other side's table to be copied as its own
     ( cd "$work" && PYTHONPATH="$site:$work/$side" timeout 600 python3 transformer_kernels.py --folder "$folder" --out "$work/k" \
         > "$out/kernels-$side-$model.log" 2>&1; rc=$?; cp "$work/k/transformer_kernels-$(basename "$folder").json" "$out/kernels-$side-$model.json"; exit $rc )
     stamp "kernels $side $model rc $?"

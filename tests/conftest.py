@@ -78,10 +78,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` (setup.cfg declares the marker) skip where CUDA is missing. The tests of an
-    ``xdist_group`` come first: under ``--dist loadgroup`` a group is one unit of work, the longest of the run (the
-    Ray clusters and servers), and handed out first it runs beside the rest rather than after it."""
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)  # stable: the order stays within
+    """Tests marked ``gpu`` (setup.cfg declares the marker) skip where CUDA is missing."""
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU, a CUDA build of torch and onnxruntime-gpu")

@@ -333,7 +333,7 @@ def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool
 
 
 # The project's own rewrites of a component's graph after ORT's optimizer, by ORT's model type: the diffusion
-# transformers' modulated LayerNorms and GELU biases (see :mod:`.transformer_fusions`)
+# transformers' modulated LayerNorms, GELU biases, rotary embeddings and value biases (see :mod:`.transformer_fusions`)
 GRAPH_REWRITES: Dict[str, Callable[[onnx.ModelProto], Dict[str, int]]] = {"mmdit": fuse_diffusion_transformer}
 
 
@@ -369,9 +369,17 @@ def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16
         optimized = (optimize_component(name, path, fusion_options_for(model_type, optimize), optimize, model_type)
                      if optimize else None)
         if optimized is not None and model_type in GRAPH_REWRITES:
-            with in_folder(path.parent):  # the small constants they read may be on disk beside the model
-                made = GRAPH_REWRITES[model_type](optimized.model)
-            logger.info("%s: graph rewrites %s", name, made)
+            rewritten = onnx.ModelProto()  # a copy (the weights stay on disk): a failing rewrite leaves ORT's graph
+            rewritten.CopyFrom(optimized.model)
+            try:
+                with in_folder(path.parent):  # the small constants they read may be on disk beside the model
+                    made = GRAPH_REWRITES[model_type](rewritten)
+            except Exception as error:  # an unforeseen graph: ORT's optimized graph is still a whole export
+                logger.warning("%s: the graph rewrites failed (%s: %s); exporting ORT's optimized graph without them",
+                               name, type(error).__name__, error)
+            else:
+                optimized.model.CopyFrom(rewritten)
+                logger.info("%s: graph rewrites %s", name, made)
         model = to_precision(path, optimized, fp16, spec.get("float32_inputs", ()))
     fix_output_dims(model, spec.get("fixed_output_dims", {}))
     save_model(model, target / name / "model.onnx", external_data_threshold)

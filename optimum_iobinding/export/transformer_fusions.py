@@ -125,20 +125,20 @@ def _with_shapes(model: onnx.ModelProto) -> onnx.GraphProto:
     light.graph.node.extend(model.graph.node)
     light.graph.input.extend(model.graph.input)
     light.graph.output.extend(model.graph.output)
-    for tensor in model.graph.initializer:
-        small = int(np.prod(tensor.dims)) <= _SMALL
-        if small and not tensor.external_data:
-            light.graph.initializer.append(tensor)
-        elif small:  # inference may compute with it (a bias added to a constant): its values, from disk
-            light.graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
-        else:  # a weight: its name, type and dims are all inference needs
-            stub = light.graph.initializer.add()
-            stub.name, stub.data_type = tensor.name, tensor.data_type
-            stub.dims.extend(tensor.dims)
     try:
+        for tensor in model.graph.initializer:
+            small = int(np.prod(tensor.dims)) <= _SMALL
+            if small and not tensor.external_data:
+                light.graph.initializer.append(tensor)
+            elif small:  # inference may compute with it (a bias added to a constant): its values, from disk
+                light.graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
+            else:  # a weight: its name, type and dims are all inference needs
+                stub = light.graph.initializer.add()
+                stub.name, stub.data_type = tensor.name, tensor.data_type
+                stub.dims.extend(tensor.dims)
         return SymbolicShapeInference.infer_shapes(light, auto_merge=True, guess_output_rank=False).graph
-    except Exception:  # ORT's inference fails on some graph: no shapes, so no rewrite that needs one
-        return light.graph
+    except Exception:  # data not where the working directory says, or ORT's inference fails on some graph: no
+        return model.graph  # shapes beyond what the model carries, so no rewrite that needs one
 
 
 def _is_modulation(dims: Optional[tuple], channels) -> bool:
@@ -151,10 +151,16 @@ def fuse_modulated_layer_norms(model: onnx.ModelProto) -> int:
     ``Mul(·, m)`` nodes each read only by an ``Add(·, a)``, where ``m`` and ``a`` are per-sample modulation tensors of
     one shape ``(batch, 1, channels)``, into ``LayerNormalization(x, scale=m, bias=a)`` (one per such pair: SD3.5's
     first norm feeds two modulations). Modifies ``model`` in place; returns how many LayerNormalizations it wrote."""
+    return _fuse_modulated_layer_norms(model, None)
+
+
+def _fuse_modulated_layer_norms(model: onnx.ModelProto, shapes: Optional[onnx.GraphProto]) -> int:
     graph = model.graph
     index = _Graph(graph)
-    shapes = _Graph(_with_shapes(model))
-    rewritten = 0
+    shapes = _Graph(shapes if shapes is not None else _with_shapes(model))  # the caller's, where it has them
+    removed: List[onnx.NodeProto] = []
+    added: List[onnx.NodeProto] = []
+    unread: List[str] = []
     for norm in [node for node in graph.node if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx")]:
         if len(norm.output) != 1 and any(norm.output[1:]):  # mean / inverse std read by someone: leave it
             continue
@@ -180,23 +186,25 @@ def fuse_modulated_layer_norms(model: onnx.ModelProto) -> int:
             if norm.output[0] in (modulation, shift) or mul.output[0] == shift:
                 break
             modulation_dims, shift_dims = shapes.dims(modulation), shapes.dims(shift)
-            if not (_is_modulation(modulation_dims, channels) and modulation_dims == shift_dims):
+            # the modulation's batch is the input's (or one): Mul would broadcast a larger one, a norm refuses it
+            if not (_is_modulation(modulation_dims, channels) and modulation_dims == shift_dims
+                    and input_dims is not None and modulation_dims[0] in (1, input_dims[0])):
                 break
             pairs.append((mul, add, modulation, shift))
         if len(pairs) != len(readers):
             continue
-        graph.node.remove(norm)
+        removed.append(norm)
         for number, (mul, add, modulation, shift) in enumerate(pairs):
             fused = helper.make_node("LayerNormalization", [norm.input[0], modulation, shift], [add.output[0]],
                                      name=f"{norm.name}/modulated" + (f"_{number}" if len(pairs) > 1 else ""))
             fused.attribute.extend(a for a in norm.attribute)
-            graph.node.remove(mul)
-            graph.node.remove(add)
-            # it reads the modulation too, which may be computed after the norm's input
-            _insert_after_producers(graph, fused)
-            rewritten += 1
-        _remove_unread(graph, [name for name in norm.input[1:] if name])
-    return rewritten
+            removed.extend((mul, add))
+            added.append(fused)
+        unread.extend(name for name in norm.input[1:] if name)
+    # it reads the modulation too, which may be computed after the norm's input: each goes after its producers
+    _replace_nodes(graph, removed, added)
+    _remove_unread(graph, unread)
+    return len(added)
 
 
 def fuse_gelu_biases(model: onnx.ModelProto) -> int:
@@ -430,9 +438,13 @@ def fuse_rotary_embeddings(model: onnx.ModelProto) -> int:
     one-element position ids. A pattern whose tables cannot be traced to their values before the repeat, whose
     ``x`` has another layout or unknown dims, or whose ``x`` and tables differ in element type, is left alone.
     """
+    return _fuse_rotary_embeddings(model, None)
+
+
+def _fuse_rotary_embeddings(model: onnx.ModelProto, shapes: Optional[onnx.GraphProto]) -> int:
     graph = model.graph
     index = _Graph(graph)
-    shapes = _Graph(_with_shapes(model))
+    shapes = _Graph(shapes if shapes is not None else _with_shapes(model))  # the caller's, where it has them
     places = [place for place in (_rotary_place(index, shapes, neg) for neg in graph.node if neg.op_type == "Neg")
               if place is not None]
     parts = {table: _pair_repeated(index, shapes, table) for place in places for table in (place.cos, place.sin)}
@@ -530,6 +542,26 @@ def _value_bias(index: _Graph, shapes: _Graph, value: str) -> Optional[Tuple[onn
     return None
 
 
+def _rows(tensor: onnx.TensorProto, start: int, count: int) -> Optional[np.ndarray]:
+    """Rows ``start … start + count`` of a 2-D initializer: from its external data file (relative to the working
+    directory) only those rows' bytes, else from the tensor; None where its data cannot be read."""
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    try:
+        if not uses_external_data(tensor):
+            return numpy_helper.to_array(tensor)[start:start + count]
+        info = ExternalDataInfo(tensor)
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+        row_bytes = int(tensor.dims[1]) * dtype.itemsize
+        with open(info.location, "rb") as file:
+            file.seek(int(info.offset or 0) + start * row_bytes)
+            data = file.read(count * row_bytes)
+        return np.frombuffer(data, dtype=dtype).reshape(count, int(tensor.dims[1])) if len(data) == count * row_bytes \
+            else None
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def fold_value_biases(model: onnx.ModelProto) -> int:
     """Moves the bias of an attention's values into its output projection's bias, where one stream attends alone
     (SD3.5's second, image-only attention; FLUX.1's single blocks): each row of attention weights sums to one, so
@@ -539,19 +571,34 @@ def fold_value_biases(model: onnx.ModelProto) -> int:
     Rewrites each ``MultiHeadAttention`` (com.microsoft, with no inputs beyond query, key and value) whose value is
     ``Add(MatMul(x, W_v), b_v)`` (see :func:`_value_bias`) and whose output is read only by ``MatMul(·, W_o)`` —
     directly, or as one part of a ``Concat`` along channels of known widths, FLUX.1's attention and MLP outputs —
-    followed by ``Add(·, c)`` with a constant 1-D ``c``: ``c`` becomes ``c + b_v W_o[rows of the attention]``. A joint
-    attention (values of two streams, each with its own bias) is left alone. Modifies ``model`` in place (the output
-    projection's weight is read, from disk relative to the working directory where the model was loaded without
-    it); returns how many biases it moved."""
+    followed by ``Add(·, c)`` with a constant 1-D ``c``: ``c`` becomes ``c + b_v W_o[rows of the attention]``, a new
+    initializer of its own. A joint attention (values of two streams, each with its own bias) and values read by
+    anything but the attention are left alone. Modifies ``model`` in place (the rows of the output projection's
+    weight it needs are read, from disk relative to the working directory where the model was loaded without
+    them); returns how many biases it moved."""
+    return _fold_value_biases(model, None)
+
+
+def _fold_value_biases(model: onnx.ModelProto, shapes: Optional[onnx.GraphProto]) -> int:
     graph = model.graph
     index = _Graph(graph)
-    shapes = _Graph(_with_shapes(model))
+    shapes = _Graph(shapes if shapes is not None else _with_shapes(model))  # the caller's, where it has them
+    taken = set(index.initializers) | {name for node in graph.node for name in node.output}
+
+    def fresh(name: str) -> str:
+        number, candidate = 0, name
+        while candidate in taken:
+            number += 1
+            candidate = f"{name}_{number}"
+        taken.add(candidate)
+        return candidate
+
     moved = 0
     for attention in [node for node in graph.node if node.op_type == "MultiHeadAttention"]:
         if len(attention.input) != 3 or len(attention.output) != 1:
             continue
         found = _value_bias(index, shapes, attention.input[2])
-        if found is None:
+        if found is None or index.only_reader(attention.input[2]) is not attention:  # another reader keeps the bias
             continue
         value_add, value_bias = found
         reader, offset = index.only_reader(attention.output[0]), 0
@@ -574,15 +621,15 @@ def fold_value_biases(model: onnx.ModelProto) -> int:
         output_bias = index.constant(bias_name)
         if output_bias is None or output_bias.ndim != 1 or bias_name not in index.initializers:
             continue
-        try:
-            weight = numpy_helper.to_array(index.initializers[reader.input[1]])
-        except Exception:  # its data is not where the working directory says
+        weight = index.initializers[reader.input[1]]
+        if len(weight.dims) != 2 or weight.dims[1] != output_bias.shape[0] \
+                or offset + value_bias.shape[0] > weight.dims[0]:
             continue
-        rows = weight[offset:offset + value_bias.shape[0]]
-        if weight.ndim != 2 or rows.shape[0] != value_bias.shape[0] or weight.shape[1] != output_bias.shape[0]:
+        rows = _rows(weight, offset, value_bias.shape[0])
+        if rows is None:
             continue
         folded = output_bias.astype(np.float64) + value_bias.astype(np.float64) @ rows.astype(np.float64)
-        name = f"{bias_name}/with_value_bias"
+        name = fresh(f"{bias_name}/with_value_bias")  # the old bias may be shared: each fold gets its own
         graph.initializer.append(numpy_helper.from_array(folded.astype(output_bias.dtype), name))
         output_add.input[list(output_add.input).index(bias_name)] = name
         product = next(i for i in value_add.input if index.producer.get(i) is not None
@@ -600,41 +647,36 @@ def fuse_diffusion_transformer(model: onnx.ModelProto) -> Dict[str, int]:
 
     Args:
         model: the transformer after ORT's ``mmdit`` optimizer (float32 or float16; weights may be left on disk, to
-            be found from the working directory: no rewrite reads a weight larger than a bias).
+            be found from the working directory: the rewrites read biases, norm scales and the rows of an output
+            projection that a value bias meets, never a whole weight).
 
     Returns:
         How many places each rewrite changed, by its name.
     """
-    return {"modulated_layer_norm": fuse_modulated_layer_norms(model), "gelu_bias": fuse_gelu_biases(model),
-            "rotary_embedding": fuse_rotary_embeddings(model), "value_bias": fold_value_biases(model)}
-
-
-def _insert_after_producers(graph: onnx.GraphProto, node: onnx.NodeProto) -> None:
-    """Puts ``node`` into ``graph`` right after the last node producing one of its inputs (graph order stays a
-    topological order), or first where none does."""
-    nodes = list(graph.node)
-    last = -1
-    for position, other in enumerate(nodes):
-        if any(output in node.input for output in other.output):
-            last = position
-    graph.node.insert(last + 1, node)
+    shapes = _with_shapes(model)  # the rewrites change no value's shape: inferred once for all of them
+    return {"modulated_layer_norm": _fuse_modulated_layer_norms(model, shapes), "gelu_bias": fuse_gelu_biases(model),
+            "rotary_embedding": _fuse_rotary_embeddings(model, shapes), "value_bias": _fold_value_biases(model, shapes)}
 
 
 def _remove_unread(graph: onnx.GraphProto, names: Sequence[str]) -> None:
     """Removes the Constant nodes and initializers behind ``names`` that nothing reads any more."""
     read = {name for node in graph.node for name in node.input} | {value.name for value in graph.output}
-    for name in names:
-        if name in read:
-            continue
-        for node in [n for n in graph.node if n.op_type == "Constant" and name in n.output]:
-            graph.node.remove(node)
-        for tensor in [t for t in graph.initializer if t.name == name]:
-            graph.initializer.remove(tensor)
+    gone = set(names) - read
+    if not gone:
+        return
+    kept = [node for node in graph.node if not (node.op_type == "Constant" and node.output[0] in gone)]
+    if len(kept) != len(graph.node):
+        del graph.node[:]
+        graph.node.extend(kept)
+    initializers = [tensor for tensor in graph.initializer if tensor.name not in gone]
+    if len(initializers) != len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(initializers)
 
 
 def _replace_nodes(graph: onnx.GraphProto, removed: Sequence[onnx.NodeProto], added: Sequence[onnx.NodeProto]) -> None:
     """Takes ``removed`` out of ``graph`` and puts each of ``added`` (listed after the added nodes it reads) right
-    after the last node producing one of its inputs, as :func:`_insert_after_producers` does, in one pass."""
+    after the last node producing one of its inputs (graph order stays a topological order), in one pass."""
     gone = {output for node in removed for output in node.output if output}
     kept = [node for node in graph.node if not any(output in gone for output in node.output)]
     position = {output: number for number, node in enumerate(kept) for output in node.output if output}

@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from optimum_iobinding.export import export_pipeline, transformer_fusions
+from optimum_iobinding.export import components, export_pipeline
 from optimum_iobinding.export.optimize import fusion_options_for, optimize_component
 from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline, build_tiny_random_sd3_pipeline
 from optimum_iobinding.export.transformer_fusions import (fold_value_biases, fuse_diffusion_transformer,
@@ -177,9 +177,13 @@ def test_a_float16_flux_export_with_rotary_embedding_nodes_computes_what_it_comp
                               components=["transformer"], optimize="cpu", fp16=True, progress=False)
         return onnx.load(str(out / "transformer" / "model.onnx"))
 
+    def without_rotary_embeddings(model: onnx.ModelProto) -> Dict[str, int]:
+        return {"modulated_layer_norm": fuse_modulated_layer_norms(model), "gelu_bias": fuse_gelu_biases(model),
+                "value_bias": fold_value_biases(model)}
+
     rewritten = export(tmp_path / "rotary")
     with monkeypatch.context() as patch:
-        patch.setattr(transformer_fusions, "fuse_rotary_embeddings", lambda model: 0)
+        patch.setitem(components.GRAPH_REWRITES, "mmdit", without_rotary_embeddings)
         plain = export(tmp_path / "plain")
     assert [node.op_type for node in plain.graph.node].count("Neg") == 4
     assert [node.op_type for node in rewritten.graph.node].count("RotaryEmbedding") == 4
@@ -201,10 +205,12 @@ def test_the_default_optimized_export_carries_the_rewrites(tmp_path):
 
 
 # ------------------------------------------------------------------------------- what is not the pattern stays
-def layer_norm_graph(scale: np.ndarray, modulation_shape, shift_shape=None, second_reader: bool = False):
+def layer_norm_graph(scale: np.ndarray, modulation_shape, shift_shape=None, second_reader: bool = False,
+                     input_shape=(2, 5, 4)):
     """x (2, 5, 4) → LayerNormalization(scale, 0) → Mul(modulation) → Add(shift) → y, with the modulation and the
-    shift graph inputs of the given shapes (and, with ``second_reader``, the norm's output read by an Identity too)."""
-    nodes = [helper.make_node("LayerNormalization", ["x", "scale", "zero"], ["normed"], axis=-1, epsilon=1e-6),
+    shift graph inputs of the given shapes (and, with ``second_reader``, the norm's output read by an Identity too).
+    Its epsilon is large, so that a fused norm that lost it would compute something else."""
+    nodes = [helper.make_node("LayerNormalization", ["x", "scale", "zero"], ["normed"], axis=-1, epsilon=0.5),
              helper.make_node("Mul", ["normed", "modulation"], ["scaled"]),
              helper.make_node("Add", ["scaled", "shift"], ["y"])]
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
@@ -213,7 +219,7 @@ def layer_norm_graph(scale: np.ndarray, modulation_shape, shift_shape=None, seco
         outputs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, None))
     graph = helper.make_graph(
         nodes, "norm",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 4]),
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(input_shape)),
          helper.make_tensor_value_info("modulation", TensorProto.FLOAT, list(modulation_shape)),
          helper.make_tensor_value_info("shift", TensorProto.FLOAT, list(shift_shape or modulation_shape))],
         outputs, [numpy_helper.from_array(scale.astype(np.float32), "scale"),
@@ -232,14 +238,15 @@ def test_a_per_sample_modulation_of_a_unit_norm_is_fused_and_computes_the_same()
     np.testing.assert_allclose(run(model, inputs), expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("scale, modulation, shift, second_reader", [
-    (np.full(4, 2.0), (2, 1, 4), None, False),    # a learned scale: the norm's own affine would be lost
-    (np.ones(4), (2, 5, 4), None, False),         # a per-token tensor, not a per-sample modulation
-    (np.ones(4), (2, 1, 4), (2, 5, 4), False),     # a per-token shift
-    (np.ones(4), (2, 1, 4), None, True),          # the plain norm is read elsewhere too
-], ids=["learned-scale", "per-token-modulation", "per-token-shift", "norm-read-elsewhere"])
-def test_what_is_not_an_adaln_modulation_is_left_alone(scale, modulation, shift, second_reader):
-    model = layer_norm_graph(scale, modulation, shift, second_reader)
+@pytest.mark.parametrize("scale, modulation, shift, second_reader, input_shape", [
+    (np.full(4, 2.0), (2, 1, 4), None, False, (2, 5, 4)),    # a learned scale: the norm's own affine would be lost
+    (np.ones(4), (2, 5, 4), None, False, (2, 5, 4)),         # a per-token tensor, not a per-sample modulation
+    (np.ones(4), (2, 1, 4), (2, 5, 4), False, (2, 5, 4)),     # a per-token shift
+    (np.ones(4), (2, 1, 4), None, True, (2, 5, 4)),          # the plain norm is read elsewhere too
+    (np.ones(4), (2, 1, 4), None, False, (1, 5, 4)),         # a modulation of more samples than the input has
+], ids=["learned-scale", "per-token-modulation", "per-token-shift", "norm-read-elsewhere", "broadcast-batch"])
+def test_what_is_not_an_adaln_modulation_is_left_alone(scale, modulation, shift, second_reader, input_shape):
+    model = layer_norm_graph(scale, modulation, shift, second_reader, input_shape)
     before = model.SerializeToString()
     assert fuse_modulated_layer_norms(model) == 0
     assert model.SerializeToString() == before
@@ -324,3 +331,81 @@ def test_what_is_not_fluxs_rotary_embedding_is_left_alone(stacked, table):
     before = model.SerializeToString()
     assert fuse_rotary_embeddings(model) == 0
     assert model.SerializeToString() == before
+
+
+# --------------------------------------------------------------------------------- value biases, by hand-made graphs
+def attention_graph(value_reader: bool = False, mlp_first: bool = False, shared_bias: bool = False):
+    """One or two single-stream attentions, each ``x (1, 6, 8) → q, k = x W, v = x W_v + b_v →
+    MultiHeadAttention(2 heads) → [Concat with an MLP branch x W_m (width 4) first, where ``mlp_first``] → MatMul(W_o)
+    → Add(b_o)``. ``value_reader``: the value is a graph output too; ``shared_bias``: two such attentions whose
+    output projections share one bias initializer."""
+    rng = np.random.default_rng(3)
+    initializers, nodes, outputs = [], [], []
+
+    def weight(name, *shape):
+        initializers.append(numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name))
+        return name
+
+    for block in range(2 if shared_bias else 1):
+        p = f"b{block}_"
+        nodes += [helper.make_node("MatMul", ["x", weight(p + "wq", 8, 8)], [p + "q"]),
+                  helper.make_node("MatMul", ["x", weight(p + "wk", 8, 8)], [p + "k"]),
+                  helper.make_node("MatMul", ["x", weight(p + "wv", 8, 8)], [p + "xv"]),
+                  helper.make_node("Add", [p + "xv", weight(p + "bv", 8)], [p + "v"]),
+                  helper.make_node("MultiHeadAttention", [p + "q", p + "k", p + "v"], [p + "o"], domain="com.microsoft",
+                                   num_heads=2)]
+        attended = p + "o"
+        if mlp_first:
+            nodes += [helper.make_node("MatMul", ["x", weight(p + "wm", 8, 4)], [p + "m"]),
+                      helper.make_node("Concat", [p + "m", p + "o"], [p + "mo"], axis=-1)]
+            attended = p + "mo"
+        bias = "bo" if shared_bias else weight(p + "bo", 8)
+        nodes += [helper.make_node("MatMul", [attended, weight(p + "wo", 12 if mlp_first else 8, 8)], [p + "y0"]),
+                  helper.make_node("Add", [p + "y0", bias], [p + "y"])]
+        outputs.append(helper.make_tensor_value_info(p + "y", TensorProto.FLOAT, None))
+        if value_reader:
+            outputs.append(helper.make_tensor_value_info(p + "v", TensorProto.FLOAT, None))
+    if shared_bias:
+        weight("bo", 8)
+    graph = helper.make_graph(nodes, "attention", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 6, 8])],
+                              outputs, initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                             ir_version=10)
+
+
+def run_all(model: onnx.ModelProto, inputs: Dict[str, np.ndarray]) -> list:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, inputs)
+
+
+@pytest.mark.parametrize("mlp_first, shared_bias", [(False, False), (True, False), (False, True)],
+                         ids=["alone", "after-the-mlp-in-a-concat", "output-bias-shared-by-two"])
+def test_a_moved_value_bias_gives_the_same_outputs(mlp_first, shared_bias):
+    model = attention_graph(mlp_first=mlp_first, shared_bias=shared_bias)
+    inputs = {"x": np.random.default_rng(4).standard_normal((1, 6, 8)).astype(np.float32)}
+    expected = run_all(model, inputs)
+    assert fold_value_biases(model) == (2 if shared_bias else 1)
+    assert not any(node.op_type == "Add" and node.output[0].endswith("_v") for node in model.graph.node)
+    for got, want in zip(run_all(model, inputs), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_value_read_by_more_than_its_attention_keeps_its_bias():
+    model = attention_graph(value_reader=True)
+    before = model.SerializeToString()
+    assert fold_value_biases(model) == 0
+    assert model.SerializeToString() == before
+
+
+def test_the_rewritten_flux_transformers_compute_the_same_for_two_images_at_once(optimized):
+    kind, model = optimized
+    if not kind.startswith("flux"):
+        pytest.skip("SD3's inputs are a batch of two already")
+    rewritten = copy.deepcopy(model)
+    fuse_diffusion_transformer(rewritten)
+    inputs = random_inputs(model)
+    for name in ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance"):
+        if name in inputs:
+            inputs[name] = np.concatenate([inputs[name], -inputs[name][::-1]])
+    expected, actual = run(model, inputs), run(rewritten, inputs)
+    assert expected.shape[0] == 2
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
