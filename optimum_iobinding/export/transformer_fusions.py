@@ -514,18 +514,17 @@ def _fuse_rotary_embeddings(model: onnx.ModelProto, shapes: Optional[onnx.GraphP
 
 def _value_bias(index: _Graph, shapes: _Graph, value: str) -> Optional[Tuple[onnx.NodeProto, np.ndarray]]:
     """``(Add, bias)`` where ``value`` is ``Add(MatMul(x, W), b)`` of a constant 1-D ``b``, or that behind a
-    ``Reshape`` splitting its channels into heads ``(…, heads, head_dim)`` and a ``Transpose`` to ``(batch, heads,
-    sequence, head_dim)``, each read only by the next (the channel order stays the heads' ``h · head_dim + d``, the
-    order of the attention's output); else None."""
+    ``Reshape`` splitting its channels into heads ``(batch, sequence, heads, head_dim)`` and a ``Transpose`` to
+    ``(batch, heads, sequence, head_dim)`` (both or neither), each read only by the next: the channel order stays the
+    heads' ``h · head_dim + d``, the order of the attention's output; else None."""
     node = index.producer.get(value)
-    if node is not None and node.op_type == "Transpose":
+    if node is not None and node.op_type == "Transpose":  # heads split and moved before the sequence, or nothing
         if list(_attribute(node, "perm", [])) != [0, 2, 1, 3] or index.only_reader(node.input[0]) is not node:
             return None
         node = index.producer.get(node.input[0])
         if node is None or node.op_type != "Reshape":
             return None
-    if node is not None and node.op_type == "Reshape":
-        before, after = shapes.dims(node.input[0]), shapes.dims(node.output[0])
+        before, after = shapes.dims(node.input[0]), shapes.dims(node.output[0])  # (B, S, N·H) → (B, S, N, H)
         if before is None or after is None or len(before) != 3 or len(after) != 4 or not all(
                 isinstance(d, int) for d in (before[2], after[2], after[3])) or before[2] != after[2] * after[3] \
                 or index.only_reader(node.input[0]) is not node:
@@ -594,7 +593,8 @@ def _fold_value_biases(model: onnx.ModelProto, shapes: Optional[onnx.GraphProto]
         return candidate
 
     moved = 0
-    for attention in [node for node in graph.node if node.op_type == "MultiHeadAttention"]:
+    for attention in [node for node in graph.node if node.op_type == "MultiHeadAttention"
+                      and node.domain == "com.microsoft"]:
         if len(attention.input) != 3 or len(attention.output) != 1:
             continue
         found = _value_bias(index, shapes, attention.input[2])
