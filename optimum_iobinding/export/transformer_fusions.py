@@ -25,7 +25,7 @@ the values the graph computes (up to float rounding) and only changes how many p
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
@@ -451,17 +451,7 @@ def _fuse_rotary_embeddings(model: onnx.ModelProto, shapes: Optional[onnx.GraphP
     places = [place for place in places if parts[place.cos] is not None and parts[place.sin] is not None]
     if not places:
         return 0
-    taken = {name for node in graph.node for name in (*node.input, *node.output, node.name)} \
-        | set(index.initializers) | index.inputs | index.outputs
-
-    def fresh(name: str) -> str:
-        number, candidate = 0, name
-        while candidate in taken:
-            number += 1
-            candidate = f"{name}_{number}"
-        taken.add(candidate)
-        return candidate
-
+    fresh = _fresh_names(graph)
     removed: List[onnx.NodeProto] = []
     added: List[onnx.NodeProto] = []  # each after the added nodes it reads
     halves: Dict[str, str] = {}  # each table's columns before the repeat: its parts side by side, made once
@@ -582,16 +572,7 @@ def _fold_value_biases(model: onnx.ModelProto, shapes: Optional[onnx.GraphProto]
     graph = model.graph
     index = _Graph(graph)
     shapes = _Graph(shapes if shapes is not None else _with_shapes(model))  # the caller's, where it has them
-    taken = set(index.initializers) | {name for node in graph.node for name in node.output}
-
-    def fresh(name: str) -> str:
-        number, candidate = 0, name
-        while candidate in taken:
-            number += 1
-            candidate = f"{name}_{number}"
-        taken.add(candidate)
-        return candidate
-
+    fresh = _fresh_names(graph)
     moved = 0
     for attention in [node for node in graph.node if node.op_type == "MultiHeadAttention"
                       and node.domain == "com.microsoft"]:
@@ -656,6 +637,23 @@ def fuse_diffusion_transformer(model: onnx.ModelProto) -> Dict[str, int]:
     shapes = _with_shapes(model)  # the rewrites change no value's shape: inferred once for all of them
     return {"modulated_layer_norm": _fuse_modulated_layer_norms(model, shapes), "gelu_bias": fuse_gelu_biases(model),
             "rotary_embedding": _fuse_rotary_embeddings(model, shapes), "value_bias": _fold_value_biases(model, shapes)}
+
+
+def _fresh_names(graph: onnx.GraphProto) -> Callable[[str], str]:
+    """``fresh(name)``: ``name``, or ``name_1``, ``name_2`` … where the graph (or an earlier ``fresh``) has it already
+    as a value, node, initializer, input or output name."""
+    taken = {name for node in graph.node for name in (*node.input, *node.output, node.name)} \
+        | {tensor.name for tensor in graph.initializer} | {value.name for value in (*graph.input, *graph.output)}
+
+    def fresh(name: str) -> str:
+        number, candidate = 0, name
+        while candidate in taken:
+            number += 1
+            candidate = f"{name}_{number}"
+        taken.add(candidate)
+        return candidate
+
+    return fresh
 
 
 def _remove_unread(graph: onnx.GraphProto, names: Sequence[str]) -> None:
