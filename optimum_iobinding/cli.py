@@ -75,6 +75,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", "-o", required=True, help="folder to write the ONNX pipeline to")
     parser.add_argument("--fp16", action="store_true", help="convert to float16 with ORT's converter after export")
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    parser.add_argument("--step-cache", action="store_true",
+                        help="also write the transformer's First-Block Cache parts (SD3, FLUX.1): head, body and out "
+                             "graphs beside it, reading its weights")
     parser.add_argument("--tiny-random", nargs="?", const="sd", default=None,
                         choices=("sd", "xl", "lcm", "controlnet", "sd3", "flux", "flux-dev"),
                         help="export a tiny random-weights pipeline built offline: sd (default), xl, lcm, controlnet "
@@ -141,7 +144,7 @@ def run_export(args: argparse.Namespace) -> int:
     with options_named(EXPORT_OPTIONS):  # the exporter's own checks of --tiny-vae (the weights it loads)
         folder = export_pipeline(args.model, args.output, fp16=args.fp16, opset=args.opset, optimize=args.optimize,
                                  tiny_random=args.tiny_random or False, overwrite=args.overwrite, vae=args.vae,
-                                 controlnet=args.controlnet, tiny_vae=args.tiny_vae)
+                                 controlnet=args.controlnet, tiny_vae=args.tiny_vae, step_cache=args.step_cache)
     if vae_only:
         what = f"the tiny VAE {tiny_vae}" if tiny_vae else "a tiny random tiny VAE"
     else:
@@ -155,7 +158,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 # what the exporter's checks call the options of `export`
 EXPORT_OPTIONS = {"tiny_vae": "--tiny-vae", "vae and tiny_vae": "--vae and --tiny-vae", "controlnet": "--controlnet",
-                  "vae": "--vae"}
+                  "vae": "--vae", "step_cache": "--step-cache"}
 
 
 def check_tiny_vae_folder(tiny_vae: str, model: Optional[str]) -> None:

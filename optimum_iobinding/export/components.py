@@ -29,6 +29,7 @@ from .lora_places import lora_layers, weight_map
 from .optimize import (EXTERNAL_DATA_FILE, MAX_SINGLE_FILE_BYTES, convert_to_float16, fold_pads_into_convs,
                        fusion_options, fusion_options_for, in_folder, optimize_component, optimized_to_float16,
                        optimizer_model_type, save_onnx, use_classic_attention)
+from .step_cache import drop_marks, marked_transformer_spec, write_step_cache_parts
 from .transformer_fusions import fuse_diffusion_transformer
 
 logger = logging.getLogger(__name__)
@@ -339,7 +340,8 @@ GRAPH_REWRITES: Dict[str, Callable[[onnx.ModelProto], Dict[str, int]]] = {"mmdit
 
 def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16: bool, optimize: Optional[str],
                  model_type: str, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
-                 exportable: Optional[Callable[[torch.nn.Module], ContextManager]] = None) -> None:
+                 exportable: Optional[Callable[[torch.nn.Module], ContextManager]] = None,
+                 step_cache: bool = False) -> None:
     """Exports one transformer-family component (a diffusion transformer, a T5 encoder) to ``target/name``: the
     TorchScript exporter, then ORT's transformer optimizer (``optimize``: ``"cuda"`` or ``"cpu"``; ``model_type``,
     e.g. ``t5`` or ``mmdit``; again without the attention fusion where that fusion raises) with the weights kept on
@@ -359,10 +361,16 @@ def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16
         external_data_threshold: weights above this many bytes go to ``model.onnx_data``.
         exportable: a context manager factory that makes the module traceable while the exporter runs (given the
             module; it puts back what it changed).
+        step_cache: a diffusion transformer's First-Block Cache parts too (:mod:`.step_cache`: ``head.onnx``,
+            ``body.onnx``, ``out.onnx`` beside ``model.onnx``, all reading its weights in ``model.onnx_data``).
     """
+    hooks: Callable[[torch.nn.Module], ContextManager] = lambda module: contextlib.nullcontext()  # noqa: E731
+    if step_cache:  # the parts' ends marked as outputs while ORT's optimizer and the rewrites run
+        spec, hooks = marked_transformer_spec(spec)
+        external_data_threshold = 0  # the weights in one file that the parts read too
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "model.onnx"
-        with (exportable or (lambda module: contextlib.nullcontext()))(spec["module"]):
+        with (exportable or (lambda module: contextlib.nullcontext()))(spec["module"]), hooks(spec["module"]):
             _torch_export(spec, path, opset)
         if optimize == "cpu" and model_type in _OPTIMIZED_FOR_CUDA_ONLY:
             optimize = None
@@ -382,6 +390,10 @@ def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16
                 logger.info("%s: graph rewrites %s", name, made)
         model = to_precision(path, optimized, fp16, spec.get("float32_inputs", ()))
     fix_output_dims(model, spec.get("fixed_output_dims", {}))
+    if step_cache:
+        drop_marks(model)
     save_model(model, target / name / "model.onnx", external_data_threshold)
+    if step_cache:
+        write_step_cache_parts(target / name)
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
     (target / name / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))

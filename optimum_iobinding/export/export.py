@@ -49,6 +49,7 @@ def export_pipeline(
     vae: Union[str, os.PathLike, object, None] = None,
     controlnet: Union[str, os.PathLike, object, Sequence[Union[str, os.PathLike, object]], None] = None,
     tiny_vae: Union[str, os.PathLike, object, bool, None] = None,
+    step_cache: bool = False,
 ) -> Path:
     """Exports a diffusers Stable Diffusion (1.x/2.x, LCM, Turbo) pipeline to the diffusers ONNX layout, or an SDXL
     pipeline to optimum's SDXL layout (two text encoders with their hidden states; a UNet taking ``text_embeds`` and
@@ -94,6 +95,9 @@ def export_pipeline(
             inputs, outputs and axes as the full VAE's; its ``config.json`` says ``_class_name: AutoencoderTiny`` and
             ``scaling_factor: 1.0``, so the pipelines scale latents as diffusers does with it. Its latent channels
             must be the UNet's.
+        step_cache: also write the transformer's First-Block Cache parts (SD3 and FLUX.1 only):
+            ``transformer/head.onnx``, ``body.onnx`` and ``out.onnx`` beside ``model.onnx``, reading its weights,
+            which go to ``model.onnx_data`` whatever their size (see :mod:`optimum_iobinding.export.step_cache`).
 
     Returns:
         The output folder.
@@ -110,7 +114,14 @@ def export_pipeline(
         raise ArgumentError("optimize", f"expected None, 'cuda' or 'cpu', got {optimize!r}")
     if not isinstance(opset, int) or isinstance(opset, bool) or not 7 <= opset <= 22:
         raise ArgumentError("opset", f"expected an integer in [7, 22] (17 is tested), got {opset!r}")
+    if not isinstance(step_cache, bool):
+        raise ArgumentError("step_cache", f"expected True or False, got {step_cache!r}")
     tiny_vae = None if tiny_vae is False else tiny_vae
+    # known before loading where the pipeline is given, random, or a local folder; else checked once it is loaded
+    if step_cache and (torch_pipeline is not None or tiny_random or model_id_or_path is None
+                       or Path(model_id_or_path).is_dir()) and transformer_family(
+            model_id_or_path, torch_pipeline=torch_pipeline, tiny_random=tiny_random) is None:
+        _refuse_step_cache()
     if vae is not None or controlnet is not None or tiny_vae is not None:  # before anything is loaded or fetched
         check_transformer_options(transformer_family(model_id_or_path, torch_pipeline=torch_pipeline,
                                                      tiny_random=tiny_random),
@@ -145,12 +156,19 @@ def export_pipeline(
 
         pipe = DiffusionPipeline.from_pretrained(model_id_or_path, torch_dtype=torch.float32, safety_checker=None)
     check_tokenizer_lengths(pipe)
+    if step_cache and getattr(pipe, "transformer", None) is None:
+        _refuse_step_cache()
     if getattr(pipe, "transformer", None) is not None:  # a diffusion transformer (SD3, Flux)
         return _export_transformer_pipeline(pipe, target, vae=vae, controlnet=controlnet, tiny_vae=tiny_vae,
                                             components=components, opset=opset, fp16=fp16, optimize=optimize,
-                                            progress=progress)
+                                            progress=progress, step_cache=step_cache)
     return export_unet_pipeline(pipe, target, vae=vae, controlnet=controlnet, tiny_vae=tiny, components=components,
                                 opset=opset, fp16=fp16, optimize=optimize, progress=progress)
+
+
+def _refuse_step_cache() -> None:
+    raise ArgumentError("step_cache", "expected an SD3 or FLUX.1 pipeline (First-Block Cache's parts are a diffusion "
+                                      "transformer's), got a UNet pipeline or a VAE alone")
 
 
 def _export_transformer_pipeline(pipe, target: Path, *, vae, controlnet, tiny_vae, **options) -> Path:

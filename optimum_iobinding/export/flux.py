@@ -235,7 +235,7 @@ def flux_component_specs(pipe) -> Dict[str, dict]:
 
 def export_flux_pipeline(pipe, target: Path, *, fp16: bool = False, opset: int = 17, optimize: Optional[str] = None,
                          components: Optional[Sequence[str]] = None, progress: bool = True,
-                         external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> Path:
+                         external_data_threshold: int = EXTERNAL_DATA_THRESHOLD, step_cache: bool = False) -> Path:
     """Exports a diffusers ``FluxPipeline`` to optimum's Flux layout in ``target`` (built beside it, moved into
     place when whole; the caller has checked ``target``).
 
@@ -249,6 +249,7 @@ def export_flux_pipeline(pipe, target: Path, *, fp16: bool = False, opset: int =
         components: which components to export (default: all five).
         progress: show a progress bar.
         external_data_threshold: weight bytes above which a component's weights go to ``model.onnx_data``.
+        step_cache: the transformer's First-Block Cache parts too (:mod:`.step_cache`).
 
     Returns:
         ``target``.
@@ -260,4 +261,5 @@ def export_flux_pipeline(pipe, target: Path, *, fp16: bool = False, opset: int =
     return export_transformer_pipeline(
         pipe, target, flux_component_specs(pipe), components, class_name="FluxPipeline",
         optimizer_model_types=FLUX_OPTIMIZER_MODEL_TYPES, opset=opset, fp16=fp16, optimize=optimize,
-        progress=progress, external_data_threshold=external_data_threshold, exportable=exportable_flux_modules)
+        progress=progress, external_data_threshold=external_data_threshold, exportable=exportable_flux_modules,
+        step_cache=step_cache)

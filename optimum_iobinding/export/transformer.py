@@ -133,6 +133,7 @@ def export_sd3_pipeline(
     optimize: Optional[str] = None,
     progress: bool = True,
     external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
+    step_cache: bool = False,
 ) -> Path:
     """Exports a diffusers ``StableDiffusion3Pipeline`` to optimum's ONNX layout at ``target`` (see the module's
     docstring), built beside it and moved into place when whole.
@@ -149,6 +150,7 @@ def export_sd3_pipeline(
             encoder is left as exported: ORT's T5 fusions write an operator only CUDA runs).
         progress: show a progress bar.
         external_data_threshold: weights above this many bytes go to ``model.onnx_data``.
+        step_cache: the transformer's First-Block Cache parts too (:mod:`.step_cache`).
 
     Returns:
         ``target``.
@@ -162,4 +164,5 @@ def export_sd3_pipeline(
     return export_transformer_pipeline(
         pipe, target, sd3_component_specs(pipe), components, class_name=type(pipe).__name__,
         optimizer_model_types=SD3_OPTIMIZER_MODEL_TYPES, opset=opset, fp16=fp16,
-        optimize=optimize, progress=progress, external_data_threshold=external_data_threshold)
+        optimize=optimize, progress=progress, external_data_threshold=external_data_threshold,
+        step_cache=step_cache)

@@ -110,7 +110,7 @@ def _attribute(node: onnx.NodeProto, name: str, default):
     return default if attribute is None else helper.get_attribute_value(attribute)
 
 
-def _with_shapes(model: onnx.ModelProto) -> onnx.GraphProto:
+def inferred_shapes(model: onnx.ModelProto) -> onnx.GraphProto:
     """A copy of ``model``'s graph with the shapes of its values from ORT's symbolic shape inference (onnx's own stops at
     the com.microsoft operators ORT's optimizer writes), so that a rewrite can ask a value's rank and dims. The copy
     holds the small initializers (shape constants, biases: inference may compute with them; read from disk, relative
@@ -157,7 +157,7 @@ def fuse_modulated_layer_norms(model: onnx.ModelProto) -> int:
 def _fuse_modulated_layer_norms(model: onnx.ModelProto, shapes: Optional[onnx.GraphProto]) -> int:
     graph = model.graph
     index = _Graph(graph)
-    shapes = _Graph(shapes if shapes is not None else _with_shapes(model))  # the caller's, where it has them
+    shapes = _Graph(shapes if shapes is not None else inferred_shapes(model))  # the caller's, where it has them
     removed: List[onnx.NodeProto] = []
     added: List[onnx.NodeProto] = []
     unread: List[str] = []
@@ -444,7 +444,7 @@ def fuse_rotary_embeddings(model: onnx.ModelProto) -> int:
 def _fuse_rotary_embeddings(model: onnx.ModelProto, shapes: Optional[onnx.GraphProto]) -> int:
     graph = model.graph
     index = _Graph(graph)
-    shapes = _Graph(shapes if shapes is not None else _with_shapes(model))  # the caller's, where it has them
+    shapes = _Graph(shapes if shapes is not None else inferred_shapes(model))  # the caller's, where it has them
     places = [place for place in (_rotary_place(index, shapes, neg) for neg in graph.node if neg.op_type == "Neg")
               if place is not None]
     parts = {table: _pair_repeated(index, shapes, table) for place in places for table in (place.cos, place.sin)}
@@ -571,7 +571,7 @@ def fold_value_biases(model: onnx.ModelProto) -> int:
 def _fold_value_biases(model: onnx.ModelProto, shapes: Optional[onnx.GraphProto]) -> int:
     graph = model.graph
     index = _Graph(graph)
-    shapes = _Graph(shapes if shapes is not None else _with_shapes(model))  # the caller's, where it has them
+    shapes = _Graph(shapes if shapes is not None else inferred_shapes(model))  # the caller's, where it has them
     fresh = _fresh_names(graph)
     moved = 0
     for attention in [node for node in graph.node if node.op_type == "MultiHeadAttention"
@@ -634,7 +634,7 @@ def fuse_diffusion_transformer(model: onnx.ModelProto) -> Dict[str, int]:
     Returns:
         How many places each rewrite changed, by its name.
     """
-    shapes = _with_shapes(model)  # the rewrites change no value's shape: inferred once for all of them
+    shapes = inferred_shapes(model)  # the rewrites change no value's shape: inferred once for all of them
     return {"modulated_layer_norm": _fuse_modulated_layer_norms(model, shapes), "gelu_bias": fuse_gelu_biases(model),
             "rotary_embedding": _fuse_rotary_embeddings(model, shapes), "value_bias": _fold_value_biases(model, shapes)}
 

@@ -71,6 +71,7 @@ def export_transformer_pipeline(
     progress: bool,
     external_data_threshold: int,
     exportable: Optional[Callable[[torch.nn.Module], ContextManager]] = None,
+    step_cache: bool = False,
 ) -> Path:
     """Writes a diffusion-transformer pipeline folder at ``target`` (built beside it, moved into place when whole):
     each of ``components`` from ``specs`` (those in ``optimizer_model_types`` by
@@ -78,8 +79,8 @@ def export_transformer_pipeline(
     exporter, :func:`~optimum_iobinding.export.components.export_component`: its fusions, LoRA map, VAE attention),
     float16 where ``fp16`` and :func:`float16_components` names it; the pipeline's tokenizers (as both transformers 4
     and 5 read them) and scheduler; and the torch pipeline's model_index.json under ``class_name`` (torch class names;
-    one ``vae`` entry for both VAE folders), as optimum writes it. The caller has checked ``target`` and
-    ``components``.
+    one ``vae`` entry for both VAE folders), as optimum writes it; with ``step_cache``, the transformer's
+    First-Block Cache parts beside it (:mod:`.step_cache`). The caller has checked ``target`` and ``components``.
 
     Returns:
         ``target``.
@@ -91,7 +92,7 @@ def export_transformer_pipeline(
             half = name in half_components
             if name in optimizer_model_types:
                 export_model(name, specs[name], scratch, opset, half, optimize, optimizer_model_types[name],
-                             external_data_threshold, exportable)
+                             external_data_threshold, exportable, step_cache=step_cache and name == "transformer")
             else:
                 export_component(name, specs[name], scratch, opset, half, optimize,
                                  external_data_threshold=external_data_threshold,

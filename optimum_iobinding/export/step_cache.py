@@ -1,0 +1,184 @@
+"""The part graphs First-Block Cache runs, cut out of a diffusion transformer's exported graph (SD3's MMDiT, FLUX.1).
+
+A cached step runs the transformer's first block, compares its residual with the last full step's, and where it
+changed little skips the other blocks, adding their last residual instead; the final norm and projection always run.
+On ONNX Runtime that is three graphs:
+
+    transformer/head.onnx   the embeddings and the first block: the graph's inputs → ``first_block_input`` (the first
+                            block's input hidden states), ``first_block_hidden_states``,
+                            ``first_block_encoder_hidden_states`` (its outputs), and what the other parts read of it
+    transformer/body.onnx   the other blocks → ``blocks_output`` (the last block's image tokens, the final norm's input)
+    transformer/out.onnx    the final norm and projection → the transformer's own output
+
+Their names are marked at export: the transformer is exported with those four values as extra outputs (forward
+hooks on its first block and its final norm), so ORT's fusions and the project's rewrites see the same graph as
+without them (the fused operators are the same), and the cut finds them by name whatever the fused nodes are
+called. ``model.onnx`` is written without the extra outputs; each part is the full graph's nodes that its outputs need
+and an earlier part has not computed (by position in the graph), reading the full graph's initializers under the same
+names: with the weights in ``model.onnx_data`` the parts refer to that file, so the weights are on disk once, and a
+runtime that owns them by name serves every part from one copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
+
+import onnx
+import torch
+from onnx import helper
+
+__all__ = ["FIRST_BLOCK_MARKS", "STEP_CACHE_PARTS", "drop_marks", "marked_transformer_spec", "split_graph",
+           "write_step_cache_parts"]
+
+# the values the export marks, in the order the marked transformer returns them after its own output
+FIRST_BLOCK_MARKS = ("first_block_input", "first_block_hidden_states", "first_block_encoder_hidden_states",
+                     "blocks_output")
+# each part's file in the transformer's folder and the marked values it ends at (None: the graph's own outputs)
+STEP_CACHE_PARTS: Tuple[Tuple[str, Any], ...] = (
+    ("head.onnx", FIRST_BLOCK_MARKS[:3]),
+    ("body.onnx", FIRST_BLOCK_MARKS[3:]),
+    ("out.onnx", None),
+)
+
+
+class _MarkedTransformer(torch.nn.Module):
+    """``module`` (an export wrapper whose ``transformer`` is diffusers' SD3 or FLUX.1 transformer) returning its
+    output, then the :data:`FIRST_BLOCK_MARKS` values: the first block's input and outputs and the final norm's
+    input, caught by forward hooks while it runs."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+        self.caught: Dict[str, Any] = {}
+
+    def forward(self, *args):
+        self.caught.clear()
+        output = self.module(*args)
+        encoder_hidden_states, hidden_states = self.caught["first_block_outputs"]
+        return (output, self.caught["first_block_input"], hidden_states, encoder_hidden_states,
+                self.caught["blocks_output"])
+
+    @contextlib.contextmanager
+    def hooked(self) -> Iterator[None]:
+        """The hooks, for as long as the export runs (the caller's transformer is left without them)."""
+        transformer = self.module.transformer
+        first, norm = transformer.transformer_blocks[0], transformer.norm_out
+        handles = [
+            first.register_forward_pre_hook(
+                lambda module, args, kwargs: self.caught.__setitem__("first_block_input", kwargs["hidden_states"]),
+                with_kwargs=True),
+            first.register_forward_hook(
+                lambda module, args, output: self.caught.__setitem__("first_block_outputs", output)),
+            norm.register_forward_pre_hook(
+                lambda module, args: self.caught.__setitem__("blocks_output", args[0])),
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def marked_transformer_spec(spec: Dict[str, Any]) -> Tuple[Dict[str, Any], Any]:
+    """The export spec of a transformer (SD3's or FLUX.1's, as :mod:`.transformer` and :mod:`.flux` write it) with
+    the :data:`FIRST_BLOCK_MARKS` as extra outputs (dynamic in batch and tokens), and the context manager factory
+    that hooks the module while the exporter runs.
+
+    Returns:
+        ``(spec, hooks)``: the marked spec, and ``hooks(module)`` to wrap the export in.
+    """
+    marked = _MarkedTransformer(spec["module"])
+    batch = next(iter(spec["dynamic_axes"][spec["input_names"][0]].values()))
+    axes = dict(spec["dynamic_axes"])
+    for name in FIRST_BLOCK_MARKS:
+        axes[name] = {0: batch, 1: f"{name}_tokens"}
+    return (dict(spec, module=marked, output_names=list(spec["output_names"]) + list(FIRST_BLOCK_MARKS),
+                 dynamic_axes=axes),
+            lambda module: marked.hooked())
+
+
+def split_graph(model: onnx.ModelProto, cuts: Sequence[Any]) -> List[onnx.ModelProto]:
+    """``model`` cut into consecutive parts: part ``k`` is the nodes (in graph order) that the values ``cuts[k]``
+    need (``None``: the graph's outputs) and no earlier part computed; its inputs are what it reads from the graph's
+    inputs or from earlier parts, its outputs ``cuts[k]`` and what later parts read of it. Initializers go with each
+    part that reads them, the same protos (external data stays where it is). Run in turn, feeding each part from the
+    graph's inputs and the earlier parts' outputs, the parts compute what ``model`` computes (in float16 up to the
+    rounding of what ONNX Runtime fuses across a cut in the whole graph).
+
+    Raises:
+        ArgumentError: a cut names no value of the graph.
+    """
+    from ..errors import ArgumentError
+
+    graph = model.graph
+    nodes = list(graph.node)
+    producer = {output: position for position, node in enumerate(nodes) for output in node.output if output}
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    graph_outputs = [value.name for value in graph.output]
+    types = {value.name: value.type.tensor_type.elem_type
+             for value in (*graph.value_info, *graph.input, *graph.output)}
+    taken: set = set()
+    parts: List[Tuple[List[int], List[str]]] = []
+    for cut in cuts:
+        ends = graph_outputs if cut is None else list(cut)
+        missing = [name for name in ends if name not in producer]
+        if missing:
+            raise ArgumentError("cuts", f"expected values the graph computes, got {missing}")
+        needed, stack = set(), list(ends)
+        while stack:
+            position = producer.get(stack.pop())
+            if position is None or position in needed or position in taken:
+                continue
+            needed.add(position)
+            stack.extend(name for name in nodes[position].input if name)
+        taken |= needed
+        parts.append((sorted(needed), ends))
+    models = []
+    for number, (positions, ends) in enumerate(parts):
+        part_nodes = [nodes[position] for position in positions]
+        made = {output for node in part_nodes for output in node.output}
+        read = [name for node in part_nodes for name in node.input if name]
+        inputs = list(dict.fromkeys(name for name in read if name not in made and name not in initializers))
+        later = {name for positions_after, _ in parts[number + 1:] for position in positions_after
+                 for name in nodes[position].input}
+        outputs = list(dict.fromkeys(list(ends) + [name for node in part_nodes for name in node.output
+                                                   if name in later and name not in ends]))
+        part = helper.make_graph(
+            part_nodes, f"{graph.name}_part{number}",
+            [helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.UNDEFINED), None) for name in inputs],
+            [helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.UNDEFINED), None)
+             for name in outputs],
+            [initializers[name] for name in dict.fromkeys(read) if name in initializers])
+        models.append(helper.make_model(part, opset_imports=model.opset_import, ir_version=model.ir_version,
+                                        producer_name=model.producer_name))
+    return models
+
+
+def drop_marks(model: onnx.ModelProto) -> None:
+    """Takes the :data:`FIRST_BLOCK_MARKS` out of ``model``'s outputs (in place): ``model.onnx`` has the
+    transformer's own outputs only."""
+    kept = [value for value in model.graph.output if value.name not in FIRST_BLOCK_MARKS]
+    del model.graph.output[:]
+    model.graph.output.extend(kept)
+
+
+def write_step_cache_parts(folder: Path) -> List[Path]:
+    """Cuts the transformer written at ``folder/model.onnx`` (its weights left where they are) into the
+    :data:`STEP_CACHE_PARTS` and writes them beside it; returns their paths. The element types of the values
+    between the parts come from ORT's symbolic shape inference (a float32 export carries none)."""
+    from .optimize import in_folder
+    from .transformer_fusions import inferred_shapes
+
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    with in_folder(folder):  # small constants inference reads may be in the weights file
+        typed = inferred_shapes(model)
+    known = {value.name for value in model.graph.value_info}
+    model.graph.value_info.extend(value for value in typed.value_info if value.name not in known)
+    parts = split_graph(model, [ends for _, ends in STEP_CACHE_PARTS])
+    paths = []
+    for (name, _), part in zip(STEP_CACHE_PARTS, parts):
+        onnx.save_model(part, str(folder / name))
+        paths.append(folder / name)
+    return paths
