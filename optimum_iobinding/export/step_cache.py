@@ -29,6 +29,8 @@ import onnx
 import torch
 from onnx import helper
 
+from ..errors import ArgumentError
+
 __all__ = ["FIRST_BLOCK_MARKS", "STEP_CACHE_PARTS", "drop_marks", "marked_transformer_spec", "split_graph",
            "write_step_cache_parts"]
 
@@ -110,8 +112,6 @@ def split_graph(model: onnx.ModelProto, cuts: Sequence[Any]) -> List[onnx.ModelP
     Raises:
         ArgumentError: a cut names no value of the graph.
     """
-    from ..errors import ArgumentError
-
     graph = model.graph
     nodes = list(graph.node)
     producer = {output: position for position, node in enumerate(nodes) for output in node.output if output}

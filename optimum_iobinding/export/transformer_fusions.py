@@ -203,7 +203,7 @@ def _fuse_modulated_layer_norms(model: onnx.ModelProto, shapes: Optional[onnx.Gr
         unread.extend(name for name in norm.input[1:] if name)
     # it reads the modulation too, which may be computed after the norm's input: each goes after its producers
     _replace_nodes(graph, removed, added)
-    _remove_unread(graph, unread)
+    _remove_dead(graph, unread)
     return len(added)
 
 
@@ -618,7 +618,7 @@ def _fold_value_biases(model: onnx.ModelProto, shapes: Optional[onnx.GraphProto]
         for node in index.readers[value_add.output[0]]:
             node.input[list(node.input).index(value_add.output[0])] = product
         graph.node.remove(value_add)
-        _remove_unread(graph, [name for name in value_add.input if name != product] + [bias_name])
+        _remove_dead(graph, [name for name in value_add.input if name != product] + [bias_name])
         moved += 1
     return moved
 
@@ -654,22 +654,6 @@ def _fresh_names(graph: onnx.GraphProto) -> Callable[[str], str]:
         return candidate
 
     return fresh
-
-
-def _remove_unread(graph: onnx.GraphProto, names: Sequence[str]) -> None:
-    """Removes the Constant nodes and initializers behind ``names`` that nothing reads any more."""
-    read = {name for node in graph.node for name in node.input} | {value.name for value in graph.output}
-    gone = set(names) - read
-    if not gone:
-        return
-    kept = [node for node in graph.node if not (node.op_type == "Constant" and node.output[0] in gone)]
-    if len(kept) != len(graph.node):
-        del graph.node[:]
-        graph.node.extend(kept)
-    initializers = [tensor for tensor in graph.initializer if tensor.name not in gone]
-    if len(initializers) != len(graph.initializer):
-        del graph.initializer[:]
-        graph.initializer.extend(initializers)
 
 
 def _replace_nodes(graph: onnx.GraphProto, removed: Sequence[onnx.NodeProto], added: Sequence[onnx.NodeProto]) -> None:
