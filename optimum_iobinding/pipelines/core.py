@@ -33,6 +33,7 @@ from ..runtime.model import IOBindingORTModel
 from ..runtime.options import CudaGraphSetting, PipelineOptions, ProviderSpec
 from .arguments import Generator, is_integer, is_real, is_torch_generator
 from .codec import LatentCodec, unpack_latents
+from .caching import StepCache
 from .components import Component, check_component_kind, check_replacement, load_components, names_of
 from .denoisers import Denoiser
 from .loop import check_callback_arguments
@@ -680,6 +681,34 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
             raise ArgumentError("strength", f"{strength} with num_inference_steps={num_inference_steps} leaves no "
                                             "denoising step; raise either")
         return timesteps
+
+    # ------------------------------------------------------------------------------------------------ step caching
+    def enable_cache(self, config: Any) -> None:
+        """Caches denoising steps from the next call on, as diffusers' ``enable_cache`` does on a model: a cached
+        step runs part of the denoiser and reuses what an earlier step computed for the rest.
+
+        Args:
+            config: diffusers' ``FirstBlockCacheConfig(threshold=…)`` for SD3 and FLUX.1 (the first transformer block
+                runs; where its residual changed less than the threshold since the last full step, the other blocks
+                are skipped and their cached residual added), :class:`~optimum_iobinding.DeepCacheConfig` for the
+                Stable Diffusion and SDXL UNets (every ``cache_interval``-th step runs the whole UNet; the others
+                its shallow branch over the cached deep features).
+
+        Raises:
+            ArgumentTypeError: ``config`` is not a config this family caches with.
+            ArgumentError: the config is out of range, this family cannot cache, or the folder was exported
+                without the parts the cache runs (the message says how to export them).
+        """
+        self.denoiser.enable_cache(config)
+
+    def disable_cache(self) -> None:
+        """Runs the whole denoiser at every step again (the default)."""
+        self.denoiser.disable_cache()
+
+    @property
+    def step_cache(self) -> Optional[StepCache]:
+        """The enabled step cache (``None``: off); its ``computed`` says which steps of the last call ran whole."""
+        return self.denoiser.cache
 
     # ------------------------------------------------------------------------------------------------- the VAE
     def enable_vae_tiling(self, tile_sample_size: Optional[int] = None, overlap: float = 0.25,

@@ -19,6 +19,7 @@ import torch
 from ..errors import ArgumentError
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_integer, is_real
+from .caching import StepCache
 from .components import component_kind, declared_dim
 from .loop import CALLBACK_TENSOR_INPUTS, GraphFeed, check_callback_arguments, replaced_tensors, rescale_noise_cfg
 from .transfer import upload
@@ -66,6 +67,35 @@ class Denoiser(abc.ABC):
     def __init__(self, pipe: Any, default_sample_size: int):
         self.pipe = pipe
         self.fallback_sample_size = default_sample_size
+        self.cache: Optional[StepCache] = None
+
+    def make_cache(self, config: Any) -> StepCache:
+        """The step cache ``config`` asks for on this denoiser (the families that can cache override it).
+
+        Raises:
+            ArgumentError: this family cannot cache steps."""
+        raise ArgumentError("config", f"{type(self.pipe).__name__} cannot cache steps, got {type(config).__name__}; "
+                                      "expected a pipeline of a family that caches (FirstBlockCacheConfig: "
+                                      "OnnxFluxPipeline, OnnxStableDiffusion3Pipeline; DeepCacheConfig: the Stable "
+                                      "Diffusion and SDXL pipelines)")
+
+    def enable_cache(self, config: Any) -> None:
+        """Caches steps as ``config`` says from the next call on (see :meth:`make_cache`); nothing changes where it
+        is refused."""
+        self.cache = self.make_cache(config)
+
+    def disable_cache(self) -> None:
+        self.cache = None
+
+    def step_model(self, steps: int) -> Tuple[Callable[[int, Dict[str, torch.Tensor]], torch.Tensor],
+                                              Optional[IOBindingORTModel]]:
+        """What a loop of ``steps`` steps calls at each step (``run(step, inputs) -> output``: the model, or the
+        enabled cache), and the model whose CUDA-graph input buffers the loop may write into (:class:`GraphFeed`)."""
+        if self.cache is None:
+            model = self.model
+            return (lambda step, inputs: model(**inputs)[0]), model
+        self.cache.start(steps)
+        return self.cache, self.cache.feed_model
 
     @property
     def model(self) -> IOBindingORTModel:
@@ -236,11 +266,12 @@ class UNetDenoiser(Denoiser):
         if not is_real(guidance_rescale) or not 0.0 <= guidance_rescale <= 1.0:
             raise ArgumentError("guidance_rescale", f"expected a number in [0, 1], got {guidance_rescale!r}")
         check_callback_arguments(callback_on_step_end, callback_on_step_end_tensor_inputs)
-        pipe, unet, scheduler = self.pipe, self.model, self.pipe.scheduler
+        pipe, scheduler = self.pipe, self.pipe.scheduler
         do_classifier_free_guidance = guidance_scale > 1.0
         unet_batch = latents.shape[0] * (2 if do_classifier_free_guidance else 1)
         timestep_inputs = self.timestep_inputs(timesteps, unet_batch)
-        feed = GraphFeed(unet)
+        run, fed = self.step_model(len(timesteps))
+        feed = GraphFeed(fed)
         for i, t in enumerate(pipe.progress_bar(timesteps)):
             # scaled before the guidance batch is made (an elementwise scale by the step's scalar: the same values),
             # so that the batch can be written straight into the UNet graph's input
@@ -256,7 +287,7 @@ class UNetDenoiser(Denoiser):
             inputs = {"sample": latent_model_input, "timestep": timestep_inputs[i],
                       "encoder_hidden_states": feed.same("encoder_hidden_states", prompt_embeds),
                       **{name: feed.same(name, value) for name, value in (unet_inputs or {}).items()}, **per_step}
-            noise_pred = unet(**inputs)[0]
+            noise_pred = run(i, inputs)
             feed.learn(inputs)
             if do_classifier_free_guidance:
                 noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
@@ -400,17 +431,18 @@ class MMDiTDenoiser(FlowTransformer):
         Returns:
             The denoised latents.
         """
-        transformer, scheduler = self.model, self.pipe.scheduler
+        scheduler = self.pipe.scheduler
         do_classifier_free_guidance = guidance_scale > 1.0
         rows = latents.shape[0] * (2 if do_classifier_free_guidance else 1)
         timestep_inputs = self.timestep_inputs(timesteps, rows)
-        feed = GraphFeed(transformer)
+        run, fed = self.step_model(len(timesteps))
+        feed = GraphFeed(fed)
         for i, t in enumerate(self.pipe.progress_bar(timesteps)):
             model_input = feed.cat("hidden_states", [latents] * 2 if do_classifier_free_guidance else [latents])
             inputs = {"hidden_states": model_input, "timestep": timestep_inputs[i],
                       "encoder_hidden_states": feed.same("encoder_hidden_states", prompt_embeds),
                       "pooled_projections": feed.same("pooled_projections", pooled_prompt_embeds)}
-            noise_pred = transformer(**inputs)[0]
+            noise_pred = run(i, inputs)
             feed.learn(inputs)
             if do_classifier_free_guidance:
                 noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
@@ -515,8 +547,9 @@ class FluxDenoiser(FlowTransformer):
         """The flow-matching loop: one transformer call per step (negative and positive in one batch with
         ``true_cfg_scale``), its inputs written into the transformer's CUDA-graph buffers where it has them (the
         ones constant over the loop once), the scheduler's Euler step on the device. Nothing waits on the host."""
-        transformer, scheduler = self.model, self.pipe.scheduler
-        feed = GraphFeed(transformer)
+        scheduler = self.pipe.scheduler
+        run, fed = self.step_model(len(timesteps))
+        feed = GraphFeed(fed)
         guided = true_cfg_scale is not None
 
         def conditioning() -> Tuple[torch.Tensor, torch.Tensor]:
@@ -534,7 +567,7 @@ class FluxDenoiser(FlowTransformer):
                       "img_ids": feed.same("img_ids", image_ids)}
             if guidance is not None:
                 inputs["guidance"] = feed.same("guidance", guidance)
-            noise_pred = transformer(**inputs)[0]
+            noise_pred = run(i, inputs)
             feed.learn(inputs)
             if guided:
                 negative, positive = noise_pred.chunk(2)

@@ -97,7 +97,7 @@ class GraphFeed:
     A constant input is copied again when the loop passes another tensor, and after every step callback (which may
     have changed it in place: torch's version counter cannot say so under ``torch.inference_mode``)."""
 
-    def __init__(self, model: IOBindingORTModel):
+    def __init__(self, model: Optional[IOBindingORTModel]):
         self.model = model
         self.buffers: Optional[Dict[str, torch.Tensor]] = None
         self.looked_up = False

@@ -268,6 +268,31 @@ class IOBindingORTModel:
         options = self.options.replace(**{**self.options.settings(), "cuda_graph": self.cuda_graph, **changes})
         return IOBindingORTModel(_Recipe(self._recipe), config=self.config, options=options)
 
+    def part(self, path: Union[str, os.PathLike]) -> "IOBindingORTModel":
+        """A model of another graph that names this model's weights (a part cut out of this model's graph at export,
+        reading the same weights file), whose sessions read the weights this model's sessions read: one copy on the
+        device. It has sessions, CUDA graphs and output buffers of its own, and this model's settings and stream.
+
+        On CUDA with the graph pool (``io_binding=True``, ``share_weights`` not ``False``) this model's weights become
+        owned now (:meth:`own_weights`) and the part's sessions read them; elsewhere (the CPU, the numpy baseline,
+        ``share_weights=False``) the part loads its weights from the file itself, as every session there does.
+
+        Raises:
+            ArgumentError: ``path`` is not a file.
+            RuntimeError: this model's session was made outside (it cannot be created again).
+        """
+        check_model_file(os.fspath(path))
+        if not self._recipe.can_create:
+            raise RuntimeError("part: the session was created from neither a path nor bytes, so the weights it read "
+                               "cannot be shared with another graph")
+        options = self.options.replace(**{**self.options.settings(), "cuda_graph": self.cuda_graph})
+        recipe = SessionRecipe(os.fspath(path), options)
+        weights = self._recipe.weights
+        if self._pool is not None and (weights.owned or weights.on_need):
+            self.own_weights()
+            recipe.weights = weights  # ORT ignores the initializers a part's graph does not name
+        return IOBindingORTModel(_Recipe(recipe), config=self.config, options=options)
+
     # ----------------------------------------------------------------------------------------------------- loading
     @staticmethod
     def load_model(

@@ -1,0 +1,44 @@
+"""Step caching: a denoising loop that runs only part of its model on some steps and reuses what an earlier step
+computed for the rest (First-Block Cache for diffusion transformers, :mod:`.block_cache`; DeepCache for UNets,
+:mod:`.deep_cache`). A denoiser with a cache enabled calls it instead of its model at every step; the cache decides
+what each step runs, from parts of the model exported beside it that read the model's own weights."""
+
+from __future__ import annotations
+
+import abc
+from typing import Dict, List, Optional
+
+import torch
+
+from ..runtime.model import IOBindingORTModel
+
+
+class StepCache(abc.ABC):
+    """What a denoiser's loop calls at each step in place of its model while a cache is enabled.
+
+    ``computed`` lists, for the last loop, whether each step ran the whole model (``True``) or reused a cached part
+    (``False``); benchmarks and tests read it."""
+
+    #: the model whose CUDA-graph input buffers the loop may write the step's inputs into (``None``: none)
+    feed_model: Optional[IOBindingORTModel] = None
+
+    def __init__(self) -> None:
+        self.computed: List[bool] = []
+
+    @property
+    @abc.abstractmethod
+    def config(self) -> object:
+        """The config the cache was enabled with."""
+
+    def start(self, steps: int) -> None:
+        """A loop of ``steps`` steps begins: what an earlier loop cached is forgotten."""
+        self.computed = []
+
+    @abc.abstractmethod
+    def __call__(self, step: int, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model's output (its first) for step ``step`` of the loop, given the model's inputs."""
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many steps of the last loop reused a cached part."""
+        return self.computed.count(False)
