@@ -29,11 +29,13 @@ _PUBLIC_NAMES = {
     "PipelineOptions": ".runtime.options",
     "infer_output_shapes": ".runtime.shapes",
     "TiledVAE": ".pipelines.tiling",
+    "DeepCacheConfig": ".pipelines.deep_cache",
     "accelerate": ".integrations.optimum",
     **dict.fromkeys(_PIPELINES, ".pipelines"),
 }
 
-__all__ = ["IOBindingORTModel", "ModelOptions", "PipelineOptions", "infer_output_shapes", "TiledVAE", "accelerate",
+__all__ = ["IOBindingORTModel", "ModelOptions", "PipelineOptions", "infer_output_shapes", "TiledVAE", "DeepCacheConfig",
+           "accelerate",
            "__version__", *_PIPELINES]
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time each name comes from __getattr__
@@ -43,6 +45,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time each name c
                             OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionInpaintPipeline,
                             OnnxStableDiffusionPipeline, OnnxStableDiffusionXLImg2ImgPipeline,
                             OnnxStableDiffusionXLPipeline, OnnxStreamDiffusionPipeline)
+    from .pipelines.deep_cache import DeepCacheConfig
     from .pipelines.tiling import TiledVAE
     from .runtime.model import IOBindingORTModel
     from .runtime.options import ModelOptions, PipelineOptions

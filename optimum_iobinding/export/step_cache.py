@@ -101,13 +101,17 @@ def marked_transformer_spec(spec: Dict[str, Any]) -> Tuple[Dict[str, Any], Any]:
             lambda module: marked.hooked())
 
 
-def split_graph(model: onnx.ModelProto, cuts: Sequence[Any]) -> List[onnx.ModelProto]:
+def split_graph(model: onnx.ModelProto, cuts: Sequence[Any], skippable: Sequence[int] = ()) -> List[onnx.ModelProto]:
     """``model`` cut into consecutive parts: part ``k`` is the nodes (in graph order) that the values ``cuts[k]``
     need (``None``: the graph's outputs) and no earlier part computed; its inputs are what it reads from the graph's
     inputs or from earlier parts, its outputs ``cuts[k]`` and what later parts read of it. Initializers go with each
     part that reads them, the same protos (external data stays where it is). Run in turn, feeding each part from the
     graph's inputs and the earlier parts' outputs, the parts compute what ``model`` computes (in float16 up to the
     rounding of what ONNX Runtime fuses across a cut in the whole graph).
+
+    A part in ``skippable`` (indices) may be left out of a run, its ends given instead (a cached step's stand-in for
+    the blocks it skips): later parts read only its ends and compute again whatever else of it they need (a small
+    value the exporter computed once for several blocks, say).
 
     Raises:
         ArgumentError: a cut names no value of the graph.
@@ -117,43 +121,64 @@ def split_graph(model: onnx.ModelProto, cuts: Sequence[Any]) -> List[onnx.ModelP
     producer = {output: position for position, node in enumerate(nodes) for output in node.output if output}
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     graph_outputs = [value.name for value in graph.output]
-    types = {value.name: value.type.tensor_type.elem_type
-             for value in (*graph.value_info, *graph.input, *graph.output)}
-    taken: set = set()
+    # what the graph says of each value (type and shape: the runtime sizes a part's outputs from its inputs' dims)
+    infos = {value.name: value for value in (*graph.value_info, *graph.input, *graph.output)}
+    owner: Dict[int, int] = {}  # node position → the part that computes it for the parts after
+    skipped_ends: Dict[str, int] = {}  # an end of a skippable part → that part
     parts: List[Tuple[List[int], List[str]]] = []
-    for cut in cuts:
+    for number, cut in enumerate(cuts):
         ends = graph_outputs if cut is None else list(cut)
         missing = [name for name in ends if name not in producer]
         if missing:
             raise ArgumentError("cuts", f"expected values the graph computes, got {missing}")
         needed, stack = set(), list(ends)
         while stack:
-            position = producer.get(stack.pop())
-            if position is None or position in needed or position in taken:
+            name = stack.pop()
+            position = producer.get(name)
+            if position is None or position in needed or (name in skipped_ends and name not in ends):
+                continue
+            if position in owner and owner[position] not in skippable:
                 continue
             needed.add(position)
-            stack.extend(name for name in nodes[position].input if name)
-        taken |= needed
+            stack.extend(value for value in nodes[position].input if value)
+        for position in needed:
+            owner.setdefault(position, number)
+        if number in skippable:
+            skipped_ends.update(dict.fromkeys(ends, number))
         parts.append((sorted(needed), ends))
+    made_by = [{output for position in positions for output in nodes[position].output} for positions, _ in parts]
+    inputs_of = []
+    for number, (positions, _) in enumerate(parts):
+        read = [name for position in positions for name in nodes[position].input if name]
+        inputs_of.append(list(dict.fromkeys(name for name in read
+                                            if name not in made_by[number] and name not in initializers)))
     models = []
     for number, (positions, ends) in enumerate(parts):
         part_nodes = [nodes[position] for position in positions]
-        made = {output for node in part_nodes for output in node.output}
-        read = [name for node in part_nodes for name in node.input if name]
-        inputs = list(dict.fromkeys(name for name in read if name not in made and name not in initializers))
-        later = {name for positions_after, _ in parts[number + 1:] for position in positions_after
-                 for name in nodes[position].input}
+        later = {name for inputs in inputs_of[number + 1:] for name in inputs}
+        if number in skippable:
+            later &= set(ends)
+        else:  # what a later part reads that a skippable part between also made is read from here
+            later = {name for name in later if owner.get(producer.get(name, -1)) == number}
         outputs = list(dict.fromkeys(list(ends) + [name for node in part_nodes for name in node.output
                                                    if name in later and name not in ends]))
+        read = [name for node in part_nodes for name in node.input if name]
         part = helper.make_graph(
-            part_nodes, f"{graph.name}_part{number}",
-            [helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.UNDEFINED), None) for name in inputs],
-            [helper.make_tensor_value_info(name, types.get(name, onnx.TensorProto.UNDEFINED), None)
-             for name in outputs],
+            part_nodes, f"{graph.name}_part{number}", [_value_info(infos, name) for name in inputs_of[number]],
+            [_value_info(infos, name) for name in outputs],
             [initializers[name] for name in dict.fromkeys(read) if name in initializers])
         models.append(helper.make_model(part, opset_imports=model.opset_import, ir_version=model.ir_version,
                                         producer_name=model.producer_name))
     return models
+
+
+def _value_info(infos: Dict[str, onnx.ValueInfoProto], name: str) -> onnx.ValueInfoProto:
+    """A copy of what the graph says of ``name`` (an untyped, unshaped value where it says nothing)."""
+    if name not in infos:
+        return helper.make_tensor_value_info(name, onnx.TensorProto.UNDEFINED, None)
+    info = onnx.ValueInfoProto()
+    info.CopyFrom(infos[name])
+    return info
 
 
 def drop_marks(model: onnx.ModelProto) -> None:
@@ -176,7 +201,7 @@ def write_step_cache_parts(folder: Path) -> List[Path]:
         typed = inferred_shapes(model)
     known = {value.name for value in model.graph.value_info}
     model.graph.value_info.extend(value for value in typed.value_info if value.name not in known)
-    parts = split_graph(model, [ends for _, ends in STEP_CACHE_PARTS])
+    parts = split_graph(model, [ends for _, ends in STEP_CACHE_PARTS], skippable=[1])
     paths = []
     for (name, _), part in zip(STEP_CACHE_PARTS, parts):
         onnx.save_model(part, str(folder / name))

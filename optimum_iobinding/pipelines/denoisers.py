@@ -214,6 +214,12 @@ class UNetDenoiser(Denoiser):
     def size_multiple_reason(self) -> str:
         return f"2^{self.downsamples}, the UNet's downsamplings"
 
+    def make_cache(self, config: Any) -> StepCache:
+        """DeepCache (:mod:`.deep_cache`): a ``DeepCacheConfig``."""
+        from .deep_cache import deep_cache_for
+
+        return deep_cache_for(self, config)
+
     @property
     def time_cond_proj_dim(self) -> int:
         """The width of an LCM UNet's ``timestep_cond`` (the guidance embedding), declared or from its config."""
@@ -328,6 +334,12 @@ class FlowTransformer(Denoiser):
         config = self.pipe.scheduler.config
         return linear_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
                             config.get("base_shift", 0.5), config.get("max_shift", max_shift))
+
+    def make_cache(self, config: Any) -> StepCache:
+        """First-Block Cache (:mod:`.block_cache`): diffusers' ``FirstBlockCacheConfig``."""
+        from .block_cache import first_block_cache_for
+
+        return first_block_cache_for(self, config)
 
     def set_flow_timesteps(self, num_inference_steps: Optional[int], sigmas: Optional[Sequence[float]],
                            mu: Optional[float]) -> torch.Tensor:

@@ -96,6 +96,17 @@ def test_the_parts_read_the_transformers_weights_file_and_model_onnx_keeps_its_o
     assert covered == weights  # each weight read by some part, none left out
 
 
+def test_the_out_part_reads_of_the_body_only_the_blocks_output_so_a_cached_step_can_skip_it(exported):
+    _, _, folder = exported
+    names = {name: onnx.load(str(folder / name), load_external_data=False).graph for name in PARTS}
+    whole = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    head_outputs = {value.name for value in names["head.onnx"].output}
+    graph_inputs = {value.name for value in whole.input}
+    assert [value.name for value in names["body.onnx"].output] == ["blocks_output"]
+    assert {value.name for value in names["out.onnx"].input} <= graph_inputs | head_outputs | {"blocks_output"}
+    assert {value.name for value in names["body.onnx"].input} <= graph_inputs | head_outputs
+
+
 def test_the_heads_marks_are_diffusers_first_blocks_input_and_outputs(exported):
     family, torch_pipe, folder = exported
     caught = {}
