@@ -205,9 +205,10 @@ def ensure_export(kind: str, dtype: str, export: str, work: Path) -> Path:
 
 
 def _ensure_pipeline_export(folder: Path, dtype: str, export: str, build: Callable[[], Any],
-                            device: str = "cuda") -> Path:
+                            device: str = "cuda", step_cache: bool = False) -> Path:
     """``folder``: the export of the torch pipeline ``build()`` makes, made once under the folder's lock; an
-    "optimized" export gets the fusions ``device``'s execution provider runs (:func:`optimize_target`)."""
+    "optimized" export gets the fusions ``device``'s execution provider runs (:func:`optimize_target`);
+    ``step_cache``: with the parts a step cache runs (``export_pipeline(step_cache=True)``)."""
     from ..export import export_pipeline
 
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -218,7 +219,7 @@ def _ensure_pipeline_export(folder: Path, dtype: str, export: str, build: Callab
                                       "model_index.json); move it away or choose another --work folder")
             # export_pipeline builds beside the folder and renames it into place once whole
             export_pipeline(None, folder, fp16=dtype == "fp16", optimize=optimize_target(export, device),
-                            progress=False, torch_pipeline=build())
+                            progress=False, torch_pipeline=build(), step_cache=step_cache)
     return folder
 
 
@@ -401,9 +402,11 @@ def _transformer_vae(autoencoder: Any, scaling_factor: float, shift_factor: floa
 def ensure_transformer_export(kind: str, dtype: str, export: str, work: Path, blocks: Optional[int] = None,
                               text_layers: Optional[int] = None, device: str = "cuda") -> Path:
     """The export of one transformer configuration under ``work`` (:func:`transformer_export_name`), made once and
-    shared as :func:`ensure_export` shares the UNet pipelines'. The exporter decides each component's precision
-    (T5 stays float32 in a float16 export) and writes external data for the large ones; ``device``: where the
-    export runs, which decides an optimized export's fusions (:func:`optimize_target`)."""
+    shared as :func:`ensure_export` shares the UNet pipelines', with the parts First-Block Cache runs. The exporter
+    decides each component's precision (T5 stays float32 in a float16 export) and writes external data for the large
+    ones; ``device``: where the export runs, which decides an optimized export's fusions (:func:`optimize_target`)."""
     folder = work / transformer_export_name(kind, dtype, export, blocks, text_layers, device)
+    # with First-Block Cache's parts: files beside the transformer that the uncached runs never read
     return _ensure_pipeline_export(folder, dtype, export,
-                                   lambda: build_transformer_pipeline(kind, blocks, text_layers), device)
+                                   lambda: build_transformer_pipeline(kind, blocks, text_layers), device,
+                                   step_cache=True)

@@ -1,0 +1,157 @@
+"""First-Block Cache on one GPU: what a skipped step costs, and what skipping gives end to end.
+
+On a transformer export with its parts (``export --step-cache``; the bench's transformer exports have them), our
+pipeline (CUDA graphs, the recipe's size, steps, guidance and latents of ``--scenario transformer``):
+  - end to end: uncached; cached at each ``--thresholds`` value (the steps it skipped); cached with the decision's
+    outcome fixed to a pattern (``every-other``: steps 1, 3, 5 … skipped; ``first-only``: every step but the first),
+    the decision still computed and read back, so a pattern's time is what a threshold skipping those steps costs;
+  - per step, from the last call's inputs (each mean of ``--repeats`` back-to-back calls, the host waiting at the
+    end): the uncached transformer, a cached step that runs every block, one that skips; and each part's CUDA graph
+    replayed alone (the head is the embeddings and the first block: "the first block alone").
+Random weights make a threshold's skip count arbitrary: the patterns are what the targets are measured at.
+
+    python3 benchmarks/step_cache_probe.py --folder WORK/flux-schnell-fp16-optimized-blocks2x4-… --kind flux-schnell \
+        --out OUT [--thresholds 0.08,0.2] [--runs 3] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+from diffusers.hooks import FirstBlockCacheConfig
+
+from optimum_iobinding.bench.probes import environment, graph_floor_ms
+from optimum_iobinding.bench.transformer_peers import load_transformer_peer
+from optimum_iobinding.bench.zoo import PROMPT, TRANSFORMER_RECIPES
+
+PATTERNS: Dict[str, Callable[[int], bool]] = {
+    "every-other": lambda step: step % 2 == 0,
+    "first-only": lambda step: step == 0,
+}
+
+
+def fixed(cache: Any, pattern: Optional[Callable[[int], bool]]) -> None:
+    """Makes ``cache``'s decisions follow ``pattern`` (step → compute?) while still computing and reading back the
+    rule's scalar (``None``: the rule decides again)."""
+    if pattern is None:
+        cache.__dict__.pop("should_compute", None)
+        return
+    rule = type(cache).should_compute
+
+    def should_compute(residual: torch.Tensor) -> bool:
+        rule(cache, residual)
+        return pattern(len(cache.computed))
+
+    cache.should_compute = should_compute
+
+
+def per_call_ms(run: Callable[[], Any], stream: Any, repeats: int) -> float:
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.cuda.stream(stream):
+        for _ in range(repeats):
+            run()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1000 / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--folder", type=Path, required=True)
+    parser.add_argument("--kind", choices=sorted(TRANSFORMER_RECIPES), required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--thresholds", default="0.08,0.2")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    recipe = TRANSFORMER_RECIPES[args.kind]
+    pipe, latents, _ = load_transformer_peer("ours", args.folder, args.kind, None, None, "cuda")
+    pipe.set_progress_bar_config(disable=True)
+
+    def call() -> np.ndarray:
+        with torch.inference_mode():
+            images = pipe(PROMPT, height=recipe["size"], width=recipe["size"], num_inference_steps=recipe["steps"],
+                          guidance_scale=recipe["guidance"], latents=latents.clone(),
+                          max_sequence_length=recipe["max_sequence_length"], output_type="np").images
+        torch.cuda.synchronize()
+        return np.asarray(images)
+
+    def timed() -> Dict[str, Any]:
+        call()  # sessions, graphs
+        times = []
+        for _ in range(args.runs):
+            start = time.perf_counter()
+            image = call()
+            times.append((time.perf_counter() - start) * 1000)
+        row: Dict[str, Any] = {"end_to_end_ms": statistics.median(times), "end_to_end_ms_all": times,
+                               "image_std": float(image.std())}
+        if pipe.step_cache is not None:
+            row["computed"] = list(pipe.step_cache.computed)
+            row["skipped_steps"] = pipe.step_cache.skipped_steps
+        return row
+
+    result: Dict[str, Any] = {"environment": environment(), "folder": str(args.folder), "kind": args.kind,
+                              "steps": recipe["steps"], "rows": {}}
+    rows = result["rows"]
+    rows["uncached"] = timed()
+    stream = pipe.transformer.stream
+    recorded: Dict[str, torch.Tensor] = {}
+    transformer = pipe.transformer
+    for threshold in [float(value) for value in args.thresholds.split(",") if value]:
+        pipe.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+        rows[f"threshold {threshold}"] = timed()
+    pipe.enable_cache(FirstBlockCacheConfig(threshold=0.0))
+    cache = pipe.step_cache
+    step_of_cache = type(cache).__call__
+
+    def recording(instance: Any, step: int, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        recorded.clear()
+        recorded.update({name: value.clone() for name, value in inputs.items()})
+        return step_of_cache(instance, step, inputs)
+
+    for name, pattern in PATTERNS.items():
+        fixed(cache, pattern)
+        rows[f"pattern {name}"] = timed()
+    # one more cached call, the last step's inputs recorded (a call goes through the class), for the per-step costs
+    original_call = cache.__class__.__call__
+    try:
+        cache.__class__.__call__ = recording
+        call()
+    finally:
+        cache.__class__.__call__ = original_call
+    inputs = dict(recorded)
+    steps: Dict[str, float] = {}
+    steps["uncached transformer"] = per_call_ms(lambda: transformer(**inputs), stream, args.repeats)
+    fixed(cache, lambda step: True)
+    cache.start(1)
+    cache(0, inputs)
+    steps["cached, every block"] = per_call_ms(lambda: cache(1, inputs), stream, args.repeats)
+    fixed(cache, lambda step: False)
+    steps["cached, skipped"] = per_call_ms(lambda: cache(1, inputs), stream, args.repeats)
+    for part_name, part in zip(("head (first block alone)", "body", "out"), cache.parts):
+        steps[f"graph replay: {part_name}"] = graph_floor_ms(part, args.repeats)
+    steps["graph replay: uncached transformer"] = graph_floor_ms(transformer, args.repeats)
+    result["per_step_ms"] = steps
+    head = steps["graph replay: head (first block alone)"]
+    result["skipped_step_over_first_block"] = steps["cached, skipped"] / head if head else None
+    result["every_other_speedup"] = rows["uncached"]["end_to_end_ms"] / rows["pattern every-other"]["end_to_end_ms"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"step_cache-{args.kind}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(json.dumps({key: result[key] for key in ("per_step_ms", "skipped_step_over_first_block",
+                                                   "every_other_speedup")}, indent=2))
+    for name, row in rows.items():
+        print(f"{name:24s} {row['end_to_end_ms']:9.1f} ms  skipped {row.get('skipped_steps', 0)}")
+
+
+if __name__ == "__main__":
+    main()
