@@ -141,6 +141,11 @@ def main() -> None:
         steps[f"graph replay: {part_name}"] = graph_floor_ms(part, args.repeats)
     steps["graph replay: uncached transformer"] = graph_floor_ms(transformer, args.repeats)
     result["per_step_ms"] = steps
+    # where a part ran without a CUDA graph, ORT's reason
+    result["graph_fallbacks"] = {name: {str(dict(signature)): reason for signature, reason in
+                                        model.graph_fallbacks.items()}
+                                 for name, model in zip(("head", "body", "out", "transformer"),
+                                                        [*cache.parts, transformer]) if model.graph_fallbacks}
     head = steps["graph replay: head (first block alone)"]
     result["skipped_step_over_first_block"] = steps["cached, skipped"] / head if head else None
     result["every_other_speedup"] = rows["uncached"]["end_to_end_ms"] / rows["pattern every-other"]["end_to_end_ms"]
@@ -148,7 +153,7 @@ def main() -> None:
     path = args.out / f"step_cache-{args.kind}.json"
     path.write_text(json.dumps(result, indent=2))
     print(json.dumps({key: result[key] for key in ("per_step_ms", "skipped_step_over_first_block",
-                                                   "every_other_speedup")}, indent=2))
+                                                   "every_other_speedup", "graph_fallbacks")}, indent=2))
     for name, row in rows.items():
         print(f"{name:24s} {row['end_to_end_ms']:9.1f} ms  skipped {row.get('skipped_steps', 0)}")
 

@@ -109,6 +109,10 @@ def split_graph(model: onnx.ModelProto, cuts: Sequence[Any], skippable: Sequence
     graph's inputs and the earlier parts' outputs, the parts compute what ``model`` computes (in float16 up to the
     rounding of what ONNX Runtime fuses across a cut in the whole graph).
 
+    A part computes again the integer values it needs of earlier parts (shapes and indices: ONNX Runtime computes
+    them on the host, and one handed over between parts on the device would need a copy to the host, which keeps a
+    part from being captured as a CUDA graph).
+
     A part in ``skippable`` (indices) may be left out of a run, its ends given instead (a cached step's stand-in for
     the blocks it skips): later parts read only its ends and compute again whatever else of it they need (a small
     value the exporter computed once for several blocks, say).
@@ -137,7 +141,7 @@ def split_graph(model: onnx.ModelProto, cuts: Sequence[Any], skippable: Sequence
             position = producer.get(name)
             if position is None or position in needed or (name in skipped_ends and name not in ends):
                 continue
-            if position in owner and owner[position] not in skippable:
+            if position in owner and owner[position] not in skippable and not _is_shape_value(infos, name):
                 continue
             needed.add(position)
             stack.extend(value for value in nodes[position].input if value)
@@ -170,6 +174,13 @@ def split_graph(model: onnx.ModelProto, cuts: Sequence[Any], skippable: Sequence
         models.append(helper.make_model(part, opset_imports=model.opset_import, ir_version=model.ir_version,
                                         producer_name=model.producer_name))
     return models
+
+
+def _is_shape_value(infos: Dict[str, onnx.ValueInfoProto], name: str) -> bool:
+    """Whether ``name`` is an integer or boolean value (a shape, an index, a mask) by what the graph says of it."""
+    info = infos.get(name)
+    return info is not None and info.type.tensor_type.elem_type in (
+        onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL)
 
 
 def _value_info(infos: Dict[str, onnx.ValueInfoProto], name: str) -> onnx.ValueInfoProto:
