@@ -210,8 +210,12 @@ def write_step_cache_parts(folder: Path) -> List[Path]:
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     with in_folder(folder):  # small constants inference reads may be in the weights file
         typed = inferred_shapes(model)
-    known = {value.name for value in model.graph.value_info}
-    model.graph.value_info.extend(value for value in typed.value_info if value.name not in known)
+    # the inferred shapes win: a float16 conversion leaves value_info with types but no shapes, and the runtime sizes
+    # a part's outputs (for its CUDA graph) from their dims
+    inferred = {value.name for value in typed.value_info}
+    kept = [value for value in model.graph.value_info if value.name not in inferred]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend([*kept, *typed.value_info])
     parts = split_graph(model, [ends for _, ends in STEP_CACHE_PARTS], skippable=[1])
     paths = []
     for (name, _), part in zip(STEP_CACHE_PARTS, parts):

@@ -4,7 +4,7 @@ Pure functions plus one small cache; nothing here touches an ``IOBinding``. ORT 
 as an ``int`` (static), a ``str`` (a symbolic name, or an expression an exporter wrote such as ``"2*batch"``) or
 ``None`` (unnamed). Given the concrete shapes of the inputs, :func:`infer_output_shapes` resolves each output dim
 
-(a) by name, when an input has a dim of that name;
+(a) by name, when an input has a dim of that name (or an expression, when an input has a dim written the same);
 (b) by evaluating an expression over those names with :func:`evaluate_dim_expression` (never Python ``eval``);
 (c) otherwise by ONNX shape inference of the model with the input shapes fixed (cached per input signature);
 (d) and returns ``None`` for an output whose shape still depends on data (e.g. the output of ``NonZero``).
@@ -190,7 +190,8 @@ def bind_input_dims(
         input_shapes: input name → concrete shape. Every name must be declared.
 
     Returns:
-        Symbol name → value, for every input dim declared as a plain name that the inputs agree on.
+        Symbol name → value, for every input dim declared as a name (or an expression, under its text) that the
+        inputs agree on.
 
     Raises:
         ValueError: wrong rank or a static dim mismatch, naming the input, the expected and the received shape.
@@ -213,7 +214,9 @@ def bind_input_dims(
                     f"input {name!r}: expected size {dim} in dim {axis} (shape {_format_dims(dims)}), "
                     f"got {size} (shape {list(shape)})"
                 )
-            if isinstance(dim, str) and dim.isidentifier():
+            # a name binds its size; so does an expression as written (a graph cut out of a larger one declares
+            # its inputs and outputs with the same expressions of the larger graph's input names)
+            if isinstance(dim, str) and dim:
                 if symbols.get(dim, size) != size:
                     ambiguous.add(dim)
                 symbols[dim] = size
