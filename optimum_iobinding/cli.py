@@ -76,8 +76,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp16", action="store_true", help="convert to float16 with ORT's converter after export")
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
     parser.add_argument("--step-cache", action="store_true",
-                        help="also write the transformer's First-Block Cache parts (SD3, FLUX.1): head, body and out "
-                             "graphs beside it, reading its weights")
+                        help="also write the denoiser's step-cache parts beside it, reading its weights: the "
+                             "transformer's First-Block Cache head, body and out (SD3, FLUX.1); the UNet's DeepCache "
+                             "full and shallow graphs (SD 1.x/2.x, SDXL, LCM; not with a ControlNet)")
     parser.add_argument("--tiny-random", nargs="?", const="sd", default=None,
                         choices=("sd", "xl", "lcm", "controlnet", "sd3", "flux", "flux-dev"),
                         help="export a tiny random-weights pipeline built offline: sd (default), xl, lcm, controlnet "

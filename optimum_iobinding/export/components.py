@@ -4,8 +4,8 @@ which writes ``model.onnx`` (with its weights beside it where they are large) an
 own:
 
 - :func:`export_component`: the path of the UNet families' components, which the diffusion transformers' CLIP and VAE
-  take too: the attention that ORT's optimizer fuses, ORT's optimizer by component name, float16, and the map of
-  where each LoRA layer's weight went.
+  take too: the attention that ORT's optimizer fuses, ORT's optimizer by component name, float16, the map of
+  where each LoRA layer's weight went, and a UNet's DeepCache parts (:mod:`.deep_cache`).
 - :func:`export_model`: the path of a diffusion transformer and a T5 encoder: ORT's transformer optimizer by model
   type (``mmdit``, ``t5``), with the module made traceable by the family while the exporter runs.
 """
@@ -25,6 +25,7 @@ import torch
 
 from ..layout import write_weight_map
 from .attention import fused_vae_attention
+from .deep_cache import marked_unet_spec, name_marks_before_divisions_by_one, write_unet_with_deep_cache_parts
 from .lora_places import lora_layers, weight_map
 from .optimize import (EXTERNAL_DATA_FILE, MAX_SINGLE_FILE_BYTES, convert_to_float16, fold_pads_into_convs,
                        fusion_options, fusion_options_for, in_folder, optimize_component, optimized_to_float16,
@@ -289,11 +290,20 @@ def _torch_export(spec: Dict[str, Any], path: Path, opset: int) -> None:
 
 def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool, optimize: Optional[str],
                       xl: bool = False, external_data_threshold: int = MAX_SINGLE_FILE_BYTES,
-                      external_data_file: str = EXTERNAL_DATA_FILE) -> None:
+                      external_data_file: str = EXTERNAL_DATA_FILE, step_cache: bool = False) -> None:
     """Exports one component the UNet families' way (text encoder, UNet, ControlNet, VAE; a diffusion transformer's
     CLIP and VAE too) to ``target/name``: the TorchScript exporter (with the attention ORT's optimizer fuses), ORT's
     optimizer (``optimize``), float16 (``fp16``), the LoRA map of a UNet or text encoder, ``model.onnx`` (its
-    weights in ``external_data_file`` beside it past ``external_data_threshold`` bytes) and ``config.json``."""
+    weights in ``external_data_file`` beside it past ``external_data_threshold`` bytes) and ``config.json``.
+
+    ``step_cache`` (a UNet): DeepCache's parts beside ``model.onnx`` (:mod:`.deep_cache`: ``deep_cache_full.onnx``
+    and a ``deep_cache_shallow_<branch>.onnx`` per branch), all reading its weights, which then go to
+    ``model.onnx_data`` whatever their size."""
+    layers_of = getattr(spec["module"], "unet", None) or getattr(spec["module"], "text_encoder", None)
+    hooks: Callable[[torch.nn.Module], ContextManager] = lambda module: contextlib.nullcontext()  # noqa: E731
+    branches: Dict[int, str] = {}
+    if step_cache:  # the features marked as outputs while ORT's optimizer runs
+        spec, hooks, branches = marked_unet_spec(spec)
     with tempfile.TemporaryDirectory() as scratch:
         scratch_path = Path(scratch) / "model.onnx"
         attention = contextlib.nullcontext()
@@ -301,22 +311,27 @@ def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool
             attention = fused_vae_attention(spec["module"])
         elif optimize:
             use_classic_attention(spec["module"])
-        with attention:
+        with attention, hooks(spec["module"]):
             _torch_export(spec, scratch_path, opset)
         exported = onnx.load(str(scratch_path), load_external_data=False)  # weights past 2 GiB stay in their files
-        if fold_pads_into_convs(exported):
+        changed = fold_pads_into_convs(exported)
+        if step_cache and optimize:  # so that ORT's optimizer keeps a graph that computes every mark
+            changed = name_marks_before_divisions_by_one(exported, list(branches.values())) or changed
+        if changed:
             onnx.save_model(exported, str(scratch_path))
         del exported
         optimized = (optimize_component(name, scratch_path, fusion_options(name, spec["config"], optimize), optimize)
                      if optimize else None)
         model = to_precision(scratch_path, optimized, fp16)
-    layers_of = getattr(spec["module"], "unet", None) or getattr(spec["module"], "text_encoder", None)
     if layers_of is not None:  # where each layer's weight went: runtime LoRA updates it there
         (target / name).mkdir(parents=True, exist_ok=True)
         write_weight_map(weight_map(layers_of, model), target / name,
                          [layer for layer, _ in lora_layers(layers_of)])
     fix_output_dims(model, spec.get("fixed_output_dims", {}))
-    save_onnx(model, target / name / "model.onnx", external_data_threshold, external_data_file)
+    if step_cache:
+        write_unet_with_deep_cache_parts(model, target / name, branches)
+    else:
+        save_onnx(model, target / name / "model.onnx", external_data_threshold, external_data_file)
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
     if spec.get("class_name"):  # which torch class it came from (an AutoencoderKL or AutoencoderTiny VAE)
         config.setdefault("_class_name", spec["class_name"])

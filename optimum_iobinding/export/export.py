@@ -25,7 +25,7 @@ from .components import export_component, vae_specs
 from .flux import export_flux_pipeline, is_flux
 from .tiny import TINY_RANDOM_KINDS, build_tiny_random_tiny_vae
 from .transformer import export_sd3_pipeline, is_sd3_pipeline
-from .unet import check_tiny_vae_fits, export_unet_pipeline
+from .unet import check_tiny_vae_fits, controlnets_of, export_unet_pipeline
 
 # the checks of the arguments are public too: the command line runs them before it loads anything (check_tiny_vae_fits
 # belongs to .unet, since it holds a tiny VAE against the UNet, and is named here beside the others)
@@ -95,9 +95,12 @@ def export_pipeline(
             inputs, outputs and axes as the full VAE's; its ``config.json`` says ``_class_name: AutoencoderTiny`` and
             ``scaling_factor: 1.0``, so the pipelines scale latents as diffusers does with it. Its latent channels
             must be the UNet's.
-        step_cache: also write the transformer's First-Block Cache parts (SD3 and FLUX.1 only):
-            ``transformer/head.onnx``, ``body.onnx`` and ``out.onnx`` beside ``model.onnx``, reading its weights,
-            which go to ``model.onnx_data`` whatever their size (see :mod:`optimum_iobinding.export.step_cache`).
+        step_cache: also write the denoiser's step-cache parts beside its ``model.onnx``, reading its weights,
+            which go to ``model.onnx_data`` whatever their size: for SD3 and FLUX.1 First-Block Cache's
+            ``transformer/head.onnx``, ``body.onnx`` and ``out.onnx`` (:mod:`optimum_iobinding.export.step_cache`);
+            for Stable Diffusion 1.x/2.x, SDXL and LCM DeepCache's ``unet/deep_cache_full.onnx`` and a
+            ``unet/deep_cache_shallow_<branch>.onnx`` per branch (:mod:`optimum_iobinding.export.deep_cache`).
+            Not for a ControlNet pipeline or a VAE alone.
 
     Returns:
         The output folder.
@@ -117,11 +120,14 @@ def export_pipeline(
     if not isinstance(step_cache, bool):
         raise ArgumentError("step_cache", f"expected True or False, got {step_cache!r}")
     tiny_vae = None if tiny_vae is False else tiny_vae
-    # known before loading where the pipeline is given, random, or a local folder; else checked once it is loaded
-    if step_cache and (torch_pipeline is not None or tiny_random or model_id_or_path is None
-                       or Path(model_id_or_path).is_dir()) and transformer_family(
-            model_id_or_path, torch_pipeline=torch_pipeline, tiny_random=tiny_random) is None:
-        _refuse_step_cache()
+    # what is known before loading: a ControlNet asked for or given, or a VAE alone; the rest once it is loaded
+    if step_cache and (controlnet is not None or tiny_random == "controlnet"
+                       or (torch_pipeline is not None and controlnets_of(torch_pipeline))):
+        _refuse_step_cache("a ControlNet pipeline (its residuals go into the deep blocks that DeepCache's shallow "
+                           "steps skip)")
+    if step_cache and tiny_vae is not None and model_id_or_path is None and torch_pipeline is None \
+            and not tiny_random:
+        _refuse_step_cache("a VAE alone")
     if vae is not None or controlnet is not None or tiny_vae is not None:  # before anything is loaded or fetched
         check_transformer_options(transformer_family(model_id_or_path, torch_pipeline=torch_pipeline,
                                                      tiny_random=tiny_random),
@@ -156,19 +162,18 @@ def export_pipeline(
 
         pipe = DiffusionPipeline.from_pretrained(model_id_or_path, torch_dtype=torch.float32, safety_checker=None)
     check_tokenizer_lengths(pipe)
-    if step_cache and getattr(pipe, "transformer", None) is None:
-        _refuse_step_cache()
     if getattr(pipe, "transformer", None) is not None:  # a diffusion transformer (SD3, Flux)
         return _export_transformer_pipeline(pipe, target, vae=vae, controlnet=controlnet, tiny_vae=tiny_vae,
                                             components=components, opset=opset, fp16=fp16, optimize=optimize,
                                             progress=progress, step_cache=step_cache)
     return export_unet_pipeline(pipe, target, vae=vae, controlnet=controlnet, tiny_vae=tiny, components=components,
-                                opset=opset, fp16=fp16, optimize=optimize, progress=progress)
+                                opset=opset, fp16=fp16, optimize=optimize, progress=progress, step_cache=step_cache)
 
 
-def _refuse_step_cache() -> None:
-    raise ArgumentError("step_cache", "expected an SD3 or FLUX.1 pipeline (First-Block Cache's parts are a diffusion "
-                                      "transformer's), got a UNet pipeline or a VAE alone")
+def _refuse_step_cache(got: str) -> None:
+    raise ArgumentError("step_cache", "expected an SD3 or FLUX.1 pipeline (First-Block Cache's parts) or a Stable "
+                                      "Diffusion 1.x/2.x, SDXL or LCM pipeline without a ControlNet (DeepCache's "
+                                      f"parts), got {got}")
 
 
 def _export_transformer_pipeline(pipe, target: Path, *, vae, controlnet, tiny_vae, **options) -> Path:

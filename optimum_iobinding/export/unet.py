@@ -18,6 +18,8 @@ Layout written (what diffusers' ``OnnxStableDiffusionPipeline`` and ours both lo
     tokenizer/, scheduler/
 
 Large models go to one external-data file ``weights.pb`` next to their ``model.onnx``, as diffusers writes them.
+With ``step_cache`` the UNet's folder also holds DeepCache's parts (:mod:`.deep_cache`: ``deep_cache_full.onnx``,
+``deep_cache_shallow_<branch>.onnx``), and its weights are in ``model.onnx_data``, which they all read.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ from ..layout import (
     write_xl_model_index,
 )
 from .components import export_component, pooled_output, vae_specs
+from .deep_cache import check_deep_cache_unet
 
-__all__ = ["export_unet_pipeline", "component_specs", "onnx_components_of", "is_xl", "check_tiny_vae_fits"]
+__all__ = ["export_unet_pipeline", "component_specs", "onnx_components_of", "is_xl", "check_tiny_vae_fits",
+           "check_deep_cache_pipeline", "controlnets_of"]
 
 
 class _TextEncoder(torch.nn.Module):
@@ -237,6 +241,21 @@ def check_tiny_vae_fits(tiny_vae_config, unet_config) -> None:
                          "e.g. 'madebyollin/taesd' or 'madebyollin/taesdxl' have 4, for SD 1.x/2.x and SDXL")
 
 
+def check_deep_cache_pipeline(pipe) -> None:
+    """DeepCache's parts are a UNet pipeline's without a ControlNet, whose blocks DeepCache numbers: a ControlNet's
+    residuals go into the deep blocks and the mid block, which a shallow step does not run.
+
+    Raises:
+        ArgumentError: naming ``step_cache``.
+    """
+    if controlnets_of(pipe):
+        raise ArgumentError("step_cache", "expected a Stable Diffusion 1.x/2.x, SDXL or LCM pipeline without a ControlNet "
+                                          "(DeepCache's shallow steps skip the deep blocks that a ControlNet's "
+                                          f"residuals go into), got a {type(pipe).__name__} with "
+                                          f"{len(controlnets_of(pipe))} ControlNet(s)")
+    check_deep_cache_unet(pipe.unet)
+
+
 def _with_controlnets(pipe, controlnet):
     """``pipe`` as a diffusers ``StableDiffusionControlNetPipeline`` with these ControlNets (models, folders or hub
     ids), each checked against the UNet it will feed."""
@@ -270,7 +289,7 @@ def _with_controlnets(pipe, controlnet):
 
 def export_unet_pipeline(pipe, target: Path, *, vae=None, controlnet=None, tiny_vae=None,
                          components: Optional[Sequence[str]] = None, opset: int = 17, fp16: bool = False,
-                         optimize: Optional[str] = None, progress: bool = True) -> Path:
+                         optimize: Optional[str] = None, progress: bool = True, step_cache: bool = False) -> Path:
     """Writes a UNet pipeline's folder at ``target`` (see the module's docstring), built beside it and moved into
     place when whole; the caller has checked ``target``.
 
@@ -285,9 +304,13 @@ def export_unet_pipeline(pipe, target: Path, *, vae=None, controlnet=None, tiny_
         fp16: convert to float16.
         optimize: ``"cuda"``, ``"cpu"`` or ``None``: ORT's optimizer on each component.
         progress: show a progress bar.
+        step_cache: DeepCache's parts beside the UNet (:mod:`.deep_cache`); not for a ControlNet pipeline.
 
     Returns:
         ``target``.
+
+    Raises:
+        ArgumentError: ``step_cache`` for a ControlNet pipeline, or for a UNet whose blocks DeepCache does not number.
     """
     if vae is not None:
         if isinstance(vae, (str, os.PathLike)):
@@ -299,6 +322,8 @@ def export_unet_pipeline(pipe, target: Path, *, vae=None, controlnet=None, tiny_
         pipe.vae = vae
     if controlnet is not None:
         pipe = _with_controlnets(pipe, controlnet)
+    if step_cache:
+        check_deep_cache_pipeline(pipe)
     if tiny_vae is not None:
         check_tiny_vae_fits(tiny_vae.config, pipe.unet.config)
     available = onnx_components_of(pipe)
@@ -309,7 +334,8 @@ def export_unet_pipeline(pipe, target: Path, *, vae=None, controlnet=None, tiny_
     specs = component_specs(pipe, vae=tiny_vae)
     with building_beside(target) as scratch:
         for name in tqdm(components, desc="export", unit="model", disable=not progress):
-            export_component(name, specs[name], scratch, opset, fp16, optimize, xl=is_xl(pipe))
+            export_component(name, specs[name], scratch, opset, fp16, optimize, xl=is_xl(pipe),
+                             step_cache=step_cache and name == "unet")
         for name in ("tokenizer", "tokenizer_2"):
             if getattr(pipe, name, None) is not None:
                 save_tokenizer(getattr(pipe, name), scratch / name)
