@@ -96,7 +96,9 @@ class FirstBlockCache(StepCache):
             raise ArgumentError("config", f"the parts beside {model.model_path!r} do not fit together (values "
                                           f"{lacking} are not where First-Block Cache expects them); {EXPORT_HINT}")
         self.last_residual: Optional[torch.Tensor] = None  # the first block's residual at the last full step
+        self.last_scale: Optional[torch.Tensor] = None  # its absolute sum (the rule's means share one count)
         self.tail_residual: Optional[torch.Tensor] = None  # the other blocks' residual at the last full step
+        self._out_buffers: Optional[Dict[str, torch.Tensor]] = None  # the out part's graph inputs, once it has one
 
     @property
     def config(self) -> Any:
@@ -105,15 +107,22 @@ class FirstBlockCache(StepCache):
     def start(self, steps: int) -> None:
         super().start(steps)
         self.last_residual = self.tail_residual = None
+        self._out_buffers = None
 
     def should_compute(self, residual: torch.Tensor) -> bool:
         """diffusers' rule: the first step computes; later, the blocks run where the first block's residual changed
-        by more than the threshold (mean absolute change over the mean absolute last residual). The one read back
-        to the host of a step."""
+        by more than the threshold (mean absolute change over the mean absolute last residual; both means count the
+        same elements, so sums are compared). The change is one reduction, accumulated in float32, and its
+        comparison the one value a step reads back to the host."""
         if self.last_residual is None:
             return True
-        change = (residual - self.last_residual).abs().mean() / self.last_residual.abs().mean()
-        return bool(change.item() > self.threshold)
+        change = torch.linalg.vector_norm(residual - self.last_residual, ord=1, dtype=torch.float32)
+        return bool((change > self.threshold * self.last_scale).item())
+
+    def _remember(self, residual: torch.Tensor) -> None:
+        """Keeps a full step's first-block residual and its absolute sum (on the device: nothing is read back)."""
+        self.last_residual = residual
+        self.last_scale = torch.linalg.vector_norm(residual, ord=1, dtype=torch.float32)
 
     @staticmethod
     def _run(model: IOBindingORTModel, values: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -130,11 +139,18 @@ class FirstBlockCache(StepCache):
             values.update(self._run(self.body, values))
             # new tensors: the parts' outputs are buffers their next runs overwrite
             self.tail_residual = values[BLOCKS_OUTPUT] - first_output
-            self.last_residual = residual
-        else:
-            values[BLOCKS_OUTPUT] = first_output + self.tail_residual
+            self._remember(residual)
+        else:  # written straight into the out part's graph input where it has one
+            buffer = (self._out_buffers or {}).get(BLOCKS_OUTPUT)
+            same = buffer is not None and buffer.shape == first_output.shape and buffer.dtype == first_output.dtype
+            values[BLOCKS_OUTPUT] = torch.add(first_output, self.tail_residual, out=buffer if same else None)
         self.computed.append(compute)
-        return self.out(**{name: values[name] for name in self.out.input_names})[0]
+        out_inputs = {name: values[name] for name in self.out.input_names}
+        output = self.out(**out_inputs)[0]
+        if self._out_buffers is None:
+            self._out_buffers = self.out.graph_input_buffers(
+                {name: tuple(value.shape) for name, value in out_inputs.items()}) or {}
+        return output
 
     @property
     def parts(self) -> List[IOBindingORTModel]:
