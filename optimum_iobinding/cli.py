@@ -273,12 +273,29 @@ def check_generate_arguments(args: argparse.Namespace) -> Path:
     check(args.seed in NUMPY_SEEDS, "--seed", f"an integer in 0 … {NUMPY_SEEDS[-1]} (numpy's seeds)", args.seed)
     check_local_or_hub("--model", args.model)
     check_scheduler_modules(args.scheduler)
+    if args.cache is not None:
+        from .pipelines.caching import cache_config_of
+
+        with options_named(CACHE_OPTION):
+            cache_config_of(args.cache)
     if args.provider is not None:  # the last check: it imports the runtime (and onnxruntime) to ask
         from .runtime.providers import normalize_providers
 
         with options_named(GENERATE_OPTIONS):
             normalize_providers(args.provider, io_binding=args.io_binding)
     return out
+
+
+# a step cache's refusal names --cache (the spec's, or the config's when a pipeline refuses it)
+CACHE_OPTION = {"cache": "--cache", "config": "--cache"}
+
+
+def cache_summary(pipe: Any, spec: Optional[str]) -> str:
+    """What the last call's step cache did, for the summary line ("" without one)."""
+    cache = getattr(pipe, "step_cache", None)
+    if spec is None or cache is None:
+        return ""
+    return f"; cache {spec}: {len(cache.computed) - cache.skipped_steps} of {len(cache.computed)} steps ran whole"
 
 
 def check_scheduler_modules(scheduler: Optional[str]) -> None:
@@ -317,6 +334,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
         scheduler_class = getattr(diffusers, SCHEDULERS[args.scheduler])
         pipe.scheduler = scheduler_class.from_config(pipe.scheduler.config)
+    if args.cache is not None:
+        from .pipelines.caching import cache_config_of
+
+        with options_named(CACHE_OPTION):  # the family or the folder may not cache
+            pipe.enable_cache(cache_config_of(args.cache))
     load_seconds = time.perf_counter() - load_start
     step_times: List[float] = []
 
@@ -346,7 +368,7 @@ def run_generate(args: argparse.Namespace) -> int:
     per_step = loop / (len(step_times) - 1) * 1000 if len(step_times) > 1 else float("nan")
     print(f"{out}: {args.width}×{args.height}, {args.steps} steps in {seconds:.2f} s ({per_step:.1f} ms/step; "
           f"load {load_seconds:.1f} s; {type(pipe).__name__}, {provider}, io_binding={args.io_binding}; "
-          f"model {args.model or model})")
+          f"model {args.model or model}{cache_summary(pipe, args.cache)})")
     return 0
 
 
@@ -625,6 +647,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="ONNX pipeline folder or hub id (default: a tiny random model built offline)")
     generate.add_argument("--cache-dir", default=None, help="where the tiny model is built (default ~/.cache/optimum-iobinding)")
     generate.add_argument("--out", default="image.png", help="PNG to write (default image.png)")
+    generate.add_argument("--cache", default=None, metavar="SPEC",
+                          help="cache denoising steps (default off): fbc:THRESHOLD (First-Block Cache, SD3 and FLUX.1, "
+                               "e.g. fbc:0.08) or deepcache:INTERVAL[:BRANCH] (DeepCache, SD and SDXL, e.g. "
+                               "deepcache:3); the model folder needs the parts: export it with --step-cache")
     generate.set_defaults(run=run_generate)
 
     serve_command = add_command(

@@ -277,6 +277,12 @@ class ImageGenerator:
             self.img2img = self.pipe.image_to_image()  # no second copy of any model
             if self.img2img is not None:
                 self.img2img.set_progress_bar_config(disable=True)
+            if self.config.cache is not None:  # every request's steps, image to image's too
+                from ..pipelines.caching import cache_config_of
+
+                for pipe in (self.pipe, self.img2img):
+                    if pipe is not None:
+                        pipe.enable_cache(cache_config_of(self.config.cache))
         self.pipe.set_progress_bar_config(disable=True)
         self.model_id = os.path.basename(os.path.normpath(self.config.model)) or self.config.model
         tokenizer_max = getattr(getattr(self.pipe, "tokenizer", None), "model_max_length", None)

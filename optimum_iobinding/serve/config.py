@@ -17,6 +17,7 @@ import urllib.request
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, List, Literal, Optional
 
+from ..cache_spec import parse_cache_spec
 from ..errors import ArgumentError
 
 # ServeConfig's settings that are positive integers (checked, and parsed from serve run's strings)
@@ -97,6 +98,9 @@ class ServeConfig:
             numpy loop), the anchor the serving benchmark compares against. Its batches draw every image's noise
             from one ``RandomState`` seeded with the first request's seed, so a batched image is not the single
             call's; without batching (``max_batch_size=1``) it is.
+        cache: a step cache for every request (default ``None``: off), as ``generate --cache`` names it:
+            ``fbc:THRESHOLD`` (First-Block Cache, SD3 and FLUX.1) or ``deepcache:INTERVAL[:BRANCH]`` (DeepCache, SD
+            and SDXL); the model folder needs the parts (``export --step-cache``).
     """
 
     model: str
@@ -122,6 +126,7 @@ class ServeConfig:
     request_timeout_s: float = 300.0
     pipeline_options: Dict[str, Any] = field(default_factory=dict)
     engine: Literal["optimum-iobinding", "diffusers-numpy"] = "optimum-iobinding"
+    cache: Optional[str] = None
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -158,6 +163,11 @@ class ServeConfig:
             raise ArgumentError("png_compression", f"expected a zlib level 0–9, got {self.png_compression!r}")
         if self.engine not in ("optimum-iobinding", "diffusers-numpy"):
             raise ArgumentError("engine", f"expected 'optimum-iobinding' or 'diffusers-numpy', got {self.engine!r}")
+        if self.cache is not None:
+            parse_cache_spec(self.cache, "cache")
+            if self.engine == "diffusers-numpy":
+                raise ArgumentError("cache", f"expected None with engine='diffusers-numpy' (diffusers' ONNX pipeline "
+                                             f"runs its model whole), got {self.cache!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ArgumentError("device", f"expected 'auto', 'cuda' or 'cpu', got {self.device!r}")
         if self.max_images_per_request > self.max_batch_size:
