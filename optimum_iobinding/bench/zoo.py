@@ -194,14 +194,17 @@ def optimize_target(export: str, device: str) -> Optional[str]:
     return device if export == "optimized" else None
 
 
-def ensure_export(kind: str, dtype: str, export: str, work: Path) -> Path:
+def ensure_export(kind: str, dtype: str, export: str, work: Path, step_cache: bool = False) -> Path:
     """The export of one configuration under ``work``, made once and shared by every process that asks for it.
 
     Exports are built beside the folder and renamed into place, so a folder with a model_index.json is always whole;
     a lock file serialises processes that want the same export (``--export-only`` can make the next models' exports in
-    the background while the GPU measures the current one).
+    the background while the GPU measures the current one). ``step_cache``: with DeepCache's parts beside the UNet
+    (a folder of its own, ``…-step-cache``).
     """
-    return _ensure_pipeline_export(work / f"{kind}-{dtype}-{export}", dtype, export, lambda: build_torch_pipeline(kind))
+    name = f"{kind}-{dtype}-{export}" + ("-step-cache" if step_cache else "")
+    return _ensure_pipeline_export(work / name, dtype, export, lambda: build_torch_pipeline(kind),
+                                   step_cache=step_cache)
 
 
 def _ensure_pipeline_export(folder: Path, dtype: str, export: str, build: Callable[[], Any],

@@ -1,0 +1,106 @@
+"""DeepCache on one GPU: end to end with and without it, and what a full and a shallow step cost.
+
+On the bench's UNet architectures (``sd15``: SD 1.5, 512²; ``sdxl``: SDXL, 1024²; random weights, fp16, ORT-fused,
+exported with DeepCache's parts), our pipeline with its defaults (CUDA graphs), batch 1, the recipe's guidance and
+DDIM, ``--steps`` steps, the same initial latents for every row:
+  - end to end: uncached, then each ``--caches`` config (``INTERVAL:BRANCH``), the steps run whole;
+  - per step: each graph's CUDA-graph replay alone (``model.onnx``; the full part, which also writes the features;
+    the shallow part of each branch measured).
+The uncached row is the project's loop on the step-cache export's ``model.onnx``, the plain export's graph (the
+marks change no fusion: the operators are the same), so it is the uncached speed.
+
+    python3 benchmarks/deep_cache_probe.py --kind sd15 --steps 50 --work WORK --out OUT [--caches 3:0,3:1,2:0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+
+from optimum_iobinding import DeepCacheConfig
+from optimum_iobinding.bench.probes import environment, graph_floor_ms
+from optimum_iobinding.bench.zoo import MODEL_SIZES, PROMPT, ensure_export, recipe_of
+from optimum_iobinding.pipelines import pipeline_class_for
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kind", choices=("sd15", "sdxl"), required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--caches", default="3:0")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--export-only", action="store_true")
+    args = parser.parse_args()
+    folder = ensure_export(args.kind, "fp16", "optimized", args.work, step_cache=True)
+    if args.export_only:
+        return
+    size, guidance = MODEL_SIZES[args.kind], recipe_of(args.kind)["guidance"]
+    pipe = pipeline_class_for(folder).from_pretrained(folder, provider="CUDAExecutionProvider")
+    pipe.set_progress_bar_config(disable=True)
+    from diffusers import DDIMScheduler
+
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config, clip_sample=False)
+    unet = pipe.unet
+    latents = torch.from_numpy(np.random.RandomState(0).randn(1, 4, size // 8, size // 8).astype(np.float32))
+    latents = latents.to("cuda", unet.input_dtypes["sample"])
+
+    def call() -> np.ndarray:
+        with torch.inference_mode():
+            images = pipe(PROMPT, height=size, width=size, num_inference_steps=args.steps, guidance_scale=guidance,
+                          latents=latents.clone(), output_type="np").images
+        torch.cuda.synchronize()
+        return np.asarray(images)
+
+    def timed() -> Dict[str, Any]:
+        call()  # sessions, graphs
+        times: List[float] = []
+        for _ in range(args.runs):
+            start = time.perf_counter()
+            image = call()
+            times.append((time.perf_counter() - start) * 1000)
+        row: Dict[str, Any] = {"end_to_end_ms": statistics.median(times), "end_to_end_ms_all": times,
+                               "image_std": float(image.std())}
+        if pipe.step_cache is not None:
+            row["computed"] = list(pipe.step_cache.computed)
+            row["full_steps"] = len(row["computed"]) - pipe.step_cache.skipped_steps
+        return row, image
+
+    result: Dict[str, Any] = {"environment": environment(), "folder": str(folder), "kind": args.kind,
+                              "size": size, "steps": args.steps, "guidance": guidance, "rows": {}, "replays_ms": {}}
+    result["rows"]["uncached"], uncached_image = timed()
+    result["replays_ms"]["model.onnx"] = graph_floor_ms(unet, args.repeats)
+    for spec in [value for value in args.caches.split(",") if value]:
+        interval, branch = (int(part) for part in spec.split(":"))
+        pipe.enable_cache(DeepCacheConfig(cache_interval=interval, cache_branch_id=branch))
+        row, image = timed()
+        row["max_abs_diff_to_uncached"] = float(np.abs(image - uncached_image).max())
+        result["rows"][f"deepcache {interval}:{branch}"] = row
+        full, shallow = pipe.step_cache.parts
+        result["replays_ms"].setdefault("full part", graph_floor_ms(full, args.repeats))
+        result["replays_ms"][f"shallow part, branch {branch}"] = graph_floor_ms(shallow, args.repeats)
+        result["graph_fallbacks"] = {name: {str(dict(signature)): reason for signature, reason in
+                                            model.graph_fallbacks.items()}
+                                     for name, model in (("full", full), ("shallow", shallow), ("unet", unet))
+                                     if model.graph_fallbacks}
+        pipe.disable_cache()
+    uncached_ms = result["rows"]["uncached"]["end_to_end_ms"]
+    result["speedup"] = {name: uncached_ms / row["end_to_end_ms"] for name, row in result["rows"].items()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"deep_cache-{args.kind}-{args.steps}.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps({key: result[key] for key in ("replays_ms", "speedup")}, indent=2))
+    for name, row in result["rows"].items():
+        print(f"{name:18s} {row['end_to_end_ms']:9.1f} ms  full steps {row.get('full_steps', args.steps)}")
+
+
+if __name__ == "__main__":
+    main()
