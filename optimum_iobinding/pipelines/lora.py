@@ -220,6 +220,15 @@ class LoraLoaderMixin:
         for component in {component for component, _ in updates}:  # as diffusers: the new one, in what it changes
             state["active"][component] = {adapter_name: 1.0}
         self._apply_lora()
+        self._refresh_step_cache()
+
+    def _refresh_step_cache(self) -> None:
+        """A step cache enabled before a LoRA made the denoiser's weights owned may run parts that loaded the
+        weights from the file (the CPU): made again, its parts read the owned weights the LoRA changes."""
+        denoiser = getattr(self, "denoiser", None)
+        cache = getattr(denoiser, "cache", None)
+        if cache is not None:
+            denoiser.enable_cache(cache.config)
 
     def set_adapters(self, adapter_names: Union[str, Sequence[str]],
                      adapter_weights: Union[float, Dict[str, float], Sequence[Any], None] = None) -> None:

@@ -273,9 +273,11 @@ class IOBindingORTModel:
         reading the same weights file), whose sessions read the weights this model's sessions read: one copy on the
         device. It has sessions, CUDA graphs and output buffers of its own, and this model's settings and stream.
 
-        On CUDA with the graph pool (``io_binding=True``, ``share_weights`` not ``False``) this model's weights become
-        owned now (:meth:`own_weights`) and the part's sessions read them; elsewhere (the CPU, the numpy baseline,
-        ``share_weights=False``) the part loads its weights from the file itself, as every session there does.
+        Where this model's weights are owned (runtime LoRA owns them, on any device) or would be owned on need (CUDA
+        with the graph pool, the default) the part's sessions read those tensors, owned from now on
+        (:meth:`own_weights`): a change made in place (a LoRA) reaches the part too. Elsewhere (the CPU without
+        LoRA, ``share_weights=False``) the part loads its weights from the file itself, as every session there does;
+        weights owned later are not the part's (make the part again).
 
         Raises:
             ArgumentError: ``path`` is not a file.
@@ -288,7 +290,7 @@ class IOBindingORTModel:
         options = self.options.replace(**{**self.options.settings(), "cuda_graph": self.cuda_graph})
         recipe = SessionRecipe(os.fspath(path), options)
         weights = self._recipe.weights
-        if self._pool is not None and (weights.owned or weights.on_need):
+        if weights.owned or (self._pool is not None and weights.on_need):
             self.own_weights()
             recipe.weights = weights  # ORT ignores the initializers a part's graph does not name
         return IOBindingORTModel(_Recipe(recipe), config=self.config, options=options)

@@ -242,3 +242,25 @@ def test_the_stream_pipeline_refuses_deep_cache_by_name(sd):
     stream = OnnxStreamDiffusionPipeline.from_pretrained(folder)
     with pytest.raises(ArgumentError, match=r"config: .* got OnnxStreamDiffusionPipeline \(the stream pipeline"):
         stream.enable_cache(DeepCacheConfig())
+
+
+@pytest.mark.parametrize("lora_first", [True, False], ids=["lora-then-cache", "cache-then-lora"])
+def test_a_runtime_lora_reaches_the_cached_steps_whichever_comes_first(sd, make_lora, tmp_path, lora_first):
+    torch_pipe, folder = sd
+    lora = make_lora(build_tiny_random_pipeline(), tmp_path / "lora", 1, ["to_q", "to_v", "conv1"])
+    pipe = load(OnnxStableDiffusionPipeline, folder)
+    call = dict(num_inference_steps=4, height=SIZE, width=SIZE, output_type="np")
+    if lora_first:
+        pipe.load_lora_weights(lora, adapter_name="a")
+    pipe.enable_cache(DeepCacheConfig(cache_interval=2, cache_branch_id=0))
+    if not lora_first:
+        pipe.load_lora_weights(lora, adapter_name="a")
+    ours = pipe(PROMPT, latents=latents_for(), **call).images
+    assert pipe.step_cache.skipped_steps > 0
+    torch_pipe.load_lora_weights(lora, adapter_name="a")
+    try:
+        theirs = with_deepcache_helper(torch_pipe, 2, 0, lambda: torch_pipe(PROMPT, latents=latents_for(),
+                                                                             **call).images)
+    finally:
+        torch_pipe.unload_lora_weights()
+    np.testing.assert_allclose(ours, theirs, atol=TOLERANCE)
