@@ -1,6 +1,6 @@
 """The text that names a step cache on the command line and in a server's config (the standard library only: the
-server checks its settings before anything heavy is imported). :func:`optimum_iobinding.pipelines.caching.cache_config_of`
-makes the config a pipeline takes from it."""
+server checks its settings before anything heavy is imported).
+:func:`optimum_iobinding.pipelines.cache_configs.cache_config_of` makes the config a pipeline takes from it."""
 
 from __future__ import annotations
 

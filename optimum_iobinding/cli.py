@@ -274,7 +274,7 @@ def check_generate_arguments(args: argparse.Namespace) -> Path:
     check_local_or_hub("--model", args.model)
     check_scheduler_modules(args.scheduler)
     if args.cache is not None:
-        from .pipelines.caching import cache_config_of
+        from .pipelines.cache_configs import cache_config_of
 
         with options_named(CACHE_OPTION):
             cache_config_of(args.cache)
@@ -335,7 +335,7 @@ def run_generate(args: argparse.Namespace) -> int:
         scheduler_class = getattr(diffusers, SCHEDULERS[args.scheduler])
         pipe.scheduler = scheduler_class.from_config(pipe.scheduler.config)
     if args.cache is not None:
-        from .pipelines.caching import cache_config_of
+        from .pipelines.cache_configs import cache_config_of
 
         with options_named(CACHE_OPTION):  # the family or the folder may not cache
             pipe.enable_cache(cache_config_of(args.cache))

@@ -409,7 +409,9 @@ def ensure_transformer_export(kind: str, dtype: str, export: str, work: Path, bl
     decides each component's precision (T5 stays float32 in a float16 export) and writes external data for the large
     ones; ``device``: where the export runs, which decides an optimized export's fusions (:func:`optimize_target`)."""
     folder = work / transformer_export_name(kind, dtype, export, blocks, text_layers, device)
-    # with First-Block Cache's parts: files beside the transformer that the uncached runs never read
+    # with First-Block Cache's parts (files beside the transformer that the uncached runs never read) where the
+    # transformer has a block to skip
+    depth = transformer_blocks(kind, blocks) or TRANSFORMER_BLOCKS[kind]
     return _ensure_pipeline_export(folder, dtype, export,
                                    lambda: build_transformer_pipeline(kind, blocks, text_layers), device,
-                                   step_cache=True)
+                                   step_cache=sum(depth) >= 2)

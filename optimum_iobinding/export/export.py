@@ -23,6 +23,7 @@ from ..layout import (building_beside, check_output_folder, download_from_hub, f
                       looks_like_hub_id, read_json_object)
 from .components import export_component, vae_specs
 from .flux import export_flux_pipeline, is_flux
+from .step_cache import check_first_block_cache_depth
 from .tiny import TINY_RANDOM_KINDS, build_tiny_random_tiny_vae
 from .transformer import export_sd3_pipeline, is_sd3_pipeline
 from .unet import check_tiny_vae_fits, controlnets_of, export_unet_pipeline
@@ -163,6 +164,8 @@ def export_pipeline(
         pipe = DiffusionPipeline.from_pretrained(model_id_or_path, torch_dtype=torch.float32, safety_checker=None)
     check_tokenizer_lengths(pipe)
     if getattr(pipe, "transformer", None) is not None:  # a diffusion transformer (SD3, Flux)
+        if step_cache:
+            check_first_block_cache_depth(pipe.transformer)
         return _export_transformer_pipeline(pipe, target, vae=vae, controlnet=controlnet, tiny_vae=tiny_vae,
                                             components=components, opset=opset, fp16=fp16, optimize=optimize,
                                             progress=progress, step_cache=step_cache)

@@ -31,7 +31,7 @@ from onnx import helper
 
 from ..errors import ArgumentError
 
-__all__ = ["FIRST_BLOCK_MARKS", "STEP_CACHE_PARTS", "drop_marks", "marked_transformer_spec", "split_graph",
+__all__ = ["FIRST_BLOCK_MARKS", "STEP_CACHE_PARTS", "check_first_block_cache_depth", "drop_marks", "marked_transformer_spec", "split_graph",
            "write_step_cache_parts"]
 
 # the values the export marks, in the order the marked transformer returns them after its own output
@@ -81,6 +81,17 @@ class _MarkedTransformer(torch.nn.Module):
         finally:
             for handle in handles:
                 handle.remove()
+
+
+def check_first_block_cache_depth(transformer: torch.nn.Module) -> None:
+    """First-Block Cache runs a transformer's first block and skips the others: it needs at least two.
+
+    Raises:
+        ArgumentError: a transformer of one block (naming ``step_cache``)."""
+    blocks = len(transformer.transformer_blocks) + len(getattr(transformer, "single_transformer_blocks", None) or ())
+    if blocks < 2:
+        raise ArgumentError("step_cache", f"expected a transformer of at least 2 blocks (First-Block Cache runs the "
+                                          f"first and skips the others), got {blocks}")
 
 
 def marked_transformer_spec(spec: Dict[str, Any]) -> Tuple[Dict[str, Any], Any]:

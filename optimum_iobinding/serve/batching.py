@@ -278,7 +278,7 @@ class ImageGenerator:
             if self.img2img is not None:
                 self.img2img.set_progress_bar_config(disable=True)
             if self.config.cache is not None:  # every request's steps, image to image's too
-                from ..pipelines.caching import cache_config_of
+                from ..pipelines.cache_configs import cache_config_of
 
                 for pipe in (self.pipe, self.img2img):
                     if pipe is not None:

@@ -140,13 +140,22 @@ def test_an_export_without_step_cache_writes_no_parts(tmp_path):
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (dict(tiny_random="sd", step_cache=True), "step_cache: expected an SD3 or FLUX.1 pipeline"),
+    (dict(tiny_random="controlnet", step_cache=True), "step_cache: expected an SD3 or FLUX.1 pipeline"),
     (dict(tiny_random="flux", step_cache="yes"), "step_cache: expected True or False, got 'yes'"),
-], ids=["unet-pipeline", "not-a-bool"])
+], ids=["controlnet-pipeline", "not-a-bool"])
 def test_step_cache_is_refused_by_name_before_any_export(tmp_path, arguments, message):
     with pytest.raises(ArgumentError, match=message):
         export_pipeline(None, tmp_path / "out", progress=False, **arguments)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_transformer_of_one_block_is_refused_before_any_export(tmp_path):
+    torch_pipe = build_tiny_random_sd3_pipeline()
+    torch_pipe.transformer.transformer_blocks = torch_pipe.transformer.transformer_blocks[:1]
+    with pytest.raises(ArgumentError, match=r"step_cache: expected a transformer of at least 2 blocks \(First-Block "
+                                            r"Cache runs the first and skips the others\), got 1"):
+        export_pipeline(None, tmp_path / "out", torch_pipeline=torch_pipe, progress=False, step_cache=True)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_cut_that_names_no_value_of_the_graph_is_refused_by_name(exported):
