@@ -1,0 +1,101 @@
+"""Step caching on the GPU (skipped without CUDA; run on the GPU machine): First-Block Cache (tiny FLUX.1) and DeepCache
+(tiny SD) with ``cuda_graph=True``: every part is captured, the parts read the model's own weights (one copy on the
+device), and the cached images are the CPU's."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from diffusers.hooks import FirstBlockCacheConfig
+
+from optimum_iobinding import DeepCacheConfig, OnnxFluxPipeline, OnnxStableDiffusionPipeline
+from optimum_iobinding.export import export_pipeline
+from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline
+
+pytestmark = pytest.mark.gpu
+
+CUDA = "CUDAExecutionProvider"
+EXACT = {"use_tf32": "0"}  # fp32 matmuls and convolutions round like the CPU's
+TOLERANCE = 1e-3
+FLUX_CALL = dict(height=64, width=48, num_inference_steps=6, max_sequence_length=16, output_type="np")
+SD_CALL = dict(height=64, width=64, num_inference_steps=6, output_type="np")
+
+
+@pytest.fixture(scope="module")
+def flux_parts(tmp_path_factory):
+    return export_pipeline(None, tmp_path_factory.mktemp("flux") / "out", progress=False, step_cache=True,
+                           torch_pipeline=build_tiny_random_flux_pipeline(0, guidance_embeds=False))
+
+
+@pytest.fixture(scope="module")
+def sd_parts(tmp_path_factory):
+    return export_pipeline(None, tmp_path_factory.mktemp("sd") / "out", tiny_random="sd", progress=False,
+                           step_cache=True)
+
+
+def load(cls, folder, provider, **kwargs):
+    extra = dict(provider_options=EXACT, cuda_graph=True) if provider == CUDA else {}
+    pipe = cls.from_pretrained(folder, provider=provider, **extra, **kwargs)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run_captured(pipe, call):
+    """``call()`` with every part of the cache captured and no fallback warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        result = call()
+    for part in pipe.step_cache.parts:
+        assert part.graph_signatures and not part.graph_fallbacks
+        # one copy of the weights: the part's owned tensors are the denoiser's own
+        weights, own = part.owned_weights, pipe.denoiser.model.owned_weights
+        assert weights and all(tensor.data_ptr() == own[name].data_ptr() for name, tensor in weights.items())
+    return result
+
+
+@pytest.mark.parametrize("threshold", [0.05, 0.3, 10.0])
+def test_first_block_cache_on_cuda_captures_every_part_and_gives_the_cpus_image(flux_parts, threshold):
+    images, computed = {}, {}
+    for provider in (CUDA, "CPUExecutionProvider"):
+        pipe = load(OnnxFluxPipeline, flux_parts, provider)
+        pipe.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+
+        def call():
+            return pipe("a red castle", generator=torch.Generator().manual_seed(0), **FLUX_CALL).images
+
+        images[provider] = run_captured(pipe, call) if provider == CUDA else call()
+        computed[provider] = pipe.step_cache.computed
+    assert computed[CUDA] == computed["CPUExecutionProvider"]
+    np.testing.assert_allclose(images[CUDA], images["CPUExecutionProvider"], atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("interval, branch", [(2, 0), (3, 1)])
+def test_deepcache_on_cuda_captures_every_part_and_gives_the_cpus_image(sd_parts, interval, branch):
+    images = {}
+    for provider in (CUDA, "CPUExecutionProvider"):
+        pipe = load(OnnxStableDiffusionPipeline, sd_parts, provider)
+        pipe.enable_cache(DeepCacheConfig(cache_interval=interval, cache_branch_id=branch))
+
+        def call():
+            return pipe("a red castle", generator=torch.Generator().manual_seed(0), **SD_CALL).images
+
+        images[provider] = run_captured(pipe, call) if provider == CUDA else call()
+        assert pipe.step_cache.skipped_steps > 0
+    np.testing.assert_allclose(images[CUDA], images["CPUExecutionProvider"], atol=TOLERANCE)
+
+
+def test_a_cached_pipeline_on_cuda_gives_the_uncached_image_back_after_disable_cache(flux_parts):
+    pipe = load(OnnxFluxPipeline, flux_parts, CUDA)
+
+    def call():
+        return pipe("a red castle", generator=torch.Generator().manual_seed(0), **FLUX_CALL).images
+
+    before = call()
+    pipe.enable_cache(FirstBlockCacheConfig(threshold=10.0))
+    cached = call()
+    pipe.disable_cache()
+    np.testing.assert_array_equal(call(), before)
+    assert np.abs(cached - before).max() > 1e-3
