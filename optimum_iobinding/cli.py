@@ -73,7 +73,12 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
                         help="diffusers Stable Diffusion / SDXL / LCM folder or hub id (omit with --tiny-random, or "
                              "with --tiny-vae for a folder of the tiny VAE alone)")
     parser.add_argument("--output", "-o", required=True, help="folder to write the ONNX pipeline to")
-    parser.add_argument("--fp16", action="store_true", help="convert to float16 with ORT's converter after export")
+    parser.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None,
+                        help="precision: fp32 (default); fp16 (exported fp32, then ORT's float16 converter; SD3's and "
+                             "FLUX.1's T5 stays fp32); bf16 (SD3/SD3.5 and FLUX.1 only: the transformer bfloat16, "
+                             "CLIP and the VAE fp16, T5 fp32). bf16 models run on CUDA only: ORT's CPU provider has "
+                             "no bfloat16 MatMul or Add")
+    parser.add_argument("--fp16", action="store_true", help="alias of --dtype fp16")
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
     parser.add_argument("--step-cache", action="store_true",
                         help="also write the denoiser's step-cache parts beside it, reading its weights: the "
@@ -112,6 +117,10 @@ def run_export(args: argparse.Namespace) -> int:
         raise UsageError(f"model: expected a model folder or hub id, or --tiny-random, got both ({args.model!r} and "
                          f"--tiny-random {args.tiny_random})")
     check(args.opset in OPSETS, "--opset", f"an integer in {OPSETS[0]} … {OPSETS[-1]} (17 is tested)", args.opset)
+    if args.fp16 and args.dtype not in (None, "fp16"):
+        raise UsageError(f"--fp16 and --dtype: expected one precision, got --fp16 (an alias of --dtype fp16) and "
+                         f"--dtype {args.dtype}; give --dtype alone")
+    dtype = args.dtype or ("fp16" if args.fp16 else "fp32")
     if args.tiny_vae is True and args.model:
         raise UsageError(f"--tiny-vae: expected an AutoencoderTiny's folder or hub id for {args.model!r} (e.g. "
                          "madebyollin/taesd, or madebyollin/taesdxl for SDXL), got no value, which means a tiny "
@@ -127,7 +136,8 @@ def run_export(args: argparse.Namespace) -> int:
                         overwrite_argument="--overwrite")
     quiet_libraries()
     from .export import export_pipeline
-    from .export.export import check_tiny_vae_arguments, check_transformer_options, transformer_family
+    from .export.export import (check_dtype_fits, check_tiny_vae_arguments, check_transformer_options,
+                                transformer_family)
 
     with options_named(EXPORT_OPTIONS):
         check_tiny_vae_arguments(args.tiny_vae, vae_only=vae_only, random_pipeline=bool(args.tiny_random),
@@ -139,11 +149,13 @@ def run_export(args: argparse.Namespace) -> int:
             with options_named(EXPORT_OPTIONS):
                 check_transformer_options(transformer_family(args.model, tiny_random=args.tiny_random or False),
                                           vae=args.vae, controlnet=args.controlnet, tiny_vae=args.tiny_vae)
+                check_dtype_fits(dtype, args.model, tiny_random=args.tiny_random or False, vae_only=vae_only,
+                                 controlnet=args.controlnet)
     if tiny_vae is not None:
         check_tiny_vae_folder(tiny_vae, args.model)
     start = time.perf_counter()
     with options_named(EXPORT_OPTIONS):  # the exporter's own checks of --tiny-vae (the weights it loads)
-        folder = export_pipeline(args.model, args.output, fp16=args.fp16, opset=args.opset, optimize=args.optimize,
+        folder = export_pipeline(args.model, args.output, dtype=dtype, opset=args.opset, optimize=args.optimize,
                                  tiny_random=args.tiny_random or False, overwrite=args.overwrite, vae=args.vae,
                                  controlnet=args.controlnet, tiny_vae=args.tiny_vae, step_cache=args.step_cache)
     if vae_only:
@@ -152,14 +164,14 @@ def run_export(args: argparse.Namespace) -> int:
         what = f"the tiny random {args.tiny_random} pipeline" if args.tiny_random else args.model
         if args.tiny_vae is not None:
             what += f" with the tiny VAE {tiny_vae}" if tiny_vae else " with a tiny random tiny VAE"
-    print(f"exported {what} to {folder} ({'fp16' if args.fp16 else 'fp32'}, opset {args.opset}) in "
+    print(f"exported {what} to {folder} ({dtype}, opset {args.opset}) in "
           f"{time.perf_counter() - start:.1f} s")
     return 0
 
 
 # what the exporter's checks call the options of `export`
 EXPORT_OPTIONS = {"tiny_vae": "--tiny-vae", "vae and tiny_vae": "--vae and --tiny-vae", "controlnet": "--controlnet",
-                  "vae": "--vae", "step_cache": "--step-cache"}
+                  "vae": "--vae", "step_cache": "--step-cache", "dtype": "--dtype"}
 
 
 def check_tiny_vae_folder(tiny_vae: str, model: Optional[str]) -> None:

@@ -248,6 +248,55 @@ def test_the_exporter_refuses_the_same_opsets(tmp_path, opset):
         export_pipeline(None, tmp_path / "out", tiny_random=True, opset=opset, progress=False)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_export_refuses_fp16_with_another_dtype_naming_both_options_before_exporting(tmp_path, capsys, no_work,
+                                                                                     dtype):
+    assert main(["export", "--tiny-random", "sd3", "--fp16", "--dtype", dtype, "--output", str(tmp_path / "out")]) == 2
+    assert error_line(capsys) == (f"optimum-iobinding: error: --fp16 and --dtype: expected one precision, got --fp16 "
+                                  f"(an alias of --dtype fp16) and --dtype {dtype}; give --dtype alone")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["--tiny-random", "sd"], "the tiny random sd pipeline (a UNet)"),
+    (["--tiny-random", "xl"], "the tiny random xl pipeline (a UNet)"),
+    (["--tiny-vae"], "a VAE alone"),
+], ids=["sd", "xl", "vae-alone"])
+def test_export_refuses_dtype_bf16_for_a_unet_pipeline_naming_dtype_before_exporting(tmp_path, capsys, no_work, argv,
+                                                                                     what):
+    assert main(["export", *argv, "--dtype", "bf16", "--output", str(tmp_path / "out")]) == 2
+    assert error_line(capsys) == (
+        f"optimum-iobinding: error: --dtype: expected 'fp32' or 'fp16' for {what}, got 'bf16'; hint: bf16 is for "
+        "Stable Diffusion 3/3.5 and FLUX.1 (on a UNet most ops would stay float32, without a bfloat16 CUDA kernel: "
+        "Conv below opset 22, GroupNorm, NhwcConv, BiasSplitGelu)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_takes_only_the_dtypes_it_exports(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", "--tiny-random", "sd3", "--dtype", "int8", "--output", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert "argument --dtype: invalid choice: 'int8'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, dtype", [([], "fp32"), (["--fp16"], "fp16"), (["--dtype", "fp16"], "fp16"),
+                                         (["--fp16", "--dtype", "fp16"], "fp16"), (["--dtype", "bf16"], "bf16")],
+                         ids=["default", "fp16-alias", "fp16", "both-fp16", "bf16"])
+def test_export_hands_its_dtype_to_the_exporter_and_says_it(tmp_path, capsys, monkeypatch, argv, dtype):
+    import optimum_iobinding.export as export
+
+    calls = []
+
+    def exporter(model, output_dir, **kwargs):
+        calls.append(kwargs)
+        return Path(output_dir)
+
+    monkeypatch.setattr(export, "export_pipeline", exporter)
+    assert main(["export", "--tiny-random", "flux", *argv, "--output", str(tmp_path / "out")]) == 0
+    assert [(call["dtype"], call.get("fp16", False)) for call in calls] == [(dtype, False)]
+    assert f"({dtype}, opset 17)" in capsys.readouterr().out
+
+
 def test_export_refuses_a_model_and_tiny_random_together(tmp_path, capsys, no_work):
     assert main(["export", "some/model", "--tiny-random", "--output", str(tmp_path / "out")]) == 2
     assert error_line(capsys) == ("optimum-iobinding: error: model: expected a model folder or hub id, or "

@@ -32,10 +32,10 @@ through the ``stream`` command; results in stream.json/md/png.
     optimum-iobinding bench --models tiny,small,sd15 --dtypes fp16 --exports plain,optimized --out benchmarks/results/h100
 ``--scenario transformer`` measures SD3.5 Medium's and FLUX.1's architectures (:mod:`.transformer_peers`) at 1024²,
 batch 1, each at its recipe (:data:`.zoo.TRANSFORMER_RECIPES`), fused fp16 (or the first of ``--dtypes``/
-``--exports``): ours, optimum-onnx on the same folder, diffusers' torch pipeline in bf16, the same with
-``torch.compile`` (``--compile-timeout``) and the floor of our transformer's CUDA graph; ``--blocks N`` builds the
-transformers with fewer blocks (every row says so), ``--text-layers N`` shallower text encoders. Results in
-transformer.json/md/png.
+``--exports``; ``--dtypes bf16``, this scenario's alone, exports the transformer in bfloat16): ours, optimum-onnx on
+the same folder, diffusers' torch pipeline in bf16, the same with ``torch.compile`` (``--compile-timeout``) and the
+floor of our transformer's CUDA graph; ``--blocks N`` builds the transformers with fewer blocks (every row says so),
+``--text-layers N`` shallower text encoders. Results in transformer.json/md/png.
 
     optimum-iobinding bench --models tiny,small,sd15 --dtypes fp16 --exports plain,optimized --out benchmarks/results/h100
     optimum-iobinding bench --scenario stream --dtypes fp16 --exports optimized --out benchmarks/results/h100/stream
@@ -333,7 +333,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
 
     transformer = args.scenario == "transformer"
     choices = {"--models": (args.models, tuple(TRANSFORMER_RECIPES) if transformer else tuple(MODEL_SIZES)),
-               "--dtypes": (args.dtypes, ("fp16", "fp32")),
+               # bfloat16 exports are the diffusion transformers' (the exporter refuses a UNet's)
+               "--dtypes": (args.dtypes, ("fp16", "fp32", "bf16") if transformer else ("fp16", "fp32")),
                "--exports": (args.exports, ("plain", "optimized")),
                "--peers": (args.peers, tuple(dict.fromkeys((*PEERS, *MIXED_PEERS))))}
     if args.scenario == "stream":
@@ -346,7 +347,9 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
     for option, (text, known) in choices.items():
         items = split(text)
         unknown = [item for item in items if item not in known]
-        expect(bool(items) and not unknown, option, f"a comma-separated list of {', '.join(known)}", text)
+        hint = " (bf16 only with --scenario transformer: SD3 and FLUX.1)" if option == "--dtypes" and "bf16" in \
+            unknown else ""
+        expect(bool(items) and not unknown, option, f"a comma-separated list of {', '.join(known)}{hint}", text)
     for option, value, least in (("--steps", args.steps, 1), ("--runs", args.runs, 1), ("--warmup", args.warmup, 0),
                                  ("--repeats", args.repeats, 1), ("--timeout", args.timeout, 1),
                                  ("--mixed-steps", args.mixed_steps, 1), ("--rounds", args.rounds, 1),
@@ -363,8 +366,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
                "--scenario transformer --models tiny-sd3,tiny-flux --device cpu checks a setup without a GPU)",
                args.device)
         dtypes = split(args.dtypes) if args.dtypes != parser.get_default("dtypes") else ["fp32"]
-        expect(dtypes[:1] == ["fp32"], "--dtypes", "fp32 with --device cpu (a float16 export is for the GPU)",
-               args.dtypes)
+        expect(dtypes[:1] == ["fp32"], "--dtypes", "fp32 with --device cpu (a float16 or bfloat16 export is for the "
+               "GPU)", args.dtypes)
     if args.scenario == "stream" and args.peers != parser.get_default("peers"):
         unknown = [item for item in split(args.peers) if item not in STREAM_PEERS]
         expect(bool(split(args.peers)) and not unknown, "--peers",

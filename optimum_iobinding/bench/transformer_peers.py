@@ -78,7 +78,10 @@ def onnx_input_dtype(folder: Path, component: str, name: str) -> torch.dtype:
     model = onnx.load(str(folder / component / "model.onnx"), load_external_data=False)
     for value in model.graph.input:
         if value.name == name:
-            return torch.from_numpy(np.zeros(0, tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type))).dtype
+            element = value.type.tensor_type.elem_type
+            if element == onnx.TensorProto.BFLOAT16:  # numpy's bfloat16 (ml_dtypes') is not one torch converts
+                return torch.bfloat16
+            return torch.from_numpy(np.zeros(0, tensor_dtype_to_np_dtype(element))).dtype
     raise ValueError(f"{folder / component / 'model.onnx'}: expected an input named {name!r}, got "
                      f"{[value.name for value in model.graph.input]}")
 

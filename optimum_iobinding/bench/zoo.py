@@ -175,7 +175,7 @@ def ensure_tiny_vae_export(dtype: str, export: str, work: Path) -> Path:
             if folder.exists():
                 raise FileExistsError(f"--work: {str(folder)!r} exists but is not a finished tiny VAE export (no "
                                       "vae_decoder/model.onnx); move it away or choose another --work folder")
-            export_pipeline(None, folder, fp16=dtype == "fp16", optimize=optimize_target(export, "cuda"),
+            export_pipeline(None, folder, dtype=dtype, optimize=optimize_target(export, "cuda"),
                             progress=False, tiny_vae=build_taesd_architecture())
     return folder
 
@@ -221,7 +221,7 @@ def _ensure_pipeline_export(folder: Path, dtype: str, export: str, build: Callab
                 raise FileExistsError(f"--work: {str(folder)!r} exists but is not a finished export (no "
                                       "model_index.json); move it away or choose another --work folder")
             # export_pipeline builds beside the folder and renames it into place once whole
-            export_pipeline(None, folder, fp16=dtype == "fp16", optimize=optimize_target(export, device),
+            export_pipeline(None, folder, dtype=dtype, optimize=optimize_target(export, device),
                             progress=False, torch_pipeline=build(), step_cache=step_cache)
     return folder
 
@@ -406,8 +406,9 @@ def ensure_transformer_export(kind: str, dtype: str, export: str, work: Path, bl
                               text_layers: Optional[int] = None, device: str = "cuda") -> Path:
     """The export of one transformer configuration under ``work`` (:func:`transformer_export_name`), made once and
     shared as :func:`ensure_export` shares the UNet pipelines', with the parts First-Block Cache runs. The exporter
-    decides each component's precision (T5 stays float32 in a float16 export) and writes external data for the large
-    ones; ``device``: where the export runs, which decides an optimized export's fusions (:func:`optimize_target`)."""
+    decides each component's precision (T5 stays float32 in a float16 export; a bf16 export's transformer is bfloat16,
+    its CLIP and VAE float16) and writes external data for the large ones; ``device``: where the export runs, which
+    decides an optimized export's fusions (:func:`optimize_target`)."""
     folder = work / transformer_export_name(kind, dtype, export, blocks, text_layers, device)
     # with First-Block Cache's parts (files beside the transformer that the uncached runs never read) where the
     # transformer has a block to skip

@@ -23,8 +23,10 @@ from typing import Any, Callable, ContextManager, Dict, Optional, Sequence
 import onnx
 import torch
 
+from ..errors import ArgumentError
 from ..layout import write_weight_map
 from .attention import fused_vae_attention
+from .bfloat16 import to_bfloat16
 from .deep_cache import marked_unet_spec, name_marks_before_divisions_by_one, write_unet_with_deep_cache_parts
 from .lora_places import lora_layers, weight_map
 from .optimize import (EXTERNAL_DATA_FILE, MAX_SINGLE_FILE_BYTES, convert_to_float16, fold_pads_into_convs,
@@ -36,6 +38,7 @@ from .transformer_fusions import fuse_diffusion_transformer
 logger = logging.getLogger(__name__)
 
 __all__ = ["pooled_output", "clip_text_encoder_spec", "t5_encoder_spec", "vae_specs", "is_tiny_vae", "to_precision",
+           "PRECISIONS",
            "fix_output_dims", "export_component", "export_model", "save_model", "EXTERNAL_DATA_THRESHOLD",
            "OPTIMUM_EXTERNAL_DATA_FILE"]
 
@@ -235,27 +238,47 @@ def vae_specs(vae, latent_size: int) -> Dict[str, dict]:
 
 
 # ------------------------------------------------------------------------------------------------------ writing
-def to_precision(exported: Path, optimized: Any, fp16: bool,
+# the precisions a component is exported in (:func:`to_precision`)
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+def to_precision(exported: Path, optimized: Any, dtype: str,
                  float32_inputs: Sequence[str] = ()) -> onnx.ModelProto:
     """The model exported to ``exported`` (with any external data beside it), or ORT's optimization of it
-    (``optimized``, an ``OnnxModel``; ``None``: none), in memory, converted to float16 by ORT's converter where
-    ``fp16``: every float input and output but ``float32_inputs`` becomes float16, and the arithmetic of the
-    timestep/guidance embeddings and rotary tables stays float32 (see
-    :func:`~optimum_iobinding.export.optimize.float32_island`)."""
+    (``optimized``, an ``OnnxModel``; ``None``: none), in memory, in the precision ``dtype`` (one of
+    :data:`PRECISIONS`):
+
+    - ``"fp32"``: as exported (or optimized).
+    - ``"fp16"``: ORT's float16 converter: every float input and output but ``float32_inputs`` becomes float16, and
+      the arithmetic of the timestep/guidance embeddings and rotary tables stays float32 (see
+      :func:`~optimum_iobinding.export.optimize.float32_island`).
+    - ``"bf16"``: that float16 model retyped to bfloat16, its weights rounded from the float32 ones and the ops
+      without a bfloat16 CUDA kernel kept float32 (:func:`~optimum_iobinding.export.bfloat16.to_bfloat16`).
+    """
+    if dtype not in PRECISIONS:
+        raise ArgumentError("dtype", f"expected one of {', '.join(map(repr, PRECISIONS))}, got {dtype!r}")
     scratch = exported.parent
     if optimized is not None:
-        if fp16:
-            return optimized_to_float16(optimized, scratch, float32_inputs)
-        model = optimized.model
-        onnx.load_external_data_for_model(model, str(scratch))
-        return model
-    if fp16:
-        # Types of every intermediate first, from the file (works past 2 GiB, unlike in-memory inference): without
-        # them the converter turns Resize's float scales into float16, which ORT refuses.
-        typed_path = scratch / "typed.onnx"
-        onnx.shape_inference.infer_shapes_path(str(exported), str(typed_path))
-        return convert_to_float16(onnx.load(str(typed_path)), shapes_known=True, float32_inputs=float32_inputs)
-    return onnx.load(str(exported))
+        if dtype == "fp32":
+            model = optimized.model
+            onnx.load_external_data_for_model(model, str(scratch))
+            return model
+        float32 = None
+        if dtype == "bf16":  # the float32 graph, its weights still on disk: the conversion edits optimized.model
+            float32 = onnx.ModelProto()
+            float32.CopyFrom(optimized.model)
+        half = optimized_to_float16(optimized, scratch, float32_inputs)
+        return half if float32 is None else to_bfloat16(half, float32, base_dir=scratch, in_place=True)
+    if dtype == "fp32":
+        return onnx.load(str(exported))
+    # Types of every intermediate first, from the file (works past 2 GiB, unlike in-memory inference): without
+    # them the converter turns Resize's float scales into float16, which ORT refuses.
+    typed_path = scratch / "typed.onnx"
+    onnx.shape_inference.infer_shapes_path(str(exported), str(typed_path))
+    half = convert_to_float16(onnx.load(str(typed_path)), shapes_known=True, float32_inputs=float32_inputs)
+    if dtype == "fp16":
+        return half
+    return to_bfloat16(half, onnx.load(str(exported), load_external_data=False), base_dir=scratch, in_place=True)
 
 
 def fix_output_dims(model: onnx.ModelProto, fixed: Dict[str, Dict[int, int]]) -> None:
@@ -322,7 +345,7 @@ def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool
         del exported
         optimized = (optimize_component(name, scratch_path, fusion_options(name, spec["config"], optimize), optimize)
                      if optimize else None)
-        model = to_precision(scratch_path, optimized, fp16)
+        model = to_precision(scratch_path, optimized, "fp16" if fp16 else "fp32")
     if layers_of is not None:  # where each layer's weight went: runtime LoRA updates it there
         (target / name).mkdir(parents=True, exist_ok=True)
         write_weight_map(weight_map(layers_of, model), target / name,
@@ -353,23 +376,22 @@ def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool
 GRAPH_REWRITES: Dict[str, Callable[[onnx.ModelProto], Dict[str, int]]] = {"mmdit": fuse_diffusion_transformer}
 
 
-def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16: bool, optimize: Optional[str],
+def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, optimize: Optional[str],
                  model_type: str, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                  exportable: Optional[Callable[[torch.nn.Module], ContextManager]] = None,
-                 step_cache: bool = False) -> None:
+                 step_cache: bool = False, dtype: str = "fp32") -> None:
     """Exports one transformer-family component (a diffusion transformer, a T5 encoder) to ``target/name``: the
     TorchScript exporter, then ORT's transformer optimizer (``optimize``: ``"cuda"`` or ``"cpu"``; ``model_type``,
     e.g. ``t5`` or ``mmdit``; again without the attention fusion where that fusion raises) with the weights kept on
-    disk and the project's rewrites of that model type after it (:data:`GRAPH_REWRITES`), then ORT's float16
-    converter (``fp16``), then ``model.onnx`` (and its external data above
-    ``external_data_threshold`` bytes) and ``config.json``.
+    disk and the project's rewrites of that model type after it (:data:`GRAPH_REWRITES`), then the precision
+    ``dtype`` (:func:`to_precision`: ORT's float16 converter, and for bfloat16 the float16 graph retyped), then
+    ``model.onnx`` (and its external data above ``external_data_threshold`` bytes) and ``config.json``.
 
     Args:
         name: the component's folder name.
         spec: its export spec (``module``, ``args``, ``input_names``, ``output_names``, ``dynamic_axes``, ``config``).
         target: the pipeline folder.
         opset: ONNX opset.
-        fp16: convert to float16.
         optimize: ``"cuda"``, ``"cpu"`` or ``None``; for ``"cpu"`` a T5 encoder is left as exported (ORT's T5 fusions
             write an operator only CUDA runs).
         model_type: ORT's optimizer model type of the component.
@@ -377,7 +399,9 @@ def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16
         exportable: a context manager factory that makes the module traceable while the exporter runs (given the
             module; it puts back what it changed).
         step_cache: a diffusion transformer's First-Block Cache parts too (:mod:`.step_cache`: ``head.onnx``,
-            ``body.onnx``, ``out.onnx`` beside ``model.onnx``, all reading its weights in ``model.onnx_data``).
+            ``body.onnx``, ``out.onnx`` beside ``model.onnx``, all reading its weights in ``model.onnx_data``;
+            cut from the model in ``dtype``).
+        dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (see :func:`to_precision`).
     """
     hooks: Callable[[torch.nn.Module], ContextManager] = lambda module: contextlib.nullcontext()  # noqa: E731
     if step_cache:  # the parts' ends marked as outputs while ORT's optimizer and the rewrites run
@@ -403,7 +427,7 @@ def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, fp16
             else:
                 optimized.model.CopyFrom(rewritten)
                 logger.info("%s: graph rewrites %s", name, made)
-        model = to_precision(path, optimized, fp16, spec.get("float32_inputs", ()))
+        model = to_precision(path, optimized, dtype, spec.get("float32_inputs", ()))
     fix_output_dims(model, spec.get("fixed_output_dims", {}))
     if step_cache:
         drop_marks(model)

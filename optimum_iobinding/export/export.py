@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from ..errors import ArgumentError, ArgumentTypeError
 from ..layout import (building_beside, check_output_folder, download_from_hub, fixed_length_problem,
                       looks_like_hub_id, read_json_object)
-from .components import export_component, vae_specs
+from .components import PRECISIONS, export_component, vae_specs
 from .flux import export_flux_pipeline, is_flux
 from .step_cache import check_first_block_cache_depth
 from .tiny import TINY_RANDOM_KINDS, build_tiny_random_tiny_vae
@@ -31,13 +31,14 @@ from .unet import check_tiny_vae_fits, controlnets_of, export_unet_pipeline
 # the checks of the arguments are public too: the command line runs them before it loads anything (check_tiny_vae_fits
 # belongs to .unet, since it holds a tiny VAE against the UNet, and is named here beside the others)
 __all__ = ["export_pipeline", "transformer_family", "check_transformer_options", "check_tiny_vae_arguments",
-           "check_tiny_vae_config", "check_tiny_vae_fits"]
+           "check_tiny_vae_config", "check_tiny_vae_fits", "resolve_dtype", "check_dtype_fits"]
 
 
 def export_pipeline(
     model_id_or_path: Optional[str],
     output_dir: Union[str, os.PathLike],
     *,
+    dtype: Optional[str] = None,
     fp16: bool = False,
     opset: int = 17,
     optimize: Optional[str] = None,
@@ -57,7 +58,8 @@ def export_pipeline(
     ``time_ids``). A UNet with ``time_cond_proj_dim`` (LCM) also takes ``timestep_cond``. A Stable Diffusion 3
     pipeline goes to optimum's SD3 layout (:func:`optimum_iobinding.export.transformer.export_sd3_pipeline`: the T5
     encoder stays float32 in a float16 export), a ``FluxPipeline`` to optimum's Flux layout (:mod:`.flux`, which
-    says each component's precision).
+    says each component's precision). SD3's and FLUX.1's transformers can also be exported in bfloat16
+    (``dtype="bf16"``, :mod:`.bfloat16`).
 
     With ``tiny_vae`` and no pipeline (``model_id_or_path=None``, no ``tiny_random`` or ``torch_pipeline``) it writes
     a folder of that tiny VAE alone: ``vae_encoder/`` and ``vae_decoder/`` (what a pipeline takes as its tiny VAE).
@@ -68,7 +70,14 @@ def export_pipeline(
         output_dir: where to write the ONNX folder: a new or empty folder, outside the source folder. The export is
             built in a temporary folder beside it and moved into place only once all of it succeeded: a failed or
             interrupted export leaves ``output_dir`` as it was.
-        fp16: export fp32, then convert with ORT's float16 converter.
+        dtype: the precision: ``"fp32"`` (the default), ``"fp16"`` (export fp32, then convert with ORT's float16
+            converter; a diffusion transformer's T5 encoder stays float32), or ``"bf16"`` for SD3 and FLUX.1 only:
+            the transformer bfloat16 (its float16 graph retyped, its weights rounded from the float32 ones, the ops
+            without a bfloat16 CUDA kernel kept float32 between Casts: :mod:`.bfloat16`), CLIP and the VAE float16,
+            T5 float32. A bfloat16 transformer runs on ORT's CUDA provider only (its CPU provider has no bfloat16
+            MatMul or Add). A UNet pipeline is refused: most of its ops (Conv below opset 22, GroupNorm, NhwcConv,
+            BiasSplitGelu) have no bfloat16 CUDA kernel.
+        fp16: ``True`` is ``dtype="fp16"`` (an alias; with another ``dtype`` it is refused).
         opset: ONNX opset.
         optimize: ``"cuda"`` or ``"cpu"``: run ORT's transformer optimizer (model types unet/vae/clip) on each
             component before the fp16 conversion, with the fusions that target runs (see :func:`fusion_options`).
@@ -107,6 +116,8 @@ def export_pipeline(
         The output folder.
 
     Raises:
+        ArgumentError: (a ``ValueError``) an argument out of its range, before any work: ``dtype`` unknown, in
+            conflict with ``fp16``, or ``"bf16"`` for a pipeline that is not SD3's or FLUX.1's.
         FileExistsError: ``output_dir`` is not empty (without ``overwrite``) or is a file.
         OSError: no folder can be made or written at ``output_dir`` (the system's error class, naming ``output_dir``
             as given, not the temporary folder beside it).
@@ -120,6 +131,7 @@ def export_pipeline(
         raise ArgumentError("opset", f"expected an integer in [7, 22] (17 is tested), got {opset!r}")
     if not isinstance(step_cache, bool):
         raise ArgumentError("step_cache", f"expected True or False, got {step_cache!r}")
+    dtype = resolve_dtype(dtype, fp16)
     tiny_vae = None if tiny_vae is False else tiny_vae
     # what is known before loading: a ControlNet asked for or given, or a VAE alone; the rest once it is loaded
     if step_cache and (controlnet is not None or tiny_random == "controlnet"
@@ -136,6 +148,8 @@ def export_pipeline(
     vae_only = tiny_vae is not None and model_id_or_path is None and torch_pipeline is None and not tiny_random
     check_tiny_vae_arguments(tiny_vae, vae_only=vae_only, random_pipeline=bool(tiny_random), vae=vae,
                              controlnet=controlnet)
+    check_dtype_fits(dtype, model_id_or_path, torch_pipeline=torch_pipeline, tiny_random=tiny_random,
+                     vae_only=vae_only, controlnet=controlnet)
     if vae_only:
         components = vae_only_components(components)
     source = Path(model_id_or_path) if (model_id_or_path is not None and torch_pipeline is None and not tiny_random
@@ -144,7 +158,7 @@ def export_pipeline(
     # the tiny VAE before the pipeline: a name that cannot be loaded fails in seconds, not after the pipeline's minutes
     tiny = load_tiny_vae(tiny_vae) if tiny_vae is not None else None
     if vae_only:
-        return _export_vae_only(tiny, target, components, opset=opset, fp16=fp16, optimize=optimize,
+        return _export_vae_only(tiny, target, components, opset=opset, fp16=dtype == "fp16", optimize=optimize,
                                 progress=progress)
     if torch_pipeline is not None:
         pipe = torch_pipeline
@@ -163,14 +177,72 @@ def export_pipeline(
 
         pipe = DiffusionPipeline.from_pretrained(model_id_or_path, torch_dtype=torch.float32, safety_checker=None)
     check_tokenizer_lengths(pipe)
+    check_dtype_fits(dtype, torch_pipeline=pipe)  # a loaded pipeline is known only now
     if getattr(pipe, "transformer", None) is not None:  # a diffusion transformer (SD3, Flux)
         if step_cache:
             check_first_block_cache_depth(pipe.transformer)
         return _export_transformer_pipeline(pipe, target, vae=vae, controlnet=controlnet, tiny_vae=tiny_vae,
-                                            components=components, opset=opset, fp16=fp16, optimize=optimize,
+                                            components=components, opset=opset, dtype=dtype, optimize=optimize,
                                             progress=progress, step_cache=step_cache)
     return export_unet_pipeline(pipe, target, vae=vae, controlnet=controlnet, tiny_vae=tiny, components=components,
-                                opset=opset, fp16=fp16, optimize=optimize, progress=progress, step_cache=step_cache)
+                                opset=opset, fp16=dtype == "fp16", optimize=optimize, progress=progress,
+                                step_cache=step_cache)
+
+
+def resolve_dtype(dtype: Optional[str], fp16: bool = False) -> str:
+    """:func:`export_pipeline`'s precision, one of :data:`~.components.PRECISIONS`: ``dtype``, or where it is ``None``
+    its alias ``fp16``'s (``True``: ``"fp16"``; ``False``: ``"fp32"``).
+
+    Raises:
+        ArgumentError: ``dtype`` is none of them, or is not ``"fp16"`` while ``fp16`` is ``True``.
+    """
+    expected = "expected 'fp32', 'fp16' or 'bf16'"
+    if dtype is None:
+        return "fp16" if fp16 else "fp32"
+    if not isinstance(dtype, str) or dtype not in PRECISIONS:
+        raise ArgumentError("dtype", f"{expected}, got {dtype!r}")
+    if fp16 and dtype != "fp16":
+        raise ArgumentError("dtype", f"{expected}, got {dtype!r} together with fp16=True, an alias of dtype='fp16'; "
+                                     "hint: give dtype alone")
+    return dtype
+
+
+def check_dtype_fits(dtype: str, model_id_or_path: Optional[Union[str, os.PathLike]] = None, *,
+                     torch_pipeline: Optional[object] = None, tiny_random: Union[bool, str] = False,
+                     vae_only: bool = False, controlnet: Optional[object] = None) -> None:
+    """``"bf16"`` is for the diffusion transformers (SD3/SD3.5, FLUX.1): refused for what is known to be anything
+    else, as soon as it is known — a VAE alone, a ControlNet pipeline, a UNet pipeline given or built (tiny random),
+    or one whose model_index.json (a local folder's, or that one file fetched from the Hub) names a UNet. On a UNet
+    most ops would be kept float32, without a bfloat16 CUDA kernel: ``Conv`` below opset 22, and ORT's ``GroupNorm``,
+    ``NhwcConv`` and ``BiasSplitGelu`` (see :mod:`.bfloat16`). Other precisions pass.
+
+    Raises:
+        ArgumentError: ``"bf16"`` for anything but an SD3 or FLUX.1 pipeline (naming ``dtype``).
+    """
+    if dtype != "bf16":
+        return
+    if vae_only:
+        _refuse_bfloat16("a VAE alone")
+    if controlnet is not None or tiny_random == "controlnet":
+        _refuse_bfloat16("a ControlNet pipeline (a UNet)")
+    if torch_pipeline is not None:
+        if getattr(torch_pipeline, "transformer", None) is None:
+            _refuse_bfloat16(f"a {type(torch_pipeline).__name__} (a UNet)")
+        return
+    if tiny_random:
+        kind = "sd" if tiny_random is True else tiny_random
+        if kind in TINY_RANDOM_KINDS and kind not in TINY_RANDOM_FAMILIES:
+            _refuse_bfloat16(f"the tiny random {kind} pipeline (a UNet)")
+        return
+    index = _model_index(model_id_or_path) if model_id_or_path is not None else None
+    if index and index.get("unet") and not index.get("transformer"):
+        _refuse_bfloat16(f"{os.fspath(model_id_or_path)!r}, whose model_index.json names a UNet")
+
+
+def _refuse_bfloat16(got: str) -> None:
+    raise ArgumentError("dtype", f"expected 'fp32' or 'fp16' for {got}, got 'bf16'; hint: bf16 is for Stable "
+                                 "Diffusion 3/3.5 and FLUX.1 (on a UNet most ops would stay float32, without a "
+                                 "bfloat16 CUDA kernel: Conv below opset 22, GroupNorm, NhwcConv, BiasSplitGelu)")
 
 
 def _refuse_step_cache(got: str) -> None:
@@ -235,6 +307,15 @@ def transformer_family(model_id_or_path: Optional[Union[str, os.PathLike]] = Non
         return TINY_RANDOM_FAMILIES.get("sd" if tiny_random is True else tiny_random)
     if model_id_or_path is None:
         return None
+    index = _model_index(model_id_or_path)
+    entry = index.get("transformer") if index else None
+    return TRANSFORMER_FAMILIES.get(entry[-1]) if isinstance(entry, list) and entry else None
+
+
+def _model_index(model_id_or_path: Union[str, os.PathLike]) -> Optional[dict]:
+    """The model_index.json of a local diffusers folder, or of a hub repository (that one file fetched); ``None``
+    where there is none or it cannot be fetched now (loading the pipeline then fails with the loader's own
+    error)."""
     folder = Path(model_id_or_path)
     if not folder.exists():
         if not looks_like_hub_id(os.fspath(model_id_or_path)):
@@ -243,9 +324,7 @@ def transformer_family(model_id_or_path: Optional[Union[str, os.PathLike]] = Non
             folder = download_from_hub(os.fspath(model_id_or_path), ["model_index.json"], "model_id_or_path")
         except FileNotFoundError:
             return None
-    index = read_json_object(folder / "model_index.json") if folder.is_dir() else None
-    entry = index.get("transformer") if index else None
-    return TRANSFORMER_FAMILIES.get(entry[-1]) if isinstance(entry, list) and entry else None
+    return read_json_object(folder / "model_index.json") if folder.is_dir() else None
 
 
 def check_transformer_options(family: Optional[str], *, vae=None, controlnet=None, tiny_vae=None) -> None:

@@ -16,7 +16,7 @@ Layout written (what ``optimum-cli export onnx`` writes for Flux, which optimum'
     vae_decoder/model.onnx          latent_sample → sample
     */config.json, tokenizer/, tokenizer_2/, scheduler/
 
-Precision of each component with ``fp16=True``
+Precision of each component with ``dtype="fp16"``
 (:func:`~optimum_iobinding.export.transformer_pipeline.float16_components`, the rule of every diffusion-transformer
 export, and why):
 
@@ -29,7 +29,7 @@ text_encoder_2      fp32       T5's feed-forward activations exceed float16's ra
                                prompts: inf/NaN embeddings
 transformer         fp16       where the time goes; ORT's (fused) normalization and softmax kernels accumulate
                                in fp32, but Flux's residual stream can grow past float16's range on some prompts
-                               (diffusers clips it in fp16): check images, or export with ``fp16=False``. The
+                               (diffusers clips it in fp16): check images, or export bf16 or fp32. The
                                sinusoidal timestep and guidance embeddings and the rotary cos/sin tables are
                                computed in fp32 up to the first layer, as diffusers computes them; the
                                ``timestep`` and ``guidance`` inputs are fp16 (diffusers rounds them to the
@@ -40,6 +40,11 @@ vae_encoder/decoder fp16       diffusers' ``FluxPipeline`` decodes in the pipeli
                                false``, as its SDXL export does, and does not warn as that one does: diffusers
                                runs this VAE in fp16 itself
 ==================  =========  ==============================================================================
+
+With ``dtype="bf16"`` the transformer is bfloat16 (:mod:`~optimum_iobinding.export.bfloat16`: float32's range in two
+bytes, so its residual stream does not overflow; every op of the fused graph has a bfloat16 CUDA kernel; the
+``timestep`` and ``guidance`` inputs are bfloat16, and the embeddings and rotary tables stay float32 as above) and the
+others are as in the table; it runs on CUDA only.
 
 Components whose weights are over :data:`~optimum_iobinding.export.components.EXTERNAL_DATA_THRESHOLD` bytes
 (FLUX.1's transformer: 12 billion parameters, 48 GB in fp32, 24 GB in fp16; T5-XXL's encoder, 19 GB in fp32) are
@@ -233,7 +238,7 @@ def flux_component_specs(pipe) -> Dict[str, dict]:
     return specs
 
 
-def export_flux_pipeline(pipe, target: Path, *, fp16: bool = False, opset: int = 17, optimize: Optional[str] = None,
+def export_flux_pipeline(pipe, target: Path, *, dtype: str = "fp32", opset: int = 17, optimize: Optional[str] = None,
                          components: Optional[Sequence[str]] = None, progress: bool = True,
                          external_data_threshold: int = EXTERNAL_DATA_THRESHOLD, step_cache: bool = False) -> Path:
     """Exports a diffusers ``FluxPipeline`` to optimum's Flux layout in ``target`` (built beside it, moved into
@@ -242,7 +247,8 @@ def export_flux_pipeline(pipe, target: Path, *, fp16: bool = False, opset: int =
     Args:
         pipe: the ``FluxPipeline`` (schnell or dev), in float32.
         target: the output folder.
-        fp16: convert all but T5 to float16 (the module's table says why T5 stays float32).
+        dtype: ``"fp32"``; ``"fp16"``: all but T5 float16 (the module's table says why T5 stays float32);
+            ``"bf16"``: the transformer bfloat16, the others as for ``"fp16"`` (see the module's docstring).
         opset: ONNX opset.
         optimize: ``"cuda"`` or ``"cpu"``: ORT's transformer optimizer on each component (``mmdit`` for the
             transformer) before the float16 conversion.
@@ -260,6 +266,6 @@ def export_flux_pipeline(pipe, target: Path, *, fp16: bool = False, opset: int =
         raise ArgumentError("components", f"expected names from {list(FLUX_COMPONENTS)}, got {unknown}")
     return export_transformer_pipeline(
         pipe, target, flux_component_specs(pipe), components, class_name="FluxPipeline",
-        optimizer_model_types=FLUX_OPTIMIZER_MODEL_TYPES, opset=opset, fp16=fp16, optimize=optimize,
+        optimizer_model_types=FLUX_OPTIMIZER_MODEL_TYPES, opset=opset, dtype=dtype, optimize=optimize,
         progress=progress, external_data_threshold=external_data_threshold, exportable=exportable_flux_modules,
         step_cache=step_cache)

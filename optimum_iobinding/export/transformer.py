@@ -15,8 +15,8 @@ Layout written (what ``optimum-cli export onnx`` writes for these models, and wh
                                   scaling_factor and shift_factor)
     tokenizer/, tokenizer_2/, tokenizer_3/, scheduler/
 
-Precision with ``fp16=True`` (:func:`~optimum_iobinding.export.transformer_pipeline.float16_components`, one rule
-for SD3 and FLUX.1), per component:
+Precision with ``dtype="fp16"`` (:func:`~optimum_iobinding.export.transformer_pipeline.float16_components`, one
+rule for SD3 and FLUX.1), per component:
 
 - ``text_encoder``, ``text_encoder_2`` (CLIP): float16, as for SD 1.x/2.x and SDXL.
 - ``transformer`` (MMDiT): float16; diffusers runs the SD3 transformer in float16 itself (its model cards load the
@@ -32,6 +32,10 @@ for SD3 and FLUX.1), per component:
   ``wo`` projections in float32 for that reason, and clamps its hidden states only when the torch model itself runs
   in float16, which an exported float32 graph does not record). The pipeline casts its output to the transformer's
   dtype.
+
+With ``dtype="bf16"`` the transformer is bfloat16 (:mod:`~optimum_iobinding.export.bfloat16`: its patch-embedding
+``Conv`` and unpatchify ``Einsum``, which ORT's CUDA provider has no bfloat16 kernel for at opset 17, stay float32
+between Casts; its ``timestep`` input stays float32) and the others are as above; it runs on CUDA only.
 
 Transformers and T5 encoders whose weights exceed
 :data:`~optimum_iobinding.export.components.EXTERNAL_DATA_THRESHOLD` bytes (protobuf cannot serialize a message over
@@ -129,7 +133,7 @@ def export_sd3_pipeline(
     *,
     components: Optional[Sequence[str]] = None,
     opset: int = 17,
-    fp16: bool = False,
+    dtype: str = "fp32",
     optimize: Optional[str] = None,
     progress: bool = True,
     external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
@@ -144,7 +148,8 @@ def export_sd3_pipeline(
         components: which ONNX components to export (default: all the pipeline has; no ``text_encoder_3`` without a
             T5).
         opset: ONNX opset.
-        fp16: convert all but T5 to float16 (:func:`float16_components`; T5 stays float32).
+        dtype: ``"fp32"``; ``"fp16"``: all but T5 float16 (:func:`float16_components`; T5 stays float32);
+            ``"bf16"``: the transformer bfloat16, the others as for ``"fp16"`` (see the module's docstring).
         optimize: ``"cuda"`` or ``"cpu"``: ORT's transformer optimizer (``clip``, ``t5``, ``mmdit``, ``vae``) on
             each component before the float16 conversion, with the fusions that target runs (for ``"cpu"`` the T5
             encoder is left as exported: ORT's T5 fusions write an operator only CUDA runs).
@@ -163,6 +168,6 @@ def export_sd3_pipeline(
         raise ArgumentError("components", f"expected names from {list(available)}, got {unknown}")
     return export_transformer_pipeline(
         pipe, target, sd3_component_specs(pipe), components, class_name=type(pipe).__name__,
-        optimizer_model_types=SD3_OPTIMIZER_MODEL_TYPES, opset=opset, fp16=fp16,
+        optimizer_model_types=SD3_OPTIMIZER_MODEL_TYPES, opset=opset, dtype=dtype,
         optimize=optimize, progress=progress, external_data_threshold=external_data_threshold,
         step_cache=step_cache)

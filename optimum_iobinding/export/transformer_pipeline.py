@@ -2,13 +2,20 @@
 in optimum's layout: each component through its exporter (:mod:`.components`), float16 by one rule for both
 families, the tokenizers, the scheduler and the torch pipeline's model_index.json.
 
-Precision with ``fp16=True`` (:func:`float16_components`): every component but the T5 encoder, VAE included.
+Precision (:func:`component_precisions`, one rule for both families). With ``dtype="fp16"``
+(:func:`float16_components`): every component but the T5 encoder, VAE included.
 
 - T5 stays **float32**: its feed-forward activations overflow float16 (transformers keeps T5's ``wo`` projections in
   float32 for that reason, and clamps its hidden states only when the torch model itself runs in float16, which an
   exported float32 graph does not record). The pipelines cast its output to the transformer's dtype.
 - The VAE goes float16: diffusers' SD3 and Flux pipelines decode in the pipeline's dtype and never read the VAE
   config's ``force_upcast`` (only the SDXL pipelines upcast), so the export writes ``force_upcast: false``.
+
+With ``dtype="bf16"``: the transformer bfloat16 (:mod:`.bfloat16`: float16's two bytes with float32's range, which
+its residual stream can need), the rest as in a float16 export: CLIP and the VAE float16 (their activations stay
+inside float16's range, and ORT's CUDA provider has no bfloat16 kernel for the VAE's convolutions at these opsets,
+nor for ORT's GroupNorm), T5 float32. A bfloat16 transformer runs on CUDA only: ORT's CPU provider has no bfloat16
+MatMul or Add.
 
 Each family's module says what this means for each of its components.
 """
@@ -24,14 +31,14 @@ from tqdm.auto import tqdm
 from ..layout import building_beside, save_tokenizer, write_transformer_model_index
 from .components import OPTIMUM_EXTERNAL_DATA_FILE, export_component, export_model
 
-__all__ = ["export_transformer_pipeline", "float16_components", "torch_class_entry"]
+__all__ = ["export_transformer_pipeline", "float16_components", "component_precisions", "torch_class_entry"]
 
 # ORT's optimizer model type of the components a float16 export leaves float32: T5 (see the module's docstring)
 FLOAT32_MODEL_TYPES = frozenset({"t5"})
 
 
 def float16_components(components: Collection[str], optimizer_model_types: Mapping[str, str]) -> frozenset:
-    """The components of a diffusion-transformer pipeline (SD3, FLUX.1) that ``fp16=True`` converts to float16: all
+    """The components of a diffusion-transformer pipeline (SD3, FLUX.1) that a float16 export converts: all
     but the T5 encoder, VAE included (the module's docstring says why).
 
     Args:
@@ -42,6 +49,29 @@ def float16_components(components: Collection[str], optimizer_model_types: Mappi
         The names to convert.
     """
     return frozenset(name for name in components if optimizer_model_types.get(name) not in FLOAT32_MODEL_TYPES)
+
+
+def component_precisions(components: Collection[str], optimizer_model_types: Mapping[str, str],
+                          dtype: str) -> Dict[str, str]:
+    """Each component's precision (``"fp32"``, ``"fp16"`` or ``"bf16"``) in a diffusion-transformer export of
+    ``dtype`` (the module's docstring says why): ``"fp32"`` all float32; ``"fp16"`` the :func:`float16_components`
+    float16, T5 float32; ``"bf16"`` as ``"fp16"`` but the transformer bfloat16.
+
+    Args:
+        components: the pipeline's component names.
+        optimizer_model_types: ORT's optimizer model type of the components that have one (T5's is ``"t5"``).
+        dtype: the export's precision.
+
+    Returns:
+        The precision of each of ``components``.
+    """
+    if dtype == "fp32":
+        return dict.fromkeys(components, "fp32")
+    half = float16_components(components, optimizer_model_types)
+    precisions = {name: "fp16" if name in half else "fp32" for name in components}
+    if dtype == "bf16" and "transformer" in precisions:
+        precisions["transformer"] = "bf16"
+    return precisions
 
 
 def torch_class_entry(module: Any) -> Optional[tuple]:
@@ -66,7 +96,7 @@ def export_transformer_pipeline(
     class_name: str,
     optimizer_model_types: Mapping[str, str],
     opset: int,
-    fp16: bool,
+    dtype: str,
     optimize: Optional[str],
     progress: bool,
     external_data_threshold: int,
@@ -77,24 +107,26 @@ def export_transformer_pipeline(
     each of ``components`` from ``specs`` (those in ``optimizer_model_types`` by
     :func:`~optimum_iobinding.export.components.export_model`, CLIP and the VAE by the UNet families' component
     exporter, :func:`~optimum_iobinding.export.components.export_component`: its fusions, LoRA map, VAE attention),
-    float16 where ``fp16`` and :func:`float16_components` names it; the pipeline's tokenizers (as both transformers 4
-    and 5 read them) and scheduler; and the torch pipeline's model_index.json under ``class_name`` (torch class names;
-    one ``vae`` entry for both VAE folders), as optimum writes it; with ``step_cache``, the transformer's
-    First-Block Cache parts beside it (:mod:`.step_cache`). The caller has checked ``target`` and ``components``.
+    each in its precision in an export of ``dtype`` (``"fp32"``, ``"fp16"`` or ``"bf16"``, see
+    :func:`component_precisions`); the pipeline's tokenizers (as both transformers 4 and 5 read them) and scheduler;
+    and the torch pipeline's model_index.json under ``class_name`` (torch class names; one ``vae`` entry for both VAE
+    folders), as optimum writes it; with ``step_cache``, the transformer's First-Block Cache parts beside it
+    (:mod:`.step_cache`, cut from the transformer in its precision). The caller has checked ``target`` and
+    ``components``.
 
     Returns:
         ``target``.
     """
     tokenizers = [name for name in ("tokenizer", "tokenizer_2", "tokenizer_3") if getattr(pipe, name, None) is not None]
-    half_components = float16_components(components, optimizer_model_types) if fp16 else frozenset()
+    precisions = component_precisions(components, optimizer_model_types, dtype)
     with building_beside(target) as scratch:
         for name in tqdm(components, desc="export", unit="model", disable=not progress):
-            half = name in half_components
             if name in optimizer_model_types:
-                export_model(name, specs[name], scratch, opset, half, optimize, optimizer_model_types[name],
-                             external_data_threshold, exportable, step_cache=step_cache and name == "transformer")
-            else:
-                export_component(name, specs[name], scratch, opset, half, optimize,
+                export_model(name, specs[name], scratch, opset, optimize, optimizer_model_types[name],
+                             external_data_threshold, exportable, step_cache=step_cache and name == "transformer",
+                             dtype=precisions[name])
+            else:  # CLIP and the VAE: float16 at most (component_precisions)
+                export_component(name, specs[name], scratch, opset, precisions[name] == "fp16", optimize,
                                  external_data_threshold=external_data_threshold,
                                  external_data_file=OPTIMUM_EXTERNAL_DATA_FILE)
         for name in tokenizers:

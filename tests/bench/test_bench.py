@@ -329,7 +329,10 @@ def test_the_sampling_process_reports_the_peak_it_saw_between_enter_and_exit(tmp
 @pytest.mark.parametrize("argv, message", [
     (["--models", "sd15,sdx"], "--models: expected a comma-separated list of tiny, small, sd15, sdxl, lcm, turbo, got "
                                "'sd15,sdx'"),
-    (["--dtypes", "bf16"], "--dtypes: expected a comma-separated list of fp16, fp32, got 'bf16'"),
+    (["--dtypes", "bf16"], "--dtypes: expected a comma-separated list of fp16, fp32 (bf16 only with --scenario "
+                           "transformer: SD3 and FLUX.1), got 'bf16'"),
+    (["--scenario", "stream", "--dtypes", "bf16"], "--dtypes: expected a comma-separated list of fp16, fp32 (bf16 "
+                                                   "only with --scenario transformer"),
     (["--peers", ""], "--peers: expected a comma-separated list of"),
     (["--steps", "0"], "--steps: expected an integer ≥ 1, got 0"),
     (["--warmup", "-1"], "--warmup: expected an integer ≥ 0, got -1"),
@@ -498,7 +501,11 @@ CUDA_ONLY_OPS = {"NhwcConv", "GroupNorm", "SkipGroupNorm", "BiasSplitGelu", "Bia
     (["--scenario", "mixed", "--device", "cpu"], "--device: expected cuda with --scenario mixed"),
     (["--scenario", "stream", "--device", "cpu"], "--device: expected cuda with --scenario stream"),
     (["--scenario", "transformer", "--device", "cpu", "--dtypes", "fp16"],
-     "--dtypes: expected fp32 with --device cpu (a float16 export is for the GPU), got 'fp16'"),
+     "--dtypes: expected fp32 with --device cpu (a float16 or bfloat16 export is for the GPU), got 'fp16'"),
+    (["--scenario", "transformer", "--device", "cpu", "--dtypes", "bf16"],
+     "--dtypes: expected fp32 with --device cpu (a float16 or bfloat16 export is for the GPU), got 'bf16'"),
+    (["--scenario", "transformer", "--dtypes", "int8"],
+     "--dtypes: expected a comma-separated list of fp16, fp32, bf16, got 'int8'"),
 ])
 def test_the_transformer_scenario_names_every_bad_option_before_any_work(argv, message, capsys):
     from optimum_iobinding.bench.cli import main
@@ -725,9 +732,30 @@ def test_an_optimized_transformer_export_gets_the_fusions_of_the_device_it_runs_
     monkeypatch.setattr(zoo, "build_transformer_pipeline", lambda kind, blocks, text_layers: None)
     folder = zoo.ensure_transformer_export("tiny-flux", "fp32", "optimized", tmp_path, device=device)
     assert folder.name == ("tiny-flux-fp32-optimized-cpu" if device == "cpu" else "tiny-flux-fp32-optimized")
-    assert [(call["optimize"], call["fp16"]) for call in calls] == [(optimize, False)]
+    assert [(call["optimize"], call["dtype"]) for call in calls] == [(optimize, "fp32")]
     # a plain export is the same files on either device: one folder
     assert zoo.transformer_export_name("tiny-flux", "fp32", "plain", None, None, device) == "tiny-flux-fp32-plain"
+
+
+def test_the_transformer_scenario_with_dtypes_bf16_exports_bfloat16_transformers(tmp_path, monkeypatch, capsys):
+    import optimum_iobinding.bench.zoo as zoo
+    import optimum_iobinding.export as export
+    from optimum_iobinding.bench.cli import main
+
+    calls = []
+
+    def fake_export(model, output_dir, **kwargs):
+        calls.append(kwargs)
+        Path(output_dir).mkdir(parents=True)
+        (Path(output_dir) / "model_index.json").write_text("{}")
+
+    monkeypatch.setattr(export, "export_pipeline", fake_export)
+    monkeypatch.setattr(zoo, "build_transformer_pipeline", lambda kind, blocks, text_layers: None)
+    assert main(["--scenario", "transformer", "--models", "tiny-sd3,tiny-flux", "--dtypes", "bf16", "--export-only",
+                 "--work", str(tmp_path)]) == 0
+    assert [(call["dtype"], call["optimize"]) for call in calls] == [("bf16", "cuda")] * 2
+    assert capsys.readouterr().out.split() == [str(tmp_path / "tiny-sd3-bf16-optimized"),
+                                               str(tmp_path / "tiny-flux-bf16-optimized")]
 
 
 def test_an_export_for_an_unknown_device_is_refused_naming_the_device():

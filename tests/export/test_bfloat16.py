@@ -3,7 +3,10 @@ float16 is left, the weights are the float32 weights rounded to bfloat16 as torc
 provider cannot run in bfloat16 run in float32 between Casts, and the graph is a valid model. ORT's CPU provider has
 no bfloat16 MatMul or Add, so the graph is checked numerically with its bfloat16 values read back as float32 (exact):
 that copy computes what the float32 export computes with its weights rounded to bfloat16, on ORT's CPU kernels. Both
-the ORT-optimized graph (the fused one a GPU runs) and the plain export are checked."""
+the ORT-optimized graph (the fused one a GPU runs) and the plain export are checked. ``export_pipeline(dtype="bf16")``
+(and ``export --dtype bf16``) writes that model, its step-cache parts cut from it; CLIP and the VAE float16, T5
+float32; a UNet pipeline, an unknown dtype or one in conflict with ``fp16=True`` is refused before anything is
+written."""
 
 from __future__ import annotations
 
@@ -352,3 +355,186 @@ def test_a_float16_model_whose_weights_are_on_disk_is_refused(make_model, tensor
     light = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False)
     with pytest.raises(ArgumentError, match="float16_model: expected its weights in memory, got 1 on disk"):
         to_bfloat16(light, float32)
+
+
+# ------------------------------------------------------------------------------- export_pipeline(dtype="bf16")
+def test_export_pipeline_with_dtype_bf16_writes_what_to_bfloat16_makes_of_its_float16_and_float32_exports(
+        exports, tmp_path):
+    out = export_pipeline(None, tmp_path / "bf16", torch_pipeline=BUILDERS[exports.kind](), dtype="bf16",
+                          optimize=exports.optimize, components=["transformer"], progress=False)
+    assert onnx.load(str(out / "transformer" / "model.onnx")) == exports.bfloat16
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def bfloat16_step_cache_export(request, tmp_path_factory):
+    """(kind, the transformer's folder) of a fused bfloat16 export with First-Block Cache's parts."""
+    out = export_pipeline(None, tmp_path_factory.mktemp(request.param) / "out",
+                          torch_pipeline=BUILDERS[request.param](), dtype="bf16", optimize="cuda",
+                          components=["transformer"], progress=False, step_cache=True)
+    return request.param, out / "transformer"
+
+
+def part_paths(folder) -> list:
+    from optimum_iobinding.export.step_cache import STEP_CACHE_PARTS
+
+    return [folder / name for name, _ in STEP_CACHE_PARTS]
+
+
+def test_a_bfloat16_export_with_step_cache_writes_a_bfloat16_transformer_without_float16(bfloat16_step_cache_export):
+    kind, folder = bfloat16_step_cache_export
+    model = onnx.load(str(folder / "model.onnx"))
+    inputs = {value.name: value.type.tensor_type.elem_type for value in model.graph.input}
+    assert inputs["hidden_states"] == inputs["encoder_hidden_states"] == inputs["pooled_projections"] == BFLOAT16
+    assert inputs["timestep"] == (FLOAT if kind == "sd3.5" else BFLOAT16)
+    assert [value.type.tensor_type.elem_type for value in model.graph.output] == [BFLOAT16]
+    assert float16_places(model) == [] and ops_without_bfloat16_cuda_kernels(model) == []
+
+
+def test_the_step_cache_parts_of_a_bfloat16_export_are_bfloat16_and_read_its_weights_from_its_weights_file(
+        bfloat16_step_cache_export):
+    """Every part takes and returns bfloat16 (SD3's float32 ``timestep`` aside) and holds nothing float16; the
+    transformer's weights on disk are read by the parts from ``model.onnx_data``, none copied into a part (only
+    values under the export's 1 KiB external-data threshold stay inside the graphs, as in ``model.onnx``)."""
+    from onnx.external_data_helper import uses_external_data
+
+    kind, folder = bfloat16_step_cache_export
+    whole = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    on_disk = {tensor.name for tensor in whole.graph.initializer if uses_external_data(tensor)}
+    assert len(on_disk) > 20
+    read = set()
+    for path in part_paths(folder):
+        part = onnx.load(str(path), load_external_data=False)
+        assert float16_places(part) == [] and ops_without_bfloat16_cuda_kernels(part) == [], path.name
+        floats = {value.name: value.type.tensor_type.elem_type for value in (*part.graph.input, *part.graph.output)
+                  if value.type.tensor_type.elem_type in (FLOAT, FLOAT16, BFLOAT16)}
+        if kind == "sd3.5" and "timestep" in floats:
+            assert floats.pop("timestep") == FLOAT
+        assert floats and set(floats.values()) == {BFLOAT16}, (path.name, floats)
+        for tensor in part.graph.initializer:
+            if uses_external_data(tensor):
+                location = {entry.key: entry.value for entry in tensor.external_data}["location"]
+                assert location == "model.onnx_data", (path.name, tensor.name)
+                read.add(tensor.name)
+            else:
+                assert tensor.name not in on_disk and len(tensor.raw_data) < 1024, (path.name, tensor.name)
+    assert read == on_disk
+
+
+def test_the_step_cache_parts_of_a_bfloat16_export_run_in_turn_compute_what_its_transformer_computes(
+        bfloat16_step_cache_export):
+    """Read as float32 (ORT's CPU provider has no bfloat16 MatMul), the parts run in turn give the whole graph's
+    output, up to the float32 rounding of what ORT fuses across a cut."""
+    _, folder = bfloat16_step_cache_export
+    whole = read_as_float32(onnx.load(str(folder / "model.onnx")))
+    inputs = random_inputs(whole)
+    expected = run(whole, inputs)
+    values = dict(inputs)
+    for path in part_paths(folder):
+        part = read_as_float32(onnx.load(str(path)))
+        session = ort.InferenceSession(part.SerializeToString(), providers=["CPUExecutionProvider"])
+        results = session.run(None, {value.name: values[value.name] for value in session.get_inputs()})
+        values.update({value.name: result for value, result in zip(session.get_outputs(), results)})
+    np.testing.assert_allclose(values["out_hidden_states"], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+# ------------------------------------------------------------------------------------------- refused dtypes
+@pytest.mark.parametrize("arguments, message", [
+    (dict(dtype="int8"), "dtype: expected 'fp32', 'fp16' or 'bf16', got 'int8'"),
+    (dict(dtype="bfloat16"), "dtype: expected 'fp32', 'fp16' or 'bf16', got 'bfloat16'"),
+    (dict(dtype="bf16", fp16=True), "dtype: expected 'fp32', 'fp16' or 'bf16', got 'bf16' together with fp16=True, "
+                                    "an alias of dtype='fp16'; hint: give dtype alone"),
+    (dict(dtype="fp32", fp16=True), "dtype: expected 'fp32', 'fp16' or 'bf16', got 'fp32' together with fp16=True"),
+], ids=["int8", "bfloat16", "bf16-and-fp16", "fp32-and-fp16"])
+def test_an_unknown_or_conflicting_dtype_is_refused_before_anything_is_written(tmp_path, arguments, message):
+    with pytest.raises(ArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        export_pipeline(None, tmp_path / "out", tiny_random="sd3", progress=False, **arguments)
+    assert not (tmp_path / "out").exists()
+
+
+def test_fp16_true_is_an_alias_of_dtype_fp16():
+    from optimum_iobinding.export.export import resolve_dtype
+
+    assert resolve_dtype(None, fp16=True) == resolve_dtype("fp16", fp16=True) == resolve_dtype("fp16") == "fp16"
+    assert resolve_dtype(None) == "fp32" and resolve_dtype("bf16") == "bf16"
+
+
+UNET_REFUSAL = ("dtype: expected 'fp32' or 'fp16' for {}, got 'bf16'; hint: bf16 is for Stable Diffusion 3/3.5 and "
+                "FLUX.1 (on a UNet most ops would stay float32, without a bfloat16 CUDA kernel: Conv below opset 22, "
+                "GroupNorm, NhwcConv, BiasSplitGelu)")
+
+
+@pytest.mark.parametrize("arguments, what", [
+    (dict(tiny_random="sd"), "the tiny random sd pipeline (a UNet)"),
+    (dict(tiny_random="xl"), "the tiny random xl pipeline (a UNet)"),
+    (dict(tiny_random="controlnet"), "a ControlNet pipeline (a UNet)"),
+    (dict(tiny_vae=True), "a VAE alone"),
+], ids=["sd", "xl", "controlnet", "vae-alone"])
+def test_bf16_is_refused_for_a_unet_pipeline_before_it_is_built(tmp_path, monkeypatch, arguments, what):
+    import optimum_iobinding.export.export as export_module
+
+    monkeypatch.setattr(export_module, "TINY_RANDOM_KINDS", {
+        kind: (lambda: pytest.fail("built before bf16 was refused")) for kind in export_module.TINY_RANDOM_KINDS})
+    with pytest.raises(ArgumentError) as refusal:
+        export_pipeline(None, tmp_path / "out", dtype="bf16", progress=False, **arguments)
+    assert str(refusal.value) == UNET_REFUSAL.format(what)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bf16_is_refused_for_a_folder_whose_model_index_names_a_unet_before_it_loads(tmp_path):
+    source = tmp_path / "sd"
+    source.mkdir()
+    (source / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline", '
+                                             '"unet": ["diffusers", "UNet2DConditionModel"]}')
+    with pytest.raises(ArgumentError) as refusal:
+        export_pipeline(source, tmp_path / "out", dtype="bf16", progress=False,
+                        pipeline_loader=lambda name: pytest.fail("loaded before bf16 was refused"))
+    assert str(refusal.value) == UNET_REFUSAL.format(f"{str(source)!r}, whose model_index.json names a UNet")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bf16_is_refused_for_a_loaded_unet_pipeline_before_any_component_is_exported(tmp_path, monkeypatch):
+    import optimum_iobinding.export.export as export_module
+    from optimum_iobinding.export.tiny import build_tiny_random_pipeline
+
+    monkeypatch.setattr(export_module, "export_unet_pipeline",
+                        lambda *args, **kwargs: pytest.fail("exported before bf16 was refused"))
+    source = tmp_path / "unknown"  # a folder without a model_index.json: what it holds is known once loaded
+    source.mkdir()
+    with pytest.raises(ArgumentError) as refusal:
+        export_pipeline(source, tmp_path / "out", dtype="bf16", progress=False,
+                        pipeline_loader=lambda name: build_tiny_random_pipeline())
+    assert str(refusal.value) == UNET_REFUSAL.format("a StableDiffusionPipeline (a UNet)")
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------- each component's precision
+def test_a_bf16_export_makes_the_transformer_bfloat16_clip_and_the_vae_float16_and_t5_float32():
+    from optimum_iobinding.export.flux import FLUX_COMPONENTS, FLUX_OPTIMIZER_MODEL_TYPES
+    from optimum_iobinding.export.transformer import SD3_COMPONENTS, SD3_OPTIMIZER_MODEL_TYPES
+    from optimum_iobinding.export.transformer_pipeline import component_precisions
+
+    assert component_precisions(SD3_COMPONENTS, SD3_OPTIMIZER_MODEL_TYPES, "bf16") == {
+        "text_encoder": "fp16", "text_encoder_2": "fp16", "text_encoder_3": "fp32", "transformer": "bf16",
+        "vae_encoder": "fp16", "vae_decoder": "fp16"}
+    assert component_precisions(FLUX_COMPONENTS, FLUX_OPTIMIZER_MODEL_TYPES, "bf16") == {
+        "text_encoder": "fp16", "text_encoder_2": "fp32", "transformer": "bf16", "vae_encoder": "fp16",
+        "vae_decoder": "fp16"}
+    # the float16 export's rule, and float32 throughout
+    assert component_precisions(FLUX_COMPONENTS, FLUX_OPTIMIZER_MODEL_TYPES, "fp16") == {
+        **dict.fromkeys(FLUX_COMPONENTS, "fp16"), "text_encoder_2": "fp32"}
+    assert set(component_precisions(FLUX_COMPONENTS, FLUX_OPTIMIZER_MODEL_TYPES, "fp32").values()) == {"fp32"}
+
+
+def test_the_export_command_with_dtype_bf16_writes_each_component_of_a_flux_pipeline_in_its_precision(
+        tmp_path, capsys):
+    from optimum_iobinding.cli import main
+
+    assert main(["export", "--tiny-random", "flux", "--dtype", "bf16", "--optimize", "cuda",
+                 "--output", str(tmp_path / "out")]) == 0
+    assert f"to {tmp_path / 'out'} (bf16, opset 17)" in capsys.readouterr().out
+    outputs = {}
+    for component in ("text_encoder", "text_encoder_2", "transformer", "vae_encoder", "vae_decoder"):
+        model = onnx.load(str(tmp_path / "out" / component / "model.onnx"), load_external_data=False)
+        outputs[component] = model.graph.output[0].type.tensor_type.elem_type
+    assert outputs == {"text_encoder": FLOAT16, "text_encoder_2": FLOAT, "transformer": BFLOAT16,
+                       "vae_encoder": FLOAT16, "vae_decoder": FLOAT16}

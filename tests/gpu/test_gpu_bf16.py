@@ -1,9 +1,9 @@
 """bfloat16 diffusion transformers on the GPU (skipped without CUDA; run on the GPU machine): the tiny SD3.5-shaped
-and FLUX.1 dev transformers, exported fused (ORT's optimizer for CUDA and the project's rewrites) in float16 and
-converted to bfloat16 with the float32 export's weights (:func:`optimum_iobinding.export.bfloat16.to_bfloat16`), run
-on ORT's CUDA provider with every node on the GPU — ``cuda_graph=True`` warns where a signature cannot be captured,
-which one node left on the CPU is enough for — and compute what diffusers' own transformer computes in bfloat16 on
-the same inputs."""
+and FLUX.1 dev transformers, exported fused (ORT's optimizer for CUDA and the project's rewrites) in bfloat16 by
+``export_pipeline(dtype="bf16")`` (the float16 graph retyped, its weights rounded from the float32 ones:
+:func:`optimum_iobinding.export.bfloat16.to_bfloat16`), run on ORT's CUDA provider with every node on the GPU —
+``cuda_graph=True`` warns where a signature cannot be captured, which one node left on the CPU is enough for — and
+compute what diffusers' own transformer computes in bfloat16 on the same inputs."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ import torch
 
 from optimum_iobinding import IOBindingORTModel
 from optimum_iobinding.export import export_pipeline
-from optimum_iobinding.export.bfloat16 import ops_without_bfloat16_cuda_kernels, to_bfloat16
-from optimum_iobinding.export.components import save_model
+from optimum_iobinding.export.bfloat16 import ops_without_bfloat16_cuda_kernels
 from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline, build_tiny_random_sd3_pipeline
 
 pytestmark = pytest.mark.gpu
@@ -36,16 +35,10 @@ BUILDERS = {
 def bfloat16_transformer(request, tmp_path_factory):
     """(kind, diffusers' float32 transformer on the CPU, the path of its fused bfloat16 export)."""
     torch_pipe = BUILDERS[request.param]()
-    folder = tmp_path_factory.mktemp(request.param)
-    exported = {}
-    for fp16 in (False, True):
-        out = export_pipeline(None, folder / ("fp16" if fp16 else "fp32"), torch_pipeline=torch_pipe, fp16=fp16,
-                              optimize="cuda", components=["transformer"], progress=False)
-        exported[fp16] = onnx.load(str(out / "transformer" / "model.onnx"))
-    model = to_bfloat16(exported[True], exported[False])
-    assert ops_without_bfloat16_cuda_kernels(model) == []
-    path = folder / "bf16" / "model.onnx"
-    save_model(model, path)
+    out = export_pipeline(None, tmp_path_factory.mktemp(request.param) / "bf16", torch_pipeline=torch_pipe,
+                          dtype="bf16", optimize="cuda", components=["transformer"], progress=False)
+    path = out / "transformer" / "model.onnx"
+    assert ops_without_bfloat16_cuda_kernels(onnx.load(str(path))) == []
     return request.param, torch_pipe.transformer, path
 
 
