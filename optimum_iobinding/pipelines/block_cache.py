@@ -9,8 +9,9 @@ skipped and the kept residual is added to the first block's output. The final no
 ``FBCBlockHook``): the first step always computes, the compared residual changes only on steps that compute, and the
 same steps are skipped.
 
-The decision is one scalar the host reads back per step (it chooses which graph to launch next): the host waits for
-the first block, not for the step before it. The parts are graphs of the transformer's own weights
+The decision is one boolean the host reads back per step (it chooses whether the blocks' graph runs): the host waits
+for the first block, not for the step before it, and a skipped step's last part is queued before the read, so the GPU
+does not wait for the host after it. The parts are graphs of the transformer's own weights
 (:meth:`IOBindingORTModel.part`): on CUDA one copy of them serves the whole model and every part, each part captured
 as a CUDA graph of its own.
 
@@ -109,15 +110,17 @@ class FirstBlockCache(StepCache):
         self.last_residual = self.tail_residual = None
         self._out_buffers = None
 
-    def should_compute(self, residual: torch.Tensor) -> bool:
-        """diffusers' rule: the first step computes; later, the blocks run where the first block's residual changed
-        by more than the threshold (mean absolute change over the mean absolute last residual; both means count the
-        same elements, so sums are compared). The change is one reduction, accumulated in float32, and its
-        comparison the one value a step reads back to the host."""
-        if self.last_residual is None:
-            return True
+    def exceeded(self, residual: torch.Tensor) -> torch.Tensor:
+        """diffusers' rule after the first step: whether the first block's residual changed by more than the threshold
+        since the last full step (mean absolute change over the mean absolute last residual; both means count the
+        same elements, so sums are compared), as a boolean on the device: one reduction, accumulated in float32,
+        queued and not read."""
         change = torch.linalg.vector_norm(residual - self.last_residual, ord=1, dtype=torch.float32)
-        return bool((change > self.threshold * self.last_scale).item())
+        return change > self.threshold * self.last_scale
+
+    def should_compute(self, exceeded: torch.Tensor) -> bool:
+        """Whether the other blocks run: :meth:`exceeded` read back, the one value a step reads."""
+        return bool(exceeded.item())
 
     def _remember(self, residual: torch.Tensor) -> None:
         """Keeps a full step's first-block residual and its absolute sum (on the device: nothing is read back)."""
@@ -134,22 +137,33 @@ class FirstBlockCache(StepCache):
         values.update(self._run(self.head, values))
         first_output = values[FIRST_BLOCK_OUTPUT]
         residual = first_output - values[FIRST_BLOCK_INPUT]
-        compute = self.tail_residual is None or self.should_compute(residual)
-        if compute:
-            values.update(self._run(self.body, values))
-            # new tensors: the parts' outputs are buffers their next runs overwrite
-            self.tail_residual = values[BLOCKS_OUTPUT] - first_output
-            self._remember(residual)
-        else:  # written straight into the out part's graph input where it has one
+        if self.tail_residual is not None:
+            exceeded = self.exceeded(residual)
+            # the skipped step's result is queued before the decision is read: the GPU runs the out part while the
+            # host waits for the decision, instead of waiting for the host to launch it after (a full step runs
+            # the out part again, on the blocks' output)
             buffer = (self._out_buffers or {}).get(BLOCKS_OUTPUT)
             same = buffer is not None and buffer.shape == first_output.shape and buffer.dtype == first_output.dtype
             values[BLOCKS_OUTPUT] = torch.add(first_output, self.tail_residual, out=buffer if same else None)
-        self.computed.append(compute)
-        out_inputs = {name: values[name] for name in self.out.input_names}
-        output = self.out(**out_inputs)[0]
+            skipped = self._run_out(values)
+            if not self.should_compute(exceeded):
+                self.computed.append(False)
+                return skipped
+        values.update(self._run(self.body, values))
+        # new tensors: the parts' outputs are buffers their next runs overwrite
+        self.tail_residual = values[BLOCKS_OUTPUT] - first_output
+        self._remember(residual)
+        self.computed.append(True)
+        return self._run_out(values)
+
+    def _run_out(self, values: Dict[str, Any]) -> torch.Tensor:
+        """The out part on ``values``; after its first run, its graph's input buffers are known (a skipped step
+        writes the blocks' stand-in straight into them)."""
+        inputs = {name: values[name] for name in self.out.input_names}
+        output = self.out(**inputs)[0]
         if self._out_buffers is None:
-            self._out_buffers = self.out.graph_input_buffers(
-                {name: tuple(value.shape) for name, value in out_inputs.items()}) or {}
+            self._out_buffers = self.out.graph_input_buffers({name: tuple(value.shape)
+                                                              for name, value in inputs.items()}) or {}
         return output
 
     @property
