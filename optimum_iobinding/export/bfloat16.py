@@ -56,6 +56,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import ArgumentError, ArgumentTypeError
+from .transformer_fusions import all_nodes, fresh_names
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ def _keep_in_float32(graph: onnx.GraphProto, opsets: Dict[str, int], originals: 
     constants = {node.output[0]: node for node in graph.node
                  if node.op_type == "Constant" and _domain(node.domain) == ""}
     shapes = {value.name: value for value in (*graph.input, *graph.value_info, *graph.output)}
-    fresh = _fresh_names(graph)
+    fresh = fresh_names(graph)
     widened: Dict[str, str] = {}  # float16 value → its float32 counterpart
     added: List[onnx.NodeProto] = []
 
@@ -385,7 +386,7 @@ def _remove_cascaded_and_useless_casts(model: onnx.ModelProto) -> None:
                and types.get(node.input[0]) is not None and types.get(node.input[0]) == _attribute(node, "to")]
     for node in useless:
         source, target = node.input[0], node.output[0]
-        for reader in _nodes(graph):
+        for reader in all_nodes(graph):
             for index, name in enumerate(reader.input):
                 if name == target:
                     reader.input[index] = source
@@ -394,7 +395,7 @@ def _remove_cascaded_and_useless_casts(model: onnx.ModelProto) -> None:
 
 def _remove_unread_initializers(graph: onnx.GraphProto) -> None:
     """Drops the initializers and value infos nothing names any more (a float16 weight a float32 op read alone)."""
-    read = {name for node in _nodes(graph) for name in node.input} | {value.name for value in graph.output}
+    read = {name for node in all_nodes(graph) for name in node.input} | {value.name for value in graph.output}
     for tensor in [tensor for tensor in graph.initializer if tensor.name not in read]:
         graph.initializer.remove(tensor)
     written = read | {name for node in graph.node for name in node.output} | {value.name for value in graph.input}
@@ -434,7 +435,7 @@ def _sort_topologically(graph: onnx.GraphProto) -> None:
 def _import_domains(model: onnx.ModelProto) -> None:
     """Imports com.microsoft (version 1) where nodes use it and the model does not import it (ORT's optimizer writes
     its fused nodes without always declaring their domain; ORT does not ask for it, onnx's checker does)."""
-    used = {_domain(node.domain) for node in _nodes(model.graph)}
+    used = {_domain(node.domain) for node in all_nodes(model.graph)}
     imported = {_domain(opset.domain) for opset in model.opset_import}
     if _MICROSOFT in used and _MICROSOFT not in imported:
         model.opset_import.append(helper.make_opsetid(_MICROSOFT, 1))
@@ -514,23 +515,13 @@ def _graphs_with_types(graph: onnx.GraphProto, outer: Dict[str, int]
                 yield from _graphs_with_types(subgraph, types)
 
 
-def _nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
-    """The nodes of ``graph`` and of every subgraph in it."""
-    for node in graph.node:
-        yield node
-        for attribute in node.attribute:
-            for subgraph in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else
-                             attribute.graphs if attribute.type == onnx.AttributeProto.GRAPHS else ()):
-                yield from _nodes(subgraph)
-
-
 def _reads(node: onnx.NodeProto) -> List[str]:
     """What ``node`` reads: its inputs and what the nodes of its subgraphs name from outside them."""
     names = [name for name in node.input if name]
     for attribute in node.attribute:
         for subgraph in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else
                          attribute.graphs if attribute.type == onnx.AttributeProto.GRAPHS else ()):
-            names.extend(name for inner in _nodes(subgraph) for name in inner.input if name)
+            names.extend(name for inner in all_nodes(subgraph) for name in inner.input if name)
     return names
 
 
@@ -541,24 +532,6 @@ def _declare(graph: onnx.GraphProto, name: str, element: int, like: Optional[onn
         value.CopyFrom(like)
     value.name = name
     value.type.tensor_type.elem_type = element
-
-
-def _fresh_names(graph: onnx.GraphProto):
-    """``fresh(name)``: ``name``, or ``name_1``, ``name_2`` … where ``graph`` (or an earlier ``fresh``) has it already
-    as a value, node, initializer, input or output name."""
-    taken = {name for node in _nodes(graph) for name in (*node.input, *node.output, node.name)}
-    taken |= {tensor.name for tensor in graph.initializer}
-    taken |= {value.name for value in (*graph.input, *graph.output, *graph.value_info)}
-
-    def fresh(name: str) -> str:
-        candidate, number = name, 0
-        while candidate in taken:
-            number += 1
-            candidate = f"{name}_{number}"
-        taken.add(candidate)
-        return candidate
-
-    return fresh
 
 
 def _on_disk(tensor: TensorProto) -> bool:

@@ -25,14 +25,14 @@ the values the graph computes (up to float rounding) and only changes how many p
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 __all__ = ["fuse_diffusion_transformer", "fuse_modulated_layer_norms", "fuse_gelu_biases",
-           "fuse_rotary_embeddings", "fold_value_biases"]
+           "fuse_rotary_embeddings", "fold_value_biases", "inferred_shapes", "all_nodes", "fresh_names"]
 
 # the most elements of a constant a rewrite reads (a norm's scale or a bias: one value per channel)
 _SMALL = 1 << 16
@@ -451,7 +451,7 @@ def _fuse_rotary_embeddings(model: onnx.ModelProto, shapes: Optional[onnx.GraphP
     places = [place for place in places if parts[place.cos] is not None and parts[place.sin] is not None]
     if not places:
         return 0
-    fresh = _fresh_names(graph)
+    fresh = fresh_names(graph)
     removed: List[onnx.NodeProto] = []
     added: List[onnx.NodeProto] = []  # each after the added nodes it reads
     halves: Dict[str, str] = {}  # each table's columns before the repeat: its parts side by side, made once
@@ -572,7 +572,7 @@ def _fold_value_biases(model: onnx.ModelProto, shapes: Optional[onnx.GraphProto]
     graph = model.graph
     index = _Graph(graph)
     shapes = _Graph(shapes if shapes is not None else inferred_shapes(model))  # the caller's, where it has them
-    fresh = _fresh_names(graph)
+    fresh = fresh_names(graph)
     moved = 0
     for attention in [node for node in graph.node if node.op_type == "MultiHeadAttention"
                       and node.domain == "com.microsoft"]:
@@ -639,11 +639,22 @@ def fuse_diffusion_transformer(model: onnx.ModelProto) -> Dict[str, int]:
             "rotary_embedding": _fuse_rotary_embeddings(model, shapes), "value_bias": _fold_value_biases(model, shapes)}
 
 
-def _fresh_names(graph: onnx.GraphProto) -> Callable[[str], str]:
-    """``fresh(name)``: ``name``, or ``name_1``, ``name_2`` … where the graph (or an earlier ``fresh``) has it already
-    as a value, node, initializer, input or output name."""
-    taken = {name for node in graph.node for name in (*node.input, *node.output, node.name)} \
-        | {tensor.name for tensor in graph.initializer} | {value.name for value in (*graph.input, *graph.output)}
+def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """The nodes of ``graph`` and of every subgraph in it."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            for subgraph in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else
+                             attribute.graphs if attribute.type == onnx.AttributeProto.GRAPHS else ()):
+                yield from all_nodes(subgraph)
+
+
+def fresh_names(graph: onnx.GraphProto) -> Callable[[str], str]:
+    """``fresh(name)``: ``name``, or ``name_1``, ``name_2`` … where the graph (a subgraph included, or an earlier
+    ``fresh``) has it already as a value, node, initializer, input or output name."""
+    taken = {name for node in all_nodes(graph) for name in (*node.input, *node.output, node.name)}
+    taken |= {tensor.name for tensor in graph.initializer}
+    taken |= {value.name for value in (*graph.input, *graph.output, *graph.value_info)}
 
     def fresh(name: str) -> str:
         number, candidate = 0, name
