@@ -271,6 +271,17 @@ def graph_floor_ms(model: Any, replays: int = 20) -> Optional[float]:
     return replay_ms(runner, model.stream, replays)
 
 
+def command_line() -> str:
+    """The command that made a result: the bench's (``optimum-iobinding bench …``, however it was started), or a
+    script's (``python3 benchmarks/step_cache_probe.py …``)."""
+    if sys.argv[1:2] == ["bench"]:
+        return " ".join(["optimum-iobinding", *sys.argv[1:]])
+    script = os.path.basename(sys.argv[0])
+    if script.endswith(".py") and script not in ("cli.py", "__main__.py"):
+        return " ".join(["python3", sys.argv[0], *sys.argv[1:]])
+    return " ".join(["optimum-iobinding bench", *sys.argv[1:]])
+
+
 def environment() -> Dict[str, Any]:
     """What a result was measured with: the device, the versions of Python, torch, CUDA, ONNX Runtime, diffusers,
     transformers and onnx, the command line and the date."""
@@ -283,8 +294,7 @@ def environment() -> Dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "onnxruntime": ort.__version__,
-        "command": " ".join(["optimum-iobinding", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else
-        " ".join(["optimum-iobinding bench", *sys.argv[1:]]),
+        "command": command_line(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
     for module in ("diffusers", "transformers", "onnx"):

@@ -4,6 +4,7 @@ sampler and the cold-start timeline."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -838,3 +839,15 @@ def test_every_scenario_fails_on_its_own_pipelines_failures_and_not_on_its_peers
     from optimum_iobinding.bench.cli import own_failure
 
     assert own_failure({"rows": [row]}, scenario) == reason
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["/usr/bin/optimum-iobinding", "bench", "--models", "sd15"], "optimum-iobinding bench --models sd15"),
+    (["/site/optimum_iobinding/bench/cli.py", "--models", "sd15"], "optimum-iobinding bench --models sd15"),
+    (["benchmarks/step_cache_probe.py", "--kind", "flux-dev"], "python3 benchmarks/step_cache_probe.py --kind flux-dev"),
+])
+def test_a_result_names_the_command_that_made_it_a_scripts_too(monkeypatch, argv, expected):
+    from optimum_iobinding.bench.probes import command_line
+
+    monkeypatch.setattr(sys, "argv", argv)
+    assert command_line() == expected

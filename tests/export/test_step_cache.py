@@ -107,6 +107,23 @@ def test_the_out_part_reads_of_the_body_only_the_blocks_output_so_a_cached_step_
     assert {value.name for value in names["body.onnx"].input} <= graph_inputs | head_outputs
 
 
+@pytest.mark.parametrize("kind", ["sd", "flux"])
+def test_a_step_cache_exports_model_onnx_has_the_plain_exports_operators(tmp_path, kind):
+    """The marks are graph outputs while ORT's optimizer runs, and could keep a fusion from happening: the fused fp16
+    ``model.onnx`` of a step-cache export must be the plain export's graph, so that caching costs nothing uncached."""
+    import collections
+
+    component = "unet" if kind == "sd" else "transformer"
+    counts = []
+    for step_cache in (False, True):
+        source = dict(tiny_random="sd") if kind == "sd" else dict(torch_pipeline=build_tiny_random_flux_pipeline())
+        out = export_pipeline(None, tmp_path / str(step_cache), fp16=True, optimize="cuda", components=[component],
+                              progress=False, step_cache=step_cache, **source)
+        graph = onnx.load(str(out / component / "model.onnx"), load_external_data=False).graph
+        counts.append(collections.Counter(node.op_type for node in graph.node))
+    assert counts[0] == counts[1] and sum(counts[0].values()) > 100
+
+
 def test_the_heads_marks_are_diffusers_first_blocks_input_and_outputs(exported):
     family, torch_pipe, folder = exported
     caught = {}
