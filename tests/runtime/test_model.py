@@ -441,6 +441,52 @@ def weighted_model(make_model, tensor) -> onnx.ModelProto:
     )
 
 
+WIDE = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32) / 1000  # owned: at least 1024 elements
+
+
+@pytest.fixture
+def model_and_part(tmp_path, make_model, tensor):
+    """A model (``y = x @ w``) and a part beside it that names the same weight (``z = x @ w + x @ w``), both reading
+    one weights file."""
+    weight = numpy_helper.from_array(WIDE.numpy(), "w")
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [tensor("x", TensorProto.FLOAT, ["batch", 64])],
+                       [tensor("y", TensorProto.FLOAT, ["batch", 32])], [weight])
+    save_with_external_data(model, tmp_path / "model.onnx")
+    part = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False)  # w: still the model's file
+    del part.graph.node[:], part.graph.output[:]
+    part.graph.node.extend([helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "m"], ["z"])])
+    part.graph.output.append(tensor("z", TensorProto.FLOAT, ["batch", 32]))
+    onnx.save_model(part, str(tmp_path / "part.onnx"))
+    return IOBindingORTModel(str(tmp_path / "model.onnx")), tmp_path / "part.onnx"
+
+
+def test_a_part_reads_the_weights_its_model_owns_so_an_in_place_change_reaches_it(model_and_part):
+    model, path = model_and_part
+    weights = model.own_weights()
+    part = model.part(path)
+    x = torch.ones(2, 64)
+    expected = 2 * (x @ WIDE)
+    torch.testing.assert_close(part(x=x)[0], expected)
+    weights["w"].mul_(3)  # as runtime LoRA changes them
+    torch.testing.assert_close(part(x=x)[0], 3 * expected)
+    torch.testing.assert_close(model(x=x)[0], 1.5 * expected)
+    assert part.owned_weights["w"].data_ptr() == weights["w"].data_ptr()
+
+
+def test_a_part_of_a_model_whose_weights_are_not_owned_loads_them_from_the_file(model_and_part):
+    model, path = model_and_part
+    part = model.part(path)
+    x = torch.ones(2, 64)
+    torch.testing.assert_close(part(x=x)[0], 2 * (x @ WIDE))
+    assert not part.owned_weights
+
+
+def test_a_part_that_is_not_there_is_refused_naming_it(model_and_part, tmp_path):
+    model, _ = model_and_part
+    with pytest.raises(ValueError, match="expected an .onnx file, found nothing at .*nowhere.onnx"):
+        model.part(tmp_path / "nowhere.onnx")
+
+
 def test_from_pretrained_loads_a_subfolder_and_runs(tmp_path, weighted_model):
     (tmp_path / "unet").mkdir()
     save_with_external_data(weighted_model, tmp_path / "unet" / "model.onnx")

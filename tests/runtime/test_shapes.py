@@ -65,6 +65,14 @@ def test_expression_dims_resolve_without_running_shape_inference(concat_model, m
     assert inferencer({"x": (4, 9)}) == {"y": (8, 9)}
 
 
+def test_an_output_dim_written_as_an_inputs_expression_takes_that_inputs_size():
+    """A graph cut out of a larger one declares the values between the parts with the larger graph's expressions: the
+    input's own names (``height``, ``width``) are not among its dims, but the same text is."""
+    tokens = "floor(height/2)*floor(width/2)"
+    inferencer = ShapeInferencer({"x": ["batch", tokens, 32]}, {"y": ["batch", tokens, 64], "z": [tokens, "height"]})
+    assert inferencer({"x": (2, 12, 32)}) == {"y": (2, 12, 64), "z": None}
+
+
 def test_dims_nothing_resolves_are_data_dependent_without_a_model_source():
     inferencer = ShapeInferencer({"x": ["batch", 4]}, {"y": [None, None]})
     assert inferencer({"x": (3, 4)}) == {"y": None}
