@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, Tuple
 
 import numpy as np
 import torch
 
 from optimum_iobinding import DeepCacheConfig
+from optimum_iobinding.bench.peers import step_cache_row
 from optimum_iobinding.bench.probes import environment, graph_floor_ms
 from optimum_iobinding.bench.zoo import MODEL_SIZES, PROMPT, ensure_export, recipe_of
 from optimum_iobinding.pipelines import pipeline_class_for
@@ -61,18 +60,10 @@ def main() -> None:
         torch.cuda.synchronize()
         return np.asarray(images)
 
-    def timed() -> Dict[str, Any]:
-        call()  # sessions, graphs
-        times: List[float] = []
-        for _ in range(args.runs):
-            start = time.perf_counter()
-            image = call()
-            times.append((time.perf_counter() - start) * 1000)
-        row: Dict[str, Any] = {"end_to_end_ms": statistics.median(times), "end_to_end_ms_all": times,
-                               "image_std": float(image.std())}
-        if pipe.step_cache is not None:
-            row["computed"] = list(pipe.step_cache.computed)
-            row["full_steps"] = len(row["computed"]) - pipe.step_cache.skipped_steps
+    def timed() -> Tuple[Dict[str, Any], np.ndarray]:
+        row, image = step_cache_row(pipe, call, args.runs)
+        if "computed" in row:
+            row["full_steps"] = len(row["computed"]) - row["skipped_steps"]
         return row, image
 
     result: Dict[str, Any] = {"environment": environment(), "folder": str(folder), "kind": args.kind,

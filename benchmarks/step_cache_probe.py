@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 import torch
 from diffusers.hooks import FirstBlockCacheConfig
 
+from optimum_iobinding.bench.peers import step_cache_row
 from optimum_iobinding.bench.probes import environment, graph_floor_ms
 from optimum_iobinding.bench.transformer_peers import load_transformer_peer
 from optimum_iobinding.bench.zoo import PROMPT, TRANSFORMER_RECIPES
@@ -86,18 +86,7 @@ def main() -> None:
         return np.asarray(images)
 
     def timed() -> Dict[str, Any]:
-        call()  # sessions, graphs
-        times = []
-        for _ in range(args.runs):
-            start = time.perf_counter()
-            image = call()
-            times.append((time.perf_counter() - start) * 1000)
-        row: Dict[str, Any] = {"end_to_end_ms": statistics.median(times), "end_to_end_ms_all": times,
-                               "image_std": float(image.std())}
-        if pipe.step_cache is not None:
-            row["computed"] = list(pipe.step_cache.computed)
-            row["skipped_steps"] = pipe.step_cache.skipped_steps
-        return row
+        return step_cache_row(pipe, call, args.runs)[0]
 
     result: Dict[str, Any] = {"environment": environment(), "folder": str(args.folder), "kind": args.kind,
                               "steps": recipe["steps"], "rows": {}}

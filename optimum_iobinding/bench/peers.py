@@ -22,7 +22,7 @@ import importlib
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -302,6 +302,20 @@ def wall_ms(call: Callable[[], Any], runs: int) -> List[float]:
         call()
         times.append((time.perf_counter() - start) * 1000)
     return times
+
+
+def step_cache_row(pipe: Any, call: Callable[[], Any], runs: int) -> Tuple[Dict[str, Any], Any]:
+    """One row of a step-cache probe: ``call()`` (a pipeline call that waits for its own device work and returns its
+    images) once untimed (sessions, graphs), then ``runs`` timed; the median and every time, the last image's spread,
+    and, with a cache enabled, which steps of the last call ran whole. Returns the row and the last images."""
+    images: List[Any] = [call()]
+    times = wall_ms(lambda: images.append(call()), runs)
+    row: Dict[str, Any] = {"end_to_end_ms": statistics.median(times), "end_to_end_ms_all": times,
+                           "image_std": float(np.asarray(images[-1]).std())}
+    if pipe.step_cache is not None:
+        row["computed"] = list(pipe.step_cache.computed)
+        row["skipped_steps"] = pipe.step_cache.skipped_steps
+    return row, images[-1]
 
 
 def synchronized_latencies(call: Callable[[int], Any], count: int) -> List[float]:

@@ -4,7 +4,7 @@ project's rewrites) retyped to bfloat16, its weights rounded from the float32 or
 
 Why: the residual stream of SD3's and FLUX.1's blocks can grow past float16's range (65504; diffusers clips it when
 it runs them in float16), while bfloat16 has float32's range in float16's two bytes. On GPUs with bfloat16 tensor cores
-(Ampere and later, the H100 among them) ORT's CUDA kernels take bfloat16 for nearly every op these graphs hold.
+(compute capability 8.0 and later) ORT's CUDA kernels take bfloat16 for nearly every op these graphs hold.
 
 Why from the float16 graph: it already is the graph a half-precision export needs — the sinusoidal timestep and
 guidance embeddings and FLUX.1's rotary tables kept float32 up to the first layer
