@@ -18,6 +18,13 @@ process).
 ``--repeats N`` runs each peer in N processes, the peer order rotated each time, and reports the median over them
 (host-bound loops move from one process to the next on the same machine).
 
+``--cache SPEC`` (the single and the transformer scenarios) adds the row ``cached``: our default pipeline with
+``pipe.enable_cache(cache_config_of(SPEC))`` (DeepCache ``deepcache:INTERVAL[:BRANCH]`` for the UNets, First-Block
+Cache ``fbc:THRESHOLD`` for the transformers), measured as the others are, beside the uncached one (``defaults``,
+``ours``) on the same files (the UNets' step-cache export, ``…-step-cache``, for every peer of the configuration);
+it also reports which steps of its timed call at the full step count ran the whole model (``computed``), how many
+it skipped, and its speed-up over the uncached row end to end (``speedup_vs_uncached``). No other peer caches.
+
 ``--scenario mixed`` is a service's load instead: batch sizes 1, 4, 8, 2 in turn (``--mixed-batches``), ``--mixed-
 steps`` steps each, for ``--rounds`` rounds of ``--cycles`` passes over them: per round and batch size the median
 ms of its calls, device memory, sessions created after the first round; the peer ``warmed`` is "defaults" with
@@ -55,20 +62,34 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import unrecognized_arguments
-from .peers import (MIXED_PEERS, OPTIMUM_PEERS, OUR_PEERS, PEERS, STREAM_BATCH_BLIND, STREAM_KIND, STREAM_PEERS,
-                    STREAM_SIZE, PeerUnavailable, run_mixed, run_peer, run_stream_peer, stream_unet_steps)
+from ..cache_spec import parse_cache_spec
+from ..errors import ArgumentError, unrecognized_arguments
+from .peers import (CACHED_PEER, MIXED_PEERS, OPTIMUM_PEERS, OUR_PEERS, PEERS, STREAM_BATCH_BLIND, STREAM_KIND,
+                    STREAM_PEERS, STREAM_SIZE, UNCACHED_PEER, PeerUnavailable, run_mixed, run_peer, run_stream_peer,
+                    stream_unet_steps)
 from .probes import environment, run_floor
 from .report import (combine_repeats, stream_row_label, write_mixed_report, write_report, write_stream_report,
                      write_transformer_report)
-from .transformer_peers import (OPTIMUM_TRANSFORMER_PEERS, TRANSFORMER_PEERS, run_transformer_floor,
+from .transformer_peers import (CACHED_TRANSFORMER_PEER, OPTIMUM_TRANSFORMER_PEERS, OUR_TRANSFORMER_PEERS,
+                                TRANSFORMER_PEERS, UNCACHED_TRANSFORMER_PEER, run_transformer_floor,
                                 run_transformer_peer)
-from .zoo import (MODEL_SIZES, TRANSFORMER_RECIPES, ensure_export, ensure_tiny_vae_export, ensure_transformer_export,
-                  transformer_blocks)
+from .zoo import (MODEL_SIZES, TRANSFORMER_BLOCKS, TRANSFORMER_RECIPES, ensure_export, ensure_tiny_vae_export,
+                  ensure_transformer_export, transformer_blocks)
 
 # the stream scenario's configurations: (num_inference_steps, strength, stream batch), each with both VAEs
 STREAM_CONFIGS = ((2, 0.5, True), (4, 0.5, True), (4, 0.5, False))
 STREAM_VAES = ("full", "tiny")
+
+# the transformer scenario's models where --models is not given
+TRANSFORMER_DEFAULT_MODELS = ("sd35m", "flux-schnell", "flux-dev")
+# the scenarios that take --cache, each with the cache form its models take, the models' family, and the other
+# scenario's cache (the hint of a refusal)
+CACHE_SCENARIOS = {
+    "single": ("deepcache", "deepcache:INTERVAL[:BRANCH] (DeepCache)", "the UNets",
+               "First-Block Cache (fbc) is SD3's and FLUX.1's: --scenario transformer"),
+    "transformer": ("fbc", "fbc:THRESHOLD (First-Block Cache)", "the diffusion transformers",
+                    "DeepCache (deepcache) is the UNets': --scenario single"),
+}
 
 # what --help says the benchmark is
 DESCRIPTION = ("Benchmark: the same ONNX files through every ONNX peer, plus diffusers' torch pipeline, on one GPU in "
@@ -96,25 +117,44 @@ def run_in_subprocess(args: List[str], pythonpath: Optional[str], timeout: int) 
         os.unlink(result_path)
 
 
+def with_cached_peer(peers: Sequence[str], uncached: str, cached: str, cache: Optional[str]) -> List[str]:
+    """``peers`` with ``cached`` right after ``uncached`` where a step cache is given (``cache``), else as they
+    are."""
+    if cache is None:
+        return list(peers)
+    return [name for peer in peers for name in ((peer, cached) if peer == uncached else (peer,))]
+
+
+def compare_cached(peers: Dict[str, Dict[str, Any]], uncached: str, cached: str) -> None:
+    """The cached row's speed-up end to end over the uncached row of the same run and files
+    (``speedup_vs_uncached``: uncached ms ÷ cached ms), where both were measured."""
+    plain, result = peers.get(uncached, {}), peers.get(cached, {})
+    if plain.get("end_to_end_ms") and result.get("end_to_end_ms"):
+        result["speedup_vs_uncached"] = plain["end_to_end_ms"] / result["end_to_end_ms"]
+
+
 def benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[str], peers: Sequence[str], steps: int,
               runs: int, warmup: int, work: Path, out: Path, optimum_pythonpath: Optional[str], timeout: int,
-              repeats: int = 1) -> Dict:
+              repeats: int = 1, cache: Optional[str] = None) -> Dict:
     """Every peer of every (model, dtype, export), each in a process of its own, ``repeats`` times: repeat ``r``
     runs the peers in the given order rotated by ``r``, so that no peer always follows the same one (host-bound
     loops move between processes on the same machine), and the table shows the median over the processes
-    (:func:`.report.combine_repeats`)."""
+    (:func:`.report.combine_repeats`). With ``cache`` (a ``--cache`` spec), every peer runs on the step-cache export
+    (so that "defaults" and "cached" read the same ``model.onnx``) and "cached" runs right after "defaults"
+    (:func:`compare_cached`)."""
     from tqdm.auto import tqdm
 
     if repeats < 1:
         raise ValueError(f"repeats: expected at least 1, got {repeats}")
     out.mkdir(parents=True, exist_ok=True)
     results: Dict[str, Any] = {"environment": environment(), "steps": steps, "runs": runs, "warmup": warmup,
-                               "repeats": repeats, "rows": []}
+                               "repeats": repeats, "cache": cache, "rows": []}
+    peers = with_cached_peer(peers, UNCACHED_PEER, CACHED_PEER, cache)
     configs = [(m, d, e) for m in models for d in dtypes for e in exports]
     progress = tqdm(total=len(configs) * (len(peers) * repeats + 2), desc="bench", unit="task")
     for kind, dtype, export in configs:
         progress.set_postfix_str(f"{kind} {dtype} {export}: export")
-        folder = ensure_export(kind, dtype, export, work)
+        folder = ensure_export(kind, dtype, export, work, step_cache=cache is not None)
         progress.update()
         row = {"model": kind, "dtype": dtype, "export": export, "size": MODEL_SIZES[kind], "peers": {}}
         floor_args = ["--run-floor", "--folder", str(folder), "--model", kind]
@@ -132,11 +172,12 @@ def benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[st
                 image = work / f"image-{kind}-{dtype}-{export}-{peer}.npy"
                 peer_args = ["--run-peer", peer, "--folder", str(folder), "--model", kind, "--dtype", dtype,
                              "--steps", str(steps), "--runs", str(runs), "--warmup", str(warmup), "--image",
-                             str(image)]
+                             str(image), *(["--cache", cache] if peer == CACHED_PEER else [])]
                 by_peer.setdefault(peer, []).append(
                     run_in_subprocess(peer_args, optimum_pythonpath if peer in OPTIMUM_PEERS else None, timeout))
                 progress.update()
         row["peers"] = {peer: combine_repeats(by_peer[peer]) for peer in peers if peer in by_peer}
+        compare_cached(row["peers"], UNCACHED_PEER, CACHED_PEER)
         reference = row["peers"].get("numpy", {}).get("image") or row["peers"].get("optimum", {}).get("image")
         row["reference"] = "numpy" if row["peers"].get("numpy", {}).get("image") else "optimum"
         for result in row["peers"].values():
@@ -231,17 +272,20 @@ def stream_benchmark(peers: Sequence[str], dtype: str, export: str, frames: int,
 def transformer_benchmark(models: Sequence[str], peers: Sequence[str], dtype: str, export: str,
                           blocks: Optional[int], text_layers: Optional[int], runs: int, warmup: int, device: str,
                           work: Path, out: Path, optimum_pythonpath: Optional[str], timeout: int,
-                          compile_timeout: int, run: Any = run_in_subprocess) -> Dict[str, Any]:
+                          compile_timeout: int, cache: Optional[str] = None,
+                          run: Any = run_in_subprocess) -> Dict[str, Any]:
     """``--scenario transformer``: per model one export for ``device`` (:func:`.zoo.ensure_transformer_export`: an
-    optimized export for the CPU has only the fusions the CPU runs), then every peer in a
-    process of its own (``run``, :func:`run_in_subprocess`; optimum's in its environment); a peer that fails has its
-    error in its row and the others go on, a ``compile`` peer past ``compile_timeout`` seconds is skipped as "did not
-    compile". Images are compared with ours where the weights are the export's. transformer.json is rewritten after
-    every peer, transformer.md/png at the end."""
+    optimized export for the CPU has only the fusions the CPU runs; with First-Block Cache's parts), then every peer
+    in a process of its own (``run``, :func:`run_in_subprocess`; optimum's in its environment); a peer that fails has
+    its error in its row and the others go on, a ``compile`` peer past ``compile_timeout`` seconds is skipped as "did
+    not compile". With ``cache`` (a ``--cache`` spec) "cached" runs right after "ours" on the same folder
+    (:func:`compare_cached`). Images are compared with ours where the weights are the export's. transformer.json is
+    rewritten after every peer, transformer.md/png at the end."""
     out.mkdir(parents=True, exist_ok=True)
     results: Dict[str, Any] = {"environment": environment(), "scenario": "transformer", "dtype": dtype,
                                "export": export, "blocks": blocks, "text_layers": text_layers, "runs": runs,
-                               "warmup": warmup, "device": device, "rows": []}
+                               "warmup": warmup, "device": device, "cache": cache, "rows": []}
+    peers = with_cached_peer(peers, UNCACHED_TRANSFORMER_PEER, CACHED_TRANSFORMER_PEER, cache)
     for kind in models:
         recipe = TRANSFORMER_RECIPES[kind]
         depth = transformer_blocks(kind, blocks)
@@ -261,7 +305,8 @@ def transformer_benchmark(models: Sequence[str], peers: Sequence[str], dtype: st
             args = ["--scenario", "transformer", "--run-transformer", peer, "--folder", str(folder), "--model", kind, "--runs", str(runs),
                     "--warmup", str(warmup), "--device", device, "--image", str(work / f"image-{folder.name}-{peer}.npy"),
                     *(["--blocks", str(blocks)] if blocks is not None else []),
-                    *(["--text-layers", str(text_layers)] if text_layers is not None else [])]
+                    *(["--text-layers", str(text_layers)] if text_layers is not None else []),
+                    *(["--cache", cache] if peer == CACHED_TRANSFORMER_PEER else [])]
             limit = compile_timeout if peer == "compile" else timeout
             result = run(args, optimum_pythonpath if peer in OPTIMUM_TRANSFORMER_PEERS else None, limit)
             if peer == "compile" and str(result.get("error", "")).startswith("timed out"):
@@ -269,6 +314,7 @@ def transformer_benchmark(models: Sequence[str], peers: Sequence[str], dtype: st
             row["peers"][peer] = result
             (out / "transformer.json").write_text(json.dumps(results, indent=2))
         compare_with_ours(row)
+        compare_cached(row["peers"], UNCACHED_TRANSFORMER_PEER, CACHED_TRANSFORMER_PEER)
         (out / "transformer.json").write_text(json.dumps(results, indent=2))
     write_transformer_report(results, out)
     return results
@@ -287,7 +333,7 @@ def compare_with_ours(row: Dict[str, Any]) -> None:
 
 # the peers that are this project's pipelines, per scenario: where one of them fails, the run fails (the others'
 # failures are rows of the report)
-OWN_PEERS = {"single": OUR_PEERS, "mixed": OUR_PEERS, "stream": ("ours",), "transformer": ("ours",)}
+OWN_PEERS = {"single": OUR_PEERS, "mixed": OUR_PEERS, "stream": ("ours",), "transformer": OUR_TRANSFORMER_PEERS}
 
 
 def own_failure(results: Dict[str, Any], scenario: str) -> Optional[str]:
@@ -327,9 +373,9 @@ def fail_on_own_failure(results: Dict[str, Any], scenario: str, report: Path) ->
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any) -> None:
     """Every option checked before any export or peer starts: ``parser.error`` names the option, what it expects
     and what came."""
-    def expect(ok: bool, option: str, expected: str, got: Any) -> None:
+    def expect(ok: bool, option: str, expected: str, got: Any, hint: str = "") -> None:
         if not ok:
-            parser.error(f"{option}: expected {expected}, got {got!r}")
+            parser.error(f"{option}: expected {expected}, got {got!r}" + (f"; {hint}" if hint else ""))
 
     transformer = args.scenario == "transformer"
     choices = {"--models": (args.models, tuple(TRANSFORMER_RECIPES) if transformer else tuple(MODEL_SIZES)),
@@ -375,6 +421,34 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
     batches = split(args.mixed_batches)
     expect(bool(batches) and all(item.isdigit() and int(item) >= 1 for item in batches), "--mixed-batches",
            "a comma-separated list of positive integers", args.mixed_batches)
+    if args.cache is not None:
+        check_cache(parser, args, split, expect)
+
+
+def check_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any, expect: Any) -> None:
+    """``--cache``: a scenario that takes it (:data:`CACHE_SCENARIOS`), a spec of the form
+    :func:`~optimum_iobinding.cache_spec.parse_cache_spec` reads, of the cache the scenario's models take (DeepCache
+    for the UNets, First-Block Cache for the transformers), the uncached twin among ``--peers``, and transformers
+    deep enough to skip a block."""
+    expect(args.scenario in CACHE_SCENARIOS, "--cache", f"only with --scenario {' or '.join(CACHE_SCENARIOS)}",
+           f"--scenario {args.scenario}")
+    try:
+        kind, _ = parse_cache_spec(args.cache, "--cache")
+    except ArgumentError as error:
+        parser.error(str(error))
+    transformer = args.scenario == "transformer"
+    takes, form, family, elsewhere = CACHE_SCENARIOS[args.scenario]
+    models = split(args.models) if args.models != parser.get_default("models") else (
+        list(TRANSFORMER_DEFAULT_MODELS) if transformer else split(args.models))
+    expect(kind == takes, "--cache", f"{form} for {family} of --models ({', '.join(models)})", args.cache, elsewhere)
+    uncached = UNCACHED_TRANSFORMER_PEER if transformer else UNCACHED_PEER
+    if args.peers != parser.get_default("peers"):
+        expect(uncached in split(args.peers), "--peers", f"{uncached} among them with --cache", args.peers,
+               f"the {CACHED_PEER} row's speed-up is over {uncached}, on the same files")
+    for model in models if transformer else ():
+        depth = sum(transformer_blocks(model, args.blocks) or TRANSFORMER_BLOCKS[model])
+        expect(depth >= 2, "--cache", "transformers of at least 2 blocks (First-Block Cache runs the first and skips "
+               "the others)", f"{model} with --blocks {args.blocks}: {depth} block", "raise --blocks")
 
 
 def stream_export(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any,
@@ -392,8 +466,7 @@ def transformer_main(parser: argparse.ArgumentParser, args: argparse.Namespace, 
     default). Exit status 1 where ours failed (:func:`own_failure`) or every peer did."""
     import torch
 
-    models = split(args.models) if args.models != parser.get_default("models") else ["sd35m", "flux-schnell",
-                                                                                       "flux-dev"]
+    models = split(args.models) if args.models != parser.get_default("models") else list(TRANSFORMER_DEFAULT_MODELS)
     peers = split(args.peers) if args.peers != parser.get_default("peers") else list(TRANSFORMER_PEERS)
     dtype, export = stream_export(parser, args, split, default_dtype="fp32" if args.device == "cpu" else "fp16")
     if args.export_only:
@@ -407,7 +480,7 @@ def transformer_main(parser: argparse.ArgumentParser, args: argparse.Namespace, 
         return 1
     results = transformer_benchmark(models, peers, dtype, export, args.blocks, args.text_layers, args.runs,
                                     args.warmup, args.device, Path(args.work), out, args.optimum_pythonpath,
-                                    args.timeout, args.compile_timeout)
+                                    args.timeout, args.compile_timeout, cache=args.cache)
     print((out / "transformer.md").read_text())
     if fail_on_own_failure(results, "transformer", out / "transformer.md"):
         return 1
@@ -462,6 +535,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="transformer: seconds for the compile peer's process; past it: skipped, did not compile")
     parser.add_argument("--export-only", action="store_true",
                         help="only make the exports under --work (e.g. in the background, ahead of the benches)")
+    parser.add_argument("--cache", default=None, metavar="SPEC",
+                        help="single and transformer: one more row, 'cached': our default pipeline with this step "
+                             "cache (deepcache:INTERVAL[:BRANCH] for the UNets, fbc:THRESHOLD for the transformers) "
+                             "on the same files as the uncached row, with the steps it skipped and its speed-up")
     # one peer in this process (used by the orchestrator)
     parser.add_argument("--run-peer", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-floor", action="store_true", help=argparse.SUPPRESS)
@@ -503,7 +580,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 result = run_transformer_floor(Path(args.folder), args.model, args.device)
             else:
                 result = run_transformer_peer(peer, Path(args.folder), args.model, args.blocks, args.text_layers,
-                                              args.runs, args.warmup, args.device, Path(args.image))
+                                              args.runs, args.warmup, args.device, Path(args.image), args.cache)
         except PeerUnavailable as reason:
             result = {"peer": peer, "skipped": str(reason)}
         Path(args.result).write_text(json.dumps(result))
@@ -513,7 +590,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             result = run_floor(Path(args.folder), args.model)
         else:
             result = run_peer(args.run_peer, Path(args.folder), args.model, args.dtype, args.steps, args.runs,
-                              args.warmup, Path(args.image))
+                              args.warmup, Path(args.image), args.cache)
         Path(args.result).write_text(json.dumps(result))
         return 0
     out = Path(args.out)
@@ -538,7 +615,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for kind in split(args.models):
             for dtype in split(args.dtypes):
                 for export in split(args.exports):
-                    print(ensure_export(kind, dtype, export, Path(args.work)), flush=True)
+                    print(ensure_export(kind, dtype, export, Path(args.work), step_cache=args.cache is not None),
+                          flush=True)
         return 0
     import torch  # here, after the arguments: --help and their mistakes need no torch
 
@@ -569,7 +647,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1 if fail_on_own_failure(results, "mixed", out / "mixed.md") else 0
     results = benchmark(split(args.models), split(args.dtypes), split(args.exports), split(args.peers), args.steps,
                         args.runs, args.warmup, Path(args.work), out, args.optimum_pythonpath, args.timeout,
-                        args.repeats)
+                        args.repeats, cache=args.cache)
     print((out / "results.md").read_text())
     if fail_on_own_failure(results, "single", out / "results.md"):
         return 1

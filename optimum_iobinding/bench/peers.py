@@ -6,6 +6,8 @@ peers listed above :data:`STREAM_PEERS`).
   optimum     optimum-onnx's ORTStableDiffusionPipeline(use_io_binding=True)
   accelerated optimum-onnx's pipeline and loop, its parts switched to ours (``integrations.optimum.accelerate``)
   defaults    ours, from_pretrained(folder, provider="CUDAExecutionProvider") with nothing else: what a new user gets
+  cached      "defaults" with ``pipe.enable_cache(cache_config_of(SPEC))``, the step cache ``--cache SPEC`` names (a row
+              of its own where ``--cache`` is given, on the same files as "defaults")
   warmed      "defaults" with ``pipe.warmup(...)`` for the mixed scenario's batch sizes after loading
   binding     ours, io_binding=True, cuda_graph=False
   graph       ours, cuda_graph=True
@@ -29,11 +31,14 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only: torch is imported where it is used, not for --help
     import torch
 
+from ..errors import ArgumentError
 from .probes import PeakMemory, copied_bytes, own_graph_floor, replay_ms
 from .zoo import MODEL_SIZES, PROMPT, build_torch_pipeline, recipe_of, set_recipe_scheduler
 
 PEERS = ("numpy", "optimum", "accelerated", "defaults", "binding", "graph", "torch")
-OUR_PEERS = ("defaults", "warmed", "binding", "graph")
+OUR_PEERS = ("defaults", "warmed", "binding", "graph", "cached")
+# the peer that caches steps (``--cache``), and the uncached peer it is "defaults" of: its speed-up is over that one
+CACHED_PEER, UNCACHED_PEER = "cached", "defaults"
 MIXED_PEERS = ("numpy", "defaults", "warmed", "binding", "graph")
 # peers that run in the optimum-onnx environment (--optimum-pythonpath)
 OPTIMUM_PEERS = ("optimum", "accelerated")
@@ -60,8 +65,9 @@ def import_peer(peer: str) -> float:
     return time.perf_counter() - start
 
 
-def load_peer(peer: str, folder: Path, kind: str, dtype: str):
-    """The pipeline of one peer, with the model's recipe scheduler, and how to pass it the initial latents."""
+def load_peer(peer: str, folder: Path, kind: str, dtype: str, cache: Optional[str] = None):
+    """The pipeline of one peer, with the model's recipe scheduler, and how to pass it the initial latents; the
+    ``cached`` peer with the step cache ``cache`` (a ``--cache`` spec) enabled, the others never caching."""
     import torch
 
     torch_dtype = torch.float16 if dtype == "fp16" else torch.float32
@@ -99,6 +105,8 @@ def load_peer(peer: str, folder: Path, kind: str, dtype: str):
             kind, OnnxStableDiffusionPipeline)
         graph_argument = {"binding": {"cuda_graph": False}, "graph": {"cuda_graph": True}}.get(peer, {})
         pipe = our_class.from_pretrained(folder, provider="CUDAExecutionProvider", **graph_argument)
+        if peer == CACHED_PEER:
+            enable_spec_cache(pipe, cache)
         latents_of = on_device
     elif peer == "torch":
         pipe = build_torch_pipeline(kind).to("cuda", torch_dtype)
@@ -111,13 +119,15 @@ def load_peer(peer: str, folder: Path, kind: str, dtype: str):
 
 
 def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: int, warmup: int,
-             image_path: Path) -> Dict[str, Any]:
+             image_path: Path, cache: Optional[str] = None) -> Dict[str, Any]:
     """One peer on one export, in this process: the imports (timed apart), the load and the first image (the cold
     start), ``warmup`` calls, then ``runs`` timed calls at ``steps`` and at the recipe's short step count (per-step
     ms: the difference of their medians over the steps between), for ours the GPU's time per step inside whole calls
-    (CUDA events at the first and the last step) and their UNet graph replayed alone (:func:`.probes.own_graph_floor`),
-    the device's memory peak above its idle (:class:`.probes.PeakMemory`), host↔device bytes per step (profiled at
-    two step counts), and the image, saved to ``image_path``."""
+    (CUDA events at the first and the last step) and their UNet graph replayed alone (:func:`.probes.own_graph_floor`;
+    not for a cached loop, which runs the cache's parts), the device's memory peak above its idle
+    (:class:`.probes.PeakMemory`), host↔device bytes per step (profiled at two step counts), and the image, saved to
+    ``image_path``. The ``cached`` peer (step cache ``cache``) also reports what its cache did in the last timed call
+    at ``steps`` (:func:`step_cache_fields`)."""
     import torch
 
     device = torch.device("cuda", 0)
@@ -132,7 +142,7 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
     with PeakMemory(device) as memory:
         start = time.perf_counter()
         try:
-            pipe, latents_of = load_peer(peer, folder, kind, dtype)
+            pipe, latents_of = load_peer(peer, folder, kind, dtype, cache)
         except PeerUnavailable as reason:
             return {"peer": peer, "skipped": str(reason)}
         load_s = time.perf_counter() - start
@@ -157,6 +167,7 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
         for _ in range(warmup):
             image = call(steps)
         full = timed(steps)
+        cached = step_cache_fields(pipe, cache)  # the last call at ``steps``: the short ones follow
         short = timed(short_steps)
 
         def gpu_step_ms() -> float:
@@ -173,7 +184,7 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
 
         # the loop's GPU time per step inside whole calls (ours): no difference of two noisy medians in it
         gpu_steps = [gpu_step_ms() for _ in range(runs)] if peer in OUR_PEERS and steps > 2 else None
-    own_floor = own_graph_floor(pipe) if peer in OUR_PEERS else None
+    own_floor = own_graph_floor(pipe) if peer in OUR_PEERS and peer != CACHED_PEER else None
     bytes_short, bytes_long = copied_bytes(lambda: call(short_steps)), copied_bytes(lambda: call(short_steps + 2))
     np.save(image_path, image.astype(np.float32))
     per_step = (statistics.median(full) - statistics.median(short)) / (steps - short_steps)
@@ -197,7 +208,31 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
         "htod_bytes_per_step": (bytes_long["htod"] - bytes_short["htod"]) / 2,
         "dtoh_bytes_per_step": (bytes_long["dtoh"] - bytes_short["dtoh"]) / 2,
         "image": str(image_path),
+        **cached,
     }
+
+
+def enable_spec_cache(pipe: Any, spec: Optional[str]) -> None:
+    """Enables on ``pipe`` (ours) the step cache the ``--cache`` text ``spec`` names
+    (:func:`~optimum_iobinding.pipelines.cache_configs.cache_config_of`).
+
+    Raises:
+        ArgumentError: ``spec`` is missing or names no cache (naming ``--cache``), or the pipeline cannot take it."""
+    from ..pipelines.cache_configs import cache_config_of
+
+    if spec is None:
+        raise ArgumentError("--cache", f"expected a step cache for the {CACHED_PEER} peer, got None")
+    pipe.enable_cache(cache_config_of(spec, "--cache"))
+
+
+def step_cache_fields(pipe: Any, spec: Optional[str]) -> Dict[str, Any]:
+    """What a cached row reports beyond the others' columns, of the pipeline's last call: the ``--cache`` spec, which
+    steps ran the whole model (``computed``) and how many reused the cache (``skipped_steps``); nothing where
+    ``pipe`` caches no step."""
+    cache = getattr(pipe, "step_cache", None)
+    if spec is None or cache is None:
+        return {}
+    return {"cache": spec, "computed": list(cache.computed), "skipped_steps": cache.skipped_steps}
 
 
 def run_mixed(peer: str, folder: Path, kind: str, dtype: str, batches: Sequence[int], steps: int, rounds: int,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from .zoo import TRANSFORMER_BLOCKS
 
@@ -73,9 +73,25 @@ def _pyplot() -> Any:
     return plt
 
 
+def cached_label(peer: str, result: Dict[str, Any], spec: Optional[str], uncached: Optional[str] = None) -> str:
+    """A row's pipeline cell: the peer's name, and for the cached row what it cached — ``cached (deepcache:3; 20 of
+    30 steps skipped; 2.10 × defaults)`` (the steps of its timed call at the full step count; with ``uncached``, its
+    speed-up end to end over that row). ``spec``: the run's ``--cache``, where the row itself has none (it failed)."""
+    if "computed" not in result and "cache" not in result and spec is None:
+        return peer
+    about = [str(result.get("cache", spec))]
+    if "computed" in result:
+        about.append(f"{result['skipped_steps']} of {len(result['computed'])} steps skipped")
+    if uncached and result.get("speedup_vs_uncached"):
+        about.append(f"{result['speedup_vs_uncached']:.2f} × {uncached}")
+    return f"{peer} ({'; '.join(about)})"
+
+
 def write_report(results: Dict[str, Any], out: Path) -> None:
-    """results.json → results.md (table) and results.png (chart)."""
+    """results.json → results.md (table) and results.png (chart); a cached row names its cache, the steps it skipped
+    and its speed-up over "defaults" (:func:`cached_label`)."""
     env = results["environment"]
+    spec = results.get("cache")
     lines = [
         f"# Benchmark: {env.get('device')}",
         "",
@@ -86,7 +102,10 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
            "median over the processes" if results.get("repeats", 1) > 1 else "warm-up")
         + "; SDXL guidance 5; LCM 4 steps (LCM scheduler, guidance embedded, batch 1); Turbo 4 Euler-ancestral "
         "trailing steps, guidance 0. Where diffusers has no numpy pipeline (SDXL, LCM), × and diff are against "
-        "optimum-onnx.",
+        "optimum-onnx."
+        + (f" cached: defaults with the step cache `{spec}` (`pipe.enable_cache`), every row of a configuration on "
+           "the same files (the step-cache export); the steps it skipped are those of a timed call at the full step "
+           "count, × defaults its speed-up end to end." if spec else ""),
         "",
         "| model | dtype | export | pipeline | end-to-end ms | per-step ms | × numpy | step / GPU floor "
         "| step / own graph | GPU step / own graph | peak GPU MiB | H↔D bytes/step | max diff vs numpy | load s "
@@ -97,7 +116,8 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
         floor = row.get("floor", {}).get("per_step_ms")
         numpy_ms = row["peers"].get(row.get("reference", "numpy"), {}).get("end_to_end_ms")
         for peer, result in row["peers"].items():
-            label = f"| {row['model']} {row['size']}² | {row['dtype']} | {row['export']} | {peer} |"
+            name = cached_label(peer, result, spec, "defaults") if peer == "cached" else peer
+            label = f"| {row['model']} {row['size']}² | {row['dtype']} | {row['export']} | {name} |"
             if "skipped" in result:
                 lines.append(f"{label} — ({result['skipped']}) |" + " |" * 10)
                 continue
@@ -128,7 +148,7 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
         return
     labels, values, colors = [], [], []
     palette = {"numpy": "#999999", "optimum": "#e69f00", "accelerated": "#d55e00", "defaults": "#0072b2",
-               "binding": "#56b4e9", "graph": "#009e73", "torch": "#cc79a7"}
+               "binding": "#56b4e9", "graph": "#009e73", "torch": "#cc79a7", "cached": "#f0e442"}
     for row in results["rows"]:
         for peer, result in row["peers"].items():
             if "error" not in result and "skipped" not in result:
@@ -331,8 +351,10 @@ TORCH_PEERS_ON = {
 def write_transformer_report(results: Dict[str, Any], out: Path) -> None:
     """transformer.json → transformer.md (per model and peer: end-to-end and per-step ms, step / GPU floor, ours ÷
     the peer end to end, peak memory, load, first image, compile seconds, difference from ours' image; every row
-    names the transformer's depth) and transformer.png (end-to-end ms, where matplotlib is installed)."""
+    names the transformer's depth; a cached row its cache and the steps it skipped, :func:`cached_label`) and
+    transformer.png (end-to-end ms, where matplotlib is installed)."""
     env = results["environment"]
+    spec = results.get("cache")
     lines = [
         f"# Transformers: {env.get('device')}",
         "",
@@ -343,7 +365,10 @@ def write_transformer_report(results: Dict[str, Any], out: Path) -> None:
         "median at its short step count) / the steps between. SD3.5 Medium: 28 steps, CFG 7 (transformer batch 2), "
         "T5 256 tokens; FLUX.1 schnell: 4 steps, guidance 0, T5 256; FLUX.1 dev: 28 steps, embedded guidance 3.5, "
         f"T5 512. {TORCH_PEERS_ON[results['device']]} Floor: our transformer's CUDA graph replayed back to back, "
-        "a process of its own. One process per peer.",
+        "a process of its own. One process per peer."
+        + (f" cached: ours with the step cache `{spec}` (`pipe.enable_cache`) on the same folder; the steps it "
+           "skipped are those of a timed call at the recipe's steps, and ours ÷ this is its speed-up end to end."
+           if spec else ""),
         "",
         "| model | transformer | pipeline | end-to-end ms | per-step ms | step / floor | ours ÷ this (end to end) "
         "| peak GPU MiB | load s | first image s | compile s | max diff vs ours |",
@@ -359,8 +384,9 @@ def write_transformer_report(results: Dict[str, Any], out: Path) -> None:
         floor = row["peers"].get("floor", {}).get("per_step_ms")
         ours = row["peers"].get("ours", {}).get("end_to_end_ms")
         for peer, result in row["peers"].items():
+            name = cached_label(peer, result, spec) if peer == "cached" else peer
             if "per_step_ms" not in result:
-                lines.append(f"{label} {peer} | {_reason(result)} |" + " |" * 8)
+                lines.append(f"{label} {name} | {_reason(result)} |" + " |" * 8)
                 continue
             if peer == "floor":
                 lines.append(f"{label} GPU floor (transformer graph replays, batch "
@@ -372,7 +398,7 @@ def write_transformer_report(results: Dict[str, Any], out: Path) -> None:
             cells = " | ".join("" if value is None else (f"{value:.0f}" if i == 0 else f"{value:.1f}")
                                for i, value in enumerate(numbers))
             diff = result.get("max_abs_diff_vs_ours")
-            lines.append(f"{label} {peer} | {result['end_to_end_ms']:.1f} | {result['per_step_ms']:.2f} | {vs_floor} | "
+            lines.append(f"{label} {name} | {result['end_to_end_ms']:.1f} | {result['per_step_ms']:.2f} | {vs_floor} | "
                          f"{vs_ours} | {cells} | {'' if diff is None else f'{diff:.2e}'} |")
     (out / "transformer.md").write_text("\n".join(lines) + "\n")
     plt = _pyplot()

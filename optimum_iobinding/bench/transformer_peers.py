@@ -2,6 +2,8 @@
 (:data:`.zoo.TRANSFORMER_RECIPES`), each peer measured in a process of its own on the same ONNX folder.
 
   ours     OnnxStableDiffusion3Pipeline / OnnxFluxPipeline, from_pretrained(folder) with its defaults (CUDA graphs)
+  cached   "ours" with ``pipe.enable_cache(cache_config_of(SPEC))``, First-Block Cache as ``--cache fbc:THRESHOLD``
+           names it (a row of its own where ``--cache`` is given; the export carries the cache's parts)
   optimum  optimum-onnx's ORTStableDiffusion3Pipeline / ORTFluxPipeline(use_io_binding=True) on the same folder
   torch    diffusers' StableDiffusion3Pipeline / FluxPipeline, bf16 eager, the same architecture and seed
   compile  the same with ``torch.compile(pipe.transformer)`` (its first image, compilation included, timed apart)
@@ -24,11 +26,15 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only: torch is imported where it is used, not for --help
     import torch
 
-from .peers import PeerUnavailable, wall_ms
+from .peers import PeerUnavailable, enable_spec_cache, step_cache_fields, wall_ms
 from .probes import PeakMemory, graph_floor_ms
 from .zoo import PROMPT, TRANSFORMER_RECIPES, build_transformer_pipeline
 
 TRANSFORMER_PEERS = ("ours", "optimum", "torch", "compile", "floor")
+# the peer that caches steps (``--cache``), and the uncached peer of the same files its speed-up is over
+CACHED_TRANSFORMER_PEER, UNCACHED_TRANSFORMER_PEER = "cached", "ours"
+# this project's pipelines among the peers
+OUR_TRANSFORMER_PEERS = ("ours", "cached")
 # peers that run in the optimum-onnx environment (--optimum-pythonpath)
 OPTIMUM_TRANSFORMER_PEERS = ("optimum",)
 # peers that need CUDA whatever the device: compiled kernels and captured graphs are what they measure
@@ -102,17 +108,20 @@ def weights_made_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[int], text_layers: Optional[int],
-                          device: str) -> Tuple[Any, Any, Dict[str, Any]]:
+                          device: str, cache: Optional[str] = None) -> Tuple[Any, Any, Dict[str, Any]]:
     """The pipeline of one peer on ``device`` ("cuda" or "cpu"), the initial latents in the form it takes them, and
-    what the result should say about its weights."""
+    what the result should say about its weights; the ``cached`` peer is ours with the step cache ``cache`` (a
+    ``--cache`` spec) enabled, the others never cache."""
     import torch
 
     if peer in CUDA_ONLY_TRANSFORMER_PEERS and device != "cuda":
         raise PeerUnavailable(f"{peer} measures CUDA work: it needs --device cuda")
     latents = torch.from_numpy(initial_latents(kind))
     provider = "CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider"
-    if peer == "ours":
-        pipe = pipeline_class(peer, kind).from_pretrained(folder, provider=provider)
+    if peer in OUR_TRANSFORMER_PEERS:
+        pipe = pipeline_class("ours", kind).from_pretrained(folder, provider=provider)
+        if peer == CACHED_TRANSFORMER_PEER:
+            enable_spec_cache(pipe, cache)
         return pipe, latents.to(device, pipe.transformer.input_dtypes["hidden_states"]), {"weights": "the export's"}
     if peer == "optimum":
         pipe = pipeline_class(peer, kind).from_pretrained(folder, provider=provider,
@@ -134,16 +143,19 @@ def load_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[i
         if peer == "compile":
             pipe.transformer = torch.compile(pipe.transformer)
         return pipe, latents.to(device, pipe.transformer.dtype), {"weights": weights}
-    raise ValueError(f"peer: expected one of {', '.join(TRANSFORMER_PEERS[:-1])}, got {peer!r}")
+    raise ValueError(f"peer: expected one of {', '.join((*TRANSFORMER_PEERS[:-1], CACHED_TRANSFORMER_PEER))}, got "
+                     f"{peer!r}")
 
 
 def run_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[int], text_layers: Optional[int],
-                         runs: int, warmup: int, device: str, image_path: Path) -> Dict[str, Any]:
+                         runs: int, warmup: int, device: str, image_path: Path,
+                         cache: Optional[str] = None) -> Dict[str, Any]:
     """One peer on one export, in this process: load (timed), the first image (timed: sessions and graph capture, or
     ``torch.compile``'s compilation), ``warmup`` calls, ``runs`` timed calls at the recipe's steps and at its short
     step count (per-step ms: the difference of their medians over the steps between), for ours its transformer graph
     replayed alone in this process, the device's memory peak above its idle (CUDA), and the image, saved to
-    ``image_path``."""
+    ``image_path``. The ``cached`` peer (step cache ``cache``) also reports what its cache did in the last timed call
+    at the recipe's steps (:func:`.peers.step_cache_fields`)."""
     import torch
 
     recipe = TRANSFORMER_RECIPES[kind]
@@ -152,7 +164,7 @@ def run_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[in
     idle = memory.used() if cuda else None
     with memory:
         start = time.perf_counter()
-        pipe, latents, about = load_transformer_peer(peer, folder, kind, blocks, text_layers, device)
+        pipe, latents, about = load_transformer_peer(peer, folder, kind, blocks, text_layers, device, cache)
         load_s = time.perf_counter() - start
         pipe.set_progress_bar_config(disable=True)
 
@@ -173,10 +185,12 @@ def run_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[in
         first_image_s = time.perf_counter() - start
         for _ in range(warmup):
             image = call(recipe["steps"])
-        full, short = timed(recipe["steps"]), timed(recipe["short_steps"])
+        full = timed(recipe["steps"])
+        cached = step_cache_fields(pipe, cache)  # the last call at the recipe's steps: the short ones follow
+        short = timed(recipe["short_steps"])
     own_floor = graph_floor_ms(pipe.transformer) if peer == "ours" and cuda else None
     np.save(image_path, image.astype(np.float32))
-    if peer == "ours":  # the provider each component ran on; which ran without a CUDA graph, and ORT's reason
+    if peer in OUR_TRANSFORMER_PEERS:  # the provider each component ran on; which ran without a graph, ORT's reason
         about["providers"] = {name: model.providers[0] for name, model in pipe.onnx_models.items()}
         about["graph_fallbacks"] = {name: {str(dict(signature)): reason for signature, reason in
                                            model.graph_fallbacks.items()}
@@ -192,7 +206,7 @@ def run_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[in
         "load_s": load_s, "first_image_s": first_image_s,
         # torch.compile compiles during the first image: that image's time less a warm one's
         "compile_s": first_image_s - statistics.median(full) / 1000 if peer == "compile" else None,
-        "image": str(image_path), "image_stats": image_stats(image),
+        "image": str(image_path), "image_stats": image_stats(image), **cached,
     }
 
 

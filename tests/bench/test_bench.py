@@ -166,7 +166,7 @@ def test_repeats_rotate_the_peer_order_so_no_peer_always_follows_the_same_one(tm
         return {**peer(ms, ms / 30), "end_to_end_ms_all": [ms], "load_s": 1.0, "first_image_s": 1.0}
 
     monkeypatch.setattr(cli, "run_in_subprocess", fake_subprocess)
-    monkeypatch.setattr(cli, "ensure_export", lambda kind, dtype, export, work: tmp_path / "export")
+    monkeypatch.setattr(cli, "ensure_export", lambda kind, dtype, export, work, step_cache: tmp_path / "export")
     monkeypatch.setattr(cli, "environment", lambda: {"device": "GPU", "command": "bench"})
     results = cli.benchmark(["small"], ["fp16"], ["optimized"], ["numpy", "defaults", "graph"], 30, 3, 1,
                             tmp_path, tmp_path / "out", None, 60, repeats=3)
@@ -834,6 +834,9 @@ def test_the_bench_fails_where_ours_has_no_export(tmp_path, monkeypatch, capsys)
      "ours failed on 1 step, tiny VAE: the tiny VAE export failed: OSError: disk full"),
     ("stream", {"steps": 2, "strength": 0.5, "stream_batch": True, "vae": "full", "unet_steps": 1,
                 "peers": {"ours": {"fps": 10.0}, "torch": {"error": "boom"}}}, None),
+    ("transformer", {"model": "tiny-flux", "peers": {"ours": transformer_peer(1.0, 1.0),
+                                                     "cached": {"error": "x\nArgumentError: config: no parts"}}},
+     "cached failed on tiny-flux: ArgumentError: config: no parts"),
 ])
 def test_every_scenario_fails_on_its_own_pipelines_failures_and_not_on_its_peers(scenario, row, reason):
     from optimum_iobinding.bench.cli import own_failure
@@ -851,3 +854,110 @@ def test_a_result_names_the_command_that_made_it_a_scripts_too(monkeypatch, argv
 
     monkeypatch.setattr(sys, "argv", argv)
     assert command_line() == expected
+
+
+# ------------------------------------------------------------------------------------------------- step caching
+@pytest.mark.parametrize("argv, message", [
+    (["--cache", "fbc"], "--cache: expected fbc:THRESHOLD (First-Block Cache: SD3, FLUX.1) or deepcache:INTERVAL"
+                         "[:BRANCH] (DeepCache: SD, SDXL), got 'fbc'"),
+    (["--cache", "deepcache:x"], "--cache: expected fbc:THRESHOLD"),
+    (["--models", "sd15", "--cache", "fbc:0.08"],
+     "--cache: expected deepcache:INTERVAL[:BRANCH] (DeepCache) for the UNets of --models (sd15), got 'fbc:0.08'; "
+     "First-Block Cache (fbc) is SD3's and FLUX.1's: --scenario transformer"),
+    (["--scenario", "transformer", "--cache", "deepcache:3"],
+     "--cache: expected fbc:THRESHOLD (First-Block Cache) for the diffusion transformers of --models (sd35m, "
+     "flux-schnell, flux-dev), got 'deepcache:3'; DeepCache (deepcache) is the UNets': --scenario single"),
+    (["--scenario", "mixed", "--cache", "deepcache:3"],
+     "--cache: expected only with --scenario single or transformer, got '--scenario mixed'"),
+    (["--scenario", "stream", "--cache", "deepcache:3"],
+     "--cache: expected only with --scenario single or transformer, got '--scenario stream'"),
+    (["--peers", "numpy,graph", "--cache", "deepcache:3"],
+     "--peers: expected defaults among them with --cache, got 'numpy,graph'; the cached row's speed-up is over "
+     "defaults, on the same files"),
+    (["--scenario", "transformer", "--models", "tiny-sd3", "--blocks", "1", "--cache", "fbc:0.08"],
+     "--cache: expected transformers of at least 2 blocks (First-Block Cache runs the first and skips the others), "
+     "got 'tiny-sd3 with --blocks 1: 1 block'; raise --blocks"),
+])
+def test_the_bench_cli_refuses_a_cache_its_scenario_or_models_cannot_take_before_any_work(argv, message, capsys):
+    from optimum_iobinding.bench.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2 and error.startswith(f"optimum-iobinding bench: error: {message}")
+
+
+def test_with_a_cache_defaults_and_cached_run_on_one_step_cache_export_and_only_cached_caches(tmp_path, monkeypatch):
+    import optimum_iobinding.bench.cli as cli
+
+    calls, exports = [], []
+
+    def fake_subprocess(args, pythonpath, timeout):
+        if "--run-floor" in args:
+            return {"per_step_ms": 1.0}
+        calls.append(args)
+        name = args[args.index("--run-peer") + 1]
+        result = {**peer({"numpy": 300.0, "defaults": 100.0, "cached": 40.0}[name], 1.0), "peer": name}
+        if name == "cached":
+            result.update(cache="deepcache:3", computed=[True, False, False] * 10, skipped_steps=20)
+        return result
+
+    def fake_export(kind, dtype, export, work, step_cache):
+        exports.append(step_cache)
+        return tmp_path / "export-step-cache"
+
+    monkeypatch.setattr(cli, "run_in_subprocess", fake_subprocess)
+    monkeypatch.setattr(cli, "ensure_export", fake_export)
+    monkeypatch.setattr(cli, "environment", lambda: {"device": "GPU", "command": "bench"})
+    results = cli.benchmark(["sd15"], ["fp16"], ["optimized"], ["numpy", "defaults"], 30, 3, 1, tmp_path,
+                            tmp_path / "out", None, 60, cache="deepcache:3")
+    assert exports == [True]
+    assert [args[args.index("--run-peer") + 1] for args in calls] == ["numpy", "defaults", "cached"]
+    assert [args[args.index("--folder") + 1] for args in calls] == [str(tmp_path / "export-step-cache")] * 3
+    assert ["--cache" in args for args in calls] == [False, False, True]
+    cached = results["rows"][0]["peers"]["cached"]
+    assert cached["speedup_vs_uncached"] == 2.5 and results["cache"] == "deepcache:3"
+
+
+def test_the_report_names_a_cached_rows_cache_its_skipped_steps_and_its_speed_up(tmp_path):
+    cached = {**peer(40.0, 1.2), "cache": "deepcache:3", "computed": [True, False, False] * 10, "skipped_steps": 20,
+              "speedup_vs_uncached": 2.5}
+    results = {
+        "environment": {"device": "GPU", "command": "optimum-iobinding bench --cache deepcache:3"}, "steps": 30,
+        "runs": 3, "warmup": 1, "cache": "deepcache:3",
+        "rows": [{"model": "sd15", "size": 512, "dtype": "fp16", "export": "optimized", "reference": "numpy",
+                  "floor": {"per_step_ms": 3.0},
+                  "peers": {"numpy": peer(300.0, 9.0), "defaults": peer(100.0, 3.0), "cached": cached}}],
+    }
+    write_report(results, tmp_path)
+    table = (tmp_path / "results.md").read_text()
+    assert ("| sd15 512² | fp16 | optimized | cached (deepcache:3; 20 of 30 steps skipped; 2.50 × defaults) | 40.0 "
+            "| 1.20 | 7.50 | 0.400 |" in table)
+    assert "cached: defaults with the step cache `deepcache:3`" in table
+    header = table.splitlines()[4]
+    assert all(line.count("|") == header.count("|") for line in table.splitlines()[4:] if line.startswith("|"))
+
+
+def test_the_transformer_scenario_with_a_cache_runs_tiny_flux_cached_beside_ours_on_the_cpu(tmp_path, monkeypatch):
+    import json
+
+    import optimum_iobinding.bench.cli as cli
+
+    def in_this_process(args, pythonpath, timeout):  # the peer's own entry point, without a new interpreter
+        result_path = tmp_path / "result.json"
+        assert cli.main([*args, "--result", str(result_path)]) == 0
+        return json.loads(result_path.read_text())
+
+    benchmark = cli.transformer_benchmark
+    monkeypatch.setattr(cli, "transformer_benchmark",
+                        lambda *args, **kwargs: benchmark(*args, **kwargs, run=in_this_process))
+    assert cli.main([*TRANSFORMER_CPU_RUN, "--models", "tiny-flux", "--peers", "ours", "--exports", "plain",
+                     "--cache", "fbc:10", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]) == 0
+    (row,) = json.loads((tmp_path / "out" / "transformer.json").read_text())["rows"]
+    ours, cached = row["peers"]["ours"], row["peers"]["cached"]
+    # a threshold no residual change reaches: the first step runs whole, the others reuse it
+    assert cached["computed"] == [True, False, False] and cached["skipped_steps"] == 2
+    assert cached["cache"] == "fbc:10" and "cache" not in ours and "computed" not in ours
+    assert cached["speedup_vs_uncached"] == pytest.approx(ours["end_to_end_ms"] / cached["end_to_end_ms"])
+    assert "| tiny-flux 64² | full model | cached (fbc:10; 2 of 3 steps skipped) |" in (
+        tmp_path / "out" / "transformer.md").read_text()
