@@ -225,14 +225,20 @@ def enable_spec_cache(pipe: Any, spec: Optional[str]) -> None:
     pipe.enable_cache(cache_config_of(spec, "--cache"))
 
 
-def step_cache_fields(pipe: Any, spec: Optional[str]) -> Dict[str, Any]:
-    """What a cached row reports beyond the others' columns, of the pipeline's last call: the ``--cache`` spec, which
-    steps ran the whole model (``computed``) and how many reused the cache (``skipped_steps``); nothing where
-    ``pipe`` caches no step."""
+def cache_record(pipe: Any) -> Dict[str, Any]:
+    """What the pipeline's step cache did in its last call: which steps ran the whole model (``computed``) and how many
+    reused the cache (``skipped_steps``); nothing where ``pipe`` caches no step."""
     cache = getattr(pipe, "step_cache", None)
-    if spec is None or cache is None:
+    if cache is None:
         return {}
-    return {"cache": spec, "computed": list(cache.computed), "skipped_steps": cache.skipped_steps}
+    return {"computed": list(cache.computed), "skipped_steps": cache.skipped_steps}
+
+
+def step_cache_fields(pipe: Any, spec: Optional[str]) -> Dict[str, Any]:
+    """What a cached row reports beyond the others' columns: the ``--cache`` spec and :func:`cache_record`; nothing
+    where no cache was asked for or ``pipe`` caches no step."""
+    record = cache_record(pipe)
+    return {"cache": spec, **record} if spec is not None and record else {}
 
 
 def run_mixed(peer: str, folder: Path, kind: str, dtype: str, batches: Sequence[int], steps: int, rounds: int,
@@ -347,9 +353,7 @@ def step_cache_row(pipe: Any, call: Callable[[], Any], runs: int) -> Tuple[Dict[
     times = wall_ms(lambda: images.append(call()), runs)
     row: Dict[str, Any] = {"end_to_end_ms": statistics.median(times), "end_to_end_ms_all": times,
                            "image_std": float(np.asarray(images[-1]).std())}
-    if pipe.step_cache is not None:
-        row["computed"] = list(pipe.step_cache.computed)
-        row["skipped_steps"] = pipe.step_cache.skipped_steps
+    row.update(cache_record(pipe))
     return row, images[-1]
 
 
