@@ -5,9 +5,11 @@ pipeline (CUDA graphs, the recipe's size, steps, guidance and latents of ``--sce
   - end to end: uncached; cached at each ``--thresholds`` value (the steps it skipped); cached with the decision's
     outcome fixed to a pattern (``every-other``: steps 1, 3, 5 … skipped; ``first-only``: every step but the first),
     the decision still computed and read back, so a pattern's time is what a threshold skipping those steps costs;
+    and each pattern again without the read-back (the host never waits: the difference is what the read costs);
   - per step, from the last call's inputs (each mean of ``--repeats`` back-to-back calls, the host waiting at the
-    end): the uncached transformer, a cached step that runs every block, one that skips; and each part's CUDA graph
-    replayed alone (the head is the embeddings and the first block: "the first block alone").
+    end): the uncached transformer, a cached step that runs every block, one that skips (with and without the
+    read-back); and each part's CUDA graph replayed alone (the head is the embeddings and the first block: "the
+    first block alone").
 Random weights make a threshold's skip count arbitrary: the patterns are what the targets are measured at.
 
     python3 benchmarks/step_cache_probe.py --folder WORK/flux-schnell-fp16-optimized-blocks2x4-… --kind flux-schnell \
@@ -37,16 +39,18 @@ PATTERNS: Dict[str, Callable[[int], bool]] = {
 }
 
 
-def fixed(cache: Any, pattern: Optional[Callable[[int], bool]]) -> None:
-    """Makes ``cache``'s decisions follow ``pattern`` (step → compute?) while still computing and reading back the
-    rule's scalar (``None``: the rule decides again)."""
+def fixed(cache: Any, pattern: Optional[Callable[[int], bool]], read: bool = True) -> None:
+    """Makes ``cache``'s decisions follow ``pattern`` (step → compute?) while still computing the rule's scalar and,
+    with ``read``, reading it back (``None``: the rule decides again). Without ``read`` the host never waits for
+    the GPU inside a call: the difference is what the read-back costs."""
     if pattern is None:
         cache.__dict__.pop("should_compute", None)
         return
     rule = type(cache).should_compute
 
     def should_compute(residual: torch.Tensor) -> bool:
-        rule(cache, residual)
+        if read:
+            rule(cache, residual)
         return pattern(len(cache.computed))
 
     cache.should_compute = should_compute
@@ -110,6 +114,8 @@ def main() -> None:
     for name, pattern in PATTERNS.items():
         fixed(cache, pattern)
         rows[f"pattern {name}"] = timed()
+        fixed(cache, pattern, read=False)
+        rows[f"pattern {name}, no read-back"] = timed()
     # one more cached call, the last step's inputs recorded (a call goes through the class), for the per-step costs
     original_call = cache.__class__.__call__
     try:
@@ -126,6 +132,8 @@ def main() -> None:
     steps["cached, every block"] = per_call_ms(lambda: cache(1, inputs), stream, args.repeats)
     fixed(cache, lambda step: False)
     steps["cached, skipped"] = per_call_ms(lambda: cache(1, inputs), stream, args.repeats)
+    fixed(cache, lambda step: False, read=False)
+    steps["cached, skipped, no read-back"] = per_call_ms(lambda: cache(1, inputs), stream, args.repeats)
     for part_name, part in zip(("head (first block alone)", "body", "out"), cache.parts):
         steps[f"graph replay: {part_name}"] = graph_floor_ms(part, args.repeats)
     steps["graph replay: uncached transformer"] = graph_floor_ms(transformer, args.repeats)
@@ -138,11 +146,14 @@ def main() -> None:
     head = steps["graph replay: head (first block alone)"]
     result["skipped_step_over_first_block"] = steps["cached, skipped"] / head if head else None
     result["every_other_speedup"] = rows["uncached"]["end_to_end_ms"] / rows["pattern every-other"]["end_to_end_ms"]
+    # what reading the decision back costs a skipped step: the host waits, then launches the next step's work
+    result["read_back_ms_per_skipped_step"] = steps["cached, skipped"] - steps["cached, skipped, no read-back"]
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"step_cache-{args.kind}.json"
     path.write_text(json.dumps(result, indent=2))
     print(json.dumps({key: result[key] for key in ("per_step_ms", "skipped_step_over_first_block",
-                                                   "every_other_speedup", "graph_fallbacks")}, indent=2))
+                                                   "every_other_speedup", "read_back_ms_per_skipped_step",
+                                                   "graph_fallbacks")}, indent=2))
     for name, row in rows.items():
         print(f"{name:24s} {row['end_to_end_ms']:9.1f} ms  skipped {row.get('skipped_steps', 0)}")
 

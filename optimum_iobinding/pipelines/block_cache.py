@@ -100,6 +100,10 @@ class FirstBlockCache(StepCache):
         self.last_scale: Optional[torch.Tensor] = None  # its absolute sum (the rule's means share one count)
         self.tail_residual: Optional[torch.Tensor] = None  # the other blocks' residual at the last full step
         self._out_buffers: Optional[Dict[str, torch.Tensor]] = None  # the out part's graph inputs, once it has one
+        # on CUDA: the decision's pinned host copy, the event after its copy, and the device value it copies
+        self._host_flag: Optional[torch.Tensor] = None
+        self._flag_copied: Optional[Any] = None
+        self._flag_of: Optional[torch.Tensor] = None
 
     @property
     def config(self) -> Any:
@@ -114,12 +118,26 @@ class FirstBlockCache(StepCache):
         """diffusers' rule after the first step: whether the first block's residual changed by more than the threshold
         since the last full step (mean absolute change over the mean absolute last residual; both means count the
         same elements, so sums are compared), as a boolean on the device: one reduction, accumulated in float32,
-        queued and not read."""
+        queued and not read. On CUDA its copy to pinned host memory is queued right behind it, so that
+        :meth:`should_compute` waits for the decision and not for what is queued after it."""
         change = torch.linalg.vector_norm(residual - self.last_residual, ord=1, dtype=torch.float32)
-        return change > self.threshold * self.last_scale
+        exceeded = change > self.threshold * self.last_scale
+        if exceeded.is_cuda:
+            if self._host_flag is None:
+                self._host_flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+                self._flag_copied = torch.cuda.Event()
+            self._host_flag.copy_(exceeded, non_blocking=True)
+            self._flag_copied.record()
+            self._flag_of = exceeded
+        return exceeded
 
     def should_compute(self, exceeded: torch.Tensor) -> bool:
-        """Whether the other blocks run: :meth:`exceeded` read back, the one value a step reads."""
+        """Whether the other blocks run: :meth:`exceeded` read back, the one value a step reads (on CUDA: the host
+        waits for its copy only, not for the kernels queued after it)."""
+        if exceeded is self._flag_of:
+            self._flag_copied.synchronize()
+            self._flag_of = None
+            return bool(self._host_flag.item())
         return bool(exceeded.item())
 
     def _remember(self, residual: torch.Tensor) -> None:
