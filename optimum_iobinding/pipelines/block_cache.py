@@ -124,7 +124,9 @@ class FirstBlockCache(StepCache):
         exceeded = change > self.threshold * self.last_scale
         if exceeded.is_cuda:
             if self._host_flag is None:
-                self._host_flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+                # a normal tensor even inside inference mode: a later call outside it writes into it
+                with torch.inference_mode(False):
+                    self._host_flag = torch.empty((), dtype=torch.bool, pin_memory=True)
                 self._flag_copied = torch.cuda.Event()
             self._host_flag.copy_(exceeded, non_blocking=True)
             self._flag_copied.record()
