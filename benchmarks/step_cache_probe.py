@@ -9,11 +9,14 @@ pipeline (CUDA graphs, the recipe's size, steps, guidance and latents of ``--sce
   - per step, from the last call's inputs (each mean of ``--repeats`` back-to-back calls, the host waiting at the
     end): the uncached transformer, a cached step that runs every block, one that skips (with and without the
     read-back); and each part's CUDA graph replayed alone (the head is the embeddings and the first block: "the
-    first block alone").
+    first block alone");
+  - per step inside the loop, as the bench counts a step (the call at the recipe's steps minus one at
+    ``--short-steps``, over the steps between): uncached, and skipped (every step but the first, with and without
+    the read-back).
 Random weights make a threshold's skip count arbitrary: the patterns are what the targets are measured at.
 
     python3 benchmarks/step_cache_probe.py --folder WORK/flux-schnell-fp16-optimized-blocks2x4-… --kind flux-schnell \
-        --out OUT [--thresholds 0.08,0.2] [--runs 3] [--repeats 20]
+        --out OUT [--thresholds 0.08,0.2] [--runs 3] [--repeats 20] [--short-steps 8]
 """
 
 from __future__ import annotations
@@ -76,26 +79,31 @@ def main() -> None:
     parser.add_argument("--thresholds", default="0.08,0.2")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--short-steps", type=int, default=8,
+                        help="the short call of the in-loop per-step costs (fewer than the recipe's steps)")
     args = parser.parse_args()
     recipe = TRANSFORMER_RECIPES[args.kind]
     pipe, latents, _ = load_transformer_peer("ours", args.folder, args.kind, None, None, "cuda")
     pipe.set_progress_bar_config(disable=True)
 
-    def call() -> np.ndarray:
+    def call(steps: int = recipe["steps"]) -> np.ndarray:
         with torch.inference_mode():
-            images = pipe(PROMPT, height=recipe["size"], width=recipe["size"], num_inference_steps=recipe["steps"],
+            images = pipe(PROMPT, height=recipe["size"], width=recipe["size"], num_inference_steps=steps,
                           guidance_scale=recipe["guidance"], latents=latents.clone(),
                           max_sequence_length=recipe["max_sequence_length"], output_type="np").images
         torch.cuda.synchronize()
         return np.asarray(images)
 
-    def timed() -> Dict[str, Any]:
-        return step_cache_row(pipe, call, args.runs)[0]
+    def timed(steps: int = recipe["steps"]) -> Dict[str, Any]:
+        return step_cache_row(pipe, lambda: call(steps), args.runs)[0]
 
     result: Dict[str, Any] = {"environment": environment(), "folder": str(args.folder), "kind": args.kind,
                               "steps": recipe["steps"], "rows": {}}
     rows = result["rows"]
     rows["uncached"] = timed()
+    # a step inside the loop, as the bench counts it: (steps-step call − short-step call) / the steps between
+    short, between = args.short_steps, recipe["steps"] - args.short_steps
+    short_rows = {"uncached": timed(short)}
     stream = pipe.transformer.stream
     recorded: Dict[str, torch.Tensor] = {}
     transformer = pipe.transformer
@@ -116,6 +124,17 @@ def main() -> None:
         rows[f"pattern {name}"] = timed()
         fixed(cache, pattern, read=False)
         rows[f"pattern {name}, no read-back"] = timed()
+    for suffix, read in (("", True), (", no read-back", False)):
+        fixed(cache, PATTERNS["first-only"], read=read)
+        short_rows[f"pattern first-only{suffix}"] = timed(short)
+    in_loop = {"uncached step": short_rows["uncached"],
+               "skipped step": short_rows["pattern first-only"],
+               "skipped step, no read-back": short_rows["pattern first-only, no read-back"]}
+    whole = {"uncached step": rows["uncached"], "skipped step": rows["pattern first-only"],
+             "skipped step, no read-back": rows["pattern first-only, no read-back"]}
+    result["in_loop_per_step_ms"] = {name: (whole[name]["end_to_end_ms"] - row["end_to_end_ms"]) / between
+                                     for name, row in in_loop.items()}
+    result["short_steps"] = {"steps": short, "rows": short_rows}
     # one more cached call, the last step's inputs recorded (a call goes through the class), for the per-step costs
     original_call = cache.__class__.__call__
     try:
@@ -145,15 +164,18 @@ def main() -> None:
                                                         [*cache.parts, transformer]) if model.graph_fallbacks}
     head = steps["graph replay: head (first block alone)"]
     result["skipped_step_over_first_block"] = steps["cached, skipped"] / head if head else None
+    result["in_loop_skipped_step_over_first_block"] = (result["in_loop_per_step_ms"]["skipped step"] / head
+                                                       if head else None)
     result["every_other_speedup"] = rows["uncached"]["end_to_end_ms"] / rows["pattern every-other"]["end_to_end_ms"]
     # what reading the decision back costs a skipped step: the host waits, then launches the next step's work
     result["read_back_ms_per_skipped_step"] = steps["cached, skipped"] - steps["cached, skipped, no read-back"]
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"step_cache-{args.kind}.json"
     path.write_text(json.dumps(result, indent=2))
-    print(json.dumps({key: result[key] for key in ("per_step_ms", "skipped_step_over_first_block",
-                                                   "every_other_speedup", "read_back_ms_per_skipped_step",
-                                                   "graph_fallbacks")}, indent=2))
+    print(json.dumps({key: result[key] for key in ("per_step_ms", "in_loop_per_step_ms",
+                                                   "skipped_step_over_first_block",
+                                                   "in_loop_skipped_step_over_first_block", "every_other_speedup",
+                                                   "read_back_ms_per_skipped_step", "graph_fallbacks")}, indent=2))
     for name, row in rows.items():
         print(f"{name:24s} {row['end_to_end_ms']:9.1f} ms  skipped {row.get('skipped_steps', 0)}")
 
