@@ -97,7 +97,8 @@ class FirstBlockCache(StepCache):
             raise ArgumentError("config", f"the parts beside {model.model_path!r} do not fit together (values "
                                           f"{lacking} are not where First-Block Cache expects them); {EXPORT_HINT}")
         self.last_residual: Optional[torch.Tensor] = None  # the first block's residual at the last full step
-        self.last_scale: Optional[torch.Tensor] = None  # its absolute sum (the rule's means share one count)
+        # the threshold times its absolute sum (the rule's means share one count), made once per full step
+        self.last_bound: Optional[torch.Tensor] = None
         self.tail_residual: Optional[torch.Tensor] = None  # the other blocks' residual at the last full step
         self._out_buffers: Optional[Dict[str, torch.Tensor]] = None  # the out part's graph inputs, once it has one
         # on CUDA: the decision's pinned host copy, the event after its copy, and the device value it copies
@@ -121,7 +122,7 @@ class FirstBlockCache(StepCache):
         queued and not read. On CUDA its copy to pinned host memory is queued right behind it, so that
         :meth:`should_compute` waits for the decision and not for what is queued after it."""
         change = torch.linalg.vector_norm(residual - self.last_residual, ord=1, dtype=torch.float32)
-        exceeded = change > self.threshold * self.last_scale
+        exceeded = change > self.last_bound
         if exceeded.is_cuda:
             if self._host_flag is None:
                 # a normal tensor even inside inference mode: a later call outside it writes into it
@@ -143,9 +144,10 @@ class FirstBlockCache(StepCache):
         return bool(exceeded.item())
 
     def _remember(self, residual: torch.Tensor) -> None:
-        """Keeps a full step's first-block residual and its absolute sum (on the device: nothing is read back)."""
+        """Keeps a full step's first-block residual and the threshold times its absolute sum (on the device: nothing
+        is read back; a later step compares with it without another kernel)."""
         self.last_residual = residual
-        self.last_scale = torch.linalg.vector_norm(residual, ord=1, dtype=torch.float32)
+        self.last_bound = torch.linalg.vector_norm(residual, ord=1, dtype=torch.float32) * self.threshold
 
     @staticmethod
     def _run(model: IOBindingORTModel, values: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
