@@ -23,7 +23,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-# a runner's first runs: ORT makes one regular run before it captures (allocations), then captures and replays
+# a runner's first runs in a thread: ORT makes one regular run before it captures (allocations), then captures and
+# replays. ORT's CUDA EP keeps its graphs per thread (its PerThreadContext): a session run from a new thread makes a
+# regular run and captures again there, so every thread's first runs are gated, not only the runner's first.
 _CAPTURE_RUNS = 3
 
 
@@ -32,7 +34,9 @@ class CudaGraphRunner:
     it as a CUDA graph on its first run and replays it afterwards.
 
     New inputs are copied into ``input_buffers`` (on the caller's stream, so in order with the replay); results
-    are left in ``output_buffers`` — the same tensors every call.
+    are left in ``output_buffers`` — the same tensors every call. ORT captures once per thread that runs the
+    session (the same buffers, so the same results): each thread's first runs wait for the device set-ups of other
+    threads, and theirs for them (:data:`~.cuda_policy.DEVICE_SETUP`).
     """
 
     def __init__(
@@ -55,15 +59,18 @@ class CudaGraphRunner:
         for buffers, bind in ((self.input_buffers, self.binding.bind_input), (self.output_buffers, self.binding.bind_output)):
             for name, tensor in buffers.items():
                 bind(name, "cuda", device.index or 0, TORCH_TO_ONNX[tensor.dtype], list(tensor.shape), tensor.data_ptr())
-        self.runs = 0
+        self.runs = 0  # in every thread
+        self._thread = threading.local()  # .runs: this thread's
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         for name, tensor in inputs.items():
             buffer = self.input_buffers[name]
             if tensor.data_ptr() != buffer.data_ptr():
                 buffer.copy_(tensor, non_blocking=True)
-        with DEVICE_SETUP.capture() if self.runs < _CAPTURE_RUNS else contextlib.nullcontext():
+        runs = getattr(self._thread, "runs", 0)
+        with DEVICE_SETUP.capture() if runs < _CAPTURE_RUNS else contextlib.nullcontext():
             self.session.run_with_iobinding(self.binding, self.run_options)
+        self._thread.runs = runs + 1
         self.runs += 1
         return self.output_buffers
 

@@ -63,3 +63,57 @@ def test_a_stream_with_a_ready_made_session_is_refused(make_model, make_session,
                        [tensor("y", TensorProto.FLOAT, [1])])
     with pytest.raises(ValueError, match=r"stream: a stream is set when a session is created"):
         IOBindingORTModel(make_session(model), stream=object())
+
+
+def test_the_first_graph_runs_in_every_thread_wait_for_the_device_set_ups_of_other_threads(monkeypatch):
+    # ORT's CUDA EP keeps its graphs per thread: a session run from another thread makes a regular run and captures
+    # again there, so that thread's first runs are gated as the runner's very first were
+    import contextlib
+    import threading
+
+    import torch
+
+    from optimum_iobinding.runtime import graph_pool
+    from optimum_iobinding.runtime.cuda_policy import SetupGate
+
+    class RecordingGate(SetupGate):
+        inside = False
+
+        @contextlib.contextmanager
+        def capture(self):
+            with super().capture():
+                self.inside = True
+                try:
+                    yield
+                finally:
+                    self.inside = False
+
+    gate = RecordingGate()
+    monkeypatch.setattr(graph_pool, "DEVICE_SETUP", gate)
+    seen = []
+
+    class Binding:
+        def bind_input(self, *args):
+            pass
+
+        bind_output = bind_input
+
+    class Session:
+        def io_binding(self):
+            return Binding()
+
+        def run_with_iobinding(self, binding, run_options):
+            seen.append((threading.current_thread().name, gate.inside))
+
+    runner = graph_pool.CudaGraphRunner(Session(), {"x": ((2,), torch.float32)}, {"y": ((2,), torch.float32)},
+                                        torch.device("cpu"), None)
+    x = torch.ones(2)
+    for _ in range(4):
+        runner.run({"x": x})
+    other = threading.Thread(target=lambda: [runner.run({"x": x}) for _ in range(4)], name="other")
+    other.start()
+    other.join(60)
+    runner.run({"x": x})
+    main = threading.current_thread().name
+    assert seen == [(main, True)] * 3 + [(main, False)] + [("other", True)] * 3 + [("other", False), (main, False)]
+    assert runner.runs == 9
