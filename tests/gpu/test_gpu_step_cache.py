@@ -1,6 +1,6 @@
 """Step caching on the GPU (skipped without CUDA; run on the GPU machine): First-Block Cache (tiny FLUX.1) and DeepCache
-(tiny SD) with ``cuda_graph=True``: every part is captured, the parts read the model's own weights (one copy on the
-device), and the cached images are the CPU's."""
+(tiny SD and SDXL) with ``cuda_graph=True``: every part is captured, the parts read the model's own weights (one copy
+on the device), and the cached images are the CPU's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 from diffusers.hooks import FirstBlockCacheConfig
 
-from optimum_iobinding import DeepCacheConfig, OnnxFluxPipeline, OnnxStableDiffusionPipeline
+from optimum_iobinding import (DeepCacheConfig, OnnxFluxPipeline, OnnxStableDiffusionPipeline,
+                               OnnxStableDiffusionXLPipeline)
 from optimum_iobinding.export import export_pipeline
 from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline
 
@@ -33,6 +34,12 @@ def flux_parts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sd_parts(tmp_path_factory):
     return export_pipeline(None, tmp_path_factory.mktemp("sd") / "out", tiny_random="sd", progress=False,
+                           step_cache=True)
+
+
+@pytest.fixture(scope="module")
+def xl_parts(tmp_path_factory):
+    return export_pipeline(None, tmp_path_factory.mktemp("xl") / "out", tiny_random="xl", progress=False,
                            step_cache=True)
 
 
@@ -72,11 +79,14 @@ def test_first_block_cache_on_cuda_captures_every_part_and_gives_the_cpus_image(
     np.testing.assert_allclose(images[CUDA], images["CPUExecutionProvider"], atol=TOLERANCE)
 
 
-@pytest.mark.parametrize("interval, branch", [(2, 0), (3, 1)])
-def test_deepcache_on_cuda_captures_every_part_and_gives_the_cpus_image(sd_parts, interval, branch):
+@pytest.mark.parametrize("family, interval, branch", [("sd", 2, 0), ("sd", 3, 1), ("xl", 3, 0)])
+def test_deepcache_on_cuda_captures_every_part_and_gives_the_cpus_image(request, family, interval, branch):
+    cls, folder = {"sd": (OnnxStableDiffusionPipeline, "sd_parts"),
+                   "xl": (OnnxStableDiffusionXLPipeline, "xl_parts")}[family]
+    folder = request.getfixturevalue(folder)
     images = {}
     for provider in (CUDA, "CPUExecutionProvider"):
-        pipe = load(OnnxStableDiffusionPipeline, sd_parts, provider)
+        pipe = load(cls, folder, provider)
         pipe.enable_cache(DeepCacheConfig(cache_interval=interval, cache_branch_id=branch))
 
         def call():
