@@ -31,7 +31,7 @@ from .deep_cache import marked_unet_spec, name_marks_before_divisions_by_one, wr
 from .lora_places import lora_layers, weight_map
 from .optimize import (EXTERNAL_DATA_FILE, MAX_SINGLE_FILE_BYTES, convert_to_float16, fold_pads_into_convs,
                        fusion_options, fusion_options_for, in_folder, optimize_component, optimized_to_float16,
-                       optimizer_model_type, save_onnx, use_classic_attention)
+                       optimizer_model_type, remove_same_type_casts, save_onnx, use_classic_attention)
 from .step_cache import drop_marks, marked_transformer_spec, write_step_cache_parts
 from .transformer_fusions import fuse_diffusion_transformer
 
@@ -338,6 +338,8 @@ def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool
             _torch_export(spec, scratch_path, opset)
         exported = onnx.load(str(scratch_path), load_external_data=False)  # weights past 2 GiB stay in their files
         changed = fold_pads_into_convs(exported)
+        if optimize:  # ORT's optimizer would remove them too, rewriting the whole graph once for each
+            changed = remove_same_type_casts(exported) or changed
         if step_cache and optimize:  # so that ORT's optimizer keeps a graph that computes every mark
             changed = name_marks_before_divisions_by_one(exported, list(branches.values())) or changed
         if changed:

@@ -154,6 +154,68 @@ def _constant_value(graph: onnx.GraphProto, name: str, opset: int, depth: int = 
         return None
 
 
+def remove_same_type_casts(model: onnx.ModelProto) -> int:
+    """Removes (in place) each ``Cast`` whose input already has the type it casts to, its readers reading that input;
+    returns how many it removed. A cast that makes a graph output stays.
+
+    ORT's optimizer removes the same casts (``remove_useless_cast_nodes``: a Cast whose input and output types are
+    equal), but it rewrites every node's inputs once per cast removed. The TorchScript exporter writes hundreds of
+    them in a UNet's shape arithmetic (an int64 value cast to int64), so that pass grows with the square of the graph:
+    SDXL's was its slowest. Here the types come from ONNX shape inference over the graph without its weights, and
+    the readers are renamed in one pass; a value whose type inference leaves open keeps its cast, for ORT to
+    judge. Graphs with control flow are left as they are."""
+    graph = model.graph
+    if any(_has_subgraph(node) for node in graph.node):  # values read inside subgraphs: not followed here
+        return 0
+    # the graph with its initializers as typed inputs: types are all that is asked, and no weight is copied
+    light = onnx.helper.make_model(
+        onnx.helper.make_graph(list(graph.node), graph.name, [*graph.input, *[
+            onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
+            for tensor in graph.initializer]], list(graph.output)),
+        opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(light, strict_mode=False).graph
+    except Exception:  # inference refuses the graph: ORT's own pass still removes the casts
+        return 0
+    types: Dict[str, int] = {}
+    for value in [*inferred.input, *inferred.value_info, *inferred.output]:
+        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
+            types[value.name] = value.type.tensor_type.elem_type
+    for tensor in graph.initializer:
+        types[tensor.name] = tensor.data_type
+    outputs = {value.name for value in graph.output}
+    renamed: Dict[str, str] = {}
+    removed = []
+    for node in graph.node:
+        if node.op_type != "Cast" or node.output[0] in outputs or not node.input[0]:
+            continue
+        to = next((a.i for a in node.attribute if a.name == "to"), None)
+        if to is not None and types.get(node.input[0]) == to:
+            renamed[node.output[0]] = node.input[0]
+            removed.append(node)
+    if not removed:
+        return 0
+
+    def source(name: str) -> str:
+        while name in renamed:  # a cast of a cast
+            name = renamed[name]
+        return name
+
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            if name in renamed:
+                node.input[index] = source(name)
+    drop = {id(node) for node in removed}
+    kept = [node for node in graph.node if id(node) not in drop]
+    del graph.node[:]
+    graph.node.extend(kept)
+    dropped_values = set(renamed)
+    kept_info = [value for value in graph.value_info if value.name not in dropped_values]
+    del graph.value_info[:]
+    graph.value_info.extend(kept_info)
+    return len(removed)
+
+
 def fold_pads_into_convs(model: onnx.ModelProto) -> int:
     """Folds each zero ``Pad`` of the spatial dims whose only readers are ``Conv`` nodes into those convolutions'
     own ``pads`` (in place); returns how many it folded.

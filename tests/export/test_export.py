@@ -304,3 +304,56 @@ def test_cascaded_casts_merge_between_float_types_and_never_through_an_integer()
         None, {"x": x})
     np.testing.assert_array_equal(back, x)
     np.testing.assert_array_equal(rounded, x.astype(np.int32).astype(np.float32))
+
+
+@pytest.mark.parametrize("name", ["unet", "text_encoder"])
+def test_removing_same_type_casts_first_leaves_orts_optimized_graph_exactly_as_it_was(tmp_path, tiny_specs,
+                                                                                    exported_bytes, name):
+    # the export removes them in one pass before ORT's optimizer, which would remove them one full rewrite at a time
+    from optimum_iobinding.export.optimize import remove_same_type_casts
+
+    spec = tiny_specs[name]
+    results = {}
+    for removed_first in (False, True):
+        folder = tmp_path / str(removed_first)
+        folder.mkdir()
+        path = folder / "model.onnx"
+        path.write_bytes(exported_bytes(name))
+        if removed_first:
+            model = onnx.load(str(path))
+            casts = sum(node.op_type == "Cast" for node in model.graph.node)
+            assert 0 < remove_same_type_casts(model) <= casts
+            onnx.save_model(model, str(path))
+        optimized = optimize_component(name, path, fusion_options(name, spec["config"], "cuda"), "cuda").model
+        onnx.load_external_data_for_model(optimized, str(folder))
+        results[removed_first] = _graph_of(optimized)
+    (nodes, weights), (cleaned_nodes, cleaned_weights) = results[False], results[True]
+    assert cleaned_nodes == nodes
+    assert cleaned_weights.keys() == weights.keys()
+    for key, value in weights.items():
+        np.testing.assert_array_equal(cleaned_weights[key], value)
+
+
+def test_a_cast_to_another_type_or_making_a_graph_output_stays_and_the_graph_computes_the_same():
+    from onnx import TensorProto, helper
+    from optimum_iobinding.export.optimize import remove_same_type_casts
+    import onnxruntime as ort
+
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Cast", ["shape"], ["shape64"], to=TensorProto.INT64),  # int64 → int64: goes
+             helper.make_node("Cast", ["shape64"], ["again"], to=TensorProto.INT64),  # a cast of it: goes too
+             helper.make_node("Cast", ["again"], ["as_float"], to=TensorProto.FLOAT),  # another type: stays
+             helper.make_node("Cast", ["x"], ["same"], to=TensorProto.FLOAT),  # float → float: goes
+             helper.make_node("Mul", ["same", "as_float"], ["scaled"]),
+             helper.make_node("Cast", ["scaled"], ["out"], to=TensorProto.FLOAT)]  # a graph output: stays
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(  # noqa: E731
+        None, {"x": x})[0]
+    expected = run(model)
+    assert remove_same_type_casts(model) == 3
+    casts = {node.output[0]: node for node in model.graph.node if node.op_type == "Cast"}
+    assert set(casts) == {"as_float", "out"} and casts["as_float"].input[0] == "shape"
+    np.testing.assert_array_equal(run(model), expected)
