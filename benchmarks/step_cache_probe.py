@@ -16,7 +16,7 @@ pipeline (CUDA graphs, the recipe's size, steps, guidance and latents of ``--sce
 Random weights make a threshold's skip count arbitrary: the patterns are what the targets are measured at.
 
     python3 benchmarks/step_cache_probe.py --folder WORK/flux-schnell-fp16-optimized-blocks2x4-… --kind flux-schnell \
-        --out OUT [--thresholds 0.08,0.2] [--runs 3] [--repeats 20] [--short-steps 8]
+        --out OUT [--thresholds 0.08,0.2] [--runs 3] [--repeats 20] [--short-steps N]
 """
 
 from __future__ import annotations
@@ -79,10 +79,14 @@ def main() -> None:
     parser.add_argument("--thresholds", default="0.08,0.2")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--short-steps", type=int, default=8,
-                        help="the short call of the in-loop per-step costs (fewer than the recipe's steps)")
+    parser.add_argument("--short-steps", type=int, default=None,
+                        help="the short call of the in-loop per-step costs (fewer than the recipe's steps; default: "
+                             "the recipe's, as the bench's per-step time)")
     args = parser.parse_args()
     recipe = TRANSFORMER_RECIPES[args.kind]
+    short = recipe["short_steps"] if args.short_steps is None else args.short_steps
+    if not 1 <= short < recipe["steps"]:
+        parser.error(f"--short-steps: expected 1 ≤ N < {recipe['steps']} ({args.kind}'s steps), got {short}")
     pipe, latents, _ = load_transformer_peer("ours", args.folder, args.kind, None, None, "cuda")
     pipe.set_progress_bar_config(disable=True)
 
@@ -102,7 +106,7 @@ def main() -> None:
     rows = result["rows"]
     rows["uncached"] = timed()
     # a step inside the loop, as the bench counts it: (steps-step call − short-step call) / the steps between
-    short, between = args.short_steps, recipe["steps"] - args.short_steps
+    between = recipe["steps"] - short
     short_rows = {"uncached": timed(short)}
     stream = pipe.transformer.stream
     recorded: Dict[str, torch.Tensor] = {}
@@ -134,7 +138,7 @@ def main() -> None:
              "skipped step, no read-back": rows["pattern first-only, no read-back"]}
     result["in_loop_per_step_ms"] = {name: (whole[name]["end_to_end_ms"] - row["end_to_end_ms"]) / between
                                      for name, row in in_loop.items()}
-    result["short_steps"] = {"steps": short, "rows": short_rows}
+    result["short_call"] = {"steps": short, "rows": short_rows}
     # one more cached call, the last step's inputs recorded (a call goes through the class), for the per-step costs
     original_call = cache.__class__.__call__
     try:

@@ -338,10 +338,10 @@ def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool
             _torch_export(spec, scratch_path, opset)
         exported = onnx.load(str(scratch_path), load_external_data=False)  # weights past 2 GiB stay in their files
         changed = fold_pads_into_convs(exported)
-        if optimize:  # ORT's optimizer would remove them too, rewriting the whole graph once for each
-            changed = remove_same_type_casts(exported) or changed
         if step_cache and optimize:  # so that ORT's optimizer keeps a graph that computes every mark
             changed = name_marks_before_divisions_by_one(exported, list(branches.values())) or changed
+        if optimize:  # ORT's optimizer would remove them too, rewriting the whole graph once for each
+            changed = remove_same_type_casts(exported) or changed
         if changed:
             onnx.save_model(exported, str(scratch_path))
         del exported

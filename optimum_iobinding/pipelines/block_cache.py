@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
+from ..runtime.cuda_policy import DEVICE_SETUP
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_real
 from .caching import StepCache
@@ -124,13 +125,15 @@ class FirstBlockCache(StepCache):
         change = torch.linalg.vector_norm(residual - self.last_residual, ord=1, dtype=torch.float32)
         exceeded = change > self.last_bound
         if exceeded.is_cuda:
-            if self._host_flag is None:
-                # a normal tensor even inside inference mode: a later call outside it writes into it
-                with torch.inference_mode(False):
-                    self._host_flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-                self._flag_copied = torch.cuda.Event()
-            self._host_flag.copy_(exceeded, non_blocking=True)
-            self._flag_copied.record()
+            with torch.cuda.device(exceeded.device):  # the copy and the event on the decision's device and stream
+                if self._host_flag is None:
+                    # pinning may allocate, which a graph capture in another thread must not see; a normal tensor
+                    # even inside inference mode: a later call outside it writes into it
+                    with DEVICE_SETUP.setup(), torch.inference_mode(False):
+                        self._host_flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+                    self._flag_copied = torch.cuda.Event()
+                self._host_flag.copy_(exceeded, non_blocking=True)
+                self._flag_copied.record(torch.cuda.current_stream(exceeded.device))
             self._flag_of = exceeded
         return exceeded
 

@@ -344,16 +344,29 @@ def test_a_cast_to_another_type_or_making_a_graph_output_stays_and_the_graph_com
              helper.make_node("Cast", ["shape64"], ["again"], to=TensorProto.INT64),  # a cast of it: goes too
              helper.make_node("Cast", ["again"], ["as_float"], to=TensorProto.FLOAT),  # another type: stays
              helper.make_node("Cast", ["x"], ["same"], to=TensorProto.FLOAT),  # float → float: goes
+             helper.make_node("Cast", ["w"], ["weight"], to=TensorProto.FLOAT),  # a float initializer: goes
              helper.make_node("Mul", ["same", "as_float"], ["scaled"]),
-             helper.make_node("Cast", ["scaled"], ["out"], to=TensorProto.FLOAT)]  # a graph output: stays
+             helper.make_node("Mul", ["scaled", "weight"], ["weighted"]),
+             helper.make_node("Cast", ["weighted"], ["out"], to=TensorProto.FLOAT)]  # a graph output: stays
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [3])])
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [3])],
+                              [numpy_helper.from_array(np.array([0.5, 2.0, -1.0], np.float32), "w")],
+                              value_info=[helper.make_tensor_value_info("same", TensorProto.FLOAT, [3])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     x = np.array([1.0, 2.0, 3.0], np.float32)
     run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(  # noqa: E731
         None, {"x": x})[0]
     expected = run(model)
-    assert remove_same_type_casts(model) == 3
+    with_if = onnx.ModelProto()  # control flow: left as it is
+    with_if.CopyFrom(model)
+    branch = helper.make_graph([helper.make_node("Identity", ["same"], ["kept"])], "branch", [],
+                               [helper.make_tensor_value_info("kept", TensorProto.FLOAT, None)])
+    with_if.graph.input.append(helper.make_tensor_value_info("flag", TensorProto.BOOL, []))
+    with_if.graph.node.append(helper.make_node("If", ["flag"], ["chosen"], then_branch=branch, else_branch=branch))
+    before = with_if.SerializeToString()
+    assert remove_same_type_casts(with_if) == 0 and with_if.SerializeToString() == before
+    assert remove_same_type_casts(model) == 4
     casts = {node.output[0]: node for node in model.graph.node if node.op_type == "Cast"}
     assert set(casts) == {"as_float", "out"} and casts["as_float"].input[0] == "shape"
+    assert [value.name for value in model.graph.value_info] == []  # the removed value's type goes with it
     np.testing.assert_array_equal(run(model), expected)
