@@ -716,9 +716,9 @@ def test_on_the_gpu_every_transformer_peer_measures_tiny_sd3_against_the_floor_o
     assert "| tiny-sd3 64² | full model | ours |" in (out / "transformer.md").read_text()
 
 
-@pytest.mark.parametrize("device, optimize", [("cpu", "cpu"), ("cuda", "cuda")])
-def test_an_optimized_transformer_export_gets_the_fusions_of_the_device_it_runs_on(tmp_path, monkeypatch, device,
-                                                                                   optimize):
+def recorded_transformer_exports(monkeypatch) -> list:
+    """The keyword arguments of every ``export_pipeline`` call the bench's transformer exports make, each export
+    faked as a folder with a model_index.json (no transformer is built)."""
     import optimum_iobinding.bench.zoo as zoo
     import optimum_iobinding.export as export
 
@@ -731,6 +731,15 @@ def test_an_optimized_transformer_export_gets_the_fusions_of_the_device_it_runs_
 
     monkeypatch.setattr(export, "export_pipeline", fake_export)
     monkeypatch.setattr(zoo, "build_transformer_pipeline", lambda kind, blocks, text_layers: None)
+    return calls
+
+
+@pytest.mark.parametrize("device, optimize", [("cpu", "cpu"), ("cuda", "cuda")])
+def test_an_optimized_transformer_export_gets_the_fusions_of_the_device_it_runs_on(tmp_path, monkeypatch, device,
+                                                                                   optimize):
+    import optimum_iobinding.bench.zoo as zoo
+
+    calls = recorded_transformer_exports(monkeypatch)
     folder = zoo.ensure_transformer_export("tiny-flux", "fp32", "optimized", tmp_path, device=device)
     assert folder.name == ("tiny-flux-fp32-optimized-cpu" if device == "cpu" else "tiny-flux-fp32-optimized")
     assert [(call["optimize"], call["dtype"]) for call in calls] == [(optimize, "fp32")]
@@ -739,19 +748,9 @@ def test_an_optimized_transformer_export_gets_the_fusions_of_the_device_it_runs_
 
 
 def test_the_transformer_scenario_with_dtypes_bf16_exports_bfloat16_transformers(tmp_path, monkeypatch, capsys):
-    import optimum_iobinding.bench.zoo as zoo
-    import optimum_iobinding.export as export
     from optimum_iobinding.bench.cli import main
 
-    calls = []
-
-    def fake_export(model, output_dir, **kwargs):
-        calls.append(kwargs)
-        Path(output_dir).mkdir(parents=True)
-        (Path(output_dir) / "model_index.json").write_text("{}")
-
-    monkeypatch.setattr(export, "export_pipeline", fake_export)
-    monkeypatch.setattr(zoo, "build_transformer_pipeline", lambda kind, blocks, text_layers: None)
+    calls = recorded_transformer_exports(monkeypatch)
     assert main(["--scenario", "transformer", "--models", "tiny-sd3,tiny-flux", "--dtypes", "bf16", "--export-only",
                  "--work", str(tmp_path)]) == 0
     assert [(call["dtype"], call["optimize"]) for call in calls] == [("bf16", "cuda")] * 2
