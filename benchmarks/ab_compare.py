@@ -1,14 +1,14 @@
 """The two jobs of ``benchmarks/ab_compare.sh`` that are easier in Python.
 
-    python3 benchmarks/ab_compare.py bench PACKAGE_ROOT ARGS...
-        ``optimum-iobinding bench ARGS`` in this process, after checking that ``optimum_iobinding`` is imported from
-        PACKAGE_ROOT (the folder that holds it): prints where it came from, exits 3 where it came from elsewhere.
-        Run it with PYTHONSAFEPATH=1 from a folder without a package of that name (the current folder would come
-        first on sys.path otherwise).
-    python3 benchmarks/ab_compare.py summary OUT [--tiny]
-        OUT/summary.md and OUT/summary.json from OUT/<step>-<before|after>-<round>.json: per measure, before and
-        after (the mean of the rounds), after / before, each round's values, and how far the rounds of the same code
-        lay apart.
+python3 benchmarks/ab_compare.py bench PACKAGE_ROOT ARGS...
+    ``optimum-iobinding bench ARGS`` in this process, after checking that ``optimum_iobinding`` is imported from
+    PACKAGE_ROOT (the folder that holds it): prints where it came from, exits 3 where it came from elsewhere.
+    Run it with PYTHONSAFEPATH=1 from a folder without a package of that name (the current folder would come
+    first on sys.path otherwise).
+python3 benchmarks/ab_compare.py summary OUT [--tiny]
+    OUT/summary.md and OUT/summary.json from OUT/<step>-<before|after>-<round>.json: per measure, before and
+    after (the mean of the rounds), after / before, each round's values, and how far the rounds of the same code
+    lay apart.
 """
 
 from __future__ import annotations
@@ -126,23 +126,33 @@ def summary(out: Path, tiny: bool) -> int:
     or is missing, else 0."""
     rows: List[Dict[str, Any]] = []
     failed = False
-    lines = ["# Before / after", "",
-             "after / before of the mean of the rounds; 'slower' is after's slowdown (frames/s: before / after − 1); "
-             "'rounds apart': (largest − smallest) / mean of the same code's rounds, before / after. Round order: "
-             "before, after, before, after, … on the same exports in one run.", ""]
+    lines = [
+        "# Before / after",
+        "",
+        "after / before of the mean of the rounds; 'slower' is after's slowdown (frames/s: before / after − 1); "
+        "'rounds apart': (largest − smallest) / mean of the same code's rounds, before / after. Round order: "
+        "before, after, before, after, … on the same exports in one run.",
+        "",
+    ]
     meta = out / "versions.txt"
     if meta.is_file():
         lines += ["```", meta.read_text().strip(), "```", ""]
-    header = ["| measure | before | after | after / before | slower | verdict | rounds apart | before rounds | "
-              "after rounds |", "|---|---|---|---|---|---|---|---|---|"]
+    header = [
+        "| measure | before | after | after / before | slower | verdict | rounds apart | before rounds | "
+        "after rounds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for step, about in STEPS.items():
-        rounds = {side: sorted(out.glob(f"{step}-{side}-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
-                  for side in SIDES}
+        rounds = {
+            side: sorted(out.glob(f"{step}-{side}-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+            for side in SIDES
+        }
         if not any(rounds.values()) and not (out / f"{step}-before-1.log").is_file():
             continue  # not selected, or not run (TINY=1)
         results = {side: [read_round(path) for path in rounds[side]] for side in SIDES}
-        errors = [f"{side} {i + 1}: {r['error']}" for side in SIDES for i, r in enumerate(results[side])
-                  if "error" in r]
+        errors = [
+            f"{side} {i + 1}: {r['error']}" for side in SIDES for i, r in enumerate(results[side]) if "error" in r
+        ]
         missing = [f"{side}: no rounds (see {step}-{side}-1.log)" for side in SIDES if not rounds[side]]
         title = about["tiny_title"] if tiny else about["title"]
         lines += [f"## {step}: {title}", ""] + header
@@ -153,24 +163,39 @@ def summary(out: Path, tiny: bool) -> int:
             if tolerance is not None and (change is None or change > tolerance or errors or missing):
                 failed = True
             label = step_label(label, next((r for side in SIDES for r in results[side] if "steps" in r), None))
-            row = {"step": step, "title": title, "measure": key, "label": label, "better": better,
-                   "tolerance": tolerance, "before": before, "after": after,
-                   "ratio": after / before if before and after else None, "slowdown": change,
-                   "before_rounds": values["before"], "after_rounds": values["after"],
-                   "before_spread": spread(values["before"]), "after_spread": spread(values["after"]),
-                   "errors": errors + missing}
+            row = {
+                "step": step,
+                "title": title,
+                "measure": key,
+                "label": label,
+                "better": better,
+                "tolerance": tolerance,
+                "before": before,
+                "after": after,
+                "ratio": after / before if before and after else None,
+                "slowdown": change,
+                "before_rounds": values["before"],
+                "after_rounds": values["after"],
+                "before_spread": spread(values["before"]),
+                "after_spread": spread(values["after"]),
+                "errors": errors + missing,
+            }
             rows.append(row)
             apart = " / ".join("—" if s is None else f"{s:.1%}" for s in (row["before_spread"], row["after_spread"]))
             lines.append(
                 f"| {label} | {fmt(before)} | {fmt(after)} | {fmt(row['ratio'], 4)} | "
                 f"{'—' if change is None else f'{change:+.1%}'} | {verdict(change, tolerance)} | {apart} | "
-                f"{', '.join(fmt(v) for v in values['before'])} | {', '.join(fmt(v) for v in values['after'])} |")
+                f"{', '.join(fmt(v) for v in values['before'])} | {', '.join(fmt(v) for v in values['after'])} |"
+            )
         lines.append("")
         for error in errors + missing:
             lines.append(f"- failed: {' '.join(error.split())}")
         lines += [""] if errors or missing else []
-    lines += ["A verdict within the tolerance is meaningful only where the same code's rounds lay closer together "
-              "than the tolerance ('rounds apart').", ""]
+    lines += [
+        "A verdict within the tolerance is meaningful only where the same code's rounds lay closer together "
+        "than the tolerance ('rounds apart').",
+        "",
+    ]
     if tiny:
         lines.insert(2, "TINY=1: the CPU check of the script on tiny models: no timing here means anything.\n")
     (out / "summary.md").write_text("\n".join(lines))

@@ -28,8 +28,15 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = ("numpy", "HEURISTIC:cold", "HEURISTIC:cold:sampled-cudart", "HEURISTIC:cold:sampled-process",
-            "HEURISTIC:cold:conv-preloaded", "HEURISTIC:warm", "HEURISTIC:cold:timeline")
+VARIANTS = (
+    "numpy",
+    "HEURISTIC:cold",
+    "HEURISTIC:cold:sampled-cudart",
+    "HEURISTIC:cold:sampled-process",
+    "HEURISTIC:cold:conv-preloaded",
+    "HEURISTIC:warm",
+    "HEURISTIC:cold:timeline",
+)
 # also measured in earlier runs (benchmarks/results/h100/), and still accepted by --variants: EXHAUSTIVE:cold,
 # EXHAUSTIVE:warm, HEURISTIC:cold:basic, HEURISTIC:cold:sampled-nvml, HEURISTIC:cold:unet-native (the UNet's weights
 # never owned), HEURISTIC:cold:unet-owned (its weights owned from the start, what the runtime did before it owned
@@ -45,19 +52,25 @@ def conv_session_run(ort, search: str) -> None:
 
     weight = numpy_helper.from_array(np.random.RandomState(0).randn(320, 4, 3, 3).astype(np.float16), "w")
     graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "conv",
+        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])],
+        "conv",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, 4, 64, 64])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, 320, 64, 64])], [weight])
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, 320, 64, 64])],
+        [weight],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8  # what every ONNX Runtime since 1.10 reads (onnx's newest IR may be newer than ORT's)
-    session = ort.InferenceSession(model.SerializeToString(),
-                                   providers=[("CUDAExecutionProvider", {"cudnn_conv_algo_search": search})])
+    session = ort.InferenceSession(
+        model.SerializeToString(), providers=[("CUDAExecutionProvider", {"cudnn_conv_algo_search": search})]
+    )
     session.run(None, {"x": np.ones((1, 4, 64, 64), np.float16)})
 
 
 # a timeline step's label: what, the model's path, and what follows it (see optimum_iobinding.runtime.timeline)
-STEP_LABEL = re.compile(r"(?P<what>parse|weights|session|run \d+) (?P<path>.+?)"
-                        r"(?P<rest>(?: \(declared inputs\)| \(host\))?(?: graph)?(?: fixed dims)?(?: failed)?)$")
+STEP_LABEL = re.compile(
+    r"(?P<what>parse|weights|session|run \d+) (?P<path>.+?)"
+    r"(?P<rest>(?: \(declared inputs\)| \(host\))?(?: graph)?(?: fixed dims)?(?: failed)?)$"
+)
 
 
 def component(path) -> str:
@@ -104,8 +117,10 @@ def record_timeline(torch) -> tuple:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t0 = origin["t"]
-        table = [[round(step.begin - t0, 4), round(step.end - t0, 4), short_label(step.what), step.thread]
-                 for step in record.steps]
+        table = [
+            [round(step.begin - t0, 4), round(step.end - t0, 4), short_label(step.what), step.thread]
+            for step in record.steps
+        ]
         table += [[None, round(origin["event"].elapsed_time(event) / 1000, 4), what, "GPU"] for event, what in events]
         return sorted(table, key=lambda row: row[1])
 
@@ -140,7 +155,7 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
             # the bench's memory sampler running through the load and the first image, as in a bench
             from optimum_iobinding.bench.probes import PeakMemory
 
-            sampler, level = PeakMemory(torch.device("cuda", 0), source=level[0][len("sampled-"):]), []
+            sampler, level = PeakMemory(torch.device("cuda", 0), source=level[0][len("sampled-") :]), []
             sampler.__enter__()
         options = component_options = None
         if level == ["basic"]:
@@ -157,8 +172,12 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
             raise ValueError(f"variant: unknown {variant!r}")
         start = time.perf_counter()  # what a variant does before (the experiment's preload) is not the load
         pipe = OnnxStableDiffusionPipeline.from_pretrained(
-            folder, provider="CUDAExecutionProvider", provider_options={"cudnn_conv_algo_search": search},
-            sess_options=options, component_options=component_options)
+            folder,
+            provider="CUDAExecutionProvider",
+            provider_options={"cudnn_conv_algo_search": search},
+            sess_options=options,
+            component_options=component_options,
+        )
     pipe.set_progress_bar_config(disable=True)
     load_s = time.perf_counter() - start
     warmup_s = None
@@ -180,9 +199,18 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
     if sampler is not None:
         sampler.__exit__(None, None, None)
     steady_s = statistics.median(image() for _ in range(3))
-    row = {"variant": variant, "search": search, "warmup": warm == "warm", "import_s": import_s, "load_s": load_s,
-           "warmup_s": warmup_s, "first_image_s": first_s, "steady_image_s": steady_s,
-           "load_plus_first_s": load_s + first_s, "first_over_steady": first_s / steady_s}
+    row = {
+        "variant": variant,
+        "search": search,
+        "warmup": warm == "warm",
+        "import_s": import_s,
+        "load_s": load_s,
+        "warmup_s": warmup_s,
+        "first_image_s": first_s,
+        "steady_image_s": steady_s,
+        "load_plus_first_s": load_s + first_s,
+        "first_over_steady": first_s / steady_s,
+    }
     if sampler is not None:
         row["memory_sampled_through"] = sampler.source
         row["sampled_peak_mib"] = sampler.peak / 2**20
@@ -210,18 +238,45 @@ def main() -> int:
         return 0
     rows = []
     for variant in args.variants.split(","):
-        done = subprocess.run([sys.executable, __file__, "--folder", args.folder, "--out", args.out, "--steps",
-                               str(args.steps), "--size", str(args.size), "--one", variant],
-                              capture_output=True, text=True)
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else
-                    {"variant": variant, "error": done.stderr[-1500:]})
+        done = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--folder",
+                args.folder,
+                "--out",
+                args.out,
+                "--steps",
+                str(args.steps),
+                "--size",
+                str(args.size),
+                "--one",
+                variant,
+            ],
+            capture_output=True,
+            text=True,
+        )
+        rows.append(
+            json.loads(done.stdout.strip().splitlines()[-1])
+            if done.returncode == 0
+            else {"variant": variant, "error": done.stderr[-1500:]}
+        )
         print(rows[-1], flush=True)
     import torch
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "cold-start.json").write_text(json.dumps({"device": torch.cuda.get_device_name(0), "command": " ".join(
-        ["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows}, indent=2))
+    (out / "cold-start.json").write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(0),
+                "command": " ".join(["python", *sys.argv]),
+                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

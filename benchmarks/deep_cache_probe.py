@@ -55,8 +55,15 @@ def main() -> None:
 
     def call() -> np.ndarray:
         with torch.inference_mode():
-            images = pipe(PROMPT, height=size, width=size, num_inference_steps=args.steps, guidance_scale=guidance,
-                          latents=latents.clone(), output_type="np").images
+            images = pipe(
+                PROMPT,
+                height=size,
+                width=size,
+                num_inference_steps=args.steps,
+                guidance_scale=guidance,
+                latents=latents.clone(),
+                output_type="np",
+            ).images
         torch.cuda.synchronize()
         return np.asarray(images)
 
@@ -66,8 +73,16 @@ def main() -> None:
             row["full_steps"] = len(row["computed"]) - row["skipped_steps"]
         return row, image
 
-    result: Dict[str, Any] = {"environment": environment(), "folder": str(folder), "kind": args.kind,
-                              "size": size, "steps": args.steps, "guidance": guidance, "rows": {}, "replays_ms": {}}
+    result: Dict[str, Any] = {
+        "environment": environment(),
+        "folder": str(folder),
+        "kind": args.kind,
+        "size": size,
+        "steps": args.steps,
+        "guidance": guidance,
+        "rows": {},
+        "replays_ms": {},
+    }
     result["rows"]["uncached"], uncached_image = timed()
     result["replays_ms"]["model.onnx"] = graph_floor_ms(unet, args.repeats)
     for spec in [value for value in args.caches.split(",") if value]:
@@ -79,10 +94,11 @@ def main() -> None:
         full, shallow = pipe.step_cache.parts
         result["replays_ms"].setdefault("full part", graph_floor_ms(full, args.repeats))
         result["replays_ms"][f"shallow part, branch {branch}"] = graph_floor_ms(shallow, args.repeats)
-        result["graph_fallbacks"] = {name: {str(dict(signature)): reason for signature, reason in
-                                            model.graph_fallbacks.items()}
-                                     for name, model in (("full", full), ("shallow", shallow), ("unet", unet))
-                                     if model.graph_fallbacks}
+        result["graph_fallbacks"] = {
+            name: {str(dict(signature)): reason for signature, reason in model.graph_fallbacks.items()}
+            for name, model in (("full", full), ("shallow", shallow), ("unet", unet))
+            if model.graph_fallbacks
+        }
         pipe.disable_cache()
     uncached_ms = result["rows"]["uncached"]["end_to_end_ms"]
     result["speedup"] = {name: uncached_ms / row["end_to_end_ms"] for name, row in result["rows"].items()}

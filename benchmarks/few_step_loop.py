@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+
 def bare_loop(pipe, prompt: str, guidance: float, size: int):
     """The denoising loop alone, on prompt embeddings and initial latents made once here (on the pipeline's stream).
 
@@ -43,8 +44,7 @@ def bare_loop(pipe, prompt: str, guidance: float, size: int):
         with torch.cuda.stream(pipe.stream), torch.inference_mode():
             timesteps = pipe.set_timesteps(n)
             kwargs = pipe.scheduler_step_kwargs(torch.Generator("cuda").manual_seed(0), 0.0)
-            return pipe.denoise(latents, timesteps, embeds, guidance, kwargs,
-                                callback_on_step_end=callback_on_step_end)
+            return pipe.denoise(latents, timesteps, embeds, guidance, kwargs, callback_on_step_end=callback_on_step_end)
 
     def timed(n: int):
         torch.cuda.synchronize()
@@ -77,8 +77,15 @@ def main() -> None:
     pipe.set_progress_bar_config(disable=True)
     guidance = recipe["guidance"]
     # the whole pipeline once, decoder included: captures, cuDNN algorithm search
-    pipe(PROMPT, height=size, width=size, num_inference_steps=steps, guidance_scale=guidance,
-         generator=torch.Generator("cuda").manual_seed(0), output_type="np")
+    pipe(
+        PROMPT,
+        height=size,
+        width=size,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        generator=torch.Generator("cuda").manual_seed(0),
+        output_type="np",
+    )
 
     embeds, _, loop, timed = bare_loop(pipe, PROMPT, guidance, size)
     with torch.cuda.stream(pipe.stream), torch.inference_mode():
@@ -87,8 +94,9 @@ def main() -> None:
         short_runs = [timed(1) for _ in range(5)]
 
         def per_step(index: int) -> float:
-            return (statistics.median(r[index] for r in long_runs)
-                    - statistics.median(r[index] for r in short_runs)) / (steps - 1)
+            return (
+                statistics.median(r[index] for r in long_runs) - statistics.median(r[index] for r in short_runs)
+            ) / (steps - 1)
 
         # the UNet alone, back to back on the loop's inputs
         batch = embeds.shape[0]
@@ -106,8 +114,15 @@ def main() -> None:
         def whole(n: int) -> float:  # the whole pipeline, as the bench times it
             torch.cuda.synchronize()
             start = time.perf_counter()
-            pipe(PROMPT, height=size, width=size, num_inference_steps=n, guidance_scale=guidance,
-                 generator=torch.Generator("cuda").manual_seed(0), output_type="np")
+            pipe(
+                PROMPT,
+                height=size,
+                width=size,
+                num_inference_steps=n,
+                guidance_scale=guidance,
+                generator=torch.Generator("cuda").manual_seed(0),
+                output_type="np",
+            )
             torch.cuda.synchronize()
             return (time.perf_counter() - start) * 1000
 
@@ -132,9 +147,13 @@ def main() -> None:
             kernels[e.name] = (total + e.time_range.elapsed_us() / 1000, count + 1)
     top = sorted(kernels.items(), key=lambda item: -item[1][0])[:25]
     result = {
-        "model": args.model, "recipe": recipe, "steps": steps, "size": size,
+        "model": args.model,
+        "recipe": recipe,
+        "steps": steps,
+        "size": size,
         "device": torch.cuda.get_device_name(0),
-        "loop_ms_per_step_gpu_done": per_step(1), "loop_ms_per_step_host_enqueue": per_step(0),
+        "loop_ms_per_step_gpu_done": per_step(1),
+        "loop_ms_per_step_host_enqueue": per_step(0),
         "loop_ms": {"long": long_runs, "short": short_runs},
         "unet_back_to_back_ms": unet_ms,
         "pipeline_ms_median": {n: statistics.median(r) for n, r in whole_runs.items()},
@@ -147,7 +166,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"few-step-{args.model}.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: v for k, v in result.items() if k not in ("loop_ms", "gpu_kernel_ms_one_loop", "pipeline_ms")}, indent=2))
+    print(
+        json.dumps(
+            {k: v for k, v in result.items() if k not in ("loop_ms", "gpu_kernel_ms_one_loop", "pipeline_ms")}, indent=2
+        )
+    )
     for name, (ms, n) in top[:15]:
         print(f"{ms:9.3f} ms {n:5d}×  {name[:110]}")
 

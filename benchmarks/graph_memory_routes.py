@@ -10,7 +10,11 @@ two later rounds of replays. Results: benchmarks/results/h100/2026-11-23-892cff2
 
     python benchmarks/graph_memory_routes.py FOLDER SIZE BATCHES     e.g. WORK/small-fp16-optimized 256 2,8,16,4
 """
-import json, os, subprocess, sys
+
+import json
+import os
+import subprocess
+import sys
 import torch
 import onnxruntime as ort
 from optimum_iobinding.runtime.dtypes import ORT_TO_TORCH, TORCH_TO_ONNX
@@ -41,7 +45,9 @@ def bound(session, feeds, out):
     bind = session.io_binding()
     for n, t in feeds.items():
         bind.bind_input(n, "cuda", 0, TORCH_TO_ONNX[t.dtype], list(t.shape), t.data_ptr())
-    bind.bind_output(session.get_outputs()[0].name, "cuda", 0, TORCH_TO_ONNX[out.dtype], list(out.shape), out.data_ptr())
+    bind.bind_output(
+        session.get_outputs()[0].name, "cuda", 0, TORCH_TO_ONNX[out.dtype], list(out.shape), out.data_ptr()
+    )
     return bind
 
 
@@ -77,7 +83,8 @@ def one(folder, mode, size, batches):
             return res
         outs = {}
         for gid, b in enumerate(batches, 1):
-            ro = ort.RunOptions(); ro.add_run_config_entry("gpu_graph_id", str(gid))
+            ro = ort.RunOptions()
+            ro.add_run_config_entry("gpu_graph_id", str(gid))
             outs[b] = (torch.empty_like(refs[b], dtype=feeds[b]["sample"].dtype), ro)
             bind = s.io_binding()
             for n, t in feeds[b].items():
@@ -87,19 +94,24 @@ def one(folder, mode, size, batches):
             outs[b] = (o, ro, bind)
             errs = []
             for _ in range(4):
-                s.run_with_iobinding(bind, ro); torch.cuda.synchronize(); errs.append(diff(b, o))
+                s.run_with_iobinding(bind, ro)
+                torch.cuda.synchronize()
+                errs.append(diff(b, o))
             res["rows"].append({"batch": b, "used_mib": used() - idle, "diffs": errs})
         for rnd in range(2):
             for b in batches:
                 o, ro, bind = outs[b]
                 o.zero_()
-                s.run_with_iobinding(bind, ro); torch.cuda.synchronize()
+                s.run_with_iobinding(bind, ro)
+                torch.cuda.synchronize()
                 res["later"][f"{rnd}-{b}"] = diff(b, o)
         return res
     if mode == "env":
         # the sessions are made here: the runtime's sessions take no session config entries from the caller
         mi = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-        ort.create_and_register_allocator_v2("CUDAExecutionProvider", mi, {"device_id": "0"}, ort.OrtArenaCfg(0, 1, -1, -1))
+        ort.create_and_register_allocator_v2(
+            "CUDAExecutionProvider", mi, {"device_id": "0"}, ort.OrtArenaCfg(0, 1, -1, -1)
+        )
         graphs = {}
         for b in batches:
             so = ort.SessionOptions()
@@ -118,16 +130,20 @@ def one(folder, mode, size, batches):
             graphs[b] = (s, bind, ro, o)
             errs = []
             for _ in range(4):
-                s.run_with_iobinding(bind, ro); torch.cuda.synchronize(); errs.append(diff(b, o))
+                s.run_with_iobinding(bind, ro)
+                torch.cuda.synchronize()
+                errs.append(diff(b, o))
             res["rows"].append({"batch": b, "used_mib": used() - idle, "diffs": errs})
         for rnd in range(2):
             for b in batches:
                 s, bind, ro, o = graphs[b]
                 o.zero_()
-                s.run_with_iobinding(bind, ro); torch.cuda.synchronize()
+                s.run_with_iobinding(bind, ro)
+                torch.cuda.synchronize()
                 res["later"][f"{rnd}-{b}"] = diff(b, o)
         return res
     from optimum_iobinding import IOBindingORTModel
+
     unet = IOBindingORTModel.from_pretrained(folder, subfolder="unet", provider="CUDAExecutionProvider")
     for b in batches:
         errs = [diff(b, unet(**feeds[b])[0]) for _ in range(4)]
@@ -144,6 +160,8 @@ if __name__ == "__main__":
         print("RESULT " + json.dumps(one(folder, sys.argv[4], size, batches)))
         sys.exit(0)
     for mode in ("route-a", "env", "own"):
-        p = subprocess.run([sys.executable, __file__, folder, str(size), sys.argv[3], mode], capture_output=True, text=True)
+        p = subprocess.run(
+            [sys.executable, __file__, folder, str(size), sys.argv[3], mode], capture_output=True, text=True
+        )
         lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
         print(lines[-1][7:] if lines else json.dumps({"mode": mode, "error": p.stderr[-3000:]}), flush=True)

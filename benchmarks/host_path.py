@@ -81,14 +81,26 @@ def main() -> None:
         torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.inference_mode():
-            pipe(PROMPT, height=size, width=size, num_inference_steps=steps, guidance_scale=guidance,
-                 generator=torch.Generator("cuda").manual_seed(0), output_type="np")
+            pipe(
+                PROMPT,
+                height=size,
+                width=size,
+                num_inference_steps=steps,
+                guidance_scale=guidance,
+                generator=torch.Generator("cuda").manual_seed(0),
+                output_type="np",
+            )
         torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1000
 
     whole()  # captures, cuDNN algorithm search
-    result: dict = {"model": args.model, "steps": steps, "size": size, "device": torch.cuda.get_device_name(0),
-                    "torch": torch.__version__}
+    result: dict = {
+        "model": args.model,
+        "steps": steps,
+        "size": size,
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+    }
     import onnxruntime as ort
 
     result["onnxruntime"] = ort.__version__
@@ -100,7 +112,9 @@ def main() -> None:
         short_runs = [timed(2) for _ in range(7)]
         result["loop_per_step_ms"] = {
             label: (statistics.median(r[i] for r in long_runs) - statistics.median(r[i] for r in short_runs))
-            / (steps - 2) for i, label in enumerate(("host_enqueue", "gpu_done"))}
+            / (steps - 2)
+            for i, label in enumerate(("host_enqueue", "gpu_done"))
+        }
         result["loop_ms"] = {"long": long_runs, "short": short_runs}
 
         # the pieces of one step, on the loop's own inputs
@@ -117,11 +131,13 @@ def main() -> None:
         pieces["unet_call"] = host_us(lambda: pipe.unet(**unet_inputs))
         if runner is not None:
             pieces["graph_run_with_iobinding"] = host_us(
-                lambda: runner.session.run_with_iobinding(runner.binding, runner.run_options))
+                lambda: runner.session.run_with_iobinding(runner.binding, runner.run_options)
+            )
             pieces["graph_runner_run"] = host_us(lambda: runner.run(unet_inputs))
         step_kwargs = pipe.scheduler_step_kwargs(None, 0.0)
         pieces["scheduler_step"] = host_us(
-            lambda: pipe.scheduler.step(noise[:1], t, latents, **step_kwargs, return_dict=False))
+            lambda: pipe.scheduler.step(noise[:1], t, latents, **step_kwargs, return_dict=False)
+        )
 
         def cfg():
             uncond, text = noise.chunk(2)
@@ -131,8 +147,12 @@ def main() -> None:
         pieces["cat_guidance_batch"] = host_us(lambda: torch.cat([latents] * 2))
         one = torch.zeros(1, device="cuda")
         pieces["empty_kernel"] = host_us(lambda: one.add_(0))
-        pieces["stream_wait_pair"] = host_us(lambda: (pipe.stream.wait_stream(torch.cuda.current_stream()),
-                                                      torch.cuda.current_stream().wait_stream(pipe.stream)))
+        pieces["stream_wait_pair"] = host_us(
+            lambda: (
+                pipe.stream.wait_stream(torch.cuda.current_stream()),
+                torch.cuda.current_stream().wait_stream(pipe.stream),
+            )
+        )
         result["host_us_per_call"] = pieces
 
         from torch.profiler import ProfilerActivity, profile
@@ -148,7 +168,8 @@ def main() -> None:
                 runtime[event.name] = (total + event.time_range.elapsed_us(), count + 1)
         result["cuda_runtime_host_us_one_loop"] = {
             name: {"us": round(us, 1), "count": count, "us_per_step": round(us / steps, 1)}
-            for name, (us, count) in sorted(runtime.items(), key=lambda item: -item[1][0])[:15]}
+            for name, (us, count) in sorted(runtime.items(), key=lambda item: -item[1][0])[:15]
+        }
 
         profiler = cProfile.Profile()
         torch.cuda.synchronize()
@@ -169,7 +190,9 @@ def main() -> None:
         if phase == "start":
             started["t"] = time.perf_counter()
         else:
-            collections.append((info["generation"], (time.perf_counter() - started.pop("t", time.perf_counter())) * 1000))
+            collections.append(
+                (info["generation"], (time.perf_counter() - started.pop("t", time.perf_counter())) * 1000)
+            )
 
     gc.callbacks.append(watch)
     calls = {"gc_on": [], "gc_off": []}
@@ -187,10 +210,14 @@ def main() -> None:
         gc.callbacks.remove(watch)
     result["whole_calls"] = calls
     result["whole_calls_summary"] = {
-        label: {"median_ms": statistics.median(c["ms"] for c in rows), "min_ms": min(c["ms"] for c in rows),
-                "max_ms": max(c["ms"] for c in rows),
-                "calls_with_collection": sum(1 for c in rows if c["collections"])}
-        for label, rows in calls.items()}
+        label: {
+            "median_ms": statistics.median(c["ms"] for c in rows),
+            "min_ms": min(c["ms"] for c in rows),
+            "max_ms": max(c["ms"] for c in rows),
+            "calls_with_collection": sum(1 for c in rows if c["collections"]),
+        }
+        for label, rows in calls.items()
+    }
 
     if args.split:
         result["split"] = split_whole_and_loop(pipe, steps, size, guidance, loop)
@@ -200,8 +227,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"host-path-{args.model}.json").write_text(json.dumps(result, indent=2))
-    shown = {k: v for k, v in result.items()
-             if k not in ("loop_ms", "cprofile_three_loops", "whole_calls", "threads", "split")}
+    shown = {
+        k: v
+        for k, v in result.items()
+        if k not in ("loop_ms", "cprofile_three_loops", "whole_calls", "threads", "split")
+    }
     if "threads" in result:
         shown["threads"] = {k: v for k, v in result["threads"].items() if k != "calls"}
     if "split" in result:
@@ -228,11 +258,20 @@ def split_whole_and_loop(pipe, steps: int, size: int, guidance: float, bare, rou
 
     def call_whole(n: int, on_step) -> None:
         with torch.inference_mode():
-            pipe(PROMPT, height=size, width=size, num_inference_steps=n, guidance_scale=guidance,
-                 generator=torch.Generator("cuda").manual_seed(0), output_type="np", callback_on_step_end=on_step)
+            pipe(
+                PROMPT,
+                height=size,
+                width=size,
+                num_inference_steps=n,
+                guidance_scale=guidance,
+                generator=torch.Generator("cuda").manual_seed(0),
+                output_type="np",
+                callback_on_step_end=on_step,
+            )
 
     def measured(run):
         """``run(n, on_step)`` timed: (ms of the call, the GPU's ms per step between the first and last step)."""
+
         def timed(n: int):
             on_step, first, last = events_at_steps(n)
             torch.cuda.synchronize()
@@ -258,18 +297,23 @@ def split_whole_and_loop(pipe, steps: int, size: int, guidance: float, bare, rou
     for label, by_steps in runs.items():
         long_ms = statistics.median(ms for ms, _ in by_steps[steps])
         short_ms = statistics.median(ms for ms, _ in by_steps[2])
-        summary[label] = {"per_step_by_difference_ms": (long_ms - short_ms) / (steps - 2),
-                          "per_step_gpu_events_ms": statistics.median(gpu for _, gpu in by_steps[steps]),
-                          "median_ms": {steps: long_ms, 2: short_ms}}
+        summary[label] = {
+            "per_step_by_difference_ms": (long_ms - short_ms) / (steps - 2),
+            "per_step_gpu_events_ms": statistics.median(gpu for _, gpu in by_steps[steps]),
+            "median_ms": {steps: long_ms, 2: short_ms},
+        }
         summary[label]["gpu_timeline"] = {k: v for k, v in timelines[label].items() if k != "by_kernel"}
     whole_kernels, loop_kernels = (timelines[label].get("by_kernel", {}) for label in ("whole", "loop"))
     # the kernels both run (the UNet graph's, the step's): (µs, count) in each, the largest differences first
     summary["shared_kernels_us"] = sorted(
         ((name, whole_kernels[name], loop_kernels[name]) for name in set(whole_kernels) & set(loop_kernels)),
-        key=lambda row: -abs(row[1][0] - row[2][0]))[:15]
-    return {"summary": summary, "runs": {label: {str(n): rows for n, rows in by_steps.items()}
-                                         for label, by_steps in runs.items()},
-            "timelines": timelines}
+        key=lambda row: -abs(row[1][0] - row[2][0]),
+    )[:15]
+    return {
+        "summary": summary,
+        "runs": {label: {str(n): rows for n, rows in by_steps.items()} for label, by_steps in runs.items()},
+        "timelines": timelines,
+    }
 
 
 def gpu_timeline(run) -> dict:
@@ -282,8 +326,11 @@ def gpu_timeline(run) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    work = sorted((event.time_range.start, event.time_range.end, event.name) for event in prof.events()
-                  if event.device_type == torch.autograd.DeviceType.CUDA)
+    work = sorted(
+        (event.time_range.start, event.time_range.end, event.name)
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    )
     if not work:
         return {"error": "the profiler saw no GPU work"}
     busy, gaps, by_kernel = 0.0, [], {}
@@ -295,9 +342,14 @@ def gpu_timeline(run) -> dict:
         reach = max(reach, end)
         total, count = by_kernel.get(name[:90], (0.0, 0))
         by_kernel[name[:90]] = (total + end - start, count + 1)
-    return {"busy_ms": busy / 1000, "span_ms": (reach - work[0][0]) / 1000, "gaps": len(gaps),
-            "gaps_ms": sum(gap for gap, _, _ in gaps) / 1000,
-            "longest_gaps_us": sorted(gaps, key=lambda gap: -gap[0])[:8], "by_kernel": by_kernel}
+    return {
+        "busy_ms": busy / 1000,
+        "span_ms": (reach - work[0][0]) / 1000,
+        "gaps": len(gaps),
+        "gaps_ms": sum(gap for gap, _, _ in gaps) / 1000,
+        "longest_gaps_us": sorted(gaps, key=lambda gap: -gap[0])[:8],
+        "by_kernel": by_kernel,
+    }
 
 
 def compare_threads(pipe, folder, model: str, steps: int, size: int, guidance: float) -> dict:
@@ -315,8 +367,7 @@ def compare_threads(pipe, folder, model: str, steps: int, size: int, guidance: f
     before = threads()
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    single = OnnxStableDiffusionPipeline.from_pretrained(folder, provider="CUDAExecutionProvider",
-                                                         sess_options=options)
+    single = OnnxStableDiffusionPipeline.from_pretrained(folder, provider="CUDAExecutionProvider", sess_options=options)
     set_recipe_scheduler(single, model)
     single.set_progress_bar_config(disable=True)
     pipes = {"default": pipe, "one_thread": single}
@@ -335,16 +386,32 @@ def compare_threads(pipe, folder, model: str, steps: int, size: int, guidance: f
         start = time.perf_counter()
         events[0].record(p.stream)
         with torch.inference_mode():
-            p(PROMPT, height=size, width=size, num_inference_steps=steps, guidance_scale=guidance,
-              generator=torch.Generator("cuda").manual_seed(0), output_type="np", callback_on_step_end=on_step)
+            p(
+                PROMPT,
+                height=size,
+                width=size,
+                num_inference_steps=steps,
+                guidance_scale=guidance,
+                generator=torch.Generator("cuda").manual_seed(0),
+                output_type="np",
+                callback_on_step_end=on_step,
+            )
         events[3].record(p.stream)
         torch.cuda.synchronize()
         end = time.perf_counter()
-        return {"ms": (end - start) * 1000,
-                "host_ms": [(marks[0] - start) * 1000, (marks[steps - 1] - marks[0]) * 1000,
-                            (end - marks[steps - 1]) * 1000],
-                "gpu_ms": [events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2]),
-                           events[2].elapsed_time(events[3])]}
+        return {
+            "ms": (end - start) * 1000,
+            "host_ms": [
+                (marks[0] - start) * 1000,
+                (marks[steps - 1] - marks[0]) * 1000,
+                (end - marks[steps - 1]) * 1000,
+            ],
+            "gpu_ms": [
+                events[0].elapsed_time(events[1]),
+                events[1].elapsed_time(events[2]),
+                events[2].elapsed_time(events[3]),
+            ],
+        }
 
     for p in pipes.values():
         call(p)
@@ -352,13 +419,21 @@ def compare_threads(pipe, folder, model: str, steps: int, size: int, guidance: f
     for block in range(12):
         label = ("default", "one_thread")[block % 2]
         calls[label] += [call(pipes[label]) for _ in range(10)]
-    summary = {label: {"median_ms": statistics.median(c["ms"] for c in rows), "min_ms": min(c["ms"] for c in rows),
-                       "max_ms": max(c["ms"] for c in rows),
-                       "over_1.1x_median": sum(1 for c in rows if c["ms"] > 1.1 * statistics.median(
-                           r["ms"] for r in rows))}
-               for label, rows in calls.items()}
-    return {"threads_before_second_pipeline": before, "threads_with_both": threads(), "summary": summary,
-            "calls": calls}
+    summary = {
+        label: {
+            "median_ms": statistics.median(c["ms"] for c in rows),
+            "min_ms": min(c["ms"] for c in rows),
+            "max_ms": max(c["ms"] for c in rows),
+            "over_1.1x_median": sum(1 for c in rows if c["ms"] > 1.1 * statistics.median(r["ms"] for r in rows)),
+        }
+        for label, rows in calls.items()
+    }
+    return {
+        "threads_before_second_pipeline": before,
+        "threads_with_both": threads(),
+        "summary": summary,
+        "calls": calls,
+    }
 
 
 if __name__ == "__main__":

@@ -45,11 +45,18 @@ def make_loras(folder: Path, work: Path) -> dict:
     attention = ["to_q", "to_k", "to_v", "to_out.0"]
     return {
         # the usual diffusers training targets, rank 8, UNet and text encoder
-        "a": save_lora(work / "a", unet=random_lora_layers(unet, attention, 8, seed=1),
-                       text_encoder=random_lora_layers(text, ["q_proj", "k_proj", "v_proj", "out_proj"], 8, seed=2)),
+        "a": save_lora(
+            work / "a",
+            unet=random_lora_layers(unet, attention, 8, seed=1),
+            text_encoder=random_lora_layers(text, ["q_proj", "k_proj", "v_proj", "out_proj"], 8, seed=2),
+        ),
         # a wider one: attention, projections, feed-forward and the ResNet convolutions, rank 16
-        "b": save_lora(work / "b", unet=random_lora_layers(
-            unet, [*attention, "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2", "conv1", "conv2"], 16, seed=3)),
+        "b": save_lora(
+            work / "b",
+            unet=random_lora_layers(
+                unet, [*attention, "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2", "conv1", "conv2"], 16, seed=3
+            ),
+        ),
     }
 
 
@@ -68,8 +75,16 @@ def timed(action) -> float:
 
 def per_step_ms(pipe, size: int, runs: int = 5) -> float:
     def call(steps):
-        return timed(lambda: pipe("a photo of a cat", height=size, width=size, num_inference_steps=steps,
-                                  generator=torch.Generator().manual_seed(0), output_type="latent"))
+        return timed(
+            lambda: pipe(
+                "a photo of a cat",
+                height=size,
+                width=size,
+                num_inference_steps=steps,
+                generator=torch.Generator().manual_seed(0),
+                output_type="latent",
+            )
+        )
 
     call(30)
     full = statistics.median(call(30) for _ in range(runs))
@@ -78,8 +93,14 @@ def per_step_ms(pipe, size: int, runs: int = 5) -> float:
 
 
 def image(pipe, size: int) -> np.ndarray:
-    return pipe("a photo of a cat", height=size, width=size, num_inference_steps=4,
-                generator=torch.Generator().manual_seed(0), output_type="np").images
+    return pipe(
+        "a photo of a cat",
+        height=size,
+        width=size,
+        num_inference_steps=4,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    ).images
 
 
 def main() -> int:
@@ -95,12 +116,17 @@ def main() -> int:
     from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionPipeline
     from optimum_iobinding.bench.probes import environment
 
-    result = {**environment(), "command": " ".join(["python", *sys.argv]), "folder": str(args.folder),
-              "size": args.size}
+    result = {
+        **environment(),
+        "command": " ".join(["python", *sys.argv]),
+        "folder": str(args.folder),
+        "size": args.size,
+    }
     work = Path(tempfile.mkdtemp())
     loras = make_loras(args.folder, work)
-    result["lora_files_mb"] = {name: round(sum(f.stat().st_size for f in path.iterdir()) / 2**20, 1)
-                               for name, path in loras.items()}
+    result["lora_files_mb"] = {
+        name: round(sum(f.stat().st_size for f in path.iterdir()) / 2**20, 1) for name, path in loras.items()
+    }
 
     start = time.perf_counter()
     pipe = OnnxStableDiffusionPipeline.from_pretrained(args.folder, provider=args.provider)
@@ -162,10 +188,13 @@ def main() -> int:
     def recreate():
         unet = IOBindingORTModel.from_pretrained(args.folder / "unet", provider=args.provider, stream=pipe.stream)
         dtype, device, latent = unet.input_dtypes["sample"], unet.device, args.size // 8
-        unet(sample=torch.randn(2, 4, latent, latent, device=device, dtype=dtype),
-             timestep=torch.full([2], 500, device=device, dtype=unet.input_dtypes["timestep"]),
-             encoder_hidden_states=torch.randn(2, 77, unet.input_dims["encoder_hidden_states"][2], device=device,
-                                               dtype=dtype))
+        unet(
+            sample=torch.randn(2, 4, latent, latent, device=device, dtype=dtype),
+            timestep=torch.full([2], 500, device=device, dtype=unet.input_dtypes["timestep"]),
+            encoder_hidden_states=torch.randn(
+                2, 77, unet.input_dims["encoder_hidden_states"][2], device=device, dtype=dtype
+            ),
+        )
         del unet
 
     result["recreate_unet_s"] = timed(recreate)

@@ -38,25 +38,40 @@ def measure(folder: str, variant: str, batches, size: int) -> dict:
     torch.cuda.init()
     idle = used()
     options = VARIANTS[variant]
-    unet = IOBindingORTModel.from_pretrained(folder, subfolder="unet", provider="CUDAExecutionProvider",
-                                             provider_options=options or {}, cuda_graph=options is not None)
+    unet = IOBindingORTModel.from_pretrained(
+        folder,
+        subfolder="unet",
+        provider="CUDAExecutionProvider",
+        provider_options=options or {},
+        cuda_graph=options is not None,
+    )
     # the weights' size from the file: by default the one graph session loads them itself (none owned)
-    weights = sum(w.numel() * w.element_size() for w in load_owned_weights(unet.model_path, torch.device("cpu"),
-                                                                           min_elements=1).values())
+    weights = sum(
+        w.numel() * w.element_size()
+        for w in load_owned_weights(unet.model_path, torch.device("cpu"), min_elements=1).values()
+    )
     loaded = used()
     hidden = unet.input_dims["encoder_hidden_states"][2]
     timestep_dims = unet.input_dims["timestep"]
     steps = []
     for batch in batches:
-        shapes = {"sample": (batch, 4, size // 8, size // 8), "encoder_hidden_states": (batch, 77, hidden),
-                  "timestep": (batch,) if timestep_dims else ()}
+        shapes = {
+            "sample": (batch, 4, size // 8, size // 8),
+            "encoder_hidden_states": (batch, 77, hidden),
+            "timestep": (batch,) if timestep_dims else (),
+        }
         start = time.perf_counter()
         unet.warmup(shapes)
         seconds = time.perf_counter() - start
         steps.append({"unet_batch": batch, "used_mib": (used() - idle) / 2**20, "warmup_s": seconds})
-    return {"variant": variant, "weights_mib": weights / 2**20, "loaded_mib": (loaded - idle) / 2**20,
-            "signatures": steps, "sessions_created": unet.sessions_created,
-            "graph_signatures": len(unet.graph_signatures)}
+    return {
+        "variant": variant,
+        "weights_mib": weights / 2**20,
+        "loaded_mib": (loaded - idle) / 2**20,
+        "signatures": steps,
+        "sessions_created": unet.sessions_created,
+        "graph_signatures": len(unet.graph_signatures),
+    }
 
 
 def main() -> int:
@@ -73,18 +88,45 @@ def main() -> int:
         return 0
     rows = []
     for variant in VARIANTS:
-        done = subprocess.run([sys.executable, __file__, "--folder", args.folder, "--out", args.out, "--batches",
-                               args.batches, "--size", str(args.size), "--one", variant], capture_output=True, text=True)
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else
-                    {"variant": variant, "error": done.stderr[-1500:]})
+        done = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--folder",
+                args.folder,
+                "--out",
+                args.out,
+                "--batches",
+                args.batches,
+                "--size",
+                str(args.size),
+                "--one",
+                variant,
+            ],
+            capture_output=True,
+            text=True,
+        )
+        rows.append(
+            json.loads(done.stdout.strip().splitlines()[-1])
+            if done.returncode == 0
+            else {"variant": variant, "error": done.stderr[-1500:]}
+        )
         print(rows[-1], flush=True)
     import torch
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "signature-memory.json").write_text(json.dumps({
-        "device": torch.cuda.get_device_name(0), "command": " ".join(["python", *sys.argv]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows}, indent=2))
+    (out / "signature-memory.json").write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(0),
+                "command": " ".join(["python", *sys.argv]),
+                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -79,9 +79,13 @@ def main() -> None:
     parser.add_argument("--thresholds", default="0.08,0.2")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--short-steps", type=int, default=None,
-                        help="the short call of the in-loop per-step costs (fewer than the recipe's steps; default: "
-                             "the recipe's, as the bench's per-step time)")
+    parser.add_argument(
+        "--short-steps",
+        type=int,
+        default=None,
+        help="the short call of the in-loop per-step costs (fewer than the recipe's steps; default: "
+        "the recipe's, as the bench's per-step time)",
+    )
     args = parser.parse_args()
     recipe = TRANSFORMER_RECIPES[args.kind]
     short = recipe["short_steps"] if args.short_steps is None else args.short_steps
@@ -92,17 +96,29 @@ def main() -> None:
 
     def call(steps: int = recipe["steps"]) -> np.ndarray:
         with torch.inference_mode():
-            images = pipe(PROMPT, height=recipe["size"], width=recipe["size"], num_inference_steps=steps,
-                          guidance_scale=recipe["guidance"], latents=latents.clone(),
-                          max_sequence_length=recipe["max_sequence_length"], output_type="np").images
+            images = pipe(
+                PROMPT,
+                height=recipe["size"],
+                width=recipe["size"],
+                num_inference_steps=steps,
+                guidance_scale=recipe["guidance"],
+                latents=latents.clone(),
+                max_sequence_length=recipe["max_sequence_length"],
+                output_type="np",
+            ).images
         torch.cuda.synchronize()
         return np.asarray(images)
 
     def timed(steps: int = recipe["steps"]) -> Dict[str, Any]:
         return step_cache_row(pipe, lambda: call(steps), args.runs)[0]
 
-    result: Dict[str, Any] = {"environment": environment(), "folder": str(args.folder), "kind": args.kind,
-                              "steps": recipe["steps"], "rows": {}}
+    result: Dict[str, Any] = {
+        "environment": environment(),
+        "folder": str(args.folder),
+        "kind": args.kind,
+        "steps": recipe["steps"],
+        "rows": {},
+    }
     rows = result["rows"]
     rows["uncached"] = timed()
     # a step inside the loop, as the bench counts it: (steps-step call − short-step call) / the steps between
@@ -131,13 +147,19 @@ def main() -> None:
     for suffix, read in (("", True), (", no read-back", False)):
         fixed(cache, PATTERNS["first-only"], read=read)
         short_rows[f"pattern first-only{suffix}"] = timed(short)
-    in_loop = {"uncached step": short_rows["uncached"],
-               "skipped step": short_rows["pattern first-only"],
-               "skipped step, no read-back": short_rows["pattern first-only, no read-back"]}
-    whole = {"uncached step": rows["uncached"], "skipped step": rows["pattern first-only"],
-             "skipped step, no read-back": rows["pattern first-only, no read-back"]}
-    result["in_loop_per_step_ms"] = {name: (whole[name]["end_to_end_ms"] - row["end_to_end_ms"]) / between
-                                     for name, row in in_loop.items()}
+    in_loop = {
+        "uncached step": short_rows["uncached"],
+        "skipped step": short_rows["pattern first-only"],
+        "skipped step, no read-back": short_rows["pattern first-only, no read-back"],
+    }
+    whole = {
+        "uncached step": rows["uncached"],
+        "skipped step": rows["pattern first-only"],
+        "skipped step, no read-back": rows["pattern first-only, no read-back"],
+    }
+    result["in_loop_per_step_ms"] = {
+        name: (whole[name]["end_to_end_ms"] - row["end_to_end_ms"]) / between for name, row in in_loop.items()
+    }
     result["short_call"] = {"steps": short, "rows": short_rows}
     # one more cached call, the last step's inputs recorded (a call goes through the class), for the per-step costs
     original_call = cache.__class__.__call__
@@ -165,27 +187,42 @@ def main() -> None:
     steps["graph replay: uncached transformer"] = graph_floor_ms(transformer, args.repeats)
     result["per_step_ms"] = steps
     # where a part ran without a CUDA graph, ORT's reason
-    result["graph_fallbacks"] = {name: {str(dict(signature)): reason for signature, reason in
-                                        model.graph_fallbacks.items()}
-                                 for name, model in zip(("head", "body", "out", "transformer"),
-                                                        [*cache.parts, transformer]) if model.graph_fallbacks}
+    result["graph_fallbacks"] = {
+        name: {str(dict(signature)): reason for signature, reason in model.graph_fallbacks.items()}
+        for name, model in zip(("head", "body", "out", "transformer"), [*cache.parts, transformer])
+        if model.graph_fallbacks
+    }
     head = steps["graph replay: head (first block alone)"]
     result["skipped_step_over_first_block"] = steps["cached, skipped"] / head if head else None
     # the same harness on both sides: a skipped step per call over the head alone per call
     result["skipped_step_over_first_block_per_call"] = steps["cached, skipped"] / steps["head alone, per call"]
-    result["in_loop_skipped_step_over_first_block"] = (result["in_loop_per_step_ms"]["skipped step"] / head
-                                                       if head else None)
+    result["in_loop_skipped_step_over_first_block"] = (
+        result["in_loop_per_step_ms"]["skipped step"] / head if head else None
+    )
     result["every_other_speedup"] = rows["uncached"]["end_to_end_ms"] / rows["pattern every-other"]["end_to_end_ms"]
     # what reading the decision back costs a skipped step: the host waits, then launches the next step's work
     result["read_back_ms_per_skipped_step"] = steps["cached, skipped"] - steps["cached, skipped, no read-back"]
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"step_cache-{args.kind}.json"
     path.write_text(json.dumps(result, indent=2))
-    print(json.dumps({key: result[key] for key in ("per_step_ms", "in_loop_per_step_ms",
-                                                   "skipped_step_over_first_block",
-                                                   "skipped_step_over_first_block_per_call",
-                                                   "in_loop_skipped_step_over_first_block", "every_other_speedup",
-                                                   "read_back_ms_per_skipped_step", "graph_fallbacks")}, indent=2))
+    print(
+        json.dumps(
+            {
+                key: result[key]
+                for key in (
+                    "per_step_ms",
+                    "in_loop_per_step_ms",
+                    "skipped_step_over_first_block",
+                    "skipped_step_over_first_block_per_call",
+                    "in_loop_skipped_step_over_first_block",
+                    "every_other_speedup",
+                    "read_back_ms_per_skipped_step",
+                    "graph_fallbacks",
+                )
+            },
+            indent=2,
+        )
+    )
     for name, row in rows.items():
         print(f"{name:24s} {row['end_to_end_ms']:9.1f} ms  skipped {row.get('skipped_steps', 0)}")
 

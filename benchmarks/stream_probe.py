@@ -62,8 +62,12 @@ def measure(stream: OnnxStreamDiffusionPipeline, frame: torch.Tensor, frames: in
     torch.cuda.synchronize()
     fps = frames / (time.perf_counter() - start)
     latencies.sort()
-    return {"fps": fps, "p50_ms": latencies[len(latencies) // 2], "p99_ms": latencies[int(len(latencies) * 0.99) - 1],
-            "output": [list(out.shape), str(out.dtype), str(out.device)] if out is not None else None}
+    return {
+        "fps": fps,
+        "p50_ms": latencies[len(latencies) // 2],
+        "p99_ms": latencies[int(len(latencies) * 0.99) - 1],
+        "output": [list(out.shape), str(out.dtype), str(out.device)] if out is not None else None,
+    }
 
 
 def floor_ms(stream: OnnxStreamDiffusionPipeline, batch: int, size: int) -> dict:
@@ -77,17 +81,25 @@ def floor_ms(stream: OnnxStreamDiffusionPipeline, batch: int, size: int) -> dict
 
     image = typed("sample", stream.vae_encoder, (1, 3, size, size))
     z = typed("latent_sample", stream.vae_decoder, (1, channels, latent, latent))
-    unet_inputs = {"sample": typed("sample", stream.unet, (batch, channels, latent, latent)),
-                   "encoder_hidden_states": typed("encoder_hidden_states", stream.unet,
-                                                  (batch, 77, stream.unet.input_dims["encoder_hidden_states"][2]))}
+    unet_inputs = {
+        "sample": typed("sample", stream.unet, (batch, channels, latent, latent)),
+        "encoder_hidden_states": typed(
+            "encoder_hidden_states", stream.unet, (batch, 77, stream.unet.input_dims["encoder_hidden_states"][2])
+        ),
+    }
     timestep_dims = stream.unet.input_dims["timestep"]
-    unet_inputs["timestep"] = torch.full((batch,) if timestep_dims and len(timestep_dims) == 1 else (), 500,
-                                         device=device).to(stream.unet.input_dtypes["timestep"])
+    unet_inputs["timestep"] = torch.full(
+        (batch,) if timestep_dims and len(timestep_dims) == 1 else (), 500, device=device
+    ).to(stream.unet.input_dtypes["timestep"])
     if "timestep_cond" in stream.unet.input_names:
-        unet_inputs["timestep_cond"] = typed("timestep_cond", stream.unet,
-                                             (batch, stream.unet.input_dims["timestep_cond"][1]))
-    calls = {"vae_encoder": lambda: stream.vae_encoder(sample=image), "unet": lambda: stream.unet(**unet_inputs),
-             "vae_decoder": lambda: stream.vae_decoder(latent_sample=z)}
+        unet_inputs["timestep_cond"] = typed(
+            "timestep_cond", stream.unet, (batch, stream.unet.input_dims["timestep_cond"][1])
+        )
+    calls = {
+        "vae_encoder": lambda: stream.vae_encoder(sample=image),
+        "unet": lambda: stream.unet(**unet_inputs),
+        "vae_decoder": lambda: stream.vae_decoder(latent_sample=z),
+    }
     result = {}
     for name, call in calls.items():
         for _ in range(5):
@@ -112,20 +124,32 @@ def main() -> int:
     torch.manual_seed(0)
     frame = torch.rand(1, 3, args.size, args.size, device="cuda") * 2 - 1
     for vae in ("tiny", "full"):
-        stream = OnnxStreamDiffusionPipeline.from_pretrained(folder, provider="CUDAExecutionProvider",
-                                                             tiny_vae=tiny if vae == "tiny" else None)
+        stream = OnnxStreamDiffusionPipeline.from_pretrained(
+            folder, provider="CUDAExecutionProvider", tiny_vae=tiny if vae == "tiny" else None
+        )
         for steps, stream_batch in ((1, False), (2, True), (2, False)):
             row = {"vae": vae, "unet_steps": steps, "stream_batch": stream_batch}
             try:
                 start = time.perf_counter()
-                stream.prepare("a photo of a cat", num_inference_steps=2 * steps, strength=0.5, guidance_scale=0.0,
-                               seed=0, height=args.size, width=args.size, stream_batch=stream_batch)
+                stream.prepare(
+                    "a photo of a cat",
+                    num_inference_steps=2 * steps,
+                    strength=0.5,
+                    guidance_scale=0.0,
+                    seed=0,
+                    height=args.size,
+                    width=args.size,
+                    stream_batch=stream_batch,
+                )
                 row["prepare_s"] = time.perf_counter() - start
                 row.update(measure(stream, frame, args.frames))
                 row["floor_ms"] = floor_ms(stream, steps if stream_batch else 1, args.size)
                 unet_calls = 1 if stream_batch else steps
-                floor = (row["floor_ms"]["vae_encoder"] + unet_calls * row["floor_ms"]["unet"]
-                         + row["floor_ms"]["vae_decoder"])
+                floor = (
+                    row["floor_ms"]["vae_encoder"]
+                    + unet_calls * row["floor_ms"]["unet"]
+                    + row["floor_ms"]["vae_decoder"]
+                )
                 row["floor_frame_ms"] = floor
                 row["frame_ms"] = 1e3 / row["fps"]
                 row["ratio_to_floor"] = row["frame_ms"] / floor
@@ -135,8 +159,13 @@ def main() -> int:
             rows.append(row)
         del stream
         torch.cuda.empty_cache()
-    result = {"command": " ".join(["python3", *sys.argv]), "environment": environment(), "size": args.size,
-              "frames": args.frames, "rows": rows}
+    result = {
+        "command": " ".join(["python3", *sys.argv]),
+        "environment": environment(),
+        "size": args.size,
+        "frames": args.frames,
+        "rows": rows,
+    }
     (out / "stream_probe.json").write_text(json.dumps(result, indent=1))
     return 0
 

@@ -50,9 +50,16 @@ def main() -> int:
     decoder = IOBindingORTModel.from_pretrained(folder, subfolder="vae_decoder", provider="CUDAExecutionProvider")
     latents = torch.randn(1, 4, args.size // 8, args.size // 8, generator=torch.Generator().manual_seed(0))
     latents = latents.to("cuda", decoder.input_dtypes["latent_sample"])
-    results = {"environment": environment(), "command": " ".join(["python3 benchmarks/tiled_vae.py", *sys.argv[1:]]),
-               "size": args.size, "tile": args.tile, "dtype": args.dtype, "rows": {}}
+    results = {
+        "environment": environment(),
+        "command": " ".join(["python3 benchmarks/tiled_vae.py", *sys.argv[1:]]),
+        "size": args.size,
+        "tile": args.tile,
+        "dtype": args.dtype,
+        "rows": {},
+    }
     try:
+
         def untiled():
             image = (decoder(latent_sample=latents)[0].float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1)
             return image.cpu().numpy()
@@ -73,12 +80,20 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tiled-vae.json").write_text(json.dumps(results, indent=2))
-    lines = [f"# Tiled VAE decode, {args.size}², {args.dtype}, tile {args.tile} px — "
-             f"{results['environment']['device']}", "", f"`{results['command']}`", "",
-             "| decode | ms (median) | max / mean abs diff vs untiled |", "|---|---|---|"]
+    lines = [
+        f"# Tiled VAE decode, {args.size}², {args.dtype}, tile {args.tile} px — {results['environment']['device']}",
+        "",
+        f"`{results['command']}`",
+        "",
+        "| decode | ms (median) | max / mean abs diff vs untiled |",
+        "|---|---|---|",
+    ]
     for name, row in results["rows"].items():
-        diff = f"{row['max_abs_diff_vs_untiled']:.3g} / {row['mean_abs_diff_vs_untiled']:.3g}" \
-            if "max_abs_diff_vs_untiled" in row else ""
+        diff = (
+            f"{row['max_abs_diff_vs_untiled']:.3g} / {row['mean_abs_diff_vs_untiled']:.3g}"
+            if "max_abs_diff_vs_untiled" in row
+            else ""
+        )
         lines.append(f"| {name} | {row.get('ms', float('nan')):.1f} | {diff or row.get('error', '')} |")
     (out / "tiled-vae.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -31,15 +31,27 @@ def step_inputs(model: IOBindingORTModel, size: int, text_tokens: int) -> dict:
     latent = size // 8
     if "img_ids" in model.input_names:  # FLUX.1: 2×2-packed latent tokens, one batch
         tokens = (latent // 2) ** 2
-        shapes = {"hidden_states": (1, tokens, 64), "encoder_hidden_states": (1, text_tokens, 4096),
-                  "pooled_projections": (1, 768), "timestep": (1,), "img_ids": (tokens, 3),
-                  "txt_ids": (text_tokens, 3), "guidance": (1,)}
+        shapes = {
+            "hidden_states": (1, tokens, 64),
+            "encoder_hidden_states": (1, text_tokens, 4096),
+            "pooled_projections": (1, 768),
+            "timestep": (1,),
+            "img_ids": (tokens, 3),
+            "txt_ids": (text_tokens, 3),
+            "guidance": (1,),
+        }
     else:  # SD3: CLIP's 77 tokens and T5's, CFG batch
-        shapes = {"hidden_states": (2, 16, latent, latent), "encoder_hidden_states": (2, 77 + text_tokens, 4096),
-                  "pooled_projections": (2, 2048), "timestep": (2,)}
+        shapes = {
+            "hidden_states": (2, 16, latent, latent),
+            "encoder_hidden_states": (2, 77 + text_tokens, 4096),
+            "pooled_projections": (2, 2048),
+            "timestep": (2,),
+        }
     scale = 1000 if "img_ids" not in model.input_names else 1  # SD3's timestep in [0, 1000], FLUX.1's sigma in [0, 1]
-    return {name: (torch.rand(shapes[name], device="cuda") * (scale if name == "timestep" else 1)).to(dtypes[name])
-            for name in model.input_names}
+    return {
+        name: (torch.rand(shapes[name], device="cuda") * (scale if name == "timestep" else 1)).to(dtypes[name])
+        for name in model.input_names
+    }
 
 
 def main() -> int:
@@ -48,14 +60,23 @@ def main() -> int:
     parser.add_argument("--out", default="transformer-kernels")
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--text-tokens", type=int, default=256)
-    parser.add_argument("--session-config", action="append", default=[], metavar="KEY=VALUE",
-                        help="an ONNX Runtime session config entry for both sessions (repeatable)")
+    parser.add_argument(
+        "--session-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an ONNX Runtime session config entry for both sessions (repeatable)",
+    )
     args = parser.parse_args()
     folder, out = Path(args.folder), Path(args.out)
     entries = dict(entry.split("=", 1) for entry in args.session_config)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"environment": environment(), "command": " ".join(sys.argv), "folder": folder.name,
-              "session_config": entries}
+    result = {
+        "environment": environment(),
+        "command": " ".join(sys.argv),
+        "folder": folder.name,
+        "session_config": entries,
+    }
 
     def session_options():  # a fresh object per session: ORT keeps what it is given
         import onnxruntime as ort
@@ -65,8 +86,13 @@ def main() -> int:
             options.add_session_config_entry(key, value)
         return options
 
-    captured = IOBindingORTModel.from_pretrained(folder, subfolder="transformer", provider="CUDAExecutionProvider",
-                                                 cuda_graph=True, sess_options=session_options())
+    captured = IOBindingORTModel.from_pretrained(
+        folder,
+        subfolder="transformer",
+        provider="CUDAExecutionProvider",
+        cuda_graph=True,
+        sess_options=session_options(),
+    )
     inputs = step_inputs(captured, args.size, args.text_tokens)
     with torch.cuda.stream(captured.stream):
         for _ in range(3):
@@ -75,8 +101,13 @@ def main() -> int:
     result["graph_fallbacks"] = {str(dict(k)): v for k, v in captured.graph_fallbacks.items()}
     result["graph_replay_ms"] = replay_ms(runner, captured.stream, 10) if runner is not None else None
     del captured, runner
-    plain = IOBindingORTModel.from_pretrained(folder, subfolder="transformer", provider="CUDAExecutionProvider",
-                                              cuda_graph=False, sess_options=session_options())
+    plain = IOBindingORTModel.from_pretrained(
+        folder,
+        subfolder="transformer",
+        provider="CUDAExecutionProvider",
+        cuda_graph=False,
+        sess_options=session_options(),
+    )
     with torch.cuda.stream(plain.stream):
         plain(**inputs)
         result["kernels"] = kernel_table(lambda: plain(**inputs), calls=3, top=20)

@@ -63,8 +63,9 @@ def kernels_in_process(folder: str, model: str, steps: int) -> dict:
     timestep_rank = len(unet.input_dims["timestep"] or [])
     inputs = {
         "sample": torch.randn(2, 4, size // 8, size // 8, device=unet.device, dtype=dtype),
-        "timestep": torch.full([2] if timestep_rank else [], 500, device=unet.device,
-                               dtype=unet.input_dtypes["timestep"]),
+        "timestep": torch.full(
+            [2] if timestep_rank else [], 500, device=unet.device, dtype=unet.input_dtypes["timestep"]
+        ),
         "encoder_hidden_states": torch.randn(2, 77, hidden, device=unet.device, dtype=dtype),
     }
     with torch.cuda.stream(unet.stream):
@@ -86,21 +87,29 @@ def kernels_in_process(folder: str, model: str, steps: int) -> dict:
             per_kernel[event["name"]] += float(event.get("dur", 0)) / 1000 / steps
             calls[event["name"]] += 1
     total = sum(per_kernel.values())
-    top = [{"kernel": name[:160], "ms_per_step": round(ms, 4), "calls_per_step": calls[name] // steps}
-           for name, ms in per_kernel.most_common(40)]
-    return {"kernel_ms_per_step": total, "kernels_per_step": sum(calls.values()) // steps, "top": top,
-            "by_family": _families(per_kernel)}
+    top = [
+        {"kernel": name[:160], "ms_per_step": round(ms, 4), "calls_per_step": calls[name] // steps}
+        for name, ms in per_kernel.most_common(40)
+    ]
+    return {
+        "kernel_ms_per_step": total,
+        "kernels_per_step": sum(calls.values()) // steps,
+        "top": top,
+        "by_family": _families(per_kernel),
+    }
 
 
 def _families(per_kernel: collections.Counter) -> dict:
-    rules = [("attention", ("fmha", "flash", "attention", "Attention", "cudnn_generated_fort_native_sdpa")),
-             ("convolution", ("conv", "Conv", "fprop", "implicit", "xmma", "winograd", "dgrad")),
-             ("gemm", ("gemm", "Gemm", "cutlass", "sm90_xmma", "cublas")),
-             ("group norm", ("GroupNorm", "groupNorm", "group_norm")),
-             ("layer norm", ("LayerNorm", "layerNorm", "SkipLayerNorm")),
-             ("transpose", ("ranspose",)),
-             ("gelu/split", ("Gelu", "gelu", "Split", "split")),
-             ("bias/add", ("BiasAdd", "Add", "add", "Bias"))]
+    rules = [
+        ("attention", ("fmha", "flash", "attention", "Attention", "cudnn_generated_fort_native_sdpa")),
+        ("convolution", ("conv", "Conv", "fprop", "implicit", "xmma", "winograd", "dgrad")),
+        ("gemm", ("gemm", "Gemm", "cutlass", "sm90_xmma", "cublas")),
+        ("group norm", ("GroupNorm", "groupNorm", "group_norm")),
+        ("layer norm", ("LayerNorm", "layerNorm", "SkipLayerNorm")),
+        ("transpose", ("ranspose",)),
+        ("gelu/split", ("Gelu", "gelu", "Split", "split")),
+        ("bias/add", ("BiasAdd", "Add", "add", "Bias")),
+    ]
     families = collections.Counter()
     for name, ms in per_kernel.items():
         family = next((fam for fam, keys in rules if any(key in name for key in keys)), "other")
@@ -118,8 +127,20 @@ def op_counts(folder: Path) -> dict:
 def _child(mode: str, folder: Path, model: str, payload: dict, env: dict, timeout: int = 900) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         result_path = handle.name
-    command = [sys.executable, __file__, "--child", mode, "--folder", str(folder), "--model", model,
-               "--payload", json.dumps(payload), "--result", result_path]
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        mode,
+        "--folder",
+        str(folder),
+        "--model",
+        model,
+        "--payload",
+        json.dumps(payload),
+        "--result",
+        result_path,
+    ]
     completed = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
     try:
         if completed.returncode != 0:
@@ -134,8 +155,11 @@ def _child(mode: str, folder: Path, model: str, payload: dict, env: dict, timeou
 def attention_choices(log: str) -> dict:
     """Counts of ORT's per-node attention-kernel report lines ("... SdpaKernel=..." in ORT's debug output)."""
     lines = [line.strip() for line in log.splitlines() if "SdpaKernel" in line or "sdpa_kernel" in line.lower()]
-    return dict(collections.Counter(line.split("SdpaKernel=")[-1] if "SdpaKernel=" in line else line
-                                    for line in lines).most_common(10))
+    return dict(
+        collections.Counter(
+            line.split("SdpaKernel=")[-1] if "SdpaKernel=" in line else line for line in lines
+        ).most_common(10)
+    )
 
 
 def main() -> int:
@@ -165,9 +189,14 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     folder = ensure_export(args.model, "fp16", "optimized", Path(args.work))
-    results = {"environment": environment(), "model": args.model, "folder": str(folder),
-               "command": " ".join(["python3 benchmarks/unet_options.py", *sys.argv[1:]]),
-               "op_counts": op_counts(folder), "variants": {}}
+    results = {
+        "environment": environment(),
+        "model": args.model,
+        "folder": str(folder),
+        "command": " ".join(["python3 benchmarks/unet_options.py", *sys.argv[1:]]),
+        "op_counts": op_counts(folder),
+        "variants": {},
+    }
     kernels = _child("kernels", folder, args.model, {"steps": 10}, {"ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO": "1"})
     kernels["attention_kernels"] = attention_choices(kernels.pop("log", ""))
     results["kernels"] = kernels
@@ -179,16 +208,27 @@ def main() -> int:
         results["variants"][name] = {"provider_options": options, "env": env, **result}
         print(name, result.get("per_step_ms", result.get("error", "")[-300:]), flush=True)
         (out / "unet-options.json").write_text(json.dumps(results, indent=2))
-    lines = [f"# UNet step time by CUDA EP options — {args.model}, fp16, --optimize cuda",
-             "", f"`{results['command']}` on {results['environment']['device']}, onnxruntime "
-             f"{results['environment']['onnxruntime']}", "", "| variant | provider options | GPU floor ms/step |",
-             "|---|---|---|"]
+    lines = [
+        f"# UNet step time by CUDA EP options — {args.model}, fp16, --optimize cuda",
+        "",
+        f"`{results['command']}` on {results['environment']['device']}, onnxruntime "
+        f"{results['environment']['onnxruntime']}",
+        "",
+        "| variant | provider options | GPU floor ms/step |",
+        "|---|---|---|",
+    ]
     for name, row in results["variants"].items():
         value = f"{row['per_step_ms']:.3f}" if "per_step_ms" in row else "error"
         lines.append(f"| {name} | `{json.dumps(row['provider_options'])}` | {value} |")
     if "by_family" in kernels:
-        lines += ["", f"Plain-session kernels: {kernels['kernel_ms_per_step']:.3f} ms/step in "
-                  f"{kernels['kernels_per_step']} kernels", "", "| family | ms/step |", "|---|---|"]
+        lines += [
+            "",
+            f"Plain-session kernels: {kernels['kernel_ms_per_step']:.3f} ms/step in "
+            f"{kernels['kernels_per_step']} kernels",
+            "",
+            "| family | ms/step |",
+            "|---|---|",
+        ]
         lines += [f"| {name} | {ms:.3f} |" for name, ms in kernels["by_family"].items()]
     (out / "unet-options.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

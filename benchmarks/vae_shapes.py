@@ -32,8 +32,9 @@ SHAPES = [(64, 64), (64, 16), (16, 64), (16, 16)]
 def measure(folder: Path, options: dict, cycles: int) -> dict:
     from optimum_iobinding import IOBindingORTModel
 
-    decoder = IOBindingORTModel.from_pretrained(folder, subfolder="vae_decoder", provider="CUDAExecutionProvider",
-                                                provider_options=options)
+    decoder = IOBindingORTModel.from_pretrained(
+        folder, subfolder="vae_decoder", provider="CUDAExecutionProvider", provider_options=options
+    )
     dtype = decoder.input_dtypes["latent_sample"]
     inputs = {shape: torch.randn(1, 4, *shape, device="cuda").to(dtype) for shape in SHAPES}
 
@@ -70,8 +71,12 @@ def main() -> int:
     from optimum_iobinding.bench.zoo import ensure_export
 
     folder = ensure_export("sd15", args.dtype, "plain", Path(args.work))
-    results = {"environment": environment(), "command": " ".join(["python3 benchmarks/vae_shapes.py", *sys.argv[1:]]),
-               "dtype": args.dtype, "variants": {}}
+    results = {
+        "environment": environment(),
+        "command": " ".join(["python3 benchmarks/vae_shapes.py", *sys.argv[1:]]),
+        "dtype": args.dtype,
+        "variants": {},
+    }
     for name in args.variants.split(","):
         try:
             results["variants"][name] = {"options": VARIANTS[name], **measure(folder, VARIANTS[name], args.cycles)}

@@ -43,8 +43,12 @@ CODECS = {
     # name: (extension, FFmpeg encoder, FFmpeg decoder, encoder options)
     "h264-medium": (".mp4", "libx264", "h264", {"crf": "18", "preset": "medium"}),
     "h264-veryfast": (".mp4", "libx264", "h264", {"crf": "18", "preset": "veryfast"}),
-    "vp9-realtime": (".webm", "libvpx-vp9", "libvpx-vp9",
-                     {"crf": "32", "b": "0", "deadline": "realtime", "cpu-used": "8", "row-mt": "1"}),
+    "vp9-realtime": (
+        ".webm",
+        "libvpx-vp9",
+        "libvpx-vp9",
+        {"crf": "32", "b": "0", "deadline": "realtime", "cpu-used": "8", "row-mt": "1"},
+    ),
 }
 FPS = 30
 
@@ -58,7 +62,7 @@ def synthetic_frames(count: int, size: int) -> List[np.ndarray]:
         coarse = rng.random((side // cell + 1, side // cell + 1, 3), dtype=np.float32)
         texture += weight * np.repeat(np.repeat(coarse, cell, 0), cell, 1)[:side, :side]
     texture = (texture * 255).astype(np.uint8)
-    return [np.ascontiguousarray(texture[2 * k:2 * k + size, k:k + size]) for k in range(count)]
+    return [np.ascontiguousarray(texture[2 * k : 2 * k + size, k : k + size]) for k in range(count)]
 
 
 def cpu_seconds() -> tuple:
@@ -73,8 +77,13 @@ def run_once(run: Callable[[], int]) -> Dict:
     frames = run()
     wall = time.perf_counter() - start
     own1, children1 = cpu_seconds()
-    return {"frames": frames, "wall_s": round(wall, 4), "fps": round(frames / wall, 1),
-            "cpu_s_process": round(own1 - own0, 3), "cpu_s_children": round(children1 - children0, 3)}
+    return {
+        "frames": frames,
+        "wall_s": round(wall, 4),
+        "fps": round(frames / wall, 1),
+        "cpu_s_process": round(own1 - own0, 3),
+        "cpu_s_children": round(children1 - children0, 3),
+    }
 
 
 def python_work_while(run: Callable[[], int], seconds_alone: float = 0.5) -> float:
@@ -138,8 +147,15 @@ def imageio_encode(path: str, frames: List[np.ndarray], codec: str, options: Dic
 
     # the ffmpeg command line names the codec context's bitrate "b:v" ("-b" is ambiguous there)
     params = [item for key, value in options.items() for item in (f"-{'b:v' if key == 'b' else key}", value)]
-    writer = imageio_ffmpeg.write_frames(path, (frames[0].shape[1], frames[0].shape[0]), fps=FPS, codec=codec,
-                                         quality=None, macro_block_size=1, output_params=params)
+    writer = imageio_ffmpeg.write_frames(
+        path,
+        (frames[0].shape[1], frames[0].shape[0]),
+        fps=FPS,
+        codec=codec,
+        quality=None,
+        macro_block_size=1,
+        output_params=params,
+    )
     writer.send(None)
     for array in frames:
         writer.send(array)
@@ -227,17 +243,26 @@ def main() -> int:
             for key, run in runs.items():
                 results[key].append(run_once(run))
         for (library, threads), measured in results.items():
-            case = {"library": library, "operation": operation, "codec": codec, "threads": threads,
-                    "fps_median": statistics.median(run["fps"] for run in measured),
-                    "python_work_left": python_work_while(runs[library, threads]), "runs": measured}
+            case = {
+                "library": library,
+                "operation": operation,
+                "codec": codec,
+                "threads": threads,
+                "fps_median": statistics.median(run["fps"] for run in measured),
+                "python_work_left": python_work_while(runs[library, threads]),
+                "runs": measured,
+            }
             if sizes:
                 case["bytes"] = os.path.getsize(sizes[library, threads])
             cases.append(case)
             cpu = statistics.median(run["cpu_s_process"] for run in measured)
             children = statistics.median(run["cpu_s_children"] for run in measured)
-            print(f"{operation:6} {codec:14} {library:23} threads={threads:8} {case['fps_median']:7.1f} frames/s  "
-                  f"cpu s: process {cpu:5.2f} children {children:5.2f}  python work left "
-                  f"{case['python_work_left']:.2f}", flush=True)
+            print(
+                f"{operation:6} {codec:14} {library:23} threads={threads:8} {case['fps_median']:7.1f} frames/s  "
+                f"cpu s: process {cpu:5.2f} children {children:5.2f}  python work left "
+                f"{case['python_work_left']:.2f}",
+                flush=True,
+            )
 
     def pyav_encoder(path, encoder, options, thread_type):
         return lambda: pyav_encode(path, frames, encoder, options, thread_type)
@@ -274,12 +299,18 @@ def main() -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"command": " ".join(sys.argv), "frames": args.frames, "size": args.size, "fps_of_file": FPS,
-              "repeats": args.repeats, "load_average_before_after": [load_before, os.getloadavg()],
-              "machine": {"cpus": os.cpu_count(), "processor": platform.processor(),
-                          "platform": platform.platform()},
-              "versions": found, "codec_options": {name: CODECS[name][3] for name in args.codecs.split(",")},
-              "cases": cases}
+    report = {
+        "command": " ".join(sys.argv),
+        "frames": args.frames,
+        "size": args.size,
+        "fps_of_file": FPS,
+        "repeats": args.repeats,
+        "load_average_before_after": [load_before, os.getloadavg()],
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor(), "platform": platform.platform()},
+        "versions": found,
+        "codec_options": {name: CODECS[name][3] for name in args.codecs.split(",")},
+        "cases": cases,
+    }
     (out / "video-codec-bench.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     return 0
 

@@ -35,8 +35,13 @@ def main() -> None:
             main_export(str(Path(scratch) / "torch"), output=str(Path(scratch) / "onnx"), task="text-to-image")
             folder = Path(scratch) / "onnx"
         pipe = accelerate(ORTStableDiffusionPipeline.from_pretrained(folder, provider=provider))
-        image = pipe("an astronaut riding a horse on mars", height=512, width=512, num_inference_steps=20,
-                     generator=torch.Generator().manual_seed(0)).images[0]
+        image = pipe(
+            "an astronaut riding a horse on mars",
+            height=512,
+            width=512,
+            num_inference_steps=20,
+            generator=torch.Generator().manual_seed(0),
+        ).images[0]
     image.save(args.out)
     print(f"wrote {args.out} with {type(pipe.unet).__name__} ({provider})")
 

@@ -35,10 +35,14 @@ def main() -> None:
 
     folder = args.model or tiny_model_folder(kind="controlnet")
     pipe = OnnxStableDiffusionControlNetPipeline.from_pretrained(folder, provider=args.provider or default_provider())
-    control = PIL.Image.open(args.control).convert("RGB") if args.control else edges(
-        pipe.default_image_size)
-    image = pipe("a full moon over the sea, oil painting", image=control, controlnet_conditioning_scale=0.9,
-                 num_inference_steps=30, generator=np.random.RandomState(0)).images[0]
+    control = PIL.Image.open(args.control).convert("RGB") if args.control else edges(pipe.default_image_size)
+    image = pipe(
+        "a full moon over the sea, oil painting",
+        image=control,
+        controlnet_conditioning_scale=0.9,
+        num_inference_steps=30,
+        generator=np.random.RandomState(0),
+    ).images[0]
     image.save(args.out)
     print(f"wrote {args.out}")
 

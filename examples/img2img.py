@@ -1,6 +1,6 @@
 """Image to image: start from a picture (here, one drawn on the spot) and follow the prompt.
 
-    python examples/img2img.py [--model FOLDER] [--provider CUDAExecutionProvider] [--image photo.png]
+python examples/img2img.py [--model FOLDER] [--provider CUDAExecutionProvider] [--image photo.png]
 """
 
 import argparse
@@ -33,8 +33,13 @@ def main() -> None:
         args.model or tiny_model_folder(), provider=args.provider or default_provider()
     )
     start = PIL.Image.open(args.image).convert("RGB") if args.image else sketch()
-    image = pipe("a sunny mountain landscape, detailed painting", image=start, strength=0.75,
-                 num_inference_steps=30, generator=np.random.RandomState(0)).images[0]
+    image = pipe(
+        "a sunny mountain landscape, detailed painting",
+        image=start,
+        strength=0.75,
+        num_inference_steps=30,
+        generator=np.random.RandomState(0),
+    ).images[0]
     image.save(args.out)
     print(f"wrote {args.out}")
 

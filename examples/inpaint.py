@@ -28,8 +28,15 @@ def main() -> None:
     image = sketch(512)
     mask = PIL.Image.new("L", image.size, 0)
     PIL.ImageDraw.Draw(mask).ellipse([128, 64, 384, 320], fill=255)  # repaint the sun
-    result = pipe("a red hot air balloon", image=image, mask_image=mask, height=512, width=512,
-                  num_inference_steps=30, generator=np.random.RandomState(0)).images[0]
+    result = pipe(
+        "a red hot air balloon",
+        image=image,
+        mask_image=mask,
+        height=512,
+        width=512,
+        num_inference_steps=30,
+        generator=np.random.RandomState(0),
+    ).images[0]
     result.save(args.out)
     print(f"wrote {args.out}")
 

@@ -35,12 +35,27 @@ def main() -> None:
             build_tiny_random_pipeline().save_pretrained(model)
         onnx_folder = Path(work) / "onnx"
         # exactly what a user runs in a shell
-        subprocess.run([sys.executable, "-m", "optimum.commands.optimum_cli", "export", "onnx", "--model", model,
-                        "--task", "text-to-image", str(onnx_folder)], check=True)
-        pipe = OnnxStableDiffusionPipeline.from_pretrained(onnx_folder, provider=args.provider or default_provider(),
-                                                           io_binding=True)
-        image = pipe("a photo of an astronaut riding a horse", num_inference_steps=30,
-                     generator=np.random.RandomState(0)).images[0]
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "optimum.commands.optimum_cli",
+                "export",
+                "onnx",
+                "--model",
+                model,
+                "--task",
+                "text-to-image",
+                str(onnx_folder),
+            ],
+            check=True,
+        )
+        pipe = OnnxStableDiffusionPipeline.from_pretrained(
+            onnx_folder, provider=args.provider or default_provider(), io_binding=True
+        )
+        image = pipe(
+            "a photo of an astronaut riding a horse", num_inference_steps=30, generator=np.random.RandomState(0)
+        ).images[0]
         image.save(args.out)
         print(f"wrote {args.out} from the optimum export of {args.model or 'the tiny random pipeline'}")
 

@@ -27,11 +27,17 @@ def main() -> None:
     provider = args.provider or default_provider()
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.model or export_pipeline(None, f"{scratch}/tiny-xl", tiny_random="xl")
-        pipe = OnnxStableDiffusionXLPipeline.from_pretrained(folder, provider=provider,
-                                                             cuda_graph=provider == "CUDAExecutionProvider")
+        pipe = OnnxStableDiffusionXLPipeline.from_pretrained(
+            folder, provider=provider, cuda_graph=provider == "CUDAExecutionProvider"
+        )
         size = args.size or (None if args.model else 512)
-        image = pipe("an astronaut riding a horse on mars", height=size, width=size, num_inference_steps=args.steps,
-                     generator=np.random.RandomState(0)).images[0]
+        image = pipe(
+            "an astronaut riding a horse on mars",
+            height=size,
+            width=size,
+            num_inference_steps=args.steps,
+            generator=np.random.RandomState(0),
+        ).images[0]
     image.save(args.out)
     print(f"wrote {args.out} ({image.size[0]}×{image.size[1]}, {provider})")
 

@@ -32,8 +32,11 @@ def sketch(index: int, size: int) -> np.ndarray:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="ONNX folder (default: the tiny random model, built offline)")
-    parser.add_argument("--tiny-vae", default=None, help="folder of an AutoencoderTiny export (vae_encoder/ and "
-                                                         "vae_decoder/) to use instead of the model's VAE")
+    parser.add_argument(
+        "--tiny-vae",
+        default=None,
+        help="folder of an AutoencoderTiny export (vae_encoder/ and vae_decoder/) to use instead of the model's VAE",
+    )
     parser.add_argument("--provider", default=None)
     parser.add_argument("--frames", type=int, default=30)
     parser.add_argument("--size", type=int, default=None, help="frame height and width (default: the model's)")
@@ -42,16 +45,24 @@ def main() -> None:
     if args.frames < 1:
         parser.error(f"--frames: expected a positive number of frames, got {args.frames}")
 
-    stream = OnnxStreamDiffusionPipeline.from_pretrained(args.model or tiny_model_folder(),
-                                                         provider=args.provider or default_provider(),
-                                                         tiny_vae=args.tiny_vae)
+    stream = OnnxStreamDiffusionPipeline.from_pretrained(
+        args.model or tiny_model_folder(), provider=args.provider or default_provider(), tiny_vae=args.tiny_vae
+    )
     if "timestep_cond" not in stream.unet.input_names:  # LCM folders keep their LCMScheduler
-        stream.scheduler = EulerAncestralDiscreteScheduler.from_config(stream.scheduler.config,
-                                                                       timestep_spacing="trailing")
+        stream.scheduler = EulerAncestralDiscreteScheduler.from_config(
+            stream.scheduler.config, timestep_spacing="trailing"
+        )
     size = args.size or stream.default_image_size
     started = time.perf_counter()
-    stream.prepare("a watercolor painting of a sunny landscape", num_inference_steps=2, strength=0.5,
-                   guidance_scale=0.0, seed=0, height=size, width=size)
+    stream.prepare(
+        "a watercolor painting of a sunny landscape",
+        num_inference_steps=2,
+        strength=0.5,
+        guidance_scale=0.0,
+        seed=0,
+        height=size,
+        width=size,
+    )
     print(f"prepared in {time.perf_counter() - started:.1f} s (prompt encoded, graphs captured)")
 
     started = time.perf_counter()

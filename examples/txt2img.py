@@ -1,7 +1,7 @@
 """Text to image with the denoising loop on the device.
 
-    python examples/txt2img.py                                   # tiny random model, built offline once
-    python examples/txt2img.py --model sd15-onnx --provider CUDAExecutionProvider
+python examples/txt2img.py                                   # tiny random model, built offline once
+python examples/txt2img.py --model sd15-onnx --provider CUDAExecutionProvider
 """
 
 import argparse

@@ -34,17 +34,33 @@ _PUBLIC_NAMES = {
     **dict.fromkeys(_PIPELINES, ".pipelines"),
 }
 
-__all__ = ["IOBindingORTModel", "ModelOptions", "PipelineOptions", "infer_output_shapes", "TiledVAE", "DeepCacheConfig",
-           "accelerate",
-           "__version__", *_PIPELINES]
+__all__ = [
+    "IOBindingORTModel",
+    "ModelOptions",
+    "PipelineOptions",
+    "infer_output_shapes",
+    "TiledVAE",
+    "DeepCacheConfig",
+    "accelerate",
+    "__version__",
+    *_PIPELINES,
+]
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time each name comes from __getattr__
     from .integrations.optimum import accelerate
-    from .pipelines import (OnnxFluxPipeline, OnnxLatentConsistencyModelPipeline, OnnxStableDiffusion3Pipeline,
-                            OnnxStableDiffusionControlNetImg2ImgPipeline, OnnxStableDiffusionControlNetPipeline,
-                            OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionInpaintPipeline,
-                            OnnxStableDiffusionPipeline, OnnxStableDiffusionXLImg2ImgPipeline,
-                            OnnxStableDiffusionXLPipeline, OnnxStreamDiffusionPipeline)
+    from .pipelines import (
+        OnnxFluxPipeline,
+        OnnxLatentConsistencyModelPipeline,
+        OnnxStableDiffusion3Pipeline,
+        OnnxStableDiffusionControlNetImg2ImgPipeline,
+        OnnxStableDiffusionControlNetPipeline,
+        OnnxStableDiffusionImg2ImgPipeline,
+        OnnxStableDiffusionInpaintPipeline,
+        OnnxStableDiffusionPipeline,
+        OnnxStableDiffusionXLImg2ImgPipeline,
+        OnnxStableDiffusionXLPipeline,
+        OnnxStreamDiffusionPipeline,
+    )
     from .pipelines.deep_cache import DeepCacheConfig
     from .pipelines.tiling import TiledVAE
     from .runtime.model import IOBindingORTModel

@@ -65,45 +65,81 @@ def tiny_model_folder(cache_dir: Optional[Path] = None, progress: bool = True, k
 def default_provider() -> str:
     import onnxruntime as ort
 
-    return "CUDAExecutionProvider" if "CUDAExecutionProvider" in ort.get_available_providers() else "CPUExecutionProvider"
+    return (
+        "CUDAExecutionProvider" if "CUDAExecutionProvider" in ort.get_available_providers() else "CPUExecutionProvider"
+    )
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?",
-                        help="diffusers Stable Diffusion / SDXL / LCM folder or hub id (omit with --tiny-random, or "
-                             "with --tiny-vae for a folder of the tiny VAE alone)")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        help="diffusers Stable Diffusion / SDXL / LCM folder or hub id (omit with --tiny-random, or "
+        "with --tiny-vae for a folder of the tiny VAE alone)",
+    )
     parser.add_argument("--output", "-o", required=True, help="folder to write the ONNX pipeline to")
-    parser.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None,
-                        help="precision: fp32 (default); fp16 (exported fp32, then ORT's float16 converter; SD3's and "
-                             "FLUX.1's T5 stays fp32); bf16 (SD3/SD3.5 and FLUX.1 only: the transformer bfloat16, "
-                             "CLIP and the VAE fp16, T5 fp32). bf16 models run on CUDA only: ORT's CPU provider has "
-                             "no bfloat16 MatMul or Add")
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "fp16", "bf16"),
+        default=None,
+        help="precision: fp32 (default); fp16 (exported fp32, then ORT's float16 converter; SD3's and "
+        "FLUX.1's T5 stays fp32); bf16 (SD3/SD3.5 and FLUX.1 only: the transformer bfloat16, "
+        "CLIP and the VAE fp16, T5 fp32). bf16 models run on CUDA only: ORT's CPU provider has "
+        "no bfloat16 MatMul or Add",
+    )
     parser.add_argument("--fp16", action="store_true", help="alias of --dtype fp16")
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
-    parser.add_argument("--step-cache", action="store_true",
-                        help="also write the denoiser's step-cache parts beside it, reading its weights: the "
-                             "transformer's First-Block Cache head, body and out (SD3, FLUX.1); the UNet's DeepCache "
-                             "full and shallow graphs (SD 1.x/2.x, SDXL, LCM; not with a ControlNet)")
-    parser.add_argument("--tiny-random", nargs="?", const="sd", default=None,
-                        choices=("sd", "xl", "lcm", "controlnet", "sd3", "flux", "flux-dev"),
-                        help="export a tiny random-weights pipeline built offline: sd (default), xl, lcm, controlnet "
-                             "(SD with a tiny random ControlNet), sd3 (Stable Diffusion 3), flux or flux-dev "
-                             "(FLUX.1 schnell's and dev's shapes)")
-    parser.add_argument("--optimize", choices=("cuda", "cpu"), default=None,
-                        help="run ORT's transformer optimizer with the fusions this execution provider runs")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace a non-empty --output folder (whole: nothing of it stays)")
-    parser.add_argument("--vae", default=None,
-                        help="export this VAE (folder or hub id) instead of the pipeline's, e.g. SDXL's float16-safe "
-                             "madebyollin/sdxl-vae-fp16-fix")
-    parser.add_argument("--controlnet", action="append", default=None, metavar="ID_OR_FOLDER",
-                        help="export with this ControlNet (folder or hub id, e.g. lllyasviel/sd-controlnet-canny); "
-                             "repeat for multi-ControlNet. Load the result with OnnxStableDiffusionControlNetPipeline")
-    parser.add_argument("--tiny-vae", nargs="?", const=True, default=None, metavar="ID_OR_FOLDER",
-                        help="export the VAE from this diffusers AutoencoderTiny (TAESD; folder or hub id, e.g. "
-                             "madebyollin/taesd, or madebyollin/taesdxl for SDXL) instead of the pipeline's; without "
-                             "a value a tiny random one built offline (with --tiny-random, or alone). Without a model "
-                             "and --tiny-random: a folder of the tiny VAE alone (vae_encoder/, vae_decoder/)")
+    parser.add_argument(
+        "--step-cache",
+        action="store_true",
+        help="also write the denoiser's step-cache parts beside it, reading its weights: the "
+        "transformer's First-Block Cache head, body and out (SD3, FLUX.1); the UNet's DeepCache "
+        "full and shallow graphs (SD 1.x/2.x, SDXL, LCM; not with a ControlNet)",
+    )
+    parser.add_argument(
+        "--tiny-random",
+        nargs="?",
+        const="sd",
+        default=None,
+        choices=("sd", "xl", "lcm", "controlnet", "sd3", "flux", "flux-dev"),
+        help="export a tiny random-weights pipeline built offline: sd (default), xl, lcm, controlnet "
+        "(SD with a tiny random ControlNet), sd3 (Stable Diffusion 3), flux or flux-dev "
+        "(FLUX.1 schnell's and dev's shapes)",
+    )
+    parser.add_argument(
+        "--optimize",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="run ORT's transformer optimizer with the fusions this execution provider runs",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty --output folder (whole: nothing of it stays)"
+    )
+    parser.add_argument(
+        "--vae",
+        default=None,
+        help="export this VAE (folder or hub id) instead of the pipeline's, e.g. SDXL's float16-safe "
+        "madebyollin/sdxl-vae-fp16-fix",
+    )
+    parser.add_argument(
+        "--controlnet",
+        action="append",
+        default=None,
+        metavar="ID_OR_FOLDER",
+        help="export with this ControlNet (folder or hub id, e.g. lllyasviel/sd-controlnet-canny); "
+        "repeat for multi-ControlNet. Load the result with OnnxStableDiffusionControlNetPipeline",
+    )
+    parser.add_argument(
+        "--tiny-vae",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="ID_OR_FOLDER",
+        help="export the VAE from this diffusers AutoencoderTiny (TAESD; folder or hub id, e.g. "
+        "madebyollin/taesd, or madebyollin/taesdxl for SDXL) instead of the pipeline's; without "
+        "a value a tiny random one built offline (with --tiny-random, or alone). Without a model "
+        "and --tiny-random: a folder of the tiny VAE alone (vae_encoder/, vae_decoder/)",
+    )
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -111,67 +147,111 @@ def run_export(args: argparse.Namespace) -> int:
 
     vae_only = args.tiny_vae is not None and not args.tiny_random and not args.model
     if not args.tiny_random and not args.model and not vae_only:
-        raise UsageError("export: give a model folder or hub id, or --tiny-random (or --tiny-vae alone for a folder "
-                         "of the tiny VAE only)")
+        raise UsageError(
+            "export: give a model folder or hub id, or --tiny-random (or --tiny-vae alone for a folder "
+            "of the tiny VAE only)"
+        )
     if args.tiny_random and args.model:
-        raise UsageError(f"model: expected a model folder or hub id, or --tiny-random, got both ({args.model!r} and "
-                         f"--tiny-random {args.tiny_random})")
+        raise UsageError(
+            f"model: expected a model folder or hub id, or --tiny-random, got both ({args.model!r} and "
+            f"--tiny-random {args.tiny_random})"
+        )
     check(args.opset in OPSETS, "--opset", f"an integer in {OPSETS[0]} … {OPSETS[-1]} (17 is tested)", args.opset)
     if args.fp16 and args.dtype not in (None, "fp16"):
-        raise UsageError(f"--fp16 and --dtype: expected one precision, got --fp16 (an alias of --dtype fp16) and "
-                         f"--dtype {args.dtype}; give --dtype alone")
+        raise UsageError(
+            f"--fp16 and --dtype: expected one precision, got --fp16 (an alias of --dtype fp16) and "
+            f"--dtype {args.dtype}; give --dtype alone"
+        )
     dtype = args.dtype or ("fp16" if args.fp16 else "fp32")
     if args.tiny_vae is True and args.model:
-        raise UsageError(f"--tiny-vae: expected an AutoencoderTiny's folder or hub id for {args.model!r} (e.g. "
-                         "madebyollin/taesd, or madebyollin/taesdxl for SDXL), got no value, which means a tiny "
-                         "random one: for --tiny-random, or alone")
+        raise UsageError(
+            f"--tiny-vae: expected an AutoencoderTiny's folder or hub id for {args.model!r} (e.g. "
+            "madebyollin/taesd, or madebyollin/taesdxl for SDXL), got no value, which means a tiny "
+            "random one: for --tiny-random, or alone"
+        )
     tiny_vae = args.tiny_vae if isinstance(args.tiny_vae, str) else None  # a name, not the random one
-    sources = [("model", args.model, "model_index.json"), ("--vae", args.vae, "config.json"),
-               *(("--controlnet", controlnet, "config.json") for controlnet in args.controlnet or ()),
-               ("--tiny-vae", tiny_vae, "config.json")]
+    sources = [
+        ("model", args.model, "model_index.json"),
+        ("--vae", args.vae, "config.json"),
+        *(("--controlnet", controlnet, "config.json") for controlnet in args.controlnet or ()),
+        ("--tiny-vae", tiny_vae, "config.json"),
+    ]
     for option, name, _ in sources:
         check_local_or_hub(option, name)
     source = Path(args.model) if args.model and Path(args.model).exists() else None
-    check_output_folder(args.output, source, args.overwrite, argument="--output",  # before the minutes of export
-                        overwrite_argument="--overwrite")
+    check_output_folder(
+        args.output,
+        source,
+        args.overwrite,
+        argument="--output",  # before the minutes of export
+        overwrite_argument="--overwrite",
+    )
     quiet_libraries()
     from .export import export_pipeline
-    from .export.export import (check_dtype_fits, check_tiny_vae_arguments, check_transformer_options,
-                                transformer_family)
+    from .export.export import check_dtype_fits, check_tiny_vae_arguments, check_transformer_options, transformer_family
 
     with options_named(EXPORT_OPTIONS):
-        check_tiny_vae_arguments(args.tiny_vae, vae_only=vae_only, random_pipeline=bool(args.tiny_random),
-                                 vae=args.vae, controlnet=args.controlnet)
+        check_tiny_vae_arguments(
+            args.tiny_vae,
+            vae_only=vae_only,
+            random_pipeline=bool(args.tiny_random),
+            vae=args.vae,
+            controlnet=args.controlnet,
+        )
     for option, name, config in sources:  # a hub id that cannot be fetched fails now, not after minutes of export
         if name is not None and not Path(name).exists():
             fetch_from_hub(option, name, config)
         if option == "model":  # what an SD3 or Flux pipeline cannot take, refused before the rest is fetched
             with options_named(EXPORT_OPTIONS):
-                check_transformer_options(transformer_family(args.model, tiny_random=args.tiny_random or False),
-                                          vae=args.vae, controlnet=args.controlnet, tiny_vae=args.tiny_vae)
-                check_dtype_fits(dtype, args.model, tiny_random=args.tiny_random or False, vae_only=vae_only,
-                                 controlnet=args.controlnet)
+                check_transformer_options(
+                    transformer_family(args.model, tiny_random=args.tiny_random or False),
+                    vae=args.vae,
+                    controlnet=args.controlnet,
+                    tiny_vae=args.tiny_vae,
+                )
+                check_dtype_fits(
+                    dtype,
+                    args.model,
+                    tiny_random=args.tiny_random or False,
+                    vae_only=vae_only,
+                    controlnet=args.controlnet,
+                )
     if tiny_vae is not None:
         check_tiny_vae_folder(tiny_vae, args.model)
     start = time.perf_counter()
     with options_named(EXPORT_OPTIONS):  # the exporter's own checks of --tiny-vae (the weights it loads)
-        folder = export_pipeline(args.model, args.output, dtype=dtype, opset=args.opset, optimize=args.optimize,
-                                 tiny_random=args.tiny_random or False, overwrite=args.overwrite, vae=args.vae,
-                                 controlnet=args.controlnet, tiny_vae=args.tiny_vae, step_cache=args.step_cache)
+        folder = export_pipeline(
+            args.model,
+            args.output,
+            dtype=dtype,
+            opset=args.opset,
+            optimize=args.optimize,
+            tiny_random=args.tiny_random or False,
+            overwrite=args.overwrite,
+            vae=args.vae,
+            controlnet=args.controlnet,
+            tiny_vae=args.tiny_vae,
+            step_cache=args.step_cache,
+        )
     if vae_only:
         what = f"the tiny VAE {tiny_vae}" if tiny_vae else "a tiny random tiny VAE"
     else:
         what = f"the tiny random {args.tiny_random} pipeline" if args.tiny_random else args.model
         if args.tiny_vae is not None:
             what += f" with the tiny VAE {tiny_vae}" if tiny_vae else " with a tiny random tiny VAE"
-    print(f"exported {what} to {folder} ({dtype}, opset {args.opset}) in "
-          f"{time.perf_counter() - start:.1f} s")
+    print(f"exported {what} to {folder} ({dtype}, opset {args.opset}) in {time.perf_counter() - start:.1f} s")
     return 0
 
 
 # what the exporter's checks call the options of `export`
-EXPORT_OPTIONS = {"tiny_vae": "--tiny-vae", "vae and tiny_vae": "--vae and --tiny-vae", "controlnet": "--controlnet",
-                  "vae": "--vae", "step_cache": "--step-cache", "dtype": "--dtype"}
+EXPORT_OPTIONS = {
+    "tiny_vae": "--tiny-vae",
+    "vae and tiny_vae": "--vae and --tiny-vae",
+    "controlnet": "--controlnet",
+    "vae": "--vae",
+    "step_cache": "--step-cache",
+    "dtype": "--dtype",
+}
 
 
 def check_tiny_vae_folder(tiny_vae: str, model: Optional[str]) -> None:
@@ -187,8 +267,9 @@ def check_tiny_vae_folder(tiny_vae: str, model: Optional[str]) -> None:
 
     config = config_of(tiny_vae, "config.json", "--tiny-vae")
     if config is None:
-        raise UsageError(f"--tiny-vae: expected a folder holding an AutoencoderTiny's config.json, got {tiny_vae!r}, "
-                         "which has none")
+        raise UsageError(
+            f"--tiny-vae: expected a folder holding an AutoencoderTiny's config.json, got {tiny_vae!r}, which has none"
+        )
     with options_named(EXPORT_OPTIONS):
         check_tiny_vae_config(config, tiny_vae, vae_argument="--vae")
         unet = config_of(model, "unet/config.json", "model") if model else None
@@ -218,8 +299,9 @@ def check_local_or_hub(option: str, name: Optional[str]) -> None:
     from .layout import looks_like_hub_id
 
     if name is not None and not Path(name).exists() and not looks_like_hub_id(name):
-        raise UsageError(f"{option}: expected an existing local folder or a hub repository id, got {name!r}: no such "
-                         "file or folder")
+        raise UsageError(
+            f"{option}: expected an existing local folder or a hub repository id, got {name!r}: no such file or folder"
+        )
 
 
 def fetch_from_hub(option: str, name: str, first_file: str) -> None:
@@ -252,7 +334,9 @@ def check_image_path(out: str) -> Path:
 
     path = Path(out).expanduser()
     if path.is_dir() or out.endswith(("/", os.sep)):
-        raise UsageError(f"--out: expected an image file name, got the folder {out!r} (e.g. {os.path.join(out, 'image.png')!r})")
+        raise UsageError(
+            f"--out: expected an image file name, got the folder {out!r} (e.g. {os.path.join(out, 'image.png')!r})"
+        )
     writable = {ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.SAVE}
     if path.suffix.lower() not in writable:
         shown = ", ".join(sorted(e for e in writable if e in {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tiff"}))
@@ -260,15 +344,23 @@ def check_image_path(out: str) -> Path:
     parent = path.parent
     existing = next((p for p in [parent, *parent.parents] if p.exists()), None)
     if existing is not None and (not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)):
-        raise UsageError(f"--out: expected a writable folder for {out!r}, but {str(existing)!r} is "
-                         f"{'not a folder' if not existing.is_dir() else 'not writable'}")
+        raise UsageError(
+            f"--out: expected a writable folder for {out!r}, but {str(existing)!r} is "
+            f"{'not a folder' if not existing.is_dir() else 'not writable'}"
+        )
     return path
 
 
 # what the pipelines' own checks call the options of `generate`
-GENERATE_OPTIONS = {"num_inference_steps": "--steps", "guidance_scale": "--guidance", "height": "--height",
-                    "width": "--width", "height and width": "--height and --width",
-                    "negative_prompt": "--negative-prompt", "provider": "--provider"}
+GENERATE_OPTIONS = {
+    "num_inference_steps": "--steps",
+    "guidance_scale": "--guidance",
+    "height": "--height",
+    "width": "--width",
+    "height and width": "--height and --width",
+    "negative_prompt": "--negative-prompt",
+    "provider": "--provider",
+}
 # what loading calls the model (layout's hub download, the folder checks)
 MODEL_OPTION = {"pretrained_model_name_or_path": "--model", "model": "--model"}
 
@@ -317,8 +409,10 @@ def check_scheduler_modules(scheduler: Optional[str]) -> None:
 
     missing = [name for name in SCHEDULER_MODULES.get(scheduler or "", ()) if importlib.util.find_spec(name) is None]
     if missing:
-        raise UsageError(f"--scheduler: {scheduler} ({SCHEDULERS[scheduler]}) needs {', '.join(missing)}, which this "
-                         f"environment lacks: pip install {' '.join(missing)}")
+        raise UsageError(
+            f"--scheduler: {scheduler} ({SCHEDULERS[scheduler]}) needs {', '.join(missing)}, which this "
+            f"environment lacks: pip install {' '.join(missing)}"
+        )
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -360,15 +454,22 @@ def run_generate(args: argparse.Namespace) -> int:
 
     import inspect
 
-    call = dict(num_inference_steps=args.steps, height=args.height, width=args.width,
-                generator=np.random.RandomState(args.seed), callback_on_step_end=record_step)
+    call = dict(
+        num_inference_steps=args.steps,
+        height=args.height,
+        width=args.width,
+        generator=np.random.RandomState(args.seed),
+        callback_on_step_end=record_step,
+    )
     if args.guidance is not None:  # else the pipeline's own default, as diffusers' (7.5 for SD, 3.5 for FLUX.1 …)
         call["guidance_scale"] = args.guidance
     accepted = inspect.signature(pipe.__call__).parameters
     if args.negative_prompt is not None:
         if "negative_prompt" not in accepted:
-            raise UsageError(f"--negative-prompt: {type(pipe).__name__} takes no negative prompt (its guidance is an "
-                             "embedding, with no unconditional batch)")
+            raise UsageError(
+                f"--negative-prompt: {type(pipe).__name__} takes no negative prompt (its guidance is an "
+                "embedding, with no unconditional batch)"
+            )
         call["negative_prompt"] = args.negative_prompt
     start = time.perf_counter()
     with options_named(GENERATE_OPTIONS):  # the pipeline's checks of what depends on the model
@@ -378,9 +479,11 @@ def run_generate(args: argparse.Namespace) -> int:
     image.save(out)
     loop = step_times[-1] - step_times[0] if len(step_times) > 1 else 0.0
     per_step = loop / (len(step_times) - 1) * 1000 if len(step_times) > 1 else float("nan")
-    print(f"{out}: {args.width}×{args.height}, {args.steps} steps in {seconds:.2f} s ({per_step:.1f} ms/step; "
-          f"load {load_seconds:.1f} s; {type(pipe).__name__}, {provider}, io_binding={args.io_binding}; "
-          f"model {args.model or model}{cache_summary(pipe, args.cache)})")
+    print(
+        f"{out}: {args.width}×{args.height}, {args.steps} steps in {seconds:.2f} s ({per_step:.1f} ms/step; "
+        f"load {load_seconds:.1f} s; {type(pipe).__name__}, {provider}, io_binding={args.io_binding}; "
+        f"model {args.model or model}{cache_summary(pipe, args.cache)})"
+    )
     return 0
 
 
@@ -392,19 +495,34 @@ def check_generate_fits(pipeline_class: type, args: argparse.Namespace) -> None:
 
     name = pipeline_class.__name__
     if args.scheduler and issubclass(pipeline_class, (OnnxFluxPipeline, OnnxStableDiffusion3Pipeline)):
-        raise UsageError(f"--scheduler: expected none for {name} (it runs diffusers' flow-matching scheduler from the "
-                         f"folder), got {args.scheduler!r}")
+        raise UsageError(
+            f"--scheduler: expected none for {name} (it runs diffusers' flow-matching scheduler from the "
+            f"folder), got {args.scheduler!r}"
+        )
     if args.negative_prompt is not None and issubclass(pipeline_class, OnnxFluxPipeline):
-        raise UsageError(f"--negative-prompt: expected none for {name} (FLUX.1 uses a negative prompt only with true "
-                         "classifier-free guidance, true_cfg_scale > 1: call the pipeline from Python for it), got "
-                         f"{args.negative_prompt!r}")
+        raise UsageError(
+            f"--negative-prompt: expected none for {name} (FLUX.1 uses a negative prompt only with true "
+            "classifier-free guidance, true_cfg_scale > 1: call the pipeline from Python for it), got "
+            f"{args.negative_prompt!r}"
+        )
 
 
 # what the stream pipeline's own checks call the options of `stream`
-STREAM_OPTIONS = {"num_inference_steps": "--steps", "strength": "--strength", "guidance_scale": "--guidance",
-                  "height": "--size", "width": "--size", "height and width": "--size", "provider": "--provider",
-                  "tiny_vae": "--tiny-vae", "pretrained_model_name_or_path": "--model", "model": "--model",
-                  "prompt": "--prompt", "negative_prompt": "--negative-prompt", "seed": "--seed"}
+STREAM_OPTIONS = {
+    "num_inference_steps": "--steps",
+    "strength": "--strength",
+    "guidance_scale": "--guidance",
+    "height": "--size",
+    "width": "--size",
+    "height and width": "--size",
+    "provider": "--provider",
+    "tiny_vae": "--tiny-vae",
+    "pretrained_model_name_or_path": "--model",
+    "model": "--model",
+    "prompt": "--prompt",
+    "negative_prompt": "--negative-prompt",
+    "seed": "--seed",
+}
 STREAM_SEEDS = range(2**63)  # what torch.Generator().manual_seed takes without wrapping around
 STREAM_DEFAULT_FPS = 30.0  # a folder of images carries no rate: a video written from one plays at this rate
 # an SD pipeline folder the stream loads: the text encoder, the UNet and (unless --tiny-vae) both halves of the VAE
@@ -435,22 +553,30 @@ def check_stream_folders(model: Optional[str], tiny_vae: Optional[str]) -> None:
             raise UsageError(f"--model: expected an ONNX pipeline folder or a hub id, got the file {model!r}")
         needed = [*STREAM_COMPONENTS, *(() if tiny_vae is not None else STREAM_VAE_COMPONENTS)]
         missing = (["model_index.json"] if not (folder / "model_index.json").is_file() else []) + [
-            f"{name}/model.onnx" for name in needed if not (folder / name / "model.onnx").is_file()]
+            f"{name}/model.onnx" for name in needed if not (folder / name / "model.onnx").is_file()
+        ]
         if not (folder / "tokenizer").is_dir():
             missing.append("tokenizer/")
         if missing:
-            hint = ("; pass --tiny-vae FOLDER for a folder without a VAE encoder" if any(
-                name.startswith("vae_") for name in missing) else "; export one with optimum-iobinding export")
-            raise UsageError(f"--model: expected an ONNX Stable Diffusion folder, got {model!r} without "
-                             f"{', '.join(missing)}{hint}")
+            hint = (
+                "; pass --tiny-vae FOLDER for a folder without a VAE encoder"
+                if any(name.startswith("vae_") for name in missing)
+                else "; export one with optimum-iobinding export"
+            )
+            raise UsageError(
+                f"--model: expected an ONNX Stable Diffusion folder, got {model!r} without {', '.join(missing)}{hint}"
+            )
     if tiny_vae is not None and Path(tiny_vae).exists():
         folder = Path(tiny_vae)
-        missing = [f"{name}/model.onnx" for name in STREAM_VAE_COMPONENTS
-                   if not (folder / name / "model.onnx").is_file()]
+        missing = [
+            f"{name}/model.onnx" for name in STREAM_VAE_COMPONENTS if not (folder / name / "model.onnx").is_file()
+        ]
         if missing:
-            raise UsageError(f"--tiny-vae: expected an AutoencoderTiny export holding vae_encoder/model.onnx and "
-                             f"vae_decoder/model.onnx, got {tiny_vae!r} without {' and '.join(missing)}; make one "
-                             "with optimum-iobinding export --tiny-vae ID_OR_FOLDER -o FOLDER")
+            raise UsageError(
+                f"--tiny-vae: expected an AutoencoderTiny export holding vae_encoder/model.onnx and "
+                f"vae_decoder/model.onnx, got {tiny_vae!r} without {' and '.join(missing)}; make one "
+                "with optimum-iobinding export --tiny-vae ID_OR_FOLDER -o FOLDER"
+            )
 
 
 def check_frame_size(multiple: int, width: int, height: int, args: argparse.Namespace) -> None:
@@ -459,19 +585,22 @@ def check_frame_size(multiple: int, width: int, height: int, args: argparse.Name
     if width % multiple == 0 and height % multiple == 0:
         return
     if args.size is not None:
-        raise UsageError(f"--size: expected a width and height that are multiples of {multiple} (the model's size "
-                         f"multiple), got {args.size!r}")
+        raise UsageError(
+            f"--size: expected a width and height that are multiples of {multiple} (the model's size "
+            f"multiple), got {args.size!r}"
+        )
     fitted = f"{max(multiple, width // multiple * multiple)}x{max(multiple, height // multiple * multiple)}"
-    raise UsageError(f"INPUT: expected frames whose width and height are multiples of {multiple}, got "
-                     f"{width}×{height} frames in {args.input!r} ({multiple}: the model's size multiple); pass --size "
-                     f"(e.g. --size {fitted}) to fit every frame to one")
+    raise UsageError(
+        f"INPUT: expected frames whose width and height are multiples of {multiple}, got "
+        f"{width}×{height} frames in {args.input!r} ({multiple}: the model's size multiple); pass --size "
+        f"(e.g. --size {fitted}) to fit every frame to one"
+    )
 
 
 def check_stream_arguments(args: argparse.Namespace) -> Optional[Tuple[int, int]]:
     """Every check of `stream` that needs neither the frames nor the model; returns --size as (width, height)."""
     check(args.steps > 0, "--steps", "a positive integer", args.steps)
-    check(math.isfinite(args.strength) and 0 < args.strength <= 1, "--strength", "a number in (0, 1]",
-          args.strength)
+    check(math.isfinite(args.strength) and 0 < args.strength <= 1, "--strength", "a number in (0, 1]", args.strength)
     check(math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
     check(args.seed in STREAM_SEEDS, "--seed", f"an integer in 0 … {STREAM_SEEDS[-1]}", args.seed)
     size = parse_frame_size(args.size)  # its multiple is the model's: checked once the model is loaded
@@ -495,14 +624,22 @@ def run_stream(args: argparse.Namespace) -> int:
     from .video import FrameWriter, open_frames
 
     if Path(args.output).expanduser().resolve() == Path(args.input).expanduser().resolve():
-        raise UsageError(f"OUTPUT: expected another path than INPUT, got {args.output!r} for both (the input is read "
-                         "while the output is written)")
+        raise UsageError(
+            f"OUTPUT: expected another path than INPUT, got {args.output!r} for both (the input is read "
+            "while the output is written)"
+        )
     with contextlib.ExitStack() as opened:  # what is opened is closed on every way out (the output discarded)
         reader = opened.enter_context(open_frames(args.input, size, argument="INPUT"))  # a bad file fails here
         width, height = reader.size
-        writer = opened.enter_context(FrameWriter(args.output, fps=reader.fps or STREAM_DEFAULT_FPS,
-                                                  overwrite=args.overwrite, argument="OUTPUT",
-                                                  overwrite_argument="--overwrite"))  # before any model
+        writer = opened.enter_context(
+            FrameWriter(
+                args.output,
+                fps=reader.fps or STREAM_DEFAULT_FPS,
+                overwrite=args.overwrite,
+                argument="OUTPUT",
+                overwrite_argument="--overwrite",
+            )
+        )  # before any model
 
         quiet_libraries()
         model = Path(args.model) if args.model and Path(args.model).exists() else args.model
@@ -520,31 +657,55 @@ def run_stream(args: argparse.Namespace) -> int:
         with options_named(STREAM_OPTIONS):
             stream = OnnxStreamDiffusionPipeline.from_pretrained(model, provider=provider, tiny_vae=args.tiny_vae)
             check_frame_size(stream.size_multiple, width, height, args)
-            stream.prepare(args.prompt, negative_prompt=args.negative_prompt, num_inference_steps=args.steps,
-                           strength=args.strength, guidance_scale=args.guidance, seed=args.seed, height=height,
-                           width=width, stream_batch=args.stream_batch)
+            stream.prepare(
+                args.prompt,
+                negative_prompt=args.negative_prompt,
+                num_inference_steps=args.steps,
+                strength=args.strength,
+                guidance_scale=args.guidance,
+                seed=args.seed,
+                height=height,
+                width=width,
+                stream_batch=args.stream_batch,
+            )
             ready = time.perf_counter()
             outputs = stream.frames(reader)
             for frame in tqdm(outputs, total=reader.frame_count, desc="stream", unit="frame"):
                 writer.write(frame)
             seconds = time.perf_counter() - ready
     frames = writer.frames_written
-    print(f"{args.output}: {frames} frames of {width}×{height} in {seconds:.2f} s ({frames / seconds:.1f} frames/s; "
-          f"load and prepare {ready - started:.1f} s; {args.steps} steps at strength {args.strength}, "
-          f"{len(stream.timesteps)} UNet step(s) a frame; {provider}; model {model}"
-          + (f", tiny VAE {args.tiny_vae}" if args.tiny_vae else "") + ")")
+    print(
+        f"{args.output}: {frames} frames of {width}×{height} in {seconds:.2f} s ({frames / seconds:.1f} frames/s; "
+        f"load and prepare {ready - started:.1f} s; {args.steps} steps at strength {args.strength}, "
+        f"{len(stream.timesteps)} UNet step(s) a frame; {provider}; model {model}"
+        + (f", tiny VAE {args.tiny_vae}" if args.tiny_vae else "")
+        + ")"
+    )
     return 0
 
 
 # ServeConfig's settings and the options of `serve` that give them
-SERVE_OPTIONS = {"model": "model", "replicas": "--replicas", "max_batch_size": "--max-batch-size",
-                 "batch_wait_timeout_s": "--batch-wait-ms", "device": "--device", "provider": "--provider",
-                 "steps": "--steps", "guidance": "--guidance", "warmup_batch_sizes": "--warmup-batch-sizes",
-                 "max_queued_requests": "--max-queued-requests", "png_compression": "--png-compression",
-                 "max_images_per_request": "--max-images-per-request", "max_pixels_per_image": "--max-pixels-per-image",
-                 "max_pixels_per_batch": "--max-pixels-per-batch", "max_steps": "--max-steps",
-                 "max_prompt_chars": "--max-prompt-chars", "max_prompt_tokens": "--max-prompt-tokens",
-                 "max_body_bytes": "--max-body-bytes", "request_timeout_s": "--request-timeout-s"}
+SERVE_OPTIONS = {
+    "model": "model",
+    "replicas": "--replicas",
+    "max_batch_size": "--max-batch-size",
+    "batch_wait_timeout_s": "--batch-wait-ms",
+    "device": "--device",
+    "provider": "--provider",
+    "steps": "--steps",
+    "guidance": "--guidance",
+    "warmup_batch_sizes": "--warmup-batch-sizes",
+    "max_queued_requests": "--max-queued-requests",
+    "png_compression": "--png-compression",
+    "max_images_per_request": "--max-images-per-request",
+    "max_pixels_per_image": "--max-pixels-per-image",
+    "max_pixels_per_batch": "--max-pixels-per-batch",
+    "max_steps": "--max-steps",
+    "max_prompt_chars": "--max-prompt-chars",
+    "max_prompt_tokens": "--max-prompt-tokens",
+    "max_body_bytes": "--max-body-bytes",
+    "request_timeout_s": "--request-timeout-s",
+}
 
 
 def check_serve_arguments(args: argparse.Namespace, model: str) -> ServeConfig:
@@ -552,23 +713,40 @@ def check_serve_arguments(args: argparse.Namespace, model: str) -> ServeConfig:
     from .serve.config import ServeConfig  # the standard library only: checks run without Ray
 
     check(0 < args.port < 65536, "--port", "a port in 1 … 65535", args.port)
-    check(math.isfinite(args.batch_wait_ms) and 0 <= args.batch_wait_ms <= 60_000, "--batch-wait-ms",
-          "milliseconds in 0 … 60000", args.batch_wait_ms)
+    check(
+        math.isfinite(args.batch_wait_ms) and 0 <= args.batch_wait_ms <= 60_000,
+        "--batch-wait-ms",
+        "milliseconds in 0 … 60000",
+        args.batch_wait_ms,
+    )
     check(math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
     with options_named(SERVE_OPTIONS):
         warmup = None
         if args.warmup_batch_sizes is not None:
-            warmup = ServeConfig.from_args({"model": model, "warmup_batch_sizes": args.warmup_batch_sizes}
-                                           ).warmup_batch_sizes
-        return ServeConfig(model=model, replicas=args.replicas, max_batch_size=args.max_batch_size,
-                           batch_wait_timeout_s=args.batch_wait_ms / 1000.0, device=args.device,
-                           provider=args.provider, steps=args.steps, guidance=args.guidance,
-                           warmup_batch_sizes=warmup, max_queued_requests=args.max_queued_requests,
-                           png_compression=args.png_compression, max_images_per_request=args.max_images_per_request,
-                           max_pixels_per_image=args.max_pixels_per_image,
-                           max_pixels_per_batch=args.max_pixels_per_batch, max_steps=args.max_steps,
-                           max_prompt_chars=args.max_prompt_chars, max_prompt_tokens=args.max_prompt_tokens,
-                           max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s)
+            warmup = ServeConfig.from_args(
+                {"model": model, "warmup_batch_sizes": args.warmup_batch_sizes}
+            ).warmup_batch_sizes
+        return ServeConfig(
+            model=model,
+            replicas=args.replicas,
+            max_batch_size=args.max_batch_size,
+            batch_wait_timeout_s=args.batch_wait_ms / 1000.0,
+            device=args.device,
+            provider=args.provider,
+            steps=args.steps,
+            guidance=args.guidance,
+            warmup_batch_sizes=warmup,
+            max_queued_requests=args.max_queued_requests,
+            png_compression=args.png_compression,
+            max_images_per_request=args.max_images_per_request,
+            max_pixels_per_image=args.max_pixels_per_image,
+            max_pixels_per_batch=args.max_pixels_per_batch,
+            max_steps=args.max_steps,
+            max_prompt_chars=args.max_prompt_chars,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_body_bytes=args.max_body_bytes,
+            request_timeout_s=args.request_timeout_s,
+        )
 
 
 # what loading calls the model `serve` serves
@@ -584,8 +762,10 @@ def run_serve(args: argparse.Namespace) -> int:
     # asked of the import system: Ray must not be imported before `run` sets up the local cluster
     missing = [name for name in ("ray", "fastapi") if importlib.util.find_spec(name) is None]
     if missing:
-        raise UsageError(f"serve: expected the serve extra (Ray Serve), missing {', '.join(missing)}: "
-                         "pip install 'optimum-iobinding[serve]'")
+        raise UsageError(
+            f"serve: expected the serve extra (Ray Serve), missing {', '.join(missing)}: "
+            "pip install 'optimum-iobinding[serve]'"
+        )
     from .serve import run
     from .serve.config import ServeStartError, check_port_free
 
@@ -593,8 +773,9 @@ def run_serve(args: argparse.Namespace) -> int:
         fetch_from_hub("model", args.model, "model_index.json")
     quiet_libraries()
     if args.model is None:
-        config = dataclasses.replace(config, model=str(tiny_model_folder(
-            Path(args.cache_dir) if args.cache_dir else None)))
+        config = dataclasses.replace(
+            config, model=str(tiny_model_folder(Path(args.cache_dir) if args.cache_dir else None))
+        )
     if Path(config.model).exists():  # before Ray starts: a path that is no pipeline fails here, not in every replica
         from .pipelines import pipeline_class_for
 
@@ -607,8 +788,11 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"optimum-iobinding: starting Ray Serve for {config.model} on {url} …", flush=True)
 
     def ready() -> None:  # once GET /health answers
-        print(f"optimum-iobinding: serving {config.model} on {url}/v1/images ({args.replicas} replica(s), batches "
-              f"of up to {args.max_batch_size}); Ctrl-C stops", flush=True)
+        print(
+            f"optimum-iobinding: serving {config.model} on {url}/v1/images ({args.replicas} replica(s), batches "
+            f"of up to {args.max_batch_size}); Ctrl-C stops",
+            flush=True,
+        )
 
     try:
         stopped = run(config, host=args.host, port=args.port, dashboard=args.dashboard, on_ready=ready)
@@ -644,125 +828,203 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt", nargs="?", default="a photo of an astronaut riding a horse")
     generate.add_argument("--negative-prompt", default=None)
     generate.add_argument("--steps", type=int, default=20, help="denoising steps (default 20)")
-    generate.add_argument("--guidance", type=float, default=None,
-                          help="guidance scale (default: the pipeline's, as diffusers': 7.5 for SD 1.x/2.x, 5.0 for "
-                               "SDXL, 7.0 for SD3, 3.5 for FLUX.1 dev)")
+    generate.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help="guidance scale (default: the pipeline's, as diffusers': 7.5 for SD 1.x/2.x, 5.0 for "
+        "SDXL, 7.0 for SD3, 3.5 for FLUX.1 dev)",
+    )
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--height", type=int, default=512)
     generate.add_argument("--width", type=int, default=512)
-    generate.add_argument("--scheduler", choices=sorted(SCHEDULERS), default=None,
-                          help="replace the model's scheduler")
+    generate.add_argument("--scheduler", choices=sorted(SCHEDULERS), default=None, help="replace the model's scheduler")
     generate.add_argument("--provider", default=None, help="ORT execution provider (default: CUDA if available)")
-    generate.add_argument("--io-binding", action=argparse.BooleanOptionalAction, default=True,
-                          help="bind torch tensors on the device (default) or run diffusers' numpy loop")
-    generate.add_argument("--model", default=None,
-                          help="ONNX pipeline folder or hub id (default: a tiny random model built offline)")
-    generate.add_argument("--cache-dir", default=None, help="where the tiny model is built (default ~/.cache/optimum-iobinding)")
+    generate.add_argument(
+        "--io-binding",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bind torch tensors on the device (default) or run diffusers' numpy loop",
+    )
+    generate.add_argument(
+        "--model", default=None, help="ONNX pipeline folder or hub id (default: a tiny random model built offline)"
+    )
+    generate.add_argument(
+        "--cache-dir", default=None, help="where the tiny model is built (default ~/.cache/optimum-iobinding)"
+    )
     generate.add_argument("--out", default="image.png", help="PNG to write (default image.png)")
-    generate.add_argument("--cache", default=None, metavar="SPEC",
-                          help="cache denoising steps (default off): fbc:THRESHOLD (First-Block Cache, SD3 and FLUX.1, "
-                               "e.g. fbc:0.08) or deepcache:INTERVAL[:BRANCH] (DeepCache, SD and SDXL, e.g. "
-                               "deepcache:3); the model folder needs the parts: export it with --step-cache")
+    generate.add_argument(
+        "--cache",
+        default=None,
+        metavar="SPEC",
+        help="cache denoising steps (default off): fbc:THRESHOLD (First-Block Cache, SD3 and FLUX.1, "
+        "e.g. fbc:0.08) or deepcache:INTERVAL[:BRANCH] (DeepCache, SD and SDXL, e.g. "
+        "deepcache:3); the model folder needs the parts: export it with --step-cache",
+    )
     generate.set_defaults(run=run_generate)
 
     serve_command = add_command(
-        commands, "serve", help="serve POST /v1/images with Ray Serve: a pipeline per replica, a GPU per replica",
+        commands,
+        "serve",
+        help="serve POST /v1/images with Ray Serve: a pipeline per replica, a GPU per replica",
         description="Runs the Ray Serve application of optimum_iobinding.serve on a local Ray cluster, or joins "
-                    "RAY_ADDRESS. Needs the serve extra: pip install 'optimum-iobinding[serve]'.")
-    serve_command.add_argument("model", nargs="?", default=None,
-                               help="ONNX pipeline folder or hub id (default: the tiny random model built offline)")
+        "RAY_ADDRESS. Needs the serve extra: pip install 'optimum-iobinding[serve]'.",
+    )
+    serve_command.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="ONNX pipeline folder or hub id (default: the tiny random model built offline)",
+    )
     serve_command.add_argument("--replicas", type=int, default=1, help="generator replicas, a GPU each (default 1)")
     serve_command.add_argument("--max-batch-size", type=int, default=4, help="images per pipeline call (default 4)")
-    serve_command.add_argument("--batch-wait-ms", type=float, default=0.0,
-                               help="how long a replica waits for a batch to fill (default 0: batches form from the "
-                                    "requests that queue while one runs)")
+    serve_command.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=0.0,
+        help="how long a replica waits for a batch to fill (default 0: batches form from the "
+        "requests that queue while one runs)",
+    )
     serve_command.add_argument("--host", default="127.0.0.1")
     serve_command.add_argument("--port", type=int, default=8000)
     serve_command.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     serve_command.add_argument("--provider", default=None, help="ORT execution provider (default: by device)")
     serve_command.add_argument("--steps", type=int, default=30, help="default steps of a request (default 30)")
     serve_command.add_argument("--guidance", type=float, default=7.5, help="default guidance (default 7.5)")
-    serve_command.add_argument("--warmup-batch-sizes", default=None,
-                               help="batch sizes captured at start, e.g. 1,2,4 (default 1 … max batch size)")
-    serve_command.add_argument("--max-queued-requests", type=int, default=256,
-                               help="requests waiting before new ones get 503 (default 256)")
-    serve_command.add_argument("--png-compression", type=int, default=0,
-                               help="zlib level of the PNG answers: 0 (default) uncompressed, the quickest to "
-                                    "make; 1-9 about half the bytes for many times the encoding time")
-    serve_command.add_argument("--cache-dir", default=None,
-                               help="where the tiny model is built (default ~/.cache/optimum-iobinding)")
+    serve_command.add_argument(
+        "--warmup-batch-sizes",
+        default=None,
+        help="batch sizes captured at start, e.g. 1,2,4 (default 1 … max batch size)",
+    )
+    serve_command.add_argument(
+        "--max-queued-requests", type=int, default=256, help="requests waiting before new ones get 503 (default 256)"
+    )
+    serve_command.add_argument(
+        "--png-compression",
+        type=int,
+        default=0,
+        help="zlib level of the PNG answers: 0 (default) uncompressed, the quickest to "
+        "make; 1-9 about half the bytes for many times the encoding time",
+    )
+    serve_command.add_argument(
+        "--cache-dir", default=None, help="where the tiny model is built (default ~/.cache/optimum-iobinding)"
+    )
     serve_command.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (on 127.0.0.1)")
     limits = serve_command.add_argument_group("request limits (beyond them: 400 or 413 before any work)")
     limits.add_argument("--max-images-per-request", type=int, default=4, help="images of one request (default 4)")
-    limits.add_argument("--max-pixels-per-image", type=int, default=None,
-                        help="default: (2 × the larger of the model's and the warm-up's side)²")
-    limits.add_argument("--max-pixels-per-batch", type=int, default=None,
-                        help="default: --max-batch-size images of --max-pixels-per-image")
+    limits.add_argument(
+        "--max-pixels-per-image",
+        type=int,
+        default=None,
+        help="default: (2 × the larger of the model's and the warm-up's side)²",
+    )
+    limits.add_argument(
+        "--max-pixels-per-batch",
+        type=int,
+        default=None,
+        help="default: --max-batch-size images of --max-pixels-per-image",
+    )
     limits.add_argument("--max-steps", type=int, default=150, help="steps of one request (default 150)")
     limits.add_argument("--max-prompt-chars", type=int, default=2000, help="characters of a prompt (default 2000)")
-    limits.add_argument("--max-prompt-tokens", type=int, default=None,
-                        help="tokens of a prompt (default: the tokenizer's length, 77 for CLIP)")
-    limits.add_argument("--max-body-bytes", type=int, default=None,
-                        help="bytes of a request's body (default: room for a start image of the largest size)")
-    limits.add_argument("--request-timeout-s", type=float, default=300.0,
-                        help="seconds a request may take in its replica before it gets 504 (default 300)")
+    limits.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="tokens of a prompt (default: the tokenizer's length, 77 for CLIP)",
+    )
+    limits.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="bytes of a request's body (default: room for a start image of the largest size)",
+    )
+    limits.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=300.0,
+        help="seconds a request may take in its replica before it gets 504 (default 300)",
+    )
     serve_command.set_defaults(run=run_serve)
 
     loadtest = add_command(
-        commands, "loadtest", help="load-test a running /v1/images service: images/s, p50/p95/p99 latency",
+        commands,
+        "loadtest",
+        help="load-test a running /v1/images service: images/s, p50/p95/p99 latency",
         formatter_class=argparse.RawDescriptionHelpFormatter,  # the install command on one line
         description="Closed-loop load test of POST /v1/images at each concurrency; prints a table.\n"
-                    "With --out, writes loadtest.json and loadtest.md, and the plot loadtest.png\n"
-                    "where matplotlib is installed: pip install 'optimum-iobinding[plot]'")
+        "With --out, writes loadtest.json and loadtest.md, and the plot loadtest.png\n"
+        "where matplotlib is installed: pip install 'optimum-iobinding[plot]'",
+    )
     loadtest.add_argument("url", help="the service, e.g. http://127.0.0.1:8000")
     loadtest.add_argument("--concurrency", default="1,4,16", help="client threads, one level each (default 1,4,16)")
     loadtest.add_argument("--requests", type=int, default=32, help="counted requests per level (default 32)")
-    loadtest.add_argument("--warmup", type=int, default=-1,
-                          help="uncounted requests first (default -1: one per client thread)")
+    loadtest.add_argument(
+        "--warmup", type=int, default=-1, help="uncounted requests first (default -1: one per client thread)"
+    )
     loadtest.add_argument("--prompt", default="a photo of an astronaut riding a horse")
     loadtest.add_argument("--seed", type=int, default=0, help="first seed; each request takes the next")
     loadtest.add_argument("--steps", type=int, default=None)
     loadtest.add_argument("--guidance", type=float, default=None)
     loadtest.add_argument("--size", default=None, help="512 or 768x512 (default: the service's)")
     loadtest.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
-    loadtest.add_argument("--out", default=None,
-                          help="folder for loadtest.json and .md, and .png with matplotlib (the plot extra)")
+    loadtest.add_argument(
+        "--out", default=None, help="folder for loadtest.json and .md, and .png with matplotlib (the plot extra)"
+    )
     loadtest.set_defaults(run=run_loadtest_command)
 
     stream = add_command(
-        commands, "stream", help="a video (or a folder of images) through a few-step model, frame by frame",
+        commands,
+        "stream",
+        help="a video (or a folder of images) through a few-step model, frame by frame",
         description="Runs every frame of INPUT through OnnxStreamDiffusionPipeline (the prompt encoded once, the "
-                    "noise fixed, CUDA graphs on CUDA) and writes OUTPUT: a video file (.mp4, .mkv, .mov: H.264; "
-                    ".webm: VP9) at the input's rate, or a folder of PNGs (a path without an extension). The "
-                    "defaults are SD-Turbo's recipe: one UNet step (--steps 2 at --strength 0.5), no guidance. "
-                    "Video files need the video extra: pip install 'optimum-iobinding[video]'.")
+        "noise fixed, CUDA graphs on CUDA) and writes OUTPUT: a video file (.mp4, .mkv, .mov: H.264; "
+        ".webm: VP9) at the input's rate, or a folder of PNGs (a path without an extension). The "
+        "defaults are SD-Turbo's recipe: one UNet step (--steps 2 at --strength 0.5), no guidance. "
+        "Video files need the video extra: pip install 'optimum-iobinding[video]'.",
+    )
     stream.add_argument("input", metavar="INPUT", help="a video file or a folder of images (read in natural order)")
     stream.add_argument("output", metavar="OUTPUT", help="a video file or a folder for PNG frames")
     stream.add_argument("--prompt", required=True, help="what every frame should become")
     stream.add_argument("--negative-prompt", default=None, help="with --guidance above 1")
-    stream.add_argument("--model", default=None,
-                        help="ONNX pipeline folder or hub id (default: a tiny random model built offline)")
-    stream.add_argument("--steps", type=int, default=2,
-                        help="the scheduler's steps, of which the last --strength are run (default 2)")
-    stream.add_argument("--strength", type=float, default=0.5,
-                        help="how far each frame is noised, in (0, 1] (default 0.5)")
+    stream.add_argument(
+        "--model", default=None, help="ONNX pipeline folder or hub id (default: a tiny random model built offline)"
+    )
+    stream.add_argument(
+        "--steps", type=int, default=2, help="the scheduler's steps, of which the last --strength are run (default 2)"
+    )
+    stream.add_argument(
+        "--strength", type=float, default=0.5, help="how far each frame is noised, in (0, 1] (default 0.5)"
+    )
     stream.add_argument("--guidance", type=float, default=0.0, help="guidance scale (default 0: none)")
     stream.add_argument("--seed", type=int, default=0, help="the stream's fixed noise (default 0)")
-    stream.add_argument("--tiny-vae", default=None, metavar="FOLDER",
-                        help="an AutoencoderTiny export (vae_encoder/, vae_decoder/; optimum-iobinding export "
-                             "--tiny-vae) in place of the model's VAE")
-    stream.add_argument("--size", default=None,
-                        help="fit every frame to this size, 512 or 768x512 (width x height; scaled to cover, "
-                             "centre cropped); default: the input's. Both must be multiples of the model's size "
-                             "multiple (8 for Stable Diffusion)")
-    stream.add_argument("--stream-batch", action=argparse.BooleanOptionalAction, default=True,
-                        help="with several UNet steps, one UNet call a frame holding consecutive frames at their "
-                             "steps (default); --no-stream-batch runs a frame's steps in turn")
-    stream.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT (once the new one is "
-                                                                 "whole)")
+    stream.add_argument(
+        "--tiny-vae",
+        default=None,
+        metavar="FOLDER",
+        help="an AutoencoderTiny export (vae_encoder/, vae_decoder/; optimum-iobinding export "
+        "--tiny-vae) in place of the model's VAE",
+    )
+    stream.add_argument(
+        "--size",
+        default=None,
+        help="fit every frame to this size, 512 or 768x512 (width x height; scaled to cover, "
+        "centre cropped); default: the input's. Both must be multiples of the model's size "
+        "multiple (8 for Stable Diffusion)",
+    )
+    stream.add_argument(
+        "--stream-batch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with several UNet steps, one UNet call a frame holding consecutive frames at their "
+        "steps (default); --no-stream-batch runs a frame's steps in turn",
+    )
+    stream.add_argument(
+        "--overwrite", action="store_true", help="replace an existing OUTPUT (once the new one is whole)"
+    )
     stream.add_argument("--provider", default=None, help="ORT execution provider (default: CUDA if available)")
-    stream.add_argument("--cache-dir", default=None,
-                        help="where the tiny model is built (default ~/.cache/optimum-iobinding)")
+    stream.add_argument(
+        "--cache-dir", default=None, help="where the tiny model is built (default ~/.cache/optimum-iobinding)"
+    )
     stream.set_defaults(run=run_stream)
 
     add_command(commands, "bench", help="benchmark every peer on the GPU (optimum-iobinding bench --help)")
@@ -782,8 +1044,9 @@ def parse_arguments(argv: List[str]) -> argparse.Namespace:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         command = args.command_parsers.get(args.command, parser)
-        command.error(unrecognized_arguments(unknown, (option for action in command._actions
-                                                        for option in action.option_strings)))
+        command.error(
+            unrecognized_arguments(unknown, (option for action in command._actions for option in action.option_strings))
+        )
     return args
 
 
@@ -825,7 +1088,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         start = argv.index("bench")
         debug = "--debug" in argv
-        bench_argv = [arg for arg in argv[start + 1:] if arg != "--debug"]  # bench takes no values like "--debug"
+        bench_argv = [arg for arg in argv[start + 1 :] if arg != "--debug"]  # bench takes no values like "--debug"
 
         def run() -> int:
             return bench_main(bench_argv)
@@ -836,6 +1099,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         def run() -> int:
             return args.run(args)
+
     try:
         return run()
     except KeyboardInterrupt:

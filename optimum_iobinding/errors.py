@@ -44,8 +44,11 @@ def close_matches(word: str, choices: Iterable[str], n: int = 3, cutoff: float =
         by_folded.setdefault(choice.casefold(), choice)
     folded = word.casefold()
     matches = [by_folded[folded]] if folded in by_folded else []
-    matches += [by_folded[match] for match in difflib.get_close_matches(folded, list(by_folded), n + 1, cutoff)
-                if by_folded[match] not in matches]
+    matches += [
+        by_folded[match]
+        for match in difflib.get_close_matches(folded, list(by_folded), n + 1, cutoff)
+        if by_folded[match] not in matches
+    ]
     return [match for match in matches if match != word][:n]
 
 
@@ -63,7 +66,13 @@ def unrecognized_arguments(unknown: Sequence[str], options: Iterable[str]) -> st
     """argparse's ``unrecognized arguments: …`` for the arguments ``unknown`` that no parser took, with the options
     among ``options`` that the misspelled ones are close to (``(did you mean --steps?)``)."""
     options = list(options)
-    close = list(dict.fromkeys(match for word in unknown if word.startswith("-")
-                               for match in close_matches(word.partition("=")[0], options, n=1)))
+    close = list(
+        dict.fromkeys(
+            match
+            for word in unknown
+            if word.startswith("-")
+            for match in close_matches(word.partition("=")[0], options, n=1)
+        )
+    )
     hint = f" (did you mean {' or '.join(close)}?)" if close else ""
     return f"unrecognized arguments: {' '.join(unknown)}{hint}"

@@ -30,9 +30,13 @@ def controlnet_component_names(count: int) -> tuple:
 
 
 # ------------------------------------------------------------------------------------------------ safe writing
-def check_output_folder(output_dir: Union[str, os.PathLike], source: Union[str, os.PathLike, None] = None,
-                        overwrite: bool = False, argument: str = "output_dir",
-                        overwrite_argument: str = "overwrite=True") -> Path:
+def check_output_folder(
+    output_dir: Union[str, os.PathLike],
+    source: Union[str, os.PathLike, None] = None,
+    overwrite: bool = False,
+    argument: str = "output_dir",
+    overwrite_argument: str = "overwrite=True",
+) -> Path:
     """Checks, before any work, that writing a folder at ``output_dir`` destroys nothing it did not make, and that a
     folder can be made there.
 
@@ -49,12 +53,18 @@ def check_output_folder(output_dir: Union[str, os.PathLike], source: Union[str, 
     if source is not None:
         source_resolved = Path(source).expanduser().resolve()
         if resolved == source_resolved or source_resolved in resolved.parents:
-            raise ArgumentError(argument, f"expected a folder outside the source folder {str(source_resolved)!r}, got "
-                                f"{str(target)!r}, which is {'the source itself' if resolved == source_resolved else 'inside it'}: "
-                                "writing there would overwrite or bury the files being read")
+            raise ArgumentError(
+                argument,
+                f"expected a folder outside the source folder {str(source_resolved)!r}, got "
+                f"{str(target)!r}, which is {'the source itself' if resolved == source_resolved else 'inside it'}: "
+                "writing there would overwrite or bury the files being read",
+            )
         if resolved in source_resolved.parents:
-            raise ArgumentError(argument, f"expected a folder that does not hold the source folder "
-                                f"{str(source_resolved)!r}, got {str(target)!r}: replacing it would delete the source")
+            raise ArgumentError(
+                argument,
+                f"expected a folder that does not hold the source folder "
+                f"{str(source_resolved)!r}, got {str(target)!r}: replacing it would delete the source",
+            )
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"{argument}: expected a folder, got the file {str(target)!r}")
     if target.is_dir():
@@ -63,7 +73,8 @@ def check_output_folder(output_dir: Union[str, os.PathLike], source: Union[str, 
             raise FileExistsError(
                 f"{argument}: expected a new or empty folder, got {str(target)!r} holding {len(entries)} entries "
                 f"({', '.join(entries[:3])}{', …' if len(entries) > 3 else ''}); pass {overwrite_argument} to replace "
-                "it whole, or choose another folder")
+                "it whole, or choose another folder"
+            )
     check_writable(target, argument)
     return target
 
@@ -75,8 +86,10 @@ def check_writable(target: Path, argument: str) -> None:
     if existing is None:
         return
     if not existing.is_dir():
-        raise NotADirectoryError(f"{argument}: expected a folder that can be written, got {str(target)!r}, but "
-                                 f"{str(existing)!r} is not a folder")
+        raise NotADirectoryError(
+            f"{argument}: expected a folder that can be written, got {str(target)!r}, but "
+            f"{str(existing)!r} is not a folder"
+        )
     try:
         os.rmdir(tempfile.mkdtemp(prefix=f".{target.name}.probe-", dir=existing))
     except OSError as error:
@@ -105,8 +118,9 @@ def building_beside(target: Path, argument: str = "output_dir") -> Iterator[Path
         inside = _path_inside(error, scratch)
         if inside is None:
             raise
-        raise unwritable(error, target, argument, "writing it failed" if inside == "." else
-                         f"writing {inside} failed") from error
+        raise unwritable(
+            error, target, argument, "writing it failed" if inside == "." else f"writing {inside} failed"
+        ) from error
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
@@ -179,8 +193,13 @@ def read_json_object(path: Union[str, os.PathLike]) -> Optional[Dict[str, Any]]:
 # Class names a model_index.json may give an ONNX component: diffusers' ONNX layout names OnnxRuntimeModel, optimum's
 # export keeps the torch pipeline's index (torch classes; its VAE is one entry, "vae", split into two folders).
 _ONNX_COMPONENT_CLASSES = {
-    "OnnxRuntimeModel", "IOBindingORTModel", "ORTModel",
-    "CLIPTextModel", "CLIPTextModelWithProjection", "UNet2DConditionModel", "AutoencoderKL",
+    "OnnxRuntimeModel",
+    "IOBindingORTModel",
+    "ORTModel",
+    "CLIPTextModel",
+    "CLIPTextModelWithProjection",
+    "UNet2DConditionModel",
+    "AutoencoderKL",
 }
 
 # diffusion-transformer folders (optimum's export of SD3 and FLUX.1): the transformer and the T5 encoder
@@ -190,33 +209,43 @@ _ONNX_COMPONENT_CLASSES |= {"SD3Transformer2DModel", "FluxTransformer2DModel", "
 def looks_like_hub_id(name: str) -> bool:
     """``name`` or ``owner/name`` in the Hub's characters (a path like ``./x``, ``/x`` or ``a/b/c`` is not)."""
     parts = name.split("/")
-    return 1 <= len(parts) <= 2 and all(part and not part.startswith((".", "-")) and
-                                        all(c.isalnum() or c in "-_." for c in part) for part in parts)
+    return 1 <= len(parts) <= 2 and all(
+        part and not part.startswith((".", "-")) and all(c.isalnum() or c in "-_." for c in part) for part in parts
+    )
 
 
 def download_from_hub(name: str, allow_patterns: Sequence[str], argument: str, **hub_kwargs: Any) -> Path:
     """``snapshot_download`` of ``name``; a local path that does not exist, or a download that fails, is one
     line naming the argument (not a 100-line "check your internet connection" traceback)."""
     if not looks_like_hub_id(name):
-        raise ArgumentPathError(argument, f"expected an existing local folder or a hub repository id, got {name!r}: "
-                                          "no such file or folder")
+        raise ArgumentPathError(
+            argument, f"expected an existing local folder or a hub repository id, got {name!r}: no such file or folder"
+        )
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(name, allow_patterns=list(allow_patterns), **hub_kwargs))
     except Exception as error:  # offline, unknown repository, no access: all mean "not here, not there"
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ArgumentPathError(argument, f"{name!r} is not a local folder (no such path here), and the Hugging Face "
-                                          f"Hub could not provide it: {type(error).__name__}: {reason[:200]}"
-                                ) from error
+        raise ArgumentPathError(
+            argument,
+            f"{name!r} is not a local folder (no such path here), and the Hugging Face "
+            f"Hub could not provide it: {type(error).__name__}: {reason[:200]}",
+        ) from error
 
 
-def resolve_pipeline_folder(name_or_path: Union[str, os.PathLike], onnx_components: Sequence[str] = ONNX_COMPONENTS,
-                            tokenizers: Sequence[str] = ("tokenizer",), **hub_kwargs: Any) -> Path:
+def resolve_pipeline_folder(
+    name_or_path: Union[str, os.PathLike],
+    onnx_components: Sequence[str] = ONNX_COMPONENTS,
+    tokenizers: Sequence[str] = ("tokenizer",),
+    **hub_kwargs: Any,
+) -> Path:
     """A pipeline folder: local, or downloaded from the Hub (only the files the pipeline reads)."""
     if not isinstance(name_or_path, (str, os.PathLike)):
-        raise ArgumentTypeError("pretrained_model_name_or_path", f"expected a folder path or a hub repository id, got "
-                                                                 f"{type(name_or_path).__name__} {name_or_path!r}")
+        raise ArgumentTypeError(
+            "pretrained_model_name_or_path",
+            f"expected a folder path or a hub repository id, got {type(name_or_path).__name__} {name_or_path!r}",
+        )
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -235,22 +264,28 @@ def read_model_index(folder: Path, onnx_components: Sequence[str] = ONNX_COMPONE
             continue
         if name in onnx_components:
             if value[1] not in _ONNX_COMPONENT_CLASSES:
-                raise ValueError(f"model_index.json: component {name!r} is {value}; expected an ONNX component "
-                                 f"(one of {sorted(_ONNX_COMPONENT_CLASSES)})")
+                raise ValueError(
+                    f"model_index.json: component {name!r} is {value}; expected an ONNX component "
+                    f"(one of {sorted(_ONNX_COMPONENT_CLASSES)})"
+                )
     return index
 
 
 def component_class(index: Dict[str, Any], name: str, module: Any, base: Optional[type], default: str) -> type:
-    library, class_name = (index.get(name) or [None, default])
+    library, class_name = index.get(name) or [None, default]
     class_name = class_name or default
     if not isinstance(class_name, str):
-        raise ValueError(f"model_index.json: {name}: expected a class name, got {type(class_name).__name__} "
-                         f"{class_name!r}")
+        raise ValueError(
+            f"model_index.json: {name}: expected a class name, got {type(class_name).__name__} {class_name!r}"
+        )
     component_class = getattr(module, class_name, None)
-    if component_class is None or (base is not None and not (isinstance(component_class, type)
-                                                             and issubclass(component_class, base))):
-        raise ValueError(f"model_index.json: {name} class {class_name!r} is not a {module.__name__} "
-                         f"{base.__name__ if base else 'class'}")
+    if component_class is None or (
+        base is not None and not (isinstance(component_class, type) and issubclass(component_class, base))
+    ):
+        raise ValueError(
+            f"model_index.json: {name} class {class_name!r} is not a {module.__name__} "
+            f"{base.__name__ if base else 'class'}"
+        )
     return component_class
 
 
@@ -294,18 +329,27 @@ def load_tokenizer(folder: Path, index: Dict[str, Any], name: str = "tokenizer",
     if not (folder / name).is_dir():
         raise ArgumentPathError("pretrained_model_name_or_path", f"expected a {name} folder in {str(folder)!r}")
     tokenizer_class = component_class(index, name, transformers, None, "CLIPTokenizer")
-    if not (isinstance(tokenizer_class, type) and (issubclass(tokenizer_class, transformers.PreTrainedTokenizerBase)
-                                                   or tokenizer_class is transformers.AutoTokenizer)):
+    if not (
+        isinstance(tokenizer_class, type)
+        and (
+            issubclass(tokenizer_class, transformers.PreTrainedTokenizerBase)
+            or tokenizer_class is transformers.AutoTokenizer
+        )
+    ):
         kind = "class" if isinstance(tokenizer_class, type) else type(tokenizer_class).__name__
-        raise ValueError(f"model_index.json: {name}: expected a transformers tokenizer class (CLIPTokenizer, "
-                         f"CLIPTokenizerFast, AutoTokenizer …), got the {kind} {index[name][1]!r}, which is not a "
-                         "tokenizer")
+        raise ValueError(
+            f"model_index.json: {name}: expected a transformers tokenizer class (CLIPTokenizer, "
+            f"CLIPTokenizerFast, AutoTokenizer …), got the {kind} {index[name][1]!r}, which is not a "
+            "tokenizer"
+        )
     found = sorted(p.name for p in (folder / name).iterdir())
 
     def refuse(why: str, error: Optional[BaseException] = None) -> ValueError:
-        return ValueError(f"{name}: expected a {tokenizer_class.__name__} folder (tokenizer.json, or vocab.json and "
-                          f"merges.txt, with tokenizer_config.json), got {str(folder / name)!r} holding "
-                          f"{found or 'nothing'}: {why}")
+        return ValueError(
+            f"{name}: expected a {tokenizer_class.__name__} folder (tokenizer.json, or vocab.json and "
+            f"merges.txt, with tokenizer_config.json), got {str(folder / name)!r} holding "
+            f"{found or 'nothing'}: {why}"
+        )
 
     try:
         tokenizer = tokenizer_class.from_pretrained(str(folder / name))
@@ -350,9 +394,13 @@ def save_tokenizer(tokenizer: Any, folder: Union[str, os.PathLike]) -> None:
     (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{m}\n" for m in merges), encoding="utf-8")
 
 
-def write_model_index(folder: Union[str, os.PathLike], scheduler_class: str, tokenizer_class: str = "CLIPTokenizer",
-                      components: Sequence[str] = ONNX_COMPONENTS,
-                      class_name: str = "OnnxStableDiffusionPipeline") -> None:
+def write_model_index(
+    folder: Union[str, os.PathLike],
+    scheduler_class: str,
+    tokenizer_class: str = "CLIPTokenizer",
+    components: Sequence[str] = ONNX_COMPONENTS,
+    class_name: str = "OnnxStableDiffusionPipeline",
+) -> None:
     """Writes model_index.json as diffusers' ONNX pipeline expects it (its components are ``OnnxRuntimeModel``)."""
     import diffusers
 
@@ -399,8 +447,9 @@ def write_xl_model_index(
     Path(folder, "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
-def write_transformer_model_index(folder: Union[str, os.PathLike], class_name: str,
-                                  modules: Dict[str, Optional[Tuple[str, str]]]) -> None:
+def write_transformer_model_index(
+    folder: Union[str, os.PathLike], class_name: str, modules: Dict[str, Optional[Tuple[str, str]]]
+) -> None:
     """Diffusion-transformer folders (SD3, Flux) follow optimum's export: the torch pipeline's index, each component as
     ``[library, class name]`` (``[null, null]`` where ``modules`` gives ``None``), which optimum's ORT pipelines and
     ours both load."""
@@ -441,10 +490,16 @@ def write_weight_map(places: Dict[str, List[WeightPlace]], folder: Union[str, Pa
     """Writes ``lora_map.json`` into ``folder``: the places, and the layers the torch module had without a place."""
     missing = sorted(set(layers) - set(places))
     path = Path(folder) / LORA_MAP_NAME
-    path.write_text(json.dumps({"version": LORA_MAP_VERSION,
-                                "layers": {name: [asdict(place) for place in found]
-                                           for name, found in sorted(places.items())},
-                                "not_found": missing}, indent=1))
+    path.write_text(
+        json.dumps(
+            {
+                "version": LORA_MAP_VERSION,
+                "layers": {name: [asdict(place) for place in found] for name, found in sorted(places.items())},
+                "not_found": missing,
+            },
+            indent=1,
+        )
+    )
     return path
 
 
@@ -457,8 +512,10 @@ def read_weight_map(folder: Union[str, Path]) -> Tuple[Dict[str, List[WeightPlac
     """
     path = Path(folder) / LORA_MAP_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no {LORA_MAP_NAME}; it is written by optimum-iobinding's export, which "
-                                "records where each layer's weight went. Export the model again to use LoRA with it")
+        raise FileNotFoundError(
+            f"{path}: no {LORA_MAP_NAME}; it is written by optimum-iobinding's export, which "
+            "records where each layer's weight went. Export the model again to use LoRA with it"
+        )
     try:
         data = json.loads(path.read_text())
         if data.get("version") != LORA_MAP_VERSION:

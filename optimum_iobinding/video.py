@@ -70,8 +70,10 @@ def _import_av(argument: str, path: Path, what: str):
     try:
         import av
     except ImportError as error:
-        raise ImportError(f"{argument}: {what} {str(path)!r} needs PyAV, which is not installed: pip install "
-                          "'optimum-iobinding[video]' (folders of images need no PyAV)") from error
+        raise ImportError(
+            f"{argument}: {what} {str(path)!r} needs PyAV, which is not installed: pip install "
+            "'optimum-iobinding[video]' (folders of images need no PyAV)"
+        ) from error
     return av
 
 
@@ -85,11 +87,14 @@ def _check_size(size: Optional[Size], argument: str = "size") -> Optional[Tuple[
     if size is None:
         return None
     pair = (size, size) if isinstance(size, numbers.Integral) else size
-    if (not isinstance(pair, (tuple, list)) or len(pair) != 2
-            or not all(isinstance(side, numbers.Integral) and not isinstance(side, bool) and side > 0
-                       for side in pair)):
-        raise ValueError(f"{argument}: expected a positive int (a square) or a (width, height) pair of positive ints, "
-                         f"got {size!r}")
+    if (
+        not isinstance(pair, (tuple, list))
+        or len(pair) != 2
+        or not all(isinstance(side, numbers.Integral) and not isinstance(side, bool) and side > 0 for side in pair)
+    ):
+        raise ValueError(
+            f"{argument}: expected a positive int (a square) or a (width, height) pair of positive ints, got {size!r}"
+        )
     return int(pair[0]), int(pair[1])
 
 
@@ -191,9 +196,19 @@ class FrameReader:
         source_width, source_height: the size of the source's first frame.
     """
 
-    def __init__(self, path: Path, kind: str, fps: Optional[float], frame_count: Optional[int],
-                 size: Tuple[int, int], source_size: Tuple[int, int], fit: bool, image_files: Tuple[Path, ...],
-                 queue_frames: int, argument: str):
+    def __init__(
+        self,
+        path: Path,
+        kind: str,
+        fps: Optional[float],
+        frame_count: Optional[int],
+        size: Tuple[int, int],
+        source_size: Tuple[int, int],
+        fit: bool,
+        image_files: Tuple[Path, ...],
+        queue_frames: int,
+        argument: str,
+    ):
         self.path, self.kind, self.fps, self.frame_count = path, kind, fps, frame_count
         self.width, self.height = size
         self.source_width, self.source_height = source_size
@@ -209,8 +224,10 @@ class FrameReader:
     def __repr__(self) -> str:
         count = "?" if self.frame_count is None else self.frame_count
         rate = "" if self.fps is None else f", {self.fps:.3f} fps"
-        return (f"FrameReader({str(self.path)!r}, {self.kind}, {count} frames of "
-                f"{_size_text(self.width, self.height)}{rate})")
+        return (
+            f"FrameReader({str(self.path)!r}, {self.kind}, {count} frames of "
+            f"{_size_text(self.width, self.height)}{rate})"
+        )
 
     def __iter__(self) -> Iterator[np.ndarray]:
         make = self._video_frames if self.kind == "video" else self._image_frames
@@ -234,7 +251,8 @@ class FrameReader:
         return ValueError(
             f"{self._argument}: expected every frame of {str(self.path)!r} at the first one's size "
             f"{_size_text(self.width, self.height)}, got {_size_text(width, height)} at {where}; pass size= (the "
-            "stream command: --size) to fit every frame to one size")
+            "stream command: --size) to fit every frame to one size"
+        )
 
     def _video_frames(self) -> Iterator[np.ndarray]:
         av = _import_av(self._argument, self.path, "reading the video")
@@ -248,14 +266,15 @@ class FrameReader:
                         yield frame.to_ndarray(format="rgb24")
                     elif self._fit:
                         (width, height), (left, top) = _cover((frame.width, frame.height), self.size)
-                        array = frame.to_ndarray(format="rgb24", width=width, height=height,
-                                                 interpolation="BICUBIC")
-                        yield np.ascontiguousarray(array[top:top + self.height, left:left + self.width])
+                        array = frame.to_ndarray(format="rgb24", width=width, height=height, interpolation="BICUBIC")
+                        yield np.ascontiguousarray(array[top : top + self.height, left : left + self.width])
                     else:
                         raise self._mismatch(index, frame.width, frame.height)
             except av.error.FFmpegError as error:
-                raise ValueError(f"{self._argument}: expected a video FFmpeg can decode, got {str(self.path)!r}, "
-                                 f"which fails after frame {index}: {error}") from error
+                raise ValueError(
+                    f"{self._argument}: expected a video FFmpeg can decode, got {str(self.path)!r}, "
+                    f"which fails after frame {index}: {error}"
+                ) from error
 
     def _image_frames(self) -> Iterator[np.ndarray]:
         for index, file in enumerate(self._image_files):
@@ -280,8 +299,13 @@ def _open_image(file: Path, argument: str):
         raise ValueError(f"{argument}: expected an image PIL can read, got {str(file)!r}: {error}") from error
 
 
-def open_frames(path: Union[str, os.PathLike], size: Optional[Size] = None, *,
-                queue_frames: int = DEFAULT_QUEUE_FRAMES, argument: str = "path") -> FrameReader:
+def open_frames(
+    path: Union[str, os.PathLike],
+    size: Optional[Size] = None,
+    *,
+    queue_frames: int = DEFAULT_QUEUE_FRAMES,
+    argument: str = "path",
+) -> FrameReader:
     """Opens a video file or a folder of images for reading frames, checking it first (its first frame decoded).
 
     Args:
@@ -308,29 +332,45 @@ def open_frames(path: Union[str, os.PathLike], size: Optional[Size] = None, *,
         raise ValueError(f"queue_frames: expected a positive int, got {queue_frames!r}")
     source = Path(path).expanduser()
     if not source.exists():
-        raise FileNotFoundError(f"{argument}: expected a video file or a folder of images, got {str(source)!r}: no "
-                                "such file or folder")
+        raise FileNotFoundError(
+            f"{argument}: expected a video file or a folder of images, got {str(source)!r}: no such file or folder"
+        )
     if not os.access(source, os.R_OK | (os.X_OK if source.is_dir() else 0)):
-        raise PermissionError(f"{argument}: expected a readable video file or folder of images, got {str(source)!r}, "
-                              "which this user may not read")
+        raise PermissionError(
+            f"{argument}: expected a readable video file or folder of images, got {str(source)!r}, "
+            "which this user may not read"
+        )
     if source.is_dir():
         return _open_image_folder(source, target, int(queue_frames), argument)
     return _open_video(source, target, int(queue_frames), argument)
 
 
-def _open_image_folder(folder: Path, size: Optional[Tuple[int, int]], queue_frames: int,
-                       argument: str) -> FrameReader:
+def _open_image_folder(folder: Path, size: Optional[Tuple[int, int]], queue_frames: int, argument: str) -> FrameReader:
     entries = sorted(os.listdir(folder), key=natural_key)
-    files = tuple(folder / name for name in entries
-                  if Path(name).suffix.lower() in IMAGE_EXTENSIONS and not name.startswith(".")
-                  and (folder / name).is_file())
+    files = tuple(
+        folder / name
+        for name in entries
+        if Path(name).suffix.lower() in IMAGE_EXTENSIONS and not name.startswith(".") and (folder / name).is_file()
+    )
     if not files:
-        raise ValueError(f"{argument}: expected a video file or a folder holding images "
-                         f"({', '.join(IMAGE_EXTENSIONS)}), got the folder {str(folder)!r} with no frames: "
-                         f"{len(entries)} entries, none of them an image")
+        raise ValueError(
+            f"{argument}: expected a video file or a folder holding images "
+            f"({', '.join(IMAGE_EXTENSIONS)}), got the folder {str(folder)!r} with no frames: "
+            f"{len(entries)} entries, none of them an image"
+        )
     first = _open_image(files[0], argument)
-    return FrameReader(folder, "images", None, len(files), size or first.size, first.size, size is not None, files,
-                       queue_frames, argument)
+    return FrameReader(
+        folder,
+        "images",
+        None,
+        len(files),
+        size or first.size,
+        first.size,
+        size is not None,
+        files,
+        queue_frames,
+        argument,
+    )
 
 
 def _open_video(file: Path, size: Optional[Tuple[int, int]], queue_frames: int, argument: str) -> FrameReader:
@@ -340,8 +380,10 @@ def _open_video(file: Path, size: Optional[Tuple[int, int]], queue_frames: int, 
         with av.open(str(file)) as container:
             if not container.streams.video:
                 kinds = sorted({stream.type for stream in container.streams}) or ["no streams"]
-                raise ValueError(f"{argument}: expected {expected}, got {str(file)!r}, a {container.format.name} "
-                                 f"file with no video stream (it holds: {', '.join(kinds)})")
+                raise ValueError(
+                    f"{argument}: expected {expected}, got {str(file)!r}, a {container.format.name} "
+                    f"file with no video stream (it holds: {', '.join(kinds)})"
+                )
             stream = container.streams.video[0]
             first = next(iter(container.decode(stream)), None)
             if first is None:
@@ -353,13 +395,17 @@ def _open_video(file: Path, size: Optional[Tuple[int, int]], queue_frames: int, 
     except av.error.EOFError as error:  # a container that ends before its first packet: an empty video
         raise ValueError(f"{argument}: expected {expected}, got {str(file)!r}, a video with no frames") from error
     except av.error.PermissionError as error:
-        raise PermissionError(f"{argument}: expected a readable video file, got {str(file)!r}, which this user may "
-                              "not read") from error
+        raise PermissionError(
+            f"{argument}: expected a readable video file, got {str(file)!r}, which this user may not read"
+        ) from error
     except av.error.FFmpegError as error:
-        raise ValueError(f"{argument}: expected {expected}, got {str(file)!r}, which FFmpeg cannot read as a video: "
-                         f"{error.strerror or error}") from error
-    return FrameReader(file, "video", fps, frame_count, size or source_size, source_size, size is not None, (),
-                       queue_frames, argument)
+        raise ValueError(
+            f"{argument}: expected {expected}, got {str(file)!r}, which FFmpeg cannot read as a video: "
+            f"{error.strerror or error}"
+        ) from error
+    return FrameReader(
+        file, "video", fps, frame_count, size or source_size, source_size, size is not None, (), queue_frames, argument
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ writing
@@ -479,9 +525,17 @@ class FrameWriter:
         ImportError: a video file and PyAV is not installed.
     """
 
-    def __init__(self, path: Union[str, os.PathLike], fps: Union[float, Fraction] = 30.0, *, overwrite: bool = False,
-                 codec_options: Optional[Dict[str, str]] = None, queue_frames: int = DEFAULT_QUEUE_FRAMES,
-                 argument: str = "path", overwrite_argument: str = "overwrite=True"):
+    def __init__(
+        self,
+        path: Union[str, os.PathLike],
+        fps: Union[float, Fraction] = 30.0,
+        *,
+        overwrite: bool = False,
+        codec_options: Optional[Dict[str, str]] = None,
+        queue_frames: int = DEFAULT_QUEUE_FRAMES,
+        argument: str = "path",
+        overwrite_argument: str = "overwrite=True",
+    ):
         self.path = Path(path).expanduser()
         self._argument, self._overwrite = argument, bool(overwrite)
         self._overwrite_argument = overwrite_argument  # what the caller's user passes to replace it (an option)
@@ -494,15 +548,20 @@ class FrameWriter:
         elif not suffix and not str(path).endswith("."):
             self.kind = "images"
             if codec_options:
-                raise ValueError(f"codec_options: expected none for a folder of PNGs ({str(self.path)!r}), got "
-                                 f"{codec_options!r}; give the path a video extension ({', '.join(VIDEO_ENCODERS)})")
-            check_output_folder(self.path, overwrite=self._overwrite, argument=argument,
-                                overwrite_argument=overwrite_argument)
+                raise ValueError(
+                    f"codec_options: expected none for a folder of PNGs ({str(self.path)!r}), got "
+                    f"{codec_options!r}; give the path a video extension ({', '.join(VIDEO_ENCODERS)})"
+                )
+            check_output_folder(
+                self.path, overwrite=self._overwrite, argument=argument, overwrite_argument=overwrite_argument
+            )
             self._check_parent()
             self.fps = self._check_fps(fps)
         else:
-            raise ValueError(f"{argument}: expected a video file ({', '.join(VIDEO_ENCODERS)}) or a folder for PNG "
-                             f"frames (a path without an extension), got {str(path)!r}")
+            raise ValueError(
+                f"{argument}: expected a video file ({', '.join(VIDEO_ENCODERS)}) or a folder for PNG "
+                f"frames (a path without an extension), got {str(path)!r}"
+            )
         if not isinstance(queue_frames, numbers.Integral) or isinstance(queue_frames, bool) or queue_frames < 1:
             raise ValueError(f"queue_frames: expected a positive int, got {queue_frames!r}")
         self._queue_frames = int(queue_frames)
@@ -521,21 +580,27 @@ class FrameWriter:
         try:
             av.codec.Codec(encoder, "w")
         except Exception as error:
-            raise ValueError(f"{self._argument}: {str(self.path)!r} needs FFmpeg's {encoder} encoder, which this PyAV "
-                             f"lacks ({error}); write another format ({', '.join(VIDEO_ENCODERS)}) or a folder of "
-                             "PNGs") from error
+            raise ValueError(
+                f"{self._argument}: {str(self.path)!r} needs FFmpeg's {encoder} encoder, which this PyAV "
+                f"lacks ({error}); write another format ({', '.join(VIDEO_ENCODERS)}) or a folder of "
+                "PNGs"
+            ) from error
         if codec_options is not None:
-            if not isinstance(codec_options, dict) or not all(isinstance(key, str) and isinstance(value, str)
-                                                              for key, value in codec_options.items()):
-                raise ValueError(f"codec_options: expected a dict of FFmpeg option names to string values (e.g. "
-                                 f"{{'crf': '18'}}), got {codec_options!r}")
+            if not isinstance(codec_options, dict) or not all(
+                isinstance(key, str) and isinstance(value, str) for key, value in codec_options.items()
+            ):
+                raise ValueError(
+                    f"codec_options: expected a dict of FFmpeg option names to string values (e.g. "
+                    f"{{'crf': '18'}}), got {codec_options!r}"
+                )
             options = {**options, **codec_options}
         if self.path.is_dir():
-            raise IsADirectoryError(f"{self._argument}: expected a video file name, got the folder "
-                                    f"{str(self.path)!r}")
+            raise IsADirectoryError(f"{self._argument}: expected a video file name, got the folder {str(self.path)!r}")
         if self.path.exists() and not self._overwrite:
-            raise FileExistsError(f"{self._argument}: expected a new file, got the existing file {str(self.path)!r}; "
-                                  f"pass {self._overwrite_argument} to replace it, or choose another name")
+            raise FileExistsError(
+                f"{self._argument}: expected a new file, got the existing file {str(self.path)!r}; "
+                f"pass {self._overwrite_argument} to replace it, or choose another name"
+            )
         self._check_parent()
         return encoder, options
 
@@ -545,10 +610,11 @@ class FrameWriter:
         if existing is not None and (not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)):
             raise (NotADirectoryError if not existing.is_dir() else PermissionError)(
                 f"{self._argument}: expected a path in a writable folder, got {str(self.path)!r}, but "
-                f"{str(existing)!r} is {'not a folder' if not existing.is_dir() else 'not writable'}")
+                f"{str(existing)!r} is {'not a folder' if not existing.is_dir() else 'not writable'}"
+            )
 
     def _check_fps(self, fps: Union[float, Fraction]) -> Fraction:
-        if (not isinstance(fps, numbers.Real) or isinstance(fps, bool) or not math.isfinite(fps) or fps <= 0):
+        if not isinstance(fps, numbers.Real) or isinstance(fps, bool) or not math.isfinite(fps) or fps <= 0:
             raise ValueError(f"fps: expected a positive finite number of frames per second, got {fps!r}")
         # a float like 29.97002997 (NTSC's 30000/1001 read back as a float) becomes that fraction again
         return Fraction(fps).limit_denominator(100_000)
@@ -566,14 +632,18 @@ class FrameWriter:
         pil = sys.modules.get("PIL.Image")
         if pil is not None and isinstance(frame, pil.Image):
             return np.asarray(frame.convert("RGB")).copy()
-        raise TypeError(f"frame: expected a numpy array, a torch tensor or a PIL image, got {type(frame).__name__} "
-                        f"(frame {index} of {str(self.path)!r})")
+        raise TypeError(
+            f"frame: expected a numpy array, a torch tensor or a PIL image, got {type(frame).__name__} "
+            f"(frame {index} of {str(self.path)!r})"
+        )
 
     def _check_array(self, uint8: bool, shape: Tuple[int, ...], dtype: Any, index: int) -> None:
         if not uint8 or len(shape) != 3 or shape[2] != 3:
-            raise ValueError(f"frame: expected (height, width, 3) uint8 RGB, got shape {tuple(shape)} {dtype} (frame "
-                             f"{index} of {str(self.path)!r}); a float image in [0, 1] converts with "
-                             "(x * 255).round().astype(np.uint8)")
+            raise ValueError(
+                f"frame: expected (height, width, 3) uint8 RGB, got shape {tuple(shape)} {dtype} (frame "
+                f"{index} of {str(self.path)!r}); a float image in [0, 1] converts with "
+                "(x * 255).round().astype(np.uint8)"
+            )
 
     def _torch_frame(self, torch: Any, frame: Any, index: int) -> Union[np.ndarray, _CudaFrame]:
         if frame.dtype == torch.uint8:
@@ -582,14 +652,18 @@ class FrameWriter:
         elif frame.is_floating_point():
             chw = frame.shape[1:] if frame.dim() == 4 and frame.shape[0] == 1 else frame.shape
             if len(chw) != 3 or chw[0] != 3:
-                raise ValueError(f"frame: expected a float tensor (3, height, width) or (1, 3, height, width) in "
-                                 f"[0, 1] (diffusers' output_type='pt') or a (height, width, 3) uint8 one, got shape "
-                                 f"{tuple(frame.shape)} {frame.dtype} (frame {index} of {str(self.path)!r})")
+                raise ValueError(
+                    f"frame: expected a float tensor (3, height, width) or (1, 3, height, width) in "
+                    f"[0, 1] (diffusers' output_type='pt') or a (height, width, 3) uint8 one, got shape "
+                    f"{tuple(frame.shape)} {frame.dtype} (frame {index} of {str(self.path)!r})"
+                )
             # converted where it is (on the GPU: a quarter of the bytes cross the bus)
             frame = (frame.detach().reshape(chw).clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0)
         else:
-            raise ValueError(f"frame: expected a uint8 (height, width, 3) tensor or a float (3, height, width) one, "
-                             f"got {frame.dtype} (frame {index} of {str(self.path)!r})")
+            raise ValueError(
+                f"frame: expected a uint8 (height, width, 3) tensor or a float (3, height, width) one, "
+                f"got {frame.dtype} (frame {index} of {str(self.path)!r})"
+            )
         frame = frame.contiguous()
         if frame.device.type == "cuda":
             with torch.cuda.device(frame.device):  # the current stream and the event of the frame's own device
@@ -622,16 +696,20 @@ class FrameWriter:
         height, width = (item.host if isinstance(item, _CudaFrame) else item).shape[:2]
         if self._frame_size is None:
             if self.kind == "video" and (width % 2 or height % 2):
-                raise ValueError(f"frame: expected an even width and height for {str(self.path)!r} (its codec stores "
-                                 f"colour at half resolution, {PIXEL_FORMAT}), got {_size_text(width, height)}; "
-                                 "crop or resize the frames to an even size (the stream command: --size), or write "
-                                 "a folder of PNGs (a path without an extension)")
+                raise ValueError(
+                    f"frame: expected an even width and height for {str(self.path)!r} (its codec stores "
+                    f"colour at half resolution, {PIXEL_FORMAT}), got {_size_text(width, height)}; "
+                    "crop or resize the frames to an even size (the stream command: --size), or write "
+                    "a folder of PNGs (a path without an extension)"
+                )
             self._frame_size = (width, height)
             self._start()
         elif (width, height) != self._frame_size:
-            raise ValueError(f"frame: expected every frame at the first one's size "
-                             f"{_size_text(*self._frame_size)}, got {_size_text(width, height)} (frame "
-                             f"{self.frames_written} of {str(self.path)!r})")
+            raise ValueError(
+                f"frame: expected every frame at the first one's size "
+                f"{_size_text(*self._frame_size)}, got {_size_text(width, height)} (frame "
+                f"{self.frames_written} of {str(self.path)!r})"
+            )
         self._put(item)
         self.frames_written += 1
 
@@ -647,8 +725,9 @@ class FrameWriter:
             inner.mkdir()
             sink = _PngSink(inner)
         # the thread holds the queue, the flag and the state, not the writer: an abandoned writer can be collected
-        self._thread = threading.Thread(target=_encode, args=(sink, self._items, self._stop, self._state),
-                                        name=_WRITER_THREAD, daemon=True)
+        self._thread = threading.Thread(
+            target=_encode, args=(sink, self._items, self._stop, self._state), name=_WRITER_THREAD, daemon=True
+        )
         self._thread.start()
 
     def _put(self, item: Any) -> None:
@@ -667,9 +746,11 @@ class FrameWriter:
         error = self._state.get("error")
         if error is not None:
             self.abort()
-            raise RuntimeError(f"{self._argument}: writing {str(self.path)!r} failed at frame "
-                               f"{self._state['failed_at']}: {type(error).__name__}: {error}; nothing was written "
-                               "there") from error
+            raise RuntimeError(
+                f"{self._argument}: writing {str(self.path)!r} failed at frame "
+                f"{self._state['failed_at']}: {type(error).__name__}: {error}; nothing was written "
+                "there"
+            ) from error
 
     def close(self) -> Path:
         """Finishes encoding, then moves the result to ``path`` (replacing an existing target only if
@@ -687,8 +768,9 @@ class FrameWriter:
             raise RuntimeError(f"{self._argument}: the writer of {str(self.path)!r} is already closed")
         if self._thread is None:
             self.abort()
-            raise ValueError(f"{self._argument}: expected at least one frame for {str(self.path)!r}, got none; "
-                             "nothing was written")
+            raise ValueError(
+                f"{self._argument}: expected at least one frame for {str(self.path)!r}, got none; nothing was written"
+            )
         try:
             self._put(_END)
             self._thread.join()
@@ -715,13 +797,17 @@ class FrameWriter:
         try:  # a hard link fails where a file appeared meanwhile, where a rename would replace it
             os.link(result, self.path)
         except FileExistsError:
-            raise FileExistsError(f"{self._argument}: expected a new file, got {str(self.path)!r}, which appeared "
-                                  f"while the frames were written; pass {self._overwrite_argument} to replace "
-                                  "it") from None
+            raise FileExistsError(
+                f"{self._argument}: expected a new file, got {str(self.path)!r}, which appeared "
+                f"while the frames were written; pass {self._overwrite_argument} to replace "
+                "it"
+            ) from None
         except OSError:  # a file system without hard links
             if self.path.exists():
-                raise FileExistsError(f"{self._argument}: expected a new file, got {str(self.path)!r}, which "
-                                      "appeared while the frames were written") from None
+                raise FileExistsError(
+                    f"{self._argument}: expected a new file, got {str(self.path)!r}, which "
+                    "appeared while the frames were written"
+                ) from None
             os.replace(result, self.path)
 
     def abort(self) -> None:

@@ -2,7 +2,8 @@
 # Sets up both test environments from scratch and runs the tests in each, on every core (CPU; GPU tests skip
 # without CUDA):
 #   .venv           main: diffusers 0.42, transformers 5, Ray Serve 2.60, PyAV 18   (constraints.txt)
-#                   first the layering contracts (lint-imports, setup.cfg), then the whole suite
+#                   first the formatter and the lint set (ruff, pyproject.toml), the layering contracts
+#                   (lint-imports, setup.cfg), then the whole suite
 #   .venv-optimum   optimum-onnx: diffusers 0.39, transformers 4.57, optimum 2.1 (constraints-optimum.txt)
 #                   what can differ with those library versions: optimum's own pipelines and exporter
 #                   (tests/test_optimum.py) and every test of the pipelines and the export that compares with diffusers'
@@ -23,6 +24,8 @@ setup() {  # setup VENV CONSTRAINTS EXTRAS
   "$1/bin/pip" install -q --no-compile -c "$2" -e ".[$3]"
 }
 setup .venv constraints.txt cpu,test,serve,video
+.venv/bin/ruff format --check --quiet .
+.venv/bin/ruff check --quiet .
 .venv/bin/lint-imports
 .venv/bin/python -m pytest -q -n auto --dist loadgroup "$@"
 setup .venv-optimum constraints-optimum.txt cpu,test,optimum

@@ -48,12 +48,18 @@ def _keep_to_one_thread() -> None:
     torch.set_num_interop_threads(1)
     copy_session_options = session_module.copy_session_options
     session_module.copy_session_options = lambda base: (
-        _one_thread(copy_session_options(None)) if base is None else copy_session_options(base))
+        _one_thread(copy_session_options(None)) if base is None else copy_session_options(base)
+    )
     init = ort.InferenceSession.__init__
 
     def one_thread_init(self, path_or_bytes, sess_options=None, *args, **kwargs):
-        init(self, path_or_bytes, _one_thread(ort.SessionOptions()) if sess_options is None else sess_options,
-             *args, **kwargs)
+        init(
+            self,
+            path_or_bytes,
+            _one_thread(ort.SessionOptions()) if sess_options is None else sess_options,
+            *args,
+            **kwargs,
+        )
 
     ort.InferenceSession.__init__ = one_thread_init
 
@@ -73,8 +79,10 @@ def pytest_configure(config):
     from packaging.version import Version
 
     if Version(pytest.__version__) >= Version("9.2") and Version(version("pytest-xdist")) <= Version("3.8.0"):
-        raise pytest.UsageError(f"--dist loadgroup cannot group tests with pytest {pytest.__version__} and "
-                                f"pytest-xdist {version('pytest-xdist')}: install the pytest of constraints.txt")
+        raise pytest.UsageError(
+            f"--dist loadgroup cannot group tests with pytest {pytest.__version__} and "
+            f"pytest-xdist {version('pytest-xdist')}: install the pytest of constraints.txt"
+        )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -157,8 +165,11 @@ def three_output_model() -> onnx.ModelProto:
 
 # ------------------------------------------------------------------------------------------------------ folders
 def _hashes(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="session")
@@ -198,6 +209,7 @@ def shared_export(tmp_path_factory):
 
 def _exported(**kwargs):
     """``write(folder)`` for :func:`shared_export`: ``export_pipeline(None, folder, **kwargs)``."""
+
     def write(folder: Path) -> None:
         from optimum_iobinding.export import export_pipeline
 
@@ -224,6 +236,7 @@ def tiny_fused_folder(shared_export):
 def copy_of(tiny_folder, tmp_path):
     """``copy_of(**config_changes)``: a copy of tiny_folder whose components' config.json files have the changes
     (a component's keyword names its folder, ``__`` for ``/``)."""
+
     def copy(**config_changes):
         folder = tmp_path / "copy"
         shutil.copytree(tiny_folder, folder)
@@ -254,8 +267,9 @@ class _ModeOnly:
 
 def _vae_encodes_its_mode(pipe):
     encode = pipe.vae.encode
-    pipe.vae.encode = lambda sample, **kwargs: type("Encoded", (), {
-        "latent_dist": _ModeOnly(encode(sample, **kwargs).latent_dist)})()
+    pipe.vae.encode = lambda sample, **kwargs: type(
+        "Encoded", (), {"latent_dist": _ModeOnly(encode(sample, **kwargs).latent_dist)}
+    )()
     return pipe
 
 
@@ -336,8 +350,10 @@ def controlnet_folders(shared_export):
     def two(folder):
         _exported(torch_pipeline=build_tiny_random_controlnet_pipeline(controlnets=2))(folder)
 
-    return {"one": shared_export("controlnet-one", _exported(tiny_random="controlnet")),
-            "two": shared_export("controlnet-two", two)}
+    return {
+        "one": shared_export("controlnet-one", _exported(tiny_random="controlnet")),
+        "two": shared_export("controlnet-two", two),
+    }
 
 
 @pytest.fixture(scope="session")
@@ -346,6 +362,7 @@ def make_lora():
     text_encoder="text_encoder")``: a LoRA file of random (non-zero) updates for the diffusers pipeline ``pipe`` in
     diffusers' format: the UNet's ``unet_targets`` and, with ``text_targets``, those of ``text_encoder`` (no peft
     needed: the GPU machine has none)."""
+
     def make(pipe, folder, seed, unet_targets, text_targets=(), rank=4, text_rank=2, text_encoder="text_encoder"):
         from optimum_iobinding.export.tiny import random_lora_layers, save_lora
 

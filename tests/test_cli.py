@@ -36,12 +36,15 @@ def error_line(capsys) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("out, message", [
-    ("{tmp}", r"--out: expected an image file name, got the folder"),
-    ("{tmp}/picture", r"--out: expected a file name with an image extension PIL can write \(.*\.png.*\), got"),
-    ("{tmp}/picture.txt", r"--out: expected a file name with an image extension PIL can write"),
-    ("{tmp}/file.png/x.png", r"--out: expected a writable folder for .* is not a folder"),
-])
+@pytest.mark.parametrize(
+    "out, message",
+    [
+        ("{tmp}", r"--out: expected an image file name, got the folder"),
+        ("{tmp}/picture", r"--out: expected a file name with an image extension PIL can write \(.*\.png.*\), got"),
+        ("{tmp}/picture.txt", r"--out: expected a file name with an image extension PIL can write"),
+        ("{tmp}/file.png/x.png", r"--out: expected a writable folder for .* is not a folder"),
+    ],
+)
 def test_a_bad_out_is_refused_before_any_work(tmp_path, capsys, no_work, out, message):
     (tmp_path / "file.png").write_bytes(b"")
     assert main(["generate", "--out", out.format(tmp=tmp_path)]) == 2
@@ -54,8 +57,10 @@ def test_a_bad_out_is_refused_before_any_work(tmp_path, capsys, no_work, out, me
 @pytest.mark.parametrize("model", ["./models/sd15-onnx", "../nowhere/at/all", "/no/such/folder"])
 def test_a_missing_local_model_is_reported_as_missing(capsys, no_work, model):
     assert main(["generate", "--model", model]) == 2
-    assert f"--model: expected an existing local folder or a hub repository id, got {model!r}: no such file or " \
-           "folder" in error_line(capsys)
+    assert (
+        f"--model: expected an existing local folder or a hub repository id, got {model!r}: no such file or "
+        "folder" in error_line(capsys)
+    )
 
 
 @pytest.mark.parametrize("flag", ["--steps", "--height", "--width"])
@@ -78,8 +83,11 @@ def test_export_without_a_model_is_a_usage_error(tmp_path, capsys, no_work):
     assert "export: give a model folder or hub id, or --tiny-random" in error_line(capsys)
 
 
-@pytest.mark.parametrize("command", [[], ["generate"], ["export"], ["serve"], ["loadtest"], ["bench"]],
-                         ids=["top", "generate", "export", "serve", "loadtest", "bench"])
+@pytest.mark.parametrize(
+    "command",
+    [[], ["generate"], ["export"], ["serve"], ["loadtest"], ["bench"]],
+    ids=["top", "generate", "export", "serve", "loadtest", "bench"],
+)
 def test_every_command_prints_its_help_and_exits_0(capsys, no_work, command):
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--help"])
@@ -97,6 +105,7 @@ def test_argparse_mistakes_exit_2(capsys):
 @pytest.fixture
 def failing_work(monkeypatch):
     """The command fails once it starts working (after its arguments passed their checks)."""
+
     def failing(*args, **kwargs):
         raise RuntimeError("the GPU caught fire")
 
@@ -121,11 +130,15 @@ def test_bench_without_a_gpu_exits_1_saying_why(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------------------ --debug
-@pytest.mark.parametrize("argv", [
-    ["--debug", "generate", "--out", "{out}"],
-    ["generate", "--debug", "--out", "{out}"],
-    ["generate", "a cat", "--out", "{out}", "--debug"],
-], ids=["before the command", "after the command", "last"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--debug", "generate", "--out", "{out}"],
+        ["generate", "--debug", "--out", "{out}"],
+        ["generate", "a cat", "--out", "{out}", "--debug"],
+    ],
+    ids=["before the command", "after the command", "last"],
+)
 def test_debug_works_after_the_subcommand(tmp_path, failing_work, argv):
     with pytest.raises(RuntimeError, match="caught fire"):
         main([arg.format(out=tmp_path / "a.png") for arg in argv])
@@ -146,8 +159,9 @@ def bench_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("argv", [["--debug", "bench", "--runs", "2"], ["bench", "--runs", "2", "--debug"]],
-                         ids=["before", "after"])
+@pytest.mark.parametrize(
+    "argv", [["--debug", "bench", "--runs", "2"], ["bench", "--runs", "2", "--debug"]], ids=["before", "after"]
+)
 def test_debug_works_around_bench_and_is_not_passed_to_it(bench_calls, argv):
     with pytest.raises(RuntimeError, match="no GPU in the test"):
         main(argv)
@@ -160,14 +174,18 @@ def test_a_bench_failure_is_one_line_without_debug(bench_calls, capsys):
 
 
 # ------------------------------------------------------------------------------------------------ abbreviations
-@pytest.mark.parametrize("argv, unknown", [
-    (["generate", "--step", "2"], "--step"),
-    (["generate", "--guid", "2"], "--guid"),
-    (["serve", "--replica", "2"], "--replica"),
-    (["loadtest", "http://127.0.0.1:8000", "--concurren", "2"], "--concurren"),
-    (["export", "--tiny-random", "--output", "x", "--opt", "cpu"], "--opt"),
-    (["--deb", "generate"], "--deb"),
-], ids=["generate", "generate-float", "serve", "loadtest", "export", "top"])
+@pytest.mark.parametrize(
+    "argv, unknown",
+    [
+        (["generate", "--step", "2"], "--step"),
+        (["generate", "--guid", "2"], "--guid"),
+        (["serve", "--replica", "2"], "--replica"),
+        (["loadtest", "http://127.0.0.1:8000", "--concurren", "2"], "--concurren"),
+        (["export", "--tiny-random", "--output", "x", "--opt", "cpu"], "--opt"),
+        (["--deb", "generate"], "--deb"),
+    ],
+    ids=["generate", "generate-float", "serve", "loadtest", "export", "top"],
+)
 def test_an_abbreviated_option_is_refused_by_name(capsys, no_work, argv, unknown):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -179,8 +197,9 @@ def test_an_abbreviated_option_is_refused_by_name(capsys, no_work, argv, unknown
 @pytest.mark.parametrize("seed", ["-1", str(2**32)])
 def test_a_negative_seed_is_refused_before_the_model_loads(capsys, no_work, seed):
     assert main(["generate", "--seed", seed]) == 2
-    assert error_line(capsys) == ("optimum-iobinding: error: --seed: expected an integer in 0 … 4294967295 (numpy's "
-                                  f"seeds), got {seed}")
+    assert error_line(capsys) == (
+        f"optimum-iobinding: error: --seed: expected an integer in 0 … 4294967295 (numpy's seeds), got {seed}"
+    )
 
 
 def test_the_largest_numpy_seed_is_accepted(tmp_path, failing_work):
@@ -195,15 +214,34 @@ def test_guidance_must_be_a_finite_number(capsys, no_work, guidance):
 
 def test_a_provider_this_onnxruntime_lacks_is_refused_before_the_model_loads(capsys, no_work):
     assert main(["generate", "--provider", "NoSuchExecutionProvider"]) == 2
-    assert error_line(capsys).startswith("optimum-iobinding: error: --provider: 'NoSuchExecutionProvider' is not "
-                                         "available in this onnxruntime build")
+    assert error_line(capsys).startswith(
+        "optimum-iobinding: error: --provider: 'NoSuchExecutionProvider' is not available in this onnxruntime build"
+    )
 
 
 def test_a_size_the_model_cannot_run_is_refused_naming_height_and_width(tiny_folder, tmp_path, capsys):
     """Which sizes a UNet runs depends on the model: the pipeline checks them before its first step, and the
     command names its own options."""
-    assert main(["generate", "--model", str(tiny_folder), "--height", "100", "--width", "64", "--steps", "1",
-                 "--provider", "CPUExecutionProvider", "--out", str(tmp_path / "a.png")]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_folder),
+                "--height",
+                "100",
+                "--width",
+                "64",
+                "--steps",
+                "1",
+                "--provider",
+                "CPUExecutionProvider",
+                "--out",
+                str(tmp_path / "a.png"),
+            ]
+        )
+        == 2
+    )
     assert error_line(capsys).startswith("optimum-iobinding: error: --height and --width: expected multiples of ")
     assert not (tmp_path / "a.png").exists()
 
@@ -235,8 +273,10 @@ def test_serve_refuses_each_setting_by_its_option_before_building_anything(capsy
 @pytest.mark.parametrize("opset", [6, 23])
 def test_export_refuses_the_opsets_the_exporter_refuses_before_exporting(tmp_path, capsys, no_work, opset):
     assert main(["export", "--tiny-random", "--opset", str(opset), "--output", str(tmp_path / "out")]) == 2
-    assert error_line(capsys) == f"optimum-iobinding: error: --opset: expected an integer in 7 … 22 (17 is " \
-                                 f"tested), got {opset}"
+    assert (
+        error_line(capsys) == f"optimum-iobinding: error: --opset: expected an integer in 7 … 22 (17 is "
+        f"tested), got {opset}"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -249,26 +289,33 @@ def test_the_exporter_refuses_the_same_opsets(tmp_path, opset):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_export_refuses_fp16_with_another_dtype_naming_both_options_before_exporting(tmp_path, capsys, no_work,
-                                                                                     dtype):
+def test_export_refuses_fp16_with_another_dtype_naming_both_options_before_exporting(tmp_path, capsys, no_work, dtype):
     assert main(["export", "--tiny-random", "sd3", "--fp16", "--dtype", dtype, "--output", str(tmp_path / "out")]) == 2
-    assert error_line(capsys) == (f"optimum-iobinding: error: --fp16 and --dtype: expected one precision, got --fp16 "
-                                  f"(an alias of --dtype fp16) and --dtype {dtype}; give --dtype alone")
+    assert error_line(capsys) == (
+        f"optimum-iobinding: error: --fp16 and --dtype: expected one precision, got --fp16 "
+        f"(an alias of --dtype fp16) and --dtype {dtype}; give --dtype alone"
+    )
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("argv, what", [
-    (["--tiny-random", "sd"], "the tiny random sd pipeline (a UNet)"),
-    (["--tiny-random", "xl"], "the tiny random xl pipeline (a UNet)"),
-    (["--tiny-vae"], "a VAE alone"),
-], ids=["sd", "xl", "vae-alone"])
-def test_export_refuses_dtype_bf16_for_a_unet_pipeline_naming_dtype_before_exporting(tmp_path, capsys, no_work, argv,
-                                                                                     what):
+@pytest.mark.parametrize(
+    "argv, what",
+    [
+        (["--tiny-random", "sd"], "the tiny random sd pipeline (a UNet)"),
+        (["--tiny-random", "xl"], "the tiny random xl pipeline (a UNet)"),
+        (["--tiny-vae"], "a VAE alone"),
+    ],
+    ids=["sd", "xl", "vae-alone"],
+)
+def test_export_refuses_dtype_bf16_for_a_unet_pipeline_naming_dtype_before_exporting(
+    tmp_path, capsys, no_work, argv, what
+):
     assert main(["export", *argv, "--dtype", "bf16", "--output", str(tmp_path / "out")]) == 2
     assert error_line(capsys) == (
         f"optimum-iobinding: error: --dtype: expected 'fp32' or 'fp16' for {what}, got 'bf16'; hint: bf16 is for "
         "Stable Diffusion 3/3.5 and FLUX.1 (on a UNet most ops would stay float32, without a bfloat16 CUDA kernel: "
-        "Conv below opset 22, GroupNorm, NhwcConv, BiasSplitGelu)")
+        "Conv below opset 22, GroupNorm, NhwcConv, BiasSplitGelu)"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -279,9 +326,17 @@ def test_export_takes_only_the_dtypes_it_exports(tmp_path, capsys):
     assert "argument --dtype: invalid choice: 'int8'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, dtype", [([], "fp32"), (["--fp16"], "fp16"), (["--dtype", "fp16"], "fp16"),
-                                         (["--fp16", "--dtype", "fp16"], "fp16"), (["--dtype", "bf16"], "bf16")],
-                         ids=["default", "fp16-alias", "fp16", "both-fp16", "bf16"])
+@pytest.mark.parametrize(
+    "argv, dtype",
+    [
+        ([], "fp32"),
+        (["--fp16"], "fp16"),
+        (["--dtype", "fp16"], "fp16"),
+        (["--fp16", "--dtype", "fp16"], "fp16"),
+        (["--dtype", "bf16"], "bf16"),
+    ],
+    ids=["default", "fp16-alias", "fp16", "both-fp16", "bf16"],
+)
 def test_export_hands_its_dtype_to_the_exporter_and_says_it(tmp_path, capsys, monkeypatch, argv, dtype):
     import optimum_iobinding.export as export
 
@@ -299,8 +354,10 @@ def test_export_hands_its_dtype_to_the_exporter_and_says_it(tmp_path, capsys, mo
 
 def test_export_refuses_a_model_and_tiny_random_together(tmp_path, capsys, no_work):
     assert main(["export", "some/model", "--tiny-random", "--output", str(tmp_path / "out")]) == 2
-    assert error_line(capsys) == ("optimum-iobinding: error: model: expected a model folder or hub id, or "
-                                  "--tiny-random, got both ('some/model' and --tiny-random sd)")
+    assert error_line(capsys) == (
+        "optimum-iobinding: error: model: expected a model folder or hub id, or "
+        "--tiny-random, got both ('some/model' and --tiny-random sd)"
+    )
 
 
 # ------------------------------------------------------------------------------ a hub id that cannot be had
@@ -320,16 +377,22 @@ def test_a_hub_id_that_cannot_be_fetched_names_model(tmp_path, capsys, offline_h
     assert main(["generate", "--model", "nobody/nothing-here", "--out", str(tmp_path / "a.png")]) == 2
     assert error_line(capsys) == (
         "optimum-iobinding: error: --model: 'nobody/nothing-here' is not a local folder (no such path here), and the "
-        "Hugging Face Hub could not provide it: LocalEntryNotFoundError: the Hub cannot be reached from this test")
+        "Hugging Face Hub could not provide it: LocalEntryNotFoundError: the Hub cannot be reached from this test"
+    )
 
 
-@pytest.mark.parametrize("argv, option", [
-    (["nobody/nothing-here"], "model"),
-    (["--tiny-random", "--vae", "nobody/some-vae"], "--vae"),
-    (["--tiny-random", "--controlnet", "nobody/some-controlnet"], "--controlnet"),
-], ids=["model", "vae", "controlnet"])
-def test_export_of_a_hub_id_that_cannot_be_fetched_names_it_before_exporting(tmp_path, capsys, no_work, offline_hub,
-                                                                            argv, option):
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["nobody/nothing-here"], "model"),
+        (["--tiny-random", "--vae", "nobody/some-vae"], "--vae"),
+        (["--tiny-random", "--controlnet", "nobody/some-controlnet"], "--controlnet"),
+    ],
+    ids=["model", "vae", "controlnet"],
+)
+def test_export_of_a_hub_id_that_cannot_be_fetched_names_it_before_exporting(
+    tmp_path, capsys, no_work, offline_hub, argv, option
+):
     assert main(["export", *argv, "--output", str(tmp_path / "out")]) == 2
     line = error_line(capsys)
     assert line.startswith(f"optimum-iobinding: error: {option}: '") and "Hub could not provide it" in line, line
@@ -338,9 +401,9 @@ def test_export_of_a_hub_id_that_cannot_be_fetched_names_it_before_exporting(tmp
 
 @pytest.mark.parametrize("kind, family", [("flux", "Flux"), ("sd3", "Stable Diffusion 3")])
 @pytest.mark.parametrize("option", ["--vae", "--controlnet", "--tiny-vae"])
-def test_export_refuses_a_vae_or_controlnet_for_a_transformer_pipeline_before_fetching_it(tmp_path, capsys, no_work,
-                                                                                          offline_hub, kind, family,
-                                                                                          option):
+def test_export_refuses_a_vae_or_controlnet_for_a_transformer_pipeline_before_fetching_it(
+    tmp_path, capsys, no_work, offline_hub, kind, family, option
+):
     argv = ["export", "--tiny-random", kind, option, "nobody/some-model", "--output", str(tmp_path / "out")]
     assert main(argv) == 2
     assert error_line(capsys).startswith(f"optimum-iobinding: error: {option}: expected None for a {family} pipeline")
@@ -350,13 +413,16 @@ def test_export_refuses_a_vae_or_controlnet_for_a_transformer_pipeline_before_fe
 def test_serve_of_a_hub_id_that_cannot_be_fetched_names_it_before_starting_ray(capsys, no_work, offline_hub):
     pytest.importorskip("ray.serve")
     assert main(["serve", "nobody/nothing-here"]) == 2
-    assert error_line(capsys).startswith("optimum-iobinding: error: model: 'nobody/nothing-here' is not a local "
-                                         "folder (no such path here), and the Hugging Face Hub could not provide it")
+    assert error_line(capsys).startswith(
+        "optimum-iobinding: error: model: 'nobody/nothing-here' is not a local "
+        "folder (no such path here), and the Hugging Face Hub could not provide it"
+    )
 
 
 @pytest.mark.parametrize("stopped, status", [("SIGINT", 130), ("SIGTERM", 0), (None, 0)])
 def test_serve_hands_its_limits_to_the_service_and_exits_by_the_signal_that_stopped_it(
-        tmp_path, monkeypatch, tiny_folder, stopped, status):
+    tmp_path, monkeypatch, tiny_folder, stopped, status
+):
     pytest.importorskip("ray.serve")
     import signal
 
@@ -374,11 +440,33 @@ def test_serve_hands_its_limits_to_the_service_and_exits_by_the_signal_that_stop
         return getattr(signal, stopped) if stopped else None
 
     monkeypatch.setattr(serve, "run", run)
-    assert main(["serve", str(tiny_folder), "--max-steps", "60", "--max-prompt-chars", "500", "--max-pixels-per-image",
-                 "262144", "--request-timeout-s", "30", "--dashboard", "--port", str(port)]) == status
+    assert (
+        main(
+            [
+                "serve",
+                str(tiny_folder),
+                "--max-steps",
+                "60",
+                "--max-prompt-chars",
+                "500",
+                "--max-pixels-per-image",
+                "262144",
+                "--request-timeout-s",
+                "30",
+                "--dashboard",
+                "--port",
+                str(port),
+            ]
+        )
+        == status
+    )
     config = started["config"]
     assert (config.max_steps, config.max_prompt_chars, config.max_pixels_per_image, config.request_timeout_s) == (
-        60, 500, 262144, 30.0)
+        60,
+        500,
+        262144,
+        30.0,
+    )
     assert started["dashboard"] is True and started["port"] == port
 
 
@@ -390,8 +478,9 @@ REPOSITORY = Path(cli.__file__).resolve().parents[1]
 def libraries_loaded_by(code: str) -> list:
     """The pipeline libraries in ``sys.modules`` after ``code`` ran in a fresh interpreter (this checkout's package)."""
     probe = f"{code}\nimport json, sys\nprint(json.dumps([m for m in {PIPELINE_LIBRARIES!r} if m in sys.modules]))"
-    completed = subprocess.run([sys.executable, "-c", probe], cwd=REPOSITORY, capture_output=True, text=True,
-                               timeout=300)
+    completed = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPOSITORY, capture_output=True, text=True, timeout=300
+    )
     assert completed.returncode == 0, completed.stderr
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
@@ -400,38 +489,65 @@ def test_importing_the_package_loads_no_pipeline_library():
     assert libraries_loaded_by("import optimum_iobinding; optimum_iobinding.__version__") == []
 
 
-@pytest.mark.parametrize("argv", [
-    ["--help"], ["generate", "--help"], ["stream", "--help"], ["serve", "--help"], ["export", "--help"],
-    ["loadtest", "--help"], ["bench", "--help"], ["no-such-command"], ["generate", "--steps", "-1"],
-    ["generate", "--seed", "-1"], ["serve", "--port", "x"], ["serve", "--port", "0"], ["serve", "--replicas", "0"],
-    ["export", "--tiny-random", "--opset", "6", "--output", "unused"], ["export", "--output", "unused"],
-    ["stream", "in", "out", "--prompt", "a cat", "--steps", "0"], ["stream", "in", "out", "--prompt", "a cat",
-                                                                   "--size", "big"],
-    ["loadtest", "http://127.0.0.1:1", "--requests", "0"], ["generate", "--stpes", "4"], ["serve", "--replica", "2"],
-    ["generate", "--scheduler", "eulr"], ["stream", "in", "out", "--prompt", "a cat", "--strenght", "0.5"],
-], ids=lambda argv: " ".join(argv))
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["generate", "--help"],
+        ["stream", "--help"],
+        ["serve", "--help"],
+        ["export", "--help"],
+        ["loadtest", "--help"],
+        ["bench", "--help"],
+        ["no-such-command"],
+        ["generate", "--steps", "-1"],
+        ["generate", "--seed", "-1"],
+        ["serve", "--port", "x"],
+        ["serve", "--port", "0"],
+        ["serve", "--replicas", "0"],
+        ["export", "--tiny-random", "--opset", "6", "--output", "unused"],
+        ["export", "--output", "unused"],
+        ["stream", "in", "out", "--prompt", "a cat", "--steps", "0"],
+        ["stream", "in", "out", "--prompt", "a cat", "--size", "big"],
+        ["loadtest", "http://127.0.0.1:1", "--requests", "0"],
+        ["generate", "--stpes", "4"],
+        ["serve", "--replica", "2"],
+        ["generate", "--scheduler", "eulr"],
+        ["stream", "in", "out", "--prompt", "a cat", "--strenght", "0.5"],
+    ],
+    ids=lambda argv: " ".join(argv),
+)
 def test_help_and_argument_mistakes_load_no_pipeline_library(argv):
     """--help and each mistake in the arguments are answered before diffusers, transformers, onnxruntime, torch or
     Ray is imported (each takes seconds to import)."""
-    code = ("import contextlib, io\nfrom optimum_iobinding.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
-            "    try:\n"
-            f"        status = main({argv!r})\n"
-            "    except SystemExit as exit:\n"
-            "        status = exit.code\n"
-            "assert status in (0, 2), status")
+    code = (
+        "import contextlib, io\nfrom optimum_iobinding.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "    try:\n"
+        f"        status = main({argv!r})\n"
+        "    except SystemExit as exit:\n"
+        "        status = exit.code\n"
+        "assert status in (0, 2), status"
+    )
     assert libraries_loaded_by(code) == []
 
 
-@pytest.mark.parametrize("argv", [["generate", "--provider", "cuda"], ["stream", "in", "out", "--prompt", "a cat",
-                                                                   "--provider", "CUDAExecutionProvder"]],
-                         ids=lambda argv: " ".join(argv))
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--provider", "cuda"],
+        ["stream", "in", "out", "--prompt", "a cat", "--provider", "CUDAExecutionProvder"],
+    ],
+    ids=lambda argv: " ".join(argv),
+)
 def test_a_provider_mistake_is_answered_with_onnxruntime_alone(argv):
     """Which providers exist is onnxruntime's to say: the check imports it, and none of the other libraries."""
-    code = ("import contextlib, io\nfrom optimum_iobinding.cli import main\n"
-            "with contextlib.redirect_stderr(io.StringIO()) as err:\n"
-            f"    status = main({argv!r})\n"
-            "assert status == 2 and 'did you mean CUDAExecutionProvider?' in err.getvalue(), err.getvalue()")
+    code = (
+        "import contextlib, io\nfrom optimum_iobinding.cli import main\n"
+        "with contextlib.redirect_stderr(io.StringIO()) as err:\n"
+        f"    status = main({argv!r})\n"
+        "assert status == 2 and 'did you mean CUDAExecutionProvider?' in err.getvalue(), err.getvalue()"
+    )
     assert libraries_loaded_by(code) == ["onnxruntime"]
 
 
@@ -470,8 +586,15 @@ def test_a_refused_argument_outside_the_table_passes_through_untouched():
     assert raised.value is refusal
 
 
-@pytest.mark.parametrize("error", [ValueError("provider: expected a name"), FileNotFoundError("model: no such file"),
-                                   TypeError("height and width: expected integers")], ids=repr)
+@pytest.mark.parametrize(
+    "error",
+    [
+        ValueError("provider: expected a name"),
+        FileNotFoundError("model: no such file"),
+        TypeError("height and width: expected integers"),
+    ],
+    ids=repr,
+)
 def test_an_error_that_names_no_argument_passes_through_though_its_text_looks_like_one(error):
     """The table is looked up with the refusal's ``argument``: an error's text is never parsed."""
     names = {"provider": "--provider", "model": "--model", "height and width": "--height and --width"}
@@ -488,19 +611,29 @@ def test_serve_names_a_model_path_that_is_no_pipeline_folder_before_starting_ray
     monkeypatch.setattr(serve, "run", lambda *args, **kwargs: pytest.fail("the service started"))
     (tmp_path / "model.onnx").write_bytes(b"")
     assert main(["serve", str(tmp_path / "model.onnx")]) == 2
-    assert error_line(capsys) == ("optimum-iobinding: error: model: expected a model_index.json in "
-                                  f"{str(tmp_path / 'model.onnx')!r}")
+    assert error_line(capsys) == (
+        f"optimum-iobinding: error: model: expected a model_index.json in {str(tmp_path / 'model.onnx')!r}"
+    )
 
 
 # ------------------------------------------------------------------------------------------ help with mistakes
-@pytest.mark.parametrize("argv, usage, suggestion", [
-    (["generate", "--stpes", "4"], "optimum-iobinding generate", "--stpes (did you mean --steps?)"),
-    (["serve", "--max-batch", "4"], "optimum-iobinding serve", "--max-batch (did you mean --max-batch-size?)"),
-    (["export", "--tiny-randm", "--output", "x"], "optimum-iobinding export", "--tiny-randm (did you mean --tiny-random?)"),
-    (["bench", "--modls", "tiny"], "optimum-iobinding bench", "--modls tiny (did you mean --models?)"),
-], ids=["generate", "serve", "export", "bench"])
-def test_a_misspelled_option_gets_its_commands_usage_and_the_option_it_is_close_to(capsys, no_work, argv, usage,
-                                                                                    suggestion):
+@pytest.mark.parametrize(
+    "argv, usage, suggestion",
+    [
+        (["generate", "--stpes", "4"], "optimum-iobinding generate", "--stpes (did you mean --steps?)"),
+        (["serve", "--max-batch", "4"], "optimum-iobinding serve", "--max-batch (did you mean --max-batch-size?)"),
+        (
+            ["export", "--tiny-randm", "--output", "x"],
+            "optimum-iobinding export",
+            "--tiny-randm (did you mean --tiny-random?)",
+        ),
+        (["bench", "--modls", "tiny"], "optimum-iobinding bench", "--modls tiny (did you mean --models?)"),
+    ],
+    ids=["generate", "serve", "export", "bench"],
+)
+def test_a_misspelled_option_gets_its_commands_usage_and_the_option_it_is_close_to(
+    capsys, no_work, argv, usage, suggestion
+):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
@@ -517,9 +650,11 @@ def test_an_option_close_to_none_gets_no_suggestion(capsys, no_work):
 def test_a_scheduler_whose_module_is_missing_is_refused_before_the_model_loads(capsys, no_work, monkeypatch):
     monkeypatch.setitem(cli.SCHEDULER_MODULES, "lms", ("no_such_module_for_a_scheduler",))
     assert main(["generate", "--scheduler", "lms"]) == 2
-    assert error_line(capsys) == ("optimum-iobinding: error: --scheduler: lms (LMSDiscreteScheduler) needs "
-                                  "no_such_module_for_a_scheduler, which this environment lacks: pip install "
-                                  "no_such_module_for_a_scheduler")
+    assert error_line(capsys) == (
+        "optimum-iobinding: error: --scheduler: lms (LMSDiscreteScheduler) needs "
+        "no_such_module_for_a_scheduler, which this environment lacks: pip install "
+        "no_such_module_for_a_scheduler"
+    )
 
 
 def test_every_scheduler_offered_has_what_it_needs_installed_with_the_package():
@@ -537,14 +672,50 @@ def test_every_scheduler_offered_has_what_it_needs_installed_with_the_package():
 @pytest.mark.parametrize("scheduler", sorted(cli.SCHEDULERS))
 def test_every_scheduler_offered_generates_an_image(tiny_folder, tmp_path, scheduler):
     out = tmp_path / "a.png"
-    assert main(["generate", "--model", str(tiny_folder), "--scheduler", scheduler, "--steps", "2", "--height", "64",
-                 "--width", "64", "--provider", "CPUExecutionProvider", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_folder),
+                "--scheduler",
+                scheduler,
+                "--steps",
+                "2",
+                "--height",
+                "64",
+                "--width",
+                "64",
+                "--provider",
+                "CPUExecutionProvider",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert out.is_file()
 
 
 def test_an_image_beyond_the_hosts_memory_is_refused_before_the_model_loads(tiny_folder, tmp_path, capsys, no_work):
-    assert main(["generate", "--model", str(tiny_folder), "--height", "100000", "--width", "100000",
-                 "--provider", "CPUExecutionProvider", "--out", str(tmp_path / "a.png")]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_folder),
+                "--height",
+                "100000",
+                "--width",
+                "100000",
+                "--provider",
+                "CPUExecutionProvider",
+                "--out",
+                str(tmp_path / "a.png"),
+            ]
+        )
+        == 2
+    )
     line = error_line(capsys)
     assert line.startswith("optimum-iobinding: error: --height and --width: 100000×100000 needs at least ")
     assert ", the host's available memory; at most about " in line

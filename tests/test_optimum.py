@@ -51,8 +51,9 @@ def test_optimum_layout_has_what_diffusers_onnx_pipeline_cannot_run(optimum_fold
 
 def test_txt2img_on_an_optimum_export_matches_the_numpy_loop(optimum_folder):
     bound = run(OnnxStableDiffusionPipeline.from_pretrained(optimum_folder), height=SIZE, width=SIZE)
-    baseline = run(OnnxStableDiffusionPipeline.from_pretrained(optimum_folder, io_binding=False), height=SIZE,
-                   width=SIZE)
+    baseline = run(
+        OnnxStableDiffusionPipeline.from_pretrained(optimum_folder, io_binding=False), height=SIZE, width=SIZE
+    )
     assert bound.shape == (1, SIZE, SIZE, 3) and bound.std() > 0.01
     assert np.abs(bound - baseline).max() <= 1e-4
 
@@ -61,8 +62,9 @@ def test_img2img_samples_the_latent_parameters_of_an_optimum_vae_encoder(optimum
     image = np.random.default_rng(0).random((SIZE, SIZE, 3)).astype(np.float32)
     pipe = OnnxStableDiffusionImg2ImgPipeline.from_pretrained(optimum_folder)
     bound = run(pipe, image=image, strength=0.7)
-    baseline = run(OnnxStableDiffusionImg2ImgPipeline.from_pretrained(optimum_folder, io_binding=False), image=image,
-                   strength=0.7)
+    baseline = run(
+        OnnxStableDiffusionImg2ImgPipeline.from_pretrained(optimum_folder, io_binding=False), image=image, strength=0.7
+    )
     assert np.abs(bound - baseline).max() <= 1e-4
     with_torch_generator = run(pipe, image=image, strength=0.7, generator=torch.Generator().manual_seed(0))
     assert with_torch_generator.shape == bound.shape
@@ -80,8 +82,14 @@ def test_same_latents_give_optimum_ort_pipelines_image(optimum_folder):
     latents = np.random.RandomState(0).randn(1, 4, SIZE // 8, SIZE // 8).astype(np.float32)
     theirs = ORTStableDiffusionPipeline.from_pretrained(optimum_folder, provider="CPUExecutionProvider")
     theirs.set_progress_bar_config(disable=True)
-    expected = theirs("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=3,
-                      latents=torch.from_numpy(latents), output_type="np").images
+    expected = theirs(
+        "a photo of a cat",
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=3,
+        latents=torch.from_numpy(latents),
+        output_type="np",
+    ).images
     ours = run(OnnxStableDiffusionPipeline.from_pretrained(optimum_folder), height=SIZE, width=SIZE, latents=latents)
     assert np.abs(np.asarray(expected) - ours).max() <= 1e-4
 
@@ -101,8 +109,14 @@ def test_an_optimum_sdxl_export_gives_optimum_ort_sdxl_pipelines_image(optimum_x
     latents = np.random.RandomState(0).randn(1, 4, SIZE // 8, SIZE // 8).astype(np.float32)
     theirs = ORTStableDiffusionXLPipeline.from_pretrained(optimum_xl_folder, provider="CPUExecutionProvider")
     theirs.set_progress_bar_config(disable=True)
-    expected = theirs("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=3,
-                      latents=torch.from_numpy(latents), output_type="np").images
+    expected = theirs(
+        "a photo of a cat",
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=3,
+        latents=torch.from_numpy(latents),
+        output_type="np",
+    ).images
     ours = OnnxStableDiffusionXLPipeline.from_pretrained(optimum_xl_folder)
     assert ours.unet.session.get_inputs()[1].shape == []  # optimum's scalar float timestep
     assert np.abs(np.asarray(expected) - run(ours, height=SIZE, width=SIZE, latents=latents)).max() <= 1e-4
@@ -114,8 +128,9 @@ def latents_for_run():
 
 def optimum_images(pipe, **kwargs):
     pipe.set_progress_bar_config(disable=True)
-    return np.asarray(pipe("a photo of a cat", height=SIZE, width=SIZE, latents=latents_for_run(), output_type="np",
-                           **kwargs).images)
+    return np.asarray(
+        pipe("a photo of a cat", height=SIZE, width=SIZE, latents=latents_for_run(), output_type="np", **kwargs).images
+    )
 
 
 def test_accelerate_switches_every_part_in_place_and_changes_no_image(optimum_folder):
@@ -129,8 +144,12 @@ def test_accelerate_switches_every_part_in_place_and_changes_no_image(optimum_fo
     assert accelerate(pipe) is pipe
     for part in (pipe.unet, pipe.text_encoder, pipe.vae_encoder, pipe.vae_decoder):
         assert type(part).__name__.startswith("Accelerated") and isinstance(part.fast_model, IOBindingORTModel)
-    assert pipe.vae.decoder is pipe.vae_decoder and set(pipe.parts) == {pipe.unet, pipe.text_encoder,
-                                                                        pipe.vae_encoder, pipe.vae_decoder}
+    assert pipe.vae.decoder is pipe.vae_decoder and set(pipe.parts) == {
+        pipe.unet,
+        pipe.text_encoder,
+        pipe.vae_encoder,
+        pipe.vae_decoder,
+    }
     np.testing.assert_allclose(optimum_images(pipe, num_inference_steps=3), before, atol=1e-5)
     # a multistep scheduler keeps earlier model outputs: they must not be buffers the next step overwrites
     from diffusers import DPMSolverMultistepScheduler
@@ -138,8 +157,11 @@ def test_accelerate_switches_every_part_in_place_and_changes_no_image(optimum_fo
     pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
     fresh = ORTStableDiffusionPipeline.from_pretrained(optimum_folder, provider="CPUExecutionProvider")
     fresh.scheduler = DPMSolverMultistepScheduler.from_config(fresh.scheduler.config)
-    np.testing.assert_allclose(optimum_images(pipe, num_inference_steps=4, guidance_scale=1.0),
-                               optimum_images(fresh, num_inference_steps=4, guidance_scale=1.0), atol=1e-5)
+    np.testing.assert_allclose(
+        optimum_images(pipe, num_inference_steps=4, guidance_scale=1.0),
+        optimum_images(fresh, num_inference_steps=4, guidance_scale=1.0),
+        atol=1e-5,
+    )
 
 
 def test_accelerate_an_optimum_sdxl_pipeline(optimum_xl_folder):
@@ -166,12 +188,17 @@ def test_accelerated_on_cuda_with_a_graph_matches_optimums_own_binding(optimum_f
     from optimum_iobinding import accelerate
 
     exact = {"use_tf32": "0"}
-    theirs = ORTStableDiffusionPipeline.from_pretrained(optimum_folder, provider="CUDAExecutionProvider",
-                                                        provider_options=exact, use_io_binding=True)
+    theirs = ORTStableDiffusionPipeline.from_pretrained(
+        optimum_folder, provider="CUDAExecutionProvider", provider_options=exact, use_io_binding=True
+    )
     expected = optimum_images(theirs, num_inference_steps=4)
-    ours = accelerate(ORTStableDiffusionPipeline.from_pretrained(optimum_folder, provider="CUDAExecutionProvider",
-                                                                 provider_options=exact),
-                      cuda_graph=True, provider_options=exact)
+    ours = accelerate(
+        ORTStableDiffusionPipeline.from_pretrained(
+            optimum_folder, provider="CUDAExecutionProvider", provider_options=exact
+        ),
+        cuda_graph=True,
+        provider_options=exact,
+    )
     got = optimum_images(ours, num_inference_steps=4)
     assert ours.unet.fast_model.cuda_graph and ours.unet.fast_model.graph_signatures
     np.testing.assert_allclose(got, expected, atol=1e-4)
@@ -191,7 +218,14 @@ def test_optimums_lcm_pipeline_accelerated_equals_it_and_ours(tmp_path):
     accelerated = optimum_images(accelerate(pipe), num_inference_steps=4, generator=noise())
     ours = OnnxLatentConsistencyModelPipeline.from_pretrained(folder)
     ours.set_progress_bar_config(disable=True)
-    mine = ours("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=4, latents=latents_for_run(),
-                generator=noise(), output_type="np").images
+    mine = ours(
+        "a photo of a cat",
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=4,
+        latents=latents_for_run(),
+        generator=noise(),
+        output_type="np",
+    ).images
     np.testing.assert_allclose(accelerated, theirs, atol=1e-5)
     np.testing.assert_allclose(mine, theirs, atol=1e-5)

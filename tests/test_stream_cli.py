@@ -58,6 +58,7 @@ def image_folder(tmp_path):
 @pytest.fixture
 def no_work(monkeypatch):
     """Fails the test if the command gets as far as loading a pipeline or building the tiny model."""
+
     def reached(*args, **kwargs):
         raise AssertionError("the command started working before it checked its arguments")
 
@@ -73,14 +74,34 @@ def error_line(capsys) -> str:
 
 def stream_directly(folder, frames, tiny_vae=None, steps=2, strength=0.5, stream_batch=True, seed=0):
     stream = OnnxStreamDiffusionPipeline.from_pretrained(folder, provider="CPUExecutionProvider", tiny_vae=tiny_vae)
-    stream.prepare(PROMPT, num_inference_steps=steps, strength=strength, guidance_scale=0.0, seed=seed, height=SIZE,
-                   width=SIZE, stream_batch=stream_batch)
+    stream.prepare(
+        PROMPT,
+        num_inference_steps=steps,
+        strength=strength,
+        guidance_scale=0.0,
+        seed=seed,
+        height=SIZE,
+        width=SIZE,
+        stream_batch=stream_batch,
+    )
     return list(stream.frames(frames))
 
 
 def run_stream(source, target, model, *options):
-    return main(["stream", str(source), str(target), "--prompt", PROMPT, "--model", str(model),
-                 "--provider", "CPUExecutionProvider", *options])
+    return main(
+        [
+            "stream",
+            str(source),
+            str(target),
+            "--prompt",
+            PROMPT,
+            "--model",
+            str(model),
+            "--provider",
+            "CPUExecutionProvider",
+            *options,
+        ]
+    )
 
 
 # ------------------------------------------------------------------------------------------------ what it makes
@@ -94,13 +115,18 @@ def test_a_video_in_gives_a_video_of_as_many_frames_of_the_same_size_and_rate(tm
     assert reader.fps == pytest.approx(12)
 
 
-@pytest.mark.parametrize("options, steps, stream_batch", [
-    ((), 2, True),
-    (("--steps", "4"), 4, True),
-    (("--steps", "4", "--no-stream-batch"), 4, False),
-], ids=["one-step", "two-steps-stream-batch", "two-steps-in-turn"])
-def test_an_image_folder_in_gives_the_frames_of_the_pipeline_run_directly(tmp_path, tiny_folder, image_folder,
-                                                                           options, steps, stream_batch):
+@pytest.mark.parametrize(
+    "options, steps, stream_batch",
+    [
+        ((), 2, True),
+        (("--steps", "4"), 4, True),
+        (("--steps", "4", "--no-stream-batch"), 4, False),
+    ],
+    ids=["one-step", "two-steps-stream-batch", "two-steps-in-turn"],
+)
+def test_an_image_folder_in_gives_the_frames_of_the_pipeline_run_directly(
+    tmp_path, tiny_folder, image_folder, options, steps, stream_batch
+):
     assert run_stream(image_folder, tmp_path / "out", tiny_folder, *options) == 0
     _, inputs = read_all(image_folder)
     _, outputs = read_all(tmp_path / "out")
@@ -141,8 +167,22 @@ def test_without_a_model_the_tiny_random_model_is_used(tmp_path, tiny_folder, im
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "tiny-random-sd").symlink_to(tiny_folder)  # what tiny_model_folder builds there once
-    assert main(["stream", str(image_folder), str(tmp_path / "out"), "--prompt", PROMPT, "--cache-dir", str(cache),
-                 "--provider", "CPUExecutionProvider"]) == 0
+    assert (
+        main(
+            [
+                "stream",
+                str(image_folder),
+                str(tmp_path / "out"),
+                "--prompt",
+                PROMPT,
+                "--cache-dir",
+                str(cache),
+                "--provider",
+                "CPUExecutionProvider",
+            ]
+        )
+        == 0
+    )
     _, inputs = read_all(image_folder)
     _, outputs = read_all(tmp_path / "out")
     for output, reference in zip(outputs, stream_directly(tiny_folder, inputs), strict=True):
@@ -156,8 +196,7 @@ def test_the_summary_line_gives_frames_seconds_and_frames_per_second(tmp_path, t
     assert re.match(rf".*out: {FRAMES} frames of {SIZE}×{SIZE} in [0-9.]+ s \([0-9.]+ frames/s;", lines[0])
 
 
-def test_an_existing_output_is_kept_without_overwrite_and_replaced_with_it(tmp_path, tiny_folder, image_folder,
-                                                                          capsys):
+def test_an_existing_output_is_kept_without_overwrite_and_replaced_with_it(tmp_path, tiny_folder, image_folder, capsys):
     target = tmp_path / "out"
     target.mkdir()
     (target / "mine.txt").write_text("keep me")
@@ -191,38 +230,88 @@ def bad_inputs(tmp_path):
     (tmp_path / "existing.mp4").write_bytes(b"mine")
     frames = tmp_path / "frames"
     return {
-        "missing": (tmp_path / "nothing.mp4", tmp_path / "out", (), r"INPUT: expected a video file or a folder of "
-                                                                    r"images, got .*nothing\.mp4.*no such file"),
-        "unreadable": (tmp_path / "garbage.mp4", tmp_path / "out", (), r"INPUT: expected a video file or a folder "
-                                                                       r"of images, got .*garbage\.mp4"),
-        "no-frames": (tmp_path / "empty", tmp_path / "out", (), r"INPUT: expected a video file or a folder holding "
-                                                                r"images .* with no frames"),
+        "missing": (
+            tmp_path / "nothing.mp4",
+            tmp_path / "out",
+            (),
+            r"INPUT: expected a video file or a folder of "
+            r"images, got .*nothing\.mp4.*no such file",
+        ),
+        "unreadable": (
+            tmp_path / "garbage.mp4",
+            tmp_path / "out",
+            (),
+            r"INPUT: expected a video file or a folder "
+            r"of images, got .*garbage\.mp4",
+        ),
+        "no-frames": (
+            tmp_path / "empty",
+            tmp_path / "out",
+            (),
+            r"INPUT: expected a video file or a folder holding "
+            r"images .* with no frames",
+        ),
         "size-text": (frames, tmp_path / "out", ("--size", "big"), r"--size: expected pixels as 512 or 768x512"),
         "steps": (frames, tmp_path / "out", ("--steps", "0"), r"--steps: expected a positive integer, got 0"),
         "strength": (frames, tmp_path / "out", ("--strength", "1.5"), r"--strength: expected a number in \(0, 1\]"),
         "guidance": (frames, tmp_path / "out", ("--guidance", "nan"), r"--guidance: expected a finite number"),
         "seed": (frames, tmp_path / "out", ("--seed", "-1"), r"--seed: expected an integer in 0 …"),
-        "model-without-vae": (frames, tmp_path / "out", ("--model", str(tmp_path / "no-vae")),
-                              r"--model: expected an ONNX Stable Diffusion folder, got .*no-vae.* without "
-                              r"model_index\.json, text_encoder/model\.onnx, unet/model\.onnx, "
-                              r"vae_encoder/model\.onnx"),
-        "tiny-vae-without-decoder": (frames, tmp_path / "out", ("--tiny-vae", str(tmp_path / "half-taesd")),
-                                     r"--tiny-vae: expected an AutoencoderTiny export holding vae_encoder/model\.onnx "
-                                     r"and vae_decoder/model\.onnx, got .*half-taesd.* without "
-                                     r"vae_decoder/model\.onnx"),
-        "output-extension": (frames, tmp_path / "out.gif", (), r"OUTPUT: expected a video file \(\.mp4.*\) or a "
-                                                               r"folder for PNG frames"),
+        "model-without-vae": (
+            frames,
+            tmp_path / "out",
+            ("--model", str(tmp_path / "no-vae")),
+            r"--model: expected an ONNX Stable Diffusion folder, got .*no-vae.* without "
+            r"model_index\.json, text_encoder/model\.onnx, unet/model\.onnx, "
+            r"vae_encoder/model\.onnx",
+        ),
+        "tiny-vae-without-decoder": (
+            frames,
+            tmp_path / "out",
+            ("--tiny-vae", str(tmp_path / "half-taesd")),
+            r"--tiny-vae: expected an AutoencoderTiny export holding vae_encoder/model\.onnx "
+            r"and vae_decoder/model\.onnx, got .*half-taesd.* without "
+            r"vae_decoder/model\.onnx",
+        ),
+        "output-extension": (
+            frames,
+            tmp_path / "out.gif",
+            (),
+            r"OUTPUT: expected a video file \(\.mp4.*\) or a "
+            r"folder for PNG frames",
+        ),
         "output-is-input": (frames, frames, ("--overwrite",), r"OUTPUT: expected another path than INPUT"),
-        "output-exists": (frames, tmp_path / "existing.mp4", (), r"OUTPUT: expected a new file, got the existing "
-                                                                 r"file .*existing\.mp4"),
-        "provider": (frames, tmp_path / "out", ("--provider", "NoSuchExecutionProvider"),
-                     r"--provider: .NoSuchExecutionProvider. is not available"),
+        "output-exists": (
+            frames,
+            tmp_path / "existing.mp4",
+            (),
+            r"OUTPUT: expected a new file, got the existing "
+            r"file .*existing\.mp4",
+        ),
+        "provider": (
+            frames,
+            tmp_path / "out",
+            ("--provider", "NoSuchExecutionProvider"),
+            r"--provider: .NoSuchExecutionProvider. is not available",
+        ),
     }
 
 
-BAD_INPUTS = ["missing", "unreadable", "no-frames", "size-text", "steps", "strength", "guidance", "seed",
-              "model-without-vae", "tiny-vae-without-decoder", "output-extension", "output-is-input", "output-exists",
-              "provider"]
+BAD_INPUTS = [
+    "missing",
+    "unreadable",
+    "no-frames",
+    "size-text",
+    "steps",
+    "strength",
+    "guidance",
+    "seed",
+    "model-without-vae",
+    "tiny-vae-without-decoder",
+    "output-extension",
+    "output-is-input",
+    "output-exists",
+    "provider",
+]
 NEEDS_AV = {"unreadable", "output-exists"}
 
 
@@ -240,12 +329,25 @@ def test_bad_input_is_one_line_and_exit_status_2_before_any_model_loads(tmp_path
     assert (tmp_path / "existing.mp4").read_bytes() == b"mine"
 
 
-@pytest.mark.parametrize("frame_size, options, message", [
-    ((60, 64), (), r"INPUT: expected frames whose width and height are multiples of {multiple}, got 60×64 .*--size"),
-    ((64, 64), ("--size", "65"), r"--size: expected a width and height that are multiples of {multiple} .*got '65'"),
-], ids=["input", "size-option"])
+@pytest.mark.parametrize(
+    "frame_size, options, message",
+    [
+        (
+            (60, 64),
+            (),
+            r"INPUT: expected frames whose width and height are multiples of {multiple}, got 60×64 .*--size",
+        ),
+        (
+            (64, 64),
+            ("--size", "65"),
+            r"--size: expected a width and height that are multiples of {multiple} .*got '65'",
+        ),
+    ],
+    ids=["input", "size-option"],
+)
 def test_a_frame_size_the_model_cannot_run_is_refused_naming_the_option_and_the_models_multiple(
-        tmp_path, tiny_folder, capsys, frame_size, options, message):
+    tmp_path, tiny_folder, capsys, frame_size, options, message
+):
     """The multiple is the model's (its ``size_multiple``), known once it is loaded; nothing is written."""
     multiple = OnnxStreamDiffusionPipeline.from_pretrained(tiny_folder, provider="CPUExecutionProvider").size_multiple
     source = write_frames(tmp_path / "frames", count=2, width=frame_size[0], height=frame_size[1])
@@ -270,31 +372,63 @@ def test_the_stream_command_prints_its_help(capsys, no_work):
 
 # ------------------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [(), ("--steps", "4"), ("--steps", "4", "--no-stream-batch")],
-                         ids=["one-step", "two-steps-stream-batch", "two-steps-in-turn"])
-def test_on_cuda_the_command_gives_the_frames_of_the_pipeline_run_directly(tmp_path, tiny_folder, image_folder,
-                                                                           tiny_vae, options):
-    assert main(["stream", str(image_folder), str(tmp_path / "out"), "--prompt", PROMPT, "--model", str(tiny_folder),
-                 "--tiny-vae", str(tiny_vae), "--provider", "CUDAExecutionProvider", *options]) == 0
+@pytest.mark.parametrize(
+    "options",
+    [(), ("--steps", "4"), ("--steps", "4", "--no-stream-batch")],
+    ids=["one-step", "two-steps-stream-batch", "two-steps-in-turn"],
+)
+def test_on_cuda_the_command_gives_the_frames_of_the_pipeline_run_directly(
+    tmp_path, tiny_folder, image_folder, tiny_vae, options
+):
+    assert (
+        main(
+            [
+                "stream",
+                str(image_folder),
+                str(tmp_path / "out"),
+                "--prompt",
+                PROMPT,
+                "--model",
+                str(tiny_folder),
+                "--tiny-vae",
+                str(tiny_vae),
+                "--provider",
+                "CUDAExecutionProvider",
+                *options,
+            ]
+        )
+        == 0
+    )
     _, inputs = read_all(image_folder)
     _, outputs = read_all(tmp_path / "out")
-    stream = OnnxStreamDiffusionPipeline.from_pretrained(tiny_folder, provider="CUDAExecutionProvider",
-                                                         tiny_vae=tiny_vae)
+    stream = OnnxStreamDiffusionPipeline.from_pretrained(
+        tiny_folder, provider="CUDAExecutionProvider", tiny_vae=tiny_vae
+    )
     steps = 4 if "4" in options else 2
-    stream.prepare(PROMPT, num_inference_steps=steps, strength=0.5, guidance_scale=0.0, seed=0, height=SIZE,
-                   width=SIZE, stream_batch="--no-stream-batch" not in options)
+    stream.prepare(
+        PROMPT,
+        num_inference_steps=steps,
+        strength=0.5,
+        guidance_scale=0.0,
+        seed=0,
+        height=SIZE,
+        width=SIZE,
+        stream_batch="--no-stream-batch" not in options,
+    )
     expected = list(stream.frames(inputs))
     assert len(outputs) == len(expected) == FRAMES
     for output, reference in zip(outputs, expected):
         np.testing.assert_array_equal(output, reference)
 
 
-def test_a_frame_size_beyond_the_hosts_memory_is_refused_before_the_model_loads(tmp_path, tiny_folder, capsys,
-                                                                                 no_work):
+def test_a_frame_size_beyond_the_hosts_memory_is_refused_before_the_model_loads(tmp_path, tiny_folder, capsys, no_work):
     """``--size`` is checked against the memory its decoder would need (the host's, on the CPU) before loading."""
     source = write_frames(tmp_path / "frames", count=1)
     assert run_stream(source, tmp_path / "out", tiny_folder, "--size", "1000000") == 2
-    assert re.match(r"optimum-iobinding: error: --size: 1000000×1000000 needs at least [0-9.]+ TB for the VAE "
-                    r"decoder's full-resolution activations alone, more than [0-9.]+ GB, the host's available memory; "
-                    r"at most about \d+×\d+ fits that bound$", error_line(capsys))
+    assert re.match(
+        r"optimum-iobinding: error: --size: 1000000×1000000 needs at least [0-9.]+ TB for the VAE "
+        r"decoder's full-resolution activations alone, more than [0-9.]+ GB, the host's available memory; "
+        r"at most about \d+×\d+ fits that bound$",
+        error_line(capsys),
+    )
     assert sorted(os.listdir(tmp_path)) == ["frames"]

@@ -32,8 +32,9 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 def smooth_frame(index: int, width: int = WIDTH, height: int = HEIGHT) -> np.ndarray:
     """A frame a codec keeps well (gentle gradients, no edges), different from its neighbours by ≥ 10 per pixel."""
     y, x = np.mgrid[0:height, 0:width]
-    return np.stack([40 + x * 2 + index * 10, 30 + y * 3 + index * 5, np.full_like(x, 200 - 20 * index)],
-                    axis=-1).astype(np.uint8)
+    return np.stack(
+        [40 + x * 2 + index * 10, 30 + y * 3 + index * 5, np.full_like(x, 200 - 20 * index)], axis=-1
+    ).astype(np.uint8)
 
 
 def write_video(path: Path, frames, fps=25, **kwargs) -> Path:
@@ -106,8 +107,11 @@ def test_a_folder_is_read_in_natural_order_and_other_files_are_ignored(tmp_path,
     (folder / "notes.txt").write_text("not a frame")
     (folder / "._frame1.png").write_bytes(b"a file system's metadata, not an image")
     (folder / "sub.png").mkdir()
-    assert sorted(["frame10.png", "frame1.png", "Frame2.jpeg"], key=natural_key) == \
-        ["frame1.png", "Frame2.jpeg", "frame10.png"]
+    assert sorted(["frame10.png", "frame1.png", "Frame2.jpeg"], key=natural_key) == [
+        "frame1.png",
+        "Frame2.jpeg",
+        "frame10.png",
+    ]
     read = list(open_frames(folder))
     assert len(read) == 3
     assert np.array_equal(read[0], frames[0]) and np.array_equal(read[2], frames[2])
@@ -134,8 +138,8 @@ def banded_frame(width: int = 64, height: int = 32) -> np.ndarray:
     """Red, then a green band across the middle half of the width, then blue."""
     frame = np.zeros((height, width, 3), np.uint8)
     frame[:, : width // 4, 0] = 255
-    frame[:, width // 4: 3 * width // 4, 1] = 255
-    frame[:, 3 * width // 4:, 2] = 255
+    frame[:, width // 4 : 3 * width // 4, 1] = 255
+    frame[:, 3 * width // 4 :, 2] = 255
     return frame
 
 
@@ -339,8 +343,10 @@ def test_an_unreadable_input_is_named(tmp_path, frames):
 
 def test_a_file_that_is_not_a_video_is_named(tmp_path):
     (tmp_path / "clip.mp4").write_text("this is text, not a video")
-    expected = (r"path: expected a video file or a folder of images, got .*clip\.mp4', which FFmpeg cannot read as a "
-                "video")
+    expected = (
+        r"path: expected a video file or a folder of images, got .*clip\.mp4', which FFmpeg cannot read as a "
+        "video"
+    )
     with pytest.raises(ValueError, match=expected):
         open_frames(tmp_path / "clip.mp4")
 
@@ -420,14 +426,17 @@ def test_a_bad_rate_is_named(tmp_path, fps):
         FrameWriter(tmp_path / "clip.mp4", fps=fps)
 
 
-@pytest.mark.parametrize("frame, expected", [
-    (np.zeros((8, 8, 3), np.float32), r"expected \(height, width, 3\) uint8 RGB, got shape \(8, 8, 3\) float32"),
-    (np.zeros((8, 8), np.uint8), r"got shape \(8, 8\) uint8"),
-    (np.zeros((8, 8, 4), np.uint8), r"got shape \(8, 8, 4\) uint8"),
-    (torch.zeros(8, 8, 3), r"expected a float tensor \(3, height, width\).* got shape \(8, 8, 3\)"),
-    (torch.zeros(8, 8, 3, dtype=torch.int32), r"got torch.int32"),
-    ([[0, 0, 0]], r"frame: expected a numpy array, a torch tensor or a PIL image, got list"),
-])
+@pytest.mark.parametrize(
+    "frame, expected",
+    [
+        (np.zeros((8, 8, 3), np.float32), r"expected \(height, width, 3\) uint8 RGB, got shape \(8, 8, 3\) float32"),
+        (np.zeros((8, 8), np.uint8), r"got shape \(8, 8\) uint8"),
+        (np.zeros((8, 8, 4), np.uint8), r"got shape \(8, 8, 4\) uint8"),
+        (torch.zeros(8, 8, 3), r"expected a float tensor \(3, height, width\).* got shape \(8, 8, 3\)"),
+        (torch.zeros(8, 8, 3, dtype=torch.int32), r"got torch.int32"),
+        ([[0, 0, 0]], r"frame: expected a numpy array, a torch tensor or a PIL image, got list"),
+    ],
+)
 def test_a_frame_of_the_wrong_kind_is_named(tmp_path, frame, expected):
     writer = FrameWriter(tmp_path / "out")
     with pytest.raises((ValueError, TypeError), match=expected):

@@ -64,17 +64,50 @@ import numpy as np
 
 from ..cache_spec import parse_cache_spec
 from ..errors import ArgumentError, unrecognized_arguments
-from .peers import (CACHED_PEER, MIXED_PEERS, OPTIMUM_PEERS, OUR_PEERS, PEERS, STREAM_BATCH_BLIND, STREAM_KIND,
-                    STREAM_PEERS, STREAM_SIZE, UNCACHED_PEER, PeerUnavailable, run_mixed, run_peer, run_stream_peer,
-                    stream_unet_steps)
+from .peers import (
+    CACHED_PEER,
+    MIXED_PEERS,
+    OPTIMUM_PEERS,
+    OUR_PEERS,
+    PEERS,
+    STREAM_BATCH_BLIND,
+    STREAM_KIND,
+    STREAM_PEERS,
+    STREAM_SIZE,
+    UNCACHED_PEER,
+    PeerUnavailable,
+    run_mixed,
+    run_peer,
+    run_stream_peer,
+    stream_unet_steps,
+)
 from .probes import environment, run_floor
-from .report import (combine_repeats, stream_row_label, write_mixed_report, write_report, write_stream_report,
-                     write_transformer_report)
-from .transformer_peers import (CACHED_TRANSFORMER_PEER, OPTIMUM_TRANSFORMER_PEERS, OUR_TRANSFORMER_PEERS,
-                                TRANSFORMER_PEERS, UNCACHED_TRANSFORMER_PEER, run_transformer_floor,
-                                run_transformer_peer)
-from .zoo import (MODEL_SIZES, TRANSFORMER_BLOCKS, TRANSFORMER_RECIPES, ensure_export, ensure_tiny_vae_export,
-                  ensure_transformer_export, transformer_blocks)
+from .report import (
+    combine_repeats,
+    stream_row_label,
+    write_mixed_report,
+    write_report,
+    write_stream_report,
+    write_transformer_report,
+)
+from .transformer_peers import (
+    CACHED_TRANSFORMER_PEER,
+    OPTIMUM_TRANSFORMER_PEERS,
+    OUR_TRANSFORMER_PEERS,
+    TRANSFORMER_PEERS,
+    UNCACHED_TRANSFORMER_PEER,
+    run_transformer_floor,
+    run_transformer_peer,
+)
+from .zoo import (
+    MODEL_SIZES,
+    TRANSFORMER_BLOCKS,
+    TRANSFORMER_RECIPES,
+    ensure_export,
+    ensure_tiny_vae_export,
+    ensure_transformer_export,
+    transformer_blocks,
+)
 
 # the stream scenario's configurations: (num_inference_steps, strength, stream batch), each with both VAEs
 STREAM_CONFIGS = ((2, 0.5, True), (4, 0.5, True), (4, 0.5, False))
@@ -85,15 +118,24 @@ TRANSFORMER_DEFAULT_MODELS = ("sd35m", "flux-schnell", "flux-dev")
 # the scenarios that take --cache, each with the cache form its models take, the models' family, and the other
 # scenario's cache (the hint of a refusal)
 CACHE_SCENARIOS = {
-    "single": ("deepcache", "deepcache:INTERVAL[:BRANCH] (DeepCache)", "the UNets",
-               "First-Block Cache (fbc) is SD3's and FLUX.1's: --scenario transformer"),
-    "transformer": ("fbc", "fbc:THRESHOLD (First-Block Cache)", "the diffusion transformers",
-                    "DeepCache (deepcache) is the UNets': --scenario single"),
+    "single": (
+        "deepcache",
+        "deepcache:INTERVAL[:BRANCH] (DeepCache)",
+        "the UNets",
+        "First-Block Cache (fbc) is SD3's and FLUX.1's: --scenario transformer",
+    ),
+    "transformer": (
+        "fbc",
+        "fbc:THRESHOLD (First-Block Cache)",
+        "the diffusion transformers",
+        "DeepCache (deepcache) is the UNets': --scenario single",
+    ),
 }
 
 # what --help says the benchmark is
-DESCRIPTION = ("Benchmark: the same ONNX files through every ONNX peer, plus diffusers' torch pipeline, on one GPU in "
-               "one run.")
+DESCRIPTION = (
+    "Benchmark: the same ONNX files through every ONNX peer, plus diffusers' torch pipeline, on one GPU in one run."
+)
 
 
 def run_in_subprocess(args: List[str], pythonpath: Optional[str], timeout: int) -> Dict[str, Any]:
@@ -106,8 +148,13 @@ def run_in_subprocess(args: List[str], pythonpath: Optional[str], timeout: int) 
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as result_file:
         result_path = result_file.name
     try:
-        completed = subprocess.run([sys.executable, "-m", "optimum_iobinding.bench", *args, "--result", result_path],
-                                   env=env, capture_output=True, text=True, timeout=timeout)
+        completed = subprocess.run(
+            [sys.executable, "-m", "optimum_iobinding.bench", *args, "--result", result_path],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if completed.returncode != 0:
             return {"error": (completed.stderr or completed.stdout)[-2000:]}
         return json.loads(Path(result_path).read_text())
@@ -133,9 +180,21 @@ def compare_cached(peers: Dict[str, Dict[str, Any]], uncached: str, cached: str)
         result["speedup_vs_uncached"] = plain["end_to_end_ms"] / result["end_to_end_ms"]
 
 
-def benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[str], peers: Sequence[str], steps: int,
-              runs: int, warmup: int, work: Path, out: Path, optimum_pythonpath: Optional[str], timeout: int,
-              repeats: int = 1, cache: Optional[str] = None) -> Dict:
+def benchmark(
+    models: Sequence[str],
+    dtypes: Sequence[str],
+    exports: Sequence[str],
+    peers: Sequence[str],
+    steps: int,
+    runs: int,
+    warmup: int,
+    work: Path,
+    out: Path,
+    optimum_pythonpath: Optional[str],
+    timeout: int,
+    repeats: int = 1,
+    cache: Optional[str] = None,
+) -> Dict:
     """Every peer of every (model, dtype, export), each in a process of its own, ``repeats`` times: repeat ``r``
     runs the peers in the given order rotated by ``r``, so that no peer always follows the same one (host-bound
     loops move between processes on the same machine), and the table shows the median over the processes
@@ -147,8 +206,15 @@ def benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[st
     if repeats < 1:
         raise ValueError(f"repeats: expected at least 1, got {repeats}")
     out.mkdir(parents=True, exist_ok=True)
-    results: Dict[str, Any] = {"environment": environment(), "steps": steps, "runs": runs, "warmup": warmup,
-                               "repeats": repeats, "cache": cache, "rows": []}
+    results: Dict[str, Any] = {
+        "environment": environment(),
+        "steps": steps,
+        "runs": runs,
+        "warmup": warmup,
+        "repeats": repeats,
+        "cache": cache,
+        "rows": [],
+    }
     peers = with_cached_peer(peers, UNCACHED_PEER, CACHED_PEER, cache)
     configs = [(m, d, e) for m in models for d in dtypes for e in exports]
     progress = tqdm(total=len(configs) * (len(peers) * repeats + 2), desc="bench", unit="task")
@@ -163,18 +229,36 @@ def benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[st
         progress.update()
         by_peer: Dict[str, List[Dict[str, Any]]] = {}
         for repeat in range(repeats):
-            for peer in list(peers[repeat % len(peers):]) + list(peers[:repeat % len(peers)]):
+            for peer in list(peers[repeat % len(peers) :]) + list(peers[: repeat % len(peers)]):
                 if peer == "torch" and (dtype != "fp16" or export != "plain"):
                     progress.update()
                     continue  # the torch peer is fp16 eager, once per model
-                progress.set_postfix_str(f"{kind} {dtype} {export}: {peer}"
-                                         + (f" ({repeat + 1}/{repeats})" if repeats > 1 else ""))
+                progress.set_postfix_str(
+                    f"{kind} {dtype} {export}: {peer}" + (f" ({repeat + 1}/{repeats})" if repeats > 1 else "")
+                )
                 image = work / f"image-{kind}-{dtype}-{export}-{peer}.npy"
-                peer_args = ["--run-peer", peer, "--folder", str(folder), "--model", kind, "--dtype", dtype,
-                             "--steps", str(steps), "--runs", str(runs), "--warmup", str(warmup), "--image",
-                             str(image), *(["--cache", cache] if peer == CACHED_PEER else [])]
+                peer_args = [
+                    "--run-peer",
+                    peer,
+                    "--folder",
+                    str(folder),
+                    "--model",
+                    kind,
+                    "--dtype",
+                    dtype,
+                    "--steps",
+                    str(steps),
+                    "--runs",
+                    str(runs),
+                    "--warmup",
+                    str(warmup),
+                    "--image",
+                    str(image),
+                    *(["--cache", cache] if peer == CACHED_PEER else []),
+                ]
                 by_peer.setdefault(peer, []).append(
-                    run_in_subprocess(peer_args, optimum_pythonpath if peer in OPTIMUM_PEERS else None, timeout))
+                    run_in_subprocess(peer_args, optimum_pythonpath if peer in OPTIMUM_PEERS else None, timeout)
+                )
                 progress.update()
         row["peers"] = {peer: combine_repeats(by_peer[peer]) for peer in peers if peer in by_peer}
         compare_cached(row["peers"], UNCACHED_PEER, CACHED_PEER)
@@ -191,25 +275,63 @@ def benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[st
     return results
 
 
-def mixed_benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Sequence[str], peers: Sequence[str],
-                    batches: Sequence[int], steps: int, rounds: int, first_steps: int, work: Path, out: Path,
-                    timeout: int, cycles: int = 1) -> Dict:
+def mixed_benchmark(
+    models: Sequence[str],
+    dtypes: Sequence[str],
+    exports: Sequence[str],
+    peers: Sequence[str],
+    batches: Sequence[int],
+    steps: int,
+    rounds: int,
+    first_steps: int,
+    work: Path,
+    out: Path,
+    timeout: int,
+    cycles: int = 1,
+) -> Dict:
     """``--scenario mixed``: every peer in a fresh process on the same export, results in mixed.json/md/png."""
     if cycles < 1:
         raise ValueError(f"cycles: expected at least 1, got {cycles}")
     out.mkdir(parents=True, exist_ok=True)
-    results: Dict[str, Any] = {"environment": environment(), "scenario": "mixed", "batches": list(batches),
-                               "steps": steps, "rounds": rounds, "cycles": cycles, "first_steps": first_steps,
-                               "rows": []}
+    results: Dict[str, Any] = {
+        "environment": environment(),
+        "scenario": "mixed",
+        "batches": list(batches),
+        "steps": steps,
+        "rounds": rounds,
+        "cycles": cycles,
+        "first_steps": first_steps,
+        "rows": [],
+    }
     for kind, dtype, export in [(m, d, e) for m in models for d in dtypes for e in exports]:
         folder = ensure_export(kind, dtype, export, work)
         row = {"model": kind, "dtype": dtype, "export": export, "size": MODEL_SIZES[kind], "peers": {}}
         for peer in peers:
             print(f"mixed: {kind} {dtype} {export}: {peer}", file=sys.stderr, flush=True)
             row["peers"][peer] = run_in_subprocess(
-                ["--run-mixed", peer, "--folder", str(folder), "--model", kind, "--dtype", dtype,
-                 "--mixed-batches", ",".join(map(str, batches)), "--mixed-steps", str(steps), "--rounds",
-                 str(rounds), "--cycles", str(cycles), "--steps", str(first_steps)], None, timeout)
+                [
+                    "--run-mixed",
+                    peer,
+                    "--folder",
+                    str(folder),
+                    "--model",
+                    kind,
+                    "--dtype",
+                    dtype,
+                    "--mixed-batches",
+                    ",".join(map(str, batches)),
+                    "--mixed-steps",
+                    str(steps),
+                    "--rounds",
+                    str(rounds),
+                    "--cycles",
+                    str(cycles),
+                    "--steps",
+                    str(first_steps),
+                ],
+                None,
+                timeout,
+            )
         results["rows"].append(row)
         (out / "mixed.json").write_text(json.dumps(results, indent=2))
     write_mixed_report(results, out)
@@ -218,23 +340,50 @@ def mixed_benchmark(models: Sequence[str], dtypes: Sequence[str], exports: Seque
 
 def stream_rows() -> List[Dict[str, Any]]:
     """The stream scenario's rows, in order: each configuration of :data:`STREAM_CONFIGS` with each VAE."""
-    return [{"steps": steps, "strength": strength, "stream_batch": stream_batch, "vae": vae,
-             "unet_steps": stream_unet_steps(steps, strength), "peers": {}}
-            for steps, strength, stream_batch in STREAM_CONFIGS for vae in STREAM_VAES]
+    return [
+        {
+            "steps": steps,
+            "strength": strength,
+            "stream_batch": stream_batch,
+            "vae": vae,
+            "unet_steps": stream_unet_steps(steps, strength),
+            "peers": {},
+        }
+        for steps, strength, stream_batch in STREAM_CONFIGS
+        for vae in STREAM_VAES
+    ]
 
 
-def stream_benchmark(peers: Sequence[str], dtype: str, export: str, frames: int, video_frames: int, warmup: int,
-                     work: Path, out: Path, timeout: int,
-                     run: Any = run_in_subprocess) -> Dict[str, Any]:
+def stream_benchmark(
+    peers: Sequence[str],
+    dtype: str,
+    export: str,
+    frames: int,
+    video_frames: int,
+    warmup: int,
+    work: Path,
+    out: Path,
+    timeout: int,
+    run: Any = run_in_subprocess,
+) -> Dict[str, Any]:
     """``--scenario stream``: every peer of every row in a process of its own (``run``, :func:`run_in_subprocess`);
     a peer that fails has its error in its row and the others go on. The numpy and torch peers, whose work the
     stream batch does not change, run once per step count and VAE (the row without the stream batch shows the same
     result, ``measured_in`` naming the row); the video runs on the 1-step rows. stream.json is rewritten after every
     row, stream.md/png at the end."""
     out.mkdir(parents=True, exist_ok=True)
-    results: Dict[str, Any] = {"environment": environment(), "scenario": "stream", "model": STREAM_KIND,
-                               "size": STREAM_SIZE, "dtype": dtype, "export": export, "frames": frames,
-                               "video_frames": video_frames, "warmup": warmup, "rows": []}
+    results: Dict[str, Any] = {
+        "environment": environment(),
+        "scenario": "stream",
+        "model": STREAM_KIND,
+        "size": STREAM_SIZE,
+        "dtype": dtype,
+        "export": export,
+        "frames": frames,
+        "video_frames": video_frames,
+        "warmup": warmup,
+        "rows": [],
+    }
     folder = ensure_export(STREAM_KIND, dtype, export, work)
     try:
         tiny_vae: Optional[Path] = ensure_tiny_vae_export(dtype, export, work)
@@ -256,9 +405,20 @@ def stream_benchmark(peers: Sequence[str], dtype: str, export: str, frames: int,
                 row["peers"][peer] = measured[key]
                 continue
             print(f"stream: {label}: {peer}", file=sys.stderr, flush=True)
-            args = ["--run-stream", peer, "--folder", str(folder), "--stream-config", json.dumps(config),
-                    "--frames", str(video_frames if peer == "video" else frames), "--frame-warmup", str(warmup),
-                    "--work", str(work)] + (["--tiny-vae-folder", str(tiny_vae)] if row["vae"] == "tiny" else [])
+            args = [
+                "--run-stream",
+                peer,
+                "--folder",
+                str(folder),
+                "--stream-config",
+                json.dumps(config),
+                "--frames",
+                str(video_frames if peer == "video" else frames),
+                "--frame-warmup",
+                str(warmup),
+                "--work",
+                str(work),
+            ] + (["--tiny-vae-folder", str(tiny_vae)] if row["vae"] == "tiny" else [])
             result = run(args, None, timeout)
             row["peers"][peer] = result
             if peer in STREAM_BATCH_BLIND:
@@ -269,11 +429,24 @@ def stream_benchmark(peers: Sequence[str], dtype: str, export: str, frames: int,
     return results
 
 
-def transformer_benchmark(models: Sequence[str], peers: Sequence[str], dtype: str, export: str,
-                          blocks: Optional[int], text_layers: Optional[int], runs: int, warmup: int, device: str,
-                          work: Path, out: Path, optimum_pythonpath: Optional[str], timeout: int,
-                          compile_timeout: int, cache: Optional[str] = None,
-                          run: Any = run_in_subprocess) -> Dict[str, Any]:
+def transformer_benchmark(
+    models: Sequence[str],
+    peers: Sequence[str],
+    dtype: str,
+    export: str,
+    blocks: Optional[int],
+    text_layers: Optional[int],
+    runs: int,
+    warmup: int,
+    device: str,
+    work: Path,
+    out: Path,
+    optimum_pythonpath: Optional[str],
+    timeout: int,
+    compile_timeout: int,
+    cache: Optional[str] = None,
+    run: Any = run_in_subprocess,
+) -> Dict[str, Any]:
     """``--scenario transformer``: per model one export for ``device`` (:func:`.zoo.ensure_transformer_export`: an
     optimized export for the CPU has only the fusions the CPU runs; with First-Block Cache's parts), then every peer
     in a process of its own (``run``, :func:`run_in_subprocess`; optimum's in its environment); a peer that fails has
@@ -282,15 +455,30 @@ def transformer_benchmark(models: Sequence[str], peers: Sequence[str], dtype: st
     (:func:`compare_cached`). Images are compared with ours where the weights are the export's. transformer.json is
     rewritten after every peer, transformer.md/png at the end."""
     out.mkdir(parents=True, exist_ok=True)
-    results: Dict[str, Any] = {"environment": environment(), "scenario": "transformer", "dtype": dtype,
-                               "export": export, "blocks": blocks, "text_layers": text_layers, "runs": runs,
-                               "warmup": warmup, "device": device, "cache": cache, "rows": []}
+    results: Dict[str, Any] = {
+        "environment": environment(),
+        "scenario": "transformer",
+        "dtype": dtype,
+        "export": export,
+        "blocks": blocks,
+        "text_layers": text_layers,
+        "runs": runs,
+        "warmup": warmup,
+        "device": device,
+        "cache": cache,
+        "rows": [],
+    }
     peers = with_cached_peer(peers, UNCACHED_TRANSFORMER_PEER, CACHED_TRANSFORMER_PEER, cache)
     for kind in models:
         recipe = TRANSFORMER_RECIPES[kind]
         depth = transformer_blocks(kind, blocks)
-        row: Dict[str, Any] = {"model": kind, **recipe, "blocks": list(depth) if depth else None,
-                               "text_layers": None if kind.startswith("tiny") else text_layers, "peers": {}}
+        row: Dict[str, Any] = {
+            "model": kind,
+            **recipe,
+            "blocks": list(depth) if depth else None,
+            "text_layers": None if kind.startswith("tiny") else text_layers,
+            "peers": {},
+        }
         results["rows"].append(row)
         print(f"transformer: {kind}: export", file=sys.stderr, flush=True)
         try:
@@ -302,11 +490,27 @@ def transformer_benchmark(models: Sequence[str], peers: Sequence[str], dtype: st
         row["folder"] = str(folder)
         for peer in peers:
             print(f"transformer: {kind}: {peer}", file=sys.stderr, flush=True)
-            args = ["--scenario", "transformer", "--run-transformer", peer, "--folder", str(folder), "--model", kind, "--runs", str(runs),
-                    "--warmup", str(warmup), "--device", device, "--image", str(work / f"image-{folder.name}-{peer}.npy"),
-                    *(["--blocks", str(blocks)] if blocks is not None else []),
-                    *(["--text-layers", str(text_layers)] if text_layers is not None else []),
-                    *(["--cache", cache] if peer == CACHED_TRANSFORMER_PEER else [])]
+            args = [
+                "--scenario",
+                "transformer",
+                "--run-transformer",
+                peer,
+                "--folder",
+                str(folder),
+                "--model",
+                kind,
+                "--runs",
+                str(runs),
+                "--warmup",
+                str(warmup),
+                "--device",
+                device,
+                "--image",
+                str(work / f"image-{folder.name}-{peer}.npy"),
+                *(["--blocks", str(blocks)] if blocks is not None else []),
+                *(["--text-layers", str(text_layers)] if text_layers is not None else []),
+                *(["--cache", cache] if peer == CACHED_TRANSFORMER_PEER else []),
+            ]
             limit = compile_timeout if peer == "compile" else timeout
             result = run(args, optimum_pythonpath if peer in OPTIMUM_TRANSFORMER_PEERS else None, limit)
             if peer == "compile" and str(result.get("error", "")).startswith("timed out"):
@@ -342,8 +546,11 @@ def own_failure(results: Dict[str, Any], scenario: str) -> Optional[str]:
     that ran was measured. A transformer model whose export failed fails ours too."""
     own = OWN_PEERS[scenario]
     for row in results["rows"]:
-        where = stream_row_label(row) if scenario == "stream" else " ".join(
-            str(row[key]) for key in ("model", "dtype", "export") if key in row)
+        where = (
+            stream_row_label(row)
+            if scenario == "stream"
+            else " ".join(str(row[key]) for key in ("model", "dtype", "export") if key in row)
+        )
         if row.get("export_error"):
             return f"{where}: the export failed: {last_line(row['export_error'])}"
         for peer in own:
@@ -373,16 +580,19 @@ def fail_on_own_failure(results: Dict[str, Any], scenario: str, report: Path) ->
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any) -> None:
     """Every option checked before any export or peer starts: ``parser.error`` names the option, what it expects
     and what came."""
+
     def expect(ok: bool, option: str, expected: str, got: Any, hint: str = "") -> None:
         if not ok:
             parser.error(f"{option}: expected {expected}, got {got!r}" + (f"; {hint}" if hint else ""))
 
     transformer = args.scenario == "transformer"
-    choices = {"--models": (args.models, tuple(TRANSFORMER_RECIPES) if transformer else tuple(MODEL_SIZES)),
-               # bfloat16 exports are the diffusion transformers' (the exporter refuses a UNet's)
-               "--dtypes": (args.dtypes, ("fp16", "fp32", "bf16") if transformer else ("fp16", "fp32")),
-               "--exports": (args.exports, ("plain", "optimized")),
-               "--peers": (args.peers, tuple(dict.fromkeys((*PEERS, *MIXED_PEERS))))}
+    choices = {
+        "--models": (args.models, tuple(TRANSFORMER_RECIPES) if transformer else tuple(MODEL_SIZES)),
+        # bfloat16 exports are the diffusion transformers' (the exporter refuses a UNet's)
+        "--dtypes": (args.dtypes, ("fp16", "fp32", "bf16") if transformer else ("fp16", "fp32")),
+        "--exports": (args.exports, ("plain", "optimized")),
+        "--peers": (args.peers, tuple(dict.fromkeys((*PEERS, *MIXED_PEERS)))),
+    }
     if args.scenario == "stream":
         del choices["--peers"]  # its own peers, checked below
     if transformer:
@@ -393,14 +603,25 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
     for option, (text, known) in choices.items():
         items = split(text)
         unknown = [item for item in items if item not in known]
-        hint = " (bf16 only with --scenario transformer: SD3 and FLUX.1)" if option == "--dtypes" and "bf16" in \
-            unknown else ""
+        hint = (
+            " (bf16 only with --scenario transformer: SD3 and FLUX.1)"
+            if option == "--dtypes" and "bf16" in unknown
+            else ""
+        )
         expect(bool(items) and not unknown, option, f"a comma-separated list of {', '.join(known)}{hint}", text)
-    for option, value, least in (("--steps", args.steps, 1), ("--runs", args.runs, 1), ("--warmup", args.warmup, 0),
-                                 ("--repeats", args.repeats, 1), ("--timeout", args.timeout, 1),
-                                 ("--mixed-steps", args.mixed_steps, 1), ("--rounds", args.rounds, 1),
-                                 ("--cycles", args.cycles, 1), ("--frames", args.frames, 1),
-                                 ("--video-frames", args.video_frames, 1), ("--frame-warmup", args.frame_warmup, 0)):
+    for option, value, least in (
+        ("--steps", args.steps, 1),
+        ("--runs", args.runs, 1),
+        ("--warmup", args.warmup, 0),
+        ("--repeats", args.repeats, 1),
+        ("--timeout", args.timeout, 1),
+        ("--mixed-steps", args.mixed_steps, 1),
+        ("--rounds", args.rounds, 1),
+        ("--cycles", args.cycles, 1),
+        ("--frames", args.frames, 1),
+        ("--video-frames", args.video_frames, 1),
+        ("--frame-warmup", args.frame_warmup, 0),
+    ):
         expect(value >= least, option, f"an integer ≥ {least}", value)
     for option, value in (("--blocks", args.blocks), ("--text-layers", args.text_layers)):
         if value is not None:
@@ -408,19 +629,35 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
             expect(value >= 1, option, "an integer ≥ 1", value)
     expect(args.compile_timeout >= 1, "--compile-timeout", "an integer ≥ 1", args.compile_timeout)
     if args.device == "cpu":
-        expect(transformer, "--device", f"cuda with --scenario {args.scenario} (it measures CUDA pipelines; "
-               "--scenario transformer --models tiny-sd3,tiny-flux --device cpu checks a setup without a GPU)",
-               args.device)
+        expect(
+            transformer,
+            "--device",
+            f"cuda with --scenario {args.scenario} (it measures CUDA pipelines; "
+            "--scenario transformer --models tiny-sd3,tiny-flux --device cpu checks a setup without a GPU)",
+            args.device,
+        )
         dtypes = split(args.dtypes) if args.dtypes != parser.get_default("dtypes") else ["fp32"]
-        expect(dtypes[:1] == ["fp32"], "--dtypes", "fp32 with --device cpu (a float16 or bfloat16 export is for the "
-               "GPU)", args.dtypes)
+        expect(
+            dtypes[:1] == ["fp32"],
+            "--dtypes",
+            "fp32 with --device cpu (a float16 or bfloat16 export is for the GPU)",
+            args.dtypes,
+        )
     if args.scenario == "stream" and args.peers != parser.get_default("peers"):
         unknown = [item for item in split(args.peers) if item not in STREAM_PEERS]
-        expect(bool(split(args.peers)) and not unknown, "--peers",
-               f"for --scenario stream a comma-separated list of {', '.join(STREAM_PEERS)}", args.peers)
+        expect(
+            bool(split(args.peers)) and not unknown,
+            "--peers",
+            f"for --scenario stream a comma-separated list of {', '.join(STREAM_PEERS)}",
+            args.peers,
+        )
     batches = split(args.mixed_batches)
-    expect(bool(batches) and all(item.isdigit() and int(item) >= 1 for item in batches), "--mixed-batches",
-           "a comma-separated list of positive integers", args.mixed_batches)
+    expect(
+        bool(batches) and all(item.isdigit() and int(item) >= 1 for item in batches),
+        "--mixed-batches",
+        "a comma-separated list of positive integers",
+        args.mixed_batches,
+    )
     if args.cache is not None:
         check_cache(parser, args, split, expect)
 
@@ -430,29 +667,47 @@ def check_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, split
     :func:`~optimum_iobinding.cache_spec.parse_cache_spec` reads, of the cache the scenario's models take (DeepCache
     for the UNets, First-Block Cache for the transformers), the uncached twin among ``--peers``, and transformers
     deep enough to skip a block."""
-    expect(args.scenario in CACHE_SCENARIOS, "--cache", f"only with --scenario {' or '.join(CACHE_SCENARIOS)}",
-           f"--scenario {args.scenario}")
+    expect(
+        args.scenario in CACHE_SCENARIOS,
+        "--cache",
+        f"only with --scenario {' or '.join(CACHE_SCENARIOS)}",
+        f"--scenario {args.scenario}",
+    )
     try:
         kind, _ = parse_cache_spec(args.cache, "--cache")
     except ArgumentError as error:
         parser.error(str(error))
     transformer = args.scenario == "transformer"
     takes, form, family, elsewhere = CACHE_SCENARIOS[args.scenario]
-    models = split(args.models) if args.models != parser.get_default("models") else (
-        list(TRANSFORMER_DEFAULT_MODELS) if transformer else split(args.models))
+    models = (
+        split(args.models)
+        if args.models != parser.get_default("models")
+        else (list(TRANSFORMER_DEFAULT_MODELS) if transformer else split(args.models))
+    )
     expect(kind == takes, "--cache", f"{form} for {family} of --models ({', '.join(models)})", args.cache, elsewhere)
     uncached = UNCACHED_TRANSFORMER_PEER if transformer else UNCACHED_PEER
     if args.peers != parser.get_default("peers"):
-        expect(uncached in split(args.peers), "--peers", f"{uncached} among them with --cache", args.peers,
-               f"the {CACHED_PEER} row's speed-up is over {uncached}, on the same files")
+        expect(
+            uncached in split(args.peers),
+            "--peers",
+            f"{uncached} among them with --cache",
+            args.peers,
+            f"the {CACHED_PEER} row's speed-up is over {uncached}, on the same files",
+        )
     for model in models if transformer else ():
         depth = sum(transformer_blocks(model, args.blocks) or TRANSFORMER_BLOCKS[model])
-        expect(depth >= 2, "--cache", "transformers of at least 2 blocks (First-Block Cache runs the first and skips "
-               "the others)", f"{model} with --blocks {args.blocks}: {depth} block", "raise --blocks")
+        expect(
+            depth >= 2,
+            "--cache",
+            "transformers of at least 2 blocks (First-Block Cache runs the first and skips the others)",
+            f"{model} with --blocks {args.blocks}: {depth} block",
+            "raise --blocks",
+        )
 
 
-def stream_export(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any,
-                  default_dtype: str = "fp16") -> Tuple[str, str]:
+def stream_export(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any, default_dtype: str = "fp16"
+) -> Tuple[str, str]:
     """The stream and transformer scenarios' one export: the first of --dtypes and of --exports where given, else
     fused ``default_dtype``."""
     dtype = split(args.dtypes)[0] if args.dtypes != parser.get_default("dtypes") else default_dtype
@@ -471,23 +726,46 @@ def transformer_main(parser: argparse.ArgumentParser, args: argparse.Namespace, 
     dtype, export = stream_export(parser, args, split, default_dtype="fp32" if args.device == "cpu" else "fp16")
     if args.export_only:
         for kind in models:
-            print(ensure_transformer_export(kind, dtype, export, Path(args.work), args.blocks, args.text_layers,
-                                            device=args.device), flush=True)
+            print(
+                ensure_transformer_export(
+                    kind, dtype, export, Path(args.work), args.blocks, args.text_layers, device=args.device
+                ),
+                flush=True,
+            )
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("optimum-iobinding bench: error: --device cuda: no CUDA GPU is visible to torch here (--device cpu runs "
-              "the tiny models on the host)", file=sys.stderr)
+        print(
+            "optimum-iobinding bench: error: --device cuda: no CUDA GPU is visible to torch here (--device cpu runs "
+            "the tiny models on the host)",
+            file=sys.stderr,
+        )
         return 1
-    results = transformer_benchmark(models, peers, dtype, export, args.blocks, args.text_layers, args.runs,
-                                    args.warmup, args.device, Path(args.work), out, args.optimum_pythonpath,
-                                    args.timeout, args.compile_timeout, cache=args.cache)
+    results = transformer_benchmark(
+        models,
+        peers,
+        dtype,
+        export,
+        args.blocks,
+        args.text_layers,
+        args.runs,
+        args.warmup,
+        args.device,
+        Path(args.work),
+        out,
+        args.optimum_pythonpath,
+        args.timeout,
+        args.compile_timeout,
+        cache=args.cache,
+    )
     print((out / "transformer.md").read_text())
     if fail_on_own_failure(results, "transformer", out / "transformer.md"):
         return 1
     measured = [result for row in results["rows"] for result in row["peers"].values() if "end_to_end_ms" in result]
     if not measured:
-        print("optimum-iobinding bench: error: every transformer peer failed or was skipped; see transformer.md for "
-              "why", file=sys.stderr)
+        print(
+            "optimum-iobinding bench: error: every transformer peer failed or was skipped; see transformer.md for why",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -501,44 +779,77 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="single: processes per peer, the peer order rotated each time; the table shows the "
-                             "median over them")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="single: processes per peer, the peer order rotated each time; the table shows the median over them",
+    )
     parser.add_argument("--work", default="bench-work", help="where exports and images go")
     parser.add_argument("--out", default="benchmarks/results/latest")
     parser.add_argument("--optimum-pythonpath", default=None, help="site folder of the optimum-onnx environment")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per peer process")
     parser.add_argument("--report-only", action="store_true", help="re-render results.md/png from results.json")
-    parser.add_argument("--scenario", choices=("single", "mixed", "stream", "transformer"), default="single",
-                        help="single: one batch size, every peer (default); mixed: batch sizes in turn, rounds; "
-                             "stream: frames through few-step image to image (turbo, 512², batch 1); transformer: "
-                             "SD3.5 Medium and FLUX.1 (--models sd35m,flux-schnell,flux-dev; tiny-sd3,tiny-flux), "
-                             "1024², batch 1")
+    parser.add_argument(
+        "--scenario",
+        choices=("single", "mixed", "stream", "transformer"),
+        default="single",
+        help="single: one batch size, every peer (default); mixed: batch sizes in turn, rounds; "
+        "stream: frames through few-step image to image (turbo, 512², batch 1); transformer: "
+        "SD3.5 Medium and FLUX.1 (--models sd35m,flux-schnell,flux-dev; tiny-sd3,tiny-flux), "
+        "1024², batch 1",
+    )
     parser.add_argument("--mixed-batches", default="1,4,8,2", help="mixed: images per call, in turn")
     parser.add_argument("--mixed-steps", type=int, default=10, help="mixed: steps per call")
     parser.add_argument("--rounds", type=int, default=3, help="mixed: rounds over the batch sizes")
-    parser.add_argument("--cycles", type=int, default=3,
-                        help="mixed: passes over the batch sizes per round; a round's time per batch size is the "
-                             "median of its calls")
+    parser.add_argument(
+        "--cycles",
+        type=int,
+        default=3,
+        help="mixed: passes over the batch sizes per round; a round's time per batch size is the median of its calls",
+    )
     parser.add_argument("--frames", type=int, default=200, help="stream: timed frames per peer")
     parser.add_argument("--video-frames", type=int, default=120, help="stream: frames of the 512² video")
     parser.add_argument("--frame-warmup", type=int, default=10, help="stream: untimed frames first")
-    parser.add_argument("--blocks", type=int, default=None,
-                        help="transformer: build the transformers with N blocks (FLUX.1: N double, 2N single), full "
-                             "width; every result row says so")
-    parser.add_argument("--text-layers", type=int, default=None,
-                        help="transformer: at most N layers in each text encoder (CLIP-L, CLIP-G, T5)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="transformer: where the peers run, and what the export is made for (cpu: the tiny "
-                             "models on an fp32 export with the CPU's fusions, to check a setup)")
-    parser.add_argument("--compile-timeout", type=int, default=900,
-                        help="transformer: seconds for the compile peer's process; past it: skipped, did not compile")
-    parser.add_argument("--export-only", action="store_true",
-                        help="only make the exports under --work (e.g. in the background, ahead of the benches)")
-    parser.add_argument("--cache", default=None, metavar="SPEC",
-                        help="single and transformer: one more row, 'cached': our default pipeline with this step "
-                             "cache (deepcache:INTERVAL[:BRANCH] for the UNets, fbc:THRESHOLD for the transformers) "
-                             "on the same files as the uncached row, with the steps it skipped and its speed-up")
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        default=None,
+        help="transformer: build the transformers with N blocks (FLUX.1: N double, 2N single), full "
+        "width; every result row says so",
+    )
+    parser.add_argument(
+        "--text-layers",
+        type=int,
+        default=None,
+        help="transformer: at most N layers in each text encoder (CLIP-L, CLIP-G, T5)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="transformer: where the peers run, and what the export is made for (cpu: the tiny "
+        "models on an fp32 export with the CPU's fusions, to check a setup)",
+    )
+    parser.add_argument(
+        "--compile-timeout",
+        type=int,
+        default=900,
+        help="transformer: seconds for the compile peer's process; past it: skipped, did not compile",
+    )
+    parser.add_argument(
+        "--export-only",
+        action="store_true",
+        help="only make the exports under --work (e.g. in the background, ahead of the benches)",
+    )
+    parser.add_argument(
+        "--cache",
+        default=None,
+        metavar="SPEC",
+        help="single and transformer: one more row, 'cached': our default pipeline with this step "
+        "cache (deepcache:INTERVAL[:BRANCH] for the UNets, fbc:THRESHOLD for the transformers) "
+        "on the same files as the uncached row, with the steps it skipped and its speed-up",
+    )
     # one peer in this process (used by the orchestrator)
     parser.add_argument("--run-peer", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-floor", action="store_true", help=argparse.SUPPRESS)
@@ -554,21 +865,37 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # argparse's refusal, with the option a misspelled one is close to
-        parser.error(unrecognized_arguments(unknown, (option for action in parser._actions
-                                                       for option in action.option_strings)))
+        parser.error(
+            unrecognized_arguments(unknown, (option for action in parser._actions for option in action.option_strings))
+        )
     split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
     check_arguments(parser, args, split)
     if args.run_mixed:
-        result = run_mixed(args.run_mixed, Path(args.folder), args.model, args.dtype,
-                           [int(b) for b in split(args.mixed_batches)], args.mixed_steps, args.rounds, args.steps,
-                           args.cycles)
+        result = run_mixed(
+            args.run_mixed,
+            Path(args.folder),
+            args.model,
+            args.dtype,
+            [int(b) for b in split(args.mixed_batches)],
+            args.mixed_steps,
+            args.rounds,
+            args.steps,
+            args.cycles,
+        )
         Path(args.result).write_text(json.dumps(result))
         return 0
     if args.run_stream:
         tiny_vae = Path(args.tiny_vae_folder) if args.tiny_vae_folder else None
         try:
-            result = run_stream_peer(args.run_stream, Path(args.folder), tiny_vae, json.loads(args.stream_config),
-                                     args.frames, args.frame_warmup, Path(args.work))
+            result = run_stream_peer(
+                args.run_stream,
+                Path(args.folder),
+                tiny_vae,
+                json.loads(args.stream_config),
+                args.frames,
+                args.frame_warmup,
+                Path(args.work),
+            )
         except PeerUnavailable as reason:
             result = {"peer": args.run_stream, "skipped": str(reason)}
         Path(args.result).write_text(json.dumps(result))
@@ -579,8 +906,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             if peer == "floor":
                 result = run_transformer_floor(Path(args.folder), args.model, args.device)
             else:
-                result = run_transformer_peer(peer, Path(args.folder), args.model, args.blocks, args.text_layers,
-                                              args.runs, args.warmup, args.device, Path(args.image), args.cache)
+                result = run_transformer_peer(
+                    peer,
+                    Path(args.folder),
+                    args.model,
+                    args.blocks,
+                    args.text_layers,
+                    args.runs,
+                    args.warmup,
+                    args.device,
+                    Path(args.image),
+                    args.cache,
+                )
         except PeerUnavailable as reason:
             result = {"peer": peer, "skipped": str(reason)}
         Path(args.result).write_text(json.dumps(result))
@@ -589,8 +926,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.run_floor:
             result = run_floor(Path(args.folder), args.model)
         else:
-            result = run_peer(args.run_peer, Path(args.folder), args.model, args.dtype, args.steps, args.runs,
-                              args.warmup, Path(args.image), args.cache)
+            result = run_peer(
+                args.run_peer,
+                Path(args.folder),
+                args.model,
+                args.dtype,
+                args.steps,
+                args.runs,
+                args.warmup,
+                Path(args.image),
+                args.cache,
+            )
         Path(args.result).write_text(json.dumps(result))
         return 0
     out = Path(args.out)
@@ -615,47 +961,86 @@ def main(argv: Optional[List[str]] = None) -> int:
         for kind in split(args.models):
             for dtype in split(args.dtypes):
                 for export in split(args.exports):
-                    print(ensure_export(kind, dtype, export, Path(args.work), step_cache=args.cache is not None),
-                          flush=True)
+                    print(
+                        ensure_export(kind, dtype, export, Path(args.work), step_cache=args.cache is not None),
+                        flush=True,
+                    )
         return 0
     import torch  # here, after the arguments: --help and their mistakes need no torch
 
     if not torch.cuda.is_available():
-        print("optimum-iobinding bench: error: no CUDA GPU is visible to torch here; the benchmark measures CUDA "
-              "pipelines (--export-only and --report-only work without one)", file=sys.stderr)
+        print(
+            "optimum-iobinding bench: error: no CUDA GPU is visible to torch here; the benchmark measures CUDA "
+            "pipelines (--export-only and --report-only work without one)",
+            file=sys.stderr,
+        )
         return 1
     if args.scenario == "stream":
         peers = split(args.peers) if args.peers != parser.get_default("peers") else list(STREAM_PEERS)
         dtype, export = stream_export(parser, args, split)
-        results = stream_benchmark(peers, dtype, export, args.frames,
-                                   args.video_frames, args.frame_warmup, Path(args.work), out, args.timeout)
+        results = stream_benchmark(
+            peers, dtype, export, args.frames, args.video_frames, args.frame_warmup, Path(args.work), out, args.timeout
+        )
         print((out / "stream.md").read_text())
         if fail_on_own_failure(results, "stream", out / "stream.md"):
             return 1
         failed = all("fps" not in result for row in results["rows"] for result in row["peers"].values())
         if failed:
-            print("optimum-iobinding bench: error: every stream peer failed or was skipped; see stream.md for why",
-                  file=sys.stderr)
+            print(
+                "optimum-iobinding bench: error: every stream peer failed or was skipped; see stream.md for why",
+                file=sys.stderr,
+            )
         return 1 if failed else 0
     if args.scenario == "mixed":
-        peers = [peer for peer in split(args.peers) if peer in MIXED_PEERS] if args.peers != parser.get_default(
-            "peers") else list(MIXED_PEERS)
-        results = mixed_benchmark(split(args.models), split(args.dtypes), split(args.exports), peers,
-                                  [int(b) for b in split(args.mixed_batches)], args.mixed_steps, args.rounds,
-                                  args.steps, Path(args.work), out, args.timeout, args.cycles)
+        peers = (
+            [peer for peer in split(args.peers) if peer in MIXED_PEERS]
+            if args.peers != parser.get_default("peers")
+            else list(MIXED_PEERS)
+        )
+        results = mixed_benchmark(
+            split(args.models),
+            split(args.dtypes),
+            split(args.exports),
+            peers,
+            [int(b) for b in split(args.mixed_batches)],
+            args.mixed_steps,
+            args.rounds,
+            args.steps,
+            Path(args.work),
+            out,
+            args.timeout,
+            args.cycles,
+        )
         print((out / "mixed.md").read_text())
         return 1 if fail_on_own_failure(results, "mixed", out / "mixed.md") else 0
-    results = benchmark(split(args.models), split(args.dtypes), split(args.exports), split(args.peers), args.steps,
-                        args.runs, args.warmup, Path(args.work), out, args.optimum_pythonpath, args.timeout,
-                        args.repeats, cache=args.cache)
+    results = benchmark(
+        split(args.models),
+        split(args.dtypes),
+        split(args.exports),
+        split(args.peers),
+        args.steps,
+        args.runs,
+        args.warmup,
+        Path(args.work),
+        out,
+        args.optimum_pythonpath,
+        args.timeout,
+        args.repeats,
+        cache=args.cache,
+    )
     print((out / "results.md").read_text())
     if fail_on_own_failure(results, "single", out / "results.md"):
         return 1
-    measured = [result for row in results["rows"] for result in row["peers"].values()
-                if "error" not in result and "skipped" not in result]
+    measured = [
+        result
+        for row in results["rows"]
+        for result in row["peers"].values()
+        if "error" not in result and "skipped" not in result
+    ]
     if not measured:
-        print("optimum-iobinding bench: error: every peer failed or was skipped; see results.md for why",
-              file=sys.stderr)
+        print(
+            "optimum-iobinding bench: error: every peer failed or was skipped; see results.md for why", file=sys.stderr
+        )
         return 1
     return 0
 

@@ -87,7 +87,8 @@ def load_peer(peer: str, folder: Path, kind: str, dtype: str, cache: Optional[st
         )
 
         optimum_class = {"sdxl": ORTStableDiffusionXLPipeline, "lcm": ORTLatentConsistencyModelPipeline}.get(
-            kind, ORTStableDiffusionPipeline)
+            kind, ORTStableDiffusionPipeline
+        )
         pipe = optimum_class.from_pretrained(folder, provider="CUDAExecutionProvider", use_io_binding=True)
         if peer == "accelerated":  # optimum's pipeline and loop, its parts switched to our fast path
             from ..integrations.optimum import accelerate
@@ -102,7 +103,8 @@ def load_peer(peer: str, folder: Path, kind: str, dtype: str, cache: Optional[st
         )
 
         our_class = {"sdxl": OnnxStableDiffusionXLPipeline, "lcm": OnnxLatentConsistencyModelPipeline}.get(
-            kind, OnnxStableDiffusionPipeline)
+            kind, OnnxStableDiffusionPipeline
+        )
         graph_argument = {"binding": {"cuda_graph": False}, "graph": {"cuda_graph": True}}.get(peer, {})
         pipe = our_class.from_pretrained(folder, provider="CUDAExecutionProvider", **graph_argument)
         if peer == CACHED_PEER:
@@ -118,8 +120,17 @@ def load_peer(peer: str, folder: Path, kind: str, dtype: str, cache: Optional[st
     return pipe, latents_of
 
 
-def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: int, warmup: int,
-             image_path: Path, cache: Optional[str] = None) -> Dict[str, Any]:
+def run_peer(
+    peer: str,
+    folder: Path,
+    kind: str,
+    dtype: str,
+    steps: int,
+    runs: int,
+    warmup: int,
+    image_path: Path,
+    cache: Optional[str] = None,
+) -> Dict[str, Any]:
     """One peer on one export, in this process: the imports (timed apart), the load and the first image (the cold
     start), ``warmup`` calls, then ``runs`` timed calls at ``steps`` and at the recipe's short step count (per-step
     ms: the difference of their medians over the steps between), for ours the GPU's time per step inside whole calls
@@ -152,9 +163,17 @@ def run_peer(peer: str, folder: Path, kind: str, dtype: str, steps: int, runs: i
             # but the numpy one (diffusers' ONNX pipeline takes numpy generators only)
             noise = {} if peer == "numpy" else {"generator": torch.Generator("cuda").manual_seed(0)}
             with torch.inference_mode():
-                images = pipe(PROMPT, height=size, width=size, num_inference_steps=num_steps,
-                              guidance_scale=recipe["guidance"], latents=latents_of(latents), output_type="np",
-                              **noise, **extra).images
+                images = pipe(
+                    PROMPT,
+                    height=size,
+                    width=size,
+                    num_inference_steps=num_steps,
+                    guidance_scale=recipe["guidance"],
+                    latents=latents_of(latents),
+                    output_type="np",
+                    **noise,
+                    **extra,
+                ).images
             torch.cuda.synchronize()
             return np.asarray(images)
 
@@ -241,8 +260,17 @@ def step_cache_fields(pipe: Any, spec: Optional[str]) -> Dict[str, Any]:
     return {"cache": spec, **record} if spec is not None and record else {}
 
 
-def run_mixed(peer: str, folder: Path, kind: str, dtype: str, batches: Sequence[int], steps: int, rounds: int,
-              first_steps: int, cycles: int = 1) -> Dict[str, Any]:
+def run_mixed(
+    peer: str,
+    folder: Path,
+    kind: str,
+    dtype: str,
+    batches: Sequence[int],
+    steps: int,
+    rounds: int,
+    first_steps: int,
+    cycles: int = 1,
+) -> Dict[str, Any]:
     """A service's load on one peer: load (timed, imports apart), a first image of ``first_steps`` steps at batch 1
     (timed: the cold start), then ``rounds`` rounds, each going ``cycles`` times through ``batches`` in turn (a call
     with that many images, ``steps`` steps per call). A round's time per batch size is the median of its ``cycles``
@@ -271,28 +299,48 @@ def run_mixed(peer: str, folder: Path, kind: str, dtype: str, batches: Sequence[
             noise = {} if peer == "numpy" else {"generator": torch.Generator("cuda").manual_seed(0)}
             start = time.perf_counter()
             with torch.inference_mode():
-                pipe([PROMPT] * batch, height=size, width=size, num_inference_steps=num_steps,
-                     guidance_scale=guidance, output_type="np", **noise)
+                pipe(
+                    [PROMPT] * batch,
+                    height=size,
+                    width=size,
+                    num_inference_steps=num_steps,
+                    guidance_scale=guidance,
+                    output_type="np",
+                    **noise,
+                )
             torch.cuda.synchronize()
             return (time.perf_counter() - start) * 1000
 
         first_image_s = call(1, first_steps) / 1000
         created = lambda: getattr(pipe, "sessions_created", None)  # noqa: E731 — ours only
-        per_round_calls, sessions_after_round = mixed_rounds(lambda batch: call(batch, steps), batches, rounds,
-                                                             cycles, created)
+        per_round_calls, sessions_after_round = mixed_rounds(
+            lambda batch: call(batch, steps), batches, rounds, cycles, created
+        )
     return {
-        "peer": peer, "scenario": "mixed", "batches": list(batches), "steps": steps, "rounds": rounds,
-        "cycles": cycles, "import_s": import_s, "load_s": load_s, "warmup_s": warmup_s,
-        "first_image_s": first_image_s, "first_steps": first_steps,
-        "per_round_ms": [{batch: statistics.median(times) for batch, times in calls.items()}
-                         for calls in per_round_calls],
-        "per_round_calls_ms": per_round_calls, "sessions_after_round": sessions_after_round,
-        "peak_memory_mib": (memory.peak - idle) / 2**20, "memory_source": memory.source,
+        "peer": peer,
+        "scenario": "mixed",
+        "batches": list(batches),
+        "steps": steps,
+        "rounds": rounds,
+        "cycles": cycles,
+        "import_s": import_s,
+        "load_s": load_s,
+        "warmup_s": warmup_s,
+        "first_image_s": first_image_s,
+        "first_steps": first_steps,
+        "per_round_ms": [
+            {batch: statistics.median(times) for batch, times in calls.items()} for calls in per_round_calls
+        ],
+        "per_round_calls_ms": per_round_calls,
+        "sessions_after_round": sessions_after_round,
+        "peak_memory_mib": (memory.peak - idle) / 2**20,
+        "memory_source": memory.source,
     }
 
 
-def mixed_rounds(call: Callable[[int], float], batches: Sequence[int], rounds: int, cycles: int,
-                 created: Callable[[], Optional[int]]):
+def mixed_rounds(
+    call: Callable[[int], float], batches: Sequence[int], rounds: int, cycles: int, created: Callable[[], Optional[int]]
+):
     """``rounds`` rounds of ``cycles`` passes over ``batches`` in turn: each round's ms per batch size (every call)
     and the session count after each round."""
     per_round_calls: List[Dict[str, List[float]]] = []
@@ -331,8 +379,11 @@ def stream_unet_steps(num_inference_steps: int, strength: float) -> int:
 
 def latency_summary(latencies_ms: Sequence[float]) -> Dict[str, Any]:
     """p50 and p99 of per-frame latencies (ms), and every latency."""
-    return {"p50_ms": float(np.percentile(latencies_ms, 50)), "p99_ms": float(np.percentile(latencies_ms, 99)),
-            "latency_ms_all": [float(ms) for ms in latencies_ms]}
+    return {
+        "p50_ms": float(np.percentile(latencies_ms, 50)),
+        "p99_ms": float(np.percentile(latencies_ms, 99)),
+        "latency_ms_all": [float(ms) for ms in latencies_ms],
+    }
 
 
 def wall_ms(call: Callable[[], Any], runs: int) -> List[float]:
@@ -351,8 +402,11 @@ def step_cache_row(pipe: Any, call: Callable[[], Any], runs: int) -> Tuple[Dict[
     and, with a cache enabled, which steps of the last call ran whole. Returns the row and the last images."""
     images: List[Any] = [call()]
     times = wall_ms(lambda: images.append(call()), runs)
-    row: Dict[str, Any] = {"end_to_end_ms": statistics.median(times), "end_to_end_ms_all": times,
-                           "image_std": float(np.asarray(images[-1]).std())}
+    row: Dict[str, Any] = {
+        "end_to_end_ms": statistics.median(times),
+        "end_to_end_ms_all": times,
+        "image_std": float(np.asarray(images[-1]).std()),
+    }
     row.update(cache_record(pipe))
     return row, images[-1]
 
@@ -384,13 +438,22 @@ def load_stream(folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any]):
 
     stream = OnnxStreamDiffusionPipeline.from_pretrained(folder, provider="CUDAExecutionProvider", tiny_vae=tiny_vae)
     set_recipe_scheduler(stream, STREAM_KIND)
-    stream.prepare(PROMPT, num_inference_steps=config["steps"], strength=config["strength"], guidance_scale=0.0,
-                   seed=0, height=STREAM_SIZE, width=STREAM_SIZE, stream_batch=config["stream_batch"])
+    stream.prepare(
+        PROMPT,
+        num_inference_steps=config["steps"],
+        strength=config["strength"],
+        guidance_scale=0.0,
+        seed=0,
+        height=STREAM_SIZE,
+        width=STREAM_SIZE,
+        stream_batch=config["stream_batch"],
+    )
     return stream
 
 
-def run_stream_peer(peer: str, folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any], frames: int,
-                    warmup: int, work: Path) -> Dict[str, Any]:
+def run_stream_peer(
+    peer: str, folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any], frames: int, warmup: int, work: Path
+) -> Dict[str, Any]:
     """One peer of the stream scenario on one configuration (``config``: steps, strength, stream_batch, vae), in this
     process: ``warmup`` frames, then per-frame latency over ``frames`` synchronized calls (p50, p99) and frames/s
     (ours: the frames given to :meth:`frames` back to back, waited for once at the end; the others cannot overlap
@@ -416,8 +479,13 @@ def run_stream_peer(peer: str, folder: Path, tiny_vae: Optional[Path], config: D
             pass
         torch.cuda.synchronize()
         fps = frames / (time.perf_counter() - start)
-        return {"peer": peer, **latency_summary(latencies), "fps": fps, "frames": frames,
-                "unet_steps": len(stream.timesteps)}
+        return {
+            "peer": peer,
+            **latency_summary(latencies),
+            "fps": fps,
+            "frames": frames,
+            "unet_steps": len(stream.timesteps),
+        }
     if peer == "numpy":
         if tiny_vae is not None:
             raise PeerUnavailable("diffusers' ONNX img2img pipeline runs the folder's own VAE")
@@ -438,19 +506,30 @@ def numpy_img2img(folder: Path, config: Dict[str, Any], sources: Sequence[torch.
     from diffusers import OnnxStableDiffusionImg2ImgPipeline
 
     # provider_options={} or diffusers' loader trips ORT's length check and silently falls back to the CPU
-    pipe = OnnxStableDiffusionImg2ImgPipeline.from_pretrained(folder, provider="CUDAExecutionProvider",
-                                                              provider_options={})
+    pipe = OnnxStableDiffusionImg2ImgPipeline.from_pretrained(
+        folder, provider="CUDAExecutionProvider", provider_options={}
+    )
     if pipe.unet.model.get_providers()[0] != "CUDAExecutionProvider":
         raise RuntimeError(f"numpy pipeline: the UNet runs on {pipe.unet.model.get_providers()}, not CUDA")
     set_recipe_scheduler(pipe, STREAM_KIND)
     pipe.set_progress_bar_config(disable=True)
-    images = [PIL.Image.fromarray(((frame.permute(1, 2, 0).float().cpu().numpy() + 1) * 127.5).round()
-                                  .clip(0, 255).astype(np.uint8)) for frame in sources]
+    images = [
+        PIL.Image.fromarray(
+            ((frame.permute(1, 2, 0).float().cpu().numpy() + 1) * 127.5).round().clip(0, 255).astype(np.uint8)
+        )
+        for frame in sources
+    ]
 
     def call(index: int) -> Any:
-        return pipe(PROMPT, image=images[index % len(images)], num_inference_steps=config["steps"],
-                    strength=config["strength"], guidance_scale=0.0, generator=np.random.RandomState(0),
-                    output_type="np").images
+        return pipe(
+            PROMPT,
+            image=images[index % len(images)],
+            num_inference_steps=config["steps"],
+            strength=config["strength"],
+            guidance_scale=0.0,
+            generator=np.random.RandomState(0),
+            output_type="np",
+        ).images
 
     return call
 
@@ -474,9 +553,15 @@ def torch_img2img(tiny_vae: bool, config: Dict[str, Any], sources: Sequence[torc
 
     def call(index: int) -> Any:
         with torch.inference_mode():
-            return pipe(prompt_embeds=embeddings, image=images[index % len(images)],
-                        num_inference_steps=config["steps"], strength=config["strength"], guidance_scale=0.0,
-                        generator=torch.Generator("cuda").manual_seed(0), output_type="pt").images
+            return pipe(
+                prompt_embeds=embeddings,
+                image=images[index % len(images)],
+                num_inference_steps=config["steps"],
+                strength=config["strength"],
+                guidance_scale=0.0,
+                generator=torch.Generator("cuda").manual_seed(0),
+                output_type="pt",
+            ).images
 
     return call
 
@@ -494,8 +579,9 @@ def stream_floor(folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any],
 
     def load(name: str) -> IOBindingORTModel:
         source = tiny_vae if tiny_vae is not None and name.startswith("vae_") else folder
-        return IOBindingORTModel.from_pretrained(source, subfolder=name, provider="CUDAExecutionProvider",
-                                                 cuda_graph=True)
+        return IOBindingORTModel.from_pretrained(
+            source, subfolder=name, provider="CUDAExecutionProvider", cuda_graph=True
+        )
 
     def replayed(model: IOBindingORTModel, inputs: Dict[str, torch.Tensor]) -> float:
         with torch.cuda.stream(model.stream):
@@ -511,25 +597,48 @@ def stream_floor(folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any],
     declared = unet.input_dims
     dtype = unet.input_dtypes["sample"]
     parts = {
-        "vae_encoder": replayed(encoder, {image_name: torch.randn(1, 3, STREAM_SIZE, STREAM_SIZE, device="cuda",
-                                                                  dtype=encoder.input_dtypes[image_name])}),
-        "unet": replayed(unet, {
-            "sample": torch.randn(unet_batch, 4, latent, latent, device="cuda", dtype=dtype),
-            "timestep": torch.full([unet_batch] if declared["timestep"] else [], 500, device="cuda",
-                                   dtype=unet.input_dtypes["timestep"]),
-            "encoder_hidden_states": torch.randn(unet_batch, 77, declared["encoder_hidden_states"][2], device="cuda",
-                                                 dtype=dtype)}),
-        "vae_decoder": replayed(decoder, {latent_name: torch.randn(1, 4, latent, latent, device="cuda",
-                                                                   dtype=decoder.input_dtypes[latent_name])}),
+        "vae_encoder": replayed(
+            encoder,
+            {
+                image_name: torch.randn(
+                    1, 3, STREAM_SIZE, STREAM_SIZE, device="cuda", dtype=encoder.input_dtypes[image_name]
+                )
+            },
+        ),
+        "unet": replayed(
+            unet,
+            {
+                "sample": torch.randn(unet_batch, 4, latent, latent, device="cuda", dtype=dtype),
+                "timestep": torch.full(
+                    [unet_batch] if declared["timestep"] else [],
+                    500,
+                    device="cuda",
+                    dtype=unet.input_dtypes["timestep"],
+                ),
+                "encoder_hidden_states": torch.randn(
+                    unet_batch, 77, declared["encoder_hidden_states"][2], device="cuda", dtype=dtype
+                ),
+            },
+        ),
+        "vae_decoder": replayed(
+            decoder,
+            {latent_name: torch.randn(1, 4, latent, latent, device="cuda", dtype=decoder.input_dtypes[latent_name])},
+        ),
     }
     unet_calls = 1 if config["stream_batch"] else unet_steps
     frame_ms = parts["vae_encoder"] + unet_calls * parts["unet"] + parts["vae_decoder"]
-    return {"frame_ms": frame_ms, "fps": 1000 / frame_ms, "parts_ms": parts, "unet_batch": unet_batch,
-            "unet_calls": unet_calls}
+    return {
+        "frame_ms": frame_ms,
+        "fps": 1000 / frame_ms,
+        "parts_ms": parts,
+        "unet_batch": unet_batch,
+        "unet_calls": unet_calls,
+    }
 
 
-def stream_video(folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any], frames: int, warmup: int,
-                 work: Path) -> Dict[str, Any]:
+def stream_video(
+    folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any], frames: int, warmup: int, work: Path
+) -> Dict[str, Any]:
     """A 512² H.264 video of ``frames`` frames (made once under ``work``) three ways: the codec alone (decode, then
     encode the same frames), the ``stream`` command in a process of its own (decode → stream → encode; its own
     summary line's seconds: the frame loop, load and prepare apart), and its decoded frames through the stream from
@@ -553,16 +662,32 @@ def stream_video(folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any],
                 writer.write(frame)
         codec_s = time.perf_counter() - start
 
-        command = [sys.executable, "-m", "optimum_iobinding.cli", "stream", str(source),
-                   str(Path(scratch) / "stream.mp4"), "--prompt", PROMPT, "--model", str(folder), "--steps",
-                   str(config["steps"]), "--strength", str(config["strength"]), "--provider", "CUDAExecutionProvider",
-                   "--stream-batch" if config["stream_batch"] else "--no-stream-batch",
-                   *(["--tiny-vae", str(tiny_vae)] if tiny_vae is not None else [])]
+        command = [
+            sys.executable,
+            "-m",
+            "optimum_iobinding.cli",
+            "stream",
+            str(source),
+            str(Path(scratch) / "stream.mp4"),
+            "--prompt",
+            PROMPT,
+            "--model",
+            str(folder),
+            "--steps",
+            str(config["steps"]),
+            "--strength",
+            str(config["strength"]),
+            "--provider",
+            "CUDAExecutionProvider",
+            "--stream-batch" if config["stream_batch"] else "--no-stream-batch",
+            *(["--tiny-vae", str(tiny_vae)] if tiny_vae is not None else []),
+        ]
         completed = subprocess.run(command, capture_output=True, text=True)
         summary = re.search(r": (\d+) frames of .* in ([0-9.]+) s \(", completed.stdout)
         if completed.returncode != 0 or summary is None:
-            raise RuntimeError(f"the stream command failed ({completed.returncode}): "
-                               f"{(completed.stderr or completed.stdout)[-1500:]}")
+            raise RuntimeError(
+                f"the stream command failed ({completed.returncode}): {(completed.stderr or completed.stdout)[-1500:]}"
+            )
         command_s = float(summary.group(2))
 
     with open_frames(source) as reader:
@@ -574,9 +699,16 @@ def stream_video(folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any],
     for _ in stream.frames(decoded):
         pass
     in_memory_s = time.perf_counter() - start
-    return {"frames": frames, "codec_s": codec_s, "codec_fps": frames / codec_s, "command_s": command_s,
-            "command_fps": frames / command_s, "in_memory_host_s": in_memory_s,
-            "in_memory_host_fps": frames / in_memory_s, "command": " ".join(command[2:])}
+    return {
+        "frames": frames,
+        "codec_s": codec_s,
+        "codec_fps": frames / codec_s,
+        "command_s": command_s,
+        "command_fps": frames / command_s,
+        "in_memory_host_s": in_memory_s,
+        "in_memory_host_fps": frames / in_memory_s,
+        "command": " ".join(command[2:]),
+    }
 
 
 def moving_pattern(index: int, size: int) -> np.ndarray:

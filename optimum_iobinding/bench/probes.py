@@ -71,8 +71,12 @@ class PeakMemory:
     def __enter__(self) -> "PeakMemory":
         self.peak = self.used()
         if self.source == "process":
-            self._child = subprocess.Popen([sys.executable, "-c", _SAMPLER, pci_bus_id(self.device)],
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            self._child = subprocess.Popen(
+                [sys.executable, "-c", _SAMPLER, pci_bus_id(self.device)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             ready = self._child.stdout.readline().strip()
             if ready != "ready":
                 self._child.kill()
@@ -152,8 +156,17 @@ def copied_bytes(run: Callable[[], Any]) -> Dict[str, int]:
 
 
 # CUDA runtime/driver calls that make the host wait for the GPU (cudaMemcpy: the synchronous copy)
-HOST_WAITS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-                        "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize"})
+HOST_WAITS = frozenset(
+    {
+        "cudaStreamSynchronize",
+        "cudaDeviceSynchronize",
+        "cudaEventSynchronize",
+        "cudaMemcpy",
+        "cuStreamSynchronize",
+        "cuCtxSynchronize",
+        "cuEventSynchronize",
+    }
+)
 
 
 def host_waits(run: Callable[[], Any]) -> List[str]:
@@ -166,12 +179,17 @@ def host_waits(run: Callable[[], Any]) -> List[str]:
         with record_function("measured"):
             run()
     events = prof.events()
-    (measured,) = [event for event in events  # the host's range (the GPU timeline has one of the same name)
-                   if event.name == "measured" and event.device_type == torch.autograd.DeviceType.CPU]
+    (measured,) = [
+        event
+        for event in events  # the host's range (the GPU timeline has one of the same name)
+        if event.name == "measured" and event.device_type == torch.autograd.DeviceType.CPU
+    ]
     inside = measured.time_range
-    return [" < ".join([event.name, *[frame for frame in (event.stack or []) if ".py(" in frame][:4]])
-            for event in events if event.name in HOST_WAITS
-            and inside.start <= event.time_range.start and event.time_range.end <= inside.end]
+    return [
+        " < ".join([event.name, *[frame for frame in (event.stack or []) if ".py(" in frame][:4]])
+        for event in events
+        if event.name in HOST_WAITS and inside.start <= event.time_range.start and event.time_range.end <= inside.end
+    ]
 
 
 def kernel_table(work: Callable[[], object], calls: int = 5, top: int = 15) -> List[Dict[str, object]]:
@@ -194,29 +212,40 @@ def kernel_table(work: Callable[[], object], calls: int = 5, top: int = 15) -> L
             count[event.name] += 1
     whole = sum(total.values()) or 1.0
     rows = sorted(total, key=total.get, reverse=True)[:top]
-    return [{"kernel": name[:160], "ms": total[name] / calls / 1000, "share": total[name] / whole,
-             "launches": count[name] / calls} for name in rows] + [{"kernel": "(all)", "ms": whole / calls / 1000}]
+    return [
+        {
+            "kernel": name[:160],
+            "ms": total[name] / calls / 1000,
+            "share": total[name] / whole,
+            "launches": count[name] / calls,
+        }
+        for name in rows
+    ] + [{"kernel": "(all)", "ms": whole / calls / 1000}]
 
 
-def run_floor(folder: Path, kind: str, replays: int = 50,
-              provider_options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def run_floor(
+    folder: Path, kind: str, replays: int = 50, provider_options: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
     """Back-to-back CUDA-graph replays of the UNet alone, with CFG batch 2: the GPU time of one step.
     ``provider_options`` go on top of the diffusion defaults (benchmarks/unet_options.py compares them)."""
     import torch
     from ..runtime.model import IOBindingORTModel
 
     size = MODEL_SIZES[kind]
-    unet = IOBindingORTModel.from_pretrained(folder, subfolder="unet", provider="CUDAExecutionProvider",
-                                             provider_options=provider_options, cuda_graph=True)
+    unet = IOBindingORTModel.from_pretrained(
+        folder, subfolder="unet", provider="CUDAExecutionProvider", provider_options=provider_options, cuda_graph=True
+    )
     dtype = unet.input_dtypes["sample"]
     declared = unet.input_dims
     batch = 2 if recipe_of(kind)["guidance"] > 1.0 and kind != "lcm" else 1  # CFG doubles the UNet batch
     inputs = {
         "sample": torch.randn(batch, 4, size // 8, size // 8, device=unet.device, dtype=dtype),
-        "timestep": torch.full([batch] if declared["timestep"] else [], 500, device=unet.device,
-                               dtype=unet.input_dtypes["timestep"]),
-        "encoder_hidden_states": torch.randn(batch, 77, declared["encoder_hidden_states"][2], device=unet.device,
-                                             dtype=dtype),
+        "timestep": torch.full(
+            [batch] if declared["timestep"] else [], 500, device=unet.device, dtype=unet.input_dtypes["timestep"]
+        ),
+        "encoder_hidden_states": torch.randn(
+            batch, 77, declared["encoder_hidden_states"][2], device=unet.device, dtype=dtype
+        ),
     }
     for name in ("text_embeds", "time_ids", "timestep_cond"):  # SDXL's conditioning, LCM's guidance embedding
         if name in declared:

@@ -23,8 +23,16 @@ def combine_repeats(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         if "error" in result or "skipped" in result:
             return {**result, "repeats": kept}
     combined = dict(results[0])
-    for key in ("end_to_end_ms", "per_step_ms", "load_s", "first_image_s", "own_floor_ms",
-                "per_step_over_own_floor", "gpu_step_ms", "gpu_step_over_own_floor"):
+    for key in (
+        "end_to_end_ms",
+        "per_step_ms",
+        "load_s",
+        "first_image_s",
+        "own_floor_ms",
+        "per_step_over_own_floor",
+        "gpu_step_ms",
+        "gpu_step_over_own_floor",
+    ):
         values = [result[key] for result in results if result.get(key) is not None]
         combined[key] = statistics.median(values) if values else None
     for key in ("peak_memory_mib", "htod_bytes_per_step", "dtoh_bytes_per_step"):
@@ -44,12 +52,16 @@ def mixed_summary(result: Dict[str, Any]) -> Dict[str, Any]:
         best[batch] = min(times)
         worst[batch] = max(times[1:]) / best[batch] if len(times) > 1 else 1.0
     sessions = [count for count in result.get("sessions_after_round", []) if count is not None]
-    return {"best_ms": best, "worst_later_round_ratio": worst,
-            "sessions_created_after_round_1": (sessions[-1] - sessions[0]) if sessions else None}
+    return {
+        "best_ms": best,
+        "worst_later_round_ratio": worst,
+        "sessions_created_after_round_1": (sessions[-1] - sessions[0]) if sessions else None,
+    }
 
 
-def _bar_chart(plt: Any, labels: Sequence[str], values: Sequence[float], colors: Any, xlabel: str, title: str,
-               path: Path) -> None:
+def _bar_chart(
+    plt: Any, labels: Sequence[str], values: Sequence[float], colors: Any, xlabel: str, title: str, path: Path
+) -> None:
     """One horizontal bar per label, top to bottom, written to ``path``."""
     figure, axis = plt.subplots(figsize=(10, 0.35 * len(labels) + 1.5))
     axis.barh(range(len(labels)), values, color=colors)
@@ -98,14 +110,22 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
         f"`{env.get('command')}` — {env.get('date')}; torch {env.get('torch')} (CUDA {env.get('cuda')}), onnxruntime "
         f"{env.get('onnxruntime')}, diffusers {env.get('diffusers')}, transformers {env.get('transformers')}; "
         f"{results['steps']} DDIM steps, CFG (batch 2), median of {results['runs']} runs after {results['warmup']} "
-        + (f"warm-up in each of {results['repeats']} processes per peer (peer order rotated each time), then the "
-           "median over the processes" if results.get("repeats", 1) > 1 else "warm-up")
+        + (
+            f"warm-up in each of {results['repeats']} processes per peer (peer order rotated each time), then the "
+            "median over the processes"
+            if results.get("repeats", 1) > 1
+            else "warm-up"
+        )
         + "; SDXL guidance 5; LCM 4 steps (LCM scheduler, guidance embedded, batch 1); Turbo 4 Euler-ancestral "
         "trailing steps, guidance 0. Where diffusers has no numpy pipeline (SDXL, LCM), × and diff are against "
         "optimum-onnx."
-        + (f" cached: defaults with the step cache `{spec}` (`pipe.enable_cache`), every row of a configuration on "
-           "the same files (the step-cache export); the steps it skipped are those of a timed call at the full step "
-           "count, × defaults its speed-up end to end." if spec else ""),
+        + (
+            f" cached: defaults with the step cache `{spec}` (`pipe.enable_cache`), every row of a configuration on "
+            "the same files (the step-cache export); the steps it skipped are those of a timed call at the full step "
+            "count, × defaults its speed-up end to end."
+            if spec
+            else ""
+        ),
         "",
         "| model | dtype | export | pipeline | end-to-end ms | per-step ms | × numpy | step / GPU floor "
         "| step / own graph | GPU step / own graph | peak GPU MiB | H↔D bytes/step | max diff vs numpy | load s "
@@ -132,31 +152,49 @@ def write_report(results: Dict[str, Any], out: Path) -> None:
             gpu_vs_own = "" if gpu_own is None else f"{gpu_own:.3f} ({result['gpu_step_ms']:.3f})"
             copies = result["htod_bytes_per_step"] + result["dtoh_bytes_per_step"]
             diff = result.get("max_abs_diff_vs_numpy")
-            cold = " | ".join(f"{result[key]:.2f}" if result.get(key) is not None else "" for key in
-                              ("load_s", "first_image_s"))
+            cold = " | ".join(
+                f"{result[key]:.2f}" if result.get(key) is not None else "" for key in ("load_s", "first_image_s")
+            )
             lines.append(
                 f"{label} {result['end_to_end_ms']:.1f} | {result['per_step_ms']:.2f} | {speedup} | {vs_floor} | "
                 f"{vs_own} | {gpu_vs_own} | {result['peak_memory_mib']:.0f} | {copies:,.0f} | "
                 f"{'' if diff is None else f'{diff:.2e}'} | {cold} |"
             )
         if floor:
-            lines.append(f"| {row['model']} {row['size']}² | {row['dtype']} | {row['export']} | GPU floor (UNet graph "
-                         f"replays, a process of its own) | | {floor:.2f} | | 1.000 |" + " |" * 7)
+            lines.append(
+                f"| {row['model']} {row['size']}² | {row['dtype']} | {row['export']} | GPU floor (UNet graph "
+                f"replays, a process of its own) | | {floor:.2f} | | 1.000 |" + " |" * 7
+            )
     (out / "results.md").write_text("\n".join(lines) + "\n")
     plt = _pyplot()
     if plt is None:
         return
     labels, values, colors = [], [], []
-    palette = {"numpy": "#999999", "optimum": "#e69f00", "accelerated": "#d55e00", "defaults": "#0072b2",
-               "binding": "#56b4e9", "graph": "#009e73", "torch": "#cc79a7", "cached": "#f0e442"}
+    palette = {
+        "numpy": "#999999",
+        "optimum": "#e69f00",
+        "accelerated": "#d55e00",
+        "defaults": "#0072b2",
+        "binding": "#56b4e9",
+        "graph": "#009e73",
+        "torch": "#cc79a7",
+        "cached": "#f0e442",
+    }
     for row in results["rows"]:
         for peer, result in row["peers"].items():
             if "error" not in result and "skipped" not in result:
                 labels.append(f"{row['model']} {row['dtype']} {row['export']}\n{peer}")
                 values.append(result["end_to_end_ms"])
                 colors.append(palette.get(peer, "#333333"))
-    _bar_chart(plt, labels, values, colors, f"end-to-end ms ({results['steps']} steps, CFG), lower is better",
-               f"optimum-iobinding benchmark — {env.get('device')}", out / "results.png")
+    _bar_chart(
+        plt,
+        labels,
+        values,
+        colors,
+        f"end-to-end ms ({results['steps']} steps, CFG), lower is better",
+        f"optimum-iobinding benchmark — {env.get('device')}",
+        out / "results.png",
+    )
 
 
 def write_mixed_report(results: Dict[str, Any], out: Path) -> None:
@@ -172,12 +210,16 @@ def write_mixed_report(results: Dict[str, Any], out: Path) -> None:
         f"`{env.get('command')}` — {env.get('date')}; torch {env.get('torch')}, onnxruntime {env.get('onnxruntime')}, "
         f"diffusers {env.get('diffusers')}. Batch sizes {' → '.join(batches)} in turn, {results['steps']} DDIM steps "
         f"each, CFG, {results['rounds']} rounds"
-        + (f" of {cycles} passes over them (a round's ms: the median of its {cycles} calls per batch size)"
-           if cycles > 1 else ", one call per batch size each")
+        + (
+            f" of {cycles} passes over them (a round's ms: the median of its {cycles} calls per batch size)"
+            if cycles > 1
+            else ", one call per batch size each"
+        )
         + f", one process per peer. Cold start: load{imports}, then a first batch-1 image of "
         f"{results['first_steps']} steps. Memory: device-wide peak above the process's idle.",
         "",
-        "| model | pipeline | " + " | ".join(f"round {r + 1} ms (b{'/b'.join(batches)})" for r in range(results["rounds"]))
+        "| model | pipeline | "
+        + " | ".join(f"round {r + 1} ms (b{'/b'.join(batches)})" for r in range(results["rounds"]))
         + " | worst later round / best | peak MiB | × numpy MiB | sessions created after round 1 | load s | warm-up s "
         "| first image s |",
         "|---|---|" + "---|" * results["rounds"] + "---|---|---|---|---|---|---|",
@@ -195,9 +237,11 @@ def write_mixed_report(results: Dict[str, Any], out: Path) -> None:
             ratio = f"{result['peak_memory_mib'] / numpy_mib:.2f}" if numpy_mib else ""
             created = summary["sessions_created_after_round_1"]
             warm = f"{result['warmup_s']:.1f}" if result.get("warmup_s") is not None else ""
-            lines.append(f"{label} {rounds} | {worst:.3f} | {result['peak_memory_mib']:.0f} | {ratio} | "
-                         f"{'' if created is None else created} | {result['load_s']:.1f} | {warm} | "
-                         f"{result['first_image_s']:.2f} |")
+            lines.append(
+                f"{label} {rounds} | {worst:.3f} | {result['peak_memory_mib']:.0f} | {ratio} | "
+                f"{'' if created is None else created} | {result['load_s']:.1f} | {warm} | "
+                f"{result['first_image_s']:.2f} |"
+            )
     (out / "mixed.md").write_text("\n".join(lines) + "\n")
     plt = _pyplot()
     if plt is None:
@@ -209,8 +253,11 @@ def write_mixed_report(results: Dict[str, Any], out: Path) -> None:
                 continue
             series = [r[b] for r in result["per_round_ms"] for b in batches]
             axis.plot(range(len(series)), series, marker="o", label=peer)
-        axis.set_xticks(range(len(batches) * results["rounds"]),
-                        [f"r{r + 1} b{b}" for r in range(results["rounds"]) for b in batches], fontsize=7)
+        axis.set_xticks(
+            range(len(batches) * results["rounds"]),
+            [f"r{r + 1} b{b}" for r in range(results["rounds"]) for b in batches],
+            fontsize=7,
+        )
         axis.set_ylabel("ms per call")
         axis.set_yscale("log")
         axis.set_title(f"mixed batch sizes — {row['model']} {row['dtype']} {row['export']} — {env.get('device')}")
@@ -271,15 +318,19 @@ def write_stream_report(results: Dict[str, Any], out: Path) -> None:
                 continue
             if peer == "floor":
                 parts = result["parts_ms"]
-                lines.append(f"| {label} | floor (encoder {parts['vae_encoder']:.2f} + UNet {result['unet_calls']} × "
-                             f"{parts['unet']:.2f} at batch {result['unet_batch']} + decoder "
-                             f"{parts['vae_decoder']:.2f}) | {result['frame_ms']:.2f} | | {result['fps']:.1f} "
-                             "| 1.00 | |")
+                lines.append(
+                    f"| {label} | floor (encoder {parts['vae_encoder']:.2f} + UNet {result['unet_calls']} × "
+                    f"{parts['unet']:.2f} at batch {result['unet_batch']} + decoder "
+                    f"{parts['vae_decoder']:.2f}) | {result['frame_ms']:.2f} | | {result['fps']:.1f} "
+                    "| 1.00 | |"
+                )
                 continue
             vs_floor = f"{result['p50_ms'] / floor:.2f}" if floor else ""
             vs_torch = f"{torch_tiny / result['p50_ms']:.2f}" if torch_tiny else ""
-            lines.append(f"| {label} | {peer} | {result['p50_ms']:.2f} | {result['p99_ms']:.2f} | {result['fps']:.1f} "
-                         f"| {vs_floor} | {vs_torch} |")
+            lines.append(
+                f"| {label} | {peer} | {result['p50_ms']:.2f} | {result['p99_ms']:.2f} | {result['fps']:.1f} "
+                f"| {vs_floor} | {vs_torch} |"
+            )
     videos = [(row, row["peers"]["video"]) for row in results["rows"] if "video" in row["peers"]]
     if videos:
         lines += [
@@ -299,8 +350,10 @@ def write_stream_report(results: Dict[str, Any], out: Path) -> None:
                 lines.append(f"| {label} | failed: {reason.strip().splitlines()[-1][:120]} | | | | |")
                 continue
             ours = row["peers"].get("ours", {}).get("fps")
-            lines.append(f"| {label} | {video['frames']} | {video['codec_fps']:.1f} | {video['command_fps']:.1f} | "
-                         f"{video['in_memory_host_fps']:.1f} | {'' if ours is None else f'{ours:.1f}'} |")
+            lines.append(
+                f"| {label} | {video['frames']} | {video['codec_fps']:.1f} | {video['command_fps']:.1f} | "
+                f"{video['in_memory_host_fps']:.1f} | {'' if ours is None else f'{ours:.1f}'} |"
+            )
     (out / "stream.md").write_text("\n".join(lines) + "\n")
     plt = _pyplot()
     if plt is None:
@@ -313,8 +366,15 @@ def write_stream_report(results: Dict[str, Any], out: Path) -> None:
                 labels.append(f"{stream_row_label(row)}\n{peer}")
                 values.append(result["fps"])
                 colors.append(palette[peer])
-    _bar_chart(plt, labels, values, colors, f"frames/s at {results['size']}², batch 1, higher is better",
-               f"stream — {results['model']} — {env.get('device')}", out / "stream.png")
+    _bar_chart(
+        plt,
+        labels,
+        values,
+        colors,
+        f"frames/s at {results['size']}², batch 1, higher is better",
+        f"stream — {results['model']} — {env.get('device')}",
+        out / "stream.png",
+    )
 
 
 def transformer_depth_label(row: Dict[str, Any]) -> str:
@@ -324,8 +384,10 @@ def transformer_depth_label(row: Dict[str, Any]) -> str:
     if row.get("blocks") is None or full is None:
         label = "full model"
     elif full[1]:
-        label = (f"{row['blocks'][0]} of {full[0]} double + {row['blocks'][1]} of {full[1]} single blocks "
-                 "(not the full model)")
+        label = (
+            f"{row['blocks'][0]} of {full[0]} double + {row['blocks'][1]} of {full[1]} single blocks "
+            "(not the full model)"
+        )
     else:
         label = f"{row['blocks'][0]} of {full[0]} blocks (not the full model)"
     if row.get("text_layers") is not None:
@@ -343,7 +405,7 @@ def _reason(result: Dict[str, Any]) -> str:
 # what the transformer report says of the torch peers, per device (transformer_peers.load_transformer_peer)
 TORCH_PEERS_ON = {
     "cuda": "torch/compile: diffusers' pipeline in bf16 (on the GPU its random weights are drawn there with the same "
-            "seed: the images are not compared).",
+    "seed: the images are not compared).",
     "cpu": "torch: diffusers' pipeline in float32 with the export's own weights (the images are compared).",
 }
 
@@ -366,9 +428,12 @@ def write_transformer_report(results: Dict[str, Any], out: Path) -> None:
         "T5 256 tokens; FLUX.1 schnell: 4 steps, guidance 0, T5 256; FLUX.1 dev: 28 steps, embedded guidance 3.5, "
         f"T5 512. {TORCH_PEERS_ON[results['device']]} Floor: our transformer's CUDA graph replayed back to back, "
         "a process of its own. One process per peer."
-        + (f" cached: ours with the step cache `{spec}` (`pipe.enable_cache`) on the same folder; the steps it "
-           "skipped are those of a timed call at the recipe's steps, and ours ÷ this is its speed-up end to end."
-           if spec else ""),
+        + (
+            f" cached: ours with the step cache `{spec}` (`pipe.enable_cache`) on the same folder; the steps it "
+            "skipped are those of a timed call at the recipe's steps, and ours ÷ this is its speed-up end to end."
+            if spec
+            else ""
+        ),
         "",
         "| model | transformer | pipeline | end-to-end ms | per-step ms | step / floor | ours ÷ this (end to end) "
         "| peak GPU MiB | load s | first image s | compile s | max diff vs ours |",
@@ -378,8 +443,7 @@ def write_transformer_report(results: Dict[str, Any], out: Path) -> None:
         depth = transformer_depth_label(row)
         label = f"| {row['model']} {row['size']}² | {depth} |"
         if "export_error" in row:
-            lines.append(f"{label} export | failed: {row['export_error'].strip().splitlines()[-1][:160]} |"
-                         + " |" * 8)
+            lines.append(f"{label} export | failed: {row['export_error'].strip().splitlines()[-1][:160]} |" + " |" * 8)
             continue
         floor = row["peers"].get("floor", {}).get("per_step_ms")
         ours = row["peers"].get("ours", {}).get("end_to_end_ms")
@@ -389,17 +453,23 @@ def write_transformer_report(results: Dict[str, Any], out: Path) -> None:
                 lines.append(f"{label} {name} | {_reason(result)} |" + " |" * 8)
                 continue
             if peer == "floor":
-                lines.append(f"{label} GPU floor (transformer graph replays, batch "
-                             f"{result['graph_inputs']['hidden_states'][0]}) | | {floor:.2f} | 1.000 |" + " |" * 6)
+                lines.append(
+                    f"{label} GPU floor (transformer graph replays, batch "
+                    f"{result['graph_inputs']['hidden_states'][0]}) | | {floor:.2f} | 1.000 |" + " |" * 6
+                )
                 continue
             vs_floor = f"{result['per_step_ms'] / floor:.3f}" if floor else ""
             vs_ours = f"{ours / result['end_to_end_ms']:.2f}" if ours else ""
             numbers = [result.get(key) for key in ("peak_memory_mib", "load_s", "first_image_s", "compile_s")]
-            cells = " | ".join("" if value is None else (f"{value:.0f}" if i == 0 else f"{value:.1f}")
-                               for i, value in enumerate(numbers))
+            cells = " | ".join(
+                "" if value is None else (f"{value:.0f}" if i == 0 else f"{value:.1f}")
+                for i, value in enumerate(numbers)
+            )
             diff = result.get("max_abs_diff_vs_ours")
-            lines.append(f"{label} {name} | {result['end_to_end_ms']:.1f} | {result['per_step_ms']:.2f} | {vs_floor} | "
-                         f"{vs_ours} | {cells} | {'' if diff is None else f'{diff:.2e}'} |")
+            lines.append(
+                f"{label} {name} | {result['end_to_end_ms']:.1f} | {result['per_step_ms']:.2f} | {vs_floor} | "
+                f"{vs_ours} | {cells} | {'' if diff is None else f'{diff:.2e}'} |"
+            )
     (out / "transformer.md").write_text("\n".join(lines) + "\n")
     plt = _pyplot()
     if plt is None:
@@ -411,5 +481,12 @@ def write_transformer_report(results: Dict[str, Any], out: Path) -> None:
                 blocks = "" if row.get("blocks") is None else f" ({transformer_depth_label(row).split(' (')[0]})"
                 labels.append(f"{row['model']}{blocks}\n{peer}")
                 values.append(result["end_to_end_ms"])
-    _bar_chart(plt, labels, values, "#0072b2", "end-to-end ms, batch 1, lower is better",
-               f"transformers — {env.get('device')}", out / "transformer.png")
+    _bar_chart(
+        plt,
+        labels,
+        values,
+        "#0072b2",
+        "end-to-end ms, batch 1, lower is better",
+        f"transformers — {env.get('device')}",
+        out / "transformer.png",
+    )

@@ -59,8 +59,10 @@ def pipeline_class(peer: str, kind: str) -> Any:
     try:
         return getattr(importlib.import_module(module, __package__), name)
     except (ImportError, AttributeError) as error:
-        raise PeerUnavailable(f"{name} cannot be imported in this environment ({type(error).__name__}: {error}); "
-                              "pass the optimum-onnx environment's site folder with --optimum-pythonpath") from error
+        raise PeerUnavailable(
+            f"{name} cannot be imported in this environment ({type(error).__name__}: {error}); "
+            "pass the optimum-onnx environment's site folder with --optimum-pythonpath"
+        ) from error
 
 
 def initial_latents(kind: str, seed: int = 0) -> np.ndarray:
@@ -88,8 +90,10 @@ def onnx_input_dtype(folder: Path, component: str, name: str) -> torch.dtype:
             if element == onnx.TensorProto.BFLOAT16:  # numpy's bfloat16 (ml_dtypes') is not one torch converts
                 return torch.bfloat16
             return torch.from_numpy(np.zeros(0, tensor_dtype_to_np_dtype(element))).dtype
-    raise ValueError(f"{folder / component / 'model.onnx'}: expected an input named {name!r}, got "
-                     f"{[value.name for value in model.graph.input]}")
+    raise ValueError(
+        f"{folder / component / 'model.onnx'}: expected an input named {name!r}, got "
+        f"{[value.name for value in model.graph.input]}"
+    )
 
 
 @contextlib.contextmanager
@@ -107,8 +111,15 @@ def weights_made_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[int], text_layers: Optional[int],
-                          device: str, cache: Optional[str] = None) -> Tuple[Any, Any, Dict[str, Any]]:
+def load_transformer_peer(
+    peer: str,
+    folder: Path,
+    kind: str,
+    blocks: Optional[int],
+    text_layers: Optional[int],
+    device: str,
+    cache: Optional[str] = None,
+) -> Tuple[Any, Any, Dict[str, Any]]:
     """The pipeline of one peer on ``device`` ("cuda" or "cpu"), the initial latents in the form it takes them, and
     what the result should say about its weights; the ``cached`` peer is ours with the step cache ``cache`` (a
     ``--cache`` spec) enabled, the others never cache."""
@@ -124,8 +135,7 @@ def load_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[i
             enable_spec_cache(pipe, cache)
         return pipe, latents.to(device, pipe.transformer.input_dtypes["hidden_states"]), {"weights": "the export's"}
     if peer == "optimum":
-        pipe = pipeline_class(peer, kind).from_pretrained(folder, provider=provider,
-                                                          use_io_binding=device == "cuda")
+        pipe = pipeline_class(peer, kind).from_pretrained(folder, provider=provider, use_io_binding=device == "cuda")
         dtype = onnx_input_dtype(folder, "transformer", "hidden_states")
         return pipe, latents.to(device, dtype), {"weights": "the export's"}
     if peer in ("torch", "compile"):
@@ -143,13 +153,23 @@ def load_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[i
         if peer == "compile":
             pipe.transformer = torch.compile(pipe.transformer)
         return pipe, latents.to(device, pipe.transformer.dtype), {"weights": weights}
-    raise ValueError(f"peer: expected one of {', '.join((*TRANSFORMER_PEERS[:-1], CACHED_TRANSFORMER_PEER))}, got "
-                     f"{peer!r}")
+    raise ValueError(
+        f"peer: expected one of {', '.join((*TRANSFORMER_PEERS[:-1], CACHED_TRANSFORMER_PEER))}, got {peer!r}"
+    )
 
 
-def run_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[int], text_layers: Optional[int],
-                         runs: int, warmup: int, device: str, image_path: Path,
-                         cache: Optional[str] = None) -> Dict[str, Any]:
+def run_transformer_peer(
+    peer: str,
+    folder: Path,
+    kind: str,
+    blocks: Optional[int],
+    text_layers: Optional[int],
+    runs: int,
+    warmup: int,
+    device: str,
+    image_path: Path,
+    cache: Optional[str] = None,
+) -> Dict[str, Any]:
     """One peer on one export, in this process: load (timed), the first image (timed: sessions and graph capture, or
     ``torch.compile``'s compilation), ``warmup`` calls, ``runs`` timed calls at the recipe's steps and at its short
     step count (per-step ms: the difference of their medians over the steps between), for ours its transformer graph
@@ -170,9 +190,16 @@ def run_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[in
 
         def call(steps: int) -> np.ndarray:
             with torch.inference_mode():
-                images = pipe(PROMPT, height=recipe["size"], width=recipe["size"], num_inference_steps=steps,
-                              guidance_scale=recipe["guidance"], latents=latents.clone(),
-                              max_sequence_length=recipe["max_sequence_length"], output_type="np").images
+                images = pipe(
+                    PROMPT,
+                    height=recipe["size"],
+                    width=recipe["size"],
+                    num_inference_steps=steps,
+                    guidance_scale=recipe["guidance"],
+                    latents=latents.clone(),
+                    max_sequence_length=recipe["max_sequence_length"],
+                    output_type="np",
+                ).images
             if cuda:
                 torch.cuda.synchronize()
             return np.asarray(images)
@@ -192,21 +219,32 @@ def run_transformer_peer(peer: str, folder: Path, kind: str, blocks: Optional[in
     np.save(image_path, image.astype(np.float32))
     if peer in OUR_TRANSFORMER_PEERS:  # the provider each component ran on; which ran without a graph, ORT's reason
         about["providers"] = {name: model.providers[0] for name, model in pipe.onnx_models.items()}
-        about["graph_fallbacks"] = {name: {str(dict(signature)): reason for signature, reason in
-                                           model.graph_fallbacks.items()}
-                                    for name, model in pipe.onnx_models.items() if model.graph_fallbacks}
+        about["graph_fallbacks"] = {
+            name: {str(dict(signature)): reason for signature, reason in model.graph_fallbacks.items()}
+            for name, model in pipe.onnx_models.items()
+            if model.graph_fallbacks
+        }
     per_step = (statistics.median(full) - statistics.median(short)) / (recipe["steps"] - recipe["short_steps"])
     return {
-        "peer": peer, **about,
-        "end_to_end_ms": statistics.median(full), "end_to_end_ms_all": full, "short_ms_all": short,
-        "steps": recipe["steps"], "short_steps": recipe["short_steps"], "per_step_ms": per_step,
-        "own_floor_ms": own_floor, "per_step_over_own_floor": per_step / own_floor if own_floor else None,
+        "peer": peer,
+        **about,
+        "end_to_end_ms": statistics.median(full),
+        "end_to_end_ms_all": full,
+        "short_ms_all": short,
+        "steps": recipe["steps"],
+        "short_steps": recipe["short_steps"],
+        "per_step_ms": per_step,
+        "own_floor_ms": own_floor,
+        "per_step_over_own_floor": per_step / own_floor if own_floor else None,
         "peak_memory_mib": (memory.peak - idle) / 2**20 if cuda else None,
         "memory_source": memory.source if cuda else None,
-        "load_s": load_s, "first_image_s": first_image_s,
+        "load_s": load_s,
+        "first_image_s": first_image_s,
         # torch.compile compiles during the first image: that image's time less a warm one's
         "compile_s": first_image_s - statistics.median(full) / 1000 if peer == "compile" else None,
-        "image": str(image_path), "image_stats": image_stats(image), **cached,
+        "image": str(image_path),
+        "image_stats": image_stats(image),
+        **cached,
     }
 
 
@@ -215,11 +253,13 @@ def image_stats(image: np.ndarray) -> Dict[str, float]:
     (float16 overflow shows as NaN or a flat image)."""
     image = np.asarray(image, dtype=np.float32)
     finite = image[np.isfinite(image)]
-    return {"min": float(finite.min()) if finite.size else float("nan"),
-            "max": float(finite.max()) if finite.size else float("nan"),
-            "mean": float(finite.mean()) if finite.size else float("nan"),
-            "std": float(finite.std()) if finite.size else float("nan"),
-            "non_finite": float(1 - finite.size / max(image.size, 1))}
+    return {
+        "min": float(finite.min()) if finite.size else float("nan"),
+        "max": float(finite.max()) if finite.size else float("nan"),
+        "mean": float(finite.mean()) if finite.size else float("nan"),
+        "std": float(finite.std()) if finite.size else float("nan"),
+        "non_finite": float(1 - finite.size / max(image.size, 1)),
+    }
 
 
 def run_transformer_floor(folder: Path, kind: str, device: str, replays: int = 20) -> Dict[str, Any]:
@@ -235,14 +275,28 @@ def run_transformer_floor(folder: Path, kind: str, device: str, replays: int = 2
     pipe.set_progress_bar_config(disable=True)
     latents = torch.from_numpy(initial_latents(kind)).to("cuda", pipe.transformer.input_dtypes["hidden_states"])
     with torch.inference_mode():
-        pipe(PROMPT, height=recipe["size"], width=recipe["size"], num_inference_steps=recipe["short_steps"],
-             guidance_scale=recipe["guidance"], latents=latents, max_sequence_length=recipe["max_sequence_length"],
-             output_type="latent")
+        pipe(
+            PROMPT,
+            height=recipe["size"],
+            width=recipe["size"],
+            num_inference_steps=recipe["short_steps"],
+            guidance_scale=recipe["guidance"],
+            latents=latents,
+            max_sequence_length=recipe["max_sequence_length"],
+            output_type="latent",
+        )
     torch.cuda.synchronize()
     per_step = graph_floor_ms(pipe.transformer, replays)
     if per_step is None:
         reasons = "; ".join(sorted(set(pipe.transformer.graph_fallbacks.values())))
-        return {"peer": "floor", "error": f"the transformer captured {len(pipe.transformer.graph_signatures)} CUDA "
-                                          f"graphs, expected exactly one{' (ORT: ' + reasons + ')' if reasons else ''}"}
-    return {"peer": "floor", "per_step_ms": per_step, "graph_inputs": pipe.transformer.graph_signatures[0],
-            "replays": replays}
+        return {
+            "peer": "floor",
+            "error": f"the transformer captured {len(pipe.transformer.graph_signatures)} CUDA "
+            f"graphs, expected exactly one{' (ORT: ' + reasons + ')' if reasons else ''}",
+        }
+    return {
+        "peer": "floor",
+        "per_step_ms": per_step,
+        "graph_inputs": pipe.transformer.graph_signatures[0],
+        "replays": replays,
+    }

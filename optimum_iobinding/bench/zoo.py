@@ -52,45 +52,78 @@ def build_torch_pipeline(kind: str, seed: int = 0):
             tokenizer = write_tiny_tokenizer(folder)
         if kind == "small":
             unet = UNet2DConditionModel(
-                block_out_channels=(64, 128, 256), layers_per_block=2, sample_size=32, cross_attention_dim=768,
+                block_out_channels=(64, 128, 256),
+                layers_per_block=2,
+                sample_size=32,
+                cross_attention_dim=768,
                 down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=8,
+                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+                attention_head_dim=8,
             )
             text_layers = 4
         elif kind in ("sd15", "lcm"):
             # LCM: the SD1.5 UNet with the guidance-embedding input LCM distillation adds (LCM-Dreamshaper's 256)
-            unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8,
-                                        time_cond_proj_dim=256 if kind == "lcm" else None)
+            unet = UNet2DConditionModel(
+                sample_size=64,
+                cross_attention_dim=768,
+                attention_head_dim=8,
+                time_cond_proj_dim=256 if kind == "lcm" else None,
+            )
             text_layers = 12
         elif kind == "turbo":  # SD-Turbo: the SD 2.1-base architecture
-            unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=1024, attention_head_dim=(5, 10, 20, 20),
-                                        use_linear_projection=True)
+            unet = UNet2DConditionModel(
+                sample_size=64, cross_attention_dim=1024, attention_head_dim=(5, 10, 20, 20), use_linear_projection=True
+            )
             text_layers = 23
         elif kind == "sdxl":
             return _sdxl_architecture(tokenizer)
         else:
             raise ValueError(f"model: expected one of {sorted(MODEL_SIZES)}, got {kind!r}")
         width = 1024 if kind == "turbo" else 768
-        text_encoder = CLIPTextModel(CLIPTextConfig(
-            hidden_size=width, intermediate_size=4 * width, num_attention_heads=width // 64,
-            num_hidden_layers=text_layers, max_position_embeddings=77, vocab_size=len(tokenizer),
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, hidden_act="gelu" if kind == "turbo" else "quick_gelu",
-        ))
+        text_encoder = CLIPTextModel(
+            CLIPTextConfig(
+                hidden_size=width,
+                intermediate_size=4 * width,
+                num_attention_heads=width // 64,
+                num_hidden_layers=text_layers,
+                max_position_embeddings=77,
+                vocab_size=len(tokenizer),
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                hidden_act="gelu" if kind == "turbo" else "quick_gelu",
+            )
+        )
         vae = _sd_vae()
         if kind == "lcm":
             from diffusers import LatentConsistencyModelPipeline, LCMScheduler
 
             return LatentConsistencyModelPipeline(
-                vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                vae=vae,
+                text_encoder=text_encoder,
+                tokenizer=tokenizer,
+                unet=unet,
                 scheduler=LCMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear"),
-                safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+                safety_checker=None,
+                feature_extractor=None,
+                requires_safety_checker=False,
             )
         pipe = StableDiffusionPipeline(
-            vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
-            scheduler=DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                                    clip_sample=False, set_alpha_to_one=False, steps_offset=1),
-            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            unet=unet,
+            scheduler=DDIMScheduler(
+                beta_start=0.00085,
+                beta_end=0.012,
+                beta_schedule="scaled_linear",
+                clip_sample=False,
+                set_alpha_to_one=False,
+                steps_offset=1,
+            ),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
         )
     set_recipe_scheduler(pipe, kind)
     return pipe
@@ -100,8 +133,11 @@ def _sd_vae():
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
-        block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(128, 256, 512, 512),
+        layers_per_block=2,
+        latent_channels=4,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
     )
 
 
@@ -112,28 +148,50 @@ def _sdxl_architecture(tokenizer):
 
     def text_config(width, layers, heads, projection=None):
         return CLIPTextConfig(
-            hidden_size=width, intermediate_size=4 * width, num_attention_heads=heads, num_hidden_layers=layers,
-            max_position_embeddings=77, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, hidden_act="gelu",
+            hidden_size=width,
+            intermediate_size=4 * width,
+            num_attention_heads=heads,
+            num_hidden_layers=layers,
+            max_position_embeddings=77,
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            hidden_act="gelu",
             **({"projection_dim": projection} if projection else {}),
         )
 
     unet = UNet2DConditionModel(
-        sample_size=128, block_out_channels=(320, 640, 1280), layers_per_block=2,
+        sample_size=128,
+        block_out_channels=(320, 640, 1280),
+        layers_per_block=2,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-        transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), cross_attention_dim=2048,
-        use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+        transformer_layers_per_block=(1, 2, 10),
+        attention_head_dim=(5, 10, 20),
+        cross_attention_dim=2048,
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=256,
         projection_class_embeddings_input_dim=2816,
     )
     vae = _sd_vae()
     vae.register_to_config(scaling_factor=0.13025, sample_size=1024)
     return StableDiffusionXLPipeline(
-        vae=vae, text_encoder=CLIPTextModel(text_config(768, 12, 12)),
+        vae=vae,
+        text_encoder=CLIPTextModel(text_config(768, 12, 12)),
         text_encoder_2=CLIPTextModelWithProjection(text_config(1280, 32, 20, projection=1280)),
-        tokenizer=tokenizer, tokenizer_2=tokenizer, unet=unet,
-        scheduler=DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                                clip_sample=False, set_alpha_to_one=False, steps_offset=1),
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer,
+        unet=unet,
+        scheduler=DDIMScheduler(
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            clip_sample=False,
+            set_alpha_to_one=False,
+            steps_offset=1,
+        ),
     )
 
 
@@ -149,8 +207,7 @@ def set_recipe_scheduler(pipe: Any, kind: str) -> None:
     elif name == "lcm":
         pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config)
     else:
-        pipe.scheduler = EulerAncestralDiscreteScheduler.from_config(pipe.scheduler.config,
-                                                                     timestep_spacing="trailing")
+        pipe.scheduler = EulerAncestralDiscreteScheduler.from_config(pipe.scheduler.config, timestep_spacing="trailing")
 
 
 def build_taesd_architecture(seed: int = 0):
@@ -173,10 +230,18 @@ def ensure_tiny_vae_export(dtype: str, export: str, work: Path) -> Path:
     with _ExportLock(work / f".{folder.name}.lock"):
         if not (folder / "vae_decoder" / "model.onnx").is_file():
             if folder.exists():
-                raise FileExistsError(f"--work: {str(folder)!r} exists but is not a finished tiny VAE export (no "
-                                      "vae_decoder/model.onnx); move it away or choose another --work folder")
-            export_pipeline(None, folder, dtype=dtype, optimize=optimize_target(export, "cuda"),
-                            progress=False, tiny_vae=build_taesd_architecture())
+                raise FileExistsError(
+                    f"--work: {str(folder)!r} exists but is not a finished tiny VAE export (no "
+                    "vae_decoder/model.onnx); move it away or choose another --work folder"
+                )
+            export_pipeline(
+                None,
+                folder,
+                dtype=dtype,
+                optimize=optimize_target(export, "cuda"),
+                progress=False,
+                tiny_vae=build_taesd_architecture(),
+            )
     return folder
 
 
@@ -203,12 +268,14 @@ def ensure_export(kind: str, dtype: str, export: str, work: Path, step_cache: bo
     (a folder of its own, ``…-step-cache``).
     """
     name = f"{kind}-{dtype}-{export}" + ("-step-cache" if step_cache else "")
-    return _ensure_pipeline_export(work / name, dtype, export, lambda: build_torch_pipeline(kind),
-                                   step_cache=step_cache)
+    return _ensure_pipeline_export(
+        work / name, dtype, export, lambda: build_torch_pipeline(kind), step_cache=step_cache
+    )
 
 
-def _ensure_pipeline_export(folder: Path, dtype: str, export: str, build: Callable[[], Any],
-                            device: str = "cuda", step_cache: bool = False) -> Path:
+def _ensure_pipeline_export(
+    folder: Path, dtype: str, export: str, build: Callable[[], Any], device: str = "cuda", step_cache: bool = False
+) -> Path:
     """``folder``: the export of the torch pipeline ``build()`` makes, made once under the folder's lock; an
     "optimized" export gets the fusions ``device``'s execution provider runs (:func:`optimize_target`);
     ``step_cache``: with the parts a step cache runs (``export_pipeline(step_cache=True)``)."""
@@ -218,11 +285,20 @@ def _ensure_pipeline_export(folder: Path, dtype: str, export: str, build: Callab
     with _ExportLock(folder.parent / f".{folder.name}.lock"):
         if not (folder / "model_index.json").is_file():
             if folder.exists():  # not one of ours (ours appear whole, by a rename): never delete it
-                raise FileExistsError(f"--work: {str(folder)!r} exists but is not a finished export (no "
-                                      "model_index.json); move it away or choose another --work folder")
+                raise FileExistsError(
+                    f"--work: {str(folder)!r} exists but is not a finished export (no "
+                    "model_index.json); move it away or choose another --work folder"
+                )
             # export_pipeline builds beside the folder and renames it into place once whole
-            export_pipeline(None, folder, dtype=dtype, optimize=optimize_target(export, device),
-                            progress=False, torch_pipeline=build(), step_cache=step_cache)
+            export_pipeline(
+                None,
+                folder,
+                dtype=dtype,
+                optimize=optimize_target(export, device),
+                progress=False,
+                torch_pipeline=build(),
+                step_cache=step_cache,
+            )
     return folder
 
 
@@ -245,7 +321,6 @@ class _ExportLock:
         self.handle.close()
 
 
-
 # ------------------------------------------------------------------------------ the transformer scenario's models
 # ``--scenario transformer``: SD3.5 Medium's and FLUX.1's architectures (random weights) at their own recipes, and
 # tiny versions of both for the CPU. ``family``: which pipelines run it; ``steps``/``short_steps``: the step counts
@@ -259,8 +334,13 @@ TRANSFORMER_RECIPES: Dict[str, Dict[str, Any]] = {
     "tiny-flux": dict(family="flux", size=64, steps=3, short_steps=1, guidance=0.0, max_sequence_length=16),
 }
 # the full models' transformer depth: (double-stream blocks, single-stream blocks); SD3's are all joint blocks
-TRANSFORMER_BLOCKS = {"sd35m": (24, 0), "flux-schnell": (19, 38), "flux-dev": (19, 38), "tiny-sd3": (2, 0),
-                      "tiny-flux": (1, 1)}
+TRANSFORMER_BLOCKS = {
+    "sd35m": (24, 0),
+    "flux-schnell": (19, 38),
+    "flux-dev": (19, 38),
+    "tiny-sd3": (2, 0),
+    "tiny-flux": (1, 1),
+}
 # the text encoders' depth in the full models: CLIP ViT-L, OpenCLIP bigG (SD3 only), T5-XXL's encoder
 TEXT_LAYERS = {"clip_l": 12, "clip_g": 32, "t5": 24}
 
@@ -282,8 +362,9 @@ def transformer_blocks(kind: str, blocks: Optional[int]) -> Optional[Tuple[int, 
     return min(blocks, double), min(2 * blocks, single)
 
 
-def transformer_export_name(kind: str, dtype: str, export: str, blocks: Optional[int],
-                            text_layers: Optional[int], device: str = "cuda") -> str:
+def transformer_export_name(
+    kind: str, dtype: str, export: str, blocks: Optional[int], text_layers: Optional[int], device: str = "cuda"
+) -> str:
     """The folder name of one transformer export under ``--work``: every setting that changes the files is in it (an
     optimized export for the CPU ends its name in ``-cpu``; a plain one is the same files for either device)."""
     name = f"{kind}-{dtype}-{export}"
@@ -297,8 +378,9 @@ def transformer_export_name(kind: str, dtype: str, export: str, blocks: Optional
     return name
 
 
-def build_transformer_pipeline(kind: str, blocks: Optional[int] = None, text_layers: Optional[int] = None,
-                               seed: int = 0):
+def build_transformer_pipeline(
+    kind: str, blocks: Optional[int] = None, text_layers: Optional[int] = None, seed: int = 0
+):
     """A random-weights diffusers pipeline of ``kind`` (:data:`TRANSFORMER_RECIPES`): ``StableDiffusion3Pipeline`` with
     SD3.5 Medium's MMDiT, CLIP-L, CLIP-G and T5-XXL's encoder, or ``FluxPipeline`` with FLUX.1's transformer (dev:
     with the guidance embedding), CLIP-L and T5-XXL's encoder; the tiny ones from :mod:`optimum_iobinding.export.tiny`.
@@ -330,47 +412,103 @@ def build_transformer_pipeline(kind: str, blocks: Optional[int] = None, text_lay
     def clip(width: int, layers: int, heads: int, act: str, projection: bool):
         # the real vocabularies' sizes (their embedding tables), the tiny tokenizer's special ids
         config = CLIPTextConfig(
-            vocab_size=49408, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
-            num_attention_heads=heads, max_position_embeddings=77, hidden_act=act, projection_dim=width,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id)
+            vocab_size=49408,
+            hidden_size=width,
+            intermediate_size=4 * width,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            max_position_embeddings=77,
+            hidden_act=act,
+            projection_dim=width,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
 
-    t5 = T5EncoderModel(T5Config(
-        vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=depth("t5"), num_heads=64,
-        relative_attention_num_buckets=32, feed_forward_proj="gated-gelu", dropout_rate=0.0, pad_token_id=0,
-        eos_token_id=1, decoder_start_token_id=0, is_encoder_decoder=False, use_cache=False)).eval()
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=32128,
+            d_model=4096,
+            d_kv=64,
+            d_ff=10240,
+            num_layers=depth("t5"),
+            num_heads=64,
+            relative_attention_num_buckets=32,
+            feed_forward_proj="gated-gelu",
+            dropout_rate=0.0,
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
+            is_encoder_decoder=False,
+            use_cache=False,
+        )
+    ).eval()
     recipe = TRANSFORMER_RECIPES[kind]
     double, single = transformer_blocks(kind, blocks) or TRANSFORMER_BLOCKS[kind]
     if recipe["family"] == "sd3":
         from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
         transformer = SD3Transformer2DModel(
-            sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=double, attention_head_dim=64,
-            num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-            pooled_projection_dim=2048, pos_embed_max_size=384, dual_attention_layers=tuple(range(min(13, double))),
-            qk_norm="rms_norm")
+            sample_size=128,
+            patch_size=2,
+            in_channels=16,
+            out_channels=16,
+            num_layers=double,
+            attention_head_dim=64,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            caption_projection_dim=1536,
+            pooled_projection_dim=2048,
+            pos_embed_max_size=384,
+            dual_attention_layers=tuple(range(min(13, double))),
+            qk_norm="rms_norm",
+        )
         return StableDiffusion3Pipeline(
-            transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+            transformer=transformer,
+            scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
             vae=_transformer_vae(AutoencoderKL, scaling_factor=1.5305, shift_factor=0.0609),
-            text_encoder=clip(768, depth("clip_l"), 12, "quick_gelu", True), tokenizer=tokenizer,
-            text_encoder_2=clip(1280, depth("clip_g"), 20, "gelu", True), tokenizer_2=tokenizer,
-            text_encoder_3=t5, tokenizer_3=tokenizer_t5)
+            text_encoder=clip(768, depth("clip_l"), 12, "quick_gelu", True),
+            tokenizer=tokenizer,
+            text_encoder_2=clip(1280, depth("clip_g"), 20, "gelu", True),
+            tokenizer_2=tokenizer,
+            text_encoder_3=t5,
+            tokenizer_3=tokenizer_t5,
+        )
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
     dev = kind == "flux-dev"
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=64, num_layers=double, num_single_layers=single, attention_head_dim=128,
-        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=dev,
-        axes_dims_rope=(16, 56, 56))
+        patch_size=1,
+        in_channels=64,
+        num_layers=double,
+        num_single_layers=single,
+        attention_head_dim=128,
+        num_attention_heads=24,
+        joint_attention_dim=4096,
+        pooled_projection_dim=768,
+        guidance_embeds=dev,
+        axes_dims_rope=(16, 56, 56),
+    )
     # FLUX.1 dev's schedule shifts with the resolution; schnell's has a fixed shift of 1
     scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=3.0 if dev else 1.0, use_dynamic_shifting=dev, base_shift=0.5,
-        max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
-    return FluxPipeline(scheduler=scheduler, vae=_transformer_vae(AutoencoderKL, scaling_factor=0.3611,
-                                                                  shift_factor=0.1159),
-                        text_encoder=clip(768, depth("clip_l"), 12, "quick_gelu", False), tokenizer=tokenizer,
-                        text_encoder_2=t5, tokenizer_2=tokenizer_t5, transformer=transformer)
+        num_train_timesteps=1000,
+        shift=3.0 if dev else 1.0,
+        use_dynamic_shifting=dev,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=_transformer_vae(AutoencoderKL, scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=clip(768, depth("clip_l"), 12, "quick_gelu", False),
+        tokenizer=tokenizer,
+        text_encoder_2=t5,
+        tokenizer_2=tokenizer_t5,
+        transformer=transformer,
+    )
 
 
 def _tiny_transformer_pipeline(kind: str, blocks: Optional[int], seed: int):
@@ -396,14 +534,30 @@ def _tiny_transformer_pipeline(kind: str, blocks: Optional[int], seed: int):
 def _transformer_vae(autoencoder: Any, scaling_factor: float, shift_factor: float):
     """SD3's and FLUX.1's VAE: SD's four blocks with 16 latent channels and no quant convolutions."""
     return autoencoder(
-        in_channels=3, out_channels=3, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=16,
-        sample_size=1024, scaling_factor=scaling_factor, shift_factor=shift_factor, use_quant_conv=False,
-        use_post_quant_conv=False)
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(128, 256, 512, 512),
+        layers_per_block=2,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        latent_channels=16,
+        sample_size=1024,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
 
 
-def ensure_transformer_export(kind: str, dtype: str, export: str, work: Path, blocks: Optional[int] = None,
-                              text_layers: Optional[int] = None, device: str = "cuda") -> Path:
+def ensure_transformer_export(
+    kind: str,
+    dtype: str,
+    export: str,
+    work: Path,
+    blocks: Optional[int] = None,
+    text_layers: Optional[int] = None,
+    device: str = "cuda",
+) -> Path:
     """The export of one transformer configuration under ``work`` (:func:`transformer_export_name`), made once and
     shared as :func:`ensure_export` shares the UNet pipelines', with the parts First-Block Cache runs. The exporter
     decides each component's precision (T5 stays float32 in a float16 export; a bf16 export's transformer is bfloat16,
@@ -413,6 +567,11 @@ def ensure_transformer_export(kind: str, dtype: str, export: str, work: Path, bl
     # with First-Block Cache's parts (files beside the transformer that the uncached runs never read) where the
     # transformer has a block to skip
     depth = transformer_blocks(kind, blocks) or TRANSFORMER_BLOCKS[kind]
-    return _ensure_pipeline_export(folder, dtype, export,
-                                   lambda: build_transformer_pipeline(kind, blocks, text_layers), device,
-                                   step_cache=sum(depth) >= 2)
+    return _ensure_pipeline_export(
+        folder,
+        dtype,
+        export,
+        lambda: build_transformer_pipeline(kind, blocks, text_layers),
+        device,
+        step_cache=sum(depth) >= 2,
+    )

@@ -31,8 +31,9 @@ class _SelfAttention(torch.autograd.Function):
     computed in torch while the exporter traces, written as one ``com.microsoft`` ``Attention`` node."""
 
     @staticmethod
-    def forward(ctx: Any, hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, heads: int,
-                scale: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, heads: int, scale: float
+    ) -> torch.Tensor:
         batch, sequence, _ = hidden_states.shape
 
         def by_head(projected: torch.Tensor) -> torch.Tensor:  # (batch, heads, sequence, head_size)
@@ -56,10 +57,15 @@ def fusable(attn: Any) -> bool:
     value widths, the input's width kept, no normalization of queries or keys."""
     layers = (attn.to_q, attn.to_k, attn.to_v)
     widths = {layer.out_features for layer in layers}
-    return (len(widths) == 1 and attn.to_q.in_features in widths and widths.pop() % attn.heads == 0
-            and getattr(attn, "norm_q", None) is None and getattr(attn, "norm_k", None) is None
-            and not getattr(attn, "is_cross_attention", False)
-            and all(isinstance(layer, torch.nn.Linear) for layer in layers))
+    return (
+        len(widths) == 1
+        and attn.to_q.in_features in widths
+        and widths.pop() % attn.heads == 0
+        and getattr(attn, "norm_q", None) is None
+        and getattr(attn, "norm_k", None) is None
+        and not getattr(attn, "is_cross_attention", False)
+        and all(isinstance(layer, torch.nn.Linear) for layer in layers)
+    )
 
 
 class FusedSelfAttnProcessor:
@@ -72,9 +78,16 @@ class FusedSelfAttnProcessor:
 
         self.classic = AttnProcessor()
 
-    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor] = None,
-                 attention_mask: Optional[torch.Tensor] = None, temb: Optional[torch.Tensor] = None,
-                 *args: Any, **kwargs: Any) -> torch.Tensor:
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        temb: Optional[torch.Tensor] = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         if encoder_hidden_states is not None or attention_mask is not None or not fusable(attn):
             return self.classic(attn, hidden_states, encoder_hidden_states, attention_mask, temb)
         residual = hidden_states
@@ -87,8 +100,9 @@ class FusedSelfAttnProcessor:
             hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
         layers = (attn.to_q, attn.to_k, attn.to_v)
         weight = torch.cat([layer.weight for layer in layers]).t()
-        bias = torch.cat([layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features)
-                          for layer in layers])
+        bias = torch.cat(
+            [layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features) for layer in layers]
+        )
         hidden_states = _SelfAttention.apply(hidden_states, weight, bias, int(attn.heads), float(attn.scale))
         hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))  # projection, dropout
         if image_shape is not None:

@@ -60,8 +60,13 @@ from .transformer_fusions import all_nodes, fresh_names
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["to_bfloat16", "ops_without_bfloat16_cuda_kernels", "has_bfloat16_cuda_kernel", "bfloat16_bits",
-           "BFLOAT16_CUDA_KERNELS"]
+__all__ = [
+    "to_bfloat16",
+    "ops_without_bfloat16_cuda_kernels",
+    "has_bfloat16_cuda_kernel",
+    "bfloat16_bits",
+    "BFLOAT16_CUDA_KERNELS",
+]
 
 FLOAT, FLOAT16, BFLOAT16 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16
 _MICROSOFT = "com.microsoft"
@@ -72,21 +77,96 @@ _MICROSOFT = "com.microsoft"
 # such graph holds, and is kept in float32 (the safe side: a Cast more, never a node on the CPU). Ops that compute
 # nothing (Constant) count as covered.
 BFLOAT16_CUDA_KERNELS: Dict[Tuple[str, str], int] = {
-    **{("", op): 1 for op in (
-        "Constant", "Flatten", "Gather", "Identity", "If", "LayerNormalization", "Loop", "Reshape", "Shape",
-        "SimplifiedLayerNormalization", "Size", "Slice", "Squeeze", "Transpose", "Unsqueeze")},
-    ("", "Split"): 2, ("", "Concat"): 4, ("", "Max"): 6, ("", "Min"): 6, ("", "Sum"): 6, ("", "Expand"): 8,
-    ("", "ConstantOfShape"): 9, ("", "GatherElements"): 11, ("", "ScatterElements"): 11, ("", "ScatterND"): 11,
-    **{("", op): 13 for op in (
-        "Abs", "Add", "Cast", "Div", "Dropout", "Erf", "Exp", "GatherND", "Gemm", "IsNaN", "MatMul", "Mod", "Mul",
-        "Neg", "ReduceSum", "Relu", "Sigmoid", "Sign", "Softmax", "Sqrt", "Sub", "Tanh", "Tile")},
-    ("", "Trilu"): 14, ("", "Pow"): 15, ("", "Where"): 16, ("", "Gelu"): 20, ("", "IsInf"): 20,
-    ("", "AveragePool"): 22, ("", "Conv"): 22, ("", "HardSigmoid"): 22, ("", "HardSwish"): 22,
-    ("", "Attention"): 23, ("", "RMSNormalization"): 23, ("", "RotaryEmbedding"): 23,
-    **{(_MICROSOFT, op): 1 for op in (
-        "Attention", "BiasDropout", "BiasGelu", "FastGelu", "FusedMatMul", "Gelu", "GroupQueryAttention",
-        "MatMulNBits", "MultiHeadAttention", "QuickGelu", "RotaryEmbedding", "SkipLayerNormalization",
-        "SkipSimplifiedLayerNormalization", "TransposeMatMul", "Trilu")},
+    **{
+        ("", op): 1
+        for op in (
+            "Constant",
+            "Flatten",
+            "Gather",
+            "Identity",
+            "If",
+            "LayerNormalization",
+            "Loop",
+            "Reshape",
+            "Shape",
+            "SimplifiedLayerNormalization",
+            "Size",
+            "Slice",
+            "Squeeze",
+            "Transpose",
+            "Unsqueeze",
+        )
+    },
+    ("", "Split"): 2,
+    ("", "Concat"): 4,
+    ("", "Max"): 6,
+    ("", "Min"): 6,
+    ("", "Sum"): 6,
+    ("", "Expand"): 8,
+    ("", "ConstantOfShape"): 9,
+    ("", "GatherElements"): 11,
+    ("", "ScatterElements"): 11,
+    ("", "ScatterND"): 11,
+    **{
+        ("", op): 13
+        for op in (
+            "Abs",
+            "Add",
+            "Cast",
+            "Div",
+            "Dropout",
+            "Erf",
+            "Exp",
+            "GatherND",
+            "Gemm",
+            "IsNaN",
+            "MatMul",
+            "Mod",
+            "Mul",
+            "Neg",
+            "ReduceSum",
+            "Relu",
+            "Sigmoid",
+            "Sign",
+            "Softmax",
+            "Sqrt",
+            "Sub",
+            "Tanh",
+            "Tile",
+        )
+    },
+    ("", "Trilu"): 14,
+    ("", "Pow"): 15,
+    ("", "Where"): 16,
+    ("", "Gelu"): 20,
+    ("", "IsInf"): 20,
+    ("", "AveragePool"): 22,
+    ("", "Conv"): 22,
+    ("", "HardSigmoid"): 22,
+    ("", "HardSwish"): 22,
+    ("", "Attention"): 23,
+    ("", "RMSNormalization"): 23,
+    ("", "RotaryEmbedding"): 23,
+    **{
+        (_MICROSOFT, op): 1
+        for op in (
+            "Attention",
+            "BiasDropout",
+            "BiasGelu",
+            "FastGelu",
+            "FusedMatMul",
+            "Gelu",
+            "GroupQueryAttention",
+            "MatMulNBits",
+            "MultiHeadAttention",
+            "QuickGelu",
+            "RotaryEmbedding",
+            "SkipLayerNormalization",
+            "SkipSimplifiedLayerNormalization",
+            "TransposeMatMul",
+            "Trilu",
+        )
+    },
 }
 _DTYPE_ATTRIBUTES = ("to", "dtype", "output_dtype")  # int attributes naming an element type (Cast's ``to``, …)
 
@@ -120,9 +200,13 @@ def ops_without_bfloat16_cuda_kernels(model: onnx.ModelProto) -> List[str]:
 
 
 # ------------------------------------------------------------------------------------------------ the conversion
-def to_bfloat16(float16_model: onnx.ModelProto,
-                float32_weights: Union[Mapping[str, np.ndarray], onnx.ModelProto],
-                *, base_dir: Optional[Union[str, os.PathLike]] = None, in_place: bool = False) -> onnx.ModelProto:
+def to_bfloat16(
+    float16_model: onnx.ModelProto,
+    float32_weights: Union[Mapping[str, np.ndarray], onnx.ModelProto],
+    *,
+    base_dir: Optional[Union[str, os.PathLike]] = None,
+    in_place: bool = False,
+) -> onnx.ModelProto:
     """A bfloat16 model from a float16 one: every float16 element type (graph inputs and outputs, ``value_info``,
     initializers, Cast's ``to``, Constant and ConstantOfShape values, any other tensor or element-type attribute, in
     subgraphs too) becomes bfloat16, and the ops of the main graph without a bfloat16 CUDA kernel (see the module's
@@ -164,12 +248,18 @@ def to_bfloat16(float16_model: onnx.ModelProto,
     elif isinstance(float32_weights, Mapping):
         originals = float32_weights
     else:
-        raise ArgumentTypeError("float32_weights", "expected a mapping of names to float32 arrays or the float32 "
-                                                   f"onnx.ModelProto, got {type(float32_weights).__name__}")
+        raise ArgumentTypeError(
+            "float32_weights",
+            "expected a mapping of names to float32 arrays or the float32 "
+            f"onnx.ModelProto, got {type(float32_weights).__name__}",
+        )
     on_disk = [tensor.name for tensor in float16_model.graph.initializer if _on_disk(tensor)]
     if on_disk:
-        raise ArgumentError("float16_model", f"expected its weights in memory, got {len(on_disk)} on disk (e.g. "
-                                             f"{on_disk[0]!r}); hint: onnx.load_external_data_for_model(model, folder)")
+        raise ArgumentError(
+            "float16_model",
+            f"expected its weights in memory, got {len(on_disk)} on disk (e.g. "
+            f"{on_disk[0]!r}); hint: onnx.load_external_data_for_model(model, folder)",
+        )
     model = float16_model if in_place else copy.deepcopy(float16_model)
     _fill_missing_types(model)
     opsets = _opsets(model)
@@ -180,8 +270,12 @@ def to_bfloat16(float16_model: onnx.ModelProto,
     _sort_topologically(model.graph)
     _import_domains(model)
     if kept:
-        logger.info("bfloat16: %d node(s) kept in float32, without a bfloat16 CUDA kernel at opset %d: %s", len(kept),
-                    opsets.get("", 0), sorted({node.op_type for node in kept}))
+        logger.info(
+            "bfloat16: %d node(s) kept in float32, without a bfloat16 CUDA kernel at opset %d: %s",
+            len(kept),
+            opsets.get("", 0),
+            sorted({node.op_type for node in kept}),
+        )
     return model
 
 
@@ -194,8 +288,9 @@ class _Float32Values(Mapping):
         self._tensors: Dict[str, TensorProto] = {}
         for node in model.graph.node:
             if node.op_type == "Constant" and _domain(node.domain) == "":
-                value = next((a.t for a in node.attribute
-                              if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
+                value = next(
+                    (a.t for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None
+                )
                 if value is not None and value.data_type == FLOAT:
                     self._tensors[node.output[0]] = value
         self._tensors.update({tensor.name: tensor for tensor in model.graph.initializer if tensor.data_type == FLOAT})
@@ -215,8 +310,9 @@ class _Float32Values(Mapping):
 
 
 # ---------------------------------------------------------------------------------------- ops kept in float32
-def _keep_in_float32(graph: onnx.GraphProto, opsets: Dict[str, int], originals: Mapping[str, np.ndarray]
-                     ) -> List[onnx.NodeProto]:
+def _keep_in_float32(
+    graph: onnx.GraphProto, opsets: Dict[str, int], originals: Mapping[str, np.ndarray]
+) -> List[onnx.NodeProto]:
     """Rewires each node of ``graph`` that reads or writes float16 and has no bfloat16 CUDA kernel to read and write
     float32: its float16 inputs through a Cast to float32 (a weight or constant that only such nodes read becomes
     float32 itself, its float32 original where there is one), its float16 outputs written under a new name and Cast
@@ -232,8 +328,9 @@ def _keep_in_float32(graph: onnx.GraphProto, opsets: Dict[str, int], originals: 
             readers.setdefault(name, []).append(node)
     outputs = {value.name for value in graph.output}
     initializers = {tensor.name: tensor for tensor in graph.initializer}
-    constants = {node.output[0]: node for node in graph.node
-                 if node.op_type == "Constant" and _domain(node.domain) == ""}
+    constants = {
+        node.output[0]: node for node in graph.node if node.op_type == "Constant" and _domain(node.domain) == ""
+    }
     shapes = {value.name: value for value in (*graph.input, *graph.value_info, *graph.output)}
     fresh = fresh_names(graph)
     widened: Dict[str, str] = {}  # float16 value → its float32 counterpart
@@ -294,8 +391,11 @@ def _retype_graph(graph: onnx.GraphProto, originals: Mapping[str, np.ndarray]) -
     for node in graph.node:
         constant = node.op_type == "Constant" and _domain(node.domain) == ""
         for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.INT and attribute.name in _DTYPE_ATTRIBUTES \
-                    and attribute.i == FLOAT16:
+            if (
+                attribute.type == onnx.AttributeProto.INT
+                and attribute.name in _DTYPE_ATTRIBUTES
+                and attribute.i == FLOAT16
+            ):
                 attribute.i = BFLOAT16
             elif attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_type == FLOAT16:
                 name = node.output[0] if constant else None
@@ -304,8 +404,10 @@ def _retype_graph(graph: onnx.GraphProto, originals: Mapping[str, np.ndarray]) -
                 for tensor in attribute.tensors:
                     if tensor.data_type == FLOAT16:
                         _to_bfloat16(tensor, None)
-            elif attribute.type == onnx.AttributeProto.SPARSE_TENSOR and attribute.sparse_tensor.values.data_type \
-                    == FLOAT16:
+            elif (
+                attribute.type == onnx.AttributeProto.SPARSE_TENSOR
+                and attribute.sparse_tensor.values.data_type == FLOAT16
+            ):
                 _to_bfloat16(attribute.sparse_tensor.values, None)
             elif attribute.type == onnx.AttributeProto.GRAPH:
                 _retype_graph(attribute.g, originals)
@@ -358,14 +460,20 @@ def _checked_original(name: str, half: np.ndarray, original: np.ndarray) -> np.n
 
     original = np.asarray(original)
     if original.dtype != np.float32 or original.shape != half.shape:
-        raise ArgumentError("float32_weights", f"expected {name!r} as a float32 array of shape {half.shape}, got "
-                                               f"{original.dtype} of shape {original.shape}")
+        raise ArgumentError(
+            "float32_weights",
+            f"expected {name!r} as a float32 array of shape {half.shape}, got "
+            f"{original.dtype} of shape {original.shape}",
+        )
     rounded = convert_np_to_float16(original.reshape(-1)).reshape(original.shape)  # as the converter reads it
     same = (rounded.view(np.uint16) == half.view(np.uint16)) | (np.isnan(rounded) & np.isnan(half))
     if not same.all():
-        raise ArgumentError("float32_weights", f"expected the float32 original of {name!r}, got values whose float16 "
-                                               f"rounding differs from the float16 model's; hint: pass the float32 "
-                                               f"model as it was just before the float16 conversion")
+        raise ArgumentError(
+            "float32_weights",
+            f"expected the float32 original of {name!r}, got values whose float16 "
+            f"rounding differs from the float16 model's; hint: pass the float32 "
+            f"model as it was just before the float16 conversion",
+        )
     return original
 
 
@@ -382,8 +490,14 @@ def _remove_cascaded_and_useless_casts(model: onnx.ModelProto) -> None:
     graph = model.graph
     types = _element_types(graph)
     outputs = {value.name for value in graph.output}
-    useless = [node for node in graph.node if node.op_type == "Cast" and node.output[0] not in outputs
-               and types.get(node.input[0]) is not None and types.get(node.input[0]) == _attribute(node, "to")]
+    useless = [
+        node
+        for node in graph.node
+        if node.op_type == "Cast"
+        and node.output[0] not in outputs
+        and types.get(node.input[0]) is not None
+        and types.get(node.input[0]) == _attribute(node, "to")
+    ]
     for node in useless:
         source, target = node.input[0], node.output[0]
         for reader in all_nodes(graph):
@@ -478,8 +592,10 @@ def _touches(node: onnx.NodeProto, types: Dict[str, int], elements: Sequence[int
     """``node`` reads or writes a tensor of one of ``elements`` (Constant nodes by the tensor they hold)."""
     if any(name and types.get(name) in elements for name in (*node.input, *node.output)):
         return True
-    return any(attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_type in elements
-               for attribute in node.attribute)
+    return any(
+        attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_type in elements
+        for attribute in node.attribute
+    )
 
 
 def _attribute(node: onnx.NodeProto, name: str) -> Optional[int]:
@@ -489,8 +605,11 @@ def _attribute(node: onnx.NodeProto, name: str) -> Optional[int]:
 def _element_types(graph: onnx.GraphProto) -> Dict[str, int]:
     """The element type of each value ``graph`` says one for: inputs, outputs, value infos, initializers, Constant
     nodes' values and Casts' outputs."""
-    types = {value.name: value.type.tensor_type.elem_type for value in (*graph.input, *graph.value_info, *graph.output)
-             if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type != TensorProto.UNDEFINED}
+    types = {
+        value.name: value.type.tensor_type.elem_type
+        for value in (*graph.input, *graph.value_info, *graph.output)
+        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type != TensorProto.UNDEFINED
+    }
     types.update({tensor.name: tensor.data_type for tensor in graph.initializer})
     for node in graph.node:
         if node.op_type == "Constant" and _domain(node.domain) == "":
@@ -502,16 +621,22 @@ def _element_types(graph: onnx.GraphProto) -> Dict[str, int]:
     return types
 
 
-def _graphs_with_types(graph: onnx.GraphProto, outer: Dict[str, int]
-                       ) -> Iterator[Tuple[onnx.GraphProto, Dict[str, int]]]:
+def _graphs_with_types(
+    graph: onnx.GraphProto, outer: Dict[str, int]
+) -> Iterator[Tuple[onnx.GraphProto, Dict[str, int]]]:
     """``graph`` and each subgraph in it, with the element types each one sees (its own and those of the graphs
     around it)."""
     types = {**outer, **_element_types(graph)}
     yield graph, types
     for node in graph.node:
         for attribute in node.attribute:
-            for subgraph in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else
-                             attribute.graphs if attribute.type == onnx.AttributeProto.GRAPHS else ()):
+            for subgraph in (
+                [attribute.g]
+                if attribute.type == onnx.AttributeProto.GRAPH
+                else attribute.graphs
+                if attribute.type == onnx.AttributeProto.GRAPHS
+                else ()
+            ):
                 yield from _graphs_with_types(subgraph, types)
 
 
@@ -519,8 +644,13 @@ def _reads(node: onnx.NodeProto) -> List[str]:
     """What ``node`` reads: its inputs and what the nodes of its subgraphs name from outside them."""
     names = [name for name in node.input if name]
     for attribute in node.attribute:
-        for subgraph in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else
-                         attribute.graphs if attribute.type == onnx.AttributeProto.GRAPHS else ()):
+        for subgraph in (
+            [attribute.g]
+            if attribute.type == onnx.AttributeProto.GRAPH
+            else attribute.graphs
+            if attribute.type == onnx.AttributeProto.GRAPHS
+            else ()
+        ):
             names.extend(name for inner in all_nodes(subgraph) for name in inner.input if name)
     return names
 

@@ -29,18 +29,41 @@ from .attention import fused_vae_attention
 from .bfloat16 import to_bfloat16
 from .deep_cache import marked_unet_spec, name_marks_before_divisions_by_one, write_unet_with_deep_cache_parts
 from .lora_places import lora_layers, weight_map
-from .optimize import (EXTERNAL_DATA_FILE, MAX_SINGLE_FILE_BYTES, convert_to_float16, fold_pads_into_convs,
-                       fusion_options, fusion_options_for, in_folder, optimize_component, optimized_to_float16,
-                       optimizer_model_type, remove_same_type_casts, save_onnx, use_classic_attention)
+from .optimize import (
+    EXTERNAL_DATA_FILE,
+    MAX_SINGLE_FILE_BYTES,
+    convert_to_float16,
+    fold_pads_into_convs,
+    fusion_options,
+    fusion_options_for,
+    in_folder,
+    optimize_component,
+    optimized_to_float16,
+    optimizer_model_type,
+    remove_same_type_casts,
+    save_onnx,
+    use_classic_attention,
+)
 from .step_cache import drop_marks, marked_transformer_spec, write_step_cache_parts
 from .transformer_fusions import fuse_diffusion_transformer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["pooled_output", "clip_text_encoder_spec", "t5_encoder_spec", "vae_specs", "is_tiny_vae", "to_precision",
-           "PRECISIONS",
-           "fix_output_dims", "export_component", "export_model", "save_model", "EXTERNAL_DATA_THRESHOLD",
-           "OPTIMUM_EXTERNAL_DATA_FILE"]
+__all__ = [
+    "pooled_output",
+    "clip_text_encoder_spec",
+    "t5_encoder_spec",
+    "vae_specs",
+    "is_tiny_vae",
+    "to_precision",
+    "PRECISIONS",
+    "fix_output_dims",
+    "export_component",
+    "export_model",
+    "save_model",
+    "EXTERNAL_DATA_THRESHOLD",
+    "OPTIMUM_EXTERNAL_DATA_FILE",
+]
 
 # Weights beyond this many bytes go to an external-data file: protobuf cannot serialize a message over 2 GiB, and the
 # graph itself needs some of that (the limit every export of the project keeps).
@@ -101,8 +124,9 @@ class ClipTextEncoder(torch.nn.Module):
         return (last, pooled, *layers)
 
 
-def clip_text_encoder_spec(text_encoder: torch.nn.Module, sequence: int, with_projection: bool,
-                           hidden_states: bool = True) -> Dict[str, Any]:
+def clip_text_encoder_spec(
+    text_encoder: torch.nn.Module, sequence: int, with_projection: bool, hidden_states: bool = True
+) -> Dict[str, Any]:
     """The export spec of a CLIP text encoder with optimum's names (``CLIPTextWithProjectionOnnxConfig`` /
     ``CLIPTextOnnxConfig``): int64 ``input_ids`` of dynamic batch and sequence; outputs as :class:`ClipTextEncoder`.
 
@@ -123,8 +147,11 @@ def clip_text_encoder_spec(text_encoder: torch.nn.Module, sequence: int, with_pr
         args=(torch.zeros(1, sequence, dtype=torch.int64),),
         input_names=["input_ids"],
         output_names=names + layers,
-        dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}, pooled: {0: "batch"},
-                      **{name: {0: "batch", 1: "sequence"} for name in ["last_hidden_state", *layers]}},
+        dynamic_axes={
+            "input_ids": {0: "batch", 1: "sequence"},
+            pooled: {0: "batch"},
+            **{name: {0: "batch", 1: "sequence"} for name in ["last_hidden_state", *layers]},
+        },
         config=text_encoder.config,
     )
 
@@ -211,9 +238,10 @@ def vae_specs(vae, latent_size: int) -> Dict[str, dict]:
             args=(torch.randn(1, config.in_channels, image_size, image_size),),
             input_names=["sample"],
             output_names=["latent_sample"],
-            dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"},
-                          "latent_sample": {0: "batch", 2: f"height / {encoder_factor}",
-                                            3: f"width / {encoder_factor}"}},
+            dynamic_axes={
+                "sample": {0: "batch", 2: "height", 3: "width"},
+                "latent_sample": {0: "batch", 2: f"height / {encoder_factor}", 3: f"width / {encoder_factor}"},
+            },
             # the exporter (or ORT's optimizer) may name the output's channels ("Slice…_dim_1", "Conv…_dim_1"):
             # fixed here, the output's size is known before the run and the model can be captured as a CUDA graph
             fixed_output_dims={"latent_sample": {1: config.latent_channels}},
@@ -227,9 +255,10 @@ def vae_specs(vae, latent_size: int) -> Dict[str, dict]:
             output_names=["sample"],
             # output dims as expressions of the input dims: sized before the run without shape inference (ours)
             # or eval (optimum's IO binding, which fails on a dim name no input has)
-            dynamic_axes={"latent_sample": {0: "batch", 2: "latent_height", 3: "latent_width"},
-                          "sample": {0: "batch", 2: f"latent_height * {decoder_factor}",
-                                     3: f"latent_width * {decoder_factor}"}},
+            dynamic_axes={
+                "latent_sample": {0: "batch", 2: "latent_height", 3: "latent_width"},
+                "sample": {0: "batch", 2: f"latent_height * {decoder_factor}", 3: f"latent_width * {decoder_factor}"},
+            },
             fixed_output_dims={"sample": {1: config.out_channels}},  # as the encoder's
             config=config,
             class_name=type(vae).__name__,
@@ -242,8 +271,7 @@ def vae_specs(vae, latent_size: int) -> Dict[str, dict]:
 PRECISIONS = ("fp32", "fp16", "bf16")
 
 
-def to_precision(exported: Path, optimized: Any, dtype: str,
-                 float32_inputs: Sequence[str] = ()) -> onnx.ModelProto:
+def to_precision(exported: Path, optimized: Any, dtype: str, float32_inputs: Sequence[str] = ()) -> onnx.ModelProto:
     """The model exported to ``exported`` (with any external data beside it), or ORT's optimization of it
     (``optimized``, an ``OnnxModel``; ``None``: none), in memory, in the precision ``dtype`` (one of
     :data:`PRECISIONS`):
@@ -303,17 +331,38 @@ def _torch_export(spec: Dict[str, Any], path: Path, opset: int) -> None:
         # own deprecation and how it spells advanced indexing: expected for diffusers' and transformers' modules, and
         # not the user's to act on
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        for message in ("Constant folding - Only steps=1", "You are using the legacy TorchScript-based ONNX export",
-                        "The feature will be removed", "Exporting aten::index operator of advanced indexing"):
+        for message in (
+            "Constant folding - Only steps=1",
+            "You are using the legacy TorchScript-based ONNX export",
+            "The feature will be removed",
+            "Exporting aten::index operator of advanced indexing",
+        ):
             warnings.filterwarnings("ignore", message=message)
-        torch.onnx.export(spec["module"].eval(), spec["args"], str(path), dynamo=False,
-                          input_names=spec["input_names"], output_names=spec["output_names"],
-                          dynamic_axes=spec["dynamic_axes"], opset_version=opset, do_constant_folding=True)
+        torch.onnx.export(
+            spec["module"].eval(),
+            spec["args"],
+            str(path),
+            dynamo=False,
+            input_names=spec["input_names"],
+            output_names=spec["output_names"],
+            dynamic_axes=spec["dynamic_axes"],
+            opset_version=opset,
+            do_constant_folding=True,
+        )
 
 
-def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool, optimize: Optional[str],
-                      xl: bool = False, external_data_threshold: int = MAX_SINGLE_FILE_BYTES,
-                      external_data_file: str = EXTERNAL_DATA_FILE, step_cache: bool = False) -> None:
+def export_component(
+    name: str,
+    spec: dict,
+    target: Path,
+    opset: int,
+    fp16: bool,
+    optimize: Optional[str],
+    xl: bool = False,
+    external_data_threshold: int = MAX_SINGLE_FILE_BYTES,
+    external_data_file: str = EXTERNAL_DATA_FILE,
+    step_cache: bool = False,
+) -> None:
     """Exports one component the UNet families' way (text encoder, UNet, ControlNet, VAE; a diffusion transformer's
     CLIP and VAE too) to ``target/name``: the TorchScript exporter (with the attention ORT's optimizer fuses), ORT's
     optimizer (``optimize``), float16 (``fp16``), the LoRA map of a UNet or text encoder, ``model.onnx`` (its
@@ -345,13 +394,15 @@ def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool
         if changed:
             onnx.save_model(exported, str(scratch_path))
         del exported
-        optimized = (optimize_component(name, scratch_path, fusion_options(name, spec["config"], optimize), optimize)
-                     if optimize else None)
+        optimized = (
+            optimize_component(name, scratch_path, fusion_options(name, spec["config"], optimize), optimize)
+            if optimize
+            else None
+        )
         model = to_precision(scratch_path, optimized, "fp16" if fp16 else "fp32")
     if layers_of is not None:  # where each layer's weight went: runtime LoRA updates it there
         (target / name).mkdir(parents=True, exist_ok=True)
-        write_weight_map(weight_map(layers_of, model), target / name,
-                         [layer for layer, _ in lora_layers(layers_of)])
+        write_weight_map(weight_map(layers_of, model), target / name, [layer for layer, _ in lora_layers(layers_of)])
     fix_output_dims(model, spec.get("fixed_output_dims", {}))
     if step_cache:
         write_unet_with_deep_cache_parts(model, target / name, branches)
@@ -368,7 +419,9 @@ def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool
                 "%s: the VAE's config says force_upcast=True (SDXL's stock VAE overflows float16 and then decodes "
                 "NaN/black images), but this export is float16 and cannot be upcast, so its config.json says "
                 "force_upcast=false. If the images come out black, export a float16-safe VAE: vae= (CLI: --vae), "
-                "e.g. madebyollin/sdxl-vae-fp16-fix.", name)
+                "e.g. madebyollin/sdxl-vae-fp16-fix.",
+                name,
+            )
         config["force_upcast"] = False
     (target / name / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
 
@@ -378,10 +431,18 @@ def export_component(name: str, spec: dict, target: Path, opset: int, fp16: bool
 GRAPH_REWRITES: Dict[str, Callable[[onnx.ModelProto], Dict[str, int]]] = {"mmdit": fuse_diffusion_transformer}
 
 
-def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, optimize: Optional[str],
-                 model_type: str, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
-                 exportable: Optional[Callable[[torch.nn.Module], ContextManager]] = None,
-                 step_cache: bool = False, dtype: str = "fp32") -> None:
+def export_model(
+    name: str,
+    spec: Dict[str, Any],
+    target: Path,
+    opset: int,
+    optimize: Optional[str],
+    model_type: str,
+    external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
+    exportable: Optional[Callable[[torch.nn.Module], ContextManager]] = None,
+    step_cache: bool = False,
+    dtype: str = "fp32",
+) -> None:
     """Exports one transformer-family component (a diffusion transformer, a T5 encoder) to ``target/name``: the
     TorchScript exporter, then ORT's transformer optimizer (``optimize``: ``"cuda"`` or ``"cpu"``; ``model_type``,
     e.g. ``t5`` or ``mmdit``; again without the attention fusion where that fusion raises) with the weights kept on
@@ -415,8 +476,11 @@ def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, opti
             _torch_export(spec, path, opset)
         if optimize == "cpu" and model_type in _OPTIMIZED_FOR_CUDA_ONLY:
             optimize = None
-        optimized = (optimize_component(name, path, fusion_options_for(model_type, optimize), optimize, model_type)
-                     if optimize else None)
+        optimized = (
+            optimize_component(name, path, fusion_options_for(model_type, optimize), optimize, model_type)
+            if optimize
+            else None
+        )
         if optimized is not None and model_type in GRAPH_REWRITES:
             rewritten = onnx.ModelProto()  # a copy (the weights stay on disk): a failing rewrite leaves ORT's graph
             rewritten.CopyFrom(optimized.model)
@@ -424,8 +488,12 @@ def export_model(name: str, spec: Dict[str, Any], target: Path, opset: int, opti
                 with in_folder(path.parent):  # the small constants they read may be on disk beside the model
                     made = GRAPH_REWRITES[model_type](rewritten)
             except Exception as error:  # an unforeseen graph: ORT's optimized graph is still a whole export
-                logger.warning("%s: the graph rewrites failed (%s: %s); exporting ORT's optimized graph without them",
-                               name, type(error).__name__, error)
+                logger.warning(
+                    "%s: the graph rewrites failed (%s: %s); exporting ORT's optimized graph without them",
+                    name,
+                    type(error).__name__,
+                    error,
+                )
             else:
                 optimized.model.CopyFrom(rewritten)
                 logger.info("%s: graph rewrites %s", name, made)

@@ -45,9 +45,18 @@ from onnx.external_data_helper import uses_external_data
 from ..errors import ArgumentError
 from .optimize import save_onnx
 
-__all__ = ["FULL_PART", "SHALLOW_PART", "FEATURE_PREFIX", "WEIGHTS_FILE", "deep_cache_places", "feature_name",
-           "marked_unet_spec", "name_marks_before_divisions_by_one", "shallow_graph",
-           "write_unet_with_deep_cache_parts"]
+__all__ = [
+    "FULL_PART",
+    "SHALLOW_PART",
+    "FEATURE_PREFIX",
+    "WEIGHTS_FILE",
+    "deep_cache_places",
+    "feature_name",
+    "marked_unet_spec",
+    "name_marks_before_divisions_by_one",
+    "shallow_graph",
+    "write_unet_with_deep_cache_parts",
+]
 
 FULL_PART = "deep_cache_full.onnx"
 # a branch's shallow graph: SHALLOW_PART.format(branch=…)
@@ -75,10 +84,13 @@ def check_deep_cache_unet(unet: torch.nn.Module) -> None:
     strange = [type(block).__name__ for block in down if type(block).__name__ not in DOWN_BLOCKS]
     strange += [type(block).__name__ for block in up if type(block).__name__ not in UP_BLOCKS]
     if strange or not up or len(down) != len(up):
-        raise ArgumentError("step_cache", f"expected a UNet of {DOWN_BLOCKS} down and {UP_BLOCKS} up blocks, as many "
-                                          f"of each, for DeepCache's parts; got down blocks "
-                                          f"{[type(b).__name__ for b in down]} and up blocks "
-                                          f"{[type(b).__name__ for b in up]}")
+        raise ArgumentError(
+            "step_cache",
+            f"expected a UNet of {DOWN_BLOCKS} down and {UP_BLOCKS} up blocks, as many "
+            f"of each, for DeepCache's parts; got down blocks "
+            f"{[type(b).__name__ for b in down]} and up blocks "
+            f"{[type(b).__name__ for b in up]}",
+        )
 
 
 def deep_cache_places(unet: torch.nn.Module) -> Dict[int, Place]:
@@ -148,11 +160,12 @@ class _MarkedUNet(torch.nn.Module):
 
 
 def _scaled_dim(name: str, depth: int) -> str:
-    return name if depth == 0 else f"{name} / {2 ** depth}"
+    return name if depth == 0 else f"{name} / {2**depth}"
 
 
-def marked_unet_spec(spec: Dict[str, Any]) -> Tuple[Dict[str, Any], Callable[[torch.nn.Module], ContextManager],
-                                                    Dict[int, str]]:
+def marked_unet_spec(
+    spec: Dict[str, Any],
+) -> Tuple[Dict[str, Any], Callable[[torch.nn.Module], ContextManager], Dict[int, str]]:
     """The export spec of a UNet (as :mod:`.unet` writes it: ``module.unet`` is diffusers' UNet) with every branch's
     feature as an extra output, one per distinct place, dynamic in batch and size (the sample's at the place's
     depth).
@@ -173,9 +186,17 @@ def marked_unet_spec(spec: Dict[str, Any]) -> Tuple[Dict[str, Any], Callable[[to
     for place in distinct:
         depth = blocks - 1 - place[0]  # up block k works at the depth of down block n − 1 − k
         axes[feature_name(place)] = {0: "batch", 2: _scaled_dim("height", depth), 3: _scaled_dim("width", depth)}
-    marked_spec = dict(spec, module=marked, output_names=list(spec["output_names"]) + [feature_name(p) for p in distinct],
-                       dynamic_axes=axes)
-    return marked_spec, lambda module: marked.hooked(), {branch: feature_name(place) for branch, place in places.items()}
+    marked_spec = dict(
+        spec,
+        module=marked,
+        output_names=list(spec["output_names"]) + [feature_name(p) for p in distinct],
+        dynamic_axes=axes,
+    )
+    return (
+        marked_spec,
+        lambda module: marked.hooked(),
+        {branch: feature_name(place) for branch, place in places.items()},
+    )
 
 
 def _is_constant_one(model: onnx.ModelProto, name: str) -> bool:
@@ -221,7 +242,7 @@ def _read_names(node: onnx.NodeProto) -> List[str]:
     """The values ``node`` reads: its inputs and what the subgraphs of its attributes read from outside them."""
     names = [name for name in node.input if name]
     for attribute in node.attribute:
-        for graph in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)):
+        for graph in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs):
             made = {output for inner in graph.node for output in inner.output}
             names += [name for inner in graph.node for name in _read_names(inner) if name not in made]
     return names
@@ -252,8 +273,11 @@ def shallow_graph(model: onnx.ModelProto, feature: str, outputs: Sequence[str]) 
         needed.add(position)
         stack.extend(_read_names(nodes[position]))
     if producer[feature] in needed:
-        raise ArgumentError("feature", f"{feature!r} cannot be cut out: node {nodes[producer[feature]].name!r}, which "
-                                       f"computes it, is needed by the outputs {list(outputs)} for something else")
+        raise ArgumentError(
+            "feature",
+            f"{feature!r} cannot be cut out: node {nodes[producer[feature]].name!r}, which "
+            f"computes it, is needed by the outputs {list(outputs)} for something else",
+        )
     part_nodes = [nodes[position] for position in sorted(needed)]
     read = list(dict.fromkeys(name for node in part_nodes for name in _read_names(node)))
     read_set = set(read)
@@ -262,10 +286,16 @@ def shallow_graph(model: onnx.ModelProto, feature: str, outputs: Sequence[str]) 
     inputs = [value for value in graph.input if value.name in read_set and value.name not in known]
     made = {output for node in part_nodes for output in node.output}
     part = helper.make_graph(
-        part_nodes, f"{graph.name}_shallow", [*inputs, declared[feature]], [declared[name] for name in outputs],
-        initializers, value_info=[value for value in graph.value_info if value.name in made])
-    shallow = helper.make_model(part, opset_imports=model.opset_import, ir_version=model.ir_version,
-                                producer_name=model.producer_name)
+        part_nodes,
+        f"{graph.name}_shallow",
+        [*inputs, declared[feature]],
+        [declared[name] for name in outputs],
+        initializers,
+        value_info=[value for value in graph.value_info if value.name in made],
+    )
+    shallow = helper.make_model(
+        part, opset_imports=model.opset_import, ir_version=model.ir_version, producer_name=model.producer_name
+    )
     shallow.functions.extend(model.functions)
     return shallow
 

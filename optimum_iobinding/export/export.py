@@ -19,8 +19,14 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ArgumentError, ArgumentTypeError
-from ..layout import (building_beside, check_output_folder, download_from_hub, fixed_length_problem,
-                      looks_like_hub_id, read_json_object)
+from ..layout import (
+    building_beside,
+    check_output_folder,
+    download_from_hub,
+    fixed_length_problem,
+    looks_like_hub_id,
+    read_json_object,
+)
 from .components import PRECISIONS, export_component, vae_specs
 from .flux import export_flux_pipeline, is_flux
 from .step_cache import check_first_block_cache_depth
@@ -30,8 +36,16 @@ from .unet import check_tiny_vae_fits, controlnets_of, export_unet_pipeline
 
 # the checks of the arguments are public too: the command line runs them before it loads anything (check_tiny_vae_fits
 # belongs to .unet, since it holds a tiny VAE against the UNet, and is named here beside the others)
-__all__ = ["export_pipeline", "transformer_family", "check_transformer_options", "check_tiny_vae_arguments",
-           "check_tiny_vae_config", "check_tiny_vae_fits", "resolve_dtype", "check_dtype_fits"]
+__all__ = [
+    "export_pipeline",
+    "transformer_family",
+    "check_transformer_options",
+    "check_tiny_vae_arguments",
+    "check_tiny_vae_config",
+    "check_tiny_vae_fits",
+    "resolve_dtype",
+    "check_dtype_fits",
+]
 
 
 def export_pipeline(
@@ -134,42 +148,69 @@ def export_pipeline(
     dtype = resolve_dtype(dtype, fp16)
     tiny_vae = None if tiny_vae is False else tiny_vae
     # what is known before loading: a ControlNet asked for or given, or a VAE alone; the rest once it is loaded
-    if step_cache and (controlnet is not None or tiny_random == "controlnet"
-                       or (torch_pipeline is not None and controlnets_of(torch_pipeline))):
-        _refuse_step_cache("a ControlNet pipeline (its residuals go into the deep blocks that DeepCache's shallow "
-                           "steps skip)")
-    if step_cache and tiny_vae is not None and model_id_or_path is None and torch_pipeline is None \
-            and not tiny_random:
+    if step_cache and (
+        controlnet is not None
+        or tiny_random == "controlnet"
+        or (torch_pipeline is not None and controlnets_of(torch_pipeline))
+    ):
+        _refuse_step_cache(
+            "a ControlNet pipeline (its residuals go into the deep blocks that DeepCache's shallow steps skip)"
+        )
+    if step_cache and tiny_vae is not None and model_id_or_path is None and torch_pipeline is None and not tiny_random:
         _refuse_step_cache("a VAE alone")
     if vae is not None or controlnet is not None or tiny_vae is not None:  # before anything is loaded or fetched
-        check_transformer_options(transformer_family(model_id_or_path, torch_pipeline=torch_pipeline,
-                                                     tiny_random=tiny_random),
-                                  vae=vae, controlnet=controlnet, tiny_vae=tiny_vae)
+        check_transformer_options(
+            transformer_family(model_id_or_path, torch_pipeline=torch_pipeline, tiny_random=tiny_random),
+            vae=vae,
+            controlnet=controlnet,
+            tiny_vae=tiny_vae,
+        )
     vae_only = tiny_vae is not None and model_id_or_path is None and torch_pipeline is None and not tiny_random
-    check_tiny_vae_arguments(tiny_vae, vae_only=vae_only, random_pipeline=bool(tiny_random), vae=vae,
-                             controlnet=controlnet)
-    check_dtype_fits(dtype, model_id_or_path, torch_pipeline=torch_pipeline, tiny_random=tiny_random,
-                     vae_only=vae_only, controlnet=controlnet)
+    check_tiny_vae_arguments(
+        tiny_vae, vae_only=vae_only, random_pipeline=bool(tiny_random), vae=vae, controlnet=controlnet
+    )
+    check_dtype_fits(
+        dtype,
+        model_id_or_path,
+        torch_pipeline=torch_pipeline,
+        tiny_random=tiny_random,
+        vae_only=vae_only,
+        controlnet=controlnet,
+    )
     if vae_only:
         components = vae_only_components(components)
-    source = Path(model_id_or_path) if (model_id_or_path is not None and torch_pipeline is None and not tiny_random
-                                         and Path(model_id_or_path).exists()) else None
+    source = (
+        Path(model_id_or_path)
+        if (
+            model_id_or_path is not None
+            and torch_pipeline is None
+            and not tiny_random
+            and Path(model_id_or_path).exists()
+        )
+        else None
+    )
     target = check_output_folder(output_dir, source, overwrite)
     # the tiny VAE before the pipeline: a name that cannot be loaded fails in seconds, not after the pipeline's minutes
     tiny = load_tiny_vae(tiny_vae) if tiny_vae is not None else None
     if vae_only:
-        return _export_vae_only(tiny, target, components, opset=opset, fp16=dtype == "fp16", optimize=optimize,
-                                progress=progress)
+        return _export_vae_only(
+            tiny, target, components, opset=opset, fp16=dtype == "fp16", optimize=optimize, progress=progress
+        )
     if torch_pipeline is not None:
         pipe = torch_pipeline
     elif tiny_random:
         kind = "sd" if tiny_random is True else tiny_random
         if kind not in TINY_RANDOM_KINDS:
-            raise ArgumentError("tiny_random", f"expected True or one of {sorted(TINY_RANDOM_KINDS)}, got {tiny_random!r}")
+            raise ArgumentError(
+                "tiny_random", f"expected True or one of {sorted(TINY_RANDOM_KINDS)}, got {tiny_random!r}"
+            )
         pipe = TINY_RANDOM_KINDS[kind]()
     elif model_id_or_path is None:
-        raise ArgumentError("model_id_or_path", "expected a diffusers folder or hub id (or tiny_random=True; or tiny_vae "
-                                                "alone for a folder of a tiny VAE), got None")
+        raise ArgumentError(
+            "model_id_or_path",
+            "expected a diffusers folder or hub id (or tiny_random=True; or tiny_vae "
+            "alone for a folder of a tiny VAE), got None",
+        )
     elif pipeline_loader is not None:
         pipe = pipeline_loader(model_id_or_path)
     else:
@@ -181,12 +222,32 @@ def export_pipeline(
     if getattr(pipe, "transformer", None) is not None:  # a diffusion transformer (SD3, Flux)
         if step_cache:
             check_first_block_cache_depth(pipe.transformer)
-        return _export_transformer_pipeline(pipe, target, vae=vae, controlnet=controlnet, tiny_vae=tiny_vae,
-                                            components=components, opset=opset, dtype=dtype, optimize=optimize,
-                                            progress=progress, step_cache=step_cache)
-    return export_unet_pipeline(pipe, target, vae=vae, controlnet=controlnet, tiny_vae=tiny, components=components,
-                                opset=opset, fp16=dtype == "fp16", optimize=optimize, progress=progress,
-                                step_cache=step_cache)
+        return _export_transformer_pipeline(
+            pipe,
+            target,
+            vae=vae,
+            controlnet=controlnet,
+            tiny_vae=tiny_vae,
+            components=components,
+            opset=opset,
+            dtype=dtype,
+            optimize=optimize,
+            progress=progress,
+            step_cache=step_cache,
+        )
+    return export_unet_pipeline(
+        pipe,
+        target,
+        vae=vae,
+        controlnet=controlnet,
+        tiny_vae=tiny,
+        components=components,
+        opset=opset,
+        fp16=dtype == "fp16",
+        optimize=optimize,
+        progress=progress,
+        step_cache=step_cache,
+    )
 
 
 def resolve_dtype(dtype: Optional[str], fp16: bool = False) -> str:
@@ -202,14 +263,22 @@ def resolve_dtype(dtype: Optional[str], fp16: bool = False) -> str:
     if not isinstance(dtype, str) or dtype not in PRECISIONS:
         raise ArgumentError("dtype", f"{expected}, got {dtype!r}")
     if fp16 and dtype != "fp16":
-        raise ArgumentError("dtype", f"{expected}, got {dtype!r} together with fp16=True, an alias of dtype='fp16'; "
-                                     "hint: give dtype alone")
+        raise ArgumentError(
+            "dtype",
+            f"{expected}, got {dtype!r} together with fp16=True, an alias of dtype='fp16'; hint: give dtype alone",
+        )
     return dtype
 
 
-def check_dtype_fits(dtype: str, model_id_or_path: Optional[Union[str, os.PathLike]] = None, *,
-                     torch_pipeline: Optional[object] = None, tiny_random: Union[bool, str] = False,
-                     vae_only: bool = False, controlnet: Optional[object] = None) -> None:
+def check_dtype_fits(
+    dtype: str,
+    model_id_or_path: Optional[Union[str, os.PathLike]] = None,
+    *,
+    torch_pipeline: Optional[object] = None,
+    tiny_random: Union[bool, str] = False,
+    vae_only: bool = False,
+    controlnet: Optional[object] = None,
+) -> None:
     """``"bf16"`` is for the diffusion transformers (SD3/SD3.5, FLUX.1): refused for what is known to be anything
     else, as soon as it is known — a VAE alone, a ControlNet pipeline, a UNet pipeline given or built (tiny random),
     or one whose model_index.json (a local folder's, or that one file fetched from the Hub) names a UNet. On a UNet
@@ -240,15 +309,21 @@ def check_dtype_fits(dtype: str, model_id_or_path: Optional[Union[str, os.PathLi
 
 
 def _refuse_bfloat16(got: str) -> None:
-    raise ArgumentError("dtype", f"expected 'fp32' or 'fp16' for {got}, got 'bf16'; hint: bf16 is for Stable "
-                                 "Diffusion 3/3.5 and FLUX.1 (on a UNet most ops would stay float32, without a "
-                                 "bfloat16 CUDA kernel: Conv below opset 22, GroupNorm, NhwcConv, BiasSplitGelu)")
+    raise ArgumentError(
+        "dtype",
+        f"expected 'fp32' or 'fp16' for {got}, got 'bf16'; hint: bf16 is for Stable "
+        "Diffusion 3/3.5 and FLUX.1 (on a UNet most ops would stay float32, without a "
+        "bfloat16 CUDA kernel: Conv below opset 22, GroupNorm, NhwcConv, BiasSplitGelu)",
+    )
 
 
 def _refuse_step_cache(got: str) -> None:
-    raise ArgumentError("step_cache", "expected an SD3 or FLUX.1 pipeline (First-Block Cache's parts) or a Stable "
-                                      "Diffusion 1.x/2.x, SDXL or LCM pipeline without a ControlNet (DeepCache's "
-                                      f"parts), got {got}")
+    raise ArgumentError(
+        "step_cache",
+        "expected an SD3 or FLUX.1 pipeline (First-Block Cache's parts) or a Stable "
+        "Diffusion 1.x/2.x, SDXL or LCM pipeline without a ControlNet (DeepCache's "
+        f"parts), got {got}",
+    )
 
 
 def _export_transformer_pipeline(pipe, target: Path, *, vae, controlnet, tiny_vae, **options) -> Path:
@@ -258,12 +333,16 @@ def _export_transformer_pipeline(pipe, target: Path, *, vae, controlnet, tiny_va
     elif is_sd3_pipeline(pipe):
         export = export_sd3_pipeline
     else:
-        raise ArgumentError("model", f"expected a Stable Diffusion (1.x/2.x, XL), Stable Diffusion 3 or Flux pipeline, got "
-                         f"a {type(pipe).__name__} with a {type(pipe.transformer).__name__}, which this version does "
-                         "not export")
+        raise ArgumentError(
+            "model",
+            f"expected a Stable Diffusion (1.x/2.x, XL), Stable Diffusion 3 or Flux pipeline, got "
+            f"a {type(pipe).__name__} with a {type(pipe.transformer).__name__}, which this version does "
+            "not export",
+        )
     # a pipeline_loader's pipeline is known only now
-    check_transformer_options(transformer_family(torch_pipeline=pipe), vae=vae, controlnet=controlnet,
-                              tiny_vae=tiny_vae)
+    check_transformer_options(
+        transformer_family(torch_pipeline=pipe), vae=vae, controlnet=controlnet, tiny_vae=tiny_vae
+    )
     return export(pipe, target, **options)
 
 
@@ -283,9 +362,12 @@ def check_tokenizer_lengths(pipe: Any) -> None:
             continue
         problem = fixed_length_problem(tokenizer)
         if problem is not None:
-            raise ArgumentError(name, f"expected a {type(tokenizer).__name__} whose model_max_length is the length "
-                                      f"its text encoder is fed (CLIP's 77), got one where {problem}: set "
-                                      "model_max_length in its tokenizer_config.json")
+            raise ArgumentError(
+                name,
+                f"expected a {type(tokenizer).__name__} whose model_max_length is the length "
+                f"its text encoder is fed (CLIP's 77), got one where {problem}: set "
+                "model_max_length in its tokenizer_config.json",
+            )
 
 
 # the diffusion-transformer families, by their transformer's class (what model_index.json names)
@@ -293,8 +375,12 @@ TRANSFORMER_FAMILIES = {"FluxTransformer2DModel": "Flux", "SD3Transformer2DModel
 TINY_RANDOM_FAMILIES = {"sd3": "Stable Diffusion 3", "flux": "Flux", "flux-dev": "Flux"}
 
 
-def transformer_family(model_id_or_path: Optional[Union[str, os.PathLike]] = None, *,
-                       torch_pipeline: Optional[object] = None, tiny_random: Union[bool, str] = False) -> Optional[str]:
+def transformer_family(
+    model_id_or_path: Optional[Union[str, os.PathLike]] = None,
+    *,
+    torch_pipeline: Optional[object] = None,
+    tiny_random: Union[bool, str] = False,
+) -> Optional[str]:
     """The diffusion-transformer family (``"Flux"``, ``"Stable Diffusion 3"``) of what :func:`export_pipeline` would
     export, known before the pipeline loads: from the pipeline given, the tiny random kind, or the transformer that
     ``model_id_or_path``'s model_index.json names (a local folder's, or that one file fetched from the Hub).
@@ -338,10 +424,16 @@ def check_transformer_options(family: Optional[str], *, vae=None, controlnet=Non
         return
     for name, value in (("vae", vae), ("controlnet", controlnet), ("tiny_vae", tiny_vae)):
         if value is not None:
-            shown = repr(os.fspath(value)) if isinstance(value, os.PathLike) else \
-                repr(value) if isinstance(value, (str, bool, list, tuple)) else type(value).__name__
-            raise ArgumentError(name, f"expected None for a {family} pipeline (its own VAE is exported, no ControlNet), "
-                                      f"got {shown}")
+            shown = (
+                repr(os.fspath(value))
+                if isinstance(value, os.PathLike)
+                else repr(value)
+                if isinstance(value, (str, bool, list, tuple))
+                else type(value).__name__
+            )
+            raise ArgumentError(
+                name, f"expected None for a {family} pipeline (its own VAE is exported, no ControlNet), got {shown}"
+            )
 
 
 TINY_VAE_COMPONENTS = ("vae_encoder", "vae_decoder")
@@ -353,14 +445,19 @@ def check_tiny_vae_arguments(tiny_vae, *, vae_only: bool, random_pipeline: bool,
     if tiny_vae is None:
         return
     if tiny_vae is True and not (random_pipeline or vae_only):
-        raise ArgumentError("tiny_vae", "True (a tiny random AutoencoderTiny) goes with tiny_random or alone (a folder of "
-                         "the tiny VAE only); a trained pipeline needs a trained tiny VAE, e.g. 'madebyollin/taesd' "
-                         "(SD 1.x/2.x) or 'madebyollin/taesdxl' (SDXL)")
+        raise ArgumentError(
+            "tiny_vae",
+            "True (a tiny random AutoencoderTiny) goes with tiny_random or alone (a folder of "
+            "the tiny VAE only); a trained pipeline needs a trained tiny VAE, e.g. 'madebyollin/taesd' "
+            "(SD 1.x/2.x) or 'madebyollin/taesdxl' (SDXL)",
+        )
     if vae is not None:
         raise ArgumentError("vae and tiny_vae", "expected one VAE to export, got both")
     if vae_only and controlnet is not None:
-        raise ArgumentError("controlnet", "expected none for a folder of the tiny VAE alone, got one; export the "
-                                          "ControlNet with its pipeline")
+        raise ArgumentError(
+            "controlnet",
+            "expected none for a folder of the tiny VAE alone, got one; export the ControlNet with its pipeline",
+        )
 
 
 def load_tiny_vae(tiny_vae):
@@ -379,14 +476,19 @@ def load_tiny_vae(tiny_vae):
         return tiny_vae
     if not isinstance(tiny_vae, (str, os.PathLike)):
         hint = "; an AutoencoderKL is a full VAE: pass it as vae=" if isinstance(tiny_vae, AutoencoderKL) else ""
-        raise ArgumentTypeError("tiny_vae", f"expected an AutoencoderTiny, its folder or hub id, or True (a tiny random one), "
-                                            f"got {type(tiny_vae).__name__}{hint}")
+        raise ArgumentTypeError(
+            "tiny_vae",
+            f"expected an AutoencoderTiny, its folder or hub id, or True (a tiny random one), "
+            f"got {type(tiny_vae).__name__}{hint}",
+        )
     name = os.fspath(tiny_vae)
 
     def unloadable(error: BaseException) -> ValueError:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        return ValueError(f"tiny_vae: expected an AutoencoderTiny folder or hub id (e.g. 'madebyollin/taesd'), got "
-                          f"{name!r}, which does not load: {type(error).__name__}: {reason[:200]}")
+        return ValueError(
+            f"tiny_vae: expected an AutoencoderTiny folder or hub id (e.g. 'madebyollin/taesd'), got "
+            f"{name!r}, which does not load: {type(error).__name__}: {reason[:200]}"
+        )
 
     try:
         config = AutoencoderTiny.load_config(name)
@@ -409,8 +511,11 @@ def check_tiny_vae_config(config: Any, name: str, vae_argument: str = "vae") -> 
     class_name = config.get("_class_name") if isinstance(config, dict) else None
     if class_name not in (None, "AutoencoderTiny"):
         hint = f"; a full VAE goes in {vae_argument}" if class_name == "AutoencoderKL" else ""
-        raise ArgumentTypeError("tiny_vae", f"expected an AutoencoderTiny folder or hub id, got {name!r}, whose config.json "
-                                            f"names the class {class_name}{hint}")
+        raise ArgumentTypeError(
+            "tiny_vae",
+            f"expected an AutoencoderTiny folder or hub id, got {name!r}, whose config.json "
+            f"names the class {class_name}{hint}",
+        )
 
 
 def vae_only_components(components: Optional[Sequence[str]]) -> tuple:
@@ -418,13 +523,17 @@ def vae_only_components(components: Optional[Sequence[str]]) -> tuple:
     components = TINY_VAE_COMPONENTS if components is None else tuple(components)
     unknown = [c for c in components if c not in TINY_VAE_COMPONENTS]
     if unknown or not components:
-        raise ArgumentError("components", f"a folder of the tiny VAE alone has {list(TINY_VAE_COMPONENTS)}, got "
-                         f"{unknown or list(components)}; give model_id_or_path (or tiny_random) for a pipeline")
+        raise ArgumentError(
+            "components",
+            f"a folder of the tiny VAE alone has {list(TINY_VAE_COMPONENTS)}, got "
+            f"{unknown or list(components)}; give model_id_or_path (or tiny_random) for a pipeline",
+        )
     return components
 
 
-def _export_vae_only(vae, target: Path, components: Sequence[str], *, opset: int, fp16: bool,
-                     optimize: Optional[str], progress: bool) -> Path:
+def _export_vae_only(
+    vae, target: Path, components: Sequence[str], *, opset: int, fp16: bool, optimize: Optional[str], progress: bool
+) -> Path:
     """A folder of ``vae`` alone: ``vae_encoder/`` and ``vae_decoder/`` (or the one of them in ``components``)."""
     specs = vae_specs(vae, latent_size=8)
     with building_beside(target) as scratch:

@@ -86,11 +86,19 @@ class _FluxTransformer(torch.nn.Module):
         self.transformer = transformer
         self.guidance_embeds = bool(transformer.config.guidance_embeds)
 
-    def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, txt_ids, img_ids,
-                guidance=None):
-        return self.transformer(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
-                                pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids,
-                                txt_ids=txt_ids, guidance=guidance, return_dict=False)[0]
+    def forward(
+        self, hidden_states, encoder_hidden_states, pooled_projections, timestep, txt_ids, img_ids, guidance=None
+    ):
+        return self.transformer(
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            pooled_projections=pooled_projections,
+            timestep=timestep,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=guidance,
+            return_dict=False,
+        )[0]
 
 
 class _DecomposedRMSNorm(torch.nn.Module):
@@ -125,7 +133,7 @@ class _RotaryPositions(torch.nn.Module):
         cosines, sines = [], []
         for axis, dim in enumerate(self.axes_dim):
             exponents = torch.arange(0, dim, 2, dtype=torch.float64)[: dim // 2] / dim
-            frequencies = (1.0 / self.theta ** exponents).to(torch.float32)
+            frequencies = (1.0 / self.theta**exponents).to(torch.float32)
             angles = positions[:, axis : axis + 1] * frequencies[None, :]
             # each frequency twice in a row (the real and imaginary halves of one rotation)
             cosines.append(torch.stack([angles.cos(), angles.cos()], dim=-1).flatten(1))
@@ -146,9 +154,14 @@ class _FluxAttentionForExport:
     exported graph takes any number of text and image tokens; in the (batch, heads, sequence, head_dim) layout and op
     order that ORT's MMDiT attention fusion matches (the export is float32: no casts in between)."""
 
-    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor] = None,
-                 attention_mask: Optional[torch.Tensor] = None,
-                 image_rotary_emb: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Any:
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        image_rotary_emb: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    ) -> Any:
         batch = hidden_states.shape[0]
 
         def heads(projected: torch.Tensor) -> torch.Tensor:
@@ -191,8 +204,11 @@ def exportable_flux_modules(module: torch.nn.Module):
             processors.append((parent, parent.processor))
     try:
         for parent, name, child in swapped:
-            replacement = _DecomposedRMSNorm(child) if isinstance(child, torch.nn.RMSNorm) else \
-                _RotaryPositions(child.theta, child.axes_dim)
+            replacement = (
+                _DecomposedRMSNorm(child)
+                if isinstance(child, torch.nn.RMSNorm)
+                else _RotaryPositions(child.theta, child.axes_dim)
+            )
             setattr(parent, name, replacement)
         for attention, _ in processors:
             attention.set_processor(_FluxAttentionForExport())
@@ -212,35 +228,61 @@ def flux_component_specs(pipe) -> Dict[str, dict]:
     t5_length = 16  # every length is dynamic: a short example exports faster
     tokens, text_length = 16, t5_length  # packed latent tokens of the example (a 4 × 4 grid)
     specs: Dict[str, dict] = {
-        "text_encoder": clip_text_encoder_spec(pipe.text_encoder, clip_length, with_projection=False,
-                                               hidden_states=False),
+        "text_encoder": clip_text_encoder_spec(
+            pipe.text_encoder, clip_length, with_projection=False, hidden_states=False
+        ),
         "text_encoder_2": t5_encoder_spec(pipe.text_encoder_2, t5_length),
     }
     names = ["hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "txt_ids", "img_ids"]
-    args = [torch.randn(2, tokens, config.in_channels), torch.randn(2, text_length, config.joint_attention_dim),
-            torch.randn(2, config.pooled_projection_dim), torch.tensor([0.5, 0.5]),
-            torch.zeros(text_length, 3, dtype=torch.int64),
-            torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"),
-                        dim=-1).reshape(tokens, 3).to(torch.int64)]
-    axes = {"hidden_states": {0: "batch_size", 1: "packed_height_width"},
-            "encoder_hidden_states": {0: "batch_size", 1: "sequence_length"}, "pooled_projections": {0: "batch_size"},
-            "timestep": {0: "batch_size"}, "txt_ids": {0: "sequence_length"}, "img_ids": {0: "packed_height_width"},
-            "out_hidden_states": {0: "batch_size", 1: "packed_height_width"}}
+    args = [
+        torch.randn(2, tokens, config.in_channels),
+        torch.randn(2, text_length, config.joint_attention_dim),
+        torch.randn(2, config.pooled_projection_dim),
+        torch.tensor([0.5, 0.5]),
+        torch.zeros(text_length, 3, dtype=torch.int64),
+        torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"), dim=-1)
+        .reshape(tokens, 3)
+        .to(torch.int64),
+    ]
+    axes = {
+        "hidden_states": {0: "batch_size", 1: "packed_height_width"},
+        "encoder_hidden_states": {0: "batch_size", 1: "sequence_length"},
+        "pooled_projections": {0: "batch_size"},
+        "timestep": {0: "batch_size"},
+        "txt_ids": {0: "sequence_length"},
+        "img_ids": {0: "packed_height_width"},
+        "out_hidden_states": {0: "batch_size", 1: "packed_height_width"},
+    }
     if config.guidance_embeds:
         names.append("guidance")
         args.append(torch.tensor([3.5, 3.5]))
         axes["guidance"] = {0: "batch_size"}
-    specs["transformer"] = dict(module=_FluxTransformer(transformer), args=tuple(args), input_names=names,
-                                output_names=["out_hidden_states"], dynamic_axes=axes, config=config,
-                                # the token width as a number, whatever ORT's fusions leave (as SD3's channels)
-                                fixed_output_dims={"out_hidden_states": {2: transformer.proj_out.out_features}})
+    specs["transformer"] = dict(
+        module=_FluxTransformer(transformer),
+        args=tuple(args),
+        input_names=names,
+        output_names=["out_hidden_states"],
+        dynamic_axes=axes,
+        config=config,
+        # the token width as a number, whatever ORT's fusions leave (as SD3's channels)
+        fixed_output_dims={"out_hidden_states": {2: transformer.proj_out.out_features}},
+    )
     specs.update(vae_specs(pipe.vae, latent_size=8))
     return specs
 
 
-def export_flux_pipeline(pipe, target: Path, *, dtype: str = "fp32", opset: int = 17, optimize: Optional[str] = None,
-                         components: Optional[Sequence[str]] = None, progress: bool = True,
-                         external_data_threshold: int = EXTERNAL_DATA_THRESHOLD, step_cache: bool = False) -> Path:
+def export_flux_pipeline(
+    pipe,
+    target: Path,
+    *,
+    dtype: str = "fp32",
+    opset: int = 17,
+    optimize: Optional[str] = None,
+    components: Optional[Sequence[str]] = None,
+    progress: bool = True,
+    external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
+    step_cache: bool = False,
+) -> Path:
     """Exports a diffusers ``FluxPipeline`` to optimum's Flux layout in ``target`` (built beside it, moved into
     place when whole; the caller has checked ``target``).
 
@@ -265,7 +307,17 @@ def export_flux_pipeline(pipe, target: Path, *, dtype: str = "fp32", opset: int 
     if unknown:
         raise ArgumentError("components", f"expected names from {list(FLUX_COMPONENTS)}, got {unknown}")
     return export_transformer_pipeline(
-        pipe, target, flux_component_specs(pipe), components, class_name="FluxPipeline",
-        optimizer_model_types=FLUX_OPTIMIZER_MODEL_TYPES, opset=opset, dtype=dtype, optimize=optimize,
-        progress=progress, external_data_threshold=external_data_threshold, exportable=exportable_flux_modules,
-        step_cache=step_cache)
+        pipe,
+        target,
+        flux_component_specs(pipe),
+        components,
+        class_name="FluxPipeline",
+        optimizer_model_types=FLUX_OPTIMIZER_MODEL_TYPES,
+        opset=opset,
+        dtype=dtype,
+        optimize=optimize,
+        progress=progress,
+        external_data_threshold=external_data_threshold,
+        exportable=exportable_flux_modules,
+        step_cache=step_cache,
+    )

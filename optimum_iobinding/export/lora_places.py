@@ -101,8 +101,9 @@ def lora_layers(module: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module]
             yield name, layer
 
 
-def weight_map(module: torch.nn.Module, model: onnx.ModelProto,
-               base_dir: Optional[Union[str, Path]] = None) -> Dict[str, List[WeightPlace]]:
+def weight_map(
+    module: torch.nn.Module, model: onnx.ModelProto, base_dir: Optional[Union[str, Path]] = None
+) -> Dict[str, List[WeightPlace]]:
     """Each Linear and Conv2d layer of ``module`` (by its module name, as LoRA files name layers) → the places of its
     weight among ``model``'s initializers (usually one; several where ONNX Runtime copied it). Layers whose weight
     was not found (folded into another computation) are left out."""

@@ -23,19 +23,31 @@ MAX_SINGLE_FILE_BYTES = 1 << 30
 
 def weight_bytes(model: onnx.ModelProto) -> int:
     """Bytes of the initializers (what decides whether a model fits one protobuf; ByteSize() itself fails > 2 GiB)."""
-    return sum(len(t.raw_data) or 4 * (len(t.float_data) + len(t.int32_data)) + 8 * len(t.int64_data)
-               for t in model.graph.initializer)
+    return sum(
+        len(t.raw_data) or 4 * (len(t.float_data) + len(t.int32_data)) + 8 * len(t.int64_data)
+        for t in model.graph.initializer
+    )
 
 
-def save_onnx(model: onnx.ModelProto, path: Path, threshold: int = MAX_SINGLE_FILE_BYTES,
-              external_data_file: str = EXTERNAL_DATA_FILE) -> bool:
+def save_onnx(
+    model: onnx.ModelProto,
+    path: Path,
+    threshold: int = MAX_SINGLE_FILE_BYTES,
+    external_data_file: str = EXTERNAL_DATA_FILE,
+) -> bool:
     """Writes ``model`` to ``path``: one file, or with its weights in one ``external_data_file`` beside it where they
     are over ``threshold`` bytes. Returns whether it wrote external data."""
     path.parent.mkdir(parents=True, exist_ok=True)
     external = weight_bytes(model) > threshold
     if external:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=external_data_file, size_threshold=1024)
+        onnx.save_model(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=external_data_file,
+            size_threshold=1024,
+        )
     else:
         onnx.save_model(model, str(path))
     return external
@@ -47,10 +59,22 @@ def save_onnx(model: onnx.ModelProto, path: Path, threshold: int = MAX_SINGLE_FI
 # 1000 times a frequency near 1 is rounded by 0.5, and its sine and cosine come out up to ~0.3 wrong.
 CONDITIONING_INPUTS = ("timestep", "guidance", "img_ids", "txt_ids", "timestep_cond", "time_ids")
 # Where the float32 island ends: the first layer with weights (the embedder's Linear) runs in float16, as in diffusers.
-_ISLAND_ENDS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "FusedMatMul", "MatMulNBits",
-                          "Attention", "MultiHeadAttention"})
-_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
-                          onnx.TensorProto.BFLOAT16})
+_ISLAND_ENDS = frozenset(
+    {
+        "MatMul",
+        "Gemm",
+        "Conv",
+        "ConvTranspose",
+        "Einsum",
+        "FusedMatMul",
+        "MatMulNBits",
+        "Attention",
+        "MultiHeadAttention",
+    }
+)
+_FLOAT_TYPES = frozenset(
+    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
+)
 
 
 def float32_island(graph: onnx.GraphProto, inputs: Sequence[str] = CONDITIONING_INPUTS) -> List[str]:
@@ -73,8 +97,7 @@ def float32_island(graph: onnx.GraphProto, inputs: Sequence[str] = CONDITIONING_
     Returns:
         The island's node names, in graph order.
     """
-    types = {value.name: value.type.tensor_type.elem_type
-             for value in (*graph.input, *graph.value_info, *graph.output)}
+    types = {value.name: value.type.tensor_type.elem_type for value in (*graph.input, *graph.value_info, *graph.output)}
     types.update({tensor.name: tensor.data_type for tensor in graph.initializer})
     producer = {output: node for node in graph.node for output in node.output}
     consumers: Dict[str, list] = {}
@@ -90,9 +113,14 @@ def float32_island(graph: onnx.GraphProto, inputs: Sequence[str] = CONDITIONING_
         if value not in constant_memo:
             node = producer.get(value)
             constant_memo[value] = False  # a cycle is no constant
-            constant_memo[value] = node is not None and not _has_subgraph(node) and (
-                node.op_type == "Constant" or (bool(node.input) and all(not name or constant(name)
-                                                                        for name in node.input)))
+            constant_memo[value] = (
+                node is not None
+                and not _has_subgraph(node)
+                and (
+                    node.op_type == "Constant"
+                    or (bool(node.input) and all(not name or constant(name) for name in node.input))
+                )
+            )
         return constant_memo[value]
 
     derived = {value.name for value in graph.input if value.name in inputs}
@@ -102,8 +130,13 @@ def float32_island(graph: onnx.GraphProto, inputs: Sequence[str] = CONDITIONING_
         for node in consumers.get(queue.popleft(), ()):
             if id(node) in island or node.op_type in _ISLAND_ENDS or _has_subgraph(node):
                 continue
-            if all(not name or name in derived or constant(name) or (types.get(name) or onnx.TensorProto.FLOAT)
-                   not in _FLOAT_TYPES for name in node.input):
+            if all(
+                not name
+                or name in derived
+                or constant(name)
+                or (types.get(name) or onnx.TensorProto.FLOAT) not in _FLOAT_TYPES
+                for name in node.input
+            ):
                 island.add(id(node))
                 derived.update(node.output)
                 queue.extend(node.output)
@@ -131,8 +164,12 @@ def _constant_value(graph: onnx.GraphProto, name: str, opset: int, depth: int = 
         if tensor.name == name:
             return None if uses_external_data(tensor) else numpy_helper.to_array(tensor)
     producer = next((node for node in graph.node if name in node.output), None)
-    if producer is None or depth == 0 or _has_subgraph(producer) or (
-            producer.op_type != "Constant" and not any(producer.input)):  # RandomNormal and the like
+    if (
+        producer is None
+        or depth == 0
+        or _has_subgraph(producer)
+        or (producer.op_type != "Constant" and not any(producer.input))
+    ):  # RandomNormal and the like
         return None
     if producer.op_type == "Constant":
         value = next((a for a in producer.attribute if a.name == "value"), None)
@@ -145,10 +182,16 @@ def _constant_value(graph: onnx.GraphProto, name: str, opset: int, depth: int = 
                 return None
             inputs[input_name] = value
     try:
-        model = helper.make_model(helper.make_graph(
-            [producer], "constant", [], [helper.make_tensor_value_info(name, onnx.TensorProto.UNDEFINED, None)],
-            [numpy_helper.from_array(value, input_name) for input_name, value in inputs.items()]),
-            opset_imports=[helper.make_opsetid("", opset)])
+        model = helper.make_model(
+            helper.make_graph(
+                [producer],
+                "constant",
+                [],
+                [helper.make_tensor_value_info(name, onnx.TensorProto.UNDEFINED, None)],
+                [numpy_helper.from_array(value, input_name) for input_name, value in inputs.items()],
+            ),
+            opset_imports=[helper.make_opsetid("", opset)],
+        )
         return np.asarray(ReferenceEvaluator(model).run(None, {})[0])
     except Exception:  # an op the reference evaluator lacks: not known to be constant here
         return None
@@ -169,10 +212,21 @@ def remove_same_type_casts(model: onnx.ModelProto) -> int:
         return 0
     # the graph with its initializers as typed inputs: types are all that is asked, and no weight is copied
     light = onnx.helper.make_model(
-        onnx.helper.make_graph(list(graph.node), graph.name, [*graph.input, *[
-            onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
-            for tensor in graph.initializer]], list(graph.output)),
-        opset_imports=list(model.opset_import), ir_version=model.ir_version)
+        onnx.helper.make_graph(
+            list(graph.node),
+            graph.name,
+            [
+                *graph.input,
+                *[
+                    onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
+                    for tensor in graph.initializer
+                ],
+            ],
+            list(graph.output),
+        ),
+        opset_imports=list(model.opset_import),
+        ir_version=model.ir_version,
+    )
     try:
         inferred = onnx.shape_inference.infer_shapes(light, strict_mode=False).graph
     except Exception:  # inference refuses the graph: ORT's own pass still removes the casts
@@ -242,16 +296,29 @@ def fold_pads_into_convs(model: onnx.ModelProto) -> int:
         pads = _constant_value(graph, pad.input[1], opset)
         fill = _constant_value(graph, pad.input[2], opset) if len(pad.input) == 3 and pad.input[2] else np.zeros(1)
         convs = readers.get(pad.output[0], [])
-        if mode != b"constant" or pads is None or fill is None or np.any(fill != 0) or pads.ndim != 1 \
-                or len(pads) % 2 or np.any(pads < 0) or not convs:
+        if (
+            mode != b"constant"
+            or pads is None
+            or fill is None
+            or np.any(fill != 0)
+            or pads.ndim != 1
+            or len(pads) % 2
+            or np.any(pads < 0)
+            or not convs
+        ):
             continue
         rank = len(pads) // 2
         begin, end = pads[:rank], pads[rank:]
         if rank < 3 or np.any(begin[:2] != 0) or np.any(end[:2] != 0):  # batch and channels untouched, NC…
             continue
-        if not all(conv.op_type == "Conv" and conv.input[0] == pad.output[0] and pad.output[0] not in conv.input[1:]
-                   and next((a.s for a in conv.attribute if a.name == "auto_pad"), b"NOTSET") == b"NOTSET"
-                   and len(_conv_pads(conv, rank)) == 2 * (rank - 2) for conv in convs):
+        if not all(
+            conv.op_type == "Conv"
+            and conv.input[0] == pad.output[0]
+            and pad.output[0] not in conv.input[1:]
+            and next((a.s for a in conv.attribute if a.name == "auto_pad"), b"NOTSET") == b"NOTSET"
+            and len(_conv_pads(conv, rank)) == 2 * (rank - 2)
+            for conv in convs
+        ):
             continue
         spatial = [int(v) for v in begin[2:]] + [int(v) for v in end[2:]]
         for conv in convs:
@@ -274,8 +341,9 @@ def fold_pads_into_convs(model: onnx.ModelProto) -> int:
         if name in outputs or any(name in node.input for node in graph.node):
             continue
         producer = next((node for node in graph.node if name in node.output), None)
-        if producer is not None and not any(output in outputs or any(output in node.input for node in graph.node)
-                                            for output in producer.output):
+        if producer is not None and not any(
+            output in outputs or any(output in node.input for node in graph.node) for output in producer.output
+        ):
             graph.node.remove(producer)
             unread.extend(input_name for input_name in producer.input if input_name)
         for tensor in [t for t in graph.initializer if t.name == name and name not in inputs]:
@@ -290,12 +358,14 @@ def _conv_pads(conv: onnx.NodeProto, rank: int) -> List[int]:
 
 
 def _has_subgraph(node: onnx.NodeProto) -> bool:
-    return any(attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-               for attribute in node.attribute)
+    return any(
+        attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for attribute in node.attribute
+    )
 
 
-def convert_to_float16(model: onnx.ModelProto, shapes_known: bool = False,
-                       float32_inputs: Sequence[str] = ()) -> onnx.ModelProto:
+def convert_to_float16(
+    model: onnx.ModelProto, shapes_known: bool = False, float32_inputs: Sequence[str] = ()
+) -> onnx.ModelProto:
     """fp32 → fp16 with ORT's converter: inputs and outputs become fp16 too but for ``float32_inputs``; the ops in
     its default block list (those that need fp32) and the :func:`float32_island` of the conditioning inputs stay
     fp32 behind casts; then the casts ORT's converter puts between two float32 nodes (to float16 and straight back)
@@ -318,8 +388,9 @@ def _converted_keeping_island(model: onnx.ModelProto, float32_inputs: Sequence[s
     from onnxruntime.transformers.float16 import convert_float_to_float16
     from onnxruntime.transformers.onnx_model import OnnxModel
 
-    converted = convert_float_to_float16(model, keep_io_types=list(float32_inputs), disable_shape_infer=True,
-                                         node_block_list=float32_island(model.graph))
+    converted = convert_float_to_float16(
+        model, keep_io_types=list(float32_inputs), disable_shape_infer=True, node_block_list=float32_island(model.graph)
+    )
     # The converter casts a float16 value to float32 once for each float32 node that reads it, every Cast writing
     # the same name: identical nodes, of which an ONNX graph may have one.
     seen: set = set()
@@ -352,8 +423,11 @@ def remove_cascaded_casts(converted: Any) -> None:
         casts = {node.output[0]: node for node in graph.node if node.op_type == "Cast"}
         for node in graph.node:
             parent = casts.get(node.input[0]) if node.op_type == "Cast" else None
-            if parent is not None and parent is not node and (
-                    (to(parent) in floats and to(node) in floats) or to(parent) == to(node)):
+            if (
+                parent is not None
+                and parent is not node
+                and ((to(parent) in floats and to(node) in floats) or to(parent) == to(node))
+            ):
                 node.input[0] = parent.input[0]
                 changed = True
         read = {name for node in graph.node for name in node.input} | outputs
@@ -362,8 +436,14 @@ def remove_cascaded_casts(converted: Any) -> None:
 
 
 # ORT's optimizer model type of each kind of component.
-OPTIMIZER_MODEL_TYPES = {"text_encoder": "clip", "text_encoder_2": "clip", "unet": "unet", "vae_encoder": "vae",
-                         "vae_decoder": "vae", "controlnet": "unet"}
+OPTIMIZER_MODEL_TYPES = {
+    "text_encoder": "clip",
+    "text_encoder_2": "clip",
+    "unet": "unet",
+    "vae_encoder": "vae",
+    "vae_decoder": "vae",
+    "controlnet": "unet",
+}
 
 
 def _kind(name: str) -> str:
@@ -382,8 +462,15 @@ BIAS_SPLIT_GELU_HIDDEN_SIZES = (2560, 5120, 6144, 10240, 12288)
 
 
 # fusions whose fused operators have CUDA kernels only
-CUDA_ONLY_FUSIONS = ("enable_nhwc_conv", "enable_group_norm", "enable_skip_group_norm", "enable_bias_splitgelu",
-                     "enable_bias_add", "enable_packed_qkv", "enable_packed_kv")
+CUDA_ONLY_FUSIONS = (
+    "enable_nhwc_conv",
+    "enable_group_norm",
+    "enable_skip_group_norm",
+    "enable_bias_splitgelu",
+    "enable_bias_add",
+    "enable_packed_qkv",
+    "enable_packed_kv",
+)
 
 
 def fusion_options_for(model_type: str, target: str) -> Any:
@@ -410,8 +497,11 @@ def fusion_options(name: str, config: Any, target: str):
     name = _kind(name)
     options = fusion_options_for(optimizer_model_type(name), target)
     if target != "cpu":
-        channels = list(config.get("block_out_channels", [])) if isinstance(config, dict) else \
-            list(getattr(config, "block_out_channels", []))
+        channels = (
+            list(config.get("block_out_channels", []))
+            if isinstance(config, dict)
+            else list(getattr(config, "block_out_channels", []))
+        )
         if name in ("unet", "controlnet") and not all(8 * c in BIAS_SPLIT_GELU_HIDDEN_SIZES for c in channels):
             options.enable_bias_splitgelu = False
         # ORT's CUDA GroupNorm takes only some channel counts (it refuses 32 channels in 32 groups, for one): the
@@ -465,8 +555,14 @@ def load_light(path: Path) -> onnx.ModelProto:
 
 def unload(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
     """Writes ``model`` to ``path`` with its weights beside it and returns it loaded light (see :func:`load_light`)."""
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=path.stem + ".weights", size_threshold=1024)
+    onnx.save_model(
+        model,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=path.stem + ".weights",
+        size_threshold=1024,
+    )
     return onnx.load(str(path), load_external_data=False)
 
 
@@ -484,16 +580,22 @@ def optimize_component(name: str, path: Path, options: Any, target: str, model_t
 
     def run(fusions):
         with in_folder(path.parent):
-            return optimize_model(load_light(path), model_type=model_type, opt_level=0,
-                                  optimization_options=fusions, use_gpu=target == "cuda")
+            return optimize_model(
+                load_light(path),
+                model_type=model_type,
+                opt_level=0,
+                optimization_options=fusions,
+                use_gpu=target == "cuda",
+            )
 
     try:
         return run(options)
     except Exception as error:  # the fusion scripts raise whatever the numpy code under them raises
         if not options.enable_attention:
             raise
-        logger.warning("%s: ORT's attention fusion failed (%s: %s); optimizing without it", name,
-                       type(error).__name__, error)
+        logger.warning(
+            "%s: ORT's attention fusion failed (%s: %s); optimizing without it", name, type(error).__name__, error
+        )
         options.enable_attention = False
         return run(options)
 
@@ -513,12 +615,16 @@ def optimized_to_float16(optimized: Any, folder: Path, float32_inputs: Sequence[
         with in_folder(folder):
             typed = SymbolicShapeInferenceHelper(model).infer_shapes(model, auto_merge=True, guess_output_rank=False)
     except Exception as error:  # ORT goes on without the types, warning; so do we, saying why
-        logger.warning("ORT's symbolic shape inference failed before the float16 conversion (%s: %s); converting "
-                       "without its types", type(error).__name__, error)
+        logger.warning(
+            "ORT's symbolic shape inference failed before the float16 conversion (%s: %s); converting "
+            "without its types",
+            type(error).__name__,
+            error,
+        )
         typed = None
     # element types only, as ORT merges them (auto_merge may widen shapes: microsoft/onnxruntime#15521)
     known = {info.name for info in model.graph.value_info}
-    for info in (typed.graph.value_info if typed is not None else ()):
+    for info in typed.graph.value_info if typed is not None else ():
         if info.name and info.name not in known and info.type.tensor_type.elem_type != onnx.TensorProto.UNDEFINED:
             typed_only = ValueInfoProto()
             typed_only.CopyFrom(info)

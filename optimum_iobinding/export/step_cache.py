@@ -31,12 +31,23 @@ from onnx import helper
 
 from ..errors import ArgumentError
 
-__all__ = ["FIRST_BLOCK_MARKS", "STEP_CACHE_PARTS", "check_first_block_cache_depth", "drop_marks", "marked_transformer_spec", "split_graph",
-           "write_step_cache_parts"]
+__all__ = [
+    "FIRST_BLOCK_MARKS",
+    "STEP_CACHE_PARTS",
+    "check_first_block_cache_depth",
+    "drop_marks",
+    "marked_transformer_spec",
+    "split_graph",
+    "write_step_cache_parts",
+]
 
 # the values the export marks, in the order the marked transformer returns them after its own output
-FIRST_BLOCK_MARKS = ("first_block_input", "first_block_hidden_states", "first_block_encoder_hidden_states",
-                     "blocks_output")
+FIRST_BLOCK_MARKS = (
+    "first_block_input",
+    "first_block_hidden_states",
+    "first_block_encoder_hidden_states",
+    "blocks_output",
+)
 # each part's file in the transformer's folder and the marked values it ends at (None: the graph's own outputs)
 STEP_CACHE_PARTS: Tuple[Tuple[str, Any], ...] = (
     ("head.onnx", FIRST_BLOCK_MARKS[:3]),
@@ -59,8 +70,13 @@ class _MarkedTransformer(torch.nn.Module):
         self.caught.clear()
         output = self.module(*args)
         encoder_hidden_states, hidden_states = self.caught["first_block_outputs"]
-        return (output, self.caught["first_block_input"], hidden_states, encoder_hidden_states,
-                self.caught["blocks_output"])
+        return (
+            output,
+            self.caught["first_block_input"],
+            hidden_states,
+            encoder_hidden_states,
+            self.caught["blocks_output"],
+        )
 
     @contextlib.contextmanager
     def hooked(self) -> Iterator[None]:
@@ -70,11 +86,12 @@ class _MarkedTransformer(torch.nn.Module):
         handles = [
             first.register_forward_pre_hook(
                 lambda module, args, kwargs: self.caught.__setitem__("first_block_input", kwargs["hidden_states"]),
-                with_kwargs=True),
+                with_kwargs=True,
+            ),
             first.register_forward_hook(
-                lambda module, args, output: self.caught.__setitem__("first_block_outputs", output)),
-            norm.register_forward_pre_hook(
-                lambda module, args: self.caught.__setitem__("blocks_output", args[0])),
+                lambda module, args, output: self.caught.__setitem__("first_block_outputs", output)
+            ),
+            norm.register_forward_pre_hook(lambda module, args: self.caught.__setitem__("blocks_output", args[0])),
         ]
         try:
             yield
@@ -90,8 +107,11 @@ def check_first_block_cache_depth(transformer: torch.nn.Module) -> None:
         ArgumentError: a transformer of one block (naming ``step_cache``)."""
     blocks = len(transformer.transformer_blocks) + len(getattr(transformer, "single_transformer_blocks", None) or ())
     if blocks < 2:
-        raise ArgumentError("step_cache", f"expected a transformer of at least 2 blocks (First-Block Cache runs the "
-                                          f"first and skips the others), got {blocks}")
+        raise ArgumentError(
+            "step_cache",
+            f"expected a transformer of at least 2 blocks (First-Block Cache runs the "
+            f"first and skips the others), got {blocks}",
+        )
 
 
 def marked_transformer_spec(spec: Dict[str, Any]) -> Tuple[Dict[str, Any], Any]:
@@ -107,9 +127,10 @@ def marked_transformer_spec(spec: Dict[str, Any]) -> Tuple[Dict[str, Any], Any]:
     axes = dict(spec["dynamic_axes"])
     for name in FIRST_BLOCK_MARKS:
         axes[name] = {0: batch, 1: f"{name}_tokens"}
-    return (dict(spec, module=marked, output_names=list(spec["output_names"]) + list(FIRST_BLOCK_MARKS),
-                 dynamic_axes=axes),
-            lambda module: marked.hooked())
+    return (
+        dict(spec, module=marked, output_names=list(spec["output_names"]) + list(FIRST_BLOCK_MARKS), dynamic_axes=axes),
+        lambda module: marked.hooked(),
+    )
 
 
 def split_graph(model: onnx.ModelProto, cuts: Sequence[Any], skippable: Sequence[int] = ()) -> List[onnx.ModelProto]:
@@ -165,25 +186,35 @@ def split_graph(model: onnx.ModelProto, cuts: Sequence[Any], skippable: Sequence
     inputs_of = []
     for number, (positions, _) in enumerate(parts):
         read = [name for position in positions for name in nodes[position].input if name]
-        inputs_of.append(list(dict.fromkeys(name for name in read
-                                            if name not in made_by[number] and name not in initializers)))
+        inputs_of.append(
+            list(dict.fromkeys(name for name in read if name not in made_by[number] and name not in initializers))
+        )
     models = []
     for number, (positions, ends) in enumerate(parts):
         part_nodes = [nodes[position] for position in positions]
-        later = {name for inputs in inputs_of[number + 1:] for name in inputs}
+        later = {name for inputs in inputs_of[number + 1 :] for name in inputs}
         if number in skippable:
             later &= set(ends)
         else:  # what a later part reads that a skippable part between also made is read from here
             later = {name for name in later if owner.get(producer.get(name, -1)) == number}
-        outputs = list(dict.fromkeys(list(ends) + [name for node in part_nodes for name in node.output
-                                                   if name in later and name not in ends]))
+        outputs = list(
+            dict.fromkeys(
+                list(ends) + [name for node in part_nodes for name in node.output if name in later and name not in ends]
+            )
+        )
         read = [name for node in part_nodes for name in node.input if name]
         part = helper.make_graph(
-            part_nodes, f"{graph.name}_part{number}", [_value_info(infos, name) for name in inputs_of[number]],
+            part_nodes,
+            f"{graph.name}_part{number}",
+            [_value_info(infos, name) for name in inputs_of[number]],
             [_value_info(infos, name) for name in outputs],
-            [initializers[name] for name in dict.fromkeys(read) if name in initializers])
-        models.append(helper.make_model(part, opset_imports=model.opset_import, ir_version=model.ir_version,
-                                        producer_name=model.producer_name))
+            [initializers[name] for name in dict.fromkeys(read) if name in initializers],
+        )
+        models.append(
+            helper.make_model(
+                part, opset_imports=model.opset_import, ir_version=model.ir_version, producer_name=model.producer_name
+            )
+        )
     return models
 
 
@@ -191,7 +222,10 @@ def _is_shape_value(infos: Dict[str, onnx.ValueInfoProto], name: str) -> bool:
     """Whether ``name`` is an integer or boolean value (a shape, an index, a mask) by what the graph says of it."""
     info = infos.get(name)
     return info is not None and info.type.tensor_type.elem_type in (
-        onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL)
+        onnx.TensorProto.INT64,
+        onnx.TensorProto.INT32,
+        onnx.TensorProto.BOOL,
+    )
 
 
 def _value_info(infos: Dict[str, onnx.ValueInfoProto], name: str) -> onnx.ValueInfoProto:

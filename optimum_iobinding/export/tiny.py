@@ -14,10 +14,13 @@ import torch
 
 from ..errors import ArgumentError
 
+
 # ------------------------------------------------------------------------------------------------- tiny pipeline
 def _byte_to_unicode() -> Dict[int, str]:
     """GPT-2/CLIP's reversible byte → printable character map (printable bytes stand for themselves)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     mapping = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -60,9 +63,7 @@ def write_tiny_tokenizer(folder: Union[str, os.PathLike]) -> "object":
     for special in ("<|startoftext|>", "<|endoftext|>"):
         vocab[special] = len(vocab)
     (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    (folder / "merges.txt").write_text(
-        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8"
-    )
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
     tokenizer = CLIPTokenizer(
         str(folder / "vocab.json"),
         str(folder / "merges.txt"),
@@ -124,12 +125,23 @@ def build_tiny_random_pipeline(seed: int = 0):
         )
     )
     scheduler = PNDMScheduler(
-        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
-        skip_prk_steps=True, set_alpha_to_one=False, steps_offset=1,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        num_train_timesteps=1000,
+        skip_prk_steps=True,
+        set_alpha_to_one=False,
+        steps_offset=1,
     )
     return StableDiffusionPipeline(
-        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
     ).to(torch.float32)
 
 
@@ -137,9 +149,17 @@ def _tiny_text_encoder_config(tokenizer, layers: int = 2, **extra):
     from transformers import CLIPTextConfig
 
     return CLIPTextConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=layers, layer_norm_eps=1e-5,
-        vocab_size=len(tokenizer), max_position_embeddings=77, **extra,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_size=32,
+        intermediate_size=37,
+        num_attention_heads=4,
+        num_hidden_layers=layers,
+        layer_norm_eps=1e-5,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=77,
+        **extra,
     )
 
 
@@ -156,17 +176,33 @@ def build_tiny_random_xl_pipeline(seed: int = 0):
     text_encoder = CLIPTextModel(_tiny_text_encoder_config(tokenizer, layers=3))
     text_encoder_2 = CLIPTextModelWithProjection(_tiny_text_encoder_config(tokenizer, layers=3, projection_dim=32))
     unet = UNet2DConditionModel(
-        block_out_channels=(32, 64), layers_per_block=2, sample_size=32, in_channels=4, out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        attention_head_dim=(2, 4), use_linear_projection=True, transformer_layers_per_block=(1, 2),
-        addition_embed_type="text_time", addition_time_embed_dim=8, projection_class_embeddings_input_dim=6 * 8 + 32,
-        cross_attention_dim=64, norm_num_groups=32,
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        sample_size=32,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        transformer_layers_per_block=(1, 2),
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=6 * 8 + 32,
+        cross_attention_dim=64,
+        norm_num_groups=32,
     )
-    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                                       steps_offset=1, timestep_spacing="leading")
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1, timestep_spacing="leading"
+    )
     return StableDiffusionXLPipeline(
-        vae=base.vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer,
-        tokenizer_2=tokenizer, unet=unet, scheduler=scheduler,
+        vae=base.vae,
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
     ).to(torch.float32)
 
 
@@ -179,8 +215,13 @@ def build_tiny_random_lcm_pipeline(seed: int = 0):
     torch.manual_seed(seed + 2)
     unet = UNet2DConditionModel(**{**base.unet.config, "time_cond_proj_dim": 32})
     return LatentConsistencyModelPipeline(
-        vae=base.vae, text_encoder=base.text_encoder, tokenizer=base.tokenizer, unet=unet,
-        scheduler=LCMScheduler.from_config(base.scheduler.config), safety_checker=None, feature_extractor=None,
+        vae=base.vae,
+        text_encoder=base.text_encoder,
+        tokenizer=base.tokenizer,
+        unet=unet,
+        scheduler=LCMScheduler.from_config(base.scheduler.config),
+        safety_checker=None,
+        feature_extractor=None,
         requires_safety_checker=False,
     ).to(torch.float32)
 
@@ -209,9 +250,15 @@ def build_tiny_random_controlnet_pipeline(seed: int = 0, controlnets: int = 1):
     base = build_tiny_random_pipeline(seed)
     nets = [build_tiny_random_controlnet(base.unet, seed + 10 + k) for k in range(controlnets)]
     return StableDiffusionControlNetPipeline(
-        vae=base.vae, text_encoder=base.text_encoder, tokenizer=base.tokenizer, unet=base.unet,
-        controlnet=nets[0] if controlnets == 1 else nets, scheduler=base.scheduler, safety_checker=None,
-        feature_extractor=None, requires_safety_checker=False,
+        vae=base.vae,
+        text_encoder=base.text_encoder,
+        tokenizer=base.tokenizer,
+        unet=base.unet,
+        controlnet=nets[0] if controlnets == 1 else nets,
+        scheduler=base.scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
     )
 
 
@@ -226,8 +273,11 @@ def build_tiny_random_tiny_vae(seed: int = 0, latent_channels: int = 4):
 
     torch.manual_seed(seed)
     vae = AutoencoderTiny(
-        encoder_block_out_channels=(16, 16, 16, 16), decoder_block_out_channels=(16, 16, 16, 16),
-        num_encoder_blocks=(1, 1, 1, 1), num_decoder_blocks=(1, 1, 1, 1), latent_channels=latent_channels,
+        encoder_block_out_channels=(16, 16, 16, 16),
+        decoder_block_out_channels=(16, 16, 16, 16),
+        num_encoder_blocks=(1, 1, 1, 1),
+        num_decoder_blocks=(1, 1, 1, 1),
+        latent_channels=latent_channels,
     )
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -263,12 +313,23 @@ def write_tiny_t5_tokenizer(folder: Union[str, os.PathLike], model_max_length: i
     backend.normalizer = normalizers.Replace(" {2,}", " ")
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    backend.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
-                                                           special_tokens=[("</s>", 1)])
+    backend.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
     backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "T5TokenizerFast", "model_max_length": model_max_length, "eos_token": "</s>",
-        "unk_token": "<unk>", "pad_token": "<pad>", "extra_ids": 0}, indent=2))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "T5TokenizerFast",
+                "model_max_length": model_max_length,
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "pad_token": "<pad>",
+                "extra_ids": 0,
+            },
+            indent=2,
+        )
+    )
     return T5TokenizerFast.from_pretrained(str(folder))
 
 
@@ -278,8 +339,12 @@ def build_tiny_random_sd3_pipeline(seed: int = 0, with_t5: bool = True):
     transformer's ``joint_attention_dim``; ``with_t5=False``: none, as ``text_encoder_3=None`` runs), an MMDiT of
     two layers (patch size 2, 16 latent channels), a four-block VAE of 16 latent channels (8× scale) with SD3's
     scaling and shift factors, and the flow-matching Euler scheduler with SD3's shift of 3."""
-    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
-                           StableDiffusion3Pipeline)
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
     from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     torch.manual_seed(seed)
@@ -291,25 +356,60 @@ def build_tiny_random_sd3_pipeline(seed: int = 0, with_t5: bool = True):
     text_encoder_2 = CLIPTextModelWithProjection(_tiny_text_encoder_config(tokenizer, projection_dim=32))
     text_encoder_3 = None
     if with_t5:
-        text_encoder_3 = T5EncoderModel(T5Config(
-            vocab_size=len(tokenizer_3), d_model=64, d_kv=16, d_ff=37, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, pad_token_id=tokenizer_3.pad_token_id,
-            eos_token_id=tokenizer_3.eos_token_id, decoder_start_token_id=tokenizer_3.pad_token_id)).eval()  # built in training mode: its dropout would make every call differ
+        text_encoder_3 = T5EncoderModel(
+            T5Config(
+                vocab_size=len(tokenizer_3),
+                d_model=64,
+                d_kv=16,
+                d_ff=37,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                pad_token_id=tokenizer_3.pad_token_id,
+                eos_token_id=tokenizer_3.eos_token_id,
+                decoder_start_token_id=tokenizer_3.pad_token_id,
+            )
+        ).eval()  # built in training mode: its dropout would make every call differ
     transformer = SD3Transformer2DModel(
-        sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
-        num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
-        pos_embed_max_size=32, dual_attention_layers=(0,), qk_norm="rms_norm",  # SD3.5's MMDiT-X features
+        sample_size=32,
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=64,
+        caption_projection_dim=32,
+        pooled_projection_dim=64,
+        pos_embed_max_size=32,
+        dual_attention_layers=(0,),
+        qk_norm="rms_norm",  # SD3.5's MMDiT-X features
     )
     vae = AutoencoderKL(
-        block_out_channels=(32, 32, 32, 64), layers_per_block=1, in_channels=3, out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=16,
-        norm_num_groups=32, sample_size=64, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
+        block_out_channels=(32, 32, 32, 64),
+        layers_per_block=1,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        latent_channels=16,
+        norm_num_groups=32,
+        sample_size=64,
+        scaling_factor=1.5305,
+        shift_factor=0.0609,
+        use_quant_conv=False,
         use_post_quant_conv=False,
     )
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
     return StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer, text_encoder_3=text_encoder_3,
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer,
+        text_encoder_3=text_encoder_3,
         tokenizer_3=tokenizer_3,
     )
 
@@ -329,25 +429,70 @@ def build_tiny_random_flux_pipeline(seed: int = 0, guidance_embeds: bool = False
     torch.manual_seed(seed)
     # in inference mode, as from_pretrained gives them (a model built from a config starts in training mode)
     text_encoder = CLIPTextModel(_tiny_text_encoder_config(tokenizer)).eval()
-    text_encoder_2 = T5EncoderModel(T5Config(
-        vocab_size=len(tokenizer_2), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1,
-        decoder_start_token_id=0, is_encoder_decoder=False, use_cache=False, dropout_rate=0.0)).eval()
+    text_encoder_2 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer_2),
+            d_model=32,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
+            is_encoder_decoder=False,
+            use_cache=False,
+            dropout_rate=0.0,
+        )
+    ).eval()
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=guidance_embeds,
-        axes_dims_rope=(4, 6, 6))
+        patch_size=1,
+        in_channels=64,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=guidance_embeds,
+        axes_dims_rope=(4, 6, 6),
+    )
     vae = AutoencoderKL(
-        block_out_channels=(16, 16, 32, 32), layers_per_block=1, in_channels=3, out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        latent_channels=16, norm_num_groups=8, sample_size=64, scaling_factor=0.3611, shift_factor=0.1159,
-        use_quant_conv=False, use_post_quant_conv=False)
+        block_out_channels=(16, 16, 32, 32),
+        layers_per_block=1,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        latent_channels=16,
+        norm_num_groups=8,
+        sample_size=64,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
     # FLUX.1 dev's schedule (resolution-dependent shift); schnell's has a fixed shift of 1
     scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=3.0 if guidance_embeds else 1.0, use_dynamic_shifting=guidance_embeds,
-        base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
-    return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer)
+        num_train_timesteps=1000,
+        shift=3.0 if guidance_embeds else 1.0,
+        use_dynamic_shifting=guidance_embeds,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
 
 
 TINY_RANDOM_KINDS: Dict[str, Callable[[], Any]] = {
@@ -362,8 +507,9 @@ TINY_RANDOM_KINDS: Dict[str, Callable[[], Any]] = {
 
 
 # ------------------------------------------------------------------------------------------------- tiny LoRA
-def random_lora_layers(module: torch.nn.Module, targets: Sequence[str], rank: int = 4,
-                       seed: int = 0) -> Dict[str, torch.Tensor]:
+def random_lora_layers(
+    module: torch.nn.Module, targets: Sequence[str], rank: int = 4, seed: int = 0
+) -> Dict[str, torch.Tensor]:
     """A random LoRA for ``module`` (tests and benchmarks: no LoRA can be downloaded offline): for every Linear and
     Conv2d whose name is one of ``targets`` or ends with ``"." + target`` (PEFT's matching), ``lora_A`` (rank × in,
     with the layer's kernel for a convolution) and ``lora_B`` (out × rank, 1 × 1), both non-zero, keyed by PEFT's
@@ -381,8 +527,8 @@ def random_lora_layers(module: torch.nn.Module, targets: Sequence[str], rank: in
         else:
             continue
         fan_in = int(np.prod(down_shape[1:]))
-        layers[f"{name}.lora_A.weight"] = torch.randn(down_shape, generator=generator) / fan_in ** 0.5
-        layers[f"{name}.lora_B.weight"] = torch.randn(up_shape, generator=generator) * 0.5 / rank ** 0.5
+        layers[f"{name}.lora_A.weight"] = torch.randn(down_shape, generator=generator) / fan_in**0.5
+        layers[f"{name}.lora_B.weight"] = torch.randn(up_shape, generator=generator) * 0.5 / rank**0.5
     if not layers:
         raise ArgumentError("targets", f"no Linear or Conv2d layer of the module is named {list(targets)}")
     return layers
@@ -395,6 +541,12 @@ def save_lora(folder: Union[str, Path], **components: Dict[str, torch.Tensor]) -
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({f"{component}.{key}": value.contiguous() for component, layers in components.items()
-               for key, value in layers.items()}, str(folder / "pytorch_lora_weights.safetensors"))
+    save_file(
+        {
+            f"{component}.{key}": value.contiguous()
+            for component, layers in components.items()
+            for key, value in layers.items()
+        },
+        str(folder / "pytorch_lora_weights.safetensors"),
+    )
     return folder

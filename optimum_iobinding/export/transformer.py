@@ -58,9 +58,17 @@ from .transformer_pipeline import export_transformer_pipeline, float16_component
 # EXTERNAL_DATA_FILE, EXTERNAL_DATA_THRESHOLD, clip_text_encoder_spec, t5_encoder_spec, export_transformer_pipeline
 # and float16_components belong to .components and .transformer_pipeline; they are named here too, where callers
 # import them
-__all__ = ["export_sd3_pipeline", "is_sd3_pipeline", "clip_text_encoder_spec", "t5_encoder_spec",
-           "export_transformer_pipeline", "float16_components", "FP16_COMPONENTS", "EXTERNAL_DATA_FILE",
-           "EXTERNAL_DATA_THRESHOLD"]
+__all__ = [
+    "export_sd3_pipeline",
+    "is_sd3_pipeline",
+    "clip_text_encoder_spec",
+    "t5_encoder_spec",
+    "export_transformer_pipeline",
+    "float16_components",
+    "FP16_COMPONENTS",
+    "EXTERNAL_DATA_FILE",
+    "EXTERNAL_DATA_THRESHOLD",
+]
 
 SD3_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_encoder", "vae_decoder")
 # ORT's transformer-optimizer model type of the SD3 components exported by
@@ -82,8 +90,13 @@ class SD3Transformer(torch.nn.Module):
         self.transformer = transformer
 
     def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep):
-        return self.transformer(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
-                                pooled_projections=pooled_projections, timestep=timestep, return_dict=False)[0]
+        return self.transformer(
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            pooled_projections=pooled_projections,
+            timestep=timestep,
+            return_dict=False,
+        )[0]
 
 
 def sd3_transformer_spec(transformer: torch.nn.Module, sequence: int = 8) -> Dict[str, Any]:
@@ -93,13 +106,21 @@ def sd3_transformer_spec(transformer: torch.nn.Module, sequence: int = 8) -> Dic
     latent = 4 * config.patch_size
     return dict(
         module=SD3Transformer(transformer),
-        args=(torch.randn(2, config.in_channels, latent, latent), torch.randn(2, sequence, config.joint_attention_dim),
-              torch.randn(2, config.pooled_projection_dim), torch.tensor([500.0, 500.0])),
+        args=(
+            torch.randn(2, config.in_channels, latent, latent),
+            torch.randn(2, sequence, config.joint_attention_dim),
+            torch.randn(2, config.pooled_projection_dim),
+            torch.tensor([500.0, 500.0]),
+        ),
         input_names=["hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"],
         output_names=["out_hidden_states"],
-        dynamic_axes={"hidden_states": {0: "batch", 2: "height", 3: "width"},
-                      "encoder_hidden_states": {0: "batch", 1: "sequence"}, "pooled_projections": {0: "batch"},
-                      "timestep": {0: "batch"}, "out_hidden_states": {0: "batch", 2: "height", 3: "width"}},
+        dynamic_axes={
+            "hidden_states": {0: "batch", 2: "height", 3: "width"},
+            "encoder_hidden_states": {0: "batch", 1: "sequence"},
+            "pooled_projections": {0: "batch"},
+            "timestep": {0: "batch"},
+            "out_hidden_states": {0: "batch", 2: "height", 3: "width"},
+        },
         # diffusers' SD3 pipeline feeds the timestep in float32 whatever the pipeline's dtype (FLUX.1 rounds it to
         # the latents' dtype first): a float16 export keeps this input float32
         float32_inputs=["timestep"],
@@ -119,8 +140,10 @@ def is_sd3_pipeline(pipe: Any) -> bool:
 def sd3_component_specs(pipe: Any) -> Dict[str, Dict[str, Any]]:
     """What to export of an SD3 pipeline: each component's module, example inputs, names and dynamic axes."""
     sequence = pipe.tokenizer.model_max_length
-    specs = {name: clip_text_encoder_spec(getattr(pipe, name), sequence, with_projection=True)
-             for name in ("text_encoder", "text_encoder_2")}
+    specs = {
+        name: clip_text_encoder_spec(getattr(pipe, name), sequence, with_projection=True)
+        for name in ("text_encoder", "text_encoder_2")
+    }
     if getattr(pipe, "text_encoder_3", None) is not None:
         specs["text_encoder_3"] = t5_encoder_spec(pipe.text_encoder_3)
     specs["transformer"] = sd3_transformer_spec(pipe.transformer)
@@ -160,14 +183,24 @@ def export_sd3_pipeline(
     Returns:
         ``target``.
     """
-    available = tuple(name for name in SD3_COMPONENTS
-                      if name != "text_encoder_3" or getattr(pipe, "text_encoder_3", None) is not None)
+    available = tuple(
+        name for name in SD3_COMPONENTS if name != "text_encoder_3" or getattr(pipe, "text_encoder_3", None) is not None
+    )
     components = available if components is None else tuple(components)
     unknown = [name for name in components if name not in available]
     if unknown:
         raise ArgumentError("components", f"expected names from {list(available)}, got {unknown}")
     return export_transformer_pipeline(
-        pipe, target, sd3_component_specs(pipe), components, class_name=type(pipe).__name__,
-        optimizer_model_types=SD3_OPTIMIZER_MODEL_TYPES, opset=opset, dtype=dtype,
-        optimize=optimize, progress=progress, external_data_threshold=external_data_threshold,
-        step_cache=step_cache)
+        pipe,
+        target,
+        sd3_component_specs(pipe),
+        components,
+        class_name=type(pipe).__name__,
+        optimizer_model_types=SD3_OPTIMIZER_MODEL_TYPES,
+        opset=opset,
+        dtype=dtype,
+        optimize=optimize,
+        progress=progress,
+        external_data_threshold=external_data_threshold,
+        step_cache=step_cache,
+    )

@@ -31,8 +31,16 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["fuse_diffusion_transformer", "fuse_modulated_layer_norms", "fuse_gelu_biases",
-           "fuse_rotary_embeddings", "fold_value_biases", "inferred_shapes", "all_nodes", "fresh_names"]
+__all__ = [
+    "fuse_diffusion_transformer",
+    "fuse_modulated_layer_norms",
+    "fuse_gelu_biases",
+    "fuse_rotary_embeddings",
+    "fold_value_biases",
+    "inferred_shapes",
+    "all_nodes",
+    "fresh_names",
+]
 
 # the most elements of a constant a rewrite reads (a norm's scale or a bias: one value per channel)
 _SMALL = 1 << 16
@@ -82,8 +90,10 @@ class _Graph:
             return tuple(tensor.dims)
         for value in self._value_infos(name):
             if value.type.tensor_type.HasField("shape"):
-                return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                             for d in value.type.tensor_type.shape.dim)
+                return tuple(
+                    d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                    for d in value.type.tensor_type.shape.dim
+                )
         return None
 
     def element_type(self, name: str) -> Optional[int]:
@@ -161,7 +171,9 @@ def _fuse_modulated_layer_norms(model: onnx.ModelProto, shapes: Optional[onnx.Gr
     removed: List[onnx.NodeProto] = []
     added: List[onnx.NodeProto] = []
     unread: List[str] = []
-    for norm in [node for node in graph.node if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx")]:
+    for norm in [
+        node for node in graph.node if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx")
+    ]:
         if len(norm.output) != 1 and any(norm.output[1:]):  # mean / inverse std read by someone: leave it
             continue
         scale = index.constant(norm.input[1]) if len(norm.input) > 1 else None
@@ -187,16 +199,24 @@ def _fuse_modulated_layer_norms(model: onnx.ModelProto, shapes: Optional[onnx.Gr
                 break
             modulation_dims, shift_dims = shapes.dims(modulation), shapes.dims(shift)
             # the modulation's batch is the input's (or one): Mul would broadcast a larger one, a norm refuses it
-            if not (_is_modulation(modulation_dims, channels) and modulation_dims == shift_dims
-                    and input_dims is not None and modulation_dims[0] in (1, input_dims[0])):
+            if not (
+                _is_modulation(modulation_dims, channels)
+                and modulation_dims == shift_dims
+                and input_dims is not None
+                and modulation_dims[0] in (1, input_dims[0])
+            ):
                 break
             pairs.append((mul, add, modulation, shift))
         if len(pairs) != len(readers):
             continue
         removed.append(norm)
         for number, (mul, add, modulation, shift) in enumerate(pairs):
-            fused = helper.make_node("LayerNormalization", [norm.input[0], modulation, shift], [add.output[0]],
-                                     name=f"{norm.name}/modulated" + (f"_{number}" if len(pairs) > 1 else ""))
+            fused = helper.make_node(
+                "LayerNormalization",
+                [norm.input[0], modulation, shift],
+                [add.output[0]],
+                name=f"{norm.name}/modulated" + (f"_{number}" if len(pairs) > 1 else ""),
+            )
             fused.attribute.extend(a for a in norm.attribute)
             removed.extend((mul, add))
             added.append(fused)
@@ -221,8 +241,11 @@ def fuse_gelu_biases(model: onnx.ModelProto) -> int:
         if add is None or add.op_type != "Add" or index.only_reader(add.output[0]) is not gelu:
             continue
         first = index.producer.get(add.input[0])
-        matmul_input, bias = (add.input[0], add.input[1]) if first is not None and first.op_type == "MatMul" \
+        matmul_input, bias = (
+            (add.input[0], add.input[1])
+            if first is not None and first.op_type == "MatMul"
             else (add.input[1], add.input[0])
+        )
         matmul = index.producer.get(matmul_input)
         if matmul is None or matmul.op_type != "MatMul" or index.only_reader(matmul.output[0]) is not add:
             continue
@@ -241,6 +264,7 @@ class _RotaryPlace(NamedTuple):
     """One rotary embedding matched in the graph: its input ``x``, the full-width cos and sin tables ``(S, D)`` it
     reads, whether ``x`` is laid out ``(batch, sequence, heads, head_dim)`` (else ``(batch, heads, sequence,
     head_dim)``), its number of heads and head size, the nodes computing it and the value it writes."""
+
     x: str
     cos: str
     sin: str
@@ -268,8 +292,12 @@ def _every_other(index: _Graph, node: Optional[onnx.NodeProto], rank: int, head_
     starts, ends, axes, steps = (index.constant(name) for name in node.input[1:])
     if any(value is None or value.size != 1 for value in (starts, ends, axes, steps)):
         return None
-    if int(axes.item()) not in (-1, rank - 1) or int(steps.item()) != 2 or int(ends.item()) < head_dim \
-            or int(starts.item()) not in (0, 1):
+    if (
+        int(axes.item()) not in (-1, rank - 1)
+        or int(steps.item()) != 2
+        or int(ends.item()) < head_dim
+        or int(starts.item()) not in (0, 1)
+    ):
         return None
     return node.input[0], int(starts.item())
 
@@ -335,8 +363,12 @@ def _pair_repeated(index: _Graph, shapes: _Graph, name: str) -> Optional[List[st
     if node.op_type != "Flatten" or _attribute(node, "axis", 1) != 1:
         return None
     stack = index.producer.get(node.input[0])
-    if stack is None or stack.op_type != "Concat" or _attribute(stack, "axis", None) not in (-1, 2) \
-            or len(stack.input) != 2:
+    if (
+        stack is None
+        or stack.op_type != "Concat"
+        or _attribute(stack, "axis", None) not in (-1, 2)
+        or len(stack.input) != 2
+    ):
         return None
     halves = [index.producer.get(value) for value in stack.input]
     if not all(_last_axis_unsqueeze(index, half, 2) for half in halves) or halves[0].input[0] != halves[1].input[0]:
@@ -352,8 +384,7 @@ def _rotary_place(index: _Graph, shapes: _Graph, neg: onnx.NodeProto) -> Optiona
     imaginary = index.producer.get(neg.input[0])
     x = imaginary.input[0] if imaginary is not None and imaginary.op_type == "Slice" else None
     dims = shapes.dims(x) if x else None
-    if dims is None or len(dims) != 4 or any(d is None for d in dims) or not isinstance(dims[3], int) \
-            or dims[3] % 2:
+    if dims is None or len(dims) != 4 or any(d is None for d in dims) or not isinstance(dims[3], int) or dims[3] % 2:
         return None
     head_dim = dims[3]
     if _every_other(index, imaginary, 4, head_dim) != (x, 1) or only(imaginary.output[0]) is not neg:
@@ -362,32 +393,51 @@ def _rotary_place(index: _Graph, shapes: _Graph, neg: onnx.NodeProto) -> Optiona
     if not _last_axis_unsqueeze(index, negated, 4):
         return None
     stack = only(negated.output[0])
-    if stack is None or stack.op_type != "Concat" or _attribute(stack, "axis", None) not in (-1, 4) \
-            or list(stack.input[:1]) != [negated.output[0]] or len(stack.input) != 2:
+    if (
+        stack is None
+        or stack.op_type != "Concat"
+        or _attribute(stack, "axis", None) not in (-1, 4)
+        or list(stack.input[:1]) != [negated.output[0]]
+        or len(stack.input) != 2
+    ):
         return None
     unsqueezed_real = index.producer.get(stack.input[1])
     real = index.producer.get(unsqueezed_real.input[0]) if unsqueezed_real is not None else None
-    if not _last_axis_unsqueeze(index, unsqueezed_real, 4) or only(unsqueezed_real.output[0]) is not stack \
-            or _every_other(index, real, 4, head_dim) != (x, 0) or only(real.output[0]) is not unsqueezed_real:
+    if (
+        not _last_axis_unsqueeze(index, unsqueezed_real, 4)
+        or only(unsqueezed_real.output[0]) is not stack
+        or _every_other(index, real, 4, head_dim) != (x, 0)
+        or only(real.output[0]) is not unsqueezed_real
+    ):
         return None
     # the stacked pairs are read by their Reshape back to x's shape, and by the Shape nodes computing that shape
     flattens = [node for node in index.readers.get(stack.output[0], []) if node.op_type != "Shape"]
     flatten = flattens[0] if len(flattens) == 1 and stack.output[0] not in index.outputs else None
-    if flatten is None or flatten.op_type != "Reshape" or flatten.input[0] != stack.output[0] \
-            or shapes.dims(flatten.output[0]) != dims or not all(
-                _feeds_only_shape_of(index, node, flatten) for node in index.readers[stack.output[0]]
-                if node is not flatten):
+    if (
+        flatten is None
+        or flatten.op_type != "Reshape"
+        or flatten.input[0] != stack.output[0]
+        or shapes.dims(flatten.output[0]) != dims
+        or not all(
+            _feeds_only_shape_of(index, node, flatten) for node in index.readers[stack.output[0]] if node is not flatten
+        )
+    ):
         return None
     times_sin = only(flatten.output[0])
     add = only(times_sin.output[0]) if times_sin is not None and times_sin.op_type == "Mul" else None
     if add is None or add.op_type != "Add" or len(set(add.input)) != 2:
         return None
     times_cos = index.producer.get(add.input[1] if add.input[0] == times_sin.output[0] else add.input[0])
-    if times_cos is None or times_cos.op_type != "Mul" or only(times_cos.output[0]) is not add \
-            or list(times_cos.input).count(x) != 1:
+    if (
+        times_cos is None
+        or times_cos.op_type != "Mul"
+        or only(times_cos.output[0]) is not add
+        or list(times_cos.input).count(x) != 1
+    ):
         return None
-    sin = _broadcast_table(index, shapes, times_sin.input[1] if times_sin.input[0] == flatten.output[0]
-                           else times_sin.input[0])
+    sin = _broadcast_table(
+        index, shapes, times_sin.input[1] if times_sin.input[0] == flatten.output[0] else times_sin.input[0]
+    )
     cos = _broadcast_table(index, shapes, times_cos.input[1] if times_cos.input[0] == x else times_cos.input[0])
     if sin is None or cos is None or sin[1] != cos[1]:
         return None
@@ -401,9 +451,16 @@ def _rotary_place(index: _Graph, shapes: _Graph, neg: onnx.NodeProto) -> Optiona
     heads = dims[2] if sequence_axis == 1 else dims[1]
     if sequence_axis == 1 and not isinstance(heads, int):  # the 3-D form needs the number of heads
         return None
-    return _RotaryPlace(x, cos[0], sin[0], sequence_axis == 1, heads if isinstance(heads, int) else None, head_dim,
-                        (imaginary, neg, negated, real, unsqueezed_real, stack, flatten, times_sin, times_cos, add),
-                        add.output[0])
+    return _RotaryPlace(
+        x,
+        cos[0],
+        sin[0],
+        sequence_axis == 1,
+        heads if isinstance(heads, int) else None,
+        head_dim,
+        (imaginary, neg, negated, real, unsqueezed_real, stack, flatten, times_sin, times_cos, add),
+        add.output[0],
+    )
 
 
 def fuse_rotary_embeddings(model: onnx.ModelProto) -> int:
@@ -445,8 +502,11 @@ def _fuse_rotary_embeddings(model: onnx.ModelProto, shapes: Optional[onnx.GraphP
     graph = model.graph
     index = _Graph(graph)
     shapes = _Graph(shapes if shapes is not None else inferred_shapes(model))  # the caller's, where it has them
-    places = [place for place in (_rotary_place(index, shapes, neg) for neg in graph.node if neg.op_type == "Neg")
-              if place is not None]
+    places = [
+        place
+        for place in (_rotary_place(index, shapes, neg) for neg in graph.node if neg.op_type == "Neg")
+        if place is not None
+    ]
     parts = {table: _pair_repeated(index, shapes, table) for place in places for table in (place.cos, place.sin)}
     places = [place for place in places if parts[place.cos] is not None and parts[place.sin] is not None]
     if not places:
@@ -460,8 +520,11 @@ def _fuse_rotary_embeddings(model: onnx.ModelProto, shapes: Optional[onnx.GraphP
             halves[table] = parts[table][0]
             continue
         halves[table] = fresh(f"{table}/every_other_column")
-        added.append(helper.make_node("Concat", parts[table], [halves[table]], axis=-1,
-                                      name=fresh(f"{table}/every_other_column/Concat")))
+        added.append(
+            helper.make_node(
+                "Concat", parts[table], [halves[table]], axis=-1, name=fresh(f"{table}/every_other_column/Concat")
+            )
+        )
     positions = fresh("rotary_embedding/position_ids")
     graph.initializer.append(numpy_helper.from_array(np.zeros(1, np.int64), positions))
     flat_shape = ""
@@ -476,8 +539,16 @@ def _fuse_rotary_embeddings(model: onnx.ModelProto, shapes: Optional[onnx.GraphP
         removed.extend(place.nodes)
         tables = [positions, halves[place.cos], halves[place.sin]]
         if not place.sequence_second:
-            added.append(helper.make_node("RotaryEmbedding", [place.x, *tables], [place.output], interleaved=1,
-                                          domain="com.microsoft", name=fresh(f"{name}/RotaryEmbedding")))
+            added.append(
+                helper.make_node(
+                    "RotaryEmbedding",
+                    [place.x, *tables],
+                    [place.output],
+                    interleaved=1,
+                    domain="com.microsoft",
+                    name=fresh(f"{name}/RotaryEmbedding"),
+                )
+            )
             continue
         flat = fresh(f"{place.x}_BSD")
         added.append(helper.make_node("Reshape", [place.x, flat_shape], [flat], name=fresh(f"{name}/Reshape_BSD")))
@@ -488,15 +559,25 @@ def _fuse_rotary_embeddings(model: onnx.ModelProto, shapes: Optional[onnx.GraphP
         else:  # the attention's own Reshape to (batch, sequence, heads·head_dim): the RotaryEmbedding writes that
             removed.append(reshape)
         output = reshape.output[0] if reshape is not None else fresh(f"{place.output}_BSD")
-        added.append(helper.make_node("RotaryEmbedding", [flat, *tables], [output], interleaved=1,
-                                      num_heads=place.heads, domain="com.microsoft",
-                                      name=fresh(f"{name}/RotaryEmbedding")))
+        added.append(
+            helper.make_node(
+                "RotaryEmbedding",
+                [flat, *tables],
+                [output],
+                interleaved=1,
+                num_heads=place.heads,
+                domain="com.microsoft",
+                name=fresh(f"{name}/RotaryEmbedding"),
+            )
+        )
         if reshape is None:  # the other readers get the (batch, sequence, heads, head_dim) they read
             back = fresh(f"{place.output}/bsd_to_bsnh_shape")
-            graph.initializer.append(numpy_helper.from_array(np.array([0, 0, place.heads, place.head_dim], np.int64),
-                                                             back))
-            added.append(helper.make_node("Reshape", [output, back], [place.output],
-                                          name=fresh(f"{name}/Reshape_BSNH")))
+            graph.initializer.append(
+                numpy_helper.from_array(np.array([0, 0, place.heads, place.head_dim], np.int64), back)
+            )
+            added.append(
+                helper.make_node("Reshape", [output, back], [place.output], name=fresh(f"{name}/Reshape_BSNH"))
+            )
     _replace_nodes(graph, removed, added)
     _remove_dead(graph, [name for node in removed for name in node.input])
     return len(places)
@@ -515,9 +596,15 @@ def _value_bias(index: _Graph, shapes: _Graph, value: str) -> Optional[Tuple[onn
         if node is None or node.op_type != "Reshape":
             return None
         before, after = shapes.dims(node.input[0]), shapes.dims(node.output[0])  # (B, S, N·H) → (B, S, N, H)
-        if before is None or after is None or len(before) != 3 or len(after) != 4 or not all(
-                isinstance(d, int) for d in (before[2], after[2], after[3])) or before[2] != after[2] * after[3] \
-                or index.only_reader(node.input[0]) is not node:
+        if (
+            before is None
+            or after is None
+            or len(before) != 3
+            or len(after) != 4
+            or not all(isinstance(d, int) for d in (before[2], after[2], after[3]))
+            or before[2] != after[2] * after[3]
+            or index.only_reader(node.input[0]) is not node
+        ):
             return None
         node = index.producer.get(node.input[0])
     if node is None or node.op_type != "Add":
@@ -525,8 +612,13 @@ def _value_bias(index: _Graph, shapes: _Graph, value: str) -> Optional[Tuple[onn
     for position in (0, 1):
         product = index.producer.get(node.input[position])
         bias = index.constant(node.input[1 - position])
-        if product is not None and product.op_type == "MatMul" and bias is not None and bias.ndim == 1 \
-                and index.only_reader(node.output[0]) is not None:
+        if (
+            product is not None
+            and product.op_type == "MatMul"
+            and bias is not None
+            and bias.ndim == 1
+            and index.only_reader(node.output[0]) is not None
+        ):
             return node, bias
     return None
 
@@ -538,15 +630,18 @@ def _rows(tensor: onnx.TensorProto, start: int, count: int) -> Optional[np.ndarr
 
     try:
         if not uses_external_data(tensor):
-            return numpy_helper.to_array(tensor)[start:start + count]
+            return numpy_helper.to_array(tensor)[start : start + count]
         info = ExternalDataInfo(tensor)
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
         row_bytes = int(tensor.dims[1]) * dtype.itemsize
         with open(info.location, "rb") as file:
             file.seek(int(info.offset or 0) + start * row_bytes)
             data = file.read(count * row_bytes)
-        return np.frombuffer(data, dtype=dtype).reshape(count, int(tensor.dims[1])) if len(data) == count * row_bytes \
+        return (
+            np.frombuffer(data, dtype=dtype).reshape(count, int(tensor.dims[1]))
+            if len(data) == count * row_bytes
             else None
+        )
     except (OSError, ValueError, TypeError):
         return None
 
@@ -574,8 +669,9 @@ def _fold_value_biases(model: onnx.ModelProto, shapes: Optional[onnx.GraphProto]
     shapes = _Graph(shapes if shapes is not None else inferred_shapes(model))  # the caller's, where it has them
     fresh = fresh_names(graph)
     moved = 0
-    for attention in [node for node in graph.node if node.op_type == "MultiHeadAttention"
-                      and node.domain == "com.microsoft"]:
+    for attention in [
+        node for node in graph.node if node.op_type == "MultiHeadAttention" and node.domain == "com.microsoft"
+    ]:
         if len(attention.input) != 3 or len(attention.output) != 1:
             continue
         found = _value_bias(index, shapes, attention.input[2])
@@ -603,8 +699,11 @@ def _fold_value_biases(model: onnx.ModelProto, shapes: Optional[onnx.GraphProto]
         if output_bias is None or output_bias.ndim != 1 or bias_name not in index.initializers:
             continue
         weight = index.initializers[reader.input[1]]
-        if len(weight.dims) != 2 or weight.dims[1] != output_bias.shape[0] \
-                or offset + value_bias.shape[0] > weight.dims[0]:
+        if (
+            len(weight.dims) != 2
+            or weight.dims[1] != output_bias.shape[0]
+            or offset + value_bias.shape[0] > weight.dims[0]
+        ):
             continue
         rows = _rows(weight, offset, value_bias.shape[0])
         if rows is None:
@@ -613,8 +712,9 @@ def _fold_value_biases(model: onnx.ModelProto, shapes: Optional[onnx.GraphProto]
         name = fresh(f"{bias_name}/with_value_bias")  # the old bias may be shared: each fold gets its own
         graph.initializer.append(numpy_helper.from_array(folded.astype(output_bias.dtype), name))
         output_add.input[list(output_add.input).index(bias_name)] = name
-        product = next(i for i in value_add.input if index.producer.get(i) is not None
-                       and index.producer[i].op_type == "MatMul")
+        product = next(
+            i for i in value_add.input if index.producer.get(i) is not None and index.producer[i].op_type == "MatMul"
+        )
         for node in index.readers[value_add.output[0]]:
             node.input[list(node.input).index(value_add.output[0])] = product
         graph.node.remove(value_add)
@@ -635,8 +735,12 @@ def fuse_diffusion_transformer(model: onnx.ModelProto) -> Dict[str, int]:
         How many places each rewrite changed, by its name.
     """
     shapes = inferred_shapes(model)  # the rewrites change no value's shape: inferred once for all of them
-    return {"modulated_layer_norm": _fuse_modulated_layer_norms(model, shapes), "gelu_bias": fuse_gelu_biases(model),
-            "rotary_embedding": _fuse_rotary_embeddings(model, shapes), "value_bias": _fold_value_biases(model, shapes)}
+    return {
+        "modulated_layer_norm": _fuse_modulated_layer_norms(model, shapes),
+        "gelu_bias": fuse_gelu_biases(model),
+        "rotary_embedding": _fuse_rotary_embeddings(model, shapes),
+        "value_bias": _fold_value_biases(model, shapes),
+    }
 
 
 def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
@@ -644,8 +748,13 @@ def all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
     for node in graph.node:
         yield node
         for attribute in node.attribute:
-            for subgraph in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else
-                             attribute.graphs if attribute.type == onnx.AttributeProto.GRAPHS else ()):
+            for subgraph in (
+                [attribute.g]
+                if attribute.type == onnx.AttributeProto.GRAPH
+                else attribute.graphs
+                if attribute.type == onnx.AttributeProto.GRAPHS
+                else ()
+            ):
                 yield from all_nodes(subgraph)
 
 
@@ -696,7 +805,7 @@ def _remove_dead(graph: onnx.GraphProto, names: Sequence[str]) -> None:
             for name in node.input:
                 reads[name] = reads.get(name, 0) + 1
             for attribute in node.attribute:
-                for subgraph in ([attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs):
+                for subgraph in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
                     count(subgraph.node)
                     for value in subgraph.output:
                         reads[value.name] = reads.get(value.name, 0) + 1

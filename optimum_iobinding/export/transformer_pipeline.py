@@ -51,8 +51,9 @@ def float16_components(components: Collection[str], optimizer_model_types: Mappi
     return frozenset(name for name in components if optimizer_model_types.get(name) not in FLOAT32_MODEL_TYPES)
 
 
-def component_precisions(components: Collection[str], optimizer_model_types: Mapping[str, str],
-                          dtype: str) -> Dict[str, str]:
+def component_precisions(
+    components: Collection[str], optimizer_model_types: Mapping[str, str], dtype: str
+) -> Dict[str, str]:
     """Each component's precision (``"fp32"``, ``"fp16"`` or ``"bf16"``) in a diffusion-transformer export of
     ``dtype`` (the module's docstring says why): ``"fp32"`` all float32; ``"fp16"`` the :func:`float16_components`
     float16, T5 float32; ``"bf16"`` as ``"fp16"`` but the transformer bfloat16.
@@ -122,21 +123,52 @@ def export_transformer_pipeline(
     with building_beside(target) as scratch:
         for name in tqdm(components, desc="export", unit="model", disable=not progress):
             if name in optimizer_model_types:
-                export_model(name, specs[name], scratch, opset, optimize, optimizer_model_types[name],
-                             external_data_threshold, exportable, step_cache=step_cache and name == "transformer",
-                             dtype=precisions[name])
+                export_model(
+                    name,
+                    specs[name],
+                    scratch,
+                    opset,
+                    optimize,
+                    optimizer_model_types[name],
+                    external_data_threshold,
+                    exportable,
+                    step_cache=step_cache and name == "transformer",
+                    dtype=precisions[name],
+                )
             else:  # CLIP and the VAE: float16 at most (component_precisions)
-                export_component(name, specs[name], scratch, opset, precisions[name] == "fp16", optimize,
-                                 external_data_threshold=external_data_threshold,
-                                 external_data_file=OPTIMUM_EXTERNAL_DATA_FILE)
+                export_component(
+                    name,
+                    specs[name],
+                    scratch,
+                    opset,
+                    precisions[name] == "fp16",
+                    optimize,
+                    external_data_threshold=external_data_threshold,
+                    external_data_file=OPTIMUM_EXTERNAL_DATA_FILE,
+                )
         for name in tokenizers:
             tokenizer = getattr(pipe, name)
             save_tokenizer(tokenizer, scratch / name)
         pipe.scheduler.save_pretrained(str(scratch / "scheduler"))
         # every component the pipeline class has, ``None`` where this pipeline has none (an SD3 without T5)
-        modules = ("scheduler", "transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer",
-                   "tokenizer_2", "tokenizer_3")
-        write_transformer_model_index(scratch, class_name, {
-            **{name: torch_class_entry(getattr(pipe, name)) for name in modules if hasattr(pipe, name)},
-            "image_encoder": None, "feature_extractor": None})
+        modules = (
+            "scheduler",
+            "transformer",
+            "vae",
+            "text_encoder",
+            "text_encoder_2",
+            "text_encoder_3",
+            "tokenizer",
+            "tokenizer_2",
+            "tokenizer_3",
+        )
+        write_transformer_model_index(
+            scratch,
+            class_name,
+            {
+                **{name: torch_class_entry(getattr(pipe, name)) for name in modules if hasattr(pipe, name)},
+                "image_encoder": None,
+                "feature_extractor": None,
+            },
+        )
     return target

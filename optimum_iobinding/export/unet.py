@@ -47,8 +47,15 @@ from ..layout import (
 from .components import export_component, pooled_output, vae_specs
 from .deep_cache import check_deep_cache_unet
 
-__all__ = ["export_unet_pipeline", "component_specs", "onnx_components_of", "is_xl", "check_tiny_vae_fits",
-           "check_deep_cache_pipeline", "controlnets_of"]
+__all__ = [
+    "export_unet_pipeline",
+    "component_specs",
+    "onnx_components_of",
+    "is_xl",
+    "check_tiny_vae_fits",
+    "check_deep_cache_pipeline",
+    "controlnets_of",
+]
 
 
 class _TextEncoder(torch.nn.Module):
@@ -92,9 +99,16 @@ class _UNet(torch.nn.Module):
         named = dict(zip(self.extra_inputs, extra))
         added = {key: named[key] for key in ("text_embeds", "time_ids") if key in named} or None
         down = [named[name] for name in self.extra_inputs if name.startswith(DOWN_RESIDUAL_INPUT)] or None
-        return self.unet(sample, timestep, encoder_hidden_states, timestep_cond=named.get("timestep_cond"),
-                         added_cond_kwargs=added, down_block_additional_residuals=down,
-                         mid_block_additional_residual=named.get(MID_RESIDUAL_INPUT), return_dict=False)[0]
+        return self.unet(
+            sample,
+            timestep,
+            encoder_hidden_states,
+            timestep_cond=named.get("timestep_cond"),
+            added_cond_kwargs=added,
+            down_block_additional_residuals=down,
+            mid_block_additional_residual=named.get(MID_RESIDUAL_INPUT),
+            return_dict=False,
+        )[0]
 
 
 class _ControlNet(torch.nn.Module):
@@ -107,8 +121,15 @@ class _ControlNet(torch.nn.Module):
         self.controlnet = controlnet
 
     def forward(self, sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale):
-        down, mid = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale=1.0,
-                                    guess_mode=False, return_dict=False)
+        down, mid = self.controlnet(
+            sample,
+            timestep,
+            encoder_hidden_states,
+            controlnet_cond,
+            conditioning_scale=1.0,
+            guess_mode=False,
+            return_dict=False,
+        )
         return (*(residual * conditioning_scale[i] for i, residual in enumerate(down)), mid * conditioning_scale[-1])
 
 
@@ -122,8 +143,10 @@ def controlnets_of(pipe) -> list:
 
 def is_xl(pipe) -> bool:
     """An SDXL pipeline: a second text encoder, or a UNet conditioned on pooled text and time ids."""
-    return getattr(pipe, "text_encoder_2", None) is not None or \
-        getattr(pipe.unet.config, "addition_embed_type", None) == "text_time"
+    return (
+        getattr(pipe, "text_encoder_2", None) is not None
+        or getattr(pipe.unet.config, "addition_embed_type", None) == "text_time"
+    )
 
 
 def onnx_components_of(pipe) -> tuple:
@@ -142,8 +165,11 @@ def _text_encoder_spec(text_encoder, sequence: int, xl: bool, with_projection: b
             args=(torch.zeros(1, sequence, dtype=torch.int32),),
             input_names=["input_ids"],
             output_names=["last_hidden_state", "pooler_output"],
-            dynamic_axes={"input_ids": {0: "batch", 1: "sequence"},
-                          "last_hidden_state": {0: "batch", 1: "sequence"}, "pooler_output": {0: "batch"}},
+            dynamic_axes={
+                "input_ids": {0: "batch", 1: "sequence"},
+                "last_hidden_state": {0: "batch", 1: "sequence"},
+                "pooler_output": {0: "batch"},
+            },
             config=text_encoder.config,
         )
     layers = text_encoder.config.num_hidden_layers
@@ -190,14 +216,21 @@ def component_specs(pipe, vae=None) -> Dict[str, dict]:
         extra_names += ["text_embeds", "time_ids"]
         extra_args += [torch.randn(2, pooled_dim), torch.randn(2, time_ids)]
         extra_axes.update({"text_embeds": {0: "batch"}, "time_ids": {0: "batch"}})
-    unet_args = (torch.randn(2, unet.config.in_channels, latent_size, latent_size), torch.tensor([1.0]),
-                 torch.randn(2, sequence, unet.config.cross_attention_dim))
+    unet_args = (
+        torch.randn(2, unet.config.in_channels, latent_size, latent_size),
+        torch.tensor([1.0]),
+        torch.randn(2, sequence, unet.config.cross_attention_dim),
+    )
     controlnets = controlnets_of(pipe)
     if controlnets:
         if xl:
             raise ArgumentError("controlnet", "only Stable Diffusion 1.x/2.x ControlNet pipelines export (not SDXL's)")
-        image = torch.rand(2, controlnets[0].config.conditioning_channels, latent_size * vae_scale_factor,
-                           latent_size * vae_scale_factor)
+        image = torch.rand(
+            2,
+            controlnets[0].config.conditioning_channels,
+            latent_size * vae_scale_factor,
+            latent_size * vae_scale_factor,
+        )
         with torch.no_grad():  # the residuals' shapes, for the example inputs of the UNet
             down, mid = controlnets[0](*unet_args, image, return_dict=False)
         residuals = [f"{DOWN_RESIDUAL_INPUT}{i}" for i in range(len(down))] + [MID_RESIDUAL_INPUT]
@@ -212,11 +245,13 @@ def component_specs(pipe, vae=None) -> Dict[str, dict]:
                 args=(*unet_args, image, torch.ones(scale_count)),
                 input_names=["sample", "timestep", "encoder_hidden_states", "controlnet_cond", "conditioning_scale"],
                 output_names=outputs,
-                dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"}, "timestep": {0: "timestep_batch"},
-                              "encoder_hidden_states": {0: "batch", 1: "sequence"},
-                              "controlnet_cond": {0: "batch", 2: "image_height", 3: "image_width"},
-                              **{output: {0: "batch", 2: f"{output}_height", 3: f"{output}_width"}
-                                 for output in outputs}},
+                dynamic_axes={
+                    "sample": {0: "batch", 2: "height", 3: "width"},
+                    "timestep": {0: "timestep_batch"},
+                    "encoder_hidden_states": {0: "batch", 1: "sequence"},
+                    "controlnet_cond": {0: "batch", 2: "image_height", 3: "image_width"},
+                    **{output: {0: "batch", 2: f"{output}_height", 3: f"{output}_width"} for output in outputs},
+                },
                 config=controlnet.config,
             )
     specs["unet"] = dict(
@@ -224,9 +259,13 @@ def component_specs(pipe, vae=None) -> Dict[str, dict]:
         args=(*unet_args, *extra_args),
         input_names=["sample", "timestep", "encoder_hidden_states", *extra_names],
         output_names=["out_sample"],
-        dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"}, "timestep": {0: "timestep_batch"},
-                      "encoder_hidden_states": {0: "batch", 1: "sequence"}, **extra_axes,
-                      "out_sample": {0: "batch", 2: "height", 3: "width"}},
+        dynamic_axes={
+            "sample": {0: "batch", 2: "height", 3: "width"},
+            "timestep": {0: "timestep_batch"},
+            "encoder_hidden_states": {0: "batch", 1: "sequence"},
+            **extra_axes,
+            "out_sample": {0: "batch", 2: "height", 3: "width"},
+        },
         config=unet.config,
     )
     return {**specs, **vae_specs(vae, latent_size)}
@@ -237,8 +276,11 @@ def check_tiny_vae_fits(tiny_vae_config, unet_config) -> None:
     channels of the latents the UNet denoises; an inpainting UNet takes more in)."""
     mine, unet = tiny_vae_config.get("latent_channels"), unet_config.get("out_channels")
     if mine is not None and unet is not None and mine != unet:
-        raise ArgumentError("tiny_vae", f"expected a tiny VAE of {unet} latent channels (the UNet's), got one of {mine}; "
-                         "e.g. 'madebyollin/taesd' or 'madebyollin/taesdxl' have 4, for SD 1.x/2.x and SDXL")
+        raise ArgumentError(
+            "tiny_vae",
+            f"expected a tiny VAE of {unet} latent channels (the UNet's), got one of {mine}; "
+            "e.g. 'madebyollin/taesd' or 'madebyollin/taesdxl' have 4, for SD 1.x/2.x and SDXL",
+        )
 
 
 def check_deep_cache_pipeline(pipe) -> None:
@@ -249,10 +291,13 @@ def check_deep_cache_pipeline(pipe) -> None:
         ArgumentError: naming ``step_cache``.
     """
     if controlnets_of(pipe):
-        raise ArgumentError("step_cache", "expected a Stable Diffusion 1.x/2.x, SDXL or LCM pipeline without a ControlNet "
-                                          "(DeepCache's shallow steps skip the deep blocks that a ControlNet's "
-                                          f"residuals go into), got a {type(pipe).__name__} with "
-                                          f"{len(controlnets_of(pipe))} ControlNet(s)")
+        raise ArgumentError(
+            "step_cache",
+            "expected a Stable Diffusion 1.x/2.x, SDXL or LCM pipeline without a ControlNet "
+            "(DeepCache's shallow steps skip the deep blocks that a ControlNet's "
+            f"residuals go into), got a {type(pipe).__name__} with "
+            f"{len(controlnets_of(pipe))} ControlNet(s)",
+        )
     check_deep_cache_unet(pipe.unet)
 
 
@@ -271,25 +316,46 @@ def _with_controlnets(pipe, controlnet):
         if isinstance(item, (str, os.PathLike)):
             item = ControlNetModel.from_pretrained(os.fspath(item), torch_dtype=torch.float32)
         if not hasattr(item, "controlnet_down_blocks") or not hasattr(item, "config"):
-            raise TypeError(f"controlnet[{k}]: expected a ControlNetModel or its folder or hub id, got "
-                            f"{type(item).__name__}")
+            raise TypeError(
+                f"controlnet[{k}]: expected a ControlNetModel or its folder or hub id, got {type(item).__name__}"
+            )
         for key in ("block_out_channels", "cross_attention_dim"):
             mine, theirs = getattr(item.config, key), getattr(pipe.unet.config, key)
-            if list(mine if isinstance(mine, (list, tuple)) else [mine]) != \
-                    list(theirs if isinstance(theirs, (list, tuple)) else [theirs]):
-                raise ValueError(f"controlnet[{k}]: {key} is {mine}, but the pipeline's UNet has {theirs}: a "
-                                 "ControlNet must be made for this UNet's architecture")
+            if list(mine if isinstance(mine, (list, tuple)) else [mine]) != list(
+                theirs if isinstance(theirs, (list, tuple)) else [theirs]
+            ):
+                raise ValueError(
+                    f"controlnet[{k}]: {key} is {mine}, but the pipeline's UNet has {theirs}: a "
+                    "ControlNet must be made for this UNet's architecture"
+                )
         nets.append(item)
     return StableDiffusionControlNetPipeline(
-        vae=pipe.vae, text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer, unet=pipe.unet,
-        controlnet=nets[0] if len(nets) == 1 else nets, scheduler=pipe.scheduler, safety_checker=None,
-        feature_extractor=None, requires_safety_checker=False,
+        vae=pipe.vae,
+        text_encoder=pipe.text_encoder,
+        tokenizer=pipe.tokenizer,
+        unet=pipe.unet,
+        controlnet=nets[0] if len(nets) == 1 else nets,
+        scheduler=pipe.scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
     )
 
 
-def export_unet_pipeline(pipe, target: Path, *, vae=None, controlnet=None, tiny_vae=None,
-                         components: Optional[Sequence[str]] = None, opset: int = 17, fp16: bool = False,
-                         optimize: Optional[str] = None, progress: bool = True, step_cache: bool = False) -> Path:
+def export_unet_pipeline(
+    pipe,
+    target: Path,
+    *,
+    vae=None,
+    controlnet=None,
+    tiny_vae=None,
+    components: Optional[Sequence[str]] = None,
+    opset: int = 17,
+    fp16: bool = False,
+    optimize: Optional[str] = None,
+    progress: bool = True,
+    step_cache: bool = False,
+) -> Path:
     """Writes a UNet pipeline's folder at ``target`` (see the module's docstring), built beside it and moved into
     place when whole; the caller has checked ``target``.
 
@@ -318,7 +384,9 @@ def export_unet_pipeline(pipe, target: Path, *, vae=None, controlnet=None, tiny_
 
             vae = AutoencoderKL.from_pretrained(os.fspath(vae), torch_dtype=torch.float32)
         if not hasattr(vae, "decode") or not hasattr(vae, "config"):
-            raise ArgumentTypeError("vae", f"expected an AutoencoderKL or its folder or hub id, got {type(vae).__name__}")
+            raise ArgumentTypeError(
+                "vae", f"expected an AutoencoderKL or its folder or hub id, got {type(vae).__name__}"
+            )
         pipe.vae = vae
     if controlnet is not None:
         pipe = _with_controlnets(pipe, controlnet)
@@ -334,21 +402,40 @@ def export_unet_pipeline(pipe, target: Path, *, vae=None, controlnet=None, tiny_
     specs = component_specs(pipe, vae=tiny_vae)
     with building_beside(target) as scratch:
         for name in tqdm(components, desc="export", unit="model", disable=not progress):
-            export_component(name, specs[name], scratch, opset, fp16, optimize, xl=is_xl(pipe),
-                             step_cache=step_cache and name == "unet")
+            export_component(
+                name,
+                specs[name],
+                scratch,
+                opset,
+                fp16,
+                optimize,
+                xl=is_xl(pipe),
+                step_cache=step_cache and name == "unet",
+            )
         for name in ("tokenizer", "tokenizer_2"):
             if getattr(pipe, name, None) is not None:
                 save_tokenizer(getattr(pipe, name), scratch / name)
         pipe.scheduler.save_pretrained(str(scratch / "scheduler"))
         if is_xl(pipe):
-            modules = {name: type(getattr(pipe, name)).__name__ if getattr(pipe, name, None) is not None else None
-                       for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")}
-            write_xl_model_index(scratch, type(pipe).__name__, type(pipe.scheduler).__name__, modules,
-                                 getattr(pipe.config, "force_zeros_for_empty_prompt", True),
-                                 getattr(pipe.config, "requires_aesthetics_score", False))
+            modules = {
+                name: type(getattr(pipe, name)).__name__ if getattr(pipe, name, None) is not None else None
+                for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+            }
+            write_xl_model_index(
+                scratch,
+                type(pipe).__name__,
+                type(pipe.scheduler).__name__,
+                modules,
+                getattr(pipe.config, "force_zeros_for_empty_prompt", True),
+                getattr(pipe.config, "requires_aesthetics_score", False),
+            )
         else:
             nets = controlnet_component_names(len(controlnets_of(pipe)))
-            write_model_index(scratch, type(pipe.scheduler).__name__, type(pipe.tokenizer).__name__,
-                              ONNX_COMPONENTS + nets,
-                              "OnnxStableDiffusionControlNetPipeline" if nets else "OnnxStableDiffusionPipeline")
+            write_model_index(
+                scratch,
+                type(pipe.scheduler).__name__,
+                type(pipe.tokenizer).__name__,
+                ONNX_COMPONENTS + nets,
+                "OnnxStableDiffusionControlNetPipeline" if nets else "OnnxStableDiffusionPipeline",
+            )
     return target

@@ -44,16 +44,20 @@ def accelerate(pipe: Any, *, cuda_graph: bool = True, provider_options: Optional
     if not isinstance(pipe, ORTDiffusionPipeline):
         raise TypeError(f"pipe: expected an optimum.onnxruntime ORTDiffusionPipeline, got {type(pipe).__name__}")
     if getattr(pipe, "transformer", None) is not None:
-        raise ValueError("pipe: transformer-based pipelines (SD3, Flux) are not supported; this switches UNet "
-                         "pipelines (SD 1.x/2.x, SDXL, LCM)")
+        raise ValueError(
+            "pipe: transformer-based pipelines (SD3, Flux) are not supported; this switches UNet "
+            "pipelines (SD 1.x/2.x, SDXL, LCM)"
+        )
     parts = {name: getattr(pipe, name) for name in _PART_NAMES if getattr(pipe, name, None) is not None}
     first = next(iter(parts.values()))
     provider = first.provider
     device_id = int(first.provider_option.get("device_id", 0)) if provider in CUDA_LIKE_PROVIDERS else None
     for name, part in parts.items():
         if part.provider != provider:
-            raise ValueError(f"pipe.{name}: runs on {part.provider}, the other parts on {provider}; move the "
-                             "pipeline to one device first (pipe.to(...))")
+            raise ValueError(
+                f"pipe.{name}: runs on {part.provider}, the other parts on {provider}; move the "
+                "pipeline to one device first (pipe.to(...))"
+            )
     given = dict(provider_options or {})
     if device_id is not None:
         given.setdefault("device_id", device_id)
@@ -63,8 +67,9 @@ def accelerate(pipe: Any, *, cuda_graph: bool = True, provider_options: Optional
         options = ModelOptions.resolve(provider, given, part.session.get_session_options(), stream=stream)
         stream = options.stream
         graphs = cuda_graph and name == "unet" and stream is not None
-        models[name] = IOBindingORTModel(str(part.path), config=dict(part.config),
-                                         options=options.replace(cuda_graph=graphs))
+        models[name] = IOBindingORTModel(
+            str(part.path), config=dict(part.config), options=options.replace(cuda_graph=graphs)
+        )
     replaced = {name: _ACCELERATED[_part_kind(parts[name])](model, pipe) for name, model in models.items()}
     for name, part in replaced.items():
         setattr(pipe, name, part)
@@ -77,8 +82,12 @@ def accelerate(pipe: Any, *, cuda_graph: bool = True, provider_options: Optional
 def _part_kind(part: Any) -> str:
     from optimum.onnxruntime.modeling_diffusion import ORTTextEncoder, ORTUnet, ORTVaeDecoder, ORTVaeEncoder
 
-    for kind, part_class in (("unet", ORTUnet), ("text_encoder", ORTTextEncoder), ("vae_encoder", ORTVaeEncoder),
-                             ("vae_decoder", ORTVaeDecoder)):
+    for kind, part_class in (
+        ("unet", ORTUnet),
+        ("text_encoder", ORTTextEncoder),
+        ("vae_encoder", ORTVaeEncoder),
+        ("vae_decoder", ORTVaeDecoder),
+    ):
         if isinstance(part, part_class):
             return kind
     raise TypeError(f"pipe: cannot switch a part of type {type(part).__name__}")
@@ -111,8 +120,9 @@ def _accelerated_classes() -> Dict[str, type]:
 
         def run(self, **inputs: Any) -> Dict[str, torch.Tensor]:
             declared = set(self.fast_model.input_dtypes)
-            outputs = self.fast_model(**{key: value for key, value in inputs.items()
-                                         if key in declared and value is not None})
+            outputs = self.fast_model(
+                **{key: value for key, value in inputs.items() if key in declared and value is not None}
+            )
             return {name: tensor.clone() for name, tensor in zip(self.fast_model.output_names, outputs)}
 
         @staticmethod
@@ -120,21 +130,37 @@ def _accelerated_classes() -> Dict[str, type]:
             return ModelOutput(**outputs) if return_dict else tuple(outputs.values())
 
     class AcceleratedORTUnet(_Accelerated, ORTUnet):
-        def forward(self, sample, timestep, encoder_hidden_states, timestep_cond=None, cross_attention_kwargs=None,
-                    added_cond_kwargs=None, return_dict: bool = True):
+        def forward(
+            self,
+            sample,
+            timestep,
+            encoder_hidden_states,
+            timestep_cond=None,
+            cross_attention_kwargs=None,
+            added_cond_kwargs=None,
+            return_dict: bool = True,
+        ):
             timestep = torch.as_tensor(timestep)
             if len(self.input_shapes["timestep"]) > 0 and timestep.dim() == 0:
                 timestep = timestep.reshape(1)
-            outputs = self.run(sample=sample, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
-                               timestep_cond=timestep_cond, **(cross_attention_kwargs or {}),
-                               **(added_cond_kwargs or {}))
+            outputs = self.run(
+                sample=sample,
+                timestep=timestep,
+                encoder_hidden_states=encoder_hidden_states,
+                timestep_cond=timestep_cond,
+                **(cross_attention_kwargs or {}),
+                **(added_cond_kwargs or {}),
+            )
             return self.pack({"sample": outputs.pop("out_sample"), **outputs}, return_dict)
 
     class AcceleratedORTTextEncoder(_Accelerated, ORTTextEncoder):
         def forward(self, input_ids, attention_mask=None, output_hidden_states=None, return_dict: bool = True):
             outputs = self.run(input_ids=input_ids, attention_mask=attention_mask)
-            layers = int(self.config.num_hidden_layers if hasattr(self.config, "num_hidden_layers")
-                         else self.config.num_decoder_layers)
+            layers = int(
+                self.config.num_hidden_layers
+                if hasattr(self.config, "num_hidden_layers")
+                else self.config.num_decoder_layers
+            )
             hidden = [outputs.pop(f"hidden_states.{i}") for i in range(layers) if f"hidden_states.{i}" in outputs]
             if output_hidden_states:
                 outputs["hidden_states"] = hidden + [outputs.get("last_hidden_state")]
@@ -153,8 +179,12 @@ def _accelerated_classes() -> Dict[str, type]:
         def forward(self, latent_sample, generator=None, return_dict: bool = True):
             return self.pack(self.run(latent_sample=latent_sample), return_dict)
 
-    return {"unet": AcceleratedORTUnet, "text_encoder": AcceleratedORTTextEncoder,
-            "vae_encoder": AcceleratedORTVaeEncoder, "vae_decoder": AcceleratedORTVaeDecoder}
+    return {
+        "unet": AcceleratedORTUnet,
+        "text_encoder": AcceleratedORTTextEncoder,
+        "vae_encoder": AcceleratedORTVaeEncoder,
+        "vae_decoder": AcceleratedORTVaeDecoder,
+    }
 
 
 class _LazyClasses(dict):

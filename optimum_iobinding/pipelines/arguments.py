@@ -39,5 +39,6 @@ def check_sequence_length(max_sequence_length: Any, maximum: int) -> None:
     """Refuses a T5 prompt length that is not an integer in ``[1, maximum]`` (diffusers' check_inputs refuses more
     than its pipeline's maximum), naming the argument."""
     if not is_integer(max_sequence_length) or not 1 <= max_sequence_length <= maximum:
-        raise ArgumentError("max_sequence_length", f"expected an integer in [1, {maximum}] (T5 tokens), got "
-                                                   f"{max_sequence_length!r}")
+        raise ArgumentError(
+            "max_sequence_length", f"expected an integer in [1, {maximum}] (T5 tokens), got {max_sequence_length!r}"
+        )

@@ -20,17 +20,25 @@ from .stable_diffusion_xl import OnnxStableDiffusionXLPipeline
 
 
 # what any text-to-image family reads from a pipeline folder: a Hub id is downloaded with these, once
-TEXT_TO_IMAGE_CLASSES = (OnnxStableDiffusionPipeline, OnnxStableDiffusionXLPipeline,
-                         OnnxLatentConsistencyModelPipeline, OnnxStableDiffusion3Pipeline, OnnxFluxPipeline)
+TEXT_TO_IMAGE_CLASSES = (
+    OnnxStableDiffusionPipeline,
+    OnnxStableDiffusionXLPipeline,
+    OnnxLatentConsistencyModelPipeline,
+    OnnxStableDiffusion3Pipeline,
+    OnnxFluxPipeline,
+)
 
 
 def resolve_model_folder(model: Union[str, os.PathLike], **hub_kwargs) -> Path:
     """A pipeline folder for :func:`pipeline_class_for`: ``model`` itself where it is a local folder, else the Hub
     repository ``model`` downloaded with the files any text-to-image family reads (its ONNX components, tokenizers,
     scheduler and model_index.json)."""
-    components = dict.fromkeys(name for cls in TEXT_TO_IMAGE_CLASSES for name in names_of(cls.declared_components, "onnx"))
-    tokenizers = dict.fromkeys(name for cls in TEXT_TO_IMAGE_CLASSES
-                               for name in names_of(cls.declared_components, "tokenizer"))
+    components = dict.fromkeys(
+        name for cls in TEXT_TO_IMAGE_CLASSES for name in names_of(cls.declared_components, "onnx")
+    )
+    tokenizers = dict.fromkeys(
+        name for cls in TEXT_TO_IMAGE_CLASSES for name in names_of(cls.declared_components, "tokenizer")
+    )
     return resolve_pipeline_folder(model, tuple(components), tuple(tokenizers), **hub_kwargs)
 
 
@@ -53,20 +61,32 @@ def pipeline_class_for(folder: Union[str, os.PathLike]) -> type:
     inputs = {value.name: value for value in graph.input if value.name not in initializers}
     if "text_embeds" in inputs or "time_ids" in inputs:
         if not (folder / "text_encoder").is_dir():
-            raise ArgumentError("model", f"{str(folder)!r} is an SDXL refiner (no text_encoder): it transforms images; use "
-                                         "OnnxStableDiffusionXLImg2ImgPipeline from Python")
+            raise ArgumentError(
+                "model",
+                f"{str(folder)!r} is an SDXL refiner (no text_encoder): it transforms images; use "
+                "OnnxStableDiffusionXLImg2ImgPipeline from Python",
+            )
         return OnnxStableDiffusionXLPipeline
     if "mid_block_additional_residual" in inputs:
-        raise ArgumentError("model", f"{str(folder)!r} is a ControlNet folder (its UNet takes the ControlNet's residuals): "
-                                     "use OnnxStableDiffusionControlNetPipeline from Python with a control image")
+        raise ArgumentError(
+            "model",
+            f"{str(folder)!r} is a ControlNet folder (its UNet takes the ControlNet's residuals): "
+            "use OnnxStableDiffusionControlNetPipeline from Python with a control image",
+        )
     if "timestep_cond" in inputs:
         return OnnxLatentConsistencyModelPipeline
     sample = inputs.get("sample")
-    channels = sample.type.tensor_type.shape.dim[1].dim_value if sample is not None and len(
-        sample.type.tensor_type.shape.dim) > 1 else 0
+    channels = (
+        sample.type.tensor_type.shape.dim[1].dim_value
+        if sample is not None and len(sample.type.tensor_type.shape.dim) > 1
+        else 0
+    )
     if channels == 9:
-        raise ArgumentError("model", f"{str(folder)!r} is an inpainting model (its UNet takes 9 channels): use "
-                                     "OnnxStableDiffusionInpaintPipeline from Python with an image and a mask")
+        raise ArgumentError(
+            "model",
+            f"{str(folder)!r} is an inpainting model (its UNet takes 9 channels): use "
+            "OnnxStableDiffusionInpaintPipeline from Python with an image and a mask",
+        )
     return OnnxStableDiffusionPipeline
 
 
@@ -78,5 +98,8 @@ def _transformer_pipeline_class(folder: Path, transformer_path: Path) -> type:
         return OnnxFluxPipeline
     if inputs == sorted(MMDIT_INPUTS):
         return OnnxStableDiffusion3Pipeline
-    raise ArgumentError("model", f"{str(folder)!r} has a transformer with inputs {inputs}, which no pipeline of this "
-                     f"version runs (Stable Diffusion 3's takes {list(MMDIT_INPUTS)}, FLUX.1's img_ids too)")
+    raise ArgumentError(
+        "model",
+        f"{str(folder)!r} has a transformer with inputs {inputs}, which no pipeline of this "
+        f"version runs (Stable Diffusion 3's takes {list(MMDIT_INPUTS)}, FLUX.1's img_ids too)",
+    )

@@ -38,8 +38,10 @@ PART_FILES = ("head.onnx", "body.onnx", "out.onnx")
 FIRST_BLOCK_INPUT = "first_block_input"
 FIRST_BLOCK_OUTPUT = "first_block_hidden_states"
 BLOCKS_OUTPUT = "blocks_output"
-EXPORT_HINT = ("export the pipeline with First-Block Cache's parts: `optimum-iobinding export --step-cache …` or "
-               "export_pipeline(…, step_cache=True)")
+EXPORT_HINT = (
+    "export the pipeline with First-Block Cache's parts: `optimum-iobinding export --step-cache …` or "
+    "export_pipeline(…, step_cache=True)"
+)
 
 
 def first_block_cache_config_class() -> type:
@@ -58,8 +60,11 @@ def first_block_cache_for(denoiser: Any, config: Any) -> "FirstBlockCache":
     """
     config_class = first_block_cache_config_class()
     if not isinstance(config, config_class):
-        raise ArgumentTypeError("config", f"expected diffusers.hooks.FirstBlockCacheConfig(threshold=…) for "
-                                          f"{type(denoiser.pipe).__name__}, got {type(config).__name__} {config!r}")
+        raise ArgumentTypeError(
+            "config",
+            f"expected diffusers.hooks.FirstBlockCacheConfig(threshold=…) for "
+            f"{type(denoiser.pipe).__name__}, got {type(config).__name__} {config!r}",
+        )
     threshold = config.threshold
     if not is_real(threshold) or not threshold >= 0:
         raise ArgumentError("config", f"FirstBlockCacheConfig.threshold: expected a number ≥ 0, got {threshold!r}")
@@ -68,8 +73,11 @@ def first_block_cache_for(denoiser: Any, config: Any) -> "FirstBlockCache":
     missing = [name for name in PART_FILES if folder is None or not (folder / name).is_file()]
     if missing:
         where = f"{folder}" if folder is not None else "the transformer's session (made outside a folder)"
-        raise ArgumentError("config", f"First-Block Cache runs the transformer's parts {list(PART_FILES)}, but "
-                                      f"{where} lacks {missing}; {EXPORT_HINT}")
+        raise ArgumentError(
+            "config",
+            f"First-Block Cache runs the transformer's parts {list(PART_FILES)}, but "
+            f"{where} lacks {missing}; {EXPORT_HINT}",
+        )
     parts = [model.part(folder / name) for name in PART_FILES]
     return FirstBlockCache(config, model, *parts)
 
@@ -78,16 +86,25 @@ class FirstBlockCache(StepCache):
     """The transformer's step as its parts (see the module docstring), deciding per step whether the blocks after
     the first run. ``feed_model`` is the head: it takes the transformer's inputs."""
 
-    def __init__(self, config: Any, model: IOBindingORTModel, head: IOBindingORTModel, body: IOBindingORTModel,
-                 out: IOBindingORTModel):
+    def __init__(
+        self,
+        config: Any,
+        model: IOBindingORTModel,
+        head: IOBindingORTModel,
+        body: IOBindingORTModel,
+        out: IOBindingORTModel,
+    ):
         super().__init__()
         self._config = config
         self.threshold = float(config.threshold)
         self.head, self.body, self.out = head, body, out
         self.feed_model = head
         head_outputs = set(head.output_names)
-        wanted = {FIRST_BLOCK_INPUT: head_outputs, FIRST_BLOCK_OUTPUT: head_outputs,
-                  BLOCKS_OUTPUT: set(body.output_names)}
+        wanted = {
+            FIRST_BLOCK_INPUT: head_outputs,
+            FIRST_BLOCK_OUTPUT: head_outputs,
+            BLOCKS_OUTPUT: set(body.output_names),
+        }
         lacking = [name for name, names in wanted.items() if name not in names]
         # a skipped step runs the out part without the body: it may read only the transformer's inputs, the head's
         # outputs and the blocks' output
@@ -95,8 +112,11 @@ class FirstBlockCache(StepCache):
         lacking += [name for name in out.input_names if name not in known]
         lacking += [name for name in body.input_names if name not in set(model.input_names) | head_outputs]
         if lacking:
-            raise ArgumentError("config", f"the parts beside {model.model_path!r} do not fit together (values "
-                                          f"{lacking} are not where First-Block Cache expects them); {EXPORT_HINT}")
+            raise ArgumentError(
+                "config",
+                f"the parts beside {model.model_path!r} do not fit together (values "
+                f"{lacking} are not where First-Block Cache expects them); {EXPORT_HINT}",
+            )
         self.last_residual: Optional[torch.Tensor] = None  # the first block's residual at the last full step
         # the threshold times its absolute sum (the rule's means share one count), made once per full step
         self.last_bound: Optional[torch.Tensor] = None
@@ -187,8 +207,9 @@ class FirstBlockCache(StepCache):
         inputs = {name: values[name] for name in self.out.input_names}
         output = self.out(**inputs)[0]
         if self._out_buffers is None:
-            self._out_buffers = self.out.graph_input_buffers({name: tuple(value.shape)
-                                                              for name, value in inputs.items()}) or {}
+            self._out_buffers = (
+                self.out.graph_input_buffers({name: tuple(value.shape) for name, value in inputs.items()}) or {}
+            )
         return output
 
     @property

@@ -42,5 +42,3 @@ class StepCache(abc.ABC):
     def skipped_steps(self) -> int:
         """How many steps of the last loop reused a cached part."""
         return self.computed.count(False)
-
-

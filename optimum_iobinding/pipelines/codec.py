@@ -51,8 +51,9 @@ class LatentCodec:
         self.tiler: Optional[TiledVAE] = None
         self.scale_factor = self._read_scale_factor()
         self.scaling_factor = self._config_float("scaling_factor", scaling_factor, positive=True)
-        self.shift_factor = None if shift_factor is None else self._config_float("shift_factor", shift_factor,
-                                                                                  positive=False)
+        self.shift_factor = (
+            None if shift_factor is None else self._config_float("shift_factor", shift_factor, positive=False)
+        )
 
     @property
     def decoder(self) -> IOBindingORTModel:
@@ -69,8 +70,10 @@ class LatentCodec:
         value = self.decoder.config.get(key)
         value = default if value is None else value
         if not is_real(value) or not math.isfinite(value) or (positive and value <= 0):
-            raise ValueError(f"vae_decoder config.json: {key}: expected a {'positive ' if positive else ''}finite "
-                             f"number, got {value!r} ({self.constants_hint})")
+            raise ValueError(
+                f"vae_decoder config.json: {key}: expected a {'positive ' if positive else ''}finite "
+                f"number, got {value!r} ({self.constants_hint})"
+            )
         return float(value)
 
     def _read_scale_factor(self) -> int:
@@ -79,8 +82,10 @@ class LatentCodec:
         blocks = decoder.config.get("block_out_channels")
         if blocks is not None:
             if not isinstance(blocks, list) or not blocks or len(blocks) > 8:
-                raise ValueError(f"vae_decoder config.json: block_out_channels: expected a list of 1 to 8 channel "
-                                 f"counts, got {blocks!r}")
+                raise ValueError(
+                    f"vae_decoder config.json: block_out_channels: expected a list of 1 to 8 channel "
+                    f"counts, got {blocks!r}"
+                )
             factor = 2 ** (len(blocks) - 1)
             try:
                 shapes = infer_output_shapes(decoder, {"latent_sample": (1, channels, 8, 8)})
@@ -88,16 +93,19 @@ class LatentCodec:
                 shapes = {}
             image_shape = next(iter(shapes.values()), None)
             if image_shape is not None and image_shape[2] != 8 * factor:
-                raise ValueError(f"vae_decoder config.json: block_out_channels: {len(blocks)} blocks mean a scale "
-                                 f"factor of {factor}, but the decoder turns 8 latent rows into {image_shape[2]} "
-                                 f"(a factor of {image_shape[2] // 8})")
+                raise ValueError(
+                    f"vae_decoder config.json: block_out_channels: {len(blocks)} blocks mean a scale "
+                    f"factor of {factor}, but the decoder turns 8 latent rows into {image_shape[2]} "
+                    f"(a factor of {image_shape[2] // 8})"
+                )
             return factor
         # No config: ask the decoder how much larger its output is than its input.
         shapes = infer_output_shapes(decoder, {"latent_sample": (1, channels, 8, 8)})
         image_shape = next(iter(shapes.values()))
         if image_shape is None:
-            raise ArgumentError("vae_decoder", "cannot tell its upsampling factor: no config.json and its output shape "
-                                               "is not inferable")
+            raise ArgumentError(
+                "vae_decoder", "cannot tell its upsampling factor: no config.json and its output shape is not inferable"
+            )
         return image_shape[2] // 8
 
     def image_channels(self) -> tuple:
@@ -107,8 +115,7 @@ class LatentCodec:
 
     # ---------------------------------------------------------------------------------------------- tiling
     def enable_tiling(self, tile_sample_size: int, overlap: float, overlap_copies: bool) -> None:
-        self.tiler = TiledVAE(self.decoder, self.encoder, tile_sample_size, self.scale_factor, overlap,
-                              overlap_copies)
+        self.tiler = TiledVAE(self.decoder, self.encoder, tile_sample_size, self.scale_factor, overlap, overlap_copies)
 
     def disable_tiling(self) -> None:
         self.tiler = None
@@ -131,8 +138,7 @@ class LatentCodec:
             return torch.cat([self.tiler.decode(latents[i : i + 1]) for i in range(latents.shape[0])])
         latents = latents.to(self.decoder.input_dtypes["latent_sample"])
         # each call reuses the decoder's output buffer: copy each image out before the next call
-        return torch.cat([self.decoder(latent_sample=latents[i : i + 1])[0].clone()
-                          for i in range(latents.shape[0])])
+        return torch.cat([self.decoder(latent_sample=latents[i : i + 1])[0].clone() for i in range(latents.shape[0])])
 
     def decode_to_host(self, latents: torch.Tensor) -> np.ndarray:
         """Tiled decoding to numpy images in [0, 1], NHWC, each tile downloaded while the next one decodes."""

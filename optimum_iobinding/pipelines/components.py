@@ -16,6 +16,7 @@ from ..runtime.model import IOBindingORTModel
 from ..runtime.options import PipelineOptions
 from ..runtime.shapes import infer_output_shapes
 
+
 @dataclass(frozen=True)
 class Component:
     """One component of a family: its ``name`` (the folder and the pipeline attribute), its ``kind`` (``"onnx"``: an
@@ -70,8 +71,10 @@ COMPONENT_INPUTS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "text_encoder_2": ("a text encoder", ("input_ids",)),
     "vae_decoder": ("a VAE decoder", ("latent_sample",)),
     "vae_encoder": ("a VAE encoder", ("sample",)),
-    "controlnet": ("a ControlNet", ("sample", "timestep", "encoder_hidden_states", "controlnet_cond",
-                                    "conditioning_scale")),
+    "controlnet": (
+        "a ControlNet",
+        ("sample", "timestep", "encoder_hidden_states", "controlnet_cond", "conditioning_scale"),
+    ),
 }
 
 
@@ -108,10 +111,13 @@ def check_component_kind(name: str, model: Any) -> None:
     found = component_kind(declared)
     looks = f"{found}, not {kind}" if found is not None and found != kind else "not a model the pipeline can feed"
     where = f"{model.model_path!r}" if model.model_path else "the model"
-    raise ArgumentError(name, f"expected {kind} (inputs {list(expected)}{' and more' if name == 'unet' else ''}), got a "
-                     f"model with inputs {declared} and "
-                     f"outputs {model.output_names}: {where} is {looks}; put the right model.onnx in the {name} "
-                     "folder")
+    raise ArgumentError(
+        name,
+        f"expected {kind} (inputs {list(expected)}{' and more' if name == 'unet' else ''}), got a "
+        f"model with inputs {declared} and "
+        f"outputs {model.output_names}: {where} is {looks}; put the right model.onnx in the {name} "
+        "folder",
+    )
 
 
 def check_replacement(name: str, value: Any) -> None:
@@ -119,16 +125,29 @@ def check_replacement(name: str, value: Any) -> None:
     the scheduler a diffusers scheduler; refused by name otherwise, before anything loads."""
     if name == "scheduler":
         if not all(hasattr(value, method) for method in ("set_timesteps", "step")):
-            raise ArgumentTypeError("scheduler", f"expected a diffusers scheduler (with set_timesteps and step), got "
-                                                 f"{type(value).__name__} {value!r:.80}")
+            raise ArgumentTypeError(
+                "scheduler",
+                f"expected a diffusers scheduler (with set_timesteps and step), got "
+                f"{type(value).__name__} {value!r:.80}",
+            )
     elif not (callable(value) and hasattr(value, "model_max_length")):
-        raise ArgumentTypeError(name, f"expected a transformers tokenizer (callable, with a model_max_length), got "
-                                      f"{type(value).__name__} {value!r:.80}")
+        raise ArgumentTypeError(
+            name,
+            f"expected a transformers tokenizer (callable, with a model_max_length), got "
+            f"{type(value).__name__} {value!r:.80}",
+        )
 
 
-def load_components(folder: Path, model_folders: Dict[str, Path], declared: Sequence[Component],
-                    options: PipelineOptions, must_capture: str, replacements: Dict[str, Any],
-                    settings: Sequence[str] = (), missing_hint: str = "") -> Dict[str, Any]:
+def load_components(
+    folder: Path,
+    model_folders: Dict[str, Path],
+    declared: Sequence[Component],
+    options: PipelineOptions,
+    must_capture: str,
+    replacements: Dict[str, Any],
+    settings: Sequence[str] = (),
+    missing_hint: str = "",
+) -> Dict[str, Any]:
     """The components of a family, loaded: each ONNX component from its folder in ``model_folders`` as an
     :class:`IOBindingORTModel` with its options (one stream for all; ``must_capture``: the component whose graphs
     ``cuda_graph=True`` requires), the tokenizers and the scheduler from ``folder`` unless ``replacements`` gives them,
@@ -140,8 +159,10 @@ def load_components(folder: Path, model_folders: Dict[str, Path], declared: Sequ
     for name in order:
         path = model_folders[name] / "model.onnx"
         if name not in optional and not path.is_file():
-            raise ArgumentPathError("pretrained_model_name_or_path", f"component {name!r} is missing: expected "
-                                    f"{path}{missing_hint if name == must_capture else ''}")
+            raise ArgumentPathError(
+                "pretrained_model_name_or_path",
+                f"component {name!r} is missing: expected {path}{missing_hint if name == must_capture else ''}",
+            )
     index = read_model_index(folder, tuple(model_folders))
     components: Dict[str, Any] = {}
     try:
@@ -150,7 +171,8 @@ def load_components(folder: Path, model_folders: Dict[str, Path], declared: Sequ
                 components[name] = None
                 continue
             components[name] = IOBindingORTModel.from_pretrained(
-                model_folder, options=options.for_component(name, must_capture=name == must_capture))
+                model_folder, options=options.for_component(name, must_capture=name == must_capture)
+            )
             check_component_kind(name, components[name])  # a wrong file fails here, before the next one loads
         for component in declared:
             name = component.name
@@ -177,21 +199,28 @@ def tiny_vae_folder(tiny_vae: Union[str, os.PathLike], **hub_kwargs: Any) -> Pat
     if path.is_dir():
         folder = path
     elif path.exists():
-        raise NotADirectoryError(f"tiny_vae: expected a folder with vae_encoder/ and vae_decoder/, got the file "
-                                 f"{str(path)!r}")
+        raise NotADirectoryError(
+            f"tiny_vae: expected a folder with vae_encoder/ and vae_decoder/, got the file {str(path)!r}"
+        )
     else:
-        folder = download_from_hub(os.fspath(tiny_vae), [f"{name}/*" for name in TINY_VAE_COMPONENTS], "tiny_vae",
-                                   **hub_kwargs)
+        folder = download_from_hub(
+            os.fspath(tiny_vae), [f"{name}/*" for name in TINY_VAE_COMPONENTS], "tiny_vae", **hub_kwargs
+        )
     missing = [f"{name}/model.onnx" for name in TINY_VAE_COMPONENTS if not (folder / name / "model.onnx").is_file()]
     if missing:
-        raise ArgumentPathError("tiny_vae", f"expected an AutoencoderTiny export holding vae_encoder/model.onnx and "
-                                f"vae_decoder/model.onnx, got {str(folder)!r} without {' and '.join(missing)}")
+        raise ArgumentPathError(
+            "tiny_vae",
+            f"expected an AutoencoderTiny export holding vae_encoder/model.onnx and "
+            f"vae_decoder/model.onnx, got {str(folder)!r} without {' and '.join(missing)}",
+        )
     return folder
 
 
-def check_latent_channels(vae_encoder: IOBindingORTModel, vae_decoder: IOBindingORTModel, unet: IOBindingORTModel,
-                          where: str) -> None:
+def check_latent_channels(
+    vae_encoder: IOBindingORTModel, vae_decoder: IOBindingORTModel, unet: IOBindingORTModel, where: str
+) -> None:
     """Refuses a VAE whose latents have other channels than the UNet's samples, naming ``where`` it came from."""
+
     def declared(model: IOBindingORTModel, name: str) -> Optional[int]:
         dims = model.input_dims.get(name) or []
         return dims[1] if len(dims) > 1 and isinstance(dims[1], int) else None
@@ -210,9 +239,12 @@ def check_latent_channels(vae_encoder: IOBindingORTModel, vae_decoder: IOBinding
         found["vae_encoder"] = shape[1] // halves
     for name, channels in found.items():
         if channels is not None and channels != expected:
-            raise ArgumentError(where, f"expected a VAE with {expected} latent channels (the UNet's sample channels), "
-                             f"got {channels} in its {name}; use a tiny VAE trained for this model's latent space "
-                             "(madebyollin/taesd for SD 1.x/2.x)")
+            raise ArgumentError(
+                where,
+                f"expected a VAE with {expected} latent channels (the UNet's sample channels), "
+                f"got {channels} in its {name}; use a tiny VAE trained for this model's latent space "
+                "(madebyollin/taesd for SD 1.x/2.x)",
+            )
 
 
 def load_numpy_pipeline(folder: Union[str, os.PathLike], provider: str = "CUDAExecutionProvider", **kwargs: Any):

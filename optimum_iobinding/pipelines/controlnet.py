@@ -48,18 +48,28 @@ class ControlNetUNet(UNetDenoiser):
         declared = self.model.input_names
         missing = [name for name in expected if name not in declared]
         if missing:
-            raise ArgumentError("unet", f"a ControlNet pipeline needs the UNet exported with its ControlNet (inputs "
-                             f"{expected[0]} … {expected[-1]}); this folder's UNet takes {declared}, so it is not "
-                             "the UNet of this ControlNet. Export the pipeline with optimum-iobinding export MODEL "
-                             "--controlnet ID (or export_pipeline(..., controlnet=...))")
-        unexpected = [name for name in declared if name not in ["sample", "timestep", "encoder_hidden_states", *expected]]
+            raise ArgumentError(
+                "unet",
+                f"a ControlNet pipeline needs the UNet exported with its ControlNet (inputs "
+                f"{expected[0]} … {expected[-1]}); this folder's UNet takes {declared}, so it is not "
+                "the UNet of this ControlNet. Export the pipeline with optimum-iobinding export MODEL "
+                "--controlnet ID (or export_pipeline(..., controlnet=...))",
+            )
+        unexpected = [
+            name for name in declared if name not in ["sample", "timestep", "encoder_hidden_states", *expected]
+        ]
         if unexpected:
-            raise ArgumentError("unet", f"expected inputs sample, timestep, encoder_hidden_states and {expected}, got "
-                                        f"{declared} (an SDXL or LCM ControlNet UNet is not supported)")
+            raise ArgumentError(
+                "unet",
+                f"expected inputs sample, timestep, encoder_hidden_states and {expected}, got "
+                f"{declared} (an SDXL or LCM ControlNet UNet is not supported)",
+            )
         for k, net in enumerate(self.pipe.controlnets):
             if len(net.output_names) != len(expected):
-                raise ValueError(f"{controlnet_component_names(k + 1)[-1]}: gives {len(net.output_names)} residuals, "
-                                 f"the UNet takes {len(expected)}: a ControlNet of another architecture")
+                raise ValueError(
+                    f"{controlnet_component_names(k + 1)[-1]}: gives {len(net.output_names)} residuals, "
+                    f"the UNet takes {len(expected)}: a ControlNet of another architecture"
+                )
 
 
 class ControlNetPipeline(ClipUNetPipeline):
@@ -74,8 +84,11 @@ class ControlNetPipeline(ClipUNetPipeline):
     def __init__(self, **components: Any):
         controlnet = components.get("controlnet")
         if controlnet is None:
-            raise ArgumentError("controlnet", "this pipeline needs a ControlNet; the folder has no controlnet/model.onnx "
-                                              "(export one with optimum-iobinding export MODEL --controlnet ID)")
+            raise ArgumentError(
+                "controlnet",
+                "this pipeline needs a ControlNet; the folder has no controlnet/model.onnx "
+                "(export one with optimum-iobinding export MODEL --controlnet ID)",
+            )
         more = {name: value for name, value in components.items() if name.startswith("controlnet_")}
         wrong = sorted(name for name in more if not _EXTRA_CONTROLNET.fullmatch(name))
         if wrong:
@@ -90,8 +103,9 @@ class ControlNetPipeline(ClipUNetPipeline):
 
     def write_model_index(self, target: Path, written: List[str]) -> None:
         # the class name: diffusers' ONNX pipeline has no ControlNet, the folder is ours
-        write_model_index(target, type(self.scheduler).__name__, type(self.tokenizer).__name__, written,
-                          type(self).__name__)
+        write_model_index(
+            target, type(self.scheduler).__name__, type(self.tokenizer).__name__, written, type(self).__name__
+        )
 
     @classmethod
     def download_names(cls) -> Sequence[str]:
@@ -99,11 +113,17 @@ class ControlNetPipeline(ClipUNetPipeline):
 
     @classmethod
     def onnx_names_in(cls, folder: Path) -> Tuple[str, ...]:
-        numbers = sorted(int(match.group(1)) for entry in Path(folder).iterdir()
-                         if (match := _EXTRA_CONTROLNET.fullmatch(entry.name)) and (entry / "model.onnx").is_file())
+        numbers = sorted(
+            int(match.group(1))
+            for entry in Path(folder).iterdir()
+            if (match := _EXTRA_CONTROLNET.fullmatch(entry.name)) and (entry / "model.onnx").is_file()
+        )
         if numbers != list(range(1, len(numbers) + 1)):
-            raise ArgumentError("pretrained_model_name_or_path", f"expected ControlNet folders controlnet, controlnet_1, "
-                             f"controlnet_2 … without gaps, got controlnet_{numbers} in {str(folder)!r}")
+            raise ArgumentError(
+                "pretrained_model_name_or_path",
+                f"expected ControlNet folders controlnet, controlnet_1, "
+                f"controlnet_2 … without gaps, got controlnet_{numbers} in {str(folder)!r}",
+            )
         return (*names_of(STABLE_DIFFUSION_COMPONENTS, "onnx"), *controlnet_component_names(len(numbers) + 1))
 
     def blank_control_images(self, height: int, width: int) -> Any:
@@ -127,18 +147,23 @@ class ControlNetPipeline(ClipUNetPipeline):
             raise ArgumentError(name, f"expected {expected}, got {value!r}")
         return values
 
-    def check_control_arguments(self, conditioning_scale: Any, guidance_start: Any, guidance_end: Any
-                                 ) -> Tuple[List[float], List[float], List[float]]:
+    def check_control_arguments(
+        self, conditioning_scale: Any, guidance_start: Any, guidance_end: Any
+    ) -> Tuple[List[float], List[float], List[float]]:
         real = lambda v: is_real(v) and math.isfinite(v)  # noqa: E731
         scales = self._per_net(conditioning_scale, "controlnet_conditioning_scale", real, "finite numbers")
-        starts = self._per_net(guidance_start, "control_guidance_start", lambda v: real(v) and 0 <= v <= 1,
-                               "numbers in [0, 1]")
-        ends = self._per_net(guidance_end, "control_guidance_end", lambda v: real(v) and 0 <= v <= 1,
-                             "numbers in [0, 1]")
+        starts = self._per_net(
+            guidance_start, "control_guidance_start", lambda v: real(v) and 0 <= v <= 1, "numbers in [0, 1]"
+        )
+        ends = self._per_net(
+            guidance_end, "control_guidance_end", lambda v: real(v) and 0 <= v <= 1, "numbers in [0, 1]"
+        )
         for k, (start, end) in enumerate(zip(starts, ends)):
             if start >= end:
-                raise ArgumentError("control_guidance_start", f"expected each start below its end, got start {start} and "
-                                                              f"end {end} for ControlNet {k}")
+                raise ArgumentError(
+                    "control_guidance_start",
+                    f"expected each start below its end, got start {start} and end {end} for ControlNet {k}",
+                )
         return [float(s) for s in scales], [float(s) for s in starts], [float(e) for e in ends]
 
     def _control_images(self, image: Any, name: str) -> List[Any]:
@@ -149,8 +174,11 @@ class ControlNetPipeline(ClipUNetPipeline):
         if count == 1:
             return [image]
         if not isinstance(image, (list, tuple)) or len(image) != count:
-            raise ArgumentError(name, f"expected a list of {count} control images (one per ControlNet), got "
-                             f"{type(image).__name__}{f' of {len(image)}' if isinstance(image, (list, tuple)) else ''}")
+            raise ArgumentError(
+                name,
+                f"expected a list of {count} control images (one per ControlNet), got "
+                f"{type(image).__name__}{f' of {len(image)}' if isinstance(image, (list, tuple)) else ''}",
+            )
         return list(image)
 
     def _check_channels(self, image: Any, name: str, channels: int) -> None:
@@ -167,21 +195,32 @@ class ControlNetPipeline(ClipUNetPipeline):
             else:
                 continue  # PIL: converted to RGB by the image processor
             if got != channels or item.ndim > 4:
-                raise ArgumentError(label, f"expected a control image with {channels} channels in the layout {layout}, "
-                                           f"got shape {tuple(item.shape)}")
+                raise ArgumentError(
+                    label,
+                    f"expected a control image with {channels} channels in the layout {layout}, "
+                    f"got shape {tuple(item.shape)}",
+                )
             if isinstance(item, torch.Tensor) and not item.dtype.is_floating_point:
                 raise ArgumentTypeError(label, f"expected a float tensor in [0, 1], got dtype {item.dtype}")
 
-    def prepare_control_image(self, image: Any, name: str, height: Optional[int], width: Optional[int],
-                              batch_size: int, num_images_per_prompt: int, do_classifier_free_guidance: bool,
-                              guess_mode: bool, net: IOBindingORTModel) -> torch.Tensor:
+    def prepare_control_image(
+        self,
+        image: Any,
+        name: str,
+        height: Optional[int],
+        width: Optional[int],
+        batch_size: int,
+        num_images_per_prompt: int,
+        do_classifier_free_guidance: bool,
+        guess_mode: bool,
+        net: IOBindingORTModel,
+    ) -> torch.Tensor:
         """diffusers' ``prepare_image``: preprocessed to ``height`` × ``width`` (default: its own size, rounded down
         to the VAE factor), one per image of the call, doubled for guidance unless in guess mode; on the device in
         the ControlNet's input dtype."""
         channels = declared_dim(net, "controlnet_cond", 1) or 3
         self._check_channels(image, name, channels)
-        self.check_image(image, name, resized=height is not None and width is not None, mask=channels == 1,
-                         channels=())
+        self.check_image(image, name, resized=height is not None and width is not None, mask=channels == 1, channels=())
         try:
             tensor = self.control_image_processor.preprocess(image, height=height, width=width).to(torch.float32)
         except (ValueError, TypeError) as error:
@@ -189,33 +228,59 @@ class ControlNetPipeline(ClipUNetPipeline):
         try:
             self.check_size(*tensor.shape[-2:])
         except ValueError as error:
-            raise ArgumentError(name, f"a control image of {tensor.shape[-2]} × {tensor.shape[-1]} (after rounding "
-                             f"down to the VAE factor {self.vae_scale_factor}) cannot be used: {error}; resize it or "
-                             "give height and width") from None
+            raise ArgumentError(
+                name,
+                f"a control image of {tensor.shape[-2]} × {tensor.shape[-1]} (after rounding "
+                f"down to the VAE factor {self.vae_scale_factor}) cannot be used: {error}; resize it or "
+                "give height and width",
+            ) from None
         images = batch_size * num_images_per_prompt
         if tensor.shape[0] not in (1, batch_size):
-            raise ArgumentError(name, f"expected 1 control image or {batch_size} (one per prompt), got "
-                                      f"{tensor.shape[0]}")
+            raise ArgumentError(
+                name, f"expected 1 control image or {batch_size} (one per prompt), got {tensor.shape[0]}"
+            )
         tensor = tensor.repeat_interleave(images if tensor.shape[0] == 1 else num_images_per_prompt, dim=0)
         tensor = tensor.to(device=self.device, dtype=net.input_dtypes["controlnet_cond"])
         if do_classifier_free_guidance and not guess_mode:
             tensor = torch.cat([tensor] * 2)
         return tensor
 
-    def prepare_control_images(self, image: Any, name: str, height: Optional[int], width: Optional[int],
-                               batch_size: int, num_images_per_prompt: int, do_classifier_free_guidance: bool,
-                               guess_mode: bool) -> List[torch.Tensor]:
+    def prepare_control_images(
+        self,
+        image: Any,
+        name: str,
+        height: Optional[int],
+        width: Optional[int],
+        batch_size: int,
+        num_images_per_prompt: int,
+        do_classifier_free_guidance: bool,
+        guess_mode: bool,
+    ) -> List[torch.Tensor]:
         """Every ControlNet's control images; all of one size (the first image's, where no size is given)."""
         given = self._control_images(image, name)
         prepared = []
         for k, (item, net) in enumerate(zip(given, self.controlnets)):
             label = name if len(given) == 1 else f"{name}[{k}]"
-            prepared.append(self.prepare_control_image(item, label, height, width, batch_size, num_images_per_prompt,
-                                                       do_classifier_free_guidance, guess_mode, net))
+            prepared.append(
+                self.prepare_control_image(
+                    item,
+                    label,
+                    height,
+                    width,
+                    batch_size,
+                    num_images_per_prompt,
+                    do_classifier_free_guidance,
+                    guess_mode,
+                    net,
+                )
+            )
             if k and tuple(prepared[k].shape[-2:]) != tuple(prepared[0].shape[-2:]):
-                raise ArgumentError(label, f"expected a control image of {prepared[0].shape[-2]} × "
-                                           f"{prepared[0].shape[-1]} like {name}[0] (or give height and width), got "
-                                           f"{prepared[k].shape[-2]} × {prepared[k].shape[-1]}")
+                raise ArgumentError(
+                    label,
+                    f"expected a control image of {prepared[0].shape[-2]} × "
+                    f"{prepared[0].shape[-1]} like {name}[0] (or give height and width), got "
+                    f"{prepared[k].shape[-2]} × {prepared[k].shape[-1]}",
+                )
         return prepared
 
     # -------------------------------------------------------------------------------------------- the residuals
@@ -238,8 +303,7 @@ class ControlNetPipeline(ClipUNetPipeline):
         residuals = len(residual_inputs)
         pool = bool(self.controlnets[0].config.get("global_pool_conditions", False))
         ramp = torch.logspace(-1, 0, residuals) if guess_mode and not pool else torch.ones(residuals)
-        keep = [[1.0 - float(i / steps < s or (i + 1) / steps > e) for s, e in zip(starts, ends)]
-                for i in range(steps)]
+        keep = [[1.0 - float(i / steps < s or (i + 1) / steps > e) for s, e in zip(starts, ends)] for i in range(steps)]
         factors, timestep_rows = [], []
         half = guess_mode and do_classifier_free_guidance
         control_batch = images[0].shape[0]  # prepared for the ControlNets' batch (doubled for guidance or not)
@@ -257,12 +321,15 @@ class ControlNetPipeline(ClipUNetPipeline):
             key = (tuple(sample.shape), tuple(embeds.shape))
             if key not in zeros:
                 shapes = self._residual_shapes(tuple(sample.shape), tuple(embeds.shape), tuple(images[0].shape))
-                zeros[key] = [torch.zeros(shape, device=self.device, dtype=self.unet.input_dtypes[name])
-                              for name, shape in zip(residual_inputs, shapes)]
+                zeros[key] = [
+                    torch.zeros(shape, device=self.device, dtype=self.unet.input_dtypes[name])
+                    for name, shape in zip(residual_inputs, shapes)
+                ]
             return zeros[key]
 
-        def step_inputs(i: int, latent_model_input: torch.Tensor, prompt_embeds: torch.Tensor
-                        ) -> Dict[str, torch.Tensor]:
+        def step_inputs(
+            i: int, latent_model_input: torch.Tensor, prompt_embeds: torch.Tensor
+        ) -> Dict[str, torch.Tensor]:
             control_input, embeds = latent_model_input, prompt_embeds
             if half:
                 control_input, embeds = latent_model_input.chunk(2)[1], prompt_embeds.chunk(2)[1]
@@ -270,8 +337,13 @@ class ControlNetPipeline(ClipUNetPipeline):
             for k, net in enumerate(self.controlnets):
                 if not runs[i][k]:
                     continue  # outside its window (or scale 0): its residuals are zeros
-                outputs = net(sample=control_input, timestep=timestep_rows[k][i], encoder_hidden_states=embeds,
-                              controlnet_cond=images[k], conditioning_scale=factors[k][i])
+                outputs = net(
+                    sample=control_input,
+                    timestep=timestep_rows[k][i],
+                    encoder_hidden_states=embeds,
+                    controlnet_cond=images[k],
+                    conditioning_scale=factors[k][i],
+                )
                 # the first ControlNet's output buffers are read by this step's UNet before that net runs again
                 total = list(outputs) if total is None else [a + b for a, b in zip(total, outputs)]
             if total is None:
@@ -282,20 +354,28 @@ class ControlNetPipeline(ClipUNetPipeline):
 
         return step_inputs
 
-    def _residual_shapes(self, sample_shape: Tuple[int, ...], embeds_shape: Tuple[int, ...],
-                         image_shape: Tuple[int, ...]) -> List[Tuple[int, ...]]:
+    def _residual_shapes(
+        self, sample_shape: Tuple[int, ...], embeds_shape: Tuple[int, ...], image_shape: Tuple[int, ...]
+    ) -> List[Tuple[int, ...]]:
         """The residuals' shapes for the UNet's ``sample`` and ``encoder_hidden_states`` of these shapes, from the
         ControlNet's graph (as if it ran on the UNet's whole batch)."""
         net = self.controlnets[0]
         batch = sample_shape[0]
-        shapes = infer_output_shapes(net, {
-            "sample": sample_shape, "timestep": (batch,) if net.input_dims.get("timestep") else (),
-            "encoder_hidden_states": embeds_shape, "controlnet_cond": (batch, *image_shape[1:]),
-            "conditioning_scale": (len(self.denoiser.residual_inputs),),
-        })
+        shapes = infer_output_shapes(
+            net,
+            {
+                "sample": sample_shape,
+                "timestep": (batch,) if net.input_dims.get("timestep") else (),
+                "encoder_hidden_states": embeds_shape,
+                "controlnet_cond": (batch, *image_shape[1:]),
+                "conditioning_scale": (len(self.denoiser.residual_inputs),),
+            },
+        )
         result = list(shapes.values())
         if any(shape is None for shape in result):
-            raise ArgumentError("controlnet", "its residuals' shapes depend on the input data; cannot make zero residuals")
+            raise ArgumentError(
+                "controlnet", "its residuals' shapes depend on the input data; cannot make zero residuals"
+            )
         return result
 
     def _controlnet_guess_mode(self, guess_mode: bool) -> bool:
@@ -317,21 +397,27 @@ class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):
         self,
         prompt: Prompt = None,
         image: ImageInput = None,
-        height: Optional[int] = None, width: Optional[int] = None,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
         num_inference_steps: int = 50,
         guidance_scale: float = 7.5,
         negative_prompt: Prompt = None,
         num_images_per_prompt: int = 1,
-        eta: float = 0.0, generator: Generator = None,
+        eta: float = 0.0,
+        generator: Generator = None,
         latents: Latents = None,
-        prompt_embeds: Embeds = None, negative_prompt_embeds: Embeds = None,
-        output_type: str = "pil", return_dict: bool = True,
+        prompt_embeds: Embeds = None,
+        negative_prompt_embeds: Embeds = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
         controlnet_conditioning_scale: Union[float, List[float]] = 1.0,
         guess_mode: bool = False,
         control_guidance_start: Union[float, List[float]] = 0.0,
         control_guidance_end: Union[float, List[float]] = 1.0,
-        callback: StepCallback = None, callback_steps: int = 1,
-        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        callback: StepCallback = None,
+        callback_steps: int = 1,
+        callback_on_step_end: StepEndCallback = None,
+        callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
     ):
         """Generates images from text guided by control images, with the arguments of diffusers'
         ``StableDiffusionControlNetPipeline``.
@@ -345,38 +431,65 @@ class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):
         :class:`OnnxStableDiffusionPipeline`.
         """
         # 1. check inputs (the size once the control images give it)
-        scales, starts, ends = self.check_control_arguments(controlnet_conditioning_scale, control_guidance_start,
-                                                             control_guidance_end)
+        scales, starts, ends = self.check_control_arguments(
+            controlnet_conditioning_scale, control_guidance_start, control_guidance_end
+        )
         guess_mode = self._controlnet_guess_mode(guess_mode)
         for value in (height, width):
             if value is not None:
                 self.check_size(height or value, width or value)
-        self.check_inputs(prompt, self.size_multiple, self.size_multiple, num_inference_steps, callback_steps,
-                          negative_prompt, prompt_embeds, negative_prompt_embeds, output_type,
-                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt,
-                          callback_on_step_end=callback_on_step_end,
-                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
+        self.check_inputs(
+            prompt,
+            self.size_multiple,
+            self.size_multiple,
+            num_inference_steps,
+            callback_steps,
+            negative_prompt,
+            prompt_embeds,
+            negative_prompt_embeds,
+            output_type,
+            guidance_scale=guidance_scale,
+            num_images_per_prompt=num_images_per_prompt,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+        )
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
-        images = self.prepare_control_images(image, "image", height, width, batch_size, num_images_per_prompt,
-                                             do_classifier_free_guidance, guess_mode)
+        images = self.prepare_control_images(
+            image, "image", height, width, batch_size, num_images_per_prompt, do_classifier_free_guidance, guess_mode
+        )
         height, width = images[0].shape[-2:]
 
         # 2. text embeddings, on the device
-        prompt_embeds = self.encode_prompt(prompt, num_images_per_prompt, do_classifier_free_guidance,
-                                           negative_prompt, prompt_embeds, negative_prompt_embeds)
+        prompt_embeds = self.encode_prompt(
+            prompt,
+            num_images_per_prompt,
+            do_classifier_free_guidance,
+            negative_prompt,
+            prompt_embeds,
+            negative_prompt_embeds,
+        )
 
         # 3. timesteps and initial noise
         timesteps = self.set_timesteps(num_inference_steps)
-        latents = self.initial_noise(batch_size * num_images_per_prompt, height, width, prompt_embeds.dtype,
-                                     generator, latents)
+        latents = self.initial_noise(
+            batch_size * num_images_per_prompt, height, width, prompt_embeds.dtype, generator, latents
+        )
 
         # 4. denoising loop, the ControlNets' residuals made each step: every tensor stays on self.device
-        residuals = self.controlnet_step_inputs(images, timesteps, scales, starts, ends, guess_mode,
-                                                do_classifier_free_guidance)
+        residuals = self.controlnet_step_inputs(
+            images, timesteps, scales, starts, ends, guess_mode, do_classifier_free_guidance
+        )
         latents = self.denoiser.loop(
-            latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
-            callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
+            latents,
+            timesteps,
+            prompt_embeds,
+            guidance_scale,
+            self.scheduler_step_kwargs(generator, eta),
+            callback,
+            callback_steps,
+            callback_on_step_end,
+            callback_on_step_end_tensor_inputs,
             step_inputs=residuals,
         )
 
@@ -392,8 +505,11 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(ControlNetPipeline):
     encodes_images = True
 
     def warmup_images(self, height: int, width: int) -> Dict[str, Any]:
-        return {"image": torch.zeros(1, 3, height, width), "control_image": self.blank_control_images(height, width),
-                "strength": 1.0}
+        return {
+            "image": torch.zeros(1, 3, height, width),
+            "control_image": self.blank_control_images(height, width),
+            "strength": 1.0,
+        }
 
     @on_device_stream
     def __call__(
@@ -401,59 +517,100 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(ControlNetPipeline):
         prompt: Prompt = None,
         image: ImageInput = None,
         control_image: ImageInput = None,
-        height: Optional[int] = None, width: Optional[int] = None,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
         strength: float = 0.8,
         num_inference_steps: int = 50,
         guidance_scale: float = 7.5,
         negative_prompt: Prompt = None,
         num_images_per_prompt: int = 1,
-        eta: float = 0.0, generator: Generator = None,
-        prompt_embeds: Embeds = None, negative_prompt_embeds: Embeds = None,
-        output_type: str = "pil", return_dict: bool = True,
+        eta: float = 0.0,
+        generator: Generator = None,
+        prompt_embeds: Embeds = None,
+        negative_prompt_embeds: Embeds = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
         controlnet_conditioning_scale: Union[float, List[float]] = 0.8,
         guess_mode: bool = False,
         control_guidance_start: Union[float, List[float]] = 0.0,
         control_guidance_end: Union[float, List[float]] = 1.0,
-        callback: StepCallback = None, callback_steps: int = 1,
-        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        callback: StepCallback = None,
+        callback_steps: int = 1,
+        callback_on_step_end: StepEndCallback = None,
+        callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
     ):
         """Transforms ``image`` as ``prompt`` says, guided by ``control_image``, with the arguments of diffusers'
         ``StableDiffusionControlNetImg2ImgPipeline`` (``controlnet_conditioning_scale`` defaults to 0.8 there too).
         ``image`` is resized to ``height`` × ``width`` where given, else kept at its size (rounded down to the VAE
         factor); the control image is brought to the same size."""
         # 1. check inputs
-        scales, starts, ends = self.check_control_arguments(controlnet_conditioning_scale, control_guidance_start,
-                                                             control_guidance_end)
+        scales, starts, ends = self.check_control_arguments(
+            controlnet_conditioning_scale, control_guidance_start, control_guidance_end
+        )
         guess_mode = self._controlnet_guess_mode(guess_mode)
         if height is not None or width is not None:
             self.check_size(height or width, width or height)
         start_image = self.start_image(image, height, width)
         height, width = start_image.shape[-2:]
-        self.check_inputs(prompt, height, width, num_inference_steps, callback_steps, negative_prompt,
-                          prompt_embeds, negative_prompt_embeds, output_type, strength,
-                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt,
-                          callback_on_step_end=callback_on_step_end,
-                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
+        self.check_inputs(
+            prompt,
+            height,
+            width,
+            num_inference_steps,
+            callback_steps,
+            negative_prompt,
+            prompt_embeds,
+            negative_prompt_embeds,
+            output_type,
+            strength,
+            guidance_scale=guidance_scale,
+            num_images_per_prompt=num_images_per_prompt,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+        )
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
-        images = self.prepare_control_images(control_image, "control_image", height, width, batch_size,
-                                             num_images_per_prompt, do_classifier_free_guidance, guess_mode)
+        images = self.prepare_control_images(
+            control_image,
+            "control_image",
+            height,
+            width,
+            batch_size,
+            num_images_per_prompt,
+            do_classifier_free_guidance,
+            guess_mode,
+        )
 
         # 2. text embeddings, on the device
-        prompt_embeds = self.encode_prompt(prompt, num_images_per_prompt, do_classifier_free_guidance,
-                                           negative_prompt, prompt_embeds, negative_prompt_embeds)
+        prompt_embeds = self.encode_prompt(
+            prompt,
+            num_images_per_prompt,
+            do_classifier_free_guidance,
+            negative_prompt,
+            prompt_embeds,
+            negative_prompt_embeds,
+        )
 
         # 3. timesteps for this strength; the image's latents noised to the first of them
         timesteps = self.strength_timesteps(num_inference_steps, strength)
-        latents = self.noised_image_latents(start_image, timesteps, generator, batch_size, num_images_per_prompt,
-                                            prompt_embeds.dtype)
+        latents = self.noised_image_latents(
+            start_image, timesteps, generator, batch_size, num_images_per_prompt, prompt_embeds.dtype
+        )
 
         # 4. denoising loop, the ControlNets' residuals made each step: every tensor stays on self.device
-        residuals = self.controlnet_step_inputs(images, timesteps, scales, starts, ends, guess_mode,
-                                                do_classifier_free_guidance)
+        residuals = self.controlnet_step_inputs(
+            images, timesteps, scales, starts, ends, guess_mode, do_classifier_free_guidance
+        )
         latents = self.denoiser.loop(
-            latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
-            callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
+            latents,
+            timesteps,
+            prompt_embeds,
+            guidance_scale,
+            self.scheduler_step_kwargs(generator, eta),
+            callback,
+            callback_steps,
+            callback_on_step_end,
+            callback_on_step_end_tensor_inputs,
             step_inputs=residuals,
         )
 

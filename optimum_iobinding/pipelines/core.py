@@ -54,8 +54,9 @@ class VaeConstants:
     @classmethod
     def of(cls, family: str, scaling_factor: float, shift_factor: float) -> "VaeConstants":
         """The constants of a family whose VAE has both, the hint quoting them."""
-        return cls(scaling_factor, shift_factor, f"{family}'s are scaling_factor {scaling_factor}, shift_factor "
-                                                 f"{shift_factor}")
+        return cls(
+            scaling_factor, shift_factor, f"{family}'s are scaling_factor {scaling_factor}, shift_factor {shift_factor}"
+        )
 
 
 class CallGuard:
@@ -75,9 +76,11 @@ class CallGuard:
 
     def __enter__(self) -> "CallGuard":
         if self.active:
-            raise RuntimeError(f"{self.owner}: called again from inside its own call (a callback?); the scheduler's "
-                               "state and the models' buffers belong to the running call. Collect what you need in "
-                               "the callback and call the pipeline after it returns")
+            raise RuntimeError(
+                f"{self.owner}: called again from inside its own call (a callback?); the scheduler's "
+                "state and the models' buffers belong to the running call. Collect what you need in "
+                "the callback and call the pipeline after it returns"
+            )
         self.lock.acquire()
         self._state.active = True
         return self
@@ -171,8 +174,9 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         self.codec = LatentCodec(self, constants.scaling_factor, constants.shift_factor, constants.hint)
         self.latent_channels = self.denoiser.latent_channels(self.vae_decoder)
         # Flux's 2×2 packing halves the latents once more: images are multiples of twice the VAE's factor
-        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor *
-                                                 (2 if self.packed_latents else 1))
+        self.image_processor = VaeImageProcessor(
+            vae_scale_factor=self.vae_scale_factor * (2 if self.packed_latents else 1)
+        )
 
     # ------------------------------------------------------------------------------------------- the declaration
     def component_names(self) -> Tuple[str, ...]:
@@ -249,8 +253,11 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
     @property
     def onnx_models(self) -> Dict[str, IOBindingORTModel]:
         """The pipeline's ONNX components by name."""
-        return {name: getattr(self, name) for name in self.onnx_names()
-                if isinstance(getattr(self, name, None), IOBindingORTModel)}
+        return {
+            name: getattr(self, name)
+            for name in self.onnx_names()
+            if isinstance(getattr(self, name, None), IOBindingORTModel)
+        }
 
     @property
     def sessions_created(self) -> int:
@@ -307,17 +314,34 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         replacements = {name: kwargs.pop(name) for name in list(kwargs) if name in replaceable}
         replacements = {name: value for name, value in replacements.items() if value is not None}
         loading = {name: kwargs.pop(name) for name in list(kwargs) if name in cls.loading_arguments}
-        check_hub_kwargs(f"{cls.__name__}.from_pretrained", kwargs,
-                         [*keywords_of(cls.from_pretrained), *sorted(replaceable), *cls.loading_arguments])
-        options = PipelineOptions.resolve(names_of(cls.declared_components, "onnx"), provider, provider_options,
-                                          sess_options, io_binding, cuda_graph, component_options,
-                                          numbered=cls.numbered_components)  # checked before any download
+        check_hub_kwargs(
+            f"{cls.__name__}.from_pretrained",
+            kwargs,
+            [*keywords_of(cls.from_pretrained), *sorted(replaceable), *cls.loading_arguments],
+        )
+        options = PipelineOptions.resolve(
+            names_of(cls.declared_components, "onnx"),
+            provider,
+            provider_options,
+            sess_options,
+            io_binding,
+            cuda_graph,
+            component_options,
+            numbered=cls.numbered_components,
+        )  # checked before any download
         for name, value in replacements.items():
             check_replacement(name, value)
         folder, model_folders = cls.model_folders(pretrained_model_name_or_path, kwargs, **loading)
-        components = load_components(folder, model_folders, cls.declared_components, options,
-                                     cls.denoiser_component(), replacements, tuple(cls.settings),
-                                     cls.missing_denoiser_hint(folder))
+        components = load_components(
+            folder,
+            model_folders,
+            cls.declared_components,
+            options,
+            cls.denoiser_component(),
+            replacements,
+            tuple(cls.settings),
+            cls.missing_denoiser_hint(folder),
+        )
         try:
             return cls(**components)
         except BaseException:
@@ -325,12 +349,17 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
             raise
 
     @classmethod
-    def model_folders(cls, pretrained_model_name_or_path: Union[str, os.PathLike], hub_kwargs: Dict[str, Any],
-                      **loading: Any) -> Tuple[Path, Dict[str, Path]]:
+    def model_folders(
+        cls, pretrained_model_name_or_path: Union[str, os.PathLike], hub_kwargs: Dict[str, Any], **loading: Any
+    ) -> Tuple[Path, Dict[str, Path]]:
         """The pipeline folder (downloaded with what the family reads, for a hub id) and each ONNX component's
         folder in it (a family with its own loading arguments finds some elsewhere)."""
-        folder = resolve_pipeline_folder(pretrained_model_name_or_path, cls.download_names(),
-                                         names_of(cls.declared_components, "tokenizer"), **hub_kwargs)
+        folder = resolve_pipeline_folder(
+            pretrained_model_name_or_path,
+            cls.download_names(),
+            names_of(cls.declared_components, "tokenizer"),
+            **hub_kwargs,
+        )
         return folder, {name: folder / name for name in cls.onnx_names_in(folder)}
 
     @classmethod
@@ -346,11 +375,15 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
     @classmethod
     def missing_denoiser_hint(cls, folder: Path) -> str:
         """What a folder without this family's denoiser is instead (for the error)."""
-        others = {"unet": "a UNet: a Stable Diffusion folder", "transformer": "a diffusion transformer: an SD3 or FLUX.1 "
-                  "folder"}
+        others = {
+            "unet": "a UNet: a Stable Diffusion folder",
+            "transformer": "a diffusion transformer: an SD3 or FLUX.1 folder",
+        }
         for name, what in others.items():
             if name != cls.denoiser_component() and (folder / name / "model.onnx").is_file():
-                return f"{cls.folder_description}; {str(folder)!r} holds {what}, for the pipeline pipeline_class_for picks"
+                return (
+                    f"{cls.folder_description}; {str(folder)!r} holds {what}, for the pipeline pipeline_class_for picks"
+                )
         return cls.folder_description
 
     def save_pretrained(self, save_directory: Union[str, os.PathLike], overwrite: bool = False) -> None:
@@ -422,16 +455,19 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
             raise ArgumentError("num_inference_steps", f"expected a positive integer, got {num_inference_steps!r}")
         train_steps = getattr(self.scheduler.config, "num_train_timesteps", None)
         if train_steps and num_inference_steps > train_steps:
-            raise ArgumentError("num_inference_steps", f"expected at most {train_steps} (the scheduler's "
-                                                       f"num_train_timesteps), got {num_inference_steps}")
+            raise ArgumentError(
+                "num_inference_steps",
+                f"expected at most {train_steps} (the scheduler's num_train_timesteps), got {num_inference_steps}",
+            )
         if isinstance(prompt, list) and not prompt:
             raise ArgumentError("prompt", "expected a str or a non-empty list of str, got an empty list")
         for name, texts in (("prompt", prompt), ("negative_prompt", negative_prompt)):
             if isinstance(texts, list):
                 wrong = next((i for i, item in enumerate(texts) if not isinstance(item, str)), None)
                 if wrong is not None:
-                    raise TypeError(f"{name}[{wrong}]: expected a str, got {type(texts[wrong]).__name__} "
-                                    f"{texts[wrong]!r}")
+                    raise TypeError(
+                        f"{name}[{wrong}]: expected a str, got {type(texts[wrong]).__name__} {texts[wrong]!r}"
+                    )
         for name, embeds in (("prompt_embeds", prompt_embeds), ("negative_prompt_embeds", negative_prompt_embeds)):
             if embeds is not None:
                 self.check_embeds(name, embeds, 3, "(batch, sequence, hidden)", "encoder_hidden_states")
@@ -450,19 +486,34 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         if negative_prompt is not None and negative_prompt_embeds is not None:
             raise ArgumentError("negative_prompt and negative_prompt_embeds", "expected at most one of them, got both")
         if isinstance(prompt, list) and isinstance(negative_prompt, list) and len(prompt) != len(negative_prompt):
-            raise ArgumentError("negative_prompt", f"expected a list of {len(prompt)} (as many as prompt), "
-                                                   f"got {len(negative_prompt)}")
+            raise ArgumentError(
+                "negative_prompt", f"expected a list of {len(prompt)} (as many as prompt), got {len(negative_prompt)}"
+            )
         if negative_prompt is not None and prompt is not None and type(prompt) is not type(negative_prompt):
-            raise ArgumentTypeError("negative_prompt", f"expected a {type(prompt).__name__} like prompt, "
-                                                       f"got {type(negative_prompt).__name__}")
-        if prompt_embeds is not None and negative_prompt_embeds is not None and \
-                tuple(prompt_embeds.shape) != tuple(negative_prompt_embeds.shape):
-            raise ArgumentError("negative_prompt_embeds", f"expected shape {tuple(prompt_embeds.shape)} like "
-                                                          f"prompt_embeds, got {tuple(negative_prompt_embeds.shape)}")
-        if prompt is not None and negative_prompt_embeds is not None and \
-                negative_prompt_embeds.shape[0] != self.batch_size_of(prompt, None):
-            raise ArgumentError("negative_prompt_embeds", f"expected {self.batch_size_of(prompt, None)} rows (one per "
-                                                          f"prompt), got shape {tuple(negative_prompt_embeds.shape)}")
+            raise ArgumentTypeError(
+                "negative_prompt",
+                f"expected a {type(prompt).__name__} like prompt, got {type(negative_prompt).__name__}",
+            )
+        if (
+            prompt_embeds is not None
+            and negative_prompt_embeds is not None
+            and tuple(prompt_embeds.shape) != tuple(negative_prompt_embeds.shape)
+        ):
+            raise ArgumentError(
+                "negative_prompt_embeds",
+                f"expected shape {tuple(prompt_embeds.shape)} like "
+                f"prompt_embeds, got {tuple(negative_prompt_embeds.shape)}",
+            )
+        if (
+            prompt is not None
+            and negative_prompt_embeds is not None
+            and negative_prompt_embeds.shape[0] != self.batch_size_of(prompt, None)
+        ):
+            raise ArgumentError(
+                "negative_prompt_embeds",
+                f"expected {self.batch_size_of(prompt, None)} rows (one per "
+                f"prompt), got shape {tuple(negative_prompt_embeds.shape)}",
+            )
 
     def check_embeds(self, name: str, embeds: Any, rank: int, layout: str, unet_input: str) -> None:
         """Given embeddings must be a float tensor (or numpy array) of ``rank`` dims whose last (the hidden size)
@@ -484,11 +535,17 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         denoiser = "UNet" if self.denoiser.component == "unet" else self.denoiser.component
         declared = self.denoiser.model.input_dims.get(unet_input) or []
         if len(declared) == rank and isinstance(declared[-1], int) and embeds.shape[-1] != declared[-1]:
-            raise ArgumentError(name, f"expected hidden size {declared[-1]} (the width of the {denoiser}'s "
-                                      f"{unet_input}), got {embeds.shape[-1]} (shape {tuple(embeds.shape)})")
+            raise ArgumentError(
+                name,
+                f"expected hidden size {declared[-1]} (the width of the {denoiser}'s "
+                f"{unet_input}), got {embeds.shape[-1]} (shape {tuple(embeds.shape)})",
+            )
         if rank == 3 and len(declared) == 3 and isinstance(declared[1], int) and embeds.shape[1] != declared[1]:
-            raise ArgumentError(name, f"expected sequence length {declared[1]} (the {denoiser}'s {unet_input}), got "
-                                      f"{embeds.shape[1]} (shape {tuple(embeds.shape)})")
+            raise ArgumentError(
+                name,
+                f"expected sequence length {declared[1]} (the {denoiser}'s {unet_input}), got "
+                f"{embeds.shape[1]} (shape {tuple(embeds.shape)})",
+            )
 
     @staticmethod
     def check_texts(name: str, texts: Any, count: Optional[int], broadcast: bool = False) -> Optional[int]:
@@ -504,16 +561,22 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
                 raise ArgumentError(name, "expected a str or a non-empty list of str, got an empty list")
             wrong = next((i for i, item in enumerate(texts) if not isinstance(item, str)), None)
             if wrong is not None:
-                raise TypeError(f"{name}[{wrong}]: expected a str, got {type(texts[wrong]).__name__} "
-                                f"{texts[wrong]!r}")
+                raise TypeError(f"{name}[{wrong}]: expected a str, got {type(texts[wrong]).__name__} {texts[wrong]!r}")
         given = 1 if isinstance(texts, str) else len(texts)
         if count is not None and given != count and not (broadcast and isinstance(texts, str)):
-            raise ArgumentError(name, f"expected {count} prompt{'s' if count > 1 else ''} (as many as prompt), got "
-                                      f"{given}")
+            raise ArgumentError(
+                name, f"expected {count} prompt{'s' if count > 1 else ''} (as many as prompt), got {given}"
+            )
         return given
 
-    def check_image(self, image: Any, name: str = "image", resized: bool = False, mask: bool = False,
-                    channels: Optional[Tuple[int, ...]] = None) -> Tuple[int, int]:
+    def check_image(
+        self,
+        image: Any,
+        name: str = "image",
+        resized: bool = False,
+        mask: bool = False,
+        channels: Optional[Tuple[int, ...]] = None,
+    ) -> Tuple[int, int]:
         """Refuses, before any work, an image the pipeline cannot use, naming ``name``: not a PIL image, numpy array
         (``(height, width, channels)``, or a batch of them) or torch tensor (``([batch, ]channels, height,
         width)``), or a list of them; empty (a size of 0); with other ``channels`` than these (default: the VAE
@@ -535,12 +598,12 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
                 shape, size = None, (item.height, item.width)
             elif isinstance(item, (np.ndarray, torch.Tensor)):
                 shape = tuple(item.shape)
-                layout = ("(height, width, channels)" if isinstance(item, np.ndarray)
-                          else "(channels, height, width)")
+                layout = "(height, width, channels)" if isinstance(item, np.ndarray) else "(channels, height, width)"
                 if not (2 if mask else 3) <= len(shape) <= 4:
                     also = " or (height, width)" if mask else ""
-                    raise ArgumentError(label, f"expected an image of shape {layout}{also}, or a batch of them, got "
-                                               f"shape {shape}")
+                    raise ArgumentError(
+                        label, f"expected an image of shape {layout}{also}, or a batch of them, got shape {shape}"
+                    )
                 if isinstance(item, np.ndarray):
                     size, given = (shape[-3:-1], shape[-1]) if len(shape) >= 3 else (shape, 1)
                     if mask and len(shape) == 3 and shape[-1] != 1:  # a mask's (batch, height, width), as diffusers
@@ -548,18 +611,27 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
                 else:
                     size, given = shape[-2:], (shape[-3] if len(shape) >= 3 else 1)
                 if allowed and given not in allowed and 0 not in shape:
-                    raise ArgumentError(label, f"expected {' or '.join(map(str, allowed))} channel"
-                                     f"{'s' if allowed != (1,) else ''} in the layout {layout}, got shape {shape}")
+                    raise ArgumentError(
+                        label,
+                        f"expected {' or '.join(map(str, allowed))} channel"
+                        f"{'s' if allowed != (1,) else ''} in the layout {layout}, got shape {shape}",
+                    )
             else:
-                raise ArgumentTypeError(label, f"expected a PIL image, a numpy array or a torch tensor (or a list of them), "
-                                               f"got {type(item).__name__}")
+                raise ArgumentTypeError(
+                    label,
+                    f"expected a PIL image, a numpy array or a torch tensor (or a list of them), "
+                    f"got {type(item).__name__}",
+                )
             if 0 in (shape or size):
                 got = f"shape {shape}" if shape is not None else f"{size[0]} × {size[1]} pixels"
                 raise ArgumentError(label, f"expected a non-empty image, got {got}")
             factor = self.vae_scale_factor
             if not resized and min(size) < factor:
-                raise ArgumentError(label, f"expected at least {factor} × {factor} pixels (one latent pixel: the VAE's "
-                                           f"scale factor), got {size[0]} × {size[1]}")
+                raise ArgumentError(
+                    label,
+                    f"expected at least {factor} × {factor} pixels (one latent pixel: the VAE's "
+                    f"scale factor), got {size[0]} × {size[1]}",
+                )
             sizes.append(tuple(int(d) for d in size))
         return sizes[0]
 
@@ -567,14 +639,23 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         """The image an image-to-image call starts from, checked and preprocessed (NCHW in [-1, 1], resized to
         ``height`` × ``width`` where both are given, else of its own size rounded down to the VAE's factor)."""
         if image is None:
-            raise ArgumentError("image", "expected an image to start from (a PIL image, numpy array or tensor), got None")
+            raise ArgumentError(
+                "image", "expected an image to start from (a PIL image, numpy array or tensor), got None"
+            )
         self.check_image(image, "image", resized=height is not None and width is not None)
         pixels = self.image_processor.preprocess(image, height=height, width=width).to(torch.float32)
         self.check_image_size(*pixels.shape[-2:], "image")
         return pixels
 
-    def noised_image_latents(self, pixels: torch.Tensor, timesteps: torch.Tensor, generator: Generator,
-                             batch_size: int, num_images_per_prompt: int, dtype: torch.dtype) -> torch.Tensor:
+    def noised_image_latents(
+        self,
+        pixels: torch.Tensor,
+        timesteps: torch.Tensor,
+        generator: Generator,
+        batch_size: int,
+        num_images_per_prompt: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
         """The latents an image-to-image loop starts from: ``pixels`` encoded (one image for every prompt, or one
         per prompt, each ``num_images_per_prompt`` times), noised to the first of ``timesteps``."""
         image_latents = self.encode_image(pixels, generator).to(dtype)
@@ -587,9 +668,11 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         try:
             self.check_size(height, width)
         except ValueError as error:
-            raise ArgumentError(name, f"a {height} × {width} image (after rounding down to the VAE factor "
-                                      f"{self.vae_scale_factor}) cannot be used: {error}; resize it") from None
-
+            raise ArgumentError(
+                name,
+                f"a {height} × {width} image (after rounding down to the VAE factor "
+                f"{self.vae_scale_factor}) cannot be used: {error}; resize it",
+            ) from None
 
     def check_size(self, height: Any, width: Any) -> None:
         """Height and width must be positive integers the denoiser can run: multiples of :attr:`size_multiple`
@@ -601,9 +684,11 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
                 raise ArgumentError(name, f"expected a positive integer multiple of {multiple}, got {value!r}")
         if height % multiple != 0 or width % multiple != 0:
             raise ArgumentError(
-                "height and width", f"expected multiples of {multiple} (the VAE's scale factor "
+                "height and width",
+                f"expected multiples of {multiple} (the VAE's scale factor "
                 f"{self.vae_scale_factor} × {self.denoiser.size_multiple_reason}), got {height} and {width}; e.g. "
-                f"{-(-height // multiple) * multiple} × {-(-width // multiple) * multiple}")
+                f"{-(-height // multiple) * multiple} × {-(-width // multiple) * multiple}",
+            )
 
     @staticmethod
     def batch_size_of(prompt: Union[str, List[str], None], prompt_embeds: Optional[torch.Tensor]) -> int:
@@ -634,11 +719,15 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         if is_torch_generator(generator):
             if self.device.type == "cuda" and on_cpu(generator):
                 # drawn on the host as diffusers draws it, then uploaded without making the host wait
-                return upload(randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=dtype),
-                              self.device)
+                return upload(
+                    randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=dtype), self.device
+                )
             return randn_tensor(shape, generator=generator, device=self.device, dtype=dtype)
-        raise ArgumentTypeError("generator", f"expected a numpy RandomState, a torch.Generator or a list of torch.Generators "
-                                             f"(one per image), got {type(generator).__name__}")
+        raise ArgumentTypeError(
+            "generator",
+            f"expected a numpy RandomState, a torch.Generator or a list of torch.Generators "
+            f"(one per image), got {type(generator).__name__}",
+        )
 
     def scheduler_step_kwargs(self, generator: Generator, eta: float) -> Dict[str, Any]:
         """``eta`` for DDIM-like schedulers, and a torch generator for stochastic ones (a numpy one cannot serve)."""
@@ -662,8 +751,15 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
             self.scheduler.set_begin_index(0)
         return self.scheduler.timesteps
 
-    def initial_noise(self, rows: int, height: int, width: int, dtype: torch.dtype, generator: Generator,
-                      latents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def initial_noise(
+        self,
+        rows: int,
+        height: int,
+        width: int,
+        dtype: torch.dtype,
+        generator: Generator,
+        latents: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """A text-to-image loop's first latents on ``self.device``: ``rows`` images of noise (or the given
         ``latents``) of the latent size of ``height`` × ``width``, scaled by the scheduler's initial sigma."""
         shape = (rows, self.latent_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
@@ -678,8 +774,10 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         if hasattr(self.scheduler, "set_begin_index"):
             self.scheduler.set_begin_index(t_start * self.scheduler.order)
         if len(timesteps) == 0:
-            raise ArgumentError("strength", f"{strength} with num_inference_steps={num_inference_steps} leaves no "
-                                            "denoising step; raise either")
+            raise ArgumentError(
+                "strength",
+                f"{strength} with num_inference_steps={num_inference_steps} leaves no denoising step; raise either",
+            )
         return timesteps
 
     # ------------------------------------------------------------------------------------------------ step caching
@@ -711,8 +809,9 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         return self.denoiser.cache
 
     # ------------------------------------------------------------------------------------------------- the VAE
-    def enable_vae_tiling(self, tile_sample_size: Optional[int] = None, overlap: float = 0.25,
-                          overlap_copies: bool = True) -> None:
+    def enable_vae_tiling(
+        self, tile_sample_size: Optional[int] = None, overlap: float = 0.25, overlap_copies: bool = True
+    ) -> None:
         """Decode (and encode) images larger than a tile tile by tile, as diffusers' ``enable_vae_tiling`` does,
         with each tile's host transfer overlapping the next tile's compute on CUDA (see :class:`TiledVAE`).
 
@@ -747,7 +846,7 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         return self.codec.encode(image, generator)
 
     def postprocess(self, image: torch.Tensor, output_type: str) -> Any:
-        """"pt" stays on the device; "np" and "pil" come back through a pinned buffer, the one wait of the call."""
+        """ "pt" stays on the device; "np" and "pil" come back through a pinned buffer, the one wait of the call."""
         if output_type == "pt" or image.device.type != "cuda":
             return self.image_processor.postprocess(image.float(), output_type=output_type)
         image = (image.float() / 2 + 0.5).clamp(0, 1)
@@ -758,8 +857,9 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
             torch.cuda.current_stream(image.device).synchronize()
         return self.image_processor.postprocess(host, output_type=output_type, do_denormalize=[False] * len(host))
 
-    def finish(self, latents: torch.Tensor, output_type: str, return_dict: bool,
-               latent_size: Optional[Tuple[int, int]] = None) -> Any:
+    def finish(
+        self, latents: torch.Tensor, output_type: str, return_dict: bool, latent_size: Optional[Tuple[int, int]] = None
+    ) -> Any:
         """Decodes (unless ``output_type="latent"``) and packs the output as diffusers does. Packed latents (Flux's
         tokens) are unpacked to ``latent_size`` first. A tiled decode to "np" or "pil" on CUDA downloads each tile
         while the next one decodes."""
@@ -820,14 +920,17 @@ class Warmup:
         known = self.warmup_arguments()
         unknown = sorted(set(call_arguments) - set(known))
         if unknown:
-            raise TypeError(f"{type(self).__name__}.warmup: unexpected arguments {unknown}"
-                            f"{f' (it takes {sorted(known)})' if known else ''}")
+            raise TypeError(
+                f"{type(self).__name__}.warmup: unexpected arguments {unknown}"
+                f"{f' (it takes {sorted(known)})' if known else ''}"
+            )
         for name, value in call_arguments.items():
             known[name](value)
         if guidance_scales is None:
             guidance_scales = inspect.signature(type(self).__call__).parameters["guidance_scale"].default
         for height, width, batch_size, guidance_scale in self.warmup_combinations(
-                heights, widths, batch_sizes, guidance_scales, num_inference_steps):
+            heights, widths, batch_sizes, guidance_scales, num_inference_steps
+        ):
             self.warmup_call(height, width, batch_size, guidance_scale, num_inference_steps, **call_arguments)
 
     def warmup_arguments(self) -> Dict[str, Callable[[Any], None]]:
@@ -854,8 +957,9 @@ class Warmup:
         else:
             sizes = [(h, w) for h in heights_list for w in widths_list]
         if not sizes:
-            raise ArgumentError("heights and widths", f"expected at least one size, got heights {heights!r} and widths "
-                                                      f"{widths!r}")
+            raise ArgumentError(
+                "heights and widths", f"expected at least one size, got heights {heights!r} and widths {widths!r}"
+            )
         batches = as_list(batch_sizes)
         wrong = next((b for b in batches if not is_integer(b) or b < 1), None)
         if wrong is not None or not batches:
@@ -867,15 +971,26 @@ class Warmup:
             raise ArgumentError("guidance_scales", f"expected finite numbers, got {guidance_scales!r}")
         if not is_integer(num_inference_steps) or num_inference_steps < 1:
             raise ArgumentError("num_inference_steps", f"expected a positive integer, got {num_inference_steps!r}")
-        return [(height, width, batch_size, guidance_scale) for height, width in sizes for batch_size in batches
-                for guidance_scale in scales]
+        return [
+            (height, width, batch_size, guidance_scale)
+            for height, width in sizes
+            for batch_size in batches
+            for guidance_scale in scales
+        ]
 
-    def warmup_call(self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int,
-                    **call_arguments: Any) -> None:
+    def warmup_call(
+        self, height: int, width: int, batch_size: int, guidance_scale: float, steps: int, **call_arguments: Any
+    ) -> None:
         """One call of this pipeline at these sizes, on empty prompts and the :meth:`warmup_images`."""
-        self(prompt=[""] * batch_size, num_inference_steps=steps, guidance_scale=guidance_scale,
-             generator=torch.Generator().manual_seed(0), output_type="np", **self.warmup_images(height, width),
-             **call_arguments)
+        self(
+            prompt=[""] * batch_size,
+            num_inference_steps=steps,
+            guidance_scale=guidance_scale,
+            generator=torch.Generator().manual_seed(0),
+            output_type="np",
+            **self.warmup_images(height, width),
+            **call_arguments,
+        )
 
     def warmup_images(self, height: int, width: int) -> Dict[str, Any]:
         """The image arguments of a warm-up call of this size: the size itself, or a blank image to start from

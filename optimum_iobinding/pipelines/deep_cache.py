@@ -50,8 +50,10 @@ from .caching import StepCache
 # the part graphs in the UNet's folder (export/deep_cache.py writes them)
 FULL_PART = "deep_cache_full.onnx"
 SHALLOW_PART = re.compile(r"deep_cache_shallow_(0|[1-9][0-9]*)\.onnx")
-EXPORT_HINT = ("export the pipeline with DeepCache's parts: `optimum-iobinding export --step-cache …` or "
-               "export_pipeline(…, step_cache=True)")
+EXPORT_HINT = (
+    "export the pipeline with DeepCache's parts: `optimum-iobinding export --step-cache …` or "
+    "export_pipeline(…, step_cache=True)"
+)
 # the UNet denoisers DeepCache cannot serve, by class name (they stand above this module), and why
 REFUSED_DENOISERS = {
     "ControlNetUNet": "a ControlNet's residuals go into the deep blocks and the mid block, which a shallow step skips",
@@ -97,22 +99,34 @@ def deep_cache_for(denoiser: Any, config: Any) -> "DeepCache":
     """
     pipe_name = type(denoiser.pipe).__name__
     if not isinstance(config, DeepCacheConfig):
-        raise ArgumentTypeError("config", f"expected optimum_iobinding.DeepCacheConfig(cache_interval=…, "
-                                          f"cache_branch_id=…) for {pipe_name}, got {type(config).__name__} "
-                                          f"{config!r}")
-    refused = next((REFUSED_DENOISERS[cls.__name__] for cls in type(denoiser).__mro__
-                    if cls.__name__ in REFUSED_DENOISERS), None)
+        raise ArgumentTypeError(
+            "config",
+            f"expected optimum_iobinding.DeepCacheConfig(cache_interval=…, "
+            f"cache_branch_id=…) for {pipe_name}, got {type(config).__name__} "
+            f"{config!r}",
+        )
+    refused = next(
+        (REFUSED_DENOISERS[cls.__name__] for cls in type(denoiser).__mro__ if cls.__name__ in REFUSED_DENOISERS), None
+    )
     if refused is not None:
-        raise ArgumentError("config", f"expected a Stable Diffusion 1.x/2.x, SDXL or LCM pipeline for DeepCache, got "
-                                      f"{pipe_name} ({refused})")
+        raise ArgumentError(
+            "config",
+            f"expected a Stable Diffusion 1.x/2.x, SDXL or LCM pipeline for DeepCache, got {pipe_name} ({refused})",
+        )
     model = denoiser.model
     folder = Path(model.model_path).parent if getattr(model, "model_path", None) else None
-    branches = {} if folder is None else {int(match.group(1)): path for path in folder.iterdir()
-                                          if (match := SHALLOW_PART.fullmatch(path.name))}
+    branches = (
+        {}
+        if folder is None
+        else {int(match.group(1)): path for path in folder.iterdir() if (match := SHALLOW_PART.fullmatch(path.name))}
+    )
     if folder is None or not (folder / FULL_PART).is_file() or not branches:
         where = f"{folder}" if folder is not None else "the UNet's session (made outside a folder)"
-        raise ArgumentError("config", f"DeepCache runs the UNet's parts {FULL_PART} and deep_cache_shallow_<branch>.onnx, "
-                                      f"but {where} lacks them; {EXPORT_HINT}")
+        raise ArgumentError(
+            "config",
+            f"DeepCache runs the UNet's parts {FULL_PART} and deep_cache_shallow_<branch>.onnx, "
+            f"but {where} lacks them; {EXPORT_HINT}",
+        )
     branch = config.cache_branch_id
     if branch not in branches:
         raise ArgumentError("cache_branch_id", f"expected one of this UNet's branches {sorted(branches)}, got {branch}")
@@ -132,13 +146,21 @@ class DeepCache(StepCache):
         self.feed_model = full
         model = denoiser.model
         features = [name for name in shallow.input_names if name not in model.input_names]
-        lacking = [name for name in shallow.input_names if name not in model.input_names and name not in
-                   full.output_names]
-        if len(features) != 1 or lacking or full.output_names[0] != model.output_names[0] or \
-                shallow.output_names[0] != model.output_names[0]:
-            raise ArgumentError("config", f"the parts beside {model.model_path!r} do not fit together (the shallow "
-                                          f"part takes {shallow.input_names}, the full part gives "
-                                          f"{full.output_names}); {EXPORT_HINT}")
+        lacking = [
+            name for name in shallow.input_names if name not in model.input_names and name not in full.output_names
+        ]
+        if (
+            len(features) != 1
+            or lacking
+            or full.output_names[0] != model.output_names[0]
+            or shallow.output_names[0] != model.output_names[0]
+        ):
+            raise ArgumentError(
+                "config",
+                f"the parts beside {model.model_path!r} do not fit together (the shallow "
+                f"part takes {shallow.input_names}, the full part gives "
+                f"{full.output_names}); {EXPORT_HINT}",
+            )
         self.feature_name = features[0]
         self.feature: Optional[torch.Tensor] = None  # the kept feature: the last full step's
         self.full_steps: List[bool] = []
@@ -154,7 +176,7 @@ class DeepCache(StepCache):
         timesteps = [float(t) for t in torch.as_tensor(self.denoiser.pipe.scheduler.timesteps).tolist()]
         if len(timesteps) < steps:  # a loop not over the schedule's tail: steps are counted as they come
             return [step % interval == 0 for step in range(steps)]
-        positions = [timesteps.index(t) for t in timesteps[len(timesteps) - steps:]]
+        positions = [timesteps.index(t) for t in timesteps[len(timesteps) - steps :]]
         return [(position - positions[0]) % interval == 0 for position in positions]
 
     def start(self, steps: int) -> None:
@@ -163,18 +185,22 @@ class DeepCache(StepCache):
         self.full_steps = self.schedule(steps)
 
     def __call__(self, step: int, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
-        whole = self.feature is None or (self.full_steps[step] if step < len(self.full_steps)
-                                         else step % self._config.cache_interval == 0)
+        whole = self.feature is None or (
+            self.full_steps[step] if step < len(self.full_steps) else step % self._config.cache_interval == 0
+        )
         self.computed.append(whole)
         if whole:
-            outputs = dict(zip(self.full.output_names, self.full(**{name: inputs[name]
-                                                                     for name in self.full.input_names})))
+            outputs = dict(
+                zip(self.full.output_names, self.full(**{name: inputs[name] for name in self.full.input_names}))
+            )
             # the full part's output buffer: its next run (the next full step) is the next to write it
             self.feature = outputs[self.feature_name]
             return outputs[self.full.output_names[0]]
         values = {name: inputs[name] for name in self.shallow.input_names if name != self.feature_name}
-        shapes = {**{name: tuple(value.shape) for name, value in values.items()},
-                  self.feature_name: tuple(self.feature.shape)}
+        shapes = {
+            **{name: tuple(value.shape) for name, value in values.items()},
+            self.feature_name: tuple(self.feature.shape),
+        }
         buffer = (self.shallow.graph_input_buffers(shapes) or {}).get(self.feature_name)
         if buffer is not None and buffer is not self.feature:
             # copied into the shallow graph's input once per full step; the shallow steps after read it in place

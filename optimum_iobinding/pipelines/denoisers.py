@@ -39,8 +39,7 @@ def config_int(model: IOBindingORTModel, key: str, default: int, component: str)
     return int(value)
 
 
-def timestep_inputs(model: IOBindingORTModel, timesteps: torch.Tensor, rows: int,
-                    device: torch.device) -> torch.Tensor:
+def timestep_inputs(model: IOBindingORTModel, timesteps: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
     """``model``'s ``timestep`` input for every step, made once on ``device``: row ``i`` is step ``i``'s, in the dtype
     and rank the model declares (a scalar, ``[1]`` or ``[rows]``)."""
     timestep_dims = model.input_dims["timestep"] or []
@@ -74,10 +73,13 @@ class Denoiser(abc.ABC):
 
         Raises:
             ArgumentError: this family cannot cache steps."""
-        raise ArgumentError("config", f"{type(self.pipe).__name__} cannot cache steps, got {type(config).__name__}; "
-                                      "expected a pipeline of a family that caches (FirstBlockCacheConfig: "
-                                      "OnnxFluxPipeline, OnnxStableDiffusion3Pipeline; DeepCacheConfig: the Stable "
-                                      "Diffusion and SDXL pipelines)")
+        raise ArgumentError(
+            "config",
+            f"{type(self.pipe).__name__} cannot cache steps, got {type(config).__name__}; "
+            "expected a pipeline of a family that caches (FirstBlockCacheConfig: "
+            "OnnxFluxPipeline, OnnxStableDiffusion3Pipeline; DeepCacheConfig: the Stable "
+            "Diffusion and SDXL pipelines)",
+        )
 
     def enable_cache(self, config: Any) -> None:
         """Caches steps as ``config`` says from the next call on (see :meth:`make_cache`); nothing changes where it
@@ -87,8 +89,9 @@ class Denoiser(abc.ABC):
     def disable_cache(self) -> None:
         self.cache = None
 
-    def step_model(self, steps: int) -> Tuple[Callable[[int, Dict[str, torch.Tensor]], torch.Tensor],
-                                              Optional[IOBindingORTModel]]:
+    def step_model(
+        self, steps: int
+    ) -> Tuple[Callable[[int, Dict[str, torch.Tensor]], torch.Tensor], Optional[IOBindingORTModel]]:
         """What a loop of ``steps`` steps calls at each step (``run(step, inputs) -> output``: the model, or the
         enabled cache), and the model whose CUDA-graph input buffers the loop may write into (:class:`GraphFeed`)."""
         if self.cache is None:
@@ -127,16 +130,24 @@ class Denoiser(abc.ABC):
         """The model's ``timestep`` input for every step (see :func:`timestep_inputs`)."""
         return timestep_inputs(self.model, timesteps, rows, self.pipe.device)
 
-    def step_end(self, callback: Optional[Callable[..., Any]], names: Sequence[str], step: int, t: Any,
-                 available: Dict[str, torch.Tensor], feed: GraphFeed) -> Dict[str, torch.Tensor]:
+    def step_end(
+        self,
+        callback: Optional[Callable[..., Any]],
+        names: Sequence[str],
+        step: int,
+        t: Any,
+        available: Dict[str, torch.Tensor],
+        feed: GraphFeed,
+    ) -> Dict[str, torch.Tensor]:
         """Runs a step-end callback on the tensors it asked for and returns the loop's tensors with its
         replacements (the feed copies its constant inputs again: the callback may have changed them in place)."""
         if callback is None:
             return available
         feed.forget()
         tensors = {name: available[name] for name in names}
-        return replaced_tensors(callback, step, callback(self.pipe, step, t, tensors), available,
-                                self.callback_tensor_inputs)
+        return replaced_tensors(
+            callback, step, callback(self.pipe, step, t, tensors), available, self.callback_tensor_inputs
+        )
 
 
 class UNetDenoiser(Denoiser):
@@ -145,11 +156,13 @@ class UNetDenoiser(Denoiser):
 
     component = "unet"
     # why a UNet takes more inputs than a family feeds: the family that feeds them
-    FAMILY_OF_INPUT = {"timestep_cond": "an LCM UNet: use OnnxLatentConsistencyModelPipeline",
-                       "text_embeds": "an SDXL UNet: use OnnxStableDiffusionXLPipeline or its Img2Img",
-                       "time_ids": "an SDXL UNet: use OnnxStableDiffusionXLPipeline or its Img2Img",
-                       "mid_block_additional_residual": "a UNet exported with a ControlNet: use "
-                                                        "OnnxStableDiffusionControlNetPipeline or its Img2Img"}
+    FAMILY_OF_INPUT = {
+        "timestep_cond": "an LCM UNet: use OnnxLatentConsistencyModelPipeline",
+        "text_embeds": "an SDXL UNet: use OnnxStableDiffusionXLPipeline or its Img2Img",
+        "time_ids": "an SDXL UNet: use OnnxStableDiffusionXLPipeline or its Img2Img",
+        "mid_block_additional_residual": "a UNet exported with a ControlNet: use "
+        "OnnxStableDiffusionControlNetPipeline or its Img2Img",
+    }
 
     def __init__(self, pipe: Any, default_sample_size: int = 64, extra_inputs: Sequence[str] = ()):
         super().__init__(pipe, default_sample_size)
@@ -178,24 +191,32 @@ class UNetDenoiser(Denoiser):
     def latent_channels(self, vae_decoder: IOBindingORTModel) -> int:
         configured = vae_decoder.config.get("latent_channels")
         if configured is not None:
-            declared = {"vae_decoder": declared_dim(vae_decoder, "latent_sample", 1),
-                        "unet": declared_dim(self.model, "sample", 1)}
+            declared = {
+                "vae_decoder": declared_dim(vae_decoder, "latent_sample", 1),
+                "unet": declared_dim(self.model, "sample", 1),
+            }
             if not is_integer(configured) or configured < 1:
-                raise ValueError(f"vae_decoder config.json: latent_channels: expected a positive integer, got "
-                                 f"{configured!r}")
+                raise ValueError(
+                    f"vae_decoder config.json: latent_channels: expected a positive integer, got {configured!r}"
+                )
             if declared["vae_decoder"] is not None and declared["vae_decoder"] != configured:
-                raise ValueError(f"vae_decoder config.json: latent_channels: expected {declared['vae_decoder']} (the "
-                                 f"decoder's latent_sample channels), got {configured}")
+                raise ValueError(
+                    f"vae_decoder config.json: latent_channels: expected {declared['vae_decoder']} (the "
+                    f"decoder's latent_sample channels), got {configured}"
+                )
             if declared["vae_decoder"] is None and declared["unet"] is not None and declared["unet"] < configured:
-                raise ValueError(f"vae_decoder config.json: latent_channels: expected at most {declared['unet']} (the "
-                                 f"UNet's sample channels), got {configured}")
+                raise ValueError(
+                    f"vae_decoder config.json: latent_channels: expected at most {declared['unet']} (the "
+                    f"UNet's sample channels), got {configured}"
+                )
             return int(configured)
         if self.model.config.get("out_channels"):
             return int(self.model.config["out_channels"])
         channels = declared_dim(vae_decoder, "latent_sample", 1) or declared_dim(self.model, "sample", 1)
         if channels is None:
-            raise ArgumentError("vae_decoder", "cannot tell the number of latent channels: no config.json and a dynamic "
-                                               "channel dim")
+            raise ArgumentError(
+                "vae_decoder", "cannot tell the number of latent channels: no config.json and a dynamic channel dim"
+            )
         return channels
 
     @property
@@ -208,7 +229,7 @@ class UNetDenoiser(Denoiser):
     def size_multiple(self) -> int:
         """8 × 2^(down blocks − 1) for Stable Diffusion: a latent the UNet halves to an odd size cannot be
         concatenated with its skip connection again."""
-        return self.pipe.vae_scale_factor * 2 ** self.downsamples
+        return self.pipe.vae_scale_factor * 2**self.downsamples
 
     @property
     def size_multiple_reason(self) -> str:
@@ -227,8 +248,11 @@ class UNetDenoiser(Denoiser):
         if declared and isinstance(declared[-1], int):
             return declared[-1]
         if "time_cond_proj_dim" not in self.model.config:
-            raise ArgumentError("unet", "its timestep_cond width is dynamic and its config.json has no time_cond_proj_dim; "
-                                        "expected one of them to give the guidance embedding's size")
+            raise ArgumentError(
+                "unet",
+                "its timestep_cond width is dynamic and its config.json has no time_cond_proj_dim; "
+                "expected one of them to give the guidance embedding's size",
+            )
         return config_int(self.model, "time_cond_proj_dim", 0, "unet")
 
     def loop(
@@ -290,9 +314,13 @@ class UNetDenoiser(Denoiser):
             per_step = step_inputs(i, latent_model_input, prompt_embeds) if step_inputs is not None else {}
             if unet_extra_channels is not None:
                 latent_model_input = feed.cat("sample", [latent_model_input, unet_extra_channels], dim=1)
-            inputs = {"sample": latent_model_input, "timestep": timestep_inputs[i],
-                      "encoder_hidden_states": feed.same("encoder_hidden_states", prompt_embeds),
-                      **{name: feed.same(name, value) for name, value in (unet_inputs or {}).items()}, **per_step}
+            inputs = {
+                "sample": latent_model_input,
+                "timestep": timestep_inputs[i],
+                "encoder_hidden_states": feed.same("encoder_hidden_states", prompt_embeds),
+                **{name: feed.same(name, value) for name, value in (unet_inputs or {}).items()},
+                **per_step,
+            }
             noise_pred = run(i, inputs)
             feed.learn(inputs)
             if do_classifier_free_guidance:
@@ -314,8 +342,14 @@ class UNetDenoiser(Denoiser):
             if callback is not None and i % callback_steps == 0:
                 callback(i // getattr(scheduler, "order", 1), t, latents)
                 feed.forget()
-            replaced = self.step_end(callback_on_step_end, callback_on_step_end_tensor_inputs, i, t,
-                                     {"latents": latents, "prompt_embeds": prompt_embeds}, feed)
+            replaced = self.step_end(
+                callback_on_step_end,
+                callback_on_step_end_tensor_inputs,
+                i,
+                t,
+                {"latents": latents, "prompt_embeds": prompt_embeds},
+                feed,
+            )
             latents, prompt_embeds = replaced["latents"], replaced["prompt_embeds"]
         return denoised if return_denoised else latents
 
@@ -332,8 +366,13 @@ class FlowTransformer(Denoiser):
         """The schedule's shift ``mu`` for ``tokens`` latent tokens (:func:`linear_shift` with the scheduler
         config's values; ``max_shift``: the family's where the config gives none)."""
         config = self.pipe.scheduler.config
-        return linear_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                            config.get("base_shift", 0.5), config.get("max_shift", max_shift))
+        return linear_shift(
+            tokens,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", max_shift),
+        )
 
     def make_cache(self, config: Any) -> StepCache:
         """First-Block Cache (:mod:`.block_cache`): diffusers' ``FirstBlockCacheConfig``."""
@@ -341,8 +380,9 @@ class FlowTransformer(Denoiser):
 
         return first_block_cache_for(self, config)
 
-    def set_flow_timesteps(self, num_inference_steps: Optional[int], sigmas: Optional[Sequence[float]],
-                           mu: Optional[float]) -> torch.Tensor:
+    def set_flow_timesteps(
+        self, num_inference_steps: Optional[int], sigmas: Optional[Sequence[float]], mu: Optional[float]
+    ) -> torch.Tensor:
         """The scheduler's timesteps for this call (``sigmas`` when given, else ``num_inference_steps``), shifted by
         ``mu`` where given, its state kept on the CPU: its per-step scalars meet the device tensors without making
         the host wait."""
@@ -381,8 +421,9 @@ class MMDiTDenoiser(FlowTransformer):
             hint = "a UNet, not an SD3 transformer: use OnnxStableDiffusionPipeline or its XL variant"
         else:
             hint = "put an SD3 transformer's model.onnx in the transformer folder"
-        raise ArgumentError("transformer", f"expected inputs {list(MMDIT_INPUTS)}, got {declared} in "
-                                           f"{self.model.model_path!r} ({hint})")
+        raise ArgumentError(
+            "transformer", f"expected inputs {list(MMDIT_INPUTS)}, got {declared} in {self.model.model_path!r} ({hint})"
+        )
 
     @property
     def patch_size(self) -> int:
@@ -410,15 +451,23 @@ class MMDiTDenoiser(FlowTransformer):
         decoder = declared_dim(vae_decoder, "latent_sample", 1) or vae_decoder.config.get("latent_channels")
         channels = declared or configured or decoder
         if not is_integer(channels) or channels < 1:
-            raise ArgumentError("transformer", "cannot tell the number of latent channels: no config.json and a dynamic "
-                                               "channel dim")
+            raise ArgumentError(
+                "transformer", "cannot tell the number of latent channels: no config.json and a dynamic channel dim"
+            )
         if decoder is not None and decoder != channels:
-            raise ArgumentError("vae_decoder", f"expected {channels} latent channels (the transformer's hidden_states), "
-                                               f"got {decoder}")
+            raise ArgumentError(
+                "vae_decoder", f"expected {channels} latent channels (the transformer's hidden_states), got {decoder}"
+            )
         return int(channels)
 
-    def timesteps(self, num_inference_steps: Optional[int], sigmas: Optional[Sequence[float]], mu: Optional[float],
-                  latent_height: int, latent_width: int) -> torch.Tensor:
+    def timesteps(
+        self,
+        num_inference_steps: Optional[int],
+        sigmas: Optional[Sequence[float]],
+        mu: Optional[float],
+        latent_height: int,
+        latent_width: int,
+    ) -> torch.Tensor:
         """The schedule of a call. With ``use_dynamic_shifting`` (SD3.5) and no ``mu``, ``mu`` is the shift for this
         image's token count (:func:`linear_shift` with the scheduler config's values, as diffusers computes it)."""
         if mu is None and self.pipe.scheduler.config.get("use_dynamic_shifting", False):
@@ -451,9 +500,12 @@ class MMDiTDenoiser(FlowTransformer):
         feed = GraphFeed(fed)
         for i, t in enumerate(self.pipe.progress_bar(timesteps)):
             model_input = feed.cat("hidden_states", [latents] * 2 if do_classifier_free_guidance else [latents])
-            inputs = {"hidden_states": model_input, "timestep": timestep_inputs[i],
-                      "encoder_hidden_states": feed.same("encoder_hidden_states", prompt_embeds),
-                      "pooled_projections": feed.same("pooled_projections", pooled_prompt_embeds)}
+            inputs = {
+                "hidden_states": model_input,
+                "timestep": timestep_inputs[i],
+                "encoder_hidden_states": feed.same("encoder_hidden_states", prompt_embeds),
+                "pooled_projections": feed.same("pooled_projections", pooled_prompt_embeds),
+            }
             noise_pred = run(i, inputs)
             feed.learn(inputs)
             if do_classifier_free_guidance:
@@ -463,9 +515,14 @@ class MMDiTDenoiser(FlowTransformer):
             # the Euler step makes a new tensor from the velocity: the reused output buffer is read before the next
             # call writes it
             latents = scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)[0]
-            replaced = self.step_end(callback_on_step_end, callback_on_step_end_tensor_inputs, i, t,
-                                     {"latents": latents, "prompt_embeds": prompt_embeds,
-                                      "pooled_prompt_embeds": pooled_prompt_embeds}, feed)
+            replaced = self.step_end(
+                callback_on_step_end,
+                callback_on_step_end_tensor_inputs,
+                i,
+                t,
+                {"latents": latents, "prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled_prompt_embeds},
+                feed,
+            )
             latents, prompt_embeds = replaced["latents"], replaced["prompt_embeds"]
             pooled_prompt_embeds = replaced["pooled_prompt_embeds"]
         return latents
@@ -488,13 +545,19 @@ class FluxDenoiser(FlowTransformer):
         missing = [name for name in FLUX_INPUTS if name not in declared]
         unexpected = [name for name in declared if name not in (*FLUX_INPUTS, "guidance")]
         if missing or unexpected:
-            hint = ("a UNet: use OnnxStableDiffusionPipeline or OnnxStableDiffusionXLPipeline" if "sample" in declared
-                    else "an SD3 transformer: use OnnxStableDiffusion3Pipeline" if "txt_ids" not in declared
-                    and "pooled_projections" in declared else "export the Flux transformer with optimum-iobinding "
-                    "export or optimum-cli export onnx")
-            raise ArgumentError("transformer", f"expected a Flux transformer with inputs {list(FLUX_INPUTS)} (and "
-                             f"guidance for FLUX.1 dev), got inputs {declared} in {self.model.model_path!r} "
-                             f"({hint})")
+            hint = (
+                "a UNet: use OnnxStableDiffusionPipeline or OnnxStableDiffusionXLPipeline"
+                if "sample" in declared
+                else "an SD3 transformer: use OnnxStableDiffusion3Pipeline"
+                if "txt_ids" not in declared and "pooled_projections" in declared
+                else "export the Flux transformer with optimum-iobinding export or optimum-cli export onnx"
+            )
+            raise ArgumentError(
+                "transformer",
+                f"expected a Flux transformer with inputs {list(FLUX_INPUTS)} (and "
+                f"guidance for FLUX.1 dev), got inputs {declared} in {self.model.model_path!r} "
+                f"({hint})",
+            )
 
     @property
     def default_sample_size(self) -> int:
@@ -519,17 +582,23 @@ class FluxDenoiser(FlowTransformer):
         """The VAE's latent channels: a quarter of the transformer's token width (its ``in_channels``)."""
         width = declared_dim(self.model, "hidden_states", 2) or self.model.config.get("in_channels")
         if not is_integer(width) or width < 4 or width % 4:
-            raise ArgumentError("transformer", f"expected hidden_states of 4 × latent channels per token (Flux's 2×2 "
-                                               f"packing), got a width of {width!r}")
+            raise ArgumentError(
+                "transformer",
+                f"expected hidden_states of 4 × latent channels per token (Flux's 2×2 "
+                f"packing), got a width of {width!r}",
+            )
         channels = width // 4
         declared = declared_dim(vae_decoder, "latent_sample", 1) or vae_decoder.config.get("latent_channels")
         if declared is not None and declared != channels:
-            raise ArgumentError("vae_decoder", f"expected {channels} latent channels (the transformer's token width "
-                                               f"{width} / 4), got {declared}")
+            raise ArgumentError(
+                "vae_decoder",
+                f"expected {channels} latent channels (the transformer's token width {width} / 4), got {declared}",
+            )
         return channels
 
-    def timesteps(self, num_inference_steps: int, image_seq_len: int,
-                  sigmas: Optional[Sequence[float]] = None) -> torch.Tensor:
+    def timesteps(
+        self, num_inference_steps: int, image_seq_len: int, sigmas: Optional[Sequence[float]] = None
+    ) -> torch.Tensor:
         """The schedule of a call over ``image_seq_len`` latent tokens, as diffusers' FluxPipeline sets it: sigmas
         evenly from 1 to 1/steps (or the given ones), shifted by the scheduler (FLUX.1 dev: by
         :func:`linear_shift` of the token count)."""
@@ -567,16 +636,21 @@ class FluxDenoiser(FlowTransformer):
         def conditioning() -> Tuple[torch.Tensor, torch.Tensor]:
             if not guided:
                 return prompt_embeds, pooled_prompt_embeds
-            return (torch.cat([negative_prompt_embeds, prompt_embeds]),
-                    torch.cat([negative_pooled_prompt_embeds, pooled_prompt_embeds]))
+            return (
+                torch.cat([negative_prompt_embeds, prompt_embeds]),
+                torch.cat([negative_pooled_prompt_embeds, pooled_prompt_embeds]),
+            )
 
         embeds, pooled = conditioning()
         for i, t in enumerate(self.pipe.progress_bar(timesteps)):
-            inputs = {"hidden_states": feed.cat("hidden_states", [latents] * (2 if guided else 1)),
-                      "encoder_hidden_states": feed.same("encoder_hidden_states", embeds),
-                      "pooled_projections": feed.same("pooled_projections", pooled),
-                      "timestep": timestep_rows[i], "txt_ids": feed.same("txt_ids", text_ids),
-                      "img_ids": feed.same("img_ids", image_ids)}
+            inputs = {
+                "hidden_states": feed.cat("hidden_states", [latents] * (2 if guided else 1)),
+                "encoder_hidden_states": feed.same("encoder_hidden_states", embeds),
+                "pooled_projections": feed.same("pooled_projections", pooled),
+                "timestep": timestep_rows[i],
+                "txt_ids": feed.same("txt_ids", text_ids),
+                "img_ids": feed.same("img_ids", image_ids),
+            }
             if guidance is not None:
                 inputs["guidance"] = feed.same("guidance", guidance)
             noise_pred = run(i, inputs)
@@ -587,8 +661,14 @@ class FluxDenoiser(FlowTransformer):
                 noise_pred = torch.lerp(negative, positive, float(true_cfg_scale))
             # the Euler step makes a new tensor: the transformer's reused output buffer is not kept
             latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-            replaced = self.step_end(callback_on_step_end, callback_on_step_end_tensor_inputs, i, t,
-                                     {"latents": latents, "prompt_embeds": prompt_embeds}, feed)
+            replaced = self.step_end(
+                callback_on_step_end,
+                callback_on_step_end_tensor_inputs,
+                i,
+                t,
+                {"latents": latents, "prompt_embeds": prompt_embeds},
+                feed,
+            )
             latents = replaced["latents"]
             if replaced["prompt_embeds"] is not prompt_embeds:
                 prompt_embeds = replaced["prompt_embeds"]

@@ -16,7 +16,17 @@ import torch
 from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
 
 from ..errors import ArgumentError
-from .arguments import (Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames, check_sequence_length, is_integer, is_real)
+from .arguments import (
+    Embeds,
+    Generator,
+    Latents,
+    Prompt,
+    StepEndCallback,
+    TensorNames,
+    check_sequence_length,
+    is_integer,
+    is_real,
+)
 from .codec import pack_latents
 from .components import VAE_COMPONENTS, onnx, tokenizer
 from .core import OnnxDiffusionPipeline, VaeConstants, Warmup, on_device_stream
@@ -28,17 +38,27 @@ from .transfer import tensor_of, upload
 logger = logging.getLogger(__name__)
 
 # optimum's Flux folder (T5's length is the call's max_sequence_length)
-FLUX_COMPONENTS = (onnx("text_encoder"), onnx("text_encoder_2"), tokenizer("tokenizer"),
-                   tokenizer("tokenizer_2", fixed_length=False),
-                   onnx("transformer"), *VAE_COMPONENTS)
+FLUX_COMPONENTS = (
+    onnx("text_encoder"),
+    onnx("text_encoder_2"),
+    tokenizer("tokenizer"),
+    tokenizer("tokenizer_2", fixed_length=False),
+    onnx("transformer"),
+    *VAE_COMPONENTS,
+)
 # FLUX.1's VAE latent scaling, for a folder whose vae_decoder config.json names none (diffusers' FLUX.1 VAE config)
 FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR = 0.3611, 0.1159
 # diffusers' FluxPipeline: 128 latent pixels (1024 px) by default, T5 prompts of at most 512 tokens
 MAX_SEQUENCE_LENGTH = 512
 
 
-def flux_shift(image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096, base_shift: float = 0.5,
-               max_shift: float = 1.15) -> float:
+def flux_shift(
+    image_seq_len: int,
+    base_seq_len: int = 256,
+    max_seq_len: int = 4096,
+    base_shift: float = 0.5,
+    max_shift: float = 1.15,
+) -> float:
     """FLUX.1 dev's resolution-dependent shift ``mu`` of the flow-matching schedule (:func:`linear_shift` with
     FLUX.1's defaults)."""
     return linear_shift(image_seq_len, base_seq_len, max_seq_len, base_shift, max_shift)
@@ -82,13 +102,19 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
                 name = "T5TokenizerFast"  # transformers 4 reads tokenizer.json only under the fast name
             return ["transformers", name]
 
-        index = {"_class_name": "FluxPipeline", "_diffusers_version": diffusers.__version__,
-                 "feature_extractor": [None, None], "image_encoder": [None, None],
-                 "scheduler": ["diffusers", type(self.scheduler).__name__],
-                 "text_encoder": ["transformers", "CLIPTextModel"],
-                 "text_encoder_2": ["transformers", "T5EncoderModel"],
-                 "tokenizer": tokenizer_entry(self.tokenizer), "tokenizer_2": tokenizer_entry(self.tokenizer_2),
-                 "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]}
+        index = {
+            "_class_name": "FluxPipeline",
+            "_diffusers_version": diffusers.__version__,
+            "feature_extractor": [None, None],
+            "image_encoder": [None, None],
+            "scheduler": ["diffusers", type(self.scheduler).__name__],
+            "text_encoder": ["transformers", "CLIPTextModel"],
+            "text_encoder_2": ["transformers", "T5EncoderModel"],
+            "tokenizer": tokenizer_entry(self.tokenizer),
+            "tokenizer_2": tokenizer_entry(self.tokenizer_2),
+            "transformer": ["diffusers", "FluxTransformer2DModel"],
+            "vae": ["diffusers", "AutoencoderKL"],
+        }
         (Path(target) / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
 
     def warmup_arguments(self) -> Dict[str, Callable[[Any], None]]:
@@ -130,7 +156,9 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
         if sigmas is not None:
             values = list(sigmas) if isinstance(sigmas, (list, tuple, np.ndarray)) else None
             if not values or not all(is_real(v) and math.isfinite(v) for v in values):
-                raise ArgumentError("sigmas", f"expected a non-empty list of finite numbers (one per step), got {sigmas!r}")
+                raise ArgumentError(
+                    "sigmas", f"expected a non-empty list of finite numbers (one per step), got {sigmas!r}"
+                )
         for name, value in (("guidance_scale", guidance_scale), ("true_cfg_scale", true_cfg_scale)):
             if not is_real(value) or not math.isfinite(value):
                 raise ArgumentError(name, f"expected a finite number, got {value!r}")
@@ -140,15 +168,19 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
         if output_type not in ("pil", "np", "pt", "latent"):
             raise ArgumentError("output_type", f"expected 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
         if joint_attention_kwargs:
-            raise ArgumentError("joint_attention_kwargs", f"expected None (an ONNX transformer has no attention processors "
-                                                          f"to pass them to), got {joint_attention_kwargs!r}")
+            raise ArgumentError(
+                "joint_attention_kwargs",
+                f"expected None (an ONNX transformer has no attention processors "
+                f"to pass them to), got {joint_attention_kwargs!r}",
+            )
         if prompt is not None and prompt_embeds is not None:
             raise ArgumentError("prompt and prompt_embeds", "expected one of them, got both")
         if prompt is None and prompt_embeds is None:
             raise ArgumentError("prompt and prompt_embeds", "expected one of them, got neither")
         if prompt_embeds is not None and pooled_prompt_embeds is None:
-            raise ArgumentError("pooled_prompt_embeds", "expected them with prompt_embeds (the transformer takes both), "
-                                                        "got None")
+            raise ArgumentError(
+                "pooled_prompt_embeds", "expected them with prompt_embeds (the transformer takes both), got None"
+            )
         if pooled_prompt_embeds is not None and prompt_embeds is None:
             raise ArgumentError("pooled_prompt_embeds", "expected them with prompt_embeds, got them alone")
         if negative_prompt_embeds is not None and negative_pooled_prompt_embeds is None:
@@ -157,41 +189,49 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
         self.check_texts("prompt_2", prompt_2, batch)
         negatives = self.check_texts("negative_prompt", negative_prompt, batch, broadcast=True)
         self.check_texts("negative_prompt_2", negative_prompt_2, negatives, broadcast=True)
-        for name, texts, rival, rival_name in (("prompt_2", prompt_2, prompt_embeds, "prompt_embeds"),
-                                               ("negative_prompt", negative_prompt, negative_prompt_embeds,
-                                                "negative_prompt_embeds"),
-                                               ("negative_prompt_2", negative_prompt_2, negative_prompt_embeds,
-                                                "negative_prompt_embeds")):
+        for name, texts, rival, rival_name in (
+            ("prompt_2", prompt_2, prompt_embeds, "prompt_embeds"),
+            ("negative_prompt", negative_prompt, negative_prompt_embeds, "negative_prompt_embeds"),
+            ("negative_prompt_2", negative_prompt_2, negative_prompt_embeds, "negative_prompt_embeds"),
+        ):
             if texts is not None and rival is not None:
                 raise ValueError(f"{name} and {rival_name}: expected at most one of them, got both")
         rows = batch
         for name, embeds, rank, layout, input_name in (
-                ("prompt_embeds", prompt_embeds, 3, "(batch, sequence, hidden)", "encoder_hidden_states"),
-                ("pooled_prompt_embeds", pooled_prompt_embeds, 2, "(batch, width)", "pooled_projections"),
-                ("negative_prompt_embeds", negative_prompt_embeds, 3, "(batch, sequence, hidden)",
-                 "encoder_hidden_states"),
-                ("negative_pooled_prompt_embeds", negative_pooled_prompt_embeds, 2, "(batch, width)",
-                 "pooled_projections")):
+            ("prompt_embeds", prompt_embeds, 3, "(batch, sequence, hidden)", "encoder_hidden_states"),
+            ("pooled_prompt_embeds", pooled_prompt_embeds, 2, "(batch, width)", "pooled_projections"),
+            ("negative_prompt_embeds", negative_prompt_embeds, 3, "(batch, sequence, hidden)", "encoder_hidden_states"),
+            ("negative_pooled_prompt_embeds", negative_pooled_prompt_embeds, 2, "(batch, width)", "pooled_projections"),
+        ):
             if embeds is None:
                 continue
             self.check_embeds(name, embeds, rank, layout, input_name)
             rows = embeds.shape[0] if rows is None else rows
             if embeds.shape[0] != rows:
                 raise ArgumentError(name, f"expected {rows} rows (one per prompt), got shape {tuple(embeds.shape)}")
-        if prompt_embeds is not None and negative_prompt_embeds is not None and \
-                tuple(prompt_embeds.shape) != tuple(negative_prompt_embeds.shape):
-            raise ArgumentError("negative_prompt_embeds", f"expected shape {tuple(prompt_embeds.shape)} like prompt_embeds, "
-                                                          f"got {tuple(negative_prompt_embeds.shape)}")
+        if (
+            prompt_embeds is not None
+            and negative_prompt_embeds is not None
+            and tuple(prompt_embeds.shape) != tuple(negative_prompt_embeds.shape)
+        ):
+            raise ArgumentError(
+                "negative_prompt_embeds",
+                f"expected shape {tuple(prompt_embeds.shape)} like prompt_embeds, "
+                f"got {tuple(negative_prompt_embeds.shape)}",
+            )
 
     # ------------------------------------------------------------------------------------------------ prompts
     # --------------------------------------------------------------------------------------------------- call
     @on_device_stream
     def __call__(
         self,
-        prompt: Prompt = None, prompt_2: Prompt = None,
-        negative_prompt: Prompt = None, negative_prompt_2: Prompt = None,
+        prompt: Prompt = None,
+        prompt_2: Prompt = None,
+        negative_prompt: Prompt = None,
+        negative_prompt_2: Prompt = None,
         true_cfg_scale: float = 1.0,
-        height: Optional[int] = None, width: Optional[int] = None,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
         num_inference_steps: int = 28,
         sigmas: Optional[List[float]] = None,
         guidance_scale: float = 3.5,
@@ -202,9 +242,11 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
         pooled_prompt_embeds: Embeds = None,
         negative_prompt_embeds: Embeds = None,
         negative_pooled_prompt_embeds: Embeds = None,
-        output_type: str = "pil", return_dict: bool = True,
+        output_type: str = "pil",
+        return_dict: bool = True,
         joint_attention_kwargs: Optional[Dict[str, Any]] = None,
-        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        callback_on_step_end: StepEndCallback = None,
+        callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
         max_sequence_length: int = MAX_SEQUENCE_LENGTH,
     ):
         """Generates images from text, with the arguments of diffusers' ``FluxPipeline`` (IP-Adapter aside).
@@ -220,34 +262,63 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
         # 1. check inputs
         height = self.default_image_size if height is None else height
         width = self.default_image_size if width is None else width
-        self.check_inputs_flux(prompt, prompt_2, negative_prompt, negative_prompt_2, height, width,
-                               num_inference_steps, sigmas, guidance_scale, true_cfg_scale, num_images_per_prompt,
-                               prompt_embeds, pooled_prompt_embeds, negative_prompt_embeds,
-                               negative_pooled_prompt_embeds, output_type, joint_attention_kwargs,
-                               callback_on_step_end, callback_on_step_end_tensor_inputs, max_sequence_length)
+        self.check_inputs_flux(
+            prompt,
+            prompt_2,
+            negative_prompt,
+            negative_prompt_2,
+            height,
+            width,
+            num_inference_steps,
+            sigmas,
+            guidance_scale,
+            true_cfg_scale,
+            num_images_per_prompt,
+            prompt_embeds,
+            pooled_prompt_embeds,
+            negative_prompt_embeds,
+            negative_pooled_prompt_embeds,
+            output_type,
+            joint_attention_kwargs,
+            callback_on_step_end,
+            callback_on_step_end_tensor_inputs,
+            max_sequence_length,
+        )
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         image_count = batch_size * num_images_per_prompt
         if isinstance(generator, list) and len(generator) != image_count:
-            raise ArgumentError("generator", f"expected one generator per image ({image_count}: {batch_size} prompts × "
-                             f"num_images_per_prompt {num_images_per_prompt}), got a list of {len(generator)}")
-        has_negative = negative_prompt is not None or (negative_prompt_embeds is not None
-                                                       and negative_pooled_prompt_embeds is not None)
+            raise ArgumentError(
+                "generator",
+                f"expected one generator per image ({image_count}: {batch_size} prompts × "
+                f"num_images_per_prompt {num_images_per_prompt}), got a list of {len(generator)}",
+            )
+        has_negative = negative_prompt is not None or (
+            negative_prompt_embeds is not None and negative_pooled_prompt_embeds is not None
+        )
         do_true_cfg = true_cfg_scale > 1 and has_negative
 
         # 2. prompt embeddings, on the device
         prompt_embeds, pooled_prompt_embeds, text_ids = self.encode_prompt(
-            prompt, prompt_2, num_images_per_prompt, prompt_embeds, pooled_prompt_embeds, max_sequence_length)
+            prompt, prompt_2, num_images_per_prompt, prompt_embeds, pooled_prompt_embeds, max_sequence_length
+        )
         if do_true_cfg:
             if negative_prompt_embeds is None:  # one negative prompt for every prompt, as a str
-                negative_prompt = [negative_prompt] * batch_size if isinstance(negative_prompt, str) \
-                    else negative_prompt
-                negative_prompt_2 = [negative_prompt_2] * batch_size if isinstance(negative_prompt_2, str) \
-                    else negative_prompt_2
+                negative_prompt = (
+                    [negative_prompt] * batch_size if isinstance(negative_prompt, str) else negative_prompt
+                )
+                negative_prompt_2 = (
+                    [negative_prompt_2] * batch_size if isinstance(negative_prompt_2, str) else negative_prompt_2
+                )
             # the negative joins the prompt in one transformer batch: its text at the prompt's token count (given
             # embeddings may be shorter than max_sequence_length)
             negative_prompt_embeds, negative_pooled_prompt_embeds, _ = self.encode_prompt(
-                negative_prompt, negative_prompt_2, num_images_per_prompt, negative_prompt_embeds,
-                negative_pooled_prompt_embeds, prompt_embeds.shape[1])
+                negative_prompt,
+                negative_prompt_2,
+                num_images_per_prompt,
+                negative_prompt_embeds,
+                negative_pooled_prompt_embeds,
+                prompt_embeds.shape[1],
+            )
 
         # 3. initial noise (drawn unpacked, as diffusers draws it), packed into tokens, and their position ids
         latent_height = 2 * (height // (self.vae_scale_factor * 2))
@@ -262,28 +333,49 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
             latents = tensor_of(latents)
             expected = (image_count, tokens, self.latent_channels * 4)
             if tuple(latents.shape) != expected:
-                raise ArgumentError("latents", f"expected packed latents of shape {expected} (batch, tokens, 4 × latent "
-                                               f"channels), got {tuple(latents.shape)}")
+                raise ArgumentError(
+                    "latents",
+                    f"expected packed latents of shape {expected} (batch, tokens, 4 × latent "
+                    f"channels), got {tuple(latents.shape)}",
+                )
             latents = latents.to(device=self.device, dtype=dtype)
-        image_ids = upload(latent_image_ids(latent_height // 2, latent_width // 2).to(
-            self.transformer.input_dtypes["img_ids"]), self.device)
+        image_ids = upload(
+            latent_image_ids(latent_height // 2, latent_width // 2).to(self.transformer.input_dtypes["img_ids"]),
+            self.device,
+        )
 
         # 4. timesteps: the transformer's timestep (t / 1000) and guidance inputs made once on the device
         timesteps = self.denoiser.timesteps(num_inference_steps, tokens, sigmas)
         model_batch = image_count * (2 if do_true_cfg else 1)
         timestep_dtype = self.transformer.input_dtypes["timestep"]
-        timestep_rows = upload((timesteps.to(dtype) / 1000).to(timestep_dtype)[:, None].expand(-1, model_batch)
-                               .contiguous(), self.device)
+        timestep_rows = upload(
+            (timesteps.to(dtype) / 1000).to(timestep_dtype)[:, None].expand(-1, model_batch).contiguous(), self.device
+        )
         guidance = None
         if self.guidance_embeds:
-            guidance = upload(torch.full((model_batch,), float(guidance_scale), dtype=torch.float32).to(
-                self.transformer.input_dtypes["guidance"]), self.device)
+            guidance = upload(
+                torch.full((model_batch,), float(guidance_scale), dtype=torch.float32).to(
+                    self.transformer.input_dtypes["guidance"]
+                ),
+                self.device,
+            )
 
         # 5. the denoising loop: every tensor stays on self.device
-        latents = self.denoiser.loop(latents, timesteps, timestep_rows, prompt_embeds, pooled_prompt_embeds,
-                                     text_ids, image_ids, guidance, true_cfg_scale if do_true_cfg else None,
-                                     negative_prompt_embeds, negative_pooled_prompt_embeds, callback_on_step_end,
-                                     callback_on_step_end_tensor_inputs)
+        latents = self.denoiser.loop(
+            latents,
+            timesteps,
+            timestep_rows,
+            prompt_embeds,
+            pooled_prompt_embeds,
+            text_ids,
+            image_ids,
+            guidance,
+            true_cfg_scale if do_true_cfg else None,
+            negative_prompt_embeds,
+            negative_pooled_prompt_embeds,
+            callback_on_step_end,
+            callback_on_step_end_tensor_inputs,
+        )
 
         # 6. decode: only now does anything leave the device
         return self.finish(latents, output_type, return_dict, (latent_height, latent_width))

@@ -30,11 +30,16 @@ class OnnxStableDiffusionImg2ImgPipeline(ClipUNetPipeline):
         guidance_scale: float = 7.5,
         negative_prompt: Prompt = None,
         num_images_per_prompt: int = 1,
-        eta: float = 0.0, generator: Generator = None,
-        prompt_embeds: Embeds = None, negative_prompt_embeds: Embeds = None,
-        output_type: str = "pil", return_dict: bool = True,
-        callback: StepCallback = None, callback_steps: int = 1,
-        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        eta: float = 0.0,
+        generator: Generator = None,
+        prompt_embeds: Embeds = None,
+        negative_prompt_embeds: Embeds = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        callback: StepCallback = None,
+        callback_steps: int = 1,
+        callback_on_step_end: StepEndCallback = None,
+        callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
     ):
         """Transforms ``image`` (PIL, numpy HWC in [0, 1], or torch NCHW in [-1, 1]) as ``prompt`` says; arguments
         as diffusers' ``OnnxStableDiffusionImg2ImgPipeline``, plus ``callback_on_step_end``. ``strength`` in
@@ -43,19 +48,39 @@ class OnnxStableDiffusionImg2ImgPipeline(ClipUNetPipeline):
         image = self.start_image(image)
         height, width = image.shape[-2:]
         prompt_embeds, batch_size = self.checked_text_embeddings(
-            prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, height, width, num_inference_steps,
-            guidance_scale, num_images_per_prompt, output_type, callback_steps, strength, callback_on_step_end,
-            callback_on_step_end_tensor_inputs)
+            prompt,
+            negative_prompt,
+            prompt_embeds,
+            negative_prompt_embeds,
+            height,
+            width,
+            num_inference_steps,
+            guidance_scale,
+            num_images_per_prompt,
+            output_type,
+            callback_steps,
+            strength,
+            callback_on_step_end,
+            callback_on_step_end_tensor_inputs,
+        )
 
         # 3. timesteps for this strength; the image's latents noised to the first of them
         timesteps = self.strength_timesteps(num_inference_steps, strength)
-        latents = self.noised_image_latents(image, timesteps, generator, batch_size, num_images_per_prompt,
-                                            prompt_embeds.dtype)
+        latents = self.noised_image_latents(
+            image, timesteps, generator, batch_size, num_images_per_prompt, prompt_embeds.dtype
+        )
 
         # 4. denoising loop: every tensor stays on self.device
         latents = self.denoiser.loop(
-            latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
-            callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
+            latents,
+            timesteps,
+            prompt_embeds,
+            guidance_scale,
+            self.scheduler_step_kwargs(generator, eta),
+            callback,
+            callback_steps,
+            callback_on_step_end,
+            callback_on_step_end_tensor_inputs,
         )
 
         # 5. decode: only now does anything leave the device

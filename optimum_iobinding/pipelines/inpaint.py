@@ -29,17 +29,21 @@ class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
 
     @property
     def mask_processor(self) -> VaeImageProcessor:
-        return VaeImageProcessor(vae_scale_factor=self.vae_scale_factor, do_normalize=False, do_binarize=True,
-                                 do_convert_grayscale=True)
+        return VaeImageProcessor(
+            vae_scale_factor=self.vae_scale_factor, do_normalize=False, do_binarize=True, do_convert_grayscale=True
+        )
 
     @property
     def unet_in_channels(self) -> int:
-        return int(self.unet.config.get("in_channels") or declared_dim(self.unet, "sample", 1)
-                   or self.latent_channels)
+        return int(self.unet.config.get("in_channels") or declared_dim(self.unet, "sample", 1) or self.latent_channels)
 
     def warmup_images(self, height: int, width: int) -> Dict[str, Any]:
-        return {"image": torch.zeros(1, 3, height, width), "mask_image": torch.ones(1, 1, height, width),
-                "height": height, "width": width}
+        return {
+            "image": torch.zeros(1, 3, height, width),
+            "mask_image": torch.ones(1, 1, height, width),
+            "height": height,
+            "width": width,
+        }
 
     @on_device_stream
     def __call__(
@@ -47,36 +51,60 @@ class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
         prompt: Prompt = None,
         image: ImageInput = None,
         mask_image: ImageInput = None,
-        height: Optional[int] = 512, width: Optional[int] = 512,
+        height: Optional[int] = 512,
+        width: Optional[int] = 512,
         strength: float = 1.0,
         num_inference_steps: int = 50,
         guidance_scale: float = 7.5,
         negative_prompt: Prompt = None,
         num_images_per_prompt: int = 1,
-        eta: float = 0.0, generator: Generator = None,
+        eta: float = 0.0,
+        generator: Generator = None,
         latents: Latents = None,
-        prompt_embeds: Embeds = None, negative_prompt_embeds: Embeds = None,
-        output_type: str = "pil", return_dict: bool = True,
-        callback: StepCallback = None, callback_steps: int = 1,
-        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        prompt_embeds: Embeds = None,
+        negative_prompt_embeds: Embeds = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        callback: StepCallback = None,
+        callback_steps: int = 1,
+        callback_on_step_end: StepEndCallback = None,
+        callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
     ):
         """Repaints the white area of ``mask_image`` in ``image`` as ``prompt`` says; arguments as diffusers'
         ``OnnxStableDiffusionInpaintPipeline``, plus ``strength`` (as in diffusers' torch pipeline, default 1: start
         from pure noise) and ``callback_on_step_end``."""
         # 1. check inputs; 2. text embeddings, on the device
         if image is None or mask_image is None:
-            raise ArgumentError("image and mask_image", "expected both, got "
-                                                        f"{'no image' if image is None else 'an image'} and "
-                                                        f"{'no mask_image' if mask_image is None else 'a mask_image'}")
+            raise ArgumentError(
+                "image and mask_image",
+                "expected both, got "
+                f"{'no image' if image is None else 'an image'} and "
+                f"{'no mask_image' if mask_image is None else 'a mask_image'}",
+            )
         image_size = self.check_image(image, "image", resized=True)
         mask_size = self.check_image(mask_image, "mask_image", resized=True, mask=True)
         if image_size != mask_size:
-            raise ArgumentError("mask_image", f"expected the size of image (height × width {image_size[0]} × "
-                                              f"{image_size[1]}), got {mask_size[0]} × {mask_size[1]}")
+            raise ArgumentError(
+                "mask_image",
+                f"expected the size of image (height × width {image_size[0]} × "
+                f"{image_size[1]}), got {mask_size[0]} × {mask_size[1]}",
+            )
         prompt_embeds, batch_size = self.checked_text_embeddings(
-            prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, height, width, num_inference_steps,
-            guidance_scale, num_images_per_prompt, output_type, callback_steps, strength, callback_on_step_end,
-            callback_on_step_end_tensor_inputs)
+            prompt,
+            negative_prompt,
+            prompt_embeds,
+            negative_prompt_embeds,
+            height,
+            width,
+            num_inference_steps,
+            guidance_scale,
+            num_images_per_prompt,
+            output_type,
+            callback_steps,
+            strength,
+            callback_on_step_end,
+            callback_on_step_end_tensor_inputs,
+        )
         dtype = prompt_embeds.dtype
 
         # 3. image, mask and their latents
@@ -106,6 +134,7 @@ class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
             if guidance_scale > 1.0:  # the guidance batch
                 unet_extra_channels = torch.cat([unet_extra_channels] * 2)
         elif self.unet_in_channels == self.latent_channels:
+
             def keep_unmasked(i: int, step_latents: torch.Tensor) -> torch.Tensor:
                 # keep the unmasked area: the original latents, noised to where the next step starts
                 known = image_latents
@@ -115,16 +144,26 @@ class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
 
             after_step = keep_unmasked
         else:
-            raise ArgumentError("unet", f"expected {self.latent_channels} input channels (a plain UNet) or "
-                             f"{2 * self.latent_channels + 1} (an inpainting UNet), got {self.unet_in_channels}")
+            raise ArgumentError(
+                "unet",
+                f"expected {self.latent_channels} input channels (a plain UNet) or "
+                f"{2 * self.latent_channels + 1} (an inpainting UNet), got {self.unet_in_channels}",
+            )
 
         # 5. denoising loop: every tensor stays on self.device
         latents = self.denoiser.loop(
-            latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
-            callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
-            unet_extra_channels=unet_extra_channels, after_step=after_step,
+            latents,
+            timesteps,
+            prompt_embeds,
+            guidance_scale,
+            self.scheduler_step_kwargs(generator, eta),
+            callback,
+            callback_steps,
+            callback_on_step_end,
+            callback_on_step_end_tensor_inputs,
+            unet_extra_channels=unet_extra_channels,
+            after_step=after_step,
         )
 
         # 6. decode: only now does anything leave the device
         return self.finish(latents, output_type, return_dict)
-

@@ -40,7 +40,8 @@ class OnnxLatentConsistencyModelPipeline(ClipUNetPipeline):
     def __call__(
         self,
         prompt: Prompt = None,
-        height: Optional[int] = 512, width: Optional[int] = 512,
+        height: Optional[int] = 512,
+        width: Optional[int] = 512,
         num_inference_steps: int = 4,
         original_inference_steps: Optional[int] = None,
         guidance_scale: float = 8.5,
@@ -48,8 +49,10 @@ class OnnxLatentConsistencyModelPipeline(ClipUNetPipeline):
         generator: Generator = None,
         latents: Latents = None,
         prompt_embeds: Embeds = None,
-        output_type: str = "pil", return_dict: bool = True,
-        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        output_type: str = "pil",
+        return_dict: bool = True,
+        callback_on_step_end: StepEndCallback = None,
+        callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
     ):
         """Generates images in a few steps. ``guidance_scale`` is embedded (``w = guidance_scale - 1``), not applied
         as classifier-free guidance, so the UNet runs once per step on the prompt batch alone.
@@ -57,10 +60,21 @@ class OnnxLatentConsistencyModelPipeline(ClipUNetPipeline):
         Returns:
             ``StableDiffusionPipelineOutput(images, nsfw_content_detected=None)``, or a tuple without return_dict.
         """
-        self.check_inputs(prompt, height, width, num_inference_steps, None, None, prompt_embeds, None, output_type,
-                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt,
-                          callback_on_step_end=callback_on_step_end,
-                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
+        self.check_inputs(
+            prompt,
+            height,
+            width,
+            num_inference_steps,
+            None,
+            None,
+            prompt_embeds,
+            None,
+            output_type,
+            guidance_scale=guidance_scale,
+            num_images_per_prompt=num_images_per_prompt,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+        )
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         prompt_embeds = self.encode_prompt(prompt, num_images_per_prompt, False, prompt_embeds=prompt_embeds)
         rows = batch_size * num_images_per_prompt
@@ -69,11 +83,18 @@ class OnnxLatentConsistencyModelPipeline(ClipUNetPipeline):
         latents = self.initial_noise(rows, height, width, prompt_embeds.dtype, generator, latents)
 
         w = torch.full((rows,), guidance_scale - 1.0)
-        timestep_cond = guidance_scale_embedding(w, self.denoiser.time_cond_proj_dim).to(self.device, prompt_embeds.dtype)
+        timestep_cond = guidance_scale_embedding(w, self.denoiser.time_cond_proj_dim).to(
+            self.device, prompt_embeds.dtype
+        )
         denoised = self.denoiser.loop(
-            latents, timesteps, prompt_embeds, 1.0, self.scheduler_step_kwargs(generator, 0.0),
+            latents,
+            timesteps,
+            prompt_embeds,
+            1.0,
+            self.scheduler_step_kwargs(generator, 0.0),
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-            unet_inputs={"timestep_cond": timestep_cond}, return_denoised=True,
+            unet_inputs={"timestep_cond": timestep_cond},
+            return_denoised=True,
         )
         return self.finish(denoised.to(prompt_embeds.dtype), output_type, return_dict)

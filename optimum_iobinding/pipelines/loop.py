@@ -14,32 +14,45 @@ from ..runtime.model import IOBindingORTModel
 CALLBACK_TENSOR_INPUTS = ("latents", "prompt_embeds")
 
 
-def check_callback_arguments(callback_on_step_end: Any, tensor_inputs: Any,
-                             allowed: Sequence[str] = CALLBACK_TENSOR_INPUTS) -> None:
+def check_callback_arguments(
+    callback_on_step_end: Any, tensor_inputs: Any, allowed: Sequence[str] = CALLBACK_TENSOR_INPUTS
+) -> None:
     """Refuses, before any work, a step-end callback that is not callable and tensor names the loop does not have
     (``allowed``: the ones it has), listing the ones it has (as diffusers refuses them)."""
     if callback_on_step_end is not None and not callable(callback_on_step_end):
-        raise ArgumentTypeError("callback_on_step_end", f"expected a callable (pipe, step, timestep, tensors) -> dict, got "
-                        f"{type(callback_on_step_end).__name__} {callback_on_step_end!r}")
+        raise ArgumentTypeError(
+            "callback_on_step_end",
+            f"expected a callable (pipe, step, timestep, tensors) -> dict, got "
+            f"{type(callback_on_step_end).__name__} {callback_on_step_end!r}",
+        )
     try:
         if isinstance(tensor_inputs, (str, bytes)):
             raise TypeError
         names = list(tensor_inputs)
     except TypeError:
-        raise ArgumentTypeError("callback_on_step_end_tensor_inputs", f"expected a list of tensor names among "
-                        f"{list(allowed)}, got {type(tensor_inputs).__name__} {tensor_inputs!r}") from None
+        raise ArgumentTypeError(
+            "callback_on_step_end_tensor_inputs",
+            f"expected a list of tensor names among "
+            f"{list(allowed)}, got {type(tensor_inputs).__name__} {tensor_inputs!r}",
+        ) from None
     unknown = [name for name in names if not isinstance(name, str) or name not in allowed]
     if unknown:
-        raise ArgumentError("callback_on_step_end_tensor_inputs", f"expected names among {list(allowed)}, "
-                                                                  f"got {unknown}")
+        raise ArgumentError(
+            "callback_on_step_end_tensor_inputs", f"expected names among {list(allowed)}, got {unknown}"
+        )
 
 
 def callback_name(callback: Any) -> str:
     return getattr(callback, "__qualname__", None) or type(callback).__name__
 
 
-def replaced_tensors(callback: Any, step: int, returned: Any, current: Mapping[str, torch.Tensor],
-                     allowed: Sequence[str] = CALLBACK_TENSOR_INPUTS) -> Dict[str, torch.Tensor]:
+def replaced_tensors(
+    callback: Any,
+    step: int,
+    returned: Any,
+    current: Mapping[str, torch.Tensor],
+    allowed: Sequence[str] = CALLBACK_TENSOR_INPUTS,
+) -> Dict[str, torch.Tensor]:
     """The loop's tensors after a step-end callback: ``current``, with what the callback returned in place of them.
 
     A callback returns a dict (or ``None``: nothing replaced) whose keys are among ``allowed`` (the loop's tensors
@@ -50,25 +63,36 @@ def replaced_tensors(callback: Any, step: int, returned: Any, current: Mapping[s
         return dict(current)
     name = callback_name(callback)
     if not isinstance(returned, Mapping):
-        raise ArgumentTypeError("callback_on_step_end", f"expected {name} to return a dict of tensors (or None), got "
-                                                        f"{type(returned).__name__} at step {step}")
+        raise ArgumentTypeError(
+            "callback_on_step_end",
+            f"expected {name} to return a dict of tensors (or None), got {type(returned).__name__} at step {step}",
+        )
     unknown = [key for key in returned if key not in allowed]
     if unknown:
-        raise ArgumentError("callback_on_step_end", f"expected {name} to return keys among {list(allowed)}, "
-                                                    f"got {unknown} at step {step}")
+        raise ArgumentError(
+            "callback_on_step_end",
+            f"expected {name} to return keys among {list(allowed)}, got {unknown} at step {step}",
+        )
     result = dict(current)
     for key, value in returned.items():
         old = current[key]
         expected = f"a float torch.Tensor of shape {tuple(old.shape)}"
         if not isinstance(value, torch.Tensor):
-            raise ArgumentTypeError("callback_on_step_end", f"{name} returned {key!r} as {type(value).__name__} at step {step}, "
-                                                            f"expected {expected}")
+            raise ArgumentTypeError(
+                "callback_on_step_end",
+                f"{name} returned {key!r} as {type(value).__name__} at step {step}, expected {expected}",
+            )
         if value.layout != torch.strided or value.is_nested or not value.dtype.is_floating_point:
-            raise ArgumentTypeError("callback_on_step_end", f"{name} returned {key!r} of dtype {value.dtype} and layout "
-                                                            f"{value.layout} at step {step}, expected {expected}")
+            raise ArgumentTypeError(
+                "callback_on_step_end",
+                f"{name} returned {key!r} of dtype {value.dtype} and layout "
+                f"{value.layout} at step {step}, expected {expected}",
+            )
         if tuple(value.shape) != tuple(old.shape):
-            raise ArgumentError("callback_on_step_end", f"{name} returned {key!r} of shape {tuple(value.shape)} at step "
-                                                        f"{step}, expected {expected}")
+            raise ArgumentError(
+                "callback_on_step_end",
+                f"{name} returned {key!r} of shape {tuple(value.shape)} at step {step}, expected {expected}",
+            )
         result[key] = value.to(device=old.device, dtype=old.dtype)
     return result
 
@@ -108,11 +132,13 @@ class GraphFeed:
         if not self.looked_up:
             self.looked_up = True
             if isinstance(self.model, IOBindingORTModel):
-                self.buffers = self.model.graph_input_buffers({name: tuple(value.shape)
-                                                               for name, value in inputs.items()})
+                self.buffers = self.model.graph_input_buffers(
+                    {name: tuple(value.shape) for name, value in inputs.items()}
+                )
 
-    def _buffer(self, name: str, shape: Sequence[int], dtype: torch.dtype,
-                device: torch.device) -> Optional[torch.Tensor]:
+    def _buffer(
+        self, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device
+    ) -> Optional[torch.Tensor]:
         buffer = (self.buffers or {}).get(name)
         if buffer is None or tuple(buffer.shape) != tuple(shape) or buffer.dtype != dtype or buffer.device != device:
             return None

@@ -15,6 +15,7 @@ import torch
 from ..errors import ArgumentError
 from ..layout import WeightPlace, read_weight_map
 
+
 def torch_layout_view(tensor: torch.Tensor, place: WeightPlace, shape: Sequence[int]) -> torch.Tensor:
     """A view of ``tensor`` (the initializer) in the torch layout ``shape`` of the weight at ``place``: writing into
     it (``copy_``) writes the initializer in place. A packed weight interleaved per head is not one strided view in
@@ -54,13 +55,19 @@ def torch_shape(tensor: torch.Tensor, place: WeightPlace) -> Tuple[int, ...]:
         return (out_channels, in_channels, kh, kw)
     return (tensor.shape[1] // place.parts, tensor.shape[0])
 
+
 # ------------------------------------------------------------------------------------------------ runtime LoRA
 LORA_COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
 # how a layer's two matrices are named: PEFT's names (what _to_peft_names converts to), and diffusers' older ones
 # for keys its converters leave as they are
-_MATRIX_SUFFIXES = ((".lora_A.weight", "down"), (".lora_B.weight", "up"), (".lora.down.weight", "down"),
-                    (".lora.up.weight", "up"), (".lora_linear_layer.down.weight", "down"),
-                    (".lora_linear_layer.up.weight", "up"))
+_MATRIX_SUFFIXES = (
+    (".lora_A.weight", "down"),
+    (".lora_B.weight", "up"),
+    (".lora.down.weight", "down"),
+    (".lora.up.weight", "up"),
+    (".lora_linear_layer.down.weight", "down"),
+    (".lora_linear_layer.up.weight", "up"),
+)
 
 
 @dataclass
@@ -82,8 +89,10 @@ class _Layer:
     def __init__(self, weights: Dict[str, torch.Tensor], places: Sequence[WeightPlace], component: str, name: str):
         missing = [place.initializer for place in places if place.initializer not in weights]
         if missing:
-            raise ValueError(f"{component} layer {name}: its weight ({missing[0]}) is not among the weights the model "
-                             "keeps as tensors (too small to be one), so no LoRA can change it")
+            raise ValueError(
+                f"{component} layer {name}: its weight ({missing[0]}) is not among the weights the model "
+                "keeps as tensors (too small to be one), so no LoRA can change it"
+            )
         self.places = list(places)
         self.shape = torch_shape(weights[places[0].initializer], places[0])
         self.views = [torch_layout_view(weights[place.initializer], place, self.shape) for place in places]
@@ -127,12 +136,16 @@ class LoraLoaderMixin:
             self._lora_state = {"adapters": {}, "active": {}, "fused": {}, "enabled": True, "layers": {}}
         return self._lora_state
 
-    def _lora_state_dict(self, source: Any, **kwargs: Any) -> Tuple[Dict[str, torch.Tensor], Dict[str, float],
-                                                                    Optional[Dict[str, Any]]]:
+    def _lora_state_dict(
+        self, source: Any, **kwargs: Any
+    ) -> Tuple[Dict[str, torch.Tensor], Dict[str, float], Optional[Dict[str, Any]]]:
         from diffusers.loaders import StableDiffusionLoraLoaderMixin, StableDiffusionXLLoraLoaderMixin
 
-        reader = (StableDiffusionXLLoraLoaderMixin if getattr(self, "text_encoder_2", None) is not None
-                  else StableDiffusionLoraLoaderMixin)
+        reader = (
+            StableDiffusionXLLoraLoaderMixin
+            if getattr(self, "text_encoder_2", None) is not None
+            else StableDiffusionLoraLoaderMixin
+        )
         found = reader.lora_state_dict(source, return_lora_metadata=True, **kwargs)
         state_dict, alphas = found[0], found[1]
         metadata = found[2] if len(found) > 2 else None
@@ -150,20 +163,26 @@ class LoraLoaderMixin:
                 raise ArgumentError(component, "the model was not loaded from a file, so it has no lora_map.json")
             maps[component] = read_weight_map(Path(model.model_path).parent)[0]
         places_by_layer = maps[component]
-        for candidate in (layer, f"text_model.{layer}", layer[len("text_model."):] if layer.startswith(
-                "text_model.") else None):
+        for candidate in (
+            layer,
+            f"text_model.{layer}",
+            layer[len("text_model.") :] if layer.startswith("text_model.") else None,
+        ):
             if candidate is not None and candidate in places_by_layer:
                 break
         else:
-            raise ArgumentError(component, f"the LoRA changes layer {layer!r}, which this model does not have (a LoRA "
-                                           "for another architecture?)")
+            raise ArgumentError(
+                component,
+                f"the LoRA changes layer {layer!r}, which this model does not have (a LoRA for another architecture?)",
+            )
         key = (component, candidate)
         if key not in state["layers"]:
             state["layers"][key] = _Layer(model.own_weights(), places_by_layer[candidate], component, candidate)
         return candidate, state["layers"][key]
 
-    def load_lora_weights(self, pretrained_model_name_or_path_or_dict: Any, adapter_name: Optional[str] = None,
-                          **kwargs: Any) -> None:
+    def load_lora_weights(
+        self, pretrained_model_name_or_path_or_dict: Any, adapter_name: Optional[str] = None, **kwargs: Any
+    ) -> None:
         """Loads a LoRA (a folder, a ``.safetensors`` file, a hub id with ``weight_name=``, or a state dict) as the
         adapter ``adapter_name`` (default ``default_N``). As in diffusers it becomes the one active adapter of the
         components it changes (the others keep theirs) until :meth:`set_adapters` says otherwise.
@@ -175,8 +194,9 @@ class LoraLoaderMixin:
         if adapter_name is None:
             adapter_name = f"default_{len(state['adapters'])}"
         if adapter_name in state["adapters"]:
-            raise ArgumentError("adapter_name", f"{adapter_name!r} is already loaded; unload_lora_weights() or pick "
-                                                "another name")
+            raise ArgumentError(
+                "adapter_name", f"{adapter_name!r} is already loaded; unload_lora_weights() or pick another name"
+            )
         state_dict, network_alphas, metadata = self._lora_state_dict(pretrained_model_name_or_path_or_dict, **kwargs)
         state_dict, alphas = _to_peft_names(state_dict, network_alphas)
         matrices: Dict[Tuple[str, str], Dict[str, torch.Tensor]] = {}
@@ -186,12 +206,13 @@ class LoraLoaderMixin:
                 continue
             component, layer, matrix = found
             if component not in LORA_COMPONENTS:
-                raise ArgumentError(key, f"expected a LoRA key of {list(LORA_COMPONENTS)}, got component "
-                                         f"{component!r}")
+                raise ArgumentError(key, f"expected a LoRA key of {list(LORA_COMPONENTS)}, got component {component!r}")
             matrices.setdefault((component, layer), {})[matrix] = value
         if not matrices:
-            raise ArgumentError("pretrained_model_name_or_path_or_dict", f"no LoRA matrices found in "
-                                                                         f"{pretrained_model_name_or_path_or_dict!r}")
+            raise ArgumentError(
+                "pretrained_model_name_or_path_or_dict",
+                f"no LoRA matrices found in {pretrained_model_name_or_path_or_dict!r}",
+            )
         updates: Dict[Tuple[str, str], _LayerUpdate] = {}
         ranks: Dict[str, List[int]] = {}
         for (component, layer), pair in matrices.items():
@@ -203,19 +224,26 @@ class LoraLoaderMixin:
             down, up = pair["down"], pair["up"]
             rank = down.shape[0]
             expected_out, expected_in = target.shape[0], target.shape[1]
-            if up.shape[0] != expected_out or down.shape[1] != expected_in or up.shape[1] != rank or (
-                    len(target.shape) == 4 and tuple(down.shape[2:]) != tuple(target.shape[2:])):
-                raise ValueError(f"{component} layer {name}: the LoRA's update is {tuple(up.shape)} @ "
-                                 f"{tuple(down.shape)}, the layer's weight is {tuple(target.shape)} (a LoRA for "
-                                 "another architecture?)")
+            if (
+                up.shape[0] != expected_out
+                or down.shape[1] != expected_in
+                or up.shape[1] != rank
+                or (len(target.shape) == 4 and tuple(down.shape[2:]) != tuple(target.shape[2:]))
+            ):
+                raise ValueError(
+                    f"{component} layer {name}: the LoRA's update is {tuple(up.shape)} @ "
+                    f"{tuple(down.shape)}, the layer's weight is {tuple(target.shape)} (a LoRA for "
+                    "another architecture?)"
+                )
             alpha = alphas.get((component, layer))
             if alpha is None and metadata:
                 alpha = (metadata.get(component) or metadata).get("lora_alpha")
             if alpha is None:  # as diffusers: the most common rank, which makes a uniform-rank LoRA's scale 1
                 alpha = max(set(ranks[component]), key=ranks[component].count)
             device = target.base.device
-            updates[(component, name)] = _LayerUpdate(down.to(device, torch.float32), up.to(device, torch.float32),
-                                                      float(alpha) / rank)
+            updates[(component, name)] = _LayerUpdate(
+                down.to(device, torch.float32), up.to(device, torch.float32), float(alpha) / rank
+            )
         state["adapters"][adapter_name] = updates
         for component in {component for component, _ in updates}:  # as diffusers: the new one, in what it changes
             state["active"][component] = {adapter_name: 1.0}
@@ -230,8 +258,11 @@ class LoraLoaderMixin:
         if cache is not None:
             denoiser.enable_cache(cache.config)
 
-    def set_adapters(self, adapter_names: Union[str, Sequence[str]],
-                     adapter_weights: Union[float, Dict[str, float], Sequence[Any], None] = None) -> None:
+    def set_adapters(
+        self,
+        adapter_names: Union[str, Sequence[str]],
+        adapter_weights: Union[float, Dict[str, float], Sequence[Any], None] = None,
+    ) -> None:
         """Makes ``adapter_names`` the active adapters, with ``adapter_weights`` (one number for all, one per
         adapter, or per adapter a dict of component → number)."""
         state = self._lora()
@@ -242,12 +273,17 @@ class LoraLoaderMixin:
         else:
             weights = list(adapter_weights)
             if len(weights) != len(names):
-                raise ArgumentError("adapter_weights", f"expected {len(names)} weights (one per adapter), got "
-                                                       f"{len(weights)}")
+                raise ArgumentError(
+                    "adapter_weights", f"expected {len(names)} weights (one per adapter), got {len(weights)}"
+                )
         state["active"] = {
-            component: {name: _weight_for(weight, component) for name, weight in zip(names, weights)
-                        if any(key[0] == component for key in state["adapters"][name])}
-            for component in LORA_COMPONENTS}
+            component: {
+                name: _weight_for(weight, component)
+                for name, weight in zip(names, weights)
+                if any(key[0] == component for key in state["adapters"][name])
+            }
+            for component in LORA_COMPONENTS
+        }
         self._apply_lora()
 
     def get_active_adapters(self) -> List[str]:
@@ -280,8 +316,14 @@ class LoraLoaderMixin:
             layer.write(None)
         self._lora_state = None
 
-    def fuse_lora(self, components: Sequence[str] = ("unet", "text_encoder"), lora_scale: float = 1.0,
-                  safe_fusing: bool = False, adapter_names: Optional[Sequence[str]] = None, **kwargs: Any) -> None:
+    def fuse_lora(
+        self,
+        components: Sequence[str] = ("unet", "text_encoder"),
+        lora_scale: float = 1.0,
+        safe_fusing: bool = False,
+        adapter_names: Optional[Sequence[str]] = None,
+        **kwargs: Any,
+    ) -> None:
         """Fuses the active adapters (or ``adapter_names``), times ``lora_scale``, into the weights of
         ``components``: they stay applied, whatever :meth:`set_adapters` says, until :meth:`unfuse_lora`."""
         state = self._lora()
@@ -294,8 +336,11 @@ class LoraLoaderMixin:
                     active[name] *= lora_scale
         self._apply_lora()
         if safe_fusing:
-            bad = [f"{component} layer {layer}" for (component, layer), target in state["layers"].items()
-                   if not torch.isfinite(target.views[0]).all()]
+            bad = [
+                f"{component} layer {layer}"
+                for (component, layer), target in state["layers"].items()
+                if not torch.isfinite(target.views[0]).all()
+            ]
             if bad:
                 self.unfuse_lora(components)
                 raise ArgumentError("fuse_lora", f"the fused weights are not finite in {bad[:3]}; unfused again")
@@ -325,13 +370,17 @@ class LoraLoaderMixin:
             target.write(deltas.get(key))
 
 
-def _to_peft_names(state_dict: Dict[str, torch.Tensor], network_alphas: Dict[str, float]
-                   ) -> Tuple[Dict[str, torch.Tensor], Dict[Tuple[str, str], float]]:
+def _to_peft_names(
+    state_dict: Dict[str, torch.Tensor], network_alphas: Dict[str, float]
+) -> Tuple[Dict[str, torch.Tensor], Dict[Tuple[str, str], float]]:
     """The state dict in the PEFT names (``<component>.<layer>.lora_A.weight``), as diffusers converts it before
     loading (the kohya format comes out of ``lora_state_dict`` in diffusers' older names), and the alphas by
     ``(component, layer)``."""
-    from diffusers.utils import (convert_state_dict_to_diffusers, convert_state_dict_to_peft,
-                                 convert_unet_state_dict_to_peft)
+    from diffusers.utils import (
+        convert_state_dict_to_diffusers,
+        convert_state_dict_to_peft,
+        convert_unet_state_dict_to_peft,
+    )
 
     def convert(component: str, part: Dict[str, Any]) -> Dict[str, Any]:
         try:  # diffusers' converters refuse names they recognise no format in: those are kept as they are
@@ -364,8 +413,9 @@ def _to_peft_names(state_dict: Dict[str, torch.Tensor], network_alphas: Dict[str
 def _check_adapter_names(state: Dict[str, Any], names: Sequence[str]) -> None:
     unknown = [name for name in names if name not in state["adapters"]]
     if unknown:
-        raise ArgumentError("adapter_names", f"expected names of loaded adapters {sorted(state['adapters'])}, got "
-                                             f"{unknown}")
+        raise ArgumentError(
+            "adapter_names", f"expected names of loaded adapters {sorted(state['adapters'])}, got {unknown}"
+        )
 
 
 def _weight_for(weight: Any, component: str) -> float:

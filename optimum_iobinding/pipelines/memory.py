@@ -62,9 +62,16 @@ def gigabytes(count: float) -> str:
     return f"{count / 1e12:.1f} TB" if count >= 1e12 else f"{count / 1e9:.1f} GB"
 
 
-def check_image_fits(decoder_folder: Union[str, os.PathLike], width: int, height: int, provider: str,
-                     batch_size: int = 1, multiple: int = 8, device_id: int = 0,
-                     argument: str = "height and width") -> None:
+def check_image_fits(
+    decoder_folder: Union[str, os.PathLike],
+    width: int,
+    height: int,
+    provider: str,
+    batch_size: int = 1,
+    multiple: int = 8,
+    device_id: int = 0,
+    argument: str = "height and width",
+) -> None:
     """Refuses ``width`` × ``height`` (× ``batch_size`` images decoded at once) where the decoder's full-resolution
     activations alone (:func:`full_resolution_channels`, float16) exceed the memory :func:`available_memory` reports,
     naming the largest size of the same aspect ratio (in steps of ``multiple``) that the bound admits. Nothing is
@@ -78,6 +85,9 @@ def check_image_fits(decoder_folder: Union[str, os.PathLike], width: int, height
     fit_width = max(multiple, int(width * scale) // multiple * multiple)
     fit_height = max(multiple, int(height * scale) // multiple * multiple)
     images = f" × {batch_size} images" if batch_size > 1 else ""
-    raise ArgumentError(argument, f"{width}×{height}{images} needs at least {gigabytes(need)} for the VAE decoder's "
-                                  f"full-resolution activations alone, more than {gigabytes(free)}, {where}; at most "
-                                  f"about {fit_width}×{fit_height} fits that bound")
+    raise ArgumentError(
+        argument,
+        f"{width}×{height}{images} needs at least {gigabytes(need)} for the VAE decoder's "
+        f"full-resolution activations alone, more than {gigabytes(free)}, {where}; at most "
+        f"about {fit_width}×{fit_height} fits that bound",
+    )

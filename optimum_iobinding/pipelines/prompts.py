@@ -48,11 +48,14 @@ def as_list(texts: Prompt, count: int) -> List[str]:
 def clip_skip_layer(outputs: Dict[str, torch.Tensor], clip_skip: Optional[int]) -> torch.Tensor:
     """A CLIP export's penultimate hidden states (``hidden_states.N-1``), or ``clip_skip`` layers earlier, as
     diffusers takes ``hidden_states[-(clip_skip + 2)]``; refused by name when the export has no hidden states."""
-    layers = sorted((name for name in outputs if name.startswith("hidden_states.")),
-                    key=lambda name: int(name.split(".")[1]))
+    layers = sorted(
+        (name for name in outputs if name.startswith("hidden_states.")), key=lambda name: int(name.split(".")[1])
+    )
     if len(layers) < 2:
-        raise ValueError(f"text encoder outputs: expected hidden_states.0 … hidden_states.N (an export with "
-                         f"output_hidden_states), got {list(outputs)}")
+        raise ValueError(
+            f"text encoder outputs: expected hidden_states.0 … hidden_states.N (an export with "
+            f"output_hidden_states), got {list(outputs)}"
+        )
     if clip_skip is not None and (not is_integer(clip_skip) or not 0 <= clip_skip <= len(layers) - 2):
         raise ArgumentError("clip_skip", f"expected None or an integer in [0, {len(layers) - 2}], got {clip_skip!r}")
     return outputs[layers[len(layers) - 2 - (clip_skip or 0)]]
@@ -74,12 +77,20 @@ class PromptEncoder:
         dtype = encoder.input_dtypes["input_ids"]
         return upload(as_checked_tensor("input_ids", torch.from_numpy(ids), dtype).to(dtype), self.device)
 
-    def run(self, tokenizer: Any, encoder: IOBindingORTModel, texts: List[str], max_length: int, why: str,
-            **tokenizer_kwargs: Any) -> Dict[str, torch.Tensor]:
+    def run(
+        self,
+        tokenizer: Any,
+        encoder: IOBindingORTModel,
+        texts: List[str],
+        max_length: int,
+        why: str,
+        **tokenizer_kwargs: Any,
+    ) -> Dict[str, torch.Tensor]:
         """``texts`` through ``tokenizer`` (padded to ``max_length``, truncated with diffusers' warning) and
         ``encoder``: its outputs by name (reused buffers: copy what is kept)."""
-        ids = tokenizer(texts, padding="max_length", max_length=max_length, truncation=True, return_tensors="np",
-                        **tokenizer_kwargs).input_ids
+        ids = tokenizer(
+            texts, padding="max_length", max_length=max_length, truncation=True, return_tensors="np", **tokenizer_kwargs
+        ).input_ids
         warn_truncated(tokenizer, texts, max_length, why)
         return dict(zip(encoder.output_names, encoder(input_ids=self.token_ids(encoder, ids))))
 
@@ -136,10 +147,14 @@ class CLIPPairPrompt(PromptEncoder):
             outputs = encoder.output_names
             layers = [output for output in outputs if output.startswith("hidden_states.")]
             if len(layers) < 2 or (name == "text_encoder_2" and "text_embeds" not in outputs):
-                needs = "hidden_states.0 … hidden_states.N" + (" and text_embeds (CLIPTextModelWithProjection)"
-                                                                if name == "text_encoder_2" else "")
-                raise ArgumentError(name, f"expected an SDXL text encoder with outputs {needs} (exported with "
-                                          f"output_hidden_states), got outputs {outputs} in {encoder.model_path!r}")
+                needs = "hidden_states.0 … hidden_states.N" + (
+                    " and text_embeds (CLIPTextModelWithProjection)" if name == "text_encoder_2" else ""
+                )
+                raise ArgumentError(
+                    name,
+                    f"expected an SDXL text encoder with outputs {needs} (exported with "
+                    f"output_hidden_states), got outputs {outputs} in {encoder.model_path!r}",
+                )
 
     def encode(
         self,
@@ -162,8 +177,9 @@ class CLIPPairPrompt(PromptEncoder):
             prompt_2 = prompt if prompt_2 is None else as_list(prompt_2, len(prompt))
             prompt_embeds, pooled_prompt_embeds = self.encode_text(prompt, prompt_2, clip_skip)
         elif pooled_prompt_embeds is None:
-            raise ArgumentError("pooled_prompt_embeds", "expected them with prompt_embeds (SDXL's UNet takes both), "
-                                                        "got None")
+            raise ArgumentError(
+                "pooled_prompt_embeds", "expected them with prompt_embeds (SDXL's UNet takes both), got None"
+            )
         prompt_embeds = tensor_of(prompt_embeds).to(self.device)
         pooled_prompt_embeds = tensor_of(pooled_prompt_embeds).to(self.device)
         batch_size = prompt_embeds.shape[0]
@@ -175,7 +191,8 @@ class CLIPPairPrompt(PromptEncoder):
                 negative_prompt = negative_prompt or ""
                 negative_prompt_2 = negative_prompt_2 or negative_prompt
                 negative_prompt_embeds, negative_pooled_prompt_embeds = self.encode_text(
-                    as_list(negative_prompt, batch_size), as_list(negative_prompt_2, batch_size), clip_skip=None)
+                    as_list(negative_prompt, batch_size), as_list(negative_prompt_2, batch_size), clip_skip=None
+                )
         elif do_classifier_free_guidance and negative_pooled_prompt_embeds is None:
             raise ArgumentError("negative_pooled_prompt_embeds", "expected them with negative_prompt_embeds, got None")
 
@@ -183,11 +200,14 @@ class CLIPPairPrompt(PromptEncoder):
         pooled_prompt_embeds = self.repeated(pooled_prompt_embeds, num_images_per_prompt)
         if not do_classifier_free_guidance:
             return prompt_embeds, pooled_prompt_embeds
-        return (torch.cat([self.repeated(negative_prompt_embeds, num_images_per_prompt), prompt_embeds]),
-                torch.cat([self.repeated(negative_pooled_prompt_embeds, num_images_per_prompt), pooled_prompt_embeds]))
+        return (
+            torch.cat([self.repeated(negative_prompt_embeds, num_images_per_prompt), prompt_embeds]),
+            torch.cat([self.repeated(negative_pooled_prompt_embeds, num_images_per_prompt), pooled_prompt_embeds]),
+        )
 
-    def encode_text(self, prompt: List[str], prompt_2: List[str],
-                    clip_skip: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    def encode_text(
+        self, prompt: List[str], prompt_2: List[str], clip_skip: Optional[int]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         if len(prompt) != len(prompt_2):
             raise ArgumentError("prompt_2", f"expected {len(prompt)} prompts like prompt, got {len(prompt_2)}")
         pipe = self.pipe
@@ -196,14 +216,17 @@ class CLIPPairPrompt(PromptEncoder):
         for text, tokenizer, encoder in pairs:
             if encoder is None:
                 continue
-            ids = tokenizer(text, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                            return_tensors="np").input_ids
+            ids = tokenizer(
+                text, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="np"
+            ).input_ids
             outputs = dict(zip(encoder.output_names, encoder(input_ids=self.token_ids(encoder, ids))))
             hidden_states.append(clip_skip_layer(outputs, clip_skip).clone())
             if pooled is None and "text_embeds" in outputs:
                 pooled = outputs["text_embeds"].clone()
         if pooled is None:
-            raise ArgumentError("text_encoder_2", "expected a text_embeds output (CLIPTextModelWithProjection), got none")
+            raise ArgumentError(
+                "text_encoder_2", "expected a text_embeds output (CLIPTextModelWithProjection), got none"
+            )
         return torch.cat(hidden_states, dim=-1), pooled
 
 
@@ -215,8 +238,14 @@ class T5Prompt(PromptEncoder):
 
     def t5_states(self, texts: List[str], max_sequence_length: int) -> torch.Tensor:
         encoder = getattr(self.pipe, self.t5_encoder)
-        outputs = self.run(getattr(self.pipe, self.t5_tokenizer), encoder, texts, max_sequence_length, T5_LIMIT,
-                           add_special_tokens=True)
+        outputs = self.run(
+            getattr(self.pipe, self.t5_tokenizer),
+            encoder,
+            texts,
+            max_sequence_length,
+            T5_LIMIT,
+            add_special_tokens=True,
+        )
         return outputs["last_hidden_state"].clone()
 
 
@@ -233,18 +262,26 @@ class SD3Prompt(T5Prompt):
             outputs = encoder.output_names
             layers = [output for output in outputs if output.startswith("hidden_states.")]
             if encoder.input_names != ["input_ids"] or "text_embeds" not in outputs or len(layers) < 2:
-                raise ArgumentError(name, f"expected a CLIPTextModelWithProjection export taking input_ids, with "
-                                          f"outputs text_embeds and hidden_states.0 … hidden_states.N, got inputs "
-                                          f"{encoder.input_names} and outputs {outputs} in {encoder.model_path!r}")
+                raise ArgumentError(
+                    name,
+                    f"expected a CLIPTextModelWithProjection export taking input_ids, with "
+                    f"outputs text_embeds and hidden_states.0 … hidden_states.N, got inputs "
+                    f"{encoder.input_names} and outputs {outputs} in {encoder.model_path!r}",
+                )
         encoder = self.pipe.text_encoder_3
         if encoder is not None:
             if encoder.input_names != ["input_ids"] or "last_hidden_state" not in encoder.output_names:
-                raise ArgumentError("text_encoder_3", f"expected a T5 encoder export (input_ids → last_hidden_state), got "
-                                 f"inputs {encoder.input_names} and outputs {encoder.output_names} in "
-                                 f"{encoder.model_path!r}")
+                raise ArgumentError(
+                    "text_encoder_3",
+                    f"expected a T5 encoder export (input_ids → last_hidden_state), got "
+                    f"inputs {encoder.input_names} and outputs {encoder.output_names} in "
+                    f"{encoder.model_path!r}",
+                )
             if self.pipe.tokenizer_3 is None:
-                raise ArgumentError("tokenizer_3", "expected the T5 tokenizer with text_encoder_3, got None (the folder has "
-                                                   "no tokenizer_3/)")
+                raise ArgumentError(
+                    "tokenizer_3",
+                    "expected the T5 tokenizer with text_encoder_3, got None (the folder has no tokenizer_3/)",
+                )
 
     def encode(
         self,
@@ -269,28 +306,34 @@ class SD3Prompt(T5Prompt):
         if prompt_embeds is None:
             prompt = [prompt] if isinstance(prompt, str) else prompt
             prompt_embeds, pooled_prompt_embeds = self.encode_text(
-                prompt, prompt_2 or prompt, prompt_3 or prompt, clip_skip, max_sequence_length)
+                prompt, prompt_2 or prompt, prompt_3 or prompt, clip_skip, max_sequence_length
+            )
         batch_size = prompt_embeds.shape[0]
         if do_classifier_free_guidance and negative_prompt_embeds is None:
             negative_prompt = negative_prompt or ""
             negatives = [negative_prompt, negative_prompt_2 or negative_prompt, negative_prompt_3 or negative_prompt]
             negatives = [batch_size * [text] if isinstance(text, str) else text for text in negatives]
             if len(negatives[0]) != batch_size:
-                raise ArgumentError("negative_prompt", f"expected {batch_size} prompts (as many as prompt), got "
-                                                       f"{len(negatives[0])}")
+                raise ArgumentError(
+                    "negative_prompt", f"expected {batch_size} prompts (as many as prompt), got {len(negatives[0])}"
+                )
             negative_prompt_embeds, negative_pooled_prompt_embeds = self.encode_text(
-                *negatives, clip_skip=None, max_sequence_length=max_sequence_length)
+                *negatives, clip_skip=None, max_sequence_length=max_sequence_length
+            )
         dtypes = self.pipe.denoiser.model.input_dtypes
         dtype, pooled_dtype = dtypes["encoder_hidden_states"], dtypes["pooled_projections"]
         prompt_embeds = self.repeated(prompt_embeds, num_images_per_prompt, dtype)
         pooled = self.repeated(pooled_prompt_embeds, num_images_per_prompt, pooled_dtype)
         if not do_classifier_free_guidance:
             return prompt_embeds, pooled
-        return (torch.cat([self.repeated(negative_prompt_embeds, num_images_per_prompt, dtype), prompt_embeds]),
-                torch.cat([self.repeated(negative_pooled_prompt_embeds, num_images_per_prompt, pooled_dtype), pooled]))
+        return (
+            torch.cat([self.repeated(negative_prompt_embeds, num_images_per_prompt, dtype), prompt_embeds]),
+            torch.cat([self.repeated(negative_pooled_prompt_embeds, num_images_per_prompt, pooled_dtype), pooled]),
+        )
 
-    def encode_text(self, prompt: List[str], prompt_2: Prompt, prompt_3: Prompt, clip_skip: Optional[int],
-                    max_sequence_length: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def encode_text(
+        self, prompt: List[str], prompt_2: Prompt, prompt_3: Prompt, clip_skip: Optional[int], max_sequence_length: int
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         prompt_2, prompt_3 = as_list(prompt_2, len(prompt)), as_list(prompt_3, len(prompt))
         for name, texts in (("prompt_2", prompt_2), ("prompt_3", prompt_3)):
             if len(texts) != len(prompt):
@@ -303,8 +346,9 @@ class SD3Prompt(T5Prompt):
         clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))  # to T5's width
         return torch.cat([clip.to(t5.dtype), t5], dim=-2), torch.cat([pooled_1, pooled_2.to(pooled_1.dtype)], dim=-1)
 
-    def clip_embeds(self, texts: List[str], tokenizer: Any, encoder: IOBindingORTModel,
-                    clip_skip: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    def clip_embeds(
+        self, texts: List[str], tokenizer: Any, encoder: IOBindingORTModel, clip_skip: Optional[int]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """One CLIP's penultimate (``clip_skip``: earlier) hidden states and pooled projection, copied out of the
         encoder's reused output buffers."""
         outputs = self.run(tokenizer, encoder, texts, tokenizer.model_max_length, CLIP_LIMIT)
@@ -315,8 +359,13 @@ class SD3Prompt(T5Prompt):
         T5 (diffusers' ``text_encoder_3=None``)."""
         if self.pipe.text_encoder_3 is None:
             denoiser = self.pipe.denoiser
-            return torch.zeros(len(texts), max_sequence_length, denoiser.joint_attention_dim, device=self.device,
-                               dtype=denoiser.model.input_dtypes["encoder_hidden_states"])
+            return torch.zeros(
+                len(texts),
+                max_sequence_length,
+                denoiser.joint_attention_dim,
+                device=self.device,
+                dtype=denoiser.model.input_dtypes["encoder_hidden_states"],
+            )
         return self.t5_states(texts, max_sequence_length)
 
 
@@ -330,8 +379,11 @@ class FluxPrompt(T5Prompt):
             encoder = getattr(self.pipe, name)
             if output not in encoder.output_names:
                 what = "a CLIP text encoder with its pooled output" if name == "text_encoder" else "a T5 encoder"
-                raise ArgumentError(name, f"expected {what} (output {output!r}), got outputs {encoder.output_names} in "
-                                          f"{encoder.model_path!r}")
+                raise ArgumentError(
+                    name,
+                    f"expected {what} (output {output!r}), got outputs {encoder.output_names} in "
+                    f"{encoder.model_path!r}",
+                )
 
     def encode(
         self,
@@ -349,12 +401,12 @@ class FluxPrompt(T5Prompt):
             prompt = [prompt] if isinstance(prompt, str) else prompt
             prompt_2 = prompt if prompt_2 is None else as_list(prompt_2, len(prompt))
             pipe = self.pipe
-            pooled_prompt_embeds = self.run(pipe.tokenizer, pipe.text_encoder, prompt, pipe.tokenizer.model_max_length,
-                                            CLIP_LIMIT)["pooler_output"].clone()
+            pooled_prompt_embeds = self.run(
+                pipe.tokenizer, pipe.text_encoder, prompt, pipe.tokenizer.model_max_length, CLIP_LIMIT
+            )["pooler_output"].clone()
             prompt_embeds = self.t5_states(prompt_2, max_sequence_length)
         dtypes = self.pipe.denoiser.model.input_dtypes
         prompt_embeds = self.repeated(prompt_embeds, num_images_per_prompt, dtypes["encoder_hidden_states"])
-        pooled_prompt_embeds = self.repeated(pooled_prompt_embeds, num_images_per_prompt,
-                                             dtypes["pooled_projections"])
+        pooled_prompt_embeds = self.repeated(pooled_prompt_embeds, num_images_per_prompt, dtypes["pooled_projections"])
         text_ids = torch.zeros(prompt_embeds.shape[1], 3, dtype=dtypes["txt_ids"])
         return prompt_embeds, pooled_prompt_embeds, upload(text_ids, self.device)

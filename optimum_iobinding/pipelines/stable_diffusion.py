@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Optional
 
 
-
 from .arguments import Embeds, Generator, Latents, Prompt, StepCallback, StepEndCallback, TensorNames
 from .clip_unet import ClipUNetPipeline
 from .core import on_device_stream
@@ -26,17 +25,23 @@ class OnnxStableDiffusionPipeline(ClipUNetPipeline):
     def __call__(
         self,
         prompt: Prompt = None,
-        height: Optional[int] = 512, width: Optional[int] = 512,
+        height: Optional[int] = 512,
+        width: Optional[int] = 512,
         num_inference_steps: int = 50,
         guidance_scale: float = 7.5,
         negative_prompt: Prompt = None,
         num_images_per_prompt: int = 1,
-        eta: float = 0.0, generator: Generator = None,
+        eta: float = 0.0,
+        generator: Generator = None,
         latents: Latents = None,
-        prompt_embeds: Embeds = None, negative_prompt_embeds: Embeds = None,
-        output_type: str = "pil", return_dict: bool = True,
-        callback: StepCallback = None, callback_steps: int = 1,
-        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        prompt_embeds: Embeds = None,
+        negative_prompt_embeds: Embeds = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        callback: StepCallback = None,
+        callback_steps: int = 1,
+        callback_on_step_end: StepEndCallback = None,
+        callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
     ):
         """Generates images from text, with the arguments of diffusers' ``OnnxStableDiffusionPipeline``.
 
@@ -52,19 +57,39 @@ class OnnxStableDiffusionPipeline(ClipUNetPipeline):
         height = self.default_image_size if height is None else height
         width = self.default_image_size if width is None else width
         prompt_embeds, batch_size = self.checked_text_embeddings(
-            prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, height, width, num_inference_steps,
-            guidance_scale, num_images_per_prompt, output_type, callback_steps, None, callback_on_step_end,
-            callback_on_step_end_tensor_inputs)
+            prompt,
+            negative_prompt,
+            prompt_embeds,
+            negative_prompt_embeds,
+            height,
+            width,
+            num_inference_steps,
+            guidance_scale,
+            num_images_per_prompt,
+            output_type,
+            callback_steps,
+            None,
+            callback_on_step_end,
+            callback_on_step_end_tensor_inputs,
+        )
 
         # 3. timesteps and initial noise
         timesteps = self.set_timesteps(num_inference_steps)
-        latents = self.initial_noise(batch_size * num_images_per_prompt, height, width, prompt_embeds.dtype,
-                                     generator, latents)
+        latents = self.initial_noise(
+            batch_size * num_images_per_prompt, height, width, prompt_embeds.dtype, generator, latents
+        )
 
         # 4. denoising loop: every tensor stays on self.device
         latents = self.denoiser.loop(
-            latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
-            callback, callback_steps, callback_on_step_end, callback_on_step_end_tensor_inputs,
+            latents,
+            timesteps,
+            prompt_embeds,
+            guidance_scale,
+            self.scheduler_step_kwargs(generator, eta),
+            callback,
+            callback_steps,
+            callback_on_step_end,
+            callback_on_step_end_tensor_inputs,
         )
 
         # 5. decode: only now does anything leave the device

@@ -14,7 +14,7 @@ from diffusers.pipelines.stable_diffusion_3 import StableDiffusion3PipelineOutpu
 
 from ..errors import ArgumentError
 from ..layout import write_transformer_model_index
-from .arguments import (Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames, check_sequence_length, is_real)
+from .arguments import Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames, check_sequence_length, is_real
 from .components import VAE_COMPONENTS, onnx, tokenizer
 from .core import OnnxDiffusionPipeline, VaeConstants, Warmup, on_device_stream
 from .denoisers import MMDiTDenoiser
@@ -22,10 +22,16 @@ from .loop import check_callback_arguments
 from .prompts import SD3Prompt
 
 # optimum's SD3 folder (a T5-less export leaves text_encoder_3 out; T5's length is the call's max_sequence_length)
-SD3_COMPONENTS = (onnx("text_encoder"), onnx("text_encoder_2"), onnx("text_encoder_3", optional=True),
-                  tokenizer("tokenizer"), tokenizer("tokenizer_2"),
-                  tokenizer("tokenizer_3", optional=True, fixed_length=False),
-                  onnx("transformer"), *VAE_COMPONENTS)
+SD3_COMPONENTS = (
+    onnx("text_encoder"),
+    onnx("text_encoder_2"),
+    onnx("text_encoder_3", optional=True),
+    tokenizer("tokenizer"),
+    tokenizer("tokenizer_2"),
+    tokenizer("tokenizer_3", optional=True, fixed_length=False),
+    onnx("transformer"),
+    *VAE_COMPONENTS,
+)
 # diffusers' limit on the T5 sequence (its check_inputs refuses more)
 MAX_SEQUENCE_LENGTH = 512
 # SD3's VAE latent scaling (SD3 and SD3.5 share the VAE), for a folder whose vae_decoder config.json names none
@@ -66,59 +72,72 @@ class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
         """What SD3 adds to :meth:`check_inputs`, refused before any work: the second and third prompts (a str or a
         list of str, one per prompt), the pooled embeddings (``(batch, width)`` of the transformer's
         ``pooled_projections``, with their hidden states), ``max_sequence_length`` and the callback's tensors."""
-        check_callback_arguments(callback_on_step_end, callback_on_step_end_tensor_inputs,
-                                 self.denoiser.callback_tensor_inputs)
+        check_callback_arguments(
+            callback_on_step_end, callback_on_step_end_tensor_inputs, self.denoiser.callback_tensor_inputs
+        )
         check_sequence_length(max_sequence_length, MAX_SEQUENCE_LENGTH)
-        prompts = self.batch_size_of(prompt, prompt_embeds) if prompt is not None or prompt_embeds is not None \
-            else None
+        prompts = self.batch_size_of(prompt, prompt_embeds) if prompt is not None or prompt_embeds is not None else None
         for name, texts, rival, rival_name in (
-                ("prompt_2", prompt_2, prompt_embeds, "prompt_embeds"),
-                ("prompt_3", prompt_3, prompt_embeds, "prompt_embeds"),
-                ("negative_prompt_2", negative_prompt_2, negative_prompt_embeds, "negative_prompt_embeds"),
-                ("negative_prompt_3", negative_prompt_3, negative_prompt_embeds, "negative_prompt_embeds")):
+            ("prompt_2", prompt_2, prompt_embeds, "prompt_embeds"),
+            ("prompt_3", prompt_3, prompt_embeds, "prompt_embeds"),
+            ("negative_prompt_2", negative_prompt_2, negative_prompt_embeds, "negative_prompt_embeds"),
+            ("negative_prompt_3", negative_prompt_3, negative_prompt_embeds, "negative_prompt_embeds"),
+        ):
             if texts is None:
                 continue
             if rival is not None:
                 raise ValueError(f"{name} and {rival_name}: expected at most one of them, got both")
             self.check_texts(name, texts, prompts, broadcast=True)
         if prompt_embeds is not None and pooled_prompt_embeds is None:
-            raise ArgumentError("pooled_prompt_embeds", "expected them with prompt_embeds (SD3's transformer takes both), "
-                                                        "got None")
+            raise ArgumentError(
+                "pooled_prompt_embeds", "expected them with prompt_embeds (SD3's transformer takes both), got None"
+            )
         if negative_prompt_embeds is not None and negative_pooled_prompt_embeds is None:
             raise ArgumentError("negative_pooled_prompt_embeds", "expected them with negative_prompt_embeds, got None")
-        for name, pooled, embeds in (("pooled_prompt_embeds", pooled_prompt_embeds, prompt_embeds),
-                                     ("negative_pooled_prompt_embeds", negative_pooled_prompt_embeds,
-                                      negative_prompt_embeds)):
+        for name, pooled, embeds in (
+            ("pooled_prompt_embeds", pooled_prompt_embeds, prompt_embeds),
+            ("negative_pooled_prompt_embeds", negative_pooled_prompt_embeds, negative_prompt_embeds),
+        ):
             if pooled is None:
                 continue
             if embeds is None:
                 raise ArgumentError(name, f"expected it with {name.replace('pooled_', '')}, got it alone")
             self.check_embeds(name, pooled, 2, "(batch, width)", "pooled_projections")
             if pooled.shape[0] != embeds.shape[0]:
-                raise ArgumentError(name, f"expected {embeds.shape[0]} rows like {name.replace('pooled_', '')}, got "
-                                          f"shape {tuple(pooled.shape)}")
+                raise ArgumentError(
+                    name,
+                    f"expected {embeds.shape[0]} rows like {name.replace('pooled_', '')}, got "
+                    f"shape {tuple(pooled.shape)}",
+                )
 
     # ------------------------------------------------------------------------------------------------ prompts
     @on_device_stream
     def __call__(
         self,
-        prompt: Prompt = None, prompt_2: Prompt = None,
+        prompt: Prompt = None,
+        prompt_2: Prompt = None,
         prompt_3: Prompt = None,
-        height: Optional[int] = None, width: Optional[int] = None,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
         num_inference_steps: int = 28,
         sigmas: Optional[List[float]] = None,
         guidance_scale: float = 7.0,
-        negative_prompt: Prompt = None, negative_prompt_2: Prompt = None,
+        negative_prompt: Prompt = None,
+        negative_prompt_2: Prompt = None,
         negative_prompt_3: Prompt = None,
         num_images_per_prompt: int = 1,
         generator: Generator = None,
         latents: Latents = None,
-        prompt_embeds: Embeds = None, negative_prompt_embeds: Embeds = None,
-        pooled_prompt_embeds: Embeds = None, negative_pooled_prompt_embeds: Embeds = None,
-        output_type: str = "pil", return_dict: bool = True,
+        prompt_embeds: Embeds = None,
+        negative_prompt_embeds: Embeds = None,
+        pooled_prompt_embeds: Embeds = None,
+        negative_pooled_prompt_embeds: Embeds = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
         joint_attention_kwargs: Optional[Dict[str, Any]] = None,
         clip_skip: Optional[int] = None,
-        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        callback_on_step_end: StepEndCallback = None,
+        callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
         max_sequence_length: int = 256,
         skip_guidance_layers: Optional[List[int]] = None,
         mu: Optional[float] = None,
@@ -135,45 +154,91 @@ class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
             ``StableDiffusion3PipelineOutput(images)``, or a tuple without return_dict.
         """
         if skip_guidance_layers is not None:
-            raise ArgumentError("skip_guidance_layers", "expected None, got "
-                             f"{skip_guidance_layers!r}; an exported transformer cannot leave out layers")
+            raise ArgumentError(
+                "skip_guidance_layers",
+                f"expected None, got {skip_guidance_layers!r}; an exported transformer cannot leave out layers",
+            )
         if joint_attention_kwargs is not None:
-            raise ArgumentError("joint_attention_kwargs", f"expected None (an ONNX transformer takes no attention "
-                                                          f"arguments), got {joint_attention_kwargs!r}")
-        if sigmas is not None and (not isinstance(sigmas, (list, tuple, np.ndarray)) or len(sigmas) == 0 or
-                                   not all(is_real(s) and math.isfinite(s) for s in sigmas)):
+            raise ArgumentError(
+                "joint_attention_kwargs",
+                f"expected None (an ONNX transformer takes no attention arguments), got {joint_attention_kwargs!r}",
+            )
+        if sigmas is not None and (
+            not isinstance(sigmas, (list, tuple, np.ndarray))
+            or len(sigmas) == 0
+            or not all(is_real(s) and math.isfinite(s) for s in sigmas)
+        ):
             raise ArgumentError("sigmas", f"expected a non-empty list of finite numbers, got {sigmas!r}")
         if mu is not None and (not is_real(mu) or not math.isfinite(mu)):
             raise ArgumentError("mu", f"expected a finite number, got {mu!r}")
         height = self.default_image_size if height is None else height
         width = self.default_image_size if width is None else width
-        self.check_inputs_sd3(prompt, prompt_2, prompt_3, negative_prompt_2, negative_prompt_3, prompt_embeds,
-                              negative_prompt_embeds, pooled_prompt_embeds, negative_pooled_prompt_embeds,
-                              max_sequence_length, callback_on_step_end, callback_on_step_end_tensor_inputs)
-        self.check_inputs(prompt, height, width, num_inference_steps if sigmas is None else len(sigmas), None,
-                          negative_prompt, prompt_embeds, negative_prompt_embeds, output_type,
-                          guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt,
-                          callback_on_step_end=callback_on_step_end)
+        self.check_inputs_sd3(
+            prompt,
+            prompt_2,
+            prompt_3,
+            negative_prompt_2,
+            negative_prompt_3,
+            prompt_embeds,
+            negative_prompt_embeds,
+            pooled_prompt_embeds,
+            negative_pooled_prompt_embeds,
+            max_sequence_length,
+            callback_on_step_end,
+            callback_on_step_end_tensor_inputs,
+        )
+        self.check_inputs(
+            prompt,
+            height,
+            width,
+            num_inference_steps if sigmas is None else len(sigmas),
+            None,
+            negative_prompt,
+            prompt_embeds,
+            negative_prompt_embeds,
+            output_type,
+            guidance_scale=guidance_scale,
+            num_images_per_prompt=num_images_per_prompt,
+            callback_on_step_end=callback_on_step_end,
+        )
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
 
         # 1. text: both CLIPs' penultimate states and T5's, both CLIPs' pooled projections
         prompt_embeds, pooled = self.encode_prompt(
-            prompt, prompt_2, prompt_3, num_images_per_prompt, do_classifier_free_guidance, negative_prompt,
-            negative_prompt_2, negative_prompt_3, prompt_embeds, negative_prompt_embeds, pooled_prompt_embeds,
-            negative_pooled_prompt_embeds, clip_skip, max_sequence_length)
+            prompt,
+            prompt_2,
+            prompt_3,
+            num_images_per_prompt,
+            do_classifier_free_guidance,
+            negative_prompt,
+            negative_prompt_2,
+            negative_prompt_3,
+            prompt_embeds,
+            negative_prompt_embeds,
+            pooled_prompt_embeds,
+            negative_pooled_prompt_embeds,
+            clip_skip,
+            max_sequence_length,
+        )
 
         # 2. initial noise and the flow-matching schedule
         rows = batch_size * num_images_per_prompt
         latent_height, latent_width = height // self.vae_scale_factor, width // self.vae_scale_factor
         latents_shape = (rows, self.latent_channels, latent_height, latent_width)
-        latents = self.prepare_latents(latents_shape, self.transformer.input_dtypes["hidden_states"], generator,
-                                       latents)
+        latents = self.prepare_latents(
+            latents_shape, self.transformer.input_dtypes["hidden_states"], generator, latents
+        )
         timesteps = self.denoiser.timesteps(num_inference_steps, sigmas, mu, latent_height, latent_width)
 
         # 3. denoising loop on the device
         latents = self.denoiser.loop(
-            latents, timesteps, prompt_embeds, pooled, guidance_scale, self.scheduler_step_kwargs(generator, 0.0),
+            latents,
+            timesteps,
+            prompt_embeds,
+            pooled,
+            guidance_scale,
+            self.scheduler_step_kwargs(generator, 0.0),
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )
@@ -200,13 +265,20 @@ class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
                 class_name = "T5TokenizerFast"  # the name transformers 4 and 5 both load from tokenizer.json
             return ("transformers", class_name)
 
-        write_transformer_model_index(target, "StableDiffusion3Pipeline", {
-            "scheduler": ("diffusers", type(self.scheduler).__name__),
-            "transformer": ("diffusers", "SD3Transformer2DModel"),
-            "vae": ("diffusers", "AutoencoderKL"),
-            "text_encoder": module("text_encoder", "transformers", "CLIPTextModelWithProjection"),
-            "text_encoder_2": module("text_encoder_2", "transformers", "CLIPTextModelWithProjection"),
-            "text_encoder_3": module("text_encoder_3", "transformers", "T5EncoderModel"),
-            "tokenizer": tokenizer("tokenizer"), "tokenizer_2": tokenizer("tokenizer_2"),
-            "tokenizer_3": tokenizer("tokenizer_3"), "image_encoder": None, "feature_extractor": None,
-        })
+        write_transformer_model_index(
+            target,
+            "StableDiffusion3Pipeline",
+            {
+                "scheduler": ("diffusers", type(self.scheduler).__name__),
+                "transformer": ("diffusers", "SD3Transformer2DModel"),
+                "vae": ("diffusers", "AutoencoderKL"),
+                "text_encoder": module("text_encoder", "transformers", "CLIPTextModelWithProjection"),
+                "text_encoder_2": module("text_encoder_2", "transformers", "CLIPTextModelWithProjection"),
+                "text_encoder_3": module("text_encoder_3", "transformers", "T5EncoderModel"),
+                "tokenizer": tokenizer("tokenizer"),
+                "tokenizer_2": tokenizer("tokenizer_2"),
+                "tokenizer_3": tokenizer("tokenizer_3"),
+                "image_encoder": None,
+                "feature_extractor": None,
+            },
+        )

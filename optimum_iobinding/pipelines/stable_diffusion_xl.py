@@ -23,11 +23,19 @@ from .lora import LoraLoaderMixin
 from .prompts import CLIPPairPrompt
 
 # optimum's SDXL folder (the refiner has no first text encoder)
-XL_COMPONENTS = (onnx("text_encoder", optional=True), onnx("text_encoder_2"), tokenizer("tokenizer", optional=True),
-                 tokenizer("tokenizer_2"), onnx("unet"), *VAE_COMPONENTS)
+XL_COMPONENTS = (
+    onnx("text_encoder", optional=True),
+    onnx("text_encoder_2"),
+    tokenizer("tokenizer", optional=True),
+    tokenizer("tokenizer_2"),
+    onnx("unet"),
+    *VAE_COMPONENTS,
+)
 # the diffusers pipeline each of ours mirrors: the class name a saved folder's model_index.json gives (optimum's way)
-_TORCH_CLASS_NAMES = {"OnnxStableDiffusionXLPipeline": "StableDiffusionXLPipeline",
-                      "OnnxStableDiffusionXLImg2ImgPipeline": "StableDiffusionXLImg2ImgPipeline"}
+_TORCH_CLASS_NAMES = {
+    "OnnxStableDiffusionXLPipeline": "StableDiffusionXLPipeline",
+    "OnnxStableDiffusionXLImg2ImgPipeline": "StableDiffusionXLImg2ImgPipeline",
+}
 
 
 class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
@@ -61,33 +69,43 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
         """What SDXL adds to :meth:`check_inputs`, refused before any work: the second prompts (a str or a list of
         str, one per prompt) and the pooled embeddings (``(batch, width)``, the width the UNet's ``text_embeds``
         declares, one row per row of the hidden states)."""
-        prompts = self.batch_size_of(prompt, prompt_embeds) if prompt is not None or prompt_embeds is not None \
-            else None
+        prompts = self.batch_size_of(prompt, prompt_embeds) if prompt is not None or prompt_embeds is not None else None
         if prompt_embeds is not None and pooled_prompt_embeds is None:
-            raise ArgumentError("pooled_prompt_embeds", "expected them with prompt_embeds (SDXL's UNet takes both), "
-                                                        "got None")
-        for name, texts, rival, rival_name in (("prompt_2", prompt_2, prompt_embeds, "prompt_embeds"),
-                                               ("negative_prompt_2", negative_prompt_2, negative_prompt_embeds,
-                                                "negative_prompt_embeds")):
+            raise ArgumentError(
+                "pooled_prompt_embeds", "expected them with prompt_embeds (SDXL's UNet takes both), got None"
+            )
+        for name, texts, rival, rival_name in (
+            ("prompt_2", prompt_2, prompt_embeds, "prompt_embeds"),
+            ("negative_prompt_2", negative_prompt_2, negative_prompt_embeds, "negative_prompt_embeds"),
+        ):
             if texts is None:
                 continue
             if rival is not None:
                 raise ValueError(f"{name} and {rival_name}: expected at most one of them, got both")
             # a single negative_prompt_2 goes with every prompt
             self.check_texts(name, texts, prompts, broadcast=name == "negative_prompt_2")
-        if isinstance(negative_prompt, list) and isinstance(negative_prompt_2, list) and \
-                len(negative_prompt) != len(negative_prompt_2):
-            raise ArgumentError("negative_prompt_2", f"expected {len(negative_prompt)} prompts (as many as "
-                                                     f"negative_prompt), got {len(negative_prompt_2)}")
-        for name, pooled, embeds in (("pooled_prompt_embeds", pooled_prompt_embeds, prompt_embeds),
-                                     ("negative_pooled_prompt_embeds", negative_pooled_prompt_embeds,
-                                      negative_prompt_embeds)):
+        if (
+            isinstance(negative_prompt, list)
+            and isinstance(negative_prompt_2, list)
+            and len(negative_prompt) != len(negative_prompt_2)
+        ):
+            raise ArgumentError(
+                "negative_prompt_2",
+                f"expected {len(negative_prompt)} prompts (as many as negative_prompt), got {len(negative_prompt_2)}",
+            )
+        for name, pooled, embeds in (
+            ("pooled_prompt_embeds", pooled_prompt_embeds, prompt_embeds),
+            ("negative_pooled_prompt_embeds", negative_pooled_prompt_embeds, negative_prompt_embeds),
+        ):
             if pooled is None:
                 continue
             self.check_embeds(name, pooled, 2, "(batch, width)", "text_embeds")
             if embeds is not None and pooled.shape[0] != embeds.shape[0]:
-                raise ArgumentError(name, f"expected {embeds.shape[0]} rows like {name.replace('pooled_', '')}, got "
-                                          f"shape {tuple(pooled.shape)}")
+                raise ArgumentError(
+                    name,
+                    f"expected {embeds.shape[0]} rows like {name.replace('pooled_', '')}, got "
+                    f"shape {tuple(pooled.shape)}",
+                )
             if embeds is None:
                 raise ArgumentError(name, f"expected it with {name.replace('pooled_', '')}, got it alone")
 
@@ -102,10 +120,16 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
     ) -> torch.Tensor:
         """SDXL's micro-conditioning: original size, crop corner, then target size (base) or aesthetic score
         (refiner, ``requires_aesthetics_score``), as one row."""
-        for name, pair in (("original_size", original_size), ("crops_coords_top_left", crops_coords_top_left),
-                           ("target_size", target_size)):
-            if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pair):
+        for name, pair in (
+            ("original_size", original_size),
+            ("crops_coords_top_left", crops_coords_top_left),
+            ("target_size", target_size),
+        ):
+            if (
+                not isinstance(pair, (tuple, list))
+                or len(pair) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pair)
+            ):
                 raise ArgumentError(name, f"expected (height, width): two numbers, got {pair!r}")
         if not isinstance(aesthetic_score, (int, float)) or not math.isfinite(aesthetic_score):
             raise ArgumentError("aesthetic_score", f"expected a finite number, got {aesthetic_score!r}")
@@ -114,10 +138,12 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
         else:
             values = list(original_size) + list(crops_coords_top_left) + list(target_size)
         if self.time_ids_length is not None and len(values) != self.time_ids_length:
-            hint = ("set requires_aesthetics_score" if self.time_ids_length == 5 else
-                    "unset requires_aesthetics_score") + " in model_index.json"
-            raise ValueError(f"unet time_ids: the UNet takes {self.time_ids_length} values, the pipeline makes "
-                             f"{len(values)}: {hint}")
+            hint = (
+                "set requires_aesthetics_score" if self.time_ids_length == 5 else "unset requires_aesthetics_score"
+            ) + " in model_index.json"
+            raise ValueError(
+                f"unet time_ids: the UNet takes {self.time_ids_length} values, the pipeline makes {len(values)}: {hint}"
+            )
         return torch.tensor([values], dtype=dtype)
 
     def unet_conditioning(
@@ -130,18 +156,24 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
     ) -> Dict[str, torch.Tensor]:
         """``text_embeds`` and ``time_ids`` for every UNet row, on the device, made once before the loop."""
         positive = add_time_ids.repeat(rows, 1)
-        time_ids = torch.cat([negative_time_ids.repeat(rows, 1), positive]) if do_classifier_free_guidance \
-            else positive
+        time_ids = torch.cat([negative_time_ids.repeat(rows, 1), positive]) if do_classifier_free_guidance else positive
         return {"text_embeds": pooled, "time_ids": time_ids.to(self.device)}
 
     def write_model_index(self, target: Path, written: List[str]) -> None:
-        modules = {"text_encoder": "CLIPTextModel" if "text_encoder" in written else None,
-                   "text_encoder_2": "CLIPTextModelWithProjection"}
+        modules = {
+            "text_encoder": "CLIPTextModel" if "text_encoder" in written else None,
+            "text_encoder_2": "CLIPTextModelWithProjection",
+        }
         for name in ("tokenizer", "tokenizer_2"):
             modules[name] = type(getattr(self, name)).__name__ if getattr(self, name, None) is not None else None
-        write_xl_model_index(target, _TORCH_CLASS_NAMES.get(type(self).__name__, "StableDiffusionXLPipeline"),
-                             type(self.scheduler).__name__, modules, self.config.force_zeros_for_empty_prompt,
-                             self.config.requires_aesthetics_score)
+        write_xl_model_index(
+            target,
+            _TORCH_CLASS_NAMES.get(type(self).__name__, "StableDiffusionXLPipeline"),
+            type(self.scheduler).__name__,
+            modules,
+            self.config.force_zeros_for_empty_prompt,
+            self.config.requires_aesthetics_score,
+        )
 
 
 class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
@@ -153,17 +185,23 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
     @on_device_stream
     def __call__(
         self,
-        prompt: Prompt = None, prompt_2: Prompt = None,
+        prompt: Prompt = None,
+        prompt_2: Prompt = None,
         image: Union[PIL.Image.Image, np.ndarray, torch.Tensor, List[PIL.Image.Image], None] = None,
         strength: float = 0.3,
         num_inference_steps: int = 50,
         guidance_scale: float = 5.0,
-        negative_prompt: Prompt = None, negative_prompt_2: Prompt = None,
+        negative_prompt: Prompt = None,
+        negative_prompt_2: Prompt = None,
         num_images_per_prompt: int = 1,
-        eta: float = 0.0, generator: Generator = None,
-        prompt_embeds: Embeds = None, negative_prompt_embeds: Embeds = None,
-        pooled_prompt_embeds: Embeds = None, negative_pooled_prompt_embeds: Embeds = None,
-        output_type: str = "pil", return_dict: bool = True,
+        eta: float = 0.0,
+        generator: Generator = None,
+        prompt_embeds: Embeds = None,
+        negative_prompt_embeds: Embeds = None,
+        pooled_prompt_embeds: Embeds = None,
+        negative_pooled_prompt_embeds: Embeds = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
         guidance_rescale: float = 0.0,
         original_size: Optional[Tuple[int, int]] = None,
         crops_coords_top_left: Tuple[int, int] = (0, 0),
@@ -171,7 +209,8 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
         aesthetic_score: float = 6.0,
         negative_aesthetic_score: float = 2.5,
         clip_skip: Optional[int] = None,
-        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        callback_on_step_end: StepEndCallback = None,
+        callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
     ):
         """Transforms ``image`` guided by text; ``strength`` in [0, 1] says how much of the schedule runs.
 
@@ -180,39 +219,76 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
         """
         pixels = self.start_image(image)
         height, width = pixels.shape[-2:]
-        self.check_inputs(prompt, height, width, num_inference_steps, None, negative_prompt, prompt_embeds,
-                          negative_prompt_embeds, output_type, strength=strength, guidance_scale=guidance_scale,
-                          num_images_per_prompt=num_images_per_prompt,
-                          callback_on_step_end=callback_on_step_end,
-                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
-        self.check_inputs_xl(prompt, prompt_2, negative_prompt, negative_prompt_2, prompt_embeds, negative_prompt_embeds,
-                             pooled_prompt_embeds, negative_pooled_prompt_embeds)
+        self.check_inputs(
+            prompt,
+            height,
+            width,
+            num_inference_steps,
+            None,
+            negative_prompt,
+            prompt_embeds,
+            negative_prompt_embeds,
+            output_type,
+            strength=strength,
+            guidance_scale=guidance_scale,
+            num_images_per_prompt=num_images_per_prompt,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+        )
+        self.check_inputs_xl(
+            prompt,
+            prompt_2,
+            negative_prompt,
+            negative_prompt_2,
+            prompt_embeds,
+            negative_prompt_embeds,
+            pooled_prompt_embeds,
+            negative_pooled_prompt_embeds,
+        )
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
         prompt_embeds, pooled = self.encode_prompt(
-            prompt, prompt_2, num_images_per_prompt, do_classifier_free_guidance, negative_prompt,
-            negative_prompt_2, prompt_embeds, negative_prompt_embeds, pooled_prompt_embeds,
-            negative_pooled_prompt_embeds, clip_skip)
+            prompt,
+            prompt_2,
+            num_images_per_prompt,
+            do_classifier_free_guidance,
+            negative_prompt,
+            negative_prompt_2,
+            prompt_embeds,
+            negative_prompt_embeds,
+            pooled_prompt_embeds,
+            negative_pooled_prompt_embeds,
+            clip_skip,
+        )
         rows = batch_size * num_images_per_prompt
 
         # the image's latents, noised to where the shortened schedule starts
         timesteps = self.strength_timesteps(num_inference_steps, strength)
-        latents = self.noised_image_latents(pixels, timesteps, generator, batch_size, num_images_per_prompt,
-                                            prompt_embeds.dtype)
+        latents = self.noised_image_latents(
+            pixels, timesteps, generator, batch_size, num_images_per_prompt, prompt_embeds.dtype
+        )
 
         original_size = original_size or (height, width)
         target_size = target_size or (height, width)
-        add_time_ids = self.time_ids(original_size, crops_coords_top_left, target_size, aesthetic_score,
-                                     prompt_embeds.dtype)
-        negative_time_ids = self.time_ids(original_size, crops_coords_top_left, target_size,
-                                          negative_aesthetic_score, prompt_embeds.dtype)
-        conditioning = self.unet_conditioning(pooled, add_time_ids, negative_time_ids, rows,
-                                              do_classifier_free_guidance)
+        add_time_ids = self.time_ids(
+            original_size, crops_coords_top_left, target_size, aesthetic_score, prompt_embeds.dtype
+        )
+        negative_time_ids = self.time_ids(
+            original_size, crops_coords_top_left, target_size, negative_aesthetic_score, prompt_embeds.dtype
+        )
+        conditioning = self.unet_conditioning(
+            pooled, add_time_ids, negative_time_ids, rows, do_classifier_free_guidance
+        )
         latents = self.denoiser.loop(
-            latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
+            latents,
+            timesteps,
+            prompt_embeds,
+            guidance_scale,
+            self.scheduler_step_kwargs(generator, eta),
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-            unet_inputs=conditioning, guidance_rescale=guidance_rescale,
+            unet_inputs=conditioning,
+            guidance_rescale=guidance_rescale,
         )
         return self.finish(latents, output_type, return_dict)
 
@@ -226,17 +302,24 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
     @on_device_stream
     def __call__(
         self,
-        prompt: Prompt = None, prompt_2: Prompt = None,
-        height: Optional[int] = None, width: Optional[int] = None,
+        prompt: Prompt = None,
+        prompt_2: Prompt = None,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
         num_inference_steps: int = 50,
         guidance_scale: float = 5.0,
-        negative_prompt: Prompt = None, negative_prompt_2: Prompt = None,
+        negative_prompt: Prompt = None,
+        negative_prompt_2: Prompt = None,
         num_images_per_prompt: int = 1,
-        eta: float = 0.0, generator: Generator = None,
+        eta: float = 0.0,
+        generator: Generator = None,
         latents: Latents = None,
-        prompt_embeds: Embeds = None, negative_prompt_embeds: Embeds = None,
-        pooled_prompt_embeds: Embeds = None, negative_pooled_prompt_embeds: Embeds = None,
-        output_type: str = "pil", return_dict: bool = True,
+        prompt_embeds: Embeds = None,
+        negative_prompt_embeds: Embeds = None,
+        pooled_prompt_embeds: Embeds = None,
+        negative_pooled_prompt_embeds: Embeds = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
         guidance_rescale: float = 0.0,
         original_size: Optional[Tuple[int, int]] = None,
         crops_coords_top_left: Tuple[int, int] = (0, 0),
@@ -245,7 +328,8 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
         negative_crops_coords_top_left: Tuple[int, int] = (0, 0),
         negative_target_size: Optional[Tuple[int, int]] = None,
         clip_skip: Optional[int] = None,
-        callback_on_step_end: StepEndCallback = None, callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        callback_on_step_end: StepEndCallback = None,
+        callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
     ):
         """Generates images from text. ``height``/``width`` default to the UNet's sample size × the VAE factor
         (1024 for SDXL). ``generator`` is a numpy ``RandomState`` or a ``torch.Generator``.
@@ -255,21 +339,48 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
         """
         height = self.default_image_size if height is None else height
         width = self.default_image_size if width is None else width
-        self.check_inputs(prompt, height, width, num_inference_steps, None, negative_prompt, prompt_embeds,
-                          negative_prompt_embeds, output_type, guidance_scale=guidance_scale,
-                          num_images_per_prompt=num_images_per_prompt,
-                          callback_on_step_end=callback_on_step_end,
-                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
-        self.check_inputs_xl(prompt, prompt_2, negative_prompt, negative_prompt_2, prompt_embeds, negative_prompt_embeds,
-                             pooled_prompt_embeds, negative_pooled_prompt_embeds)
+        self.check_inputs(
+            prompt,
+            height,
+            width,
+            num_inference_steps,
+            None,
+            negative_prompt,
+            prompt_embeds,
+            negative_prompt_embeds,
+            output_type,
+            guidance_scale=guidance_scale,
+            num_images_per_prompt=num_images_per_prompt,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+        )
+        self.check_inputs_xl(
+            prompt,
+            prompt_2,
+            negative_prompt,
+            negative_prompt_2,
+            prompt_embeds,
+            negative_prompt_embeds,
+            pooled_prompt_embeds,
+            negative_pooled_prompt_embeds,
+        )
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
 
         # 1. text: both encoders' penultimate states, the second's pooled projection
         prompt_embeds, pooled = self.encode_prompt(
-            prompt, prompt_2, num_images_per_prompt, do_classifier_free_guidance, negative_prompt,
-            negative_prompt_2, prompt_embeds, negative_prompt_embeds, pooled_prompt_embeds,
-            negative_pooled_prompt_embeds, clip_skip)
+            prompt,
+            prompt_2,
+            num_images_per_prompt,
+            do_classifier_free_guidance,
+            negative_prompt,
+            negative_prompt_2,
+            prompt_embeds,
+            negative_prompt_embeds,
+            pooled_prompt_embeds,
+            negative_pooled_prompt_embeds,
+            clip_skip,
+        )
 
         # 2. timesteps and initial noise
         timesteps = self.set_timesteps(num_inference_steps)
@@ -280,17 +391,31 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
         original_size = original_size or (height, width)
         target_size = target_size or (height, width)
         add_time_ids = self.time_ids(original_size, crops_coords_top_left, target_size, 0.0, prompt_embeds.dtype)
-        negative_time_ids = add_time_ids if negative_original_size is None and negative_target_size is None else \
-            self.time_ids(negative_original_size or original_size, negative_crops_coords_top_left,
-                          negative_target_size or target_size, 0.0, prompt_embeds.dtype)
-        conditioning = self.unet_conditioning(pooled, add_time_ids, negative_time_ids, rows,
-                                              do_classifier_free_guidance)
+        negative_time_ids = (
+            add_time_ids
+            if negative_original_size is None and negative_target_size is None
+            else self.time_ids(
+                negative_original_size or original_size,
+                negative_crops_coords_top_left,
+                negative_target_size or target_size,
+                0.0,
+                prompt_embeds.dtype,
+            )
+        )
+        conditioning = self.unet_conditioning(
+            pooled, add_time_ids, negative_time_ids, rows, do_classifier_free_guidance
+        )
 
         # 4. denoising loop on the device
         latents = self.denoiser.loop(
-            latents, timesteps, prompt_embeds, guidance_scale, self.scheduler_step_kwargs(generator, eta),
+            latents,
+            timesteps,
+            prompt_embeds,
+            guidance_scale,
+            self.scheduler_step_kwargs(generator, eta),
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-            unet_inputs=conditioning, guidance_rescale=guidance_rescale,
+            unet_inputs=conditioning,
+            guidance_rescale=guidance_rescale,
         )
         return self.finish(latents, output_type, return_dict)

@@ -86,9 +86,12 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
 
     def __init__(self, **components: Any):
         if components.get("vae_encoder") is None:
-            raise ArgumentError("vae_encoder", "expected a VAE encoder (the stream encodes every frame), got none: the "
-                             "folder has no vae_encoder/model.onnx; export one, or pass tiny_vae=<an AutoencoderTiny "
-                             "export>")
+            raise ArgumentError(
+                "vae_encoder",
+                "expected a VAE encoder (the stream encodes every frame), got none: the "
+                "folder has no vae_encoder/model.onnx; export one, or pass tiny_vae=<an AutoencoderTiny "
+                "export>",
+            )
         super().__init__(**components)
         self._check_vae()
         self._plan: Optional[StreamPlan] = None
@@ -96,19 +99,30 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
 
     # -------------------------------------------------------------------------------------------------- loading
     @classmethod
-    def model_folders(cls, pretrained_model_name_or_path: Union[str, os.PathLike], hub_kwargs: Dict[str, Any],
-                      tiny_vae: Union[str, os.PathLike, None] = None) -> Tuple[Path, Dict[str, Path]]:
+    def model_folders(
+        cls,
+        pretrained_model_name_or_path: Union[str, os.PathLike],
+        hub_kwargs: Dict[str, Any],
+        tiny_vae: Union[str, os.PathLike, None] = None,
+    ) -> Tuple[Path, Dict[str, Path]]:
         """The folder's components, with the VAE from ``tiny_vae`` where given: a folder (or hub id) holding
         ``vae_encoder/`` and ``vae_decoder/`` of an AutoencoderTiny export (TAESD-shaped, far cheaper a frame than
         the full VAE), whose latent channels must match the UNet's; the folder's own VAE is then neither downloaded
         nor loaded (``component_options`` for ``"vae_encoder"``/``"vae_decoder"`` apply to the tiny VAE)."""
         if tiny_vae is not None and not isinstance(tiny_vae, (str, os.PathLike)):
-            raise ArgumentTypeError("tiny_vae", f"expected a folder or hub id of an AutoencoderTiny export (vae_encoder/ and "
-                            f"vae_decoder/), or None, got {type(tiny_vae).__name__} {tiny_vae!r:.80}")
-        own = tuple(name for name in names_of(cls.declared_components, "onnx")
-                    if tiny_vae is None or name not in TINY_VAE_COMPONENTS)
-        folder = resolve_pipeline_folder(pretrained_model_name_or_path, own,
-                                         names_of(cls.declared_components, "tokenizer"), **hub_kwargs)
+            raise ArgumentTypeError(
+                "tiny_vae",
+                f"expected a folder or hub id of an AutoencoderTiny export (vae_encoder/ and "
+                f"vae_decoder/), or None, got {type(tiny_vae).__name__} {tiny_vae!r:.80}",
+            )
+        own = tuple(
+            name
+            for name in names_of(cls.declared_components, "onnx")
+            if tiny_vae is None or name not in TINY_VAE_COMPONENTS
+        )
+        folder = resolve_pipeline_folder(
+            pretrained_model_name_or_path, own, names_of(cls.declared_components, "tokenizer"), **hub_kwargs
+        )
         folders = {name: folder / name for name in own}
         if tiny_vae is not None:
             tiny_folder = tiny_vae_folder(tiny_vae, **hub_kwargs)
@@ -123,8 +137,10 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
 
     def warmup(self, *args: Any, **kwargs: Any) -> None:
         """A stream warms up in :meth:`prepare`: its sessions, graphs and captures are made there."""
-        raise TypeError(f"{type(self).__name__}.warmup: a stream warms up in prepare(prompt, …), which makes its "
-                        "sessions and captures its graphs for the prepared size and steps; call that instead")
+        raise TypeError(
+            f"{type(self).__name__}.warmup: a stream warms up in prepare(prompt, …), which makes its "
+            "sessions and captures its graphs for the prepared size and steps; call that instead"
+        )
 
     # ---------------------------------------------------------------------------------------------- properties
     @property
@@ -195,13 +211,23 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
             if not isinstance(text, str) and not (name == "negative_prompt" and text is None):
                 raise ArgumentTypeError(name, f"expected a str (a stream has one prompt), got {type(text).__name__}")
-        self.check_inputs(prompt, height, width, num_inference_steps, None, negative_prompt, output_type="pt",
-                          strength=strength, guidance_scale=guidance_scale)
-        if not is_integer(seed) or not 0 <= seed < 2 ** 64:
+        self.check_inputs(
+            prompt,
+            height,
+            width,
+            num_inference_steps,
+            None,
+            negative_prompt,
+            output_type="pt",
+            strength=strength,
+            guidance_scale=guidance_scale,
+        )
+        if not is_integer(seed) or not 0 <= seed < 2**64:
             raise ArgumentError("seed", f"expected an integer in [0, 2**64), got {seed!r}")
         if not isinstance(stream_batch, bool):
-            raise ArgumentTypeError("stream_batch", f"expected True or False, got {type(stream_batch).__name__} "
-                                                    f"{stream_batch!r}")
+            raise ArgumentTypeError(
+                "stream_batch", f"expected True or False, got {type(stream_batch).__name__} {stream_batch!r}"
+            )
 
         # 2. the timesteps for this strength, and the scheduler's constants at each (refused schedulers are named)
         timesteps, begin = self.stream_timesteps(num_inference_steps, strength)
@@ -237,8 +263,10 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             self.scheduler.set_timesteps(num_inference_steps, strength=strength)
             timesteps = list(self.scheduler.timesteps)
             if not timesteps:
-                raise ArgumentError("strength", f"{strength} with num_inference_steps={num_inference_steps} leaves no "
-                                                "denoising step; raise either")
+                raise ArgumentError(
+                    "strength",
+                    f"{strength} with num_inference_steps={num_inference_steps} leaves no denoising step; raise either",
+                )
             return timesteps, 0
         timesteps = list(self.strength_timesteps(num_inference_steps, strength))
         return timesteps, len(self.scheduler.timesteps) - len(timesteps)
@@ -247,43 +275,67 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         dims = self.unet.input_dims.get("timestep") or []
         if len(dims) != 1 or dims[0] == 1:
             declared = "a scalar" if not dims else f"shape {dims}"
-            raise ArgumentError("stream_batch", f"expected a UNet whose timestep input has one row per sample (a stream "
-                             f"batch gives each step its own timestep), got {declared}; pass stream_batch=False")
+            raise ArgumentError(
+                "stream_batch",
+                f"expected a UNet whose timestep input has one row per sample (a stream "
+                f"batch gives each step its own timestep), got {declared}; pass stream_batch=False",
+            )
 
     def _make_tensors(self, plan: StreamPlan, seed: int, lcm: bool, embedding_shape: Tuple[int, ...]) -> None:
         device, unet = self.device, self.unet
         channels = self.latent_channels
         latent_height, latent_width = plan.height // self.vae_scale_factor, plan.width // self.vae_scale_factor
         generator = torch.Generator().manual_seed(int(seed))
-        noise = torch.cat([randn_tensor((1, channels, latent_height, latent_width), generator=generator,
-                                        device=torch.device("cpu"), dtype=torch.float32)
-                           for _ in range(plan.steps)])
+        noise = torch.cat(
+            [
+                randn_tensor(
+                    (1, channels, latent_height, latent_width),
+                    generator=generator,
+                    device=torch.device("cpu"),
+                    dtype=torch.float32,
+                )
+                for _ in range(plan.steps)
+            ]
+        )
         schedule = plan.schedule
         columns = {"noise": noise, "signal": schedule.signal, "noise_scale": schedule.noise}
         if schedule.skip is not None:
             columns.update(skip=schedule.skip, out=schedule.out)
         with torch.inference_mode(False):  # later frames write them in place, in or out of inference mode
             for name, values in columns.items():
-                values = values if isinstance(values, torch.Tensor) else \
-                    torch.tensor(values, dtype=torch.float32).reshape(-1, 1, 1, 1)
+                values = (
+                    values
+                    if isinstance(values, torch.Tensor)
+                    else torch.tensor(values, dtype=torch.float32).reshape(-1, 1, 1, 1)
+                )
                 plan.tensors[name] = upload(values, device)
             rows = plan.rows
-            plan.tensors["image"] = torch.zeros(1, 3, plan.height, plan.width, device=device,
-                                                dtype=self.vae_encoder.input_dtypes["sample"])
-            plan.tensors["latent"] = torch.zeros(1, channels, latent_height, latent_width, device=device,
-                                                 dtype=self.vae_decoder.input_dtypes["latent_sample"])
+            plan.tensors["image"] = torch.zeros(
+                1, 3, plan.height, plan.width, device=device, dtype=self.vae_encoder.input_dtypes["sample"]
+            )
+            plan.tensors["latent"] = torch.zeros(
+                1,
+                channels,
+                latent_height,
+                latent_width,
+                device=device,
+                dtype=self.vae_decoder.input_dtypes["latent_sample"],
+            )
             plan.tensors["x0"] = torch.zeros(plan.steps, channels, latent_height, latent_width, device=device)
-            plan.unet_inputs["sample"] = torch.zeros(rows, channels, latent_height, latent_width, device=device,
-                                                     dtype=unet.input_dtypes["sample"])
+            plan.unet_inputs["sample"] = torch.zeros(
+                rows, channels, latent_height, latent_width, device=device, dtype=unet.input_dtypes["sample"]
+            )
             plan.unet_inputs["encoder_hidden_states"] = torch.zeros(
-                rows, *embedding_shape, device=device, dtype=unet.input_dtypes["encoder_hidden_states"])
+                rows, *embedding_shape, device=device, dtype=unet.input_dtypes["encoder_hidden_states"]
+            )
             timestep_dtype = unet.input_dtypes["timestep"]
             if plan.batched:  # rows [uncond: steps 1…k; text: steps 1…k]
                 values = torch.tensor(schedule.timesteps, dtype=torch.float64).repeat(plan.copies)
                 plan.unet_inputs["timestep"] = upload(values.to(timestep_dtype), device)
             else:
-                plan.step_timesteps = [upload(self._timestep_input(t, rows).to(timestep_dtype), device)
-                                       for t in schedule.timesteps]
+                plan.step_timesteps = [
+                    upload(self._timestep_input(t, rows).to(timestep_dtype), device) for t in schedule.timesteps
+                ]
                 plan.unet_inputs["timestep"] = plan.step_timesteps[0]
             if lcm:
                 w = torch.full((rows,), plan.guidance_scale - 1.0)
@@ -305,9 +357,11 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         plan.unet_inputs["encoder_hidden_states"].copy_(rows)
 
     def _model_shapes(self, plan: StreamPlan) -> List[Tuple[IOBindingORTModel, Dict[str, Tuple[int, ...]]]]:
-        return [(self.vae_encoder, {"sample": tuple(plan.tensors["image"].shape)}),
-                (self.unet, {name: tuple(value.shape) for name, value in plan.unet_inputs.items()}),
-                (self.vae_decoder, {"latent_sample": tuple(plan.tensors["latent"].shape)})]
+        return [
+            (self.vae_encoder, {"sample": tuple(plan.tensors["image"].shape)}),
+            (self.unet, {name: tuple(value.shape) for name, value in plan.unet_inputs.items()}),
+            (self.vae_decoder, {"latent_sample": tuple(plan.tensors["latent"].shape)}),
+        ]
 
     def _adopt_graph_buffers(self, plan: StreamPlan) -> None:
         """Where a model has a CUDA graph for the plan's shapes, its input buffers become the plan's tensors (with
@@ -405,8 +459,10 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         """
         self._require_plan("frames")
         if self.frames_in_flight:
-            raise RuntimeError(f"frames: expected an empty stream batch, got {self.frames_in_flight} frames of earlier "
-                               "calls still in it; call flush() first (it returns their outputs)")
+            raise RuntimeError(
+                f"frames: expected an empty stream batch, got {self.frames_in_flight} frames of earlier "
+                "calls still in it; call flush() first (it returns their outputs)"
+            )
         return self._overlapped(frames)
 
     def _overlapped(self, frames: Iterable[FrameInput]) -> Iterator[Any]:
@@ -448,8 +504,10 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
 
     def _require_plan(self, what: str) -> StreamPlan:
         if self._plan is None:
-            raise RuntimeError(f"{what}: expected a prepared stream, got none; call prepare(prompt, …) first (it "
-                               "encodes the prompt and captures the graphs every frame replays)")
+            raise RuntimeError(
+                f"{what}: expected a prepared stream, got none; call prepare(prompt, …) first (it "
+                "encodes the prompt and captures the graphs every frame replays)"
+            )
         return self._plan
 
     # ------------------------------------------------------------------------------------------- a frame's work

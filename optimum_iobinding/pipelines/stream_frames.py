@@ -19,8 +19,10 @@ from ..runtime.cuda_policy import DEVICE_SETUP
 FrameInput = Union[torch.Tensor, np.ndarray, PIL.Image.Image]
 
 # what a frame may be, for error messages
-_FRAME_KINDS = ("a torch tensor (float (3, height, width) or (1, 3, height, width) in [-1, 1], or uint8 (height, "
-                "width, 3)), a numpy uint8 array (height, width, 3) or a PIL image")
+_FRAME_KINDS = (
+    "a torch tensor (float (3, height, width) or (1, 3, height, width) in [-1, 1], or uint8 (height, "
+    "width, 3)), a numpy uint8 array (height, width, 3) or a PIL image"
+)
 
 
 @dataclass(frozen=True)
@@ -44,8 +46,9 @@ class FrameKind:
         return self.device.type == "cuda"
 
 
-def read_frame(frame: Any, device: torch.device, name: str = "frame") -> Tuple[Union[torch.Tensor, np.ndarray],
-                                                                                FrameKind]:
+def read_frame(
+    frame: Any, device: torch.device, name: str = "frame"
+) -> Tuple[Union[torch.Tensor, np.ndarray], FrameKind]:
     """Checks a frame and gives it in one of two layouts, without copying: uint8 ``(height, width, 3)`` (numpy for
     numpy and PIL frames, else torch) or a float torch tensor ``(1, 3, height, width)``; with its :class:`FrameKind`.
 
@@ -65,31 +68,44 @@ def read_frame(frame: Any, device: torch.device, name: str = "frame") -> Tuple[U
         return np.array(rgb), FrameKind("pil", torch.device("cpu"), torch.uint8)
     if isinstance(frame, np.ndarray):
         if frame.dtype != np.uint8:
-            raise ArgumentTypeError(name, f"expected a numpy array of dtype uint8 (height, width, 3), got dtype "
-                                          f"{frame.dtype}; give float images as torch tensors in [-1, 1]")
+            raise ArgumentTypeError(
+                name,
+                f"expected a numpy array of dtype uint8 (height, width, 3), got dtype "
+                f"{frame.dtype}; give float images as torch tensors in [-1, 1]",
+            )
         _check_hwc(name, tuple(frame.shape), "numpy array")
         return frame, FrameKind("numpy", torch.device("cpu"), torch.uint8)
     if not isinstance(frame, torch.Tensor):
         raise ArgumentTypeError(name, f"expected {_FRAME_KINDS}, got {type(frame).__name__}")
     if frame.layout != torch.strided or frame.is_nested:
-        raise ArgumentTypeError(name, f"expected a dense torch tensor, got a {str(frame.layout)[6:]} one"
-                        if not frame.is_nested else f"{name}: expected a dense torch tensor, got a nested one")
+        raise ArgumentTypeError(
+            name,
+            f"expected a dense torch tensor, got a {str(frame.layout)[6:]} one"
+            if not frame.is_nested
+            else f"{name}: expected a dense torch tensor, got a nested one",
+        )
     if frame.device.type not in ("cpu", "cuda"):
         raise ArgumentError(name, f"expected a CPU or CUDA tensor, got one on {frame.device}")
     if frame.device.type == "cuda" and device.type == "cuda" and frame.device.index != device.index:
-        raise ArgumentError(name, f"expected a tensor on {device} (the pipeline's device) or on the CPU, got one on "
-                                  f"{frame.device}; move it with .to({str(device)!r}) if the copy is intended")
+        raise ArgumentError(
+            name,
+            f"expected a tensor on {device} (the pipeline's device) or on the CPU, got one on "
+            f"{frame.device}; move it with .to({str(device)!r}) if the copy is intended",
+        )
     shape = tuple(frame.shape)
     if frame.dtype == torch.uint8:
         _check_hwc(name, shape, "uint8 tensor")
         return frame.detach(), FrameKind("torch", frame.device, torch.uint8)
     if not frame.dtype.is_floating_point:
-        raise ArgumentTypeError(name, f"expected a float tensor in [-1, 1] or a uint8 tensor (height, width, 3), got dtype "
-                                      f"{frame.dtype}")
+        raise ArgumentTypeError(
+            name, f"expected a float tensor in [-1, 1] or a uint8 tensor (height, width, 3), got dtype {frame.dtype}"
+        )
     if len(shape) not in (3, 4) or (len(shape) == 4 and shape[0] != 1) or shape[-3] != 3:
         one = " (one frame a call)" if len(shape) == 4 and shape[0] != 1 else ""
-        raise ArgumentError(name, f"expected a float tensor of shape (3, height, width) or (1, 3, height, width)"
-                                  f"{one}, got shape {shape}")
+        raise ArgumentError(
+            name,
+            f"expected a float tensor of shape (3, height, width) or (1, 3, height, width){one}, got shape {shape}",
+        )
     if 0 in shape:
         raise ArgumentError(name, f"expected a non-empty frame, got shape {shape}")
     batched = len(shape) == 4
@@ -113,8 +129,9 @@ def to_vae_input(source: torch.Tensor, image: torch.Tensor) -> None:
     else:
         pixels = source.float()
     if tuple(pixels.shape[-2:]) != tuple(image.shape[-2:]):
-        pixels = F.interpolate(pixels, size=tuple(image.shape[-2:]), mode="bilinear", align_corners=False,
-                               antialias=True)
+        pixels = F.interpolate(
+            pixels, size=tuple(image.shape[-2:]), mode="bilinear", align_corners=False, antialias=True
+        )
     image.copy_(pixels)
 
 

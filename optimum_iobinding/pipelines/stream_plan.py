@@ -52,11 +52,14 @@ def stream_schedule(scheduler: Any, timesteps: Sequence[Any], begin_index: int) 
     name = type(scheduler).__name__
     prediction_type = config.get("prediction_type", "epsilon")
     if prediction_type not in _PREDICTION_TYPES:
-        raise ArgumentError("scheduler", f"expected prediction_type among {list(_PREDICTION_TYPES)}, got "
-                                         f"{prediction_type!r} ({name})")
+        raise ArgumentError(
+            "scheduler", f"expected prediction_type among {list(_PREDICTION_TYPES)}, got {prediction_type!r} ({name})"
+        )
     if config.get("thresholding", False):
-        raise ArgumentError("scheduler", f"expected thresholding=False (dynamic thresholding depends on each frame's "
-                                         f"values), got True ({name})")
+        raise ArgumentError(
+            "scheduler",
+            f"expected thresholding=False (dynamic thresholding depends on each frame's values), got True ({name})",
+        )
     one, zero = torch.ones(1, 1, 1, 1, dtype=torch.float64), torch.zeros(1, 1, 1, 1, dtype=torch.float64)
     signal, noise, skip, out = [], [], [], []
     boundary = hasattr(scheduler, "get_scalings_for_boundary_condition_discrete")
@@ -71,9 +74,12 @@ def stream_schedule(scheduler: Any, timesteps: Sequence[Any], begin_index: int) 
             coefficients.append(float(probe.scale_model_input(noised, timestep).reshape(())))
         a, b = coefficients
         if not (a > 0 and abs(a * a + b * b - 1) <= 1e-3):
-            raise ArgumentError("scheduler", f"expected a variance-preserving noise schedule (the model input √ᾱ·x0 + "
-                             f"√(1 − ᾱ)·noise), got {name}, whose step {index} (timestep {float(timestep):g}) gives "
-                             f"{a:.4g}·x0 + {b:.4g}·noise; use a DDPM-style or Euler-style scheduler")
+            raise ArgumentError(
+                "scheduler",
+                f"expected a variance-preserving noise schedule (the model input √ᾱ·x0 + "
+                f"√(1 − ᾱ)·noise), got {name}, whose step {index} (timestep {float(timestep):g}) gives "
+                f"{a:.4g}·x0 + {b:.4g}·noise; use a DDPM-style or Euler-style scheduler",
+            )
         signal.append(a)
         noise.append(b)
         if boundary:
@@ -81,8 +87,15 @@ def stream_schedule(scheduler: Any, timesteps: Sequence[Any], begin_index: int) 
             skip.append(float(c_skip))
             out.append(float(c_out))
     clip = float(config.get("clip_sample_range", 1.0)) if config.get("clip_sample", False) else None
-    return StreamSchedule([float(t) for t in timesteps], signal, noise, skip if boundary else None,
-                          out if boundary else None, prediction_type, clip)
+    return StreamSchedule(
+        [float(t) for t in timesteps],
+        signal,
+        noise,
+        skip if boundary else None,
+        out if boundary else None,
+        prediction_type,
+        clip,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- the plan
@@ -90,8 +103,17 @@ class StreamPlan:
     """What ``prepare`` fixes for the frames that follow: the schedule, the device tensors the models read and write
     (their graphs' own input buffers where they have graphs), the captured stages and the frames in flight."""
 
-    def __init__(self, height: int, width: int, schedule: StreamSchedule, batched: bool, guidance: bool,
-                 guidance_scale: float, prompt: str, negative_prompt: Optional[str]):
+    def __init__(
+        self,
+        height: int,
+        width: int,
+        schedule: StreamSchedule,
+        batched: bool,
+        guidance: bool,
+        guidance_scale: float,
+        prompt: str,
+        negative_prompt: Optional[str],
+    ):
         self.height, self.width = height, width
         self.schedule = schedule
         self.steps = len(schedule.timesteps)
@@ -137,7 +159,7 @@ def make_stages(plan: StreamPlan, graphs: bool, channels: int, scaling: float) -
         # the UNet batch: the latents once, or [uncond; text] for guidance
         if guidance:
             sample[: noised.shape[0]].copy_(noised)
-            sample[noised.shape[0]:].copy_(noised)
+            sample[noised.shape[0] :].copy_(noised)
         else:
             sample.copy_(noised)
 
@@ -166,13 +188,13 @@ def make_stages(plan: StreamPlan, graphs: bool, channels: int, scaling: float) -
     plan.stages["pre"] = CapturedStage(to_vae_input, graphs)
     plan.stages["post"] = CapturedStage(to_output_frame, graphs)
     if plan.batched:
+
         def start(encoded: torch.Tensor, x0: torch.Tensor, sample: torch.Tensor) -> None:
             # row 0: the new frame at step 1; row i: the frame that came i calls ago, at step i + 1
             latents = torch.cat([encoded_latents(encoded), x0[:-1]])
             write_sample(sample, signal * latents + noise_scale * noise)
 
-        def step(model_output: torch.Tensor, sample: torch.Tensor, x0: torch.Tensor,
-                 latent: torch.Tensor) -> None:
+        def step(model_output: torch.Tensor, sample: torch.Tensor, x0: torch.Tensor, latent: torch.Tensor) -> None:
             denoised = predict(sample[:steps].float(), model_output, slice(None))
             x0.copy_(denoised)
             latent.copy_(denoised[-1:] / scaling)
@@ -198,4 +220,3 @@ def make_stages(plan: StreamPlan, graphs: bool, channels: int, scaling: float) -
 
     plan.stages["start"] = CapturedStage(start_alone, graphs)
     plan.step_stages = [CapturedStage(step_at(index), graphs) for index in range(steps)]
-

@@ -45,7 +45,7 @@ def _blend_v(above: torch.Tensor, tile: torch.Tensor, extent: int) -> None:
     if extent <= 0:
         return
     weight = torch.arange(extent, device=tile.device, dtype=torch.float32).div_(extent).to(tile.dtype)[:, None]
-    tile[:, :, :extent, :] = above[:, :, above.shape[2] - extent:, :] * (1 - weight) + tile[:, :, :extent, :] * weight
+    tile[:, :, :extent, :] = above[:, :, above.shape[2] - extent :, :] * (1 - weight) + tile[:, :, :extent, :] * weight
 
 
 def _blend_h(left: torch.Tensor, tile: torch.Tensor, extent: int) -> None:
@@ -54,7 +54,7 @@ def _blend_h(left: torch.Tensor, tile: torch.Tensor, extent: int) -> None:
     if extent <= 0:
         return
     weight = torch.arange(extent, device=tile.device, dtype=torch.float32).div_(extent).to(tile.dtype)
-    tile[:, :, :, :extent] = left[:, :, :, left.shape[3] - extent:] * (1 - weight) + tile[:, :, :, :extent] * weight
+    tile[:, :, :, :extent] = left[:, :, :, left.shape[3] - extent :] * (1 - weight) + tile[:, :, :, :extent] * weight
 
 
 class TiledVAE:
@@ -86,11 +86,15 @@ class TiledVAE:
         max_tile_sessions: int = 4,
     ):
         if not is_integer(scale_factor) or scale_factor < 1:
-            raise ArgumentError("scale_factor", f"expected a positive integer (pixels per latent, 8 for Stable Diffusion), "
-                                                f"got {scale_factor!r}")
+            raise ArgumentError(
+                "scale_factor",
+                f"expected a positive integer (pixels per latent, 8 for Stable Diffusion), got {scale_factor!r}",
+            )
         if not is_integer(tile_sample_size) or tile_sample_size <= 0 or tile_sample_size % scale_factor != 0:
-            raise ArgumentError("tile_sample_size", f"expected a positive multiple of {scale_factor} (the VAE's scale "
-                                                    f"factor), got {tile_sample_size!r}")
+            raise ArgumentError(
+                "tile_sample_size",
+                f"expected a positive multiple of {scale_factor} (the VAE's scale factor), got {tile_sample_size!r}",
+            )
         if not is_real(overlap) or not 0.0 <= overlap <= 0.5:
             # past a half, a tile's blended edge reaches beyond its neighbour's: tiles would blend with tiles that
             # are not their neighbours, and the tile count grows without bound as the overlap nears 1
@@ -124,8 +128,9 @@ class TiledVAE:
         blend = int(tile_out * self.overlap)
         return stride, blend, tile_out - blend
 
-    def _tiles(self, source: torch.Tensor, tile_in: int, tile_out: int,
-               run: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[Tuple[int, int, torch.Tensor]]:
+    def _tiles(
+        self, source: torch.Tensor, tile_in: int, tile_out: int, run: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Iterator[Tuple[int, int, torch.Tensor]]:
         """Yields ``(row offset, column offset, cropped tile)`` in raster order, each blended with its upper and
         left neighbours (themselves already blended), as diffusers does."""
         stride, blend, limit = self._geometry(tile_in, tile_out)
@@ -213,8 +218,9 @@ class TiledVAE:
         pending = None  # (copy done event, pinned staging, top, left)
         compute = torch.cuda.current_stream(latents.device) if on_cuda else None
         copies = self._copy_stream(latents.device) if on_cuda else None
-        for index, (top, left, tile) in enumerate(self._tiles(latents, self.tile_latent_size, tile_out,
-                                                              self._decode_tile)):
+        for index, (top, left, tile) in enumerate(
+            self._tiles(latents, self.tile_latent_size, tile_out, self._decode_tile)
+        ):
             finished = (tile.float() / 2 + 0.5).clamp_(0, 1).permute(0, 2, 3, 1).contiguous()
             if result is None:
                 result = np.empty((finished.shape[0], height, width, finished.shape[3]), np.float32)
@@ -268,7 +274,9 @@ class TiledVAE:
             latents[:, :, top : top + tile.shape[2], left : left + tile.shape[3]] = tile
         return latents
 
-    def _uploading_encoder(self, image: torch.Tensor, tile_in: int, stride: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _uploading_encoder(
+        self, image: torch.Tensor, tile_in: int, stride: int
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
         """An encoder for ``_tiles`` over a placeholder of the image's shape: it encodes the uploaded tile and has
         the next one's upload (host → pinned → device, on the copy stream) already under way."""
         device = self.vae_encoder.device

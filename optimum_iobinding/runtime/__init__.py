@@ -10,8 +10,12 @@ from typing import TYPE_CHECKING
 
 from ..lazy import lazy_names
 
-_PUBLIC_NAMES = {"IOBindingORTModel": ".model", "ModelOptions": ".options", "PipelineOptions": ".options",
-                 "infer_output_shapes": ".shapes"}
+_PUBLIC_NAMES = {
+    "IOBindingORTModel": ".model",
+    "ModelOptions": ".options",
+    "PipelineOptions": ".options",
+    "infer_output_shapes": ".shapes",
+}
 
 __all__ = ["IOBindingORTModel", "ModelOptions", "PipelineOptions", "infer_output_shapes"]
 

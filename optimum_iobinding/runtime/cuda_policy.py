@@ -97,19 +97,28 @@ def with_diffusion_defaults(providers: Sequence[str], options: Sequence[Dict[str
         if name == "CUDAExecutionProvider":
             merged.append({**CUDA_DIFFUSION_DEFAULTS, **given})
         elif name == "TensorrtExecutionProvider":
-            merged.append({**TENSORRT_DIFFUSION_DEFAULTS, "trt_engine_cache_path": default_trt_cache_dir(),
-                           "trt_timing_cache_path": default_trt_cache_dir(), **given})
+            merged.append(
+                {
+                    **TENSORRT_DIFFUSION_DEFAULTS,
+                    "trt_engine_cache_path": default_trt_cache_dir(),
+                    "trt_timing_cache_path": default_trt_cache_dir(),
+                    **given,
+                }
+            )
         else:
             merged.append(dict(given))
     return merged
 
 
-def with_stream(providers: Sequence[str], options: Sequence[Dict[str, str]], stream: torch.cuda.Stream) -> List[Dict[str, str]]:
+def with_stream(
+    providers: Sequence[str], options: Sequence[Dict[str, str]], stream: torch.cuda.Stream
+) -> List[Dict[str, str]]:
     """Points every CUDA-like provider at ``stream``: ORT then enqueues its kernels where torch enqueues its own."""
     handle = str(stream.cuda_stream)
     return [
         {**opts, "user_compute_stream": handle, "has_user_compute_stream": "1"}
-        if name in ("CUDAExecutionProvider", "TensorrtExecutionProvider") else dict(opts)
+        if name in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+        else dict(opts)
         for name, opts in zip(providers, options)
     ]
 

@@ -37,6 +37,7 @@ TORCH_TO_ONNX: Dict[torch.dtype, int] = {
     torch.bool: TensorProto.BOOL,
 }
 
+
 def conversion_allowed(source: torch.dtype, target: torch.dtype) -> bool:
     """Whether a value of ``source`` dtype is cast to ``target`` silently.
 

@@ -13,8 +13,14 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, 
 import onnxruntime as ort
 import torch
 
-from .cuda_policy import (DEVICE_SETUP, DISABLE_SYNC_RUN_OPTION, GRAPH_ID_RUN_OPTION, PLACEMENT_REFUSAL,
-                          free_dimension_overrides, tensorrt_profile_options)
+from .cuda_policy import (
+    DEVICE_SETUP,
+    DISABLE_SYNC_RUN_OPTION,
+    GRAPH_ID_RUN_OPTION,
+    PLACEMENT_REFUSAL,
+    free_dimension_overrides,
+    tensorrt_profile_options,
+)
 from .dtypes import TORCH_TO_ONNX
 from .options import CudaGraphSetting
 
@@ -56,9 +62,14 @@ class CudaGraphRunner:
             self.input_buffers = {n: torch.zeros(s, dtype=d, device=device) for n, (s, d) in input_specs.items()}
             self.output_buffers = {n: torch.empty(s, dtype=d, device=device) for n, (s, d) in output_specs.items()}
         self.binding = session.io_binding()
-        for buffers, bind in ((self.input_buffers, self.binding.bind_input), (self.output_buffers, self.binding.bind_output)):
+        for buffers, bind in (
+            (self.input_buffers, self.binding.bind_input),
+            (self.output_buffers, self.binding.bind_output),
+        ):
             for name, tensor in buffers.items():
-                bind(name, "cuda", device.index or 0, TORCH_TO_ONNX[tensor.dtype], list(tensor.shape), tensor.data_ptr())
+                bind(
+                    name, "cuda", device.index or 0, TORCH_TO_ONNX[tensor.dtype], list(tensor.shape), tensor.data_ptr()
+                )
         self.runs = 0  # in every thread
         self._thread = threading.local()  # .runs: this thread's
 
@@ -81,7 +92,6 @@ Signature = Tuple[Tuple[str, Tuple[int, ...]], ...]
 def signature_of(input_shapes: Mapping[str, Sequence[int]]) -> Signature:
     """A hashable key for one set of input shapes."""
     return tuple(sorted((name, tuple(int(d) for d in shape)) for name, shape in input_shapes.items()))
-
 
 
 class FixedShapeSession:
@@ -196,14 +206,22 @@ class GraphPool:
                 return
             shared, self._shared = self._shared, None
             if shared is not None:
-                dropped = [signature for signature, entry in self.entries.items()
-                           if isinstance(entry, CudaGraphRunner) and entry.session is shared]
+                dropped = [
+                    signature
+                    for signature, entry in self.entries.items()
+                    if isinstance(entry, CudaGraphRunner) and entry.session is shared
+                ]
                 for signature in dropped:
                     del self.entries[signature]
                     self._overrides.pop(signature, None)
-                logger.info("%s: %s, so its weights become tensors the project owns, read by every session: the one "
-                            "graph session (which loaded them from the file) is made again around them, and its %d "
-                            "graph(s) captured again on their next call", self.name, why, len(dropped))
+                logger.info(
+                    "%s: %s, so its weights become tensors the project owns, read by every session: the one "
+                    "graph session (which loaded them from the file) is made again around them, and its %d "
+                    "graph(s) captured again on their next call",
+                    self.name,
+                    why,
+                    len(dropped),
+                )
                 del shared, dropped
             self.recipe.weights.start_owning()
 
@@ -221,8 +239,7 @@ class GraphPool:
             dynamic = [name for name, shape in output_shapes.items() if shape is None]
             try:
                 if dynamic:
-                    raise RuntimeError(f"output {dynamic[0]!r} has a data-dependent shape, which a graph cannot "
-                                       "replay")
+                    raise RuntimeError(f"output {dynamic[0]!r} has a data-dependent shape, which a graph cannot replay")
                 return self._graph_runner(overrides, problems, input_specs, output_shapes)
             except Exception as error:  # capture refused (nodes left on the CPU, unsupported op): run without
                 self._report(signature, str(error))
@@ -243,15 +260,20 @@ class GraphPool:
                     self.recipe.weights.release_parse()  # the session loaded the weights itself (unless they are owned)
                 except Exception as error:  # a node left on the CPU: ORT refuses capture for the whole session
                     self.shared_refused = str(error)
-                    logger.info("%s: one session cannot capture a graph for every input shape, so each shape gets a "
-                                "session of its own (all reading the same weights). Why: %s", self.name, error)
+                    logger.info(
+                        "%s: one session cannot capture a graph for every input shape, so each shape gets a "
+                        "session of its own (all reading the same weights). Why: %s",
+                        self.name,
+                        error,
+                    )
             return self._shared
 
     def _graph_run_options(self, graph_id: int) -> ort.RunOptions:
         options = ort.RunOptions()
         try:
-            options.add_run_config_entry(DISABLE_SYNC_RUN_OPTION,
-                                         self.run_options.get_run_config_entry(DISABLE_SYNC_RUN_OPTION))
+            options.add_run_config_entry(
+                DISABLE_SYNC_RUN_OPTION, self.run_options.get_run_config_entry(DISABLE_SYNC_RUN_OPTION)
+            )
         except RuntimeError:  # the model's runs synchronize (no shared stream)
             pass
         options.add_run_config_entry(GRAPH_ID_RUN_OPTION, str(graph_id))
@@ -262,11 +284,14 @@ class GraphPool:
         shared = self.shared_session()
         if shared is not None:
             graph_id, self._next_graph_id = self._next_graph_id, self._next_graph_id + 1
-            return CudaGraphRunner(shared, dict(input_specs), output_specs, self.recipe.device,
-                                   self._graph_run_options(graph_id))
+            return CudaGraphRunner(
+                shared, dict(input_specs), output_specs, self.recipe.device, self._graph_run_options(graph_id)
+            )
         if self.recipe.providers[0] == "TensorrtExecutionProvider":
-            updates = dict(trt_cuda_graph_enable="1", **tensorrt_profile_options(
-                {name: shape for name, (shape, _) in input_specs.items()}))
+            updates = dict(
+                trt_cuda_graph_enable="1",
+                **tensorrt_profile_options({name: shape for name, (shape, _) in input_specs.items()}),
+            )
         else:
             updates = {"enable_cuda_graph": "1"}
         if self.placement_refused is not None:
@@ -287,8 +312,12 @@ class GraphPool:
             self.before_another_session(f"input shapes {dict(signature)} need a session without a graph")
             return FixedShapeSession(self.recipe.create(overrides))
         except Exception as error:  # the dynamic session can still run it
-            logger.info("%s: input shapes %s run in the model's dynamic session; a fixed-shape one failed: %s",
-                        self.name, dict(signature), error)
+            logger.info(
+                "%s: input shapes %s run in the model's dynamic session; a fixed-shape one failed: %s",
+                self.name,
+                dict(signature),
+                error,
+            )
             return None
 
     def _report(self, signature: Signature, reason: str) -> None:

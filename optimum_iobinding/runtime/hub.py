@@ -22,16 +22,22 @@ def hub_keywords() -> List[str]:
 
     from huggingface_hub import snapshot_download
 
-    return [name for name, parameter in inspect.signature(snapshot_download).parameters.items()
-            if name not in _HUB_OWN and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)]
+    return [
+        name
+        for name, parameter in inspect.signature(snapshot_download).parameters.items()
+        if name not in _HUB_OWN and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+    ]
 
 
 def keywords_of(function: Any) -> List[str]:
     """The parameters ``function`` takes by keyword, in its order (its ``**kwargs`` not among them)."""
     import inspect
 
-    return [name for name, parameter in inspect.signature(function).parameters.items()
-            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)]
+    return [
+        name
+        for name, parameter in inspect.signature(function).parameters.items()
+        if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+    ]
 
 
 def check_hub_kwargs(where: str, hub_kwargs: Mapping[str, Any], own: Sequence[str] = ()) -> None:
@@ -57,8 +63,11 @@ def check_hub_kwargs(where: str, hub_kwargs: Mapping[str, Any], own: Sequence[st
         reason += "; " + "; ".join(hints)
     else:
         reason += "; " + "".join(f"{hint}; " for hint in hints if hint)
-        reason += (f"its own keywords are {own}; besides them it takes huggingface_hub's download keywords {known}"
-                   if own else f"besides its own arguments it takes huggingface_hub's download keywords {known}")
+        reason += (
+            f"its own keywords are {own}; besides them it takes huggingface_hub's download keywords {known}"
+            if own
+            else f"besides its own arguments it takes huggingface_hub's download keywords {known}"
+        )
     raise ArgumentTypeError(where, reason)
 
 
@@ -97,10 +106,13 @@ def load_graph(path: str) -> onnx.ModelProto:
     try:
         model = onnx.load(path, load_external_data=False)
     except Exception as error:  # protobuf's DecodeError and friends
-        raise ArgumentError("path", f"{path!r} is not a readable ONNX model: {type(error).__name__}: {error}") from error
+        raise ArgumentError(
+            "path", f"{path!r} is not a readable ONNX model: {type(error).__name__}: {error}"
+        ) from error
     if not model.HasField("graph") or not (model.graph.node or model.graph.output):
-        raise ArgumentError("path", f"{path!r} is not a readable ONNX model: it parses as a protobuf message but holds no "
-                                    "ONNX graph")
+        raise ArgumentError(
+            "path", f"{path!r} is not a readable ONNX model: it parses as a protobuf message but holds no ONNX graph"
+        )
     return model
 
 
@@ -140,12 +152,15 @@ def resolve_model_file(
     if os.path.isdir(model_id):
         path = os.path.join(model_id, subfolder or "", file_name)
         if not os.path.isfile(path):
-            raise ArgumentPathError("model_id", f"expected {file_name!r} in {os.path.join(model_id, subfolder or '')!r}, "
-                                                f"found no such file")
+            raise ArgumentPathError(
+                "model_id", f"expected {file_name!r} in {os.path.join(model_id, subfolder or '')!r}, found no such file"
+            )
         return path
     pattern = f"{subfolder}/*" if subfolder else "*"
     folder = download_from_hub(model_id, [pattern], "model_id", **hub_kwargs)
     path = os.path.join(folder, subfolder or "", file_name)
     if not os.path.isfile(path):
-        raise ArgumentPathError("model_id", f"hub repository {model_id!r} has no {os.path.join(subfolder or '', file_name)!r}")
+        raise ArgumentPathError(
+            "model_id", f"hub repository {model_id!r} has no {os.path.join(subfolder or '', file_name)!r}"
+        )
     return path

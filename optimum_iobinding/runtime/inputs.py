@@ -50,12 +50,16 @@ def as_tensor(name: str, value: InputValue, expected: torch.dtype) -> torch.Tens
         return value
     if isinstance(value, np.ndarray):
         if value.dtype == object or value.dtype.kind not in "biuf":
-            raise TypeError(f"input {name!r}: expected a numeric numpy array for dtype {expected}, got dtype {value.dtype}")
+            raise TypeError(
+                f"input {name!r}: expected a numeric numpy array for dtype {expected}, got dtype {value.dtype}"
+            )
         return torch.from_numpy(np.ascontiguousarray(native_numpy(name, value)))
     if isinstance(value, np.generic) and value.dtype.kind in "biuf":
         return torch.from_numpy(native_numpy(name, np.asarray(value)))
     if isinstance(value, (bool, int, float)):
-        python_dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.float64
+        python_dtype = (
+            torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.float64
+        )
         if not conversion_allowed(python_dtype, expected):
             raise TypeError(f"input {name!r}: expected dtype {expected}, got Python {type(value).__name__} {value!r}")
         if python_dtype == torch.int64 and not expected.is_floating_point:
@@ -69,21 +73,29 @@ def as_tensor(name: str, value: InputValue, expected: torch.dtype) -> torch.Tens
 def check_dense(name: str, tensor: torch.Tensor) -> None:
     """Refuses tensors ORT cannot read as one block of memory: sparse, nested and quantized ones."""
     if tensor.layout != torch.strided:
-        raise TypeError(f"input {name!r}: expected a dense (strided) tensor, got a {str(tensor.layout)[6:]} tensor; "
-                        "call .to_dense() if the copy is intended")
+        raise TypeError(
+            f"input {name!r}: expected a dense (strided) tensor, got a {str(tensor.layout)[6:]} tensor; "
+            "call .to_dense() if the copy is intended"
+        )
     if tensor.is_nested:
-        raise TypeError(f"input {name!r}: expected a dense (strided) tensor, got a nested tensor; pad it to one shape "
-                        "(torch.nested.to_padded_tensor) if intended")
+        raise TypeError(
+            f"input {name!r}: expected a dense (strided) tensor, got a nested tensor; pad it to one shape "
+            "(torch.nested.to_padded_tensor) if intended"
+        )
     if tensor.is_quantized:
-        raise TypeError(f"input {name!r}: expected a tensor of a plain dtype, got the quantized {tensor.dtype}; call "
-                        ".dequantize() if intended")
+        raise TypeError(
+            f"input {name!r}: expected a tensor of a plain dtype, got the quantized {tensor.dtype}; call "
+            ".dequantize() if intended"
+        )
 
 
 def native_numpy(name: str, array: np.ndarray) -> np.ndarray:
     """``array`` in the machine's byte order (a copy where it is the other one), refusing dtypes torch lacks."""
     if array.dtype.kind == "f" and array.dtype.itemsize > 8:
-        raise TypeError(f"input {name!r}: expected a numpy dtype torch can hold (float16/32/64, int8-64, uint8-64, "
-                        f"bool), got {array.dtype} (numpy's longdouble); cast it with .astype(np.float64) if intended")
+        raise TypeError(
+            f"input {name!r}: expected a numpy dtype torch can hold (float16/32/64, int8-64, uint8-64, "
+            f"bool), got {array.dtype} (numpy's longdouble); cast it with .astype(np.float64) if intended"
+        )
     if not array.dtype.isnative:
         return array.astype(array.dtype.newbyteorder("="))
     return array
@@ -109,8 +121,10 @@ _UNSIGNED_WIDE = tuple(getattr(torch, name) for name in ("uint16", "uint32", "ui
 def _check_range(name: str, low: int, high: int, expected: torch.dtype) -> None:
     info = torch.iinfo(expected)
     if low < info.min or high > info.max:
-        raise ValueError(f"input {name!r}: expected values in [{info.min}, {info.max}] (the model's {expected}), "
-                         f"got values in [{low}, {high}]")
+        raise ValueError(
+            f"input {name!r}: expected values in [{info.min}, {info.max}] (the model's {expected}), "
+            f"got values in [{low}, {high}]"
+        )
 
 
 def as_checked_tensor(name: str, value: InputValue, expected: torch.dtype) -> torch.Tensor:
@@ -118,8 +132,10 @@ def as_checked_tensor(name: str, value: InputValue, expected: torch.dtype) -> to
     tensor = as_tensor(name, value, expected)
     if tensor.dtype != expected:
         if not conversion_allowed(tensor.dtype, expected):
-            raise TypeError(f"input {name!r}: expected dtype {expected}, got {tensor.dtype}, which does not convert "
-                            "without loss (cast it explicitly if intended)")
+            raise TypeError(
+                f"input {name!r}: expected dtype {expected}, got {tensor.dtype}, which does not convert "
+                "without loss (cast it explicitly if intended)"
+            )
         check_integer_range(name, tensor, expected)
     return tensor
 

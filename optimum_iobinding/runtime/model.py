@@ -28,11 +28,25 @@ from .cuda_policy import DEVICE_SETUP, DISABLE_SYNC_RUN_OPTION
 from .dtypes import ORT_TO_TORCH, TORCH_TO_ONNX, tensor_of_ort_value
 from . import timeline
 from .graph_pool import CudaGraphRunner, GraphPool, signature_of
-from .hub import (check_hub_kwargs, check_model_file, external_data_locations, keywords_of, load_graph,
-                  resolve_model_file)
+from .hub import (
+    check_hub_kwargs,
+    check_model_file,
+    external_data_locations,
+    keywords_of,
+    load_graph,
+    resolve_model_file,
+)
 from .inputs import InputValue, as_checked_tensor, check_input_names, numpy_bits, to_bindable
-from .options import (MODEL_SETTINGS, NOT_GIVEN, CudaGraphSetting, ModelOptions, ProviderOptionsSpec, ProviderSpec,
-                      given_settings, provider_device)
+from .options import (
+    MODEL_SETTINGS,
+    NOT_GIVEN,
+    CudaGraphSetting,
+    ModelOptions,
+    ProviderOptionsSpec,
+    ProviderSpec,
+    given_settings,
+    provider_device,
+)
 from .session import SessionRecipe, create_session, declared_types
 from .shapes import inferencer_from_model_proto, inferencer_from_session
 
@@ -150,10 +164,18 @@ class IOBindingORTModel:
         share_weights: Optional[bool] = NOT_GIVEN,
         options: Optional[ModelOptions] = None,
     ):
-        settings = dict(provider=provider, provider_options=provider_options, sess_options=sess_options,
-                        io_binding=io_binding, reuse_outputs=reuse_outputs, max_output_signatures=max_output_signatures,
-                        cuda_graph=cuda_graph, max_graph_signatures=max_graph_signatures, share_weights=share_weights,
-                        stream=stream)
+        settings = dict(
+            provider=provider,
+            provider_options=provider_options,
+            sess_options=sess_options,
+            io_binding=io_binding,
+            reuse_outputs=reuse_outputs,
+            max_output_signatures=max_output_signatures,
+            cuda_graph=cuda_graph,
+            max_graph_signatures=max_graph_signatures,
+            share_weights=share_weights,
+            stream=stream,
+        )
         if options is not None:
             options = ModelOptions.alone(options, given_settings(**settings))
         if isinstance(session_or_path, _Recipe):  # a sibling: the recipe (and its weights) of another model
@@ -162,9 +184,15 @@ class IOBindingORTModel:
         elif isinstance(session_or_path, ort.InferenceSession):
             session = session_or_path
             if options is None:
-                options = ModelOptions.of_session(session, io_binding, reuse_outputs=reuse_outputs,
-                                                  max_output_signatures=max_output_signatures, cuda_graph=cuda_graph,
-                                                  max_graph_signatures=max_graph_signatures, stream=stream)
+                options = ModelOptions.of_session(
+                    session,
+                    io_binding,
+                    reuse_outputs=reuse_outputs,
+                    max_output_signatures=max_output_signatures,
+                    cuda_graph=cuda_graph,
+                    max_graph_signatures=max_graph_signatures,
+                    stream=stream,
+                )
             recipe = SessionRecipe.for_session(session, options)
         elif isinstance(session_or_path, (str, os.PathLike)):
             check_model_file(os.fspath(session_or_path))  # missing or empty: named before any option is resolved
@@ -184,13 +212,21 @@ class IOBindingORTModel:
         pool_possible = device.type == "cuda" and io_binding and stream_in_use is not None and recipe.can_create
         if options.cuda_graph is True and not pool_possible:
             if device.type != "cuda" or not io_binding:
-                raise ArgumentError("cuda_graph", f"needs a CUDA session with io_binding=True, got device {device} and "
-                                                  f"io_binding={io_binding}")
+                raise ArgumentError(
+                    "cuda_graph",
+                    f"needs a CUDA session with io_binding=True, got device {device} and io_binding={io_binding}",
+                )
             if stream_in_use is None:
-                raise ArgumentError("cuda_graph", "needs the session's stream; create the model from a path (or a session "
-                                                  "made with the provider option user_compute_stream)")
-            raise ArgumentError("cuda_graph", "the session was created from neither a path nor bytes, so no session "
-                                              "with fixed dims can be made for a graph")
+                raise ArgumentError(
+                    "cuda_graph",
+                    "needs the session's stream; create the model from a path (or a session "
+                    "made with the provider option user_compute_stream)",
+                )
+            raise ArgumentError(
+                "cuda_graph",
+                "the session was created from neither a path nor bytes, so no session "
+                "with fixed dims can be made for a graph",
+            )
         weights = recipe.weights
         keeps_pool = pool_possible and (options.cuda_graph is not False or weights.owned or weights.on_need)
         if session is None and not (keeps_pool and isinstance(recipe.source, str)):
@@ -230,8 +266,9 @@ class IOBindingORTModel:
         self.config: Dict[str, Any] = dict(config or {})
         self.shape_inferencer = shape_inferencer
         # every new input signature's outputs are sized against the device's memory before any is allocated
-        shape_inferencer.bound_outputs({name: dtype.itemsize for name, dtype in self._output_dtypes.items()},
-                                       lambda: output_byte_limit(device))
+        shape_inferencer.bound_outputs(
+            {name: dtype.itemsize for name, dtype in self._output_dtypes.items()}, lambda: output_byte_limit(device)
+        )
         self._ort_device_type = "cuda" if device.type == "cuda" else "cpu"
         self._ort_device_id = device.index or 0
         self._thread_state = threading.local()  # per thread: its reused output buffers
@@ -245,8 +282,14 @@ class IOBindingORTModel:
         self.max_graph_signatures = options.max_graph_signatures
         self._pool: Optional[GraphPool] = None
         if keeps_pool:
-            self._pool = GraphPool(recipe, self.cuda_graph, self.max_graph_signatures, output_dtypes, self._run_options,
-                                   name=self.model_path or "model")
+            self._pool = GraphPool(
+                recipe,
+                self.cuda_graph,
+                self.max_graph_signatures,
+                output_dtypes,
+                self._run_options,
+                name=self.model_path or "model",
+            )
         self._run_watchers: List[List[RunRecord]] = []
 
     def sibling(self, **changes: Any) -> "IOBindingORTModel":
@@ -261,8 +304,9 @@ class IOBindingORTModel:
         if unknown:
             raise ArgumentTypeError("sibling", f"expected settings among {list(self.SIBLING_SETTINGS)}, got {unknown}")
         if not self._recipe.can_create:
-            raise RuntimeError("sibling: the session was created from neither a path nor bytes, so it cannot be "
-                               "created again")
+            raise RuntimeError(
+                "sibling: the session was created from neither a path nor bytes, so it cannot be created again"
+            )
         if self._pool is not None and self._recipe.weights.on_need:
             self.own_weights()  # the sibling's sessions and this model's read one copy of the weights
         options = self.options.replace(**{**self.options.settings(), "cuda_graph": self.cuda_graph, **changes})
@@ -285,8 +329,10 @@ class IOBindingORTModel:
         """
         check_model_file(os.fspath(path))
         if not self._recipe.can_create:
-            raise RuntimeError("part: the session was created from neither a path nor bytes, so the weights it read "
-                               "cannot be shared with another graph")
+            raise RuntimeError(
+                "part: the session was created from neither a path nor bytes, so the weights it read "
+                "cannot be shared with another graph"
+            )
         options = self.options.replace(**{**self.options.settings(), "cuda_graph": self.cuda_graph})
         recipe = SessionRecipe(os.fspath(path), options)
         weights = self._recipe.weights
@@ -348,14 +394,25 @@ class IOBindingORTModel:
         """
         check_hub_kwargs("IOBindingORTModel.from_pretrained", hub_kwargs, keywords_of(cls.from_pretrained))
         options = ModelOptions.resolve(  # checked before anything is downloaded
-            provider, provider_options, sess_options, io_binding, reuse_outputs, max_output_signatures, cuda_graph,
-            max_graph_signatures, share_weights, stream, options=options)
+            provider,
+            provider_options,
+            sess_options,
+            io_binding,
+            reuse_outputs,
+            max_output_signatures,
+            cuda_graph,
+            max_graph_signatures,
+            share_weights,
+            stream,
+            options=options,
+        )
         path = resolve_model_file(model_id, subfolder, file_name, **hub_kwargs)
         config = read_json_object(os.path.join(os.path.dirname(path), CONFIG_NAME))
         return cls(path, config=config, options=options)
 
-    def save_pretrained(self, save_directory: Union[str, os.PathLike], file_name: str = "model.onnx",
-                        overwrite: bool = False) -> str:
+    def save_pretrained(
+        self, save_directory: Union[str, os.PathLike], file_name: str = "model.onnx", overwrite: bool = False
+    ) -> str:
         """Writes the model, every external-data file it references, its config and LoRA map (if any) into
         ``save_directory``. A file of the same name already there is an error unless ``overwrite=True`` (a save
         onto the model's own files leaves them as they are); each file is written beside its place and renamed
@@ -382,14 +439,19 @@ class IOBindingORTModel:
             if os.path.isfile(lora_map):
                 writes.append((lora_map, directory / LORA_MAP_NAME, None))
         if self.config:
-            writes.append((None, directory / CONFIG_NAME,
-                           json.dumps(self.config, indent=2, sort_keys=True).encode()))
-        same = {path for copy_from, path, data in writes if path.exists() and (
-            os.path.samefile(copy_from, path) if copy_from is not None else path.read_bytes() == data)}
+            writes.append((None, directory / CONFIG_NAME, json.dumps(self.config, indent=2, sort_keys=True).encode()))
+        same = {
+            path
+            for copy_from, path, data in writes
+            if path.exists()
+            and (os.path.samefile(copy_from, path) if copy_from is not None else path.read_bytes() == data)
+        }
         existing = [str(path) for _, path, _ in writes if path.exists() and path not in same]
         if existing and not overwrite:
-            raise FileExistsError(f"save_directory: expected no files named like the model's there, got "
-                                  f"{existing}; pass overwrite=True to replace them")
+            raise FileExistsError(
+                f"save_directory: expected no files named like the model's there, got "
+                f"{existing}; pass overwrite=True to replace them"
+            )
         directory.mkdir(parents=True, exist_ok=True)
         for copy_from, path, data in writes:
             if path in same:
@@ -503,11 +565,15 @@ class IOBindingORTModel:
         weights = self._recipe.weights
         if not weights.owned:
             if self._pool is not None and not weights.on_need:
-                raise RuntimeError("own_weights: this model keeps per-signature sessions without owned weights "
-                                   "(share_weights=False); create it with share_weights=True (or the default)")
+                raise RuntimeError(
+                    "own_weights: this model keeps per-signature sessions without owned weights "
+                    "(share_weights=False); create it with share_weights=True (or the default)"
+                )
             if not self._recipe.can_create:
-                raise RuntimeError("own_weights: the session was created from neither a path nor bytes, so it "
-                                   "cannot be created again around owned weights")
+                raise RuntimeError(
+                    "own_weights: the session was created from neither a path nor bytes, so it "
+                    "cannot be created again around owned weights"
+                )
             with self._lock:
                 if self._pool is not None:
                     self._pool.own_weights("own_weights() was called")
@@ -582,8 +648,10 @@ class IOBindingORTModel:
         """
         for shapes in input_shapes:
             check_input_names(shapes, self.input_names)
-            inputs = {name: torch.zeros(tuple(shape), dtype=self._input_dtypes[name], device=self.device)
-                      for name, shape in shapes.items()}
+            inputs = {
+                name: torch.zeros(tuple(shape), dtype=self._input_dtypes[name], device=self.device)
+                for name, shape in shapes.items()
+            }
             for _ in range(runs):
                 self(**inputs)
 
@@ -603,8 +671,12 @@ class IOBindingORTModel:
                 results = self._run(inputs)
             timeline.ran(self, index)
         for watcher in self._run_watchers:
-            watcher.append(RunRecord({name: value.data_ptr() for name, value in inputs.items()
-                                      if isinstance(value, torch.Tensor)}, [tensor.data_ptr() for tensor in results]))
+            watcher.append(
+                RunRecord(
+                    {name: value.data_ptr() for name, value in inputs.items() if isinstance(value, torch.Tensor)},
+                    [tensor.data_ptr() for tensor in results],
+                )
+            )
         return results
 
     @contextlib.contextmanager
@@ -635,8 +707,9 @@ class IOBindingORTModel:
 
     def _run_bound(self, inputs: Mapping[str, InputValue]) -> List[torch.Tensor]:
         # `bound` holds every tensor whose pointer is bound until the run has returned (converted temporaries too).
-        bound = {name: to_bindable(name, value, self._input_dtypes[name], self._device)
-                 for name, value in inputs.items()}
+        bound = {
+            name: to_bindable(name, value, self._input_dtypes[name], self._device) for name, value in inputs.items()
+        }
         input_shapes = {name: tuple(tensor.shape) for name, tensor in bound.items()}
         output_shapes = self.shape_inferencer(input_shapes)
         session = binding = None
@@ -662,16 +735,24 @@ class IOBindingORTModel:
             try:
                 for name, tensor in bound.items():
                     binding.bind_input(
-                        name, self._ort_device_type, self._ort_device_id, TORCH_TO_ONNX[tensor.dtype],
-                        list(tensor.shape), tensor.data_ptr(),
+                        name,
+                        self._ort_device_type,
+                        self._ort_device_id,
+                        TORCH_TO_ONNX[tensor.dtype],
+                        list(tensor.shape),
+                        tensor.data_ptr(),
                     )
                 for name, tensor in outputs.items():
                     if tensor is None:  # data-dependent or empty: ORT allocates it on the device
                         binding.bind_output(name, self._ort_device_type, self._ort_device_id)
                     else:
                         binding.bind_output(
-                            name, self._ort_device_type, self._ort_device_id, TORCH_TO_ONNX[tensor.dtype],
-                            list(tensor.shape), tensor.data_ptr(),
+                            name,
+                            self._ort_device_type,
+                            self._ort_device_id,
+                            TORCH_TO_ONNX[tensor.dtype],
+                            list(tensor.shape),
+                            tensor.data_ptr(),
                         )
                 if self._device.type == "cuda" and self._stream is None:
                     # ORT runs on a stream of its own: what torch wrote must be complete before it reads.
@@ -711,8 +792,10 @@ class IOBindingORTModel:
         cached = kept.get(signature) if self.reuse_outputs else None
         if cached is not None:
             input_storages = {t.untyped_storage().data_ptr() for t in bound_inputs.values() if t.numel()}
-            if not any(t is not None and t.numel() and t.untyped_storage().data_ptr() in input_storages
-                       for t in cached.values()):
+            if not any(
+                t is not None and t.numel() and t.untyped_storage().data_ptr() in input_storages
+                for t in cached.values()
+            ):
                 kept.move_to_end(signature)
                 return cached
             # an input is an earlier output: never bind an output onto an input
@@ -771,4 +854,3 @@ class _Recipe:
 
     def __init__(self, recipe: SessionRecipe):
         self.recipe = recipe
-

@@ -22,8 +22,15 @@ import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
 from .cuda_policy import with_diffusion_defaults, with_stream
-from .providers import (CUDA_LIKE_PROVIDERS, DEFAULT_PROVIDER, GPU_PROVIDERS, ProviderOptionsSpec, ProviderSpec,
-                        check_bindable, normalize_providers)
+from .providers import (
+    CUDA_LIKE_PROVIDERS,
+    DEFAULT_PROVIDER,
+    GPU_PROVIDERS,
+    ProviderOptionsSpec,
+    ProviderSpec,
+    check_bindable,
+    normalize_providers,
+)
 
 CudaGraphSetting = Union[bool, str]
 
@@ -31,8 +38,18 @@ CudaGraphSetting = Union[bool, str]
 MODEL_SETTINGS = ("cuda_graph", "reuse_outputs", "max_output_signatures", "max_graph_signatures")
 COMPONENT_SETTINGS = MODEL_SETTINGS + ("share_weights",)
 # every setting a model takes as a keyword (ModelOptions.resolve's, in its order)
-MODEL_KEYWORDS = ("provider", "provider_options", "sess_options", "io_binding", "reuse_outputs",
-                  "max_output_signatures", "cuda_graph", "max_graph_signatures", "share_weights", "stream")
+MODEL_KEYWORDS = (
+    "provider",
+    "provider_options",
+    "sess_options",
+    "io_binding",
+    "reuse_outputs",
+    "max_output_signatures",
+    "cuda_graph",
+    "max_graph_signatures",
+    "share_weights",
+    "stream",
+)
 
 
 def provider_device(providers: Sequence[str], provider_options: Sequence[Mapping[str, Any]]) -> torch.device:
@@ -44,8 +61,10 @@ def provider_device(providers: Sequence[str], provider_options: Sequence[Mapping
 
 def check_sess_options(sess_options: Any) -> Optional[ort.SessionOptions]:
     if sess_options is not None and not isinstance(sess_options, ort.SessionOptions):
-        raise ArgumentTypeError("sess_options", f"expected an onnxruntime.SessionOptions or None, got "
-                                                f"{type(sess_options).__name__} {sess_options!r}")
+        raise ArgumentTypeError(
+            "sess_options",
+            f"expected an onnxruntime.SessionOptions or None, got {type(sess_options).__name__} {sess_options!r}",
+        )
     return sess_options
 
 
@@ -100,8 +119,11 @@ NOT_GIVEN: Any = _NotGiven()
 def given_settings(**settings: Any) -> Dict[str, Any]:
     """The settings a caller actually gave: those not :data:`NOT_GIVEN`, and for ``provider`` and
     ``provider_options`` those not ``None`` either (``None`` asks for their default)."""
-    return {name: value for name, value in settings.items() if value is not NOT_GIVEN
-            and not (value is None and name in ("provider", "provider_options"))}
+    return {
+        name: value
+        for name, value in settings.items()
+        if value is not NOT_GIVEN and not (value is None and name in ("provider", "provider_options"))
+    }
 
 
 @dataclass(frozen=True)
@@ -191,10 +213,18 @@ class ModelOptions:
         Raises:
             TypeError, ValueError: a setting is wrong (the error names it), or ``options`` come with settings.
         """
-        given = given_settings(provider=provider, provider_options=provider_options, sess_options=sess_options,
-                               io_binding=io_binding, reuse_outputs=reuse_outputs,
-                               max_output_signatures=max_output_signatures, cuda_graph=cuda_graph,
-                               max_graph_signatures=max_graph_signatures, share_weights=share_weights, stream=stream)
+        given = given_settings(
+            provider=provider,
+            provider_options=provider_options,
+            sess_options=sess_options,
+            io_binding=io_binding,
+            reuse_outputs=reuse_outputs,
+            max_output_signatures=max_output_signatures,
+            cuda_graph=cuda_graph,
+            max_graph_signatures=max_graph_signatures,
+            share_weights=share_weights,
+            stream=stream,
+        )
         if options is not None:
             return cls.alone(options, given)
         _check_settings(given)
@@ -207,8 +237,11 @@ class ModelOptions:
         providers, provider_opts = normalize_providers(settings["provider"], settings["provider_options"], io_binding)
         cuda_like = io_binding and providers[0] in CUDA_LIKE_PROVIDERS
         if stream is not None and not cuda_like:
-            raise ArgumentError("stream", f"a CUDA stream needs a CUDA-like provider with io_binding=True, got "
-                                          f"{providers[0]!r} with io_binding={io_binding}")
+            raise ArgumentError(
+                "stream",
+                f"a CUDA stream needs a CUDA-like provider with io_binding=True, got "
+                f"{providers[0]!r} with io_binding={io_binding}",
+            )
         device = provider_device(providers, provider_opts)
         _check_device(providers[0], device, io_binding)
         if cuda_like:
@@ -218,9 +251,18 @@ class ModelOptions:
             provider_opts = with_stream(providers, provider_opts, stream)
         if share_weights is None and not cuda_like:
             share_weights = False  # no graph pool can need a second session's copy of the weights
-        return cls(tuple(providers), tuple(provider_opts), settings["sess_options"], io_binding,
-                   settings["reuse_outputs"], settings["max_output_signatures"], settings["cuda_graph"],
-                   settings["max_graph_signatures"], share_weights, stream)
+        return cls(
+            tuple(providers),
+            tuple(provider_opts),
+            settings["sess_options"],
+            io_binding,
+            settings["reuse_outputs"],
+            settings["max_output_signatures"],
+            settings["cuda_graph"],
+            settings["max_graph_signatures"],
+            share_weights,
+            stream,
+        )
 
     @classmethod
     def alone(cls, options: Any, given: Mapping[str, Any]) -> "ModelOptions":
@@ -228,23 +270,26 @@ class ModelOptions:
         :func:`given_settings` returns them): a setting other than its default would be lost."""
         if not isinstance(options, ModelOptions):
             raise ArgumentTypeError("options", f"expected a ModelOptions, got {type(options).__name__}")
-        beside = sorted(name for name, value in given.items()
-                        if value is not cls.default(name) and value != cls.default(name))
+        beside = sorted(
+            name for name, value in given.items() if value is not cls.default(name) and value != cls.default(name)
+        )
         if beside:
             raise ArgumentTypeError("options", f"expected either options or the settings {beside}, got both")
         return options
 
     @classmethod
-    def of_session(cls, session: ort.InferenceSession, io_binding: bool = NOT_GIVEN,
-                   **settings: Any) -> "ModelOptions":
+    def of_session(cls, session: ort.InferenceSession, io_binding: bool = NOT_GIVEN, **settings: Any) -> "ModelOptions":
         """The options a session made elsewhere runs with (its providers and stream, as far as ORT tells them),
         with the model-level ``settings`` given (the others take their defaults); its weights are its own
         (``share_weights=False``)."""
         given = given_settings(io_binding=io_binding, **settings)
         _check_settings(given)
         if given.get("stream") is not None:
-            raise ArgumentError("stream", "a stream is set when a session is created; pass a path (or create the session "
-                                          "with the provider option user_compute_stream) instead of a session")
+            raise ArgumentError(
+                "stream",
+                "a stream is set when a session is created; pass a path (or create the session "
+                "with the provider option user_compute_stream) instead of a session",
+            )
         given.pop("stream", None)
         given.pop("share_weights", None)
         io_binding = given.pop("io_binding", cls.io_binding)
@@ -258,8 +303,15 @@ class ModelOptions:
         handle = options[0].get("user_compute_stream")
         if io_binding and providers[0] in CUDA_LIKE_PROVIDERS and handle and int(handle) != 0:
             stream = torch.cuda.ExternalStream(int(handle), device=device)
-        return cls(tuple(providers), tuple(options), session.get_session_options(), io_binding,
-                   share_weights=False, stream=stream, **given)
+        return cls(
+            tuple(providers),
+            tuple(options),
+            session.get_session_options(),
+            io_binding,
+            share_weights=False,
+            stream=stream,
+            **given,
+        )
 
     def replace(self, **settings: Any) -> "ModelOptions":
         """These options with some model-level ``settings`` changed (a sibling's, a component's), checked."""
@@ -288,9 +340,12 @@ class ModelOptions:
 
 def _check_device(first_provider: str, device: torch.device, io_binding: bool) -> None:
     if io_binding and device.type == "cpu" and first_provider != "CPUExecutionProvider":
-        raise ArgumentError("provider", f"IOBindingORTModel binds torch tensors on CPU or CUDA devices; "
-                         f"{first_provider!r} is neither (use CUDAExecutionProvider or CPUExecutionProvider, or "
-                         "io_binding=False)")
+        raise ArgumentError(
+            "provider",
+            f"IOBindingORTModel binds torch tensors on CPU or CUDA devices; "
+            f"{first_provider!r} is neither (use CUDAExecutionProvider or CPUExecutionProvider, or "
+            "io_binding=False)",
+        )
 
 
 # ------------------------------------------------------------------------------------------------- a pipeline
@@ -342,20 +397,24 @@ class PipelineOptions:
             check_cuda_graph_setting(cuda_graph)
         given = dict(component_options or {})
         if not all(isinstance(value, dict) for value in given.values()):
-            raise ArgumentTypeError("component_options", f"expected a dict of dicts (component → settings), got {given!r}")
+            raise ArgumentTypeError(
+                "component_options", f"expected a dict of dicts (component → settings), got {given!r}"
+            )
         numbered = tuple(numbered)
         if not set(numbered) <= set(components):
-            raise ArgumentError("numbered", f"expected components among {list(components)}, got "
-                                            f"{sorted(set(numbered) - set(components))}")
-        unknown = sorted(name for name in set(given) - set(components)
-                         if _copy_of(name, components, numbered) is None)
+            raise ArgumentError(
+                "numbered",
+                f"expected components among {list(components)}, got {sorted(set(numbered) - set(components))}",
+            )
+        unknown = sorted(name for name in set(given) - set(components) if _copy_of(name, components, numbered) is None)
         if unknown:
             raise ArgumentError("component_options", f"expected components among {list(components)}, got {unknown}")
         for name, settings in given.items():
             wrong = sorted(set(settings) - set(COMPONENT_SETTINGS))
             if wrong:
-                raise ValueError(f"component_options[{name!r}]: expected settings among {list(COMPONENT_SETTINGS)}, "
-                                 f"got {wrong}")
+                raise ValueError(
+                    f"component_options[{name!r}]: expected settings among {list(COMPONENT_SETTINGS)}, got {wrong}"
+                )
             try:
                 _check_settings(settings)
             except (TypeError, ValueError) as error:

@@ -33,6 +33,7 @@ UNBINDABLE_PROVIDERS = {
 ProviderSpec = Union[str, Tuple[str, Dict[str, Any]], Sequence[Union[str, Tuple[str, Dict[str, Any]]]], None]
 ProviderOptionsSpec = Union[Dict[str, Any], Sequence[Dict[str, Any]], None]
 
+
 # ---------------------------------------------------------------------------------------------- single options
 def normalize_providers(
     provider: ProviderSpec,
@@ -48,11 +49,16 @@ def normalize_providers(
     """
     if provider is None:
         provider = DEFAULT_PROVIDER
-    if isinstance(provider, str) or (isinstance(provider, tuple) and len(provider) == 2 and isinstance(provider[1], dict)):
+    if isinstance(provider, str) or (
+        isinstance(provider, tuple) and len(provider) == 2 and isinstance(provider[1], dict)
+    ):
         provider = [provider]
     if not isinstance(provider, (list, tuple)):
-        raise ArgumentTypeError("provider", f"expected a provider name, a (name, options dict) pair or a list of them, "
-                                            f"got {type(provider).__name__} {provider!r}")
+        raise ArgumentTypeError(
+            "provider",
+            f"expected a provider name, a (name, options dict) pair or a list of them, "
+            f"got {type(provider).__name__} {provider!r}",
+        )
     if not provider:
         raise ArgumentError("provider", "expected at least one execution provider, got an empty list")
     names: List[str] = []
@@ -65,10 +71,13 @@ def normalize_providers(
             names.append(entry[0])
             options.append(dict(entry[1]))
         else:
-            raise ArgumentTypeError("provider", f"expected a provider name or a (name, options dict) pair, got {entry!r}")
+            raise ArgumentTypeError(
+                "provider", f"expected a provider name or a (name, options dict) pair, got {entry!r}"
+            )
     if provider_options is not None:
         if not isinstance(provider_options, (dict, list, tuple)) or (
-                not isinstance(provider_options, dict) and not all(isinstance(o, dict) for o in provider_options)):
+            not isinstance(provider_options, dict) and not all(isinstance(o, dict) for o in provider_options)
+        ):
             raise ArgumentTypeError("provider_options", f"expected a dict or a list of dicts, got {provider_options!r}")
         extra = [provider_options] if isinstance(provider_options, dict) else list(provider_options)
         if len(extra) != len(names):
@@ -101,8 +110,11 @@ def unavailable_provider_reason(name: str, available: Sequence[str]) -> str:
 def likely_provider(name: str, known: Sequence[str]) -> Optional[str]:
     """The provider of ``known`` that ``name`` likely means, or ``None``: a short name (``"cuda"``, ``"tensorrt"``,
     ``"cpu"``: ORT's name without ``ExecutionProvider``, in any case), a misspelled one, or a misspelled full name."""
-    stems = {provider[: -len("ExecutionProvider")].casefold(): provider for provider in known
-             if provider.endswith("ExecutionProvider")}
+    stems = {
+        provider[: -len("ExecutionProvider")].casefold(): provider
+        for provider in known
+        if provider.endswith("ExecutionProvider")
+    }
     stem = re.split("execution", name, maxsplit=1, flags=re.IGNORECASE)[0].casefold()
     if stem in stems:
         return stems[stem]
@@ -118,4 +130,6 @@ def likely_provider(name: str, known: Sequence[str]) -> Optional[str]:
 def check_bindable(first_provider: str, io_binding: bool) -> None:
     """With ``io_binding`` the first provider's memory must be one torch can address."""
     if io_binding and first_provider in UNBINDABLE_PROVIDERS:
-        raise ArgumentError("provider", f"{first_provider!r} with io_binding=True: {UNBINDABLE_PROVIDERS[first_provider]}")
+        raise ArgumentError(
+            "provider", f"{first_provider!r} with io_binding=True: {UNBINDABLE_PROVIDERS[first_provider]}"
+        )

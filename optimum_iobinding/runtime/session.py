@@ -38,22 +38,32 @@ def create_session(
     if isinstance(path_or_bytes, str):
         check_model_file(path_or_bytes)
     try:
-        return ort.InferenceSession(path_or_bytes, sess_options=sess_options, providers=list(providers),
-                                    provider_options=list(provider_options))
+        return ort.InferenceSession(
+            path_or_bytes, sess_options=sess_options, providers=list(providers), provider_options=list(provider_options)
+        )
     except Exception as error:  # ORT's own exception types are not importable in a stable place
         if not isinstance(path_or_bytes, str):
             raise ArgumentError("path", f"onnxruntime could not load the model bytes: {error}") from error
         reason = unreadable_reason(path_or_bytes)
         if reason is not None:
-            raise ArgumentError("path", f"{path_or_bytes!r} is not a readable ONNX model: {reason} (onnxruntime could not "
-                                        f"load {path_or_bytes!r} either: {error})") from error
+            raise ArgumentError(
+                "path",
+                f"{path_or_bytes!r} is not a readable ONNX model: {reason} (onnxruntime could not "
+                f"load {path_or_bytes!r} either: {error})",
+            ) from error
         raise ArgumentError("path", f"onnxruntime could not load {path_or_bytes!r}: {error}") from error
 
 
 _ORT_TYPE_NAMES = {
-    onnx.TensorProto.FLOAT: "float", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16",
-    onnx.TensorProto.DOUBLE: "double", onnx.TensorProto.INT64: "int64", onnx.TensorProto.INT32: "int32",
-    onnx.TensorProto.INT16: "int16", onnx.TensorProto.INT8: "int8", onnx.TensorProto.UINT8: "uint8",
+    onnx.TensorProto.FLOAT: "float",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.BFLOAT16: "bfloat16",
+    onnx.TensorProto.DOUBLE: "double",
+    onnx.TensorProto.INT64: "int64",
+    onnx.TensorProto.INT32: "int32",
+    onnx.TensorProto.INT16: "int16",
+    onnx.TensorProto.INT8: "int8",
+    onnx.TensorProto.UINT8: "uint8",
     onnx.TensorProto.BOOL: "bool",
 }
 
@@ -72,7 +82,6 @@ def declared_types(model: onnx.ModelProto) -> Tuple[Dict[str, str], Dict[str, st
     inputs = {value.name: type_of(value) for value in model.graph.input if value.name not in initializers}
     outputs = {value.name: type_of(value) for value in model.graph.output}
     return inputs, outputs
-
 
 
 class SessionRecipe:
@@ -148,8 +157,10 @@ class SessionRecipe:
             options[0].update(provider_updates)
         start = time.perf_counter()
         try:
-            what = (f"session {source_name(self.source)}{' graph' if (provider_updates or {}).get('enable_cuda_graph') else ''}"
-                    f"{' fixed dims' if free_dims else ''}")
+            what = (
+                f"session {source_name(self.source)}{' graph' if (provider_updates or {}).get('enable_cuda_graph') else ''}"
+                f"{' fixed dims' if free_dims else ''}"
+            )
             with DEVICE_SETUP.setup() if self.device.type == "cuda" else contextlib.nullcontext(), timeline.step(what):
                 session = create_session(self.source, self.providers, options, sess_options)
         except Exception:

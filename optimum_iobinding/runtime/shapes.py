@@ -123,8 +123,9 @@ def bounded(value: Fraction, expression: str) -> Fraction:
         DimExpressionError: the value is larger, naming ``expression``.
     """
     if value_bits(value) > MAX_VALUE_BITS:
-        raise DimExpressionError(f"dim {expression!r}: an intermediate value exceeds {MAX_VALUE_BITS} bits, far beyond "
-                                 "any tensor size")
+        raise DimExpressionError(
+            f"dim {expression!r}: an intermediate value exceeds {MAX_VALUE_BITS} bits, far beyond any tensor size"
+        )
     return value
 
 
@@ -163,8 +164,10 @@ def _evaluate_unbounded(node: ast.AST, symbols: Mapping[str, int], expression: s
                 raise DimExpressionError(f"dim {expression!r}: exponent {right} is not an integer in [0, 64]")
             # checked before computing it
             if value_bits(left) > 1 and (value_bits(left) - 1) * int(right) > MAX_VALUE_BITS:
-                raise DimExpressionError(f"dim {expression!r}: an intermediate value exceeds {MAX_VALUE_BITS} bits, "
-                                         "far beyond any tensor size")
+                raise DimExpressionError(
+                    f"dim {expression!r}: an intermediate value exceeds {MAX_VALUE_BITS} bits, "
+                    "far beyond any tensor size"
+                )
             return left ** int(right)
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.keywords:
         function = _FUNCTIONS.get(node.func.id)
@@ -231,8 +234,10 @@ def checked_shape(name: str, shape: Any) -> Shape:
     try:
         dims = tuple(shape)
     except TypeError:
-        raise TypeError(f"input {name!r}: expected a shape (a sequence of non-negative integers), got "
-                        f"{type(shape).__name__} {shape!r}") from None
+        raise TypeError(
+            f"input {name!r}: expected a shape (a sequence of non-negative integers), got "
+            f"{type(shape).__name__} {shape!r}"
+        ) from None
     checked = []
     for axis, size in enumerate(dims):
         try:  # ints, numpy and torch integers; not floats (1.5, and 2.0 too), strings or bools
@@ -240,11 +245,14 @@ def checked_shape(name: str, shape: Any) -> Shape:
                 raise TypeError
             size = operator.index(size)
         except TypeError:
-            raise TypeError(f"input {name!r}: expected non-negative integer sizes, got {size!r} in dim {axis} "
-                            f"(shape {list(dims)})") from None
+            raise TypeError(
+                f"input {name!r}: expected non-negative integer sizes, got {size!r} in dim {axis} (shape {list(dims)})"
+            ) from None
         if size < 0 or size >= 2**62:
-            raise ValueError(f"input {name!r}: expected non-negative integer sizes below 2**62, got {size} in dim "
-                             f"{axis} (shape {list(dims)})")
+            raise ValueError(
+                f"input {name!r}: expected non-negative integer sizes below 2**62, got {size} in dim "
+                f"{axis} (shape {list(dims)})"
+            )
         checked.append(int(size))
     return tuple(checked)
 
@@ -375,12 +383,14 @@ class ShapeInferencer:
         self._check_sizes(result)
         return result
 
-    def _check_declaration(self, name: str, declared: Tuple[Optional[int], ...],
-                           inferred: Tuple[Optional[int], ...]) -> None:
+    def _check_declaration(
+        self, name: str, declared: Tuple[Optional[int], ...], inferred: Tuple[Optional[int], ...]
+    ) -> None:
         """The declared dims (resolved for this signature) must agree with ONNX shape inference wherever both give
         a size."""
         conflict = len(declared) != len(inferred) or any(
-            d is not None and o is not None and d != o for d, o in zip(declared, inferred))
+            d is not None and o is not None and d != o for d, o in zip(declared, inferred)
+        )
         if conflict:
             reported = _format_dims(self.output_dims[name])
             in_file = self._declared_in_file(name)
@@ -389,15 +399,20 @@ class ShapeInferencer:
                 f"output {name!r}: the model declares shape {declaration}, which is "
                 f"{_format_dims(declared)} for these inputs, but its graph computes {_format_dims(inferred)} (ONNX "
                 "shape inference); expected the declared output shape to match the graph: the file's output "
-                "declaration is wrong (export the model again)")
+                "declaration is wrong (export the model again)"
+            )
 
     def _declared_in_file(self, name: str) -> Optional[str]:
         """The output's dims as the model file writes them (ORT reports its own merge of them with its inference)."""
         skeleton = self._skeleton
         for value_info in skeleton.graph.output if skeleton is not None else ():
             if value_info.name == name and value_info.type.tensor_type.HasField("shape"):
-                return _format_dims([d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                                     for d in value_info.type.tensor_type.shape.dim])
+                return _format_dims(
+                    [
+                        d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                        for d in value_info.type.tensor_type.shape.dim
+                    ]
+                )
         return None
 
     def _check_sizes(self, shapes: Mapping[str, Optional[Shape]]) -> None:
@@ -418,9 +433,12 @@ class ShapeInferencer:
                     f"output {name!r}: expected an output that fits in {limit[1]} ({_format_bytes(limit[0])}), got "
                     f"shape {list(shape)} ({_format_bytes(size)}) from the model's declared dims "
                     f"{_format_dims(self.output_dims[name])}; nothing was allocated. The declaration is probably "
-                    "wrong (or the inputs far larger than meant)")
+                    "wrong (or the inputs far larger than meant)"
+                )
 
-    def _onnx_shape_inference(self, input_shapes: Mapping[str, Shape]) -> Dict[str, Optional[Tuple[Optional[int], ...]]]:
+    def _onnx_shape_inference(
+        self, input_shapes: Mapping[str, Shape]
+    ) -> Dict[str, Optional[Tuple[Optional[int], ...]]]:
         skeleton = self._load_skeleton()
         if skeleton is None:
             return {}
@@ -518,8 +536,10 @@ def infer_output_shapes(model: Any, input_shapes: Mapping[str, Sequence[int]]) -
     inferencer = _inferencer_for(model)
     missing = [name for name in inferencer.input_dims if name not in input_shapes]
     if missing:
-        raise ValueError(f"missing input {missing[0]!r}: input_shapes must give the shape of every input "
-                         f"{list(inferencer.input_dims)}")
+        raise ValueError(
+            f"missing input {missing[0]!r}: input_shapes must give the shape of every input "
+            f"{list(inferencer.input_dims)}"
+        )
     return inferencer(input_shapes)
 
 
@@ -558,7 +578,9 @@ def _read_graph(path: str) -> onnx.ModelProto:
     try:
         graph = onnx.load(path, load_external_data=False)
     except Exception as error:  # protobuf's DecodeError and friends
-        raise ArgumentError("model", f"{path!r} is not a readable ONNX model: {type(error).__name__}: {error}") from error
+        raise ArgumentError(
+            "model", f"{path!r} is not a readable ONNX model: {type(error).__name__}: {error}"
+        ) from error
     if not graph.HasField("graph"):
         raise ArgumentError("model", f"{path!r} is not a readable ONNX model: it holds no graph")
     return graph
@@ -591,9 +613,7 @@ def inferencer_from_model_proto(model: onnx.ModelProto, source: Any) -> ShapeInf
         tensor_type = value_info.type.tensor_type
         if not tensor_type.HasField("shape"):
             return None
-        return [
-            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim
-        ]
+        return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim]
 
     return ShapeInferencer(
         {vi.name: dims_of(vi) for vi in model.graph.input if vi.name not in initializers},

@@ -34,12 +34,18 @@ OWNED_WEIGHT_MIN_ELEMENTS = 1024
 _OWNED_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 
 # why owned weights on the CPU need a setting: {} says what the setting would do otherwise
-_OWNED_ON_CPU = ("owned weights on the CPU (share_weights=True, a second session of the model, runtime LoRA), read in "
-                 "place by every session so that an in-place change reaches the output ({})")
+_OWNED_ON_CPU = (
+    "owned weights on the CPU (share_weights=True, a second session of the model, runtime LoRA), read in "
+    "place by every session so that an in-place change reaches the output ({})"
+)
 
 _TORCH_OF_ONNX = {onnx_type: torch_dtype for torch_dtype, onnx_type in TORCH_TO_ONNX.items()}
-_NUMPY_OF_ONNX = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
-                  onnx.TensorProto.BFLOAT16: "uint16", onnx.TensorProto.DOUBLE: "float64"}
+_NUMPY_OF_ONNX = {
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.BFLOAT16: "uint16",
+    onnx.TensorProto.DOUBLE: "float64",
+}
 
 
 def parse_model(source: Union[str, bytes]) -> onnx.ModelProto:
@@ -69,8 +75,11 @@ class WeightUploader:
         self.cuda = device.type == "cuda"
         # staged=True off CUDA runs the same path through unpinned buffers (for tests on any machine)
         self.staging_bytes = staging_bytes if (self.cuda if staged is None else staged) else 0
-        self.buffers = [torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=self.cuda)
-                        for _ in range(2)] if self.staging_bytes else []
+        self.buffers = (
+            [torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
+            if self.staging_bytes
+            else []
+        )
         self.done: List[Optional[Any]] = [None, None]  # the event after each buffer's last upload
         self.current, self.offset = 0, 0
 
@@ -100,10 +109,13 @@ class WeightUploader:
             torch.cuda.current_stream(self.device).synchronize()
 
 
-def load_owned_weights(source: Union[str, bytes], device: torch.device,
-                       min_elements: int = OWNED_WEIGHT_MIN_ELEMENTS,
-                       model: Optional[onnx.ModelProto] = None,
-                       staging_bytes: int = 64 << 20) -> Dict[str, torch.Tensor]:
+def load_owned_weights(
+    source: Union[str, bytes],
+    device: torch.device,
+    min_elements: int = OWNED_WEIGHT_MIN_ELEMENTS,
+    model: Optional[onnx.ModelProto] = None,
+    staging_bytes: int = 64 << 20,
+) -> Dict[str, torch.Tensor]:
     """The model's float initializers of at least ``min_elements`` elements, as torch tensors on ``device``.
 
     Weights in external data files are read straight from their files (the graph is parsed without them), each
@@ -131,8 +143,11 @@ def load_owned_weights(source: Union[str, bytes], device: torch.device,
                     info = {entry.key: entry.value for entry in initializer.external_data}
                     location = os.path.normpath(os.path.join(base, info["location"]))
                     if os.path.commonpath([base, location]) != base:  # as onnx's own loader refuses it
-                        raise ArgumentError(source, f"initializer {initializer.name!r} names external data outside "
-                                                    f"the model's folder: {info['location']!r}")
+                        raise ArgumentError(
+                            source,
+                            f"initializer {initializer.name!r} names external data outside "
+                            f"the model's folder: {info['location']!r}",
+                        )
                     if location not in files:
                         files[location] = open(location, "rb")
                     handle = files[location]
@@ -140,9 +155,12 @@ def load_owned_weights(source: Union[str, bytes], device: torch.device,
                     length = int(info.get("length", elements * dtype.itemsize))
                     data = handle.read(length)
                     if len(data) != elements * dtype.itemsize:
-                        raise ArgumentError(location, f"initializer {initializer.name!r} needs "
-                                         f"{elements * dtype.itemsize} bytes at offset {info.get('offset', 0)}, the "
-                                         f"file gives {len(data)}")
+                        raise ArgumentError(
+                            location,
+                            f"initializer {initializer.name!r} needs "
+                            f"{elements * dtype.itemsize} bytes at offset {info.get('offset', 0)}, the "
+                            f"file gives {len(data)}",
+                        )
                     array = np.frombuffer(data, dtype=dtype).reshape(shape)
                 elif initializer.raw_data:
                     array = np.frombuffer(initializer.raw_data, dtype=dtype).reshape(shape)
@@ -205,8 +223,10 @@ class OwnedWeights:
         keep the weights they loaded: whoever holds them drops them (the graph pool does)."""
         with self._lock:
             if self.source is None:
-                raise RuntimeError("the session was created from neither a path nor bytes, so its weights cannot be "
-                                   "loaded as owned tensors")
+                raise RuntimeError(
+                    "the session was created from neither a path nor bytes, so its weights cannot be "
+                    "loaded as owned tensors"
+                )
             self.owned = True
             self.on_need = False
 
@@ -235,12 +255,18 @@ class OwnedWeights:
         self.tensors  # noqa: B018 — loads them once
         if self.device.type == "cpu":
             # the CPU EP would otherwise prepack (copy) MatMul/Conv weights, and miss in-place changes
-            require_config_entry(sess_options, "session.disable_prepacking", "1", _OWNED_ON_CPU.format(
-                "prepacking copies the MatMul and Conv weights"))
+            require_config_entry(
+                sess_options,
+                "session.disable_prepacking",
+                "1",
+                _OWNED_ON_CPU.format("prepacking copies the MatMul and Conv weights"),
+            )
             # so would the layout optimizations above EXTENDED (NCHWc convolutions reorder a copy of the weights):
             # an in-place change of the owned Conv weights would then not reach the model's output
-            require_optimization_level_at_most(sess_options, ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-                                               _OWNED_ON_CPU.format("layout optimizations reorder a copy of the "
-                                                                    "Conv weights"))
+            require_optimization_level_at_most(
+                sess_options,
+                ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                _OWNED_ON_CPU.format("layout optimizations reorder a copy of the Conv weights"),
+            )
         for name, value in self._values.items():
             sess_options.add_initializer(name, value)

@@ -29,18 +29,32 @@ _APP_NAMES = {
 __all__ = [*_APP_NAMES, "run"]
 
 
-def run(config: Any, host: str = "127.0.0.1", port: int = 8000, blocking: bool = True,
-        address: Optional[str] = None, dashboard: bool = False, on_ready: Optional[Callable[[], Any]] = None,
-        ready_timeout_s: float = 120.0) -> Any:
+def run(
+    config: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    blocking: bool = True,
+    address: Optional[str] = None,
+    dashboard: bool = False,
+    on_ready: Optional[Callable[[], Any]] = None,
+    ready_timeout_s: float = 120.0,
+) -> Any:
     """:func:`optimum_iobinding.serve.app.run` (see it for the arguments and what it returns), where no cluster is
     given, with the local Ray cluster set to listen on 127.0.0.1 only before Ray is imported
     (:func:`~optimum_iobinding.serve.config.prepare_local_ray`)."""
     from .config import prepare_local_ray
 
     prepare_local_ray(address)
-    return import_module(".app", __name__).run(config, host=host, port=port, blocking=blocking, address=address,
-                                               dashboard=dashboard, on_ready=on_ready,
-                                               ready_timeout_s=ready_timeout_s)
+    return import_module(".app", __name__).run(
+        config,
+        host=host,
+        port=port,
+        blocking=blocking,
+        address=address,
+        dashboard=dashboard,
+        on_ready=on_ready,
+        ready_timeout_s=ready_timeout_s,
+    )
 
 
 def __getattr__(name: str) -> Any:

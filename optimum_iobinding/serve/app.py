@@ -67,16 +67,24 @@ async def health() -> Dict[str, str]:
 @api.get("/v1/models")
 async def models() -> Dict[str, Any]:
     generator = replica_generator()
-    return {"object": "list", "data": [{"id": generator.model_id, "object": "model", **generator.info(),
-                                        "replicas": generator.config.replicas}]}
+    return {
+        "object": "list",
+        "data": [
+            {"id": generator.model_id, "object": "model", **generator.info(), "replicas": generator.config.replicas}
+        ],
+    }
 
 
-_IMAGE_REQUEST_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": ImageRequest.model_json_schema()}}}}
+_IMAGE_REQUEST_BODY = {
+    "requestBody": {"required": True, "content": {"application/json": {"schema": ImageRequest.model_json_schema()}}}
+}
 
 
-@api.post("/v1/images", openapi_extra=_IMAGE_REQUEST_BODY,
-          responses={200: {"content": {"image/png": {}, "application/json": {}}}})
+@api.post(
+    "/v1/images",
+    openapi_extra=_IMAGE_REQUEST_BODY,
+    responses={200: {"content": {"image/png": {}, "application/json": {}}}},
+)
 async def images(request: Request) -> Response:
     """The body is read here, not by FastAPI, so that one over ``max_body_bytes`` is refused (413) before it is all
     read; anything that fails outside the client's request answers 503 with a one-line reason, never 500."""
@@ -88,8 +96,11 @@ async def images(request: Request) -> Response:
         raise HTTPException(400, "body: expected all of it, got part; the client went away") from None
     except Exception as error:  # noqa: BLE001 — the replica goes on; the reason is logged with its traceback
         logger.exception("POST /v1/images failed")
-        raise HTTPException(503, f"service: expected to answer, got {type(error).__name__}: "
-                                 f"{(str(error).strip().splitlines() or [''])[0][:300]}; try again") from None
+        raise HTTPException(
+            503,
+            f"service: expected to answer, got {type(error).__name__}: "
+            f"{(str(error).strip().splitlines() or [''])[0][:300]}; try again",
+        ) from None
 
 
 async def _images(http_request: Request) -> Response:
@@ -100,11 +111,16 @@ async def _images(http_request: Request) -> Response:
     try:
         request = ImageRequest.model_validate_json(body).model_dump()
     except ValidationError as error:  # 422 as FastAPI answers it, without echoing what was sent
-        raise RequestValidationError([dict(detail, loc=("body", *detail["loc"])) for detail in
-                                      error.errors(include_url=False, include_input=False, include_context=False)])
+        raise RequestValidationError(
+            [
+                dict(detail, loc=("body", *detail["loc"]))
+                for detail in error.errors(include_url=False, include_input=False, include_context=False)
+            ]
+        )
     if request["response_format"] == "png" and request["n"] != 1:
-        raise HTTPException(400, f"n: a png response holds one image; ask for response_format='b64_json' for "
-                                 f"n={request['n']}")
+        raise HTTPException(
+            400, f"n: a png response holds one image; ask for response_format='b64_json' for n={request['n']}"
+        )
     result = await generator.generate(request)
     if "error" in result:
         raise HTTPException(result.get("status", 400), result["error"])
@@ -115,17 +131,31 @@ async def _images(http_request: Request) -> Response:
         encode_s = time.perf_counter() - encoding
     # where a request's time went: the pipeline call ⊂ the replica's queue and batch ⊂ the server (⊃ its body's
     # read from Serve's proxy; the PNGs' encoding, in the batch for stored PNGs, else after it)
-    headers = {"X-Batch-Images": str(result["batch_images"]), "X-Batch-Requests": str(result["batch_requests"]),
-               "X-Seed": str(result["seeds"][0]), "X-Pipeline-Seconds": f"{result['pipeline_s']:.6f}",
-               "X-Replica-Seconds": f"{result['replica_s']:.6f}", "X-Body-Seconds": f"{body_s:.6f}",
-               "X-Encode-Seconds": f"{encode_s:.6f}", "X-Server-Seconds": f"{time.perf_counter() - start:.6f}"}
+    headers = {
+        "X-Batch-Images": str(result["batch_images"]),
+        "X-Batch-Requests": str(result["batch_requests"]),
+        "X-Seed": str(result["seeds"][0]),
+        "X-Pipeline-Seconds": f"{result['pipeline_s']:.6f}",
+        "X-Replica-Seconds": f"{result['replica_s']:.6f}",
+        "X-Body-Seconds": f"{body_s:.6f}",
+        "X-Encode-Seconds": f"{encode_s:.6f}",
+        "X-Server-Seconds": f"{time.perf_counter() - start:.6f}",
+    }
     if request["response_format"] == "png":
         return Response(content=encoded[0], media_type="image/png", headers=headers)
-    data = [{"b64_json": base64.b64encode(png).decode("ascii"), "seed": seed}
-            for png, seed in zip(encoded, result["seeds"])]
-    return JSONResponse({"created": int(time.time()), "model": generator.model_id, "data": data,
-                         "batch_images": result["batch_images"], "batch_requests": result["batch_requests"]},
-                        headers=headers)
+    data = [
+        {"b64_json": base64.b64encode(png).decode("ascii"), "seed": seed} for png, seed in zip(encoded, result["seeds"])
+    ]
+    return JSONResponse(
+        {
+            "created": int(time.time()),
+            "model": generator.model_id,
+            "data": data,
+            "batch_images": result["batch_images"],
+            "batch_requests": result["batch_requests"],
+        },
+        headers=headers,
+    )
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -166,8 +196,10 @@ def keep_replica_grpc_on_loopback() -> bool:
         replica_module = None
     bind = getattr(replica_module, "add_port_to_grpc_server", None)
     if bind is None:
-        logger.warning("this Ray version binds replicas' gRPC servers where optimum-iobinding cannot see: they may "
-                       "listen on every interface")
+        logger.warning(
+            "this Ray version binds replicas' gRPC servers where optimum-iobinding cannot see: they may "
+            "listen on every interface"
+        )
         return False
     if getattr(bind, "narrowed_to_loopback", False):
         return True
@@ -219,8 +251,11 @@ def cluster_has_gpus() -> bool:
     return torch.cuda.is_available()
 
 
-def build_app(config: Union[ServeConfig, str, os.PathLike], generator_class: Type[ImageGenerator] = ImageGenerator,
-              **settings: Any) -> "serve.Application":
+def build_app(
+    config: Union[ServeConfig, str, os.PathLike],
+    generator_class: Type[ImageGenerator] = ImageGenerator,
+    **settings: Any,
+) -> "serve.Application":
     """The Serve application for ``config`` (a :class:`ServeConfig`, or a model folder plus its settings):
     ``serve.run(build_app("folder", replicas=2))``. ``generator_class``: what each replica runs, ImageGenerator or a
     subclass of it (one that wraps its pipeline, say: the HTTP API is the same)."""
@@ -232,8 +267,10 @@ def build_app(config: Union[ServeConfig, str, os.PathLike], generator_class: Typ
     gpus = config.device == "cuda" or (config.device == "auto" and cluster_has_gpus())
     actor_options = {"num_gpus": 1, "num_cpus": 1} if gpus else {"num_cpus": 1}
     return deployment.options(
-        num_replicas=config.replicas, ray_actor_options=actor_options,
-        max_ongoing_requests=config.max_ongoing_requests, max_queued_requests=config.max_queued_requests,
+        num_replicas=config.replicas,
+        ray_actor_options=actor_options,
+        max_ongoing_requests=config.max_ongoing_requests,
+        max_queued_requests=config.max_queued_requests,
     ).bind(asdict(config))
 
 
@@ -283,9 +320,16 @@ class _StopSignals:
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
-def run(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, blocking: bool = True,
-        address: Optional[str] = None, dashboard: bool = False, on_ready: Optional[Callable[[], Any]] = None,
-        ready_timeout_s: float = 120.0) -> Any:
+def run(
+    config: ServeConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    blocking: bool = True,
+    address: Optional[str] = None,
+    dashboard: bool = False,
+    on_ready: Optional[Callable[[], Any]] = None,
+    ready_timeout_s: float = 120.0,
+) -> Any:
     """Runs the application on ``host:port``, on the Ray cluster at ``address`` (or ``RAY_ADDRESS``), else on a
     local Ray cluster it starts.
 
@@ -333,9 +377,11 @@ def run(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, blocking
         try:
             if not ray.is_initialized():
                 if address is None and not is_loopback(ray.util.get_node_ip_address()):
-                    logger.warning("Ray was imported before optimum_iobinding.serve.run could keep the local cluster "
-                                   "on 127.0.0.1: its ports listen on every interface. Set "
-                                   "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported.")
+                    logger.warning(
+                        "Ray was imported before optimum_iobinding.serve.run could keep the local cluster "
+                        "on 127.0.0.1: its ports listen on every interface. Set "
+                        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported."
+                    )
                 started_ray = True
                 if address is None:
                     ray.init(include_dashboard=dashboard, dashboard_host="127.0.0.1", log_to_driver=False)
@@ -350,8 +396,10 @@ def run(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, blocking
             stage = "health"
             health = f"{local_url(host, port)}/health"
             if address is None and not wait_until_answering(health, ready_timeout_s):
-                raise ServeStartError(f"the application runs, but {health} did not answer within "
-                                      f"{ready_timeout_s:g} s; see Ray's logs (/tmp/ray/session_latest/logs)")
+                raise ServeStartError(
+                    f"the application runs, but {health} did not answer within "
+                    f"{ready_timeout_s:g} s; see Ray's logs (/tmp/ray/session_latest/logs)"
+                )
         except ServeStartError:
             if not blocking and started_ray:
                 _shut_down(started_ray, local=address is None)
@@ -382,10 +430,14 @@ def run(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, blocking
 # what failed at each stage of the start, and what to do
 _START_STAGES = {
     "ray": ("Ray did not start", "see Ray's logs (/tmp/ray/session_latest/logs)"),
-    "proxy": ("Serve's HTTP proxy did not start on {where}",
-              "stop what listens there or choose another port; see Ray's logs (/tmp/ray/session_latest/logs)"),
-    "replicas": ("the replicas did not start", "fix what it names and start again; Ray's logs: "
-                                                "/tmp/ray/session_latest/logs/serve"),
+    "proxy": (
+        "Serve's HTTP proxy did not start on {where}",
+        "stop what listens there or choose another port; see Ray's logs (/tmp/ray/session_latest/logs)",
+    ),
+    "replicas": (
+        "the replicas did not start",
+        "fix what it names and start again; Ray's logs: /tmp/ray/session_latest/logs/serve",
+    ),
     "health": ("the application did not answer", "see Ray's logs (/tmp/ray/session_latest/logs)"),
 }
 # the project's refusals of an argument: their message names the argument already
@@ -437,7 +489,7 @@ def error_line(error: Union[BaseException, str], limit: int = 400) -> str:
         name, message = "", lines[-1] if lines else "no reason given"
     name = name.rsplit(".", 1)[-1]
     line = message if name in _ARGUMENT_ERRORS or not name else f"{name}: {message}" if message else name
-    return line if len(line) <= limit else line[:limit - 1] + "…"
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def _shut_down(started_ray: bool, local: bool) -> None:

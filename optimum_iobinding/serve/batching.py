@@ -51,10 +51,17 @@ from .schema import MAX_SEED, decode_image, encode_pngs, parse_size, shown
 logger = logging.getLogger(__name__)
 
 # the request's JSON fields that give the pipeline's arguments, for a refusal by the pipeline's own checks
-PIPELINE_ARGUMENT_FIELDS = {"height": "size", "width": "size", "height and width": "size",
-                            "num_inference_steps": "steps", "guidance_scale": "guidance",
-                            "num_images_per_prompt": "n", "strength": "strength", "prompt": "prompt",
-                            "negative_prompt": "negative_prompt"}
+PIPELINE_ARGUMENT_FIELDS = {
+    "height": "size",
+    "width": "size",
+    "height and width": "size",
+    "num_inference_steps": "steps",
+    "guidance_scale": "guidance",
+    "num_images_per_prompt": "n",
+    "strength": "strength",
+    "prompt": "prompt",
+    "negative_prompt": "negative_prompt",
+}
 
 
 def named_by_field(error: ArgumentError) -> ArgumentError:
@@ -79,6 +86,7 @@ def model_named_as_configured() -> Iterator[None]:
             raise
         raise error.renamed("model") from error
 
+
 # How long (a share of the batch's time) a batch waits for the clients of the previous one to come back. Too short a
 # share fails with several clients per replica: their answers pass the proxy one after another, the late ones miss
 # the batch and the groups split (docs/serving.md gives the measurements behind these waits).
@@ -102,16 +110,24 @@ def _images_in(requests: Sequence[Dict[str, Any]]) -> int:
 
 def _group_key(request: Dict[str, Any]) -> Tuple:
     """What one pipeline call cannot mix (image-to-image requests run apart from text-to-image ones)."""
-    return (request["width"], request["height"], request["steps"], request["guidance"],
-            request.get("start_image") is not None, request.get("strength"))
+    return (
+        request["width"],
+        request["height"],
+        request["steps"],
+        request["guidance"],
+        request.get("start_image") is not None,
+        request.get("strength"),
+    )
 
 
 def _failure(error: BaseException) -> str:
     """The one-line answer to a request whose pipeline call failed through no fault of its own."""
     lines = str(error).strip().splitlines()
     what = f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
-    return (f"pipeline: expected images, got {what}; the replica goes on serving: try again, or ask for fewer or "
-            "smaller images")
+    return (
+        f"pipeline: expected images, got {what}; the replica goes on serving: try again, or ask for fewer or "
+        "smaller images"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- admission
@@ -231,8 +247,11 @@ class Admission:
         self._release()
 
     def _fits(self, images: int) -> bool:
-        return (not self._batch_running and self._unfinished < self._max_unfinished
-                and self._admitted + images <= self._batch_cap)
+        return (
+            not self._batch_running
+            and self._unfinished < self._max_unfinished
+            and self._admitted + images <= self._batch_cap
+        )
 
     def _release(self) -> None:
         while self._waiting and self._fits(self._waiting[0][1]):
@@ -323,11 +342,20 @@ class ImageGenerator:
         if self.numpy_engine:  # no graphs to capture: one short call per batch size (cuDNN's algorithm search)
             for size in self.config.warmup_sizes or [self.default_size]:
                 for batch in batches:
-                    self.pipe([""] * batch, height=size, width=size, num_inference_steps=2,
-                              guidance_scale=self.config.guidance, output_type="np")
+                    self.pipe(
+                        [""] * batch,
+                        height=size,
+                        width=size,
+                        num_inference_steps=2,
+                        guidance_scale=self.config.guidance,
+                        output_type="np",
+                    )
         else:
-            self.pipe.warmup(heights=self.config.warmup_sizes or self.default_size, batch_sizes=batches,
-                             guidance_scales=self.config.guidance)
+            self.pipe.warmup(
+                heights=self.config.warmup_sizes or self.default_size,
+                batch_sizes=batches,
+                guidance_scales=self.config.guidance,
+            )
         return time.perf_counter() - start
 
     @property
@@ -342,10 +370,16 @@ class ImageGenerator:
         return self._batch_limits
 
     def info(self) -> Dict[str, Any]:
-        return {"pipeline": self.pipeline_name, "default_size": self.default_size, "warmup_s": self.warmup_s,
-                "image_to_image": self.img2img is not None,
-                "max_batch_size": self.config.max_batch_size, "device": str(self.pipe.device),
-                "batches_run": self.batches_run, "limits": dataclasses.asdict(self.limits)}
+        return {
+            "pipeline": self.pipeline_name,
+            "default_size": self.default_size,
+            "warmup_s": self.warmup_s,
+            "image_to_image": self.img2img is not None,
+            "max_batch_size": self.config.max_batch_size,
+            "device": str(self.pipe.device),
+            "batches_run": self.batches_run,
+            "limits": dataclasses.asdict(self.limits),
+        }
 
     def check_health(self) -> None:
         """Serve calls this periodically; a replica whose pipeline is gone is replaced."""
@@ -362,11 +396,14 @@ class ImageGenerator:
         for name in ("prompt", "negative_prompt"):
             text = request.get(name)
             if text is not None and len(text) > limits.max_prompt_chars:
-                raise ValueError(f"{name}: expected at most {limits.max_prompt_chars} characters (max_prompt_chars), "
-                                 f"got {len(text)}")
+                raise ValueError(
+                    f"{name}: expected at most {limits.max_prompt_chars} characters (max_prompt_chars), got {len(text)}"
+                )
         if request["n"] > limits.max_images_per_request:
-            raise ValueError(f"n: expected at most {limits.max_images_per_request} images per request "
-                             f"(max_images_per_request), got {shown(request['n'])}")
+            raise ValueError(
+                f"n: expected at most {limits.max_images_per_request} images per request "
+                f"(max_images_per_request), got {shown(request['n'])}"
+            )
         if request.get("seed") is None:
             request["seed"] = secrets.randbelow(2**31)
         if request.get("steps") is None:
@@ -378,13 +415,16 @@ class ImageGenerator:
         request["start_image"] = None
         if request.get("image") is not None:
             if self.img2img is None:
-                raise ValueError(f"image: {self.pipeline_name} on this folder has no image-to-image pipeline (its "
-                                 "family has none, or the folder has no VAE encoder)")
+                raise ValueError(
+                    f"image: {self.pipeline_name} on this folder has no image-to-image pipeline (its "
+                    "family has none, or the folder has no VAE encoder)"
+                )
             request["start_image"] = decode_image(request["image"], limits.max_pixels_per_image)
             height, width = request["start_image"].shape[:2]
             if request.get("size") is not None and parse_size(request["size"], self.default_size) != (width, height):
-                raise ValueError(f"size: the image is {width}x{height}; leave size out or give that, got "
-                                 f"{shown(request['size'])}")
+                raise ValueError(
+                    f"size: the image is {width}x{height}; leave size out or give that, got {shown(request['size'])}"
+                )
             request["size"] = f"{width}x{height}"
             if request.get("strength") is None:
                 request["strength"] = 0.8
@@ -393,22 +433,34 @@ class ImageGenerator:
         request.pop("image", None)
         request["width"], request["height"] = width, height = parse_size(request.get("size"), self.default_size)
         if width * height > limits.max_pixels_per_image:
-            raise ValueError(f"size: expected at most {limits.max_pixels_per_image} pixels (max_pixels_per_image), "
-                             f"got {shown(width)}×{shown(height)}")
+            raise ValueError(
+                f"size: expected at most {limits.max_pixels_per_image} pixels (max_pixels_per_image), "
+                f"got {shown(width)}×{shown(height)}"
+            )
         if request["n"] * width * height > limits.max_pixels_per_batch:
-            raise ValueError(f"n: expected at most {limits.max_pixels_per_batch} pixels in one request's images "
-                             f"(max_pixels_per_batch), got {request['n']}×{width}×{height}; ask for fewer images")
+            raise ValueError(
+                f"n: expected at most {limits.max_pixels_per_batch} pixels in one request's images "
+                f"(max_pixels_per_batch), got {request['n']}×{width}×{height}; ask for fewer images"
+            )
         if request.get("negative_prompt") is not None and "negative_prompt" not in self.accepts:
             raise ValueError(f"negative_prompt: {self.pipeline_name} takes none")
         if request["seed"] + request["n"] - 1 > MAX_SEED:
-            raise ValueError(f"seed: expected at most {MAX_SEED - request['n'] + 1} for n={request['n']}, got "
-                             f"{request['seed']}")
+            raise ValueError(
+                f"seed: expected at most {MAX_SEED - request['n'] + 1} for n={request['n']}, got {request['seed']}"
+            )
         self._check_tokens(request)
         if self.numpy_engine:  # its own checks run when it is called (a failing batch is retried one by one)
             return request
-        checks = dict(prompt=request["prompt"], height=request["height"], width=request["width"],
-                      num_inference_steps=request["steps"], callback_steps=None, guidance_scale=request["guidance"],
-                      num_images_per_prompt=request["n"], strength=request.get("strength"))
+        checks = dict(
+            prompt=request["prompt"],
+            height=request["height"],
+            width=request["width"],
+            num_inference_steps=request["steps"],
+            callback_steps=None,
+            guidance_scale=request["guidance"],
+            num_images_per_prompt=request["n"],
+            strength=request.get("strength"),
+        )
         if "negative_prompt" in self.accepts:
             checks["negative_prompt"] = request.get("negative_prompt")
         try:
@@ -428,8 +480,10 @@ class ImageGenerator:
                 continue
             tokens = len(tokenizer(text, truncation=False, verbose=False).input_ids)  # with its start and end
             if tokens > limit:
-                raise ValueError(f"{name}: expected at most {limit} tokens (max_prompt_tokens), got {tokens}; the text "
-                                 f"encoder reads {tokenizer.model_max_length}: shorten it")
+                raise ValueError(
+                    f"{name}: expected at most {limit} tokens (max_prompt_tokens), got {tokens}; the text "
+                    f"encoder reads {tokenizer.model_max_length}: shorten it"
+                )
 
     async def generate(self, request: Dict[str, Any]) -> Dict[str, Any]:
         """One request → ``{"images": [uint8 HxWx3], "seeds", "batch_images", "batch_requests", "replica_s"}`` (with
@@ -446,8 +500,11 @@ class ImageGenerator:
         try:
             result = await asyncio.wait_for(self._queue_and_run(request), timeout)
         except asyncio.TimeoutError:
-            return {"error": f"request_timeout_s: expected an answer within {timeout:g} s, got none; the replica is "
-                             "busy: try again later", "status": 504}
+            return {
+                "error": f"request_timeout_s: expected an answer within {timeout:g} s, got none; the replica is "
+                "busy: try again later",
+                "status": 504,
+            }
         if "error" not in result:
             result = dict(result, replica_s=time.perf_counter() - arrived)
         return result
@@ -501,8 +558,7 @@ class ImageGenerator:
         a batch holds (the rest of a burst), unless a regroup (:meth:`expect_return`) already set its limits. Called
         while the replica expects company (:attr:`expects_company`)."""
         if self.config.max_batch_size > 1 and self._batch_limits == self._default_limits:
-            self._limit_batches(self.config.max_batch_size,
-                                max(self.config.batch_wait_timeout_s, IDLE_GATHER_WAIT))
+            self._limit_batches(self.config.max_batch_size, max(self.config.batch_wait_timeout_s, IDLE_GATHER_WAIT))
 
     @property
     def expects_company(self) -> bool:
@@ -651,8 +707,13 @@ class ImageGenerator:
             generator: Any = np.random.RandomState(seeds[0] % 2**32)
         else:
             generator = [torch.Generator().manual_seed(seed) for seed in seeds]
-        arguments = dict(prompt=prompts, num_inference_steps=first["steps"], guidance_scale=first["guidance"],
-                         generator=generator, output_type="np")
+        arguments = dict(
+            prompt=prompts,
+            num_inference_steps=first["steps"],
+            guidance_scale=first["guidance"],
+            generator=generator,
+            output_type="np",
+        )
         if "negative_prompt" in self.accepts and any(negatives):
             arguments["negative_prompt"] = negatives
         pipe = self.pipe
@@ -682,8 +743,15 @@ class _Images:
     """One pipeline call's images: uint8 HxWx3 on the host, or on their way there (a pinned buffer and the CUDA
     event after its copy); :meth:`outputs` gives each request its images once they are there."""
 
-    def __init__(self, members: List[Dict[str, Any]], seeds: List[int], start: float, pixels: Any = None,
-                 host: Any = None, done: Any = None):
+    def __init__(
+        self,
+        members: List[Dict[str, Any]],
+        seeds: List[int],
+        start: float,
+        pixels: Any = None,
+        host: Any = None,
+        done: Any = None,
+    ):
         self.members, self.seeds, self.start = members, seeds, start
         self.pixels, self.host, self.done = pixels, host, done
         self.seconds = None if pixels is None else time.perf_counter() - start
@@ -696,8 +764,14 @@ class _Images:
             self.host = self.done = None
         outputs, row = [], 0
         for member in self.members:
-            outputs.append({"images": [self.pixels[row + k] for k in range(member["n"])],
-                            "seeds": self.seeds[row: row + member["n"]], "batch_images": len(self.seeds),
-                            "batch_requests": len(self.members), "pipeline_s": self.seconds})
+            outputs.append(
+                {
+                    "images": [self.pixels[row + k] for k in range(member["n"])],
+                    "seeds": self.seeds[row : row + member["n"]],
+                    "batch_images": len(self.seeds),
+                    "batch_requests": len(self.members),
+                    "pipeline_s": self.seconds,
+                }
+            )
             row += member["n"]
         return outputs

@@ -21,8 +21,16 @@ from ..cache_spec import parse_cache_spec
 from ..errors import ArgumentError
 
 # ServeConfig's settings that are positive integers (checked, and parsed from serve run's strings)
-_INT_SETTINGS = ("replicas", "max_batch_size", "steps", "max_images_per_request", "max_ongoing_requests",
-                 "max_queued_requests", "max_steps", "max_prompt_chars")
+_INT_SETTINGS = (
+    "replicas",
+    "max_batch_size",
+    "steps",
+    "max_images_per_request",
+    "max_ongoing_requests",
+    "max_queued_requests",
+    "max_steps",
+    "max_prompt_chars",
+)
 # ... and those that are positive integers or None (None: derived by the replica, see RequestLimits)
 _OPTIONAL_INT_SETTINGS = ("max_pixels_per_image", "max_pixels_per_batch", "max_prompt_tokens", "max_body_bytes")
 # the bytes per pixel of the largest start image a body may carry: a stored 16-bit RGBA PNG (8 bytes a pixel) in
@@ -43,9 +51,12 @@ LOCAL_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 # default, less than one 1024² image in base64: the cap is lifted (-1, gRPC's "no limit"), since what a replica
 # answers is bounded by its RequestLimits. The pipeline calls and PNG encoding run on threads; what runs on the loop
 # (parsing and checking a request) takes milliseconds.
-SERVE_REQUEST_PATH_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-                          "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0", "RAY_SERVE_PROXY_USE_GRPC": "1",
-                          "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": "-1"}
+SERVE_REQUEST_PATH_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": "-1",
+}
 
 
 @dataclass
@@ -142,23 +153,40 @@ class ServeConfig:
         for name in _OPTIONAL_INT_SETTINGS:
             if getattr(self, name) is not None:
                 positive_int(name)
-        if (isinstance(self.guidance, bool) or not isinstance(self.guidance, (int, float))
-                or not math.isfinite(self.guidance) or self.guidance < 0):
+        if (
+            isinstance(self.guidance, bool)
+            or not isinstance(self.guidance, (int, float))
+            or not math.isfinite(self.guidance)
+            or self.guidance < 0
+        ):
             raise ArgumentError("guidance", f"expected a finite number ≥ 0, got {self.guidance!r}")
         if self.steps > self.max_steps:
-            raise ArgumentError("steps", f"expected at most max_steps={self.max_steps}, got {self.steps}; raise "
-                                         "max_steps")
-        if (self.max_pixels_per_image is not None and self.max_pixels_per_batch is not None
-                and self.max_pixels_per_batch < self.max_pixels_per_image):
-            raise ArgumentError("max_pixels_per_batch", f"expected at least max_pixels_per_image="
-                                f"{self.max_pixels_per_image} (one image must fit), got {self.max_pixels_per_batch}")
-        if (isinstance(self.request_timeout_s, bool) or not isinstance(self.request_timeout_s, (int, float))
-                or not math.isfinite(self.request_timeout_s) or self.request_timeout_s <= 0):
-            raise ArgumentError("request_timeout_s", f"expected a positive number of seconds, got "
-                                                     f"{self.request_timeout_s!r}")
+            raise ArgumentError(
+                "steps", f"expected at most max_steps={self.max_steps}, got {self.steps}; raise max_steps"
+            )
+        if (
+            self.max_pixels_per_image is not None
+            and self.max_pixels_per_batch is not None
+            and self.max_pixels_per_batch < self.max_pixels_per_image
+        ):
+            raise ArgumentError(
+                "max_pixels_per_batch",
+                f"expected at least max_pixels_per_image="
+                f"{self.max_pixels_per_image} (one image must fit), got {self.max_pixels_per_batch}",
+            )
+        if (
+            isinstance(self.request_timeout_s, bool)
+            or not isinstance(self.request_timeout_s, (int, float))
+            or not math.isfinite(self.request_timeout_s)
+            or self.request_timeout_s <= 0
+        ):
+            raise ArgumentError(
+                "request_timeout_s", f"expected a positive number of seconds, got {self.request_timeout_s!r}"
+            )
         if not isinstance(self.batch_wait_timeout_s, (int, float)) or not 0 <= self.batch_wait_timeout_s <= 60:
-            raise ArgumentError("batch_wait_timeout_s",
-                                f"expected seconds in [0, 60], got {self.batch_wait_timeout_s!r}")
+            raise ArgumentError(
+                "batch_wait_timeout_s", f"expected seconds in [0, 60], got {self.batch_wait_timeout_s!r}"
+            )
         if isinstance(self.png_compression, bool) or self.png_compression not in range(10):
             raise ArgumentError("png_compression", f"expected a zlib level 0–9, got {self.png_compression!r}")
         if self.engine not in ("optimum-iobinding", "diffusers-numpy"):
@@ -166,16 +194,21 @@ class ServeConfig:
         if self.cache is not None:
             parse_cache_spec(self.cache, "cache")
             if self.engine == "diffusers-numpy":
-                raise ArgumentError("cache", f"expected None with engine='diffusers-numpy' (diffusers' ONNX pipeline "
-                                             f"runs its model whole), got {self.cache!r}")
+                raise ArgumentError(
+                    "cache",
+                    f"expected None with engine='diffusers-numpy' (diffusers' ONNX pipeline "
+                    f"runs its model whole), got {self.cache!r}",
+                )
         if self.device not in ("auto", "cuda", "cpu"):
             raise ArgumentError("device", f"expected 'auto', 'cuda' or 'cpu', got {self.device!r}")
         if self.max_images_per_request > self.max_batch_size:
             self.max_images_per_request = self.max_batch_size
         for name in ("warmup_batch_sizes", "warmup_sizes"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, (list, tuple)) or any(
-                    isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value)):
+            if value is not None and (
+                not isinstance(value, (list, tuple))
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value)
+            ):
                 raise ArgumentError(name, f"expected a list of positive integers, got {value!r}")
 
     @classmethod
@@ -204,12 +237,15 @@ class ServeConfig:
         per_image = self.max_pixels_per_image or side * side
         per_batch = self.max_pixels_per_batch or max(self.max_batch_size * side * side, per_image)
         return RequestLimits(
-            max_pixels_per_image=per_image, max_pixels_per_batch=per_batch,
-            max_images_per_request=self.max_images_per_request, max_steps=self.max_steps,
+            max_pixels_per_image=per_image,
+            max_pixels_per_batch=per_batch,
+            max_images_per_request=self.max_images_per_request,
+            max_steps=self.max_steps,
             max_prompt_chars=self.max_prompt_chars,
             max_prompt_tokens=self.max_prompt_tokens or tokenizer_max_length,
             max_body_bytes=self.max_body_bytes or _BODY_BYTES_PER_PIXEL * per_image + _BODY_BYTES_BESIDES_THE_IMAGE,
-            request_timeout_s=float(self.request_timeout_s))
+            request_timeout_s=float(self.request_timeout_s),
+        )
 
 
 @dataclass(frozen=True)
@@ -274,13 +310,20 @@ def check_port_free(host: str, port: int) -> None:
         raise ArgumentError("host", f"expected an address of this machine, got {host!r}: {error.strerror}") from None
     except OSError as error:
         if error.errno == errno.EADDRINUSE:
-            raise ArgumentError("port", f"expected a free port, got {port}: something already listens on {where} "
-                                        "(another server?); stop it or choose another port") from None
+            raise ArgumentError(
+                "port",
+                f"expected a free port, got {port}: something already listens on {where} "
+                "(another server?); stop it or choose another port",
+            ) from None
         if error.errno in (errno.EACCES, errno.EPERM):
-            raise ArgumentError("port", f"expected a port this user may listen on, got {port} on {where}: "
-                                        f"{error.strerror}; choose one above 1023") from None
-        raise ArgumentError("host", f"expected an address of this machine to listen on, got {host!r}: "
-                                    f"{error.strerror or error}") from None
+            raise ArgumentError(
+                "port",
+                f"expected a port this user may listen on, got {port} on {where}: "
+                f"{error.strerror}; choose one above 1023",
+            ) from None
+        raise ArgumentError(
+            "host", f"expected an address of this machine to listen on, got {host!r}: {error.strerror or error}"
+        ) from None
 
 
 def local_url(host: str, port: int) -> str:
@@ -294,8 +337,13 @@ def local_url(host: str, port: int) -> str:
     return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
 
 
-def wait_until_answering(url: str, timeout_s: float, interval_s: float = 0.05,
-                         keep_waiting: Callable[[], bool] = lambda: True, try_timeout_s: float = 5.0) -> bool:
+def wait_until_answering(
+    url: str,
+    timeout_s: float,
+    interval_s: float = 0.05,
+    keep_waiting: Callable[[], bool] = lambda: True,
+    try_timeout_s: float = 5.0,
+) -> bool:
     """Asks ``GET url`` until it answers 200: ``True`` once it did, ``False`` once ``timeout_s`` passed or
     ``keep_waiting()`` (asked between tries) says no more. A refused or dropped connection, an answer of another
     status, or no answer within the try's own timeout (``try_timeout_s``, at most what is left of ``timeout_s``):

@@ -46,14 +46,20 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
 # waiting for and riding in a batch ⊂ its time in the replica's HTTP handler, which besides holds the read of its body
 # (from Serve's proxy), its checks and its PNGs' encoding (in the batch's time for stored PNGs); the client's latency
 # adds HTTP and Serve's proxy
-SERVER_TIMES = {"pipeline_s": "X-Pipeline-Seconds", "replica_s": "X-Replica-Seconds", "server_s": "X-Server-Seconds",
-                "body_s": "X-Body-Seconds", "encode_s": "X-Encode-Seconds"}
+SERVER_TIMES = {
+    "pipeline_s": "X-Pipeline-Seconds",
+    "replica_s": "X-Replica-Seconds",
+    "server_s": "X-Server-Seconds",
+    "body_s": "X-Body-Seconds",
+    "encode_s": "X-Encode-Seconds",
+}
 
 
 def one_request(url: str, body: Dict[str, Any], timeout: float) -> Dict[str, Any]:
     data = json.dumps(body).encode()
-    request = urllib.request.Request(url.rstrip("/") + "/v1/images", data=data,
-                                     headers={"Content-Type": "application/json"}, method="POST")
+    request = urllib.request.Request(
+        url.rstrip("/") + "/v1/images", data=data, headers={"Content-Type": "application/json"}, method="POST"
+    )
     start = time.perf_counter()
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -101,8 +107,16 @@ class LevelProgress:
         refresh_seconds: on a terminal, the least time between two redraws.
     """
 
-    def __init__(self, concurrency: int, requests: int, warmup: int, images_per_request: int, stream: IO[str],
-                 start: Optional[float] = None, refresh_seconds: float = 0.1):
+    def __init__(
+        self,
+        concurrency: int,
+        requests: int,
+        warmup: int,
+        images_per_request: int,
+        stream: IO[str],
+        start: Optional[float] = None,
+        refresh_seconds: float = 0.1,
+    ):
         self.concurrency = concurrency
         self.total = warmup + requests
         self.warmup = warmup
@@ -116,9 +130,17 @@ class LevelProgress:
         if is_terminal(stream):
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.total, desc=f"concurrency {concurrency}", file=stream, unit="request",
-                            bar_format="{desc}: {n_fmt}/{total_fmt} requests |{bar}| {postfix} [{elapsed}]",
-                            postfix=self.counts(None), mininterval=refresh_seconds, miniters=1, leave=True)
+            self.bar = tqdm(
+                total=self.total,
+                desc=f"concurrency {concurrency}",
+                file=stream,
+                unit="request",
+                bar_format="{desc}: {n_fmt}/{total_fmt} requests |{bar}| {postfix} [{elapsed}]",
+                postfix=self.counts(None),
+                mininterval=refresh_seconds,
+                miniters=1,
+                leave=True,
+            )
 
     def counts(self, images_per_s: Optional[float]) -> str:
         """``"2 errors, 3.10 images/s"`` (``—`` images/s until a counted answer came)."""
@@ -153,8 +175,12 @@ class LevelProgress:
                 self.bar.set_postfix_str(self.counts(row["images_per_s"]), refresh=False)
             self.bar.close()
         elif not unanswered(row):
-            print(f"concurrency {self.concurrency}: {self.answered}/{self.total} requests, "
-                  f"{self.counts(row['images_per_s'])}", file=self.stream, flush=True)
+            print(
+                f"concurrency {self.concurrency}: {self.answered}/{self.total} requests, "
+                f"{self.counts(row['images_per_s'])}",
+                file=self.stream,
+                flush=True,
+            )
 
 
 def is_terminal(stream: IO[str]) -> bool:
@@ -165,8 +191,15 @@ def is_terminal(stream: IO[str]) -> bool:
         return False
 
 
-def run_level(url: str, concurrency: int, requests: int, body: Dict[str, Any], warmup: int = 0,
-              timeout: float = 600.0, progress: Optional[IO[str]] = None) -> Dict[str, Any]:
+def run_level(
+    url: str,
+    concurrency: int,
+    requests: int,
+    body: Dict[str, Any],
+    warmup: int = 0,
+    timeout: float = 600.0,
+    progress: Optional[IO[str]] = None,
+) -> Dict[str, Any]:
     """One concurrency level, a closed loop at steady state: ``concurrency`` clients each send their next request
     when their last one is answered, without pause, until ``warmup + requests`` answers came. The first ``warmup``
     answers are not counted; the level's row covers answers ``warmup + 1`` … ``warmup + requests``, and its time runs
@@ -175,14 +208,19 @@ def run_level(url: str, concurrency: int, requests: int, body: Dict[str, Any], w
     the end are awaited and not counted. ``progress``: a stream to show the level's progress on
     (:class:`LevelProgress`), ``None`` for none."""
     if concurrency < 1 or requests < 1 or warmup < 0:
-        raise ValueError(f"concurrency and requests: expected positive integers and warmup ≥ 0, got {concurrency}, "
-                         f"{requests} and {warmup}")
+        raise ValueError(
+            f"concurrency and requests: expected positive integers and warmup ≥ 0, got {concurrency}, "
+            f"{requests} and {warmup}"
+        )
     total = warmup + requests
     lock = threading.Lock()
     state = {"sent": 0, "answers": []}  # answers in the order they came, each with the time it came
     start = time.perf_counter()
-    shown = None if progress is None else LevelProgress(concurrency, requests, warmup, int(body.get("n", 1)),
-                                                        progress, start)
+    shown = (
+        None
+        if progress is None
+        else LevelProgress(concurrency, requests, warmup, int(body.get("n", 1)), progress, start)
+    )
 
     def client() -> None:
         while True:
@@ -209,13 +247,23 @@ def run_level(url: str, concurrency: int, requests: int, body: Dict[str, Any], w
     latencies = [r["seconds"] for r in ok]
     images = len(ok) * int(body.get("n", 1))
     row = {
-        "concurrency": concurrency, "requests": requests, "warmup": warmup, "ok": len(ok), "wall_s": wall,
+        "concurrency": concurrency,
+        "requests": requests,
+        "warmup": warmup,
+        "ok": len(ok),
+        "wall_s": wall,
         "images_per_s": images / wall if wall > 0 else None,
-        "p50_s": percentile(latencies, 50), "p95_s": percentile(latencies, 95), "p99_s": percentile(latencies, 99),
+        "p50_s": percentile(latencies, 50),
+        "p95_s": percentile(latencies, 95),
+        "p99_s": percentile(latencies, 99),
         "mean_s": statistics.fmean(latencies) if latencies else None,
         # means of the service's own times (SERVER_TIMES): where the latency went
-        **{key.replace("_s", "_mean_s"): statistics.fmean(values) if (values := [r[key] for r in ok if r.get(key)])
-           else None for key in SERVER_TIMES},
+        **{
+            key.replace("_s", "_mean_s"): statistics.fmean(values)
+            if (values := [r[key] for r in ok if r.get(key)])
+            else None
+            for key in SERVER_TIMES
+        },
         "statuses": dict(Counter(str(r["status"]) for r in results)),
         "batch_images": dict(sorted(Counter(r.get("batch_images") for r in ok if r.get("batch_images")).items())),
         "errors": sorted({r["error"] for r in results if "error" in r})[:5],
@@ -225,25 +273,38 @@ def run_level(url: str, concurrency: int, requests: int, body: Dict[str, Any], w
     return row
 
 
-def run_loadtest(url: str, concurrency: Sequence[int], requests: int, body: Dict[str, Any], warmup: int = -1,
-                 timeout: float = 600.0, progress: Optional[IO[str]] = None) -> List[Dict[str, Any]]:
+def run_loadtest(
+    url: str,
+    concurrency: Sequence[int],
+    requests: int,
+    body: Dict[str, Any],
+    warmup: int = -1,
+    timeout: float = 600.0,
+    progress: Optional[IO[str]] = None,
+) -> List[Dict[str, Any]]:
     """Every level in turn; ``warmup=-1`` sends one uncounted request per client thread first; ``progress`` as
     :func:`run_level` takes it."""
-    return [run_level(url, level, requests, body, level if warmup < 0 else warmup, timeout, progress)
-            for level in concurrency]
+    return [
+        run_level(url, level, requests, body, level if warmup < 0 else warmup, timeout, progress)
+        for level in concurrency
+    ]
 
 
 def table(rows: Sequence[Dict[str, Any]]) -> str:
     def ms(value: Optional[float]) -> str:
         return "" if value is None else f"{value * 1000:.0f}"
 
-    lines = ["| concurrency | requests (ok) | images/s | p50 ms | p95 ms | p99 ms | batch images seen |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| concurrency | requests (ok) | images/s | p50 ms | p95 ms | p99 ms | batch images seen |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         batches = ", ".join(f"{size}×{count}" for size, count in row["batch_images"].items())
         rate = "" if row["images_per_s"] is None else f"{row['images_per_s']:.2f}"
-        lines.append(f"| {row['concurrency']} | {row['requests']} ({row['ok']}) | {rate} | {ms(row['p50_s'])} | "
-                     f"{ms(row['p95_s'])} | {ms(row['p99_s'])} | {batches} |")
+        lines.append(
+            f"| {row['concurrency']} | {row['requests']} ({row['ok']}) | {rate} | {ms(row['p50_s'])} | "
+            f"{ms(row['p95_s'])} | {ms(row['p99_s'])} | {batches} |"
+        )
     return "\n".join(lines)
 
 
@@ -325,6 +386,7 @@ def check_url(url: str) -> str:
 def check_arguments(args: Any) -> Tuple[List[int], Dict[str, Any]]:
     """Every option, checked before the first request and named in its error; returns the concurrency levels and
     the request body."""
+
     def check(ok: bool, option: str, expected: str, value: Any) -> None:
         if not ok:
             raise ValueError(f"{option}: expected {expected}, got {value!r}")
@@ -337,8 +399,12 @@ def check_arguments(args: Any) -> Tuple[List[int], Dict[str, Any]]:
     check(args.steps is None or args.steps >= 1, "--steps", "a positive integer", args.steps)
     check(args.guidance is None or math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
     check(math.isfinite(args.timeout) and args.timeout > 0, "--timeout", "seconds > 0", args.timeout)
-    check(not args.out or not Path(args.out).exists() or Path(args.out).is_dir(), "--out", "a folder, not a file",
-          args.out)
+    check(
+        not args.out or not Path(args.out).exists() or Path(args.out).is_dir(),
+        "--out",
+        "a folder, not a file",
+        args.out,
+    )
     body: Dict[str, Any] = {"prompt": args.prompt, "seed": args.seed, "response_format": "png"}
     for key, value in (("steps", args.steps), ("guidance", args.guidance)):
         if value is not None:
@@ -361,16 +427,29 @@ def main_from_args(args: Any) -> int:
     levels, body = check_arguments(args)
     rows: List[Dict[str, Any]] = []
     for level in levels:
-        rows.append(run_level(args.url, level, args.requests, body, level if args.warmup < 0 else args.warmup,
-                              args.timeout, progress=sys.stderr))
+        rows.append(
+            run_level(
+                args.url,
+                level,
+                args.requests,
+                body,
+                level if args.warmup < 0 else args.warmup,
+                args.timeout,
+                progress=sys.stderr,
+            )
+        )
         if unanswered(rows[-1]):
             break
     answered_levels = rows[:-1] if unanswered(rows[-1]) else rows
     if answered_levels:
         print(table(rows))
         if args.out:
-            meta = {"url": args.url, "command": " ".join(["optimum-iobinding", *sys.argv[1:]]),
-                    "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "body": body}
+            meta = {
+                "url": args.url,
+                "command": " ".join(["optimum-iobinding", *sys.argv[1:]]),
+                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                "body": body,
+            }
             for path in write_results(Path(args.out), rows, meta):
                 print(path)
     if unanswered(rows[-1]):

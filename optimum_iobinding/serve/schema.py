@@ -44,7 +44,7 @@ def shown(value: Any, limit: int = 60) -> str:
         text = repr(value)
     except ValueError:
         return f"an integer of more than {sys.get_int_max_str_digits()} digits"
-    return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text)} characters)"
+    return text if len(text) <= limit else f"{text[: limit - 3]}... ({len(text)} characters)"
 
 
 def parse_size(size: Union[int, str, None], default: int) -> Tuple[int, int]:
@@ -87,12 +87,14 @@ def decode_image(data: str, max_pixels: Optional[int] = None) -> Any:
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as error:
-        raise ValueError(f"image: expected {IMAGE_EXPECTED}, got text that is no base64 ({plain_reason(error)})"
-                         ) from None
+        raise ValueError(
+            f"image: expected {IMAGE_EXPECTED}, got text that is no base64 ({plain_reason(error)})"
+        ) from None
 
     def undecodable(kind: str, error: Exception) -> ValueError:
-        return ValueError(f"image: expected {IMAGE_EXPECTED}, got {kind} that could not be decoded: "
-                          f"{plain_reason(error)}")
+        return ValueError(
+            f"image: expected {IMAGE_EXPECTED}, got {kind} that could not be decoded: {plain_reason(error)}"
+        )
 
     # Pillow raises many kinds of errors on a damaged file (OSError, SyntaxError, struct.error ...), and warns of a
     # decompression bomb: each is the client's image failing, never the service's
@@ -104,15 +106,18 @@ def decode_image(data: str, max_pixels: Optional[int] = None) -> Any:
             limit = f"at most {max_pixels} pixels (max_pixels_per_image)" if max_pixels else "an image Pillow decodes"
             raise ValueError(f"image: expected {limit}, got more: {plain_reason(error)}") from None
         except Image.UnidentifiedImageError:
-            raise ValueError(f"image: expected {IMAGE_EXPECTED}, got {len(raw)} bytes of no image Pillow reads "
-                             f"(they start with {raw[:8]!r})") from None
+            raise ValueError(
+                f"image: expected {IMAGE_EXPECTED}, got {len(raw)} bytes of no image Pillow reads "
+                f"(they start with {raw[:8]!r})"
+            ) from None
         except Exception as error:  # noqa: BLE001
             raise undecodable(f"{len(raw)} bytes", error) from None
         with image:
             width, height = image.size
             if max_pixels is not None and width * height > max_pixels:
-                raise ValueError(f"image: expected at most {max_pixels} pixels (max_pixels_per_image), got "
-                                 f"{width}×{height}")
+                raise ValueError(
+                    f"image: expected at most {max_pixels} pixels (max_pixels_per_image), got {width}×{height}"
+                )
             try:
                 pixels = np.asarray(image.convert("RGB"))
             except Exception as error:  # noqa: BLE001
@@ -136,8 +141,14 @@ def stored_png(pixels: Any) -> bytes:
     rows = np.zeros((height, 1 + width * 3), np.uint8)  # each row: filter type 0 (none), then its bytes
     rows[:, 1:] = pixels.reshape(height, width * 3)
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8 bits, truecolour, no interlace
-    return b"".join([b"\x89PNG\r\n\x1a\n", *_png_chunk(b"IHDR", header),
-                     *_png_chunk(b"IDAT", zlib.compress(rows, 0)), *_png_chunk(b"IEND", b"")])
+    return b"".join(
+        [
+            b"\x89PNG\r\n\x1a\n",
+            *_png_chunk(b"IHDR", header),
+            *_png_chunk(b"IDAT", zlib.compress(rows, 0)),
+            *_png_chunk(b"IEND", b""),
+        ]
+    )
 
 
 def encode_pngs(images: Sequence[Any], compression: int = 0) -> List[bytes]:

@@ -15,22 +15,46 @@ from optimum_iobinding.bench.zoo import recipe_of
 
 
 def peer(ms, per_step, memory=1000.0):
-    return {"end_to_end_ms": ms, "per_step_ms": per_step, "peak_memory_mib": memory, "htod_bytes_per_step": 2,
-            "dtoh_bytes_per_step": 0, "max_abs_diff_vs_numpy": 1e-3}
+    return {
+        "end_to_end_ms": ms,
+        "per_step_ms": per_step,
+        "peak_memory_mib": memory,
+        "htod_bytes_per_step": 2,
+        "dtoh_bytes_per_step": 0,
+        "max_abs_diff_vs_numpy": 1e-3,
+    }
 
 
 def test_the_report_compares_with_numpy_or_with_optimum_where_diffusers_has_no_numpy_pipeline(tmp_path):
     results = {
-        "environment": {"device": "GPU", "command": "optimum-iobinding bench"}, "steps": 30, "runs": 3, "warmup": 1,
+        "environment": {"device": "GPU", "command": "optimum-iobinding bench"},
+        "steps": 30,
+        "runs": 3,
+        "warmup": 1,
         "rows": [
-            {"model": "sd15", "size": 512, "dtype": "fp16", "export": "plain", "reference": "numpy",
-             "floor": {"per_step_ms": 10.0},
-             "peers": {"numpy": peer(600.0, 20.0), "graph": peer(300.0, 10.1)}},
-            {"model": "sdxl", "size": 1024, "dtype": "fp16", "export": "optimized", "reference": "optimum",
-             "floor": {"per_step_ms": 20.0},
-             "peers": {"numpy": {"peer": "numpy", "skipped": "diffusers has no ONNX (numpy) pipeline for sdxl"},
-                       "optimum": peer(1000.0, 30.0), "graph": peer(500.0, 20.0),
-                       "binding": {"error": "Traceback\nRuntimeError: boom"}}},
+            {
+                "model": "sd15",
+                "size": 512,
+                "dtype": "fp16",
+                "export": "plain",
+                "reference": "numpy",
+                "floor": {"per_step_ms": 10.0},
+                "peers": {"numpy": peer(600.0, 20.0), "graph": peer(300.0, 10.1)},
+            },
+            {
+                "model": "sdxl",
+                "size": 1024,
+                "dtype": "fp16",
+                "export": "optimized",
+                "reference": "optimum",
+                "floor": {"per_step_ms": 20.0},
+                "peers": {
+                    "numpy": {"peer": "numpy", "skipped": "diffusers has no ONNX (numpy) pipeline for sdxl"},
+                    "optimum": peer(1000.0, 30.0),
+                    "graph": peer(500.0, 20.0),
+                    "binding": {"error": "Traceback\nRuntimeError: boom"},
+                },
+            },
         ],
     }
     write_report(results, tmp_path)
@@ -103,21 +127,40 @@ def test_the_export_cache_never_deletes_a_folder_it_did_not_make(tmp_path, monke
 def test_the_mixed_report_gives_the_worst_later_round_and_sessions_created(tmp_path):
     from optimum_iobinding.bench.report import mixed_summary, write_mixed_report
 
-    result = {"peer": "defaults", "batches": [1, 4], "per_round_ms": [{"1": 900.0, "4": 2000.0},
-                                                                     {"1": 100.0, "4": 300.0},
-                                                                     {"1": 104.0, "4": 330.0}],
-              "sessions_after_round": [6, 6, 7], "peak_memory_mib": 2000.0, "load_s": 3.0, "warmup_s": None,
-              "first_image_s": 1.5}
+    result = {
+        "peer": "defaults",
+        "batches": [1, 4],
+        "per_round_ms": [{"1": 900.0, "4": 2000.0}, {"1": 100.0, "4": 300.0}, {"1": 104.0, "4": 330.0}],
+        "sessions_after_round": [6, 6, 7],
+        "peak_memory_mib": 2000.0,
+        "load_s": 3.0,
+        "warmup_s": None,
+        "first_image_s": 1.5,
+    }
     summary = mixed_summary(result)
     assert summary["best_ms"] == {"1": 100.0, "4": 300.0}
     assert summary["worst_later_round_ratio"] == {"1": 1.04, "4": 1.1}
     assert summary["sessions_created_after_round_1"] == 1  # a rebuild after warm-up shows
-    results = {"environment": {"device": "GPU", "command": "bench", "date": "today"}, "batches": [1, 4],
-               "steps": 10, "rounds": 3, "first_steps": 30,
-               "rows": [{"model": "tiny", "dtype": "fp16", "export": "plain", "size": 512,
-                         "peers": {"numpy": dict(result, peer="numpy", peak_memory_mib=1000.0,
-                                                 sessions_after_round=[None] * 3),
-                                   "defaults": result, "graph": {"error": "Traceback\nRuntimeError: boom"}}}]}
+    results = {
+        "environment": {"device": "GPU", "command": "bench", "date": "today"},
+        "batches": [1, 4],
+        "steps": 10,
+        "rounds": 3,
+        "first_steps": 30,
+        "rows": [
+            {
+                "model": "tiny",
+                "dtype": "fp16",
+                "export": "plain",
+                "size": 512,
+                "peers": {
+                    "numpy": dict(result, peer="numpy", peak_memory_mib=1000.0, sessions_after_round=[None] * 3),
+                    "defaults": result,
+                    "graph": {"error": "Traceback\nRuntimeError: boom"},
+                },
+            }
+        ],
+    }
     write_mixed_report(results, tmp_path)
     table = (tmp_path / "mixed.md").read_text()
     assert "| 900 / 2000 | 100 / 300 | 104 / 330 | 1.100 | 2000 | 2.00 | 1 | 3.0 |  | 1.50 |" in table
@@ -134,12 +177,27 @@ def test_the_mixed_report_gives_the_worst_later_round_and_sessions_created(tmp_p
 def test_repeated_processes_combine_into_their_median_and_keep_every_run():
     from optimum_iobinding.bench.report import combine_repeats
 
-    first = {**peer(100.0, 3.0, memory=900.0), "end_to_end_ms_all": [100.0, 101.0], "load_s": 10.0,
-             "first_image_s": 2.0, "image": "a.npy"}
-    second = {**peer(80.0, 2.5, memory=950.0), "end_to_end_ms_all": [80.0, 79.0], "load_s": 12.0,
-              "first_image_s": 2.4, "image": "a.npy"}
-    third = {**peer(90.0, 2.8, memory=940.0), "end_to_end_ms_all": [90.0], "load_s": 11.0, "first_image_s": 2.2,
-             "image": "a.npy"}
+    first = {
+        **peer(100.0, 3.0, memory=900.0),
+        "end_to_end_ms_all": [100.0, 101.0],
+        "load_s": 10.0,
+        "first_image_s": 2.0,
+        "image": "a.npy",
+    }
+    second = {
+        **peer(80.0, 2.5, memory=950.0),
+        "end_to_end_ms_all": [80.0, 79.0],
+        "load_s": 12.0,
+        "first_image_s": 2.4,
+        "image": "a.npy",
+    }
+    third = {
+        **peer(90.0, 2.8, memory=940.0),
+        "end_to_end_ms_all": [90.0],
+        "load_s": 11.0,
+        "first_image_s": 2.2,
+        "image": "a.npy",
+    }
     combined = combine_repeats([first, second, third])
     assert combined["end_to_end_ms"] == 90.0 and combined["per_step_ms"] == 2.8
     assert combined["load_s"] == 11.0 and combined["first_image_s"] == 2.2
@@ -168,15 +226,28 @@ def test_repeats_rotate_the_peer_order_so_no_peer_always_follows_the_same_one(tm
     monkeypatch.setattr(cli, "run_in_subprocess", fake_subprocess)
     monkeypatch.setattr(cli, "ensure_export", lambda kind, dtype, export, work, step_cache: tmp_path / "export")
     monkeypatch.setattr(cli, "environment", lambda: {"device": "GPU", "command": "bench"})
-    results = cli.benchmark(["small"], ["fp16"], ["optimized"], ["numpy", "defaults", "graph"], 30, 3, 1,
-                            tmp_path, tmp_path / "out", None, 60, repeats=3)
+    results = cli.benchmark(
+        ["small"],
+        ["fp16"],
+        ["optimized"],
+        ["numpy", "defaults", "graph"],
+        30,
+        3,
+        1,
+        tmp_path,
+        tmp_path / "out",
+        None,
+        60,
+        repeats=3,
+    )
     assert order == ["numpy", "defaults", "graph", "defaults", "graph", "numpy", "graph", "numpy", "defaults"]
     defaults = results["rows"][0]["peers"]["defaults"]
     assert defaults["end_to_end_ms_all"] == [102.0, 104.0, 109.0] and defaults["end_to_end_ms"] == 104.0
     assert "median over the processes" in (tmp_path / "out" / "results.md").read_text()
     with pytest.raises(ValueError, match="repeats: expected at least 1, got 0"):
-        cli.benchmark(["small"], ["fp16"], ["optimized"], ["numpy"], 30, 3, 1, tmp_path, tmp_path / "out2",
-                      None, 60, repeats=0)
+        cli.benchmark(
+            ["small"], ["fp16"], ["optimized"], ["numpy"], 30, 3, 1, tmp_path, tmp_path / "out2", None, 60, repeats=0
+        )
 
 
 def test_the_cli_refuses_fewer_than_one_repeat_before_looking_for_a_gpu(capsys):
@@ -256,23 +327,43 @@ def test_each_process_compares_its_loop_with_its_own_graph_and_the_table_shows_b
     combined result is the median of those ratios (not a ratio of medians from different processes)."""
     from optimum_iobinding.bench.report import combine_repeats
 
-    processes = [{**peer(90.0, step), "own_floor_ms": floor, "per_step_over_own_floor": step / floor,
-                  "gpu_step_ms": gpu, "gpu_step_over_own_floor": gpu / floor}
-                 for step, floor, gpu in ((2.36, 2.32, 2.33), (2.27, 2.25, 2.30), (2.37, 2.31, 2.34))]
+    processes = [
+        {
+            **peer(90.0, step),
+            "own_floor_ms": floor,
+            "per_step_over_own_floor": step / floor,
+            "gpu_step_ms": gpu,
+            "gpu_step_over_own_floor": gpu / floor,
+        }
+        for step, floor, gpu in ((2.36, 2.32, 2.33), (2.27, 2.25, 2.30), (2.37, 2.31, 2.34))
+    ]
     combined = combine_repeats(processes)
     assert combined["per_step_over_own_floor"] == pytest.approx(2.36 / 2.32)
     assert combined["gpu_step_over_own_floor"] == pytest.approx(2.34 / 2.31)
     assert combined["own_floor_ms"] == 2.31 and combined["gpu_step_ms"] == 2.33
     results = {
-        "environment": {"device": "GPU", "command": "optimum-iobinding bench"}, "steps": 30, "runs": 3, "warmup": 1,
-        "rows": [{"model": "small", "size": 256, "dtype": "fp16", "export": "optimized", "reference": "numpy",
-                  "floor": {"per_step_ms": 2.27},
-                  "peers": {"numpy": peer(350.0, 9.0), "defaults": combined}}],
+        "environment": {"device": "GPU", "command": "optimum-iobinding bench"},
+        "steps": 30,
+        "runs": 3,
+        "warmup": 1,
+        "rows": [
+            {
+                "model": "small",
+                "size": 256,
+                "dtype": "fp16",
+                "export": "optimized",
+                "reference": "numpy",
+                "floor": {"per_step_ms": 2.27},
+                "peers": {"numpy": peer(350.0, 9.0), "defaults": combined},
+            }
+        ],
     }
     write_report(results, tmp_path)
     table = (tmp_path / "results.md").read_text()
-    assert ("| small 256² | fp16 | optimized | defaults | 90.0 | 2.36 | 3.89 | 1.040 | 1.017 (2.31) | 1.013 (2.330) |"
-            in table)
+    assert (
+        "| small 256² | fp16 | optimized | defaults | 90.0 | 2.36 | 3.89 | 1.040 | 1.017 (2.31) | 1.013 (2.330) |"
+        in table
+    )
     numpy_row = next(line for line in table.splitlines() if "| numpy |" in line)
     assert numpy_row.split("|")[9].strip() == numpy_row.split("|")[10].strip() == ""  # no graph, no own floor
     header = table.splitlines()[4]
@@ -316,7 +407,8 @@ def test_the_sampling_process_reports_the_peak_it_saw_between_enter_and_exit(tmp
         "def nvmlDeviceGetHandleByPciBusId(bus):\n"
         "    assert bus == '00000000:17:00.0', bus\n"
         "    return 'handle'\n"
-        "def nvmlDeviceGetMemoryInfo(handle): return SimpleNamespace(used=next(reads))\n")
+        "def nvmlDeviceGetMemoryInfo(handle): return SimpleNamespace(used=next(reads))\n"
+    )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setattr(probes, "nvml_reader", lambda device: lambda: 120)
     monkeypatch.setattr(probes, "pci_bus_id", lambda device: "00000000:17:00.0")
@@ -327,18 +419,31 @@ def test_the_sampling_process_reports_the_peak_it_saw_between_enter_and_exit(tmp
     assert sampler.peak == 700 and sampler.exit_code == 0
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--models", "sd15,sdx"], "--models: expected a comma-separated list of tiny, small, sd15, sdxl, lcm, turbo, got "
-                               "'sd15,sdx'"),
-    (["--dtypes", "bf16"], "--dtypes: expected a comma-separated list of fp16, fp32 (bf16 only with --scenario "
-                           "transformer: SD3 and FLUX.1), got 'bf16'"),
-    (["--scenario", "stream", "--dtypes", "bf16"], "--dtypes: expected a comma-separated list of fp16, fp32 (bf16 "
-                                                   "only with --scenario transformer"),
-    (["--peers", ""], "--peers: expected a comma-separated list of"),
-    (["--steps", "0"], "--steps: expected an integer ≥ 1, got 0"),
-    (["--warmup", "-1"], "--warmup: expected an integer ≥ 0, got -1"),
-    (["--mixed-batches", "1,x"], "--mixed-batches: expected a comma-separated list of positive integers, got '1,x'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--models", "sd15,sdx"],
+            "--models: expected a comma-separated list of tiny, small, sd15, sdxl, lcm, turbo, got 'sd15,sdx'",
+        ),
+        (
+            ["--dtypes", "bf16"],
+            "--dtypes: expected a comma-separated list of fp16, fp32 (bf16 only with --scenario "
+            "transformer: SD3 and FLUX.1), got 'bf16'",
+        ),
+        (
+            ["--scenario", "stream", "--dtypes", "bf16"],
+            "--dtypes: expected a comma-separated list of fp16, fp32 (bf16 only with --scenario transformer",
+        ),
+        (["--peers", ""], "--peers: expected a comma-separated list of"),
+        (["--steps", "0"], "--steps: expected an integer ≥ 1, got 0"),
+        (["--warmup", "-1"], "--warmup: expected an integer ≥ 0, got -1"),
+        (
+            ["--mixed-batches", "1,x"],
+            "--mixed-batches: expected a comma-separated list of positive integers, got '1,x'",
+        ),
+    ],
+)
 def test_the_bench_cli_names_every_bad_option_before_any_work(argv, message, capsys):
     from optimum_iobinding.bench.cli import main
 
@@ -368,19 +473,42 @@ def stream_results():
         tiny = row["vae"] == "tiny"
         row["peers"] = {
             "ours": stream_result(10.0 if tiny else 30.0, 12.0, 110.0),
-            "numpy": ({"peer": "numpy", "skipped": "diffusers' ONNX img2img pipeline runs the folder's own VAE"}
-                      if tiny else stream_result(90.0, 95.0, 11.0)),
+            "numpy": (
+                {"peer": "numpy", "skipped": "diffusers' ONNX img2img pipeline runs the folder's own VAE"}
+                if tiny
+                else stream_result(90.0, 95.0, 11.0)
+            ),
             "torch": stream_result(40.0 if tiny else 60.0, 45.0, 25.0),
-            "floor": {"peer": "floor", "frame_ms": 8.0, "fps": 125.0, "unet_batch": 1, "unet_calls": 1,
-                      "parts_ms": {"vae_encoder": 2.0, "unet": 5.0, "vae_decoder": 1.0}},
+            "floor": {
+                "peer": "floor",
+                "frame_ms": 8.0,
+                "fps": 125.0,
+                "unet_batch": 1,
+                "unet_calls": 1,
+                "parts_ms": {"vae_encoder": 2.0, "unet": 5.0, "vae_decoder": 1.0},
+            },
         }
         if row["unet_steps"] == 1:
-            row["peers"]["video"] = {"peer": "video", "frames": 120, "codec_fps": 300.0, "command_fps": 80.0,
-                                     "in_memory_host_fps": 95.0}
+            row["peers"]["video"] = {
+                "peer": "video",
+                "frames": 120,
+                "codec_fps": 300.0,
+                "command_fps": 80.0,
+                "in_memory_host_fps": 95.0,
+            }
     rows[-1]["peers"]["ours"] = {"peer": "ours", "error": "Traceback …\nRuntimeError: the graph broke"}
-    return {"environment": {"device": "GPU", "command": "optimum-iobinding bench --scenario stream", "date": "today"},
-            "scenario": "stream", "model": "turbo", "size": 512, "dtype": "fp16", "export": "optimized",
-            "frames": 200, "video_frames": 120, "warmup": 10, "rows": rows}
+    return {
+        "environment": {"device": "GPU", "command": "optimum-iobinding bench --scenario stream", "date": "today"},
+        "scenario": "stream",
+        "model": "turbo",
+        "size": 512,
+        "dtype": "fp16",
+        "export": "optimized",
+        "frames": 200,
+        "video_frames": 120,
+        "warmup": 10,
+        "rows": rows,
+    }
 
 
 def test_the_stream_report_gives_latency_frames_per_second_and_ratios_to_the_floor_and_torch_tiny(tmp_path):
@@ -418,11 +546,26 @@ def test_a_failing_stream_peer_records_its_error_and_the_others_go_on(tmp_path, 
     monkeypatch.setattr(cli, "ensure_export", lambda kind, dtype, export, work: tmp_path / f"{kind}-{dtype}-{export}")
     monkeypatch.setattr(cli, "ensure_tiny_vae_export", lambda dtype, export, work: tmp_path / "taesd")
     monkeypatch.setattr(cli, "environment", lambda: {"device": "GPU", "command": "bench", "date": "today"})
-    results = cli.stream_benchmark(["ours", "numpy", "torch", "video"], "fp16", "optimized", 50, 30, 5, tmp_path,
-                                   tmp_path / "out", 60, run=fake_run)
+    results = cli.stream_benchmark(
+        ["ours", "numpy", "torch", "video"],
+        "fp16",
+        "optimized",
+        50,
+        30,
+        5,
+        tmp_path,
+        tmp_path / "out",
+        60,
+        run=fake_run,
+    )
     assert [(row["unet_steps"], row["stream_batch"], row["vae"]) for row in results["rows"]] == [
-        (1, True, "full"), (1, True, "tiny"), (2, True, "full"), (2, True, "tiny"), (2, False, "full"),
-        (2, False, "tiny")]
+        (1, True, "full"),
+        (1, True, "tiny"),
+        (2, True, "full"),
+        (2, True, "tiny"),
+        (2, False, "full"),
+        (2, False, "tiny"),
+    ]
     for row in results["rows"]:
         assert "error" in row["peers"]["numpy"] and row["peers"]["ours"]["fps"] == 100.0
         assert ("video" in row["peers"]) == (row["unet_steps"] == 1)
@@ -434,13 +577,19 @@ def test_a_failing_stream_peer_records_its_error_and_the_others_go_on(tmp_path, 
     assert (tmp_path / "out" / "stream.md").is_file() and (tmp_path / "out" / "stream.json").is_file()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--frames", "0"], "--frames: expected an integer ≥ 1, got 0"),
-    (["--video-frames", "0"], "--video-frames: expected an integer ≥ 1, got 0"),
-    (["--frame-warmup", "-1"], "--frame-warmup: expected an integer ≥ 0, got -1"),
-    (["--peers", "ours,graph"], "--peers: expected for --scenario stream a comma-separated list of ours, numpy, "
-                                "torch, floor, video, got 'ours,graph'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--frames", "0"], "--frames: expected an integer ≥ 1, got 0"),
+        (["--video-frames", "0"], "--video-frames: expected an integer ≥ 1, got 0"),
+        (["--frame-warmup", "-1"], "--frame-warmup: expected an integer ≥ 0, got -1"),
+        (
+            ["--peers", "ours,graph"],
+            "--peers: expected for --scenario stream a comma-separated list of ours, numpy, "
+            "torch, floor, video, got 'ours,graph'",
+        ),
+    ],
+)
 def test_the_stream_scenario_checks_its_options_before_looking_for_a_gpu(capsys, argv, message):
     from optimum_iobinding.bench.cli import main
 
@@ -484,30 +633,48 @@ TRANSFORMER_CPU_RUN = ["--scenario", "transformer", "--device", "cpu", "--runs",
 CUDA_ONLY_OPS = {"NhwcConv", "GroupNorm", "SkipGroupNorm", "BiasSplitGelu", "BiasAdd"}
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--scenario", "transformer", "--models", "sd35m,sd15"],
-     "--models: expected a comma-separated list of sd35m, flux-schnell, flux-dev, tiny-sd3, tiny-flux, got "
-     "'sd35m,sd15'"),
-    (["--scenario", "transformer", "--peers", "ours,numpy"],
-     "--peers: expected a comma-separated list of ours, optimum, torch, compile, floor, got 'ours,numpy'"),
-    (["--scenario", "transformer", "--blocks", "0"], "--blocks: expected an integer ≥ 1, got 0"),
-    (["--scenario", "transformer", "--text-layers", "0"], "--text-layers: expected an integer ≥ 1, got 0"),
-    (["--scenario", "transformer", "--compile-timeout", "0"], "--compile-timeout: expected an integer ≥ 1, got 0"),
-    (["--blocks", "4"], "--blocks: expected only with --scenario transformer, got '--scenario single'"),
-    (["--scenario", "stream", "--text-layers", "2"],
-     "--text-layers: expected only with --scenario transformer, got '--scenario stream'"),
-    (["--device", "cpu"], "--device: expected cuda with --scenario single (it measures CUDA pipelines; --scenario "
-                          "transformer --models tiny-sd3,tiny-flux --device cpu checks a setup without a GPU), got "
-                          "'cpu'"),
-    (["--scenario", "mixed", "--device", "cpu"], "--device: expected cuda with --scenario mixed"),
-    (["--scenario", "stream", "--device", "cpu"], "--device: expected cuda with --scenario stream"),
-    (["--scenario", "transformer", "--device", "cpu", "--dtypes", "fp16"],
-     "--dtypes: expected fp32 with --device cpu (a float16 or bfloat16 export is for the GPU), got 'fp16'"),
-    (["--scenario", "transformer", "--device", "cpu", "--dtypes", "bf16"],
-     "--dtypes: expected fp32 with --device cpu (a float16 or bfloat16 export is for the GPU), got 'bf16'"),
-    (["--scenario", "transformer", "--dtypes", "int8"],
-     "--dtypes: expected a comma-separated list of fp16, fp32, bf16, got 'int8'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--scenario", "transformer", "--models", "sd35m,sd15"],
+            "--models: expected a comma-separated list of sd35m, flux-schnell, flux-dev, tiny-sd3, tiny-flux, got "
+            "'sd35m,sd15'",
+        ),
+        (
+            ["--scenario", "transformer", "--peers", "ours,numpy"],
+            "--peers: expected a comma-separated list of ours, optimum, torch, compile, floor, got 'ours,numpy'",
+        ),
+        (["--scenario", "transformer", "--blocks", "0"], "--blocks: expected an integer ≥ 1, got 0"),
+        (["--scenario", "transformer", "--text-layers", "0"], "--text-layers: expected an integer ≥ 1, got 0"),
+        (["--scenario", "transformer", "--compile-timeout", "0"], "--compile-timeout: expected an integer ≥ 1, got 0"),
+        (["--blocks", "4"], "--blocks: expected only with --scenario transformer, got '--scenario single'"),
+        (
+            ["--scenario", "stream", "--text-layers", "2"],
+            "--text-layers: expected only with --scenario transformer, got '--scenario stream'",
+        ),
+        (
+            ["--device", "cpu"],
+            "--device: expected cuda with --scenario single (it measures CUDA pipelines; --scenario "
+            "transformer --models tiny-sd3,tiny-flux --device cpu checks a setup without a GPU), got "
+            "'cpu'",
+        ),
+        (["--scenario", "mixed", "--device", "cpu"], "--device: expected cuda with --scenario mixed"),
+        (["--scenario", "stream", "--device", "cpu"], "--device: expected cuda with --scenario stream"),
+        (
+            ["--scenario", "transformer", "--device", "cpu", "--dtypes", "fp16"],
+            "--dtypes: expected fp32 with --device cpu (a float16 or bfloat16 export is for the GPU), got 'fp16'",
+        ),
+        (
+            ["--scenario", "transformer", "--device", "cpu", "--dtypes", "bf16"],
+            "--dtypes: expected fp32 with --device cpu (a float16 or bfloat16 export is for the GPU), got 'bf16'",
+        ),
+        (
+            ["--scenario", "transformer", "--dtypes", "int8"],
+            "--dtypes: expected a comma-separated list of fp16, fp32, bf16, got 'int8'",
+        ),
+    ],
+)
 def test_the_transformer_scenario_names_every_bad_option_before_any_work(argv, message, capsys):
     from optimum_iobinding.bench.cli import main
 
@@ -535,8 +702,11 @@ def test_sd35m_has_sd35_mediums_mmdit_and_text_encoders():
     pipe = transformer_architecture("sd35m")
     config = pipe.transformer.config
     assert (config.num_layers, config.num_attention_heads, config.attention_head_dim) == (24, 24, 64)
-    assert (config.joint_attention_dim, config.caption_projection_dim, config.pooled_projection_dim) == (4096, 1536,
-                                                                                                         2048)
+    assert (config.joint_attention_dim, config.caption_projection_dim, config.pooled_projection_dim) == (
+        4096,
+        1536,
+        2048,
+    )
     assert tuple(config.dual_attention_layers) == tuple(range(13)) and config.qk_norm == "rms_norm"
     assert config.pos_embed_max_size == 384 and config.sample_size * 8 == 1024
     assert (pipe.text_encoder.config.hidden_size, pipe.text_encoder.config.num_hidden_layers) == (768, 12)
@@ -561,30 +731,68 @@ def test_blocks_keep_the_full_width_and_text_layers_shrink_every_text_encoder():
     assert (flux.transformer.config.num_attention_heads, flux.transformer.config.attention_head_dim) == (24, 128)
     assert flux.text_encoder.config.num_hidden_layers == 1 and flux.text_encoder_2.config.num_layers == 1
     sd3 = transformer_architecture("sd35m", blocks=4, text_layers=2)
-    assert sd3.transformer.config.num_layers == 4 and tuple(sd3.transformer.config.dual_attention_layers) == (0, 1, 2,
-                                                                                                            3)
-    assert [sd3.text_encoder.config.num_hidden_layers, sd3.text_encoder_2.config.num_hidden_layers,
-            sd3.text_encoder_3.config.num_layers] == [2, 2, 2]
+    assert sd3.transformer.config.num_layers == 4 and tuple(sd3.transformer.config.dual_attention_layers) == (
+        0,
+        1,
+        2,
+        3,
+    )
+    assert [
+        sd3.text_encoder.config.num_hidden_layers,
+        sd3.text_encoder_2.config.num_hidden_layers,
+        sd3.text_encoder_3.config.num_layers,
+    ] == [2, 2, 2]
 
 
 def transformer_peer(ms, per_step, **extra):
-    return {"end_to_end_ms": ms, "per_step_ms": per_step, "peak_memory_mib": 9000.0, "load_s": 10.0,
-            "first_image_s": 20.0, "compile_s": None, "weights": "the export's", **extra}
+    return {
+        "end_to_end_ms": ms,
+        "per_step_ms": per_step,
+        "peak_memory_mib": 9000.0,
+        "load_s": 10.0,
+        "first_image_s": 20.0,
+        "compile_s": None,
+        "weights": "the export's",
+        **extra,
+    }
 
 
 def test_the_transformer_report_gives_every_ratio_to_ours_and_the_floor(tmp_path):
     from optimum_iobinding.bench.report import write_transformer_report
 
-    results = {"environment": {"device": "GPU", "command": "optimum-iobinding bench --scenario transformer"},
-               "dtype": "fp16", "export": "optimized", "device": "cuda", "runs": 3, "warmup": 1, "rows": [
-                   {"model": "sd35m", "size": 1024, "blocks": None, "text_layers": None, "peers": {
-                       "ours": transformer_peer(2000.0, 60.0), "optimum": transformer_peer(4000.0, 110.0),
-                       "torch": transformer_peer(2500.0, 80.0), "compile": transformer_peer(1600.0, 50.0,
-                                                                                            compile_s=95.0),
-                       "floor": {"peer": "floor", "per_step_ms": 50.0, "graph_inputs": {"hidden_states": [2]}}}},
-                   {"model": "flux-dev", "size": 1024, "blocks": [4, 8], "text_layers": 2, "peers": {
-                       "ours": transformer_peer(1000.0, 30.0),
-                       "compile": {"peer": "compile", "skipped": "did not compile within 900 s"}}}]}
+    results = {
+        "environment": {"device": "GPU", "command": "optimum-iobinding bench --scenario transformer"},
+        "dtype": "fp16",
+        "export": "optimized",
+        "device": "cuda",
+        "runs": 3,
+        "warmup": 1,
+        "rows": [
+            {
+                "model": "sd35m",
+                "size": 1024,
+                "blocks": None,
+                "text_layers": None,
+                "peers": {
+                    "ours": transformer_peer(2000.0, 60.0),
+                    "optimum": transformer_peer(4000.0, 110.0),
+                    "torch": transformer_peer(2500.0, 80.0),
+                    "compile": transformer_peer(1600.0, 50.0, compile_s=95.0),
+                    "floor": {"peer": "floor", "per_step_ms": 50.0, "graph_inputs": {"hidden_states": [2]}},
+                },
+            },
+            {
+                "model": "flux-dev",
+                "size": 1024,
+                "blocks": [4, 8],
+                "text_layers": 2,
+                "peers": {
+                    "ours": transformer_peer(1000.0, 30.0),
+                    "compile": {"peer": "compile", "skipped": "did not compile within 900 s"},
+                },
+            },
+        ],
+    }
     write_transformer_report(results, tmp_path)
     table = (tmp_path / "transformer.md").read_text()
     assert "| sd35m 1024² | full model | ours | 2000.0 | 60.00 | 1.200 | 1.00 | 9000 |" in table
@@ -612,18 +820,39 @@ def test_a_failing_transformer_peer_records_its_error_and_a_compile_past_its_lim
             return {"peer": "floor", "per_step_ms": 20.0, "graph_inputs": {"hidden_states": [1]}}
         return transformer_peer(500.0, 21.0, image=None)
 
-    monkeypatch.setattr(cli, "ensure_transformer_export", lambda kind, dtype, export, work, blocks, text_layers,
-                        device: tmp_path / f"{kind}-{dtype}-{export}")
+    monkeypatch.setattr(
+        cli,
+        "ensure_transformer_export",
+        lambda kind, dtype, export, work, blocks, text_layers, device: tmp_path / f"{kind}-{dtype}-{export}",
+    )
     monkeypatch.setattr(cli, "environment", lambda: {"device": "GPU", "command": "bench", "date": "today"})
-    results = cli.transformer_benchmark(["flux-schnell"], ["ours", "optimum", "torch", "compile", "floor"], "fp16",
-                                        "optimized", 3, None, 3, 1, "cuda", tmp_path, tmp_path / "out", "/optimum/site",
-                                        600, 1200, run=fake_run)
+    results = cli.transformer_benchmark(
+        ["flux-schnell"],
+        ["ours", "optimum", "torch", "compile", "floor"],
+        "fp16",
+        "optimized",
+        3,
+        None,
+        3,
+        1,
+        "cuda",
+        tmp_path,
+        tmp_path / "out",
+        "/optimum/site",
+        600,
+        1200,
+        run=fake_run,
+    )
     peers = results["rows"][0]["peers"]
     assert "out of memory" in peers["torch"]["error"] and peers["ours"]["end_to_end_ms"] == 500.0
     assert peers["compile"] == {"peer": "compile", "skipped": "did not compile within 1200 s"}
     assert [(peer, pythonpath, timeout) for peer, pythonpath, timeout, _ in calls] == [
-        ("ours", None, 600), ("optimum", "/optimum/site", 600), ("torch", None, 600), ("compile", None, 1200),
-        ("floor", None, 600)]
+        ("ours", None, 600),
+        ("optimum", "/optimum/site", 600),
+        ("torch", None, 600),
+        ("compile", None, 1200),
+        ("floor", None, 600),
+    ]
     ours_args = calls[0][3]
     assert ours_args[ours_args.index("--blocks") + 1] == "3" and "--text-layers" not in ours_args
     assert results["rows"][0]["blocks"] == [3, 6]
@@ -643,16 +872,35 @@ def test_the_transformer_scenario_runs_tiny_sd3_end_to_end_on_the_cpu_each_peer_
     import onnx
 
     out = tmp_path / "out"
-    assert main([*TRANSFORMER_CPU_RUN, "--models", "tiny-sd3", "--peers", "ours,torch,optimum", "--blocks", "1",
-                 "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                *TRANSFORMER_CPU_RUN,
+                "--models",
+                "tiny-sd3",
+                "--peers",
+                "ours,torch,optimum",
+                "--blocks",
+                "1",
+                "--work",
+                str(tmp_path / "work"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     results = json.loads((out / "transformer.json").read_text())
     (row,) = results["rows"]
     # the export is the CPU's: float32, optimized without the CUDA-only fused operators, and ours ran it there
     assert (results["dtype"], results["export"]) == ("fp32", "optimized")
     folder = tmp_path / "work" / "tiny-sd3-fp32-optimized-cpu-blocks1x0"
     assert row["folder"] == str(folder)
-    ops = {node.op_type for graph in folder.glob("*/model.onnx")
-           for node in onnx.load(str(graph), load_external_data=False).graph.node}
+    ops = {
+        node.op_type
+        for graph in folder.glob("*/model.onnx")
+        for node in onnx.load(str(graph), load_external_data=False).graph.node
+    }
     assert "MultiHeadAttention" in ops and not ops & CUDA_ONLY_OPS  # fused, for the CPU
     assert set(row["peers"]["ours"]["providers"].values()) == {"CPUExecutionProvider"}
     assert row["blocks"] == [1, 0] and results["environment"]["command"].startswith("optimum-iobinding bench")
@@ -660,9 +908,16 @@ def test_the_transformer_scenario_runs_tiny_sd3_end_to_end_on_the_cpu_each_peer_
     assert ours["end_to_end_ms"] > 0 and ours["steps"] == 3 and ours["short_steps"] == 1
     # each image's range and share of non-finite values: a float16 overflow shows there at a glance
     image = np.load(ours["image"])
-    assert ours["image_stats"] == pytest.approx({"min": float(image.min()), "max": float(image.max()),
-                                                 "mean": float(image.mean()), "std": float(image.std()),
-                                                 "non_finite": 0.0}, rel=1e-5)
+    assert ours["image_stats"] == pytest.approx(
+        {
+            "min": float(image.min()),
+            "max": float(image.max()),
+            "mean": float(image.mean()),
+            "std": float(image.std()),
+            "non_finite": 0.0,
+        },
+        rel=1e-5,
+    )
     assert ours["graph_fallbacks"] == {}  # off CUDA nothing asks for a graph
     # the same fp32 weights through ONNX Runtime and through diffusers' torch pipeline: the same image
     assert torch_peer["weights"] == "the export's" and torch_peer["max_abs_diff_vs_ours"] < 1e-3
@@ -686,9 +941,23 @@ def test_the_transformer_scenario_runs_tiny_flux_and_ours_makes_diffusers_image(
         assert cli.main([*args, "--result", str(result_path)]) == 0
         return json.loads(result_path.read_text())
 
-    results = cli.transformer_benchmark(["tiny-flux"], ["ours", "torch", "floor"], "fp32", "plain", None, None, 1, 0,
-                                        "cpu", tmp_path / "work", tmp_path / "out", None, 600, 600,
-                                        run=in_this_process)
+    results = cli.transformer_benchmark(
+        ["tiny-flux"],
+        ["ours", "torch", "floor"],
+        "fp32",
+        "plain",
+        None,
+        None,
+        1,
+        0,
+        "cpu",
+        tmp_path / "work",
+        tmp_path / "out",
+        None,
+        600,
+        600,
+        run=in_this_process,
+    )
     peers = results["rows"][0]["peers"]
     assert peers["torch"]["max_abs_diff_vs_ours"] < 1e-3 and peers["ours"]["image"].endswith("-ours.npy")
     assert peers["floor"]["skipped"] == "floor measures CUDA-graph replays: it needs --device cuda"
@@ -703,8 +972,27 @@ def test_on_the_gpu_every_transformer_peer_measures_tiny_sd3_against_the_floor_o
     from optimum_iobinding.bench.cli import main
 
     out = tmp_path / "out"
-    assert main(["--scenario", "transformer", "--models", "tiny-sd3", "--peers", "ours,torch,compile,floor",
-                 "--runs", "2", "--warmup", "1", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--scenario",
+                "transformer",
+                "--models",
+                "tiny-sd3",
+                "--peers",
+                "ours,torch,compile,floor",
+                "--runs",
+                "2",
+                "--warmup",
+                "1",
+                "--work",
+                str(tmp_path / "work"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     (row,) = json.loads((out / "transformer.json").read_text())["rows"]
     peers = row["peers"]
     assert peers["floor"]["per_step_ms"] > 0 and peers["floor"]["graph_inputs"]["hidden_states"][0] == 2  # CFG
@@ -735,8 +1023,9 @@ def recorded_transformer_exports(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("device, optimize", [("cpu", "cpu"), ("cuda", "cuda")])
-def test_an_optimized_transformer_export_gets_the_fusions_of_the_device_it_runs_on(tmp_path, monkeypatch, device,
-                                                                                   optimize):
+def test_an_optimized_transformer_export_gets_the_fusions_of_the_device_it_runs_on(
+    tmp_path, monkeypatch, device, optimize
+):
     import optimum_iobinding.bench.zoo as zoo
 
     calls = recorded_transformer_exports(monkeypatch)
@@ -751,11 +1040,27 @@ def test_the_transformer_scenario_with_dtypes_bf16_exports_bfloat16_transformers
     from optimum_iobinding.bench.cli import main
 
     calls = recorded_transformer_exports(monkeypatch)
-    assert main(["--scenario", "transformer", "--models", "tiny-sd3,tiny-flux", "--dtypes", "bf16", "--export-only",
-                 "--work", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "--scenario",
+                "transformer",
+                "--models",
+                "tiny-sd3,tiny-flux",
+                "--dtypes",
+                "bf16",
+                "--export-only",
+                "--work",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert [(call["dtype"], call["optimize"]) for call in calls] == [("bf16", "cuda")] * 2
-    assert capsys.readouterr().out.split() == [str(tmp_path / "tiny-sd3-bf16-optimized"),
-                                               str(tmp_path / "tiny-flux-bf16-optimized")]
+    assert capsys.readouterr().out.split() == [
+        str(tmp_path / "tiny-sd3-bf16-optimized"),
+        str(tmp_path / "tiny-flux-bf16-optimized"),
+    ]
 
 
 def test_an_export_for_an_unknown_device_is_refused_naming_the_device():
@@ -768,13 +1073,17 @@ def test_an_export_for_an_unknown_device_is_refused_naming_the_device():
 
 def failing_transformer_run(failing_peer):
     """The transformer scenario's peer processes, answered at once: ``failing_peer``'s with a traceback's end."""
+
     def run(args, pythonpath, timeout):
         peer = args[args.index("--run-transformer") + 1]
         if peer == failing_peer:
-            return {"error": "Traceback (most recent call last):\n  File \"x.py\", line 1\nRuntimeError: "
-                             "[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Failed to find kernel for "
-                             "com.microsoft.NhwcConv(1)\n"}
+            return {
+                "error": 'Traceback (most recent call last):\n  File "x.py", line 1\nRuntimeError: '
+                "[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Failed to find kernel for "
+                "com.microsoft.NhwcConv(1)\n"
+            }
         return transformer_peer(500.0, 21.0, image=None)
+
     return run
 
 
@@ -787,8 +1096,19 @@ def transformer_cpu_run(tmp_path, monkeypatch, run, export=None):
     monkeypatch.setattr(cli, "transformer_benchmark", lambda *args, **kwargs: benchmark(*args, **kwargs, run=run))
     monkeypatch.setattr(cli, "ensure_transformer_export", export or (lambda *args, **kwargs: tmp_path / "export"))
     monkeypatch.setattr(cli, "environment", lambda: {"device": "CPU", "command": "bench", "date": "today"})
-    return cli.main([*TRANSFORMER_CPU_RUN, "--models", "tiny-sd3", "--peers", "ours,torch", "--work",
-                     str(tmp_path / "work"), "--out", str(tmp_path / "out")])
+    return cli.main(
+        [
+            *TRANSFORMER_CPU_RUN,
+            "--models",
+            "tiny-sd3",
+            "--peers",
+            "ours,torch",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
 
 
 def test_the_bench_fails_where_ours_fails_naming_the_model_and_the_reason_in_one_line(tmp_path, monkeypatch, capsys):
@@ -797,7 +1117,8 @@ def test_the_bench_fails_where_ours_fails_naming_the_model_and_the_reason_in_one
     assert output.err.strip().splitlines()[-1] == (
         "optimum-iobinding bench: error: ours failed on tiny-sd3: RuntimeError: [ONNXRuntimeError] : 9 : "
         "NOT_IMPLEMENTED : Failed to find kernel for com.microsoft.NhwcConv(1) (see "
-        f"{tmp_path / 'out' / 'transformer.md'})")
+        f"{tmp_path / 'out' / 'transformer.md'})"
+    )
     assert "| tiny-sd3 64² | full model | torch | 500.0 |" in output.out  # the report is written all the same
 
 
@@ -815,39 +1136,100 @@ def test_the_bench_fails_where_ours_has_no_export(tmp_path, monkeypatch, capsys)
     assert transformer_cpu_run(tmp_path, monkeypatch, failing_transformer_run(None), export) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "optimum-iobinding bench: error: tiny-sd3: the export failed: RuntimeError: the optimizer died (see "
-        f"{tmp_path / 'out' / 'transformer.md'})")
+        f"{tmp_path / 'out' / 'transformer.md'})"
+    )
 
 
-@pytest.mark.parametrize("scenario, row, reason", [
-    ("single", {"model": "tiny", "dtype": "fp16", "export": "plain",
-                "peers": {"numpy": {"error": "Traceback\nRuntimeError: numpy"}, "graph": {"error": "x\nOSError: y"}}},
-     "graph failed on tiny fp16 plain: OSError: y"),
-    ("single", {"model": "tiny", "dtype": "fp16", "export": "plain",
-                "peers": {"numpy": {"error": "Traceback\nRuntimeError: numpy"}, "graph": peer(1.0, 1.0)}}, None),
-    ("mixed", {"model": "tiny", "dtype": "fp16", "export": "plain",
-               "peers": {"warmed": {"error": "timed out after 900 s"}}}, "warmed failed on tiny fp16 plain: timed out "
-                                                                         "after 900 s"),
-    ("stream", {"steps": 2, "strength": 0.5, "stream_batch": True, "vae": "tiny", "unet_steps": 1,
-                "peers": {"ours": {"peer": "ours", "error": "the tiny VAE export failed: OSError: disk full"},
-                          "torch": {"error": "boom"}}},
-     "ours failed on 1 step, tiny VAE: the tiny VAE export failed: OSError: disk full"),
-    ("stream", {"steps": 2, "strength": 0.5, "stream_batch": True, "vae": "full", "unet_steps": 1,
-                "peers": {"ours": {"fps": 10.0}, "torch": {"error": "boom"}}}, None),
-    ("transformer", {"model": "tiny-flux", "peers": {"ours": transformer_peer(1.0, 1.0),
-                                                     "cached": {"error": "x\nArgumentError: config: no parts"}}},
-     "cached failed on tiny-flux: ArgumentError: config: no parts"),
-])
+@pytest.mark.parametrize(
+    "scenario, row, reason",
+    [
+        (
+            "single",
+            {
+                "model": "tiny",
+                "dtype": "fp16",
+                "export": "plain",
+                "peers": {"numpy": {"error": "Traceback\nRuntimeError: numpy"}, "graph": {"error": "x\nOSError: y"}},
+            },
+            "graph failed on tiny fp16 plain: OSError: y",
+        ),
+        (
+            "single",
+            {
+                "model": "tiny",
+                "dtype": "fp16",
+                "export": "plain",
+                "peers": {"numpy": {"error": "Traceback\nRuntimeError: numpy"}, "graph": peer(1.0, 1.0)},
+            },
+            None,
+        ),
+        (
+            "mixed",
+            {
+                "model": "tiny",
+                "dtype": "fp16",
+                "export": "plain",
+                "peers": {"warmed": {"error": "timed out after 900 s"}},
+            },
+            "warmed failed on tiny fp16 plain: timed out after 900 s",
+        ),
+        (
+            "stream",
+            {
+                "steps": 2,
+                "strength": 0.5,
+                "stream_batch": True,
+                "vae": "tiny",
+                "unet_steps": 1,
+                "peers": {
+                    "ours": {"peer": "ours", "error": "the tiny VAE export failed: OSError: disk full"},
+                    "torch": {"error": "boom"},
+                },
+            },
+            "ours failed on 1 step, tiny VAE: the tiny VAE export failed: OSError: disk full",
+        ),
+        (
+            "stream",
+            {
+                "steps": 2,
+                "strength": 0.5,
+                "stream_batch": True,
+                "vae": "full",
+                "unet_steps": 1,
+                "peers": {"ours": {"fps": 10.0}, "torch": {"error": "boom"}},
+            },
+            None,
+        ),
+        (
+            "transformer",
+            {
+                "model": "tiny-flux",
+                "peers": {
+                    "ours": transformer_peer(1.0, 1.0),
+                    "cached": {"error": "x\nArgumentError: config: no parts"},
+                },
+            },
+            "cached failed on tiny-flux: ArgumentError: config: no parts",
+        ),
+    ],
+)
 def test_every_scenario_fails_on_its_own_pipelines_failures_and_not_on_its_peers(scenario, row, reason):
     from optimum_iobinding.bench.cli import own_failure
 
     assert own_failure({"rows": [row]}, scenario) == reason
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["/usr/bin/optimum-iobinding", "bench", "--models", "sd15"], "optimum-iobinding bench --models sd15"),
-    (["/site/optimum_iobinding/bench/cli.py", "--models", "sd15"], "optimum-iobinding bench --models sd15"),
-    (["benchmarks/step_cache_probe.py", "--kind", "flux-dev"], "python3 benchmarks/step_cache_probe.py --kind flux-dev"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["/usr/bin/optimum-iobinding", "bench", "--models", "sd15"], "optimum-iobinding bench --models sd15"),
+        (["/site/optimum_iobinding/bench/cli.py", "--models", "sd15"], "optimum-iobinding bench --models sd15"),
+        (
+            ["benchmarks/step_cache_probe.py", "--kind", "flux-dev"],
+            "python3 benchmarks/step_cache_probe.py --kind flux-dev",
+        ),
+    ],
+)
 def test_a_result_names_the_command_that_made_it_a_scripts_too(monkeypatch, argv, expected):
     from optimum_iobinding.bench.probes import command_line
 
@@ -856,27 +1238,45 @@ def test_a_result_names_the_command_that_made_it_a_scripts_too(monkeypatch, argv
 
 
 # ------------------------------------------------------------------------------------------------- step caching
-@pytest.mark.parametrize("argv, message", [
-    (["--cache", "fbc"], "--cache: expected fbc:THRESHOLD (First-Block Cache: SD3, FLUX.1) or deepcache:INTERVAL"
-                         "[:BRANCH] (DeepCache: SD, SDXL), got 'fbc'"),
-    (["--cache", "deepcache:x"], "--cache: expected fbc:THRESHOLD"),
-    (["--models", "sd15", "--cache", "fbc:0.08"],
-     "--cache: expected deepcache:INTERVAL[:BRANCH] (DeepCache) for the UNets of --models (sd15), got 'fbc:0.08'; "
-     "First-Block Cache (fbc) is SD3's and FLUX.1's: --scenario transformer"),
-    (["--scenario", "transformer", "--cache", "deepcache:3"],
-     "--cache: expected fbc:THRESHOLD (First-Block Cache) for the diffusion transformers of --models (sd35m, "
-     "flux-schnell, flux-dev), got 'deepcache:3'; DeepCache (deepcache) is the UNets': --scenario single"),
-    (["--scenario", "mixed", "--cache", "deepcache:3"],
-     "--cache: expected only with --scenario single or transformer, got '--scenario mixed'"),
-    (["--scenario", "stream", "--cache", "deepcache:3"],
-     "--cache: expected only with --scenario single or transformer, got '--scenario stream'"),
-    (["--peers", "numpy,graph", "--cache", "deepcache:3"],
-     "--peers: expected defaults among them with --cache, got 'numpy,graph'; the cached row's speed-up is over "
-     "defaults, on the same files"),
-    (["--scenario", "transformer", "--models", "tiny-sd3", "--blocks", "1", "--cache", "fbc:0.08"],
-     "--cache: expected transformers of at least 2 blocks (First-Block Cache runs the first and skips the others), "
-     "got 'tiny-sd3 with --blocks 1: 1 block'; raise --blocks"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--cache", "fbc"],
+            "--cache: expected fbc:THRESHOLD (First-Block Cache: SD3, FLUX.1) or deepcache:INTERVAL"
+            "[:BRANCH] (DeepCache: SD, SDXL), got 'fbc'",
+        ),
+        (["--cache", "deepcache:x"], "--cache: expected fbc:THRESHOLD"),
+        (
+            ["--models", "sd15", "--cache", "fbc:0.08"],
+            "--cache: expected deepcache:INTERVAL[:BRANCH] (DeepCache) for the UNets of --models (sd15), got 'fbc:0.08'; "
+            "First-Block Cache (fbc) is SD3's and FLUX.1's: --scenario transformer",
+        ),
+        (
+            ["--scenario", "transformer", "--cache", "deepcache:3"],
+            "--cache: expected fbc:THRESHOLD (First-Block Cache) for the diffusion transformers of --models (sd35m, "
+            "flux-schnell, flux-dev), got 'deepcache:3'; DeepCache (deepcache) is the UNets': --scenario single",
+        ),
+        (
+            ["--scenario", "mixed", "--cache", "deepcache:3"],
+            "--cache: expected only with --scenario single or transformer, got '--scenario mixed'",
+        ),
+        (
+            ["--scenario", "stream", "--cache", "deepcache:3"],
+            "--cache: expected only with --scenario single or transformer, got '--scenario stream'",
+        ),
+        (
+            ["--peers", "numpy,graph", "--cache", "deepcache:3"],
+            "--peers: expected defaults among them with --cache, got 'numpy,graph'; the cached row's speed-up is over "
+            "defaults, on the same files",
+        ),
+        (
+            ["--scenario", "transformer", "--models", "tiny-sd3", "--blocks", "1", "--cache", "fbc:0.08"],
+            "--cache: expected transformers of at least 2 blocks (First-Block Cache runs the first and skips the others), "
+            "got 'tiny-sd3 with --blocks 1: 1 block'; raise --blocks",
+        ),
+    ],
+)
 def test_the_bench_cli_refuses_a_cache_its_scenario_or_models_cannot_take_before_any_work(argv, message, capsys):
     from optimum_iobinding.bench.cli import main
 
@@ -908,8 +1308,20 @@ def test_with_a_cache_defaults_and_cached_run_on_one_step_cache_export_and_only_
     monkeypatch.setattr(cli, "run_in_subprocess", fake_subprocess)
     monkeypatch.setattr(cli, "ensure_export", fake_export)
     monkeypatch.setattr(cli, "environment", lambda: {"device": "GPU", "command": "bench"})
-    results = cli.benchmark(["sd15"], ["fp16"], ["optimized"], ["numpy", "defaults"], 30, 3, 1, tmp_path,
-                            tmp_path / "out", None, 60, cache="deepcache:3")
+    results = cli.benchmark(
+        ["sd15"],
+        ["fp16"],
+        ["optimized"],
+        ["numpy", "defaults"],
+        30,
+        3,
+        1,
+        tmp_path,
+        tmp_path / "out",
+        None,
+        60,
+        cache="deepcache:3",
+    )
     assert exports == [True]
     assert [args[args.index("--run-peer") + 1] for args in calls] == ["numpy", "defaults", "cached"]
     assert [args[args.index("--folder") + 1] for args in calls] == [str(tmp_path / "export-step-cache")] * 3
@@ -919,19 +1331,37 @@ def test_with_a_cache_defaults_and_cached_run_on_one_step_cache_export_and_only_
 
 
 def test_the_report_names_a_cached_rows_cache_its_skipped_steps_and_its_speed_up(tmp_path):
-    cached = {**peer(40.0, 1.2), "cache": "deepcache:3", "computed": [True, False, False] * 10, "skipped_steps": 20,
-              "speedup_vs_uncached": 2.5}
+    cached = {
+        **peer(40.0, 1.2),
+        "cache": "deepcache:3",
+        "computed": [True, False, False] * 10,
+        "skipped_steps": 20,
+        "speedup_vs_uncached": 2.5,
+    }
     results = {
-        "environment": {"device": "GPU", "command": "optimum-iobinding bench --cache deepcache:3"}, "steps": 30,
-        "runs": 3, "warmup": 1, "cache": "deepcache:3",
-        "rows": [{"model": "sd15", "size": 512, "dtype": "fp16", "export": "optimized", "reference": "numpy",
-                  "floor": {"per_step_ms": 3.0},
-                  "peers": {"numpy": peer(300.0, 9.0), "defaults": peer(100.0, 3.0), "cached": cached}}],
+        "environment": {"device": "GPU", "command": "optimum-iobinding bench --cache deepcache:3"},
+        "steps": 30,
+        "runs": 3,
+        "warmup": 1,
+        "cache": "deepcache:3",
+        "rows": [
+            {
+                "model": "sd15",
+                "size": 512,
+                "dtype": "fp16",
+                "export": "optimized",
+                "reference": "numpy",
+                "floor": {"per_step_ms": 3.0},
+                "peers": {"numpy": peer(300.0, 9.0), "defaults": peer(100.0, 3.0), "cached": cached},
+            }
+        ],
     }
     write_report(results, tmp_path)
     table = (tmp_path / "results.md").read_text()
-    assert ("| sd15 512² | fp16 | optimized | cached (deepcache:3; 20 of 30 steps skipped; 2.50 × defaults) | 40.0 "
-            "| 1.20 | 7.50 | 0.400 |" in table)
+    assert (
+        "| sd15 512² | fp16 | optimized | cached (deepcache:3; 20 of 30 steps skipped; 2.50 × defaults) | 40.0 "
+        "| 1.20 | 7.50 | 0.400 |" in table
+    )
     assert "cached: defaults with the step cache `deepcache:3`" in table
     header = table.splitlines()[4]
     assert all(line.count("|") == header.count("|") for line in table.splitlines()[4:] if line.startswith("|"))
@@ -948,15 +1378,36 @@ def test_the_transformer_scenario_with_a_cache_runs_tiny_flux_cached_beside_ours
         return json.loads(result_path.read_text())
 
     benchmark = cli.transformer_benchmark
-    monkeypatch.setattr(cli, "transformer_benchmark",
-                        lambda *args, **kwargs: benchmark(*args, **kwargs, run=in_this_process))
-    assert cli.main([*TRANSFORMER_CPU_RUN, "--models", "tiny-flux", "--peers", "ours", "--exports", "plain",
-                     "--cache", "fbc:10", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]) == 0
+    monkeypatch.setattr(
+        cli, "transformer_benchmark", lambda *args, **kwargs: benchmark(*args, **kwargs, run=in_this_process)
+    )
+    assert (
+        cli.main(
+            [
+                *TRANSFORMER_CPU_RUN,
+                "--models",
+                "tiny-flux",
+                "--peers",
+                "ours",
+                "--exports",
+                "plain",
+                "--cache",
+                "fbc:10",
+                "--work",
+                str(tmp_path / "work"),
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 0
+    )
     (row,) = json.loads((tmp_path / "out" / "transformer.json").read_text())["rows"]
     ours, cached = row["peers"]["ours"], row["peers"]["cached"]
     # a threshold no residual change reaches: the first step runs whole, the others reuse it
     assert cached["computed"] == [True, False, False] and cached["skipped_steps"] == 2
     assert cached["cache"] == "fbc:10" and "cache" not in ours and "computed" not in ours
     assert cached["speedup_vs_uncached"] == pytest.approx(ours["end_to_end_ms"] / cached["end_to_end_ms"])
-    assert "| tiny-flux 64² | full model | cached (fbc:10; 2 of 3 steps skipped) |" in (
-        tmp_path / "out" / "transformer.md").read_text()
+    assert (
+        "| tiny-flux 64² | full model | cached (fbc:10; 2 of 3 steps skipped) |"
+        in (tmp_path / "out" / "transformer.md").read_text()
+    )

@@ -33,8 +33,10 @@ BRANCHES = range(6)  # the tiny UNets have two down blocks: branches 0 … 5
 def shared_deep_cache_export(shared_export, family: str = "sd") -> Path:
     """The tiny random ``family`` pipeline's export with DeepCache's parts (unfused fp32), shared with the pipeline
     tests."""
-    return shared_export(f"{family}-deep-cache", lambda target: export_pipeline(None, target, tiny_random=family,
-                                                                                step_cache=True, progress=False))
+    return shared_export(
+        f"{family}-deep-cache",
+        lambda target: export_pipeline(None, target, tiny_random=family, step_cache=True, progress=False),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,17 +44,28 @@ def sd_folder(shared_export):
     return shared_deep_cache_export(shared_export)
 
 
-@pytest.fixture(scope="module", params=VARIANTS, ids=lambda v: f"{v[0]}-{v[1] or 'unfused'}-{'fp16' if v[2] else 'fp32'}")
+@pytest.fixture(
+    scope="module", params=VARIANTS, ids=lambda v: f"{v[0]}-{v[1] or 'unfused'}-{'fp16' if v[2] else 'fp32'}"
+)
 def exported(request, shared_export):
     """(family, the torch pipeline, its UNet's folder of a step-cache export)."""
     family, optimize, fp16 = request.param
     if optimize is None and not fp16:
         folder = shared_deep_cache_export(shared_export, family)
     else:  # made once per run, whichever test process asks first
-        folder = shared_export(f"{family}-deep-cache-unet-{optimize}-{'fp16' if fp16 else 'fp32'}",
-                               lambda target: export_pipeline(None, target, tiny_random=family, optimize=optimize,
-                                                              fp16=fp16, components=["unet"], progress=False,
-                                                              step_cache=True))
+        folder = shared_export(
+            f"{family}-deep-cache-unet-{optimize}-{'fp16' if fp16 else 'fp32'}",
+            lambda target: export_pipeline(
+                None,
+                target,
+                tiny_random=family,
+                optimize=optimize,
+                fp16=fp16,
+                components=["unet"],
+                progress=False,
+                step_cache=True,
+            ),
+        )
     return family, BUILDERS[family](), folder / "unet"
 
 
@@ -60,9 +73,11 @@ def unet_inputs(family: str, seed: int) -> Dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     inputs = {"sample": torch.randn(2, 4, 8, 8, generator=generator)}
     if family == "xl":
-        inputs.update(encoder_hidden_states=torch.randn(2, 77, 64, generator=generator),
-                      text_embeds=torch.randn(2, 32, generator=generator),
-                      time_ids=torch.tensor([[64.0, 64.0, 0.0, 0.0, 64.0, 64.0]] * 2))
+        inputs.update(
+            encoder_hidden_states=torch.randn(2, 77, 64, generator=generator),
+            text_embeds=torch.randn(2, 32, generator=generator),
+            time_ids=torch.tensor([[64.0, 64.0, 0.0, 0.0, 64.0, 64.0]] * 2),
+        )
     else:
         inputs["encoder_hidden_states"] = torch.randn(2, 77, 32, generator=generator)
     return inputs
@@ -71,8 +86,9 @@ def unet_inputs(family: str, seed: int) -> Dict[str, torch.Tensor]:
 def torch_unet(torch_pipe, inputs: Dict[str, torch.Tensor], timestep: torch.Tensor) -> torch.Tensor:
     added = {key: inputs[key] for key in ("text_embeds", "time_ids") if key in inputs} or None
     with torch.no_grad():
-        return torch_pipe.unet(inputs["sample"], timestep, encoder_hidden_states=inputs["encoder_hidden_states"],
-                               added_cond_kwargs=added).sample
+        return torch_pipe.unet(
+            inputs["sample"], timestep, encoder_hidden_states=inputs["encoder_hidden_states"], added_cond_kwargs=added
+        ).sample
 
 
 def session(path: Path) -> ort.InferenceSession:
@@ -115,8 +131,9 @@ def test_over_the_full_steps_feature_each_shallow_part_computes_the_deepcache_he
         feature = feature_of(shallow, model)
         got = run(shallow, {**as_arrays(shallow_inputs, second), feature: computed[feature]})["out_sample"]
         tolerance = 3e-2 if got.dtype == np.float16 else 1e-4
-        np.testing.assert_allclose(got.astype(np.float32), expected, atol=tolerance * float(np.abs(expected).max()),
-                                   err_msg=f"branch {branch}")
+        np.testing.assert_allclose(
+            got.astype(np.float32), expected, atol=tolerance * float(np.abs(expected).max()), err_msg=f"branch {branch}"
+        )
 
 
 def test_on_the_full_steps_own_inputs_the_parts_compute_the_whole_unet(exported):
@@ -124,9 +141,13 @@ def test_on_the_full_steps_own_inputs_the_parts_compute_the_whole_unet(exported)
     torch_pipe.scheduler.set_timesteps(4)
     values = as_arrays(unet_inputs(family, 2), torch_pipe.scheduler.timesteps[1])
     model, full = session(folder / "model.onnx"), session(folder / FULL_PART)
-    (expected,) = model.run(None, {value.name: values[value.name].astype(np.float16 if "16" in value.type
-                                                                         else np.float32)
-                                   for value in model.get_inputs()})
+    (expected,) = model.run(
+        None,
+        {
+            value.name: values[value.name].astype(np.float16 if "16" in value.type else np.float32)
+            for value in model.get_inputs()
+        },
+    )
     computed = run(full, values)
     tolerance = 1e-2 if expected.dtype == np.float16 else 1e-5
     scale = tolerance * float(np.abs(expected.astype(np.float32)).max())
@@ -135,8 +156,9 @@ def test_on_the_full_steps_own_inputs_the_parts_compute_the_whole_unet(exported)
         shallow = session(folder / SHALLOW_PART.format(branch=branch))
         feature = feature_of(shallow, model)
         got = run(shallow, {**values, feature: computed[feature]})["out_sample"]
-        np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32), atol=scale,
-                                   err_msg=f"branch {branch}")
+        np.testing.assert_allclose(
+            got.astype(np.float32), expected.astype(np.float32), atol=scale, err_msg=f"branch {branch}"
+        )
 
 
 def test_model_onnx_keeps_the_unets_outputs_and_every_part_reads_its_one_weights_file(exported):
@@ -150,8 +172,9 @@ def test_model_onnx_keeps_the_unets_outputs_and_every_part_reads_its_one_weights
     for name in parts:
         part = onnx.load(str(folder / name), load_external_data=False)
         external = [tensor for tensor in part.graph.initializer if uses_external_data(tensor)]
-        assert {entry.value for tensor in external for entry in tensor.external_data if entry.key == "location"} \
-            == {WEIGHTS_FILE}, name
+        assert {entry.value for tensor in external for entry in tensor.external_data if entry.key == "location"} == {
+            WEIGHTS_FILE
+        }, name
         assert {tensor.name for tensor in external} <= weights
         # the graph alone: no weight is copied into a part's file
         assert (folder / name).stat().st_size < (folder / WEIGHTS_FILE).stat().st_size
@@ -177,38 +200,54 @@ def test_the_shallow_parts_leave_the_deep_blocks_out(sd_folder):
     assert not [node.name for part in shallow.values() for node in part if "/mid_block/" in node.name]
     # branch 0 runs no layer of a down block (the time embedding, which the exporter names after the first resnet that
     # computes it, is shared) and only the last up block
-    assert not [node.name for node in shallow[0] if "/down_blocks.1/" in node.name or "/up_blocks.0/" in node.name
-                or ("/down_blocks.0/" in node.name and node.op_type == "Conv")]
+    assert not [
+        node.name
+        for node in shallow[0]
+        if "/down_blocks.1/" in node.name
+        or "/up_blocks.0/" in node.name
+        or ("/down_blocks.0/" in node.name and node.op_type == "Conv")
+    ]
     assert [len(shallow[branch]) for branch in BRANCHES] == sorted(len(shallow[branch]) for branch in BRANCHES)
 
 
 def test_each_feature_is_sized_before_a_run(sd_folder):
     folder = sd_folder
     full = IOBindingORTModel(folder / "unet" / FULL_PART)
-    shapes = infer_output_shapes(full, {"sample": (2, 4, 16, 24), "timestep": (1,), "encoder_hidden_states": (2, 77, 32)})
+    shapes = infer_output_shapes(
+        full, {"sample": (2, 4, 16, 24), "timestep": (1,), "encoder_hidden_states": (2, 77, 32)}
+    )
     # the last up block (32 channels at the sample's size) and the first (64 at half of it)
-    assert shapes == {"out_sample": (2, 4, 16, 24),
-                      "deep_features.up_blocks.1.resnets.2": (2, 32, 16, 24),
-                      "deep_features.up_blocks.1.resnets.1": (2, 32, 16, 24),
-                      "deep_features.up_blocks.1.resnets.0": (2, 64, 16, 24),
-                      "deep_features.up_blocks.0.resnets.2": (2, 64, 8, 12),
-                      "deep_features.up_blocks.0.resnets.1": (2, 64, 8, 12),
-                      "deep_features.up_blocks.0.resnets.0": (2, 64, 8, 12)}
+    assert shapes == {
+        "out_sample": (2, 4, 16, 24),
+        "deep_features.up_blocks.1.resnets.2": (2, 32, 16, 24),
+        "deep_features.up_blocks.1.resnets.1": (2, 32, 16, 24),
+        "deep_features.up_blocks.1.resnets.0": (2, 64, 16, 24),
+        "deep_features.up_blocks.0.resnets.2": (2, 64, 8, 12),
+        "deep_features.up_blocks.0.resnets.1": (2, 64, 8, 12),
+        "deep_features.up_blocks.0.resnets.0": (2, 64, 8, 12),
+    }
 
 
 def test_an_export_without_step_cache_writes_no_parts(tiny_folder):
     assert not list((tiny_folder / "unet").glob("deep_cache_*"))
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (dict(tiny_random="controlnet"), "got a ControlNet pipeline"),
-    (dict(tiny_random="sd", controlnet=["lllyasviel/sd-controlnet-canny"]), "got a ControlNet pipeline"),
-    (dict(tiny_vae=True), "got a VAE alone"),
-], ids=["controlnet-pipeline", "controlnet-argument", "vae-alone"])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(tiny_random="controlnet"), "got a ControlNet pipeline"),
+        (dict(tiny_random="sd", controlnet=["lllyasviel/sd-controlnet-canny"]), "got a ControlNet pipeline"),
+        (dict(tiny_vae=True), "got a VAE alone"),
+    ],
+    ids=["controlnet-pipeline", "controlnet-argument", "vae-alone"],
+)
 def test_step_cache_is_refused_by_name_before_any_export(tmp_path, arguments, message):
-    with pytest.raises(ArgumentError, match=r"step_cache: expected an SD3 or FLUX.1 pipeline \(First-Block Cache's "
-                                            r"parts\) or a Stable Diffusion 1.x/2.x, SDXL or LCM pipeline without a "
-                                            r"ControlNet \(DeepCache's parts\), " + message):
+    with pytest.raises(
+        ArgumentError,
+        match=r"step_cache: expected an SD3 or FLUX.1 pipeline \(First-Block Cache's "
+        r"parts\) or a Stable Diffusion 1.x/2.x, SDXL or LCM pipeline without a "
+        r"ControlNet \(DeepCache's parts\), " + message,
+    ):
         export_pipeline(None, tmp_path / "out", progress=False, step_cache=True, **arguments)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
@@ -217,10 +256,14 @@ def test_a_unet_of_blocks_deepcache_does_not_number_is_refused_by_name(tmp_path)
     from diffusers import UNet2DConditionModel
 
     torch_pipe = build_tiny_random_pipeline()
-    torch_pipe.unet = UNet2DConditionModel(**{**torch_pipe.unet.config,
-                                              "up_block_types": ("AttnUpBlock2D", "UpBlock2D")})
-    with pytest.raises(ArgumentError, match=r"step_cache: expected a UNet of .* got down blocks \['DownBlock2D', "
-                                            r"'CrossAttnDownBlock2D'\] and up blocks \['AttnUpBlock2D', 'UpBlock2D'\]"):
+    torch_pipe.unet = UNet2DConditionModel(
+        **{**torch_pipe.unet.config, "up_block_types": ("AttnUpBlock2D", "UpBlock2D")}
+    )
+    with pytest.raises(
+        ArgumentError,
+        match=r"step_cache: expected a UNet of .* got down blocks \['DownBlock2D', "
+        r"'CrossAttnDownBlock2D'\] and up blocks \['AttnUpBlock2D', 'UpBlock2D'\]",
+    ):
         export_pipeline(None, tmp_path / "out", torch_pipeline=torch_pipe, progress=False, step_cache=True)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 

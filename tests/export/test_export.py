@@ -12,14 +12,29 @@ from onnx import numpy_helper
 from optimum_iobinding.export import export_pipeline
 from optimum_iobinding.export import components as components_module
 from optimum_iobinding.export.unet import component_specs
-from optimum_iobinding.export.optimize import (float32_island, fusion_options, in_folder, optimize_component,
-                                               optimized_to_float16, optimizer_model_type, use_classic_attention)
+from optimum_iobinding.export.optimize import (
+    float32_island,
+    fusion_options,
+    in_folder,
+    optimize_component,
+    optimized_to_float16,
+    optimizer_model_type,
+    use_classic_attention,
+)
 from optimum_iobinding.export.tiny import build_tiny_random_pipeline, build_tiny_random_xl_pipeline
 
 
 def _graph_of(model: onnx.ModelProto):
-    nodes = [(n.op_type, n.domain, tuple(n.input), tuple(n.output),
-              tuple(sorted(a.SerializeToString() for a in n.attribute))) for n in model.graph.node]
+    nodes = [
+        (
+            n.op_type,
+            n.domain,
+            tuple(n.input),
+            tuple(n.output),
+            tuple(sorted(a.SerializeToString() for a in n.attribute)),
+        )
+        for n in model.graph.node
+    ]
     weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     return nodes, weights
 
@@ -28,8 +43,13 @@ def _reference(name, path, options, target, fp16):
     """ORT's own way: optimize_model on the path (weights loaded), OnnxModel.convert_float_to_float16."""
     from onnxruntime.transformers.optimizer import optimize_model
 
-    model = optimize_model(str(path), model_type=optimizer_model_type(name), opt_level=0,
-                           optimization_options=options, use_gpu=target == "cuda")
+    model = optimize_model(
+        str(path),
+        model_type=optimizer_model_type(name),
+        opt_level=0,
+        optimization_options=options,
+        use_gpu=target == "cuda",
+    )
     if fp16:
         model.convert_float_to_float16(keep_io_types=False)
     return model.model
@@ -51,9 +71,17 @@ def exported_bytes(tiny_specs):
             use_classic_attention(spec["module"])
             buffer = io.BytesIO()
             with torch.no_grad():
-                torch.onnx.export(spec["module"].eval(), spec["args"], buffer, dynamo=False,
-                                  input_names=spec["input_names"], output_names=spec["output_names"],
-                                  dynamic_axes=spec["dynamic_axes"], opset_version=17, do_constant_folding=True)
+                torch.onnx.export(
+                    spec["module"].eval(),
+                    spec["args"],
+                    buffer,
+                    dynamo=False,
+                    input_names=spec["input_names"],
+                    output_names=spec["output_names"],
+                    dynamic_axes=spec["dynamic_axes"],
+                    opset_version=17,
+                    do_constant_folding=True,
+                )
             made[name] = buffer.getvalue()
         return made[name]
 
@@ -62,15 +90,24 @@ def exported_bytes(tiny_specs):
 
 # every component at every precision and target, but the UNet (ORT's slowest optimizer run, twice a case) at two
 # cases that still take each precision and each target: its path is the others', with its own fusion options
-OPTIMIZER_CASES = [(name, fp16, target) for name in ("unet", "vae_decoder", "text_encoder") for fp16 in (False, True)
-                   for target in ("cpu", "cuda") if name != "unet" or fp16 == (target == "cuda")]
+OPTIMIZER_CASES = [
+    (name, fp16, target)
+    for name in ("unet", "vae_decoder", "text_encoder")
+    for fp16 in (False, True)
+    for target in ("cpu", "cuda")
+    if name != "unet" or fp16 == (target == "cuda")
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, fp16, target", OPTIMIZER_CASES,
-                         ids=[f"{name}-{'fp16' if fp16 else 'fp32'}-{target}" for name, fp16, target in OPTIMIZER_CASES])
-def test_optimizing_with_the_weights_on_disk_gives_exactly_ORTs_result(tmp_path, tiny_specs, exported_bytes, name,
-                                                                       fp16, target):
+@pytest.mark.parametrize(
+    "name, fp16, target",
+    OPTIMIZER_CASES,
+    ids=[f"{name}-{'fp16' if fp16 else 'fp32'}-{target}" for name, fp16, target in OPTIMIZER_CASES],
+)
+def test_optimizing_with_the_weights_on_disk_gives_exactly_ORTs_result(
+    tmp_path, tiny_specs, exported_bytes, name, fp16, target
+):
     spec = tiny_specs[name]
     path = tmp_path / "model.onnx"
     path.write_bytes(exported_bytes(name))  # a file of its own: the light path moves its weights beside it
@@ -90,8 +127,10 @@ def test_optimizing_with_the_weights_on_disk_gives_exactly_ORTs_result(tmp_path,
         onnx.load_external_data_for_model(ours, str(tmp_path))
 
     # the light path really ran light: the exported file now keeps its weights beside it
-    assert any(t.data_location == onnx.TensorProto.EXTERNAL
-               for t in onnx.load(str(path), load_external_data=False).graph.initializer)
+    assert any(
+        t.data_location == onnx.TensorProto.EXTERNAL
+        for t in onnx.load(str(path), load_external_data=False).graph.initializer
+    )
     expected_nodes, expected_weights = _graph_of(expected)
     our_nodes, our_weights = _graph_of(ours)
     if fp16 and name == "unet":
@@ -101,8 +140,11 @@ def test_optimizing_with_the_weights_on_disk_gives_exactly_ORTs_result(tmp_path,
         assert island
 
         def outside(model):
-            return [(n.op_type, n.domain, tuple(n.output), tuple(sorted(a.SerializeToString() for a in n.attribute)))
-                    for n in model.graph.node if n.op_type != "Cast" and n.name not in island]
+            return [
+                (n.op_type, n.domain, tuple(n.output), tuple(sorted(a.SerializeToString() for a in n.attribute)))
+                for n in model.graph.node
+                if n.op_type != "Cast" and n.name not in island
+            ]
 
         assert outside(ours) == outside(expected)
     else:
@@ -139,8 +181,9 @@ def test_a_float16_vae_export_cannot_be_upcast_and_warns_only_for_sdxl(tmp_path,
     pipe = build_tiny_random_pipeline() if kind == "sd" else build_tiny_random_xl_pipeline()
     assert pipe.vae.config.force_upcast  # diffusers' default, as in SD 1.x/SDXL
     with caplog.at_level("WARNING", logger=components_module.__name__):
-        export_pipeline(None, tmp_path / "out", torch_pipeline=pipe, fp16=fp16, components=("vae_decoder",),
-                           progress=False)
+        export_pipeline(
+            None, tmp_path / "out", torch_pipeline=pipe, fp16=fp16, components=("vae_decoder",), progress=False
+        )
     config = json.loads((tmp_path / "out" / "vae_decoder" / "config.json").read_text())
     assert config["force_upcast"] is (not fp16)
     assert config["scaling_factor"] == pipe.vae.config.scaling_factor
@@ -161,9 +204,19 @@ def test_the_text_encoder_pools_the_end_token_on_floats_and_equals_transformers(
 
     pipe = build_tiny_random_pipeline()
     torch.manual_seed(0)
-    pipe.text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=49408, hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
-        max_position_embeddings=77, bos_token_id=49406, eos_token_id=eos_token_id, pad_token_id=1)).eval()
+    pipe.text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=49408,
+            hidden_size=32,
+            intermediate_size=37,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            max_position_embeddings=77,
+            bos_token_id=49406,
+            eos_token_id=eos_token_id,
+            pad_token_id=1,
+        )
+    ).eval()
     spec = component_specs(pipe)["text_encoder"]
     components_module.export_component("text_encoder", spec, tmp_path, 17, fp16, None)
     graph = onnx.load(str(tmp_path / "text_encoder" / "model.onnx"))
@@ -182,19 +235,26 @@ def test_the_text_encoder_pools_the_end_token_on_floats_and_equals_transformers(
     np.testing.assert_allclose(pooled.astype(np.float32), expected, atol=2e-2 if fp16 else 1e-5)
 
 
-@pytest.mark.parametrize("fp16, optimize", [(False, None), (True, None), (False, "cpu")],
-                         ids=["fp32", "fp16", "fused"])
+@pytest.mark.parametrize("fp16, optimize", [(False, None), (True, None), (False, "cpu")], ids=["fp32", "fp16", "fused"])
 def test_the_vae_declares_its_output_channels_so_its_outputs_are_sized_before_the_run(tmp_path, fp16, optimize):
     from optimum_iobinding import IOBindingORTModel, infer_output_shapes
 
-    folder = export_pipeline(None, tmp_path / "sd", tiny_random=True, fp16=fp16, optimize=optimize,
-                             components=("vae_encoder", "vae_decoder"), progress=False)
+    folder = export_pipeline(
+        None,
+        tmp_path / "sd",
+        tiny_random=True,
+        fp16=fp16,
+        optimize=optimize,
+        components=("vae_encoder", "vae_decoder"),
+        progress=False,
+    )
     config = build_tiny_random_pipeline().vae.config
     for name, channels in (("vae_encoder", config.latent_channels), ("vae_decoder", config.out_channels)):
         output = onnx.load(str(folder / name / "model.onnx")).graph.output[0]
         assert output.type.tensor_type.shape.dim[1].dim_value == channels, name
-    encoder, decoder = (IOBindingORTModel.from_pretrained(folder, subfolder=name)
-                        for name in ("vae_encoder", "vae_decoder"))
+    encoder, decoder = (
+        IOBindingORTModel.from_pretrained(folder, subfolder=name) for name in ("vae_encoder", "vae_decoder")
+    )
     latent = config.latent_channels
     assert infer_output_shapes(encoder, {"sample": (2, 3, 64, 96)}) == {"latent_sample": (2, latent, 8, 12)}
     assert infer_output_shapes(decoder, {"latent_sample": (2, latent, 8, 12)}) == {"sample": (2, 3, 64, 96)}
@@ -204,12 +264,18 @@ def test_the_vae_declares_its_output_channels_so_its_outputs_are_sized_before_th
 def test_the_vae_encoder_pads_inside_its_convolutions_and_equals_diffusers(tmp_path, optimize):
     import onnxruntime as ort
 
-    folder = export_pipeline(None, tmp_path / "sd", tiny_random=True, optimize=optimize,
-                             components=("vae_encoder",), progress=False)
+    folder = export_pipeline(
+        None, tmp_path / "sd", tiny_random=True, optimize=optimize, components=("vae_encoder",), progress=False
+    )
     model = onnx.load(str(folder / "vae_encoder" / "model.onnx"))
     assert [node.name for node in model.graph.node if node.op_type == "Pad"] == []
-    asymmetric = [list(a.ints) for node in model.graph.node if node.op_type in ("Conv", "NhwcConv")
-                  for a in node.attribute if a.name == "pads" and list(a.ints) == [0, 0, 1, 1]]
+    asymmetric = [
+        list(a.ints)
+        for node in model.graph.node
+        if node.op_type in ("Conv", "NhwcConv")
+        for a in node.attribute
+        if a.name == "pads" and list(a.ints) == [0, 0, 1, 1]
+    ]
     vae = build_tiny_random_pipeline().vae
     assert len(asymmetric) == len(vae.config.block_out_channels) - 1  # one per downsampling block
     image = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
@@ -231,18 +297,27 @@ def _pad_then_conv(mode=b"constant", fill=0.0, reader="Conv", channel_pad=0):
         read = helper.make_node("Conv", ["padded", "w"], ["y"], strides=[2, 2], kernel_shape=[3, 3])
     else:
         read = helper.make_node("Relu", ["padded"], ["y"])
-    graph = helper.make_graph([pad, read], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 8, 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [pads, value, weight])
+    graph = helper.make_graph(
+        [pad, read],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [pads, value, weight],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-@pytest.mark.parametrize("case, folds", [
-    (dict(), True),
-    (dict(mode=b"reflect"), False),
-    (dict(fill=1.0), False),
-    (dict(reader="Relu"), False),
-    (dict(channel_pad=1), False),
-], ids=["zero-pad-into-conv", "reflect", "nonzero-fill", "not-a-conv", "channel-pad"])
+@pytest.mark.parametrize(
+    "case, folds",
+    [
+        (dict(), True),
+        (dict(mode=b"reflect"), False),
+        (dict(fill=1.0), False),
+        (dict(reader="Relu"), False),
+        (dict(channel_pad=1), False),
+    ],
+    ids=["zero-pad-into-conv", "reflect", "nonzero-fill", "not-a-conv", "channel-pad"],
+)
 def test_only_a_zero_spatial_pad_read_by_convolutions_is_folded_and_the_result_is_the_same(case, folds):
     import onnxruntime as ort
     from optimum_iobinding.export.optimize import fold_pads_into_convs
@@ -250,7 +325,8 @@ def test_only_a_zero_spatial_pad_read_by_convolutions_is_folded_and_the_result_i
     model = _pad_then_conv(**case)
     x = np.random.RandomState(1).randn(1, 2, 8, 8).astype(np.float32)
     run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(  # noqa: E731
-        None, {"x": x})[0]
+        None, {"x": x}
+    )[0]
     expected = run(model)
     assert fold_pads_into_convs(model) == int(folds)
     assert any(node.op_type == "Pad" for node in model.graph.node) != folds
@@ -262,8 +338,12 @@ def test_a_graph_with_control_flow_is_left_as_it_is_and_the_pads_chain_alone_goe
     from optimum_iobinding.export.optimize import fold_pads_into_convs
 
     model = _pad_then_conv()
-    branch = helper.make_graph([helper.make_node("Identity", ["pads"], ["kept"])], "branch", [],
-                               [helper.make_tensor_value_info("kept", TensorProto.INT64, None)])
+    branch = helper.make_graph(
+        [helper.make_node("Identity", ["pads"], ["kept"])],
+        "branch",
+        [],
+        [helper.make_tensor_value_info("kept", TensorProto.INT64, None)],
+    )
     with_if = onnx.ModelProto()
     with_if.CopyFrom(model)
     with_if.graph.input.append(helper.make_tensor_value_info("flag", TensorProto.BOOL, []))
@@ -285,13 +365,21 @@ def test_cascaded_casts_merge_between_float_types_and_never_through_an_integer()
     from onnxruntime.transformers.onnx_model import OnnxModel
     from optimum_iobinding.export.optimize import remove_cascaded_casts
 
-    nodes = [helper.make_node("Cast", ["x"], ["half"], to=TensorProto.FLOAT16),
-             helper.make_node("Cast", ["half"], ["back"], to=TensorProto.FLOAT),  # fp32 → fp16 → fp32: merged
-             helper.make_node("Cast", ["x"], ["whole"], to=TensorProto.INT32),
-             helper.make_node("Cast", ["whole"], ["rounded"], to=TensorProto.FLOAT)]  # rounds: kept
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
-                              [helper.make_tensor_value_info("back", TensorProto.FLOAT, [3]),
-                               helper.make_tensor_value_info("rounded", TensorProto.FLOAT, [3])])
+    nodes = [
+        helper.make_node("Cast", ["x"], ["half"], to=TensorProto.FLOAT16),
+        helper.make_node("Cast", ["half"], ["back"], to=TensorProto.FLOAT),  # fp32 → fp16 → fp32: merged
+        helper.make_node("Cast", ["x"], ["whole"], to=TensorProto.INT32),
+        helper.make_node("Cast", ["whole"], ["rounded"], to=TensorProto.FLOAT),
+    ]  # rounds: kept
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [
+            helper.make_tensor_value_info("back", TensorProto.FLOAT, [3]),
+            helper.make_tensor_value_info("rounded", TensorProto.FLOAT, [3]),
+        ],
+    )
     model = OnnxModel(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
     remove_cascaded_casts(model)
     producers = {node.output[0]: node for node in model.model.graph.node}
@@ -301,14 +389,16 @@ def test_cascaded_casts_merge_between_float_types_and_never_through_an_integer()
 
     x = np.array([0.4, 1.6, 2.5], np.float32)
     back, rounded = ort.InferenceSession(model.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-        None, {"x": x})
+        None, {"x": x}
+    )
     np.testing.assert_array_equal(back, x)
     np.testing.assert_array_equal(rounded, x.astype(np.int32).astype(np.float32))
 
 
 @pytest.mark.parametrize("name", ["unet", "text_encoder"])
-def test_removing_same_type_casts_first_leaves_orts_optimized_graph_exactly_as_it_was(tmp_path, tiny_specs,
-                                                                                    exported_bytes, name):
+def test_removing_same_type_casts_first_leaves_orts_optimized_graph_exactly_as_it_was(
+    tmp_path, tiny_specs, exported_bytes, name
+):
     # the export removes them in one pass before ORT's optimizer, which would remove them one full rewrite at a time
     from optimum_iobinding.export.optimize import remove_same_type_casts
 
@@ -339,28 +429,39 @@ def test_a_cast_to_another_type_or_making_a_graph_output_stays_and_the_graph_com
     from optimum_iobinding.export.optimize import remove_same_type_casts
     import onnxruntime as ort
 
-    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
-             helper.make_node("Cast", ["shape"], ["shape64"], to=TensorProto.INT64),  # int64 → int64: goes
-             helper.make_node("Cast", ["shape64"], ["again"], to=TensorProto.INT64),  # a cast of it: goes too
-             helper.make_node("Cast", ["again"], ["as_float"], to=TensorProto.FLOAT),  # another type: stays
-             helper.make_node("Cast", ["x"], ["same"], to=TensorProto.FLOAT),  # float → float: goes
-             helper.make_node("Cast", ["w"], ["weight"], to=TensorProto.FLOAT),  # a float initializer: goes
-             helper.make_node("Mul", ["same", "as_float"], ["scaled"]),
-             helper.make_node("Mul", ["scaled", "weight"], ["weighted"]),
-             helper.make_node("Cast", ["weighted"], ["out"], to=TensorProto.FLOAT)]  # a graph output: stays
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [3])],
-                              [numpy_helper.from_array(np.array([0.5, 2.0, -1.0], np.float32), "w")],
-                              value_info=[helper.make_tensor_value_info("same", TensorProto.FLOAT, [3])])
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Cast", ["shape"], ["shape64"], to=TensorProto.INT64),  # int64 → int64: goes
+        helper.make_node("Cast", ["shape64"], ["again"], to=TensorProto.INT64),  # a cast of it: goes too
+        helper.make_node("Cast", ["again"], ["as_float"], to=TensorProto.FLOAT),  # another type: stays
+        helper.make_node("Cast", ["x"], ["same"], to=TensorProto.FLOAT),  # float → float: goes
+        helper.make_node("Cast", ["w"], ["weight"], to=TensorProto.FLOAT),  # a float initializer: goes
+        helper.make_node("Mul", ["same", "as_float"], ["scaled"]),
+        helper.make_node("Mul", ["scaled", "weight"], ["weighted"]),
+        helper.make_node("Cast", ["weighted"], ["out"], to=TensorProto.FLOAT),
+    ]  # a graph output: stays
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [3])],
+        [numpy_helper.from_array(np.array([0.5, 2.0, -1.0], np.float32), "w")],
+        value_info=[helper.make_tensor_value_info("same", TensorProto.FLOAT, [3])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     x = np.array([1.0, 2.0, 3.0], np.float32)
     run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(  # noqa: E731
-        None, {"x": x})[0]
+        None, {"x": x}
+    )[0]
     expected = run(model)
     with_if = onnx.ModelProto()  # control flow: left as it is
     with_if.CopyFrom(model)
-    branch = helper.make_graph([helper.make_node("Identity", ["same"], ["kept"])], "branch", [],
-                               [helper.make_tensor_value_info("kept", TensorProto.FLOAT, None)])
+    branch = helper.make_graph(
+        [helper.make_node("Identity", ["same"], ["kept"])],
+        "branch",
+        [],
+        [helper.make_tensor_value_info("kept", TensorProto.FLOAT, None)],
+    )
     with_if.graph.input.append(helper.make_tensor_value_info("flag", TensorProto.BOOL, []))
     with_if.graph.node.append(helper.make_node("If", ["flag"], ["chosen"], then_branch=branch, else_branch=branch))
     before = with_if.SerializeToString()

@@ -47,9 +47,12 @@ def test_export_into_a_non_empty_folder_is_refused_without_overwrite(tmp_path, s
     (target / "unet" / "my_notes.txt").write_text("mine")
     (target / "model_index.json").write_text('{"mine": true}')
     before = snapshot(target)
-    with pytest.raises(FileExistsError, match=r"output_dir: expected a new or empty folder, got .* holding 2 "
-                                              r"entries \(model_index.json, unet\); pass overwrite=True to "
-                                              r"replace it whole, or choose another folder$"):
+    with pytest.raises(
+        FileExistsError,
+        match=r"output_dir: expected a new or empty folder, got .* holding 2 "
+        r"entries \(model_index.json, unet\); pass overwrite=True to "
+        r"replace it whole, or choose another folder$",
+    ):
         export_pipeline(None, target, tiny_random=True, progress=False)
     assert snapshot(target) == before
 
@@ -97,16 +100,22 @@ def test_a_failed_export_leaves_the_previous_export_exactly_as_it_was(tmp_path, 
 # ------------------------------------------------------------------------------------------- unwritable targets
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no folder can be made")
 def test_an_output_dir_where_no_folder_can_be_made_is_named_before_any_work(tmp_path):
-    with pytest.raises(OSError, match=r"^output_dir: expected a folder that can be written, got '/proc/x': making a "
-                                      r"folder in '/proc' failed \(No such file or directory\)$") as refused:
+    with pytest.raises(
+        OSError,
+        match=r"^output_dir: expected a folder that can be written, got '/proc/x': making a "
+        r"folder in '/proc' failed \(No such file or directory\)$",
+    ) as refused:
         export_pipeline(None, "/proc/x", tiny_random=True, progress=False)
     assert "partial" not in str(refused.value) and refused.value.errno == errno.ENOENT
 
 
 def test_an_output_dir_below_a_file_is_named(tmp_path):
     (tmp_path / "file").write_text("mine")
-    with pytest.raises(NotADirectoryError, match=r"^output_dir: expected a folder that can be written, got "
-                                                 r"'.*file/onnx', but '.*file' is not a folder$"):
+    with pytest.raises(
+        NotADirectoryError,
+        match=r"^output_dir: expected a folder that can be written, got "
+        r"'.*file/onnx', but '.*file' is not a folder$",
+    ):
         export_pipeline(None, tmp_path / "file" / "onnx", tiny_random=True, progress=False)
     assert (tmp_path / "file").read_text() == "mine"
 
@@ -119,8 +128,10 @@ def test_a_write_that_fails_inside_the_export_names_the_output_dir_and_what_was_
 
     pipe.scheduler.save_pretrained = disk_full
     target = tmp_path / "onnx"
-    expected = (rf"^output_dir: expected a folder that can be written, got '{re.escape(str(target))}': writing "
-                r"scheduler/scheduler_config.json failed \(No space left on device\)$")
+    expected = (
+        rf"^output_dir: expected a folder that can be written, got '{re.escape(str(target))}': writing "
+        r"scheduler/scheduler_config.json failed \(No space left on device\)$"
+    )
     with pytest.raises(OSError, match=expected) as failed:
         export_pipeline(None, target, torch_pipeline=pipe, components=("vae_decoder",), progress=False)
     assert failed.value.errno == errno.ENOSPC

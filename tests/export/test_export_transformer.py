@@ -24,8 +24,15 @@ WEIGHTED_OPS = ("MatMul", "Gemm", "Conv", "MultiHeadAttention")
 
 
 def export_transformer(torch_pipe, folder, optimize):
-    out = export_pipeline(None, folder, torch_pipeline=torch_pipe, fp16=True, optimize=optimize,
-                          components=["transformer"], progress=False)
+    out = export_pipeline(
+        None,
+        folder,
+        torch_pipeline=torch_pipe,
+        fp16=True,
+        optimize=optimize,
+        components=["transformer"],
+        progress=False,
+    )
     return onnx.load(str(out / "transformer" / "model.onnx"))
 
 
@@ -50,8 +57,7 @@ def flux_dev_fp16(request, flux_dev_pipe, tmp_path_factory):
 
 
 def element_types(graph: onnx.GraphProto) -> Dict[str, int]:
-    types = {value.name: value.type.tensor_type.elem_type
-             for value in (*graph.input, *graph.value_info, *graph.output)}
+    types = {value.name: value.type.tensor_type.elem_type for value in (*graph.input, *graph.value_info, *graph.output)}
     types.update({tensor.name: tensor.data_type for tensor in graph.initializer})
     return types
 
@@ -92,8 +98,12 @@ def embedding_outputs(model: onnx.ModelProto, sources: Sequence[str]) -> List[st
         for value in node.input:
             if value and pure(value) and types.get(value) in (FLOAT, FLOAT16):
                 cast = producer.get(value)
-                if cast is not None and cast.op_type == "Cast" and cast.attribute[0].i == FLOAT16 and \
-                        types.get(cast.input[0]) == FLOAT:
+                if (
+                    cast is not None
+                    and cast.op_type == "Cast"
+                    and cast.attribute[0].i == FLOAT16
+                    and types.get(cast.input[0]) == FLOAT
+                ):
                     value = cast.input[0]
                 if value not in ends:
                     ends.append(value)
@@ -144,8 +154,11 @@ def test_the_float32_island_is_a_handful_of_nodes_before_the_first_layer(sd3_fp1
         written = [output for node in model.graph.node for output in node.output]
         assert len(written) == len(set(written))  # one node writes each value (the converter's casts deduplicated)
         types = element_types(model.graph)
-        float32_nodes = [node for node in model.graph.node if node.op_type != "Constant"
-                         and any(types.get(output) == FLOAT for output in node.output)]
+        float32_nodes = [
+            node
+            for node in model.graph.node
+            if node.op_type != "Constant" and any(types.get(output) == FLOAT for output in node.output)
+        ]
         # SD3: one embedding; FLUX.1 dev: two embeddings and three rotary axes
         assert 0 < len(float32_nodes) <= 80 and len(float32_nodes) < len(model.graph.node) / 8
 
@@ -157,9 +170,13 @@ def test_the_sd3_timestep_embedding_of_a_float16_export_is_diffusers_float32_one
     fed = t if input_types(sd3_fp16)["timestep"] == FLOAT else t.astype(np.float16)
     (embedding,) = run_island(sd3_fp16, {"timestep": fed}, [embedding_name])
     projection = sd3_pipe.transformer.time_text_embed.time_proj
-    expected = get_timestep_embedding(torch.from_numpy(t), projection.num_channels,
-                                      flip_sin_to_cos=projection.flip_sin_to_cos,
-                                      downscale_freq_shift=projection.downscale_freq_shift, scale=projection.scale)
+    expected = get_timestep_embedding(
+        torch.from_numpy(t),
+        projection.num_channels,
+        flip_sin_to_cos=projection.flip_sin_to_cos,
+        downscale_freq_shift=projection.downscale_freq_shift,
+        scale=projection.scale,
+    )
     np.testing.assert_allclose(embedding.astype(np.float32), expected.numpy(), atol=1e-4)
     assert embedding.dtype == np.float32
 
@@ -181,8 +198,9 @@ def test_the_flux_rotary_tables_of_a_float16_export_are_diffusers_ones(flux_dev_
     for table in got:
         # the attention's layouts add axes of one (the attention of ORT's optimized graph, another layout)
         table = np.squeeze(table).astype(np.float32)
-        errors = [np.abs(table - reference).max() if reference.shape == table.shape else np.inf
-                  for reference in expected]
+        errors = [
+            np.abs(table - reference).max() if reference.shape == table.shape else np.inf for reference in expected
+        ]
         assert min(errors) < 1e-4
         matches.append(int(np.argmin(errors)) % 2)
     assert all(table.dtype == np.float32 for table in got)
@@ -208,7 +226,8 @@ def offline_hub(monkeypatch):
 @pytest.mark.parametrize("option", ["vae", "controlnet", "tiny_vae"])
 @pytest.mark.parametrize("kind, family", [("flux", "Flux"), ("sd3", "Stable Diffusion 3")])
 def test_a_tiny_random_transformer_export_refuses_a_vae_or_controlnet_by_name_before_fetching_it(
-        tmp_path, offline_hub, option, kind, family):
+    tmp_path, offline_hub, option, kind, family
+):
     with pytest.raises(ValueError, match=f"^{option}: expected None for a {family} pipeline .* got '{UNFETCHABLE}'$"):
         export_pipeline(None, tmp_path / "out", tiny_random=kind, progress=False, **{option: UNFETCHABLE})
     assert not (tmp_path / "out").exists()
@@ -223,20 +242,23 @@ def sd3_folder(sd3_pipe, tmp_path_factory):
 
 
 @pytest.mark.parametrize("option", ["vae", "controlnet", "tiny_vae"])
-def test_an_sd3_folder_export_refuses_a_vae_or_controlnet_before_it_loads_the_pipeline(sd3_folder, tmp_path,
-                                                                                       offline_hub, option):
+def test_an_sd3_folder_export_refuses_a_vae_or_controlnet_before_it_loads_the_pipeline(
+    sd3_folder, tmp_path, offline_hub, option
+):
     def loader(name):
         raise AssertionError("the pipeline was loaded before the options were checked")
 
     with pytest.raises(ValueError, match=f"^{option}: expected None for a Stable Diffusion 3 pipeline"):
-        export_pipeline(str(sd3_folder), tmp_path / "out", pipeline_loader=loader, progress=False,
-                        **{option: UNFETCHABLE})
+        export_pipeline(
+            str(sd3_folder), tmp_path / "out", pipeline_loader=loader, progress=False, **{option: UNFETCHABLE}
+        )
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("optimize", [None, "cpu", "cuda"])
 def test_the_transformers_output_dims_are_numbers_or_the_inputs_own_so_its_shape_is_known_before_the_run(
-        sd3_pipe, flux_dev_pipe, tmp_path, optimize):
+    sd3_pipe, flux_dev_pipe, tmp_path, optimize
+):
     # a dim named by neither (ORT's fused graphs leave e.g. "Reshapeout_hidden_states_dim_1") makes the output's
     # shape unknown before the run, and the transformer then runs without a CUDA graph
     for kind, pipe in (("sd3", sd3_pipe), ("flux", flux_dev_pipe)):

@@ -25,28 +25,48 @@ PARTS = [name for name, _ in STEP_CACHE_PARTS]
 def flux_inputs() -> Dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     ids = np.stack(np.meshgrid(np.arange(4), np.arange(4), indexing="ij"), -1).reshape(-1, 2)
-    return {"hidden_states": rng.standard_normal((2, 16, 64)), "encoder_hidden_states": rng.standard_normal((2, 7, 32)),
-            "pooled_projections": rng.standard_normal((2, 32)), "timestep": np.array([0.7, 0.7]),
-            "txt_ids": np.zeros((7, 3), np.int64), "img_ids": np.concatenate([np.zeros((16, 1)), ids], 1)}
+    return {
+        "hidden_states": rng.standard_normal((2, 16, 64)),
+        "encoder_hidden_states": rng.standard_normal((2, 7, 32)),
+        "pooled_projections": rng.standard_normal((2, 32)),
+        "timestep": np.array([0.7, 0.7]),
+        "txt_ids": np.zeros((7, 3), np.int64),
+        "img_ids": np.concatenate([np.zeros((16, 1)), ids], 1),
+    }
 
 
 def sd3_inputs() -> Dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
-    return {"hidden_states": rng.standard_normal((2, 16, 8, 8)), "encoder_hidden_states": rng.standard_normal((2, 7, 64)),
-            "pooled_projections": rng.standard_normal((2, 64)), "timestep": np.array([700.0, 700.0])}
+    return {
+        "hidden_states": rng.standard_normal((2, 16, 8, 8)),
+        "encoder_hidden_states": rng.standard_normal((2, 7, 64)),
+        "pooled_projections": rng.standard_normal((2, 64)),
+        "timestep": np.array([700.0, 700.0]),
+    }
 
 
 FAMILIES = {"flux": (build_tiny_random_flux_pipeline, flux_inputs), "sd3": (build_tiny_random_sd3_pipeline, sd3_inputs)}
 
 
-@pytest.fixture(scope="module", params=[(family, fp16) for family in FAMILIES for fp16 in (False, True)],
-                ids=lambda param: f"{param[0]}-{'fp16' if param[1] else 'fp32'}")
+@pytest.fixture(
+    scope="module",
+    params=[(family, fp16) for family in FAMILIES for fp16 in (False, True)],
+    ids=lambda param: f"{param[0]}-{'fp16' if param[1] else 'fp32'}",
+)
 def exported(request, tmp_path_factory):
     """(family, the torch pipeline, its transformer's folder of a step-cache export optimized for the CPU)."""
     family, fp16 = request.param
     torch_pipe = FAMILIES[family][0]()
-    out = export_pipeline(None, tmp_path_factory.mktemp(family) / "out", torch_pipeline=torch_pipe, fp16=fp16,
-                          optimize="cpu", components=["transformer"], progress=False, step_cache=True)
+    out = export_pipeline(
+        None,
+        tmp_path_factory.mktemp(family) / "out",
+        torch_pipeline=torch_pipe,
+        fp16=fp16,
+        optimize="cpu",
+        components=["transformer"],
+        progress=False,
+        step_cache=True,
+    )
     return family, torch_pipe, out / "transformer"
 
 
@@ -72,8 +92,11 @@ def test_the_parts_run_in_turn_compute_what_the_whole_transformer_computes(expor
     (expected,) = whole.run(None, feed(whole, inputs))
     values = run_parts(folder, inputs)
     if expected.dtype == np.float16:  # ORT's session fuses across a cut in the whole graph: float16 rounds there
-        np.testing.assert_allclose(values["out_hidden_states"].astype(np.float32), expected.astype(np.float32),
-                                   atol=1e-2 * float(np.abs(expected).max()))
+        np.testing.assert_allclose(
+            values["out_hidden_states"].astype(np.float32),
+            expected.astype(np.float32),
+            atol=1e-2 * float(np.abs(expected).max()),
+        )
     else:
         np.testing.assert_array_equal(values["out_hidden_states"], expected)
 
@@ -88,8 +111,9 @@ def test_the_parts_read_the_transformers_weights_file_and_model_onnx_keeps_its_o
     for name in PARTS:
         part = onnx.load(str(folder / name), load_external_data=False)
         external = [tensor for tensor in part.graph.initializer if uses_external_data(tensor)]
-        assert {entry.value for tensor in external for entry in tensor.external_data if entry.key == "location"} \
-            == {"model.onnx_data"}
+        assert {entry.value for tensor in external for entry in tensor.external_data if entry.key == "location"} == {
+            "model.onnx_data"
+        }
         covered |= {tensor.name for tensor in external}
         # the graph alone: no weight is copied into a part's file
         assert (folder / name).stat().st_size < (folder / "model.onnx").stat().st_size
@@ -117,8 +141,16 @@ def test_a_step_cache_exports_model_onnx_has_the_plain_exports_operators(tmp_pat
     counts = []
     for step_cache in (False, True):
         source = dict(tiny_random="sd") if kind == "sd" else dict(torch_pipeline=build_tiny_random_flux_pipeline())
-        out = export_pipeline(None, tmp_path / str(step_cache), fp16=True, optimize="cuda", components=[component],
-                              progress=False, step_cache=step_cache, **source)
+        out = export_pipeline(
+            None,
+            tmp_path / str(step_cache),
+            fp16=True,
+            optimize="cuda",
+            components=[component],
+            progress=False,
+            step_cache=step_cache,
+            **source,
+        )
         graph = onnx.load(str(out / component / "model.onnx"), load_external_data=False).graph
         counts.append(collections.Counter(node.op_type for node in graph.node))
     assert counts[0] == counts[1] and sum(counts[0].values()) > 100
@@ -129,14 +161,17 @@ def test_the_heads_marks_are_diffusers_first_blocks_input_and_outputs(exported):
     caught = {}
     transformer = torch_pipe.transformer
     first = transformer.transformer_blocks[0]
-    handles = [first.register_forward_pre_hook(lambda m, a, k: caught.update(input=k["hidden_states"]),
-                                               with_kwargs=True),
-               first.register_forward_hook(lambda m, a, output: caught.update(output=output))]
+    handles = [
+        first.register_forward_pre_hook(lambda m, a, k: caught.update(input=k["hidden_states"]), with_kwargs=True),
+        first.register_forward_hook(lambda m, a, output: caught.update(output=output)),
+    ]
     inputs = FAMILIES[family][1]()
     try:
         with torch.no_grad():
-            arguments = {name: torch.from_numpy(np.asarray(value, np.float32 if value.dtype != np.int64 else np.int64))
-                         for name, value in inputs.items()}
+            arguments = {
+                name: torch.from_numpy(np.asarray(value, np.float32 if value.dtype != np.int64 else np.int64))
+                for name, value in inputs.items()
+            }
             transformer(**arguments, return_dict=False)
     finally:
         for handle in handles:
@@ -146,20 +181,30 @@ def test_the_heads_marks_are_diffusers_first_blocks_input_and_outputs(exported):
     tolerance = 3e-2 if values["first_block_input"].dtype == np.float16 else 1e-4
     for mark, expected in zip(FIRST_BLOCK_MARKS[:3], (caught["input"], hidden_states, encoder_hidden_states)):
         got = values[mark].astype(np.float32)
-        np.testing.assert_allclose(got, expected.numpy(), atol=tolerance * max(1.0, float(expected.abs().max())),
-                                   err_msg=mark)
+        np.testing.assert_allclose(
+            got, expected.numpy(), atol=tolerance * max(1.0, float(expected.abs().max())), err_msg=mark
+        )
 
 
 def test_an_export_without_step_cache_writes_no_parts(tmp_path):
-    out = export_pipeline(None, tmp_path / "out", torch_pipeline=build_tiny_random_flux_pipeline(),
-                          components=["transformer"], progress=False)
+    out = export_pipeline(
+        None,
+        tmp_path / "out",
+        torch_pipeline=build_tiny_random_flux_pipeline(),
+        components=["transformer"],
+        progress=False,
+    )
     assert not [name for name in PARTS if (out / "transformer" / name).exists()]
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (dict(tiny_random="controlnet", step_cache=True), "step_cache: expected an SD3 or FLUX.1 pipeline"),
-    (dict(tiny_random="flux", step_cache="yes"), "step_cache: expected True or False, got 'yes'"),
-], ids=["controlnet-pipeline", "not-a-bool"])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(tiny_random="controlnet", step_cache=True), "step_cache: expected an SD3 or FLUX.1 pipeline"),
+        (dict(tiny_random="flux", step_cache="yes"), "step_cache: expected True or False, got 'yes'"),
+    ],
+    ids=["controlnet-pipeline", "not-a-bool"],
+)
 def test_step_cache_is_refused_by_name_before_any_export(tmp_path, arguments, message):
     with pytest.raises(ArgumentError, match=message):
         export_pipeline(None, tmp_path / "out", progress=False, **arguments)
@@ -169,8 +214,11 @@ def test_step_cache_is_refused_by_name_before_any_export(tmp_path, arguments, me
 def test_a_transformer_of_one_block_is_refused_before_any_export(tmp_path):
     torch_pipe = build_tiny_random_sd3_pipeline()
     torch_pipe.transformer.transformer_blocks = torch_pipe.transformer.transformer_blocks[:1]
-    with pytest.raises(ArgumentError, match=r"step_cache: expected a transformer of at least 2 blocks \(First-Block "
-                                            r"Cache runs the first and skips the others\), got 1"):
+    with pytest.raises(
+        ArgumentError,
+        match=r"step_cache: expected a transformer of at least 2 blocks \(First-Block "
+        r"Cache runs the first and skips the others\), got 1",
+    ):
         export_pipeline(None, tmp_path / "out", torch_pipeline=torch_pipe, progress=False, step_cache=True)
     assert not (tmp_path / "out").exists()
 

@@ -19,9 +19,13 @@ from onnx import TensorProto, helper, numpy_helper
 from optimum_iobinding.export import components, export_pipeline
 from optimum_iobinding.export.optimize import fusion_options_for, optimize_component
 from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline, build_tiny_random_sd3_pipeline
-from optimum_iobinding.export.transformer_fusions import (fold_value_biases, fuse_diffusion_transformer,
-                                                          fuse_gelu_biases, fuse_modulated_layer_norms,
-                                                          fuse_rotary_embeddings)
+from optimum_iobinding.export.transformer_fusions import (
+    fold_value_biases,
+    fuse_diffusion_transformer,
+    fuse_gelu_biases,
+    fuse_modulated_layer_norms,
+    fuse_rotary_embeddings,
+)
 
 BUILDERS: Dict[str, Callable] = {
     "sd3.5": build_tiny_random_sd3_pipeline,
@@ -47,8 +51,9 @@ VALUE_BIASES = {"sd3.5": 1, "flux-schnell": 1, "flux-dev": 1}
 def optimized(request, tmp_path_factory) -> tuple:
     """(kind, ORT's CPU-optimized float32 transformer, before the project's rewrites)."""
     folder = tmp_path_factory.mktemp(request.param)
-    export_pipeline(None, folder / "plain", torch_pipeline=BUILDERS[request.param](), components=["transformer"],
-                    progress=False)
+    export_pipeline(
+        None, folder / "plain", torch_pipeline=BUILDERS[request.param](), components=["transformer"], progress=False
+    )
     path = folder / "plain" / "transformer" / "model.onnx"
     model = optimize_component("transformer", path, fusion_options_for("mmdit", "cpu"), "cpu", "mmdit").model
     onnx.load_external_data_for_model(model, str(path.parent))
@@ -61,16 +66,25 @@ def random_inputs(model: onnx.ModelProto) -> Dict[str, np.ndarray]:
     names = {value.name for value in model.graph.input}
     if "img_ids" in names:  # FLUX.1: 8×8 packed tokens of 64 channels, batch 1
         ids = np.stack(np.meshgrid(np.arange(8), np.arange(8), indexing="ij"), -1).reshape(-1, 2)
-        inputs = {"hidden_states": rng.standard_normal((1, 64, 64)), "encoder_hidden_states":
-                  rng.standard_normal((1, 7, 32)), "pooled_projections": rng.standard_normal((1, 32)),
-                  "timestep": np.array([0.7]), "img_ids": np.concatenate([np.zeros((64, 1)), ids], 1),
-                  "txt_ids": np.zeros((7, 3)), "guidance": np.array([3.5])}
+        inputs = {
+            "hidden_states": rng.standard_normal((1, 64, 64)),
+            "encoder_hidden_states": rng.standard_normal((1, 7, 32)),
+            "pooled_projections": rng.standard_normal((1, 32)),
+            "timestep": np.array([0.7]),
+            "img_ids": np.concatenate([np.zeros((64, 1)), ids], 1),
+            "txt_ids": np.zeros((7, 3)),
+            "guidance": np.array([3.5]),
+        }
     else:
-        inputs = {"hidden_states": rng.standard_normal((2, 16, 16, 16)), "encoder_hidden_states":
-                  rng.standard_normal((2, 7, 64)), "pooled_projections": rng.standard_normal((2, 64)),
-                  "timestep": np.array([700.0, 700.0])}
-    types = {value.name: helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
-             for value in model.graph.input}
+        inputs = {
+            "hidden_states": rng.standard_normal((2, 16, 16, 16)),
+            "encoder_hidden_states": rng.standard_normal((2, 7, 64)),
+            "pooled_projections": rng.standard_normal((2, 64)),
+            "timestep": np.array([700.0, 700.0]),
+        }
+    types = {
+        value.name: helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type) for value in model.graph.input
+    }
     return {name: value.astype(types[name]) for name, value in inputs.items() if name in names}
 
 
@@ -86,9 +100,17 @@ def unit_affine_norms(model: onnx.ModelProto) -> int:
     return sum(node.op_type == "LayerNormalization" and node.input[1] in constants for node in model.graph.node)
 
 
-@pytest.mark.parametrize("rewrite", [fuse_modulated_layer_norms, fuse_gelu_biases, fuse_rotary_embeddings,
-                                     fold_value_biases, fuse_diffusion_transformer],
-                         ids=["modulated-layer-norm", "gelu-bias", "rotary-embedding", "value-bias", "all"])
+@pytest.mark.parametrize(
+    "rewrite",
+    [
+        fuse_modulated_layer_norms,
+        fuse_gelu_biases,
+        fuse_rotary_embeddings,
+        fold_value_biases,
+        fuse_diffusion_transformer,
+    ],
+    ids=["modulated-layer-norm", "gelu-bias", "rotary-embedding", "value-bias", "all"],
+)
 def test_a_rewritten_transformer_computes_what_orts_optimized_graph_computed(optimized, rewrite):
     kind, model = optimized
     rewritten = copy.deepcopy(model)
@@ -156,8 +178,7 @@ def test_every_rotary_embedding_is_one_rotary_embedding_node_reading_shared_half
     assert all(node.domain == "com.microsoft" for node in rotaries)
     # the queries in the 3-D layout the fused attention reads (so with their number of heads), the keys in their 4-D
     # one; pairs of neighbouring channels rotated (interleaved)
-    attributes = sorted(({a.name: helper.get_attribute_value(a) for a in node.attribute} for node in rotaries),
-                        key=len)
+    attributes = sorted(({a.name: helper.get_attribute_value(a) for a in node.attribute} for node in rotaries), key=len)
     assert attributes == [{"interleaved": 1}] * 2 + [{"interleaved": 1, "num_heads": 2}] * 2
     # one cos and one sin table of half the head size for all of them, token s at row s (a start offset of 0)
     assert len({tuple(node.input[1:]) for node in rotaries}) == 1
@@ -173,13 +194,23 @@ def test_every_rotary_embedding_is_one_rotary_embedding_node_reading_shared_half
 
 def test_a_float16_flux_export_with_rotary_embedding_nodes_computes_what_it_computes_without(tmp_path, monkeypatch):
     def export(folder: Path) -> onnx.ModelProto:
-        out = export_pipeline(None, folder, torch_pipeline=build_tiny_random_flux_pipeline(guidance_embeds=True),
-                              components=["transformer"], optimize="cpu", fp16=True, progress=False)
+        out = export_pipeline(
+            None,
+            folder,
+            torch_pipeline=build_tiny_random_flux_pipeline(guidance_embeds=True),
+            components=["transformer"],
+            optimize="cpu",
+            fp16=True,
+            progress=False,
+        )
         return onnx.load(str(out / "transformer" / "model.onnx"))
 
     def without_rotary_embeddings(model: onnx.ModelProto) -> Dict[str, int]:
-        return {"modulated_layer_norm": fuse_modulated_layer_norms(model), "gelu_bias": fuse_gelu_biases(model),
-                "value_bias": fold_value_biases(model)}
+        return {
+            "modulated_layer_norm": fuse_modulated_layer_norms(model),
+            "gelu_bias": fuse_gelu_biases(model),
+            "value_bias": fold_value_biases(model),
+        }
 
     rewritten = export(tmp_path / "rotary")
     with monkeypatch.context() as patch:
@@ -196,8 +227,15 @@ def test_a_float16_flux_export_with_rotary_embedding_nodes_computes_what_it_comp
 
 
 def test_the_default_optimized_export_carries_the_rewrites(tmp_path):
-    out = export_pipeline(None, tmp_path / "flux", torch_pipeline=build_tiny_random_flux_pipeline(),
-                          components=["transformer"], optimize="cpu", fp16=True, progress=False)
+    out = export_pipeline(
+        None,
+        tmp_path / "flux",
+        torch_pipeline=build_tiny_random_flux_pipeline(),
+        components=["transformer"],
+        optimize="cpu",
+        fp16=True,
+        progress=False,
+    )
     model = onnx.load(str(out / "transformer" / "model.onnx"))
     assert unit_affine_norms(model) == 0
     assert all(len(node.input) == 2 for node in model.graph.node if node.op_type == "FastGelu")
@@ -205,46 +243,63 @@ def test_the_default_optimized_export_carries_the_rewrites(tmp_path):
 
 
 # ------------------------------------------------------------------------------- what is not the pattern stays
-def layer_norm_graph(scale: np.ndarray, modulation_shape, shift_shape=None, second_reader: bool = False,
-                     input_shape=(2, 5, 4)):
+def layer_norm_graph(
+    scale: np.ndarray, modulation_shape, shift_shape=None, second_reader: bool = False, input_shape=(2, 5, 4)
+):
     """x (2, 5, 4) → LayerNormalization(scale, 0) → Mul(modulation) → Add(shift) → y, with the modulation and the
     shift graph inputs of the given shapes (and, with ``second_reader``, the norm's output read by an Identity too).
     Its epsilon is large, so that a fused norm that lost it would compute something else."""
-    nodes = [helper.make_node("LayerNormalization", ["x", "scale", "zero"], ["normed"], axis=-1, epsilon=0.5),
-             helper.make_node("Mul", ["normed", "modulation"], ["scaled"]),
-             helper.make_node("Add", ["scaled", "shift"], ["y"])]
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "scale", "zero"], ["normed"], axis=-1, epsilon=0.5),
+        helper.make_node("Mul", ["normed", "modulation"], ["scaled"]),
+        helper.make_node("Add", ["scaled", "shift"], ["y"]),
+    ]
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
     if second_reader:
         nodes.append(helper.make_node("Identity", ["normed"], ["z"]))
         outputs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, None))
     graph = helper.make_graph(
-        nodes, "norm",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(input_shape)),
-         helper.make_tensor_value_info("modulation", TensorProto.FLOAT, list(modulation_shape)),
-         helper.make_tensor_value_info("shift", TensorProto.FLOAT, list(shift_shape or modulation_shape))],
-        outputs, [numpy_helper.from_array(scale.astype(np.float32), "scale"),
-                  numpy_helper.from_array(np.zeros(4, np.float32), "zero")])
+        nodes,
+        "norm",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, list(input_shape)),
+            helper.make_tensor_value_info("modulation", TensorProto.FLOAT, list(modulation_shape)),
+            helper.make_tensor_value_info("shift", TensorProto.FLOAT, list(shift_shape or modulation_shape)),
+        ],
+        outputs,
+        [
+            numpy_helper.from_array(scale.astype(np.float32), "scale"),
+            numpy_helper.from_array(np.zeros(4, np.float32), "zero"),
+        ],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
 
 
 def test_a_per_sample_modulation_of_a_unit_norm_is_fused_and_computes_the_same():
     model = layer_norm_graph(np.ones(4), (2, 1, 4))
     rng = np.random.default_rng(1)
-    inputs = {"x": rng.standard_normal((2, 5, 4), np.float32), "modulation": rng.standard_normal((2, 1, 4), np.float32),
-              "shift": rng.standard_normal((2, 1, 4), np.float32)}
+    inputs = {
+        "x": rng.standard_normal((2, 5, 4), np.float32),
+        "modulation": rng.standard_normal((2, 1, 4), np.float32),
+        "shift": rng.standard_normal((2, 1, 4), np.float32),
+    }
     expected = run(model, inputs)
     assert fuse_modulated_layer_norms(model) == 1
     assert [node.op_type for node in model.graph.node] == ["LayerNormalization"]
     np.testing.assert_allclose(run(model, inputs), expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("scale, modulation, shift, second_reader, input_shape", [
-    (np.full(4, 2.0), (2, 1, 4), None, False, (2, 5, 4)),    # a learned scale: the norm's own affine would be lost
-    (np.ones(4), (2, 5, 4), None, False, (2, 5, 4)),         # a per-token tensor, not a per-sample modulation
-    (np.ones(4), (2, 1, 4), (2, 5, 4), False, (2, 5, 4)),     # a per-token shift
-    (np.ones(4), (2, 1, 4), None, True, (2, 5, 4)),          # the plain norm is read elsewhere too
-    (np.ones(4), (2, 1, 4), None, False, (1, 5, 4)),         # a modulation of more samples than the input has
-], ids=["learned-scale", "per-token-modulation", "per-token-shift", "norm-read-elsewhere", "broadcast-batch"])
+@pytest.mark.parametrize(
+    "scale, modulation, shift, second_reader, input_shape",
+    [
+        (np.full(4, 2.0), (2, 1, 4), None, False, (2, 5, 4)),  # a learned scale: the norm's own affine would be lost
+        (np.ones(4), (2, 5, 4), None, False, (2, 5, 4)),  # a per-token tensor, not a per-sample modulation
+        (np.ones(4), (2, 1, 4), (2, 5, 4), False, (2, 5, 4)),  # a per-token shift
+        (np.ones(4), (2, 1, 4), None, True, (2, 5, 4)),  # the plain norm is read elsewhere too
+        (np.ones(4), (2, 1, 4), None, False, (1, 5, 4)),  # a modulation of more samples than the input has
+    ],
+    ids=["learned-scale", "per-token-modulation", "per-token-shift", "norm-read-elsewhere", "broadcast-batch"],
+)
 def test_what_is_not_an_adaln_modulation_is_left_alone(scale, modulation, shift, second_reader, input_shape):
     model = layer_norm_graph(scale, modulation, shift, second_reader, input_shape)
     before = model.SerializeToString()
@@ -253,18 +308,28 @@ def test_what_is_not_an_adaln_modulation_is_left_alone(scale, modulation, shift,
 
 
 def test_a_gelu_whose_input_is_read_elsewhere_keeps_its_bias_add():
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["projected"]),
-             helper.make_node("Add", ["projected", "b"], ["biased"]),
-             helper.make_node("FastGelu", ["biased"], ["y"], domain="com.microsoft"),
-             helper.make_node("Identity", ["biased"], ["z"])]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["projected"]),
+        helper.make_node("Add", ["projected", "b"], ["biased"]),
+        helper.make_node("FastGelu", ["biased"], ["y"], domain="com.microsoft"),
+        helper.make_node("Identity", ["biased"], ["z"]),
+    ]
     graph = helper.make_graph(
-        nodes, "gelu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
-         helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(np.ones((4, 6), np.float32), "w"),
-         numpy_helper.from_array(np.ones(6, np.float32), "b")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
-                              ir_version=10)
+        nodes,
+        "gelu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, None),
+        ],
+        [
+            numpy_helper.from_array(np.ones((4, 6), np.float32), "w"),
+            numpy_helper.from_array(np.ones(6, np.float32), "b"),
+        ],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)], ir_version=10
+    )
     assert fuse_gelu_biases(model) == 0
     assert [node.op_type for node in model.graph.node] == ["MatMul", "Add", "FastGelu", "Identity"]
 
@@ -277,34 +342,50 @@ def rotary_graph(layout: str = "bnsh", stacked: str = "-imaginary,real", table: 
     heads, tokens, dim = 2, 5, 8
     shape = [1, heads, tokens, dim] if layout == "bnsh" else [1, tokens, heads, dim]
     int64 = lambda name, values: numpy_helper.from_array(np.array(values, np.int64), name)  # noqa: E731
-    constants = [int64("zero", [0]), int64("one", [1]), int64("two", [2]), int64("last", [-1]),
-                 int64("end", [2 ** 63 - 1]), int64("shape", shape),
-                 int64("broadcast", [0, 1] if layout == "bnsh" else [0, 2])]
+    constants = [
+        int64("zero", [0]),
+        int64("one", [1]),
+        int64("two", [2]),
+        int64("last", [-1]),
+        int64("end", [2**63 - 1]),
+        int64("shape", shape),
+        int64("broadcast", [0, 1] if layout == "bnsh" else [0, 2]),
+    ]
     nodes = []
     for function in ("Cos", "Sin"):
         name = function.lower()
         nodes.append(helper.make_node(function, ["angles"], [f"{name}_half"]))
         if table == "interleaved":
             nodes += [helper.make_node("Unsqueeze", [f"{name}_half", "last"], [f"{name}_{side}"]) for side in "ab"]
-            nodes += [helper.make_node("Concat", [f"{name}_a", f"{name}_b"], [f"{name}_pairs"], axis=-1),
-                      helper.make_node("Flatten", [f"{name}_pairs"], [f"{name}_table"], axis=1)]
+            nodes += [
+                helper.make_node("Concat", [f"{name}_a", f"{name}_b"], [f"{name}_pairs"], axis=-1),
+                helper.make_node("Flatten", [f"{name}_pairs"], [f"{name}_table"], axis=1),
+            ]
         else:
             nodes.append(helper.make_node("Concat", [f"{name}_half", f"{name}_half"], [f"{name}_table"], axis=-1))
         nodes.append(helper.make_node("Unsqueeze", [f"{name}_table", "broadcast"], [f"{name}_4d"]))
-    nodes += [helper.make_node("Slice", ["q", "one", "end", "last", "two"], ["imaginary"]),
-              helper.make_node("Neg", ["imaginary"], ["-imaginary"]),
-              helper.make_node("Slice", ["q", "zero", "end", "last", "two"], ["real"]),
-              helper.make_node("Unsqueeze", ["-imaginary", "last"], ["-imaginary_1"]),
-              helper.make_node("Unsqueeze", ["real", "last"], ["real_1"]),
-              helper.make_node("Concat", [f"{part}_1" for part in stacked.split(",")], ["stacked"], axis=-1),
-              helper.make_node("Reshape", ["stacked", "shape"], ["rotated"]),
-              helper.make_node("Mul", ["q", "cos_4d"], ["q_cos"]),
-              helper.make_node("Mul", ["rotated", "sin_4d"], ["rotated_sin"]),
-              helper.make_node("Add", ["q_cos", "rotated_sin"], ["y"])]
+    nodes += [
+        helper.make_node("Slice", ["q", "one", "end", "last", "two"], ["imaginary"]),
+        helper.make_node("Neg", ["imaginary"], ["-imaginary"]),
+        helper.make_node("Slice", ["q", "zero", "end", "last", "two"], ["real"]),
+        helper.make_node("Unsqueeze", ["-imaginary", "last"], ["-imaginary_1"]),
+        helper.make_node("Unsqueeze", ["real", "last"], ["real_1"]),
+        helper.make_node("Concat", [f"{part}_1" for part in stacked.split(",")], ["stacked"], axis=-1),
+        helper.make_node("Reshape", ["stacked", "shape"], ["rotated"]),
+        helper.make_node("Mul", ["q", "cos_4d"], ["q_cos"]),
+        helper.make_node("Mul", ["rotated", "sin_4d"], ["rotated_sin"]),
+        helper.make_node("Add", ["q_cos", "rotated_sin"], ["y"]),
+    ]
     graph = helper.make_graph(
-        nodes, "rotary", [helper.make_tensor_value_info("q", TensorProto.FLOAT, shape),
-                          helper.make_tensor_value_info("angles", TensorProto.FLOAT, [tokens, dim // 2])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], constants)
+        nodes,
+        "rotary",
+        [
+            helper.make_tensor_value_info("q", TensorProto.FLOAT, shape),
+            helper.make_tensor_value_info("angles", TensorProto.FLOAT, [tokens, dim // 2]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        constants,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
 
 
@@ -312,8 +393,10 @@ def rotary_graph(layout: str = "bnsh", stacked: str = "-imaginary,real", table: 
 def test_a_rotary_embedding_becomes_one_rotary_embedding_node_in_either_layout_and_computes_the_same(layout):
     model = rotary_graph(layout)
     rng = np.random.default_rng(2)
-    inputs = {"q": rng.standard_normal([1, 2, 5, 8] if layout == "bnsh" else [1, 5, 2, 8], np.float32),
-              "angles": rng.uniform(-4, 4, (5, 4)).astype(np.float32)}
+    inputs = {
+        "q": rng.standard_normal([1, 2, 5, 8] if layout == "bnsh" else [1, 5, 2, 8], np.float32),
+        "angles": rng.uniform(-4, 4, (5, 4)).astype(np.float32),
+    }
     expected = run(model, inputs)
     assert fuse_rotary_embeddings(model) == 1
     # the keys' 4-D layout as it is; the queries' (batch, sequence, heads, head_dim) through the 3-D one and back
@@ -322,10 +405,14 @@ def test_a_rotary_embedding_becomes_one_rotary_embedding_node_in_either_layout_a
     np.testing.assert_allclose(run(model, inputs), expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("stacked, table", [
-    ("real,-imaginary", "interleaved"),        # the other rotation: (x₀, -x₁) pairs instead of (-x₁, x₀)
-    ("-imaginary,real", "halves"),             # tables repeated half after half: not the pairs the Slices make
-], ids=["other-rotation", "tables-in-halves"])
+@pytest.mark.parametrize(
+    "stacked, table",
+    [
+        ("real,-imaginary", "interleaved"),  # the other rotation: (x₀, -x₁) pairs instead of (-x₁, x₀)
+        ("-imaginary,real", "halves"),  # tables repeated half after half: not the pairs the Slices make
+    ],
+    ids=["other-rotation", "tables-in-halves"],
+)
 def test_what_is_not_fluxs_rotary_embedding_is_left_alone(stacked, table):
     model = rotary_graph("bnsh", stacked, table)
     before = model.SerializeToString()
@@ -348,37 +435,49 @@ def attention_graph(value_reader: bool = False, mlp_first: bool = False, shared_
 
     for block in range(2 if shared_bias else 1):
         p = f"b{block}_"
-        nodes += [helper.make_node("MatMul", ["x", weight(p + "wq", 8, 8)], [p + "q"]),
-                  helper.make_node("MatMul", ["x", weight(p + "wk", 8, 8)], [p + "k"]),
-                  helper.make_node("MatMul", ["x", weight(p + "wv", 8, 8)], [p + "xv"]),
-                  helper.make_node("Add", [p + "xv", weight(p + "bv", 8)], [p + "v"]),
-                  helper.make_node("MultiHeadAttention", [p + "q", p + "k", p + "v"], [p + "o"], domain="com.microsoft",
-                                   num_heads=2)]
+        nodes += [
+            helper.make_node("MatMul", ["x", weight(p + "wq", 8, 8)], [p + "q"]),
+            helper.make_node("MatMul", ["x", weight(p + "wk", 8, 8)], [p + "k"]),
+            helper.make_node("MatMul", ["x", weight(p + "wv", 8, 8)], [p + "xv"]),
+            helper.make_node("Add", [p + "xv", weight(p + "bv", 8)], [p + "v"]),
+            helper.make_node(
+                "MultiHeadAttention", [p + "q", p + "k", p + "v"], [p + "o"], domain="com.microsoft", num_heads=2
+            ),
+        ]
         attended = p + "o"
         if mlp_first:
-            nodes += [helper.make_node("MatMul", ["x", weight(p + "wm", 8, 4)], [p + "m"]),
-                      helper.make_node("Concat", [p + "m", p + "o"], [p + "mo"], axis=-1)]
+            nodes += [
+                helper.make_node("MatMul", ["x", weight(p + "wm", 8, 4)], [p + "m"]),
+                helper.make_node("Concat", [p + "m", p + "o"], [p + "mo"], axis=-1),
+            ]
             attended = p + "mo"
         bias = "bo" if shared_bias else weight(p + "bo", 8)
-        nodes += [helper.make_node("MatMul", [attended, weight(p + "wo", 12 if mlp_first else 8, 8)], [p + "y0"]),
-                  helper.make_node("Add", [p + "y0", bias], [p + "y"])]
+        nodes += [
+            helper.make_node("MatMul", [attended, weight(p + "wo", 12 if mlp_first else 8, 8)], [p + "y0"]),
+            helper.make_node("Add", [p + "y0", bias], [p + "y"]),
+        ]
         outputs.append(helper.make_tensor_value_info(p + "y", TensorProto.FLOAT, None))
         if value_reader:
             outputs.append(helper.make_tensor_value_info(p + "v", TensorProto.FLOAT, None))
     if shared_bias:
         weight("bo", 8)
-    graph = helper.make_graph(nodes, "attention", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 6, 8])],
-                              outputs, initializers)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
-                             ir_version=10)
+    graph = helper.make_graph(
+        nodes, "attention", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 6, 8])], outputs, initializers
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)], ir_version=10
+    )
 
 
 def run_all(model: onnx.ModelProto, inputs: Dict[str, np.ndarray]) -> list:
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, inputs)
 
 
-@pytest.mark.parametrize("mlp_first, shared_bias", [(False, False), (True, False), (False, True)],
-                         ids=["alone", "after-the-mlp-in-a-concat", "output-bias-shared-by-two"])
+@pytest.mark.parametrize(
+    "mlp_first, shared_bias",
+    [(False, False), (True, False), (False, True)],
+    ids=["alone", "after-the-mlp-in-a-concat", "output-bias-shared-by-two"],
+)
 def test_a_moved_value_bias_gives_the_same_outputs(mlp_first, shared_bias):
     model = attention_graph(mlp_first=mlp_first, shared_bias=shared_bias)
     inputs = {"x": np.random.default_rng(4).standard_normal((1, 6, 8)).astype(np.float32)}

@@ -42,17 +42,25 @@ def pipeline(folder, **kwargs):
 
 
 def generate(pipe, steps=5):
-    return pipe("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=steps,
-                generator=np.random.RandomState(0), output_type="np").images
+    return pipe(
+        "a photo of a cat",
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=steps,
+        generator=np.random.RandomState(0),
+        output_type="np",
+    ).images
 
 
 def test_graph_model_equals_the_plain_model_and_replays(tiny_folder):
     from optimum_iobinding import IOBindingORTModel
 
-    plain = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT,
-                                              cuda_graph=False)
-    graph = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT,
-                                              cuda_graph=True)
+    plain = IOBindingORTModel.from_pretrained(
+        tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT, cuda_graph=False
+    )
+    graph = IOBindingORTModel.from_pretrained(
+        tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT, cuda_graph=True
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a fallback would warn
         for seed in range(3):
@@ -76,14 +84,17 @@ def test_pipeline_graph_equals_no_graph_equals_numpy_loop(tiny_folder):
     assert graph_pipe.unet.graph_signatures  # the graph path really ran
 
 
-@pytest.mark.parametrize("scheduler,guidance,cuda_graph", [
-    (None, 7.5, False),  # DDIM, as pipeline() sets it
-    (None, 7.5, True),
-    ("EulerAncestralDiscreteScheduler", 0.0, True),  # SD-Turbo's recipe: trailing spacing, fresh noise every step
-    ("EulerDiscreteScheduler", 7.5, True),
-    ("DPMSolverMultistepScheduler", 7.5, True),
-    ("LCMScheduler", 0.0, True),
-])
+@pytest.mark.parametrize(
+    "scheduler,guidance,cuda_graph",
+    [
+        (None, 7.5, False),  # DDIM, as pipeline() sets it
+        (None, 7.5, True),
+        ("EulerAncestralDiscreteScheduler", 0.0, True),  # SD-Turbo's recipe: trailing spacing, fresh noise every step
+        ("EulerDiscreteScheduler", 7.5, True),
+        ("DPMSolverMultistepScheduler", 7.5, True),
+        ("LCMScheduler", 0.0, True),
+    ],
+)
 def test_the_host_enqueues_the_whole_loop_without_waiting(tiny_folder, scheduler, guidance, cuda_graph):
     import diffusers
 
@@ -115,13 +126,16 @@ def test_a_captured_step_copies_only_its_timestep_into_the_graph(tiny_folder, mo
         latents = pipe.prepare_latents((1, 4, 8, 8), embeds.dtype, np.random.RandomState(0))
 
         def loop(steps):
-            return pipe.denoiser.loop(latents, pipe.set_timesteps(steps), embeds, 7.5, pipe.scheduler_step_kwargs(None, 0.0))
+            return pipe.denoiser.loop(
+                latents, pipe.set_timesteps(steps), embeds, 7.5, pipe.scheduler_step_kwargs(None, 0.0)
+            )
 
         expected = loop(6).clone()  # the first call captures
         copied = []
         copy = torch.Tensor.copy_
-        monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: copied.append(self.data_ptr()) or copy(
-            self, *a, **k))
+        monkeypatch.setattr(
+            torch.Tensor, "copy_", lambda self, *a, **k: copied.append(self.data_ptr()) or copy(self, *a, **k)
+        )
         with torch.inference_mode():
             latents_out = loop(6)
         monkeypatch.undo()
@@ -131,7 +145,10 @@ def test_a_captured_step_copies_only_its_timestep_into_the_graph(tiny_folder, mo
     # the loop finds the buffers after its first call, whose inputs the graph runner copies in as any input; the
     # loop then copies the embeddings in once more and passes the buffer itself from there on
     assert {name: copied.count(tensor.data_ptr()) for name, tensor in buffers.items()} == {
-        "sample": 1, "timestep": 6, "encoder_hidden_states": 2}
+        "sample": 1,
+        "timestep": 6,
+        "encoder_hidden_states": 2,
+    }
     torch.testing.assert_close(latents_out, expected, rtol=0, atol=0)
 
 
@@ -139,8 +156,9 @@ def test_a_graph_first_run_under_inference_mode_takes_inputs_outside_it(tiny_fol
     # its input buffers are normal tensors: an inference tensor would refuse the copies of later calls
     from optimum_iobinding import IOBindingORTModel
 
-    unet = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT,
-                                             cuda_graph=True)
+    unet = IOBindingORTModel.from_pretrained(
+        tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT, cuda_graph=True
+    )
     inputs = unet_inputs(unet)
     with torch.inference_mode():
         first = unet(**inputs)[0].clone()
@@ -193,9 +211,15 @@ def test_buffers_are_not_reallocated_between_steps(tiny_folder):
     pipe = pipeline(tiny_folder)
     allocated = []
     with pipe.unet.watch_runs() as runs:
-        pipe("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=6, generator=np.random.RandomState(0),
-             output_type="latent",
-             callback_on_step_end=lambda p, i, t, tensors: allocated.append(torch.cuda.memory_allocated()) or tensors)
+        pipe(
+            "a photo of a cat",
+            height=SIZE,
+            width=SIZE,
+            num_inference_steps=6,
+            generator=np.random.RandomState(0),
+            output_type="latent",
+            callback_on_step_end=lambda p, i, t, tensors: allocated.append(torch.cuda.memory_allocated()) or tensors,
+        )
     output_pointers = [run.outputs[0] for run in runs]
     assert len(output_pointers) == 6 and len(set(output_pointers)) == 1
     assert len(set(allocated[1:])) == 1  # after the first step, every step ends with the same memory in use
@@ -221,20 +245,25 @@ def test_fused_fp16_export_adds_no_error_beyond_fp16_itself(tmp_path):
     folders = {
         "fp32": export_pipeline(None, tmp_path / "fp32", tiny_random=True, progress=False),
         "plain": export_pipeline(None, tmp_path / "plain", tiny_random=True, fp16=True, progress=False),
-        "fused": export_pipeline(None, tmp_path / "fused", tiny_random=True, fp16=True, optimize="cuda",
-                                 progress=False),
+        "fused": export_pipeline(
+            None, tmp_path / "fused", tiny_random=True, fp16=True, optimize="cuda", progress=False
+        ),
     }
     generator = torch.Generator().manual_seed(0)
     inputs = {
-        "unet": {"sample": torch.randn(2, 4, 8, 8, generator=generator), "timestep": torch.full((2,), 500.0),
-                 "encoder_hidden_states": torch.randn(2, 77, 32, generator=generator)},
+        "unet": {
+            "sample": torch.randn(2, 4, 8, 8, generator=generator),
+            "timestep": torch.full((2,), 500.0),
+            "encoder_hidden_states": torch.randn(2, 77, 32, generator=generator),
+        },
         "vae_decoder": {"latent_sample": torch.randn(1, 4, 8, 8, generator=generator)},
     }
     for component, feed in inputs.items():
         outputs = {}
         for name, folder in folders.items():
-            model = IOBindingORTModel.from_pretrained(folder, subfolder=component, provider=CUDA,
-                                                      provider_options=EXACT)
+            model = IOBindingORTModel.from_pretrained(
+                folder, subfolder=component, provider=CUDA, provider_options=EXACT
+            )
             cast = {key: value.to(model.device, model.input_dtypes[key]) for key, value in feed.items()}
             outputs[name] = model(**cast)[0].float().cpu().clone()
         plain_error = (outputs["plain"] - outputs["fp32"]).abs().max().item()
@@ -298,8 +327,14 @@ def test_a_thousand_calls_grow_neither_torch_nor_ort_memory(tiny_folder):
 def test_shape_changes_mid_session_on_the_gpu(tiny_folder, cuda_graph):
     pipe = pipeline(tiny_folder, cuda_graph=cuda_graph, component_options={"unet": {"max_graph_signatures": 2}})
     for height, width, prompts in [(64, 64, 1), (128, 64, 1), (64, 64, 2), (64, 128, 1), (64, 64, 1)]:
-        arguments = dict(prompt=["a cat"] * prompts, height=height, width=width, num_inference_steps=3,
-                         generator=np.random.RandomState(0), output_type="np")
+        arguments = dict(
+            prompt=["a cat"] * prompts,
+            height=height,
+            width=width,
+            num_inference_steps=3,
+            generator=np.random.RandomState(0),
+            output_type="np",
+        )
         fresh = pipeline(tiny_folder, cuda_graph=False)  # no graph: the reference
         expected = fresh(**dict(arguments, generator=np.random.RandomState(0))).images
         got = pipe(**arguments).images
@@ -339,10 +374,12 @@ def test_a_pipeline_on_cuda_1_matches_cuda_0_and_allocates_nothing_on_cuda_0(tin
 def test_tiled_vae_with_overlapped_copies_equals_the_sequential_and_the_on_device_results(tiny_folder):
     from optimum_iobinding import IOBindingORTModel, TiledVAE
 
-    decoder = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="vae_decoder", provider=CUDA,
-                                                provider_options=EXACT)
-    encoder = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="vae_encoder", provider=CUDA,
-                                                provider_options=EXACT)
+    decoder = IOBindingORTModel.from_pretrained(
+        tiny_folder, subfolder="vae_decoder", provider=CUDA, provider_options=EXACT
+    )
+    encoder = IOBindingORTModel.from_pretrained(
+        tiny_folder, subfolder="vae_encoder", provider=CUDA, provider_options=EXACT
+    )
     overlapped = TiledVAE(decoder, encoder, tile_sample_size=64)
     sequential = TiledVAE(decoder, encoder, tile_sample_size=64, overlap_copies=False)
     latents = torch.randn(1, 4, 40, 36, generator=torch.Generator().manual_seed(0)).to("cuda")
@@ -371,8 +408,17 @@ def test_sdxl_and_lcm_graph_loops_equal_their_plain_loops(tmp_path, kind):
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # a graph fallback would warn
             # LCM's step adds fresh noise before every step but the last: the same device generator for both runs
-            images.append(pipe("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=4, latents=latents,
-                               generator=torch.Generator("cuda").manual_seed(0), output_type="np").images)
+            images.append(
+                pipe(
+                    "a photo of a cat",
+                    height=SIZE,
+                    width=SIZE,
+                    num_inference_steps=4,
+                    latents=latents,
+                    generator=torch.Generator("cuda").manual_seed(0),
+                    output_type="np",
+                ).images
+            )
     np.testing.assert_allclose(images[1], images[0], atol=1e-4)
 
 
@@ -405,8 +451,14 @@ def test_mixed_batch_sizes_after_warmup_create_no_session_and_keep_every_graph(t
     reference = pipeline(tiny_folder, cuda_graph=False)
     for round_index in range(3):
         for batch in batches:
-            arguments = dict(prompt=["a cat"] * batch, height=SIZE, width=SIZE, num_inference_steps=3,
-                             generator=np.random.RandomState(batch), output_type="np")
+            arguments = dict(
+                prompt=["a cat"] * batch,
+                height=SIZE,
+                width=SIZE,
+                num_inference_steps=3,
+                generator=np.random.RandomState(batch),
+                output_type="np",
+            )
             got = pipe(**arguments).images
             if round_index == 0:
                 expected = reference(**dict(arguments, generator=np.random.RandomState(batch))).images
@@ -449,10 +501,15 @@ def test_an_extra_signature_costs_activations_not_another_copy_of_the_weights(tm
     width = 8192
     weight = numpy_helper.from_array(np.random.RandomState(0).randn(width, width).astype(np.float32), "W")
     path = tmp_path / "wide.onnx"
-    onnx.save(make_model([helper.make_node("MatMul", ["x", "W"], ["y"])],
-                         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
-                         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])], [weight]),
-              str(path))
+    onnx.save(
+        make_model(
+            [helper.make_node("MatMul", ["x", "W"], ["y"])],
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])],
+            [weight],
+        ),
+        str(path),
+    )
     model = IOBindingORTModel(path, provider=CUDA, provider_options=EXACT)
     weight_bytes = width * width * 4  # in the one graph session, which loads them itself
 
@@ -476,14 +533,14 @@ def test_an_extra_signature_costs_activations_not_another_copy_of_the_weights(tm
 
 
 def test_the_one_graph_session_loads_its_weights_and_own_weights_makes_it_again_around_owned_ones(
-        fused_tiny_folder, caplog):
+    fused_tiny_folder, caplog
+):
     import logging
 
     from optimum_iobinding import IOBindingORTModel
 
     caplog.set_level(logging.INFO, logger="optimum_iobinding")
-    unet = IOBindingORTModel.from_pretrained(fused_tiny_folder, subfolder="unet", provider=CUDA,
-                                             provider_options=EXACT)
+    unet = IOBindingORTModel.from_pretrained(fused_tiny_folder, subfolder="unet", provider=CUDA, provider_options=EXACT)
     inputs = {batch: unet_inputs(unet, batch=batch, seed=batch) for batch in (1, 2)}
     with torch.cuda.stream(unet.stream):
         native = {batch: unet(**feed)[0].clone() for batch, feed in inputs.items()}
@@ -513,9 +570,14 @@ def test_auto_runs_an_uncapturable_model_without_a_graph_and_logs_why(tmp_path, 
     from optimum_iobinding import IOBindingORTModel
 
     path = tmp_path / "nonzero.onnx"  # NonZero: an output whose size depends on the data, which no graph replays
-    onnx.save(make_model([helper.make_node("NonZero", ["x"], ["y"])],
-                         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
-                         [helper.make_tensor_value_info("y", TensorProto.INT64, [1, "k"])]), str(path))
+    onnx.save(
+        make_model(
+            [helper.make_node("NonZero", ["x"], ["y"])],
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+            [helper.make_tensor_value_info("y", TensorProto.INT64, [1, "k"])],
+        ),
+        str(path),
+    )
     caplog.set_level(logging.INFO, logger="optimum_iobinding")
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
@@ -530,8 +592,7 @@ def test_auto_runs_an_uncapturable_model_without_a_graph_and_logs_why(tmp_path, 
 def test_alternating_shapes_without_graphs_keep_a_session_per_shape(tiny_folder):
     from optimum_iobinding import IOBindingORTModel
 
-    decoder = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="vae_decoder", provider=CUDA,
-                                                cuda_graph=False)
+    decoder = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="vae_decoder", provider=CUDA, cuda_graph=False)
     shapes = [(1, 4, 8, 8), (1, 4, 16, 8), (1, 4, 8, 16)]
     for _ in range(3):
         for shape in shapes:
@@ -545,8 +606,9 @@ def test_alternating_shapes_without_graphs_keep_a_session_per_shape(tiny_folder)
 def fused_tiny_folder(tmp_path_factory):
     from optimum_iobinding.export import export_pipeline
 
-    return export_pipeline(None, tmp_path_factory.mktemp("gpu") / "fused", tiny_random=True, optimize="cuda",
-                           progress=False)
+    return export_pipeline(
+        None, tmp_path_factory.mktemp("gpu") / "fused", tiny_random=True, optimize="cuda", progress=False
+    )
 
 
 @pytest.mark.parametrize("export", ["fused", "plain"])
@@ -554,8 +616,9 @@ def test_signatures_replay_right_after_later_captures(tiny_folder, fused_tiny_fo
     from optimum_iobinding import IOBindingORTModel
 
     folder = fused_tiny_folder if export == "fused" else tiny_folder
-    plain = IOBindingORTModel.from_pretrained(folder, subfolder="unet", provider=CUDA, provider_options=EXACT,
-                                              cuda_graph=False)
+    plain = IOBindingORTModel.from_pretrained(
+        folder, subfolder="unet", provider=CUDA, provider_options=EXACT, cuda_graph=False
+    )
     unet = IOBindingORTModel.from_pretrained(folder, subfolder="unet", provider=CUDA, provider_options=EXACT)
     batches = (2, 8, 16, 4)
     inputs = {batch: unet_inputs(unet, batch=batch, seed=batch) for batch in batches}
@@ -582,10 +645,19 @@ def test_signatures_of_one_session_share_its_arena(tmp_path, make_model):
     # no weights, large activations: x (b × 16M floats) → two intermediates of the same size → y
     path = tmp_path / "wide.onnx"
     width = 1 << 24
-    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Sigmoid", ["a"], ["b"]),
-             helper.make_node("Add", ["a", "b"], ["y"])]
-    onnx.save(make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
-                         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])]), str(path))
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("Sigmoid", ["a"], ["b"]),
+        helper.make_node("Add", ["a", "b"], ["y"]),
+    ]
+    onnx.save(
+        make_model(
+            nodes,
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])],
+        ),
+        str(path),
+    )
     model = IOBindingORTModel(path, provider=CUDA)
 
     def used():
@@ -612,17 +684,21 @@ def cpu_argmax_model_path(make_model, tensor):
     """``cpu_argmax_model_path(folder)``: y = x + x[argmax(ids)] per row, saved in ``folder``: an ArgMax over integers,
     which ORT's CUDA provider keeps on the CPU (what the text encoders of other exporters do to pool CLIP's end
     token)."""
+
     def save(folder):
         import onnx
         from onnx import TensorProto, helper
 
         model = make_model(
-            [helper.make_node("Cast", ["ids"], ["ids32"], to=TensorProto.INT32),
-             helper.make_node("ArgMax", ["ids32"], ["position"], axis=1, keepdims=1),
-             helper.make_node("GatherElements", ["x", "position"], ["picked"], axis=1),
-             helper.make_node("Add", ["x", "picked"], ["y"])],
+            [
+                helper.make_node("Cast", ["ids"], ["ids32"], to=TensorProto.INT32),
+                helper.make_node("ArgMax", ["ids32"], ["position"], axis=1, keepdims=1),
+                helper.make_node("GatherElements", ["x", "position"], ["picked"], axis=1),
+                helper.make_node("Add", ["x", "picked"], ["y"]),
+            ],
             [tensor("x", TensorProto.FLOAT, ["batch", 8]), tensor("ids", TensorProto.INT64, ["batch", 8])],
-            [tensor("y", TensorProto.FLOAT, ["batch", 8])])
+            [tensor("y", TensorProto.FLOAT, ["batch", 8])],
+        )
         path = folder / "cpu_argmax.onnx"
         onnx.save(model, str(path))
         return path
@@ -630,8 +706,9 @@ def cpu_argmax_model_path(make_model, tensor):
     return save
 
 
-def test_a_model_ort_cannot_capture_as_one_session_gets_a_session_per_signature_and_says_why(tmp_path, caplog,
-                                                                                             cpu_argmax_model_path):
+def test_a_model_ort_cannot_capture_as_one_session_gets_a_session_per_signature_and_says_why(
+    tmp_path, caplog, cpu_argmax_model_path
+):
     import logging
 
     from optimum_iobinding import IOBindingORTModel
@@ -661,10 +738,10 @@ def test_the_exported_text_encoder_is_captured_as_a_cuda_graph_for_every_batch_s
     from optimum_iobinding.export import export_pipeline
 
     folder = export_pipeline(None, tmp_path / "sd", tiny_random=True, fp16=fp16, progress=False)
-    encoder = IOBindingORTModel.from_pretrained(folder, subfolder="text_encoder", provider=CUDA,
-                                                provider_options=EXACT)
-    plain = IOBindingORTModel.from_pretrained(folder, subfolder="text_encoder", provider=CUDA,
-                                              provider_options=EXACT, cuda_graph=False)
+    encoder = IOBindingORTModel.from_pretrained(folder, subfolder="text_encoder", provider=CUDA, provider_options=EXACT)
+    plain = IOBindingORTModel.from_pretrained(
+        folder, subfolder="text_encoder", provider=CUDA, provider_options=EXACT, cuda_graph=False
+    )
     for batch in (1, 2, 1, 2):
         ids = torch.randint(0, 100, (batch, 77), generator=torch.Generator().manual_seed(batch)).to("cuda")
         ids = ids.to(encoder.input_dtypes["input_ids"])
@@ -685,10 +762,17 @@ def test_a_graph_pool_model_parses_its_file_once(tiny_folder, monkeypatch):
 
     parses = []
     monkeypatch.setattr(session_module, "parse_model", lambda source: parses.append(source) or onnx.load(source))
-    encoder = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="text_encoder", provider=CUDA,
-                                                provider_options=EXACT)
-    plain = IOBindingORTModel.from_pretrained(tiny_folder, subfolder="text_encoder", provider=CUDA,
-                                              provider_options=EXACT, cuda_graph=False, share_weights=False)
+    encoder = IOBindingORTModel.from_pretrained(
+        tiny_folder, subfolder="text_encoder", provider=CUDA, provider_options=EXACT
+    )
+    plain = IOBindingORTModel.from_pretrained(
+        tiny_folder,
+        subfolder="text_encoder",
+        provider=CUDA,
+        provider_options=EXACT,
+        cuda_graph=False,
+        share_weights=False,
+    )
     ids = torch.randint(0, 100, (1, 77), generator=torch.Generator().manual_seed(0)).to("cuda")
     ids = ids.to(encoder.input_dtypes["input_ids"])
     torch.testing.assert_close(encoder(input_ids=ids)[0], plain(input_ids=ids)[0], atol=1e-4, rtol=1e-4)
@@ -722,12 +806,12 @@ def test_the_first_call_builds_the_shape_free_sessions_in_the_background(fused_t
 
 # ------------------------------------------------------------------------------------------------ runtime LoRA
 @pytest.mark.parametrize("export", ["fused", "plain"])
-def test_captured_graphs_replay_lora_weights_and_switching_creates_no_session(tiny_folder, fused_tiny_folder, export,
-                                                                              tmp_path, make_lora):
+def test_captured_graphs_replay_lora_weights_and_switching_creates_no_session(
+    tiny_folder, fused_tiny_folder, export, tmp_path, make_lora
+):
     from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
 
-    make_lora(TINY_RANDOM_KINDS["sd"](), tmp_path / "lora", 5, ["to_q", "to_k", "to_v", "to_out.0"],
-              ["q_proj", "fc1"])
+    make_lora(TINY_RANDOM_KINDS["sd"](), tmp_path / "lora", 5, ["to_q", "to_k", "to_v", "to_out.0"], ["q_proj", "fc1"])
     folder = fused_tiny_folder if export == "fused" else tiny_folder
     graphs = pipeline(folder)  # the defaults: graphs where ORT captures them
     base = generate(graphs)
@@ -765,19 +849,28 @@ def controlnet_pipeline(folder, **kwargs):
     return pipe
 
 
-@pytest.mark.parametrize("net, kwargs", [
-    ("one", {}),
-    ("one", {"guess_mode": True, "control_guidance_start": 0.25}),
-    ("two", {"controlnet_conditioning_scale": [0.7, 1.2], "control_guidance_end": [0.5, 1.0]}),
-])
+@pytest.mark.parametrize(
+    "net, kwargs",
+    [
+        ("one", {}),
+        ("one", {"guess_mode": True, "control_guidance_start": 0.25}),
+        ("two", {"controlnet_conditioning_scale": [0.7, 1.2], "control_guidance_end": [0.5, 1.0]}),
+    ],
+)
 def test_controlnet_graphs_equal_the_cpu_pipeline_and_the_host_never_waits(controlnet_folders, net, kwargs):
     count = 1 if net == "one" else 2
     images = [torch.rand(1, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(3 + k)) for k in range(count)]
     image = images[0] if count == 1 else images
 
     def generate_with(pipe):
-        return pipe("a photo of a cat", image=image, num_inference_steps=4, generator=np.random.RandomState(0),
-                    output_type="np", **kwargs).images
+        return pipe(
+            "a photo of a cat",
+            image=image,
+            num_inference_steps=4,
+            generator=np.random.RandomState(0),
+            output_type="np",
+            **kwargs,
+        ).images
 
     graphs = controlnet_pipeline(controlnet_folders[net], provider=CUDA)
     expected = generate_with(controlnet_pipeline(controlnet_folders[net], provider="CPUExecutionProvider"))
@@ -796,11 +889,14 @@ def test_controlnet_graphs_equal_the_cpu_pipeline_and_the_host_never_waits(contr
         def loop():
             timesteps = graphs.set_timesteps(4)
             scales, starts, ends = graphs.check_control_arguments(
-                kwargs.get("controlnet_conditioning_scale", 1.0), kwargs.get("control_guidance_start", 0.0),
-                kwargs.get("control_guidance_end", 1.0))
+                kwargs.get("controlnet_conditioning_scale", 1.0),
+                kwargs.get("control_guidance_start", 0.0),
+                kwargs.get("control_guidance_end", 1.0),
+            )
             residuals = graphs.controlnet_step_inputs(prepared, timesteps, scales, starts, ends, guess, True)
-            return graphs.denoiser.loop(latents, timesteps, embeds, 7.5, graphs.scheduler_step_kwargs(None, 0.0),
-                                  step_inputs=residuals)
+            return graphs.denoiser.loop(
+                latents, timesteps, embeds, 7.5, graphs.scheduler_step_kwargs(None, 0.0), step_inputs=residuals
+            )
 
         loop()
         torch.cuda.synchronize()
@@ -819,15 +915,27 @@ def test_served_batches_queue_behind_each_other_on_the_gpu_and_equal_single_call
 
     from optimum_iobinding.serve import ImageGenerator, ServeConfig
 
-    generator = ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cuda", max_batch_size=2, steps=4,
-                                                  warmup_sizes=[SIZE], warmup_batch_sizes=[1, 2])))
+    generator = ImageGenerator(
+        asdict(
+            ServeConfig(
+                model=str(tiny_folder),
+                device="cuda",
+                max_batch_size=2,
+                steps=4,
+                warmup_sizes=[SIZE],
+                warmup_batch_sizes=[1, 2],
+            )
+        )
+    )
     assert generator.defers_images and generator.admission.max_unfinished == 2
     from optimum_iobinding.serve import QUEUED_REGROUP_WAIT
 
     generator.expect_return(2, 1.0)  # the next batch queues behind this one: it waits longer for its group
     assert generator.batch_limits == pytest.approx((2, QUEUED_REGROUP_WAIT))
-    requests = [generator.complete_request(dict(prompt=prompt, seed=seed, size=SIZE))
-                for prompt, seed in (("a red house", 1), ("a green tree", 2), ("a blue boat", 3))]
+    requests = [
+        generator.complete_request(dict(prompt=prompt, seed=seed, size=SIZE))
+        for prompt, seed in (("a red house", 1), ("a green tree", 2), ("a blue boat", 3))
+    ]
     first = generator.start_batch(requests[:2])
     second = generator.start_batch(requests[2:])  # queued on the GPU behind the first
     batched = generator.finish_batch(first) + generator.finish_batch(second)

@@ -35,8 +35,15 @@ BUILDERS = {
 def bfloat16_transformer(request, tmp_path_factory):
     """(kind, diffusers' float32 transformer on the CPU, the path of its fused bfloat16 export)."""
     torch_pipe = BUILDERS[request.param]()
-    out = export_pipeline(None, tmp_path_factory.mktemp(request.param) / "bf16", torch_pipeline=torch_pipe,
-                          dtype="bf16", optimize="cuda", components=["transformer"], progress=False)
+    out = export_pipeline(
+        None,
+        tmp_path_factory.mktemp(request.param) / "bf16",
+        torch_pipeline=torch_pipe,
+        dtype="bf16",
+        optimize="cuda",
+        components=["transformer"],
+        progress=False,
+    )
     path = out / "transformer" / "model.onnx"
     assert ops_without_bfloat16_cuda_kernels(onnx.load(str(path))) == []
     return request.param, torch_pipe.transformer, path
@@ -47,17 +54,22 @@ def transformer_inputs(kind: str) -> Dict[str, torch.Tensor]:
     with classifier-free guidance (batch 2), FLUX.1 dev at 8 × 8 packed tokens for two prompts; 7 text tokens."""
     generator = torch.Generator().manual_seed(0)
     if kind == "sd3.5":
-        return {"hidden_states": torch.randn(2, 16, 16, 16, generator=generator),
-                "encoder_hidden_states": torch.randn(2, 7, 64, generator=generator),
-                "pooled_projections": torch.randn(2, 64, generator=generator),
-                "timestep": torch.tensor([700.0, 700.0])}
+        return {
+            "hidden_states": torch.randn(2, 16, 16, 16, generator=generator),
+            "encoder_hidden_states": torch.randn(2, 7, 64, generator=generator),
+            "pooled_projections": torch.randn(2, 64, generator=generator),
+            "timestep": torch.tensor([700.0, 700.0]),
+        }
     rows, columns = torch.meshgrid(torch.arange(8), torch.arange(8), indexing="ij")
-    return {"hidden_states": torch.randn(2, 64, 64, generator=generator),
-            "encoder_hidden_states": torch.randn(2, 7, 32, generator=generator),
-            "pooled_projections": torch.randn(2, 32, generator=generator),
-            "timestep": torch.tensor([0.7, 0.7]), "guidance": torch.tensor([3.5, 3.5]),
-            "img_ids": torch.stack([torch.zeros_like(rows), rows, columns], -1).reshape(-1, 3).float(),
-            "txt_ids": torch.zeros(7, 3)}
+    return {
+        "hidden_states": torch.randn(2, 64, 64, generator=generator),
+        "encoder_hidden_states": torch.randn(2, 7, 32, generator=generator),
+        "pooled_projections": torch.randn(2, 32, generator=generator),
+        "timestep": torch.tensor([0.7, 0.7]),
+        "guidance": torch.tensor([3.5, 3.5]),
+        "img_ids": torch.stack([torch.zeros_like(rows), rows, columns], -1).reshape(-1, 3).float(),
+        "txt_ids": torch.zeros(7, 3),
+    }
 
 
 def diffusers_output(transformer: torch.nn.Module, kind: str, dtype: torch.dtype) -> torch.Tensor:
@@ -81,8 +93,7 @@ def diffusers_output(transformer: torch.nn.Module, kind: str, dtype: torch.dtype
 
 def onnx_feed(model: IOBindingORTModel, kind: str) -> Dict[str, torch.Tensor]:
     """The same inputs in the model's dtypes on its device (bfloat16; SD3's timestep float32, the ids int64)."""
-    return {name: value.to(model.device, model.input_dtypes[name])
-            for name, value in transformer_inputs(kind).items()}
+    return {name: value.to(model.device, model.input_dtypes[name]) for name, value in transformer_inputs(kind).items()}
 
 
 def test_every_node_of_a_bfloat16_transformer_runs_on_cuda_inside_a_captured_graph(bfloat16_transformer):
@@ -98,8 +109,7 @@ def test_every_node_of_a_bfloat16_transformer_runs_on_cuda_inside_a_captured_gra
     assert output.dtype == torch.bfloat16 and bool(torch.isfinite(output).all())
 
 
-def test_a_bfloat16_transformer_on_cuda_computes_what_diffusers_transformer_computes_in_bfloat16(
-        bfloat16_transformer):
+def test_a_bfloat16_transformer_on_cuda_computes_what_diffusers_transformer_computes_in_bfloat16(bfloat16_transformer):
     """ORT's bfloat16 output lies within three times the distance that bfloat16 puts diffusers' own bfloat16 output
     from its float32 one (what it would if it were no further from float32 than twice bfloat16's own error), plus
     1e-3 of the output's largest value."""

@@ -81,8 +81,11 @@ def test_true_cfg_on_cuda_equals_the_cpu_pipeline(flux):
     arguments = dict(CALL, negative_prompt=["a blue sky", "a dog"], true_cfg_scale=2.5)
     on_cpu = OnnxFluxPipeline.from_pretrained(folder)
     on_cpu.set_progress_bar_config(disable=True)
-    np.testing.assert_allclose(load(folder)(PROMPTS, generator=seeded(), **arguments).images,
-                               on_cpu(PROMPTS, generator=seeded(), **arguments).images, atol=TOLERANCE)
+    np.testing.assert_allclose(
+        load(folder)(PROMPTS, generator=seeded(), **arguments).images,
+        on_cpu(PROMPTS, generator=seeded(), **arguments).images,
+        atol=TOLERANCE,
+    )
 
 
 def test_the_host_enqueues_the_whole_flux_loop_without_waiting(flux):
@@ -98,8 +101,9 @@ def test_the_host_enqueues_the_whole_flux_loop_without_waiting(flux):
         def loop():
             timesteps = pipe.denoiser.timesteps(4, image_seq_len=12)
             rows = (timesteps / 1000)[:, None].pin_memory().to(pipe.device, non_blocking=True)
-            return pipe.denoiser.loop(latents, timesteps, rows, embeds, pooled, text_ids, image_ids, guidance, None,
-                                     None, None, None, ())
+            return pipe.denoiser.loop(
+                latents, timesteps, rows, embeds, pooled, text_ids, image_ids, guidance, None, None, None, None, ()
+            )
 
         loop()  # warm up: capture
         torch.cuda.synchronize()
@@ -114,18 +118,25 @@ def test_the_fused_fp16_transformer_adds_no_error_beyond_fp16_itself(tmp_path):
     folders = {
         "fp32": export_pipeline(None, tmp_path / "fp32", torch_pipeline=torch_pipe, progress=False),
         "plain": export_pipeline(None, tmp_path / "plain", torch_pipeline=torch_pipe, fp16=True, progress=False),
-        "fused": export_pipeline(None, tmp_path / "fused", torch_pipeline=torch_pipe, fp16=True, optimize="cuda",
-                                 progress=False),
+        "fused": export_pipeline(
+            None, tmp_path / "fused", torch_pipeline=torch_pipe, fp16=True, optimize="cuda", progress=False
+        ),
     }
     generator = torch.Generator().manual_seed(0)
-    feed = {"hidden_states": torch.randn(2, 12, 64, generator=generator),
-            "encoder_hidden_states": torch.randn(2, 16, 32, generator=generator),
-            "pooled_projections": torch.randn(2, 32, generator=generator), "timestep": torch.full((2,), 0.5),
-            "txt_ids": torch.zeros(16, 3), "img_ids": latent_image_ids(4, 3), "guidance": torch.full((2,), 3.5)}
+    feed = {
+        "hidden_states": torch.randn(2, 12, 64, generator=generator),
+        "encoder_hidden_states": torch.randn(2, 16, 32, generator=generator),
+        "pooled_projections": torch.randn(2, 32, generator=generator),
+        "timestep": torch.full((2,), 0.5),
+        "txt_ids": torch.zeros(16, 3),
+        "img_ids": latent_image_ids(4, 3),
+        "guidance": torch.full((2,), 3.5),
+    }
     outputs = {}
     for name, folder in folders.items():
-        model = IOBindingORTModel.from_pretrained(folder, subfolder="transformer", provider=CUDA,
-                                                  provider_options=EXACT)
+        model = IOBindingORTModel.from_pretrained(
+            folder, subfolder="transformer", provider=CUDA, provider_options=EXACT
+        )
         cast = {key: value.to(model.device, model.input_dtypes[key]) for key, value in feed.items()}
         outputs[name] = model(**cast)[0].float().cpu().clone()
     plain_error = (outputs["plain"] - outputs["fp32"]).abs().max().item()
@@ -139,16 +150,18 @@ def test_cuda_graph_true_requires_the_transformer_captured_and_it_is(flux, captu
     captures_the_transformer_as_required(pipe, lambda: pipe(PROMPTS, generator=seeded(), **CALL))
 
 
-def test_the_fused_float16_pipeline_is_no_further_from_diffusers_float32_image_than_diffusers_float16_is(flux,
-                                                                                                        tmp_path):
+def test_the_fused_float16_pipeline_is_no_further_from_diffusers_float32_image_than_diffusers_float16_is(
+    flux, tmp_path
+):
     """The export people deploy (fused float16 with the project's graph rewrites, T5 float32) against diffusers' own
     FluxPipeline on the same weights and latents: its image lies within twice the distance float16 puts diffusers'
     own float16 image from the float32 one, plus 1e-2 (images in [0, 1])."""
     import copy
 
     torch_pipe, _ = flux
-    fused = export_pipeline(None, tmp_path / "fused", torch_pipeline=torch_pipe, fp16=True, optimize="cuda",
-                            progress=False)
+    fused = export_pipeline(
+        None, tmp_path / "fused", torch_pipeline=torch_pipe, fp16=True, optimize="cuda", progress=False
+    )
     # FLUX.1's packed latents of a 64×48 image: 4 × 3 tokens of 64 channels, one row per prompt
     packed = torch.randn(len(PROMPTS), 12, 64, generator=seeded())
     arguments = dict(CALL, guidance_scale=4.0)

@@ -44,8 +44,9 @@ def test_the_cuda_pipeline_equals_diffusers_on_cuda_and_replays_transformer_grap
     torch.backends.cudnn.allow_tf32 = False
     try:
         torch_pipe.to("cuda")
-        expected = torch_pipe([PROMPT, "a red car"], **call(latents=latents(2).cuda(),
-                                                              guidance_scale=guidance_scale)).images
+        expected = torch_pipe(
+            [PROMPT, "a red car"], **call(latents=latents(2).cuda(), guidance_scale=guidance_scale)
+        ).images
     finally:
         torch_pipe.to("cpu")
     pipe = load(folder)
@@ -53,8 +54,9 @@ def test_the_cuda_pipeline_equals_diffusers_on_cuda_and_replays_transformer_grap
     assert pipe.device.type == "cuda"
     assert np.abs(got - expected).max() <= 1e-3
     rows = 4 if guidance_scale > 1 else 2
-    assert [signature["hidden_states"] for signature in pipe.transformer.graph_signatures] == \
-        [(rows, 16, SIZE // 8, SIZE // 8)]
+    assert [signature["hidden_states"] for signature in pipe.transformer.graph_signatures] == [
+        (rows, 16, SIZE // 8, SIZE // 8)
+    ]
 
 
 def test_the_cuda_pipeline_equals_the_cpu_pipeline(sd3):
@@ -70,8 +72,9 @@ def test_the_cuda_pipeline_equals_the_cpu_pipeline(sd3):
 def test_after_warmup_no_session_is_created_and_the_components_replay_graphs(sd3):
     _, folder = sd3
     pipe = load(folder)
-    pipe.warmup(heights=SIZE, batch_sizes=[1, 2], guidance_scales=7.0, num_inference_steps=2,
-                max_sequence_length=SEQUENCE)
+    pipe.warmup(
+        heights=SIZE, batch_sizes=[1, 2], guidance_scales=7.0, num_inference_steps=2, max_sequence_length=SEQUENCE
+    )
     created = pipe.sessions_created
     for prompts in ([PROMPT], [PROMPT, "a red car"]):
         pipe(prompts, **call(guidance_scale=7.0, generator=torch.Generator().manual_seed(0)))
@@ -128,15 +131,18 @@ def test_the_fused_float16_export_stays_close_to_the_float32_one(sd3, tmp_path):
     from optimum_iobinding.export import export_pipeline
 
     torch_pipe, folder = sd3
-    fused = export_pipeline(None, tmp_path / "fused", torch_pipeline=torch_pipe, fp16=True, optimize="cuda",
-                            progress=False)
+    fused = export_pipeline(
+        None, tmp_path / "fused", torch_pipeline=torch_pipe, fp16=True, optimize="cuda", progress=False
+    )
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 100, (2, SEQUENCE), generator=generator)
     inputs = {
-        "transformer": {"hidden_states": torch.randn(2, 16, 8, 8, generator=generator),
-                        "encoder_hidden_states": torch.randn(2, 77 + SEQUENCE, 64, generator=generator),
-                        "pooled_projections": torch.randn(2, 64, generator=generator),
-                        "timestep": torch.full((2,), 500.0)},
+        "transformer": {
+            "hidden_states": torch.randn(2, 16, 8, 8, generator=generator),
+            "encoder_hidden_states": torch.randn(2, 77 + SEQUENCE, 64, generator=generator),
+            "pooled_projections": torch.randn(2, 64, generator=generator),
+            "timestep": torch.full((2,), 500.0),
+        },
         "text_encoder_3": {"input_ids": ids},
         "text_encoder": {"input_ids": torch.randint(0, 300, (2, 77), generator=generator)},
     }
@@ -144,8 +150,9 @@ def test_the_fused_float16_export_stays_close_to_the_float32_one(sd3, tmp_path):
     for component, feed in inputs.items():
         outputs = []
         for source in (folder, fused):
-            model = IOBindingORTModel.from_pretrained(source, subfolder=component, provider=CUDA,
-                                                      provider_options=EXACT)
+            model = IOBindingORTModel.from_pretrained(
+                source, subfolder=component, provider=CUDA, provider_options=EXACT
+            )
             cast = {key: value.to(model.device, model.input_dtypes[key]) for key, value in feed.items()}
             outputs.append(model(**cast)[0].float().cpu().clone())
         error = (outputs[0] - outputs[1]).abs().max().item()
@@ -158,8 +165,7 @@ def test_cuda_graph_true_requires_the_transformer_captured_and_it_is(sd3, captur
     captures_the_transformer_as_required(pipe, lambda: pipe(PROMPT, **call(latents=latents())))
 
 
-def test_the_fused_float16_pipeline_is_no_further_from_diffusers_float32_image_than_diffusers_float16_is(sd3,
-                                                                                                        tmp_path):
+def test_the_fused_float16_pipeline_is_no_further_from_diffusers_float32_image_than_diffusers_float16_is(sd3, tmp_path):
     """The export people deploy (fused float16 with the project's graph rewrites, T5 float32) against diffusers' own
     pipeline on the same weights and latents: its image lies within twice the distance float16 puts diffusers' own
     float16 image from the float32 one, plus 1e-2 (images in [0, 1])."""
@@ -168,8 +174,9 @@ def test_the_fused_float16_pipeline_is_no_further_from_diffusers_float32_image_t
     from optimum_iobinding.export import export_pipeline
 
     torch_pipe, _ = sd3
-    fused = export_pipeline(None, tmp_path / "fused", torch_pipeline=torch_pipe, fp16=True, optimize="cuda",
-                            progress=False)
+    fused = export_pipeline(
+        None, tmp_path / "fused", torch_pipeline=torch_pipe, fp16=True, optimize="cuda", progress=False
+    )
     arguments = call(guidance_scale=7.0)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

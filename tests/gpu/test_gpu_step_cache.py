@@ -11,8 +11,12 @@ import pytest
 import torch
 from diffusers.hooks import FirstBlockCacheConfig
 
-from optimum_iobinding import (DeepCacheConfig, OnnxFluxPipeline, OnnxStableDiffusionPipeline,
-                               OnnxStableDiffusionXLPipeline)
+from optimum_iobinding import (
+    DeepCacheConfig,
+    OnnxFluxPipeline,
+    OnnxStableDiffusionPipeline,
+    OnnxStableDiffusionXLPipeline,
+)
 from optimum_iobinding.export import export_pipeline
 from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline
 
@@ -27,20 +31,27 @@ SD_CALL = dict(height=64, width=64, num_inference_steps=6, output_type="np")
 
 @pytest.fixture(scope="module")
 def flux_parts(tmp_path_factory):
-    return export_pipeline(None, tmp_path_factory.mktemp("flux") / "out", progress=False, step_cache=True,
-                           torch_pipeline=build_tiny_random_flux_pipeline(0, guidance_embeds=False))
+    return export_pipeline(
+        None,
+        tmp_path_factory.mktemp("flux") / "out",
+        progress=False,
+        step_cache=True,
+        torch_pipeline=build_tiny_random_flux_pipeline(0, guidance_embeds=False),
+    )
 
 
 @pytest.fixture(scope="module")
 def sd_parts(tmp_path_factory):
-    return export_pipeline(None, tmp_path_factory.mktemp("sd") / "out", tiny_random="sd", progress=False,
-                           step_cache=True)
+    return export_pipeline(
+        None, tmp_path_factory.mktemp("sd") / "out", tiny_random="sd", progress=False, step_cache=True
+    )
 
 
 @pytest.fixture(scope="module")
 def xl_parts(tmp_path_factory):
-    return export_pipeline(None, tmp_path_factory.mktemp("xl") / "out", tiny_random="xl", progress=False,
-                           step_cache=True)
+    return export_pipeline(
+        None, tmp_path_factory.mktemp("xl") / "out", tiny_random="xl", progress=False, step_cache=True
+    )
 
 
 def load(cls, folder, provider, **kwargs):
@@ -81,8 +92,9 @@ def test_first_block_cache_on_cuda_captures_every_part_and_gives_the_cpus_image(
 
 @pytest.mark.parametrize("family, interval, branch", [("sd", 2, 0), ("sd", 3, 1), ("xl", 3, 0)])
 def test_deepcache_on_cuda_captures_every_part_and_gives_the_cpus_image(request, family, interval, branch):
-    cls, folder = {"sd": (OnnxStableDiffusionPipeline, "sd_parts"),
-                   "xl": (OnnxStableDiffusionXLPipeline, "xl_parts")}[family]
+    cls, folder = {"sd": (OnnxStableDiffusionPipeline, "sd_parts"), "xl": (OnnxStableDiffusionXLPipeline, "xl_parts")}[
+        family
+    ]
     folder = request.getfixturevalue(folder)
     images = {}
     for provider in (CUDA, "CPUExecutionProvider"):

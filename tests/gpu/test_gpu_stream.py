@@ -38,8 +38,16 @@ def prepared(folder, steps=2, strength=0.5, guidance_scale=0.0, stream_batch=Tru
     if "timestep_cond" not in stream.unet.input_names:
         name, overrides = TURBO
         stream.scheduler = getattr(diffusers, name).from_config(stream.scheduler.config, **overrides)
-    stream.prepare(PROMPT, num_inference_steps=steps, strength=strength, guidance_scale=guidance_scale, seed=3,
-                   height=SIZE, width=SIZE, stream_batch=stream_batch)
+    stream.prepare(
+        PROMPT,
+        num_inference_steps=steps,
+        strength=strength,
+        guidance_scale=guidance_scale,
+        seed=3,
+        height=SIZE,
+        width=SIZE,
+        stream_batch=stream_batch,
+    )
     return stream
 
 
@@ -109,8 +117,10 @@ def test_the_host_enqueues_frames_without_waiting(folders, case):
     torch.cuda.synchronize()
     waits = host_waits(lambda: run(stream, frames))  # the profiler's view of the same, the flush included
     assert waits == [], "\n".join(f"{waits.count(w)}× {w}" for w in sorted(set(waits)))
-    assert still_busy, (f"the host waited for the GPU while it enqueued {count} frames (the driver holds {held} "
-                        "launches of the UNet's graph)")
+    assert still_busy, (
+        f"the host waited for the GPU while it enqueued {count} frames (the driver holds {held} "
+        "launches of the UNet's graph)"
+    )
     assert len(got) == count and all(out.is_cuda for out in got)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
@@ -123,8 +133,12 @@ def test_no_session_or_graph_is_made_after_prepare(folders, case):
     models = stream.onnx_models
 
     def made():
-        return (stream.sessions_created, {name: len(model.graph_signatures) for name, model in models.items()},
-                {name: len(model.signatures) for name, model in models.items()}, stream.captured_graphs)
+        return (
+            stream.sessions_created,
+            {name: len(model.graph_signatures) for name, model in models.items()},
+            {name: len(model.signatures) for name, model in models.items()},
+            stream.captured_graphs,
+        )
 
     after_prepare = made()
     uncaptured = [name for name, model in models.items() if not model.graph_signatures]
@@ -147,8 +161,10 @@ def test_captured_outputs_equal_the_uncaptured_stream_and_the_cpus(folders, case
     uncaptured_stream = prepared(folder, steps, strength, guidance, stream_batch, cuda_graph=False, **options)
     uncaptured = run(uncaptured_stream, frames)
     assert uncaptured_stream.captured_graphs == 0
-    on_cpu = run(prepared(folder, steps, strength, guidance, stream_batch, provider="CPUExecutionProvider", **options),
-                 [frame.cpu() for frame in frames])
+    on_cpu = run(
+        prepared(folder, steps, strength, guidance, stream_batch, provider="CPUExecutionProvider", **options),
+        [frame.cpu() for frame in frames],
+    )
     torch.testing.assert_close(captured, uncaptured, atol=1e-4, rtol=0)
     torch.testing.assert_close([out.cpu() for out in captured], on_cpu, atol=1e-3, rtol=0)
 
@@ -158,8 +174,10 @@ def test_frames_with_numpy_frames_equals_one_call_at_a_time(folders, case):
     name, steps, strength, guidance, stream_batch = CASES[case]
     folder, options = folders[name]
     stream = prepared(folder, steps, strength, guidance, stream_batch, **options)
-    frames = [np.asarray(((frame.permute(1, 2, 0) / 2 + 0.5) * 255).round().to(torch.uint8).cpu())
-              for frame in cuda_frames(7, seed=2)]
+    frames = [
+        np.asarray(((frame.permute(1, 2, 0) / 2 + 0.5) * 255).round().to(torch.uint8).cpu())
+        for frame in cuda_frames(7, seed=2)
+    ]
     one_by_one = run(stream, frames)
     streamed = list(stream.frames(frames))
     assert len(streamed) == len(frames)

@@ -22,8 +22,9 @@ def sd(shared_export, vae_encodes_its_mode):
 
     torch_pipe = build_tiny_random_pipeline()
     torch_pipe.set_progress_bar_config(disable=True)
-    folder = shared_export("sd", lambda target: export_pipeline(None, target, torch_pipeline=torch_pipe,
-                                                                progress=False))
+    folder = shared_export(
+        "sd", lambda target: export_pipeline(None, target, torch_pipeline=torch_pipe, progress=False)
+    )
     return vae_encodes_its_mode(torch_pipe), folder
 
 
@@ -38,6 +39,7 @@ def xl_folder(shared_export):
 @pytest.fixture(scope="session")
 def live_sessions():
     """``live_sessions()``: how many onnxruntime sessions this process holds (after a garbage collection)."""
+
     def count() -> int:
         gc.collect()
         # type(), not isinstance: isinstance reads __class__, which some deprecated module proxies answer with a warning
@@ -50,6 +52,7 @@ def live_sessions():
 def refused_runs_nothing():
     """``refused_runs_nothing(pipe, error, message, action)``: runs ``action``, expects it refused (``error`` matching
     ``message``), and answers whether no component of ``pipe`` ran meanwhile."""
+
     def refused(pipe, error, message, action) -> bool:
         with contextlib.ExitStack() as stack:
             runs = [stack.enter_context(model.watch_runs()) for model in pipe.onnx_models.values()]
@@ -64,6 +67,7 @@ def refused_runs_nothing():
 def with_vae_config():
     """``with_vae_config(folder, target, **changes)``: a copy of ``folder`` at ``target`` whose vae_decoder
     config.json has ``changes`` (a value of ``...``: the key left out)."""
+
     def copy(folder, target, **changes):
         shutil.copytree(folder, target)
         path = target / "vae_decoder" / "config.json"

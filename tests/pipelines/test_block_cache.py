@@ -154,7 +154,8 @@ class FirstBlockRule:
         self.first_output = output[1]
         residual = self.first_output - self.input
         compute = self.last_residual is None or bool(
-            (residual - self.last_residual).abs().mean() / self.last_residual.abs().mean() > self.threshold)
+            (residual - self.last_residual).abs().mean() / self.last_residual.abs().mean() > self.threshold
+        )
         if compute:
             self.last_residual = residual
         self.computed.append(compute)
@@ -188,18 +189,26 @@ def test_sd3_with_first_block_cache_follows_the_rule_and_gives_its_image(sd3, th
     finally:
         rule.remove()
     assert pipe.step_cache.computed == rule.computed
-    assert {NEVER: all(rule.computed), SOME: mixed(rule.computed),
-            ALWAYS: rule.computed == [True] + [False] * 5}[threshold]
+    assert {NEVER: all(rule.computed), SOME: mixed(rule.computed), ALWAYS: rule.computed == [True] + [False] * 5}[
+        threshold
+    ]
     np.testing.assert_allclose(ours, theirs, atol=TOLERANCE)
 
 
 # ------------------------------------------------------------------------------------------------------ refusals
-@pytest.mark.parametrize("config, error, message", [
-    ({"threshold": 0.1}, ArgumentTypeError, r"config: expected diffusers.hooks.FirstBlockCacheConfig\(threshold=…\) "
-                                            r"for OnnxFluxPipeline, got dict"),
-    (FirstBlockCacheConfig(threshold=-0.1), ArgumentError, r"threshold: expected a number ≥ 0, got -0.1"),
-    (FirstBlockCacheConfig(threshold="0.1"), ArgumentError, r"threshold: expected a number ≥ 0, got '0.1'"),
-])
+@pytest.mark.parametrize(
+    "config, error, message",
+    [
+        (
+            {"threshold": 0.1},
+            ArgumentTypeError,
+            r"config: expected diffusers.hooks.FirstBlockCacheConfig\(threshold=…\) "
+            r"for OnnxFluxPipeline, got dict",
+        ),
+        (FirstBlockCacheConfig(threshold=-0.1), ArgumentError, r"threshold: expected a number ≥ 0, got -0.1"),
+        (FirstBlockCacheConfig(threshold="0.1"), ArgumentError, r"threshold: expected a number ≥ 0, got '0.1'"),
+    ],
+)
 def test_a_bad_first_block_cache_config_is_refused_by_name_and_changes_nothing(flux, config, error, message):
     _, folder = flux
     pipe = load(OnnxFluxPipeline, folder)
@@ -211,8 +220,11 @@ def test_a_bad_first_block_cache_config_is_refused_by_name_and_changes_nothing(f
 def test_a_folder_exported_without_the_parts_says_how_to_export_them(schnell):
     _, folder = schnell
     pipe = load(OnnxFluxPipeline, folder)
-    with pytest.raises(ArgumentError, match=r"lacks \['head.onnx', 'body.onnx', 'out.onnx'\]; export the pipeline "
-                                            r"with First-Block Cache's parts: `optimum-iobinding export --step-cache"):
+    with pytest.raises(
+        ArgumentError,
+        match=r"lacks \['head.onnx', 'body.onnx', 'out.onnx'\]; export the pipeline "
+        r"with First-Block Cache's parts: `optimum-iobinding export --step-cache",
+    ):
         pipe.enable_cache(FirstBlockCacheConfig(threshold=0.1))
     assert pipe.step_cache is None
 
@@ -230,4 +242,3 @@ def test_the_stream_pipeline_cannot_cache_steps(tiny_folder):
     pipe = OnnxStreamDiffusionPipeline.from_pretrained(tiny_folder)
     with pytest.raises((ArgumentError, ArgumentTypeError), match="config: .*OnnxStreamDiffusionPipeline"):
         pipe.enable_cache(FirstBlockCacheConfig(threshold=0.1))
-

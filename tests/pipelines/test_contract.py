@@ -49,15 +49,27 @@ T5 = {"max_sequence_length": 16}
 FAMILIES = [
     Family("sd", "OnnxStableDiffusionPipeline", "sd", lambda: dict(height=SIZE, width=SIZE)),
     Family("img2img", "OnnxStableDiffusionImg2ImgPipeline", "sd", lambda: dict(image=start_image(), strength=1.0)),
-    Family("inpaint", "OnnxStableDiffusionInpaintPipeline", "sd",
-           lambda: dict(image=start_image(), mask_image=square_mask(), height=SIZE, width=SIZE)),
+    Family(
+        "inpaint",
+        "OnnxStableDiffusionInpaintPipeline",
+        "sd",
+        lambda: dict(image=start_image(), mask_image=square_mask(), height=SIZE, width=SIZE),
+    ),
     Family("lcm", "OnnxLatentConsistencyModelPipeline", "lcm", lambda: dict(height=SIZE, width=SIZE)),
     Family("xl", "OnnxStableDiffusionXLPipeline", "xl", lambda: dict(height=SIZE, width=SIZE)),
     Family("xl-img2img", "OnnxStableDiffusionXLImg2ImgPipeline", "xl", lambda: dict(image=start_image(), strength=1.0)),
-    Family("controlnet", "OnnxStableDiffusionControlNetPipeline", "controlnet",
-           lambda: dict(image=start_image(), height=SIZE, width=SIZE)),
-    Family("controlnet-img2img", "OnnxStableDiffusionControlNetImg2ImgPipeline", "controlnet",
-           lambda: dict(image=start_image(), control_image=start_image(), strength=1.0)),
+    Family(
+        "controlnet",
+        "OnnxStableDiffusionControlNetPipeline",
+        "controlnet",
+        lambda: dict(image=start_image(), height=SIZE, width=SIZE),
+    ),
+    Family(
+        "controlnet-img2img",
+        "OnnxStableDiffusionControlNetImg2ImgPipeline",
+        "controlnet",
+        lambda: dict(image=start_image(), control_image=start_image(), strength=1.0),
+    ),
     Family("sd3", "OnnxStableDiffusion3Pipeline", "sd3", lambda: dict(height=SIZE, width=SIZE, **T5), warmup=T5),
     Family("flux", "OnnxFluxPipeline", "flux", lambda: dict(height=64, width=48, **T5), height=64, width=48, warmup=T5),
 ]
@@ -71,8 +83,9 @@ def exports(shared_export, tiny_folder):
     def folder(kind: str):
         if kind == "sd":
             return tiny_folder
-        return shared_export(f"tiny-random-{kind}", lambda target: export_pipeline(None, target, tiny_random=kind,
-                                                                                     progress=False))
+        return shared_export(
+            f"tiny-random-{kind}", lambda target: export_pipeline(None, target, tiny_random=kind, progress=False)
+        )
 
     return folder
 
@@ -94,8 +107,9 @@ def pipe(family, exports):
 
 
 def call(family: Family, pipe, seed: int = 0, **overrides):
-    arguments = dict(family.arguments(), num_inference_steps=STEPS, generator=torch.Generator().manual_seed(seed),
-                     output_type="np")
+    arguments = dict(
+        family.arguments(), num_inference_steps=STEPS, generator=torch.Generator().manual_seed(seed), output_type="np"
+    )
     arguments.update(overrides)
     return pipe(PROMPT, **arguments)
 
@@ -120,8 +134,11 @@ def test_each_output_type_is_diffusers(family, pipe):
     np.testing.assert_allclose(tensor.permute(0, 2, 3, 1).cpu().numpy(), images, atol=1e-6)
     latents = call(family, pipe, output_type="latent").images
     factor = pipe.vae_scale_factor
-    expected = ((1, family.height // (2 * factor) * (family.width // (2 * factor)), pipe.latent_channels * 4)
-                if pipe.packed_latents else (1, pipe.latent_channels, family.height // factor, family.width // factor))
+    expected = (
+        (1, family.height // (2 * factor) * (family.width // (2 * factor)), pipe.latent_channels * 4)
+        if pipe.packed_latents
+        else (1, pipe.latent_channels, family.height // factor, family.width // factor)
+    )
     assert isinstance(latents, torch.Tensor) and tuple(latents.shape) == expected
     as_tuple = call(family, pipe, return_dict=False)
     assert isinstance(as_tuple, tuple)
@@ -146,8 +163,7 @@ def test_a_step_end_callback_sees_every_step_and_its_latents_are_used(family, pi
 
 
 def test_after_warmup_the_next_call_makes_no_session(family, pipe):
-    pipe.warmup(heights=family.height, widths=family.width, batch_sizes=1, num_inference_steps=STEPS,
-                **family.warmup)
+    pipe.warmup(heights=family.height, widths=family.width, batch_sizes=1, num_inference_steps=STEPS, **family.warmup)
     made = pipe.sessions_created
     call(family, pipe)
     assert pipe.sessions_created == made

@@ -21,6 +21,7 @@ def folders(controlnet_folders, tiny_folder):
 def reference(vae_encodes_its_mode):
     """``reference(controlnets=1, img2img=False)``: diffusers' torch pipeline with the exported weights (the builders
     are seeded)."""
+
     def build(controlnets: int = 1, img2img: bool = False):
         from diffusers import StableDiffusionControlNetImg2ImgPipeline
 
@@ -59,12 +60,18 @@ def test_the_export_writes_the_controlnet_and_a_unet_taking_its_residuals(folder
 
     controlnet = IOBindingORTModel.from_pretrained(folders["one"] / "controlnet")
     unet = IOBindingORTModel.from_pretrained(folders["one"] / "unet")
-    assert controlnet.input_names == ["sample", "timestep", "encoder_hidden_states", "controlnet_cond",
-                                      "conditioning_scale"]
+    assert controlnet.input_names == [
+        "sample",
+        "timestep",
+        "encoder_hidden_states",
+        "controlnet_cond",
+        "conditioning_scale",
+    ]
     residuals = controlnet.output_names
     assert residuals[-1] == "mid_block_res_sample" and len(residuals) == 7  # 2 blocks × (2 layers + 1) + conv_in
     assert unet.input_names[3:] == [f"down_block_additional_residual_{i}" for i in range(6)] + [
-        "mid_block_additional_residual"]
+        "mid_block_additional_residual"
+    ]
     assert (folders["two"] / "controlnet_1" / "model.onnx").is_file()
     assert not (folders["two"] / "controlnet_2").exists()
 
@@ -83,19 +90,24 @@ def test_fp16_and_fused_exports_run(tmp_path, options, reference):
 
 # ------------------------------------------------------------------------------------------------ equal images
 @pytest.mark.parametrize("io_binding", [True, False])
-@pytest.mark.parametrize("kwargs", [
-    {},
-    {"guidance_scale": 1.0},
-    {"guidance_scale": 3.0, "controlnet_conditioning_scale": 0.5},
-    {"guess_mode": True},
-    {"guess_mode": True, "guidance_scale": 1.0},
-    {"control_guidance_start": 0.3, "control_guidance_end": 0.7},
-    {"control_guidance_start": 0.5},  # the first steps skip the ControlNet
-], ids=["default", "no-guidance", "scale-0.5", "guess", "guess-no-guidance", "window", "late-start"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"guidance_scale": 1.0},
+        {"guidance_scale": 3.0, "controlnet_conditioning_scale": 0.5},
+        {"guess_mode": True},
+        {"guess_mode": True, "guidance_scale": 1.0},
+        {"control_guidance_start": 0.3, "control_guidance_end": 0.7},
+        {"control_guidance_start": 0.5},  # the first steps skip the ControlNet
+    ],
+    ids=["default", "no-guidance", "scale-0.5", "guess", "guess-no-guidance", "window", "late-start"],
+)
 def test_images_equal_diffusers_controlnet_pipeline(folders, io_binding, kwargs, reference):
     expected = run(reference(), image=control_image(), **kwargs)
-    np.testing.assert_allclose(run(ours(folders["one"], io_binding), image=control_image(), **kwargs), expected,
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        run(ours(folders["one"], io_binding), image=control_image(), **kwargs), expected, atol=1e-4
+    )
 
 
 def test_conditioning_scale_zero_equals_the_plain_pipeline(folders, reference):
@@ -124,8 +136,12 @@ def test_batches_and_a_pil_image_of_another_size_equal_diffusers(folders, refere
 @pytest.mark.parametrize("io_binding", [True, False])
 def test_multi_controlnet_equals_diffusers(folders, io_binding, reference):
     images = [control_image(3), control_image(4)]
-    kwargs = dict(image=images, controlnet_conditioning_scale=[0.7, 1.2], control_guidance_start=[0.0, 0.25],
-                  control_guidance_end=[0.5, 1.0])
+    kwargs = dict(
+        image=images,
+        controlnet_conditioning_scale=[0.7, 1.2],
+        control_guidance_start=[0.0, 0.25],
+        control_guidance_end=[0.5, 1.0],
+    )
     np.testing.assert_allclose(run(ours(folders["two"], io_binding), **kwargs), run(reference(2), **kwargs), atol=1e-4)
     kwargs = dict(image=images, guess_mode=True)
     np.testing.assert_allclose(run(ours(folders["two"], io_binding), **kwargs), run(reference(2), **kwargs), atol=1e-4)
@@ -166,28 +182,47 @@ def test_cli_exports_with_a_controlnet_folder(tmp_path, reference):
     from optimum_iobinding.export.tiny import build_tiny_random_controlnet, build_tiny_random_pipeline
 
     build_tiny_random_controlnet(build_tiny_random_pipeline().unet, seed=10).save_pretrained(tmp_path / "net")
-    assert main(["export", "--tiny-random", "--controlnet", str(tmp_path / "net"), "--controlnet",
-                 str(tmp_path / "net"), "--output", str(tmp_path / "out")]) == 0
+    assert (
+        main(
+            [
+                "export",
+                "--tiny-random",
+                "--controlnet",
+                str(tmp_path / "net"),
+                "--controlnet",
+                str(tmp_path / "net"),
+                "--output",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 0
+    )
     pipe = ours(tmp_path / "out")
     assert len(pipe.controlnets) == 2
     # the same ControlNet twice at half scale each: the single ControlNet's image
-    np.testing.assert_allclose(run(pipe, image=[control_image()] * 2, controlnet_conditioning_scale=[0.5, 0.5]),
-                               run(reference(), image=control_image(), controlnet_conditioning_scale=1.0), atol=1e-4)
+    np.testing.assert_allclose(
+        run(pipe, image=[control_image()] * 2, controlnet_conditioning_scale=[0.5, 0.5]),
+        run(reference(), image=control_image(), controlnet_conditioning_scale=1.0),
+        atol=1e-4,
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ errors
-@pytest.mark.parametrize("kwargs, message", [
-    ({"image": torch.rand(1, 4, 64, 64)}, "image: expected a control image with 3 channels"),
-    ({"image": np.random.rand(64, 64, 1)}, "image: expected a control image with 3 channels"),
-    ({"image": torch.rand(1, 3, 72, 72)}, "image: a control image of 72 × 72"),
-    ({"image": None}, "image: expected a control image"),
-    ({"image": control_image(batch=3), "prompt": ["a", "b"]}, "image: expected 1 control image or 2"),
-    ({"controlnet_conditioning_scale": [1.0, 1.0]}, "controlnet_conditioning_scale: expected 1 values"),
-    ({"controlnet_conditioning_scale": None}, "controlnet_conditioning_scale: expected finite numbers"),
-    ({"control_guidance_start": 0.8, "control_guidance_end": 0.2}, "control_guidance_start: expected each start"),
-    ({"control_guidance_end": 1.5}, "control_guidance_end: expected numbers in [0, 1]"),
-    ({"guess_mode": "yes"}, "guess_mode: expected True or False"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"image": torch.rand(1, 4, 64, 64)}, "image: expected a control image with 3 channels"),
+        ({"image": np.random.rand(64, 64, 1)}, "image: expected a control image with 3 channels"),
+        ({"image": torch.rand(1, 3, 72, 72)}, "image: a control image of 72 × 72"),
+        ({"image": None}, "image: expected a control image"),
+        ({"image": control_image(batch=3), "prompt": ["a", "b"]}, "image: expected 1 control image or 2"),
+        ({"controlnet_conditioning_scale": [1.0, 1.0]}, "controlnet_conditioning_scale: expected 1 values"),
+        ({"controlnet_conditioning_scale": None}, "controlnet_conditioning_scale: expected finite numbers"),
+        ({"control_guidance_start": 0.8, "control_guidance_end": 0.2}, "control_guidance_start: expected each start"),
+        ({"control_guidance_end": 1.5}, "control_guidance_end: expected numbers in [0, 1]"),
+        ({"guess_mode": "yes"}, "guess_mode: expected True or False"),
+    ],
+)
 def test_control_mistakes_are_errors_naming_them(folders, kwargs, message):
     pipe = ours(folders["one"])
     kwargs = {"image": control_image(), **kwargs}

@@ -10,13 +10,22 @@ import torch
 from DeepCache import DeepCacheSDHelper
 from diffusers import DDIMScheduler
 
-from optimum_iobinding import (DeepCacheConfig, OnnxLatentConsistencyModelPipeline, OnnxStableDiffusionControlNetPipeline,
-                               OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionPipeline,
-                               OnnxStableDiffusionXLPipeline, OnnxStreamDiffusionPipeline)
+from optimum_iobinding import (
+    DeepCacheConfig,
+    OnnxLatentConsistencyModelPipeline,
+    OnnxStableDiffusionControlNetPipeline,
+    OnnxStableDiffusionImg2ImgPipeline,
+    OnnxStableDiffusionPipeline,
+    OnnxStableDiffusionXLPipeline,
+    OnnxStreamDiffusionPipeline,
+)
 from optimum_iobinding.errors import ArgumentError, ArgumentTypeError
 from optimum_iobinding.export import export_pipeline
-from optimum_iobinding.export.tiny import (build_tiny_random_lcm_pipeline, build_tiny_random_pipeline,
-                                           build_tiny_random_xl_pipeline)
+from optimum_iobinding.export.tiny import (
+    build_tiny_random_lcm_pipeline,
+    build_tiny_random_pipeline,
+    build_tiny_random_xl_pipeline,
+)
 
 SIZE = 64
 PROMPT = "a photo of an astronaut riding a horse"
@@ -30,8 +39,10 @@ def exported_with_parts(shared_export, kind, build):
     shared as ``<kind>-deep-cache`` (the builders are seeded: the torch pipeline has the export's weights)."""
     torch_pipe = build()
     torch_pipe.set_progress_bar_config(disable=True)
-    folder = shared_export(f"{kind}-deep-cache", lambda target: export_pipeline(None, target, tiny_random=kind,
-                                                                                step_cache=True, progress=False))
+    folder = shared_export(
+        f"{kind}-deep-cache",
+        lambda target: export_pipeline(None, target, tiny_random=kind, step_cache=True, progress=False),
+    )
     return torch_pipe, folder
 
 
@@ -97,8 +108,9 @@ def test_sd_with_deep_cache_matches_diffusers_with_the_deepcache_helper(sd, inte
 @pytest.mark.parametrize("interval, branch", CONFIGS, ids=[f"interval{i}-branch{b}" for i, b in CONFIGS])
 def test_sdxl_with_deep_cache_matches_diffusers_with_the_deepcache_helper(xl, interval, branch):
     torch_pipe, folder = xl
-    arguments = dict(height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=5.0, latents=latents_for(),
-                     output_type="np")
+    arguments = dict(
+        height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=5.0, latents=latents_for(), output_type="np"
+    )
     expected = with_deepcache_helper(torch_pipe, interval, branch, lambda: torch_pipe(PROMPT, **arguments).images)
     pipe = load(OnnxStableDiffusionXLPipeline, folder)
     got = cached(pipe, interval, branch, lambda: pipe(PROMPT, **arguments).images)
@@ -107,10 +119,12 @@ def test_sdxl_with_deep_cache_matches_diffusers_with_the_deepcache_helper(xl, in
 
 def test_lcm_with_deep_cache_matches_diffusers_with_the_deepcache_helper(lcm):
     torch_pipe, folder = lcm
-    arguments = dict(height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=8.5, latents=latents_for(),
-                     output_type="np")
+    arguments = dict(
+        height=SIZE, width=SIZE, num_inference_steps=4, guidance_scale=8.5, latents=latents_for(), output_type="np"
+    )
     expected = with_deepcache_helper(
-        torch_pipe, 2, 0, lambda: torch_pipe(PROMPT, generator=torch.Generator().manual_seed(3), **arguments).images)
+        torch_pipe, 2, 0, lambda: torch_pipe(PROMPT, generator=torch.Generator().manual_seed(3), **arguments).images
+    )
     pipe = load(OnnxLatentConsistencyModelPipeline, folder)
     got = cached(pipe, 2, 0, lambda: pipe(PROMPT, generator=torch.Generator().manual_seed(3), **arguments).images)
     np.testing.assert_allclose(got, expected, atol=TOLERANCE)
@@ -125,8 +139,9 @@ def test_img2img_with_deep_cache_counts_steps_from_its_first_and_matches_diffuse
     torch_img2img.scheduler = DDIMScheduler.from_config(torch_pipe.scheduler.config)
     torch_img2img.set_progress_bar_config(disable=True)
     image = torch.rand(1, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(1))
-    arguments = dict(image=image, strength=0.6, num_inference_steps=5, generator=torch.Generator().manual_seed(2),
-                     output_type="np")
+    arguments = dict(
+        image=image, strength=0.6, num_inference_steps=5, generator=torch.Generator().manual_seed(2), output_type="np"
+    )
     expected = with_deepcache_helper(torch_img2img, 2, 0, lambda: torch_img2img(PROMPT, **arguments).images)
     pipe = load(OnnxStableDiffusionImg2ImgPipeline, folder)
     pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
@@ -147,13 +162,17 @@ def test_the_numpy_baseline_with_deep_cache_gives_the_bound_pipelines_image(sd):
 
 
 # ---------------------------------------------------------------------------------------------- the schedule
-@pytest.mark.parametrize("scheduler, interval, expected", [
-    ("ddim", 2, [True, False, True, False, True]),
-    ("ddim", 3, [True, False, False, True, False]),
-    # PNDM runs its second timestep twice: the helper numbers the third step by that timestep's first position (1)
-    ("pndm", 2, [True, False, False, False, True, False]),
-    ("pndm", 3, [True, False, False, True, False, False]),
-], ids=["ddim-interval2", "ddim-interval3", "pndm-interval2", "pndm-interval3"])
+@pytest.mark.parametrize(
+    "scheduler, interval, expected",
+    [
+        ("ddim", 2, [True, False, True, False, True]),
+        ("ddim", 3, [True, False, False, True, False]),
+        # PNDM runs its second timestep twice: the helper numbers the third step by that timestep's first position (1)
+        ("pndm", 2, [True, False, False, False, True, False]),
+        ("pndm", 3, [True, False, False, True, False, False]),
+    ],
+    ids=["ddim-interval2", "ddim-interval3", "pndm-interval2", "pndm-interval3"],
+)
 def test_computed_shows_which_steps_ran_the_whole_unet(sd, scheduler, interval, expected):
     _, folder = sd
     pipe = load(OnnxStableDiffusionPipeline, folder)
@@ -196,12 +215,16 @@ def test_an_interval_of_one_runs_every_step_whole_and_gives_the_uncached_image(s
 
 
 # -------------------------------------------------------------------------------------------------- refusals
-@pytest.mark.parametrize("settings, error, message", [
-    (dict(cache_interval=0), ArgumentError, r"cache_interval: expected an integer ≥ 1, got 0"),
-    (dict(cache_interval=2.0), ArgumentTypeError, r"cache_interval: expected an integer ≥ 1, got float 2.0"),
-    (dict(cache_branch_id=-1), ArgumentError, r"cache_branch_id: expected an integer ≥ 0, got -1"),
-    (dict(cache_branch_id=True), ArgumentTypeError, r"cache_branch_id: expected an integer ≥ 0, got bool True"),
-], ids=["interval-0", "interval-float", "branch-negative", "branch-bool"])
+@pytest.mark.parametrize(
+    "settings, error, message",
+    [
+        (dict(cache_interval=0), ArgumentError, r"cache_interval: expected an integer ≥ 1, got 0"),
+        (dict(cache_interval=2.0), ArgumentTypeError, r"cache_interval: expected an integer ≥ 1, got float 2.0"),
+        (dict(cache_branch_id=-1), ArgumentError, r"cache_branch_id: expected an integer ≥ 0, got -1"),
+        (dict(cache_branch_id=True), ArgumentTypeError, r"cache_branch_id: expected an integer ≥ 0, got bool True"),
+    ],
+    ids=["interval-0", "interval-float", "branch-negative", "branch-bool"],
+)
 def test_a_config_out_of_range_or_of_the_wrong_type_is_refused_by_name(settings, error, message):
     with pytest.raises(error, match=message):
         DeepCacheConfig(**settings)
@@ -210,8 +233,11 @@ def test_a_config_out_of_range_or_of_the_wrong_type_is_refused_by_name(settings,
 def test_a_branch_the_unet_lacks_is_refused_by_name_and_leaves_caching_as_it_was(sd):
     _, folder = sd
     pipe = load(OnnxStableDiffusionPipeline, folder)
-    with pytest.raises(ArgumentError, match=r"cache_branch_id: expected one of this UNet's branches "
-                                            r"\[0, 1, 2, 3, 4, 5\], got 6"):
+    with pytest.raises(
+        ArgumentError,
+        match=r"cache_branch_id: expected one of this UNet's branches "
+        r"\[0, 1, 2, 3, 4, 5\], got 6",
+    ):
         pipe.enable_cache(DeepCacheConfig(cache_branch_id=6))
     assert pipe.step_cache is None
 
@@ -232,8 +258,11 @@ def test_a_folder_exported_without_the_parts_says_how_to_export_them(tiny_folder
 
 def test_a_controlnet_pipeline_refuses_deep_cache_by_name(controlnet_folders):
     pipe = load(OnnxStableDiffusionControlNetPipeline, controlnet_folders["one"])
-    with pytest.raises(ArgumentError, match=r"config: expected a Stable Diffusion 1.x/2.x, SDXL or LCM pipeline for "
-                                            r"DeepCache, got OnnxStableDiffusionControlNetPipeline \(a ControlNet"):
+    with pytest.raises(
+        ArgumentError,
+        match=r"config: expected a Stable Diffusion 1.x/2.x, SDXL or LCM pipeline for "
+        r"DeepCache, got OnnxStableDiffusionControlNetPipeline \(a ControlNet",
+    ):
         pipe.enable_cache(DeepCacheConfig())
 
 
@@ -259,8 +288,9 @@ def test_a_runtime_lora_reaches_the_cached_steps_whichever_comes_first(sd, make_
     assert pipe.step_cache.skipped_steps > 0
     torch_pipe.load_lora_weights(lora, adapter_name="a")
     try:
-        theirs = with_deepcache_helper(torch_pipe, 2, 0, lambda: torch_pipe(PROMPT, latents=latents_for(),
-                                                                             **call).images)
+        theirs = with_deepcache_helper(
+            torch_pipe, 2, 0, lambda: torch_pipe(PROMPT, latents=latents_for(), **call).images
+        )
     finally:
         torch_pipe.unload_lora_weights()
     np.testing.assert_allclose(ours, theirs, atol=TOLERANCE)

@@ -25,6 +25,7 @@ from optimum_iobinding.runtime.session import SessionRecipe
 def matmul_model(make_model):
     """``matmul_model(rows=64, columns=32)``: y = x @ W + b with a weight large enough to be owned (≥ 1024 elements)
     and a bias too small to be."""
+
     def build(rows: int = 64, columns: int = 32) -> onnx.ModelProto:
         weight = np.random.RandomState(0).randn(rows, columns).astype(np.float32)
         bias = np.arange(columns, dtype=np.float32)
@@ -91,8 +92,9 @@ def test_pool_sessions_share_one_copy_of_the_weights(matmul_path):
     assert list(recipe.weights.tensors) == ["W"]
     reference = ort.InferenceSession(str(matmul_path), providers=["CPUExecutionProvider"])
     for batch, entry in entries.items():
-        np.testing.assert_allclose(run_entry(entry, x[batch]), reference.run(None, {"x": x[batch].numpy()})[0],
-                                   rtol=1e-6, atol=1e-5)
+        np.testing.assert_allclose(
+            run_entry(entry, x[batch]), reference.run(None, {"x": x[batch].numpy()})[0], rtol=1e-6, atol=1e-5
+        )
     weight.mul_(2.0)  # one in-place change, seen by every session: they read the same memory
     bias = np.arange(32, dtype=np.float32)
     for batch, entry in entries.items():
@@ -190,12 +192,14 @@ def test_a_capture_never_overlaps_a_device_setup():
 
     def holding(enter, name, entered, released):
         """A thread's target: inside ``enter()`` it logs ``name``, says so, and stays until released."""
+
         def hold():
             with enter():
                 log.append(name)
                 entered.set()
                 assert released.wait(60)
                 log.append(f"{name} done")
+
         return hold
 
     def late_setup():
@@ -263,7 +267,8 @@ def test_pipeline_defaults_to_auto_graphs_for_every_component(tiny_folder):
     pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
     # on the CPU "auto" resolves to no graph; the setting reached every component
     assert {name: model.cuda_graph for name, model in pipe.onnx_models.items()} == {
-        name: False for name in pipe.onnx_models}
+        name: False for name in pipe.onnx_models
+    }
     assert set(pipe.onnx_models) == {"vae_encoder", "vae_decoder", "text_encoder", "unet"}
 
 
@@ -271,7 +276,8 @@ def test_per_component_options_are_read_in_one_place_and_checked(tiny_folder):
     from optimum_iobinding import OnnxStableDiffusionPipeline
 
     pipe = OnnxStableDiffusionPipeline.from_pretrained(
-        tiny_folder, component_options={"unet": {"reuse_outputs": False, "max_output_signatures": 2}})
+        tiny_folder, component_options={"unet": {"reuse_outputs": False, "max_output_signatures": 2}}
+    )
     assert pipe.unet.reuse_outputs is False and pipe.unet.max_output_signatures == 2
     assert pipe.vae_decoder.reuse_outputs is True
     with pytest.raises(ValueError, match=r"component_options: expected components among .*got \['unte'\]"):
@@ -325,9 +331,16 @@ def test_the_loop_writes_its_inputs_into_the_graph_buffers_and_copies_constant_o
         return tensors
 
     def generate():
-        return pipe("a cat", height=64, width=64, num_inference_steps=4, output_type="np",
-                    generator=np.random.RandomState(0), callback_on_step_end=nudge,
-                    callback_on_step_end_tensor_inputs=["prompt_embeds"]).images
+        return pipe(
+            "a cat",
+            height=64,
+            width=64,
+            num_inference_steps=4,
+            output_type="np",
+            generator=np.random.RandomState(0),
+            callback_on_step_end=nudge,
+            callback_on_step_end_tensor_inputs=["prompt_embeds"],
+        ).images
 
     expected = generate()
     buffers = {}
@@ -335,15 +348,20 @@ def test_the_loop_writes_its_inputs_into_the_graph_buffers_and_copies_constant_o
     def graph_input_buffers(input_shapes):
         if not buffers:
             with torch.inference_mode(False):  # as CudaGraphRunner makes its buffers
-                buffers.update({name: torch.full(shape, float("nan"), dtype=pipe.unet.input_dtypes[name])
-                                for name, shape in input_shapes.items()})
+                buffers.update(
+                    {
+                        name: torch.full(shape, float("nan"), dtype=pipe.unet.input_dtypes[name])
+                        for name, shape in input_shapes.items()
+                    }
+                )
         return dict(buffers)
 
     monkeypatch.setattr(pipe.unet, "graph_input_buffers", graph_input_buffers)
     copies = []
     copy = torch.Tensor.copy_
-    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: copies.append(self.data_ptr()) or copy(
-        self, *a, **k))
+    monkeypatch.setattr(
+        torch.Tensor, "copy_", lambda self, *a, **k: copies.append(self.data_ptr()) or copy(self, *a, **k)
+    )
     with pipe.unet.watch_runs() as runs, torch.inference_mode():  # as benchmarks and services call it
         images = generate()
     monkeypatch.undo()
@@ -359,8 +377,9 @@ def test_the_loop_writes_its_inputs_into_the_graph_buffers_and_copies_constant_o
     # without a callback: once a call
     copies.clear()
     monkeypatch.setattr(pipe.unet, "graph_input_buffers", graph_input_buffers)
-    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: copies.append(self.data_ptr()) or copy(
-        self, *a, **k))
+    monkeypatch.setattr(
+        torch.Tensor, "copy_", lambda self, *a, **k: copies.append(self.data_ptr()) or copy(self, *a, **k)
+    )
     pipe("a cat", height=64, width=64, num_inference_steps=4, output_type="np", generator=np.random.RandomState(0))
     monkeypatch.undo()
     assert copies.count(pointers["encoder_hidden_states"]) == 1
@@ -387,8 +406,14 @@ def test_owned_weights_are_read_straight_from_external_data(tmp_path, matmul_mod
     expected = numpy_helper.to_array(matmul_model().graph.initializer[0])
     inline, external = tmp_path / "inline.onnx", tmp_path / "external.onnx"
     onnx.save(matmul_model(), str(inline))
-    onnx.save_model(matmul_model(), str(external), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location="weights.pb", size_threshold=0)
+    onnx.save_model(
+        matmul_model(),
+        str(external),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="weights.pb",
+        size_threshold=0,
+    )
     for path in (inline, external):
         weights = load_owned_weights(str(path), torch.device("cpu"))
         assert list(weights) == ["W"]  # the 32-element bias stays with each session
@@ -448,10 +473,16 @@ def test_staged_uploads_keep_every_weight_whatever_the_buffer_size(staging_bytes
     from optimum_iobinding.runtime.weights import WeightUploader
 
     rng = np.random.RandomState(0)
-    arrays = [(rng.randn(*shape).astype(dtype), torch_dtype) for shape, dtype, torch_dtype in [
-        ((32, 16), np.float16, torch.float16), ((3, 1000), np.float32, torch.float32),
-        ((1025,), np.float64, torch.float64), ((40, 40), np.float32, torch.float32),
-        ((7, 300), np.float16, torch.float16)]]
+    arrays = [
+        (rng.randn(*shape).astype(dtype), torch_dtype)
+        for shape, dtype, torch_dtype in [
+            ((32, 16), np.float16, torch.float16),
+            ((3, 1000), np.float32, torch.float32),
+            ((1025,), np.float64, torch.float64),
+            ((40, 40), np.float32, torch.float32),
+            ((7, 300), np.float16, torch.float16),
+        ]
+    ]
     bfloat = torch.randn(33, 40).to(torch.bfloat16)
     arrays.append((bfloat.view(torch.int16).numpy().view(np.uint16), torch.bfloat16))
     uploader = WeightUploader(torch.device("cpu"), staging_bytes, staged=True)

@@ -24,8 +24,9 @@ def test_the_guidance_embedding_is_diffusers_one(lcm):
     torch_pipe, _ = lcm
     w = torch.tensor([0.0, 3.5, 7.5])
     for dim in (32, 33, 256):
-        np.testing.assert_allclose(guidance_scale_embedding(w, dim),
-                                   torch_pipe.get_guidance_scale_embedding(w, embedding_dim=dim), atol=1e-6)
+        np.testing.assert_allclose(
+            guidance_scale_embedding(w, dim), torch_pipe.get_guidance_scale_embedding(w, embedding_dim=dim), atol=1e-6
+        )
 
 
 @pytest.mark.parametrize("io_binding", [True, False])
@@ -33,12 +34,28 @@ def test_the_guidance_embedding_is_diffusers_one(lcm):
 def test_lcm_matches_diffusers_latent_consistency_pipeline(lcm, io_binding, steps, guidance):
     torch_pipe, folder = lcm
     latents = latents_for()
-    expected = torch_pipe(PROMPT, height=SIZE, width=SIZE, num_inference_steps=steps, guidance_scale=guidance,
-                          latents=latents, generator=torch.Generator().manual_seed(3), output_type="np").images
+    expected = torch_pipe(
+        PROMPT,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        latents=latents,
+        generator=torch.Generator().manual_seed(3),
+        output_type="np",
+    ).images
     pipe = OnnxLatentConsistencyModelPipeline.from_pretrained(folder, io_binding=io_binding)
     pipe.set_progress_bar_config(disable=True)
-    got = pipe(PROMPT, height=SIZE, width=SIZE, num_inference_steps=steps, guidance_scale=guidance, latents=latents,
-               generator=torch.Generator().manual_seed(3), output_type="np").images
+    got = pipe(
+        PROMPT,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        latents=latents,
+        generator=torch.Generator().manual_seed(3),
+        output_type="np",
+    ).images
     np.testing.assert_allclose(got, expected, atol=TOLERANCE)
 
 
@@ -83,13 +100,29 @@ def test_turbo_recipe_matches_diffusers(sd, steps):
     scheduler_config = dict(torch_pipe.scheduler.config, timestep_spacing="trailing")
     torch_pipe.scheduler = EulerAncestralDiscreteScheduler.from_config(scheduler_config)
     latents = latents_for()
-    expected = torch_pipe(PROMPT, height=SIZE, width=SIZE, num_inference_steps=steps, guidance_scale=0.0,
-                          latents=latents, generator=torch.Generator().manual_seed(5), output_type="np").images
+    expected = torch_pipe(
+        PROMPT,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=steps,
+        guidance_scale=0.0,
+        latents=latents,
+        generator=torch.Generator().manual_seed(5),
+        output_type="np",
+    ).images
     pipe = OnnxStableDiffusionPipeline.from_pretrained(folder)
     pipe.scheduler = EulerAncestralDiscreteScheduler.from_config(scheduler_config)
     pipe.set_progress_bar_config(disable=True)
-    got = pipe(PROMPT, height=SIZE, width=SIZE, num_inference_steps=steps, guidance_scale=0.0, latents=latents,
-               generator=torch.Generator().manual_seed(5), output_type="np").images
+    got = pipe(
+        PROMPT,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=steps,
+        guidance_scale=0.0,
+        latents=latents,
+        generator=torch.Generator().manual_seed(5),
+        output_type="np",
+    ).images
     np.testing.assert_allclose(got, expected, atol=TOLERANCE)
 
 
@@ -98,6 +131,25 @@ def test_cli_generate_picks_the_lcm_pipeline_from_the_folder(lcm, tmp_path, caps
 
     _, folder = lcm
     out = tmp_path / "lcm.png"
-    assert cli_main(["generate", "a cat", "--model", str(folder), "--steps", "2", "--guidance", "1.5",
-                     "--height", "64", "--width", "64", "--out", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                "a cat",
+                "--model",
+                str(folder),
+                "--steps",
+                "2",
+                "--guidance",
+                "1.5",
+                "--height",
+                "64",
+                "--width",
+                "64",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "OnnxLatentConsistencyModelPipeline" in capsys.readouterr().out and out.is_file()

@@ -8,15 +8,18 @@ from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionPipeline, On
 from optimum_iobinding.errors import ArgumentError
 
 
-@pytest.mark.parametrize("keyword, meant", [
-    ("io_bindng", "io_binding"),
-    ("cuda_grpah", "cuda_graph"),
-    ("provider_option", "provider_options"),
-    ("Sess_Options", "sess_options"),
-    ("componet_options", "component_options"),
-    ("schedular", "scheduler"),  # a component given in place of the folder's
-    ("revison", "revision"),  # the Hub download's
-])
+@pytest.mark.parametrize(
+    "keyword, meant",
+    [
+        ("io_bindng", "io_binding"),
+        ("cuda_grpah", "cuda_graph"),
+        ("provider_option", "provider_options"),
+        ("Sess_Options", "sess_options"),
+        ("componet_options", "component_options"),
+        ("schedular", "scheduler"),  # a component given in place of the folder's
+        ("revison", "revision"),  # the Hub download's
+    ],
+)
 def test_a_misspelled_pipeline_keyword_names_the_one_it_likely_means(tmp_path, keyword, meant):
     with pytest.raises(TypeError) as caught:
         OnnxStableDiffusionPipeline.from_pretrained(tmp_path, **{keyword: False})
@@ -45,8 +48,11 @@ def test_several_misspelled_keywords_are_each_named(tmp_path):
 
 
 def test_a_misspelled_model_keyword_names_the_one_it_likely_means(tmp_path):
-    with pytest.raises(TypeError, match=r"max_graph_signature: not a keyword of from_pretrained; did you mean "
-                                        r"max_graph_signatures\?"):
+    with pytest.raises(
+        TypeError,
+        match=r"max_graph_signature: not a keyword of from_pretrained; did you mean "
+        r"max_graph_signatures\?",
+    ):
         IOBindingORTModel.from_pretrained(tmp_path, max_graph_signature=2)
     with pytest.raises(TypeError, match=r"subfoldr: not a keyword of from_pretrained; did you mean subfolder\?"):
         IOBindingORTModel.from_pretrained(tmp_path, subfoldr="unet")

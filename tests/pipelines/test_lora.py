@@ -15,7 +15,12 @@ from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
 from optimum_iobinding.layout import WeightPlace, read_weight_map
 from optimum_iobinding.pipelines.lora import to_view_layout, torch_layout_view
 
-EXPORTS = {"plain": {}, "fp16": {"fp16": True}, "fused": {"optimize": "cpu"}, "fused-fp16": {"optimize": "cpu", "fp16": True}}
+EXPORTS = {
+    "plain": {},
+    "fp16": {"fp16": True},
+    "fused": {"optimize": "cpu"},
+    "fused-fp16": {"optimize": "cpu", "fp16": True},
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +33,20 @@ SHARED = {"plain": "tiny_folder", "fused": "tiny_fused_folder"}
 
 
 @pytest.mark.parametrize("export", sorted(EXPORTS))
-def test_every_linear_and_conv_weight_of_the_unet_and_text_encoder_is_found_in_the_export(tmp_path, tiny_torch,
-                                                                                           export, request):
+def test_every_linear_and_conv_weight_of_the_unet_and_text_encoder_is_found_in_the_export(
+    tmp_path, tiny_torch, export, request
+):
     if export in SHARED:
         folder = request.getfixturevalue(SHARED[export])
     else:
-        folder = export_pipeline(None, tmp_path / export, torch_pipeline=tiny_torch,
-                                 components=("unet", "text_encoder"), progress=False, **EXPORTS[export])
+        folder = export_pipeline(
+            None,
+            tmp_path / export,
+            torch_pipeline=tiny_torch,
+            components=("unet", "text_encoder"),
+            progress=False,
+            **EXPORTS[export],
+        )
     for component, module in (("unet", tiny_torch.unet), ("text_encoder", tiny_torch.text_encoder)):
         places, not_found = read_weight_map(folder / component)
         layers = dict(lora_layers(module))
@@ -49,8 +61,9 @@ def test_every_linear_and_conv_weight_of_the_unet_and_text_encoder_is_found_in_t
                 expected = to_view_layout(weight, place).to(initializer.dtype)
                 torch.testing.assert_close(view, expected, rtol=2e-3, atol=1e-6)
     if export.startswith("fused"):  # ORT's attention fusion packed the UNet's self-attention Q, K and V
-        assert any(place.layout == "packed" for found in read_weight_map(folder / "unet")[0].values()
-                   for place in found)
+        assert any(
+            place.layout == "packed" for found in read_weight_map(folder / "unet")[0].values() for place in found
+        )
 
 
 def test_a_view_in_torch_layout_writes_the_initializer_in_place_for_every_layout():
@@ -60,8 +73,12 @@ def test_a_view_in_torch_layout_writes_the_initializer_in_place_for_every_layout
     # ORT's interleaved packing: per head, the head's columns of Q, K and V side by side
     packed = np.stack([w.T.reshape(6, heads, 4) for w in (q, k, v)], axis=2).reshape(6, 24)
     conv = rng.randn(5, 3, 3, 3).astype(np.float32)
-    arrays = {"qkv": packed, "conv_nhwc": np.ascontiguousarray(conv.transpose(0, 2, 3, 1)),
-              "q_t": np.ascontiguousarray(q.T), "conv": conv.copy()}
+    arrays = {
+        "qkv": packed,
+        "conv_nhwc": np.ascontiguousarray(conv.transpose(0, 2, 3, 1)),
+        "q_t": np.ascontiguousarray(q.T),
+        "conv": conv.copy(),
+    }
     by_shape = {}
     for name, array in arrays.items():
         by_shape.setdefault(array.shape, []).append((name, array))
@@ -100,16 +117,23 @@ def test_a_saved_pipeline_keeps_its_lora_maps(tmp_path):
 def loras(tmp_path_factory, make_lora):
     folder = tmp_path_factory.mktemp("loras")
     maker = TINY_RANDOM_KINDS["sd"]()
-    first = make_lora(maker, folder / "a", 1, ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "ff.net.2"],
-                      ["q_proj", "v_proj", "fc1"])
+    first = make_lora(
+        maker, folder / "a", 1, ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "ff.net.2"], ["q_proj", "v_proj", "fc1"]
+    )
     maker = TINY_RANDOM_KINDS["sd"]()
     second = make_lora(maker, folder / "b", 2, ["to_q", "to_v", "conv1"], rank=2)
     return first, second
 
 
 def images(pipe):
-    return pipe("a photo of a cat", num_inference_steps=3, generator=torch.Generator().manual_seed(0),
-                height=64, width=64, output_type="np").images
+    return pipe(
+        "a photo of a cat",
+        num_inference_steps=3,
+        generator=torch.Generator().manual_seed(0),
+        height=64,
+        width=64,
+        output_type="np",
+    ).images
 
 
 @pytest.mark.parametrize("export, io_binding", [("plain", True), ("plain", False), ("fused", True)])
@@ -128,8 +152,10 @@ def test_lora_images_equal_diffusers_through_load_set_disable_fuse_and_unload(lo
     base = same("no LoRA")
     steps = [
         ("load a", lambda p: p.load_lora_weights(first, adapter_name="a")),
-        ("load b: the active adapter of the UNet, a stays the text encoder's",
-         lambda p: p.load_lora_weights(second, adapter_name="b")),
+        (
+            "load b: the active adapter of the UNet, a stays the text encoder's",
+            lambda p: p.load_lora_weights(second, adapter_name="b"),
+        ),
         ("set a and b", lambda p: p.set_adapters(["a", "b"], adapter_weights=[0.7, 1.3])),
         ("per component", lambda p: p.set_adapters(["a", "b"], [{"unet": 0.5, "text_encoder": 2.0}, 1.0])),
         ("disable", lambda p: p.disable_lora()),
@@ -161,8 +187,11 @@ def test_img2img_and_inpaint_loras_equal_diffusers(tiny_fused_folder, loras, kin
     mask[..., 16:48, 16:48] = 1
     torch_class, our_class, kwargs = {
         "img2img": (StableDiffusionImg2ImgPipeline, OnnxStableDiffusionImg2ImgPipeline, {}),
-        "inpaint": (StableDiffusionInpaintPipeline, OnnxStableDiffusionInpaintPipeline,
-                    {"mask_image": mask, "height": 64, "width": 64}),
+        "inpaint": (
+            StableDiffusionInpaintPipeline,
+            OnnxStableDiffusionInpaintPipeline,
+            {"mask_image": mask, "height": 64, "width": 64},
+        ),
     }[kind]
     reference = vae_encodes_its_mode(torch_class(**TINY_RANDOM_KINDS["sd"]().components))
     ours = our_class.from_pretrained(tiny_fused_folder)
@@ -170,8 +199,15 @@ def test_img2img_and_inpaint_loras_equal_diffusers(tiny_fused_folder, loras, kin
 
     def image(pipe):
         pipe.set_progress_bar_config(disable=True)
-        return pipe("a photo of a cat", image=start, strength=0.75, num_inference_steps=3, output_type="np",
-                    generator=torch.Generator().manual_seed(0), **kwargs).images
+        return pipe(
+            "a photo of a cat",
+            image=start,
+            strength=0.75,
+            num_inference_steps=3,
+            output_type="np",
+            generator=torch.Generator().manual_seed(0),
+            **kwargs,
+        ).images
 
     base = image(ours)
     for pipe in (reference, ours):
@@ -190,9 +226,15 @@ def test_adapters_switch_without_creating_a_session(tiny_folder, loras):
     pipe.load_lora_weights(loras[1], adapter_name="b")
     images(pipe)
     created = {name: getattr(pipe, name).sessions_created for name in ("unet", "text_encoder")}
-    for action in (lambda: pipe.set_adapters(["a", "b"], [0.3, 0.9]), pipe.disable_lora, pipe.enable_lora,
-                   lambda: pipe.fuse_lora(), pipe.unfuse_lora, lambda: pipe.set_adapters("b"),
-                   pipe.unload_lora_weights):
+    for action in (
+        lambda: pipe.set_adapters(["a", "b"], [0.3, 0.9]),
+        pipe.disable_lora,
+        pipe.enable_lora,
+        lambda: pipe.fuse_lora(),
+        pipe.unfuse_lora,
+        lambda: pipe.set_adapters("b"),
+        pipe.unload_lora_weights,
+    ):
         action()
         images(pipe)
     assert {name: getattr(pipe, name).sessions_created for name in ("unet", "text_encoder")} == created
@@ -206,7 +248,7 @@ def test_a_kohya_lora_with_alphas_equals_diffusers(tiny_folder, loras, tmp_path)
     for key, value in load_file(str(loras[0] / "pytorch_lora_weights.safetensors")).items():
         component, _, rest = key.partition(".")
         module, _, matrix = rest.rpartition(".lora_")
-        module = module[len("text_model."):] if module.startswith("text_model.") else module  # transformers 4 names
+        module = module[len("text_model.") :] if module.startswith("text_model.") else module  # transformers 4 names
         prefix = "lora_unet_" if component == "unet" else "lora_te_text_model_"
         name = prefix + module.replace(".", "_")
         kohya[f"{name}.lora_{'down' if matrix.startswith('A') else 'up'}.weight"] = value
@@ -227,14 +269,22 @@ def test_lora_mistakes_get_messages_that_name_them(tiny_folder, loras):
     state = load_file(str(loras[0] / "pytorch_lora_weights.safetensors"))
     layer = "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q"
     wrong = dict(state, **{f"{layer}.lora_A.weight": torch.zeros(4, 99)})  # a LoRA for a wider model
-    with pytest.raises(ValueError, match=r"unet layer down_blocks\.1\.attentions\.0\.transformer_blocks\.0\.attn1\."
-                                         r"to_q: the LoRA's update is \(64, 4\) @ \(4, 99\), the layer's weight is "
-                                         r"\(64, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"unet layer down_blocks\.1\.attentions\.0\.transformer_blocks\.0\.attn1\."
+        r"to_q: the LoRA's update is \(64, 4\) @ \(4, 99\), the layer's weight is "
+        r"\(64, 64\)",
+    ):
         pipe.load_lora_weights(wrong, adapter_name="wide")
-    unknown = {"unet.down_blocks.9.attn.to_q.lora_A.weight": torch.zeros(4, 8),
-               "unet.down_blocks.9.attn.to_q.lora_B.weight": torch.zeros(8, 4)}
-    with pytest.raises(ValueError, match=r"unet: the LoRA changes layer 'down_blocks\.9\.attn\.to_q', which this "
-                                         "model does not have"):
+    unknown = {
+        "unet.down_blocks.9.attn.to_q.lora_A.weight": torch.zeros(4, 8),
+        "unet.down_blocks.9.attn.to_q.lora_B.weight": torch.zeros(8, 4),
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"unet: the LoRA changes layer 'down_blocks\.9\.attn\.to_q', which this "
+        "model does not have",
+    ):
         pipe.load_lora_weights(unknown)
     pipe.load_lora_weights(loras[0], adapter_name="a")
     with pytest.raises(ValueError, match="adapter_name: 'a' is already loaded"):
@@ -251,15 +301,27 @@ def test_sdxl_and_lcm_loras_equal_diffusers(tmp_path, kind, make_lora):
     from optimum_iobinding.pipelines import pipeline_class_for
 
     folder = export_pipeline(None, tmp_path / kind, tiny_random=kind, progress=False)
-    make_lora(TINY_RANDOM_KINDS[kind](), tmp_path / "lora", 3, ["to_q", "to_v"],
-              ["q_proj"] if kind == "xl" else (), text_encoder="text_encoder_2")
+    make_lora(
+        TINY_RANDOM_KINDS[kind](),
+        tmp_path / "lora",
+        3,
+        ["to_q", "to_v"],
+        ["q_proj"] if kind == "xl" else (),
+        text_encoder="text_encoder_2",
+    )
     reference = TINY_RANDOM_KINDS[kind]()
     ours = pipeline_class_for(str(folder)).from_pretrained(folder)
     size = ours.default_image_size
 
     def image(pipe):
-        return pipe("a cat", num_inference_steps=2, generator=torch.Generator().manual_seed(0), height=size,
-                    width=size, output_type="np").images[0]
+        return pipe(
+            "a cat",
+            num_inference_steps=2,
+            generator=torch.Generator().manual_seed(0),
+            height=size,
+            width=size,
+            output_type="np",
+        ).images[0]
 
     base = image(ours)
     for pipe in (reference, ours):

@@ -20,13 +20,17 @@ def decoder(tmp_path, config):
     return folder
 
 
-@pytest.mark.parametrize("config, channels", [
-    ({"_class_name": "AutoencoderKL", "block_out_channels": [128, 256, 512, 512]}, 384),
-    ({"_class_name": "AutoencoderKL", "block_out_channels": [32]}, 64),
-    ({"_class_name": "AutoencoderTiny", "decoder_block_out_channels": [64, 64, 64, 64]}, 128),
-    (None, memory.DEFAULT_FULL_RESOLUTION_CHANNELS),
-    ({"block_out_channels": "not a list"}, memory.DEFAULT_FULL_RESOLUTION_CHANNELS),
-], ids=["sd-vae", "one-stage", "tiny-vae", "no-config", "bad-config"])
+@pytest.mark.parametrize(
+    "config, channels",
+    [
+        ({"_class_name": "AutoencoderKL", "block_out_channels": [128, 256, 512, 512]}, 384),
+        ({"_class_name": "AutoencoderKL", "block_out_channels": [32]}, 64),
+        ({"_class_name": "AutoencoderTiny", "decoder_block_out_channels": [64, 64, 64, 64]}, 128),
+        (None, memory.DEFAULT_FULL_RESOLUTION_CHANNELS),
+        ({"block_out_channels": "not a list"}, memory.DEFAULT_FULL_RESOLUTION_CHANNELS),
+    ],
+    ids=["sd-vae", "one-stage", "tiny-vae", "no-config", "bad-config"],
+)
 def test_the_full_resolution_channels_come_from_the_decoders_config(tmp_path, config, channels):
     assert memory.full_resolution_channels(decoder(tmp_path, config)) == channels
 
@@ -34,8 +38,10 @@ def test_the_full_resolution_channels_come_from_the_decoders_config(tmp_path, co
 @pytest.fixture
 def host_with(monkeypatch):
     def host(free):
-        monkeypatch.setattr(memory, "available_memory",
-                            lambda provider, device_id=0: (free, "the host's available memory"))
+        monkeypatch.setattr(
+            memory, "available_memory", lambda provider, device_id=0: (free, "the host's available memory")
+        )
+
     return host
 
 
@@ -46,9 +52,11 @@ def test_a_size_beyond_the_memory_is_refused_with_a_size_that_fits_the_bound(tmp
     with pytest.raises(ArgumentError) as refused:
         memory.check_image_fits(folder, 2048, 1536, "CPUExecutionProvider")
     assert refused.value.argument == "height and width"
-    found = re.fullmatch(r"2048×1536 needs at least 2\.4 GB for the VAE decoder's full-resolution activations alone, "
-                         r"more than 1\.0 GB, the host's available memory; at most about (\d+)×(\d+) fits that bound",
-                         refused.value.reason)
+    found = re.fullmatch(
+        r"2048×1536 needs at least 2\.4 GB for the VAE decoder's full-resolution activations alone, "
+        r"more than 1\.0 GB, the host's available memory; at most about (\d+)×(\d+) fits that bound",
+        refused.value.reason,
+    )
     assert found, refused.value.reason
     width, height = int(found[1]), int(found[2])
     assert width % 8 == 0 and height % 8 == 0 and abs(width / height - 4 / 3) < 0.02

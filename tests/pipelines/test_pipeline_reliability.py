@@ -19,8 +19,14 @@ def test_one_pipeline_called_from_four_threads_gives_the_serial_images(tiny_fold
     pipe.set_progress_bar_config(disable=True)
 
     def generate(seed):
-        return pipe("a photo of a cat", height=SIZE, width=SIZE, num_inference_steps=3,
-                    generator=np.random.RandomState(seed), output_type="np").images
+        return pipe(
+            "a photo of a cat",
+            height=SIZE,
+            width=SIZE,
+            num_inference_steps=3,
+            generator=np.random.RandomState(seed),
+            output_type="np",
+        ).images
 
     serial = [generate(seed) for seed in range(4)]
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -35,8 +41,14 @@ def test_two_pipelines_run_concurrently_and_correctly(tiny_folder):
         pipe.set_progress_bar_config(disable=True)
 
     def generate(pipe, seed):
-        return pipe("a photo of a dog", height=SIZE, width=SIZE, num_inference_steps=3,
-                    generator=np.random.RandomState(seed), output_type="np").images
+        return pipe(
+            "a photo of a dog",
+            height=SIZE,
+            width=SIZE,
+            num_inference_steps=3,
+            generator=np.random.RandomState(seed),
+            output_type="np",
+        ).images
 
     serial = [generate(pipes[0], seed) for seed in range(4)]
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -49,8 +61,12 @@ def test_two_pipelines_run_concurrently_and_correctly(tiny_folder):
 def test_shape_changes_mid_session_give_what_a_fresh_pipeline_gives(tiny_folder):
     pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
     pipe.set_progress_bar_config(disable=True)
-    configs = [dict(prompt="a cat", height=64, width=64), dict(prompt="a cat", height=128, width=64),
-               dict(prompt=["a cat", "a dog"], height=64, width=128), dict(prompt="a cat", height=64, width=64)]
+    configs = [
+        dict(prompt="a cat", height=64, width=64),
+        dict(prompt="a cat", height=128, width=64),
+        dict(prompt=["a cat", "a dog"], height=64, width=128),
+        dict(prompt="a cat", height=64, width=64),
+    ]
     for config in configs:
         arguments = dict(config, num_inference_steps=2, output_type="np")
         fresh = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)

@@ -21,8 +21,12 @@ from optimum_iobinding.cli import main as cli_main
 
 SIZE = 64  # 8×8 latents: every test runs in well under a second
 PROMPT = "a photo of an astronaut riding a horse"
-SCHEDULERS = {"pndm": PNDMScheduler, "ddim": DDIMScheduler, "euler": EulerDiscreteScheduler,
-              "dpm++": DPMSolverMultistepScheduler}
+SCHEDULERS = {
+    "pndm": PNDMScheduler,
+    "ddim": DDIMScheduler,
+    "euler": EulerDiscreteScheduler,
+    "dpm++": DPMSolverMultistepScheduler,
+}
 
 
 def load(pipeline_class, folder, io_binding=True, scheduler=None):
@@ -47,14 +51,15 @@ def mask_image(size=SIZE):
 PIPELINES = {
     "txt2img": (OnnxStableDiffusionPipeline, lambda: dict(height=SIZE, width=SIZE)),
     "img2img": (OnnxStableDiffusionImg2ImgPipeline, lambda: dict(image=init_image(), strength=0.75)),
-    "inpaint": (OnnxStableDiffusionInpaintPipeline,
-                lambda: dict(image=init_image(), mask_image=mask_image(), height=SIZE, width=SIZE)),
+    "inpaint": (
+        OnnxStableDiffusionInpaintPipeline,
+        lambda: dict(image=init_image(), mask_image=mask_image(), height=SIZE, width=SIZE),
+    ),
 }
 
 
 def generate(pipe, kind, **kwargs):
-    arguments = dict(PIPELINES[kind][1](), num_inference_steps=4, generator=np.random.RandomState(0),
-                     output_type="np")
+    arguments = dict(PIPELINES[kind][1](), num_inference_steps=4, generator=np.random.RandomState(0), output_type="np")
     arguments.update(kwargs)
     return pipe(PROMPT, **arguments).images
 
@@ -78,8 +83,9 @@ def test_numpy_loop_matches_diffusers_own_onnx_pipeline(tiny_folder):
         pytest.skip("this diffusers no longer ships OnnxStableDiffusionPipeline")
     theirs = diffusers.OnnxStableDiffusionPipeline.from_pretrained(tiny_folder, provider="CPUExecutionProvider")
     theirs.set_progress_bar_config(disable=True)
-    expected = theirs(PROMPT, height=SIZE, width=SIZE, num_inference_steps=4, generator=np.random.RandomState(0),
-                      output_type="np").images
+    expected = theirs(
+        PROMPT, height=SIZE, width=SIZE, num_inference_steps=4, generator=np.random.RandomState(0), output_type="np"
+    ).images
     ours = generate(load(OnnxStableDiffusionPipeline, tiny_folder, io_binding=False), "txt2img")
     assert np.abs(ours - expected).max() <= 1e-5
 
@@ -114,8 +120,16 @@ def test_output_types_pil_np_pt_and_latent(tiny_folder):
 
 def test_batched_prompts_and_several_images_per_prompt(tiny_folder):
     pipe = load(OnnxStableDiffusionPipeline, tiny_folder)
-    images = pipe([PROMPT, "a cat"], negative_prompt=["blurry", "dark"], num_images_per_prompt=2, height=SIZE,
-                  width=SIZE, num_inference_steps=2, generator=np.random.RandomState(0), output_type="np").images
+    images = pipe(
+        [PROMPT, "a cat"],
+        negative_prompt=["blurry", "dark"],
+        num_images_per_prompt=2,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=2,
+        generator=np.random.RandomState(0),
+        output_type="np",
+    ).images
     assert images.shape == (4, SIZE, SIZE, 3)
     assert not np.array_equal(images[0], images[2])  # each image decoded on its own, not the last one four times
 
@@ -124,8 +138,15 @@ def test_prompt_embeds_give_the_same_image_as_the_prompt(tiny_folder):
     pipe = load(OnnxStableDiffusionPipeline, tiny_folder)
     embeds = pipe.encode_prompt(PROMPT, 1, False)
     negative = pipe.encode_prompt("", 1, False)
-    from_embeds = pipe(prompt_embeds=embeds, negative_prompt_embeds=negative, height=SIZE, width=SIZE,
-                       num_inference_steps=4, generator=np.random.RandomState(0), output_type="np").images
+    from_embeds = pipe(
+        prompt_embeds=embeds,
+        negative_prompt_embeds=negative,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=4,
+        generator=np.random.RandomState(0),
+        output_type="np",
+    ).images
     assert np.abs(from_embeds - generate(pipe, "txt2img")).max() <= 1e-6
 
 
@@ -137,9 +158,17 @@ def test_callbacks_see_every_step_and_may_replace_latents(tiny_folder):
         new_style.append(step)
         return {"latents": torch.zeros_like(tensors["latents"])} if step == 3 else tensors
 
-    latents = pipe(PROMPT, height=SIZE, width=SIZE, num_inference_steps=4, generator=np.random.RandomState(0),
-                   callback=lambda step, t, lat: old_style.append(step), callback_steps=2,
-                   callback_on_step_end=on_step_end, output_type="latent").images
+    latents = pipe(
+        PROMPT,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=4,
+        generator=np.random.RandomState(0),
+        callback=lambda step, t, lat: old_style.append(step),
+        callback_steps=2,
+        callback_on_step_end=on_step_end,
+        output_type="latent",
+    ).images
     assert old_style == [0, 2] and new_style == [0, 1, 2, 3]
     assert torch.count_nonzero(latents) == 0
 
@@ -242,8 +271,27 @@ def test_mask_and_image_of_different_sizes_is_an_error(tiny_folder):
 # --------------------------------------------------------------------------------------------------------- CLI
 def test_cli_generate_writes_a_png(tiny_folder, tmp_path, capsys):
     out = tmp_path / "image.png"
-    assert cli_main(["generate", "a cat", "--model", str(tiny_folder), "--steps", "2", "--height", "64",
-                     "--width", "64", "--out", str(out), "--provider", "CPUExecutionProvider"]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                "a cat",
+                "--model",
+                str(tiny_folder),
+                "--steps",
+                "2",
+                "--height",
+                "64",
+                "--width",
+                "64",
+                "--out",
+                str(out),
+                "--provider",
+                "CPUExecutionProvider",
+            ]
+        )
+        == 0
+    )
     assert PIL.Image.open(out).size == (64, 64)
     assert "ms/step" in capsys.readouterr().out
 
@@ -251,8 +299,23 @@ def test_cli_generate_writes_a_png(tiny_folder, tmp_path, capsys):
 def test_cli_generate_without_a_model_builds_the_tiny_one_once(tmp_path, monkeypatch):
     monkeypatch.setenv("OPTIMUM_IOBINDING_CACHE", str(tmp_path / "cache"))
     for name in ("first.png", "second.png"):
-        assert cli_main(["generate", "--steps", "1", "--height", "64", "--width", "64", "--no-io-binding",
-                         "--out", str(tmp_path / name)]) == 0
+        assert (
+            cli_main(
+                [
+                    "generate",
+                    "--steps",
+                    "1",
+                    "--height",
+                    "64",
+                    "--width",
+                    "64",
+                    "--no-io-binding",
+                    "--out",
+                    str(tmp_path / name),
+                ]
+            )
+            == 0
+        )
     assert (tmp_path / "cache" / "tiny-random-sd" / "model_index.json").is_file()
     assert (tmp_path / "first.png").read_bytes() == (tmp_path / "second.png").read_bytes()
 
@@ -271,8 +334,9 @@ def test_cpu_fused_export_matches_the_unfused_export(tiny_folder, tiny_fused_fol
 
     unet_ops = {node.op_type for node in onnx.load(tiny_fused_folder / "unet" / "model.onnx").graph.node}
     assert "MultiHeadAttention" in unet_ops or "Attention" in unet_ops  # the fusion really happened
-    images = [generate(load(OnnxStableDiffusionPipeline, folder), "txt2img")
-              for folder in (tiny_folder, tiny_fused_folder)]
+    images = [
+        generate(load(OnnxStableDiffusionPipeline, folder), "txt2img") for folder in (tiny_folder, tiny_fused_folder)
+    ]
     assert np.abs(images[0] - images[1]).max() <= 1e-4
 
 
@@ -281,8 +345,9 @@ def test_exported_tokenizer_has_the_files_transformers_4_reads(tiny_folder):
     assert (tiny_folder / "tokenizer" / "merges.txt").read_text().startswith("#version: 0.2\n")
 
 
-@pytest.mark.parametrize("scheduler_name", ["LMSDiscreteScheduler", "UniPCMultistepScheduler",
-                                            "EulerAncestralDiscreteScheduler"])
+@pytest.mark.parametrize(
+    "scheduler_name", ["LMSDiscreteScheduler", "UniPCMultistepScheduler", "EulerAncestralDiscreteScheduler"]
+)
 def test_other_diffusers_schedulers_match_the_numpy_loop_too(tiny_folder, scheduler_name):
     import diffusers
 
@@ -303,7 +368,9 @@ def test_a_directml_pipeline_with_binding_is_refused_before_anything_loads(tiny_
 def _has_optimum_onnx() -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.onnxruntime") is not None
+    return (
+        importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.onnxruntime") is not None
+    )
 
 
 @pytest.mark.skipif(_has_optimum_onnx(), reason="checks the message where optimum-onnx is missing")
@@ -320,8 +387,12 @@ def test_a_normal_generate_run_is_quiet(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("OPTIMUM_IOBINDING_CACHE", str(tmp_path / "cache"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert cli_main(["generate", "--steps", "1", "--height", "64", "--width", "64",
-                         "--out", str(tmp_path / "quiet.png")]) == 0  # builds the tiny model first: an export
+        assert (
+            cli_main(
+                ["generate", "--steps", "1", "--height", "64", "--width", "64", "--out", str(tmp_path / "quiet.png")]
+            )
+            == 0
+        )  # builds the tiny model first: an export
     output = capfd.readouterr()
     assert [str(w.message)[:100] for w in caught] == []
     for notice in ("Warning", "[transformers]", "should be kept in float32", "deprecated"):

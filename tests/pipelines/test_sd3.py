@@ -57,8 +57,7 @@ def test_the_export_has_optimums_sd3_layout_and_names(sd3):
     for name in ("tokenizer", "tokenizer_2", "tokenizer_3", "scheduler"):
         assert (folder / name).is_dir()
     pipe = load(folder)
-    assert pipe.transformer.input_names == ["hidden_states", "encoder_hidden_states", "pooled_projections",
-                                            "timestep"]
+    assert pipe.transformer.input_names == ["hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"]
     assert pipe.transformer.output_names == ["out_hidden_states"]
     assert pipe.text_encoder.output_names[:2] == ["text_embeds", "last_hidden_state"]
     assert pipe.text_encoder_2.output_names[2:] == ["hidden_states.0", "hidden_states.1", "hidden_states.2"]
@@ -103,10 +102,24 @@ def test_weights_past_the_threshold_go_to_external_data_and_load_the_same(sd3, t
     assert (split / "text_encoder_3" / "model.onnx_data").is_file()
     assert not (folder / "transformer" / "model.onnx_data").exists()
     latents = initial_latents()
-    expected = load(folder)(PROMPT, height=SIZE, width=SIZE, num_inference_steps=2, latents=latents,
-                            max_sequence_length=SEQUENCE, output_type="np").images
-    got = load(split)(PROMPT, height=SIZE, width=SIZE, num_inference_steps=2, latents=latents,
-                      max_sequence_length=SEQUENCE, output_type="np").images
+    expected = load(folder)(
+        PROMPT,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=2,
+        latents=latents,
+        max_sequence_length=SEQUENCE,
+        output_type="np",
+    ).images
+    got = load(split)(
+        PROMPT,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=2,
+        latents=latents,
+        max_sequence_length=SEQUENCE,
+        output_type="np",
+    ).images
     np.testing.assert_array_equal(got, expected)
 
 
@@ -120,20 +133,30 @@ def test_a_cpu_optimized_export_matches_diffusers(sd3, tmp_path):
 def test_export_tiny_random_sd3_from_the_command_line_loads_as_sd3(tmp_path):
     assert main(["export", "--tiny-random", "sd3", "--output", str(tmp_path / "sd3")]) == 0
     assert pipeline_class_for(tmp_path / "sd3") is OnnxStableDiffusion3Pipeline
-    image = load(tmp_path / "sd3")(PROMPT, height=SIZE, width=SIZE, num_inference_steps=1,
-                                   max_sequence_length=SEQUENCE).images[0]
+    image = load(tmp_path / "sd3")(
+        PROMPT, height=SIZE, width=SIZE, num_inference_steps=1, max_sequence_length=SEQUENCE
+    ).images[0]
     assert isinstance(image, PIL.Image.Image) and image.size == (SIZE, SIZE)
 
 
 # ---------------------------------------------------------------------------------------------- against diffusers
 @pytest.mark.parametrize("io_binding", [True, False])
-@pytest.mark.parametrize("call", [
-    dict(guidance_scale=7.0),
-    dict(guidance_scale=1.0),
-    dict(guidance_scale=4.0, negative_prompt="blurry", prompt_2="an oil painting", prompt_3="a red castle",
-         negative_prompt_3="ugly"),
-    dict(guidance_scale=5.0, clip_skip=1),
-], ids=["cfg", "no-cfg", "negatives-and-prompts-2-3", "clip-skip"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        dict(guidance_scale=7.0),
+        dict(guidance_scale=1.0),
+        dict(
+            guidance_scale=4.0,
+            negative_prompt="blurry",
+            prompt_2="an oil painting",
+            prompt_3="a red castle",
+            negative_prompt_3="ugly",
+        ),
+        dict(guidance_scale=5.0, clip_skip=1),
+    ],
+    ids=["cfg", "no-cfg", "negatives-and-prompts-2-3", "clip-skip"],
+)
 def test_txt2img_matches_diffusers_torch_sd3(sd3, io_binding, call):
     torch_pipe, folder = sd3
     expected, got = both(torch_pipe, load(folder, io_binding), PROMPT, latents=initial_latents(), **call)
@@ -152,30 +175,64 @@ def test_without_t5_the_t5_part_is_zeros_as_in_diffusers(sd3_without_t5):
 
 def test_two_prompts_and_two_images_per_prompt_come_out_in_diffusers_order(sd3):
     torch_pipe, folder = sd3
-    expected, got = both(torch_pipe, load(folder), [PROMPT, "a red car"], negative_prompt=["blurry", "dark"],
-                         num_images_per_prompt=2, latents=initial_latents(4, width=96), width=96)
+    expected, got = both(
+        torch_pipe,
+        load(folder),
+        [PROMPT, "a red car"],
+        negative_prompt=["blurry", "dark"],
+        num_images_per_prompt=2,
+        latents=initial_latents(4, width=96),
+        width=96,
+    )
     assert got.shape == (4, SIZE, 96, 3)
     np.testing.assert_allclose(got, expected, atol=TOLERANCE)
 
 
 def test_a_torch_generator_draws_the_noise_diffusers_draws(sd3):
     torch_pipe, folder = sd3
-    expected = torch_pipe(PROMPT, height=SIZE, width=SIZE, num_inference_steps=2, max_sequence_length=SEQUENCE,
-                          generator=torch.Generator().manual_seed(7), output_type="np").images
-    got = load(folder)(PROMPT, height=SIZE, width=SIZE, num_inference_steps=2, max_sequence_length=SEQUENCE,
-                       generator=torch.Generator().manual_seed(7), output_type="np").images
+    expected = torch_pipe(
+        PROMPT,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=2,
+        max_sequence_length=SEQUENCE,
+        generator=torch.Generator().manual_seed(7),
+        output_type="np",
+    ).images
+    got = load(folder)(
+        PROMPT,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=2,
+        max_sequence_length=SEQUENCE,
+        generator=torch.Generator().manual_seed(7),
+        output_type="np",
+    ).images
     np.testing.assert_allclose(got, expected, atol=TOLERANCE)
 
 
 def test_given_prompt_embeds_give_diffusers_image(sd3):
     torch_pipe, folder = sd3
     embeds, negative, pooled, negative_pooled = torch_pipe.encode_prompt(
-        PROMPT, None, None, negative_prompt="blurry", max_sequence_length=SEQUENCE)
-    given = dict(prompt_embeds=embeds, negative_prompt_embeds=negative, pooled_prompt_embeds=pooled,
-                 negative_pooled_prompt_embeds=negative_pooled)
+        PROMPT, None, None, negative_prompt="blurry", max_sequence_length=SEQUENCE
+    )
+    given = dict(
+        prompt_embeds=embeds,
+        negative_prompt_embeds=negative,
+        pooled_prompt_embeds=pooled,
+        negative_pooled_prompt_embeds=negative_pooled,
+    )
     expected, got = both(torch_pipe, load(folder), latents=initial_latents(), **given)
-    reference = torch_pipe(PROMPT, negative_prompt="blurry", height=SIZE, width=SIZE, num_inference_steps=3,
-                           max_sequence_length=SEQUENCE, latents=initial_latents(), output_type="np").images
+    reference = torch_pipe(
+        PROMPT,
+        negative_prompt="blurry",
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=3,
+        max_sequence_length=SEQUENCE,
+        latents=initial_latents(),
+        output_type="np",
+    ).images
     np.testing.assert_allclose(got, expected, atol=TOLERANCE)
     np.testing.assert_allclose(got, reference, atol=TOLERANCE)
 
@@ -199,13 +256,25 @@ def test_dynamic_shifting_takes_the_shift_diffusers_computes(sd3):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     torch_pipe, folder = sd3
-    config = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_image_seq_len=16,
-                  max_image_seq_len=256, base_shift=0.5, max_shift=1.15)
+    config = dict(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_image_seq_len=16,
+        max_image_seq_len=256,
+        base_shift=0.5,
+        max_shift=1.15,
+    )
     original = torch_pipe.scheduler
     torch_pipe.scheduler = FlowMatchEulerDiscreteScheduler(**config)
     try:
-        expected, got = both(torch_pipe, load(folder, scheduler=FlowMatchEulerDiscreteScheduler(**config)), PROMPT,
-                             latents=initial_latents(width=96), width=96)
+        expected, got = both(
+            torch_pipe,
+            load(folder, scheduler=FlowMatchEulerDiscreteScheduler(**config)),
+            PROMPT,
+            latents=initial_latents(width=96),
+            width=96,
+        )
     finally:
         torch_pipe.scheduler = original
     np.testing.assert_allclose(got, expected, atol=TOLERANCE)
@@ -225,11 +294,19 @@ def test_a_step_end_callback_sees_and_replaces_the_pooled_embeddings_as_in_diffu
         def callback(pipe, step, timestep, tensors):
             seen[where].append(sorted(tensors))
             return {"pooled_prompt_embeds": tensors["pooled_prompt_embeds"] * 0.5}
+
         return callback
 
     names = ["latents", "pooled_prompt_embeds"]
-    call = dict(height=SIZE, width=SIZE, num_inference_steps=3, max_sequence_length=SEQUENCE, output_type="np",
-                latents=initial_latents(), callback_on_step_end_tensor_inputs=names)
+    call = dict(
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=3,
+        max_sequence_length=SEQUENCE,
+        output_type="np",
+        latents=initial_latents(),
+        callback_on_step_end_tensor_inputs=names,
+    )
     expected = torch_pipe(PROMPT, callback_on_step_end=halve_pooled("torch"), **call).images
     got = load(folder)(PROMPT, callback_on_step_end=halve_pooled("onnx"), **call).images
     assert seen["onnx"] == seen["torch"] == [names] * 3
@@ -245,11 +322,19 @@ def test_a_saved_pipeline_loads_and_gives_the_same_image(sd3, tmp_path):
     _, folder = sd3
     pipe = load(folder)
     pipe.save_pretrained(tmp_path / "saved")
-    call = dict(height=SIZE, width=SIZE, num_inference_steps=2, max_sequence_length=SEQUENCE, output_type="np",
-                latents=initial_latents())
+    call = dict(
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=2,
+        max_sequence_length=SEQUENCE,
+        output_type="np",
+        latents=initial_latents(),
+    )
     np.testing.assert_array_equal(load(tmp_path / "saved")(PROMPT, **call).images, pipe(PROMPT, **call).images)
-    assert json.loads((tmp_path / "saved" / "model_index.json").read_text())["transformer"] == \
-        ["diffusers", "SD3Transformer2DModel"]
+    assert json.loads((tmp_path / "saved" / "model_index.json").read_text())["transformer"] == [
+        "diffusers",
+        "SD3Transformer2DModel",
+    ]
     for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):  # transformers 4 (optimum's) reads them too
         config = json.loads((tmp_path / "saved" / name / "tokenizer_config.json").read_text())
         assert config.get("extra_special_tokens") != [], name
@@ -264,17 +349,25 @@ def test_after_warmup_a_call_of_that_size_creates_no_session(sd3):
     assert pipe.sessions_created == created
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (dict(heights=[SIZE, 72]), r"height and width: expected multiples of 16"),
-    (dict(heights=[]), r"heights and widths: expected at least one size"),
-    (dict(batch_sizes=[1, 0]), r"batch_sizes: expected positive integers, got \[1, 0\]"),
-    (dict(guidance_scales=[7.0, float("nan")]), r"guidance_scales: expected finite numbers"),
-    (dict(num_inference_steps=0), r"num_inference_steps: expected a positive integer, got 0"),
-    (dict(max_sequence_length=513), r"max_sequence_length: expected an integer in \[1, 512\] \(T5 tokens\), got 513"),
-    (dict(max_sequence_length=16.0), r"max_sequence_length: expected an integer in \[1, 512\]"),
-], ids=["height", "no-size", "batch", "guidance", "steps", "sequence", "sequence-float"])
-def test_a_warmup_with_a_bad_argument_is_refused_by_name_before_any_component_runs(sd3, arguments, message,
-                                                                                   refused_runs_nothing):
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(heights=[SIZE, 72]), r"height and width: expected multiples of 16"),
+        (dict(heights=[]), r"heights and widths: expected at least one size"),
+        (dict(batch_sizes=[1, 0]), r"batch_sizes: expected positive integers, got \[1, 0\]"),
+        (dict(guidance_scales=[7.0, float("nan")]), r"guidance_scales: expected finite numbers"),
+        (dict(num_inference_steps=0), r"num_inference_steps: expected a positive integer, got 0"),
+        (
+            dict(max_sequence_length=513),
+            r"max_sequence_length: expected an integer in \[1, 512\] \(T5 tokens\), got 513",
+        ),
+        (dict(max_sequence_length=16.0), r"max_sequence_length: expected an integer in \[1, 512\]"),
+    ],
+    ids=["height", "no-size", "batch", "guidance", "steps", "sequence", "sequence-float"],
+)
+def test_a_warmup_with_a_bad_argument_is_refused_by_name_before_any_component_runs(
+    sd3, arguments, message, refused_runs_nothing
+):
     pipe = load(sd3[1])
     # where a list is refused, its first item is good: a check made late would have warmed that one up
     call = {**dict(heights=SIZE, batch_sizes=1, num_inference_steps=1, max_sequence_length=SEQUENCE), **arguments}
@@ -287,57 +380,89 @@ def test_without_t5_a_warmup_checks_and_takes_max_sequence_length_as_a_call_does
     # the T5 part is max_sequence_length tokens of zeros then (diffusers' too): the length still shapes the
     # transformer's input (the graphs it makes are checked in tests/gpu/test_gpu_sd3.py)
     pipe = load(sd3_without_t5[1])
-    assert refused_runs_nothing(pipe, ValueError, r"max_sequence_length: expected an integer in \[1, 512\]",
-                                lambda: pipe.warmup(heights=SIZE, max_sequence_length=0))
+    assert refused_runs_nothing(
+        pipe,
+        ValueError,
+        r"max_sequence_length: expected an integer in \[1, 512\]",
+        lambda: pipe.warmup(heights=SIZE, max_sequence_length=0),
+    )
     pipe.warmup(heights=SIZE, num_inference_steps=1, max_sequence_length=SEQUENCE)
 
 
 def test_a_vae_config_without_sd3s_constants_decodes_as_diffusers_sd3_vae(sd3, tmp_path, with_vae_config):
     torch_pipe, folder = sd3
-    assert (torch_pipe.vae.config.scaling_factor, torch_pipe.vae.config.shift_factor) == \
-        (SD3_VAE_SCALING_FACTOR, SD3_VAE_SHIFT_FACTOR)
+    assert (torch_pipe.vae.config.scaling_factor, torch_pipe.vae.config.shift_factor) == (
+        SD3_VAE_SCALING_FACTOR,
+        SD3_VAE_SHIFT_FACTOR,
+    )
     for name, value in (("absent", ...), ("null", None)):
         pipe = load(with_vae_config(folder, tmp_path / name, scaling_factor=value, shift_factor=value))
         expected, got = both(torch_pipe, pipe, PROMPT, latents=initial_latents(), num_inference_steps=2)
         np.testing.assert_allclose(got, expected, atol=TOLERANCE)
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("scaling_factor", 0, r"scaling_factor: expected a positive finite number, got 0"),
-    ("scaling_factor", -1.5, r"scaling_factor: expected a positive finite number, got -1.5"),
-    ("scaling_factor", "1.5305", r"scaling_factor: expected a positive finite number, got '1.5305'"),
-    ("shift_factor", float("nan"), r"shift_factor: expected a finite number, got nan"),
-    ("shift_factor", "0.0609", r"shift_factor: expected a finite number, got '0.0609'"),
-], ids=["zero-scale", "negative-scale", "text-scale", "nan-shift", "text-shift"])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("scaling_factor", 0, r"scaling_factor: expected a positive finite number, got 0"),
+        ("scaling_factor", -1.5, r"scaling_factor: expected a positive finite number, got -1.5"),
+        ("scaling_factor", "1.5305", r"scaling_factor: expected a positive finite number, got '1.5305'"),
+        ("shift_factor", float("nan"), r"shift_factor: expected a finite number, got nan"),
+        ("shift_factor", "0.0609", r"shift_factor: expected a finite number, got '0.0609'"),
+    ],
+    ids=["zero-scale", "negative-scale", "text-scale", "nan-shift", "text-shift"],
+)
 def test_a_bad_vae_constant_is_refused_by_name_quoting_sd3s(sd3, tmp_path, key, value, message, with_vae_config):
     folder = with_vae_config(sd3[1], tmp_path / "bad", **{key: value})
-    with pytest.raises(ValueError, match=rf"vae_decoder config.json: {message} \(SD3's are scaling_factor 1.5305, "
-                                         r"shift_factor 0.0609\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"vae_decoder config.json: {message} \(SD3's are scaling_factor 1.5305, "
+        r"shift_factor 0.0609\)",
+    ):
         load(folder)
 
 
 def test_an_sd_folder_is_refused_by_the_sd3_pipeline(tiny_folder):
     # the denoiser is looked for first: its absence says the folder is of another family
-    with pytest.raises(FileNotFoundError, match=r"component 'transformer' is missing.*holds a UNet.*pipeline_class_for"):
+    with pytest.raises(
+        FileNotFoundError, match=r"component 'transformer' is missing.*holds a UNet.*pipeline_class_for"
+    ):
         OnnxStableDiffusion3Pipeline.from_pretrained(tiny_folder)
 
 
 # ------------------------------------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("call, error, message", [
-    (dict(height=72), ValueError, r"height and width: expected multiples of 16 .*patch size 2"),
-    (dict(max_sequence_length=513), ValueError, r"max_sequence_length: expected an integer in \[1, 512\]"),
-    (dict(skip_guidance_layers=[1]), ValueError, "skip_guidance_layers: expected None"),
-    (dict(joint_attention_kwargs={"scale": 0.5}), ValueError, "joint_attention_kwargs: expected None"),
-    (dict(prompt_2=["a", "b"]), ValueError, r"prompt_2: expected 1 prompt \(as many as prompt\), got 2"),
-    (dict(prompt_3=3), TypeError, "prompt_3: expected a str or a list of str, got int"),
-    (dict(callback_on_step_end_tensor_inputs=["noise"]), ValueError,
-     r"callback_on_step_end_tensor_inputs: expected names among \['latents', 'prompt_embeds', "
-     r"'pooled_prompt_embeds'\], got \['noise'\]"),
-    (dict(sigmas=[]), ValueError, "sigmas: expected a non-empty list of finite numbers"),
-    (dict(num_images_per_prompt=0), ValueError, "num_images_per_prompt: expected a positive integer"),
-    (dict(output_type="jpg"), ValueError, "output_type: expected 'pil', 'np', 'pt' or 'latent'"),
-], ids=["size", "sequence", "skip-layers", "attention-kwargs", "prompt-2-count", "prompt-3-type", "callback-names",
-        "sigmas", "images-per-prompt", "output-type"])
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (dict(height=72), ValueError, r"height and width: expected multiples of 16 .*patch size 2"),
+        (dict(max_sequence_length=513), ValueError, r"max_sequence_length: expected an integer in \[1, 512\]"),
+        (dict(skip_guidance_layers=[1]), ValueError, "skip_guidance_layers: expected None"),
+        (dict(joint_attention_kwargs={"scale": 0.5}), ValueError, "joint_attention_kwargs: expected None"),
+        (dict(prompt_2=["a", "b"]), ValueError, r"prompt_2: expected 1 prompt \(as many as prompt\), got 2"),
+        (dict(prompt_3=3), TypeError, "prompt_3: expected a str or a list of str, got int"),
+        (
+            dict(callback_on_step_end_tensor_inputs=["noise"]),
+            ValueError,
+            r"callback_on_step_end_tensor_inputs: expected names among \['latents', 'prompt_embeds', "
+            r"'pooled_prompt_embeds'\], got \['noise'\]",
+        ),
+        (dict(sigmas=[]), ValueError, "sigmas: expected a non-empty list of finite numbers"),
+        (dict(num_images_per_prompt=0), ValueError, "num_images_per_prompt: expected a positive integer"),
+        (dict(output_type="jpg"), ValueError, "output_type: expected 'pil', 'np', 'pt' or 'latent'"),
+    ],
+    ids=[
+        "size",
+        "sequence",
+        "skip-layers",
+        "attention-kwargs",
+        "prompt-2-count",
+        "prompt-3-type",
+        "callback-names",
+        "sigmas",
+        "images-per-prompt",
+        "output-type",
+    ],
+)
 def test_bad_arguments_are_refused_by_name_before_any_work(sd3, call, error, message):
     pipe = load(sd3[1])
     arguments = dict(height=SIZE, width=SIZE, num_inference_steps=1)
@@ -357,10 +482,18 @@ def test_prompt_embeds_without_pooled_embeds_are_refused(sd3):
 
 def test_pooled_embeds_of_the_wrong_width_are_refused_naming_the_transformer_input(sd3):
     pipe = load(sd3[1])
-    with pytest.raises(ValueError, match=r"pooled_prompt_embeds: expected hidden size 64 \(the width of the "
-                                         r"transformer's pooled_projections\), got 32"):
-        pipe(prompt_embeds=torch.zeros(1, 77 + SEQUENCE, 64), pooled_prompt_embeds=torch.zeros(1, 32),
-             height=SIZE, width=SIZE, num_inference_steps=1)
+    with pytest.raises(
+        ValueError,
+        match=r"pooled_prompt_embeds: expected hidden size 64 \(the width of the "
+        r"transformer's pooled_projections\), got 32",
+    ):
+        pipe(
+            prompt_embeds=torch.zeros(1, 77 + SEQUENCE, 64),
+            pooled_prompt_embeds=torch.zeros(1, 32),
+            height=SIZE,
+            width=SIZE,
+            num_inference_steps=1,
+        )
 
 
 def test_a_unet_in_the_transformer_folder_is_refused_naming_it(sd3, tiny_folder, tmp_path):
@@ -381,8 +514,13 @@ def test_optimums_export_loads_and_matches_diffusers(sd3, tmp_path):
 
     torch_pipe, _ = sd3
     torch_pipe.save_pretrained(tmp_path / "torch")
-    main_export(model_name_or_path=str(tmp_path / "torch"), output=tmp_path / "optimum", task="text-to-image",
-                do_validation=False, no_post_process=True)
+    main_export(
+        model_name_or_path=str(tmp_path / "torch"),
+        output=tmp_path / "optimum",
+        task="text-to-image",
+        do_validation=False,
+        no_post_process=True,
+    )
     pipe = load(tmp_path / "optimum")
     assert pipe.vae_encoder.output_names == ["latent_parameters"]
     assert pipeline_class_for(tmp_path / "optimum") is OnnxStableDiffusion3Pipeline
@@ -417,11 +555,15 @@ def test_runtime_lora_is_a_capability_of_the_unet_families_only(sd3):
     _, folder = sd3
     # opt in, not inherited to be refused: the SD3 pipeline has no LoRA methods at all (fuse a LoRA before export)
     assert not any(hasattr(load(folder), name) for name in ("load_lora_weights", "set_adapters", "fuse_lora"))
-    assert all(hasattr(OnnxStableDiffusionPipeline, name) for name in ("load_lora_weights", "set_adapters", "fuse_lora"))
+    assert all(
+        hasattr(OnnxStableDiffusionPipeline, name) for name in ("load_lora_weights", "set_adapters", "fuse_lora")
+    )
 
 
 def test_generate_refuses_a_discrete_time_scheduler_for_sd3_before_loading_it(sd3, tmp_path, capsys):
-    assert main(["generate", "a cat", "--model", str(sd3[1]), "--scheduler", "ddim",
-                 "--out", str(tmp_path / "cat.png")]) == 2
+    assert (
+        main(["generate", "a cat", "--model", str(sd3[1]), "--scheduler", "ddim", "--out", str(tmp_path / "cat.png")])
+        == 2
+    )
     assert "--scheduler: expected none for OnnxStableDiffusion3Pipeline" in capsys.readouterr().err
     assert not (tmp_path / "cat.png").exists()

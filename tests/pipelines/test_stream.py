@@ -61,24 +61,28 @@ def diffusers_img2img(torch_pipe, frame, scheduler, pipeline_class=None, vae=Non
         name, overrides = scheduler
         pipe.scheduler = getattr(diffusers, name).from_config(torch_pipe.scheduler.config, **overrides)
     pipe.set_progress_bar_config(disable=True)
-    image = pipe(PROMPT, image=frame[None] / 2 + 0.5, generator=torch.Generator().manual_seed(SEED),
-                 output_type="pt", **kwargs).images
+    image = pipe(
+        PROMPT, image=frame[None] / 2 + 0.5, generator=torch.Generator().manual_seed(SEED), output_type="pt", **kwargs
+    ).images
     return image[0] * 2 - 1
 
 
 # ------------------------------------------------------------------------------------------ against diffusers
-@pytest.mark.parametrize("scheduler", [
-    TURBO,
-    ("EulerDiscreteScheduler", {"timestep_spacing": "trailing"}),
-    ("EulerDiscreteScheduler", {"timestep_spacing": "trailing", "prediction_type": "v_prediction"}),
-    ("DDIMScheduler", {"timestep_spacing": "trailing", "set_alpha_to_one": True}),
-    ("DPMSolverMultistepScheduler", {"timestep_spacing": "trailing"}),
-], ids=["euler-ancestral", "euler", "euler-v", "ddim", "dpm++"])
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        TURBO,
+        ("EulerDiscreteScheduler", {"timestep_spacing": "trailing"}),
+        ("EulerDiscreteScheduler", {"timestep_spacing": "trailing", "prediction_type": "v_prediction"}),
+        ("DDIMScheduler", {"timestep_spacing": "trailing", "set_alpha_to_one": True}),
+        ("DPMSolverMultistepScheduler", {"timestep_spacing": "trailing"}),
+    ],
+    ids=["euler-ancestral", "euler", "euler-v", "ddim", "dpm++"],
+)
 def test_one_step_equals_diffusers_img2img(sd, scheduler):
     torch_pipe, folder = sd
     frame = frames_of(1)[0]
-    expected = diffusers_img2img(torch_pipe, frame, scheduler, strength=0.5, num_inference_steps=2,
-                                 guidance_scale=0.0)
+    expected = diffusers_img2img(torch_pipe, frame, scheduler, strength=0.5, num_inference_steps=2, guidance_scale=0.0)
     stream = stream_for(folder, scheduler)
     stream.prepare(PROMPT, num_inference_steps=2, strength=0.5, seed=SEED, height=SIZE, width=SIZE)
     assert len(stream.timesteps) == 1
@@ -97,8 +101,9 @@ def test_one_step_with_the_numpy_baseline_equals_diffusers_img2img(sd):
 def test_guidance_above_one_is_classifier_free_guidance_with_the_negative_prompt(sd):
     torch_pipe, folder = sd
     frame = frames_of(1)[0]
-    expected = diffusers_img2img(torch_pipe, frame, TURBO, strength=0.5, num_inference_steps=2, guidance_scale=3.0,
-                                 negative_prompt="a red car")
+    expected = diffusers_img2img(
+        torch_pipe, frame, TURBO, strength=0.5, num_inference_steps=2, guidance_scale=3.0, negative_prompt="a red car"
+    )
     unguided = diffusers_img2img(torch_pipe, frame, TURBO, strength=0.5, num_inference_steps=2, guidance_scale=0.0)
     stream = stream_for(folder, TURBO)
     stream.prepare(PROMPT, negative_prompt="a red car", guidance_scale=3.0, seed=SEED, height=SIZE, width=SIZE)
@@ -111,8 +116,9 @@ def test_a_tiny_vae_folder_replaces_the_folders_vae_and_equals_diffusers_with_th
     torch_pipe, folder = sd
     vae, tiny_folder = tiny_vae
     frame = frames_of(1)[0]
-    expected = diffusers_img2img(torch_pipe, frame, TURBO, vae=vae, strength=0.5, num_inference_steps=2,
-                                 guidance_scale=0.0)
+    expected = diffusers_img2img(
+        torch_pipe, frame, TURBO, vae=vae, strength=0.5, num_inference_steps=2, guidance_scale=0.0
+    )
     stream = stream_for(folder, TURBO, tiny_vae=tiny_folder)
     assert str(tiny_folder) in stream.vae_encoder.model_path and str(tiny_folder) in stream.vae_decoder.model_path
     assert stream.vae_scaling_factor == 1.0
@@ -126,11 +132,29 @@ def test_an_lcm_folder_equals_diffusers_lcm_img2img(lcm, steps, stream_batch):
     # that step is the same draw, so its re-noising rule gives diffusers' images exactly
     torch_pipe, folder = lcm
     frames = frames_of(3)
-    expected = [diffusers_img2img(torch_pipe, frame, None, diffusers.LatentConsistencyModelImg2ImgPipeline,
-                                  strength=0.5, num_inference_steps=steps, guidance_scale=6.0) for frame in frames]
+    expected = [
+        diffusers_img2img(
+            torch_pipe,
+            frame,
+            None,
+            diffusers.LatentConsistencyModelImg2ImgPipeline,
+            strength=0.5,
+            num_inference_steps=steps,
+            guidance_scale=6.0,
+        )
+        for frame in frames
+    ]
     stream = stream_for(folder)
-    stream.prepare(PROMPT, num_inference_steps=steps, strength=0.5, guidance_scale=6.0, seed=SEED, height=SIZE,
-                   width=SIZE, stream_batch=stream_batch)
+    stream.prepare(
+        PROMPT,
+        num_inference_steps=steps,
+        strength=0.5,
+        guidance_scale=6.0,
+        seed=SEED,
+        height=SIZE,
+        width=SIZE,
+        stream_batch=stream_batch,
+    )
     assert len(stream.timesteps) == steps
     got = [out for out in (stream(frame) for frame in frames) if out is not None] + stream.flush()
     for image, reference in zip(got, expected, strict=True):
@@ -160,8 +184,9 @@ def reference_steps(torch_pipe, frame, timesteps, alphas_cumprod, seed):
 def test_several_steps_re_noise_each_prediction_with_the_streams_fixed_noise(sd, stream_batch):
     torch_pipe, folder = sd
     stream = stream_for(folder, TURBO)
-    stream.prepare(PROMPT, num_inference_steps=4, strength=0.75, seed=SEED, height=SIZE, width=SIZE,
-                   stream_batch=stream_batch)
+    stream.prepare(
+        PROMPT, num_inference_steps=4, strength=0.75, seed=SEED, height=SIZE, width=SIZE, stream_batch=stream_batch
+    )
     assert stream.timesteps == [749.0, 499.0, 249.0]
     frames = frames_of(2)
     got = [out for out in (stream(frame) for frame in frames) if out is not None] + stream.flush()
@@ -178,15 +203,22 @@ def test_a_stream_batch_gives_the_step_by_step_outputs_k_minus_one_frames_later(
     outputs = {}
     for stream_batch in (False, True):
         stream = stream_for(folder, TURBO)
-        stream.prepare(PROMPT, num_inference_steps=steps * 2, strength=0.5, seed=SEED, height=SIZE, width=SIZE,
-                       stream_batch=stream_batch)
+        stream.prepare(
+            PROMPT,
+            num_inference_steps=steps * 2,
+            strength=0.5,
+            seed=SEED,
+            height=SIZE,
+            width=SIZE,
+            stream_batch=stream_batch,
+        )
         assert len(stream.timesteps) == steps
         outputs[stream_batch] = [stream(frame) for frame in frames]
         assert stream.frames_in_flight == (steps - 1 if stream_batch else 0)
         outputs[stream_batch] += stream.flush()
         assert stream.frames_in_flight == 0
     assert outputs[True][: steps - 1] == [None] * (steps - 1)
-    batched = outputs[True][steps - 1:]
+    batched = outputs[True][steps - 1 :]
     assert len(batched) == len(frames) == len(outputs[False])
     for got, expected in zip(batched, outputs[False]):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
@@ -270,8 +302,9 @@ def test_every_kind_of_frame_comes_back_as_it_came(turbo):
 def test_a_frame_of_another_size_is_resized_on_the_device_to_the_prepared_size(turbo):
     stream = turbo
     frame = torch.rand(3, 48, 80, generator=torch.Generator().manual_seed(5)) * 2 - 1
-    resized = torch.nn.functional.interpolate(frame[None], size=(SIZE, SIZE), mode="bilinear", align_corners=False,
-                                              antialias=True)[0]
+    resized = torch.nn.functional.interpolate(
+        frame[None], size=(SIZE, SIZE), mode="bilinear", align_corners=False, antialias=True
+    )[0]
     got = stream(frame)
     assert got.shape == (3, SIZE, SIZE)
     torch.testing.assert_close(got, stream(resized), atol=1e-6, rtol=0)
@@ -290,40 +323,58 @@ def test_an_output_the_caller_holds_is_not_overwritten_by_later_frames(turbo):
 def test_a_frame_before_prepare_is_refused_naming_prepare(sd):
     _, folder = sd
     stream = stream_for(folder)
-    for call in (lambda: stream(frames_of(1)[0]), stream.flush, lambda: stream.frames([]),
-                 lambda: stream.update_prompt("x")):
+    for call in (
+        lambda: stream(frames_of(1)[0]),
+        stream.flush,
+        lambda: stream.frames([]),
+        lambda: stream.update_prompt("x"),
+    ):
         with pytest.raises(RuntimeError, match=r"prepare\(prompt"):
             call()
 
 
-@pytest.mark.parametrize("frame,error,match", [
-    ([np.zeros((SIZE, SIZE, 3), np.uint8)], TypeError, "frame: expected a torch tensor .* got list"),
-    (np.zeros((SIZE, SIZE, 3), np.float32), TypeError, "frame: expected a numpy array of dtype uint8"),
-    (np.zeros((SIZE, SIZE, 4), np.uint8), ValueError, r"frame: expected a numpy array of shape \(height, width, 3\)"),
-    (np.zeros((3, SIZE, SIZE), np.uint8), ValueError, r"got shape \(3, 64, 64\)"),
-    (torch.zeros(3, SIZE, SIZE, dtype=torch.int32), TypeError, "frame: expected a float tensor .* got dtype torch.int32"),
-    (torch.zeros(2, 3, SIZE, SIZE), ValueError, r"\(one frame a call\), got shape \(2, 3, 64, 64\)"),
-    (torch.zeros(4, SIZE, SIZE), ValueError, r"frame: expected a float tensor of shape \(3, height, width\)"),
-    (torch.zeros(3, 0, SIZE), ValueError, "frame: expected a non-empty frame"),
-    (torch.zeros(SIZE, SIZE, 3, dtype=torch.uint8).to_sparse(), TypeError, "frame: expected a dense torch tensor"),
-])
+@pytest.mark.parametrize(
+    "frame,error,match",
+    [
+        ([np.zeros((SIZE, SIZE, 3), np.uint8)], TypeError, "frame: expected a torch tensor .* got list"),
+        (np.zeros((SIZE, SIZE, 3), np.float32), TypeError, "frame: expected a numpy array of dtype uint8"),
+        (
+            np.zeros((SIZE, SIZE, 4), np.uint8),
+            ValueError,
+            r"frame: expected a numpy array of shape \(height, width, 3\)",
+        ),
+        (np.zeros((3, SIZE, SIZE), np.uint8), ValueError, r"got shape \(3, 64, 64\)"),
+        (
+            torch.zeros(3, SIZE, SIZE, dtype=torch.int32),
+            TypeError,
+            "frame: expected a float tensor .* got dtype torch.int32",
+        ),
+        (torch.zeros(2, 3, SIZE, SIZE), ValueError, r"\(one frame a call\), got shape \(2, 3, 64, 64\)"),
+        (torch.zeros(4, SIZE, SIZE), ValueError, r"frame: expected a float tensor of shape \(3, height, width\)"),
+        (torch.zeros(3, 0, SIZE), ValueError, "frame: expected a non-empty frame"),
+        (torch.zeros(SIZE, SIZE, 3, dtype=torch.uint8).to_sparse(), TypeError, "frame: expected a dense torch tensor"),
+    ],
+)
 def test_a_wrong_frame_is_refused_naming_what_was_expected(turbo, frame, error, match):
     with pytest.raises(error, match=match):
         turbo(frame)
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(prompt=["a", "b"]), TypeError, "prompt: expected a str"),
-    (dict(negative_prompt=["a"]), TypeError, "negative_prompt: expected a str"),
-    (dict(seed=-1), ValueError, r"seed: expected an integer in \[0, 2\*\*64\)"),
-    (dict(seed=1.5), ValueError, "seed: expected an integer"),
-    (dict(strength=0.0), ValueError, "strength: 0.0 with num_inference_steps=2 leaves no denoising step"),
-    (dict(strength=1.5), ValueError, r"strength: expected a value in \[0, 1\]"),
-    (dict(num_inference_steps=0), ValueError, "num_inference_steps: expected a positive integer"),
-    (dict(height=72), ValueError, "height and width: expected multiples of"),
-    (dict(guidance_scale=float("nan")), ValueError, "guidance_scale: expected a finite number"),
-    (dict(stream_batch="yes"), TypeError, "stream_batch: expected True or False"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(prompt=["a", "b"]), TypeError, "prompt: expected a str"),
+        (dict(negative_prompt=["a"]), TypeError, "negative_prompt: expected a str"),
+        (dict(seed=-1), ValueError, r"seed: expected an integer in \[0, 2\*\*64\)"),
+        (dict(seed=1.5), ValueError, "seed: expected an integer"),
+        (dict(strength=0.0), ValueError, "strength: 0.0 with num_inference_steps=2 leaves no denoising step"),
+        (dict(strength=1.5), ValueError, r"strength: expected a value in \[0, 1\]"),
+        (dict(num_inference_steps=0), ValueError, "num_inference_steps: expected a positive integer"),
+        (dict(height=72), ValueError, "height and width: expected multiples of"),
+        (dict(guidance_scale=float("nan")), ValueError, "guidance_scale: expected a finite number"),
+        (dict(stream_batch="yes"), TypeError, "stream_batch: expected True or False"),
+    ],
+)
 def test_bad_prepare_arguments_are_refused_before_any_work(turbo, kwargs, error, match):
     stream = turbo
     arguments = {**dict(prompt=PROMPT, seed=SEED, height=SIZE, width=SIZE), **kwargs}
@@ -363,8 +414,11 @@ def test_a_tiny_vae_folder_without_both_components_is_refused_naming_it(sd, tiny
     partial = tmp_path / "partial"
     (partial / "vae_encoder").mkdir(parents=True)
     (partial / "vae_encoder" / "model.onnx").write_bytes((tiny_folder / "vae_encoder" / "model.onnx").read_bytes())
-    with pytest.raises(FileNotFoundError, match=r"tiny_vae: expected an AutoencoderTiny export .* without "
-                                                r"vae_decoder/model.onnx"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"tiny_vae: expected an AutoencoderTiny export .* without "
+        r"vae_decoder/model.onnx",
+    ):
         OnnxStreamDiffusionPipeline.from_pretrained(folder, tiny_vae=partial)
     with pytest.raises(TypeError, match="tiny_vae: expected a folder or hub id"):
         OnnxStreamDiffusionPipeline.from_pretrained(folder, tiny_vae=3)
@@ -374,8 +428,12 @@ def test_a_tiny_vae_folder_without_both_components_is_refused_naming_it(sd, tiny
 
 def test_a_tiny_vae_of_other_latent_channels_is_refused_naming_it(sd, tmp_path):
     _, folder = sd
-    other = export_pipeline(None, tmp_path / "taesd8", tiny_vae=build_tiny_random_tiny_vae(latent_channels=8),
-                            progress=False)
-    with pytest.raises(ValueError, match=r"tiny_vae: .* expected a VAE with 4 latent channels \(the UNet's sample "
-                                         r"channels\), got 8"):
+    other = export_pipeline(
+        None, tmp_path / "taesd8", tiny_vae=build_tiny_random_tiny_vae(latent_channels=8), progress=False
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"tiny_vae: .* expected a VAE with 4 latent channels \(the UNet's sample "
+        r"channels\), got 8",
+    ):
         OnnxStreamDiffusionPipeline.from_pretrained(folder, tiny_vae=other)

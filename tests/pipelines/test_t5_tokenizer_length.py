@@ -61,13 +61,29 @@ def loaded(pipeline_class, folder):
 
 def sd3_images(pipe):
     latents = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
-    return pipe(PROMPT, negative_prompt="blurry", height=64, width=64, num_inference_steps=3, guidance_scale=5.0,
-                max_sequence_length=16, latents=latents, output_type="np").images
+    return pipe(
+        PROMPT,
+        negative_prompt="blurry",
+        height=64,
+        width=64,
+        num_inference_steps=3,
+        guidance_scale=5.0,
+        max_sequence_length=16,
+        latents=latents,
+        output_type="np",
+    ).images
 
 
 def flux_images(pipe):
-    return pipe([PROMPT, "a red castle"], height=64, width=48, num_inference_steps=3, max_sequence_length=16,
-                generator=torch.Generator().manual_seed(0), output_type="np").images
+    return pipe(
+        [PROMPT, "a red castle"],
+        height=64,
+        width=48,
+        num_inference_steps=3,
+        max_sequence_length=16,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    ).images
 
 
 # the fixture, the pipeline class, the T5 tokenizer, the call, the CLIP tokenizers
@@ -104,8 +120,7 @@ def test_a_folder_whose_t5_tokenizer_config_names_no_length_equals_diffusers(fam
     torch_pipe, folder, pipeline_class, t5, images, _ = family
     shutil.copytree(folder, tmp_path / "copy")
     without_length(tmp_path / "copy", t5)
-    np.testing.assert_allclose(images(loaded(pipeline_class, tmp_path / "copy")), images(torch_pipe),
-                               atol=TOLERANCE)
+    np.testing.assert_allclose(images(loaded(pipeline_class, tmp_path / "copy")), images(torch_pipe), atol=TOLERANCE)
 
 
 def test_a_clip_tokenizer_that_names_no_length_is_refused_when_loading(family, tmp_path):
@@ -113,18 +128,24 @@ def test_a_clip_tokenizer_that_names_no_length_is_refused_when_loading(family, t
     for clip in clips:
         shutil.copytree(folder, tmp_path / clip)
         without_length(tmp_path / clip, clip)
-        with pytest.raises(ValueError, match=rf"^{clip}: expected a CLIPTokenizer.* its model_max_length is 1e\+30, "
-                                             r"transformers' value for a tokenizer_config.json that names none "
-                                             r"\(CLIP's is 77"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^{clip}: expected a CLIPTokenizer.* its model_max_length is 1e\+30, "
+            r"transformers' value for a tokenizer_config.json that names none "
+            r"\(CLIP's is 77",
+        ):
             pipeline_class.from_pretrained(tmp_path / clip)
 
 
 def test_the_export_refuses_a_clip_tokenizer_that_names_no_length_before_writing(family, tmp_path):
     torch_pipe, folder, *_ = family
     pipe = with_component(torch_pipe, tokenizer=unbounded_tokenizer(folder, "tokenizer", tmp_path))
-    with pytest.raises(ArgumentError, match=r"^tokenizer: expected a CLIPTokenizer\w* whose model_max_length is the "
-                                            r"length its text encoder is fed \(CLIP's 77\), got one where its "
-                                            r"model_max_length is 1e\+30") as refused:
+    with pytest.raises(
+        ArgumentError,
+        match=r"^tokenizer: expected a CLIPTokenizer\w* whose model_max_length is the "
+        r"length its text encoder is fed \(CLIP's 77\), got one where its "
+        r"model_max_length is 1e\+30",
+    ) as refused:
         export_pipeline(None, tmp_path / "onnx", torch_pipeline=pipe, progress=False)
     assert refused.value.argument == "tokenizer"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["tokenizer"]  # nothing written, no partial folder

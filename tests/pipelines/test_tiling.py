@@ -18,8 +18,9 @@ TOLERANCE = 1e-4
 def tiny(shared_export):
     torch_pipe = build_tiny_random_pipeline()
     torch_pipe.set_progress_bar_config(disable=True)
-    folder = shared_export("sd", lambda target: export_pipeline(None, target, torch_pipeline=torch_pipe,
-                                                                progress=False))
+    folder = shared_export(
+        "sd", lambda target: export_pipeline(None, target, torch_pipeline=torch_pipe, progress=False)
+    )
     return torch_pipe, folder
 
 
@@ -68,8 +69,9 @@ def test_a_pipeline_with_vae_tiling_matches_diffusers_with_vae_tiling(tiny):
     torch_pipe, folder = tiny
     torch_vae(tiny)
     latents = torch.randn(1, 4, 20, 24, generator=torch.Generator().manual_seed(3))
-    expected = torch_pipe("a cat", height=160, width=192, num_inference_steps=2, latents=latents,
-                          output_type="np").images
+    expected = torch_pipe(
+        "a cat", height=160, width=192, num_inference_steps=2, latents=latents, output_type="np"
+    ).images
     pipe = OnnxStableDiffusionPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     pipe.enable_vae_tiling()
@@ -81,12 +83,18 @@ def test_a_pipeline_with_vae_tiling_matches_diffusers_with_vae_tiling(tiny):
     assert np.abs(untiled - got).max() > TOLERANCE  # the tiling really was on: random weights see the seams
 
 
-@pytest.mark.parametrize("arguments,message", [
-    (dict(tile_sample_size=60), "tile_sample_size: expected a positive multiple of 8"),
-    (dict(tile_sample_size=64, overlap=1.0), r"overlap: expected a fraction in \[0, 0.5\] \(diffusers uses 0.25\), got 1.0"),
-    (dict(tile_sample_size=64, overlap=0.9), r"overlap: expected a fraction in \[0, 0.5\].*got 0.9"),
-    (dict(tile_sample_size=64.0), "tile_sample_size: expected a positive multiple of 8 .*got 64.0"),
-])
+@pytest.mark.parametrize(
+    "arguments,message",
+    [
+        (dict(tile_sample_size=60), "tile_sample_size: expected a positive multiple of 8"),
+        (
+            dict(tile_sample_size=64, overlap=1.0),
+            r"overlap: expected a fraction in \[0, 0.5\] \(diffusers uses 0.25\), got 1.0",
+        ),
+        (dict(tile_sample_size=64, overlap=0.9), r"overlap: expected a fraction in \[0, 0.5\].*got 0.9"),
+        (dict(tile_sample_size=64.0), "tile_sample_size: expected a positive multiple of 8 .*got 64.0"),
+    ],
+)
 def test_bad_tiling_arguments_are_refused(tiler, arguments, message):
     with pytest.raises(ValueError, match=message):
         TiledVAE(tiler.vae_decoder, **arguments)

@@ -31,8 +31,9 @@ def tiny_vae():
 @pytest.fixture(scope="module")
 def pipeline_folder(tmp_path_factory):
     """The tiny random Stable Diffusion pipeline with the tiny random tiny VAE."""
-    return export_pipeline(None, tmp_path_factory.mktemp("sd-taesd") / "sd", tiny_random=True, tiny_vae=True,
-                           progress=False)
+    return export_pipeline(
+        None, tmp_path_factory.mktemp("sd-taesd") / "sd", tiny_random=True, tiny_vae=True, progress=False
+    )
 
 
 def session(folder, name):
@@ -53,8 +54,14 @@ def torch_vae(vae, pixels):
 def io_signature(folder, name):
     """Each input's and output's name, element type and dims (dim names included) as the ONNX file declares them."""
     graph = onnx.load(str(folder / name / "model.onnx"), load_external_data=False).graph
-    describe = lambda value: (value.name, value.type.tensor_type.elem_type,  # noqa: E731
-                              tuple(d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim))
+
+    def describe(value):
+        return (
+            value.name,
+            value.type.tensor_type.elem_type,
+            tuple(d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim),
+        )
+
     return [describe(v) for v in graph.input], [describe(v) for v in graph.output]
 
 
@@ -110,13 +117,21 @@ def diffusers_img2img(tiny_vae):
 
 def img2img(pipe, **kwargs):
     start = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(7))
-    return pipe(PROMPT, image=start, strength=0.75, num_inference_steps=3, output_type="np",
-                generator=torch.Generator().manual_seed(0), **kwargs).images
+    return pipe(
+        PROMPT,
+        image=start,
+        strength=0.75,
+        num_inference_steps=3,
+        output_type="np",
+        generator=torch.Generator().manual_seed(0),
+        **kwargs,
+    ).images
 
 
 @pytest.mark.parametrize("io_binding", [True, False])
-def test_img2img_with_the_tiny_vae_equals_diffusers_img2img_with_autoencoder_tiny(pipeline_folder, tiny_vae,
-                                                                                  io_binding):
+def test_img2img_with_the_tiny_vae_equals_diffusers_img2img_with_autoencoder_tiny(
+    pipeline_folder, tiny_vae, io_binding
+):
     expected = img2img(diffusers_img2img(tiny_vae))
     pipe = OnnxStableDiffusionImg2ImgPipeline.from_pretrained(pipeline_folder, io_binding=io_binding)
     pipe.set_progress_bar_config(disable=True)
@@ -131,16 +146,27 @@ def test_text_to_image_with_the_tiny_vae_equals_diffusers(pipeline_folder, tiny_
     theirs = StableDiffusionPipeline(**{**build_tiny_random_pipeline().components, "vae": tiny_vae})
     ours = OnnxStableDiffusionPipeline.from_pretrained(pipeline_folder)
     latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1))
-    got, expected = (pipe(PROMPT, height=64, width=64, num_inference_steps=2, latents=latents, output_type="np",
-                          generator=torch.Generator().manual_seed(0)).images for pipe in (ours, theirs))
+    got, expected = (
+        pipe(
+            PROMPT,
+            height=64,
+            width=64,
+            num_inference_steps=2,
+            latents=latents,
+            output_type="np",
+            generator=torch.Generator().manual_seed(0),
+        ).images
+        for pipe in (ours, theirs)
+    )
     np.testing.assert_allclose(got, expected, atol=1e-4)
 
 
 def test_the_tiny_vae_alone_replaces_a_pipelines_full_vae(vae_folder, tiny_folder, tiny_vae):
     # what a pipeline given a tiny VAE folder does: the folder's two components in place of its own
     full = OnnxStableDiffusionImg2ImgPipeline.from_pretrained(tiny_folder)
-    pipe = OnnxStableDiffusionImg2ImgPipeline(**{**full.components, **{
-        name: IOBindingORTModel.from_pretrained(vae_folder, subfolder=name) for name in VAE}})
+    pipe = OnnxStableDiffusionImg2ImgPipeline(
+        **{**full.components, **{name: IOBindingORTModel.from_pretrained(vae_folder, subfolder=name) for name in VAE}}
+    )
     pipe.set_progress_bar_config(disable=True)
     expected = img2img(diffusers_img2img(tiny_vae))
     np.testing.assert_allclose(img2img(pipe), expected, atol=1e-4)
@@ -182,11 +208,14 @@ def test_the_cuda_optimized_tiny_vae_runs_its_convolutions_channels_last(tmp_pat
 # ------------------------------------------------------------------------------------------------------ the CLI
 def test_cli_exports_a_pipeline_with_a_tiny_vae_folder(tmp_path, tiny_vae, capsys):
     tiny_vae.save_pretrained(str(tmp_path / "taesd"))
-    assert cli_main(["export", "--tiny-random", "--tiny-vae", str(tmp_path / "taesd"), "--output",
-                     str(tmp_path / "onnx")]) == 0
+    assert (
+        cli_main(["export", "--tiny-random", "--tiny-vae", str(tmp_path / "taesd"), "--output", str(tmp_path / "onnx")])
+        == 0
+    )
     assert "with the tiny VAE" in capsys.readouterr().out
-    assert json.loads((tmp_path / "onnx" / "vae_decoder" / "config.json").read_text())["_class_name"] == \
-        "AutoencoderTiny"
+    assert (
+        json.loads((tmp_path / "onnx" / "vae_decoder" / "config.json").read_text())["_class_name"] == "AutoencoderTiny"
+    )
     assert (tmp_path / "onnx" / "model_index.json").is_file()
     pixels = images(batch=1)
     (ours,) = session(tmp_path / "onnx", "vae_encoder").run(None, {"sample": pixels.numpy()})
@@ -205,20 +234,36 @@ def error_line(capsys) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--tiny-random", "--tiny-vae", "{full}"], "--tiny-vae: expected an AutoencoderTiny folder or hub id, got "
-                                                "'{full}', whose config.json names the class AutoencoderKL; a full "
-                                                "VAE goes in --vae"),
-    (["--tiny-random", "--tiny-vae", "{wide}"], "--tiny-vae: expected a tiny VAE of 4 latent channels (the UNet's), "
-                                                "got one of 16"),
-    (["--tiny-vae", "{tmp}"], "--tiny-vae: expected a folder holding an AutoencoderTiny's config.json, got '{tmp}'"),
-    (["--tiny-vae", "./no/such/folder"], "--tiny-vae: expected an existing local folder or a hub repository id"),
-    (["some/model", "--tiny-vae"], "--tiny-vae: expected an AutoencoderTiny's folder or hub id for 'some/model'"),
-    (["--tiny-random", "--tiny-vae", "--vae", "some/vae"],
-     "--vae and --tiny-vae: expected one VAE to export, got both"),
-    (["--tiny-vae", "--controlnet", "some/controlnet"], "--controlnet: expected none for a folder of the tiny VAE "
-                                                        "alone"),
-], ids=["full-vae", "latent-channels", "no-config", "missing", "random-for-a-model", "two-vaes", "controlnet"])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--tiny-random", "--tiny-vae", "{full}"],
+            "--tiny-vae: expected an AutoencoderTiny folder or hub id, got "
+            "'{full}', whose config.json names the class AutoencoderKL; a full "
+            "VAE goes in --vae",
+        ),
+        (
+            ["--tiny-random", "--tiny-vae", "{wide}"],
+            "--tiny-vae: expected a tiny VAE of 4 latent channels (the UNet's), got one of 16",
+        ),
+        (
+            ["--tiny-vae", "{tmp}"],
+            "--tiny-vae: expected a folder holding an AutoencoderTiny's config.json, got '{tmp}'",
+        ),
+        (["--tiny-vae", "./no/such/folder"], "--tiny-vae: expected an existing local folder or a hub repository id"),
+        (["some/model", "--tiny-vae"], "--tiny-vae: expected an AutoencoderTiny's folder or hub id for 'some/model'"),
+        (
+            ["--tiny-random", "--tiny-vae", "--vae", "some/vae"],
+            "--vae and --tiny-vae: expected one VAE to export, got both",
+        ),
+        (
+            ["--tiny-vae", "--controlnet", "some/controlnet"],
+            "--controlnet: expected none for a folder of the tiny VAE alone",
+        ),
+    ],
+    ids=["full-vae", "latent-channels", "no-config", "missing", "random-for-a-model", "two-vaes", "controlnet"],
+)
 def test_cli_tiny_vae_mistakes_name_the_option_and_write_nothing(tmp_path, capsys, argv, message):
     build_tiny_random_pipeline().vae.save_pretrained(str(tmp_path / "full"))
     build_tiny_random_tiny_vae(latent_channels=16).save_pretrained(str(tmp_path / "wide"))
@@ -230,19 +275,35 @@ def test_cli_tiny_vae_mistakes_name_the_option_and_write_nothing(tmp_path, capsy
 
 
 # ------------------------------------------------------------------------------------------------ bad arguments
-@pytest.mark.parametrize("make, error, message", [
-    (lambda tmp: build_tiny_random_pipeline().vae, TypeError,
-     r"tiny_vae: expected an AutoencoderTiny, its folder or hub id, or True \(a tiny random one\), got "
-     "AutoencoderKL; an AutoencoderKL is a full VAE: pass it as vae="),
-    (lambda tmp: 3, TypeError, "tiny_vae: expected an AutoencoderTiny, its folder or hub id, or True"),
-    (lambda tmp: build_tiny_random_tiny_vae(latent_channels=16), ValueError,
-     r"tiny_vae: expected a tiny VAE of 4 latent channels \(the UNet's\), got one of 16"),
-    (lambda tmp: str(tmp / "missing"), ValueError,
-     "tiny_vae: expected an AutoencoderTiny folder or hub id .*, got '.*missing', which does not load: "),
-    (lambda tmp: build_tiny_random_pipeline().vae.save_pretrained(str(tmp / "full")) or tmp / "full", TypeError,
-     "tiny_vae: expected an AutoencoderTiny folder or hub id, got '.*full', whose config.json names the class "
-     "AutoencoderKL; a full VAE goes in vae$"),
-], ids=["full-vae", "a-number", "latent-channels", "unloadable", "full-vae-folder"])
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (
+            lambda tmp: build_tiny_random_pipeline().vae,
+            TypeError,
+            r"tiny_vae: expected an AutoencoderTiny, its folder or hub id, or True \(a tiny random one\), got "
+            "AutoencoderKL; an AutoencoderKL is a full VAE: pass it as vae=",
+        ),
+        (lambda tmp: 3, TypeError, "tiny_vae: expected an AutoencoderTiny, its folder or hub id, or True"),
+        (
+            lambda tmp: build_tiny_random_tiny_vae(latent_channels=16),
+            ValueError,
+            r"tiny_vae: expected a tiny VAE of 4 latent channels \(the UNet's\), got one of 16",
+        ),
+        (
+            lambda tmp: str(tmp / "missing"),
+            ValueError,
+            "tiny_vae: expected an AutoencoderTiny folder or hub id .*, got '.*missing', which does not load: ",
+        ),
+        (
+            lambda tmp: build_tiny_random_pipeline().vae.save_pretrained(str(tmp / "full")) or tmp / "full",
+            TypeError,
+            "tiny_vae: expected an AutoencoderTiny folder or hub id, got '.*full', whose config.json names the class "
+            "AutoencoderKL; a full VAE goes in vae$",
+        ),
+    ],
+    ids=["full-vae", "a-number", "latent-channels", "unloadable", "full-vae-folder"],
+)
 def test_a_wrong_tiny_vae_is_a_named_error_before_anything_is_written(tmp_path, make, error, message):
     with pytest.raises(error, match=message):
         export_pipeline(None, tmp_path / "out", tiny_random=True, tiny_vae=make(tmp_path), progress=False)
@@ -250,13 +311,26 @@ def test_a_wrong_tiny_vae_is_a_named_error_before_anything_is_written(tmp_path, 
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no partial folder either
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(model_id_or_path="some/model", tiny_vae=True), r"tiny_vae: True \(a tiny random AutoencoderTiny\) goes "
-                                                         "with tiny_random or alone"),
-    (dict(tiny_random=True, tiny_vae=True, vae="some/vae"), "vae and tiny_vae: expected one VAE to export, got both"),
-    (dict(tiny_vae=True, components=["unet"]), r"components: a folder of the tiny VAE alone has \['vae_encoder', "
-                                               r"'vae_decoder'\], got \['unet'\]"),
-], ids=["random-for-a-model", "two-vaes", "vae-alone-with-a-unet"])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(model_id_or_path="some/model", tiny_vae=True),
+            r"tiny_vae: True \(a tiny random AutoencoderTiny\) goes "
+            "with tiny_random or alone",
+        ),
+        (
+            dict(tiny_random=True, tiny_vae=True, vae="some/vae"),
+            "vae and tiny_vae: expected one VAE to export, got both",
+        ),
+        (
+            dict(tiny_vae=True, components=["unet"]),
+            r"components: a folder of the tiny VAE alone has \['vae_encoder', "
+            r"'vae_decoder'\], got \['unet'\]",
+        ),
+    ],
+    ids=["random-for-a-model", "two-vaes", "vae-alone-with-a-unet"],
+)
 def test_tiny_vae_arguments_that_do_not_go_together_are_refused_first(tmp_path, kwargs, message):
     kwargs = {"model_id_or_path": None, **kwargs}
     with pytest.raises(ValueError, match=message):
@@ -267,13 +341,15 @@ def test_tiny_vae_arguments_that_do_not_go_together_are_refused_first(tmp_path, 
 # ------------------------------------------------------------------------------ the full VAE's attention, fused
 def test_the_optimized_full_vae_fuses_its_attention_without_falling_back(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
-        folder = export_pipeline(None, tmp_path / "vae", tiny_random=True, optimize="cpu", components=VAE,
-                                 progress=False)
+        folder = export_pipeline(
+            None, tmp_path / "vae", tiny_random=True, optimize="cpu", components=VAE, progress=False
+        )
     assert "attention fusion failed" not in caplog.text
     for name in VAE:
         nodes = onnx.load(str(folder / name / "model.onnx")).graph.node
-        assert [(n.domain, n.op_type) for n in nodes if n.op_type in ("Attention", "Softmax")] == \
-            [("com.microsoft", "Attention")]  # the mid block's one attention, fused
+        assert [(n.domain, n.op_type) for n in nodes if n.op_type in ("Attention", "Softmax")] == [
+            ("com.microsoft", "Attention")
+        ]  # the mid block's one attention, fused
 
 
 def test_the_fused_full_vae_computes_what_the_unfused_export_and_diffusers_compute(tiny_fused_folder, tiny_folder):
@@ -287,8 +363,10 @@ def test_the_fused_full_vae_computes_what_the_unfused_export_and_diffusers_compu
         np.testing.assert_allclose(encoded, latents.numpy(), atol=1e-4, rtol=1e-4)
         (ours,) = session(folder, "vae_decoder").run(None, {"latent_sample": latents.numpy()})
         np.testing.assert_allclose(ours, decoded.numpy(), atol=1e-4, rtol=1e-4)
-    fused, unfused = (session(folder, "vae_decoder").run(None, {"latent_sample": latents.numpy()})[0]
-                      for folder in (tiny_fused_folder, tiny_folder))
+    fused, unfused = (
+        session(folder, "vae_decoder").run(None, {"latent_sample": latents.numpy()})[0]
+        for folder in (tiny_fused_folder, tiny_folder)
+    )
     np.testing.assert_allclose(fused, unfused, atol=1e-5, rtol=1e-5)
 
 
@@ -311,9 +389,12 @@ def exact(fp16: bool) -> dict:
 def test_on_cuda_the_tiny_vae_alone_equals_diffusers_through_captured_graphs(tmp_path, tiny_vae, fp16):
     folder = export_pipeline(None, tmp_path / "taesd", tiny_vae=True, fp16=fp16, optimize="cuda", progress=False)
     dtype = torch.float16 if fp16 else torch.float32
-    encoder, decoder = (IOBindingORTModel.from_pretrained(folder, subfolder=name, provider="CUDAExecutionProvider",
-                                                          provider_options=exact(fp16), cuda_graph=True)
-                        for name in VAE)
+    encoder, decoder = (
+        IOBindingORTModel.from_pretrained(
+            folder, subfolder=name, provider="CUDAExecutionProvider", provider_options=exact(fp16), cuda_graph=True
+        )
+        for name in VAE
+    )
     pixels = images(batch=1, height=64, width=64)
     latents, decoded = torch_vae(tiny_vae, pixels)
     tolerance = 2e-2 if fp16 else 1e-4
@@ -328,13 +409,15 @@ def test_on_cuda_the_tiny_vae_alone_equals_diffusers_through_captured_graphs(tmp
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
 def test_on_cuda_the_fused_full_vae_decoder_equals_the_unfused_one(tmp_path, tiny_folder, fp16):
-    folder = export_pipeline(None, tmp_path / "vae", tiny_random=True, fp16=fp16, optimize="cuda", components=VAE,
-                             progress=False)
+    folder = export_pipeline(
+        None, tmp_path / "vae", tiny_random=True, fp16=fp16, optimize="cuda", components=VAE, progress=False
+    )
     dtype = torch.float16 if fp16 else torch.float32
     latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     (expected,) = session(tiny_folder, "vae_decoder").run(None, {"latent_sample": latents.numpy()})
-    decoder = IOBindingORTModel.from_pretrained(folder, subfolder="vae_decoder", provider="CUDAExecutionProvider",
-                                                provider_options=exact(fp16))
+    decoder = IOBindingORTModel.from_pretrained(
+        folder, subfolder="vae_decoder", provider="CUDAExecutionProvider", provider_options=exact(fp16)
+    )
     (ours,) = decoder(latent_sample=latents.to("cuda", dtype))
     tolerance = 2e-2 if fp16 else 1e-4
     np.testing.assert_allclose(ours.float().cpu().numpy(), expected, atol=tolerance, rtol=tolerance)

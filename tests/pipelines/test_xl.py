@@ -36,15 +36,21 @@ def refiner(tmp_path_factory):
 
     base = build_tiny_random_xl_pipeline()
     torch.manual_seed(3)
-    unet = UNet2DConditionModel(**{**base.unet.config, "projection_class_embeddings_input_dim": 5 * 8 + 32,
-                                   "cross_attention_dim": 32})  # only the second encoder's states
+    unet = UNet2DConditionModel(
+        **{**base.unet.config, "projection_class_embeddings_input_dim": 5 * 8 + 32, "cross_attention_dim": 32}
+    )  # only the second encoder's states
     torch_pipe = StableDiffusionXLImg2ImgPipeline(
-        vae=base.vae, text_encoder=None, text_encoder_2=base.text_encoder_2, tokenizer=None,
-        tokenizer_2=base.tokenizer_2, unet=unet, scheduler=base.scheduler, requires_aesthetics_score=True,
+        vae=base.vae,
+        text_encoder=None,
+        text_encoder_2=base.text_encoder_2,
+        tokenizer=None,
+        tokenizer_2=base.tokenizer_2,
+        unet=unet,
+        scheduler=base.scheduler,
+        requires_aesthetics_score=True,
     )
     torch_pipe.set_progress_bar_config(disable=True)
-    folder = export_pipeline(None, tmp_path_factory.mktemp("xl") / "refiner", torch_pipeline=torch_pipe,
-                             progress=False)
+    folder = export_pipeline(None, tmp_path_factory.mktemp("xl") / "refiner", torch_pipeline=torch_pipe, progress=False)
     return torch_pipe, folder
 
 
@@ -68,25 +74,42 @@ def test_the_export_has_optimums_sdxl_layout(xl):
     assert (folder / "tokenizer_2" / "vocab.json").is_file()
     pipe = load(OnnxStableDiffusionXLPipeline, folder)
     assert [arg.name for arg in pipe.unet.session.get_inputs()] == [
-        "sample", "timestep", "encoder_hidden_states", "text_embeds", "time_ids"]
+        "sample",
+        "timestep",
+        "encoder_hidden_states",
+        "text_embeds",
+        "time_ids",
+    ]
     assert pipe.text_encoder_2.output_names[:2] == ["text_embeds", "last_hidden_state"]
 
 
 @pytest.mark.parametrize("io_binding", [True, False])
-@pytest.mark.parametrize("call", [
-    dict(guidance_scale=5.0),
-    dict(guidance_scale=5.0, negative_prompt="blurry", prompt_2="an oil painting"),
-    dict(guidance_scale=1.0),
-    dict(guidance_scale=7.0, guidance_rescale=0.7, original_size=(128, 96), crops_coords_top_left=(8, 4)),
-    dict(guidance_scale=5.0, clip_skip=1),
-], ids=["cfg", "negative-and-prompt-2", "no-cfg", "rescale-and-size-conditioning", "clip-skip"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        dict(guidance_scale=5.0),
+        dict(guidance_scale=5.0, negative_prompt="blurry", prompt_2="an oil painting"),
+        dict(guidance_scale=1.0),
+        dict(guidance_scale=7.0, guidance_rescale=0.7, original_size=(128, 96), crops_coords_top_left=(8, 4)),
+        dict(guidance_scale=5.0, clip_skip=1),
+    ],
+    ids=["cfg", "negative-and-prompt-2", "no-cfg", "rescale-and-size-conditioning", "clip-skip"],
+)
 def test_txt2img_matches_diffusers_torch_sdxl(xl, io_binding, call):
     torch_pipe, folder = xl
     latents = initial_latents()
-    expected = torch_pipe(PROMPT, height=SIZE, width=SIZE, num_inference_steps=3, latents=torch.from_numpy(latents),
-                          output_type="np", **call).images
+    expected = torch_pipe(
+        PROMPT,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=3,
+        latents=torch.from_numpy(latents),
+        output_type="np",
+        **call,
+    ).images
     got = load(OnnxStableDiffusionXLPipeline, folder, io_binding)(
-        PROMPT, height=SIZE, width=SIZE, num_inference_steps=3, latents=latents, output_type="np", **call).images
+        PROMPT, height=SIZE, width=SIZE, num_inference_steps=3, latents=latents, output_type="np", **call
+    ).images
     assert got.shape == expected.shape == (1, SIZE, SIZE, 3)
     np.testing.assert_allclose(got, expected, atol=TOLERANCE)
 
@@ -96,11 +119,24 @@ def test_two_prompts_and_two_images_per_prompt_come_out_in_diffusers_order(xl):
     generator = torch.Generator().manual_seed(0)
     latents = torch.randn(4, 4, SIZE // 8, SIZE // 8, generator=generator)
     prompts = [PROMPT, "a red bicycle"]
-    expected = torch_pipe(prompts, height=SIZE, width=SIZE, num_inference_steps=2, num_images_per_prompt=2,
-                          latents=latents, output_type="np").images
-    got = load(OnnxStableDiffusionXLPipeline, folder)(prompts, height=SIZE, width=SIZE, num_inference_steps=2,
-                                                      num_images_per_prompt=2, latents=latents,
-                                                      output_type="np").images
+    expected = torch_pipe(
+        prompts,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=2,
+        num_images_per_prompt=2,
+        latents=latents,
+        output_type="np",
+    ).images
+    got = load(OnnxStableDiffusionXLPipeline, folder)(
+        prompts,
+        height=SIZE,
+        width=SIZE,
+        num_inference_steps=2,
+        num_images_per_prompt=2,
+        latents=latents,
+        output_type="np",
+    ).images
     np.testing.assert_allclose(got, expected, atol=TOLERANCE)
 
 
@@ -137,11 +173,22 @@ def test_img2img_matches_diffusers_torch_sdxl_img2img(xl, io_binding):
     torch_img2img = StableDiffusionXLImg2ImgPipeline(**torch_pipe.components)
     torch_img2img.set_progress_bar_config(disable=True)
     image = start_image()
-    expected = torch_img2img(PROMPT, image=image_latents(torch_pipe, image), strength=0.6, num_inference_steps=5,
-                             generator=torch.Generator().manual_seed(1), output_type="np").images
+    expected = torch_img2img(
+        PROMPT,
+        image=image_latents(torch_pipe, image),
+        strength=0.6,
+        num_inference_steps=5,
+        generator=torch.Generator().manual_seed(1),
+        output_type="np",
+    ).images
     got = load(OnnxStableDiffusionXLImg2ImgPipeline, folder, io_binding)(
-        PROMPT, image=image, strength=0.6, num_inference_steps=5, generator=torch.Generator().manual_seed(1),
-        output_type="np").images
+        PROMPT,
+        image=image,
+        strength=0.6,
+        num_inference_steps=5,
+        generator=torch.Generator().manual_seed(1),
+        output_type="np",
+    ).images
     np.testing.assert_allclose(got, expected, atol=TOLERANCE)
 
 
@@ -151,10 +198,24 @@ def test_the_refiner_layout_runs_with_its_aesthetic_score(refiner):
     pipe = load(OnnxStableDiffusionXLImg2ImgPipeline, folder)
     assert pipe.text_encoder is None and pipe.config.requires_aesthetics_score and pipe.time_ids_length == 5
     image = start_image(1)
-    expected = torch_pipe(PROMPT, image=image_latents(torch_pipe, image), strength=0.5, num_inference_steps=4,
-                          aesthetic_score=7.0, generator=torch.Generator().manual_seed(2), output_type="np").images
-    got = pipe(PROMPT, image=image, strength=0.5, num_inference_steps=4, aesthetic_score=7.0,
-               generator=torch.Generator().manual_seed(2), output_type="np").images
+    expected = torch_pipe(
+        PROMPT,
+        image=image_latents(torch_pipe, image),
+        strength=0.5,
+        num_inference_steps=4,
+        aesthetic_score=7.0,
+        generator=torch.Generator().manual_seed(2),
+        output_type="np",
+    ).images
+    got = pipe(
+        PROMPT,
+        image=image,
+        strength=0.5,
+        num_inference_steps=4,
+        aesthetic_score=7.0,
+        generator=torch.Generator().manual_seed(2),
+        output_type="np",
+    ).images
     np.testing.assert_allclose(got, expected, atol=TOLERANCE)
 
 
@@ -195,8 +256,11 @@ def test_an_ort_fused_sdxl_export_matches_the_plain_one(xl, tmp_path):
     torch_pipe, folder = xl
     fused = export_pipeline(None, tmp_path / "fused", torch_pipeline=torch_pipe, optimize="cpu", progress=False)
     kwargs = dict(height=SIZE, width=SIZE, num_inference_steps=2, latents=initial_latents(), output_type="np")
-    np.testing.assert_allclose(load(OnnxStableDiffusionXLPipeline, fused)(PROMPT, **kwargs).images,
-                               load(OnnxStableDiffusionXLPipeline, folder)(PROMPT, **kwargs).images, atol=TOLERANCE)
+    np.testing.assert_allclose(
+        load(OnnxStableDiffusionXLPipeline, fused)(PROMPT, **kwargs).images,
+        load(OnnxStableDiffusionXLPipeline, folder)(PROMPT, **kwargs).images,
+        atol=TOLERANCE,
+    )
 
 
 def test_cli_generate_picks_the_sdxl_pipeline_from_the_folder(xl, tmp_path, capsys):
@@ -204,6 +268,23 @@ def test_cli_generate_picks_the_sdxl_pipeline_from_the_folder(xl, tmp_path, caps
 
     _, folder = xl
     out = tmp_path / "xl.png"
-    assert cli_main(["generate", "a cat", "--model", str(folder), "--steps", "1", "--height", "64", "--width", "64",
-                     "--out", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                "a cat",
+                "--model",
+                str(folder),
+                "--steps",
+                "1",
+                "--height",
+                "64",
+                "--width",
+                "64",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "OnnxStableDiffusionXLPipeline" in capsys.readouterr().out and out.is_file()

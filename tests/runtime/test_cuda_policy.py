@@ -16,8 +16,10 @@ from optimum_iobinding.runtime.cuda_policy import (
 
 
 def test_diffusion_defaults_fill_in_under_the_users_options():
-    (cuda, cpu) = with_diffusion_defaults(["CUDAExecutionProvider", "CPUExecutionProvider"],
-                                          [{"cudnn_conv_algo_search": "HEURISTIC", "device_id": "1"}, {}])
+    (cuda, cpu) = with_diffusion_defaults(
+        ["CUDAExecutionProvider", "CPUExecutionProvider"],
+        [{"cudnn_conv_algo_search": "HEURISTIC", "device_id": "1"}, {}],
+    )
     assert cuda["cudnn_conv_algo_search"] == "HEURISTIC" and cuda["device_id"] == "1"
     assert cuda["arena_extend_strategy"] == CUDA_DIFFUSION_DEFAULTS["arena_extend_strategy"]
     assert cpu == {}
@@ -29,10 +31,14 @@ def test_tensorrt_gets_an_engine_cache_and_fp16_by_default():
 
 
 def test_free_dimension_overrides_fix_every_named_dim_of_a_signature():
-    declared = {"sample": ["batch", 4, "height", "width"], "timestep": ["timestep_batch"],
-                "encoder_hidden_states": ["batch", "sequence", 768]}
+    declared = {
+        "sample": ["batch", 4, "height", "width"],
+        "timestep": ["timestep_batch"],
+        "encoder_hidden_states": ["batch", "sequence", 768],
+    }
     overrides, problems = free_dimension_overrides(
-        declared, {"sample": (2, 4, 64, 64), "timestep": (2,), "encoder_hidden_states": (2, 77, 768)})
+        declared, {"sample": (2, 4, 64, 64), "timestep": (2,), "encoder_hidden_states": (2, 77, 768)}
+    )
     assert overrides == {"batch": 2, "height": 64, "width": 64, "timestep_batch": 2, "sequence": 77}
     assert problems == []
 
@@ -52,15 +58,21 @@ def test_tensorrt_profile_is_the_first_shapes_as_min_opt_and_max():
 
 
 def test_cuda_graph_on_a_cpu_session_is_refused_with_the_reason(make_model, make_session, tensor):
-    model = make_model([helper.make_node("Identity", ["x"], ["y"])], [tensor("x", TensorProto.FLOAT, [1])],
-                       [tensor("y", TensorProto.FLOAT, [1])])
+    model = make_model(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        [tensor("x", TensorProto.FLOAT, [1])],
+        [tensor("y", TensorProto.FLOAT, [1])],
+    )
     with pytest.raises(ValueError, match=r"cuda_graph: needs a CUDA session with io_binding=True, got device cpu"):
         IOBindingORTModel(make_session(model), cuda_graph=True)
 
 
 def test_a_stream_with_a_ready_made_session_is_refused(make_model, make_session, tensor):
-    model = make_model([helper.make_node("Identity", ["x"], ["y"])], [tensor("x", TensorProto.FLOAT, [1])],
-                       [tensor("y", TensorProto.FLOAT, [1])])
+    model = make_model(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        [tensor("x", TensorProto.FLOAT, [1])],
+        [tensor("y", TensorProto.FLOAT, [1])],
+    )
     with pytest.raises(ValueError, match=r"stream: a stream is set when a session is created"):
         IOBindingORTModel(make_session(model), stream=object())
 
@@ -105,8 +117,9 @@ def test_the_first_graph_runs_in_every_thread_wait_for_the_device_set_ups_of_oth
         def run_with_iobinding(self, binding, run_options):
             seen.append((threading.current_thread().name, gate.inside))
 
-    runner = graph_pool.CudaGraphRunner(Session(), {"x": ((2,), torch.float32)}, {"y": ((2,), torch.float32)},
-                                        torch.device("cpu"), None)
+    runner = graph_pool.CudaGraphRunner(
+        Session(), {"x": ((2,), torch.float32)}, {"y": ((2,), torch.float32)}, torch.device("cpu"), None
+    )
     x = torch.ones(2)
     for _ in range(4):
         runner.run({"x": x})

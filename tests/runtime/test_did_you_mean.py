@@ -17,8 +17,9 @@ def test_did_you_mean_names_the_closest_choice_or_nothing():
     assert close_matches("provider", choices) == ["provider_options"]  # never the word itself
 
 
-@pytest.mark.parametrize("name", ["cuda", "CUDA", "Cuda", "CudaExecutionProvider", "CUDAExecutionProvder",
-                                  "CUDAExcutionProvider"])
+@pytest.mark.parametrize(
+    "name", ["cuda", "CUDA", "Cuda", "CudaExecutionProvider", "CUDAExecutionProvder", "CUDAExcutionProvider"]
+)
 def test_a_cuda_provider_named_otherwise_points_to_cuda_execution_provider(name):
     with pytest.raises(ArgumentError) as caught:
         normalize_providers(name)
@@ -29,9 +30,16 @@ def test_a_cuda_provider_named_otherwise_points_to_cuda_execution_provider(name)
         assert "install onnxruntime-gpu" in str(caught.value)
 
 
-@pytest.mark.parametrize("name, meant", [("cpu", "CPUExecutionProvider"), ("tensorrt", "TensorrtExecutionProvider"),
-                                         ("TensorRT", "TensorrtExecutionProvider"), ("rocm", "ROCMExecutionProvider"),
-                                         ("openvino", "OpenVINOExecutionProvider")])
+@pytest.mark.parametrize(
+    "name, meant",
+    [
+        ("cpu", "CPUExecutionProvider"),
+        ("tensorrt", "TensorrtExecutionProvider"),
+        ("TensorRT", "TensorrtExecutionProvider"),
+        ("rocm", "ROCMExecutionProvider"),
+        ("openvino", "OpenVINOExecutionProvider"),
+    ],
+)
 def test_a_short_provider_name_points_to_ort_s_name(name, meant):
     with pytest.raises(ArgumentError, match=rf"did you mean {meant}\?"):
         ModelOptions.resolve(provider=[name, "CPUExecutionProvider"])
@@ -46,8 +54,11 @@ def test_a_provider_near_none_is_refused_without_a_guess():
 
 
 def test_a_known_provider_this_build_lacks_keeps_its_refusal_without_a_guess():
-    missing = next(name for name in ("CUDAExecutionProvider", "TensorrtExecutionProvider", "CoreMLExecutionProvider")
-                   if name not in ort.get_available_providers())
+    missing = next(
+        name
+        for name in ("CUDAExecutionProvider", "TensorrtExecutionProvider", "CoreMLExecutionProvider")
+        if name not in ort.get_available_providers()
+    )
     with pytest.raises(ArgumentError) as caught:
         normalize_providers(missing, io_binding=False)
     message = str(caught.value)

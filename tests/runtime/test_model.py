@@ -18,8 +18,15 @@ from optimum_iobinding.runtime.dtypes import TORCH_TO_ONNX
 from optimum_iobinding.runtime.inputs import check_input_device
 
 ALL_DTYPES = [
-    torch.float32, torch.float16, torch.bfloat16, torch.float64,
-    torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
 ]
 
 
@@ -38,13 +45,18 @@ def session_run(session: ort.InferenceSession, feeds: dict) -> list:
     if any(t.dtype == torch.bfloat16 for t in feeds.values()):
         values = {
             name: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-                t.view(torch.int16).numpy().view(np.uint16), TensorProto.BFLOAT16)
+                t.view(torch.int16).numpy().view(np.uint16), TensorProto.BFLOAT16
+            )
             for name, t in feeds.items()
         }
         outputs = session.run_with_ort_values([o.name for o in session.get_outputs()], values)
         # numpy has no bfloat16: the bytes are read through the OrtValue's public address and size
-        return [torch.frombuffer(bytearray((ctypes.c_uint8 * o.tensor_size_in_bytes()).from_address(o.data_ptr())),
-                                 dtype=torch.bfloat16).reshape(o.shape()) for o in outputs]
+        return [
+            torch.frombuffer(
+                bytearray((ctypes.c_uint8 * o.tensor_size_in_bytes()).from_address(o.data_ptr())), dtype=torch.bfloat16
+            ).reshape(o.shape())
+            for o in outputs
+        ]
     return [torch.from_numpy(r) for r in session.run(None, {n: t.numpy() for n, t in feeds.items()})]
 
 
@@ -52,6 +64,7 @@ def session_run(session: ort.InferenceSession, feeds: dict) -> list:
 def transpose_concat_model(make_model, tensor):
     """``transpose_concat_model(elem_type)``: y = transpose(concat(x, x)), real data movement that every tensor type
     supports."""
+
     def build(elem_type: int) -> onnx.ModelProto:
         return make_model(
             [helper.make_node("Concat", ["x", "x"], ["c"], axis=0), helper.make_node("Transpose", ["c"], ["y"])],
@@ -65,6 +78,7 @@ def transpose_concat_model(make_model, tensor):
 @pytest.fixture
 def identity_model(make_model, tensor):
     """``identity_model(elem_type=TensorProto.FLOAT, dims=("batch", 4))``: y = x."""
+
     def build(elem_type=TensorProto.FLOAT, dims=("batch", 4)) -> onnx.ModelProto:
         return make_model(
             [helper.make_node("Identity", ["x"], ["y"])],
@@ -369,7 +383,9 @@ def test_complex_tensor_is_an_error(make_session, identity_model):
 
 def test_unsupported_python_type_is_an_error(make_session, identity_model):
     model = IOBindingORTModel(make_session(identity_model()))
-    with pytest.raises(TypeError, match=r"input 'x': expected a torch.Tensor, numpy.ndarray or Python scalar, got list"):
+    with pytest.raises(
+        TypeError, match=r"input 'x': expected a torch.Tensor, numpy.ndarray or Python scalar, got list"
+    ):
         model(x=[[1.0, 2.0, 3.0, 4.0]])
 
 
@@ -425,8 +441,14 @@ def test_a_tensor_on_cuda_1_for_a_cuda_0_session_is_refused(make_session, identi
 
 # ----------------------------------------------------------------------------------------------- loading / saving
 def save_with_external_data(model: onnx.ModelProto, path) -> None:
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location="weights.pb", size_threshold=0)
+    onnx.save_model(
+        model,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="weights.pb",
+        size_threshold=0,
+    )
 
 
 @pytest.fixture
@@ -449,8 +471,12 @@ def model_and_part(tmp_path, make_model, tensor):
     """A model (``y = x @ w``) and a part beside it that names the same weight (``z = x @ w + x @ w``), both reading
     one weights file."""
     weight = numpy_helper.from_array(WIDE.numpy(), "w")
-    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [tensor("x", TensorProto.FLOAT, ["batch", 64])],
-                       [tensor("y", TensorProto.FLOAT, ["batch", 32])], [weight])
+    model = make_model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        [tensor("x", TensorProto.FLOAT, ["batch", 64])],
+        [tensor("y", TensorProto.FLOAT, ["batch", 32])],
+        [weight],
+    )
     save_with_external_data(model, tmp_path / "model.onnx")
     part = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False)  # w: still the model's file
     del part.graph.node[:], part.graph.output[:]
@@ -521,7 +547,9 @@ def test_from_pretrained_of_a_folder_without_the_file_is_an_error(tmp_path):
 def test_load_model_takes_providers_with_options_as_ort_does(tmp_path, identity_model):
     path = tmp_path / "model.onnx"
     onnx.save(identity_model(), path)
-    session = IOBindingORTModel.load_model(path, [("CPUExecutionProvider", {"arena_extend_strategy": "kSameAsRequested"})])
+    session = IOBindingORTModel.load_model(
+        path, [("CPUExecutionProvider", {"arena_extend_strategy": "kSameAsRequested"})]
+    )
     assert session.get_providers() == ["CPUExecutionProvider"]
     assert IOBindingORTModel(path, provider=["CPUExecutionProvider"]).device == torch.device("cpu")
 
@@ -584,6 +612,8 @@ def test_a_sibling_has_its_own_session_and_the_same_file_options_and_results(tmp
 @pytest.fixture
 def sibling_model(make_model) -> onnx.ModelProto:
     """y = x * x."""
-    return make_model([helper.make_node("Mul", ["x", "x"], ["y"])],
-                      [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
-                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3])])
+    return make_model(
+        [helper.make_node("Mul", ["x", "x"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3])],
+    )

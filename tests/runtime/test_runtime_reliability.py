@@ -88,10 +88,15 @@ def test_a_truncated_model_file_is_an_error_naming_it(tmp_path, tanh_model):
 
 def test_a_missing_external_data_file_is_an_error_naming_it(tmp_path, make_model, tensor):
     weight = numpy_helper.from_array(np.ones((16, 16), dtype=np.float32), "w")
-    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [tensor("x", TensorProto.FLOAT, ["n", 16])],
-                       [tensor("y", TensorProto.FLOAT, ["n", 16])], [weight])
-    onnx.save_model(model, str(tmp_path / "model.onnx"), save_as_external_data=True, location="weights.pb",
-                    size_threshold=0)
+    model = make_model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        [tensor("x", TensorProto.FLOAT, ["n", 16])],
+        [tensor("y", TensorProto.FLOAT, ["n", 16])],
+        [weight],
+    )
+    onnx.save_model(
+        model, str(tmp_path / "model.onnx"), save_as_external_data=True, location="weights.pb", size_threshold=0
+    )
     (tmp_path / "weights.pb").unlink()
     with pytest.raises(ValueError, match=r"could not load .*model\.onnx.*weights\.pb"):
         IOBindingORTModel(tmp_path / "model.onnx")
@@ -149,8 +154,9 @@ def concat_models(draw):
         if form == "unnamed" or dim is None:
             output_dims.append(None)
         elif position == axis:
-            output_dims.append(2 * dim if isinstance(dim, int) else
-                               draw(st.sampled_from([f"2*{dim}", f"{dim} + {dim}", f"{dim} * 2"])))
+            output_dims.append(
+                2 * dim if isinstance(dim, int) else draw(st.sampled_from([f"2*{dim}", f"{dim} + {dim}", f"{dim} * 2"]))
+            )
         else:
             output_dims.append(dim)
     return (axis, input_dims, output_dims), tuple(sizes)
@@ -158,11 +164,15 @@ def concat_models(draw):
 
 @given(concat_models())
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_inferred_output_shapes_match_onnx_shape_inference_and_a_real_run(make_model, make_session, tensor,
-                                                                          declaration_and_sizes):
+def test_inferred_output_shapes_match_onnx_shape_inference_and_a_real_run(
+    make_model, make_session, tensor, declaration_and_sizes
+):
     (axis, input_dims, output_dims), sizes = declaration_and_sizes
-    model = make_model([helper.make_node("Concat", ["x", "x"], ["y"], axis=axis)],
-                       [tensor("x", TensorProto.FLOAT, input_dims)], [tensor("y", TensorProto.FLOAT, output_dims)])
+    model = make_model(
+        [helper.make_node("Concat", ["x", "x"], ["y"], axis=axis)],
+        [tensor("x", TensorProto.FLOAT, input_dims)],
+        [tensor("y", TensorProto.FLOAT, output_dims)],
+    )
     session = make_session(model)
     (expected,) = [tuple(output.shape) for output in session.run(None, {"x": np.zeros(sizes, np.float32)})]
     assert infer_output_shapes(session, {"x": sizes}) == {"y": expected}

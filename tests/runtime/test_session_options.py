@@ -9,8 +9,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from optimum_iobinding import IOBindingORTModel
 from optimum_iobinding.errors import ArgumentError
-from optimum_iobinding.runtime.session_options import (SESSION_CONFIG_KEYS, config_entry, copy_session_options,
-                                                      session_config_entries, session_option_properties)
+from optimum_iobinding.runtime.session_options import (
+    SESSION_CONFIG_KEYS,
+    config_entry,
+    copy_session_options,
+    session_config_entries,
+    session_option_properties,
+)
 
 # {}: the session is made from the user's own object; share_weights=True (owned weights on the CPU): from a copy
 PATHS = pytest.mark.parametrize("settings", [{}, dict(share_weights=True)], ids=["as-given", "owned-weights"])
@@ -19,8 +24,12 @@ PATHS = pytest.mark.parametrize("settings", [{}, dict(share_weights=True)], ids=
 def weighted(make_model, tensor, scale: float):
     """y = x @ w with w a 32×32 float initializer (large enough to become an owned weight) of ``scale``."""
     weight = numpy_helper.from_array(np.full((32, 32), scale, dtype=np.float32), "w")
-    return make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [tensor("x", TensorProto.FLOAT, ["n", 32])],
-                      [tensor("y", TensorProto.FLOAT, ["n", 32])], [weight])
+    return make_model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        [tensor("x", TensorProto.FLOAT, ["n", 32])],
+        [tensor("y", TensorProto.FLOAT, ["n", 32])],
+        [weight],
+    )
 
 
 @pytest.fixture
@@ -62,7 +71,8 @@ def test_the_copy_holds_every_session_config_entry_ort_documents():
     copy = copy_session_options(base)
     assert session_config_entries(copy) == {key: str(index) for index, key in enumerate(SESSION_CONFIG_KEYS)}
     assert config_entry(copy, "session.use_env_allocators") == base.get_session_config_entry(
-        "session.use_env_allocators")
+        "session.use_env_allocators"
+    )
     assert config_entry(ort.SessionOptions(), "session.use_env_allocators") is None
 
 
@@ -155,8 +165,11 @@ def test_prepacking_the_user_asked_for_is_refused_with_owned_weights_on_the_cpu(
 def test_a_layout_optimization_level_the_user_chose_is_refused_with_owned_weights_on_the_cpu(model_path):
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_LAYOUT
-    with pytest.raises(ArgumentError, match=r"sess_options: its graph_optimization_level is ORT_ENABLE_LAYOUT, but "
-                                            r"owned weights on the CPU .* needs ORT_ENABLE_EXTENDED or lower"):
+    with pytest.raises(
+        ArgumentError,
+        match=r"sess_options: its graph_optimization_level is ORT_ENABLE_LAYOUT, but "
+        r"owned weights on the CPU .* needs ORT_ENABLE_EXTENDED or lower",
+    ):
         IOBindingORTModel(model_path, sess_options=options, share_weights=True)
     IOBindingORTModel(model_path, sess_options=options)
     # ORT's default level, which no object tells apart from a choice, is lowered for the session alone

@@ -60,8 +60,9 @@ def test_named_dims_resolve_from_the_inputs(three_output_model, make_session):
 def test_expression_dims_resolve_without_running_shape_inference(concat_model, make_session):
     session = make_session(concat_model)
     # no model source: ONNX shape inference cannot run, so the expression alone must size the output
-    inferencer = ShapeInferencer({i.name: i.shape for i in session.get_inputs()},
-                                 {o.name: o.shape for o in session.get_outputs()})
+    inferencer = ShapeInferencer(
+        {i.name: i.shape for i in session.get_inputs()}, {o.name: o.shape for o in session.get_outputs()}
+    )
     assert inferencer({"x": (4, 9)}) == {"y": (8, 9)}
 
 
@@ -111,8 +112,9 @@ def test_unnamed_dims_resolve_by_shape_inference_of_a_model_proto(reshape_model)
 def test_unnamed_dims_resolve_for_a_model_with_external_data(tmp_path, reshape_model):
     path = tmp_path / "model.onnx"
     # the weight goes to the external file; ORT needs the small shape constant inline
-    onnx.save_model(reshape_model, str(path), save_as_external_data=True, location="model.onnx_data",
-                    size_threshold=128)
+    onnx.save_model(
+        reshape_model, str(path), save_as_external_data=True, location="model.onnx_data", size_threshold=128
+    )
     assert (tmp_path / "model.onnx_data").stat().st_size == 4 * 16 * 4
     assert infer_output_shapes(str(path), {"x": (5, 4)}) == {"y": (40, 2)}
     model = IOBindingORTModel(path)

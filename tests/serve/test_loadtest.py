@@ -36,9 +36,14 @@ class Service:
                 refused = body["prompt"] == "bad" or (body["prompt"] == "odd seeds fail" and body["seed"] % 2)
                 status = 400 if refused else 200
                 self.send_response(status)
-                for name, value in (("X-Batch-Images", "2"), ("X-Pipeline-Seconds", "0.001"),
-                                    ("X-Replica-Seconds", "0.002"), ("X-Server-Seconds", "0.003"),
-                                    ("X-Body-Seconds", "0.0004"), ("X-Encode-Seconds", "0.0005")):
+                for name, value in (
+                    ("X-Batch-Images", "2"),
+                    ("X-Pipeline-Seconds", "0.001"),
+                    ("X-Replica-Seconds", "0.002"),
+                    ("X-Server-Seconds", "0.003"),
+                    ("X-Body-Seconds", "0.0004"),
+                    ("X-Encode-Seconds", "0.0005"),
+                ):
                     self.send_header(name, value)
                 self.send_header("Content-Length", "2")
                 self.end_headers()
@@ -126,8 +131,9 @@ def test_the_progress_counts_requests_without_an_answer_as_errors():
 
 def test_on_a_terminal_the_line_is_redrawn_in_place_with_the_answers_errors_and_images_per_second_so_far():
     terminal = Terminal()
-    progress = LevelProgress(4, requests=2, warmup=1, images_per_request=2, stream=terminal, start=0.0,
-                             refresh_seconds=0)
+    progress = LevelProgress(
+        4, requests=2, warmup=1, images_per_request=2, stream=terminal, start=0.0, refresh_seconds=0
+    )
     assert "concurrency 4: 0/3 requests" in terminal.frames()[-1]
     progress.add(ok=True, when=10.0)  # the warm-up's answer: the images/s start from here
     assert "concurrency 4: 1/3 requests" in terminal.frames()[-1] and "0 errors, — images/s" in terminal.frames()[-1]
@@ -152,8 +158,10 @@ def test_the_command_writes_a_progress_line_per_level_on_stderr_and_the_table_on
     assert main(["loadtest", service.url, "--concurrency", "1,2", "--requests", "2", "--warmup", "0"]) == 0
     output = capsys.readouterr()
     lines = output.err.splitlines()
-    assert [line.split(",")[0:2] for line in lines] == [["concurrency 1: 2/2 requests", " 0 errors"],
-                                                        ["concurrency 2: 2/2 requests", " 0 errors"]]
+    assert [line.split(",")[0:2] for line in lines] == [
+        ["concurrency 1: 2/2 requests", " 0 errors"],
+        ["concurrency 2: 2/2 requests", " 0 errors"],
+    ]
     assert "| 1 | 2 (2) |" in output.out and "| 2 | 2 (2) |" in output.out and "errors" not in output.out
 
 
@@ -174,14 +182,17 @@ def no_server():
 
 def test_loadtest_against_no_server_says_why_in_one_line_and_exits_1(no_server, tmp_path, capsys):
     assert main(["loadtest", no_server, "--concurrency", "1,2", "--requests", "2", "--out", str(tmp_path / "out")]) == 1
-    assert error_line(capsys) == (f"optimum-iobinding: error: url: no service answered at {no_server}: Connection "
-                                  "refused (is the server running?)")
+    assert error_line(capsys) == (
+        f"optimum-iobinding: error: url: no service answered at {no_server}: Connection "
+        "refused (is the server running?)"
+    )
     assert capsys.readouterr().out == ""  # no empty table
     assert not (tmp_path / "out").exists()
 
 
-def test_a_service_that_stops_answering_keeps_the_levels_measured_before(service, no_server, tmp_path, capsys,
-                                                                        monkeypatch):
+def test_a_service_that_stops_answering_keeps_the_levels_measured_before(
+    service, no_server, tmp_path, capsys, monkeypatch
+):
     """The first level reaches the service, the second finds nothing there: the first is reported and written, then
     the command says why it stopped."""
     urls = iter([service.url, no_server])
@@ -220,8 +231,10 @@ def test_every_option_error_names_the_option_before_any_request(service, capsys,
 @pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://127.0.0.1:8000", "http://", "http://127.0.0.1:99999"])
 def test_a_url_that_is_no_service_address_is_refused_before_any_request(capsys, url):
     assert main(["loadtest", url]) == 2
-    assert error_line(capsys) == f"optimum-iobinding: error: url: expected the service's address, like " \
-                                 f"http://127.0.0.1:8000, got {url!r}"
+    assert (
+        error_line(capsys) == f"optimum-iobinding: error: url: expected the service's address, like "
+        f"http://127.0.0.1:8000, got {url!r}"
+    )
 
 
 def test_an_out_that_is_a_file_is_refused_before_any_request(service, tmp_path, capsys):
@@ -233,8 +246,9 @@ def test_an_out_that_is_a_file_is_refused_before_any_request(service, tmp_path, 
 
 @pytest.mark.parametrize("size, sent", [("512", 512), ("768X512", "768x512")])
 def test_the_size_is_sent_as_the_service_reads_it(service, size, sent):
-    assert main(["loadtest", service.url, "--concurrency", "1", "--requests", "1", "--warmup", "0",
-                 "--size", size]) == 0
+    assert (
+        main(["loadtest", service.url, "--concurrency", "1", "--requests", "1", "--warmup", "0", "--size", size]) == 0
+    )
     assert [body["size"] for body in service.bodies] == [sent]
 
 
@@ -259,7 +273,8 @@ def test_without_matplotlib_the_plot_is_one_warning_naming_the_plot_extra(servic
         written = write_results(tmp_path, rows, {"url": service.url, "command": "test", "date": "now"})
     assert [path.name for path in written] == ["loadtest.json", "loadtest.md"]
     assert [(record.levelname, record.getMessage()) for record in caplog.records] == [
-        ("WARNING", "loadtest.png not drawn: matplotlib is not installed (pip install 'optimum-iobinding[plot]')")]
+        ("WARNING", "loadtest.png not drawn: matplotlib is not installed (pip install 'optimum-iobinding[plot]')")
+    ]
 
 
 def test_with_matplotlib_the_plot_is_written(service, tmp_path):

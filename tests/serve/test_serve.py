@@ -38,8 +38,9 @@ def free_port() -> int:
 
 
 def post(url: str, body: dict):
-    request = urllib.request.Request(url + "/v1/images", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+    request = urllib.request.Request(
+        url + "/v1/images", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
             return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
@@ -75,8 +76,15 @@ class Server:
         self.ray_processes = psutil.Process().children(recursive=True)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = ServeConfig(model=str(folder), device="cpu", max_batch_size=4, batch_wait_timeout_s=1.0,
-                             steps=STEPS, warmup_batch_sizes=[1], warmup_sizes=[SIZE])
+        config = ServeConfig(
+            model=str(folder),
+            device="cpu",
+            max_batch_size=4,
+            batch_wait_timeout_s=1.0,
+            steps=STEPS,
+            warmup_batch_sizes=[1],
+            warmup_sizes=[SIZE],
+        )
         serve.run(build_app(config), name="test", route_prefix="/", blocking=False)
         self.url = f"http://127.0.0.1:{port}"
         self.running = True
@@ -106,8 +114,15 @@ def reference(tiny_folder):
     pipe.set_progress_bar_config(disable=True)
 
     def image(prompt: str, seed: int, negative_prompt=None) -> np.ndarray:
-        images = pipe(prompt, negative_prompt=negative_prompt, height=SIZE, width=SIZE, num_inference_steps=STEPS,
-                      generator=torch.Generator().manual_seed(seed), output_type="np").images
+        images = pipe(
+            prompt,
+            negative_prompt=negative_prompt,
+            height=SIZE,
+            width=SIZE,
+            num_inference_steps=STEPS,
+            generator=torch.Generator().manual_seed(seed),
+            output_type="np",
+        ).images
         return (np.clip(images[0], 0, 1) * 255).round().astype(np.uint8)
 
     return image
@@ -122,8 +137,15 @@ def test_health_and_models(server):
 
 
 def test_concurrent_requests_are_batched_and_each_image_is_its_seeds_single_call_image(server, reference):
-    requests = [dict(prompt=f"a photo of a cat, number {i}", negative_prompt="blurry" if i % 2 else None,
-                     seed=1000 + i, size=SIZE) for i in range(8)]
+    requests = [
+        dict(
+            prompt=f"a photo of a cat, number {i}",
+            negative_prompt="blurry" if i % 2 else None,
+            seed=1000 + i,
+            size=SIZE,
+        )
+        for i in range(8)
+    ]
     with ThreadPoolExecutor(len(requests)) as pool:
         answers = list(pool.map(lambda body: post(server.url, body), requests))
     assert [status for status, _, _ in answers] == [200] * len(requests), [a[2][:200] for a in answers]
@@ -175,10 +197,12 @@ def test_requests_that_come_while_a_batch_runs_ride_together_in_the_next_one(ser
         async def batches_run_so_far(self) -> int:
             return self.batches_run
 
-    config = ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=8, batch_wait_timeout_s=0.0, steps=2,
-                         warmup_batch_sizes=[])
-    deployment = serve.deployment(name="FirstCallHeld", ray_actor_options={"num_cpus": 1},
-                                  max_ongoing_requests=16)(FirstCallHeld)
+    config = ServeConfig(
+        model=str(tiny_folder), device="cpu", max_batch_size=8, batch_wait_timeout_s=0.0, steps=2, warmup_batch_sizes=[]
+    )
+    deployment = serve.deployment(name="FirstCallHeld", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=16)(
+        FirstCallHeld
+    )
     replica = serve.run(deployment.bind(asdict(config)), name="held", route_prefix=None, blocking=False)
     try:
         first = replica.generate.remote(dict(prompt="a bird 0", seed=0, size=SIZE))
@@ -304,8 +328,9 @@ def generator(tiny_folder):
 
     from optimum_iobinding.serve import ImageGenerator, ServeConfig
 
-    return ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=3,
-                                             warmup_batch_sizes=[])))
+    return ImageGenerator(
+        asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=3, warmup_batch_sizes=[]))
+    )
 
 
 def test_a_cpu_replica_lets_in_batches_of_max_batch_size_one_unfinished_at_a_time(generator):
@@ -421,8 +446,12 @@ def test_a_fresh_replica_gathers_a_burst_into_one_batch_and_a_lone_clients_reque
     """The first request of a fresh replica waits (IDLE_GATHER_WAIT) for others: those that come meanwhile ride in
     its batch. A batch of one request during which nothing else came marks a lone client: then the first of the
     same requests starts without waiting, and the later ones ride in the next batch together."""
-    done = subprocess.run([sys.executable, "-c", _BURST_AND_LONE_CLIENT, str(tiny_folder), str(SIZE)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _BURST_AND_LONE_CLIENT, str(tiny_folder), str(SIZE)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("SEEN ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     seen = json.loads(lines[-1][5:])
@@ -439,8 +468,18 @@ def test_the_warm_up_runs_on_the_thread_of_the_pipeline_calls_so_their_first_bat
 
     from optimum_iobinding.serve import ImageGenerator, ServeConfig
 
-    generator = ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=2, steps=2,
-                                                  warmup_batch_sizes=[1, 2], warmup_sizes=[SIZE])))
+    generator = ImageGenerator(
+        asdict(
+            ServeConfig(
+                model=str(tiny_folder),
+                device="cpu",
+                max_batch_size=2,
+                steps=2,
+                warmup_batch_sizes=[1, 2],
+                warmup_sizes=[SIZE],
+            )
+        )
+    )
     unet = generator.pipe.unet
     warmed = generator.on_pipeline_thread(lambda: unet.output_signatures)
     assert warmed > 0 and unet.output_signatures == 0  # nothing was left in this thread
@@ -450,8 +489,9 @@ def test_the_warm_up_runs_on_the_thread_of_the_pipeline_calls_so_their_first_bat
 
 
 def test_n_images_come_from_consecutive_seeds_as_base64_json(server, reference):
-    status, headers, data = post(server.url, dict(prompt="a red house", seed=7, size=SIZE, n=2,
-                                                  response_format="b64_json"))
+    status, headers, data = post(
+        server.url, dict(prompt="a red house", seed=7, size=SIZE, n=2, response_format="b64_json")
+    )
     assert status == 200, data
     answer = json.loads(data)
     assert [item["seed"] for item in answer["data"]] == [7, 8]
@@ -461,8 +501,11 @@ def test_n_images_come_from_consecutive_seeds_as_base64_json(server, reference):
 
 
 def test_a_bad_request_gets_400_with_the_pipelines_message_while_the_others_succeed(server):
-    bodies = [dict(prompt="fine", seed=1, size=SIZE), dict(prompt="wrong size", seed=2, size=SIZE + 8),
-              dict(prompt="fine too", seed=3, size=SIZE)]
+    bodies = [
+        dict(prompt="fine", seed=1, size=SIZE),
+        dict(prompt="wrong size", seed=2, size=SIZE + 8),
+        dict(prompt="fine too", seed=3, size=SIZE),
+    ]
     with ThreadPoolExecutor(len(bodies)) as pool:
         answers = list(pool.map(lambda body: post(server.url, body), bodies))
     assert [status for status, _, _ in answers] == [200, 400, 200]
@@ -470,12 +513,15 @@ def test_a_bad_request_gets_400_with_the_pipelines_message_while_the_others_succ
     assert "height" in detail and str(SIZE + 8) in detail  # the pipeline's own check, naming the value
 
 
-@pytest.mark.parametrize("body", [
-    {"seed": 1},  # no prompt
-    {"prompt": "x", "n": "two"},
-    {"prompt": "x", "steps_count": 3},  # unknown field
-    {"prompt": "x", "seed": -1},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"seed": 1},  # no prompt
+        {"prompt": "x", "n": "two"},
+        {"prompt": "x", "steps_count": 3},  # unknown field
+        {"prompt": "x", "seed": -1},
+    ],
+)
 def test_a_malformed_body_gets_422(server, body):
     status, _, _ = post(server.url, body)
     assert status == 422
@@ -524,9 +570,14 @@ def test_image_to_image_requests_get_their_seeds_single_call_image(server, tiny_
     pipe = OnnxStableDiffusionImg2ImgPipeline.from_pretrained(tiny_folder)
     pipe.set_progress_bar_config(disable=True)
     for body, (_, _, data) in zip(bodies, answers):
-        single = pipe(body["prompt"], image=start.astype(np.float32) / 255.0, strength=0.6,
-                      num_inference_steps=STEPS, generator=torch.Generator().manual_seed(body["seed"]),
-                      output_type="np").images[0]
+        single = pipe(
+            body["prompt"],
+            image=start.astype(np.float32) / 255.0,
+            strength=0.6,
+            num_inference_steps=STEPS,
+            generator=torch.Generator().manual_seed(body["seed"]),
+            output_type="np",
+        ).images[0]
         expected = (np.clip(single, 0, 1) * 255).round().astype(np.uint8)
         assert np.abs(decode_png(data).astype(int) - expected.astype(int)).max() <= 1
     status, _, data = post(server.url, dict(prompt="x", image=image, size=SIZE * 2))
@@ -543,8 +594,9 @@ def test_overload_gets_503_and_the_admitted_requests_succeed(server, tiny_folder
     assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses, statuses
 
 
-def test_a_second_server_on_the_port_of_a_running_one_is_refused_before_anything_starts(server, tiny_folder, capsys,
-                                                                                         monkeypatch):
+def test_a_second_server_on_the_port_of_a_running_one_is_refused_before_anything_starts(
+    server, tiny_folder, capsys, monkeypatch
+):
     """Serve's proxy binds its port with SO_REUSEPORT: a second one on the same port would share it, silently. The
     command line (exit status 2, one line naming host and port) and the Python API (naming ``port``) refuse it."""
     import optimum_iobinding.serve as serving
@@ -561,8 +613,11 @@ def test_a_second_server_on_the_port_of_a_running_one_is_refused_before_anything
         patch.setattr(serving, "run", started)
         assert main(["serve", str(tiny_folder), "--port", str(port), "--device", "cpu"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1 and f"--port: expected a free port, got {port}: something already " \
-                                                   f"listens on 127.0.0.1:{port}" in err
+    assert (
+        out == ""
+        and err.count("\n") == 1
+        and f"--port: expected a free port, got {port}: something already listens on 127.0.0.1:{port}" in err
+    )
     monkeypatch.setattr(app.serve, "start", started)  # the cluster of this process is running: nothing may start
     with pytest.raises(ArgumentError) as refused:
         serving.run(ServeConfig(model=str(tiny_folder), device="cpu"), port=port, blocking=False)
@@ -573,16 +628,20 @@ def test_a_second_server_on_the_port_of_a_running_one_is_refused_before_anything
 def test_an_image_field_that_is_no_image_gets_400_naming_the_field_and_no_object(server):
     status, _, data = post(server.url, dict(prompt="x", image=base64.b64encode(b"GIF? no, text").decode()))
     detail = json.loads(data)["detail"]
-    assert status == 400 and detail == ("image: expected a base64 PNG or JPEG, got 13 bytes of no image Pillow reads "
-                                        "(they start with b'GIF? no,')")
+    assert status == 400 and detail == (
+        "image: expected a base64 PNG or JPEG, got 13 bytes of no image Pillow reads (they start with b'GIF? no,')"
+    )
     status, _, data = post(server.url, dict(prompt="x", guidance=float("nan")))  # refused by the pipeline's check
     assert status == 400 and json.loads(data)["detail"].startswith("guidance: expected a finite number, got nan")
 
 
 def test_the_pipelines_refusals_name_the_requests_fields(generator):
     wrong = SIZE + 8
-    with pytest.raises(ValueError, match=rf"^size: height and width expected multiples of \d+ .*got {wrong} and "
-                                         rf"{wrong}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^size: height and width expected multiples of \d+ .*got {wrong} and "
+        rf"{wrong}",
+    ):
         generator.complete_request(dict(prompt="x", size=wrong))
     with pytest.raises(ValueError, match=r"^guidance: expected a finite number, got nan"):
         generator.complete_request(dict(prompt="x", guidance=float("nan")))
@@ -621,13 +680,17 @@ def test_the_benchmarks_floor_deployment_answers_the_payload_after_its_wait(serv
 
 def test_the_benchmark_reports_served_minus_bare_minus_floor():
     bench = load_serve_bench()
-    rows = [{"engine": "optimum-iobinding", "replicas": 1, "batching": True, "concurrency": 1, "p50_s": 0.260},
-            {"engine": "optimum-iobinding", "replicas": 1, "batching": True, "concurrency": 1, "p50_s": 0.5,
-             "fresh": True},
-            {"engine": "optimum-iobinding", "replicas": 1, "batching": True, "concurrency": 16, "p50_s": 2.0},
-            {"engine": "diffusers-numpy", "replicas": 1, "batching": False, "concurrency": 1, "p50_s": 0.3}]
-    result = {"bare": {"latency_batch1_s": 0.240}, "rows": rows,
-              "floor": {"wait_s": 0.240, "payload_bytes": 787000, "p50_s": 0.254, "statuses": {"200": 16}}}
+    rows = [
+        {"engine": "optimum-iobinding", "replicas": 1, "batching": True, "concurrency": 1, "p50_s": 0.260},
+        {"engine": "optimum-iobinding", "replicas": 1, "batching": True, "concurrency": 1, "p50_s": 0.5, "fresh": True},
+        {"engine": "optimum-iobinding", "replicas": 1, "batching": True, "concurrency": 16, "p50_s": 2.0},
+        {"engine": "diffusers-numpy", "replicas": 1, "batching": False, "concurrency": 1, "p50_s": 0.3},
+    ]
+    result = {
+        "bare": {"latency_batch1_s": 0.240},
+        "rows": rows,
+        "floor": {"wait_s": 0.240, "payload_bytes": 787000, "p50_s": 0.254, "statuses": {"200": 16}},
+    }
     summary = bench.floor_summary(result)
     assert summary["overhead_p50_s"] == pytest.approx(0.014)
     (served,) = summary["served_c1"]
@@ -648,8 +711,15 @@ def test_shutdown_leaves_no_ray_process(server):  # last: it ends the module's s
 def test_config_from_serve_run_arguments():
     from optimum_iobinding.serve import ServeConfig
 
-    config = ServeConfig.from_args({"model": "folder", "replicas": "2", "max_batch_size": "8",
-                                    "batch_wait_timeout_s": "0.1", "warmup_batch_sizes": "1,2,4"})
+    config = ServeConfig.from_args(
+        {
+            "model": "folder",
+            "replicas": "2",
+            "max_batch_size": "8",
+            "batch_wait_timeout_s": "0.1",
+            "warmup_batch_sizes": "1,2,4",
+        }
+    )
     assert (config.replicas, config.max_batch_size, config.batch_wait_timeout_s) == (2, 8, 0.1)
     assert config.warmup_batch_sizes == [1, 2, 4]
     with pytest.raises(ValueError, match="replicas: expected an integer, got 'two'"):
@@ -667,8 +737,10 @@ def test_config_from_serve_run_arguments():
 def test_png_answers_are_the_pixels_at_every_compression(compression):
     from optimum_iobinding.serve import encode_pngs
 
-    pixels = [np.random.RandomState(0).randint(0, 256, (5, 7, 3)).astype(np.uint8),  # not square: rows are rows
-              np.full((3, 2, 3), 200, np.uint8)]
+    pixels = [
+        np.random.RandomState(0).randint(0, 256, (5, 7, 3)).astype(np.uint8),  # not square: rows are rows
+        np.full((3, 2, 3), 200, np.uint8),
+    ]
     encoded = encode_pngs(pixels, compression)
     for image, data in zip(pixels, encoded):
         assert data.startswith(b"\x89PNG") and np.array_equal(decode_png(data), image)
@@ -683,10 +755,22 @@ def test_stored_pngs_are_made_with_their_batch_and_compressed_ones_left_to_the_h
 
     from optimum_iobinding.serve import ImageGenerator, ServeConfig
 
-    generator = ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=3, steps=STEPS,
-                                                  warmup_batch_sizes=[], png_compression=compression)))
-    requests = [generator.complete_request(dict(prompt="a red house", seed=1, size=SIZE, n=2)),
-                generator.complete_request(dict(prompt="a blue boat", seed=5, size=SIZE))]
+    generator = ImageGenerator(
+        asdict(
+            ServeConfig(
+                model=str(tiny_folder),
+                device="cpu",
+                max_batch_size=3,
+                steps=STEPS,
+                warmup_batch_sizes=[],
+                png_compression=compression,
+            )
+        )
+    )
+    requests = [
+        generator.complete_request(dict(prompt="a red house", seed=1, size=SIZE, n=2)),
+        generator.complete_request(dict(prompt="a blue boat", seed=5, size=SIZE)),
+    ]
     answers = generator.answers_of_batch(generator.start_batch(requests))
     assert [len(answer["images"]) for answer in answers] == [2, 1]
     if compression:
@@ -724,17 +808,25 @@ def test_sdxl_and_lcm_folders_are_served_with_each_requests_seed(tmp_path, kind)
     config = ServeConfig(model=str(folder), device="cpu", max_batch_size=2, steps=2, warmup_batch_sizes=[])
     generator = ImageGenerator(asdict(config))
     size = generator.default_size
-    requests = [dict(prompt=f"a cat {i}", negative_prompt=None, seed=10 + i, size=size, n=1, steps=None,
-                     guidance=None) for i in range(2)]
+    requests = [
+        dict(prompt=f"a cat {i}", negative_prompt=None, seed=10 + i, size=size, n=1, steps=None, guidance=None)
+        for i in range(2)
+    ]
 
     answers = generator.run_batch([generator.complete_request(request) for request in requests])
     assert [answer["batch_images"] for answer in answers] == [2, 2]  # batched into one call
     pipe = pipeline_class_for(folder).from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     for request, answer in zip(requests, answers):
-        single = pipe(request["prompt"], height=size, width=size, num_inference_steps=2,
-                      guidance_scale=config.guidance, generator=torch.Generator().manual_seed(request["seed"]),
-                      output_type="np").images[0]
+        single = pipe(
+            request["prompt"],
+            height=size,
+            width=size,
+            num_inference_steps=2,
+            guidance_scale=config.guidance,
+            generator=torch.Generator().manual_seed(request["seed"]),
+            output_type="np",
+        ).images[0]
         expected = (np.clip(single, 0, 1) * 255).round().astype(np.uint8)
         assert np.abs(answer["images"][0].astype(int) - expected.astype(int)).max() <= 1
     if kind == "lcm":  # its guidance is an embedding: no negative prompt, refused by name
@@ -761,8 +853,9 @@ def test_an_image_request_to_a_folder_without_a_vae_encoder_is_refused_by_name(t
     (folder / "model_index.json").write_text(json.dumps(dict(index, vae_encoder=[None, None])))
     generator = ImageGenerator(asdict(ServeConfig(model=str(folder), device="cpu", warmup_batch_sizes=[])))
     assert generator.img2img is None and generator.info()["image_to_image"] is False
-    with pytest.raises(ValueError, match="image: OnnxStableDiffusionPipeline on this folder has no image-to-image "
-                                         "pipeline"):
+    with pytest.raises(
+        ValueError, match="image: OnnxStableDiffusionPipeline on this folder has no image-to-image pipeline"
+    ):
         generator.complete_request(dict(prompt="a cat", image="unread"))
 
 

@@ -51,8 +51,9 @@ def post(url: str, body, headers=None):
     """``(status, detail or body)`` of a POST of ``body``: a dict (as JSON), bytes, or an iterable of bytes (sent
     chunked, without Content-Length)."""
     data = json.dumps(body).encode() if isinstance(body, dict) else body
-    request = urllib.request.Request(url + "/v1/images", data=data, method="POST",
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        url + "/v1/images", data=data, method="POST", headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
             return response.status, response.read()
@@ -66,6 +67,7 @@ def post(url: str, body, headers=None):
 
 def png_header(width: int, height: int) -> str:
     """A base64 PNG that claims ``width`` × ``height`` pixels (its pixel data is a stub: only its header is read)."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
@@ -113,8 +115,9 @@ def test_the_config_refuses_limits_that_contradict_each_other():
             ServeConfig(model="folder", guidance=guidance)
     with pytest.raises(ValueError, match="guidance: expected a finite number ≥ 0, got nan"):
         ServeConfig.from_args({"model": "folder", "guidance": "nan"})
-    config = ServeConfig.from_args({"model": "folder", "max_pixels_per_image": "4096", "max_steps": "50",
-                                    "request_timeout_s": "2.5"})
+    config = ServeConfig.from_args(
+        {"model": "folder", "max_pixels_per_image": "4096", "max_steps": "50", "request_timeout_s": "2.5"}
+    )
     assert (config.max_pixels_per_image, config.max_steps, config.request_timeout_s) == (4096, 50, 2.5)
 
 
@@ -123,27 +126,36 @@ def generator(tiny_folder):
     """A replica's generator in this process (no Ray): default size 256, so at most 512² pixels an image."""
     from optimum_iobinding.serve import ImageGenerator, ServeConfig
 
-    return ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=4, steps=STEPS,
-                                             warmup_batch_sizes=[])))
+    return ImageGenerator(
+        asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=4, steps=STEPS, warmup_batch_sizes=[]))
+    )
 
 
-@pytest.mark.parametrize("request_body, message", [
-    (dict(size=100000), "size: expected at most 262144 pixels (max_pixels_per_image), got 100000×100000"),
-    (dict(size="100000x64"), "(max_pixels_per_image), got 100000×64"),
-    (dict(steps=10**9), "steps: expected 1 to 150 (max_steps), got 1000000000"),
-    (dict(steps=10**5000), "steps: expected 1 to 150 (max_steps), got an integer of more than"),
-    (dict(n=10**6), "n: expected at most 4 images per request (max_images_per_request), got 1000000"),
-    (dict(prompt="x" * 100_000), "prompt: expected at most 2000 characters (max_prompt_chars), got 100000"),
-    (dict(negative_prompt="x" * 2001), "negative_prompt: expected at most 2000 characters (max_prompt_chars)"),
-    (dict(prompt="a cat, " * 60), "prompt: expected at most 77 tokens (max_prompt_tokens)"),
-    (dict(image=png_header(1000, 1000)), "image: expected at most 262144 pixels (max_pixels_per_image), got "
-                                         "1000×1000"),
-    (dict(image=png_header(100000, 100000)), "image: expected at most 262144 pixels (max_pixels_per_image), got "
-                                             "more: Image size (10000000000 pixels) exceeds"),
-    (dict(size=0), "size: expected positive pixels"),
-    (dict(size="²x2"), "size: expected positive pixels"),
-    (dict(size="9" * 5000 + "x64"), "size: expected positive pixels"),
-])
+@pytest.mark.parametrize(
+    "request_body, message",
+    [
+        (dict(size=100000), "size: expected at most 262144 pixels (max_pixels_per_image), got 100000×100000"),
+        (dict(size="100000x64"), "(max_pixels_per_image), got 100000×64"),
+        (dict(steps=10**9), "steps: expected 1 to 150 (max_steps), got 1000000000"),
+        (dict(steps=10**5000), "steps: expected 1 to 150 (max_steps), got an integer of more than"),
+        (dict(n=10**6), "n: expected at most 4 images per request (max_images_per_request), got 1000000"),
+        (dict(prompt="x" * 100_000), "prompt: expected at most 2000 characters (max_prompt_chars), got 100000"),
+        (dict(negative_prompt="x" * 2001), "negative_prompt: expected at most 2000 characters (max_prompt_chars)"),
+        (dict(prompt="a cat, " * 60), "prompt: expected at most 77 tokens (max_prompt_tokens)"),
+        (
+            dict(image=png_header(1000, 1000)),
+            "image: expected at most 262144 pixels (max_pixels_per_image), got 1000×1000",
+        ),
+        (
+            dict(image=png_header(100000, 100000)),
+            "image: expected at most 262144 pixels (max_pixels_per_image), got "
+            "more: Image size (10000000000 pixels) exceeds",
+        ),
+        (dict(size=0), "size: expected positive pixels"),
+        (dict(size="²x2"), "size: expected positive pixels"),
+        (dict(size="9" * 5000 + "x64"), "size: expected positive pixels"),
+    ],
+)
 def test_a_request_beyond_a_limit_is_refused_naming_the_limit(generator, request_body, message):
     with pytest.raises(ValueError) as refused:
         generator.complete_request(dict(dict(prompt="a cat", seed=1), **request_body))
@@ -153,9 +165,18 @@ def test_a_request_beyond_a_limit_is_refused_naming_the_limit(generator, request
 def test_a_batch_runs_in_calls_within_max_pixels_per_batch(tiny_folder):
     from optimum_iobinding.serve import ImageGenerator, ServeConfig
 
-    generator = ImageGenerator(asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=4,
-                                                  steps=STEPS, warmup_batch_sizes=[],
-                                                  max_pixels_per_batch=2 * SIZE * SIZE)))
+    generator = ImageGenerator(
+        asdict(
+            ServeConfig(
+                model=str(tiny_folder),
+                device="cpu",
+                max_batch_size=4,
+                steps=STEPS,
+                warmup_batch_sizes=[],
+                max_pixels_per_batch=2 * SIZE * SIZE,
+            )
+        )
+    )
     requests = [generator.complete_request(dict(prompt=f"a cat {i}", seed=i, size=SIZE)) for i in range(3)]
     answers = generator.run_batch(requests)
     assert [answer["batch_images"] for answer in answers] == [2, 2, 1]
@@ -178,9 +199,11 @@ def allocation_failing():
             from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
 
             if any("too large" in prompt for prompt in kwargs["prompt"]):
-                raise RuntimeException("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned "
-                                       "while running Conv node. Name:'/conv_in/Conv' Status Message: Failed to "
-                                       "allocate memory for requested buffer of size 4294967296\nits context")
+                raise RuntimeException(
+                    "[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned "
+                    "while running Conv node. Name:'/conv_in/Conv' Status Message: Failed to "
+                    "allocate memory for requested buffer of size 4294967296\nits context"
+                )
             return self.pipe(*args, **kwargs)
 
         def __getattr__(self, name):
@@ -197,11 +220,13 @@ def allocation_failing():
 def test_a_failed_call_runs_its_requests_alone_so_only_the_failing_one_gets_503(tiny_folder):
     from optimum_iobinding.serve import ServeConfig
 
-    generator = allocation_failing()(asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=4,
-                                                        steps=STEPS, warmup_batch_sizes=[])))
+    generator = allocation_failing()(
+        asdict(ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=4, steps=STEPS, warmup_batch_sizes=[]))
+    )
     prompts = ["a cat", "a cat too large for memory", "a dog"]
-    answers = generator.run_batch([generator.complete_request(dict(prompt=prompt, seed=i, size=SIZE))
-                                   for i, prompt in enumerate(prompts)])
+    answers = generator.run_batch(
+        [generator.complete_request(dict(prompt=prompt, seed=i, size=SIZE)) for i, prompt in enumerate(prompts)]
+    )
     assert [answer.get("status") for answer in answers] == [None, 503, None]
     assert [answer.get("batch_images") for answer in answers] == [1, None, 1]  # each ran alone after the failure
     reason = answers[1]["error"]
@@ -274,8 +299,13 @@ class ServerProcess:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")]))
         env.pop("RAY_ADDRESS", None)
         self.stdout, self.stderr = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")
-        self.process = subprocess.Popen([sys.executable, "-c", SERVE, str(folder), str(self.port)], env=env,
-                                        stdout=self.stdout, stderr=self.stderr, start_new_session=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", SERVE, str(folder), str(self.port)],
+            env=env,
+            stdout=self.stdout,
+            stderr=self.stderr,
+            start_new_session=True,
+        )
         for _ in range(600):  # up to 10 minutes: Ray's start, then the replica's
             if self.answers():
                 break
@@ -375,8 +405,10 @@ def test_an_answer_beyond_4_mib_comes_whole_through_serves_grpc(server_process):
     otherwise: four 576² stored PNGs in base64 (5.3 MB) come whole."""
     from PIL import Image
 
-    status, body = post(f"http://127.0.0.1:{server_process.port}",
-                        {"prompt": "a cat", "size": 576, "n": 4, "steps": 1, "response_format": "b64_json"})
+    status, body = post(
+        f"http://127.0.0.1:{server_process.port}",
+        {"prompt": "a cat", "size": 576, "n": 4, "steps": 1, "response_format": "b64_json"},
+    )
     assert status == 200, body
     assert len(body) > 5 * 2**20
     images = [Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))) for item in json.loads(body)["data"]]
@@ -393,8 +425,11 @@ def stopped_cleanly(server: ServerProcess, status: int, signum: int, whole_group
     # the server's core worker may then report, until it disconnects, that it cannot reach the GCS the same signal
     # stopped; that line and no other is the cluster's going, not a failed shutdown.
     gone = re.compile(r"task_manager\.cc:\d+: Failed to push error to driver for task")
-    failed = [line for line in errors.splitlines()
-              if re.match(r"\[[^\]]* E \d+ \d+\]", line) and not (whole_group and gone.search(line))]
+    failed = [
+        line
+        for line in errors.splitlines()
+        if re.match(r"\[[^\]]* E \d+ \d+\]", line) and not (whole_group and gone.search(line))
+    ]
     assert failed == [], errors[-3000:]
     _, alive = psutil.wait_procs(server.processes, timeout=120)
     assert alive == [], [process.name() for process in alive]
@@ -470,8 +505,9 @@ def server(tiny_folder):
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)  # its processes inherit them
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    config = ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=4, steps=STEPS,
-                         warmup_batch_sizes=[1], warmup_sizes=[SIZE])
+    config = ServeConfig(
+        model=str(tiny_folder), device="cpu", max_batch_size=4, steps=STEPS, warmup_batch_sizes=[1], warmup_sizes=[SIZE]
+    )
     serve.run(build_app(config), name="limits", route_prefix="/", blocking=False)
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -491,35 +527,44 @@ def test_the_models_endpoint_lists_the_replicas_limits(server):
 
 def test_requests_beyond_the_limits_get_400_naming_them_and_queue_no_work(server):
     before = batches_run(server)
-    bodies = [dict(prompt="x", size=100000), dict(prompt="x", steps=10**9),
-              dict(prompt="x", n=10**6, response_format="b64_json"), dict(prompt="x" * 100_000),
-              dict(prompt="x", image=png_header(100000, 100000))]
+    bodies = [
+        dict(prompt="x", size=100000),
+        dict(prompt="x", steps=10**9),
+        dict(prompt="x", n=10**6, response_format="b64_json"),
+        dict(prompt="x" * 100_000),
+        dict(prompt="x", image=png_header(100000, 100000)),
+    ]
     answers = [post(server, body) for body in bodies]
     assert [status for status, _ in answers] == [400] * len(bodies)
-    for name, (_, detail) in zip(("max_pixels_per_image", "max_steps", "max_images_per_request", "max_prompt_chars",
-                                  "max_pixels_per_image"), answers):
+    for name, (_, detail) in zip(
+        ("max_pixels_per_image", "max_steps", "max_images_per_request", "max_prompt_chars", "max_pixels_per_image"),
+        answers,
+    ):
         assert f"({name})" in detail
     assert batches_run(server) == before
 
 
-@pytest.mark.parametrize("body, status", [
-    (b'{"prompt": "x", ', 422),  # malformed JSON
-    (b"\xff\xfe\x00", 422),  # not UTF-8
-    (b"[" * 100_000 + b"]" * 100_000, 422),  # nested deeper than any parser recurses
-    (b'{"prompt": "\\ud800"}', 422),  # a lone surrogate
-    (b'{"prompt": ["a", "list"]}', 422),
-    (b'{"prompt": "x", "n": 1e30}', 422),
-    (b'{"prompt": "x", "seed": 1e400}', 422),
-    (b'{"prompt": "x", "guidance": NaN}', 400),
-    (b'{"prompt": "x", "size": 1.5}', 422),
-    (b'{"prompt": "x", "size": -8}', 400),
-    (b'{"prompt": "x", "size": "64x64x64"}', 400),
-    (b'{"prompt": "x", "strength": 7, "image": "AAAA"}', 400),
-    (b'{"prompt": "x", "image": "not base64!"}', 400),
-    (b'{"prompt": "x", "steps": 0}', 400),
-    (b"null", 422),
-    (b"", 422),
-])
+@pytest.mark.parametrize(
+    "body, status",
+    [
+        (b'{"prompt": "x", ', 422),  # malformed JSON
+        (b"\xff\xfe\x00", 422),  # not UTF-8
+        (b"[" * 100_000 + b"]" * 100_000, 422),  # nested deeper than any parser recurses
+        (b'{"prompt": "\\ud800"}', 422),  # a lone surrogate
+        (b'{"prompt": ["a", "list"]}', 422),
+        (b'{"prompt": "x", "n": 1e30}', 422),
+        (b'{"prompt": "x", "seed": 1e400}', 422),
+        (b'{"prompt": "x", "guidance": NaN}', 400),
+        (b'{"prompt": "x", "size": 1.5}', 422),
+        (b'{"prompt": "x", "size": -8}', 400),
+        (b'{"prompt": "x", "size": "64x64x64"}', 400),
+        (b'{"prompt": "x", "strength": 7, "image": "AAAA"}', 400),
+        (b'{"prompt": "x", "image": "not base64!"}', 400),
+        (b'{"prompt": "x", "steps": 0}', 400),
+        (b"null", 422),
+        (b"", 422),
+    ],
+)
 def test_a_hostile_body_gets_an_answer_naming_what_is_wrong_never_500(server, body, status):
     answer_status, detail = post(server, body)
     assert answer_status == status, detail
@@ -528,7 +573,7 @@ def test_a_hostile_body_gets_an_answer_naming_what_is_wrong_never_500(server, bo
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 def test_a_body_over_max_body_bytes_gets_413(server, chunked):
     body = json.dumps({"prompt": "x", "image": "A" * 5_000_000}).encode()  # max_body_bytes: 3932160
-    sent = (body[i:i + 65536] for i in range(0, len(body), 65536)) if chunked else body
+    sent = (body[i : i + 65536] for i in range(0, len(body), 65536)) if chunked else body
     status, detail = post(server, sent)
     assert status == 413 and "body: expected at most 3932160 bytes (max_body_bytes)" in detail
 
@@ -539,13 +584,23 @@ def test_a_pipeline_failure_gets_503_and_the_replica_serves_the_next_requests(se
 
     from optimum_iobinding.serve import ServeConfig, build_app
 
-    config = ServeConfig(model=str(tiny_folder), device="cpu", max_batch_size=4, batch_wait_timeout_s=0.5,
-                         steps=STEPS, warmup_batch_sizes=[])
-    serve.run(build_app(config, generator_class=allocation_failing()), name="failing", route_prefix="/failing",
-              blocking=False)
+    config = ServeConfig(
+        model=str(tiny_folder),
+        device="cpu",
+        max_batch_size=4,
+        batch_wait_timeout_s=0.5,
+        steps=STEPS,
+        warmup_batch_sizes=[],
+    )
+    serve.run(
+        build_app(config, generator_class=allocation_failing()), name="failing", route_prefix="/failing", blocking=False
+    )
     try:
-        bodies = [dict(prompt="a cat", seed=1, size=SIZE), dict(prompt="a cat too large", seed=2, size=SIZE),
-                  dict(prompt="a dog", seed=3, size=SIZE)]
+        bodies = [
+            dict(prompt="a cat", seed=1, size=SIZE),
+            dict(prompt="a cat too large", seed=2, size=SIZE),
+            dict(prompt="a dog", seed=3, size=SIZE),
+        ]
         with ThreadPoolExecutor(len(bodies)) as pool:
             answers = list(pool.map(lambda body: post(server + "/failing", body), bodies))
         later = post(server + "/failing", dict(prompt="a bird", seed=4, size=SIZE))
@@ -579,10 +634,8 @@ def test_a_request_not_answered_within_request_timeout_s_gets_504_and_the_replic
         async def let_go(self) -> None:
             self.may_go.set()
 
-    config = ServeConfig(model=str(tiny_folder), device="cpu", steps=STEPS, warmup_batch_sizes=[],
-                         request_timeout_s=10)
-    handle = serve.run(build_app(config, generator_class=HeldCalls), name="held", route_prefix="/held",
-                       blocking=False)
+    config = ServeConfig(model=str(tiny_folder), device="cpu", steps=STEPS, warmup_batch_sizes=[], request_timeout_s=10)
+    handle = serve.run(build_app(config, generator_class=HeldCalls), name="held", route_prefix="/held", blocking=False)
     try:
         try:
             held = post(server + "/held", dict(prompt="held", seed=1, size=SIZE))
@@ -595,8 +648,9 @@ def test_a_request_not_answered_within_request_timeout_s_gets_504_and_the_replic
     assert later[0] == 200
 
 
-def test_a_flood_beyond_the_queues_gets_503_never_500_and_the_admitted_requests_succeed(server, tiny_folder,
-                                                                                        flood_statuses):
+def test_a_flood_beyond_the_queues_gets_503_never_500_and_the_admitted_requests_succeed(
+    server, tiny_folder, flood_statuses
+):
     statuses = flood_statuses(tiny_folder, server, "flood", 16, STEPS, SIZE, post)
     assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses, statuses
 

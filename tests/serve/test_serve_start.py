@@ -20,8 +20,13 @@ import threading
 import pytest
 
 from optimum_iobinding.errors import ArgumentError
-from optimum_iobinding.serve.config import (ServeConfig, ServeStartError, check_port_free, local_url,
-                                            wait_until_answering)
+from optimum_iobinding.serve.config import (
+    ServeConfig,
+    ServeStartError,
+    check_port_free,
+    local_url,
+    wait_until_answering,
+)
 
 LINUX = sys.platform.startswith("linux")
 
@@ -39,10 +44,14 @@ def listening_socket(host: str = "127.0.0.1", reuse_port: bool = False) -> socke
 
 
 # ------------------------------------------------------------------------------------------------ the port check
-@pytest.mark.parametrize("reuse_port", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not LINUX, reason="SO_REUSEPORT as Linux has it"))], ids=["plain", "as-serves-proxy"])
-@pytest.mark.parametrize("holder_host, asked_host", [("127.0.0.1", "127.0.0.1"), ("0.0.0.0", "127.0.0.1"),
-                                                     ("127.0.0.1", "0.0.0.0")])
+@pytest.mark.parametrize(
+    "reuse_port",
+    [False, pytest.param(True, marks=pytest.mark.skipif(not LINUX, reason="SO_REUSEPORT as Linux has it"))],
+    ids=["plain", "as-serves-proxy"],
+)
+@pytest.mark.parametrize(
+    "holder_host, asked_host", [("127.0.0.1", "127.0.0.1"), ("0.0.0.0", "127.0.0.1"), ("127.0.0.1", "0.0.0.0")]
+)
 def test_a_port_something_listens_on_is_refused_naming_host_and_port(reuse_port, holder_host, asked_host):
     with listening_socket(holder_host, reuse_port) as holder:
         port = holder.getsockname()[1]
@@ -110,8 +119,7 @@ def no_server_start(monkeypatch):
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
-def test_serve_refuses_a_port_a_program_listens_on_with_exit_2_and_one_line(tiny_folder, capsys, no_server_start,
-                                                                              host):
+def test_serve_refuses_a_port_a_program_listens_on_with_exit_2_and_one_line(tiny_folder, capsys, no_server_start, host):
     from optimum_iobinding.cli import main
 
     with listening_socket() as holder:
@@ -119,8 +127,10 @@ def test_serve_refuses_a_port_a_program_listens_on_with_exit_2_and_one_line(tiny
         status = main(["serve", str(tiny_folder), "--host", host, "--port", str(port), "--device", "cpu"])
     out, err = capsys.readouterr()
     assert status == 2 and out == ""
-    assert err.count("\n") == 1 and err.startswith(f"optimum-iobinding: error: --port: expected a free port, got "
-                                                   f"{port}: something already listens on {host}:{port}")
+    assert err.count("\n") == 1 and err.startswith(
+        f"optimum-iobinding: error: --port: expected a free port, got "
+        f"{port}: something already listens on {host}:{port}"
+    )
 
 
 def test_serve_without_the_serve_extra_says_so_in_one_line(tiny_folder, capsys, no_server_start, monkeypatch):
@@ -185,8 +195,13 @@ def test_wait_until_answering_gives_up_when_told_or_past_its_time():
     with listening_socket() as holder:  # listens, never answers: each try times out or is dropped
         url = f"http://127.0.0.1:{holder.getsockname()[1]}/health"
         asked = []
-        assert not wait_until_answering(url, timeout_s=60, interval_s=0.01, try_timeout_s=0.2,
-                                        keep_waiting=lambda: asked.append(1) or len(asked) < 3)
+        assert not wait_until_answering(
+            url,
+            timeout_s=60,
+            interval_s=0.01,
+            try_timeout_s=0.2,
+            keep_waiting=lambda: asked.append(1) or len(asked) < 3,
+        )
         assert len(asked) == 3
     port = free_port()
     assert not wait_until_answering(f"http://127.0.0.1:{port}/health", timeout_s=0.2, interval_s=0.01)
@@ -227,8 +242,9 @@ class FakeServe:
         from types import SimpleNamespace
 
         deployment = SimpleNamespace(status="DeploymentStatus.DEPLOY_FAILED", message=self.deployment_message)
-        return SimpleNamespace(applications={"optimum-iobinding": SimpleNamespace(
-            message="", deployments={"ImageService": deployment})})
+        return SimpleNamespace(
+            applications={"optimum-iobinding": SimpleNamespace(message="", deployments={"ImageService": deployment})}
+        )
 
 
 @pytest.fixture
@@ -260,8 +276,7 @@ def test_run_is_ready_only_once_health_answers(fake_cluster):
     handle = app.run(ServeConfig(model="folder"), port=port, blocking=False, on_ready=lambda: events.append("ready"))
     fake.proxy.close()
     assert handle == "handle" and fake.asked_port == port
-    assert events == ["proxy started", "deployed", "health dropped", "health 503", "health 503", "health 200",
-                      "ready"]
+    assert events == ["proxy started", "deployed", "health dropped", "health 503", "health 503", "health 200", "ready"]
 
 
 def test_serve_prints_its_serving_line_only_when_run_says_it_is_ready(tiny_folder, capsys, monkeypatch):
@@ -281,8 +296,10 @@ def test_serve_prints_its_serving_line_only_when_run_says_it_is_ready(tiny_folde
     port = free_port()
     assert main(["serve", str(tiny_folder), "--port", str(port), "--device", "cpu"]) == 130
     assert seen["before"].startswith("optimum-iobinding: starting Ray Serve") and "serving" not in seen["before"]
-    assert seen["after"] == (f"optimum-iobinding: serving {tiny_folder} on http://127.0.0.1:{port}/v1/images "
-                             "(1 replica(s), batches of up to 4); Ctrl-C stops\n")
+    assert seen["after"] == (
+        f"optimum-iobinding: serving {tiny_folder} on http://127.0.0.1:{port}/v1/images "
+        "(1 replica(s), batches of up to 4); Ctrl-C stops\n"
+    )
 
 
 def test_the_python_api_refuses_a_busy_port_naming_port_before_ray_starts(fake_cluster):
@@ -301,8 +318,10 @@ class RemoteError(RuntimeError):
     """What Ray raises for an actor's failed call: its text is the remote traceback, ``cause`` the error."""
 
     def __init__(self, cause: BaseException):
-        super().__init__("ray::ProxyActor.ready() (pid=1, repr=<ProxyActor object at 0x7f00>)\n  File \"x\", line 1"
-                         f"\n{type(cause).__name__}: {cause}")
+        super().__init__(
+            'ray::ProxyActor.ready() (pid=1, repr=<ProxyActor object at 0x7f00>)\n  File "x", line 1'
+            f"\n{type(cause).__name__}: {cause}"
+        )
         self.cause = cause
 
 
@@ -322,15 +341,27 @@ optimum_iobinding.errors.ArgumentPathError: model: expected '/m/unet/model.onnx'
 """
 
 
-@pytest.mark.parametrize("failure, expected", [
-    (dict(start_error=RemoteError(RuntimeError("Failed to bind to address '127.0.0.1:8000'."))),
-     "Serve's HTTP proxy did not start on 127.0.0.1:{port}: RuntimeError: Failed to bind to address "
-     "'127.0.0.1:8000'.; stop what listens there or choose another port"),
-    (dict(run_error=RuntimeError("Deploying application optimum-iobinding failed: Failed to update the deployments "
-                                 "['ImageService']."), deployment_message=REPLICA_FAILURE),
-     "the replicas did not start: model: expected '/m/unet/model.onnx' (an ONNX Stable Diffusion folder); fix what "
-     "it names and start again"),
-], ids=["proxy", "replicas"])
+@pytest.mark.parametrize(
+    "failure, expected",
+    [
+        (
+            dict(start_error=RemoteError(RuntimeError("Failed to bind to address '127.0.0.1:8000'."))),
+            "Serve's HTTP proxy did not start on 127.0.0.1:{port}: RuntimeError: Failed to bind to address "
+            "'127.0.0.1:8000'.; stop what listens there or choose another port",
+        ),
+        (
+            dict(
+                run_error=RuntimeError(
+                    "Deploying application optimum-iobinding failed: Failed to update the deployments ['ImageService']."
+                ),
+                deployment_message=REPLICA_FAILURE,
+            ),
+            "the replicas did not start: model: expected '/m/unet/model.onnx' (an ONNX Stable Diffusion folder); fix what "
+            "it names and start again",
+        ),
+    ],
+    ids=["proxy", "replicas"],
+)
 def test_a_start_that_fails_is_one_line_saying_what_failed_and_what_to_do(fake_cluster, failure, expected):
     from optimum_iobinding.serve import app
 
@@ -358,8 +389,10 @@ def test_serve_prints_a_failed_start_in_one_line_and_its_traceback_with_debug(ti
     arguments = ["serve", str(tiny_folder), "--port", str(free_port()), "--device", "cpu"]
     assert main(arguments) == 1
     err = capsys.readouterr().err
-    assert err == ("optimum-iobinding: error: serve: the replicas did not start: deep inside Ray; fix what it names "
-                   "(--debug shows the traceback)\n")
+    assert err == (
+        "optimum-iobinding: error: serve: the replicas did not start: deep inside Ray; fix what it names "
+        "(--debug shows the traceback)\n"
+    )
     with pytest.raises(ServeStartError) as shown:
         main(["--debug", *arguments])
     assert "deep inside Ray" in str(shown.value.__cause__)
@@ -390,14 +423,25 @@ def png_bytes() -> bytes:
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize("data, message", [
-    (base64.b64encode(b"hello, not an image").decode(),
-     "image: expected a base64 PNG or JPEG, got 19 bytes of no image Pillow reads (they start with b'hello, n')"),
-    (base64.b64encode(png_bytes()[:40]).decode(),
-     "image: expected a base64 PNG or JPEG, got 40 bytes of no image Pillow reads (they start with "
-     "b'\\x89PNG\\r\\n\\x1a\\n')"),
-    ("not base64!", "image: expected a base64 PNG or JPEG, got text that is no base64 (Only base64 data is allowed)"),
-], ids=["text", "cut-png", "not-base64"])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (
+            base64.b64encode(b"hello, not an image").decode(),
+            "image: expected a base64 PNG or JPEG, got 19 bytes of no image Pillow reads (they start with b'hello, n')",
+        ),
+        (
+            base64.b64encode(png_bytes()[:40]).decode(),
+            "image: expected a base64 PNG or JPEG, got 40 bytes of no image Pillow reads (they start with "
+            "b'\\x89PNG\\r\\n\\x1a\\n')",
+        ),
+        (
+            "not base64!",
+            "image: expected a base64 PNG or JPEG, got text that is no base64 (Only base64 data is allowed)",
+        ),
+    ],
+    ids=["text", "cut-png", "not-base64"],
+)
 def test_an_image_that_is_no_image_is_refused_naming_the_field_without_object_reprs(data, message):
     pytest.importorskip("pydantic")
     from optimum_iobinding.serve.schema import decode_image
