@@ -24,6 +24,33 @@ DOWN_RESIDUAL_OUTPUT, MID_RESIDUAL_OUTPUT = "down_block_res_sample_", "mid_block
 DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT = "down_block_additional_residual_", "mid_block_additional_residual"
 
 
+# The step caches' part graphs, written by the export beside a denoiser's model.onnx and read by the pipelines:
+# First-Block Cache's three (the embeddings and first block, the other blocks, the final norm and projection) and the
+# values the export marks for them, in the order the marked transformer returns them after its own output ...
+FIRST_BLOCK_CACHE_PARTS = ("head.onnx", "body.onnx", "out.onnx")
+FIRST_BLOCK_MARKS = (
+    "first_block_input",
+    "first_block_hidden_states",
+    "first_block_encoder_hidden_states",
+    "blocks_output",
+)
+# ... and DeepCache's: the whole UNet with every branch's feature as an extra output, and one shallow graph per branch
+DEEP_CACHE_FULL_PART = "deep_cache_full.onnx"
+DEEP_CACHE_SHALLOW_PART = "deep_cache_shallow_{branch}.onnx"
+DEEP_CACHE_FEATURE_PREFIX = "deep_features."
+
+
+def deep_cache_shallow_branch(file_name: str) -> Optional[int]:
+    """The branch of a DeepCache shallow part's file name (:data:`DEEP_CACHE_SHALLOW_PART`), or ``None``."""
+    prefix, suffix = DEEP_CACHE_SHALLOW_PART.split("{branch}")
+    number = (
+        file_name[len(prefix) : -len(suffix)] if file_name.startswith(prefix) and file_name.endswith(suffix) else ""
+    )
+    if not number.isdigit() or (number != "0" and number.startswith("0")) or not number.isascii():
+        return None
+    return int(number)
+
+
 def controlnet_component_names(count: int) -> tuple:
     """diffusers' folder names for ``count`` ControlNets: ``controlnet``, ``controlnet_1``, ``controlnet_2`` …"""
     return tuple("controlnet" if k == 0 else f"controlnet_{k}" for k in range(count))

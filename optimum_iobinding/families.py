@@ -1,0 +1,401 @@
+"""Every pipeline family described once: what the pipelines, auto-detection, the export, the tiny models, the command
+line, the benchmarks, the server and the contract tests ask of a family, as one small declarative record each
+(:class:`Family`), in one table (:data:`FAMILIES`). The standard library only: the command line and the server read it
+before anything heavy is imported.
+
+A family record says which class runs it (module and name, imported on first use by :func:`pipeline_class`), the
+model_index.json class names that select it (:func:`detect`, then its denoiser's ONNX interface as a fallback, so
+that two families with one interface are told apart by the folder's class name), its denoiser's interface, which
+exporter writes it, its sibling for image to image, the image inputs a call takes, its capabilities and its
+defaults. A new family is a record here, a class with its ``__call__``, its export and its tests."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Dict, FrozenSet, Mapping, Optional, Sequence, Tuple
+
+from .layout import DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT
+
+__all__ = [
+    "Defaults",
+    "DenoiserInterface",
+    "Family",
+    "FAMILIES",
+    "family",
+    "family_of_class",
+    "pipeline_class",
+    "detect",
+    "UNET_INPUTS",
+    "MMDIT_INPUTS",
+    "FLUX_INPUTS",
+]
+
+# the denoisers' ONNX inputs (the export writes them, the pipelines feed them)
+UNET_INPUTS = ("sample", "timestep", "encoder_hidden_states")
+MMDIT_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
+FLUX_INPUTS = (*MMDIT_INPUTS, "txt_ids", "img_ids")
+
+
+@dataclass(frozen=True)
+class DenoiserInterface:
+    """A denoiser's ONNX interface as detection reads it: the ``component`` folder it lives in (``"unet"`` or
+    ``"transformer"``), the ``inputs`` it must take, the ``optional`` ones it may take (FLUX.1 dev's ``guidance``),
+    the ``prefixed`` inputs it may take any number of (a ControlNet's residuals), and the ``sample_channels`` it must
+    have (``None``: any) or must not have (``refused_channels``)."""
+
+    component: str
+    inputs: Tuple[str, ...]
+    optional: Tuple[str, ...] = ()
+    prefixed: Tuple[str, ...] = ()
+    sample_channels: Optional[int] = None
+    refused_channels: Tuple[int, ...] = ()
+
+    def matches(self, inputs: Sequence[str], channels: Optional[int] = None) -> bool:
+        """Whether a denoiser taking ``inputs`` (with ``channels`` sample channels, ``None``: unknown) is this one."""
+        names = set(inputs)
+        extra = {name for name in names - set(self.inputs) - set(self.optional) if not name.startswith(self.prefixed)}
+        if self.prefixed and not any(name.startswith(self.prefixed) for name in names):
+            return False
+        if not set(self.inputs) <= names or extra:
+            return False
+        if channels is not None and self.sample_channels is not None and channels != self.sample_channels:
+            return False
+        return channels is None or channels not in self.refused_channels
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """A family's ``__call__`` defaults: steps, guidance scale, and image size in pixels (``None``: the denoiser's
+    sample size × the VAE's scale factor, as diffusers' SDXL, SD3 and FLUX.1 pipelines choose)."""
+
+    steps: int
+    guidance_scale: float
+    size: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One pipeline family (see the module's docstring).
+
+    Attributes:
+        key: its short name (the command line's and the benchmarks').
+        class_name, module: the pipeline class that runs it and the module defining it.
+        title: how a message names it.
+        interface: its denoiser's ONNX interface (detection's fallback).
+        index_class_names: model_index.json ``_class_name`` values that select it (ours, diffusers', optimum's).
+        index_class_name: the ``_class_name`` its own saved folders and exports write.
+        auto: whether :func:`detect` may pick it (an image-to-image sibling shares its family's folder).
+        text_to_image: whether a prompt alone runs it (``generate``); otherwise ``hint`` says what to use instead.
+        image_inputs: the image arguments a call takes (``image``, ``mask_image``, ``control_image``).
+        image_to_image: the key of its image-to-image sibling on the same components, if any.
+        export: the exporter that writes its folder (``"unet"``, ``"sd3"``, ``"flux"``; ``None``: none).
+        torch_classes: diffusers' torch pipeline classes the exporter takes for it.
+        tiny_random: the tiny random models (``export --tiny-random KIND``) of its shapes.
+        numpy_class: diffusers' numpy ONNX pipeline of the family (the baseline the benchmarks compare with).
+        step_cache: the step cache it runs (``"deepcache"``, ``"first-block"``, ``None``).
+        lora: whether it loads LoRA at run time.
+        scheduler_choice: whether a call may swap its scheduler for another of diffusers' (``generate --scheduler``).
+        negative_prompt: whether a call takes a negative prompt.
+        callback_tensors: the loop's tensors a step-end callback may ask for and replace.
+        defaults: its ``__call__`` defaults.
+        hint: what to use, where :attr:`text_to_image` is false or its folder holds another family.
+    """
+
+    key: str
+    class_name: str
+    module: str
+    title: str
+    interface: DenoiserInterface
+    defaults: Defaults
+    index_class_names: Tuple[str, ...] = ()
+    index_class_name: Optional[str] = None
+    auto: bool = True
+    text_to_image: bool = True
+    image_inputs: FrozenSet[str] = frozenset()
+    image_to_image: Optional[str] = None
+    export: Optional[str] = None
+    torch_classes: Tuple[str, ...] = ()
+    tiny_random: Tuple[str, ...] = ()
+    numpy_class: Optional[str] = None
+    step_cache: Optional[str] = None
+    lora: bool = False
+    scheduler_choice: bool = True
+    negative_prompt: bool = True
+    callback_tensors: Tuple[str, ...] = ("latents", "prompt_embeds")
+    hint: str = ""
+    options: Mapping[str, object] = field(default_factory=dict)
+
+    @property
+    def denoiser(self) -> str:
+        """The component its loop calls at every step (``"unet"`` or ``"transformer"``)."""
+        return self.interface.component
+
+    def use_hint(self) -> str:
+        """``"use OnnxX from Python with …"``: what runs a folder of this family."""
+        return self.hint or f"use {self.class_name}"
+
+
+_SD_MODULE = "optimum_iobinding.pipelines"
+_UNET = DenoiserInterface("unet", UNET_INPUTS, refused_channels=(9,))
+_SD_DEFAULTS = Defaults(steps=50, guidance_scale=7.5, size=512)
+_SD_INDEX = ("OnnxStableDiffusionPipeline", "StableDiffusionPipeline", "ORTStableDiffusionPipeline")
+_SD_COMMON = dict(index_class_name="OnnxStableDiffusionPipeline", export="unet", lora=True)
+
+# In detection order: where a folder's model_index.json names no family, the first whose interface matches wins, so a
+# stricter interface comes before a looser one.
+FAMILIES: Tuple[Family, ...] = (
+    Family(
+        "sdxl",
+        "OnnxStableDiffusionXLPipeline",
+        f"{_SD_MODULE}.stable_diffusion_xl",
+        "SDXL",
+        DenoiserInterface("unet", (*UNET_INPUTS, "text_embeds", "time_ids")),
+        Defaults(steps=50, guidance_scale=5.0),
+        index_class_names=("StableDiffusionXLPipeline", "ORTStableDiffusionXLPipeline"),
+        index_class_name="StableDiffusionXLPipeline",
+        image_to_image="sdxl-img2img",
+        export="unet",
+        torch_classes=("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline"),
+        tiny_random=("xl",),
+        step_cache="deepcache",
+        lora=True,
+        options={"needs_folder": "text_encoder"},
+    ),
+    Family(
+        "sdxl-img2img",
+        "OnnxStableDiffusionXLImg2ImgPipeline",
+        f"{_SD_MODULE}.stable_diffusion_xl",
+        "SDXL image to image (the refiner too)",
+        DenoiserInterface("unet", (*UNET_INPUTS, "text_embeds", "time_ids")),
+        Defaults(steps=50, guidance_scale=5.0),
+        index_class_names=("StableDiffusionXLImg2ImgPipeline", "ORTStableDiffusionXLImg2ImgPipeline"),
+        index_class_name="StableDiffusionXLImg2ImgPipeline",
+        text_to_image=False,
+        image_inputs=frozenset({"image"}),
+        export="unet",
+        step_cache="deepcache",
+        lora=True,
+        hint="an SDXL refiner or image-to-image folder (no text_encoder): it transforms images; use "
+        "OnnxStableDiffusionXLImg2ImgPipeline from Python",
+    ),
+    Family(
+        "controlnet",
+        "OnnxStableDiffusionControlNetPipeline",
+        f"{_SD_MODULE}.controlnet",
+        "Stable Diffusion with ControlNet",
+        DenoiserInterface("unet", UNET_INPUTS, prefixed=(DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT)),
+        _SD_DEFAULTS,
+        index_class_names=("OnnxStableDiffusionControlNetPipeline",),
+        index_class_name="OnnxStableDiffusionControlNetPipeline",
+        text_to_image=False,
+        image_inputs=frozenset({"control_image"}),
+        image_to_image="controlnet-img2img",
+        export="unet",
+        torch_classes=("StableDiffusionControlNetPipeline",),
+        tiny_random=("controlnet",),
+        lora=True,
+        hint="a ControlNet folder (its UNet takes the ControlNet's residuals): use "
+        "OnnxStableDiffusionControlNetPipeline from Python with a control image",
+    ),
+    Family(
+        "controlnet-img2img",
+        "OnnxStableDiffusionControlNetImg2ImgPipeline",
+        f"{_SD_MODULE}.controlnet",
+        "Stable Diffusion image to image with ControlNet",
+        DenoiserInterface("unet", UNET_INPUTS, prefixed=(DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT)),
+        _SD_DEFAULTS,
+        auto=False,
+        text_to_image=False,
+        image_inputs=frozenset({"image", "control_image"}),
+        index_class_name="OnnxStableDiffusionControlNetPipeline",
+        export="unet",
+        lora=True,
+    ),
+    Family(
+        "lcm",
+        "OnnxLatentConsistencyModelPipeline",
+        f"{_SD_MODULE}.latent_consistency",
+        "Latent Consistency Model",
+        DenoiserInterface("unet", (*UNET_INPUTS, "timestep_cond")),
+        Defaults(steps=4, guidance_scale=8.5, size=512),
+        index_class_names=("LatentConsistencyModelPipeline", "ORTLatentConsistencyModelPipeline", *_SD_INDEX),
+        tiny_random=("lcm",),
+        step_cache="deepcache",
+        negative_prompt=False,
+        **_SD_COMMON,
+    ),
+    Family(
+        "inpaint",
+        "OnnxStableDiffusionInpaintPipeline",
+        f"{_SD_MODULE}.inpaint",
+        "Stable Diffusion inpainting",
+        DenoiserInterface("unet", UNET_INPUTS, sample_channels=9),
+        Defaults(steps=50, guidance_scale=7.5, size=512),
+        index_class_names=("OnnxStableDiffusionInpaintPipeline", "StableDiffusionInpaintPipeline", *_SD_INDEX),
+        text_to_image=False,
+        image_inputs=frozenset({"image", "mask_image"}),
+        numpy_class="OnnxStableDiffusionInpaintPipeline",
+        hint="an inpainting model (its UNet takes 9 channels): use OnnxStableDiffusionInpaintPipeline from Python "
+        "with an image and a mask",
+        **_SD_COMMON,
+    ),
+    Family(
+        "sd",
+        "OnnxStableDiffusionPipeline",
+        f"{_SD_MODULE}.stable_diffusion",
+        "Stable Diffusion 1.x/2.x",
+        _UNET,
+        _SD_DEFAULTS,
+        index_class_names=_SD_INDEX,
+        image_to_image="sd-img2img",
+        torch_classes=("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline"),
+        tiny_random=("sd",),
+        numpy_class="OnnxStableDiffusionPipeline",
+        step_cache="deepcache",
+        **_SD_COMMON,
+    ),
+    Family(
+        "sd-img2img",
+        "OnnxStableDiffusionImg2ImgPipeline",
+        f"{_SD_MODULE}.img2img",
+        "Stable Diffusion image to image",
+        _UNET,
+        Defaults(steps=50, guidance_scale=7.5),
+        auto=False,
+        text_to_image=False,
+        image_inputs=frozenset({"image"}),
+        numpy_class="OnnxStableDiffusionImg2ImgPipeline",
+        step_cache="deepcache",
+        **_SD_COMMON,
+    ),
+    Family(
+        "stream",
+        "OnnxStreamDiffusionPipeline",
+        f"{_SD_MODULE}.stream",
+        "real-time stream (few-step image to image on frames)",
+        DenoiserInterface("unet", UNET_INPUTS, optional=("timestep_cond",)),
+        Defaults(steps=1, guidance_scale=0.0, size=512),
+        auto=False,
+        text_to_image=False,
+        image_inputs=frozenset({"image"}),
+        index_class_name="OnnxStableDiffusionPipeline",
+        export="unet",
+        lora=True,
+        scheduler_choice=False,
+        hint="use OnnxStreamDiffusionPipeline (the stream command)",
+    ),
+    Family(
+        "sd3",
+        "OnnxStableDiffusion3Pipeline",
+        f"{_SD_MODULE}.stable_diffusion_3",
+        "Stable Diffusion 3",
+        DenoiserInterface("transformer", MMDIT_INPUTS),
+        Defaults(steps=28, guidance_scale=7.0),
+        index_class_names=("StableDiffusion3Pipeline", "ORTStableDiffusion3Pipeline"),
+        index_class_name="StableDiffusion3Pipeline",
+        export="sd3",
+        torch_classes=("StableDiffusion3Pipeline",),
+        tiny_random=("sd3",),
+        step_cache="first-block",
+        scheduler_choice=False,
+        callback_tensors=("latents", "prompt_embeds", "pooled_prompt_embeds"),
+        options={
+            "transformer_class": "SD3Transformer2DModel",
+            "t5_tokenizer": "tokenizer_3",
+            "t5_encoder": "text_encoder_3",
+        },
+    ),
+    Family(
+        "flux",
+        "OnnxFluxPipeline",
+        f"{_SD_MODULE}.flux",
+        "FLUX.1",
+        DenoiserInterface("transformer", FLUX_INPUTS, optional=("guidance",)),
+        Defaults(steps=28, guidance_scale=3.5),
+        index_class_names=("FluxPipeline", "ORTFluxPipeline"),
+        index_class_name="FluxPipeline",
+        export="flux",
+        torch_classes=("FluxPipeline",),
+        tiny_random=("flux", "flux-dev"),
+        step_cache="first-block",
+        scheduler_choice=False,
+        negative_prompt=True,
+        options={
+            "transformer_class": "FluxTransformer2DModel",
+            "t5_tokenizer": "tokenizer_2",
+            "t5_encoder": "text_encoder_2",
+        },
+    ),
+)
+
+_BY_KEY: Dict[str, Family] = {record.key: record for record in FAMILIES}
+
+
+def family(key: str) -> Family:
+    """The family record of ``key`` (:attr:`Family.key`).
+
+    Raises:
+        KeyError: no family has that key (naming the keys there are)."""
+    try:
+        return _BY_KEY[key]
+    except KeyError:
+        raise KeyError(f"no family {key!r}; the families are {sorted(_BY_KEY)}") from None
+
+
+def family_of_class(class_name: str) -> Optional[Family]:
+    """The first family a pipeline class of this name runs (``None``: none)."""
+    return next((record for record in FAMILIES if record.class_name == class_name), None)
+
+
+def pipeline_class(record: Family) -> type:
+    """The pipeline class that runs ``record``, imported on first use."""
+    return getattr(importlib.import_module(record.module), record.class_name)
+
+
+def public_pipeline_names() -> Dict[str, str]:
+    """Every pipeline class name and the module that defines it (the package's lazily imported public names)."""
+    return {record.class_name: record.module for record in FAMILIES}
+
+
+def transformer_family(transformer_class: Optional[str]) -> Optional[Family]:
+    """The family whose transformer is of this diffusers class (what a model_index.json's ``transformer`` names)."""
+    return next(
+        (
+            record
+            for record in FAMILIES
+            if transformer_class and record.options.get("transformer_class") == transformer_class
+        ),
+        None,
+    )
+
+
+def t5_tokenizer_of(record: Optional[Family]) -> Optional[str]:
+    """The component holding the family's T5 tokenizer, whose length each call gives (``max_sequence_length``), so
+    that it need name no ``model_max_length``; ``None``: the family has none (its tokenizers are CLIP's, of a fixed
+    length)."""
+    return None if record is None else record.options.get("t5_tokenizer")
+
+
+def detect(
+    index_class_name: Optional[str],
+    denoiser_inputs: Mapping[str, Sequence[str]],
+    channels: Optional[int] = None,
+    folders: Sequence[str] = (),
+) -> Optional[Family]:
+    """The family of a folder: among the families detection may pick (:attr:`Family.auto`), those whose
+    :attr:`~Family.index_class_names` hold the folder's model_index.json ``_class_name`` first, then the rest, the
+    first whose denoiser interface matches the folder's (``denoiser_inputs``: the inputs of each denoiser folder there,
+    ``channels``: the UNet's sample channels, ``folders``: the component folders there). ``None``: no family runs it.
+    """
+    named = [record for record in FAMILIES if record.auto and index_class_name in record.index_class_names]
+    rest = [record for record in FAMILIES if record.auto and record not in named]
+    for record in (*named, *rest):
+        inputs = denoiser_inputs.get(record.denoiser)
+        if inputs is None or not record.interface.matches(inputs, channels if record.denoiser == "unet" else None):
+            continue
+        needed = record.options.get("needs_folder")
+        if needed is not None and needed not in folders:
+            continue
+        return record
+    return None
