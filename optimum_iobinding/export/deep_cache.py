@@ -43,12 +43,10 @@ from onnx import helper, numpy_helper
 from onnx.external_data_helper import uses_external_data
 
 from ..errors import ArgumentError
+from ..layout import DEEP_CACHE_FEATURE_PREFIX, DEEP_CACHE_FULL_PART, DEEP_CACHE_SHALLOW_PART
 from .optimize import save_onnx
 
 __all__ = [
-    "FULL_PART",
-    "SHALLOW_PART",
-    "FEATURE_PREFIX",
     "WEIGHTS_FILE",
     "deep_cache_places",
     "feature_name",
@@ -58,10 +56,6 @@ __all__ = [
     "write_unet_with_deep_cache_parts",
 ]
 
-FULL_PART = "deep_cache_full.onnx"
-# a branch's shallow graph: SHALLOW_PART.format(branch=…)
-SHALLOW_PART = "deep_cache_shallow_{branch}.onnx"
-FEATURE_PREFIX = "deep_features."
 # the weights file every graph of the folder reads (optimum's name for external data)
 WEIGHTS_FILE = "model.onnx_data"
 # the blocks whose layers DeepCache numbers (what diffusers' SD 1.x/2.x, SDXL and LCM UNets are made of)
@@ -110,7 +104,7 @@ def deep_cache_places(unet: torch.nn.Module) -> Dict[int, Place]:
 def feature_name(place: Place) -> str:
     """The graph value of the feature at ``place``."""
     up, resnet = place
-    return f"{FEATURE_PREFIX}up_blocks.{up}.resnets.{resnet}"
+    return f"{DEEP_CACHE_FEATURE_PREFIX}up_blocks.{up}.resnets.{resnet}"
 
 
 class _MarkedUNet(torch.nn.Module):
@@ -303,8 +297,9 @@ def shallow_graph(model: onnx.ModelProto, feature: str, outputs: Sequence[str]) 
 def write_unet_with_deep_cache_parts(model: onnx.ModelProto, folder: Path, branches: Dict[int, str]) -> List[Path]:
     """Writes the UNet ``model`` (exported from :func:`marked_unet_spec`'s spec: its own outputs, then the features)
     as ``folder/model.onnx`` without the features, its weights in :data:`WEIGHTS_FILE` whatever their size, and the
-    parts beside it (the module's docstring): :data:`FULL_PART` and one :data:`SHALLOW_PART` per branch of
-    ``branches`` (branch id → feature name). Returns the parts' paths."""
+    parts beside it (the module's docstring): :data:`~optimum_iobinding.layout.DEEP_CACHE_FULL_PART` and one
+    :data:`~optimum_iobinding.layout.DEEP_CACHE_SHALLOW_PART` per branch of ``branches`` (branch id → feature name).
+    Returns the parts' paths."""
     features = set(branches.values())
     marks = [value for value in model.graph.output if value.name in features]
     own = [value for value in model.graph.output if value.name not in features]
@@ -314,11 +309,11 @@ def write_unet_with_deep_cache_parts(model: onnx.ModelProto, folder: Path, branc
     # the graph again, its initializers now naming the weights file, with the features as outputs once more
     full = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     full.graph.output.extend(marks)
-    onnx.save_model(full, str(folder / FULL_PART))
-    paths = [folder / FULL_PART]
+    onnx.save_model(full, str(folder / DEEP_CACHE_FULL_PART))
+    paths = [folder / DEEP_CACHE_FULL_PART]
     outputs = [value.name for value in own]
     for branch, feature in sorted(branches.items()):
-        path = folder / SHALLOW_PART.format(branch=branch)
+        path = folder / DEEP_CACHE_SHALLOW_PART.format(branch=branch)
         onnx.save_model(shallow_graph(full, feature, outputs), str(path))
         paths.append(path)
     return paths

@@ -30,9 +30,9 @@ import torch
 from onnx import helper
 
 from ..errors import ArgumentError
+from ..layout import FIRST_BLOCK_CACHE_PARTS, FIRST_BLOCK_MARKS
 
 __all__ = [
-    "FIRST_BLOCK_MARKS",
     "STEP_CACHE_PARTS",
     "check_first_block_cache_depth",
     "drop_marks",
@@ -41,18 +41,10 @@ __all__ = [
     "write_step_cache_parts",
 ]
 
-# the values the export marks, in the order the marked transformer returns them after its own output
-FIRST_BLOCK_MARKS = (
-    "first_block_input",
-    "first_block_hidden_states",
-    "first_block_encoder_hidden_states",
-    "blocks_output",
-)
-# each part's file in the transformer's folder and the marked values it ends at (None: the graph's own outputs)
-STEP_CACHE_PARTS: Tuple[Tuple[str, Any], ...] = (
-    ("head.onnx", FIRST_BLOCK_MARKS[:3]),
-    ("body.onnx", FIRST_BLOCK_MARKS[3:]),
-    ("out.onnx", None),
+# each part's file in the transformer's folder and the marked values it ends at (None: the graph's own outputs): the
+# head at the first block's input and outputs, the body at the final norm's input
+STEP_CACHE_PARTS: Tuple[Tuple[str, Any], ...] = tuple(
+    zip(FIRST_BLOCK_CACHE_PARTS, (FIRST_BLOCK_MARKS[:3], FIRST_BLOCK_MARKS[3:], None), strict=True)
 )
 
 
@@ -69,13 +61,13 @@ class _MarkedTransformer(torch.nn.Module):
     def forward(self, *args):
         self.caught.clear()
         output = self.module(*args)
-        encoder_hidden_states, hidden_states = self.caught["first_block_outputs"]
+        encoder_hidden_states, hidden_states = self.caught["first_outputs"]
         return (
             output,
-            self.caught["first_block_input"],
+            self.caught["first_input"],
             hidden_states,
             encoder_hidden_states,
-            self.caught["blocks_output"],
+            self.caught["norm_input"],
         )
 
     @contextlib.contextmanager
@@ -85,13 +77,11 @@ class _MarkedTransformer(torch.nn.Module):
         first, norm = transformer.transformer_blocks[0], transformer.norm_out
         handles = [
             first.register_forward_pre_hook(
-                lambda module, args, kwargs: self.caught.__setitem__("first_block_input", kwargs["hidden_states"]),
+                lambda module, args, kwargs: self.caught.__setitem__("first_input", kwargs["hidden_states"]),
                 with_kwargs=True,
             ),
-            first.register_forward_hook(
-                lambda module, args, output: self.caught.__setitem__("first_block_outputs", output)
-            ),
-            norm.register_forward_pre_hook(lambda module, args: self.caught.__setitem__("blocks_output", args[0])),
+            first.register_forward_hook(lambda module, args, output: self.caught.__setitem__("first_outputs", output)),
+            norm.register_forward_pre_hook(lambda module, args: self.caught.__setitem__("norm_input", args[0])),
         ]
         try:
             yield

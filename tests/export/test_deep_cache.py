@@ -20,8 +20,9 @@ from onnx.external_data_helper import uses_external_data
 from optimum_iobinding import IOBindingORTModel, infer_output_shapes
 from optimum_iobinding.errors import ArgumentError
 from optimum_iobinding.export import export_pipeline
-from optimum_iobinding.export.deep_cache import FULL_PART, SHALLOW_PART, WEIGHTS_FILE, shallow_graph
+from optimum_iobinding.export.deep_cache import WEIGHTS_FILE, shallow_graph
 from optimum_iobinding.export.tiny import build_tiny_random_pipeline, build_tiny_random_xl_pipeline
+from optimum_iobinding.layout import DEEP_CACHE_FULL_PART, DEEP_CACHE_SHALLOW_PART
 
 BUILDERS = {"sd": build_tiny_random_pipeline, "xl": build_tiny_random_xl_pipeline}
 # (family, optimize, fp16): the unfused fp32 exports are the pipeline tests' (shared); ORT's CPU fusions in fp32 and
@@ -116,7 +117,7 @@ def test_over_the_full_steps_feature_each_shallow_part_computes_the_deepcache_he
     scheduler.set_timesteps(4)
     first, second = scheduler.timesteps[0], scheduler.timesteps[1]
     full_inputs, shallow_inputs = unet_inputs(family, 0), unet_inputs(family, 1)
-    model, full = session(folder / "model.onnx"), session(folder / FULL_PART)
+    model, full = session(folder / "model.onnx"), session(folder / DEEP_CACHE_FULL_PART)
     computed = run(full, as_arrays(full_inputs, first))
     for branch in BRANCHES:
         helper = DeepCacheSDHelper(pipe=torch_pipe)
@@ -127,7 +128,7 @@ def test_over_the_full_steps_feature_each_shallow_part_computes_the_deepcache_he
             expected = torch_unet(torch_pipe, shallow_inputs, second).numpy()
         finally:
             helper.disable()
-        shallow = session(folder / SHALLOW_PART.format(branch=branch))
+        shallow = session(folder / DEEP_CACHE_SHALLOW_PART.format(branch=branch))
         feature = feature_of(shallow, model)
         got = run(shallow, {**as_arrays(shallow_inputs, second), feature: computed[feature]})["out_sample"]
         tolerance = 3e-2 if got.dtype == np.float16 else 1e-4
@@ -140,7 +141,7 @@ def test_on_the_full_steps_own_inputs_the_parts_compute_the_whole_unet(exported)
     family, torch_pipe, folder = exported
     torch_pipe.scheduler.set_timesteps(4)
     values = as_arrays(unet_inputs(family, 2), torch_pipe.scheduler.timesteps[1])
-    model, full = session(folder / "model.onnx"), session(folder / FULL_PART)
+    model, full = session(folder / "model.onnx"), session(folder / DEEP_CACHE_FULL_PART)
     (expected,) = model.run(
         None,
         {
@@ -153,7 +154,7 @@ def test_on_the_full_steps_own_inputs_the_parts_compute_the_whole_unet(exported)
     scale = tolerance * float(np.abs(expected.astype(np.float32)).max())
     np.testing.assert_allclose(computed["out_sample"].astype(np.float32), expected.astype(np.float32), atol=scale)
     for branch in BRANCHES:
-        shallow = session(folder / SHALLOW_PART.format(branch=branch))
+        shallow = session(folder / DEEP_CACHE_SHALLOW_PART.format(branch=branch))
         feature = feature_of(shallow, model)
         got = run(shallow, {**values, feature: computed[feature]})["out_sample"]
         np.testing.assert_allclose(
@@ -167,7 +168,7 @@ def test_model_onnx_keeps_the_unets_outputs_and_every_part_reads_its_one_weights
     assert [value.name for value in whole.graph.output] == ["out_sample"]
     weights = {tensor.name for tensor in whole.graph.initializer if uses_external_data(tensor)}
     assert weights and (folder / WEIGHTS_FILE).is_file() and not (folder / "weights.pb").exists()
-    parts = [FULL_PART, *(SHALLOW_PART.format(branch=branch) for branch in BRANCHES)]
+    parts = [DEEP_CACHE_FULL_PART, *(DEEP_CACHE_SHALLOW_PART.format(branch=branch) for branch in BRANCHES)]
     assert sorted(path.name for path in folder.glob("*.onnx")) == sorted(["model.onnx", *parts])
     for name in parts:
         part = onnx.load(str(folder / name), load_external_data=False)
@@ -178,7 +179,7 @@ def test_model_onnx_keeps_the_unets_outputs_and_every_part_reads_its_one_weights
         assert {tensor.name for tensor in external} <= weights
         # the graph alone: no weight is copied into a part's file
         assert (folder / name).stat().st_size < (folder / WEIGHTS_FILE).stat().st_size
-    full = onnx.load(str(folder / FULL_PART), load_external_data=False)
+    full = onnx.load(str(folder / DEEP_CACHE_FULL_PART), load_external_data=False)
     assert {tensor.name for tensor in full.graph.initializer if uses_external_data(tensor)} == weights
 
 
@@ -195,8 +196,8 @@ def test_the_shallow_parts_leave_the_deep_blocks_out(sd_folder):
     def nodes(name):
         return list(onnx.load(str(sd_folder / "unet" / name), load_external_data=False).graph.node)
 
-    shallow = {branch: nodes(SHALLOW_PART.format(branch=branch)) for branch in BRANCHES}
-    assert any("/mid_block/" in node.name for node in nodes(FULL_PART))
+    shallow = {branch: nodes(DEEP_CACHE_SHALLOW_PART.format(branch=branch)) for branch in BRANCHES}
+    assert any("/mid_block/" in node.name for node in nodes(DEEP_CACHE_FULL_PART))
     assert not [node.name for part in shallow.values() for node in part if "/mid_block/" in node.name]
     # branch 0 runs no layer of a down block (the time embedding, which the exporter names after the first resnet that
     # computes it, is shared) and only the last up block
@@ -212,7 +213,7 @@ def test_the_shallow_parts_leave_the_deep_blocks_out(sd_folder):
 
 def test_each_feature_is_sized_before_a_run(sd_folder):
     folder = sd_folder
-    full = IOBindingORTModel(folder / "unet" / FULL_PART)
+    full = IOBindingORTModel(folder / "unet" / DEEP_CACHE_FULL_PART)
     shapes = infer_output_shapes(
         full, {"sample": (2, 4, 16, 24), "timestep": (1,), "encoder_hidden_states": (2, 77, 32)}
     )
@@ -270,6 +271,6 @@ def test_a_unet_of_blocks_deepcache_does_not_number_is_refused_by_name(tmp_path)
 
 def test_a_feature_that_is_no_output_of_the_graph_is_refused_by_name(sd_folder):
     folder = sd_folder
-    model = onnx.load(str(folder / "unet" / FULL_PART), load_external_data=False)
+    model = onnx.load(str(folder / "unet" / DEEP_CACHE_FULL_PART), load_external_data=False)
     with pytest.raises(ArgumentError, match=r"feature: expected one of the graph's outputs .* got 'nowhere'"):
         shallow_graph(model, "nowhere", ["out_sample"])

@@ -16,7 +16,8 @@ from onnx.external_data_helper import uses_external_data
 
 from optimum_iobinding.errors import ArgumentError
 from optimum_iobinding.export import export_pipeline
-from optimum_iobinding.export.step_cache import FIRST_BLOCK_MARKS, STEP_CACHE_PARTS, split_graph
+from optimum_iobinding.export.step_cache import STEP_CACHE_PARTS, split_graph
+from optimum_iobinding.layout import FIRST_BLOCK_MARKS
 from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline, build_tiny_random_sd3_pipeline
 
 PARTS = [name for name, _ in STEP_CACHE_PARTS]
