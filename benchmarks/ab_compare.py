@@ -58,6 +58,16 @@ STEPS: Dict[str, Dict[str, Any]] = {
             ("p99_ms", "p99 ms", "lower", None),
         ],
     },
+    "deepcache": {
+        "title": "SD1.5 architecture, fused fp16, 512², 50 DDIM steps, CFG, DeepCache 3:0 (step-cache export): ours",
+        "tiny_title": "(needs CUDA: not run with TINY=1)",
+        "measures": [
+            ("per_step_ms", "ms/step: ({steps}-step − {short}-step median) / {between}", "lower", 0.02),
+            ("gpu_step_ms", "GPU ms/step inside calls (CUDA events)", "lower", None),
+            ("end_to_end_ms", "end to end ms, {steps} steps", "lower", 0.02),
+            ("own_floor_ms", "UNet graph replayed alone, ms (the card's drift)", "lower", None),
+        ],
+    },
 }
 SIDES = ("before", "after")
 

@@ -5,7 +5,7 @@
 #   bash benchmarks/ab_compare.sh OUT BEFORE_DIR [STEP ...]
 # BEFORE_DIR holds an optimum_iobinding folder, e.g. made here with
 #   mkdir -p .device/before && git archive COMMIT optimum_iobinding | tar -x -C .device/before
-# STEP: any of sd15 sd35m flux stream (default: all four, in that order). Each is one peer process of the bench,
+# STEP: any of sd15 sd35m flux stream deepcache (default: all five, in that order). Each is one peer process of the bench,
 # as the bench's own orchestrator runs it (optimum_iobinding/bench/cli.py), on the exports the bench makes:
 #   sd15    the "defaults" peer of   bench --models sd15 --dtypes fp16 --exports optimized --runs 10
 #           (run_gpu.sh's sd15-fp16-defaults): ms/step and the GPU's ms/step inside calls
@@ -14,6 +14,8 @@
 #           (benchmarks/results/h100/2026-11-24-aa22675 and -21914a1): ms/step; --runs 20 here (3 there)
 #   stream  the "ours" peer of the 1-step tiny-VAE row of   bench --scenario stream --dtypes fp16 --exports optimized
 #           (2026-11-24-7b763c6; 500 frames here, 100 there): frames/s
+#   deepcache the "cached" peer of  bench --models sd15 --dtypes fp16 --exports optimized --cache deepcache:3 --steps 50
+#           (DeepCache 3:0 on the step-cache export; benchmarks/results/h200/2026-11-28-b9cedf3): ms/step
 # First every export the steps need, made once with the after package, side by side (each pinned to its share of
 # the CPUs; on an H100 machine SD1.5's took 4-5 min and FLUX.1's 2 + 4 blocks 5.3 min, each alone), into AB_WORK
 # (/tmp/ab-work) in the bench's own layout. Then each step runs ROUNDS (2) times each side, in the order before,
@@ -33,7 +35,7 @@
 # (AB_SITE empty, PYTHON=python3 unless set); sd15 and stream need CUDA (their peers time CUDA work) and are skipped.
 set -uo pipefail
 main() {
-usage="usage: bash benchmarks/ab_compare.sh OUT BEFORE_DIR [sd15|sd35m|flux|stream ...]"
+usage="usage: bash benchmarks/ab_compare.sh OUT BEFORE_DIR [sd15|sd35m|flux|stream|deepcache ...]"
 [ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }
 root=$PWD
 [ -f "$root/optimum_iobinding/__init__.py" ] && [ -f "$root/benchmarks/ab_compare.py" ] ||
@@ -44,9 +46,9 @@ mkdir -p "$1"
 out=$(cd "$1" && pwd)
 source_before=$(cd "$2" && pwd)
 shift 2
-steps="${*:-sd15 sd35m flux stream}"
+steps="${*:-sd15 sd35m flux stream deepcache}"
 for step in $steps; do
-  case $step in sd15|sd35m|flux|stream) ;; *) echo "ab_compare: unknown step $step ($usage)" >&2; exit 2 ;; esac
+  case $step in sd15|sd35m|flux|stream|deepcache) ;; *) echo "ab_compare: unknown step $step ($usage)" >&2; exit 2 ;; esac
 done
 tiny=${TINY:-0}
 rounds=${ROUNDS:-2}
@@ -106,9 +108,10 @@ export_args() {
     sd35m) echo --scenario transformer --models "$sd35m_model" --blocks 4 --text-layers 4 "${transformer_export[@]}" --export-only --work "$work" ;;
     flux) echo --scenario transformer --models "$flux_model" --blocks 2 --text-layers 4 "${transformer_export[@]}" --export-only --work "$work" ;;
     stream) echo --scenario stream --dtypes fp16 --exports optimized --export-only --work "$work" ;;
+    deepcache) echo --export-only --models sd15 --dtypes fp16 --exports optimized --cache deepcache:3 --work "$work" ;;
   esac
 }
-needs_cuda() { [ "$tiny" = 1 ] && { [ "$1" = sd15 ] || [ "$1" = stream ]; }; }
+needs_cuda() { [ "$tiny" = 1 ] && { [ "$1" = sd15 ] || [ "$1" = stream ] || [ "$1" = deepcache ]; }; }
 todo=()
 for step in $steps; do needs_cuda "$step" || todo+=("$step"); done
 cpus=$(nproc)
@@ -138,6 +141,8 @@ measure_args() {  # STEP SIDE ROUND: the peer process's arguments, on the folder
   case $step in
     sd15) echo --run-peer defaults --folder "$folder" --model sd15 --dtype fp16 --steps 30 --runs "${SD15_RUNS:-10}" \
             --warmup 1 --image "$image" --result "$result" ;;
+    deepcache) echo --run-peer cached --folder "$folder" --model sd15 --dtype fp16 --steps 50 --runs "${SD15_RUNS:-10}" \
+            --warmup 1 --cache deepcache:3 --image "$image" --result "$result" ;;
     sd35m|flux)
       local model=$sd35m_model blocks=4
       [ "$step" = flux ] && model=$flux_model blocks=2

@@ -2,23 +2,14 @@
 
 from typing import TYPE_CHECKING
 
+from .families import public_pipeline_names
 from .lazy import lazy_names
 
 __version__ = "0.1.0"
 
-_PIPELINES = (
-    "OnnxStableDiffusionPipeline",
-    "OnnxStableDiffusionImg2ImgPipeline",
-    "OnnxStableDiffusionInpaintPipeline",
-    "OnnxStableDiffusionXLPipeline",
-    "OnnxStableDiffusionXLImg2ImgPipeline",
-    "OnnxLatentConsistencyModelPipeline",
-    "OnnxStableDiffusionControlNetPipeline",
-    "OnnxStableDiffusionControlNetImg2ImgPipeline",
-    "OnnxStreamDiffusionPipeline",
-    "OnnxStableDiffusion3Pipeline",
-    "OnnxFluxPipeline",
-)
+# every pipeline class, as the family descriptions name them (optimum_iobinding.families: the standard library only)
+_PIPELINE_MODULES = public_pipeline_names()
+_PIPELINES = tuple(_PIPELINE_MODULES)
 
 # Each public name and the module that defines it, imported on its first use: the pipelines bring diffusers,
 # transformers and torch, the runtime onnxruntime, and `import optimum_iobinding` (the command line's --help, a
@@ -31,7 +22,7 @@ _PUBLIC_NAMES = {
     "TiledVAE": ".pipelines.tiling",
     "DeepCacheConfig": ".pipelines.deep_cache",
     "accelerate": ".integrations.optimum",
-    **dict.fromkeys(_PIPELINES, ".pipelines"),
+    **_PIPELINE_MODULES,
 }
 
 __all__ = [
@@ -48,19 +39,6 @@ __all__ = [
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time each name comes from __getattr__
     from .integrations.optimum import accelerate
-    from .pipelines import (
-        OnnxFluxPipeline,
-        OnnxLatentConsistencyModelPipeline,
-        OnnxStableDiffusion3Pipeline,
-        OnnxStableDiffusionControlNetImg2ImgPipeline,
-        OnnxStableDiffusionControlNetPipeline,
-        OnnxStableDiffusionImg2ImgPipeline,
-        OnnxStableDiffusionInpaintPipeline,
-        OnnxStableDiffusionPipeline,
-        OnnxStableDiffusionXLImg2ImgPipeline,
-        OnnxStableDiffusionXLPipeline,
-        OnnxStreamDiffusionPipeline,
-    )
     from .pipelines.deep_cache import DeepCacheConfig
     from .pipelines.tiling import TiledVAE
     from .runtime.model import IOBindingORTModel

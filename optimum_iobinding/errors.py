@@ -35,6 +35,20 @@ class ArgumentPathError(ArgumentError, FileNotFoundError):
     """A path argument that names nothing there (a ``FileNotFoundError`` too)."""
 
 
+class ModelFileError(ValueError):
+    """A model file (an ONNX graph, a component's config.json, a LoRA's weights) that cannot serve: ``str(error)``
+    is ``"file: reason"``, naming the file or component as the folder names it. Not an argument's fault: the same
+    call with a sound model runs."""
+
+    def __init__(self, file: str, reason: str):
+        super().__init__(f"{file}: {reason}")
+        self.file = file
+        self.reason = reason
+
+    def __reduce__(self):  # picklable across processes, as ArgumentError
+        return type(self), (self.file, self.reason)
+
+
 def close_matches(word: str, choices: Iterable[str], n: int = 3, cutoff: float = 0.6) -> List[str]:
     """The choices ``word`` most likely misspells, best first: those equal to it but for case, then
     ``difflib.get_close_matches``' (compared case-insensitively, so ``cuda_GRAPH`` finds ``cuda_graph``); at most

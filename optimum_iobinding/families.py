@@ -15,7 +15,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Mapping, Optional, Sequence, Tuple
 
-from .layout import DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT
+from .layout import DIFFUSERS_ONNX_CLASS_NAME, DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT
 
 __all__ = [
     "Defaults",
@@ -29,12 +29,16 @@ __all__ = [
     "UNET_INPUTS",
     "MMDIT_INPUTS",
     "FLUX_INPUTS",
+    "FLUX_TEXT_IDS",
+    "FLUX_IMAGE_IDS",
 ]
 
 # the denoisers' ONNX inputs (the export writes them, the pipelines feed them)
 UNET_INPUTS = ("sample", "timestep", "encoder_hidden_states")
 MMDIT_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
-FLUX_INPUTS = (*MMDIT_INPUTS, "txt_ids", "img_ids")
+# FLUX.1's rotary position ids of the text tokens and of the packed latent tokens
+FLUX_TEXT_IDS, FLUX_IMAGE_IDS = "txt_ids", "img_ids"
+FLUX_INPUTS = (*MMDIT_INPUTS, FLUX_TEXT_IDS, FLUX_IMAGE_IDS)
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,7 @@ class DenoiserInterface:
             return False
         if not set(self.inputs) <= names or extra:
             return False
-        if channels is not None and self.sample_channels is not None and channels != self.sample_channels:
+        if self.sample_channels is not None and channels != self.sample_channels:
             return False
         return channels is None or channels not in self.refused_channels
 
@@ -139,8 +143,8 @@ class Family:
 _SD_MODULE = "optimum_iobinding.pipelines"
 _UNET = DenoiserInterface("unet", UNET_INPUTS, refused_channels=(9,))
 _SD_DEFAULTS = Defaults(steps=50, guidance_scale=7.5, size=512)
-_SD_INDEX = ("OnnxStableDiffusionPipeline", "StableDiffusionPipeline", "ORTStableDiffusionPipeline")
-_SD_COMMON = dict(index_class_name="OnnxStableDiffusionPipeline", export="unet", lora=True)
+_SD_INDEX = (DIFFUSERS_ONNX_CLASS_NAME, "StableDiffusionPipeline", "ORTStableDiffusionPipeline")
+_SD_COMMON = dict(index_class_name=DIFFUSERS_ONNX_CLASS_NAME, export="unet", lora=True)
 
 # In detection order: where a folder's model_index.json names no family, the first whose interface matches wins, so a
 # stricter interface comes before a looser one.
@@ -152,7 +156,12 @@ FAMILIES: Tuple[Family, ...] = (
         "SDXL",
         DenoiserInterface("unet", (*UNET_INPUTS, "text_embeds", "time_ids")),
         Defaults(steps=50, guidance_scale=5.0),
-        index_class_names=("StableDiffusionXLPipeline", "ORTStableDiffusionXLPipeline"),
+        index_class_names=(
+            "StableDiffusionXLPipeline",
+            "ORTStableDiffusionXLPipeline",
+            "StableDiffusionXLImg2ImgPipeline",
+            "ORTStableDiffusionXLImg2ImgPipeline",
+        ),
         index_class_name="StableDiffusionXLPipeline",
         image_to_image="sdxl-img2img",
         export="unet",
@@ -169,7 +178,6 @@ FAMILIES: Tuple[Family, ...] = (
         "SDXL image to image (the refiner too)",
         DenoiserInterface("unet", (*UNET_INPUTS, "text_embeds", "time_ids")),
         Defaults(steps=50, guidance_scale=5.0),
-        index_class_names=("StableDiffusionXLImg2ImgPipeline", "ORTStableDiffusionXLImg2ImgPipeline"),
         index_class_name="StableDiffusionXLImg2ImgPipeline",
         text_to_image=False,
         image_inputs=frozenset({"image"}),
@@ -190,7 +198,6 @@ FAMILIES: Tuple[Family, ...] = (
         index_class_name="OnnxStableDiffusionControlNetPipeline",
         text_to_image=False,
         image_inputs=frozenset({"control_image"}),
-        image_to_image="controlnet-img2img",
         export="unet",
         torch_classes=("StableDiffusionControlNetPipeline",),
         tiny_random=("controlnet",),
@@ -251,7 +258,7 @@ FAMILIES: Tuple[Family, ...] = (
         image_to_image="sd-img2img",
         torch_classes=("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline"),
         tiny_random=("sd",),
-        numpy_class="OnnxStableDiffusionPipeline",
+        numpy_class=DIFFUSERS_ONNX_CLASS_NAME,
         step_cache="deepcache",
         **_SD_COMMON,
     ),
@@ -279,7 +286,7 @@ FAMILIES: Tuple[Family, ...] = (
         auto=False,
         text_to_image=False,
         image_inputs=frozenset({"image"}),
-        index_class_name="OnnxStableDiffusionPipeline",
+        index_class_name=DIFFUSERS_ONNX_CLASS_NAME,
         export="unet",
         lora=True,
         scheduler_choice=False,

@@ -19,6 +19,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 from .errors import ArgumentError, ArgumentPathError, ArgumentTypeError
 
 ONNX_COMPONENTS = ("text_encoder", "unet", "vae_encoder", "vae_decoder")
+# the class diffusers' ONNX Stable Diffusion folders name in their model_index.json
+DIFFUSERS_ONNX_CLASS_NAME = "OnnxStableDiffusionPipeline"
 # What a ControlNet gives and its UNet takes: one residual per down-block output, one for the mid block.
 DOWN_RESIDUAL_OUTPUT, MID_RESIDUAL_OUTPUT = "down_block_res_sample_", "mid_block_res_sample"
 DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT = "down_block_additional_residual_", "mid_block_additional_residual"
@@ -426,9 +428,10 @@ def write_model_index(
     scheduler_class: str,
     tokenizer_class: str = "CLIPTokenizer",
     components: Sequence[str] = ONNX_COMPONENTS,
-    class_name: str = "OnnxStableDiffusionPipeline",
+    class_name: str = DIFFUSERS_ONNX_CLASS_NAME,
 ) -> None:
-    """Writes model_index.json as diffusers' ONNX pipeline expects it (its components are ``OnnxRuntimeModel``)."""
+    """Writes model_index.json as diffusers' ONNX pipeline expects it (its components are ``OnnxRuntimeModel``),
+    naming ``class_name`` (default: diffusers' ONNX Stable Diffusion pipeline, which loads the folder too)."""
     import diffusers
 
     index = {

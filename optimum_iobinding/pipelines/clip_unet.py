@@ -5,12 +5,12 @@ runtime LoRA, and diffusers' ONNX model_index.json."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Tuple
 
 import torch
 
 from ..layout import write_model_index
-from .arguments import Embeds, Prompt, StepEndCallback, TensorNames
+from .arguments import Embeds, Prompt
 from .components import VAE_COMPONENTS, module, onnx, tokenizer
 from .core import OnnxDiffusionPipeline, Warmup
 from .denoisers import UNetDenoiser
@@ -36,44 +36,29 @@ class ClipUNetPipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
     prompt_part = CLIPPrompt
     settings = {"requires_safety_checker": False}
     model_cpu_offload_seq = "text_encoder->unet->vae_decoder"
-    # the class a saved folder's model_index.json names: diffusers' ONNX pipeline, which loads it too
-    index_class_name = "OnnxStableDiffusionPipeline"
 
     def checked_text_embeddings(
         self,
+        *,
         prompt: Prompt,
         negative_prompt: Prompt,
         prompt_embeds: Embeds,
         negative_prompt_embeds: Embeds,
-        height: int,
-        width: int,
-        num_inference_steps: Any,
-        guidance_scale: Any,
         num_images_per_prompt: Any,
-        output_type: Any,
-        callback_steps: Optional[int] = None,
-        strength: Optional[float] = None,
-        callback_on_step_end: StepEndCallback = None,
-        callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        guidance_scale: Any,
+        **call: Any,
     ) -> Tuple[torch.Tensor, int]:
-        """A call's first steps: every argument refused before any work (:meth:`check_inputs`), then the text
-        embeddings on the device (``[negative; positive]`` when ``guidance_scale > 1``). Returns them and the
-        number of prompts."""
+        """A call's first steps: every argument refused before any work (:meth:`check_inputs`; ``call``: the shared
+        arguments of :meth:`check_call`), then the text embeddings on the device (``[negative; positive]`` when
+        ``guidance_scale > 1``). Returns them and the number of prompts."""
         self.check_inputs(
-            prompt,
-            height,
-            width,
-            num_inference_steps,
-            callback_steps,
-            negative_prompt,
-            prompt_embeds,
-            negative_prompt_embeds,
-            output_type,
-            strength,
-            guidance_scale=guidance_scale,
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
             num_images_per_prompt=num_images_per_prompt,
-            callback_on_step_end=callback_on_step_end,
-            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            guidance_scale=guidance_scale,
+            **call,
         )
         embeddings = self.encode_prompt(
             prompt, num_images_per_prompt, guidance_scale > 1.0, negative_prompt, prompt_embeds, negative_prompt_embeds
@@ -82,5 +67,5 @@ class ClipUNetPipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
 
     def write_model_index(self, target: Path, written: List[str]) -> None:
         write_model_index(
-            target, type(self.scheduler).__name__, type(self.tokenizer).__name__, written, self.index_class_name
+            target, type(self.scheduler).__name__, type(self.tokenizer).__name__, written, self.family.index_class_name
         )

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, ModelFileError
 from ..runtime.model import IOBindingORTModel
 from ..runtime.shapes import infer_output_shapes
 from .arguments import Generator, is_real, is_torch_generator
@@ -70,9 +70,10 @@ class LatentCodec:
         value = self.decoder.config.get(key)
         value = default if value is None else value
         if not is_real(value) or not math.isfinite(value) or (positive and value <= 0):
-            raise ValueError(
-                f"vae_decoder config.json: {key}: expected a {'positive ' if positive else ''}finite "
-                f"number, got {value!r} ({self.constants_hint})"
+            raise ModelFileError(
+                "vae_decoder config.json",
+                f"{key}: expected a {'positive ' if positive else ''}finite number, got {value!r} "
+                f"({self.constants_hint})",
             )
         return float(value)
 
@@ -82,9 +83,9 @@ class LatentCodec:
         blocks = decoder.config.get("block_out_channels")
         if blocks is not None:
             if not isinstance(blocks, list) or not blocks or len(blocks) > 8:
-                raise ValueError(
-                    f"vae_decoder config.json: block_out_channels: expected a list of 1 to 8 channel "
-                    f"counts, got {blocks!r}"
+                raise ModelFileError(
+                    "vae_decoder config.json",
+                    f"block_out_channels: expected a list of 1 to 8 channel counts, got {blocks!r}",
                 )
             factor = 2 ** (len(blocks) - 1)
             try:
@@ -93,10 +94,10 @@ class LatentCodec:
                 shapes = {}
             image_shape = next(iter(shapes.values()), None)
             if image_shape is not None and image_shape[2] != 8 * factor:
-                raise ValueError(
-                    f"vae_decoder config.json: block_out_channels: {len(blocks)} blocks mean a scale "
-                    f"factor of {factor}, but the decoder turns 8 latent rows into {image_shape[2]} "
-                    f"(a factor of {image_shape[2] // 8})"
+                raise ModelFileError(
+                    "vae_decoder config.json",
+                    f"block_out_channels: {len(blocks)} blocks mean a scale factor of {factor}, but the decoder "
+                    f"turns 8 latent rows into {image_shape[2]} (a factor of {image_shape[2] // 8})",
                 )
             return factor
         # No config: ask the decoder how much larger its output is than its input.

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
+from ..families import family
 from ..errors import ArgumentError, ArgumentPathError, ArgumentTypeError
 from ..layout import download_from_hub, load_scheduler, load_tokenizer, read_model_index
 from ..runtime.model import IOBindingORTModel
@@ -248,9 +249,11 @@ def check_latent_channels(
 
 
 def load_numpy_pipeline(folder: Union[str, os.PathLike], provider: str = "CUDAExecutionProvider", **kwargs: Any):
-    """diffusers' ``OnnxStableDiffusionPipeline`` (the numpy loop every benchmark compares against, and the server's
-    ``diffusers-numpy`` engine) on ``provider``, checked to run there."""
-    from diffusers import OnnxStableDiffusionPipeline as DiffusersOnnx
+    """diffusers' numpy ONNX pipeline of Stable Diffusion (the numpy loop every benchmark compares against, and the
+    server's ``diffusers-numpy`` engine) on ``provider``, checked to run there."""
+    import diffusers
+
+    DiffusersOnnx = getattr(diffusers, family("sd").numpy_class)
 
     # provider_options={} or diffusers' loader trips ORT's length check and silently falls back to the CPU
     pipe = DiffusersOnnx.from_pretrained(folder, provider=provider, provider_options={}, **kwargs)

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from diffusers.image_processor import VaeImageProcessor
 
-from ..errors import ArgumentError, ArgumentTypeError
+from ..errors import ArgumentError, ArgumentTypeError, ModelFileError
+from ..families import family
 from ..layout import DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT, controlnet_component_names, write_model_index
 from ..runtime.model import IOBindingORTModel
 from ..runtime.shapes import infer_output_shapes
@@ -29,8 +30,10 @@ from .components import declared_dim, names_of, onnx
 from .core import on_device_stream
 from .denoisers import UNetDenoiser, timestep_inputs
 from .img2img import ImageInput
+from .loop import Guidance, denoise
 from .transfer import upload
 
+CONTROLNET, CONTROLNET_IMG2IMG = family("controlnet"), family("controlnet-img2img")
 _EXTRA_CONTROLNET = re.compile(r"controlnet_([1-9][0-9]*)")
 
 
@@ -66,9 +69,10 @@ class ControlNetUNet(UNetDenoiser):
             )
         for k, net in enumerate(self.pipe.controlnets):
             if len(net.output_names) != len(expected):
-                raise ValueError(
-                    f"{controlnet_component_names(k + 1)[-1]}: gives {len(net.output_names)} residuals, "
-                    f"the UNet takes {len(expected)}: a ControlNet of another architecture"
+                raise ModelFileError(
+                    controlnet_component_names(k + 1)[-1],
+                    f"gives {len(net.output_names)} residuals, the UNet takes {len(expected)}: a ControlNet of "
+                    "another architecture",
                 )
 
 
@@ -92,10 +96,10 @@ class ControlNetPipeline(ClipUNetPipeline):
         more = {name: value for name, value in components.items() if name.startswith("controlnet_")}
         wrong = sorted(name for name in more if not _EXTRA_CONTROLNET.fullmatch(name))
         if wrong:
-            raise TypeError(f"{type(self).__name__}: unexpected arguments {wrong}")
+            raise ArgumentTypeError(", ".join(wrong), f"unexpected arguments of {type(self).__name__}")
         names = controlnet_component_names(len(more) + 1)
         if sorted(more) != sorted(names[1:]):
-            raise ValueError(f"controlnet_1 …: expected {list(names[1:])}, got {sorted(more)}")
+            raise ArgumentError("controlnet_1 …", f"expected {list(names[1:])}, got {sorted(more)}")
         # this pipeline's ControlNets, in order, are components of their own
         self.declared_components = STABLE_DIFFUSION_COMPONENTS + tuple(onnx(name) for name in names)
         self.controlnets: List[IOBindingORTModel] = [components[name] for name in names]
@@ -385,6 +389,7 @@ class ControlNetPipeline(ClipUNetPipeline):
 
 
 class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):
+    family = CONTROLNET
     """Text-to-image with one or several ControlNets on ONNX Runtime, with diffusers'
     ``StableDiffusionControlNetPipeline`` call arguments (``image``, ``controlnet_conditioning_scale``,
     ``guess_mode``, ``control_guidance_start``/``control_guidance_end``; lists for multi-ControlNet)."""
@@ -399,8 +404,8 @@ class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):
         image: ImageInput = None,
         height: Optional[int] = None,
         width: Optional[int] = None,
-        num_inference_steps: int = 50,
-        guidance_scale: float = 7.5,
+        num_inference_steps: int = CONTROLNET.defaults.steps,
+        guidance_scale: float = CONTROLNET.defaults.guidance_scale,
         negative_prompt: Prompt = None,
         num_images_per_prompt: int = 1,
         eta: float = 0.0,
@@ -427,8 +432,8 @@ class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):
         ``width`` default to the control image's size. ``controlnet_conditioning_scale`` multiplies the residuals (0:
         the plain pipeline's image); ``guess_mode`` runs the ControlNet on the text branch only, its residuals ramped
         from 0.1 to 1 (diffusers' guess mode); ``control_guidance_start``/``_end`` is the fraction of the steps
-        where a ControlNet applies. Per-ControlNet lists for multi-ControlNet. The rest as
-        :class:`OnnxStableDiffusionPipeline`.
+        where a ControlNet applies. Per-ControlNet lists for multi-ControlNet. The rest as the Stable Diffusion
+        pipeline's.
         """
         # 1. check inputs (the size once the control images give it)
         scales, starts, ends = self.check_control_arguments(
@@ -439,15 +444,15 @@ class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):
             if value is not None:
                 self.check_size(height or value, width or value)
         self.check_inputs(
-            prompt,
-            self.size_multiple,
-            self.size_multiple,
-            num_inference_steps,
-            callback_steps,
-            negative_prompt,
-            prompt_embeds,
-            negative_prompt_embeds,
-            output_type,
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            height=self.size_multiple,
+            width=self.size_multiple,
+            num_inference_steps=num_inference_steps,
+            output_type=output_type,
+            callback_steps=callback_steps,
             guidance_scale=guidance_scale,
             num_images_per_prompt=num_images_per_prompt,
             callback_on_step_end=callback_on_step_end,
@@ -480,16 +485,17 @@ class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):
         residuals = self.controlnet_step_inputs(
             images, timesteps, scales, starts, ends, guess_mode, do_classifier_free_guidance
         )
-        latents = self.denoiser.loop(
+        latents = denoise(
+            self.denoiser,
             latents,
             timesteps,
-            prompt_embeds,
-            guidance_scale,
-            self.scheduler_step_kwargs(generator, eta),
-            callback,
-            callback_steps,
-            callback_on_step_end,
-            callback_on_step_end_tensor_inputs,
+            tensors={"prompt_embeds": prompt_embeds},
+            guidance=Guidance.classifier_free(guidance_scale),
+            step_kwargs=self.scheduler_step_kwargs(generator, eta),
+            callback=callback,
+            callback_steps=callback_steps,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
             step_inputs=residuals,
         )
 
@@ -498,6 +504,7 @@ class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):
 
 
 class OnnxStableDiffusionControlNetImg2ImgPipeline(ControlNetPipeline):
+    family = CONTROLNET_IMG2IMG
     """Image-to-image with ControlNets on ONNX Runtime, with diffusers' ``StableDiffusionControlNetImg2ImgPipeline``
     call arguments (``image`` to start from, ``control_image``, ``strength``, …); needs the folder's
     ``vae_encoder``."""
@@ -520,8 +527,8 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(ControlNetPipeline):
         height: Optional[int] = None,
         width: Optional[int] = None,
         strength: float = 0.8,
-        num_inference_steps: int = 50,
-        guidance_scale: float = 7.5,
+        num_inference_steps: int = CONTROLNET.defaults.steps,
+        guidance_scale: float = CONTROLNET.defaults.guidance_scale,
         negative_prompt: Prompt = None,
         num_images_per_prompt: int = 1,
         eta: float = 0.0,
@@ -553,16 +560,16 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(ControlNetPipeline):
         start_image = self.start_image(image, height, width)
         height, width = start_image.shape[-2:]
         self.check_inputs(
-            prompt,
-            height,
-            width,
-            num_inference_steps,
-            callback_steps,
-            negative_prompt,
-            prompt_embeds,
-            negative_prompt_embeds,
-            output_type,
-            strength,
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            output_type=output_type,
+            strength=strength,
+            callback_steps=callback_steps,
             guidance_scale=guidance_scale,
             num_images_per_prompt=num_images_per_prompt,
             callback_on_step_end=callback_on_step_end,
@@ -601,16 +608,17 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(ControlNetPipeline):
         residuals = self.controlnet_step_inputs(
             images, timesteps, scales, starts, ends, guess_mode, do_classifier_free_guidance
         )
-        latents = self.denoiser.loop(
+        latents = denoise(
+            self.denoiser,
             latents,
             timesteps,
-            prompt_embeds,
-            guidance_scale,
-            self.scheduler_step_kwargs(generator, eta),
-            callback,
-            callback_steps,
-            callback_on_step_end,
-            callback_on_step_end_tensor_inputs,
+            tensors={"prompt_embeds": prompt_embeds},
+            guidance=Guidance.classifier_free(guidance_scale),
+            step_kwargs=self.scheduler_step_kwargs(generator, eta),
+            callback=callback,
+            callback_steps=callback_steps,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
             step_inputs=residuals,
         )
 

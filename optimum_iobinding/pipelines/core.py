@@ -25,7 +25,8 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.stable_diffusion import StableDiffusionPipelineOutput
 from diffusers.utils.torch_utils import randn_tensor
 
-from ..errors import ArgumentError, ArgumentTypeError
+from ..errors import ArgumentError, ArgumentTypeError, ModelFileError
+from ..families import Family, family, pipeline_class
 from ..layout import building_beside, check_output_folder, resolve_pipeline_folder, save_tokenizer
 from ..runtime.cuda_policy import DEVICE_SETUP
 from ..runtime.hub import check_hub_kwargs, keywords_of
@@ -124,7 +125,8 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
     A family declares (class attributes): ``declared_components``; ``denoiser_part`` and ``prompt_part`` (a part class,
     or a ``functools.partial`` of one, called with the pipeline); ``vae_constants``; ``settings`` (model_index.json
     entries it takes, with their defaults); ``encodes_images`` (whether a call runs the VAE encoder);
-    ``packed_latents`` (Flux's 2×2 tokens); ``image_to_image_class`` (its image-to-image sibling, if any);
+    ``packed_latents`` (Flux's 2×2 tokens); ``family`` (its record in :mod:`optimum_iobinding.families`: its
+    denoiser component, image-to-image sibling, capabilities and defaults);
     ``loading_arguments`` (``from_pretrained`` keywords its :meth:`model_folders` takes). Capabilities are
     opt-in mixins: :class:`Warmup`, LoRA (:class:`~.lora.LoraLoaderMixin`).
     """
@@ -136,7 +138,8 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
     settings: ClassVar[Dict[str, Any]] = {}
     encodes_images: ClassVar[bool] = False
     packed_latents: ClassVar[bool] = False
-    image_to_image_class: ClassVar[Optional[type]] = None
+    #: the family's description (:mod:`optimum_iobinding.families`): its denoiser, sibling, capabilities, defaults
+    family: ClassVar[Family]
     loading_arguments: ClassVar[Tuple[str, ...]] = ()
     # components a folder may hold numbered copies of (controlnet_1 …), each taking the first's options
     numbered_components: ClassVar[Tuple[str, ...]] = ()
@@ -153,11 +156,11 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         names = self.component_names()
         unexpected = sorted(set(components) - set(names) - {"scheduler"} - set(self.settings))
         if unexpected:
-            raise TypeError(f"{type(self).__name__}: unexpected arguments {unexpected}")
+            raise ArgumentTypeError(", ".join(unexpected), f"unexpected arguments of {type(self).__name__}")
         missing = [c.name for c in self.declared_components if not c.optional and c.name not in components]
         missing += [] if "scheduler" in components else ["scheduler"]
         if missing:
-            raise TypeError(f"{type(self).__name__}: missing components {missing}")
+            raise ArgumentTypeError(", ".join(missing), f"missing components of {type(self).__name__}")
         self.register_modules(**{name: components.get(name) for name in (*names, "scheduler")})
         if self.settings:
             self.register_to_config(**{key: components.get(key, default) for key, default in self.settings.items()})
@@ -192,8 +195,7 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
     @classmethod
     def denoiser_component(cls) -> str:
         """The component the loop calls at every step: the one ``cuda_graph=True`` requires captured."""
-        part = cls.denoiser_part
-        return getattr(part, "func", part).component
+        return cls.family.denoiser
 
     @classmethod
     def _get_signature_keys(cls, obj: Any) -> Tuple[List[str], List[str]]:
@@ -273,9 +275,9 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
     def image_to_image(self) -> Optional["OnnxDiffusionPipeline"]:
         """This pipeline's image-to-image sibling on the same components (no second copy of any model), or ``None``
         where the family has none or the folder has no VAE encoder."""
-        sibling = self.image_to_image_class
-        if sibling is None or getattr(self, "vae_encoder", None) is None:
+        if self.family.image_to_image is None or getattr(self, "vae_encoder", None) is None:
             return None
+        sibling = pipeline_class(family(self.family.image_to_image))
         accepted = {*names_of(sibling.declared_components), "scheduler", *sibling.settings}
         return sibling(**{name: module for name, module in self.components.items() if name in accepted})
 
@@ -424,26 +426,34 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
                     model.prepare(wait=False)
 
     # ----------------------------------------------------------------------------------------------- the checks
-    def check_inputs(
+    def check_call(
         self,
-        prompt: Union[str, List[str], None],
-        height: int,
-        width: int,
-        num_inference_steps: int,
-        callback_steps: Optional[int],
-        negative_prompt: Union[str, List[str], None] = None,
-        prompt_embeds: Optional[torch.Tensor] = None,
-        negative_prompt_embeds: Optional[torch.Tensor] = None,
-        output_type: str = "pil",
-        strength: Optional[float] = None,
-        guidance_scale: Optional[float] = None,
-        num_images_per_prompt: int = 1,
+        *,
+        height: Any,
+        width: Any,
+        num_inference_steps: Any,
+        guidance_scale: Any = None,
+        num_images_per_prompt: Any = 1,
+        output_type: Any = "pil",
+        strength: Any = None,
+        sigmas: Any = None,
+        callback_steps: Any = None,
         callback_on_step_end: Any = None,
         callback_on_step_end_tensor_inputs: Any = ("latents",),
+        joint_attention_kwargs: Any = None,
     ) -> None:
-        """Refuses, before any work, every argument the call cannot run with, naming it, what was expected and
-        what came."""
-        check_callback_arguments(callback_on_step_end, callback_on_step_end_tensor_inputs)
+        """Refuses, before any work, a shared argument the call cannot run with (every family's, checked here
+        once), naming it, what was expected and what came: the size, the steps (or ``sigmas``, one per step), the
+        guidance scale, images per prompt, the output type, ``strength``, the callbacks and the tensors a step-end
+        callback asks for (among the family's :attr:`~optimum_iobinding.families.Family.callback_tensors`), and
+        diffusers' ``joint_attention_kwargs``, which an exported transformer has no attention processors to take."""
+        if joint_attention_kwargs:
+            raise ArgumentError(
+                "joint_attention_kwargs",
+                f"expected None (an ONNX transformer has no attention processors to pass them to), "
+                f"got {joint_attention_kwargs!r}",
+            )
+        check_callback_arguments(callback_on_step_end, callback_on_step_end_tensor_inputs, self.family.callback_tensors)
         if strength is not None and (not is_real(strength) or not 0.0 <= strength <= 1.0):
             raise ArgumentError("strength", f"expected a value in [0, 1], got {strength!r}")
         if guidance_scale is not None and (not is_real(guidance_scale) or not math.isfinite(guidance_scale)):
@@ -451,6 +461,13 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         if not is_integer(num_images_per_prompt) or num_images_per_prompt < 1:
             raise ArgumentError("num_images_per_prompt", f"expected a positive integer, got {num_images_per_prompt!r}")
         self.check_size(height, width)
+        if sigmas is not None:
+            values = list(sigmas) if isinstance(sigmas, (list, tuple, np.ndarray)) else None
+            if not values or not all(is_real(v) and math.isfinite(v) for v in values):
+                raise ArgumentError(
+                    "sigmas", f"expected a non-empty list of finite numbers (one per step), got {sigmas!r}"
+                )
+            num_inference_steps = len(values)
         if not is_integer(num_inference_steps) or num_inference_steps <= 0:
             raise ArgumentError("num_inference_steps", f"expected a positive integer, got {num_inference_steps!r}")
         train_steps = getattr(self.scheduler.config, "num_train_timesteps", None)
@@ -459,30 +476,33 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
                 "num_inference_steps",
                 f"expected at most {train_steps} (the scheduler's num_train_timesteps), got {num_inference_steps}",
             )
-        if isinstance(prompt, list) and not prompt:
-            raise ArgumentError("prompt", "expected a str or a non-empty list of str, got an empty list")
-        for name, texts in (("prompt", prompt), ("negative_prompt", negative_prompt)):
-            if isinstance(texts, list):
-                wrong = next((i for i, item in enumerate(texts) if not isinstance(item, str)), None)
-                if wrong is not None:
-                    raise TypeError(
-                        f"{name}[{wrong}]: expected a str, got {type(texts[wrong]).__name__} {texts[wrong]!r}"
-                    )
+        if output_type not in ("pil", "np", "pt", "latent"):
+            raise ArgumentError("output_type", f"expected 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
+        if callback_steps is not None and (not is_integer(callback_steps) or callback_steps <= 0):
+            raise ArgumentError("callback_steps", f"expected a positive integer, got {callback_steps!r}")
+
+    def check_inputs(
+        self,
+        *,
+        prompt: Union[str, List[str], None],
+        negative_prompt: Union[str, List[str], None] = None,
+        prompt_embeds: Optional[torch.Tensor] = None,
+        negative_prompt_embeds: Optional[torch.Tensor] = None,
+        **call: Any,
+    ) -> None:
+        """:meth:`check_call` (``call``: its arguments), then the prompts of a CLIP family: a prompt or its
+        embeddings (one of them), a negative prompt like it or its embeddings (at most one of them), embeddings of
+        the denoiser's width."""
+        self.check_call(**call)
+        self.check_texts("prompt", prompt, None)
+        self.check_texts("negative_prompt", negative_prompt, None)
         for name, embeds in (("prompt_embeds", prompt_embeds), ("negative_prompt_embeds", negative_prompt_embeds)):
             if embeds is not None:
                 self.check_embeds(name, embeds, 3, "(batch, sequence, hidden)", "encoder_hidden_states")
-        if output_type not in ("pil", "np", "pt", "latent"):
-            raise ArgumentError("output_type", f"expected 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
-        if not isinstance(num_inference_steps, int) or num_inference_steps <= 0:
-            raise ArgumentError("num_inference_steps", f"expected a positive integer, got {num_inference_steps!r}")
-        if callback_steps is not None and (not isinstance(callback_steps, int) or callback_steps <= 0):
-            raise ArgumentError("callback_steps", f"expected a positive integer, got {callback_steps!r}")
         if prompt is not None and prompt_embeds is not None:
             raise ArgumentError("prompt and prompt_embeds", "expected one of them, got both")
         if prompt is None and prompt_embeds is None:
             raise ArgumentError("prompt and prompt_embeds", "expected one of them, got neither")
-        if prompt is not None and not isinstance(prompt, (str, list)):
-            raise ArgumentTypeError("prompt", f"expected a str or a list of str, got {type(prompt).__name__}")
         if negative_prompt is not None and negative_prompt_embeds is not None:
             raise ArgumentError("negative_prompt and negative_prompt_embeds", "expected at most one of them, got both")
         if isinstance(prompt, list) and isinstance(negative_prompt, list) and len(prompt) != len(negative_prompt):
@@ -501,8 +521,8 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         ):
             raise ArgumentError(
                 "negative_prompt_embeds",
-                f"expected shape {tuple(prompt_embeds.shape)} like "
-                f"prompt_embeds, got {tuple(negative_prompt_embeds.shape)}",
+                f"expected shape {tuple(prompt_embeds.shape)} like prompt_embeds, "
+                f"got {tuple(negative_prompt_embeds.shape)}",
             )
         if (
             prompt is not None
@@ -561,7 +581,9 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
                 raise ArgumentError(name, "expected a str or a non-empty list of str, got an empty list")
             wrong = next((i for i, item in enumerate(texts) if not isinstance(item, str)), None)
             if wrong is not None:
-                raise TypeError(f"{name}[{wrong}]: expected a str, got {type(texts[wrong]).__name__} {texts[wrong]!r}")
+                raise ArgumentTypeError(
+                    f"{name}[{wrong}]", f"expected a str, got {type(texts[wrong]).__name__} {texts[wrong]!r}"
+                )
         given = 1 if isinstance(texts, str) else len(texts)
         if count is not None and given != count and not (broadcast and isinstance(texts, str)):
             raise ArgumentError(
@@ -825,7 +847,9 @@ class OnnxDiffusionPipeline(DiffusionPipeline):
         if size is None:
             value = self.vae_decoder.config.get("sample_size", 512)
             if not is_integer(value) or value <= 0:
-                raise ValueError(f"vae_decoder config.json: sample_size: expected a positive integer, got {value!r}")
+                raise ModelFileError(
+                    "vae_decoder config.json", f"sample_size: expected a positive integer, got {value!r}"
+                )
             size = int(value)
         self.codec.enable_tiling(size, overlap, overlap_copies)
 
@@ -920,14 +944,14 @@ class Warmup:
         known = self.warmup_arguments()
         unknown = sorted(set(call_arguments) - set(known))
         if unknown:
-            raise TypeError(
-                f"{type(self).__name__}.warmup: unexpected arguments {unknown}"
-                f"{f' (it takes {sorted(known)})' if known else ''}"
+            raise ArgumentTypeError(
+                ", ".join(unknown),
+                f"unexpected arguments of {type(self).__name__}.warmup{f' (it takes {sorted(known)})' if known else ''}",
             )
         for name, value in call_arguments.items():
             known[name](value)
         if guidance_scales is None:
-            guidance_scales = inspect.signature(type(self).__call__).parameters["guidance_scale"].default
+            guidance_scales = self.family.defaults.guidance_scale
         for height, width, batch_size, guidance_scale in self.warmup_combinations(
             heights, widths, batch_sizes, guidance_scales, num_inference_steps
         ):

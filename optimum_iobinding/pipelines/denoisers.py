@@ -6,7 +6,10 @@ default sample size, its loop on the device with the CUDA-graph feed, and the co
 - :class:`MMDiTDenoiser`: Stable Diffusion 3 / 3.5's transformer, flow matching, CFG in one batch;
 - :class:`FluxDenoiser`: FLUX.1's transformer over 2×2-packed latent tokens with rotary position ids, true CFG.
 
-A part reads the pipeline's public surface only (its components, ``scheduler``, ``device``, ``progress_bar``)."""
+Each fills the one denoising loop's hooks (:func:`.loop.denoise`): ``sample_input``, ``scale_model_input``,
+``timestep_inputs``, ``conditioning``, ``copies_unguided_output``, ``step_model`` (the model or its step cache).
+A part reads the pipeline's public surface only (its components, ``scheduler``, ``device``, ``progress_bar``,
+``family``)."""
 
 from __future__ import annotations
 
@@ -16,26 +19,31 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, ModelFileError
+from ..families import FAMILIES, UNET_INPUTS, detect
 from ..runtime.model import IOBindingORTModel
-from .arguments import is_integer, is_real
+from .arguments import is_integer
 from .caching import StepCache
 from .components import component_kind, declared_dim
-from .loop import CALLBACK_TENSOR_INPUTS, GraphFeed, check_callback_arguments, replaced_tensors, rescale_noise_cfg
+from .loop import GraphFeed, Guidance, replaced_tensors
 from .transfer import upload
 
-# the inputs of SD3's transformer; Flux's adds rotary position ids (and FLUX.1 dev's the guidance scale)
-MMDIT_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
-FLUX_INPUTS = (*MMDIT_INPUTS, "txt_ids", "img_ids")
-# the loop's tensors a step-end callback may ask for and give back replaced (diffusers' SD3 list)
-SD3_CALLBACK_TENSOR_INPUTS = ("latents", "prompt_embeds", "pooled_prompt_embeds")
+
+def family_hint(component: str, declared: Sequence[str]) -> Optional[str]:
+    """What a denoiser taking ``declared`` is, by the family whose interface it matches (``None``: none), for a
+    refusal of a model in the wrong folder: ``"a UNet (SDXL): use"`` and the SDXL pipeline's class."""
+    record = detect(None, {"unet": declared, "transformer": declared})
+    if record is None:
+        return None
+    kind = "UNet" if record.denoiser == "unet" else "transformer"
+    return f"a {kind} ({record.title}): use {record.class_name}"
 
 
 def config_int(model: IOBindingORTModel, key: str, default: int, component: str) -> int:
     """A positive integer from a component's config.json (``default`` where absent), or an error naming it."""
     value = model.config.get(key, default)
     if not is_integer(value) or value <= 0:
-        raise ValueError(f"{component} config.json: {key}: expected a positive integer, got {value!r}")
+        raise ModelFileError(f"{component} config.json", f"{key}: expected a positive integer, got {value!r}")
     return int(value)
 
 
@@ -59,9 +67,10 @@ class Denoiser(abc.ABC):
     session decides where the loop's tensors live, whose stream the call runs on, and whose CUDA graphs
     ``cuda_graph=True`` requires."""
 
-    component = ""
-    #: the loop's tensors a step-end callback may ask for
-    callback_tensor_inputs: Tuple[str, ...] = CALLBACK_TENSOR_INPUTS
+    #: the input the loop's latents go into
+    sample_input = "sample"
+    #: whether the loop copies an unguided prediction before the scheduler step (see :func:`.loop.denoise`)
+    copies_unguided_output = False
 
     def __init__(self, pipe: Any, default_sample_size: int):
         self.pipe = pipe
@@ -73,12 +82,14 @@ class Denoiser(abc.ABC):
 
         Raises:
             ArgumentError: this family cannot cache steps."""
+        cached = {"first-block": "FirstBlockCacheConfig", "deepcache": "DeepCacheConfig"}
+        caching = ", ".join(
+            f"{cached[record.step_cache]}: {record.class_name}" for record in FAMILIES if record.step_cache
+        )
         raise ArgumentError(
             "config",
-            f"{type(self.pipe).__name__} cannot cache steps, got {type(config).__name__}; "
-            "expected a pipeline of a family that caches (FirstBlockCacheConfig: "
-            "OnnxFluxPipeline, OnnxStableDiffusion3Pipeline; DeepCacheConfig: the Stable "
-            "Diffusion and SDXL pipelines)",
+            f"{type(self.pipe).__name__} cannot cache steps, got {type(config).__name__}; expected a pipeline of a "
+            f"family that caches ({caching})",
         )
 
     def enable_cache(self, config: Any) -> None:
@@ -99,6 +110,16 @@ class Denoiser(abc.ABC):
             return (lambda step, inputs: model(**inputs)[0]), model
         self.cache.start(steps)
         return self.cache, self.cache.feed_model
+
+    @property
+    def component(self) -> str:
+        """The pipeline component it runs (its family's denoiser: ``"unet"`` or ``"transformer"``)."""
+        return self.pipe.family.denoiser
+
+    @property
+    def callback_tensor_inputs(self) -> Tuple[str, ...]:
+        """The loop's tensors a step-end callback may ask for and replace (its family's)."""
+        return self.pipe.family.callback_tensors
 
     @property
     def model(self) -> IOBindingORTModel:
@@ -130,6 +151,14 @@ class Denoiser(abc.ABC):
         """The model's ``timestep`` input for every step (see :func:`timestep_inputs`)."""
         return timestep_inputs(self.model, timesteps, rows, self.pipe.device)
 
+    def scale_model_input(self, latents: torch.Tensor, t: Any) -> torch.Tensor:
+        """The latents as step ``t`` feeds them to the model (flow matching: as they are)."""
+        return latents
+
+    def conditioning(self, tensors: Dict[str, torch.Tensor], guidance: Guidance) -> Dict[str, torch.Tensor]:
+        """The model's conditioning inputs made of the loop's tensors (``prompt_embeds``: the text states)."""
+        return {"encoder_hidden_states": tensors["prompt_embeds"]}
+
     def step_end(
         self,
         callback: Optional[Callable[..., Any]],
@@ -154,15 +183,7 @@ class UNetDenoiser(Denoiser):
     """A Stable Diffusion UNet: ``sample``, ``timestep``, ``encoder_hidden_states`` and the family's
     ``extra_inputs`` (SDXL's ``text_embeds``/``time_ids``, LCM's ``timestep_cond``, a ControlNet's residuals)."""
 
-    component = "unet"
-    # why a UNet takes more inputs than a family feeds: the family that feeds them
-    FAMILY_OF_INPUT = {
-        "timestep_cond": "an LCM UNet: use OnnxLatentConsistencyModelPipeline",
-        "text_embeds": "an SDXL UNet: use OnnxStableDiffusionXLPipeline or its Img2Img",
-        "time_ids": "an SDXL UNet: use OnnxStableDiffusionXLPipeline or its Img2Img",
-        "mid_block_additional_residual": "a UNet exported with a ControlNet: use "
-        "OnnxStableDiffusionControlNetPipeline or its Img2Img",
-    }
+    copies_unguided_output = True
 
     def __init__(self, pipe: Any, default_sample_size: int = 64, extra_inputs: Sequence[str] = ()):
         super().__init__(pipe, default_sample_size)
@@ -175,12 +196,12 @@ class UNetDenoiser(Denoiser):
 
     def check_model(self) -> None:
         declared = self.model.input_names
-        expected = ["sample", "timestep", "encoder_hidden_states", *self.extra_inputs]
+        expected = [*UNET_INPUTS, *self.extra_inputs]
         unexpected = [name for name in declared if name not in expected]
         missing = [name for name in expected if name not in declared]
         if not unexpected and not missing:
             return
-        hint = next((self.FAMILY_OF_INPUT[name] for name in unexpected if name in self.FAMILY_OF_INPUT), None)
+        hint = family_hint("unet", declared) if unexpected else None
         found = component_kind(declared)
         if hint is None and found not in (None, "a UNet"):
             hint = f"{found}, not a UNet: put the right model.onnx in the unet folder"
@@ -196,18 +217,20 @@ class UNetDenoiser(Denoiser):
                 "unet": declared_dim(self.model, "sample", 1),
             }
             if not is_integer(configured) or configured < 1:
-                raise ValueError(
-                    f"vae_decoder config.json: latent_channels: expected a positive integer, got {configured!r}"
+                raise ModelFileError(
+                    "vae_decoder config.json", f"latent_channels: expected a positive integer, got {configured!r}"
                 )
             if declared["vae_decoder"] is not None and declared["vae_decoder"] != configured:
-                raise ValueError(
-                    f"vae_decoder config.json: latent_channels: expected {declared['vae_decoder']} (the "
-                    f"decoder's latent_sample channels), got {configured}"
+                raise ModelFileError(
+                    "vae_decoder config.json",
+                    f"latent_channels: expected {declared['vae_decoder']} (the "
+                    f"decoder's latent_sample channels), got {configured}",
                 )
             if declared["vae_decoder"] is None and declared["unet"] is not None and declared["unet"] < configured:
-                raise ValueError(
-                    f"vae_decoder config.json: latent_channels: expected at most {declared['unet']} (the "
-                    f"UNet's sample channels), got {configured}"
+                raise ModelFileError(
+                    "vae_decoder config.json",
+                    f"latent_channels: expected at most {declared['unet']} (the "
+                    f"UNet's sample channels), got {configured}",
                 )
             return int(configured)
         if self.model.config.get("out_channels"):
@@ -235,6 +258,9 @@ class UNetDenoiser(Denoiser):
     def size_multiple_reason(self) -> str:
         return f"2^{self.downsamples}, the UNet's downsamplings"
 
+    def scale_model_input(self, latents: torch.Tensor, t: Any) -> torch.Tensor:
+        return self.pipe.scheduler.scale_model_input(latents, t)
+
     def make_cache(self, config: Any) -> StepCache:
         """DeepCache (:mod:`.deep_cache`): a ``DeepCacheConfig``."""
         from .deep_cache import deep_cache_for
@@ -255,109 +281,11 @@ class UNetDenoiser(Denoiser):
             )
         return config_int(self.model, "time_cond_proj_dim", 0, "unet")
 
-    def loop(
-        self,
-        latents: torch.Tensor,
-        timesteps: torch.Tensor,
-        prompt_embeds: torch.Tensor,
-        guidance_scale: float,
-        step_kwargs: Dict[str, Any],
-        callback: Optional[Callable[[int, int, torch.Tensor], None]] = None,
-        callback_steps: int = 1,
-        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
-        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
-        unet_extra_channels: Optional[torch.Tensor] = None,
-        after_step: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
-        unet_inputs: Optional[Dict[str, torch.Tensor]] = None,
-        guidance_rescale: float = 0.0,
-        return_denoised: bool = False,
-        step_inputs: Optional[Callable[[int, torch.Tensor, torch.Tensor], Dict[str, torch.Tensor]]] = None,
-    ) -> torch.Tensor:
-        """The denoising loop. Every tensor stays on the pipeline's device; nothing waits on the host.
-
-        Args:
-            latents: initial latents (already scaled by the scheduler's init sigma or noised).
-            timesteps: the scheduler's timesteps to run.
-            prompt_embeds: ``[negative; positive]`` when ``guidance_scale > 1``, else positive.
-            unet_extra_channels: concatenated to the UNet input after scaling (an inpainting UNet's mask and masked
-                image latents), already doubled for guidance.
-            after_step: ``after_step(i, latents) -> latents`` after each scheduler step (inpainting's blending).
-            unet_inputs: further UNet inputs, the same every step (SDXL's ``text_embeds`` and ``time_ids``, LCM's
-                ``timestep_cond``), already doubled for guidance.
-            guidance_rescale: rescales the guided noise towards the text branch's standard deviation (diffusers'
-                ``rescale_noise_cfg``, "Common Diffusion Noise Schedules and Sample Steps are Flawed" §3.4).
-            return_denoised: return the last step's denoised prediction (the second output of ``LCMScheduler.step``)
-                instead of its next sample, as diffusers' LCM pipeline decodes.
-            step_inputs: ``step_inputs(i, latent_model_input, prompt_embeds) -> {name: tensor}``: further UNet inputs
-                made each step from the scaled model input (a ControlNet's residuals).
-        Returns:
-            The denoised latents.
-        """
-        if not is_real(guidance_rescale) or not 0.0 <= guidance_rescale <= 1.0:
-            raise ArgumentError("guidance_rescale", f"expected a number in [0, 1], got {guidance_rescale!r}")
-        check_callback_arguments(callback_on_step_end, callback_on_step_end_tensor_inputs)
-        pipe, scheduler = self.pipe, self.pipe.scheduler
-        do_classifier_free_guidance = guidance_scale > 1.0
-        unet_batch = latents.shape[0] * (2 if do_classifier_free_guidance else 1)
-        timestep_inputs = self.timestep_inputs(timesteps, unet_batch)
-        run, fed = self.step_model(len(timesteps))
-        feed = GraphFeed(fed)
-        for i, t in enumerate(pipe.progress_bar(timesteps)):
-            # scaled before the guidance batch is made (an elementwise scale by the step's scalar: the same values),
-            # so that the batch can be written straight into the UNet graph's input
-            scaled = scheduler.scale_model_input(latents, t)
-            copies = [scaled] * 2 if do_classifier_free_guidance else [scaled]
-            if unet_extra_channels is None:
-                latent_model_input = feed.cat("sample", copies)
-            else:
-                latent_model_input = torch.cat(copies) if do_classifier_free_guidance else scaled
-            per_step = step_inputs(i, latent_model_input, prompt_embeds) if step_inputs is not None else {}
-            if unet_extra_channels is not None:
-                latent_model_input = feed.cat("sample", [latent_model_input, unet_extra_channels], dim=1)
-            inputs = {
-                "sample": latent_model_input,
-                "timestep": timestep_inputs[i],
-                "encoder_hidden_states": feed.same("encoder_hidden_states", prompt_embeds),
-                **{name: feed.same(name, value) for name, value in (unet_inputs or {}).items()},
-                **per_step,
-            }
-            noise_pred = run(i, inputs)
-            feed.learn(inputs)
-            if do_classifier_free_guidance:
-                noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
-                # uncond + scale * (text - uncond) in one kernel (diffusers' three), in fp32 inside
-                noise_pred = torch.lerp(noise_pred_uncond, noise_pred_text, float(guidance_scale))
-                if guidance_rescale > 0.0:
-                    noise_pred = rescale_noise_cfg(noise_pred, noise_pred_text, guidance_rescale)
-            else:
-                # multistep schedulers keep model outputs across steps: never hand them the reused UNet buffer
-                noise_pred = noise_pred.clone()
-            step_output = scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)
-            latents = step_output[0]
-            if return_denoised:
-                denoised = step_output[1]
-            if after_step is not None:
-                latents = after_step(i, latents)
-
-            if callback is not None and i % callback_steps == 0:
-                callback(i // getattr(scheduler, "order", 1), t, latents)
-                feed.forget()
-            replaced = self.step_end(
-                callback_on_step_end,
-                callback_on_step_end_tensor_inputs,
-                i,
-                t,
-                {"latents": latents, "prompt_embeds": prompt_embeds},
-                feed,
-            )
-            latents, prompt_embeds = replaced["latents"], replaced["prompt_embeds"]
-        return denoised if return_denoised else latents
-
 
 class FlowTransformer(Denoiser):
     """What SD3's and Flux's transformers share: the ``transformer`` component, its patch size, flow matching."""
 
-    component = "transformer"
+    sample_input = "hidden_states"
 
     def __init__(self, pipe: Any, default_sample_size: int = 128):
         super().__init__(pipe, default_sample_size)
@@ -372,6 +300,22 @@ class FlowTransformer(Denoiser):
             config.get("max_image_seq_len", 4096),
             config.get("base_shift", 0.5),
             config.get("max_shift", max_shift),
+        )
+
+    def check_model(self) -> None:
+        """The transformer must have its family's interface (:attr:`Family.interface`)."""
+        declared = self.model.input_names
+        interface = self.pipe.family.interface
+        if interface.matches(declared):
+            return
+        hint = family_hint(self.component, declared) or (
+            f"put a {self.pipe.family.title} transformer's model.onnx in the transformer folder (optimum-iobinding "
+            "export or optimum-cli export onnx)"
+        )
+        optional = f" (and {list(interface.optional)} where the model has them)" if interface.optional else ""
+        raise ArgumentError(
+            "transformer",
+            f"expected inputs {list(interface.inputs)}{optional}, got {declared} in {self.model.model_path!r} ({hint})",
         )
 
     def make_cache(self, config: Any) -> StepCache:
@@ -408,22 +352,12 @@ class MMDiTDenoiser(FlowTransformer):
     """Stable Diffusion 3's MMDiT transformer: ``hidden_states`` (latents), ``encoder_hidden_states`` (CLIP and T5
     tokens), ``pooled_projections`` and ``timestep``; cut into patches of ``patch_size``."""
 
-    callback_tensor_inputs = SD3_CALLBACK_TENSOR_INPUTS
-
-    def check_model(self) -> None:
-        """The transformer must take SD3's four inputs (a Flux transformer also takes ids; a UNet other ones)."""
-        declared = self.model.input_names
-        if sorted(declared) == sorted(MMDIT_INPUTS):
-            return
-        if {"img_ids", "txt_ids"} & set(declared):
-            hint = "a Flux transformer: use OnnxFluxPipeline"
-        elif "sample" in declared:
-            hint = "a UNet, not an SD3 transformer: use OnnxStableDiffusionPipeline or its XL variant"
-        else:
-            hint = "put an SD3 transformer's model.onnx in the transformer folder"
-        raise ArgumentError(
-            "transformer", f"expected inputs {list(MMDIT_INPUTS)}, got {declared} in {self.model.model_path!r} ({hint})"
-        )
+    def conditioning(self, tensors: Dict[str, torch.Tensor], guidance: Guidance) -> Dict[str, torch.Tensor]:
+        """The text states and both CLIPs' pooled projections (``[negative; positive]`` with guidance)."""
+        return {
+            "encoder_hidden_states": tensors["prompt_embeds"],
+            "pooled_projections": tensors["pooled_prompt_embeds"],
+        }
 
     @property
     def patch_size(self) -> int:
@@ -474,59 +408,6 @@ class MMDiTDenoiser(FlowTransformer):
             mu = self.shift((latent_height // self.patch_size) * (latent_width // self.patch_size), max_shift=1.16)
         return self.set_flow_timesteps(num_inference_steps, sigmas, mu)
 
-    def loop(
-        self,
-        latents: torch.Tensor,
-        timesteps: torch.Tensor,
-        prompt_embeds: torch.Tensor,
-        pooled_prompt_embeds: torch.Tensor,
-        guidance_scale: float,
-        step_kwargs: Dict[str, Any],
-        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]] = None,
-        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
-    ) -> torch.Tensor:
-        """The flow-matching loop. Every tensor stays on the device; nothing waits on the host: the guidance batch is
-        written straight into the transformer graph's ``hidden_states`` input, the embeddings copied into its inputs
-        once (:class:`GraphFeed`), the timesteps made once on the device.
-
-        Returns:
-            The denoised latents.
-        """
-        scheduler = self.pipe.scheduler
-        do_classifier_free_guidance = guidance_scale > 1.0
-        rows = latents.shape[0] * (2 if do_classifier_free_guidance else 1)
-        timestep_inputs = self.timestep_inputs(timesteps, rows)
-        run, fed = self.step_model(len(timesteps))
-        feed = GraphFeed(fed)
-        for i, t in enumerate(self.pipe.progress_bar(timesteps)):
-            model_input = feed.cat("hidden_states", [latents] * 2 if do_classifier_free_guidance else [latents])
-            inputs = {
-                "hidden_states": model_input,
-                "timestep": timestep_inputs[i],
-                "encoder_hidden_states": feed.same("encoder_hidden_states", prompt_embeds),
-                "pooled_projections": feed.same("pooled_projections", pooled_prompt_embeds),
-            }
-            noise_pred = run(i, inputs)
-            feed.learn(inputs)
-            if do_classifier_free_guidance:
-                noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
-                # uncond + scale * (text - uncond) in one kernel
-                noise_pred = torch.lerp(noise_pred_uncond, noise_pred_text, float(guidance_scale))
-            # the Euler step makes a new tensor from the velocity: the reused output buffer is read before the next
-            # call writes it
-            latents = scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)[0]
-            replaced = self.step_end(
-                callback_on_step_end,
-                callback_on_step_end_tensor_inputs,
-                i,
-                t,
-                {"latents": latents, "prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled_prompt_embeds},
-                feed,
-            )
-            latents, prompt_embeds = replaced["latents"], replaced["prompt_embeds"]
-            pooled_prompt_embeds = replaced["pooled_prompt_embeds"]
-        return latents
-
 
 def latent_image_ids(height: int, width: int) -> torch.Tensor:
     """The rotary position ids of the packed tokens of a ``height`` × ``width`` token grid: ``(0, row, column)``."""
@@ -540,24 +421,26 @@ class FluxDenoiser(FlowTransformer):
     ``timestep`` (t / 1000), rotary position ids of both (``txt_ids``, ``img_ids``) and, for FLUX.1 dev, the distilled
     ``guidance`` scale."""
 
-    def check_model(self) -> None:
-        declared = self.model.input_names
-        missing = [name for name in FLUX_INPUTS if name not in declared]
-        unexpected = [name for name in declared if name not in (*FLUX_INPUTS, "guidance")]
-        if missing or unexpected:
-            hint = (
-                "a UNet: use OnnxStableDiffusionPipeline or OnnxStableDiffusionXLPipeline"
-                if "sample" in declared
-                else "an SD3 transformer: use OnnxStableDiffusion3Pipeline"
-                if "txt_ids" not in declared and "pooled_projections" in declared
-                else "export the Flux transformer with optimum-iobinding export or optimum-cli export onnx"
-            )
-            raise ArgumentError(
-                "transformer",
-                f"expected a Flux transformer with inputs {list(FLUX_INPUTS)} (and "
-                f"guidance for FLUX.1 dev), got inputs {declared} in {self.model.model_path!r} "
-                f"({hint})",
-            )
+    def conditioning(self, tensors: Dict[str, torch.Tensor], guidance: Guidance) -> Dict[str, torch.Tensor]:
+        """T5's states and CLIP's pooled prompt; with true CFG the negative ones first, in one batch."""
+        if not guidance.batched:
+            return {
+                "encoder_hidden_states": tensors["prompt_embeds"],
+                "pooled_projections": tensors["pooled_prompt_embeds"],
+            }
+        return {
+            "encoder_hidden_states": torch.cat([tensors["negative_prompt_embeds"], tensors["prompt_embeds"]]),
+            "pooled_projections": torch.cat(
+                [tensors["negative_pooled_prompt_embeds"], tensors["pooled_prompt_embeds"]]
+            ),
+        }
+
+    def timestep_inputs(self, timesteps: torch.Tensor, rows: int) -> torch.Tensor:
+        """The transformer's ``timestep`` (t / 1000, computed in the latents' dtype as diffusers does) for every step
+        and row, made once on the device."""
+        dtype = self.model.input_dtypes["hidden_states"]
+        values = (timesteps.to(dtype) / 1000).to(self.model.input_dtypes["timestep"])
+        return upload(values[:, None].expand(-1, rows).contiguous(), self.pipe.device)
 
     @property
     def default_sample_size(self) -> int:
@@ -608,69 +491,3 @@ class FluxDenoiser(FlowTransformer):
         if getattr(config, "use_flow_sigmas", False):
             sigmas = None
         return self.set_flow_timesteps(num_inference_steps, sigmas, self.shift(image_seq_len, max_shift=1.15))
-
-    def loop(
-        self,
-        latents: torch.Tensor,
-        timesteps: torch.Tensor,
-        timestep_rows: torch.Tensor,
-        prompt_embeds: torch.Tensor,
-        pooled_prompt_embeds: torch.Tensor,
-        text_ids: torch.Tensor,
-        image_ids: torch.Tensor,
-        guidance: Optional[torch.Tensor],
-        true_cfg_scale: Optional[float],
-        negative_prompt_embeds: Optional[torch.Tensor],
-        negative_pooled_prompt_embeds: Optional[torch.Tensor],
-        callback_on_step_end: Optional[Callable[..., Dict[str, Any]]],
-        callback_on_step_end_tensor_inputs: Sequence[str],
-    ) -> torch.Tensor:
-        """The flow-matching loop: one transformer call per step (negative and positive in one batch with
-        ``true_cfg_scale``), its inputs written into the transformer's CUDA-graph buffers where it has them (the
-        ones constant over the loop once), the scheduler's Euler step on the device. Nothing waits on the host."""
-        scheduler = self.pipe.scheduler
-        run, fed = self.step_model(len(timesteps))
-        feed = GraphFeed(fed)
-        guided = true_cfg_scale is not None
-
-        def conditioning() -> Tuple[torch.Tensor, torch.Tensor]:
-            if not guided:
-                return prompt_embeds, pooled_prompt_embeds
-            return (
-                torch.cat([negative_prompt_embeds, prompt_embeds]),
-                torch.cat([negative_pooled_prompt_embeds, pooled_prompt_embeds]),
-            )
-
-        embeds, pooled = conditioning()
-        for i, t in enumerate(self.pipe.progress_bar(timesteps)):
-            inputs = {
-                "hidden_states": feed.cat("hidden_states", [latents] * (2 if guided else 1)),
-                "encoder_hidden_states": feed.same("encoder_hidden_states", embeds),
-                "pooled_projections": feed.same("pooled_projections", pooled),
-                "timestep": timestep_rows[i],
-                "txt_ids": feed.same("txt_ids", text_ids),
-                "img_ids": feed.same("img_ids", image_ids),
-            }
-            if guidance is not None:
-                inputs["guidance"] = feed.same("guidance", guidance)
-            noise_pred = run(i, inputs)
-            feed.learn(inputs)
-            if guided:
-                negative, positive = noise_pred.chunk(2)
-                # negative + scale · (positive − negative), in one kernel
-                noise_pred = torch.lerp(negative, positive, float(true_cfg_scale))
-            # the Euler step makes a new tensor: the transformer's reused output buffer is not kept
-            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-            replaced = self.step_end(
-                callback_on_step_end,
-                callback_on_step_end_tensor_inputs,
-                i,
-                t,
-                {"latents": latents, "prompt_embeds": prompt_embeds},
-                feed,
-            )
-            latents = replaced["latents"]
-            if replaced["prompt_embeds"] is not prompt_embeds:
-                prompt_embeds = replaced["prompt_embeds"]
-                embeds, pooled = conditioning()
-        return latents

@@ -11,11 +11,11 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-import numpy as np
 import torch
 from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
 
 from ..errors import ArgumentError
+from ..families import FLUX_IMAGE_IDS, FLUX_TEXT_IDS, family
 from .arguments import (
     Embeds,
     Generator,
@@ -24,14 +24,13 @@ from .arguments import (
     StepEndCallback,
     TensorNames,
     check_sequence_length,
-    is_integer,
     is_real,
 )
 from .codec import pack_latents
 from .components import VAE_COMPONENTS, onnx, tokenizer
 from .core import OnnxDiffusionPipeline, VaeConstants, Warmup, on_device_stream
-from .denoisers import FluxDenoiser, latent_image_ids, linear_shift
-from .loop import check_callback_arguments
+from .denoisers import FluxDenoiser, latent_image_ids
+from .loop import Guidance, denoise
 from .prompts import FluxPrompt
 from .transfer import tensor_of, upload
 
@@ -48,20 +47,9 @@ FLUX_COMPONENTS = (
 )
 # FLUX.1's VAE latent scaling, for a folder whose vae_decoder config.json names none (diffusers' FLUX.1 VAE config)
 FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR = 0.3611, 0.1159
+FLUX = family("flux")
 # diffusers' FluxPipeline: 128 latent pixels (1024 px) by default, T5 prompts of at most 512 tokens
 MAX_SEQUENCE_LENGTH = 512
-
-
-def flux_shift(
-    image_seq_len: int,
-    base_seq_len: int = 256,
-    max_seq_len: int = 4096,
-    base_shift: float = 0.5,
-    max_shift: float = 1.15,
-) -> float:
-    """FLUX.1 dev's resolution-dependent shift ``mu`` of the flow-matching schedule (:func:`linear_shift` with
-    FLUX.1's defaults)."""
-    return linear_shift(image_seq_len, base_seq_len, max_seq_len, base_shift, max_shift)
 
 
 class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
@@ -78,6 +66,7 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
     negative prompt runs diffusers' true classifier-free guidance (negative and positive in one batch).
     """
 
+    family = FLUX
     declared_components = FLUX_COMPONENTS
     denoiser_part = FluxDenoiser
     prompt_part = FluxPrompt
@@ -126,53 +115,26 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
 
     def check_inputs_flux(
         self,
+        *,
         prompt: Prompt,
         prompt_2: Prompt,
         negative_prompt: Prompt,
         negative_prompt_2: Prompt,
-        height: Any,
-        width: Any,
-        num_inference_steps: Any,
-        sigmas: Any,
-        guidance_scale: Any,
         true_cfg_scale: Any,
-        num_images_per_prompt: Any,
         prompt_embeds: Any,
         pooled_prompt_embeds: Any,
         negative_prompt_embeds: Any,
         negative_pooled_prompt_embeds: Any,
-        output_type: Any,
-        joint_attention_kwargs: Any,
-        callback_on_step_end: Any,
-        callback_on_step_end_tensor_inputs: Any,
         max_sequence_length: Any,
+        **call: Any,
     ) -> None:
         """Refuses, before any work, every argument the call cannot run with, naming it, what was expected and what
-        came."""
-        check_callback_arguments(callback_on_step_end, callback_on_step_end_tensor_inputs)
-        self.check_size(height, width)
-        if not is_integer(num_inference_steps) or num_inference_steps <= 0:
-            raise ArgumentError("num_inference_steps", f"expected a positive integer, got {num_inference_steps!r}")
-        if sigmas is not None:
-            values = list(sigmas) if isinstance(sigmas, (list, tuple, np.ndarray)) else None
-            if not values or not all(is_real(v) and math.isfinite(v) for v in values):
-                raise ArgumentError(
-                    "sigmas", f"expected a non-empty list of finite numbers (one per step), got {sigmas!r}"
-                )
-        for name, value in (("guidance_scale", guidance_scale), ("true_cfg_scale", true_cfg_scale)):
-            if not is_real(value) or not math.isfinite(value):
-                raise ArgumentError(name, f"expected a finite number, got {value!r}")
-        if not is_integer(num_images_per_prompt) or num_images_per_prompt < 1:
-            raise ArgumentError("num_images_per_prompt", f"expected a positive integer, got {num_images_per_prompt!r}")
+        came: the shared ones (:meth:`check_call`; ``call``: its arguments), then FLUX.1's prompts, their
+        embeddings and ``true_cfg_scale``."""
+        self.check_call(**call)
+        if not is_real(true_cfg_scale) or not math.isfinite(true_cfg_scale):
+            raise ArgumentError("true_cfg_scale", f"expected a finite number, got {true_cfg_scale!r}")
         check_sequence_length(max_sequence_length, MAX_SEQUENCE_LENGTH)
-        if output_type not in ("pil", "np", "pt", "latent"):
-            raise ArgumentError("output_type", f"expected 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
-        if joint_attention_kwargs:
-            raise ArgumentError(
-                "joint_attention_kwargs",
-                f"expected None (an ONNX transformer has no attention processors "
-                f"to pass them to), got {joint_attention_kwargs!r}",
-            )
         if prompt is not None and prompt_embeds is not None:
             raise ArgumentError("prompt and prompt_embeds", "expected one of them, got both")
         if prompt is None and prompt_embeds is None:
@@ -195,7 +157,7 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
             ("negative_prompt_2", negative_prompt_2, negative_prompt_embeds, "negative_prompt_embeds"),
         ):
             if texts is not None and rival is not None:
-                raise ValueError(f"{name} and {rival_name}: expected at most one of them, got both")
+                raise ArgumentError(f"{name} and {rival_name}", "expected at most one of them, got both")
         rows = batch
         for name, embeds, rank, layout, input_name in (
             ("prompt_embeds", prompt_embeds, 3, "(batch, sequence, hidden)", "encoder_hidden_states"),
@@ -232,9 +194,9 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
         true_cfg_scale: float = 1.0,
         height: Optional[int] = None,
         width: Optional[int] = None,
-        num_inference_steps: int = 28,
+        num_inference_steps: int = FLUX.defaults.steps,
         sigmas: Optional[List[float]] = None,
-        guidance_scale: float = 3.5,
+        guidance_scale: float = FLUX.defaults.guidance_scale,
         num_images_per_prompt: int = 1,
         generator: Generator = None,
         latents: Latents = None,
@@ -263,26 +225,26 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
         height = self.default_image_size if height is None else height
         width = self.default_image_size if width is None else width
         self.check_inputs_flux(
-            prompt,
-            prompt_2,
-            negative_prompt,
-            negative_prompt_2,
-            height,
-            width,
-            num_inference_steps,
-            sigmas,
-            guidance_scale,
-            true_cfg_scale,
-            num_images_per_prompt,
-            prompt_embeds,
-            pooled_prompt_embeds,
-            negative_prompt_embeds,
-            negative_pooled_prompt_embeds,
-            output_type,
-            joint_attention_kwargs,
-            callback_on_step_end,
-            callback_on_step_end_tensor_inputs,
-            max_sequence_length,
+            prompt=prompt,
+            prompt_2=prompt_2,
+            negative_prompt=negative_prompt,
+            negative_prompt_2=negative_prompt_2,
+            true_cfg_scale=true_cfg_scale,
+            prompt_embeds=prompt_embeds,
+            pooled_prompt_embeds=pooled_prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
+            max_sequence_length=max_sequence_length,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            sigmas=sigmas,
+            guidance_scale=guidance_scale,
+            num_images_per_prompt=num_images_per_prompt,
+            output_type=output_type,
+            joint_attention_kwargs=joint_attention_kwargs,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         image_count = batch_size * num_images_per_prompt
@@ -340,20 +302,16 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
                 )
             latents = latents.to(device=self.device, dtype=dtype)
         image_ids = upload(
-            latent_image_ids(latent_height // 2, latent_width // 2).to(self.transformer.input_dtypes["img_ids"]),
+            latent_image_ids(latent_height // 2, latent_width // 2).to(self.transformer.input_dtypes[FLUX_IMAGE_IDS]),
             self.device,
         )
 
-        # 4. timesteps: the transformer's timestep (t / 1000) and guidance inputs made once on the device
+        # 4. timesteps, and the guidance input made once on the device (FLUX.1 dev)
         timesteps = self.denoiser.timesteps(num_inference_steps, tokens, sigmas)
         model_batch = image_count * (2 if do_true_cfg else 1)
-        timestep_dtype = self.transformer.input_dtypes["timestep"]
-        timestep_rows = upload(
-            (timesteps.to(dtype) / 1000).to(timestep_dtype)[:, None].expand(-1, model_batch).contiguous(), self.device
-        )
-        guidance = None
+        inputs = {FLUX_TEXT_IDS: text_ids, FLUX_IMAGE_IDS: image_ids}
         if self.guidance_embeds:
-            guidance = upload(
+            inputs["guidance"] = upload(
                 torch.full((model_batch,), float(guidance_scale), dtype=torch.float32).to(
                     self.transformer.input_dtypes["guidance"]
                 ),
@@ -361,20 +319,20 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
             )
 
         # 5. the denoising loop: every tensor stays on self.device
-        latents = self.denoiser.loop(
+        latents = denoise(
+            self.denoiser,
             latents,
             timesteps,
-            timestep_rows,
-            prompt_embeds,
-            pooled_prompt_embeds,
-            text_ids,
-            image_ids,
-            guidance,
-            true_cfg_scale if do_true_cfg else None,
-            negative_prompt_embeds,
-            negative_pooled_prompt_embeds,
-            callback_on_step_end,
-            callback_on_step_end_tensor_inputs,
+            tensors={
+                "prompt_embeds": prompt_embeds,
+                "pooled_prompt_embeds": pooled_prompt_embeds,
+                "negative_prompt_embeds": negative_prompt_embeds,
+                "negative_pooled_prompt_embeds": negative_pooled_prompt_embeds,
+            },
+            guidance=Guidance(float(true_cfg_scale), batched=True) if do_true_cfg else Guidance(),
+            inputs=inputs,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )
 
         # 6. decode: only now does anything leave the device

@@ -8,9 +8,13 @@ import numpy as np
 import PIL.Image
 import torch
 
+from ..families import family
 from .arguments import Embeds, Generator, Prompt, StepCallback, StepEndCallback, TensorNames
 from .clip_unet import ClipUNetPipeline
 from .core import on_device_stream
+from .loop import Guidance, denoise
+
+SD_IMG2IMG = family("sd-img2img")
 
 ImageInput = Union[torch.Tensor, np.ndarray, PIL.Image.Image, List[Any]]
 
@@ -18,6 +22,7 @@ ImageInput = Union[torch.Tensor, np.ndarray, PIL.Image.Image, List[Any]]
 class OnnxStableDiffusionImg2ImgPipeline(ClipUNetPipeline):
     """Image-to-image Stable Diffusion on ONNX Runtime; needs the folder's ``vae_encoder``."""
 
+    family = SD_IMG2IMG
     encodes_images = True
 
     @on_device_stream
@@ -26,8 +31,8 @@ class OnnxStableDiffusionImg2ImgPipeline(ClipUNetPipeline):
         prompt: Prompt = None,
         image: ImageInput = None,
         strength: float = 0.8,
-        num_inference_steps: int = 50,
-        guidance_scale: float = 7.5,
+        num_inference_steps: int = SD_IMG2IMG.defaults.steps,
+        guidance_scale: float = SD_IMG2IMG.defaults.guidance_scale,
         negative_prompt: Prompt = None,
         num_images_per_prompt: int = 1,
         eta: float = 0.0,
@@ -48,20 +53,20 @@ class OnnxStableDiffusionImg2ImgPipeline(ClipUNetPipeline):
         image = self.start_image(image)
         height, width = image.shape[-2:]
         prompt_embeds, batch_size = self.checked_text_embeddings(
-            prompt,
-            negative_prompt,
-            prompt_embeds,
-            negative_prompt_embeds,
-            height,
-            width,
-            num_inference_steps,
-            guidance_scale,
-            num_images_per_prompt,
-            output_type,
-            callback_steps,
-            strength,
-            callback_on_step_end,
-            callback_on_step_end_tensor_inputs,
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            num_images_per_prompt=num_images_per_prompt,
+            guidance_scale=guidance_scale,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            output_type=output_type,
+            strength=strength,
+            callback_steps=callback_steps,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )
 
         # 3. timesteps for this strength; the image's latents noised to the first of them
@@ -71,16 +76,17 @@ class OnnxStableDiffusionImg2ImgPipeline(ClipUNetPipeline):
         )
 
         # 4. denoising loop: every tensor stays on self.device
-        latents = self.denoiser.loop(
+        latents = denoise(
+            self.denoiser,
             latents,
             timesteps,
-            prompt_embeds,
-            guidance_scale,
-            self.scheduler_step_kwargs(generator, eta),
-            callback,
-            callback_steps,
-            callback_on_step_end,
-            callback_on_step_end_tensor_inputs,
+            tensors={"prompt_embeds": prompt_embeds},
+            guidance=Guidance.classifier_free(guidance_scale),
+            step_kwargs=self.scheduler_step_kwargs(generator, eta),
+            callback=callback,
+            callback_steps=callback_steps,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )
 
         # 5. decode: only now does anything leave the device

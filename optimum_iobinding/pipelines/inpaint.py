@@ -10,11 +10,15 @@ import torch.nn.functional as F
 from diffusers.image_processor import VaeImageProcessor
 
 from ..errors import ArgumentError
+from ..families import family
 from .arguments import Embeds, Generator, Latents, Prompt, StepCallback, StepEndCallback, TensorNames
 from .clip_unet import ClipUNetPipeline
 from .components import declared_dim
 from .core import expand_to_batch, on_device_stream
 from .img2img import ImageInput
+from .loop import Guidance, denoise
+
+INPAINT = family("inpaint")
 
 
 class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
@@ -25,6 +29,7 @@ class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
     original latents in after every step, as diffusers' torch inpaint pipeline does.
     """
 
+    family = INPAINT
     encodes_images = True
 
     @property
@@ -51,11 +56,11 @@ class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
         prompt: Prompt = None,
         image: ImageInput = None,
         mask_image: ImageInput = None,
-        height: Optional[int] = 512,
-        width: Optional[int] = 512,
+        height: Optional[int] = INPAINT.defaults.size,
+        width: Optional[int] = INPAINT.defaults.size,
         strength: float = 1.0,
-        num_inference_steps: int = 50,
-        guidance_scale: float = 7.5,
+        num_inference_steps: int = INPAINT.defaults.steps,
+        guidance_scale: float = INPAINT.defaults.guidance_scale,
         negative_prompt: Prompt = None,
         num_images_per_prompt: int = 1,
         eta: float = 0.0,
@@ -90,20 +95,20 @@ class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
                 f"{image_size[1]}), got {mask_size[0]} × {mask_size[1]}",
             )
         prompt_embeds, batch_size = self.checked_text_embeddings(
-            prompt,
-            negative_prompt,
-            prompt_embeds,
-            negative_prompt_embeds,
-            height,
-            width,
-            num_inference_steps,
-            guidance_scale,
-            num_images_per_prompt,
-            output_type,
-            callback_steps,
-            strength,
-            callback_on_step_end,
-            callback_on_step_end_tensor_inputs,
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            num_images_per_prompt=num_images_per_prompt,
+            guidance_scale=guidance_scale,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            output_type=output_type,
+            strength=strength,
+            callback_steps=callback_steps,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )
         dtype = prompt_embeds.dtype
 
@@ -151,17 +156,18 @@ class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
             )
 
         # 5. denoising loop: every tensor stays on self.device
-        latents = self.denoiser.loop(
+        latents = denoise(
+            self.denoiser,
             latents,
             timesteps,
-            prompt_embeds,
-            guidance_scale,
-            self.scheduler_step_kwargs(generator, eta),
-            callback,
-            callback_steps,
-            callback_on_step_end,
-            callback_on_step_end_tensor_inputs,
-            unet_extra_channels=unet_extra_channels,
+            tensors={"prompt_embeds": prompt_embeds},
+            guidance=Guidance.classifier_free(guidance_scale),
+            step_kwargs=self.scheduler_step_kwargs(generator, eta),
+            callback=callback,
+            callback_steps=callback_steps,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            extra_channels=unet_extra_channels,
             after_step=after_step,
         )
 

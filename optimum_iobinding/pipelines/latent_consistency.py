@@ -11,10 +11,14 @@ from typing import Optional
 
 import torch
 
+from ..families import family
 from .arguments import Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames
 from .core import on_device_stream
 from .clip_unet import ClipUNetPipeline
 from .denoisers import UNetDenoiser
+from .loop import Guidance, denoise
+
+LCM = family("lcm")
 
 
 def guidance_scale_embedding(w: torch.Tensor, embedding_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -34,17 +38,18 @@ class OnnxLatentConsistencyModelPipeline(ClipUNetPipeline):
     ``LatentConsistencyModelPipeline``: no unconditional batch (guidance goes in as an embedding), the scheduler's
     denoised prediction decoded after the last of a few steps."""
 
+    family = LCM
     denoiser_part = functools.partial(UNetDenoiser, extra_inputs=("timestep_cond",))
 
     @on_device_stream
     def __call__(
         self,
         prompt: Prompt = None,
-        height: Optional[int] = 512,
-        width: Optional[int] = 512,
-        num_inference_steps: int = 4,
+        height: Optional[int] = LCM.defaults.size,
+        width: Optional[int] = LCM.defaults.size,
+        num_inference_steps: int = LCM.defaults.steps,
         original_inference_steps: Optional[int] = None,
-        guidance_scale: float = 8.5,
+        guidance_scale: float = LCM.defaults.guidance_scale,
         num_images_per_prompt: int = 1,
         generator: Generator = None,
         latents: Latents = None,
@@ -61,15 +66,12 @@ class OnnxLatentConsistencyModelPipeline(ClipUNetPipeline):
             ``StableDiffusionPipelineOutput(images, nsfw_content_detected=None)``, or a tuple without return_dict.
         """
         self.check_inputs(
-            prompt,
-            height,
-            width,
-            num_inference_steps,
-            None,
-            None,
-            prompt_embeds,
-            None,
-            output_type,
+            prompt=prompt,
+            prompt_embeds=prompt_embeds,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            output_type=output_type,
             guidance_scale=guidance_scale,
             num_images_per_prompt=num_images_per_prompt,
             callback_on_step_end=callback_on_step_end,
@@ -86,15 +88,17 @@ class OnnxLatentConsistencyModelPipeline(ClipUNetPipeline):
         timestep_cond = guidance_scale_embedding(w, self.denoiser.time_cond_proj_dim).to(
             self.device, prompt_embeds.dtype
         )
-        denoised = self.denoiser.loop(
+        # guidance goes in as the UNet's timestep_cond: one batch, no classifier-free guidance
+        denoised = denoise(
+            self.denoiser,
             latents,
             timesteps,
-            prompt_embeds,
-            1.0,
-            self.scheduler_step_kwargs(generator, 0.0),
+            tensors={"prompt_embeds": prompt_embeds},
+            guidance=Guidance(),
+            inputs={"timestep_cond": timestep_cond},
+            step_kwargs=self.scheduler_step_kwargs(generator, 0.0),
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-            unet_inputs={"timestep_cond": timestep_cond},
             return_denoised=True,
         )
         return self.finish(denoised.to(prompt_embeds.dtype), output_type, return_dict)

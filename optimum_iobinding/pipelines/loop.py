@@ -1,9 +1,19 @@
-"""What every denoising loop shares: the CUDA-graph input feed, step-end callbacks and their checks, guidance
-rescaling. The loops themselves belong to the denoisers (:mod:`.denoisers`)."""
+"""The one denoising loop (:func:`denoise`) every family runs, and what it stands on: the CUDA-graph input feed,
+step-end callbacks and their checks, guidance and its rescaling.
+
+The loop is a skeleton; a denoiser (:mod:`.denoisers`: UNet, MMDiT, FLUX.1) fills it through named hooks — the name
+of its latent input, how a step scales it, its timestep input, how its conditioning inputs are made from the loop's
+tensors — and a family adds per-call hooks by keyword: extra input channels (an inpainting UNet's mask and masked
+image), per-step inputs (a ControlNet's residuals), an after-step (inpainting's blending), the guidance mode
+(:class:`Guidance`), the step cache (the denoiser's, enabled on the pipeline). The real-time stream does not run it:
+its frame is a fixed few-step schedule whose scheduler arithmetic is precomputed once per stream and captured with the
+UNet (:mod:`.stream_plan`), where this loop asks the scheduler at every step."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -25,11 +35,13 @@ def check_callback_arguments(
             f"expected a callable (pipe, step, timestep, tensors) -> dict, got "
             f"{type(callback_on_step_end).__name__} {callback_on_step_end!r}",
         )
-    try:
-        if isinstance(tensor_inputs, (str, bytes)):
-            raise TypeError
-        names = list(tensor_inputs)
-    except TypeError:
+    names = None
+    if not isinstance(tensor_inputs, (str, bytes)):
+        try:
+            names = list(tensor_inputs)
+        except TypeError:
+            pass
+    if names is None:
         raise ArgumentTypeError(
             "callback_on_step_end_tensor_inputs",
             f"expected a list of tensor names among "
@@ -172,3 +184,153 @@ class GraphFeed:
     def forget(self) -> None:
         """Code outside the loop ran (a step callback) and may have changed any input in place: copy them again."""
         self.held.clear()
+
+
+@dataclass(frozen=True)
+class Guidance:
+    """How a loop guides its prediction.
+
+    Attributes:
+        scale: the guidance scale.
+        batched: classifier-free guidance in one batch — the negative rows, then the positive ones: the latents go in
+            twice and the prediction is ``uncond + scale · (text − uncond)`` (SD's CFG, FLUX.1's true CFG). Otherwise
+            the prediction is used as it comes: no guidance, or guidance embedded as a model input that the family
+            feeds with the others (LCM's ``timestep_cond``, FLUX.1 dev's ``guidance``).
+        rescale: diffusers' ``guidance_rescale`` (rescales the guided prediction towards the text branch's standard
+            deviation, "Common Diffusion Noise Schedules and Sample Steps are Flawed" §3.4).
+    """
+
+    scale: float = 1.0
+    batched: bool = False
+    rescale: float = 0.0
+
+    @classmethod
+    def classifier_free(cls, scale: float, rescale: float = 0.0) -> "Guidance":
+        """Classifier-free guidance where ``scale > 1`` (as diffusers decides), none otherwise.
+
+        Raises:
+            ArgumentError: ``rescale`` (``guidance_rescale``) is not a number in [0, 1]."""
+        if isinstance(rescale, bool) or not isinstance(rescale, (int, float)) or not 0.0 <= rescale <= 1.0:
+            raise ArgumentError("guidance_rescale", f"expected a number in [0, 1], got {rescale!r}")
+        return cls(float(scale), bool(math.isfinite(scale) and scale > 1.0), float(rescale))
+
+    @property
+    def copies(self) -> int:
+        """How many times the latents go into the model per step."""
+        return 2 if self.batched else 1
+
+    def apply(self, prediction: torch.Tensor) -> torch.Tensor:
+        """The guided prediction of a batched call's output (negative rows, then positive)."""
+        uncond, text = prediction.chunk(2)
+        # uncond + scale * (text - uncond) in one kernel (diffusers' three)
+        guided = torch.lerp(uncond, text, self.scale)
+        return rescale_noise_cfg(guided, text, self.rescale) if self.rescale > 0.0 else guided
+
+
+StepInputs = Callable[[int, torch.Tensor, torch.Tensor], Dict[str, torch.Tensor]]
+
+
+def denoise(
+    denoiser: Any,
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    *,
+    tensors: Mapping[str, torch.Tensor],
+    guidance: Guidance,
+    inputs: Optional[Mapping[str, torch.Tensor]] = None,
+    step_kwargs: Optional[Mapping[str, Any]] = None,
+    callback: Optional[Callable[[int, Any, torch.Tensor], None]] = None,
+    callback_steps: int = 1,
+    callback_on_step_end: Optional[Callable[..., Any]] = None,
+    callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+    extra_channels: Optional[torch.Tensor] = None,
+    step_inputs: Optional[StepInputs] = None,
+    after_step: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
+    return_denoised: bool = False,
+) -> torch.Tensor:
+    """The denoising loop: per step the denoiser's model (or its enabled step cache), guidance, the scheduler's step,
+    the step-end callbacks. Every tensor stays on the pipeline's device and nothing makes the host wait: the latent
+    batch is written straight into the model's CUDA-graph input, the conditioning copied into its inputs once
+    (:class:`GraphFeed`), the timesteps made once on the device.
+
+    Args:
+        denoiser: the pipeline's denoiser part; its hooks: ``sample_input`` (the latents' input name),
+            ``scale_model_input(latents, t)``, ``timestep_inputs(timesteps, rows)``, ``conditioning(tensors,
+            guidance)`` (its conditioning inputs from the loop's tensors), ``copies_unguided_output``, ``step_model``.
+        latents: the initial latents (scaled by the scheduler's initial sigma, or noised).
+        timesteps: the scheduler's timesteps to run (its timesteps set).
+        tensors: the loop's tensors beside the latents that its conditioning is made of (``prompt_embeds`` and the
+            family's others, ``[negative; positive]`` where the denoiser expects them so); a step-end callback may ask
+            for and replace those the family allows.
+        guidance: how the prediction is guided (:class:`Guidance`).
+        inputs: further model inputs, the same every step (SDXL's ``text_embeds`` and ``time_ids``, LCM's
+            ``timestep_cond``, FLUX.1's position ids and ``guidance``), already batched for guidance.
+        step_kwargs: the scheduler step's keyword arguments (``eta``, a generator).
+        callback, callback_steps: diffusers' legacy ``callback(step, t, latents)`` every ``callback_steps`` steps.
+        callback_on_step_end, callback_on_step_end_tensor_inputs: diffusers' step-end callback and the tensors it
+            gets (checked by the pipeline before any work).
+        extra_channels: concatenated to the scaled latents on the channels (an inpainting UNet's mask and masked
+            image latents), already batched for guidance.
+        step_inputs: ``step_inputs(i, model_input, prompt_embeds) -> {name: tensor}``: further inputs made each step
+            from the scaled model input (a ControlNet's residuals).
+        after_step: ``after_step(i, latents) -> latents`` after each scheduler step (inpainting's blending).
+        return_denoised: return the last step's denoised prediction (the second output of ``LCMScheduler.step``),
+            as diffusers' LCM pipeline decodes, instead of its next sample.
+
+    Returns:
+        The denoised latents.
+    """
+    scheduler = denoiser.pipe.scheduler
+    tensors = dict(tensors)
+    constant = dict(inputs or {})
+    step_kwargs = dict(step_kwargs or {})
+    sample = denoiser.sample_input
+    timestep_rows = denoiser.timestep_inputs(timesteps, latents.shape[0] * guidance.copies)
+    run, fed = denoiser.step_model(len(timesteps))
+    feed = GraphFeed(fed)
+    conditioning = denoiser.conditioning(tensors, guidance)
+    denoised = latents
+    for i, t in enumerate(denoiser.pipe.progress_bar(timesteps)):
+        # scaled before the guidance batch is made (an elementwise scale by the step's scalar: the same values), so
+        # that the batch can be written straight into the model graph's input
+        scaled = denoiser.scale_model_input(latents, t)
+        copies = [scaled] * guidance.copies
+        if extra_channels is None:
+            model_input = feed.cat(sample, copies)
+        else:
+            model_input = torch.cat(copies) if guidance.batched else scaled
+        per_step = step_inputs(i, model_input, tensors["prompt_embeds"]) if step_inputs is not None else {}
+        if extra_channels is not None:
+            model_input = feed.cat(sample, [model_input, extra_channels], dim=1)
+        step = {
+            sample: model_input,
+            "timestep": timestep_rows[i],
+            **{name: feed.same(name, value) for name, value in conditioning.items()},
+            **{name: feed.same(name, value) for name, value in constant.items()},
+            **per_step,
+        }
+        prediction = run(i, step)
+        feed.learn(step)
+        if guidance.batched:
+            prediction = guidance.apply(prediction)
+        elif denoiser.copies_unguided_output:
+            # multistep schedulers keep model outputs across steps: never hand them the model's reused buffer
+            prediction = prediction.clone()
+        output = scheduler.step(prediction, t, latents, **step_kwargs, return_dict=False)
+        latents = output[0]
+        if return_denoised:
+            denoised = output[1]
+        if after_step is not None:
+            latents = after_step(i, latents)
+        if callback is not None and i % callback_steps == 0:
+            callback(i // getattr(scheduler, "order", 1), t, latents)
+            feed.forget()
+        if callback_on_step_end is not None:
+            replaced = denoiser.step_end(
+                callback_on_step_end, callback_on_step_end_tensor_inputs, i, t, {"latents": latents, **tensors}, feed
+            )
+            latents = replaced.pop("latents")
+            if any(replaced[name] is not value for name, value in tensors.items()):
+                tensors = replaced
+                conditioning = denoiser.conditioning(tensors, guidance)
+    return denoised if return_denoised else latents

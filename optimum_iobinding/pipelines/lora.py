@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, ModelFileError
 from ..layout import WeightPlace, read_weight_map
 
 
@@ -89,9 +89,10 @@ class _Layer:
     def __init__(self, weights: Dict[str, torch.Tensor], places: Sequence[WeightPlace], component: str, name: str):
         missing = [place.initializer for place in places if place.initializer not in weights]
         if missing:
-            raise ValueError(
-                f"{component} layer {name}: its weight ({missing[0]}) is not among the weights the model "
-                "keeps as tensors (too small to be one), so no LoRA can change it"
+            raise ModelFileError(
+                component,
+                f"layer {name}: its weight ({missing[0]}) is not among the weights the model "
+                "keeps as tensors (too small to be one), so no LoRA can change it",
             )
         self.places = list(places)
         self.shape = torch_shape(weights[places[0].initializer], places[0])
@@ -217,7 +218,10 @@ class LoraLoaderMixin:
         ranks: Dict[str, List[int]] = {}
         for (component, layer), pair in matrices.items():
             if set(pair) != {"down", "up"}:
-                raise ValueError(f"{component} layer {layer}: the LoRA has only its {sorted(pair)[0]} matrix")
+                raise ArgumentError(
+                    "pretrained_model_name_or_path_or_dict",
+                    f"{component} layer {layer}: the LoRA has only its {sorted(pair)[0]} matrix",
+                )
             ranks.setdefault(component, []).append(pair["down"].shape[0])
         for (component, layer), pair in matrices.items():
             name, target = self._lora_layer(component, layer)
@@ -230,10 +234,11 @@ class LoraLoaderMixin:
                 or up.shape[1] != rank
                 or (len(target.shape) == 4 and tuple(down.shape[2:]) != tuple(target.shape[2:]))
             ):
-                raise ValueError(
+                raise ArgumentError(
+                    "pretrained_model_name_or_path_or_dict",
                     f"{component} layer {name}: the LoRA's update is {tuple(up.shape)} @ "
                     f"{tuple(down.shape)}, the layer's weight is {tuple(target.shape)} (a LoRA for "
-                    "another architecture?)"
+                    "another architecture?)",
                 )
             alpha = alphas.get((component, layer))
             if alpha is None and metadata:

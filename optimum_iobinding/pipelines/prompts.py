@@ -18,7 +18,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, ModelFileError
+from ..families import FLUX_TEXT_IDS, family
 from ..runtime.inputs import as_checked_tensor
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_integer
@@ -52,9 +53,9 @@ def clip_skip_layer(outputs: Dict[str, torch.Tensor], clip_skip: Optional[int]) 
         (name for name in outputs if name.startswith("hidden_states.")), key=lambda name: int(name.split(".")[1])
     )
     if len(layers) < 2:
-        raise ValueError(
-            f"text encoder outputs: expected hidden_states.0 … hidden_states.N (an export with "
-            f"output_hidden_states), got {list(outputs)}"
+        raise ModelFileError(
+            "text encoder outputs",
+            f"expected hidden_states.0 … hidden_states.N (an export with output_hidden_states), got {list(outputs)}",
         )
     if clip_skip is not None and (not is_integer(clip_skip) or not 0 <= clip_skip <= len(layers) - 2):
         raise ArgumentError("clip_skip", f"expected None or an integer in [0, {len(layers) - 2}], got {clip_skip!r}")
@@ -252,7 +253,7 @@ class T5Prompt(PromptEncoder):
 class SD3Prompt(T5Prompt):
     """SD3's two CLIPs with projections and hidden states, and an optional T5 (``text_encoder_3``)."""
 
-    t5_encoder, t5_tokenizer = "text_encoder_3", "tokenizer_3"
+    t5_encoder, t5_tokenizer = family("sd3").options["t5_encoder"], family("sd3").options["t5_tokenizer"]
 
     def check_encoders(self) -> None:
         """Both CLIP encoders must give ``text_embeds`` (the projection) and their hidden states (an export with
@@ -372,7 +373,7 @@ class SD3Prompt(T5Prompt):
 class FluxPrompt(T5Prompt):
     """FLUX.1's CLIP (its pooled output) and T5 (``text_encoder_2``: the token states)."""
 
-    t5_encoder, t5_tokenizer = "text_encoder_2", "tokenizer_2"
+    t5_encoder, t5_tokenizer = family("flux").options["t5_encoder"], family("flux").options["t5_tokenizer"]
 
     def check_encoders(self) -> None:
         for name, output in (("text_encoder", "pooler_output"), ("text_encoder_2", "last_hidden_state")):
@@ -408,5 +409,5 @@ class FluxPrompt(T5Prompt):
         dtypes = self.pipe.denoiser.model.input_dtypes
         prompt_embeds = self.repeated(prompt_embeds, num_images_per_prompt, dtypes["encoder_hidden_states"])
         pooled_prompt_embeds = self.repeated(pooled_prompt_embeds, num_images_per_prompt, dtypes["pooled_projections"])
-        text_ids = torch.zeros(prompt_embeds.shape[1], 3, dtype=dtypes["txt_ids"])
+        text_ids = torch.zeros(prompt_embeds.shape[1], 3, dtype=dtypes[FLUX_TEXT_IDS])
         return prompt_embeds, pooled_prompt_embeds, upload(text_ids, self.device)

@@ -5,10 +5,13 @@ from __future__ import annotations
 from typing import Optional
 
 
+from ..families import family
 from .arguments import Embeds, Generator, Latents, Prompt, StepCallback, StepEndCallback, TensorNames
 from .clip_unet import ClipUNetPipeline
 from .core import on_device_stream
-from .img2img import OnnxStableDiffusionImg2ImgPipeline
+from .loop import Guidance, denoise
+
+SD = family("sd")
 
 
 class OnnxStableDiffusionPipeline(ClipUNetPipeline):
@@ -19,16 +22,16 @@ class OnnxStableDiffusionPipeline(ClipUNetPipeline):
     the final image is downloaded. ``io_binding=False`` is diffusers' numpy pipeline.
     """
 
-    image_to_image_class = OnnxStableDiffusionImg2ImgPipeline
+    family = SD
 
     @on_device_stream
     def __call__(
         self,
         prompt: Prompt = None,
-        height: Optional[int] = 512,
-        width: Optional[int] = 512,
-        num_inference_steps: int = 50,
-        guidance_scale: float = 7.5,
+        height: Optional[int] = SD.defaults.size,
+        width: Optional[int] = SD.defaults.size,
+        num_inference_steps: int = SD.defaults.steps,
+        guidance_scale: float = SD.defaults.guidance_scale,
         negative_prompt: Prompt = None,
         num_images_per_prompt: int = 1,
         eta: float = 0.0,
@@ -57,20 +60,19 @@ class OnnxStableDiffusionPipeline(ClipUNetPipeline):
         height = self.default_image_size if height is None else height
         width = self.default_image_size if width is None else width
         prompt_embeds, batch_size = self.checked_text_embeddings(
-            prompt,
-            negative_prompt,
-            prompt_embeds,
-            negative_prompt_embeds,
-            height,
-            width,
-            num_inference_steps,
-            guidance_scale,
-            num_images_per_prompt,
-            output_type,
-            callback_steps,
-            None,
-            callback_on_step_end,
-            callback_on_step_end_tensor_inputs,
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            num_images_per_prompt=num_images_per_prompt,
+            guidance_scale=guidance_scale,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            output_type=output_type,
+            callback_steps=callback_steps,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )
 
         # 3. timesteps and initial noise
@@ -80,16 +82,17 @@ class OnnxStableDiffusionPipeline(ClipUNetPipeline):
         )
 
         # 4. denoising loop: every tensor stays on self.device
-        latents = self.denoiser.loop(
+        latents = denoise(
+            self.denoiser,
             latents,
             timesteps,
-            prompt_embeds,
-            guidance_scale,
-            self.scheduler_step_kwargs(generator, eta),
-            callback,
-            callback_steps,
-            callback_on_step_end,
-            callback_on_step_end_tensor_inputs,
+            tensors={"prompt_embeds": prompt_embeds},
+            guidance=Guidance.classifier_free(guidance_scale),
+            step_kwargs=self.scheduler_step_kwargs(generator, eta),
+            callback=callback,
+            callback_steps=callback_steps,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )
 
         # 5. decode: only now does anything leave the device

@@ -9,16 +9,16 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import numpy as np
 from diffusers.pipelines.stable_diffusion_3 import StableDiffusion3PipelineOutput
 
 from ..errors import ArgumentError
+from ..families import family
 from ..layout import write_transformer_model_index
 from .arguments import Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames, check_sequence_length, is_real
 from .components import VAE_COMPONENTS, onnx, tokenizer
 from .core import OnnxDiffusionPipeline, VaeConstants, Warmup, on_device_stream
 from .denoisers import MMDiTDenoiser
-from .loop import check_callback_arguments
+from .loop import Guidance, denoise
 from .prompts import SD3Prompt
 
 # optimum's SD3 folder (a T5-less export leaves text_encoder_3 out; T5's length is the call's max_sequence_length)
@@ -32,6 +32,7 @@ SD3_COMPONENTS = (
     onnx("transformer"),
     *VAE_COMPONENTS,
 )
+SD3 = family("sd3")
 # diffusers' limit on the T5 sequence (its check_inputs refuses more)
 MAX_SEQUENCE_LENGTH = 512
 # SD3's VAE latent scaling (SD3 and SD3.5 share the VAE), for a folder whose vae_decoder config.json names none
@@ -47,6 +48,7 @@ class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
     part of the text embeddings is zeros.
     """
 
+    family = SD3
     declared_components = SD3_COMPONENTS
     denoiser_part = MMDiTDenoiser
     prompt_part = SD3Prompt
@@ -66,15 +68,10 @@ class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
         pooled_prompt_embeds: Any,
         negative_pooled_prompt_embeds: Any,
         max_sequence_length: Any,
-        callback_on_step_end: Any,
-        callback_on_step_end_tensor_inputs: Any,
     ) -> None:
         """What SD3 adds to :meth:`check_inputs`, refused before any work: the second and third prompts (a str or a
         list of str, one per prompt), the pooled embeddings (``(batch, width)`` of the transformer's
-        ``pooled_projections``, with their hidden states), ``max_sequence_length`` and the callback's tensors."""
-        check_callback_arguments(
-            callback_on_step_end, callback_on_step_end_tensor_inputs, self.denoiser.callback_tensor_inputs
-        )
+        ``pooled_projections``, with their hidden states) and ``max_sequence_length``."""
         check_sequence_length(max_sequence_length, MAX_SEQUENCE_LENGTH)
         prompts = self.batch_size_of(prompt, prompt_embeds) if prompt is not None or prompt_embeds is not None else None
         for name, texts, rival, rival_name in (
@@ -86,7 +83,7 @@ class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
             if texts is None:
                 continue
             if rival is not None:
-                raise ValueError(f"{name} and {rival_name}: expected at most one of them, got both")
+                raise ArgumentError(f"{name} and {rival_name}", "expected at most one of them, got both")
             self.check_texts(name, texts, prompts, broadcast=True)
         if prompt_embeds is not None and pooled_prompt_embeds is None:
             raise ArgumentError(
@@ -119,9 +116,9 @@ class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
         prompt_3: Prompt = None,
         height: Optional[int] = None,
         width: Optional[int] = None,
-        num_inference_steps: int = 28,
+        num_inference_steps: int = SD3.defaults.steps,
         sigmas: Optional[List[float]] = None,
-        guidance_scale: float = 7.0,
+        guidance_scale: float = SD3.defaults.guidance_scale,
         negative_prompt: Prompt = None,
         negative_prompt_2: Prompt = None,
         negative_prompt_3: Prompt = None,
@@ -158,17 +155,6 @@ class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
                 "skip_guidance_layers",
                 f"expected None, got {skip_guidance_layers!r}; an exported transformer cannot leave out layers",
             )
-        if joint_attention_kwargs is not None:
-            raise ArgumentError(
-                "joint_attention_kwargs",
-                f"expected None (an ONNX transformer takes no attention arguments), got {joint_attention_kwargs!r}",
-            )
-        if sigmas is not None and (
-            not isinstance(sigmas, (list, tuple, np.ndarray))
-            or len(sigmas) == 0
-            or not all(is_real(s) and math.isfinite(s) for s in sigmas)
-        ):
-            raise ArgumentError("sigmas", f"expected a non-empty list of finite numbers, got {sigmas!r}")
         if mu is not None and (not is_real(mu) or not math.isfinite(mu)):
             raise ArgumentError("mu", f"expected a finite number, got {mu!r}")
         height = self.default_image_size if height is None else height
@@ -184,22 +170,22 @@ class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
             pooled_prompt_embeds,
             negative_pooled_prompt_embeds,
             max_sequence_length,
-            callback_on_step_end,
-            callback_on_step_end_tensor_inputs,
         )
         self.check_inputs(
-            prompt,
-            height,
-            width,
-            num_inference_steps if sigmas is None else len(sigmas),
-            None,
-            negative_prompt,
-            prompt_embeds,
-            negative_prompt_embeds,
-            output_type,
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            sigmas=sigmas,
+            output_type=output_type,
             guidance_scale=guidance_scale,
             num_images_per_prompt=num_images_per_prompt,
             callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            joint_attention_kwargs=joint_attention_kwargs,
         )
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
@@ -232,13 +218,13 @@ class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
         timesteps = self.denoiser.timesteps(num_inference_steps, sigmas, mu, latent_height, latent_width)
 
         # 3. denoising loop on the device
-        latents = self.denoiser.loop(
+        latents = denoise(
+            self.denoiser,
             latents,
             timesteps,
-            prompt_embeds,
-            pooled,
-            guidance_scale,
-            self.scheduler_step_kwargs(generator, 0.0),
+            tensors={"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled},
+            guidance=Guidance.classifier_free(guidance_scale),
+            step_kwargs=self.scheduler_step_kwargs(generator, 0.0),
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )

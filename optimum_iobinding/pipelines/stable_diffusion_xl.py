@@ -13,13 +13,15 @@ import PIL.Image
 import torch
 from diffusers.pipelines.stable_diffusion_xl import StableDiffusionXLPipelineOutput
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, ModelFileError
+from ..families import family
 from ..layout import write_xl_model_index
 from .arguments import Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames
 from .components import VAE_COMPONENTS, declared_dim, onnx, tokenizer
 from .core import OnnxDiffusionPipeline, Warmup, on_device_stream
 from .denoisers import UNetDenoiser
 from .lora import LoraLoaderMixin
+from .loop import Guidance, denoise
 from .prompts import CLIPPairPrompt
 
 # optimum's SDXL folder (the refiner has no first text encoder)
@@ -31,11 +33,7 @@ XL_COMPONENTS = (
     onnx("unet"),
     *VAE_COMPONENTS,
 )
-# the diffusers pipeline each of ours mirrors: the class name a saved folder's model_index.json gives (optimum's way)
-_TORCH_CLASS_NAMES = {
-    "OnnxStableDiffusionXLPipeline": "StableDiffusionXLPipeline",
-    "OnnxStableDiffusionXLImg2ImgPipeline": "StableDiffusionXLImg2ImgPipeline",
-}
+SDXL, SDXL_IMG2IMG = family("sdxl"), family("sdxl-img2img")
 
 
 class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
@@ -81,7 +79,7 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
             if texts is None:
                 continue
             if rival is not None:
-                raise ValueError(f"{name} and {rival_name}: expected at most one of them, got both")
+                raise ArgumentError(f"{name} and {rival_name}", "expected at most one of them, got both")
             # a single negative_prompt_2 goes with every prompt
             self.check_texts(name, texts, prompts, broadcast=name == "negative_prompt_2")
         if (
@@ -141,8 +139,9 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
             hint = (
                 "set requires_aesthetics_score" if self.time_ids_length == 5 else "unset requires_aesthetics_score"
             ) + " in model_index.json"
-            raise ValueError(
-                f"unet time_ids: the UNet takes {self.time_ids_length} values, the pipeline makes {len(values)}: {hint}"
+            raise ModelFileError(
+                "unet time_ids",
+                f"the UNet takes {self.time_ids_length} values, the pipeline makes {len(values)}: {hint}",
             )
         return torch.tensor([values], dtype=dtype)
 
@@ -168,7 +167,7 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
             modules[name] = type(getattr(self, name)).__name__ if getattr(self, name, None) is not None else None
         write_xl_model_index(
             target,
-            _TORCH_CLASS_NAMES.get(type(self).__name__, "StableDiffusionXLPipeline"),
+            self.family.index_class_name,
             type(self.scheduler).__name__,
             modules,
             self.config.force_zeros_for_empty_prompt,
@@ -180,6 +179,7 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
     """SDXL image-to-image (also the refiner, whose folder has only ``text_encoder_2`` and sets
     ``requires_aesthetics_score``), with the arguments of diffusers' ``StableDiffusionXLImg2ImgPipeline``."""
 
+    family = SDXL_IMG2IMG
     encodes_images = True
 
     @on_device_stream
@@ -189,8 +189,8 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
         prompt_2: Prompt = None,
         image: Union[PIL.Image.Image, np.ndarray, torch.Tensor, List[PIL.Image.Image], None] = None,
         strength: float = 0.3,
-        num_inference_steps: int = 50,
-        guidance_scale: float = 5.0,
+        num_inference_steps: int = SDXL_IMG2IMG.defaults.steps,
+        guidance_scale: float = SDXL_IMG2IMG.defaults.guidance_scale,
         negative_prompt: Prompt = None,
         negative_prompt_2: Prompt = None,
         num_images_per_prompt: int = 1,
@@ -220,15 +220,14 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
         pixels = self.start_image(image)
         height, width = pixels.shape[-2:]
         self.check_inputs(
-            prompt,
-            height,
-            width,
-            num_inference_steps,
-            None,
-            negative_prompt,
-            prompt_embeds,
-            negative_prompt_embeds,
-            output_type,
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            output_type=output_type,
             strength=strength,
             guidance_scale=guidance_scale,
             num_images_per_prompt=num_images_per_prompt,
@@ -279,16 +278,16 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
         conditioning = self.unet_conditioning(
             pooled, add_time_ids, negative_time_ids, rows, do_classifier_free_guidance
         )
-        latents = self.denoiser.loop(
+        latents = denoise(
+            self.denoiser,
             latents,
             timesteps,
-            prompt_embeds,
-            guidance_scale,
-            self.scheduler_step_kwargs(generator, eta),
+            tensors={"prompt_embeds": prompt_embeds},
+            guidance=Guidance.classifier_free(guidance_scale, guidance_rescale),
+            inputs=conditioning,
+            step_kwargs=self.scheduler_step_kwargs(generator, eta),
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-            unet_inputs=conditioning,
-            guidance_rescale=guidance_rescale,
         )
         return self.finish(latents, output_type, return_dict)
 
@@ -297,7 +296,7 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
     """SDXL text-to-image with the arguments of diffusers' ``StableDiffusionXLPipeline``: every tensor of the loop
     stays on the UNet's device with ``io_binding=True``; on CUDA every component replays its CUDA graphs by default (``cuda_graph="auto"``)."""
 
-    image_to_image_class = OnnxStableDiffusionXLImg2ImgPipeline
+    family = SDXL
 
     @on_device_stream
     def __call__(
@@ -306,8 +305,8 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
         prompt_2: Prompt = None,
         height: Optional[int] = None,
         width: Optional[int] = None,
-        num_inference_steps: int = 50,
-        guidance_scale: float = 5.0,
+        num_inference_steps: int = SDXL.defaults.steps,
+        guidance_scale: float = SDXL.defaults.guidance_scale,
         negative_prompt: Prompt = None,
         negative_prompt_2: Prompt = None,
         num_images_per_prompt: int = 1,
@@ -340,15 +339,14 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
         height = self.default_image_size if height is None else height
         width = self.default_image_size if width is None else width
         self.check_inputs(
-            prompt,
-            height,
-            width,
-            num_inference_steps,
-            None,
-            negative_prompt,
-            prompt_embeds,
-            negative_prompt_embeds,
-            output_type,
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            output_type=output_type,
             guidance_scale=guidance_scale,
             num_images_per_prompt=num_images_per_prompt,
             callback_on_step_end=callback_on_step_end,
@@ -407,15 +405,15 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
         )
 
         # 4. denoising loop on the device
-        latents = self.denoiser.loop(
+        latents = denoise(
+            self.denoiser,
             latents,
             timesteps,
-            prompt_embeds,
-            guidance_scale,
-            self.scheduler_step_kwargs(generator, eta),
+            tensors={"prompt_embeds": prompt_embeds},
+            guidance=Guidance.classifier_free(guidance_scale, guidance_rescale),
+            inputs=conditioning,
+            step_kwargs=self.scheduler_step_kwargs(generator, eta),
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-            unet_inputs=conditioning,
-            guidance_rescale=guidance_rescale,
         )
         return self.finish(latents, output_type, return_dict)

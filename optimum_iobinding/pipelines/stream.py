@@ -13,6 +13,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..errors import ArgumentError, ArgumentTypeError
+from ..families import family
 from ..layout import resolve_pipeline_folder
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_integer
@@ -27,6 +28,7 @@ from .transfer import upload
 from .stream_frames import FrameCopies, FrameInput, FrameKind, PendingFrame, output_layout, read_frame
 from .stream_plan import StreamPlan, make_stages, stream_schedule
 
+STREAM = family("stream")
 _KEEP = object()  # update_prompt: the negative prompt that prepare was given
 
 
@@ -48,9 +50,12 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
     frame's kind. On CUDA with graphs (the default) each of these is a CUDA-graph replay: the models' own (ONNX
     Runtime's), and torch's for the arithmetic between them, all on the pipeline's one stream; the models' graph
     inputs are written in place, and nothing in a frame makes the host wait. For SD 1.x/2.x, SD-Turbo and LCM folders
-    (an LCM UNet's ``timestep_cond`` is the guidance embedding, as in :class:`OnnxLatentConsistencyModelPipeline`).
+    (an LCM UNet's ``timestep_cond`` is the guidance embedding, as in the LCM pipeline).
 
-    **Steps.** Each step predicts x0 from the UNet's output (ε, v or x0, as the scheduler's ``prediction_type``
+    **Steps.** A frame does not run the pipelines' denoising loop (:func:`~.loop.denoise`), which asks the
+    scheduler at every step: its few steps are a fixed schedule whose scheduler arithmetic is computed once per stream
+    (:mod:`.stream_plan`) and captured with the UNet, and consecutive frames' steps can share one UNet batch. Each step
+    predicts x0 from the UNet's output (ε, v or x0, as the scheduler's ``prediction_type``
     says; LCMScheduler's boundary condition ``c_skip``/``c_out`` applied); the next step re-noises that x0 to its
     timestep with the stream's fixed noise of that step (StreamDiffusion's rule), and the last step's x0 is decoded.
     With one step this is what Euler, Euler ancestral, LCM, DPM-Solver and DDIM with ``set_alpha_to_one=True`` give
@@ -77,6 +82,7 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
     :meth:`update_prompt` changes the prompt alone. Calls from several threads are serialized.
     """
 
+    family = STREAM
     declared_components = STABLE_DIFFUSION_COMPONENTS
     denoiser_part = StreamUNet
     prompt_part = CLIPPrompt
@@ -137,9 +143,10 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
 
     def warmup(self, *args: Any, **kwargs: Any) -> None:
         """A stream warms up in :meth:`prepare`: its sessions, graphs and captures are made there."""
-        raise TypeError(
-            f"{type(self).__name__}.warmup: a stream warms up in prepare(prompt, …), which makes its "
-            "sessions and captures its graphs for the prepared size and steps; call that instead"
+        raise ArgumentTypeError(
+            f"{type(self).__name__}.warmup",
+            "a stream warms up in prepare(prompt, …), which makes its sessions and captures its graphs for the "
+            "prepared size and steps; call that instead",
         )
 
     # ---------------------------------------------------------------------------------------------- properties
@@ -212,12 +219,11 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             if not isinstance(text, str) and not (name == "negative_prompt" and text is None):
                 raise ArgumentTypeError(name, f"expected a str (a stream has one prompt), got {type(text).__name__}")
         self.check_inputs(
-            prompt,
-            height,
-            width,
-            num_inference_steps,
-            None,
-            negative_prompt,
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
             output_type="pt",
             strength=strength,
             guidance_scale=guidance_scale,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from optimum_iobinding.bench.probes import host_waits
+from optimum_iobinding.pipelines.loop import Guidance, denoise
 
 pytestmark = pytest.mark.gpu
 
@@ -108,7 +109,14 @@ def test_the_host_enqueues_the_whole_loop_without_waiting(tiny_folder, scheduler
         def loop():
             timesteps = pipe.set_timesteps(4)
             kwargs = pipe.scheduler_step_kwargs(torch.Generator("cuda").manual_seed(0), 0.0)
-            return pipe.denoiser.loop(latents, timesteps, embeds, guidance, kwargs)
+            return denoise(
+                pipe.denoiser,
+                latents,
+                timesteps,
+                tensors={"prompt_embeds": embeds},
+                guidance=Guidance.classifier_free(guidance),
+                step_kwargs=kwargs,
+            )
 
         loop()  # warm up at this batch (1 without guidance): capture, cuDNN algorithm search
         torch.cuda.synchronize()
@@ -126,8 +134,13 @@ def test_a_captured_step_copies_only_its_timestep_into_the_graph(tiny_folder, mo
         latents = pipe.prepare_latents((1, 4, 8, 8), embeds.dtype, np.random.RandomState(0))
 
         def loop(steps):
-            return pipe.denoiser.loop(
-                latents, pipe.set_timesteps(steps), embeds, 7.5, pipe.scheduler_step_kwargs(None, 0.0)
+            return denoise(
+                pipe.denoiser,
+                latents,
+                pipe.set_timesteps(steps),
+                tensors={"prompt_embeds": embeds},
+                guidance=Guidance.classifier_free(7.5),
+                step_kwargs=pipe.scheduler_step_kwargs(None, 0.0),
             )
 
         expected = loop(6).clone()  # the first call captures
@@ -894,8 +907,14 @@ def test_controlnet_graphs_equal_the_cpu_pipeline_and_the_host_never_waits(contr
                 kwargs.get("control_guidance_end", 1.0),
             )
             residuals = graphs.controlnet_step_inputs(prepared, timesteps, scales, starts, ends, guess, True)
-            return graphs.denoiser.loop(
-                latents, timesteps, embeds, 7.5, graphs.scheduler_step_kwargs(None, 0.0), step_inputs=residuals
+            return denoise(
+                graphs.denoiser,
+                latents,
+                timesteps,
+                tensors={"prompt_embeds": embeds},
+                guidance=Guidance.classifier_free(7.5),
+                step_kwargs=graphs.scheduler_step_kwargs(None, 0.0),
+                step_inputs=residuals,
             )
 
         loop()

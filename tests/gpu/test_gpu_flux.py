@@ -10,6 +10,7 @@ import torch
 
 from optimum_iobinding import IOBindingORTModel, OnnxFluxPipeline
 from optimum_iobinding.bench.probes import host_waits
+from optimum_iobinding.pipelines.loop import Guidance, denoise
 from optimum_iobinding.export import export_pipeline
 from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline
 from optimum_iobinding.pipelines.flux import latent_image_ids, pack_latents
@@ -96,13 +97,19 @@ def test_the_host_enqueues_the_whole_flux_loop_without_waiting(flux):
         noise = pipe.prepare_latents((1, pipe.latent_channels, 8, 6), torch.float32, seeded())
         latents = pack_latents(noise)
         image_ids = latent_image_ids(4, 3).to(pipe.transformer.input_dtypes["img_ids"]).to(pipe.device)
-        guidance = torch.full((1,), 3.5, device=pipe.device) if pipe.guidance_embeds else None
+        inputs = {"txt_ids": text_ids, "img_ids": image_ids}
+        if pipe.guidance_embeds:
+            inputs["guidance"] = torch.full((1,), 3.5, device=pipe.device)
 
         def loop():
             timesteps = pipe.denoiser.timesteps(4, image_seq_len=12)
-            rows = (timesteps / 1000)[:, None].pin_memory().to(pipe.device, non_blocking=True)
-            return pipe.denoiser.loop(
-                latents, timesteps, rows, embeds, pooled, text_ids, image_ids, guidance, None, None, None, None, ()
+            return denoise(
+                pipe.denoiser,
+                latents,
+                timesteps,
+                tensors={"prompt_embeds": embeds, "pooled_prompt_embeds": pooled},
+                guidance=Guidance(),
+                inputs=inputs,
             )
 
         loop()  # warm up: capture
