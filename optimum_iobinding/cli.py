@@ -188,7 +188,12 @@ def run_export(args: argparse.Namespace) -> int:
     )
     quiet_libraries()
     from .export import export_pipeline
-    from .export.export import check_dtype_fits, check_tiny_vae_arguments, check_transformer_options, transformer_family
+    from .export.export import (
+        check_dtype_fits,
+        check_tiny_vae_arguments,
+        check_transformer_options,
+        exported_transformer_family,
+    )
 
     with options_named(EXPORT_OPTIONS):
         check_tiny_vae_arguments(
@@ -204,7 +209,7 @@ def run_export(args: argparse.Namespace) -> int:
         if option == "model":  # what an SD3 or Flux pipeline cannot take, refused before the rest is fetched
             with options_named(EXPORT_OPTIONS):
                 check_transformer_options(
-                    transformer_family(args.model, tiny_random=args.tiny_random or False),
+                    exported_transformer_family(args.model, tiny_random=args.tiny_random or False),
                     vae=args.vae,
                     controlnet=args.controlnet,
                     tiny_vae=args.tiny_vae,

@@ -399,7 +399,7 @@ def test_export_of_a_hub_id_that_cannot_be_fetched_names_it_before_exporting(
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("kind, family", [("flux", "Flux"), ("sd3", "Stable Diffusion 3")])
+@pytest.mark.parametrize("kind, family", [("flux", "FLUX.1"), ("sd3", "Stable Diffusion 3")])
 @pytest.mark.parametrize("option", ["--vae", "--controlnet", "--tiny-vae"])
 def test_export_refuses_a_vae_or_controlnet_for_a_transformer_pipeline_before_fetching_it(
     tmp_path, capsys, no_work, offline_hub, kind, family, option

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ArgumentError, ArgumentTypeError
+from ..families import FAMILIES, Family, t5_tokenizer_of, transformer_family
 from ..layout import (
     building_beside,
     check_output_folder,
@@ -28,17 +29,20 @@ from ..layout import (
     read_json_object,
 )
 from .components import PRECISIONS, export_component, vae_specs
-from .flux import export_flux_pipeline, is_flux
+from .flux import export_flux_pipeline
 from .step_cache import check_first_block_cache_depth
 from .tiny import TINY_RANDOM_KINDS, build_tiny_random_tiny_vae
-from .transformer import export_sd3_pipeline, is_sd3_pipeline
+from .transformer import export_sd3_pipeline
 from .unet import check_tiny_vae_fits, controlnets_of, export_unet_pipeline
+
+# the diffusion-transformer exporters, by the name a family's record gives its exporter (Family.export)
+TRANSFORMER_EXPORTERS = {"sd3": export_sd3_pipeline, "flux": export_flux_pipeline}
 
 # the checks of the arguments are public too: the command line runs them before it loads anything (check_tiny_vae_fits
 # belongs to .unet, since it holds a tiny VAE against the UNet, and is named here beside the others)
 __all__ = [
     "export_pipeline",
-    "transformer_family",
+    "exported_transformer_family",
     "check_transformer_options",
     "check_tiny_vae_arguments",
     "check_tiny_vae_config",
@@ -110,7 +114,7 @@ def export_pipeline(
         controlnet: one or several ControlNets (``ControlNetModel`` objects, or their folders or hub ids, e.g.
             ``lllyasviel/sd-controlnet-canny``) to export with a Stable Diffusion 1.x/2.x pipeline: the folder gets
             ``controlnet`` (``controlnet_1`` … for more) and a UNet that takes their residuals, which
-            :class:`OnnxStableDiffusionControlNetPipeline` loads. A diffusers ``StableDiffusionControlNetPipeline``
+            the ControlNet pipeline loads. A diffusers ``StableDiffusionControlNetPipeline``
             given as ``torch_pipeline`` (or its folder) exports its own.
         tiny_vae: export ``vae_encoder`` and ``vae_decoder`` from this diffusers ``AutoencoderTiny`` (TAESD, a VAE
             a fraction of the full one's cost, for few-step real-time work) instead of the pipeline's VAE: an
@@ -160,7 +164,7 @@ def export_pipeline(
         _refuse_step_cache("a VAE alone")
     if vae is not None or controlnet is not None or tiny_vae is not None:  # before anything is loaded or fetched
         check_transformer_options(
-            transformer_family(model_id_or_path, torch_pipeline=torch_pipeline, tiny_random=tiny_random),
+            exported_transformer_family(model_id_or_path, torch_pipeline=torch_pipeline, tiny_random=tiny_random),
             vae=vae,
             controlnet=controlnet,
             tiny_vae=tiny_vae,
@@ -300,7 +304,7 @@ def check_dtype_fits(
         return
     if tiny_random:
         kind = "sd" if tiny_random is True else tiny_random
-        if kind in TINY_RANDOM_KINDS and kind not in TINY_RANDOM_FAMILIES:
+        if kind in TINY_RANDOM_KINDS and _tiny_random_transformer_family(kind) is None:
             _refuse_bfloat16(f"the tiny random {kind} pipeline (a UNet)")
         return
     index = _model_index(model_id_or_path) if model_id_or_path is not None else None
@@ -327,22 +331,18 @@ def _refuse_step_cache(got: str) -> None:
 
 
 def _export_transformer_pipeline(pipe, target: Path, *, vae, controlnet, tiny_vae, **options) -> Path:
-    """A diffusion-transformer pipeline: SD3 through :mod:`.transformer`, FLUX.1 through :mod:`.flux`."""
-    if is_flux(pipe):
-        export = export_flux_pipeline
-    elif is_sd3_pipeline(pipe):
-        export = export_sd3_pipeline
-    else:
+    """A diffusion-transformer pipeline: SD3 through :mod:`.transformer`, FLUX.1 through :mod:`.flux` (the exporter
+    its family's record names)."""
+    record = exported_transformer_family(torch_pipeline=pipe)
+    export = TRANSFORMER_EXPORTERS.get(record.export) if record is not None else None
+    if export is None:
         raise ArgumentError(
             "model",
             f"expected a Stable Diffusion (1.x/2.x, XL), Stable Diffusion 3 or Flux pipeline, got "
             f"a {type(pipe).__name__} with a {type(pipe.transformer).__name__}, which this version does "
             "not export",
         )
-    # a pipeline_loader's pipeline is known only now
-    check_transformer_options(
-        transformer_family(torch_pipeline=pipe), vae=vae, controlnet=controlnet, tiny_vae=tiny_vae
-    )
+    check_transformer_options(record, vae=vae, controlnet=controlnet, tiny_vae=tiny_vae)  # a loader's pipeline
     return export(pipe, target, **options)
 
 
@@ -355,10 +355,10 @@ def check_tokenizer_lengths(pipe: Any) -> None:
     Raises:
         ArgumentError: naming the tokenizer and its length.
     """
-    t5 = {"tokenizer_2"} if is_flux(pipe) else {"tokenizer_3"}
+    t5 = t5_tokenizer_of(exported_transformer_family(torch_pipeline=pipe))
     for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
         tokenizer = getattr(pipe, name, None)
-        if tokenizer is None or name in t5:
+        if tokenizer is None or name == t5:
             continue
         problem = fixed_length_problem(tokenizer)
         if problem is not None:
@@ -370,32 +370,34 @@ def check_tokenizer_lengths(pipe: Any) -> None:
             )
 
 
-# the diffusion-transformer families, by their transformer's class (what model_index.json names)
-TRANSFORMER_FAMILIES = {"FluxTransformer2DModel": "Flux", "SD3Transformer2DModel": "Stable Diffusion 3"}
-TINY_RANDOM_FAMILIES = {"sd3": "Stable Diffusion 3", "flux": "Flux", "flux-dev": "Flux"}
-
-
-def transformer_family(
+def exported_transformer_family(
     model_id_or_path: Optional[Union[str, os.PathLike]] = None,
     *,
     torch_pipeline: Optional[object] = None,
     tiny_random: Union[bool, str] = False,
-) -> Optional[str]:
-    """The diffusion-transformer family (``"Flux"``, ``"Stable Diffusion 3"``) of what :func:`export_pipeline` would
-    export, known before the pipeline loads: from the pipeline given, the tiny random kind, or the transformer that
+) -> Optional[Family]:
+    """The diffusion-transformer family (SD3's or FLUX.1's record) of what :func:`export_pipeline` would export, known
+    before the pipeline loads: from the pipeline given, the tiny random kind, or the transformer that
     ``model_id_or_path``'s model_index.json names (a local folder's, or that one file fetched from the Hub).
     ``None``: a UNet pipeline, or not known before loading (a repository that cannot be fetched now fails when it
     loads, with the loader's own error)."""
     if torch_pipeline is not None:
         transformer = getattr(torch_pipeline, "transformer", None)
-        return TRANSFORMER_FAMILIES.get(type(transformer).__name__) if transformer is not None else None
+        return transformer_family(type(transformer).__name__) if transformer is not None else None
     if tiny_random:
-        return TINY_RANDOM_FAMILIES.get("sd" if tiny_random is True else tiny_random)
+        return _tiny_random_transformer_family("sd" if tiny_random is True else tiny_random)
     if model_id_or_path is None:
         return None
     index = _model_index(model_id_or_path)
     entry = index.get("transformer") if index else None
-    return TRANSFORMER_FAMILIES.get(entry[-1]) if isinstance(entry, list) and entry else None
+    return transformer_family(entry[-1]) if isinstance(entry, list) and entry else None
+
+
+def _tiny_random_transformer_family(kind: str) -> Optional[Family]:
+    """The diffusion-transformer family whose tiny random models include ``kind`` (``None``: a UNet's, or none)."""
+    return next(
+        (record for record in FAMILIES if kind in record.tiny_random and record.denoiser == "transformer"), None
+    )
 
 
 def _model_index(model_id_or_path: Union[str, os.PathLike]) -> Optional[dict]:
@@ -413,14 +415,15 @@ def _model_index(model_id_or_path: Union[str, os.PathLike]) -> Optional[dict]:
     return read_json_object(folder / "model_index.json") if folder.is_dir() else None
 
 
-def check_transformer_options(family: Optional[str], *, vae=None, controlnet=None, tiny_vae=None) -> None:
-    """A diffusion-transformer pipeline (``family``, see :func:`transformer_family`) exports its own VAE and no
-    ControlNet: ``vae``, ``controlnet`` and ``tiny_vae`` are refused by name, before anything is loaded.
+def check_transformer_options(record: Optional[Family], *, vae=None, controlnet=None, tiny_vae=None) -> None:
+    """A diffusion-transformer pipeline (of the family ``record``, see :func:`exported_transformer_family`) exports
+    its own VAE and no ControlNet: ``vae``, ``controlnet`` and ``tiny_vae`` are refused by name, before anything is
+    loaded.
 
     Raises:
-        ValueError: one of them is given for a ``family`` pipeline.
+        ArgumentError: (a ``ValueError``) one of them is given for such a pipeline.
     """
-    if family is None:
+    if record is None:
         return
     for name, value in (("vae", vae), ("controlnet", controlnet), ("tiny_vae", tiny_vae)):
         if value is not None:
@@ -432,7 +435,8 @@ def check_transformer_options(family: Optional[str], *, vae=None, controlnet=Non
                 else type(value).__name__
             )
             raise ArgumentError(
-                name, f"expected None for a {family} pipeline (its own VAE is exported, no ControlNet), got {shown}"
+                name,
+                f"expected None for a {record.title} pipeline (its own VAE is exported, no ControlNet), got {shown}",
             )
 
 

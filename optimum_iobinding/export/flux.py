@@ -2,8 +2,8 @@
 traceable stand-ins of its attention, rotary embedding and RMS norms; the text encoders, the VAE and the component
 exporters are :mod:`.components`', the folder :mod:`.transformer_pipeline`'s, shared with Stable Diffusion 3.
 
-Layout written (what ``optimum-cli export onnx`` writes for Flux, which optimum's ``ORTFluxPipeline`` and our
-:class:`~optimum_iobinding.pipelines.flux.OnnxFluxPipeline` both load)::
+Layout written (what ``optimum-cli export onnx`` writes for Flux, which optimum's ``ORTFluxPipeline`` and our FLUX.1
+pipeline both load)::
 
     model_index.json                the torch pipeline's index (FluxPipeline, torch class names; one ``vae`` entry)
     text_encoder/model.onnx         CLIP: input_ids (int64) → last_hidden_state, pooler_output
@@ -61,6 +61,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 
 from ..errors import ArgumentError
+from ..families import FLUX_IMAGE_IDS, FLUX_INPUTS, FLUX_TEXT_IDS, family
 from .components import EXTERNAL_DATA_THRESHOLD, clip_text_encoder_spec, t5_encoder_spec, vae_specs
 from .transformer_pipeline import export_transformer_pipeline
 
@@ -68,12 +69,8 @@ FLUX_COMPONENTS = ("text_encoder", "text_encoder_2", "transformer", "vae_encoder
 # ORT's transformer-optimizer model type of the components exported by the transformer family's exporter: "mmdit"
 # fuses the Flux transformer's attention (CLIP and the VAE go through the UNet families' component exporter)
 FLUX_OPTIMIZER_MODEL_TYPES = {"text_encoder_2": "t5", "transformer": "mmdit"}
-
-
-def is_flux(pipe: Any) -> bool:
-    """``pipe`` is a diffusers Flux pipeline: its denoiser is a ``FluxTransformer2DModel``."""
-    transformer = getattr(pipe, "transformer", None)
-    return transformer is not None and type(transformer).__name__ == "FluxTransformer2DModel"
+# the input FLUX.1 dev's transformer takes beside FLUX_INPUTS: its guidance embedding's (schnell has none)
+(FLUX_GUIDANCE_INPUT,) = family("flux").interface.optional
 
 
 # ------------------------------------------------------------------------------------------------------ export
@@ -233,8 +230,8 @@ def flux_component_specs(pipe) -> Dict[str, dict]:
         ),
         "text_encoder_2": t5_encoder_spec(pipe.text_encoder_2, t5_length),
     }
-    names = ["hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "txt_ids", "img_ids"]
-    args = [
+    names = list(FLUX_INPUTS)
+    args = [  # in FLUX_INPUTS' order
         torch.randn(2, tokens, config.in_channels),
         torch.randn(2, text_length, config.joint_attention_dim),
         torch.randn(2, config.pooled_projection_dim),
@@ -249,14 +246,14 @@ def flux_component_specs(pipe) -> Dict[str, dict]:
         "encoder_hidden_states": {0: "batch_size", 1: "sequence_length"},
         "pooled_projections": {0: "batch_size"},
         "timestep": {0: "batch_size"},
-        "txt_ids": {0: "sequence_length"},
-        "img_ids": {0: "packed_height_width"},
+        FLUX_TEXT_IDS: {0: "sequence_length"},
+        FLUX_IMAGE_IDS: {0: "packed_height_width"},
         "out_hidden_states": {0: "batch_size", 1: "packed_height_width"},
     }
     if config.guidance_embeds:
-        names.append("guidance")
+        names.append(FLUX_GUIDANCE_INPUT)
         args.append(torch.tensor([3.5, 3.5]))
-        axes["guidance"] = {0: "batch_size"}
+        axes[FLUX_GUIDANCE_INPUT] = {0: "batch_size"}
     specs["transformer"] = dict(
         module=_FluxTransformer(transformer),
         args=tuple(args),
@@ -311,7 +308,7 @@ def export_flux_pipeline(
         target,
         flux_component_specs(pipe),
         components,
-        class_name="FluxPipeline",
+        class_name=family("flux").index_class_name,
         optimizer_model_types=FLUX_OPTIMIZER_MODEL_TYPES,
         opset=opset,
         dtype=dtype,

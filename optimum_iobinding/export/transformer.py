@@ -2,8 +2,8 @@
 text encoders, VAE and component exporters are :mod:`.components`', the folder :mod:`.transformer_pipeline`'s, both
 shared with FLUX.1 (:mod:`.flux`).
 
-Layout written (what ``optimum-cli export onnx`` writes for these models, and what both
-:class:`OnnxStableDiffusion3Pipeline` and optimum's ``ORTStableDiffusion3Pipeline`` load)::
+Layout written (what ``optimum-cli export onnx`` writes for these models, and what both our Stable Diffusion 3 pipeline
+and optimum's ``ORTStableDiffusion3Pipeline`` load)::
 
     model_index.json              the torch pipeline's index (torch class names; one ``vae`` entry for both VAE folders)
     text_encoder/, text_encoder_2/  CLIPTextModelWithProjection: input_ids (int64) → text_embeds, last_hidden_state,
@@ -51,6 +51,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from ..errors import ArgumentError
+from ..families import MMDIT_INPUTS
 from .components import EXTERNAL_DATA_THRESHOLD, clip_text_encoder_spec, t5_encoder_spec, vae_specs
 from .components import OPTIMUM_EXTERNAL_DATA_FILE as EXTERNAL_DATA_FILE
 from .transformer_pipeline import export_transformer_pipeline, float16_components
@@ -60,7 +61,6 @@ from .transformer_pipeline import export_transformer_pipeline, float16_component
 # import them
 __all__ = [
     "export_sd3_pipeline",
-    "is_sd3_pipeline",
     "clip_text_encoder_spec",
     "t5_encoder_spec",
     "export_transformer_pipeline",
@@ -112,7 +112,7 @@ def sd3_transformer_spec(transformer: torch.nn.Module, sequence: int = 8) -> Dic
             torch.randn(2, config.pooled_projection_dim),
             torch.tensor([500.0, 500.0]),
         ),
-        input_names=["hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"],
+        input_names=list(MMDIT_INPUTS),
         output_names=["out_hidden_states"],
         dynamic_axes={
             "hidden_states": {0: "batch", 2: "height", 3: "width"},
@@ -129,12 +129,6 @@ def sd3_transformer_spec(transformer: torch.nn.Module, sequence: int = 8) -> Dic
         fixed_output_dims={"out_hidden_states": {1: transformer.out_channels}},
         config=config,
     )
-
-
-def is_sd3_pipeline(pipe: Any) -> bool:
-    """A diffusers Stable Diffusion 3 pipeline: an ``SD3Transformer2DModel`` as its ``transformer``."""
-    transformer = getattr(pipe, "transformer", None)
-    return transformer is not None and type(transformer).__name__ == "SD3Transformer2DModel"
 
 
 def sd3_component_specs(pipe: Any) -> Dict[str, Dict[str, Any]]:

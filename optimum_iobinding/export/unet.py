@@ -2,7 +2,7 @@
 (SDXL to optimum's): their text encoders, UNet and ControlNets' specs, and the folder; each component goes through
 :func:`~optimum_iobinding.export.components.export_component`, the VAE's spec is :mod:`.components`'.
 
-Layout written (what diffusers' ``OnnxStableDiffusionPipeline`` and ours both load)::
+Layout written (what diffusers' numpy ONNX pipeline and ours both load)::
 
     model_index.json            components named as diffusers' ONNX pipeline names them
     text_encoder/model.onnx     input_ids (int32) → last_hidden_state, pooler_output
@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ArgumentError, ArgumentTypeError
+from ..families import family
 from ..layout import (
     DOWN_RESIDUAL_INPUT,
     DOWN_RESIDUAL_OUTPUT,
@@ -316,17 +317,18 @@ def _with_controlnets(pipe, controlnet):
         if isinstance(item, (str, os.PathLike)):
             item = ControlNetModel.from_pretrained(os.fspath(item), torch_dtype=torch.float32)
         if not hasattr(item, "controlnet_down_blocks") or not hasattr(item, "config"):
-            raise TypeError(
-                f"controlnet[{k}]: expected a ControlNetModel or its folder or hub id, got {type(item).__name__}"
+            raise ArgumentTypeError(
+                f"controlnet[{k}]", f"expected a ControlNetModel or its folder or hub id, got {type(item).__name__}"
             )
         for key in ("block_out_channels", "cross_attention_dim"):
             mine, theirs = getattr(item.config, key), getattr(pipe.unet.config, key)
             if list(mine if isinstance(mine, (list, tuple)) else [mine]) != list(
                 theirs if isinstance(theirs, (list, tuple)) else [theirs]
             ):
-                raise ValueError(
-                    f"controlnet[{k}]: {key} is {mine}, but the pipeline's UNet has {theirs}: a "
-                    "ControlNet must be made for this UNet's architecture"
+                raise ArgumentError(
+                    f"controlnet[{k}]",
+                    f"{key} is {mine}, but the pipeline's UNet has {theirs}: a ControlNet must be made for this "
+                    "UNet's architecture",
                 )
         nets.append(item)
     return StableDiffusionControlNetPipeline(
@@ -436,6 +438,6 @@ def export_unet_pipeline(
                 type(pipe.scheduler).__name__,
                 type(pipe.tokenizer).__name__,
                 ONNX_COMPONENTS + nets,
-                "OnnxStableDiffusionControlNetPipeline" if nets else "OnnxStableDiffusionPipeline",
+                family("controlnet" if nets else "sd").index_class_name,
             )
     return target

@@ -224,7 +224,7 @@ def offline_hub(monkeypatch):
 
 
 @pytest.mark.parametrize("option", ["vae", "controlnet", "tiny_vae"])
-@pytest.mark.parametrize("kind, family", [("flux", "Flux"), ("sd3", "Stable Diffusion 3")])
+@pytest.mark.parametrize("kind, family", [("flux", "FLUX.1"), ("sd3", "Stable Diffusion 3")])
 def test_a_tiny_random_transformer_export_refuses_a_vae_or_controlnet_by_name_before_fetching_it(
     tmp_path, offline_hub, option, kind, family
 ):
