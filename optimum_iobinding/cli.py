@@ -16,7 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, List, Mapping, Optional, Tuple
 
-from .errors import ArgumentError  # the standard library only: every heavy module is imported by the command using it
+# the standard library only: every heavy module is imported by the command using it
+from .errors import ArgumentError
+from .families import Family, family, family_of_class, pipeline_class
 
 if TYPE_CHECKING:
     from .serve.config import ServeConfig
@@ -127,7 +129,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="ID_OR_FOLDER",
         help="export with this ControlNet (folder or hub id, e.g. lllyasviel/sd-controlnet-canny); "
-        "repeat for multi-ControlNet. Load the result with OnnxStableDiffusionControlNetPipeline",
+        f"repeat for multi-ControlNet. Load the result with {family('controlnet').class_name}",
     )
     parser.add_argument(
         "--tiny-vae",
@@ -434,12 +436,12 @@ def run_generate(args: argparse.Namespace) -> int:
     with options_named(MODEL_OPTION if args.model is not None else {}):  # a hub id that cannot be had: --model
         if model is None:  # a hub id: downloaded with what any text-to-image family reads
             model = resolve_model_folder(args.model)
-        pipeline_class = pipeline_class_for(model)
-        check_generate_fits(pipeline_class, args)
+        folder_class = pipeline_class_for(model)
+        check_generate_fits(family_of_class(folder_class.__name__), args)
     with options_named(GENERATE_OPTIONS):
         check_image_fits(Path(model) / "vae_decoder", args.width, args.height, provider)
     with options_named(MODEL_OPTION if args.model is not None else {}):
-        pipe = pipeline_class.from_pretrained(model, provider=provider, io_binding=args.io_binding)
+        pipe = folder_class.from_pretrained(model, provider=provider, io_binding=args.io_binding)
     if args.scheduler:
         import diffusers
 
@@ -457,8 +459,6 @@ def run_generate(args: argparse.Namespace) -> int:
         step_times.append(time.perf_counter())
         return tensors
 
-    import inspect
-
     call = dict(
         num_inference_steps=args.steps,
         height=args.height,
@@ -468,13 +468,7 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     if args.guidance is not None:  # else the pipeline's own default, as diffusers' (7.5 for SD, 3.5 for FLUX.1 …)
         call["guidance_scale"] = args.guidance
-    accepted = inspect.signature(pipe.__call__).parameters
-    if args.negative_prompt is not None:
-        if "negative_prompt" not in accepted:
-            raise UsageError(
-                f"--negative-prompt: {type(pipe).__name__} takes no negative prompt (its guidance is an "
-                "embedding, with no unconditional batch)"
-            )
+    if args.negative_prompt is not None:  # a family that takes none is refused before loading
         call["negative_prompt"] = args.negative_prompt
     start = time.perf_counter()
     with options_named(GENERATE_OPTIONS):  # the pipeline's checks of what depends on the model
@@ -492,23 +486,32 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_generate_fits(pipeline_class: type, args: argparse.Namespace) -> None:
-    """What the pipeline a folder needs cannot take, refused before it loads: the diffusion transformers run
-    diffusers' flow-matching scheduler (``--scheduler`` names discrete-time ones), and FLUX.1 uses a negative prompt
-    only with true classifier-free guidance (``true_cfg_scale``, which ``generate`` does not set)."""
-    from .pipelines import OnnxFluxPipeline, OnnxStableDiffusion3Pipeline
+# the families whose call uses a negative prompt only with an argument that `generate` does not set: FLUX.1's only
+# with true classifier-free guidance
+NEGATIVE_PROMPT_NEEDS = {"flux": "true_cfg_scale > 1"}
 
-    name = pipeline_class.__name__
-    if args.scheduler and issubclass(pipeline_class, (OnnxFluxPipeline, OnnxStableDiffusion3Pipeline)):
+
+def check_generate_fits(record: Family, args: argparse.Namespace) -> None:
+    """What the family of a folder (``record``) cannot take, refused before its pipeline loads: a family without a
+    choice of scheduler (the diffusion transformers run diffusers' flow-matching scheduler, where ``--scheduler``
+    names discrete-time ones), a negative prompt for a family that takes none (LCM's guidance is an embedding), or one
+    that takes it only with an argument ``generate`` does not set (:data:`NEGATIVE_PROMPT_NEEDS`)."""
+    name = record.class_name
+    if args.scheduler and not record.scheduler_choice:
         raise UsageError(
             f"--scheduler: expected none for {name} (it runs diffusers' flow-matching scheduler from the "
             f"folder), got {args.scheduler!r}"
         )
-    if args.negative_prompt is not None and issubclass(pipeline_class, OnnxFluxPipeline):
+    if args.negative_prompt is not None and not record.negative_prompt:
         raise UsageError(
-            f"--negative-prompt: expected none for {name} (FLUX.1 uses a negative prompt only with true "
-            "classifier-free guidance, true_cfg_scale > 1: call the pipeline from Python for it), got "
-            f"{args.negative_prompt!r}"
+            f"--negative-prompt: {name} takes no negative prompt (its guidance is an embedding, with no "
+            "unconditional batch)"
+        )
+    if args.negative_prompt is not None and record.key in NEGATIVE_PROMPT_NEEDS:
+        raise UsageError(
+            f"--negative-prompt: expected none for {name} ({record.title} uses a negative prompt only with true "
+            f"classifier-free guidance, {NEGATIVE_PROMPT_NEEDS[record.key]}: call the pipeline from Python for it), "
+            f"got {args.negative_prompt!r}"
         )
 
 
@@ -621,8 +624,8 @@ def check_stream_arguments(args: argparse.Namespace) -> Optional[Tuple[int, int]
 
 
 def run_stream(args: argparse.Namespace) -> int:
-    """``stream INPUT OUTPUT``: every frame of a video file or a folder of images through
-    :class:`OnnxStreamDiffusionPipeline`, written to a video file or a folder of PNGs (atomically)."""
+    """``stream INPUT OUTPUT``: every frame of a video file or a folder of images through the stream pipeline,
+    written to a video file or a folder of PNGs (atomically)."""
     size = check_stream_arguments(args)
     from tqdm.auto import tqdm
 
@@ -651,7 +654,6 @@ def run_stream(args: argparse.Namespace) -> int:
         if model is None:
             model = tiny_model_folder(Path(args.cache_dir) if args.cache_dir else None)
         provider = args.provider or default_provider()
-        from .pipelines import OnnxStreamDiffusionPipeline
         from .pipelines.memory import check_image_fits
 
         decoder = Path(args.tiny_vae if args.tiny_vae is not None else model) / "vae_decoder"
@@ -660,7 +662,7 @@ def run_stream(args: argparse.Namespace) -> int:
                 check_image_fits(decoder, width, height, provider, argument="frame size")
         started = time.perf_counter()
         with options_named(STREAM_OPTIONS):
-            stream = OnnxStreamDiffusionPipeline.from_pretrained(model, provider=provider, tiny_vae=args.tiny_vae)
+            stream = pipeline_class(family("stream")).from_pretrained(model, provider=provider, tiny_vae=args.tiny_vae)
             check_frame_size(stream.size_multiple, width, height, args)
             stream.prepare(
                 args.prompt,
@@ -981,7 +983,7 @@ def build_parser() -> argparse.ArgumentParser:
         commands,
         "stream",
         help="a video (or a folder of images) through a few-step model, frame by frame",
-        description="Runs every frame of INPUT through OnnxStreamDiffusionPipeline (the prompt encoded once, the "
+        description=f"Runs every frame of INPUT through {family('stream').class_name} (the prompt encoded once, the "
         "noise fixed, CUDA graphs on CUDA) and writes OUTPUT: a video file (.mp4, .mkv, .mov: H.264; "
         ".webm: VP9) at the input's rate, or a folder of PNGs (a path without an extension). The "
         "defaults are SD-Turbo's recipe: one UNet step (--steps 2 at --strength 0.5), no guidance. "
