@@ -31,7 +31,6 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import inspect
 import logging
 import os
 import secrets
@@ -45,6 +44,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("optimum_iobinding.serve needs Ray Serve: pip install 'optimum-iobinding[serve]'") from error
 
 from ..errors import ArgumentError
+from ..families import family, family_of_class
 from .config import RequestLimits, ServeConfig
 from .schema import MAX_SEED, decode_image, encode_pngs, parse_size, shown
 
@@ -154,9 +154,9 @@ class Admission:
 
     def __init__(self, batch_cap: int, max_unfinished: int = 1):
         if isinstance(batch_cap, bool) or not isinstance(batch_cap, int) or batch_cap < 1:
-            raise ValueError(f"batch_cap: expected a positive integer, got {batch_cap!r}")
+            raise ArgumentError("batch_cap", f"expected a positive integer, got {batch_cap!r}")
         if isinstance(max_unfinished, bool) or not isinstance(max_unfinished, int) or max_unfinished < 1:
-            raise ValueError(f"max_unfinished: expected a positive integer, got {max_unfinished!r}")
+            raise ArgumentError("max_unfinished", f"expected a positive integer, got {max_unfinished!r}")
         self._waiting: Deque[Tuple[asyncio.Future, int]] = collections.deque()  # a future and its images each
         self._admitted = 0  # images let in whose batch has not started yet
         self._batch_running = False  # a batch's pipeline call runs (on CUDA: until its work is on the GPU)
@@ -287,11 +287,13 @@ class ImageGenerator:
             else:
                 pipeline_class = pipeline_class_for(folder)
                 self.pipe = pipeline_class.from_pretrained(folder, provider=provider, **self.config.pipeline_options)
-        if self.numpy_engine:
-            self.pipeline_name = "diffusers.OnnxStableDiffusionPipeline"
+        if self.numpy_engine:  # diffusers' numpy ONNX pipeline of Stable Diffusion
+            self.family = family("sd")
+            self.pipeline_name = f"diffusers.{type(self.pipe).__name__}"
             self.default_size = 512  # its call's default
         else:
-            self.pipeline_name = pipeline_class.__name__
+            self.family = family_of_class(pipeline_class.__name__)
+            self.pipeline_name = self.family.class_name
             self.default_size = self.pipe.default_image_size
             self.img2img = self.pipe.image_to_image()  # no second copy of any model
             if self.img2img is not None:
@@ -308,7 +310,7 @@ class ImageGenerator:
         if not isinstance(tokenizer_max, int) or tokenizer_max > 100_000:  # transformers' "no limit" is 1e30
             tokenizer_max = None
         self.limits: RequestLimits = self.config.limits(self.default_size, tokenizer_max)
-        self.accepts = set(inspect.signature(self.pipe.__call__).parameters)
+        self.takes_negative_prompt = self.family.negative_prompt
         # on CUDA the call returns once its work is queued on the GPU: a second batch may queue behind it
         self._deferred = not self.numpy_engine and self.pipe.device.type == "cuda"
         self.admission = Admission(self.config.max_batch_size, max_unfinished=2 if self._deferred else 1)
@@ -396,57 +398,61 @@ class ImageGenerator:
         for name in ("prompt", "negative_prompt"):
             text = request.get(name)
             if text is not None and len(text) > limits.max_prompt_chars:
-                raise ValueError(
-                    f"{name}: expected at most {limits.max_prompt_chars} characters (max_prompt_chars), got {len(text)}"
+                raise ArgumentError(
+                    name, f"expected at most {limits.max_prompt_chars} characters (max_prompt_chars), got {len(text)}"
                 )
         if request["n"] > limits.max_images_per_request:
-            raise ValueError(
-                f"n: expected at most {limits.max_images_per_request} images per request "
-                f"(max_images_per_request), got {shown(request['n'])}"
+            raise ArgumentError(
+                "n",
+                f"expected at most {limits.max_images_per_request} images per request "
+                f"(max_images_per_request), got {shown(request['n'])}",
             )
         if request.get("seed") is None:
             request["seed"] = secrets.randbelow(2**31)
         if request.get("steps") is None:
             request["steps"] = self.config.steps
         if not 1 <= request["steps"] <= limits.max_steps:
-            raise ValueError(f"steps: expected 1 to {limits.max_steps} (max_steps), got {shown(request['steps'])}")
+            raise ArgumentError("steps", f"expected 1 to {limits.max_steps} (max_steps), got {shown(request['steps'])}")
         if request.get("guidance") is None:
             request["guidance"] = self.config.guidance
         request["start_image"] = None
         if request.get("image") is not None:
             if self.img2img is None:
-                raise ValueError(
-                    f"image: {self.pipeline_name} on this folder has no image-to-image pipeline (its "
-                    "family has none, or the folder has no VAE encoder)"
+                raise ArgumentError(
+                    "image",
+                    f"{self.pipeline_name} on this folder has no image-to-image pipeline (its "
+                    "family has none, or the folder has no VAE encoder)",
                 )
             request["start_image"] = decode_image(request["image"], limits.max_pixels_per_image)
             height, width = request["start_image"].shape[:2]
             if request.get("size") is not None and parse_size(request["size"], self.default_size) != (width, height):
-                raise ValueError(
-                    f"size: the image is {width}x{height}; leave size out or give that, got {shown(request['size'])}"
+                raise ArgumentError(
+                    "size", f"the image is {width}x{height}; leave size out or give that, got {shown(request['size'])}"
                 )
             request["size"] = f"{width}x{height}"
             if request.get("strength") is None:
                 request["strength"] = 0.8
         elif request.get("strength") is not None:
-            raise ValueError("strength: only an image-to-image request (with image) takes one")
+            raise ArgumentError("strength", "only an image-to-image request (with image) takes one")
         request.pop("image", None)
         request["width"], request["height"] = width, height = parse_size(request.get("size"), self.default_size)
         if width * height > limits.max_pixels_per_image:
-            raise ValueError(
-                f"size: expected at most {limits.max_pixels_per_image} pixels (max_pixels_per_image), "
-                f"got {shown(width)}×{shown(height)}"
+            raise ArgumentError(
+                "size",
+                f"expected at most {limits.max_pixels_per_image} pixels (max_pixels_per_image), "
+                f"got {shown(width)}×{shown(height)}",
             )
         if request["n"] * width * height > limits.max_pixels_per_batch:
-            raise ValueError(
-                f"n: expected at most {limits.max_pixels_per_batch} pixels in one request's images "
-                f"(max_pixels_per_batch), got {request['n']}×{width}×{height}; ask for fewer images"
+            raise ArgumentError(
+                "n",
+                f"expected at most {limits.max_pixels_per_batch} pixels in one request's images "
+                f"(max_pixels_per_batch), got {request['n']}×{width}×{height}; ask for fewer images",
             )
-        if request.get("negative_prompt") is not None and "negative_prompt" not in self.accepts:
-            raise ValueError(f"negative_prompt: {self.pipeline_name} takes none")
+        if request.get("negative_prompt") is not None and not self.takes_negative_prompt:
+            raise ArgumentError("negative_prompt", f"{self.pipeline_name} takes none")
         if request["seed"] + request["n"] - 1 > MAX_SEED:
-            raise ValueError(
-                f"seed: expected at most {MAX_SEED - request['n'] + 1} for n={request['n']}, got {request['seed']}"
+            raise ArgumentError(
+                "seed", f"expected at most {MAX_SEED - request['n'] + 1} for n={request['n']}, got {request['seed']}"
             )
         self._check_tokens(request)
         if self.numpy_engine:  # its own checks run when it is called (a failing batch is retried one by one)
@@ -461,7 +467,7 @@ class ImageGenerator:
             num_images_per_prompt=request["n"],
             strength=request.get("strength"),
         )
-        if "negative_prompt" in self.accepts:
+        if self.takes_negative_prompt:
             checks["negative_prompt"] = request.get("negative_prompt")
         try:
             self.pipe.check_inputs(**checks)
@@ -480,9 +486,10 @@ class ImageGenerator:
                 continue
             tokens = len(tokenizer(text, truncation=False, verbose=False).input_ids)  # with its start and end
             if tokens > limit:
-                raise ValueError(
-                    f"{name}: expected at most {limit} tokens (max_prompt_tokens), got {tokens}; the text "
-                    f"encoder reads {tokenizer.model_max_length}: shorten it"
+                raise ArgumentError(
+                    name,
+                    f"expected at most {limit} tokens (max_prompt_tokens), got {tokens}; the text encoder reads "
+                    f"{tokenizer.model_max_length}: shorten it",
                 )
 
     async def generate(self, request: Dict[str, Any]) -> Dict[str, Any]:
@@ -714,7 +721,7 @@ class ImageGenerator:
             generator=generator,
             output_type="np",
         )
-        if "negative_prompt" in self.accepts and any(negatives):
+        if self.takes_negative_prompt and any(negatives):
             arguments["negative_prompt"] = negatives
         pipe = self.pipe
         if first.get("start_image") is not None:  # one start image per image row, each with its own generator

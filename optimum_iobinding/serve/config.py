@@ -105,8 +105,8 @@ class ServeConfig:
         request_timeout_s: how long a request may take in its replica, waiting for its batch included, before it
             gets 504 (default 300: minutes beyond any single batch; a replica that far behind is overloaded).
         pipeline_options: extra keyword arguments for the pipeline's ``from_pretrained``.
-        engine: ``"optimum-iobinding"``, or ``"diffusers-numpy"``: diffusers' ``OnnxStableDiffusionPipeline`` (the
-            numpy loop), the anchor the serving benchmark compares against. Its batches draw every image's noise
+        engine: ``"optimum-iobinding"``, or ``"diffusers-numpy"``: diffusers' numpy ONNX pipeline of Stable Diffusion
+            (the numpy loop), the anchor the serving benchmark compares against. Its batches draw every image's noise
             from one ``RandomState`` seeded with the first request's seed, so a batched image is not the single
             call's; without batching (``max_batch_size=1``) it is.
         cache: a step cache for every request (default ``None``: off), as ``generate --cache`` names it:
