@@ -204,7 +204,7 @@ def benchmark(
     from tqdm.auto import tqdm
 
     if repeats < 1:
-        raise ValueError(f"repeats: expected at least 1, got {repeats}")
+        raise ArgumentError("repeats", f"expected at least 1, got {repeats}")
     out.mkdir(parents=True, exist_ok=True)
     results: Dict[str, Any] = {
         "environment": environment(),
@@ -291,7 +291,7 @@ def mixed_benchmark(
 ) -> Dict:
     """``--scenario mixed``: every peer in a fresh process on the same export, results in mixed.json/md/png."""
     if cycles < 1:
-        raise ValueError(f"cycles: expected at least 1, got {cycles}")
+        raise ArgumentError("cycles", f"expected at least 1, got {cycles}")
     out.mkdir(parents=True, exist_ok=True)
     results: Dict[str, Any] = {
         "environment": environment(),

@@ -2,7 +2,7 @@
 (:func:`run_peer`), a service's mixed load (:func:`run_mixed`) or a stream of frames (:func:`run_stream_peer`, its
 peers listed above :data:`STREAM_PEERS`).
 
-  numpy       diffusers' OnnxStableDiffusionPipeline (numpy round trips every step)
+  numpy       diffusers' numpy ONNX pipeline (numpy round trips every step)
   optimum     optimum-onnx's ORTStableDiffusionPipeline(use_io_binding=True)
   accelerated optimum-onnx's pipeline and loop, its parts switched to ours (``integrations.optimum.accelerate``)
   defaults    ours, from_pretrained(folder, provider="CUDAExecutionProvider") with nothing else: what a new user gets
@@ -32,8 +32,9 @@ if TYPE_CHECKING:  # annotations only: torch is imported where it is used, not f
     import torch
 
 from ..errors import ArgumentError
+from ..families import family, pipeline_class
 from .probes import PeakMemory, copied_bytes, own_graph_floor, replay_ms
-from .zoo import MODEL_SIZES, PROMPT, build_torch_pipeline, recipe_of, set_recipe_scheduler
+from .zoo import MODEL_SIZES, PROMPT, build_torch_pipeline, family_of_model, recipe_of, set_recipe_scheduler
 
 PEERS = ("numpy", "optimum", "accelerated", "defaults", "binding", "graph", "torch")
 OUR_PEERS = ("defaults", "warmed", "binding", "graph", "cached")
@@ -42,12 +43,13 @@ CACHED_PEER, UNCACHED_PEER = "cached", "defaults"
 MIXED_PEERS = ("numpy", "defaults", "warmed", "binding", "graph")
 # peers that run in the optimum-onnx environment (--optimum-pythonpath)
 OPTIMUM_PEERS = ("optimum", "accelerated")
-# what a peer loads with, as (module, name): what import_peer imports
+# what a peer loads with, as (module, name): what import_peer imports (Stable Diffusion's: the imports are the same for
+# every family)
 LOADED_WITH = {
-    "numpy": ("diffusers", "OnnxStableDiffusionPipeline"),
-    "torch": ("diffusers", "StableDiffusionPipeline"),
+    "numpy": ("diffusers", family("sd").numpy_class),
+    "torch": ("diffusers", family("sd").torch_classes[0]),
     **{peer: ("optimum.onnxruntime", "ORTStableDiffusionPipeline") for peer in OPTIMUM_PEERS},
-    **{peer: ("..pipelines", "OnnxStableDiffusionPipeline") for peer in OUR_PEERS},
+    **{peer: (family("sd").module, family("sd").class_name) for peer in OUR_PEERS},
 }
 
 
@@ -73,7 +75,7 @@ def load_peer(peer: str, folder: Path, kind: str, dtype: str, cache: Optional[st
     torch_dtype = torch.float16 if dtype == "fp16" else torch.float32
     on_device = lambda lat: torch.from_numpy(lat).to("cuda", torch_dtype)  # noqa: E731
     if peer == "numpy":
-        if kind in ("sdxl", "lcm"):
+        if family_of_model(kind).numpy_class is None:
             raise PeerUnavailable(f"diffusers has no ONNX (numpy) pipeline for {kind}")
         from ..pipelines import load_numpy_pipeline
 
@@ -96,15 +98,7 @@ def load_peer(peer: str, folder: Path, kind: str, dtype: str, cache: Optional[st
             accelerate(pipe, cuda_graph=True)
         latents_of = on_device
     elif peer in OUR_PEERS:
-        from ..pipelines import (
-            OnnxLatentConsistencyModelPipeline,
-            OnnxStableDiffusionPipeline,
-            OnnxStableDiffusionXLPipeline,
-        )
-
-        our_class = {"sdxl": OnnxStableDiffusionXLPipeline, "lcm": OnnxLatentConsistencyModelPipeline}.get(
-            kind, OnnxStableDiffusionPipeline
-        )
+        our_class = pipeline_class(family_of_model(kind))
         graph_argument = {"binding": {"cuda_graph": False}, "graph": {"cuda_graph": True}}.get(peer, {})
         pipe = our_class.from_pretrained(folder, provider="CUDAExecutionProvider", **graph_argument)
         if peer == CACHED_PEER:
@@ -114,7 +108,7 @@ def load_peer(peer: str, folder: Path, kind: str, dtype: str, cache: Optional[st
         pipe = build_torch_pipeline(kind).to("cuda", torch_dtype)
         latents_of = on_device
     else:
-        raise ValueError(f"peer: expected one of {PEERS}, got {peer!r}")
+        raise ArgumentError("peer", f"expected one of {PEERS}, got {peer!r}")
     set_recipe_scheduler(pipe, kind)
     pipe.set_progress_bar_config(disable=True)
     return pipe, latents_of
@@ -357,8 +351,8 @@ def mixed_rounds(
 
 # ------------------------------------------------------------------------------------------- the stream scenario
 # ``--scenario stream``: few-step image to image on a stream of 512² frames, batch 1, the turbo architecture.
-#   ours    OnnxStreamDiffusionPipeline, torch CUDA frames in and out
-#   numpy   diffusers' OnnxStableDiffusionImg2ImgPipeline (numpy round trips; the folder's full VAE only)
+#   ours    the stream pipeline, torch CUDA frames in and out
+#   numpy   diffusers' numpy ONNX image-to-image pipeline (numpy round trips; the folder's full VAE only)
 #   torch   diffusers' StableDiffusionImg2ImgPipeline, fp16, the row's VAE (AutoencoderKL or AutoencoderTiny), the
 #           prompt's embeddings computed once
 #   floor   the components' own CUDA graphs replayed back to back: VAE encoder + UNet (the stream's batch, or each
@@ -434,9 +428,9 @@ def cuda_frames(count: int, size: int, seed: int = 0) -> List[torch.Tensor]:
 
 def load_stream(folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any]):
     """Ours, prepared for ``config`` at 512²."""
-    from ..pipelines import OnnxStreamDiffusionPipeline
-
-    stream = OnnxStreamDiffusionPipeline.from_pretrained(folder, provider="CUDAExecutionProvider", tiny_vae=tiny_vae)
+    stream = pipeline_class(family("stream")).from_pretrained(
+        folder, provider="CUDAExecutionProvider", tiny_vae=tiny_vae
+    )
     set_recipe_scheduler(stream, STREAM_KIND)
     stream.prepare(
         PROMPT,
@@ -493,7 +487,7 @@ def run_stream_peer(
     elif peer == "torch":
         call = torch_img2img(tiny_vae is not None, config, sources)
     else:
-        raise ValueError(f"peer: expected one of {STREAM_PEERS}, got {peer!r}")
+        raise ArgumentError("peer", f"expected one of {STREAM_PEERS}, got {peer!r}")
     for index in range(warmup):
         call(index)
     latencies = synchronized_latencies(call, frames)
@@ -502,11 +496,11 @@ def run_stream_peer(
 
 def numpy_img2img(folder: Path, config: Dict[str, Any], sources: Sequence[torch.Tensor]) -> Callable[[int], Any]:
     """diffusers' ONNX img2img pipeline on the folder (numpy in and out, as its users call it: PIL frames)."""
+    import diffusers
     import PIL.Image
-    from diffusers import OnnxStableDiffusionImg2ImgPipeline
 
     # provider_options={} or diffusers' loader trips ORT's length check and silently falls back to the CPU
-    pipe = OnnxStableDiffusionImg2ImgPipeline.from_pretrained(
+    pipe = getattr(diffusers, family("sd-img2img").numpy_class).from_pretrained(
         folder, provider="CUDAExecutionProvider", provider_options={}
     )
     if pipe.unet.model.get_providers()[0] != "CUDAExecutionProvider":

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 if TYPE_CHECKING:  # annotations only: torch is imported where it is used, not for --help
     import torch
 
+from ..errors import ArgumentError
 from .zoo import MODEL_SIZES, recipe_of
 
 
@@ -37,7 +38,7 @@ class PeakMemory:
 
     def __init__(self, device: torch.device, source: str = "auto"):
         if source not in ("auto", "process", "nvml", "cudart"):
-            raise ValueError(f"source: expected 'auto', 'process', 'nvml' or 'cudart', got {source!r}")
+            raise ArgumentError("source", f"expected 'auto', 'process', 'nvml' or 'cudart', got {source!r}")
         self.device = device
         self.peak = 0
         self._read = nvml_reader(device) if source != "cudart" else None

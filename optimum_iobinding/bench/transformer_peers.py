@@ -1,7 +1,7 @@
 """The transformer scenario's peers (``--scenario transformer``): SD3.5 Medium's and FLUX.1's architectures
 (:data:`.zoo.TRANSFORMER_RECIPES`), each peer measured in a process of its own on the same ONNX folder.
 
-  ours     OnnxStableDiffusion3Pipeline / OnnxFluxPipeline, from_pretrained(folder) with its defaults (CUDA graphs)
+  ours     our Stable Diffusion 3 / FLUX.1 pipeline, from_pretrained(folder) with its defaults (CUDA graphs)
   cached   "ours" with ``pipe.enable_cache(cache_config_of(SPEC))``, First-Block Cache as ``--cache fbc:THRESHOLD``
            names it (a row of its own where ``--cache`` is given; the export carries the cache's parts)
   optimum  optimum-onnx's ORTStableDiffusion3Pipeline / ORTFluxPipeline(use_io_binding=True) on the same folder
@@ -26,6 +26,8 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only: torch is imported where it is used, not for --help
     import torch
 
+from ..errors import ArgumentError
+from ..families import family
 from .peers import PeerUnavailable, enable_spec_cache, step_cache_fields, wall_ms
 from .probes import PeakMemory, graph_floor_ms
 from .zoo import PROMPT, TRANSFORMER_RECIPES, build_transformer_pipeline
@@ -39,16 +41,18 @@ OUR_TRANSFORMER_PEERS = ("ours", "cached")
 OPTIMUM_TRANSFORMER_PEERS = ("optimum",)
 # peers that need CUDA whatever the device: compiled kernels and captured graphs are what they measure
 CUDA_ONLY_TRANSFORMER_PEERS = ("compile", "floor")
+# the families of the scenario (keys of optimum_iobinding.families, as the recipes name them)
+TRANSFORMER_FAMILIES = ("sd3", "flux")
 # what each peer loads with, per family, as (module, name)
 TRANSFORMER_LOADED_WITH = {
-    ("ours", "sd3"): ("..pipelines", "OnnxStableDiffusion3Pipeline"),
-    ("ours", "flux"): ("..pipelines", "OnnxFluxPipeline"),
+    **{("ours", key): (family(key).module, family(key).class_name) for key in TRANSFORMER_FAMILIES},
     ("optimum", "sd3"): ("optimum.onnxruntime", "ORTStableDiffusion3Pipeline"),
     ("optimum", "flux"): ("optimum.onnxruntime", "ORTFluxPipeline"),
-    ("torch", "sd3"): ("diffusers", "StableDiffusion3Pipeline"),
-    ("torch", "flux"): ("diffusers", "FluxPipeline"),
-    ("compile", "sd3"): ("diffusers", "StableDiffusion3Pipeline"),
-    ("compile", "flux"): ("diffusers", "FluxPipeline"),
+    **{
+        (peer, key): ("diffusers", family(key).torch_classes[0])
+        for peer in ("torch", "compile")
+        for key in TRANSFORMER_FAMILIES
+    },
 }
 
 
@@ -153,8 +157,8 @@ def load_transformer_peer(
         if peer == "compile":
             pipe.transformer = torch.compile(pipe.transformer)
         return pipe, latents.to(device, pipe.transformer.dtype), {"weights": weights}
-    raise ValueError(
-        f"peer: expected one of {', '.join((*TRANSFORMER_PEERS[:-1], CACHED_TRANSFORMER_PEER))}, got {peer!r}"
+    raise ArgumentError(
+        "peer", f"expected one of {', '.join((*TRANSFORMER_PEERS[:-1], CACHED_TRANSFORMER_PEER))}, got {peer!r}"
     )
 
 

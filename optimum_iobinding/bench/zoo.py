@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..errors import ArgumentError
+from ..families import Family, family
 
 try:  # the export lock; absent on Windows, where bench processes then must not share a work folder
     import fcntl
@@ -29,6 +30,16 @@ RECIPES: Dict[str, Dict[str, Any]] = {
 def recipe_of(kind: str) -> Dict[str, Any]:
     """How ``kind`` is called (:data:`RECIPES`; every model without a recipe of its own runs the default one)."""
     return RECIPES.get(kind, RECIPES["default"])
+
+
+# the family of each model's pipelines, by its key in optimum_iobinding.families (every other model is Stable
+# Diffusion 1.x/2.x's)
+MODEL_FAMILIES = {"sdxl": "sdxl", "lcm": "lcm"}
+
+
+def family_of_model(kind: str) -> Family:
+    """The family record that runs ``kind`` (:data:`MODEL_FAMILIES`)."""
+    return family(MODEL_FAMILIES.get(kind, "sd"))
 
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
@@ -78,7 +89,7 @@ def build_torch_pipeline(kind: str, seed: int = 0):
         elif kind == "sdxl":
             return _sdxl_architecture(tokenizer)
         else:
-            raise ValueError(f"model: expected one of {sorted(MODEL_SIZES)}, got {kind!r}")
+            raise ArgumentError("model", f"expected one of {sorted(MODEL_SIZES)}, got {kind!r}")
         width = 1024 if kind == "turbo" else 768
         text_encoder = CLIPTextModel(
             CLIPTextConfig(
@@ -345,13 +356,6 @@ TRANSFORMER_BLOCKS = {
 TEXT_LAYERS = {"clip_l": 12, "clip_g": 32, "t5": 24}
 
 
-def transformer_denoiser_batch(kind: str) -> int:
-    """The transformer's batch per step for one image: 2 with CFG (SD3 with guidance > 1), else 1 (FLUX.1's guidance
-    is an embedding, or none)."""
-    recipe = TRANSFORMER_RECIPES[kind]
-    return 2 if recipe["family"] == "sd3" and recipe["guidance"] > 1.0 else 1
-
-
 def transformer_blocks(kind: str, blocks: Optional[int]) -> Optional[Tuple[int, int]]:
     """The (double, single) block counts ``--blocks N`` builds: SD3's first ``N`` joint blocks; FLUX.1's first ``N``
     double-stream and ``2 N`` single-stream blocks (the full model's 19:38), each at most the full model's. ``None``
@@ -395,7 +399,7 @@ def build_transformer_pipeline(
     import torch
 
     if kind not in TRANSFORMER_RECIPES:
-        raise ValueError(f"model: expected one of {', '.join(TRANSFORMER_RECIPES)}, got {kind!r}")
+        raise ArgumentError("model", f"expected one of {', '.join(TRANSFORMER_RECIPES)}, got {kind!r}")
     if kind.startswith("tiny"):
         return _tiny_transformer_pipeline(kind, blocks, seed)
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
