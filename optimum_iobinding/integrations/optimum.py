@@ -14,21 +14,29 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from ..errors import ArgumentError, ArgumentTypeError
 from ..runtime.model import IOBindingORTModel
-from ..runtime.options import CUDA_LIKE_PROVIDERS, ModelOptions
+from ..runtime.options import CUDA_LIKE_PROVIDERS, CudaGraphSetting, ModelOptions, check_cuda_graph_setting
 
 __all__ = ["accelerate"]
 
 _PART_NAMES = ("unet", "text_encoder", "text_encoder_2", "text_encoder_3", "vae_encoder", "vae_decoder")
 
 
-def accelerate(pipe: Any, *, cuda_graph: bool = True, provider_options: Optional[Dict[str, Any]] = None) -> Any:
+def accelerate(
+    pipe: Any,
+    *,
+    cuda_graph: CudaGraphSetting = ModelOptions.default("cuda_graph"),
+    provider_options: Optional[Dict[str, Any]] = None,
+) -> Any:
     """Switches ``pipe``'s ONNX parts to reused buffers, one shared stream and (``cuda_graph``) a CUDA-graph UNet.
 
     Args:
         pipe: an optimum-onnx ``ORTDiffusionPipeline`` (``ORTStableDiffusionPipeline``, its XL, LCM, img2img and
             inpainting variants), on the CUDA or CPU execution provider.
-        cuda_graph: replay the UNet as a CUDA graph (CUDA only; ignored on the CPU).
+        cuda_graph: the UNet's CUDA graphs, as the project's models take them (default: theirs, ``"auto"``):
+            ``"auto"`` captures each signature where it can and runs without a graph where it cannot; ``True`` the
+            same, a fallback warning; ``False`` never. CUDA only: ignored on the CPU; the other parts run without.
         provider_options: options for the new sessions, on top of this project's diffusion defaults and the parts'
             ``device_id`` (the other options optimum's sessions were made with are not carried over).
 
@@ -41,12 +49,16 @@ def accelerate(pipe: Any, *, cuda_graph: bool = True, provider_options: Optional
         from optimum.onnxruntime.modeling_diffusion import ORTDiffusionPipeline, ORTVae
     except ImportError as error:
         raise ImportError("accelerate: needs optimum-onnx (pip install 'optimum-iobinding[optimum]')") from error
+    check_cuda_graph_setting(cuda_graph)
     if not isinstance(pipe, ORTDiffusionPipeline):
-        raise TypeError(f"pipe: expected an optimum.onnxruntime ORTDiffusionPipeline, got {type(pipe).__name__}")
+        raise ArgumentTypeError(
+            "pipe", f"expected an optimum.onnxruntime ORTDiffusionPipeline, got {type(pipe).__name__}"
+        )
     if getattr(pipe, "transformer", None) is not None:
-        raise ValueError(
-            "pipe: transformer-based pipelines (SD3, Flux) are not supported; this switches UNet "
-            "pipelines (SD 1.x/2.x, SDXL, LCM)"
+        raise ArgumentError(
+            "pipe",
+            "transformer-based pipelines (SD3, Flux) are not supported; this switches UNet "
+            "pipelines (SD 1.x/2.x, SDXL, LCM)",
         )
     parts = {name: getattr(pipe, name) for name in _PART_NAMES if getattr(pipe, name, None) is not None}
     first = next(iter(parts.values()))
@@ -54,9 +66,10 @@ def accelerate(pipe: Any, *, cuda_graph: bool = True, provider_options: Optional
     device_id = int(first.provider_option.get("device_id", 0)) if provider in CUDA_LIKE_PROVIDERS else None
     for name, part in parts.items():
         if part.provider != provider:
-            raise ValueError(
-                f"pipe.{name}: runs on {part.provider}, the other parts on {provider}; move the "
-                "pipeline to one device first (pipe.to(...))"
+            raise ArgumentError(
+                f"pipe.{name}",
+                f"runs on {part.provider}, the other parts on {provider}; move the pipeline to one device first "
+                "(pipe.to(...))",
             )
     given = dict(provider_options or {})
     if device_id is not None:
@@ -66,7 +79,7 @@ def accelerate(pipe: Any, *, cuda_graph: bool = True, provider_options: Optional
     for name, part in parts.items():
         options = ModelOptions.resolve(provider, given, part.session.get_session_options(), stream=stream)
         stream = options.stream
-        graphs = cuda_graph and name == "unet" and stream is not None
+        graphs = cuda_graph if name == "unet" and stream is not None else False
         models[name] = IOBindingORTModel(
             str(part.path), config=dict(part.config), options=options.replace(cuda_graph=graphs)
         )
@@ -90,7 +103,7 @@ def _part_kind(part: Any) -> str:
     ):
         if isinstance(part, part_class):
             return kind
-    raise TypeError(f"pipe: cannot switch a part of type {type(part).__name__}")
+    raise ArgumentTypeError("pipe", f"cannot switch a part of type {type(part).__name__}")
 
 
 def _accelerated_classes() -> Dict[str, type]:
