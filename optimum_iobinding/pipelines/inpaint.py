@@ -14,7 +14,8 @@ from ..families import family
 from .arguments import Embeds, Generator, Latents, Prompt, StepCallback, StepEndCallback, TensorNames
 from .clip_unet import ClipUNetPipeline
 from .components import declared_dim
-from .core import expand_to_batch, on_device_stream
+from .core import on_device_stream
+from .latents import expand_to_batch
 from .img2img import ImageInput
 from .loop import Guidance, denoise
 
