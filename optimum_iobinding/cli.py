@@ -486,16 +486,11 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# the families whose call uses a negative prompt only with an argument that `generate` does not set: FLUX.1's only
-# with true classifier-free guidance
-NEGATIVE_PROMPT_NEEDS = {"flux": "true_cfg_scale > 1"}
-
-
 def check_generate_fits(record: Family, args: argparse.Namespace) -> None:
     """What the family of a folder (``record``) cannot take, refused before its pipeline loads: a family without a
     choice of scheduler (the diffusion transformers run diffusers' flow-matching scheduler, where ``--scheduler``
     names discrete-time ones), a negative prompt for a family that takes none (LCM's guidance is an embedding), or one
-    that takes it only with an argument ``generate`` does not set (:data:`NEGATIVE_PROMPT_NEEDS`)."""
+    that takes it only with an argument ``generate`` does not set (``record.negative_prompt_needs``)."""
     name = record.class_name
     if args.scheduler and not record.scheduler_choice:
         raise UsageError(
@@ -507,10 +502,10 @@ def check_generate_fits(record: Family, args: argparse.Namespace) -> None:
             f"--negative-prompt: {name} takes no negative prompt (its guidance is an embedding, with no "
             "unconditional batch)"
         )
-    if args.negative_prompt is not None and record.key in NEGATIVE_PROMPT_NEEDS:
+    if args.negative_prompt is not None and record.negative_prompt_needs:
         raise UsageError(
             f"--negative-prompt: expected none for {name} ({record.title} uses a negative prompt only with true "
-            f"classifier-free guidance, {NEGATIVE_PROMPT_NEEDS[record.key]}: call the pipeline from Python for it), "
+            f"classifier-free guidance, {record.negative_prompt_needs}: call the pipeline from Python for it), "
             f"got {args.negative_prompt!r}"
         )
 

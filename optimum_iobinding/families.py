@@ -31,13 +31,14 @@ __all__ = [
     "FLUX_INPUTS",
     "FLUX_TEXT_IDS",
     "FLUX_IMAGE_IDS",
+    "FLUX_GUIDANCE",
 ]
 
 # the denoisers' ONNX inputs (the export writes them, the pipelines feed them)
 UNET_INPUTS = ("sample", "timestep", "encoder_hidden_states")
 MMDIT_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
-# FLUX.1's rotary position ids of the text tokens and of the packed latent tokens
-FLUX_TEXT_IDS, FLUX_IMAGE_IDS = "txt_ids", "img_ids"
+# FLUX.1's rotary position ids of the text tokens and of the packed latent tokens, and FLUX.1 dev's distilled guidance
+FLUX_TEXT_IDS, FLUX_IMAGE_IDS, FLUX_GUIDANCE = "txt_ids", "img_ids", "guidance"
 FLUX_INPUTS = (*MMDIT_INPUTS, FLUX_TEXT_IDS, FLUX_IMAGE_IDS)
 
 
@@ -101,6 +102,8 @@ class Family:
         lora: whether it loads LoRA at run time.
         scheduler_choice: whether a call may swap its scheduler for another of diffusers' (``generate --scheduler``).
         negative_prompt: whether a call takes a negative prompt.
+        negative_prompt_needs: the call argument without which a negative prompt does nothing (FLUX.1's true
+            classifier-free guidance: ``"true_cfg_scale > 1"``), if any.
         callback_tensors: the loop's tensors a step-end callback may ask for and replace.
         defaults: its ``__call__`` defaults.
         hint: what to use, where :attr:`text_to_image` is false or its folder holds another family.
@@ -126,6 +129,7 @@ class Family:
     lora: bool = False
     scheduler_choice: bool = True
     negative_prompt: bool = True
+    negative_prompt_needs: Optional[str] = None
     callback_tensors: Tuple[str, ...] = ("latents", "prompt_embeds")
     hint: str = ""
     options: Mapping[str, object] = field(default_factory=dict)
@@ -318,7 +322,7 @@ FAMILIES: Tuple[Family, ...] = (
         "OnnxFluxPipeline",
         f"{_SD_MODULE}.flux",
         "FLUX.1",
-        DenoiserInterface("transformer", FLUX_INPUTS, optional=("guidance",)),
+        DenoiserInterface("transformer", FLUX_INPUTS, optional=(FLUX_GUIDANCE,)),
         Defaults(steps=28, guidance_scale=3.5),
         index_class_names=("FluxPipeline", "ORTFluxPipeline"),
         index_class_name="FluxPipeline",
@@ -327,7 +331,7 @@ FAMILIES: Tuple[Family, ...] = (
         tiny_random=("flux", "flux-dev"),
         step_cache="first-block",
         scheduler_choice=False,
-        negative_prompt=True,
+        negative_prompt_needs="true_cfg_scale > 1",
         options={
             "transformer_class": "FluxTransformer2DModel",
             "t5_tokenizer": "tokenizer_2",

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import torch
 
-from ..families import FLUX_IMAGE_IDS, FLUX_TEXT_IDS
+from ..families import FLUX_GUIDANCE, FLUX_IMAGE_IDS, FLUX_TEXT_IDS
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def save_onnx(
 # embeddings of the timestep, FLUX.1 dev's guidance and SDXL's time ids (``get_timestep_embedding`` makes floats of
 # them first), LCM's guidance embedding, and FLUX.1's rotary tables of the position ids. In float16 a timestep near
 # 1000 times a frequency near 1 is rounded by 0.5, and its sine and cosine come out up to ~0.3 wrong.
-CONDITIONING_INPUTS = ("timestep", "guidance", FLUX_IMAGE_IDS, FLUX_TEXT_IDS, "timestep_cond", "time_ids")
+CONDITIONING_INPUTS = ("timestep", FLUX_GUIDANCE, FLUX_IMAGE_IDS, FLUX_TEXT_IDS, "timestep_cond", "time_ids")
 # Where the float32 island ends: the first layer with weights (the embedder's Linear) runs in float16, as in diffusers.
 _ISLAND_ENDS = frozenset(
     {

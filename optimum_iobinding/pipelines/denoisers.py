@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError, ModelFileError
-from ..families import FAMILIES, UNET_INPUTS, detect
+from ..families import FAMILIES, FLUX_GUIDANCE, UNET_INPUTS, detect
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_integer
 from .caching import StepCache
@@ -450,7 +450,7 @@ class FluxDenoiser(FlowTransformer):
     @property
     def guidance_embeds(self) -> bool:
         """Whether the transformer takes the guidance scale as an input (FLUX.1 dev), or not (schnell)."""
-        return "guidance" in self.model.input_names
+        return FLUX_GUIDANCE in self.model.input_names
 
     @property
     def size_multiple(self) -> int:

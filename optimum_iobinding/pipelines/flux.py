@@ -15,7 +15,7 @@ import torch
 from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
 
 from ..errors import ArgumentError
-from ..families import FLUX_IMAGE_IDS, FLUX_TEXT_IDS, family
+from ..families import FLUX_GUIDANCE, FLUX_IMAGE_IDS, FLUX_TEXT_IDS, family
 from .arguments import (
     Embeds,
     Generator,
@@ -311,9 +311,9 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
         model_batch = image_count * (2 if do_true_cfg else 1)
         inputs = {FLUX_TEXT_IDS: text_ids, FLUX_IMAGE_IDS: image_ids}
         if self.guidance_embeds:
-            inputs["guidance"] = upload(
+            inputs[FLUX_GUIDANCE] = upload(
                 torch.full((model_batch,), float(guidance_scale), dtype=torch.float32).to(
-                    self.transformer.input_dtypes["guidance"]
+                    self.transformer.input_dtypes[FLUX_GUIDANCE]
                 ),
                 self.device,
             )

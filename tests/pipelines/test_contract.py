@@ -1,24 +1,40 @@
-"""The behaviour contract every pipeline family keeps, run for each of them on its tiny random export: a refused call
-runs no component; each output type; step-end callbacks; a warm-up leaves no session for the next call to make; a
-save/load round trip gives the same images; the same generator the same images; and ``cuda_graph=True`` binds the
-family's own denoiser, the component that must be captured."""
+"""The behaviour contract every prompt-driven pipeline family keeps, run for each record of the family table
+(:data:`optimum_iobinding.families.FAMILIES`) on its tiny random export: a refused call runs no component; each output
+type; step-end callbacks; a warm-up leaves no session for the next call to make; a save/load round trip gives the
+same images; the same generator the same images; and ``cuda_graph=True`` binds the family's own denoiser, the
+component that must be captured. The stream, whose call takes frames, keeps the items that apply to it in
+test_stream_contract.py. A record added to the table runs here too, or fails saying what the contract needs for it."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict
+import inspect
+from typing import Any, Dict, Tuple
 
 import numpy as np
 import PIL.Image
 import pytest
 import torch
 
-import optimum_iobinding as oi
+from optimum_iobinding.families import FAMILIES, Family, family, pipeline_class
 
 PROMPT = "a photo of an astronaut riding a horse"
 SIZE = 64
 STEPS = 2
+
+# The records whose pipeline has no prompt-driven __call__, with where their contract lives.
+NOT_PROMPT_DRIVEN = {"stream": "tests/pipelines/test_stream_contract.py"}
+CONTRACT_FAMILIES = [record for record in FAMILIES if record.key not in NOT_PROMPT_DRIVEN]
+
+# The records that have neither tiny random models of their own nor a family naming them its image-to-image sibling:
+# the family whose tiny export they run on.
+RUNS_ON_EXPORT_OF = {"inpaint": "sd", "controlnet-img2img": "controlnet"}
+
+# A call's arguments peculiar to one family: FLUX.1 at a size that is not square (its packed latents' rows and
+# columns differ), and a short T5 prompt, in the call and in the warm-up, for the families with a T5 encoder (whose
+# default is 256 or 512 tokens).
+SIZES: Dict[str, Tuple[int, int]] = {"flux": (64, 48)}
+T5_LENGTHS: Dict[str, int] = {"sd3": 16, "flux": 16}
 
 
 def start_image(height: int = SIZE, width: int = SIZE) -> PIL.Image.Image:
@@ -32,47 +48,49 @@ def square_mask() -> PIL.Image.Image:
     return PIL.Image.fromarray(mask)
 
 
-@dataclass(frozen=True)
-class Family:
-    """A family under the contract: its class, the tiny export it runs on and a call's size-giving arguments."""
-
-    name: str
-    pipeline: str
-    export: str  # export_pipeline's tiny_random kind
-    arguments: Callable[[], Dict[str, Any]]
-    height: int = SIZE
-    width: int = SIZE
-    warmup: Dict[str, Any] = field(default_factory=dict)  # the call arguments warm-up needs to match a call
+# The image a call's image argument gets, by the argument's name (Family.image_inputs).
+IMAGE_ARGUMENTS = {"image": start_image, "mask_image": square_mask, "control_image": start_image}
 
 
-T5 = {"max_sequence_length": 16}
-FAMILIES = [
-    Family("sd", "OnnxStableDiffusionPipeline", "sd", lambda: dict(height=SIZE, width=SIZE)),
-    Family("img2img", "OnnxStableDiffusionImg2ImgPipeline", "sd", lambda: dict(image=start_image(), strength=1.0)),
-    Family(
-        "inpaint",
-        "OnnxStableDiffusionInpaintPipeline",
-        "sd",
-        lambda: dict(image=start_image(), mask_image=square_mask(), height=SIZE, width=SIZE),
-    ),
-    Family("lcm", "OnnxLatentConsistencyModelPipeline", "lcm", lambda: dict(height=SIZE, width=SIZE)),
-    Family("xl", "OnnxStableDiffusionXLPipeline", "xl", lambda: dict(height=SIZE, width=SIZE)),
-    Family("xl-img2img", "OnnxStableDiffusionXLImg2ImgPipeline", "xl", lambda: dict(image=start_image(), strength=1.0)),
-    Family(
-        "controlnet",
-        "OnnxStableDiffusionControlNetPipeline",
-        "controlnet",
-        lambda: dict(image=start_image(), height=SIZE, width=SIZE),
-    ),
-    Family(
-        "controlnet-img2img",
-        "OnnxStableDiffusionControlNetImg2ImgPipeline",
-        "controlnet",
-        lambda: dict(image=start_image(), control_image=start_image(), strength=1.0),
-    ),
-    Family("sd3", "OnnxStableDiffusion3Pipeline", "sd3", lambda: dict(height=SIZE, width=SIZE, **T5), warmup=T5),
-    Family("flux", "OnnxFluxPipeline", "flux", lambda: dict(height=64, width=48, **T5), height=64, width=48, warmup=T5),
-]
+def tiny_kind(record: Family) -> str:
+    """The tiny random export (``export --tiny-random KIND``) the contract runs ``record`` on: its own, else that of
+    the family whose image-to-image sibling it is, else that of the family :data:`RUNS_ON_EXPORT_OF` names."""
+    if record.tiny_random:
+        return record.tiny_random[0]
+    parent = next((other for other in FAMILIES if other.image_to_image == record.key), None)
+    if parent is None and record.key in RUNS_ON_EXPORT_OF:
+        parent = family(RUNS_ON_EXPORT_OF[record.key])
+    if parent is None or not parent.tiny_random:
+        pytest.fail(
+            f"family {record.key!r} has no tiny random export for the contract: give its record tiny_random, make it "
+            f"a family's image_to_image sibling, or name the family whose export it runs on in RUNS_ON_EXPORT_OF"
+        )
+    return parent.tiny_random[0]
+
+
+def image_size(record: Family) -> Tuple[int, int]:
+    """The (height, width) of the images a call of the contract makes."""
+    return SIZES.get(record.key, (SIZE, SIZE))
+
+
+def t5_length(record: Family) -> Dict[str, Any]:
+    return {"max_sequence_length": T5_LENGTHS[record.key]} if record.key in T5_LENGTHS else {}
+
+
+def call_arguments(record: Family) -> Dict[str, Any]:
+    """A call's image and size arguments: an image for each of the record's image inputs, the family's size where
+    the call takes one (else the start image's size is the images'), every step run where it takes a ``strength``,
+    and the T5 prompt length where the family has a T5 encoder."""
+    unknown = sorted(set(record.image_inputs) - set(IMAGE_ARGUMENTS))
+    if unknown:
+        pytest.fail(f"family {record.key!r} takes image inputs {unknown} that the contract has no image for")
+    parameters = inspect.signature(pipeline_class(record).__call__).parameters
+    arguments: Dict[str, Any] = {name: IMAGE_ARGUMENTS[name]() for name in sorted(record.image_inputs)}
+    if "height" in parameters:
+        arguments["height"], arguments["width"] = image_size(record)
+    if "strength" in parameters:
+        arguments["strength"] = 1.0
+    return {**arguments, **t5_length(record)}
 
 
 @pytest.fixture(scope="session")
@@ -90,107 +108,112 @@ def exports(shared_export, tiny_folder):
     return folder
 
 
-@pytest.fixture(params=FAMILIES, ids=[family.name for family in FAMILIES])
-def family(request):
+@pytest.fixture(params=CONTRACT_FAMILIES, ids=[record.key for record in CONTRACT_FAMILIES])
+def record(request) -> Family:
     return request.param
 
 
-def load(family: Family, folder, **options):
-    pipe = getattr(oi, family.pipeline).from_pretrained(folder, **options)
+def load(record: Family, folder, **options):
+    pipe = pipeline_class(record).from_pretrained(folder, **options)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
 @pytest.fixture
-def pipe(family, exports):
-    return load(family, exports(family.export))
+def pipe(record, exports):
+    return load(record, exports(tiny_kind(record)))
 
 
-def call(family: Family, pipe, seed: int = 0, **overrides):
+def call(record: Family, pipe, seed: int = 0, **overrides):
     arguments = dict(
-        family.arguments(), num_inference_steps=STEPS, generator=torch.Generator().manual_seed(seed), output_type="np"
+        call_arguments(record),
+        num_inference_steps=STEPS,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="np",
     )
     arguments.update(overrides)
     return pipe(PROMPT, **arguments)
 
 
-def test_a_refused_call_runs_no_component(family, pipe):
+def test_a_refused_call_runs_no_component(record, pipe):
     with contextlib.ExitStack() as stack:
         runs = [stack.enter_context(model.watch_runs()) for model in pipe.onnx_models.values()]
         with pytest.raises(ValueError, match="num_inference_steps: expected a positive integer, got 0"):
-            call(family, pipe, num_inference_steps=0)
+            call(record, pipe, num_inference_steps=0)
     assert not any(runs)
 
 
-def test_each_output_type_is_diffusers(family, pipe):
-    images = call(family, pipe).images
-    assert isinstance(images, np.ndarray) and images.shape == (1, family.height, family.width, 3)
+def test_each_output_type_is_diffusers(record, pipe):
+    height, width = image_size(record)
+    images = call(record, pipe).images
+    assert isinstance(images, np.ndarray) and images.shape == (1, height, width, 3)
     assert images.dtype == np.float32 and 0.0 <= images.min() and images.max() <= 1.0
-    pil = call(family, pipe, output_type="pil").images
-    assert len(pil) == 1 and isinstance(pil[0], PIL.Image.Image) and pil[0].size == (family.width, family.height)
+    pil = call(record, pipe, output_type="pil").images
+    assert len(pil) == 1 and isinstance(pil[0], PIL.Image.Image) and pil[0].size == (width, height)
     np.testing.assert_array_equal(np.asarray(pil[0]), pipe.image_processor.numpy_to_pil(images)[0])
-    tensor = call(family, pipe, output_type="pt").images
-    assert isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == (1, 3, family.height, family.width)
+    tensor = call(record, pipe, output_type="pt").images
+    assert isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == (1, 3, height, width)
     np.testing.assert_allclose(tensor.permute(0, 2, 3, 1).cpu().numpy(), images, atol=1e-6)
-    latents = call(family, pipe, output_type="latent").images
+    latents = call(record, pipe, output_type="latent").images
     factor = pipe.vae_scale_factor
     expected = (
-        (1, family.height // (2 * factor) * (family.width // (2 * factor)), pipe.latent_channels * 4)
+        (1, height // (2 * factor) * (width // (2 * factor)), pipe.latent_channels * 4)
         if pipe.packed_latents
-        else (1, pipe.latent_channels, family.height // factor, family.width // factor)
+        else (1, pipe.latent_channels, height // factor, width // factor)
     )
     assert isinstance(latents, torch.Tensor) and tuple(latents.shape) == expected
-    as_tuple = call(family, pipe, return_dict=False)
+    as_tuple = call(record, pipe, return_dict=False)
     assert isinstance(as_tuple, tuple)
     np.testing.assert_array_equal(as_tuple[0], images)
 
 
-def test_a_step_end_callback_sees_every_step_and_its_latents_are_used(family, pipe):
+def test_a_step_end_callback_sees_every_step_and_its_latents_are_used(record, pipe):
     seen = []
 
     def watch(pipeline, step, timestep, tensors):
         seen.append((pipeline, step, tuple(tensors)))
         return {}
 
-    plain = call(family, pipe, callback_on_step_end=watch).images
+    plain = call(record, pipe, callback_on_step_end=watch).images
     assert seen == [(pipe, step, ("latents",)) for step in range(len(seen))] and len(seen) >= 1
-    np.testing.assert_array_equal(plain, call(family, pipe).images)
+    np.testing.assert_array_equal(plain, call(record, pipe).images)
 
     def scramble(pipeline, step, timestep, tensors):
         return {"latents": torch.roll(tensors["latents"], 1, dims=-1)}
 
-    assert not np.array_equal(call(family, pipe, callback_on_step_end=scramble).images, plain)
+    assert not np.array_equal(call(record, pipe, callback_on_step_end=scramble).images, plain)
 
 
-def test_after_warmup_the_next_call_makes_no_session(family, pipe):
-    pipe.warmup(heights=family.height, widths=family.width, batch_sizes=1, num_inference_steps=STEPS, **family.warmup)
+def test_after_warmup_the_next_call_makes_no_session(record, pipe):
+    height, width = image_size(record)
+    pipe.warmup(heights=height, widths=width, batch_sizes=1, num_inference_steps=STEPS, **t5_length(record))
     made = pipe.sessions_created
-    call(family, pipe)
+    call(record, pipe)
     assert pipe.sessions_created == made
 
 
-def test_a_saved_pipeline_loads_again_and_gives_the_same_images(family, pipe, tmp_path):
-    expected = call(family, pipe).images
+def test_a_saved_pipeline_loads_again_and_gives_the_same_images(record, pipe, tmp_path):
+    expected = call(record, pipe).images
     pipe.save_pretrained(tmp_path / "saved")
-    again = load(family, tmp_path / "saved")
+    again = load(record, tmp_path / "saved")
     assert type(again) is type(pipe)
-    np.testing.assert_allclose(call(family, again).images, expected, atol=1e-6)
+    np.testing.assert_allclose(call(record, again).images, expected, atol=1e-6)
 
 
-def test_the_same_generator_gives_the_same_images_and_another_other_ones(family, pipe):
-    first = call(family, pipe, seed=0).images
-    np.testing.assert_array_equal(call(family, pipe, seed=0).images, first)
-    assert not np.array_equal(call(family, pipe, seed=1).images, first)
+def test_the_same_generator_gives_the_same_images_and_another_other_ones(record, pipe):
+    first = call(record, pipe, seed=0).images
+    np.testing.assert_array_equal(call(record, pipe, seed=0).images, first)
+    assert not np.array_equal(call(record, pipe, seed=1).images, first)
 
 
-def test_cuda_graph_true_binds_the_familys_denoiser(family, exports):
-    folder = exports(family.export)
-    denoiser = getattr(oi, family.pipeline).denoiser_component()
-    assert denoiser == ("transformer" if family.export in ("sd3", "flux") else "unet")
+def test_cuda_graph_true_binds_the_familys_denoiser(record, exports):
+    folder = exports(tiny_kind(record))
+    denoiser = pipeline_class(record).denoiser_component()
+    assert denoiser == record.denoiser
     # on the CPU no graph can be captured: True is an error for the denoiser only
     with pytest.raises(ValueError, match="cuda_graph: needs a CUDA session with io_binding=True, got device cpu"):
-        load(family, folder, cuda_graph=True)
+        load(record, folder, cuda_graph=True)
     with pytest.raises(ValueError, match="cuda_graph: needs a CUDA session"):
-        load(family, folder, cuda_graph=True, component_options={"vae_decoder": {"cuda_graph": "auto"}})
-    pipe = load(family, folder, cuda_graph=True, component_options={denoiser: {"cuda_graph": "auto"}})
+        load(record, folder, cuda_graph=True, component_options={"vae_decoder": {"cuda_graph": "auto"}})
+    pipe = load(record, folder, cuda_graph=True, component_options={denoiser: {"cuda_graph": "auto"}})
     assert all(model.cuda_graph is False for model in pipe.onnx_models.values())
