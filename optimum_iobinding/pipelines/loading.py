@@ -4,11 +4,9 @@ checked, and the folder written back in its family's layout, safely."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 
 from ..layout import building_beside, check_output_folder, resolve_pipeline_folder, save_tokenizer
@@ -16,8 +14,7 @@ from ..runtime.hub import check_hub_kwargs, keywords_of
 from ..runtime.options import CudaGraphSetting, PipelineOptions, ProviderSpec
 from .components import check_replacement, load_components, names_of
 
-if TYPE_CHECKING:
-    from .core import OnnxDiffusionPipeline
+PipelineT = TypeVar("PipelineT", bound="Loading")
 
 
 class Loading:
@@ -25,7 +22,7 @@ class Loading:
 
     @classmethod
     def from_pretrained(
-        cls,
+        cls: Type[PipelineT],
         pretrained_model_name_or_path: Union[str, os.PathLike],
         provider: ProviderSpec = None,
         provider_options: Optional[Dict[str, Any]] = None,
@@ -34,7 +31,7 @@ class Loading:
         cuda_graph: CudaGraphSetting = "auto",
         component_options: Optional[Dict[str, Dict[str, Any]]] = None,
         **kwargs: Any,
-    ) -> "OnnxDiffusionPipeline":
+    ) -> PipelineT:
         """Loads a diffusers-converted ONNX folder, an ``optimum-cli export onnx`` folder or ours, or a hub id.
 
         Args:
