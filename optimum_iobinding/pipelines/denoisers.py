@@ -185,14 +185,19 @@ class UNetDenoiser(Denoiser):
 
     copies_unguided_output = True
 
-    def __init__(self, pipe: Any, default_sample_size: int = 64, extra_inputs: Sequence[str] = ()):
+    def __init__(self, pipe: Any, default_sample_size: int = 64):
         super().__init__(pipe, default_sample_size)
-        self.declared_extra_inputs = tuple(extra_inputs)
 
     @property
     def extra_inputs(self) -> Tuple[str, ...]:
-        """The inputs the family feeds beyond ``sample``, ``timestep`` and ``encoder_hidden_states``."""
-        return self.declared_extra_inputs
+        """The inputs the family feeds beyond ``sample``, ``timestep`` and ``encoder_hidden_states``: its interface's
+        (:attr:`~optimum_iobinding.families.Family.interface`), and those of its optional ones the UNet takes."""
+        interface = self.pipe.family.interface
+        declared = self.model.input_names
+        return (
+            *(name for name in interface.inputs if name not in UNET_INPUTS),
+            *(name for name in interface.optional if name in declared),
+        )
 
     def check_model(self) -> None:
         declared = self.model.input_names

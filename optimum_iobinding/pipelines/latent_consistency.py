@@ -4,7 +4,6 @@ most, so the device loop and CUDA graphs matter most."""
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -39,7 +38,7 @@ class OnnxLatentConsistencyModelPipeline(ClipUNetPipeline):
     denoised prediction decoded after the last of a few steps."""
 
     family = LCM
-    denoiser_part = functools.partial(UNetDenoiser, extra_inputs=("timestep_cond",))
+    denoiser_part = UNetDenoiser
 
     @on_device_stream
     def __call__(

@@ -42,7 +42,7 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
     conditioning ``time_ids``."""
 
     declared_components = XL_COMPONENTS
-    denoiser_part = functools.partial(UNetDenoiser, default_sample_size=128, extra_inputs=("text_embeds", "time_ids"))
+    denoiser_part = functools.partial(UNetDenoiser, default_sample_size=128)
     prompt_part = CLIPPairPrompt
     settings = {"force_zeros_for_empty_prompt": True, "requires_aesthetics_score": False}
     model_cpu_offload_seq = "text_encoder->text_encoder_2->unet->vae_decoder"

@@ -33,11 +33,8 @@ _KEEP = object()  # update_prompt: the negative prompt that prepare was given
 
 
 class StreamUNet(UNetDenoiser):
-    """An SD 1.x/2.x, SD-Turbo or LCM UNet: an LCM UNet's ``timestep_cond`` (the guidance embedding) is fed too."""
-
-    @property
-    def extra_inputs(self) -> Tuple[str, ...]:
-        return ("timestep_cond",) if "timestep_cond" in self.model.input_names else ()
+    """An SD 1.x/2.x, SD-Turbo or LCM UNet: an LCM UNet's ``timestep_cond`` (the guidance embedding, optional in the
+    stream family's interface) is fed too."""
 
 
 # ------------------------------------------------------------------------------------------------ the pipeline
