@@ -92,7 +92,8 @@ class Family:
         index_class_name: the ``_class_name`` its own saved folders and exports write.
         auto: whether :func:`detect` may pick it (an image-to-image sibling shares its family's folder).
         text_to_image: whether a prompt alone runs it (``generate``); otherwise ``hint`` says what to use instead.
-        image_inputs: the image arguments a call takes (``image``, ``mask_image``, ``control_image``).
+        image_inputs: the image arguments a call takes, by their names in its ``__call__`` (``image``, ``mask_image``,
+            ``control_image``; the ControlNet pipeline's control image is diffusers' ``image``; a stream's ``frame``).
         image_to_image: the key of its image-to-image sibling on the same components, if any.
         export: the exporter that writes its folder (``"unet"``, ``"sd3"``, ``"flux"``; ``None``: none).
         torch_classes: diffusers' torch pipeline classes the exporter takes for it.
@@ -201,7 +202,7 @@ FAMILIES: Tuple[Family, ...] = (
         index_class_names=("OnnxStableDiffusionControlNetPipeline",),
         index_class_name="OnnxStableDiffusionControlNetPipeline",
         text_to_image=False,
-        image_inputs=frozenset({"control_image"}),
+        image_inputs=frozenset({"image"}),
         export="unet",
         torch_classes=("StableDiffusionControlNetPipeline",),
         tiny_random=("controlnet",),
@@ -219,7 +220,7 @@ FAMILIES: Tuple[Family, ...] = (
         auto=False,
         text_to_image=False,
         image_inputs=frozenset({"image", "control_image"}),
-        index_class_name="OnnxStableDiffusionControlNetPipeline",
+        index_class_name="OnnxStableDiffusionControlNetImg2ImgPipeline",
         export="unet",
         lora=True,
     ),
@@ -289,7 +290,7 @@ FAMILIES: Tuple[Family, ...] = (
         Defaults(steps=1, guidance_scale=0.0, size=512),
         auto=False,
         text_to_image=False,
-        image_inputs=frozenset({"image"}),
+        image_inputs=frozenset({"frame"}),
         index_class_name=DIFFUSERS_ONNX_CLASS_NAME,
         export="unet",
         lora=True,

@@ -477,6 +477,20 @@ def write_xl_model_index(
     Path(folder, "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
+def index_entry(module: Any) -> Optional[Tuple[str, str]]:
+    """A component's model_index.json entry, ``(library, class name)`` (``None`` for a missing one), as both the
+    export and ``save_pretrained`` write it: transformers 5's ``T5Tokenizer`` is the fast one (``T5TokenizerFast`` is
+    its alias there), while transformers 4's ``T5Tokenizer`` needs a sentencepiece file the folder does not have; the
+    fast name loads in both."""
+    if module is None:
+        return None
+    library = "diffusers" if type(module).__module__.startswith("diffusers") else "transformers"
+    name = type(module).__name__
+    if name == "T5Tokenizer" and getattr(module, "is_fast", False):
+        name = "T5TokenizerFast"
+    return library, name
+
+
 def write_transformer_model_index(
     folder: Union[str, os.PathLike], class_name: str, modules: Dict[str, Optional[Tuple[str, str]]]
 ) -> None:

@@ -28,10 +28,10 @@ from typing import Any, Callable, Collection, ContextManager, Dict, Mapping, Opt
 import torch
 from tqdm.auto import tqdm
 
-from ..layout import building_beside, save_tokenizer, write_transformer_model_index
+from ..layout import building_beside, index_entry, save_tokenizer, write_transformer_model_index
 from .components import OPTIMUM_EXTERNAL_DATA_FILE, export_component, export_model
 
-__all__ = ["export_transformer_pipeline", "float16_components", "component_precisions", "torch_class_entry"]
+__all__ = ["export_transformer_pipeline", "float16_components", "component_precisions"]
 
 # ORT's optimizer model type of the components a float16 export leaves float32: T5 (see the module's docstring)
 FLOAT32_MODEL_TYPES = frozenset({"t5"})
@@ -73,19 +73,6 @@ def component_precisions(
     if dtype == "bf16" and "transformer" in precisions:
         precisions["transformer"] = "bf16"
     return precisions
-
-
-def torch_class_entry(module: Any) -> Optional[tuple]:
-    """A component's model_index.json entry, ``(library, class name)`` (``None`` for a missing one): transformers 5's
-    ``T5Tokenizer`` is the fast one (``T5TokenizerFast`` is its alias there), while transformers 4's ``T5Tokenizer``
-    needs a sentencepiece file the folder does not have; the fast name loads in both."""
-    if module is None:
-        return None
-    library = "diffusers" if type(module).__module__.startswith("diffusers") else "transformers"
-    name = type(module).__name__
-    if name == "T5Tokenizer" and getattr(module, "is_fast", False):
-        name = "T5TokenizerFast"
-    return library, name
 
 
 def export_transformer_pipeline(
@@ -166,7 +153,7 @@ def export_transformer_pipeline(
             scratch,
             class_name,
             {
-                **{name: torch_class_entry(getattr(pipe, name)) for name in modules if hasattr(pipe, name)},
+                **{name: index_entry(getattr(pipe, name)) for name in modules if hasattr(pipe, name)},
                 "image_encoder": None,
                 "feature_extractor": None,
             },

@@ -4,12 +4,10 @@ runtime LoRA, and diffusers' ONNX model_index.json."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, Tuple
 
 import torch
 
-from ..layout import write_model_index
 from .arguments import Embeds, Prompt
 from .components import VAE_COMPONENTS, module, onnx, tokenizer
 from .core import OnnxDiffusionPipeline, Warmup
@@ -64,8 +62,3 @@ class ClipUNetPipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
             prompt, num_images_per_prompt, guidance_scale > 1.0, negative_prompt, prompt_embeds, negative_prompt_embeds
         )
         return embeddings, self.batch_size_of(prompt, prompt_embeds)
-
-    def write_model_index(self, target: Path, written: List[str]) -> None:
-        write_model_index(
-            target, type(self.scheduler).__name__, type(self.tokenizer).__name__, written, self.family.index_class_name
-        )

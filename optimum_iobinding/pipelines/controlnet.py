@@ -21,7 +21,7 @@ from diffusers.image_processor import VaeImageProcessor
 
 from ..errors import ArgumentError, ArgumentTypeError, ModelFileError
 from ..families import family
-from ..layout import DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT, controlnet_component_names, write_model_index
+from ..layout import DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT, controlnet_component_names
 from ..runtime.model import IOBindingORTModel
 from ..runtime.shapes import infer_output_shapes
 from .arguments import Embeds, Generator, Latents, Prompt, StepCallback, StepEndCallback, TensorNames, is_real
@@ -104,12 +104,6 @@ class ControlNetPipeline(ClipUNetPipeline):
         self.declared_components = STABLE_DIFFUSION_COMPONENTS + tuple(onnx(name) for name in names)
         self.controlnets: List[IOBindingORTModel] = [components[name] for name in names]
         super().__init__(**components)
-
-    def write_model_index(self, target: Path, written: List[str]) -> None:
-        # the class name: diffusers' ONNX pipeline has no ControlNet, the folder is ours
-        write_model_index(
-            target, type(self.scheduler).__name__, type(self.tokenizer).__name__, written, type(self).__name__
-        )
 
     @classmethod
     def download_names(cls) -> Sequence[str]:

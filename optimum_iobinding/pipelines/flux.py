@@ -5,7 +5,6 @@ tokens with rotary position ids, an AutoencoderKL of 16 latent channels), diffus
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -16,6 +15,7 @@ from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
 
 from ..errors import ArgumentError
 from ..families import FLUX_GUIDANCE, FLUX_IMAGE_IDS, FLUX_TEXT_IDS, family
+from ..layout import index_entry, write_transformer_model_index
 from .arguments import (
     Embeds,
     Generator,
@@ -82,29 +82,23 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
         return self.denoiser.guidance_embeds
 
     def write_model_index(self, target: Path, written: List[str]) -> None:
-        """optimum's Flux index: the torch pipeline's class names (one ``vae`` entry for the two VAE folders)."""
-        import diffusers
-
-        def tokenizer_entry(tokenizer: Any) -> List[str]:
-            name = type(tokenizer).__name__
-            if name == "T5Tokenizer" and getattr(tokenizer, "is_fast", False):
-                name = "T5TokenizerFast"  # transformers 4 reads tokenizer.json only under the fast name
-            return ["transformers", name]
-
-        index = {
-            "_class_name": "FluxPipeline",
-            "_diffusers_version": diffusers.__version__,
-            "feature_extractor": [None, None],
-            "image_encoder": [None, None],
-            "scheduler": ["diffusers", type(self.scheduler).__name__],
-            "text_encoder": ["transformers", "CLIPTextModel"],
-            "text_encoder_2": ["transformers", "T5EncoderModel"],
-            "tokenizer": tokenizer_entry(self.tokenizer),
-            "tokenizer_2": tokenizer_entry(self.tokenizer_2),
-            "transformer": ["diffusers", "FluxTransformer2DModel"],
-            "vae": ["diffusers", "AutoencoderKL"],
-        }
-        (Path(target) / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+        """optimum's Flux index, as the export writes it: the torch pipeline's class names (one ``vae`` entry for the
+        two VAE folders)."""
+        write_transformer_model_index(
+            target,
+            self.family.index_class_name,
+            {
+                "scheduler": index_entry(self.scheduler),
+                "transformer": ("diffusers", self.family.options["transformer_class"]),
+                "vae": ("diffusers", "AutoencoderKL"),
+                "text_encoder": ("transformers", "CLIPTextModel"),
+                "text_encoder_2": ("transformers", "T5EncoderModel"),
+                "tokenizer": index_entry(self.tokenizer),
+                "tokenizer_2": index_entry(self.tokenizer_2),
+                "image_encoder": None,
+                "feature_extractor": None,
+            },
+        )
 
     def warmup_arguments(self) -> Dict[str, Callable[[Any], None]]:
         """``max_sequence_length``: the T5 prompt length the calls will use: part of the transformer's input shapes,

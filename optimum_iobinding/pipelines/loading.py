@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 
-from ..layout import building_beside, check_output_folder, resolve_pipeline_folder, save_tokenizer
+from ..layout import building_beside, check_output_folder, resolve_pipeline_folder, save_tokenizer, write_model_index
 from ..runtime.hub import check_hub_kwargs, keywords_of
 from ..runtime.options import CudaGraphSetting, PipelineOptions, ProviderSpec
 from .components import check_replacement, load_components, names_of
@@ -149,5 +149,9 @@ class Loading:
             self.write_model_index(scratch, written)
 
     def write_model_index(self, target: Path, written: List[str]) -> None:
-        """Writes the family's model_index.json into ``target`` (``written``: the ONNX components saved)."""
-        raise TypeError(f"{type(self).__name__}: declares no model_index.json layout")
+        """Writes the family's model_index.json into ``target`` (``written``: the ONNX components saved): diffusers'
+        ONNX layout under the family's :attr:`~optimum_iobinding.families.Family.index_class_name` (the CLIP + UNet
+        families and the stream; SDXL and the diffusion transformers write optimum's)."""
+        write_model_index(
+            target, type(self.scheduler).__name__, type(self.tokenizer).__name__, written, self.family.index_class_name
+        )

@@ -13,7 +13,7 @@ from diffusers.pipelines.stable_diffusion_3 import StableDiffusion3PipelineOutpu
 
 from ..errors import ArgumentError
 from ..families import family
-from ..layout import write_transformer_model_index
+from ..layout import index_entry, write_transformer_model_index
 from .arguments import Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames, check_sequence_length, is_real
 from .components import VAE_COMPONENTS, onnx, tokenizer
 from .core import OnnxDiffusionPipeline, VaeConstants, Warmup, on_device_stream
@@ -242,28 +242,19 @@ class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
         def module(name: str, library: str, class_name: str) -> Optional[Tuple[str, str]]:
             return (library, class_name) if name in written else None
 
-        def tokenizer(name: str) -> Optional[Tuple[str, str]]:
-            value = getattr(self, name, None)
-            if value is None:
-                return None
-            class_name = type(value).__name__
-            if class_name == "T5Tokenizer" and getattr(value, "is_fast", False):
-                class_name = "T5TokenizerFast"  # the name transformers 4 and 5 both load from tokenizer.json
-            return ("transformers", class_name)
-
         write_transformer_model_index(
             target,
-            "StableDiffusion3Pipeline",
+            self.family.index_class_name,
             {
-                "scheduler": ("diffusers", type(self.scheduler).__name__),
-                "transformer": ("diffusers", "SD3Transformer2DModel"),
+                "scheduler": index_entry(self.scheduler),
+                "transformer": ("diffusers", self.family.options["transformer_class"]),
                 "vae": ("diffusers", "AutoencoderKL"),
                 "text_encoder": module("text_encoder", "transformers", "CLIPTextModelWithProjection"),
                 "text_encoder_2": module("text_encoder_2", "transformers", "CLIPTextModelWithProjection"),
                 "text_encoder_3": module("text_encoder_3", "transformers", "T5EncoderModel"),
-                "tokenizer": tokenizer("tokenizer"),
-                "tokenizer_2": tokenizer("tokenizer_2"),
-                "tokenizer_3": tokenizer("tokenizer_3"),
+                "tokenizer": index_entry(getattr(self, "tokenizer", None)),
+                "tokenizer_2": index_entry(getattr(self, "tokenizer_2", None)),
+                "tokenizer_3": index_entry(getattr(self, "tokenizer_3", None)),
                 "image_encoder": None,
                 "feature_extractor": None,
             },
