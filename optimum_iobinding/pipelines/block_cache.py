@@ -28,16 +28,15 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
+from ..layout import FIRST_BLOCK_CACHE_PARTS, FIRST_BLOCK_MARKS
 from ..runtime.cuda_policy import DEVICE_SETUP
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_real
 from .caching import StepCache
 
 # the part graphs in the transformer's folder and the values they hand each other (export/step_cache.py writes them)
-PART_FILES = ("head.onnx", "body.onnx", "out.onnx")
-FIRST_BLOCK_INPUT = "first_block_input"
-FIRST_BLOCK_OUTPUT = "first_block_hidden_states"
-BLOCKS_OUTPUT = "blocks_output"
+PART_FILES = FIRST_BLOCK_CACHE_PARTS
+FIRST_BLOCK_INPUT, FIRST_BLOCK_OUTPUT, _, BLOCKS_OUTPUT = FIRST_BLOCK_MARKS
 EXPORT_HINT = (
     "export the pipeline with First-Block Cache's parts: `optimum-iobinding export --step-cache …` or "
     "export_pipeline(…, step_cache=True)"

@@ -35,7 +35,6 @@ pipeline runs a loop of its own.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -43,13 +42,13 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
+from ..layout import DEEP_CACHE_FULL_PART, DEEP_CACHE_SHALLOW_PART, deep_cache_shallow_branch
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_integer
 from .caching import StepCache
 
 # the part graphs in the UNet's folder (export/deep_cache.py writes them)
-FULL_PART = "deep_cache_full.onnx"
-SHALLOW_PART = re.compile(r"deep_cache_shallow_(0|[1-9][0-9]*)\.onnx")
+FULL_PART = DEEP_CACHE_FULL_PART
 EXPORT_HINT = (
     "export the pipeline with DeepCache's parts: `optimum-iobinding export --step-cache …` or "
     "export_pipeline(…, step_cache=True)"
@@ -118,13 +117,13 @@ def deep_cache_for(denoiser: Any, config: Any) -> "DeepCache":
     branches = (
         {}
         if folder is None
-        else {int(match.group(1)): path for path in folder.iterdir() if (match := SHALLOW_PART.fullmatch(path.name))}
+        else {branch: path for path in folder.iterdir() if (branch := deep_cache_shallow_branch(path.name)) is not None}
     )
     if folder is None or not (folder / FULL_PART).is_file() or not branches:
         where = f"{folder}" if folder is not None else "the UNet's session (made outside a folder)"
         raise ArgumentError(
             "config",
-            f"DeepCache runs the UNet's parts {FULL_PART} and deep_cache_shallow_<branch>.onnx, "
+            f"DeepCache runs the UNet's parts {FULL_PART} and {DEEP_CACHE_SHALLOW_PART.format(branch='<branch>')}, "
             f"but {where} lacks them; {EXPORT_HINT}",
         )
     branch = config.cache_branch_id
