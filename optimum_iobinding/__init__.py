@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time each name comes from __getattr__
+    from .pipelines import *  # noqa: F403 (every pipeline class: pipelines.__all__)
     from .integrations.optimum import accelerate
     from .pipelines.deep_cache import DeepCacheConfig
     from .pipelines.tiling import TiledVAE

@@ -248,6 +248,7 @@ FAMILIES: Tuple[Family, ...] = (
         text_to_image=False,
         image_inputs=frozenset({"image", "mask_image"}),
         numpy_class="OnnxStableDiffusionInpaintPipeline",
+        step_cache="deepcache",
         hint="an inpainting model (its UNet takes 9 channels): use OnnxStableDiffusionInpaintPipeline from Python "
         "with an image and a mask",
         **_SD_COMMON,

@@ -61,7 +61,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 
 from ..errors import ArgumentError
-from ..families import FLUX_IMAGE_IDS, FLUX_INPUTS, FLUX_TEXT_IDS, family
+from ..families import FLUX_GUIDANCE, FLUX_IMAGE_IDS, FLUX_INPUTS, FLUX_TEXT_IDS, family
 from .components import EXTERNAL_DATA_THRESHOLD, clip_text_encoder_spec, t5_encoder_spec, vae_specs
 from .transformer_pipeline import export_transformer_pipeline
 
@@ -70,7 +70,6 @@ FLUX_COMPONENTS = ("text_encoder", "text_encoder_2", "transformer", "vae_encoder
 # fuses the Flux transformer's attention (CLIP and the VAE go through the UNet families' component exporter)
 FLUX_OPTIMIZER_MODEL_TYPES = {"text_encoder_2": "t5", "transformer": "mmdit"}
 # the input FLUX.1 dev's transformer takes beside FLUX_INPUTS: its guidance embedding's (schnell has none)
-(FLUX_GUIDANCE_INPUT,) = family("flux").interface.optional
 
 
 # ------------------------------------------------------------------------------------------------------ export
@@ -251,9 +250,9 @@ def flux_component_specs(pipe) -> Dict[str, dict]:
         "out_hidden_states": {0: "batch_size", 1: "packed_height_width"},
     }
     if config.guidance_embeds:
-        names.append(FLUX_GUIDANCE_INPUT)
+        names.append(FLUX_GUIDANCE)
         args.append(torch.tensor([3.5, 3.5]))
-        axes[FLUX_GUIDANCE_INPUT] = {0: "batch_size"}
+        axes[FLUX_GUIDANCE] = {0: "batch_size"}
     specs["transformer"] = dict(
         module=_FluxTransformer(transformer),
         args=tuple(args),

@@ -35,6 +35,7 @@ class ArgumentChecks:
         callback_on_step_end: Any = None,
         callback_on_step_end_tensor_inputs: Any = ("latents",),
         joint_attention_kwargs: Any = None,
+        guidance_rescale: Any = None,
     ) -> None:
         """Refuses, before any work, a shared argument the call cannot run with (every family's, checked here
         once), naming it, what was expected and what came: the size, the steps (or ``sigmas``, one per step), the
@@ -52,6 +53,8 @@ class ArgumentChecks:
             raise ArgumentError("strength", f"expected a value in [0, 1], got {strength!r}")
         if guidance_scale is not None and (not is_real(guidance_scale) or not math.isfinite(guidance_scale)):
             raise ArgumentError("guidance_scale", f"expected a finite number, got {guidance_scale!r}")
+        if guidance_rescale is not None and (not is_real(guidance_rescale) or not 0.0 <= guidance_rescale <= 1.0):
+            raise ArgumentError("guidance_rescale", f"expected a number in [0, 1], got {guidance_rescale!r}")
         if not is_integer(num_images_per_prompt) or num_images_per_prompt < 1:
             raise ArgumentError("num_images_per_prompt", f"expected a positive integer, got {num_images_per_prompt!r}")
         self.check_size(height, width)
@@ -61,15 +64,8 @@ class ArgumentChecks:
                 raise ArgumentError(
                     "sigmas", f"expected a non-empty list of finite numbers (one per step), got {sigmas!r}"
                 )
-            num_inference_steps = len(values)
-        if not is_integer(num_inference_steps) or num_inference_steps <= 0:
+        elif not is_integer(num_inference_steps) or num_inference_steps <= 0:
             raise ArgumentError("num_inference_steps", f"expected a positive integer, got {num_inference_steps!r}")
-        train_steps = getattr(self.scheduler.config, "num_train_timesteps", None)
-        if train_steps and num_inference_steps > train_steps:
-            raise ArgumentError(
-                "num_inference_steps",
-                f"expected at most {train_steps} (the scheduler's num_train_timesteps), got {num_inference_steps}",
-            )
         if output_type not in ("pil", "np", "pt", "latent"):
             raise ArgumentError("output_type", f"expected 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
         if callback_steps is not None and (not is_integer(callback_steps) or callback_steps <= 0):
@@ -88,6 +84,13 @@ class ArgumentChecks:
         embeddings (one of them), a negative prompt like it or its embeddings (at most one of them), embeddings of
         the denoiser's width."""
         self.check_call(**call)
+        steps = len(call["sigmas"]) if call.get("sigmas") is not None else call["num_inference_steps"]
+        train_steps = getattr(self.scheduler.config, "num_train_timesteps", None)
+        if train_steps and steps > train_steps:  # a discrete-time schedule has no more steps than it was trained on
+            raise ArgumentError(
+                "num_inference_steps",
+                f"expected at most {train_steps} (the scheduler's num_train_timesteps), got {steps}",
+            )
         self.check_texts("prompt", prompt, None)
         self.check_texts("negative_prompt", negative_prompt, None)
         for name, embeds in (("prompt_embeds", prompt_embeds), ("negative_prompt_embeds", negative_prompt_embeds)):

@@ -1,6 +1,6 @@
 """What the Stable Diffusion 1.x/2.x families declare alike (text-to-image, img2img, inpainting, LCM, ControlNet,
 the stream): diffusers' ONNX folder (one CLIP, a UNet, the VAE), the UNet denoiser, one CLIP prompt encoder,
-runtime LoRA, and diffusers' ONNX model_index.json."""
+runtime LoRA, and the checks and prompt encoding their calls start with."""
 
 from __future__ import annotations
 

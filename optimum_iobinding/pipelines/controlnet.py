@@ -383,10 +383,11 @@ class ControlNetPipeline(ClipUNetPipeline):
 
 
 class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):
-    family = CONTROLNET
     """Text-to-image with one or several ControlNets on ONNX Runtime, with diffusers'
     ``StableDiffusionControlNetPipeline`` call arguments (``image``, ``controlnet_conditioning_scale``,
     ``guess_mode``, ``control_guidance_start``/``control_guidance_end``; lists for multi-ControlNet)."""
+
+    family = CONTROLNET
 
     def warmup_images(self, height: int, width: int) -> Dict[str, Any]:
         return {"image": self.blank_control_images(height, width)}
@@ -498,10 +499,11 @@ class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):
 
 
 class OnnxStableDiffusionControlNetImg2ImgPipeline(ControlNetPipeline):
-    family = CONTROLNET_IMG2IMG
     """Image-to-image with ControlNets on ONNX Runtime, with diffusers' ``StableDiffusionControlNetImg2ImgPipeline``
     call arguments (``image`` to start from, ``control_image``, ``strength``, …); needs the folder's
     ``vae_encoder``."""
+
+    family = CONTROLNET_IMG2IMG
 
     encodes_images = True
 
@@ -521,8 +523,8 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(ControlNetPipeline):
         height: Optional[int] = None,
         width: Optional[int] = None,
         strength: float = 0.8,
-        num_inference_steps: int = CONTROLNET.defaults.steps,
-        guidance_scale: float = CONTROLNET.defaults.guidance_scale,
+        num_inference_steps: int = CONTROLNET_IMG2IMG.defaults.steps,
+        guidance_scale: float = CONTROLNET_IMG2IMG.defaults.guidance_scale,
         negative_prompt: Prompt = None,
         num_images_per_prompt: int = 1,
         eta: float = 0.0,

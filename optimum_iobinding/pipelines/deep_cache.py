@@ -53,10 +53,12 @@ EXPORT_HINT = (
     "export the pipeline with DeepCache's parts: `optimum-iobinding export --step-cache …` or "
     "export_pipeline(…, step_cache=True)"
 )
-# the UNet denoisers DeepCache cannot serve, by class name (they stand above this module), and why
-REFUSED_DENOISERS = {
-    "ControlNetUNet": "a ControlNet's residuals go into the deep blocks and the mid block, which a shallow step skips",
-    "StreamUNet": "the stream pipeline runs a few-step loop of its own",
+# why the UNet families whose records name no DeepCache (Family.step_cache) have none
+REFUSAL_REASONS = {
+    "controlnet": "a ControlNet's residuals go into the deep blocks and the mid block, which a shallow step skips",
+    "controlnet-img2img": "a ControlNet's residuals go into the deep blocks and the mid block, which a shallow step "
+    "skips",
+    "stream": "the stream pipeline runs a few-step loop of its own",
 }
 
 
@@ -104,10 +106,9 @@ def deep_cache_for(denoiser: Any, config: Any) -> "DeepCache":
             f"cache_branch_id=…) for {pipe_name}, got {type(config).__name__} "
             f"{config!r}",
         )
-    refused = next(
-        (REFUSED_DENOISERS[cls.__name__] for cls in type(denoiser).__mro__ if cls.__name__ in REFUSED_DENOISERS), None
-    )
-    if refused is not None:
+    record = denoiser.pipe.family
+    if record.step_cache != "deepcache":
+        refused = REFUSAL_REASONS.get(record.key, f"the {record.title} family has no DeepCache")
         raise ArgumentError(
             "config",
             f"expected a Stable Diffusion 1.x/2.x, SDXL or LCM pipeline for DeepCache, got {pipe_name} ({refused})",

@@ -1,6 +1,6 @@
 """The denoisers: the model a pipeline calls at every step, as a part its family declares. Each owns what its model
 takes (the inputs and their checks), what an image's size must be a multiple of, the latent channels it denoises, the
-default sample size, its loop on the device with the CUDA-graph feed, and the component that must be captured.
+default sample size, its step cache, and the component that must be captured (its family's denoiser).
 
 - :class:`UNetDenoiser`: SD 1.x/2.x, SDXL, LCM, ControlNet, inpainting (extra inputs and channels per family);
 - :class:`MMDiTDenoiser`: Stable Diffusion 3 / 3.5's transformer, flow matching, CFG in one batch;
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError, ModelFileError
-from ..families import FAMILIES, FLUX_GUIDANCE, UNET_INPUTS, detect
+from ..families import FAMILIES, FLUX_GUIDANCE, UNET_INPUTS, detect, family
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_integer
 from .caching import StepCache
@@ -32,11 +32,13 @@ from .transfer import upload
 def family_hint(component: str, declared: Sequence[str]) -> Optional[str]:
     """What a denoiser taking ``declared`` is, by the family whose interface it matches (``None``: none), for a
     refusal of a model in the wrong folder: ``"a UNet (SDXL): use"`` and the SDXL pipeline's class."""
-    record = detect(None, {"unet": declared, "transformer": declared})
+    # every folder a text-to-image family may need is assumed there: the hint names the text-to-image pipeline first
+    record = detect(None, {"unet": declared, "transformer": declared}, folders=("text_encoder",))
     if record is None:
         return None
     kind = "UNet" if record.denoiser == "unet" else "transformer"
-    return f"a {kind} ({record.title}): use {record.class_name}"
+    sibling = f" or {family(record.image_to_image).class_name}" if record.image_to_image else ""
+    return f"a {kind} ({record.title}): use {record.class_name}{sibling}"
 
 
 def config_int(model: IOBindingORTModel, key: str, default: int, component: str) -> int:
@@ -161,7 +163,7 @@ class Denoiser(abc.ABC):
 
     def step_end(
         self,
-        callback: Optional[Callable[..., Any]],
+        callback: Callable[..., Any],
         names: Sequence[str],
         step: int,
         t: Any,
@@ -170,8 +172,6 @@ class Denoiser(abc.ABC):
     ) -> Dict[str, torch.Tensor]:
         """Runs a step-end callback on the tensors it asked for and returns the loop's tensors with its
         replacements (the feed copies its constant inputs again: the callback may have changed them in place)."""
-        if callback is None:
-            return available
         feed.forget()
         tensors = {name: available[name] for name in names}
         return replaced_tensors(

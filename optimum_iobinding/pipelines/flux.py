@@ -17,6 +17,7 @@ from ..errors import ArgumentError
 from ..families import FLUX_GUIDANCE, FLUX_IMAGE_IDS, FLUX_TEXT_IDS, family
 from ..layout import index_entry, write_transformer_model_index
 from .arguments import (
+    is_integer,
     Embeds,
     Generator,
     Latents,
@@ -126,8 +127,14 @@ class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
         came: the shared ones (:meth:`check_call`; ``call``: its arguments), then FLUX.1's prompts, their
         embeddings and ``true_cfg_scale``."""
         self.check_call(**call)
-        if not is_real(true_cfg_scale) or not math.isfinite(true_cfg_scale):
-            raise ArgumentError("true_cfg_scale", f"expected a finite number, got {true_cfg_scale!r}")
+        # FLUX.1's schedule counts its steps even with sigmas (FLUX.1 dev's config may ignore them), and its guidance
+        # scale is an input of FLUX.1 dev's transformer: neither may be left out
+        steps = call.get("num_inference_steps")
+        if not is_integer(steps) or steps <= 0:
+            raise ArgumentError("num_inference_steps", f"expected a positive integer, got {steps!r}")
+        for name, value in (("guidance_scale", call.get("guidance_scale")), ("true_cfg_scale", true_cfg_scale)):
+            if not is_real(value) or not math.isfinite(value):
+                raise ArgumentError(name, f"expected a finite number, got {value!r}")
         check_sequence_length(max_sequence_length, MAX_SEQUENCE_LENGTH)
         if prompt is not None and prompt_embeds is not None:
             raise ArgumentError("prompt and prompt_embeds", "expected one of them, got both")

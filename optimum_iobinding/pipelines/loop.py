@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
 from ..runtime.model import IOBindingORTModel
+from .arguments import is_real
 
 # The loop's tensors a step-end callback may ask for (callback_on_step_end_tensor_inputs) and give back replaced.
 CALLBACK_TENSOR_INPUTS = ("latents", "prompt_embeds")
@@ -210,7 +211,7 @@ class Guidance:
 
         Raises:
             ArgumentError: ``rescale`` (``guidance_rescale``) is not a number in [0, 1]."""
-        if isinstance(rescale, bool) or not isinstance(rescale, (int, float)) or not 0.0 <= rescale <= 1.0:
+        if not is_real(rescale) or not 0.0 <= rescale <= 1.0:
             raise ArgumentError("guidance_rescale", f"expected a number in [0, 1], got {rescale!r}")
         return cls(float(scale), bool(math.isfinite(scale) and scale > 1.0), float(rescale))
 

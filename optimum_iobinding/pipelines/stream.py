@@ -32,11 +32,6 @@ STREAM = family("stream")
 _KEEP = object()  # update_prompt: the negative prompt that prepare was given
 
 
-class StreamUNet(UNetDenoiser):
-    """An SD 1.x/2.x, SD-Turbo or LCM UNet: an LCM UNet's ``timestep_cond`` (the guidance embedding, optional in the
-    stream family's interface) is fed too."""
-
-
 # ------------------------------------------------------------------------------------------------ the pipeline
 class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
     """Few-step image to image on a stream of frames: one frame in, one frame out, every frame's work on the device.
@@ -81,7 +76,8 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
 
     family = STREAM
     declared_components = STABLE_DIFFUSION_COMPONENTS
-    denoiser_part = StreamUNet
+    # an SD 1.x/2.x, SD-Turbo or LCM UNet; an LCM UNet's timestep_cond is optional in the stream family's interface
+    denoiser_part = UNetDenoiser
     prompt_part = CLIPPrompt
     settings = {"requires_safety_checker": False}
     encodes_images = True
