@@ -25,6 +25,9 @@ __all__ = [
     "family",
     "family_of_class",
     "pipeline_class",
+    "public_pipeline_names",
+    "transformer_family",
+    "t5_tokenizer_of",
     "detect",
     "UNET_INPUTS",
     "MMDIT_INPUTS",
@@ -108,6 +111,9 @@ class Family:
         callback_tensors: the loop's tensors a step-end callback may ask for and replace.
         defaults: its ``__call__`` defaults.
         hint: what to use, where :attr:`text_to_image` is false or its folder holds another family.
+        options: what only some families have: ``needs_folder`` (a component folder detection requires: SDXL's
+            first text encoder, which a refiner lacks), ``transformer_class`` (diffusers' class of its transformer),
+            ``t5_tokenizer`` and ``t5_encoder`` (its T5 components).
     """
 
     key: str
