@@ -30,6 +30,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
@@ -306,7 +307,12 @@ class ImageGenerator:
                         pipe.enable_cache(cache_config_of(self.config.cache))
         self.pipe.set_progress_bar_config(disable=True)
         self.model_id = os.path.basename(os.path.normpath(self.config.model)) or self.config.model
-        tokenizer_max = getattr(getattr(self.pipe, "tokenizer", None), "model_max_length", None)
+        tokenizer = getattr(self.pipe, "tokenizer", None)
+        # the token limit is counted on the event loop while a batch may be encoding its prompts on the pipeline's
+        # thread: a fast tokenizer's truncation and padding are settings of the one object each call sets, so a
+        # count on the pipeline's own tokenizer can leave the batch's prompts unpadded: the counter is a copy
+        self._token_counter = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        tokenizer_max = getattr(tokenizer, "model_max_length", None)
         if not isinstance(tokenizer_max, int) or tokenizer_max > 100_000:  # transformers' "no limit" is 1e30
             tokenizer_max = None
         self.limits: RequestLimits = self.config.limits(self.default_size, tokenizer_max)
@@ -477,7 +483,7 @@ class ImageGenerator:
 
     def _check_tokens(self, request: Dict[str, Any]) -> None:
         limit = self.limits.max_prompt_tokens
-        tokenizer = getattr(self.pipe, "tokenizer", None)
+        tokenizer = self._token_counter
         if limit is None or tokenizer is None:
             return
         for name in ("prompt", "negative_prompt"):

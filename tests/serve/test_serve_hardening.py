@@ -162,6 +162,32 @@ def test_a_request_beyond_a_limit_is_refused_naming_the_limit(generator, request
     assert message in str(refused.value) and len(str(refused.value)) < 300
 
 
+def test_counting_a_requests_tokens_beside_a_running_batch_leaves_the_batchs_prompts_as_they_are(generator):
+    """Requests are checked on the event loop while a batch encodes its prompts on the pipeline's thread. A fast
+    tokenizer keeps its padding and truncation as settings of the one object that each call sets: counted on the
+    pipeline's own tokenizer, a request's tokens (no padding) could leave a batch's negative prompt unpadded, two
+    tokens against 77 (seen as a 503: "Sizes of tensors must match"). Threads switched as often as Python allows."""
+    import threading
+
+    stop = threading.Event()
+
+    def count_tokens() -> None:
+        while not stop.is_set():
+            generator.complete_request(dict(prompt="a red house", seed=1))
+
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    counting = threading.Thread(target=count_tokens)
+    counting.start()
+    try:
+        lengths = {generator.pipe.prompt.encode_text([""]).shape[1] for _ in range(300)}
+    finally:
+        stop.set()
+        counting.join()
+        sys.setswitchinterval(switch_interval)
+    assert lengths == {generator.pipe.tokenizer.model_max_length}
+
+
 def test_a_batch_runs_in_calls_within_max_pixels_per_batch(tiny_folder):
     from optimum_iobinding.serve import ImageGenerator, ServeConfig
 
