@@ -24,10 +24,15 @@ setup() {  # setup VENV CONSTRAINTS EXTRAS
   "$1/bin/pip" install -q --no-compile -c "$2" -e ".[$3]"
 }
 setup .venv constraints.txt cpu,test,serve,video
+# the optimum environment installs meanwhile (mostly downloads; its log is shown if it fails). The suites run one
+# after the other, each a process per core: both are CPU-bound (a process more than cores made the main suite slower)
+setup .venv-optimum constraints-optimum.txt cpu,test,optimum > .venv-optimum.log 2>&1 &
+optimum_setup=$!
+trap 'kill "$optimum_setup" 2>/dev/null || true' EXIT
 .venv/bin/ruff format --check --quiet .
 .venv/bin/ruff check --quiet .
 .venv/bin/lint-imports
 .venv/bin/python -m pytest -q -n auto --dist loadgroup "$@"
-setup .venv-optimum constraints-optimum.txt cpu,test,optimum
+wait "$optimum_setup" || { cat .venv-optimum.log >&2; exit 1; }
 .venv-optimum/bin/python -m pytest -q -n auto --dist loadscope tests/test_optimum.py tests/pipelines tests/export \
   -k "(diffusers or optimum) and not fused and not optimiz" "$@"
