@@ -103,7 +103,8 @@ class Family:
         tiny_random: the tiny random models (``export --tiny-random KIND``) of its shapes.
         numpy_class: diffusers' numpy ONNX pipeline of the family (the baseline the benchmarks compare with).
         step_cache: the step cache it runs (``"deepcache"``, ``"first-block"``, ``None``).
-        lora: whether it loads LoRA at run time.
+        lora: diffusers' LoRA loader mixin whose formats it reads at run time (``lora_state_dict``: diffusers', PEFT's,
+            kohya's and the others its converters take), by class name; ``None``: no runtime LoRA.
         scheduler_choice: whether a call may swap its scheduler for another of diffusers' (``generate --scheduler``).
         negative_prompt: whether a call takes a negative prompt.
         negative_prompt_needs: the call argument without which a negative prompt does nothing (FLUX.1's true
@@ -133,7 +134,7 @@ class Family:
     tiny_random: Tuple[str, ...] = ()
     numpy_class: Optional[str] = None
     step_cache: Optional[str] = None
-    lora: bool = False
+    lora: Optional[str] = None
     scheduler_choice: bool = True
     negative_prompt: bool = True
     negative_prompt_needs: Optional[str] = None
@@ -155,7 +156,8 @@ _SD_MODULE = "optimum_iobinding.pipelines"
 _UNET = DenoiserInterface("unet", UNET_INPUTS, refused_channels=(9,))
 _SD_DEFAULTS = Defaults(steps=50, guidance_scale=7.5, size=512)
 _SD_INDEX = (DIFFUSERS_ONNX_CLASS_NAME, "StableDiffusionPipeline", "ORTStableDiffusionPipeline")
-_SD_COMMON = dict(index_class_name=DIFFUSERS_ONNX_CLASS_NAME, export="unet", lora=True)
+_SD_LORA = "StableDiffusionLoraLoaderMixin"
+_SD_COMMON = dict(index_class_name=DIFFUSERS_ONNX_CLASS_NAME, export="unet", lora=_SD_LORA)
 
 # In detection order: where a folder's model_index.json names no family, the first whose interface matches wins, so a
 # stricter interface comes before a looser one.
@@ -179,7 +181,7 @@ FAMILIES: Tuple[Family, ...] = (
         torch_classes=("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline"),
         tiny_random=("xl",),
         step_cache="deepcache",
-        lora=True,
+        lora="StableDiffusionXLLoraLoaderMixin",
         options={"needs_folder": "text_encoder"},
     ),
     Family(
@@ -194,7 +196,7 @@ FAMILIES: Tuple[Family, ...] = (
         image_inputs=frozenset({"image"}),
         export="unet",
         step_cache="deepcache",
-        lora=True,
+        lora="StableDiffusionXLLoraLoaderMixin",
         hint="an SDXL refiner or image-to-image folder (no text_encoder): it transforms images; use "
         "OnnxStableDiffusionXLImg2ImgPipeline from Python",
     ),
@@ -212,7 +214,7 @@ FAMILIES: Tuple[Family, ...] = (
         export="unet",
         torch_classes=("StableDiffusionControlNetPipeline",),
         tiny_random=("controlnet",),
-        lora=True,
+        lora=_SD_LORA,
         hint="a ControlNet folder (its UNet takes the ControlNet's residuals): use "
         "OnnxStableDiffusionControlNetPipeline from Python with a control image",
     ),
@@ -228,7 +230,7 @@ FAMILIES: Tuple[Family, ...] = (
         image_inputs=frozenset({"image", "control_image"}),
         index_class_name="OnnxStableDiffusionControlNetImg2ImgPipeline",
         export="unet",
-        lora=True,
+        lora=_SD_LORA,
     ),
     Family(
         "lcm",
@@ -300,7 +302,7 @@ FAMILIES: Tuple[Family, ...] = (
         image_inputs=frozenset({"frame"}),
         index_class_name=DIFFUSERS_ONNX_CLASS_NAME,
         export="unet",
-        lora=True,
+        lora=_SD_LORA,
         scheduler_choice=False,
         hint="use OnnxStreamDiffusionPipeline (the stream command)",
     ),
@@ -317,6 +319,7 @@ FAMILIES: Tuple[Family, ...] = (
         torch_classes=("StableDiffusion3Pipeline",),
         tiny_random=("sd3",),
         step_cache="first-block",
+        lora="SD3LoraLoaderMixin",
         scheduler_choice=False,
         callback_tensors=("latents", "prompt_embeds", "pooled_prompt_embeds"),
         options={
@@ -338,6 +341,7 @@ FAMILIES: Tuple[Family, ...] = (
         torch_classes=("FluxPipeline",),
         tiny_random=("flux", "flux-dev"),
         step_cache="first-block",
+        lora="FluxLoraLoaderMixin",
         scheduler_choice=False,
         negative_prompt_needs="true_cfg_scale > 1",
         options={

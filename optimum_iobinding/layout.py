@@ -568,3 +568,34 @@ def read_weight_map(folder: Union[str, Path]) -> Tuple[Dict[str, List[WeightPlac
         return places, list(data.get("not_found", []))
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path}: not a LoRA map this version reads: {error}") from None
+
+
+# ------------------------------------------------------------------------------------------------ folded biases
+# A transformer rewrite (export/transformer_fusions.py: the attention's value bias moved into its output projection's
+# bias) makes a bias that holds a product with a weight: ``c' = c + b_v · W_o[rows]``. Where a LoRA changes ``W_o``,
+# ``c'`` must change with it, so the export records each fold in the model's metadata under this key (a JSON list of
+# ``{"bias", "weight", "offset", "value_bias"}``: the folded bias's initializer, ``W_o``'s initializer in the
+# ``(in, out)`` layout, the first of its rows the fold read, and ``b_v``), and the runtime keeps those biases as
+# owned tensors whatever their size, which runtime LoRA updates with their weight.
+FOLDED_BIASES_KEY = "optimum_iobinding.folded_biases"
+
+
+def folded_biases(model: Any) -> List[Dict[str, Any]]:
+    """The folds recorded in ``model``'s metadata (an ``onnx.ModelProto``), or none."""
+    for entry in model.metadata_props:
+        if entry.key == FOLDED_BIASES_KEY:
+            return list(json.loads(entry.value))
+    return []
+
+
+def record_folded_bias(model: Any, bias: str, weight: str, offset: int, value_bias: Sequence[float]) -> None:
+    """Adds one fold to ``model``'s metadata (see :data:`FOLDED_BIASES_KEY`)."""
+    folds = folded_biases(model) + [
+        {"bias": bias, "weight": weight, "offset": int(offset), "value_bias": [float(v) for v in value_bias]}
+    ]
+    for entry in model.metadata_props:
+        if entry.key == FOLDED_BIASES_KEY:
+            entry.value = json.dumps(folds)
+            return
+    entry = model.metadata_props.add()
+    entry.key, entry.value = FOLDED_BIASES_KEY, json.dumps(folds)

@@ -447,8 +447,10 @@ def export_model(
     TorchScript exporter, then ORT's transformer optimizer (``optimize``: ``"cuda"`` or ``"cpu"``; ``model_type``,
     e.g. ``t5`` or ``mmdit``; again without the attention fusion where that fusion raises) with the weights kept on
     disk and the project's rewrites of that model type after it (:data:`GRAPH_REWRITES`), then the precision
-    ``dtype`` (:func:`to_precision`: ORT's float16 converter, and for bfloat16 the float16 graph retyped), then
-    ``model.onnx`` (and its external data above ``external_data_threshold`` bytes) and ``config.json``.
+    ``dtype`` (:func:`to_precision`: ORT's float16 converter, and for bfloat16 the float16 graph retyped), then a
+    diffusion transformer's LoRA map (``lora_map.json``: where each layer's weight went, through the fusions and
+    rewrites; the biases a rewrite folded from a weight are in the model's metadata), ``model.onnx`` (and its
+    external data above ``external_data_threshold`` bytes) and ``config.json``.
 
     Args:
         name: the component's folder name.
@@ -467,6 +469,7 @@ def export_model(
         dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (see :func:`to_precision`).
     """
     hooks: Callable[[torch.nn.Module], ContextManager] = lambda module: contextlib.nullcontext()  # noqa: E731
+    layers_of = getattr(spec["module"], "transformer", None)  # a diffusion transformer's layers, as LoRAs name them
     if step_cache:  # the parts' ends marked as outputs while ORT's optimizer and the rewrites run
         spec, hooks = marked_transformer_spec(spec)
         external_data_threshold = 0  # the weights in one file that the parts read too
@@ -501,6 +504,9 @@ def export_model(
     fix_output_dims(model, spec.get("fixed_output_dims", {}))
     if step_cache:
         drop_marks(model)
+    if layers_of is not None:  # where each layer's weight went, after the fusions and rewrites: runtime LoRA
+        (target / name).mkdir(parents=True, exist_ok=True)
+        write_weight_map(weight_map(layers_of, model), target / name, [layer for layer, _ in lora_layers(layers_of)])
     save_model(model, target / name / "model.onnx", external_data_threshold)
     if step_cache:
         write_step_cache_parts(target / name)

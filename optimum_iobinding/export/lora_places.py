@@ -4,7 +4,7 @@ A LoRA changes a layer's weight ``W`` (torch layout: ``(out, in)`` for a Linear,
 by ``scale · B @ A``. In the ONNX file that weight is an initializer in one of several forms: as it was (Conv, Gemm
 with ``transB``), transposed (the exporter's MatMul takes ``(in, out)``), packed with its neighbours by ONNX Runtime's
 attention fusion (Q, K and V side by side in one ``(in, k·out)`` MatMul weight, contiguous or interleaved per head),
-in NHWC order (the CUDA fusion's NhwcConv), and in float16 after the float16 conversion. :func:`weight_map` finds
+in NHWC order (the CUDA fusion's NhwcConv), and in float16 or bfloat16 after the precision conversion. :func:`weight_map` finds
 each Linear and Conv2d weight of the torch module among the final initializers by value, and records the form as a
 :class:`~optimum_iobinding.layout.WeightPlace`; the export writes the map beside the model as ``lora_map.json``
 (:func:`~optimum_iobinding.layout.write_weight_map`).
@@ -30,7 +30,12 @@ _RTOL, _ATOL = 2e-3, 1e-6
 def _float_initializers(model: onnx.ModelProto, base_dir: Optional[Union[str, Path]]) -> Dict[str, np.ndarray]:
     arrays = {}
     for initializer in model.graph.initializer:
-        if initializer.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE):
+        if initializer.data_type in (
+            onnx.TensorProto.FLOAT,
+            onnx.TensorProto.FLOAT16,
+            onnx.TensorProto.BFLOAT16,
+            onnx.TensorProto.DOUBLE,
+        ):
             arrays[initializer.name] = numpy_helper.to_array(initializer, base_dir=str(base_dir or ""))
     return arrays
 

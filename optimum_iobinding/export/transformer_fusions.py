@@ -31,6 +31,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..layout import record_folded_bias
+
 __all__ = [
     "fuse_diffusion_transformer",
     "fuse_modulated_layer_norms",
@@ -650,7 +652,9 @@ def fold_value_biases(model: onnx.ModelProto) -> int:
     """Moves the bias of an attention's values into its output projection's bias, where one stream attends alone
     (SD3.5's second, image-only attention; FLUX.1's single blocks): each row of attention weights sums to one, so
     ``softmax(q kᵀ) (v + b) = softmax(q kᵀ) v + b``, and ``(o + b) W + c = o W + (b W + c)``. The value projection's
-    bias pass over the activations goes; the output projection's bias, one vector, changes.
+    bias pass over the activations goes; the output projection's bias, one vector, changes. Each fold is recorded in
+    the model's metadata (:func:`~optimum_iobinding.layout.record_folded_bias`): runtime LoRA changes the bias with
+    the output projection's weight.
 
     Rewrites each ``MultiHeadAttention`` (com.microsoft, with no inputs beyond query, key and value) whose value is
     ``Add(MatMul(x, W_v), b_v)`` (see :func:`_value_bias`) and whose output is read only by ``MatMul(·, W_o)`` —
@@ -711,6 +715,7 @@ def _fold_value_biases(model: onnx.ModelProto, shapes: Optional[onnx.GraphProto]
         folded = output_bias.astype(np.float64) + value_bias.astype(np.float64) @ rows.astype(np.float64)
         name = fresh(f"{bias_name}/with_value_bias")  # the old bias may be shared: each fold gets its own
         graph.initializer.append(numpy_helper.from_array(folded.astype(output_bias.dtype), name))
+        record_folded_bias(model, name, reader.input[1], offset, value_bias)  # runtime LoRA re-folds it
         output_add.input[list(output_add.input).index(bias_name)] = name
         product = next(
             i for i in value_add.input if index.producer.get(i) is not None and index.producer[i].op_type == "MatMul"

@@ -32,6 +32,7 @@ from .components import VAE_COMPONENTS, onnx, tokenizer
 from .core import OnnxDiffusionPipeline, VaeConstants, Warmup, on_device_stream
 from .denoisers import FluxDenoiser, latent_image_ids
 from .loop import Guidance, denoise
+from .lora import LoraLoaderMixin
 from .prompts import FluxPrompt
 from .transfer import tensor_of, upload
 
@@ -53,7 +54,7 @@ FLUX = family("flux")
 MAX_SEQUENCE_LENGTH = 512
 
 
-class OnnxFluxPipeline(Warmup, OnnxDiffusionPipeline):
+class OnnxFluxPipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
     """FLUX.1 text-to-image on ONNX Runtime, with the arguments of diffusers' ``FluxPipeline``.
 
     ``OnnxFluxPipeline.from_pretrained(folder, provider="CUDAExecutionProvider")`` loads an ``optimum-cli export

@@ -6,14 +6,16 @@ went; :func:`torch_layout_view` gives a view of the owned initializer in torch l
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+import onnx
 import torch
 
 from ..errors import ArgumentError, ModelFileError
-from ..layout import WeightPlace, read_weight_map
+from ..layout import WeightPlace, folded_biases, read_weight_map
 
 
 def torch_layout_view(tensor: torch.Tensor, place: WeightPlace, shape: Sequence[int]) -> torch.Tensor:
@@ -57,7 +59,6 @@ def torch_shape(tensor: torch.Tensor, place: WeightPlace) -> Tuple[int, ...]:
 
 
 # ------------------------------------------------------------------------------------------------ runtime LoRA
-LORA_COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
 # how a layer's two matrices are named: PEFT's names (what _to_peft_names converts to), and diffusers' older ones
 # for keys its converters leave as they are
 _MATRIX_SUFFIXES = (
@@ -84,21 +85,41 @@ class _LayerUpdate:
 
 
 class _Layer:
-    """A layer's weight in the owned initializers: the views that write it and its weight before any LoRA."""
+    """A layer's weight in the owned initializers: the views that write it and its weight before any LoRA, and the
+    biases folded from it (:data:`~optimum_iobinding.layout.FOLDED_BIASES_KEY`), which change with it."""
 
-    def __init__(self, weights: Dict[str, torch.Tensor], places: Sequence[WeightPlace], component: str, name: str):
+    def __init__(
+        self,
+        weights: Dict[str, torch.Tensor],
+        places: Sequence[WeightPlace],
+        component: str,
+        name: str,
+        folds: Sequence[Dict[str, Any]] = (),
+    ):
+        mine = [fold for fold in folds if fold["weight"] in {place.initializer for place in places}]
         missing = [place.initializer for place in places if place.initializer not in weights]
+        missing += [fold["bias"] for fold in mine if fold["bias"] not in weights]
         if missing:
             raise ModelFileError(
                 component,
-                f"layer {name}: its weight ({missing[0]}) is not among the weights the model "
-                "keeps as tensors (too small to be one), so no LoRA can change it",
+                f"layer {name}: its weight or a bias folded from it ({missing[0]}) is not among the weights the "
+                "model keeps as tensors (too small to be one), so no LoRA can change it",
             )
         self.places = list(places)
         self.shape = torch_shape(weights[places[0].initializer], places[0])
         self.views = [torch_layout_view(weights[place.initializer], place, self.shape) for place in places]
         self.base = self._read().clone()
         self.dtype = weights[places[0].initializer].dtype
+        # each folded bias: (its tensor, its value before any LoRA, the value bias, the weight's input columns read)
+        self.folds = [
+            (
+                weights[fold["bias"]],
+                weights[fold["bias"]].clone(),
+                torch.tensor(fold["value_bias"], dtype=torch.float32, device=weights[fold["bias"]].device),
+                slice(fold["offset"], fold["offset"] + len(fold["value_bias"])),
+            )
+            for fold in mine
+        ]
 
     def _read(self) -> torch.Tensor:
         view, place = self.views[0], self.places[0]
@@ -111,6 +132,9 @@ class _Layer:
         with torch.no_grad():
             for view, place in zip(self.views, self.places):
                 view.copy_(to_view_layout(weight, place))
+            for bias, base, value_bias, columns in self.folds:  # c' = c + b_v · (W + ΔW)ᵀ[rows]: the ΔW part
+                change = 0.0 if delta is None else delta.to(bias.device)[:, columns].float() @ value_bias
+                bias.copy_((base.float() + change).to(bias.dtype))
 
 
 def _layer_of(key: str) -> Optional[Tuple[str, str, str]]:
@@ -140,17 +164,30 @@ class LoraLoaderMixin:
     def _lora_state_dict(
         self, source: Any, **kwargs: Any
     ) -> Tuple[Dict[str, torch.Tensor], Dict[str, float], Optional[Dict[str, Any]]]:
-        from diffusers.loaders import StableDiffusionLoraLoaderMixin, StableDiffusionXLLoraLoaderMixin
+        """The LoRA read by the family's diffusers loader (:attr:`~optimum_iobinding.families.Family.lora`): its state
+        dict in diffusers' or PEFT's names, the alphas by key, the metadata."""
+        import diffusers.loaders
 
-        reader = (
-            StableDiffusionXLLoraLoaderMixin
-            if getattr(self, "text_encoder_2", None) is not None
-            else StableDiffusionLoraLoaderMixin
-        )
-        found = reader.lora_state_dict(source, return_lora_metadata=True, **kwargs)
-        state_dict, alphas = found[0], found[1]
-        metadata = found[2] if len(found) > 2 else None
-        return state_dict, dict(alphas or {}), metadata
+        reader = getattr(diffusers.loaders, self.family.lora)
+        accepted = inspect.signature(reader.lora_state_dict).parameters
+        if "return_alphas" in accepted:  # FLUX.1's loader: the alphas only when asked, then the metadata
+            state_dict, alphas, metadata = reader.lora_state_dict(
+                source, return_alphas=True, return_lora_metadata=True, **kwargs
+            )
+        else:
+            found = reader.lora_state_dict(source, return_lora_metadata=True, **kwargs)
+            if len(found) == 3:
+                state_dict, alphas, metadata = found
+            else:  # SD3's: the state dict and the metadata, any alphas left among the keys
+                state_dict, metadata = found
+                alphas = {key: state_dict.pop(key) for key in [key for key in state_dict if key.endswith(".alpha")]}
+        return state_dict, {key: float(value) for key, value in dict(alphas or {}).items()}, metadata
+
+    @property
+    def lora_components(self) -> Tuple[str, ...]:
+        """The components a LoRA may change: the denoiser and the CLIP text encoders (not a T5)."""
+        t5 = self.family.options.get("t5_encoder")
+        return (self.family.interface.component, *(name for name in ("text_encoder", "text_encoder_2") if name != t5))
 
     def _lora_layer(self, component: str, layer: str) -> Tuple[str, "_Layer"]:
         """The layer (its name as the export's map has it) of a component, made ready for in-place updates."""
@@ -163,6 +200,10 @@ class LoraLoaderMixin:
             if model.model_path is None:
                 raise ArgumentError(component, "the model was not loaded from a file, so it has no lora_map.json")
             maps[component] = read_weight_map(Path(model.model_path).parent)[0]
+            # the graph without its weights: the biases a rewrite folded from the layers' weights
+            state.setdefault("folds", {})[component] = folded_biases(
+                onnx.load(str(model.model_path), load_external_data=False)
+            )
         places_by_layer = maps[component]
         for candidate in (
             layer,
@@ -178,7 +219,9 @@ class LoraLoaderMixin:
             )
         key = (component, candidate)
         if key not in state["layers"]:
-            state["layers"][key] = _Layer(model.own_weights(), places_by_layer[candidate], component, candidate)
+            state["layers"][key] = _Layer(
+                model.own_weights(), places_by_layer[candidate], component, candidate, state["folds"][component]
+            )
         return candidate, state["layers"][key]
 
     def load_lora_weights(
@@ -204,10 +247,19 @@ class LoraLoaderMixin:
         for key, value in state_dict.items():
             found = _layer_of(key)
             if found is None:
+                if key.partition(".")[0] == "transformer" and not key.endswith(".alpha"):
+                    # e.g. a FLUX.1 Control LoRA's norm weights: replaced, not updated, which this cannot carry
+                    raise ArgumentError(
+                        "pretrained_model_name_or_path_or_dict",
+                        f"the LoRA has {key!r}, which is no LoRA matrix (a low-rank pair's A or B): runtime LoRA "
+                        "changes layers by low-rank updates only",
+                    )
                 continue
             component, layer, matrix = found
-            if component not in LORA_COMPONENTS:
-                raise ArgumentError(key, f"expected a LoRA key of {list(LORA_COMPONENTS)}, got component {component!r}")
+            if component not in self.lora_components:
+                raise ArgumentError(
+                    key, f"expected a LoRA key of {list(self.lora_components)}, got component {component!r}"
+                )
             matrices.setdefault((component, layer), {})[matrix] = value
         if not matrices:
             raise ArgumentError(
@@ -287,13 +339,13 @@ class LoraLoaderMixin:
                 for name, weight in zip(names, weights)
                 if any(key[0] == component for key in state["adapters"][name])
             }
-            for component in LORA_COMPONENTS
+            for component in self.lora_components
         }
         self._apply_lora()
 
     def get_active_adapters(self) -> List[str]:
         """The active adapters of the first component that has any (the UNet's, usually)."""
-        for component in LORA_COMPONENTS:
+        for component in self.lora_components:
             if self._lora()["active"].get(component):
                 return list(self._lora()["active"][component])
         return []
@@ -321,16 +373,26 @@ class LoraLoaderMixin:
             layer.write(None)
         self._lora_state = None
 
+    def _diffusers_default_components(self, method: str) -> Tuple[str, ...]:
+        """The components diffusers' ``fuse_lora`` / ``unfuse_lora`` of the family's loader take by default."""
+        import diffusers.loaders
+
+        reader = getattr(diffusers.loaders, self.family.lora)
+        return tuple(inspect.signature(getattr(reader, method)).parameters["components"].default)
+
     def fuse_lora(
         self,
-        components: Sequence[str] = ("unet", "text_encoder"),
+        components: Optional[Sequence[str]] = None,
         lora_scale: float = 1.0,
         safe_fusing: bool = False,
         adapter_names: Optional[Sequence[str]] = None,
         **kwargs: Any,
     ) -> None:
         """Fuses the active adapters (or ``adapter_names``), times ``lora_scale``, into the weights of
-        ``components``: they stay applied, whatever :meth:`set_adapters` says, until :meth:`unfuse_lora`."""
+        ``components`` (default: diffusers' for the family, e.g. the UNet and the first text encoder, FLUX.1's
+        transformer): they stay applied, whatever :meth:`set_adapters` says, until :meth:`unfuse_lora`."""
+        if components is None:
+            components = self._diffusers_default_components("fuse_lora")
         state = self._lora()
         _check_adapter_names(state, adapter_names or ())
         for component in components:
@@ -350,7 +412,9 @@ class LoraLoaderMixin:
                 self.unfuse_lora(components)
                 raise ArgumentError("fuse_lora", f"the fused weights are not finite in {bad[:3]}; unfused again")
 
-    def unfuse_lora(self, components: Sequence[str] = ("unet", "text_encoder"), **kwargs: Any) -> None:
+    def unfuse_lora(self, components: Optional[Sequence[str]] = None, **kwargs: Any) -> None:
+        if components is None:
+            components = self._diffusers_default_components("unfuse_lora")
         state = self._lora()
         state["fused"] = {key: value for key, value in state["fused"].items() if key[1] not in components}
         self._apply_lora()

@@ -19,6 +19,7 @@ from .components import VAE_COMPONENTS, onnx, tokenizer
 from .core import OnnxDiffusionPipeline, VaeConstants, Warmup, on_device_stream
 from .denoisers import MMDiTDenoiser
 from .loop import Guidance, denoise
+from .lora import LoraLoaderMixin
 from .prompts import SD3Prompt
 
 # optimum's SD3 folder (a T5-less export leaves text_encoder_3 out; T5's length is the call's max_sequence_length)
@@ -39,7 +40,7 @@ MAX_SEQUENCE_LENGTH = 512
 SD3_VAE_SCALING_FACTOR, SD3_VAE_SHIFT_FACTOR = 1.5305, 0.0609
 
 
-class OnnxStableDiffusion3Pipeline(Warmup, OnnxDiffusionPipeline):
+class OnnxStableDiffusion3Pipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
     """Stable Diffusion 3 / 3.5 text-to-image with the arguments of diffusers' ``StableDiffusion3Pipeline``: every
     tensor of the loop stays on the transformer's device with ``io_binding=True``; on CUDA every component replays
     its CUDA graphs by default (``cuda_graph="auto"``). ``io_binding=False`` is the numpy-like baseline.

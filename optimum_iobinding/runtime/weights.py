@@ -22,6 +22,7 @@ import torch
 from onnx import numpy_helper
 
 from ..errors import ArgumentError
+from ..layout import folded_biases
 from .cuda_policy import DEVICE_SETUP
 from . import timeline
 from .dtypes import TORCH_TO_ONNX, ort_value_of_tensor
@@ -116,7 +117,8 @@ def load_owned_weights(
     model: Optional[onnx.ModelProto] = None,
     staging_bytes: int = 64 << 20,
 ) -> Dict[str, torch.Tensor]:
-    """The model's float initializers of at least ``min_elements`` elements, as torch tensors on ``device``.
+    """The model's float initializers of at least ``min_elements`` elements (and its folded biases, see
+    :data:`~optimum_iobinding.layout.FOLDED_BIASES_KEY`), as torch tensors on ``device``.
 
     Weights in external data files are read straight from their files (the graph is parsed without them), each
     file opened once: no second full parse of a multi-GB model next to ORT's own. ``model``: ``source`` already
@@ -126,6 +128,7 @@ def load_owned_weights(
     base = None if isinstance(source, bytes) else os.path.dirname(os.path.abspath(source))
     weights: Dict[str, torch.Tensor] = {}
     files: Dict[str, Any] = {}
+    folded = {fold["bias"] for fold in folded_biases(model)}  # owned whatever their size: LoRA changes them
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         uploader = WeightUploader(device, staging_bytes)
         try:
@@ -136,7 +139,7 @@ def load_owned_weights(
                 elements = 1
                 for dim in shape:
                     elements *= dim
-                if elements < min_elements:
+                if elements < min_elements and initializer.name not in folded:
                     continue
                 dtype = np.dtype(_NUMPY_OF_ONNX[initializer.data_type])
                 if initializer.data_location == onnx.TensorProto.EXTERNAL and base is not None:

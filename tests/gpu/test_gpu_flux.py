@@ -187,3 +187,33 @@ def test_the_fused_float16_pipeline_is_no_further_from_diffusers_float32_image_t
     theirs_error = np.abs(images[torch.float16] - images[torch.float32]).max()
     our_error = np.abs(ours - images[torch.float32]).max()
     assert our_error <= 2 * theirs_error + 1e-2, (our_error, theirs_error)
+
+
+def test_a_transformer_lora_on_the_fused_export_replays_in_the_captured_graphs_and_equals_the_plain_exports(tmp_path):
+    """Runtime LoRA on the fused CUDA export (its single blocks' output biases fold the value biases: a LoRA on
+    proj_out changes them too), captured, against the plain export (no fusion, no fold; not captured) with the same
+    LoRA, whose images equal diffusers' on the CPU (tests/pipelines/test_transformer_lora.py; the GPU machine has no
+    peft); switching adapters creates no session."""
+    from optimum_iobinding.export.tiny import random_lora_layers, save_lora
+
+    torch_pipe = build_tiny_random_flux_pipeline(0)
+    fused = export_pipeline(None, tmp_path / "fused", torch_pipeline=torch_pipe, optimize="cuda", progress=False)
+    plain = export_pipeline(None, tmp_path / "plain", torch_pipeline=torch_pipe, progress=False)
+    lora = save_lora(
+        tmp_path / "lora",
+        transformer=random_lora_layers(torch_pipe.transformer, ["to_q", "to_v", "to_out.0", "proj_out"], 4, 1),
+    )
+    pipe = load(fused, cuda_graph=True)
+    base = pipe(PROMPTS[0], generator=seeded(), **CALL).images
+    pipe.load_lora_weights(str(lora), adapter_name="x")
+    ours = pipe(PROMPTS[0], generator=seeded(), **CALL).images
+    created = pipe.transformer.sessions_created
+    pipe.disable_lora()
+    disabled = pipe(PROMPTS[0], generator=seeded(), **CALL).images
+    pipe.enable_lora()
+    assert np.abs(pipe(PROMPTS[0], generator=seeded(), **CALL).images - ours).max() <= 1e-5
+    assert pipe.transformer.sessions_created == created and pipe.transformer.graph_signatures
+    reference = load(plain, cuda_graph=False)
+    reference.load_lora_weights(str(lora), adapter_name="x")
+    np.testing.assert_allclose(ours, reference(PROMPTS[0], generator=seeded(), **CALL).images, atol=TOLERANCE)
+    assert np.abs(ours - base).max() > 1e-2 and np.abs(disabled - base).max() <= 1e-5

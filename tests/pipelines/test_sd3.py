@@ -549,15 +549,16 @@ def test_one_prompt_2_and_prompt_3_string_serves_every_prompt(sd3):
     np.testing.assert_allclose(one, each, atol=0)
 
 
-def test_runtime_lora_is_a_capability_of_the_unet_families_only(sd3):
-    from optimum_iobinding import OnnxStableDiffusionPipeline
+def test_runtime_lora_is_the_capability_every_family_record_gives_a_diffusers_loader():
+    import diffusers.loaders
 
-    _, folder = sd3
-    # opt in, not inherited to be refused: the SD3 pipeline has no LoRA methods at all (fuse a LoRA before export)
-    assert not any(hasattr(load(folder), name) for name in ("load_lora_weights", "set_adapters", "fuse_lora"))
-    assert all(
-        hasattr(OnnxStableDiffusionPipeline, name) for name in ("load_lora_weights", "set_adapters", "fuse_lora")
-    )
+    from optimum_iobinding.families import FAMILIES, family, pipeline_class
+
+    for record in FAMILIES:
+        methods = [hasattr(pipeline_class(record), name) for name in ("load_lora_weights", "set_adapters", "fuse_lora")]
+        assert all(methods) if record.lora else not any(methods), record.key
+        assert record.lora is None or hasattr(diffusers.loaders, record.lora), record.key
+    assert family("sd3").lora == "SD3LoraLoaderMixin" and family("flux").lora == "FluxLoraLoaderMixin"
 
 
 def test_generate_refuses_a_discrete_time_scheduler_for_sd3_before_loading_it(sd3, tmp_path, capsys):
