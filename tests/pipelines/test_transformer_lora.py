@@ -192,3 +192,38 @@ def test_first_block_caches_parts_see_the_lora_as_the_whole_transformer_does(sch
         assert np.abs(images(pipe, FLUX_CALL) - expected).max() <= 1e-5
     whole.unload_lora_weights()
     assert np.abs(images(whole, FLUX_CALL) - expected).max() > 1e-3  # the LoRA did change the image
+
+
+def test_a_kohya_flux_lora_with_alphas_equals_diffusers(schnell_fused, schnell):
+    """The kohya format FLUX.1 LoRAs mostly come in (``lora_unet_double_blocks_N_img_attn_qkv``: one update of the
+    fused Q, K, V, split by diffusers' converter), with alphas (here 2 × the rank: scale 2), on the fused export. (A
+    single block's ``linear1`` is left out: the converter splits it at FLUX.1's own widths, 3072 and 12288.)"""
+    torch_pipe, _ = schnell
+    dim, mlp = (
+        torch_pipe.transformer.inner_dim,
+        torch_pipe.transformer.single_transformer_blocks[0].proj_mlp.out_features,
+    )
+    generator = torch.Generator().manual_seed(5)
+    rank = 4
+    shapes = {  # kohya name → (in, out) of the original FLUX.1 layer
+        "lora_unet_double_blocks_0_img_attn_qkv": (dim, 3 * dim),
+        "lora_unet_double_blocks_0_img_attn_proj": (dim, dim),
+        "lora_unet_double_blocks_0_txt_mlp_2": (4 * dim, dim),
+        "lora_unet_single_blocks_0_linear2": (dim + mlp, dim),
+    }
+    kohya = {}
+    for name, (fan_in, fan_out) in shapes.items():
+        kohya[f"{name}.lora_down.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
+        kohya[f"{name}.lora_up.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.3
+        kohya[f"{name}.alpha"] = torch.tensor(2.0 * rank)
+    ours = OnnxFluxPipeline.from_pretrained(schnell_fused)
+    ours.set_progress_bar_config(disable=True)
+    base = images(ours, FLUX_CALL)
+    try:
+        torch_pipe.load_lora_weights(dict(kohya), adapter_name="kohya")
+        expected = images(torch_pipe, FLUX_CALL)
+    finally:
+        torch_pipe.unload_lora_weights()
+    ours.load_lora_weights(dict(kohya), adapter_name="kohya")
+    got = images(ours, FLUX_CALL)
+    assert np.abs(got - expected).max() <= TOLERANCE and np.abs(got - base).max() > 1e-2
