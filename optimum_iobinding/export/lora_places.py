@@ -4,10 +4,10 @@ A LoRA changes a layer's weight ``W`` (torch layout: ``(out, in)`` for a Linear,
 by ``scale · B @ A``. In the ONNX file that weight is an initializer in one of several forms: as it was (Conv, Gemm
 with ``transB``), transposed (the exporter's MatMul takes ``(in, out)``), packed with its neighbours by ONNX Runtime's
 attention fusion (Q, K and V side by side in one ``(in, k·out)`` MatMul weight, contiguous or interleaved per head),
-in NHWC order (the CUDA fusion's NhwcConv), and in float16 or bfloat16 after the precision conversion. :func:`weight_map` finds
-each Linear and Conv2d weight of the torch module among the final initializers by value, and records the form as a
-:class:`~optimum_iobinding.layout.WeightPlace`; the export writes the map beside the model as ``lora_map.json``
-(:func:`~optimum_iobinding.layout.write_weight_map`).
+in NHWC order (the CUDA fusion's NhwcConv), and in float16 or bfloat16 after the precision conversion.
+:func:`weight_map` finds each Linear and Conv2d weight of the torch module among the final initializers by value, and
+records the form as a :class:`~optimum_iobinding.layout.WeightPlace`; the export writes the map beside the model as
+``lora_map.json`` (:func:`~optimum_iobinding.layout.write_weight_map`).
 """
 
 from __future__ import annotations

@@ -199,7 +199,8 @@ class LoraLoaderMixin:
         if component not in maps:
             if model.model_path is None:
                 raise ArgumentError(component, "the model was not loaded from a file, so it has no lora_map.json")
-            maps[component] = read_weight_map(Path(model.model_path).parent)[0]
+            maps[component], not_found = read_weight_map(Path(model.model_path).parent)
+            state.setdefault("not_found", {})[component] = set(not_found)
             # the graph without its weights: the biases a rewrite folded from the layers' weights
             state.setdefault("folds", {})[component] = folded_biases(
                 onnx.load(str(model.model_path), load_external_data=False)
@@ -213,6 +214,12 @@ class LoraLoaderMixin:
             if candidate is not None and candidate in places_by_layer:
                 break
         else:
+            if {layer, f"text_model.{layer}"} & state["not_found"][component]:
+                raise ArgumentError(
+                    component,
+                    f"the LoRA changes layer {layer!r}, whose weight the export folded into another computation "
+                    "(lora_map.json lists it as not found), so no LoRA can change it",
+                )
             raise ArgumentError(
                 component,
                 f"the LoRA changes layer {layer!r}, which this model does not have (a LoRA for another architecture?)",

@@ -227,3 +227,22 @@ def test_a_kohya_flux_lora_with_alphas_equals_diffusers(schnell_fused, schnell):
     ours.load_lora_weights(dict(kohya), adapter_name="kohya")
     got = images(ours, FLUX_CALL)
     assert np.abs(got - expected).max() <= TOLERANCE and np.abs(got - base).max() > 1e-2
+
+
+def test_a_lora_on_a_layer_the_export_could_not_keep_addressable_is_refused_by_name(schnell, tmp_path):
+    import json
+    import shutil
+
+    torch_pipe, folder = schnell
+    copy = shutil.copytree(folder, tmp_path / "copy")
+    path = copy / "transformer" / "lora_map.json"
+    data = json.loads(path.read_text())
+    data["layers"].pop("transformer_blocks.0.attn.to_q")  # as if a rewrite had folded it into another computation
+    data["not_found"].append("transformer_blocks.0.attn.to_q")
+    path.write_text(json.dumps(data))
+    state = random_lora_layers(torch_pipe.transformer, ("transformer_blocks.0.attn.to_q",), 2, 0)
+    with pytest.raises(
+        ValueError,
+        match=r"transformer: the LoRA changes layer 'transformer_blocks\.0\.attn\.to_q', whose weight the export folded",
+    ):
+        OnnxFluxPipeline.from_pretrained(copy).load_lora_weights({f"transformer.{k}": v for k, v in state.items()})
