@@ -51,7 +51,10 @@ class Latents:
         )
 
     def scheduler_step_kwargs(self, generator: Generator, eta: float) -> Dict[str, Any]:
-        """``eta`` for DDIM-like schedulers, and a torch generator for stochastic ones (a numpy one cannot serve)."""
+        """``eta`` for DDIM-like schedulers, and the generator a stochastic one draws its noise from: the caller's
+        torch generator, or for a numpy ``RandomState`` a torch generator on the device seeded from a copy of its
+        state (the caller's generator is not advanced, so the initial noise stays diffusers'), so that the same seed
+        gives the same image with every scheduler."""
         if not is_real(eta) or not 0.0 <= eta <= 1.0:
             raise ArgumentError("eta", f"expected a number in [0, 1] (DDIM's noise share), got {eta!r}")
         accepted = set(inspect.signature(self.scheduler.step).parameters)
@@ -60,6 +63,11 @@ class Latents:
             kwargs["eta"] = eta
         if "generator" in accepted and is_torch_generator(generator):
             kwargs["generator"] = generator  # a list: one per image, as diffusers' schedulers take it
+        elif "generator" in accepted and isinstance(generator, np.random.RandomState):
+            copy = np.random.RandomState()
+            copy.set_state(generator.get_state())
+            seed = int(copy.randint(0, 2**63 - 1, dtype=np.int64))
+            kwargs["generator"] = torch.Generator(device=self.device).manual_seed(seed)
         return kwargs
 
     def set_timesteps(self, num_inference_steps: int, **scheduler_arguments: Any) -> torch.Tensor:

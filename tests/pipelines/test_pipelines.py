@@ -17,6 +17,7 @@ from optimum_iobinding import (
     OnnxStableDiffusionInpaintPipeline,
     OnnxStableDiffusionPipeline,
 )
+from optimum_iobinding.cli import SCHEDULERS as CLI_SCHEDULERS
 from optimum_iobinding.cli import main as cli_main
 
 SIZE = 64  # 8×8 latents: every test runs in well under a second
@@ -358,6 +359,31 @@ def test_other_diffusers_schedulers_match_the_numpy_loop_too(tiny_folder, schedu
         # a torch generator: Euler ancestral draws fresh noise every step from it
         images.append(generate(pipe, "txt2img", generator=torch.Generator().manual_seed(0)))
     assert np.abs(images[0] - images[1]).max() <= 1e-4 and images[0].std() > 0.01
+
+
+@pytest.mark.parametrize("scheduler", sorted(CLI_SCHEDULERS))
+def test_a_numpy_seed_gives_the_same_image_twice_with_every_scheduler(tiny_folder, scheduler):
+    """A stochastic scheduler (Euler ancestral) draws fresh noise every step: from the caller's numpy RandomState
+    too, through a torch generator seeded from a copy of its state, which leaves the RandomState where it was."""
+    import diffusers
+
+    images = []
+    for _ in range(2):
+        pipe = load(OnnxStableDiffusionPipeline, tiny_folder)
+        pipe.scheduler = getattr(diffusers, CLI_SCHEDULERS[scheduler]).from_config(pipe.scheduler.config)
+        images.append(generate(pipe, "txt2img", generator=np.random.RandomState(7)))
+    assert np.array_equal(images[0], images[1]) and images[0].std() > 0.01
+    generator = np.random.RandomState(7)
+    pipe.scheduler_step_kwargs(generator, 0.0)
+    assert generator.randint(2**31) == np.random.RandomState(7).randint(2**31)  # not advanced
+
+
+def test_generate_with_a_seed_and_euler_ancestral_writes_the_same_image_twice(tiny_folder, tmp_path):
+    for name in ("first.png", "second.png"):
+        argv = ["generate", "a cat", "--model", str(tiny_folder), "--steps", "3", "--height", "64", "--width", "64"]
+        assert cli_main([*argv, "--scheduler", "euler-ancestral", "--seed", "3", "--out", str(tmp_path / name)]) == 0
+    first, second = (np.asarray(PIL.Image.open(tmp_path / name)) for name in ("first.png", "second.png"))
+    assert np.array_equal(first, second)
 
 
 def test_a_directml_pipeline_with_binding_is_refused_before_anything_loads(tiny_folder):
