@@ -23,6 +23,7 @@ from .families import Family, family, family_of_class, pipeline_class
 if TYPE_CHECKING:
     from .serve.config import ServeConfig
 
+DEFAULT_PROMPT = "a photo of an astronaut riding a horse"  # generate's, without one
 SCHEDULERS = {
     "pndm": "PNDMScheduler",
     "ddim": "DDIMScheduler",
@@ -376,6 +377,14 @@ def check_generate_arguments(args: argparse.Namespace) -> Path:
     """Every check that needs no model; returns the image path. What depends on the model (sizes the UNet can run,
     at most the scheduler's steps) the pipeline checks before its first step."""
     out = check_image_path(args.out)
+    if args.prompt_option is not None:
+        if args.prompt is not None:
+            raise UsageError(
+                f"--prompt: expected the prompt once, got {args.prompt!r} and --prompt {args.prompt_option!r}"
+            )
+        args.prompt = args.prompt_option
+    if args.prompt is None:
+        args.prompt = DEFAULT_PROMPT
     for option in ("--steps", "--height", "--width"):
         value = getattr(args, option[2:])
         check(value > 0, option, "a positive integer", value)
@@ -707,6 +716,7 @@ SERVE_OPTIONS = {
     "max_prompt_tokens": "--max-prompt-tokens",
     "max_body_bytes": "--max-body-bytes",
     "request_timeout_s": "--request-timeout-s",
+    "cache": "--cache",
 }
 
 
@@ -748,6 +758,7 @@ def check_serve_arguments(args: argparse.Namespace, model: str) -> ServeConfig:
             max_prompt_tokens=args.max_prompt_tokens,
             max_body_bytes=args.max_body_bytes,
             request_timeout_s=args.request_timeout_s,
+            cache=args.cache,
         )
 
 
@@ -827,7 +838,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = add_command(commands, "generate", help="generate an image (offline with the tiny model by default)")
-    generate.add_argument("prompt", nargs="?", default="a photo of an astronaut riding a horse")
+    generate.add_argument("prompt", nargs="?", default=None, help=f"the prompt (default {DEFAULT_PROMPT!r})")
+    generate.add_argument(
+        "--prompt", dest="prompt_option", default=None, help="the prompt as an option, as stream and loadtest take it"
+    )
     generate.add_argument("--negative-prompt", default=None)
     generate.add_argument("--steps", type=int, default=20, help="denoising steps (default 20)")
     generate.add_argument(
@@ -910,6 +924,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_command.add_argument(
         "--cache-dir", default=None, help="where the tiny model is built (default ~/.cache/optimum-iobinding)"
+    )
+    serve_command.add_argument(
+        "--cache",
+        default=None,
+        metavar="SPEC",
+        help="cache every request's denoising steps (default off), as generate --cache: fbc:THRESHOLD or "
+        "deepcache:INTERVAL[:BRANCH]; the model folder needs the parts: export it with --step-cache",
     )
     serve_command.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (on 127.0.0.1)")
     limits = serve_command.add_argument_group("request limits (beyond them: 400 or 413 before any work)")

@@ -720,3 +720,27 @@ def test_an_image_beyond_the_hosts_memory_is_refused_before_the_model_loads(tiny
     assert line.startswith("optimum-iobinding: error: --height and --width: 100000×100000 needs at least ")
     assert ", the host's available memory; at most about " in line
     assert not (tmp_path / "a.png").exists()
+
+
+def test_serve_takes_a_step_cache_as_generate_does(tmp_path, capsys, no_work):
+    """``serve --cache`` (docs/serving.md, ``ServeConfig.cache``) reaches the service's config, checked and named as
+    the command line names it."""
+    args = cli.build_parser().parse_args(["serve", str(tmp_path), "--cache", "deepcache:3"])
+    assert cli.check_serve_arguments(args, str(tmp_path)).cache == "deepcache:3"
+    assert main(["serve", str(tmp_path), "--cache", "sometimes"]) == 2
+    assert error_line(capsys).startswith("optimum-iobinding: error: --cache: ")
+
+
+def test_generate_takes_the_prompt_as_an_option_too_but_only_once(tmp_path, capsys, no_work):
+    """``stream`` and ``loadtest`` take ``--prompt``; ``generate`` took its prompt only positionally, and answered
+    ``--prompt`` with "did you mean --negative-prompt?"."""
+    args = cli.build_parser().parse_args(["generate", "--prompt", "a cat", "--out", str(tmp_path / "a.png")])
+    cli.check_generate_arguments(args)
+    assert args.prompt == "a cat"
+    args = cli.build_parser().parse_args(["generate", "--out", str(tmp_path / "a.png")])
+    cli.check_generate_arguments(args)
+    assert args.prompt == cli.DEFAULT_PROMPT
+    assert main(["generate", "a dog", "--prompt", "a cat", "--out", str(tmp_path / "a.png")]) == 2
+    assert error_line(capsys) == (
+        "optimum-iobinding: error: --prompt: expected the prompt once, got 'a dog' and --prompt 'a cat'"
+    )
