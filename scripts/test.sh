@@ -26,13 +26,16 @@ setup() {  # setup VENV CONSTRAINTS EXTRAS
 setup .venv constraints.txt cpu,test,serve,video
 # the optimum environment installs meanwhile (mostly downloads; its log is shown if it fails). The suites run one
 # after the other, each a process per core: both are CPU-bound (a process more than cores made the main suite slower)
+set -m  # in a process group of its own: stopped whole (pip too) if this script ends first
 setup .venv-optimum constraints-optimum.txt cpu,test,optimum > .venv-optimum.log 2>&1 &
 optimum_setup=$!
-trap 'kill "$optimum_setup" 2>/dev/null || true' EXIT
+set +m
+trap 'kill -- -"$optimum_setup" 2>/dev/null || true' EXIT
 .venv/bin/ruff format --check --quiet .
 .venv/bin/ruff check --quiet .
 .venv/bin/lint-imports
 .venv/bin/python -m pytest -q -n auto --dist loadgroup "$@"
 wait "$optimum_setup" || { cat .venv-optimum.log >&2; exit 1; }
+trap - EXIT
 .venv-optimum/bin/python -m pytest -q -n auto --dist loadscope tests/test_optimum.py tests/pipelines tests/export \
   -k "(diffusers or optimum) and not fused and not optimiz" "$@"

@@ -169,18 +169,16 @@ class LoraLoaderMixin:
         import diffusers.loaders
 
         reader = getattr(diffusers.loaders, self.family.lora)
-        accepted = inspect.signature(reader.lora_state_dict).parameters
-        if "return_alphas" in accepted:  # FLUX.1's loader: the alphas only when asked, then the metadata
-            state_dict, alphas, metadata = reader.lora_state_dict(
-                source, return_alphas=True, return_lora_metadata=True, **kwargs
-            )
-        else:
-            found = reader.lora_state_dict(source, return_lora_metadata=True, **kwargs)
-            if len(found) == 3:
-                state_dict, alphas, metadata = found
-            else:  # SD3's: the state dict and the metadata, any alphas left among the keys
-                state_dict, metadata = found
-                alphas = {key: state_dict.pop(key) for key in [key for key in state_dict if key.endswith(".alpha")]}
+        extra = (
+            {"return_alphas": True} if "return_alphas" in inspect.signature(reader.lora_state_dict).parameters else {}
+        )
+        found = reader.lora_state_dict(source, return_lora_metadata=True, **extra, **kwargs)
+        found = found if isinstance(found, tuple) else (found,)
+        if reader.__name__ == "SD3LoraLoaderMixin":  # the state dict (and the metadata), any alphas among the keys
+            state_dict, metadata = found[0], (found[1] if len(found) > 1 else None)
+            alphas = {key: state_dict.pop(key) for key in [key for key in state_dict if key.endswith(".alpha")]}
+        else:  # the state dict, the alphas (and the metadata, where this diffusers gives it)
+            state_dict, alphas, metadata = found[0], found[1], (found[2] if len(found) > 2 else None)
         return state_dict, {key: float(value) for key, value in dict(alphas or {}).items()}, metadata
 
     @property
@@ -201,10 +199,18 @@ class LoraLoaderMixin:
                 raise ArgumentError(component, "the model was not loaded from a file, so it has no lora_map.json")
             maps[component], not_found = read_weight_map(Path(model.model_path).parent)
             state.setdefault("not_found", {})[component] = set(not_found)
-            # the graph without its weights: the biases a rewrite folded from the layers' weights
-            state.setdefault("folds", {})[component] = folded_biases(
-                onnx.load(str(model.model_path), load_external_data=False)
-            )
+            folds: List[Dict[str, Any]] = []
+            if component == "transformer":  # the biases a transformer rewrite folded from the layers' weights
+                folds = folded_biases(onnx.load(str(model.model_path), load_external_data=False))
+                placed = {place.initializer for found in maps[component].values() for place in found}
+                lost = [fold["weight"] for fold in folds if fold["weight"] not in placed]
+                if lost:  # its bias would keep a stale value under a LoRA
+                    raise ModelFileError(
+                        component,
+                        f"a bias is folded from the weight {lost[0]!r}, which lora_map.json places for no layer: "
+                        "export the model again",
+                    )
+            state.setdefault("folds", {})[component] = folds
         places_by_layer = maps[component]
         for candidate in (
             layer,
@@ -242,6 +248,8 @@ class LoraLoaderMixin:
             ValueError: the name is taken, or the LoRA does not fit the models (the message names the layer).
         """
         state = self._lora()
+        denoiser_model = getattr(self, self.family.interface.component, None)
+        owned_before = denoiser_model is not None and bool(denoiser_model.owned_weights)
         if adapter_name is None:
             adapter_name = f"default_{len(state['adapters'])}"
         if adapter_name in state["adapters"]:
@@ -312,11 +320,13 @@ class LoraLoaderMixin:
         for component in {component for component, _ in updates}:  # as diffusers: the new one, in what it changes
             state["active"][component] = {adapter_name: 1.0}
         self._apply_lora()
-        self._refresh_step_cache()
+        if not owned_before:  # this LoRA made the denoiser's weights owned: a step cache's parts must read them
+            self._refresh_step_cache()
 
     def _refresh_step_cache(self) -> None:
         """A step cache enabled before a LoRA made the denoiser's weights owned may run parts that loaded the
-        weights from the file (the CPU): made again, its parts read the owned weights the LoRA changes."""
+        weights from the file (the CPU): made again, its parts read the owned weights the LoRA changes. Later LoRAs
+        change the same owned tensors, and the parts need nothing."""
         denoiser = getattr(self, "denoiser", None)
         cache = getattr(denoiser, "cache", None)
         if cache is not None:

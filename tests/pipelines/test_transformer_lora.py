@@ -246,3 +246,19 @@ def test_a_lora_on_a_layer_the_export_could_not_keep_addressable_is_refused_by_n
         match=r"transformer: the LoRA changes layer 'transformer_blocks\.0\.attn\.to_q', whose weight the export folded",
     ):
         OnnxFluxPipeline.from_pretrained(copy).load_lora_weights({f"transformer.{k}": v for k, v in state.items()})
+
+
+def test_a_map_that_places_no_layer_on_a_folded_bias_weight_is_refused(schnell, schnell_fused, tmp_path):
+    """A bias folded from a weight the map places for no layer would keep a stale value under a LoRA."""
+    import json
+    import shutil
+
+    torch_pipe, _ = schnell
+    copy = shutil.copytree(schnell_fused, tmp_path / "copy")
+    path = copy / "transformer" / "lora_map.json"
+    data = json.loads(path.read_text())
+    data["layers"].pop("single_transformer_blocks.0.proj_out")
+    path.write_text(json.dumps(data))
+    state = random_lora_layers(torch_pipe.transformer, ("transformer_blocks.0.attn.to_q",), 2, 0)
+    with pytest.raises(ValueError, match=r"transformer: a bias is folded from the weight .* places for no layer"):
+        OnnxFluxPipeline.from_pretrained(copy).load_lora_weights({f"transformer.{k}": v for k, v in state.items()})
