@@ -9,6 +9,7 @@ import asyncio
 import base64
 import io
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -32,9 +33,17 @@ STEPS = 3
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port below the system's ephemeral range (32768 and up on Linux) and above Ray's worker ports (10002 …
+    19999): a port the system hands out (bind to 0) can be handed out again, to one of the processes of the Ray
+    cluster the server then starts, before Serve's proxy binds it."""
+    for port in random.Random().sample(range(20000, 32768), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000 … 32767")
 
 
 def post(url: str, body: dict):

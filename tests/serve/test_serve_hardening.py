@@ -10,9 +10,11 @@ server run in a process of its own, as ``optimum-iobinding serve`` runs it."""
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -42,9 +44,17 @@ REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port below the system's ephemeral range (32768 and up on Linux) and above Ray's worker ports (10002 …
+    19999): a port the system hands out (bind to 0) can be handed out again, to one of the processes of the Ray
+    cluster the server then starts, before Serve's proxy binds it."""
+    for port in random.Random().sample(range(20000, 32768), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000 … 32767")
 
 
 def post(url: str, body, headers=None):
@@ -347,7 +357,7 @@ class ServerProcess:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as response:
                 return response.status == 200
-        except OSError:
+        except (OSError, http.client.HTTPException):  # nothing there yet, or not HTTP: not the server
             return False
 
     def errors(self) -> str:
