@@ -14,10 +14,8 @@ import http.client
 import io
 import json
 import os
-import random
 import re
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -34,6 +32,8 @@ import pytest
 ray = pytest.importorskip("ray", reason="needs the serve extra (ray[serve])")
 import psutil  # noqa: E402  (vendored by ray: importable once ray is)
 
+from .test_serve import free_port  # noqa: E402
+
 # every test that starts Ray runs in one test process (scripts/test.sh: --dist loadgroup), one cluster at a time: two
 # clusters at once on a small machine take each other's cores
 pytestmark = pytest.mark.xdist_group("ray")
@@ -41,20 +41,6 @@ pytestmark = pytest.mark.xdist_group("ray")
 SIZE = 64
 STEPS = 2
 REPOSITORY = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A free port below the system's ephemeral range (32768 and up on Linux) and above Ray's worker ports (10002 …
-    19999): a port the system hands out (bind to 0) can be handed out again, to one of the processes of the Ray
-    cluster the server then starts, before Serve's proxy binds it."""
-    for port in random.Random().sample(range(20000, 32768), 200):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000 … 32767")
 
 
 def post(url: str, body, headers=None):
