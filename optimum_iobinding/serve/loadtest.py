@@ -3,9 +3,10 @@
 Each concurrency level runs that many client threads in a closed loop (each sends its next request once its last
 one is answered) until ``warmup`` uncounted answers and then ``requests`` counted ones came, without draining in
 between (see :func:`run_level`). A level's row gives images/s over the counted answers' time, p50/p95/p99 latency of
-the answered requests, the status codes, and the batch sizes the service reported (``X-Batch-Images``). While a level
-runs, :class:`LevelProgress` shows its answers so far on stderr: a line rewritten in place on a terminal, one plain
-line per level where stderr is a log. Writes ``loadtest.json`` (with the command, URL and date), ``loadtest.md`` and,
+the answered requests, the status codes, the errors by their kind (the status of an answer other than 200, or the
+kind of exception of a request without an answer) with their messages, and the batch sizes the service reported
+(``X-Batch-Images``). While a level runs, :class:`LevelProgress` shows its answers and errors so far on stderr: a line
+rewritten in place on a terminal, one plain line per level where stderr is a log. Writes ``loadtest.json`` (with the command, URL and date), ``loadtest.md`` and,
 where matplotlib is installed (the ``plot`` extra: ``pip install 'optimum-iobinding[plot]'``), ``loadtest.png``.
 
     optimum-iobinding loadtest http://127.0.0.1:8000 --concurrency 1,4,16,64 --requests 128 --out results/
@@ -66,17 +67,59 @@ def one_request(url: str, body: Dict[str, Any], timeout: float) -> Dict[str, Any
             response.read()
             status, headers = response.status, response.headers
     except urllib.error.HTTPError as error:
-        error.read()
-        status, headers = error.code, error.headers
+        status, headers, refusal = error.code, error.headers, answer_reason(error.code, error.read())
     except (OSError, http.client.HTTPException) as error:  # no HTTP answer: refused, reset, timed out, not HTTP
-        return {"status": None, "error": failure_reason(error), "seconds": time.perf_counter() - start}
+        return {
+            "status": None,
+            "error": failure_reason(error),
+            "error_kind": failure_kind(error),
+            "seconds": time.perf_counter() - start,
+        }
     seconds = time.perf_counter() - start
     batch = headers.get("X-Batch-Images")
     result = {"status": status, "seconds": seconds, "batch_images": int(batch) if batch else None}
+    if status != 200:
+        result.update(error=refusal if status >= 400 else str(status), error_kind=str(status))
     for key, header in SERVER_TIMES.items():
         value = headers.get(header)
         result[key] = float(value) if value else None
     return result
+
+
+def answer_reason(status: int, content: bytes) -> str:
+    """An answer's error in one line: its status and the message the service gave (FastAPI's ``detail``, OpenAI's
+    ``error.message``), if any."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return str(status)
+    message = body.get("detail") if isinstance(body, dict) else None
+    if isinstance(message, list) and message and isinstance(message[0], dict):  # a malformed body's (422)
+        first = message[0]
+        message = f"{'.'.join(str(part) for part in first.get('loc', ())[1:])}: {first.get('msg', '')}"
+    if message is None and isinstance(body, dict) and isinstance(body.get("error"), dict):
+        message = body["error"].get("message")
+    if not isinstance(message, str) or not message.strip():
+        return str(status)
+    line = message.strip().splitlines()[0]
+    return f"{status}: {line if len(line) <= 200 else line[:199] + '…'}"
+
+
+def failure_kind(error: BaseException) -> str:
+    """The kind of a request's failure to get an HTTP answer: the exception behind it (``ConnectionRefusedError``,
+    ``TimeoutError``, ``RemoteDisconnected``), not urllib's wrapper."""
+    reason = error.reason if isinstance(error, urllib.error.URLError) else error
+    return type(reason).__name__ if isinstance(reason, BaseException) else type(error).__name__
+
+
+def error_counts(kinds: Sequence[Optional[str]]) -> Dict[str, int]:
+    """How many errors of each kind, the most frequent first."""
+    return dict(Counter(kind or "error" for kind in kinds).most_common())
+
+
+def errors_text(counts: Dict[str, int]) -> str:
+    """``"400 ×2, ConnectionRefusedError ×1"``: each kind and its count."""
+    return ", ".join(f"{kind} ×{count}" for kind, count in counts.items())
 
 
 def failure_reason(error: BaseException) -> str:
@@ -90,8 +133,9 @@ def failure_reason(error: BaseException) -> str:
 
 class LevelProgress:
     """What one level has done so far, shown on ``stream`` while it runs: the answers that came of the level's
-    ``warmup + requests``, the errors among them (answers other than 200, and requests that got no HTTP answer) and
-    the images/s of the counted answers since the warm-up ended.
+    ``warmup + requests``, the errors among them by kind (answers other than 200 by status, and requests that got no
+    HTTP answer by exception: ``2 errors (503 ×1, ConnectionResetError ×1)``) and the images/s of the counted answers
+    since the warm-up ended.
 
     Where ``stream`` is a terminal (``isatty()``) the line is tqdm's, rewritten in place at most every
     ``refresh_seconds``; elsewhere (a log, CI) nothing shows while the level runs and one plain line is written when
@@ -124,6 +168,7 @@ class LevelProgress:
         self.stream = stream
         self.answered = 0
         self.errors = 0
+        self.error_kinds: List[Optional[str]] = []
         self.images = 0
         self.window_start = (time.perf_counter() if start is None else start) if warmup == 0 else None
         self.bar: Any = None
@@ -143,9 +188,10 @@ class LevelProgress:
             )
 
     def counts(self, images_per_s: Optional[float]) -> str:
-        """``"2 errors, 3.10 images/s"`` (``—`` images/s until a counted answer came)."""
+        """``"2 errors (400 ×2), 3.10 images/s"`` (``—`` images/s until a counted answer came)."""
         rate = "—" if images_per_s is None else f"{images_per_s:.2f}"
-        return f"{self.errors} error{'' if self.errors == 1 else 's'}, {rate} images/s"
+        kinds = f" ({errors_text(error_counts(self.error_kinds))})" if self.errors else ""
+        return f"{self.errors} error{'' if self.errors == 1 else 's'}{kinds}, {rate} images/s"
 
     def images_per_s(self, now: float) -> Optional[float]:
         """Images/s of the counted answers so far, since the warm-up ended; ``None`` before any counted answer."""
@@ -153,10 +199,13 @@ class LevelProgress:
             return None
         return self.images / (now - self.window_start)
 
-    def add(self, ok: bool, when: float) -> None:
-        """One answer came at ``when`` (``time.perf_counter()``); ``ok``: status 200."""
+    def add(self, ok: bool, when: float, kind: Optional[str] = None) -> None:
+        """One answer came at ``when`` (``time.perf_counter()``); ``ok``: status 200; otherwise ``kind`` says what
+        failed (the status, or the exception of a request without an answer)."""
         self.answered += 1
         self.errors += not ok
+        if not ok:
+            self.error_kinds.append(kind)
         if self.answered == self.warmup:
             self.window_start = when
         elif self.answered > self.warmup and ok:
@@ -234,7 +283,7 @@ def run_level(
                 result["answered"] = time.perf_counter()
                 state["answers"].append(result)
                 if shown is not None and len(state["answers"]) <= total:  # not those still out at the end
-                    shown.add(result["status"] == 200, result["answered"])
+                    shown.add(result["status"] == 200, result["answered"], result.get("error_kind"))
 
     with ThreadPoolExecutor(concurrency) as pool:
         for future in [pool.submit(client) for _ in range(concurrency)]:
@@ -266,6 +315,9 @@ def run_level(
         },
         "statuses": dict(Counter(str(r["status"]) for r in results)),
         "batch_images": dict(sorted(Counter(r.get("batch_images") for r in ok if r.get("batch_images")).items())),
+        # the errors by kind (the status, or the exception of a request without an answer), and a few of their
+        # messages
+        "error_counts": error_counts([r["error_kind"] for r in results if "error_kind" in r]),
         "errors": sorted({r["error"] for r in results if "error" in r})[:5],
     }
     if shown is not None:
@@ -295,17 +347,23 @@ def table(rows: Sequence[Dict[str, Any]]) -> str:
         return "" if value is None else f"{value * 1000:.0f}"
 
     lines = [
-        "| concurrency | requests (ok) | images/s | p50 ms | p95 ms | p99 ms | batch images seen |",
-        "|---|---|---|---|---|---|---|",
+        "| concurrency | requests (ok) | images/s | p50 ms | p95 ms | p99 ms | batch images seen | errors |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         batches = ", ".join(f"{size}×{count}" for size, count in row["batch_images"].items())
         rate = "" if row["images_per_s"] is None else f"{row['images_per_s']:.2f}"
         lines.append(
             f"| {row['concurrency']} | {row['requests']} ({row['ok']}) | {rate} | {ms(row['p50_s'])} | "
-            f"{ms(row['p95_s'])} | {ms(row['p99_s'])} | {batches} |"
+            f"{ms(row['p95_s'])} | {ms(row['p99_s'])} | {batches} | {errors_text(row.get('error_counts', {}))} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + error_lines(rows))
+
+
+def error_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
+    """Below the table, a line per level with errors: what they said (a few of their messages)."""
+    lines = [f"- concurrency {row['concurrency']}: " + "; ".join(row["errors"]) for row in rows if row.get("errors")]
+    return ["", "Errors:", *lines] if lines else []
 
 
 PLOT_EXTRA = "pip install 'optimum-iobinding[plot]'"

@@ -21,7 +21,7 @@ from optimum_iobinding.serve.loadtest import LevelProgress, run_level, write_res
 
 class Service:
     """Answers POST /v1/images at once with the headers the serve app sends; request bodies are recorded. A prompt
-    "bad" gets 400, and so does a prompt "odd seeds fail" with an odd seed."""
+    "bad" gets 400 (with the serve app's ``detail``), and so does a prompt "odd seeds fail" with an odd seed."""
 
     def __init__(self):
         self.bodies = []
@@ -45,9 +45,10 @@ class Service:
                     ("X-Encode-Seconds", "0.0005"),
                 ):
                     self.send_header(name, value)
-                self.send_header("Content-Length", "2")
+                answer = json.dumps({"detail": "prompt: refused"}).encode() if refused else b"ok"
+                self.send_header("Content-Length", str(len(answer)))
                 self.end_headers()
-                self.wfile.write(b"ok")
+                self.wfile.write(answer)
 
             def log_message(self, *args):
                 pass
@@ -88,6 +89,16 @@ def test_refused_requests_are_reported_by_status_and_not_counted_as_images(servi
     assert row["images_per_s"] == 0
 
 
+def test_a_levels_errors_are_counted_by_their_kind_with_what_the_service_said(service):
+    row = run_level(service.url, 1, 4, {"prompt": "odd seeds fail", "seed": 0}, warmup=0)
+    assert row["error_counts"] == {"400": 2} and row["errors"] == ["400: prompt: refused"]
+
+
+def test_requests_without_an_answer_are_counted_by_the_kind_of_their_failure(no_server):
+    row = run_level(no_server, 1, 2, {"prompt": "a cat"}, warmup=0)
+    assert row["error_counts"] == {"ConnectionRefusedError": 2} and row["errors"] == ["Connection refused"]
+
+
 @pytest.mark.parametrize("arguments", [(0, 4, 0), (2, 0, 0), (2, 4, -1)])
 def test_a_level_refuses_non_positive_counts(service, arguments):
     concurrency, requests, warmup = arguments
@@ -117,16 +128,18 @@ def test_the_progress_counts_refused_requests_as_errors_warm_up_included(service
     log = io.StringIO()  # one client: exactly the seeds 0 … 5 go out, and 1, 3 and 5 are refused
     row = run_level(service.url, 1, 4, {"prompt": "odd seeds fail", "seed": 0}, warmup=2, progress=log)
     assert row["statuses"] == {"200": 2, "400": 2}
-    assert log.getvalue() == f"concurrency 1: 6/6 requests, 3 errors, {row['images_per_s']:.2f} images/s\n"
+    assert log.getvalue() == f"concurrency 1: 6/6 requests, 3 errors (400 ×3), {row['images_per_s']:.2f} images/s\n"
 
 
-def test_the_progress_counts_requests_without_an_answer_as_errors():
+def test_the_progress_counts_requests_without_an_answer_as_errors_by_their_kind():
     log = io.StringIO()
-    progress = LevelProgress(1, requests=2, warmup=0, images_per_request=1, stream=log, start=0.0)
-    for when in (1.0, 2.0):
-        progress.add(ok=False, when=when)
-    progress.close({"statuses": {"None": 1, "200": 1}, "images_per_s": 0.0})
-    assert log.getvalue() == "concurrency 1: 2/2 requests, 2 errors, 0.00 images/s\n"
+    progress = LevelProgress(1, requests=3, warmup=0, images_per_request=1, stream=log, start=0.0)
+    for when, kind in ((1.0, "503"), (2.0, "ConnectionResetError"), (3.0, "ConnectionResetError")):
+        progress.add(ok=False, when=when, kind=kind)
+    progress.close({"statuses": {"None": 2, "503": 1}, "images_per_s": 0.0})
+    assert log.getvalue() == (
+        "concurrency 1: 3/3 requests, 3 errors (ConnectionResetError ×2, 503 ×1), 0.00 images/s\n"
+    )
 
 
 def test_on_a_terminal_the_line_is_redrawn_in_place_with_the_answers_errors_and_images_per_second_so_far():
@@ -137,12 +150,12 @@ def test_on_a_terminal_the_line_is_redrawn_in_place_with_the_answers_errors_and_
     assert "concurrency 4: 0/3 requests" in terminal.frames()[-1]
     progress.add(ok=True, when=10.0)  # the warm-up's answer: the images/s start from here
     assert "concurrency 4: 1/3 requests" in terminal.frames()[-1] and "0 errors, — images/s" in terminal.frames()[-1]
-    progress.add(ok=False, when=11.0)
-    assert "2/3 requests" in terminal.frames()[-1] and "1 error, 0.00 images/s" in terminal.frames()[-1]
+    progress.add(ok=False, when=11.0, kind="400")
+    assert "2/3 requests" in terminal.frames()[-1] and "1 error (400 ×1), 0.00 images/s" in terminal.frames()[-1]
     progress.add(ok=True, when=12.0)  # 2 images in the 2 s since the warm-up
-    assert "3/3 requests" in terminal.frames()[-1] and "1 error, 1.00 images/s" in terminal.frames()[-1]
+    assert "3/3 requests" in terminal.frames()[-1] and "1 error (400 ×1), 1.00 images/s" in terminal.frames()[-1]
     progress.close({"statuses": {"200": 1, "400": 1}, "images_per_s": 0.9})  # the level's own figure at the end
-    assert "3/3 requests" in terminal.frames()[-1] and "1 error, 0.90 images/s" in terminal.frames()[-1]
+    assert "3/3 requests" in terminal.frames()[-1] and "1 error (400 ×1), 0.90 images/s" in terminal.frames()[-1]
     assert terminal.getvalue().count("\n") == 1 and terminal.getvalue().endswith("\n")  # one line, left in place
 
 
@@ -162,7 +175,16 @@ def test_the_command_writes_a_progress_line_per_level_on_stderr_and_the_table_on
         ["concurrency 1: 2/2 requests", " 0 errors"],
         ["concurrency 2: 2/2 requests", " 0 errors"],
     ]
-    assert "| 1 | 2 (2) |" in output.out and "| 2 | 2 (2) |" in output.out and "errors" not in output.out
+    assert "| 1 | 2 (2) |" in output.out and "| 2 | 2 (2) |" in output.out and "requests," not in output.out
+
+
+def test_the_report_counts_each_levels_errors_by_kind_and_says_what_they_were(service, capsys):
+    argv = ["loadtest", service.url, "--concurrency", "1", "--requests", "2", "--warmup", "0", "--prompt", "bad"]
+    assert main(argv) == 1
+    output = capsys.readouterr()
+    assert "| 1 | 2 (0) |" in output.out and output.out.splitlines()[2].endswith("| 400 ×2 |")
+    assert "- concurrency 1: 400: prompt: refused" in output.out
+    assert "2 errors (400 ×2)" in output.err
 
 
 # --------------------------------------------------------------------------------------------------- the command
