@@ -98,6 +98,8 @@ class Family:
         image_inputs: the image arguments a call takes, by their names in its ``__call__`` (``image``, ``mask_image``,
             ``control_image``; the ControlNet pipeline's control image is diffusers' ``image``; a stream's ``frame``).
         image_to_image: the key of its image-to-image sibling on the same components, if any.
+        inpainting: the key of its inpainting sibling on the same components (which keeps the unmasked area of a
+            plain denoiser by blending), if any.
         export: the exporter that writes its folder (``"unet"``, ``"sd3"``, ``"flux"``; ``None``: none).
         torch_classes: diffusers' torch pipeline classes the exporter takes for it.
         tiny_random: the tiny random models (``export --tiny-random KIND``) of its shapes.
@@ -129,6 +131,7 @@ class Family:
     text_to_image: bool = True
     image_inputs: FrozenSet[str] = frozenset()
     image_to_image: Optional[str] = None
+    inpainting: Optional[str] = None
     export: Optional[str] = None
     torch_classes: Tuple[str, ...] = ()
     tiny_random: Tuple[str, ...] = ()
@@ -270,6 +273,7 @@ FAMILIES: Tuple[Family, ...] = (
         _SD_DEFAULTS,
         index_class_names=_SD_INDEX,
         image_to_image="sd-img2img",
+        inpainting="inpaint",
         torch_classes=("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline"),
         tiny_random=("sd",),
         numpy_class=DIFFUSERS_ONNX_CLASS_NAME,

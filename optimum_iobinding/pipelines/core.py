@@ -267,9 +267,18 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
     def image_to_image(self) -> Optional["OnnxDiffusionPipeline"]:
         """This pipeline's image-to-image sibling on the same components (no second copy of any model), or ``None``
         where the family has none or the folder has no VAE encoder."""
-        if self.family.image_to_image is None or getattr(self, "vae_encoder", None) is None:
+        return self._sibling(self.family.image_to_image)
+
+    def inpainting(self) -> Optional["OnnxDiffusionPipeline"]:
+        """This pipeline's inpainting sibling on the same components (no second copy of any model), or ``None``
+        where the family has none or the folder has no VAE encoder."""
+        return self._sibling(self.family.inpainting)
+
+    def _sibling(self, key: Optional[str]) -> Optional["OnnxDiffusionPipeline"]:
+        """The pipeline of family ``key`` on this one's components, where ``key`` is set and a VAE encoder is there."""
+        if key is None or getattr(self, "vae_encoder", None) is None:
             return None
-        sibling = pipeline_class(family(self.family.image_to_image))
+        sibling = pipeline_class(family(key))
         accepted = {*names_of(sibling.declared_components), "scheduler", *sibling.settings}
         return sibling(**{name: module for name, module in self.components.items() if name in accepted})
 

@@ -4,12 +4,13 @@
 The application is one deployment, ``ImageService``: each replica holds one pipeline and its batching
 (:class:`~optimum_iobinding.serve.batching.ImageGenerator`, or a subclass given to :func:`build_app`; ``num_gpus=1``
 per replica on a GPU cluster, CPU replicas without one) and the HTTP API (FastAPI through ``@serve.ingress``:
-``POST /v1/images``, ``GET /health``, ``GET /v1/models``, the routes of :data:`api`, each answered by its replica's
-generator). Serve's proxy routes each HTTP request to a replica. (A separate ingress deployment would add a process
-hop that carries every image, for nothing the one deployment cannot do.)
+``POST /v1/images``, OpenAI's images API ``POST /v1/images/generations`` and ``POST /v1/images/edits``,
+``GET /health``, ``GET /v1/models``: the routes of :data:`api`, each answered by its replica's generator). Serve's
+proxy routes each HTTP request to a replica. (A separate ingress deployment would add a process hop that carries
+every image, for nothing the one deployment cannot do.)
 
 Requests are checked before batching, before any of their work is queued: 413 for a body over ``max_body_bytes``,
-422 for a malformed body, 400 naming the limit or the pipeline's own message for values beyond the replica's limits
+422 for a malformed body (400 on OpenAI's routes, in its error shape), 400 naming the limit or the pipeline's own message for values beyond the replica's limits
 (:class:`~optimum_iobinding.serve.config.RequestLimits`) or that the pipeline refuses, so a bad request never fails
 the others. A pipeline call that fails otherwise (an allocation failure) answers its requests 503 with a one-line
 reason and the replica goes on; a request not answered within ``request_timeout_s`` gets 504. The proxy answers 503
@@ -33,7 +34,7 @@ import signal
 import threading
 import time
 from dataclasses import asdict
-from typing import Any, Callable, Dict, Optional, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
 try:
     from fastapi import FastAPI, HTTPException, Request
@@ -47,7 +48,15 @@ except ImportError as error:  # pragma: no cover - the message is the point
 
 from .batching import ImageGenerator
 from .config import ServeConfig, ServeStartError, check_port_free, is_loopback, local_url, wait_until_answering
-from .schema import ImageRequest, encode_pngs
+from .schema import (
+    ImageRequest,
+    OpenAIError,
+    OpenAIImageEditRequest,
+    OpenAIImageRequest,
+    encode_pngs,
+    openai_edit_request,
+    openai_generation_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +130,35 @@ async def _images(http_request: Request) -> Response:
         raise HTTPException(
             400, f"n: a png response holds one image; ask for response_format='b64_json' for n={request['n']}"
         )
-    result = await generator.generate(request)
+    result, encoded, headers = await generated(generator, request, start, body_s)
     if "error" in result:
         raise HTTPException(result.get("status", 400), result["error"])
+    if request["response_format"] == "png":
+        return Response(content=encoded[0], media_type="image/png", headers=headers)
+    data = [
+        {"b64_json": base64.b64encode(png).decode("ascii"), "seed": seed} for png, seed in zip(encoded, result["seeds"])
+    ]
+    return JSONResponse(
+        {
+            "created": int(time.time()),
+            "model": generator.model_id,
+            "data": data,
+            "batch_images": result["batch_images"],
+            "batch_requests": result["batch_requests"],
+        },
+        headers=headers,
+    )
+
+
+async def generated(
+    generator: ImageGenerator, request: Dict[str, Any], start: float, body_s: float
+) -> Tuple[Dict[str, Any], List[bytes], Dict[str, str]]:
+    """A request through the replica's generator: its result (``{"error", "status", "param"}`` where it was
+    refused or failed), its images as PNGs and the headers that say where its time went (``start``: when the
+    handler began, ``body_s``: the read of its body)."""
+    result = await generator.generate(request)
+    if "error" in result:
+        return result, [], {}
     encoded, encode_s = result.get("pngs"), result.get("encode_s")
     if encoded is None:  # compressed PNGs: on a thread of their own, beside the others
         encoding = time.perf_counter()
@@ -141,18 +176,100 @@ async def _images(http_request: Request) -> Response:
         "X-Encode-Seconds": f"{encode_s:.6f}",
         "X-Server-Seconds": f"{time.perf_counter() - start:.6f}",
     }
-    if request["response_format"] == "png":
-        return Response(content=encoded[0], media_type="image/png", headers=headers)
-    data = [
-        {"b64_json": base64.b64encode(png).decode("ascii"), "seed": seed} for png, seed in zip(encoded, result["seeds"])
-    ]
+    return result, encoded, headers
+
+
+# ------------------------------------------------------------------------------------------ OpenAI's images API
+_OPENAI_RESPONSES = {
+    200: {"description": "OpenAI's images response: created, data [{b64_json, seed}], size, output_format"},
+    400: {"description": "OpenAI's error shape: {error: {message, type, param, code}}"},
+}
+_OPENAI_GENERATION_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": OpenAIImageRequest.model_json_schema()}},
+    }
+}
+_EDIT_FIELDS = OpenAIImageEditRequest.model_json_schema()
+_OPENAI_EDIT_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": dict(
+                    _EDIT_FIELDS,
+                    properties={
+                        "image": {"type": "string", "format": "binary", "description": "a PNG or JPEG"},
+                        "mask": {
+                            "type": "string",
+                            "format": "binary",
+                            "description": "inpainting: a PNG of the image's size, repainted where transparent",
+                        },
+                        **_EDIT_FIELDS["properties"],
+                    },
+                    required=["image", *_EDIT_FIELDS.get("required", [])],
+                )
+            }
+        },
+    }
+}
+
+
+@api.post("/v1/images/generations", openapi_extra=_OPENAI_GENERATION_BODY, responses=_OPENAI_RESPONSES)
+async def openai_generations(request: Request) -> Response:
+    """OpenAI's ``images.generate``: a JSON body (:class:`~optimum_iobinding.serve.schema.OpenAIImageRequest`)."""
+    return await openai_images(request, edit=False)
+
+
+@api.post("/v1/images/edits", openapi_extra=_OPENAI_EDIT_BODY, responses=_OPENAI_RESPONSES)
+async def openai_edits(request: Request) -> Response:
+    """OpenAI's ``images.edit``: a multipart form with an ``image`` file, an optional ``mask`` file (inpainting;
+    without it, image to image) and text fields (:class:`~optimum_iobinding.serve.schema.OpenAIImageEditRequest`)."""
+    return await openai_images(request, edit=True)
+
+
+async def openai_images(http_request: Request, edit: bool) -> Response:
+    """An OpenAI images request, answered as OpenAI's API answers: refusals and failures in its error shape
+    (``{"error": {"message", "type", "param", "code"}}``) with the status ``POST /v1/images`` gives them, except
+    that a malformed field is 400 (OpenAI's), not 422; a model this server does not serve is 404."""
+    try:
+        return await _openai_images(http_request, edit)
+    except OpenAIError as error:
+        return JSONResponse(error.body(), status_code=error.status)
+    except HTTPException as error:  # the body's size (413)
+        return JSONResponse(OpenAIError(error.status_code, error.detail).body(), status_code=error.status_code)
+    except ClientDisconnect:
+        refused = OpenAIError(400, "body: expected all of it, got part; the client went away")
+        return JSONResponse(refused.body(), status_code=400)
+    except Exception as error:  # noqa: BLE001 — the replica goes on; the reason is logged with its traceback
+        logger.exception("POST %s failed", http_request.url.path)
+        failed = OpenAIError(503, f"service: expected to answer, got {error_line(error, 300)}; try again")
+        return JSONResponse(failed.body(), status_code=503)
+
+
+async def _openai_images(http_request: Request, edit: bool) -> Response:
+    start = time.perf_counter()
+    generator = replica_generator()
+    body = await read_body(http_request, generator.limits.max_body_bytes)
+    body_s = time.perf_counter() - start
+    if edit:
+        request = openai_edit_request(body, http_request.headers.get("content-type", ""), generator.model_id)
+    else:
+        request = openai_generation_request(body, generator.model_id)
+    result, encoded, headers = await generated(generator, request, start, body_s)
+    if "error" in result:
+        raise OpenAIError(result.get("status", 400), result["error"], result.get("param"))
+    height, width = result["images"][0].shape[:2]
     return JSONResponse(
         {
             "created": int(time.time()),
+            "data": [
+                {"b64_json": base64.b64encode(png).decode("ascii"), "seed": seed}
+                for png, seed in zip(encoded, result["seeds"])
+            ],
             "model": generator.model_id,
-            "data": data,
-            "batch_images": result["batch_images"],
-            "batch_requests": result["batch_requests"],
+            "output_format": "png",
+            "size": f"{width}x{height}",
         },
         headers=headers,
     )

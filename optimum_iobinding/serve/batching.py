@@ -18,7 +18,9 @@ becomes pipeline calls and answers — :class:`ImageGenerator` (no HTTP) and its
   batch's floating-point rounding.
 * Requests with an ``image`` run image-to-image on the pipeline's image-to-image sibling, which shares the same
   models (where the family has one and the folder a VAE encoder: :meth:`~optimum_iobinding.pipelines.
-  OnnxDiffusionPipeline.image_to_image`), batched with the image-to-image requests of the same strength.
+  OnnxDiffusionPipeline.image_to_image`), batched with the image-to-image requests of the same strength; with a
+  ``mask`` too, inpainting on its inpainting sibling (:meth:`~optimum_iobinding.pipelines.OnnxDiffusionPipeline.
+  inpainting`), batched with the inpainting requests of the same strength.
 * Requests are checked before batching (:meth:`ImageGenerator.complete_request`: the replica's limits, then the
   pipeline's own checks), so a bad request never fails the others and never queues any work.
 * A pipeline call that fails is retried one request at a time, so only the requests whose own call fails get an
@@ -47,7 +49,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
 from ..errors import ArgumentError
 from ..families import family, family_of_class
 from .config import RequestLimits, ServeConfig
-from .schema import MAX_SEED, decode_image, encode_pngs, parse_size, shown
+from .schema import MAX_SEED, decode_image, decode_mask, encode_pngs, parse_size, shown
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ PIPELINE_ARGUMENT_FIELDS = {
     "guidance_scale": "guidance",
     "num_images_per_prompt": "n",
     "strength": "strength",
+    "mask_image": "mask",
     "prompt": "prompt",
     "negative_prompt": "negative_prompt",
 }
@@ -104,6 +107,12 @@ QUEUED_REGROUP_WAIT = 0.5
 # a burst once, a small share of one batch; too short, the burst's last request misses the first batch.
 IDLE_GATHER_WAIT = 0.1
 
+# the strength of a request with an image and no strength: image to image keeps a fifth of the schedule's noise
+# steps out (diffusers' default); inpainting starts from noise (the inpainting pipeline's default), its unmasked area
+# kept from the image
+IMAGE_TO_IMAGE_STRENGTH = 0.8
+INPAINTING_STRENGTH = 1.0
+
 
 def _images_in(requests: Sequence[Dict[str, Any]]) -> int:
     return sum(request["n"] for request in requests)
@@ -117,8 +126,14 @@ def _group_key(request: Dict[str, Any]) -> Tuple:
         request["steps"],
         request["guidance"],
         request.get("start_image") is not None,
+        request.get("start_mask") is not None,
         request.get("strength"),
     )
+
+
+def refusal(error: BaseException) -> Dict[str, Any]:
+    """The answer to a request refused (400), naming the field it refused (``param``) where the error names it."""
+    return {"error": str(error), "status": 400, "param": getattr(error, "argument", None)}
 
 
 def _failure(error: BaseException) -> str:
@@ -278,6 +293,7 @@ class ImageGenerator:
         provider = self.config.provider or ("CUDAExecutionProvider" if use_cuda else "CPUExecutionProvider")
         self.numpy_engine = self.config.engine == "diffusers-numpy"
         self.img2img: Any = None  # the image-to-image pipeline on the same models, where there is one
+        self.inpaint: Any = None  # the inpainting pipeline on the same models, where there is one
         with model_named_as_configured():
             # a hub id: the files any text-to-image family reads, downloaded once per replica's machine
             folder = str(resolve_model_folder(self.config.model))
@@ -297,12 +313,14 @@ class ImageGenerator:
             self.pipeline_name = self.family.class_name
             self.default_size = self.pipe.default_image_size
             self.img2img = self.pipe.image_to_image()  # no second copy of any model
-            if self.img2img is not None:
-                self.img2img.set_progress_bar_config(disable=True)
-            if self.config.cache is not None:  # every request's steps, image to image's too
+            self.inpaint = self.pipe.inpainting()
+            for sibling in (self.img2img, self.inpaint):
+                if sibling is not None:
+                    sibling.set_progress_bar_config(disable=True)
+            if self.config.cache is not None:  # every request's steps, image to image's and inpainting's too
                 from ..pipelines.cache_configs import cache_config_of
 
-                for pipe in (self.pipe, self.img2img):
+                for pipe in (self.pipe, self.img2img, self.inpaint):
                     if pipe is not None:
                         pipe.enable_cache(cache_config_of(self.config.cache))
         self.pipe.set_progress_bar_config(disable=True)
@@ -383,6 +401,7 @@ class ImageGenerator:
             "default_size": self.default_size,
             "warmup_s": self.warmup_s,
             "image_to_image": self.img2img is not None,
+            "inpainting": self.inpaint is not None,
             "max_batch_size": self.config.max_batch_size,
             "device": str(self.pipe.device),
             "batches_run": self.batches_run,
@@ -421,13 +440,20 @@ class ImageGenerator:
             raise ArgumentError("steps", f"expected 1 to {limits.max_steps} (max_steps), got {shown(request['steps'])}")
         if request.get("guidance") is None:
             request["guidance"] = self.config.guidance
-        request["start_image"] = None
+        request["start_image"] = request["start_mask"] = None
+        mask = request.pop("mask", None)
         if request.get("image") is not None:
-            if self.img2img is None:
+            if mask is None and self.img2img is None:
                 raise ArgumentError(
                     "image",
                     f"{self.pipeline_name} on this folder has no image-to-image pipeline (its "
                     "family has none, or the folder has no VAE encoder)",
+                )
+            if mask is not None and self.inpaint is None:
+                raise ArgumentError(
+                    "mask",
+                    f"{self.pipeline_name} on this folder has no inpainting pipeline (its family has none, or the "
+                    "folder has no VAE encoder); leave the mask out for image to image",
                 )
             request["start_image"] = decode_image(request["image"], limits.max_pixels_per_image)
             height, width = request["start_image"].shape[:2]
@@ -436,8 +462,12 @@ class ImageGenerator:
                     "size", f"the image is {width}x{height}; leave size out or give that, got {shown(request['size'])}"
                 )
             request["size"] = f"{width}x{height}"
+            if mask is not None:
+                request["start_mask"] = decode_mask(mask, (width, height), limits.max_pixels_per_image)
             if request.get("strength") is None:
-                request["strength"] = 0.8
+                request["strength"] = IMAGE_TO_IMAGE_STRENGTH if mask is None else INPAINTING_STRENGTH
+        elif mask is not None:
+            raise ArgumentError("mask", "expected it beside an image to repaint (image), got a mask alone")
         elif request.get("strength") is not None:
             raise ArgumentError("strength", "only an image-to-image request (with image) takes one")
         request.pop("image", None)
@@ -508,7 +538,7 @@ class ImageGenerator:
         try:
             request = self.complete_request(request)
         except (ValueError, TypeError) as error:
-            return {"error": str(error), "status": 400}
+            return refusal(error)
         timeout = self.limits.request_timeout_s
         try:
             result = await asyncio.wait_for(self._queue_and_run(request), timeout)
@@ -671,7 +701,7 @@ class ImageGenerator:
     @staticmethod
     def _error_result(error: BaseException) -> Dict[str, Any]:
         if isinstance(error, (ValueError, TypeError)):  # a value the pipeline's checks let through and it refused
-            return {"error": str(error), "status": 400}
+            return refusal(named_by_field(error) if isinstance(error, ArgumentError) else error)
         logger.error("a pipeline call failed; its requests get 503", exc_info=error)
         return {"error": _failure(error), "status": 503}
 
@@ -708,13 +738,14 @@ class ImageGenerator:
         import numpy as np
         import torch
 
-        prompts, negatives, seeds, starts = [], [], [], []
+        prompts, negatives, seeds, starts, masks = [], [], [], [], []
         for member in members:
             for k in range(member["n"]):
                 prompts.append(member["prompt"])
                 negatives.append(member.get("negative_prompt") or "")
                 seeds.append(member["seed"] + k)
                 starts.append(member.get("start_image"))
+                masks.append(member.get("start_mask"))
         first = members[0]
         if self.numpy_engine:
             generator: Any = np.random.RandomState(seeds[0] % 2**32)
@@ -730,7 +761,16 @@ class ImageGenerator:
         if self.takes_negative_prompt and any(negatives):
             arguments["negative_prompt"] = negatives
         pipe = self.pipe
-        if first.get("start_image") is not None:  # one start image per image row, each with its own generator
+        if first.get("start_mask") is not None:  # one image and mask per image row, each with its own generator
+            pipe = self.inpaint
+            arguments.update(
+                image=np.stack(starts),
+                mask_image=np.stack(masks),
+                strength=first["strength"],
+                height=first["height"],
+                width=first["width"],
+            )
+        elif first.get("start_image") is not None:  # one start image per image row, each with its own generator
             pipe = self.img2img
             arguments.update(image=np.stack(starts), strength=first["strength"])
         else:

@@ -115,15 +115,27 @@ def server(tiny_folder):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_folder):
-    """Single calls, one seed each, in this process."""
+def reference_pipe(tiny_folder):
+    """The tiny model's pipeline in this process, for single calls (its image-to-image and inpainting siblings on the
+    same models)."""
     from optimum_iobinding import OnnxStableDiffusionPipeline
 
     pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def as_uint8(image: np.ndarray) -> np.ndarray:
+    """A pipeline's float image as the service answers it (as diffusers' numpy_to_pil)."""
+    return (np.clip(image, 0, 1) * 255).round().astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_pipe):
+    """Single calls, one seed each, in this process."""
 
     def image(prompt: str, seed: int, negative_prompt=None) -> np.ndarray:
-        images = pipe(
+        images = reference_pipe(
             prompt,
             negative_prompt=negative_prompt,
             height=SIZE,
@@ -132,7 +144,7 @@ def reference(tiny_folder):
             generator=torch.Generator().manual_seed(seed),
             output_type="np",
         ).images
-        return (np.clip(images[0], 0, 1) * 255).round().astype(np.uint8)
+        return as_uint8(images[0])
 
     return image
 
@@ -709,6 +721,93 @@ def test_the_benchmark_reports_served_minus_bare_minus_floor():
     assert bench.floor_summary(dict(result, floor=None)) == {} and bench.floor_lines(dict(result, floor=None)) == []
 
 
+# ----------------------------------------------------------- OpenAI's images API, through the official client
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai", reason="the official OpenAI client (the test extra)")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def png_bytes(pixels: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_openais_client_generates_images_each_its_seeds_single_call_image(client, reference, tiny_folder):
+    answer = client.images.generate(
+        model=tiny_folder.name, prompt="a red house", n=2, size=f"{SIZE}x{SIZE}", extra_body={"seed": 7}
+    )
+    assert [item.seed for item in answer.data] == [7, 8] and answer.size == f"{SIZE}x{SIZE}"
+    for item in answer.data:
+        image = decode_png(base64.b64decode(item.b64_json))
+        assert np.abs(image.astype(int) - reference("a red house", item.seed).astype(int)).max() <= 1
+
+
+def test_openais_client_edits_an_image_inpainting_where_the_mask_is_transparent_else_image_to_image(
+    client, reference_pipe
+):
+    start = np.random.default_rng(3).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
+    mask = np.full((SIZE, SIZE, 4), 255, np.uint8)
+    mask[SIZE // 4 : 3 * SIZE // 4, SIZE // 4 : 3 * SIZE // 4, 3] = 0  # transparent: repainted
+    image = ("start.png", png_bytes(start), "image/png")
+    inpainted = client.images.edit(
+        image=image, mask=("mask.png", png_bytes(mask), "image/png"), prompt="a cat", extra_body={"seed": 3}
+    )
+    varied = client.images.edit(image=image, prompt="a cat", extra_body={"seed": 4, "strength": 0.6})
+    common = dict(num_inference_steps=STEPS, output_type="np")
+    expected_inpainted = reference_pipe.inpainting()(
+        "a cat",
+        image=start.astype(np.float32) / 255.0,
+        mask_image=(mask[..., 3] == 0).astype(np.float32),
+        height=SIZE,
+        width=SIZE,
+        generator=torch.Generator().manual_seed(3),
+        **common,
+    ).images[0]
+    expected_varied = reference_pipe.image_to_image()(
+        "a cat",
+        image=start.astype(np.float32) / 255.0,
+        strength=0.6,
+        generator=torch.Generator().manual_seed(4),
+        **common,
+    ).images[0]
+    for answer, expected in ((inpainted, expected_inpainted), (varied, expected_varied)):
+        (item,) = answer.data
+        got = decode_png(base64.b64decode(item.b64_json)).astype(int)
+        assert np.abs(got - as_uint8(expected).astype(int)).max() <= 1
+
+
+def test_openais_client_gets_a_refusal_in_openais_error_shape_naming_the_field(client):
+    import openai
+
+    refusals = [
+        (lambda: client.images.generate(prompt="x", size=f"{SIZE + 8}x{SIZE}"), "size", "multiples of"),
+        (lambda: client.images.generate(prompt="x", response_format="url"), "response_format", "no URL to give"),
+        (lambda: client.images.generate(prompt="x", extra_body={"stepz": 2}), "stepz", "did you mean steps?"),
+        (
+            lambda: client.images.edit(
+                image=("a.png", png_bytes(np.zeros((SIZE, SIZE, 3), np.uint8))),
+                prompt="x",
+                mask=("m.png", png_bytes(np.zeros((8, 8), np.uint8))),
+            ),
+            "mask",
+            f"mask: expected the image's size, {SIZE}x{SIZE}, got 8x8",
+        ),
+    ]
+    for call, param, message in refusals:
+        with pytest.raises(openai.BadRequestError) as refused:
+            call()
+        error = refused.value
+        assert (error.param, error.type, error.body["param"]) == (param, "invalid_request_error", param)
+        assert message in error.body["message"]
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.images.generate(prompt="x", model="dall-e-3")
+    assert refused.value.param == "model" and refused.value.code == "model_not_found"
+
+
 def test_shutdown_leaves_no_ray_process(server):  # last: it ends the module's server
     processes = [p for p in server.ray_processes if p.is_running()]
     assert any("raylet" in p.name() for p in processes)
@@ -853,6 +952,15 @@ def test_image_to_image_runs_on_the_pipelines_own_sibling_over_the_same_models(g
     assert generator.img2img.unet is generator.pipe.unet and generator.img2img.vae_encoder is generator.pipe.vae_encoder
 
 
+def test_inpainting_runs_on_the_pipelines_own_sibling_over_the_same_models(generator):
+    from optimum_iobinding.families import family, family_of_class, pipeline_class
+
+    assert generator.info()["inpainting"] is True
+    sibling = family(family_of_class(type(generator.pipe).__name__).inpainting)
+    assert type(generator.inpaint) is pipeline_class(sibling)
+    assert generator.inpaint.unet is generator.pipe.unet and generator.inpaint.vae_encoder is generator.pipe.vae_encoder
+
+
 def test_an_image_request_to_a_folder_without_a_vae_encoder_is_refused_by_name(tiny_folder, tmp_path):
     import shutil
     from dataclasses import asdict
@@ -865,10 +973,13 @@ def test_an_image_request_to_a_folder_without_a_vae_encoder_is_refused_by_name(t
     (folder / "model_index.json").write_text(json.dumps(dict(index, vae_encoder=[None, None])))
     generator = ImageGenerator(asdict(ServeConfig(model=str(folder), device="cpu", warmup_batch_sizes=[])))
     assert generator.img2img is None and generator.info()["image_to_image"] is False
+    assert generator.inpaint is None and generator.info()["inpainting"] is False
     with pytest.raises(
         ValueError, match="image: OnnxStableDiffusionPipeline on this folder has no image-to-image pipeline"
     ):
         generator.complete_request(dict(prompt="a cat", image="unread"))
+    with pytest.raises(ValueError, match="mask: OnnxStableDiffusionPipeline on this folder has no inpainting pipeline"):
+        generator.complete_request(dict(prompt="a cat", image="unread", mask=b"unread"))
 
 
 def test_a_missing_model_fails_the_replica_with_the_message_naming_it(tmp_path):
