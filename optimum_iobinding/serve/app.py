@@ -26,6 +26,7 @@ machine alone, every port of which listens on loopback, or joins ``RAY_ADDRESS``
 # no `from __future__ import annotations`: FastAPI reads the routes' annotations as objects
 import asyncio
 import base64
+import contextlib
 import inspect
 import logging
 import os
@@ -34,7 +35,7 @@ import signal
 import threading
 import time
 from dataclasses import asdict
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, Union
 
 try:
     from fastapi import FastAPI, HTTPException, Request
@@ -509,7 +510,8 @@ def run(
             stage = "proxy"
             serve.start(http_options={"host": host, "port": port})
             stage = "replicas"
-            handle = serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+            with serve_started_here():
+                handle = serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
             stage = "health"
             health = f"{local_url(host, port)}/health"
             if address is None and not wait_until_answering(health, ready_timeout_s):
@@ -542,6 +544,28 @@ def run(
             finally:
                 signals.restore()
     return stopped_by
+
+
+class _ServeStartedHere(logging.Filter):
+    """Drops Serve's note that ``serve.run`` connects to an existing Serve app whose new HTTP options "will not be
+    applied": Serve 2.60's ``serve.run`` starts Serve itself, always, with no way to give it the HTTP options; so
+    :func:`run` starts Serve with them first, and the note is about the start :func:`run` has just made."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Connecting to existing Serve app")
+
+
+@contextlib.contextmanager
+def serve_started_here() -> Iterator[None]:
+    """Within the block, Serve's logger (``ray.serve``) leaves out its note that it connects to the Serve instance
+    started just before (:class:`_ServeStartedHere`); it says everything else."""
+    serve_logger = logging.getLogger("ray.serve")
+    note = _ServeStartedHere()
+    serve_logger.addFilter(note)
+    try:
+        yield
+    finally:
+        serve_logger.removeFilter(note)
 
 
 # what failed at each stage of the start, and what to do

@@ -58,6 +58,12 @@ SERVE_REQUEST_PATH_ENV = {
     "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": "-1",
 }
 
+# Ray's authentication of a local cluster's own connections (its processes, `ray` commands, the dashboard). Ray 2.60
+# starts a new local cluster with token authentication unless RAY_AUTH_MODE says otherwise, and then warns, on every
+# start, that it did ("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt
+# out."). The local cluster asks for it by name: the same authentication, and nothing to warn of.
+LOCAL_RAY_AUTH_ENV = {"RAY_AUTH_MODE": "token"}
+
 
 @dataclass
 class ServeConfig:
@@ -366,14 +372,16 @@ def prepare_local_ray(address: Optional[str] = None) -> bool:
     """Before Ray is imported: where no cluster is given (``address`` nor ``RAY_ADDRESS``), makes the local Ray
     cluster that will be started one of this machine alone, every port of it on 127.0.0.1 (Ray's
     ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, the default of Ray on Windows and macOS; an explicit setting is kept),
-    whose processes (Serve's proxy among them) take :data:`SERVE_REQUEST_PATH_ENV`. Returns whether Ray is set to
+    whose processes (Serve's proxy among them) take :data:`SERVE_REQUEST_PATH_ENV`, with the token authentication
+    Ray gives a new local cluster asked for by name (:data:`LOCAL_RAY_AUTH_ENV`: no warning that Ray enabled it, a
+    setting of the user's kept). Returns whether Ray is set to
     loopback. Once Ray is imported it is too late (this process read the setting, the processes it starts would
     read another): nothing is changed then, and :func:`~optimum_iobinding.serve.app.run` warns."""
     if address or os.environ.get("RAY_ADDRESS"):
         return False
     if "ray" not in sys.modules:
         os.environ.setdefault(LOCAL_RAY_ENV, "0")
-        for name, value in SERVE_REQUEST_PATH_ENV.items():
+        for name, value in {**SERVE_REQUEST_PATH_ENV, **LOCAL_RAY_AUTH_ENV}.items():
             os.environ.setdefault(name, value)
     return os.environ.get(LOCAL_RAY_ENV, "").lower() not in ("", "1", "true")  # how Ray reads it
 

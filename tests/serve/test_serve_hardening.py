@@ -294,6 +294,54 @@ def test_a_local_ray_takes_serves_request_path_settings_unless_set_otherwise(mon
     assert {name: os.environ.get(name) for name in SERVE_REQUEST_PATH_ENV} == wanted
 
 
+def test_a_local_ray_asks_for_the_token_authentication_ray_gives_it_unless_set_otherwise(monkeypatch):
+    """Ray 2.60 gives a new local cluster token authentication where RAY_AUTH_MODE is unset, and warns that it did on
+    every start; asked for by name, it is the same authentication without the warning."""
+    from optimum_iobinding.serve.config import LOCAL_RAY_AUTH_ENV, prepare_local_ray
+
+    assert LOCAL_RAY_AUTH_ENV == {"RAY_AUTH_MODE": "token"}
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what it sets stays in this test
+    os.environ.pop("RAY_AUTH_MODE", None)
+    os.environ.pop("RAY_ADDRESS", None)
+    monkeypatch.delitem(sys.modules, "ray")  # as before Ray is imported
+    prepare_local_ray("10.0.0.1:6379")  # a cluster of its own: its own authentication
+    assert "RAY_AUTH_MODE" not in os.environ
+    prepare_local_ray()
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # the user's own setting stays
+    prepare_local_ray()
+    assert os.environ["RAY_AUTH_MODE"] == "disabled"
+
+
+def test_serves_note_that_run_connects_to_the_serve_it_started_is_left_out_and_nothing_else():
+    import logging
+
+    from optimum_iobinding.serve.app import serve_started_here
+
+    class Kept(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    serve_logger, kept = logging.getLogger("ray.serve"), Kept()
+    level = serve_logger.level
+    serve_logger.addHandler(kept)
+    serve_logger.setLevel(logging.INFO)
+    note = 'Connecting to existing Serve app in namespace "serve". New http_options will not be applied.'
+    try:
+        with serve_started_here():
+            serve_logger.info(note)
+            serve_logger.info("Application 'optimum-iobinding' is ready.")
+        serve_logger.info(note)  # outside run's start: Serve's own
+    finally:
+        serve_logger.removeHandler(kept)
+        serve_logger.setLevel(level)
+    assert kept.messages == ["Application 'optimum-iobinding' is ready.", note]
+
+
 def test_once_ray_is_imported_its_setting_is_left_alone(monkeypatch):
     from optimum_iobinding.serve.config import LOCAL_RAY_ENV, prepare_local_ray
 
@@ -491,6 +539,14 @@ def test_the_guard_changes_nothing_where_the_shutdown_call_ended_first():
     guard.refuse_until_done()
     ray_module.init()
     assert ray_module.started == 1 and ray_module.init == real_init
+
+
+def test_a_fresh_server_warns_of_nothing_it_set_up_itself(server_process):
+    """Neither Ray's warning that it enabled token authentication (the local cluster asks for it) nor Serve's note
+    that ``serve.run`` connects to the Serve that ``run`` started a moment before, with its HTTP options."""
+    said = server_process.errors() + server_process.output()
+    assert "Started Serve" in said  # Serve's own log of the start is there: nothing else was silenced
+    assert "Token authentication" not in said and "will not be applied" not in said, said[-3000:]
 
 
 def test_sigint_to_the_terminal_stops_the_server_cleanly(server_process):  # last of the module's server
