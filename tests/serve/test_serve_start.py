@@ -142,6 +142,23 @@ def test_serve_without_the_serve_extra_says_so_in_one_line(tiny_folder, capsys, 
     assert err.count("\n") == 1 and "missing fastapi: pip install 'optimum-iobinding[serve]'" in err
 
 
+def test_the_serving_docs_give_the_max_pixels_per_image_default_that_serve_help_gives(capsys, monkeypatch):
+    import re
+    from pathlib import Path
+
+    from optimum_iobinding.cli import main
+
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse's help unwrapped
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    (default,) = re.findall(
+        r"--max-pixels-per-image MAX_PIXELS_PER_IMAGE .*?default: (.+?) --max-pixels-per-batch", shown
+    )
+    docs = " ".join((Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text().split())
+    assert f"`--max-pixels-per-image` (default: {default}" in docs
+
+
 # ----------------------------------------------------------------------------------------------- the readiness
 class StartingServer:
     """An HTTP server on a port of its own whose ``/health`` is at first not answered (``dropped`` connections
