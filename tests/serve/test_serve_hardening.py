@@ -656,50 +656,13 @@ def test_a_body_over_max_body_bytes_gets_413(server, chunked):
     assert status == 413 and "body: expected at most 3932160 bytes (max_body_bytes)" in detail
 
 
-def test_a_pipeline_failure_gets_503_and_the_replica_serves_the_next_requests(server, tiny_folder):
-    """Through a real replica: a pipeline that fails one prompt as ONNX Runtime fails an allocation."""
-    from ray import serve
-
-    from optimum_iobinding.serve import ServeConfig, build_app
-
-    config = ServeConfig(
-        model=str(tiny_folder),
-        device="cpu",
-        max_batch_size=4,
-        batch_wait_timeout_s=0.5,
-        steps=STEPS,
-        warmup_batch_sizes=[],
-    )
-    serve.run(
-        build_app(config, generator_class=allocation_failing()), name="failing", route_prefix="/failing", blocking=False
-    )
-    try:
-        bodies = [
-            dict(prompt="a cat", seed=1, size=SIZE),
-            dict(prompt="a cat too large", seed=2, size=SIZE),
-            dict(prompt="a dog", seed=3, size=SIZE),
-        ]
-        with ThreadPoolExecutor(len(bodies)) as pool:
-            answers = list(pool.map(lambda body: post(server + "/failing", body), bodies))
-        later = post(server + "/failing", dict(prompt="a bird", seed=4, size=SIZE))
-    finally:
-        serve.delete("failing")
-    assert [status for status, _ in answers] == [200, 503, 200]
-    reason = answers[1][1]
-    assert "Failed to allocate memory" in reason and "\n" not in reason
-    assert later[0] == 200
-
-
-@pytest.mark.slow
-def test_a_request_not_answered_within_request_timeout_s_gets_504_and_the_replica_goes_on(server, tiny_folder):
-    """Its pipeline call is held until the test lets it go, long after the request's time is up."""
+def odd_replica():
+    """A generator class that fails a prompt asking for it ("too large") as ONNX Runtime fails an allocation (as
+    :func:`allocation_failing`'s) and holds a call with the prompt "held" until told to let it go (defined in a function
+    for Ray, as that one)."""
     import threading
 
-    from ray import serve
-
-    from optimum_iobinding.serve import ImageGenerator, ServeConfig, build_app
-
-    class HeldCalls(ImageGenerator):
+    class HeldCalls(allocation_failing()):
         def __init__(self, config):
             super().__init__(config)
             self.may_go = threading.Event()
@@ -712,17 +675,62 @@ def test_a_request_not_answered_within_request_timeout_s_gets_504_and_the_replic
         async def let_go(self) -> None:
             self.may_go.set()
 
-    config = ServeConfig(model=str(tiny_folder), device="cpu", steps=STEPS, warmup_batch_sizes=[], request_timeout_s=10)
-    handle = serve.run(build_app(config, generator_class=HeldCalls), name="held", route_prefix="/held", blocking=False)
+    return HeldCalls
+
+
+@pytest.fixture(scope="module")
+def odd(server, tiny_folder):
+    """One more deployment on the module's cluster, at ``/odd``, for what a normal replica never does: its pipeline
+    fails or holds calls on request (:func:`odd_replica`); its answers wait at most 6 s and its PNGs are compressed
+    (one deployment for these tests: each costs a replica's start)."""
+    from ray import serve
+
+    from optimum_iobinding.serve import ServeConfig, build_app
+
+    config = ServeConfig(
+        model=str(tiny_folder),
+        device="cpu",
+        max_batch_size=4,
+        batch_wait_timeout_s=0.5,
+        steps=STEPS,
+        warmup_batch_sizes=[],
+        request_timeout_s=6,
+        png_compression=9,
+    )
+    handle = serve.run(
+        build_app(config, generator_class=odd_replica()), name="odd", route_prefix="/odd", blocking=False
+    )
+    yield server + "/odd", handle
+    serve.delete("odd")
+
+
+def test_a_pipeline_failure_gets_503_and_the_replica_serves_the_next_requests(odd):
+    """Through a real replica: a pipeline that fails one prompt as ONNX Runtime fails an allocation."""
+    url, _ = odd
+    bodies = [
+        dict(prompt="a cat", seed=1, size=SIZE),
+        dict(prompt="a cat too large", seed=2, size=SIZE),
+        dict(prompt="a dog", seed=3, size=SIZE),
+    ]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda body: post(url, body), bodies))
+    later = post(url, dict(prompt="a bird", seed=4, size=SIZE))
+    assert [status for status, _ in answers] == [200, 503, 200]
+    reason = answers[1][1]
+    assert "Failed to allocate memory" in reason and "\n" not in reason
+    assert later[0] == 200
+
+
+@pytest.mark.slow
+def test_a_request_not_answered_within_request_timeout_s_gets_504_and_the_replica_goes_on(odd):
+    """Its pipeline call is held until the test lets it go, long after the request's time is up."""
+    url, handle = odd
     try:
-        try:
-            held = post(server + "/held", dict(prompt="held", seed=1, size=SIZE))
-        finally:
-            handle.let_go.remote().result()
-        later = post(server + "/held", dict(prompt="a bird", seed=2, size=SIZE))
+        held = post(url, dict(prompt="held", seed=1, size=SIZE))
     finally:
-        serve.delete("held")
-    assert held[0] == 504 and "request_timeout_s: expected an answer within 10 s" in held[1]
+        handle.let_go.remote().result()
+    later = post(url, dict(prompt="a bird", seed=2, size=SIZE))
+    assert held[0] == 504 and "request_timeout_s: expected an answer within 6 s" in held[1]
     assert later[0] == 200
 
 
@@ -733,18 +741,11 @@ def test_a_flood_beyond_the_queues_gets_503_never_500_and_the_admitted_requests_
     assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses, statuses
 
 
-def test_compressed_pngs_are_encoded_by_the_handler(server, tiny_folder):
+def test_compressed_pngs_are_encoded_by_the_handler(odd):
     from PIL import Image
-    from ray import serve
 
-    from optimum_iobinding.serve import ServeConfig, build_app
-
-    config = ServeConfig(model=str(tiny_folder), device="cpu", steps=STEPS, warmup_batch_sizes=[], png_compression=9)
-    serve.run(build_app(config), name="compressed", route_prefix="/compressed", blocking=False)
-    try:
-        status, data = post(server + "/compressed", dict(prompt="a red house", seed=7, size=SIZE))
-    finally:
-        serve.delete("compressed")
+    url, _ = odd
+    status, data = post(url, dict(prompt="a red house", seed=7, size=SIZE))
     assert status == 200 and data.startswith(b"\x89PNG")
     image = Image.open(io.BytesIO(data))
     assert image.size == (SIZE, SIZE) and len(data) < SIZE * SIZE * 3  # zlib's level 9 beats the stored pixels
