@@ -85,8 +85,26 @@ def pytest_configure(config):
         )
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--first-case-only",
+        action="store_true",
+        help="run each parametrized test with its first parameter set only (the optimum environment's run: what "
+        "other library versions can change is seen in one case of each test)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` (setup.cfg declares the marker) skip where CUDA is missing."""
+    """With ``--first-case-only`` each test function keeps its first case. Tests marked ``gpu`` (setup.cfg declares
+    the marker) skip where CUDA is missing."""
+    if config.getoption("--first-case-only"):
+        kept, dropped, functions = [], [], set()
+        for item in items:
+            function = item.nodeid.split("[")[0]
+            (dropped if function in functions else kept).append(item)
+            functions.add(function)
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU, a CUDA build of torch and onnxruntime-gpu")
