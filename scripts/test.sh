@@ -24,7 +24,7 @@ unset PYTHONDONTWRITEBYTECODE
 # environment links the first one's files from uv's cache). uv reads no pip.conf: the machine's wheel folders and
 # index that pip is configured with are handed to it. Where uv cannot be installed, pip does the installs.
 pip_setting() { python3 -m pip config get "global.$1" 2>/dev/null || true; }
-uv_args=()
+uv_args=(--index-strategy unsafe-best-match)  # as pip: the best version on any index
 for link in ${PIP_FIND_LINKS:-$(pip_setting find-links)}; do
   if [ -e "${link#file://}" ] || [[ $link == http* ]]; then uv_args+=(--find-links "$link"); fi
 done
