@@ -744,3 +744,31 @@ def test_generate_takes_the_prompt_as_an_option_too_but_only_once(tmp_path, caps
     assert error_line(capsys) == (
         "optimum-iobinding: error: --prompt: expected the prompt once, got 'a dog' and --prompt 'a cat'"
     )
+
+
+def test_the_tiny_models_are_built_without_diffusers_float32_notice(monkeypatch):
+    """The examples build the tiny models: diffusers' ``.to(torch.float32)`` said "There are modules in
+    UNet2DConditionModel that should be kept in float32: []" for each model."""
+    import logging
+
+    import diffusers.utils.logging as diffusers_logging
+
+    from optimum_iobinding.export.tiny import build_tiny_random_pipeline
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    root = logging.getLogger("diffusers")
+    monkeypatch.setattr(root, "level", root.level)  # restored after
+    diffusers_logging.set_verbosity_warning()
+    handler = Keep()
+    root.addHandler(handler)
+    try:
+        pipe = build_tiny_random_pipeline()
+    finally:
+        root.removeHandler(handler)
+    assert not [message for message in records if "kept in float32" in message], records
+    assert {parameter.dtype for parameter in pipe.unet.parameters()} == {torch.float32}

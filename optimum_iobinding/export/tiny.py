@@ -15,6 +15,17 @@ import torch
 from ..errors import ArgumentError
 
 
+def _in_float32(built):
+    """``built`` (a pipeline, or one model) with every torch module in float32, cast by torch's ``float()``:
+    diffusers' ``.to(torch.float32)`` warns of "modules … that should be kept in float32: []" for models that list
+    none."""
+    modules = built.components.values() if hasattr(built, "components") else (built,)
+    for module in modules:
+        if isinstance(module, torch.nn.Module):
+            module.float()
+    return built
+
+
 # ------------------------------------------------------------------------------------------------- tiny pipeline
 def _byte_to_unicode() -> Dict[int, str]:
     """GPT-2/CLIP's reversible byte → printable character map (printable bytes stand for themselves)."""
@@ -133,7 +144,7 @@ def build_tiny_random_pipeline(seed: int = 0):
         set_alpha_to_one=False,
         steps_offset=1,
     )
-    return StableDiffusionPipeline(
+    pipeline = StableDiffusionPipeline(
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
@@ -142,7 +153,8 @@ def build_tiny_random_pipeline(seed: int = 0):
         safety_checker=None,
         feature_extractor=None,
         requires_safety_checker=False,
-    ).to(torch.float32)
+    )
+    return _in_float32(pipeline)
 
 
 def _tiny_text_encoder_config(tokenizer, layers: int = 2, **extra):
@@ -195,7 +207,7 @@ def build_tiny_random_xl_pipeline(seed: int = 0):
     scheduler = EulerDiscreteScheduler(
         beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1, timestep_spacing="leading"
     )
-    return StableDiffusionXLPipeline(
+    pipeline = StableDiffusionXLPipeline(
         vae=base.vae,
         text_encoder=text_encoder,
         text_encoder_2=text_encoder_2,
@@ -203,7 +215,8 @@ def build_tiny_random_xl_pipeline(seed: int = 0):
         tokenizer_2=tokenizer,
         unet=unet,
         scheduler=scheduler,
-    ).to(torch.float32)
+    )
+    return _in_float32(pipeline)
 
 
 def build_tiny_random_lcm_pipeline(seed: int = 0):
@@ -214,7 +227,7 @@ def build_tiny_random_lcm_pipeline(seed: int = 0):
     base = build_tiny_random_pipeline(seed)
     torch.manual_seed(seed + 2)
     unet = UNet2DConditionModel(**{**base.unet.config, "time_cond_proj_dim": 32})
-    return LatentConsistencyModelPipeline(
+    pipeline = LatentConsistencyModelPipeline(
         vae=base.vae,
         text_encoder=base.text_encoder,
         tokenizer=base.tokenizer,
@@ -223,7 +236,8 @@ def build_tiny_random_lcm_pipeline(seed: int = 0):
         safety_checker=None,
         feature_extractor=None,
         requires_safety_checker=False,
-    ).to(torch.float32)
+    )
+    return _in_float32(pipeline)
 
 
 def build_tiny_random_controlnet(unet, seed: int = 0):
@@ -239,7 +253,7 @@ def build_tiny_random_controlnet(unet, seed: int = 0):
         for name, parameter in controlnet.named_parameters():
             if name.startswith(("controlnet_down_blocks", "controlnet_mid_block", "controlnet_cond_embedding")):
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
-    return controlnet.to(torch.float32)
+    return _in_float32(controlnet)
 
 
 def build_tiny_random_controlnet_pipeline(seed: int = 0, controlnets: int = 1):
@@ -288,7 +302,7 @@ def build_tiny_random_tiny_vae(seed: int = 0, latent_channels: int = 4):
                 layer.bias.copy_(torch.randn(layer.bias.shape, generator=generator) * 0.1)
         last = [layer for layer in vae.decoder.modules() if isinstance(layer, torch.nn.Conv2d)][-1]
         last.bias.fill_(0.5)
-    return vae.to(torch.float32)
+    return _in_float32(vae)
 
 
 # -------------------------------------------------------------------------------- tiny SD3 and Flux (MMDiT)
