@@ -410,6 +410,13 @@ TORCH_PEERS_ON = {
 }
 
 
+# how the transformer scenario measures a step, per device (transformer_peers.step_ms)
+PER_STEP_METHODS = {
+    "cuda": "(median at the recipe's steps − median at its short step count) / the steps between",
+    "cpu": "from the first step's end to the last's inside each timed call at the recipe's steps, per step (median)",
+}
+
+
 def write_transformer_report(results: Dict[str, Any], out: Path) -> None:
     """transformer.json → transformer.md (per model and peer: end-to-end and per-step ms, step / GPU floor, ours ÷
     the peer end to end, peak memory, load, first image, compile seconds, difference from ours' image; every row
@@ -423,8 +430,9 @@ def write_transformer_report(results: Dict[str, Any], out: Path) -> None:
         f"`{env.get('command')}` — {env.get('date')}; torch {env.get('torch')} (CUDA {env.get('cuda')}), onnxruntime "
         f"{env.get('onnxruntime')}, diffusers {env.get('diffusers')}, transformers {env.get('transformers')}. Random "
         f"weights, batch 1, {results['dtype']} {results['export']} export on {results['device']}; median of "
-        f"{results['runs']} runs after {results['warmup']} warm-up; per-step ms: (median at the recipe's steps − "
-        "median at its short step count) / the steps between. SD3.5 Medium: 28 steps, CFG 7 (transformer batch 2), "
+        f"{results['runs']} runs after {results['warmup']} warm-up; per-step ms: "
+        + PER_STEP_METHODS[results["device"]]
+        + ". SD3.5 Medium: 28 steps, CFG 7 (transformer batch 2), "
         "T5 256 tokens; FLUX.1 schnell: 4 steps, guidance 0, T5 256; FLUX.1 dev: 28 steps, embedded guidance 3.5, "
         f"T5 512. {TORCH_PEERS_ON[results['device']]} Floor: our transformer's CUDA graph replayed back to back, "
         "a process of its own. One process per peer."

@@ -162,6 +162,18 @@ def load_transformer_peer(
     )
 
 
+def step_ms(full: List[float], short: List[float], between: int, step_ends: List[List[float]]) -> float:
+    """A step's ms: where the step ends of timed calls were marked (the CPU, where a step ends when its work is done)
+    the median over those calls of the time from the first step's end to the last's, per step between; else (CUDA,
+    where the host runs ahead of the device) the difference of the medians of the calls at the recipe's steps
+    (``full``) and at its short step count (``short``), per step ``between``. Two medians of separate calls differ
+    by their noise too: on the CPU's tiny models, where a step is a few ms, the difference came out negative."""
+    marked = [(ends[-1] - ends[0]) * 1000 / (len(ends) - 1) for ends in step_ends if len(ends) > 1]
+    if marked:
+        return statistics.median(marked)
+    return (statistics.median(full) - statistics.median(short)) / between
+
+
 def run_transformer_peer(
     peer: str,
     folder: Path,
@@ -176,7 +188,8 @@ def run_transformer_peer(
 ) -> Dict[str, Any]:
     """One peer on one export, in this process: load (timed), the first image (timed: sessions and graph capture, or
     ``torch.compile``'s compilation), ``warmup`` calls, ``runs`` timed calls at the recipe's steps and at its short
-    step count (per-step ms: the difference of their medians over the steps between), for ours its transformer graph
+    step count (per-step ms: on CUDA the difference of their medians over the steps between, on the CPU measured
+    inside the calls at the recipe's steps, :func:`step_ms`), for ours its transformer graph
     replayed alone in this process, the device's memory peak above its idle (CUDA), and the image, saved to
     ``image_path``. The ``cached`` peer (step cache ``cache``) also reports what its cache did in the last timed call
     at the recipe's steps (:func:`.peers.step_cache_fields`)."""
@@ -192,7 +205,19 @@ def run_transformer_peer(
         load_s = time.perf_counter() - start
         pipe.set_progress_bar_config(disable=True)
 
-        def call(steps: int) -> np.ndarray:
+        step_ends: List[List[float]] = []  # per timed call at the recipe's steps on the CPU: when each step ended
+
+        def call(steps: int, marked: bool = False) -> np.ndarray:
+            extra: Dict[str, Any] = {}
+            if marked:
+                ends: List[float] = []
+                step_ends.append(ends)
+
+                def mark(pipeline: Any, step: int, timestep: Any, tensors: Dict[str, Any]) -> Dict[str, Any]:
+                    ends.append(time.perf_counter())
+                    return tensors
+
+                extra["callback_on_step_end"] = mark
             with torch.inference_mode():
                 images = pipe(
                     PROMPT,
@@ -203,13 +228,15 @@ def run_transformer_peer(
                     latents=latents.clone(),
                     max_sequence_length=recipe["max_sequence_length"],
                     output_type="np",
+                    **extra,
                 ).images
             if cuda:
                 torch.cuda.synchronize()
             return np.asarray(images)
 
         def timed(steps: int) -> List[float]:
-            return wall_ms(lambda: call(steps), runs)
+            # on the CPU each step ends when its work is done: its end marks time the loop alone
+            return wall_ms(lambda: call(steps, marked=not cuda and steps == recipe["steps"]), runs)
 
         start = time.perf_counter()
         image = call(recipe["steps"])
@@ -228,7 +255,7 @@ def run_transformer_peer(
             for name, model in pipe.onnx_models.items()
             if model.graph_fallbacks
         }
-    per_step = (statistics.median(full) - statistics.median(short)) / (recipe["steps"] - recipe["short_steps"])
+    per_step = step_ms(full, short, recipe["steps"] - recipe["short_steps"], step_ends)
     return {
         "peer": peer,
         **about,

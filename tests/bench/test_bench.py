@@ -1411,3 +1411,43 @@ def test_the_transformer_scenario_with_a_cache_runs_tiny_flux_cached_beside_ours
         "| tiny-flux 64² | full model | cached (fbc:10; 2 of 3 steps skipped) |"
         in (tmp_path / "out" / "transformer.md").read_text()
     )
+
+
+class SteadyStepsNoisyStart:
+    """A pipeline whose steps take ``step_s`` each and whose calls at one step start late by ``late_s`` (the host
+    busy elsewhere while they were timed): what the CPU's tiny models meet, where a step is a few ms."""
+
+    def __init__(self, step_s=0.004, late_s=0.05):
+        self.step_s, self.late_s = step_s, late_s
+
+    def set_progress_bar_config(self, **config):
+        pass
+
+    def __call__(self, prompt, num_inference_steps, callback_on_step_end=None, **kwargs):
+        import time
+
+        if num_inference_steps == 1:
+            time.sleep(self.late_s)
+        for step in range(num_inference_steps):
+            time.sleep(self.step_s)
+            if callback_on_step_end is not None:
+                callback_on_step_end(self, step, step, {})
+        return type("Output", (), {"images": np.zeros((1, 8, 8, 3), np.float32)})()
+
+
+def test_on_the_cpu_a_step_is_timed_inside_the_calls_not_by_the_difference_of_two_noisy_medians(tmp_path, monkeypatch):
+    """The difference of the medians at 3 and at 1 step came out negative (-6.99 ms) where the calls at one step
+    met more noise than a step's time; on the CPU a step ends when its work is done, so its end marks time it."""
+    import torch
+
+    import optimum_iobinding.bench.transformer_peers as transformer_peers
+
+    pipe = SteadyStepsNoisyStart()
+    monkeypatch.setattr(
+        transformer_peers, "load_transformer_peer", lambda *args, **kwargs: (pipe, torch.zeros(1), {"weights": "x"})
+    )
+    result = transformer_peers.run_transformer_peer(
+        "torch", tmp_path, "tiny-sd3", None, None, 3, 0, "cpu", tmp_path / "image.npy"
+    )
+    assert result["per_step_ms"] >= pipe.step_s * 1000  # every step sleeps that long; no start counts in it
+    assert result["per_step_ms"] < pipe.late_s * 1000
