@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, List, Mapping, Optional, Tuple
 
 # the standard library only: every heavy module is imported by the command using it
-from .errors import ArgumentError
+from .errors import ArgumentError, CommandLineParser, RawDescriptionHelpFormatter
 from .families import Family, family, family_of_class, pipeline_class
 
 if TYPE_CHECKING:
@@ -833,7 +833,7 @@ def add_command(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentPar
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="optimum-iobinding", description=__doc__, allow_abbrev=False)
+    parser = CommandLineParser(prog="optimum-iobinding", description=__doc__, allow_abbrev=False)
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -842,7 +842,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--prompt", dest="prompt_option", default=None, help="the prompt as an option, as stream and loadtest take it"
     )
-    generate.add_argument("--negative-prompt", default=None)
+    generate.add_argument(
+        "--negative-prompt", default=None, help="what the image should not show (default: none, as diffusers')"
+    )
     generate.add_argument("--steps", type=int, default=20, help="denoising steps (default 20)")
     generate.add_argument(
         "--guidance",
@@ -851,9 +853,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="guidance scale (default: the pipeline's, as diffusers': 7.5 for SD 1.x/2.x, 5.0 for "
         "SDXL, 7.0 for SD3, 3.5 for FLUX.1 dev)",
     )
-    generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--height", type=int, default=512)
-    generate.add_argument("--width", type=int, default=512)
+    generate.add_argument("--seed", type=int, default=0, help="the seed of the initial noise (numpy's RandomState)")
+    generate.add_argument("--height", type=int, default=512, help="image height in pixels")
+    generate.add_argument("--width", type=int, default=512, help="image width in pixels")
     generate.add_argument("--scheduler", choices=sorted(SCHEDULERS), default=None, help="replace the model's scheduler")
     generate.add_argument("--provider", default=None, help="ORT execution provider (default: CUDA if available)")
     generate.add_argument(
@@ -901,9 +903,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a replica waits for a batch to fill (default 0: batches form from the "
         "requests that queue while one runs)",
     )
-    serve_command.add_argument("--host", default="127.0.0.1")
-    serve_command.add_argument("--port", type=int, default=8000)
-    serve_command.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    serve_command.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every one)")
+    serve_command.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    serve_command.add_argument(
+        "--device", choices=("auto", "cuda", "cpu"), default="auto", help="where replicas run (auto: CUDA if available)"
+    )
     serve_command.add_argument("--provider", default=None, help="ORT execution provider (default: by device)")
     serve_command.add_argument("--steps", type=int, default=30, help="default steps of a request (default 30)")
     serve_command.add_argument("--guidance", type=float, default=7.5, help="default guidance (default 7.5)")
@@ -973,7 +977,7 @@ def build_parser() -> argparse.ArgumentParser:
         commands,
         "loadtest",
         help="load-test a running /v1/images service: images/s, p50/p95/p99 latency",
-        formatter_class=argparse.RawDescriptionHelpFormatter,  # the install command on one line
+        formatter_class=RawDescriptionHelpFormatter,  # the install command on one line
         description="Closed-loop load test of POST /v1/images at each concurrency; prints a table.\n"
         "With --out, writes loadtest.json and loadtest.md, and the plot loadtest.png\n"
         "where matplotlib is installed: pip install 'optimum-iobinding[plot]'",
@@ -984,10 +988,10 @@ def build_parser() -> argparse.ArgumentParser:
     loadtest.add_argument(
         "--warmup", type=int, default=-1, help="uncounted requests first (default -1: one per client thread)"
     )
-    loadtest.add_argument("--prompt", default="a photo of an astronaut riding a horse")
+    loadtest.add_argument("--prompt", default=DEFAULT_PROMPT, help="every request's prompt")
     loadtest.add_argument("--seed", type=int, default=0, help="first seed; each request takes the next")
-    loadtest.add_argument("--steps", type=int, default=None)
-    loadtest.add_argument("--guidance", type=float, default=None)
+    loadtest.add_argument("--steps", type=int, default=None, help="denoising steps (default: the service's)")
+    loadtest.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the service's)")
     loadtest.add_argument("--size", default=None, help="512 or 768x512 (default: the service's)")
     loadtest.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     loadtest.add_argument(

@@ -5,8 +5,11 @@ same way on every surface. Standard library only: the command line imports this 
 
 from __future__ import annotations
 
+import argparse
 import difflib
-from typing import Iterable, List, Sequence
+from typing import Any, Iterable, List, NoReturn, Sequence
+
+PROGRAM = "optimum-iobinding"  # the command's name, first on every line it writes about an error
 
 
 class ArgumentError(ValueError):
@@ -90,3 +93,38 @@ def unrecognized_arguments(unknown: Sequence[str], options: Iterable[str]) -> st
     )
     hint = f" (did you mean {' or '.join(close)}?)" if close else ""
     return f"unrecognized arguments: {' '.join(unknown)}{hint}"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, with each option's default after its text where the text does not give it (options whose
+    default is ``None`` or ``False`` have none to show)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if not action.option_strings or any(default is none for none in (None, False, argparse.SUPPRESS)):
+            return text
+        if "default" in text:
+            return text
+        shown = repr(default).replace("%", "%%") if isinstance(default, str) and " " in default else "%(default)s"
+        return f"{text} (default {shown})" if text else f"default {shown}"
+
+
+class RawDescriptionHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """:class:`HelpFormatter` keeping the description's own line breaks."""
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """argparse's parser, refusing a mistake in one line, ``optimum-iobinding: error: …`` (exit status 2), as every
+    other refusal of the command line: no usage block before it (``--help`` shows the usage), and argparse's
+    ``argument --steps: …`` worded as the project's checks word theirs, ``--steps: …``. The parsers of the commands
+    (``add_subparsers``) are of the same class. Its help shows the options' defaults (:class:`HelpFormatter`)."""
+
+    def __init__(self, *args: Any, formatter_class: type = HelpFormatter, **kwargs: Any):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        prefix = "argument "  # argparse's own words before an option's name: "argument --steps: invalid int value"
+        if message.startswith(prefix):
+            message = message[len(prefix) :]
+        self.exit(2, f"{PROGRAM}: error: {message}\n")

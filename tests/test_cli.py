@@ -123,9 +123,10 @@ def test_debug_shows_the_traceback_of_a_failure(tmp_path, failing_work):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where there is no CUDA GPU")
-def test_bench_without_a_gpu_exits_1_saying_why(tmp_path, capsys):
-    assert main(["bench", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 1
-    assert "no CUDA GPU is visible to torch here" in capsys.readouterr().err
+def test_bench_without_a_gpu_exits_2_saying_why_in_one_line(tmp_path, capsys):
+    """What the machine cannot do, known before any work, is answered as a mistake is (README: status 2)."""
+    assert main(["bench", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 2
+    assert error_line(capsys).startswith("optimum-iobinding: error: no CUDA GPU is visible to torch here")
     assert not (tmp_path / "work").exists()  # nothing exported or written first
 
 
@@ -323,7 +324,7 @@ def test_export_takes_only_the_dtypes_it_exports(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["export", "--tiny-random", "sd3", "--dtype", "int8", "--output", str(tmp_path / "out")])
     assert exit_info.value.code == 2
-    assert "argument --dtype: invalid choice: 'int8'" in capsys.readouterr().err
+    assert error_line(capsys).startswith("optimum-iobinding: error: --dtype: invalid choice: 'int8'")
 
 
 @pytest.mark.parametrize(
@@ -618,27 +619,20 @@ def test_serve_names_a_model_path_that_is_no_pipeline_folder_before_starting_ray
 
 # ------------------------------------------------------------------------------------------ help with mistakes
 @pytest.mark.parametrize(
-    "argv, usage, suggestion",
+    "argv, suggestion",
     [
-        (["generate", "--stpes", "4"], "optimum-iobinding generate", "--stpes (did you mean --steps?)"),
-        (["serve", "--max-batch", "4"], "optimum-iobinding serve", "--max-batch (did you mean --max-batch-size?)"),
-        (
-            ["export", "--tiny-randm", "--output", "x"],
-            "optimum-iobinding export",
-            "--tiny-randm (did you mean --tiny-random?)",
-        ),
-        (["bench", "--modls", "tiny"], "optimum-iobinding bench", "--modls tiny (did you mean --models?)"),
+        (["generate", "--stpes", "4"], "--stpes (did you mean --steps?)"),
+        (["serve", "--max-batch", "4"], "--max-batch (did you mean --max-batch-size?)"),
+        (["export", "--tiny-randm", "--output", "x"], "--tiny-randm (did you mean --tiny-random?)"),
+        (["bench", "--modls", "tiny"], "--modls tiny (did you mean --models?)"),
     ],
     ids=["generate", "serve", "export", "bench"],
 )
-def test_a_misspelled_option_gets_its_commands_usage_and_the_option_it_is_close_to(
-    capsys, no_work, argv, usage, suggestion
-):
+def test_a_misspelled_option_is_one_line_with_the_option_it_is_close_to(capsys, no_work, argv, suggestion):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"usage: {usage} ") and f"unrecognized arguments: {suggestion}" in err
+    assert error_line(capsys) == f"optimum-iobinding: error: unrecognized arguments: {suggestion}"
 
 
 def test_an_option_close_to_none_gets_no_suggestion(capsys, no_work):
@@ -772,3 +766,42 @@ def test_the_tiny_models_are_built_without_diffusers_float32_notice(monkeypatch)
         root.removeHandler(handler)
     assert not [message for message in records if "kept in float32" in message], records
     assert {parameter.dtype for parameter in pipe.unet.parameters()} == {torch.float32}
+
+
+# ------------------------------------------------------------------------------------- the command line's words
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--steps", "many"], "--steps: invalid int value: 'many'"),
+        (["export", "--tiny-random"], "the following arguments are required: --output/-o"),
+        (["stream", "in", "out"], "the following arguments are required: --prompt"),
+        (["serve", "--port", "x"], "--port: invalid int value: 'x'"),
+        (["loadtest"], "the following arguments are required: url"),
+        (["bench", "--runs", "x"], "--runs: invalid int value: 'x'"),
+        (["no-such-command"], "command: invalid choice: 'no-such-command'"),
+    ],
+    ids=["generate", "export", "stream", "serve", "loadtest", "bench", "top"],
+)
+def test_a_mistake_argparse_finds_is_one_line_without_the_usage_block(capsys, no_work, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert error_line(capsys).startswith(f"optimum-iobinding: error: {message}")
+
+
+# ------------------------------------------------------------------------------------------------------ --help
+@pytest.mark.parametrize("command", ["generate", "export", "stream", "serve", "loadtest", "bench"])
+def test_help_describes_every_option_and_gives_its_default(command):
+    import argparse
+
+    from optimum_iobinding.bench.cli import build_parser as bench_parser
+
+    parser = bench_parser() if command == "bench" else cli.build_parser()._defaults["command_parsers"][command]
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS or "--help" in action.option_strings:
+            continue
+        text = formatter._get_help_string(action) if action.help else ""
+        assert text, f"{command} {action.option_strings[0]}: no help"
+        if not any(action.default is none for none in (None, False, argparse.SUPPRESS)):
+            assert "default" in text, f"{command} {action.option_strings[0]}: no default in {text!r}"

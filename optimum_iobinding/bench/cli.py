@@ -63,7 +63,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..cache_spec import parse_cache_spec
-from ..errors import ArgumentError, unrecognized_arguments
+from ..errors import PROGRAM, ArgumentError, CommandLineParser, unrecognized_arguments
 from .peers import (
     CACHED_PEER,
     MIXED_PEERS,
@@ -568,12 +568,17 @@ def last_line(text: Any) -> str:
     return lines[-1] if lines else "no reason given"
 
 
+def fail(reason: str) -> None:
+    """The command's one error line, ``optimum-iobinding: error: …``, as every command writes it."""
+    print(f"{PROGRAM}: error: {reason}", file=sys.stderr)
+
+
 def fail_on_own_failure(results: Dict[str, Any], scenario: str, report: Path) -> bool:
     """Prints :func:`own_failure`'s reason as the command's one error line (naming ``report``, where every row
     is), and returns whether there was one."""
     reason = own_failure(results, scenario)
     if reason is not None:
-        print(f"optimum-iobinding bench: error: {reason} (see {report})", file=sys.stderr)
+        fail(f"{reason} (see {report})")
     return reason is not None
 
 
@@ -734,12 +739,8 @@ def transformer_main(parser: argparse.ArgumentParser, args: argparse.Namespace, 
             )
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(
-            "optimum-iobinding bench: error: --device cuda: no CUDA GPU is visible to torch here (--device cpu runs "
-            "the tiny models on the host)",
-            file=sys.stderr,
-        )
-        return 1
+        fail("--device cuda: no CUDA GPU is visible to torch here (--device cpu runs the tiny models on the host)")
+        return 2
     results = transformer_benchmark(
         models,
         peers,
@@ -762,23 +763,49 @@ def transformer_main(parser: argparse.ArgumentParser, args: argparse.Namespace, 
         return 1
     measured = [result for row in results["rows"] for result in row["peers"].values() if "end_to_end_ms" in result]
     if not measured:
-        print(
-            "optimum-iobinding bench: error: every transformer peer failed or was skipped; see transformer.md for why",
-            file=sys.stderr,
-        )
+        fail("every transformer peer failed or was skipped; see transformer.md for why")
         return 1
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="optimum-iobinding bench", description=DESCRIPTION, allow_abbrev=False)
-    parser.add_argument("--models", default="tiny,small,sd15")
-    parser.add_argument("--dtypes", default="fp16,fp32")
-    parser.add_argument("--exports", default="plain,optimized")
-    parser.add_argument("--peers", default=",".join(PEERS))
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+def build_parser() -> CommandLineParser:
+    """The options of ``optimum-iobinding bench`` (and the hidden ones of a peer's process)."""
+    parser = CommandLineParser(prog="optimum-iobinding bench", description=DESCRIPTION, allow_abbrev=False)
+    parser.add_argument(
+        "--models",
+        default="tiny,small,sd15",
+        help=f"comma-separated architectures, random weights: the UNets {', '.join(MODEL_SIZES)} (default "
+        f"tiny,small,sd15); with --scenario transformer {', '.join(TRANSFORMER_RECIPES)} (default "
+        f"{','.join(TRANSFORMER_DEFAULT_MODELS)})",
+    )
+    parser.add_argument(
+        "--dtypes",
+        default="fp16,fp32",
+        help="comma-separated export precisions, fp16 and fp32 (default fp16,fp32); bf16 with --scenario transformer "
+        "only; the stream and transformer scenarios take the first (default there: fp16)",
+    )
+    parser.add_argument(
+        "--exports",
+        default="plain,optimized",
+        help="comma-separated: plain (the exporter's graph) and optimized (ORT's fusions) (default plain,optimized); "
+        "the stream and transformer scenarios take the first (default there: optimized)",
+    )
+    parser.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help="comma-separated pipelines to measure, each in a process of its own (default: every peer of the "
+        f"scenario): single {', '.join(PEERS)}; mixed {', '.join(MIXED_PEERS)}; stream {', '.join(STREAM_PEERS)}; "
+        f"transformer {', '.join(TRANSFORMER_PEERS)}",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=30,
+        help="single: denoising steps of a timed call (LCM and turbo keep their recipe's; the transformers theirs); "
+        "mixed: steps of the first image",
+    )
+    parser.add_argument("--runs", type=int, default=3, help="timed calls per step count; the table shows their median")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls before the timed ones")
     parser.add_argument(
         "--repeats",
         type=int,
@@ -786,7 +813,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="single: processes per peer, the peer order rotated each time; the table shows the median over them",
     )
     parser.add_argument("--work", default="bench-work", help="where exports and images go")
-    parser.add_argument("--out", default="benchmarks/results/latest")
+    parser.add_argument("--out", default="benchmarks/results/latest", help="where the results and reports go")
     parser.add_argument("--optimum-pythonpath", default=None, help="site folder of the optimum-onnx environment")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per peer process")
     parser.add_argument("--report-only", action="store_true", help="re-render results.md/png from results.json")
@@ -794,7 +821,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "--scenario",
         choices=("single", "mixed", "stream", "transformer"),
         default="single",
-        help="single: one batch size, every peer (default); mixed: batch sizes in turn, rounds; "
+        help="single: one batch size, every peer; mixed: batch sizes in turn, rounds; "
         "stream: frames through few-step image to image (turbo, 512², batch 1); transformer: "
         "SD3.5 Medium and FLUX.1 (--models sd35m,flux-schnell,flux-dev; tiny-sd3,tiny-flux), "
         "1024², batch 1",
@@ -863,6 +890,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--dtype", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--image", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # argparse's refusal, with the option a misspelled one is close to
         parser.error(
@@ -968,13 +1000,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     import torch  # here, after the arguments: --help and their mistakes need no torch
 
-    if not torch.cuda.is_available():
-        print(
-            "optimum-iobinding bench: error: no CUDA GPU is visible to torch here; the benchmark measures CUDA "
-            "pipelines (--export-only and --report-only work without one)",
-            file=sys.stderr,
+    if not torch.cuda.is_available():  # what this machine cannot do, known before any work: as a mistake, status 2
+        fail(
+            "no CUDA GPU is visible to torch here; the benchmark measures CUDA pipelines (--export-only and "
+            "--report-only work without one; --scenario transformer --device cpu checks a setup on the host)"
         )
-        return 1
+        return 2
     if args.scenario == "stream":
         peers = split(args.peers) if args.peers != parser.get_default("peers") else list(STREAM_PEERS)
         dtype, export = stream_export(parser, args, split)
@@ -986,10 +1017,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 1
         failed = all("fps" not in result for row in results["rows"] for result in row["peers"].values())
         if failed:
-            print(
-                "optimum-iobinding bench: error: every stream peer failed or was skipped; see stream.md for why",
-                file=sys.stderr,
-            )
+            fail("every stream peer failed or was skipped; see stream.md for why")
         return 1 if failed else 0
     if args.scenario == "mixed":
         peers = (
@@ -1038,9 +1066,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if "error" not in result and "skipped" not in result
     ]
     if not measured:
-        print(
-            "optimum-iobinding bench: error: every peer failed or was skipped; see results.md for why", file=sys.stderr
-        )
+        fail("every peer failed or was skipped; see results.md for why")
         return 1
     return 0
 

@@ -1115,7 +1115,7 @@ def test_the_bench_fails_where_ours_fails_naming_the_model_and_the_reason_in_one
     assert transformer_cpu_run(tmp_path, monkeypatch, failing_transformer_run("ours")) == 1
     output = capsys.readouterr()
     assert output.err.strip().splitlines()[-1] == (
-        "optimum-iobinding bench: error: ours failed on tiny-sd3: RuntimeError: [ONNXRuntimeError] : 9 : "
+        "optimum-iobinding: error: ours failed on tiny-sd3: RuntimeError: [ONNXRuntimeError] : 9 : "
         "NOT_IMPLEMENTED : Failed to find kernel for com.microsoft.NhwcConv(1) (see "
         f"{tmp_path / 'out' / 'transformer.md'})"
     )
@@ -1135,7 +1135,7 @@ def test_the_bench_fails_where_ours_has_no_export(tmp_path, monkeypatch, capsys)
 
     assert transformer_cpu_run(tmp_path, monkeypatch, failing_transformer_run(None), export) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "optimum-iobinding bench: error: tiny-sd3: the export failed: RuntimeError: the optimizer died (see "
+        "optimum-iobinding: error: tiny-sd3: the export failed: RuntimeError: the optimizer died (see "
         f"{tmp_path / 'out' / 'transformer.md'})"
     )
 
@@ -1283,7 +1283,7 @@ def test_the_bench_cli_refuses_a_cache_its_scenario_or_models_cannot_take_before
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert exit_info.value.code == 2 and error.startswith(f"optimum-iobinding bench: error: {message}")
+    assert exit_info.value.code == 2 and error.startswith(f"optimum-iobinding: error: {message}")
 
 
 def test_with_a_cache_defaults_and_cached_run_on_one_step_cache_export_and_only_cached_caches(tmp_path, monkeypatch):
