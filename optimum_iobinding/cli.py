@@ -14,7 +14,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 # the standard library only: every heavy module is imported by the command using it
 from .errors import ArgumentError, CommandLineParser, RawDescriptionHelpFormatter
@@ -210,13 +210,10 @@ def run_export(args: argparse.Namespace) -> int:
         if name is not None and not Path(name).exists():
             fetch_from_hub(option, name, config)
         if option == "model":  # what an SD3 or Flux pipeline cannot take, refused before the rest is fetched
+            record = exported_transformer_family(args.model, tiny_random=args.tiny_random or False)
+            check_transformer_export_options(record, args)
             with options_named(EXPORT_OPTIONS):
-                check_transformer_options(
-                    exported_transformer_family(args.model, tiny_random=args.tiny_random or False),
-                    vae=args.vae,
-                    controlnet=args.controlnet,
-                    tiny_vae=args.tiny_vae,
-                )
+                check_transformer_options(record, vae=args.vae, controlnet=args.controlnet, tiny_vae=args.tiny_vae)
                 check_dtype_fits(
                     dtype,
                     args.model,
@@ -260,6 +257,25 @@ EXPORT_OPTIONS = {
     "step_cache": "--step-cache",
     "dtype": "--dtype",
 }
+
+
+def check_transformer_export_options(record: Optional[Family], args: argparse.Namespace) -> None:
+    """A diffusion transformer's export (the family ``record``; ``None``: a UNet's) writes its own VAE and no
+    ControlNet: ``--vae``, ``--controlnet`` and ``--tiny-vae`` are refused, in the command line's words."""
+    if record is None:
+        return
+    for option, value in (("--vae", args.vae), ("--controlnet", args.controlnet), ("--tiny-vae", args.tiny_vae)):
+        if value is None:
+            continue
+        shown = (
+            "--tiny-vae without a value (a tiny random one)"
+            if value is True
+            else repr(value[0] if isinstance(value, list) and len(value) == 1 else value)
+        )
+        raise UsageError(
+            f"{option}: expected none for a {record.title} pipeline (its export writes its own VAE and no "
+            f"ControlNet), got {shown}"
+        )
 
 
 def check_tiny_vae_folder(tiny_vae: str, model: Optional[str]) -> None:
@@ -349,14 +365,55 @@ def check_image_path(out: str) -> Path:
     if path.suffix.lower() not in writable:
         shown = ", ".join(sorted(e for e in writable if e in {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tiff"}))
         raise UsageError(f"--out: expected a file name with an image extension PIL can write ({shown}, …), got {out!r}")
-    parent = path.parent
-    existing = next((p for p in [parent, *parent.parents] if p.exists()), None)
-    if existing is not None and (not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)):
-        raise UsageError(
-            f"--out: expected a writable folder for {out!r}, but {str(existing)!r} is "
-            f"{'not a folder' if not existing.is_dir() else 'not writable'}"
-        )
+    if path.exists() and not path.is_file():
+        raise UsageError(f"--out: expected an image file name, got {out!r}, which is neither a file nor a folder")
+    problem = unwritable_reason(path.parent) or (unwritable_file_reason(path) if path.exists() else None)
+    if problem is not None:
+        raise UsageError(f"--out: expected a writable folder for {out!r}, but {problem}")
     return path
+
+
+def unwritable_reason(folder: Path) -> Optional[str]:
+    """Why nothing can be written in ``folder`` (or made where it would be made: its nearest existing parent), in a
+    few words, or ``None``. Asked by writing: a file made and removed at once, as a permission bit does not say it
+    for root, a read-only mount or /proc."""
+    existing = next((p for p in [folder, *folder.parents] if p.exists()), None)
+    if existing is None:
+        return None
+    if not existing.is_dir():
+        return f"{str(existing)!r} is not a folder"
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".optimum-iobinding-", dir=existing)
+    except OSError as error:
+        return f"{str(existing)!r} takes no new file ({error.strerror or error})"
+    os.close(handle)
+    os.unlink(probe)
+    return None
+
+
+def unwritable_file_reason(path: Path) -> Optional[str]:
+    """Why the existing file ``path`` cannot be replaced, or ``None`` (opened for appending, nothing written)."""
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as error:
+        return f"{str(path)!r} cannot be written ({error.strerror or error})"
+    return None
+
+
+def check_cache_dir(cache_dir: Optional[str]) -> None:
+    """``--cache-dir`` (or the default cache folder) can take the tiny model where it is not built there yet: checked
+    before any work, where a folder that cannot be written would fail after the export's first seconds."""
+    folder = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    if (folder / "tiny-random-sd" / "model_index.json").is_file():
+        return  # built: only read
+    problem = unwritable_reason(folder)
+    if problem is not None:
+        given = f"{cache_dir!r}" if cache_dir else f"the default {str(folder)!r}"
+        raise UsageError(
+            f"--cache-dir: expected a folder where the tiny model can be built, got {given}, but {problem}; pass "
+            "--model, or a writable --cache-dir"
+        )
 
 
 # what the pipelines' own checks call the options of `generate`
@@ -369,8 +426,41 @@ GENERATE_OPTIONS = {
     "negative_prompt": "--negative-prompt",
     "provider": "--provider",
 }
-# what loading calls the model (layout's hub download, the folder checks)
-MODEL_OPTION = {"pretrained_model_name_or_path": "--model", "model": "--model"}
+# the components a pipeline folder holds: a refusal of one (its model.onnx, its inputs, its config) is the model's
+MODEL_COMPONENTS = (
+    "text_encoder",
+    "text_encoder_2",
+    "text_encoder_3",
+    "tokenizer",
+    "tokenizer_2",
+    "tokenizer_3",
+    "unet",
+    "transformer",
+    "controlnet",
+    "vae_encoder",
+    "vae_decoder",
+    "scheduler",
+)
+VAE_COMPONENTS = ("vae_encoder", "vae_decoder")
+
+
+def model_option_names(option: str, vae_option: Optional[str] = None) -> Dict[str, str]:
+    """What loading and the runtime call the model (the folder or hub id, a file of it ``path``, a component by its
+    folder's name), named as the command line's ``option`` names the model (``--model``), a component's folder
+    beside it: ``--model (unet/): expected inputs …``. ``vae_option``: where the VAE comes from elsewhere
+    (``--tiny-vae``)."""
+    names = {"pretrained_model_name_or_path": option, "model": option}
+    names["path"] = option if vae_option is None else f"{option} or {vae_option}"  # the file says which
+    for component in MODEL_COMPONENTS:
+        source = vae_option if vae_option is not None and component in VAE_COMPONENTS else option
+        names[component] = f"{source} ({component}/)"
+    return names
+
+
+# what loading calls the model of `generate` (layout's hub download, the folder checks, its components' refusals)
+MODEL_OPTION = model_option_names("--model")
+# the tiny model built into the cache folder: a refusal of one of its files is the cache's
+TINY_MODEL_OPTION = model_option_names("--cache-dir")
 
 
 def check_generate_arguments(args: argparse.Namespace) -> Path:
@@ -392,12 +482,11 @@ def check_generate_arguments(args: argparse.Namespace) -> Path:
         check(math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
     check(args.seed in NUMPY_SEEDS, "--seed", f"an integer in 0 … {NUMPY_SEEDS[-1]} (numpy's seeds)", args.seed)
     check_local_or_hub("--model", args.model)
+    if args.model is None:
+        check_cache_dir(args.cache_dir)
     check_scheduler_modules(args.scheduler)
     if args.cache is not None:
-        from .pipelines.cache_configs import cache_config_of
-
-        with options_named(CACHE_OPTION):
-            cache_config_of(args.cache)
+        check_cache_spec(args.cache)
     if args.provider is not None:  # the last check: it imports the runtime (and onnxruntime) to ask
         from .runtime.providers import normalize_providers
 
@@ -406,8 +495,48 @@ def check_generate_arguments(args: argparse.Namespace) -> Path:
     return out
 
 
-# a step cache's refusal names --cache (the spec's, or the config's when a pipeline refuses it)
-CACHE_OPTION = {"cache": "--cache", "config": "--cache"}
+# a step cache's refusal names --cache (the spec's, or the config's when a pipeline refuses it), a value the part of
+# the spec that gave it
+CACHE_OPTION = {
+    "cache": "--cache",
+    "config": "--cache",
+    "cache_interval": "--cache deepcache:INTERVAL",
+    "cache_branch_id": "--cache deepcache:INTERVAL:BRANCH",
+}
+# each step cache a family record names (Family.step_cache): the --cache form that asks for it, and what it is
+CACHE_FORMS = {
+    "deepcache": ("deepcache", "deepcache:INTERVAL[:BRANCH] (DeepCache: SD 1.x/2.x, SDXL, LCM)"),
+    "first-block": ("fbc", "fbc:THRESHOLD (First-Block Cache: SD3, FLUX.1)"),
+}
+
+
+def check_cache_spec(spec: str) -> None:
+    """``--cache``: its form and its values (DeepCache's by its config's own rules), before any model loads."""
+    from .cache_spec import parse_cache_spec
+
+    quiet_libraries()  # DeepCache's config comes with the pipelines, and they with diffusers and transformers
+    from .pipelines.cache_configs import cache_config_of
+
+    with options_named(CACHE_OPTION):
+        kind, values = parse_cache_spec(spec, "cache")
+        cache_config_of(spec)
+    if kind == "fbc":  # diffusers' FirstBlockCacheConfig takes any threshold: a pipeline refuses it when enabled
+        check(values[0] >= 0, "--cache fbc:THRESHOLD", "a number ≥ 0", values[0])
+
+
+def check_cache_fits(record: Family, spec: str) -> None:
+    """``--cache`` names the step cache the folder's family (``record``) runs, before its pipeline loads."""
+    from .cache_spec import parse_cache_spec
+
+    kind = parse_cache_spec(spec, "cache")[0]
+    if record.step_cache is None:
+        raise UsageError(
+            f"--cache: expected none for {record.class_name} ({record.title} caches no steps), got {spec!r}"
+        )
+    form, words = CACHE_FORMS[record.step_cache]
+    if kind != form:
+        other = next(text for key, (name, text) in CACHE_FORMS.items() if name == kind)
+        raise UsageError(f"--cache: expected {words} for {record.class_name}, got {spec!r}, which is {other}")
 
 
 def cache_summary(pipe: Any, spec: Optional[str]) -> str:
@@ -442,14 +571,15 @@ def run_generate(args: argparse.Namespace) -> int:
     model = tiny_model_folder(Path(args.cache_dir) if args.cache_dir else None) if args.model is None else None
     provider = args.provider or default_provider()
     load_start = time.perf_counter()
-    with options_named(MODEL_OPTION if args.model is not None else {}):  # a hub id that cannot be had: --model
+    model_names = MODEL_OPTION if args.model is not None else TINY_MODEL_OPTION
+    with options_named(model_names):  # a hub id that cannot be had: --model
         if model is None:  # a hub id: downloaded with what any text-to-image family reads
             model = resolve_model_folder(args.model)
         folder_class = pipeline_class_for(model)
         check_generate_fits(family_of_class(folder_class.__name__), args)
     with options_named(GENERATE_OPTIONS):
         check_image_fits(Path(model) / "vae_decoder", args.width, args.height, provider)
-    with options_named(MODEL_OPTION if args.model is not None else {}):
+    with options_named(model_names):
         pipe = folder_class.from_pretrained(model, provider=provider, io_binding=args.io_binding)
     if args.scheduler:
         import diffusers
@@ -463,9 +593,20 @@ def run_generate(args: argparse.Namespace) -> int:
             pipe.enable_cache(cache_config_of(args.cache))
     load_seconds = time.perf_counter() - load_start
     step_times: List[float] = []
+    from tqdm.auto import tqdm
+
+    # the bar counts the steps asked for: a scheduler may call the model more often (PNDM's first step twice: 21
+    # calls for 20 steps), so the pipeline's own bar, one tick a call, is replaced by one the calls move in proportion
+    # (made at the first step's end, as the pipeline's at the loop's start: a refusal before it is one line alone)
+    pipe.set_progress_bar_config(disable=True)
+    progress: List[Any] = []
 
     def record_step(pipeline, step, timestep, tensors):
         step_times.append(time.perf_counter())
+        if not progress:
+            progress.append(tqdm(total=args.steps, unit="step"))
+        calls = max(len(pipeline.scheduler.timesteps), step + 1)
+        progress[0].update(round((step + 1) * args.steps / calls) - progress[0].n)
         return tensors
 
     call = dict(
@@ -480,19 +621,32 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.negative_prompt is not None:  # a family that takes none is refused before loading
         call["negative_prompt"] = args.negative_prompt
     start = time.perf_counter()
-    with options_named(GENERATE_OPTIONS):  # the pipeline's checks of what depends on the model
-        image = pipe(args.prompt, **call).images[0]
+    try:
+        with options_named({**model_names, **GENERATE_OPTIONS}):  # the pipeline's checks of what depends on the model
+            image = pipe(args.prompt, **call).images[0]
+    finally:
+        for bar in progress:
+            bar.close()
     seconds = time.perf_counter() - start
-    out.parent.mkdir(parents=True, exist_ok=True)
-    image.save(out)
-    loop = step_times[-1] - step_times[0] if len(step_times) > 1 else 0.0
-    per_step = loop / (len(step_times) - 1) * 1000 if len(step_times) > 1 else float("nan")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        image.save(out)
+    except OSError as error:  # checked writable before the work: the disk filled, or the folder changed since
+        raise RuntimeError(f"--out: writing {str(out)!r} failed: {error.strerror or error}") from error
     print(
-        f"{out}: {args.width}×{args.height}, {args.steps} steps in {seconds:.2f} s ({per_step:.1f} ms/step; "
-        f"load {load_seconds:.1f} s; {type(pipe).__name__}, {provider}, io_binding={args.io_binding}; "
-        f"model {args.model or model}{cache_summary(pipe, args.cache)})"
+        f"{out}: {args.width}×{args.height}, {args.steps} step{'s' if args.steps != 1 else ''} in {seconds:.2f} s "
+        f"({step_rate(step_times)}load {load_seconds:.1f} s; {type(pipe).__name__}, {provider}, "
+        f"io_binding={args.io_binding}; model {args.model or model}{cache_summary(pipe, args.cache)})"
     )
     return 0
+
+
+def step_rate(step_ends: List[float]) -> str:
+    """``"12.3 ms/step; "`` from the times the model's calls ended (the interval between the first and the last, over
+    the calls between them), or ``""`` where one call gives no interval to measure."""
+    if len(step_ends) < 2:
+        return ""
+    return f"{(step_ends[-1] - step_ends[0]) / (len(step_ends) - 1) * 1000:.1f} ms/step; "
 
 
 def check_generate_fits(record: Family, args: argparse.Namespace) -> None:
@@ -501,6 +655,8 @@ def check_generate_fits(record: Family, args: argparse.Namespace) -> None:
     names discrete-time ones), a negative prompt for a family that takes none (LCM's guidance is an embedding), or one
     that takes it only with an argument ``generate`` does not set (``record.negative_prompt_needs``)."""
     name = record.class_name
+    if args.cache is not None:
+        check_cache_fits(record, args.cache)
     if args.scheduler and not record.scheduler_choice:
         raise UsageError(
             f"--scheduler: expected none for {name} (it runs diffusers' flow-matching scheduler from the "
@@ -529,12 +685,20 @@ STREAM_OPTIONS = {
     "height and width": "--size",
     "provider": "--provider",
     "tiny_vae": "--tiny-vae",
-    "pretrained_model_name_or_path": "--model",
-    "model": "--model",
     "prompt": "--prompt",
     "negative_prompt": "--negative-prompt",
     "seed": "--seed",
 }
+
+
+def stream_option_names(args: argparse.Namespace) -> Dict[str, str]:
+    """What the stream pipeline, its loading and the runtime call the options of `stream`: the model's names
+    (:func:`model_option_names`: ``--model``, or ``--cache-dir`` for the tiny model; the VAE's ``--tiny-vae`` where
+    given) and :data:`STREAM_OPTIONS`."""
+    option = "--model" if args.model is not None else "--cache-dir"
+    return {**model_option_names(option, "--tiny-vae" if args.tiny_vae is not None else None), **STREAM_OPTIONS}
+
+
 STREAM_SEEDS = range(2**63)  # what torch.Generator().manual_seed takes without wrapping around
 STREAM_DEFAULT_FPS = 30.0  # a folder of images carries no rate: a video written from one plays at this rate
 # an SD pipeline folder the stream loads: the text encoder, the UNet and (unless --tiny-vae) both halves of the VAE
@@ -589,6 +753,49 @@ def check_stream_folders(model: Optional[str], tiny_vae: Optional[str]) -> None:
                 f"vae_decoder/model.onnx, got {tiny_vae!r} without {' and '.join(missing)}; make one "
                 "with optimum-iobinding export --tiny-vae ID_OR_FOLDER -o FOLDER"
             )
+        check_tiny_vae_class(folder, tiny_vae)
+
+
+TINY_VAE_CLASS = "AutoencoderTiny"  # diffusers' class of TAESD, what `export --tiny-vae` writes in config.json
+
+
+def check_tiny_vae_class(folder: Path, tiny_vae: str) -> None:
+    """The VAE of a local --tiny-vae folder is a tiny one: its config.json files name no other class (a full VAE
+    would run with the tiny one's scaling and make wrong frames without an error)."""
+    from .layout import read_json_object
+
+    for name in STREAM_VAE_COMPONENTS:
+        config = read_json_object(folder / name / "config.json") or {}
+        found = config.get("_class_name")
+        if found is not None and found != TINY_VAE_CLASS:
+            raise UsageError(
+                f"--tiny-vae: expected an {TINY_VAE_CLASS} export (TAESD: optimum-iobinding export --tiny-vae "
+                f"ID_OR_FOLDER -o FOLDER), got {tiny_vae!r}, whose {name} is an {found}; leave --tiny-vae out to "
+                "run the model's own VAE"
+            )
+
+
+def check_video_extra(source: str, target: str) -> None:
+    """A video file in or out needs PyAV (the video extra): asked of the import system before any work, as `serve`
+    asks for its extra; folders of images need none."""
+    import importlib.util
+
+    from .video import VIDEO_ENCODERS
+
+    videos = [
+        (option, path)
+        for option, path, is_video in (
+            ("INPUT", source, Path(source).expanduser().is_file()),
+            ("OUTPUT", target, Path(target).suffix.lower() in VIDEO_ENCODERS),
+        )
+        if is_video
+    ]
+    if videos and importlib.util.find_spec("av") is None:
+        option, path = videos[0]
+        raise UsageError(
+            f"{option}: the video file {path!r} needs the video extra (PyAV), which this environment lacks: pip "
+            "install 'optimum-iobinding[video]' (folders of images need none)"
+        )
 
 
 def check_frame_size(multiple: int, width: int, height: int, args: argparse.Namespace) -> None:
@@ -619,6 +826,9 @@ def check_stream_arguments(args: argparse.Namespace) -> Optional[Tuple[int, int]
     check_local_or_hub("--model", args.model)
     check_local_or_hub("--tiny-vae", args.tiny_vae)
     check_stream_folders(args.model, args.tiny_vae)
+    check_video_extra(args.input, args.output)
+    if args.model is None:
+        check_cache_dir(args.cache_dir)
     if args.provider is not None:  # the last check: it imports the runtime (and onnxruntime) to ask
         from .runtime.providers import normalize_providers
 
@@ -641,7 +851,9 @@ def run_stream(args: argparse.Namespace) -> int:
             "while the output is written)"
         )
     with contextlib.ExitStack() as opened:  # what is opened is closed on every way out (the output discarded)
-        reader = opened.enter_context(open_frames(args.input, size, argument="INPUT"))  # a bad file fails here
+        reader = opened.enter_context(
+            open_frames(args.input, size, argument="INPUT", size_argument="--size")
+        )  # a bad file fails here
         width, height = reader.size
         writer = opened.enter_context(
             FrameWriter(
@@ -665,7 +877,7 @@ def run_stream(args: argparse.Namespace) -> int:
             with options_named({"frame size": "--size" if args.size is not None else "INPUT"}):
                 check_image_fits(decoder, width, height, provider, argument="frame size")
         started = time.perf_counter()
-        with options_named(STREAM_OPTIONS):
+        with options_named(stream_option_names(args)):
             stream = pipeline_class(family("stream")).from_pretrained(model, provider=provider, tiny_vae=args.tiny_vae)
             check_frame_size(stream.size_multiple, width, height, args)
             stream.prepare(
@@ -763,7 +975,7 @@ def check_serve_arguments(args: argparse.Namespace, model: str) -> ServeConfig:
 
 
 # what loading calls the model `serve` serves
-SERVED_MODEL_OPTION = {"pretrained_model_name_or_path": "model", "model": "model"}
+SERVED_MODEL_OPTION = model_option_names("model")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -772,6 +984,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     check_local_or_hub("model", args.model)
     config = check_serve_arguments(args, args.model if args.model is not None else "the tiny random model")
+    if args.model is None:
+        check_cache_dir(args.cache_dir)
+    if args.cache is not None:
+        check_cache_spec(args.cache)
     # asked of the import system: Ray must not be imported before `run` sets up the local cluster
     missing = [name for name in ("ray", "fastapi") if importlib.util.find_spec(name) is None]
     if missing:
@@ -793,7 +1009,9 @@ def run_serve(args: argparse.Namespace) -> int:
         from .pipelines import pipeline_class_for
 
         with options_named(SERVED_MODEL_OPTION):
-            pipeline_class_for(config.model)
+            served_class = pipeline_class_for(config.model)
+        if args.cache is not None:
+            check_cache_fits(family_of_class(served_class.__name__), args.cache)
     if not os.environ.get("RAY_ADDRESS"):  # a local cluster: its proxy would share a port another server holds
         with options_named({"port": "--port", "host": "--host"}):
             check_port_free(args.host, args.port)
@@ -1089,7 +1307,13 @@ def quiet_libraries() -> None:
     diffusers' dtype notes while the tiny model is built) are for library users, so the command shows their errors
     only; this project's own warnings still show. Each command calls this once its arguments passed their checks,
     before it loads anything: it imports diffusers and transformers (each sets its own level when imported), which
-    --help and a mistake in the arguments need not wait for."""
+    --help and a mistake in the arguments need not wait for. ONNX Runtime's Python tools (the symbolic shape inference
+    the export runs: "Cannot determine if floor(height/2) + … < 0", a slice it leaves unresolved and the export does
+    not need) log through ``logging``, under their package's name or, imported by its transformer tools, their own."""
+    import logging
+
+    for name in ("onnxruntime", "symbolic_shape_infer"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         import diffusers.utils.logging as diffusers_logging
         import transformers.utils.logging as transformers_logging

@@ -208,11 +208,13 @@ class FrameReader:
         image_files: Tuple[Path, ...],
         queue_frames: int,
         argument: str,
+        size_argument: str = "size=",
     ):
         self.path, self.kind, self.fps, self.frame_count = path, kind, fps, frame_count
         self.width, self.height = size
         self.source_width, self.source_height = source_size
         self._fit, self._image_files, self._queue_frames, self._argument = fit, image_files, queue_frames, argument
+        self._size_argument = size_argument  # what the caller's user passes to fit every frame to one size
         # weak: a `for` loop that breaks drops its iterator, and with it the thread, at once
         self._iterations: "weakref.WeakSet[Iterator[np.ndarray]]" = weakref.WeakSet()
 
@@ -250,8 +252,8 @@ class FrameReader:
         where = f"frame {index}" + (f" ({file.name})" if file is not None else "")
         return ValueError(
             f"{self._argument}: expected every frame of {str(self.path)!r} at the first one's size "
-            f"{_size_text(self.width, self.height)}, got {_size_text(width, height)} at {where}; pass size= (the "
-            "stream command: --size) to fit every frame to one size"
+            f"{_size_text(self.width, self.height)}, got {_size_text(width, height)} at {where}; pass {self._size_argument} to "
+            "fit every frame to one size"
         )
 
     def _video_frames(self) -> Iterator[np.ndarray]:
@@ -305,6 +307,7 @@ def open_frames(
     *,
     queue_frames: int = DEFAULT_QUEUE_FRAMES,
     argument: str = "path",
+    size_argument: str = "size=",
 ) -> FrameReader:
     """Opens a video file or a folder of images for reading frames, checking it first (its first frame decoded).
 
@@ -316,6 +319,8 @@ def open_frames(
             or (width, height): every frame scaled to cover it and cropped at the centre.
         queue_frames: how many decoded frames may wait for the consumer.
         argument: the name errors give the path (``INPUT`` for a command line).
+        size_argument: how errors name ``size``, what fits frames of several sizes to one (``--size`` for a command
+            line).
 
     Returns:
         a :class:`FrameReader`: iterate it for numpy (height, width, 3) uint8 RGB frames; ``fps``, ``frame_count``,
@@ -341,11 +346,13 @@ def open_frames(
             "which this user may not read"
         )
     if source.is_dir():
-        return _open_image_folder(source, target, int(queue_frames), argument)
-    return _open_video(source, target, int(queue_frames), argument)
+        return _open_image_folder(source, target, int(queue_frames), argument, size_argument)
+    return _open_video(source, target, int(queue_frames), argument, size_argument)
 
 
-def _open_image_folder(folder: Path, size: Optional[Tuple[int, int]], queue_frames: int, argument: str) -> FrameReader:
+def _open_image_folder(
+    folder: Path, size: Optional[Tuple[int, int]], queue_frames: int, argument: str, size_argument: str = "size="
+) -> FrameReader:
     entries = sorted(os.listdir(folder), key=natural_key)
     files = tuple(
         folder / name
@@ -370,10 +377,13 @@ def _open_image_folder(folder: Path, size: Optional[Tuple[int, int]], queue_fram
         files,
         queue_frames,
         argument,
+        size_argument,
     )
 
 
-def _open_video(file: Path, size: Optional[Tuple[int, int]], queue_frames: int, argument: str) -> FrameReader:
+def _open_video(
+    file: Path, size: Optional[Tuple[int, int]], queue_frames: int, argument: str, size_argument: str = "size="
+) -> FrameReader:
     av = _import_av(argument, file, "reading the video")
     expected = "a video file or a folder of images"
     try:
@@ -404,7 +414,17 @@ def _open_video(file: Path, size: Optional[Tuple[int, int]], queue_frames: int, 
             f"{error.strerror or error}"
         ) from error
     return FrameReader(
-        file, "video", fps, frame_count, size or source_size, source_size, size is not None, (), queue_frames, argument
+        file,
+        "video",
+        fps,
+        frame_count,
+        size or source_size,
+        source_size,
+        size is not None,
+        (),
+        queue_frames,
+        argument,
+        size_argument,
     )
 
 

@@ -407,7 +407,10 @@ def test_export_refuses_a_vae_or_controlnet_for_a_transformer_pipeline_before_fe
 ):
     argv = ["export", "--tiny-random", kind, option, "nobody/some-model", "--output", str(tmp_path / "out")]
     assert main(argv) == 2
-    assert error_line(capsys).startswith(f"optimum-iobinding: error: {option}: expected None for a {family} pipeline")
+    assert error_line(capsys) == (
+        f"optimum-iobinding: error: {option}: expected none for a {family} pipeline (its export writes its own VAE "
+        "and no ControlNet), got 'nobody/some-model'"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -740,6 +743,254 @@ def test_generate_takes_the_prompt_as_an_option_too_but_only_once(tmp_path, caps
     )
 
 
+# ------------------------------------------------------------------------------------- the command line's words
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--steps", "many"], "--steps: invalid int value: 'many'"),
+        (["export", "--tiny-random"], "the following arguments are required: --output/-o"),
+        (["stream", "in", "out"], "the following arguments are required: --prompt"),
+        (["serve", "--port", "x"], "--port: invalid int value: 'x'"),
+        (["loadtest"], "the following arguments are required: url"),
+        (["bench", "--runs", "x"], "--runs: invalid int value: 'x'"),
+        (["no-such-command"], "command: invalid choice: 'no-such-command'"),
+    ],
+    ids=["generate", "export", "stream", "serve", "loadtest", "bench", "top"],
+)
+def test_a_mistake_argparse_finds_is_one_line_without_the_usage_block(capsys, no_work, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert error_line(capsys).startswith(f"optimum-iobinding: error: {message}")
+
+
+@pytest.fixture
+def missing_module(monkeypatch):
+    """``missing_module(name)``: the import system finds no module ``name`` (an extra not installed)."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    missing = set()
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *args: None if name in missing else find_spec(name, *args)
+    )
+    return missing.add
+
+
+@pytest.mark.parametrize(
+    "argv, module, message",
+    [
+        (["stream", "{tmp}/in.mp4", "{tmp}/out", "--prompt", "a cat"], "av", "INPUT: the video file '{tmp}/in.mp4'"),
+        (["stream", "{tmp}", "{tmp}/out.mp4", "--prompt", "a cat"], "av", "OUTPUT: the video file '{tmp}/out.mp4'"),
+        (["serve", "{tmp}"], "ray", "serve: expected the serve extra (Ray Serve), missing ray"),
+    ],
+    ids=["stream-input", "stream-output", "serve"],
+)
+def test_a_missing_extra_is_refused_before_any_work_with_status_2(
+    tmp_path, capsys, no_work, missing_module, argv, module, message
+):
+    """README: a mistake, status 2 — an extra the command needs and this environment lacks is one, for every
+    command (`stream` answered 1)."""
+    (tmp_path / "in.mp4").write_bytes(b"")
+    missing_module(module)
+    assert main([arg.format(tmp=tmp_path) for arg in argv]) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"optimum-iobinding: error: {message.format(tmp=tmp_path)}"), line
+    assert "pip install 'optimum-iobinding[" in line
+
+
+# what the command line never says: the Python names of the parameters it fills, or the reprs of their values
+PYTHON_WORDS = (
+    "pretrained_model_name_or_path",
+    "cache_interval",
+    "cache_branch_id",
+    "path:",
+    "unet:",
+    "Config(",
+    "None",
+)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--cache", "deepcache:0"], "--cache deepcache:INTERVAL: expected an integer ≥ 1, got 0"),
+        (["--cache", "deepcache:3:-1"], "--cache deepcache:INTERVAL:BRANCH: expected an integer ≥ 0, got -1"),
+        (["--cache", "fbc:-1"], "--cache fbc:THRESHOLD: expected a number ≥ 0, got -1.0"),
+        (
+            ["--cache", "fbc:0.08"],
+            "--cache: expected deepcache:INTERVAL[:BRANCH] (DeepCache: SD 1.x/2.x, SDXL, LCM) for "
+            "OnnxStableDiffusionPipeline, got 'fbc:0.08', which is fbc:THRESHOLD (First-Block Cache: SD3, FLUX.1)",
+        ),
+    ],
+    ids=["interval", "branch", "threshold", "other-cache"],
+)
+def test_generate_names_a_step_cache_it_refuses_by_the_spec_before_the_model_loads(
+    tiny_folder, tmp_path, capsys, no_work, argv, message
+):
+    assert main(["generate", "--model", str(tiny_folder), "--out", str(tmp_path / "a.png"), *argv]) == 2
+    line = error_line(capsys)
+    assert line == f"optimum-iobinding: error: {message}"
+    assert not any(word in line for word in PYTHON_WORDS), line
+
+
+def test_serve_names_a_step_cache_the_folder_cannot_take_before_starting_ray(tiny_folder, capsys, no_work):
+    pytest.importorskip("ray.serve")
+    assert main(["serve", str(tiny_folder), "--cache", "fbc:0.08"]) == 2
+    assert error_line(capsys).startswith(
+        "optimum-iobinding: error: --cache: expected deepcache:INTERVAL[:BRANCH] (DeepCache: SD 1.x/2.x, SDXL, LCM) "
+        "for OnnxStableDiffusionPipeline, got 'fbc:0.08'"
+    )
+
+
+def test_export_names_a_tiny_vae_a_transformer_pipeline_cannot_take_in_the_commands_words(tmp_path, capsys, no_work):
+    assert main(["export", "--tiny-random", "sd3", "--tiny-vae", "--output", str(tmp_path / "out")]) == 2
+    assert error_line(capsys) == (
+        "optimum-iobinding: error: --tiny-vae: expected none for a Stable Diffusion 3 pipeline (its export writes "
+        "its own VAE and no ControlNet), got --tiny-vae without a value (a tiny random one)"
+    )
+
+
+@pytest.fixture
+def folder_with_unet(tiny_folder, tmp_path):
+    """``folder_with_unet(change)``: a copy of tiny_folder whose UNet graph ``change(model)`` changed in place."""
+    import shutil
+
+    import onnx
+
+    def make(change):
+        folder = tmp_path / "model"
+        shutil.copytree(tiny_folder, folder)
+        model = onnx.load(str(folder / "unet" / "model.onnx"))
+        change(model)
+        onnx.save(model, str(folder / "unet" / "model.onnx"))
+        return folder
+
+    return make
+
+
+def as_exported_for_cuda(model):
+    """The first convolution as ORT's CUDA fusion writes it: com.microsoft NhwcConv (no CPU kernel) on channels-last
+    data and weights, between transposes."""
+    from onnx import helper, numpy_helper
+
+    index, conv = next((i, node) for i, node in enumerate(model.graph.node) if node.op_type == "Conv")
+    weight = next(tensor for tensor in model.graph.initializer if tensor.name == conv.input[1])
+    weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight).transpose(0, 2, 3, 1), weight.name))
+    source, result = conv.input[0], conv.output[0]
+    conv.input[0], conv.output[0] = f"{source}_nhwc", f"{result}_nhwc"
+    conv.op_type, conv.domain = "NhwcConv", "com.microsoft"
+    model.graph.node.insert(index, helper.make_node("Transpose", [source], [conv.input[0]], perm=[0, 2, 3, 1]))
+    model.graph.node.insert(index + 2, helper.make_node("Transpose", [conv.output[0]], [result], perm=[0, 3, 1, 2]))
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+
+
+def with_an_unknown_input(model):
+    """The UNet with an input no family's UNet takes."""
+    from onnx import TensorProto, helper
+
+    model.graph.input.append(helper.make_tensor_value_info("style", TensorProto.FLOAT, ["batch", 32]))
+
+
+GENERATE_ON_THE_CPU = ["--steps", "1", "--height", "64", "--width", "64", "--provider", "CPUExecutionProvider"]
+
+
+def test_a_folder_exported_for_cuda_run_on_the_cpu_gets_the_cause_and_what_to_do(folder_with_unet, tmp_path, capsys):
+    folder = folder_with_unet(as_exported_for_cuda)
+    assert main(["generate", "--model", str(folder), *GENERATE_ON_THE_CPU, "--out", str(tmp_path / "a.png")]) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"optimum-iobinding: error: --model: {str(folder / 'unet' / 'model.onnx')!r} was exported ")
+    assert "NhwcConv" in line and "--optimize cpu" in line and "CUDAExecutionProvider" in line
+    assert "Failed to find kernel" not in line and "Could not find an implementation" not in line
+
+
+def test_a_component_the_pipeline_refuses_is_named_as_the_models(folder_with_unet, tmp_path, capsys):
+    from PIL import Image
+
+    folder = folder_with_unet(with_an_unknown_input)
+    (tmp_path / "frames").mkdir()
+    Image.new("RGB", (64, 64)).save(tmp_path / "frames" / "0.png")
+    argv = ["stream", str(tmp_path / "frames"), str(tmp_path / "out"), "--prompt", "a cat", "--model", str(folder)]
+    assert main([*argv, "--provider", "CPUExecutionProvider"]) == 2
+    line = error_line(capsys)
+    assert line.startswith("optimum-iobinding: error: --model (unet/): expected inputs "), line
+    assert not any(word in line for word in PYTHON_WORDS), line
+
+
+# ------------------------------------------------------------------------- files the work would fail to write
+UNWRITABLE = "/proc/optimum-iobinding-test"  # refuses new files, for root too (a permission bit does not)
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux's /proc")
+def test_an_out_that_cannot_be_written_is_refused_before_any_work(capsys, no_work):
+    assert main(["generate", "--out", f"{UNWRITABLE}/x.png"]) == 2
+    assert error_line(capsys).startswith(
+        f"optimum-iobinding: error: --out: expected a writable folder for '{UNWRITABLE}/x.png', but '/proc' takes no "
+        "new file"
+    )
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux's /proc")
+@pytest.mark.parametrize(
+    "argv",
+    [["generate", "--out", "{tmp}/a.png"], ["stream", "{tmp}", "{tmp}/out", "--prompt", "a cat"], ["serve"]],
+    ids=["generate", "stream", "serve"],
+)
+def test_a_cache_dir_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys, no_work, argv):
+    assert main([*(arg.format(tmp=tmp_path) for arg in argv), "--cache-dir", UNWRITABLE]) == 2
+    assert error_line(capsys).startswith(
+        f"optimum-iobinding: error: --cache-dir: expected a folder where the tiny model can be built, got "
+        f"'{UNWRITABLE}', but '/proc' takes no new file"
+    )
+
+
+def test_a_cache_dir_holding_the_tiny_model_is_only_read(tmp_path, monkeypatch):
+    """A cache that cannot be written serves once the tiny model is in it."""
+    (tmp_path / "tiny-random-sd").mkdir()
+    (tmp_path / "tiny-random-sd" / "model_index.json").write_text("{}")
+    monkeypatch.setattr(cli, "unwritable_reason", lambda folder: "it is read-only")
+    cli.check_cache_dir(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------- what it prints
+@pytest.mark.parametrize(
+    "steps, scheduler, summary", [("3", "pndm", "3 steps in "), ("1", "ddim", "1 step in ")], ids=["pndm", "one-step"]
+)
+def test_the_progress_bar_counts_the_steps_asked_for_and_the_summary_no_rate_it_cannot_measure(
+    tiny_folder, tmp_path, capsys, steps, scheduler, summary
+):
+    """PNDM calls the UNet once more than the steps (its first step twice): the bar still ends at the steps asked
+    for; one step has no interval to give a rate of ("nan ms/step")."""
+    argv = ["generate", "--model", str(tiny_folder), "--steps", steps, "--scheduler", scheduler, "--height", "64"]
+    assert main([*argv, "--width", "64", "--provider", "CPUExecutionProvider", "--out", str(tmp_path / "a.png")]) == 0
+    captured = capsys.readouterr()
+    bars = [part for part in captured.err.replace("\r", "\n").splitlines() if "|" in part]
+    assert bars and bars[-1].lstrip().startswith("100%") and f"| {steps}/{steps} [" in bars[-1], bars
+    assert summary in captured.out and "nan" not in captured.out
+    assert ("ms/step" in captured.out) == (steps != "1")
+
+
+def test_export_shows_no_warning_of_onnx_runtimes_shape_inference(tmp_path, caplog, monkeypatch):
+    """ORT's symbolic shape inference logs "Cannot determine if floor(height/2) + … < 0" while SD3's step cache is
+    exported (8 lines): a library's notice, not the command's."""
+    import logging
+
+    import optimum_iobinding.export as export
+
+    logger = logging.getLogger("onnxruntime.tools.symbolic_shape_infer")
+    for name in ("onnxruntime", "symbolic_shape_infer"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)  # restored after
+
+    def exporter(model, output_dir, **kwargs):
+        logger.warning("Cannot determine if floor(height/2) + floor(-floor(height/2)/2) + 16 < 0")
+        return Path(output_dir)
+
+    monkeypatch.setattr(export, "export_pipeline", exporter)
+    caplog.set_level(logging.WARNING)
+    assert main(["export", "--tiny-random", "sd3", "--step-cache", "--output", str(tmp_path / "out")]) == 0
+    assert not [record for record in caplog.records if "Cannot determine" in record.getMessage()]
+
+
 def test_the_tiny_models_are_built_without_diffusers_float32_notice(monkeypatch):
     """The examples build the tiny models: diffusers' ``.to(torch.float32)`` said "There are modules in
     UNet2DConditionModel that should be kept in float32: []" for each model."""
@@ -766,27 +1017,6 @@ def test_the_tiny_models_are_built_without_diffusers_float32_notice(monkeypatch)
         root.removeHandler(handler)
     assert not [message for message in records if "kept in float32" in message], records
     assert {parameter.dtype for parameter in pipe.unet.parameters()} == {torch.float32}
-
-
-# ------------------------------------------------------------------------------------- the command line's words
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["generate", "--steps", "many"], "--steps: invalid int value: 'many'"),
-        (["export", "--tiny-random"], "the following arguments are required: --output/-o"),
-        (["stream", "in", "out"], "the following arguments are required: --prompt"),
-        (["serve", "--port", "x"], "--port: invalid int value: 'x'"),
-        (["loadtest"], "the following arguments are required: url"),
-        (["bench", "--runs", "x"], "--runs: invalid int value: 'x'"),
-        (["no-such-command"], "command: invalid choice: 'no-such-command'"),
-    ],
-    ids=["generate", "export", "stream", "serve", "loadtest", "bench", "top"],
-)
-def test_a_mistake_argparse_finds_is_one_line_without_the_usage_block(capsys, no_work, argv, message):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    assert error_line(capsys).startswith(f"optimum-iobinding: error: {message}")
 
 
 # ------------------------------------------------------------------------------------------------------ --help

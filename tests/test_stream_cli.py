@@ -215,6 +215,7 @@ def test_a_frame_that_fails_midway_leaves_no_output(tmp_path, tiny_folder, capsy
     assert run_stream(source, tmp_path / "out", tiny_folder) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
     assert last.startswith("optimum-iobinding: error: INPUT: expected every frame of"), last
+    assert last.endswith("; pass --size to fit every frame to one size") and "size=" not in last, last
     assert sorted(os.listdir(tmp_path)) == ["frames"]  # neither the output nor a partial one
 
 
@@ -228,6 +229,10 @@ def bad_inputs(tmp_path):
     (tmp_path / "half-taesd" / "vae_encoder").mkdir(parents=True)
     (tmp_path / "half-taesd" / "vae_encoder" / "model.onnx").write_bytes(b"")
     (tmp_path / "existing.mp4").write_bytes(b"mine")
+    for part in ("vae_encoder", "vae_decoder"):  # a full VAE's export (AutoencoderKL), not a tiny one
+        (tmp_path / "full-vae" / part).mkdir(parents=True)
+        (tmp_path / "full-vae" / part / "model.onnx").write_bytes(b"")
+        (tmp_path / "full-vae" / part / "config.json").write_text('{"_class_name": "AutoencoderKL"}')
     frames = tmp_path / "frames"
     return {
         "missing": (
@@ -272,6 +277,13 @@ def bad_inputs(tmp_path):
             r"and vae_decoder/model\.onnx, got .*half-taesd.* without "
             r"vae_decoder/model\.onnx",
         ),
+        "tiny-vae-of-a-full-vae": (
+            frames,
+            tmp_path / "out",
+            ("--tiny-vae", str(tmp_path / "full-vae")),
+            r"--tiny-vae: expected an AutoencoderTiny export \(TAESD: optimum-iobinding export --tiny-vae "
+            r"ID_OR_FOLDER -o FOLDER\), got .*full-vae.*, whose vae_encoder is an AutoencoderKL",
+        ),
         "output-extension": (
             frames,
             tmp_path / "out.gif",
@@ -307,6 +319,7 @@ BAD_INPUTS = [
     "seed",
     "model-without-vae",
     "tiny-vae-without-decoder",
+    "tiny-vae-of-a-full-vae",
     "output-extension",
     "output-is-input",
     "output-exists",

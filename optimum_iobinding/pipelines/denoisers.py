@@ -212,7 +212,7 @@ class UNetDenoiser(Denoiser):
             hint = f"{found}, not a UNet: put the right model.onnx in the unet folder"
         if hint is None and missing:
             hint = f"{type(self.pipe).__name__} needs a UNet exported with {missing}"
-        raise ArgumentError("unet", f"expected inputs {expected}, got {declared} ({hint})")
+        raise ArgumentError("unet", f"expected inputs {expected}, got {declared}" + (f" ({hint})" if hint else ""))
 
     def latent_channels(self, vae_decoder: IOBindingORTModel) -> int:
         configured = vae_decoder.config.get("latent_channels")

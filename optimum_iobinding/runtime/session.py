@@ -27,6 +27,28 @@ from .weights import OwnedWeights, source_name
 
 logger = logging.getLogger(__name__)
 
+# fused operators of ORT's transformer optimizer (com.microsoft) that ONNX Runtime runs on the GPU only: a model
+# exported with the CUDA fusions holds them, and the CPU provider refuses the session ("Could not find an
+# implementation for NhwcConv")
+GPU_ONLY_OPERATORS = frozenset({"NhwcConv", "GroupNorm", "SkipGroupNorm", "BiasSplitGelu", "BiasAdd"})
+GPU_PROVIDERS = frozenset({"CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExecutionProvider"})
+
+
+def gpu_only_operators(path: str) -> List[str]:
+    """The operators of :data:`GPU_ONLY_OPERATORS` the ONNX model at ``path`` holds (its graph read without its
+    weights), in order; none where it cannot be read."""
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception:  # noqa: BLE001 — an unreadable file has its own reason
+        return []
+    return sorted(
+        {
+            node.op_type
+            for node in model.graph.node
+            if node.domain == "com.microsoft" and node.op_type in GPU_ONLY_OPERATORS
+        }
+    )
+
 
 def create_session(
     path_or_bytes: Union[str, bytes],
@@ -44,6 +66,14 @@ def create_session(
     except Exception as error:  # ORT's own exception types are not importable in a stable place
         if not isinstance(path_or_bytes, str):
             raise ArgumentError("path", f"onnxruntime could not load the model bytes: {error}") from error
+        gpu_only = [] if GPU_PROVIDERS & set(providers) else gpu_only_operators(path_or_bytes)
+        if gpu_only:
+            raise ArgumentError(
+                "path",
+                f"{path_or_bytes!r} was exported for CUDA (it holds {', '.join(gpu_only)}, which ONNX Runtime runs on "
+                f"CUDA only: an export with --optimize cuda), so {providers[0]} cannot run it; export the model again "
+                "with --optimize cpu, or run it with CUDAExecutionProvider",
+            ) from error
         reason = unreadable_reason(path_or_bytes)
         if reason is not None:
             raise ArgumentError(
