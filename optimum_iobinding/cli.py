@@ -1254,7 +1254,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="fit every frame to this size, 512 or 768x512 (width x height; scaled to cover, "
         "centre cropped); default: the input's. Both must be multiples of the model's size "
-        "multiple (8 for Stable Diffusion)",
+        "multiple, 8 × 2^(the UNet's down blocks − 1): 64 for Stable Diffusion 1.x/2.x and SD-Turbo",
     )
     stream.add_argument(
         "--stream-batch",

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -1035,3 +1036,63 @@ def test_help_describes_every_option_and_gives_its_default(command):
         assert text, f"{command} {action.option_strings[0]}: no help"
         if not any(action.default is none for none in (None, False, argparse.SUPPRESS)):
             assert "default" in text, f"{command} {action.option_strings[0]}: no default in {text!r}"
+
+
+# --------------------------------------------------------------------------------------- what the docs tell
+def python_snippets(text: str) -> list:
+    return [block.split("```", 1)[0] for block in text.split("```python\n")[1:]]
+
+
+README = (REPOSITORY / "README.md").read_text()
+
+
+def test_the_readme_says_where_its_snippets_folders_come_from_offline():
+    first = next(block for block in python_snippets(README) if '"sd-onnx"' in block)
+    assert "export MODEL --output sd-onnx" in first and "export --tiny-random" in first
+
+
+def test_the_readme_stream_snippet_imports_its_class():
+    (snippet,) = [block for block in python_snippets(README) if "OnnxStreamDiffusionPipeline.from_pretrained" in block]
+    assert "from optimum_iobinding import OnnxStreamDiffusionPipeline" in snippet
+
+
+def test_the_readme_names_every_example_and_stays_within_300_lines():
+    assert [path.stem for path in sorted((REPOSITORY / "examples").glob("*.py")) if path.stem not in README] == []
+    assert len(README.splitlines()) <= 300
+
+
+def test_the_size_multiple_of_a_stream_is_documented_as_the_unet_needs_it():
+    """8 × 2^(down blocks − 1), as the UNet denoiser's ``size_multiple`` computes it (the docs said 8)."""
+    rule = "8 × 2^(the UNet's down blocks − 1)"
+    stream = cli.build_parser()._defaults["command_parsers"]["stream"]
+    (size,) = [action for action in stream._actions if "--size" in action.option_strings]
+    streams_doc = " ".join((REPOSITORY / "docs" / "streams.md").read_text().split())
+    assert rule in size.help and rule in streams_doc and "size multiple (8)" not in streams_doc
+
+
+def test_what_generate_and_the_examples_write_by_default_is_ignored_by_git():
+    import fnmatch
+    import re
+
+    patterns = [
+        line.strip()
+        for line in (REPOSITORY / ".gitignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    generate = cli.build_parser()._defaults["command_parsers"]["generate"]
+    written = [action.default for action in generate._actions if "--out" in action.option_strings]
+    for example in (REPOSITORY / "examples").glob("*.py"):
+        written += re.findall(r'add_argument\("--out", default="([^"]+)"', example.read_text())
+    assert len(written) >= 9
+    ignored = lambda name: any(fnmatch.fnmatch(name, pattern.lstrip("/")) for pattern in patterns)  # noqa: E731
+    assert [name for name in written if not ignored(name)] == []
+
+
+@pytest.mark.skipif(
+    "CUDAExecutionProvider" in ort.get_available_providers(),
+    reason="checks the hint given where onnxruntime has no CUDA provider",
+)
+def test_the_gpu_hint_says_to_remove_onnxruntime_before_installing_the_gpu_extra(capsys, no_work):
+    """onnxruntime and onnxruntime-gpu are one module: installed over the CPU build, the GPU one breaks both."""
+    assert main(["generate", "--provider", "CUDAExecutionProvider"]) == 2
+    assert "pip uninstall -y onnxruntime && pip install 'optimum-iobinding[gpu]'; available: " in error_line(capsys)

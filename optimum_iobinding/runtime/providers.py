@@ -103,7 +103,10 @@ def unavailable_provider_reason(name: str, available: Sequence[str]) -> str:
         meant = likely_provider(name, known)
         reason += f" (it is no execution provider onnxruntime knows{f'; did you mean {meant}?' if meant else ''})"
     if meant is not None and meant not in available and ("CUDA" in meant or "Tensorrt" in meant):
-        reason += f"; to use {meant} install onnxruntime-gpu: pip install 'optimum-iobinding[gpu]'"
+        reason += (
+            f"; to use {meant} install onnxruntime-gpu in place of onnxruntime (both are the module onnxruntime): "
+            "pip uninstall -y onnxruntime && pip install 'optimum-iobinding[gpu]'"
+        )
     return f"{reason}; available: {list(available)}"
 
 
