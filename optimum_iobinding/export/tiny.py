@@ -89,7 +89,7 @@ def write_tiny_tokenizer(folder: Union[str, os.PathLike]) -> "object":
 
 
 def build_tiny_random_pipeline(seed: int = 0):
-    """A tiny random-weights ``StableDiffusionPipeline`` built offline: UNet of two blocks (32/64 channels), a
+    """A tiny random-weights ``StableDiffusionPipeline`` built offline: UNet of two blocks (32/64 channels) of one layer, a
     2-layer CLIP text model of hidden size 32, a small four-block VAE (8× scale), a small byte-level BPE tokenizer,
     PNDM scheduler."""
     from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
@@ -98,7 +98,7 @@ def build_tiny_random_pipeline(seed: int = 0):
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(
         block_out_channels=(32, 64),
-        layers_per_block=2,
+        layers_per_block=1,
         sample_size=32,
         in_channels=4,
         out_channels=4,
@@ -189,7 +189,7 @@ def build_tiny_random_xl_pipeline(seed: int = 0):
     text_encoder_2 = CLIPTextModelWithProjection(_tiny_text_encoder_config(tokenizer, layers=3, projection_dim=32))
     unet = UNet2DConditionModel(
         block_out_channels=(32, 64),
-        layers_per_block=2,
+        layers_per_block=1,
         sample_size=32,
         in_channels=4,
         out_channels=4,

@@ -68,8 +68,9 @@ def test_the_export_writes_the_controlnet_and_a_unet_taking_its_residuals(folder
         "conditioning_scale",
     ]
     residuals = controlnet.output_names
-    assert residuals[-1] == "mid_block_res_sample" and len(residuals) == 7  # 2 blocks × (2 layers + 1) + conv_in
-    assert unet.input_names[3:] == [f"down_block_additional_residual_{i}" for i in range(6)] + [
+    # conv_in's, the first block's layer and downsampler, the last block's layer, then the mid block's
+    assert residuals[-1] == "mid_block_res_sample" and len(residuals) == 5
+    assert unet.input_names[3:] == [f"down_block_additional_residual_{i}" for i in range(4)] + [
         "mid_block_additional_residual"
     ]
     assert (folders["two"] / "controlnet_1" / "model.onnx").is_file()
