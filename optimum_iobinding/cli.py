@@ -182,6 +182,12 @@ def run_export(args: argparse.Namespace) -> int:
     for option, name, _ in sources:
         check_local_or_hub(option, name)
     source = Path(args.model) if args.model and Path(args.model).exists() else None
+    exported = sorted(path.parent.name for path in source.glob("*/model.onnx")) if source and source.is_dir() else []
+    if exported:
+        raise UsageError(
+            f"model: expected a diffusers pipeline to export (its torch weights), got {args.model!r}, an ONNX folder "
+            f"already ({', '.join(f'{name}/model.onnx' for name in exported)}): run it with generate --model"
+        )
     check_output_folder(
         args.output,
         source,
@@ -326,6 +332,12 @@ def check_local_or_hub(option: str, name: Optional[str]) -> None:
         raise UsageError(
             f"{option}: expected an existing local folder or a hub repository id, got {name!r}: no such file or folder"
         )
+
+
+def check_not_a_file(option: str, name: Optional[str]) -> None:
+    """``name`` (where given) is no file: a pipeline is a folder (or a hub id)."""
+    if name is not None and Path(name).expanduser().is_file():
+        raise UsageError(f"{option}: expected an ONNX pipeline folder or a hub id, got the file {name!r}")
 
 
 def fetch_from_hub(option: str, name: str, first_file: str) -> None:
@@ -482,6 +494,7 @@ def check_generate_arguments(args: argparse.Namespace) -> Path:
         check(math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
     check(args.seed in NUMPY_SEEDS, "--seed", f"an integer in 0 … {NUMPY_SEEDS[-1]} (numpy's seeds)", args.seed)
     check_local_or_hub("--model", args.model)
+    check_not_a_file("--model", args.model)
     if args.model is None:
         check_cache_dir(args.cache_dir)
     check_scheduler_modules(args.scheduler)
@@ -983,6 +996,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import importlib.util
 
     check_local_or_hub("model", args.model)
+    check_not_a_file("model", args.model)
     config = check_serve_arguments(args, args.model if args.model is not None else "the tiny random model")
     if args.model is None:
         check_cache_dir(args.cache_dir)

@@ -617,7 +617,8 @@ def test_serve_names_a_model_path_that_is_no_pipeline_folder_before_starting_ray
     (tmp_path / "model.onnx").write_bytes(b"")
     assert main(["serve", str(tmp_path / "model.onnx")]) == 2
     assert error_line(capsys) == (
-        f"optimum-iobinding: error: model: expected a model_index.json in {str(tmp_path / 'model.onnx')!r}"
+        "optimum-iobinding: error: model: expected an ONNX pipeline folder or a hub id, got the file "
+        f"{str(tmp_path / 'model.onnx')!r}"
     )
 
 
@@ -833,6 +834,30 @@ def test_generate_names_a_step_cache_it_refuses_by_the_spec_before_the_model_loa
     line = error_line(capsys)
     assert line == f"optimum-iobinding: error: {message}"
     assert not any(word in line for word in PYTHON_WORDS), line
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["generate", "--model", "{tmp}/model.onnx"],
+            "--model: expected an ONNX pipeline folder or a hub id, got the file '{tmp}/model.onnx'",
+        ),
+        (
+            ["export", "{tiny}", "--output", "{tmp}/out"],
+            "model: expected a diffusers pipeline to export (its torch weights), got '{tiny}', an ONNX folder already "
+            "(text_encoder/model.onnx, unet/model.onnx, vae_decoder/model.onnx, vae_encoder/model.onnx): run it with "
+            "generate --model",
+        ),
+    ],
+    ids=["generate-a-file", "export-an-export"],
+)
+def test_a_model_of_another_kind_is_refused_by_its_option_before_any_work(
+    tiny_folder, tmp_path, capsys, no_work, argv, message
+):
+    (tmp_path / "model.onnx").write_bytes(b"")
+    assert main([arg.format(tmp=tmp_path, tiny=tiny_folder) for arg in argv]) == 2
+    assert error_line(capsys) == f"optimum-iobinding: error: {message.format(tmp=tmp_path, tiny=tiny_folder)}"
 
 
 def test_serve_names_a_step_cache_the_folder_cannot_take_before_starting_ray(tiny_folder, capsys, no_work):
