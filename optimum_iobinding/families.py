@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Mapping, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Mapping, Optional, Sequence, Tuple, Union
 
 from .layout import DIFFUSERS_ONNX_CLASS_NAME, DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT
 
@@ -24,6 +24,7 @@ __all__ = [
     "FAMILIES",
     "family",
     "family_of_class",
+    "torch_class_family",
     "pipeline_class",
     "public_pipeline_names",
     "transformer_family",
@@ -43,6 +44,10 @@ MMDIT_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", 
 # FLUX.1's rotary position ids of the text tokens and of the packed latent tokens, and FLUX.1 dev's distilled guidance
 FLUX_TEXT_IDS, FLUX_IMAGE_IDS, FLUX_GUIDANCE = "txt_ids", "img_ids", "guidance"
 FLUX_INPUTS = (*MMDIT_INPUTS, FLUX_TEXT_IDS, FLUX_IMAGE_IDS)
+# the token width (hidden_states' last dim) of the FLUX.1 transformers that take more than the packed latents (16
+# latent channels × 2 × 2): Fill's adds the masked image's packed latents (64) and the packed mask (8 × 8 × 2 × 2 =
+# 256), Control's (Canny, Depth) the control image's packed latents (64)
+FLUX_FILL_TOKEN_WIDTH, FLUX_CONTROL_TOKEN_WIDTH = 384, 128
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,8 @@ class DenoiserInterface:
     """A denoiser's ONNX interface as detection reads it: the ``component`` folder it lives in (``"unet"`` or
     ``"transformer"``), the ``inputs`` it must take, the ``optional`` ones it may take (FLUX.1 dev's ``guidance``),
     the ``prefixed`` inputs it may take any number of (a ControlNet's residuals), and the ``sample_channels`` it must
-    have (``None``: any) or must not have (``refused_channels``)."""
+    have (``None``: any) or must not have (``refused_channels``): a UNet's ``sample`` channels, a FLUX.1
+    transformer's token width (the last dim of its ``hidden_states``)."""
 
     component: str
     inputs: Tuple[str, ...]
@@ -161,6 +167,18 @@ _SD_DEFAULTS = Defaults(steps=50, guidance_scale=7.5, size=512)
 _SD_INDEX = (DIFFUSERS_ONNX_CLASS_NAME, "StableDiffusionPipeline", "ORTStableDiffusionPipeline")
 _SD_LORA = "StableDiffusionLoraLoaderMixin"
 _SD_COMMON = dict(index_class_name=DIFFUSERS_ONNX_CLASS_NAME, export="unet", lora=_SD_LORA)
+# FLUX.1's transformer (text to image and Kontext: 64 values per token); the widths of Fill's and Control's are theirs
+_FLUX = DenoiserInterface(
+    "transformer",
+    FLUX_INPUTS,
+    optional=(FLUX_GUIDANCE,),
+    refused_channels=(FLUX_FILL_TOKEN_WIDTH, FLUX_CONTROL_TOKEN_WIDTH),
+)
+_FLUX_OPTIONS = {
+    "transformer_class": "FluxTransformer2DModel",
+    "t5_tokenizer": "tokenizer_2",
+    "t5_encoder": "text_encoder_2",
+}
 
 # In detection order: where a folder's model_index.json names no family, the first whose interface matches wins, so a
 # stricter interface comes before a looser one.
@@ -337,7 +355,7 @@ FAMILIES: Tuple[Family, ...] = (
         "OnnxFluxPipeline",
         f"{_SD_MODULE}.flux",
         "FLUX.1",
-        DenoiserInterface("transformer", FLUX_INPUTS, optional=(FLUX_GUIDANCE,)),
+        _FLUX,
         Defaults(steps=28, guidance_scale=3.5),
         index_class_names=("FluxPipeline", "ORTFluxPipeline"),
         index_class_name="FluxPipeline",
@@ -348,11 +366,7 @@ FAMILIES: Tuple[Family, ...] = (
         lora="FluxLoraLoaderMixin",
         scheduler_choice=False,
         negative_prompt_needs="true_cfg_scale > 1",
-        options={
-            "transformer_class": "FluxTransformer2DModel",
-            "t5_tokenizer": "tokenizer_2",
-            "t5_encoder": "text_encoder_2",
-        },
+        options=_FLUX_OPTIONS,
     ),
 )
 
@@ -373,6 +387,12 @@ def family(key: str) -> Family:
 def family_of_class(class_name: str) -> Optional[Family]:
     """The first family a pipeline class of this name runs (``None``: none)."""
     return next((record for record in FAMILIES if record.class_name == class_name), None)
+
+
+def torch_class_family(class_name: str) -> Optional[Family]:
+    """The family whose exporter takes diffusers' torch pipeline class of this name (:attr:`Family.torch_classes`);
+    ``None``: none."""
+    return next((record for record in FAMILIES if class_name in record.torch_classes), None)
 
 
 def pipeline_class(record: Family) -> type:
@@ -407,19 +427,22 @@ def t5_tokenizer_of(record: Optional[Family]) -> Optional[str]:
 def detect(
     index_class_name: Optional[str],
     denoiser_inputs: Mapping[str, Sequence[str]],
-    channels: Optional[int] = None,
+    channels: Union[None, int, Mapping[str, Optional[int]]] = None,
     folders: Sequence[str] = (),
 ) -> Optional[Family]:
     """The family of a folder: among the families detection may pick (:attr:`Family.auto`), those whose
     :attr:`~Family.index_class_names` hold the folder's model_index.json ``_class_name`` first, then the rest, the
     first whose denoiser interface matches the folder's (``denoiser_inputs``: the inputs of each denoiser folder there,
-    ``channels``: the UNet's sample channels, ``folders``: the component folders there). ``None``: no family runs it.
+    ``channels``: each denoiser's sample channels by its folder — a UNet's ``sample`` channels, a FLUX.1
+    transformer's token width — or an int, the UNet's; ``None``: unknown; ``folders``: the component folders there).
+    ``None``: no family runs it.
     """
+    by_component = {"unet": channels} if channels is None or isinstance(channels, int) else dict(channels)
     named = [record for record in FAMILIES if record.auto and index_class_name in record.index_class_names]
     rest = [record for record in FAMILIES if record.auto and record not in named]
     for record in (*named, *rest):
         inputs = denoiser_inputs.get(record.denoiser)
-        if inputs is None or not record.interface.matches(inputs, channels if record.denoiser == "unet" else None):
+        if inputs is None or not record.interface.matches(inputs, by_component.get(record.denoiser)):
             continue
         needed = record.options.get("needs_folder")
         if needed is not None and needed not in folders:

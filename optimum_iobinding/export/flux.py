@@ -5,10 +5,12 @@ exporters are :mod:`.components`', the folder :mod:`.transformer_pipeline`'s, sh
 Layout written (what ``optimum-cli export onnx`` writes for Flux, which optimum's ``ORTFluxPipeline`` and our FLUX.1
 pipeline both load)::
 
-    model_index.json                the torch pipeline's index (FluxPipeline, torch class names; one ``vae`` entry)
+    model_index.json                the torch pipeline's index (FluxPipeline, FluxKontextPipeline, FluxFillPipeline or
+                                    FluxControlPipeline; torch class names; one ``vae`` entry)
     text_encoder/model.onnx         CLIP: input_ids (int64) → last_hidden_state, pooler_output
     text_encoder_2/model.onnx       T5 encoder: input_ids (int64) → last_hidden_state
-    transformer/model.onnx          hidden_states (batch, packed tokens, 4 × latent channels), encoder_hidden_states,
+    transformer/model.onnx          hidden_states (batch, packed tokens, 4 × latent channels; Fill's and Control's
+                                    tokens carry their conditioning latents too: 384 and 128), encoder_hidden_states,
                                     pooled_projections, timestep (batch; t / 1000), txt_ids (sequence, 3; int64),
                                     img_ids (packed tokens, 3; int64) and, for dev (guidance_embeds), guidance (batch)
                                     → out_hidden_states
@@ -61,7 +63,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 
 from ..errors import ArgumentError
-from ..families import FLUX_GUIDANCE, FLUX_IMAGE_IDS, FLUX_INPUTS, FLUX_TEXT_IDS, family
+from ..families import FLUX_GUIDANCE, FLUX_IMAGE_IDS, FLUX_INPUTS, FLUX_TEXT_IDS, family, torch_class_family
 from .components import EXTERNAL_DATA_THRESHOLD, clip_text_encoder_spec, t5_encoder_spec, vae_specs
 from .transformer_pipeline import export_transformer_pipeline
 
@@ -280,10 +282,12 @@ def export_flux_pipeline(
     step_cache: bool = False,
 ) -> Path:
     """Exports a diffusers ``FluxPipeline`` to optimum's Flux layout in ``target`` (built beside it, moved into
-    place when whole; the caller has checked ``target``).
+    place when whole; the caller has checked ``target``); its image-conditioned variants (``FluxKontextPipeline``,
+    ``FluxFillPipeline``, ``FluxControlPipeline``) alike, their model_index.json naming their own class (what tells
+    Kontext, whose transformer has FLUX.1's interface, apart).
 
     Args:
-        pipe: the ``FluxPipeline`` (schnell or dev), in float32.
+        pipe: the ``FluxPipeline`` (schnell or dev) or a variant, in float32.
         target: the output folder.
         dtype: ``"fp32"``; ``"fp16"``: all but T5 float16 (the module's table says why T5 stays float32);
             ``"bf16"``: the transformer bfloat16, the others as for ``"fp16"`` (see the module's docstring).
@@ -307,7 +311,7 @@ def export_flux_pipeline(
         target,
         flux_component_specs(pipe),
         components,
-        class_name=family("flux").index_class_name,
+        class_name=(torch_class_family(type(pipe).__name__) or family("flux")).index_class_name,
         optimizer_model_types=FLUX_OPTIMIZER_MODEL_TYPES,
         opset=opset,
         dtype=dtype,

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 from ..errors import ArgumentError, ArgumentPathError
 from ..families import FAMILIES, detect, pipeline_class
-from ..layout import read_model_index, resolve_pipeline_folder
+from ..layout import read_json_object, read_model_index, resolve_pipeline_folder
 from ..runtime.hub import load_graph
 from .components import names_of
 
@@ -25,11 +25,16 @@ def resolve_model_folder(model: Union[str, os.PathLike], **hub_kwargs) -> Path:
     return resolve_pipeline_folder(model, tuple(components), tuple(tokenizers), **hub_kwargs)
 
 
-def denoiser_inputs(folder: Path) -> Tuple[Dict[str, List[str]], Optional[int]]:
-    """The inputs of each denoiser the folder holds (``unet``, ``transformer``), and the UNet's sample channels
-    (``None``: no UNet, or a dynamic dim)."""
+# where each denoiser's channels are: a UNet's sample channels, a FLUX.1 transformer's token width (what tells FLUX.1
+# Fill and Control apart from FLUX.1), and the config.json key that says it where the ONNX dim is dynamic
+CHANNELS = {"unet": ("sample", 1, "in_channels"), "transformer": ("hidden_states", 2, "in_channels")}
+
+
+def denoiser_inputs(folder: Path) -> Tuple[Dict[str, List[str]], Dict[str, Optional[int]]]:
+    """The inputs of each denoiser the folder holds (``unet``, ``transformer``), and each one's channels (see
+    :data:`CHANNELS`; ``None``: unknown)."""
     inputs: Dict[str, List[str]] = {}
-    channels = None
+    channels: Dict[str, Optional[int]] = {}
     for component in dict.fromkeys(record.denoiser for record in FAMILIES):
         path = folder / component / "model.onnx"
         if not path.is_file():
@@ -38,10 +43,13 @@ def denoiser_inputs(folder: Path) -> Tuple[Dict[str, List[str]], Optional[int]]:
         initializers = {init.name for init in graph.initializer}
         values = {value.name: value for value in graph.input if value.name not in initializers}
         inputs[component] = sorted(values)
-        sample = values.get("sample")
+        name, axis, config_key = CHANNELS[component]
+        sample = values.get(name)
         dims = sample.type.tensor_type.shape.dim if sample is not None else ()
-        if len(dims) > 1 and dims[1].dim_value:
-            channels = dims[1].dim_value
+        channels[component] = dims[axis].dim_value if len(dims) > axis and dims[axis].dim_value else None
+        if channels[component] is None:
+            configured = (read_json_object(folder / component / "config.json") or {}).get(config_key)
+            channels[component] = configured if isinstance(configured, int) else None
     return inputs, channels
 
 

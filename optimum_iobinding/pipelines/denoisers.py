@@ -29,11 +29,14 @@ from .loop import GraphFeed, Guidance, replaced_tensors
 from .transfer import upload
 
 
-def family_hint(component: str, declared: Sequence[str]) -> Optional[str]:
-    """What a denoiser taking ``declared`` is, by the family whose interface it matches (``None``: none), for a
-    refusal of a model in the wrong folder: ``"a UNet (SDXL): use"`` and the SDXL pipeline's class."""
+def family_hint(
+    component: str, declared: Sequence[str], channels: Optional[Dict[str, Optional[int]]] = None
+) -> Optional[str]:
+    """What a denoiser taking ``declared`` (of these ``channels``, by component, where known) is, by the family whose
+    interface it matches (``None``: none), for a refusal of a model in the wrong folder: ``"a UNet (SDXL): use"`` and
+    the SDXL pipeline's class."""
     # every folder a text-to-image family may need is assumed there: the hint names the text-to-image pipeline first
-    record = detect(None, {"unet": declared, "transformer": declared}, folders=("text_encoder",))
+    record = detect(None, {"unet": declared, "transformer": declared}, channels, folders=("text_encoder",))
     if record is None:
         return None
     kind = "UNet" if record.denoiser == "unet" else "transformer"
@@ -71,6 +74,8 @@ class Denoiser(abc.ABC):
 
     #: the input the loop's latents go into
     sample_input = "sample"
+    #: the axis of the latents' channels, on which the loop concatenates a family's extra channels
+    channel_dim = 1
     #: whether the loop copies an unguided prediction before the scheduler step (see :func:`.loop.denoise`)
     copies_unguided_output = False
 
@@ -311,7 +316,8 @@ class FlowTransformer(Denoiser):
         """The transformer must have its family's interface (:attr:`Family.interface`)."""
         declared = self.model.input_names
         interface = self.pipe.family.interface
-        if interface.matches(declared):
+        # the names here; a FLUX.1 transformer's token width where the latent channels are read (its own message)
+        if interface.matches(declared, interface.sample_channels):
             return
         hint = family_hint(self.component, declared) or (
             f"put a {self.pipe.family.title} transformer's model.onnx in the transformer folder (optimum-iobinding "
@@ -421,10 +427,29 @@ def latent_image_ids(height: int, width: int) -> torch.Tensor:
     return torch.stack([torch.zeros_like(rows), rows, columns], dim=-1).reshape(height * width, 3)
 
 
+ExtraWidths = Callable[[int, int], Dict[str, int]]
+
+
 class FluxDenoiser(FlowTransformer):
     """FLUX.1's transformer: latent tokens of 2×2 patches (``hidden_states``), T5 tokens, CLIP's pooled prompt,
     ``timestep`` (t / 1000), rotary position ids of both (``txt_ids``, ``img_ids``) and, for FLUX.1 dev, the distilled
-    ``guidance`` scale."""
+    ``guidance`` scale.
+
+    Args:
+        pipe: the pipeline.
+        default_sample_size: the latent size a call gets where it gives none.
+        extra_widths: ``extra_widths(latent_channels, vae_scale_factor) -> {what: width}``: what the family
+            concatenates to each latent token's values (FLUX.1 Fill: its masked image's packed latents and its packed
+            mask; Control: its control image's packed latents), so that the transformer's token width is checked
+            when it loads; ``None``: nothing (FLUX.1, Kontext).
+    """
+
+    #: packed tokens ``(batch, tokens, values)``: a token's values are its channels
+    channel_dim = 2
+
+    def __init__(self, pipe: Any, default_sample_size: int = 128, extra_widths: Optional[ExtraWidths] = None):
+        super().__init__(pipe, default_sample_size)
+        self.extra_widths = extra_widths
 
     def conditioning(self, tensors: Dict[str, torch.Tensor], guidance: Guidance) -> Dict[str, torch.Tensor]:
         """T5's states and CLIP's pooled prompt; with true CFG the negative ones first, in one batch."""
@@ -466,9 +491,21 @@ class FluxDenoiser(FlowTransformer):
     def size_multiple_reason(self) -> str:
         return "2, Flux's 2×2 packing of latents into tokens"
 
-    def latent_channels(self, vae_decoder: IOBindingORTModel) -> int:
-        """The VAE's latent channels: a quarter of the transformer's token width (its ``in_channels``)."""
+    @property
+    def token_width(self) -> Optional[int]:
+        """The values per token the transformer takes (its ``hidden_states``' last dim, else its config's
+        ``in_channels``; ``None``: unknown)."""
         width = declared_dim(self.model, "hidden_states", 2) or self.model.config.get("in_channels")
+        return width if is_integer(width) else None
+
+    def latent_channels(self, vae_decoder: IOBindingORTModel) -> int:
+        """The VAE's latent channels: a quarter of the transformer's predicted token width (its output's last dim,
+        else its config's ``out_channels``, else its input's), checked against the VAE's, and the input's token width
+        against the latents' and what the family adds to them (:attr:`extra_widths`)."""
+        output = self.model.output_names[0] if self.model.output_names else None
+        dims = self.model.shape_inferencer.output_dims.get(output) if output is not None else None
+        declared = dims[2] if dims is not None and len(dims) > 2 and isinstance(dims[2], int) else None
+        width = declared or self.model.config.get("out_channels") or self.token_width
         if not is_integer(width) or width < 4 or width % 4:
             raise ArgumentError(
                 "transformer",
@@ -482,7 +519,25 @@ class FluxDenoiser(FlowTransformer):
                 "vae_decoder",
                 f"expected {channels} latent channels (the transformer's token width {width} / 4), got {declared}",
             )
+        self.check_token_width(channels)
         return channels
+
+    def check_token_width(self, latent_channels: int) -> None:
+        """Refuses, when loading, a transformer whose token width is not the packed latents' plus what the family
+        concatenates to them, naming the family whose width it has (FLUX.1, Fill, Control)."""
+        extra = self.extra_widths(latent_channels, self.pipe.vae_scale_factor) if self.extra_widths else {}
+        expected = 4 * latent_channels + sum(extra.values())
+        width = self.token_width
+        if width is None or width == expected:
+            return
+        parts = "".join(f" + {value} ({what})" for what, value in extra.items())
+        hint = family_hint(self.component, self.model.input_names, {self.component: width})
+        raise ArgumentError(
+            "transformer",
+            f"expected hidden_states of {expected} values per token (the packed latents' 4 × {latent_channels}"
+            f"{parts}), got {width} in {self.model.model_path!r}"
+            + (f" ({hint})" if hint else f" (a {self.pipe.family.title} transformer's)"),
+        )
 
     def timesteps(
         self, num_inference_steps: int, image_seq_len: int, sigmas: Optional[Sequence[float]] = None

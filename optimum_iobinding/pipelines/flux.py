@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
@@ -54,21 +54,13 @@ FLUX = family("flux")
 MAX_SEQUENCE_LENGTH = 512
 
 
-class OnnxFluxPipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
-    """FLUX.1 text-to-image on ONNX Runtime, with the arguments of diffusers' ``FluxPipeline``.
+class FluxFamilyPipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
+    """What the FLUX.1 families (FLUX.1, Kontext, Fill, Control) declare alike — optimum's Flux folder, the FLUX.1
+    transformer over packed latent tokens, FLUX.1's VAE constants, runtime LoRA, warm-up — and the steps their calls
+    share: the checks, the prompts (and true CFG's negative ones), the initial noise, the position ids, the
+    transformer's constant inputs, an image's packed latents. Each family is a subclass with its record and its own
+    ``__call__``."""
 
-    ``OnnxFluxPipeline.from_pretrained(folder, provider="CUDAExecutionProvider")`` loads an ``optimum-cli export
-    onnx`` Flux folder (or ours: ``optimum-iobinding export``) and keeps the prompt embeddings, latents, the
-    transformer's predictions, true-CFG guidance and the scheduler step on the GPU as torch tensors, each distinct
-    input signature of the transformer captured once as a CUDA graph; only the final image is downloaded.
-    ``io_binding=False`` runs every component with ``session.run`` on numpy arrays (the baseline).
-
-    FLUX.1 dev's transformer takes the guidance scale as an input (``guidance``, a distilled guidance: one
-    transformer call per step); schnell's takes none and ignores ``guidance_scale``. ``true_cfg_scale`` > 1 with a
-    negative prompt runs diffusers' true classifier-free guidance (negative and positive in one batch).
-    """
-
-    family = FLUX
     declared_components = FLUX_COMPONENTS
     denoiser_part = FluxDenoiser
     prompt_part = FluxPrompt
@@ -114,14 +106,14 @@ class OnnxFluxPipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
         *,
         prompt: Prompt,
         prompt_2: Prompt,
-        negative_prompt: Prompt,
-        negative_prompt_2: Prompt,
-        true_cfg_scale: Any,
         prompt_embeds: Any,
         pooled_prompt_embeds: Any,
-        negative_prompt_embeds: Any,
-        negative_pooled_prompt_embeds: Any,
         max_sequence_length: Any,
+        negative_prompt: Prompt = None,
+        negative_prompt_2: Prompt = None,
+        true_cfg_scale: Any = 1.0,
+        negative_prompt_embeds: Any = None,
+        negative_pooled_prompt_embeds: Any = None,
         **call: Any,
     ) -> None:
         """Refuses, before any work, every argument the call cannot run with, naming it, what was expected and what
@@ -184,7 +176,155 @@ class OnnxFluxPipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
                 f"got {tuple(negative_prompt_embeds.shape)}",
             )
 
-    # ------------------------------------------------------------------------------------------------ prompts
+    # ---------------------------------------------------------------------------------------- the shared steps
+    def image_count(self, batch_size: int, num_images_per_prompt: int, generator: Generator) -> int:
+        """How many images a call makes (prompts × ``num_images_per_prompt``); a list of generators is refused
+        unless it has one per image."""
+        count = batch_size * num_images_per_prompt
+        if isinstance(generator, list) and len(generator) != count:
+            raise ArgumentError(
+                "generator",
+                f"expected one generator per image ({count}: {batch_size} prompts × "
+                f"num_images_per_prompt {num_images_per_prompt}), got a list of {len(generator)}",
+            )
+        return count
+
+    def encode_negative_prompt(
+        self,
+        negative_prompt: Prompt,
+        negative_prompt_2: Prompt,
+        negative_prompt_embeds: Embeds,
+        negative_pooled_prompt_embeds: Embeds,
+        batch_size: int,
+        num_images_per_prompt: int,
+        prompt_embeds: torch.Tensor,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """True CFG's negative embeddings on the device (a str: one negative prompt for every prompt), the text at
+        the prompt's token count (given embeddings may be shorter than max_sequence_length): they join the prompt's in
+        one transformer batch."""
+        if negative_prompt_embeds is None:
+            negative_prompt = [negative_prompt] * batch_size if isinstance(negative_prompt, str) else negative_prompt
+            negative_prompt_2 = (
+                [negative_prompt_2] * batch_size if isinstance(negative_prompt_2, str) else negative_prompt_2
+            )
+        negative_prompt_embeds, negative_pooled_prompt_embeds, _ = self.encode_prompt(
+            negative_prompt,
+            negative_prompt_2,
+            num_images_per_prompt,
+            negative_prompt_embeds,
+            negative_pooled_prompt_embeds,
+            prompt_embeds.shape[1],
+        )
+        return negative_prompt_embeds, negative_pooled_prompt_embeds
+
+    def latent_size(self, height: int, width: int) -> Tuple[int, int]:
+        """The latents' height and width for a ``height`` × ``width`` image (even: the 2×2 packing)."""
+        return 2 * (height // (self.vae_scale_factor * 2)), 2 * (width // (self.vae_scale_factor * 2))
+
+    @property
+    def latent_dtype(self) -> torch.dtype:
+        """The dtype of the loop's latents: the transformer's ``hidden_states``'."""
+        return self.transformer.input_dtypes["hidden_states"]
+
+    def noise(self, image_count: int, latent_height: int, latent_width: int, generator: Generator) -> torch.Tensor:
+        """Initial noise on the device, drawn unpacked as diffusers draws it (the same numbers for the same seed)."""
+        shape = (image_count, self.latent_channels, latent_height, latent_width)
+        return self.prepare_latents(shape, torch.float32, generator).to(self.latent_dtype)
+
+    def given_latents(self, latents: Latents, image_count: int, tokens: int) -> torch.Tensor:
+        """A call's packed ``latents`` on the device, refused by name unless ``(images, tokens, 4 × latent
+        channels)``."""
+        latents = tensor_of(latents)
+        expected = (image_count, tokens, self.latent_channels * 4)
+        if tuple(latents.shape) != expected:
+            raise ArgumentError(
+                "latents",
+                f"expected packed latents of shape {expected} (batch, tokens, 4 × latent "
+                f"channels), got {tuple(latents.shape)}",
+            )
+        return latents.to(device=self.device, dtype=self.latent_dtype)
+
+    def initial_latents(
+        self, image_count: int, latent_height: int, latent_width: int, generator: Generator, latents: Latents
+    ) -> torch.Tensor:
+        """A loop's first packed latents from noise: :meth:`noise` packed into tokens, or the given ``latents``."""
+        if latents is not None:
+            return self.given_latents(latents, image_count, (latent_height // 2) * (latent_width // 2))
+        return pack_latents(self.noise(image_count, latent_height, latent_width, generator))
+
+    def position_ids(self, rows: int, columns: int, first: float = 0.0) -> torch.Tensor:
+        """The rotary position ids of a ``rows`` × ``columns`` grid of packed tokens, on the device: ``(first, row,
+        column)`` (the latents' first id is 0; FLUX.1 Kontext's reference image's is 1)."""
+        ids = latent_image_ids(rows, columns)
+        ids[:, 0] = first
+        return upload(ids.to(self.transformer.input_dtypes[FLUX_IMAGE_IDS]), self.device)
+
+    def transformer_inputs(
+        self, text_ids: torch.Tensor, image_ids: torch.Tensor, model_batch: int, guidance_scale: float
+    ) -> Dict[str, torch.Tensor]:
+        """The transformer's inputs that stay the same over the loop: the position ids and (FLUX.1 dev) the guidance
+        scale, made once on the device for ``model_batch`` rows."""
+        inputs = {FLUX_TEXT_IDS: text_ids, FLUX_IMAGE_IDS: image_ids}
+        if self.guidance_embeds:
+            inputs[FLUX_GUIDANCE] = upload(
+                torch.full((model_batch,), float(guidance_scale), dtype=torch.float32).to(
+                    self.transformer.input_dtypes[FLUX_GUIDANCE]
+                ),
+                self.device,
+            )
+        return inputs
+
+    @staticmethod
+    def check_tiling(rows: int, count: int, name: str) -> None:
+        """Refuses, naming ``name``, ``rows`` images that cannot be repeated as a whole into ``count`` (the images a
+        call makes): their number must divide it."""
+        if count % rows:
+            raise ArgumentError(
+                name, f"expected a number of images that divides {count} (the images the call makes), got {rows}"
+            )
+
+    def tiled(self, tensor: torch.Tensor, count: int, name: str) -> torch.Tensor:
+        """``count`` rows of ``tensor``: its rows repeated as a whole, as diffusers' FLUX.1 pipelines repeat their
+        image latents (``torch.cat([x] * k)``), refused by name unless their number divides ``count``."""
+        rows = tensor.shape[0]
+        self.check_tiling(rows, count, name)
+        return torch.cat([tensor] * (count // rows)) if rows != count else tensor
+
+    def pixels(self, image: Any, height: Optional[int] = None, width: Optional[int] = None) -> torch.Tensor:
+        """An image argument as diffusers' image processor makes it: NCHW in [-1, 1], ``height`` × ``width`` where
+        given, float32 on the device."""
+        return self.image_processor.preprocess(image, height=height, width=width).to(self.device, torch.float32)
+
+    def image_latents(self, pixels: torch.Tensor, generator: Generator) -> torch.Tensor:
+        """The scaled latents of ``pixels`` (NCHW in [-1, 1]; sampled with a torch ``generator`` where the VAE
+        encoder gives a distribution, else its mode: ``None`` for diffusers' ``sample_mode="argmax"``), unpacked, in
+        the loop's dtype."""
+        return self.encode_image(pixels, generator).to(self.latent_dtype)
+
+
+def image_rows(image: Any) -> int:
+    """How many images an image argument holds: a list's length, a 4-d array's or tensor's first dim, else one."""
+    if isinstance(image, list):
+        return len(image)
+    return int(image.shape[0]) if getattr(image, "ndim", 0) == 4 else 1
+
+
+class OnnxFluxPipeline(FluxFamilyPipeline):
+    """FLUX.1 text-to-image on ONNX Runtime, with the arguments of diffusers' ``FluxPipeline``.
+
+    ``OnnxFluxPipeline.from_pretrained(folder, provider="CUDAExecutionProvider")`` loads an ``optimum-cli export
+    onnx`` Flux folder (or ours: ``optimum-iobinding export``) and keeps the prompt embeddings, latents, the
+    transformer's predictions, true-CFG guidance and the scheduler step on the GPU as torch tensors, each distinct
+    input signature of the transformer captured once as a CUDA graph; only the final image is downloaded.
+    ``io_binding=False`` runs every component with ``session.run`` on numpy arrays (the baseline).
+
+    FLUX.1 dev's transformer takes the guidance scale as an input (``guidance``, a distilled guidance: one
+    transformer call per step); schnell's takes none and ignores ``guidance_scale``. ``true_cfg_scale`` > 1 with a
+    negative prompt runs diffusers' true classifier-free guidance (negative and positive in one batch).
+    """
+
+    family = FLUX
+
     # --------------------------------------------------------------------------------------------------- call
     @on_device_stream
     def __call__(
@@ -249,13 +389,7 @@ class OnnxFluxPipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )
         batch_size = self.batch_size_of(prompt, prompt_embeds)
-        image_count = batch_size * num_images_per_prompt
-        if isinstance(generator, list) and len(generator) != image_count:
-            raise ArgumentError(
-                "generator",
-                f"expected one generator per image ({image_count}: {batch_size} prompts × "
-                f"num_images_per_prompt {num_images_per_prompt}), got a list of {len(generator)}",
-            )
+        image_count = self.image_count(batch_size, num_images_per_prompt, generator)
         has_negative = negative_prompt is not None or (
             negative_prompt_embeds is not None and negative_pooled_prompt_embeds is not None
         )
@@ -266,59 +400,24 @@ class OnnxFluxPipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
             prompt, prompt_2, num_images_per_prompt, prompt_embeds, pooled_prompt_embeds, max_sequence_length
         )
         if do_true_cfg:
-            if negative_prompt_embeds is None:  # one negative prompt for every prompt, as a str
-                negative_prompt = (
-                    [negative_prompt] * batch_size if isinstance(negative_prompt, str) else negative_prompt
-                )
-                negative_prompt_2 = (
-                    [negative_prompt_2] * batch_size if isinstance(negative_prompt_2, str) else negative_prompt_2
-                )
-            # the negative joins the prompt in one transformer batch: its text at the prompt's token count (given
-            # embeddings may be shorter than max_sequence_length)
-            negative_prompt_embeds, negative_pooled_prompt_embeds, _ = self.encode_prompt(
+            negative_prompt_embeds, negative_pooled_prompt_embeds = self.encode_negative_prompt(
                 negative_prompt,
                 negative_prompt_2,
-                num_images_per_prompt,
                 negative_prompt_embeds,
                 negative_pooled_prompt_embeds,
-                prompt_embeds.shape[1],
+                batch_size,
+                num_images_per_prompt,
+                prompt_embeds,
             )
 
         # 3. initial noise (drawn unpacked, as diffusers draws it), packed into tokens, and their position ids
-        latent_height = 2 * (height // (self.vae_scale_factor * 2))
-        latent_width = 2 * (width // (self.vae_scale_factor * 2))
-        dtype = self.transformer.input_dtypes["hidden_states"]
-        tokens = (latent_height // 2) * (latent_width // 2)
-        if latents is None:
-            shape = (image_count, self.latent_channels, latent_height, latent_width)
-            noise = self.prepare_latents(shape, torch.float32, generator)
-            latents = pack_latents(noise).to(dtype)
-        else:
-            latents = tensor_of(latents)
-            expected = (image_count, tokens, self.latent_channels * 4)
-            if tuple(latents.shape) != expected:
-                raise ArgumentError(
-                    "latents",
-                    f"expected packed latents of shape {expected} (batch, tokens, 4 × latent "
-                    f"channels), got {tuple(latents.shape)}",
-                )
-            latents = latents.to(device=self.device, dtype=dtype)
-        image_ids = upload(
-            latent_image_ids(latent_height // 2, latent_width // 2).to(self.transformer.input_dtypes[FLUX_IMAGE_IDS]),
-            self.device,
-        )
+        latent_height, latent_width = self.latent_size(height, width)
+        latents = self.initial_latents(image_count, latent_height, latent_width, generator, latents)
+        image_ids = self.position_ids(latent_height // 2, latent_width // 2)
 
-        # 4. timesteps, and the guidance input made once on the device (FLUX.1 dev)
-        timesteps = self.denoiser.timesteps(num_inference_steps, tokens, sigmas)
-        model_batch = image_count * (2 if do_true_cfg else 1)
-        inputs = {FLUX_TEXT_IDS: text_ids, FLUX_IMAGE_IDS: image_ids}
-        if self.guidance_embeds:
-            inputs[FLUX_GUIDANCE] = upload(
-                torch.full((model_batch,), float(guidance_scale), dtype=torch.float32).to(
-                    self.transformer.input_dtypes[FLUX_GUIDANCE]
-                ),
-                self.device,
-            )
+        # 4. timesteps, and the transformer's constant inputs (FLUX.1 dev's guidance made once on the device)
+        timesteps = self.denoiser.timesteps(num_inference_steps, latents.shape[1], sigmas)
+        inputs = self.transformer_inputs(text_ids, image_ids, image_count * (2 if do_true_cfg else 1), guidance_scale)
 
         # 5. the denoising loop: every tensor stays on self.device
         latents = denoise(

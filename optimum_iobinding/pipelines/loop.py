@@ -3,9 +3,10 @@ step-end callbacks and their checks, guidance and its rescaling.
 
 The loop is a skeleton; a denoiser (:mod:`.denoisers`: UNet, MMDiT, FLUX.1) fills it through named hooks — the name
 of its latent input, how a step scales it, its timestep input, how its conditioning inputs are made from the loop's
-tensors — and a family adds per-call hooks by keyword: extra input channels (an inpainting UNet's mask and masked
-image), per-step inputs (a ControlNet's residuals), an after-step (inpainting's blending), the guidance mode
-(:class:`Guidance`), the step cache (the denoiser's, enabled on the pipeline). The real-time stream does not run it:
+tensors, the axis of its channels — and a family adds per-call hooks by keyword: extra input channels (an inpainting
+UNet's mask and masked image, FLUX.1 Fill's and Control's conditioning latents), extra tokens whose prediction is sliced
+off (FLUX.1 Kontext's reference image), per-step inputs (a ControlNet's residuals), an after-step (inpainting's
+blending), the guidance mode (:class:`Guidance`), the step cache (the denoiser's, enabled on the pipeline). The real-time stream does not run it:
 its frame is a fixed few-step schedule whose scheduler arithmetic is precomputed once per stream and captured with the
 UNet (:mod:`.stream_plan`), where this loop asks the scheduler at every step."""
 
@@ -245,6 +246,7 @@ def denoise(
     callback_on_step_end: Optional[Callable[..., Any]] = None,
     callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
     extra_channels: Optional[torch.Tensor] = None,
+    extra_tokens: Optional[torch.Tensor] = None,
     step_inputs: Optional[StepInputs] = None,
     after_step: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
     return_denoised: bool = False,
@@ -256,8 +258,9 @@ def denoise(
 
     Args:
         denoiser: the pipeline's denoiser part; its hooks: ``sample_input`` (the latents' input name),
-            ``scale_model_input(latents, t)``, ``timestep_inputs(timesteps, rows)``, ``conditioning(tensors,
-            guidance)`` (its conditioning inputs from the loop's tensors), ``copies_unguided_output``, ``step_model``.
+            ``channel_dim`` (the axis of the latents' channels), ``scale_model_input(latents, t)``,
+            ``timestep_inputs(timesteps, rows)``, ``conditioning(tensors, guidance)`` (its conditioning inputs from
+            the loop's tensors), ``copies_unguided_output``, ``step_model``.
         latents: the initial latents (scaled by the scheduler's initial sigma, or noised).
         timesteps: the scheduler's timesteps to run (its timesteps set).
         tensors: the loop's tensors beside the latents that its conditioning is made of (``prompt_embeds`` and the
@@ -270,8 +273,12 @@ def denoise(
         callback, callback_steps: diffusers' legacy ``callback(step, t, latents)`` every ``callback_steps`` steps.
         callback_on_step_end, callback_on_step_end_tensor_inputs: diffusers' step-end callback and the tensors it
             gets (checked by the pipeline before any work).
-        extra_channels: concatenated to the scaled latents on the channels (an inpainting UNet's mask and masked
-            image latents), already batched for guidance.
+        extra_channels: concatenated to the scaled latents on the channels (the denoiser's ``channel_dim``: an
+            inpainting UNet's mask and masked image latents; FLUX.1 Fill's packed masked image latents and mask,
+            FLUX.1 Control's packed control image latents), already batched for guidance.
+        extra_tokens: packed tokens appended after the latent tokens (dim 1: FLUX.1 Kontext's reference image
+            latents), already batched for guidance; the model's prediction for them is sliced off before guidance and
+            the scheduler step.
         step_inputs: ``step_inputs(i, model_input, prompt_embeds) -> {name: tensor}``: further inputs made each step
             from the scaled model input (a ControlNet's residuals).
         after_step: ``after_step(i, latents) -> latents`` after each scheduler step (inpainting's blending).
@@ -296,13 +303,17 @@ def denoise(
         # that the batch can be written straight into the model graph's input
         scaled = denoiser.scale_model_input(latents, t)
         copies = [scaled] * guidance.copies
-        if extra_channels is None:
+        if extra_channels is None and extra_tokens is None:
             model_input = feed.cat(sample, copies)
         else:
             model_input = torch.cat(copies) if guidance.batched else scaled
         per_step = step_inputs(i, model_input, tensors["prompt_embeds"]) if step_inputs is not None else {}
         if extra_channels is not None:
-            model_input = feed.cat(sample, [model_input, extra_channels], dim=1)
+            parts = [model_input, extra_channels]
+            channels = denoiser.channel_dim
+            model_input = torch.cat(parts, channels) if extra_tokens is not None else feed.cat(sample, parts, channels)
+        if extra_tokens is not None:
+            model_input = feed.cat(sample, [model_input, extra_tokens], dim=1)
         step = {
             sample: model_input,
             "timestep": timestep_rows[i],
@@ -312,6 +323,8 @@ def denoise(
         }
         prediction = run(i, step)
         feed.learn(step)
+        if extra_tokens is not None:  # the prediction of the latent tokens only (a view: no copy)
+            prediction = prediction[:, : latents.shape[1]]
         if guidance.batched:
             prediction = guidance.apply(prediction)
         elif denoiser.copies_unguided_output:
