@@ -179,6 +179,10 @@ _FLUX_OPTIONS = {
     "t5_tokenizer": "tokenizer_2",
     "t5_encoder": "text_encoder_2",
 }
+# what FLUX.1's image-conditioned variants share with it: the export, First-Block Cache, LoRA, the scheduler
+_FLUX_VARIANT = dict(
+    export="flux", step_cache="first-block", lora="FluxLoraLoaderMixin", scheduler_choice=False, options=_FLUX_OPTIONS
+)
 
 # In detection order: where a folder's model_index.json names no family, the first whose interface matches wins, so a
 # stricter interface comes before a looser one.
@@ -367,6 +371,63 @@ FAMILIES: Tuple[Family, ...] = (
         scheduler_choice=False,
         negative_prompt_needs="true_cfg_scale > 1",
         options=_FLUX_OPTIONS,
+    ),
+    # after FLUX.1: the same interface, told apart by the class name model_index.json gives
+    Family(
+        "flux-kontext",
+        "OnnxFluxKontextPipeline",
+        f"{_SD_MODULE}.flux_kontext",
+        "FLUX.1 Kontext (image editing)",
+        _FLUX,
+        Defaults(steps=28, guidance_scale=3.5),
+        index_class_names=("FluxKontextPipeline",),
+        index_class_name="FluxKontextPipeline",
+        text_to_image=False,
+        image_inputs=frozenset({"image"}),
+        torch_classes=("FluxKontextPipeline",),
+        tiny_random=("flux-kontext",),
+        negative_prompt_needs="true_cfg_scale > 1",
+        hint="a FLUX.1 Kontext folder (it edits a reference image): use OnnxFluxKontextPipeline from Python with an "
+        "image",
+        **_FLUX_VARIANT,
+    ),
+    Family(
+        "flux-fill",
+        "OnnxFluxFillPipeline",
+        f"{_SD_MODULE}.flux_fill",
+        "FLUX.1 Fill (inpainting, outpainting)",
+        DenoiserInterface("transformer", FLUX_INPUTS, optional=(FLUX_GUIDANCE,), sample_channels=FLUX_FILL_TOKEN_WIDTH),
+        Defaults(steps=50, guidance_scale=30.0),
+        index_class_names=("FluxFillPipeline",),
+        index_class_name="FluxFillPipeline",
+        text_to_image=False,
+        image_inputs=frozenset({"image", "mask_image"}),
+        torch_classes=("FluxFillPipeline",),
+        tiny_random=("flux-fill",),
+        negative_prompt=False,
+        hint="a FLUX.1 Fill folder (its transformer takes the masked image and the mask): use OnnxFluxFillPipeline "
+        "from Python with an image and a mask",
+        **_FLUX_VARIANT,
+    ),
+    Family(
+        "flux-control",
+        "OnnxFluxControlPipeline",
+        f"{_SD_MODULE}.flux_control",
+        "FLUX.1 Control (Canny, Depth)",
+        DenoiserInterface(
+            "transformer", FLUX_INPUTS, optional=(FLUX_GUIDANCE,), sample_channels=FLUX_CONTROL_TOKEN_WIDTH
+        ),
+        Defaults(steps=28, guidance_scale=3.5),
+        index_class_names=("FluxControlPipeline",),
+        index_class_name="FluxControlPipeline",
+        text_to_image=False,
+        image_inputs=frozenset({"control_image"}),
+        torch_classes=("FluxControlPipeline",),
+        tiny_random=("flux-control",),
+        negative_prompt=False,
+        hint="a FLUX.1 Control folder (its transformer takes a control image's latents): use "
+        "OnnxFluxControlPipeline from Python with a control image",
+        **_FLUX_VARIANT,
     ),
 )
 

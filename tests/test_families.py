@@ -24,7 +24,7 @@ from optimum_iobinding.families import (
     family,
     pipeline_class,
 )
-from optimum_iobinding.pipelines.auto import pipeline_class_for
+from optimum_iobinding.pipelines.auto import denoiser_inputs, pipeline_class_for
 from optimum_iobinding.pipelines.loop import Guidance
 
 KEYS = [record.key for record in FAMILIES]
@@ -132,6 +132,34 @@ def tiny_export(shared_export, tiny_folder):
 def test_pipeline_class_for_a_tiny_export_is_its_familys_class(tiny_export, kind):
     (record,) = [record for record in FAMILIES if kind in record.tiny_random]
     assert pipeline_class_for(tiny_export(kind)) is pipeline_class(record)
+
+
+FLUX_VARIANTS = ["flux-kontext", "flux-fill", "flux-control"]
+
+
+@pytest.mark.parametrize("kind", FLUX_VARIANTS)
+def test_a_flux_variant_folder_is_its_familys_and_generate_is_told_which_pipeline_runs_it(tiny_export, kind):
+    folder = tiny_export(kind)
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["_class_name"] == family(kind).torch_classes[0]
+    inputs, channels = denoiser_inputs(folder)
+    assert detect(index["_class_name"], inputs, channels) is family(kind)
+    with pytest.raises(ArgumentError, match=f"is a FLUX.1 .*: use {family(kind).class_name} from Python"):
+        pipeline_class_for(folder)
+
+
+@pytest.mark.parametrize(
+    "width,expected",
+    [(64, "flux"), (384, "flux-fill"), (128, "flux-control"), (None, "flux")],
+    ids=["flux-width", "fill-width", "control-width", "unknown-width"],
+)
+def test_a_flux_transformer_named_by_no_family_is_told_by_its_token_width(width, expected):
+    """Fill and Control have FLUX.1's inputs and wider tokens; Kontext has FLUX.1's very interface, so only its
+    class name tells it apart (without one its folder runs as FLUX.1's)."""
+    assert detect("SomeFluxPipeline", FLUX_DENOISER, {"transformer": width}).key == expected
+    assert detect("FluxKontextPipeline", FLUX_DENOISER, {"transformer": width}).key == (
+        "flux-kontext" if expected == "flux" else expected
+    )
 
 
 def test_pipeline_class_for_an_sdxl_folder_naming_an_unknown_class_detects_it_by_its_unets_inputs(

@@ -3,6 +3,7 @@ default demo, the tests' fixtures and the benchmark's small models start from th
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import tempfile
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError
+from ..families import FLUX_CONTROL_TOKEN_WIDTH, FLUX_FILL_TOKEN_WIDTH
 
 
 def _in_float32(built):
@@ -509,6 +511,37 @@ def build_tiny_random_flux_pipeline(seed: int = 0, guidance_embeds: bool = False
     )
 
 
+# FLUX.1's image-conditioned variants: the diffusers pipeline class, and the transformer's token width (None: FLUX.1's)
+_FLUX_VARIANTS = {
+    "kontext": ("FluxKontextPipeline", None),
+    "fill": ("FluxFillPipeline", FLUX_FILL_TOKEN_WIDTH),
+    "control": ("FluxControlPipeline", FLUX_CONTROL_TOKEN_WIDTH),
+}
+
+
+def build_tiny_random_flux_variant_pipeline(variant: str, seed: int = 0):
+    """A tiny random-weights image-conditioned FLUX.1 pipeline built offline, on the tiny FLUX.1 dev pipeline's
+    encoders, VAE and scheduler (:func:`build_tiny_random_flux_pipeline`; the variants are dev models): ``"kontext"``
+    (``FluxKontextPipeline``, dev's transformer: the reference image's tokens go in beside the latents'),
+    ``"fill"`` (``FluxFillPipeline``: a transformer taking 384 values per token, as FLUX.1 Fill's: the latents' 64,
+    the masked image's 64, the 8 × 8 mask's 256) or ``"control"`` (``FluxControlPipeline``: 128, as FLUX.1
+    Canny/Depth's: the latents' and the control image's). The transformers predict 64 values per token."""
+    import diffusers
+    from diffusers import FluxTransformer2DModel
+
+    if variant not in _FLUX_VARIANTS:
+        raise ArgumentError("variant", f"expected one of {sorted(_FLUX_VARIANTS)}, got {variant!r}")
+    class_name, token_width = _FLUX_VARIANTS[variant]
+    components = build_tiny_random_flux_pipeline(seed, guidance_embeds=True).components
+    if token_width is not None:
+        torch.manual_seed(seed + 1)
+        config = {key: value for key, value in components["transformer"].config.items() if not key.startswith("_")}
+        components["transformer"] = FluxTransformer2DModel(**{**config, "in_channels": token_width, "out_channels": 64})
+    pipeline_class = getattr(diffusers, class_name)
+    accepted = inspect.signature(pipeline_class.__init__).parameters
+    return pipeline_class(**{name: module for name, module in components.items() if name in accepted})
+
+
 TINY_RANDOM_KINDS: Dict[str, Callable[[], Any]] = {
     "sd": build_tiny_random_pipeline,
     "xl": build_tiny_random_xl_pipeline,
@@ -517,6 +550,7 @@ TINY_RANDOM_KINDS: Dict[str, Callable[[], Any]] = {
     "sd3": build_tiny_random_sd3_pipeline,
     "flux": build_tiny_random_flux_pipeline,
     "flux-dev": lambda: build_tiny_random_flux_pipeline(guidance_embeds=True),
+    **{f"flux-{variant}": (lambda v=variant: build_tiny_random_flux_variant_pipeline(v)) for variant in _FLUX_VARIANTS},
 }
 
 

@@ -3,6 +3,9 @@
 from .auto import pipeline_class_for, resolve_model_folder
 from .controlnet import OnnxStableDiffusionControlNetImg2ImgPipeline, OnnxStableDiffusionControlNetPipeline
 from .flux import OnnxFluxPipeline
+from .flux_control import OnnxFluxControlPipeline
+from .flux_fill import OnnxFluxFillPipeline
+from .flux_kontext import OnnxFluxKontextPipeline
 from .img2img import OnnxStableDiffusionImg2ImgPipeline
 from .inpaint import OnnxStableDiffusionInpaintPipeline
 from .latent_consistency import OnnxLatentConsistencyModelPipeline
@@ -30,4 +33,7 @@ __all__ = [
     "OnnxStreamDiffusionPipeline",
     "OnnxStableDiffusion3Pipeline",
     "OnnxFluxPipeline",
+    "OnnxFluxKontextPipeline",
+    "OnnxFluxFillPipeline",
+    "OnnxFluxControlPipeline",
 ]

@@ -1,6 +1,6 @@
-"""The fixtures the pipelines' tests share: the tiny random Stable Diffusion and SDXL exports that several of them run
-on, and what they ask of a pipeline (how many sessions are open, whether a refusal ran a component) and of a folder
-(a copy with a changed VAE config)."""
+"""The fixtures the pipelines' tests share: the tiny random Stable Diffusion, SDXL and image-conditioned FLUX.1
+exports that several of them run on, and what they ask of a pipeline (how many sessions are open, whether a refusal
+ran a component) and of a folder (a copy with a changed VAE config)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,41 @@ def xl_folder(shared_export):
     from optimum_iobinding.export import export_pipeline
 
     return shared_export("xl", lambda target: export_pipeline(None, target, tiny_random="xl", progress=False))
+
+
+def _flux_variant(kind: str, shared_export, vae_encodes_its_mode):
+    """Diffusers' tiny random pipeline of an image-conditioned FLUX.1 ``kind`` (the module's own; its VAE encoder
+    giving the mode, as the export's does) and its export, shared with the contract's (``export --tiny-random KIND``:
+    the builder is seeded, so both have the same weights)."""
+    from optimum_iobinding.export import export_pipeline
+    from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
+
+    torch_pipe = TINY_RANDOM_KINDS[kind]()
+    torch_pipe.set_progress_bar_config(disable=True)
+    folder = shared_export(
+        f"tiny-random-{kind}", lambda target: export_pipeline(None, target, tiny_random=kind, progress=False)
+    )
+    return vae_encodes_its_mode(torch_pipe), folder
+
+
+@pytest.fixture(scope="module")
+def kontext(shared_export, vae_encodes_its_mode):
+    """The tiny random FLUX.1 Kontext pipeline: diffusers' torch ``FluxKontextPipeline`` and its export."""
+    return _flux_variant("flux-kontext", shared_export, vae_encodes_its_mode)
+
+
+@pytest.fixture(scope="module")
+def fill(shared_export, vae_encodes_its_mode):
+    """The tiny random FLUX.1 Fill pipeline (a transformer of 384 values per token): diffusers' torch
+    ``FluxFillPipeline`` and its export."""
+    return _flux_variant("flux-fill", shared_export, vae_encodes_its_mode)
+
+
+@pytest.fixture(scope="module")
+def control(shared_export, vae_encodes_its_mode):
+    """The tiny random FLUX.1 Control pipeline (a transformer of 128 values per token): diffusers' torch
+    ``FluxControlPipeline`` and its export."""
+    return _flux_variant("flux-control", shared_export, vae_encodes_its_mode)
 
 
 @pytest.fixture(scope="session")

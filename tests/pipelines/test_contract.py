@@ -31,10 +31,12 @@ CONTRACT_FAMILIES = [record for record in FAMILIES if record.key not in NOT_PROM
 RUNS_ON_EXPORT_OF = {"inpaint": "sd", "controlnet-img2img": "controlnet"}
 
 # A call's arguments peculiar to one family: FLUX.1 at a size that is not square (its packed latents' rows and
-# columns differ), and a short T5 prompt, in the call and in the warm-up, for the families with a T5 encoder (whose
-# default is 256 or 512 tokens).
+# columns differ), a short T5 prompt, in the call and in the warm-up, for the families with a T5 encoder (whose
+# default is 256 or 512 tokens), and FLUX.1 Kontext's output area and reference image at the call's size (diffusers'
+# defaults make both about 1024²), in the call and, where it takes them, in the warm-up.
 SIZES: Dict[str, Tuple[int, int]] = {"flux": (64, 48)}
-T5_LENGTHS: Dict[str, int] = {"sd3": 16, "flux": 16}
+T5_LENGTH = 16
+EXTRAS: Dict[str, Dict[str, Any]] = {"flux-kontext": dict(max_area=SIZE * SIZE, _auto_resize=False)}
 
 
 def start_image(height: int = SIZE, width: int = SIZE) -> PIL.Image.Image:
@@ -74,7 +76,12 @@ def image_size(record: Family) -> Tuple[int, int]:
 
 
 def t5_length(record: Family) -> Dict[str, Any]:
-    return {"max_sequence_length": T5_LENGTHS[record.key]} if record.key in T5_LENGTHS else {}
+    return {"max_sequence_length": T5_LENGTH} if record.options.get("t5_tokenizer") else {}
+
+
+def warmup_extras(record: Family, pipe) -> Dict[str, Any]:
+    """The record's :data:`EXTRAS` its warm-up takes (the others its warm-up derives from the size)."""
+    return {name: value for name, value in EXTRAS.get(record.key, {}).items() if name in pipe.warmup_arguments()}
 
 
 def call_arguments(record: Family) -> Dict[str, Any]:
@@ -90,7 +97,7 @@ def call_arguments(record: Family) -> Dict[str, Any]:
         arguments["height"], arguments["width"] = image_size(record)
     if "strength" in parameters:
         arguments["strength"] = 1.0
-    return {**arguments, **t5_length(record)}
+    return {**arguments, **t5_length(record), **EXTRAS.get(record.key, {})}
 
 
 @pytest.fixture(scope="session")
@@ -132,7 +139,7 @@ def call(record: Family, pipe, seed: int = 0, **overrides):
         output_type="np",
     )
     arguments.update(overrides)
-    return pipe(PROMPT, **arguments)
+    return pipe(prompt=PROMPT, **arguments)
 
 
 def test_a_refused_call_runs_no_component(record, pipe):
@@ -186,7 +193,14 @@ def test_a_step_end_callback_sees_every_step_and_its_latents_are_used(record, pi
 
 def test_after_warmup_the_next_call_makes_no_session(record, pipe):
     height, width = image_size(record)
-    pipe.warmup(heights=height, widths=width, batch_sizes=1, num_inference_steps=STEPS, **t5_length(record))
+    pipe.warmup(
+        heights=height,
+        widths=width,
+        batch_sizes=1,
+        num_inference_steps=STEPS,
+        **t5_length(record),
+        **warmup_extras(record, pipe),
+    )
     made = pipe.sessions_created
     call(record, pipe)
     assert pipe.sessions_created == made
