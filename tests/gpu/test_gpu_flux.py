@@ -1,14 +1,22 @@
 """FLUX.1 on the GPU (skipped without CUDA; run on the GPU machine): our pipeline against diffusers' torch
 FluxPipeline on CUDA, the transformer's CUDA graphs, no session after warm-up, no host wait in the loop, and the
-ORT-optimized float16 export."""
+ORT-optimized float16 export; the image-conditioned variants (Kontext, Fill, Control) captured and equal to the CPU
+provider's images, their loops without a host wait."""
 
 from __future__ import annotations
 
 import numpy as np
+import PIL.Image
 import pytest
 import torch
 
-from optimum_iobinding import IOBindingORTModel, OnnxFluxPipeline
+from optimum_iobinding import (
+    IOBindingORTModel,
+    OnnxFluxControlPipeline,
+    OnnxFluxFillPipeline,
+    OnnxFluxKontextPipeline,
+    OnnxFluxPipeline,
+)
 from optimum_iobinding.bench.probes import host_waits
 from optimum_iobinding.pipelines.loop import Guidance, denoise
 from optimum_iobinding.export import export_pipeline
@@ -25,9 +33,9 @@ CALL = dict(height=64, width=48, num_inference_steps=3, max_sequence_length=16, 
 TOLERANCE = 1e-3
 
 
-def load(folder, **kwargs):
+def load(folder, pipeline_class=OnnxFluxPipeline, **kwargs):
     kwargs.setdefault("provider_options", EXACT)
-    pipe = OnnxFluxPipeline.from_pretrained(folder, provider=CUDA, **kwargs)
+    pipe = pipeline_class.from_pretrained(folder, provider=CUDA, **kwargs)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -217,3 +225,109 @@ def test_a_transformer_lora_on_the_fused_export_replays_in_the_captured_graphs_a
     reference.load_lora_weights(str(lora), adapter_name="x")
     np.testing.assert_allclose(ours, reference(PROMPTS[0], generator=seeded(), **CALL).images, atol=TOLERANCE)
     assert np.abs(ours - base).max() > 1e-2 and np.abs(disabled - base).max() <= 1e-5
+
+
+# ------------------------------------------------------------------------------------ the image-conditioned variants
+def picture(height: int, width: int) -> PIL.Image.Image:
+    return PIL.Image.fromarray((np.random.default_rng(0).random((height, width, 3)) * 255).astype(np.uint8))
+
+
+def white_square(height: int, width: int) -> PIL.Image.Image:
+    white = np.zeros((height, width), np.uint8)
+    white[height // 4 : 3 * height // 4, width // 3 :] = 255
+    return PIL.Image.fromarray(white)
+
+
+# each variant's class and the image arguments of its calls (Kontext: a reference image of 2 × 3 tokens beside the
+# latents' 4 × 3, at the call's area, not resized to a Kontext resolution)
+VARIANTS = {
+    "flux-kontext": (
+        OnnxFluxKontextPipeline,
+        lambda: dict(image=picture(32, 48), max_area=64 * 48, _auto_resize=False, true_cfg_scale=2.0),
+    ),
+    "flux-fill": (OnnxFluxFillPipeline, lambda: dict(image=picture(64, 48), mask_image=white_square(64, 48))),
+    "flux-control": (OnnxFluxControlPipeline, lambda: dict(control_image=picture(64, 48))),
+}
+
+
+@pytest.fixture(params=list(VARIANTS))
+def variant(request, shared_export):
+    """(its pipeline class, its image arguments, its tiny random export) of each variant in turn (the export shared
+    with the CPU tests': ``export --tiny-random KIND``)."""
+    kind = request.param
+    folder = shared_export(
+        f"tiny-random-{kind}", lambda target: export_pipeline(None, target, tiny_random=kind, progress=False)
+    )
+    pipeline_class, images = VARIANTS[kind]
+    return pipeline_class, images, folder
+
+
+def test_each_flux_variant_captures_its_transformer_and_equals_the_cpu_image(
+    variant, captures_the_transformer_as_required
+):
+    """Under ``cuda_graph=True`` the transformer (fed the reference tokens, or the conditioning channels, through
+    its graph's input) replays a graph, and the images are the CPU provider's (Kontext with true CFG: negative and
+    positive in one batch)."""
+    pipeline_class, images, folder = variant
+    arguments = dict(CALL, **images(), guidance_scale=4.0)
+    if pipeline_class is OnnxFluxKontextPipeline:
+        arguments["negative_prompt"] = ["a blue sky", "a dog"]
+    pipe = load(folder, pipeline_class, cuda_graph=True)
+    made = {}
+
+    def run():
+        made["images"] = pipe(prompt=PROMPTS, generator=seeded(), **arguments).images
+
+    captures_the_transformer_as_required(pipe, run)
+    on_cpu = pipeline_class.from_pretrained(folder)
+    on_cpu.set_progress_bar_config(disable=True)
+    np.testing.assert_allclose(
+        made["images"], on_cpu(prompt=PROMPTS, generator=seeded(), **arguments).images, atol=TOLERANCE
+    )
+    # a second call replays the graphs captured by the first: no session, no new signature
+    signatures, created = len(pipe.transformer.graph_signatures), pipe.sessions_created
+    np.testing.assert_array_equal(pipe(prompt=PROMPTS, generator=seeded(), **arguments).images, made["images"])
+    assert (len(pipe.transformer.graph_signatures), pipe.sessions_created) == (signatures, created)
+
+
+@pytest.mark.parametrize("extra", ["tokens", "channels"])
+def test_the_host_enqueues_a_loop_with_extra_tokens_or_channels_without_waiting(shared_export, extra):
+    """The loop's hooks of the variants (Kontext's reference tokens appended, their prediction sliced off; Fill's and
+    Control's conditioning concatenated on the token values) write into the transformer graph's input and make the
+    host wait for nothing."""
+    kind = "flux-kontext" if extra == "tokens" else "flux-control"
+    pipeline_class, _ = VARIANTS[kind]
+    folder = shared_export(
+        f"tiny-random-{kind}", lambda target: export_pipeline(None, target, tiny_random=kind, progress=False)
+    )
+    pipe = load(folder, pipeline_class)
+    with torch.cuda.stream(pipe.stream):
+        embeds, pooled, text_ids = pipe.encode_prompt(PROMPTS[0], max_sequence_length=16)
+        latents = pack_latents(pipe.prepare_latents((1, pipe.latent_channels, 8, 6), torch.float32, seeded()))
+        image_ids = pipe.position_ids(4, 3)
+        hooks = {}
+        if extra == "tokens":  # a reference image of 2 × 3 tokens
+            hooks["extra_tokens"] = torch.randn(1, 6, 64, generator=seeded(1)).to(pipe.device)
+            image_ids = torch.cat([image_ids, pipe.position_ids(2, 3, first=1.0)])
+        else:  # the control image's packed latents
+            hooks["extra_channels"] = torch.randn(1, 12, 64, generator=seeded(1)).to(pipe.device)
+        inputs = pipe.transformer_inputs(text_ids, image_ids, 1, 3.5)
+
+        def loop():
+            timesteps = pipe.denoiser.timesteps(4, image_seq_len=12)
+            return denoise(
+                pipe.denoiser,
+                latents,
+                timesteps,
+                tensors={"prompt_embeds": embeds, "pooled_prompt_embeds": pooled},
+                guidance=Guidance(),
+                inputs=inputs,
+                **hooks,
+            )
+
+        loop()  # warm up: capture
+        torch.cuda.synchronize()
+        waits = host_waits(loop)
+        assert tuple(loop().shape) == (1, 12, 64)
+    assert waits == [], "\n".join(f"{waits.count(w)}× {w}" for w in sorted(set(waits)))
+    torch.cuda.synchronize()
