@@ -189,33 +189,56 @@ class FluxFamilyPipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
             )
         return count
 
-    def encode_negative_prompt(
+    def text_tensors(
         self,
+        *,
+        prompt: Prompt,
+        prompt_2: Prompt,
         negative_prompt: Prompt,
         negative_prompt_2: Prompt,
+        true_cfg_scale: float,
+        prompt_embeds: Embeds,
+        pooled_prompt_embeds: Embeds,
         negative_prompt_embeds: Embeds,
         negative_pooled_prompt_embeds: Embeds,
-        batch_size: int,
         num_images_per_prompt: int,
-        prompt_embeds: torch.Tensor,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """True CFG's negative embeddings on the device (a str: one negative prompt for every prompt), the text at
-        the prompt's token count (given embeddings may be shorter than max_sequence_length): they join the prompt's in
-        one transformer batch."""
-        if negative_prompt_embeds is None:
-            negative_prompt = [negative_prompt] * batch_size if isinstance(negative_prompt, str) else negative_prompt
-            negative_prompt_2 = (
-                [negative_prompt_2] * batch_size if isinstance(negative_prompt_2, str) else negative_prompt_2
-            )
-        negative_prompt_embeds, negative_pooled_prompt_embeds, _ = self.encode_prompt(
-            negative_prompt,
-            negative_prompt_2,
-            num_images_per_prompt,
-            negative_prompt_embeds,
-            negative_pooled_prompt_embeds,
-            prompt_embeds.shape[1],
+        max_sequence_length: int,
+    ) -> Tuple[Dict[str, Optional[torch.Tensor]], torch.Tensor, Guidance]:
+        """The loop's text tensors on the device — the prompt's T5 and pooled CLIP embeddings and, with true CFG, the
+        negative prompt's (a str: one negative prompt for every prompt; its text at the prompt's token count, since
+        given embeddings may be shorter than max_sequence_length) — the text's position ids, and the guidance: true
+        CFG in one batch where ``true_cfg_scale`` > 1 and a negative prompt is given, as diffusers decides."""
+        batch_size = self.batch_size_of(prompt, prompt_embeds)
+        negative = negative_prompt is not None or (
+            negative_prompt_embeds is not None and negative_pooled_prompt_embeds is not None
         )
-        return negative_prompt_embeds, negative_pooled_prompt_embeds
+        guidance = Guidance(float(true_cfg_scale), batched=True) if true_cfg_scale > 1 and negative else Guidance()
+        prompt_embeds, pooled_prompt_embeds, text_ids = self.encode_prompt(
+            prompt, prompt_2, num_images_per_prompt, prompt_embeds, pooled_prompt_embeds, max_sequence_length
+        )
+        if guidance.batched:
+            if negative_prompt_embeds is None:
+                negative_prompt = (
+                    [negative_prompt] * batch_size if isinstance(negative_prompt, str) else negative_prompt
+                )
+                negative_prompt_2 = (
+                    [negative_prompt_2] * batch_size if isinstance(negative_prompt_2, str) else negative_prompt_2
+                )
+            negative_prompt_embeds, negative_pooled_prompt_embeds, _ = self.encode_prompt(
+                negative_prompt,
+                negative_prompt_2,
+                num_images_per_prompt,
+                negative_prompt_embeds,
+                negative_pooled_prompt_embeds,
+                prompt_embeds.shape[1],
+            )
+        tensors = {
+            "prompt_embeds": prompt_embeds,
+            "pooled_prompt_embeds": pooled_prompt_embeds,
+            "negative_prompt_embeds": negative_prompt_embeds,
+            "negative_pooled_prompt_embeds": negative_pooled_prompt_embeds,
+        }
+        return tensors, text_ids, guidance
 
     def latent_size(self, height: int, width: int) -> Tuple[int, int]:
         """The latents' height and width for a ``height`` × ``width`` image (even: the 2×2 packing)."""
@@ -390,25 +413,21 @@ class OnnxFluxPipeline(FluxFamilyPipeline):
         )
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         image_count = self.image_count(batch_size, num_images_per_prompt, generator)
-        has_negative = negative_prompt is not None or (
-            negative_prompt_embeds is not None and negative_pooled_prompt_embeds is not None
-        )
-        do_true_cfg = true_cfg_scale > 1 and has_negative
 
-        # 2. prompt embeddings, on the device
-        prompt_embeds, pooled_prompt_embeds, text_ids = self.encode_prompt(
-            prompt, prompt_2, num_images_per_prompt, prompt_embeds, pooled_prompt_embeds, max_sequence_length
+        # 2. prompt embeddings (the negative prompt's with true CFG), on the device
+        tensors, text_ids, guidance = self.text_tensors(
+            prompt=prompt,
+            prompt_2=prompt_2,
+            negative_prompt=negative_prompt,
+            negative_prompt_2=negative_prompt_2,
+            true_cfg_scale=true_cfg_scale,
+            prompt_embeds=prompt_embeds,
+            pooled_prompt_embeds=pooled_prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
+            num_images_per_prompt=num_images_per_prompt,
+            max_sequence_length=max_sequence_length,
         )
-        if do_true_cfg:
-            negative_prompt_embeds, negative_pooled_prompt_embeds = self.encode_negative_prompt(
-                negative_prompt,
-                negative_prompt_2,
-                negative_prompt_embeds,
-                negative_pooled_prompt_embeds,
-                batch_size,
-                num_images_per_prompt,
-                prompt_embeds,
-            )
 
         # 3. initial noise (drawn unpacked, as diffusers draws it), packed into tokens, and their position ids
         latent_height, latent_width = self.latent_size(height, width)
@@ -417,20 +436,15 @@ class OnnxFluxPipeline(FluxFamilyPipeline):
 
         # 4. timesteps, and the transformer's constant inputs (FLUX.1 dev's guidance made once on the device)
         timesteps = self.denoiser.timesteps(num_inference_steps, latents.shape[1], sigmas)
-        inputs = self.transformer_inputs(text_ids, image_ids, image_count * (2 if do_true_cfg else 1), guidance_scale)
+        inputs = self.transformer_inputs(text_ids, image_ids, image_count * guidance.copies, guidance_scale)
 
         # 5. the denoising loop: every tensor stays on self.device
         latents = denoise(
             self.denoiser,
             latents,
             timesteps,
-            tensors={
-                "prompt_embeds": prompt_embeds,
-                "pooled_prompt_embeds": pooled_prompt_embeds,
-                "negative_prompt_embeds": negative_prompt_embeds,
-                "negative_pooled_prompt_embeds": negative_pooled_prompt_embeds,
-            },
-            guidance=Guidance(float(true_cfg_scale), batched=True) if do_true_cfg else Guidance(),
+            tensors=tensors,
+            guidance=guidance,
             inputs=inputs,
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,

@@ -28,7 +28,7 @@ from .codec import pack_latents
 from .core import on_device_stream
 from .flux import MAX_SEQUENCE_LENGTH, FluxFamilyPipeline, image_rows
 from .img2img import ImageInput
-from .loop import Guidance, denoise
+from .loop import denoise
 
 logger = logging.getLogger(__name__)
 
@@ -221,25 +221,21 @@ class OnnxFluxKontextPipeline(FluxFamilyPipeline):
         image_count = self.image_count(batch_size, num_images_per_prompt, generator)
         if image is not None:
             self.check_tiling(image_rows(image), image_count, "image")
-        has_negative = negative_prompt is not None or (
-            negative_prompt_embeds is not None and negative_pooled_prompt_embeds is not None
-        )
-        do_true_cfg = true_cfg_scale > 1 and has_negative
 
-        # 2. prompt embeddings, on the device
-        prompt_embeds, pooled_prompt_embeds, text_ids = self.encode_prompt(
-            prompt, prompt_2, num_images_per_prompt, prompt_embeds, pooled_prompt_embeds, max_sequence_length
+        # 2. prompt embeddings (the negative prompt's with true CFG), on the device
+        tensors, text_ids, guidance = self.text_tensors(
+            prompt=prompt,
+            prompt_2=prompt_2,
+            negative_prompt=negative_prompt,
+            negative_prompt_2=negative_prompt_2,
+            true_cfg_scale=true_cfg_scale,
+            prompt_embeds=prompt_embeds,
+            pooled_prompt_embeds=pooled_prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            negative_pooled_prompt_embeds=negative_pooled_prompt_embeds,
+            num_images_per_prompt=num_images_per_prompt,
+            max_sequence_length=max_sequence_length,
         )
-        if do_true_cfg:
-            negative_prompt_embeds, negative_pooled_prompt_embeds = self.encode_negative_prompt(
-                negative_prompt,
-                negative_prompt_2,
-                negative_prompt_embeds,
-                negative_pooled_prompt_embeds,
-                batch_size,
-                num_images_per_prompt,
-                prompt_embeds,
-            )
 
         # 3. the reference image's packed latents and position ids; the initial noise and the latents' ids
         reference, reference_ids = self.reference_latents(image, reference_size, image_count)
@@ -251,7 +247,6 @@ class OnnxFluxKontextPipeline(FluxFamilyPipeline):
 
         # 4. timesteps (shifted for the latent tokens alone, as diffusers), the transformer's constant inputs
         timesteps = self.denoiser.timesteps(num_inference_steps, latents.shape[1], sigmas)
-        guidance = Guidance(float(true_cfg_scale), batched=True) if do_true_cfg else Guidance()
         inputs = self.transformer_inputs(text_ids, image_ids, image_count * guidance.copies, guidance_scale)
 
         # 5. the denoising loop: the reference tokens follow the latent tokens, their prediction sliced off
@@ -259,12 +254,7 @@ class OnnxFluxKontextPipeline(FluxFamilyPipeline):
             self.denoiser,
             latents,
             timesteps,
-            tensors={
-                "prompt_embeds": prompt_embeds,
-                "pooled_prompt_embeds": pooled_prompt_embeds,
-                "negative_prompt_embeds": negative_prompt_embeds,
-                "negative_pooled_prompt_embeds": negative_pooled_prompt_embeds,
-            },
+            tensors=tensors,
             guidance=guidance,
             inputs=inputs,
             callback_on_step_end=callback_on_step_end,
