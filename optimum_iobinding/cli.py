@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, 
 
 # the standard library only: every heavy module is imported by the command using it
 from .errors import ArgumentError, CommandLineParser, RawDescriptionHelpFormatter
-from .families import Family, family, family_of_class, pipeline_class
+from .families import Family, family, family_of_class, pipeline_class, tiny_random_kinds
 
 if TYPE_CHECKING:
     from .serve.config import ServeConfig
@@ -104,10 +104,10 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const="sd",
         default=None,
-        choices=("sd", "xl", "lcm", "controlnet", "sd3", "flux", "flux-dev"),
+        choices=tiny_random_kinds(),
         help="export a tiny random-weights pipeline built offline: sd (default), xl, lcm, controlnet "
         "(SD with a tiny random ControlNet), sd3 (Stable Diffusion 3), flux or flux-dev "
-        "(FLUX.1 schnell's and dev's shapes)",
+        "(FLUX.1 schnell's and dev's shapes), flux-kontext, flux-fill, flux-control",
     )
     parser.add_argument(
         "--optimize",

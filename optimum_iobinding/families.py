@@ -29,6 +29,7 @@ __all__ = [
     "public_pipeline_names",
     "transformer_family",
     "t5_tokenizer_of",
+    "tiny_random_kinds",
     "detect",
     "UNET_INPUTS",
     "MMDIT_INPUTS",
@@ -476,6 +477,12 @@ def transformer_family(transformer_class: Optional[str]) -> Optional[Family]:
         ),
         None,
     )
+
+
+def tiny_random_kinds() -> Tuple[str, ...]:
+    """Every tiny random model's kind (``export --tiny-random KIND``), the families' :attr:`~Family.tiny_random` in
+    the table's order."""
+    return tuple(kind for record in FAMILIES for kind in record.tiny_random)
 
 
 def t5_tokenizer_of(record: Optional[Family]) -> Optional[str]:

@@ -195,3 +195,14 @@ def test_a_guidance_rescale_outside_zero_to_one_is_refused_naming_guidance_resca
     with pytest.raises(ArgumentError, match=r"guidance_rescale: expected a number in \[0, 1\], got 2.0") as refused:
         Guidance.classifier_free(5.0, rescale=2.0)
     assert refused.value.argument == "guidance_rescale"
+
+
+def test_every_tiny_random_model_is_a_familys_and_the_export_command_offers_each():
+    from optimum_iobinding.cli import build_parser
+    from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
+    from optimum_iobinding.families import tiny_random_kinds
+
+    assert sorted(tiny_random_kinds()) == sorted(TINY_RANDOM_KINDS)
+    export = build_parser()._subparsers._group_actions[0].choices["export"]
+    (option,) = [action for action in export._actions if "--tiny-random" in action.option_strings]
+    assert tuple(option.choices) == tiny_random_kinds()
