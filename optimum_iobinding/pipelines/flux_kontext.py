@@ -107,10 +107,10 @@ class OnnxFluxKontextPipeline(FluxFamilyPipeline):
         if not isinstance(auto_resize, bool):
             raise ArgumentError("_auto_resize", f"expected True or False, got {auto_resize!r}")
         height, width = self.check_image(image, "image", resized=True)  # the first image's, whatever its layout
-        if auto_resize:
-            _, width, height = min((abs(width / height - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
-        multiple = self.size_multiple
+        multiple = self.size_multiple  # rounded down first: diffusers reads the aspect ratio of the rounded size
         height, width = height // multiple * multiple, width // multiple * multiple
+        if auto_resize and height and width:
+            _, width, height = min((abs(width / height - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
         if height == 0 or width == 0:
             raise ArgumentError(
                 "image",
