@@ -101,6 +101,10 @@ def decode_mask(data: Union[str, bytes], size: Tuple[int, int], max_pixels: Opti
     def repainted(image: Any) -> Any:
         if "A" in image.getbands() or "transparency" in image.info:
             return np.asarray(image.convert("RGBA"))[..., 3] == 0
+        if image.mode.startswith("I"):  # 16-bit grey (a PNG's): light against its own range, not clamped to 8 bits
+            return np.asarray(image, dtype=np.int64) >= 32768
+        if image.mode == "F":
+            return np.asarray(image, dtype=np.float64) >= 0.5
         return np.asarray(image.convert("L")) >= 128
 
     raw, expected = _image_bytes(data, "mask", "a PNG")
@@ -109,6 +113,11 @@ def decode_mask(data: Union[str, bytes], size: Tuple[int, int], max_pixels: Opti
     if (width, height) != tuple(size):
         raise ArgumentError("mask", f"expected the image's size, {size[0]}x{size[1]}, got {width}x{height}")
     return mask.astype(np.float32)
+
+
+# the formats a request's image may come in: Pillow would open many more, some through outside programs (EPS through
+# Ghostscript)
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 
 
 def _image_bytes(data: Union[str, bytes], name: str, kind: str = "a PNG or JPEG") -> Tuple[bytes, str]:
@@ -136,7 +145,7 @@ def _read_image(raw: bytes, name: str, expected: str, max_pixels: Optional[int],
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
-            image = Image.open(io.BytesIO(raw))
+            image = Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
             limit = f"at most {max_pixels} pixels (max_pixels_per_image)" if max_pixels else "an image Pillow decodes"
             raise ArgumentError(name, f"expected {limit}, got more: {plain_reason(error)}") from None
@@ -344,7 +353,7 @@ def openai_generation_request(body: bytes, model_id: str) -> Dict[str, Any]:
     """The request of a ``POST /v1/images/generations`` body (a JSON object), as :func:`openai_request` makes it."""
     try:
         fields = json.loads(body)
-    except ValueError as error:  # UnicodeDecodeError is one
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError; nesting too deep recurses
         raise OpenAIError(
             400, f"body: expected a JSON object, got no JSON ({plain_reason(error)})", None, "invalid_json"
         )

@@ -142,3 +142,33 @@ def test_a_mask_is_repainted_where_it_is_transparent_or_without_alpha_where_it_i
         decode_mask(png(grey), (8, 4))
     with pytest.raises(ValueError, match=r"^mask: expected a PNG file, got 2 bytes of no image Pillow reads"):
         decode_mask(b"no", (6, 4))
+
+
+def test_a_16_bit_grey_mask_is_light_against_its_own_range():
+    from PIL import Image
+
+    grey = np.zeros((4, 4), np.uint16)
+    grey[:2] = 60000  # light
+    grey[2, 0] = 4000  # dark in 16 bits, which an 8-bit conversion would clamp to white
+    buffer = io.BytesIO()
+    Image.fromarray(grey).save(buffer, format="PNG")
+    mask = decode_mask(buffer.getvalue(), (4, 4))
+    np.testing.assert_array_equal(mask, np.repeat([[1.0], [1.0], [0.0], [0.0]], 4, axis=1))
+
+
+def test_a_body_nested_too_deep_is_refused_as_no_json():
+    with pytest.raises(OpenAIError) as refused:
+        openai_generation_request(b"[" * 200_000, "tiny")
+    assert refused.value.status == 400 and refused.value.code == "invalid_json"
+
+
+def test_an_image_in_a_format_beyond_png_jpeg_and_webp_is_refused_naming_the_field():
+    from PIL import Image
+
+    from optimum_iobinding.errors import ArgumentError
+    from optimum_iobinding.serve.schema import decode_image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buffer, format="GIF")
+    with pytest.raises(ArgumentError, match="^image: expected a PNG or JPEG file"):
+        decode_image(buffer.getvalue())
