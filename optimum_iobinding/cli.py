@@ -183,7 +183,12 @@ def run_export(args: argparse.Namespace) -> int:
         check_local_or_hub(option, name)
     source = Path(args.model) if args.model and Path(args.model).exists() else None
     exported = sorted(path.parent.name for path in source.glob("*/model.onnx")) if source and source.is_dir() else []
-    if exported:
+    torch_weights = source is not None and any(
+        next(source.glob(f"*/{stem}*.{suffix}"), None) is not None
+        for stem in ("diffusion_pytorch_model", "model", "pytorch_model")
+        for suffix in ("safetensors", "bin")
+    )
+    if exported and not torch_weights:  # some hub folders hold ONNX files beside the torch weights: those export
         raise UsageError(
             f"model: expected a diffusers pipeline to export (its torch weights), got {args.model!r}, an ONNX folder "
             f"already ({', '.join(f'{name}/model.onnx' for name in exported)}): run it with generate --model"

@@ -1121,3 +1121,14 @@ def test_the_gpu_hint_says_to_remove_onnxruntime_before_installing_the_gpu_extra
     """onnxruntime and onnxruntime-gpu are one module: installed over the CPU build, the GPU one breaks both."""
     assert main(["generate", "--provider", "CUDAExecutionProvider"]) == 2
     assert "pip uninstall -y onnxruntime && pip install 'optimum-iobinding[gpu]'; available: " in error_line(capsys)
+
+
+def test_a_diffusers_folder_holding_onnx_files_beside_its_torch_weights_is_not_taken_for_an_export(tmp_path, capsys):
+    """Some hub folders ship ONNX files beside the torch weights (SDXL base has unet/model.onnx): they export (this
+    one's empty files fail later, in the export)."""
+    (tmp_path / "model" / "unet").mkdir(parents=True)
+    (tmp_path / "model" / "model_index.json").write_text("{}")
+    (tmp_path / "model" / "unet" / "model.onnx").write_bytes(b"")
+    (tmp_path / "model" / "unet" / "diffusion_pytorch_model.safetensors").write_bytes(b"")
+    main(["export", str(tmp_path / "model"), "--output", str(tmp_path / "out")])
+    assert "ONNX folder already" not in capsys.readouterr().err
