@@ -28,6 +28,9 @@ uv_args=(--index-strategy unsafe-best-match)  # as pip: the best version on any 
 for link in ${PIP_FIND_LINKS:-$(pip_setting find-links)}; do
   if [ -e "${link#file://}" ] || [[ $link == http* ]]; then uv_args+=(--find-links "$link"); fi
 done
+constraint=${PIP_CONSTRAINT:-$(pip_setting constraint)}  # the machine's own caps (torch's here)
+if [ -n "$constraint" ] && [ -f "$constraint" ]; then uv_args+=(-c "$constraint"); fi
+if [ -n "${PIP_CERT:-}" ]; then export SSL_CERT_FILE=${SSL_CERT_FILE:-$PIP_CERT}; fi
 index=${PIP_INDEX_URL:-$(pip_setting index-url)}
 if [ -n "$index" ]; then uv_args+=(--default-index "$index"); fi
 for url in ${PIP_EXTRA_INDEX_URL:-$(pip_setting extra-index-url)}; do
@@ -35,12 +38,10 @@ for url in ${PIP_EXTRA_INDEX_URL:-$(pip_setting extra-index-url)}; do
 done
 [ -x .venv/bin/python ] || python3 -m venv .venv
 uv=.venv/bin/uv
-[ -x "$uv" ] || .venv/bin/pip install -q uv >/dev/null 2>&1 || uv=
-setup() {  # setup VENV CONSTRAINTS EXTRAS
+[ -x "$uv" ] || .venv/bin/pip install -q -c constraints.txt uv >/dev/null 2>&1 || uv=
+setup() {  # setup VENV CONSTRAINTS EXTRAS: uv, or pip where uv is missing or fails
   [ -x "$1/bin/python" ] || python3 -m venv "$1"
-  if [ -n "$uv" ]; then
-    "$uv" pip install -q --python "$1/bin/python" "${uv_args[@]}" -c "$2" -e ".[$3]"
-  else
+  if [ -z "$uv" ] || ! "$uv" pip install -q --python "$1/bin/python" "${uv_args[@]}" -c "$2" -e ".[$3]"; then
     "$1/bin/pip" install -q --no-compile -c "$2" -e ".[$3]"
   fi
 }
