@@ -22,7 +22,8 @@ cd "$(dirname "$0")/.."
 unset PYTHONDONTWRITEBYTECODE
 # Installs go through uv (pip's resolver and unpacking were a minute of the run; uv is seconds, and the second
 # environment links the first one's files from uv's cache). uv reads no pip.conf: the machine's wheel folders and
-# index that pip is configured with are handed to it. Where uv cannot be installed, pip does the installs.
+# indexes, constraint and certificate pip is configured with are handed to it. Where uv cannot be installed or an
+# install through it fails, pip does that install.
 pip_setting() { python3 -m pip config get "global.$1" 2>/dev/null || true; }
 uv_args=(--index-strategy unsafe-best-match)  # as pip: the best version on any index
 for link in ${PIP_FIND_LINKS:-$(pip_setting find-links)}; do
