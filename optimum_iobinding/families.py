@@ -12,7 +12,7 @@ defaults. A new family is a record here, a class with its ``__call__``, its expo
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, FrozenSet, Mapping, Optional, Sequence, Tuple, Union
 
 from .layout import DIFFUSERS_ONNX_CLASS_NAME, DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT
@@ -508,9 +508,16 @@ def detect(
     by_component = {"unet": channels} if channels is None or isinstance(channels, int) else dict(channels)
     named = [record for record in FAMILIES if record.auto and index_class_name in record.index_class_names]
     rest = [record for record in FAMILIES if record.auto and record not in named]
+    # a class name that selects one family alone selects it where the denoiser's channels are unknown (a dynamic dim,
+    # no config): a FLUX.1 Fill folder is not taken for FLUX.1 for want of its token width
+    alone = sum(index_class_name in record.index_class_names for record in FAMILIES) == 1
     for record in (*named, *rest):
         inputs = denoiser_inputs.get(record.denoiser)
-        if inputs is None or not record.interface.matches(inputs, by_component.get(record.denoiser)):
+        channels_of = by_component.get(record.denoiser)
+        interface = record.interface
+        if alone and record in named and channels_of is None:
+            interface = replace(interface, sample_channels=None)
+        if inputs is None or not interface.matches(inputs, channels_of):
             continue
         needed = record.options.get("needs_folder")
         if needed is not None and needed not in folders:

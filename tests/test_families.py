@@ -206,3 +206,15 @@ def test_every_tiny_random_model_is_a_familys_and_the_export_command_offers_each
     export = build_parser()._subparsers._group_actions[0].choices["export"]
     (option,) = [action for action in export._actions if "--tiny-random" in action.option_strings]
     assert tuple(option.choices) == tiny_random_kinds()
+
+
+def test_a_class_name_of_one_family_alone_selects_it_where_the_denoisers_channels_are_unknown():
+    from optimum_iobinding.families import FLUX_INPUTS, UNET_INPUTS, detect
+
+    unknown = {"transformer": None}
+    assert detect("FluxFillPipeline", {"transformer": list(FLUX_INPUTS)}, unknown).key == "flux-fill"
+    assert detect("FluxControlPipeline", {"transformer": list(FLUX_INPUTS)}, unknown).key == "flux-control"
+    assert detect(None, {"transformer": list(FLUX_INPUTS)}, unknown).key == "flux"  # no name: FLUX.1's interface
+    assert detect("StableDiffusionInpaintPipeline", {"unet": list(UNET_INPUTS)}, None).key == "inpaint"
+    # a name several families share (the SD families' ONNX class) still needs the channels to pick inpainting
+    assert detect("OnnxStableDiffusionPipeline", {"unet": list(UNET_INPUTS)}, None).key == "sd"
