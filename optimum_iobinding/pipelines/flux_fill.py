@@ -18,7 +18,7 @@ from .codec import pack_latents
 from .core import on_device_stream
 from .denoisers import FluxDenoiser
 from .flux import MAX_SEQUENCE_LENGTH, FluxFamilyPipeline, image_rows
-from .img2img import ImageInput
+from .img2img import ImageInput, inpainting_warmup_images
 from .loop import Guidance, denoise
 from .transfer import tensor_of
 
@@ -55,12 +55,7 @@ class OnnxFluxFillPipeline(FluxFamilyPipeline):
 
     def warmup_images(self, height: int, width: int) -> Dict[str, Any]:
         """A blank image and a full mask of the size."""
-        return {
-            "image": torch.zeros(1, 3, height, width),
-            "mask_image": torch.ones(1, 1, height, width),
-            "height": height,
-            "width": width,
-        }
+        return inpainting_warmup_images(height, width)
 
     # ------------------------------------------------------------------------------------------------- checks
     def check_fill_images(self, image: Any, mask_image: Any, masked_image_latents: Any, strength: Any) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Union
+from typing import Any, Dict, List, Union
 
 import numpy as np
 import PIL.Image
@@ -17,6 +17,16 @@ from .loop import Guidance, denoise
 SD_IMG2IMG = family("sd-img2img")
 
 ImageInput = Union[torch.Tensor, np.ndarray, PIL.Image.Image, List[Any]]
+
+
+def inpainting_warmup_images(height: int, width: int) -> Dict[str, Any]:
+    """The images an inpainting family's warm-up call takes: a blank image and a full mask of the size."""
+    return {
+        "image": torch.zeros(1, 3, height, width),
+        "mask_image": torch.ones(1, 1, height, width),
+        "height": height,
+        "width": width,
+    }
 
 
 class OnnxStableDiffusionImg2ImgPipeline(ClipUNetPipeline):

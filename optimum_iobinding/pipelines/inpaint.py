@@ -16,7 +16,7 @@ from .clip_unet import ClipUNetPipeline
 from .components import declared_dim
 from .core import on_device_stream
 from .latents import expand_to_batch
-from .img2img import ImageInput
+from .img2img import ImageInput, inpainting_warmup_images
 from .loop import Guidance, denoise
 
 INPAINT = family("inpaint")
@@ -44,12 +44,7 @@ class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
         return int(self.unet.config.get("in_channels") or declared_dim(self.unet, "sample", 1) or self.latent_channels)
 
     def warmup_images(self, height: int, width: int) -> Dict[str, Any]:
-        return {
-            "image": torch.zeros(1, 3, height, width),
-            "mask_image": torch.ones(1, 1, height, width),
-            "height": height,
-            "width": width,
-        }
+        return inpainting_warmup_images(height, width)
 
     @on_device_stream
     def __call__(
