@@ -542,6 +542,16 @@ def check_cache_spec(spec: str) -> None:
         check(values[0] >= 0, "--cache fbc:THRESHOLD", "a number ≥ 0", values[0])
 
 
+def check_makes_images(record: Family, option: str) -> None:
+    """A folder whose family makes videos (``record.frames``) is refused by ``option``: ``generate`` and the server
+    write images."""
+    if record.frames:
+        raise UsageError(
+            f"{option}: expected a folder of a family that makes images, got a {record.title} folder, whose calls "
+            f"make videos: {record.use_hint()} from Python"
+        )
+
+
 def check_cache_fits(record: Family, spec: str) -> None:
     """``--cache`` names the step cache the folder's family (``record``) runs, before its pipeline loads."""
     from .cache_spec import parse_cache_spec
@@ -671,8 +681,10 @@ def check_generate_fits(record: Family, args: argparse.Namespace) -> None:
     """What the family of a folder (``record``) cannot take, refused before its pipeline loads: a family without a
     choice of scheduler (the diffusion transformers run diffusers' flow-matching scheduler, where ``--scheduler``
     names discrete-time ones), a negative prompt for a family that takes none (LCM's guidance is an embedding), or one
-    that takes it only with an argument ``generate`` does not set (``record.negative_prompt_needs``)."""
+    that takes it only with an argument ``generate`` does not set (``record.negative_prompt_needs``), or a folder
+    whose calls make videos (``record.frames``), where ``generate`` writes an image."""
     name = record.class_name
+    check_makes_images(record, "--model")
     if args.cache is not None:
         check_cache_fits(record, args.cache)
     if args.scheduler and not record.scheduler_choice:
@@ -1029,6 +1041,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         with options_named(SERVED_MODEL_OPTION):
             served_class = pipeline_class_for(config.model)
+        check_makes_images(family_of_class(served_class.__name__), "--model")
         if args.cache is not None:
             check_cache_fits(family_of_class(served_class.__name__), args.cache)
     if not os.environ.get("RAY_ADDRESS"):  # a local cluster: its proxy would share a port another server holds

@@ -37,6 +37,9 @@ __all__ = [
     "FLUX_TEXT_IDS",
     "FLUX_IMAGE_IDS",
     "FLUX_GUIDANCE",
+    "WAN_INPUTS",
+    "WAN_TEXT_INPUTS",
+    "WAN_TRANSFORMERS",
 ]
 
 # the denoisers' ONNX inputs (the export writes them, the pipelines feed them)
@@ -49,6 +52,12 @@ FLUX_INPUTS = (*MMDIT_INPUTS, FLUX_TEXT_IDS, FLUX_IMAGE_IDS)
 # latent channels × 2 × 2): Fill's adds the masked image's packed latents (64) and the packed mask (8 × 8 × 2 × 2 =
 # 256), Control's (Canny, Depth) the control image's packed latents (64)
 FLUX_FILL_TOKEN_WIDTH, FLUX_CONTROL_TOKEN_WIDTH = 384, 128
+# Wan's transformer (latent videos (batch, channels, frames, height, width), the UMT5 states, the timestep: one per row,
+# or one per row and latent token for Wan 2.2 TI2V), its UMT5 encoder's inputs (the padding masked out, as diffusers
+# calls it), and its denoisers: Wan 2.2's second transformer is the low-noise expert
+WAN_INPUTS = ("hidden_states", "encoder_hidden_states", "timestep")
+WAN_TEXT_INPUTS = ("input_ids", "attention_mask")
+WAN_TRANSFORMERS = ("transformer", "transformer_2")
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,8 @@ class Family:
         negative_prompt_needs: the call argument without which a negative prompt does nothing (FLUX.1's true
             classifier-free guidance: ``"true_cfg_scale > 1"``), if any.
         callback_tensors: the loop's tensors a step-end callback may ask for and replace.
+        frames: its calls make videos (diffusers' ``frames``: frames of each video), which ``generate`` and the
+            server, writing images, refuse.
         defaults: its ``__call__`` defaults.
         hint: what to use, where :attr:`text_to_image` is false or its folder holds another family.
         options: what only some families have: ``needs_folder`` (a component folder detection requires: SDXL's
@@ -149,6 +160,7 @@ class Family:
     negative_prompt: bool = True
     negative_prompt_needs: Optional[str] = None
     callback_tensors: Tuple[str, ...] = ("latents", "prompt_embeds")
+    frames: bool = False
     hint: str = ""
     options: Mapping[str, object] = field(default_factory=dict)
 
@@ -429,6 +441,27 @@ FAMILIES: Tuple[Family, ...] = (
         hint="a FLUX.1 Control folder (its transformer takes a control image's latents): use "
         "OnnxFluxControlPipeline from Python with a control image",
         **_FLUX_VARIANT,
+    ),
+    Family(
+        "wan",
+        "OnnxWanPipeline",
+        f"{_SD_MODULE}.wan",
+        "Wan 2.1 / 2.2 text to video",
+        DenoiserInterface("transformer", WAN_INPUTS),
+        Defaults(steps=50, guidance_scale=5.0),
+        index_class_names=("WanPipeline",),
+        index_class_name="WanPipeline",
+        export="wan",
+        torch_classes=("WanPipeline",),
+        tiny_random=("wan", "wan2.2"),
+        scheduler_choice=False,
+        callback_tensors=("latents", "prompt_embeds", "negative_prompt_embeds"),
+        frames=True,
+        options={
+            "transformer_class": "WanTransformer3DModel",
+            "t5_tokenizer": "tokenizer",
+            "t5_encoder": "text_encoder",
+        },
     ),
 )
 

@@ -233,6 +233,8 @@ _ONNX_COMPONENT_CLASSES = {
 
 # diffusion-transformer folders (optimum's export of SD3 and FLUX.1): the transformer and the T5 encoder
 _ONNX_COMPONENT_CLASSES |= {"SD3Transformer2DModel", "FluxTransformer2DModel", "T5EncoderModel"}
+# Wan's folders: its UMT5 encoder and its transformers (Wan 2.2's two experts)
+_ONNX_COMPONENT_CLASSES |= {"UMT5EncoderModel", "WanTransformer3DModel"}
 
 
 def looks_like_hub_id(name: str) -> bool:
@@ -492,14 +494,18 @@ def index_entry(module: Any) -> Optional[Tuple[str, str]]:
 
 
 def write_transformer_model_index(
-    folder: Union[str, os.PathLike], class_name: str, modules: Dict[str, Optional[Tuple[str, str]]]
+    folder: Union[str, os.PathLike],
+    class_name: str,
+    modules: Dict[str, Optional[Tuple[str, str]]],
+    settings: Optional[Dict[str, Any]] = None,
 ) -> None:
-    """Diffusion-transformer folders (SD3, Flux) follow optimum's export: the torch pipeline's index, each component as
-    ``[library, class name]`` (``[null, null]`` where ``modules`` gives ``None``), which optimum's ORT pipelines and
-    ours both load."""
+    """Diffusion-transformer folders (SD3, Flux, Wan) follow optimum's export: the torch pipeline's index, each
+    component as ``[library, class name]`` (``[null, null]`` where ``modules`` gives ``None``), which optimum's ORT
+    pipelines and ours both load, and the pipeline's ``settings`` as they are (Wan's ``boundary_ratio``)."""
     import diffusers
 
     index: Dict[str, Any] = {"_class_name": class_name, "_diffusers_version": diffusers.__version__}
+    index.update(settings or {})
     for name, entry in modules.items():
         index[name] = list(entry) if entry is not None else [None, None]
     Path(folder, "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))

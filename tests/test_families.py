@@ -128,7 +128,7 @@ def tiny_export(shared_export, tiny_folder):
     return folder
 
 
-@pytest.mark.parametrize("kind", ["sd", "lcm", "xl", "sd3", "flux"])
+@pytest.mark.parametrize("kind", ["sd", "lcm", "xl", "sd3", "flux", "wan"])
 def test_pipeline_class_for_a_tiny_export_is_its_familys_class(tiny_export, kind):
     (record,) = [record for record in FAMILIES if kind in record.tiny_random]
     assert pipeline_class_for(tiny_export(kind)) is pipeline_class(record)

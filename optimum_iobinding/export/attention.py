@@ -134,3 +134,47 @@ def fused_vae_attention(module: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         owner.set_attn_processor(previous)
+
+
+# ---------------------------------------------------------------------------------- multi-head attention
+class _MultiHeadAttention(torch.autograd.Function):
+    """``softmax(q kᵀ · scale) v`` per head of already projected queries, keys and values, each ``(batch, sequence,
+    heads × head_size)``: computed in torch while the exporter traces, written as one ``com.microsoft``
+    ``MultiHeadAttention`` node (which ORT's CUDA provider runs with cuDNN's flash kernel, and its CPU provider too)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, heads: int, scale: float
+    ) -> torch.Tensor:
+        def by_head(states: torch.Tensor) -> torch.Tensor:  # (batch, heads, sequence, head_size)
+            return states.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            by_head(query), by_head(key), by_head(value), scale=scale
+        )
+        return attended.transpose(1, 2).flatten(2)
+
+    @staticmethod
+    def symbolic(g: Any, query: Any, key: Any, value: Any, heads: int, scale: float) -> Any:
+        output = g.op("com.microsoft::MultiHeadAttention", query, key, value, num_heads_i=heads, scale_f=scale)
+        output.setType(query.type())  # callers give values as wide as the queries (checked in multi_head_attention)
+        return output
+
+
+def multi_head_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, heads: int, scale: float
+) -> torch.Tensor:
+    """Multi-head attention of projected ``query`` ``(batch, sequence, heads × head_size)`` over ``key`` and ``value``
+    ``(batch, context, heads × head_size)``, as torch's ``scaled_dot_product_attention`` computes it per head, exported
+    as one ``com.microsoft`` ``MultiHeadAttention`` node.
+
+    Args:
+        query, key, value: the projections, heads side by side on the last axis, all three of one width (the node's
+            output is typed as the query).
+        heads: the number of heads.
+        scale: the logits' scale (1 / √head_size for plain attention).
+
+    Returns:
+        The attended values, ``(batch, sequence, heads × head_size)``.
+    """
+    return _MultiHeadAttention.apply(query, key, value, int(heads), float(scale))

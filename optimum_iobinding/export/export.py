@@ -4,6 +4,7 @@ hands it to its family's exporter, each of which writes its own layout:
 - Stable Diffusion 1.x/2.x, LCM, Turbo, ControlNet: the diffusers ONNX layout; SDXL: optimum's (:mod:`.unet`).
 - Stable Diffusion 3 / 3.5: optimum's SD3 layout (:mod:`.transformer`).
 - FLUX.1: optimum's Flux layout (:mod:`.flux`).
+- Wan (text to video): its text encoder and transformers in optimum's diffusion-transformer layout (:mod:`.wan`).
 
 A tiny VAE alone (``export_pipeline(None, folder, tiny_vae=...)``) is written as ``vae_encoder/`` and ``vae_decoder/``
 only: no model_index.json, tokenizer or scheduler.
@@ -33,10 +34,11 @@ from .flux import export_flux_pipeline
 from .step_cache import check_first_block_cache_depth
 from .tiny import TINY_RANDOM_KINDS, build_tiny_random_tiny_vae
 from .transformer import export_sd3_pipeline
+from .wan import export_wan_pipeline
 from .unet import check_tiny_vae_fits, controlnets_of, export_unet_pipeline
 
 # the diffusion-transformer exporters, by the name a family's record gives its exporter (Family.export)
-TRANSFORMER_EXPORTERS = {"sd3": export_sd3_pipeline, "flux": export_flux_pipeline}
+TRANSFORMER_EXPORTERS = {"sd3": export_sd3_pipeline, "flux": export_flux_pipeline, "wan": export_wan_pipeline}
 
 # the checks of the arguments are public too: the command line runs them before it loads anything (check_tiny_vae_fits
 # belongs to .unet, since it holds a tiny VAE against the UNet, and is named here beside the others)

@@ -542,6 +542,105 @@ def build_tiny_random_flux_variant_pipeline(variant: str, seed: int = 0):
     return pipeline_class(**{name: module for name, module in components.items() if name in accepted})
 
 
+# -------------------------------------------------------------------------------------------------- tiny Wan
+def build_tiny_random_wan_pipeline(
+    seed: int = 0,
+    two_experts: bool = False,
+    boundary_ratio: float = 0.875,
+    expand_timesteps: bool = False,
+    scheduler: str = "unipc",
+):
+    """A tiny random-weights ``WanPipeline`` (Wan 2.1 text to video) built offline, of the shapes of diffusers' own
+    Wan tests: a 2-layer UMT5 encoder of width 32 with the tiny unigram tokenizer (:func:`write_tiny_t5_tokenizer`), a
+    ``WanTransformer3DModel`` of two layers (2 heads of 12, patches of 1 × 2 × 2, 16 latent channels, rotary tables of
+    32 positions), an ``AutoencoderKLWan`` of base width 3 and 16 latent channels (8× spatial, 4× temporal scale) and
+    the scheduler Wan 2.1 ships (``"unipc"``: ``UniPCMultistepScheduler`` with flow sigmas, shift 3) or diffusers'
+    tests' (``"euler"``: ``FlowMatchEulerDiscreteScheduler`` with shift 7).
+
+    Args:
+        seed: the seed every weight is drawn from.
+        two_experts: Wan 2.2's shape: a second transformer (``transformer_2``, the low-noise expert) switched to below
+            ``boundary_ratio`` × the scheduler's training timesteps.
+        boundary_ratio: where the experts switch (with ``two_experts``).
+        expand_timesteps: Wan 2.2 TI2V's shape: one timestep per latent token (the pipeline's ``expand_timesteps``).
+        scheduler: ``"unipc"`` or ``"euler"``.
+
+    Returns:
+        The ``WanPipeline``, in float32.
+    """
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        UniPCMultistepScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    if scheduler not in ("unipc", "euler"):
+        raise ArgumentError("scheduler", f"expected 'unipc' or 'euler', got {scheduler!r}")
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = write_tiny_t5_tokenizer(folder)
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=32,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
+            is_encoder_decoder=False,
+            use_cache=False,
+            dropout_rate=0.0,
+        )
+    ).eval()  # built in training mode: its dropout would make every call differ
+
+    def transformer():
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=16,
+            out_channels=16,
+            text_dim=32,
+            freq_dim=256,
+            ffn_dim=32,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        )
+
+    first = transformer()
+    second = transformer() if two_experts else None
+    if scheduler == "unipc":
+        flow = UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
+        )
+    else:
+        flow = FlowMatchEulerDiscreteScheduler(shift=7.0)
+    pipeline = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=flow,
+        transformer=first,
+        transformer_2=second,
+        boundary_ratio=boundary_ratio if two_experts else None,
+        expand_timesteps=expand_timesteps,
+    )
+    return _in_float32(pipeline)
+
+
 TINY_RANDOM_KINDS: Dict[str, Callable[[], Any]] = {
     "sd": build_tiny_random_pipeline,
     "xl": build_tiny_random_xl_pipeline,
@@ -551,6 +650,8 @@ TINY_RANDOM_KINDS: Dict[str, Callable[[], Any]] = {
     "flux": build_tiny_random_flux_pipeline,
     "flux-dev": lambda: build_tiny_random_flux_pipeline(guidance_embeds=True),
     **{f"flux-{variant}": (lambda v=variant: build_tiny_random_flux_variant_pipeline(v)) for variant in _FLUX_VARIANTS},
+    "wan": build_tiny_random_wan_pipeline,
+    "wan2.2": lambda: build_tiny_random_wan_pipeline(two_experts=True),
 }
 
 

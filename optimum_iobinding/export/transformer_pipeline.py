@@ -35,6 +35,8 @@ __all__ = ["export_transformer_pipeline", "float16_components", "component_preci
 
 # ORT's optimizer model type of the components a float16 export leaves float32: T5 (see the module's docstring)
 FLOAT32_MODEL_TYPES = frozenset({"t5"})
+# the denoisers of a diffusion-transformer folder (Wan 2.2's low-noise expert is the second)
+TRANSFORMERS = ("transformer", "transformer_2")
 
 
 def float16_components(components: Collection[str], optimizer_model_types: Mapping[str, str]) -> frozenset:
@@ -70,8 +72,8 @@ def component_precisions(
         return dict.fromkeys(components, "fp32")
     half = float16_components(components, optimizer_model_types)
     precisions = {name: "fp16" if name in half else "fp32" for name in components}
-    if dtype == "bf16" and "transformer" in precisions:
-        precisions["transformer"] = "bf16"
+    if dtype == "bf16":  # every transformer (Wan 2.2's two experts too)
+        precisions.update({name: "bf16" for name in precisions if name in TRANSFORMERS})
     return precisions
 
 
@@ -90,6 +92,7 @@ def export_transformer_pipeline(
     external_data_threshold: int,
     exportable: Optional[Callable[[torch.nn.Module], ContextManager]] = None,
     step_cache: bool = False,
+    settings: Optional[Mapping[str, Any]] = None,
 ) -> Path:
     """Writes a diffusion-transformer pipeline folder at ``target`` (built beside it, moved into place when whole):
     each of ``components`` from ``specs`` (those in ``optimizer_model_types`` by
@@ -98,9 +101,9 @@ def export_transformer_pipeline(
     each in its precision in an export of ``dtype`` (``"fp32"``, ``"fp16"`` or ``"bf16"``, see
     :func:`component_precisions`); the pipeline's tokenizers (as both transformers 4 and 5 read them) and scheduler;
     and the torch pipeline's model_index.json under ``class_name`` (torch class names; one ``vae`` entry for both VAE
-    folders), as optimum writes it; with ``step_cache``, the transformer's First-Block Cache parts beside it
-    (:mod:`.step_cache`, cut from the transformer in its precision). The caller has checked ``target`` and
-    ``components``.
+    folders), as optimum writes it, with the pipeline's ``settings`` (Wan's ``boundary_ratio``) beside its
+    components; with ``step_cache``, the transformer's First-Block Cache parts beside it (:mod:`.step_cache`, cut from
+    the transformer in its precision). The caller has checked ``target`` and ``components``.
 
     Returns:
         ``target``.
@@ -141,6 +144,7 @@ def export_transformer_pipeline(
         modules = (
             "scheduler",
             "transformer",
+            "transformer_2",
             "vae",
             "text_encoder",
             "text_encoder_2",
@@ -157,5 +161,6 @@ def export_transformer_pipeline(
                 "image_encoder": None,
                 "feature_extractor": None,
             },
+            settings,
         )
     return target

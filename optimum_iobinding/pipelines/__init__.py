@@ -15,6 +15,7 @@ from .stable_diffusion import OnnxStableDiffusionPipeline
 from .stable_diffusion_3 import OnnxStableDiffusion3Pipeline
 from .stable_diffusion_xl import OnnxStableDiffusionXLImg2ImgPipeline, OnnxStableDiffusionXLPipeline
 from .stream import OnnxStreamDiffusionPipeline
+from .wan import OnnxWanPipeline
 
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "OnnxFluxKontextPipeline",
     "OnnxFluxFillPipeline",
     "OnnxFluxControlPipeline",
+    "OnnxWanPipeline",
 ]

@@ -79,9 +79,13 @@ COMPONENT_INPUTS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
 }
 
 
+# Inputs a component may take beside COMPONENT_INPUTS' (Wan's UMT5 encoder takes the prompt's attention mask).
+OPTIONAL_COMPONENT_INPUTS: Dict[str, Tuple[str, ...]] = {"text_encoder": ("attention_mask",)}
+
+
 def component_kind(input_names: Sequence[str]) -> Optional[str]:
     """What an ONNX model looks like by its inputs (a text encoder, a UNet, a VAE decoder …), or ``None``."""
-    names = set(input_names)
+    names = set(input_names) - {name for optional in OPTIONAL_COMPONENT_INPUTS.values() for name in optional}
     if "controlnet_cond" in names:
         return "a ControlNet"
     if {"sample", "timestep", "encoder_hidden_states"} <= names:
@@ -107,7 +111,8 @@ def check_component_kind(name: str, model: Any) -> None:
         return
     kind, expected = spec
     declared = model.input_names
-    if sorted(declared) == sorted(expected):
+    optional = OPTIONAL_COMPONENT_INPUTS.get(name, ())
+    if sorted(input for input in declared if input not in optional) == sorted(expected):
         return
     found = component_kind(declared)
     looks = f"{found}, not {kind}" if found is not None and found != kind else "not a model the pipeline can feed"

@@ -117,8 +117,10 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
     A family declares (class attributes): ``declared_components``; ``denoiser_part`` and ``prompt_part`` (a part class,
     or a ``functools.partial`` of one, called with the pipeline); ``vae_constants``; ``settings`` (model_index.json
     entries it takes, with their defaults); ``encodes_images`` (whether a call runs the VAE encoder);
-    ``packed_latents`` (Flux's 2×2 tokens); ``family`` (its record in :mod:`optimum_iobinding.families`: its
-    denoiser component, image-to-image sibling, capabilities and defaults);
+    ``packed_latents`` (Flux's 2×2 tokens); ``codec_part`` (the latent codec's maker, for a VAE that is not an image
+    ``AutoencoderKL``'s: Wan's video VAE; ``None``: :class:`~.codec.LatentCodec` with ``vae_constants``); ``family``
+    (its record in :mod:`optimum_iobinding.families`: its denoiser component, image-to-image sibling, capabilities and
+    defaults);
     ``loading_arguments`` (``from_pretrained`` keywords its :meth:`model_folders` takes). Capabilities are
     opt-in mixins: :class:`Warmup`, LoRA (:class:`~.lora.LoraLoaderMixin`).
     """
@@ -126,6 +128,7 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
     declared_components: ClassVar[Tuple[Component, ...]] = ()
     denoiser_part: ClassVar[Callable[[Any], Denoiser]]
     prompt_part: ClassVar[Callable[[Any], PromptEncoder]]
+    codec_part: ClassVar[Optional[Callable[[Any], Any]]] = None
     vae_constants: ClassVar[VaeConstants] = VaeConstants(0.18215, None, "SD 1.x/2.x use 0.18215, SDXL 0.13025")
     settings: ClassVar[Dict[str, Any]] = {}
     encodes_images: ClassVar[bool] = False
@@ -166,7 +169,11 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
         if hasattr(self.prompt, "check_encoders"):
             self.prompt.check_encoders()
         constants = self.vae_constants
-        self.codec = LatentCodec(self, constants.scaling_factor, constants.shift_factor, constants.hint)
+        self.codec = (
+            LatentCodec(self, constants.scaling_factor, constants.shift_factor, constants.hint)
+            if self.codec_part is None
+            else self.codec_part(self)
+        )
         self.latent_channels = self.denoiser.latent_channels(self.vae_decoder)
         # Flux's 2×2 packing halves the latents once more: images are multiples of twice the VAE's factor
         self.image_processor = VaeImageProcessor(
@@ -341,8 +348,9 @@ class Warmup:
         nothing.
 
         Args:
-            heights, widths: image sizes in pixels. ``heights`` default: the pipeline's default size; ``widths``
-                default: the heights (squares). Lists of the same length pair up; otherwise every combination.
+            heights, widths: image sizes in pixels. Without ``heights``: the call's default size
+                (:meth:`warmup_default_size`); ``widths`` default: the heights (squares). Lists of the same length
+                pair up; otherwise every combination.
             batch_sizes: images per call (prompts × ``num_images_per_prompt``).
             guidance_scales: guidance scales the calls use (default: the family's ``__call__`` default; for guided
                 families > 1 doubles the denoiser's batch, ≤ 1 does not).
@@ -371,6 +379,11 @@ class Warmup:
         """The ``__call__`` arguments :meth:`warmup` passes on, each with its check (none by default)."""
         return {}
 
+    def warmup_default_size(self) -> Tuple[int, int]:
+        """The ``(height, width)`` a warm-up without ``heights`` runs at: the call's default size (a square of
+        :attr:`~OnnxDiffusionPipeline.default_image_size`; a family whose default is not square says its own)."""
+        return self.default_image_size, self.default_image_size
+
     def warmup_combinations(
         self,
         heights: Union[int, Sequence[int], None],
@@ -382,8 +395,10 @@ class Warmup:
         """Every ``(height, width, batch_size, guidance_scale)`` a :meth:`warmup` of these arguments runs, each
         argument checked first: a warm-up refused runs nothing and changes nothing."""
         as_list = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]  # noqa: E731
+        default_height, default_width = self.warmup_default_size()
         if heights is None:
-            heights = self.default_image_size
+            heights = default_height
+            widths = default_width if widths is None else widths
         heights_list = as_list(heights)
         widths_list = heights_list if widths is None else as_list(widths)
         if len(heights_list) == len(widths_list):

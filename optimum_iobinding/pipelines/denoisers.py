@@ -4,7 +4,8 @@ default sample size, its step cache, and the component that must be captured (it
 
 - :class:`UNetDenoiser`: SD 1.x/2.x, SDXL, LCM, ControlNet, inpainting (extra inputs and channels per family);
 - :class:`MMDiTDenoiser`: Stable Diffusion 3 / 3.5's transformer, flow matching, CFG in one batch;
-- :class:`FluxDenoiser`: FLUX.1's transformer over 2×2-packed latent tokens with rotary position ids, true CFG.
+- :class:`FluxDenoiser`: FLUX.1's transformer over 2×2-packed latent tokens with rotary position ids, true CFG;
+- :class:`WanDenoiser`: Wan's video transformer(s) over latent videos, CFG in one batch, Wan 2.2's two experts.
 
 Each fills the one denoising loop's hooks (:func:`.loop.denoise`): ``sample_input``, ``scale_model_input``,
 ``timestep_inputs``, ``conditioning``, ``copies_unguided_output``, ``step_model`` (the model or its step cache).
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError, ModelFileError
-from ..families import FAMILIES, FLUX_GUIDANCE, UNET_INPUTS, detect, family
+from ..families import FAMILIES, FLUX_GUIDANCE, UNET_INPUTS, WAN_TRANSFORMERS, detect, family
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_integer
 from .caching import StepCache
@@ -108,12 +109,14 @@ class Denoiser(abc.ABC):
         self.cache = None
 
     def step_model(
-        self, steps: int
+        self, steps: int, model: Optional[IOBindingORTModel] = None
     ) -> Tuple[Callable[[int, Dict[str, torch.Tensor]], torch.Tensor], Optional[IOBindingORTModel]]:
         """What a loop of ``steps`` steps calls at each step (``run(step, inputs) -> output``: the model, or the
-        enabled cache), and the model whose CUDA-graph input buffers the loop may write into (:class:`GraphFeed`)."""
-        if self.cache is None:
-            model = self.model
+        enabled cache), and the model whose CUDA-graph input buffers the loop may write into (:class:`GraphFeed`).
+        ``model``: another of the pipeline's models of the same inputs (a later :class:`~.loop.Stage`'s), run
+        whole."""
+        if self.cache is None or model is not None:
+            model = self.model if model is None else model
             return (lambda step, inputs: model(**inputs)[0]), model
         self.cache.start(steps)
         return self.cache, self.cache.feed_model
@@ -154,8 +157,9 @@ class Denoiser(abc.ABC):
     def latent_channels(self, vae_decoder: IOBindingORTModel) -> int:
         """The channels of the latents it denoises, read from the model and checked against ``vae_decoder``."""
 
-    def timestep_inputs(self, timesteps: torch.Tensor, rows: int) -> torch.Tensor:
-        """The model's ``timestep`` input for every step (see :func:`timestep_inputs`)."""
+    def timestep_inputs(self, timesteps: torch.Tensor, rows: int, latent_shape: Sequence[int] = ()) -> torch.Tensor:
+        """The model's ``timestep`` input for every step (see :func:`timestep_inputs`; ``latent_shape``: the loop's
+        latents', for a model whose timestep input has an axis of their tokens)."""
         return timestep_inputs(self.model, timesteps, rows, self.pipe.device)
 
     def scale_model_input(self, latents: torch.Tensor, t: Any) -> torch.Tensor:
@@ -465,7 +469,7 @@ class FluxDenoiser(FlowTransformer):
             ),
         }
 
-    def timestep_inputs(self, timesteps: torch.Tensor, rows: int) -> torch.Tensor:
+    def timestep_inputs(self, timesteps: torch.Tensor, rows: int, latent_shape: Sequence[int] = ()) -> torch.Tensor:
         """The transformer's ``timestep`` (t / 1000, computed in the latents' dtype as diffusers does) for every step
         and row, made once on the device."""
         dtype = self.model.input_dtypes["hidden_states"]
@@ -551,3 +555,105 @@ class FluxDenoiser(FlowTransformer):
         if getattr(config, "use_flow_sigmas", False):
             sigmas = None
         return self.set_flow_timesteps(num_inference_steps, sigmas, self.shift(image_seq_len, max_shift=1.15))
+
+
+class WanDenoiser(FlowTransformer):
+    """Wan's video transformer: latent videos ``(batch, channels, frames, height, width)`` (``hidden_states``) cut into
+    patches (1 × 2 × 2), the UMT5 states of the prompt (``encoder_hidden_states``: negative then positive ones with
+    classifier-free guidance, in one batch where diffusers makes two calls) and the ``timestep``: one per row, or (Wan
+    2.2 TI2V, a transformer whose ``timestep`` has two axes) one per row and latent token. Wan 2.2's second transformer
+    (``transformer_2``, the low-noise expert, of the same inputs) runs the steps below the pipeline's boundary (a
+    :class:`~.loop.Stage` of the loop). Multistep schedulers (Wan's UniPC) keep predictions across steps: an unguided
+    one is copied out of the model's reused buffer."""
+
+    copies_unguided_output = True
+
+    def __init__(self, pipe: Any, default_sample_size: int = 60):
+        super().__init__(pipe, default_sample_size)
+
+    @property
+    def models(self) -> Dict[str, IOBindingORTModel]:
+        """The pipeline's transformers by component (``transformer``, and Wan 2.2's ``transformer_2`` where there is
+        one)."""
+        return {name: getattr(self.pipe, name) for name in WAN_TRANSFORMERS if getattr(self.pipe, name, None)}
+
+    def check_model(self) -> None:
+        """Every transformer must have Wan's interface (the second one's refusal names its folder)."""
+        interface = self.pipe.family.interface
+        for name, model in self.models.items():
+            if not interface.matches(model.input_names):
+                hint = family_hint("transformer", model.input_names) or (
+                    f"put a {self.pipe.family.title} transformer's model.onnx in the {name} folder"
+                )
+                raise ArgumentError(
+                    name,
+                    f"expected inputs {list(interface.inputs)}, got {model.input_names} in {model.model_path!r} "
+                    f"({hint})",
+                )
+
+    def make_cache(self, config: Any) -> StepCache:
+        """Refused: no step cache runs Wan's transformer (see :meth:`Denoiser.make_cache`)."""
+        return Denoiser.make_cache(self, config)
+
+    def conditioning(self, tensors: Dict[str, torch.Tensor], guidance: Guidance) -> Dict[str, torch.Tensor]:
+        """The prompt's UMT5 states; with classifier-free guidance the negative prompt's first, in one batch."""
+        if not guidance.batched:
+            return {"encoder_hidden_states": tensors["prompt_embeds"]}
+        return {"encoder_hidden_states": torch.cat([tensors["negative_prompt_embeds"], tensors["prompt_embeds"]])}
+
+    def scale_model_input(self, latents: torch.Tensor, t: Any) -> torch.Tensor:
+        """The latents in the transformer's dtype (the loop's stay float32, as diffusers keeps them)."""
+        return latents.to(self.model.input_dtypes[self.sample_input])
+
+    @property
+    def patch_size(self) -> Tuple[int, int, int]:
+        """The transformer's patches (frames, rows, columns): its config's ``patch_size``, else Wan's (1, 2, 2)."""
+        patch = self.model.config.get("patch_size", (1, 2, 2))
+        if not isinstance(patch, (list, tuple)) or len(patch) != 3 or not all(is_integer(p) and p > 0 for p in patch):
+            raise ModelFileError("transformer config.json", f"patch_size: expected 3 positive integers, got {patch!r}")
+        return tuple(int(p) for p in patch)
+
+    @property
+    def per_token_timesteps(self) -> bool:
+        """Whether the transformer takes a timestep per latent token (Wan 2.2 TI2V's ``expand_timesteps``)."""
+        return len(self.model.input_dims["timestep"] or []) == 2
+
+    def timestep_inputs(self, timesteps: torch.Tensor, rows: int, latent_shape: Sequence[int] = ()) -> torch.Tensor:
+        """The ``timestep`` of every step, made once on the device: one per row or, for a transformer that takes one
+        per latent token (TI2V), one per row and token of latents of ``latent_shape`` (diffusers' ``mask[0][0][:,
+        ::2, ::2] * t``: every token at ``t`` in text to video)."""
+        if not self.per_token_timesteps:
+            return timestep_inputs(self.model, timesteps, rows, self.pipe.device)
+        _, _, frames, height, width = latent_shape
+        _, p_h, p_w = self.patch_size
+        tokens = frames * -(-height // p_h) * -(-width // p_w)
+        values = timesteps.to(torch.float32).to(self.model.input_dtypes["timestep"])
+        return upload(values[:, None, None].expand(-1, rows, tokens).contiguous(), self.pipe.device)
+
+    @property
+    def size_multiple(self) -> int:
+        """The VAE's spatial scale factor times the transformer's patch size (diffusers' ``check_inputs`` asks 16)."""
+        return self.pipe.vae_scale_factor * self.patch_size[1]
+
+    @property
+    def size_multiple_reason(self) -> str:
+        return f"the transformer's patch size {self.patch_size[1]}"
+
+    def latent_channels(self, vae_decoder: Optional[IOBindingORTModel]) -> int:
+        """The transformer's latent channels (its ``hidden_states``' declared channels, else its config's
+        ``in_channels``), checked against every other transformer's and the VAE decoder's (``z_dim``) where there is
+        one."""
+        found = {}
+        for name, model in self.models.items():
+            found[name] = declared_dim(model, "hidden_states", 1) or model.config.get("in_channels")
+        if vae_decoder is not None:
+            found["vae_decoder"] = declared_dim(vae_decoder, "latent_sample", 1) or vae_decoder.config.get("z_dim")
+        channels = found["transformer"]
+        if not is_integer(channels) or channels < 1:
+            raise ArgumentError(
+                "transformer", "cannot tell the number of latent channels: no config.json and a dynamic channel dim"
+            )
+        for name, other in found.items():
+            if other is not None and other != channels:
+                raise ArgumentError(name, f"expected {channels} latent channels (the transformer's), got {other}")
+        return int(channels)

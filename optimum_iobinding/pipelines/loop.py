@@ -1,14 +1,15 @@
 """The one denoising loop (:func:`denoise`) every family runs, and what it stands on: the CUDA-graph input feed,
 step-end callbacks and their checks, guidance and its rescaling.
 
-The loop is a skeleton; a denoiser (:mod:`.denoisers`: UNet, MMDiT, FLUX.1) fills it through named hooks — the name
-of its latent input, how a step scales it, its timestep input, how its conditioning inputs are made from the loop's
-tensors, the axis of its channels — and a family adds per-call hooks by keyword: extra input channels (an inpainting
-UNet's mask and masked image, FLUX.1 Fill's and Control's conditioning latents), extra tokens whose prediction is sliced
-off (FLUX.1 Kontext's reference image), per-step inputs (a ControlNet's residuals), an after-step (inpainting's
-blending), the guidance mode (:class:`Guidance`), the step cache (the denoiser's, enabled on the pipeline). The real-time stream does not run it:
-its frame is a fixed few-step schedule whose scheduler arithmetic is precomputed once per stream and captured with the
-UNet (:mod:`.stream_plan`), where this loop asks the scheduler at every step."""
+The loop is a skeleton; a denoiser (:mod:`.denoisers`: UNet, MMDiT, FLUX.1, Wan) fills it through named hooks — the
+name of its latent input, how a step scales it, its timestep input, how its conditioning inputs are made from the
+loop's tensors, the axis of its channels — and a family adds per-call hooks by keyword: extra input channels (an
+inpainting UNet's mask and masked image, FLUX.1 Fill's and Control's conditioning latents), extra tokens whose
+prediction is sliced off (FLUX.1 Kontext's reference image), per-step inputs (a ControlNet's residuals), an after-step
+(inpainting's blending), the guidance mode (:class:`Guidance`), later stages run by another model at another guidance
+scale (:class:`Stage`: Wan 2.2's low-noise expert), the step cache (the denoiser's, enabled on the pipeline). The
+real-time stream does not run it: its frame is a fixed few-step schedule whose scheduler arithmetic is precomputed once
+per stream and captured with the UNet (:mod:`.stream_plan`), where this loop asks the scheduler at every step."""
 
 from __future__ import annotations
 
@@ -229,6 +230,18 @@ class Guidance:
         return rescale_noise_cfg(guided, text, self.rescale) if self.rescale > 0.0 else guided
 
 
+@dataclass(frozen=True)
+class Stage:
+    """A later stage of a loop: from step ``start`` on, the loop calls ``model`` (the pipeline's other denoiser of the
+    same inputs: Wan 2.2's low-noise expert) and guides its prediction by ``guidance``, which batches as the first
+    stage's does (the conditioning is made once; only the scale changes: diffusers guides both of Wan 2.2's experts
+    where the first guidance scale is above 1)."""
+
+    start: int
+    model: Any
+    guidance: Guidance
+
+
 StepInputs = Callable[[int, torch.Tensor, torch.Tensor], Dict[str, torch.Tensor]]
 
 
@@ -249,6 +262,7 @@ def denoise(
     extra_tokens: Optional[torch.Tensor] = None,
     step_inputs: Optional[StepInputs] = None,
     after_step: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
+    stages: Sequence[Stage] = (),
     return_denoised: bool = False,
 ) -> torch.Tensor:
     """The denoising loop: per step the denoiser's model (or its enabled step cache), guidance, the scheduler's step,
@@ -259,8 +273,8 @@ def denoise(
     Args:
         denoiser: the pipeline's denoiser part; its hooks: ``sample_input`` (the latents' input name),
             ``channel_dim`` (the axis of the latents' channels), ``scale_model_input(latents, t)``,
-            ``timestep_inputs(timesteps, rows)``, ``conditioning(tensors, guidance)`` (its conditioning inputs from
-            the loop's tensors), ``copies_unguided_output``, ``step_model``.
+            ``timestep_inputs(timesteps, rows, latent_shape)``, ``conditioning(tensors, guidance)`` (its
+            conditioning inputs from the loop's tensors), ``copies_unguided_output``, ``step_model``.
         latents: the initial latents (scaled by the scheduler's initial sigma, or noised).
         timesteps: the scheduler's timesteps to run (its timesteps set).
         tensors: the loop's tensors beside the latents that its conditioning is made of (``prompt_embeds`` and the
@@ -282,6 +296,8 @@ def denoise(
         step_inputs: ``step_inputs(i, model_input, prompt_embeds) -> {name: tensor}``: further inputs made each step
             from the scaled model input (a ControlNet's residuals).
         after_step: ``after_step(i, latents) -> latents`` after each scheduler step (inpainting's blending).
+        stages: the loop's later stages (:class:`Stage`), each from its ``start`` step on: another model of the same
+            inputs at another guidance scale (Wan 2.2's low-noise expert); the step cache stays the first model's.
         return_denoised: return the last step's denoised prediction (the second output of ``LCMScheduler.step``),
             as diffusers' LCM pipeline decodes, instead of its next sample.
 
@@ -293,12 +309,19 @@ def denoise(
     constant = dict(inputs or {})
     step_kwargs = dict(step_kwargs or {})
     sample = denoiser.sample_input
-    timestep_rows = denoiser.timestep_inputs(timesteps, latents.shape[0] * guidance.copies)
+    timestep_rows = denoiser.timestep_inputs(timesteps, latents.shape[0] * guidance.copies, tuple(latents.shape))
     run, fed = denoiser.step_model(len(timesteps))
     feed = GraphFeed(fed)
     conditioning = denoiser.conditioning(tensors, guidance)
+    later = {stage.start: stage for stage in stages}
+    if any(stage.guidance.copies != guidance.copies for stage in stages):
+        raise ValueError("stages: expected guidance that batches as the first stage's (the conditioning is made once)")
     denoised = latents
     for i, t in enumerate(denoiser.pipe.progress_bar(timesteps)):
+        if i in later:  # another model from this step on: its own run and graph feed
+            run, fed = denoiser.step_model(len(timesteps) - i, later[i].model)
+            feed = GraphFeed(fed)
+            guidance = later[i].guidance
         # scaled before the guidance batch is made (an elementwise scale by the step's scalar: the same values), so
         # that the batch can be written straight into the model graph's input
         scaled = denoiser.scale_model_input(latents, t)

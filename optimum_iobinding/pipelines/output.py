@@ -1,6 +1,6 @@
 """Decoding and output (:class:`Output`, a part of :class:`~.core.OnnxDiffusionPipeline`): the VAE through the latent
-codec (tiled where enabled), the one download of a call through pinned memory, and the family's diffusers output
-(its ``output_field``: ``images``; a video family's ``frames``)."""
+codec (tiled where enabled), the one download of a call through pinned memory (of images, or of a video family's
+frames), and the family's diffusers output (its ``output_field``: ``images``; a video family's ``frames``)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,22 @@ class Output:
             host.copy_(image, non_blocking=True)
             torch.cuda.current_stream(image.device).synchronize()
         return self.image_processor.postprocess(host, output_type=output_type, do_denormalize=[False] * len(host))
+
+    def postprocess_frames(self, video: torch.Tensor, output_type: str) -> Any:
+        """Videos ``(batch, channels, frames, height, width)`` in [-1, 1] as diffusers' ``VideoProcessor`` gives them
+        (a video family's ``video_processor``): "np" ``(batch, frames, height, width, channels)``, "pil" a list of
+        frames per video, "pt" ``(batch, frames, channels, height, width)``, which stays on the device; "np" and "pil"
+        come back through a pinned buffer, the one wait of the call."""
+        if output_type == "pt" or video.device.type != "cuda":
+            return self.video_processor.postprocess_video(video.float(), output_type=output_type)
+        video = (video.float() / 2 + 0.5).clamp(0, 1)
+        with DEVICE_SETUP.setup():  # as postprocess: no allocation or wait beside a capture in another thread
+            host = torch.empty(video.shape, dtype=video.dtype, pin_memory=True)
+            host.copy_(video, non_blocking=True)
+            torch.cuda.current_stream(video.device).synchronize()
+        return self.video_processor.postprocess_video(
+            host, output_type=output_type, do_denormalize=[False] * host.shape[2]
+        )
 
     def finish(
         self, latents: torch.Tensor, output_type: str, return_dict: bool, latent_size: Optional[Tuple[int, int]] = None

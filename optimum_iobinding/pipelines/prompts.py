@@ -5,7 +5,8 @@
   projection (the refiner has only the second);
 - :class:`SD3Prompt`: two CLIPs and T5: both CLIPs' penultimate states padded to T5's width, then T5's states along the
   sequence (zeros without a T5); both CLIPs' pooled projections side by side;
-- :class:`FluxPrompt`: CLIP's pooled output and T5's token states, and the text's rotary position ids.
+- :class:`FluxPrompt`: CLIP's pooled output and T5's token states, and the text's rotary position ids;
+- :class:`WanPrompt`: UMT5's token states of the cleaned prompt, the padding masked out and zeroed.
 
 Every encoder's output buffer is reused by its next call, so what is kept is copied out. A part reads the pipeline's
 public surface only (its text encoders, tokenizers, ``device``, ``denoiser``)."""
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError, ModelFileError
-from ..families import FLUX_TEXT_IDS, family
+from ..families import FLUX_TEXT_IDS, WAN_TEXT_INPUTS, family
 from ..runtime.inputs import as_checked_tensor
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_integer
@@ -411,3 +412,70 @@ class FluxPrompt(T5Prompt):
         pooled_prompt_embeds = self.repeated(pooled_prompt_embeds, num_images_per_prompt, dtypes["pooled_projections"])
         text_ids = torch.zeros(prompt_embeds.shape[1], 3, dtype=dtypes[FLUX_TEXT_IDS])
         return prompt_embeds, pooled_prompt_embeds, upload(text_ids, self.device)
+
+
+class WanPrompt(T5Prompt):
+    """Wan's UMT5 encoder (``text_encoder``, ``tokenizer``), as diffusers' ``WanPipeline`` runs it: each prompt cleaned
+    (diffusers' own ``prompt_clean``: HTML entities, runs of whitespace), tokenized to ``max_sequence_length`` with its
+    attention mask, encoded with the padding masked out, and the states past each prompt's tokens zeroed."""
+
+    t5_encoder, t5_tokenizer = family("wan").options["t5_encoder"], family("wan").options["t5_tokenizer"]
+
+    def check_encoders(self) -> None:
+        encoder = self.pipe.text_encoder
+        if sorted(encoder.input_names) != sorted(WAN_TEXT_INPUTS) or "last_hidden_state" not in encoder.output_names:
+            raise ArgumentError(
+                "text_encoder",
+                f"expected a UMT5 encoder export ({' and '.join(WAN_TEXT_INPUTS)} → last_hidden_state), got inputs "
+                f"{encoder.input_names} and outputs {encoder.output_names} in {encoder.model_path!r}",
+            )
+
+    def states(self, texts: List[str], max_sequence_length: int) -> torch.Tensor:
+        """UMT5's states of ``texts`` (cleaned as diffusers cleans them), zero past each text's tokens (a copy: the
+        encoder's next call reuses its buffer)."""
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        tokenizer, encoder = self.pipe.tokenizer, self.pipe.text_encoder
+        tokens = tokenizer(
+            [prompt_clean(text) for text in texts],
+            padding="max_length",
+            max_length=max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="np",
+        )
+        ids, mask = tokens.input_ids, tokens.attention_mask
+        mask_dtype = encoder.input_dtypes[WAN_TEXT_INPUTS[1]]
+        on_device = upload(torch.from_numpy(mask).to(mask_dtype), self.device)
+        (states,) = encoder(**{WAN_TEXT_INPUTS[0]: self.token_ids(encoder, ids), WAN_TEXT_INPUTS[1]: on_device})
+        return states.masked_fill(on_device[..., None] == 0, 0.0)
+
+    def encode(
+        self,
+        prompt: Prompt,
+        negative_prompt: Prompt = None,
+        do_classifier_free_guidance: bool = True,
+        num_videos_per_prompt: int = 1,
+        prompt_embeds: Optional[torch.Tensor] = None,
+        negative_prompt_embeds: Optional[torch.Tensor] = None,
+        max_sequence_length: int = 226,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(prompt_embeds, negative_prompt_embeds)`` on the device in the transformer's dtype, each prompt's rows
+        repeated ``num_videos_per_prompt`` times, as diffusers' ``WanPipeline.encode_prompt`` gives them; the negative
+        ones (an absent negative prompt is ``""``) only with classifier-free guidance, else ``None``."""
+        if prompt_embeds is None:
+            prompt_embeds = self.states([prompt] if isinstance(prompt, str) else prompt, max_sequence_length)
+        batch_size = prompt_embeds.shape[0]
+        if do_classifier_free_guidance and negative_prompt_embeds is None:
+            negative = as_list(negative_prompt or "", batch_size)
+            if len(negative) != batch_size:
+                raise ArgumentError(
+                    "negative_prompt", f"expected {batch_size} prompts (as many as prompt), got {len(negative)}"
+                )
+            negative_prompt_embeds = self.states(negative, max_sequence_length)
+        dtype = self.pipe.denoiser.model.input_dtypes["encoder_hidden_states"]
+        prompt_embeds = self.repeated(prompt_embeds, num_videos_per_prompt, dtype)
+        if not do_classifier_free_guidance:
+            return prompt_embeds, None
+        return prompt_embeds, self.repeated(negative_prompt_embeds, num_videos_per_prompt, dtype)

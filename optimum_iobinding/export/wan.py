@@ -1,0 +1,302 @@
+"""Export of Wan text-to-video pipelines (Wan 2.1, Wan 2.2's two experts, Wan 2.2 TI2V's per-token timesteps): the
+UMT5 text encoder and the ``WanTransformer3DModel``\\ s, written in optimum's diffusion-transformer layout by
+:mod:`.transformer_pipeline`, with the traceable, fast stand-ins of the transformer's rotary embedding and attention.
+
+Layout written::
+
+    model_index.json            the torch pipeline's index (WanPipeline; boundary_ratio and expand_timesteps)
+    text_encoder/               UMT5EncoderModel: input_ids, attention_mask (int64) → last_hidden_state
+    transformer/, transformer_2/  WanTransformer3DModel (transformer_2: Wan 2.2's low-noise expert):
+                                hidden_states (batch, channels, frames, height, width), encoder_hidden_states (batch,
+                                text tokens, text width), timestep (batch; Wan 2.2 TI2V: batch, latent tokens)
+                                → out_hidden_states (batch, channels, frames, height, width)
+    tokenizer/, scheduler/
+
+Every axis but the channels is dynamic (batch, frames, height, width, text length). The transformer is exported with:
+
+- its rotary embedding elementwise: diffusers writes the rotated queries and keys by strided assignment
+  (``out[..., 0::2] = …``), which the exporter turns into ``ScatterND``, catastrophically slow on ORT's CUDA provider;
+  here the two halves are computed and interleaved by stacking them (the same values), from float32 tables (diffusers
+  rotates in float64, which ORT's CUDA provider would run on the host);
+- its attention as ``com.microsoft`` ``MultiHeadAttention`` nodes (:func:`.attention.multi_head_attention`), cuDNN's
+  flash kernel on CUDA; the query and key RMS norms written out in elementary ops (the TorchScript exporter has no
+  ``aten::rms_norm`` below opset 23).
+
+Both swaps last while the exporter traces (:func:`exportable_wan_modules`); the caller's model is left as it was.
+
+Precision with ``dtype="fp16"``: the transformers float16 (their ``timestep`` input float32, as diffusers embeds the
+timestep in float32), the UMT5 encoder **float32** (T5's feed-forward activations overflow float16: the rule of every
+diffusion-transformer export, :mod:`.transformer_pipeline`). ``dtype="bf16"``: both transformers bfloat16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import ArgumentError
+from ..families import WAN_INPUTS, WAN_TEXT_INPUTS, WAN_TRANSFORMERS, family
+from .attention import multi_head_attention
+from .components import EXTERNAL_DATA_THRESHOLD
+from .transformer_pipeline import export_transformer_pipeline
+
+WAN = family("wan")
+# what this module exports of a Wan pipeline (its VAE is another module's)
+WAN_COMPONENTS = ("text_encoder", *WAN_TRANSFORMERS)
+# ORT's transformer-optimizer model type of each: UMT5 is a T5 (float32 in a float16 export), the transformers'
+# normalizations and GELUs are what ORT's MMDiT fusions match
+WAN_OPTIMIZER_MODEL_TYPES = {"text_encoder": "t5", **dict.fromkeys(WAN_TRANSFORMERS, "mmdit")}
+# the pipeline's settings its model_index.json keeps (diffusers' WanPipeline config)
+WAN_SETTINGS = ("boundary_ratio", "expand_timesteps")
+
+
+# ------------------------------------------------------------------------------------------------ text encoder
+class _UMT5Encoder(torch.nn.Module):
+    """transformers' ``UMT5EncoderModel`` as diffusers' WanPipeline calls it: ``input_ids`` and ``attention_mask``
+    (the padding masked out of every attention) → ``last_hidden_state``."""
+
+    def __init__(self, text_encoder: torch.nn.Module):
+        super().__init__()
+        self.text_encoder = text_encoder
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.text_encoder(input_ids=input_ids, attention_mask=attention_mask, return_dict=True).last_hidden_state
+
+
+def umt5_encoder_spec(text_encoder: torch.nn.Module, sequence: int = 16) -> Dict[str, Any]:
+    """The export spec of Wan's UMT5 encoder: int64 ``input_ids`` and ``attention_mask`` (batch, sequence) →
+    ``last_hidden_state``, both dims dynamic (a short example exports faster; T5's relative positions take any
+    length)."""
+    mask = torch.ones(1, sequence, dtype=torch.int64)
+    mask[:, sequence // 2 :] = 0  # padded, so that the exporter keeps the mask's path
+    return dict(
+        module=_UMT5Encoder(text_encoder),
+        args=(torch.zeros(1, sequence, dtype=torch.int64), mask),
+        input_names=list(WAN_TEXT_INPUTS),
+        output_names=["last_hidden_state"],
+        dynamic_axes={
+            **{name: {0: "batch", 1: "sequence"} for name in WAN_TEXT_INPUTS},
+            "last_hidden_state": {0: "batch", 1: "sequence"},
+        },
+        config=text_encoder.config,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ transformer
+class _WanTransformer(torch.nn.Module):
+    """diffusers' ``WanTransformer3DModel`` with the inputs in :data:`~optimum_iobinding.families.WAN_INPUTS`' order
+    → ``out_hidden_states``."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        super().__init__()
+        self.transformer = transformer
+
+    def forward(self, hidden_states, encoder_hidden_states, timestep):
+        return self.transformer(
+            hidden_states=hidden_states,
+            timestep=timestep,
+            encoder_hidden_states=encoder_hidden_states,
+            return_dict=False,
+        )[0]
+
+
+class _RotaryTables(torch.nn.Module):
+    """Wan's rotary tables (``WanRotaryPosEmbed``) for a latent video: per token, the cosines and sines of its frame's,
+    row's and column's angles side by side, ``(1, tokens, 1, head_dim / 2)`` — each angle once (diffusers' tables
+    repeat each twice and its rotation reads every other one) and in float32 (diffusers' tables are float64)."""
+
+    def __init__(self, rope: torch.nn.Module):
+        super().__init__()
+        self.patch_size = tuple(rope.patch_size)
+        self.split = [rope.t_dim // 2, rope.h_dim // 2, rope.w_dim // 2]
+        self.register_buffer("cos", rope.freqs_cos[:, 0::2].to(torch.float32), persistent=False)
+        self.register_buffer("sin", rope.freqs_sin[:, 1::2].to(torch.float32), persistent=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        _, _, frames, height, width = hidden_states.shape
+        p_t, p_h, p_w = self.patch_size
+        grid = (frames // p_t, height // p_h, width // p_w)
+
+        def table(values: torch.Tensor) -> torch.Tensor:
+            axes = []
+            for axis, part in enumerate(values.split(self.split, dim=1)):
+                shape = [1, 1, 1, part.shape[-1]]
+                shape[axis] = grid[axis]
+                axes.append(part[: grid[axis]].view(shape).expand(*grid, part.shape[-1]))
+            return torch.cat(axes, dim=-1).reshape(1, -1, 1, sum(self.split))
+
+        return table(self.cos), table(self.sin)
+
+
+def _rms_norm(states: torch.Tensor, norm: torch.nn.RMSNorm) -> torch.Tensor:
+    """``torch.nn.RMSNorm`` in elementary ops (the TorchScript exporter has none below opset 23), its weight shared."""
+    eps = torch.finfo(states.dtype).eps if norm.eps is None else norm.eps
+    normed = states * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + eps)
+    return normed if norm.weight is None else normed * norm.weight
+
+
+def _rotate(states: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Wan's rotary embedding of ``states`` ``(batch, tokens, heads × head_dim)``: each pair of neighbouring values
+    ``(x1, x2)`` becomes ``(x1 cos − x2 sin, x1 sin + x2 cos)``, the two written side by side by stacking (diffusers'
+    strided assignment exports to ScatterND)."""
+    by_head = states.unflatten(2, (heads, -1))
+    first, second = by_head[..., 0::2], by_head[..., 1::2]
+    rotated = torch.stack([first * cos - second * sin, first * sin + second * cos], dim=-1)
+    return rotated.flatten(3).flatten(2)
+
+
+class _WanAttentionForExport:
+    """``WanAttnProcessor``'s computation (projections, RMS-normed queries and keys across heads, the rotary
+    embedding of a self-attention, attention, the output projection) with its attention one ``MultiHeadAttention``
+    node and its rotary embedding elementwise (see the module's docstring). An image-conditioned attention (Wan 2.1
+    I2V's added keys and values) is not covered."""
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        rotary_emb: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        if attn.add_k_proj is not None or attention_mask is not None:
+            raise NotImplementedError("the Wan export covers text-conditioned attention without a mask")
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        query = _rms_norm(attn.to_q(hidden_states), attn.norm_q)
+        key = _rms_norm(attn.to_k(context), attn.norm_k)
+        value = attn.to_v(context)
+        if rotary_emb is not None:
+            cos, sin = rotary_emb
+            query, key = _rotate(query, attn.heads, cos, sin), _rotate(key, attn.heads, cos, sin)
+        head_size = attn.inner_dim // attn.heads
+        attended = multi_head_attention(query, key, value, attn.heads, head_size**-0.5)
+        return attn.to_out[1](attn.to_out[0](attended))
+
+
+@contextlib.contextmanager
+def exportable_wan_modules(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Within the block, every ``WanRotaryPosEmbed`` under ``module`` is replaced by :class:`_RotaryTables` and every
+    ``WanAttention``'s processor by :class:`_WanAttentionForExport`; all are put back when it ends (the caller's model
+    is left as it was)."""
+    swapped: list = []
+    processors: list = []
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ == "WanRotaryPosEmbed":
+                swapped.append((parent, name, child))
+        if type(parent).__name__ == "WanAttention" and hasattr(parent, "set_processor"):
+            processors.append((parent, parent.processor))
+    try:
+        for parent, name, child in swapped:
+            setattr(parent, name, _RotaryTables(child))
+        for attention, _ in processors:
+            attention.set_processor(_WanAttentionForExport())
+        yield module
+    finally:
+        for parent, name, child in swapped:
+            setattr(parent, name, child)
+        for attention, processor in processors:
+            attention.set_processor(processor)
+
+
+def wan_transformer_spec(
+    transformer: torch.nn.Module, expand_timesteps: bool = False, sequence: int = 8
+) -> Dict[str, Any]:
+    """The export spec of a ``WanTransformer3DModel``: every axis but the channels dynamic; ``timestep`` one per row,
+    or (``expand_timesteps``, Wan 2.2 TI2V) one per row and latent token."""
+    config = transformer.config
+    p_t, p_h, p_w = config.patch_size
+    frames, height, width = 2 * p_t, 4 * p_h, 3 * p_w  # not square: rows and columns cannot be swapped
+    tokens = (frames // p_t) * (height // p_h) * (width // p_w)
+    timestep = torch.full((2, tokens), 500.0) if expand_timesteps else torch.tensor([500.0, 500.0])
+    latent_axes = {0: "batch", 2: "frames", 3: "height", 4: "width"}
+    return dict(
+        module=_WanTransformer(transformer),
+        args=(
+            torch.randn(2, config.in_channels, frames, height, width),
+            torch.randn(2, sequence, config.text_dim),
+            timestep,
+        ),
+        input_names=list(WAN_INPUTS),
+        output_names=["out_hidden_states"],
+        dynamic_axes={
+            "hidden_states": latent_axes,
+            "encoder_hidden_states": {0: "batch", 1: "sequence"},
+            "timestep": {0: "batch", 1: "tokens"} if expand_timesteps else {0: "batch"},
+            "out_hidden_states": latent_axes,
+        },
+        # diffusers embeds the timestep in float32 whatever the transformer's dtype
+        float32_inputs=["timestep"],
+        fixed_output_dims={"out_hidden_states": {1: config.out_channels}},
+        config=config,
+    )
+
+
+def wan_component_specs(pipe: Any) -> Dict[str, Dict[str, Any]]:
+    """What to export of a Wan pipeline: the UMT5 encoder and each transformer it has."""
+    expand = bool(pipe.config.get("expand_timesteps", False))
+    specs = {"text_encoder": umt5_encoder_spec(pipe.text_encoder)}
+    for name in WAN_TRANSFORMERS:
+        if getattr(pipe, name, None) is not None:
+            specs[name] = wan_transformer_spec(getattr(pipe, name), expand)
+    return specs
+
+
+def export_wan_pipeline(
+    pipe: Any,
+    target: Path,
+    *,
+    components: Optional[Sequence[str]] = None,
+    opset: int = 17,
+    dtype: str = "fp32",
+    optimize: Optional[str] = None,
+    progress: bool = True,
+    external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
+    step_cache: bool = False,
+) -> Path:
+    """Exports a diffusers ``WanPipeline`` at ``target`` (see the module's docstring), built beside it and moved into
+    place when whole.
+
+    Args:
+        pipe: the torch pipeline (float32).
+        target: the output folder (checked by the caller: new, empty, or to be replaced).
+        components: which components to export (default: all the pipeline has).
+        opset: ONNX opset.
+        dtype: ``"fp32"``, ``"fp16"`` (the UMT5 encoder stays float32) or ``"bf16"`` (the transformers bfloat16).
+        optimize: ``"cuda"`` or ``"cpu"``: ORT's transformer optimizer (``mmdit`` for the transformers, ``t5`` for
+            CUDA only) and the project's transformer rewrites.
+        progress: show a progress bar.
+        external_data_threshold: weights above this many bytes go to ``model.onnx_data``.
+        step_cache: refused: no step cache runs Wan's transformer yet.
+
+    Returns:
+        ``target``.
+    """
+    if step_cache:
+        raise ArgumentError(
+            "step_cache", f"expected False for a {WAN.title} pipeline (no step cache runs it), got True"
+        )
+    specs = wan_component_specs(pipe)
+    available = tuple(name for name in WAN_COMPONENTS if name in specs)
+    components = available if components is None else tuple(components)
+    unknown = [name for name in components if name not in available]
+    if unknown:
+        raise ArgumentError("components", f"expected names from {list(available)}, got {unknown}")
+    return export_transformer_pipeline(
+        pipe,
+        target,
+        specs,
+        components,
+        class_name=WAN.index_class_name,
+        optimizer_model_types=WAN_OPTIMIZER_MODEL_TYPES,
+        opset=opset,
+        dtype=dtype,
+        optimize=optimize,
+        progress=progress,
+        external_data_threshold=external_data_threshold,
+        exportable=exportable_wan_modules,
+        settings={name: pipe.config.get(name) for name in WAN_SETTINGS},
+    )

@@ -1,0 +1,404 @@
+"""Wan 2.1 / 2.2 text to video on ONNX Runtime, the loop on the device: the export's Wan folder (a UMT5 text encoder
+taking the attention mask, one transformer over latent videos or Wan 2.2's two experts, Wan's causal 3-D VAE),
+diffusers' ``UniPCMultistepScheduler`` (or its flow-matching Euler scheduler), with the arguments and output of
+diffusers' ``WanPipeline``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
+from diffusers.video_processor import VideoProcessor
+
+from ..errors import ArgumentError, ModelFileError
+from ..families import family
+from ..layout import index_entry, write_transformer_model_index
+from .arguments import (
+    Embeds,
+    Generator,
+    Latents,
+    Prompt,
+    StepEndCallback,
+    TensorNames,
+    check_sequence_length,
+    is_integer,
+    is_real,
+)
+from .components import onnx, tokenizer
+from .core import OnnxDiffusionPipeline, Warmup, on_device_stream
+from .denoisers import WanDenoiser
+from .loop import Guidance, Stage, denoise
+from .prompts import WanPrompt
+from .transfer import upload
+
+WAN = family("wan")
+# the export's Wan folder: Wan 2.2's low-noise expert in transformer_2; the VAE's folders where the export wrote them
+WAN_COMPONENTS = (
+    onnx("text_encoder"),
+    tokenizer("tokenizer", fixed_length=False),
+    onnx("transformer"),
+    onnx("transformer_2", optional=True),
+    onnx("vae_encoder", optional=True),
+    onnx("vae_decoder", optional=True),
+)
+# UMT5's context in Wan: 512 tokens (its image-to-video attention splits the text from the image tokens there)
+MAX_SEQUENCE_LENGTH = 512
+# diffusers' WanPipeline defaults where the pipeline has no VAE: 4 video frames per latent frame, 8 pixels per latent
+# pixel each way
+DEFAULT_TEMPORAL_FACTOR, DEFAULT_SPATIAL_FACTOR = 4, 8
+
+
+@dataclass(frozen=True)
+class WanLatentScale:
+    """What Wan's VAE config says of its latents: pixels per latent pixel each way (``scale_factor``, the core's
+    name), video frames per latent frame after the first (``temporal_scale_factor``), its latent channels (``z_dim``)
+    and the per-channel mean and standard deviation the denoiser's latents are normalized by (``None``: no VAE)."""
+
+    scale_factor: int
+    temporal_scale_factor: int
+    z_dim: Optional[int]
+    latents_mean: Optional[Tuple[float, ...]]
+    latents_std: Optional[Tuple[float, ...]]
+
+    @classmethod
+    def of(cls, pipe: Any) -> "WanLatentScale":
+        """The latent scale of ``pipe``'s VAE decoder config.json (diffusers' defaults without a decoder)."""
+        decoder = getattr(pipe, "vae_decoder", None)
+        if decoder is None:
+            return cls(DEFAULT_SPATIAL_FACTOR, DEFAULT_TEMPORAL_FACTOR, None, None, None)
+        config = decoder.config
+
+        def positive(key: str, default: Optional[int]) -> Optional[int]:
+            value = config.get(key, default)
+            if value is not None and (not is_integer(value) or value < 1):
+                raise ModelFileError("vae_decoder config.json", f"{key}: expected a positive integer, got {value!r}")
+            return value
+
+        z_dim = positive("z_dim", None)
+        values = {}
+        for key in ("latents_mean", "latents_std"):
+            value = config.get(key)
+            if value is None:
+                values[key] = None
+                continue
+            if (
+                not isinstance(value, list)
+                or (z_dim is not None and len(value) != z_dim)
+                or not all(is_real(v) and math.isfinite(v) for v in value)
+                or (key == "latents_std" and not all(v > 0 for v in value))
+            ):
+                raise ModelFileError(
+                    "vae_decoder config.json", f"{key}: expected {z_dim or 'z_dim'} finite numbers, got {value!r}"
+                )
+            values[key] = tuple(float(v) for v in value)
+        return cls(
+            positive("scale_factor_spatial", DEFAULT_SPATIAL_FACTOR),
+            positive("scale_factor_temporal", DEFAULT_TEMPORAL_FACTOR),
+            z_dim,
+            values["latents_mean"],
+            values["latents_std"],
+        )
+
+
+class OnnxWanPipeline(Warmup, OnnxDiffusionPipeline):
+    """Wan 2.1 / 2.2 text to video with the arguments and output of diffusers' ``WanPipeline``: every tensor of the
+    loop stays on the transformer's device with ``io_binding=True``; ``io_binding=False`` is the numpy-like baseline.
+
+    The latents are videos ``(batch, 16, (num_frames − 1) / 4 + 1, height / 8, width / 8)``. Classifier-free guidance
+    runs the negative and positive prompts in one transformer batch (diffusers makes two calls). A folder with Wan
+    2.2's two experts (``transformer_2``, model_index.json's ``boundary_ratio``) runs the second below
+    ``boundary_ratio`` × the scheduler's training timesteps, guided at ``guidance_scale_2``; one whose transformer takes
+    a timestep per latent token (Wan 2.2 TI2V, ``expand_timesteps``) gets it."""
+
+    family = WAN
+    declared_components = WAN_COMPONENTS
+    denoiser_part = WanDenoiser
+    prompt_part = WanPrompt
+    codec_part = WanLatentScale.of
+    settings = {"boundary_ratio": None, "expand_timesteps": False}
+    output_class = WanPipelineOutput
+    output_field = "frames"
+    folder_description = " (a Wan ONNX folder)"
+    model_cpu_offload_seq = "text_encoder->transformer->transformer_2->vae_decoder"
+
+    def __init__(self, **components: Any):
+        super().__init__(**components)
+        self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor)
+        ratio = self.config.boundary_ratio
+        if ratio is not None and (not is_real(ratio) or not 0.0 <= ratio <= 1.0):
+            raise ModelFileError(
+                "model_index.json", f"boundary_ratio: expected null or a number in [0, 1], got {ratio!r}"
+            )
+        if ratio is not None and getattr(self, "transformer_2", None) is None:
+            raise ArgumentError(
+                "transformer_2",
+                f"expected Wan 2.2's low-noise expert with boundary_ratio {ratio} (model_index.json), got none: "
+                "the folder has no transformer_2/model.onnx",
+            )
+
+    @property
+    def vae_scale_factor_temporal(self) -> int:
+        """Video frames per latent frame after the first (diffusers' name)."""
+        return self.codec.temporal_scale_factor
+
+    @property
+    def vae_scale_factor_spatial(self) -> int:
+        """Pixels per latent pixel, each way (diffusers' name)."""
+        return self.codec.scale_factor
+
+    # ------------------------------------------------------------------------------------------------- checks
+    def check_num_frames(self, num_frames: Any) -> None:
+        """A video of ``num_frames`` frames must be one the VAE decodes: a first frame, then whole latent frames of
+        :attr:`vae_scale_factor_temporal` frames (diffusers rounds others with a warning; here they are refused, so
+        that the video has the frames asked for)."""
+        factor = self.vae_scale_factor_temporal
+        if not is_integer(num_frames) or num_frames < 1 or (num_frames - 1) % factor:
+            nearest = max(num_frames // factor * factor + 1, 1) if is_integer(num_frames) else 1 + factor
+            raise ArgumentError(
+                "num_frames",
+                f"expected a positive integer of the form {factor}k + 1 (a first frame, then {factor} frames per "
+                f"latent frame of the VAE), got {num_frames!r}; e.g. {nearest} or {nearest + factor}",
+            )
+
+    def check_inputs_wan(
+        self,
+        *,
+        num_frames: Any,
+        num_videos_per_prompt: Any,
+        guidance_scale: Any,
+        guidance_scale_2: Any,
+        attention_kwargs: Any,
+        max_sequence_length: Any,
+        output_type: Any,
+        prompt_embeds: Any,
+        negative_prompt_embeds: Any,
+    ) -> None:
+        """What Wan adds to :meth:`check_inputs`, refused before any work: the frame count, the videos per prompt,
+        ``guidance_scale_2`` (only with two experts), ``attention_kwargs`` (an ONNX transformer has no attention
+        processors), the UMT5 length (the negative prompt is encoded at it, in one batch with given
+        ``prompt_embeds``), and a decoded output without a VAE decoder."""
+        if attention_kwargs:
+            raise ArgumentError(
+                "attention_kwargs",
+                f"expected None (an ONNX transformer has no attention processors to pass them to), "
+                f"got {attention_kwargs!r}",
+            )
+        self.check_num_frames(num_frames)
+        if not is_integer(num_videos_per_prompt) or num_videos_per_prompt < 1:
+            raise ArgumentError("num_videos_per_prompt", f"expected a positive integer, got {num_videos_per_prompt!r}")
+        if guidance_scale_2 is not None:
+            if self.config.boundary_ratio is None:
+                raise ArgumentError(
+                    "guidance_scale_2",
+                    "expected None for a pipeline of one transformer (model_index.json's boundary_ratio is null: "
+                    f"Wan 2.2's two experts have one), got {guidance_scale_2!r}",
+                )
+            if not is_real(guidance_scale_2) or not math.isfinite(guidance_scale_2):
+                raise ArgumentError("guidance_scale_2", f"expected a finite number, got {guidance_scale_2!r}")
+        check_sequence_length(max_sequence_length, MAX_SEQUENCE_LENGTH)
+        if output_type != "latent" and getattr(self, "vae_decoder", None) is None:
+            raise ArgumentError(
+                "output_type",
+                f"expected 'latent' for a folder without vae_decoder/model.onnx (nothing decodes the latents), "
+                f"got {output_type!r}",
+            )
+        guided = is_real(guidance_scale) and guidance_scale > 1.0
+        if (
+            guided
+            and prompt_embeds is not None
+            and negative_prompt_embeds is None
+            and getattr(prompt_embeds, "ndim", 0) == 3
+            and prompt_embeds.shape[1] != max_sequence_length
+        ):
+            raise ArgumentError(
+                "max_sequence_length",
+                f"expected {prompt_embeds.shape[1]}, the length of prompt_embeds (the negative prompt is encoded at "
+                f"it and goes into the transformer in one batch with them), got {max_sequence_length}; or give "
+                "negative_prompt_embeds",
+            )
+
+    # --------------------------------------------------------------------------------------------------- call
+    @on_device_stream
+    def __call__(
+        self,
+        prompt: Prompt = None,
+        negative_prompt: Prompt = None,
+        height: int = 480,
+        width: int = 832,
+        num_frames: int = 81,
+        num_inference_steps: int = WAN.defaults.steps,
+        guidance_scale: float = WAN.defaults.guidance_scale,
+        guidance_scale_2: Optional[float] = None,
+        num_videos_per_prompt: int = 1,
+        generator: Generator = None,
+        latents: Latents = None,
+        prompt_embeds: Embeds = None,
+        negative_prompt_embeds: Embeds = None,
+        output_type: str = "np",
+        return_dict: bool = True,
+        attention_kwargs: Optional[Dict[str, Any]] = None,
+        callback_on_step_end: StepEndCallback = None,
+        callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+    ):
+        """Generates videos from text, with the arguments of diffusers' ``WanPipeline``.
+
+        ``num_frames`` must be of the form 4k + 1 and ``height`` and ``width`` multiples of 16 (diffusers rounds
+        others with a warning; here they are refused before any work). ``generator`` is a ``torch.Generator`` (a
+        list: one per video; the same noise as diffusers for the same seed) or a numpy ``RandomState``; ``latents``
+        are ``(videos, channels, latent frames, height / 8, width / 8)``. ``callback_on_step_end(pipe, step, t,
+        tensors)`` gets and may replace ``latents``, ``prompt_embeds`` and ``negative_prompt_embeds``, on the device.
+        ``guidance_scale_2``: the low-noise expert's guidance scale (Wan 2.2; default: ``guidance_scale``).
+
+        Returns:
+            ``WanPipelineOutput(frames)`` — "np": ``(videos, frames, height, width, 3)`` in [0, 1]; "pil": a list of
+            frames per video; "pt": ``(videos, frames, 3, height, width)``; "latent": the latents — or
+            ``(frames,)`` without ``return_dict``.
+        """
+        # 1. check inputs, before any work
+        self.check_inputs_wan(
+            num_frames=num_frames,
+            num_videos_per_prompt=num_videos_per_prompt,
+            guidance_scale=guidance_scale,
+            guidance_scale_2=guidance_scale_2,
+            attention_kwargs=attention_kwargs,
+            max_sequence_length=max_sequence_length,
+            output_type=output_type,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+        )
+        self.check_inputs(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            output_type=output_type,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+        )
+        videos = self.batch_size_of(prompt, prompt_embeds) * num_videos_per_prompt
+        if isinstance(generator, list) and len(generator) != videos:
+            raise ArgumentError(
+                "generator", f"expected one generator per video ({videos}), got a list of {len(generator)}"
+            )
+        guidance = Guidance.classifier_free(guidance_scale)
+
+        # 2. the prompts' UMT5 states (the negative prompt's with guidance), on the device
+        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
+            prompt,
+            negative_prompt,
+            guidance.batched,
+            num_videos_per_prompt,
+            prompt_embeds,
+            negative_prompt_embeds,
+            max_sequence_length,
+        )
+
+        # 3. the schedule, and Wan 2.2's low-noise expert from the first step below its boundary
+        timesteps = self.set_timesteps(num_inference_steps)
+        stages = self.expert_stages(
+            timesteps, guidance, guidance_scale if guidance_scale_2 is None else guidance_scale_2
+        )
+
+        # 4. initial noise: latent videos, float32 as diffusers draws them
+        latents = self.prepare_latents(
+            self.latent_video_shape(videos, num_frames, height, width), torch.float32, generator, latents
+        )
+
+        # 5. the denoising loop: every tensor stays on self.device
+        latents = denoise(
+            self.denoiser,
+            latents,
+            timesteps,
+            tensors={"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds},
+            guidance=guidance,
+            stages=stages,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+        )
+
+        # 6. decode: only now does anything leave the device
+        return self.finish_video(latents, output_type, return_dict)
+
+    # ----------------------------------------------------------------------------------------------- the steps
+    def latent_video_shape(self, videos: int, num_frames: int, height: int, width: int) -> Tuple[int, ...]:
+        """The latents of ``videos`` videos of ``num_frames`` frames of ``height`` × ``width`` pixels."""
+        frames = (num_frames - 1) // self.vae_scale_factor_temporal + 1
+        factor = self.vae_scale_factor_spatial
+        return (videos, self.latent_channels, frames, height // factor, width // factor)
+
+    def expert_stages(self, timesteps: torch.Tensor, guidance: Guidance, guidance_scale_2: float) -> List[Stage]:
+        """Wan 2.2's low-noise stage: ``transformer_2`` from the first step whose timestep is below
+        ``boundary_ratio`` × the scheduler's training timesteps, guided at ``guidance_scale_2`` where the first stage
+        guides (as diffusers decides); none for one transformer, or where no step is below the boundary."""
+        ratio = self.config.boundary_ratio
+        if ratio is None:
+            return []
+        boundary = ratio * self.scheduler.config.num_train_timesteps
+        start = next((i for i, t in enumerate(timesteps.tolist()) if t < boundary), None)
+        if start is None:
+            return []
+        return [Stage(start, self.transformer_2, Guidance(float(guidance_scale_2), guidance.batched))]
+
+    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """The denoiser's latents as the VAE decodes them (diffusers' ``latents / (1 / std) + mean``, per channel)."""
+        scale = self.codec
+        if scale.latents_mean is None or scale.latents_std is None:
+            return latents
+        shape = (1, latents.shape[1], 1, 1, 1)
+        mean = upload(torch.tensor(scale.latents_mean).view(shape), latents.device).to(latents.dtype)
+        inverse_std = 1.0 / upload(torch.tensor(scale.latents_std).view(shape), latents.device).to(latents.dtype)
+        return latents / inverse_std + mean
+
+    def finish_video(self, latents: torch.Tensor, output_type: str, return_dict: bool) -> Any:
+        """The call's output: the latents, or the decoded videos as diffusers' ``VideoProcessor`` gives them."""
+        if output_type == "latent":
+            frames: Any = latents
+        else:
+            frames = self.postprocess_frames(self.decode_video(self.vae_latents(latents)), output_type)
+        self.maybe_free_model_hooks()
+        return self.pack_output(frames, return_dict)
+
+    def decode_video(self, latents: torch.Tensor) -> torch.Tensor:
+        """Videos ``(batch, 3, frames, height, width)`` in [-1, 1] of the VAE's latents."""
+        raise ArgumentError("output_type", "expected 'latent': this version decodes no Wan latents")
+
+    # ------------------------------------------------------------------------------------------------ warm-up
+    def warmup_arguments(self) -> Dict[str, Callable[[Any], None]]:
+        """``num_frames`` and ``max_sequence_length``: part of the transformer's input shapes, so a warm-up at other
+        values makes graphs the calls do not replay."""
+        return {
+            "num_frames": self.check_num_frames,
+            "max_sequence_length": lambda value: check_sequence_length(value, MAX_SEQUENCE_LENGTH),
+        }
+
+    def warmup_default_size(self) -> Tuple[int, int]:
+        """diffusers' WanPipeline default: 480 × 832."""
+        return 480, 832
+
+    # -------------------------------------------------------------------------------------------------- saving
+    def write_model_index(self, target: Path, written: List[str]) -> None:
+        """The export's Wan index: the torch pipeline's class names, its ``boundary_ratio`` and
+        ``expand_timesteps``."""
+        transformer = ("diffusers", self.family.options["transformer_class"])
+        write_transformer_model_index(
+            target,
+            self.family.index_class_name,
+            {
+                "scheduler": index_entry(self.scheduler),
+                "transformer": transformer,
+                "transformer_2": transformer if "transformer_2" in written else None,
+                "vae": ("diffusers", "AutoencoderKLWan") if "vae_decoder" in written else None,
+                "text_encoder": ("transformers", "UMT5EncoderModel"),
+                "tokenizer": index_entry(self.tokenizer),
+            },
+            {name: self.config.get(name, default) for name, default in self.settings.items()},
+        )

@@ -1,0 +1,276 @@
+"""Wan text to video on the tiny random Wan pipelines, CPU execution provider: our ONNX pipeline against diffusers'
+torch ``WanPipeline`` on the same weights (Wan 2.1; Wan 2.2's two experts; TI2V's per-token timesteps), at several
+frame counts and sizes from one export; the export's transformer graph (elementwise rotary embedding, no ScatterND,
+ORT's MultiHeadAttention); refusals before any work; detection of a Wan folder."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from optimum_iobinding import OnnxWanPipeline
+from optimum_iobinding.families import WAN_INPUTS, WAN_TEXT_INPUTS, detect, family
+from optimum_iobinding.pipelines import pipeline_class_for
+from optimum_iobinding.pipelines.auto import denoiser_inputs
+
+PROMPTS = ["a photo of a cat", "a red castle in the forest"]
+SEQUENCE = 16  # UMT5 tokens: few, to keep the transformer's cross-attention small
+# fp32 ONNX Runtime vs fp32 torch on the CPU, a few steps: rounding only
+TOLERANCE = 1e-4
+# (height, width, num_frames): 1 × 1 and 2 × 1 patches of latent pixels, 2 and 3 latent frames
+SHAPES = [(16, 16, 5), (32, 16, 9)]
+
+
+def export_of(shared_export, name, torch_pipe):
+    from optimum_iobinding.export import export_pipeline
+
+    torch_pipe.set_progress_bar_config(disable=True)
+    return shared_export(name, lambda target: export_pipeline(None, target, torch_pipeline=torch_pipe, progress=False))
+
+
+@pytest.fixture(scope="module")
+def wan(shared_export):
+    """The tiny random Wan 2.1 pipeline: diffusers' torch pipeline and its export (shared with ``export
+    --tiny-random wan``'s: the builder is seeded)."""
+    from optimum_iobinding.export.tiny import build_tiny_random_wan_pipeline
+
+    torch_pipe = build_tiny_random_wan_pipeline()
+    return torch_pipe, export_of(shared_export, "tiny-random-wan", torch_pipe)
+
+
+@pytest.fixture(scope="module")
+def wan22(shared_export):
+    """The tiny random Wan 2.2 pipeline (two experts, switched at a boundary ratio of 0.875)."""
+    from optimum_iobinding.export.tiny import build_tiny_random_wan_pipeline
+
+    torch_pipe = build_tiny_random_wan_pipeline(two_experts=True)
+    return torch_pipe, export_of(shared_export, "tiny-random-wan2.2", torch_pipe)
+
+
+def load(folder, **options):
+    pipe = OnnxWanPipeline.from_pretrained(folder, **options)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def seeded(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def both(torch_pipe, pipe, prompt=PROMPTS, **kwargs):
+    """The latent videos of the same call of diffusers' torch pipeline and ours."""
+    call = dict(height=16, width=16, num_frames=5, num_inference_steps=3, max_sequence_length=SEQUENCE)
+    call.update(kwargs, output_type="latent")
+    theirs = torch_pipe(prompt, generator=seeded(), **call).frames
+    ours = pipe(prompt, generator=seeded(), **call).frames
+    return theirs, ours
+
+
+# ------------------------------------------------------------------------------------------------------ export
+def test_the_export_writes_the_umt5_encoder_and_the_transformer_with_every_axis_but_the_channels_dynamic(wan):
+    _, folder = wan
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["_class_name"] == "WanPipeline"
+    assert index["transformer"] == ["diffusers", "WanTransformer3DModel"]
+    assert index["text_encoder"] == ["transformers", "UMT5EncoderModel"]
+    assert index["boundary_ratio"] is None and index["expand_timesteps"] is False
+    pipe = load(folder)
+    assert pipe.text_encoder.input_names == list(WAN_TEXT_INPUTS)
+    assert pipe.transformer.input_names == list(WAN_INPUTS)
+    assert pipe.transformer.input_dims["hidden_states"] == ["batch", 16, "frames", "height", "width"]
+    assert pipe.transformer.input_dims["encoder_hidden_states"] == ["batch", "sequence", 32]
+    assert pipe.transformer.input_dims["timestep"] == ["batch"]
+
+
+def test_the_exported_transformer_rotates_elementwise_and_attends_with_ort_multi_head_attention(wan):
+    _, folder = wan
+    ops = [node.op_type for node in onnx.load(str(folder / "transformer" / "model.onnx")).graph.node]
+    assert "ScatterND" not in ops  # diffusers' strided assignment of the rotated halves would export to it
+    assert ops.count("MultiHeadAttention") == 4  # each of the two blocks: self-attention and cross-attention
+    assert "Softmax" not in ops
+
+
+def test_the_export_gives_the_torch_pipeline_back_as_it_was(wan):
+    torch_pipe, _ = wan
+    transformer = torch_pipe.transformer
+    assert type(transformer.rope).__name__ == "WanRotaryPosEmbed"
+    assert {type(p).__name__ for p in transformer.attn_processors.values()} == {"WanAttnProcessor"}
+
+
+# -------------------------------------------------------------------------------------------- against diffusers
+@pytest.mark.parametrize("height,width,num_frames", SHAPES, ids=[f"{h}x{w}x{f}" for h, w, f in SHAPES])
+def test_text_to_video_matches_diffusers_torch_wan_at_each_size_and_frame_count(wan, height, width, num_frames):
+    torch_pipe, folder = wan
+    theirs, ours = both(
+        torch_pipe, load(folder), height=height, width=width, num_frames=num_frames, num_videos_per_prompt=2
+    )
+    assert tuple(ours.shape) == (4, 16, (num_frames - 1) // 4 + 1, height // 8, width // 8)
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("io_binding", [True, False])
+def test_without_guidance_and_without_binding_it_matches_diffusers(wan, io_binding):
+    torch_pipe, folder = wan
+    theirs, ours = both(torch_pipe, load(folder, io_binding=io_binding), PROMPTS[0], guidance_scale=1.0)
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
+
+
+def test_a_negative_prompt_and_given_embeddings_match_diffusers(wan):
+    torch_pipe, folder = wan
+    pipe = load(folder)
+    theirs, ours = both(torch_pipe, pipe, PROMPTS, negative_prompt=["blurry", "dark &amp; grey  "])
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
+    embeds, negative = pipe.encode_prompt(PROMPTS, "blurry", True, 1, max_sequence_length=SEQUENCE)
+    theirs, ours = both(torch_pipe, pipe, None, prompt_embeds=embeds, negative_prompt_embeds=negative)
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
+
+
+def test_a_step_end_callback_replaces_the_latents_and_negative_embeddings_as_diffusers_does(wan):
+    torch_pipe, folder = wan
+    seen = []
+
+    def damp(pipe, step, timestep, tensors):
+        seen.append((step, sorted(tensors)))
+        return {"latents": tensors["latents"] * 0.9, "negative_prompt_embeds": tensors["negative_prompt_embeds"] * 2}
+
+    names = ["latents", "negative_prompt_embeds"]
+    theirs, ours = both(torch_pipe, load(folder), callback_on_step_end=damp, callback_on_step_end_tensor_inputs=names)
+    assert seen == [(step, names) for step in range(3)] * 2
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
+
+
+def test_wan22_runs_the_low_noise_expert_below_the_boundary_as_diffusers_does(wan22):
+    torch_pipe, folder = wan22
+    pipe = load(folder)
+    assert pipe.config.boundary_ratio == 0.875
+    with pipe.transformer.watch_runs() as high, pipe.transformer_2.watch_runs() as low:
+        theirs, ours = both(torch_pipe, pipe, num_inference_steps=4, guidance_scale=4.0, guidance_scale_2=2.0)
+    # UniPC's timesteps 999, 900, 750, 500: two at or above 875, two below
+    assert (len(high), len(low)) == (2, 2)
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
+
+
+def test_wan22_saved_and_loaded_again_keeps_its_experts_and_boundary(wan22, tmp_path):
+    _, folder = wan22
+    pipe = load(folder)
+    expected = pipe(
+        PROMPTS[0],
+        generator=seeded(),
+        num_frames=5,
+        height=16,
+        width=16,
+        num_inference_steps=3,
+        max_sequence_length=SEQUENCE,
+        output_type="latent",
+    ).frames
+    pipe.save_pretrained(tmp_path / "saved")
+    again = load(tmp_path / "saved")
+    assert again.config.boundary_ratio == 0.875 and again.transformer_2 is not None
+    got = again(
+        PROMPTS[0],
+        generator=seeded(),
+        num_frames=5,
+        height=16,
+        width=16,
+        num_inference_steps=3,
+        max_sequence_length=SEQUENCE,
+        output_type="latent",
+    ).frames
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())
+
+
+def test_ti2v_per_token_timesteps_match_diffusers(shared_export):
+    from optimum_iobinding.export.tiny import build_tiny_random_wan_pipeline
+
+    torch_pipe = build_tiny_random_wan_pipeline(expand_timesteps=True, scheduler="euler")
+    pipe = load(export_of(shared_export, "wan-ti2v", torch_pipe))
+    assert pipe.transformer.input_dims["timestep"] == ["batch", "tokens"]
+    theirs, ours = both(torch_pipe, pipe, height=32, width=16, num_frames=9)
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (dict(num_frames=6), r"num_frames: expected a positive integer of the form 4k \+ 1 .*got 6; e.g. 5 or 9"),
+        (dict(num_frames=0), "num_frames: expected a positive integer of the form 4k"),
+        (dict(height=24), "height and width: expected multiples of 16"),
+        (dict(guidance_scale_2=3.0), "guidance_scale_2: expected None for a pipeline of one transformer"),
+        (dict(attention_kwargs={"scale": 0.5}), "attention_kwargs: expected None"),
+        (dict(num_videos_per_prompt=0), "num_videos_per_prompt: expected a positive integer"),
+        (dict(max_sequence_length=513), r"max_sequence_length: expected an integer in \[1, 512\]"),
+        (dict(callback_on_step_end_tensor_inputs=["noise"]), "callback_on_step_end_tensor_inputs: expected names"),
+        (dict(generator=[seeded(), seeded()]), r"generator: expected one generator per video \(1\)"),
+        (dict(output_type="np"), "output_type: expected 'latent' for a folder without vae_decoder"),
+        (dict(num_inference_steps=0), "num_inference_steps: expected a positive integer, got 0"),
+    ],
+    ids=[
+        "frames-not-4k+1",
+        "no-frames",
+        "height",
+        "guidance-scale-2",
+        "attention-kwargs",
+        "videos",
+        "sequence",
+        "callback-tensor",
+        "generators",
+        "decoded-without-vae",
+        "steps",
+    ],
+)
+def test_a_call_it_cannot_run_is_refused_by_name_before_any_component_runs(wan, call, message):
+    pipe = load(wan[1])
+    arguments = dict(height=16, width=16, num_frames=5, num_inference_steps=1, output_type="latent")
+    arguments.update(call)
+    with contextlib.ExitStack() as stack:
+        runs = [stack.enter_context(model.watch_runs()) for model in pipe.onnx_models.values()]
+        with pytest.raises(ValueError, match=message):
+            pipe(PROMPTS[0], **arguments)
+    assert not any(runs)
+
+
+def test_given_prompt_embeds_of_another_length_than_the_negative_prompts_are_refused(wan):
+    pipe = load(wan[1])
+    with pytest.raises(ValueError, match="max_sequence_length: expected 8, the length of prompt_embeds"):
+        pipe(
+            prompt_embeds=torch.zeros(1, 8, 32),
+            num_frames=5,
+            height=16,
+            width=16,
+            max_sequence_length=SEQUENCE,
+            output_type="latent",
+        )
+
+
+def test_a_step_cache_is_refused_naming_the_families_that_cache(wan):
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    with pytest.raises(ValueError, match="OnnxWanPipeline cannot cache steps"):
+        load(wan[1]).enable_cache(FirstBlockCacheConfig(threshold=0.1))
+
+
+# --------------------------------------------------------------------------------------------------- detection
+def test_a_wan_folder_is_detected_by_its_class_name_and_by_its_transformers_inputs(wan22):
+    _, folder = wan22
+    assert pipeline_class_for(folder) is OnnxWanPipeline
+    inputs, channels = denoiser_inputs(folder)
+    assert detect("WanPipeline", inputs, channels) is family("wan")
+    assert detect("SomeFinetunedWanPipeline", inputs, channels) is family("wan")
+
+
+def test_generate_refuses_a_wan_folder_it_cannot_write_as_an_image(wan, capsys, tmp_path):
+    from optimum_iobinding.cli import main
+
+    out = tmp_path / "cat.png"
+    assert (
+        main(["generate", "a cat", "--model", str(wan[1]), "--height", "16", "--width", "16", "--out", str(out)]) == 2
+    )
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--model: expected a folder of a family that makes images" in error and "use OnnxWanPipeline" in error
+    assert not out.exists()
