@@ -1,5 +1,7 @@
-"""The VAE's self-attention exported as one ONNX Runtime ``Attention`` node (``com.microsoft``), for the optimized
-exports.
+"""Attention written as ONNX Runtime's own operators while the exporter traces: the VAE's self-attention as one
+``Attention`` node (``com.microsoft``), for the optimized exports; and any projected multi-head attention as one
+``MultiHeadAttention`` node (:func:`multi_head_attention`: Wan's transformer, whose attention ORT's optimizer does not
+fuse), which ORT's CUDA provider runs with cuDNN's flash kernel and its CPU provider runs too.
 
 Why not ORT's own VAE attention fusion (``onnxruntime.transformers.fusion_attention_vae``, ORT 1.31.1): on the graph
 diffusers' classic attention processor exports it fails and, made to run, computes another model.

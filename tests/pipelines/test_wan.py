@@ -274,3 +274,23 @@ def test_generate_refuses_a_wan_folder_it_cannot_write_as_an_image(wan, capsys, 
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--model: expected a folder of a family that makes images" in error and "use OnnxWanPipeline" in error
     assert not out.exists()
+
+
+def test_an_ort_optimized_export_keeps_the_multi_head_attention_and_matches_diffusers(wan, tmp_path):
+    from optimum_iobinding.export import export_pipeline
+
+    torch_pipe, _ = wan
+    fused = export_pipeline(None, tmp_path / "fused", torch_pipeline=torch_pipe, optimize="cpu", progress=False)
+    ops = [node.op_type for node in onnx.load(str(fused / "transformer" / "model.onnx")).graph.node]
+    assert ops.count("MultiHeadAttention") == 4 and "FastGelu" in ops and "ScatterND" not in ops
+    theirs, ours = both(torch_pipe, load(fused), height=16, width=32)
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
+
+
+def test_cuda_graph_true_binds_the_transformer(wan):
+    # on the CPU no graph can be captured: True is an error for the denoiser only
+    with pytest.raises(ValueError, match="cuda_graph: needs a CUDA session with io_binding=True, got device cpu"):
+        load(wan[1], cuda_graph=True)
+    pipe = load(wan[1], cuda_graph=True, component_options={"transformer": {"cuda_graph": "auto"}})
+    assert OnnxWanPipeline.denoiser_component() == "transformer"
+    assert all(model.cuda_graph is False for model in pipe.onnx_models.values())
