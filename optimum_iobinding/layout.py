@@ -605,3 +605,26 @@ def record_folded_bias(model: Any, bias: str, weight: str, offset: int, value_bi
             return
     entry = model.metadata_props.add()
     entry.key, entry.value = FOLDED_BIASES_KEY, json.dumps(folds)
+
+
+# ------------------------------------------------------------------------------------------ Wan's causal 3-D VAE
+# Wan 2.1/2.2's VAE (diffusers' AutoencoderKLWan) runs chunk by chunk: the decoder one latent frame per call, the
+# encoder the first video frame and then four at a time, each causal convolution reading the last input frames of the
+# chunk before (its feature cache). Each of vae_decoder/ and vae_encoder/ holds two graphs over one weights file:
+# model.onnx, the first chunk (the VAE's input alone in; its output and the cache out), and WAN_VAE_CHUNK_PART, every
+# later chunk (the input and the cache in; the output and the next cache out, of the same shapes).
+WAN_VAE_CHUNK_PART = "chunk.onnx"
+WAN_VAE_WEIGHTS_FILE = "model.onnx_data"
+WAN_VAE_DECODER_INPUT, WAN_VAE_DECODER_OUTPUT = "latent_sample", "sample"
+WAN_VAE_ENCODER_INPUT, WAN_VAE_ENCODER_OUTPUT = "sample", "latent_sample"  # the latent distribution's mode
+WAN_VAE_CACHE_INPUT = "past_features.{index}"
+WAN_VAE_CACHE_OUTPUT = "present_features.{index}"
+
+
+def wan_vae_cache_names(count: int) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """The cache's input names and output names of a Wan VAE chunk graph with ``count`` cached layers, in order:
+    output ``i`` of one chunk is input ``i`` of the next."""
+    return (
+        tuple(WAN_VAE_CACHE_INPUT.format(index=index) for index in range(count)),
+        tuple(WAN_VAE_CACHE_OUTPUT.format(index=index) for index in range(count)),
+    )
