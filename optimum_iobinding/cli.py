@@ -494,7 +494,11 @@ def check_generate_arguments(args: argparse.Namespace) -> Path:
         args.prompt = DEFAULT_PROMPT
     for option in ("--steps", "--height", "--width"):
         value = getattr(args, option[2:])
-        check(value > 0, option, "a positive integer", value)
+        check(value is None or value > 0, option, "a positive integer", value)
+    if args.strength is not None:
+        check(0 < args.strength <= 1, "--strength", "a number in (0, 1]", args.strength)
+    args.loras = [parse_lora_option(spec) for spec in args.lora]
+    args.images = read_image_options(args)
     if args.guidance is not None:
         check(math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
     check(args.seed in NUMPY_SEEDS, "--seed", f"an integer in 0 … {NUMPY_SEEDS[-1]} (numpy's seeds)", args.seed)
@@ -526,6 +530,111 @@ CACHE_FORMS = {
     "deepcache": ("deepcache", "deepcache:INTERVAL[:BRANCH] (DeepCache: SD 1.x/2.x, SDXL, LCM)"),
     "first-block": ("fbc", "fbc:THRESHOLD (First-Block Cache: SD3, FLUX.1)"),
 }
+
+
+# the image options of `generate`, their call arguments (a family's control image may be its `image`: see
+# image_option) and the mode an image is read in
+IMAGE_OPTIONS = {"--image": ("image", "RGB"), "--mask": ("mask_image", "L"), "--control-image": ("control", "RGB")}
+
+
+def read_image_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """The images ``--image``, ``--mask`` and ``--control-image`` name, read (Pillow) before any model loads: option →
+    image (RGB; a mask in grey, white where it repaints, as diffusers reads one). A missing or unreadable file is
+    refused naming its option."""
+    images = {}
+    for option, (_, mode) in IMAGE_OPTIONS.items():
+        path = getattr(args, option[2:].replace("-", "_"))
+        if path is not None:
+            images[option] = read_image_file(option, path, mode)
+    if "--mask" in images and "--image" not in images:
+        raise UsageError("--mask: expected it beside --image (the image it repaints), got a mask alone")
+    if "--image" in images and "--mask" in images and images["--mask"].size != images["--image"].size:
+        (mask_w, mask_h), (image_w, image_h) = images["--mask"].size, images["--image"].size
+        raise UsageError(f"--mask: expected the size of --image, {image_w}x{image_h}, got {mask_w}x{mask_h}")
+    return images
+
+
+def read_image_file(option: str, path: str, mode: str) -> Any:
+    """The image file ``path`` converted to ``mode``, or a refusal naming ``option``."""
+    from PIL import Image, UnidentifiedImageError
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        what = "a folder" if file.is_dir() else "no such file"
+        raise UsageError(f"{option}: expected an image file (PNG, JPEG, …), got {path!r}: {what}")
+    try:
+        with Image.open(file) as image:
+            return image.convert(mode)
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as error:
+        raise UsageError(
+            f"{option}: expected an image file Pillow reads (PNG, JPEG, …), got {path!r}: {error}"
+        ) from None
+
+
+def image_option(record: Family, argument: str) -> str:
+    """The option of ``generate`` that gives the call argument ``argument`` of the family ``record``."""
+    if argument == record.control_image:
+        return "--control-image"
+    return "--mask" if argument == "mask_image" else "--image"
+
+
+def image_pipeline(
+    record: Family, images: Mapping[str, Any], strength: Optional[float] = None
+) -> Tuple[Optional[str], Family]:
+    """Which pipeline runs ``generate`` with the image options ``images`` (and ``--strength``) on a folder of the
+    family ``record``: the folder's own (``None``), or its ``"image_to_image"`` or ``"inpainting"`` sibling, with the
+    family that runs; an option that family does not take, or one it needs that is missing, is refused naming the
+    option."""
+    sibling, runs = None, record
+    starts = record.image_inputs - {record.control_image, "mask_image"}
+    if "--mask" in images and "mask_image" not in record.image_inputs:
+        if record.inpainting is None:
+            raise UsageError(f"--mask: expected none for {record.class_name} ({record.title} repaints no masked area)")
+        sibling, runs = "inpainting", family(record.inpainting)
+    elif "--image" in images and not starts:
+        if record.image_to_image is None:
+            raise UsageError(
+                f"--image: expected none for {record.class_name} ({record.title} starts from no image and edits none)"
+            )
+        sibling, runs = "image_to_image", family(record.image_to_image)
+    if "--control-image" in images and runs.control_image is None:
+        raise UsageError(f"--control-image: expected none for {runs.class_name} ({runs.title} takes no control image)")
+    for argument in sorted(runs.image_inputs):
+        option = image_option(runs, argument)
+        if option not in images:
+            raise UsageError(f"{option}: expected an image for {runs.class_name} ({runs.title}), got none")
+    if strength is not None and not runs.strength:
+        raise UsageError(f"--strength: expected none for {runs.class_name} ({runs.title} takes no strength)")
+    return sibling, runs
+
+
+def parse_lora_option(spec: str) -> Tuple[str, float]:
+    """``--lora PATH[:SCALE]`` → ``(PATH, SCALE)`` (scale 1 without one); PATH a LoRA file, a folder or a hub id."""
+    path, scale = spec, 1.0
+    head, separator, tail = spec.rpartition(":")
+    if separator and head:
+        try:
+            path, scale = head, float(tail)
+        except ValueError:
+            pass  # a colon of the path itself
+    check(math.isfinite(scale), "--lora", "PATH[:SCALE] with a finite SCALE", spec)
+    check_local_or_hub("--lora", path)
+    return path, scale
+
+
+def load_loras(pipe: Any, loras: List[Tuple[str, float]]) -> None:
+    """Loads each ``--lora`` on ``pipe`` as an adapter of its own and makes them all active with their scales (as
+    diffusers' ``load_lora_weights`` and ``set_adapters``); a refusal names the option and the file."""
+    names = []
+    for index, (path, _) in enumerate(loras):
+        names.append(f"lora_{index}")
+        option = f"--lora {path}"
+        refusals = {"pretrained_model_name_or_path_or_dict": option, "adapter_name": option}
+        refusals.update({component: f"{option} ({component})" for component in MODEL_COMPONENTS})
+        with options_named(refusals):
+            pipe.load_lora_weights(path, adapter_name=names[-1])
+    with options_named({"adapter_weights": "--lora SCALE"}):
+        pipe.set_adapters(names, adapter_weights=[scale for _, scale in loras])
 
 
 def check_cache_spec(spec: str) -> None:
@@ -603,12 +712,31 @@ def run_generate(args: argparse.Namespace) -> int:
     with options_named(model_names):  # a hub id that cannot be had: --model
         if model is None:  # a hub id: downloaded with what any text-to-image family reads
             model = resolve_model_folder(args.model)
-        folder_class = pipeline_class_for(model)
-        check_generate_fits(family_of_class(folder_class.__name__), args)
+        folder_class = pipeline_class_for(model, text_to_image=False)  # an image family: asked for its images
+        record = family_of_class(folder_class.__name__)
+        check_generate_fits(record, args)
+    sibling, runs = image_pipeline(record, args.images, args.strength)
+    if args.loras and runs.lora is None:
+        raise UsageError(f"--lora: expected none for {runs.class_name} ({runs.title} takes no LoRA)")
+    first_image = next(iter(args.images.values()), None)  # its sides where --width and --height give none
+    given = (args.width, args.height)
+    width, height = (side or (first_image.size[axis] if first_image else 512) for axis, side in enumerate(given))
     with options_named(GENERATE_OPTIONS):
-        check_image_fits(Path(model) / "vae_decoder", args.width, args.height, provider)
+        check_image_fits(Path(model) / "vae_decoder", width, height, provider)
     with options_named(model_names):
         pipe = folder_class.from_pretrained(model, provider=provider, io_binding=args.io_binding)
+    if sibling is not None:
+        pipe = getattr(pipe, sibling)()
+        if pipe is None:  # a folder without a VAE encoder
+            option = "--mask" if sibling == "inpainting" else "--image"
+            raise UsageError(f"{option}: {runs.class_name} needs the folder's vae_encoder/, which {model} lacks")
+    if first_image is not None:  # an image's side, rounded down to what the denoiser runs
+        multiple = pipe.size_multiple
+        width, height = (
+            side if side == chosen else max(multiple, chosen // multiple * multiple)
+            for side, chosen in zip(given, (width, height))
+        )
+    load_loras(pipe, args.loras)
     if args.scheduler:
         import diffusers
 
@@ -639,11 +767,16 @@ def run_generate(args: argparse.Namespace) -> int:
 
     call = dict(
         num_inference_steps=args.steps,
-        height=args.height,
-        width=args.width,
         generator=np.random.RandomState(args.seed),
         callback_on_step_end=record_step,
+        **image_arguments(runs, args.images, width, height),
     )
+    if not runs.sized_by_image:
+        call.update(height=height, width=width)
+    if runs.options.get("size_by_area"):  # else FLUX.1 Kontext makes about a megapixel of the aspect ratio
+        call["max_area"] = height * width
+    if args.strength is not None:
+        call["strength"] = args.strength
     if args.guidance is not None:  # else the pipeline's own default, as diffusers' (7.5 for SD, 3.5 for FLUX.1 …)
         call["guidance_scale"] = args.guidance
     if args.negative_prompt is not None:  # a family that takes none is refused before loading
@@ -651,7 +784,7 @@ def run_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         with options_named({**model_names, **GENERATE_OPTIONS}):  # the pipeline's checks of what depends on the model
-            image = pipe(args.prompt, **call).images[0]
+            image = pipe(prompt=args.prompt, **call).images[0]
     finally:
         for bar in progress:
             bar.close()
@@ -662,11 +795,21 @@ def run_generate(args: argparse.Namespace) -> int:
     except OSError as error:  # checked writable before the work: the disk filled, or the folder changed since
         raise RuntimeError(f"--out: writing {str(out)!r} failed: {error.strerror or error}") from error
     print(
-        f"{out}: {args.width}×{args.height}, {args.steps} step{'s' if args.steps != 1 else ''} in {seconds:.2f} s "
+        f"{out}: {image.width}×{image.height}, {args.steps} step{'s' if args.steps != 1 else ''} in {seconds:.2f} s "
         f"({step_rate(step_times)}load {load_seconds:.1f} s; {type(pipe).__name__}, {provider}, "
         f"io_binding={args.io_binding}; model {args.model or model}{cache_summary(pipe, args.cache)})"
     )
     return 0
+
+
+def image_arguments(record: Family, images: Mapping[str, Any], width: int, height: int) -> Dict[str, Any]:
+    """The call arguments of the image options ``images`` for the family ``record``, each image at the output's size
+    (``width`` × ``height``: resized where it has another)."""
+    arguments = {}
+    for argument in record.image_inputs:
+        image = images[image_option(record, argument)]
+        arguments[argument] = image if image.size == (width, height) else image.resize((width, height))
+    return arguments
 
 
 def step_rate(step_ends: List[float]) -> str:
@@ -1104,8 +1247,37 @@ def build_parser() -> argparse.ArgumentParser:
         "SDXL, 7.0 for SD3, 3.5 for FLUX.1 dev)",
     )
     generate.add_argument("--seed", type=int, default=0, help="the seed of the initial noise (numpy's RandomState)")
-    generate.add_argument("--height", type=int, default=512, help="image height in pixels")
-    generate.add_argument("--width", type=int, default=512, help="image width in pixels")
+    generate.add_argument(
+        "--height", type=int, default=None, help="image height in pixels (default 512, or an --image's own)"
+    )
+    generate.add_argument(
+        "--width", type=int, default=None, help="image width in pixels (default 512, or an --image's own)"
+    )
+    images = generate.add_argument_group("images (each resized to --height and --width where they are given)")
+    images.add_argument(
+        "--image",
+        default=None,
+        metavar="FILE",
+        help="the image to start from (image to image; with --mask, inpainting) or to edit (FLUX.1 Kontext, Fill)",
+    )
+    images.add_argument("--mask", default=None, metavar="FILE", help="with --image: where to repaint (white)")
+    images.add_argument(
+        "--control-image", default=None, metavar="FILE", help="the control image (ControlNet, FLUX.1 Control)"
+    )
+    images.add_argument(
+        "--strength",
+        type=float,
+        default=None,
+        help="with --image: how much of the schedule runs (default the pipeline's, as diffusers': 0.8 for image to "
+        "image)",
+    )
+    generate.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="PATH[:SCALE]",
+        help="a LoRA file, folder or hub id, at SCALE (default 1); repeat it for several",
+    )
     generate.add_argument("--scheduler", choices=sorted(SCHEDULERS), default=None, help="replace the model's scheduler")
     generate.add_argument("--provider", default=None, help="ORT execution provider (default: CUDA if available)")
     generate.add_argument(

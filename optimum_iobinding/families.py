@@ -113,6 +113,12 @@ class Family:
         text_to_image: whether a prompt alone runs it (``generate``); otherwise ``hint`` says what to use instead.
         image_inputs: the image arguments a call takes, by their names in its ``__call__`` (``image``, ``mask_image``,
             ``control_image``; the ControlNet pipeline's control image is diffusers' ``image``; a stream's ``frame``).
+        control_image: which of :attr:`image_inputs` is the control image (a ControlNet's ``image``, FLUX.1
+            Control's and ControlNet image to image's ``control_image``), if any; the others are images it starts
+            from or edits.
+        sized_by_image: whether its output has its image's size (diffusers' image to image: no ``height`` and
+            ``width`` arguments).
+        strength: whether a call takes ``strength`` (how much of the schedule runs from its image).
         image_to_image: the key of its image-to-image sibling on the same components, if any.
         inpainting: the key of its inpainting sibling on the same components (which keeps the unmasked area of a
             plain denoiser by blending), if any.
@@ -134,7 +140,8 @@ class Family:
         hint: what to use, where :attr:`text_to_image` is false or its folder holds another family.
         options: what only some families have: ``needs_folder`` (a component folder detection requires: SDXL's
             first text encoder, which a refiner lacks), ``transformer_class`` (diffusers' class of its transformer),
-            ``t5_tokenizer`` and ``t5_encoder`` (its T5 components).
+            ``t5_tokenizer`` and ``t5_encoder`` (its T5 components), ``size_by_area`` (its ``height`` and ``width``
+            give the aspect ratio, ``max_area`` the pixels: FLUX.1 Kontext's).
     """
 
     key: str
@@ -148,6 +155,9 @@ class Family:
     auto: bool = True
     text_to_image: bool = True
     image_inputs: FrozenSet[str] = frozenset()
+    control_image: Optional[str] = None
+    sized_by_image: bool = False
+    strength: bool = False
     image_to_image: Optional[str] = None
     inpainting: Optional[str] = None
     export: Optional[str] = None
@@ -232,6 +242,8 @@ FAMILIES: Tuple[Family, ...] = (
         index_class_name="StableDiffusionXLImg2ImgPipeline",
         text_to_image=False,
         image_inputs=frozenset({"image"}),
+        sized_by_image=True,
+        strength=True,
         export="unet",
         step_cache="deepcache",
         lora="StableDiffusionXLLoraLoaderMixin",
@@ -249,6 +261,8 @@ FAMILIES: Tuple[Family, ...] = (
         index_class_name="OnnxStableDiffusionControlNetPipeline",
         text_to_image=False,
         image_inputs=frozenset({"image"}),
+        control_image="image",
+        image_to_image="controlnet-img2img",
         export="unet",
         torch_classes=("StableDiffusionControlNetPipeline",),
         tiny_random=("controlnet",),
@@ -266,6 +280,8 @@ FAMILIES: Tuple[Family, ...] = (
         auto=False,
         text_to_image=False,
         image_inputs=frozenset({"image", "control_image"}),
+        control_image="control_image",
+        strength=True,
         index_class_name="OnnxStableDiffusionControlNetImg2ImgPipeline",
         export="unet",
         lora=_SD_LORA,
@@ -293,6 +309,7 @@ FAMILIES: Tuple[Family, ...] = (
         index_class_names=("OnnxStableDiffusionInpaintPipeline", "StableDiffusionInpaintPipeline", *_SD_INDEX),
         text_to_image=False,
         image_inputs=frozenset({"image", "mask_image"}),
+        strength=True,
         numpy_class="OnnxStableDiffusionInpaintPipeline",
         step_cache="deepcache",
         hint="an inpainting model (its UNet takes 9 channels): use OnnxStableDiffusionInpaintPipeline from Python "
@@ -325,6 +342,8 @@ FAMILIES: Tuple[Family, ...] = (
         auto=False,
         text_to_image=False,
         image_inputs=frozenset({"image"}),
+        sized_by_image=True,
+        strength=True,
         numpy_class="OnnxStableDiffusionImg2ImgPipeline",
         step_cache="deepcache",
         **_SD_COMMON,
@@ -402,7 +421,7 @@ FAMILIES: Tuple[Family, ...] = (
         negative_prompt_needs="true_cfg_scale > 1",
         hint="a FLUX.1 Kontext folder (it edits a reference image): use OnnxFluxKontextPipeline from Python with an "
         "image",
-        **_FLUX_VARIANT,
+        **{**_FLUX_VARIANT, "options": {**_FLUX_OPTIONS, "size_by_area": True}},
     ),
     Family(
         "flux-fill",
@@ -415,6 +434,7 @@ FAMILIES: Tuple[Family, ...] = (
         index_class_name="FluxFillPipeline",
         text_to_image=False,
         image_inputs=frozenset({"image", "mask_image"}),
+        strength=True,
         torch_classes=("FluxFillPipeline",),
         tiny_random=("flux-fill",),
         negative_prompt=False,
@@ -435,6 +455,7 @@ FAMILIES: Tuple[Family, ...] = (
         index_class_name="FluxControlPipeline",
         text_to_image=False,
         image_inputs=frozenset({"control_image"}),
+        control_image="control_image",
         torch_classes=("FluxControlPipeline",),
         tiny_random=("flux-control",),
         negative_prompt=False,

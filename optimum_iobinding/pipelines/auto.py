@@ -53,12 +53,12 @@ def denoiser_inputs(folder: Path) -> Tuple[Dict[str, List[str]], Dict[str, Optio
     return inputs, channels
 
 
-def pipeline_class_for(folder: Union[str, os.PathLike]) -> type:
+def pipeline_class_for(folder: Union[str, os.PathLike], text_to_image: bool = True) -> type:
     """The text-to-image pipeline class for an ONNX folder, as diffusers' ``AutoPipelineForText2Image`` picks one:
     the family that the folder's model_index.json names (``_class_name``), or where it names none of ours the first
     whose denoiser interface the folder's denoiser has (:func:`~optimum_iobinding.families.detect`). A folder that
     no text-to-image pipeline runs (an inpainting UNet, an SDXL refiner, a ControlNet's UNet) is an error saying which
-    pipeline to use."""
+    pipeline to use; with ``text_to_image=False`` its own pipeline class, which takes images."""
     folder = Path(folder)
     index = read_model_index(folder, ())  # a pipeline folder: its model_index.json is there and parses
     inputs, channels = denoiser_inputs(folder)
@@ -75,6 +75,6 @@ def pipeline_class_for(folder: Union[str, os.PathLike]) -> type:
         raise ArgumentError(
             "model", f"{str(folder)!r}: {described}, which no pipeline of this version runs (see the README's families)"
         )
-    if not record.text_to_image:
+    if text_to_image and not record.text_to_image:
         raise ArgumentError("model", f"{str(folder)!r} is {record.use_hint()}")
     return pipeline_class(record)
