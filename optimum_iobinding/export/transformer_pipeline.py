@@ -93,6 +93,7 @@ def export_transformer_pipeline(
     exportable: Optional[Callable[[torch.nn.Module], ContextManager]] = None,
     step_cache: bool = False,
     settings: Optional[Mapping[str, Any]] = None,
+    write_more: Optional[Callable[[Path], None]] = None,
 ) -> Path:
     """Writes a diffusion-transformer pipeline folder at ``target`` (built beside it, moved into place when whole):
     each of ``components`` from ``specs`` (those in ``optimizer_model_types`` by
@@ -103,7 +104,8 @@ def export_transformer_pipeline(
     and the torch pipeline's model_index.json under ``class_name`` (torch class names; one ``vae`` entry for both VAE
     folders), as optimum writes it, with the pipeline's ``settings`` (Wan's ``boundary_ratio``) beside its
     components; with ``step_cache``, the transformer's First-Block Cache parts beside it (:mod:`.step_cache`, cut from
-    the transformer in its precision). The caller has checked ``target`` and ``components``.
+    the transformer in its precision); and what ``write_more(folder)`` writes into the folder being built (a component
+    of the family's own exporter: Wan's VAE). The caller has checked ``target`` and ``components``.
 
     Returns:
         ``target``.
@@ -139,6 +141,8 @@ def export_transformer_pipeline(
         for name in tokenizers:
             tokenizer = getattr(pipe, name)
             save_tokenizer(tokenizer, scratch / name)
+        if write_more is not None:
+            write_more(scratch)
         pipe.scheduler.save_pretrained(str(scratch / "scheduler"))
         # every component the pipeline class has, ``None`` where this pipeline has none (an SD3 without T5)
         modules = (

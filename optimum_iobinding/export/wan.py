@@ -1,6 +1,7 @@
 """Export of Wan text-to-video pipelines (Wan 2.1, Wan 2.2's two experts, Wan 2.2 TI2V's per-token timesteps): the
 UMT5 text encoder and the ``WanTransformer3DModel``\\ s, written in optimum's diffusion-transformer layout by
-:mod:`.transformer_pipeline`, with the traceable, fast stand-ins of the transformer's rotary embedding and attention.
+:mod:`.transformer_pipeline`, with the traceable, fast stand-ins of the transformer's rotary embedding and attention;
+and the causal 3-D VAE as :mod:`.wan_vae` writes it.
 
 Layout written::
 
@@ -10,6 +11,7 @@ Layout written::
                                 hidden_states (batch, channels, frames, height, width), encoder_hidden_states (batch,
                                 text tokens, text width), timestep (batch; Wan 2.2 TI2V: batch, latent tokens)
                                 → out_hidden_states (batch, channels, frames, height, width)
+    vae_encoder/, vae_decoder/  AutoencoderKLWan as chunk graphs (model.onnx, chunk.onnx): see :mod:`.wan_vae`
     tokenizer/, scheduler/
 
 Every axis but the channels is dynamic (batch, frames, height, width, text length). The transformer is exported with:
@@ -26,7 +28,8 @@ Both swaps last while the exporter traces (:func:`exportable_wan_modules`); the 
 
 Precision with ``dtype="fp16"``: the transformers float16 (their ``timestep`` input float32, as diffusers embeds the
 timestep in float32), the UMT5 encoder **float32** (T5's feed-forward activations overflow float16: the rule of every
-diffusion-transformer export, :mod:`.transformer_pipeline`). ``dtype="bf16"``: both transformers bfloat16.
+diffusion-transformer export, :mod:`.transformer_pipeline`), the VAE **float32** (diffusers' Wan pipelines run it in
+float32: its model cards load it so). ``dtype="bf16"``: the transformers bfloat16, the rest as for ``"fp16"``.
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ from ..families import WAN_INPUTS, WAN_TEXT_INPUTS, WAN_TRANSFORMERS, family
 from .attention import multi_head_attention
 from .components import EXTERNAL_DATA_THRESHOLD
 from .transformer_pipeline import export_transformer_pipeline
+from .wan_vae import WAN_VAE_COMPONENTS, export_wan_vae
 
 WAN = family("wan")
-# what this module exports of a Wan pipeline (its VAE is another module's)
-WAN_COMPONENTS = ("text_encoder", *WAN_TRANSFORMERS)
+# what a Wan export writes (its VAE through .wan_vae)
+WAN_COMPONENTS = ("text_encoder", *WAN_TRANSFORMERS, *WAN_VAE_COMPONENTS)
 # ORT's transformer-optimizer model type of each: UMT5 is a T5 (float32 in a float16 export), the transformers'
 # normalizations and GELUs are what ORT's MMDiT fusions match
 WAN_OPTIMIZER_MODEL_TYPES = {"text_encoder": "t5", **dict.fromkeys(WAN_TRANSFORMERS, "mmdit")}
@@ -280,16 +284,25 @@ def export_wan_pipeline(
             "step_cache", f"expected False for a {WAN.title} pipeline (no step cache runs it), got True"
         )
     specs = wan_component_specs(pipe)
-    available = tuple(name for name in WAN_COMPONENTS if name in specs)
+    vae = getattr(pipe, "vae", None)
+    available = tuple(
+        name for name in WAN_COMPONENTS if name in specs or (vae is not None and name in WAN_VAE_COMPONENTS)
+    )
     components = available if components is None else tuple(components)
     unknown = [name for name in components if name not in available]
     if unknown:
         raise ArgumentError("components", f"expected names from {list(available)}, got {unknown}")
+    vae_components = [name for name in components if name in WAN_VAE_COMPONENTS]
+
+    def write_vae(folder: Path) -> None:  # float32 whatever dtype says (the module's docstring says why)
+        if vae_components:
+            export_wan_vae(vae, folder, vae_components, opset=opset)
+
     return export_transformer_pipeline(
         pipe,
         target,
         specs,
-        components,
+        [name for name in components if name not in WAN_VAE_COMPONENTS],
         class_name=WAN.index_class_name,
         optimizer_model_types=WAN_OPTIMIZER_MODEL_TYPES,
         opset=opset,
@@ -299,4 +312,5 @@ def export_wan_pipeline(
         external_data_threshold=external_data_threshold,
         exportable=exportable_wan_modules,
         settings={name: pipe.config.get(name) for name in WAN_SETTINGS},
+        write_more=write_vae,
     )

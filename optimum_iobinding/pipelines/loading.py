@@ -142,11 +142,16 @@ class Loading:
                 if model is not None:
                     model.save_pretrained(scratch / name)
                     written.append(name)
+            self.save_parts(scratch)
             for name in self.tokenizer_names():
                 if getattr(self, name, None) is not None:
                     save_tokenizer(getattr(self, name), scratch / name)
             self.scheduler.save_pretrained(str(scratch / "scheduler"))
             self.write_model_index(scratch, written)
+
+    def save_parts(self, target: Path) -> None:
+        """Writes into ``target`` the graphs beside the components' ``model.onnx`` that the family runs (Wan's VAE
+        chunk graphs); none by default."""
 
     def write_model_index(self, target: Path, written: List[str]) -> None:
         """Writes the family's model_index.json into ``target`` (``written``: the ONNX components saved): diffusers'

@@ -6,7 +6,6 @@ diffusers' ``WanPipeline``."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -16,7 +15,7 @@ from diffusers.video_processor import VideoProcessor
 
 from ..errors import ArgumentError, ModelFileError
 from ..families import family
-from ..layout import index_entry, write_transformer_model_index
+from ..layout import WAN_VAE_CHUNK_PART, index_entry, write_transformer_model_index
 from .arguments import (
     Embeds,
     Generator,
@@ -34,6 +33,7 @@ from .denoisers import WanDenoiser
 from .loop import Guidance, Stage, denoise
 from .prompts import WanPrompt
 from .transfer import upload
+from .wan_codec import WanVideoCodec
 
 WAN = family("wan")
 # the export's Wan folder: Wan 2.2's low-noise expert in transformer_2; the VAE's folders where the export wrote them
@@ -48,60 +48,82 @@ WAN_COMPONENTS = (
 # UMT5's context in Wan: 512 tokens (its image-to-video attention splits the text from the image tokens there)
 MAX_SEQUENCE_LENGTH = 512
 # diffusers' WanPipeline defaults where the pipeline has no VAE: 4 video frames per latent frame, 8 pixels per latent
-# pixel each way
+# pixel each way; the VAE config's per-channel mean and standard deviation of the latents
 DEFAULT_TEMPORAL_FACTOR, DEFAULT_SPATIAL_FACTOR = 4, 8
+WAN_LATENT_NORMS = ("latents_mean", "latents_std")
 
 
-@dataclass(frozen=True)
-class WanLatentScale:
-    """What Wan's VAE config says of its latents: pixels per latent pixel each way (``scale_factor``, the core's
-    name), video frames per latent frame after the first (``temporal_scale_factor``), its latent channels (``z_dim``)
-    and the per-channel mean and standard deviation the denoiser's latents are normalized by (``None``: no VAE)."""
+class WanCodec:
+    """Wan's causal 3-D VAE as the pipeline's latent codec: what its config says of the latents (pixels per latent
+    pixel each way, video frames per latent frame after the first, the per-channel mean and standard deviation the
+    denoiser's latents are normalized by) and the chunk-by-chunk decoder (:class:`~.wan_codec.WanVideoCodec`).
+    Without a VAE decoder (a folder of latents only) the factors are diffusers' defaults and nothing decodes.
 
-    scale_factor: int
-    temporal_scale_factor: int
-    z_dim: Optional[int]
-    latents_mean: Optional[Tuple[float, ...]]
-    latents_std: Optional[Tuple[float, ...]]
+    Args:
+        pipe: the pipeline (its ``vae_decoder`` and ``vae_encoder`` are read).
+    """
 
-    @classmethod
-    def of(cls, pipe: Any) -> "WanLatentScale":
-        """The latent scale of ``pipe``'s VAE decoder config.json (diffusers' defaults without a decoder)."""
+    #: diffusers' VAE tiling does not apply: the decoder runs one latent frame per call, its whole size
+    tiler = None
+
+    def __init__(self, pipe: Any):
         decoder = getattr(pipe, "vae_decoder", None)
-        if decoder is None:
-            return cls(DEFAULT_SPATIAL_FACTOR, DEFAULT_TEMPORAL_FACTOR, None, None, None)
-        config = decoder.config
+        self.video = WanVideoCodec(decoder, getattr(pipe, "vae_encoder", None)) if decoder is not None else None
+        config = decoder.config if decoder is not None else {}
 
-        def positive(key: str, default: Optional[int]) -> Optional[int]:
+        def positive(key: str, default: int) -> int:
             value = config.get(key, default)
-            if value is not None and (not is_integer(value) or value < 1):
+            if not is_integer(value) or value < 1:
                 raise ModelFileError("vae_decoder config.json", f"{key}: expected a positive integer, got {value!r}")
-            return value
+            return int(value)
 
-        z_dim = positive("z_dim", None)
-        values = {}
-        for key in ("latents_mean", "latents_std"):
-            value = config.get(key)
-            if value is None:
-                values[key] = None
-                continue
-            if (
-                not isinstance(value, list)
-                or (z_dim is not None and len(value) != z_dim)
-                or not all(is_real(v) and math.isfinite(v) for v in value)
-                or (key == "latents_std" and not all(v > 0 for v in value))
-            ):
-                raise ModelFileError(
-                    "vae_decoder config.json", f"{key}: expected {z_dim or 'z_dim'} finite numbers, got {value!r}"
-                )
-            values[key] = tuple(float(v) for v in value)
-        return cls(
-            positive("scale_factor_spatial", DEFAULT_SPATIAL_FACTOR),
-            positive("scale_factor_temporal", DEFAULT_TEMPORAL_FACTOR),
-            z_dim,
-            values["latents_mean"],
-            values["latents_std"],
+        self.scale_factor = positive("scale_factor_spatial", DEFAULT_SPATIAL_FACTOR)
+        self.temporal_scale_factor = positive("scale_factor_temporal", DEFAULT_TEMPORAL_FACTOR)
+        channels = self.video.latent_channels if self.video is not None else None
+        self.latents_mean, self.latents_std = (self._channel_values(config, key, channels) for key in WAN_LATENT_NORMS)
+
+    @staticmethod
+    def _channel_values(config: Dict[str, Any], key: str, channels: Optional[int]) -> Optional[torch.Tensor]:
+        """A per-channel list of the config (``None`` where absent), refused by name unless ``channels`` finite
+        numbers (positive ones for a standard deviation)."""
+        value = config.get(key)
+        if value is None:
+            return None
+        if (
+            not isinstance(value, list)
+            or (channels is not None and len(value) != channels)
+            or not all(is_real(v) and math.isfinite(v) and (key != "latents_std" or v > 0) for v in value)
+        ):
+            raise ModelFileError(
+                "vae_decoder config.json", f"{key}: expected {channels or 'z_dim'} finite numbers, got {value!r}"
+            )
+        return torch.tensor(value, dtype=torch.float32)
+
+    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """The denoiser's latents as the VAE decodes them: diffusers' ``latents / (1 / std) + mean`` per channel."""
+        if self.latents_mean is None or self.latents_std is None:
+            return latents
+        shape = (1, latents.shape[1], 1, 1, 1)
+        mean = upload(self.latents_mean.view(shape), latents.device).to(latents.dtype)
+        inverse_std = 1.0 / upload(self.latents_std.view(shape), latents.device).to(latents.dtype)
+        return latents / inverse_std + mean
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Videos ``(batch, 3, frames, height, width)`` in [-1, 1] on the device, of the denoiser's latents."""
+        if self.video is None:
+            raise ArgumentError("output_type", "expected 'latent' for a folder without vae_decoder/model.onnx")
+        return self.video.decode(self.vae_latents(latents))
+
+    def enable_tiling(self, *args: Any) -> None:
+        raise ArgumentError(
+            "enable_vae_tiling", "Wan's VAE decodes one latent frame per call at its whole size: it has no tiling"
         )
+
+    def disable_tiling(self) -> None:
+        pass
+
+    def tiles(self, latents: torch.Tensor) -> bool:
+        return False
 
 
 class OnnxWanPipeline(Warmup, OnnxDiffusionPipeline):
@@ -118,7 +140,7 @@ class OnnxWanPipeline(Warmup, OnnxDiffusionPipeline):
     declared_components = WAN_COMPONENTS
     denoiser_part = WanDenoiser
     prompt_part = WanPrompt
-    codec_part = WanLatentScale.of
+    codec_part = WanCodec
     settings = {"boundary_ratio": None, "expand_timesteps": False}
     output_class = WanPipelineOutput
     output_field = "frames"
@@ -348,28 +370,13 @@ class OnnxWanPipeline(Warmup, OnnxDiffusionPipeline):
             return []
         return [Stage(start, self.transformer_2, Guidance(float(guidance_scale_2), guidance.batched))]
 
-    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """The denoiser's latents as the VAE decodes them (diffusers' ``latents / (1 / std) + mean``, per channel)."""
-        scale = self.codec
-        if scale.latents_mean is None or scale.latents_std is None:
-            return latents
-        shape = (1, latents.shape[1], 1, 1, 1)
-        mean = upload(torch.tensor(scale.latents_mean).view(shape), latents.device).to(latents.dtype)
-        inverse_std = 1.0 / upload(torch.tensor(scale.latents_std).view(shape), latents.device).to(latents.dtype)
-        return latents / inverse_std + mean
-
     def finish_video(self, latents: torch.Tensor, output_type: str, return_dict: bool) -> Any:
         """The call's output: the latents, or the decoded videos as diffusers' ``VideoProcessor`` gives them."""
-        if output_type == "latent":
-            frames: Any = latents
-        else:
-            frames = self.postprocess_frames(self.decode_video(self.vae_latents(latents)), output_type)
+        frames = (
+            latents if output_type == "latent" else self.postprocess_frames(self.codec.decode(latents), output_type)
+        )
         self.maybe_free_model_hooks()
         return self.pack_output(frames, return_dict)
-
-    def decode_video(self, latents: torch.Tensor) -> torch.Tensor:
-        """Videos ``(batch, 3, frames, height, width)`` in [-1, 1] of the VAE's latents."""
-        raise ArgumentError("output_type", "expected 'latent': this version decodes no Wan latents")
 
     # ------------------------------------------------------------------------------------------------ warm-up
     def warmup_arguments(self) -> Dict[str, Callable[[Any], None]]:
@@ -385,6 +392,14 @@ class OnnxWanPipeline(Warmup, OnnxDiffusionPipeline):
         return 480, 832
 
     # -------------------------------------------------------------------------------------------------- saving
+    def save_parts(self, target: Path) -> None:
+        """The VAE's chunk graphs beside its components' ``model.onnx`` (reading the same weights file)."""
+        video = self.codec.video
+        runners = {"vae_decoder": video.decoder, "vae_encoder": video.encoder} if video is not None else {}
+        for name, runner in runners.items():
+            if runner is not None:
+                runner.chunk.save_pretrained(target / name, file_name=WAN_VAE_CHUNK_PART, overwrite=True)
+
     def write_model_index(self, target: Path, written: List[str]) -> None:
         """The export's Wan index: the torch pipeline's class names, its ``boundary_ratio`` and
         ``expand_timesteps``."""

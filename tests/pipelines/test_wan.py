@@ -26,11 +26,20 @@ TOLERANCE = 1e-4
 SHAPES = [(16, 16, 5), (32, 16, 9)]
 
 
-def export_of(shared_export, name, torch_pipe):
+# what the exports that make latents only hold: no VAE (faster to export; such a folder refuses decoded outputs)
+WITHOUT_VAE = ("text_encoder", "transformer", "transformer_2")
+
+
+def export_of(shared_export, name, torch_pipe, components=None):
     from optimum_iobinding.export import export_pipeline
 
     torch_pipe.set_progress_bar_config(disable=True)
-    return shared_export(name, lambda target: export_pipeline(None, target, torch_pipeline=torch_pipe, progress=False))
+    if components is not None:
+        components = [name for name in components if getattr(torch_pipe, name, None) is not None]
+    return shared_export(
+        name,
+        lambda target: export_pipeline(None, target, torch_pipeline=torch_pipe, components=components, progress=False),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +54,12 @@ def wan(shared_export):
 
 @pytest.fixture(scope="module")
 def wan22(shared_export):
-    """The tiny random Wan 2.2 pipeline (two experts, switched at a boundary ratio of 0.875)."""
+    """The tiny random Wan 2.2 pipeline (two experts, switched at a boundary ratio of 0.875) and its export without
+    the VAE."""
     from optimum_iobinding.export.tiny import build_tiny_random_wan_pipeline
 
     torch_pipe = build_tiny_random_wan_pipeline(two_experts=True)
-    return torch_pipe, export_of(shared_export, "tiny-random-wan2.2", torch_pipe)
+    return torch_pipe, export_of(shared_export, "wan2.2-without-vae", torch_pipe, WITHOUT_VAE)
 
 
 def load(folder, **options):
@@ -63,9 +73,11 @@ def seeded(seed: int = 0) -> torch.Generator:
 
 
 def both(torch_pipe, pipe, prompt=PROMPTS, **kwargs):
-    """The latent videos of the same call of diffusers' torch pipeline and ours."""
-    call = dict(height=16, width=16, num_frames=5, num_inference_steps=3, max_sequence_length=SEQUENCE)
-    call.update(kwargs, output_type="latent")
+    """The frames (by default the latent videos) of the same call of diffusers' torch pipeline and ours."""
+    call = dict(
+        height=16, width=16, num_frames=5, num_inference_steps=3, max_sequence_length=SEQUENCE, output_type="latent"
+    )
+    call.update(kwargs)
     theirs = torch_pipe(prompt, generator=seeded(), **call).frames
     ours = pipe(prompt, generator=seeded(), **call).frames
     return theirs, ours
@@ -106,11 +118,39 @@ def test_the_export_gives_the_torch_pipeline_back_as_it_was(wan):
 @pytest.mark.parametrize("height,width,num_frames", SHAPES, ids=[f"{h}x{w}x{f}" for h, w, f in SHAPES])
 def test_text_to_video_matches_diffusers_torch_wan_at_each_size_and_frame_count(wan, height, width, num_frames):
     torch_pipe, folder = wan
-    theirs, ours = both(
-        torch_pipe, load(folder), height=height, width=width, num_frames=num_frames, num_videos_per_prompt=2
-    )
+    pipe = load(folder)
+    size = dict(height=height, width=width, num_frames=num_frames, num_videos_per_prompt=2)
+    theirs, ours = both(torch_pipe, pipe, **size)
     assert tuple(ours.shape) == (4, 16, (num_frames - 1) // 4 + 1, height // 8, width // 8)
     np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
+    theirs, ours = both(torch_pipe, pipe, output_type="np", **size)
+    assert ours.shape == (4, num_frames, height, width, 3) and ours.dtype == np.float32
+    np.testing.assert_allclose(ours, theirs, atol=TOLERANCE)
+
+
+def test_each_output_type_is_diffusers(wan):
+    torch_pipe, folder = wan
+    pipe = load(folder)
+    frames = both(torch_pipe, pipe, PROMPTS[0], output_type="np")[1]
+    assert 0.0 <= frames.min() and frames.max() <= 1.0
+    theirs, ours = both(torch_pipe, pipe, PROMPTS[0], output_type="pt")
+    assert isinstance(ours, torch.Tensor) and tuple(ours.shape) == (1, 5, 3, 16, 16)
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
+    np.testing.assert_allclose(ours.permute(0, 1, 3, 4, 2).numpy(), frames, atol=1e-6)
+    theirs, ours = both(torch_pipe, pipe, PROMPTS[0], output_type="pil")
+    assert len(ours) == 1 and len(ours[0]) == 5 and ours[0][0].size == (16, 16)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(ours[0], theirs[0]))
+    (as_tuple,) = pipe(
+        PROMPTS[0],
+        generator=seeded(),
+        num_frames=5,
+        height=16,
+        width=16,
+        num_inference_steps=3,
+        max_sequence_length=SEQUENCE,
+        return_dict=False,
+    )
+    np.testing.assert_array_equal(as_tuple, frames)
 
 
 @pytest.mark.parametrize("io_binding", [True, False])
@@ -155,40 +195,56 @@ def test_wan22_runs_the_low_noise_expert_below_the_boundary_as_diffusers_does(wa
     np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
 
 
-def test_wan22_saved_and_loaded_again_keeps_its_experts_and_boundary(wan22, tmp_path):
-    _, folder = wan22
+@pytest.mark.parametrize("fixture", ["wan", "wan22"])
+def test_a_saved_pipeline_loads_again_with_its_experts_and_boundary_and_gives_the_same_video(
+    request, fixture, tmp_path
+):
+    _, folder = request.getfixturevalue(fixture)
     pipe = load(folder)
-    expected = pipe(
-        PROMPTS[0],
-        generator=seeded(),
-        num_frames=5,
-        height=16,
-        width=16,
-        num_inference_steps=3,
-        max_sequence_length=SEQUENCE,
-        output_type="latent",
-    ).frames
+    decodes = pipe.vae_decoder is not None
+    call = dict(num_frames=5, height=16, width=16, num_inference_steps=3, max_sequence_length=SEQUENCE)
+    call["output_type"] = "np" if decodes else "latent"
+    expected = pipe(PROMPTS[0], generator=seeded(), **call).frames
     pipe.save_pretrained(tmp_path / "saved")
     again = load(tmp_path / "saved")
-    assert again.config.boundary_ratio == 0.875 and again.transformer_2 is not None
-    got = again(
-        PROMPTS[0],
-        generator=seeded(),
-        num_frames=5,
-        height=16,
-        width=16,
-        num_inference_steps=3,
-        max_sequence_length=SEQUENCE,
-        output_type="latent",
-    ).frames
-    np.testing.assert_array_equal(got.numpy(), expected.numpy())
+    assert again.config.boundary_ratio == pipe.config.boundary_ratio
+    assert (again.transformer_2 is None) == (pipe.transformer_2 is None)
+    assert (again.vae_decoder is None) == (not decodes)  # with its VAE's chunk graphs, where it has one
+    np.testing.assert_array_equal(
+        np.asarray(again(PROMPTS[0], generator=seeded(), **call).frames), np.asarray(expected)
+    )
+
+
+def test_the_same_generator_gives_the_same_video_and_another_another_one(wan):
+    pipe = load(wan[1])
+    call = dict(num_frames=5, height=16, width=16, num_inference_steps=2, max_sequence_length=SEQUENCE)
+    first = pipe(PROMPTS[0], generator=seeded(0), **call).frames
+    np.testing.assert_array_equal(pipe(PROMPTS[0], generator=seeded(0), **call).frames, first)
+    assert not np.array_equal(pipe(PROMPTS[0], generator=seeded(1), **call).frames, first)
+
+
+def test_after_warmup_the_next_call_makes_no_session(wan):
+    pipe = load(wan[1])
+    pipe.warmup(heights=16, widths=32, num_inference_steps=2, num_frames=9, max_sequence_length=SEQUENCE)
+    made = pipe.sessions_created
+    pipe(PROMPTS[0], height=16, width=32, num_frames=9, num_inference_steps=2, max_sequence_length=SEQUENCE)
+    assert pipe.sessions_created == made
+
+
+def test_a_warmup_of_a_frame_count_the_vae_cannot_make_is_refused_before_any_work(wan):
+    pipe = load(wan[1])
+    with contextlib.ExitStack() as stack:
+        runs = [stack.enter_context(model.watch_runs()) for model in pipe.onnx_models.values()]
+        with pytest.raises(ValueError, match="num_frames: expected a positive integer of the form 4k"):
+            pipe.warmup(heights=16, num_frames=8)
+    assert not any(runs)
 
 
 def test_ti2v_per_token_timesteps_match_diffusers(shared_export):
     from optimum_iobinding.export.tiny import build_tiny_random_wan_pipeline
 
     torch_pipe = build_tiny_random_wan_pipeline(expand_timesteps=True, scheduler="euler")
-    pipe = load(export_of(shared_export, "wan-ti2v", torch_pipe))
+    pipe = load(export_of(shared_export, "wan-ti2v-without-vae", torch_pipe, WITHOUT_VAE))
     assert pipe.transformer.input_dims["timestep"] == ["batch", "tokens"]
     theirs, ours = both(torch_pipe, pipe, height=32, width=16, num_frames=9)
     np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
@@ -207,7 +263,6 @@ def test_ti2v_per_token_timesteps_match_diffusers(shared_export):
         (dict(max_sequence_length=513), r"max_sequence_length: expected an integer in \[1, 512\]"),
         (dict(callback_on_step_end_tensor_inputs=["noise"]), "callback_on_step_end_tensor_inputs: expected names"),
         (dict(generator=[seeded(), seeded()]), r"generator: expected one generator per video \(1\)"),
-        (dict(output_type="np"), "output_type: expected 'latent' for a folder without vae_decoder"),
         (dict(num_inference_steps=0), "num_inference_steps: expected a positive integer, got 0"),
     ],
     ids=[
@@ -220,7 +275,6 @@ def test_ti2v_per_token_timesteps_match_diffusers(shared_export):
         "sequence",
         "callback-tensor",
         "generators",
-        "decoded-without-vae",
         "steps",
     ],
 )
@@ -232,6 +286,15 @@ def test_a_call_it_cannot_run_is_refused_by_name_before_any_component_runs(wan, 
         runs = [stack.enter_context(model.watch_runs()) for model in pipe.onnx_models.values()]
         with pytest.raises(ValueError, match=message):
             pipe(PROMPTS[0], **arguments)
+    assert not any(runs)
+
+
+def test_a_decoded_output_of_a_folder_without_a_vae_is_refused_before_any_component_runs(wan22):
+    pipe = load(wan22[1])
+    with contextlib.ExitStack() as stack:
+        runs = [stack.enter_context(model.watch_runs()) for model in pipe.onnx_models.values()]
+        with pytest.raises(ValueError, match="output_type: expected 'latent' for a folder without vae_decoder"):
+            pipe(PROMPTS[0], height=16, width=16, num_frames=5, output_type="np")
     assert not any(runs)
 
 
@@ -280,7 +343,9 @@ def test_an_ort_optimized_export_keeps_the_multi_head_attention_and_matches_diff
     from optimum_iobinding.export import export_pipeline
 
     torch_pipe, _ = wan
-    fused = export_pipeline(None, tmp_path / "fused", torch_pipeline=torch_pipe, optimize="cpu", progress=False)
+    fused = export_pipeline(
+        None, tmp_path / "fused", torch_pipeline=torch_pipe, optimize="cpu", components=WITHOUT_VAE[:2], progress=False
+    )
     ops = [node.op_type for node in onnx.load(str(fused / "transformer" / "model.onnx")).graph.node]
     assert ops.count("MultiHeadAttention") == 4 and "FastGelu" in ops and "ScatterND" not in ops
     theirs, ours = both(torch_pipe, load(fused), height=16, width=32)
