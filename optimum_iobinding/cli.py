@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, 
 
 # the standard library only: every heavy module is imported by the command using it
 from .errors import ArgumentError, CommandLineParser, RawDescriptionHelpFormatter
-from .families import Family, family, family_of_class, pipeline_class, tiny_random_kinds
+from .families import Family, family, family_of_class, image_role, image_route, pipeline_class, tiny_random_kinds
 
 if TYPE_CHECKING:
     from .serve.config import ServeConfig
@@ -532,9 +532,9 @@ CACHE_FORMS = {
 }
 
 
-# the image options of `generate`, their call arguments (a family's control image may be its `image`: see
-# image_option) and the mode an image is read in
-IMAGE_OPTIONS = {"--image": ("image", "RGB"), "--mask": ("mask_image", "L"), "--control-image": ("control", "RGB")}
+# the image options of `generate`: the role of their image (families.IMAGE_ROLES) and the mode it is read in
+IMAGE_OPTIONS = {"--image": ("image", "RGB"), "--mask": ("mask", "L"), "--control-image": ("control_image", "RGB")}
+ROLE_OPTIONS = {role: option for option, (role, _) in IMAGE_OPTIONS.items()}
 
 
 def read_image_options(args: argparse.Namespace) -> Dict[str, Any]:
@@ -569,43 +569,6 @@ def read_image_file(option: str, path: str, mode: str) -> Any:
         raise UsageError(
             f"{option}: expected an image file Pillow reads (PNG, JPEG, …), got {path!r}: {error}"
         ) from None
-
-
-def image_option(record: Family, argument: str) -> str:
-    """The option of ``generate`` that gives the call argument ``argument`` of the family ``record``."""
-    if argument == record.control_image:
-        return "--control-image"
-    return "--mask" if argument == "mask_image" else "--image"
-
-
-def image_pipeline(
-    record: Family, images: Mapping[str, Any], strength: Optional[float] = None
-) -> Tuple[Optional[str], Family]:
-    """Which pipeline runs ``generate`` with the image options ``images`` (and ``--strength``) on a folder of the
-    family ``record``: the folder's own (``None``), or its ``"image_to_image"`` or ``"inpainting"`` sibling, with the
-    family that runs; an option that family does not take, or one it needs that is missing, is refused naming the
-    option."""
-    sibling, runs = None, record
-    starts = record.image_inputs - {record.control_image, "mask_image"}
-    if "--mask" in images and "mask_image" not in record.image_inputs:
-        if record.inpainting is None:
-            raise UsageError(f"--mask: expected none for {record.class_name} ({record.title} repaints no masked area)")
-        sibling, runs = "inpainting", family(record.inpainting)
-    elif "--image" in images and not starts:
-        if record.image_to_image is None:
-            raise UsageError(
-                f"--image: expected none for {record.class_name} ({record.title} starts from no image and edits none)"
-            )
-        sibling, runs = "image_to_image", family(record.image_to_image)
-    if "--control-image" in images and runs.control_image is None:
-        raise UsageError(f"--control-image: expected none for {runs.class_name} ({runs.title} takes no control image)")
-    for argument in sorted(runs.image_inputs):
-        option = image_option(runs, argument)
-        if option not in images:
-            raise UsageError(f"{option}: expected an image for {runs.class_name} ({runs.title}), got none")
-    if strength is not None and not runs.strength:
-        raise UsageError(f"--strength: expected none for {runs.class_name} ({runs.title} takes no strength)")
-    return sibling, runs
 
 
 def parse_lora_option(spec: str) -> Tuple[str, float]:
@@ -715,7 +678,9 @@ def run_generate(args: argparse.Namespace) -> int:
         folder_class = pipeline_class_for(model, text_to_image=False)  # an image family: asked for its images
         record = family_of_class(folder_class.__name__)
         check_generate_fits(record, args)
-    sibling, runs = image_pipeline(record, args.images, args.strength)
+    with options_named({**ROLE_OPTIONS, "strength": "--strength"}):
+        roles = {IMAGE_OPTIONS[option][0] for option in args.images}
+        sibling, runs = image_route(record, roles, args.strength is not None)
     if args.loras and runs.lora is None:
         raise UsageError(f"--lora: expected none for {runs.class_name} ({runs.title} takes no LoRA)")
     first_image = next(iter(args.images.values()), None)  # its sides where --width and --height give none
@@ -807,7 +772,7 @@ def image_arguments(record: Family, images: Mapping[str, Any], width: int, heigh
     (``width`` × ``height``: resized where it has another)."""
     arguments = {}
     for argument in record.image_inputs:
-        image = images[image_option(record, argument)]
+        image = images[ROLE_OPTIONS[image_role(record, argument)]]
         arguments[argument] = image if image.size == (width, height) else image.resize((width, height))
     return arguments
 

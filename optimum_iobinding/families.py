@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field, replace
-from typing import Dict, FrozenSet, Mapping, Optional, Sequence, Tuple, Union
+from typing import AbstractSet, Dict, FrozenSet, Mapping, Optional, Sequence, Tuple, Union
 
+from .errors import ArgumentError
 from .layout import DIFFUSERS_ONNX_CLASS_NAME, DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT
 
 __all__ = [
@@ -31,6 +32,9 @@ __all__ = [
     "t5_tokenizer_of",
     "tiny_random_kinds",
     "detect",
+    "IMAGE_ROLES",
+    "image_role",
+    "image_route",
     "UNET_INPUTS",
     "MMDIT_INPUTS",
     "FLUX_INPUTS",
@@ -531,6 +535,50 @@ def transformer_family(transformer_class: Optional[str]) -> Optional[Family]:
         ),
         None,
     )
+
+
+# The images a command or a request gives a family, by role (the command line's options and the request's fields are
+# named after them): what to start from or to edit, where to repaint, what to follow
+IMAGE_ROLES = ("image", "mask", "control_image")
+
+
+def image_role(record: Family, argument: str) -> str:
+    """The role (:data:`IMAGE_ROLES`) of ``record``'s image argument ``argument`` (one of its ``image_inputs``)."""
+    if argument == record.control_image:
+        return "control_image"
+    return "mask" if argument == "mask_image" else "image"
+
+
+def image_route(record: Family, roles: AbstractSet[str], strength: bool = False) -> Tuple[Optional[str], Family]:
+    """Which pipeline takes images in ``roles`` (and a ``strength``, where one is given) on a folder of ``record``'s
+    family: the folder's own (``None``) or its ``"image_to_image"`` or ``"inpainting"`` sibling, with the record of
+    the family that runs them. An image it cannot take, one it needs that is missing, or a strength it takes none of
+    is an :class:`~optimum_iobinding.errors.ArgumentError` naming the role (or ``strength``)."""
+    sibling, runs = None, record
+    starts = record.image_inputs - {record.control_image, "mask_image"}
+    if "mask" in roles and "mask_image" not in record.image_inputs:
+        if record.inpainting is None:
+            raise ArgumentError(
+                "mask", f"expected none for {record.class_name} ({record.title} repaints no masked area)"
+            )
+        sibling, runs = "inpainting", family(record.inpainting)
+    elif "image" in roles and not starts:
+        if record.image_to_image is None:
+            raise ArgumentError(
+                "image", f"expected none for {record.class_name} ({record.title} starts from no image and edits none)"
+            )
+        sibling, runs = "image_to_image", family(record.image_to_image)
+    if "control_image" in roles and runs.control_image is None:
+        raise ArgumentError(
+            "control_image", f"expected none for {runs.class_name} ({runs.title} takes no control image)"
+        )
+    for argument in sorted(runs.image_inputs):
+        role = image_role(runs, argument)
+        if role not in roles:
+            raise ArgumentError(role, f"expected an image for {runs.class_name} ({runs.title}), got none")
+    if strength and not runs.strength:
+        raise ArgumentError("strength", f"expected none for {runs.class_name} ({runs.title} takes no strength)")
+    return sibling, runs
 
 
 def tiny_random_kinds() -> Tuple[str, ...]:
