@@ -114,8 +114,8 @@ class WanCausalRunner:
         tensor allocated after the first call.
 
         Args:
-            chunks: contiguous tensors on the device in the graphs' dtype: the first of :attr:`first_frames`
-                frames, the others of :attr:`chunk_frames`.
+            chunks: tensors on the device in the graphs' dtype, the first of :attr:`first_frames` frames, the
+                others of :attr:`chunk_frames` (views of one video: each is made contiguous as its call binds it).
 
         Returns:
             The chunks' outputs, one after another along dim 2.
@@ -232,7 +232,7 @@ class WanVideoCodec:
         _check_video("latents", latents, runner.channels, "latent frames", "latent height", "latent width")
         latents = latents.detach().to(device=runner.device, dtype=runner.dtype)
         frames = latents.shape[2]
-        chunks = [latents[:, :, index : index + 1].contiguous() for index in range(frames)]
+        chunks = [latents[:, :, index : index + 1] for index in range(frames)]
         return runner.run(chunks)
 
     # ---------------------------------------------------------------------------------------------------- encode
@@ -266,8 +266,7 @@ class WanVideoCodec:
             )
         video = video.detach().to(device=runner.device, dtype=runner.dtype)
         first = runner.first_frames
-        chunks = [video[:, :, :first].contiguous()]
-        chunks += [video[:, :, start : start + step].contiguous() for start in range(first, frames, step)]
+        chunks = [video[:, :, :first]] + [video[:, :, start : start + step] for start in range(first, frames, step)]
         return runner.run(chunks)
 
 
