@@ -573,31 +573,29 @@ def read_image_file(option: str, path: str, mode: str) -> Any:
 
 def parse_lora_option(spec: str) -> Tuple[str, float]:
     """``--lora PATH[:SCALE]`` → ``(PATH, SCALE)`` (scale 1 without one); PATH a LoRA file, a folder or a hub id."""
-    path, scale = spec, 1.0
-    head, separator, tail = spec.rpartition(":")
-    if separator and head:
-        try:
-            path, scale = head, float(tail)
-        except ValueError:
-            pass  # a colon of the path itself
-    check(math.isfinite(scale), "--lora", "PATH[:SCALE] with a finite SCALE", spec)
+    from .cache_spec import parse_lora_spec
+
+    with options_named({"lora": "--lora"}):
+        path, scale = parse_lora_spec(spec)
     check_local_or_hub("--lora", path)
     return path, scale
 
 
 def load_loras(pipe: Any, loras: List[Tuple[str, float]]) -> None:
-    """Loads each ``--lora`` on ``pipe`` as an adapter of its own and makes them all active with their scales (as
-    diffusers' ``load_lora_weights`` and ``set_adapters``); a refusal names the option and the file."""
-    names = []
-    for index, (path, _) in enumerate(loras):
-        names.append(f"lora_{index}")
+    """Loads each ``--lora`` on ``pipe`` as an adapter named after its file and makes them all active with their
+    scales (as diffusers' ``load_lora_weights`` and ``set_adapters``); a refusal names the option and the file."""
+    from .cache_spec import lora_adapter_names
+
+    names = lora_adapter_names([path for path, _ in loras])
+    for name, (path, _) in zip(names, loras):
         option = f"--lora {path}"
         refusals = {"pretrained_model_name_or_path_or_dict": option, "adapter_name": option}
         refusals.update({component: f"{option} ({component})" for component in MODEL_COMPONENTS})
         with options_named(refusals):
-            pipe.load_lora_weights(path, adapter_name=names[-1])
-    with options_named({"adapter_weights": "--lora SCALE"}):
-        pipe.set_adapters(names, adapter_weights=[scale for _, scale in loras])
+            pipe.load_lora_weights(path, adapter_name=name)
+    if names:
+        with options_named({"adapter_weights": "--lora SCALE"}):
+            pipe.set_adapters(names, adapter_weights=[scale for _, scale in loras])
 
 
 def check_cache_spec(spec: str) -> None:
@@ -1067,6 +1065,7 @@ SERVE_OPTIONS = {
     "max_body_bytes": "--max-body-bytes",
     "request_timeout_s": "--request-timeout-s",
     "cache": "--cache",
+    "loras": "--lora",
 }
 
 
@@ -1082,6 +1081,8 @@ def check_serve_arguments(args: argparse.Namespace, model: str) -> ServeConfig:
         args.batch_wait_ms,
     )
     check(math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
+    for spec in args.lora:  # a path there or a hub id, a finite scale
+        parse_lora_option(spec)
     with options_named(SERVE_OPTIONS):
         warmup = None
         if args.warmup_batch_sizes is not None:
@@ -1109,6 +1110,7 @@ def check_serve_arguments(args: argparse.Namespace, model: str) -> ServeConfig:
             max_body_bytes=args.max_body_bytes,
             request_timeout_s=args.request_timeout_s,
             cache=args.cache,
+            loras=list(args.lora),
         )
 
 
@@ -1322,6 +1324,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="cache every request's denoising steps (default off), as generate --cache: fbc:THRESHOLD or "
         "deepcache:INTERVAL[:BRANCH]; the model folder needs the parts: export it with --step-cache",
+    )
+    serve_command.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="PATH[:SCALE]",
+        help="a LoRA every replica loads, at SCALE (default 1), named after its file; repeat it for several; a "
+        "request's loras field picks among them",
     )
     serve_command.add_argument("--dashboard", action="store_true", help="start Ray's dashboard (on 127.0.0.1)")
     limits = serve_command.add_argument_group("request limits (beyond them: 400 or 413 before any work)")

@@ -35,6 +35,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import math
 import os
 import secrets
 import threading
@@ -47,7 +48,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("optimum_iobinding.serve needs Ray Serve: pip install 'optimum-iobinding[serve]'") from error
 
 from ..errors import ArgumentError
-from ..families import family, family_of_class
+from ..families import IMAGE_ROLES, family, family_of_class, image_role, image_route
 from .config import RequestLimits, ServeConfig
 from .schema import MAX_SEED, decode_image, decode_mask, encode_pngs, parse_size, shown
 
@@ -119,15 +120,18 @@ def _images_in(requests: Sequence[Dict[str, Any]]) -> int:
 
 
 def _group_key(request: Dict[str, Any]) -> Tuple:
-    """What one pipeline call cannot mix (image-to-image requests run apart from text-to-image ones)."""
+    """What one pipeline call cannot mix: the pipeline that runs it (image-to-image requests run apart from
+    text-to-image ones), the sizes of its images, the LoRAs' weights."""
+    images = request.get("images") or {}
     return (
         request["width"],
         request["height"],
         request["steps"],
         request["guidance"],
-        request.get("start_image") is not None,
-        request.get("start_mask") is not None,
+        request.get("route"),
+        tuple(sorted((name, image.shape) for name, image in images.items())),
         request.get("strength"),
+        request.get("lora_weights"),
     )
 
 
@@ -302,7 +306,7 @@ class ImageGenerator:
 
                 self.pipe = load_numpy_pipeline(folder, provider, **self.config.pipeline_options)
             else:
-                pipeline_class = pipeline_class_for(folder)
+                pipeline_class = pipeline_class_for(folder, text_to_image=False)  # an image family: its requests'
                 self.pipe = pipeline_class.from_pretrained(folder, provider=provider, **self.config.pipeline_options)
         if self.numpy_engine:  # diffusers' numpy ONNX pipeline of Stable Diffusion
             self.family = family("sd")
@@ -324,6 +328,10 @@ class ImageGenerator:
                     if pipe is not None:
                         pipe.enable_cache(cache_config_of(self.config.cache))
         self.pipe.set_progress_bar_config(disable=True)
+        self.lora_weights: Dict[str, float] = {}  # the LoRAs loaded at start and their weights by default
+        if self.config.loras:
+            self._load_loras()
+        self._active_loras = self._default_loras = tuple(self.lora_weights.items())
         self.model_id = os.path.basename(os.path.normpath(self.config.model)) or self.config.model
         tokenizer = getattr(self.pipe, "tokenizer", None)
         # the token limit is counted on the event loop while a batch may be encoding its prompts on the pipeline's
@@ -354,6 +362,31 @@ class ImageGenerator:
         self._arrivals = 0  # requests that passed the checks and went to the gate
         self._company_expected = True  # a batch that starts idle waits for more (IDLE_GATHER_WAIT)
         self._finisher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="images")
+
+    def _load_loras(self) -> None:
+        """Loads ``config.loras`` as adapters named after their files, all active at their weights; a LoRA the
+        family or the models cannot take fails the replica naming ``loras``."""
+        from ..cache_spec import lora_adapter_names, parse_lora_spec
+
+        if self.family.lora is None:
+            raise ArgumentError("loras", f"expected none for {self.pipeline_name} ({self.family.title} takes no LoRA)")
+        specs = [parse_lora_spec(spec, "loras") for spec in self.config.loras]
+        names = lora_adapter_names([path for path, _ in specs])
+        for name, (path, _) in zip(names, specs):
+            try:
+                self.pipe.load_lora_weights(path, adapter_name=name)
+            except ArgumentError as error:
+                raise ArgumentError("loras", f"{path}: {error}") from None
+        self.lora_weights = {name: scale for name, (_, scale) in zip(names, specs)}
+        self.pipe.set_adapters(names, adapter_weights=[scale for _, scale in specs])
+
+    def _use_loras(self, weights: Tuple[Tuple[str, float], ...]) -> None:
+        """Gives the loaded LoRAs the weights of the next call (the unnamed ones 0), where they differ from the last
+        call's: the weights change in place, on the pipeline's thread, between calls."""
+        if weights != self._active_loras:
+            chosen = dict(weights)
+            self.pipe.set_adapters(list(self.lora_weights), [chosen.get(name, 0.0) for name in self.lora_weights])
+            self._active_loras = weights
 
     def _warm_up(self) -> float:
         """Captures every batch size the replica will run (``warmup_batch_sizes``, default 1 … ``max_batch_size``) at
@@ -402,6 +435,8 @@ class ImageGenerator:
             "warmup_s": self.warmup_s,
             "image_to_image": self.img2img is not None,
             "inpainting": self.inpaint is not None,
+            "images": sorted({image_role(self.family, argument) for argument in self.family.image_inputs}),
+            "loras": dict(self.lora_weights),
             "max_batch_size": self.config.max_batch_size,
             "device": str(self.pipe.device),
             "batches_run": self.batches_run,
@@ -440,37 +475,8 @@ class ImageGenerator:
             raise ArgumentError("steps", f"expected 1 to {limits.max_steps} (max_steps), got {shown(request['steps'])}")
         if request.get("guidance") is None:
             request["guidance"] = self.config.guidance
-        request["start_image"] = request["start_mask"] = None
-        mask = request.pop("mask", None)
-        if request.get("image") is not None:
-            if mask is None and self.img2img is None:
-                raise ArgumentError(
-                    "image",
-                    f"{self.pipeline_name} on this folder has no image-to-image pipeline (its "
-                    "family has none, or the folder has no VAE encoder)",
-                )
-            if mask is not None and self.inpaint is None:
-                raise ArgumentError(
-                    "mask",
-                    f"{self.pipeline_name} on this folder has no inpainting pipeline (its family has none, or the "
-                    "folder has no VAE encoder); leave the mask out for image to image",
-                )
-            request["start_image"] = decode_image(request["image"], limits.max_pixels_per_image)
-            height, width = request["start_image"].shape[:2]
-            if request.get("size") is not None and parse_size(request["size"], self.default_size) != (width, height):
-                raise ArgumentError(
-                    "size", f"the image is {width}x{height}; leave size out or give that, got {shown(request['size'])}"
-                )
-            request["size"] = f"{width}x{height}"
-            if mask is not None:
-                request["start_mask"] = decode_mask(mask, (width, height), limits.max_pixels_per_image)
-            if request.get("strength") is None:
-                request["strength"] = IMAGE_TO_IMAGE_STRENGTH if mask is None else INPAINTING_STRENGTH
-        elif mask is not None:
-            raise ArgumentError("mask", "expected it beside an image to repaint (image), got a mask alone")
-        elif request.get("strength") is not None:
-            raise ArgumentError("strength", "only an image-to-image request (with image) takes one")
-        request.pop("image", None)
+        self._complete_images(request)
+        self._complete_loras(request)
         request["width"], request["height"] = width, height = parse_size(request.get("size"), self.default_size)
         if width * height > limits.max_pixels_per_image:
             raise ArgumentError(
@@ -510,6 +516,73 @@ class ImageGenerator:
         except ArgumentError as error:
             raise named_by_field(error) from None
         return request
+
+    def _complete_images(self, request: Dict[str, Any]) -> None:
+        """The request's images (``image``, ``mask``, ``control_image``) decoded into ``request["images"]`` (call
+        argument → pixels) of the pipeline that takes them (``request["route"]``: the folder's own, ``None``, or its
+        ``"image_to_image"`` or ``"inpainting"`` sibling; ``request["runs"]``: that one's family), the size the
+        image's where the family's output has it (image to image) or the request gives none; refusals name the
+        field."""
+        limits = self.limits
+        request["images"], request["route"], request["runs"] = {}, None, self.family.key
+        roles = {role for role in IMAGE_ROLES if request.get(role) is not None}
+        if not roles:
+            if request.get("strength") is not None:
+                raise ArgumentError("strength", "only an image-to-image request (with image) takes one")
+            return
+        if "mask" in roles and "image" not in roles:
+            raise ArgumentError("mask", "expected it beside an image to repaint (image), got a mask alone")
+        route, runs = image_route(self.family, roles, request.get("strength") is not None)
+        if route == "image_to_image" and self.img2img is None:
+            raise ArgumentError(
+                "image",
+                f"{self.pipeline_name} on this folder has no image-to-image pipeline (its family has none, or the "
+                "folder has no VAE encoder)",
+            )
+        if route == "inpainting" and self.inpaint is None:
+            raise ArgumentError(
+                "mask",
+                f"{self.pipeline_name} on this folder has no inpainting pipeline (its family has none, or the folder "
+                "has no VAE encoder); leave the mask out for image to image",
+            )
+        decoded = {
+            role: decode_image(request.pop(role), limits.max_pixels_per_image, role)
+            for role in ("image", "control_image")
+            if role in roles
+        }
+        height, width = decoded["image" if "image" in decoded else "control_image"].shape[:2]
+        if runs.sized_by_image:
+            if request.get("size") is not None and parse_size(request["size"], self.default_size) != (width, height):
+                raise ArgumentError(
+                    "size", f"the image is {width}x{height}; leave size out or give that, got {shown(request['size'])}"
+                )
+            request["size"] = f"{width}x{height}"
+        elif request.get("size") is None:
+            request["size"] = f"{width}x{height}"
+        if "mask" in roles:
+            decoded["mask"] = decode_mask(request.pop("mask"), (width, height), limits.max_pixels_per_image)
+        request["images"] = {argument: decoded[image_role(runs, argument)] for argument in runs.image_inputs}
+        request["route"], request["runs"] = route, runs.key
+        if request.get("strength") is None and route is not None:
+            request["strength"] = IMAGE_TO_IMAGE_STRENGTH if route == "image_to_image" else INPAINTING_STRENGTH
+
+    def _complete_loras(self, request: Dict[str, Any]) -> None:
+        """``request["lora_weights"]``: the weight of each loaded LoRA in the request's call, its ``loras`` field's
+        (a name it does not give: 0) or, without one, the service's."""
+        chosen = request.pop("loras", None)
+        if chosen is None:
+            request["lora_weights"] = self._default_loras
+            return
+        if not isinstance(chosen, dict):
+            raise ArgumentError("loras", f"expected a map of LoRA names to weights, got {shown(chosen)}")
+        unknown = sorted(set(chosen) - set(self.lora_weights), key=str)
+        if unknown:
+            loaded = sorted(self.lora_weights) or "none: the service loaded no LoRA"
+            raise ArgumentError("loras", f"expected names among {loaded}, got {shown(unknown)}")
+        for name, weight in chosen.items():
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+                raise ArgumentError("loras", f"expected a finite weight for {name!r}, got {shown(weight)}")
+        request["lora_weights"] = tuple((name, float(chosen.get(name, 0.0))) for name in self.lora_weights)
 
     def _check_tokens(self, request: Dict[str, Any]) -> None:
         limit = self.limits.max_prompt_tokens
@@ -738,14 +811,15 @@ class ImageGenerator:
         import numpy as np
         import torch
 
-        prompts, negatives, seeds, starts, masks = [], [], [], [], []
+        prompts, negatives, seeds = [], [], []
+        images: Dict[str, List[Any]] = {}  # one image (and mask) per image row, each row with its own generator
         for member in members:
             for k in range(member["n"]):
                 prompts.append(member["prompt"])
                 negatives.append(member.get("negative_prompt") or "")
                 seeds.append(member["seed"] + k)
-                starts.append(member.get("start_image"))
-                masks.append(member.get("start_mask"))
+                for argument, pixels in member["images"].items():
+                    images.setdefault(argument, []).append(pixels)
         first = members[0]
         if self.numpy_engine:
             generator: Any = np.random.RandomState(seeds[0] % 2**32)
@@ -760,21 +834,17 @@ class ImageGenerator:
         )
         if self.takes_negative_prompt and any(negatives):
             arguments["negative_prompt"] = negatives
-        pipe = self.pipe
-        if first.get("start_mask") is not None:  # one image and mask per image row, each with its own generator
-            pipe = self.inpaint
-            arguments.update(
-                image=np.stack(starts),
-                mask_image=np.stack(masks),
-                strength=first["strength"],
-                height=first["height"],
-                width=first["width"],
-            )
-        elif first.get("start_image") is not None:  # one start image per image row, each with its own generator
-            pipe = self.img2img
-            arguments.update(image=np.stack(starts), strength=first["strength"])
-        else:
+        pipe = {None: self.pipe, "image_to_image": self.img2img, "inpainting": self.inpaint}[first["route"]]
+        runs = family(first["runs"])
+        arguments.update({argument: np.stack(rows) for argument, rows in images.items()})
+        if not runs.sized_by_image:
             arguments.update(height=first["height"], width=first["width"])
+        if runs.options.get("size_by_area"):  # FLUX.1 Kontext: the size asked for, not about a megapixel
+            arguments["max_area"] = first["height"] * first["width"]
+        if first.get("strength") is not None:
+            arguments["strength"] = first["strength"]
+        if self.lora_weights:
+            self._use_loras(first["lora_weights"])
         start = time.perf_counter()
         if self._deferred:
             # the images stay on the device (no host wait): made uint8 HWC there, copied to pinned memory behind

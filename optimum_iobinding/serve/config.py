@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, List, Literal, Optional
 
-from ..cache_spec import parse_cache_spec
+from ..cache_spec import parse_cache_spec, parse_lora_spec
 from ..errors import ArgumentError
 
 # ServeConfig's settings that are positive integers (checked, and parsed from serve run's strings)
@@ -118,6 +118,10 @@ class ServeConfig:
         cache: a step cache for every request (default ``None``: off), as ``generate --cache`` names it:
             ``fbc:THRESHOLD`` (First-Block Cache, SD3 and FLUX.1) or ``deepcache:INTERVAL[:BRANCH]`` (DeepCache, SD
             and SDXL); the model folder needs the parts (``export --step-cache``).
+        loras: LoRAs each replica loads at start, as ``serve --lora`` names them: ``PATH[:SCALE]`` (a file, a
+            folder or a hub id; its weight, default 1), each an adapter named after its file (``pixel-art`` for
+            ``pixel-art.safetensors``). A request uses them all at these weights unless its ``loras`` field says
+            which and how much (switched in place between batches: no reload, graphs kept).
     """
 
     model: str
@@ -144,6 +148,7 @@ class ServeConfig:
     pipeline_options: Dict[str, Any] = field(default_factory=dict)
     engine: Literal["optimum-iobinding", "diffusers-numpy"] = "optimum-iobinding"
     cache: Optional[str] = None
+    loras: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -205,6 +210,15 @@ class ServeConfig:
                     f"expected None with engine='diffusers-numpy' (diffusers' ONNX pipeline "
                     f"runs its model whole), got {self.cache!r}",
                 )
+        if not isinstance(self.loras, (list, tuple)):
+            raise ArgumentError("loras", f"expected a list of PATH[:SCALE], got {self.loras!r}")
+        self.loras = list(self.loras)
+        for spec in self.loras:
+            parse_lora_spec(spec, "loras")
+        if self.loras and self.engine == "diffusers-numpy":
+            raise ArgumentError(
+                "loras", f"expected none with engine='diffusers-numpy' (its ONNX models take none), got {self.loras}"
+            )
         if self.device not in ("auto", "cuda", "cpu"):
             raise ArgumentError("device", f"expected 'auto', 'cuda' or 'cpu', got {self.device!r}")
         if self.max_images_per_request > self.max_batch_size:
@@ -232,6 +246,8 @@ class ServeConfig:
                 value = _parse(name, value, float)
             elif isinstance(value, str) and name in ("warmup_batch_sizes", "warmup_sizes"):
                 value = [_parse(name, part, int) for part in value.split(",") if part.strip()]
+            elif isinstance(value, str) and name == "loras":  # PATH[:SCALE],PATH[:SCALE]…
+                value = [part.strip() for part in value.split(",") if part.strip()]
             typed[name] = value
         return cls(**typed)
 

@@ -38,8 +38,23 @@ class ImageRequest(BaseModel):
     size: Union[int, str, None] = Field(default=None, description="pixels: 512 (square) or '768x512' (width x height)")
     n: int = Field(default=1, ge=1)
     response_format: Literal["png", "b64_json"] = "png"
-    image: Optional[str] = Field(default=None, description="image-to-image: the start image, base64 PNG or JPEG")
-    strength: Optional[float] = Field(default=None, description="image-to-image: how much of the schedule runs")
+    image: Optional[str] = Field(
+        default=None,
+        description="the image to start from (image to image) or to edit (FLUX.1 Kontext, Fill, inpainting), base64 "
+        "PNG or JPEG",
+    )
+    mask: Optional[str] = Field(
+        default=None, description="with image: where to repaint, a base64 PNG of its size (white, or transparent)"
+    )
+    control_image: Optional[str] = Field(
+        default=None, description="the control image (ControlNet, FLUX.1 Control), base64 PNG or JPEG"
+    )
+    strength: Optional[float] = Field(default=None, description="with image: how much of the schedule runs")
+    loras: Optional[Dict[str, float]] = Field(
+        default=None,
+        description="the LoRAs the service loaded (GET /v1/models lists them) and their weights, e.g. {'pixel-art': "
+        "0.8}; {} for none; default: each at the weight the service gives it",
+    )
 
 
 def shown(value: Any, limit: int = 60) -> str:
@@ -78,16 +93,16 @@ def plain_reason(error: BaseException) -> str:
     return (text.splitlines() or [type(error).__name__])[0][:200]
 
 
-def decode_image(data: Union[str, bytes], max_pixels: Optional[int] = None) -> Any:
+def decode_image(data: Union[str, bytes], max_pixels: Optional[int] = None, name: str = "image") -> Any:
     """A PNG or JPEG → float32 HxWx3 in [0, 1] (what the image-to-image pipelines take): base64 text, as a JSON
     field carries it, or the file's bytes, as a multipart form's part does. An image of more than ``max_pixels`` is
-    refused from its header, before its pixels are decoded. A refusal names the field (``image``), what it takes
-    and what came: text that is no base64, bytes of no image Pillow reads (their first bytes shown), an image that
-    cannot be decoded."""
+    refused from its header, before its pixels are decoded. A refusal names the field (``name``: ``image``,
+    ``control_image``), what it takes and what came: text that is no base64, bytes of no image Pillow reads (their
+    first bytes shown), an image that cannot be decoded."""
     import numpy as np
 
-    raw, expected = _image_bytes(data, "image")
-    pixels = _read_image(raw, "image", expected, max_pixels, lambda image: np.asarray(image.convert("RGB")))
+    raw, expected = _image_bytes(data, name)
+    pixels = _read_image(raw, name, expected, max_pixels, lambda image: np.asarray(image.convert("RGB")))
     return pixels.astype(np.float32) / 255.0
 
 
