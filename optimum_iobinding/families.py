@@ -44,6 +44,9 @@ __all__ = [
     "WAN_INPUTS",
     "WAN_TEXT_INPUTS",
     "WAN_TRANSFORMERS",
+    "WAN_IMAGE_INPUT",
+    "WAN_IMAGE_EMBEDS",
+    "WAN_I2V_CHANNELS",
 ]
 
 # the denoisers' ONNX inputs (the export writes them, the pipelines feed them)
@@ -62,6 +65,11 @@ FLUX_FILL_TOKEN_WIDTH, FLUX_CONTROL_TOKEN_WIDTH = 384, 128
 WAN_INPUTS = ("hidden_states", "encoder_hidden_states", "timestep")
 WAN_TEXT_INPUTS = ("input_ids", "attention_mask")
 WAN_TRANSFORMERS = ("transformer", "transformer_2")
+# Wan's image to video: Wan 2.1's transformer also takes the CLIP image encoder's penultimate states (the encoder's
+# output, diffusers' image_embeds); its latents go in beside the first frame's mask (4 channels, a latent frame's video
+# frames) and latents (16): 36 channels
+WAN_IMAGE_INPUT, WAN_IMAGE_EMBEDS = "encoder_hidden_states_image", "image_embeds"
+WAN_I2V_CHANNELS = 36
 
 
 @dataclass(frozen=True)
@@ -472,7 +480,7 @@ FAMILIES: Tuple[Family, ...] = (
         "OnnxWanPipeline",
         f"{_SD_MODULE}.wan",
         "Wan 2.1 / 2.2 text to video",
-        DenoiserInterface("transformer", WAN_INPUTS),
+        DenoiserInterface("transformer", WAN_INPUTS, refused_channels=(WAN_I2V_CHANNELS,)),
         Defaults(steps=50, guidance_scale=5.0),
         index_class_names=("WanPipeline",),
         index_class_name="WanPipeline",
@@ -482,6 +490,31 @@ FAMILIES: Tuple[Family, ...] = (
         scheduler_choice=False,
         callback_tensors=("latents", "prompt_embeds", "negative_prompt_embeds"),
         frames=True,
+        options={
+            "transformer_class": "WanTransformer3DModel",
+            "t5_tokenizer": "tokenizer",
+            "t5_encoder": "text_encoder",
+        },
+    ),
+    Family(
+        "wan-i2v",
+        "OnnxWanImageToVideoPipeline",
+        f"{_SD_MODULE}.wan_i2v",
+        "Wan 2.1 / 2.2 image to video",
+        DenoiserInterface("transformer", WAN_INPUTS, optional=(WAN_IMAGE_INPUT,), sample_channels=WAN_I2V_CHANNELS),
+        Defaults(steps=50, guidance_scale=5.0),
+        index_class_names=("WanImageToVideoPipeline",),
+        index_class_name="WanImageToVideoPipeline",
+        text_to_image=False,
+        image_inputs=frozenset({"image"}),
+        export="wan",
+        torch_classes=("WanImageToVideoPipeline",),
+        tiny_random=("wan-i2v", "wan2.2-i2v"),
+        scheduler_choice=False,
+        callback_tensors=("latents", "prompt_embeds", "negative_prompt_embeds"),
+        frames=True,
+        hint="a Wan image-to-video folder (its transformer takes the first frame's latents): use "
+        "OnnxWanImageToVideoPipeline from Python with an image",
         options={
             "transformer_class": "WanTransformer3DModel",
             "t5_tokenizer": "tokenizer",

@@ -233,8 +233,8 @@ _ONNX_COMPONENT_CLASSES = {
 
 # diffusion-transformer folders (optimum's export of SD3 and FLUX.1): the transformer and the T5 encoder
 _ONNX_COMPONENT_CLASSES |= {"SD3Transformer2DModel", "FluxTransformer2DModel", "T5EncoderModel"}
-# Wan's folders: its UMT5 encoder and its transformers (Wan 2.2's two experts)
-_ONNX_COMPONENT_CLASSES |= {"UMT5EncoderModel", "WanTransformer3DModel"}
+# Wan's folders: its UMT5 encoder, its transformers (Wan 2.2's two experts) and Wan 2.1 I2V's CLIP image encoder
+_ONNX_COMPONENT_CLASSES |= {"UMT5EncoderModel", "WanTransformer3DModel", "CLIPVisionModel"}
 
 
 def looks_like_hub_id(name: str) -> bool:
@@ -397,6 +397,30 @@ def load_tokenizer(folder: Path, index: Dict[str, Any], name: str = "tokenizer",
     return tokenizer
 
 
+def load_image_processor(folder: Path, index: Dict[str, Any], name: str = "image_processor") -> Any:
+    """The image processor in ``folder / name`` (Wan 2.1 I2V's ``CLIPImageProcessor``), of the class
+    model_index.json names; refused, naming the folder, where it is no transformers image processor or does not
+    load."""
+    import transformers
+
+    processor_class = component_class(index, name, transformers, None, "CLIPImageProcessor")
+    if not (
+        isinstance(processor_class, type)
+        and issubclass(processor_class, transformers.image_processing_utils.BaseImageProcessor)
+    ):
+        raise ValueError(
+            f"model_index.json: {name}: expected a transformers image processor class (CLIPImageProcessor …), got "
+            f"{index.get(name)!r}"
+        )
+    try:
+        return processor_class.from_pretrained(str(folder / name))
+    except Exception as error:  # a missing or broken preprocessor_config.json
+        raise ValueError(
+            f"{name}: expected a {processor_class.__name__} folder (preprocessor_config.json), got "
+            f"{str(folder / name)!r}, which does not load: {type(error).__name__}: {str(error)[:200]}"
+        ) from error
+
+
 # ------------------------------------------------------------------------------------------------------ writing
 def save_tokenizer(tokenizer: Any, folder: Union[str, os.PathLike]) -> None:
     """Saves a tokenizer so that transformers 4 and 5 both load it: transformers 5 writes only tokenizer.json, while
@@ -483,13 +507,17 @@ def index_entry(module: Any) -> Optional[Tuple[str, str]]:
     """A component's model_index.json entry, ``(library, class name)`` (``None`` for a missing one), as both the
     export and ``save_pretrained`` write it: transformers 5's ``T5Tokenizer`` is the fast one (``T5TokenizerFast`` is
     its alias there), while transformers 4's ``T5Tokenizer`` needs a sentencepiece file the folder does not have; the
-    fast name loads in both."""
+    fast name loads in both. An image processor is named by its class, not transformers 5's backend of it
+    (``CLIPImageProcessorPil`` without torchvision), which transformers 4 has not."""
     if module is None:
         return None
     library = "diffusers" if type(module).__module__.startswith("diffusers") else "transformers"
     name = type(module).__name__
     if name == "T5Tokenizer" and getattr(module, "is_fast", False):
         name = "T5TokenizerFast"
+    for backend in ("ImageProcessorPil", "ImageProcessorFast"):  # transformers 5's backends of one image processor
+        if name.endswith(backend):
+            name = name[: -len(backend)] + "ImageProcessor"  # the class every transformers version loads
     return library, name
 
 

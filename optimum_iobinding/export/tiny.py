@@ -641,6 +641,64 @@ def build_tiny_random_wan_pipeline(
     return _in_float32(pipeline)
 
 
+def build_tiny_random_wan_i2v_pipeline(seed: int = 0, image_encoder: bool = True, two_experts: bool = False):
+    """A tiny random-weights ``WanImageToVideoPipeline`` built offline on the tiny Wan pipeline's encoder, VAE and
+    scheduler (:func:`build_tiny_random_wan_pipeline`): transformers taking the latents, the first frame's mask (4
+    channels) and its latents side by side (36 channels), as Wan's image-to-video ones.
+
+    Args:
+        seed: the seed every weight is drawn from.
+        image_encoder: Wan 2.1 I2V's shape: a CLIP vision encoder (2 layers of width 16, 32 × 32 pixels in patches
+            of 4: 65 tokens) and its image processor, and transformers that attend to its penultimate states through
+            keys and values of their own (``image_dim``, ``added_kv_proj_dim``); without it, Wan 2.2 I2V's.
+        two_experts: Wan 2.2's second transformer (the low-noise expert), switched to below a boundary ratio of 0.9.
+
+    Returns:
+        The ``WanImageToVideoPipeline``, in float32.
+    """
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    base = build_tiny_random_wan_pipeline(seed)
+    torch.manual_seed(seed + 1)
+    encoder = processor = None
+    if image_encoder:
+        encoder = CLIPVisionModel(
+            CLIPVisionConfig(
+                hidden_size=16,
+                intermediate_size=37,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=32,
+                patch_size=4,
+                projection_dim=16,
+            )
+        ).eval()
+        processor = CLIPImageProcessor(crop_size=32, size=32)
+    config = {key: value for key, value in base.transformer.config.items() if not key.startswith("_")}
+    config.update(in_channels=36, out_channels=16)
+    if image_encoder:
+        config.update(image_dim=16, added_kv_proj_dim=24)
+
+    def transformer():
+        return WanTransformer3DModel(**config)
+
+    first = transformer()
+    second = transformer() if two_experts else None
+    pipeline = WanImageToVideoPipeline(
+        tokenizer=base.tokenizer,
+        text_encoder=base.text_encoder,
+        vae=base.vae,
+        scheduler=base.scheduler,
+        image_processor=processor,
+        image_encoder=encoder,
+        transformer=first,
+        transformer_2=second,
+        boundary_ratio=0.9 if two_experts else None,
+    )
+    return _in_float32(pipeline)
+
+
 TINY_RANDOM_KINDS: Dict[str, Callable[[], Any]] = {
     "sd": build_tiny_random_pipeline,
     "xl": build_tiny_random_xl_pipeline,
@@ -652,6 +710,8 @@ TINY_RANDOM_KINDS: Dict[str, Callable[[], Any]] = {
     **{f"flux-{variant}": (lambda v=variant: build_tiny_random_flux_variant_pipeline(v)) for variant in _FLUX_VARIANTS},
     "wan": build_tiny_random_wan_pipeline,
     "wan2.2": lambda: build_tiny_random_wan_pipeline(two_experts=True),
+    "wan-i2v": build_tiny_random_wan_i2v_pipeline,
+    "wan2.2-i2v": lambda: build_tiny_random_wan_i2v_pipeline(image_encoder=False, two_experts=True),
 }
 
 

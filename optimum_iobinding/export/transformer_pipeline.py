@@ -23,7 +23,7 @@ Each family's module says what this means for each of its components.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Collection, ContextManager, Dict, Mapping, Optional, Sequence
+from typing import Any, Callable, Collection, ContextManager, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 from tqdm.auto import tqdm
@@ -94,6 +94,7 @@ def export_transformer_pipeline(
     step_cache: bool = False,
     settings: Optional[Mapping[str, Any]] = None,
     write_more: Optional[Callable[[Path], None]] = None,
+    index_modules: Optional[Mapping[str, Optional[Tuple[str, str]]]] = None,
 ) -> Path:
     """Writes a diffusion-transformer pipeline folder at ``target`` (built beside it, moved into place when whole):
     each of ``components`` from ``specs`` (those in ``optimizer_model_types`` by
@@ -105,7 +106,8 @@ def export_transformer_pipeline(
     folders), as optimum writes it, with the pipeline's ``settings`` (Wan's ``boundary_ratio``) beside its
     components; with ``step_cache``, the transformer's First-Block Cache parts beside it (:mod:`.step_cache`, cut from
     the transformer in its precision); and what ``write_more(folder)`` writes into the folder being built (a component
-    of the family's own exporter: Wan's VAE). The caller has checked ``target`` and ``components``.
+    of the family's own exporter: Wan's VAE), named in model_index.json by ``index_modules`` (``(library, class)``
+    by component, over the torch pipeline's own). The caller has checked ``target`` and ``components``.
 
     Returns:
         ``target``.
@@ -164,6 +166,7 @@ def export_transformer_pipeline(
                 **{name: index_entry(getattr(pipe, name)) for name in modules if hasattr(pipe, name)},
                 "image_encoder": None,
                 "feature_extractor": None,
+                **(index_modules or {}),
             },
             settings,
         )

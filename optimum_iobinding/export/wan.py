@@ -1,16 +1,22 @@
-"""Export of Wan text-to-video pipelines (Wan 2.1, Wan 2.2's two experts, Wan 2.2 TI2V's per-token timesteps): the
-UMT5 text encoder and the ``WanTransformer3DModel``\\ s, written in optimum's diffusion-transformer layout by
-:mod:`.transformer_pipeline`, with the traceable, fast stand-ins of the transformer's rotary embedding and attention;
-and the causal 3-D VAE as :mod:`.wan_vae` writes it.
+"""Export of Wan pipelines — text to video (Wan 2.1, Wan 2.2's two experts, Wan 2.2 TI2V's per-token timesteps) and
+image to video (Wan 2.1 I2V with its CLIP image encoder, Wan 2.2 I2V): the UMT5 text encoder and the
+``WanTransformer3DModel``\\ s, written in optimum's diffusion-transformer layout by :mod:`.transformer_pipeline`,
+with the traceable, fast stand-ins of the transformer's rotary embedding and attention; the CLIP image encoder; and
+the causal 3-D VAE as :mod:`.wan_vae` writes it.
 
 Layout written::
 
-    model_index.json            the torch pipeline's index (WanPipeline; boundary_ratio and expand_timesteps)
+    model_index.json            the torch pipeline's index (WanPipeline or WanImageToVideoPipeline; boundary_ratio
+                                and expand_timesteps)
     text_encoder/               UMT5EncoderModel: input_ids, attention_mask (int64) → last_hidden_state
     transformer/, transformer_2/  WanTransformer3DModel (transformer_2: Wan 2.2's low-noise expert):
                                 hidden_states (batch, channels, frames, height, width), encoder_hidden_states (batch,
                                 text tokens, text width), timestep (batch; Wan 2.2 TI2V: batch, latent tokens)
-                                → out_hidden_states (batch, channels, frames, height, width)
+                                → out_hidden_states (batch, channels, frames, height, width); image to video's
+                                hidden_states have 36 channels (the latents', the first frame's mask and latents),
+                                Wan 2.1 I2V's take encoder_hidden_states_image (batch, image tokens, width) too
+    image_encoder/, image_processor/  Wan 2.1 I2V's CLIPVisionModel: pixel_values → image_embeds (its penultimate
+                                hidden states), and its CLIPImageProcessor
     vae_encoder/, vae_decoder/  AutoencoderKLWan as chunk graphs (model.onnx, chunk.onnx): see :mod:`.wan_vae`
     tokenizer/, scheduler/
 
@@ -29,7 +35,8 @@ Both swaps last while the exporter traces (:func:`exportable_wan_modules`); the 
 Precision with ``dtype="fp16"``: the transformers float16 (their ``timestep`` input float32, as diffusers embeds the
 timestep in float32), the UMT5 encoder **float32** (T5's feed-forward activations overflow float16: the rule of every
 diffusion-transformer export, :mod:`.transformer_pipeline`), the VAE **float32** (diffusers' Wan pipelines run it in
-float32: its model cards load it so). ``dtype="bf16"``: the transformers bfloat16, the rest as for ``"fp16"``.
+float32: its model cards load it so), the CLIP image encoder **float32** (likewise). ``dtype="bf16"``: the
+transformers bfloat16, the rest as for ``"fp16"``.
 """
 
 from __future__ import annotations
@@ -41,15 +48,29 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 import torch
 
 from ..errors import ArgumentError
-from ..families import WAN_INPUTS, WAN_TEXT_INPUTS, WAN_TRANSFORMERS, family
+from ..layout import index_entry
+from ..families import (
+    WAN_IMAGE_EMBEDS,
+    WAN_IMAGE_INPUT,
+    WAN_INPUTS,
+    WAN_TEXT_INPUTS,
+    WAN_TRANSFORMERS,
+    family,
+    torch_class_family,
+)
 from .attention import multi_head_attention
-from .components import EXTERNAL_DATA_THRESHOLD
+from .components import EXTERNAL_DATA_THRESHOLD, export_model
 from .transformer_pipeline import export_transformer_pipeline
 from .wan_vae import WAN_VAE_COMPONENTS, export_wan_vae
 
 WAN = family("wan")
-# what a Wan export writes (its VAE through .wan_vae)
-WAN_COMPONENTS = ("text_encoder", *WAN_TRANSFORMERS, *WAN_VAE_COMPONENTS)
+# what a Wan export writes: image to video's CLIP image encoder (and its image processor) through export_model, its VAE
+# through .wan_vae, float32 both (as diffusers runs them: the module's docstring)
+WAN_COMPONENTS = ("text_encoder", *WAN_TRANSFORMERS, "image_encoder", *WAN_VAE_COMPONENTS)
+WRITTEN_BESIDE = ("image_encoder", *WAN_VAE_COMPONENTS)
+# diffusers' Wan attention takes the text context as the last 512 tokens of its context, the image's before them
+# (WanAttnProcessor: "512 is the context length of the text encoder, hardcoded for now")
+WAN_TEXT_CONTEXT = 512
 # ORT's transformer-optimizer model type of each: UMT5 is a T5 (float32 in a float16 export), the transformers'
 # normalizations and GELUs are what ORT's MMDiT fusions match
 WAN_OPTIMIZER_MODEL_TYPES = {"text_encoder": "t5", **dict.fromkeys(WAN_TRANSFORMERS, "mmdit")}
@@ -89,20 +110,48 @@ def umt5_encoder_spec(text_encoder: torch.nn.Module, sequence: int = 16) -> Dict
     )
 
 
+# ----------------------------------------------------------------------------------------------- image encoder
+class _ImageEncoder(torch.nn.Module):
+    """transformers' ``CLIPVisionModel`` as diffusers' WanImageToVideoPipeline reads it: ``pixel_values`` → its
+    penultimate hidden states (``image_embeds``)."""
+
+    def __init__(self, image_encoder: torch.nn.Module):
+        super().__init__()
+        self.image_encoder = image_encoder
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.image_encoder(pixel_values=pixel_values, output_hidden_states=True).hidden_states[-2]
+
+
+def clip_image_encoder_spec(image_encoder: torch.nn.Module) -> Dict[str, Any]:
+    """The export spec of Wan 2.1 I2V's CLIP image encoder: ``pixel_values`` (batch, 3, size, size; the size its
+    position embeddings fix) → ``image_embeds`` (batch, patches + 1, width), the batch dynamic."""
+    size = image_encoder.config.image_size
+    return dict(
+        module=_ImageEncoder(image_encoder),
+        args=(torch.randn(1, image_encoder.config.num_channels, size, size),),
+        input_names=["pixel_values"],
+        output_names=[WAN_IMAGE_EMBEDS],
+        dynamic_axes={"pixel_values": {0: "batch"}, WAN_IMAGE_EMBEDS: {0: "batch"}},
+        config=image_encoder.config,
+    )
+
+
 # ------------------------------------------------------------------------------------------------ transformer
 class _WanTransformer(torch.nn.Module):
     """diffusers' ``WanTransformer3DModel`` with the inputs in :data:`~optimum_iobinding.families.WAN_INPUTS`' order
-    → ``out_hidden_states``."""
+    (and Wan 2.1 I2V's image states, :data:`~optimum_iobinding.families.WAN_IMAGE_INPUT`) → ``out_hidden_states``."""
 
     def __init__(self, transformer: torch.nn.Module):
         super().__init__()
         self.transformer = transformer
 
-    def forward(self, hidden_states, encoder_hidden_states, timestep):
+    def forward(self, hidden_states, encoder_hidden_states, timestep, encoder_hidden_states_image=None):
         return self.transformer(
             hidden_states=hidden_states,
             timestep=timestep,
             encoder_hidden_states=encoder_hidden_states,
+            encoder_hidden_states_image=encoder_hidden_states_image,
             return_dict=False,
         )[0]
 
@@ -154,9 +203,9 @@ def _rotate(states: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tens
 
 class _WanAttentionForExport:
     """``WanAttnProcessor``'s computation (projections, RMS-normed queries and keys across heads, the rotary
-    embedding of a self-attention, attention, the output projection) with its attention one ``MultiHeadAttention``
-    node and its rotary embedding elementwise (see the module's docstring). An image-conditioned attention (Wan 2.1
-    I2V's added keys and values) is not covered."""
+    embedding of a self-attention, attention, the output projection; Wan 2.1 I2V's attention to the image's states
+    through keys and values of their own, added) with each attention one ``MultiHeadAttention`` node and the rotary
+    embedding elementwise (see the module's docstring)."""
 
     def __call__(
         self,
@@ -166,8 +215,15 @@ class _WanAttentionForExport:
         attention_mask: Optional[torch.Tensor] = None,
         rotary_emb: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
-        if attn.add_k_proj is not None or attention_mask is not None:
-            raise NotImplementedError("the Wan export covers text-conditioned attention without a mask")
+        if attention_mask is not None:
+            raise NotImplementedError("the Wan export covers attention without a mask")
+        image = None
+        if attn.add_k_proj is not None:  # Wan 2.1 I2V: the image's states, then the text's last 512, as diffusers
+            image_tokens = encoder_hidden_states.shape[1] - WAN_TEXT_CONTEXT
+            image, encoder_hidden_states = (
+                encoder_hidden_states[:, :image_tokens],
+                encoder_hidden_states[:, image_tokens:],
+            )
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
         query = _rms_norm(attn.to_q(hidden_states), attn.norm_q)
         key = _rms_norm(attn.to_k(context), attn.norm_k)
@@ -175,8 +231,11 @@ class _WanAttentionForExport:
         if rotary_emb is not None:
             cos, sin = rotary_emb
             query, key = _rotate(query, attn.heads, cos, sin), _rotate(key, attn.heads, cos, sin)
-        head_size = attn.inner_dim // attn.heads
-        attended = multi_head_attention(query, key, value, attn.heads, head_size**-0.5)
+        scale = (attn.inner_dim // attn.heads) ** -0.5
+        attended = multi_head_attention(query, key, value, attn.heads, scale)
+        if image is not None:
+            image_key = _rms_norm(attn.add_k_proj(image), attn.norm_added_k)
+            attended = attended + multi_head_attention(query, image_key, attn.add_v_proj(image), attn.heads, scale)
         return attn.to_out[1](attn.to_out[0](attended))
 
 
@@ -217,20 +276,28 @@ def wan_transformer_spec(
     tokens = (frames // p_t) * (height // p_h) * (width // p_w)
     timestep = torch.full((2, tokens), 500.0) if expand_timesteps else torch.tensor([500.0, 500.0])
     latent_axes = {0: "batch", 2: "frames", 3: "height", 4: "width"}
+    args = [
+        torch.randn(2, config.in_channels, frames, height, width),
+        torch.randn(2, sequence, config.text_dim),
+        timestep,
+    ]
+    names, axes = list(WAN_INPUTS), {}
+    if config.image_dim is not None:  # Wan 2.1 I2V: the image encoder's states, and the text context diffusers assumes
+        args[1] = torch.randn(2, WAN_TEXT_CONTEXT, config.text_dim)
+        args.append(torch.randn(2, 5, config.image_dim))
+        names.append(WAN_IMAGE_INPUT)
+        axes[WAN_IMAGE_INPUT] = {0: "batch", 1: "image_tokens"}
     return dict(
         module=_WanTransformer(transformer),
-        args=(
-            torch.randn(2, config.in_channels, frames, height, width),
-            torch.randn(2, sequence, config.text_dim),
-            timestep,
-        ),
-        input_names=list(WAN_INPUTS),
+        args=tuple(args),
+        input_names=names,
         output_names=["out_hidden_states"],
         dynamic_axes={
             "hidden_states": latent_axes,
             "encoder_hidden_states": {0: "batch", 1: "sequence"},
             "timestep": {0: "batch", 1: "tokens"} if expand_timesteps else {0: "batch"},
             "out_hidden_states": latent_axes,
+            **axes,
         },
         # diffusers embeds the timestep in float32 whatever the transformer's dtype
         float32_inputs=["timestep"],
@@ -284,17 +351,26 @@ def export_wan_pipeline(
             "step_cache", f"expected False for a {WAN.title} pipeline (no step cache runs it), got True"
         )
     specs = wan_component_specs(pipe)
-    vae = getattr(pipe, "vae", None)
-    available = tuple(
-        name for name in WAN_COMPONENTS if name in specs or (vae is not None and name in WAN_VAE_COMPONENTS)
-    )
+    vae, image_encoder = getattr(pipe, "vae", None), getattr(pipe, "image_encoder", None)
+    has = {"image_encoder": image_encoder is not None, **dict.fromkeys(WAN_VAE_COMPONENTS, vae is not None)}
+    available = tuple(name for name in WAN_COMPONENTS if name in specs or has.get(name))
     components = available if components is None else tuple(components)
     unknown = [name for name in components if name not in available]
     if unknown:
         raise ArgumentError("components", f"expected names from {list(available)}, got {unknown}")
     vae_components = [name for name in components if name in WAN_VAE_COMPONENTS]
+    index_modules = {}
+    if "image_encoder" in components:
+        index_modules["image_encoder"] = ("transformers", type(image_encoder).__name__)
+        if getattr(pipe, "image_processor", None) is not None:
+            index_modules["image_processor"] = index_entry(pipe.image_processor)
 
-    def write_vae(folder: Path) -> None:  # float32 whatever dtype says (the module's docstring says why)
+    def write_beside(folder: Path) -> None:  # float32 whatever dtype says (the module's docstring says why)
+        if "image_encoder" in components:
+            spec = clip_image_encoder_spec(image_encoder)
+            export_model("image_encoder", spec, folder, opset, optimize, "clip", external_data_threshold)
+            if getattr(pipe, "image_processor", None) is not None:
+                pipe.image_processor.save_pretrained(str(folder / "image_processor"))
         if vae_components:
             export_wan_vae(vae, folder, vae_components, opset=opset)
 
@@ -302,8 +378,8 @@ def export_wan_pipeline(
         pipe,
         target,
         specs,
-        [name for name in components if name not in WAN_VAE_COMPONENTS],
-        class_name=WAN.index_class_name,
+        [name for name in components if name not in WRITTEN_BESIDE],
+        class_name=(torch_class_family(type(pipe).__name__) or WAN).index_class_name,
         optimizer_model_types=WAN_OPTIMIZER_MODEL_TYPES,
         opset=opset,
         dtype=dtype,
@@ -312,5 +388,6 @@ def export_wan_pipeline(
         external_data_threshold=external_data_threshold,
         exportable=exportable_wan_modules,
         settings={name: pipe.config.get(name) for name in WAN_SETTINGS},
-        write_more=write_vae,
+        write_more=write_beside,
+        index_modules=index_modules,
     )

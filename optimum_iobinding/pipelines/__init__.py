@@ -16,6 +16,7 @@ from .stable_diffusion_3 import OnnxStableDiffusion3Pipeline
 from .stable_diffusion_xl import OnnxStableDiffusionXLImg2ImgPipeline, OnnxStableDiffusionXLPipeline
 from .stream import OnnxStreamDiffusionPipeline
 from .wan import OnnxWanPipeline
+from .wan_i2v import OnnxWanImageToVideoPipeline
 
 
 __all__ = [
@@ -38,4 +39,5 @@ __all__ = [
     "OnnxFluxFillPipeline",
     "OnnxFluxControlPipeline",
     "OnnxWanPipeline",
+    "OnnxWanImageToVideoPipeline",
 ]

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 from ..families import family
 from ..errors import ArgumentError, ArgumentPathError, ArgumentTypeError
-from ..layout import download_from_hub, load_scheduler, load_tokenizer, read_model_index
+from ..layout import download_from_hub, load_image_processor, load_scheduler, load_tokenizer, read_model_index
 from ..runtime.model import IOBindingORTModel
 from ..runtime.options import PipelineOptions
 from ..runtime.shapes import infer_output_shapes
@@ -21,8 +21,8 @@ from ..runtime.shapes import infer_output_shapes
 @dataclass(frozen=True)
 class Component:
     """One component of a family: its ``name`` (the folder and the pipeline attribute), its ``kind`` (``"onnx"``: an
-    ONNX model, an :class:`IOBindingORTModel`; ``"tokenizer"``; ``"module"``: accepted and kept, never loaded, as a
-    diffusers folder's safety checker) and whether the family runs without it (``optional``). A tokenizer's
+    ONNX model, an :class:`IOBindingORTModel`; ``"tokenizer"``; ``"processor"``: a transformers image processor, Wan
+    2.1 I2V's; ``"module"``: accepted and kept, never loaded, as a diffusers folder's safety checker) and whether the family runs without it (``optional``). A tokenizer's
     ``fixed_length``: its ``model_max_length`` is the length its text encoder is fed (CLIP's 77), checked when it
     loads; ``False`` where each call gives the length (T5's ``max_sequence_length``), so that the tokenizer may name
     none (transformers then reports 1e30), as diffusers runs it."""
@@ -39,6 +39,10 @@ def onnx(name: str, optional: bool = False) -> Component:
 
 def tokenizer(name: str, optional: bool = False, fixed_length: bool = True) -> Component:
     return Component(name, "tokenizer", optional, fixed_length)
+
+
+def processor(name: str, optional: bool = False) -> Component:
+    return Component(name, "processor", optional)
 
 
 def module(name: str) -> Component:
@@ -182,6 +186,11 @@ def load_components(
             check_component_kind(name, components[name])  # a wrong file fails here, before the next one loads
         for component in declared:
             name = component.name
+            if component.kind == "processor":
+                present = (folder / name).is_dir()
+                components[name] = (
+                    load_image_processor(folder, index, name) if present or not component.optional else None
+                )
             if component.kind != "tokenizer":
                 continue
             if name in replacements:

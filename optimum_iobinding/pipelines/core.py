@@ -175,10 +175,12 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
             else self.codec_part(self)
         )
         self.latent_channels = self.denoiser.latent_channels(self.vae_decoder)
-        # Flux's 2×2 packing halves the latents once more: images are multiples of twice the VAE's factor
-        self.image_processor = VaeImageProcessor(
-            vae_scale_factor=self.vae_scale_factor * (2 if self.packed_latents else 1)
-        )
+        # Flux's 2×2 packing halves the latents once more: images are multiples of twice the VAE's factor; a family
+        # whose components include an image processor of its own (Wan 2.1 I2V's CLIP one) keeps it under that name
+        if "image_processor" not in names:
+            self.image_processor = VaeImageProcessor(
+                vae_scale_factor=self.vae_scale_factor * (2 if self.packed_latents else 1)
+            )
 
     # ------------------------------------------------------------------------------------------- the declaration
     def component_names(self) -> Tuple[str, ...]:

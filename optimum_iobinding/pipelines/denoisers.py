@@ -564,12 +564,23 @@ class WanDenoiser(FlowTransformer):
     2.2 TI2V, a transformer whose ``timestep`` has two axes) one per row and latent token. Wan 2.2's second transformer
     (``transformer_2``, the low-noise expert, of the same inputs) runs the steps below the pipeline's boundary (a
     :class:`~.loop.Stage` of the loop). Multistep schedulers (Wan's UniPC) keep predictions across steps: an unguided
-    one is copied out of the model's reused buffer."""
+    one is copied out of the model's reused buffer. Image to video's transformers take the first frame's mask and
+    latents beside the latents (:attr:`condition_channels`: the loop's extra channels), Wan 2.1 I2V's also the image
+    encoder's states."""
 
     copies_unguided_output = True
 
-    def __init__(self, pipe: Any, default_sample_size: int = 60):
+    def __init__(
+        self,
+        pipe: Any,
+        default_sample_size: int = 60,
+        condition_channels: Optional[Callable[[int, int], int]] = None,
+    ):
         super().__init__(pipe, default_sample_size)
+        #: ``condition_channels(latent_channels, temporal_scale_factor)``: the channels a family concatenates to the
+        #: latents (image to video: the first frame's mask, one channel per video frame of a latent frame, and its
+        #: latents); ``None``: none
+        self.condition_channels = condition_channels
 
     @property
     def models(self) -> Dict[str, IOBindingORTModel]:
@@ -581,7 +592,8 @@ class WanDenoiser(FlowTransformer):
         """Every transformer must have Wan's interface (the second one's refusal names its folder)."""
         interface = self.pipe.family.interface
         for name, model in self.models.items():
-            if not interface.matches(model.input_names):
+            # the names here; the channels where the latent channels are read (their own message)
+            if not interface.matches(model.input_names, interface.sample_channels):
                 hint = family_hint("transformer", model.input_names) or (
                     f"put a {self.pipe.family.title} transformer's model.onnx in the {name} folder"
                 )
@@ -640,20 +652,37 @@ class WanDenoiser(FlowTransformer):
         return f"the transformer's patch size {self.patch_size[1]}"
 
     def latent_channels(self, vae_decoder: Optional[IOBindingORTModel]) -> int:
-        """The transformer's latent channels (its ``hidden_states``' declared channels, else its config's
-        ``in_channels``), checked against every other transformer's and the VAE decoder's (``z_dim``) where there is
-        one."""
-        found = {}
-        for name, model in self.models.items():
-            found[name] = declared_dim(model, "hidden_states", 1) or model.config.get("in_channels")
-        if vae_decoder is not None:
-            found["vae_decoder"] = declared_dim(vae_decoder, "latent_sample", 1) or vae_decoder.config.get("z_dim")
-        channels = found["transformer"]
+        """The latent channels the transformers predict (their config's ``out_channels``, else their
+        ``hidden_states``' channels), checked against the VAE decoder's (``z_dim``) where there is one, and each
+        transformer's ``hidden_states`` against them plus what the family concatenates to them
+        (:attr:`condition_channels`: image to video's first frame), naming the family a transformer of other channels
+        is for."""
+        taken = {
+            name: declared_dim(model, "hidden_states", 1) or model.config.get("in_channels")
+            for name, model in self.models.items()
+        }
+        channels = self.model.config.get("out_channels") or taken["transformer"]
         if not is_integer(channels) or channels < 1:
             raise ArgumentError(
                 "transformer", "cannot tell the number of latent channels: no config.json and a dynamic channel dim"
             )
-        for name, other in found.items():
-            if other is not None and other != channels:
-                raise ArgumentError(name, f"expected {channels} latent channels (the transformer's), got {other}")
+        decoder = None
+        if vae_decoder is not None:
+            decoder = declared_dim(vae_decoder, "latent_sample", 1) or vae_decoder.config.get("z_dim")
+        if decoder is not None and decoder != channels:
+            raise ArgumentError(
+                "vae_decoder", f"expected {channels} latent channels (the transformer's), got {decoder}"
+            )
+        extra = (
+            self.condition_channels(channels, self.pipe.codec.temporal_scale_factor) if self.condition_channels else 0
+        )
+        for name, width in taken.items():
+            if width is not None and width != channels + extra:
+                hint = family_hint("transformer", self.models[name].input_names, {"transformer": width})
+                raise ArgumentError(
+                    name,
+                    f"expected hidden_states of {channels + extra} channels (the latents' {channels}"
+                    f"{f' + {extra} of the first frame' if extra else ''}), got {width}"
+                    + (f" ({hint})" if hint else ""),
+                )
         return int(channels)

@@ -146,6 +146,9 @@ class Loading:
             for name in self.tokenizer_names():
                 if getattr(self, name, None) is not None:
                     save_tokenizer(getattr(self, name), scratch / name)
+            for name in names_of(self.declared_components, "processor"):
+                if getattr(self, name, None) is not None:
+                    getattr(self, name).save_pretrained(str(scratch / name))
             self.scheduler.save_pretrained(str(scratch / "scheduler"))
             self.write_model_index(scratch, written)
 

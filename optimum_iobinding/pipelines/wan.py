@@ -126,17 +126,17 @@ class WanCodec:
         return False
 
 
-class OnnxWanPipeline(Warmup, OnnxDiffusionPipeline):
-    """Wan 2.1 / 2.2 text to video with the arguments and output of diffusers' ``WanPipeline``: every tensor of the
-    loop stays on the transformer's device with ``io_binding=True``; ``io_binding=False`` is the numpy-like baseline.
+class WanFamilyPipeline(Warmup, OnnxDiffusionPipeline):
+    """What the Wan families (text to video, image to video) declare alike — the export's Wan folder, the Wan
+    transformer(s) over latent videos, the UMT5 prompt, the video VAE, warm-up — and the steps their calls share: the
+    checks, the experts' stages, the latent videos' shape, the frames' output. Each family is a subclass with its
+    record and its own ``__call__``.
 
     The latents are videos ``(batch, 16, (num_frames − 1) / 4 + 1, height / 8, width / 8)``. Classifier-free guidance
     runs the negative and positive prompts in one transformer batch (diffusers makes two calls). A folder with Wan
     2.2's two experts (``transformer_2``, model_index.json's ``boundary_ratio``) runs the second below
-    ``boundary_ratio`` × the scheduler's training timesteps, guided at ``guidance_scale_2``; one whose transformer takes
-    a timestep per latent token (Wan 2.2 TI2V, ``expand_timesteps``) gets it."""
+    ``boundary_ratio`` × the scheduler's training timesteps, guided at ``guidance_scale_2``."""
 
-    family = WAN
     declared_components = WAN_COMPONENTS
     denoiser_part = WanDenoiser
     prompt_part = WanPrompt
@@ -244,6 +244,97 @@ class OnnxWanPipeline(Warmup, OnnxDiffusionPipeline):
             )
 
     # --------------------------------------------------------------------------------------------------- call
+    # ----------------------------------------------------------------------------------------------- the steps
+    def videos_of(self, prompt: Prompt, prompt_embeds: Embeds, num_videos_per_prompt: int, generator: Generator) -> int:
+        """How many videos a call makes (prompts × ``num_videos_per_prompt``); a list of generators is refused
+        unless it has one per video."""
+        videos = self.batch_size_of(prompt, prompt_embeds) * num_videos_per_prompt
+        if isinstance(generator, list) and len(generator) != videos:
+            raise ArgumentError(
+                "generator", f"expected one generator per video ({videos}), got a list of {len(generator)}"
+            )
+        return videos
+
+    def latent_video_shape(self, videos: int, num_frames: int, height: int, width: int) -> Tuple[int, ...]:
+        """The latents of ``videos`` videos of ``num_frames`` frames of ``height`` × ``width`` pixels."""
+        frames = (num_frames - 1) // self.vae_scale_factor_temporal + 1
+        factor = self.vae_scale_factor_spatial
+        return (videos, self.latent_channels, frames, height // factor, width // factor)
+
+    def expert_stages(self, timesteps: torch.Tensor, guidance: Guidance, guidance_scale_2: float) -> List[Stage]:
+        """Wan 2.2's low-noise stage: ``transformer_2`` from the first step whose timestep is below
+        ``boundary_ratio`` × the scheduler's training timesteps, guided at ``guidance_scale_2`` where the first stage
+        guides (as diffusers decides); none for one transformer, or where no step is below the boundary."""
+        ratio = self.config.boundary_ratio
+        if ratio is None:
+            return []
+        boundary = ratio * self.scheduler.config.num_train_timesteps
+        start = next((i for i, t in enumerate(timesteps.tolist()) if t < boundary), None)
+        if start is None:
+            return []
+        return [Stage(start, self.transformer_2, Guidance(float(guidance_scale_2), guidance.batched))]
+
+    def finish_video(self, latents: torch.Tensor, output_type: str, return_dict: bool) -> Any:
+        """The call's output: the latents, or the decoded videos as diffusers' ``VideoProcessor`` gives them."""
+        frames = (
+            latents if output_type == "latent" else self.postprocess_frames(self.codec.decode(latents), output_type)
+        )
+        self.maybe_free_model_hooks()
+        return self.pack_output(frames, return_dict)
+
+    # ------------------------------------------------------------------------------------------------ warm-up
+    def warmup_arguments(self) -> Dict[str, Callable[[Any], None]]:
+        """``num_frames`` and ``max_sequence_length``: part of the transformer's input shapes, so a warm-up at other
+        values makes graphs the calls do not replay."""
+        return {
+            "num_frames": self.check_num_frames,
+            "max_sequence_length": lambda value: check_sequence_length(value, MAX_SEQUENCE_LENGTH),
+        }
+
+    def warmup_default_size(self) -> Tuple[int, int]:
+        """diffusers' WanPipeline default: 480 × 832."""
+        return 480, 832
+
+    # -------------------------------------------------------------------------------------------------- saving
+    def save_parts(self, target: Path) -> None:
+        """The VAE's chunk graphs beside its components' ``model.onnx`` (reading the same weights file)."""
+        video = self.codec.video
+        runners = {"vae_decoder": video.decoder, "vae_encoder": video.encoder} if video is not None else {}
+        for name, runner in runners.items():
+            if runner is not None:
+                runner.chunk.save_pretrained(target / name, file_name=WAN_VAE_CHUNK_PART, overwrite=True)
+
+    def write_model_index(self, target: Path, written: List[str]) -> None:
+        """The export's Wan index: the torch pipeline's class names, its ``boundary_ratio`` and
+        ``expand_timesteps``."""
+        transformer = ("diffusers", self.family.options["transformer_class"])
+        image = {}
+        if "image_encoder" in written:  # Wan 2.1 I2V's
+            image["image_encoder"] = ("transformers", "CLIPVisionModel")
+            image["image_processor"] = index_entry(getattr(self, "image_processor", None))
+        write_transformer_model_index(
+            target,
+            self.family.index_class_name,
+            {
+                "scheduler": index_entry(self.scheduler),
+                "transformer": transformer,
+                "transformer_2": transformer if "transformer_2" in written else None,
+                "vae": ("diffusers", "AutoencoderKLWan") if "vae_decoder" in written else None,
+                "text_encoder": ("transformers", "UMT5EncoderModel"),
+                "tokenizer": index_entry(self.tokenizer),
+                **image,
+            },
+            {name: self.config.get(name, default) for name, default in self.settings.items()},
+        )
+
+
+class OnnxWanPipeline(WanFamilyPipeline):
+    """Wan 2.1 / 2.2 text to video with the arguments and output of diffusers' ``WanPipeline``: every tensor of the
+    loop stays on the transformer's device with ``io_binding=True``; ``io_binding=False`` is the numpy-like baseline.
+    A folder whose transformer takes a timestep per latent token (Wan 2.2 TI2V, ``expand_timesteps``) gets it."""
+
+    family = WAN
+
     @on_device_stream
     def __call__(
         self,
@@ -306,11 +397,7 @@ class OnnxWanPipeline(Warmup, OnnxDiffusionPipeline):
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )
-        videos = self.batch_size_of(prompt, prompt_embeds) * num_videos_per_prompt
-        if isinstance(generator, list) and len(generator) != videos:
-            raise ArgumentError(
-                "generator", f"expected one generator per video ({videos}), got a list of {len(generator)}"
-            )
+        videos = self.videos_of(prompt, prompt_embeds, num_videos_per_prompt, generator)
         guidance = Guidance.classifier_free(guidance_scale)
 
         # 2. the prompts' UMT5 states (the negative prompt's with guidance), on the device
@@ -349,71 +436,3 @@ class OnnxWanPipeline(Warmup, OnnxDiffusionPipeline):
 
         # 6. decode: only now does anything leave the device
         return self.finish_video(latents, output_type, return_dict)
-
-    # ----------------------------------------------------------------------------------------------- the steps
-    def latent_video_shape(self, videos: int, num_frames: int, height: int, width: int) -> Tuple[int, ...]:
-        """The latents of ``videos`` videos of ``num_frames`` frames of ``height`` × ``width`` pixels."""
-        frames = (num_frames - 1) // self.vae_scale_factor_temporal + 1
-        factor = self.vae_scale_factor_spatial
-        return (videos, self.latent_channels, frames, height // factor, width // factor)
-
-    def expert_stages(self, timesteps: torch.Tensor, guidance: Guidance, guidance_scale_2: float) -> List[Stage]:
-        """Wan 2.2's low-noise stage: ``transformer_2`` from the first step whose timestep is below
-        ``boundary_ratio`` × the scheduler's training timesteps, guided at ``guidance_scale_2`` where the first stage
-        guides (as diffusers decides); none for one transformer, or where no step is below the boundary."""
-        ratio = self.config.boundary_ratio
-        if ratio is None:
-            return []
-        boundary = ratio * self.scheduler.config.num_train_timesteps
-        start = next((i for i, t in enumerate(timesteps.tolist()) if t < boundary), None)
-        if start is None:
-            return []
-        return [Stage(start, self.transformer_2, Guidance(float(guidance_scale_2), guidance.batched))]
-
-    def finish_video(self, latents: torch.Tensor, output_type: str, return_dict: bool) -> Any:
-        """The call's output: the latents, or the decoded videos as diffusers' ``VideoProcessor`` gives them."""
-        frames = (
-            latents if output_type == "latent" else self.postprocess_frames(self.codec.decode(latents), output_type)
-        )
-        self.maybe_free_model_hooks()
-        return self.pack_output(frames, return_dict)
-
-    # ------------------------------------------------------------------------------------------------ warm-up
-    def warmup_arguments(self) -> Dict[str, Callable[[Any], None]]:
-        """``num_frames`` and ``max_sequence_length``: part of the transformer's input shapes, so a warm-up at other
-        values makes graphs the calls do not replay."""
-        return {
-            "num_frames": self.check_num_frames,
-            "max_sequence_length": lambda value: check_sequence_length(value, MAX_SEQUENCE_LENGTH),
-        }
-
-    def warmup_default_size(self) -> Tuple[int, int]:
-        """diffusers' WanPipeline default: 480 × 832."""
-        return 480, 832
-
-    # -------------------------------------------------------------------------------------------------- saving
-    def save_parts(self, target: Path) -> None:
-        """The VAE's chunk graphs beside its components' ``model.onnx`` (reading the same weights file)."""
-        video = self.codec.video
-        runners = {"vae_decoder": video.decoder, "vae_encoder": video.encoder} if video is not None else {}
-        for name, runner in runners.items():
-            if runner is not None:
-                runner.chunk.save_pretrained(target / name, file_name=WAN_VAE_CHUNK_PART, overwrite=True)
-
-    def write_model_index(self, target: Path, written: List[str]) -> None:
-        """The export's Wan index: the torch pipeline's class names, its ``boundary_ratio`` and
-        ``expand_timesteps``."""
-        transformer = ("diffusers", self.family.options["transformer_class"])
-        write_transformer_model_index(
-            target,
-            self.family.index_class_name,
-            {
-                "scheduler": index_entry(self.scheduler),
-                "transformer": transformer,
-                "transformer_2": transformer if "transformer_2" in written else None,
-                "vae": ("diffusers", "AutoencoderKLWan") if "vae_decoder" in written else None,
-                "text_encoder": ("transformers", "UMT5EncoderModel"),
-                "tokenizer": index_entry(self.tokenizer),
-            },
-            {name: self.config.get(name, default) for name, default in self.settings.items()},
-        )

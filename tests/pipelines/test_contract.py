@@ -25,7 +25,7 @@ STEPS = 2
 # The records whose pipeline has no prompt-driven __call__, with where their contract lives.
 NOT_PROMPT_DRIVEN = {"stream": "tests/pipelines/test_stream_contract.py"}
 # The records whose calls make videos (Family.frames), not images, with where their contract lives.
-MAKES_VIDEOS = {"wan": "tests/pipelines/test_wan.py"}
+MAKES_VIDEOS = {"wan": "tests/pipelines/test_wan.py", "wan-i2v": "tests/pipelines/test_wan_i2v.py"}
 CONTRACT_FAMILIES = [record for record in FAMILIES if record.key not in {**NOT_PROMPT_DRIVEN, **MAKES_VIDEOS}]
 
 # The records that have neither tiny random models of their own nor a family naming them its image-to-image sibling:
