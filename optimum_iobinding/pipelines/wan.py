@@ -191,18 +191,21 @@ class WanFamilyPipeline(Warmup, OnnxDiffusionPipeline):
         *,
         num_frames: Any,
         num_videos_per_prompt: Any,
-        guidance_scale: Any,
         guidance_scale_2: Any,
         attention_kwargs: Any,
         max_sequence_length: Any,
-        output_type: Any,
-        prompt_embeds: Any,
-        negative_prompt_embeds: Any,
-    ) -> None:
-        """What Wan adds to :meth:`check_inputs`, refused before any work: the frame count, the videos per prompt,
-        ``guidance_scale_2`` (only with two experts), ``attention_kwargs`` (an ONNX transformer has no attention
-        processors), the UMT5 length (the negative prompt is encoded at it, in one batch with given
-        ``prompt_embeds``), and a decoded output without a VAE decoder."""
+        generator: Generator,
+        **call: Any,
+    ) -> int:
+        """Refuses, before any work, every argument a Wan call cannot run with: what Wan adds to
+        :meth:`check_inputs` — the frame count, the videos per prompt, ``guidance_scale_2`` (only with two experts),
+        ``attention_kwargs`` (an ONNX transformer has no attention processors), the UMT5 length (the negative prompt
+        is encoded at it, in one batch with given ``prompt_embeds``), a decoded output without a VAE decoder, a list
+        of generators but one per video — then :meth:`check_inputs` (``call``: its arguments).
+
+        Returns:
+            How many videos the call makes (prompts × ``num_videos_per_prompt``).
+        """
         if attention_kwargs:
             raise ArgumentError(
                 "attention_kwargs",
@@ -222,17 +225,19 @@ class WanFamilyPipeline(Warmup, OnnxDiffusionPipeline):
             if not is_real(guidance_scale_2) or not math.isfinite(guidance_scale_2):
                 raise ArgumentError("guidance_scale_2", f"expected a finite number, got {guidance_scale_2!r}")
         check_sequence_length(max_sequence_length, MAX_SEQUENCE_LENGTH)
+        output_type = call.get("output_type")
         if output_type != "latent" and getattr(self, "vae_decoder", None) is None:
             raise ArgumentError(
                 "output_type",
                 f"expected 'latent' for a folder without vae_decoder/model.onnx (nothing decodes the latents), "
                 f"got {output_type!r}",
             )
-        guided = is_real(guidance_scale) and guidance_scale > 1.0
+        guidance_scale, prompt_embeds = call.get("guidance_scale"), call.get("prompt_embeds")
         if (
-            guided
+            is_real(guidance_scale)
+            and guidance_scale > 1.0
             and prompt_embeds is not None
-            and negative_prompt_embeds is None
+            and call.get("negative_prompt_embeds") is None
             and getattr(prompt_embeds, "ndim", 0) == 3
             and prompt_embeds.shape[1] != max_sequence_length
         ):
@@ -242,18 +247,46 @@ class WanFamilyPipeline(Warmup, OnnxDiffusionPipeline):
                 f"it and goes into the transformer in one batch with them), got {max_sequence_length}; or give "
                 "negative_prompt_embeds",
             )
-
-    # --------------------------------------------------------------------------------------------------- call
-    # ----------------------------------------------------------------------------------------------- the steps
-    def videos_of(self, prompt: Prompt, prompt_embeds: Embeds, num_videos_per_prompt: int, generator: Generator) -> int:
-        """How many videos a call makes (prompts × ``num_videos_per_prompt``); a list of generators is refused
-        unless it has one per video."""
-        videos = self.batch_size_of(prompt, prompt_embeds) * num_videos_per_prompt
+        self.check_inputs(**call)
+        videos = self.batch_size_of(call.get("prompt"), prompt_embeds) * num_videos_per_prompt
         if isinstance(generator, list) and len(generator) != videos:
             raise ArgumentError(
                 "generator", f"expected one generator per video ({videos}), got a list of {len(generator)}"
             )
         return videos
+
+    # ----------------------------------------------------------------------------------------------- the steps
+    def text_tensors(
+        self,
+        prompt: Prompt,
+        negative_prompt: Prompt,
+        guidance: Guidance,
+        num_videos_per_prompt: int,
+        prompt_embeds: Embeds,
+        negative_prompt_embeds: Embeds,
+        max_sequence_length: int,
+    ) -> Dict[str, Optional[torch.Tensor]]:
+        """The loop's text tensors on the device: the prompts' UMT5 states and, with classifier-free guidance, the
+        negative prompts' (see :class:`~.prompts.WanPrompt`)."""
+        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
+            prompt,
+            negative_prompt,
+            guidance.batched,
+            num_videos_per_prompt,
+            prompt_embeds,
+            negative_prompt_embeds,
+            max_sequence_length,
+        )
+        return {"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds}
+
+    def schedule(
+        self, num_inference_steps: int, guidance: Guidance, guidance_scale: float, guidance_scale_2: Optional[float]
+    ) -> Tuple[torch.Tensor, List[Stage]]:
+        """The scheduler's timesteps and the loop's later stages (:meth:`expert_stages`; ``guidance_scale_2``
+        defaults to ``guidance_scale``)."""
+        timesteps = self.set_timesteps(num_inference_steps)
+        second = guidance_scale if guidance_scale_2 is None else guidance_scale_2
+        return timesteps, self.expert_stages(timesteps, guidance, second)
 
     def latent_video_shape(self, videos: int, num_frames: int, height: int, width: int) -> Tuple[int, ...]:
         """The latents of ``videos`` videos of ``num_frames`` frames of ``height`` × ``width`` pixels."""
@@ -373,18 +406,13 @@ class OnnxWanPipeline(WanFamilyPipeline):
             ``(frames,)`` without ``return_dict``.
         """
         # 1. check inputs, before any work
-        self.check_inputs_wan(
+        videos = self.check_inputs_wan(
             num_frames=num_frames,
             num_videos_per_prompt=num_videos_per_prompt,
-            guidance_scale=guidance_scale,
             guidance_scale_2=guidance_scale_2,
             attention_kwargs=attention_kwargs,
             max_sequence_length=max_sequence_length,
-            output_type=output_type,
-            prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds,
-        )
-        self.check_inputs(
+            generator=generator,
             prompt=prompt,
             negative_prompt=negative_prompt,
             prompt_embeds=prompt_embeds,
@@ -397,14 +425,13 @@ class OnnxWanPipeline(WanFamilyPipeline):
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )
-        videos = self.videos_of(prompt, prompt_embeds, num_videos_per_prompt, generator)
         guidance = Guidance.classifier_free(guidance_scale)
 
         # 2. the prompts' UMT5 states (the negative prompt's with guidance), on the device
-        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
+        tensors = self.text_tensors(
             prompt,
             negative_prompt,
-            guidance.batched,
+            guidance,
             num_videos_per_prompt,
             prompt_embeds,
             negative_prompt_embeds,
@@ -412,10 +439,7 @@ class OnnxWanPipeline(WanFamilyPipeline):
         )
 
         # 3. the schedule, and Wan 2.2's low-noise expert from the first step below its boundary
-        timesteps = self.set_timesteps(num_inference_steps)
-        stages = self.expert_stages(
-            timesteps, guidance, guidance_scale if guidance_scale_2 is None else guidance_scale_2
-        )
+        timesteps, stages = self.schedule(num_inference_steps, guidance, guidance_scale, guidance_scale_2)
 
         # 4. initial noise: latent videos, float32 as diffusers draws them
         latents = self.prepare_latents(
@@ -427,7 +451,7 @@ class OnnxWanPipeline(WanFamilyPipeline):
             self.denoiser,
             latents,
             timesteps,
-            tensors={"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds},
+            tensors=tensors,
             guidance=guidance,
             stages=stages,
             callback_on_step_end=callback_on_step_end,

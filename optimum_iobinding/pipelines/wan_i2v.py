@@ -158,18 +158,13 @@ class OnnxWanImageToVideoPipeline(WanFamilyPipeline):
         """
         # 1. check inputs, before any work
         self.check_images(image, last_image, image_embeds, max_sequence_length)
-        self.check_inputs_wan(
+        videos = self.check_inputs_wan(
             num_frames=num_frames,
             num_videos_per_prompt=num_videos_per_prompt,
-            guidance_scale=guidance_scale,
             guidance_scale_2=guidance_scale_2,
             attention_kwargs=attention_kwargs,
             max_sequence_length=max_sequence_length,
-            output_type=output_type,
-            prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds,
-        )
-        self.check_inputs(
+            generator=generator,
             prompt=prompt,
             negative_prompt=negative_prompt,
             prompt_embeds=prompt_embeds,
@@ -182,14 +177,13 @@ class OnnxWanImageToVideoPipeline(WanFamilyPipeline):
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )
-        videos = self.videos_of(prompt, prompt_embeds, num_videos_per_prompt, generator)
         guidance = Guidance.classifier_free(guidance_scale)
 
         # 2. the prompts' UMT5 states (the negative prompt's with guidance), and the image's CLIP states (Wan 2.1)
-        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
+        tensors = self.text_tensors(
             prompt,
             negative_prompt,
-            guidance.batched,
+            guidance,
             num_videos_per_prompt,
             prompt_embeds,
             negative_prompt_embeds,
@@ -202,9 +196,7 @@ class OnnxWanImageToVideoPipeline(WanFamilyPipeline):
             inputs[WAN_IMAGE_INPUT] = torch.cat([rows] * guidance.copies)
 
         # 3. the schedule, and Wan 2.2's low-noise expert from the first step below its boundary
-        timesteps = self.set_timesteps(num_inference_steps)
-        second = guidance_scale if guidance_scale_2 is None else guidance_scale_2
-        stages = self.expert_stages(timesteps, guidance, second)
+        timesteps, stages = self.schedule(num_inference_steps, guidance, guidance_scale, guidance_scale_2)
 
         # 4. initial noise, then the first frame's mask and latents (the VAE encodes the video of it once)
         shape = self.latent_video_shape(videos, num_frames, height, width)
@@ -217,7 +209,7 @@ class OnnxWanImageToVideoPipeline(WanFamilyPipeline):
             self.denoiser,
             latents,
             timesteps,
-            tensors={"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds},
+            tensors=tensors,
             guidance=guidance,
             inputs=inputs,
             extra_channels=torch.cat([condition] * guidance.copies),
