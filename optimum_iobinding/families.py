@@ -134,7 +134,7 @@ class Family:
         image_to_image: the key of its image-to-image sibling on the same components, if any.
         inpainting: the key of its inpainting sibling on the same components (which keeps the unmasked area of a
             plain denoiser by blending), if any.
-        export: the exporter that writes its folder (``"unet"``, ``"sd3"``, ``"flux"``; ``None``: none).
+        export: the exporter that writes its folder (``"unet"``, ``"sd3"``, ``"flux"``, ``"wan"``; ``None``: none).
         torch_classes: diffusers' torch pipeline classes the exporter takes for it.
         tiny_random: the tiny random models (``export --tiny-random KIND``) of its shapes.
         numpy_class: diffusers' numpy ONNX pipeline of the family (the baseline the benchmarks compare with).

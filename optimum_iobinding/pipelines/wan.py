@@ -115,14 +115,16 @@ class WanCodec:
         return self.video.decode(self.vae_latents(latents))
 
     def enable_tiling(self, *args: Any) -> None:
+        """Refused: Wan's VAE decodes one latent frame per call at its whole size (``enable_vae_tiling``)."""
         raise ArgumentError(
             "enable_vae_tiling", "Wan's VAE decodes one latent frame per call at its whole size: it has no tiling"
         )
 
     def disable_tiling(self) -> None:
-        pass
+        """Nothing to undo: tiling is never on (``disable_vae_tiling``)."""
 
     def tiles(self, latents: torch.Tensor) -> bool:
+        """Whether ``latents`` are decoded tile by tile: never."""
         return False
 
 

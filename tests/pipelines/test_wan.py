@@ -359,3 +359,10 @@ def test_cuda_graph_true_binds_the_transformer(wan):
     pipe = load(wan[1], cuda_graph=True, component_options={"transformer": {"cuda_graph": "auto"}})
     assert OnnxWanPipeline.denoiser_component() == "transformer"
     assert all(model.cuda_graph is False for model in pipe.onnx_models.values())
+
+
+def test_vae_tiling_is_refused_naming_it(wan):
+    pipe = load(wan[1])
+    with pytest.raises(ValueError, match="enable_vae_tiling: Wan's VAE decodes one latent frame per call"):
+        pipe.enable_vae_tiling()
+    assert pipe.vae_tiler is None
