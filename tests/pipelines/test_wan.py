@@ -68,6 +68,20 @@ def load(folder, **options):
     return pipe
 
 
+@pytest.fixture(scope="module")
+def loaded():
+    """``loaded(folder)``: our pipeline of ``folder`` with the default options, one per folder and module (loading
+    makes every component's sessions; the calls of these tests change nothing a later call reads)."""
+    pipes = {}
+
+    def get(folder):
+        if folder not in pipes:
+            pipes[folder] = load(folder)
+        return pipes[folder]
+
+    return get
+
+
 def seeded(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -84,14 +98,14 @@ def both(torch_pipe, pipe, prompt=PROMPTS, **kwargs):
 
 
 # ------------------------------------------------------------------------------------------------------ export
-def test_the_export_writes_the_umt5_encoder_and_the_transformer_with_every_axis_but_the_channels_dynamic(wan):
+def test_the_export_writes_the_umt5_encoder_and_the_transformer_with_every_axis_but_the_channels_dynamic(wan, loaded):
     _, folder = wan
     index = json.loads((folder / "model_index.json").read_text())
     assert index["_class_name"] == "WanPipeline"
     assert index["transformer"] == ["diffusers", "WanTransformer3DModel"]
     assert index["text_encoder"] == ["transformers", "UMT5EncoderModel"]
     assert index["boundary_ratio"] is None and index["expand_timesteps"] is False
-    pipe = load(folder)
+    pipe = loaded(folder)
     assert pipe.text_encoder.input_names == list(WAN_TEXT_INPUTS)
     assert pipe.transformer.input_names == list(WAN_INPUTS)
     assert pipe.transformer.input_dims["hidden_states"] == ["batch", 16, "frames", "height", "width"]
@@ -116,9 +130,9 @@ def test_the_export_gives_the_torch_pipeline_back_as_it_was(wan):
 
 # -------------------------------------------------------------------------------------------- against diffusers
 @pytest.mark.parametrize("height,width,num_frames", SHAPES, ids=[f"{h}x{w}x{f}" for h, w, f in SHAPES])
-def test_text_to_video_matches_diffusers_torch_wan_at_each_size_and_frame_count(wan, height, width, num_frames):
+def test_text_to_video_matches_diffusers_torch_wan_at_each_size_and_frame_count(wan, height, width, num_frames, loaded):
     torch_pipe, folder = wan
-    pipe = load(folder)
+    pipe = loaded(folder)
     size = dict(height=height, width=width, num_frames=num_frames, num_videos_per_prompt=2)
     theirs, ours = both(torch_pipe, pipe, **size)
     assert tuple(ours.shape) == (4, 16, (num_frames - 1) // 4 + 1, height // 8, width // 8)
@@ -128,9 +142,9 @@ def test_text_to_video_matches_diffusers_torch_wan_at_each_size_and_frame_count(
     np.testing.assert_allclose(ours, theirs, atol=TOLERANCE)
 
 
-def test_each_output_type_is_diffusers(wan):
+def test_each_output_type_is_diffusers(wan, loaded):
     torch_pipe, folder = wan
-    pipe = load(folder)
+    pipe = loaded(folder)
     frames = both(torch_pipe, pipe, PROMPTS[0], output_type="np")[1]
     assert 0.0 <= frames.min() and frames.max() <= 1.0
     theirs, ours = both(torch_pipe, pipe, PROMPTS[0], output_type="pt")
@@ -160,9 +174,9 @@ def test_without_guidance_and_without_binding_it_matches_diffusers(wan, io_bindi
     np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
 
 
-def test_a_negative_prompt_and_given_embeddings_match_diffusers(wan):
+def test_a_negative_prompt_and_given_embeddings_match_diffusers(wan, loaded):
     torch_pipe, folder = wan
-    pipe = load(folder)
+    pipe = loaded(folder)
     theirs, ours = both(torch_pipe, pipe, PROMPTS, negative_prompt=["blurry", "dark &amp; grey  "])
     np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
     embeds, negative = pipe.encode_prompt(PROMPTS, "blurry", True, 1, max_sequence_length=SEQUENCE)
@@ -170,7 +184,7 @@ def test_a_negative_prompt_and_given_embeddings_match_diffusers(wan):
     np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
 
 
-def test_a_step_end_callback_replaces_the_latents_and_negative_embeddings_as_diffusers_does(wan):
+def test_a_step_end_callback_replaces_the_latents_and_negative_embeddings_as_diffusers_does(wan, loaded):
     torch_pipe, folder = wan
     seen = []
 
@@ -179,14 +193,14 @@ def test_a_step_end_callback_replaces_the_latents_and_negative_embeddings_as_dif
         return {"latents": tensors["latents"] * 0.9, "negative_prompt_embeds": tensors["negative_prompt_embeds"] * 2}
 
     names = ["latents", "negative_prompt_embeds"]
-    theirs, ours = both(torch_pipe, load(folder), callback_on_step_end=damp, callback_on_step_end_tensor_inputs=names)
+    theirs, ours = both(torch_pipe, loaded(folder), callback_on_step_end=damp, callback_on_step_end_tensor_inputs=names)
     assert seen == [(step, names) for step in range(3)] * 2
     np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
 
 
-def test_wan22_runs_the_low_noise_expert_below_the_boundary_as_diffusers_does(wan22):
+def test_wan22_runs_the_low_noise_expert_below_the_boundary_as_diffusers_does(wan22, loaded):
     torch_pipe, folder = wan22
-    pipe = load(folder)
+    pipe = loaded(folder)
     assert pipe.config.boundary_ratio == 0.875
     with pipe.transformer.watch_runs() as high, pipe.transformer_2.watch_runs() as low:
         theirs, ours = both(torch_pipe, pipe, num_inference_steps=4, guidance_scale=4.0, guidance_scale_2=2.0)
@@ -197,10 +211,10 @@ def test_wan22_runs_the_low_noise_expert_below_the_boundary_as_diffusers_does(wa
 
 @pytest.mark.parametrize("fixture", ["wan", "wan22"])
 def test_a_saved_pipeline_loads_again_with_its_experts_and_boundary_and_gives_the_same_video(
-    request, fixture, tmp_path
+    request, fixture, tmp_path, loaded
 ):
     _, folder = request.getfixturevalue(fixture)
-    pipe = load(folder)
+    pipe = loaded(folder)
     decodes = pipe.vae_decoder is not None
     call = dict(num_frames=5, height=16, width=16, num_inference_steps=3, max_sequence_length=SEQUENCE)
     call["output_type"] = "np" if decodes else "latent"
@@ -215,24 +229,24 @@ def test_a_saved_pipeline_loads_again_with_its_experts_and_boundary_and_gives_th
     )
 
 
-def test_the_same_generator_gives_the_same_video_and_another_another_one(wan):
-    pipe = load(wan[1])
+def test_the_same_generator_gives_the_same_video_and_another_another_one(wan, loaded):
+    pipe = loaded(wan[1])
     call = dict(num_frames=5, height=16, width=16, num_inference_steps=2, max_sequence_length=SEQUENCE)
     first = pipe(PROMPTS[0], generator=seeded(0), **call).frames
     np.testing.assert_array_equal(pipe(PROMPTS[0], generator=seeded(0), **call).frames, first)
     assert not np.array_equal(pipe(PROMPTS[0], generator=seeded(1), **call).frames, first)
 
 
-def test_after_warmup_the_next_call_makes_no_session(wan):
-    pipe = load(wan[1])
+def test_after_warmup_the_next_call_makes_no_session(wan, loaded):
+    pipe = loaded(wan[1])
     pipe.warmup(heights=16, widths=32, num_inference_steps=2, num_frames=9, max_sequence_length=SEQUENCE)
     made = pipe.sessions_created
     pipe(PROMPTS[0], height=16, width=32, num_frames=9, num_inference_steps=2, max_sequence_length=SEQUENCE)
     assert pipe.sessions_created == made
 
 
-def test_a_warmup_of_a_frame_count_the_vae_cannot_make_is_refused_before_any_work(wan):
-    pipe = load(wan[1])
+def test_a_warmup_of_a_frame_count_the_vae_cannot_make_is_refused_before_any_work(wan, loaded):
+    pipe = loaded(wan[1])
     with contextlib.ExitStack() as stack:
         runs = [stack.enter_context(model.watch_runs()) for model in pipe.onnx_models.values()]
         with pytest.raises(ValueError, match="num_frames: expected a positive integer of the form 4k"):
@@ -278,8 +292,8 @@ def test_ti2v_per_token_timesteps_match_diffusers(shared_export):
         "steps",
     ],
 )
-def test_a_call_it_cannot_run_is_refused_by_name_before_any_component_runs(wan, call, message):
-    pipe = load(wan[1])
+def test_a_call_it_cannot_run_is_refused_by_name_before_any_component_runs(wan, call, message, loaded):
+    pipe = loaded(wan[1])
     arguments = dict(height=16, width=16, num_frames=5, num_inference_steps=1, output_type="latent")
     arguments.update(call)
     with contextlib.ExitStack() as stack:
@@ -289,8 +303,8 @@ def test_a_call_it_cannot_run_is_refused_by_name_before_any_component_runs(wan, 
     assert not any(runs)
 
 
-def test_a_decoded_output_of_a_folder_without_a_vae_is_refused_before_any_component_runs(wan22):
-    pipe = load(wan22[1])
+def test_a_decoded_output_of_a_folder_without_a_vae_is_refused_before_any_component_runs(wan22, loaded):
+    pipe = loaded(wan22[1])
     with contextlib.ExitStack() as stack:
         runs = [stack.enter_context(model.watch_runs()) for model in pipe.onnx_models.values()]
         with pytest.raises(ValueError, match="output_type: expected 'latent' for a folder without vae_decoder"):
@@ -298,8 +312,8 @@ def test_a_decoded_output_of_a_folder_without_a_vae_is_refused_before_any_compon
     assert not any(runs)
 
 
-def test_given_prompt_embeds_of_another_length_than_the_negative_prompts_are_refused(wan):
-    pipe = load(wan[1])
+def test_given_prompt_embeds_of_another_length_than_the_negative_prompts_are_refused(wan, loaded):
+    pipe = loaded(wan[1])
     with pytest.raises(ValueError, match="max_sequence_length: expected 8, the length of prompt_embeds"):
         pipe(
             prompt_embeds=torch.zeros(1, 8, 32),
@@ -311,11 +325,11 @@ def test_given_prompt_embeds_of_another_length_than_the_negative_prompts_are_ref
         )
 
 
-def test_a_step_cache_is_refused_naming_the_families_that_cache(wan):
+def test_a_step_cache_is_refused_naming_the_families_that_cache(wan, loaded):
     from diffusers.hooks import FirstBlockCacheConfig
 
     with pytest.raises(ValueError, match="OnnxWanPipeline cannot cache steps"):
-        load(wan[1]).enable_cache(FirstBlockCacheConfig(threshold=0.1))
+        loaded(wan[1]).enable_cache(FirstBlockCacheConfig(threshold=0.1))
 
 
 # --------------------------------------------------------------------------------------------------- detection
@@ -361,8 +375,8 @@ def test_cuda_graph_true_binds_the_transformer(wan):
     assert all(model.cuda_graph is False for model in pipe.onnx_models.values())
 
 
-def test_vae_tiling_is_refused_naming_it(wan):
-    pipe = load(wan[1])
+def test_vae_tiling_is_refused_naming_it(wan, loaded):
+    pipe = loaded(wan[1])
     with pytest.raises(ValueError, match="enable_vae_tiling: Wan's VAE decodes one latent frame per call"):
         pipe.enable_vae_tiling()
     assert pipe.vae_tiler is None

@@ -73,6 +73,20 @@ def load(folder, **options):
     return pipe
 
 
+@pytest.fixture(scope="module")
+def loaded():
+    """``loaded(folder)``: our pipeline of ``folder`` with the default options, one per folder and module (loading
+    makes every component's sessions; the calls of these tests change nothing a later call reads)."""
+    pipes = {}
+
+    def get(folder):
+        if folder not in pipes:
+            pipes[folder] = load(folder)
+        return pipes[folder]
+
+    return get
+
+
 def both(torch_pipe, pipe, **kwargs):
     """The frames of the same call of diffusers' torch pipeline and ours."""
     call = dict(CALL, output_type="latent")
@@ -83,13 +97,13 @@ def both(torch_pipe, pipe, **kwargs):
 
 
 # ------------------------------------------------------------------------------------------------------ export
-def test_the_export_writes_the_clip_image_encoder_and_its_processor(wan21):
+def test_the_export_writes_the_clip_image_encoder_and_its_processor(wan21, loaded):
     _, folder = wan21
     index = json.loads((folder / "model_index.json").read_text())
     assert index["_class_name"] == "WanImageToVideoPipeline"
     assert index["image_encoder"] == ["transformers", "CLIPVisionModel"]
     assert index["image_processor"] == ["transformers", "CLIPImageProcessor"]
-    pipe = load(folder)
+    pipe = loaded(folder)
     assert pipe.transformer.input_names == [*WAN_INPUTS, WAN_IMAGE_INPUT]
     assert pipe.transformer.input_dims["hidden_states"][1] == 36  # the latents, the first frame's mask and latents
     assert type(pipe.image_processor).__name__.startswith("CLIPImageProcessor")
@@ -97,16 +111,16 @@ def test_the_export_writes_the_clip_image_encoder_and_its_processor(wan21):
 
 # -------------------------------------------------------------------------------------------- against diffusers
 @pytest.mark.parametrize("output_type", ["latent", "np"])
-def test_wan21_image_to_video_matches_diffusers(wan21, output_type):
+def test_wan21_image_to_video_matches_diffusers(wan21, output_type, loaded):
     torch_pipe, folder = wan21
-    theirs, ours = both(torch_pipe, load(folder), output_type=output_type, max_sequence_length=TEXT_CONTEXT)
+    theirs, ours = both(torch_pipe, loaded(folder), output_type=output_type, max_sequence_length=TEXT_CONTEXT)
     np.testing.assert_allclose(ours, theirs, atol=TOLERANCE)
 
 
 @pytest.mark.parametrize("last", [False, True], ids=["first-image", "first-and-last-image"])
-def test_wan22_image_to_video_runs_both_experts_as_diffusers_does(wan22, last):
+def test_wan22_image_to_video_runs_both_experts_as_diffusers_does(wan22, last, loaded):
     torch_pipe, folder = wan22
-    pipe = load(folder)
+    pipe = loaded(folder)
     extra = {"last_image": picture(1)} if last else {}
     with pipe.transformer.watch_runs() as high, pipe.transformer_2.watch_runs() as low:
         theirs, ours = both(torch_pipe, pipe, max_sequence_length=16, guidance_scale_2=2.0, **extra)
@@ -114,9 +128,9 @@ def test_wan22_image_to_video_runs_both_experts_as_diffusers_does(wan22, last):
     np.testing.assert_allclose(ours, theirs, atol=TOLERANCE)
 
 
-def test_a_saved_pipeline_loads_again_with_its_image_encoder_and_gives_the_same_video(wan21, tmp_path):
+def test_a_saved_pipeline_loads_again_with_its_image_encoder_and_gives_the_same_video(wan21, tmp_path, loaded):
     _, folder = wan21
-    pipe = load(folder)
+    pipe = loaded(folder)
     call = dict(CALL, max_sequence_length=TEXT_CONTEXT, num_inference_steps=2)
     expected = pipe(picture(0), PROMPT, generator=torch.Generator().manual_seed(0), **call).frames
     pipe.save_pretrained(tmp_path / "saved")
@@ -139,8 +153,8 @@ def test_a_saved_pipeline_loads_again_with_its_image_encoder_and_gives_the_same_
     ],
     ids=["no-image", "numpy-image", "image-embeds", "short-prompt", "frames", "last-image"],
 )
-def test_a_call_it_cannot_run_is_refused_by_name_before_any_component_runs(wan21, call, message):
-    pipe = load(wan21[1])
+def test_a_call_it_cannot_run_is_refused_by_name_before_any_component_runs(wan21, call, message, loaded):
+    pipe = loaded(wan21[1])
     arguments = dict(CALL, image=picture(0), prompt=PROMPT, max_sequence_length=TEXT_CONTEXT)
     arguments.update(call)
     with contextlib.ExitStack() as stack:
