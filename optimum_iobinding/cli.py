@@ -664,7 +664,7 @@ def run_generate(args: argparse.Namespace) -> int:
     import numpy as np
 
     from .pipelines import pipeline_class_for, resolve_model_folder
-    from .pipelines.memory import check_image_fits
+    from .pipelines.memory import CallMemory, check_image_fits
 
     model = tiny_model_folder(Path(args.cache_dir) if args.cache_dir else None) if args.model is None else None
     provider = args.provider or default_provider()
@@ -684,8 +684,12 @@ def run_generate(args: argparse.Namespace) -> int:
     first_image = next(iter(args.images.values()), None)  # its sides where --width and --height give none
     given = (args.width, args.height)
     width, height = (side or (first_image.size[axis] if first_image else 512) for axis, side in enumerate(given))
+    guided = record.negative_prompt and record.negative_prompt_needs is None  # classifier-free: two rows an image
+    if (args.guidance if args.guidance is not None else record.defaults.guidance_scale) <= 1:
+        guided = False
     with options_named(GENERATE_OPTIONS):
-        check_image_fits(Path(model) / "vae_decoder", width, height, provider)
+        memory = CallMemory.of_folder(model, provider)
+        check_image_fits(memory, width, height, provider, rows=2 if guided else 1)
     with options_named(model_names):
         pipe = folder_class.from_pretrained(model, provider=provider, io_binding=args.io_binding)
     if sibling is not None:
@@ -1006,12 +1010,13 @@ def run_stream(args: argparse.Namespace) -> int:
         if model is None:
             model = tiny_model_folder(Path(args.cache_dir) if args.cache_dir else None)
         provider = args.provider or default_provider()
-        from .pipelines.memory import check_image_fits
+        from .pipelines.memory import CallMemory, check_image_fits
 
         decoder = Path(args.tiny_vae if args.tiny_vae is not None else model) / "vae_decoder"
         if decoder.is_dir():  # a hub id's decoder is checked by the pipeline's own loading, once downloaded
+            memory = CallMemory.of_folder(model if Path(model).is_dir() else decoder.parent, provider, decoder)
             with options_named({"frame size": "--size" if args.size is not None else "INPUT"}):
-                check_image_fits(decoder, width, height, provider, argument="frame size")
+                check_image_fits(memory, width, height, provider, argument="frame size")
         started = time.perf_counter()
         with options_named(stream_option_names(args)):
             stream = pipeline_class(family("stream")).from_pretrained(model, provider=provider, tiny_vae=args.tiny_vae)

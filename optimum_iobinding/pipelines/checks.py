@@ -15,6 +15,7 @@ import torch
 from ..errors import ArgumentError, ArgumentTypeError
 from .arguments import is_integer, is_real
 from .loop import check_callback_arguments
+from .memory import CallMemory, check_image_fits
 
 
 class ArgumentChecks:
@@ -58,6 +59,8 @@ class ArgumentChecks:
         if not is_integer(num_images_per_prompt) or num_images_per_prompt < 1:
             raise ArgumentError("num_images_per_prompt", f"expected a positive integer, got {num_images_per_prompt!r}")
         self.check_size(height, width)
+        if self.device.type == "cpu" and not self.family.frames:
+            self.check_fits(height, width, num_images_per_prompt, guidance_scale)
         if sigmas is not None:
             values = list(sigmas) if isinstance(sigmas, (list, tuple, np.ndarray)) else None
             if not values or not all(is_real(v) and math.isfinite(v) for v in values):
@@ -264,6 +267,25 @@ class ArgumentChecks:
                 f"a {height} × {width} image (after rounding down to the VAE factor "
                 f"{self.vae_scale_factor}) cannot be used: {error}; resize it",
             ) from None
+
+    def check_fits(self, height: int, width: int, images: int, guidance_scale: Any) -> None:
+        """On the CPU, where running out of memory ends the process, a call whose largest stage cannot fit the host's
+        available memory is refused before any work, naming the largest size that fits (:mod:`.memory`: the
+        denoiser's attention and the VAE decoder, with a row per image and classifier-free guidance's second)."""
+        record = self.family
+        guided = record.negative_prompt and record.negative_prompt_needs is None and is_real(guidance_scale)
+        rows = images * (2 if guided and guidance_scale > 1 else 1)
+        denoiser = getattr(self, record.denoiser, None)
+        decoder = getattr(self, "vae_decoder", None)
+        memory = CallMemory(
+            decoder=getattr(decoder, "config", None) or {},
+            denoiser=getattr(denoiser, "config", None) or {},
+            component=record.denoiser,
+            vae_scale_factor=self.vae_scale_factor,
+            element_bytes=4,
+            attention=True,
+        )
+        check_image_fits(memory, width, height, "CPUExecutionProvider", images, rows, self.size_multiple)
 
     def check_size(self, height: Any, width: Any) -> None:
         """Height and width must be positive integers the denoiser can run: multiples of :attr:`size_multiple`

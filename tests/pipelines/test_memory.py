@@ -1,5 +1,6 @@
-"""The size check asked of a folder before anything loads: the floor of what the VAE decoder's full-resolution
-stage holds, against the memory the call would run in."""
+"""The size check asked of a folder before anything loads and of a pipeline on the CPU before any work: what the
+call's largest stage holds at once (the denoiser's attention, the VAE decoder), against the memory it would run
+in."""
 
 from __future__ import annotations
 
@@ -45,37 +46,62 @@ def host_with(monkeypatch):
     return host
 
 
-def test_a_size_beyond_the_memory_is_refused_with_a_size_that_fits_the_bound(tmp_path, host_with):
-    folder = decoder(tmp_path, {"block_out_channels": [128, 256, 512, 512]})
-    host_with(10**9)  # 1 GB: 1024×768 needs 1024·768·384·2 ≈ 0.60 GB, 2048×1536 four times that
-    memory.check_image_fits(folder, 1024, 768, "CPUExecutionProvider")
+SD_VAE = {"block_out_channels": [128, 256, 512, 512]}
+TINY_UNET = {"down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"], "attention_head_dim": 8}
+
+
+def test_a_size_beyond_the_memory_is_refused_with_a_size_that_fits(host_with):
+    vae = memory.CallMemory(SD_VAE)
+    host_with(10**9)  # 1 GB: 512×384 needs about 0.15 GB, 1024×768 about 1.4 GB (its mid-block attention)
+    memory.check_image_fits(vae, 512, 384, "CPUExecutionProvider")
     with pytest.raises(ArgumentError) as refused:
-        memory.check_image_fits(folder, 2048, 1536, "CPUExecutionProvider")
+        memory.check_image_fits(vae, 1024, 768, "CPUExecutionProvider")
     assert refused.value.argument == "height and width"
     found = re.fullmatch(
-        r"2048×1536 needs at least 2\.4 GB for the VAE decoder's full-resolution activations alone, "
-        r"more than 1\.0 GB, the host's available memory; at most about (\d+)×(\d+) fits that bound",
+        r"1024×768 needs about (\d+\.\d) GB at once for the VAE decoder, more than 1\.0 GB, the host's available "
+        r"memory; at most about (\d+)×(\d+) fits",
         refused.value.reason,
     )
     assert found, refused.value.reason
-    width, height = int(found[1]), int(found[2])
-    assert width % 8 == 0 and height % 8 == 0 and abs(width / height - 4 / 3) < 0.02
-    memory.check_image_fits(folder, width, height, "CPUExecutionProvider")  # the size it names passes
+    width, height = int(found[2]), int(found[3])
+    assert width % 8 == 0 and height % 8 == 0 and abs(width / height - 4 / 3) < 0.03
+    memory.check_image_fits(vae, width, height, "CPUExecutionProvider")  # the size it names passes
     with pytest.raises(ArgumentError):
-        memory.check_image_fits(folder, width + 64, height + 48, "CPUExecutionProvider")
+        memory.check_image_fits(vae, width + 64, height + 48, "CPUExecutionProvider")
 
 
-def test_a_batch_needs_its_images_together(tmp_path, host_with):
-    folder = decoder(tmp_path, {"block_out_channels": [128, 256, 512, 512]})
-    host_with(10**9)
-    with pytest.raises(ArgumentError, match=r"1024×768 × 2 images needs at least 1\.2 GB"):
-        memory.check_image_fits(folder, 1024, 768, "CPUExecutionProvider", batch_size=2, argument="size")
+def test_the_denoisers_attention_counts_on_the_cpu_with_a_row_per_image_and_guidance():
+    """Unfused, as ONNX Runtime's CPU kernels compute it, the UNet's attention at its first attending level (here
+    the second: 1/16 of the pixels a side) holds rows × heads × tokens² scores; fused on the GPU, none."""
+    cpu = memory.CallMemory({}, TINY_UNET, "unet", 8, element_bytes=4, attention=True)
+    need, what = cpu.need(1024, 1024, images=1, rows=2)
+    tokens = (1024 // 16) ** 2
+    assert what == "the UNet's attention" and need == int(2 * 8 * tokens**2 * 4 * memory.DENOISER_ATTENTION_COPIES)
+    assert cpu.need(2048, 2048, rows=2)[0] == 16 * need and cpu.need(1024, 1024, rows=4)[0] == 2 * need
+    gpu = memory.CallMemory({}, TINY_UNET, "unet", 8, element_bytes=2, attention=False)
+    assert gpu.need(1024, 1024, rows=2)[1] == "the VAE decoder"
 
 
-def test_nothing_is_refused_where_the_memory_cannot_be_known(tmp_path):
-    folder = decoder(tmp_path, None)
+def test_a_batch_needs_its_images_together(host_with):
+    host_with(2 * 10**9)  # 1024×768: about 1.4 GB an image
+    memory.check_image_fits(memory.CallMemory(SD_VAE), 1024, 768, "CPUExecutionProvider", images=1)
+    with pytest.raises(ArgumentError, match=r"size: 1024×768 × 2 images needs about 2\.7 GB"):
+        memory.check_image_fits(memory.CallMemory(SD_VAE), 1024, 768, "CPUExecutionProvider", images=2, argument="size")
+
+
+def test_a_pipeline_on_the_cpu_refuses_a_call_that_cannot_fit_before_any_work(tiny_folder, host_with):
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder, provider="CPUExecutionProvider")
+    host_with(2 * 10**9)
+    with pytest.raises(ArgumentError, match=r"height and width: 2048×2048 needs about .* at most about (\d+)×\1 fits"):
+        pipe("a cat", height=2048, width=2048, num_inference_steps=1)
+    assert pipe("a cat", height=64, width=64, num_inference_steps=1, output_type="np").images.shape == (1, 64, 64, 3)
+
+
+def test_nothing_is_refused_where_the_memory_cannot_be_known():
     assert memory.available_memory("NoSuchExecutionProvider") is None
-    memory.check_image_fits(folder, 10**6, 10**6, "NoSuchExecutionProvider")
+    memory.check_image_fits(memory.CallMemory(SD_VAE), 10**6, 10**6, "NoSuchExecutionProvider")
 
 
 def test_the_hosts_memory_is_what_the_cpu_provider_is_checked_against():
