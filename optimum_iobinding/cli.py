@@ -436,6 +436,7 @@ def check_cache_dir(cache_dir: Optional[str]) -> None:
 # what the pipelines' own checks call the options of `generate`
 GENERATE_OPTIONS = {
     "num_inference_steps": "--steps",
+    "num_frames": "--frames",
     "guidance_scale": "--guidance",
     "height": "--height",
     "width": "--width",
@@ -480,10 +481,17 @@ MODEL_OPTION = model_option_names("--model")
 TINY_MODEL_OPTION = model_option_names("--cache-dir")
 
 
-def check_generate_arguments(args: argparse.Namespace) -> Path:
-    """Every check that needs no model; returns the image path. What depends on the model (sizes the UNet can run,
-    at most the scheduler's steps) the pipeline checks before its first step."""
-    out = check_image_path(args.out)
+def check_generate_arguments(args: argparse.Namespace) -> Optional[Path]:
+    """Every check that needs no model; returns the image path (``None``: a video's, checked once the folder's family
+    says it makes videos). What depends on the model (sizes the UNet can run, at most the scheduler's steps) the
+    pipeline checks before its first step."""
+    # a video or a folder of frames, where the folder (--model: the tiny default makes images) is of a video family:
+    # checked once the folder's family is known
+    video = args.model is not None and args.out is not None and (is_video_path(args.out) or not Path(args.out).suffix)
+    out = None if video else check_image_path(args.out or DEFAULT_IMAGE_OUT)
+    if args.frames is not None:
+        check(args.frames > 0, "--frames", "a positive integer (4k + 1 for Wan: 81, 49, 33 …)", args.frames)
+    check(math.isfinite(args.fps) and args.fps > 0, "--fps", "a positive number of frames per second", args.fps)
     if args.prompt_option is not None:
         if args.prompt is not None:
             raise UsageError(
@@ -612,6 +620,30 @@ def check_cache_spec(spec: str) -> None:
         check(values[0] >= 0, "--cache fbc:THRESHOLD", "a number ≥ 0", values[0])
 
 
+VIDEO_EXTENSIONS = (".mp4", ".mkv", ".mov", ".webm")  # what video.FrameWriter encodes (its VIDEO_ENCODERS)
+DEFAULT_IMAGE_OUT, DEFAULT_VIDEO_OUT = "image.png", "video.mp4"  # generate's --out without one
+
+
+def is_video_path(out: str) -> bool:
+    return Path(out).suffix.lower() in VIDEO_EXTENSIONS
+
+
+def check_output_fits(record: Family, args: argparse.Namespace) -> None:
+    """``--out``, ``--frames`` and ``--fps`` fit what the folder's family makes (``record.frames``: videos)."""
+    if not record.frames:
+        if args.out is not None and is_video_path(args.out):
+            raise UsageError(
+                f"--out: expected an image file name for {record.class_name} (its calls make images), got {args.out!r}"
+            )
+        if args.frames is not None:
+            raise UsageError(f"--frames: expected none for {record.class_name} (its calls make images)")
+    elif args.out is not None and Path(args.out).suffix and not is_video_path(args.out):
+        raise UsageError(
+            f"--out: expected a video file ({', '.join(VIDEO_EXTENSIONS)}) or a folder for PNG frames for "
+            f"{record.class_name} (its calls make videos), got {args.out!r}"
+        )
+
+
 def check_makes_images(record: Family, option: str) -> None:
     """A folder whose family makes videos (``record.frames``) is refused by ``option``: ``generate`` and the server
     write images."""
@@ -683,13 +715,24 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--lora: expected none for {runs.class_name} ({runs.title} takes no LoRA)")
     first_image = next(iter(args.images.values()), None)  # its sides where --width and --height give none
     given = (args.width, args.height)
-    width, height = (side or (first_image.size[axis] if first_image else 512) for axis, side in enumerate(given))
+    default = None if runs.frames else 512  # a video family's size is its pipeline's (Wan's 832 × 480)
+    width, height = (side or (first_image.size[axis] if first_image else default) for axis, side in enumerate(given))
     guided = record.negative_prompt and record.negative_prompt_needs is None  # classifier-free: two rows an image
     if (args.guidance if args.guidance is not None else record.defaults.guidance_scale) <= 1:
         guided = False
-    with options_named(GENERATE_OPTIONS):
-        memory = CallMemory.of_folder(model, provider)
-        check_image_fits(memory, width, height, provider, rows=2 if guided else 1)
+    if not runs.frames:
+        with options_named(GENERATE_OPTIONS):
+            memory = CallMemory.of_folder(model, provider)
+            check_image_fits(memory, width, height, provider, rows=2 if guided else 1)
+    if not runs.frames and out is None:  # a name without an extension, for an image
+        out = check_image_path(args.out)
+    writer = None
+    if runs.frames:  # checked before the work: the target's folder, PyAV (FrameWriter's own checks)
+        from .video import FrameWriter
+
+        with options_named({"path": "--out", "fps": "--fps"}):
+            target = args.out or DEFAULT_VIDEO_OUT  # a file is replaced as an image is, a folder of frames never
+            writer = FrameWriter(target, args.fps, overwrite=is_video_path(target), argument="--out")
     with options_named(model_names):
         pipe = folder_class.from_pretrained(model, provider=provider, io_binding=args.io_binding)
     if sibling is not None:
@@ -697,7 +740,7 @@ def run_generate(args: argparse.Namespace) -> int:
         if pipe is None:  # a folder without a VAE encoder
             option = "--mask" if sibling == "inpainting" else "--image"
             raise UsageError(f"{option}: {runs.class_name} needs the folder's vae_encoder/, which {model} lacks")
-    if first_image is not None:  # an image's side, rounded down to what the denoiser runs
+    if first_image is not None and width is not None:  # an image's side, rounded down to what the denoiser runs
         multiple = pipe.size_multiple
         width, height = (
             side if side == chosen else max(multiple, chosen // multiple * multiple)
@@ -738,8 +781,10 @@ def run_generate(args: argparse.Namespace) -> int:
         callback_on_step_end=record_step,
         **image_arguments(runs, args.images, width, height),
     )
-    if not runs.sized_by_image:
+    if not runs.sized_by_image and width is not None:
         call.update(height=height, width=width)
+    if args.frames is not None:
+        call["num_frames"] = args.frames
     if runs.options.get("size_by_area"):  # else FLUX.1 Kontext makes about a megapixel of the aspect ratio
         call["max_area"] = height * width
     if args.strength is not None:
@@ -751,10 +796,14 @@ def run_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         with options_named({**model_names, **GENERATE_OPTIONS}):  # the pipeline's checks of what depends on the model
+            if writer is not None:
+                return write_video(writer, pipe(prompt=args.prompt, output_type="np", **call).frames[0], args, start)
             image = pipe(prompt=args.prompt, **call).images[0]
     finally:
         for bar in progress:
             bar.close()
+        if writer is not None:
+            writer.abort()  # nothing partial is left at --out (a no-op once it is closed)
     seconds = time.perf_counter() - start
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -765,6 +814,23 @@ def run_generate(args: argparse.Namespace) -> int:
         f"{out}: {image.width}×{image.height}, {args.steps} step{'s' if args.steps != 1 else ''} in {seconds:.2f} s "
         f"({step_rate(step_times)}load {load_seconds:.1f} s; {type(pipe).__name__}, {provider}, "
         f"io_binding={args.io_binding}; model {args.model or model}{cache_summary(pipe, args.cache)})"
+    )
+    return 0
+
+
+def write_video(writer: Any, frames: Any, args: argparse.Namespace, start: float) -> int:
+    """Writes a video's frames (float HxWx3 in [0, 1], as diffusers' ``output_type="np"``) with ``writer`` and
+    prints what was made."""
+    import numpy as np
+
+    for frame in frames:
+        writer.write((np.clip(frame, 0.0, 1.0) * 255).round().astype(np.uint8))
+    writer.close()
+    seconds = time.perf_counter() - start
+    height, width = frames.shape[1:3]
+    print(
+        f"{writer.path}: {len(frames)} frames of {width}×{height} at {args.fps:g} frames/s, {args.steps} "
+        f"step{'s' if args.steps != 1 else ''} in {seconds:.2f} s"
     )
     return 0
 
@@ -791,10 +857,10 @@ def check_generate_fits(record: Family, args: argparse.Namespace) -> None:
     """What the family of a folder (``record``) cannot take, refused before its pipeline loads: a family without a
     choice of scheduler (the diffusion transformers run diffusers' flow-matching scheduler, where ``--scheduler``
     names discrete-time ones), a negative prompt for a family that takes none (LCM's guidance is an embedding), or one
-    that takes it only with an argument ``generate`` does not set (``record.negative_prompt_needs``), or a folder
-    whose calls make videos (``record.frames``), where ``generate`` writes an image."""
+    that takes it only with an argument ``generate`` does not set (``record.negative_prompt_needs``), or an ``--out``
+    or ``--frames`` of the other kind of output (:func:`check_output_fits`)."""
     name = record.class_name
-    check_makes_images(record, "--model")
+    check_output_fits(record, args)
     if args.cache is not None:
         check_cache_fits(record, args.cache)
     if args.scheduler and not record.scheduler_choice:
@@ -1264,7 +1330,16 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--cache-dir", default=None, help="where the tiny model is built (default ~/.cache/optimum-iobinding)"
     )
-    generate.add_argument("--out", default="image.png", help="PNG to write (default image.png)")
+    generate.add_argument(
+        "--out",
+        default=None,
+        help="the image to write (default image.png), or for a video family the video (.mp4, .mkv, .mov, .webm; "
+        "default video.mp4)",
+    )
+    generate.add_argument(
+        "--frames", type=int, default=None, help="a video family's frames (default the pipeline's: 81 for Wan)"
+    )
+    generate.add_argument("--fps", type=float, default=16.0, help="a video's frames per second (default 16)")
     generate.add_argument(
         "--cache",
         default=None,

@@ -146,8 +146,8 @@ class Family:
         negative_prompt_needs: the call argument without which a negative prompt does nothing (FLUX.1's true
             classifier-free guidance: ``"true_cfg_scale > 1"``), if any.
         callback_tensors: the loop's tensors a step-end callback may ask for and replace.
-        frames: its calls make videos (diffusers' ``frames``: frames of each video), which ``generate`` and the
-            server, writing images, refuse.
+        frames: its calls make videos (diffusers' ``frames``: frames of each video): ``generate`` writes them as a
+            video, the server, answering images, refuses the folder.
         defaults: its ``__call__`` defaults.
         hint: what to use, where :attr:`text_to_image` is false or its folder holds another family.
         options: what only some families have: ``needs_folder`` (a component folder detection requires: SDXL's

@@ -341,18 +341,6 @@ def test_a_wan_folder_is_detected_by_its_class_name_and_by_its_transformers_inpu
     assert detect("SomeFinetunedWanPipeline", inputs, channels) is family("wan")
 
 
-def test_generate_refuses_a_wan_folder_it_cannot_write_as_an_image(wan, capsys, tmp_path):
-    from optimum_iobinding.cli import main
-
-    out = tmp_path / "cat.png"
-    assert (
-        main(["generate", "a cat", "--model", str(wan[1]), "--height", "16", "--width", "16", "--out", str(out)]) == 2
-    )
-    error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "--model: expected a folder of a family that makes images" in error and "use OnnxWanPipeline" in error
-    assert not out.exists()
-
-
 def test_an_ort_optimized_export_keeps_the_multi_head_attention_and_matches_diffusers(wan, tmp_path):
     from optimum_iobinding.export import export_pipeline
 
