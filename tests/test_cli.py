@@ -4,6 +4,7 @@ asked (checked before any work), 1 for a failure while doing it, a traceback onl
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import optimum_iobinding
+import optimum_iobinding.pipelines  # noqa: F401 (here, not in a test: its libraries' import notices are no test's)
 from optimum_iobinding import cli
 from optimum_iobinding.cli import main
 
@@ -1131,3 +1133,12 @@ def test_a_diffusers_folder_holding_onnx_files_beside_its_torch_weights_is_not_t
     (tmp_path / "model" / "unet" / "diffusion_pytorch_model.safetensors").write_bytes(b"")
     main(["export", str(tmp_path / "model"), "--output", str(tmp_path / "out")])
     assert "ONNX folder already" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("index", [{"unet": ["diffusers", "UNet2DConditionModel"]}, {"_class_name": 3}])
+def test_export_of_a_folder_whose_model_index_names_no_pipeline_class_says_so(tmp_path, capsys, no_work, index):
+    """diffusers' loader answers such a folder with a bare ``KeyError: '_class_name'``."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model_index.json").write_text(json.dumps(index))
+    assert main(["export", str(tmp_path / "model"), "--output", str(tmp_path / "out")]) == 2
+    assert re.search(r'model_index.json: expected "_class_name": the diffusers pipeline class', error_line(capsys))

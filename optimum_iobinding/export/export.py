@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import ArgumentError, ArgumentTypeError
+from ..errors import ArgumentError, ArgumentTypeError, ModelFileError
 from ..families import FAMILIES, Family, t5_tokenizer_of, transformer_family
 from ..layout import (
     building_beside,
@@ -126,8 +126,9 @@ def export_pipeline(
             ``scaling_factor: 1.0``, so the pipelines scale latents as diffusers does with it. Its latent channels
             must be the UNet's.
         step_cache: also write the denoiser's step-cache parts beside its ``model.onnx``, reading its weights,
-            which go to ``model.onnx_data`` whatever their size: for SD3 and FLUX.1 First-Block Cache's
-            ``transformer/head.onnx``, ``body.onnx`` and ``out.onnx`` (:mod:`optimum_iobinding.export.step_cache`);
+            which go to ``model.onnx_data`` whatever their size: for SD3, FLUX.1 and Wan First-Block Cache's
+            ``transformer/head.onnx``, ``body.onnx`` and ``out.onnx`` (:mod:`optimum_iobinding.export.step_cache`;
+            Wan 2.2's ``transformer_2`` its own);
             for Stable Diffusion 1.x/2.x, SDXL and LCM DeepCache's ``unet/deep_cache_full.onnx`` and a
             ``unet/deep_cache_shallow_<branch>.onnx`` per branch (:mod:`optimum_iobinding.export.deep_cache`).
             Not for a ControlNet pipeline or a VAE alone.
@@ -326,7 +327,7 @@ def _refuse_bfloat16(got: str) -> None:
 def _refuse_step_cache(got: str) -> None:
     raise ArgumentError(
         "step_cache",
-        "expected an SD3 or FLUX.1 pipeline (First-Block Cache's parts) or a Stable "
+        "expected an SD3, FLUX.1 or Wan pipeline (First-Block Cache's parts) or a Stable "
         "Diffusion 1.x/2.x, SDXL or LCM pipeline without a ControlNet (DeepCache's "
         f"parts), got {got}",
     )
@@ -414,7 +415,16 @@ def _model_index(model_id_or_path: Union[str, os.PathLike]) -> Optional[dict]:
             folder = download_from_hub(os.fspath(model_id_or_path), ["model_index.json"], "model_id_or_path")
         except FileNotFoundError:
             return None
-    return read_json_object(folder / "model_index.json") if folder.is_dir() else None
+    if not folder.is_dir():
+        return None
+    index = read_json_object(folder / "model_index.json")
+    if index is not None and not isinstance(index.get("_class_name"), str):  # diffusers' loader: a bare KeyError
+        raise ModelFileError(
+            str(folder / "model_index.json"),
+            f'expected "_class_name": the diffusers pipeline class of the folder (e.g. "StableDiffusionPipeline"), '
+            f"got {index.get('_class_name')!r}",
+        )
+    return index
 
 
 def check_transformer_options(record: Optional[Family], *, vae=None, controlnet=None, tiny_vae=None) -> None:
