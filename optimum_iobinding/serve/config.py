@@ -255,8 +255,15 @@ class ServeConfig:
         """The limits a replica puts on requests: the settings given, the others derived (see the class's Args) from
         the pipeline's ``default_size`` (pixels, the side of its default square) and its tokenizer's
         ``model_max_length`` (``None``: no token limit unless ``max_prompt_tokens`` is given)."""
-        side = 2 * max([default_size, *(self.warmup_sizes or [])])
+        largest = max([default_size, *(self.warmup_sizes or [])])  # what a request without a size, or warm-up, makes
+        side = 2 * largest
         per_image = self.max_pixels_per_image or side * side
+        if per_image < largest * largest:  # every request without a size would be refused
+            raise ArgumentError(
+                "max_pixels_per_image",
+                f"expected at least {largest}×{largest} = {largest * largest} pixels (the size of a request without "
+                f"one, and of the warm-up), got {per_image}",
+            )
         per_batch = self.max_pixels_per_batch or max(self.max_batch_size * side * side, per_image)
         return RequestLimits(
             max_pixels_per_image=per_image,
