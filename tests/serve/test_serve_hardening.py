@@ -91,8 +91,8 @@ def test_limits_default_to_twice_the_side_the_replica_is_made_for():
     larger = ServeConfig(model="folder", warmup_sizes=[768], max_batch_size=2).limits(512, None)
     assert larger.max_pixels_per_image == 1536**2 and larger.max_pixels_per_batch == 2 * 1536**2
     assert larger.max_prompt_tokens is None  # a tokenizer without a length: no token limit unless one is given
-    given = ServeConfig(model="folder", max_pixels_per_image=100, max_prompt_tokens=200).limits(512, 77)
-    assert given.max_pixels_per_image == 100 and given.max_prompt_tokens == 200
+    given = ServeConfig(model="folder", max_pixels_per_image=512 * 640, max_prompt_tokens=200).limits(512, 77)
+    assert given.max_pixels_per_image == 512 * 640 and given.max_prompt_tokens == 200
 
 
 def test_the_config_refuses_limits_that_contradict_each_other():
