@@ -44,9 +44,19 @@ the same folder, diffusers' torch pipeline in bf16, the same with ``torch.compil
 floor of our transformer's CUDA graph; ``--blocks N`` builds the transformers with fewer blocks (every row says so),
 ``--text-layers N`` shallower text encoders. Results in transformer.json/md/png.
 
+``--scenario video`` measures Wan 2.1 T2V 1.3B's architecture (:mod:`.video_peers`) at its model card's recipe
+(480 × 832, 81 frames, guidance 5; ``--steps`` of its 50 steps, default 4), fused fp16 (``--dtypes bf16``: a bfloat16
+transformer): ours, diffusers' torch WanPipeline (bf16, VAE float32), the same with ``torch.compile``
+(``--compile-mode``) and the floor of our transformer's CUDA graph; per peer end to end, per step, the VAE decode of
+the 81 frames, peak memory. A second table: the MLPerf Inference v6.0 shape, Wan 2.2 T2V A14B's transformer with
+``--mlperf-blocks`` of its 40 blocks at 720 × 1280, one guided step (``--mlperf-peers``). The exports run on the
+CPUs beside the GPU while the peers that need none (diffusers') measure. ``--tiny`` runs all of it on the tiny Wan
+model (on the CPU unless ``--device cuda``). Results in video.json/md/png.
+
     optimum-iobinding bench --models tiny,small,sd15 --dtypes fp16 --exports plain,optimized --out benchmarks/results/h100
     optimum-iobinding bench --scenario stream --dtypes fp16 --exports optimized --out benchmarks/results/h100/stream
     optimum-iobinding bench --scenario transformer --models sd35m,flux-schnell --out benchmarks/results/h100/transformer
+    optimum-iobinding bench --scenario video --steps 4 --out benchmarks/results/h200/video
 """
 
 from __future__ import annotations
@@ -57,8 +67,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -89,6 +100,7 @@ from .report import (
     write_report,
     write_stream_report,
     write_transformer_report,
+    write_video_report,
 )
 from .transformer_peers import (
     CACHED_TRANSFORMER_PEER,
@@ -99,14 +111,31 @@ from .transformer_peers import (
     run_transformer_floor,
     run_transformer_peer,
 )
+from .video_peers import (
+    COMPILE_MODES,
+    CPU_VIDEO_PEERS,
+    MLPERF_PEERS,
+    OUR_VIDEO_PEERS,
+    VIDEO_PEERS,
+    run_mlperf_peer,
+    run_video_floor,
+    run_video_peer,
+)
 from .zoo import (
+    MLPERF_VIDEO_RECIPES,
     MODEL_SIZES,
     TRANSFORMER_BLOCKS,
     TRANSFORMER_RECIPES,
+    VIDEO_RECIPES,
+    VIDEO_TEXT_LAYERS,
     ensure_export,
+    ensure_mlperf_export,
     ensure_tiny_vae_export,
     ensure_transformer_export,
+    ensure_video_export,
     transformer_blocks,
+    wan_blocks,
+    wan_full_blocks,
 )
 
 # the stream scenario's configurations: (num_inference_steps, strength, stream batch), each with both VAEs
@@ -138,11 +167,21 @@ DESCRIPTION = (
 )
 
 
-def run_in_subprocess(args: List[str], pythonpath: Optional[str], timeout: int) -> Dict[str, Any]:
+def run_in_subprocess(
+    args: List[str],
+    pythonpath: Optional[str],
+    timeout: int,
+    cpus: Optional[Sequence[int]] = None,
+    environ: Optional[Dict[str, str]] = None,
+) -> Dict[str, Any]:
     """``python -m optimum_iobinding.bench ARGS --result FILE`` in a fresh process (``pythonpath`` put first on its
-    PYTHONPATH), and the JSON it wrote; ``{"error": ...}`` with the end of its output where it failed or ran past
-    ``timeout`` seconds."""
-    env = dict(os.environ)
+    PYTHONPATH; ``cpus``: the only CPUs it runs on, where the system can pin a process; ``environ``: variables set for
+    it), and the JSON it wrote; ``{"error": ...}`` with the end of its output where it failed or ran past ``timeout``
+    seconds."""
+    pin = None
+    if cpus and hasattr(os, "sched_setaffinity"):
+        pin = lambda: os.sched_setaffinity(0, set(cpus))  # noqa: E731 — in the child, before it starts Python
+    env = {**os.environ, **(environ or {})}
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as result_file:
@@ -154,6 +193,7 @@ def run_in_subprocess(args: List[str], pythonpath: Optional[str], timeout: int) 
             capture_output=True,
             text=True,
             timeout=timeout,
+            preexec_fn=pin,
         )
         if completed.returncode != 0:
             return {"error": (completed.stderr or completed.stdout)[-2000:]}
@@ -535,9 +575,224 @@ def compare_with_ours(row: Dict[str, Any]) -> None:
             result["max_abs_diff_vs_ours"] = float(np.abs(np.load(result["image"]) - np.load(ours["image"])).max())
 
 
+# the video scenario's tables: text to video (the pipelines end to end), and the MLPerf shape (the transformer alone)
+VIDEO_TABLES = ("video", "mlperf")
+# the video scenario's peers that read the table's export (the others build diffusers' models themselves)
+VIDEO_EXPORT_PEERS = ("ours", "floor")
+
+
+def video_config(args: argparse.Namespace, steps: int) -> Dict[str, Any]:
+    """What every process of a video run reads (``--video-config``): the models, their depths, the device, the step
+    count, the runs, torch.compile's mode, the floor's replays."""
+    model = "tiny-wan" if args.tiny else "wan2.1-t2v-1.3b"
+    mlperf_model = "tiny-wan" if args.tiny else "wan2.2-t2v-a14b"
+    return {
+        "model": model,
+        "blocks": args.blocks,
+        "text_layers": None if args.tiny else (args.text_layers or VIDEO_TEXT_LAYERS),
+        "mlperf_model": mlperf_model,
+        "mlperf_blocks": args.mlperf_blocks,
+        "device": args.device,
+        "steps": steps,
+        "runs": args.runs,
+        "warmup": args.warmup,
+        "compile_mode": args.compile_mode,
+        "replays": VIDEO_RECIPES[model]["replays"],
+    }
+
+
+def split_cpus(jobs: int) -> Tuple[Optional[List[int]], List[Optional[List[int]]]]:
+    """The CPUs of this process split between the peers (the first half) and ``jobs`` exports (the second half, in
+    equal parts), so that exports made beside the measured peers do not take their CPUs; no pinning (``None``) with
+    fewer than 4 CPUs or where the system cannot pin."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None, [None] * jobs
+    available = sorted(os.sched_getaffinity(0))
+    if len(available) < 4 or jobs < 1:
+        return None, [None] * jobs
+    half = len(available) // 2
+    rest = available[half:]
+    share = max(len(rest) // jobs, 1)
+    parts = [rest[i * share : (i + 1) * share] or rest for i in range(jobs)]
+    return available[:half], parts
+
+
+def video_benchmark(
+    config: Dict[str, Any],
+    peers: Sequence[str],
+    mlperf_peers: Sequence[str],
+    dtype: str,
+    export: str,
+    work: Path,
+    out: Path,
+    timeout: int,
+    compile_timeout: int,
+    run: Any = run_in_subprocess,
+    exports_ahead: Optional[bool] = None,
+) -> Dict[str, Any]:
+    """``--scenario video``: the export of each table (:data:`VIDEO_TABLES`: the text-to-video pipeline's UMT5,
+    transformer and VAE decoder; the MLPerf shape's transformer) each in a process of its own, then every peer in a
+    process of its own (``run``, :func:`run_in_subprocess`). With ``exports_ahead`` (default: on CUDA) the exports run
+    in the background on their share of the CPUs (:func:`split_cpus`) while the peers that need none (diffusers')
+    measure on the GPU; the peers that read an export wait for it. A peer that fails has its error in its row and the
+    others go on; a table whose export failed records it, and its peers that read the export record why they did not
+    run; a ``compile`` peer past ``compile_timeout`` seconds is skipped as "did not compile". video.json is rewritten
+    after every peer, video.md/png at the end."""
+    out.mkdir(parents=True, exist_ok=True)
+    cuda = config["device"] == "cuda"
+    ahead = cuda if exports_ahead is None else exports_ahead
+    recipe, mlperf_recipe = VIDEO_RECIPES[config["model"]], MLPERF_VIDEO_RECIPES[config["mlperf_model"]]
+    results: Dict[str, Any] = {
+        "environment": environment(),
+        "scenario": "video",
+        "dtype": dtype,
+        "export": export,
+        "exports_ahead": ahead,
+        **config,
+        "rows": [],
+    }
+    rows = {
+        "video": {
+            "table": "video",
+            "model": config["model"],
+            "dtype": dtype,
+            "export": export,
+            **{key: recipe[key] for key in ("height", "width", "num_frames", "guidance", "recipe_steps")},
+            "max_sequence_length": recipe["max_sequence_length"],
+            "blocks": wan_blocks(config["model"], config["blocks"]),
+            "full_blocks": wan_full_blocks(config["model"]),
+            "text_layers": config["text_layers"],
+            "peers": {},
+        }
+    }
+    if mlperf_peers:
+        rows["mlperf"] = {
+            "table": "mlperf",
+            "model": config["mlperf_model"],
+            "dtype": dtype,
+            "export": export,
+            **{key: mlperf_recipe[key] for key in ("height", "width", "num_frames", "max_sequence_length", "rows")},
+            "blocks": wan_blocks(config["mlperf_model"], config["mlperf_blocks"]),
+            "full_blocks": wan_full_blocks(config["mlperf_model"]),
+            "peers": {},
+        }
+    results["rows"] = list(rows.values())
+    wanted = {"video": list(peers), "mlperf": list(mlperf_peers)}
+    exporting = [table for table in rows if any(peer in VIDEO_EXPORT_PEERS for peer in wanted[table])]
+    peer_cpus, export_cpus = split_cpus(len(exporting)) if ahead else (None, [None] * len(exporting))
+
+    def save() -> None:
+        (out / "video.json").write_text(json.dumps(results, indent=2))
+
+    def export_job(table: str, cpus: Optional[List[int]]) -> Callable[[], Dict[str, Any]]:
+        args = [
+            "--scenario",
+            "video",
+            "--run-video-export",
+            table,
+            "--video-config",
+            json.dumps(config),
+            "--dtypes",
+            dtype,
+            "--exports",
+            export,
+            "--work",
+            str(work),
+        ]
+        # CPU work: the GPU hidden from it, so that nothing of it shows in the device memory the peers measure
+        return lambda: run(args, None, timeout, cpus=cpus, environ={"CUDA_VISIBLE_DEVICES": ""})
+
+    with ThreadPoolExecutor(max_workers=max(len(exporting), 1)) as pool:
+        folders: Dict[str, Callable[[], Dict[str, Any]]] = {}
+        for table, cpus in zip(exporting, export_cpus):
+            print(f"video: {table}: export" + (" (in the background)" if ahead else ""), file=sys.stderr, flush=True)
+            if ahead:
+                folders[table] = pool.submit(export_job(table, cpus)).result
+            else:
+                done = export_job(table, cpus)()
+                folders[table] = lambda done=done: done
+        # the peers that need no export first, every table's: they measure while the exports are made
+        order = sorted(
+            ((table, peer) for table in rows for peer in wanted[table]), key=lambda job: job[1] in VIDEO_EXPORT_PEERS
+        )
+        measured: Dict[str, Dict[str, Dict[str, Any]]] = {table: {} for table in rows}
+        for table, peer in order:
+            row = rows[table]
+            folder = None
+            if peer in VIDEO_EXPORT_PEERS:
+                made = folders[table]()
+                if "folder" not in made:
+                    row["export_error"] = made.get("error", "no folder in the export's result")
+                    measured[table][peer] = {"peer": peer, "skipped": "the export failed"}
+                    row["peers"] = {name: measured[table][name] for name in wanted[table] if name in measured[table]}
+                    save()
+                    continue
+                folder = row["folder"] = made["folder"]
+            print(f"video: {table}: {peer}", file=sys.stderr, flush=True)
+            args = [
+                "--scenario",
+                "video",
+                "--run-video",
+                peer,
+                "--video-table",
+                table,
+                "--video-config",
+                json.dumps(config),
+                "--image",
+                str(work / f"video-{config['model']}-{dtype}-{export}-{peer}.npy"),
+                *(["--folder", str(folder)] if folder is not None else []),
+            ]
+            limit = compile_timeout if peer == "compile" else timeout
+            result = run(args, None, limit, cpus=peer_cpus)
+            if peer == "compile" and str(result.get("error", "")).startswith("timed out"):
+                result = {"peer": peer, "skipped": f"did not compile within {limit} s"}
+            measured[table][peer] = result
+            # the table keeps the order the peers were given in
+            row["peers"] = {name: measured[table][name] for name in wanted[table] if name in measured[table]}
+            save()
+    compare_frames_with_ours(rows["video"])
+    save()
+    write_video_report(results, out)
+    return results
+
+
+def compare_frames_with_ours(row: Dict[str, Any]) -> None:
+    """Each peer's largest pixel difference from ours over the whole video (``max_abs_diff_vs_ours``), where both
+    saved their frames (on the CPU, where the torch peer runs the export's own weights)."""
+    ours = row["peers"].get("ours", {})
+    if not ours.get("video") or "error" in ours or "skipped" in ours:
+        return
+    for peer, result in row["peers"].items():
+        if peer != "ours" and result.get("video") and result.get("weights") == "the export's":
+            result["max_abs_diff_vs_ours"] = float(np.abs(np.load(result["video"]) - np.load(ours["video"])).max())
+
+
+def run_video_export(table: str, config: Dict[str, Any], dtype: str, export: str, work: Path) -> Dict[str, Any]:
+    """One table's export in this process (:func:`.zoo.ensure_video_export`, :func:`.zoo.ensure_mlperf_export`): its
+    folder, and the seconds it took (nothing where it was made before)."""
+    import time
+
+    start = time.perf_counter()
+    if table == "video":
+        folder = ensure_video_export(
+            config["model"], dtype, export, work, config["blocks"], config["text_layers"], device=config["device"]
+        )
+    else:
+        folder = ensure_mlperf_export(
+            config["mlperf_model"], dtype, export, work, config["mlperf_blocks"], device=config["device"]
+        )
+    return {"folder": str(folder), "seconds": time.perf_counter() - start}
+
+
 # the peers that are this project's pipelines, per scenario: where one of them fails, the run fails (the others'
 # failures are rows of the report)
-OWN_PEERS = {"single": OUR_PEERS, "mixed": OUR_PEERS, "stream": ("ours",), "transformer": OUR_TRANSFORMER_PEERS}
+OWN_PEERS = {
+    "single": OUR_PEERS,
+    "mixed": OUR_PEERS,
+    "stream": ("ours",),
+    "transformer": OUR_TRANSFORMER_PEERS,
+    "video": OUR_VIDEO_PEERS,
+}
 
 
 def own_failure(results: Dict[str, Any], scenario: str) -> Optional[str]:
@@ -591,25 +846,34 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
             parser.error(f"{option}: expected {expected}, got {got!r}" + (f"; {hint}" if hint else ""))
 
     transformer = args.scenario == "transformer"
+    video = args.scenario == "video"
     choices = {
         "--models": (args.models, tuple(TRANSFORMER_RECIPES) if transformer else tuple(MODEL_SIZES)),
         # bfloat16 exports are the diffusion transformers' (the exporter refuses a UNet's)
-        "--dtypes": (args.dtypes, ("fp16", "fp32", "bf16") if transformer else ("fp16", "fp32")),
+        "--dtypes": (args.dtypes, ("fp16", "fp32", "bf16") if transformer or video else ("fp16", "fp32")),
         "--exports": (args.exports, ("plain", "optimized")),
         "--peers": (args.peers, tuple(dict.fromkeys((*PEERS, *MIXED_PEERS)))),
     }
     if args.scenario == "stream":
         del choices["--peers"]  # its own peers, checked below
-    if transformer:
-        choices["--peers"] = (args.peers, TRANSFORMER_PEERS)
-        for option in ("--models", "--peers"):  # the other scenarios' defaults mean: the transformer scenario's own
+    if transformer or video:
+        choices["--peers"] = (args.peers, TRANSFORMER_PEERS if transformer else VIDEO_PEERS)
+        for option in ("--models", "--peers"):  # the other scenarios' defaults mean: the scenario's own
             if choices[option][0] == parser.get_default(option[2:]):
                 del choices[option]
+    if video:
+        expect(
+            "--models" not in choices,
+            "--models",
+            "none with --scenario video (it measures Wan 2.1 T2V 1.3B's architecture; --tiny the tiny Wan model)",
+            args.models,
+        )
+        choices.pop("--models", None)
     for option, (text, known) in choices.items():
         items = split(text)
         unknown = [item for item in items if item not in known]
         hint = (
-            " (bf16 only with --scenario transformer: SD3 and FLUX.1)"
+            " (bf16 only with --scenario transformer or video: the diffusion transformers)"
             if option == "--dtypes" and "bf16" in unknown
             else ""
         )
@@ -630,12 +894,23 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
         expect(value >= least, option, f"an integer ≥ {least}", value)
     for option, value in (("--blocks", args.blocks), ("--text-layers", args.text_layers)):
         if value is not None:
-            expect(transformer, option, "only with --scenario transformer", f"--scenario {args.scenario}")
+            expect(
+                transformer or video, option, "only with --scenario transformer or video", f"--scenario {args.scenario}"
+            )
             expect(value >= 1, option, "an integer ≥ 1", value)
     expect(args.compile_timeout >= 1, "--compile-timeout", "an integer ≥ 1", args.compile_timeout)
+    if video:
+        check_video_arguments(parser, args, split, expect)
+    else:
+        for option, given in (
+            ("--tiny", args.tiny),
+            ("--mlperf-blocks", args.mlperf_blocks != parser.get_default("mlperf_blocks")),
+            ("--mlperf-peers", args.mlperf_peers is not None),
+        ):
+            expect(not given, option, "only with --scenario video", f"--scenario {args.scenario}")
     if args.device == "cpu":
         expect(
-            transformer,
+            transformer or video,
             "--device",
             f"cuda with --scenario {args.scenario} (it measures CUDA pipelines; "
             "--scenario transformer --models tiny-sd3,tiny-flux --device cpu checks a setup without a GPU)",
@@ -665,6 +940,101 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
     )
     if args.cache is not None:
         check_cache(parser, args, split, expect)
+
+
+def check_video_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any, expect: Any) -> None:
+    """The video scenario's own options: ``--steps`` (at least 2: a step is timed between two step ends),
+    ``--mlperf-blocks``, ``--mlperf-peers``; on the CPU only the peers that run there."""
+    if args.steps != parser.get_default("steps"):
+        expect(
+            args.steps >= 2,
+            "--steps",
+            "an integer ≥ 2 with --scenario video (a step is timed between two step ends)",
+            args.steps,
+        )
+    expect(args.mlperf_blocks >= 1, "--mlperf-blocks", "an integer ≥ 1", args.mlperf_blocks)
+    if args.mlperf_peers is not None and args.mlperf_peers != "none":
+        unknown = [item for item in split(args.mlperf_peers) if item not in MLPERF_PEERS]
+        expect(
+            bool(split(args.mlperf_peers)) and not unknown,
+            "--mlperf-peers",
+            f"a comma-separated list of {', '.join(MLPERF_PEERS)}, or none",
+            args.mlperf_peers,
+        )
+    if args.device == "cpu":
+        for option, text in (("--peers", args.peers), ("--mlperf-peers", args.mlperf_peers)):
+            if text is None or text == "none" or text == parser.get_default(option[2:]):
+                continue
+            cuda_only = [item for item in split(text) if item not in CPU_VIDEO_PEERS]
+            expect(
+                not cuda_only,
+                option,
+                f"peers that run on the CPU ({', '.join(CPU_VIDEO_PEERS)}) with --device cpu",
+                text,
+                f"{', '.join(cuda_only)} measure{'s' if len(cuda_only) == 1 else ''} CUDA work",
+            )
+
+
+def video_peers_of(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any
+) -> Tuple[List[str], List[str]]:
+    """The video scenario's peers and the MLPerf table's: as given, else every peer that runs on the device."""
+    cpu = args.device == "cpu"
+    if args.peers != parser.get_default("peers"):
+        peers = split(args.peers)
+    else:
+        peers = list(CPU_VIDEO_PEERS if cpu else VIDEO_PEERS)
+    if args.mlperf_peers == "none":
+        mlperf: List[str] = []
+    elif args.mlperf_peers is not None:
+        mlperf = split(args.mlperf_peers)
+    else:
+        mlperf = list(CPU_VIDEO_PEERS) if cpu else ["ours", "compile"]
+    return peers, mlperf
+
+
+def video_main(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any, out: Path) -> int:
+    """``--scenario video`` from the command line: its exports alone (``--export-only``), or the benchmark (the
+    exports for ``--device``: float32 with the CPU's fusions on the CPU, fused float16 on CUDA by default). Exit status
+    1 where ours failed (:func:`own_failure`) or every peer did."""
+    import torch
+
+    steps = args.steps if args.steps != parser.get_default("steps") else None
+    config = video_config(args, steps or VIDEO_RECIPES["tiny-wan" if args.tiny else "wan2.1-t2v-1.3b"]["steps"])
+    dtype, export = stream_export(parser, args, split, default_dtype="fp32" if args.device == "cpu" else "fp16")
+    peers, mlperf_peers = video_peers_of(parser, args, split)
+    if args.export_only:
+        for table in VIDEO_TABLES if mlperf_peers else VIDEO_TABLES[:1]:
+            print(run_video_export(table, config, dtype, export, Path(args.work))["folder"], flush=True)
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda: no CUDA GPU is visible to torch here (--tiny runs the tiny Wan model on the host)")
+        return 2
+    results = video_benchmark(
+        config,
+        peers,
+        mlperf_peers,
+        dtype,
+        export,
+        Path(args.work),
+        out,
+        args.timeout,
+        args.compile_timeout,
+        run=run_in_subprocess,
+    )
+    print((out / "video.md").read_text())
+    if fail_on_own_failure(results, "video", out / "video.md"):
+        return 1
+    measured = [
+        result
+        for row in results["rows"]
+        for result in row["peers"].values()
+        if "error" not in result and "skipped" not in result
+    ]
+    if not measured:
+        fail("every video peer failed or was skipped; see video.md for why")
+        return 1
+    return 0
 
 
 def check_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any, expect: Any) -> None:
@@ -782,7 +1152,7 @@ def build_parser() -> CommandLineParser:
         "--dtypes",
         default="fp16,fp32",
         help="comma-separated export precisions, fp16 and fp32 (default fp16,fp32); bf16 with --scenario transformer "
-        "only; the stream and transformer scenarios take the first (default there: fp16)",
+        "or video; the stream, transformer and video scenarios take the first (default there: fp16)",
     )
     parser.add_argument(
         "--exports",
@@ -795,14 +1165,14 @@ def build_parser() -> CommandLineParser:
         default=",".join(PEERS),
         help="comma-separated pipelines to measure, each in a process of its own (default: every peer of the "
         f"scenario): single {', '.join(PEERS)}; mixed {', '.join(MIXED_PEERS)}; stream {', '.join(STREAM_PEERS)}; "
-        f"transformer {', '.join(TRANSFORMER_PEERS)}",
+        f"transformer {', '.join(TRANSFORMER_PEERS)}; video {', '.join(VIDEO_PEERS)}",
     )
     parser.add_argument(
         "--steps",
         type=int,
         default=30,
         help="single: denoising steps of a timed call (LCM and turbo keep their recipe's; the transformers theirs); "
-        "mixed: steps of the first image",
+        "mixed: steps of the first image; video: steps of a timed call, at least 2 (default 4, of the recipe's 50)",
     )
     parser.add_argument("--runs", type=int, default=3, help="timed calls per step count; the table shows their median")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls before the timed ones")
@@ -819,12 +1189,13 @@ def build_parser() -> CommandLineParser:
     parser.add_argument("--report-only", action="store_true", help="re-render results.md/png from results.json")
     parser.add_argument(
         "--scenario",
-        choices=("single", "mixed", "stream", "transformer"),
+        choices=("single", "mixed", "stream", "transformer", "video"),
         default="single",
         help="single: one batch size, every peer; mixed: batch sizes in turn, rounds; "
         "stream: frames through few-step image to image (turbo, 512², batch 1); transformer: "
         "SD3.5 Medium and FLUX.1 (--models sd35m,flux-schnell,flux-dev; tiny-sd3,tiny-flux), "
-        "1024², batch 1",
+        "1024², batch 1; video: Wan 2.1 T2V 1.3B, 480×832, 81 frames, and the MLPerf shape (Wan 2.2 A14B's "
+        "transformer, 720×1280)",
     )
     parser.add_argument("--mixed-batches", default="1,4,8,2", help="mixed: images per call, in turn")
     parser.add_argument("--mixed-steps", type=int, default=10, help="mixed: steps per call")
@@ -843,20 +1214,45 @@ def build_parser() -> CommandLineParser:
         type=int,
         default=None,
         help="transformer: build the transformers with N blocks (FLUX.1: N double, 2N single), full "
-        "width; every result row says so",
+        "width; video: Wan 2.1's transformer with N of its 30 blocks; every result row says so",
     )
     parser.add_argument(
         "--text-layers",
         type=int,
         default=None,
-        help="transformer: at most N layers in each text encoder (CLIP-L, CLIP-G, T5)",
+        help="transformer: at most N layers in each text encoder (CLIP-L, CLIP-G, T5); video: UMT5's layers "
+        f"(default {VIDEO_TEXT_LAYERS} of 24, full width)",
     )
     parser.add_argument(
         "--device",
         choices=("cuda", "cpu"),
-        default="cuda",
-        help="transformer: where the peers run, and what the export is made for (cpu: the tiny "
-        "models on an fp32 export with the CPU's fusions, to check a setup)",
+        default=None,
+        help="transformer and video: where the peers run, and what the export is made for (cpu: the tiny "
+        "models on an fp32 export with the CPU's fusions, to check a setup); default cuda, with --tiny cpu",
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="video: the tiny random Wan model at a tiny size, every code path of the scenario (on the CPU "
+        "unless --device cuda: ours and diffusers' eager pipeline)",
+    )
+    parser.add_argument(
+        "--mlperf-blocks",
+        type=int,
+        default=2,
+        help="video: the MLPerf table's transformer (Wan 2.2 T2V A14B's) with N of its 40 blocks (default 2)",
+    )
+    parser.add_argument(
+        "--mlperf-peers",
+        default=None,
+        help=f"video: the MLPerf table's peers, comma-separated among {', '.join(MLPERF_PEERS)}, or none "
+        "(default: ours,compile; on the CPU ours,torch)",
+    )
+    parser.add_argument(
+        "--compile-mode",
+        choices=COMPILE_MODES,
+        default="default",
+        help="video: torch.compile's mode for the compile peers (default: default)",
     )
     parser.add_argument(
         "--compile-timeout",
@@ -883,6 +1279,10 @@ def build_parser() -> CommandLineParser:
     parser.add_argument("--run-mixed", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-stream", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-transformer", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run-video", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run-video-export", default=None, choices=VIDEO_TABLES, help=argparse.SUPPRESS)
+    parser.add_argument("--video-table", default="video", choices=VIDEO_TABLES, help=argparse.SUPPRESS)
+    parser.add_argument("--video-config", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--stream-config", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tiny-vae-folder", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", default=None, help=argparse.SUPPRESS)
@@ -901,6 +1301,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             unrecognized_arguments(unknown, (option for action in parser._actions for option in action.option_strings))
         )
     split = lambda text: [item for item in text.split(",") if item]  # noqa: E731
+    if args.device is None:  # the tiny video model runs on the host unless told otherwise
+        args.device = "cpu" if args.tiny else "cuda"
     check_arguments(parser, args, split)
     if args.run_mixed:
         result = run_mixed(
@@ -954,6 +1356,27 @@ def main(argv: Optional[List[str]] = None) -> int:
             result = {"peer": peer, "skipped": str(reason)}
         Path(args.result).write_text(json.dumps(result))
         return 0
+    if args.run_video_export:
+        config = json.loads(args.video_config)
+        result = run_video_export(
+            args.run_video_export, config, split(args.dtypes)[0], split(args.exports)[0], Path(args.work)
+        )
+        Path(args.result).write_text(json.dumps(result))
+        return 0
+    if args.run_video:
+        peer, config = args.run_video, json.loads(args.video_config)
+        folder = Path(args.folder) if args.folder else None
+        try:
+            if args.video_table == "mlperf":
+                result = run_mlperf_peer(peer, folder, config)
+            elif peer == "floor":
+                result = run_video_floor(folder, config)
+            else:
+                result = run_video_peer(peer, folder, config, Path(args.image))
+        except PeerUnavailable as reason:
+            result = {"peer": peer, "skipped": str(reason)}
+        Path(args.result).write_text(json.dumps(result))
+        return 0
     if args.run_peer or args.run_floor:
         if args.run_floor:
             result = run_floor(Path(args.folder), args.model)
@@ -981,9 +1404,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             write_stream_report(json.loads((out / "stream.json").read_text()), out)
         if (out / "transformer.json").is_file():
             write_transformer_report(json.loads((out / "transformer.json").read_text()), out)
+        if (out / "video.json").is_file():
+            write_video_report(json.loads((out / "video.json").read_text()), out)
         return 0
     if args.scenario == "transformer":
         return transformer_main(parser, args, split, out)
+    if args.scenario == "video":
+        return video_main(parser, args, split, out)
     if args.export_only and args.scenario == "stream":
         dtype, export = stream_export(parser, args, split)
         print(ensure_export(STREAM_KIND, dtype, export, Path(args.work)), flush=True)

@@ -498,3 +498,223 @@ def write_transformer_report(results: Dict[str, Any], out: Path) -> None:
         f"transformers — {env.get('device')}",
         out / "transformer.png",
     )
+
+
+# what the video report says of each model (bench.zoo's keys), and of the torch peers per device
+VIDEO_MODEL_TITLES = {
+    "wan2.1-t2v-1.3b": "Wan 2.1 T2V 1.3B",
+    "wan2.2-t2v-a14b": "Wan 2.2 T2V A14B",
+    "tiny-wan": "the tiny random Wan model",
+}
+VIDEO_TORCH_PEERS_ON = {
+    "cuda": "torch/compile: diffusers' WanPipeline as its model card runs it, the transformer and UMT5 in bf16 (the "
+    "modules diffusers and transformers keep in float32 kept so), the VAE in float32; their random weights are drawn "
+    "on the device with the export's seed: the frames are not compared.",
+    "cpu": "torch: diffusers' WanPipeline in float32 with the export's own weights (the frames are compared).",
+}
+
+
+def video_depth_label(row: Dict[str, Any]) -> str:
+    """``30 of 30 blocks (the full transformer)`` or ``4 of 30 blocks (not the full model)``."""
+    blocks, full = row.get("blocks") or row["full_blocks"], row["full_blocks"]
+    return f"{blocks} of {full} blocks" + (" (the full transformer)" if blocks == full else " (not the full model)")
+
+
+def latent_tokens(row: Dict[str, Any]) -> int:
+    """The transformer's tokens at a row's size: latent frames × (latent rows / 2) × (latent columns / 2)."""
+    return ((row["num_frames"] - 1) // 4 + 1) * (row["height"] // 16) * (row["width"] // 16)
+
+
+def _cells(result: Dict[str, Any], keys: Sequence[str], digits: Dict[str, int]) -> str:
+    """``result``'s values of ``keys``, each with its number of decimals (0 by default), empty where absent."""
+    return " | ".join("" if result.get(key) is None else f"{result[key]:.{digits.get(key, 0)}f}" for key in keys)
+
+
+def write_video_report(results: Dict[str, Any], out: Path) -> None:
+    """video.json → video.md (text to video: per peer end to end, per step, step / floor, ours ÷ the peer, the VAE
+    decode of the frames, the recipe's step count at the measured step cost, memory, load, first video, compile
+    seconds, the frames' range; the MLPerf shape: ms per guided transformer call, per block, the full depth at that
+    per-block cost) and video.png (end-to-end seconds, where matplotlib is installed)."""
+    env = results["environment"]
+    device = results["device"]
+    on_cuda = device == "cuda"
+    lines = [
+        f"# Video: {env.get('device')}",
+        "",
+        f"`{env.get('command')}` — {env.get('date')}; torch {env.get('torch')} (CUDA {env.get('cuda')}), onnxruntime "
+        f"{env.get('onnxruntime')}, diffusers {env.get('diffusers')}, transformers {env.get('transformers')}. Random "
+        f"weights; one process per peer; exports made on the host's CPUs"
+        + (" beside the GPU, while diffusers' peers measured." if results.get("exports_ahead") else ", first."),
+    ]
+    rows = {row["table"]: row for row in results["rows"]}
+    video = rows.get("video")
+    if video is not None:
+        title = VIDEO_MODEL_TITLES.get(video["model"], video["model"])
+        text = (
+            f"UMT5-XXL's encoder at full width with {video['text_layers']} of its 24 layers, "
+            if video.get("text_layers")
+            else ""
+        )
+        ran = set(video["peers"])
+        about = [
+            f"{title}'s architecture: the transformer with {video_depth_label(video)}, {text}Wan's VAE; "
+            f"{video['height']}×{video['width']}, {video['num_frames']} frames ({latent_tokens(video):,} tokens), "
+            f"batch 1, {results['steps']} steps timed of the recipe's {video['recipe_steps']} (UniPC, flow shift 3), "
+            f"guidance {video['guidance']:g} (two transformer rows a step), UMT5 {video['max_sequence_length']} "
+            "tokens.",
+            f"ours: OnnxWanPipeline's defaults on a {results['dtype']} {results['export']} export (UMT5 and the VAE "
+            f"float32), {device}.",
+        ]
+        if ran & {"torch", "compile"}:
+            about.append(VIDEO_TORCH_PEERS_ON[device])
+        if "compile" in ran:
+            about.append(
+                f'compile: `torch.compile(pipe.transformer, mode="{results["compile_mode"]}")`; compile s: its first '
+                "video less a warm one."
+            )
+        about += [
+            f"Median of {results['runs']} timed call{'s' if results['runs'] > 1 else ''} after the first video and "
+            f"{results['warmup']} warm-up; per step: from the first step's end to the last's in each timed call, per "
+            "step between ("
+            + ("CUDA events on the pipeline's stream" if on_cuda else "the host's clock")
+            + "); VAE decode: the last call's latents decoded again alone (ours: the chunk graphs, a latent frame a "
+            f"call; diffusers: `vae.decode`); at {video['recipe_steps']} steps: an estimate, end to end + "
+            f"({video['recipe_steps']} − {results['steps']}) × per step.",
+        ]
+        if "floor" in ran:
+            about.append("Floor: our transformer's CUDA graph replayed back to back, a process of its own.")
+        if on_cuda:
+            about.append(
+                "Memory: the device's peak above the process's idle (ORT's arenas included), and torch's "
+                "`max_memory_allocated`."
+            )
+        lines += [
+            "",
+            f"## Text to video: {title}",
+            "",
+            " ".join(about),
+            "",
+            f"| pipeline | end-to-end s | per-step ms | step / floor | ours ÷ this (end to end) | VAE decode s "
+            f"| at {video['recipe_steps']} steps s (estimate) | peak GPU MiB | torch max allocated MiB | load s "
+            "| first video s | compile s | frames min / max (non-finite) | max diff vs ours |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        if "export_error" in video:
+            lines.append(f"| export | {_reason({'error': video['export_error']})} |" + " |" * 12)
+        floor = video["peers"].get("floor", {}).get("per_step_ms")
+        ours = video["peers"].get("ours", {}).get("end_to_end_s")
+        for peer, result in video["peers"].items():
+            if peer == "floor" and floor is not None:
+                lines.append(
+                    f"| GPU floor (transformer graph replays, {result['graph_inputs']['hidden_states'][0]} rows) | | "
+                    f"{floor:.1f} | 1.000 |" + " |" * 10
+                )
+                continue
+            if "end_to_end_s" not in result:
+                lines.append(f"| {peer} | {_reason(result)} |" + " |" * 12)
+                continue
+            step = result.get("per_step_ms")
+            vs_floor = f"{step / floor:.3f}" if floor and step else ""
+            vs_ours = f"{ours / result['end_to_end_s']:.2f}" if ours else ""
+            stats = result.get("frame_stats") or {}
+            frames = f"{stats['min']:.2f} / {stats['max']:.2f} ({stats['non_finite']:.0%})" if "min" in stats else ""
+            diff = result.get("max_abs_diff_vs_ours")
+            lines.append(
+                f"| {peer} | {result['end_to_end_s']:.3f} | {'' if step is None else f'{step:.1f}'} | {vs_floor} | "
+                f"{vs_ours} | {result['vae_decode_s']:.3f} | "
+                + _cells(
+                    result,
+                    (
+                        "recipe_steps_estimate_s",
+                        "peak_memory_mib",
+                        "torch_max_allocated_mib",
+                        "load_s",
+                        "first_video_s",
+                        "compile_s",
+                    ),
+                    {"recipe_steps_estimate_s": 1, "load_s": 1, "first_video_s": 1, "compile_s": 1},
+                )
+                + f" | {frames} | {'' if diff is None else f'{diff:.2e}'} |"
+            )
+    mlperf = rows.get("mlperf")
+    if mlperf is not None:
+        title = VIDEO_MODEL_TITLES.get(mlperf["model"], mlperf["model"])
+        blocks, full = mlperf["blocks"], mlperf["full_blocks"]
+        heading = (
+            "The MLPerf Inference v6.0 shape's code path, on the tiny random Wan model's transformer"
+            if mlperf["model"] == "tiny-wan"
+            else f"The MLPerf Inference v6.0 shape: {title}'s transformer"
+        )
+        lines += [
+            "",
+            f"## {heading}",
+            "",
+            f"The transformer alone with {video_depth_label(mlperf)}, full width; {mlperf['height']}×{mlperf['width']}, "
+            f"{mlperf['num_frames']} frames ({latent_tokens(mlperf):,} tokens), {mlperf['rows']} rows (a guided "
+            f"step), UMT5 states of {mlperf['max_sequence_length']} tokens, random inputs. ours: the "
+            f"{results['dtype']} {results['export']} export through `IOBindingORTModel`"
+            + (" with its CUDA graph (graph replay: the graph alone, back to back)" if on_cuda else "")
+            + "; torch/compile: diffusers' `WanTransformer3DModel` in "
+            + ("bf16" if on_cuda else "float32")
+            + f', compiled with mode "{results["compile_mode"]}". ms per call: median of {results["runs"]} after '
+            f"the first call and {results['warmup']} warm-up"
+            + (" (CUDA events)" if on_cuda else "")
+            + f". × {full} blocks: an estimate, not a measurement (the per-block cost of the reduced transformer, its "
+            f"embeddings and head counted in, × {full}"
+            + ("; Wan 2.2 A14B runs one of its two experts a step)." if mlperf["model"] == "wan2.2-t2v-a14b" else ")."),
+            "",
+            f"| pipeline | ms a call ({blocks} blocks) | ms per block | × {full} blocks s (estimate) | ours ÷ this "
+            "| graph replay ms | peak GPU MiB | torch max allocated MiB | load s | first call s | compile s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        if "export_error" in mlperf:
+            lines.append(f"| export | {_reason({'error': mlperf['export_error']})} |" + " |" * 9)
+        ours = mlperf["peers"].get("ours", {}).get("step_ms")
+        for peer, result in mlperf["peers"].items():
+            if "step_ms" not in result:
+                lines.append(f"| {peer} | {_reason(result)} |" + " |" * 9)
+                continue
+            vs_ours = f"{ours / result['step_ms']:.2f}" if ours else ""
+            lines.append(
+                f"| {peer} | {result['step_ms']:.1f} | {result['per_block_ms']:.1f} | "
+                f"{result['full_depth_estimate_ms'] / 1000:.3f} | {vs_ours} | "
+                + _cells(
+                    result,
+                    (
+                        "graph_replay_ms",
+                        "peak_memory_mib",
+                        "torch_max_allocated_mib",
+                        "load_s",
+                        "first_call_s",
+                        "compile_s",
+                    ),
+                    {"graph_replay_ms": 1, "load_s": 1, "first_call_s": 1, "compile_s": 1},
+                )
+                + " |"
+            )
+        estimates = [
+            f"{peer} ≈ {result['full_depth_estimate_ms'] / 1000:.3f} s"
+            for peer, result in mlperf["peers"].items()
+            if "full_depth_estimate_ms" in result
+        ]
+        if estimates:
+            lines += [
+                "",
+                f"At full depth ({full} blocks; an estimate from the per-block cost at {blocks}): a guided step "
+                f"{', '.join(estimates)}.",
+            ]
+    (out / "video.md").write_text("\n".join(lines) + "\n")
+    plt = _pyplot()
+    if plt is None or video is None:
+        return
+    labels = [peer for peer, result in video["peers"].items() if "end_to_end_s" in result]
+    if labels:
+        _bar_chart(
+            plt,
+            labels,
+            [video["peers"][peer]["end_to_end_s"] for peer in labels],
+            "#0072b2",
+            f"end-to-end s ({results['steps']} steps, {video['num_frames']} frames), lower is better",
+            f"video — {VIDEO_MODEL_TITLES.get(video['model'], video['model'])} — {env.get('device')}",
+            out / "video.png",
+        )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from ..errors import ArgumentError
 from ..families import Family, family
@@ -285,11 +285,18 @@ def ensure_export(kind: str, dtype: str, export: str, work: Path, step_cache: bo
 
 
 def _ensure_pipeline_export(
-    folder: Path, dtype: str, export: str, build: Callable[[], Any], device: str = "cuda", step_cache: bool = False
+    folder: Path,
+    dtype: str,
+    export: str,
+    build: Callable[[], Any],
+    device: str = "cuda",
+    step_cache: bool = False,
+    components: Optional[Sequence[str]] = None,
 ) -> Path:
     """``folder``: the export of the torch pipeline ``build()`` makes, made once under the folder's lock; an
     "optimized" export gets the fusions ``device``'s execution provider runs (:func:`optimize_target`);
-    ``step_cache``: with the parts a step cache runs (``export_pipeline(step_cache=True)``)."""
+    ``step_cache``: with the parts a step cache runs (``export_pipeline(step_cache=True)``); ``components``: which
+    of them to write (default: all the pipeline has)."""
     from ..export import export_pipeline
 
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -309,6 +316,7 @@ def _ensure_pipeline_export(
                 progress=False,
                 torch_pipeline=build(),
                 step_cache=step_cache,
+                components=components,
             )
     return folder
 
@@ -579,3 +587,227 @@ def ensure_transformer_export(
         device,
         step_cache=sum(depth) >= 2,
     )
+
+
+# ------------------------------------------------------------------------------------ the video scenario's models
+# ``--scenario video``: Wan 2.1 T2V 1.3B's architecture (random weights) at diffusers' recipe of its model card — 480 ×
+# 832, 81 frames, classifier-free guidance 5, UniPC with flow shift 3, 50 steps (a run times ``--steps`` of them), the
+# transformer and UMT5 in bfloat16 and the VAE in float32 for diffusers' pipeline — and a tiny version for the CPU.
+# ``recipe_steps``: the model card's step count (the report states it beside the steps timed); ``steps``: the steps a
+# run times unless ``--steps`` says otherwise; ``replays``: the floor's back-to-back graph replays (of about a second
+# each at full size).
+VIDEO_RECIPES: Dict[str, Dict[str, Any]] = {
+    "wan2.1-t2v-1.3b": dict(
+        height=480, width=832, num_frames=81, guidance=5.0, recipe_steps=50, max_sequence_length=512, steps=4, replays=5
+    ),
+    "tiny-wan": dict(
+        height=32, width=32, num_frames=9, guidance=5.0, recipe_steps=50, max_sequence_length=16, steps=3, replays=20
+    ),
+}
+# The MLPerf Inference v6.0 text-to-video shape: Wan 2.2 T2V A14B's transformer (one of its two experts runs each
+# step) at 720 × 1280, 81 frames, two rows (classifier-free guidance), UMT5's 512 tokens; and a tiny one for the CPU.
+MLPERF_VIDEO_RECIPES: Dict[str, Dict[str, Any]] = {
+    "wan2.2-t2v-a14b": dict(height=720, width=1280, num_frames=81, max_sequence_length=512, rows=2),
+    "tiny-wan": dict(height=32, width=48, num_frames=9, max_sequence_length=16, rows=2),
+}
+# the configs of diffusers' WanTransformer3DModel of the hub's Wan-AI/Wan2.1-T2V-1.3B-Diffusers and
+# Wan-AI/Wan2.2-T2V-A14B-Diffusers (transformer/config.json)
+WAN_TRANSFORMER_CONFIGS: Dict[str, Dict[str, Any]] = {
+    "wan2.1-t2v-1.3b": dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=12,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=4096,
+        freq_dim=256,
+        ffn_dim=8960,
+        num_layers=30,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=1024,
+    ),
+    "wan2.2-t2v-a14b": dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=40,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=4096,
+        freq_dim=256,
+        ffn_dim=13824,
+        num_layers=40,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=1024,
+    ),
+}
+# the tiny Wan transformer's depth (optimum_iobinding.export.tiny)
+TINY_WAN_BLOCKS = 2
+# Wan's UMT5-XXL encoder: 24 layers of width 4096 and its vocabulary (the embedding table's real size); the video
+# scenario keeps VIDEO_TEXT_LAYERS of them unless told otherwise (the text encoder runs once per video)
+UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64)
+VIDEO_TEXT_LAYERS = 2
+# what a Wan text-to-video export holds for the video scenario (no VAE encoder: text to video never encodes)
+VIDEO_COMPONENTS = ("text_encoder", "transformer", "vae_decoder")
+
+
+def wan_full_blocks(kind: str) -> int:
+    """The transformer depth of ``kind`` (a key of :data:`WAN_TRANSFORMER_CONFIGS`, or ``tiny-wan``)."""
+    return TINY_WAN_BLOCKS if kind == "tiny-wan" else WAN_TRANSFORMER_CONFIGS[kind]["num_layers"]
+
+
+def wan_blocks(kind: str, blocks: Optional[int]) -> Optional[int]:
+    """The transformer blocks ``--blocks N`` builds (at most the full model's); ``None`` where the model keeps its
+    own depth."""
+    return None if blocks is None else min(blocks, wan_full_blocks(kind))
+
+
+def build_wan_transformer(kind: str, blocks: Optional[int] = None, seed: int = 0):
+    """A random-weights ``WanTransformer3DModel`` of ``kind`` (:data:`WAN_TRANSFORMER_CONFIGS`, or ``tiny-wan``: the
+    tiny pipeline's) with ``blocks`` of its blocks (full width), in the current default dtype and device."""
+    import torch
+
+    if kind == "tiny-wan":
+        from ..export.tiny import build_tiny_random_wan_pipeline
+
+        config = dict(build_tiny_random_wan_pipeline(seed).transformer.config)
+    elif kind in WAN_TRANSFORMER_CONFIGS:
+        config = dict(WAN_TRANSFORMER_CONFIGS[kind])
+    else:
+        raise ArgumentError(
+            "model", f"expected one of {', '.join([*WAN_TRANSFORMER_CONFIGS, 'tiny-wan'])}, got {kind!r}"
+        )
+    from diffusers import WanTransformer3DModel
+
+    config["num_layers"] = wan_blocks(kind, blocks) or wan_full_blocks(kind)
+    torch.manual_seed(seed)
+    return WanTransformer3DModel.from_config(config).eval()
+
+
+def build_video_pipeline(kind: str, blocks: Optional[int] = None, text_layers: Optional[int] = None, seed: int = 0):
+    """A random-weights diffusers ``WanPipeline`` of ``kind`` (:data:`VIDEO_RECIPES`): Wan 2.1 T2V 1.3B's transformer
+    (:data:`WAN_TRANSFORMER_CONFIGS`), its VAE (``AutoencoderKLWan`` at Wan 2.1's config: base width 96, z 16, widths
+    × 1, 2, 4, 4, 2 residual blocks, temporal downsampling in the last two stages), UMT5-XXL's encoder at full width
+    with ``text_layers`` of its 24 layers (default :data:`VIDEO_TEXT_LAYERS`; the tiny T5 tokenizer: the vocabulary
+    is the embedding table's, the tokens the tiny one's), and Wan 2.1's scheduler (UniPC, flow sigmas, shift 3); the
+    tiny one from :mod:`optimum_iobinding.export.tiny` (``blocks``: its transformer rebuilt with fewer). Weights are
+    drawn in the current default dtype and device.
+
+    Args:
+        kind: a key of :data:`VIDEO_RECIPES`.
+        blocks: build the transformer with fewer blocks, full width.
+        text_layers: at most this many UMT5 layers (full model only).
+        seed: the random weights' seed.
+    """
+    import torch
+
+    if kind not in VIDEO_RECIPES:
+        raise ArgumentError("model", f"expected one of {', '.join(VIDEO_RECIPES)}, got {kind!r}")
+    if kind == "tiny-wan":
+        from ..export.tiny import build_tiny_random_wan_pipeline
+
+        pipe = build_tiny_random_wan_pipeline(seed)
+        if blocks is not None:
+            pipe.register_modules(transformer=build_wan_transformer(kind, blocks, seed))
+        return pipe
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from ..export.tiny import write_tiny_t5_tokenizer
+
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = write_tiny_t5_tokenizer(folder)
+    torch.manual_seed(seed)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            **{**UMT5_XXL, "num_layers": min(UMT5_XXL["num_layers"], text_layers or VIDEO_TEXT_LAYERS)},
+            relative_attention_num_buckets=32,
+            relative_attention_max_distance=128,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
+            is_encoder_decoder=False,
+            tie_word_embeddings=False,
+            use_cache=False,
+            dropout_rate=0.0,
+        )
+    ).eval()
+    vae = AutoencoderKLWan(
+        base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]
+    ).eval()
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
+    )
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=scheduler,
+        transformer=build_wan_transformer(kind, blocks, seed),
+    )
+
+
+def video_export_name(
+    kind: str, dtype: str, export: str, blocks: Optional[int], text_layers: Optional[int], device: str = "cuda"
+) -> str:
+    """The folder name of one video export under ``--work``: every setting that changes the files is in it."""
+    name = f"{kind}-{dtype}-{export}"
+    if optimize_target(export, device) == "cpu":
+        name += "-cpu"
+    depth = wan_blocks(kind, blocks)
+    if depth is not None:
+        name += f"-blocks{depth}"
+    if kind != "tiny-wan":
+        name += f"-text{text_layers or VIDEO_TEXT_LAYERS}"
+    return name
+
+
+def ensure_video_export(
+    kind: str,
+    dtype: str,
+    export: str,
+    work: Path,
+    blocks: Optional[int] = None,
+    text_layers: Optional[int] = None,
+    device: str = "cuda",
+) -> Path:
+    """The export of one video configuration under ``work`` (:func:`video_export_name`): UMT5, the transformer and
+    the VAE decoder (:data:`VIDEO_COMPONENTS`), made once and shared as :func:`ensure_export` shares the others. The
+    exporter decides each component's precision (UMT5 and the VAE float32; the transformer ``dtype``) and writes
+    external data for the large ones."""
+    folder = work / video_export_name(kind, dtype, export, blocks, text_layers, device)
+    return _ensure_pipeline_export(
+        folder,
+        dtype,
+        export,
+        lambda: build_video_pipeline(kind, blocks, text_layers),
+        device,
+        components=VIDEO_COMPONENTS,
+    )
+
+
+def mlperf_export_name(kind: str, dtype: str, export: str, blocks: int, device: str = "cuda") -> str:
+    """The folder name of one MLPerf-shape transformer export under ``--work``."""
+    name = f"{kind}-transformer-{dtype}-{export}"
+    if optimize_target(export, device) == "cpu":
+        name += "-cpu"
+    return f"{name}-blocks{wan_blocks(kind, blocks)}"
+
+
+def ensure_mlperf_export(kind: str, dtype: str, export: str, work: Path, blocks: int, device: str = "cuda") -> Path:
+    """The export of the MLPerf shape's transformer alone (``transformer/``, with ``blocks`` of its blocks) under
+    ``work``, made once and shared: a Wan folder whose other components (the tiny pipeline's) are not written."""
+
+    def build() -> Any:
+        from ..export.tiny import build_tiny_random_wan_pipeline
+
+        pipe = build_tiny_random_wan_pipeline()
+        pipe.register_modules(transformer=build_wan_transformer(kind, blocks))
+        return pipe
+
+    folder = work / mlperf_export_name(kind, dtype, export, blocks, device)
+    return _ensure_pipeline_export(folder, dtype, export, build, device, components=("transformer",))

@@ -429,7 +429,7 @@ def test_the_sampling_process_reports_the_peak_it_saw_between_enter_and_exit(tmp
         (
             ["--dtypes", "bf16"],
             "--dtypes: expected a comma-separated list of fp16, fp32 (bf16 only with --scenario "
-            "transformer: SD3 and FLUX.1), got 'bf16'",
+            "transformer or video: the diffusion transformers), got 'bf16'",
         ),
         (
             ["--scenario", "stream", "--dtypes", "bf16"],
@@ -441,6 +441,21 @@ def test_the_sampling_process_reports_the_peak_it_saw_between_enter_and_exit(tmp
         (
             ["--mixed-batches", "1,x"],
             "--mixed-batches: expected a comma-separated list of positive integers, got '1,x'",
+        ),
+        (["--tiny"], "--tiny: expected only with --scenario video, got '--scenario single'"),
+        (
+            ["--scenario", "video", "--steps", "1"],
+            "--steps: expected an integer ≥ 2 with --scenario video (a step is timed between two step ends), got 1",
+        ),
+        (["--scenario", "video", "--models", "sd15"], "--models: expected none with --scenario video"),
+        (
+            ["--scenario", "video", "--tiny", "--peers", "ours,compile"],
+            "--peers: expected peers that run on the CPU (ours, torch) with --device cpu, got 'ours,compile'; "
+            "compile measures CUDA work",
+        ),
+        (
+            ["--scenario", "video", "--mlperf-peers", "ours,floor"],
+            "--mlperf-peers: expected a comma-separated list of ours, torch, compile, or none, got 'ours,floor'",
         ),
     ],
 )
@@ -648,10 +663,10 @@ CUDA_ONLY_OPS = {"NhwcConv", "GroupNorm", "SkipGroupNorm", "BiasSplitGelu", "Bia
         (["--scenario", "transformer", "--blocks", "0"], "--blocks: expected an integer ≥ 1, got 0"),
         (["--scenario", "transformer", "--text-layers", "0"], "--text-layers: expected an integer ≥ 1, got 0"),
         (["--scenario", "transformer", "--compile-timeout", "0"], "--compile-timeout: expected an integer ≥ 1, got 0"),
-        (["--blocks", "4"], "--blocks: expected only with --scenario transformer, got '--scenario single'"),
+        (["--blocks", "4"], "--blocks: expected only with --scenario transformer or video, got '--scenario single'"),
         (
             ["--scenario", "stream", "--text-layers", "2"],
-            "--text-layers: expected only with --scenario transformer, got '--scenario stream'",
+            "--text-layers: expected only with --scenario transformer or video, got '--scenario stream'",
         ),
         (
             ["--device", "cpu"],
@@ -1451,3 +1466,53 @@ def test_on_the_cpu_a_step_is_timed_inside_the_calls_not_by_the_difference_of_tw
     )
     assert result["per_step_ms"] >= pipe.step_s * 1000  # every step sleeps that long; no start counts in it
     assert result["per_step_ms"] < pipe.late_s * 1000
+
+
+# ------------------------------------------------------------------------------------------ the video scenario
+def test_the_video_scenario_runs_the_tiny_wan_model_end_to_end_on_the_cpu(tmp_path, monkeypatch):
+    import json
+
+    import onnx
+
+    import optimum_iobinding.bench.cli as cli
+
+    def in_this_process(args, pythonpath, timeout, **pinned):  # each process's entry point, without a new interpreter
+        result_path = tmp_path / "result.json"
+        assert cli.main([*args, "--result", str(result_path)]) == 0
+        return json.loads(result_path.read_text())
+
+    monkeypatch.setattr(cli, "run_in_subprocess", in_this_process)
+    out, work = tmp_path / "out", tmp_path / "work"
+    argv = ["--scenario", "video", "--tiny", "--blocks", "1", "--mlperf-blocks", "1", "--runs", "1", "--warmup", "0"]
+    assert cli.main([*argv, "--work", str(work), "--out", str(out)]) == 0
+    results = json.loads((out / "video.json").read_text())
+    assert (results["device"], results["dtype"], results["export"], results["steps"]) == ("cpu", "fp32", "optimized", 3)
+    assert results["exports_ahead"] is False  # on the CPU the exports have no GPU work to run beside
+    video, mlperf = results["rows"]
+    # the text-to-video export: UMT5, the transformer of 1 block and the VAE's decoder (text to video never encodes),
+    # fused for the CPU; ours ran it there
+    folder = work / "tiny-wan-fp32-optimized-cpu-blocks1"
+    assert video["folder"] == str(folder) and not (folder / "vae_encoder").exists()
+    ops = [node.op_type for node in onnx.load(str(folder / "transformer" / "model.onnx")).graph.node]
+    assert ops.count("MultiHeadAttention") == 2 and "ScatterND" not in ops
+    ours, torch_peer = video["peers"]["ours"], video["peers"]["torch"]
+    assert list(video["peers"]) == ["ours", "torch"]  # diffusers' ran first (it needs no export); the table keeps order
+    assert set(ours["providers"].values()) == {"CPUExecutionProvider"}
+    for result in (ours, torch_peer):
+        assert result["frames_shape"] == [1, 9, 32, 32, 3] and result["frame_stats"]["non_finite"] == 0.0
+        assert len(result["per_step_ms_all"]) == 1 and result["per_step_ms"] > 0 and result["vae_decode_s"] > 0
+        # the recipe's 50 steps at the measured cost of a step: 47 more than the 3 timed
+        assert result["recipe_steps_estimate_s"] == pytest.approx(
+            result["end_to_end_s"] + 47 * result["per_step_ms"] / 1000
+        )
+    # the same float32 weights through ONNX Runtime and through diffusers' torch pipeline: the same video
+    assert torch_peer["weights"] == "the export's" and torch_peer["max_abs_diff_vs_ours"] < 1e-3
+    # the MLPerf shape's table: the transformer alone, exported alone, one guided call of two rows
+    assert mlperf["folder"] == str(work / "tiny-wan-transformer-fp32-optimized-cpu-blocks1")
+    assert [path.parent.name for path in Path(mlperf["folder"]).glob("*/model.onnx")] == ["transformer"]
+    for result in mlperf["peers"].values():
+        assert result["inputs"]["hidden_states"] == [2, 16, 3, 4, 6] and result["step_ms"] > 0
+        assert result["full_depth_estimate_ms"] == pytest.approx(result["step_ms"] * 2)  # 1 block of 2
+    table = (out / "video.md").read_text()
+    assert "| ours |" in table and "| torch |" in table and "1 of 2 blocks (not the full model)" in table
+    assert "compile" not in video["peers"] and "floor" not in video["peers"]  # CUDA work: not a CPU run's peers
