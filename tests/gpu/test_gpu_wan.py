@@ -28,8 +28,7 @@ TOLERANCE = 1e-3
 
 
 def exported(shared_export, name, torch_pipe, components=None):
-    """The export of ``torch_pipe`` shared as ``name``, written as tests/pipelines/test_wan.py writes it (the same
-    seeded builders: the same files)."""
+    """The float32 export of ``torch_pipe`` (``components`` of it, default all), made once per test run as ``name``."""
     from optimum_iobinding.export import export_pipeline
 
     torch_pipe.set_progress_bar_config(disable=True)
@@ -46,7 +45,7 @@ def wan(shared_export):
     """The tiny random Wan 2.1 pipeline exported whole (UMT5, the transformer, the VAE), float32."""
     from optimum_iobinding.export.tiny import build_tiny_random_wan_pipeline
 
-    return exported(shared_export, "tiny-random-wan", build_tiny_random_wan_pipeline())
+    return exported(shared_export, "gpu-tiny-wan", build_tiny_random_wan_pipeline())
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +55,7 @@ def wan22(shared_export):
 
     return exported(
         shared_export,
-        "wan2.2-without-vae",
+        "gpu-tiny-wan2.2-without-vae",
         build_tiny_random_wan_pipeline(two_experts=True),
         ("text_encoder", "transformer", "transformer_2"),
     )
