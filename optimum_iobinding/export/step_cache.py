@@ -1,4 +1,5 @@
-"""The part graphs First-Block Cache runs, cut out of a diffusion transformer's exported graph (SD3's MMDiT, FLUX.1).
+"""The part graphs First-Block Cache runs, cut out of a diffusion transformer's exported graph (SD3's MMDiT, FLUX.1,
+Wan's video transformers: each of Wan 2.2's two experts its own parts, in its own folder).
 
 A cached step runs the transformer's first block, compares its residual with the last full step's, and where it
 changed little skips the other blocks, adding their last residual instead; the final norm and projection always run.
@@ -6,12 +7,14 @@ On ONNX Runtime that is three graphs:
 
     transformer/head.onnx   the embeddings and the first block: the graph's inputs → ``first_block_input`` (the first
                             block's input hidden states), ``first_block_hidden_states``,
-                            ``first_block_encoder_hidden_states`` (its outputs), and what the other parts read of it
+                            ``first_block_encoder_hidden_states`` (its outputs; Wan's blocks give no text states: the
+                            text states every block reads), and what the other parts read of it
     transformer/body.onnx   the other blocks → ``blocks_output`` (the last block's image tokens, the final norm's input)
     transformer/out.onnx    the final norm and projection → the transformer's own output
 
 Their names are marked at export: the transformer is exported with those four values as extra outputs (forward
-hooks on its first block and its final norm), so ORT's fusions and the project's rewrites see the same graph as
+hooks on its first block and its final norm; the blocks are diffusers' ``transformer_blocks`` then
+``single_transformer_blocks``, or Wan's ``blocks``), so ORT's fusions and the project's rewrites see the same graph as
 without them (the fused operators are the same), and the cut finds them by name whatever the fused nodes are
 called. ``model.onnx`` is written without the extra outputs; each part is the full graph's nodes that its outputs need
 and an earlier part has not computed (by position in the graph), reading the full graph's initializers under the same
@@ -35,6 +38,8 @@ from ..layout import FIRST_BLOCK_CACHE_PARTS, FIRST_BLOCK_MARKS
 __all__ = [
     "STEP_CACHE_PARTS",
     "check_first_block_cache_depth",
+    "constants_folded",
+    "transformer_blocks_of",
     "drop_marks",
     "marked_transformer_spec",
     "split_graph",
@@ -48,10 +53,22 @@ STEP_CACHE_PARTS: Tuple[Tuple[str, Any], ...] = tuple(
 )
 
 
+def transformer_blocks_of(transformer: torch.nn.Module) -> List[torch.nn.Module]:
+    """A diffusion transformer's blocks in the order they run: SD3's and FLUX.1's ``transformer_blocks`` then FLUX.1's
+    ``single_transformer_blocks``, or Wan's ``blocks``."""
+    names = (
+        ("transformer_blocks", "single_transformer_blocks")
+        if hasattr(transformer, "transformer_blocks")
+        else ("blocks",)
+    )
+    return [block for name in names for block in (getattr(transformer, name, None) or ())]
+
+
 class _MarkedTransformer(torch.nn.Module):
-    """``module`` (an export wrapper whose ``transformer`` is diffusers' SD3 or FLUX.1 transformer) returning its
+    """``module`` (an export wrapper whose ``transformer`` is diffusers' SD3, FLUX.1 or Wan transformer) returning its
     output, then the :data:`FIRST_BLOCK_MARKS` values: the first block's input and outputs and the final norm's
-    input, caught by forward hooks while it runs."""
+    input, caught by forward hooks while it runs. A Wan block returns its image tokens alone: its third mark is the
+    text states it reads (those every block reads)."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__()
@@ -61,26 +78,39 @@ class _MarkedTransformer(torch.nn.Module):
     def forward(self, *args):
         self.caught.clear()
         output = self.module(*args)
-        encoder_hidden_states, hidden_states = self.caught["first_outputs"]
         return (
             output,
             self.caught["first_input"],
-            hidden_states,
-            encoder_hidden_states,
+            self.caught["first_hidden_states"],
+            self.caught["first_encoder_hidden_states"],
             self.caught["norm_input"],
+        )
+
+    def _first_block_ran(self, args: tuple, kwargs: Dict[str, Any], output: Any) -> None:
+        if isinstance(output, tuple):  # SD3's and FLUX.1's blocks: (text states, image tokens)
+            self.caught["first_encoder_hidden_states"], self.caught["first_hidden_states"] = output
+            return
+        # Wan's: the image tokens; its text states are an input, the second (Wan calls its blocks positionally)
+        self.caught["first_hidden_states"] = output
+        self.caught["first_encoder_hidden_states"] = kwargs.get(
+            "encoder_hidden_states", args[1] if len(args) > 1 else None
         )
 
     @contextlib.contextmanager
     def hooked(self) -> Iterator[None]:
         """The hooks, for as long as the export runs (the caller's transformer is left without them)."""
         transformer = self.module.transformer
-        first, norm = transformer.transformer_blocks[0], transformer.norm_out
+        first, norm = transformer_blocks_of(transformer)[0], transformer.norm_out
         handles = [
             first.register_forward_pre_hook(
-                lambda module, args, kwargs: self.caught.__setitem__("first_input", kwargs["hidden_states"]),
+                lambda module, args, kwargs: self.caught.__setitem__(
+                    "first_input", kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                ),
                 with_kwargs=True,
             ),
-            first.register_forward_hook(lambda module, args, output: self.caught.__setitem__("first_outputs", output)),
+            first.register_forward_hook(
+                lambda module, args, kwargs, output: self._first_block_ran(args, kwargs, output), with_kwargs=True
+            ),
             norm.register_forward_pre_hook(lambda module, args: self.caught.__setitem__("norm_input", args[0])),
         ]
         try:
@@ -90,22 +120,23 @@ class _MarkedTransformer(torch.nn.Module):
                 handle.remove()
 
 
-def check_first_block_cache_depth(transformer: torch.nn.Module) -> None:
+def check_first_block_cache_depth(transformer: torch.nn.Module, name: str = "transformer") -> None:
     """First-Block Cache runs a transformer's first block and skips the others: it needs at least two.
 
     Raises:
-        ArgumentError: a transformer of one block (naming ``step_cache``)."""
-    blocks = len(transformer.transformer_blocks) + len(getattr(transformer, "single_transformer_blocks", None) or ())
+        ArgumentError: a transformer of one block (naming ``step_cache`` and the transformer's component ``name``)."""
+    blocks = len(transformer_blocks_of(transformer))
     if blocks < 2:
         raise ArgumentError(
             "step_cache",
-            f"expected a transformer of at least 2 blocks (First-Block Cache runs the "
+            f"expected a {name} of at least 2 blocks (First-Block Cache runs the "
             f"first and skips the others), got {blocks}",
         )
 
 
 def marked_transformer_spec(spec: Dict[str, Any]) -> Tuple[Dict[str, Any], Any]:
-    """The export spec of a transformer (SD3's or FLUX.1's, as :mod:`.transformer` and :mod:`.flux` write it) with
+    """The export spec of a transformer (SD3's, FLUX.1's or Wan's, as :mod:`.transformer`, :mod:`.flux` and
+    :mod:`.wan` write it) with
     the :data:`FIRST_BLOCK_MARKS` as extra outputs (dynamic in batch and tokens), and the context manager factory
     that hooks the module while the exporter runs.
 
@@ -227,6 +258,56 @@ def _value_info(infos: Dict[str, onnx.ValueInfoProto], name: str) -> onnx.ValueI
     return info
 
 
+# the largest value a folded node may compute (the exporter's index arithmetic is a few integers)
+_FOLDED_SIZE = 64
+
+
+def constants_folded(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` (its weights left where they are) where each standard node that computes a small value from
+    constants alone is a ``Constant`` of that value, under the same output names. The TorchScript exporter writes
+    such arithmetic for a dynamic ``unflatten`` (Wan's timestep projection, ``unflatten(1, (6, -1))``: the axis
+    ``3 % 2 + 1`` computed in the graph), whose shape ORT's symbolic shape inference cannot see the rank of; folded,
+    it can. For shape inference only: the graph written is the exporter's."""
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    known: Dict[str, Any] = {
+        tensor.name: numpy_helper.to_array(tensor)
+        for tensor in folded.graph.initializer
+        if not tensor.external_data and _size(tensor.dims) <= _FOLDED_SIZE
+    }
+    nodes = []
+    for node in folded.graph.node:
+        inputs = [name for name in node.input if name]
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            value = ReferenceEvaluator(node).run(None, {})[0]
+            if value.size <= _FOLDED_SIZE:
+                known[node.output[0]] = value
+        elif inputs and node.domain in ("", "ai.onnx") and all(name in known for name in inputs):
+            try:
+                values = ReferenceEvaluator(node).run(None, {name: known[name] for name in inputs})
+            except Exception:  # an operator the reference runtime does not compute: left as it is
+                values = None
+            if values is not None and all(value.size <= _FOLDED_SIZE for value in values):
+                for name, value in zip(node.output, values):
+                    known[name] = value
+                    nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
+                continue
+        nodes.append(node)
+    del folded.graph.node[:]
+    folded.graph.node.extend(nodes)
+    return folded
+
+
+def _size(dims: Sequence[int]) -> int:
+    size = 1
+    for dim in dims:
+        size *= dim
+    return size
+
+
 def drop_marks(model: onnx.ModelProto) -> None:
     """Takes the :data:`FIRST_BLOCK_MARKS` out of ``model``'s outputs (in place): ``model.onnx`` has the
     transformer's own outputs only."""
@@ -245,6 +326,8 @@ def write_step_cache_parts(folder: Path) -> List[Path]:
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     with in_folder(folder):  # small constants inference reads may be in the weights file
         typed = inferred_shapes(model)
+        if typed is model.graph:  # ORT's inference failed: again with the exporter's index arithmetic computed
+            typed = inferred_shapes(constants_folded(model))
     # the inferred shapes win: a float16 conversion leaves value_info with types but no shapes, and the runtime sizes
     # a part's outputs (for its CUDA graph) from their dims
     inferred = {value.name for value in typed.value_info}

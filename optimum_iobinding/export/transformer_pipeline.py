@@ -92,6 +92,7 @@ def export_transformer_pipeline(
     external_data_threshold: int,
     exportable: Optional[Callable[[torch.nn.Module], ContextManager]] = None,
     step_cache: bool = False,
+    cached: Sequence[str] = ("transformer",),
     settings: Optional[Mapping[str, Any]] = None,
     write_more: Optional[Callable[[Path], None]] = None,
     index_modules: Optional[Mapping[str, Optional[Tuple[str, str]]]] = None,
@@ -104,10 +105,11 @@ def export_transformer_pipeline(
     :func:`component_precisions`); the pipeline's tokenizers (as both transformers 4 and 5 read them) and scheduler;
     and the torch pipeline's model_index.json under ``class_name`` (torch class names; one ``vae`` entry for both VAE
     folders), as optimum writes it, with the pipeline's ``settings`` (Wan's ``boundary_ratio``) beside its
-    components; with ``step_cache``, the transformer's First-Block Cache parts beside it (:mod:`.step_cache`, cut from
-    the transformer in its precision); and what ``write_more(folder)`` writes into the folder being built (a component
-    of the family's own exporter: Wan's VAE), named in model_index.json by ``index_modules`` (``(library, class)``
-    by component, over the torch pipeline's own). The caller has checked ``target`` and ``components``.
+    components; with ``step_cache``, the First-Block Cache parts of each transformer in ``cached`` (``transformer``;
+    Wan 2.2's ``transformer_2`` too) beside it (:mod:`.step_cache`, cut from the transformer in its precision); and
+    what ``write_more(folder)`` writes into the folder being built (a component of the family's own exporter: Wan's
+    VAE), named in model_index.json by ``index_modules`` (``(library, class)`` by component, over the torch
+    pipeline's own). The caller has checked ``target`` and ``components``.
 
     Returns:
         ``target``.
@@ -126,7 +128,7 @@ def export_transformer_pipeline(
                     optimizer_model_types[name],
                     external_data_threshold,
                     exportable,
-                    step_cache=step_cache and name == "transformer",
+                    step_cache=step_cache and name in cached,
                     dtype=precisions[name],
                 )
             else:  # CLIP and the VAE: float16 at most (component_precisions)

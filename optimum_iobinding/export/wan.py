@@ -14,7 +14,8 @@ Layout written::
                                 text tokens, text width), timestep (batch; Wan 2.2 TI2V: batch, latent tokens)
                                 → out_hidden_states (batch, channels, frames, height, width); image to video's
                                 hidden_states have 36 channels (the latents', the first frame's mask and latents),
-                                Wan 2.1 I2V's take encoder_hidden_states_image (batch, image tokens, width) too
+                                Wan 2.1 I2V's take encoder_hidden_states_image (batch, image tokens, width) too;
+                                with ``step_cache``, each beside its First-Block Cache parts (:mod:`.step_cache`)
     image_encoder/, image_processor/  Wan 2.1 I2V's CLIPVisionModel: pixel_values → image_embeds (its penultimate
                                 hidden states), and its CLIPImageProcessor
     vae_encoder/, vae_decoder/  AutoencoderKLWan as chunk graphs (model.onnx, chunk.onnx): see :mod:`.wan_vae`
@@ -60,6 +61,7 @@ from ..families import (
 )
 from .attention import multi_head_attention
 from .components import EXTERNAL_DATA_THRESHOLD, export_model
+from .step_cache import check_first_block_cache_depth
 from .transformer_pipeline import export_transformer_pipeline
 from .wan_vae import WAN_VAE_COMPONENTS, export_wan_vae
 
@@ -341,16 +343,20 @@ def export_wan_pipeline(
             CUDA only) and the project's transformer rewrites.
         progress: show a progress bar.
         external_data_threshold: weights above this many bytes go to ``model.onnx_data``.
-        step_cache: refused: no step cache runs Wan's transformer yet.
+        step_cache: First-Block Cache's parts beside each transformer's ``model.onnx`` (:mod:`.step_cache`; Wan
+            2.2's experts each their own), reading its weights.
 
     Returns:
         ``target``.
+
+    Raises:
+        ArgumentError: ``step_cache`` for a transformer of one block (naming it).
     """
-    if step_cache:
-        raise ArgumentError(
-            "step_cache", f"expected False for a {WAN.title} pipeline (no step cache runs it), got True"
-        )
     specs = wan_component_specs(pipe)
+    if step_cache:
+        for name in WAN_TRANSFORMERS:
+            if name in specs:
+                check_first_block_cache_depth(getattr(pipe, name), name)
     vae, image_encoder = getattr(pipe, "vae", None), getattr(pipe, "image_encoder", None)
     has = {"image_encoder": image_encoder is not None, **dict.fromkeys(WAN_VAE_COMPONENTS, vae is not None)}
     available = tuple(name for name in WAN_COMPONENTS if name in specs or has.get(name))
@@ -387,6 +393,8 @@ def export_wan_pipeline(
         progress=progress,
         external_data_threshold=external_data_threshold,
         exportable=exportable_wan_modules,
+        step_cache=step_cache,
+        cached=WAN_TRANSFORMERS,
         settings={name: pipe.config.get(name) for name in WAN_SETTINGS},
         write_more=write_beside,
         index_modules=index_modules,

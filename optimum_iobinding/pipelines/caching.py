@@ -30,9 +30,18 @@ class StepCache(abc.ABC):
     def config(self) -> object:
         """The config the cache was enabled with."""
 
-    def start(self, steps: int) -> None:
-        """A loop of ``steps`` steps begins: what an earlier loop cached is forgotten."""
+    def start(self, steps: int, groups: int = 1) -> None:
+        """A loop of ``steps`` steps begins: what an earlier loop cached is forgotten. ``groups``: how many equal
+        slices of a step's batch (its rows in order: a guided batch's negative prompts, then its positive ones) the
+        cache decides apart, as diffusers does where it calls the model once per slice; a cache that decides alike
+        for every row ignores it."""
         self.computed = []
+
+    def switch(self, model: IOBindingORTModel) -> bool:
+        """A later stage of the loop (:class:`~.loop.Stage`: Wan 2.2's low-noise expert) runs ``model`` from the
+        next step on: whether the cache runs it (then with a state of its own, as diffusers' hook on each model has;
+        ``computed`` goes on), or the stage runs the model whole (``False``, the default)."""
+        return False
 
     @abc.abstractmethod
     def __call__(self, step: int, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:

@@ -308,11 +308,12 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
         step runs part of the denoiser and reuses what an earlier step computed for the rest.
 
         Args:
-            config: diffusers' ``FirstBlockCacheConfig(threshold=…)`` for SD3 and FLUX.1 (the first transformer block
-                runs; where its residual changed less than the threshold since the last full step, the other blocks
-                are skipped and their cached residual added), :class:`~optimum_iobinding.DeepCacheConfig` for the
-                Stable Diffusion and SDXL UNets (every ``cache_interval``-th step runs the whole UNet; the others
-                its shallow branch over the cached deep features).
+            config: diffusers' ``FirstBlockCacheConfig(threshold=…)`` for SD3, FLUX.1 and Wan (the first transformer
+                block runs; where its residual changed less than the threshold since the last full step, the other
+                blocks are skipped and their cached residual added; Wan 2.2's experts each cache their own steps),
+                :class:`~optimum_iobinding.DeepCacheConfig` for the Stable Diffusion and SDXL UNets (every
+                ``cache_interval``-th step runs the whole UNet; the others its shallow branch over the cached deep
+                features).
 
         Raises:
             ArgumentTypeError: ``config`` is not a config this family caches with.

@@ -179,8 +179,8 @@ class DeepCache(StepCache):
         positions = [timesteps.index(t) for t in timesteps[len(timesteps) - steps :]]
         return [(position - positions[0]) % interval == 0 for position in positions]
 
-    def start(self, steps: int) -> None:
-        super().start(steps)
+    def start(self, steps: int, groups: int = 1) -> None:
+        super().start(steps, groups)
         self.feature = None
         self.full_steps = self.schedule(steps)
 

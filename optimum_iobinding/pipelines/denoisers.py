@@ -108,18 +108,28 @@ class Denoiser(abc.ABC):
     def disable_cache(self) -> None:
         self.cache = None
 
+    def cache_groups(self, guidance: Optional[Guidance]) -> int:
+        """How many slices of a step's batch an enabled step cache decides apart (:meth:`StepCache.start`): one, as
+        diffusers decides for a batch it makes (SD3's guided batch); the families whose diffusers pipeline calls the
+        model once per prompt kind, each call in a cache context of its own, say so here."""
+        return 1
+
     def step_model(
-        self, steps: int, model: Optional[IOBindingORTModel] = None
+        self, steps: int, model: Optional[IOBindingORTModel] = None, guidance: Optional[Guidance] = None
     ) -> Tuple[Callable[[int, Dict[str, torch.Tensor]], torch.Tensor], Optional[IOBindingORTModel]]:
         """What a loop of ``steps`` steps calls at each step (``run(step, inputs) -> output``: the model, or the
         enabled cache), and the model whose CUDA-graph input buffers the loop may write into (:class:`GraphFeed`).
         ``model``: another of the pipeline's models of the same inputs (a later :class:`~.loop.Stage`'s), run
-        whole."""
-        if self.cache is None or model is not None:
-            model = self.model if model is None else model
-            return (lambda step, inputs: model(**inputs)[0]), model
-        self.cache.start(steps)
-        return self.cache, self.cache.feed_model
+        through the cache where the cache runs it (:meth:`StepCache.switch`), else whole. ``guidance``: how the
+        loop guides (the cache's groups, :meth:`cache_groups`)."""
+        cache = self.cache
+        if cache is not None and model is None:
+            cache.start(steps, self.cache_groups(guidance))
+            return cache, cache.feed_model
+        if cache is not None and cache.switch(model):
+            return cache, cache.feed_model
+        model = self.model if model is None else model
+        return (lambda step, inputs: model(**inputs)[0]), model
 
     @property
     def component(self) -> str:
@@ -604,8 +614,16 @@ class WanDenoiser(FlowTransformer):
                 )
 
     def make_cache(self, config: Any) -> StepCache:
-        """Refused: no step cache runs Wan's transformer (see :meth:`Denoiser.make_cache`)."""
-        return Denoiser.make_cache(self, config)
+        """First-Block Cache (:mod:`.block_cache`: diffusers' ``FirstBlockCacheConfig``) on each transformer, Wan
+        2.2's experts each with its own parts and state, as diffusers' ``enable_cache`` on each of them."""
+        from .block_cache import first_block_cache_for
+
+        return first_block_cache_for(self, config, list(self.models.values()))
+
+    def cache_groups(self, guidance: Optional[Guidance]) -> int:
+        """The guided batch's negative and positive prompts apart: diffusers' WanPipeline calls the transformer once
+        for each, in cache contexts of their own (``"cond"``, ``"uncond"``)."""
+        return guidance.copies if guidance is not None else 1
 
     def conditioning(self, tensors: Dict[str, torch.Tensor], guidance: Guidance) -> Dict[str, torch.Tensor]:
         """The prompt's UMT5 states; with classifier-free guidance the negative prompt's first, in one batch."""

@@ -297,7 +297,8 @@ def denoise(
             from the scaled model input (a ControlNet's residuals).
         after_step: ``after_step(i, latents) -> latents`` after each scheduler step (inpainting's blending).
         stages: the loop's later stages (:class:`Stage`), each from its ``start`` step on: another model of the same
-            inputs at another guidance scale (Wan 2.2's low-noise expert); the step cache stays the first model's.
+            inputs at another guidance scale (Wan 2.2's low-noise expert), through the step cache where it runs
+            that model too (:meth:`~.caching.StepCache.switch`).
         return_denoised: return the last step's denoised prediction (the second output of ``LCMScheduler.step``),
             as diffusers' LCM pipeline decodes, instead of its next sample.
 
@@ -310,7 +311,7 @@ def denoise(
     step_kwargs = dict(step_kwargs or {})
     sample = denoiser.sample_input
     timestep_rows = denoiser.timestep_inputs(timesteps, latents.shape[0] * guidance.copies, tuple(latents.shape))
-    run, fed = denoiser.step_model(len(timesteps))
+    run, fed = denoiser.step_model(len(timesteps), guidance=guidance)
     feed = GraphFeed(fed)
     conditioning = denoiser.conditioning(tensors, guidance)
     later = {stage.start: stage for stage in stages}

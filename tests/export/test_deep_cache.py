@@ -243,7 +243,7 @@ def test_an_export_without_step_cache_writes_no_parts(tiny_folder):
 def test_step_cache_is_refused_by_name_before_any_export(tmp_path, arguments, message):
     with pytest.raises(
         ArgumentError,
-        match=r"step_cache: expected an SD3 or FLUX.1 pipeline \(First-Block Cache's "
+        match=r"step_cache: expected an SD3, FLUX.1 or Wan pipeline \(First-Block Cache's "
         r"parts\) or a Stable Diffusion 1.x/2.x, SDXL or LCM pipeline without a "
         r"ControlNet \(DeepCache's parts\), " + message,
     ):

@@ -201,7 +201,7 @@ def test_an_export_without_step_cache_writes_no_parts(tmp_path):
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (dict(tiny_random="controlnet", step_cache=True), "step_cache: expected an SD3 or FLUX.1 pipeline"),
+        (dict(tiny_random="controlnet", step_cache=True), "step_cache: expected an SD3, FLUX.1 or Wan pipeline"),
         (dict(tiny_random="flux", step_cache="yes"), "step_cache: expected True or False, got 'yes'"),
     ],
     ids=["controlnet-pipeline", "not-a-bool"],

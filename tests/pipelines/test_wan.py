@@ -1,7 +1,8 @@
 """Wan text to video on the tiny random Wan pipelines, CPU execution provider: our ONNX pipeline against diffusers'
 torch ``WanPipeline`` on the same weights (Wan 2.1; Wan 2.2's two experts; TI2V's per-token timesteps), at several
 frame counts and sizes from one export; the export's transformer graph (elementwise rotary embedding, no ScatterND,
-ORT's MultiHeadAttention); refusals before any work; detection of a Wan folder."""
+ORT's MultiHeadAttention); First-Block Cache against diffusers' own hook on its torch pipeline (each expert its own
+parts and state); refusals before any work; detection of a Wan folder."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from diffusers.hooks import FirstBlockCacheConfig
 
 from optimum_iobinding import OnnxWanPipeline
 from optimum_iobinding.families import WAN_INPUTS, WAN_TEXT_INPUTS, detect, family
@@ -325,11 +327,11 @@ def test_given_prompt_embeds_of_another_length_than_the_negative_prompts_are_ref
         )
 
 
-def test_a_step_cache_is_refused_naming_the_families_that_cache(wan, loaded):
-    from diffusers.hooks import FirstBlockCacheConfig
-
-    with pytest.raises(ValueError, match="OnnxWanPipeline cannot cache steps"):
-        loaded(wan[1]).enable_cache(FirstBlockCacheConfig(threshold=0.1))
+def test_first_block_cache_on_a_folder_exported_without_its_parts_says_how_to_export_them(wan, loaded):
+    pipe = loaded(wan[1])
+    with pytest.raises(ValueError, match=r"lacks \['head.onnx', 'body.onnx', 'out.onnx'\]; export the pipeline with"):
+        pipe.enable_cache(FirstBlockCacheConfig(threshold=0.1))
+    assert pipe.step_cache is None
 
 
 # --------------------------------------------------------------------------------------------------- detection
@@ -368,3 +370,136 @@ def test_vae_tiling_is_refused_naming_it(wan, loaded):
     with pytest.raises(ValueError, match="enable_vae_tiling: Wan's VAE decodes one latent frame per call"):
         pipe.enable_vae_tiling()
     assert pipe.vae_tiler is None
+
+
+# ---------------------------------------------------------------------------------------------- First-Block Cache
+# thresholds for the tiny random transformers: under every step's change of the first block's residual (every step
+# computes), and between them (some steps skip); a negative prompt's states made far from the prompt's change less per
+# step, so that the guided batch's two halves decide apart at some steps
+NEVER, SOME = 0.05, 0.1
+CACHE_CALL = dict(height=16, width=16, num_frames=5, num_inference_steps=6, max_sequence_length=SEQUENCE)
+
+
+@pytest.fixture(scope="module")
+def wan_parts(wan, shared_export):
+    """Diffusers' tiny random Wan 2.1 pipeline and its export with First-Block Cache's parts (no VAE)."""
+    torch_pipe, _ = wan
+    return torch_pipe, export_of_parts(shared_export, "wan-step-cache", torch_pipe)
+
+
+@pytest.fixture(scope="module")
+def wan22_parts(wan22, shared_export):
+    """Diffusers' tiny random Wan 2.2 pipeline (two experts) and its export with each expert's parts (no VAE)."""
+    torch_pipe, _ = wan22
+    return torch_pipe, export_of_parts(shared_export, "wan2.2-step-cache", torch_pipe)
+
+
+def export_of_parts(shared_export, name, torch_pipe):
+    from optimum_iobinding.export import export_pipeline
+
+    components = [name for name in WITHOUT_VAE if getattr(torch_pipe, name, None) is not None]
+    return shared_export(
+        name,
+        lambda target: export_pipeline(
+            None, target, torch_pipeline=torch_pipe, components=components, progress=False, step_cache=True
+        ),
+    )
+
+
+def diffusers_cached(torch_pipe, threshold, **call):
+    """Diffusers' torch pipeline with its own First-Block Cache on each transformer: its latents and, per step, for
+    the negative prompt's call and then the prompt's (one call without guidance), whether its last block ran."""
+    transformers = [t for t in (torch_pipe.transformer, getattr(torch_pipe, "transformer_2", None)) if t is not None]
+    calls, ran = [], set()
+    handles = []
+    for transformer in transformers:
+        handles.append(transformer.register_forward_pre_hook(lambda *_: calls.append(len(calls))))
+        handles.append(transformer.blocks[-1].ffn.register_forward_hook(lambda *_: ran.add(len(calls) - 1)))
+        transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    try:
+        latents = torch_pipe(generator=seeded(), output_type="latent", **call).frames
+    finally:
+        for transformer in transformers:
+            transformer.disable_cache()
+        for handle in handles:
+            handle.remove()
+    per_step = 2 if call.get("guidance_scale", 5.0) > 1.0 else 1
+    computed = [tuple(c in ran for c in reversed(calls[i : i + per_step])) for i in range(0, len(calls), per_step)]
+    return latents, computed  # diffusers calls the prompt's branch first, the negative one second
+
+
+def cached_call(pipe, threshold, **call):
+    pipe.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    try:
+        return pipe(generator=seeded(), output_type="latent", **call).frames, pipe.step_cache.computed_by_group
+    finally:
+        pipe.disable_cache()
+
+
+def test_the_step_cache_export_writes_each_experts_parts_with_the_full_exports_attention_and_dynamic_axes(
+    wan22_parts,
+):
+    _, folder = wan22_parts
+    for name in ("transformer", "transformer_2"):
+        parts = {part: onnx.load(str(folder / name / part)) for part in ("head.onnx", "body.onnx", "out.onnx")}
+        ops = {part: [node.op_type for node in model.graph.node] for part, model in parts.items()}
+        # the first block's two attentions in the head, the second block's in the body, none after
+        assert [ops[part].count("MultiHeadAttention") for part in parts] == [2, 2, 0]
+        assert not any("ScatterND" in found or "Softmax" in found for found in ops.values())
+        head_inputs = {value.name: value for value in parts["head.onnx"].graph.input}
+        dims = [d.dim_param or d.dim_value for d in head_inputs["hidden_states"].type.tensor_type.shape.dim]
+        assert dims == ["batch", 16, "frames", "height", "width"]
+        # the parts read the full model's weights file: the weights are on disk once
+        assert sorted(path.name for path in (folder / name).glob("*.onnx_data")) == ["model.onnx_data"]
+
+
+@pytest.mark.parametrize("threshold", [NEVER, SOME])
+def test_first_block_cache_skips_the_steps_diffusers_skips_and_gives_its_latents(wan_parts, loaded, threshold):
+    torch_pipe, folder = wan_parts
+    call = dict(prompt=PROMPTS, **CACHE_CALL)
+    ours, computed = cached_call(loaded(folder), threshold, **call)
+    theirs, expected = diffusers_cached(torch_pipe, threshold, **call)
+    assert computed == expected
+    skipped = [step for step, groups in enumerate(computed) if not any(groups)]
+    assert skipped == [] if threshold == NEVER else 0 < len(skipped) < 5
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
+
+
+def test_the_negative_and_positive_prompts_decide_apart_as_diffusers_calls_do(wan_parts, loaded):
+    torch_pipe, folder = wan_parts
+    pipe = loaded(folder)
+    embeds, negative = pipe.encode_prompt(PROMPTS[0], "blurry", True, 1, max_sequence_length=SEQUENCE)
+    call = dict(prompt_embeds=embeds, negative_prompt_embeds=negative * 20, **CACHE_CALL)
+    ours, computed = cached_call(pipe, 0.08, **call)
+    theirs, expected = diffusers_cached(torch_pipe, 0.08, **call)
+    assert computed == expected
+    assert any(groups[0] != groups[1] for groups in computed)  # a step where one half computes, the other skips
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
+
+
+def test_wan22s_experts_each_cache_with_their_own_parts_and_state_as_diffusers(wan22_parts, loaded):
+    torch_pipe, folder = wan22_parts
+    pipe = loaded(folder)
+    call = dict(prompt=PROMPTS[0], guidance_scale=4.0, guidance_scale_2=2.0, **CACHE_CALL)
+    with pipe.transformer.watch_runs() as high, pipe.transformer_2.watch_runs() as low:
+        ours, computed = cached_call(pipe, SOME, **call)
+    theirs, expected = diffusers_cached(torch_pipe, SOME, **call)
+    assert not high and not low  # the parts ran, not the full graphs
+    assert computed == expected
+    # UniPC's 6 steps: two above the boundary, then the low-noise expert, whose first step computes
+    assert computed[0] == computed[2] == (True, True) and computed[1] == (False, False)
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
+
+
+def test_disabling_first_block_cache_gives_the_uncached_frames_back_exactly(wan_parts, loaded):
+    _, folder = wan_parts
+    pipe = loaded(folder)
+    call = dict(prompt=PROMPTS[0], generator=seeded(), output_type="latent", **CACHE_CALL)
+    before = pipe(**call).frames
+    pipe.enable_cache(FirstBlockCacheConfig(threshold=SOME))
+    cached = pipe(**dict(call, generator=seeded())).frames
+    assert pipe.step_cache.skipped_steps > 0
+    pipe.disable_cache()
+    assert pipe.step_cache is None
+    np.testing.assert_array_equal(pipe(**dict(call, generator=seeded())).frames, before)
+    assert np.abs(cached.numpy() - before.numpy()).max() > 1e-4

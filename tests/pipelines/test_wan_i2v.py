@@ -1,11 +1,13 @@
 """Wan image to video on the tiny random Wan image-to-video pipelines, CPU execution provider: our ONNX pipeline against
 diffusers' torch ``WanImageToVideoPipeline`` on the same weights (Wan 2.1 I2V with its CLIP image encoder; Wan 2.2 I2V's
-two experts, with a last image too); the export's image encoder and processor; refusals before any work; detection."""
+two experts, with a last image too); the export's image encoder and processor; First-Block Cache with the image's
+states against diffusers' own hook; refusals before any work; detection."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 
 import numpy as np
 import PIL.Image
@@ -138,6 +140,56 @@ def test_a_saved_pipeline_loads_again_with_its_image_encoder_and_gives_the_same_
     assert again.image_encoder is not None and again.image_processor is not None
     got = again(picture(0), PROMPT, generator=torch.Generator().manual_seed(0), **call).frames
     np.testing.assert_array_equal(got, expected)
+
+
+# ---------------------------------------------------------------------------------------------- First-Block Cache
+@pytest.fixture(scope="module")
+def wan21_parts(wan21, shared_export, tmp_path_factory):
+    """The Wan 2.1 I2V export with First-Block Cache's parts beside its transformer: the export of ``wan21`` with its
+    transformer exported again with them (the other components, the slow ones to export, copied from it)."""
+    from optimum_iobinding.export import export_pipeline
+
+    torch_pipe, folder = wan21
+
+    def write(target):
+        scratch = tmp_path_factory.mktemp("wan-i2v-transformer") / "out"
+        export_pipeline(
+            None, scratch, torch_pipeline=torch_pipe, components=["transformer"], step_cache=True, progress=False
+        )
+        shutil.copytree(folder, target, ignore=shutil.ignore_patterns("transformer"))
+        shutil.copytree(scratch / "transformer", target / "transformer")
+
+    return torch_pipe, shared_export("wan-i2v-step-cache", write)
+
+
+def test_first_block_cache_with_the_image_states_skips_the_steps_diffusers_skips_and_gives_its_latents(
+    wan21_parts,
+):
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    torch_pipe, folder = wan21_parts
+    pipe = load(folder)
+    config = FirstBlockCacheConfig(threshold=0.1)
+    pipe.enable_cache(config)
+    call = dict(CALL, num_inference_steps=6, max_sequence_length=TEXT_CONTEXT, output_type="latent")
+    ours = pipe(picture(0), PROMPT, generator=torch.Generator().manual_seed(0), **call).frames
+    calls, ran = [], set()
+    transformer = torch_pipe.transformer
+    handles = [
+        transformer.register_forward_pre_hook(lambda *_: calls.append(len(calls))),
+        transformer.blocks[-1].ffn.register_forward_hook(lambda *_: ran.add(len(calls) - 1)),
+    ]
+    transformer.enable_cache(config)
+    try:
+        theirs = torch_pipe(picture(0), PROMPT, generator=torch.Generator().manual_seed(0), **call).frames
+    finally:
+        transformer.disable_cache()
+        for handle in handles:
+            handle.remove()
+    # diffusers calls the prompt's branch, then the negative one's, each with a state of its own
+    assert pipe.step_cache.computed_by_group == [(c + 1 in ran, c in ran) for c in calls[::2]]
+    assert 0 < pipe.step_cache.skipped_steps < 5
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=TOLERANCE)
 
 
 # ---------------------------------------------------------------------------------------------------- refusals
