@@ -25,7 +25,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -51,10 +51,10 @@ def fixed(cache: Any, pattern: Optional[Callable[[int], bool]], read: bool = Tru
         return
     rule = type(cache).should_compute
 
-    def should_compute(residual: torch.Tensor) -> bool:
+    def should_compute(residual: torch.Tensor) -> Tuple[bool, ...]:
         if read:
             rule(cache, residual)
-        return pattern(len(cache.computed))
+        return (pattern(len(cache.computed)),) * cache.groups  # the same for every group of the batch
 
     cache.should_compute = should_compute
 

@@ -1,6 +1,7 @@
-"""Step caching on the GPU (skipped without CUDA; run on the GPU machine): First-Block Cache (tiny FLUX.1) and DeepCache
-(tiny SD and SDXL) with ``cuda_graph=True``: every part is captured, the parts read the model's own weights (one copy
-on the device), and the cached images are the CPU's."""
+"""Step caching on the GPU (skipped without CUDA; run on the GPU machine): First-Block Cache (tiny FLUX.1; tiny Wan 2.2,
+each expert's parts, the guided halves deciding apart) and DeepCache (tiny SD and SDXL) with ``cuda_graph=True``:
+every part is captured, the parts read the model's own weights (one copy on the device), and the cached images are
+the CPU's."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from optimum_iobinding import (
     OnnxFluxPipeline,
     OnnxStableDiffusionPipeline,
     OnnxStableDiffusionXLPipeline,
+    OnnxWanPipeline,
 )
 from optimum_iobinding.export import export_pipeline
-from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline
+from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline, build_tiny_random_wan_pipeline
 
 pytestmark = pytest.mark.gpu
 
@@ -37,6 +39,18 @@ def flux_parts(tmp_path_factory):
         progress=False,
         step_cache=True,
         torch_pipeline=build_tiny_random_flux_pipeline(0, guidance_embeds=False),
+    )
+
+
+@pytest.fixture(scope="module")
+def wan22_parts(tmp_path_factory):
+    return export_pipeline(
+        None,
+        tmp_path_factory.mktemp("wan22") / "out",
+        progress=False,
+        step_cache=True,
+        components=["text_encoder", "transformer", "transformer_2"],
+        torch_pipeline=build_tiny_random_wan_pipeline(two_experts=True),
     )
 
 
@@ -121,3 +135,40 @@ def test_a_cached_pipeline_on_cuda_gives_the_uncached_image_back_after_disable_c
     pipe.disable_cache()
     np.testing.assert_array_equal(call(), before)
     assert np.abs(cached - before).max() > 1e-3
+
+
+def test_wan_first_block_cache_on_cuda_captures_each_experts_parts_and_gives_the_cpus_latents(wan22_parts):
+    latents, computed = {}, {}
+    for provider in (CUDA, "CPUExecutionProvider"):
+        pipe = load(OnnxWanPipeline, wan22_parts, provider)
+        pipe.enable_cache(FirstBlockCacheConfig(threshold=0.1))
+        embeds, negative = pipe.encode_prompt("a red castle", "blurry", True, 1, max_sequence_length=16)
+
+        def call():
+            return pipe(
+                prompt_embeds=embeds,
+                negative_prompt_embeds=negative * 20,  # far from the prompt's: the halves decide apart at some steps
+                generator=torch.Generator().manual_seed(0),
+                height=16,
+                width=16,
+                num_frames=5,
+                num_inference_steps=6,
+                guidance_scale_2=2.0,
+                max_sequence_length=16,
+                output_type="latent",
+            ).frames
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            latents[provider] = call().cpu().numpy()
+        computed[provider] = pipe.step_cache.computed_by_group
+        if provider == CUDA:
+            for stage in pipe.step_cache.stages:
+                own = stage.model.owned_weights
+                for part in (stage.head, stage.body, stage.out):
+                    assert part.graph_signatures and not part.graph_fallbacks
+                    assert all(tensor.data_ptr() == own[name].data_ptr() for name, tensor in part.owned_weights.items())
+    assert computed[CUDA] == computed["CPUExecutionProvider"]
+    steps = computed[CUDA]
+    assert (False, False) in steps and any(len(set(groups)) == 2 for groups in steps)  # skipped and split steps
+    np.testing.assert_allclose(latents[CUDA], latents["CPUExecutionProvider"], atol=TOLERANCE)
