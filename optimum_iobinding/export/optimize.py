@@ -353,6 +353,58 @@ def fold_pads_into_convs(model: onnx.ModelProto) -> int:
     return len(folded)
 
 
+# the largest value a folded node may compute (the exporter's index arithmetic is a few integers)
+_FOLDED_SIZE = 64
+
+
+def constants_folded(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` (its weights left where they are) where each standard node that computes a small value from
+    constants alone is a ``Constant`` of that value, under the same output names. The TorchScript exporter writes
+    such arithmetic for a dynamic ``unflatten`` (Wan's timestep projection, ``unflatten(1, (6, -1))``: the axis
+    ``3 % 2 + 1`` computed in the graph), whose shape ORT's symbolic shape inference cannot see the rank of; folded,
+    it can. For shape inference only: the graph written is the exporter's."""
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    known: Dict[str, Any] = {
+        tensor.name: numpy_helper.to_array(tensor)
+        for tensor in folded.graph.initializer
+        if not tensor.external_data and _size(tensor.dims) <= _FOLDED_SIZE
+    }
+    nodes = []
+    for node in folded.graph.node:
+        inputs = [name for name in node.input if name]
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            value = ReferenceEvaluator(node).run(None, {})[0]
+            if value.size <= _FOLDED_SIZE:
+                known[node.output[0]] = value
+        elif inputs and node.domain in ("", "ai.onnx") and all(name in known for name in inputs):
+            try:
+                values = ReferenceEvaluator(node).run(None, {name: known[name] for name in inputs})
+            except Exception:  # an operator the reference runtime does not compute: left as it is
+                values = None
+            if values is not None and all(value.size <= _FOLDED_SIZE for value in values):
+                for name, value in zip(node.output, values):
+                    known[name] = value
+                    nodes.append(
+                        onnx.helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name))
+                    )
+                continue
+        nodes.append(node)
+    del folded.graph.node[:]
+    folded.graph.node.extend(nodes)
+    return folded
+
+
+def _size(dims: Sequence[int]) -> int:
+    size = 1
+    for dim in dims:
+        size *= dim
+    return size
+
+
 def _conv_pads(conv: onnx.NodeProto, rank: int) -> List[int]:
     """A Conv's own ``pads`` (zeros where it has none) for an input of ``rank`` dims."""
     attribute = next((a for a in conv.attribute if a.name == "pads"), None)
@@ -613,9 +665,19 @@ def optimized_to_float16(optimized: Any, folder: Path, float32_inputs: Sequence[
     from onnxruntime.transformers.shape_infer_helper import SymbolicShapeInferenceHelper
 
     model = optimized.model
-    try:
+
+    def inferred(graph_model: onnx.ModelProto) -> onnx.ModelProto:
         with in_folder(folder):
-            typed = SymbolicShapeInferenceHelper(model).infer_shapes(model, auto_merge=True, guess_output_rank=False)
+            helper = SymbolicShapeInferenceHelper(graph_model)
+            return helper.infer_shapes(graph_model, auto_merge=True, guess_output_rank=False)
+
+    try:
+        try:
+            typed = inferred(model)
+        except Exception:  # the exporter's index arithmetic (Wan's ``unflatten(1, (6, -1))``) hides a Reshape's
+            # rank from it: again with that arithmetic computed. Without the types the converter leaves the float32
+            # island's edge uncast (a float32 value into a float16 Gemm: a graph ORT refuses to load)
+            typed = inferred(constants_folded(model))
     except Exception as error:  # ORT goes on without the types, warning; so do we, saying why
         logger.warning(
             "ORT's symbolic shape inference failed before the float16 conversion (%s: %s); converting "

@@ -34,6 +34,7 @@ from onnx import helper
 
 from ..errors import ArgumentError
 from ..layout import FIRST_BLOCK_CACHE_PARTS, FIRST_BLOCK_MARKS
+from .optimize import constants_folded
 
 __all__ = [
     "STEP_CACHE_PARTS",
@@ -256,56 +257,6 @@ def _value_info(infos: Dict[str, onnx.ValueInfoProto], name: str) -> onnx.ValueI
     info = onnx.ValueInfoProto()
     info.CopyFrom(infos[name])
     return info
-
-
-# the largest value a folded node may compute (the exporter's index arithmetic is a few integers)
-_FOLDED_SIZE = 64
-
-
-def constants_folded(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` (its weights left where they are) where each standard node that computes a small value from
-    constants alone is a ``Constant`` of that value, under the same output names. The TorchScript exporter writes
-    such arithmetic for a dynamic ``unflatten`` (Wan's timestep projection, ``unflatten(1, (6, -1))``: the axis
-    ``3 % 2 + 1`` computed in the graph), whose shape ORT's symbolic shape inference cannot see the rank of; folded,
-    it can. For shape inference only: the graph written is the exporter's."""
-    from onnx import numpy_helper
-    from onnx.reference import ReferenceEvaluator
-
-    folded = onnx.ModelProto()
-    folded.CopyFrom(model)
-    known: Dict[str, Any] = {
-        tensor.name: numpy_helper.to_array(tensor)
-        for tensor in folded.graph.initializer
-        if not tensor.external_data and _size(tensor.dims) <= _FOLDED_SIZE
-    }
-    nodes = []
-    for node in folded.graph.node:
-        inputs = [name for name in node.input if name]
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-            value = ReferenceEvaluator(node).run(None, {})[0]
-            if value.size <= _FOLDED_SIZE:
-                known[node.output[0]] = value
-        elif inputs and node.domain in ("", "ai.onnx") and all(name in known for name in inputs):
-            try:
-                values = ReferenceEvaluator(node).run(None, {name: known[name] for name in inputs})
-            except Exception:  # an operator the reference runtime does not compute: left as it is
-                values = None
-            if values is not None and all(value.size <= _FOLDED_SIZE for value in values):
-                for name, value in zip(node.output, values):
-                    known[name] = value
-                    nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
-                continue
-        nodes.append(node)
-    del folded.graph.node[:]
-    folded.graph.node.extend(nodes)
-    return folded
-
-
-def _size(dims: Sequence[int]) -> int:
-    size = 1
-    for dim in dims:
-        size *= dim
-    return size
 
 
 def drop_marks(model: onnx.ModelProto) -> None:

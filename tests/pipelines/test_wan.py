@@ -503,3 +503,63 @@ def test_disabling_first_block_cache_gives_the_uncached_frames_back_exactly(wan_
     assert pipe.step_cache is None
     np.testing.assert_array_equal(pipe(**dict(call, generator=seeded())).frames, before)
     assert np.abs(cached.numpy() - before.numpy()).max() > 1e-4
+
+
+# every precision and optimization the exporter offers a Wan transformer
+TRANSFORMER_VARIANTS = [(dtype, optimize) for dtype in ("fp32", "fp16", "bf16") for optimize in (None, "cpu", "cuda")]
+
+
+@pytest.mark.parametrize(
+    "dtype,optimize",
+    TRANSFORMER_VARIANTS,
+    ids=[f"{dtype}-{optimize or 'plain'}" for dtype, optimize in TRANSFORMER_VARIANTS],
+)
+def test_every_precision_and_optimization_of_the_transformer_loads_in_onnx_runtime(wan, tmp_path, dtype, optimize):
+    # loading checks every node's types: the float32 timestep embedding must be cast before its float16 Linear (ORT's
+    # symbolic shape inference, which the converter needs for that, stops at the exporter's unflatten arithmetic)
+    import onnxruntime as ort
+    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NoKernel
+
+    from optimum_iobinding.export import export_pipeline
+
+    folder = export_pipeline(
+        None,
+        tmp_path / "out",
+        torch_pipeline=wan[0],
+        dtype=dtype,
+        optimize=optimize,
+        components=["transformer"],
+        progress=False,
+    )
+    path = str(folder / "transformer" / "model.onnx")
+    if dtype == "bf16":  # typed and checked, then ORT's CPU provider has no bfloat16 kernels (it runs on CUDA)
+        with pytest.raises(NoKernel, match="Could not find an implementation"):
+            ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    else:
+        ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+
+
+def test_the_float16_transformer_gives_the_float32_ones_output_to_float16_rounding(wan, tmp_path):
+    import onnxruntime as ort
+
+    from optimum_iobinding.export import export_pipeline
+
+    torch_pipe, fp32 = wan
+    fp16 = export_pipeline(
+        None, tmp_path / "fp16", torch_pipeline=torch_pipe, dtype="fp16", components=["transformer"], progress=False
+    )
+    rng = np.random.default_rng(0)
+    feeds = {
+        "hidden_states": rng.standard_normal((2, torch_pipe.transformer.config.in_channels, 2, 8, 6)),
+        "encoder_hidden_states": rng.standard_normal((2, SEQUENCE, torch_pipe.transformer.config.text_dim)),
+        "timestep": np.array([999.0, 17.0]),
+    }
+    outputs = []
+    for folder in (fp32, fp16):
+        session = ort.InferenceSession(str(folder / "transformer" / "model.onnx"), providers=["CPUExecutionProvider"])
+        typed = {
+            i.name: feeds[i.name].astype(np.float16 if "16" in i.type else np.float32) for i in session.get_inputs()
+        }
+        assert session.get_inputs()[2].type == "tensor(float)"  # the timestep float32, as diffusers embeds it
+        outputs.append(session.run(None, typed)[0].astype(np.float32))
+    np.testing.assert_allclose(outputs[1], outputs[0], atol=5e-3 * np.abs(outputs[0]).max())
