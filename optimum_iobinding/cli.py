@@ -18,7 +18,16 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, 
 
 # the standard library only: every heavy module is imported by the command using it
 from .errors import ArgumentError, CommandLineParser, RawDescriptionHelpFormatter
-from .families import Family, family, family_of_class, image_role, image_route, pipeline_class, tiny_random_kinds
+from .families import (
+    Family,
+    controlnet_family,
+    family,
+    family_of_class,
+    image_role,
+    image_route,
+    pipeline_class,
+    tiny_random_kinds,
+)
 
 if TYPE_CHECKING:
     from .serve.config import ServeConfig
@@ -106,8 +115,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=tiny_random_kinds(),
         help="export a tiny random-weights pipeline built offline: sd (default), xl, lcm, controlnet "
-        "(SD with a tiny random ControlNet), sd3 (Stable Diffusion 3), flux or flux-dev "
-        "(FLUX.1 schnell's and dev's shapes), flux-kontext, flux-fill, flux-control",
+        "(SD with a tiny random ControlNet), xl-controlnet, sd3 (Stable Diffusion 3), flux or flux-dev "
+        "(FLUX.1 schnell's and dev's shapes), flux-kontext, flux-fill, flux-control, flux-controlnet",
     )
     parser.add_argument(
         "--optimize",
@@ -129,8 +138,10 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         metavar="ID_OR_FOLDER",
-        help="export with this ControlNet (folder or hub id, e.g. lllyasviel/sd-controlnet-canny); "
-        f"repeat for multi-ControlNet. Load the result with {family('controlnet').class_name}",
+        help="export with this ControlNet (folder or hub id, e.g. lllyasviel/sd-controlnet-canny; an SDXL or "
+        "FLUX.1 one for those models); repeat for multi-ControlNet. Load the result with "
+        f"{family('controlnet').class_name} ({family('sdxl-controlnet').class_name}, "
+        f"{family('flux-controlnet').class_name})",
     )
     parser.add_argument(
         "--tiny-vae",
@@ -271,11 +282,13 @@ EXPORT_OPTIONS = {
 
 
 def check_transformer_export_options(record: Optional[Family], args: argparse.Namespace) -> None:
-    """A diffusion transformer's export (the family ``record``; ``None``: a UNet's) writes its own VAE and no
-    ControlNet: ``--vae``, ``--controlnet`` and ``--tiny-vae`` are refused, in the command line's words."""
+    """A diffusion transformer's export (the family ``record``; ``None``: a UNet's) writes its own VAE, and no
+    ControlNet but FLUX.1's: ``--vae``, ``--tiny-vae`` and (where no family adds ControlNets to its pipelines)
+    ``--controlnet`` are refused, in the command line's words."""
     if record is None:
         return
-    for option, value in (("--vae", args.vae), ("--controlnet", args.controlnet), ("--tiny-vae", args.tiny_vae)):
+    controlnet = args.controlnet if controlnet_family(record) is None else None
+    for option, value in (("--vae", args.vae), ("--controlnet", controlnet), ("--tiny-vae", args.tiny_vae)):
         if value is None:
             continue
         shown = (

@@ -16,7 +16,13 @@ from dataclasses import dataclass, field, replace
 from typing import AbstractSet, Dict, FrozenSet, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import ArgumentError
-from .layout import DIFFUSERS_ONNX_CLASS_NAME, DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT
+from .layout import (
+    DIFFUSERS_ONNX_CLASS_NAME,
+    DOWN_RESIDUAL_INPUT,
+    FLUX_CONTROLNET_BLOCK_SAMPLE,
+    FLUX_CONTROLNET_SINGLE_BLOCK_SAMPLE,
+    MID_RESIDUAL_INPUT,
+)
 
 __all__ = [
     "Defaults",
@@ -29,6 +35,7 @@ __all__ = [
     "pipeline_class",
     "public_pipeline_names",
     "transformer_family",
+    "controlnet_family",
     "t5_tokenizer_of",
     "tiny_random_kinds",
     "detect",
@@ -153,7 +160,8 @@ class Family:
         options: what only some families have: ``needs_folder`` (a component folder detection requires: SDXL's
             first text encoder, which a refiner lacks), ``transformer_class`` (diffusers' class of its transformer),
             ``t5_tokenizer`` and ``t5_encoder`` (its T5 components), ``size_by_area`` (its ``height`` and ``width``
-            give the aspect ratio, ``max_area`` the pixels: FLUX.1 Kontext's).
+            give the aspect ratio, ``max_area`` the pixels: FLUX.1 Kontext's), ``controlnet_of`` (the key of the
+            family whose pipelines the export adds ControlNets to for it: ``export MODEL --controlnet ID``).
     """
 
     key: str
@@ -297,6 +305,28 @@ FAMILIES: Tuple[Family, ...] = (
         index_class_name="OnnxStableDiffusionControlNetImg2ImgPipeline",
         export="unet",
         lora=_SD_LORA,
+    ),
+    Family(
+        "sdxl-controlnet",
+        "OnnxStableDiffusionXLControlNetPipeline",
+        f"{_SD_MODULE}.controlnet_xl",
+        "SDXL with ControlNet",
+        DenoiserInterface(
+            "unet", (*UNET_INPUTS, "text_embeds", "time_ids"), prefixed=(DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT)
+        ),
+        Defaults(steps=50, guidance_scale=5.0),
+        index_class_names=("StableDiffusionXLControlNetPipeline",),
+        index_class_name="StableDiffusionXLControlNetPipeline",
+        text_to_image=False,
+        image_inputs=frozenset({"image"}),
+        control_image="image",
+        export="unet",
+        torch_classes=("StableDiffusionXLControlNetPipeline",),
+        tiny_random=("xl-controlnet",),
+        lora="StableDiffusionXLLoraLoaderMixin",
+        hint="an SDXL ControlNet folder (its UNet takes the ControlNets' residuals): use "
+        "OnnxStableDiffusionXLControlNetPipeline from Python with a control image",
+        options={"needs_folder": "text_encoder", "controlnet_of": "sdxl"},
     ),
     Family(
         "lcm",
@@ -476,6 +506,31 @@ FAMILIES: Tuple[Family, ...] = (
         **_FLUX_VARIANT,
     ),
     Family(
+        "flux-controlnet",
+        "OnnxFluxControlNetPipeline",
+        f"{_SD_MODULE}.flux_controlnet",
+        "FLUX.1 with ControlNet",
+        DenoiserInterface(
+            "transformer",
+            FLUX_INPUTS,
+            optional=(FLUX_GUIDANCE,),
+            prefixed=(FLUX_CONTROLNET_BLOCK_SAMPLE, FLUX_CONTROLNET_SINGLE_BLOCK_SAMPLE),
+            refused_channels=(FLUX_FILL_TOKEN_WIDTH, FLUX_CONTROL_TOKEN_WIDTH),
+        ),
+        Defaults(steps=28, guidance_scale=7.0),
+        index_class_names=("FluxControlNetPipeline",),
+        index_class_name="FluxControlNetPipeline",
+        text_to_image=False,
+        image_inputs=frozenset({"control_image"}),
+        control_image="control_image",
+        torch_classes=("FluxControlNetPipeline",),
+        tiny_random=("flux-controlnet",),
+        negative_prompt_needs="true_cfg_scale > 1",
+        hint="a FLUX.1 ControlNet folder (its transformer takes the ControlNets' block samples): use "
+        "OnnxFluxControlNetPipeline from Python with a control image",
+        **{**_FLUX_VARIANT, "step_cache": None, "options": {**_FLUX_OPTIONS, "controlnet_of": "flux"}},
+    ),
+    Family(
         "wan",
         "OnnxWanPipeline",
         f"{_SD_MODULE}.wan",
@@ -570,6 +625,14 @@ def transformer_family(transformer_class: Optional[str]) -> Optional[Family]:
         ),
         None,
     )
+
+
+def controlnet_family(record: Optional[Family]) -> Optional[Family]:
+    """The family that runs ``record``'s pipelines with ControlNets added by the export (whose ``controlnet_of``
+    option names ``record``: SDXL's, FLUX.1's), or ``None``: ``record`` takes none."""
+    if record is None:
+        return None
+    return next((other for other in FAMILIES if other.options.get("controlnet_of") == record.key), None)
 
 
 # The images a command or a request gives a family, by role (the command line's options and the request's fields are

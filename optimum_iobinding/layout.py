@@ -24,6 +24,14 @@ DIFFUSERS_ONNX_CLASS_NAME = "OnnxStableDiffusionPipeline"
 # What a ControlNet gives and its UNet takes: one residual per down-block output, one for the mid block.
 DOWN_RESIDUAL_OUTPUT, MID_RESIDUAL_OUTPUT = "down_block_res_sample_", "mid_block_res_sample"
 DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT = "down_block_additional_residual_", "mid_block_additional_residual"
+# Every ControlNet takes the control image (or its latents) and the factor its outputs are scaled by.
+CONTROLNET_CONDITION, CONTROLNET_SCALE = "controlnet_cond", "conditioning_scale"
+# What a FLUX.1 ControlNet gives and its transformer takes (diffusers' controlnet_block_samples and
+# controlnet_single_block_samples): one sample per ControlNet block of each kind, numbered from 0, for the transformer's
+# double-stream and single-stream blocks; and the mode a union ControlNet takes (one per row).
+FLUX_CONTROLNET_BLOCK_SAMPLE = "controlnet_block_sample_"
+FLUX_CONTROLNET_SINGLE_BLOCK_SAMPLE = "controlnet_single_block_sample_"
+FLUX_CONTROLNET_MODE = "controlnet_mode"
 
 
 # The step caches' part graphs, written by the export beside a denoiser's model.onnx and read by the pipelines:
@@ -235,6 +243,8 @@ _ONNX_COMPONENT_CLASSES = {
 _ONNX_COMPONENT_CLASSES |= {"SD3Transformer2DModel", "FluxTransformer2DModel", "T5EncoderModel"}
 # Wan's folders: its UMT5 encoder, its transformers (Wan 2.2's two experts) and Wan 2.1 I2V's CLIP image encoder
 _ONNX_COMPONENT_CLASSES |= {"UMT5EncoderModel", "WanTransformer3DModel", "CLIPVisionModel"}
+# the ControlNets of an SDXL or FLUX.1 ControlNet folder (diffusers' ONNX layout names them OnnxRuntimeModel)
+_ONNX_COMPONENT_CLASSES |= {"ControlNetModel", "FluxControlNetModel"}
 
 
 def looks_like_hub_id(name: str) -> bool:
@@ -481,10 +491,12 @@ def write_xl_model_index(
     modules: Dict[str, Optional[str]],
     force_zeros_for_empty_prompt: bool = True,
     requires_aesthetics_score: bool = False,
+    controlnets: Sequence[str] = (),
 ) -> None:
     """SDXL folders follow optimum's export: the torch pipeline's index (torch class names; one ``vae`` entry for the
     two VAE folders), which optimum's ``ORTStableDiffusionXLPipeline`` and ours both load. ``modules`` maps
-    text_encoder(_2) and tokenizer(_2) to their transformers class name, or ``None`` where the pipeline has none."""
+    text_encoder(_2) and tokenizer(_2) to their transformers class name, or ``None`` where the pipeline has none;
+    ``controlnets``: the ControlNet folders of an SDXL ControlNet pipeline."""
     import diffusers
 
     index = {
@@ -500,6 +512,8 @@ def write_xl_model_index(
     }
     for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
         index[name] = ["transformers", modules[name]] if modules.get(name) else [None, None]
+    for name in controlnets:
+        index[name] = ["diffusers", "ControlNetModel"]
     Path(folder, "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
 
 

@@ -391,8 +391,9 @@ def test_a_hub_id_that_cannot_be_fetched_names_model(tmp_path, capsys, offline_h
         (["nobody/nothing-here"], "model"),
         (["--tiny-random", "--vae", "nobody/some-vae"], "--vae"),
         (["--tiny-random", "--controlnet", "nobody/some-controlnet"], "--controlnet"),
+        (["--tiny-random", "flux-dev", "--controlnet", "nobody/some-controlnet"], "--controlnet"),
     ],
-    ids=["model", "vae", "controlnet"],
+    ids=["model", "vae", "controlnet", "flux-controlnet"],
 )
 def test_export_of_a_hub_id_that_cannot_be_fetched_names_it_before_exporting(
     tmp_path, capsys, no_work, offline_hub, argv, option
@@ -403,8 +404,15 @@ def test_export_of_a_hub_id_that_cannot_be_fetched_names_it_before_exporting(
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("kind, family", [("flux", "FLUX.1"), ("sd3", "Stable Diffusion 3")])
-@pytest.mark.parametrize("option", ["--vae", "--controlnet", "--tiny-vae"])
+@pytest.mark.parametrize(
+    "kind, family, option",
+    [
+        (kind, family, option)
+        for kind, family in [("flux", "FLUX.1"), ("sd3", "Stable Diffusion 3")]
+        for option in ["--vae", "--controlnet", "--tiny-vae"]
+        if (kind, option) != ("flux", "--controlnet")  # FLUX.1's ControlNet family takes one
+    ],
+)
 def test_export_refuses_a_vae_or_controlnet_for_a_transformer_pipeline_before_fetching_it(
     tmp_path, capsys, no_work, offline_hub, kind, family, option
 ):

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ArgumentError, ArgumentTypeError, ModelFileError
-from ..families import FAMILIES, Family, t5_tokenizer_of, transformer_family
+from ..families import FAMILIES, Family, controlnet_family, t5_tokenizer_of, transformer_family
 from ..layout import (
     building_beside,
     check_output_folder,
@@ -30,7 +30,7 @@ from ..layout import (
     read_json_object,
 )
 from .components import PRECISIONS, export_component, vae_specs
-from .flux import export_flux_pipeline
+from .flux import export_flux_pipeline, with_flux_controlnets
 from .step_cache import check_first_block_cache_depth
 from .tiny import TINY_RANDOM_KINDS, build_tiny_random_tiny_vae
 from .transformer import export_sd3_pipeline
@@ -39,6 +39,8 @@ from .unet import check_tiny_vae_fits, controlnets_of, export_unet_pipeline
 
 # the diffusion-transformer exporters, by the name a family's record gives its exporter (Family.export)
 TRANSFORMER_EXPORTERS = {"sd3": export_sd3_pipeline, "flux": export_flux_pipeline, "wan": export_wan_pipeline}
+# what makes a diffusion-transformer pipeline one with ControlNets (``export MODEL --controlnet ID``), by exporter
+CONTROLNET_PIPELINES = {"flux": with_flux_controlnets}
 
 # the checks of the arguments are public too: the command line runs them before it loads anything (check_tiny_vae_fits
 # belongs to .unet, since it holds a tiny VAE against the UNet, and is named here beside the others)
@@ -114,10 +116,13 @@ def export_pipeline(
         vae: a VAE to export instead of the pipeline's: an ``AutoencoderKL``, or its folder or hub id (e.g. SDXL's
             float16-safe ``madebyollin/sdxl-vae-fp16-fix``).
         controlnet: one or several ControlNets (``ControlNetModel`` objects, or their folders or hub ids, e.g.
-            ``lllyasviel/sd-controlnet-canny``) to export with a Stable Diffusion 1.x/2.x pipeline: the folder gets
-            ``controlnet`` (``controlnet_1`` … for more) and a UNet that takes their residuals, which
-            the ControlNet pipeline loads. A diffusers ``StableDiffusionControlNetPipeline``
-            given as ``torch_pipeline`` (or its folder) exports its own.
+            ``lllyasviel/sd-controlnet-canny``) to export with a Stable Diffusion 1.x/2.x or SDXL pipeline (e.g.
+            ``diffusers/controlnet-canny-sdxl-1.0``), or ``FluxControlNetModel`` objects with a FLUX.1 pipeline (e.g.
+            ``InstantX/FLUX.1-dev-Controlnet-Canny``): the folder gets ``controlnet`` (``controlnet_1`` … for more)
+            and a denoiser that takes their residuals (a FLUX.1 transformer: their block samples), which the
+            family's ControlNet pipeline loads. A diffusers ``StableDiffusionControlNetPipeline``,
+            ``StableDiffusionXLControlNetPipeline`` or ``FluxControlNetPipeline`` given as ``torch_pipeline`` (or its
+            folder) exports its own.
         tiny_vae: export ``vae_encoder`` and ``vae_decoder`` from this diffusers ``AutoencoderTiny`` (TAESD, a VAE
             a fraction of the full one's cost, for few-step real-time work) instead of the pipeline's VAE: an
             ``AutoencoderTiny``, its folder or hub id (``"madebyollin/taesd"`` for SD 1.x/2.x, ``"madebyollin/taesdxl"``
@@ -157,12 +162,10 @@ def export_pipeline(
     # what is known before loading: a ControlNet asked for or given, or a VAE alone; the rest once it is loaded
     if step_cache and (
         controlnet is not None
-        or tiny_random == "controlnet"
+        or _controlnet_kind(tiny_random)
         or (torch_pipeline is not None and controlnets_of(torch_pipeline))
     ):
-        _refuse_step_cache(
-            "a ControlNet pipeline (its residuals go into the deep blocks that DeepCache's shallow steps skip)"
-        )
+        _refuse_step_cache_for_controlnets()
     if step_cache and tiny_vae is not None and model_id_or_path is None and torch_pipeline is None and not tiny_random:
         _refuse_step_cache("a VAE alone")
     if vae is not None or controlnet is not None or tiny_vae is not None:  # before anything is loaded or fetched
@@ -226,6 +229,8 @@ def export_pipeline(
         pipe = DiffusionPipeline.from_pretrained(model_id_or_path, torch_dtype=torch.float32, safety_checker=None)
     check_tokenizer_lengths(pipe)
     check_dtype_fits(dtype, torch_pipeline=pipe)  # a loaded pipeline is known only now
+    if step_cache and controlnets_of(pipe):
+        _refuse_step_cache_for_controlnets()
     if getattr(pipe, "transformer", None) is not None:  # a diffusion transformer (SD3, Flux)
         if step_cache:
             check_first_block_cache_depth(pipe.transformer)
@@ -299,7 +304,13 @@ def check_dtype_fits(
         return
     if vae_only:
         _refuse_bfloat16("a VAE alone")
-    if controlnet is not None or tiny_random == "controlnet":
+    if tiny_random == "controlnet" or (
+        controlnet is not None
+        and controlnet_family(
+            exported_transformer_family(model_id_or_path, torch_pipeline=torch_pipeline, tiny_random=tiny_random)
+        )
+        is None
+    ):
         _refuse_bfloat16("a ControlNet pipeline (a UNet)")
     if torch_pipeline is not None:
         if getattr(torch_pipeline, "transformer", None) is None:
@@ -333,9 +344,22 @@ def _refuse_step_cache(got: str) -> None:
     )
 
 
+def _controlnet_kind(tiny_random: Union[bool, str]) -> bool:
+    """Whether the tiny random kind ``tiny_random`` is a ControlNet pipeline's (its family's denoiser takes a
+    ControlNet's outputs: its interface's prefixed inputs)."""
+    return any(tiny_random in record.tiny_random and record.interface.prefixed for record in FAMILIES)
+
+
+def _refuse_step_cache_for_controlnets() -> None:
+    _refuse_step_cache(
+        "a ControlNet pipeline (its residuals go into the deep blocks that DeepCache's shallow steps skip, and "
+        "First-Block Cache's parts take no ControlNet's samples)"
+    )
+
+
 def _export_transformer_pipeline(pipe, target: Path, *, vae, controlnet, tiny_vae, **options) -> Path:
     """A diffusion-transformer pipeline: SD3 through :mod:`.transformer`, FLUX.1 through :mod:`.flux` (the exporter
-    its family's record names)."""
+    its family's record names); with ``controlnet``, made the family's ControlNet pipeline first."""
     record = exported_transformer_family(torch_pipeline=pipe)
     export = TRANSFORMER_EXPORTERS.get(record.export) if record is not None else None
     if export is None:
@@ -346,6 +370,8 @@ def _export_transformer_pipeline(pipe, target: Path, *, vae, controlnet, tiny_va
             "not export",
         )
     check_transformer_options(record, vae=vae, controlnet=controlnet, tiny_vae=tiny_vae)  # a loader's pipeline
+    if controlnet is not None:
+        pipe = CONTROLNET_PIPELINES[record.export](pipe, controlnet)
     return export(pipe, target, **options)
 
 
@@ -429,14 +455,17 @@ def _model_index(model_id_or_path: Union[str, os.PathLike]) -> Optional[dict]:
 
 def check_transformer_options(record: Optional[Family], *, vae=None, controlnet=None, tiny_vae=None) -> None:
     """A diffusion-transformer pipeline (of the family ``record``, see :func:`exported_transformer_family`) exports
-    its own VAE and no ControlNet: ``vae``, ``controlnet`` and ``tiny_vae`` are refused by name, before anything is
-    loaded.
+    its own VAE, and no ControlNet unless a family runs its pipelines with ControlNets (FLUX.1's:
+    :func:`~optimum_iobinding.families.controlnet_family`): ``vae``, ``controlnet`` and ``tiny_vae`` are refused by
+    name, before anything is loaded.
 
     Raises:
         ArgumentError: (a ``ValueError``) one of them is given for such a pipeline.
     """
     if record is None:
         return
+    if controlnet_family(record) is not None:
+        controlnet = None  # the family's ControlNet pipeline takes it
     for name, value in (("vae", vae), ("controlnet", controlnet), ("tiny_vae", tiny_vae)):
         if value is not None:
             shown = (

@@ -5,15 +5,22 @@ exporters are :mod:`.components`', the folder :mod:`.transformer_pipeline`'s, sh
 Layout written (what ``optimum-cli export onnx`` writes for Flux, which optimum's ``ORTFluxPipeline`` and our FLUX.1
 pipeline both load)::
 
-    model_index.json                the torch pipeline's index (FluxPipeline, FluxKontextPipeline, FluxFillPipeline or
-                                    FluxControlPipeline; torch class names; one ``vae`` entry)
+    model_index.json                the torch pipeline's index (FluxPipeline, FluxKontextPipeline, FluxFillPipeline,
+                                    FluxControlPipeline or FluxControlNetPipeline; torch class names; one ``vae``
+                                    entry)
     text_encoder/model.onnx         CLIP: input_ids (int64) → last_hidden_state, pooler_output
     text_encoder_2/model.onnx       T5 encoder: input_ids (int64) → last_hidden_state
     transformer/model.onnx          hidden_states (batch, packed tokens, 4 × latent channels; Fill's and Control's
                                     tokens carry their conditioning latents too: 384 and 128), encoder_hidden_states,
                                     pooled_projections, timestep (batch; t / 1000), txt_ids (sequence, 3; int64),
                                     img_ids (packed tokens, 3; int64) and, for dev (guidance_embeds), guidance (batch)
-                                    → out_hidden_states
+                                    → out_hidden_states; with ControlNets also controlnet_block_sample_0 … and
+                                    controlnet_single_block_sample_0 … (batch, packed tokens, inner width)
+    controlnet/model.onnx           (FluxControlNetPipeline) the transformer's inputs (guidance where the ControlNet
+                                    embeds it), controlnet_cond (the control image's packed latents; an XLabs
+                                    ControlNet's pixels), conditioning_scale (1) and a union ControlNet's
+                                    controlnet_mode (batch, 1; int64) → its block samples, scaled;
+                                    controlnet_1/ … for more than one
     vae_encoder/model.onnx          sample → latent_sample
     vae_decoder/model.onnx          latent_sample → sample
     */config.json, tokenizer/, tokenizer_2/, scheduler/
@@ -48,6 +55,8 @@ bytes, so its residual stream does not overflow; every op of the fused graph has
 ``timestep`` and ``guidance`` inputs are bfloat16, and the embeddings and rotary tables stay float32 as above) and the
 others are as in the table; it runs on CUDA only.
 
+A ControlNet is exported as its transformer is (ORT's ``mmdit`` fusions, the rewrites) and in its precision.
+
 Components whose weights are over :data:`~optimum_iobinding.export.components.EXTERNAL_DATA_THRESHOLD` bytes
 (FLUX.1's transformer: 12 billion parameters, 48 GB in fp32, 24 GB in fp16; T5-XXL's encoder, 19 GB in fp32) are
 written with their weights in one external-data file ``model.onnx_data`` beside ``model.onnx``, as optimum writes
@@ -58,12 +67,20 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, ArgumentTypeError
 from ..families import FLUX_GUIDANCE, FLUX_IMAGE_IDS, FLUX_INPUTS, FLUX_TEXT_IDS, family, torch_class_family
+from ..layout import (
+    CONTROLNET_CONDITION,
+    CONTROLNET_SCALE,
+    FLUX_CONTROLNET_BLOCK_SAMPLE,
+    FLUX_CONTROLNET_MODE,
+    FLUX_CONTROLNET_SINGLE_BLOCK_SAMPLE,
+    controlnet_component_names,
+)
 from .components import EXTERNAL_DATA_THRESHOLD, clip_text_encoder_spec, t5_encoder_spec, vae_specs
 from .transformer_pipeline import export_transformer_pipeline
 
@@ -77,16 +94,28 @@ FLUX_OPTIMIZER_MODEL_TYPES = {"text_encoder_2": "t5", "transformer": "mmdit"}
 # ------------------------------------------------------------------------------------------------------ export
 class _FluxTransformer(torch.nn.Module):
     """The transformer with optimum's input names and order; the position ids come in as int64 (optimum's dtype) and
-    the transformer's rotary embedding makes floats of them itself."""
+    the transformer's rotary embedding makes floats of them itself. With ControlNets it also takes their
+    ``block_samples`` and ``single_block_samples`` (after ``guidance``), added after its blocks as diffusers adds
+    them (``blocks_repeat``: an XLabs ControlNet's, whose few samples repeat over the blocks)."""
 
-    def __init__(self, transformer):
+    def __init__(self, transformer, block_samples: int = 0, single_block_samples: int = 0, blocks_repeat: bool = False):
         super().__init__()
         self.transformer = transformer
         self.guidance_embeds = bool(transformer.config.guidance_embeds)
+        self.block_samples, self.single_block_samples = block_samples, single_block_samples
+        self.blocks_repeat = blocks_repeat
 
-    def forward(
-        self, hidden_states, encoder_hidden_states, pooled_projections, timestep, txt_ids, img_ids, guidance=None
-    ):
+    def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, txt_ids, img_ids, *more):
+        guidance = more[0] if self.guidance_embeds else None
+        samples = list(more[1:] if self.guidance_embeds else more)
+        blocks, singles = samples[: self.block_samples], samples[self.block_samples :]
+        controlnet = {}
+        if self.block_samples or self.single_block_samples:
+            controlnet = dict(
+                controlnet_block_samples=blocks or None,
+                controlnet_single_block_samples=singles or None,
+                controlnet_blocks_repeat=self.blocks_repeat,
+            )
         return self.transformer(
             hidden_states=hidden_states,
             encoder_hidden_states=encoder_hidden_states,
@@ -96,7 +125,127 @@ class _FluxTransformer(torch.nn.Module):
             txt_ids=txt_ids,
             guidance=guidance,
             return_dict=False,
+            **controlnet,
         )[0]
+
+
+class _FluxControlNet(torch.nn.Module):
+    """A FLUX.1 ControlNet with the transformer's input names (its own ``guidance`` where it embeds one), the
+    control image's ``controlnet_cond``, a union ControlNet's ``controlnet_mode``, and its block samples scaled by
+    ``conditioning_scale`` (an input: one graph for every scale and guidance window), as diffusers scales them."""
+
+    def __init__(self, controlnet):
+        super().__init__()
+        self.controlnet = controlnet
+        self.guidance_embeds = bool(controlnet.config.guidance_embeds)
+        self.union = bool(controlnet.union)
+
+    def forward(
+        self,
+        hidden_states,
+        encoder_hidden_states,
+        pooled_projections,
+        timestep,
+        txt_ids,
+        img_ids,
+        controlnet_cond,
+        conditioning_scale,
+        *more,
+    ):
+        guidance = more[0] if self.guidance_embeds else None
+        mode = more[-1] if self.union else None
+        blocks, singles = self.controlnet(
+            hidden_states=hidden_states,
+            controlnet_cond=controlnet_cond,
+            controlnet_mode=mode,
+            conditioning_scale=1.0,
+            encoder_hidden_states=encoder_hidden_states,
+            pooled_projections=pooled_projections,
+            timestep=timestep,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=guidance,
+            return_dict=False,
+        )
+        return tuple(sample * conditioning_scale for sample in (*(blocks or ()), *(singles or ())))
+
+
+def controlnet_sample_names(controlnet) -> Tuple[List[str], List[str]]:
+    """The names of a FLUX.1 ControlNet's block samples and single-block samples (its outputs, its transformer's
+    inputs): one per block of each kind it has."""
+    return (
+        [f"{FLUX_CONTROLNET_BLOCK_SAMPLE}{i}" for i in range(len(controlnet.transformer_blocks))],
+        [f"{FLUX_CONTROLNET_SINGLE_BLOCK_SAMPLE}{i}" for i in range(len(controlnet.single_transformer_blocks))],
+    )
+
+
+def flux_controlnets_of(pipe) -> List[Any]:
+    """A ``FluxControlNetPipeline``'s ControlNets in order (a ``FluxMultiControlNetModel``'s nets), or ``[]``; all of
+    one kind (their block counts and XLabs' conditioning), since their samples are summed and the transformer's
+    export is made for them.
+
+    Raises:
+        ArgumentError: ControlNets of different kinds, naming the one that differs from the first."""
+    controlnet = getattr(pipe, "controlnet", None)
+    if controlnet is None:
+        return []
+    nets = list(getattr(controlnet, "nets", None) or [controlnet])
+    for k, net in enumerate(nets[1:], start=1):
+        for what, value, first in (
+            ("double-stream blocks", len(net.transformer_blocks), len(nets[0].transformer_blocks)),
+            ("single-stream blocks", len(net.single_transformer_blocks), len(nets[0].single_transformer_blocks)),
+            ("an input hint block (XLabs)", net.input_hint_block is not None, nets[0].input_hint_block is not None),
+        ):
+            if value != first:
+                raise ArgumentError(
+                    f"controlnet[{k}]",
+                    f"expected a ControlNet of the first one's kind ({what}: {first}), got {value}: the "
+                    "ControlNets' samples are summed",
+                )
+    return nets
+
+
+def with_flux_controlnets(pipe, controlnet):
+    """``pipe`` (a ``FluxPipeline``) as a diffusers ``FluxControlNetPipeline`` with these ControlNets (models,
+    folders or hub ids), each checked against the transformer it will feed.
+
+    Raises:
+        ArgumentTypeError: an item that is not a ``FluxControlNetModel``, its folder or hub id.
+        ArgumentError: none, or a ControlNet made for another transformer (naming ``controlnet[k]``)."""
+    import os
+
+    from diffusers import FluxControlNetModel, FluxControlNetPipeline
+
+    given = list(controlnet) if isinstance(controlnet, (list, tuple)) else [controlnet]
+    if not given:
+        raise ArgumentError("controlnet", "expected one or more ControlNets, got an empty list")
+    nets = []
+    for k, item in enumerate(given):
+        if isinstance(item, (str, os.PathLike)):
+            item = FluxControlNetModel.from_pretrained(os.fspath(item), torch_dtype=torch.float32)
+        if not hasattr(item, "controlnet_blocks") or not hasattr(item, "single_transformer_blocks"):
+            raise ArgumentTypeError(
+                f"controlnet[{k}]", f"expected a FluxControlNetModel or its folder or hub id, got {type(item).__name__}"
+            )
+        for key in ("in_channels", "joint_attention_dim", "pooled_projection_dim"):
+            mine, theirs = getattr(item.config, key), getattr(pipe.transformer.config, key)
+            if mine != theirs:
+                raise ArgumentError(
+                    f"controlnet[{k}]",
+                    f"{key} is {mine}, but the pipeline's transformer has {theirs}: a ControlNet must be made for "
+                    "this transformer's architecture",
+                )
+        nets.append(item)
+    return FluxControlNetPipeline(
+        scheduler=pipe.scheduler,
+        vae=pipe.vae,
+        text_encoder=pipe.text_encoder,
+        tokenizer=pipe.tokenizer,
+        text_encoder_2=pipe.text_encoder_2,
+        tokenizer_2=pipe.tokenizer_2,
+        transformer=pipe.transformer,
+        controlnet=nets[0] if len(nets) == 1 else nets,
+    )
 
 
 class _DecomposedRMSNorm(torch.nn.Module):
@@ -255,8 +404,19 @@ def flux_component_specs(pipe) -> Dict[str, dict]:
         names.append(FLUX_GUIDANCE)
         args.append(torch.tensor([3.5, 3.5]))
         axes[FLUX_GUIDANCE] = {0: "batch_size"}
+    controlnets = flux_controlnets_of(pipe)
+    module = _FluxTransformer(transformer)
+    if controlnets:
+        specs.update(flux_controlnet_specs(pipe, controlnets, args[:6], tokens))
+        blocks, singles = controlnet_sample_names(controlnets[0])
+        width = controlnets[0].inner_dim
+        for sample in (*blocks, *singles):
+            names.append(sample)
+            args.append(torch.randn(2, tokens, width))
+            axes[sample] = {0: "batch_size", 1: "packed_height_width"}
+        module = _FluxTransformer(transformer, len(blocks), len(singles), controlnets[0].input_hint_block is not None)
     specs["transformer"] = dict(
-        module=_FluxTransformer(transformer),
+        module=module,
         args=tuple(args),
         input_names=names,
         output_names=["out_hidden_states"],
@@ -266,6 +426,55 @@ def flux_component_specs(pipe) -> Dict[str, dict]:
         fixed_output_dims={"out_hidden_states": {2: transformer.proj_out.out_features}},
     )
     specs.update(vae_specs(pipe.vae, latent_size=8))
+    return specs
+
+
+def flux_controlnet_specs(pipe, controlnets: List[Any], transformer_args: List[torch.Tensor], tokens: int) -> dict:
+    """What to export for each of a ``FluxControlNetPipeline``'s ControlNets (``controlnet``, ``controlnet_1`` …):
+    the transformer's example inputs (``transformer_args``, in :data:`FLUX_INPUTS`' order, over ``tokens`` packed
+    tokens), a control image's packed latents (an XLabs ControlNet's pixels of the same size), its scale, and its
+    guidance and mode where it takes them."""
+    specs = {}
+    grid = int(tokens**0.5)  # the example's tokens are a square grid
+    vae_scale_factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+    for name, controlnet in zip(controlnet_component_names(len(controlnets)), controlnets):
+        blocks, singles = controlnet_sample_names(controlnet)
+        if controlnet.input_hint_block is not None:  # XLabs: pixels, encoded by the ControlNet itself
+            side = grid * 2 * vae_scale_factor
+            condition = torch.rand(2, 3, side, side) * 2 - 1
+            condition_axes = {0: "batch_size", 2: "height", 3: "width"}
+        else:  # the control image's packed latents, as the transformer's tokens
+            condition = torch.randn(2, tokens, controlnet.config.in_channels)
+            condition_axes = {0: "batch_size", 1: "packed_height_width"}
+        names = [*FLUX_INPUTS, CONTROLNET_CONDITION, CONTROLNET_SCALE]
+        args = [*transformer_args, condition, torch.ones(1)]
+        axes = {
+            "hidden_states": {0: "batch_size", 1: "packed_height_width"},
+            "encoder_hidden_states": {0: "batch_size", 1: "sequence_length"},
+            "pooled_projections": {0: "batch_size"},
+            "timestep": {0: "batch_size"},
+            FLUX_TEXT_IDS: {0: "sequence_length"},
+            FLUX_IMAGE_IDS: {0: "packed_height_width"},
+            CONTROLNET_CONDITION: condition_axes,
+            **{sample: {0: "batch_size", 1: "packed_height_width"} for sample in (*blocks, *singles)},
+        }
+        if controlnet.config.guidance_embeds:
+            names.append(FLUX_GUIDANCE)
+            args.append(torch.tensor([3.5, 3.5]))
+            axes[FLUX_GUIDANCE] = {0: "batch_size"}
+        if controlnet.union:
+            names.append(FLUX_CONTROLNET_MODE)
+            args.append(torch.zeros(2, 1, dtype=torch.int64))
+            axes[FLUX_CONTROLNET_MODE] = {0: "batch_size"}
+        specs[name] = dict(
+            module=_FluxControlNet(controlnet),
+            args=tuple(args),
+            input_names=names,
+            output_names=[*blocks, *singles],
+            dynamic_axes=axes,
+            config=controlnet.config,
+            fixed_output_dims={sample: {2: controlnet.inner_dim} for sample in (*blocks, *singles)},
+        )
     return specs
 
 
@@ -302,17 +511,20 @@ def export_flux_pipeline(
     Returns:
         ``target``.
     """
-    components = FLUX_COMPONENTS if components is None else tuple(components)
-    unknown = [name for name in components if name not in FLUX_COMPONENTS]
+    nets = controlnet_component_names(len(flux_controlnets_of(pipe)))
+    available = FLUX_COMPONENTS + nets
+    components = available if components is None else tuple(components)
+    unknown = [name for name in components if name not in available]
     if unknown:
-        raise ArgumentError("components", f"expected names from {list(FLUX_COMPONENTS)}, got {unknown}")
+        raise ArgumentError("components", f"expected names from {list(available)}, got {unknown}")
     return export_transformer_pipeline(
         pipe,
         target,
         flux_component_specs(pipe),
         components,
         class_name=(torch_class_family(type(pipe).__name__) or family("flux")).index_class_name,
-        optimizer_model_types=FLUX_OPTIMIZER_MODEL_TYPES,
+        optimizer_model_types={**FLUX_OPTIMIZER_MODEL_TYPES, **dict.fromkeys(nets, "mmdit")},
+        index_modules={name: ("diffusers", "FluxControlNetModel") for name in nets},
         opset=opset,
         dtype=dtype,
         optimize=optimize,

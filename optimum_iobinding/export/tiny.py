@@ -278,6 +278,28 @@ def build_tiny_random_controlnet_pipeline(seed: int = 0, controlnets: int = 1):
     )
 
 
+def build_tiny_random_xl_controlnet_pipeline(seed: int = 0, controlnets: int = 1):
+    """The tiny SDXL pipeline (:func:`build_tiny_random_xl_pipeline`) with one (or ``controlnets``) tiny random SDXL
+    ControlNets (:func:`build_tiny_random_controlnet` of its UNet: conditioned on pooled text and time ids as the
+    UNet is): a ``StableDiffusionXLControlNetPipeline`` (with a ``MultiControlNetModel`` for more than one), the shapes
+    of diffusers' own SDXL ControlNet tests."""
+    from diffusers import StableDiffusionXLControlNetPipeline
+
+    base = build_tiny_random_xl_pipeline(seed)
+    nets = [build_tiny_random_controlnet(base.unet, seed + 10 + k) for k in range(controlnets)]
+    return StableDiffusionXLControlNetPipeline(
+        vae=base.vae,
+        text_encoder=base.text_encoder,
+        text_encoder_2=base.text_encoder_2,
+        tokenizer=base.tokenizer,
+        tokenizer_2=base.tokenizer_2,
+        unet=base.unet,
+        controlnet=nets[0] if controlnets == 1 else nets,
+        scheduler=base.scheduler,
+        add_watermarker=False,
+    )
+
+
 def build_tiny_random_tiny_vae(seed: int = 0, latent_channels: int = 4):
     """A tiny random-weights ``AutoencoderTiny`` (diffusers' TAESD, narrower and shallower) built offline: four blocks
     each way, so the 8× scale of the tiny pipelines' VAE, and ``latent_channels`` (4, what the tiny UNets take).
@@ -542,6 +564,66 @@ def build_tiny_random_flux_variant_pipeline(variant: str, seed: int = 0):
     return pipeline_class(**{name: module for name, module in components.items() if name in accepted})
 
 
+# the tiny FLUX.1 ControlNets' kinds: InstantX's (the control image's latents in), a union one (InstantX's and
+# Shakker-Labs' Union: a mode per call, of 3 here), XLabs' (pixels in, through its own hint block; its samples repeat)
+FLUX_CONTROLNET_KINDS = ("plain", "union", "xlabs")
+
+
+def build_tiny_random_flux_controlnet(transformer, seed: int = 0, kind: str = "plain"):
+    """A tiny random-weights ``FluxControlNetModel`` for the tiny FLUX.1 transformer (its widths, rotary axes and
+    guidance embedding), of one double-stream and one single-stream block, of ``kind`` (:data:`FLUX_CONTROLNET_KINDS`),
+    with every weight drawn at random: the zero-initialized projections too (a fresh ControlNet's samples would be
+    zero and prove nothing)."""
+    from diffusers import FluxControlNetModel
+
+    if kind not in FLUX_CONTROLNET_KINDS:
+        raise ArgumentError("kind", f"expected one of {list(FLUX_CONTROLNET_KINDS)}, got {kind!r}")
+    config = transformer.config
+    torch.manual_seed(seed)
+    controlnet = FluxControlNetModel(
+        patch_size=2 if kind == "xlabs" else 1,  # XLabs' hint block gives 16 channels, patched 2 × 2 into 64
+        in_channels=config.in_channels,
+        num_layers=1,
+        num_single_layers=0 if kind == "xlabs" else 1,
+        attention_head_dim=config.attention_head_dim,
+        num_attention_heads=config.num_attention_heads,
+        joint_attention_dim=config.joint_attention_dim,
+        pooled_projection_dim=config.pooled_projection_dim,
+        guidance_embeds=config.guidance_embeds,
+        axes_dims_rope=tuple(config.axes_dims_rope),
+        num_mode=3 if kind == "union" else None,
+        conditioning_embedding_channels=16 if kind == "xlabs" else None,
+    ).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in controlnet.named_parameters():
+            if name.startswith(("controlnet_blocks", "controlnet_single_blocks", "controlnet_x_embedder")):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    return _in_float32(controlnet)
+
+
+def build_tiny_random_flux_controlnet_pipeline(seed: int = 0, controlnets: Sequence[str] = ("plain",)):
+    """The tiny FLUX.1 dev pipeline (:func:`build_tiny_random_flux_pipeline`) with a tiny random ControlNet of each
+    kind in ``controlnets`` (:func:`build_tiny_random_flux_controlnet`; all XLabs' or none): a
+    ``FluxControlNetPipeline`` (with a ``FluxMultiControlNetModel`` for more than one)."""
+    from diffusers import FluxControlNetPipeline
+
+    base = build_tiny_random_flux_pipeline(seed, guidance_embeds=True)
+    nets = [
+        build_tiny_random_flux_controlnet(base.transformer, seed + 10 + k, kind) for k, kind in enumerate(controlnets)
+    ]
+    return FluxControlNetPipeline(
+        scheduler=base.scheduler,
+        vae=base.vae,
+        text_encoder=base.text_encoder,
+        tokenizer=base.tokenizer,
+        text_encoder_2=base.text_encoder_2,
+        tokenizer_2=base.tokenizer_2,
+        transformer=base.transformer,
+        controlnet=nets[0] if len(nets) == 1 else nets,
+    )
+
+
 # -------------------------------------------------------------------------------------------------- tiny Wan
 def build_tiny_random_wan_pipeline(
     seed: int = 0,
@@ -704,10 +786,12 @@ TINY_RANDOM_KINDS: Dict[str, Callable[[], Any]] = {
     "xl": build_tiny_random_xl_pipeline,
     "lcm": build_tiny_random_lcm_pipeline,
     "controlnet": build_tiny_random_controlnet_pipeline,
+    "xl-controlnet": build_tiny_random_xl_controlnet_pipeline,
     "sd3": build_tiny_random_sd3_pipeline,
     "flux": build_tiny_random_flux_pipeline,
     "flux-dev": lambda: build_tiny_random_flux_pipeline(guidance_embeds=True),
     **{f"flux-{variant}": (lambda v=variant: build_tiny_random_flux_variant_pipeline(v)) for variant in _FLUX_VARIANTS},
+    "flux-controlnet": build_tiny_random_flux_controlnet_pipeline,
     "wan": build_tiny_random_wan_pipeline,
     "wan2.2": lambda: build_tiny_random_wan_pipeline(two_experts=True),
     "wan-i2v": build_tiny_random_wan_i2v_pipeline,

@@ -58,7 +58,7 @@ def component_precisions(
 ) -> Dict[str, str]:
     """Each component's precision (``"fp32"``, ``"fp16"`` or ``"bf16"``) in a diffusion-transformer export of
     ``dtype`` (the module's docstring says why): ``"fp32"`` all float32; ``"fp16"`` the :func:`float16_components`
-    float16, T5 float32; ``"bf16"`` as ``"fp16"`` but the transformer bfloat16.
+    float16, T5 float32; ``"bf16"`` as ``"fp16"`` but the transformers (and the ControlNets feeding them) bfloat16.
 
     Args:
         components: the pipeline's component names.
@@ -72,8 +72,10 @@ def component_precisions(
         return dict.fromkeys(components, "fp32")
     half = float16_components(components, optimizer_model_types)
     precisions = {name: "fp16" if name in half else "fp32" for name in components}
-    if dtype == "bf16":  # every transformer (Wan 2.2's two experts too)
-        precisions.update({name: "bf16" for name in precisions if name in TRANSFORMERS})
+    if dtype == "bf16":  # every transformer (Wan 2.2's two experts too), and the ControlNets that feed one
+        precisions.update(
+            {name: "bf16" for name in precisions if name in TRANSFORMERS or name.startswith("controlnet")}
+        )
     return precisions
 
 

@@ -11,9 +11,10 @@ Layout written (what diffusers' numpy ONNX pipeline and ours both load)::
                                 diffusers' AutoencoderTiny's, latents)
     vae_decoder/model.onnx      latent_sample → sample
     controlnet/model.onnx       (a ControlNet pipeline) sample, timestep, encoder_hidden_states, controlnet_cond,
-                                conditioning_scale → down_block_res_sample_0 … _N-1, mid_block_res_sample;
-                                controlnet_1/, controlnet_2/ … for more than one ControlNet (diffusers' names), and a
-                                UNet that also takes down_block_additional_residual_0 … and mid_block_additional_residual
+                                conditioning_scale (SDXL's: text_embeds, time_ids too) → down_block_res_sample_0 …
+                                _N-1, mid_block_res_sample; controlnet_1/, controlnet_2/ … for more than one ControlNet
+                                (diffusers' names), and a UNet that also takes down_block_additional_residual_0 … and
+                                mid_block_additional_residual
     */config.json               the torch component's config (scaling factor, channels, block widths)
     tokenizer/, scheduler/
 
@@ -34,6 +35,8 @@ from tqdm.auto import tqdm
 from ..errors import ArgumentError, ArgumentTypeError
 from ..families import family
 from ..layout import (
+    CONTROLNET_CONDITION,
+    CONTROLNET_SCALE,
     DOWN_RESIDUAL_INPUT,
     DOWN_RESIDUAL_OUTPUT,
     MID_RESIDUAL_INPUT,
@@ -115,19 +118,21 @@ class _UNet(torch.nn.Module):
 class _ControlNet(torch.nn.Module):
     """A ControlNet whose residuals come out scaled by ``conditioning_scale``, one factor per residual (down blocks,
     then mid): a plain call gives every residual the same factor, guess mode diffusers' ``logspace(-1, 0)`` ramp, and
-    steps outside the guidance window 0 — all the same graph."""
+    steps outside the guidance window 0 — all the same graph. An SDXL ControlNet also takes its UNet's
+    ``text_embeds`` and ``time_ids``."""
 
     def __init__(self, controlnet):
         super().__init__()
         self.controlnet = controlnet
 
-    def forward(self, sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale):
+    def forward(self, sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale, *added):
         down, mid = self.controlnet(
             sample,
             timestep,
             encoder_hidden_states,
             controlnet_cond,
             conditioning_scale=1.0,
+            added_cond_kwargs=dict(zip(("text_embeds", "time_ids"), added)) or None,
             guess_mode=False,
             return_dict=False,
         )
@@ -153,10 +158,11 @@ def is_xl(pipe) -> bool:
 def onnx_components_of(pipe) -> tuple:
     """The ONNX components a torch pipeline exports to (SDXL's refiner has no first text encoder; a ControlNet
     pipeline adds its ControlNets)."""
+    nets = controlnet_component_names(len(controlnets_of(pipe)))
     if not is_xl(pipe):
-        return ONNX_COMPONENTS + controlnet_component_names(len(controlnets_of(pipe)))
+        return ONNX_COMPONENTS + nets
     encoders = tuple(name for name in ("text_encoder", "text_encoder_2") if getattr(pipe, name, None) is not None)
-    return encoders + ("unet", "vae_encoder", "vae_decoder")
+    return encoders + ("unet", "vae_encoder", "vae_decoder") + nets
 
 
 def _text_encoder_spec(text_encoder, sequence: int, xl: bool, with_projection: bool) -> dict:
@@ -224,16 +230,22 @@ def component_specs(pipe, vae=None) -> Dict[str, dict]:
     )
     controlnets = controlnets_of(pipe)
     if controlnets:
-        if xl:
-            raise ArgumentError("controlnet", "only Stable Diffusion 1.x/2.x ControlNet pipelines export (not SDXL's)")
         image = torch.rand(
             2,
             controlnets[0].config.conditioning_channels,
             latent_size * vae_scale_factor,
             latent_size * vae_scale_factor,
         )
+        # an SDXL ControlNet is conditioned as its UNet: the example's text_embeds and time_ids
+        added = extra_args[-2:] if xl else []
+        added_names = ["text_embeds", "time_ids"] if xl else []
         with torch.no_grad():  # the residuals' shapes, for the example inputs of the UNet
-            down, mid = controlnets[0](*unet_args, image, return_dict=False)
+            down, mid = controlnets[0](
+                *unet_args,
+                image,
+                added_cond_kwargs=dict(zip(added_names, added)) or None,
+                return_dict=False,
+            )
         residuals = [f"{DOWN_RESIDUAL_INPUT}{i}" for i in range(len(down))] + [MID_RESIDUAL_INPUT]
         extra_names += residuals
         extra_args += [torch.randn(r.shape) for r in (*down, mid)]
@@ -243,14 +255,22 @@ def component_specs(pipe, vae=None) -> Dict[str, dict]:
         for name, controlnet in zip(controlnet_component_names(len(controlnets)), controlnets):
             specs[name] = dict(
                 module=_ControlNet(controlnet),
-                args=(*unet_args, image, torch.ones(scale_count)),
-                input_names=["sample", "timestep", "encoder_hidden_states", "controlnet_cond", "conditioning_scale"],
+                args=(*unet_args, image, torch.ones(scale_count), *added),
+                input_names=[
+                    "sample",
+                    "timestep",
+                    "encoder_hidden_states",
+                    CONTROLNET_CONDITION,
+                    CONTROLNET_SCALE,
+                    *added_names,
+                ],
                 output_names=outputs,
                 dynamic_axes={
                     "sample": {0: "batch", 2: "height", 3: "width"},
                     "timestep": {0: "timestep_batch"},
                     "encoder_hidden_states": {0: "batch", 1: "sequence"},
-                    "controlnet_cond": {0: "batch", 2: "image_height", 3: "image_width"},
+                    CONTROLNET_CONDITION: {0: "batch", 2: "image_height", 3: "image_width"},
+                    **{added_name: {0: "batch"} for added_name in added_names},
                     **{output: {0: "batch", 2: f"{output}_height", 3: f"{output}_width"} for output in outputs},
                 },
                 config=controlnet.config,
@@ -303,12 +323,17 @@ def check_deep_cache_pipeline(pipe) -> None:
 
 
 def _with_controlnets(pipe, controlnet):
-    """``pipe`` as a diffusers ``StableDiffusionControlNetPipeline`` with these ControlNets (models, folders or hub
-    ids), each checked against the UNet it will feed."""
-    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
+    """``pipe`` as a diffusers ``StableDiffusionControlNetPipeline`` (an SDXL pipeline as a
+    ``StableDiffusionXLControlNetPipeline``) with these ControlNets (models, folders or hub ids), each checked
+    against the UNet it will feed."""
+    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline, StableDiffusionXLControlNetPipeline
 
-    if is_xl(pipe):
-        raise ArgumentError("controlnet", "only Stable Diffusion 1.x/2.x pipelines export with a ControlNet (not SDXL)")
+    if is_xl(pipe) and getattr(pipe, "text_encoder", None) is None:
+        raise ArgumentError(
+            "controlnet",
+            f"expected an SDXL base pipeline (two text encoders) to export with a ControlNet, got a "
+            f"{type(pipe).__name__} without text_encoder (a refiner)",
+        )
     given = list(controlnet) if isinstance(controlnet, (list, tuple)) else [controlnet]
     if not given:
         raise ArgumentError("controlnet", "expected one or more ControlNets, got an empty list")
@@ -331,6 +356,19 @@ def _with_controlnets(pipe, controlnet):
                     "UNet's architecture",
                 )
         nets.append(item)
+    if is_xl(pipe):
+        return StableDiffusionXLControlNetPipeline(
+            vae=pipe.vae,
+            text_encoder=pipe.text_encoder,
+            text_encoder_2=pipe.text_encoder_2,
+            tokenizer=pipe.tokenizer,
+            tokenizer_2=pipe.tokenizer_2,
+            unet=pipe.unet,
+            controlnet=nets[0] if len(nets) == 1 else nets,
+            scheduler=pipe.scheduler,
+            force_zeros_for_empty_prompt=getattr(pipe.config, "force_zeros_for_empty_prompt", True),
+            add_watermarker=False,
+        )
     return StableDiffusionControlNetPipeline(
         vae=pipe.vae,
         text_encoder=pipe.text_encoder,
@@ -430,6 +468,7 @@ def export_unet_pipeline(
                 modules,
                 getattr(pipe.config, "force_zeros_for_empty_prompt", True),
                 getattr(pipe.config, "requires_aesthetics_score", False),
+                controlnet_component_names(len(controlnets_of(pipe))),
             )
         else:
             nets = controlnet_component_names(len(controlnets_of(pipe)))

@@ -2,8 +2,10 @@
 
 from .auto import pipeline_class_for, resolve_model_folder
 from .controlnet import OnnxStableDiffusionControlNetImg2ImgPipeline, OnnxStableDiffusionControlNetPipeline
+from .controlnet_xl import OnnxStableDiffusionXLControlNetPipeline
 from .flux import OnnxFluxPipeline
 from .flux_control import OnnxFluxControlPipeline
+from .flux_controlnet import OnnxFluxControlNetPipeline
 from .flux_fill import OnnxFluxFillPipeline
 from .flux_kontext import OnnxFluxKontextPipeline
 from .img2img import OnnxStableDiffusionImg2ImgPipeline
@@ -32,12 +34,14 @@ __all__ = [
     "OnnxLatentConsistencyModelPipeline",
     "OnnxStableDiffusionControlNetPipeline",
     "OnnxStableDiffusionControlNetImg2ImgPipeline",
+    "OnnxStableDiffusionXLControlNetPipeline",
     "OnnxStreamDiffusionPipeline",
     "OnnxStableDiffusion3Pipeline",
     "OnnxFluxPipeline",
     "OnnxFluxKontextPipeline",
     "OnnxFluxFillPipeline",
     "OnnxFluxControlPipeline",
+    "OnnxFluxControlNetPipeline",
     "OnnxWanPipeline",
     "OnnxWanImageToVideoPipeline",
 ]

@@ -12,7 +12,15 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 from ..families import family
 from ..errors import ArgumentError, ArgumentPathError, ArgumentTypeError
-from ..layout import download_from_hub, load_image_processor, load_scheduler, load_tokenizer, read_model_index
+from ..layout import (
+    CONTROLNET_CONDITION,
+    CONTROLNET_SCALE,
+    download_from_hub,
+    load_image_processor,
+    load_scheduler,
+    load_tokenizer,
+    read_model_index,
+)
 from ..runtime.model import IOBindingORTModel
 from ..runtime.options import PipelineOptions
 from ..runtime.shapes import infer_output_shapes
@@ -76,10 +84,9 @@ COMPONENT_INPUTS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "text_encoder_2": ("a text encoder", ("input_ids",)),
     "vae_decoder": ("a VAE decoder", ("latent_sample",)),
     "vae_encoder": ("a VAE encoder", ("sample",)),
-    "controlnet": (
-        "a ControlNet",
-        ("sample", "timestep", "encoder_hidden_states", "controlnet_cond", "conditioning_scale"),
-    ),
+    # the inputs every family's ControlNet takes (each family's own check names the rest: Stable Diffusion's,
+    # SDXL's and FLUX.1's differ)
+    "controlnet": ("a ControlNet", (CONTROLNET_CONDITION, CONTROLNET_SCALE)),
 }
 
 
@@ -90,7 +97,7 @@ OPTIONAL_COMPONENT_INPUTS: Dict[str, Tuple[str, ...]] = {"text_encoder": ("atten
 def component_kind(input_names: Sequence[str]) -> Optional[str]:
     """What an ONNX model looks like by its inputs (a text encoder, a UNet, a VAE decoder …), or ``None``."""
     names = set(input_names) - {name for optional in OPTIONAL_COMPONENT_INPUTS.values() for name in optional}
-    if "controlnet_cond" in names:
+    if CONTROLNET_CONDITION in names:
         return "a ControlNet"
     if {"sample", "timestep", "encoder_hidden_states"} <= names:
         return "a UNet"
@@ -105,12 +112,18 @@ def check_component_kind(name: str, model: Any) -> None:
     UNet where the text encoder does), naming the folder, the inputs expected and what the model takes and gives."""
     if not isinstance(model, IOBindingORTModel):
         return
-    if name == "unet":  # its exact inputs depend on the family (its denoiser part); here: is it a UNet at all
+    # a UNet's and a ControlNet's exact inputs depend on the family (its parts check them); here: is it one at all
+    more = name == "unet" or name.startswith("controlnet")
+    if name == "unet":
         spec = ("a UNet", ("sample", "timestep", "encoder_hidden_states"))
-        if set(spec[1]) <= set(model.input_names) and "controlnet_cond" not in model.input_names:
+        if set(spec[1]) <= set(model.input_names) and CONTROLNET_CONDITION not in model.input_names:
+            return
+    elif name.startswith("controlnet"):
+        spec = COMPONENT_INPUTS["controlnet"]
+        if set(spec[1]) <= set(model.input_names):
             return
     else:
-        spec = COMPONENT_INPUTS.get("controlnet" if name.startswith("controlnet") else name)
+        spec = COMPONENT_INPUTS.get(name)
     if spec is None:
         return
     kind, expected = spec
@@ -123,7 +136,7 @@ def check_component_kind(name: str, model: Any) -> None:
     where = f"{model.model_path!r}" if model.model_path else "the model"
     raise ArgumentError(
         name,
-        f"expected {kind} (inputs {list(expected)}{' and more' if name == 'unet' else ''}), got a "
+        f"expected {kind} (inputs {list(expected)}{' and more' if more else ''}), got a "
         f"model with inputs {declared} and "
         f"outputs {model.output_names}: {where} is {looks}; put the right model.onnx in the {name} "
         "folder",

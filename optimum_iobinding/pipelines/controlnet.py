@@ -1,11 +1,14 @@
 """ControlNet: diffusers' ``StableDiffusionControlNetPipeline`` and its img2img, with the ControlNets and the UNet
-on ONNX Runtime and the loop on the device.
+on ONNX Runtime and the loop on the device; and what every ControlNet family shares (:class:`ControlNets`: SD's,
+SDXL's in :mod:`.controlnet_xl`, FLUX.1's in :mod:`.flux_controlnet`) and what the UNet ones share
+(:class:`UNetControlNets`).
 
 The folder (``export_pipeline(..., controlnet=...)`` or ``optimum-iobinding export MODEL --controlnet ID``) holds
-``controlnet`` (``controlnet_1`` … for multi-ControlNet) beside a UNet exported to take their residuals. Each
-ControlNet takes ``conditioning_scale`` as one factor per residual, so the conditioning scale, guess mode's ramp and
-the guidance window are input values, not graphs: a captured CUDA graph serves every call of its shape. Steps where
-every ControlNet is outside its guidance window skip the ControlNets (their residuals would be zero).
+``controlnet`` (``controlnet_1`` … for multi-ControlNet) beside a denoiser exported to take their outputs. Each
+ControlNet takes ``conditioning_scale`` as an input (a UNet's: one factor per residual), so the conditioning scale,
+guess mode's ramp and the guidance window are input values, not graphs: a captured CUDA graph serves every call of
+its shape. Steps where every ControlNet is outside its guidance window skip the ControlNets (their outputs would be
+zero).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -21,12 +24,18 @@ from diffusers.image_processor import VaeImageProcessor
 
 from ..errors import ArgumentError, ArgumentTypeError, ModelFileError
 from ..families import family
-from ..layout import DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT, controlnet_component_names
+from ..layout import (
+    CONTROLNET_CONDITION,
+    CONTROLNET_SCALE,
+    DOWN_RESIDUAL_INPUT,
+    MID_RESIDUAL_INPUT,
+    controlnet_component_names,
+)
 from ..runtime.model import IOBindingORTModel
 from ..runtime.shapes import infer_output_shapes
 from .arguments import Embeds, Generator, Latents, Prompt, StepCallback, StepEndCallback, TensorNames, is_real
 from .clip_unet import STABLE_DIFFUSION_COMPONENTS, ClipUNetPipeline
-from .components import declared_dim, names_of, onnx
+from .components import Component, declared_dim, names_of, onnx
 from .core import on_device_stream
 from .denoisers import UNetDenoiser, timestep_inputs
 from .img2img import ImageInput
@@ -38,8 +47,9 @@ _EXTRA_CONTROLNET = re.compile(r"controlnet_([1-9][0-9]*)")
 
 
 class ControlNetUNet(UNetDenoiser):
-    """A UNet exported with its ControlNet: beside its three inputs it takes the residuals the ControlNets give, one
-    input per output, in the same order (:attr:`residual_inputs`)."""
+    """A UNet exported with its ControlNets: beside its family's inputs (Stable Diffusion's three, SDXL's
+    ``text_embeds`` and ``time_ids`` too) it takes the residuals the ControlNets give, one input per output, in the
+    same order (:attr:`residual_inputs`)."""
 
     @property
     def residual_inputs(self) -> List[str]:
@@ -58,15 +68,18 @@ class ControlNetUNet(UNetDenoiser):
                 "the UNet of this ControlNet. Export the pipeline with optimum-iobinding export MODEL "
                 "--controlnet ID (or export_pipeline(..., controlnet=...))",
             )
-        unexpected = [
-            name for name in declared if name not in ["sample", "timestep", "encoder_hidden_states", *expected]
-        ]
+        family_inputs = list(self.pipe.family.interface.inputs)
+        unexpected = [name for name in declared if name not in [*family_inputs, *expected]]
         if unexpected:
             raise ArgumentError(
                 "unet",
-                f"expected inputs sample, timestep, encoder_hidden_states and {expected}, got "
-                f"{declared} (an SDXL or LCM ControlNet UNet is not supported)",
+                f"expected inputs {family_inputs} and {expected}, got {declared} (a UNet of another family: "
+                f"{type(self.pipe).__name__} runs {self.pipe.family.title})",
             )
+        conditioning = [name for name in family_inputs if name not in ("sample", "encoder_hidden_states")]
+        self.pipe.check_controlnet_inputs(
+            ["sample", "encoder_hidden_states", CONTROLNET_CONDITION, CONTROLNET_SCALE, *conditioning]
+        )
         for k, net in enumerate(self.pipe.controlnets):
             if len(net.output_names) != len(expected):
                 raise ModelFileError(
@@ -76,13 +89,13 @@ class ControlNetUNet(UNetDenoiser):
                 )
 
 
-class ControlNetPipeline(ClipUNetPipeline):
-    """The declaration the ControlNet families share: Stable Diffusion's components and ``controlnet``
-    (``controlnet_1`` … for multi-ControlNet), the UNet that takes their residuals; their checks, control images and
-    per-step residuals."""
+class ControlNets:
+    """What every ControlNet family declares beside its own components (:attr:`base_components`): ``controlnet``
+    (``controlnet_1`` … for multi-ControlNet), found in its folder and loaded with the first one's options; the
+    per-ControlNet arguments (conditioning scale, guidance window) and the steps each ControlNet runs at. A family
+    is a subclass of it and of its own pipeline declaration."""
 
-    declared_components = STABLE_DIFFUSION_COMPONENTS + (onnx("controlnet"),)
-    denoiser_part = ControlNetUNet
+    base_components: ClassVar[Tuple[Component, ...]] = ()
     numbered_components = ("controlnet",)
 
     def __init__(self, **components: Any):
@@ -101,13 +114,13 @@ class ControlNetPipeline(ClipUNetPipeline):
         if sorted(more) != sorted(names[1:]):
             raise ArgumentError("controlnet_1 …", f"expected {list(names[1:])}, got {sorted(more)}")
         # this pipeline's ControlNets, in order, are components of their own
-        self.declared_components = STABLE_DIFFUSION_COMPONENTS + tuple(onnx(name) for name in names)
+        self.declared_components = self.base_components + tuple(onnx(name) for name in names)
         self.controlnets: List[IOBindingORTModel] = [components[name] for name in names]
         super().__init__(**components)
 
     @classmethod
     def download_names(cls) -> Sequence[str]:
-        return (*names_of(STABLE_DIFFUSION_COMPONENTS, "onnx"), "controlnet*")
+        return (*names_of(cls.base_components, "onnx"), "controlnet*")
 
     @classmethod
     def onnx_names_in(cls, folder: Path) -> Tuple[str, ...]:
@@ -122,17 +135,21 @@ class ControlNetPipeline(ClipUNetPipeline):
                 f"expected ControlNet folders controlnet, controlnet_1, "
                 f"controlnet_2 … without gaps, got controlnet_{numbers} in {str(folder)!r}",
             )
-        return (*names_of(STABLE_DIFFUSION_COMPONENTS, "onnx"), *controlnet_component_names(len(numbers) + 1))
+        return (*names_of(cls.base_components, "onnx"), *controlnet_component_names(len(numbers) + 1))
 
-    def blank_control_images(self, height: int, width: int) -> Any:
-        """A blank control image of this size for each ControlNet (a warm-up's)."""
-        image = torch.zeros(1, 3, height, width)
-        return image if len(self.controlnets) == 1 else [image] * len(self.controlnets)
-
-    @property
-    def control_image_processor(self) -> VaeImageProcessor:
-        """diffusers' control-image preprocessing: RGB, resized to a multiple of the VAE factor, in [0, 1]."""
-        return VaeImageProcessor(vae_scale_factor=self.vae_scale_factor, do_convert_rgb=True, do_normalize=False)
+    def check_controlnet_inputs(self, required: Sequence[str], optional: Sequence[str] = ()) -> None:
+        """Refuses, when loading, a ControlNet that does not take the ``required`` inputs (and no others than the
+        ``optional`` ones): one of another family, naming its folder."""
+        for name, net in zip(controlnet_component_names(len(self.controlnets)), self.controlnets):
+            declared = net.input_names
+            if set(required) <= set(declared) and set(declared) <= {*required, *optional}:
+                continue
+            extra = f" (and {list(optional)} where it has them)" if optional else ""
+            raise ArgumentError(
+                name,
+                f"expected a ControlNet of {self.family.title} taking {list(required)}{extra}, got one taking "
+                f"{declared} in {net.model_path!r}: a ControlNet of another family",
+            )
 
     # ---------------------------------------------------------------------------------------------- arguments
     def _per_net(self, value: Any, name: str, check: Callable[[Any], bool], expected: str) -> List[Any]:
@@ -168,7 +185,7 @@ class ControlNetPipeline(ClipUNetPipeline):
         """One control image (or list of images, one per prompt) per ControlNet."""
         count = len(self.controlnets)
         if image is None:
-            raise ArgumentError(name, "expected a control image (PIL, numpy or a float tensor in [0, 1]), got None")
+            raise ArgumentError(name, "expected a control image (PIL, numpy or a float tensor), got None")
         if count == 1:
             return [image]
         if not isinstance(image, (list, tuple)) or len(image) != count:
@@ -178,6 +195,32 @@ class ControlNetPipeline(ClipUNetPipeline):
                 f"{type(image).__name__}{f' of {len(image)}' if isinstance(image, (list, tuple)) else ''}",
             )
         return list(image)
+
+    @staticmethod
+    def control_keep(steps: int, starts: List[float], ends: List[float]) -> List[List[float]]:
+        """diffusers' ``controlnet_keep``: for each step and ControlNet, 1 inside its guidance window, else 0."""
+        return [[1.0 - float(i / steps < s or (i + 1) / steps > e) for s, e in zip(starts, ends)] for i in range(steps)]
+
+    def scale_table(self, net: IOBindingORTModel, factors: List[torch.Tensor]) -> torch.Tensor:
+        """``net``'s ``conditioning_scale`` input for every step (row ``i``: step ``i``'s), in its dtype, on the
+        device once per call."""
+        table = torch.stack(factors).to(net.input_dtypes[CONTROLNET_SCALE])
+        return upload(table, self.device) if self.device.type == "cuda" else table
+
+
+class UNetControlNets(ControlNets):
+    """What the UNet ControlNet families (Stable Diffusion's, SDXL's) share: their control images (diffusers'
+    preprocessing, doubled for guidance), guess mode, and the UNet's residual inputs made each step."""
+
+    def blank_control_images(self, height: int, width: int) -> Any:
+        """A blank control image of this size for each ControlNet (a warm-up's)."""
+        image = torch.zeros(1, 3, height, width)
+        return image if len(self.controlnets) == 1 else [image] * len(self.controlnets)
+
+    @property
+    def control_image_processor(self) -> VaeImageProcessor:
+        """diffusers' control-image preprocessing: RGB, resized to a multiple of the VAE factor, in [0, 1]."""
+        return VaeImageProcessor(vae_scale_factor=self.vae_scale_factor, do_convert_rgb=True, do_normalize=False)
 
     def _check_channels(self, image: Any, name: str, channels: int) -> None:
         """A control image must have the ControlNet's channels (RGB): PIL images are converted, arrays checked."""
@@ -216,7 +259,7 @@ class ControlNetPipeline(ClipUNetPipeline):
         """diffusers' ``prepare_image``: preprocessed to ``height`` × ``width`` (default: its own size, rounded down
         to the VAE factor), one per image of the call, doubled for guidance unless in guess mode; on the device in
         the ControlNet's input dtype."""
-        channels = declared_dim(net, "controlnet_cond", 1) or 3
+        channels = declared_dim(net, CONTROLNET_CONDITION, 1) or 3
         self._check_channels(image, name, channels)
         self.check_image(image, name, resized=height is not None and width is not None, mask=channels == 1, channels=())
         try:
@@ -238,7 +281,7 @@ class ControlNetPipeline(ClipUNetPipeline):
                 name, f"expected 1 control image or {batch_size} (one per prompt), got {tensor.shape[0]}"
             )
         tensor = tensor.repeat_interleave(images if tensor.shape[0] == 1 else num_images_per_prompt, dim=0)
-        tensor = tensor.to(device=self.device, dtype=net.input_dtypes["controlnet_cond"])
+        tensor = tensor.to(device=self.device, dtype=net.input_dtypes[CONTROLNET_CONDITION])
         if do_classifier_free_guidance and not guess_mode:
             tensor = torch.cat([tensor] * 2)
         return tensor
@@ -291,34 +334,38 @@ class ControlNetPipeline(ClipUNetPipeline):
         ends: List[float],
         guess_mode: bool,
         do_classifier_free_guidance: bool,
+        conditioning: Optional[Dict[str, torch.Tensor]] = None,
     ) -> Callable[[int, torch.Tensor, torch.Tensor], Dict[str, torch.Tensor]]:
         """The UNet's residual inputs for step ``i``, as diffusers computes them: each ControlNet on the scaled
         model input (in guess mode with guidance: the text half only, the other half zeros), scaled by its
         conditioning scale while step ``i`` is inside its guidance window, and summed over the ControlNets. The
-        per-step factors go to the device once per call."""
+        per-step factors go to the device once per call. ``conditioning``: the ControlNets' further inputs, the
+        same every step and batched as the UNet's (SDXL's ``text_embeds`` and ``time_ids``)."""
         steps = len(timesteps)
         residual_inputs = self.denoiser.residual_inputs
         residuals = len(residual_inputs)
         pool = bool(self.controlnets[0].config.get("global_pool_conditions", False))
         ramp = torch.logspace(-1, 0, residuals) if guess_mode and not pool else torch.ones(residuals)
-        keep = [[1.0 - float(i / steps < s or (i + 1) / steps > e) for s, e in zip(starts, ends)] for i in range(steps)]
+        keep = self.control_keep(steps, starts, ends)
         factors, timestep_rows = [], []
         half = guess_mode and do_classifier_free_guidance
         control_batch = images[0].shape[0]  # prepared for the ControlNets' batch (doubled for guidance or not)
         for k, net in enumerate(self.controlnets):
-            table = torch.stack([ramp * (scales[k] * keep[i][k]) for i in range(steps)])
-            table = table.to(net.input_dtypes["conditioning_scale"])
-            if self.device.type == "cuda":
-                table = upload(table, self.device)
-            factors.append(table)
+            factors.append(self.scale_table(net, [ramp * (scales[k] * keep[i][k]) for i in range(steps)]))
             timestep_rows.append(timestep_inputs(net, timesteps, control_batch, self.device))
         runs = [[scales[k] * keep[i][k] != 0.0 for k in range(len(self.controlnets))] for i in range(steps)]
+        conditioning = dict(conditioning or {})
+        control_conditioning = (
+            {name: value.chunk(2)[1] for name, value in conditioning.items()} if half else conditioning
+        )
         zeros: Dict[Tuple, List[torch.Tensor]] = {}
 
         def zero_residuals(sample: torch.Tensor, embeds: torch.Tensor) -> List[torch.Tensor]:
             key = (tuple(sample.shape), tuple(embeds.shape))
             if key not in zeros:
-                shapes = self._residual_shapes(tuple(sample.shape), tuple(embeds.shape), tuple(images[0].shape))
+                shapes = self._residual_shapes(
+                    tuple(sample.shape), tuple(embeds.shape), tuple(images[0].shape), conditioning
+                )
                 zeros[key] = [
                     torch.zeros(shape, device=self.device, dtype=self.unet.input_dtypes[name])
                     for name, shape in zip(residual_inputs, shapes)
@@ -339,8 +386,8 @@ class ControlNetPipeline(ClipUNetPipeline):
                     sample=control_input,
                     timestep=timestep_rows[k][i],
                     encoder_hidden_states=embeds,
-                    controlnet_cond=images[k],
-                    conditioning_scale=factors[k][i],
+                    **{CONTROLNET_CONDITION: images[k], CONTROLNET_SCALE: factors[k][i]},
+                    **control_conditioning,
                 )
                 # the first ControlNet's output buffers are read by this step's UNet before that net runs again
                 total = list(outputs) if total is None else [a + b for a, b in zip(total, outputs)]
@@ -353,10 +400,14 @@ class ControlNetPipeline(ClipUNetPipeline):
         return step_inputs
 
     def _residual_shapes(
-        self, sample_shape: Tuple[int, ...], embeds_shape: Tuple[int, ...], image_shape: Tuple[int, ...]
+        self,
+        sample_shape: Tuple[int, ...],
+        embeds_shape: Tuple[int, ...],
+        image_shape: Tuple[int, ...],
+        conditioning: Dict[str, torch.Tensor],
     ) -> List[Tuple[int, ...]]:
         """The residuals' shapes for the UNet's ``sample`` and ``encoder_hidden_states`` of these shapes, from the
-        ControlNet's graph (as if it ran on the UNet's whole batch)."""
+        ControlNet's graph (as if it ran on the UNet's whole batch, with its ``conditioning`` inputs)."""
         net = self.controlnets[0]
         batch = sample_shape[0]
         shapes = infer_output_shapes(
@@ -365,8 +416,9 @@ class ControlNetPipeline(ClipUNetPipeline):
                 "sample": sample_shape,
                 "timestep": (batch,) if net.input_dims.get("timestep") else (),
                 "encoder_hidden_states": embeds_shape,
-                "controlnet_cond": (batch, *image_shape[1:]),
-                "conditioning_scale": (len(self.denoiser.residual_inputs),),
+                CONTROLNET_CONDITION: (batch, *image_shape[1:]),
+                CONTROLNET_SCALE: (len(self.denoiser.residual_inputs),),
+                **{name: (batch, *value.shape[1:]) for name, value in conditioning.items()},
             },
         )
         result = list(shapes.values())
@@ -380,6 +432,15 @@ class ControlNetPipeline(ClipUNetPipeline):
         if not isinstance(guess_mode, (bool, np.bool_)):
             raise ArgumentTypeError("guess_mode", f"expected True or False, got {guess_mode!r}")
         return bool(guess_mode) or bool(self.controlnets[0].config.get("global_pool_conditions", False))
+
+
+class ControlNetPipeline(UNetControlNets, ClipUNetPipeline):
+    """The declaration the Stable Diffusion ControlNet families share: Stable Diffusion's components and
+    ``controlnet`` (``controlnet_1`` … for multi-ControlNet), the UNet that takes their residuals."""
+
+    base_components = STABLE_DIFFUSION_COMPONENTS
+    declared_components = STABLE_DIFFUSION_COMPONENTS + (onnx("controlnet"),)
+    denoiser_part = ControlNetUNet
 
 
 class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):

@@ -172,6 +172,7 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
             modules,
             self.config.force_zeros_for_empty_prompt,
             self.config.requires_aesthetics_score,
+            [name for name in written if name.startswith("controlnet")],
         )
 
 
