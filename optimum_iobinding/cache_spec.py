@@ -9,7 +9,9 @@ from typing import List, Sequence, Tuple, Union
 
 from .errors import ArgumentError
 
-CACHE_SPEC_FORMS = "fbc:THRESHOLD (First-Block Cache: SD3, FLUX.1) or deepcache:INTERVAL[:BRANCH] (DeepCache: SD, SDXL)"
+CACHE_SPEC_FORMS = (
+    "fbc:THRESHOLD (First-Block Cache: SD3, FLUX.1, Wan) or deepcache:INTERVAL[:BRANCH] (DeepCache: SD, SDXL)"
+)
 
 
 def parse_cache_spec(spec: object, name: str = "cache") -> Tuple[str, Tuple[Union[float, int], ...]]:

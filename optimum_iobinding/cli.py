@@ -105,7 +105,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "--step-cache",
         action="store_true",
         help="also write the denoiser's step-cache parts beside it, reading its weights: the "
-        "transformer's First-Block Cache head, body and out (SD3, FLUX.1); the UNet's DeepCache "
+        "transformer's First-Block Cache head, body and out (SD3, FLUX.1, Wan); the UNet's DeepCache "
         "full and shallow graphs (SD 1.x/2.x, SDXL, LCM; not with a ControlNet)",
     )
     parser.add_argument(
@@ -549,7 +549,7 @@ CACHE_OPTION = {
 # each step cache a family record names (Family.step_cache): the --cache form that asks for it, and what it is
 CACHE_FORMS = {
     "deepcache": ("deepcache", "deepcache:INTERVAL[:BRANCH] (DeepCache: SD 1.x/2.x, SDXL, LCM)"),
-    "first-block": ("fbc", "fbc:THRESHOLD (First-Block Cache: SD3, FLUX.1)"),
+    "first-block": ("fbc", "fbc:THRESHOLD (First-Block Cache: SD3, FLUX.1, Wan)"),
 }
 
 
@@ -810,7 +810,9 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         with options_named({**model_names, **GENERATE_OPTIONS}):  # the pipeline's checks of what depends on the model
             if writer is not None:
-                return write_video(writer, pipe(prompt=args.prompt, output_type="np", **call).frames[0], args, start)
+                frames = pipe(prompt=args.prompt, output_type="np", **call).frames[0]
+                made_by = f"{type(pipe).__name__}, {provider}{cache_summary(pipe, args.cache)}"
+                return write_video(writer, frames, args, start, made_by)
             image = pipe(prompt=args.prompt, **call).images[0]
     finally:
         for bar in progress:
@@ -831,9 +833,9 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_video(writer: Any, frames: Any, args: argparse.Namespace, start: float) -> int:
+def write_video(writer: Any, frames: Any, args: argparse.Namespace, start: float, made_by: str) -> int:
     """Writes a video's frames (float HxWx3 in [0, 1], as diffusers' ``output_type="np"``) with ``writer`` and
-    prints what was made."""
+    prints what was made (``made_by``: the pipeline and the provider, with the step cache's summary after them)."""
     import numpy as np
 
     for frame in frames:
@@ -843,7 +845,7 @@ def write_video(writer: Any, frames: Any, args: argparse.Namespace, start: float
     height, width = frames.shape[1:3]
     print(
         f"{writer.path}: {len(frames)} frames of {width}×{height} at {args.fps:g} frames/s, {args.steps} "
-        f"step{'s' if args.steps != 1 else ''} in {seconds:.2f} s"
+        f"step{'s' if args.steps != 1 else ''} in {seconds:.2f} s ({made_by})"
     )
     return 0
 
@@ -1357,7 +1359,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache",
         default=None,
         metavar="SPEC",
-        help="cache denoising steps (default off): fbc:THRESHOLD (First-Block Cache, SD3 and FLUX.1, "
+        help="cache denoising steps (default off): fbc:THRESHOLD (First-Block Cache: SD3, FLUX.1, Wan, "
         "e.g. fbc:0.08) or deepcache:INTERVAL[:BRANCH] (DeepCache, SD and SDXL, e.g. "
         "deepcache:3); the model folder needs the parts: export it with --step-cache",
     )

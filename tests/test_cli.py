@@ -832,7 +832,7 @@ PYTHON_WORDS = (
         (
             ["--cache", "fbc:0.08"],
             "--cache: expected deepcache:INTERVAL[:BRANCH] (DeepCache: SD 1.x/2.x, SDXL, LCM) for "
-            "OnnxStableDiffusionPipeline, got 'fbc:0.08', which is fbc:THRESHOLD (First-Block Cache: SD3, FLUX.1)",
+            "OnnxStableDiffusionPipeline, got 'fbc:0.08', which is fbc:THRESHOLD (First-Block Cache: SD3, FLUX.1, Wan)",
         ),
     ],
     ids=["interval", "branch", "threshold", "other-cache"],

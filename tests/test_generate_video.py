@@ -107,3 +107,19 @@ def test_a_folder_of_the_users_is_never_replaced_by_frames(wan_folder, tmp_path,
     assert main(["generate", PROMPT, *CALL, "--frames", "5", "--model", str(wan_folder), "--out", str(kept)]) == 2
     assert error_line(capsys).startswith("optimum-iobinding: error: --out: ")
     assert [path.name for path in kept.iterdir()] == ["photo.jpg"] and (kept / "photo.jpg").read_bytes() == b"mine"
+
+
+def test_a_step_cache_runs_on_a_video_family_and_its_summary_says_what_it_did(shared_export, tmp_path, capsys):
+    from optimum_iobinding.export import export_pipeline
+
+    folder = shared_export(
+        "tiny-random-wan-with-parts",
+        lambda target: export_pipeline(None, target, tiny_random="wan", step_cache=True, progress=False),
+    )
+    argv = [*CALL, "--frames", "5", "--model", str(folder), "--out", str(tmp_path / "v.mp4"), "--cache", "fbc:0.9"]
+    assert main(["generate", PROMPT, *argv]) == 0
+    assert re.search(
+        r"v\.mp4: 5 frames of 32×16 .*\(OnnxWanPipeline, CPUExecutionProvider; cache fbc:0\.9: \d of 2 "
+        r"steps ran whole\)",
+        capsys.readouterr().out,
+    )

@@ -1258,7 +1258,7 @@ def test_a_result_names_the_command_that_made_it_a_scripts_too(monkeypatch, argv
     [
         (
             ["--cache", "fbc"],
-            "--cache: expected fbc:THRESHOLD (First-Block Cache: SD3, FLUX.1) or deepcache:INTERVAL"
+            "--cache: expected fbc:THRESHOLD (First-Block Cache: SD3, FLUX.1, Wan) or deepcache:INTERVAL"
             "[:BRANCH] (DeepCache: SD, SDXL), got 'fbc'",
         ),
         (["--cache", "deepcache:x"], "--cache: expected fbc:THRESHOLD"),
