@@ -21,6 +21,10 @@ from .memory import CallMemory, check_image_fits
 class ArgumentChecks:
     """The shared checks, refusing before any work."""
 
+    #: whether a str negative prompt serves every prompt and a str prompt takes a list of one negative prompt (as
+    #: diffusers' Wan pipelines encode them); otherwise a negative prompt is of the prompt's type and count
+    broadcasts_negative_prompt = False
+
     def check_call(
         self,
         *,
@@ -84,8 +88,9 @@ class ArgumentChecks:
         **call: Any,
     ) -> None:
         """:meth:`check_call` (``call``: its arguments), then the prompts of a CLIP family: a prompt or its
-        embeddings (one of them), a negative prompt like it or its embeddings (at most one of them), embeddings of
-        the denoiser's width."""
+        embeddings (one of them), a negative prompt like it (a str for every prompt where
+        :attr:`broadcasts_negative_prompt`) or its embeddings (at most one of them), embeddings of the denoiser's
+        width."""
         self.check_call(**call)
         steps = len(call["sigmas"]) if call.get("sigmas") is not None else call["num_inference_steps"]
         train_steps = getattr(self.scheduler.config, "num_train_timesteps", None)
@@ -105,11 +110,14 @@ class ArgumentChecks:
             raise ArgumentError("prompt and prompt_embeds", "expected one of them, got neither")
         if negative_prompt is not None and negative_prompt_embeds is not None:
             raise ArgumentError("negative_prompt and negative_prompt_embeds", "expected at most one of them, got both")
-        if isinstance(prompt, list) and isinstance(negative_prompt, list) and len(prompt) != len(negative_prompt):
+        if self.broadcasts_negative_prompt:
+            count = self.batch_size_of(prompt, prompt_embeds)
+            self.check_texts("negative_prompt", negative_prompt, count, broadcast=True)
+        elif isinstance(prompt, list) and isinstance(negative_prompt, list) and len(prompt) != len(negative_prompt):
             raise ArgumentError(
                 "negative_prompt", f"expected a list of {len(prompt)} (as many as prompt), got {len(negative_prompt)}"
             )
-        if negative_prompt is not None and prompt is not None and type(prompt) is not type(negative_prompt):
+        elif negative_prompt is not None and prompt is not None and type(prompt) is not type(negative_prompt):
             raise ArgumentTypeError(
                 "negative_prompt",
                 f"expected a {type(prompt).__name__} like prompt, got {type(negative_prompt).__name__}",

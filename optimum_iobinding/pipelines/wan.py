@@ -144,6 +144,7 @@ class WanFamilyPipeline(Warmup, OnnxDiffusionPipeline):
     prompt_part = WanPrompt
     codec_part = WanCodec
     settings = {"boundary_ratio": None, "expand_timesteps": False}
+    broadcasts_negative_prompt = True
     output_class = WanPipelineOutput
     output_field = "frames"
     folder_description = " (a Wan ONNX folder)"
@@ -201,8 +202,8 @@ class WanFamilyPipeline(Warmup, OnnxDiffusionPipeline):
     ) -> int:
         """Refuses, before any work, every argument a Wan call cannot run with: what Wan adds to
         :meth:`check_inputs` — the frame count, the videos per prompt, ``guidance_scale_2`` (only with two experts),
-        ``attention_kwargs`` (an ONNX transformer has no attention processors), the UMT5 length (the negative prompt
-        is encoded at it, in one batch with given ``prompt_embeds``), a decoded output without a VAE decoder, a list
+        ``attention_kwargs`` (an ONNX transformer has no attention processors), the UMT5 length (a prompt is encoded
+        at it, in one batch with given ``prompt_embeds`` or ``negative_prompt_embeds``), a decoded output without a VAE decoder, a list
         of generators but one per video — then :meth:`check_inputs` (``call``: its arguments).
 
         Returns:
@@ -248,6 +249,20 @@ class WanFamilyPipeline(Warmup, OnnxDiffusionPipeline):
                 f"expected {prompt_embeds.shape[1]}, the length of prompt_embeds (the negative prompt is encoded at "
                 f"it and goes into the transformer in one batch with them), got {max_sequence_length}; or give "
                 "negative_prompt_embeds",
+            )
+        negative_prompt_embeds = call.get("negative_prompt_embeds")
+        if (
+            is_real(guidance_scale)
+            and guidance_scale > 1.0
+            and prompt_embeds is None
+            and getattr(negative_prompt_embeds, "ndim", 0) == 3
+            and negative_prompt_embeds.shape[1] != max_sequence_length
+        ):
+            raise ArgumentError(
+                "negative_prompt_embeds",
+                f"expected sequence length {max_sequence_length} (max_sequence_length: the prompt is encoded at it "
+                "and goes into the transformer in one batch with them), got shape "
+                f"{tuple(negative_prompt_embeds.shape)}",
             )
         self.check_inputs(**call)
         videos = self.batch_size_of(call.get("prompt"), prompt_embeds) * num_videos_per_prompt

@@ -186,6 +186,14 @@ def test_a_negative_prompt_and_given_embeddings_match_diffusers(wan, loaded):
     np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
 
 
+def test_a_str_negative_prompt_serves_every_prompt_and_a_str_prompt_takes_a_list_of_one_as_in_diffusers(wan, loaded):
+    torch_pipe, folder = wan
+    pipe = loaded(folder)
+    for prompt, negative_prompt in ((PROMPTS, "blurry"), (PROMPTS[0], ["blurry"])):
+        theirs, ours = both(torch_pipe, pipe, prompt, negative_prompt=negative_prompt, num_inference_steps=1)
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
+
+
 def test_a_step_end_callback_replaces_the_latents_and_negative_embeddings_as_diffusers_does(wan, loaded):
     torch_pipe, folder = wan
     seen = []
@@ -325,6 +333,25 @@ def test_given_prompt_embeds_of_another_length_than_the_negative_prompts_are_ref
             max_sequence_length=SEQUENCE,
             output_type="latent",
         )
+
+
+def test_given_negative_prompt_embeds_of_another_length_than_the_prompts_are_refused_before_any_work(wan, loaded):
+    pipe = loaded(wan[1])
+    with contextlib.ExitStack() as stack:
+        runs = [stack.enter_context(model.watch_runs()) for model in pipe.onnx_models.values()]
+        with pytest.raises(
+            ValueError, match=r"negative_prompt_embeds: expected sequence length 16 .*got shape \(1, 8, 32\)"
+        ):
+            pipe(
+                PROMPTS[0],
+                negative_prompt_embeds=torch.zeros(1, 8, 32),
+                num_frames=5,
+                height=16,
+                width=16,
+                max_sequence_length=SEQUENCE,
+                output_type="latent",
+            )
+    assert not any(runs)
 
 
 def test_first_block_cache_on_a_folder_exported_without_its_parts_says_how_to_export_them(wan, loaded):
