@@ -88,11 +88,28 @@ class OnnxWanImageToVideoPipeline(WanFamilyPipeline):
         """Whether the transformer takes the image encoder's states (Wan 2.1 I2V)."""
         return WAN_IMAGE_INPUT in self.transformer.input_names
 
+    @property
+    def takes_first_and_last_frames(self) -> bool:
+        """Whether the transformer takes the image encoder's states of a first and a last frame side by side (Wan
+        2.1 FLF2V: its config's ``pos_embed_seq_len``, diffusers' position embedding of the two images' tokens)."""
+        return self.takes_image_embeds and self.transformer.config.get("pos_embed_seq_len") is not None
+
     # ------------------------------------------------------------------------------------------------- checks
-    def check_images(self, image: Any, last_image: Any, image_embeds: Any, max_sequence_length: Any) -> None:
+    def check_images(
+        self,
+        image: Any,
+        last_image: Any,
+        image_embeds: Any,
+        max_sequence_length: Any,
+        num_frames: Any,
+        prompt_embeds: Any = None,
+        negative_prompt_embeds: Any = None,
+    ) -> None:
         """What image to video adds to the Wan checks, refused before any work: an ``image`` (a PIL image or a torch
-        tensor, as diffusers takes it; one), ``last_image`` likewise, no ``image_embeds`` beside an image (diffusers
-        refuses both) or with two experts, and 512-token prompts where the transformer takes the image's states."""
+        tensor, as diffusers takes it; one), ``last_image`` likewise (with a video of more than one frame; with a
+        Wan 2.1 transformer only where it is a first-last-frame one, which needs it), no ``image_embeds`` beside an
+        image (diffusers refuses both) or with two experts, and 512-token prompts (or given embeddings) where the
+        transformer takes the image's states."""
         if image_embeds is not None:
             if image is not None:
                 raise ArgumentError("image and image_embeds", "expected one of them, got both (as diffusers refuses)")
@@ -110,6 +127,20 @@ class OnnxWanImageToVideoPipeline(WanFamilyPipeline):
             self.check_image(value, name, resized=True, channels=(3,))
             if isinstance(value, torch.Tensor) and value.ndim == 4 and value.shape[0] != 1:
                 raise ArgumentError(name, f"expected one image, got a batch of {value.shape[0]}")
+        if last_image is not None and num_frames == 1:
+            raise ArgumentError("num_frames", "expected more than 1 with last_image (a first and a last frame), got 1")
+        if self.takes_image_embeds and not self.takes_first_and_last_frames and last_image is not None:
+            raise ArgumentError(
+                "last_image",
+                "expected None for a Wan 2.1 I2V transformer (its config has no pos_embed_seq_len): a first-last-frame "
+                "transformer (Wan 2.1 FLF2V) takes a last image, got an image",
+            )
+        if self.takes_first_and_last_frames and last_image is None:
+            raise ArgumentError(
+                "last_image",
+                "expected an image for a first-last-frame transformer (Wan 2.1 FLF2V: its config's pos_embed_seq_len "
+                "embeds a first and a last image), got None",
+            )
         if self.takes_image_embeds and max_sequence_length != IMAGE_TEXT_CONTEXT:
             raise ArgumentError(
                 "max_sequence_length",
@@ -117,6 +148,14 @@ class OnnxWanImageToVideoPipeline(WanFamilyPipeline):
                 f"Wan attention reads the last {IMAGE_TEXT_CONTEXT} tokens of its context as the prompt's), got "
                 f"{max_sequence_length!r}",
             )
+        for name, embeds in (("prompt_embeds", prompt_embeds), ("negative_prompt_embeds", negative_prompt_embeds)):
+            if self.takes_image_embeds and getattr(embeds, "ndim", 0) == 3 and embeds.shape[1] != IMAGE_TEXT_CONTEXT:
+                raise ArgumentError(
+                    name,
+                    f"expected sequence length {IMAGE_TEXT_CONTEXT} for a transformer that takes the image encoder's "
+                    f"states (diffusers' Wan attention reads the last {IMAGE_TEXT_CONTEXT} tokens of its context as "
+                    f"the prompt's), got shape {tuple(embeds.shape)}",
+                )
 
     # --------------------------------------------------------------------------------------------------- call
     @on_device_stream
@@ -157,7 +196,9 @@ class OnnxWanImageToVideoPipeline(WanFamilyPipeline):
             without ``return_dict``.
         """
         # 1. check inputs, before any work
-        self.check_images(image, last_image, image_embeds, max_sequence_length)
+        self.check_images(
+            image, last_image, image_embeds, max_sequence_length, num_frames, prompt_embeds, negative_prompt_embeds
+        )
         videos = self.check_inputs_wan(
             num_frames=num_frames,
             num_videos_per_prompt=num_videos_per_prompt,
@@ -265,5 +306,8 @@ class OnnxWanImageToVideoPipeline(WanFamilyPipeline):
         return mask.view(videos, latent_frames, temporal, latent_height, latent_width).transpose(1, 2)
 
     def warmup_images(self, height: int, width: int) -> Dict[str, Any]:
-        """A warm-up call's image: a black one of this size."""
-        return {"image": torch.zeros(1, 3, height, width), "height": height, "width": width}
+        """A warm-up call's image: a black one of this size (and a last one, for a first-last-frame transformer)."""
+        images = {"image": torch.zeros(1, 3, height, width), "height": height, "width": width}
+        if self.takes_first_and_last_frames:
+            images["last_image"] = torch.zeros(1, 3, height, width)
+        return images

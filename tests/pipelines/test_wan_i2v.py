@@ -202,8 +202,24 @@ def test_first_block_cache_with_the_image_states_skips_the_steps_diffusers_skips
         (dict(max_sequence_length=16), "max_sequence_length: expected 512 for a transformer that takes the image"),
         (dict(num_frames=8), "num_frames: expected a positive integer of the form 4k"),
         (dict(last_image="last.png"), "last_image: expected a PIL image or a torch.Tensor, got str"),
+        (dict(last_image=picture(1)), r"last_image: expected None for a Wan 2.1 I2V transformer .*FLF2V"),
+        (dict(last_image=picture(1), num_frames=1), "num_frames: expected more than 1 with last_image"),
+        (
+            dict(prompt=None, prompt_embeds=torch.zeros(1, 16, 32), guidance_scale=1.0),
+            r"prompt_embeds: expected sequence length 512 .*got shape \(1, 16, 32\)",
+        ),
     ],
-    ids=["no-image", "numpy-image", "image-embeds", "short-prompt", "frames", "last-image"],
+    ids=[
+        "no-image",
+        "numpy-image",
+        "image-embeds",
+        "short-prompt",
+        "frames",
+        "last-image",
+        "last-image-without-flf2v",
+        "last-image-of-one-frame",
+        "short-prompt-embeds",
+    ],
 )
 def test_a_call_it_cannot_run_is_refused_by_name_before_any_component_runs(wan21, call, message, loaded):
     pipe = loaded(wan21[1])
