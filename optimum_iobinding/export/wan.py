@@ -14,7 +14,8 @@ Layout written::
                                 text tokens, text width), timestep (batch; Wan 2.2 TI2V: batch, latent tokens)
                                 → out_hidden_states (batch, channels, frames, height, width); image to video's
                                 hidden_states have 36 channels (the latents', the first frame's mask and latents),
-                                Wan 2.1 I2V's take encoder_hidden_states_image (batch, image tokens, width) too;
+                                Wan 2.1 I2V's take encoder_hidden_states_image (batch, image tokens, width) too
+                                (Wan 2.1 FLF2V's: 2 × batch, pos_embed_seq_len / 2, width: a first and a last image);
                                 with ``step_cache``, each beside its First-Block Cache parts (:mod:`.step_cache`)
     image_encoder/, image_processor/  Wan 2.1 I2V's CLIPVisionModel: pixel_values → image_embeds (its penultimate
                                 hidden states), and its CLIPImageProcessor
@@ -271,7 +272,9 @@ def wan_transformer_spec(
     transformer: torch.nn.Module, expand_timesteps: bool = False, sequence: int = 8
 ) -> Dict[str, Any]:
     """The export spec of a ``WanTransformer3DModel``: every axis but the channels dynamic; ``timestep`` one per row,
-    or (``expand_timesteps``, Wan 2.2 TI2V) one per row and latent token."""
+    or (``expand_timesteps``, Wan 2.2 TI2V) one per row and latent token. A first-last-frame transformer's (Wan 2.1
+    FLF2V, ``pos_embed_seq_len``) image states are two rows per latent row (the first and the last image's, as
+    diffusers reshapes them), of ``pos_embed_seq_len`` / 2 tokens each."""
     config = transformer.config
     p_t, p_h, p_w = config.patch_size
     frames, height, width = 2 * p_t, 4 * p_h, 3 * p_w  # not square: rows and columns cannot be swapped
@@ -286,9 +289,13 @@ def wan_transformer_spec(
     names, axes = list(WAN_INPUTS), {}
     if config.image_dim is not None:  # Wan 2.1 I2V: the image encoder's states, and the text context diffusers assumes
         args[1] = torch.randn(2, WAN_TEXT_CONTEXT, config.text_dim)
-        args.append(torch.randn(2, 5, config.image_dim))
         names.append(WAN_IMAGE_INPUT)
-        axes[WAN_IMAGE_INPUT] = {0: "batch", 1: "image_tokens"}
+        if config.pos_embed_seq_len is None:
+            args.append(torch.randn(2, 5, config.image_dim))
+            axes[WAN_IMAGE_INPUT] = {0: "batch", 1: "image_tokens"}
+        else:  # Wan 2.1 FLF2V: a first and a last image's states per row, which its position embedding joins
+            args.append(torch.randn(4, config.pos_embed_seq_len // 2, config.image_dim))
+            axes[WAN_IMAGE_INPUT] = {0: "image_batch"}
     return dict(
         module=_WanTransformer(transformer),
         args=tuple(args),

@@ -130,6 +130,44 @@ def test_wan22_image_to_video_runs_both_experts_as_diffusers_does(wan22, last, l
     np.testing.assert_allclose(ours, theirs, atol=TOLERANCE)
 
 
+@pytest.fixture(scope="module")
+def flf2v(wan21, shared_export, tmp_path_factory):
+    """A tiny random Wan 2.1 FLF2V pipeline: ``wan21``'s with a first-last-frame transformer (``pos_embed_seq_len``:
+    the two images' 65 tokens each, a random position embedding) and its export (the other components copied from
+    ``wan21``'s)."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+
+    from optimum_iobinding.export import export_pipeline
+
+    torch_pipe, folder = wan21
+    config = {key: value for key, value in torch_pipe.transformer.config.items() if not key.startswith("_")}
+    torch.manual_seed(3)
+    transformer = WanTransformer3DModel(**{**config, "pos_embed_seq_len": 2 * 65}).eval()
+    torch.nn.init.normal_(transformer.condition_embedder.image_embedder.pos_embed)
+    components = {**torch_pipe.components, "transformer": transformer}
+    flf_pipe = WanImageToVideoPipeline(**components).to(torch.float32)
+    flf_pipe.set_progress_bar_config(disable=True)
+
+    def write(target):
+        scratch = tmp_path_factory.mktemp("wan-flf2v-transformer") / "out"
+        export_pipeline(None, scratch, torch_pipeline=flf_pipe, components=["transformer"], progress=False)
+        shutil.copytree(folder, target, ignore=shutil.ignore_patterns("transformer"))
+        shutil.copytree(scratch / "transformer", target / "transformer")
+
+    return flf_pipe, shared_export("tiny-random-wan-flf2v", write)
+
+
+def test_wan21_first_last_frame_to_video_matches_diffusers(flf2v):
+    torch_pipe, folder = flf2v
+    pipe = load(folder)
+    assert pipe.takes_first_and_last_frames
+    call = dict(max_sequence_length=TEXT_CONTEXT, num_inference_steps=2, last_image=picture(1))
+    theirs, ours = both(torch_pipe, pipe, **call)
+    np.testing.assert_allclose(ours, theirs, atol=TOLERANCE)
+    with pytest.raises(ValueError, match="last_image: expected an image for a first-last-frame transformer"):
+        pipe(picture(0), PROMPT, **dict(CALL, max_sequence_length=TEXT_CONTEXT))
+
+
 def test_a_saved_pipeline_loads_again_with_its_image_encoder_and_gives_the_same_video(wan21, tmp_path, loaded):
     _, folder = wan21
     pipe = loaded(folder)
