@@ -54,6 +54,9 @@ __all__ = [
     "WAN_IMAGE_INPUT",
     "WAN_IMAGE_EMBEDS",
     "WAN_I2V_CHANNELS",
+    "WAN_TEXT_CONTEXT",
+    "WAN_SETTINGS",
+    "WAN_IMAGE_PIXELS",
 ]
 
 # the denoisers' ONNX inputs (the export writes them, the pipelines feed them)
@@ -77,6 +80,13 @@ WAN_TRANSFORMERS = ("transformer", "transformer_2")
 # frames) and latents (16): 36 channels
 WAN_IMAGE_INPUT, WAN_IMAGE_EMBEDS = "encoder_hidden_states_image", "image_embeds"
 WAN_I2V_CHANNELS = 36
+# the CLIP image encoder's input (the image processor's pixel_values)
+WAN_IMAGE_PIXELS = "pixel_values"
+# UMT5's context in Wan: 512 tokens; diffusers' Wan attention takes the last 512 tokens of its context as the text's,
+# the image's before them (WanAttnProcessor: "512 is the context length of the text encoder, hardcoded for now")
+WAN_TEXT_CONTEXT = 512
+# the settings a Wan folder's model_index.json keeps (diffusers' WanPipeline config), with their defaults
+WAN_SETTINGS = {"boundary_ratio": None, "expand_timesteps": False}
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ __all__ = [
     "export_component",
     "export_model",
     "save_model",
+    "torchscript_export",
     "EXTERNAL_DATA_THRESHOLD",
     "OPTIMUM_EXTERNAL_DATA_FILE",
 ]
@@ -324,8 +325,15 @@ def save_model(model: onnx.ModelProto, path: Path, external_data_threshold: int 
     return save_onnx(model, path, external_data_threshold, OPTIMUM_EXTERNAL_DATA_FILE)
 
 
-def _torch_export(spec: Dict[str, Any], path: Path, opset: int) -> None:
-    """``spec``'s module through the TorchScript exporter to ``path``."""
+def torchscript_export(spec: Dict[str, Any], path: Path, opset: int) -> None:
+    """Exports ``spec``'s module through the TorchScript exporter, without gradients, its tracer's notes on
+    diffusers' and transformers' modules silenced (they are not the user's to act on).
+
+    Args:
+        spec: an export spec: ``module``, ``args``, ``input_names``, ``output_names``, ``dynamic_axes``.
+        path: the ``.onnx`` file to write.
+        opset: ONNX opset.
+    """
     with torch.no_grad(), warnings.catch_warnings():
         # the TorchScript exporter's notes on the Python control flow it traced, the constant folding it skipped, its
         # own deprecation and how it spells advanced indexing: expected for diffusers' and transformers' modules, and
@@ -384,7 +392,7 @@ def export_component(
         elif optimize:
             use_classic_attention(spec["module"])
         with attention, hooks(spec["module"]):
-            _torch_export(spec, scratch_path, opset)
+            torchscript_export(spec, scratch_path, opset)
         exported = onnx.load(str(scratch_path), load_external_data=False)  # weights past 2 GiB stay in their files
         changed = fold_pads_into_convs(exported)
         if step_cache and optimize:  # so that ORT's optimizer keeps a graph that computes every mark
@@ -476,7 +484,7 @@ def export_model(
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "model.onnx"
         with (exportable or (lambda module: contextlib.nullcontext()))(spec["module"]), hooks(spec["module"]):
-            _torch_export(spec, path, opset)
+            torchscript_export(spec, path, opset)
         if optimize == "cpu" and model_type in _OPTIMIZED_FOR_CUDA_ONLY:
             optimize = None
         optimized = (

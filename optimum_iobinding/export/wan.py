@@ -54,7 +54,10 @@ from ..layout import index_entry
 from ..families import (
     WAN_IMAGE_EMBEDS,
     WAN_IMAGE_INPUT,
+    WAN_IMAGE_PIXELS,
     WAN_INPUTS,
+    WAN_SETTINGS,
+    WAN_TEXT_CONTEXT,
     WAN_TEXT_INPUTS,
     WAN_TRANSFORMERS,
     family,
@@ -71,14 +74,9 @@ WAN = family("wan")
 # through .wan_vae, float32 both (as diffusers runs them: the module's docstring)
 WAN_COMPONENTS = ("text_encoder", *WAN_TRANSFORMERS, "image_encoder", *WAN_VAE_COMPONENTS)
 WRITTEN_BESIDE = ("image_encoder", *WAN_VAE_COMPONENTS)
-# diffusers' Wan attention takes the text context as the last 512 tokens of its context, the image's before them
-# (WanAttnProcessor: "512 is the context length of the text encoder, hardcoded for now")
-WAN_TEXT_CONTEXT = 512
 # ORT's transformer-optimizer model type of each: UMT5 is a T5 (float32 in a float16 export), the transformers'
 # normalizations and GELUs are what ORT's MMDiT fusions match
 WAN_OPTIMIZER_MODEL_TYPES = {"text_encoder": "t5", **dict.fromkeys(WAN_TRANSFORMERS, "mmdit")}
-# the pipeline's settings its model_index.json keeps (diffusers' WanPipeline config)
-WAN_SETTINGS = ("boundary_ratio", "expand_timesteps")
 
 
 # ------------------------------------------------------------------------------------------------ text encoder
@@ -133,9 +131,9 @@ def clip_image_encoder_spec(image_encoder: torch.nn.Module) -> Dict[str, Any]:
     return dict(
         module=_ImageEncoder(image_encoder),
         args=(torch.randn(1, image_encoder.config.num_channels, size, size),),
-        input_names=["pixel_values"],
+        input_names=[WAN_IMAGE_PIXELS],
         output_names=[WAN_IMAGE_EMBEDS],
-        dynamic_axes={"pixel_values": {0: "batch"}, WAN_IMAGE_EMBEDS: {0: "batch"}},
+        dynamic_axes={WAN_IMAGE_PIXELS: {0: "batch"}, WAN_IMAGE_EMBEDS: {0: "batch"}},
         config=image_encoder.config,
     )
 

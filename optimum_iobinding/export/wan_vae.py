@@ -61,7 +61,7 @@ from ..layout import (
     WAN_VAE_WEIGHTS_FILE,
     wan_vae_cache_names,
 )
-from .components import _torch_export, to_precision
+from .components import to_precision, torchscript_export
 from .optimize import fold_pads_into_convs
 
 logger = logging.getLogger(__name__)
@@ -522,7 +522,7 @@ def export_wan_vae(
                 path = Path(scratch) / key / "model.onnx"
                 path.parent.mkdir()
                 with nearest_upsampling(vae), exportable_forwards(vae, float16=dtype == "fp16"):
-                    _torch_export(spec, path, opset)
+                    torchscript_export(spec, path, opset)
                 exported = onnx.load(str(path), load_external_data=False)  # weights past 2 GiB stay in their files
                 if fold_pads_into_convs(exported):  # the causal and spatial zero padding: the convolutions' own pads
                     onnx.save_model(exported, str(path))

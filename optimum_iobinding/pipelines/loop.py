@@ -316,7 +316,9 @@ def denoise(
     conditioning = denoiser.conditioning(tensors, guidance)
     later = {stage.start: stage for stage in stages}
     if any(stage.guidance.copies != guidance.copies for stage in stages):
-        raise ValueError("stages: expected guidance that batches as the first stage's (the conditioning is made once)")
+        raise ArgumentError(
+            "stages", "expected guidance that batches as the first stage's (the conditioning is made once)"
+        )
     denoised = latents
     for i, t in enumerate(denoiser.pipe.progress_bar(timesteps)):
         if i in later:  # another model from this step on: its own run and graph feed

@@ -14,7 +14,7 @@ from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.video_processor import VideoProcessor
 
 from ..errors import ArgumentError, ModelFileError
-from ..families import family
+from ..families import WAN_SETTINGS, WAN_TEXT_CONTEXT, family
 from ..layout import WAN_VAE_CHUNK_PART, index_entry, write_transformer_model_index
 from .arguments import (
     Embeds,
@@ -45,8 +45,6 @@ WAN_COMPONENTS = (
     onnx("vae_encoder", optional=True),
     onnx("vae_decoder", optional=True),
 )
-# UMT5's context in Wan: 512 tokens (its image-to-video attention splits the text from the image tokens there)
-MAX_SEQUENCE_LENGTH = 512
 # diffusers' WanPipeline defaults where the pipeline has no VAE: 4 video frames per latent frame, 8 pixels per latent
 # pixel each way; the VAE config's per-channel mean and standard deviation of the latents
 DEFAULT_TEMPORAL_FACTOR, DEFAULT_SPATIAL_FACTOR = 4, 8
@@ -143,7 +141,7 @@ class WanFamilyPipeline(Warmup, OnnxDiffusionPipeline):
     denoiser_part = WanDenoiser
     prompt_part = WanPrompt
     codec_part = WanCodec
-    settings = {"boundary_ratio": None, "expand_timesteps": False}
+    settings = dict(WAN_SETTINGS)
     broadcasts_negative_prompt = True
     output_class = WanPipelineOutput
     output_field = "frames"
@@ -159,10 +157,10 @@ class WanFamilyPipeline(Warmup, OnnxDiffusionPipeline):
                 "model_index.json", f"boundary_ratio: expected null or a number in [0, 1], got {ratio!r}"
             )
         if ratio is not None and getattr(self, "transformer_2", None) is None:
-            raise ArgumentError(
-                "transformer_2",
-                f"expected Wan 2.2's low-noise expert with boundary_ratio {ratio} (model_index.json), got none: "
-                "the folder has no transformer_2/model.onnx",
+            raise ModelFileError(
+                "model_index.json",
+                f"boundary_ratio {ratio} needs Wan 2.2's low-noise expert (transformer_2), got none: the folder has no "
+                "transformer_2/model.onnx",
             )
 
     @property
@@ -227,7 +225,7 @@ class WanFamilyPipeline(Warmup, OnnxDiffusionPipeline):
                 )
             if not is_real(guidance_scale_2) or not math.isfinite(guidance_scale_2):
                 raise ArgumentError("guidance_scale_2", f"expected a finite number, got {guidance_scale_2!r}")
-        check_sequence_length(max_sequence_length, MAX_SEQUENCE_LENGTH)
+        check_sequence_length(max_sequence_length, WAN_TEXT_CONTEXT)
         output_type = call.get("output_type")
         if output_type != "latent" and getattr(self, "vae_decoder", None) is None:
             raise ArgumentError(
@@ -338,7 +336,7 @@ class WanFamilyPipeline(Warmup, OnnxDiffusionPipeline):
         values makes graphs the calls do not replay."""
         return {
             "num_frames": self.check_num_frames,
-            "max_sequence_length": lambda value: check_sequence_length(value, MAX_SEQUENCE_LENGTH),
+            "max_sequence_length": lambda value: check_sequence_length(value, WAN_TEXT_CONTEXT),
         }
 
     def warmup_default_size(self) -> Tuple[int, int]:
@@ -406,7 +404,7 @@ class OnnxWanPipeline(WanFamilyPipeline):
         attention_kwargs: Optional[Dict[str, Any]] = None,
         callback_on_step_end: StepEndCallback = None,
         callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
-        max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+        max_sequence_length: int = WAN_TEXT_CONTEXT,
     ):
         """Generates videos from text, with the arguments of diffusers' ``WanPipeline``.
 

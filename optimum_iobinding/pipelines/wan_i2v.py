@@ -10,15 +10,15 @@ from typing import Any, Dict, Optional
 import PIL.Image
 import torch
 
-from ..errors import ArgumentError, ArgumentTypeError
-from ..families import WAN_IMAGE_EMBEDS, WAN_IMAGE_INPUT, family
+from ..errors import ArgumentError, ArgumentTypeError, ModelFileError
+from ..families import WAN_IMAGE_EMBEDS, WAN_IMAGE_INPUT, WAN_IMAGE_PIXELS, WAN_TEXT_CONTEXT, family
 from .arguments import Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames
 from .components import onnx, processor
 from .core import on_device_stream
 from .denoisers import WanDenoiser
 from .loop import Guidance, denoise
 from .transfer import upload
-from .wan import MAX_SEQUENCE_LENGTH, WAN_COMPONENTS, WanFamilyPipeline
+from .wan import WAN_COMPONENTS, WanFamilyPipeline
 
 WAN_I2V = family("wan-i2v")
 # the Wan folder, with Wan 2.1 I2V's CLIP image encoder and its processor
@@ -27,9 +27,6 @@ WAN_I2V_COMPONENTS = (
     onnx("image_encoder", optional=True),
     processor("image_processor", optional=True),
 )
-# diffusers' Wan attention takes the last 512 tokens of a context with the image's states as the text's
-# (WanAttnProcessor: "512 is the context length of the text encoder, hardcoded for now")
-IMAGE_TEXT_CONTEXT = 512
 
 
 def first_frame_channels(latent_channels: int, temporal_scale_factor: int) -> int:
@@ -59,29 +56,29 @@ class OnnxWanImageToVideoPipeline(WanFamilyPipeline):
     def __init__(self, **components: Any):
         super().__init__(**components)
         if self.config.expand_timesteps:
-            raise ArgumentError(
-                "expand_timesteps",
-                "expected false in model_index.json (Wan 2.2 TI2V's image to video, which blends the first frame "
+            raise ModelFileError(
+                "model_index.json",
+                "expand_timesteps: expected false (Wan 2.2 TI2V's image to video, which blends the first frame "
                 "into the latents, is not run here), got true",
             )
         if self.takes_image_embeds and (getattr(self, "image_encoder", None) is None or self.image_processor is None):
-            raise ArgumentError(
+            raise ModelFileError(
                 "image_encoder",
                 f"expected a CLIP image encoder and its image_processor with a transformer that takes "
                 f"{WAN_IMAGE_INPUT}, got the folder without image_encoder/model.onnx or image_processor/",
             )
         encoder = getattr(self, "image_encoder", None)
         if encoder is not None and (
-            encoder.input_names != ["pixel_values"] or WAN_IMAGE_EMBEDS not in encoder.output_names
+            encoder.input_names != [WAN_IMAGE_PIXELS] or WAN_IMAGE_EMBEDS not in encoder.output_names
         ):
-            raise ArgumentError(
+            raise ModelFileError(
                 "image_encoder",
-                f"expected a CLIP image encoder export (pixel_values → {WAN_IMAGE_EMBEDS}, its penultimate states), "
+                f"expected a CLIP image encoder export ({WAN_IMAGE_PIXELS} → {WAN_IMAGE_EMBEDS}, its penultimate states), "
                 f"got inputs {encoder.input_names} and outputs {encoder.output_names} in {encoder.model_path!r}",
             )
         for name in ("vae_encoder", "vae_decoder"):
             if getattr(self, name, None) is None:
-                raise ArgumentError(name, f"expected the VAE's {name} (image to video encodes its image), got none")
+                raise ModelFileError(name, f"expected the VAE's {name} (image to video encodes its image), got none")
 
     @property
     def takes_image_embeds(self) -> bool:
@@ -141,19 +138,19 @@ class OnnxWanImageToVideoPipeline(WanFamilyPipeline):
                 "expected an image for a first-last-frame transformer (Wan 2.1 FLF2V: its config's pos_embed_seq_len "
                 "embeds a first and a last image), got None",
             )
-        if self.takes_image_embeds and max_sequence_length != IMAGE_TEXT_CONTEXT:
+        if self.takes_image_embeds and max_sequence_length != WAN_TEXT_CONTEXT:
             raise ArgumentError(
                 "max_sequence_length",
-                f"expected {IMAGE_TEXT_CONTEXT} for a transformer that takes the image encoder's states (diffusers' "
-                f"Wan attention reads the last {IMAGE_TEXT_CONTEXT} tokens of its context as the prompt's), got "
+                f"expected {WAN_TEXT_CONTEXT} for a transformer that takes the image encoder's states (diffusers' "
+                f"Wan attention reads the last {WAN_TEXT_CONTEXT} tokens of its context as the prompt's), got "
                 f"{max_sequence_length!r}",
             )
         for name, embeds in (("prompt_embeds", prompt_embeds), ("negative_prompt_embeds", negative_prompt_embeds)):
-            if self.takes_image_embeds and getattr(embeds, "ndim", 0) == 3 and embeds.shape[1] != IMAGE_TEXT_CONTEXT:
+            if self.takes_image_embeds and getattr(embeds, "ndim", 0) == 3 and embeds.shape[1] != WAN_TEXT_CONTEXT:
                 raise ArgumentError(
                     name,
-                    f"expected sequence length {IMAGE_TEXT_CONTEXT} for a transformer that takes the image encoder's "
-                    f"states (diffusers' Wan attention reads the last {IMAGE_TEXT_CONTEXT} tokens of its context as "
+                    f"expected sequence length {WAN_TEXT_CONTEXT} for a transformer that takes the image encoder's "
+                    f"states (diffusers' Wan attention reads the last {WAN_TEXT_CONTEXT} tokens of its context as "
                     f"the prompt's), got shape {tuple(embeds.shape)}",
                 )
 
@@ -182,7 +179,7 @@ class OnnxWanImageToVideoPipeline(WanFamilyPipeline):
         attention_kwargs: Optional[Dict[str, Any]] = None,
         callback_on_step_end: StepEndCallback = None,
         callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
-        max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+        max_sequence_length: int = WAN_TEXT_CONTEXT,
     ):
         """Generates videos from an image and text, with the arguments of diffusers' ``WanImageToVideoPipeline``.
 
@@ -268,7 +265,7 @@ class OnnxWanImageToVideoPipeline(WanFamilyPipeline):
         the transformer's dtype: one row per image."""
         pixels = self.image_processor(images=images, return_tensors="pt").pixel_values
         encoder = self.image_encoder
-        outputs = encoder(pixel_values=pixels.to(self.device, encoder.input_dtypes["pixel_values"]))
+        outputs = encoder(**{WAN_IMAGE_PIXELS: pixels.to(self.device, encoder.input_dtypes[WAN_IMAGE_PIXELS])})
         states = dict(zip(encoder.output_names, outputs))[WAN_IMAGE_EMBEDS]
         return states.to(self.transformer.input_dtypes[WAN_IMAGE_INPUT])
 

@@ -219,3 +219,20 @@ def test_videos_of_other_frame_counts_sizes_or_channels_are_refused_by_name(wan2
 def test_export_refuses_a_vae_other_than_wans(tmp_path):
     with pytest.raises(ArgumentTypeError, match=r"^vae: expected a diffusers AutoencoderKLWan, got Linear"):
         export_wan_vae(torch.nn.Linear(2, 2), tmp_path)
+
+
+def test_no_export_module_imports_a_private_name_of_another():
+    # a module's private names are its own: what another module needs is public, with a docstring
+    import ast
+
+    import optimum_iobinding.export as export
+
+    imported = [
+        f"{path.name}: {alias.name}"
+        for path in sorted(Path(export.__file__).parent.glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.level > 0
+        for alias in node.names
+        if alias.name.startswith("_")
+    ]
+    assert imported == []

@@ -16,9 +16,11 @@ import torch
 from diffusers.hooks import FirstBlockCacheConfig
 
 from optimum_iobinding import OnnxWanPipeline
+from optimum_iobinding.errors import ArgumentError, ModelFileError
 from optimum_iobinding.families import WAN_INPUTS, WAN_TEXT_INPUTS, detect, family
 from optimum_iobinding.pipelines import pipeline_class_for
 from optimum_iobinding.pipelines.auto import denoiser_inputs
+from optimum_iobinding.pipelines.loop import Guidance, Stage, denoise
 
 PROMPTS = ["a photo of a cat", "a red castle in the forest"]
 SEQUENCE = 16  # UMT5 tokens: few, to keep the transformer's cross-attention small
@@ -121,6 +123,24 @@ def test_the_exported_transformer_rotates_elementwise_and_attends_with_ort_multi
     assert "ScatterND" not in ops  # diffusers' strided assignment of the rotated halves would export to it
     assert ops.count("MultiHeadAttention") == 4  # each of the two blocks: self-attention and cross-attention
     assert "Softmax" not in ops
+
+
+def test_the_names_the_wan_export_writes_and_its_pipelines_read_are_declared_once_in_families():
+    import ast
+    import inspect
+
+    from optimum_iobinding import families
+    from optimum_iobinding.export import wan as wan_export
+    from optimum_iobinding.pipelines import wan as wan_pipeline
+    from optimum_iobinding.pipelines import wan_i2v
+
+    assert OnnxWanPipeline.settings == families.WAN_SETTINGS
+    for module in (wan_export, wan_pipeline, wan_i2v):
+        assert module.WAN_TEXT_CONTEXT is families.WAN_TEXT_CONTEXT
+        literals = [
+            node.value for node in ast.walk(ast.parse(inspect.getsource(module))) if isinstance(node, ast.Constant)
+        ]
+        assert {512, "pixel_values", "boundary_ratio"}.isdisjoint(literals), module.__name__
 
 
 def test_the_export_gives_the_torch_pipeline_back_as_it_was(wan):
@@ -354,6 +374,27 @@ def test_given_negative_prompt_embeds_of_another_length_than_the_prompts_are_ref
     assert not any(runs)
 
 
+def test_a_boundary_ratio_without_the_low_noise_expert_is_a_model_file_error(wan, loaded):
+    components = loaded(wan[1]).components
+    with pytest.raises(ModelFileError, match="model_index.json: boundary_ratio 0.5 needs Wan 2.2's low-noise expert"):
+        OnnxWanPipeline(**components, boundary_ratio=0.5)
+
+
+def test_a_later_stage_guided_in_another_batch_is_refused_naming_stages(wan22, loaded):
+    pipe = loaded(wan22[1])
+    embeds = torch.zeros(1, SEQUENCE, 32)
+    later = Stage(1, pipe.transformer_2, Guidance(1.0, batched=False))
+    with pytest.raises(ArgumentError, match="stages: expected guidance that batches as the first stage's"):
+        denoise(
+            pipe.denoiser,
+            torch.zeros(1, 16, 2, 2, 2),
+            torch.tensor([999.0, 500.0]),
+            tensors={"prompt_embeds": embeds, "negative_prompt_embeds": embeds},
+            guidance=Guidance(5.0, batched=True),
+            stages=[later],
+        )
+
+
 def test_first_block_cache_on_a_folder_exported_without_its_parts_says_how_to_export_them(wan, loaded):
     pipe = loaded(wan[1])
     with pytest.raises(ValueError, match=r"lacks \['head.onnx', 'body.onnx', 'out.onnx'\]; export the pipeline with"):
@@ -383,13 +424,16 @@ def test_an_ort_optimized_export_keeps_the_multi_head_attention_and_matches_diff
     np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=TOLERANCE)
 
 
-def test_cuda_graph_true_binds_the_transformer(wan):
+def test_cuda_graph_true_asks_graphs_of_the_transformer_only_and_component_options_override_it(wan):
     # on the CPU no graph can be captured: True is an error for the denoiser only
     with pytest.raises(ValueError, match="cuda_graph: needs a CUDA session with io_binding=True, got device cpu"):
         load(wan[1], cuda_graph=True)
-    pipe = load(wan[1], cuda_graph=True, component_options={"transformer": {"cuda_graph": "auto"}})
-    assert OnnxWanPipeline.denoiser_component() == "transformer"
-    assert all(model.cuda_graph is False for model in pipe.onnx_models.values())
+    # the pipeline's True asks graphs of the transformer only: the other components capture where they can ("auto"),
+    # and each component's own option overrides the pipeline's
+    options = {"transformer": {"cuda_graph": "auto"}, "text_encoder": {"cuda_graph": False}}
+    pipe = load(wan[1], cuda_graph=True, component_options=options)
+    settings = {name: model.options.cuda_graph for name, model in pipe.onnx_models.items()}
+    assert settings == {"text_encoder": False, "transformer": "auto", "vae_decoder": "auto", "vae_encoder": "auto"}
 
 
 def test_vae_tiling_is_refused_naming_it(wan, loaded):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from optimum_iobinding import OnnxWanImageToVideoPipeline, OnnxWanPipeline
-from optimum_iobinding.errors import ArgumentError
+from optimum_iobinding.errors import ArgumentError, ModelFileError
 from optimum_iobinding.families import WAN_IMAGE_INPUT, WAN_INPUTS, detect, family
 from optimum_iobinding.pipelines import pipeline_class_for
 from optimum_iobinding.pipelines.auto import denoiser_inputs
@@ -268,6 +268,21 @@ def test_a_call_it_cannot_run_is_refused_by_name_before_any_component_runs(wan21
         with pytest.raises(ValueError, match=message):
             pipe(**arguments)
     assert not any(runs)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(expand_timesteps=True), "model_index.json: expand_timesteps: expected false"),
+        (dict(image_encoder=None), "image_encoder: expected a CLIP image encoder and its image_processor"),
+        (dict(vae_encoder=None), "vae_encoder: expected the VAE's vae_encoder"),
+    ],
+    ids=["ti2v", "no-image-encoder", "no-vae-encoder"],
+)
+def test_a_folder_it_cannot_run_is_a_model_file_error_naming_the_file(wan21, change, message, loaded):
+    components = loaded(wan21[1]).components
+    with pytest.raises(ModelFileError, match=message):
+        OnnxWanImageToVideoPipeline(**{**components, **change})
 
 
 # --------------------------------------------------------------------------------------------------- detection
