@@ -217,6 +217,8 @@ def test_a_lora_the_family_cannot_take_or_a_bad_spec_fails_before_any_replica_st
 
 def test_a_pixel_limit_below_the_default_size_fails_the_replica_naming_it(tiny_folder):
     """A request without a size makes the default size: a limit below it would refuse every such request."""
-    with pytest.raises(ArgumentError, match=r"max_pixels_per_image: expected at least 256×256 = 65536 pixels .* got 10"):
+    with pytest.raises(
+        ArgumentError, match=r"max_pixels_per_image: expected at least 256×256 = 65536 pixels .* got 10"
+    ):
         replica(tiny_folder, max_pixels_per_image=10)
     assert ServeConfig(model="m", max_pixels_per_image=4096).limits(64).max_pixels_per_image == 4096
