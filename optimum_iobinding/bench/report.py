@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
+from ..families import family
 from .zoo import TRANSFORMER_BLOCKS
 
 
@@ -562,7 +563,7 @@ def write_video_report(results: Dict[str, Any], out: Path) -> None:
             f"batch 1, {results['steps']} steps timed of the recipe's {video['recipe_steps']} (UniPC, flow shift 3), "
             f"guidance {video['guidance']:g} (two transformer rows a step), UMT5 {video['max_sequence_length']} "
             "tokens.",
-            f"ours: OnnxWanPipeline's defaults on a {results['dtype']} {results['export']} export (UMT5 and the VAE "
+            f"ours: {family('wan').class_name}'s defaults on a {results['dtype']} {results['export']} export (UMT5 and the VAE "
             f"float32), {device}.",
         ]
         if ran & {"torch", "compile"}:

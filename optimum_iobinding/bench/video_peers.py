@@ -4,7 +4,7 @@
 
 Text to video (:func:`run_video_peer`, :func:`run_video_floor`):
 
-  ours     our OnnxWanPipeline, from_pretrained(folder) with its defaults (CUDA graphs, IO binding, one stream)
+  ours     our Wan pipeline, from_pretrained(folder) with its defaults (CUDA graphs, IO binding, one stream)
   torch    diffusers' WanPipeline as its model card runs it: the transformer and UMT5 in bfloat16, the VAE in float32
   compile  the same with ``torch.compile(pipe.transformer, mode=...)`` (its first video, compilation included, timed
            apart)
@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # annotations only: torch is imported where it is used, not f
     import torch
 
 from ..errors import ArgumentError
+from ..families import family, pipeline_class
 from .peers import PeerUnavailable
 from .probes import PeakMemory, graph_floor_ms
 from .transformer_peers import image_stats, weights_made_on
@@ -140,10 +141,8 @@ def load_video_peer(peer: str, folder: Optional[Path], config: Dict[str, Any]) -
     if peer in CUDA_ONLY_VIDEO_PEERS and device != "cuda":
         raise PeerUnavailable(f"{peer} measures CUDA work: it needs --device cuda")
     if peer == "ours":
-        from ..pipelines.wan import OnnxWanPipeline
-
         provider = "CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider"
-        pipe = OnnxWanPipeline.from_pretrained(folder, provider=provider)
+        pipe = pipeline_class(family("wan")).from_pretrained(folder, provider=provider)
         dtypes = {"transformer": str(pipe.transformer.input_dtypes["hidden_states"])}
         if pipe.vae_decoder is not None:
             dtypes["vae"] = str(pipe.vae_decoder.input_dtypes[pipe.vae_decoder.input_names[0]])
@@ -210,7 +209,7 @@ def run_video_peer(peer: str, folder: Optional[Path], config: Dict[str, Any], vi
     import torch
     from diffusers import WanPipeline  # noqa: F401 — imported before the load is timed, as ours below
 
-    from ..pipelines.wan import OnnxWanPipeline  # noqa: F401
+    pipeline_class(family("wan"))  # imported before the load is timed, as diffusers' above
 
     recipe = VIDEO_RECIPES[config["model"]]
     steps = config["steps"]
@@ -308,10 +307,8 @@ def run_video_floor(folder: Path, config: Dict[str, Any]) -> Dict[str, Any]:
 
     if config["device"] != "cuda":
         raise PeerUnavailable("floor measures CUDA-graph replays: it needs --device cuda")
-    from ..pipelines.wan import OnnxWanPipeline
-
     recipe = VIDEO_RECIPES[config["model"]]
-    pipe = OnnxWanPipeline.from_pretrained(folder, provider="CUDAExecutionProvider", cuda_graph=True)
+    pipe = pipeline_class(family("wan")).from_pretrained(folder, provider="CUDAExecutionProvider", cuda_graph=True)
     pipe.set_progress_bar_config(disable=True)
     latents = torch.from_numpy(initial_video_latents(recipe)).to("cuda")
     with torch.inference_mode():

@@ -186,7 +186,7 @@ class OnnxWanImageToVideoPipeline(WanFamilyPipeline):
         ``image`` (a PIL image or a torch tensor) is resized to ``height`` × ``width`` and becomes the first frame;
         ``last_image`` the last one. ``num_frames`` must be of the form 4k + 1 and ``height`` and ``width`` multiples
         of 16 (refused otherwise before any work). ``image_embeds``: diffusers refuses them beside an image, which
-        every call needs, so they are refused here too. The rest as :class:`~.wan.OnnxWanPipeline`'s.
+        every call needs, so they are refused here too. The rest as the text-to-video pipeline's.
 
         Returns:
             ``WanPipelineOutput(frames)`` ("np": ``(videos, frames, height, width, 3)`` in [0, 1]), or ``(frames,)``
