@@ -50,7 +50,7 @@ def test_a_cache_spec_names_the_cache_and_its_values(spec, parsed):
 def test_a_spec_of_another_form_is_refused_naming_the_forms(spec):
     with pytest.raises(
         ArgumentError,
-        match=r"cache: expected fbc:THRESHOLD \(First-Block Cache: SD3, FLUX.1\) or "
+        match=r"cache: expected fbc:THRESHOLD \(First-Block Cache: SD3, FLUX.1, Wan\) or "
         r"deepcache:INTERVAL\[:BRANCH\] \(DeepCache: SD, SDXL\), got",
     ):
         parse_cache_spec(spec)

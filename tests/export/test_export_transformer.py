@@ -223,8 +223,16 @@ def offline_hub(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
 
 
-@pytest.mark.parametrize("option", ["vae", "controlnet", "tiny_vae"])
-@pytest.mark.parametrize("kind, family", [("flux", "FLUX.1"), ("sd3", "Stable Diffusion 3")])
+@pytest.mark.parametrize(
+    "kind, family, option",
+    [
+        ("flux", "FLUX.1", "vae"),
+        ("flux", "FLUX.1", "tiny_vae"),  # (FLUX.1 takes ControlNets)
+        ("sd3", "Stable Diffusion 3", "vae"),
+        ("sd3", "Stable Diffusion 3", "controlnet"),
+        ("sd3", "Stable Diffusion 3", "tiny_vae"),
+    ],
+)
 def test_a_tiny_random_transformer_export_refuses_a_vae_or_controlnet_by_name_before_fetching_it(
     tmp_path, offline_hub, option, kind, family
 ):
