@@ -56,6 +56,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import ArgumentError, ArgumentTypeError
+from .optimize import refuse_unloadable
 from .transformer_fusions import all_nodes, fresh_names
 
 logger = logging.getLogger(__name__)
@@ -240,6 +241,8 @@ def to_bfloat16(
         ArgumentTypeError: ``float16_model`` is not a ModelProto, or ``float32_weights`` neither a mapping nor one.
         ArgumentError: ``float16_model`` has weights on disk, or a float32 value is not the original of the float16
             one of its name.
+        RuntimeError: the bfloat16 graph is one ONNX Runtime refuses to load (nothing such is written:
+            :func:`~optimum_iobinding.export.optimize.refuse_unloadable`).
     """
     if not isinstance(float16_model, onnx.ModelProto):
         raise ArgumentTypeError("float16_model", f"expected an onnx.ModelProto, got {type(float16_model).__name__}")
@@ -269,6 +272,7 @@ def to_bfloat16(
     _remove_unread_initializers(model.graph)
     _sort_topologically(model.graph)
     _import_domains(model)
+    refuse_unloadable(model, "bfloat16 conversion")
     if kept:
         logger.info(
             "bfloat16: %d node(s) kept in float32, without a bfloat16 CUDA kernel at opset %d: %s",

@@ -357,28 +357,49 @@ def fold_pads_into_convs(model: onnx.ModelProto) -> int:
 _FOLDED_SIZE = 64
 
 
-def constants_folded(model: onnx.ModelProto) -> onnx.ModelProto:
+def constants_folded(model: onnx.ModelProto, base_dir: Optional[Path] = None) -> onnx.ModelProto:
     """A copy of ``model`` (its weights left where they are) where each standard node that computes a small value from
     constants alone is a ``Constant`` of that value, under the same output names. The TorchScript exporter writes
     such arithmetic for a dynamic ``unflatten`` (Wan's timestep projection, ``unflatten(1, (6, -1))``: the axis
     ``3 % 2 + 1`` computed in the graph), whose shape ORT's symbolic shape inference cannot see the rank of; folded,
-    it can. For shape inference only: the graph written is the exporter's."""
+    it can. For shape inference only: the graph written is the exporter's.
+
+    A constant whose value is on disk (an initializer, or a ``Constant`` node's value: past 2 GiB the TorchScript
+    exporter writes each larger tensor to a file of its own, its Constant nodes' values too) is read from
+    ``base_dir`` where it is small enough to fold and ``base_dir`` is given, else left as it is; a large one is never
+    read."""
     from onnx import numpy_helper
     from onnx.reference import ReferenceEvaluator
 
+    def small_value(tensor: onnx.TensorProto) -> Optional[np.ndarray]:
+        if _size(tensor.dims) > _FOLDED_SIZE:
+            return None
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            if base_dir is None:
+                return None
+            try:
+                return numpy_helper.to_array(tensor, str(base_dir))
+            except Exception:  # a file that is not there: not known here
+                return None
+        return numpy_helper.to_array(tensor)
+
     folded = onnx.ModelProto()
     folded.CopyFrom(model)
-    known: Dict[str, Any] = {
-        tensor.name: numpy_helper.to_array(tensor)
-        for tensor in folded.graph.initializer
-        if not tensor.external_data and _size(tensor.dims) <= _FOLDED_SIZE
-    }
+    known: Dict[str, Any] = {}
+    for tensor in folded.graph.initializer:
+        value = small_value(tensor)
+        if value is not None:
+            known[tensor.name] = value
     nodes = []
     for node in folded.graph.node:
         inputs = [name for name in node.input if name]
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-            value = ReferenceEvaluator(node).run(None, {})[0]
-            if value.size <= _FOLDED_SIZE:
+            tensor = next((a.t for a in node.attribute if a.name == "value"), None)
+            try:  # a tensor, possibly on disk (the exporter's), or value_int, value_floats …
+                value = small_value(tensor) if tensor is not None else ReferenceEvaluator(node).run(None, {})[0]
+            except Exception:  # a sparse value, say: left as it is
+                value = None
+            if value is not None and value.size <= _FOLDED_SIZE:
                 known[node.output[0]] = value
         elif inputs and node.domain in ("", "ai.onnx") and all(name in known for name in inputs):
             try:
@@ -417,6 +438,71 @@ def _has_subgraph(node: onnx.NodeProto) -> bool:
     )
 
 
+def weightless(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model``'s graph without its weights, nothing of them copied or read: each initializer (and each Constant
+    node whose value is on disk) a graph input of its element type and shape, the nodes, inputs, outputs and
+    ``value_info`` as they are. What type checks need of a model of any size."""
+    from onnx import helper
+
+    graph = model.graph
+    light = onnx.ModelProto()
+    light.ir_version = model.ir_version
+    light.opset_import.extend(model.opset_import)
+    light.functions.extend(model.functions)
+    light.graph.name = graph.name
+    light.graph.input.extend(graph.input)
+    light.graph.output.extend(graph.output)
+    light.graph.value_info.extend(graph.value_info)
+    inputs = {value.name for value in graph.input}
+
+    def as_input(name: str, tensor: onnx.TensorProto, dims: Sequence[int]) -> None:
+        if name not in inputs:
+            light.graph.input.append(helper.make_tensor_value_info(name, tensor.data_type, list(dims)))
+            inputs.add(name)
+
+    for tensor in graph.initializer:
+        as_input(tensor.name, tensor, tensor.dims)
+    for sparse in graph.sparse_initializer:
+        as_input(sparse.values.name, sparse.values, sparse.dims)
+    for node in graph.node:
+        value = next((a.t for a in node.attribute if a.name == "value"), None) if node.op_type == "Constant" else None
+        if value is not None and node.domain in ("", "ai.onnx") and value.data_location == onnx.TensorProto.EXTERNAL:
+            as_input(node.output[0], value, value.dims)
+        else:
+            light.graph.node.append(node)
+    return light
+
+
+def onnx_runtime_refusal(model: onnx.ModelProto) -> Optional[str]:
+    """What ONNX Runtime says when it loads ``model`` (each node's types checked against its operator's type
+    constraints, and against the types ``value_info`` declares, as ``InferenceSession`` checks a model before anything
+    else), or None where it loads. Only the graph is loaded (:func:`weightless`): no weight is read or allocated and
+    no kernel is looked for, so that a model of any size is checked in a moment, a bfloat16 one or one of CUDA-only
+    fused operators too."""
+    import onnxruntime
+    from onnxruntime.capi import _pybind_state
+
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3  # its warnings about kernels and providers are for a session that runs
+    try:  # what InferenceSession does first (initialize_session, which finds kernels and reads weights, follows)
+        _pybind_state.InferenceSession(options, weightless(model).SerializeToString(), False, False)
+    except Exception as error:  # ORT's Fail, InvalidGraph …: its message says which node and why
+        return str(error)
+    return None
+
+
+def refuse_unloadable(model: onnx.ModelProto, conversion: str, why: str = "") -> None:
+    """Raises where ONNX Runtime refuses to load ``model``, the result of ``conversion`` (a float16 or bfloat16
+    conversion): such a graph is never written (:func:`onnx_runtime_refusal`). ``why``: what went wrong before it,
+    for the message."""
+    refusal = onnx_runtime_refusal(model)
+    if refusal is not None:
+        raise RuntimeError(
+            f"the {conversion} made a graph ONNX Runtime refuses to load, so nothing is written: {refusal}"
+            + (f" ({why})" if why else "")
+        )
+
+
 def convert_to_float16(
     model: onnx.ModelProto, shapes_known: bool = False, float32_inputs: Sequence[str] = ()
 ) -> onnx.ModelProto:
@@ -425,13 +511,17 @@ def convert_to_float16(
     fp32 behind casts; then the casts ORT's converter puts between two float32 nodes (to float16 and straight back)
     are removed, as ORT's ``OnnxModel.convert_float_to_float16`` removes them. The converter needs every
     intermediate's type; ``shapes_known`` says the model already carries them (its own inference cannot serialize
-    > 2 GiB)."""
+    > 2 GiB).
+
+    Raises:
+        RuntimeError: the converted graph is one ONNX Runtime refuses to load (:func:`refuse_unloadable`)."""
     if not shapes_known:
         model = onnx.shape_inference.infer_shapes(model)
     converted = _converted_keeping_island(model, float32_inputs)
     # the types are in value_info already: no symbolic inference (it copies the model, weights and all)
     converted.disable_shape_inference()
     converted.remove_useless_cast_nodes()
+    refuse_unloadable(converted.model, "float16 conversion")
     return converted.model
 
 
@@ -659,7 +749,14 @@ def optimized_to_float16(optimized: Any, folder: Path, float32_inputs: Sequence[
     (onnx's own cannot type the fused com.microsoft ops), its float16 converter, then removing cascaded and useless
     Casts — with the weights on disk in ``folder`` for the two inference passes and in memory only for the
     conversion, and the :func:`float32_island` of the conditioning inputs kept float32 (as
-    :func:`convert_to_float16`)."""
+    :func:`convert_to_float16`).
+
+    The converter casts at the float32 island's edges only where it knows the types: where ORT's inference fails
+    (again with the exporter's index arithmetic folded, :func:`constants_folded`), the types of ONNX's own inference
+    stand in (none past a fused operator), and a converted graph that ONNX Runtime refuses to load is refused here.
+
+    Raises:
+        RuntimeError: the converted graph is one ONNX Runtime refuses to load (:func:`refuse_unloadable`)."""
     from onnx import ValueInfoProto
     from onnxruntime.transformers.onnx_model import OnnxModel
     from onnxruntime.transformers.shape_infer_helper import SymbolicShapeInferenceHelper
@@ -671,21 +768,19 @@ def optimized_to_float16(optimized: Any, folder: Path, float32_inputs: Sequence[
             helper = SymbolicShapeInferenceHelper(graph_model)
             return helper.infer_shapes(graph_model, auto_merge=True, guess_output_rank=False)
 
+    failure = ""
     try:
         try:
             typed = inferred(model)
         except Exception:  # the exporter's index arithmetic (Wan's ``unflatten(1, (6, -1))``) hides a Reshape's
             # rank from it: again with that arithmetic computed. Without the types the converter leaves the float32
-            # island's edge uncast (a float32 value into a float16 Gemm: a graph ORT refuses to load)
-            typed = inferred(constants_folded(model))
-    except Exception as error:  # ORT goes on without the types, warning; so do we, saying why
-        logger.warning(
-            "ORT's symbolic shape inference failed before the float16 conversion (%s: %s); converting "
-            "without its types",
-            type(error).__name__,
-            error,
-        )
-        typed = None
+            # island's edge uncast (a float32 value into a float16 Gemm: a graph ORT refuses to load). The constants
+            # a large export holds on disk (Constant nodes' values too) are read from the folder
+            typed = inferred(constants_folded(model, folder))
+    except Exception as error:
+        failure = f"ORT's symbolic shape inference failed before it: {type(error).__name__}: {error}"
+        logger.warning("%s; converting to float16 with the types of ONNX's own inference", failure)
+        typed = _onnx_typed(model)  # None: no types at all, and the check after the conversion decides
     # element types only, as ORT merges them (auto_merge may widen shapes: microsoft/onnxruntime#15521)
     known = {info.name for info in model.graph.value_info}
     for info in typed.graph.value_info if typed is not None else ():
@@ -700,5 +795,16 @@ def optimized_to_float16(optimized: Any, folder: Path, float32_inputs: Sequence[
     converted = OnnxModel(unload(converted.model, folder / "fp16.onnx"))
     with in_folder(folder):
         converted.remove_useless_cast_nodes()
+    refuse_unloadable(converted.model, "float16 conversion", failure)  # the weights still on disk: checked light
     onnx.load_external_data_for_model(converted.model, str(folder))
     return converted.model
+
+
+def _onnx_typed(model: onnx.ModelProto) -> Optional[onnx.ModelProto]:
+    """``model``'s graph typed by ONNX's own shape inference, no weight read (:func:`weightless`; the outputs of the
+    operators it has no schema for, ORT's fused ones, and what follows them left untyped), or None where it refuses
+    the graph."""
+    try:
+        return onnx.shape_inference.infer_shapes(weightless(model), strict_mode=False)
+    except Exception:
+        return None

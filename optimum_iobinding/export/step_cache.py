@@ -278,7 +278,7 @@ def write_step_cache_parts(folder: Path) -> List[Path]:
     with in_folder(folder):  # small constants inference reads may be in the weights file
         typed = inferred_shapes(model)
         if typed is model.graph:  # ORT's inference failed: again with the exporter's index arithmetic computed
-            typed = inferred_shapes(constants_folded(model))
+            typed = inferred_shapes(constants_folded(model, folder))
     # the inferred shapes win: a float16 conversion leaves value_info with types but no shapes, and the runtime sizes
     # a part's outputs (for its CUDA graph) from their dims
     inferred = {value.name for value in typed.value_info}

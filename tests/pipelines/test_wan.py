@@ -634,3 +634,81 @@ def test_the_float16_transformer_gives_the_float32_ones_output_to_float16_roundi
         assert session.get_inputs()[2].type == "tensor(float)"  # the timestep float32, as diffusers embeds it
         outputs.append(session.run(None, typed)[0].astype(np.float32))
     np.testing.assert_allclose(outputs[1], outputs[0], atol=5e-3 * np.abs(outputs[0]).max())
+
+
+@pytest.fixture
+def exported_as_past_two_gib(monkeypatch):
+    """The TorchScript export writing what it writes for a model past 2 GiB (the full-width Wan transformers): each
+    tensor in a file of its own beside the graph, the Constant nodes' values too — here every one, however small."""
+    from optimum_iobinding.export import components
+
+    torchscript_export = components.torchscript_export
+
+    def past_two_gib(spec, path, opset):
+        torchscript_export(spec, path, opset)
+        onnx.save_model(
+            onnx.load(str(path)),
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=False,
+            size_threshold=0,
+            convert_attribute=True,
+        )
+
+    monkeypatch.setattr(components, "torchscript_export", past_two_gib)
+
+
+def export_wan_transformer(torch_pipe, target, dtype):
+    """The transformer alone, in ``dtype`` after ORT's CUDA optimizer, its weights written to model.onnx_data."""
+    from optimum_iobinding.export.wan import export_wan_pipeline
+
+    folder = export_wan_pipeline(
+        torch_pipe,
+        target,
+        components=["transformer"],
+        dtype=dtype,
+        optimize="cuda",
+        progress=False,
+        external_data_threshold=0,
+    )
+    assert (folder / "transformer" / "model.onnx_data").is_file()
+    return str(folder / "transformer" / "model.onnx")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_a_half_precision_transformer_exported_with_its_weights_and_constants_on_disk_loads_in_onnx_runtime(
+    wan, tmp_path, exported_as_past_two_gib, dtype
+):
+    # the retry of ORT's shape inference with the unflatten arithmetic folded reads the constants where they are:
+    # without its types the float32 timestep embedding reached its float16 Gemm uncast
+    import onnxruntime as ort
+    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NoKernel
+
+    path = export_wan_transformer(wan[0], tmp_path / "out", dtype)
+    if dtype == "bf16":  # loaded and typed, then the CPU provider has no bfloat16 kernels
+        with pytest.raises(NoKernel, match="Could not find an implementation"):
+            ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    else:
+        ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("onnx_types", [True, False], ids=["onnx-types", "no-types"])
+def test_without_orts_shape_inference_the_float16_export_converts_with_onnx_types_or_writes_nothing(
+    wan, tmp_path, monkeypatch, onnx_types
+):
+    import onnxruntime as ort
+
+    from optimum_iobinding.export import optimize
+
+    def fails(*args, **kwargs):
+        raise ValueError("no inference here")
+
+    monkeypatch.setattr(optimize, "constants_folded", fails)  # the retry fails (the first try fails on Wan)
+    if onnx_types:
+        path = export_wan_transformer(wan[0], tmp_path / "out", "fp16")
+        ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    else:  # a conversion without types leaves the float32 island's edge uncast: refused, not written
+        monkeypatch.setattr(optimize, "_onnx_typed", lambda model: None)
+        with pytest.raises(RuntimeError, match=r"refuses to load.*Type Error.*Gemm.*no inference here"):
+            export_wan_transformer(wan[0], tmp_path / "out", "fp16")
+        assert not (tmp_path / "out").exists()
