@@ -205,6 +205,10 @@ def test_first_block_cache_with_the_image_states_skips_the_steps_diffusers_skips
 ):
     from diffusers.hooks import FirstBlockCacheConfig
 
+    from .test_wan import skip_without_diffusers_wan_cache
+
+    skip_without_diffusers_wan_cache()
+
     torch_pipe, folder = wan21_parts
     pipe = load(folder)
     config = FirstBlockCacheConfig(threshold=0.1)
