@@ -753,7 +753,7 @@ def run_generate(args: argparse.Namespace) -> int:
         if pipe is None:  # a folder without a VAE encoder
             option = "--mask" if sibling == "inpainting" else "--image"
             raise UsageError(f"{option}: {runs.class_name} needs the folder's vae_encoder/, which {model} lacks")
-    if first_image is not None and width is not None:  # an image's side, rounded down to what the denoiser runs
+    if first_image is not None:  # an image's side, rounded down to what the denoiser runs
         multiple = pipe.size_multiple
         width, height = (
             side if side == chosen else max(multiple, chosen // multiple * multiple)
@@ -794,8 +794,8 @@ def run_generate(args: argparse.Namespace) -> int:
         callback_on_step_end=record_step,
         **image_arguments(runs, args.images, width, height),
     )
-    if not runs.sized_by_image and width is not None:
-        call.update(height=height, width=width)
+    if not runs.sized_by_image:  # (a video family without --height or --width: its pipeline's default for that side)
+        call.update({name: side for name, side in (("height", height), ("width", width)) if side is not None})
     if args.frames is not None:
         call["num_frames"] = args.frames
     if runs.options.get("size_by_area"):  # else FLUX.1 Kontext makes about a megapixel of the aspect ratio

@@ -123,3 +123,17 @@ def test_a_step_cache_runs_on_a_video_family_and_its_summary_says_what_it_did(sh
         r"steps ran whole\)",
         capsys.readouterr().out,
     )
+
+
+def test_one_side_given_is_that_side_and_the_other_the_pipelines_default(wan_folder, tmp_path, capsys, monkeypatch):
+    """Only ``--height``: the height asked for, the width the pipeline's own default."""
+    from optimum_iobinding import OnnxWanPipeline
+
+    sizes = []
+    call = OnnxWanPipeline.__call__
+    monkeypatch.setattr(
+        OnnxWanPipeline, "__call__", lambda self, **kw: sizes.append(kw) or call(self, **dict(kw, width=32))
+    )
+    argv = ["--provider", "CPUExecutionProvider", "--steps", "1", "--height", "16", "--frames", "5"]
+    assert main(["generate", PROMPT, *argv, "--model", str(wan_folder), "--out", str(tmp_path / "f")]) == 0
+    assert sizes[0]["height"] == 16 and "width" not in sizes[0]
