@@ -41,6 +41,7 @@ class ArgumentChecks:
         callback_on_step_end_tensor_inputs: Any = ("latents",),
         joint_attention_kwargs: Any = None,
         guidance_rescale: Any = None,
+        prompts: int = 1,
     ) -> None:
         """Refuses, before any work, a shared argument the call cannot run with (every family's, checked here
         once), naming it, what was expected and what came: the size, the steps (or ``sigmas``, one per step), the
@@ -64,7 +65,7 @@ class ArgumentChecks:
             raise ArgumentError("num_images_per_prompt", f"expected a positive integer, got {num_images_per_prompt!r}")
         self.check_size(height, width)
         if self.device.type == "cpu" and not self.family.frames:
-            self.check_fits(height, width, num_images_per_prompt, guidance_scale)
+            self.check_fits(height, width, prompts * num_images_per_prompt, guidance_scale)
         if sigmas is not None:
             values = list(sigmas) if isinstance(sigmas, (list, tuple, np.ndarray)) else None
             if not values or not all(is_real(v) and math.isfinite(v) for v in values):
@@ -91,7 +92,13 @@ class ArgumentChecks:
         embeddings (one of them), a negative prompt like it (a str for every prompt where
         :attr:`broadcasts_negative_prompt`) or its embeddings (at most one of them), embeddings of the denoiser's
         width."""
-        self.check_call(**call)
+        if isinstance(prompt, list):  # the rows the memory check counts (a bad prompt is refused below)
+            prompts = len(prompt)
+        elif prompt is None and isinstance(prompt_embeds, torch.Tensor) and prompt_embeds.ndim == 3:
+            prompts = prompt_embeds.shape[0]
+        else:
+            prompts = 1
+        self.check_call(**call, prompts=prompts)
         steps = len(call["sigmas"]) if call.get("sigmas") is not None else call["num_inference_steps"]
         train_steps = getattr(self.scheduler.config, "num_train_timesteps", None)
         if train_steps and steps > train_steps:  # a discrete-time schedule has no more steps than it was trained on

@@ -130,7 +130,7 @@ class OnnxStableDiffusionXLControlNetPipeline(UNetControlNets, OnnxStableDiffusi
         )
         height, width = images[0].shape[-2:]
         if self.device.type == "cpu":  # the size the control images gave, before any component runs
-            self.check_fits(height, width, num_images_per_prompt, guidance_scale)
+            self.check_fits(height, width, batch_size * num_images_per_prompt, guidance_scale)
         original_size = original_size or (height, width)
         target_size = target_size or (height, width)
         add_time_ids = self.time_ids(original_size, crops_coords_top_left, target_size, 0.0, self.unet_dtype)

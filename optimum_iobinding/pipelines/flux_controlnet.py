@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from ..errors import ArgumentError, ArgumentTypeError, ModelFileError
@@ -160,7 +161,8 @@ class OnnxFluxControlNetPipeline(ControlNets, FluxFamilyPipeline):
             label = "control_image" if len(given) == 1 else f"control_image[{k}]"
             if not isinstance(image, torch.Tensor):
                 self.check_image(image, label, resized=True)
-                rows = len(image) if isinstance(image, list) else 1
+                batched = isinstance(image, np.ndarray) and image.ndim == 4  # (rows, height, width, channels)
+                rows = len(image) if isinstance(image, list) or batched else 1
             else:
                 if image.ndim != 4 or tuple(image.shape[1:]) != (3, height, width):
                     raise ArgumentError(

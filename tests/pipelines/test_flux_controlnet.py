@@ -147,6 +147,7 @@ REFUSALS = [
     ("one", {"control_image": None}, "control_image: expected a control image"),
     ("one", {"control_image": torch.zeros(1, 3, 32, 32)}, r"control_image: expected a tensor of shape \(rows, 3, 64"),
     ("one", {"control_image": [picture()] * 3, "prompt": PROMPTS}, "control_image: expected 1 or 2 images"),
+    ("one", {"control_image": np.zeros((3, HEIGHT, WIDTH, 3)), "prompt": PROMPTS}, "control_image: expected 1 or 2"),
     ("one", {"controlnet_conditioning_scale": [1.0, 0.5]}, "controlnet_conditioning_scale: expected 1 values"),
     ("one", {"control_guidance_start": 0.8, "control_guidance_end": 0.2}, "control_guidance_start: expected each"),
     ("one", {"control_mode": [0]}, "control_mode: expected an int or None for one ControlNet"),

@@ -107,3 +107,14 @@ def test_nothing_is_refused_where_the_memory_cannot_be_known():
 def test_the_hosts_memory_is_what_the_cpu_provider_is_checked_against():
     free, where = memory.available_memory("CPUExecutionProvider")
     assert free > 0 and where == "the host's available memory"
+
+
+def test_every_prompt_of_a_call_counts_in_what_it_holds(tiny_folder, host_with):
+    """Four prompts make four images: at a size where one fits, four are refused before any work."""
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder, provider="CPUExecutionProvider")
+    host_with(40 * 10**6)  # 256²: about 19 MB for one image's VAE attention, 75 MB for four
+    with pytest.raises(ArgumentError, match=r"height and width: 256×256 × 4 images needs about"):
+        pipe(["a cat"] * 4, height=256, width=256, num_inference_steps=1, output_type="np")
+    pipe.check_fits(256, 256, 1, 7.5)  # one image fits
