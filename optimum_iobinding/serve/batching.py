@@ -375,7 +375,7 @@ class ImageGenerator:
         for name, (path, _) in zip(names, specs):
             try:
                 self.pipe.load_lora_weights(path, adapter_name=name)
-            except ArgumentError as error:
+            except (OSError, ValueError) as error:  # a file or hub id that is no LoRA, or none of these models'
                 raise ArgumentError("loras", f"{path}: {error}") from None
         self.lora_weights = {name: scale for name, (_, scale) in zip(names, specs)}
         self.pipe.set_adapters(names, adapter_weights=[scale for _, scale in specs])

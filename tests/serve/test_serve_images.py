@@ -222,3 +222,9 @@ def test_a_pixel_limit_below_the_default_size_fails_the_replica_naming_it(tiny_f
     ):
         replica(tiny_folder, max_pixels_per_image=10)
     assert ServeConfig(model="m", max_pixels_per_image=4096).limits(64).max_pixels_per_image == 4096
+
+
+def test_a_lora_that_cannot_be_read_fails_the_replica_naming_loras(tiny_folder, tmp_path):
+    (tmp_path / "notes.safetensors").write_text("no LoRA")
+    with pytest.raises(ArgumentError, match=r"^loras: .*notes\.safetensors: "):
+        replica(tiny_folder, loras=[str(tmp_path / "notes.safetensors")])
