@@ -780,7 +780,7 @@ def optimized_to_float16(optimized: Any, folder: Path, float32_inputs: Sequence[
     except Exception as error:
         failure = f"ORT's symbolic shape inference failed before it: {type(error).__name__}: {error}"
         logger.warning("%s; converting to float16 with the types of ONNX's own inference", failure)
-        typed = _onnx_typed(model)  # None: no types at all, and the check after the conversion decides
+        typed = onnx_typed(model)  # None: no types at all, and the check after the conversion decides
     # element types only, as ORT merges them (auto_merge may widen shapes: microsoft/onnxruntime#15521)
     known = {info.name for info in model.graph.value_info}
     for info in typed.graph.value_info if typed is not None else ():
@@ -800,7 +800,7 @@ def optimized_to_float16(optimized: Any, folder: Path, float32_inputs: Sequence[
     return converted.model
 
 
-def _onnx_typed(model: onnx.ModelProto) -> Optional[onnx.ModelProto]:
+def onnx_typed(model: onnx.ModelProto) -> Optional[onnx.ModelProto]:
     """``model``'s graph typed by ONNX's own shape inference, no weight read (:func:`weightless`; the outputs of the
     operators it has no schema for, ORT's fused ones, and what follows them left untyped), or None where it refuses
     the graph."""

@@ -719,7 +719,7 @@ def test_without_orts_shape_inference_the_float16_export_converts_with_onnx_type
         path = export_wan_transformer(wan[0], tmp_path / "out", "fp16")
         ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     else:  # a conversion without types leaves the float32 island's edge uncast: refused, not written
-        monkeypatch.setattr(optimize, "_onnx_typed", lambda model: None)
+        monkeypatch.setattr(optimize, "onnx_typed", lambda model: None)
         with pytest.raises(RuntimeError, match=r"refuses to load.*Type Error.*Gemm.*no inference here"):
             export_wan_transformer(wan[0], tmp_path / "out", "fp16")
         assert not (tmp_path / "out").exists()
