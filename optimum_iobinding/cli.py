@@ -730,13 +730,11 @@ def run_generate(args: argparse.Namespace) -> int:
     given = (args.width, args.height)
     default = None if runs.frames else 512  # a video family's size is its pipeline's (Wan's 832 × 480)
     width, height = (side or (first_image.size[axis] if first_image else default) for axis, side in enumerate(given))
-    guided = record.negative_prompt and record.negative_prompt_needs is None  # classifier-free: two rows an image
-    if (args.guidance if args.guidance is not None else record.defaults.guidance_scale) <= 1:
-        guided = False
     if not runs.frames:
         with options_named(GENERATE_OPTIONS):
             memory = CallMemory.of_folder(model, provider)
-            check_image_fits(memory, width, height, provider, rows=2 if guided else 1)
+            guidance = args.guidance if args.guidance is not None else record.defaults.guidance_scale
+            check_image_fits(memory, width, height, provider, rows=record.rows_per_image(guidance))
     if not runs.frames and out is None:  # a name without an extension, for an image
         out = check_image_path(args.out)
     writer = None

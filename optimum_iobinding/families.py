@@ -12,6 +12,7 @@ defaults. A new family is a record here, a class with its ``__call__``, its expo
 from __future__ import annotations
 
 import importlib
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import AbstractSet, Dict, FrozenSet, Mapping, Optional, Sequence, Tuple, Union
 
@@ -208,6 +209,13 @@ class Family:
     def denoiser(self) -> str:
         """The component its loop calls at every step (``"unet"`` or ``"transformer"``)."""
         return self.interface.component
+
+    def rows_per_image(self, guidance_scale: object) -> int:
+        """The denoiser's rows for each image of a call at ``guidance_scale``: 2 where the family guides by
+        classifier-free guidance (a negative prompt's row beside the prompt's) and the scale is above 1, else 1."""
+        guided = self.negative_prompt and self.negative_prompt_needs is None
+        number = isinstance(guidance_scale, numbers.Real) and not isinstance(guidance_scale, bool)
+        return 2 if guided and number and guidance_scale > 1 else 1
 
     def use_hint(self) -> str:
         """``"use OnnxX from Python with …"``: what runs a folder of this family."""

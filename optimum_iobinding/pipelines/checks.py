@@ -288,8 +288,7 @@ class ArgumentChecks:
         available memory is refused before any work, naming the largest size that fits (:mod:`.memory`: the
         denoiser's attention and the VAE decoder, with a row per image and classifier-free guidance's second)."""
         record = self.family
-        guided = record.negative_prompt and record.negative_prompt_needs is None and is_real(guidance_scale)
-        rows = images * (2 if guided and guidance_scale > 1 else 1)
+        rows = images * record.rows_per_image(guidance_scale)
         denoiser = getattr(self, record.denoiser, None)
         decoder = getattr(self, "vae_decoder", None)
         memory = CallMemory(

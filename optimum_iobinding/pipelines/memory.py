@@ -144,10 +144,11 @@ class CallMemory:
         VAE): on the CPU float32 activations and unfused attention, elsewhere the float16 floor without the
         attention a fused export keeps none of."""
         folder = Path(folder)
-        decoder = read_config(decoder_folder if decoder_folder is not None else folder / "vae_decoder")
+        vae = read_config(folder / "vae_decoder")
+        decoder = vae if decoder_folder is None else read_config(decoder_folder)
         component = "unet" if (folder / "unet").is_dir() else "transformer"
         denoiser = read_config(folder / component) if (folder / component).is_dir() else None
-        levels = read_config(folder / "vae_decoder").get("block_out_channels")
+        levels = vae.get("block_out_channels")
         factor = 2 ** (len(levels) - 1) if isinstance(levels, list) and levels else 8
         cpu = provider == "CPUExecutionProvider"
         return cls(decoder, denoiser, component, factor, 4 if cpu else ELEMENT_BYTES, cpu)
