@@ -136,14 +136,17 @@ def _causal_conv_forward(conv: Any, x: torch.Tensor, cache_x: Optional[torch.Ten
 def _attention_forward(block: Any, x: torch.Tensor) -> torch.Tensor:
     """diffusers' ``WanAttentionBlock.forward`` (one head over each frame's pixels) with the attention's head dim
     taken by index instead of ``squeeze(1)``, which the TorchScript exporter writes as an ``If`` on the traced size
-    (control flow that keeps the graph from being folded and captured)."""
+    (control flow that keeps the graph from being folded and captured), and the attention's scale a number (the
+    channels are the weights'): computed from the traced size, it is a ``Shape`` … ``Sqrt`` chain that ORT runs on the
+    host and copies to the device on every run, a synchronous copy that fails a CUDA graph's capture."""
     identity = x
     batch, channels, time, height, width = x.size()
     x = x.permute(0, 2, 1, 3, 4).reshape(batch * time, channels, height, width)
     x = block.norm(x)
     qkv = block.to_qkv(x).reshape(batch * time, 1, channels * 3, -1).permute(0, 1, 3, 2).contiguous()
     q, k, v = qkv.chunk(3, dim=-1)
-    x = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    scale = float(block.to_qkv.out_channels // 3) ** -0.5  # one head over all the channels
+    x = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
     x = x[:, 0].permute(0, 2, 1).reshape(batch * time, channels, height, width)
     x = block.proj(x)
     x = x.view(batch, time, channels, height, width).permute(0, 2, 1, 3, 4)

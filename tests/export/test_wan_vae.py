@@ -154,6 +154,32 @@ def test_every_chunk_graph_is_free_of_scatter_nd_control_flow_and_pads(wan21_fol
         assert not ops & {"If", "Loop", "Scan", "Pad"}, (component, file, ops & {"If", "Loop", "Scan", "Pad"})
 
 
+def host_computed_floats(model):
+    """The nodes of ``model`` that compute a floating-point value from tensor shapes alone (a ``Shape`` and constants):
+    ORT runs shape arithmetic on the host, and a float it makes there is copied to the device on every run, a
+    synchronous copy that fails a CUDA graph's capture."""
+    constants = {initializer.name for initializer in model.graph.initializer}
+    constants |= {output for node in model.graph.node if node.op_type == "Constant" for output in node.output}
+    from_shapes, floats = set(), []
+    for node in model.graph.node:  # in topological order, as the exporter writes them
+        inputs = [name for name in node.input if name and name not in constants]
+        if node.op_type == "Shape" or (inputs and all(name in from_shapes for name in inputs)):
+            from_shapes.update(node.output)
+            float_cast = node.op_type == "Cast" and any(
+                attribute.name == "to" and attribute.i in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+                for attribute in node.attribute
+            )
+            if float_cast or node.op_type in ("Sqrt", "Reciprocal"):
+                floats.append(node.name)
+    return floats
+
+
+def test_no_chunk_graph_computes_a_float_from_shapes_on_the_host(wan21_folder):
+    for component, file in GRAPHS:
+        model = onnx.load(str(wan21_folder / component / file), load_external_data=False)
+        assert host_computed_floats(model) == [], (component, file)
+
+
 def test_later_chunks_take_and_give_a_cache_of_one_fixed_shape(wan21_folder):
     for component in ("vae_decoder", "vae_encoder"):
         first = onnx.load(str(wan21_folder / component / "model.onnx"), load_external_data=False)
