@@ -26,10 +26,17 @@ from optimum_iobinding.bench.probes import environment, kernel_table, replay_ms
 
 
 def step_inputs(model: IOBindingORTModel, size: int, text_tokens: int) -> dict:
-    """One step's inputs at ``size``² with ``text_tokens`` T5 tokens: SD3's (CFG batch 2) or FLUX.1's (batch 1)."""
+    """One step's inputs at ``size``² with ``text_tokens`` T5 tokens: SD3's (CFG batch 2) or FLUX.1's (batch 1); a Wan
+    transformer's at the video scenario's shape (480×832, 81 frames, CFG batch 2, 512 UMT5 tokens) whatever the size."""
     dtypes = model.input_dtypes
     latent = size // 8
-    if "img_ids" in model.input_names:  # FLUX.1: 2×2-packed latent tokens, one batch
+    if len(model.input_dims["hidden_states"]) == 5:  # Wan: 81 frames at 480×832 (21 latent frames of 60 × 104), CFG
+        shapes = {
+            "hidden_states": (2, 16, 21, 60, 104),
+            "encoder_hidden_states": (2, 512, 4096),
+            "timestep": (2,),
+        }
+    elif "img_ids" in model.input_names:  # FLUX.1: 2×2-packed latent tokens, one batch
         tokens = (latent // 2) ** 2
         shapes = {
             "hidden_states": (1, tokens, 64),
