@@ -180,3 +180,46 @@ def multi_head_attention(
         The attended values, ``(batch, sequence, heads × head_size)``.
     """
     return _MultiHeadAttention.apply(query, key, value, int(heads), float(scale))
+
+
+# ---------------------------------------------------------------------------------- rotary embedding
+class _InterleavedRotaryEmbedding(torch.autograd.Function):
+    """The rotary embedding of ``states`` ``(batch, tokens, heads × head_size)`` whose pairs of neighbouring values
+    ``(x1, x2)`` turn by each token's angles, ``(x1 cos − x2 sin, x1 sin + x2 cos)``, with the cosines and sines
+    ``(tokens, head_size / 2)`` given per token: computed in torch while the exporter traces, written as one
+    ``com.microsoft`` ``RotaryEmbedding`` node in its interleaved form (positions counted from 0, so that token ``t``
+    reads row ``t`` of the tables) — one pass over the activations instead of a slice, four products, a sum, a
+    difference and a concatenation, each a pass."""
+
+    @staticmethod
+    def forward(ctx: Any, states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+        by_head = states.unflatten(2, (heads, -1))
+        first, second = by_head[..., 0::2], by_head[..., 1::2]
+        cos, sin = cos[:, None, :], sin[:, None, :]  # (tokens, 1, head_size / 2): every head turns alike
+        rotated = torch.stack([first * cos - second * sin, first * sin + second * cos], dim=-1)
+        return rotated.flatten(3).flatten(2)
+
+    @staticmethod
+    def symbolic(g: Any, states: Any, cos: Any, sin: Any, heads: int) -> Any:
+        positions = g.op("Constant", value_t=torch.zeros(1, dtype=torch.int64))  # an offset: token t at row t
+        output = g.op("com.microsoft::RotaryEmbedding", states, positions, cos, sin, interleaved_i=1, num_heads_i=heads)
+        output.setType(states.type())
+        return output
+
+
+def interleaved_rotary_embedding(
+    states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
+) -> torch.Tensor:
+    """The rotary embedding that turns each pair of neighbouring values of every head of ``states`` by its token's
+    angles (Wan's, FLUX.1's), exported as one ``com.microsoft`` ``RotaryEmbedding`` node (interleaved).
+
+    Args:
+        states: queries or keys ``(batch, tokens, heads × head_size)``.
+        cos, sin: the cosine and sine of each token's angles, ``(tokens, head_size / 2)``, of the states' dtype (the
+            node reads its tables in the input's type).
+        heads: the number of heads.
+
+    Returns:
+        The turned states, of ``states``' shape.
+    """
+    return _InterleavedRotaryEmbedding.apply(states, cos, sin, int(heads))

@@ -24,9 +24,10 @@ Layout written::
 
 Every axis but the channels is dynamic (batch, frames, height, width, text length). The transformer is exported with:
 
-- its rotary embedding elementwise: diffusers writes the rotated queries and keys by strided assignment
-  (``out[..., 0::2] = …``), which the exporter turns into ``ScatterND``, catastrophically slow on ORT's CUDA provider;
-  here the two halves are computed and interleaved by stacking them (the same values), from float32 tables (diffusers
+- its rotary embedding as ``com.microsoft`` ``RotaryEmbedding`` nodes in their interleaved form
+  (:func:`.attention.interleaved_rotary_embedding`): one pass over the queries or keys. diffusers writes the rotated
+  queries and keys by strided assignment (``out[..., 0::2] = …``), which the exporter turns into ``ScatterND``,
+  catastrophically slow on ORT's CUDA provider; the tables are made once a call for every block, from float32 (diffusers
   rotates in float64, which ORT's CUDA provider would run on the host);
 - its attention as ``com.microsoft`` ``MultiHeadAttention`` nodes (:func:`.attention.multi_head_attention`), cuDNN's
   flash kernel on CUDA; the query and key RMS norms written out in elementary ops (the TorchScript exporter has no
@@ -63,7 +64,7 @@ from ..families import (
     family,
     torch_class_family,
 )
-from .attention import multi_head_attention
+from .attention import interleaved_rotary_embedding, multi_head_attention
 from .components import EXTERNAL_DATA_THRESHOLD, export_model
 from .step_cache import check_first_block_cache_depth
 from .transformer_pipeline import export_transformer_pipeline
@@ -159,7 +160,7 @@ class _WanTransformer(torch.nn.Module):
 
 class _RotaryTables(torch.nn.Module):
     """Wan's rotary tables (``WanRotaryPosEmbed``) for a latent video: per token, the cosines and sines of its frame's,
-    row's and column's angles side by side, ``(1, tokens, 1, head_dim / 2)`` — each angle once (diffusers' tables
+    row's and column's angles side by side, ``(tokens, head_dim / 2)`` — each angle once (diffusers' tables
     repeat each twice and its rotation reads every other one) and in float32 (diffusers' tables are float64)."""
 
     def __init__(self, rope: torch.nn.Module):
@@ -180,7 +181,7 @@ class _RotaryTables(torch.nn.Module):
                 shape = [1, 1, 1, part.shape[-1]]
                 shape[axis] = grid[axis]
                 axes.append(part[: grid[axis]].view(shape).expand(*grid, part.shape[-1]))
-            return torch.cat(axes, dim=-1).reshape(1, -1, 1, sum(self.split))
+            return torch.cat(axes, dim=-1).reshape(-1, sum(self.split))
 
         return table(self.cos), table(self.sin)
 
@@ -192,21 +193,11 @@ def _rms_norm(states: torch.Tensor, norm: torch.nn.RMSNorm) -> torch.Tensor:
     return normed if norm.weight is None else normed * norm.weight
 
 
-def _rotate(states: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Wan's rotary embedding of ``states`` ``(batch, tokens, heads × head_dim)``: each pair of neighbouring values
-    ``(x1, x2)`` becomes ``(x1 cos − x2 sin, x1 sin + x2 cos)``, the two written side by side by stacking (diffusers'
-    strided assignment exports to ScatterND)."""
-    by_head = states.unflatten(2, (heads, -1))
-    first, second = by_head[..., 0::2], by_head[..., 1::2]
-    rotated = torch.stack([first * cos - second * sin, first * sin + second * cos], dim=-1)
-    return rotated.flatten(3).flatten(2)
-
-
 class _WanAttentionForExport:
     """``WanAttnProcessor``'s computation (projections, RMS-normed queries and keys across heads, the rotary
     embedding of a self-attention, attention, the output projection; Wan 2.1 I2V's attention to the image's states
     through keys and values of their own, added) with each attention one ``MultiHeadAttention`` node and the rotary
-    embedding elementwise (see the module's docstring)."""
+    embedding one ``RotaryEmbedding`` node (see the module's docstring)."""
 
     def __call__(
         self,
@@ -231,7 +222,9 @@ class _WanAttentionForExport:
         value = attn.to_v(context)
         if rotary_emb is not None:
             cos, sin = rotary_emb
-            query, key = _rotate(query, attn.heads, cos, sin), _rotate(key, attn.heads, cos, sin)
+            cos, sin = cos.to(query.dtype), sin.to(query.dtype)  # the node reads its tables in the states' type
+            query = interleaved_rotary_embedding(query, cos, sin, attn.heads)
+            key = interleaved_rotary_embedding(key, cos, sin, attn.heads)
         scale = (attn.inner_dim // attn.heads) ** -0.5
         attended = multi_head_attention(query, key, value, attn.heads, scale)
         if image is not None:
@@ -240,13 +233,50 @@ class _WanAttentionForExport:
         return attn.to_out[1](attn.to_out[0](attended))
 
 
+# the opset of the TorchScript exporter's own ``aten::unflatten`` symbolic, which :func:`static_unflatten` overrides
+_UNFLATTEN_OPSET = 13
+
+
+def _unflatten_symbolic(g: Any, states: Any, dim: Any, sizes: Any) -> Any:
+    """``aten::unflatten`` of a constant axis into constant sizes as a ``Reshape`` to ``Concat(Shape(x)[:axis], sizes,
+    Shape(x)[axis + 1:])`` with constant slice bounds (the exporter's own symbolic computes the bounds in the graph,
+    and ORT's symbolic shape inference, which the transformer rewrites need, cannot give the target a rank)."""
+    from torch.onnx import symbolic_helper, symbolic_opset13
+
+    rank = symbolic_helper._get_tensor_rank(states)
+    if rank is None or not symbolic_helper._is_constant(dim) or not symbolic_helper._is_constant(sizes):
+        return symbolic_opset13.unflatten(g, states, dim, sizes)
+    axis = symbolic_helper._get_const(dim, "i", "dim") % rank
+
+    def constant(values: Sequence[int]) -> Any:
+        return g.op("Constant", value_t=torch.tensor(list(values), dtype=torch.int64))
+
+    shape = g.op("Shape", states)
+    head = g.op("Slice", shape, constant([0]), constant([axis]))
+    tail = g.op("Slice", shape, constant([axis + 1]), constant([rank]))
+    target = g.op("Concat", head, constant(symbolic_helper._get_const(sizes, "is", "sizes")), tail, axis_i=0)
+    return g.op("Reshape", states, target)
+
+
+@contextlib.contextmanager
+def static_unflatten() -> Iterator[None]:
+    """Within the block, the TorchScript exporter writes ``unflatten`` by :func:`_unflatten_symbolic` (diffusers'
+    ``timestep_proj.unflatten(1, (6, -1))``, which feeds every block's modulation)."""
+    torch.onnx.register_custom_op_symbolic("aten::unflatten", _unflatten_symbolic, _UNFLATTEN_OPSET)
+    try:
+        yield
+    finally:
+        torch.onnx.unregister_custom_op_symbolic("aten::unflatten", _UNFLATTEN_OPSET)
+
+
 @contextlib.contextmanager
 def exportable_wan_modules(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Within the block, every ``WanRotaryPosEmbed`` under ``module`` is replaced by :class:`_RotaryTables` and every
-    ``WanAttention``'s processor by :class:`_WanAttentionForExport`; all are put back when it ends (the caller's model
-    is left as it was)."""
+    ``WanAttention``'s processor by :class:`_WanAttentionForExport`, and ``unflatten`` is exported by
+    :func:`static_unflatten`; all are put back when it ends (the caller's model is left as it was)."""
     swapped: list = []
     processors: list = []
+    stack = contextlib.ExitStack()
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child).__name__ == "WanRotaryPosEmbed":
@@ -254,6 +284,7 @@ def exportable_wan_modules(module: torch.nn.Module) -> Iterator[torch.nn.Module]
         if type(parent).__name__ == "WanAttention" and hasattr(parent, "set_processor"):
             processors.append((parent, parent.processor))
     try:
+        stack.enter_context(static_unflatten())
         for parent, name, child in swapped:
             setattr(parent, name, _RotaryTables(child))
         for attention, _ in processors:
@@ -264,6 +295,7 @@ def exportable_wan_modules(module: torch.nn.Module) -> Iterator[torch.nn.Module]
             setattr(parent, name, child)
         for attention, processor in processors:
             attention.set_processor(processor)
+        stack.close()
 
 
 def wan_transformer_spec(

@@ -1,0 +1,171 @@
+"""The decode of one Wan 2.1 video's latents (480×832, 81 frames: 21 latent frames of 60 × 104) by Wan's VAE
+(``AutoencoderKLWan`` at Wan 2.1's config, random weights seeded as the bench's video scenario draws them): diffusers'
+``vae.decode`` in float32 (the model cards' precision) and in bfloat16, against ours — the chunk graphs of
+:mod:`optimum_iobinding.export.wan_vae` exported in float32 and in float16, run by ``WanVideoCodec`` on the CUDA
+provider with their CUDA graphs. Each case in a process of its own: seconds (median of ``--runs`` after one warm-up),
+the device's peak memory above the process's idle (sampled by the bench's sampler process, ORT's arenas included) and
+torch's ``max_memory_allocated``, and the largest difference of its frames from diffusers' float32 frames.
+
+    python benchmarks/wan_vae_decode.py --work /tmp/wan-vae --out OUT
+
+Writes OUT/wan-vae-decode.json (every case, the command, the versions) and OUT/wan-vae-decode.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CASES = ("torch-fp32", "torch-bf16", "ours-fp32", "ours-fp16")
+LATENT_SHAPE = (1, 16, 21, 60, 104)
+
+
+def build_vae():
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    return AutoencoderKLWan(
+        base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]
+    ).eval()
+
+
+def export(work: Path, dtype: str) -> Path:
+    """The VAE decoder's chunk graphs in ``dtype`` under ``work`` (made once)."""
+    from optimum_iobinding.export.wan_vae import export_wan_vae
+
+    folder = work / f"wan21-vae-{dtype}"
+    if not (folder / "vae_decoder" / "model.onnx").is_file():
+        partial = work / f"wan21-vae-{dtype}.partial"
+        partial.mkdir(parents=True, exist_ok=True)
+        export_wan_vae(build_vae(), partial, ["vae_decoder"], dtype=dtype)
+        partial.rename(folder)
+    return folder
+
+
+def latents():
+    import torch
+
+    return torch.randn(LATENT_SHAPE, generator=torch.Generator().manual_seed(1))
+
+
+def run_case(case: str, work: Path, runs: int, frames_out: Path) -> dict:
+    import numpy as np
+    import torch
+
+    from optimum_iobinding.bench.probes import PeakMemory
+
+    z = latents().cuda()
+    device = torch.device("cuda", 0)
+    idle = PeakMemory(device).used()
+    with PeakMemory(device) as peak:
+        if case.startswith("torch"):
+            dtype = torch.float32 if case == "torch-fp32" else torch.bfloat16
+            vae = build_vae().to("cuda", dtype)
+
+            def decode():
+                with torch.inference_mode():
+                    return vae.decode(z.to(dtype), return_dict=False)[0]
+
+        else:
+            from optimum_iobinding.pipelines.wan_codec import WanVideoCodec
+
+            codec = WanVideoCodec.from_pretrained(
+                export(work, case.split("-")[1]), encoder=False, provider="CUDAExecutionProvider"
+            )
+
+            def decode():
+                with torch.inference_mode(), torch.cuda.stream(codec.decoder.first.stream):
+                    return codec.decode(z)
+
+        first = time.perf_counter()
+        video = decode()
+        torch.cuda.synchronize()
+        first = time.perf_counter() - first
+        seconds = []
+        for _ in range(runs):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            video = decode()
+            torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
+    frames = video.float().clamp(-1, 1).cpu().numpy()
+    np.save(frames_out, frames)
+    return {
+        "case": case,
+        "seconds": statistics.median(seconds),
+        "all_seconds": seconds,
+        "first_seconds": first,
+        "peak_mib": (peak.peak - idle) / 2**20,
+        "torch_max_allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
+        "shape": list(frames.shape),
+        "non_finite": int((~np.isfinite(frames)).sum()),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, default=Path("/tmp/wan-vae"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.one:
+        result = run_case(args.one, args.work, args.runs, args.work / f"frames-{args.one}.npy")
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    import numpy as np
+
+    from optimum_iobinding.bench.probes import environment
+
+    cases = args.cases.split(",")
+    for case in cases:  # the exports first, outside the timed processes
+        if case.startswith("ours"):
+            export(args.work, case.split("-")[1])
+    results = []
+    for case in cases:
+        done = subprocess.run(
+            [sys.executable, __file__, "--work", str(args.work), "--out", str(args.out), "--runs", str(args.runs)]
+            + ["--one", case],
+            capture_output=True,
+            text=True,
+        )
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        results.append(json.loads(lines[-1][7:]) if lines else {"case": case, "error": done.stderr[-2000:]})
+    reference = args.work / "frames-torch-fp32.npy"
+    for result in results:
+        frames = args.work / f"frames-{result['case']}.npy"
+        if "error" not in result and reference.is_file() and frames.is_file():
+            result["max_diff_vs_torch_fp32"] = float(np.abs(np.load(frames) - np.load(reference)).max())
+    report = {"command": " ".join(sys.argv), "environment": environment(), "latents": LATENT_SHAPE, "cases": results}
+    (args.out / "wan-vae-decode.json").write_text(json.dumps(report, indent=2))
+    torch_fp32 = next((r["seconds"] for r in results if r["case"] == "torch-fp32" and "seconds" in r), None)
+    lines = [
+        "| case | decode s | torch fp32 ÷ this | first s | peak GPU MiB | torch max allocated MiB | max diff vs torch fp32 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            why = r["error"].strip().splitlines()[-1][:150] if r["error"].strip() else "?"
+            lines.append(f"| {r['case']} | failed: {why} |||||")
+            continue
+        ratio = f"{torch_fp32 / r['seconds']:.2f}" if torch_fp32 else ""
+        lines.append(
+            f"| {r['case']} | {r['seconds']:.3f} | {ratio} | {r['first_seconds']:.2f} | {r['peak_mib']:.0f} | "
+            f"{r['torch_max_allocated_mib']:.0f} | {r.get('max_diff_vs_torch_fp32', float('nan')):.4f} |"
+        )
+    (args.out / "wan-vae-decode.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
