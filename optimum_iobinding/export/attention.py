@@ -211,7 +211,7 @@ def interleaved_rotary_embedding(
     states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
 ) -> torch.Tensor:
     """The rotary embedding that turns each pair of neighbouring values of every head of ``states`` by its token's
-    angles (Wan's, FLUX.1's), exported as one ``com.microsoft`` ``RotaryEmbedding`` node (interleaved).
+    angles (Wan's), exported as one ``com.microsoft`` ``RotaryEmbedding`` node (interleaved).
 
     Args:
         states: queries or keys ``(batch, tokens, heads × head_size)``.

@@ -772,10 +772,11 @@ def optimized_to_float16(optimized: Any, folder: Path, float32_inputs: Sequence[
     try:
         try:
             typed = inferred(model)
-        except Exception:  # the exporter's index arithmetic (its own ``unflatten``, which the Wan export replaces)
-            # may hide a Reshape's rank from it: again with that arithmetic computed. Without the types the converter leaves the float32
-            # island's edge uncast (a float32 value into a float16 Gemm: a graph ORT refuses to load). The constants
-            # a large export holds on disk (Constant nodes' values too) are read from the folder
+        except Exception:  # the exporter's index arithmetic (its own ``unflatten``, which the Wan export
+            # replaces) may hide a Reshape's rank from it: again with that arithmetic computed. Without the types the
+            # converter leaves the float32 island's edge uncast (a float32 value into a float16 Gemm: a graph ORT
+            # refuses to load). The constants a large export holds on disk (Constant nodes' values too) are read from
+            # the folder
             typed = inferred(constants_folded(model, folder))
     except Exception as error:
         failure = f"ORT's symbolic shape inference failed before it: {type(error).__name__}: {error}"

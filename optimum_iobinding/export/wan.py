@@ -276,7 +276,6 @@ def exportable_wan_modules(module: torch.nn.Module) -> Iterator[torch.nn.Module]
     :func:`static_unflatten`; all are put back when it ends (the caller's model is left as it was)."""
     swapped: list = []
     processors: list = []
-    stack = contextlib.ExitStack()
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child).__name__ == "WanRotaryPosEmbed":
@@ -284,18 +283,17 @@ def exportable_wan_modules(module: torch.nn.Module) -> Iterator[torch.nn.Module]
         if type(parent).__name__ == "WanAttention" and hasattr(parent, "set_processor"):
             processors.append((parent, parent.processor))
     try:
-        stack.enter_context(static_unflatten())
         for parent, name, child in swapped:
             setattr(parent, name, _RotaryTables(child))
         for attention, _ in processors:
             attention.set_processor(_WanAttentionForExport())
-        yield module
+        with static_unflatten():
+            yield module
     finally:
         for parent, name, child in swapped:
             setattr(parent, name, child)
         for attention, processor in processors:
             attention.set_processor(processor)
-        stack.close()
 
 
 def wan_transformer_spec(
