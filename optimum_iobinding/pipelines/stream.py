@@ -5,6 +5,7 @@ no host wait (the ideas of StreamDiffusion, Kodaira et al. 2023, on ONNX Runtime
 from __future__ import annotations
 
 import inspect
+import math
 import os
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
@@ -26,7 +27,7 @@ from .lora import LoraLoaderMixin
 from .prompts import CLIPPrompt
 from .transfer import upload
 from .stream_frames import FrameCopies, FrameInput, FrameKind, PendingFrame, output_layout, read_frame
-from .stream_plan import StreamPlan, make_stages, stream_schedule
+from .stream_plan import CFG_TYPES, StreamPlan, make_stages, stream_schedule
 
 STREAM = family("stream")
 _KEEP = object()  # update_prompt: the negative prompt that prepare was given
@@ -185,6 +186,8 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         height: int = 512,
         width: int = 512,
         stream_batch: bool = True,
+        cfg_type: str = "full",
+        delta: float = 1.0,
     ) -> None:
         """Fixes everything the frames that follow share, and makes every session and graph they use.
 
@@ -203,6 +206,13 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             height, width: the size frames are denoised (and returned) at; multiples of :attr:`size_multiple`.
             stream_batch: with more than one step, one UNet call of batch k per frame (outputs come k − 1 frames
                 late); ``False``: each frame's k steps in turn.
+            cfg_type: how ``guidance_scale > 1`` guides, StreamDiffusion's choices: ``"full"`` (classifier-free
+                guidance: a negative-prompt row beside every latent row of the UNet batch), ``"self"`` (residual
+                classifier-free guidance, RCFG: the negative prediction is the stream's stock noise times ``delta``,
+                no extra row), ``"initialize"`` (RCFG whose stock is refreshed every frame by one negative-prompt row
+                for the newest frame), ``"none"`` (no guidance). RCFG needs an ε-predicting UNet without
+                ``timestep_cond`` and, over several steps, a stream batch (:mod:`.stream_plan` writes its formulas).
+            delta: RCFG's scale of the stock noise (StreamDiffusion's ``delta``).
 
         Raises:
             ValueError, TypeError: a bad argument (named), before any work.
@@ -227,20 +237,28 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             raise ArgumentTypeError(
                 "stream_batch", f"expected True or False, got {type(stream_batch).__name__} {stream_batch!r}"
             )
+        if not isinstance(cfg_type, str) or cfg_type not in CFG_TYPES:
+            raise ArgumentError("cfg_type", f"expected one of {', '.join(map(repr, CFG_TYPES))}, got {cfg_type!r}")
+        if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not math.isfinite(delta):
+            raise ArgumentError("delta", f"expected a finite number, got {delta!r}")
 
         # 2. the timesteps for this strength, and the scheduler's constants at each (refused schedulers are named)
         timesteps, begin = self.stream_timesteps(num_inference_steps, strength)
         schedule = stream_schedule(self.scheduler, timesteps, begin)
         lcm = "timestep_cond" in self.unet.input_names
-        guidance = guidance_scale > 1.0 and not lcm
         batched = stream_batch and len(timesteps) > 1
+        guiding = cfg_type if guidance_scale > 1.0 and not lcm else "none"
+        if cfg_type in ("self", "initialize") and guidance_scale > 1.0:
+            self._check_residual_guidance(cfg_type, lcm, schedule.prediction_type, batched, len(timesteps))
         if batched:
             self._check_timestep_rows()
         self._plan = None  # the last prepare's buffers and graphs go before this one's are made
-        plan = StreamPlan(height, width, schedule, batched, guidance, float(guidance_scale), prompt, negative_prompt)
+        plan = StreamPlan(
+            height, width, schedule, batched, guiding, float(guidance_scale), prompt, negative_prompt, float(delta)
+        )
 
         # 3. the prompt (encoded once), the noise, the constants and the models' inputs, on the device
-        embeddings = self.prompt.encode(prompt, 1, guidance, negative_prompt)
+        embeddings = self.prompt.encode(prompt, 1, plan.negative, negative_prompt)
         self._make_tensors(plan, seed, lcm, tuple(embeddings.shape[1:]))
         self._write_embeddings(plan, embeddings)
 
@@ -270,6 +288,29 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         timesteps = list(self.strength_timesteps(num_inference_steps, strength))
         return timesteps, len(self.scheduler.timesteps) - len(timesteps)
 
+    def _check_residual_guidance(
+        self, cfg_type: str, lcm: bool, prediction_type: str, batched: bool, steps: int
+    ) -> None:
+        """Residual guidance's conditions (StreamDiffusion's formulas are written for them), each refused by name."""
+        if lcm:
+            raise ArgumentError(
+                "cfg_type",
+                f"{cfg_type!r} guides with the UNet's noise prediction, got an LCM UNet that takes guidance_scale as "
+                "its timestep_cond; use cfg_type='none' or 'full'",
+            )
+        if prediction_type != "epsilon":
+            raise ArgumentError(
+                "cfg_type",
+                f"{cfg_type!r} expects a scheduler with prediction_type='epsilon' (the stock is a noise), got "
+                f"{prediction_type!r}",
+            )
+        if steps > 1 and not batched:
+            raise ArgumentError(
+                "cfg_type",
+                f"{cfg_type!r} over {steps} steps expects stream_batch=True (the stock noise moves with the frames "
+                "of a stream batch), got stream_batch=False",
+            )
+
     def _check_timestep_rows(self) -> None:
         dims = self.unet.input_dims.get("timestep") or []
         if len(dims) != 1 or dims[0] == 1:
@@ -298,6 +339,8 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         )
         schedule = plan.schedule
         columns = {"noise": noise, "signal": schedule.signal, "noise_scale": schedule.noise}
+        if plan.cfg_type in ("self", "initialize"):
+            columns["stock"] = torch.zeros(plan.latent_rows, *noise.shape[1:])  # RCFG's stock noise
         if schedule.skip is not None:
             columns.update(skip=schedule.skip, out=schedule.out)
         with torch.inference_mode(False):  # later frames write them in place, in or out of inference mode
@@ -328,8 +371,10 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
                 rows, *embedding_shape, device=device, dtype=unet.input_dtypes["encoder_hidden_states"]
             )
             timestep_dtype = unet.input_dtypes["timestep"]
-            if plan.batched:  # rows [uncond: steps 1…k; text: steps 1…k]
+            if plan.batched:  # rows [negative: steps 1…k;] text: steps 1…k (or "initialize"'s one negative first)
                 values = torch.tensor(schedule.timesteps, dtype=torch.float64).repeat(plan.copies)
+                if plan.cfg_type == "initialize":
+                    values = torch.cat([values[:1], values])
                 plan.unet_inputs["timestep"] = upload(values.to(timestep_dtype), device)
             else:
                 plan.step_timesteps = [
@@ -350,9 +395,13 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         return value.reshape(1) if dims[0] == 1 else value.repeat(rows)
 
     def _write_embeddings(self, plan: StreamPlan, embeddings: torch.Tensor) -> None:
-        """The prompt's embeddings (``[negative; positive]`` when guiding) into the UNet's input, one row per step
-        in a stream batch: always the same tensor, so captured graphs keep reading it."""
-        rows = embeddings.repeat_interleave(plan.steps, dim=0) if plan.batched else embeddings
+        """The prompt's embeddings (``[negative; positive]`` when the plan guides with a negative prompt) into the
+        UNet's input, one row per latent row ("initialize": the negative once, first): always the same tensor, so
+        captured graphs keep reading it."""
+        if plan.cfg_type == "initialize":
+            rows = torch.cat([embeddings[:1], embeddings[1:].repeat_interleave(plan.latent_rows, dim=0)])
+        else:
+            rows = embeddings.repeat_interleave(plan.latent_rows, dim=0)
         plan.unet_inputs["encoder_hidden_states"].copy_(rows)
 
     def _model_shapes(self, plan: StreamPlan) -> List[Tuple[IOBindingORTModel, Dict[str, Tuple[int, ...]]]]:
@@ -397,6 +446,8 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         for dtype, _ in layouts:
             self._emit(plan, FrameKind("torch", self.device, dtype, batched=True))
         plan.tensors["x0"].zero_()
+        if "stock" in plan.tensors:  # RCFG's stock starts from zeros, as without the warm-up
+            plan.tensors["stock"].zero_()
 
     # -------------------------------------------------------------------------------------------- prompt updates
     @on_device_stream
@@ -415,7 +466,7 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             negative_prompt = plan.negative_prompt
         elif negative_prompt is not None and not isinstance(negative_prompt, str):
             raise ArgumentTypeError("negative_prompt", f"expected a str or None, got {type(negative_prompt).__name__}")
-        self._write_embeddings(plan, self.encode_prompt(prompt, 1, plan.guidance, negative_prompt))
+        self._write_embeddings(plan, self.encode_prompt(prompt, 1, plan.negative, negative_prompt))
         plan.prompt, plan.negative_prompt = prompt, negative_prompt
 
     # -------------------------------------------------------------------------------------------------- frames

@@ -15,6 +15,11 @@ from ..errors import ArgumentError
 from .stream_frames import CapturedStage, FrameKind, to_output_frame, to_vae_input
 
 _PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+# StreamDiffusion's guidance types (its cfg_type): "none" (the text's prediction alone), "full" (classifier-free
+# guidance, a negative row per latent row), "self" and "initialize" (residual classifier-free guidance: the negative
+# prediction is the stream's stock noise times delta; "initialize" refreshes the stock's first row with one negative
+# row of the UNet batch every frame)
+CFG_TYPES = ("none", "full", "self", "initialize")
 
 
 @dataclass
@@ -109,20 +114,27 @@ class StreamPlan:
         width: int,
         schedule: StreamSchedule,
         batched: bool,
-        guidance: bool,
+        cfg_type: str,
         guidance_scale: float,
         prompt: str,
         negative_prompt: Optional[str],
+        delta: float = 1.0,
     ):
         self.height, self.width = height, width
         self.schedule = schedule
         self.steps = len(schedule.timesteps)
         self.batched = batched
-        self.guidance = guidance
+        self.cfg_type = cfg_type  # the guidance the UNet batch carries: see CFG_TYPES ("none": no guidance)
+        self.guidance = cfg_type != "none"
         self.guidance_scale = guidance_scale
+        self.delta = delta
         self.prompt, self.negative_prompt = prompt, negative_prompt
-        self.copies = 2 if guidance else 1  # the UNet batch holds the latents once, or twice for guidance
-        self.rows = self.copies * (self.steps if batched else 1)
+        # whether the prompt is encoded with its negative: "full" guides with a negative row per latent row,
+        # "initialize" with one negative row (the newest frame's first step); "self" guides without one
+        self.negative = cfg_type in ("full", "initialize")
+        self.copies = 2 if cfg_type == "full" else 1  # the UNet batch holds the latents once, or twice for "full"
+        self.latent_rows = self.steps if batched else 1
+        self.rows = self.copies * self.latent_rows + (1 if cfg_type == "initialize" else 0)
         self.tensors: Dict[str, torch.Tensor] = {}
         self.unet_inputs: Dict[str, torch.Tensor] = {}
         self.step_timesteps: List[torch.Tensor] = []  # one UNet timestep input per step (a frame at a time)
@@ -146,40 +158,78 @@ def make_stages(plan: StreamPlan, graphs: bool, channels: int, scaling: float) -
     """The torch arithmetic between the model calls, as :class:`CapturedStage`\\ s in ``plan.stages`` (and one
     per step in ``plan.step_stages`` without a stream batch); ``graphs``: replayed as CUDA graphs.
 
+    Residual classifier-free guidance (``cfg_type`` "self" or "initialize") is StreamDiffusion's: the negative
+    prediction is ``delta · stock`` where the stock noise (one row per latent row, zeros at first) is, after every
+    UNet call, the stream's noise rolled one row up plus the step's own estimate of the noise it left,
+    ``α_next · step(ε̂, β · stock) / β_next`` (``step`` the x0 prediction, ``α_next``, ``β_next`` the next row's
+    constants, 1 after the last); in a stream batch of several steps the stock moves one row down with the frames
+    before each call, the stream's first noise entering at the top. "initialize" first sets the stock's top row to the
+    UNet's prediction for the newest frame under the negative prompt.
+
     Args:
         channels: the latent channels (an encoder output of twice as many holds (mean, logvar)).
         scaling: the VAE's scaling factor.
     """
     tensors, schedule = plan.tensors, plan.schedule
     signal, noise_scale, noise = tensors["signal"], tensors["noise_scale"], tensors["noise"]
-    skip, out = tensors.get("skip"), tensors.get("out")
-    steps, guidance, guidance_scale = plan.steps, plan.guidance, plan.guidance_scale
+    skip, out, stock = tensors.get("skip"), tensors.get("out"), tensors.get("stock")
+    steps, cfg_type, guidance_scale, delta = plan.steps, plan.cfg_type, plan.guidance_scale, plan.delta
+    residual = cfg_type in ("self", "initialize")
 
     def write_sample(sample: torch.Tensor, noised: torch.Tensor) -> None:
-        # the UNet batch: the latents once, or [uncond; text] for guidance
-        if guidance:
+        # the UNet batch: the latents once, [negative; text] rows for "full", the newest frame's first row ahead of
+        # them (under the negative prompt) for "initialize"
+        if cfg_type == "full":
             sample[: noised.shape[0]].copy_(noised)
             sample[noised.shape[0] :].copy_(noised)
+        elif cfg_type == "initialize":
+            sample[:1].copy_(noised[:1])
+            sample[1:].copy_(noised)
         else:
             sample.copy_(noised)
 
-    def predict(x_t: torch.Tensor, model_output: torch.Tensor, rows: slice) -> torch.Tensor:
-        """x0 from the UNet's output (guided first), as the scheduler's prediction_type says."""
+    def latents_of(sample: torch.Tensor) -> torch.Tensor:
+        """The noised latents in the UNet batch, one row per latent row."""
+        return sample[1:] if cfg_type == "initialize" else sample[: plan.latent_rows]
+
+    def guided(model_output: torch.Tensor) -> torch.Tensor:
+        """The UNet's prediction for each latent row, guided as ``cfg_type`` says."""
         prediction = model_output.float()
-        if guidance:
+        if cfg_type == "full":
             half = prediction.shape[0] // 2
-            prediction = torch.lerp(prediction[:half], prediction[half:], guidance_scale)
+            return torch.lerp(prediction[:half], prediction[half:], guidance_scale)
+        if not residual:
+            return prediction
+        if cfg_type == "initialize":
+            stock[:1].copy_(prediction[:1])
+            prediction = prediction[1:]
+        negative = stock * delta
+        return negative + guidance_scale * (prediction - negative)
+
+    def x0_of(x_t: torch.Tensor, prediction: torch.Tensor, rows: slice, clip: bool = True) -> torch.Tensor:
+        """x0 from the (guided) prediction, as the scheduler's prediction_type says."""
         if schedule.prediction_type == "epsilon":
             x0 = (x_t - noise_scale[rows] * prediction) / signal[rows]
         elif schedule.prediction_type == "v_prediction":
             x0 = signal[rows] * x_t - noise_scale[rows] * prediction
         else:
             x0 = prediction
-        if schedule.clip is not None:
+        if clip and schedule.clip is not None:
             x0 = x0.clamp(-schedule.clip, schedule.clip)
         if skip is not None:
             x0 = out[rows] * x0 + skip[rows] * x_t
         return x0
+
+    def renew_stock(prediction: torch.Tensor, rows: slice, last: bool) -> None:
+        """StreamDiffusion's stock noise after a call (see above); ``rows``: the latent rows' constants, ``last``:
+        whether their last row is the schedule's last step (its next constants are 1)."""
+        left = x0_of(noise_scale[rows] * stock, prediction, rows, clip=False)
+        following = slice(rows.start + 1, rows.stop + 1)
+        alpha_next, beta_next = signal[following], noise_scale[following]
+        if last:
+            one = torch.ones_like(signal[:1])
+            alpha_next, beta_next = torch.cat([alpha_next, one]), torch.cat([beta_next, one])
+        stock.copy_(torch.cat([noise[rows][1:], noise[rows][:1]]) + alpha_next * left / beta_next)
 
     def encoded_latents(encoded: torch.Tensor) -> torch.Tensor:
         # an optimum export gives the latent distribution's (mean, logvar): its mean, as a numpy generator would
@@ -193,9 +243,15 @@ def make_stages(plan: StreamPlan, graphs: bool, channels: int, scaling: float) -
             # row 0: the new frame at step 1; row i: the frame that came i calls ago, at step i + 1
             latents = torch.cat([encoded_latents(encoded), x0[:-1]])
             write_sample(sample, signal * latents + noise_scale * noise)
+            if residual:  # the stock moves down with its frames; the new frame's row starts from the first noise
+                stock.copy_(torch.cat([noise[:1], stock[:-1]]))
 
         def step(model_output: torch.Tensor, sample: torch.Tensor, x0: torch.Tensor, latent: torch.Tensor) -> None:
-            denoised = predict(sample[:steps].float(), model_output, slice(None))
+            x_t = latents_of(sample).float()
+            prediction = guided(model_output)
+            denoised = x0_of(x_t, prediction, slice(None))
+            if residual:
+                renew_stock(prediction, slice(0, steps), last=True)
             x0.copy_(denoised)
             latent.copy_(denoised[-1:] / scaling)
 
@@ -210,7 +266,10 @@ def make_stages(plan: StreamPlan, graphs: bool, channels: int, scaling: float) -
         rows, following = slice(index, index + 1), slice(index + 1, index + 2)
 
         def step(model_output: torch.Tensor, sample: torch.Tensor, latent: torch.Tensor) -> None:
-            denoised = predict(sample[:1].float(), model_output, rows)
+            prediction = guided(model_output)
+            denoised = x0_of(latents_of(sample).float(), prediction, rows)
+            if residual:  # one step (prepare refuses residual guidance over several steps one after another)
+                renew_stock(prediction, rows, last=True)
             if index + 1 < steps:
                 write_sample(sample, signal[following] * denoised + noise_scale[following] * noise[following])
             else:
