@@ -907,6 +907,8 @@ STREAM_OPTIONS = {
     "prompt": "--prompt",
     "negative_prompt": "--negative-prompt",
     "seed": "--seed",
+    "cfg_type": "--cfg-type",
+    "delta": "--delta",
 }
 
 
@@ -1040,6 +1042,7 @@ def check_stream_arguments(args: argparse.Namespace) -> Optional[Tuple[int, int]
     check(args.steps > 0, "--steps", "a positive integer", args.steps)
     check(math.isfinite(args.strength) and 0 < args.strength <= 1, "--strength", "a number in (0, 1]", args.strength)
     check(math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
+    check(math.isfinite(args.delta), "--delta", "a finite number", args.delta)
     check(args.seed in STREAM_SEEDS, "--seed", f"an integer in 0 … {STREAM_SEEDS[-1]}", args.seed)
     size = parse_frame_size(args.size)  # its multiple is the model's: checked once the model is loaded
     check_local_or_hub("--model", args.model)
@@ -1110,6 +1113,8 @@ def run_stream(args: argparse.Namespace) -> int:
                 height=height,
                 width=width,
                 stream_batch=args.stream_batch,
+                cfg_type=args.cfg_type,
+                delta=args.delta,
             )
             ready = time.perf_counter()
             outputs = stream.frames(reader)
@@ -1513,6 +1518,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--strength", type=float, default=0.5, help="how far each frame is noised, in (0, 1] (default 0.5)"
     )
     stream.add_argument("--guidance", type=float, default=0.0, help="guidance scale (default 0: none)")
+    stream.add_argument(
+        "--cfg-type",
+        choices=("none", "full", "self", "initialize"),
+        default="full",
+        help="how --guidance above 1 guides (StreamDiffusion's cfg_type): full (a negative-prompt row per frame "
+        "row; default), self or initialize (residual guidance from the stream's stock noise: no extra row, or one), "
+        "none",
+    )
+    stream.add_argument(
+        "--delta", type=float, default=1.0, help="residual guidance's scale of the stock noise (default 1.0)"
+    )
     stream.add_argument("--seed", type=int, default=0, help="the stream's fixed noise (default 0)")
     stream.add_argument(
         "--tiny-vae",

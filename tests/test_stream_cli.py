@@ -72,17 +72,18 @@ def error_line(capsys) -> str:
     return lines[0]
 
 
-def stream_directly(folder, frames, tiny_vae=None, steps=2, strength=0.5, stream_batch=True, seed=0):
+def stream_directly(folder, frames, tiny_vae=None, steps=2, strength=0.5, stream_batch=True, seed=0, **guidance):
     stream = OnnxStreamDiffusionPipeline.from_pretrained(folder, provider="CPUExecutionProvider", tiny_vae=tiny_vae)
     stream.prepare(
         PROMPT,
         num_inference_steps=steps,
         strength=strength,
-        guidance_scale=0.0,
+        guidance_scale=guidance.pop("guidance_scale", 0.0),
         seed=seed,
         height=SIZE,
         width=SIZE,
         stream_batch=stream_batch,
+        **guidance,
     )
     return list(stream.frames(frames))
 
@@ -154,6 +155,18 @@ def test_the_seed_strength_and_prompt_reach_the_pipeline(tmp_path, tiny_folder, 
     _, outputs = read_all(tmp_path / "out")
     for output, reference in zip(outputs, stream_directly(tiny_folder, inputs, strength=0.75, seed=7), strict=True):
         np.testing.assert_array_equal(output, reference)
+
+
+def test_residual_guidance_reaches_the_pipeline(tmp_path, tiny_folder, image_folder):
+    options = ("--guidance", "1.5", "--cfg-type", "self", "--delta", "0.5")
+    assert run_stream(image_folder, tmp_path / "out", tiny_folder, *options) == 0
+    _, inputs = read_all(image_folder)
+    _, outputs = read_all(tmp_path / "out")
+    expected = stream_directly(tiny_folder, inputs, guidance_scale=1.5, cfg_type="self", delta=0.5)
+    for output, reference in zip(outputs, expected, strict=True):
+        np.testing.assert_array_equal(output, reference)
+    unguided = stream_directly(tiny_folder, inputs)
+    assert any(not np.array_equal(output, reference) for output, reference in zip(outputs, unguided))
 
 
 def test_size_fits_every_frame_to_one_size(tmp_path, tiny_folder):
@@ -260,6 +273,7 @@ def bad_inputs(tmp_path):
         "steps": (frames, tmp_path / "out", ("--steps", "0"), r"--steps: expected a positive integer, got 0"),
         "strength": (frames, tmp_path / "out", ("--strength", "1.5"), r"--strength: expected a number in \(0, 1\]"),
         "guidance": (frames, tmp_path / "out", ("--guidance", "nan"), r"--guidance: expected a finite number"),
+        "delta": (frames, tmp_path / "out", ("--delta", "inf"), r"--delta: expected a finite number"),
         "seed": (frames, tmp_path / "out", ("--seed", "-1"), r"--seed: expected an integer in 0 …"),
         "model-without-vae": (
             frames,
@@ -316,6 +330,7 @@ BAD_INPUTS = [
     "steps",
     "strength",
     "guidance",
+    "delta",
     "seed",
     "model-without-vae",
     "tiny-vae-without-decoder",
