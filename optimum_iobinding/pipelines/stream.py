@@ -27,7 +27,7 @@ from .lora import LoraLoaderMixin
 from .prompts import CLIPPrompt
 from .transfer import upload
 from .stream_frames import FrameCopies, FrameInput, FrameKind, PendingFrame, output_layout, read_frame
-from .stream_plan import CFG_TYPES, StreamPlan, make_stages, stream_schedule
+from .stream_plan import CFG_TYPES, SimilarityFilter, StreamPlan, make_stages, stream_schedule
 
 STREAM = family("stream")
 _KEEP = object()  # update_prompt: the negative prompt that prepare was given
@@ -166,6 +166,12 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         return dict(self._plan.unet_inputs) if self._plan is not None else {}
 
     @property
+    def skipped_frames(self) -> int:
+        """How many frames the similarity filter skipped since :meth:`prepare` (0 without one)."""
+        plan = self._plan
+        return 0 if plan is None or plan.filter is None else plan.filter.skipped
+
+    @property
     def captured_graphs(self) -> int:
         """How many torch CUDA graphs the prepared stream has captured (the models' own graphs are counted by
         each model's ``graph_signatures``): ``prepare`` captures what frames of the prepared size need."""
@@ -188,6 +194,8 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         stream_batch: bool = True,
         cfg_type: str = "full",
         delta: float = 1.0,
+        similarity_threshold: Optional[float] = None,
+        max_skip_frame: int = 10,
     ) -> None:
         """Fixes everything the frames that follow share, and makes every session and graph they use.
 
@@ -213,6 +221,10 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
                 for the newest frame), ``"none"`` (no guidance). RCFG needs an ε-predicting UNet without
                 ``timestep_cond`` and, over several steps, a stream batch (:mod:`.stream_plan` writes its formulas).
             delta: RCFG's scale of the stock noise (StreamDiffusion's ``delta``).
+            similarity_threshold: StreamDiffusion's stochastic similarity filter (:class:`.stream_plan.SimilarityFilter`):
+                a frame nearly equal to the last kept one is skipped with a probability that reaches 1 at a cosine
+                similarity of 1, and gives the last output again (a fresh copy); e.g. 0.98. ``None``: no filter.
+            max_skip_frame: with the filter, after this many skips the next frame that would be skipped is kept.
 
         Raises:
             ValueError, TypeError: a bad argument (named), before any work.
@@ -241,6 +253,16 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             raise ArgumentError("cfg_type", f"expected one of {', '.join(map(repr, CFG_TYPES))}, got {cfg_type!r}")
         if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not math.isfinite(delta):
             raise ArgumentError("delta", f"expected a finite number, got {delta!r}")
+        if similarity_threshold is not None and (
+            isinstance(similarity_threshold, bool)
+            or not isinstance(similarity_threshold, (int, float))
+            or not 0 <= similarity_threshold <= 1
+        ):
+            raise ArgumentError(
+                "similarity_threshold", f"expected None or a number in [0, 1], got {similarity_threshold!r}"
+            )
+        if not is_integer(max_skip_frame) or max_skip_frame < 0:
+            raise ArgumentError("max_skip_frame", f"expected an integer ≥ 0, got {max_skip_frame!r}")
 
         # 2. the timesteps for this strength, and the scheduler's constants at each (refused schedulers are named)
         timesteps, begin = self.stream_timesteps(num_inference_steps, strength)
@@ -271,6 +293,8 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         if self.device.type == "cuda":
             self._warm_stages(plan)
             torch.cuda.current_stream(self.device).synchronize()  # set-up ends here: the first frame waits for none
+        if similarity_threshold is not None:
+            plan.filter = SimilarityFilter(float(similarity_threshold), int(max_skip_frame), int(seed))
         self._plan = plan
 
     def stream_timesteps(self, num_inference_steps: int, strength: float) -> Tuple[List[Any], int]:
@@ -446,6 +470,7 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         for dtype, _ in layouts:
             self._emit(plan, FrameKind("torch", self.device, dtype, batched=True))
         plan.tensors["x0"].zero_()
+        plan.last = None  # the warm-up's outputs are no frame's
         if "stock" in plan.tensors:  # RCFG's stock starts from zeros, as without the warm-up
             plan.tensors["stock"].zero_()
 
@@ -566,6 +591,12 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         staging = self._copies.bring(source)
         plan.stages["pre"](staging, plan.tensors["image"])
         self._copies.read(staging)
+        if plan.filter is not None and plan.last is not None and plan.last.kind == kind:
+            if plan.filter.skip(plan.tensors["image"]):
+                return plan.last.again()
+        elif plan.filter is not None:  # the first frame, or another kind than the last output's: kept
+            plan.filter.kept = None
+            plan.filter.skip(plan.tensors["image"])
         plan.encoded = self.vae_encoder(sample=plan.tensors["image"])[0]
         self._denoise(plan, plan.encoded)
         if not plan.batched:
@@ -597,7 +628,8 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         self._copies.before_write(output)
         plan.stages["post"](image, output)
         tensor, arrived = self._copies.take(output, to_host=not kind.on_cuda)
-        return PendingFrame(kind, tensor, arrived)
+        plan.last = PendingFrame(kind, tensor, arrived)
+        return plan.last
 
     def _flush(self, plan: StreamPlan) -> List[PendingFrame]:
         """Moves the stream batch on without new frames until every frame in it has come out."""

@@ -226,6 +226,13 @@ class PendingFrame:
             self.arrived.synchronize()
         return hand_out(self.tensor, self.kind)
 
+    def again(self) -> "PendingFrame":
+        """The same output once more, in a tensor of its own (the caller may hold both): a device copy on the current
+        stream, or a host copy once the download has arrived."""
+        if self.arrived is not None:
+            self.arrived.synchronize()
+        return PendingFrame(self.kind, self.tensor.clone())
+
 
 class FrameCopies:
     """Brings frames to the device and outputs back, for a pipeline on ``device``.

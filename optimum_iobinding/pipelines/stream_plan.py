@@ -5,6 +5,7 @@ next step) as captured stages."""
 from __future__ import annotations
 
 import copy
+import random
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
@@ -12,7 +13,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import ArgumentError
-from .stream_frames import CapturedStage, FrameKind, to_output_frame, to_vae_input
+from .stream_frames import CapturedStage, FrameKind, PendingFrame, to_output_frame, to_vae_input
 
 _PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 # StreamDiffusion's guidance types (its cfg_type): "none" (the text's prediction alone), "full" (classifier-free
@@ -103,6 +104,52 @@ def stream_schedule(scheduler: Any, timesteps: Sequence[Any], begin_index: int) 
     )
 
 
+# ------------------------------------------------------------------------------------------ the similarity filter
+class SimilarityFilter:
+    """StreamDiffusion's stochastic similarity filter: a frame whose preprocessed image is nearly the last kept one's is
+    skipped with a probability that grows with their cosine similarity ``s``, ``max(0, 1 − (1 − s) / (1 − threshold))``
+    (0 for a threshold of 1 or more), drawn against ``uniform(0, 1)``; a frame that would be skipped once the count of
+    skips is past ``max_skip_frame`` is kept and the count starts again (StreamDiffusion counts skips since that reset,
+    not in a row). A kept frame becomes the one the next frames are compared with.
+
+    The similarity is computed on the device in float32 (``torch.nn.functional.cosine_similarity`` over the whole
+    image, eps 1e-6, as StreamDiffusion's ``CosineSimilarity(dim=0)``); the decision is the host's, so it reads that
+    one number back: the host waits for the frames before to finish (see docs/streams.md for what that costs). The
+    draws come from ``random.Random(seed)`` (StreamDiffusion draws from Python's global generator), one per compared
+    frame."""
+
+    def __init__(self, threshold: float, max_skip_frame: int, seed: int):
+        self.threshold = threshold
+        self.max_skip_frame = max_skip_frame
+        self.random = random.Random(seed)
+        self.kept: Optional[torch.Tensor] = None
+        self.skip_count = 0
+        self.frames = self.skipped = 0  # frames compared, and skipped
+
+    def skip(self, image: torch.Tensor) -> bool:
+        """Whether the frame whose preprocessed image is ``image`` is skipped (and the kept image after it)."""
+        if self.kept is None:
+            with torch.inference_mode(False):
+                self.kept = image.detach().float().clone()
+            return False
+        similarity = float(
+            torch.nn.functional.cosine_similarity(self.kept.reshape(-1), image.float().reshape(-1), dim=0, eps=1e-6)
+        )
+        sample = self.random.uniform(0, 1)
+        probability = 0.0 if self.threshold >= 1 else max(0.0, 1 - (1 - similarity) / (1 - self.threshold))
+        self.frames += 1
+        if probability < sample:  # kept (the count of skips in a row goes on: StreamDiffusion resets it below only)
+            self.kept.copy_(image)
+            return False
+        if self.skip_count > self.max_skip_frame:
+            self.skip_count = 0
+            self.kept.copy_(image)
+            return False
+        self.skip_count += 1
+        self.skipped += 1
+        return True
+
+
 # ---------------------------------------------------------------------------------------------------- the plan
 class StreamPlan:
     """What ``prepare`` fixes for the frames that follow: the schedule, the device tensors the models read and write
@@ -143,6 +190,8 @@ class StreamPlan:
         self.step_stages: List[CapturedStage] = []
         self.encoded: Optional[torch.Tensor] = None  # the encoder's last output
         self.in_flight: Deque[Optional[FrameKind]] = deque()  # a stream batch's frames, oldest first
+        self.filter: Optional[SimilarityFilter] = None  # the similarity filter, where prepare set one
+        self.last: Optional[PendingFrame] = None  # the last output handed out (what a skipped frame gives again)
 
     def output(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The device tensor outputs of this layout are written into (then copied out: see :meth:`FrameCopies.take`)."""
