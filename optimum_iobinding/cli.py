@@ -909,6 +909,8 @@ STREAM_OPTIONS = {
     "seed": "--seed",
     "cfg_type": "--cfg-type",
     "delta": "--delta",
+    "similarity_threshold": "--similarity-threshold",
+    "max_skip_frame": "--max-skip-frame",
 }
 
 
@@ -1043,6 +1045,14 @@ def check_stream_arguments(args: argparse.Namespace) -> Optional[Tuple[int, int]
     check(math.isfinite(args.strength) and 0 < args.strength <= 1, "--strength", "a number in (0, 1]", args.strength)
     check(math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
     check(math.isfinite(args.delta), "--delta", "a finite number", args.delta)
+    if args.similarity_threshold is not None:
+        check(
+            0 <= args.similarity_threshold <= 1,
+            "--similarity-threshold",
+            "a number in [0, 1]",
+            args.similarity_threshold,
+        )
+    check(args.max_skip_frame >= 0, "--max-skip-frame", "an integer ≥ 0", args.max_skip_frame)
     check(args.seed in STREAM_SEEDS, "--seed", f"an integer in 0 … {STREAM_SEEDS[-1]}", args.seed)
     size = parse_frame_size(args.size)  # its multiple is the model's: checked once the model is loaded
     check_local_or_hub("--model", args.model)
@@ -1115,6 +1125,8 @@ def run_stream(args: argparse.Namespace) -> int:
                 stream_batch=args.stream_batch,
                 cfg_type=args.cfg_type,
                 delta=args.delta,
+                similarity_threshold=args.similarity_threshold,
+                max_skip_frame=args.max_skip_frame,
             )
             ready = time.perf_counter()
             outputs = stream.frames(reader)
@@ -1127,6 +1139,11 @@ def run_stream(args: argparse.Namespace) -> int:
         f"load and prepare {ready - started:.1f} s; {args.steps} steps at strength {args.strength}, "
         f"{len(stream.timesteps)} UNet step(s) a frame; {provider}; model {model}"
         + (f", tiny VAE {args.tiny_vae}" if args.tiny_vae else "")
+        + (
+            f"; {stream.skipped_frames} frames skipped by the similarity filter"
+            if args.similarity_threshold is not None
+            else ""
+        )
         + ")"
     )
     return 0
@@ -1528,6 +1545,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stream.add_argument(
         "--delta", type=float, default=1.0, help="residual guidance's scale of the stock noise (default 1.0)"
+    )
+    stream.add_argument(
+        "--similarity-threshold",
+        type=float,
+        default=None,
+        help="skip a frame nearly equal to the last kept one (StreamDiffusion's similarity filter; e.g. 0.98), "
+        "writing the last output again; default: no filter",
+    )
+    stream.add_argument(
+        "--max-skip-frame",
+        type=int,
+        default=10,
+        help="with the filter: keep a frame after this many skips (default 10)",
     )
     stream.add_argument("--seed", type=int, default=0, help="the stream's fixed noise (default 0)")
     stream.add_argument(

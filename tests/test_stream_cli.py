@@ -32,10 +32,10 @@ def sketch(index: int, width: int = SIZE, height: int = SIZE) -> np.ndarray:
     return np.ascontiguousarray(((np.stack(channels, axis=-1) + 1) * 127.5).astype(np.uint8))
 
 
-def write_frames(path, count=FRAMES, width=SIZE, height=SIZE, fps=12):
+def write_frames(path, count=FRAMES, width=SIZE, height=SIZE, fps=12, same=False):
     with FrameWriter(path, fps=fps) as writer:
         for index in range(count):
-            writer.write(sketch(index, width, height))
+            writer.write(sketch(0 if same else index, width, height))
     return path
 
 
@@ -169,6 +169,20 @@ def test_residual_guidance_reaches_the_pipeline(tmp_path, tiny_folder, image_fol
     assert any(not np.array_equal(output, reference) for output, reference in zip(outputs, unguided))
 
 
+def test_the_similarity_filter_reaches_the_pipeline(tmp_path, tiny_folder, capsys):
+    still = write_frames(tmp_path / "still", count=4, same=True)
+    assert run_stream(still, tmp_path / "out", tiny_folder, "--similarity-threshold", "0.98") == 0
+    # the tiny model runs 2 steps in a stream batch: the first two frames fill it (no output to give again yet), the
+    # next two are skipped
+    assert "; 2 frames skipped by the similarity filter)" in capsys.readouterr().out
+    _, inputs = read_all(still)
+    _, outputs = read_all(tmp_path / "out")
+    expected = stream_directly(tiny_folder, inputs, similarity_threshold=0.98)
+    assert len(outputs) == len(inputs) == 4
+    for output, reference in zip(outputs, expected, strict=True):
+        np.testing.assert_array_equal(output, reference)
+
+
 def test_size_fits_every_frame_to_one_size(tmp_path, tiny_folder):
     source = write_frames(tmp_path / "wide", count=2, width=96, height=72)
     assert run_stream(source, tmp_path / "out", tiny_folder, "--size", "64x48") == 0
@@ -274,6 +288,18 @@ def bad_inputs(tmp_path):
         "strength": (frames, tmp_path / "out", ("--strength", "1.5"), r"--strength: expected a number in \(0, 1\]"),
         "guidance": (frames, tmp_path / "out", ("--guidance", "nan"), r"--guidance: expected a finite number"),
         "delta": (frames, tmp_path / "out", ("--delta", "inf"), r"--delta: expected a finite number"),
+        "similarity-threshold": (
+            frames,
+            tmp_path / "out",
+            ("--similarity-threshold", "2"),
+            r"--similarity-threshold: expected a number in \[0, 1\]",
+        ),
+        "max-skip-frame": (
+            frames,
+            tmp_path / "out",
+            ("--max-skip-frame", "-1"),
+            r"--max-skip-frame: expected an integer",
+        ),
         "seed": (frames, tmp_path / "out", ("--seed", "-1"), r"--seed: expected an integer in 0 …"),
         "model-without-vae": (
             frames,
@@ -331,6 +357,8 @@ BAD_INPUTS = [
     "strength",
     "guidance",
     "delta",
+    "similarity-threshold",
+    "max-skip-frame",
     "seed",
     "model-without-vae",
     "tiny-vae-without-decoder",
