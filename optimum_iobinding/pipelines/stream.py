@@ -8,7 +8,7 @@ import inspect
 import math
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
@@ -183,12 +183,12 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
     @on_device_stream
     def prepare(
         self,
-        prompt: str,
+        prompt: Union[str, Sequence[Tuple[str, float]]],
         negative_prompt: Optional[str] = None,
         num_inference_steps: int = 2,
         strength: float = 0.5,
         guidance_scale: float = 0.0,
-        seed: int = 0,
+        seed: Union[int, Sequence[Tuple[int, float]]] = 0,
         height: int = 512,
         width: int = 512,
         stream_batch: bool = True,
@@ -200,7 +200,8 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         """Fixes everything the frames that follow share, and makes every session and graph they use.
 
         Args:
-            prompt: what the frames should become (one prompt: a stream is a batch of one).
+            prompt: what the frames should become (one prompt: a stream is a batch of one), or a blend of prompts,
+                ``[(text, weight), …]``: their text embeddings averaged with the weights (:meth:`update_prompt`).
             negative_prompt: what to guide away from (with ``guidance_scale > 1`` on a UNet without
                 ``timestep_cond``; default: the empty prompt).
             num_inference_steps, strength: the img2img schedule: the scheduler's ``num_inference_steps`` timesteps
@@ -210,7 +211,9 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             guidance_scale: > 1 on a UNet without ``timestep_cond``: classifier-free guidance (the UNet batch
                 doubles); an LCM UNet gets it as its guidance embedding (``w = guidance_scale − 1``).
             seed: the stream's fixed noise (one draw per step from ``torch.Generator().manual_seed(seed)``, the
-                first being the noise diffusers' img2img pipeline draws from the same generator).
+                first being the noise diffusers' img2img pipeline draws from the same generator), or a blend of
+                seeds, ``[(seed, weight), …]``: each seed's noise weighted, ``Σ wᵢ nᵢ / √(Σ wᵢ²)`` (unit variance
+                again, the draws being independent; :meth:`update_seed`).
             height, width: the size frames are denoised (and returned) at; multiples of :attr:`size_multiple`.
             stream_batch: with more than one step, one UNet call of batch k per frame (outputs come k − 1 frames
                 late); ``False``: each frame's k steps in turn.
@@ -230,11 +233,13 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             ValueError, TypeError: a bad argument (named), before any work.
         """
         # 1. every argument, before any work
-        for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
-            if not isinstance(text, str) and not (name == "negative_prompt" and text is None):
-                raise ArgumentTypeError(name, f"expected a str (a stream has one prompt), got {type(text).__name__}")
+        blend = prompt_blend(prompt)
+        if negative_prompt is not None and not isinstance(negative_prompt, str):
+            raise ArgumentTypeError(
+                "negative_prompt", f"expected a str (a stream has one prompt), got {type(negative_prompt).__name__}"
+            )
         self.check_inputs(
-            prompt=prompt,
+            prompt=blend[0][0],
             negative_prompt=negative_prompt,
             height=height,
             width=width,
@@ -243,8 +248,7 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             strength=strength,
             guidance_scale=guidance_scale,
         )
-        if not is_integer(seed) or not 0 <= seed < 2**64:
-            raise ArgumentError("seed", f"expected an integer in [0, 2**64), got {seed!r}")
+        seeds = seed_blend(seed)
         if not isinstance(stream_batch, bool):
             raise ArgumentTypeError(
                 "stream_batch", f"expected True or False, got {type(stream_batch).__name__} {stream_batch!r}"
@@ -280,8 +284,8 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         )
 
         # 3. the prompt (encoded once), the noise, the constants and the models' inputs, on the device
-        embeddings = self.prompt.encode(prompt, 1, plan.negative, negative_prompt)
-        self._make_tensors(plan, seed, lcm, tuple(embeddings.shape[1:]))
+        embeddings = self._blended_embeddings(blend, plan.negative, negative_prompt)
+        self._make_tensors(plan, seeds, lcm, tuple(embeddings.shape[1:]))
         self._write_embeddings(plan, embeddings)
 
         # 4. sessions and the models' graphs (3 runs: ORT captures after one regular run), then their buffers
@@ -294,7 +298,7 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             self._warm_stages(plan)
             torch.cuda.current_stream(self.device).synchronize()  # set-up ends here: the first frame waits for none
         if similarity_threshold is not None:
-            plan.filter = SimilarityFilter(float(similarity_threshold), int(max_skip_frame), int(seed))
+            plan.filter = SimilarityFilter(float(similarity_threshold), int(max_skip_frame), seeds[0][0])
         self._plan = plan
 
     def stream_timesteps(self, num_inference_steps: int, strength: float) -> Tuple[List[Any], int]:
@@ -345,22 +349,41 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
                 f"batch gives each step its own timestep), got {declared}; pass stream_batch=False",
             )
 
-    def _make_tensors(self, plan: StreamPlan, seed: int, lcm: bool, embedding_shape: Tuple[int, ...]) -> None:
+    def _noise(self, plan: StreamPlan, seeds: List[Tuple[int, float]]) -> torch.Tensor:
+        """The stream's noise on the host, one row per step: each seed's draws (one per step from one generator), the
+        blend ``Σ wᵢ nᵢ / √(Σ wᵢ²)`` of several."""
+        shape = (1, self.latent_channels, plan.height // self.vae_scale_factor, plan.width // self.vae_scale_factor)
+
+        def draws(seed: int) -> torch.Tensor:
+            generator = torch.Generator().manual_seed(seed)
+            return torch.cat(
+                [randn_tensor(shape, generator=generator, device=torch.device("cpu")) for _ in range(plan.steps)]
+            )
+
+        if len(seeds) == 1:
+            return draws(seeds[0][0])
+        norm = math.sqrt(sum(weight * weight for _, weight in seeds))
+        return sum(draws(seed) * (weight / norm) for seed, weight in seeds)
+
+    def _blended_embeddings(
+        self, blend: List[Tuple[str, float]], negative: bool, negative_prompt: Optional[str]
+    ) -> torch.Tensor:
+        """The prompt's embeddings (``[negative; positive]`` with ``negative``): one prompt's, or the weighted mean of
+        several prompts' positive embeddings (weights normalized to sum 1)."""
+        if len(blend) == 1:
+            return self.prompt.encode(blend[0][0], 1, negative, negative_prompt)
+        total = sum(weight for _, weight in blend)
+        encoded = [self.prompt.encode(text, 1, negative, negative_prompt) for text, _ in blend]
+        positive = sum(embeddings[-1:] * (weight / total) for embeddings, (_, weight) in zip(encoded, blend))
+        return torch.cat([encoded[0][:1], positive]) if negative else positive
+
+    def _make_tensors(
+        self, plan: StreamPlan, seeds: List[Tuple[int, float]], lcm: bool, embedding_shape: Tuple[int, ...]
+    ) -> None:
         device, unet = self.device, self.unet
         channels = self.latent_channels
         latent_height, latent_width = plan.height // self.vae_scale_factor, plan.width // self.vae_scale_factor
-        generator = torch.Generator().manual_seed(int(seed))
-        noise = torch.cat(
-            [
-                randn_tensor(
-                    (1, channels, latent_height, latent_width),
-                    generator=generator,
-                    device=torch.device("cpu"),
-                    dtype=torch.float32,
-                )
-                for _ in range(plan.steps)
-            ]
-        )
+        noise = self._noise(plan, seeds)
         schedule = plan.schedule
         columns = {"noise": noise, "signal": schedule.signal, "noise_scale": schedule.noise}
         if plan.cfg_type in ("self", "initialize"):
@@ -476,23 +499,32 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
 
     # -------------------------------------------------------------------------------------------- prompt updates
     @on_device_stream
-    def update_prompt(self, prompt: str, negative_prompt: Any = _KEEP) -> None:
+    def update_prompt(self, prompt: Union[str, Sequence[Tuple[str, float]]], negative_prompt: Any = _KEEP) -> None:
         """Encodes a new prompt once into the same device tensor the UNet reads: no graph is captured again and no
         session made. Frames already in a stream batch take it for their remaining steps.
 
         Args:
-            prompt: the new prompt.
+            prompt: the new prompt, or a blend ``[(text, weight), …]``: the weighted mean of the prompts' text
+                embeddings (weights ≥ 0, normalized to sum 1; the negative prompt's embedding stays one), e.g.
+                ``[("a cat", 0.7), ("a dog", 0.3)]``, moved step by step to morph one prompt into another.
             negative_prompt: a new negative prompt (``None``: the empty one); default: the one given to prepare.
         """
         plan = self._require_plan("update_prompt")
-        if not isinstance(prompt, str):
-            raise ArgumentTypeError("prompt", f"expected a str (a stream has one prompt), got {type(prompt).__name__}")
+        blend = prompt_blend(prompt)
         if negative_prompt is _KEEP:
             negative_prompt = plan.negative_prompt
         elif negative_prompt is not None and not isinstance(negative_prompt, str):
             raise ArgumentTypeError("negative_prompt", f"expected a str or None, got {type(negative_prompt).__name__}")
-        self._write_embeddings(plan, self.encode_prompt(prompt, 1, plan.negative, negative_prompt))
+        self._write_embeddings(plan, self._blended_embeddings(blend, plan.negative, negative_prompt))
         plan.prompt, plan.negative_prompt = prompt, negative_prompt
+
+    @on_device_stream
+    def update_seed(self, seed: Union[int, Sequence[Tuple[int, float]]]) -> None:
+        """Writes new fixed noise (one seed's, or a blend ``[(seed, weight), …]``: ``Σ wᵢ nᵢ / √(Σ wᵢ²)``) into the
+        same device tensor the stream reads: no graph is captured again. Frames already in a stream batch take it for
+        their remaining steps."""
+        plan = self._require_plan("update_seed")
+        plan.tensors["noise"].copy_(self._noise(plan, seed_blend(seed)))
 
     # -------------------------------------------------------------------------------------------------- frames
     @on_device_stream
@@ -643,3 +675,44 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
                     pending.append(self._emit(plan, oldest))
         plan.in_flight.clear()
         return pending
+
+
+def prompt_blend(prompt: Any) -> List[Tuple[str, float]]:
+    """``prompt`` as ``[(text, weight), …]``: a str is one prompt of weight 1; a blend is a non-empty list of
+    ``(str, weight)`` pairs, each weight a finite number ≥ 0, their sum > 0."""
+    if isinstance(prompt, str):
+        return [(prompt, 1.0)]
+    expected = "a str (a stream has one prompt) or a list of (str, weight) pairs"
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise ArgumentTypeError("prompt", f"expected {expected}, got {prompt!r:.80}")
+    return _weighted("prompt", prompt, lambda text: isinstance(text, str), "a str", expected)
+
+
+def seed_blend(seed: Any) -> List[Tuple[int, float]]:
+    """``seed`` as ``[(seed, weight), …]``: an integer in [0, 2**64) is one seed of weight 1; a blend is a non-empty
+    list of ``(seed, weight)`` pairs, each weight a finite number ≥ 0, their sum > 0."""
+    if is_integer(seed):
+        if not 0 <= seed < 2**64:
+            raise ArgumentError("seed", f"expected an integer in [0, 2**64), got {seed!r}")
+        return [(int(seed), 1.0)]
+    expected = "an integer in [0, 2**64) or a list of (seed, weight) pairs"
+    if not isinstance(seed, (list, tuple)) or not seed:
+        raise ArgumentError("seed", f"expected {expected}, got {seed!r:.80}")
+    pairs = _weighted("seed", seed, lambda value: is_integer(value) and 0 <= value < 2**64, "a seed", expected)
+    return [(int(value), weight) for value, weight in pairs]
+
+
+def _weighted(name: str, pairs: Sequence[Any], valid: Any, what: str, expected: str) -> List[Tuple[Any, float]]:
+    blend = []
+    for index, pair in enumerate(pairs):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ArgumentTypeError(name, f"expected {expected}, got {pair!r:.80} at index {index}")
+        if not valid(pair[0]):
+            raise ArgumentError(name, f"expected {expected}, got {pair[0]!r:.80} in the pair at index {index}")
+        weight = pair[1]
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+            raise ArgumentError(name, f"expected a finite weight ≥ 0 beside {what}, got {weight!r} at index {index}")
+        blend.append((pair[0], float(weight)))
+    if sum(weight for _, weight in blend) <= 0:
+        raise ArgumentError(name, f"expected weights that sum to more than 0, got {[w for _, w in blend]}")
+    return blend
