@@ -29,7 +29,9 @@ def folders(tiny_folder, vae_folder, lcm):
     return {"sd": (tiny_folder, {}), "tiny-vae": (tiny_folder, {"tiny_vae": vae_folder}), "lcm": (lcm[1], {})}
 
 
-def prepared(folder, steps=2, strength=0.5, guidance_scale=0.0, stream_batch=True, provider=CUDA, **kwargs):
+def prepared(
+    folder, steps=2, strength=0.5, guidance_scale=0.0, stream_batch=True, provider=CUDA, cfg_type="full", **kwargs
+):
     from optimum_iobinding import OnnxStreamDiffusionPipeline
 
     if provider == CUDA:
@@ -47,6 +49,7 @@ def prepared(folder, steps=2, strength=0.5, guidance_scale=0.0, stream_batch=Tru
         height=SIZE,
         width=SIZE,
         stream_batch=stream_batch,
+        cfg_type=cfg_type,
     )
     return stream
 
@@ -68,7 +71,11 @@ CASES = {  # (folder, steps, strength, guidance, stream batch)
     "guidance-stream-batch": ("sd", 4, 0.5, 3.0, True),
     "tiny-vae": ("tiny-vae", 4, 0.5, 0.0, True),
     "lcm": ("lcm", 2, 0.5, 6.0, True),
+    "rcfg-self-one-step": ("sd", 2, 0.5, 1.8, True),
+    "rcfg-initialize-stream-batch": ("sd", 4, 0.5, 1.8, True),
 }
+# the guidance type of a case (default "full"): StreamDiffusion's residual guidance, its stock noise on the device
+CFG_TYPES = {"rcfg-self-one-step": "self", "rcfg-initialize-stream-batch": "initialize"}
 
 
 def launches_held(stream, call, most=32):
@@ -97,7 +104,7 @@ def launches_held(stream, call, most=32):
 def test_the_host_enqueues_frames_without_waiting(folders, case):
     name, steps, strength, guidance, stream_batch = CASES[case]
     folder, options = folders[name]
-    stream = prepared(folder, steps, strength, guidance, stream_batch, **options)
+    stream = prepared(folder, steps, strength, guidance, stream_batch, cfg_type=CFG_TYPES.get(case, "full"), **options)
     k = len(stream.timesteps)
     # the most frames whose UNet launches (a stream batch's flush adds k − 1; one at a time, k per frame) stay
     # within what the driver holds in flight of the UNet's graph
@@ -156,6 +163,7 @@ def test_no_session_or_graph_is_made_after_prepare(folders, case):
 def test_captured_outputs_equal_the_uncaptured_stream_and_the_cpus(folders, case):
     name, steps, strength, guidance, stream_batch = CASES[case]
     folder, options = folders[name]
+    options = dict(options, cfg_type=CFG_TYPES.get(case, "full"))
     frames = cuda_frames(4, seed=1)
     captured = run(prepared(folder, steps, strength, guidance, stream_batch, **options), frames)
     uncaptured_stream = prepared(folder, steps, strength, guidance, stream_batch, cuda_graph=False, **options)
@@ -196,3 +204,25 @@ def test_an_output_the_caller_holds_is_not_overwritten_by_later_frames(folders):
         stream(frame)
     torch.cuda.synchronize()
     torch.testing.assert_close(first, kept, atol=0, rtol=0)
+
+
+def test_the_similarity_filter_decides_on_the_device_as_on_the_cpu(folders):
+    from optimum_iobinding import OnnxStreamDiffusionPipeline
+
+    folder, _ = folders["sd"]
+    generator = torch.Generator().manual_seed(2)
+    clip = [torch.rand(3, SIZE, SIZE, generator=generator) * 2 - 1]
+    for _ in range(15):  # similarities about 0.98: skip probabilities near one half
+        clip.append((clip[-1] + 0.12 * torch.randn(3, SIZE, SIZE, generator=generator)).clamp(-1, 1))
+    outputs, skipped = {}, {}
+    for provider in (CUDA, "CPUExecutionProvider"):
+        options = {"provider_options": EXACT} if provider == CUDA else {}
+        stream = OnnxStreamDiffusionPipeline.from_pretrained(folder, provider=provider, **options)
+        name, overrides = TURBO
+        stream.scheduler = getattr(diffusers, name).from_config(stream.scheduler.config, **overrides)
+        stream.prepare(PROMPT, seed=3, height=SIZE, width=SIZE, similarity_threshold=0.95)
+        device = "cuda" if provider == CUDA else "cpu"
+        outputs[provider] = [stream(frame.to(device)).cpu() for frame in clip]
+        skipped[provider] = stream.skipped_frames
+    assert 0 < skipped[CUDA] == skipped["CPUExecutionProvider"] < len(clip) - 1
+    torch.testing.assert_close(outputs[CUDA], outputs["CPUExecutionProvider"], atol=1e-3, rtol=0)
