@@ -456,6 +456,7 @@ GENERATE_OPTIONS = {
     "height and width": "--height and --width",
     "negative_prompt": "--negative-prompt",
     "provider": "--provider",
+    "control_mode": "--control-mode",
 }
 # the components a pipeline folder holds: a refusal of one (its model.onnx, its inputs, its config) is the model's
 MODEL_COMPONENTS = (
@@ -726,6 +727,10 @@ def run_generate(args: argparse.Namespace) -> int:
         sibling, runs = image_route(record, roles, args.strength is not None)
     if args.loras and runs.lora is None:
         raise UsageError(f"--lora: expected none for {runs.class_name} ({runs.title} takes no LoRA)")
+    if args.control_mode is not None and not runs.options.get("control_mode"):
+        raise UsageError(
+            f"--control-mode: expected none for {runs.class_name} ({runs.title} takes no union ControlNet's mode)"
+        )
     first_image = next(iter(args.images.values()), None)  # its sides where --width and --height give none
     given = (args.width, args.height)
     default = None if runs.frames else 512  # a video family's size is its pipeline's (Wan's 832 × 480)
@@ -804,6 +809,8 @@ def run_generate(args: argparse.Namespace) -> int:
         call["guidance_scale"] = args.guidance
     if args.negative_prompt is not None:  # a family that takes none is refused before loading
         call["negative_prompt"] = args.negative_prompt
+    if args.control_mode is not None:
+        call["control_mode"] = args.control_mode
     start = time.perf_counter()
     try:
         with options_named({**model_names, **GENERATE_OPTIONS}):  # the pipeline's checks of what depends on the model
@@ -1336,6 +1343,14 @@ def build_parser() -> argparse.ArgumentParser:
     images.add_argument("--mask", default=None, metavar="FILE", help="with --image: where to repaint (white)")
     images.add_argument(
         "--control-image", default=None, metavar="FILE", help="the control image (ControlNet, FLUX.1 Control)"
+    )
+    images.add_argument(
+        "--control-mode",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a union ControlNet's mode for --control-image (FLUX.1 ControlNet union models; e.g. 0 for canny in "
+        "InstantX's union; default: none, which a union ControlNet refuses)",
     )
     images.add_argument(
         "--strength",

@@ -172,7 +172,8 @@ class Family:
             first text encoder, which a refiner lacks), ``transformer_class`` (diffusers' class of its transformer),
             ``t5_tokenizer`` and ``t5_encoder`` (its T5 components), ``size_by_area`` (its ``height`` and ``width``
             give the aspect ratio, ``max_area`` the pixels: FLUX.1 Kontext's), ``controlnet_of`` (the key of the
-            family whose pipelines the export adds ControlNets to for it: ``export MODEL --controlnet ID``).
+            family whose pipelines the export adds ControlNets to for it: ``export MODEL --controlnet ID``),
+            ``control_mode`` (its calls take a union ControlNet's ``control_mode``).
     """
 
     key: str
@@ -546,7 +547,11 @@ FAMILIES: Tuple[Family, ...] = (
         negative_prompt_needs="true_cfg_scale > 1",
         hint="a FLUX.1 ControlNet folder (its transformer takes the ControlNets' block samples): use "
         "OnnxFluxControlNetPipeline from Python with a control image",
-        **{**_FLUX_VARIANT, "step_cache": None, "options": {**_FLUX_OPTIONS, "controlnet_of": "flux"}},
+        **{
+            **_FLUX_VARIANT,
+            "step_cache": None,
+            "options": {**_FLUX_OPTIONS, "controlnet_of": "flux", "control_mode": True},
+        },
     ),
     Family(
         "wan",

@@ -65,3 +65,32 @@ def test_export_with_a_controlnet_makes_each_familys_folder_and_generate_takes_i
     made = generated(tmp_path, capsys, flux, control)
     expected = called(OnnxFluxControlNetPipeline, flux, control_image=rgb, height=64, width=48)
     assert made.shape == (64, 48, 3) and np.array_equal(made, expected)
+
+
+def test_generate_gives_a_union_controlnet_its_mode_and_refuses_a_mode_where_none_is_taken(tmp_path, capsys):
+    from optimum_iobinding.export.tiny import build_tiny_random_flux_controlnet, build_tiny_random_flux_pipeline
+
+    control = picture(tmp_path / "control.png", 32, 32)
+    with PIL.Image.open(control) as image:
+        rgb = image.convert("RGB")
+    transformer = build_tiny_random_flux_pipeline(guidance_embeds=True).transformer
+    flux = exported(tmp_path, capsys, "flux-dev", build_tiny_random_flux_controlnet(transformer, 10, kind="union"))
+    argv = ["generate", PROMPT, "--model", flux, "--control-image", control, "--out", str(tmp_path / "none.png")]
+    argv += ["--provider", "CPUExecutionProvider", "--steps", "2", "--seed", "3"]
+    assert main(argv) == 2  # a union ControlNet needs a mode
+    assert "--control-mode: expected one of the union ControlNet's modes (0 … 2)" in capsys.readouterr().err
+    made = {}
+    for mode in (1, 2):
+        out = tmp_path / f"mode-{mode}.png"
+        argv = ["generate", PROMPT, "--model", flux, "--control-image", control, "--control-mode", str(mode)]
+        argv += ["--out", str(out), "--provider", "CPUExecutionProvider", "--steps", "2", "--seed", "3"]
+        assert main(argv) == 0, capsys.readouterr().err
+        with PIL.Image.open(out) as image:
+            made[mode] = np.asarray(image.convert("RGB"))
+        expected = called(OnnxFluxControlNetPipeline, flux, control_image=rgb, control_mode=mode, height=32, width=32)
+        assert np.array_equal(made[mode], expected)
+    assert not np.array_equal(made[1], made[2])
+    # a family without union ControlNets: refused before any model loads, naming the option
+    argv = ["generate", PROMPT, "--control-mode", "1", "--out", str(tmp_path / "sd.png"), "--steps", "1"]
+    assert main(argv) == 2
+    assert "--control-mode: expected none for OnnxStableDiffusionPipeline" in capsys.readouterr().err

@@ -66,6 +66,7 @@ PIPELINE_ARGUMENT_FIELDS = {
     "mask_image": "mask",
     "prompt": "prompt",
     "negative_prompt": "negative_prompt",
+    "control_mode": "control_mode",
 }
 
 
@@ -131,6 +132,7 @@ def _group_key(request: Dict[str, Any]) -> Tuple:
         request.get("route"),
         tuple(sorted((name, image.shape) for name, image in images.items())),
         request.get("strength"),
+        request.get("control_mode"),
         request.get("lora_weights"),
     )
 
@@ -526,6 +528,8 @@ class ImageGenerator:
         limits = self.limits
         request["images"], request["route"], request["runs"] = {}, None, self.family.key
         roles = {role for role in IMAGE_ROLES if request.get(role) is not None}
+        if request.get("control_mode") is not None and "control_image" not in roles:
+            raise ArgumentError("control_mode", "expected it beside a control image (control_image), got it alone")
         if not roles:
             if request.get("strength") is not None:
                 raise ArgumentError("strength", "only an image-to-image request (with image) takes one")
@@ -533,6 +537,13 @@ class ImageGenerator:
         if "mask" in roles and "image" not in roles:
             raise ArgumentError("mask", "expected it beside an image to repaint (image), got a mask alone")
         route, runs = image_route(self.family, roles, request.get("strength") is not None)
+        if request.get("control_mode") is not None and not runs.options.get("control_mode"):
+            raise ArgumentError(
+                "control_mode", f"expected none for {runs.class_name} ({runs.title} takes no union ControlNet's mode)"
+            )
+        if runs.options.get("control_mode") and not self.numpy_engine:  # a union ControlNet needs its mode
+            pipe = {None: self.pipe, "image_to_image": self.img2img, "inpainting": self.inpaint}[route]
+            pipe.check_control_modes(request.get("control_mode"))
         if route == "image_to_image" and self.img2img is None:
             raise ArgumentError(
                 "image",
@@ -843,6 +854,8 @@ class ImageGenerator:
             arguments["max_area"] = first["height"] * first["width"]
         if first.get("strength") is not None:
             arguments["strength"] = first["strength"]
+        if first.get("control_mode") is not None:
+            arguments["control_mode"] = first["control_mode"]
         if self.lora_weights:
             self._use_loras(first["lora_weights"])
         start = time.perf_counter()

@@ -50,6 +50,9 @@ class ImageRequest(BaseModel):
         default=None, description="the control image (ControlNet, FLUX.1 Control), base64 PNG or JPEG"
     )
     strength: Optional[float] = Field(default=None, description="with image: how much of the schedule runs")
+    control_mode: Optional[int] = Field(
+        default=None, ge=0, description="with control_image: a union ControlNet's mode (FLUX.1 ControlNet union models)"
+    )
     loras: Optional[Dict[str, float]] = Field(
         default=None,
         description="the LoRAs the service loaded (GET /v1/models lists them) and their weights, e.g. {'pixel-art': "

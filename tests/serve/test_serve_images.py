@@ -194,8 +194,23 @@ def test_loras_load_at_start_and_each_request_gets_its_weights_in_one_batch(tiny
             dict(control_image="bad"),
             r"control_image: expected a base64 PNG or JPEG, got text that is no",
         ),
+        ("flux-control", dict(control_mode=1), r"control_mode: expected it beside a control image \(control_image\)"),
+        (
+            "flux-control",
+            dict(control_image=True, control_mode=1),
+            r"control_mode: expected none for OnnxFluxControlPipeline \(.* takes no union ControlNet's mode\)",
+        ),
     ],
-    ids=["control-to-sd", "fill-without-mask", "image-to-control", "kontext-strength", "no-loras", "bad-control"],
+    ids=[
+        "control-to-sd",
+        "fill-without-mask",
+        "image-to-control",
+        "kontext-strength",
+        "no-loras",
+        "bad-control",
+        "mode-alone",
+        "mode-to-control",
+    ],
 )
 def test_an_image_or_lora_the_folder_cannot_take_is_refused_naming_the_field(
     tiny_folder, flux_folders, kind, fields, message
@@ -204,6 +219,32 @@ def test_an_image_or_lora_the_folder_cannot_take_is_refused_naming_the_field(
     fields = {name: picture(32, 32) if value is True else value for name, value in fields.items()}
     with pytest.raises(ArgumentError, match=message):
         generator.complete_request(dict(prompt="x", seed=0, **fields))
+
+
+def test_a_union_controlnet_folder_takes_each_requests_control_mode(shared_export):
+    from optimum_iobinding.export import export_pipeline
+    from optimum_iobinding.export.tiny import build_tiny_random_flux_controlnet_pipeline
+
+    folder = shared_export(
+        "flux-controlnet-union",
+        lambda target: export_pipeline(
+            None,
+            target,
+            torch_pipeline=build_tiny_random_flux_controlnet_pipeline(controlnets=("union",)),
+            progress=False,
+        ),
+    )
+    generator = replica(folder, guidance=3.5)
+    control = picture(32, 32)
+    requests = [dict(prompt="a house", seed=3, guidance=3.5, control_image=control, control_mode=m) for m in (1, 2)]
+    images = [answered(generator, request)[0] for request in requests]
+    with pytest.raises(ArgumentError, match=r"control_mode: expected one of the union ControlNet's modes \(0 … 2\)"):
+        generator.complete_request(dict(requests[0], control_mode=None))  # refused before any batch
+    for request, image in zip(requests, images):
+        arguments = dict(control_image=decode_image(control)[None], control_mode=request["control_mode"])
+        expected = single_call(generator.pipe, request, height=32, width=32, **arguments)
+        assert np.abs(image.astype(int) - expected.astype(int)).max() <= 1
+    assert not np.array_equal(images[0], images[1])  # the mode reached the ControlNet (a tiny one: a small change)
 
 
 def test_a_lora_the_family_cannot_take_or_a_bad_spec_fails_before_any_replica_starts(tmp_path, capsys):
