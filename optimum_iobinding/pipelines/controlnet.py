@@ -46,6 +46,52 @@ CONTROLNET, CONTROLNET_IMG2IMG = family("controlnet"), family("controlnet-img2im
 _EXTRA_CONTROLNET = re.compile(r"controlnet_([1-9][0-9]*)")
 
 
+class ControlSums:
+    """The ControlNets' outputs of a step as the denoiser takes them, in buffers made once per shape: several
+    ControlNets' outputs summed in place, cast to the denoiser's dtype, and where the denoiser's batch is twice the
+    ControlNets' (classifier-free guidance) written into the half ``rows`` names, the other half a copy (``"same"``:
+    FLUX.1's true CFG, whose negative prompt takes the same samples) or zeros (``"zeros"``: guess mode). One
+    ControlNet whose outputs the denoiser takes as they are is passed through: no copy at all.
+
+    Args:
+        dtypes: the denoiser's dtype of each output, in order.
+        other_half: ``None`` (the batches match), ``"same"`` or ``"zeros"``.
+    """
+
+    def __init__(self, dtypes: Sequence[torch.dtype], other_half: Optional[str] = None):
+        self.dtypes = list(dtypes)
+        self.other_half = other_half
+        self._buffers: Dict[Tuple, List[torch.Tensor]] = {}
+
+    def __call__(self, outputs: Sequence[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
+        """The denoiser's inputs from each active ControlNet's ``outputs`` (at least one)."""
+        first = outputs[0]
+        if len(outputs) == 1 and self.other_half is None and all(o.dtype == d for o, d in zip(first, self.dtypes)):
+            return list(first)
+        buffers = self._buffers_for(first)
+        for j, buffer in enumerate(buffers):
+            target = buffer[buffer.shape[0] - first[j].shape[0] :] if self.other_half else buffer
+            target.copy_(first[j])
+            for more in outputs[1:]:
+                target.add_(more[j])
+            if self.other_half == "same":
+                buffer[: first[j].shape[0]].copy_(target)
+        return buffers
+
+    def _buffers_for(self, first: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        key = tuple(tuple(o.shape) for o in first)
+        buffers = self._buffers.get(key)
+        if buffers is None:
+            rows = 2 if self.other_half else 1
+            with torch.inference_mode(False):  # written in place by later steps, in or out of inference mode
+                buffers = [
+                    torch.zeros((o.shape[0] * rows, *o.shape[1:]), dtype=dtype, device=o.device)
+                    for o, dtype in zip(first, self.dtypes)
+                ]
+            self._buffers[key] = buffers
+        return buffers
+
+
 class ControlNetUNet(UNetDenoiser):
     """A UNet exported with its ControlNets: beside its family's inputs (Stable Diffusion's three, SDXL's
     ``text_embeds`` and ``time_ids`` too) it takes the residuals the ControlNets give, one input per output, in the
@@ -359,6 +405,8 @@ class UNetControlNets(ControlNets):
             {name: value.chunk(2)[1] for name, value in conditioning.items()} if half else conditioning
         )
         zeros: Dict[Tuple, List[torch.Tensor]] = {}
+        # guess mode: the ControlNets see the text's half, the negative prompt's half of the UNet takes no residual
+        sums = ControlSums([self.unet.input_dtypes[name] for name in residual_inputs], "zeros" if half else None)
 
         def zero_residuals(sample: torch.Tensor, embeds: torch.Tensor) -> List[torch.Tensor]:
             key = (tuple(sample.shape), tuple(embeds.shape))
@@ -378,24 +426,21 @@ class UNetControlNets(ControlNets):
             control_input, embeds = latent_model_input, prompt_embeds
             if half:
                 control_input, embeds = latent_model_input.chunk(2)[1], prompt_embeds.chunk(2)[1]
-            total: Optional[List[torch.Tensor]] = None
-            for k, net in enumerate(self.controlnets):
-                if not runs[i][k]:
-                    continue  # outside its window (or scale 0): its residuals are zeros
-                outputs = net(
+            # each ControlNet's output buffers are read by this step's UNet before that net runs again
+            outputs = [
+                net(
                     sample=control_input,
                     timestep=timestep_rows[k][i],
                     encoder_hidden_states=embeds,
                     **{CONTROLNET_CONDITION: images[k], CONTROLNET_SCALE: factors[k][i]},
                     **control_conditioning,
                 )
-                # the first ControlNet's output buffers are read by this step's UNet before that net runs again
-                total = list(outputs) if total is None else [a + b for a, b in zip(total, outputs)]
-            if total is None:
+                for k, net in enumerate(self.controlnets)
+                if runs[i][k]  # outside its window (or scale 0): its residuals are zeros
+            ]
+            if not outputs:
                 return dict(zip(residual_inputs, zero_residuals(latent_model_input, prompt_embeds)))
-            if half:
-                total = [torch.cat([torch.zeros_like(r), r]) for r in total]
-            return dict(zip(residual_inputs, total))
+            return dict(zip(residual_inputs, sums(outputs)))
 
         return step_inputs
 

@@ -31,7 +31,7 @@ from ..runtime.model import IOBindingORTModel
 from .arguments import Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames, is_integer
 from .codec import pack_latents
 from .components import declared_dim, onnx
-from .controlnet import ControlNets
+from .controlnet import ControlNets, ControlSums
 from .core import on_device_stream
 from .denoisers import Denoiser, FluxDenoiser
 from .flux import FLUX_COMPONENTS, MAX_SEQUENCE_LENGTH, FluxFamilyPipeline
@@ -247,6 +247,8 @@ class OnnxFluxControlNetPipeline(ControlNets, FluxFamilyPipeline):
                 inputs[FLUX_CONTROLNET_MODE] = upload(torch.full((rows, 1), modes[k], dtype=torch.int64), self.device)
             fixed.append(inputs)
         zeros: Dict[Tuple[int, ...], List[torch.Tensor]] = {}
+        # true CFG: the negative prompt's half of the transformer's batch takes the same samples
+        sums = ControlSums([transformer_dtype] * len(sample_inputs), "same" if guidance.batched else None)
 
         def zero_samples(model_input: torch.Tensor) -> List[torch.Tensor]:
             key = tuple(model_input.shape[:2])
@@ -259,25 +261,21 @@ class OnnxFluxControlNetPipeline(ControlNets, FluxFamilyPipeline):
 
         def step_inputs(i: int, model_input: torch.Tensor, prompt_embeds: torch.Tensor) -> Dict[str, torch.Tensor]:
             latents = model_input.chunk(2)[1] if guidance.batched else model_input
-            total: Optional[List[torch.Tensor]] = None
-            for k, net in enumerate(self.controlnets):
-                if not runs[i][k]:
-                    continue  # outside its window (or scale 0): its samples are zeros
-                outputs = net(
+            # each ControlNet's output buffers are read by this step's transformer before that net runs again
+            outputs = [
+                net(
                     hidden_states=latents.to(net.input_dtypes["hidden_states"]),
                     encoder_hidden_states=prompt_embeds.to(net.input_dtypes["encoder_hidden_states"]),
                     timestep=timestep_rows[k][i],
                     **{CONTROLNET_SCALE: tables[k][i]},
                     **fixed[k],
                 )
-                # the first ControlNet's output buffers are read by this step's transformer before it runs again
-                total = list(outputs) if total is None else [a + b for a, b in zip(total, outputs)]
-            if total is None:
+                for k, net in enumerate(self.controlnets)
+                if runs[i][k]  # outside its window (or scale 0): its samples are zeros
+            ]
+            if not outputs:
                 return dict(zip(sample_inputs, zero_samples(model_input)))
-            total = [sample.to(transformer_dtype) for sample in total]
-            if guidance.batched:  # the negative prompt's half of the batch takes the same samples
-                total = [torch.cat([sample, sample]) for sample in total]
-            return dict(zip(sample_inputs, total))
+            return dict(zip(sample_inputs, sums(outputs)))
 
         return step_inputs
 

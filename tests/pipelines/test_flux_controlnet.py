@@ -137,6 +137,25 @@ def test_two_controlnets_each_with_its_scale_window_and_mode_give_diffusers_imag
     assert np.abs(got - run(pipe, **{**arguments, "control_mode": [None, 0]})).max() > 1e-3  # the mode matters
 
 
+def test_two_controlnets_at_every_step_with_true_cfg_give_diffusers_images(flux, ours):
+    arguments = dict(
+        control_image=[picture(3), picture(4)],
+        controlnet_conditioning_scale=[0.7, 1.2],
+        control_mode=[None, 1],
+        negative_prompt="a blue sky",
+        true_cfg_scale=2.5,
+        num_inference_steps=3,
+    )
+    pipe = ours["two"]
+    with pipe.transformer.watch_runs() as runs:
+        got = run(pipe, **arguments)
+    np.testing.assert_allclose(got, run(flux[0]["two"], **arguments), atol=TOLERANCE)
+    samples = [name for name in runs[0].inputs if name.startswith("controlnet_")]
+    assert samples and len(runs) == 3  # one transformer call a step: both prompts' rows in one batch
+    # the summed, doubled samples the transformer reads are at the same addresses at every step
+    assert all(record.inputs[name] == runs[0].inputs[name] for record in runs for name in samples)
+
+
 def test_an_xlabs_controlnet_takes_pixels_and_gives_diffusers_image(flux, ours):
     arguments = dict(control_image=picture(5), controlnet_conditioning_scale=0.9)
     np.testing.assert_allclose(run(ours["xlabs"], **arguments), run(flux[0]["xlabs"], **arguments), atol=TOLERANCE)
