@@ -44,6 +44,9 @@ __all__ = [
     "image_role",
     "image_route",
     "UNET_INPUTS",
+    "SDXL_INPUTS",
+    "SDXL_TEXT_EMBEDS",
+    "SDXL_TIME_IDS",
     "MMDIT_INPUTS",
     "FLUX_INPUTS",
     "FLUX_TEXT_IDS",
@@ -62,6 +65,9 @@ __all__ = [
 
 # the denoisers' ONNX inputs (the export writes them, the pipelines feed them)
 UNET_INPUTS = ("sample", "timestep", "encoder_hidden_states")
+# SDXL's UNet also takes the pooled text embeddings and the size and crop conditioning
+SDXL_TEXT_EMBEDS, SDXL_TIME_IDS = "text_embeds", "time_ids"
+SDXL_INPUTS = (*UNET_INPUTS, SDXL_TEXT_EMBEDS, SDXL_TIME_IDS)
 MMDIT_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
 # FLUX.1's rotary position ids of the text tokens and of the packed latent tokens, and FLUX.1 dev's distilled guidance
 FLUX_TEXT_IDS, FLUX_IMAGE_IDS, FLUX_GUIDANCE = "txt_ids", "img_ids", "guidance"
@@ -254,7 +260,7 @@ FAMILIES: Tuple[Family, ...] = (
         "OnnxStableDiffusionXLPipeline",
         f"{_SD_MODULE}.stable_diffusion_xl",
         "SDXL",
-        DenoiserInterface("unet", (*UNET_INPUTS, "text_embeds", "time_ids")),
+        DenoiserInterface("unet", SDXL_INPUTS),
         Defaults(steps=50, guidance_scale=5.0),
         index_class_names=(
             "StableDiffusionXLPipeline",
@@ -276,7 +282,7 @@ FAMILIES: Tuple[Family, ...] = (
         "OnnxStableDiffusionXLImg2ImgPipeline",
         f"{_SD_MODULE}.stable_diffusion_xl",
         "SDXL image to image (the refiner too)",
-        DenoiserInterface("unet", (*UNET_INPUTS, "text_embeds", "time_ids")),
+        DenoiserInterface("unet", SDXL_INPUTS),
         Defaults(steps=50, guidance_scale=5.0),
         index_class_name="StableDiffusionXLImg2ImgPipeline",
         text_to_image=False,
@@ -330,9 +336,7 @@ FAMILIES: Tuple[Family, ...] = (
         "OnnxStableDiffusionXLControlNetPipeline",
         f"{_SD_MODULE}.controlnet_xl",
         "SDXL with ControlNet",
-        DenoiserInterface(
-            "unet", (*UNET_INPUTS, "text_embeds", "time_ids"), prefixed=(DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT)
-        ),
+        DenoiserInterface("unet", SDXL_INPUTS, prefixed=(DOWN_RESIDUAL_INPUT, MID_RESIDUAL_INPUT)),
         Defaults(steps=50, guidance_scale=5.0),
         index_class_names=("StableDiffusionXLControlNetPipeline",),
         index_class_name="StableDiffusionXLControlNetPipeline",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from ..families import family
+from ..families import SDXL_TIME_IDS, family
 from .arguments import Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames
 from .components import onnx
 from .controlnet import ControlNetUNet, UNetControlNets
@@ -40,7 +40,7 @@ class OnnxStableDiffusionXLControlNetPipeline(UNetControlNets, OnnxStableDiffusi
     @property
     def unet_dtype(self) -> Any:
         """The dtype of the UNet's ``time_ids`` (the micro-conditioning is made in it, before the prompts)."""
-        return self.unet.input_dtypes["time_ids"]
+        return self.unet.input_dtypes[SDXL_TIME_IDS]
 
     @on_device_stream
     def __call__(

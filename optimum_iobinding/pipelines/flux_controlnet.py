@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError, ArgumentTypeError, ModelFileError
-from ..families import FLUX_GUIDANCE, FLUX_IMAGE_IDS, FLUX_INPUTS, FLUX_TEXT_IDS, family
+from ..families import FLUX_GUIDANCE, FLUX_IMAGE_IDS, FLUX_INPUTS, FLUX_TEXT_IDS, MMDIT_INPUTS, family
 from ..layout import (
     CONTROLNET_CONDITION,
     CONTROLNET_SCALE,
@@ -47,6 +47,10 @@ def sample_number(name: str) -> Tuple[int, int]:
     """The order of a block-sample input: double-stream blocks first, each kind by its number."""
     kind = next(k for k, prefix in enumerate(_SAMPLE_PREFIXES) if name.startswith(prefix))
     return kind, int(name[len(_SAMPLE_PREFIXES[kind]) :])
+
+
+# the MMDiT inputs a FLUX.1 ControlNet takes as the transformer does
+HIDDEN_STATES, ENCODER_HIDDEN_STATES, POOLED_PROJECTIONS, TIMESTEP = MMDIT_INPUTS
 
 
 class FluxControlNetTransformer(FluxDenoiser):
@@ -231,13 +235,13 @@ class OnnxFluxControlNetPipeline(ControlNets, FluxFamilyPipeline):
         tables, timestep_rows, fixed = [], [], []
         for k, net in enumerate(self.controlnets):
             tables.append(self.scale_table(net, [torch.tensor([scales[k] * keep[i][k]]) for i in range(steps)]))
-            dtype = net.input_dtypes["timestep"]
-            values = (timesteps.to(net.input_dtypes["hidden_states"]) / 1000).to(dtype)
+            dtype = net.input_dtypes[TIMESTEP]
+            values = (timesteps.to(net.input_dtypes[HIDDEN_STATES]) / 1000).to(dtype)
             timestep_rows.append(upload(values[:, None].expand(-1, rows).contiguous(), self.device))
             inputs = {
                 FLUX_TEXT_IDS: constants[FLUX_TEXT_IDS].to(net.input_dtypes[FLUX_TEXT_IDS]),
                 FLUX_IMAGE_IDS: constants[FLUX_IMAGE_IDS].to(net.input_dtypes[FLUX_IMAGE_IDS]),
-                "pooled_projections": pooled_prompt_embeds.to(net.input_dtypes["pooled_projections"]),
+                POOLED_PROJECTIONS: pooled_prompt_embeds.to(net.input_dtypes[POOLED_PROJECTIONS]),
                 CONTROLNET_CONDITION: conditions[k],
             }
             if FLUX_GUIDANCE in net.input_names:
@@ -264,8 +268,8 @@ class OnnxFluxControlNetPipeline(ControlNets, FluxFamilyPipeline):
             # each ControlNet's output buffers are read by this step's transformer before that net runs again
             outputs = [
                 net(
-                    hidden_states=latents.to(net.input_dtypes["hidden_states"]),
-                    encoder_hidden_states=prompt_embeds.to(net.input_dtypes["encoder_hidden_states"]),
+                    hidden_states=latents.to(net.input_dtypes[HIDDEN_STATES]),
+                    encoder_hidden_states=prompt_embeds.to(net.input_dtypes[ENCODER_HIDDEN_STATES]),
                     timestep=timestep_rows[k][i],
                     **{CONTROLNET_SCALE: tables[k][i]},
                     **fixed[k],

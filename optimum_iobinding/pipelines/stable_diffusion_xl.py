@@ -14,7 +14,7 @@ import torch
 from diffusers.pipelines.stable_diffusion_xl import StableDiffusionXLPipelineOutput
 
 from ..errors import ArgumentError, ModelFileError
-from ..families import family
+from ..families import SDXL_TEXT_EMBEDS, SDXL_TIME_IDS, family
 from ..layout import write_xl_model_index
 from .arguments import Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames
 from .components import VAE_COMPONENTS, declared_dim, onnx, tokenizer
@@ -51,7 +51,7 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
     @property
     def time_ids_length(self) -> Optional[int]:
         """How many micro-conditioning values the UNet's ``time_ids`` takes (``None``: dynamic)."""
-        return declared_dim(self.unet, "time_ids", 1)
+        return declared_dim(self.unet, SDXL_TIME_IDS, 1)
 
     def check_inputs_xl(
         self,
@@ -156,7 +156,7 @@ class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPi
         """``text_embeds`` and ``time_ids`` for every UNet row, on the device, made once before the loop."""
         positive = add_time_ids.repeat(rows, 1)
         time_ids = torch.cat([negative_time_ids.repeat(rows, 1), positive]) if do_classifier_free_guidance else positive
-        return {"text_embeds": pooled, "time_ids": time_ids.to(self.device)}
+        return {SDXL_TEXT_EMBEDS: pooled, SDXL_TIME_IDS: time_ids.to(self.device)}
 
     def write_model_index(self, target: Path, written: List[str]) -> None:
         modules = {
