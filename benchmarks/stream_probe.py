@@ -1,5 +1,6 @@
 """A first measure of the real-time stream on a GPU: frames/s and per-frame latency of `OnnxStreamDiffusionPipeline`
-(torch CUDA frames in and out) against the floor of its components' own graph replays.
+(torch CUDA frames in and out) against the floor of its components' own graph replays, with guidance (classifier-free,
+StreamDiffusion's residual) and the similarity filter (``--configs``).
 
 SD-Turbo architecture (the bench zoo's ``turbo``, random weights, fused fp16), a TAESD-shaped `AutoencoderTiny`
 with random weights (fp16, CUDA-optimized), 512², batch 1. Writes ``stream_probe.json`` (every row, device, versions,
@@ -46,27 +47,32 @@ def events_ms(function, runs: int) -> float:
     return statistics.median(times)
 
 
-def measure(stream: OnnxStreamDiffusionPipeline, frame: torch.Tensor, frames: int) -> dict:
-    for _ in range(20):
-        stream(frame)
+def measure(stream: OnnxStreamDiffusionPipeline, clip: list, frames: int) -> dict:
+    """Latency (each frame waited for) and frames/s (frames enqueued back to back) over ``frames`` frames of
+    ``clip`` (cycled)."""
+    for index in range(20):
+        stream(clip[index % len(clip)])
     torch.cuda.synchronize()
     latencies = []
-    for _ in range(frames):  # latency: each frame waited for
+    for index in range(frames):  # latency: each frame waited for
         start = time.perf_counter()
-        out = stream(frame)
+        out = stream(clip[index % len(clip)])
         torch.cuda.synchronize()
         latencies.append((time.perf_counter() - start) * 1e3)
+    skipped = stream.skipped_frames
     start = time.perf_counter()
-    for _ in range(frames):  # throughput: frames enqueued back to back, as a stream runs
-        out = stream(frame)
+    for index in range(frames):  # throughput: frames enqueued back to back, as a stream runs
+        out = stream(clip[index % len(clip)])
     torch.cuda.synchronize()
     fps = frames / (time.perf_counter() - start)
+    skipped = stream.skipped_frames - skipped
     latencies.sort()
     return {
         "fps": fps,
         "p50_ms": latencies[len(latencies) // 2],
         "p99_ms": latencies[int(len(latencies) * 0.99) - 1],
         "output": [list(out.shape), str(out.dtype), str(out.device)] if out is not None else None,
+        "skipped_share": skipped / frames,  # of the frames/s run (the similarity filter's)
     }
 
 
@@ -109,13 +115,37 @@ def floor_ms(stream: OnnxStreamDiffusionPipeline, batch: int, size: int) -> dict
     return result
 
 
+# name → (UNet steps, stream batch, prepare's options, clip): the plain stream at 1 and 2 steps, guidance (full
+# classifier-free, StreamDiffusion's residual "self" and "initialize"), the similarity filter on a still clip (what it
+# skips) and on a moving one (what deciding costs a frame that is kept: frame ms against "one-step")
+CONFIGS = {
+    "one-step": (1, False, {}, "moving"),
+    "two-steps-stream-batch": (2, True, {}, "moving"),
+    "two-steps-in-turn": (2, False, {}, "moving"),
+    "full-cfg": (1, False, {"guidance_scale": 1.5, "cfg_type": "full"}, "moving"),
+    "rcfg-self": (1, False, {"guidance_scale": 1.5, "cfg_type": "self"}, "moving"),
+    "rcfg-initialize": (1, False, {"guidance_scale": 1.5, "cfg_type": "initialize"}, "moving"),
+    "filter-still": (1, False, {"similarity_threshold": 0.98}, "still"),
+    "filter-moving": (1, False, {"similarity_threshold": 0.98}, "moving"),
+}
+STEP_CONFIGS = ("one-step", "two-steps-stream-batch", "two-steps-in-turn")  # also with the full VAE
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--work", default="/tmp/bench-work")
     parser.add_argument("--out", required=True)
     parser.add_argument("--frames", type=int, default=300)
     parser.add_argument("--size", type=int, default=512)
+    parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated, of {', '.join(CONFIGS)} (each with the tiny VAE; the step ones with the full one too)",
+    )
     args = parser.parse_args()
+    unknown = sorted(set(args.configs.split(",")) - set(CONFIGS))
+    if unknown:
+        parser.error(f"--configs: expected names among {', '.join(CONFIGS)}, got {', '.join(unknown)}")
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     folder = ensure_export("turbo", "fp16", "optimized", work)
@@ -123,27 +153,38 @@ def main() -> int:
     rows = []
     torch.manual_seed(0)
     frame = torch.rand(1, 3, args.size, args.size, device="cuda") * 2 - 1
+    # a moving clip (every frame new: the similarity filter keeps each) and a still one (the same frame)
+    moving = [torch.rand(1, 3, args.size, args.size, device="cuda") * 2 - 1 for _ in range(8)]
+    clips = {"still": [frame], "moving": moving}
+    chosen = args.configs.split(",")
     for vae in ("tiny", "full"):
+        configs = [name for name in chosen if vae == "tiny" or name in STEP_CONFIGS]
+        if not configs:
+            continue
         stream = OnnxStreamDiffusionPipeline.from_pretrained(
             folder, provider="CUDAExecutionProvider", tiny_vae=tiny if vae == "tiny" else None
         )
-        for steps, stream_batch in ((1, False), (2, True), (2, False)):
-            row = {"vae": vae, "unet_steps": steps, "stream_batch": stream_batch}
+        for name in configs:
+            steps, stream_batch, options, clip = CONFIGS[name]
+            row = {"config": name, "vae": vae, "unet_steps": steps, "stream_batch": stream_batch, **options}
             try:
                 start = time.perf_counter()
                 stream.prepare(
                     "a photo of a cat",
                     num_inference_steps=2 * steps,
                     strength=0.5,
-                    guidance_scale=0.0,
                     seed=0,
                     height=args.size,
                     width=args.size,
                     stream_batch=stream_batch,
+                    **{"guidance_scale": 0.0, **options},
                 )
                 row["prepare_s"] = time.perf_counter() - start
-                row.update(measure(stream, frame, args.frames))
-                row["floor_ms"] = floor_ms(stream, steps if stream_batch else 1, args.size)
+                row.update(measure(stream, clips[clip], args.frames))
+                rows_per_step = 2 if options.get("cfg_type") == "full" else 1
+                unet_batch = (steps if stream_batch else 1) * rows_per_step
+                unet_batch += 1 if options.get("cfg_type") == "initialize" else 0
+                row["floor_ms"] = floor_ms(stream, unet_batch, args.size)
                 unet_calls = 1 if stream_batch else steps
                 floor = (
                     row["floor_ms"]["vae_encoder"]
