@@ -22,6 +22,7 @@ import torch
 from ..errors import ArgumentError, ArgumentTypeError
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_real
+from .linear_steps import LinearSteps
 
 # The loop's tensors a step-end callback may ask for (callback_on_step_end_tensor_inputs) and give back replaced.
 CALLBACK_TENSOR_INPUTS = ("latents", "prompt_embeds")
@@ -319,6 +320,8 @@ def denoise(
         raise ArgumentError(
             "stages", "expected guidance that batches as the first stage's (the conditioning is made once)"
         )
+    # a scheduler whose own step makes the host wait (UniPC) runs as its traced linear maps (:mod:`.linear_steps`)
+    traced = None if return_denoised else LinearSteps.of(scheduler, timesteps, step_kwargs)
     denoised = latents
     for i, t in enumerate(denoiser.pipe.progress_bar(timesteps)):
         if i in later:  # another model from this step on: its own run and graph feed
@@ -356,10 +359,13 @@ def denoise(
         elif denoiser.copies_unguided_output:
             # multistep schedulers keep model outputs across steps: never hand them the model's reused buffer
             prediction = prediction.clone()
-        output = scheduler.step(prediction, t, latents, **step_kwargs, return_dict=False)
-        latents = output[0]
-        if return_denoised:
-            denoised = output[1]
+        if traced is not None:
+            latents = traced.step(i, prediction, latents)
+        else:
+            output = scheduler.step(prediction, t, latents, **step_kwargs, return_dict=False)
+            latents = output[0]
+            if return_denoised:
+                denoised = output[1]
         if after_step is not None:
             latents = after_step(i, latents)
         if callback is not None and i % callback_steps == 0:

@@ -94,6 +94,7 @@ def test_pipeline_graph_equals_no_graph_equals_numpy_loop(tiny_folder):
         ("EulerDiscreteScheduler", 7.5, True),
         ("DPMSolverMultistepScheduler", 7.5, True),
         ("LCMScheduler", 0.0, True),
+        ("UniPCMultistepScheduler", 7.5, True),  # its traced steps (pipelines/linear_steps.py), not its own
     ],
 )
 def test_the_host_enqueues_the_whole_loop_without_waiting(tiny_folder, scheduler, guidance, cuda_graph):

@@ -133,15 +133,9 @@ def test_wan22s_two_experts_are_each_captured_and_the_latents_equal_the_cpu_pipe
     [
         ("wan", "euler"),
         ("wan22", "euler"),
-        pytest.param(
-            "wan",
-            "unipc",
-            marks=pytest.mark.xfail(
-                reason="diffusers' UniPC corrector solves its 2 × 2 system with torch.linalg.solve on the latents' "
-                "device, which makes the host wait (torch's documentation of linalg.solve)",
-                strict=True,
-            ),
-        ),
+        # diffusers' UniPC makes the host wait in its own step (a copy from pageable memory, torch.linalg.solve on
+        # the latents' device): the loop runs its traced steps (pipelines/linear_steps.py)
+        ("wan", "unipc"),
     ],
 )
 def test_the_host_enqueues_the_whole_wan_loop_without_waiting(request, fixture, scheduler):
