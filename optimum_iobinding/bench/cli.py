@@ -92,6 +92,7 @@ from .peers import (
     run_stream_peer,
     stream_unet_steps,
 )
+from .coldstart import COLDSTART_MODELS, coldstart_benchmark
 from .probes import environment, run_floor
 from .report import (
     combine_repeats,
@@ -856,6 +857,11 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
     }
     if args.scenario == "stream":
         del choices["--peers"]  # its own peers, checked below
+    if args.scenario == "coldstart":  # each model's peers are fixed: its baseline and ours
+        del choices["--peers"]
+        choices["--models"] = (args.models, tuple(COLDSTART_MODELS))
+        if args.models == parser.get_default("models"):
+            del choices["--models"]
     if transformer or video:
         choices["--peers"] = (args.peers, TRANSFORMER_PEERS if transformer else VIDEO_PEERS)
         for option in ("--models", "--peers"):  # the other scenarios' defaults mean: the scenario's own
@@ -1189,9 +1195,11 @@ def build_parser() -> CommandLineParser:
     parser.add_argument("--report-only", action="store_true", help="re-render results.md/png from results.json")
     parser.add_argument(
         "--scenario",
-        choices=("single", "mixed", "stream", "transformer", "video"),
+        choices=("single", "mixed", "stream", "transformer", "video", "coldstart"),
         default="single",
-        help="single: one batch size, every peer; mixed: batch sizes in turn, rounds; "
+        help="single: one batch size, every peer; mixed: batch sizes in turn, rounds; coldstart: load and first "
+        "image in fresh processes, SD 1.5 against diffusers' numpy pipeline and FLUX.1 schnell (2 + 4 blocks) against "
+        "optimum (--models sd15,flux-schnell); "
         "stream: frames through few-step image to image (turbo, 512², batch 1); transformer: "
         "SD3.5 Medium and FLUX.1 (--models sd35m,flux-schnell,flux-dev; tiny-sd3,tiny-flux), "
         "1024², batch 1; video: Wan 2.1 T2V 1.3B, 480×832, 81 frames, and the MLPerf shape (Wan 2.2 A14B's "
@@ -1416,6 +1424,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(ensure_export(STREAM_KIND, dtype, export, Path(args.work)), flush=True)
         print(ensure_tiny_vae_export(dtype, export, Path(args.work)), flush=True)
         return 0
+    if args.export_only and args.scenario == "coldstart":
+        models = split(args.models) if args.models != parser.get_default("models") else list(COLDSTART_MODELS)
+        for model in models:
+            settings = COLDSTART_MODELS[model]
+            if settings["scenario"] == "single":
+                print(ensure_export(model, "fp16", "optimized", Path(args.work)), flush=True)
+            else:
+                folder = ensure_transformer_export(
+                    model, "fp16", "optimized", Path(args.work), settings["blocks"], settings["text_layers"]
+                )
+                print(folder, flush=True)
+        return 0
     if args.export_only:
         for kind in split(args.models):
             for dtype in split(args.dtypes):
@@ -1433,6 +1453,25 @@ def main(argv: Optional[List[str]] = None) -> int:
             "--report-only work without one; --scenario transformer --device cpu checks a setup on the host)"
         )
         return 2
+    if args.scenario == "coldstart":
+        models = split(args.models) if args.models != parser.get_default("models") else list(COLDSTART_MODELS)
+        results = coldstart_benchmark(
+            models,
+            Path(args.work),
+            out,
+            args.optimum_pythonpath,
+            args.timeout,
+            args.compile_timeout,
+            run_single=benchmark,
+            run_transformer=transformer_benchmark,
+            environment=environment(),
+        )
+        print((out / "coldstart.md").read_text())
+        ours = [row for row in results["rows"] if row["peer"] not in ("numpy", "optimum")]
+        if not ours or any("error" in row for row in ours):
+            fail("one of our pipelines made no cold start; see coldstart.md for why")
+            return 1
+        return 0
     if args.scenario == "stream":
         peers = split(args.peers) if args.peers != parser.get_default("peers") else list(STREAM_PEERS)
         dtype, export = stream_export(parser, args, split)

@@ -4,6 +4,7 @@ sampler and the cold-start timeline."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -456,6 +457,10 @@ def test_the_sampling_process_reports_the_peak_it_saw_between_enter_and_exit(tmp
         (
             ["--scenario", "video", "--mlperf-peers", "ours,floor"],
             "--mlperf-peers: expected a comma-separated list of ours, torch, compile, or none, got 'ours,floor'",
+        ),
+        (
+            ["--scenario", "coldstart", "--models", "sdxl"],
+            "--models: expected a comma-separated list of sd15, flux-schnell, got 'sdxl'",
         ),
     ],
 )
@@ -1516,3 +1521,35 @@ def test_the_video_scenario_runs_the_tiny_wan_model_end_to_end_on_the_cpu(tmp_pa
     table = (out / "video.md").read_text()
     assert "| ours |" in table and "| torch |" in table and "1 of 2 blocks (not the full model)" in table
     assert "compile" not in video["peers"] and "floor" not in video["peers"]  # CUDA work: not a CPU run's peers
+
+
+def test_the_cold_start_table_gathers_each_models_peers_with_their_ratio_to_its_baseline(tmp_path):
+    from optimum_iobinding.bench.coldstart import coldstart_benchmark
+
+    asked = []
+
+    def peer(load, first):
+        return {"import_s": 1.0, "load_s": load, "first_image_s": first, "end_to_end_ms": 1.0}
+
+    def run_single(**kwargs):
+        asked.append(("single", kwargs["models"], kwargs["peers"], kwargs["steps"], kwargs["runs"]))
+        return {"rows": [{"peers": {"numpy": peer(1.5, 4.5), "defaults": peer(0.6, 2.4)}}]}
+
+    def run_transformer(**kwargs):
+        asked.append(("transformer", kwargs["models"], kwargs["peers"], kwargs["blocks"], kwargs["text_layers"]))
+        return {"rows": [{"peers": {"optimum": peer(2.0, 3.0), "ours": {"error": "Traceback ...\nRuntimeError: x"}}}]}
+
+    results = coldstart_benchmark(
+        ["sd15", "flux-schnell"], tmp_path, tmp_path / "out", None, 60, 60, run_single, run_transformer, {}
+    )
+    assert asked == [
+        ("single", ["sd15"], ["numpy", "defaults"], 30, 1),
+        ("transformer", ["flux-schnell"], ["optimum", "ours"], 2, 4),
+    ]
+    ratios = {(row["model"], row["peer"]): row.get("over_baseline") for row in results["rows"]}
+    assert ratios == {("sd15", "numpy"): 1.0, ("sd15", "defaults"): 0.5, ("flux-schnell", "optimum"): 1.0,
+                      ("flux-schnell", "ours"): None}  # fmt: skip
+    table = (tmp_path / "out" / "coldstart.md").read_text()
+    assert "| sd15 | defaults | 1.00 | 0.60 | 2.40 | 3.00 | 0.50 |" in table
+    assert "| flux-schnell | ours | failed: RuntimeError: x |" in table
+    assert json.loads((tmp_path / "out" / "coldstart.json").read_text())["rows"] == results["rows"]

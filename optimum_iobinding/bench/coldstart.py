@@ -1,0 +1,123 @@
+"""``--scenario coldstart``: the cold start (load, then the first image, in a fresh process) of the default pipeline
+against the pipeline it replaces: SD 1.5's architecture (fused fp16, 512², 30 steps) against diffusers' numpy ONNX
+pipeline, and FLUX.1 schnell's (2 double-stream and 4 single-stream blocks, T5 at 4 layers, fused fp16, 1024², 4
+steps) against optimum-onnx's ``ORTFluxPipeline``. Each peer runs in a process of its own through the single and the
+transformer scenarios' peers (one timed call after the first image: the cold start is what is compared); this module
+gathers their cold-start fields into one table, with each peer's ratio to the baseline of its model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+# model → (the scenario whose peers run it, (baseline, ours), the settings of the run)
+COLDSTART_MODELS: Dict[str, Dict[str, Any]] = {
+    "sd15": dict(scenario="single", peers=("numpy", "defaults"), steps=30),
+    "flux-schnell": dict(scenario="transformer", peers=("optimum", "ours"), blocks=2, text_layers=4),
+}
+COLDSTART_FIELDS = ("import_s", "load_s", "first_image_s")
+
+
+def coldstart_rows(model: str, results: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The cold-start rows of ``model`` from its scenario's ``results`` (their rows' peers): per peer its imports (timed
+    apart), load, first image, load + first image, and that sum over the baseline's (the model's first peer); a peer
+    that failed or was skipped keeps its reason."""
+    baseline, _ = COLDSTART_MODELS[model]["peers"]
+    rows = []
+    for row in results.get("rows", []):
+        measured = row.get("peers", {})
+        base = measured.get(baseline, {})
+        base_cold = (base["load_s"] + base["first_image_s"]) if "first_image_s" in base else None
+        for peer, result in measured.items():
+            entry: Dict[str, Any] = {"model": model, "peer": peer, "baseline": baseline}
+            if "first_image_s" not in result:
+                entry["error"] = result.get("skipped") or result.get("error") or "no cold start measured"
+            else:
+                entry.update({field: result.get(field) for field in COLDSTART_FIELDS})
+                entry["cold_s"] = result["load_s"] + result["first_image_s"]
+                entry["over_baseline"] = entry["cold_s"] / base_cold if base_cold else None
+            rows.append(entry)
+    return rows
+
+
+def coldstart_benchmark(
+    models: List[str],
+    work: Path,
+    out: Path,
+    optimum_pythonpath: Optional[str],
+    timeout: int,
+    compile_timeout: int,
+    run_single: Callable[..., Dict[str, Any]],
+    run_transformer: Callable[..., Dict[str, Any]],
+    environment: Dict[str, Any],
+) -> Dict[str, Any]:
+    """Each model's peers through its scenario (``run_single``: :func:`.cli.benchmark`; ``run_transformer``:
+    :func:`.cli.transformer_benchmark`), their full results in ``out/MODEL/``, the cold-start table in
+    ``out/coldstart.json`` and ``coldstart.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    results: Dict[str, Any] = {"environment": environment, "scenario": "coldstart", "rows": []}
+    for model in models:
+        settings = COLDSTART_MODELS[model]
+        peers = list(settings["peers"])
+        if settings["scenario"] == "single":
+            scenario = run_single(
+                models=[model],
+                dtypes=["fp16"],
+                exports=["optimized"],
+                peers=peers,
+                steps=settings["steps"],
+                runs=1,
+                warmup=0,
+                work=work,
+                out=out / model,
+                optimum_pythonpath=optimum_pythonpath,
+                timeout=timeout,
+            )
+        else:
+            scenario = run_transformer(
+                models=[model],
+                peers=peers,
+                dtype="fp16",
+                export="optimized",
+                blocks=settings["blocks"],
+                text_layers=settings["text_layers"],
+                runs=1,
+                warmup=0,
+                device="cuda",
+                work=work,
+                out=out / model,
+                optimum_pythonpath=optimum_pythonpath,
+                timeout=timeout,
+                compile_timeout=compile_timeout,
+            )
+        results["rows"].extend(coldstart_rows(model, scenario))
+        (out / "coldstart.json").write_text(json.dumps(results, indent=2))
+    write_coldstart_report(results, out)
+    return results
+
+
+def write_coldstart_report(results: Dict[str, Any], out: Path) -> None:
+    """``coldstart.md``: one row per model and peer."""
+    lines = [
+        "# Cold start: load and first image, each peer in a fresh process",
+        "",
+        "SD 1.5's architecture (fused fp16, 512², 30 steps) against diffusers' numpy ONNX pipeline; FLUX.1 schnell's "
+        "(2 + 4 blocks, T5 at 4 layers, fused fp16, 1024², 4 steps) against optimum-onnx. Imports are timed apart. "
+        "Random weights.",
+        "",
+        "| model | peer | imports s | load s | first image s | load + first s | ÷ baseline |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in results["rows"]:
+        if "error" in row:
+            reason = str(row["error"]).strip().splitlines()[-1][:120] if str(row["error"]).strip() else "?"
+            lines.append(f"| {row['model']} | {row['peer']} | failed: {reason} |||||")
+            continue
+        ratio = f"{row['over_baseline']:.2f}" if row.get("over_baseline") is not None else ""
+        imports = f"{row['import_s']:.2f}" if row.get("import_s") is not None else ""
+        lines.append(
+            f"| {row['model']} | {row['peer']} | {imports} | {row['load_s']:.2f} | {row['first_image_s']:.2f} | "
+            f"{row['cold_s']:.2f} | {ratio} |"
+        )
+    (out / "coldstart.md").write_text("\n".join(lines) + "\n")
