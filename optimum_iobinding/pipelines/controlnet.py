@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -63,19 +63,25 @@ class ControlSums:
         self.other_half = other_half
         self._buffers: Dict[Tuple, List[torch.Tensor]] = {}
 
-    def __call__(self, outputs: Sequence[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
-        """The denoiser's inputs from each active ControlNet's ``outputs`` (at least one)."""
-        first = outputs[0]
-        if len(outputs) == 1 and self.other_half is None and all(o.dtype == d for o, d in zip(first, self.dtypes)):
+    def __call__(self, runs: Iterator[Sequence[torch.Tensor]], count: int) -> List[torch.Tensor]:
+        """The denoiser's inputs from ``count`` ControlNet runs (at least one), each made when ``runs`` yields it: a
+        run's outputs are taken in before the next run, which may be the same ControlNet's (whose output buffers it
+        then overwrites: one union ControlNet run once per condition)."""
+        first = next(runs)
+        if count == 1 and self.other_half is None and all(o.dtype == d for o, d in zip(first, self.dtypes)):
             return list(first)
         buffers = self._buffers_for(first)
-        for j, buffer in enumerate(buffers):
-            target = buffer[buffer.shape[0] - first[j].shape[0] :] if self.other_half else buffer
-            target.copy_(first[j])
-            for more in outputs[1:]:
-                target.add_(more[j])
-            if self.other_half == "same":
-                buffer[: first[j].shape[0]].copy_(target)
+        targets = [
+            buffer[buffer.shape[0] - o.shape[0] :] if self.other_half else buffer for buffer, o in zip(buffers, first)
+        ]
+        for target, output in zip(targets, first):
+            target.copy_(output)
+        for more in runs:
+            for target, output in zip(targets, more):
+                target.add_(output)
+        if self.other_half == "same":
+            for buffer, target in zip(buffers, targets):
+                buffer[: target.shape[0]].copy_(target)
         return buffers
 
     def _buffers_for(self, first: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -198,9 +204,12 @@ class ControlNets:
             )
 
     # ---------------------------------------------------------------------------------------------- arguments
-    def _per_net(self, value: Any, name: str, check: Callable[[Any], bool], expected: str) -> List[Any]:
-        """A per-ControlNet argument as a list of one value per ControlNet (one value is every net's)."""
-        count = len(self.controlnets)
+    def _per_net(
+        self, value: Any, name: str, check: Callable[[Any], bool], expected: str, count: Optional[int] = None
+    ) -> List[Any]:
+        """A per-ControlNet argument as a list of one value per ControlNet (one value is every net's); ``count``: how
+        many ControlNet runs a call has, where it is not one per ControlNet (one union ControlNet per condition)."""
+        count = len(self.controlnets) if count is None else count
         values = list(value) if isinstance(value, (list, tuple)) else [value] * count
         if len(values) != count:
             raise ArgumentError(name, f"expected {count} values (one per ControlNet), got {len(values)}")
@@ -209,16 +218,13 @@ class ControlNets:
         return values
 
     def check_control_arguments(
-        self, conditioning_scale: Any, guidance_start: Any, guidance_end: Any
+        self, conditioning_scale: Any, guidance_start: Any, guidance_end: Any, count: Optional[int] = None
     ) -> Tuple[List[float], List[float], List[float]]:
         real = lambda v: is_real(v) and math.isfinite(v)  # noqa: E731
-        scales = self._per_net(conditioning_scale, "controlnet_conditioning_scale", real, "finite numbers")
-        starts = self._per_net(
-            guidance_start, "control_guidance_start", lambda v: real(v) and 0 <= v <= 1, "numbers in [0, 1]"
-        )
-        ends = self._per_net(
-            guidance_end, "control_guidance_end", lambda v: real(v) and 0 <= v <= 1, "numbers in [0, 1]"
-        )
+        unit = lambda v: real(v) and 0 <= v <= 1  # noqa: E731
+        scales = self._per_net(conditioning_scale, "controlnet_conditioning_scale", real, "finite numbers", count)
+        starts = self._per_net(guidance_start, "control_guidance_start", unit, "numbers in [0, 1]", count)
+        ends = self._per_net(guidance_end, "control_guidance_end", unit, "numbers in [0, 1]", count)
         for k, (start, end) in enumerate(zip(starts, ends)):
             if start >= end:
                 raise ArgumentError(
@@ -227,9 +233,9 @@ class ControlNets:
                 )
         return [float(s) for s in scales], [float(s) for s in starts], [float(e) for e in ends]
 
-    def _control_images(self, image: Any, name: str) -> List[Any]:
-        """One control image (or list of images, one per prompt) per ControlNet."""
-        count = len(self.controlnets)
+    def _control_images(self, image: Any, name: str, count: Optional[int] = None) -> List[Any]:
+        """One control image (or list of images, one per prompt) per ControlNet (per run: ``count``)."""
+        count = len(self.controlnets) if count is None else count
         if image is None:
             raise ArgumentError(name, "expected a control image (PIL, numpy or a float tensor), got None")
         if count == 1:
@@ -426,21 +432,20 @@ class UNetControlNets(ControlNets):
             control_input, embeds = latent_model_input, prompt_embeds
             if half:
                 control_input, embeds = latent_model_input.chunk(2)[1], prompt_embeds.chunk(2)[1]
-            # each ControlNet's output buffers are read by this step's UNet before that net runs again
-            outputs = [
-                net(
+            active = [k for k in range(len(self.controlnets)) if runs[i][k]]  # outside its window: zeros
+            if not active:
+                return dict(zip(residual_inputs, zero_residuals(latent_model_input, prompt_embeds)))
+            outputs = (  # each run's outputs are taken in before the next runs
+                self.controlnets[k](
                     sample=control_input,
                     timestep=timestep_rows[k][i],
                     encoder_hidden_states=embeds,
                     **{CONTROLNET_CONDITION: images[k], CONTROLNET_SCALE: factors[k][i]},
                     **control_conditioning,
                 )
-                for k, net in enumerate(self.controlnets)
-                if runs[i][k]  # outside its window (or scale 0): its residuals are zeros
-            ]
-            if not outputs:
-                return dict(zip(residual_inputs, zero_residuals(latent_model_input, prompt_embeds)))
-            return dict(zip(residual_inputs, sums(outputs)))
+                for k in active
+            )
+            return dict(zip(residual_inputs, sums(outputs, len(active))))
 
         return step_inputs
 

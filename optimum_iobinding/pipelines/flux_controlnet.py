@@ -125,13 +125,26 @@ class OnnxFluxControlNetPipeline(ControlNets, FluxFamilyPipeline):
         """Whether a ControlNet encodes the control image itself (XLabs': pixels in), or takes its latents."""
         return len(net.input_dims.get(CONTROLNET_CONDITION) or ()) == 4
 
-    def check_control_modes(self, control_mode: Any) -> List[Optional[int]]:
+    def condition_nets(self, control_mode: Any) -> List[IOBindingORTModel]:
+        """The ControlNet each condition of a call runs: each ControlNet once, or, for a folder of one union
+        ControlNet given a list of modes, that ControlNet once per mode (diffusers' ``FluxMultiControlNetModel`` of
+        one union model: one control image, mode and scale per condition, their samples summed)."""
+        nets = self.controlnets
+        if len(nets) == 1 and self.takes_mode(nets[0]) and isinstance(control_mode, (list, tuple)) and control_mode:
+            return nets * len(control_mode)
+        return nets
+
+    def check_control_modes(
+        self, control_mode: Any, nets: Optional[List[IOBindingORTModel]] = None
+    ) -> List[Optional[int]]:
         """Each ControlNet's mode, refused by name before any work: an int (or ``None``), or for multi-ControlNet
         one per ControlNet (one value is every net's); a union ControlNet needs one of its modes, the others ignore
-        theirs (as diffusers' do)."""
-        count = len(self.controlnets)
+        theirs (as diffusers' do). ``nets``: the call's :meth:`condition_nets` (default: each ControlNet once)."""
+        nets = self.controlnets if nets is None else nets
+        count = len(nets)
+        conditions = len(self.controlnets) == 1 and self.takes_mode(self.controlnets[0])  # a mode per condition
         if isinstance(control_mode, (list, tuple)):
-            if count == 1:
+            if count == 1 and not conditions:
                 raise ArgumentTypeError(
                     "control_mode", f"expected an int or None for one ControlNet, got {control_mode!r}"
                 )
@@ -142,8 +155,10 @@ class OnnxFluxControlNetPipeline(ControlNets, FluxFamilyPipeline):
             modes = list(control_mode)
         else:
             modes = [control_mode] * count
-        for k, (mode, net) in enumerate(zip(modes, self.controlnets)):
-            label = "control_mode" if count == 1 else f"control_mode[{k}]"
+        for k, (mode, net) in enumerate(zip(modes, nets)):
+            label = (
+                "control_mode" if count == 1 and not isinstance(control_mode, (list, tuple)) else f"control_mode[{k}]"
+            )
             if mode is not None and not is_integer(mode):
                 raise ArgumentTypeError(label, f"expected an int or None, got {type(mode).__name__} {mode!r}")
             if not self.takes_mode(net):
@@ -156,11 +171,13 @@ class OnnxFluxControlNetPipeline(ControlNets, FluxFamilyPipeline):
                 )
         return [None if mode is None else int(mode) for mode in modes]
 
-    def check_control_images(self, control_image: Any, height: int, width: int, prompts: int) -> List[Any]:
+    def check_control_images(
+        self, control_image: Any, height: int, width: int, prompts: int, count: Optional[int] = None
+    ) -> List[Any]:
         """Each ControlNet's control image, refused by name before any work: an image (PIL, numpy, a list: one for
         every prompt or one per prompt), or a tensor of pixels in [-1, 1] of the call's size ``(rows, 3, height,
         width)``, which diffusers takes as it is."""
-        given = self._control_images(control_image, "control_image")
+        given = self._control_images(control_image, "control_image", count)
         for k, image in enumerate(given):
             label = "control_image" if len(given) == 1 else f"control_image[{k}]"
             if not isinstance(image, torch.Tensor):
@@ -192,12 +209,13 @@ class OnnxFluxControlNetPipeline(ControlNets, FluxFamilyPipeline):
         image_count: int,
         num_images_per_prompt: int,
         generator: Generator,
+        nets: Optional[List[IOBindingORTModel]] = None,
     ) -> List[torch.Tensor]:
         """Each ControlNet's ``controlnet_cond`` for every image of the call, as diffusers makes it: one image for
         every prompt or one per prompt (each ``num_images_per_prompt`` times), encoded (sampled with a torch
         generator where the VAE encoder gives a distribution) and packed; pixels for an XLabs ControlNet."""
         conditions = []
-        for image, net in zip(images, self.controlnets):
+        for image, net in zip(images, nets or self.controlnets):
             if isinstance(image, torch.Tensor):
                 pixels = image.to(self.device, torch.float32)
             else:
@@ -221,19 +239,21 @@ class OnnxFluxControlNetPipeline(ControlNets, FluxFamilyPipeline):
         constants: Dict[str, torch.Tensor],
         pooled_prompt_embeds: torch.Tensor,
         guidance_scale: float,
+        nets: Optional[List[IOBindingORTModel]] = None,
     ) -> Callable[[int, torch.Tensor, torch.Tensor], Dict[str, torch.Tensor]]:
         """The transformer's block-sample inputs for step ``i``, as diffusers computes them: each ControlNet on the
         latents and the prompt (true CFG's positive one), its samples scaled by its conditioning scale while step
         ``i`` is inside its guidance window, summed over the ControlNets, and given to both halves of true CFG's
         batch. ``constants``: the transformer's position ids. What stays the same over the loop (the scales of every
         step, the timesteps, the ids, the pooled prompt, the guidance, the modes) goes to the device once."""
+        nets = self.controlnets if nets is None else nets  # one union ControlNet may run once per condition
         steps, rows = len(timesteps), conditions[0].shape[0]
         keep = self.control_keep(steps, starts, ends)
-        runs = [[scales[k] * keep[i][k] != 0.0 for k in range(len(self.controlnets))] for i in range(steps)]
+        runs = [[scales[k] * keep[i][k] != 0.0 for k in range(len(nets))] for i in range(steps)]
         sample_inputs = self.denoiser.sample_inputs
         transformer_dtype = self.latent_dtype
         tables, timestep_rows, fixed = [], [], []
-        for k, net in enumerate(self.controlnets):
+        for k, net in enumerate(nets):
             tables.append(self.scale_table(net, [torch.tensor([scales[k] * keep[i][k]]) for i in range(steps)]))
             dtype = net.input_dtypes[TIMESTEP]
             values = (timesteps.to(net.input_dtypes[HIDDEN_STATES]) / 1000).to(dtype)
@@ -265,21 +285,20 @@ class OnnxFluxControlNetPipeline(ControlNets, FluxFamilyPipeline):
 
         def step_inputs(i: int, model_input: torch.Tensor, prompt_embeds: torch.Tensor) -> Dict[str, torch.Tensor]:
             latents = model_input.chunk(2)[1] if guidance.batched else model_input
-            # each ControlNet's output buffers are read by this step's transformer before that net runs again
-            outputs = [
-                net(
-                    hidden_states=latents.to(net.input_dtypes[HIDDEN_STATES]),
-                    encoder_hidden_states=prompt_embeds.to(net.input_dtypes[ENCODER_HIDDEN_STATES]),
+            active = [k for k in range(len(nets)) if runs[i][k]]  # outside its window (or scale 0): zeros
+            if not active:
+                return dict(zip(sample_inputs, zero_samples(model_input)))
+            outputs = (  # each run's outputs are taken in before the next runs (maybe the same union ControlNet)
+                nets[k](
+                    hidden_states=latents.to(nets[k].input_dtypes[HIDDEN_STATES]),
+                    encoder_hidden_states=prompt_embeds.to(nets[k].input_dtypes[ENCODER_HIDDEN_STATES]),
                     timestep=timestep_rows[k][i],
                     **{CONTROLNET_SCALE: tables[k][i]},
                     **fixed[k],
                 )
-                for k, net in enumerate(self.controlnets)
-                if runs[i][k]  # outside its window (or scale 0): its samples are zeros
-            ]
-            if not outputs:
-                return dict(zip(sample_inputs, zero_samples(model_input)))
-            return dict(zip(sample_inputs, sums(outputs)))
+                for k in active
+            )
+            return dict(zip(sample_inputs, sums(outputs, len(active))))
 
         return step_inputs
 
@@ -336,7 +355,10 @@ class OnnxFluxControlNetPipeline(ControlNets, FluxFamilyPipeline):
         ``width`` (default: diffusers' 1024²). ``controlnet_conditioning_scale`` multiplies each ControlNet's
         samples (0: FLUX.1's own image); ``control_guidance_start``/``_end`` is the fraction of the steps where a
         ControlNet applies; ``control_mode``: a union ControlNet's mode (an int; for multi-ControlNet one per
-        ControlNet, ``None`` for those that are not union ones). ``true_cfg_scale`` > 1 with a negative prompt runs
+        ControlNet, ``None`` for those that are not union ones). A folder of one union ControlNet given a list of
+        modes runs it once per mode, as diffusers' ``FluxMultiControlNetModel([union])`` does: ``control_image``,
+        the scales and the windows then have one entry per mode (each window given once applies to every
+        condition; diffusers, given one start and end, runs the first condition alone). ``true_cfg_scale`` > 1 with a negative prompt runs
         true classifier-free guidance. ``latents`` are packed, ``(batch, tokens, 4 × latent channels)``;
         ``output_type="latent"`` returns them packed too.
 
@@ -368,13 +390,14 @@ class OnnxFluxControlNetPipeline(ControlNets, FluxFamilyPipeline):
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )
+        nets = self.condition_nets(control_mode)
         scales, starts, ends = self.check_control_arguments(
-            controlnet_conditioning_scale, control_guidance_start, control_guidance_end
+            controlnet_conditioning_scale, control_guidance_start, control_guidance_end, len(nets)
         )
-        modes = self.check_control_modes(control_mode)
+        modes = self.check_control_modes(control_mode, nets)
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         image_count = self.image_count(batch_size, num_images_per_prompt, generator)
-        images = self.check_control_images(control_image, height, width, batch_size)
+        images = self.check_control_images(control_image, height, width, batch_size, len(nets))
 
         # 2. prompt embeddings (the negative prompt's with true CFG), on the device
         tensors, text_ids, guidance = self.text_tensors(
@@ -392,7 +415,7 @@ class OnnxFluxControlNetPipeline(ControlNets, FluxFamilyPipeline):
         )
 
         # 3. the control images' latents (encoded before the noise is drawn, as diffusers does), the noise, the ids
-        conditions = self.control_conditions(images, height, width, image_count, num_images_per_prompt, generator)
+        conditions = self.control_conditions(images, height, width, image_count, num_images_per_prompt, generator, nets)
         latent_height, latent_width = self.latent_size(height, width)
         latents = self.initial_latents(image_count, latent_height, latent_width, generator, latents)
         image_ids = self.position_ids(latent_height // 2, latent_width // 2)
@@ -411,6 +434,7 @@ class OnnxFluxControlNetPipeline(ControlNets, FluxFamilyPipeline):
             inputs,
             tensors["pooled_prompt_embeds"],
             guidance_scale,
+            nets,
         )
 
         # 5. the denoising loop: every tensor stays on self.device

@@ -156,6 +156,42 @@ def test_two_controlnets_at_every_step_with_true_cfg_give_diffusers_images(flux,
     assert all(record.inputs[name] == runs[0].inputs[name] for record in runs for name in samples)
 
 
+@pytest.fixture(scope="module")
+def union(flux, shared_export):
+    """A folder of the union ControlNet alone, and diffusers' pipeline of it as ``FluxMultiControlNetModel([union])``
+    (one union model run once per condition)."""
+    from diffusers import FluxControlNetPipeline
+    from diffusers.models import FluxMultiControlNetModel
+
+    from optimum_iobinding.export import export_pipeline
+
+    two = flux[0]["two"]
+    net = two.controlnet.nets[1]
+    alone = FluxControlNetPipeline(**{**two.components, "controlnet": net})
+    folder = shared_export("flux-controlnet-union", lambda t: export_pipeline(None, t, torch_pipeline=alone))
+    multi = FluxControlNetPipeline(**{**two.components, "controlnet": FluxMultiControlNetModel([net])})
+    multi.set_progress_bar_config(disable=True)
+    return multi, load(folder)
+
+
+def test_one_union_controlnet_with_a_mode_per_condition_gives_diffusers_images(union):
+    theirs, pipe = union
+    arguments = dict(
+        control_image=[picture(3), picture(4)],
+        control_mode=[0, 2],
+        controlnet_conditioning_scale=[0.7, 1.2],
+        # as lists: diffusers runs as many conditions as it has windows (a single start and end run the first alone)
+        control_guidance_start=[0.0, 0.0],
+        control_guidance_end=[1.0, 1.0],
+    )
+    got = run(pipe, **arguments)
+    np.testing.assert_allclose(got, run(theirs, **arguments), atol=TOLERANCE)
+    first_alone = run(pipe, control_image=picture(3), control_mode=0, controlnet_conditioning_scale=0.7)
+    assert np.abs(got - first_alone).max() > 1e-3  # the second condition matters
+    with pytest.raises(ValueError, match=r"control_image: expected a list of 2 control images \(one per ControlNet\)"):
+        run(pipe, control_image=picture(3), control_mode=[0, 2])
+
+
 def test_an_xlabs_controlnet_takes_pixels_and_gives_diffusers_image(flux, ours):
     arguments = dict(control_image=picture(5), controlnet_conditioning_scale=0.9)
     np.testing.assert_allclose(run(ours["xlabs"], **arguments), run(flux[0]["xlabs"], **arguments), atol=TOLERANCE)
