@@ -358,9 +358,9 @@ class OnnxFluxControlNetPipeline(ControlNets, FluxFamilyPipeline):
         ControlNet, ``None`` for those that are not union ones). A folder of one union ControlNet given a list of
         modes runs it once per mode, as diffusers' ``FluxMultiControlNetModel([union])`` does: ``control_image``,
         the scales and the windows then have one entry per mode (each window given once applies to every
-        condition; diffusers, given one start and end, runs the first condition alone). ``true_cfg_scale`` > 1 with a negative prompt runs
-        true classifier-free guidance. ``latents`` are packed, ``(batch, tokens, 4 × latent channels)``;
-        ``output_type="latent"`` returns them packed too.
+        condition; diffusers, given one start and end, runs the first condition alone). ``true_cfg_scale`` > 1 with
+        a negative prompt runs true classifier-free guidance. ``latents`` are packed, ``(batch, tokens, 4 × latent
+        channels)``; ``output_type="latent"`` returns them packed too.
 
         Returns:
             ``FluxPipelineOutput(images)``, or ``(images,)`` without ``return_dict``.
