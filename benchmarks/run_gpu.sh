@@ -88,10 +88,16 @@ run_step() {
     host-path-small) script benchmarks/host_path.py --model small --work "$work" --out "$out/host-path-small" --split ;;
     few-step-small) script benchmarks/few_step_loop.py --model small --work "$work" --out "$out/few-step-small" ;;
     unet-options) script benchmarks/unet_options.py --model sd15 --work "$work" --out "$out/unet-options" ;;
+    # load and first image in fresh processes: SD 1.5 against numpy, FLUX.1 schnell (2 + 4 blocks) against optimum
+    coldstart) bench --scenario coldstart --out "$out/coldstart" ;;
+    # the stream with guidance (full, residual) and the similarity filter (a still and a moving clip)
+    stream-probe) script benchmarks/stream_probe.py --work "$work" --out "$out/stream-probe" ;;
+    # Wan's VAE decode of 81 frames: diffusers fp32/bf16 against our chunk graphs fp32/fp16
+    wan-vae-decode) script benchmarks/wan_vae_decode.py --work "$work/wan-vae" --out "$out/wan-vae-decode" ;;
     *) echo "unknown step: $1 (expected one of: $ALL_STEPS)"; return 2 ;;
   esac
 }
-ALL_STEPS="sd15-fp16-defaults small-fp16-defaults sd15-fp16-mixed cold-start signature-memory host-path-small few-step-small sd15-fp32 sd15-fp32-optimized sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options serve"
+ALL_STEPS="sd15-fp16-defaults small-fp16-defaults sd15-fp16-mixed cold-start signature-memory host-path-small few-step-small sd15-fp32 sd15-fp32-optimized sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options serve coldstart stream-probe wan-vae-decode"
 for name in ${selected:-$ALL_STEPS}; do
   run_step "$name" > "$out/$name.log" 2>&1
   echo "$name $?" >> "$out/status"
