@@ -96,10 +96,12 @@ run_step() {
     wan-vae-decode) script benchmarks/wan_vae_decode.py --work "$work/wan-vae" --out "$out/wan-vae-decode" ;;
     # runtime LoRA on FLUX.1 dev's transformer at two depths: the step with a LoRA, PEFT's beside it, the switch
     transformer-lora) script benchmarks/transformer_lora.py --work "$work" --out "$out/transformer-lora" ;;
+    # FLUX.1 Kontext, Fill and Control (2 + 4 blocks): ours against diffusers' bf16 eager and compiled pipelines
+    flux-variants) script benchmarks/flux_variants.py --work "$work" --out "$out/flux-variants" ;;
     *) echo "unknown step: $1 (expected one of: $ALL_STEPS)"; return 2 ;;
   esac
 }
-ALL_STEPS="sd15-fp16-defaults small-fp16-defaults sd15-fp16-mixed cold-start signature-memory host-path-small few-step-small sd15-fp32 sd15-fp32-optimized sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options serve coldstart stream-probe wan-vae-decode transformer-lora"
+ALL_STEPS="sd15-fp16-defaults small-fp16-defaults sd15-fp16-mixed cold-start signature-memory host-path-small few-step-small sd15-fp32 sd15-fp32-optimized sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options serve coldstart stream-probe wan-vae-decode transformer-lora flux-variants"
 for name in ${selected:-$ALL_STEPS}; do
   run_step "$name" > "$out/$name.log" 2>&1
   echo "$name $?" >> "$out/status"

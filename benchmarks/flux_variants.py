@@ -1,0 +1,180 @@
+"""FLUX.1 Kontext, Fill and Control on one GPU: ours against diffusers' torch pipelines (bf16 eager and
+``torch.compile`` of the transformer), per step and end to end, at 1024² with random weights.
+
+Each variant is FLUX.1 dev's architecture at ``--blocks N`` (N double-stream and 2 N single-stream blocks, full width;
+T5 at ``--text-layers``): Kontext dev's transformer (the reference image's tokens beside the latents'), Fill's
+taking 384 values a token, Control's 128. Its torch pipeline (``FluxKontextPipeline``, ``FluxFillPipeline``,
+``FluxControlPipeline``) is exported once (fused fp16) under ``--work``; ours is the exported folder through
+``pipeline_class_for`` (detected from its model_index.json), on CUDA with its graphs. Inputs: a random RGB image of
+the size (Kontext's reference, Fill's image with a centred square mask, Control's control image), the same prompt and
+seed. Per peer (each in this process, one after the other): the first call (load apart), then ``--runs`` calls at
+``--steps`` and at 2 steps: per-step ms = the difference of their medians / (steps − 2); end to end = the median at
+``--steps``. ``--device cpu`` with ``--tiny`` is a dry run on the tiny variants.
+
+    python benchmarks/flux_variants.py --work /tmp/bench-work --out OUT/flux-variants --blocks 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import torch
+
+VARIANTS = ("kontext", "fill", "control")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def build(variant: str, blocks: int, text_layers: int, tiny: bool):
+    """The variant's torch pipeline (float32 on the host: the exporter's input)."""
+    import inspect
+
+    import diffusers
+    from diffusers import FluxTransformer2DModel
+
+    from optimum_iobinding.export.tiny import build_tiny_random_flux_variant_pipeline
+
+    if tiny:
+        return build_tiny_random_flux_variant_pipeline(variant)
+    from optimum_iobinding.bench.zoo import build_transformer_pipeline
+
+    components = build_transformer_pipeline("flux-dev", blocks, text_layers).components
+    width = {"kontext": None, "fill": 384, "control": 128}[variant]
+    if width is not None:
+        config = {k: v for k, v in components["transformer"].config.items() if not k.startswith("_")}
+        components["transformer"] = FluxTransformer2DModel(**{**config, "in_channels": width, "out_channels": 64})
+    name = {"kontext": "FluxKontextPipeline", "fill": "FluxFillPipeline", "control": "FluxControlPipeline"}[variant]
+    pipeline_class = getattr(diffusers, name)
+    accepted = inspect.signature(pipeline_class.__init__).parameters
+    return pipeline_class(**{key: module for key, module in components.items() if key in accepted})
+
+
+def images_for(variant: str, size: int) -> dict:
+    rng = np.random.default_rng(0)
+    image = PIL.Image.fromarray((rng.random((size, size, 3)) * 255).astype(np.uint8))
+    if variant == "kontext":
+        return {"image": image, "max_area": size * size}
+    if variant == "control":
+        return {"control_image": image}
+    mask = np.zeros((size, size), np.uint8)
+    mask[size // 4 : 3 * size // 4, size // 4 : 3 * size // 4] = 255
+    return {"image": image, "mask_image": PIL.Image.fromarray(mask)}
+
+
+def measure(pipe, variant: str, size: int, steps: int, runs: int) -> dict:
+    inputs = images_for(variant, size)
+
+    def call(count: int) -> float:
+        sync()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            pipe(
+                prompt="a red castle in the forest",
+                height=size,
+                width=size,
+                num_inference_steps=count,
+                guidance_scale=3.5 if variant != "fill" else 30.0,
+                max_sequence_length=64,
+                generator=torch.Generator().manual_seed(0),
+                output_type="latent",
+                **inputs,
+            )
+        sync()
+        return time.perf_counter() - start
+
+    first = call(steps)
+    full = statistics.median(call(steps) for _ in range(runs))
+    short = statistics.median(call(2) for _ in range(runs))
+    return {
+        "first_call_s": first,
+        "end_to_end_ms": 1000 * full,
+        "per_step_ms": 1000 * (full - short) / (steps - 2),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench-work"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--blocks", type=int, default=2)
+    parser.add_argument("--text-layers", type=int, default=4)
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--peers", default="ours,torch,compile")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--tiny", action="store_true", help="the tiny variants (a dry run, with --device cpu)")
+    args = parser.parse_args()
+    variants, peers = args.variants.split(","), args.peers.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: expected names among {', '.join(VARIANTS)}, got {', '.join(unknown)}")
+
+    from optimum_iobinding.bench.probes import environment
+    from optimum_iobinding.bench.transformer_peers import weights_made_on
+    from optimum_iobinding.export import export_pipeline
+    from optimum_iobinding.pipelines import pipeline_class_for
+
+    cuda = args.device == "cuda"
+    result = {"environment": environment(), "command": " ".join(["python3", *sys.argv]), "rows": []}
+    for variant in variants:
+        name = f"flux-{variant}-{'tiny' if args.tiny else f'blocks{args.blocks}-text{args.text_layers}'}"
+        folder = args.work / f"{name}-{'fp16-optimized' if cuda else 'fp32'}"
+        row = {"variant": variant, "folder": str(folder), "peers": {}}
+        if not (folder / "model_index.json").is_file():
+            start = time.perf_counter()
+            export_pipeline(
+                None,
+                folder,
+                torch_pipeline=build(variant, args.blocks, args.text_layers, args.tiny),
+                dtype="fp16" if cuda else "fp32",
+                optimize="cuda" if cuda else None,
+                progress=False,
+            )
+            row["export_s"] = time.perf_counter() - start
+        for peer in peers:
+            try:
+                start = time.perf_counter()
+                if peer == "ours":
+                    provider = "CUDAExecutionProvider" if cuda else "CPUExecutionProvider"
+                    pipe = pipeline_class_for(folder, text_to_image=False).from_pretrained(folder, provider=provider)
+                else:
+                    dtype = torch.bfloat16 if cuda else torch.float32
+                    with weights_made_on(torch.device(args.device), dtype):
+                        pipe = build(variant, args.blocks, args.text_layers, args.tiny)
+                    pipe = pipe.to(args.device, dtype)
+                    if peer == "compile":
+                        pipe.transformer = torch.compile(pipe.transformer)
+                pipe.set_progress_bar_config(disable=True)
+                load_s = time.perf_counter() - start
+                row["peers"][peer] = {"load_s": load_s, **measure(pipe, variant, args.size, args.steps, args.runs)}
+            except Exception as error:  # one peer failing must not lose the others
+                row["peers"][peer] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            pipe = None
+            if cuda:
+                torch.cuda.empty_cache()
+        ours = row["peers"].get("ours", {})
+        for peer, measured in row["peers"].items():
+            if peer != "ours" and "per_step_ms" in measured and "per_step_ms" in ours:
+                measured["step_over_ours"] = measured["per_step_ms"] / ours["per_step_ms"]
+                measured["end_to_end_over_ours"] = measured["end_to_end_ms"] / ours["end_to_end_ms"]
+        result["rows"].append(row)
+        print(json.dumps(row, indent=1), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "flux-variants.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
