@@ -100,6 +100,13 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "no bfloat16 MatMul or Add",
     )
     parser.add_argument("--fp16", action="store_true", help="alias of --dtype fp16")
+    parser.add_argument(
+        "--vae-dtype",
+        choices=("fp32", "fp16"),
+        default=None,
+        help="Wan only: its VAE's precision, fp32 (default, as diffusers runs it) or fp16 (about half the decode's "
+        "memory and time; overflow-safe norms)",
+    )
     parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
     parser.add_argument(
         "--step-cache",
@@ -259,6 +266,7 @@ def run_export(args: argparse.Namespace) -> int:
             controlnet=args.controlnet,
             tiny_vae=args.tiny_vae,
             step_cache=args.step_cache,
+            vae_dtype=args.vae_dtype,
         )
     if vae_only:
         what = f"the tiny VAE {tiny_vae}" if tiny_vae else "a tiny random tiny VAE"
@@ -278,6 +286,7 @@ EXPORT_OPTIONS = {
     "vae": "--vae",
     "step_cache": "--step-cache",
     "dtype": "--dtype",
+    "vae_dtype": "--vae-dtype",
 }
 
 

@@ -323,6 +323,15 @@ def test_export_refuses_dtype_bf16_for_a_unet_pipeline_naming_dtype_before_expor
     assert not (tmp_path / "out").exists()
 
 
+def test_export_refuses_a_vae_dtype_for_a_family_whose_vae_follows_dtype_naming_the_option(tmp_path, capsys):
+    assert main(["export", "--tiny-random", "sd", "--vae-dtype", "fp16", "--output", str(tmp_path / "out")]) == 2
+    assert error_line(capsys) == (
+        "optimum-iobinding: error: --vae-dtype: expected None for a StableDiffusionPipeline (its VAE follows the "
+        "export's precision; only Wan's VAE has one of its own), got 'fp16'"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_takes_only_the_dtypes_it_exports(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["export", "--tiny-random", "sd3", "--dtype", "int8", "--output", str(tmp_path / "out")])

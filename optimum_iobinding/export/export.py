@@ -74,6 +74,7 @@ def export_pipeline(
     controlnet: Union[str, os.PathLike, object, Sequence[Union[str, os.PathLike, object]], None] = None,
     tiny_vae: Union[str, os.PathLike, object, bool, None] = None,
     step_cache: bool = False,
+    vae_dtype: Optional[str] = None,
 ) -> Path:
     """Exports a diffusers Stable Diffusion (1.x/2.x, LCM, Turbo) pipeline to the diffusers ONNX layout, or an SDXL
     pipeline to optimum's SDXL layout (two text encoders with their hidden states; a UNet taking ``text_embeds`` and
@@ -137,6 +138,10 @@ def export_pipeline(
             for Stable Diffusion 1.x/2.x, SDXL and LCM DeepCache's ``unet/deep_cache_full.onnx`` and a
             ``unet/deep_cache_shallow_<branch>.onnx`` per branch (:mod:`optimum_iobinding.export.deep_cache`).
             Not for a ControlNet pipeline or a VAE alone.
+        vae_dtype: a Wan pipeline's VAE precision, ``"fp32"`` (its default: diffusers' Wan pipelines run the VAE in
+            float32) or ``"fp16"`` (its chunk graphs through ORT's float16 conversion, the RMS norms scaled so that
+            nothing overflows: about half the decode's memory and time); refused for the other families, whose VAE
+            follows ``dtype``.
 
     Returns:
         The output folder.
@@ -157,6 +162,8 @@ def export_pipeline(
         raise ArgumentError("opset", f"expected an integer in [7, 22] (17 is tested), got {opset!r}")
     if not isinstance(step_cache, bool):
         raise ArgumentError("step_cache", f"expected True or False, got {step_cache!r}")
+    if vae_dtype not in (None, "fp32", "fp16"):
+        raise ArgumentError("vae_dtype", f"expected None, 'fp32' or 'fp16', got {vae_dtype!r}")
     dtype = resolve_dtype(dtype, fp16)
     tiny_vae = None if tiny_vae is False else tiny_vae
     # what is known before loading: a ControlNet asked for or given, or a VAE alone; the rest once it is loaded
@@ -231,6 +238,14 @@ def export_pipeline(
     check_dtype_fits(dtype, torch_pipeline=pipe)  # a loaded pipeline is known only now
     if step_cache and controlnets_of(pipe):
         _refuse_step_cache_for_controlnets()
+    record = exported_transformer_family(torch_pipeline=pipe) if getattr(pipe, "transformer", None) else None
+    if vae_dtype is not None and (record is None or record.export != "wan"):
+        title = f"{record.title} pipeline" if record is not None else type(pipe).__name__
+        raise ArgumentError(
+            "vae_dtype",
+            f"expected None for a {title} (its VAE follows the export's precision; only Wan's VAE has one of its "
+            f"own), got {vae_dtype!r}",
+        )
     if getattr(pipe, "transformer", None) is not None:  # a diffusion transformer (SD3, Flux)
         if step_cache:
             check_first_block_cache_depth(pipe.transformer)
@@ -246,6 +261,7 @@ def export_pipeline(
             optimize=optimize,
             progress=progress,
             step_cache=step_cache,
+            **({"vae_dtype": vae_dtype} if vae_dtype is not None else {}),
         )
     return export_unet_pipeline(
         pipe,

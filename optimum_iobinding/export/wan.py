@@ -38,7 +38,7 @@ Both swaps last while the exporter traces (:func:`exportable_wan_modules`); the 
 Precision with ``dtype="fp16"``: the transformers float16 (their ``timestep`` input float32, as diffusers embeds the
 timestep in float32), the UMT5 encoder **float32** (T5's feed-forward activations overflow float16: the rule of every
 diffusion-transformer export, :mod:`.transformer_pipeline`), the VAE **float32** (diffusers' Wan pipelines run it in
-float32: its model cards load it so), the CLIP image encoder **float32** (likewise). ``dtype="bf16"``: the
+float32: its model cards load it so; ``vae_dtype="fp16"`` exports it float16), the CLIP image encoder **float32** (likewise). ``dtype="bf16"``: the
 transformers bfloat16, the rest as for ``"fp16"``.
 """
 
@@ -364,6 +364,7 @@ def export_wan_pipeline(
     progress: bool = True,
     external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
     step_cache: bool = False,
+    vae_dtype: Optional[str] = None,
 ) -> Path:
     """Exports a diffusers ``WanPipeline`` at ``target`` (see the module's docstring), built beside it and moved into
     place when whole.
@@ -380,6 +381,7 @@ def export_wan_pipeline(
         external_data_threshold: weights above this many bytes go to ``model.onnx_data``.
         step_cache: First-Block Cache's parts beside each transformer's ``model.onnx`` (:mod:`.step_cache`; Wan
             2.2's experts each their own), reading its weights.
+        vae_dtype: the VAE's precision, ``"fp32"`` (``None``: diffusers' choice) or ``"fp16"`` (:mod:`.wan_vae`).
 
     Returns:
         ``target``.
@@ -413,7 +415,7 @@ def export_wan_pipeline(
             if getattr(pipe, "image_processor", None) is not None:
                 pipe.image_processor.save_pretrained(str(folder / "image_processor"))
         if vae_components:
-            export_wan_vae(vae, folder, vae_components, opset=opset)
+            export_wan_vae(vae, folder, vae_components, opset=opset, dtype=vae_dtype or "fp32")
 
     return export_transformer_pipeline(
         pipe,

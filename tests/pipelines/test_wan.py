@@ -658,6 +658,35 @@ def test_the_float16_transformer_gives_the_float32_ones_output_to_float16_roundi
     np.testing.assert_allclose(outputs[1], outputs[0], atol=5e-3 * np.abs(outputs[0]).max())
 
 
+def test_a_float16_vae_decodes_the_float32_ones_frames_to_float16_rounding_and_other_families_refuse_it(wan, tmp_path):
+    from optimum_iobinding.errors import ArgumentError
+    from optimum_iobinding.export import export_pipeline
+
+    torch_pipe, fp32 = wan
+    fp16 = export_pipeline(
+        None,
+        tmp_path / "vae16",
+        torch_pipeline=torch_pipe,
+        vae_dtype="fp16",
+        components=["text_encoder", "transformer", "vae_decoder"],
+        progress=False,
+    )
+    assert load(fp16).vae_decoder.input_dtypes["latent_sample"] == torch.float16
+    arguments = dict(height=16, width=32, num_frames=5, num_inference_steps=2, max_sequence_length=SEQUENCE)
+    frames = [
+        load(folder)("a cat", generator=torch.Generator().manual_seed(0), output_type="np", **arguments).frames
+        for folder in (fp32, fp16)
+    ]
+    assert np.abs(frames[1] - frames[0]).max() <= 1e-2  # float16 rounding of [0, 1] frames
+    with pytest.raises(
+        ArgumentError,
+        match=r"vae_dtype: expected None for a StableDiffusionPipeline \(its VAE follows the export's precision; "
+        r".*\), got 'fp16'",
+    ):
+        export_pipeline(None, tmp_path / "sd", tiny_random="sd", vae_dtype="fp16", progress=False)
+    assert not (tmp_path / "sd").exists()
+
+
 @pytest.fixture
 def exported_as_past_two_gib(monkeypatch):
     """The TorchScript export writing what it writes for a model past 2 GiB (the full-width Wan transformers): each
