@@ -10,6 +10,7 @@
 #   PARTS          the parts to run, in order (bench tests): smoke (the whole scenario on the tiny Wan model on the GPU,
 #                  every CUDA code path in a minute or two), bench, tests (tests/gpu/test_gpu_wan.py)
 #   STEPS (4)  BLOCKS (the full 30)  DTYPE (fp16, or bf16)  PEERS (ours,torch,compile,floor)  RUNS (2)  WARMUP (0)
+#   VAE_DTYPE (fp32: our export's VAE; fp16)
 #   MLPERF_BLOCKS (2)  MLPERF_PEERS (ours,compile; none leaves the table out)  COMPILE_MODE (default, or
 #   max-autotune-no-cudagraphs)  TIMEOUT (900: seconds a peer or an export)  COMPILE_TIMEOUT (900)
 #   BENCH_TIMEOUT (1700: seconds for the whole bench part)  SITE (/tmp/site)
@@ -37,7 +38,8 @@ run_part() {
     # measured until then
     bench) timeout -s INT -k 120 "${BENCH_TIMEOUT:-1700}" "${bench[@]}" --steps "${STEPS:-4}" --dtypes "${DTYPE:-fp16}" \
              --peers "${PEERS:-ours,torch,compile,floor}" --mlperf-blocks "${MLPERF_BLOCKS:-2}" \
-             --mlperf-peers "${MLPERF_PEERS:-ours,compile}" ${BLOCKS:+--blocks "$BLOCKS"} --out "$out/video"
+             --mlperf-peers "${MLPERF_PEERS:-ours,compile}" ${BLOCKS:+--blocks "$BLOCKS"} \
+             ${VAE_DTYPE:+--vae-dtype "$VAE_DTYPE"} --out "$out/video"
            rc=$?
            if [ ! -f "$out/video/video.md" ] && [ -f "$out/video/video.json" ]; then
              python3 -m optimum_iobinding.cli bench --report-only --out "$out/video"

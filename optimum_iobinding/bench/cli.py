@@ -92,7 +92,7 @@ from .peers import (
     run_stream_peer,
     stream_unet_steps,
 )
-from .coldstart import COLDSTART_MODELS, coldstart_benchmark
+from .coldstart import COLDSTART_MODELS, coldstart_benchmark, write_coldstart_report
 from .probes import environment, run_floor
 from .report import (
     combine_repeats,
@@ -599,6 +599,7 @@ def video_config(args: argparse.Namespace, steps: int) -> Dict[str, Any]:
         "warmup": args.warmup,
         "compile_mode": args.compile_mode,
         "replays": VIDEO_RECIPES[model]["replays"],
+        "vae_dtype": args.vae_dtype,
     }
 
 
@@ -776,7 +777,14 @@ def run_video_export(table: str, config: Dict[str, Any], dtype: str, export: str
     start = time.perf_counter()
     if table == "video":
         folder = ensure_video_export(
-            config["model"], dtype, export, work, config["blocks"], config["text_layers"], device=config["device"]
+            config["model"],
+            dtype,
+            export,
+            work,
+            config["blocks"],
+            config["text_layers"],
+            device=config["device"],
+            vae_dtype=config.get("vae_dtype"),
         )
     else:
         folder = ensure_mlperf_export(
@@ -912,6 +920,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
             ("--tiny", args.tiny),
             ("--mlperf-blocks", args.mlperf_blocks != parser.get_default("mlperf_blocks")),
             ("--mlperf-peers", args.mlperf_peers is not None),
+            ("--vae-dtype", args.vae_dtype is not None),
         ):
             expect(not given, option, "only with --scenario video", f"--scenario {args.scenario}")
     if args.device == "cpu":
@@ -1245,6 +1254,12 @@ def build_parser() -> CommandLineParser:
         "unless --device cuda: ours and diffusers' eager pipeline)",
     )
     parser.add_argument(
+        "--vae-dtype",
+        choices=("fp32", "fp16"),
+        default=None,
+        help="video: our export's VAE precision (export --vae-dtype; default fp32, as diffusers runs it)",
+    )
+    parser.add_argument(
         "--mlperf-blocks",
         type=int,
         default=2,
@@ -1414,6 +1429,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             write_transformer_report(json.loads((out / "transformer.json").read_text()), out)
         if (out / "video.json").is_file():
             write_video_report(json.loads((out / "video.json").read_text()), out)
+        if (out / "coldstart.json").is_file():
+            write_coldstart_report(json.loads((out / "coldstart.json").read_text()), out)
         return 0
     if args.scenario == "transformer":
         return transformer_main(parser, args, split, out)

@@ -563,8 +563,8 @@ def write_video_report(results: Dict[str, Any], out: Path) -> None:
             f"batch 1, {results['steps']} steps timed of the recipe's {video['recipe_steps']} (UniPC, flow shift 3), "
             f"guidance {video['guidance']:g} (two transformer rows a step), UMT5 {video['max_sequence_length']} "
             "tokens.",
-            f"ours: {family('wan').class_name}'s defaults on a {results['dtype']} {results['export']} export (UMT5 and the VAE "
-            f"float32), {device}.",
+            f"ours: {family('wan').class_name}'s defaults on a {results['dtype']} {results['export']} export (UMT5 "
+            f"float32, the VAE {'float16' if results.get('vae_dtype') == 'fp16' else 'float32'}), {device}.",
         ]
         if ran & {"torch", "compile"}:
             about.append(VIDEO_TORCH_PEERS_ON[device])

@@ -292,11 +292,12 @@ def _ensure_pipeline_export(
     device: str = "cuda",
     step_cache: bool = False,
     components: Optional[Sequence[str]] = None,
+    vae_dtype: Optional[str] = None,
 ) -> Path:
     """``folder``: the export of the torch pipeline ``build()`` makes, made once under the folder's lock; an
     "optimized" export gets the fusions ``device``'s execution provider runs (:func:`optimize_target`);
     ``step_cache``: with the parts a step cache runs (``export_pipeline(step_cache=True)``); ``components``: which
-    of them to write (default: all the pipeline has)."""
+    of them to write (default: all the pipeline has); ``vae_dtype``: a Wan VAE's own precision."""
     from ..export import export_pipeline
 
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -317,6 +318,7 @@ def _ensure_pipeline_export(
                 torch_pipeline=build(),
                 step_cache=step_cache,
                 components=components,
+                **({"vae_dtype": vae_dtype} if vae_dtype is not None else {}),
             )
     return folder
 
@@ -752,10 +754,16 @@ def build_video_pipeline(kind: str, blocks: Optional[int] = None, text_layers: O
 
 
 def video_export_name(
-    kind: str, dtype: str, export: str, blocks: Optional[int], text_layers: Optional[int], device: str = "cuda"
+    kind: str,
+    dtype: str,
+    export: str,
+    blocks: Optional[int],
+    text_layers: Optional[int],
+    device: str = "cuda",
+    vae_dtype: Optional[str] = None,
 ) -> str:
     """The folder name of one video export under ``--work``: every setting that changes the files is in it."""
-    name = f"{kind}-{dtype}-{export}"
+    name = f"{kind}-{dtype}-{export}" + ("-vae16" if vae_dtype == "fp16" else "")
     if optimize_target(export, device) == "cpu":
         name += "-cpu"
     depth = wan_blocks(kind, blocks)
@@ -774,12 +782,13 @@ def ensure_video_export(
     blocks: Optional[int] = None,
     text_layers: Optional[int] = None,
     device: str = "cuda",
+    vae_dtype: Optional[str] = None,
 ) -> Path:
     """The export of one video configuration under ``work`` (:func:`video_export_name`): UMT5, the transformer and
     the VAE decoder (:data:`VIDEO_COMPONENTS`), made once and shared as :func:`ensure_export` shares the others. The
-    exporter decides each component's precision (UMT5 and the VAE float32; the transformer ``dtype``) and writes
-    external data for the large ones."""
-    folder = work / video_export_name(kind, dtype, export, blocks, text_layers, device)
+    exporter decides each component's precision (UMT5 float32, the VAE float32 unless ``vae_dtype="fp16"``; the
+    transformer ``dtype``) and writes external data for the large ones."""
+    folder = work / video_export_name(kind, dtype, export, blocks, text_layers, device, vae_dtype)
     return _ensure_pipeline_export(
         folder,
         dtype,
@@ -787,6 +796,7 @@ def ensure_video_export(
         lambda: build_video_pipeline(kind, blocks, text_layers),
         device,
         components=VIDEO_COMPONENTS,
+        vae_dtype=vae_dtype,
     )
 
 

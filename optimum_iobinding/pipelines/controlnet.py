@@ -243,8 +243,8 @@ class ControlNets:
         if not isinstance(image, (list, tuple)) or len(image) != count:
             raise ArgumentError(
                 name,
-                f"expected a list of {count} control images (one per ControlNet), got "
-                f"{type(image).__name__}{f' of {len(image)}' if isinstance(image, (list, tuple)) else ''}",
+                f"expected a list of {count} control images (one per ControlNet, or per condition of a union one), "
+                f"got {type(image).__name__}{f' of {len(image)}' if isinstance(image, (list, tuple)) else ''}",
             )
         return list(image)
 

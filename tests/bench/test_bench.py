@@ -462,6 +462,7 @@ def test_the_sampling_process_reports_the_peak_it_saw_between_enter_and_exit(tmp
             ["--scenario", "coldstart", "--models", "sdxl"],
             "--models: expected a comma-separated list of sd15, flux-schnell, got 'sdxl'",
         ),
+        (["--vae-dtype", "fp16"], "--vae-dtype: expected only with --scenario video, got '--scenario single'"),
     ],
 )
 def test_the_bench_cli_names_every_bad_option_before_any_work(argv, message, capsys):
@@ -1553,3 +1554,13 @@ def test_the_cold_start_table_gathers_each_models_peers_with_their_ratio_to_its_
     assert "| sd15 | defaults | 1.00 | 0.60 | 2.40 | 3.00 | 0.50 |" in table
     assert "| flux-schnell | ours | failed: RuntimeError: x |" in table
     assert json.loads((tmp_path / "out" / "coldstart.json").read_text())["rows"] == results["rows"]
+
+
+def test_a_video_export_with_a_float16_vae_is_a_folder_of_its_own():
+    from optimum_iobinding.bench.zoo import video_export_name
+
+    plain = video_export_name("wan2.1-t2v-1.3b", "fp16", "optimized", None, 2)
+    assert video_export_name("wan2.1-t2v-1.3b", "fp16", "optimized", None, 2, vae_dtype="fp32") == plain
+    assert plain == "wan2.1-t2v-1.3b-fp16-optimized-text2"
+    float16 = video_export_name("wan2.1-t2v-1.3b", "fp16", "optimized", None, 2, vae_dtype="fp16")
+    assert float16 == "wan2.1-t2v-1.3b-fp16-optimized-vae16-text2"

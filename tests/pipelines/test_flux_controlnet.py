@@ -188,7 +188,10 @@ def test_one_union_controlnet_with_a_mode_per_condition_gives_diffusers_images(u
     np.testing.assert_allclose(got, run(theirs, **arguments), atol=TOLERANCE)
     first_alone = run(pipe, control_image=picture(3), control_mode=0, controlnet_conditioning_scale=0.7)
     assert np.abs(got - first_alone).max() > 1e-3  # the second condition matters
-    with pytest.raises(ValueError, match=r"control_image: expected a list of 2 control images \(one per ControlNet\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"control_image: expected a list of 2 control images \(one per ControlNet, or per condition of a union one\)",
+    ):
         run(pipe, control_image=picture(3), control_mode=[0, 2])
 
 
