@@ -27,12 +27,10 @@ import numpy as np
 import PIL.Image
 import torch
 
+# run as a script: benchmarks/ is on the path
+from lora_switch import sync
+
 VARIANTS = ("kontext", "fill", "control")
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def build(variant: str, blocks: int, text_layers: int, tiny: bool):

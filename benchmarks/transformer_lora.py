@@ -27,27 +27,16 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+# run as a script: benchmarks/ is on the path (the runtime LoRA benchmark of the UNets, whose timing helpers these are)
+from lora_switch import sync, timed
+
 FULL_BLOCKS = 19 + 38  # FLUX.1 dev's double- and single-stream blocks
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "proj_mlp"]
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(action) -> float:
-    sync()
-    start = time.perf_counter()
-    action()
-    sync()
-    return time.perf_counter() - start
 
 
 def make_loras(folder: Path, work: Path, rank: int) -> dict:
