@@ -1,5 +1,5 @@
 """The decode of one Wan 2.1 video's latents (480×832, 81 frames: 21 latent frames of 60 × 104) by Wan's VAE
-(``AutoencoderKLWan`` at Wan 2.1's config, random weights seeded as the bench's video scenario draws them): diffusers'
+(``AutoencoderKLWan`` at Wan 2.1's config, the bench zoo's, random weights from seed 0): diffusers'
 ``vae.decode`` in float32 (the model cards' precision) and in bfloat16, against ours — the chunk graphs of
 :mod:`optimum_iobinding.export.wan_vae` exported in float32 and in float16, run by ``WanVideoCodec`` on the CUDA
 provider with their CUDA graphs. Each case in a process of its own: seconds (median of ``--runs`` after one warm-up),
@@ -27,12 +27,11 @@ LATENT_SHAPE = (1, 16, 21, 60, 104)
 
 def build_vae():
     import torch
-    from diffusers import AutoencoderKLWan
+
+    from optimum_iobinding.bench.zoo import build_wan21_vae
 
     torch.manual_seed(0)
-    return AutoencoderKLWan(
-        base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]
-    ).eval()
+    return build_wan21_vae()
 
 
 def export(work: Path, dtype: str) -> Path:

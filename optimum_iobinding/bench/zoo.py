@@ -689,6 +689,16 @@ def build_wan_transformer(kind: str, blocks: Optional[int] = None, seed: int = 0
     return WanTransformer3DModel.from_config(config).eval()
 
 
+def build_wan21_vae():
+    """A random-weights ``AutoencoderKLWan`` at Wan 2.1's config (base width 96, z 16, widths × 1, 2, 4, 4, 2 residual
+    blocks, temporal downsampling in the last two stages), drawn from torch's current generator."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(
+        base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]
+    ).eval()
+
+
 def build_video_pipeline(kind: str, blocks: Optional[int] = None, text_layers: Optional[int] = None, seed: int = 0):
     """A random-weights diffusers ``WanPipeline`` of ``kind`` (:data:`VIDEO_RECIPES`): Wan 2.1 T2V 1.3B's transformer
     (:data:`WAN_TRANSFORMER_CONFIGS`), its VAE (``AutoencoderKLWan`` at Wan 2.1's config: base width 96, z 16, widths
@@ -715,7 +725,7 @@ def build_video_pipeline(kind: str, blocks: Optional[int] = None, text_layers: O
         if blocks is not None:
             pipe.register_modules(transformer=build_wan_transformer(kind, blocks, seed))
         return pipe
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from diffusers import UniPCMultistepScheduler, WanPipeline
     from transformers import UMT5Config, UMT5EncoderModel
 
     from ..export.tiny import write_tiny_t5_tokenizer
@@ -738,9 +748,7 @@ def build_video_pipeline(kind: str, blocks: Optional[int] = None, text_layers: O
             dropout_rate=0.0,
         )
     ).eval()
-    vae = AutoencoderKLWan(
-        base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]
-    ).eval()
+    vae = build_wan21_vae()
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
     )
