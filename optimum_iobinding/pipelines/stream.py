@@ -627,8 +627,7 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             if plan.filter.skip(plan.tensors["image"]):
                 return plan.last.again()
         elif plan.filter is not None:  # the first frame, or another kind than the last output's: kept
-            plan.filter.kept = None
-            plan.filter.skip(plan.tensors["image"])
+            plan.filter.keep(plan.tensors["image"])
         plan.encoded = self.vae_encoder(sample=plan.tensors["image"])[0]
         self._denoise(plan, plan.encoded)
         if not plan.batched:

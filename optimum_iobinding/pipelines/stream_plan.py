@@ -126,11 +126,16 @@ class SimilarityFilter:
         self.skip_count = 0
         self.frames = self.skipped = 0  # frames compared, and skipped
 
+    def keep(self, image: torch.Tensor) -> None:
+        """``image`` is the one the next frames are compared with, without a comparison (the first frame, or one of
+        another kind than the last output)."""
+        with torch.inference_mode(False):
+            self.kept = image.detach().float().clone()
+
     def skip(self, image: torch.Tensor) -> bool:
         """Whether the frame whose preprocessed image is ``image`` is skipped (and the kept image after it)."""
         if self.kept is None:
-            with torch.inference_mode(False):
-                self.kept = image.detach().float().clone()
+            self.keep(image)
             return False
         similarity = float(
             torch.nn.functional.cosine_similarity(self.kept.reshape(-1), image.float().reshape(-1), dim=0, eps=1e-6)
