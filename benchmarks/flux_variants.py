@@ -1,15 +1,18 @@
-"""FLUX.1 Kontext, Fill and Control on one GPU: ours against diffusers' torch pipelines (bf16 eager and
+"""FLUX.1 Kontext, Fill, Control and ControlNet on one GPU: ours against diffusers' torch pipelines (bf16 eager and
 ``torch.compile`` of the transformer), per step and end to end, at 1024² with random weights.
 
 Each variant is FLUX.1 dev's architecture at ``--blocks N`` (N double-stream and 2 N single-stream blocks, full width;
 T5 at ``--text-layers``): Kontext dev's transformer (the reference image's tokens beside the latents'), Fill's
-taking 384 values a token, Control's 128. Its torch pipeline (``FluxKontextPipeline``, ``FluxFillPipeline``,
-``FluxControlPipeline``) is exported once (fused fp16) under ``--work``; ours is the exported folder through
-``pipeline_class_for`` (detected from its model_index.json), on CUDA with its graphs. Inputs: a random RGB image of
-the size (Kontext's reference, Fill's image with a centred square mask, Control's control image), the same prompt and
-seed. Per peer (each in this process, one after the other): the first call (load apart), then ``--runs`` calls at
-``--steps`` and at 2 steps: per-step ms = the difference of their medians / (steps − 2); end to end = the median at
-``--steps``. ``--device cpu`` with ``--tiny`` is a dry run on the tiny variants.
+taking 384 values a token, Control's 128, and dev's transformer with one ``FluxControlNetModel`` of N double-stream
+and 2 N single-stream blocks (conditioning scale 0.7). Its torch pipeline (``FluxKontextPipeline``,
+``FluxFillPipeline``, ``FluxControlPipeline``, ``FluxControlNetPipeline``) is exported once (fused fp16) under
+``--work``; ours is the exported folder through ``pipeline_class_for`` (detected from its model_index.json), on CUDA
+with its graphs. Inputs: a random RGB image of the size (Kontext's reference, Fill's image with a centred square
+mask, the control image), the same prompt and seed. Per peer (each in this process, one after the other): the first
+call (load apart), then ``--runs`` calls at ``--steps`` and at 2 steps, to numpy images: per-step ms = the difference
+of their medians / (steps − 2); end to end = the median at ``--steps``. For ours also its own floor: back-to-back
+replays of the transformer's captured graph, plus each ControlNet's (``graph_floor_ms``), and the step over it.
+``--device cpu`` with ``--tiny`` is a dry run on the tiny variants.
 
     python benchmarks/flux_variants.py --work /tmp/bench-work --out OUT/flux-variants --blocks 2
 """
@@ -30,7 +33,7 @@ import torch
 # run as a script: benchmarks/ is on the path
 from lora_switch import sync
 
-VARIANTS = ("kontext", "fill", "control")
+VARIANTS = ("kontext", "fill", "control", "controlnet")
 
 
 def build(variant: str, blocks: int, text_layers: int, tiny: bool):
@@ -43,15 +46,33 @@ def build(variant: str, blocks: int, text_layers: int, tiny: bool):
     from optimum_iobinding.export.tiny import build_tiny_random_flux_variant_pipeline
 
     if tiny:
+        if variant == "controlnet":
+            from optimum_iobinding.export.tiny import build_tiny_random_flux_controlnet_pipeline
+
+            return build_tiny_random_flux_controlnet_pipeline()
         return build_tiny_random_flux_variant_pipeline(variant)
+    from diffusers import FluxControlNetModel
+
     from optimum_iobinding.bench.zoo import build_transformer_pipeline
 
     components = build_transformer_pipeline("flux-dev", blocks, text_layers).components
-    width = {"kontext": None, "fill": 384, "control": 128}[variant]
+    if variant == "controlnet":
+        components["controlnet"] = FluxControlNetModel.from_transformer(
+            components["transformer"],
+            num_layers=blocks,
+            num_single_layers=2 * blocks,
+            load_weights_from_transformer=False,
+        )
+    width = {"kontext": None, "fill": 384, "control": 128, "controlnet": None}[variant]
     if width is not None:
         config = {k: v for k, v in components["transformer"].config.items() if not k.startswith("_")}
         components["transformer"] = FluxTransformer2DModel(**{**config, "in_channels": width, "out_channels": 64})
-    name = {"kontext": "FluxKontextPipeline", "fill": "FluxFillPipeline", "control": "FluxControlPipeline"}[variant]
+    name = {
+        "kontext": "FluxKontextPipeline",
+        "fill": "FluxFillPipeline",
+        "control": "FluxControlPipeline",
+        "controlnet": "FluxControlNetPipeline",
+    }[variant]
     pipeline_class = getattr(diffusers, name)
     accepted = inspect.signature(pipeline_class.__init__).parameters
     return pipeline_class(**{key: module for key, module in components.items() if key in accepted})
@@ -64,28 +85,38 @@ def images_for(variant: str, size: int) -> dict:
         return {"image": image, "max_area": size * size}
     if variant == "control":
         return {"control_image": image}
+    if variant == "controlnet":
+        return {"control_image": image, "controlnet_conditioning_scale": 0.7}
     mask = np.zeros((size, size), np.uint8)
     mask[size // 4 : 3 * size // 4, size // 4 : 3 * size // 4] = 255
     return {"image": image, "mask_image": PIL.Image.fromarray(mask)}
 
 
-def measure(pipe, variant: str, size: int, steps: int, runs: int) -> dict:
-    inputs = images_for(variant, size)
+def call_arguments(variant: str, size: int) -> dict:
+    """The variant's call, but for the step count."""
+    return {
+        "prompt": "a red castle in the forest",
+        "height": size,
+        "width": size,
+        "guidance_scale": 3.5 if variant != "fill" else 30.0,
+        "max_sequence_length": 64,
+        **images_for(variant, size),
+    }
+
+
+def measure(pipe, arguments: dict, steps: int, runs: int) -> dict:
+    """The first call, then ``runs`` calls at ``steps`` and at 2 steps (same seed, numpy images): the first call's
+    seconds, the end-to-end median and the per-step ms by difference of medians."""
 
     def call(count: int) -> float:
         sync()
         start = time.perf_counter()
         with torch.inference_mode():
             pipe(
-                prompt="a red castle in the forest",
-                height=size,
-                width=size,
+                **arguments,
                 num_inference_steps=count,
-                guidance_scale=3.5 if variant != "fill" else 30.0,
-                max_sequence_length=64,
                 generator=torch.Generator().manual_seed(0),
-                output_type="latent",
-                **inputs,
+                output_type="np",
             )
         sync()
         return time.perf_counter() - start
@@ -97,6 +128,23 @@ def measure(pipe, variant: str, size: int, steps: int, runs: int) -> dict:
         "first_call_s": first,
         "end_to_end_ms": 1000 * full,
         "per_step_ms": 1000 * (full - short) / (steps - 2),
+    }
+
+
+def own_floor(pipe, per_step_ms: float) -> dict:
+    """Our step's floor: back-to-back replays of the denoiser's captured graph (the transformer or the UNet) and of
+    each ControlNet's (None where one of them captured none or several), and the step over it."""
+    from optimum_iobinding.bench.probes import graph_floor_ms
+
+    name = "transformer" if getattr(pipe, "transformer", None) is not None else "unet"
+    parts = {name: graph_floor_ms(getattr(pipe, name))}
+    for k, net in enumerate(getattr(pipe, "controlnets", [])):
+        parts[f"controlnet_{k}"] = graph_floor_ms(net)
+    floor = None if None in parts.values() else sum(parts.values())
+    return {
+        "own_floor_parts_ms": parts,
+        "own_floor_ms": floor,
+        "per_step_over_own_floor": per_step_ms / floor if floor else None,
     }
 
 
@@ -113,6 +161,7 @@ def main() -> int:
     parser.add_argument("--peers", default="ours,torch,compile")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="the tiny variants (a dry run, with --device cpu)")
+    parser.add_argument("--export-only", action="store_true", help="make the exports, measure nothing")
     args = parser.parse_args()
     variants, peers = args.variants.split(","), args.peers.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -141,6 +190,8 @@ def main() -> int:
                 progress=False,
             )
             row["export_s"] = time.perf_counter() - start
+        if args.export_only:
+            continue
         for peer in peers:
             try:
                 start = time.perf_counter()
@@ -156,7 +207,12 @@ def main() -> int:
                         pipe.transformer = torch.compile(pipe.transformer)
                 pipe.set_progress_bar_config(disable=True)
                 load_s = time.perf_counter() - start
-                row["peers"][peer] = {"load_s": load_s, **measure(pipe, variant, args.size, args.steps, args.runs)}
+                row["peers"][peer] = {
+                    "load_s": load_s,
+                    **measure(pipe, call_arguments(variant, args.size), args.steps, args.runs),
+                }
+                if peer == "ours" and cuda:
+                    row["peers"][peer].update(own_floor(pipe, row["peers"][peer]["per_step_ms"]))
             except Exception as error:  # one peer failing must not lose the others
                 row["peers"][peer] = {"error": f"{type(error).__name__}: {error}"[:2000]}
             pipe = None

@@ -98,10 +98,15 @@ run_step() {
     transformer-lora) script benchmarks/transformer_lora.py --work "$work" --out "$out/transformer-lora" ;;
     # FLUX.1 Kontext, Fill and Control (2 + 4 blocks): ours against diffusers' bf16 eager and compiled pipelines
     flux-variants) script benchmarks/flux_variants.py --work "$work" --out "$out/flux-variants" ;;
+    # SDXL with a ControlNet (its UNet's last level at 2 transformer layers): ours against diffusers' torch fp16
+    xl-controlnet) script benchmarks/xl_controlnet.py --work "$work" --out "$out/xl-controlnet" ;;
+    # the whole SD 1.5 pipeline's device memory on batches 1, 4, 8, 2: ours with its options varied, and numpy's
+    pipeline-memory) bench --export-only --models sd15 --dtypes fp16 --exports optimized &&
+                     script benchmarks/pipeline_memory.py --folder "$work/sd15-fp16-optimized" --out "$out/pipeline-memory" ;;
     *) echo "unknown step: $1 (expected one of: $ALL_STEPS)"; return 2 ;;
   esac
 }
-ALL_STEPS="sd15-fp16-defaults small-fp16-defaults sd15-fp16-mixed cold-start signature-memory host-path-small few-step-small sd15-fp32 sd15-fp32-optimized sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options serve coldstart stream-probe wan-vae-decode transformer-lora flux-variants"
+ALL_STEPS="sd15-fp16-defaults small-fp16-defaults sd15-fp16-mixed cold-start signature-memory host-path-small few-step-small sd15-fp32 sd15-fp32-optimized sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options serve coldstart stream-probe wan-vae-decode transformer-lora flux-variants xl-controlnet pipeline-memory"
 for name in ${selected:-$ALL_STEPS}; do
   run_step "$name" > "$out/$name.log" 2>&1
   echo "$name $?" >> "$out/status"

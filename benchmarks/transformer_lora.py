@@ -12,7 +12,8 @@ built on the ``meta`` device from the folder's config), then:
   difference of the medians of ``--steps`` and 2-step calls, latents out); ``set_adapters`` switching A ↔ B (each
   followed by a device synchronize); the images (a LoRA changes it, ``disable_lora`` gives the base one back);
 - diffusers' ``FluxPipeline`` in bf16 (weights drawn on the device) with the same LoRA files through
-  ``load_lora_weights`` (PEFT's unfused layers): per-step ms without and with adapter A.
+  ``load_lora_weights`` (PEFT's unfused layers): per-step ms without and with adapter A, each load's seconds, and
+  ``set_adapters`` switching A ↔ B.
 
 The switch at 57 blocks is an estimate: the two depths' switch times give a cost per block and a constant, and the
 line through them is read at 57 (19 + 38). Writes ``transformer-lora.json`` to ``--out``.
@@ -118,8 +119,11 @@ def diffusers_peft(kind: str, blocks: int, text_layers: int, loras: dict, args) 
     pipe = pipe.to(device, dtype)
     pipe.set_progress_bar_config(disable=True)
     result = {"per_step_ms": {"no LoRA": per_step_ms(pipe, args.size, args.steps, args.runs)}}
-    pipe.load_lora_weights(str(loras["a"]), adapter_name="a")
+    result["load_s"] = {"a": timed(lambda: pipe.load_lora_weights(str(loras["a"]), adapter_name="a"))}
     result["per_step_ms"]["LoRA a"] = per_step_ms(pipe, args.size, args.steps, args.runs)
+    result["load_s"]["b"] = timed(lambda: pipe.load_lora_weights(str(loras["b"]), adapter_name="b"))
+    switches = [timed(lambda k=k: pipe.set_adapters(["a" if k % 2 == 0 else "b"])) for k in range(args.switches)]
+    result["switch_s"] = {"median": statistics.median(switches), "max": max(switches), "all": switches}
     steps = result["per_step_ms"]
     result["step_with_a_over_without"] = steps["LoRA a"] / steps["no LoRA"]
     return result

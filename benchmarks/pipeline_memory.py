@@ -1,0 +1,132 @@
+"""Where the device memory of a whole pipeline goes on mixed batch sizes: ours with its options varied, beside
+diffusers' numpy pipeline, each in a fresh process.
+
+For each variant: device-wide used memory (NVML, or ``cudaMemGetInfo``: ORT's arenas count) above the process's idle after the
+load and after a call at each image batch in turn (``--batches``, 10 DDIM steps, guidance 7.5, 512²), torch's
+reserved memory beside it, each component's sessions and captured signatures, and the peak over everything
+(``PeakMemory``, sampled from a child process). Variants: ``numpy`` (diffusers' ONNX pipeline), ``defaults``,
+``text-no-graph`` (the text encoder one dynamic session without graphs), ``no-max-workspace``
+(``cudnn_conv_use_max_workspace=0``), ``no-graphs`` (``cuda_graph=False``).
+
+    python benchmarks/pipeline_memory.py --folder WORK/sd15-fp16-optimized --out OUT/pipeline-memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+VARIANTS = {
+    "numpy": None,
+    "defaults": {},
+    "text-no-graph": {"component_options": {"text_encoder": {"cuda_graph": False}}},
+    "no-max-workspace": {"provider_options": {"cudnn_conv_use_max_workspace": "0"}},
+    "no-graphs": {"cuda_graph": False},
+}
+
+
+def measure(folder: str, variant: str, batches) -> dict:
+    import torch
+
+    from optimum_iobinding.bench.probes import PeakMemory
+
+    mib = lambda b: round(b / 2**20, 1)  # noqa: E731
+    torch.cuda.init()
+    peak = PeakMemory(torch.device("cuda"))
+
+    def used() -> int:  # the peak's own source (NVML where it finds the device)
+        torch.cuda.synchronize()
+        return peak.used()
+
+    idle = used()
+    with peak:
+        snapshots = run(folder, variant, batches, used, idle, mib)
+    return {"variant": variant, "peak_mib": mib(peak.peak - idle), "snapshots": snapshots}
+
+
+def run(folder: str, variant: str, batches, used, idle: int, mib) -> list:
+    import numpy as np
+    import torch
+
+    options = VARIANTS[variant]
+    if options is None:
+        from optimum_iobinding.pipelines import load_numpy_pipeline
+
+        pipe = load_numpy_pipeline(folder)
+        components = {}
+    else:
+        from optimum_iobinding import OnnxStableDiffusionPipeline
+
+        pipe = OnnxStableDiffusionPipeline.from_pretrained(folder, provider="CUDAExecutionProvider", **options)
+        components = {"text_encoder": pipe.text_encoder, "unet": pipe.unet, "vae_decoder": pipe.vae_decoder}
+    from diffusers import DDIMScheduler
+
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config, clip_sample=False)
+    pipe.set_progress_bar_config(disable=True)
+    snapshots = [
+        {"after": "load", "used_mib": mib(used() - idle), "torch_reserved_mib": mib(torch.cuda.memory_reserved())}
+    ]
+    for batch in batches:
+        generator = np.random.RandomState(0) if options is None else torch.Generator("cuda").manual_seed(0)
+        pipe(
+            "a photo of an astronaut riding a horse",
+            num_images_per_prompt=batch,
+            num_inference_steps=10,
+            guidance_scale=7.5,
+            height=512,
+            width=512,
+            generator=generator,
+            output_type="np",
+        )
+        snapshot = {
+            "after": f"batch {batch}",
+            "used_mib": mib(used() - idle),
+            "torch_reserved_mib": mib(torch.cuda.memory_reserved()),
+        }
+        for name, model in components.items():
+            snapshot[name] = {"sessions": model.sessions_created, "graphs": len(model.graph_signatures)}
+        snapshots.append(snapshot)
+    return snapshots
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--batches", default="1,4,8,2")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a variant, measured in this process
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.one:
+        print(json.dumps(measure(args.folder, args.one, batches)))
+        return 0
+    from optimum_iobinding.bench.probes import environment
+
+    result = {"environment": environment(), "rows": []}
+    for variant in args.variants.split(","):
+        if variant not in VARIANTS:
+            parser.error(f"--variants: expected names among {', '.join(VARIANTS)}, got {variant!r}")
+        done = subprocess.run(
+            [sys.executable, __file__, "--folder", args.folder, "--out", str(args.out), "--batches", args.batches,
+             "--one", variant],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        row = (
+            json.loads(lines[-1])
+            if done.returncode == 0 and lines
+            else {"variant": variant, "error": done.stderr[-2000:]}
+        )
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pipeline-memory.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
