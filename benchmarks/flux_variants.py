@@ -11,7 +11,8 @@ with its graphs. Inputs: a random RGB image of the size (Kontext's reference, Fi
 mask, the control image), the same prompt and seed. Per peer (each in this process, one after the other): the first
 call (load apart), then ``--runs`` calls at ``--steps`` and at 2 steps, to numpy images: per-step ms = the difference
 of their medians / (steps − 2); end to end = the median at ``--steps``. For ours also its own floor: back-to-back
-replays of the transformer's captured graph, plus each ControlNet's (``graph_floor_ms``), and the step over it.
+replays of the transformer's captured graph, plus each ControlNet's (``graph_floor_ms``), and the step over it (by
+the difference of medians, and by CUDA events inside whole calls: ``gpu_step_ms``).
 ``--device cpu`` with ``--tiny`` is a dry run on the tiny variants.
 
     python benchmarks/flux_variants.py --work /tmp/bench-work --out OUT/flux-variants --blocks 2
@@ -106,9 +107,22 @@ def call_arguments(variant: str, size: int) -> dict:
 
 def measure(pipe, arguments: dict, steps: int, runs: int) -> dict:
     """The first call, then ``runs`` calls at ``steps`` and at 2 steps (same seed, numpy images): the first call's
-    seconds, the end-to-end median and the per-step ms by difference of medians."""
+    seconds, the end-to-end median and the per-step ms by difference of medians; on CUDA also the step's GPU time
+    inside whole calls (``gpu_step_ms``: CUDA events on the call's stream at the ends of the first and the last step,
+    the median over ``runs`` calls), which two noisy medians do not blur."""
+    cuda = torch.cuda.is_available() and str(getattr(pipe, "device", "cuda")).startswith("cuda")
 
-    def call(count: int) -> float:
+    def call(count: int, events: dict = None) -> float:
+        extra = {}
+        if events is not None:
+
+            def mark(pipeline, step, timestep, tensors):
+                if step in (0, count - 1):
+                    events[step] = torch.cuda.Event(enable_timing=True)
+                    events[step].record()
+                return tensors
+
+            extra["callback_on_step_end"] = mark
         sync()
         start = time.perf_counter()
         with torch.inference_mode():
@@ -117,9 +131,15 @@ def measure(pipe, arguments: dict, steps: int, runs: int) -> dict:
                 num_inference_steps=count,
                 generator=torch.Generator().manual_seed(0),
                 output_type="np",
+                **extra,
             )
         sync()
         return time.perf_counter() - start
+
+    def gpu_step_ms() -> float:
+        events = {}
+        call(steps, events)
+        return events[0].elapsed_time(events[steps - 1]) / (steps - 1)
 
     first = call(steps)
     full = statistics.median(call(steps) for _ in range(runs))
@@ -128,10 +148,11 @@ def measure(pipe, arguments: dict, steps: int, runs: int) -> dict:
         "first_call_s": first,
         "end_to_end_ms": 1000 * full,
         "per_step_ms": 1000 * (full - short) / (steps - 2),
+        "gpu_step_ms": statistics.median(gpu_step_ms() for _ in range(runs)) if cuda else None,
     }
 
 
-def own_floor(pipe, per_step_ms: float) -> dict:
+def own_floor(pipe, per_step_ms: float, gpu_step_ms: float = None) -> dict:
     """Our step's floor: back-to-back replays of the denoiser's captured graph (the transformer or the UNet) and of
     each ControlNet's (None where one of them captured none or several), and the step over it."""
     from optimum_iobinding.bench.probes import graph_floor_ms
@@ -145,6 +166,7 @@ def own_floor(pipe, per_step_ms: float) -> dict:
         "own_floor_parts_ms": parts,
         "own_floor_ms": floor,
         "per_step_over_own_floor": per_step_ms / floor if floor else None,
+        "gpu_step_over_own_floor": gpu_step_ms / floor if floor and gpu_step_ms else None,
     }
 
 
@@ -212,7 +234,8 @@ def main() -> int:
                     **measure(pipe, call_arguments(variant, args.size), args.steps, args.runs),
                 }
                 if peer == "ours" and cuda:
-                    row["peers"][peer].update(own_floor(pipe, row["peers"][peer]["per_step_ms"]))
+                    measured = row["peers"][peer]
+                    measured.update(own_floor(pipe, measured["per_step_ms"], measured["gpu_step_ms"]))
             except Exception as error:  # one peer failing must not lose the others
                 row["peers"][peer] = {"error": f"{type(error).__name__}: {error}"[:2000]}
             pipe = None
@@ -222,6 +245,8 @@ def main() -> int:
         for peer, measured in row["peers"].items():
             if peer != "ours" and "per_step_ms" in measured and "per_step_ms" in ours:
                 measured["step_over_ours"] = measured["per_step_ms"] / ours["per_step_ms"]
+                if measured.get("gpu_step_ms") and ours.get("gpu_step_ms"):
+                    measured["gpu_step_over_ours"] = measured["gpu_step_ms"] / ours["gpu_step_ms"]
                 measured["end_to_end_over_ours"] = measured["end_to_end_ms"] / ours["end_to_end_ms"]
         result["rows"].append(row)
         print(json.dumps(row, indent=1), flush=True)

@@ -115,7 +115,8 @@ def main() -> int:
             load_s = time.perf_counter() - start
             row["peers"][peer] = {"load_s": load_s, **measure(pipe, arguments, args.steps, args.runs)}
             if peer == "ours" and cuda:
-                row["peers"][peer].update(own_floor(pipe, row["peers"][peer]["per_step_ms"]))
+                measured = row["peers"][peer]
+                measured.update(own_floor(pipe, measured["per_step_ms"], measured["gpu_step_ms"]))
         except Exception as error:  # one peer failing must not lose the other
             row["peers"][peer] = {"error": f"{type(error).__name__}: {error}"[:2000]}
         pipe = None
