@@ -1550,7 +1550,10 @@ def build_parser() -> argparse.ArgumentParser:
     stream.add_argument("--prompt", required=True, help="what every frame should become")
     stream.add_argument("--negative-prompt", default=None, help="with --guidance above 1")
     stream.add_argument(
-        "--model", default=None, help="ONNX pipeline folder or hub id (default: a tiny random model built offline)"
+        "--model",
+        default=None,
+        help="ONNX pipeline folder or hub id: SD 1.x/2.x, SD-Turbo, LCM, or SDXL / SDXL-Turbo (default: a tiny "
+        "random model built offline)",
     )
     stream.add_argument(
         "--steps", type=int, default=2, help="the scheduler's steps, of which the last --strength are run (default 2)"
@@ -1596,7 +1599,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="fit every frame to this size, 512 or 768x512 (width x height; scaled to cover, "
         "centre cropped); default: the input's. Both must be multiples of the model's size "
-        "multiple, 8 × 2^(the UNet's down blocks − 1): 64 for Stable Diffusion 1.x/2.x and SD-Turbo",
+        "multiple, 8 × 2^(the UNet's down blocks − 1): 64 for Stable Diffusion 1.x/2.x and SD-Turbo, 32 for SDXL",
     )
     stream.add_argument(
         "--stream-batch",

@@ -306,6 +306,14 @@ def _torch_and_export(torch_pipe, shared_export, name):
     return torch_pipe, shared_export(name, _exported(torch_pipeline=torch_pipe))
 
 
+@pytest.fixture(scope="session")
+def xl_folder(shared_export):
+    """The tiny random SDXL pipeline's export."""
+    from optimum_iobinding.export import export_pipeline
+
+    return shared_export("xl", lambda target: export_pipeline(None, target, tiny_random="xl", progress=False))
+
+
 @pytest.fixture(scope="module")
 def lcm(shared_export):
     """The tiny random Latent Consistency Model: diffusers' torch pipeline (its VAE encoder giving the mode, as the

@@ -149,6 +149,18 @@ def test_the_tiny_vae_replaces_the_models_vae(tmp_path, tiny_folder, image_folde
     assert not np.array_equal(outputs[0], full_vae[0])
 
 
+def test_an_sdxl_folder_streams_through_the_sdxl_stream(tmp_path, xl_folder, image_folder):
+    from optimum_iobinding import OnnxStreamDiffusionXLPipeline
+
+    assert run_stream(image_folder, tmp_path / "out", xl_folder) == 0
+    _, inputs = read_all(image_folder)
+    _, outputs = read_all(tmp_path / "out")
+    stream = OnnxStreamDiffusionPipeline.from_pretrained(xl_folder, provider="CPUExecutionProvider")
+    assert type(stream) is OnnxStreamDiffusionXLPipeline
+    for output, reference in zip(outputs, stream_directly(xl_folder, inputs), strict=True):
+        np.testing.assert_array_equal(output, reference)
+
+
 def test_the_seed_strength_and_prompt_reach_the_pipeline(tmp_path, tiny_folder, image_folder):
     assert run_stream(image_folder, tmp_path / "out", tiny_folder, "--seed", "7", "--strength", "0.75") == 0
     _, inputs = read_all(image_folder)

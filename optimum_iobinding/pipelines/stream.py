@@ -15,7 +15,8 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ..errors import ArgumentError, ArgumentTypeError
 from ..families import family
-from ..layout import resolve_pipeline_folder
+from ..layout import looks_like_hub_id, resolve_pipeline_folder
+from ..runtime.hub import hub_keywords
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_integer
 from .clip_unet import STABLE_DIFFUSION_COMPONENTS
@@ -98,6 +99,29 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         self._copies = FrameCopies(self.device)
 
     # -------------------------------------------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Loads a stream (see :meth:`OnnxDiffusionPipeline.from_pretrained`; ``tiny_vae=`` a tiny VAE's folder or hub
+        id). An SDXL folder (``text_encoder_2/model.onnx`` beside the UNet; a hub id is downloaded with the files of
+        both layouts first) gives an :class:`~.stream_xl.OnnxStreamDiffusionXLPipeline`."""
+        if cls is OnnxStreamDiffusionPipeline and isinstance(pretrained_model_name_or_path, (str, os.PathLike)):
+            from .stream_xl import OnnxStreamDiffusionXLPipeline
+
+            path = Path(pretrained_model_name_or_path).expanduser()
+            if not path.exists() and looks_like_hub_id(os.fspath(pretrained_model_name_or_path)):
+                hub = {key: kwargs[key] for key in hub_keywords() if key in kwargs}
+                layouts = (cls, OnnxStreamDiffusionXLPipeline)
+                path = resolve_pipeline_folder(
+                    pretrained_model_name_or_path,
+                    tuple(dict.fromkeys(n for c in layouts for n in names_of(c.declared_components, "onnx"))),
+                    tuple(dict.fromkeys(n for c in layouts for n in names_of(c.declared_components, "tokenizer"))),
+                    **hub,
+                )
+                pretrained_model_name_or_path = path
+            if (path / "text_encoder_2" / "model.onnx").is_file():
+                return OnnxStreamDiffusionXLPipeline.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
     @classmethod
     def model_folders(
         cls,
@@ -284,9 +308,9 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         )
 
         # 3. the prompt (encoded once), the noise, the constants and the models' inputs, on the device
-        embeddings = self._blended_embeddings(blend, plan.negative, negative_prompt)
-        self._make_tensors(plan, seeds, lcm, tuple(embeddings.shape[1:]))
-        self._write_embeddings(plan, embeddings)
+        conditioning = self._blended_embeddings(blend, plan.negative, negative_prompt)
+        self._make_tensors(plan, seeds, lcm, {name: tuple(value.shape[1:]) for name, value in conditioning.items()})
+        self._write_embeddings(plan, conditioning)
 
         # 4. sessions and the models' graphs (3 runs: ORT captures after one regular run), then their buffers
         if self.device.type == "cuda":
@@ -365,20 +389,39 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         norm = math.sqrt(sum(weight * weight for _, weight in seeds))
         return sum(draws(seed) * (weight / norm) for seed, weight in seeds)
 
+    def _prompt_conditioning(
+        self, text: str, negative: bool, negative_prompt: Optional[str]
+    ) -> Dict[str, torch.Tensor]:
+        """The UNet's prompt inputs for one prompt (``[negative; positive]`` rows with ``negative``): the text
+        encoder's embeddings as ``encoder_hidden_states``."""
+        return {"encoder_hidden_states": self.prompt.encode(text, 1, negative, negative_prompt)}
+
     def _blended_embeddings(
         self, blend: List[Tuple[str, float]], negative: bool, negative_prompt: Optional[str]
-    ) -> torch.Tensor:
-        """The prompt's embeddings (``[negative; positive]`` with ``negative``): one prompt's, or the weighted mean of
-        several prompts' positive embeddings (weights normalized to sum 1)."""
+    ) -> Dict[str, torch.Tensor]:
+        """The UNet's prompt inputs (``[negative; positive]`` rows with ``negative``): one prompt's, or the weighted
+        mean of several prompts' positive rows (weights normalized to sum 1), input by input."""
         if len(blend) == 1:
-            return self.prompt.encode(blend[0][0], 1, negative, negative_prompt)
+            return self._prompt_conditioning(blend[0][0], negative, negative_prompt)
         total = sum(weight for _, weight in blend)
-        encoded = [self.prompt.encode(text, 1, negative, negative_prompt) for text, _ in blend]
-        positive = sum(embeddings[-1:] * (weight / total) for embeddings, (_, weight) in zip(encoded, blend))
-        return torch.cat([encoded[0][:1], positive]) if negative else positive
+        encoded = [self._prompt_conditioning(text, negative, negative_prompt) for text, _ in blend]
+        blended = {}
+        for name, first in encoded[0].items():
+            positive = sum(inputs[name][-1:] * (weight / total) for inputs, (_, weight) in zip(encoded, blend))
+            blended[name] = torch.cat([first[:1], positive]) if negative else positive
+        return blended
+
+    def _fixed_unet_inputs(self, plan: StreamPlan) -> Dict[str, torch.Tensor]:
+        """UNet inputs beyond the prompt's that stay the same for every frame of a plan, one row per UNet row, on the
+        host (none here)."""
+        return {}
 
     def _make_tensors(
-        self, plan: StreamPlan, seeds: List[Tuple[int, float]], lcm: bool, embedding_shape: Tuple[int, ...]
+        self,
+        plan: StreamPlan,
+        seeds: List[Tuple[int, float]],
+        lcm: bool,
+        conditioning_shapes: Dict[str, Tuple[int, ...]],
     ) -> None:
         device, unet = self.device, self.unet
         channels = self.latent_channels
@@ -414,9 +457,10 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             plan.unet_inputs["sample"] = torch.zeros(
                 rows, channels, latent_height, latent_width, device=device, dtype=unet.input_dtypes["sample"]
             )
-            plan.unet_inputs["encoder_hidden_states"] = torch.zeros(
-                rows, *embedding_shape, device=device, dtype=unet.input_dtypes["encoder_hidden_states"]
-            )
+            for name, shape in conditioning_shapes.items():
+                plan.unet_inputs[name] = torch.zeros(rows, *shape, device=device, dtype=unet.input_dtypes[name])
+            for name, values in self._fixed_unet_inputs(plan).items():
+                plan.unet_inputs[name] = upload(values.to(unet.input_dtypes[name]), device)
             timestep_dtype = unet.input_dtypes["timestep"]
             if plan.batched:  # rows [negative: steps 1…k;] text: steps 1…k (or "initialize"'s one negative first)
                 values = torch.tensor(schedule.timesteps, dtype=torch.float64).repeat(plan.copies)
@@ -441,15 +485,16 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             return value
         return value.reshape(1) if dims[0] == 1 else value.repeat(rows)
 
-    def _write_embeddings(self, plan: StreamPlan, embeddings: torch.Tensor) -> None:
-        """The prompt's embeddings (``[negative; positive]`` when the plan guides with a negative prompt) into the
-        UNet's input, one row per latent row ("initialize": the negative once, first): always the same tensor, so
-        captured graphs keep reading it."""
-        if plan.cfg_type == "initialize":
-            rows = torch.cat([embeddings[:1], embeddings[1:].repeat_interleave(plan.latent_rows, dim=0)])
-        else:
-            rows = embeddings.repeat_interleave(plan.latent_rows, dim=0)
-        plan.unet_inputs["encoder_hidden_states"].copy_(rows)
+    def _write_embeddings(self, plan: StreamPlan, conditioning: Dict[str, torch.Tensor]) -> None:
+        """The prompt's UNet inputs (``[negative; positive]`` when the plan guides with a negative prompt) into the
+        UNet's inputs, one row per latent row ("initialize": the negative once, first): always the same tensors, so
+        captured graphs keep reading them."""
+        for name, values in conditioning.items():
+            if plan.cfg_type == "initialize":
+                rows = torch.cat([values[:1], values[1:].repeat_interleave(plan.latent_rows, dim=0)])
+            else:
+                rows = values.repeat_interleave(plan.latent_rows, dim=0)
+            plan.unet_inputs[name].copy_(rows)
 
     def _model_shapes(self, plan: StreamPlan) -> List[Tuple[IOBindingORTModel, Dict[str, Tuple[int, ...]]]]:
         return [

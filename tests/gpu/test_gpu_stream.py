@@ -24,9 +24,15 @@ SLEEP_CYCLES = 2_000_000_000
 
 
 @pytest.fixture(scope="module")
-def folders(tiny_folder, vae_folder, lcm):
-    """Each stream's folder and loading options: Stable Diffusion, with the tiny VAE, LCM."""
-    return {"sd": (tiny_folder, {}), "tiny-vae": (tiny_folder, {"tiny_vae": vae_folder}), "lcm": (lcm[1], {})}
+def folders(tiny_folder, vae_folder, lcm, xl_folder):
+    """Each stream's folder and loading options: Stable Diffusion, with the tiny VAE, LCM, SDXL (with the tiny VAE)."""
+    return {
+        "sd": (tiny_folder, {}),
+        "tiny-vae": (tiny_folder, {"tiny_vae": vae_folder}),
+        "lcm": (lcm[1], {}),
+        "xl": (xl_folder, {}),
+        "xl-tiny-vae": (xl_folder, {"tiny_vae": vae_folder}),
+    }
 
 
 def prepared(
@@ -73,6 +79,8 @@ CASES = {  # (folder, steps, strength, guidance, stream batch)
     "lcm": ("lcm", 2, 0.5, 6.0, True),
     "rcfg-self-one-step": ("sd", 2, 0.5, 1.8, True),
     "rcfg-initialize-stream-batch": ("sd", 4, 0.5, 1.8, True),
+    "xl-turbo-one-step": ("xl", 2, 0.5, 0.0, True),
+    "xl-guidance-stream-batch": ("xl-tiny-vae", 4, 0.5, 3.0, True),
 }
 # the guidance type of a case (default "full"): StreamDiffusion's residual guidance, its stock noise on the device
 CFG_TYPES = {"rcfg-self-one-step": "self", "rcfg-initialize-stream-batch": "initialize"}

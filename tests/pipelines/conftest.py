@@ -1,6 +1,6 @@
-"""The fixtures the pipelines' tests share: the tiny random Stable Diffusion, SDXL and image-conditioned FLUX.1
-exports that several of them run on, and what they ask of a pipeline (how many sessions are open, whether a refusal
-ran a component) and of a folder (a copy with a changed VAE config)."""
+"""The fixtures the pipelines' tests share: the tiny random Stable Diffusion and image-conditioned FLUX.1 exports
+that several of them run on (SDXL's is the whole suite's, in tests/conftest.py), and what they ask of a pipeline (how
+many sessions are open, whether a refusal ran a component) and of a folder (a copy with a changed VAE config)."""
 
 from __future__ import annotations
 
@@ -26,14 +26,6 @@ def sd(shared_export, vae_encodes_its_mode):
         "sd", lambda target: export_pipeline(None, target, torch_pipeline=torch_pipe, progress=False)
     )
     return vae_encodes_its_mode(torch_pipe), folder
-
-
-@pytest.fixture(scope="session")
-def xl_folder(shared_export):
-    """The tiny random SDXL pipeline's export."""
-    from optimum_iobinding.export import export_pipeline
-
-    return shared_export("xl", lambda target: export_pipeline(None, target, tiny_random="xl", progress=False))
 
 
 def _flux_variant(kind: str, shared_export, vae_encodes_its_mode):

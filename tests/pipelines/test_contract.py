@@ -23,7 +23,10 @@ SIZE = 64
 STEPS = 2
 
 # The records whose pipeline has no prompt-driven __call__, with where their contract lives.
-NOT_PROMPT_DRIVEN = {"stream": "tests/pipelines/test_stream_contract.py"}
+NOT_PROMPT_DRIVEN = {
+    "stream": "tests/pipelines/test_stream_contract.py",
+    "stream-xl": "tests/pipelines/test_stream_xl.py",
+}
 # The records whose calls make videos (Family.frames), not images, with where their contract lives.
 MAKES_VIDEOS = {"wan": "tests/pipelines/test_wan.py", "wan-i2v": "tests/pipelines/test_wan_i2v.py"}
 CONTRACT_FAMILIES = [record for record in FAMILIES if record.key not in {**NOT_PROMPT_DRIVEN, **MAKES_VIDEOS}]

@@ -1,0 +1,119 @@
+"""The real-time stream on an SDXL folder (SDXL-Turbo's recipe: one step), tiny random SDXL export, CPU execution
+provider: against diffusers' torch ``StableDiffusionXLImg2ImgPipeline`` on the same weights (one step, with and
+without guidance, a tiny VAE, a blend of prompts), and what loading an SDXL folder as a stream gives."""
+
+from __future__ import annotations
+
+import diffusers
+import pytest
+import torch
+
+from optimum_iobinding import OnnxStreamDiffusionPipeline, OnnxStreamDiffusionXLPipeline
+from optimum_iobinding.export.tiny import build_tiny_random_tiny_vae, build_tiny_random_xl_pipeline
+
+SIZE = 64  # 8×8 latents
+PROMPT = "a photo of an astronaut riding a horse"
+TOLERANCE = 1e-4
+SEED = 3
+# SDXL-Turbo's scheduler: Euler ancestral with trailing timesteps, so that 2 steps at strength 0.5 are one step
+TURBO = {"timestep_spacing": "trailing"}
+
+
+@pytest.fixture(scope="module")
+def xl(xl_folder, vae_encodes_its_mode):
+    """diffusers' torch SDXL pipeline with the weights of the tiny random export (the builder is seeded; its VAE
+    encoder giving the mode, as the export's does) and the export."""
+    torch_pipe = build_tiny_random_xl_pipeline()
+    torch_pipe.set_progress_bar_config(disable=True)
+    return vae_encodes_its_mode(torch_pipe), xl_folder
+
+
+def stream_for(folder, **kwargs):
+    stream = OnnxStreamDiffusionPipeline.from_pretrained(folder, **kwargs)
+    stream.scheduler = diffusers.EulerAncestralDiscreteScheduler.from_config(stream.scheduler.config, **TURBO)
+    return stream
+
+
+def frame(seed=0):
+    """A float frame (3, SIZE, SIZE) in [-1, 1]."""
+    return torch.rand(3, SIZE, SIZE, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+
+
+def diffusers_img2img(torch_pipe, image, vae=None, **kwargs):
+    """diffusers' SDXL img2img on the same weights, SDXL-Turbo's one step: a [-1, 1] frame in, a [-1, 1] image out."""
+    pipe = diffusers.StableDiffusionXLImg2ImgPipeline.from_pipe(torch_pipe, **({"vae": vae} if vae is not None else {}))
+    pipe.scheduler = diffusers.EulerAncestralDiscreteScheduler.from_config(torch_pipe.scheduler.config, **TURBO)
+    pipe.set_progress_bar_config(disable=True)
+    kwargs.setdefault("prompt", PROMPT)
+    images = pipe(
+        image=image[None] / 2 + 0.5,
+        strength=0.5,
+        num_inference_steps=2,
+        generator=torch.Generator().manual_seed(SEED),
+        output_type="pt",
+        **kwargs,
+    ).images
+    return images[0] * 2 - 1
+
+
+def test_an_sdxl_folder_loads_as_the_sdxl_stream_with_sdxls_conditioning(xl):
+    _, folder = xl
+    stream = stream_for(folder)
+    assert type(stream) is OnnxStreamDiffusionXLPipeline
+    stream.prepare(PROMPT, seed=SEED, height=SIZE, width=SIZE, guidance_scale=3.0)
+    inputs = stream.unet_inputs
+    assert inputs["time_ids"].tolist() == [[SIZE, SIZE, 0, 0, SIZE, SIZE]] * 2  # a negative row and a text row
+    assert inputs["text_embeds"].shape[0] == inputs["encoder_hidden_states"].shape[0] == 2
+    assert torch.equal(inputs["text_embeds"][0], torch.zeros_like(inputs["text_embeds"][0]))  # no negative prompt
+
+
+@pytest.mark.parametrize(
+    "call",
+    [dict(guidance_scale=0.0), dict(guidance_scale=3.0, negative_prompt="a red car"), dict(guidance_scale=3.0)],
+    ids=["no-guidance", "negative-prompt", "zeros-for-the-empty-negative"],
+)
+def test_one_step_equals_diffusers_sdxl_img2img(xl, call):
+    torch_pipe, folder = xl
+    expected = diffusers_img2img(torch_pipe, frame(), **call)
+    stream = stream_for(folder)
+    stream.prepare(PROMPT, seed=SEED, height=SIZE, width=SIZE, **call)
+    assert len(stream.timesteps) == 1
+    torch.testing.assert_close(stream(frame()), expected, atol=TOLERANCE, rtol=0)
+
+
+def test_a_tiny_vae_replaces_the_sdxl_vae_and_equals_diffusers_with_that_autoencoder(xl, vae_folder):
+    torch_pipe, folder = xl
+    expected = diffusers_img2img(torch_pipe, frame(), vae=build_tiny_random_tiny_vae(), guidance_scale=0.0)
+    stream = stream_for(folder, tiny_vae=vae_folder)
+    assert str(vae_folder) in stream.vae_decoder.model_path
+    stream.prepare(PROMPT, seed=SEED, height=SIZE, width=SIZE)
+    torch.testing.assert_close(stream(frame()), expected, atol=TOLERANCE, rtol=0)
+
+
+def test_a_prompt_blend_averages_both_embeddings_and_equals_diffusers_given_them(xl):
+    torch_pipe, folder = xl
+    blend = [("a photo of a cat", 0.75), ("an oil painting of a dog", 0.25)]
+    encoded = [torch_pipe.encode_prompt(text, device="cpu", do_classifier_free_guidance=False) for text, _ in blend]
+    embeds = sum(weight * parts[0] for parts, (_, weight) in zip(encoded, blend))
+    pooled = sum(weight * parts[2] for parts, (_, weight) in zip(encoded, blend))
+    expected = diffusers_img2img(
+        torch_pipe, frame(), prompt=None, prompt_embeds=embeds, pooled_prompt_embeds=pooled, guidance_scale=0.0
+    )
+    stream = stream_for(folder)
+    stream.prepare(blend, seed=SEED, height=SIZE, width=SIZE)
+    torch.testing.assert_close(stream(frame()), expected, atol=TOLERANCE, rtol=0)
+    single = stream_for(folder)
+    single.prepare(blend[0][0], seed=SEED, height=SIZE, width=SIZE)
+    assert (single(frame()) - expected).abs().max() > 100 * TOLERANCE  # the second prompt did count
+
+
+def test_a_saved_sdxl_stream_loads_again_as_one_and_gives_the_same_frame(xl, tmp_path):
+    _, folder = xl
+    stream = stream_for(folder)
+    stream.prepare(PROMPT, seed=SEED, height=SIZE, width=SIZE)
+    expected = stream(frame())
+    stream.save_pretrained(tmp_path / "saved")
+    again = stream_for(tmp_path / "saved")
+    assert type(again) is OnnxStreamDiffusionXLPipeline
+    again.prepare(PROMPT, seed=SEED, height=SIZE, width=SIZE)
+    torch.testing.assert_close(again(frame()), expected, atol=1e-6, rtol=0)
