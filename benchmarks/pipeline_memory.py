@@ -6,7 +6,8 @@ load and after a call at each image batch in turn (``--batches``, 10 DDIM steps,
 reserved memory beside it, each component's sessions and captured signatures, and the peak over everything
 (``PeakMemory``, sampled from a child process). Variants: ``numpy`` (diffusers' ONNX pipeline), ``defaults``,
 ``text-no-graph`` (the text encoder one dynamic session without graphs), ``no-max-workspace``
-(``cudnn_conv_use_max_workspace=0``), ``no-graphs`` (``cuda_graph=False``).
+(``cudnn_conv_use_max_workspace=0``), ``no-graphs`` (``cuda_graph=False``), ``power-of-two-arena`` (ORT's
+default arena growth, as the numpy pipeline's, instead of ``kSameAsRequested``).
 
     python benchmarks/pipeline_memory.py --folder WORK/sd15-fp16-optimized --out OUT/pipeline-memory
 """
@@ -25,6 +26,7 @@ VARIANTS = {
     "text-no-graph": {"component_options": {"text_encoder": {"cuda_graph": False}}},
     "no-max-workspace": {"provider_options": {"cudnn_conv_use_max_workspace": "0"}},
     "no-graphs": {"cuda_graph": False},
+    "power-of-two-arena": {"provider_options": {"arena_extend_strategy": "kNextPowerOfTwo"}},
 }
 
 

@@ -22,6 +22,7 @@ from .cuda_policy import (
     tensorrt_profile_options,
 )
 from .dtypes import TORCH_TO_ONNX
+from .graph_refusals import refusals_path, remember_refusal, remembered_refusal
 from .options import CudaGraphSetting
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -255,11 +256,27 @@ class GraphPool:
         ``None`` where ORT refused it (:attr:`shared_refused` says why) or the pool does not use one."""
         with self.lock:
             if self.one_session and self._shared is None and self.shared_refused is None:
+                source = self.recipe.source if isinstance(self.recipe.source, str) else None
+                provider = self.recipe.providers[0]
+                remembered = remembered_refusal(source, provider) if source is not None else None
+                if remembered is not None:  # ORT refused this very file at an earlier load: not asked again
+                    self.shared_refused = remembered
+                    logger.info(
+                        "%s: one session cannot capture a graph for every input shape (ORT refused it at an "
+                        "earlier load of this file, remembered in %s), so each shape gets a session of its own "
+                        "(all reading the same weights). Why: %s",
+                        self.name,
+                        refusals_path(),
+                        remembered,
+                    )
+                    return None
                 try:
                     self._shared = self.recipe.create(provider_updates=self.shared_updates, quiet=True)
                     self.recipe.weights.release_parse()  # the session loaded the weights itself (unless they are owned)
                 except Exception as error:  # a node left on the CPU: ORT refuses capture for the whole session
                     self.shared_refused = str(error)
+                    if source is not None and PLACEMENT_REFUSAL in str(error):
+                        remember_refusal(source, provider, str(error))
                     logger.info(
                         "%s: one session cannot capture a graph for every input shape, so each shape gets a "
                         "session of its own (all reading the same weights). Why: %s",

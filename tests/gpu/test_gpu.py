@@ -742,6 +742,11 @@ def test_a_model_ort_cannot_capture_as_one_session_gets_a_session_per_signature_
     # refused twice, then never again: the one graph session, and a graph of the first signature's fixed shape
     # (the ArgMax stays on the CPU); the second signature goes straight to a session without a graph
     assert [what for what, _ in model.session_creation_log] == ["refused", "refused", "session", "session"]
+    # a later load of the same file does not ask ORT for the one graph session again (remembered per file)
+    again = IOBindingORTModel(path, provider=CUDA, provider_options=EXACT)
+    x, ids = torch.randn(1, 8).to("cuda"), torch.randint(0, 100, (1, 8)).to("cuda")
+    torch.testing.assert_close(again(x=x, ids=ids)[0], plain(x=x, ids=ids)[0])
+    assert [what for what, _ in again.session_creation_log] == ["refused", "session"]  # the fixed-shape graph's
 
 
 @pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
