@@ -2,8 +2,11 @@
 (torch CUDA frames in and out) against the floor of its components' own graph replays, with guidance (classifier-free,
 StreamDiffusion's residual) and the similarity filter (``--configs``).
 
-SD-Turbo architecture (the bench zoo's ``turbo``, random weights, fused fp16), a TAESD-shaped `AutoencoderTiny`
-with random weights (fp16, CUDA-optimized), 512², batch 1. Writes ``stream_probe.json`` (every row, device, versions,
+SD-Turbo's architecture (``--model turbo``: the bench zoo's ``turbo``) or SDXL-Turbo's (``--model sdxl-turbo``: the
+zoo's ``sdxl``, SDXL base's architecture, which SDXL-Turbo shares; the stream gives it an
+``OnnxStreamDiffusionXLPipeline``), random weights, fused fp16, with SD-Turbo's scheduler (Euler ancestral, trailing
+timesteps); a TAESD-shaped `AutoencoderTiny` with random weights (fp16, CUDA-optimized: taesdxl has the same
+architecture), ``--size`` (512²), batch 1. Writes ``stream_probe.json`` (every row, device, versions,
 the command) to ``--out``. The full comparison with the other peers is ``optimum-iobinding bench --scenario stream``.
 """
 
@@ -20,7 +23,7 @@ import torch
 
 from optimum_iobinding import OnnxStreamDiffusionPipeline
 from optimum_iobinding.bench.probes import environment
-from optimum_iobinding.bench.zoo import ensure_export
+from optimum_iobinding.bench.zoo import ensure_export, set_recipe_scheduler
 from optimum_iobinding.export import export_pipeline
 
 
@@ -77,7 +80,8 @@ def measure(stream: OnnxStreamDiffusionPipeline, clip: list, frames: int) -> dic
 
 
 def floor_ms(stream: OnnxStreamDiffusionPipeline, batch: int, size: int) -> dict:
-    """Each component's own graph replays back to back (median of 50), at the stream's shapes."""
+    """Each component's own graph replays back to back (median of 50), at the stream's shapes (the UNet's: the
+    prepared plan's inputs, of ``batch`` rows)."""
     device = stream.device
     latent = size // stream.vae_scale_factor
     channels = stream.unet.input_dims["sample"][1] if isinstance(stream.unet.input_dims["sample"][1], int) else 4
@@ -87,20 +91,8 @@ def floor_ms(stream: OnnxStreamDiffusionPipeline, batch: int, size: int) -> dict
 
     image = typed("sample", stream.vae_encoder, (1, 3, size, size))
     z = typed("latent_sample", stream.vae_decoder, (1, channels, latent, latent))
-    unet_inputs = {
-        "sample": typed("sample", stream.unet, (batch, channels, latent, latent)),
-        "encoder_hidden_states": typed(
-            "encoder_hidden_states", stream.unet, (batch, 77, stream.unet.input_dims["encoder_hidden_states"][2])
-        ),
-    }
-    timestep_dims = stream.unet.input_dims["timestep"]
-    unet_inputs["timestep"] = torch.full(
-        (batch,) if timestep_dims and len(timestep_dims) == 1 else (), 500, device=device
-    ).to(stream.unet.input_dtypes["timestep"])
-    if "timestep_cond" in stream.unet.input_names:
-        unet_inputs["timestep_cond"] = typed(
-            "timestep_cond", stream.unet, (batch, stream.unet.input_dims["timestep_cond"][1])
-        )
+    unet_inputs = {name: value.clone() for name, value in stream.unet_inputs.items()}
+    assert unet_inputs["sample"].shape[0] == batch, (tuple(unet_inputs["sample"].shape), batch)
     calls = {
         "vae_encoder": lambda: stream.vae_encoder(sample=image),
         "unet": lambda: stream.unet(**unet_inputs),
@@ -137,6 +129,7 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--frames", type=int, default=300)
     parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--model", default="turbo", choices=("turbo", "sdxl-turbo"))
     parser.add_argument(
         "--configs",
         default=",".join(CONFIGS),
@@ -148,7 +141,7 @@ def main() -> int:
         parser.error(f"--configs: expected names among {', '.join(CONFIGS)}, got {', '.join(unknown)}")
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    folder = ensure_export("turbo", "fp16", "optimized", work)
+    folder = ensure_export("turbo" if args.model == "turbo" else "sdxl", "fp16", "optimized", work)
     tiny = tiny_vae_folder(work)
     rows = []
     torch.manual_seed(0)
@@ -164,6 +157,7 @@ def main() -> int:
         stream = OnnxStreamDiffusionPipeline.from_pretrained(
             folder, provider="CUDAExecutionProvider", tiny_vae=tiny if vae == "tiny" else None
         )
+        set_recipe_scheduler(stream, "turbo")  # SD-Turbo's and SDXL-Turbo's: Euler ancestral, trailing timesteps
         for name in configs:
             steps, stream_batch, options, clip = CONFIGS[name]
             row = {"config": name, "vae": vae, "unet_steps": steps, "stream_batch": stream_batch, **options}
@@ -203,6 +197,7 @@ def main() -> int:
     result = {
         "command": " ".join(["python3", *sys.argv]),
         "environment": environment(),
+        "model": args.model,
         "size": args.size,
         "frames": args.frames,
         "rows": rows,
