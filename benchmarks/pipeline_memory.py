@@ -7,7 +7,9 @@ reserved memory beside it, each component's sessions and captured signatures, an
 (``PeakMemory``, sampled from a child process). Variants: ``numpy`` (diffusers' ONNX pipeline), ``defaults``,
 ``text-no-graph`` (the text encoder one dynamic session without graphs), ``no-max-workspace``
 (``cudnn_conv_use_max_workspace=0``), ``no-graphs`` (``cuda_graph=False``), ``power-of-two-arena`` (ORT's
-default arena growth, as the numpy pipeline's, instead of ``kSameAsRequested``).
+default arena growth, as the numpy pipeline's, instead of ``kSameAsRequested``), ``text-weights-from-file`` (the text
+encoder's sessions load its weights from the file themselves instead of reading tensors the pipeline owns: whether
+ONNX Runtime keeps a copy of owned weights beside them).
 
     python benchmarks/pipeline_memory.py --folder WORK/sd15-fp16-optimized --out OUT/pipeline-memory
 """
@@ -27,6 +29,7 @@ VARIANTS = {
     "no-max-workspace": {"provider_options": {"cudnn_conv_use_max_workspace": "0"}},
     "no-graphs": {"cuda_graph": False},
     "power-of-two-arena": {"provider_options": {"arena_extend_strategy": "kNextPowerOfTwo"}},
+    "text-weights-from-file": {"component_options": {"text_encoder": {"share_weights": False}}},
 }
 
 
