@@ -117,3 +117,21 @@ def test_a_saved_sdxl_stream_loads_again_as_one_and_gives_the_same_frame(xl, tmp
     assert type(again) is OnnxStreamDiffusionXLPipeline
     again.prepare(PROMPT, seed=SEED, height=SIZE, width=SIZE)
     torch.testing.assert_close(again(frame()), expected, atol=1e-6, rtol=0)
+
+
+def test_an_sdxl_lora_on_the_unet_and_second_text_encoder_equals_diffusers_with_it(
+    xl, tmp_path, make_lora, vae_encodes_its_mode
+):
+    _, folder = xl
+    targets = dict(unet_targets=["to_q", "to_v"], text_targets=["q_proj"], text_encoder="text_encoder_2")
+    make_lora(build_tiny_random_xl_pipeline(), tmp_path / "lora", 3, **targets)
+    stream = stream_for(folder)
+    stream.prepare(PROMPT, seed=SEED, height=SIZE, width=SIZE)
+    base = stream(frame())
+    stream.load_lora_weights(str(tmp_path / "lora"), adapter_name="x")
+    stream.update_prompt(PROMPT)  # the text encoder's LoRA reaches the prompt's embeddings once it is encoded again
+    reference = vae_encodes_its_mode(build_tiny_random_xl_pipeline())
+    reference.load_lora_weights(str(tmp_path / "lora"), adapter_name="x")
+    got = stream(frame())
+    torch.testing.assert_close(got, diffusers_img2img(reference, frame(), guidance_scale=0.0), atol=TOLERANCE, rtol=0)
+    assert (got - base).abs().max() > 100 * TOLERANCE
