@@ -927,6 +927,8 @@ STREAM_OPTIONS = {
     "delta": "--delta",
     "similarity_threshold": "--similarity-threshold",
     "max_skip_frame": "--max-skip-frame",
+    "control_image": "--control-image",
+    "controlnet_conditioning_scale": "--control-scale",
 }
 
 
@@ -1037,6 +1039,26 @@ def check_video_extra(source: str, target: str) -> None:
         )
 
 
+def stream_control_arguments(stream: Any, controls: List[Any], args: argparse.Namespace) -> Dict[str, Any]:
+    """``prepare``'s ControlNet arguments from ``--control-image`` (read already) and ``--control-scale``: refused by
+    name where the model has no ControlNet, or has ControlNets and no control image was given (before any frame)."""
+    nets = len(getattr(stream, "controlnets", ()))
+    if not nets:
+        if controls:
+            raise UsageError("--control-image: expected a model exported with a ControlNet, got one without")
+        return {}
+    if not controls:
+        raise UsageError(
+            f"--control-image: expected {nets} control image(s) for the model's {nets} ControlNet(s) (every frame's), "
+            "got none"
+        )
+    arguments: Dict[str, Any] = {"control_image": controls[0] if nets == 1 and len(controls) == 1 else controls}
+    if args.control_scale:
+        scales = args.control_scale
+        arguments["controlnet_conditioning_scale"] = scales[0] if len(scales) == 1 else scales
+    return arguments
+
+
 def check_frame_size(multiple: int, width: int, height: int, args: argparse.Namespace) -> None:
     """The frames' size (``--size``, else the input's) is one the loaded model runs: multiples of its
     ``size_multiple``."""
@@ -1069,6 +1091,10 @@ def check_stream_arguments(args: argparse.Namespace) -> Optional[Tuple[int, int]
             args.similarity_threshold,
         )
     check(args.max_skip_frame >= 0, "--max-skip-frame", "an integer ≥ 0", args.max_skip_frame)
+    for scale in args.control_scale or ():
+        check(math.isfinite(scale), "--control-scale", "a finite number", scale)
+    if args.control_scale and not args.control_image:
+        raise UsageError("--control-scale: expected it with --control-image (a ControlNet model's), got it alone")
     check(args.seed in STREAM_SEEDS, "--seed", f"an integer in 0 … {STREAM_SEEDS[-1]}", args.seed)
     size = parse_frame_size(args.size)  # its multiple is the model's: checked once the model is loaded
     check_local_or_hub("--model", args.model)
@@ -1089,6 +1115,7 @@ def run_stream(args: argparse.Namespace) -> int:
     """``stream INPUT OUTPUT``: every frame of a video file or a folder of images through the stream pipeline,
     written to a video file or a folder of PNGs (atomically)."""
     size = check_stream_arguments(args)
+    controls = [read_image_file("--control-image", path, "RGB") for path in args.control_image or ()]
     from tqdm.auto import tqdm
 
     from .video import FrameWriter, open_frames
@@ -1143,6 +1170,7 @@ def run_stream(args: argparse.Namespace) -> int:
                 delta=args.delta,
                 similarity_threshold=args.similarity_threshold,
                 max_skip_frame=args.max_skip_frame,
+                **stream_control_arguments(stream, controls, args),
             )
             ready = time.perf_counter()
             outputs = stream.frames(reader)
@@ -1585,6 +1613,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=10,
         help="with the filter: keep a frame after this many skips (default 10)",
+    )
+    stream.add_argument(
+        "--control-image",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="a ControlNet model's control image for every frame (an edge or depth map; repeat it, one per "
+        "ControlNet, for a model with several)",
+    )
+    stream.add_argument(
+        "--control-scale",
+        type=float,
+        action="append",
+        default=None,
+        help="how much a ControlNet's residuals count (default 0.8; repeat it, one per ControlNet)",
     )
     stream.add_argument("--seed", type=int, default=0, help="the stream's fixed noise (default 0)")
     stream.add_argument(

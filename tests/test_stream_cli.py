@@ -161,6 +161,50 @@ def test_an_sdxl_folder_streams_through_the_sdxl_stream(tmp_path, xl_folder, ima
         np.testing.assert_array_equal(output, reference)
 
 
+def test_a_controlnet_folder_streams_with_the_control_image_and_scale_given(tmp_path, controlnet_folders, image_folder):
+    from PIL import Image
+
+    control = Image.fromarray(sketch(9))
+    control.save(tmp_path / "edges.png")
+    folder = controlnet_folders["one"]
+    options = ("--control-image", str(tmp_path / "edges.png"), "--control-scale", "0.6")
+    assert run_stream(image_folder, tmp_path / "out", folder, *options) == 0
+    _, inputs = read_all(image_folder)
+    _, outputs = read_all(tmp_path / "out")
+    expected = stream_directly(folder, inputs, control_image=control, controlnet_conditioning_scale=0.6)
+    for output, reference in zip(outputs, expected, strict=True):
+        np.testing.assert_array_equal(output, reference)
+    other_scale = stream_directly(folder, inputs, control_image=control, controlnet_conditioning_scale=1.5)
+    assert not np.array_equal(outputs[0], other_scale[0])
+
+
+@pytest.mark.parametrize(
+    "model, options, message",
+    [
+        ("controlnet", (), "--control-image: expected 1 control image(s) for the model's 1 ControlNet(s)"),
+        (
+            "plain",
+            ("--control-image", "{tmp}/edges.png"),
+            "--control-image: expected a model exported with a ControlNet",
+        ),
+        ("controlnet", ("--control-scale", "0.5"), "--control-scale: expected it with --control-image"),
+        ("controlnet", ("--control-image", "{tmp}/missing.png"), "--control-image: expected an image file"),
+    ],
+    ids=["no-control-image", "no-controlnet", "scale-alone", "missing-file"],
+)
+def test_control_options_are_refused_by_name_before_any_frame(
+    tmp_path, tiny_folder, controlnet_folders, image_folder, capsys, model, options, message
+):
+    from PIL import Image
+
+    Image.fromarray(sketch(9)).save(tmp_path / "edges.png")
+    folder = controlnet_folders["one"] if model == "controlnet" else tiny_folder
+    options = [option.replace("{tmp}", str(tmp_path)) for option in options]
+    assert run_stream(image_folder, tmp_path / "out", folder, *options) == 2
+    assert message in error_line(capsys)
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_seed_strength_and_prompt_reach_the_pipeline(tmp_path, tiny_folder, image_folder):
     assert run_stream(image_folder, tmp_path / "out", tiny_folder, "--seed", "7", "--strength", "0.75") == 0
     _, inputs = read_all(image_folder)

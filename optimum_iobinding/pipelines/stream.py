@@ -15,7 +15,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ..errors import ArgumentError, ArgumentTypeError
 from ..families import family
-from ..layout import looks_like_hub_id, resolve_pipeline_folder
+from ..layout import download_from_hub, looks_like_hub_id, read_json_object, resolve_pipeline_folder
 from ..runtime.hub import hub_keywords
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_integer
@@ -100,27 +100,73 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
 
     # -------------------------------------------------------------------------------------------------- loading
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: Union[str, os.PathLike],
+        provider: Any = None,
+        provider_options: Optional[Dict[str, Any]] = None,
+        sess_options: Any = None,
+        io_binding: bool = True,
+        cuda_graph: Any = "auto",
+        component_options: Optional[Dict[str, Dict[str, Any]]] = None,
+        **kwargs: Any,
+    ) -> "OnnxStreamDiffusionPipeline":
         """Loads a stream (see :meth:`OnnxDiffusionPipeline.from_pretrained`; ``tiny_vae=`` a tiny VAE's folder or hub
-        id). An SDXL folder (``text_encoder_2/model.onnx`` beside the UNet; a hub id is downloaded with the files of
-        both layouts first) gives an :class:`~.stream_xl.OnnxStreamDiffusionXLPipeline`."""
-        if cls is OnnxStreamDiffusionPipeline and isinstance(pretrained_model_name_or_path, (str, os.PathLike)):
+        id). An SDXL folder (``text_encoder_2`` beside the UNet) gives an
+        :class:`~.stream_xl.OnnxStreamDiffusionXLPipeline`, a folder with ControlNets (``controlnet``) an
+        :class:`~.stream_controlnet.OnnxStreamDiffusionControlNetPipeline`; for a hub id its model_index.json says
+        which (it alone is fetched first)."""
+        chosen = cls._layout_class(pretrained_model_name_or_path, kwargs) if cls is OnnxStreamDiffusionPipeline else cls
+        loader = super().from_pretrained if chosen is cls else chosen.from_pretrained
+        return loader(
+            pretrained_model_name_or_path,
+            provider=provider,
+            provider_options=provider_options,
+            sess_options=sess_options,
+            io_binding=io_binding,
+            cuda_graph=cuda_graph,
+            component_options=component_options,
+            **kwargs,
+        )
+
+    @classmethod
+    def _layout_class(cls, name_or_path: Any, kwargs: Dict[str, Any]) -> type:
+        """The stream class of a folder's (or hub repository's) layout: SDXL's, with ControlNets, or this one."""
+        if not isinstance(name_or_path, (str, os.PathLike)):
+            return cls  # refused by the loading, naming the argument
+        path = Path(name_or_path).expanduser()
+        if path.is_dir():
+            has = {name: (path / name / "model.onnx").is_file() for name in ("unet", "text_encoder_2", "controlnet")}
+        elif not path.exists() and looks_like_hub_id(os.fspath(name_or_path)):
+            hub = {key: kwargs[key] for key in hub_keywords() if key in kwargs}
+            index = (
+                read_json_object(
+                    download_from_hub(
+                        os.fspath(name_or_path), ["model_index.json"], "pretrained_model_name_or_path", **hub
+                    )
+                    / "model_index.json"
+                )
+                or {}
+            )
+            has = {name: name in index for name in ("unet", "text_encoder_2", "controlnet")}
+        else:
+            return cls
+        xl, controlnet = has["unet"] and has["text_encoder_2"], has["controlnet"]
+        if xl and controlnet:
+            raise ArgumentError(
+                "pretrained_model_name_or_path",
+                f"expected a Stable Diffusion 1.x/2.x folder for a stream with ControlNets, got the SDXL folder "
+                f"{os.fspath(name_or_path)!r} with ControlNets; stream SDXL without them, or SD with them",
+            )
+        if xl:
             from .stream_xl import OnnxStreamDiffusionXLPipeline
 
-            path = Path(pretrained_model_name_or_path).expanduser()
-            if not path.exists() and looks_like_hub_id(os.fspath(pretrained_model_name_or_path)):
-                hub = {key: kwargs[key] for key in hub_keywords() if key in kwargs}
-                layouts = (cls, OnnxStreamDiffusionXLPipeline)
-                path = resolve_pipeline_folder(
-                    pretrained_model_name_or_path,
-                    tuple(dict.fromkeys(n for c in layouts for n in names_of(c.declared_components, "onnx"))),
-                    tuple(dict.fromkeys(n for c in layouts for n in names_of(c.declared_components, "tokenizer"))),
-                    **hub,
-                )
-                pretrained_model_name_or_path = path
-            if (path / "text_encoder_2" / "model.onnx").is_file():
-                return OnnxStreamDiffusionXLPipeline.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+            return OnnxStreamDiffusionXLPipeline
+        if controlnet:
+            from .stream_controlnet import OnnxStreamDiffusionControlNetPipeline
+
+            return OnnxStreamDiffusionControlNetPipeline
+        return cls
 
     @classmethod
     def model_folders(
@@ -508,6 +554,8 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         the values written so far): the stages write straight into them, and a call passing them copies nothing."""
         own = {"vae_encoder": {"sample": "image"}, "vae_decoder": {"latent_sample": "latent"}}
         for model, shapes in self._model_shapes(plan):
+            if model not in (self.unet, self.vae_encoder, self.vae_decoder):
+                continue  # a ControlNet's inputs are the UNet's and its own
             buffers = model.graph_input_buffers(shapes) or {}
             for name, buffer in buffers.items():
                 if model is self.unet:
@@ -673,6 +721,7 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
                 return plan.last.again()
         elif plan.filter is not None:  # the first frame, or another kind than the last output's: kept
             plan.filter.keep(plan.tensors["image"])
+        self._frame_kept(plan)
         plan.encoded = self.vae_encoder(sample=plan.tensors["image"])[0]
         self._denoise(plan, plan.encoded)
         if not plan.batched:
@@ -683,18 +732,26 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         oldest = plan.in_flight.popleft()
         return None if oldest is None else self._emit(plan, oldest)
 
+    def _frame_kept(self, plan: StreamPlan) -> None:
+        """A new frame goes through the models (the similarity filter kept it): what it brings beside its pixels
+        is written now (nothing here)."""
+
+    def _unet_output(self, plan: StreamPlan, inputs: Dict[str, torch.Tensor], step: Optional[int]) -> torch.Tensor:
+        """The UNet's prediction for ``inputs`` (``step``: the step's index without a stream batch, else ``None``)."""
+        return self.unet(**inputs)[0]
+
     def _denoise(self, plan: StreamPlan, encoded: torch.Tensor) -> None:
         """Noises the encoded frame and runs the UNet step(s): a stream batch moves every frame one step on."""
         sample = plan.unet_inputs["sample"]
         if plan.batched:
             plan.stages["start"](encoded, plan.tensors["x0"], sample)
-            model_output = self.unet(**plan.unet_inputs)[0]
+            model_output = self._unet_output(plan, plan.unet_inputs, None)
             plan.stages["step"](model_output, sample, plan.tensors["x0"], plan.tensors["latent"])
             return
         plan.stages["start"](encoded, sample)
         for index, stage in enumerate(plan.step_stages):
-            model_output = self.unet(**{**plan.unet_inputs, "timestep": plan.step_timesteps[index]})[0]
-            stage(model_output, sample, plan.tensors["latent"])
+            inputs = {**plan.unet_inputs, "timestep": plan.step_timesteps[index]}
+            stage(self._unet_output(plan, inputs, index), sample, plan.tensors["latent"])
 
     def _emit(self, plan: StreamPlan, kind: FrameKind) -> PendingFrame:
         """Decodes the last step's x0 into the output of a frame of ``kind``, copied out for the caller."""

@@ -197,6 +197,8 @@ class StreamPlan:
         self.in_flight: Deque[Optional[FrameKind]] = deque()  # a stream batch's frames, oldest first
         self.filter: Optional[SimilarityFilter] = None  # the similarity filter, where prepare set one
         self.last: Optional[PendingFrame] = None  # the last output handed out (what a skipped frame gives again)
+        # a ControlNet stream's: each ControlNet's control image rows, timestep input(s), the last control images
+        self.control: Dict[str, Any] = {}
 
     def output(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The device tensor outputs of this layout are written into (then copied out: see :meth:`FrameCopies.take`)."""

@@ -256,9 +256,12 @@ class GraphPool:
         ``None`` where ORT refused it (:attr:`shared_refused` says why) or the pool does not use one."""
         with self.lock:
             if self.one_session and self._shared is None and self.shared_refused is None:
-                source = self.recipe.source if isinstance(self.recipe.source, str) else None
-                provider = self.recipe.providers[0]
-                remembered = remembered_refusal(source, provider) if source is not None else None
+                # remembered per file, provider and its options; not where the user's sess_options may place nodes
+                # otherwise
+                remember = isinstance(self.recipe.source, str) and self.recipe.sess_options is None
+                source = self.recipe.source if remember else None
+                provider, options = self.recipe.providers[0], self.recipe.provider_options[0]
+                remembered = remembered_refusal(source, provider, options) if source is not None else None
                 if remembered is not None:  # ORT refused this very file at an earlier load: not asked again
                     self.shared_refused = remembered
                     logger.info(
@@ -276,7 +279,7 @@ class GraphPool:
                 except Exception as error:  # a node left on the CPU: ORT refuses capture for the whole session
                     self.shared_refused = str(error)
                     if source is not None and PLACEMENT_REFUSAL in str(error):
-                        remember_refusal(source, provider, str(error))
+                        remember_refusal(source, provider, str(error), options)
                     logger.info(
                         "%s: one session cannot capture a graph for every input shape, so each shape gets a "
                         "session of its own (all reading the same weights). Why: %s",

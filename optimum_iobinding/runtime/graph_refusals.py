@@ -6,10 +6,11 @@ arithmetic: "all compute graph nodes have not been partitioned"); the model's si
 their dims fixed (:class:`~.graph_pool.GraphPool`). The refusal is the same at every load of the same file, and asking
 costs a whole session build on the first image's path (0.6–0.7 s for SD 1.5's text encoder on an H200, while the
 UNet's session is built beside it). So the refusal is remembered per file — its real path, size and modification
-time — per onnxruntime version and provider, in a small JSON file under the user's cache folder
+time — per onnxruntime version, provider and provider options, in a small JSON file under the user's cache folder
 (``$XDG_CACHE_HOME/optimum-iobinding/``, else ``~/.cache/optimum-iobinding/``); a changed file or another onnxruntime
-asks again. Only placement refusals are remembered (not an out-of-memory or other passing failure). A cache folder
-that cannot be written changes nothing but the time: every load then asks ORT, as without this file.
+asks again. Only placement refusals are remembered (not an out-of-memory or other passing failure), and none where
+the user gave ``sess_options`` (which can change what ORT places where). A cache folder that cannot be written
+changes nothing but the time: every load then asks ORT, as without this file.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import logging
 import os
 import tempfile
-from typing import Dict, Optional
+from typing import Dict, Mapping, Optional
 
 import onnxruntime as ort
 
@@ -26,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 CACHE_FILE = "one-session-refusals.json"
 MAX_ENTRIES = 512  # the oldest go first beyond this
+# provider options that differ from one process to the next and say nothing about placement
+_PER_PROCESS_OPTIONS = frozenset({"user_compute_stream", "has_user_compute_stream"})
 
 
 def refusals_path() -> str:
@@ -34,13 +37,15 @@ def refusals_path() -> str:
     return os.path.join(base, "optimum-iobinding", CACHE_FILE)
 
 
-def file_key(path: str, provider: str) -> Optional[str]:
-    """The key of ``path`` as it is now, for ``provider`` and this onnxruntime; ``None`` where the file is gone."""
+def file_key(path: str, provider: str, options: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The key of ``path`` as it is now, for ``provider`` with ``options`` and this onnxruntime; ``None`` where the
+    file is gone."""
     try:
         status = os.stat(path)
     except OSError:
         return None
-    return json.dumps([os.path.realpath(path), status.st_size, status.st_mtime_ns, ort.__version__, provider])
+    settings = sorted((str(k), str(v)) for k, v in (options or {}).items() if k not in _PER_PROCESS_OPTIONS)
+    return json.dumps([os.path.realpath(path), status.st_size, status.st_mtime_ns, ort.__version__, provider, settings])
 
 
 def _read() -> Dict[str, str]:
@@ -54,16 +59,17 @@ def _read() -> Dict[str, str]:
     return {key: value for key, value in entries.items() if isinstance(key, str) and isinstance(value, str)}
 
 
-def remembered_refusal(path: str, provider: str) -> Optional[str]:
-    """ORT's reason for refusing ``path`` one graph session on ``provider`` at an earlier load, or ``None``."""
-    key = file_key(path, provider)
+def remembered_refusal(path: str, provider: str, options: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """ORT's reason for refusing ``path`` one graph session on ``provider`` with ``options`` at an earlier load, or
+    ``None``."""
+    key = file_key(path, provider, options)
     return None if key is None else _read().get(key)
 
 
-def remember_refusal(path: str, provider: str, reason: str) -> None:
-    """Keeps ORT's ``reason`` for refusing ``path`` one graph session on ``provider``; a cache folder that cannot be
-    written is logged (DEBUG) and left."""
-    key = file_key(path, provider)
+def remember_refusal(path: str, provider: str, reason: str, options: Optional[Mapping[str, str]] = None) -> None:
+    """Keeps ORT's ``reason`` for refusing ``path`` one graph session on ``provider`` with ``options``; a cache
+    folder that cannot be written is logged (DEBUG) and left."""
+    key = file_key(path, provider, options)
     if key is None:
         return
     entries = _read()

@@ -7,6 +7,15 @@ import warnings
 import pytest
 
 
+@pytest.fixture(autouse=True, scope="session")
+def refusals_of_this_run(tmp_path_factory):
+    """The one-graph-session refusals ORT gives the GPU tests are remembered in a folder of this run, not in the
+    user's cache (runtime/graph_refusals.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 @pytest.fixture
 def captures_the_transformer_as_required():
     """Checks a diffusion-transformer pipeline loaded with ``cuda_graph=True``: the transformer (the family's

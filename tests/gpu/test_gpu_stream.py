@@ -1,6 +1,6 @@
-"""The real-time stream on the GPU (skipped without CUDA): the host enqueues frames without waiting, prepare makes
-every session and graph the frames use, the captured path equals the uncaptured one and the CPU's, and frames()
-equals one call at a time."""
+"""The real-time stream on the GPU (skipped without CUDA; SD, SDXL, with ControlNets): the host enqueues frames without
+waiting, prepare makes every session and graph the frames use, the captured path equals the uncaptured one and the
+CPU's, and frames() equals one call at a time."""
 
 from __future__ import annotations
 
@@ -24,15 +24,25 @@ SLEEP_CYCLES = 2_000_000_000
 
 
 @pytest.fixture(scope="module")
-def folders(tiny_folder, vae_folder, lcm, xl_folder):
-    """Each stream's folder and loading options: Stable Diffusion, with the tiny VAE, LCM, SDXL (with the tiny VAE)."""
+def folders(tiny_folder, vae_folder, lcm, xl_folder, controlnet_folders):
+    """Each stream's folder and options: Stable Diffusion, with the tiny VAE, LCM, SDXL (with the tiny VAE), one and
+    two ControlNets (a fixed control image each)."""
+    control = torch.rand(1, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(7))
     return {
         "sd": (tiny_folder, {}),
         "tiny-vae": (tiny_folder, {"tiny_vae": vae_folder}),
         "lcm": (lcm[1], {}),
         "xl": (xl_folder, {}),
         "xl-tiny-vae": (xl_folder, {"tiny_vae": vae_folder}),
+        "controlnet": (controlnet_folders["one"], {"control_image": control}),
+        "controlnet-two": (
+            controlnet_folders["two"],
+            {"control_image": [control, control.flip(-1)], "controlnet_conditioning_scale": [0.6, 1.2]},
+        ),
     }
+
+
+PREPARE_OPTIONS = ("control_image", "controlnet_conditioning_scale")  # the others are from_pretrained's
 
 
 def prepared(
@@ -42,6 +52,7 @@ def prepared(
 
     if provider == CUDA:
         kwargs.setdefault("provider_options", EXACT)
+    prepare_options = {name: kwargs.pop(name) for name in PREPARE_OPTIONS if name in kwargs}
     stream = OnnxStreamDiffusionPipeline.from_pretrained(folder, provider=provider, **kwargs)
     if "timestep_cond" not in stream.unet.input_names:
         name, overrides = TURBO
@@ -56,6 +67,7 @@ def prepared(
         width=SIZE,
         stream_batch=stream_batch,
         cfg_type=cfg_type,
+        **prepare_options,
     )
     return stream
 
@@ -81,6 +93,8 @@ CASES = {  # (folder, steps, strength, guidance, stream batch)
     "rcfg-initialize-stream-batch": ("sd", 4, 0.5, 1.8, True),
     "xl-turbo-one-step": ("xl", 2, 0.5, 0.0, True),
     "xl-guidance-stream-batch": ("xl-tiny-vae", 4, 0.5, 3.0, True),
+    "controlnet-one-step": ("controlnet", 2, 0.5, 0.0, True),
+    "controlnets-guidance-stream-batch": ("controlnet-two", 4, 0.5, 3.0, True),
 }
 # the guidance type of a case (default "full"): StreamDiffusion's residual guidance, its stock noise on the device
 CFG_TYPES = {"rcfg-self-one-step": "self", "rcfg-initialize-stream-batch": "initialize"}
@@ -122,6 +136,9 @@ def test_the_host_enqueues_frames_without_waiting(folders, case):
     # the most frames whose UNet launches (a stream batch's flush adds k − 1; one at a time, k per frame) stay
     # within what the driver holds in flight of the UNet's graph
     unet_inputs = stream.unet_inputs  # the UNet graph's own input buffers, as a frame's call binds them
+    if getattr(stream, "controlnets", None):  # the UNet takes the first ControlNet's residuals (as a frame's step)
+        residuals = stream.controlnets[0](**stream.control_inputs[0])
+        unet_inputs = {**unet_inputs, **dict(zip(stream.denoiser.residual_inputs, residuals))}
     held = launches_held(stream, lambda: stream.unet(**unet_inputs))
     count = min(6, held - (k - 1)) if stream_batch and k > 1 else min(6, held // k)
     assert count >= 1, f"the driver holds {held} launches of the UNet's graph; a stream of {k} steps needs more"

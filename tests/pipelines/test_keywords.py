@@ -61,3 +61,9 @@ def test_a_misspelled_model_keyword_names_the_one_it_likely_means(tmp_path):
 def test_a_misspelled_loading_argument_of_a_family_names_it(tmp_path):
     with pytest.raises(TypeError, match=r"tiny_vea: not a keyword of from_pretrained; did you mean tiny_vae\?"):
         OnnxStreamDiffusionPipeline.from_pretrained(tmp_path, tiny_vea="madebyollin/taesd")
+
+
+def test_a_misspelled_option_of_each_stream_class_names_it(tmp_path, xl_folder, controlnet_folders):
+    for folder in (tmp_path, xl_folder, controlnet_folders["one"]):
+        with pytest.raises(TypeError, match=r"io_bindng: not a keyword of from_pretrained; did you mean io_binding\?"):
+            OnnxStreamDiffusionPipeline.from_pretrained(folder, io_bindng=False)

@@ -135,3 +135,40 @@ def test_an_sdxl_lora_on_the_unet_and_second_text_encoder_equals_diffusers_with_
     got = stream(frame())
     torch.testing.assert_close(got, diffusers_img2img(reference, frame(), guidance_scale=0.0), atol=TOLERANCE, rtol=0)
     assert (got - base).abs().max() > 100 * TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def refiner(tmp_path_factory, vae_encodes_its_mode):
+    """SDXL's refiner layout (only the second text encoder; the aesthetic score in time_ids) and its export."""
+    from diffusers import UNet2DConditionModel
+
+    from optimum_iobinding.export import export_pipeline
+
+    base = build_tiny_random_xl_pipeline()
+    torch.manual_seed(3)
+    unet = UNet2DConditionModel(
+        **{**base.unet.config, "projection_class_embeddings_input_dim": 5 * 8 + 32, "cross_attention_dim": 32}
+    )
+    torch_pipe = diffusers.StableDiffusionXLImg2ImgPipeline(
+        vae=base.vae,
+        text_encoder=None,
+        text_encoder_2=base.text_encoder_2,
+        tokenizer=None,
+        tokenizer_2=base.tokenizer_2,
+        unet=unet,
+        scheduler=base.scheduler,
+        requires_aesthetics_score=True,
+    )
+    torch_pipe.set_progress_bar_config(disable=True)
+    folder = export_pipeline(None, tmp_path_factory.mktemp("xl") / "refiner", torch_pipeline=torch_pipe, progress=False)
+    return vae_encodes_its_mode(torch_pipe), folder
+
+
+def test_a_refiner_folder_streams_with_the_aesthetic_scores_of_its_rows(refiner):
+    torch_pipe, folder = refiner
+    call = dict(guidance_scale=3.0, negative_prompt="a red car")
+    expected = diffusers_img2img(torch_pipe, frame(), **call)
+    stream = stream_for(folder)
+    stream.prepare(PROMPT, seed=SEED, height=SIZE, width=SIZE, **call)
+    assert stream.unet_inputs["time_ids"].tolist() == [[SIZE, SIZE, 0, 0, 2.5], [SIZE, SIZE, 0, 0, 6.0]]
+    torch.testing.assert_close(stream(frame()), expected, atol=TOLERANCE, rtol=0)

@@ -1,6 +1,7 @@
 """ORT's refusal of one graph session for a model file, remembered across loads (runtime/graph_refusals.py): the graph
-pool asks ORT once per file, onnxruntime version and provider, asks again when the file changes, remembers only
-placement refusals, and works on where the cache folder cannot be written. The pool's session maker is a stand-in
+pool asks ORT once per file, onnxruntime version, provider and provider options (not the per-process stream), asks
+again when the file changes or the user gives sess_options, remembers only placement refusals, and works on where
+the cache folder cannot be written. The pool's session maker is a stand-in
 that refuses as ORT's CUDA provider does (no GPU here): what is under test is the pool's decision."""
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ class Weights:
 class RefusingRecipe:
     """A session recipe whose one graph session ORT refuses with ``error`` (counting the attempts)."""
 
-    def __init__(self, source, error):
+    def __init__(self, source, error, sess_options=None, stream="1", **options):
         self.source, self.error = str(source), error
         self.providers = [CUDA, "CPUExecutionProvider"]
+        self.provider_options = [{"user_compute_stream": stream, "has_user_compute_stream": "1", **options}, {}]
+        self.sess_options = sess_options
         self.weights = Weights()
         self.attempts = 0
 
@@ -62,16 +65,22 @@ def test_a_placement_refusal_is_asked_once_and_remembered_for_the_next_load(cach
     first = RefusingRecipe(model, ValueError(REFUSAL))
     assert pool_of(first).shared_session() is None and first.attempts == 1
     assert json.loads((cache / "one-session-refusals.json").read_text())  # written under XDG_CACHE_HOME
-    again = RefusingRecipe(model, ValueError(REFUSAL))
+    again = RefusingRecipe(model, ValueError(REFUSAL), stream="2")  # another process's stream
     pool = pool_of(again)
     assert pool.shared_session() is None and again.attempts == 0  # not asked again
     assert pool.shared_refused == REFUSAL and pool.shared_tried
 
 
-def test_a_changed_file_or_another_provider_is_asked_again(cache, model):
+def test_a_changed_file_another_provider_or_other_options_are_asked_again(cache, model):
     pool_of(RefusingRecipe(model, ValueError(REFUSAL))).shared_session()
     assert remembered_refusal(str(model), CUDA) == REFUSAL
     assert remembered_refusal(str(model), "TensorrtExecutionProvider") is None
+    other_options = RefusingRecipe(model, ValueError(REFUSAL), prefer_nhwc="1")
+    pool_of(other_options).shared_session()
+    assert other_options.attempts == 1
+    with_sess_options = RefusingRecipe(model, ValueError(REFUSAL), sess_options=ort.SessionOptions())
+    pool_of(with_sess_options).shared_session()
+    assert with_sess_options.attempts == 1  # the user's sess_options may place nodes otherwise: asked
     model.write_bytes(b"another model")  # another size
     os.utime(model, ns=(1, 1))
     again = RefusingRecipe(model, ValueError(REFUSAL))
