@@ -109,7 +109,8 @@ def measure(pipe, arguments: dict, steps: int, runs: int) -> dict:
     """The first call, then ``runs`` calls at ``steps`` and at 2 steps (same seed, numpy images): the first call's
     seconds, the end-to-end median and the per-step ms by difference of medians; on CUDA also the step's GPU time
     inside whole calls (``gpu_step_ms``: CUDA events on the call's stream at the ends of the first and the last step,
-    the median over ``runs`` calls), which two noisy medians do not blur."""
+    the median over ``runs`` calls), which two noisy medians do not blur. The step-end callback that records them
+    makes our loop copy its constant inputs into the graph again each step (a few µs: it may have changed them)."""
     cuda = torch.cuda.is_available() and str(getattr(pipe, "device", "cuda")).startswith("cuda")
 
     def call(count: int, events: dict = None) -> float:
