@@ -92,6 +92,11 @@ run_step() {
     coldstart) bench --scenario coldstart --out "$out/coldstart" ;;
     # the stream with guidance (full, residual) and the similarity filter (a still and a moving clip)
     stream-probe) script benchmarks/stream_probe.py --work "$work" --out "$out/stream-probe" ;;
+    # SDXL-Turbo's architecture (the full SDXL export: its ORT fusions take 15-20 min; start it first) at 512² and 1024²
+    stream-probe-xl) script benchmarks/stream_probe.py --model sdxl-turbo --work "$work" --out "$out/stream-probe-xl-512" \
+                       --configs one-step,rcfg-self &&
+                     script benchmarks/stream_probe.py --model sdxl-turbo --size 1024 --work "$work" \
+                       --out "$out/stream-probe-xl-1024" --configs one-step ;;
     # Wan's VAE decode of 81 frames: diffusers fp32/bf16 against our chunk graphs fp32/fp16
     wan-vae-decode) script benchmarks/wan_vae_decode.py --work "$work/wan-vae" --out "$out/wan-vae-decode" ;;
     # runtime LoRA on FLUX.1 dev's transformer at two depths: the step with a LoRA, PEFT's beside it, the switch
@@ -106,7 +111,7 @@ run_step() {
     *) echo "unknown step: $1 (expected one of: $ALL_STEPS)"; return 2 ;;
   esac
 }
-ALL_STEPS="sd15-fp16-defaults small-fp16-defaults sd15-fp16-mixed cold-start signature-memory host-path-small few-step-small sd15-fp32 sd15-fp32-optimized sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options serve coldstart stream-probe wan-vae-decode transformer-lora flux-variants xl-controlnet pipeline-memory"
+ALL_STEPS="sd15-fp16-defaults small-fp16-defaults sd15-fp16-mixed cold-start signature-memory host-path-small few-step-small sd15-fp32 sd15-fp32-optimized sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options serve coldstart stream-probe wan-vae-decode transformer-lora flux-variants xl-controlnet pipeline-memory stream-probe-xl"
 for name in ${selected:-$ALL_STEPS}; do
   run_step "$name" > "$out/$name.log" 2>&1
   echo "$name $?" >> "$out/status"

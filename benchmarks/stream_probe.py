@@ -1,6 +1,7 @@
 """A first measure of the real-time stream on a GPU: frames/s and per-frame latency of `OnnxStreamDiffusionPipeline`
 (torch CUDA frames in and out) against the floor of its components' own graph replays, with guidance (classifier-free,
-StreamDiffusion's residual) and the similarity filter (``--configs``).
+StreamDiffusion's residual), the similarity filter and ControlNets (one or two, a fixed control image or one per
+frame: ``--configs``).
 
 SD-Turbo's architecture (``--model turbo``: the bench zoo's ``turbo``) or SDXL-Turbo's (``--model sdxl-turbo``: the
 zoo's ``sdxl``, SDXL base's architecture, which SDXL-Turbo shares; the stream gives it an
@@ -37,6 +38,26 @@ def tiny_vae_folder(work: Path) -> Path:
     return folder
 
 
+def controlnet_folder(work: Path, model: str, count: int) -> Path:
+    """The ``model``'s export with ``count`` random ControlNets (``ControlNetModel.from_unet`` of its UNet, random
+    weights; fused fp16), made once under ``work``."""
+    folder = work / f"{model}-controlnet{count}-fp16-optimized"
+    if not (folder / "model_index.json").is_file():
+        from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
+
+        from optimum_iobinding.bench.zoo import build_torch_pipeline
+
+        base = build_torch_pipeline(model)
+        torch.manual_seed(1)
+        nets = [ControlNetModel.from_unet(base.unet, load_weights_from_unet=False) for _ in range(count)]
+        torch_pipe = StableDiffusionControlNetPipeline(
+            **{**base.components, "controlnet": nets[0] if count == 1 else nets, "safety_checker": None},
+            requires_safety_checker=False,
+        )
+        export_pipeline(None, folder, torch_pipeline=torch_pipe, fp16=True, optimize="cuda", progress=False)
+    return folder
+
+
 def events_ms(function, runs: int) -> float:
     """Median ms of ``function()`` over ``runs`` calls, each timed with CUDA events on the current stream."""
     times = []
@@ -50,22 +71,28 @@ def events_ms(function, runs: int) -> float:
     return statistics.median(times)
 
 
-def measure(stream: OnnxStreamDiffusionPipeline, clip: list, frames: int) -> dict:
+def measure(stream: OnnxStreamDiffusionPipeline, clip: list, frames: int, controls: list = None) -> dict:
     """Latency (each frame waited for) and frames/s (frames enqueued back to back) over ``frames`` frames of
-    ``clip`` (cycled)."""
+    ``clip`` (cycled); ``controls``: a control image given with each frame (cycled; a ControlNet stream)."""
+
+    def feed(index: int):
+        if controls:
+            return stream(clip[index % len(clip)], control_image=controls[index % len(controls)])
+        return stream(clip[index % len(clip)])
+
     for index in range(20):
-        stream(clip[index % len(clip)])
+        feed(index)
     torch.cuda.synchronize()
     latencies = []
     for index in range(frames):  # latency: each frame waited for
         start = time.perf_counter()
-        out = stream(clip[index % len(clip)])
+        out = feed(index)
         torch.cuda.synchronize()
         latencies.append((time.perf_counter() - start) * 1e3)
     skipped = stream.skipped_frames
     start = time.perf_counter()
     for index in range(frames):  # throughput: frames enqueued back to back, as a stream runs
-        out = stream(clip[index % len(clip)])
+        out = feed(index)
     torch.cuda.synchronize()
     fps = frames / (time.perf_counter() - start)
     skipped = stream.skipped_frames - skipped
@@ -93,11 +120,14 @@ def floor_ms(stream: OnnxStreamDiffusionPipeline, batch: int, size: int) -> dict
     z = typed("latent_sample", stream.vae_decoder, (1, channels, latent, latent))
     unet_inputs = {name: value.clone() for name, value in stream.unet_inputs.items()}
     assert unet_inputs["sample"].shape[0] == batch, (tuple(unet_inputs["sample"].shape), batch)
-    calls = {
-        "vae_encoder": lambda: stream.vae_encoder(sample=image),
-        "unet": lambda: stream.unet(**unet_inputs),
-        "vae_decoder": lambda: stream.vae_decoder(latent_sample=z),
-    }
+    calls = {"vae_encoder": lambda: stream.vae_encoder(sample=image)}
+    for k, net in enumerate(getattr(stream, "controlnets", [])):  # each ControlNet, and the UNet with residuals
+        inputs = {name: value.clone() for name, value in stream.control_inputs[k].items()}
+        calls[f"controlnet_{k}"] = lambda net=net, inputs=inputs: net(**inputs)
+        residuals = [r.clone() for r in net(**inputs)]
+        unet_inputs.update(zip(stream.denoiser.residual_inputs, residuals))
+    calls["unet"] = lambda: stream.unet(**unet_inputs)
+    calls["vae_decoder"] = lambda: stream.vae_decoder(latent_sample=z)
     result = {}
     for name, call in calls.items():
         for _ in range(5):
@@ -119,7 +149,12 @@ CONFIGS = {
     "rcfg-initialize": (1, False, {"guidance_scale": 1.5, "cfg_type": "initialize"}, "moving"),
     "filter-still": (1, False, {"similarity_threshold": 0.98}, "still"),
     "filter-moving": (1, False, {"similarity_threshold": 0.98}, "moving"),
+    # with ControlNets (--model turbo): a fixed control image, and one given with every frame
+    "controlnet": (1, False, {"control": "fixed"}, "moving"),
+    "controlnet-per-frame": (1, False, {"control": "per-frame"}, "moving"),
+    "controlnets-two": (1, False, {"control": "fixed", "controlnets": 2}, "moving"),
 }
+CONTROLNET_CONFIGS = ("controlnet", "controlnet-per-frame", "controlnets-two")
 STEP_CONFIGS = ("one-step", "two-steps-stream-batch", "two-steps-in-turn")  # also with the full VAE
 
 
@@ -150,17 +185,31 @@ def main() -> int:
     moving = [torch.rand(1, 3, args.size, args.size, device="cuda") * 2 - 1 for _ in range(8)]
     clips = {"still": [frame], "moving": moving}
     chosen = args.configs.split(",")
-    for vae in ("tiny", "full"):
-        configs = [name for name in chosen if vae == "tiny" or name in STEP_CONFIGS]
-        if not configs:
+    # a stream per folder and VAE: the model's (the step configurations with the full VAE too) and, for the
+    # ControlNet configurations, the model's export with one or two ControlNets
+    groups = {}
+    for name in chosen:
+        nets = CONFIGS[name][2].get("controlnets", 1) if name in CONTROLNET_CONFIGS else 0
+        for vae in ("tiny", "full") if name in STEP_CONFIGS else ("tiny",):
+            groups.setdefault((nets, vae), []).append(name)
+    controls = [torch.rand(1, 3, args.size, args.size, device="cuda") for _ in range(8)]  # in [0, 1]
+    for (nets, vae), configs in groups.items():
+        if nets and args.model != "turbo":
+            rows += [{"config": name, "error": "ControlNet streams: --model turbo"} for name in configs]
             continue
         stream = OnnxStreamDiffusionPipeline.from_pretrained(
-            folder, provider="CUDAExecutionProvider", tiny_vae=tiny if vae == "tiny" else None
+            controlnet_folder(work, "turbo", nets) if nets else folder,
+            provider="CUDAExecutionProvider",
+            tiny_vae=tiny if vae == "tiny" else None,
         )
         set_recipe_scheduler(stream, "turbo")  # SD-Turbo's and SDXL-Turbo's: Euler ancestral, trailing timesteps
         for name in configs:
             steps, stream_batch, options, clip = CONFIGS[name]
             row = {"config": name, "vae": vae, "unet_steps": steps, "stream_batch": stream_batch, **options}
+            control = options.get("control")
+            prepare_options = {k: v for k, v in options.items() if k not in ("control", "controlnets")}
+            if control == "fixed":
+                prepare_options["control_image"] = controls[0] if nets == 1 else controls[:nets]
             try:
                 start = time.perf_counter()
                 stream.prepare(
@@ -171,20 +220,19 @@ def main() -> int:
                     height=args.size,
                     width=args.size,
                     stream_batch=stream_batch,
-                    **{"guidance_scale": 0.0, **options},
+                    **{"guidance_scale": 0.0, **prepare_options},
                 )
                 row["prepare_s"] = time.perf_counter() - start
-                row.update(measure(stream, clips[clip], args.frames))
+                row.update(measure(stream, clips[clip], args.frames, controls if control == "per-frame" else None))
                 rows_per_step = 2 if options.get("cfg_type") == "full" else 1
                 unet_batch = (steps if stream_batch else 1) * rows_per_step
                 unet_batch += 1 if options.get("cfg_type") == "initialize" else 0
                 row["floor_ms"] = floor_ms(stream, unet_batch, args.size)
                 unet_calls = 1 if stream_batch else steps
-                floor = (
-                    row["floor_ms"]["vae_encoder"]
-                    + unet_calls * row["floor_ms"]["unet"]
-                    + row["floor_ms"]["vae_decoder"]
+                per_step = sum(
+                    ms for part, ms in row["floor_ms"].items() if part == "unet" or part.startswith("controlnet")
                 )
+                floor = row["floor_ms"]["vae_encoder"] + unet_calls * per_step + row["floor_ms"]["vae_decoder"]
                 row["floor_frame_ms"] = floor
                 row["frame_ms"] = 1e3 / row["fps"]
                 row["ratio_to_floor"] = row["frame_ms"] / floor
