@@ -29,7 +29,9 @@ Graphs (``B`` batch; ``z`` latent channels; ``F`` the spatial factor, 8, or 16 w
     vae_encoder/chunk.onnx   sample [B, 3, 4, H, W], past_features.i → latent_sample [B, z, 1, H/F, W/F],
                              present_features.i
 
-The decoder's ``sample`` is clamped to [-1, 1] as ``vae.decode`` clamps it; the encoder's ``latent_sample`` is the
+The decoder's ``sample`` is the decoder's output before ``vae.decode``'s clamp to [-1, 1], which the codec applies to the
+whole video (after blending tiles, where it decodes tile by tile, as diffusers' tiling does); the encoder's
+``latent_sample`` is the
 latent distribution's mode (its mean), what Wan's image-to-video pipeline takes (``sample_mode="argmax"``). Both graphs
 of a component name their weights alike and read them from one ``model.onnx_data``: on disk once, and once on the
 device where the runtime shares a part's weights (:meth:`~optimum_iobinding.runtime.model.IOBindingORTModel.part`).
@@ -266,9 +268,8 @@ class _CausalChunk(torch.nn.Module):
         vae = self.vae
         if self.decoder:
             x = vae.decoder(vae.post_quant_conv(sample), feat_cache=cache, feat_idx=[0], first_chunk=self.first)
-            if self.patch is not None:
-                x = unpatchify(x, patch_size=self.patch)
-            return torch.clamp(x, min=-1.0, max=1.0)
+            # not clamped here: the codec clamps the whole video, after tiles are blended (as diffusers' tiling)
+            return unpatchify(x, patch_size=self.patch) if self.patch is not None else x
         x = patchify(sample, patch_size=self.patch) if self.patch is not None else sample
         x = vae.quant_conv(vae.encoder(x, feat_cache=cache, feat_idx=[0]))
         return x[:, : self.z_dim]  # the mean of DiagonalGaussianDistribution(x): its mode

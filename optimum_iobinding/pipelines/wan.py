@@ -61,7 +61,7 @@ class WanCodec:
         pipe: the pipeline (its ``vae_decoder`` and ``vae_encoder`` are read).
     """
 
-    #: diffusers' VAE tiling does not apply: the decoder runs one latent frame per call, its whole size
+    #: the image VAEs' tiler: none (the video codec decodes tile by tile itself: ``enable_vae_tiling``)
     tiler = None
 
     def __init__(self, pipe: Any):
@@ -112,17 +112,18 @@ class WanCodec:
             raise ArgumentError("output_type", "expected 'latent' for a folder without vae_decoder/model.onnx")
         return self.video.decode(self.vae_latents(latents))
 
-    def enable_tiling(self, *args: Any) -> None:
-        """Refused: Wan's VAE decodes one latent frame per call at its whole size (``enable_vae_tiling``)."""
-        raise ArgumentError(
-            "enable_vae_tiling", "Wan's VAE decodes one latent frame per call at its whole size: it has no tiling"
-        )
+    def enable_tiling(self, **sizes: Optional[int]) -> None:
+        """Tile by tile decoding (:meth:`~.wan_codec.WanVideoCodec.enable_tiling`'s sizes)."""
+        if self.video is None:
+            raise ArgumentError("enable_vae_tiling", "expected a folder with vae_decoder/model.onnx, got none")
+        self.video.enable_tiling(**sizes)
 
     def disable_tiling(self) -> None:
-        """Nothing to undo: tiling is never on (``disable_vae_tiling``)."""
+        if self.video is not None:
+            self.video.disable_tiling()
 
     def tiles(self, latents: torch.Tensor) -> bool:
-        """Whether ``latents`` are decoded tile by tile: never."""
+        """Whether the image path's host-side tiling applies: never (the video codec tiles on the device itself)."""
         return False
 
 
@@ -162,6 +163,28 @@ class WanFamilyPipeline(Warmup, OnnxDiffusionPipeline):
                 f"boundary_ratio {ratio} needs Wan 2.2's low-noise expert (transformer_2), got none: the folder has no "
                 "transformer_2/model.onnx",
             )
+
+    def enable_vae_tiling(
+        self,
+        tile_sample_min_height: Optional[int] = None,
+        tile_sample_min_width: Optional[int] = None,
+        tile_sample_stride_height: Optional[int] = None,
+        tile_sample_stride_width: Optional[int] = None,
+    ) -> None:
+        """Decodes each video tile by tile, as diffusers' ``pipe.vae.enable_tiling(...)`` with the same arguments
+        (defaults: tiles of 256 pixels every 192): the VAE's memory is a tile's instead of a whole frame's
+        (:meth:`~.wan_codec.WanVideoCodec.enable_tiling`)."""
+        self.codec.enable_tiling(
+            tile_sample_min_height=tile_sample_min_height,
+            tile_sample_min_width=tile_sample_min_width,
+            tile_sample_stride_height=tile_sample_stride_height,
+            tile_sample_stride_width=tile_sample_stride_width,
+        )
+
+    @property
+    def vae_tiling(self) -> Optional[Dict[str, int]]:
+        """The tile sizes :meth:`enable_vae_tiling` set (``None`` while tiling is off)."""
+        return self.codec.video.tiling if self.codec.video is not None else None
 
     @property
     def vae_scale_factor_temporal(self) -> int:

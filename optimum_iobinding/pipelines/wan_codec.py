@@ -139,6 +139,15 @@ class WanCausalRunner:
         return output
 
 
+# diffusers' AutoencoderKLWan tiling defaults: tiles of 256 pixels every 192
+TILING_DEFAULTS = {
+    "tile_sample_min_height": 256,
+    "tile_sample_min_width": 256,
+    "tile_sample_stride_height": 192,
+    "tile_sample_stride_width": 192,
+}
+
+
 class WanVideoCodec:
     """Wan 2.1/2.2's VAE (diffusers' ``AutoencoderKLWan``) exported as chunk graphs: ``decode`` and ``encode`` as
     diffusers' ``vae.decode(...).sample`` and ``retrieve_latents(vae.encode(...), sample_mode="argmax")``, any number
@@ -166,6 +175,7 @@ class WanVideoCodec:
             if vae_encoder is not None
             else None
         )
+        self.tiling: Optional[Dict[str, int]] = None  # enable_tiling's sizes while tiling is on
         config = vae_decoder.config
         try:
             self.spatial_scale_factor = 2 ** (len(config["dim_mult"]) - 1) * (config.get("patch_size") or 1)
@@ -217,9 +227,58 @@ class WanVideoCodec:
         """Video frames per latent frame after the first: 2 per temporal downsampling (Wan's 4)."""
         return 2 ** sum(bool(flag) for flag in self.config.get("temperal_downsample") or ())
 
+    # ---------------------------------------------------------------------------------------------------- tiling
+    def enable_tiling(
+        self,
+        tile_sample_min_height: Optional[int] = None,
+        tile_sample_min_width: Optional[int] = None,
+        tile_sample_stride_height: Optional[int] = None,
+        tile_sample_stride_width: Optional[int] = None,
+    ) -> None:
+        """Decodes videos larger than a tile tile by tile, as diffusers' ``AutoencoderKLWan.enable_tiling``: every
+        tile through all its frames (the causal cache its own), blended with its neighbours over the overlap. The
+        chunk graphs then hold a tile's activations instead of the whole frame's. Defaults: diffusers' (tiles of 256
+        pixels every 192).
+
+        Args:
+            tile_sample_min_height, tile_sample_min_width: a tile's size in pixels.
+            tile_sample_stride_height, tile_sample_stride_width: pixels from one tile to the next (at most the tile's
+                size; the rest overlaps).
+
+        Raises:
+            ArgumentError: a value that is not a positive multiple of :attr:`spatial_scale_factor`, or a stride
+                larger than its tile.
+        """
+        given = {
+            "tile_sample_min_height": tile_sample_min_height,
+            "tile_sample_min_width": tile_sample_min_width,
+            "tile_sample_stride_height": tile_sample_stride_height,
+            "tile_sample_stride_width": tile_sample_stride_width,
+        }
+        values = {name: TILING_DEFAULTS[name] if value is None else value for name, value in given.items()}
+        factor = self.spatial_scale_factor
+        for name, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % factor:
+                raise ArgumentError(
+                    name, f"expected a positive multiple of {factor} (the VAE's pixels per latent pixel), got {value!r}"
+                )
+        for axis in ("height", "width"):
+            if values[f"tile_sample_stride_{axis}"] > values[f"tile_sample_min_{axis}"]:
+                raise ArgumentError(
+                    f"tile_sample_stride_{axis}",
+                    f"expected at most tile_sample_min_{axis} ({values[f'tile_sample_min_{axis}']}: tiles that "
+                    f"touch or overlap), got {values[f'tile_sample_stride_{axis}']}",
+                )
+        self.tiling = values
+
+    def disable_tiling(self) -> None:
+        """Decodes whole frames again (the default)."""
+        self.tiling = None
+
     # ---------------------------------------------------------------------------------------------------- decode
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """The video of ``latents``, as diffusers' ``vae.decode(latents).sample``.
+        """The video of ``latents``, as diffusers' ``vae.decode(latents).sample`` (tile by tile where
+        :meth:`enable_tiling` is on and the latents are larger than a tile, as diffusers' ``tiled_decode``).
 
         Args:
             latents: ``[batch, z_dim, latent frames, latent height, latent width]``, de-normalised as diffusers'
@@ -231,9 +290,54 @@ class WanVideoCodec:
         runner = self.decoder
         _check_video("latents", latents, runner.channels, "latent frames", "latent height", "latent width")
         latents = latents.detach().to(device=runner.device, dtype=runner.dtype)
-        frames = latents.shape[2]
-        chunks = [latents[:, :, index : index + 1] for index in range(frames)]
-        return runner.run(chunks)
+        tiling, factor = self.tiling, self.spatial_scale_factor
+        if tiling is not None and (
+            latents.shape[3] > tiling["tile_sample_min_height"] // factor
+            or latents.shape[4] > tiling["tile_sample_min_width"] // factor
+        ):
+            return self._tiled_decode(latents, tiling).clamp_(-1.0, 1.0)
+        return self._decode_frames(latents).clamp_(-1.0, 1.0)
+
+    def _decode_frames(self, latents: torch.Tensor) -> torch.Tensor:
+        """Every latent frame of ``latents`` through the chunk graphs, the cache handed on (before the clamp)."""
+        return self.decoder.run([latents[:, :, index : index + 1] for index in range(latents.shape[2])])
+
+    def _tiled_decode(self, latents: torch.Tensor, tiling: Dict[str, int]) -> torch.Tensor:
+        """diffusers' ``AutoencoderKLWan.tiled_decode`` on the chunk graphs: overlapping tiles, each decoded through
+        every frame, blended in place (each tile with the blended one above it, then the one on its left), in the
+        patched space of a VAE with ``patch_size`` (Wan 2.2's), then cropped and joined."""
+        from diffusers.models.autoencoders.autoencoder_kl_wan import patchify, unpatchify
+
+        factor, patch = self.spatial_scale_factor, self.config.get("patch_size")
+        height, width = latents.shape[3], latents.shape[4]
+        latent_tile = (tiling["tile_sample_min_height"] // factor, tiling["tile_sample_min_width"] // factor)
+        latent_stride = (tiling["tile_sample_stride_height"] // factor, tiling["tile_sample_stride_width"] // factor)
+        per = patch or 1  # pixels of the decoder's own output per video pixel, each way
+        sample_size = (height * factor // per, width * factor // per)
+        stride = (tiling["tile_sample_stride_height"] // per, tiling["tile_sample_stride_width"] // per)
+        blend = (
+            tiling["tile_sample_min_height"] // per - stride[0],
+            tiling["tile_sample_min_width"] // per - stride[1],
+        )
+        rows = []
+        for i in range(0, height, latent_stride[0]):
+            row = []
+            for j in range(0, width, latent_stride[1]):
+                tile = self._decode_frames(latents[:, :, :, i : i + latent_tile[0], j : j + latent_tile[1]])
+                row.append(patchify(tile, patch_size=patch) if patch else tile)
+            rows.append(row)
+        result_rows = []
+        for i, row in enumerate(rows):
+            result_row = []
+            for j, tile in enumerate(row):
+                if i > 0:
+                    _blend(rows[i - 1][j], tile, blend[0], axis=3)
+                if j > 0:
+                    _blend(row[j - 1], tile, blend[1], axis=4)
+                result_row.append(tile[:, :, :, : stride[0], : stride[1]])
+            result_rows.append(torch.cat(result_row, dim=-1))
+        video = torch.cat(result_rows, dim=3)[:, :, :, : sample_size[0], : sample_size[1]]
+        return unpatchify(video, patch_size=patch) if patch else video
 
     # ---------------------------------------------------------------------------------------------------- encode
     def encode(self, video: torch.Tensor) -> torch.Tensor:
@@ -268,6 +372,16 @@ class WanVideoCodec:
         first = runner.first_frames
         chunks = [video[:, :, :first]] + [video[:, :, start : start + step] for start in range(first, frames, step)]
         return runner.run(chunks)
+
+
+def _blend(a: torch.Tensor, b: torch.Tensor, extent: int, axis: int) -> None:
+    """diffusers' ``blend_v`` (``axis`` 3) and ``blend_h`` (4), in place on ``b``: its first ``extent`` rows (or
+    columns) become ``a``'s last ones weighted 1 − k / extent plus its own weighted k / extent."""
+    extent = min(a.shape[axis], b.shape[axis], extent)
+    for k in range(extent):
+        b.select(axis, k).copy_(
+            a.select(axis, a.shape[axis] - extent + k) * (1 - k / extent) + b.select(axis, k) * (k / extent)
+        )
 
 
 def _check_video(argument: str, value: Any, channels: int, *axes: str) -> None:

@@ -122,6 +122,64 @@ def test_wan22_patched_residual_vae_decodes_and_encodes_as_diffusers(shared_expo
     assert max_difference(codec.encode(video), expected_latents) <= TOLERANCE
 
 
+TILES = [  # (tile height, tile width, stride height, stride width) in pixels
+    (16, 16, 8, 8),
+    (16, 24, 16, 16),
+]
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=["overlapping", "edges-only-in-width"])
+def test_tiled_decode_gives_diffusers_tiled_video(wan21, wan21_vae, tiles):
+    latents = random(1, 16, 2, 3, 5) * 2
+    sizes = dict(zip(("tile_sample_min_height", "tile_sample_min_width", "tile_sample_stride_height",
+                      "tile_sample_stride_width"), tiles))  # fmt: skip
+    untiled = wan21.decode(latents)
+    wan21.enable_tiling(**sizes)
+    try:
+        video = wan21.decode(latents)
+    finally:
+        wan21.disable_tiling()
+    wan21_vae.enable_tiling(**sizes)
+    try:
+        with torch.no_grad():
+            expected = wan21_vae.decode(latents).sample
+    finally:
+        wan21_vae.disable_tiling()
+    assert video.shape == untiled.shape == expected.shape
+    assert max_difference(video, expected) <= TOLERANCE
+    assert max_difference(video, untiled) > 100 * TOLERANCE  # the tiles did blend: random weights see the seams
+
+
+def test_a_patched_vae_decodes_tile_by_tile_as_diffusers(shared_export):
+    vae = tiny_wan22_vae()
+    codec = WanVideoCodec.from_pretrained(
+        shared_export("tiny-wan22-vae", exported(tiny_wan22_vae)), provider="CPUExecutionProvider"
+    )
+    sizes = dict(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=16,
+                 tile_sample_stride_width=16)  # fmt: skip
+    latents = random(1, 8, 2, 3, 4) * 2
+    codec.enable_tiling(**sizes)
+    vae.enable_tiling(**sizes)
+    with torch.no_grad():
+        expected = vae.decode(latents).sample
+    assert max_difference(codec.decode(latents), expected) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        (dict(tile_sample_min_height=12), "tile_sample_min_height: expected a positive multiple of 8"),
+        (dict(tile_sample_stride_width=0), "tile_sample_stride_width: expected a positive multiple of 8"),
+        (dict(tile_sample_min_width=16, tile_sample_stride_width=24), "tile_sample_stride_width: expected at most"),
+    ],
+    ids=["not-a-multiple", "zero", "stride-beyond-the-tile"],
+)
+def test_bad_tile_sizes_are_refused_by_name(wan21, sizes, message):
+    with pytest.raises(ArgumentError, match=message):
+        wan21.enable_tiling(**sizes)
+    assert wan21.tiling is None
+
+
 def test_float16_export_decodes_within_half_precision_of_diffusers(wan21_vae, tmp_path):
     export_wan_vae(wan21_vae, tmp_path, components=["vae_decoder"], dtype="fp16")
     codec = WanVideoCodec.from_pretrained(tmp_path, provider="CPUExecutionProvider")

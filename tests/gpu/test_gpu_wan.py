@@ -111,6 +111,20 @@ def test_the_vae_decodes_chunk_by_chunk_in_captured_graphs_and_replays_them_for_
     np.testing.assert_allclose(again, first, atol=1e-5)
 
 
+def test_a_tiled_decode_captures_each_tile_shape_and_equals_the_cpu_pipelines(wan):
+    sizes = dict(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8,
+                 tile_sample_stride_width=8)  # fmt: skip
+    pipes = {provider: load(wan, provider=provider) for provider in (CUDA, "CPUExecutionProvider")}
+    videos = {}
+    for provider, pipe in pipes.items():
+        pipe.enable_vae_tiling(**sizes)
+        videos[provider] = pipe(PROMPTS[0], generator=seeded(), output_type="np", **CALL).frames
+    np.testing.assert_allclose(videos[CUDA], videos["CPUExecutionProvider"], atol=TOLERANCE)
+    decoder = pipes[CUDA].codec.video.decoder  # a tile and the smaller tiles at the edges: a graph each
+    for model in (decoder.first, decoder.chunk):
+        assert len(model.graph_signatures) >= 2 and not model.graph_fallbacks, model.graph_fallbacks
+
+
 def test_wan22s_two_experts_are_each_captured_and_the_latents_equal_the_cpu_pipelines(wan22):
     # the denoiser (transformer) must be captured with cuda_graph=True; the low-noise expert is asked to be too
     pipe = load(wan22, cuda_graph=True, component_options={"transformer_2": {"cuda_graph": True}})

@@ -447,11 +447,26 @@ def test_cuda_graph_true_asks_graphs_of_the_transformer_only_and_component_optio
     assert settings == {"text_encoder": False, "transformer": "auto", "vae_decoder": "auto", "vae_encoder": "auto"}
 
 
-def test_vae_tiling_is_refused_naming_it(wan, loaded):
-    pipe = loaded(wan[1])
-    with pytest.raises(ValueError, match="enable_vae_tiling: Wan's VAE decodes one latent frame per call"):
-        pipe.enable_vae_tiling()
-    assert pipe.vae_tiler is None
+def test_vae_tiling_decodes_tile_by_tile_as_diffusers_vae_tiling_does(wan):
+    torch_pipe, folder = wan
+    pipe = load(folder)
+    sizes = dict(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8,
+                 tile_sample_stride_width=8)  # fmt: skip
+    call = dict(height=32, width=48, output_type="np")
+    _, untiled = both(torch_pipe, pipe, **call)
+    pipe.enable_vae_tiling(**sizes)
+    assert pipe.vae_tiling == sizes
+    torch_pipe.vae.enable_tiling(**sizes)
+    try:
+        theirs, ours = both(torch_pipe, pipe, **call)
+    finally:
+        torch_pipe.vae.disable_tiling()
+    np.testing.assert_allclose(ours, theirs, atol=TOLERANCE)
+    assert np.abs(ours - untiled).max() > 100 * TOLERANCE  # the tiles did blend
+    pipe.disable_vae_tiling()
+    assert pipe.vae_tiling is None
+    with pytest.raises(ValueError, match="tile_sample_stride_height: expected a positive multiple of 8"):
+        pipe.enable_vae_tiling(tile_sample_stride_height=12)
 
 
 # ---------------------------------------------------------------------------------------------- First-Block Cache
