@@ -99,6 +99,9 @@ run_step() {
                        --out "$out/stream-probe-xl-1024" --configs one-step ;;
     # Wan's VAE decode of 81 frames: diffusers fp32/bf16 against our chunk graphs fp32/fp16
     wan-vae-decode) script benchmarks/wan_vae_decode.py --work "$work/wan-vae" --out "$out/wan-vae-decode" ;;
+    # the same at 720p, whole frames and tile by tile (diffusers' tiling sizes), bf16 torch against our fp16 graphs
+    wan-vae-decode-720p) script benchmarks/wan_vae_decode.py --work "$work/wan-vae" --out "$out/wan-vae-decode-720p" \
+                           --size 720x1280 --cases torch-bf16,torch-bf16-tiled,ours-fp16,ours-fp16-tiled ;;
     # runtime LoRA on FLUX.1 dev's transformer at two depths: the step with a LoRA, PEFT's beside it, the switch
     transformer-lora) script benchmarks/transformer_lora.py --work "$work" --out "$out/transformer-lora" ;;
     # FLUX.1 Kontext, Fill and Control (2 + 4 blocks): ours against diffusers' bf16 eager and compiled pipelines
@@ -111,7 +114,7 @@ run_step() {
     *) echo "unknown step: $1 (expected one of: $ALL_STEPS)"; return 2 ;;
   esac
 }
-ALL_STEPS="sd15-fp16-defaults small-fp16-defaults sd15-fp16-mixed cold-start signature-memory host-path-small few-step-small sd15-fp32 sd15-fp32-optimized sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options serve coldstart stream-probe wan-vae-decode transformer-lora flux-variants xl-controlnet pipeline-memory stream-probe-xl"
+ALL_STEPS="sd15-fp16-defaults small-fp16-defaults sd15-fp16-mixed cold-start signature-memory host-path-small few-step-small sd15-fp32 sd15-fp32-optimized sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options serve coldstart stream-probe wan-vae-decode transformer-lora flux-variants xl-controlnet pipeline-memory stream-probe-xl wan-vae-decode-720p"
 for name in ${selected:-$ALL_STEPS}; do
   run_step "$name" > "$out/$name.log" 2>&1
   echo "$name $?" >> "$out/status"

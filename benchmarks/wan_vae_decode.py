@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 
 CASES = ("torch-fp32", "torch-bf16", "ours-fp32", "ours-fp16")
+# also accepted: any case with "-tiled" (diffusers' tiling, tiles of 256 pixels every 192: vae.enable_tiling() and
+# our codec's enable_tiling()), e.g. torch-bf16-tiled, ours-fp16-tiled
+SIZES = {"480x832": (60, 104), "720x1280": (90, 160)}  # latent pixels of Wan's 480p and 720p videos
 LATENT_SHAPE = (1, 16, 21, 60, 104)
 
 
@@ -47,25 +50,28 @@ def export(work: Path, dtype: str) -> Path:
     return folder
 
 
-def latents():
+def latents(size: str = "480x832"):
     import torch
 
-    return torch.randn(LATENT_SHAPE, generator=torch.Generator().manual_seed(1))
+    return torch.randn((*LATENT_SHAPE[:3], *SIZES[size]), generator=torch.Generator().manual_seed(1))
 
 
-def run_case(case: str, work: Path, runs: int, frames_out: Path) -> dict:
+def run_case(case: str, work: Path, runs: int, frames_out: Path, size: str = "480x832") -> dict:
     import numpy as np
     import torch
 
     from optimum_iobinding.bench.probes import PeakMemory
 
-    z = latents().cuda()
+    z = latents(size).cuda()
+    tiled = case.endswith("-tiled")
     device = torch.device("cuda", 0)
     idle = PeakMemory(device).used()
     with PeakMemory(device) as peak:
         if case.startswith("torch"):
-            dtype = torch.float32 if case == "torch-fp32" else torch.bfloat16
+            dtype = torch.float32 if case.startswith("torch-fp32") else torch.bfloat16
             vae = build_vae().to("cuda", dtype)
+            if tiled:
+                vae.enable_tiling()
 
             def decode():
                 with torch.inference_mode():
@@ -77,6 +83,8 @@ def run_case(case: str, work: Path, runs: int, frames_out: Path) -> dict:
             codec = WanVideoCodec.from_pretrained(
                 export(work, case.split("-")[1]), encoder=False, provider="CUDAExecutionProvider"
             )
+            if tiled:
+                codec.enable_tiling()
 
             def decode():
                 with torch.inference_mode(), torch.cuda.stream(codec.decoder.first.stream):
@@ -113,12 +121,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--size", default="480x832", choices=tuple(SIZES), help="the video's height x width")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
-        result = run_case(args.one, args.work, args.runs, args.work / f"frames-{args.one}.npy")
+        result = run_case(args.one, args.work, args.runs, args.work / f"frames-{args.one}.npy", args.size)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     import numpy as np
@@ -133,7 +142,7 @@ def main() -> int:
     for case in cases:
         done = subprocess.run(
             [sys.executable, __file__, "--work", str(args.work), "--out", str(args.out), "--runs", str(args.runs)]
-            + ["--one", case],
+            + ["--size", args.size, "--one", case],
             capture_output=True,
             text=True,
         )
@@ -144,7 +153,8 @@ def main() -> int:
         frames = args.work / f"frames-{result['case']}.npy"
         if "error" not in result and reference.is_file() and frames.is_file():
             result["max_diff_vs_torch_fp32"] = float(np.abs(np.load(frames) - np.load(reference)).max())
-    report = {"command": " ".join(sys.argv), "environment": environment(), "latents": LATENT_SHAPE, "cases": results}
+    shape = (*LATENT_SHAPE[:3], *SIZES[args.size])
+    report = {"command": " ".join(sys.argv), "environment": environment(), "latents": shape, "cases": results}
     (args.out / "wan-vae-decode.json").write_text(json.dumps(report, indent=2))
     torch_fp32 = next((r["seconds"] for r in results if r["case"] == "torch-fp32" and "seconds" in r), None)
     lines = [
