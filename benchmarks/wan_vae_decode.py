@@ -127,7 +127,7 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
-        result = run_case(args.one, args.work, args.runs, args.work / f"frames-{args.one}.npy", args.size)
+        result = run_case(args.one, args.work, args.runs, args.work / f"frames-{args.size}-{args.one}.npy", args.size)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     import numpy as np
@@ -148,9 +148,9 @@ def main() -> int:
         )
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         results.append(json.loads(lines[-1][7:]) if lines else {"case": case, "error": done.stderr[-2000:]})
-    reference = args.work / "frames-torch-fp32.npy"
+    reference = args.work / f"frames-{args.size}-torch-fp32.npy"  # of this run's size (a case of this run or not)
     for result in results:
-        frames = args.work / f"frames-{result['case']}.npy"
+        frames = args.work / f"frames-{args.size}-{result['case']}.npy"
         if "error" not in result and reference.is_file() and frames.is_file():
             result["max_diff_vs_torch_fp32"] = float(np.abs(np.load(frames) - np.load(reference)).max())
     shape = (*LATENT_SHAPE[:3], *SIZES[args.size])

@@ -1052,9 +1052,15 @@ def stream_control_arguments(stream: Any, controls: List[Any], args: argparse.Na
             f"--control-image: expected {nets} control image(s) for the model's {nets} ControlNet(s) (every frame's), "
             "got none"
         )
-    arguments: Dict[str, Any] = {"control_image": controls[0] if nets == 1 and len(controls) == 1 else controls}
-    if args.control_scale:
-        scales = args.control_scale
+    if len(controls) != nets:
+        raise UsageError(
+            f"--control-image: expected {nets} (one per ControlNet of the model, in order), got {len(controls)}"
+        )
+    scales = args.control_scale or []
+    if len(scales) not in (0, 1, nets):
+        raise UsageError(f"--control-scale: expected 1 or {nets} values (one per ControlNet), got {len(scales)}")
+    arguments: Dict[str, Any] = {"control_image": controls[0] if nets == 1 else controls}
+    if scales:
         arguments["controlnet_conditioning_scale"] = scales[0] if len(scales) == 1 else scales
     return arguments
 

@@ -189,8 +189,14 @@ def test_a_controlnet_folder_streams_with_the_control_image_and_scale_given(tmp_
         ),
         ("controlnet", ("--control-scale", "0.5"), "--control-scale: expected it with --control-image"),
         ("controlnet", ("--control-image", "{tmp}/missing.png"), "--control-image: expected an image file"),
+        ("controlnet", ("--control-image", "{tmp}/edges.png") * 2, "--control-image: expected 1 (one per ControlNet"),
+        (
+            "two",
+            ("--control-image", "{tmp}/edges.png") * 2 + ("--control-scale", "1") * 3,
+            "--control-scale: expected 1 or 2 values",
+        ),
     ],
-    ids=["no-control-image", "no-controlnet", "scale-alone", "missing-file"],
+    ids=["no-control-image", "no-controlnet", "scale-alone", "missing-file", "images-per-net", "scales-per-net"],
 )
 def test_control_options_are_refused_by_name_before_any_frame(
     tmp_path, tiny_folder, controlnet_folders, image_folder, capsys, model, options, message
@@ -198,7 +204,7 @@ def test_control_options_are_refused_by_name_before_any_frame(
     from PIL import Image
 
     Image.fromarray(sketch(9)).save(tmp_path / "edges.png")
-    folder = controlnet_folders["one"] if model == "controlnet" else tiny_folder
+    folder = {"controlnet": controlnet_folders["one"], "two": controlnet_folders["two"]}.get(model, tiny_folder)
     options = [option.replace("{tmp}", str(tmp_path)) for option in options]
     assert run_stream(image_folder, tmp_path / "out", folder, *options) == 2
     assert message in error_line(capsys)

@@ -190,8 +190,10 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             for name in names_of(cls.declared_components, "onnx")
             if tiny_vae is None or name not in TINY_VAE_COMPONENTS
         )
+        # what a hub id downloads: the family's own folders (every ControlNet's too), less a tiny VAE's halves
+        downloads = tuple(name for name in cls.download_names() if tiny_vae is None or name not in TINY_VAE_COMPONENTS)
         folder = resolve_pipeline_folder(
-            pretrained_model_name_or_path, own, names_of(cls.declared_components, "tokenizer"), **hub_kwargs
+            pretrained_model_name_or_path, downloads, names_of(cls.declared_components, "tokenizer"), **hub_kwargs
         )
         folders = {name: folder / name for name in own}
         if tiny_vae is not None:
@@ -716,10 +718,10 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         staging = self._copies.bring(source)
         plan.stages["pre"](staging, plan.tensors["image"])
         self._copies.read(staging)
-        if plan.filter is not None and plan.last is not None and plan.last.kind == kind:
+        if plan.filter is not None and plan.last is not None and plan.last.kind == kind and not self._brings_more():
             if plan.filter.skip(plan.tensors["image"]):
                 return plan.last.again()
-        elif plan.filter is not None:  # the first frame, or another kind than the last output's: kept
+        elif plan.filter is not None:  # the first frame, another kind than the last output's, new conditioning: kept
             plan.filter.keep(plan.tensors["image"])
         self._frame_kept(plan)
         plan.encoded = self.vae_encoder(sample=plan.tensors["image"])[0]
@@ -731,6 +733,11 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             return None  # the batch fills: the oldest frame is not through its last step yet
         oldest = plan.in_flight.popleft()
         return None if oldest is None else self._emit(plan, oldest)
+
+    def _brings_more(self) -> bool:
+        """Whether the frame being enqueued brings more than its pixels (a new control image), which the similarity
+        filter does not compare: such a frame is kept (none here)."""
+        return False
 
     def _frame_kept(self, plan: StreamPlan) -> None:
         """A new frame goes through the models (the similarity filter kept it): what it brings beside its pixels

@@ -4,6 +4,7 @@ control image that is fixed for the stream or comes with each frame."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -12,7 +13,7 @@ import torch
 
 from ..errors import ArgumentError
 from ..families import family
-from ..layout import CONTROLNET_CONDITION, CONTROLNET_SCALE
+from ..layout import CONTROLNET_CONDITION, CONTROLNET_SCALE, controlnet_component_names
 from ..runtime.model import IOBindingORTModel
 from .clip_unet import STABLE_DIFFUSION_COMPONENTS
 from .components import onnx
@@ -85,13 +86,40 @@ class OnnxStreamDiffusionControlNetPipeline(UNetControlNets, OnnxStreamDiffusion
             controlnet_conditioning_scale: how much each ControlNet's residuals count (one number, or one per
                 ControlNet); 0.8 as in diffusers' ControlNet image to image.
         """
-        scales, _, _ = self.check_control_arguments(controlnet_conditioning_scale, 0.0, 1.0)
-        images = None if control_image is None else self._control_images(control_image, "control_image")
-        self._control_request = (images, scales)
-        try:
-            super().prepare(prompt, *args, **kwargs)
-        finally:
-            self._control_request = None
+        bound = inspect.signature(OnnxStreamDiffusionPipeline.prepare).bind(self, prompt, *args, **kwargs)
+        bound.apply_defaults()
+        options = bound.arguments
+        with self.call_guard.lock:  # a prepare in another thread waits: the request is this call's (re-entrant)
+            scales, _, _ = self.check_control_arguments(controlnet_conditioning_scale, 0.0, 1.0)
+            guided = options["guidance_scale"] > 1.0 and options["cfg_type"] in ("full", "initialize")
+            pooled = [
+                name
+                for name, net in zip(controlnet_component_names(len(self.controlnets)), self.controlnets)
+                if net.config.get("global_pool_conditions")
+            ]
+            if guided and pooled:
+                raise ArgumentError(
+                    pooled[0],
+                    "a ControlNet with global_pool_conditions conditions the prompt's rows alone under guidance "
+                    f"(diffusers' guess mode), which the stream does not run; got guidance_scale "
+                    f"{options['guidance_scale']} with cfg_type {options['cfg_type']!r}: use guidance_scale ≤ 1 or "
+                    "cfg_type 'self'",
+                )
+            images = None
+            if control_image is not None:  # preprocessed now: a refused one leaves the stream prepared as it was
+                given = self._control_images(control_image, "control_image")
+                labels = ["control_image"] if len(given) == 1 else [f"control_image[{k}]" for k in range(len(given))]
+                images = [
+                    self.prepare_control_image(
+                        image, label, options["height"], options["width"], 1, 1, False, False, net
+                    )
+                    for image, label, net in zip(given, labels, self.controlnets)
+                ]
+            self._control_request = (images, scales)
+            try:
+                super().prepare(prompt, *args, **kwargs)
+            finally:
+                self._control_request = None
 
     def _make_tensors(self, plan: StreamPlan, seeds: Any, lcm: bool, conditioning_shapes: Any) -> None:
         super()._make_tensors(plan, seeds, lcm, conditioning_shapes)
@@ -107,9 +135,8 @@ class OnnxStreamDiffusionControlNetPipeline(UNetControlNets, OnnxStreamDiffusion
                 tensor = torch.zeros(
                     rows, 3, plan.height, plan.width, device=self.device, dtype=net.input_dtypes[CONTROLNET_CONDITION]
                 )
-                if images is not None:
-                    label = "control_image" if len(images) == 1 else f"control_image[{k}]"
-                    controls.append(self._control_tensor(images[k], label, plan, net))
+                if images is not None:  # preprocessed by prepare
+                    controls.append(images[k])
                     tensor.copy_(controls[-1].expand_as(tensor))
                 plan.control["images"].append(tensor)
                 plan.tensors[f"control_scale_{k}"] = self.scale_table(net, [torch.full((residuals,), scales[k])])[0]
@@ -136,6 +163,12 @@ class OnnxStreamDiffusionControlNetPipeline(UNetControlNets, OnnxStreamDiffusion
                 )
             return value[0]
         if dims[0] == 1:
+            if not torch.equal(value, value[:1].expand_as(value)):
+                raise ArgumentError(
+                    "stream_batch",
+                    "expected ControlNets whose timestep input has one row per sample (a stream batch gives each "
+                    "step its own timestep), got one of a single row; pass stream_batch=False",
+                )
             return value[:1]
         return value.expand(rows).contiguous() if value.numel() == 1 else value
 
@@ -223,6 +256,10 @@ class OnnxStreamDiffusionControlNetPipeline(UNetControlNets, OnnxStreamDiffusion
         return [
             self._control_tensor(image, label, plan, net) for image, label, net in zip(images, labels, self.controlnets)
         ]
+
+    def _brings_more(self) -> bool:
+        """A frame with a control image of its own is kept by the similarity filter (its pixels are all it compares)."""
+        return self._frame_controls is not None
 
     def _frame_kept(self, plan: StreamPlan) -> None:
         """A frame goes through the models with its control images (or the last ones given): without a stream batch

@@ -142,3 +142,36 @@ def test_a_frame_without_any_control_image_is_refused_before_any_work(controlnet
         two.prepare(PROMPT, seed=SEED, height=SIZE, width=SIZE, control_image=control())
     with pytest.raises(ValueError, match="controlnet_conditioning_scale: expected 2 values"):
         two.prepare(PROMPT, seed=SEED, height=SIZE, width=SIZE, controlnet_conditioning_scale=[1.0, 1.0, 1.0])
+
+
+def test_the_similarity_filter_keeps_a_frame_that_brings_a_new_control_image(controlnet_folders, reference):
+    stream = stream_for(controlnet_folders["one"])
+    stream.prepare(PROMPT, seed=SEED, height=SIZE, width=SIZE, control_image=control(0), similarity_threshold=0.5)
+    stream(frame(0))
+    new = stream(frame(0), control_image=control(1))  # the same pixels: the filter alone would skip it
+    assert stream.skipped_frames == 0
+    torch.testing.assert_close(new, diffusers_img2img(reference(), frame(0), control(1)), atol=TOLERANCE, rtol=0)
+    stream(frame(0))  # no new control image: skipped
+    assert stream.skipped_frames == 1
+
+
+def test_a_refused_control_image_leaves_the_stream_as_it_was_prepared(controlnet_folders):
+    stream = stream_for(controlnet_folders["one"])
+    stream.prepare(PROMPT, seed=SEED, height=SIZE, width=SIZE, control_image=control(0))
+    before = stream(frame())
+    with pytest.raises(ValueError, match="control_image: expected a control image with 3 channels"):
+        stream.prepare(PROMPT, seed=SEED, height=SIZE, width=SIZE, control_image=torch.rand(1, 4, SIZE, SIZE))
+    torch.testing.assert_close(stream(frame()), before, atol=0, rtol=0)
+
+
+def test_a_pooled_controlnet_under_guidance_is_refused_naming_it(controlnet_folders, tmp_path):
+    import json
+    import shutil
+
+    folder = shutil.copytree(controlnet_folders["one"], tmp_path / "pooled")
+    config = json.loads((folder / "controlnet" / "config.json").read_text())
+    (folder / "controlnet" / "config.json").write_text(json.dumps({**config, "global_pool_conditions": True}))
+    stream = stream_for(folder)
+    with pytest.raises(ValueError, match="controlnet: a ControlNet with global_pool_conditions"):
+        stream.prepare(PROMPT, seed=SEED, height=SIZE, width=SIZE, control_image=control(), guidance_scale=3.0)
+    stream.prepare(PROMPT, seed=SEED, height=SIZE, width=SIZE, control_image=control())  # unguided: as diffusers
