@@ -172,3 +172,25 @@ def test_a_refiner_folder_streams_with_the_aesthetic_scores_of_its_rows(refiner)
     stream.prepare(PROMPT, seed=SEED, height=SIZE, width=SIZE, **call)
     assert stream.unet_inputs["time_ids"].tolist() == [[SIZE, SIZE, 0, 0, 2.5], [SIZE, SIZE, 0, 0, 6.0]]
     torch.testing.assert_close(stream(frame()), expected, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("guidance_scale", [0.0, 3.0], ids=["no-guidance", "guidance"])
+def test_an_sdxl_stream_batch_gives_the_step_by_step_outputs_two_frames_later(xl, guidance_scale):
+    _, folder = xl
+    outputs = {}
+    for stream_batch in (False, True):
+        stream = stream_for(folder)
+        stream.prepare(
+            PROMPT,
+            num_inference_steps=6,
+            strength=0.5,
+            guidance_scale=guidance_scale,
+            seed=SEED,
+            height=SIZE,
+            width=SIZE,
+            stream_batch=stream_batch,
+        )
+        outputs[stream_batch] = [stream(frame(k)) for k in range(4)] + stream.flush()
+    assert outputs[True][:2] == [None, None]
+    for got, expected in zip(outputs[True][2:], outputs[False], strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
