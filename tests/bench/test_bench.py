@@ -5,6 +5,7 @@ sampler and the cold-start timeline."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -1524,16 +1525,21 @@ def test_the_video_scenario_runs_the_tiny_wan_model_end_to_end_on_the_cpu(tmp_pa
     assert "compile" not in video["peers"] and "floor" not in video["peers"]  # CUDA work: not a CPU run's peers
 
 
-def test_the_cold_start_table_gathers_each_models_peers_with_their_ratio_to_its_baseline(tmp_path):
+def test_the_cold_start_table_gathers_each_models_peers_with_their_ratio_to_its_baseline(tmp_path, monkeypatch):
     from optimum_iobinding.bench.coldstart import coldstart_benchmark
 
-    asked = []
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "users-cache"))
+    asked, caches = [], []
 
     def peer(load, first):
         return {"import_s": 1.0, "load_s": load, "first_image_s": first, "end_to_end_ms": 1.0}
 
     def run_single(**kwargs):
         asked.append(("single", kwargs["models"], kwargs["peers"], kwargs["steps"], kwargs["runs"]))
+        caches.append(os.environ["XDG_CACHE_HOME"])
+        if kwargs["peers"] == ["defaults"]:  # ours again: a later load of the same files
+            return {"rows": [{"peers": {"defaults": peer(0.6, 1.4)}}]}
+        assert not os.listdir(caches[-1])  # the first load: an empty cache folder of the run's own
         return {"rows": [{"peers": {"numpy": peer(1.5, 4.5), "defaults": peer(0.6, 2.4)}}]}
 
     def run_transformer(**kwargs):
@@ -1545,13 +1551,19 @@ def test_the_cold_start_table_gathers_each_models_peers_with_their_ratio_to_its_
     )
     assert asked == [
         ("single", ["sd15"], ["numpy", "defaults"], 30, 1),
+        ("single", ["sd15"], ["defaults"], 30, 1),
         ("transformer", ["flux-schnell"], ["optimum", "ours"], 2, 4),
+        ("transformer", ["flux-schnell"], ["ours"], 2, 4),
     ]
+    assert caches[0] == caches[1] != str(tmp_path / "users-cache")  # both loads share the run's own cache
+    assert os.environ["XDG_CACHE_HOME"] == str(tmp_path / "users-cache")  # restored after
     ratios = {(row["model"], row["peer"]): row.get("over_baseline") for row in results["rows"]}
-    assert ratios == {("sd15", "numpy"): 1.0, ("sd15", "defaults"): 0.5, ("flux-schnell", "optimum"): 1.0,
-                      ("flux-schnell", "ours"): None}  # fmt: skip
+    assert ratios == {("sd15", "numpy"): 1.0, ("sd15", "defaults"): 0.5, ("sd15", "defaults (a later load)"): 1 / 3,
+                      ("flux-schnell", "optimum"): 1.0, ("flux-schnell", "ours"): None,
+                      ("flux-schnell", "ours (a later load)"): None}  # fmt: skip
     table = (tmp_path / "out" / "coldstart.md").read_text()
     assert "| sd15 | defaults | 1.00 | 0.60 | 2.40 | 3.00 | 0.50 |" in table
+    assert "| sd15 | defaults (a later load) | 1.00 | 0.60 | 1.40 | 2.00 | 0.33 |" in table
     assert "| flux-schnell | ours | failed: RuntimeError: x |" in table
     assert json.loads((tmp_path / "out" / "coldstart.json").read_text())["rows"] == results["rows"]
 
