@@ -1,7 +1,8 @@
 """Where the device memory of a whole pipeline goes on mixed batch sizes: ours with its options varied, beside
 diffusers' numpy pipeline, each in a fresh process.
 
-For each variant: device-wide used memory (NVML, or ``cudaMemGetInfo``: ORT's arenas count) above the process's idle after the
+For each variant: device-wide used memory (NVML, or ``cudaMemGetInfo``: ORT's arenas count; each variant a first load of the files, with an empty
+cache folder) above the process's idle after the
 load and after a call at each image batch in turn (``--batches``, 10 DDIM steps, guidance 7.5, 512²), torch's
 reserved memory beside it, each component's sessions and captured signatures, and the peak over everything
 (``PeakMemory``, sampled from a child process). Variants: ``numpy`` (diffusers' ONNX pipeline), ``defaults``,
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 VARIANTS = {
@@ -115,11 +118,12 @@ def main() -> int:
     for variant in args.variants.split(","):
         if variant not in VARIANTS:
             parser.error(f"--variants: expected names among {', '.join(VARIANTS)}, got {variant!r}")
-        done = subprocess.run(
-            [sys.executable, __file__, "--folder", args.folder, "--out", str(args.out), "--batches", args.batches,
-             "--one", variant],
-            capture_output=True, text=True,
-        )  # fmt: skip
+        with tempfile.TemporaryDirectory() as cache:  # each variant a first load: nothing remembered before it
+            done = subprocess.run(
+                [sys.executable, __file__, "--folder", args.folder, "--out", str(args.out), "--batches", args.batches,
+                 "--one", variant],
+                capture_output=True, text=True, env={**os.environ, "XDG_CACHE_HOME": cache},
+            )  # fmt: skip
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         row = (
             json.loads(lines[-1])
