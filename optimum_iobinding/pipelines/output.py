@@ -62,7 +62,8 @@ class Output:
         """ "pt" stays on the device; "np" and "pil" come back through a pinned buffer, the one wait of the call."""
         if output_type == "pt" or image.device.type != "cuda":
             return self.image_processor.postprocess(image.float(), output_type=output_type)
-        image = (image.float() / 2 + 0.5).clamp(0, 1)
+        # one float32 copy, scaled in place: the call's peak holds one image of float32 more, not two
+        image = image.to(torch.float32, copy=True).div_(2).add_(0.5).clamp_(0, 1)
         # pinning may allocate and the wait synchronizes: neither may run beside a graph capture in another thread
         with DEVICE_SETUP.setup():
             host = torch.empty(image.shape, dtype=image.dtype, pin_memory=True)
@@ -77,7 +78,7 @@ class Output:
         come back through a pinned buffer, the one wait of the call."""
         if output_type == "pt" or video.device.type != "cuda":
             return self.video_processor.postprocess_video(video.float(), output_type=output_type)
-        video = (video.float() / 2 + 0.5).clamp(0, 1)
+        video = video.to(torch.float32, copy=True).div_(2).add_(0.5).clamp_(0, 1)  # one float32 copy, in place
         with DEVICE_SETUP.setup():  # as postprocess: no allocation or wait beside a capture in another thread
             host = torch.empty(video.shape, dtype=video.dtype, pin_memory=True)
             host.copy_(video, non_blocking=True)
