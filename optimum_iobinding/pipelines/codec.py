@@ -138,8 +138,15 @@ class LatentCodec:
         if self.tiles(latents):
             return torch.cat([self.tiler.decode(latents[i : i + 1]) for i in range(latents.shape[0])])
         latents = latents.to(self.decoder.input_dtypes["latent_sample"])
-        # each call reuses the decoder's output buffer: copy each image out before the next call
-        return torch.cat([self.decoder(latent_sample=latents[i : i + 1])[0].clone() for i in range(latents.shape[0])])
+        # each call reuses the decoder's output buffer: each image is copied out, into its row of one tensor, before
+        # the next call (one copy of the batch, not a copy per image and their concatenation)
+        images: Optional[torch.Tensor] = None
+        for i in range(latents.shape[0]):
+            image = self.decoder(latent_sample=latents[i : i + 1])[0]
+            if images is None:
+                images = torch.empty((latents.shape[0], *image.shape[1:]), dtype=image.dtype, device=image.device)
+            images[i : i + 1].copy_(image)
+        return images
 
     def decode_to_host(self, latents: torch.Tensor) -> np.ndarray:
         """Tiled decoding to numpy images in [0, 1], NHWC, each tile downloaded while the next one decodes."""
