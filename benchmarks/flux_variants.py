@@ -171,6 +171,17 @@ def own_floor(pipe, per_step_ms: float, gpu_step_ms: float = None) -> dict:
     }
 
 
+def compare_with_ours(peers: dict) -> None:
+    """Each other peer's per-step, GPU-step and end-to-end times over ours (where both were measured), in place."""
+    ours = peers.get("ours", {})
+    for peer, measured in peers.items():
+        if peer != "ours" and "per_step_ms" in measured and "per_step_ms" in ours:
+            measured["step_over_ours"] = measured["per_step_ms"] / ours["per_step_ms"]
+            if measured.get("gpu_step_ms") and ours.get("gpu_step_ms"):
+                measured["gpu_step_over_ours"] = measured["gpu_step_ms"] / ours["gpu_step_ms"]
+            measured["end_to_end_over_ours"] = measured["end_to_end_ms"] / ours["end_to_end_ms"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench-work"))
@@ -242,13 +253,7 @@ def main() -> int:
             pipe = None
             if cuda:
                 torch.cuda.empty_cache()
-        ours = row["peers"].get("ours", {})
-        for peer, measured in row["peers"].items():
-            if peer != "ours" and "per_step_ms" in measured and "per_step_ms" in ours:
-                measured["step_over_ours"] = measured["per_step_ms"] / ours["per_step_ms"]
-                if measured.get("gpu_step_ms") and ours.get("gpu_step_ms"):
-                    measured["gpu_step_over_ours"] = measured["gpu_step_ms"] / ours["gpu_step_ms"]
-                measured["end_to_end_over_ours"] = measured["end_to_end_ms"] / ours["end_to_end_ms"]
+        compare_with_ours(row["peers"])
         result["rows"].append(row)
         print(json.dumps(row, indent=1), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ import PIL.Image
 import torch
 
 # run as a script: benchmarks/ is on the path
-from flux_variants import measure, own_floor
+from flux_variants import compare_with_ours, measure, own_floor
 
 
 def build(depth: int, tiny: bool):
@@ -124,13 +124,7 @@ def main() -> int:
         pipe = None
         if cuda:
             torch.cuda.empty_cache()
-    ours = row["peers"].get("ours", {})
-    for peer, measured in row["peers"].items():
-        if peer != "ours" and "per_step_ms" in measured and "per_step_ms" in ours:
-            measured["step_over_ours"] = measured["per_step_ms"] / ours["per_step_ms"]
-            measured["end_to_end_over_ours"] = measured["end_to_end_ms"] / ours["end_to_end_ms"]
-            if measured.get("gpu_step_ms") and ours.get("gpu_step_ms"):
-                measured["gpu_step_over_ours"] = measured["gpu_step_ms"] / ours["gpu_step_ms"]
+    compare_with_ours(row["peers"])
     result = {"environment": environment(), "command": " ".join(["python3", *sys.argv]), "rows": [row]}
     print(json.dumps(row, indent=1), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -107,14 +107,7 @@ class OnnxStreamDiffusionControlNetPipeline(UNetControlNets, OnnxStreamDiffusion
                 )
             images = None
             if control_image is not None:  # preprocessed now: a refused one leaves the stream prepared as it was
-                given = self._control_images(control_image, "control_image")
-                labels = ["control_image"] if len(given) == 1 else [f"control_image[{k}]" for k in range(len(given))]
-                images = [
-                    self.prepare_control_image(
-                        image, label, options["height"], options["width"], 1, 1, False, False, net
-                    )
-                    for image, label, net in zip(given, labels, self.controlnets)
-                ]
+                images = self._control_tensors(control_image, options["height"], options["width"])
             self._control_request = (images, scales)
             try:
                 super().prepare(prompt, *args, **kwargs)
@@ -145,9 +138,15 @@ class OnnxStreamDiffusionControlNetPipeline(UNetControlNets, OnnxStreamDiffusion
         plan.control["last"] = controls or None
         self._sums = ControlSums([self.unet.input_dtypes[name] for name in self.denoiser.residual_inputs])
 
-    def _control_tensor(self, image: Any, label: str, plan: StreamPlan, net: IOBindingORTModel) -> torch.Tensor:
-        """One control image as the ControlNet takes it: ``(1, 3, height, width)`` in [0, 1], on the device."""
-        return self.prepare_control_image(image, label, plan.height, plan.width, 1, 1, False, False, net)
+    def _control_tensors(self, control_image: Any, height: int, width: int) -> List[torch.Tensor]:
+        """``control_image`` (one per ControlNet in a list with several) as the ControlNets take them: each
+        ``(1, 3, height, width)`` in [0, 1], on the device; a bad one refused naming ``control_image`` (``[k]``)."""
+        images = self._control_images(control_image, "control_image")
+        labels = ["control_image"] if len(images) == 1 else [f"control_image[{k}]" for k in range(len(images))]
+        return [
+            self.prepare_control_image(image, label, height, width, 1, 1, False, False, net)
+            for image, label, net in zip(images, labels, self.controlnets)
+        ]
 
     @staticmethod
     def _net_timestep(net: IOBindingORTModel, value: torch.Tensor, rows: int) -> torch.Tensor:
@@ -247,15 +246,10 @@ class OnnxStreamDiffusionControlNetPipeline(UNetControlNets, OnnxStreamDiffusion
                 raise ArgumentError(
                     "control_image",
                     "expected a control image with the frame (neither prepare nor an earlier frame gave one), got "
-                    "None; pass "
-                    "stream(frame, control_image=…) or prepare(…, control_image=…)",
+                    "None; pass stream(frame, control_image=…) or prepare(…, control_image=…)",
                 )
             return None
-        images = self._control_images(control_image, "control_image")
-        labels = ["control_image"] if len(images) == 1 else [f"control_image[{k}]" for k in range(len(images))]
-        return [
-            self._control_tensor(image, label, plan, net) for image, label, net in zip(images, labels, self.controlnets)
-        ]
+        return self._control_tensors(control_image, plan.height, plan.width)
 
     def _brings_more(self) -> bool:
         """A frame with a control image of its own is kept by the similarity filter (its pixels are all it compares)."""
