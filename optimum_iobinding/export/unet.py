@@ -271,7 +271,7 @@ def component_specs(pipe, vae=None) -> Dict[str, dict]:
                     "encoder_hidden_states": {0: "batch", 1: "sequence"},
                     CONTROLNET_CONDITION: {0: "batch", 2: "image_height", 3: "image_width"},
                     **{added_name: {0: "batch"} for added_name in added_names},
-                    **{output: {0: "batch", 2: f"{output}_height", 3: f"{output}_width"} for output in outputs},
+                    **residual_output_axes(outputs, [r.shape[2:] for r in (*down, mid)], latent_size),
                 },
                 config=controlnet.config,
             )
@@ -290,6 +290,28 @@ def component_specs(pipe, vae=None) -> Dict[str, dict]:
         config=unet.config,
     )
     return {**specs, **vae_specs(vae, latent_size)}
+
+
+def residual_output_axes(outputs: Sequence[str], sizes: Sequence[Sequence[int]], latent_size: int) -> Dict:
+    """The ControlNet's residual outputs' dynamic axes, their height and width written as expressions of the
+    ``sample``'s (``height``, ``ceil(height / 4)``, …): a residual ``k`` downsamplings deep is ``ceil(size / 2**k)``
+    of the latents (each a 3×3 convolution of stride 2 and padding 1), which the runtime evaluates for any size
+    before anything runs — a free name per output would leave it to ONNX shape inference, which stops at the fused
+    graph's contrib ops (and a graph whose output shapes are unknown is not captured). ``sizes``: each residual's
+    (height, width) for ``latent_size``² latents."""
+
+    def expression(symbol: str, size: int) -> str:
+        factor = 1
+        while -(-latent_size // factor) != size:
+            factor *= 2
+            if factor > latent_size:
+                raise ValueError(f"a ControlNet residual of size {size} is no halving of {latent_size}")
+        return symbol if factor == 1 else f"ceil({symbol} / {factor})"
+
+    return {
+        output: {0: "batch", 2: expression("height", int(h)), 3: expression("width", int(w))}
+        for output, (h, w) in zip(outputs, sizes)
+    }
 
 
 def check_tiny_vae_fits(tiny_vae_config, unet_config) -> None:

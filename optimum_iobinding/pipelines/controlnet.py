@@ -474,7 +474,10 @@ class UNetControlNets(ControlNets):
         result = list(shapes.values())
         if any(shape is None for shape in result):
             raise ArgumentError(
-                "controlnet", "its residuals' shapes depend on the input data; cannot make zero residuals"
+                "controlnet",
+                "expected residual outputs whose height and width the file declares in terms of the sample's (so "
+                "that zero residuals can be made before anything runs), got dims that only running it would tell: "
+                "export the folder again",
             )
         return result
 

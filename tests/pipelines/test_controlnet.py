@@ -77,6 +77,42 @@ def test_the_export_writes_the_controlnet_and_a_unet_taking_its_residuals(folder
     assert not (folders["two"] / "controlnet_2").exists()
 
 
+@pytest.mark.parametrize("latents", [(8, 8), (18, 10)])
+def test_the_residuals_shapes_follow_from_the_declared_dims_alone(folders, latents):
+    """A fused export's contrib ops stop ONNX shape inference: the residuals' declared dims must give their shapes
+    for any latent size by themselves (a graph whose output shapes are unknown is not captured)."""
+    import onnx
+
+    from optimum_iobinding.export.tiny import build_tiny_random_controlnet_pipeline
+    from optimum_iobinding.runtime.shapes import ShapeInferencer
+
+    def dims(values):
+        return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values}
+
+    graph = onnx.load(folders["one"] / "controlnet" / "model.onnx", load_external_data=False).graph
+    declared = ShapeInferencer(dims(graph.input), dims(graph.output))  # no graph: ONNX shape inference never runs
+    height, width = latents
+    shapes = declared(
+        {
+            "sample": (2, 4, height, width),
+            "timestep": (2,),
+            "encoder_hidden_states": (2, 7, 32),
+            "controlnet_cond": (2, 3, 8 * height, 8 * width),
+            "conditioning_scale": (5,),
+        }
+    )
+    controlnet = build_tiny_random_controlnet_pipeline().controlnet
+    with torch.no_grad():
+        down, mid = controlnet(
+            torch.zeros(2, 4, height, width),
+            torch.tensor([1.0, 1.0]),
+            torch.zeros(2, 7, 32),
+            torch.zeros(2, 3, 8 * height, 8 * width),
+            return_dict=False,
+        )
+    assert list(shapes.values()) == [tuple(r.shape) for r in (*down, mid)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [{"fp16": True}, {"optimize": "cpu"}])
 def test_fp16_and_fused_exports_run(tmp_path, options, reference):
