@@ -24,7 +24,7 @@ import torch
 
 from optimum_iobinding import OnnxStreamDiffusionPipeline
 from optimum_iobinding.bench.probes import environment
-from optimum_iobinding.bench.zoo import ensure_export, set_recipe_scheduler
+from optimum_iobinding.bench.zoo import ensure_controlnet_export, ensure_export, set_recipe_scheduler
 from optimum_iobinding.export import export_pipeline
 
 
@@ -35,26 +35,6 @@ def tiny_vae_folder(work: Path) -> Path:
 
         torch.manual_seed(0)
         export_pipeline(None, folder, tiny_vae=AutoencoderTiny(), fp16=True, optimize="cuda", progress=False)
-    return folder
-
-
-def controlnet_folder(work: Path, model: str, count: int) -> Path:
-    """The ``model``'s export with ``count`` random ControlNets (``ControlNetModel.from_unet`` of its UNet, random
-    weights; fused fp16), made once under ``work``."""
-    folder = work / f"{model}-controlnet{count}-fp16-optimized"
-    if not (folder / "model_index.json").is_file():
-        from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
-
-        from optimum_iobinding.bench.zoo import build_torch_pipeline
-
-        base = build_torch_pipeline(model)
-        torch.manual_seed(1)
-        nets = [ControlNetModel.from_unet(base.unet, load_weights_from_unet=False) for _ in range(count)]
-        torch_pipe = StableDiffusionControlNetPipeline(
-            **{**base.components, "controlnet": nets[0] if count == 1 else nets, "safety_checker": None},
-            requires_safety_checker=False,
-        )
-        export_pipeline(None, folder, torch_pipeline=torch_pipe, fp16=True, optimize="cuda", progress=False)
     return folder
 
 
@@ -198,7 +178,7 @@ def main() -> int:
             rows += [{"config": name, "error": "ControlNet streams: --model turbo"} for name in configs]
             continue
         stream = OnnxStreamDiffusionPipeline.from_pretrained(
-            controlnet_folder(work, "turbo", nets) if nets else folder,
+            ensure_controlnet_export("turbo", "fp16", "optimized", work, nets) if nets else folder,
             provider="CUDAExecutionProvider",
             tiny_vae=tiny if vae == "tiny" else None,
         )

@@ -34,7 +34,14 @@ ms of its calls, device memory, sessions created after the first round; the peer
 batch 1, fused fp16 (or the first of ``--dtypes``/``--exports`` where given), its full VAE and a TAESD-shaped tiny
 VAE, 1 step and 2 steps (stream batch on and off); per peer (:data:`.peers.STREAM_PEERS`) per-frame latency
 p50/p99 and frames/s over ``--frames`` frames, the floor of the components' graphs, and a ``--video-frames`` video
-through the ``stream`` command; results in stream.json/md/png.
+through the ``stream`` command; results in stream.json/md/png. After them the feature rows (``--stream-features``,
+comma-separated names of :data:`STREAM_FEATURES`, default all of them, ``none`` for none), each at 1 step with the
+tiny VAE and measured by ours and the floor alone (the floor at the shapes the row prepares): guidance 1.5,
+classifier-free (``full-cfg``) and StreamDiffusion's residual guidance (``rcfg-self``, ``rcfg-initialize``); the
+similarity filter at 0.98 on a still clip and on a moving one (``filter-still``, ``filter-moving``; the share of
+frames it skipped); one ControlNet with a fixed control image or one given with each frame (``controlnet``,
+``controlnet-per-frame``), on an export of the turbo architecture with a random ControlNet
+(:func:`.zoo.ensure_controlnet_export`, under ``--work`` beside the others).
 
     optimum-iobinding bench --models tiny,small,sd15 --dtypes fp16 --exports plain,optimized --out benchmarks/results/h100
 ``--scenario transformer`` measures SD3.5 Medium's and FLUX.1's architectures (:mod:`.transformer_peers`) at 1024²,
@@ -55,6 +62,7 @@ model (on the CPU unless ``--device cuda``). Results in video.json/md/png.
 
     optimum-iobinding bench --models tiny,small,sd15 --dtypes fp16 --exports plain,optimized --out benchmarks/results/h100
     optimum-iobinding bench --scenario stream --dtypes fp16 --exports optimized --out benchmarks/results/h100/stream
+    optimum-iobinding bench --scenario stream --peers ours,floor --stream-features rcfg-self,filter-still --out OUT
     optimum-iobinding bench --scenario transformer --models sd35m,flux-schnell --out benchmarks/results/h100/transformer
     optimum-iobinding bench --scenario video --steps 4 --out benchmarks/results/h200/video
 """
@@ -82,6 +90,7 @@ from .peers import (
     OUR_PEERS,
     PEERS,
     STREAM_BATCH_BLIND,
+    STREAM_FEATURE_PEERS,
     STREAM_KIND,
     STREAM_PEERS,
     STREAM_SIZE,
@@ -129,6 +138,7 @@ from .zoo import (
     TRANSFORMER_RECIPES,
     VIDEO_RECIPES,
     VIDEO_TEXT_LAYERS,
+    ensure_controlnet_export,
     ensure_export,
     ensure_mlperf_export,
     ensure_tiny_vae_export,
@@ -142,6 +152,22 @@ from .zoo import (
 # the stream scenario's configurations: (num_inference_steps, strength, stream batch), each with both VAEs
 STREAM_CONFIGS = ((2, 0.5, True), (4, 0.5, True), (4, 0.5, False))
 STREAM_VAES = ("full", "tiny")
+# the stream scenario's feature rows (--stream-features), after the configurations: name → what the row prepares and
+# feeds, each on the first configuration (1 UNet step) with the tiny VAE. Guidance 1.5 classifier-free ("full": a
+# negative-prompt row beside the latent's) and StreamDiffusion's residual guidance ("self": no extra row;
+# "initialize": one negative row); the similarity filter on a still clip (one frame again and again: what it skips)
+# and on a moving one (every frame new: what deciding costs a frame it keeps); one ControlNet with one control image
+# for every frame ("fixed") or one given with each frame ("per-frame"). ``clip``: the frames fed.
+STREAM_FEATURES: Dict[str, Dict[str, Any]] = {
+    "full-cfg": {"guidance_scale": 1.5, "cfg_type": "full", "clip": "moving"},
+    "rcfg-self": {"guidance_scale": 1.5, "cfg_type": "self", "clip": "moving"},
+    "rcfg-initialize": {"guidance_scale": 1.5, "cfg_type": "initialize", "clip": "moving"},
+    "filter-still": {"similarity_threshold": 0.98, "clip": "still"},
+    "filter-moving": {"similarity_threshold": 0.98, "clip": "moving"},
+    "controlnet": {"controlnets": 1, "control": "fixed", "clip": "moving"},
+    "controlnet-per-frame": {"controlnets": 1, "control": "per-frame", "clip": "moving"},
+}
+STREAM_FEATURE_VAE = "tiny"
 
 # the transformer scenario's models where --models is not given
 TRANSFORMER_DEFAULT_MODELS = ("sd35m", "flux-schnell", "flux-dev")
@@ -379,9 +405,11 @@ def mixed_benchmark(
     return results
 
 
-def stream_rows() -> List[Dict[str, Any]]:
-    """The stream scenario's rows, in order: each configuration of :data:`STREAM_CONFIGS` with each VAE."""
-    return [
+def stream_rows(features: Sequence[str] = ()) -> List[Dict[str, Any]]:
+    """The stream scenario's rows, in order: each configuration of :data:`STREAM_CONFIGS` with each VAE, then each
+    of ``features`` (names of :data:`STREAM_FEATURES`, in that order) on the first configuration with the tiny VAE,
+    its name as ``feature`` and its settings beside the configuration's."""
+    rows = [
         {
             "steps": steps,
             "strength": strength,
@@ -393,6 +421,29 @@ def stream_rows() -> List[Dict[str, Any]]:
         for steps, strength, stream_batch in STREAM_CONFIGS
         for vae in STREAM_VAES
     ]
+    unknown = [name for name in features if name not in STREAM_FEATURES]
+    if unknown:
+        raise ArgumentError("features", f"expected names among {', '.join(STREAM_FEATURES)}, got {unknown}")
+    steps, strength, stream_batch = STREAM_CONFIGS[0]
+    for name in (name for name in STREAM_FEATURES if name in features):
+        rows.append(
+            {
+                "steps": steps,
+                "strength": strength,
+                "stream_batch": stream_batch,
+                "vae": STREAM_FEATURE_VAE,
+                "unet_steps": stream_unet_steps(steps, strength),
+                "feature": name,
+                **STREAM_FEATURES[name],
+                "peers": {},
+            }
+        )
+    return rows
+
+
+def stream_config(row: Dict[str, Any]) -> Dict[str, Any]:
+    """What a peer's process is told of ``row`` (``--stream-config``): the row without its results."""
+    return {key: value for key, value in row.items() if key not in ("peers", "unet_steps")}
 
 
 def stream_benchmark(
@@ -406,12 +457,16 @@ def stream_benchmark(
     out: Path,
     timeout: int,
     run: Any = run_in_subprocess,
+    features: Sequence[str] = (),
 ) -> Dict[str, Any]:
-    """``--scenario stream``: every peer of every row in a process of its own (``run``, :func:`run_in_subprocess`);
-    a peer that fails has its error in its row and the others go on. The numpy and torch peers, whose work the
-    stream batch does not change, run once per step count and VAE (the row without the stream batch shows the same
-    result, ``measured_in`` naming the row); the video runs on the 1-step rows. stream.json is rewritten after every
-    row, stream.md/png at the end."""
+    """``--scenario stream``: every peer of every row (:func:`stream_rows`, with the feature rows ``features``) in a
+    process of its own (``run``, :func:`run_in_subprocess`); a peer that fails has its error in its row and the others
+    go on. The numpy and torch peers, whose work the stream batch does not change, run once per step count and VAE
+    (the row without the stream batch shows the same result, ``measured_in`` naming the row); the video runs on the
+    1-step rows; a feature row is measured by :data:`.peers.STREAM_FEATURE_PEERS` alone (a ControlNet row on the
+    export with its ControlNets, :func:`.zoo.ensure_controlnet_export`, made when the first such row comes). A row
+    none of whose peers is among ``peers`` is left out. stream.json is rewritten after every row, stream.md/png at the
+    end."""
     out.mkdir(parents=True, exist_ok=True)
     results: Dict[str, Any] = {
         "environment": environment(),
@@ -431,15 +486,31 @@ def stream_benchmark(
         tiny_error = None
     except Exception as error:  # noqa: BLE001 — the full-VAE rows still run
         tiny_vae, tiny_error = None, f"the tiny VAE export failed: {type(error).__name__}: {error}"
+    controlnet_folders: Dict[int, Any] = {}  # ControlNets → the export's folder, or why it failed
     measured: Dict[Any, Dict[str, Any]] = {}
-    for row in stream_rows():
+    for row in stream_rows(features):
         label = stream_row_label(row)
-        config = {key: row[key] for key in ("steps", "strength", "stream_batch", "vae")}
-        for peer in peers:
+        config = stream_config(row)
+        row_peers = [peer for peer in peers if "feature" not in row or peer in STREAM_FEATURE_PEERS]
+        if not row_peers:
+            continue
+        row_folder: Any = folder
+        if row.get("controlnets") and tiny_vae is not None:
+            count = row["controlnets"]
+            if count not in controlnet_folders:
+                try:
+                    controlnet_folders[count] = ensure_controlnet_export(STREAM_KIND, dtype, export, work, count)
+                except Exception as error:  # noqa: BLE001 — the other rows still run
+                    controlnet_folders[count] = f"the ControlNet export failed: {type(error).__name__}: {error}"
+            row_folder = controlnet_folders[count]
+        for peer in row_peers:
             if peer == "video" and row["unet_steps"] != 1:
                 continue
             if row["vae"] == "tiny" and tiny_vae is None:
                 row["peers"][peer] = {"peer": peer, "error": tiny_error}
+                continue
+            if isinstance(row_folder, str):
+                row["peers"][peer] = {"peer": peer, "error": row_folder}
                 continue
             key = (peer, row["steps"], row["strength"], row["vae"])
             if peer in STREAM_BATCH_BLIND and key in measured:
@@ -450,7 +521,7 @@ def stream_benchmark(
                 "--run-stream",
                 peer,
                 "--folder",
-                str(folder),
+                str(row_folder),
                 "--stream-config",
                 json.dumps(config),
                 "--frames",
@@ -938,6 +1009,18 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
             "fp32 with --device cpu (a float16 or bfloat16 export is for the GPU)",
             args.dtypes,
         )
+    if args.stream_features is not None:
+        expect(
+            args.scenario == "stream", "--stream-features", "only with --scenario stream", f"--scenario {args.scenario}"
+        )
+        if args.stream_features != "none":
+            unknown = [item for item in split(args.stream_features) if item not in STREAM_FEATURES]
+            expect(
+                bool(split(args.stream_features)) and not unknown,
+                "--stream-features",
+                f"a comma-separated list of {', '.join(STREAM_FEATURES)}, or none",
+                args.stream_features,
+            )
     if args.scenario == "stream" and args.peers != parser.get_default("peers"):
         unknown = [item for item in split(args.peers) if item not in STREAM_PEERS]
         expect(
@@ -1095,6 +1178,14 @@ def check_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, split
         )
 
 
+def stream_features_of(args: argparse.Namespace, split: Any) -> List[str]:
+    """The stream scenario's feature rows: ``--stream-features`` as given, none for ``none``, else all of
+    :data:`STREAM_FEATURES`."""
+    if args.stream_features is None:
+        return list(STREAM_FEATURES)
+    return [] if args.stream_features == "none" else split(args.stream_features)
+
+
 def stream_export(
     parser: argparse.ArgumentParser, args: argparse.Namespace, split: Any, default_dtype: str = "fp16"
 ) -> Tuple[str, str]:
@@ -1226,6 +1317,15 @@ def build_parser() -> CommandLineParser:
     parser.add_argument("--frames", type=int, default=200, help="stream: timed frames per peer")
     parser.add_argument("--video-frames", type=int, default=120, help="stream: frames of the 512² video")
     parser.add_argument("--frame-warmup", type=int, default=10, help="stream: untimed frames first")
+    parser.add_argument(
+        "--stream-features",
+        default=None,
+        metavar="NAMES",
+        help="stream: the feature rows after the plain ones, comma-separated among "
+        f"{', '.join(STREAM_FEATURES)} (default: all of them), or none: guidance 1.5 (classifier-free, "
+        "residual self and initialize), the similarity filter 0.98 on a still and a moving clip, one ControlNet with "
+        "a fixed control image or one per frame; each at 1 step with the tiny VAE, measured by ours and the floor",
+    )
     parser.add_argument(
         "--blocks",
         type=int,
@@ -1440,6 +1540,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         dtype, export = stream_export(parser, args, split)
         print(ensure_export(STREAM_KIND, dtype, export, Path(args.work)), flush=True)
         print(ensure_tiny_vae_export(dtype, export, Path(args.work)), flush=True)
+        nets = {STREAM_FEATURES[name].get("controlnets") for name in stream_features_of(args, split)} - {None}
+        for count in sorted(nets):
+            print(ensure_controlnet_export(STREAM_KIND, dtype, export, Path(args.work), count), flush=True)
         return 0
     if args.export_only and args.scenario == "coldstart":
         models = split(args.models) if args.models != parser.get_default("models") else list(COLDSTART_MODELS)
@@ -1493,7 +1596,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         peers = split(args.peers) if args.peers != parser.get_default("peers") else list(STREAM_PEERS)
         dtype, export = stream_export(parser, args, split)
         results = stream_benchmark(
-            peers, dtype, export, args.frames, args.video_frames, args.frame_warmup, Path(args.work), out, args.timeout
+            peers,
+            dtype,
+            export,
+            args.frames,
+            args.video_frames,
+            args.frame_warmup,
+            Path(args.work),
+            out,
+            args.timeout,
+            features=stream_features_of(args, split),
         )
         print((out / "stream.md").read_text())
         if fail_on_own_failure(results, "stream", out / "stream.md"):

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # annotations only: torch is imported where it is used, not f
 
 from ..errors import ArgumentError
 from ..families import family, pipeline_class
+from ..layout import controlnet_component_names
 from .probes import PeakMemory, copied_bytes, own_graph_floor, replay_ms
 from .zoo import MODEL_SIZES, PROMPT, build_torch_pipeline, family_of_model, recipe_of, set_recipe_scheduler
 
@@ -356,7 +357,7 @@ def mixed_rounds(
 #   torch   diffusers' StableDiffusionImg2ImgPipeline, fp16, the row's VAE (AutoencoderKL or AutoencoderTiny), the
 #           prompt's embeddings computed once
 #   floor   the components' own CUDA graphs replayed back to back: VAE encoder + UNet (the stream's batch, or each
-#           step in turn) + VAE decoder
+#           step in turn) + VAE decoder; on a feature row the models of the stream it prepares, its ControlNets too
 #   video   a 512² video file: the codec alone (decode + encode), the ``stream`` command (decode → stream →
 #           encode), and the same decoded frames through the stream from memory
 STREAM_PEERS = ("ours", "numpy", "torch", "floor", "video")
@@ -364,6 +365,12 @@ STREAM_SIZE = 512
 STREAM_KIND = "turbo"
 # peers whose work does not depend on the stream batch: run once per (steps, VAE)
 STREAM_BATCH_BLIND = ("numpy", "torch")
+# the peers of a feature row (guidance, the similarity filter, a ControlNet: ``--stream-features``), which the other
+# peers do not run: ours, and the floor of its components at the shapes the row prepares
+STREAM_FEATURE_PEERS = ("ours", "floor")
+# the distinct frames of a moving clip (every frame new: the similarity filter keeps each), and of the control images
+# given with the frames in turn
+STREAM_CLIP_FRAMES = 8
 
 
 def stream_unet_steps(num_inference_steps: int, strength: float) -> int:
@@ -405,15 +412,20 @@ def step_cache_row(pipe: Any, call: Callable[[], Any], runs: int) -> Tuple[Dict[
     return row, images[-1]
 
 
-def synchronized_latencies(call: Callable[[int], Any], count: int) -> List[float]:
-    """ms of ``count`` calls ``call(i)``, each waited for on the device before the next starts."""
-    import torch
+def synchronized_latencies(
+    call: Callable[[int], Any], count: int, synchronize: Optional[Callable[[], Any]] = None
+) -> List[float]:
+    """ms of ``count`` calls ``call(i)``, each waited for on the device (``synchronize``, default
+    ``torch.cuda.synchronize``) before the next starts."""
+    if synchronize is None:
+        import torch
 
+        synchronize = torch.cuda.synchronize
     times = []
     for index in range(count):
         start = time.perf_counter()
         call(index)
-        torch.cuda.synchronize()
+        synchronize()
         times.append((time.perf_counter() - start) * 1000)
     return times
 
@@ -426,59 +438,125 @@ def cuda_frames(count: int, size: int, seed: int = 0) -> List[torch.Tensor]:
     return [torch.rand(3, size, size, device="cuda", generator=generator) * 2 - 1 for _ in range(count)]
 
 
-def load_stream(folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any]):
-    """Ours, prepared for ``config`` at 512²."""
-    stream = pipeline_class(family("stream")).from_pretrained(
-        folder, provider="CUDAExecutionProvider", tiny_vae=tiny_vae
-    )
+def load_stream(
+    folder: Path,
+    tiny_vae: Optional[Path],
+    config: Dict[str, Any],
+    control_image: Any = None,
+    provider: str = "CUDAExecutionProvider",
+    size: int = STREAM_SIZE,
+):
+    """Ours, prepared for ``config`` at ``size``² (512²): its schedule, and where the row has them its guidance
+    (``guidance_scale``, ``cfg_type``; guidance 0 otherwise) and its similarity filter (``similarity_threshold``);
+    ``control_image``: the control image of every frame (a ControlNet folder's stream; ``None``: each frame brings
+    its own)."""
+    stream = pipeline_class(family("stream")).from_pretrained(folder, provider=provider, tiny_vae=tiny_vae)
     set_recipe_scheduler(stream, STREAM_KIND)
+    options = {key: config[key] for key in ("cfg_type", "similarity_threshold") if key in config}
+    if control_image is not None:
+        options["control_image"] = control_image
     stream.prepare(
         PROMPT,
         num_inference_steps=config["steps"],
         strength=config["strength"],
-        guidance_scale=0.0,
+        guidance_scale=config.get("guidance_scale", 0.0),
         seed=0,
-        height=STREAM_SIZE,
-        width=STREAM_SIZE,
+        height=size,
+        width=size,
         stream_batch=config["stream_batch"],
+        **options,
     )
     return stream
+
+
+def stream_clip(config: Dict[str, Any], sources: Sequence[Any]) -> List[Any]:
+    """The frames a row feeds, cycled: ``sources`` (a moving clip, every frame new), or its first frame again and
+    again where the row's ``clip`` is ``"still"``."""
+    return list(sources[:1]) if config.get("clip") == "still" else list(sources)
+
+
+def control_images(config: Dict[str, Any], size: int, device: str = "cuda") -> List[Any]:
+    """A ControlNet row's control images, (1, 3, size, size) in [0, 1] on ``device``: one for every frame
+    (``control`` ``"fixed"``) or :data:`STREAM_CLIP_FRAMES` given with the frames in turn (``"per-frame"``); none
+    for the other rows."""
+    import torch
+
+    count = {"fixed": 1, "per-frame": STREAM_CLIP_FRAMES}.get(config.get("control"), 0)
+    generator = torch.Generator(device).manual_seed(1)
+    return [torch.rand(1, 3, size, size, device=device, generator=generator) for _ in range(count)]
+
+
+def measure_stream(
+    stream: Any,
+    config: Dict[str, Any],
+    sources: Sequence[Any],
+    controls: Sequence[Any],
+    frames: int,
+    warmup: int,
+    synchronize: Callable[[], Any],
+) -> Dict[str, Any]:
+    """Ours on one row, prepared (:func:`load_stream`): ``warmup`` frames of the row's clip (:func:`stream_clip`),
+    then per-frame latency over ``frames`` calls, each waited for (``synchronize``), and frames/s over ``frames``
+    frames back to back, waited for once at the end: given to :meth:`frames`, or, where each frame brings its own
+    control image (``control`` ``"per-frame"``: ``controls`` in turn), to the stream one call after another. With the
+    similarity filter, the frames it skipped in the frames/s run and their share."""
+    clip = stream_clip(config, sources)
+    per_frame = config.get("control") == "per-frame"
+
+    def feed(index: int) -> Any:
+        frame = clip[index % len(clip)]
+        return stream(frame, control_image=controls[index % len(controls)]) if per_frame else stream(frame)
+
+    for index in range(warmup):
+        feed(index)
+    stream.flush()
+    latencies = synchronized_latencies(feed, frames, synchronize)
+    stream.flush()
+    synchronize()
+    skipped = stream.skipped_frames
+    start = time.perf_counter()
+    if per_frame:  # frames() gives every frame the last control image
+        for index in range(frames):
+            feed(index)
+        stream.flush()
+    else:
+        for _ in stream.frames(clip[index % len(clip)] for index in range(frames)):
+            pass
+    synchronize()
+    fps = frames / (time.perf_counter() - start)
+    result = {**latency_summary(latencies), "fps": fps, "frames": frames, "unet_steps": len(stream.timesteps)}
+    if "similarity_threshold" in config:
+        result["skipped_frames"] = stream.skipped_frames - skipped
+        result["skipped_share"] = result["skipped_frames"] / frames
+    return result
 
 
 def run_stream_peer(
     peer: str, folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any], frames: int, warmup: int, work: Path
 ) -> Dict[str, Any]:
-    """One peer of the stream scenario on one configuration (``config``: steps, strength, stream_batch, vae), in this
-    process: ``warmup`` frames, then per-frame latency over ``frames`` synchronized calls (p50, p99) and frames/s
-    (ours: the frames given to :meth:`frames` back to back, waited for once at the end; the others cannot overlap
-    frames: 1000 / their mean latency)."""
+    """One peer of the stream scenario on one configuration (``config``: steps, strength, stream_batch, vae; a
+    feature row's options too, :func:`load_stream`), in this process: ``warmup`` frames, then per-frame latency over
+    ``frames`` synchronized calls (p50, p99) and frames/s (ours: :func:`measure_stream`; the others cannot overlap
+    frames: 1000 / their mean latency). A feature row's floor is its prepared stream's (:func:`prepared_stream_floor`);
+    the peers other than :data:`STREAM_FEATURE_PEERS` do not run feature rows."""
+    if "feature" in config and peer not in STREAM_FEATURE_PEERS:
+        raise PeerUnavailable(f"a feature row is measured by {', '.join(STREAM_FEATURE_PEERS)} alone")
     import torch
 
     torch.cuda.init()
-    if peer == "floor":
+    if peer == "floor" and "feature" not in config:
         return {"peer": peer, **stream_floor(folder, tiny_vae, config)}
     if peer == "video":
         return {"peer": peer, **stream_video(folder, tiny_vae, config, frames, warmup, work)}
-    sources = cuda_frames(8, STREAM_SIZE)
-    if peer == "ours":
-        stream = load_stream(folder, tiny_vae, config)
-        for index in range(warmup):
-            stream(sources[index % len(sources)])
-        stream.flush()
-        latencies = synchronized_latencies(lambda i: stream(sources[i % len(sources)]), frames)
-        stream.flush()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in stream.frames(sources[i % len(sources)] for i in range(frames)):
-            pass
-        torch.cuda.synchronize()
-        fps = frames / (time.perf_counter() - start)
+    sources = cuda_frames(STREAM_CLIP_FRAMES, STREAM_SIZE)
+    if peer in STREAM_FEATURE_PEERS:  # ours, and a feature row's floor: the stream the row prepares
+        controls = control_images(config, STREAM_SIZE)
+        stream = load_stream(folder, tiny_vae, config, controls[0] if config.get("control") == "fixed" else None)
+        if peer == "floor":
+            return {"peer": peer, **prepared_stream_floor(stream, config)}
         return {
             "peer": peer,
-            **latency_summary(latencies),
-            "fps": fps,
-            "frames": frames,
-            "unet_steps": len(stream.timesteps),
+            **measure_stream(stream, config, sources, controls, frames, warmup, torch.cuda.synchronize),
         }
     if peer == "numpy":
         if tiny_vae is not None:
@@ -560,6 +638,20 @@ def torch_img2img(tiny_vae: bool, config: Dict[str, Any], sources: Sequence[torc
     return call
 
 
+def graph_replay_ms(model: Any, inputs: Dict[str, torch.Tensor], replays: int) -> float:
+    """ms per replay of ``model``'s own CUDA graph (an IOBindingORTModel's capture) of ``inputs``' shapes, ``replays``
+    of them back to back on its stream (CUDA events), after three calls (ORT captures after a regular run)."""
+    import torch
+
+    with torch.cuda.stream(model.stream):
+        for _ in range(3):
+            model(**inputs)
+        runner = model.graph_runner({name: tuple(tensor.shape) for name, tensor in inputs.items()})
+    if runner is None:
+        raise RuntimeError(f"{model.input_names}: the model could not be captured as a CUDA graph")
+    return replay_ms(runner, model.stream, replays)
+
+
 def stream_floor(folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any], replays: int = 50) -> Dict[str, Any]:
     """The GPU floor of one frame: each component's own CUDA graph (IOBindingORTModel's capture) replayed back to
     back, timed with CUDA events: VAE encoder (batch 1) + UNet (batch k with the stream batch, else k replays of
@@ -577,29 +669,21 @@ def stream_floor(folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any],
             source, subfolder=name, provider="CUDAExecutionProvider", cuda_graph=True
         )
 
-    def replayed(model: IOBindingORTModel, inputs: Dict[str, torch.Tensor]) -> float:
-        with torch.cuda.stream(model.stream):
-            for _ in range(3):
-                model(**inputs)
-            runner = model.graph_runner({name: tuple(tensor.shape) for name, tensor in inputs.items()})
-        if runner is None:
-            raise RuntimeError(f"{model.input_names}: the model could not be captured as a CUDA graph")
-        return replay_ms(runner, model.stream, replays)
-
     encoder, unet, decoder = load("vae_encoder"), load("unet"), load("vae_decoder")
     (image_name,), (latent_name,) = encoder.input_names, decoder.input_names
     declared = unet.input_dims
     dtype = unet.input_dtypes["sample"]
     parts = {
-        "vae_encoder": replayed(
+        "vae_encoder": graph_replay_ms(
             encoder,
             {
                 image_name: torch.randn(
                     1, 3, STREAM_SIZE, STREAM_SIZE, device="cuda", dtype=encoder.input_dtypes[image_name]
                 )
             },
+            replays,
         ),
-        "unet": replayed(
+        "unet": graph_replay_ms(
             unet,
             {
                 "sample": torch.randn(unet_batch, 4, latent, latent, device="cuda", dtype=dtype),
@@ -613,10 +697,12 @@ def stream_floor(folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any],
                     unet_batch, 77, declared["encoder_hidden_states"][2], device="cuda", dtype=dtype
                 ),
             },
+            replays,
         ),
-        "vae_decoder": replayed(
+        "vae_decoder": graph_replay_ms(
             decoder,
             {latent_name: torch.randn(1, 4, latent, latent, device="cuda", dtype=decoder.input_dtypes[latent_name])},
+            replays,
         ),
     }
     unet_calls = 1 if config["stream_batch"] else unet_steps
@@ -626,6 +712,52 @@ def stream_floor(folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any],
         "fps": 1000 / frame_ms,
         "parts_ms": parts,
         "unet_batch": unet_batch,
+        "unet_calls": unet_calls,
+    }
+
+
+def stream_floor_inputs(stream: Any) -> Dict[str, Tuple[Any, Dict[str, torch.Tensor]]]:
+    """The models a frame of a prepared stream runs, in order, each with inputs of the shapes and dtypes ``prepare``
+    gave it: the VAE encoder (one frame), each ControlNet (``controlnet``, ``controlnet_1`` …), the UNet (its batch,
+    the guidance's rows included; with the ControlNets' residuals) and the VAE decoder (one latent). The inputs are
+    copies, but a model's call with them writes its graph's input buffers, which the stream's frames read: time the
+    stream's frames before, not after."""
+    import torch
+
+    unet_inputs = {name: value.clone() for name, value in stream.unet_inputs.items()}
+    _, channels, height, width = unet_inputs["sample"].shape
+    device, scale = unet_inputs["sample"].device, stream.vae_scale_factor
+    encoder, decoder = stream.vae_encoder, stream.vae_decoder
+    (image_name,), (latent_name,) = encoder.input_names, decoder.input_names
+    image = torch.randn(1, 3, height * scale, width * scale, device=device, dtype=encoder.input_dtypes[image_name])
+    models = {"vae_encoder": (encoder, {image_name: image})}
+    nets = list(getattr(stream, "controlnets", []))
+    for name, net, inputs in zip(controlnet_component_names(len(nets)), nets, stream.control_inputs if nets else []):
+        inputs = {key: value.clone() for key, value in inputs.items()}
+        models[name] = (net, inputs)
+        residuals = [residual.clone() for residual in net(**inputs)]  # their shapes and dtypes: the UNet's inputs
+        unet_inputs.update(zip(stream.denoiser.residual_inputs, residuals))
+    models["unet"] = (stream.unet, unet_inputs)
+    latent = torch.randn(1, channels, height, width, device=device, dtype=decoder.input_dtypes[latent_name])
+    models["vae_decoder"] = (decoder, {latent_name: latent})
+    return models
+
+
+def prepared_stream_floor(stream: Any, config: Dict[str, Any], replays: int = 50) -> Dict[str, Any]:
+    """The GPU floor of one frame of a feature row: each model of the prepared stream (:func:`stream_floor_inputs`)
+    replayed alone from its own CUDA graph, back to back (:func:`graph_replay_ms`): VAE encoder + the ControlNets and
+    the UNet (once with the stream batch, else once per step) + VAE decoder. The UNet's batch holds the guidance's rows
+    (a negative-prompt row per latent row under "full", one under "initialize")."""
+    models = stream_floor_inputs(stream)
+    parts = {name: graph_replay_ms(model, inputs, replays) for name, (model, inputs) in models.items()}
+    unet_calls = 1 if config["stream_batch"] else len(stream.timesteps)
+    step_ms = sum(ms for name, ms in parts.items() if name not in ("vae_encoder", "vae_decoder"))
+    frame_ms = parts["vae_encoder"] + unet_calls * step_ms + parts["vae_decoder"]
+    return {
+        "frame_ms": frame_ms,
+        "fps": 1000 / frame_ms,
+        "parts_ms": parts,
+        "unet_batch": int(models["unet"][1]["sample"].shape[0]),
         "unet_calls": unet_calls,
     }
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from ..families import family
 from .zoo import TRANSFORMER_BLOCKS
@@ -268,25 +268,124 @@ def write_mixed_report(results: Dict[str, Any], out: Path) -> None:
 
 
 def stream_row_label(row: Dict[str, Any]) -> str:
-    """``1 step, tiny VAE`` / ``2 steps, stream batch, full VAE`` / ``2 steps in turn, full VAE``."""
+    """``1 step, tiny VAE`` / ``2 steps, stream batch, full VAE`` / ``2 steps in turn, full VAE``; a feature row's
+    with its feature after (:func:`stream_feature_label`)."""
     steps = row["unet_steps"]
     batching = "" if steps == 1 else (", stream batch" if row["stream_batch"] else " in turn")
-    return f"{steps} step{'s' if steps > 1 else ''}{batching}, {row['vae']} VAE"
+    label = f"{steps} step{'s' if steps > 1 else ''}{batching}, {row['vae']} VAE"
+    return f"{label}, {stream_feature_label(row)}" if "feature" in row else label
+
+
+def stream_feature_label(row: Dict[str, Any]) -> str:
+    """What a feature row of the stream adds, from its settings: ``guidance 1.5 (cfg_type self)`` /
+    ``similarity filter 0.98, still clip`` / ``ControlNet, fixed control image`` / ``2 ControlNets, control image per
+    frame``; several of them joined by commas."""
+    parts = []
+    if row.get("cfg_type") is not None:
+        parts.append(f"guidance {row.get('guidance_scale', 0.0):g} (cfg_type {row['cfg_type']})")
+    if row.get("similarity_threshold") is not None:
+        parts.append(f"similarity filter {row['similarity_threshold']:g}, {row.get('clip', 'moving')} clip")
+    if row.get("control") is not None:
+        count = row.get("controlnets", 1)
+        nets = "ControlNet" if count == 1 else f"{count} ControlNets"
+        image = "fixed control image" if row["control"] == "fixed" else "control image per frame"
+        parts.append(f"{nets}, {image}")
+    return ", ".join(parts) or str(row["feature"])
+
+
+def _plain_stream_row(results: Dict[str, Any], row: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The row without a feature of ``row``'s configuration and VAE: what a feature row adds to."""
+    keys = ("steps", "strength", "stream_batch", "vae")
+    for other in results["rows"]:
+        if "feature" not in other and all(other[key] == row[key] for key in keys):
+            return other
+    return None
 
 
 def _torch_tiny_p50(results: Dict[str, Any], row: Dict[str, Any]) -> Any:
     """The torch tiny-VAE peer's p50 at ``row``'s step count (the stream batch does not change its work)."""
     for other in results["rows"]:
-        if other["vae"] == "tiny" and other["unet_steps"] == row["unet_steps"]:
+        if "feature" not in other and other["vae"] == "tiny" and other["unet_steps"] == row["unet_steps"]:
             torch_result = other["peers"].get("torch", {})
             if "p50_ms" in torch_result:
                 return torch_result["p50_ms"]
     return None
 
 
+def _stream_floor_cell(result: Dict[str, Any]) -> str:
+    """A floor result's parts: ``floor (encoder 2.00 + UNet 1 × 5.00 at batch 1 + decoder 1.00)``, with ControlNets
+    ``floor (encoder 2.00 + 1 × (ControlNet 3.00 + UNet 5.00) at batch 1 + decoder 1.00)``."""
+    parts = result["parts_ms"]
+    nets = [name for name in parts if name not in ("vae_encoder", "unet", "vae_decoder")]
+    if nets:
+        models = " + ".join([*(f"ControlNet {parts[name]:.2f}" for name in nets), f"UNet {parts['unet']:.2f}"])
+        step = f"{result['unet_calls']} × ({models})"
+    else:
+        step = f"UNet {result['unet_calls']} × {parts['unet']:.2f}"
+    return (
+        f"floor (encoder {parts['vae_encoder']:.2f} + {step} at batch {result['unet_batch']} + decoder "
+        f"{parts['vae_decoder']:.2f})"
+    )
+
+
+def _stream_feature_table(results: Dict[str, Any]) -> List[str]:
+    """stream.md's lines of the feature rows (none without one): per feature ours and the floor, ours' frame time
+    against the plain row's of the same configuration, and the share of frames the similarity filter skipped."""
+    rows = [row for row in results["rows"] if "feature" in row]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Features (`--stream-features`), each on its configuration with the tiny VAE, measured by ours and the floor "
+        "alone: guidance 1.5, classifier-free (`cfg_type full`: a negative-prompt row beside the latent's) and "
+        "StreamDiffusion's residual guidance (`self`: no extra row; `initialize`: one negative-prompt row); the "
+        "similarity filter at 0.98 on a still clip (one frame again and again) and on a moving one (every frame new); "
+        "one ControlNet (random weights) with a fixed control image or one given with each frame (frames/s then from "
+        "calls one after another, not `frames()`). Frame ms / plain: ours' 1000 / frames/s against the plain row's "
+        "of the same configuration and VAE. Skipped: the frames/s run's frames the similarity filter skipped (each "
+        "gives the last output again). Floor: the prepared stream's own models (its ControlNets, its UNet at the "
+        "guidance's batch), each from its own CUDA graph, back to back.",
+        "",
+        "| feature | configuration | pipeline | p50 ms | p99 ms | frames/s | / floor | frame ms / plain | skipped |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        start = f"| {row['feature']} | {stream_row_label(row)} |"
+        floor = row["peers"].get("floor", {}).get("frame_ms")
+        plain = _plain_stream_row(results, row)
+        plain_fps = (plain or {}).get("peers", {}).get("ours", {}).get("fps")
+        for peer, result in row["peers"].items():
+            if "skipped" in result:
+                lines.append(f"{start} {peer} | — ({result['skipped']}) | | | | | |")
+                continue
+            if "error" in result:
+                reason = result["error"].strip().splitlines()[-1][:120] if result["error"] else "no reason given"
+                lines.append(f"{start} {peer} | failed: {reason} | | | | | |")
+                continue
+            if peer == "floor":
+                lines.append(
+                    f"{start} {_stream_floor_cell(result)} | {result['frame_ms']:.2f} | | {result['fps']:.1f} "
+                    "| 1.00 | | |"
+                )
+                continue
+            vs_floor = f"{result['p50_ms'] / floor:.2f}" if floor else ""
+            vs_plain = f"{plain_fps / result['fps']:.2f}" if plain_fps else ""
+            skipped = (
+                f"{100 * result['skipped_share']:.1f} % ({result['skipped_frames']} of {result['frames']})"
+                if "skipped_share" in result
+                else ""
+            )
+            lines.append(
+                f"{start} {peer} | {result['p50_ms']:.2f} | {result['p99_ms']:.2f} | {result['fps']:.1f} "
+                f"| {vs_floor} | {vs_plain} | {skipped} |"
+            )
+    return lines
+
+
 def write_stream_report(results: Dict[str, Any], out: Path) -> None:
     """stream.json → stream.md (per-frame latency, frames/s, ratios to the floor and to torch with the tiny VAE; the
-    video file's three figures) and stream.png (frames/s per peer and configuration)."""
+    feature rows' own table, :func:`_stream_feature_table`; the video file's three figures) and stream.png (frames/s
+    per peer and configuration)."""
     env = results["environment"]
     lines = [
         f"# Stream: {env.get('device')}",
@@ -305,6 +404,8 @@ def write_stream_report(results: Dict[str, Any], out: Path) -> None:
         "|---|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
+        if "feature" in row:
+            continue
         label = stream_row_label(row)
         floor = row["peers"].get("floor", {}).get("frame_ms")
         torch_tiny = _torch_tiny_p50(results, row)
@@ -318,11 +419,8 @@ def write_stream_report(results: Dict[str, Any], out: Path) -> None:
                 lines.append(f"| {label} | {peer} | failed: {result['error'].strip().splitlines()[-1][:120]} | | | | |")
                 continue
             if peer == "floor":
-                parts = result["parts_ms"]
                 lines.append(
-                    f"| {label} | floor (encoder {parts['vae_encoder']:.2f} + UNet {result['unet_calls']} × "
-                    f"{parts['unet']:.2f} at batch {result['unet_batch']} + decoder "
-                    f"{parts['vae_decoder']:.2f}) | {result['frame_ms']:.2f} | | {result['fps']:.1f} "
+                    f"| {label} | {_stream_floor_cell(result)} | {result['frame_ms']:.2f} | | {result['fps']:.1f} "
                     "| 1.00 | |"
                 )
                 continue
@@ -332,6 +430,7 @@ def write_stream_report(results: Dict[str, Any], out: Path) -> None:
                 f"| {label} | {peer} | {result['p50_ms']:.2f} | {result['p99_ms']:.2f} | {result['fps']:.1f} "
                 f"| {vs_floor} | {vs_torch} |"
             )
+    lines += _stream_feature_table(results)
     videos = [(row, row["peers"]["video"]) for row in results["rows"] if "video" in row["peers"]]
     if videos:
         lines += [

@@ -284,6 +284,52 @@ def ensure_export(kind: str, dtype: str, export: str, work: Path, step_cache: bo
     )
 
 
+def build_controlnet_pipeline(kind: str, controlnets: int = 1, seed: int = 0):
+    """``kind``'s torch pipeline (:func:`build_torch_pipeline`) with ``controlnets`` ControlNets of its UNet
+    (``ControlNetModel.from_unet``, random weights: weights do not change speed): a
+    ``StableDiffusionControlNetPipeline``, with a ``MultiControlNetModel`` for more than one. SD 1.x/2.x
+    architectures only (SDXL's ControlNets condition on its pooled text and time ids)."""
+    import torch
+    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
+
+    _check_controlnet_model(kind, controlnets)
+    base = build_torch_pipeline(kind, seed)
+    torch.manual_seed(seed + 1)
+    nets = [ControlNetModel.from_unet(base.unet, load_weights_from_unet=False) for _ in range(controlnets)]
+    return StableDiffusionControlNetPipeline(
+        **{**base.components, "controlnet": nets[0] if controlnets == 1 else nets, "safety_checker": None},
+        requires_safety_checker=False,
+    )
+
+
+def _check_controlnet_model(kind: str, controlnets: int) -> None:
+    """Refuses, naming what it takes, a model without a Stable Diffusion 1.x/2.x pipeline or fewer than one
+    ControlNet."""
+    plain = [name for name in MODEL_SIZES if family_of_model(name) is family("sd")]
+    if kind not in plain:
+        raise ArgumentError("kind", f"expected one of {', '.join(plain)} for a ControlNet, got {kind!r}")
+    if isinstance(controlnets, bool) or not isinstance(controlnets, int) or controlnets < 1:
+        raise ArgumentError("controlnets", f"expected an integer ≥ 1, got {controlnets!r}")
+
+
+def controlnet_export_name(kind: str, dtype: str, export: str, controlnets: int = 1) -> str:
+    """The folder name of ``kind``'s export with ``controlnets`` ControlNets under ``--work``."""
+    return f"{kind}-controlnet{controlnets}-{dtype}-{export}"
+
+
+def ensure_controlnet_export(kind: str, dtype: str, export: str, work: Path, controlnets: int = 1) -> Path:
+    """The export of ``kind`` with ``controlnets`` random ControlNets (:func:`build_controlnet_pipeline`:
+    ``controlnet/`` … beside a UNet that takes their residuals) under ``work``, made once and shared as
+    :func:`ensure_export` shares the others; a model it cannot take refused before any work."""
+    _check_controlnet_model(kind, controlnets)
+    return _ensure_pipeline_export(
+        work / controlnet_export_name(kind, dtype, export, controlnets),
+        dtype,
+        export,
+        lambda: build_controlnet_pipeline(kind, controlnets),
+    )
+
+
 def _ensure_pipeline_export(
     folder: Path,
     dtype: str,
