@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import math
 import os
 import shutil
@@ -151,6 +152,20 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         f"{family('flux-controlnet').class_name})",
     )
     parser.add_argument(
+        "--ip-adapter",
+        action="store_true",
+        help="SD 1.x/2.x: a UNet that takes IP-Adapter's image prompt, so that any IP-Adapter of the model loads at "
+        "run time (pipe.load_ip_adapter, diffusers' arguments; generate and stream --ip-adapter)",
+    )
+    parser.add_argument(
+        "--image-encoder",
+        default=None,
+        metavar="ID_OR_FOLDER",
+        help="with --ip-adapter: the IP-Adapter's image encoder to export (a CLIPVisionModelWithProjection folder or "
+        "hub id, e.g. the image_encoder folder of h94/IP-Adapter's models); without one the pipelines take image "
+        "embeddings only",
+    )
+    parser.add_argument(
         "--tiny-vae",
         nargs="?",
         const=True,
@@ -196,6 +211,7 @@ def run_export(args: argparse.Namespace) -> int:
         ("--vae", args.vae, "config.json"),
         *(("--controlnet", controlnet, "config.json") for controlnet in args.controlnet or ()),
         ("--tiny-vae", tiny_vae, "config.json"),
+        ("--image-encoder", args.image_encoder, "config.json"),
     ]
     for option, name, _ in sources:
         check_local_or_hub(option, name)
@@ -267,6 +283,8 @@ def run_export(args: argparse.Namespace) -> int:
             tiny_vae=args.tiny_vae,
             step_cache=args.step_cache,
             vae_dtype=args.vae_dtype,
+            ip_adapter=args.ip_adapter,
+            image_encoder=args.image_encoder,
         )
     if vae_only:
         what = f"the tiny VAE {tiny_vae}" if tiny_vae else "a tiny random tiny VAE"
@@ -287,6 +305,8 @@ EXPORT_OPTIONS = {
     "step_cache": "--step-cache",
     "dtype": "--dtype",
     "vae_dtype": "--vae-dtype",
+    "ip_adapter": "--ip-adapter",
+    "image_encoder": "--image-encoder",
 }
 
 
@@ -466,6 +486,7 @@ GENERATE_OPTIONS = {
     "negative_prompt": "--negative-prompt",
     "provider": "--provider",
     "control_mode": "--control-mode",
+    "ip_adapter_image": "--ip-adapter-image",
 }
 # the components a pipeline folder holds: a refusal of one (its model.onnx, its inputs, its config) is the model's
 MODEL_COMPONENTS = (
@@ -530,6 +551,7 @@ def check_generate_arguments(args: argparse.Namespace) -> Optional[Path]:
         check(0 < args.strength <= 1, "--strength", "a number in (0, 1]", args.strength)
     args.loras = [parse_lora_option(spec) for spec in args.lora]
     args.images = read_image_options(args)
+    args.image_prompt = check_ip_adapter_arguments(args)
     if args.guidance is not None:
         check(math.isfinite(args.guidance), "--guidance", "a finite number", args.guidance)
     check(args.seed in NUMPY_SEEDS, "--seed", f"an integer in 0 … {NUMPY_SEEDS[-1]} (numpy's seeds)", args.seed)
@@ -600,6 +622,58 @@ def read_image_file(option: str, path: str, mode: str) -> Any:
         raise UsageError(
             f"{option}: expected an image file Pillow reads (PNG, JPEG, …), got {path!r}: {error}"
         ) from None
+
+
+def add_ip_adapter_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--ip-adapter`` and its image, file and scale (``generate`` and ``stream``)."""
+    group = parser.add_argument_group(
+        "IP-Adapter (a model exported with --ip-adapter; the image prompt needs its image encoder too)"
+    )
+    group.add_argument(
+        "--ip-adapter",
+        default=None,
+        metavar="ID_OR_FOLDER",
+        help="the IP-Adapter's hub id or folder (e.g. h94/IP-Adapter), with --ip-adapter-weight and --ip-adapter-image",
+    )
+    group.add_argument(
+        "--ip-adapter-weight",
+        default=None,
+        metavar="PATH",
+        help="its weights file in that repo or folder, e.g. models/ip-adapter_sd15.safetensors",
+    )
+    group.add_argument("--ip-adapter-image", default=None, metavar="FILE", help="the image prompt")
+    group.add_argument(
+        "--ip-adapter-scale", type=float, default=1.0, help="how much the image prompt counts (default 1.0)"
+    )
+
+
+def check_ip_adapter_arguments(args: argparse.Namespace) -> Optional[Any]:
+    """The IP-Adapter options, together or not at all, and the image prompt read: before any model loads."""
+    given = {
+        option: getattr(args, option[2:].replace("-", "_"))
+        for option in ("--ip-adapter", "--ip-adapter-weight", "--ip-adapter-image")
+    }
+    if not any(value is not None for value in given.values()):
+        return None
+    missing = [option for option, value in given.items() if value is None]
+    if missing:
+        raise UsageError(
+            f"{missing[0]}: expected it with {', '.join(o for o in given if o != missing[0])}, got it missing"
+        )
+    check(math.isfinite(args.ip_adapter_scale), "--ip-adapter-scale", "a finite number", args.ip_adapter_scale)
+    check_local_or_hub("--ip-adapter", args.ip_adapter)
+    return read_image_file("--ip-adapter-image", args.ip_adapter_image, "RGB")
+
+
+def load_ip_adapter_option(pipe: Any, args: argparse.Namespace) -> None:
+    """Loads ``--ip-adapter``'s weights file on ``pipe`` at ``--ip-adapter-scale``; refusals name the options."""
+    subfolder, _, weight_name = args.ip_adapter_weight.replace("\\", "/").rpartition("/")
+    if not hasattr(pipe, "load_ip_adapter"):
+        raise UsageError(f"--ip-adapter: expected none for {type(pipe).__name__} (it takes no IP-Adapter)")
+    names = {"pretrained_model_name_or_path_or_dict": "--ip-adapter", "weight_name": "--ip-adapter-weight"}
+    with options_named({**names, "scale": "--ip-adapter-scale"}):
+        pipe.load_ip_adapter(args.ip_adapter, subfolder=subfolder or None, weight_name=weight_name)
+        pipe.set_ip_adapter_scale(args.ip_adapter_scale)
 
 
 def parse_lora_option(spec: str) -> Tuple[str, float]:
@@ -772,6 +846,10 @@ def run_generate(args: argparse.Namespace) -> int:
             for side, chosen in zip(given, (width, height))
         )
     load_loras(pipe, args.loras)
+    if args.image_prompt is not None:
+        if "ip_adapter_image" not in inspect.signature(pipe.__call__).parameters:
+            raise UsageError(f"--ip-adapter: expected none for {type(pipe).__name__} (it takes no image prompt)")
+        load_ip_adapter_option(pipe, args)
     if args.scheduler:
         import diffusers
 
@@ -820,6 +898,8 @@ def run_generate(args: argparse.Namespace) -> int:
         call["negative_prompt"] = args.negative_prompt
     if args.control_mode is not None:
         call["control_mode"] = args.control_mode
+    if args.image_prompt is not None:
+        call["ip_adapter_image"] = args.image_prompt
     start = time.perf_counter()
     try:
         with options_named({**model_names, **GENERATE_OPTIONS}):  # the pipeline's checks of what depends on the model
@@ -929,6 +1009,7 @@ STREAM_OPTIONS = {
     "max_skip_frame": "--max-skip-frame",
     "control_image": "--control-image",
     "controlnet_conditioning_scale": "--control-scale",
+    "ip_adapter_image": "--ip-adapter-image",
 }
 
 
@@ -1122,6 +1203,7 @@ def run_stream(args: argparse.Namespace) -> int:
     written to a video file or a folder of PNGs (atomically)."""
     size = check_stream_arguments(args)
     controls = [read_image_file("--control-image", path, "RGB") for path in args.control_image or ()]
+    image_prompt = check_ip_adapter_arguments(args)
     from tqdm.auto import tqdm
 
     from .video import FrameWriter, open_frames
@@ -1162,6 +1244,8 @@ def run_stream(args: argparse.Namespace) -> int:
         with options_named(stream_option_names(args)):
             stream = pipeline_class(family("stream")).from_pretrained(model, provider=provider, tiny_vae=args.tiny_vae)
             check_frame_size(stream.size_multiple, width, height, args)
+            if image_prompt is not None:
+                load_ip_adapter_option(stream, args)
             stream.prepare(
                 args.prompt,
                 negative_prompt=args.negative_prompt,
@@ -1177,6 +1261,7 @@ def run_stream(args: argparse.Namespace) -> int:
                 similarity_threshold=args.similarity_threshold,
                 max_skip_frame=args.max_skip_frame,
                 **stream_control_arguments(stream, controls, args),
+                **({"ip_adapter_image": image_prompt} if image_prompt is not None else {}),
             )
             ready = time.perf_counter()
             outputs = stream.frames(reader)
@@ -1409,6 +1494,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH[:SCALE]",
         help="a LoRA file, folder or hub id, at SCALE (default 1); repeat it for several",
     )
+    add_ip_adapter_arguments(generate)
     generate.add_argument("--scheduler", choices=sorted(SCHEDULERS), default=None, help="replace the model's scheduler")
     generate.add_argument("--provider", default=None, help="ORT execution provider (default: CUDA if available)")
     generate.add_argument(
@@ -1635,6 +1721,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="how much a ControlNet's residuals count (default 0.8; repeat it, one per ControlNet)",
     )
+    add_ip_adapter_arguments(stream)
     stream.add_argument("--seed", type=int, default=0, help="the stream's fixed noise (default 0)")
     stream.add_argument(
         "--tiny-vae",

@@ -22,6 +22,8 @@ from .layout import (
     DOWN_RESIDUAL_INPUT,
     FLUX_CONTROLNET_BLOCK_SAMPLE,
     FLUX_CONTROLNET_SINGLE_BLOCK_SAMPLE,
+    IP_ADAPTER_KEY_INPUT,
+    IP_ADAPTER_VALUE_INPUT,
     MID_RESIDUAL_INPUT,
 )
 
@@ -100,7 +102,9 @@ WAN_SETTINGS = {"boundary_ratio": None, "expand_timesteps": False}
 class DenoiserInterface:
     """A denoiser's ONNX interface as detection reads it: the ``component`` folder it lives in (``"unet"`` or
     ``"transformer"``), the ``inputs`` it must take, the ``optional`` ones it may take (FLUX.1 dev's ``guidance``),
-    the ``prefixed`` inputs it may take any number of (a ControlNet's residuals), and the ``sample_channels`` it must
+    the ``prefixed`` inputs it takes any number of, at least one (a ControlNet's residuals), the
+    ``optional_prefixed`` ones it may take any number of (IP-Adapter's image-prompt keys and values), and the
+    ``sample_channels`` it must
     have (``None``: any) or must not have (``refused_channels``): a UNet's ``sample`` channels, a FLUX.1
     transformer's token width (the last dim of its ``hidden_states``)."""
 
@@ -108,13 +112,18 @@ class DenoiserInterface:
     inputs: Tuple[str, ...]
     optional: Tuple[str, ...] = ()
     prefixed: Tuple[str, ...] = ()
+    optional_prefixed: Tuple[str, ...] = ()
     sample_channels: Optional[int] = None
     refused_channels: Tuple[int, ...] = ()
 
     def matches(self, inputs: Sequence[str], channels: Optional[int] = None) -> bool:
         """Whether a denoiser taking ``inputs`` (with ``channels`` sample channels, ``None``: unknown) is this one."""
         names = set(inputs)
-        extra = {name for name in names - set(self.inputs) - set(self.optional) if not name.startswith(self.prefixed)}
+        extra = {
+            name
+            for name in names - set(self.inputs) - set(self.optional)
+            if not name.startswith(self.prefixed + self.optional_prefixed)
+        }
         if self.prefixed and not any(name.startswith(self.prefixed) for name in names):
             return False
         if not set(self.inputs) <= names or extra:
@@ -230,7 +239,9 @@ class Family:
 
 
 _SD_MODULE = "optimum_iobinding.pipelines"
-_UNET = DenoiserInterface("unet", UNET_INPUTS, refused_channels=(9,))
+# a UNet exported for IP-Adapter also takes each cross-attention layer's image-prompt keys and values
+IMAGE_PROMPT_INPUTS = (IP_ADAPTER_KEY_INPUT, IP_ADAPTER_VALUE_INPUT)
+_UNET = DenoiserInterface("unet", UNET_INPUTS, optional_prefixed=IMAGE_PROMPT_INPUTS, refused_channels=(9,))
 _SD_DEFAULTS = Defaults(steps=50, guidance_scale=7.5, size=512)
 _SD_INDEX = (DIFFUSERS_ONNX_CLASS_NAME, "StableDiffusionPipeline", "ORTStableDiffusionPipeline")
 _SD_LORA = "StableDiffusionLoraLoaderMixin"
@@ -260,7 +271,7 @@ FAMILIES: Tuple[Family, ...] = (
         "OnnxStableDiffusionXLPipeline",
         f"{_SD_MODULE}.stable_diffusion_xl",
         "SDXL",
-        DenoiserInterface("unet", SDXL_INPUTS),
+        DenoiserInterface("unet", SDXL_INPUTS, optional_prefixed=IMAGE_PROMPT_INPUTS),
         Defaults(steps=50, guidance_scale=5.0),
         index_class_names=(
             "StableDiffusionXLPipeline",
@@ -282,7 +293,7 @@ FAMILIES: Tuple[Family, ...] = (
         "OnnxStableDiffusionXLImg2ImgPipeline",
         f"{_SD_MODULE}.stable_diffusion_xl",
         "SDXL image to image (the refiner too)",
-        DenoiserInterface("unet", SDXL_INPUTS),
+        DenoiserInterface("unet", SDXL_INPUTS, optional_prefixed=IMAGE_PROMPT_INPUTS),
         Defaults(steps=50, guidance_scale=5.0),
         index_class_name="StableDiffusionXLImg2ImgPipeline",
         text_to_image=False,
@@ -418,7 +429,7 @@ FAMILIES: Tuple[Family, ...] = (
         "OnnxStreamDiffusionPipeline",
         f"{_SD_MODULE}.stream",
         "real-time stream (few-step image to image on frames)",
-        DenoiserInterface("unet", UNET_INPUTS, optional=("timestep_cond",)),
+        DenoiserInterface("unet", UNET_INPUTS, optional=("timestep_cond",), optional_prefixed=IMAGE_PROMPT_INPUTS),
         Defaults(steps=1, guidance_scale=0.0, size=512),
         auto=False,
         text_to_image=False,
@@ -451,7 +462,7 @@ FAMILIES: Tuple[Family, ...] = (
         "OnnxStreamDiffusionXLPipeline",
         f"{_SD_MODULE}.stream_xl",
         "real-time SDXL stream (few-step image to image on frames: SDXL-Turbo, SDXL)",
-        DenoiserInterface("unet", SDXL_INPUTS, optional=("timestep_cond",)),
+        DenoiserInterface("unet", SDXL_INPUTS, optional=("timestep_cond",), optional_prefixed=IMAGE_PROMPT_INPUTS),
         Defaults(steps=1, guidance_scale=0.0, size=512),
         auto=False,
         text_to_image=False,

@@ -32,6 +32,11 @@ CONTROLNET_CONDITION, CONTROLNET_SCALE = "controlnet_cond", "conditioning_scale"
 FLUX_CONTROLNET_BLOCK_SAMPLE = "controlnet_block_sample_"
 FLUX_CONTROLNET_SINGLE_BLOCK_SAMPLE = "controlnet_single_block_sample_"
 FLUX_CONTROLNET_MODE = "controlnet_mode"
+# What a UNet exported for IP-Adapter takes: each cross-attention layer's image-prompt keys and values (in the order of
+# the UNet's attention processors, numbered from 0; the adapter's scale already in the values), and the folder of the
+# image encoder that makes the image embeddings (diffusers' name)
+IP_ADAPTER_KEY_INPUT, IP_ADAPTER_VALUE_INPUT = "ip_adapter_key_", "ip_adapter_value_"
+IMAGE_ENCODER = "image_encoder"
 
 
 # The step caches' part graphs, written by the export beside a denoiser's model.onnx and read by the pipelines:

@@ -31,6 +31,7 @@ from ..layout import (
 )
 from .components import PRECISIONS, export_component, vae_specs
 from .flux import export_flux_pipeline, with_flux_controlnets
+from .ip_adapter import load_image_encoder
 from .step_cache import check_first_block_cache_depth
 from .tiny import TINY_RANDOM_KINDS, build_tiny_random_tiny_vae
 from .transformer import export_sd3_pipeline
@@ -75,6 +76,8 @@ def export_pipeline(
     tiny_vae: Union[str, os.PathLike, object, bool, None] = None,
     step_cache: bool = False,
     vae_dtype: Optional[str] = None,
+    ip_adapter: bool = False,
+    image_encoder: Union[str, os.PathLike, object, None] = None,
 ) -> Path:
     """Exports a diffusers Stable Diffusion (1.x/2.x, LCM, Turbo) pipeline to the diffusers ONNX layout, or an SDXL
     pipeline to optimum's SDXL layout (two text encoders with their hidden states; a UNet taking ``text_embeds`` and
@@ -143,6 +146,15 @@ def export_pipeline(
             nothing overflows: about half the decode's memory and time); refused for the other families, whose VAE
             follows ``dtype``.
 
+        ip_adapter: a Stable Diffusion 1.x/2.x UNet that takes IP-Adapter's image-prompt keys and values
+            (:mod:`optimum_iobinding.export.ip_adapter`): the pipelines then load any IP-Adapter of the model at run
+            time (``load_ip_adapter``), as diffusers does. An adapter diffusers' ``load_ip_adapter`` put on the
+            ``torch_pipeline`` is not exported: load it on the ONNX pipeline.
+        image_encoder: with ``ip_adapter``, the image encoder to export as ``image_encoder`` (a
+            ``CLIPVisionModelWithProjection``, its folder or hub id, e.g. ``h94/IP-Adapter`` with the subfolder
+            ``models/image_encoder``: give the folder); the pipeline's own (``torch_pipeline.image_encoder``) where
+            it has one. Without one the pipelines take ``ip_adapter_image_embeds`` only.
+
     Returns:
         The output folder.
 
@@ -164,6 +176,14 @@ def export_pipeline(
         raise ArgumentError("step_cache", f"expected True or False, got {step_cache!r}")
     if vae_dtype not in (None, "fp32", "fp16"):
         raise ArgumentError("vae_dtype", f"expected None, 'fp32' or 'fp16', got {vae_dtype!r}")
+    if not isinstance(ip_adapter, bool):
+        raise ArgumentError("ip_adapter", f"expected True or False, got {ip_adapter!r}")
+    if image_encoder is not None and not ip_adapter:
+        raise ArgumentError(
+            "image_encoder", "expected it with ip_adapter=True (IP-Adapter's image encoder), got it alone"
+        )
+    if ip_adapter and step_cache:
+        raise ArgumentError("ip_adapter", "expected it without step_cache (DeepCache's parts take no image prompt)")
     dtype = resolve_dtype(dtype, fp16)
     tiny_vae = None if tiny_vae is False else tiny_vae
     # what is known before loading: a ControlNet asked for or given, or a VAE alone; the rest once it is loaded
@@ -246,6 +266,10 @@ def export_pipeline(
             f"expected None for a {title} (its VAE follows the export's precision; only Wan's VAE has one of its "
             f"own), got {vae_dtype!r}",
         )
+    if ip_adapter:
+        check_ip_adapter_pipeline(pipe)
+        if image_encoder is not None:
+            pipe.image_encoder = load_image_encoder(image_encoder)
     if getattr(pipe, "transformer", None) is not None:  # a diffusion transformer (SD3, Flux)
         if step_cache:
             check_first_block_cache_depth(pipe.transformer)
@@ -275,7 +299,26 @@ def export_pipeline(
         optimize=optimize,
         progress=progress,
         step_cache=step_cache,
+        ip_adapter=ip_adapter,
     )
+
+
+def check_ip_adapter_pipeline(pipe) -> None:
+    """IP-Adapter's image-prompt inputs are exported for Stable Diffusion 1.x/2.x and SDXL text to image and image
+    to image (and their streams): refuses, naming ``ip_adapter``, the other pipelines."""
+    unet = getattr(pipe, "unet", None)
+    config = getattr(unet, "config", None)
+    if (
+        config is None
+        or controlnets_of(pipe)
+        or getattr(config, "in_channels", 4) != 4
+        or getattr(config, "time_cond_proj_dim", None)
+    ):
+        raise ArgumentError(
+            "ip_adapter",
+            "expected a Stable Diffusion 1.x/2.x or SDXL pipeline (text or image to image, the stream), got a "
+            f"{type(pipe).__name__}",
+        )
 
 
 def resolve_dtype(dtype: Optional[str], fp16: bool = False) -> str:

@@ -587,6 +587,7 @@ OPTIMIZER_MODEL_TYPES = {
     "vae_encoder": "vae",
     "vae_decoder": "vae",
     "controlnet": "unet",
+    "image_encoder": "clip",
 }
 
 
@@ -660,12 +661,18 @@ def fusion_options(name: str, config: Any, target: str):
 
 def use_classic_attention(module: torch.nn.Module) -> None:
     """ORT's UNet attention fusion fails on graphs exported from SDPA attention (a TypeError in get_num_heads) and
-    fuses the classic processor's MatMul/Softmax pattern into MultiHeadAttention: export with the classic one."""
+    fuses the classic processor's MatMul/Softmax pattern into MultiHeadAttention: export with the classic one (a
+    processor whose ``keeps_classic_steps`` is true, an IP-Adapter layer's, is kept: it takes those steps already)."""
     from diffusers.models.attention_processor import AttnProcessor
 
     for child in module.modules():
         if hasattr(child, "set_attn_processor") and hasattr(child, "attn_processors"):
-            child.set_attn_processor(AttnProcessor())
+            child.set_attn_processor(
+                {
+                    name: processor if getattr(processor, "keeps_classic_steps", False) else AttnProcessor()
+                    for name, processor in child.attn_processors.items()
+                }
+            )
             return
 
 

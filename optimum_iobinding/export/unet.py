@@ -39,6 +39,9 @@ from ..layout import (
     CONTROLNET_SCALE,
     DOWN_RESIDUAL_INPUT,
     DOWN_RESIDUAL_OUTPUT,
+    IMAGE_ENCODER,
+    IP_ADAPTER_KEY_INPUT,
+    IP_ADAPTER_VALUE_INPUT,
     MID_RESIDUAL_INPUT,
     MID_RESIDUAL_OUTPUT,
     ONNX_COMPONENTS,
@@ -50,6 +53,7 @@ from ..layout import (
 )
 from .components import export_component, pooled_output, vae_specs
 from .deep_cache import check_deep_cache_unet
+from .ip_adapter import image_encoder_spec, image_prompt_inputs, image_prompt_processors, without_loaded_ip_adapter
 
 __all__ = [
     "export_unet_pipeline",
@@ -94,13 +98,17 @@ class _UNet(torch.nn.Module):
     """``sample, timestep, encoder_hidden_states`` and, where the UNet takes them, ``timestep_cond`` (LCM's guidance
     embedding) and SDXL's ``text_embeds``, ``time_ids``."""
 
-    def __init__(self, unet, extra_inputs: Sequence[str] = ()):
+    def __init__(self, unet, extra_inputs: Sequence[str] = (), image_prompt_processors: Sequence = ()):
         super().__init__()
         self.unet = unet
         self.extra_inputs = tuple(extra_inputs)
+        self.image_prompt_processors = list(image_prompt_processors)
 
     def forward(self, sample, timestep, encoder_hidden_states, *extra):
         named = dict(zip(self.extra_inputs, extra))
+        for index, processor in enumerate(self.image_prompt_processors):  # an IP-Adapter's keys and values
+            processor.key = named[f"{IP_ADAPTER_KEY_INPUT}{index}"]
+            processor.value = named[f"{IP_ADAPTER_VALUE_INPUT}{index}"]
         added = {key: named[key] for key in ("text_embeds", "time_ids") if key in named} or None
         down = [named[name] for name in self.extra_inputs if name.startswith(DOWN_RESIDUAL_INPUT)] or None
         return self.unet(
@@ -194,9 +202,11 @@ def _text_encoder_spec(text_encoder, sequence: int, xl: bool, with_projection: b
     )
 
 
-def component_specs(pipe, vae=None) -> Dict[str, dict]:
+def component_specs(pipe, vae=None, ip_adapter: bool = False) -> Dict[str, dict]:
     """What to export for each component: module, example inputs, names and dynamic axes; the VAE's from ``vae``
-    where given (a tiny VAE), else from the pipeline's."""
+    where given (a tiny VAE), else from the pipeline's. ``ip_adapter``: the UNet takes IP-Adapter's image-prompt
+    keys and values (:mod:`.ip_adapter`; its cross-attention processors are replaced), and the pipeline's
+    ``image_encoder``, where it has one, is exported too."""
     xl = is_xl(pipe)
     unet = pipe.unet
     vae = pipe.vae if vae is None else vae
@@ -275,8 +285,16 @@ def component_specs(pipe, vae=None) -> Dict[str, dict]:
                 },
                 config=controlnet.config,
             )
+    processors = []
+    if ip_adapter:
+        names, examples, axes = image_prompt_inputs(unet)
+        processors = image_prompt_processors(unet)
+        extra_names, extra_args = [*extra_names, *names], [*extra_args, *examples]
+        extra_axes.update(axes)
+        if getattr(pipe, IMAGE_ENCODER, None) is not None:
+            specs[IMAGE_ENCODER] = image_encoder_spec(getattr(pipe, IMAGE_ENCODER))
     specs["unet"] = dict(
-        module=_UNet(unet, extra_names),
+        module=_UNet(unet, extra_names, processors),
         args=(*unet_args, *extra_args),
         input_names=["sample", "timestep", "encoder_hidden_states", *extra_names],
         output_names=["out_sample"],
@@ -417,6 +435,7 @@ def export_unet_pipeline(
     optimize: Optional[str] = None,
     progress: bool = True,
     step_cache: bool = False,
+    ip_adapter: bool = False,
 ) -> Path:
     """Writes a UNet pipeline's folder at ``target`` (see the module's docstring), built beside it and moved into
     place when whole; the caller has checked ``target``.
@@ -433,6 +452,8 @@ def export_unet_pipeline(
         optimize: ``"cuda"``, ``"cpu"`` or ``None``: ORT's optimizer on each component.
         progress: show a progress bar.
         step_cache: DeepCache's parts beside the UNet (:mod:`.deep_cache`); not for a ControlNet pipeline.
+        ip_adapter: a UNet taking IP-Adapter's image-prompt keys and values, and the pipeline's ``image_encoder``
+            where it has one (:mod:`.ip_adapter`).
 
     Returns:
         ``target``.
@@ -461,8 +482,10 @@ def export_unet_pipeline(
     unknown = [c for c in components if c not in available]
     if unknown:
         raise ArgumentError("components", f"expected names from {list(available)}, got {unknown}")
-    specs = component_specs(pipe, vae=tiny_vae)
-    with building_beside(target) as scratch:
+    specs = component_specs(pipe, vae=tiny_vae, ip_adapter=ip_adapter)
+    if IMAGE_ENCODER in specs:
+        components = (*components, IMAGE_ENCODER)
+    with building_beside(target) as scratch, without_loaded_ip_adapter(pipe.unet):
         for name in tqdm(components, desc="export", unit="model", disable=not progress):
             export_component(
                 name,
@@ -498,7 +521,7 @@ def export_unet_pipeline(
                 scratch,
                 type(pipe.scheduler).__name__,
                 type(pipe.tokenizer).__name__,
-                ONNX_COMPONENTS + nets,
+                ONNX_COMPONENTS + nets + ((IMAGE_ENCODER,) if IMAGE_ENCODER in components else ()),
                 family("controlnet" if nets else "sd").index_class_name,
             )
     return target

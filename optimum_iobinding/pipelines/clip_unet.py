@@ -12,10 +12,12 @@ from .arguments import Embeds, Prompt
 from .components import VAE_COMPONENTS, module, onnx, tokenizer
 from .core import OnnxDiffusionPipeline, Warmup
 from .denoisers import UNetDenoiser
+from .ip_adapter import IPAdapterMixin
 from .lora import LoraLoaderMixin
 from .prompts import CLIPPrompt
 
-# diffusers' ONNX Stable Diffusion folder (its safety checker and feature extractor are accepted and never run)
+# diffusers' ONNX Stable Diffusion folder (its safety checker and feature extractor are accepted and never run), and
+# the image encoder of an export for IP-Adapter
 STABLE_DIFFUSION_COMPONENTS = (
     onnx("text_encoder"),
     tokenizer("tokenizer"),
@@ -23,11 +25,13 @@ STABLE_DIFFUSION_COMPONENTS = (
     *VAE_COMPONENTS,
     module("safety_checker"),
     module("feature_extractor"),
+    onnx("image_encoder", optional=True),
 )
 
 
-class ClipUNetPipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
-    """The declaration of a CLIP + UNet family; each family adds its ``__call__``."""
+class ClipUNetPipeline(IPAdapterMixin, LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
+    """The declaration of a CLIP + UNet family; each family adds its ``__call__`` (IP-Adapter: where the UNet was
+    exported for it, :class:`~.ip_adapter.IPAdapterMixin`)."""
 
     declared_components = STABLE_DIFFUSION_COMPONENTS
     denoiser_part = UNetDenoiser

@@ -221,7 +221,8 @@ class UNetDenoiser(Denoiser):
     def check_model(self) -> None:
         declared = self.model.input_names
         expected = [*UNET_INPUTS, *self.extra_inputs]
-        unexpected = [name for name in declared if name not in expected]
+        optional = self.pipe.family.interface.optional_prefixed  # IP-Adapter's image-prompt inputs
+        unexpected = [name for name in declared if name not in expected and not name.startswith(optional or ("\0",))]
         missing = [name for name in expected if name not in declared]
         if not unexpected and not missing:
             return

@@ -55,11 +55,15 @@ class OnnxStableDiffusionImg2ImgPipeline(ClipUNetPipeline):
         callback_steps: int = 1,
         callback_on_step_end: StepEndCallback = None,
         callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        ip_adapter_image: Any = None,
+        ip_adapter_image_embeds: Any = None,
     ):
         """Transforms ``image`` (PIL, numpy HWC in [0, 1], or torch NCHW in [-1, 1]) as ``prompt`` says; arguments
-        as diffusers' ``OnnxStableDiffusionImg2ImgPipeline``, plus ``callback_on_step_end``. ``strength`` in
-        [0, 1] is how much of the schedule runs (1: ignore the image's content)."""
-        # 1. check inputs; 2. text embeddings, on the device
+        as diffusers' ``OnnxStableDiffusionImg2ImgPipeline``, plus ``callback_on_step_end`` and a loaded IP-Adapter's
+        ``ip_adapter_image`` / ``ip_adapter_image_embeds``. ``strength`` in [0, 1] is how much of the schedule runs
+        (1: ignore the image's content)."""
+        # 1. check inputs; 2. text embeddings and the image prompt, on the device
+        self.check_image_prompt(ip_adapter_image, ip_adapter_image_embeds)
         image = self.start_image(image)
         height, width = image.shape[-2:]
         prompt_embeds, batch_size = self.checked_text_embeddings(
@@ -79,6 +83,10 @@ class OnnxStableDiffusionImg2ImgPipeline(ClipUNetPipeline):
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )
 
+        image_prompt = self.image_prompt_inputs(
+            ip_adapter_image, ip_adapter_image_embeds, batch_size * num_images_per_prompt, guidance_scale > 1.0
+        )
+
         # 3. timesteps for this strength; the image's latents noised to the first of them
         timesteps = self.strength_timesteps(num_inference_steps, strength)
         latents = self.noised_image_latents(
@@ -91,6 +99,7 @@ class OnnxStableDiffusionImg2ImgPipeline(ClipUNetPipeline):
             latents,
             timesteps,
             tensors={"prompt_embeds": prompt_embeds},
+            inputs=image_prompt,
             guidance=Guidance.classifier_free(guidance_scale),
             step_kwargs=self.scheduler_step_kwargs(generator, eta),
             callback=callback,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 
 from ..families import family
@@ -45,6 +45,8 @@ class OnnxStableDiffusionPipeline(ClipUNetPipeline):
         callback_steps: int = 1,
         callback_on_step_end: StepEndCallback = None,
         callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        ip_adapter_image: Any = None,
+        ip_adapter_image_embeds: Any = None,
     ):
         """Generates images from text, with the arguments of diffusers' ``OnnxStableDiffusionPipeline``.
 
@@ -52,11 +54,14 @@ class OnnxStableDiffusionPipeline(ClipUNetPipeline):
         seed) or a ``torch.Generator``. ``callback(step, t, latents)`` gets torch latents on the device;
         ``callback_on_step_end(pipe, step, t, tensors)`` works as in diffusers' torch pipelines and may return
         replacements for ``latents`` or ``prompt_embeds``. ``output_type`` is "pil", "np", "pt" or "latent".
+        ``ip_adapter_image`` / ``ip_adapter_image_embeds``: the image prompt of a loaded IP-Adapter
+        (:meth:`load_ip_adapter`), as in diffusers.
 
         Returns:
             ``StableDiffusionPipelineOutput(images, nsfw_content_detected=None)``, or a tuple without return_dict.
         """
-        # 1. check inputs; 2. text embeddings, on the device
+        # 1. check inputs; 2. text embeddings and the image prompt, on the device
+        self.check_image_prompt(ip_adapter_image, ip_adapter_image_embeds)
         height = self.default_image_size if height is None else height
         width = self.default_image_size if width is None else width
         prompt_embeds, batch_size = self.checked_text_embeddings(
@@ -75,6 +80,10 @@ class OnnxStableDiffusionPipeline(ClipUNetPipeline):
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )
 
+        image_prompt = self.image_prompt_inputs(
+            ip_adapter_image, ip_adapter_image_embeds, batch_size * num_images_per_prompt, guidance_scale > 1.0
+        )
+
         # 3. timesteps and initial noise
         timesteps = self.set_timesteps(num_inference_steps)
         latents = self.initial_noise(
@@ -87,6 +96,7 @@ class OnnxStableDiffusionPipeline(ClipUNetPipeline):
             latents,
             timesteps,
             tensors={"prompt_embeds": prompt_embeds},
+            inputs=image_prompt,
             guidance=Guidance.classifier_free(guidance_scale),
             step_kwargs=self.scheduler_step_kwargs(generator, eta),
             callback=callback,

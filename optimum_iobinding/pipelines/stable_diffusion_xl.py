@@ -20,6 +20,7 @@ from .arguments import Embeds, Generator, Latents, Prompt, StepEndCallback, Tens
 from .components import VAE_COMPONENTS, declared_dim, onnx, tokenizer
 from .core import OnnxDiffusionPipeline, Warmup, on_device_stream
 from .denoisers import UNetDenoiser
+from .ip_adapter import IPAdapterMixin
 from .lora import LoraLoaderMixin
 from .loop import Guidance, denoise
 from .prompts import CLIPPairPrompt
@@ -32,11 +33,12 @@ XL_COMPONENTS = (
     tokenizer("tokenizer_2"),
     onnx("unet"),
     *VAE_COMPONENTS,
+    onnx("image_encoder", optional=True),  # IP-Adapter's, where the export has one
 )
 SDXL, SDXL_IMG2IMG = family("sdxl"), family("sdxl-img2img")
 
 
-class OnnxStableDiffusionXLPipelineBase(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
+class OnnxStableDiffusionXLPipelineBase(IPAdapterMixin, LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
     """The declaration SDXL's pipelines share: two tokenizers and text encoders (the refiner has only the second),
     the penultimate hidden states of both concatenated, the second's pooled projection, and the size/crop/aesthetic
     conditioning ``time_ids``."""
@@ -212,12 +214,16 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
         clip_skip: Optional[int] = None,
         callback_on_step_end: StepEndCallback = None,
         callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        ip_adapter_image: Any = None,
+        ip_adapter_image_embeds: Any = None,
     ):
         """Transforms ``image`` guided by text; ``strength`` in [0, 1] says how much of the schedule runs.
+        ``ip_adapter_image`` / ``ip_adapter_image_embeds``: the image prompt of a loaded IP-Adapter.
 
         Returns:
             ``StableDiffusionXLPipelineOutput(images)``, or a tuple without return_dict.
         """
+        self.check_image_prompt(ip_adapter_image, ip_adapter_image_embeds)
         pixels = self.start_image(image)
         height, width = pixels.shape[-2:]
         self.check_inputs(
@@ -286,7 +292,12 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
             timesteps,
             tensors={"prompt_embeds": prompt_embeds},
             guidance=Guidance.classifier_free(guidance_scale, guidance_rescale),
-            inputs=conditioning,
+            inputs={
+                **conditioning,
+                **self.image_prompt_inputs(
+                    ip_adapter_image, ip_adapter_image_embeds, rows, do_classifier_free_guidance
+                ),
+            },
             step_kwargs=self.scheduler_step_kwargs(generator, eta),
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
@@ -331,13 +342,17 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
         clip_skip: Optional[int] = None,
         callback_on_step_end: StepEndCallback = None,
         callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        ip_adapter_image: Any = None,
+        ip_adapter_image_embeds: Any = None,
     ):
         """Generates images from text. ``height``/``width`` default to the UNet's sample size × the VAE factor
-        (1024 for SDXL). ``generator`` is a numpy ``RandomState`` or a ``torch.Generator``.
+        (1024 for SDXL). ``generator`` is a numpy ``RandomState`` or a ``torch.Generator``. ``ip_adapter_image`` /
+        ``ip_adapter_image_embeds``: the image prompt of a loaded IP-Adapter (:meth:`load_ip_adapter`).
 
         Returns:
             ``StableDiffusionXLPipelineOutput(images)``, or a tuple without return_dict.
         """
+        self.check_image_prompt(ip_adapter_image, ip_adapter_image_embeds)
         height = self.default_image_size if height is None else height
         width = self.default_image_size if width is None else width
         self.check_inputs(
@@ -414,7 +429,12 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
             timesteps,
             tensors={"prompt_embeds": prompt_embeds},
             guidance=Guidance.classifier_free(guidance_scale, guidance_rescale),
-            inputs=conditioning,
+            inputs={
+                **conditioning,
+                **self.image_prompt_inputs(
+                    ip_adapter_image, ip_adapter_image_embeds, rows, do_classifier_free_guidance
+                ),
+            },
             step_kwargs=self.scheduler_step_kwargs(generator, eta),
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,

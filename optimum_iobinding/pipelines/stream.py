@@ -23,6 +23,7 @@ from .clip_unet import STABLE_DIFFUSION_COMPONENTS
 from .components import TINY_VAE_COMPONENTS, check_latent_channels, names_of, tiny_vae_folder
 from .core import OnnxDiffusionPipeline, on_device_stream
 from .denoisers import UNetDenoiser
+from .ip_adapter import IPAdapterMixin
 from .latent_consistency import guidance_scale_embedding
 from .lora import LoraLoaderMixin
 from .prompts import CLIPPrompt
@@ -35,7 +36,7 @@ _KEEP = object()  # update_prompt: the negative prompt that prepare was given
 
 
 # ------------------------------------------------------------------------------------------------ the pipeline
-class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
+class OnnxStreamDiffusionPipeline(IPAdapterMixin, LoraLoaderMixin, OnnxDiffusionPipeline):
     """Few-step image to image on a stream of frames: one frame in, one frame out, every frame's work on the device.
 
     ``prepare`` encodes the prompt, fixes the noise of every step from ``seed``, computes the img2img timesteps with
@@ -268,6 +269,8 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
         delta: float = 1.0,
         similarity_threshold: Optional[float] = None,
         max_skip_frame: int = 10,
+        ip_adapter_image: Any = None,
+        ip_adapter_image_embeds: Any = None,
     ) -> None:
         """Fixes everything the frames that follow share, and makes every session and graph they use.
 
@@ -300,6 +303,9 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
                 a frame nearly equal to the last kept one is skipped with a probability that reaches 1 at a cosine
                 similarity of 1, and gives the last output again (a fresh copy); e.g. 0.98. ``None``: no filter.
             max_skip_frame: with the filter, after this many skips the next frame that would be skipped is kept.
+            ip_adapter_image, ip_adapter_image_embeds: the image prompt of the IP-Adapter loaded before
+                (:meth:`load_ip_adapter`, on a UNet exported for it), as diffusers takes them; every frame shares it
+                until :meth:`update_image_prompt`.
 
         Raises:
             ValueError, TypeError: a bad argument (named), before any work.
@@ -339,6 +345,7 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             )
         if not is_integer(max_skip_frame) or max_skip_frame < 0:
             raise ArgumentError("max_skip_frame", f"expected an integer ≥ 0, got {max_skip_frame!r}")
+        self.check_image_prompt(ip_adapter_image, ip_adapter_image_embeds)
 
         # 2. the timesteps for this strength, and the scheduler's constants at each (refused schedulers are named)
         timesteps, begin = self.stream_timesteps(num_inference_steps, strength)
@@ -357,6 +364,7 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
 
         # 3. the prompt (encoded once), the noise, the constants and the models' inputs, on the device
         conditioning = self._blended_embeddings(blend, plan.negative, negative_prompt)
+        conditioning.update(self.image_prompt_inputs(ip_adapter_image, ip_adapter_image_embeds, 1, plan.negative))
         self._make_tensors(plan, seeds, lcm, {name: tuple(value.shape[1:]) for name, value in conditioning.items()})
         self._write_embeddings(plan, conditioning)
 
@@ -612,6 +620,30 @@ class OnnxStreamDiffusionPipeline(LoraLoaderMixin, OnnxDiffusionPipeline):
             raise ArgumentTypeError("negative_prompt", f"expected a str or None, got {type(negative_prompt).__name__}")
         self._write_embeddings(plan, self._blended_embeddings(blend, plan.negative, negative_prompt))
         plan.prompt, plan.negative_prompt = prompt, negative_prompt
+
+    @on_device_stream
+    def update_image_prompt(self, ip_adapter_image: Any = None, ip_adapter_image_embeds: Any = None) -> None:
+        """Writes a new image prompt for the loaded IP-Adapter (at its current scale: after
+        :meth:`set_ip_adapter_scale` or a :meth:`load_ip_adapter` of the same number of image tokens too) into the
+        same device tensors the UNet reads: no graph is captured again. Neither argument: no image prompt.
+        Frames already in a stream batch take it for their remaining steps."""
+        plan = self._require_plan("update_image_prompt")
+        self.check_image_prompt(ip_adapter_image, ip_adapter_image_embeds)
+        if ip_adapter_image is None and ip_adapter_image_embeds is None:  # keys and values of zeros: no prompt
+            for pair in self.image_prompt_layers:
+                for name in pair:
+                    plan.unet_inputs[name].zero_()
+            return
+        inputs = self.image_prompt_inputs(ip_adapter_image, ip_adapter_image_embeds, 1, plan.negative)
+        for name, values in inputs.items():
+            prepared = tuple(plan.unet_inputs[name].shape[1:])
+            if tuple(values.shape[1:]) != prepared:
+                raise ArgumentError(
+                    "ip_adapter_image" if ip_adapter_image is not None else "ip_adapter_image_embeds",
+                    f"expected an image prompt of {prepared[0]} tokens, as prepared (the graphs' shapes), got "
+                    f"{values.shape[1]}: prepare the stream again for another adapter or number of images",
+                )
+        self._write_embeddings(plan, inputs)
 
     @on_device_stream
     def update_seed(self, seed: Union[int, Sequence[Tuple[int, float]]]) -> None:

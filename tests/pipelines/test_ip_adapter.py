@@ -1,0 +1,316 @@
+"""IP-Adapter on the Stable Diffusion pipelines: a UNet exported with image-prompt inputs and an image encoder, an
+adapter loaded at run time, against diffusers' torch pipeline with the same adapter (tiny random weights, fp32)."""
+
+from __future__ import annotations
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+from optimum_iobinding.errors import ArgumentError
+
+PROMPT = "a photo of a cat"
+
+
+def image_encoder():
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    torch.manual_seed(5)
+    config = CLIPVisionConfig(
+        hidden_size=32,
+        projection_dim=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=4,
+        intermediate_size=37,
+    )
+    return CLIPVisionModelWithProjection(config).eval()
+
+
+def adapter_state_dict(unet, seed: int):
+    """A random IP-Adapter for ``unet`` in the original file format (``image_proj``: a plain adapter's projection
+    of 4 tokens; ``ip_adapter``: ``{2i + 1}.to_k_ip`` / ``to_v_ip`` for the ``i``-th cross-attention layer)."""
+    from diffusers.models.embeddings import ImageProjection
+
+    generator = torch.Generator().manual_seed(seed)
+    cross = unet.config.cross_attention_dim
+    weights, key = {}, 1
+    for name, module in unet.named_modules():
+        if name.endswith("attn2"):
+            width = module.to_k.out_features
+            weights[f"{key}.to_k_ip.weight"] = torch.randn(width, cross, generator=generator) * 0.2
+            weights[f"{key}.to_v_ip.weight"] = torch.randn(width, cross, generator=generator) * 0.2
+            key += 2
+    torch.manual_seed(seed)
+    projection = ImageProjection(cross_attention_dim=cross, image_embed_dim=32, num_image_text_embeds=4).state_dict()
+    image_proj = {
+        "proj.weight": projection["image_embeds.weight"],
+        "proj.bias": projection["image_embeds.bias"],
+        "norm.weight": projection["norm.weight"] + 0.1 * torch.randn(cross, generator=generator),
+        "norm.bias": projection["norm.bias"] + 0.1 * torch.randn(cross, generator=generator),
+    }
+    return {"image_proj": image_proj, "ip_adapter": weights}
+
+
+def torch_pipeline():
+    from optimum_iobinding.export.tiny import build_tiny_random_pipeline
+
+    pipe = build_tiny_random_pipeline()
+    pipe.register_modules(image_encoder=image_encoder())
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from optimum_iobinding.export import export_pipeline
+
+    root = tmp_path_factory.mktemp("ip-adapter")
+    with_encoder = export_pipeline(None, root / "with-encoder", torch_pipeline=torch_pipeline(), ip_adapter=True)
+    from optimum_iobinding.export.tiny import build_tiny_random_pipeline
+
+    embeds_only = export_pipeline(
+        None, root / "embeds-only", torch_pipeline=build_tiny_random_pipeline(), ip_adapter=True
+    )
+    return {"with-encoder": with_encoder, "embeds-only": embeds_only}
+
+
+def reference(state_dict, scale=1.0):
+    pipe = torch_pipeline()
+    pipe.load_ip_adapter(state_dict, subfolder="", weight_name="")
+    pipe.set_ip_adapter_scale(scale)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def ours(folder, io_binding=True):
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(folder, io_binding=io_binding)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def prompt_image(seed=7):
+    pixels = np.random.default_rng(seed).integers(0, 256, (40, 48, 3), dtype=np.uint8)
+    return PIL.Image.fromarray(pixels)
+
+
+def run(pipe, **kwargs):
+    kwargs = {"prompt": PROMPT, "num_inference_steps": 3, "output_type": "np", "height": 64, "width": 64, **kwargs}
+    return pipe(generator=torch.Generator().manual_seed(0), **kwargs).images
+
+
+@pytest.mark.parametrize("io_binding", [True, False])
+@pytest.mark.parametrize(
+    "kwargs, scale",
+    [({}, 1.0), ({"guidance_scale": 1.0}, 1.0), ({"num_images_per_prompt": 2}, 0.5)],
+    ids=["guided", "unguided", "two-images-scale-0.5"],
+)
+def test_an_image_prompt_equals_diffusers(folders, io_binding, kwargs, scale):
+    state = adapter_state_dict(torch_pipeline().unet, seed=1)
+    pipe = ours(folders["with-encoder"], io_binding)
+    pipe.load_ip_adapter(state)
+    pipe.set_ip_adapter_scale(scale)
+    got = run(pipe, ip_adapter_image=prompt_image(), **kwargs)
+    expected = run(reference(state, scale), ip_adapter_image=prompt_image(), **kwargs)
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+    assert (
+        np.abs(got - run(ours(folders["with-encoder"], io_binding), **kwargs)).max() > 1e-3
+    )  # the image prompt counts
+
+
+def test_img2img_with_an_image_prompt_equals_diffusers(folders, vae_encodes_its_mode):
+    import diffusers
+
+    from optimum_iobinding import OnnxStableDiffusionImg2ImgPipeline
+
+    state = adapter_state_dict(torch_pipeline().unet, seed=1)
+    start = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    pipe = OnnxStableDiffusionImg2ImgPipeline.from_pretrained(folders["with-encoder"])
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_ip_adapter(state)
+    reference_pipe = vae_encodes_its_mode(diffusers.StableDiffusionImg2ImgPipeline.from_pipe(reference(state)))
+    call = dict(prompt=PROMPT, image=start, strength=0.6, num_inference_steps=4, output_type="np")
+    got = pipe(generator=torch.Generator().manual_seed(0), ip_adapter_image=prompt_image(), **call).images
+    expected = reference_pipe(
+        generator=torch.Generator().manual_seed(0),
+        ip_adapter_image=prompt_image(),
+        **{**call, "image": start / 2 + 0.5},
+    ).images
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def test_image_embeds_a_switched_adapter_and_unloading(folders):
+    first, second = adapter_state_dict(torch_pipeline().unet, 1), adapter_state_dict(torch_pipeline().unet, 2)
+    embeds = torch.randn(2, 1, 32, generator=torch.Generator().manual_seed(4))  # [negative; positive]
+    pipe = ours(folders["embeds-only"])
+    plain = run(pipe)
+    pipe.load_ip_adapter(first)
+    pipe.load_ip_adapter(second)  # replaces the first: no session is made
+    sessions = pipe.unet.session
+    got = run(pipe, ip_adapter_image_embeds=[embeds])
+    np.testing.assert_allclose(got, run(reference(second), ip_adapter_image_embeds=[embeds]), atol=1e-4)
+    assert pipe.unet.session is sessions
+    pipe.set_ip_adapter_scale(0.0)  # an image-prompt attention of zero: the plain image
+    np.testing.assert_allclose(run(pipe, ip_adapter_image_embeds=[embeds]), plain, atol=1e-6)
+    pipe.unload_ip_adapter()
+    np.testing.assert_array_equal(run(pipe), plain)
+
+
+def test_the_plain_export_and_a_folder_without_adapter_or_encoder_are_refused_by_name(folders, tiny_folder):
+    state = adapter_state_dict(torch_pipeline().unet, 1)
+    with pytest.raises(ArgumentError, match=r"pretrained_model_name_or_path_or_dict: expected a UNet exported for"):
+        ours(tiny_folder).load_ip_adapter(state)
+    pipe = ours(folders["embeds-only"])
+    with pytest.raises(ArgumentError, match=r"ip_adapter_image: expected a loaded IP-Adapter"):
+        run(pipe, ip_adapter_image=prompt_image())
+    pipe.load_ip_adapter(state)
+    with pytest.raises(ArgumentError, match=r"ip_adapter_image: expected a folder with an image_encoder"):
+        run(pipe, ip_adapter_image=prompt_image())
+    with pytest.raises(ArgumentError, match=r"expected ip_adapter_image or ip_adapter_image_embeds, got both"):
+        run(pipe, ip_adapter_image=prompt_image(), ip_adapter_image_embeds=[torch.zeros(2, 1, 32)])
+    wrong = {**state, "ip_adapter": {k: v for k, v in state["ip_adapter"].items() if not k.startswith("1.")}}
+    with pytest.raises(ArgumentError, match=r"cross-attention layers"):
+        pipe.load_ip_adapter(wrong)
+    with pytest.raises(ArgumentError, match=r"scale: expected a number"):
+        pipe.set_ip_adapter_scale({"down": 1.0})
+
+
+def test_the_export_refuses_what_takes_no_image_prompt(tmp_path):
+    from optimum_iobinding.export import export_pipeline
+
+    with pytest.raises(ArgumentError, match=r"ip_adapter: expected it without step_cache"):
+        export_pipeline(None, tmp_path / "a", tiny_random=True, ip_adapter=True, step_cache=True)
+    with pytest.raises(ArgumentError, match=r"image_encoder: expected it with ip_adapter=True"):
+        export_pipeline(None, tmp_path / "b", tiny_random=True, image_encoder=image_encoder())
+    with pytest.raises(ArgumentError, match=r"ip_adapter: expected a Stable Diffusion 1.x/2.x or SDXL pipeline"):
+        export_pipeline(None, tmp_path / "c", tiny_random="controlnet", ip_adapter=True)
+
+
+# ------------------------------------------------------------------------------------------------------ the stream
+TURBO = ("EulerAncestralDiscreteScheduler", {"timestep_spacing": "trailing"})
+
+
+def stream_of(folder):
+    import diffusers
+
+    from optimum_iobinding import OnnxStreamDiffusionPipeline
+
+    stream = OnnxStreamDiffusionPipeline.from_pretrained(folder)
+    name, overrides = TURBO
+    stream.scheduler = getattr(diffusers, name).from_config(stream.scheduler.config, **overrides)
+    return stream
+
+
+def diffusers_img2img(vae_encodes_its_mode, state, frame, scale=1.0, **kwargs):
+    import diffusers
+
+    pipe = vae_encodes_its_mode(diffusers.StableDiffusionImg2ImgPipeline.from_pipe(reference(state, scale)))
+    name, overrides = TURBO
+    pipe.scheduler = getattr(diffusers, name).from_config(pipe.scheduler.config, **overrides)
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe(
+        PROMPT,
+        image=frame[None] / 2 + 0.5,
+        generator=torch.Generator().manual_seed(3),
+        output_type="pt",
+        strength=0.5,
+        num_inference_steps=2,
+        **kwargs,
+    ).images
+    return image[0] * 2 - 1
+
+
+@pytest.mark.parametrize("guidance", [0.0, 3.0])
+def test_a_streams_image_prompt_equals_diffusers_img2img_and_updates_in_place(folders, guidance, vae_encodes_its_mode):
+    state = adapter_state_dict(torch_pipeline().unet, seed=1)
+    frame = torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    stream = stream_of(folders["with-encoder"])
+    stream.load_ip_adapter(state)
+    stream.prepare(PROMPT, seed=3, height=64, width=64, guidance_scale=guidance, ip_adapter_image=prompt_image())
+    expected = diffusers_img2img(
+        vae_encodes_its_mode, state, frame, ip_adapter_image=prompt_image(), guidance_scale=guidance
+    )
+    torch.testing.assert_close(stream(frame), expected, atol=1e-4, rtol=0)
+    inputs = dict(stream.unet_inputs)
+    stream.set_ip_adapter_scale(0.5)
+    stream.update_image_prompt(ip_adapter_image=prompt_image(seed=8))  # another image at another scale, in place
+    assert all(stream.unet_inputs[name] is value for name, value in inputs.items())
+    expected = diffusers_img2img(
+        vae_encodes_its_mode, state, frame, 0.5, ip_adapter_image=prompt_image(seed=8), guidance_scale=guidance
+    )
+    torch.testing.assert_close(stream(frame), expected, atol=1e-4, rtol=0)
+    stream.update_image_prompt()  # none: the stream without an image prompt
+    stream.unload_ip_adapter()
+    plain = stream_of(folders["with-encoder"])
+    plain.prepare(PROMPT, seed=3, height=64, width=64, guidance_scale=guidance)
+    torch.testing.assert_close(stream(frame), plain(frame), atol=1e-6, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------------------ SDXL
+@pytest.fixture(scope="module")
+def xl_folder_for_ip(tmp_path_factory):
+    from optimum_iobinding.export import export_pipeline
+    from optimum_iobinding.export.tiny import build_tiny_random_xl_pipeline
+
+    folder = tmp_path_factory.mktemp("ip-adapter-xl") / "onnx"
+    return export_pipeline(
+        None, folder, torch_pipeline=build_tiny_random_xl_pipeline(), ip_adapter=True, image_encoder=image_encoder()
+    )
+
+
+def xl_reference(state, scale):
+    from optimum_iobinding.export.tiny import build_tiny_random_xl_pipeline
+
+    pipe = build_tiny_random_xl_pipeline()
+    pipe.register_modules(image_encoder=image_encoder())
+    pipe.load_ip_adapter(state, subfolder="", weight_name="")
+    pipe.set_ip_adapter_scale(scale)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("guidance", [5.0, 1.0])
+def test_sdxl_with_an_image_prompt_equals_diffusers(xl_folder_for_ip, guidance):
+    from optimum_iobinding import OnnxStableDiffusionXLPipeline
+    from optimum_iobinding.export.tiny import build_tiny_random_xl_pipeline
+
+    folder = xl_folder_for_ip
+    state = adapter_state_dict(build_tiny_random_xl_pipeline().unet, seed=1)
+    pipe = OnnxStableDiffusionXLPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_ip_adapter(state)
+    pipe.set_ip_adapter_scale(0.7)
+    got = run(pipe, ip_adapter_image=prompt_image(), guidance_scale=guidance)
+    expected = run(xl_reference(state, 0.7), ip_adapter_image=prompt_image(), guidance_scale=guidance)
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+    pipe.unload_ip_adapter()
+    assert np.abs(got - run(pipe, guidance_scale=guidance)).max() > 1e-3
+
+
+def test_an_sdxl_streams_image_prompt_equals_diffusers_sdxl_img2img(xl_folder_for_ip, vae_encodes_its_mode):
+    import diffusers
+
+    from optimum_iobinding.export.tiny import build_tiny_random_xl_pipeline
+
+    state = adapter_state_dict(build_tiny_random_xl_pipeline().unet, seed=1)
+    frame = torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    stream = stream_of(xl_folder_for_ip)
+    stream.load_ip_adapter(state)
+    stream.prepare(PROMPT, seed=3, height=64, width=64, guidance_scale=3.0, ip_adapter_image=prompt_image())
+    pipe = vae_encodes_its_mode(diffusers.StableDiffusionXLImg2ImgPipeline.from_pipe(xl_reference(state, 1.0)))
+    name, overrides = TURBO
+    pipe.scheduler = getattr(diffusers, name).from_config(pipe.scheduler.config, **overrides)
+    expected = pipe(
+        PROMPT,
+        image=frame[None] / 2 + 0.5,
+        generator=torch.Generator().manual_seed(3),
+        output_type="pt",
+        strength=0.5,
+        num_inference_steps=2,
+        guidance_scale=3.0,
+        ip_adapter_image=prompt_image(),
+    ).images[0]
+    torch.testing.assert_close(stream(frame), expected * 2 - 1, atol=1e-4, rtol=0)
