@@ -3,7 +3,8 @@
 On the bench's UNet architectures (``sd15``: SD 1.5, 512²; ``sdxl``: SDXL, 1024²; random weights, fp16, ORT-fused,
 exported with DeepCache's parts), our pipeline with its defaults (CUDA graphs), batch 1, the recipe's guidance and
 DDIM, ``--steps`` steps, the same initial latents for every row:
-  - end to end: uncached, then each ``--caches`` config (``INTERVAL:BRANCH``), the steps run whole;
+  - end to end: uncached, then each ``--caches`` config (``INTERVAL:BRANCH``), the steps run whole, then uncached
+    again after ``disable_cache()`` (its image against the first uncached one's, and the UNet's sessions made);
   - per step: each graph's CUDA-graph replay alone (``model.onnx``; the full part, which also writes the features;
     the shallow part of each branch measured).
 The uncached row is the project's loop on the step-cache export's ``model.onnx``, the plain export's graph (the
@@ -84,6 +85,7 @@ def main() -> None:
         "replays_ms": {},
     }
     result["rows"]["uncached"], uncached_image = timed()
+    result["rows"]["uncached"]["sessions_created"] = unet.sessions_created
     result["replays_ms"]["model.onnx"] = graph_floor_ms(unet, args.repeats)
     for spec in [value for value in args.caches.split(",") if value]:
         interval, branch = (int(part) for part in spec.split(":"))
@@ -100,6 +102,11 @@ def main() -> None:
             if model.graph_fallbacks
         }
         pipe.disable_cache()
+    # the uncached loop again after the caches ran: as fast as the first time, and the same image
+    row, image = timed()
+    row["max_abs_diff_to_uncached"] = float(np.abs(image - uncached_image).max())
+    row["sessions_created"] = unet.sessions_created
+    result["rows"]["uncached after disable_cache"] = row
     uncached_ms = result["rows"]["uncached"]["end_to_end_ms"]
     result["speedup"] = {name: uncached_ms / row["end_to_end_ms"] for name, row in result["rows"].items()}
     args.out.mkdir(parents=True, exist_ok=True)
