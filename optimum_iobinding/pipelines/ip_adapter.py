@@ -274,11 +274,12 @@ class IPAdapterMixin:
                 image = image[0]  # diffusers' list of one entry per adapter
             pixels = self._image_prompt_pixels(image)
             output = 1 if adapter.hidden_states else 0
-            positive = self.image_encoder(pixel_values=pixels)[output].float()[None]
+            # copies: the encoder's output tensor is reused by its next call (the negative's below)
+            positive = self.image_encoder(pixel_values=pixels)[output].to(torch.float32, copy=True)[None]
             negative = None
             if guided:
                 negative = (
-                    self.image_encoder(pixel_values=torch.zeros_like(pixels))[output].float()[None]
+                    self.image_encoder(pixel_values=torch.zeros_like(pixels))[output].to(torch.float32, copy=True)[None]
                     if adapter.hidden_states
                     else torch.zeros_like(positive)
                 )

@@ -54,6 +54,23 @@ def adapter_state_dict(unet, seed: int):
     return {"image_proj": image_proj, "ip_adapter": weights}
 
 
+def full_adapter_state_dict(unet, seed: int):
+    """A random "full" IP-Adapter (its projection takes the image encoder's penultimate states, one token each, as
+    diffusers' plus adapters do) in the original file format."""
+    from diffusers.models.embeddings import IPAdapterFullImageProjection
+
+    state = adapter_state_dict(unet, seed)
+    torch.manual_seed(seed)
+    cross = unet.config.cross_attention_dim
+    projection = IPAdapterFullImageProjection(cross_attention_dim=cross, image_embed_dim=32).state_dict()
+    names = {"ff.net.0.proj": "proj.0", "ff.net.2": "proj.2", "norm": "proj.3"}
+    image_proj = {}
+    for key, value in projection.items():
+        module, _, kind = key.rpartition(".")
+        image_proj[f"{names[module]}.{kind}"] = value
+    return {"image_proj": image_proj, "ip_adapter": state["ip_adapter"]}
+
+
 def torch_pipeline():
     from optimum_iobinding.export.tiny import build_tiny_random_pipeline
 
@@ -119,6 +136,16 @@ def test_an_image_prompt_equals_diffusers(folders, io_binding, kwargs, scale):
     assert (
         np.abs(got - run(ours(folders["with-encoder"], io_binding), **kwargs)).max() > 1e-3
     )  # the image prompt counts
+
+
+@pytest.mark.parametrize("guidance", [7.5, 1.0])
+def test_an_adapter_of_the_encoders_hidden_states_equals_diffusers(folders, guidance):
+    state = full_adapter_state_dict(torch_pipeline().unet, seed=3)
+    pipe = ours(folders["with-encoder"])
+    pipe.load_ip_adapter(state)
+    got = run(pipe, ip_adapter_image=prompt_image(), guidance_scale=guidance)
+    expected = run(reference(state), ip_adapter_image=prompt_image(), guidance_scale=guidance)
+    np.testing.assert_allclose(got, expected, atol=1e-4)
 
 
 def test_img2img_with_an_image_prompt_equals_diffusers(folders, vae_encodes_its_mode):

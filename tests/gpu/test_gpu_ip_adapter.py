@@ -1,0 +1,110 @@
+"""IP-Adapter on the GPU (skipped without CUDA; run on the GPU machine): under ``cuda_graph=True`` the UNet of an
+export for IP-Adapter replays its graph with the image prompt, the images are the CPU provider's, and switching the
+adapter, its scale or the stream's image prompt makes no session and captures no graph again; the fused fp16 export
+(the text attention fused, the image-prompt attention one ``MultiHeadAttention`` node) is captured too."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from optimum_iobinding import OnnxStableDiffusionPipeline, OnnxStreamDiffusionPipeline
+from optimum_iobinding.export import export_pipeline
+from tests.pipelines.test_ip_adapter import (
+    TURBO,
+    adapter_state_dict,
+    full_adapter_state_dict,
+    prompt_image,
+    torch_pipeline,
+)
+
+pytestmark = pytest.mark.gpu
+
+CUDA = "CUDAExecutionProvider"
+EXACT = {"use_tf32": "0"}  # fp32 matmuls and convolutions on Hopper round like the CPU's
+TOLERANCE = 1e-3
+PROMPT = "a photo of a cat"
+
+
+@pytest.fixture(scope="module")
+def folders(shared_export):
+    return {
+        "fp32": shared_export(
+            "gpu-ip-adapter", lambda t: export_pipeline(None, t, torch_pipeline=torch_pipeline(), ip_adapter=True)
+        ),
+        "fused": shared_export(
+            "gpu-ip-adapter-fused",
+            lambda t: export_pipeline(
+                None, t, torch_pipeline=torch_pipeline(), ip_adapter=True, fp16=True, optimize="cuda"
+            ),
+        ),
+    }
+
+
+def load(pipeline_class, folder, provider=CUDA, **options):
+    if provider == CUDA:
+        options.setdefault("provider_options", EXACT)
+    pipe = pipeline_class.from_pretrained(folder, provider=provider, **options)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run(pipe, **kwargs):
+    call = dict(prompt=PROMPT, num_inference_steps=3, height=64, width=64, output_type="np", **kwargs)
+    return pipe(generator=torch.Generator().manual_seed(0), **call).images
+
+
+def test_the_unet_replays_its_graph_with_the_image_prompt_and_switching_adapters_captures_nothing(folders):
+    first, second = adapter_state_dict(torch_pipeline().unet, 1), full_adapter_state_dict(torch_pipeline().unet, 2)
+    pipe = load(OnnxStableDiffusionPipeline, folders["fp32"], cuda_graph=True)
+    pipe.load_ip_adapter(first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback of the UNet would warn
+        made = run(pipe, ip_adapter_image=prompt_image())
+    assert pipe.unet.graph_signatures and not pipe.unet.graph_fallbacks
+    on_cpu = load(OnnxStableDiffusionPipeline, folders["fp32"], provider="CPUExecutionProvider")
+    on_cpu.load_ip_adapter(first)
+    np.testing.assert_allclose(made, run(on_cpu, ip_adapter_image=prompt_image()), atol=TOLERANCE)
+    signatures, created = len(pipe.unet.graph_signatures), pipe.sessions_created
+    pipe.set_ip_adapter_scale(0.5)
+    run(pipe, ip_adapter_image=prompt_image(seed=9))
+    pipe.load_ip_adapter(second)  # another adapter: another projection and weights, the same four image tokens
+    assert run(pipe, ip_adapter_image=prompt_image()).shape == made.shape
+    assert (len(pipe.unet.graph_signatures), pipe.sessions_created) == (signatures, created)
+
+
+def test_the_fused_fp16_export_is_captured_and_close_to_the_fp32_one(folders):
+    state = adapter_state_dict(torch_pipeline().unet, 1)
+    images = []
+    for name in ("fused", "fp32"):
+        pipe = load(OnnxStableDiffusionPipeline, folders[name], cuda_graph=True)
+        pipe.load_ip_adapter(state)
+        images.append(run(pipe, ip_adapter_image=prompt_image()))
+        assert pipe.unet.graph_signatures and not pipe.unet.graph_fallbacks
+    assert np.abs(images[0] - images[1]).max() < 0.05  # float16 against float32
+
+
+def test_a_streams_image_prompt_updates_in_place_and_equals_the_cpus(folders):
+    import diffusers
+
+    state = adapter_state_dict(torch_pipeline().unet, 1)
+    frame = torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    outputs = {}
+    for provider in (CUDA, "CPUExecutionProvider"):
+        stream = load(OnnxStreamDiffusionPipeline, folders["fp32"], provider=provider)
+        name, overrides = TURBO
+        stream.scheduler = getattr(diffusers, name).from_config(stream.scheduler.config, **overrides)
+        stream.load_ip_adapter(state)
+        stream.prepare(PROMPT, seed=3, height=64, width=64, ip_adapter_image=prompt_image())
+        first = stream(frame.to(stream.device)).cpu()
+        created = stream.sessions_created
+        graphs = stream.captured_graphs
+        stream.update_image_prompt(ip_adapter_image=prompt_image(seed=8))
+        outputs[provider] = (first, stream(frame.to(stream.device)).cpu())
+        assert (stream.sessions_created, stream.captured_graphs) == (created, graphs)
+    for got, expected in zip(outputs[CUDA], outputs["CPUExecutionProvider"]):
+        torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=0)
+    assert (outputs[CUDA][0] - outputs[CUDA][1]).abs().max() > 1e-3  # the new image prompt counts
