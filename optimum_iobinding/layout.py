@@ -37,6 +37,8 @@ FLUX_CONTROLNET_MODE = "controlnet_mode"
 # image encoder that makes the image embeddings (diffusers' name)
 IP_ADAPTER_KEY_INPUT, IP_ADAPTER_VALUE_INPUT = "ip_adapter_key_", "ip_adapter_value_"
 IMAGE_ENCODER = "image_encoder"
+# the key of the UNet's config.json that lists those layers' module names, in the inputs' order (per-block scales)
+IMAGE_PROMPT_LAYERS_KEY = "image_prompt_layers"
 
 
 # The step caches' part graphs, written by the export beside a denoiser's model.onnx and read by the pipelines:

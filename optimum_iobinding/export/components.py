@@ -419,6 +419,7 @@ def export_component(
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
     if spec.get("class_name"):  # which torch class it came from (an AutoencoderKL or AutoencoderTiny VAE)
         config.setdefault("_class_name", spec["class_name"])
+    config.update(spec.get("config_extra", {}))  # what the export adds (an IP-Adapter UNet's layer names)
     if fp16 and config.get("force_upcast"):
         # diffusers upcasts such a VAE to float32 before decoding (SDXL's stock VAE overflows float16); a float16 ONNX
         # model cannot be upcast, and pipelines that try (optimum-onnx's, through diffusers' upcast_vae) fail.

@@ -40,6 +40,7 @@ from ..layout import (
     DOWN_RESIDUAL_INPUT,
     DOWN_RESIDUAL_OUTPUT,
     IMAGE_ENCODER,
+    IMAGE_PROMPT_LAYERS_KEY,
     IP_ADAPTER_KEY_INPUT,
     IP_ADAPTER_VALUE_INPUT,
     MID_RESIDUAL_INPUT,
@@ -53,7 +54,13 @@ from ..layout import (
 )
 from .components import export_component, pooled_output, vae_specs
 from .deep_cache import check_deep_cache_unet
-from .ip_adapter import image_encoder_spec, image_prompt_inputs, image_prompt_processors, without_loaded_ip_adapter
+from .ip_adapter import (
+    image_encoder_spec,
+    image_prompt_inputs,
+    image_prompt_layers,
+    image_prompt_processors,
+    without_loaded_ip_adapter,
+)
 
 __all__ = [
     "export_unet_pipeline",
@@ -285,9 +292,10 @@ def component_specs(pipe, vae=None, ip_adapter: bool = False) -> Dict[str, dict]
                 },
                 config=controlnet.config,
             )
-    processors = []
+    processors, config_extra = [], {}
     if ip_adapter:
         names, examples, axes = image_prompt_inputs(unet)
+        config_extra[IMAGE_PROMPT_LAYERS_KEY] = [name for name, _ in image_prompt_layers(unet)]
         processors = image_prompt_processors(unet)
         extra_names, extra_args = [*extra_names, *names], [*extra_args, *examples]
         extra_axes.update(axes)
@@ -295,6 +303,7 @@ def component_specs(pipe, vae=None, ip_adapter: bool = False) -> Dict[str, dict]
             specs[IMAGE_ENCODER] = image_encoder_spec(getattr(pipe, IMAGE_ENCODER))
     specs["unet"] = dict(
         module=_UNet(unet, extra_names, processors),
+        config_extra=config_extra,
         args=(*unet_args, *extra_args),
         input_names=["sample", "timestep", "encoder_hidden_states", *extra_names],
         output_names=["out_sample"],

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
-from ..layout import IMAGE_ENCODER, IP_ADAPTER_KEY_INPUT, IP_ADAPTER_VALUE_INPUT
+from ..layout import IMAGE_ENCODER, IMAGE_PROMPT_LAYERS_KEY, IP_ADAPTER_KEY_INPUT, IP_ADAPTER_VALUE_INPUT
 
 __all__ = ["IPAdapterMixin", "image_prompt_input_names"]
 
@@ -75,6 +75,14 @@ def _read_state_dict(source: Any, subfolder: Optional[str], weight_name: Optiona
             f"{sorted(state)[:6] if isinstance(state, dict) else type(state).__name__}",
         )
     return state
+
+
+def _checked_scale(scale: Any) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise ArgumentTypeError("scale", f"expected a number or diffusers' per-block dict, got {scale!r}")
+    if not np.isfinite(float(scale)):
+        raise ArgumentError("scale", f"expected a finite number, got {scale!r}")
+    return float(scale)
 
 
 class _LoadedAdapter:
@@ -182,20 +190,63 @@ class IPAdapterMixin:
         projection = projection.to(device=device, dtype=torch.float32).eval()
         return _LoadedAdapter(projection, keys, values, hidden_states=not isinstance(projection, ImageProjection))
 
-    def set_ip_adapter_scale(self, scale: Union[float, Sequence[float]]) -> None:
-        """The loaded adapter's scale from the next call on: a number for every layer (diffusers' per-block dicts
-        are refused by name), or a list of one number (diffusers' one per adapter)."""
+    def set_ip_adapter_scale(self, scale: Union[float, Dict, Sequence[Union[float, Dict]]]) -> None:
+        """The loaded adapter's scale from the next call on, as diffusers takes it: a number for every layer, or a
+        dict per block (InstantStyle: ``{"up": {"block_0": [0.0, 1.0, 0.0]}}``, expanded by diffusers' own rules;
+        the layers it does not name get 0), or a list of one of them (diffusers' one per adapter)."""
         if self._ip_adapter is None:
             raise ArgumentError("scale", "expected a loaded IP-Adapter (load_ip_adapter first), got none loaded")
-        if isinstance(scale, (list, tuple)) and len(scale) == 1:
+        if isinstance(scale, (list, tuple)):
+            if len(scale) != 1:
+                raise ArgumentError("scale", f"expected one scale (one IP-Adapter loaded), got a list of {len(scale)}")
             scale = scale[0]
         if isinstance(scale, dict):
-            raise ArgumentError("scale", "expected a number (per-block scales as a dict are not supported), got a dict")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
-            raise ArgumentTypeError("scale", f"expected a number, got {scale!r}")
-        if not np.isfinite(float(scale)):
-            raise ArgumentError("scale", f"expected a finite number, got {scale!r}")
-        self._ip_adapter.scales = [float(scale)] * len(self._ip_adapter.keys)
+            self._ip_adapter.scales = self._scales_by_block(scale)
+            return
+        self._ip_adapter.scales = [_checked_scale(scale)] * len(self._ip_adapter.keys)
+
+    def _scales_by_block(self, scale: Dict) -> List[float]:
+        """Each image-prompt layer's scale from a per-block dict, by diffusers' expansion
+        (``_maybe_expand_lora_scales_for_one_adapter``, default 0) over the layers' module names the export wrote
+        in the UNet's config; a layer takes the value of the last expanded name it starts with, as diffusers'
+        ``set_ip_adapter_scale`` assigns them."""
+        from diffusers.loaders.unet_loader_utils import _maybe_expand_lora_scales_for_one_adapter
+
+        config = self.unet.config
+        names = config.get(IMAGE_PROMPT_LAYERS_KEY)
+        if not names or len(names) != len(self._ip_adapter.keys):
+            raise ArgumentError(
+                "scale",
+                "expected a number: per-block scales need the UNet's layer names, which this export's config.json "
+                "lacks (export the folder again)",
+            )
+        layers = config.get("layers_per_block")
+        if not isinstance(layers, int):
+            raise ArgumentError("scale", f"expected a number for a UNet of layers_per_block {layers!r}, got a dict")
+        blocks = {
+            side: [i for i, kind in enumerate(config.get(f"{side}_block_types", ())) if "CrossAttn" in kind]
+            for side in ("down", "up")
+        }
+
+        class _Names:  # what diffusers' expansion checks the block names against
+            @staticmethod
+            def state_dict() -> Dict[str, None]:
+                return {f"{name}.processor": None for name in names}
+
+        try:
+            expanded = _maybe_expand_lora_scales_for_one_adapter(
+                scale, blocks, {"down": layers, "up": layers + 1}, model=_Names(), default_scale=0.0
+            )
+        except (ValueError, KeyError, TypeError) as error:
+            raise ArgumentError("scale", f"expected per-block scales of this UNet's blocks, got {scale!r}: {error}")
+        scales = []
+        for name in names:
+            value = 0.0
+            for prefix, given in expanded.items():
+                if f"{name}.processor".startswith(prefix):
+                    value = given
+            scales.append(_checked_scale(value))
+        return scales
 
     def unload_ip_adapter(self) -> None:
         """Drops the loaded IP-Adapter: the next calls run as without one."""

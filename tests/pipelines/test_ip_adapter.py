@@ -169,6 +169,20 @@ def test_img2img_with_an_image_prompt_equals_diffusers(folders, vae_encodes_its_
     np.testing.assert_allclose(got, expected, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "scale",
+    [{"up": {"block_0": [0.0, 1.0]}}, {"down": 0.7, "mid": 0.2}, [{"down": {"block_1": [0.5]}, "up": 0.3}]],
+    ids=["style-layer", "down-and-mid", "list-of-one"],
+)
+def test_per_block_scales_equal_diffusers(folders, scale):
+    state = adapter_state_dict(torch_pipeline().unet, seed=1)
+    pipe = ours(folders["with-encoder"])
+    pipe.load_ip_adapter(state)
+    pipe.set_ip_adapter_scale(scale)
+    got = run(pipe, ip_adapter_image=prompt_image())
+    np.testing.assert_allclose(got, run(reference(state, scale), ip_adapter_image=prompt_image()), atol=1e-4)
+
+
 def test_image_embeds_a_switched_adapter_and_unloading(folders):
     first, second = adapter_state_dict(torch_pipeline().unet, 1), adapter_state_dict(torch_pipeline().unet, 2)
     embeds = torch.randn(2, 1, 32, generator=torch.Generator().manual_seed(4))  # [negative; positive]
@@ -201,8 +215,10 @@ def test_the_plain_export_and_a_folder_without_adapter_or_encoder_are_refused_by
     wrong = {**state, "ip_adapter": {k: v for k, v in state["ip_adapter"].items() if not k.startswith("1.")}}
     with pytest.raises(ArgumentError, match=r"cross-attention layers"):
         pipe.load_ip_adapter(wrong)
-    with pytest.raises(ArgumentError, match=r"scale: expected a number"):
-        pipe.set_ip_adapter_scale({"down": 1.0})
+    with pytest.raises(ArgumentError, match=r"scale: expected per-block scales of this UNet's blocks"):
+        pipe.set_ip_adapter_scale({"up": {"block_0": [1.0] * 7}})
+    with pytest.raises(ArgumentError, match=r"scale: expected one scale"):
+        pipe.set_ip_adapter_scale([0.5, 0.5])
 
 
 def test_the_export_refuses_what_takes_no_image_prompt(tmp_path):
