@@ -111,10 +111,15 @@ run_step() {
     # the whole SD 1.5 pipeline's device memory on batches 1, 4, 8, 2: ours with its options varied, and numpy's
     pipeline-memory) bench --export-only --models sd15 --dtypes fp16 --exports optimized &&
                      script benchmarks/pipeline_memory.py --folder "$work/sd15-fp16-optimized" --out "$out/pipeline-memory" ;;
+    # the stream's feature rows (residual guidance, the similarity filter, ControlNets, IP-Adapter), ours and floor
+    stream-features) bench --scenario stream --dtypes fp16 --exports optimized --peers ours,floor --out "$out/stream-features" ;;
+    # DeepCache on SD 1.5 (50 steps): uncached, cached, and uncached again after disable_cache()
+    deep-cache-sd15) script benchmarks/deep_cache_probe.py --kind sd15 --steps 50 --work "$work" --out "$out/deep-cache-sd15" \
+                       --caches 3:0 --runs 3 ;;
     *) echo "unknown step: $1 (expected one of: $ALL_STEPS)"; return 2 ;;
   esac
 }
-ALL_STEPS="sd15-fp16-defaults small-fp16-defaults sd15-fp16-mixed cold-start signature-memory host-path-small few-step-small sd15-fp32 sd15-fp32-optimized sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options serve coldstart stream-probe wan-vae-decode transformer-lora flux-variants xl-controlnet pipeline-memory stream-probe-xl wan-vae-decode-720p"
+ALL_STEPS="sd15-fp16-defaults small-fp16-defaults sd15-fp16-mixed cold-start signature-memory host-path-small few-step-small sd15-fp32 sd15-fp32-optimized sd15-fp32-plain fp32-optimized tiny-fp16 fp32 sd15-fp16-optimized lcm-fp16-optimized turbo-fp16-optimized tiled-vae vae-shapes sdxl-fp16 sdxl-fp16-plain lcm-fp16-plain turbo-fp16-plain sd15-fp16-plain small-fp16 gpu-tests unet-options serve coldstart stream-probe wan-vae-decode transformer-lora flux-variants xl-controlnet pipeline-memory stream-probe-xl wan-vae-decode-720p stream-features deep-cache-sd15"
 for name in ${selected:-$ALL_STEPS}; do
   run_step "$name" > "$out/$name.log" 2>&1
   echo "$name $?" >> "$out/status"
