@@ -154,7 +154,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ip-adapter",
         action="store_true",
-        help="SD 1.x/2.x: a UNet that takes IP-Adapter's image prompt, so that any IP-Adapter of the model loads at "
+        help="SD 1.x/2.x and SDXL: a UNet that takes IP-Adapter's image prompt, so that any IP-Adapter of the model loads at "
         "run time (pipe.load_ip_adapter, diffusers' arguments; generate and stream --ip-adapter)",
     )
     parser.add_argument(
@@ -643,7 +643,7 @@ def add_ip_adapter_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--ip-adapter-image", default=None, metavar="FILE", help="the image prompt")
     group.add_argument(
-        "--ip-adapter-scale", type=float, default=1.0, help="how much the image prompt counts (default 1.0)"
+        "--ip-adapter-scale", type=float, default=None, help="how much the image prompt counts (default 1.0)"
     )
 
 
@@ -654,7 +654,11 @@ def check_ip_adapter_arguments(args: argparse.Namespace) -> Optional[Any]:
         for option in ("--ip-adapter", "--ip-adapter-weight", "--ip-adapter-image")
     }
     if not any(value is not None for value in given.values()):
+        if args.ip_adapter_scale is not None:
+            raise UsageError("--ip-adapter-scale: expected it with --ip-adapter, got it alone")
         return None
+    if args.ip_adapter_scale is None:
+        args.ip_adapter_scale = 1.0
     missing = [option for option, value in given.items() if value is None]
     if missing:
         raise UsageError(

@@ -72,8 +72,9 @@ def test_export_and_generate_with_an_image_prompt_equal_the_python_pipeline(made
             ["--ip-adapter", "ADAPTER", "--ip-adapter-weight", "models/ip.safetensors", "--ip-adapter-image", "PROMPT"],
             "--ip-adapter: expected a UNet exported for IP-Adapter",
         ),
+        (["--ip-adapter-scale", "0.5"], "--ip-adapter-scale: expected it with --ip-adapter, got it alone"),
     ],
-    ids=["no-adapter", "no-weight", "no-image-file", "plain-model"],
+    ids=["no-adapter", "no-weight", "no-image-file", "plain-model", "scale-alone"],
 )
 def test_generate_refuses_ip_adapter_mistakes_naming_the_option(made, tmp_path, capsys, extra, message):
     extra = [

@@ -146,7 +146,7 @@ def export_pipeline(
             nothing overflows: about half the decode's memory and time); refused for the other families, whose VAE
             follows ``dtype``.
 
-        ip_adapter: a Stable Diffusion 1.x/2.x UNet that takes IP-Adapter's image-prompt keys and values
+        ip_adapter: a Stable Diffusion 1.x/2.x or SDXL UNet that takes IP-Adapter's image-prompt keys and values
             (:mod:`optimum_iobinding.export.ip_adapter`): the pipelines then load any IP-Adapter of the model at run
             time (``load_ip_adapter``), as diffusers does. An adapter diffusers' ``load_ip_adapter`` put on the
             ``torch_pipeline`` is not exported: load it on the ONNX pipeline.

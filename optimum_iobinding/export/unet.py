@@ -25,9 +25,10 @@ With ``step_cache`` the UNet's folder also holds DeepCache's parts (:mod:`.deep_
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -288,7 +289,9 @@ def component_specs(pipe, vae=None, ip_adapter: bool = False) -> Dict[str, dict]
                     "encoder_hidden_states": {0: "batch", 1: "sequence"},
                     CONTROLNET_CONDITION: {0: "batch", 2: "image_height", 3: "image_width"},
                     **{added_name: {0: "batch"} for added_name in added_names},
-                    **residual_output_axes(outputs, [r.shape[2:] for r in (*down, mid)], latent_size),
+                    **residual_output_axes(
+                        outputs, [r.shape[2:] for r in (*down, mid)], latent_size, controlnet.config
+                    ),
                 },
                 config=controlnet.config,
             )
@@ -319,13 +322,19 @@ def component_specs(pipe, vae=None, ip_adapter: bool = False) -> Dict[str, dict]
     return {**specs, **vae_specs(vae, latent_size)}
 
 
-def residual_output_axes(outputs: Sequence[str], sizes: Sequence[Sequence[int]], latent_size: int) -> Dict:
+def residual_output_axes(
+    outputs: Sequence[str], sizes: Sequence[Sequence[int]], latent_size: int, config: Any = None
+) -> Dict:
     """The ControlNet's residual outputs' dynamic axes, their height and width written as expressions of the
     ``sample``'s (``height``, ``ceil(height / 4)``, …): a residual ``k`` downsamplings deep is ``ceil(size / 2**k)``
     of the latents (each a 3×3 convolution of stride 2 and padding 1), which the runtime evaluates for any size
     before anything runs — a free name per output would leave it to ONNX shape inference, which stops at the fused
     graph's contrib ops (and a graph whose output shapes are unknown is not captured). ``sizes``: each residual's
-    (height, width) for ``latent_size``² latents."""
+    (height, width) for ``latent_size``² latents. A ControlNet whose downsamplings pad otherwise than by 1
+    (``downsample_padding``) keeps a free name per output."""
+    padding = getattr(config, "downsample_padding", 1) if config is not None else 1
+    if padding != 1:
+        return {output: {0: "batch", 2: f"{output}_height", 3: f"{output}_width"} for output in outputs}
 
     def expression(symbol: str, size: int) -> str:
         factor = 1
@@ -491,10 +500,33 @@ def export_unet_pipeline(
     unknown = [c for c in components if c not in available]
     if unknown:
         raise ArgumentError("components", f"expected names from {list(available)}, got {unknown}")
+    with kept_attention_processors(pipe.unet), without_loaded_ip_adapter(pipe.unet):
+        return _export_unet_folder(
+            pipe, target, tiny_vae, components, opset, fp16, optimize, progress, step_cache, ip_adapter
+        )
+
+
+def kept_attention_processors(unet) -> contextlib.AbstractContextManager:
+    """Within: the export may set the UNet's attention processors (the classic ones for ORT's fusion, IP-Adapter's
+    export processor); on leaving, the caller's pipeline gets its own back."""
+
+    @contextlib.contextmanager
+    def kept():
+        previous = dict(unet.attn_processors) if hasattr(unet, "attn_processors") else None
+        try:
+            yield
+        finally:
+            if previous is not None:
+                unet.set_attn_processor(previous)
+
+    return kept()
+
+
+def _export_unet_folder(pipe, target, tiny_vae, components, opset, fp16, optimize, progress, step_cache, ip_adapter):
     specs = component_specs(pipe, vae=tiny_vae, ip_adapter=ip_adapter)
     if IMAGE_ENCODER in specs:
         components = (*components, IMAGE_ENCODER)
-    with building_beside(target) as scratch, without_loaded_ip_adapter(pipe.unet):
+    with building_beside(target) as scratch:
         for name in tqdm(components, desc="export", unit="model", disable=not progress):
             export_component(
                 name,

@@ -51,7 +51,14 @@ def _read_state_dict(source: Any, subfolder: Optional[str], weight_name: Optiona
         else:
             from huggingface_hub import hf_hub_download
 
-            path = Path(hf_hub_download(os.fspath(source), weight_name, subfolder=subfolder or None, **hub_kwargs))
+            try:
+                path = Path(hf_hub_download(os.fspath(source), weight_name, subfolder=subfolder or None, **hub_kwargs))
+            except Exception as error:  # not a hub id, no such file, no network
+                raise ArgumentError(
+                    "pretrained_model_name_or_path_or_dict",
+                    f"expected a local folder or a hub repo holding {weight_name!r}, got {os.fspath(source)!r}: "
+                    f"{type(error).__name__}: {str(error)[:200]}",
+                ) from error
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
 
@@ -126,8 +133,8 @@ class IPAdapterMixin:
     ) -> None:
         """Loads an IP-Adapter (diffusers' arguments: a folder, hub id or state dict, the ``subfolder`` and
         ``weight_name`` of its file) for the next calls, replacing the one loaded before; its scale is 1.0. The
-        image encoder is the folder's ``image_encoder`` (exported with the pipeline); ``image_encoder_folder`` is
-        accepted for diffusers' signature.
+        image encoder is the folder's ``image_encoder`` (exported with the pipeline); ``image_encoder_folder`` takes
+        diffusers' default or ``None`` only.
 
         Raises:
             ArgumentError: the UNet was not exported for IP-Adapter, several adapters at once, an adapter whose
@@ -147,7 +154,14 @@ class IPAdapterMixin:
             pretrained_model_name_or_path_or_dict = pretrained_model_name_or_path_or_dict[0]
         subfolder = subfolder[0] if isinstance(subfolder, (list, tuple)) else subfolder
         weight_name = weight_name[0] if isinstance(weight_name, (list, tuple)) else weight_name
-        hub = {k: kwargs[k] for k in ("cache_dir", "token", "revision", "local_files_only") if k in kwargs}
+        if image_encoder_folder not in (None, "image_encoder"):
+            raise ArgumentError(
+                "image_encoder_folder",
+                f"expected the default 'image_encoder' (the image encoder is the ONNX folder's own export), got "
+                f"{image_encoder_folder!r}",
+            )
+        keys = ("cache_dir", "token", "revision", "local_files_only", "force_download", "proxies")
+        hub = {k: kwargs[k] for k in keys if k in kwargs}
         state = _read_state_dict(pretrained_model_name_or_path_or_dict, subfolder, weight_name, **hub)
         self._ip_adapter = self._adapter_from(state)
 
@@ -184,11 +198,36 @@ class IPAdapterMixin:
                     )
                 bucket.append(weight.to(device=device, dtype=torch.float32))
         # diffusers' own conversion of the image projection's weights (its ImageProjection, IPAdapterPlus…)
-        projection = UNet2DConditionLoadersMixin._convert_ip_adapter_image_proj_to_diffusers(
-            None, state["image_proj"], low_cpu_mem_usage=False
-        )
+        try:
+            projection = UNet2DConditionLoadersMixin._convert_ip_adapter_image_proj_to_diffusers(
+                None, state["image_proj"], low_cpu_mem_usage=False
+            )
+        except Exception as error:  # a format diffusers' conversion does not know
+            raise ArgumentError(
+                "pretrained_model_name_or_path_or_dict",
+                f"expected an image projection diffusers converts (IP-Adapter, plus, full), got keys "
+                f"{sorted(state['image_proj'])[:4]}: {type(error).__name__}: {error}",
+            ) from error
         projection = projection.to(device=device, dtype=torch.float32).eval()
-        return _LoadedAdapter(projection, keys, values, hidden_states=not isinstance(projection, ImageProjection))
+        hidden_states = not isinstance(projection, ImageProjection)
+        self._check_encoder_width(projection, hidden_states)
+        return _LoadedAdapter(projection, keys, values, hidden_states=hidden_states)
+
+    def _check_encoder_width(self, projection: torch.nn.Module, hidden_states: bool) -> None:
+        """The adapter's image projection must take what the folder's image encoder gives (its ``image_embeds`` for
+        a plain adapter, its penultimate states for the others): an adapter made for another encoder is refused."""
+        encoder = getattr(self, IMAGE_ENCODER, None)
+        first = next((m for m in projection.modules() if isinstance(m, torch.nn.Linear)), None)
+        if encoder is None or first is None:
+            return
+        output = "penultimate_hidden_states" if hidden_states else "image_embeds"
+        width = (encoder.output_dims.get(output) or [None])[-1]
+        if isinstance(width, int) and width != first.in_features:
+            raise ArgumentError(
+                "pretrained_model_name_or_path_or_dict",
+                f"expected an adapter taking this folder's image encoder's {output} of width {width}, got one taking "
+                f"{first.in_features}: an adapter made for another image encoder",
+            )
 
     def set_ip_adapter_scale(self, scale: Union[float, Dict, Sequence[Union[float, Dict]]]) -> None:
         """The loaded adapter's scale from the next call on, as diffusers takes it: a number for every layer, or a
@@ -319,7 +358,10 @@ class IPAdapterMixin:
                     + (f" of shape {tuple(embeds.shape)}" if isinstance(embeds, torch.Tensor) else ""),
                 )
             embeds = embeds.to(device=self.device, dtype=torch.float32)
+            self._check_embeds(embeds, rows, guided, adapter)
             negative, positive = embeds.chunk(2) if guided else (None, embeds)
+            if positive.shape[0] == rows and rows > 1:  # one row of embeddings per image already
+                return torch.cat([negative, positive]) if guided else positive
         else:
             if isinstance(image, (list, tuple)) and len(image) == 1:
                 image = image[0]  # diffusers' list of one entry per adapter
@@ -337,6 +379,25 @@ class IPAdapterMixin:
         positive = torch.cat([positive] * rows)
         return torch.cat([torch.cat([negative] * rows), positive]) if guided else positive
 
+    def _check_embeds(self, embeds: torch.Tensor, rows: int, guided: bool, adapter: _LoadedAdapter) -> None:
+        """``ip_adapter_image_embeds``: ``(batch, images, width)`` for a plain adapter, ``(batch, images, tokens,
+        width)`` for the others, the width the adapter's projection takes; ``batch`` 1 (every image of the call
+        shares it) or one per image, twice that (negative half first) where guided."""
+        first = next((m for m in adapter.projection.modules() if isinstance(m, torch.nn.Linear)), None)
+        rank = 4 if adapter.hidden_states else 3
+        width = first.in_features if first is not None else embeds.shape[-1]
+        halves = 2 if guided else 1
+        batch = embeds.shape[0]
+        if embeds.ndim != rank or embeds.shape[-1] != width or batch % halves or batch // halves not in (1, rows):
+            shape = "(batch, images, width)" if rank == 3 else "(batch, images, tokens, width)"
+            counts = f"{halves} or {halves * rows}" if rows > 1 else f"{halves}"
+            raise ArgumentError(
+                "ip_adapter_image_embeds",
+                f"expected a tensor of shape {shape} with width {width} and batch {counts}"
+                + (" (the negative half first: the call is guided)" if guided else "")
+                + f", got shape {tuple(embeds.shape)}",
+            )
+
     def _image_prompt_pixels(self, image: Any) -> torch.Tensor:
         """``image`` (one or a list) as the image encoder's ``pixel_values``, as diffusers prepares it where the
         pipeline has no feature extractor of its own: a ``CLIPImageProcessor`` at the encoder's image size."""
@@ -345,9 +406,18 @@ class IPAdapterMixin:
         size = self.image_encoder.input_dims["pixel_values"][2]
         if not isinstance(size, int):
             raise ArgumentError("image_encoder", "expected an image encoder of a fixed image size, got a free one")
-        if isinstance(image, torch.Tensor):
-            image = image.detach().cpu()
-        elif isinstance(image, (list, tuple)):
+        dtype = self.image_encoder.input_dtypes["pixel_values"]
+        if isinstance(image, torch.Tensor):  # as diffusers' encode_image: a tensor is the encoder's pixel_values
+            if image.ndim == 3:
+                image = image[None]
+            if image.ndim != 4 or tuple(image.shape[1:]) != (3, size, size) or not image.is_floating_point():
+                raise ArgumentError(
+                    "ip_adapter_image",
+                    f"expected a tensor of the image encoder's pixel_values, (images, 3, {size}, {size}) preprocessed "
+                    f"(or a PIL image or numpy array), got {image.dtype} of shape {tuple(image.shape)}",
+                )
+            return image.to(device=self.device, dtype=dtype)
+        if isinstance(image, (list, tuple)):
             image = [i.detach().cpu() if isinstance(i, torch.Tensor) else i for i in image]
         try:
             pixels = CLIPImageProcessor(size=size, crop_size=size)(image, return_tensors="pt").pixel_values
@@ -355,4 +425,4 @@ class IPAdapterMixin:
             raise ArgumentTypeError(
                 "ip_adapter_image", f"expected a PIL image, numpy array or tensor, got {type(image).__name__}: {error}"
             ) from error
-        return pixels.to(device=self.device, dtype=self.image_encoder.input_dtypes["pixel_values"])
+        return pixels.to(device=self.device, dtype=dtype)

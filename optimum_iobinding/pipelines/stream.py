@@ -357,6 +357,10 @@ class OnnxStreamDiffusionPipeline(IPAdapterMixin, LoraLoaderMixin, OnnxDiffusion
             self._check_residual_guidance(cfg_type, lcm, schedule.prediction_type, batched, len(timesteps))
         if batched:
             self._check_timestep_rows()
+        # the image prompt before anything of the last prepare goes (a refused one leaves that stream as it was)
+        image_prompt = self.image_prompt_inputs(
+            ip_adapter_image, ip_adapter_image_embeds, 1, guiding in ("full", "initialize")
+        )
         self._plan = None  # the last prepare's buffers and graphs go before this one's are made
         plan = StreamPlan(
             height, width, schedule, batched, guiding, float(guidance_scale), prompt, negative_prompt, float(delta)
@@ -364,7 +368,7 @@ class OnnxStreamDiffusionPipeline(IPAdapterMixin, LoraLoaderMixin, OnnxDiffusion
 
         # 3. the prompt (encoded once), the noise, the constants and the models' inputs, on the device
         conditioning = self._blended_embeddings(blend, plan.negative, negative_prompt)
-        conditioning.update(self.image_prompt_inputs(ip_adapter_image, ip_adapter_image_embeds, 1, plan.negative))
+        conditioning.update(image_prompt)
         self._make_tensors(plan, seeds, lcm, {name: tuple(value.shape[1:]) for name, value in conditioning.items()})
         self._write_embeddings(plan, conditioning)
 
@@ -623,10 +627,11 @@ class OnnxStreamDiffusionPipeline(IPAdapterMixin, LoraLoaderMixin, OnnxDiffusion
 
     @on_device_stream
     def update_image_prompt(self, ip_adapter_image: Any = None, ip_adapter_image_embeds: Any = None) -> None:
-        """Writes a new image prompt for the loaded IP-Adapter (at its current scale: after
-        :meth:`set_ip_adapter_scale` or a :meth:`load_ip_adapter` of the same number of image tokens too) into the
-        same device tensors the UNet reads: no graph is captured again. Neither argument: no image prompt.
-        Frames already in a stream batch take it for their remaining steps."""
+        """Writes a new image prompt for the loaded IP-Adapter into the same device tensors the UNet reads: no graph
+        is captured again. Neither argument: no image prompt. The adapter's scale and weights are read here (and by
+        :meth:`prepare`): after :meth:`set_ip_adapter_scale`, :meth:`load_ip_adapter` (of the same number of image
+        tokens) or :meth:`unload_ip_adapter`, the frames change at the next update. Frames already in a stream batch
+        take it for their remaining steps."""
         plan = self._require_plan("update_image_prompt")
         self.check_image_prompt(ip_adapter_image, ip_adapter_image_embeds)
         if ip_adapter_image is None and ip_adapter_image_embeds is None:  # keys and values of zeros: no prompt
@@ -640,8 +645,9 @@ class OnnxStreamDiffusionPipeline(IPAdapterMixin, LoraLoaderMixin, OnnxDiffusion
             if tuple(values.shape[1:]) != prepared:
                 raise ArgumentError(
                     "ip_adapter_image" if ip_adapter_image is not None else "ip_adapter_image_embeds",
-                    f"expected an image prompt of {prepared[0]} tokens, as prepared (the graphs' shapes), got "
-                    f"{values.shape[1]}: prepare the stream again for another adapter or number of images",
+                    f"expected an image prompt of {prepared[0]} tokens, as prepared (the graphs' shapes; a stream "
+                    f"prepared without an image prompt has 1), got {values.shape[1]}: prepare the stream again with "
+                    "an image prompt of this adapter and number of images",
                 )
         self._write_embeddings(plan, inputs)
 

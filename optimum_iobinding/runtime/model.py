@@ -512,6 +512,11 @@ class IOBindingORTModel:
         return {name: None if dims is None else list(dims) for name, dims in self.shape_inferencer.input_dims.items()}
 
     @property
+    def output_dims(self) -> Dict[str, Optional[List[Union[int, str, None]]]]:
+        """Each output's declared dims as ORT reports them: ``int`` (static), ``str`` (named) or ``None``."""
+        return {name: None if dims is None else list(dims) for name, dims in self.shape_inferencer.output_dims.items()}
+
+    @property
     def stream(self) -> Optional["torch.cuda.Stream"]:
         """The CUDA stream ORT runs this model on (``None`` on the CPU or for a session without one)."""
         return self._stream

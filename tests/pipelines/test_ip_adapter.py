@@ -357,3 +357,77 @@ def test_an_sdxl_streams_image_prompt_equals_diffusers_sdxl_img2img(xl_folder_fo
         ip_adapter_image=prompt_image(),
     ).images[0]
     torch.testing.assert_close(stream(frame), expected * 2 - 1, atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- what users get wrong
+def test_the_export_leaves_the_torch_pipeline_as_it_was(tmp_path):
+    from optimum_iobinding.export import export_pipeline
+
+    pipe = torch_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    before = run(pipe, guidance_scale=1.0)
+    export_pipeline(None, tmp_path / "onnx", torch_pipeline=pipe, ip_adapter=True, components=["unet"])
+    np.testing.assert_array_equal(run(pipe, guidance_scale=1.0), before)
+
+
+def test_a_tensor_image_prompt_is_the_encoders_pixel_values_as_in_diffusers(folders):
+    state = adapter_state_dict(torch_pipeline().unet, seed=1)
+    pixels = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(6)) * 2 - 1  # preprocessed already
+    pipe = ours(folders["with-encoder"])
+    pipe.load_ip_adapter(state)
+    got = run(pipe, ip_adapter_image=pixels)
+    np.testing.assert_allclose(got, run(reference(state), ip_adapter_image=pixels), atol=1e-4)
+    with pytest.raises(ArgumentError, match=r"ip_adapter_image: expected a tensor of the image encoder's pixel_values"):
+        run(pipe, ip_adapter_image=torch.rand(1, 3, 64, 64))
+
+
+def test_image_embeds_of_each_image_and_wrong_ones(folders):
+    state = adapter_state_dict(torch_pipeline().unet, seed=1)
+    pipe = ours(folders["embeds-only"])
+    pipe.load_ip_adapter(state)
+    one = torch.randn(2, 1, 32, generator=torch.Generator().manual_seed(4))
+    each = torch.cat([one[:1], one[:1], one[1:], one[1:]])  # one row per image: the same as one shared
+    shared = run(pipe, ip_adapter_image_embeds=[one], num_images_per_prompt=2)
+    np.testing.assert_allclose(run(pipe, ip_adapter_image_embeds=[each], num_images_per_prompt=2), shared, atol=1e-6)
+    for wrong in (one[:1], torch.randn(2, 1, 48), torch.randn(2, 32), torch.randn(6, 1, 32)):
+        with pytest.raises(ArgumentError, match=r"ip_adapter_image_embeds: expected a (list of one )?tensor of shape"):
+            run(pipe, ip_adapter_image_embeds=[wrong])
+
+
+def test_an_adapter_for_another_image_encoder_and_other_encoder_folders_are_refused(folders):
+    from diffusers.models.embeddings import ImageProjection
+
+    state = adapter_state_dict(torch_pipeline().unet, seed=1)
+    wider = ImageProjection(cross_attention_dim=32, image_embed_dim=48, num_image_text_embeds=4).state_dict()
+    state["image_proj"] = {
+        "proj.weight": wider["image_embeds.weight"],
+        "proj.bias": wider["image_embeds.bias"],
+        "norm.weight": wider["norm.weight"],
+        "norm.bias": wider["norm.bias"],
+    }
+    pipe = ours(folders["with-encoder"])
+    with pytest.raises(ArgumentError, match=r"image encoder's image_embeds of width 32, got one taking 48"):
+        pipe.load_ip_adapter(state)
+    assert pipe._ip_adapter is None  # nothing half-loaded
+    with pytest.raises(ArgumentError, match=r"image_encoder_folder: expected the default"):
+        pipe.load_ip_adapter(adapter_state_dict(torch_pipeline().unet, 1), image_encoder_folder="models/other")
+    with pytest.raises(ArgumentError, match=r"pretrained_model_name_or_path_or_dict: expected a local folder or a hub"):
+        pipe.load_ip_adapter("no/such-folder-here", weight_name="ip.safetensors", local_files_only=True)
+
+
+def test_a_refused_image_prompt_leaves_the_prepared_stream_as_it_was(folders):
+    state = adapter_state_dict(torch_pipeline().unet, seed=1)
+    frame = torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    stream = stream_of(folders["with-encoder"])
+    stream.load_ip_adapter(state)
+    stream.prepare(PROMPT, seed=3, height=64, width=64, ip_adapter_image=prompt_image())
+    before = stream(frame)
+    with pytest.raises(ArgumentError, match=r"ip_adapter_image_embeds: expected a tensor of shape"):
+        stream.prepare(PROMPT, seed=3, height=64, width=64, ip_adapter_image_embeds=[torch.randn(1, 1, 48)])
+    assert stream.prepared
+    torch.testing.assert_close(stream(frame), before, atol=0, rtol=0)
+    plain = stream_of(folders["with-encoder"])
+    plain.prepare(PROMPT, seed=3, height=64, width=64)
+    plain.load_ip_adapter(state)
+    with pytest.raises(ArgumentError, match=r"a stream prepared without an image prompt has 1"):
+        plain.update_image_prompt(ip_adapter_image_embeds=[torch.randn(1, 1, 32)])
