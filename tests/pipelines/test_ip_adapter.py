@@ -200,6 +200,19 @@ def test_image_embeds_a_switched_adapter_and_unloading(folders):
     np.testing.assert_array_equal(run(pipe), plain)
 
 
+def test_a_saved_pipeline_keeps_its_image_encoder_and_layer_names(folders, tmp_path):
+    state = adapter_state_dict(torch_pipeline().unet, seed=1)
+    pipe = ours(folders["with-encoder"])
+    pipe.save_pretrained(tmp_path / "saved")
+    again = ours(tmp_path / "saved")
+    for loaded in (pipe, again):
+        loaded.load_ip_adapter(state)
+        loaded.set_ip_adapter_scale({"up": {"block_0": [0.0, 1.0]}})
+    np.testing.assert_array_equal(
+        run(again, ip_adapter_image=prompt_image()), run(pipe, ip_adapter_image=prompt_image())
+    )
+
+
 def test_the_plain_export_and_a_folder_without_adapter_or_encoder_are_refused_by_name(folders, tiny_folder):
     state = adapter_state_dict(torch_pipeline().unet, 1)
     with pytest.raises(ArgumentError, match=r"pretrained_model_name_or_path_or_dict: expected a UNet exported for"):
