@@ -41,7 +41,10 @@ classifier-free (``full-cfg``) and StreamDiffusion's residual guidance (``rcfg-s
 similarity filter at 0.98 on a still clip and on a moving one (``filter-still``, ``filter-moving``; the share of
 frames it skipped); one ControlNet with a fixed control image or one given with each frame (``controlnet``,
 ``controlnet-per-frame``), on an export of the turbo architecture with a random ControlNet
-(:func:`.zoo.ensure_controlnet_export`, under ``--work`` beside the others).
+(:func:`.zoo.ensure_controlnet_export`, under ``--work`` beside the others); one IP-Adapter (random weights, 4 image
+tokens, scale 1) with a fixed image prompt or a new one before each frame (``ip-adapter``, ``ip-adapter-per-frame``;
+the mean time of ``update_image_prompt`` alone), on an export of the turbo architecture for IP-Adapter with a random
+image encoder of ViT-H/14's shape (:func:`.zoo.ensure_ip_adapter_export`, under ``--work`` too).
 
     optimum-iobinding bench --models tiny,small,sd15 --dtypes fp16 --exports plain,optimized --out benchmarks/results/h100
 ``--scenario transformer`` measures SD3.5 Medium's and FLUX.1's architectures (:mod:`.transformer_peers`) at 1024²,
@@ -132,6 +135,7 @@ from .video_peers import (
     run_video_peer,
 )
 from .zoo import (
+    IP_ADAPTER_TOKENS,
     MLPERF_VIDEO_RECIPES,
     MODEL_SIZES,
     TRANSFORMER_BLOCKS,
@@ -140,6 +144,7 @@ from .zoo import (
     VIDEO_TEXT_LAYERS,
     ensure_controlnet_export,
     ensure_export,
+    ensure_ip_adapter_export,
     ensure_mlperf_export,
     ensure_tiny_vae_export,
     ensure_transformer_export,
@@ -157,7 +162,9 @@ STREAM_VAES = ("full", "tiny")
 # negative-prompt row beside the latent's) and StreamDiffusion's residual guidance ("self": no extra row;
 # "initialize": one negative row); the similarity filter on a still clip (one frame again and again: what it skips)
 # and on a moving one (every frame new: what deciding costs a frame it keeps); one ControlNet with one control image
-# for every frame ("fixed") or one given with each frame ("per-frame"). ``clip``: the frames fed.
+# for every frame ("fixed") or one given with each frame ("per-frame"); one IP-Adapter (random weights, its image
+# tokens and scale) with one image prompt for every frame ("fixed") or a new one before each frame ("per-frame":
+# ``update_image_prompt``). ``clip``: the frames fed.
 STREAM_FEATURES: Dict[str, Dict[str, Any]] = {
     "full-cfg": {"guidance_scale": 1.5, "cfg_type": "full", "clip": "moving"},
     "rcfg-self": {"guidance_scale": 1.5, "cfg_type": "self", "clip": "moving"},
@@ -166,6 +173,18 @@ STREAM_FEATURES: Dict[str, Dict[str, Any]] = {
     "filter-moving": {"similarity_threshold": 0.98, "clip": "moving"},
     "controlnet": {"controlnets": 1, "control": "fixed", "clip": "moving"},
     "controlnet-per-frame": {"controlnets": 1, "control": "per-frame", "clip": "moving"},
+    "ip-adapter": {
+        "ip_adapter_tokens": IP_ADAPTER_TOKENS,
+        "ip_adapter_scale": 1.0,
+        "image_prompt": "fixed",
+        "clip": "moving",
+    },
+    "ip-adapter-per-frame": {
+        "ip_adapter_tokens": IP_ADAPTER_TOKENS,
+        "ip_adapter_scale": 1.0,
+        "image_prompt": "per-frame",
+        "clip": "moving",
+    },
 }
 STREAM_FEATURE_VAE = "tiny"
 
@@ -464,8 +483,9 @@ def stream_benchmark(
     go on. The numpy and torch peers, whose work the stream batch does not change, run once per step count and VAE
     (the row without the stream batch shows the same result, ``measured_in`` naming the row); the video runs on the
     1-step rows; a feature row is measured by :data:`.peers.STREAM_FEATURE_PEERS` alone (a ControlNet row on the
-    export with its ControlNets, :func:`.zoo.ensure_controlnet_export`, made when the first such row comes). A row
-    none of whose peers is among ``peers`` is left out. stream.json is rewritten after every row, stream.md/png at the
+    export with its ControlNets, :func:`.zoo.ensure_controlnet_export`, an IP-Adapter row on the export for
+    IP-Adapter, :func:`.zoo.ensure_ip_adapter_export`, each made when the first such row comes). A row none of whose
+    peers is among ``peers`` is left out. stream.json is rewritten after every row, stream.md/png at the
     end."""
     out.mkdir(parents=True, exist_ok=True)
     results: Dict[str, Any] = {
@@ -487,6 +507,7 @@ def stream_benchmark(
     except Exception as error:  # noqa: BLE001 — the full-VAE rows still run
         tiny_vae, tiny_error = None, f"the tiny VAE export failed: {type(error).__name__}: {error}"
     controlnet_folders: Dict[int, Any] = {}  # ControlNets → the export's folder, or why it failed
+    ip_adapter_folder: Any = None  # the export for IP-Adapter's folder, or why it failed; None: not made yet
     measured: Dict[Any, Dict[str, Any]] = {}
     for row in stream_rows(features):
         label = stream_row_label(row)
@@ -503,6 +524,13 @@ def stream_benchmark(
                 except Exception as error:  # noqa: BLE001 — the other rows still run
                     controlnet_folders[count] = f"the ControlNet export failed: {type(error).__name__}: {error}"
             row_folder = controlnet_folders[count]
+        if row.get("image_prompt") and tiny_vae is not None:
+            if ip_adapter_folder is None:
+                try:
+                    ip_adapter_folder = ensure_ip_adapter_export(STREAM_KIND, dtype, export, work)
+                except Exception as error:  # noqa: BLE001 — the other rows still run
+                    ip_adapter_folder = f"the IP-Adapter export failed: {type(error).__name__}: {error}"
+            row_folder = ip_adapter_folder
         for peer in row_peers:
             if peer == "video" and row["unet_steps"] != 1:
                 continue
@@ -1324,7 +1352,8 @@ def build_parser() -> CommandLineParser:
         help="stream: the feature rows after the plain ones, comma-separated among "
         f"{', '.join(STREAM_FEATURES)} (default: all of them), or none: guidance 1.5 (classifier-free, "
         "residual self and initialize), the similarity filter 0.98 on a still and a moving clip, one ControlNet with "
-        "a fixed control image or one per frame; each at 1 step with the tiny VAE, measured by ours and the floor",
+        "a fixed control image or one per frame, one IP-Adapter with a fixed image prompt or a new one per frame; "
+        "each at 1 step with the tiny VAE, measured by ours and the floor",
     )
     parser.add_argument(
         "--blocks",
@@ -1543,6 +1572,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         nets = {STREAM_FEATURES[name].get("controlnets") for name in stream_features_of(args, split)} - {None}
         for count in sorted(nets):
             print(ensure_controlnet_export(STREAM_KIND, dtype, export, Path(args.work), count), flush=True)
+        if any(STREAM_FEATURES[name].get("image_prompt") for name in stream_features_of(args, split)):
+            print(ensure_ip_adapter_export(STREAM_KIND, dtype, export, Path(args.work)), flush=True)
         return 0
     if args.export_only and args.scenario == "coldstart":
         models = split(args.models) if args.models != parser.get_default("models") else list(COLDSTART_MODELS)

@@ -35,7 +35,15 @@ from ..errors import ArgumentError
 from ..families import family, pipeline_class
 from ..layout import controlnet_component_names
 from .probes import PeakMemory, copied_bytes, own_graph_floor, replay_ms
-from .zoo import MODEL_SIZES, PROMPT, build_torch_pipeline, family_of_model, recipe_of, set_recipe_scheduler
+from .zoo import (
+    MODEL_SIZES,
+    PROMPT,
+    build_torch_pipeline,
+    family_of_model,
+    random_ip_adapter_state_dict,
+    recipe_of,
+    set_recipe_scheduler,
+)
 
 PEERS = ("numpy", "optimum", "accelerated", "defaults", "binding", "graph", "torch")
 OUR_PEERS = ("defaults", "warmed", "binding", "graph", "cached")
@@ -357,7 +365,8 @@ def mixed_rounds(
 #   torch   diffusers' StableDiffusionImg2ImgPipeline, fp16, the row's VAE (AutoencoderKL or AutoencoderTiny), the
 #           prompt's embeddings computed once
 #   floor   the components' own CUDA graphs replayed back to back: VAE encoder + UNet (the stream's batch, or each
-#           step in turn) + VAE decoder; on a feature row the models of the stream it prepares, its ControlNets too
+#           step in turn) + VAE decoder; on a feature row the models of the stream it prepares, its ControlNets too,
+#           its UNet with the image prompt's inputs, and the image encoder where each frame brings an image prompt
 #   video   a 512² video file: the codec alone (decode + encode), the ``stream`` command (decode → stream →
 #           encode), and the same decoded frames through the stream from memory
 STREAM_PEERS = ("ours", "numpy", "torch", "floor", "video")
@@ -365,11 +374,11 @@ STREAM_SIZE = 512
 STREAM_KIND = "turbo"
 # peers whose work does not depend on the stream batch: run once per (steps, VAE)
 STREAM_BATCH_BLIND = ("numpy", "torch")
-# the peers of a feature row (guidance, the similarity filter, a ControlNet: ``--stream-features``), which the other
-# peers do not run: ours, and the floor of its components at the shapes the row prepares
+# the peers of a feature row (guidance, the similarity filter, a ControlNet, an IP-Adapter: ``--stream-features``),
+# which the other peers do not run: ours, and the floor of its components at the shapes the row prepares
 STREAM_FEATURE_PEERS = ("ours", "floor")
 # the distinct frames of a moving clip (every frame new: the similarity filter keeps each), and of the control images
-# given with the frames in turn
+# and the image prompts given with the frames in turn
 STREAM_CLIP_FRAMES = 8
 
 
@@ -445,16 +454,23 @@ def load_stream(
     control_image: Any = None,
     provider: str = "CUDAExecutionProvider",
     size: int = STREAM_SIZE,
+    ip_adapter_image: Any = None,
 ):
     """Ours, prepared for ``config`` at ``size``² (512²): its schedule, and where the row has them its guidance
     (``guidance_scale``, ``cfg_type``; guidance 0 otherwise) and its similarity filter (``similarity_threshold``);
     ``control_image``: the control image of every frame (a ControlNet folder's stream; ``None``: each frame brings
-    its own)."""
+    its own). An IP-Adapter row's stream (``image_prompt``; a folder exported for IP-Adapter) loads a random adapter
+    (:func:`random_ip_adapter_for`) at the row's ``ip_adapter_scale`` and is prepared with ``ip_adapter_image``, the
+    image prompt of every frame until :meth:`update_image_prompt`."""
     stream = pipeline_class(family("stream")).from_pretrained(folder, provider=provider, tiny_vae=tiny_vae)
     set_recipe_scheduler(stream, STREAM_KIND)
     options = {key: config[key] for key in ("cfg_type", "similarity_threshold") if key in config}
     if control_image is not None:
         options["control_image"] = control_image
+    if config.get("image_prompt") is not None:
+        stream.load_ip_adapter(random_ip_adapter_for(stream))
+        stream.set_ip_adapter_scale(config.get("ip_adapter_scale", 1.0))
+        options["ip_adapter_image"] = ip_adapter_image
     stream.prepare(
         PROMPT,
         num_inference_steps=config["steps"],
@@ -486,6 +502,36 @@ def control_images(config: Dict[str, Any], size: int, device: str = "cuda") -> L
     return [torch.rand(1, 3, size, size, device=device, generator=generator) for _ in range(count)]
 
 
+def random_ip_adapter_for(pipe: Any, seed: int = 0) -> Dict[str, Dict[str, Any]]:
+    """A random plain IP-Adapter (:func:`.zoo.random_ip_adapter_state_dict`) for ``pipe``, an ONNX pipeline whose
+    UNet takes image prompts and which has an image encoder: its projection takes the image encoder's
+    ``image_embeds`` (its config's ``projection_dim``) and gives tokens of the UNet's cross-attention width (its
+    ``encoder_hidden_states``' last dim), each layer's keys and values the width of that layer's inputs."""
+    dims = pipe.unet.input_dims
+    widths = [dims[key][2] for key, _ in pipe.image_prompt_layers]
+    cross = dims["encoder_hidden_states"][2]
+    encoder = getattr(pipe, "image_encoder", None)
+    embeds = encoder.config.get("projection_dim") if encoder is not None else None
+    if not widths or not all(isinstance(width, int) for width in [*widths, cross, embeds]):
+        raise ArgumentError(
+            "pipe",
+            "expected a UNet exported for IP-Adapter and an image encoder, got image-prompt widths "
+            f"{widths}, cross-attention width {cross!r} and image_embeds width {embeds!r}",
+        )
+    return random_ip_adapter_state_dict(widths, cross, embeds, seed)
+
+
+def image_prompts(config: Dict[str, Any], size: int, seed: int = 2) -> List[Any]:
+    """An IP-Adapter row's image prompts, random RGB PIL images of ``size``²: one for every frame (``image_prompt``
+    ``"fixed"``) or :data:`STREAM_CLIP_FRAMES` given before the frames in turn (``"per-frame"``; the first one also
+    to ``prepare``); none for the other rows."""
+    import PIL.Image
+
+    count = {"fixed": 1, "per-frame": STREAM_CLIP_FRAMES}.get(config.get("image_prompt"), 0)
+    generator = np.random.default_rng(seed)
+    return [PIL.Image.fromarray(generator.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(count)]
+
+
 def measure_stream(
     stream: Any,
     config: Dict[str, Any],
@@ -494,17 +540,27 @@ def measure_stream(
     frames: int,
     warmup: int,
     synchronize: Callable[[], Any],
+    prompts: Sequence[Any] = (),
 ) -> Dict[str, Any]:
     """Ours on one row, prepared (:func:`load_stream`): ``warmup`` frames of the row's clip (:func:`stream_clip`),
     then per-frame latency over ``frames`` calls, each waited for (``synchronize``), and frames/s over ``frames``
     frames back to back, waited for once at the end: given to :meth:`frames`, or, where each frame brings its own
-    control image (``control`` ``"per-frame"``: ``controls`` in turn), to the stream one call after another. With the
-    similarity filter, the frames it skipped in the frames/s run and their share."""
+    control image (``control`` ``"per-frame"``: ``controls`` in turn) or image prompt (``image_prompt``
+    ``"per-frame"``: ``prompts`` in turn, each given to :meth:`update_image_prompt` before its frame), to the stream
+    one call after another. With the similarity filter, the frames it skipped in the frames/s run and their share;
+    with an image prompt per frame, the mean ms of ``update_image_prompt`` alone over ``frames`` calls, each waited
+    for (``update_image_prompt_ms``)."""
     clip = stream_clip(config, sources)
     per_frame = config.get("control") == "per-frame"
+    prompt_per_frame = config.get("image_prompt") == "per-frame"
+
+    def update_image_prompt(index: int) -> None:
+        stream.update_image_prompt(ip_adapter_image=prompts[index % len(prompts)])
 
     def feed(index: int) -> Any:
         frame = clip[index % len(clip)]
+        if prompt_per_frame:
+            update_image_prompt(index)
         return stream(frame, control_image=controls[index % len(controls)]) if per_frame else stream(frame)
 
     for index in range(warmup):
@@ -515,7 +571,7 @@ def measure_stream(
     synchronize()
     skipped = stream.skipped_frames
     start = time.perf_counter()
-    if per_frame:  # frames() gives every frame the last control image
+    if per_frame or prompt_per_frame:  # frames() gives every frame the last control image and image prompt
         for index in range(frames):
             feed(index)
         stream.flush()
@@ -528,6 +584,10 @@ def measure_stream(
     if "similarity_threshold" in config:
         result["skipped_frames"] = stream.skipped_frames - skipped
         result["skipped_share"] = result["skipped_frames"] / frames
+    if prompt_per_frame:
+        result["update_image_prompt_ms"] = statistics.mean(
+            synchronized_latencies(update_image_prompt, frames, synchronize)
+        )
     return result
 
 
@@ -551,12 +611,19 @@ def run_stream_peer(
     sources = cuda_frames(STREAM_CLIP_FRAMES, STREAM_SIZE)
     if peer in STREAM_FEATURE_PEERS:  # ours, and a feature row's floor: the stream the row prepares
         controls = control_images(config, STREAM_SIZE)
-        stream = load_stream(folder, tiny_vae, config, controls[0] if config.get("control") == "fixed" else None)
+        prompts = image_prompts(config, STREAM_SIZE)
+        stream = load_stream(
+            folder,
+            tiny_vae,
+            config,
+            controls[0] if config.get("control") == "fixed" else None,
+            ip_adapter_image=prompts[0] if prompts else None,
+        )
         if peer == "floor":
             return {"peer": peer, **prepared_stream_floor(stream, config)}
         return {
             "peer": peer,
-            **measure_stream(stream, config, sources, controls, frames, warmup, torch.cuda.synchronize),
+            **measure_stream(stream, config, sources, controls, frames, warmup, torch.cuda.synchronize, prompts),
         }
     if peer == "numpy":
         if tiny_vae is not None:
@@ -716,12 +783,13 @@ def stream_floor(folder: Path, tiny_vae: Optional[Path], config: Dict[str, Any],
     }
 
 
-def stream_floor_inputs(stream: Any) -> Dict[str, Tuple[Any, Dict[str, torch.Tensor]]]:
+def stream_floor_inputs(stream: Any, image_encoder: bool = False) -> Dict[str, Tuple[Any, Dict[str, torch.Tensor]]]:
     """The models a frame of a prepared stream runs, in order, each with inputs of the shapes and dtypes ``prepare``
-    gave it: the VAE encoder (one frame), each ControlNet (``controlnet``, ``controlnet_1`` …), the UNet (its batch,
-    the guidance's rows included; with the ControlNets' residuals) and the VAE decoder (one latent). The inputs are
-    copies, but a model's call with them writes its graph's input buffers, which the stream's frames read: time the
-    stream's frames before, not after."""
+    gave it: the VAE encoder (one frame), with ``image_encoder`` (each frame brings an image prompt) the image encoder
+    (one image at its size), each ControlNet (``controlnet``, ``controlnet_1`` …), the UNet (its batch, the guidance's
+    rows included; with the ControlNets' residuals, and the image prompt's keys and values of an IP-Adapter stream)
+    and the VAE decoder (one latent). The inputs are copies, but a model's call with them writes its graph's input
+    buffers, which the stream's frames read: time the stream's frames before, not after."""
     import torch
 
     unet_inputs = {name: value.clone() for name, value in stream.unet_inputs.items()}
@@ -731,6 +799,11 @@ def stream_floor_inputs(stream: Any) -> Dict[str, Tuple[Any, Dict[str, torch.Ten
     (image_name,), (latent_name,) = encoder.input_names, decoder.input_names
     image = torch.randn(1, 3, height * scale, width * scale, device=device, dtype=encoder.input_dtypes[image_name])
     models = {"vae_encoder": (encoder, {image_name: image})}
+    if image_encoder:
+        prompt_encoder = stream.image_encoder
+        _, _, side, _ = prompt_encoder.input_dims["pixel_values"]
+        pixels = torch.randn(1, 3, side, side, device=device, dtype=prompt_encoder.input_dtypes["pixel_values"])
+        models["image_encoder"] = (prompt_encoder, {"pixel_values": pixels})
     nets = list(getattr(stream, "controlnets", []))
     for name, net, inputs in zip(controlnet_component_names(len(nets)), nets, stream.control_inputs if nets else []):
         inputs = {key: value.clone() for key, value in inputs.items()}
@@ -745,14 +818,15 @@ def stream_floor_inputs(stream: Any) -> Dict[str, Tuple[Any, Dict[str, torch.Ten
 
 def prepared_stream_floor(stream: Any, config: Dict[str, Any], replays: int = 50) -> Dict[str, Any]:
     """The GPU floor of one frame of a feature row: each model of the prepared stream (:func:`stream_floor_inputs`)
-    replayed alone from its own CUDA graph, back to back (:func:`graph_replay_ms`): VAE encoder + the ControlNets and
-    the UNet (once with the stream batch, else once per step) + VAE decoder. The UNet's batch holds the guidance's rows
-    (a negative-prompt row per latent row under "full", one under "initialize")."""
-    models = stream_floor_inputs(stream)
+    replayed alone from its own CUDA graph, back to back (:func:`graph_replay_ms`): VAE encoder (+ the image encoder
+    where each frame brings an image prompt, ``image_prompt`` ``"per-frame"``) + the ControlNets and the UNet (once
+    with the stream batch, else once per step) + VAE decoder. The UNet's batch holds the guidance's rows (a
+    negative-prompt row per latent row under "full", one under "initialize")."""
+    models = stream_floor_inputs(stream, image_encoder=config.get("image_prompt") == "per-frame")
     parts = {name: graph_replay_ms(model, inputs, replays) for name, (model, inputs) in models.items()}
     unet_calls = 1 if config["stream_batch"] else len(stream.timesteps)
-    step_ms = sum(ms for name, ms in parts.items() if name not in ("vae_encoder", "vae_decoder"))
-    frame_ms = parts["vae_encoder"] + unet_calls * step_ms + parts["vae_decoder"]
+    step_ms = sum(ms for name, ms in parts.items() if name not in ("vae_encoder", "image_encoder", "vae_decoder"))
+    frame_ms = parts["vae_encoder"] + parts.get("image_encoder", 0.0) + unet_calls * step_ms + parts["vae_decoder"]
     return {
         "frame_ms": frame_ms,
         "fps": 1000 / frame_ms,

@@ -279,7 +279,7 @@ def stream_row_label(row: Dict[str, Any]) -> str:
 def stream_feature_label(row: Dict[str, Any]) -> str:
     """What a feature row of the stream adds, from its settings: ``guidance 1.5 (cfg_type self)`` /
     ``similarity filter 0.98, still clip`` / ``ControlNet, fixed control image`` / ``2 ControlNets, control image per
-    frame``; several of them joined by commas."""
+    frame`` / ``IP-Adapter (4 image tokens, scale 1), image prompt per frame``; several of them joined by commas."""
     parts = []
     if row.get("cfg_type") is not None:
         parts.append(f"guidance {row.get('guidance_scale', 0.0):g} (cfg_type {row['cfg_type']})")
@@ -290,6 +290,12 @@ def stream_feature_label(row: Dict[str, Any]) -> str:
         nets = "ControlNet" if count == 1 else f"{count} ControlNets"
         image = "fixed control image" if row["control"] == "fixed" else "control image per frame"
         parts.append(f"{nets}, {image}")
+    if row.get("image_prompt") is not None:
+        adapter = (
+            f"IP-Adapter ({row.get('ip_adapter_tokens', 4)} image tokens, scale {row.get('ip_adapter_scale', 1.0):g})"
+        )
+        prompt = "fixed image prompt" if row["image_prompt"] == "fixed" else "image prompt per frame"
+        parts.append(f"{adapter}, {prompt}")
     return ", ".join(parts) or str(row["feature"])
 
 
@@ -314,14 +320,17 @@ def _torch_tiny_p50(results: Dict[str, Any], row: Dict[str, Any]) -> Any:
 
 def _stream_floor_cell(result: Dict[str, Any]) -> str:
     """A floor result's parts: ``floor (encoder 2.00 + UNet 1 × 5.00 at batch 1 + decoder 1.00)``, with ControlNets
-    ``floor (encoder 2.00 + 1 × (ControlNet 3.00 + UNet 5.00) at batch 1 + decoder 1.00)``."""
+    ``floor (encoder 2.00 + 1 × (ControlNet 3.00 + UNet 5.00) at batch 1 + decoder 1.00)``, with an image encoder
+    (an image prompt per frame) ``floor (encoder 2.00 + image encoder 3.00 + UNet 1 × 5.00 at batch 1 + …)``."""
     parts = result["parts_ms"]
-    nets = [name for name in parts if name not in ("vae_encoder", "unet", "vae_decoder")]
+    nets = [name for name in parts if name not in ("vae_encoder", "image_encoder", "unet", "vae_decoder")]
     if nets:
         models = " + ".join([*(f"ControlNet {parts[name]:.2f}" for name in nets), f"UNet {parts['unet']:.2f}"])
         step = f"{result['unet_calls']} × ({models})"
     else:
         step = f"UNet {result['unet_calls']} × {parts['unet']:.2f}"
+    if "image_encoder" in parts:
+        step = f"image encoder {parts['image_encoder']:.2f} + {step}"
     return (
         f"floor (encoder {parts['vae_encoder']:.2f} + {step} at batch {result['unet_batch']} + decoder "
         f"{parts['vae_decoder']:.2f})"
@@ -330,7 +339,8 @@ def _stream_floor_cell(result: Dict[str, Any]) -> str:
 
 def _stream_feature_table(results: Dict[str, Any]) -> List[str]:
     """stream.md's lines of the feature rows (none without one): per feature ours and the floor, ours' frame time
-    against the plain row's of the same configuration, and the share of frames the similarity filter skipped."""
+    against the plain row's of the same configuration, and the share of frames the similarity filter skipped; below
+    the table, the mean time of ``update_image_prompt`` alone where a row gave an image prompt per frame."""
     rows = [row for row in results["rows"] if "feature" in row]
     if not rows:
         return []
@@ -341,10 +351,13 @@ def _stream_feature_table(results: Dict[str, Any]) -> List[str]:
         "StreamDiffusion's residual guidance (`self`: no extra row; `initialize`: one negative-prompt row); the "
         "similarity filter at 0.98 on a still clip (one frame again and again) and on a moving one (every frame new); "
         "one ControlNet (random weights) with a fixed control image or one given with each frame (frames/s then from "
-        "calls one after another, not `frames()`). Frame ms / plain: ours' 1000 / frames/s against the plain row's "
+        "calls one after another, not `frames()`); one IP-Adapter (random weights) with a fixed image prompt or a new "
+        "PIL image given to `update_image_prompt` before each frame (its time counted in the frame's; frames/s from "
+        "calls one after another). Frame ms / plain: ours' 1000 / frames/s against the plain row's "
         "of the same configuration and VAE. Skipped: the frames/s run's frames the similarity filter skipped (each "
         "gives the last output again). Floor: the prepared stream's own models (its ControlNets, its UNet at the "
-        "guidance's batch), each from its own CUDA graph, back to back.",
+        "guidance's batch with the image prompt's keys and values, the image encoder where each frame brings an image "
+        "prompt), each from its own CUDA graph, back to back.",
         "",
         "| feature | configuration | pipeline | p50 ms | p99 ms | frames/s | / floor | frame ms / plain | skipped |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -378,6 +391,16 @@ def _stream_feature_table(results: Dict[str, Any]) -> List[str]:
             lines.append(
                 f"{start} {peer} | {result['p50_ms']:.2f} | {result['p99_ms']:.2f} | {result['fps']:.1f} "
                 f"| {vs_floor} | {vs_plain} | {skipped} |"
+            )
+    updates = [(row, row["peers"]["ours"]) for row in rows if "update_image_prompt_ms" in row["peers"].get("ours", {})]
+    if updates:
+        lines.append("")
+        for row, result in updates:
+            share = result["update_image_prompt_ms"] * result["fps"] / 10
+            lines.append(
+                f"`update_image_prompt` alone ({row['feature']}): {result['update_image_prompt_ms']:.2f} ms a call, "
+                f"mean of {result['frames']} calls, each waited for (the image prompt's preprocessing on the CPU, the "
+                f"image encoder, the keys and values of every layer); {share:.0f} % of ours' frame time at its frames/s."
             )
     return lines
 

@@ -330,6 +330,111 @@ def ensure_controlnet_export(kind: str, dtype: str, export: str, work: Path, con
     )
 
 
+# IP-Adapter's image encoder per model (a ``CLIPVisionModelWithProjection``, random weights): for the full-size
+# architectures the shape of h94/IP-Adapter's Stable Diffusion adapters' one (OpenCLIP ViT-H/14 at 224², 632 M
+# parameters: its ``image_embeds`` 1024 wide), for the shrunken ones (tiny, small) a tiny one, as fast as the rest of
+# them (its ``image_embeds`` 16 wide: not the tiny UNet's cross-attention width, which the adapter's projection gives)
+IP_ADAPTER_IMAGE_ENCODERS: Dict[str, Dict[str, Any]] = {
+    "vit-h": dict(
+        hidden_size=1280,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        intermediate_size=5120,
+        patch_size=14,
+        image_size=224,
+        projection_dim=1024,
+        hidden_act="gelu",
+    ),
+    "tiny": dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        patch_size=4,
+        image_size=32,
+        projection_dim=16,
+    ),
+}
+IP_ADAPTER_MODELS = {"tiny": "tiny", "small": "tiny", "sd15": "vit-h", "turbo": "vit-h"}
+# the image-prompt tokens of a plain IP-Adapter (diffusers reads a plain adapter's ``proj`` as 4 tokens)
+IP_ADAPTER_TOKENS = 4
+
+
+def _check_ip_adapter_model(kind: str) -> None:
+    """Refuses, naming what it takes, a model without an IP-Adapter image encoder of :data:`IP_ADAPTER_MODELS`."""
+    if kind not in IP_ADAPTER_MODELS:
+        raise ArgumentError("kind", f"expected one of {', '.join(IP_ADAPTER_MODELS)} for an IP-Adapter, got {kind!r}")
+
+
+def build_ip_adapter_image_encoder(kind: str, seed: int = 0):
+    """``kind``'s IP-Adapter image encoder (:data:`IP_ADAPTER_MODELS`, :data:`IP_ADAPTER_IMAGE_ENCODERS`): a
+    ``CLIPVisionModelWithProjection`` with random weights, float32."""
+    import torch
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    _check_ip_adapter_model(kind)
+    torch.manual_seed(seed)
+    config = CLIPVisionConfig(**IP_ADAPTER_IMAGE_ENCODERS[IP_ADAPTER_MODELS[kind]])
+    return CLIPVisionModelWithProjection(config).to(torch.float32).eval()
+
+
+def build_ip_adapter_pipeline(kind: str, seed: int = 0):
+    """``kind``'s torch pipeline (:func:`build_torch_pipeline`) with its IP-Adapter image encoder
+    (:func:`build_ip_adapter_image_encoder`) as ``image_encoder``."""
+    _check_ip_adapter_model(kind)
+    pipe = build_torch_pipeline(kind, seed)
+    pipe.register_modules(image_encoder=build_ip_adapter_image_encoder(kind, seed + 1))
+    return pipe
+
+
+def ip_adapter_export_name(kind: str, dtype: str, export: str) -> str:
+    """The folder name of ``kind``'s export for IP-Adapter under ``--work``."""
+    return f"{kind}-ip-adapter-{dtype}-{export}"
+
+
+def ensure_ip_adapter_export(kind: str, dtype: str, export: str, work: Path) -> Path:
+    """The export of ``kind`` for IP-Adapter (``export_pipeline(..., ip_adapter=True)``: a UNet that takes each
+    cross-attention layer's image-prompt keys and values, and ``image_encoder/``, :func:`build_ip_adapter_pipeline`)
+    under ``work``, made once and shared as :func:`ensure_export` shares the others; a model it cannot take refused
+    before any work."""
+    _check_ip_adapter_model(kind)
+    return _ensure_pipeline_export(
+        work / ip_adapter_export_name(kind, dtype, export),
+        dtype,
+        export,
+        lambda: build_ip_adapter_pipeline(kind),
+        ip_adapter=True,
+    )
+
+
+def random_ip_adapter_state_dict(
+    layer_widths: Sequence[int], cross_attention_dim: int, image_embed_dim: int, seed: int = 0
+) -> Dict[str, Dict[str, Any]]:
+    """A plain IP-Adapter with random weights (weights do not change speed) in its files' format, as
+    ``load_ip_adapter`` reads them: ``image_proj`` (``proj``: the image encoder's ``image_embeds``,
+    ``image_embed_dim`` wide, to :data:`IP_ADAPTER_TOKENS` image-prompt tokens of ``cross_attention_dim``; their
+    ``norm``) and ``ip_adapter`` (``{2i + 1}.to_k_ip`` / ``to_v_ip``: from the tokens to the ``i``-th cross-attention
+    layer's width ``layer_widths[i]``). Weights at a linear layer's initial scale (1 / √ its input width)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def linear(out_width: int, in_width: int) -> torch.Tensor:
+        return torch.randn(out_width, in_width, generator=generator) / in_width**0.5
+
+    weights = {}
+    for index, width in enumerate(layer_widths):
+        weights[f"{2 * index + 1}.to_k_ip.weight"] = linear(width, cross_attention_dim)
+        weights[f"{2 * index + 1}.to_v_ip.weight"] = linear(width, cross_attention_dim)
+    image_proj = {
+        "proj.weight": linear(IP_ADAPTER_TOKENS * cross_attention_dim, image_embed_dim),
+        "proj.bias": torch.zeros(IP_ADAPTER_TOKENS * cross_attention_dim),
+        "norm.weight": torch.ones(cross_attention_dim),
+        "norm.bias": torch.zeros(cross_attention_dim),
+    }
+    return {"image_proj": image_proj, "ip_adapter": weights}
+
+
 def _ensure_pipeline_export(
     folder: Path,
     dtype: str,
@@ -339,11 +444,13 @@ def _ensure_pipeline_export(
     step_cache: bool = False,
     components: Optional[Sequence[str]] = None,
     vae_dtype: Optional[str] = None,
+    ip_adapter: bool = False,
 ) -> Path:
     """``folder``: the export of the torch pipeline ``build()`` makes, made once under the folder's lock; an
     "optimized" export gets the fusions ``device``'s execution provider runs (:func:`optimize_target`);
     ``step_cache``: with the parts a step cache runs (``export_pipeline(step_cache=True)``); ``components``: which
-    of them to write (default: all the pipeline has); ``vae_dtype``: a Wan VAE's own precision."""
+    of them to write (default: all the pipeline has); ``vae_dtype``: a Wan VAE's own precision; ``ip_adapter``: a
+    UNet that takes IP-Adapter's image prompt (``export_pipeline(ip_adapter=True)``)."""
     from ..export import export_pipeline
 
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -365,6 +472,7 @@ def _ensure_pipeline_export(
                 step_cache=step_cache,
                 components=components,
                 **({"vae_dtype": vae_dtype} if vae_dtype is not None else {}),
+                **({"ip_adapter": True} if ip_adapter else {}),
             )
     return folder
 
