@@ -379,8 +379,10 @@ def test_the_export_leaves_the_torch_pipeline_as_it_was(tmp_path):
     pipe = torch_pipeline()
     pipe.set_progress_bar_config(disable=True)
     before = run(pipe, guidance_scale=1.0)
-    export_pipeline(None, tmp_path / "onnx", torch_pipeline=pipe, ip_adapter=True, components=["unet"])
+    export_pipeline(None, tmp_path / "onnx", torch_pipeline=pipe, ip_adapter=True)
     np.testing.assert_array_equal(run(pipe, guidance_scale=1.0), before)
+    assert (tmp_path / "onnx" / "image_encoder" / "model.onnx").is_file()
+    assert not any("forward" in module.__dict__ for module in pipe.image_encoder.modules())  # its layers' own
 
 
 def test_a_tensor_image_prompt_is_the_encoders_pixel_values_as_in_diffusers(folders):
