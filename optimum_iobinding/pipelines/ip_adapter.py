@@ -59,17 +59,24 @@ def _read_state_dict(source: Any, subfolder: Optional[str], weight_name: Optiona
                     f"expected a local folder or a hub repo holding {weight_name!r}, got {os.fspath(source)!r}: "
                     f"{type(error).__name__}: {str(error)[:200]}",
                 ) from error
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
+        try:
+            if path.suffix == ".safetensors":
+                from safetensors.torch import load_file
 
-            flat = load_file(str(path))
-            state = {"image_proj": {}, "ip_adapter": {}}
-            for key, value in flat.items():
-                part, _, rest = key.partition(".")
-                if part in state:
-                    state[part][rest] = value
-        else:
-            state = torch.load(str(path), map_location="cpu", weights_only=True)
+                flat = load_file(str(path))
+                state = {"image_proj": {}, "ip_adapter": {}}
+                for key, value in flat.items():
+                    part, _, rest = key.partition(".")
+                    if part in state:
+                        state[part][rest] = value
+            else:
+                state = torch.load(str(path), map_location="cpu", weights_only=True)
+        except Exception as error:  # not a weights file, or a broken one
+            raise ArgumentError(
+                "weight_name",
+                f"expected an IP-Adapter weights file (.safetensors or .bin), got {str(path)!r}, which does not load: "
+                f"{type(error).__name__}: {str(error)[:200]}",
+            ) from error
     else:
         raise ArgumentTypeError(
             "pretrained_model_name_or_path_or_dict",
@@ -119,7 +126,7 @@ class IPAdapterMixin:
         if not self.image_prompt_layers:
             raise ArgumentError(
                 argument,
-                "expected a UNet exported for IP-Adapter (optimum-iobinding export MODEL OUT --ip-adapter, or "
+                "expected a UNet exported for IP-Adapter (optimum-iobinding export MODEL -o OUT --ip-adapter, or "
                 "export_pipeline(..., ip_adapter=True)); this folder's UNet takes no image-prompt inputs",
             )
 
@@ -186,15 +193,21 @@ class IPAdapterMixin:
             )
         device = self.device
         keys, values = [], []
+        cross = (self.unet.input_dims.get("encoder_hidden_states") or [None])[-1]  # the image tokens' width too
         for index, (key_input, _) in enumerate(layers):
             width = self.unet.input_dims[key_input][2]
             for kind, bucket in (("to_k_ip", keys), ("to_v_ip", values)):
-                weight = weights[f"{2 * index + 1}.{kind}.weight"]
-                if isinstance(width, int) and weight.shape[0] != width:
+                weight = weights.get(f"{2 * index + 1}.{kind}.weight")
+                expected_shape = (width, cross)
+                if (
+                    weight is None
+                    or weight.ndim != 2
+                    or any(isinstance(e, int) and e != g for e, g in zip(expected_shape, weight.shape))
+                ):
                     raise ArgumentError(
                         "pretrained_model_name_or_path_or_dict",
-                        f"expected layer {2 * index + 1}'s {kind} to give {width} values (this UNet's width), got "
-                        f"{tuple(weight.shape)}: an IP-Adapter for another model",
+                        f"expected layer {2 * index + 1}'s {kind} of shape {expected_shape} (this UNet's widths), got "
+                        f"{tuple(weight.shape) if weight is not None else 'none'}: an IP-Adapter for another model",
                     )
                 bucket.append(weight.to(device=device, dtype=torch.float32))
         # diffusers' own conversion of the image projection's weights (its ImageProjection, IPAdapterPlus…)

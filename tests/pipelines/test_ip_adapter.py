@@ -213,7 +213,7 @@ def test_a_saved_pipeline_keeps_its_image_encoder_and_layer_names(folders, tmp_p
     )
 
 
-def test_the_plain_export_and_a_folder_without_adapter_or_encoder_are_refused_by_name(folders, tiny_folder):
+def test_the_plain_export_and_a_folder_without_adapter_or_encoder_are_refused_by_name(folders, tiny_folder, tmp_path):
     state = adapter_state_dict(torch_pipeline().unet, 1)
     with pytest.raises(ArgumentError, match=r"pretrained_model_name_or_path_or_dict: expected a UNet exported for"):
         ours(tiny_folder).load_ip_adapter(state)
@@ -228,6 +228,14 @@ def test_the_plain_export_and_a_folder_without_adapter_or_encoder_are_refused_by
     wrong = {**state, "ip_adapter": {k: v for k, v in state["ip_adapter"].items() if not k.startswith("1.")}}
     with pytest.raises(ArgumentError, match=r"cross-attention layers"):
         pipe.load_ip_adapter(wrong)
+    other_width = {**state, "ip_adapter": {k: v[:, :16] for k, v in state["ip_adapter"].items()}}
+    with pytest.raises(
+        ArgumentError, match=r"layer 1's to_k_ip of shape \(64, 32\) \(this UNet's widths\), got \(64, 16\)"
+    ):
+        pipe.load_ip_adapter(other_width)
+    (tmp_path / "broken.safetensors").write_text("not weights")
+    with pytest.raises(ArgumentError, match=r"weight_name: expected an IP-Adapter weights file"):
+        pipe.load_ip_adapter(str(tmp_path), weight_name="broken.safetensors")
     with pytest.raises(ArgumentError, match=r"scale: expected per-block scales of this UNet's blocks"):
         pipe.set_ip_adapter_scale({"up": {"block_0": [1.0] * 7}})
     with pytest.raises(ArgumentError, match=r"scale: expected one scale"):
