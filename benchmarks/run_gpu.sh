@@ -89,7 +89,7 @@ run_step() {
     few-step-small) script benchmarks/few_step_loop.py --model small --work "$work" --out "$out/few-step-small" ;;
     unet-options) script benchmarks/unet_options.py --model sd15 --work "$work" --out "$out/unet-options" ;;
     # load and first image in fresh processes: SD 1.5 against numpy, FLUX.1 schnell (2 + 4 blocks) against optimum
-    coldstart) bench --scenario coldstart --out "$out/coldstart" ;;
+    coldstart) bench --scenario coldstart --repeats "${COLD_REPEATS:-3}" --out "$out/coldstart" ;;
     # the stream with guidance (full, residual) and the similarity filter (a still and a moving clip)
     stream-probe) script benchmarks/stream_probe.py --work "$work" --out "$out/stream-probe" ;;
     # SDXL-Turbo's architecture (the full SDXL export: its ORT fusions take 15-20 min; start it first) at 512² and 1024²

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -80,64 +81,98 @@ def coldstart_benchmark(
     run_single: Callable[..., Dict[str, Any]],
     run_transformer: Callable[..., Dict[str, Any]],
     environment: Dict[str, Any],
+    repeats: int = 1,
 ) -> Dict[str, Any]:
     """Each model's peers through its scenario (``run_single``: :func:`.cli.benchmark`; ``run_transformer``:
     :func:`.cli.transformer_benchmark`), their full results in ``out/MODEL/``, the cold-start table in
-    ``out/coldstart.json`` and ``coldstart.md``."""
+    ``out/coldstart.json`` and ``coldstart.md``. ``repeats`` > 1: the whole measure (first load beside the baseline,
+    then a later load) that many times, each in a cache folder of its own and the first two peers' order swapped
+    every other time, and for each peer the median of its runs (``run``: its number, or ``"median"``), each median's
+    ratio that of the medians."""
     out.mkdir(parents=True, exist_ok=True)
     results: Dict[str, Any] = {"environment": environment, "scenario": "coldstart", "rows": []}
-    with fresh_cache_home():
-        for model in models:
-            settings = COLDSTART_MODELS[model]
-            baseline, ours = settings["peers"]
-            rows = []
-            for peers, folder, suffix in (
-                ([baseline, ours], out / model, ""),
-                ([ours], out / f"{model}-later", LATER_LOAD),
-            ):
-                if settings["scenario"] == "single":
-                    scenario = run_single(
-                        models=[model],
-                        dtypes=["fp16"],
-                        exports=["optimized"],
-                        peers=peers,
-                        steps=settings["steps"],
-                        runs=1,
-                        warmup=0,
-                        work=work,
-                        out=folder,
-                        optimum_pythonpath=optimum_pythonpath,
-                        timeout=timeout,
+    for model in models:
+        settings = COLDSTART_MODELS[model]
+        baseline, ours = settings["peers"]
+        done, rows = list(results["rows"]), []  # the models before, this model's
+        for run in range(repeats):
+            named = f"-run{run + 1}" if run else ""
+            run_rows: List[Dict[str, Any]] = []
+            with fresh_cache_home():
+                for peers, folder, suffix in (
+                    ([baseline, ours] if run % 2 == 0 else [ours, baseline], out / f"{model}{named}", ""),
+                    ([ours], out / f"{model}{named}-later", LATER_LOAD),
+                ):
+                    if settings["scenario"] == "single":
+                        scenario = run_single(
+                            models=[model],
+                            dtypes=["fp16"],
+                            exports=["optimized"],
+                            peers=peers,
+                            steps=settings["steps"],
+                            runs=1,
+                            warmup=0,
+                            work=work,
+                            out=folder,
+                            optimum_pythonpath=optimum_pythonpath,
+                            timeout=timeout,
+                        )
+                    else:
+                        scenario = run_transformer(
+                            models=[model],
+                            peers=peers,
+                            dtype="fp16",
+                            export="optimized",
+                            blocks=settings["blocks"],
+                            text_layers=settings["text_layers"],
+                            runs=1,
+                            warmup=0,
+                            device="cuda",
+                            work=work,
+                            out=folder,
+                            optimum_pythonpath=optimum_pythonpath,
+                            timeout=timeout,
+                            compile_timeout=compile_timeout,
+                        )
+                    base = next((row for row in run_rows if row["peer"] == baseline and "cold_s" in row), None)
+                    run_rows += coldstart_rows(
+                        model, scenario, base["cold_s"] if base else None, suffix, ours if suffix else None
                     )
-                else:
-                    scenario = run_transformer(
-                        models=[model],
-                        peers=peers,
-                        dtype="fp16",
-                        export="optimized",
-                        blocks=settings["blocks"],
-                        text_layers=settings["text_layers"],
-                        runs=1,
-                        warmup=0,
-                        device="cuda",
-                        work=work,
-                        out=folder,
-                        optimum_pythonpath=optimum_pythonpath,
-                        timeout=timeout,
-                        compile_timeout=compile_timeout,
-                    )
-                base = next((row for row in rows if row["peer"] == baseline and "cold_s" in row), None)
-                rows += coldstart_rows(
-                    model, scenario, base["cold_s"] if base else None, suffix, ours if suffix else None
-                )
-            results["rows"].extend(rows)
+            if repeats > 1:
+                for row in run_rows:
+                    row["run"] = run + 1
+            rows += run_rows
+            results["rows"] = [*done, *rows]
+            (out / "coldstart.json").write_text(json.dumps(results, indent=2))
+        if repeats > 1:
+            results["rows"] = [*done, *rows, *median_rows(model, rows, baseline)]
             (out / "coldstart.json").write_text(json.dumps(results, indent=2))
     write_coldstart_report(results, out)
     return results
 
 
+def median_rows(model: str, rows: List[Dict[str, Any]], baseline: str) -> List[Dict[str, Any]]:
+    """Each peer's median over its measured runs (``run: "median"``, ``runs``: how many), its ratio the median's
+    over the baseline's median; a peer with no measured run is left out."""
+    medians: List[Dict[str, Any]] = []
+    for peer in dict.fromkeys(row["peer"] for row in rows):
+        measured = [row for row in rows if row["peer"] == peer and "cold_s" in row]
+        if not measured:
+            continue
+        entry: Dict[str, Any] = {"model": model, "peer": peer, "baseline": baseline, "run": "median"}
+        for field in (*COLDSTART_FIELDS, "cold_s"):
+            values = [row[field] for row in measured if row.get(field) is not None]
+            entry[field] = statistics.median(values) if values else None
+        entry["runs"] = len(measured)
+        medians.append(entry)
+    base = next((row["cold_s"] for row in medians if row["peer"] == baseline), None)
+    for entry in medians:
+        entry["over_baseline"] = entry["cold_s"] / base if base else None
+    return medians
+
+
 def write_coldstart_report(results: Dict[str, Any], out: Path) -> None:
-    """``coldstart.md``: one row per model and peer."""
+    """``coldstart.md``: one row per model and peer (and run, with the medians in bold, where it repeated)."""
     lines = [
         "# Cold start: load and first image, each peer in a fresh process",
         "",
@@ -150,6 +185,12 @@ def write_coldstart_report(results: Dict[str, Any], out: Path) -> None:
         "|---|---|---|---|---|---|---|",
     ]
     for row in results["rows"]:
+        peer = row["peer"]
+        if row.get("run") == "median":
+            peer = f"**{peer}: median of {row['runs']}**"
+        elif row.get("run") is not None:
+            peer = f"{peer}, run {row['run']}"
+        row = {**row, "peer": peer}
         if "error" in row:
             reason = str(row["error"]).strip().splitlines()[-1][:120] if str(row["error"]).strip() else "?"
             lines.append(f"| {row['model']} | {row['peer']} | failed: {reason} |||||")

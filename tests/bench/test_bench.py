@@ -1568,6 +1568,45 @@ def test_the_cold_start_table_gathers_each_models_peers_with_their_ratio_to_its_
     assert json.loads((tmp_path / "out" / "coldstart.json").read_text())["rows"] == results["rows"]
 
 
+def test_a_repeated_cold_start_swaps_the_order_uses_a_cache_folder_each_and_reports_the_medians(tmp_path):
+    from optimum_iobinding.bench.coldstart import coldstart_benchmark
+
+    asked, caches = [], []
+    firsts = iter([4.5, 2.0, 3.0, 2.2, 5.0, 2.6])  # numpy and ours' first images, run by run
+    later = iter([1.4, 1.2, 1.6])
+
+    def peer(load, first):
+        return {"import_s": 1.0, "load_s": load, "first_image_s": first, "end_to_end_ms": 1.0}
+
+    def run_single(**kwargs):
+        asked.append((kwargs["peers"], kwargs["out"].name))
+        caches.append(os.environ["XDG_CACHE_HOME"])
+        if kwargs["peers"] == ["defaults"]:
+            return {"rows": [{"peers": {"defaults": peer(0.5, next(later))}}]}
+        assert not os.listdir(caches[-1])  # each run's first load: an empty cache folder of its own
+        numpy, ours = next(firsts), next(firsts)
+        return {"rows": [{"peers": {"numpy": peer(1.5, numpy), "defaults": peer(0.5, ours)}}]}
+
+    results = coldstart_benchmark(["sd15"], tmp_path, tmp_path / "out", None, 60, 60, run_single, None, {}, repeats=3)
+    assert asked == [
+        (["numpy", "defaults"], "sd15"),
+        (["defaults"], "sd15-later"),
+        (["defaults", "numpy"], "sd15-run2"),
+        (["defaults"], "sd15-run2-later"),
+        (["numpy", "defaults"], "sd15-run3"),
+        (["defaults"], "sd15-run3-later"),
+    ]
+    assert caches[0] == caches[1] and len({caches[0], caches[2], caches[4]}) == 3
+    medians = {row["peer"]: row for row in results["rows"] if row.get("run") == "median"}
+    assert medians["numpy"]["cold_s"] == 1.5 + 4.5 and medians["defaults"]["cold_s"] == 0.5 + 2.2
+    assert medians["defaults"]["over_baseline"] == pytest.approx(2.7 / 6.0)
+    assert medians["defaults (a later load)"]["first_image_s"] == 1.4 and medians["numpy"]["runs"] == 3
+    assert [row["run"] for row in results["rows"] if row["peer"] == "numpy"] == [1, 2, 3, "median"]
+    table = (tmp_path / "out" / "coldstart.md").read_text()
+    assert "| sd15 | defaults, run 2 | 1.00 | 0.50 | 2.20 | 2.70 | 0.60 |" in table  # against its own run's numpy
+    assert "| sd15 | **defaults: median of 3** | 1.00 | 0.50 | 2.20 | 2.70 | 0.45 |" in table
+
+
 def test_a_video_export_with_a_float16_vae_is_a_folder_of_its_own():
     from optimum_iobinding.bench.zoo import video_export_name
 
