@@ -30,7 +30,7 @@ from optimum_iobinding.pipelines.loop import Guidance
 KEYS = [record.key for record in FAMILIES]
 # The records whose __call__ is not prompt-driven: it takes a frame, and no steps, guidance scale or image arguments.
 FRAME_CALLS = dict.fromkeys(
-    ("stream", "stream-xl", "stream-controlnet"),
+    ("stream", "stream-xl", "stream-controlnet", "stream-xl-controlnet"),
     "its __call__ takes a frame; prepare(prompt, ...) takes the steps and the guidance scale",
 )
 SDXL_INPUTS = (*UNET_INPUTS, "text_embeds", "time_ids")

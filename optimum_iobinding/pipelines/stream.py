@@ -132,7 +132,8 @@ class OnnxStreamDiffusionPipeline(IPAdapterMixin, LoraLoaderMixin, OnnxDiffusion
 
     @classmethod
     def _layout_class(cls, name_or_path: Any, kwargs: Dict[str, Any]) -> type:
-        """The stream class of a folder's (or hub repository's) layout: SDXL's, with ControlNets, or this one."""
+        """The stream class of a folder's (or hub repository's) layout: SDXL's, with ControlNets (SD's or SDXL's), or
+        this one."""
         if not isinstance(name_or_path, (str, os.PathLike)):
             return cls  # refused by the loading, naming the argument
         path = Path(name_or_path).expanduser()
@@ -154,11 +155,9 @@ class OnnxStreamDiffusionPipeline(IPAdapterMixin, LoraLoaderMixin, OnnxDiffusion
             return cls
         xl, controlnet = has["unet"] and has["text_encoder_2"], has["controlnet"]
         if xl and controlnet:
-            raise ArgumentError(
-                "pretrained_model_name_or_path",
-                f"expected a Stable Diffusion 1.x/2.x folder for a stream with ControlNets, got the SDXL folder "
-                f"{os.fspath(name_or_path)!r} with ControlNets; stream SDXL without them, or SD with them",
-            )
+            from .stream_xl_controlnet import OnnxStreamDiffusionXLControlNetPipeline
+
+            return OnnxStreamDiffusionXLControlNetPipeline
         if xl:
             from .stream_xl import OnnxStreamDiffusionXLPipeline
 

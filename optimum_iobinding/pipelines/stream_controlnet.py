@@ -177,7 +177,10 @@ class OnnxStreamDiffusionControlNetPipeline(UNetControlNets, OnnxStreamDiffusion
         shapes = super()._model_shapes(plan)
         unet = {name: tuple(value.shape) for name, value in plan.unet_inputs.items()}
         residuals = self._residual_shapes(
-            unet["sample"], unet["encoder_hidden_states"], tuple(plan.control["images"][0].shape), {}
+            unet["sample"],
+            unet["encoder_hidden_states"],
+            tuple(plan.control["images"][0].shape),
+            self._control_conditioning(plan.unet_inputs),
         )
         for index, (model, model_shapes) in enumerate(shapes):
             if model is self.unet:
@@ -189,9 +192,14 @@ class OnnxStreamDiffusionControlNetPipeline(UNetControlNets, OnnxStreamDiffusion
                 "encoder_hidden_states": unet["encoder_hidden_states"],
                 CONTROLNET_CONDITION: tuple(plan.control["images"][k].shape),
                 CONTROLNET_SCALE: tuple(plan.tensors[f"control_scale_{k}"].shape),
+                **{name: tuple(value.shape) for name, value in self._control_conditioning(plan.unet_inputs).items()},
             }
             shapes.insert(1, (net, inputs))
         return shapes
+
+    def _control_conditioning(self, unet_inputs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The UNet's inputs a ControlNet takes beside its own (none here; SDXL's ``text_embeds`` and ``time_ids``)."""
+        return {}
 
     @property
     def control_inputs(self) -> List[Dict[str, torch.Tensor]]:
@@ -207,6 +215,7 @@ class OnnxStreamDiffusionControlNetPipeline(UNetControlNets, OnnxStreamDiffusion
                 "encoder_hidden_states": plan.unet_inputs["encoder_hidden_states"],
                 CONTROLNET_CONDITION: plan.control["images"][k],
                 CONTROLNET_SCALE: plan.tensors[f"control_scale_{k}"],
+                **self._control_conditioning(plan.unet_inputs),
             }
             for k in range(len(self.controlnets))
         ]
@@ -306,6 +315,7 @@ class OnnxStreamDiffusionControlNetPipeline(UNetControlNets, OnnxStreamDiffusion
                         CONTROLNET_CONDITION: plan.control["images"][k],
                         CONTROLNET_SCALE: plan.tensors[f"control_scale_{k}"],
                     },
+                    **self._control_conditioning(inputs),
                 )
 
         residuals = self._sums(runs(), len(self.controlnets))

@@ -27,6 +27,7 @@ NOT_PROMPT_DRIVEN = {
     "stream": "tests/pipelines/test_stream_contract.py",
     "stream-xl": "tests/pipelines/test_stream_xl.py",
     "stream-controlnet": "tests/pipelines/test_stream_controlnet.py",
+    "stream-xl-controlnet": "tests/pipelines/test_stream_xl_controlnet.py",
 }
 # The records whose calls make videos (Family.frames), not images, with where their contract lives.
 MAKES_VIDEOS = {"wan": "tests/pipelines/test_wan.py", "wan-i2v": "tests/pipelines/test_wan_i2v.py"}
