@@ -24,11 +24,19 @@ SLEEP_CYCLES = 2_000_000_000
 
 
 @pytest.fixture(scope="module")
-def folders(tiny_folder, vae_folder, lcm, xl_folder, controlnet_folders):
+def folders(tiny_folder, vae_folder, lcm, xl_folder, controlnet_folders, shared_export):
     """Each stream's folder and options: Stable Diffusion, with the tiny VAE, LCM, SDXL (with the tiny VAE), one and
-    two ControlNets (a fixed control image each)."""
+    two ControlNets (a fixed control image each), SDXL with a ControlNet."""
+    from optimum_iobinding.export import export_pipeline
+    from optimum_iobinding.export.tiny import build_tiny_random_xl_controlnet_pipeline
+
     control = torch.rand(1, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(7))
+    xl_controlnet = shared_export(  # the CPU test's export (tests/pipelines/test_stream_xl_controlnet.py)
+        "xl-controlnet-stream",
+        lambda t: export_pipeline(None, t, torch_pipeline=build_tiny_random_xl_controlnet_pipeline(), progress=False),
+    )
     return {
+        "xl-controlnet": (xl_controlnet, {"control_image": control}),
         "sd": (tiny_folder, {}),
         "tiny-vae": (tiny_folder, {"tiny_vae": vae_folder}),
         "lcm": (lcm[1], {}),
@@ -95,6 +103,7 @@ CASES = {  # (folder, steps, strength, guidance, stream batch)
     "xl-guidance-stream-batch": ("xl-tiny-vae", 4, 0.5, 3.0, True),
     "controlnet-one-step": ("controlnet", 2, 0.5, 0.0, True),
     "controlnets-guidance-stream-batch": ("controlnet-two", 4, 0.5, 3.0, True),
+    "xl-controlnet-guidance-stream-batch": ("xl-controlnet", 4, 0.5, 3.0, True),
 }
 # the guidance type of a case (default "full"): StreamDiffusion's residual guidance, its stock noise on the device
 CFG_TYPES = {"rcfg-self-one-step": "self", "rcfg-initialize-stream-batch": "initialize"}
