@@ -21,7 +21,7 @@ def made(tmp_path_factory):
     from safetensors.torch import save_file
 
     from optimum_iobinding.export.tiny import build_tiny_random_pipeline
-    from tests.pipelines.test_ip_adapter import adapter_state_dict, image_encoder
+    from tests.ip_adapter_models import adapter_state_dict, image_encoder
 
     root = tmp_path_factory.mktemp("ip-cli")
     image_encoder().save_pretrained(root / "encoder")

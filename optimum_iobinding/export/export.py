@@ -305,18 +305,15 @@ def export_pipeline(
 
 def check_ip_adapter_pipeline(pipe) -> None:
     """IP-Adapter's image-prompt inputs are exported for Stable Diffusion 1.x/2.x and SDXL text to image and image
-    to image (and their streams): refuses, naming ``ip_adapter``, the other pipelines."""
+    to image, with or without ControlNets (and their streams): refuses, naming ``ip_adapter``, the other pipelines
+    (inpainting, LCM)."""
     unet = getattr(pipe, "unet", None)
     config = getattr(unet, "config", None)
-    if (
-        config is None
-        or controlnets_of(pipe)
-        or getattr(config, "in_channels", 4) != 4
-        or getattr(config, "time_cond_proj_dim", None)
-    ):
+    if config is None or getattr(config, "in_channels", 4) != 4 or getattr(config, "time_cond_proj_dim", None):
         raise ArgumentError(
             "ip_adapter",
-            "expected a Stable Diffusion 1.x/2.x or SDXL pipeline (text or image to image, the stream), got a "
+            "expected a Stable Diffusion 1.x/2.x or SDXL pipeline (text or image to image, ControlNets, the stream), "
+            "got a "
             f"{type(pipe).__name__}",
         )
 

@@ -121,7 +121,10 @@ class ControlNetUNet(UNetDenoiser):
                 "--controlnet ID (or export_pipeline(..., controlnet=...))",
             )
         family_inputs = list(self.pipe.family.interface.inputs)
-        unexpected = [name for name in declared if name not in [*family_inputs, *expected]]
+        optional = self.pipe.family.interface.optional_prefixed or ("\0",)  # IP-Adapter's image-prompt inputs
+        unexpected = [
+            name for name in declared if name not in [*family_inputs, *expected] and not name.startswith(optional)
+        ]
         if unexpected:
             raise ArgumentError(
                 "unet",
@@ -532,6 +535,8 @@ class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):
         callback_steps: int = 1,
         callback_on_step_end: StepEndCallback = None,
         callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        ip_adapter_image: Any = None,
+        ip_adapter_image_embeds: Any = None,
     ):
         """Generates images from text guided by control images, with the arguments of diffusers'
         ``StableDiffusionControlNetPipeline``.
@@ -545,6 +550,7 @@ class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):
         pipeline's.
         """
         # 1. check inputs (the size once the control images give it)
+        self.check_image_prompt(ip_adapter_image, ip_adapter_image_embeds)
         scales, starts, ends = self.check_control_arguments(
             controlnet_conditioning_scale, control_guidance_start, control_guidance_end
         )
@@ -599,6 +605,12 @@ class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):
             latents,
             timesteps,
             tensors={"prompt_embeds": prompt_embeds},
+            inputs=self.image_prompt_inputs(
+                ip_adapter_image,
+                ip_adapter_image_embeds,
+                batch_size * num_images_per_prompt,
+                do_classifier_free_guidance,
+            ),
             guidance=Guidance.classifier_free(guidance_scale),
             step_kwargs=self.scheduler_step_kwargs(generator, eta),
             callback=callback,
@@ -655,12 +667,15 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(ControlNetPipeline):
         callback_steps: int = 1,
         callback_on_step_end: StepEndCallback = None,
         callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        ip_adapter_image: Any = None,
+        ip_adapter_image_embeds: Any = None,
     ):
         """Transforms ``image`` as ``prompt`` says, guided by ``control_image``, with the arguments of diffusers'
         ``StableDiffusionControlNetImg2ImgPipeline`` (``controlnet_conditioning_scale`` defaults to 0.8 there too).
         ``image`` is resized to ``height`` × ``width`` where given, else kept at its size (rounded down to the VAE
         factor); the control image is brought to the same size."""
         # 1. check inputs
+        self.check_image_prompt(ip_adapter_image, ip_adapter_image_embeds)
         scales, starts, ends = self.check_control_arguments(
             controlnet_conditioning_scale, control_guidance_start, control_guidance_end
         )
@@ -723,6 +738,12 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(ControlNetPipeline):
             latents,
             timesteps,
             tensors={"prompt_embeds": prompt_embeds},
+            inputs=self.image_prompt_inputs(
+                ip_adapter_image,
+                ip_adapter_image_embeds,
+                batch_size * num_images_per_prompt,
+                do_classifier_free_guidance,
+            ),
             guidance=Guidance.classifier_free(guidance_scale),
             step_kwargs=self.scheduler_step_kwargs(generator, eta),
             callback=callback,

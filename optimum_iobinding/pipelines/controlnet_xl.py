@@ -77,6 +77,8 @@ class OnnxStableDiffusionXLControlNetPipeline(UNetControlNets, OnnxStableDiffusi
         clip_skip: Optional[int] = None,
         callback_on_step_end: StepEndCallback = None,
         callback_on_step_end_tensor_inputs: TensorNames = ("latents",),
+        ip_adapter_image: Any = None,
+        ip_adapter_image_embeds: Any = None,
     ):
         """Generates images from text guided by control images, with the arguments of diffusers'
         ``StableDiffusionXLControlNetPipeline``.
@@ -92,6 +94,7 @@ class OnnxStableDiffusionXLControlNetPipeline(UNetControlNets, OnnxStableDiffusi
             ``StableDiffusionXLPipelineOutput(images)``, or a tuple without return_dict.
         """
         # 1. check inputs (the size once the control images give it)
+        self.check_image_prompt(ip_adapter_image, ip_adapter_image_embeds)
         scales, starts, ends = self.check_control_arguments(
             controlnet_conditioning_scale, control_guidance_start, control_guidance_end
         )
@@ -179,7 +182,12 @@ class OnnxStableDiffusionXLControlNetPipeline(UNetControlNets, OnnxStableDiffusi
             timesteps,
             tensors={"prompt_embeds": prompt_embeds},
             guidance=Guidance.classifier_free(guidance_scale),
-            inputs=conditioning,
+            inputs={
+                **conditioning,
+                **self.image_prompt_inputs(
+                    ip_adapter_image, ip_adapter_image_embeds, rows, do_classifier_free_guidance
+                ),
+            },
             step_kwargs=self.scheduler_step_kwargs(generator, eta),
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,

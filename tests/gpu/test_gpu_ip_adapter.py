@@ -13,7 +13,7 @@ import torch
 
 from optimum_iobinding import OnnxStableDiffusionPipeline, OnnxStreamDiffusionPipeline
 from optimum_iobinding.export import export_pipeline
-from tests.pipelines.test_ip_adapter import (
+from tests.ip_adapter_models import (
     TURBO,
     adapter_state_dict,
     full_adapter_state_dict,

@@ -4,79 +4,20 @@ adapter loaded at run time, against diffusers' torch pipeline with the same adap
 from __future__ import annotations
 
 import numpy as np
-import PIL.Image
 import pytest
 import torch
 
 from optimum_iobinding.errors import ArgumentError
+from tests.ip_adapter_models import (
+    TURBO,
+    adapter_state_dict,
+    full_adapter_state_dict,
+    image_encoder,
+    prompt_image,
+    torch_pipeline,
+)
 
 PROMPT = "a photo of a cat"
-
-
-def image_encoder():
-    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
-
-    torch.manual_seed(5)
-    config = CLIPVisionConfig(
-        hidden_size=32,
-        projection_dim=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=32,
-        patch_size=4,
-        intermediate_size=37,
-    )
-    return CLIPVisionModelWithProjection(config).eval()
-
-
-def adapter_state_dict(unet, seed: int):
-    """A random IP-Adapter for ``unet`` in the original file format (``image_proj``: a plain adapter's projection
-    of 4 tokens; ``ip_adapter``: ``{2i + 1}.to_k_ip`` / ``to_v_ip`` for the ``i``-th cross-attention layer)."""
-    from diffusers.models.embeddings import ImageProjection
-
-    generator = torch.Generator().manual_seed(seed)
-    cross = unet.config.cross_attention_dim
-    weights, key = {}, 1
-    for name, module in unet.named_modules():
-        if name.endswith("attn2"):
-            width = module.to_k.out_features
-            weights[f"{key}.to_k_ip.weight"] = torch.randn(width, cross, generator=generator) * 0.2
-            weights[f"{key}.to_v_ip.weight"] = torch.randn(width, cross, generator=generator) * 0.2
-            key += 2
-    torch.manual_seed(seed)
-    projection = ImageProjection(cross_attention_dim=cross, image_embed_dim=32, num_image_text_embeds=4).state_dict()
-    image_proj = {
-        "proj.weight": projection["image_embeds.weight"],
-        "proj.bias": projection["image_embeds.bias"],
-        "norm.weight": projection["norm.weight"] + 0.1 * torch.randn(cross, generator=generator),
-        "norm.bias": projection["norm.bias"] + 0.1 * torch.randn(cross, generator=generator),
-    }
-    return {"image_proj": image_proj, "ip_adapter": weights}
-
-
-def full_adapter_state_dict(unet, seed: int):
-    """A random "full" IP-Adapter (its projection takes the image encoder's penultimate states, one token each, as
-    diffusers' plus adapters do) in the original file format."""
-    from diffusers.models.embeddings import IPAdapterFullImageProjection
-
-    state = adapter_state_dict(unet, seed)
-    torch.manual_seed(seed)
-    cross = unet.config.cross_attention_dim
-    projection = IPAdapterFullImageProjection(cross_attention_dim=cross, image_embed_dim=32).state_dict()
-    names = {"ff.net.0.proj": "proj.0", "ff.net.2": "proj.2", "norm": "proj.3"}
-    image_proj = {}
-    for key, value in projection.items():
-        module, _, kind = key.rpartition(".")
-        image_proj[f"{names[module]}.{kind}"] = value
-    return {"image_proj": image_proj, "ip_adapter": state["ip_adapter"]}
-
-
-def torch_pipeline():
-    from optimum_iobinding.export.tiny import build_tiny_random_pipeline
-
-    pipe = build_tiny_random_pipeline()
-    pipe.register_modules(image_encoder=image_encoder())
-    return pipe
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +48,6 @@ def ours(folder, io_binding=True):
     pipe = OnnxStableDiffusionPipeline.from_pretrained(folder, io_binding=io_binding)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def prompt_image(seed=7):
-    pixels = np.random.default_rng(seed).integers(0, 256, (40, 48, 3), dtype=np.uint8)
-    return PIL.Image.fromarray(pixels)
 
 
 def run(pipe, **kwargs):
@@ -249,12 +185,14 @@ def test_the_export_refuses_what_takes_no_image_prompt(tmp_path):
         export_pipeline(None, tmp_path / "a", tiny_random=True, ip_adapter=True, step_cache=True)
     with pytest.raises(ArgumentError, match=r"image_encoder: expected it with ip_adapter=True"):
         export_pipeline(None, tmp_path / "b", tiny_random=True, image_encoder=image_encoder())
-    with pytest.raises(ArgumentError, match=r"ip_adapter: expected a Stable Diffusion 1.x/2.x or SDXL pipeline"):
-        export_pipeline(None, tmp_path / "c", tiny_random="controlnet", ip_adapter=True)
+    with pytest.raises(
+        ArgumentError,
+        match=r"ip_adapter: expected a Stable Diffusion 1.x/2.x or SDXL pipeline .*, got a LatentConsistencyModelPipeline",
+    ):
+        export_pipeline(None, tmp_path / "c", tiny_random="lcm", ip_adapter=True)
 
 
 # ------------------------------------------------------------------------------------------------------ the stream
-TURBO = ("EulerAncestralDiscreteScheduler", {"timestep_spacing": "trailing"})
 
 
 def stream_of(folder):
@@ -454,3 +392,68 @@ def test_a_refused_image_prompt_leaves_the_prepared_stream_as_it_was(folders):
     plain.load_ip_adapter(state)
     with pytest.raises(ArgumentError, match=r"a stream prepared without an image prompt has 1"):
         plain.update_image_prompt(ip_adapter_image_embeds=[torch.randn(1, 1, 32)])
+
+
+# ------------------------------------------------------------------------------------------------- with ControlNets
+@pytest.fixture(scope="module")
+def controlnet_folder_for_ip(tmp_path_factory):
+    from optimum_iobinding.export import export_pipeline
+    from optimum_iobinding.export.tiny import build_tiny_random_controlnet_pipeline
+
+    pipe = build_tiny_random_controlnet_pipeline()
+    pipe.register_modules(image_encoder=image_encoder())
+    return export_pipeline(
+        None, tmp_path_factory.mktemp("ip-controlnet") / "onnx", torch_pipeline=pipe, ip_adapter=True
+    )
+
+
+def controlnet_reference(state, pipeline_class_name="StableDiffusionControlNetPipeline"):
+    import diffusers
+
+    from optimum_iobinding.export.tiny import build_tiny_random_controlnet_pipeline
+
+    pipe = getattr(diffusers, pipeline_class_name)(**build_tiny_random_controlnet_pipeline().components)
+    pipe.register_modules(image_encoder=image_encoder())
+    pipe.load_ip_adapter(state, subfolder="", weight_name="")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("guidance", [7.5, 1.0])
+def test_a_controlnet_pipeline_with_an_image_prompt_equals_diffusers(controlnet_folder_for_ip, guidance):
+    from optimum_iobinding import OnnxStableDiffusionControlNetPipeline
+
+    state = adapter_state_dict(torch_pipeline().unet, seed=1)
+    control = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(5))
+    pipe = OnnxStableDiffusionControlNetPipeline.from_pretrained(controlnet_folder_for_ip)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_ip_adapter(state)
+    call = dict(image=control, guidance_scale=guidance, ip_adapter_image=prompt_image())
+    np.testing.assert_allclose(run(pipe, **call), run(controlnet_reference(state), **call), atol=1e-4)
+
+
+def test_a_controlnet_stream_with_an_image_prompt_equals_diffusers(controlnet_folder_for_ip, vae_encodes_its_mode):
+    import diffusers
+
+    state = adapter_state_dict(torch_pipeline().unet, seed=1)
+    frame = torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    control = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(5))
+    stream = stream_of(controlnet_folder_for_ip)
+    stream.load_ip_adapter(state)
+    stream.prepare(PROMPT, seed=3, height=64, width=64, control_image=control, ip_adapter_image=prompt_image())
+    pipe = vae_encodes_its_mode(controlnet_reference(state, "StableDiffusionControlNetImg2ImgPipeline"))
+    name, overrides = TURBO
+    pipe.scheduler = getattr(diffusers, name).from_config(pipe.scheduler.config, **overrides)
+    expected = pipe(
+        PROMPT,
+        image=frame[None] / 2 + 0.5,
+        control_image=control,
+        controlnet_conditioning_scale=0.8,
+        generator=torch.Generator().manual_seed(3),
+        output_type="pt",
+        strength=0.5,
+        num_inference_steps=2,
+        guidance_scale=0.0,
+        ip_adapter_image=prompt_image(),
+    ).images[0]
+    torch.testing.assert_close(stream(frame), expected * 2 - 1, atol=1e-4, rtol=0)
