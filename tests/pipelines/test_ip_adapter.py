@@ -457,3 +457,32 @@ def test_a_controlnet_stream_with_an_image_prompt_equals_diffusers(controlnet_fo
         ip_adapter_image=prompt_image(),
     ).images[0]
     torch.testing.assert_close(stream(frame), expected * 2 - 1, atol=1e-4, rtol=0)
+
+
+def test_an_sdxl_controlnet_pipeline_with_an_image_prompt_equals_diffusers(tmp_path_factory):
+    import diffusers
+
+    from optimum_iobinding import OnnxStableDiffusionXLControlNetPipeline
+    from optimum_iobinding.export import export_pipeline
+    from optimum_iobinding.export.tiny import build_tiny_random_xl_controlnet_pipeline
+
+    def with_encoder():
+        pipe = build_tiny_random_xl_controlnet_pipeline()
+        pipe.register_modules(image_encoder=image_encoder())
+        return pipe
+
+    folder = export_pipeline(
+        None, tmp_path_factory.mktemp("ip-xl-controlnet") / "onnx", torch_pipeline=with_encoder(), ip_adapter=True
+    )
+    state = adapter_state_dict(with_encoder().unet, seed=1)
+    control = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(5))
+    pipe = OnnxStableDiffusionXLControlNetPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_ip_adapter(state)
+    pipe.set_ip_adapter_scale(0.7)
+    reference_pipe = diffusers.StableDiffusionXLControlNetPipeline(**with_encoder().components)
+    reference_pipe.load_ip_adapter(state, subfolder="", weight_name="")
+    reference_pipe.set_ip_adapter_scale(0.7)
+    reference_pipe.set_progress_bar_config(disable=True)
+    call = dict(image=control, guidance_scale=5.0, ip_adapter_image=prompt_image())
+    np.testing.assert_allclose(run(pipe, **call), run(reference_pipe, **call), atol=1e-4)
