@@ -4,8 +4,7 @@ kept across processes.
 ORT refuses such a session where, with the input dims left free, it places nodes on the CPU (a text encoder's shape
 arithmetic: "all compute graph nodes have not been partitioned"); the model's signatures then get a session each, with
 their dims fixed (:class:`~.graph_pool.GraphPool`). The refusal is the same at every load of the same file, and asking
-costs a whole session build on the first image's path (measured: benchmarks/results/h200/2026-12-02-5efd0c5/README.md).
-So the refusal is remembered per file — its real path, size and modification
+costs a whole session build on the first image's path. So the refusal is remembered per file — its real path, size and modification
 time — per onnxruntime version, provider and provider options, in a small JSON file under the user's cache folder
 (``$XDG_CACHE_HOME/optimum-iobinding/``, else ``~/.cache/optimum-iobinding/``); a changed file or another onnxruntime
 asks again. Only placement refusals are remembered (not an out-of-memory or other passing failure), and none where

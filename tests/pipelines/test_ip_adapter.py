@@ -206,10 +206,11 @@ def stream_of(folder):
     return stream
 
 
-def diffusers_img2img(vae_encodes_its_mode, state, frame, scale=1.0, **kwargs):
+def one_step_img2img(pipe, frame, **kwargs):
+    """diffusers' image-to-image ``pipe`` as the stream runs it, SD-Turbo's one step: a [-1, 1] frame in, a [-1, 1]
+    image out."""
     import diffusers
 
-    pipe = vae_encodes_its_mode(diffusers.StableDiffusionImg2ImgPipeline.from_pipe(reference(state, scale)))
     name, overrides = TURBO
     pipe.scheduler = getattr(diffusers, name).from_config(pipe.scheduler.config, **overrides)
     pipe.set_progress_bar_config(disable=True)
@@ -223,6 +224,13 @@ def diffusers_img2img(vae_encodes_its_mode, state, frame, scale=1.0, **kwargs):
         **kwargs,
     ).images
     return image[0] * 2 - 1
+
+
+def diffusers_img2img(vae_encodes_its_mode, state, frame, scale=1.0, **kwargs):
+    import diffusers
+
+    pipe = vae_encodes_its_mode(diffusers.StableDiffusionImg2ImgPipeline.from_pipe(reference(state, scale)))
+    return one_step_img2img(pipe, frame, **kwargs)
 
 
 @pytest.mark.parametrize("guidance", [0.0, 3.0])
@@ -303,19 +311,8 @@ def test_an_sdxl_streams_image_prompt_equals_diffusers_sdxl_img2img(xl_folder_fo
     stream.load_ip_adapter(state)
     stream.prepare(PROMPT, seed=3, height=64, width=64, guidance_scale=3.0, ip_adapter_image=prompt_image())
     pipe = vae_encodes_its_mode(diffusers.StableDiffusionXLImg2ImgPipeline.from_pipe(xl_reference(state, 1.0)))
-    name, overrides = TURBO
-    pipe.scheduler = getattr(diffusers, name).from_config(pipe.scheduler.config, **overrides)
-    expected = pipe(
-        PROMPT,
-        image=frame[None] / 2 + 0.5,
-        generator=torch.Generator().manual_seed(3),
-        output_type="pt",
-        strength=0.5,
-        num_inference_steps=2,
-        guidance_scale=3.0,
-        ip_adapter_image=prompt_image(),
-    ).images[0]
-    torch.testing.assert_close(stream(frame), expected * 2 - 1, atol=1e-4, rtol=0)
+    expected = one_step_img2img(pipe, frame, guidance_scale=3.0, ip_adapter_image=prompt_image())
+    torch.testing.assert_close(stream(frame), expected, atol=1e-4, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------- what users get wrong
@@ -433,7 +430,6 @@ def test_a_controlnet_pipeline_with_an_image_prompt_equals_diffusers(controlnet_
 
 
 def test_a_controlnet_stream_with_an_image_prompt_equals_diffusers(controlnet_folder_for_ip, vae_encodes_its_mode):
-    import diffusers
 
     state = adapter_state_dict(torch_pipeline().unet, seed=1)
     frame = torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
@@ -442,21 +438,15 @@ def test_a_controlnet_stream_with_an_image_prompt_equals_diffusers(controlnet_fo
     stream.load_ip_adapter(state)
     stream.prepare(PROMPT, seed=3, height=64, width=64, control_image=control, ip_adapter_image=prompt_image())
     pipe = vae_encodes_its_mode(controlnet_reference(state, "StableDiffusionControlNetImg2ImgPipeline"))
-    name, overrides = TURBO
-    pipe.scheduler = getattr(diffusers, name).from_config(pipe.scheduler.config, **overrides)
-    expected = pipe(
-        PROMPT,
-        image=frame[None] / 2 + 0.5,
+    expected = one_step_img2img(
+        pipe,
+        frame,
         control_image=control,
         controlnet_conditioning_scale=0.8,
-        generator=torch.Generator().manual_seed(3),
-        output_type="pt",
-        strength=0.5,
-        num_inference_steps=2,
         guidance_scale=0.0,
         ip_adapter_image=prompt_image(),
-    ).images[0]
-    torch.testing.assert_close(stream(frame), expected * 2 - 1, atol=1e-4, rtol=0)
+    )
+    torch.testing.assert_close(stream(frame), expected, atol=1e-4, rtol=0)
 
 
 def test_an_sdxl_controlnet_pipeline_with_an_image_prompt_equals_diffusers(tmp_path_factory):

@@ -9,14 +9,21 @@ import diffusers
 import pytest
 import torch
 
-from optimum_iobinding import OnnxStreamDiffusionPipeline, OnnxStreamDiffusionXLControlNetPipeline
+from optimum_iobinding import OnnxStreamDiffusionXLControlNetPipeline
 from optimum_iobinding.export.tiny import build_tiny_random_xl_controlnet_pipeline
 
-SIZE = 64
-PROMPT = "a photo of an astronaut riding a horse"
-TOLERANCE = 1e-4
-SEED = 3
-TURBO = {"timestep_spacing": "trailing"}  # Euler ancestral, trailing: 2 steps at strength 0.5 are one step
+# the ControlNet stream's tests' frames, control images, stream and diffusers reference (SD-Turbo's one step)
+from tests.pipelines.test_stream_controlnet import (
+    PROMPT,
+    SEED,
+    SIZE,
+    TOLERANCE,
+    TURBO,
+    control,
+    diffusers_img2img,
+    frame,
+    stream_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,35 +43,6 @@ def reference(vae_encodes_its_mode):
     pipe.scheduler = diffusers.EulerAncestralDiscreteScheduler.from_config(pipe.scheduler.config, **TURBO)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def stream_for(folder):
-    stream = OnnxStreamDiffusionPipeline.from_pretrained(folder)
-    stream.scheduler = diffusers.EulerAncestralDiscreteScheduler.from_config(stream.scheduler.config, **TURBO)
-    return stream
-
-
-def frame(seed=0):
-    return torch.rand(3, SIZE, SIZE, generator=torch.Generator().manual_seed(seed)) * 2 - 1
-
-
-def control(seed=0):
-    return torch.rand(1, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(100 + seed))
-
-
-def diffusers_img2img(pipe, image, control_image, **kwargs):
-    kwargs.setdefault("guidance_scale", 0.0)
-    images = pipe(
-        PROMPT,
-        image=image[None] / 2 + 0.5,
-        control_image=control_image,
-        strength=0.5,
-        num_inference_steps=2,
-        generator=torch.Generator().manual_seed(SEED),
-        output_type="pt",
-        **kwargs,
-    ).images
-    return images[0] * 2 - 1
 
 
 @pytest.mark.parametrize(
