@@ -4,7 +4,9 @@ On the bench's UNet architectures (``sd15``: SD 1.5, 512²; ``sdxl``: SDXL, 1024
 exported with DeepCache's parts), our pipeline with its defaults (CUDA graphs), batch 1, the recipe's guidance and
 DDIM, ``--steps`` steps, the same initial latents for every row:
   - end to end: uncached, then each ``--caches`` config (``INTERVAL:BRANCH``), the steps run whole, then uncached
-    again after ``disable_cache()`` (its image against the first uncached one's, and the UNet's sessions made);
+    again after ``disable_cache()`` (its image against the first uncached one's, and the UNet's sessions made), and
+    uncached in a pipeline whose UNet's weights ORT loads itself (``share_weights=False``; the step-cache export's
+    pipeline owns them from the load, so that its parts read them);
   - per step: each graph's CUDA-graph replay alone (``model.onnx``; the full part, which also writes the features;
     the shallow part of each branch measured).
 The uncached row is the project's loop on the step-cache export's ``model.onnx``, the plain export's graph (the
@@ -45,11 +47,15 @@ def main() -> None:
     if args.export_only:
         return
     size, guidance = MODEL_SIZES[args.kind], recipe_of(args.kind)["guidance"]
-    pipe = pipeline_class_for(folder).from_pretrained(folder, provider="CUDAExecutionProvider")
-    pipe.set_progress_bar_config(disable=True)
     from diffusers import DDIMScheduler
 
-    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config, clip_sample=False)
+    def load(**kwargs: Any) -> Any:
+        loaded = pipeline_class_for(folder).from_pretrained(folder, provider="CUDAExecutionProvider", **kwargs)
+        loaded.set_progress_bar_config(disable=True)
+        loaded.scheduler = DDIMScheduler.from_config(loaded.scheduler.config, clip_sample=False)
+        return loaded
+
+    pipe = load()
     unet = pipe.unet
     latents = torch.from_numpy(np.random.RandomState(0).randn(1, 4, size // 8, size // 8).astype(np.float32))
     latents = latents.to("cuda", unet.input_dtypes["sample"])
@@ -87,6 +93,7 @@ def main() -> None:
     result["rows"]["uncached"], uncached_image = timed()
     result["rows"]["uncached"]["sessions_created"] = unet.sessions_created
     result["replays_ms"]["model.onnx"] = graph_floor_ms(unet, args.repeats)
+    full = shallow = None
     for spec in [value for value in args.caches.split(",") if value]:
         interval, branch = (int(part) for part in spec.split(":"))
         pipe.enable_cache(DeepCacheConfig(cache_interval=interval, cache_branch_id=branch))
@@ -107,6 +114,14 @@ def main() -> None:
     row["max_abs_diff_to_uncached"] = float(np.abs(image - uncached_image).max())
     row["sessions_created"] = unet.sessions_created
     result["rows"]["uncached after disable_cache"] = row
+    # the same loop where ORT loads the UNet's weights itself (what a folder without the parts gets): the owned
+    # weights' sessions against ORT's own
+    del pipe, unet, full, shallow
+    torch.cuda.empty_cache()
+    pipe = load(component_options={"unet": {"share_weights": False}})
+    row, image = timed()
+    row["max_abs_diff_to_uncached"] = float(np.abs(image - uncached_image).max())
+    result["rows"]["uncached, weights loaded by ORT"] = row
     uncached_ms = result["rows"]["uncached"]["end_to_end_ms"]
     result["speedup"] = {name: uncached_ms / row["end_to_end_ms"] for name, row in result["rows"].items()}
     args.out.mkdir(parents=True, exist_ok=True)

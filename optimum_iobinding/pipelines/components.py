@@ -15,6 +15,8 @@ from ..errors import ArgumentError, ArgumentPathError, ArgumentTypeError
 from ..layout import (
     CONTROLNET_CONDITION,
     CONTROLNET_SCALE,
+    DEEP_CACHE_FULL_PART,
+    FIRST_BLOCK_CACHE_PARTS,
     download_from_hub,
     load_image_processor,
     load_scheduler,
@@ -22,7 +24,7 @@ from ..layout import (
     read_model_index,
 )
 from ..runtime.model import IOBindingORTModel
-from ..runtime.options import PipelineOptions
+from ..runtime.options import ModelOptions, PipelineOptions
 from ..runtime.shapes import infer_output_shapes
 
 
@@ -193,9 +195,10 @@ def load_components(
             if not (model_folder / "model.onnx").is_file():
                 components[name] = None
                 continue
-            components[name] = IOBindingORTModel.from_pretrained(
-                model_folder, options=options.for_component(name, must_capture=name == must_capture)
-            )
+            model_options = options.for_component(name, must_capture=name == must_capture)
+            if name == must_capture:
+                model_options = with_step_cache_weights(model_options, model_folder)
+            components[name] = IOBindingORTModel.from_pretrained(model_folder, options=model_options)
             check_component_kind(name, components[name])  # a wrong file fails here, before the next one loads
         for component in declared:
             name = component.name
@@ -218,6 +221,20 @@ def load_components(
     except BaseException:
         components.clear()  # release sessions now, not when the traceback goes
         raise
+
+
+def with_step_cache_weights(model_options: ModelOptions, model_folder: Path) -> ModelOptions:
+    """A denoiser's options where its folder holds a step cache's parts (DeepCache's, First-Block Cache's): on a
+    CUDA-like provider with the weights' sharing left to the default, the weights are owned from the load on. The
+    parts read the denoiser's weights as owned tensors; owned only when a cache is first enabled, the one graph
+    session (which loaded its weights itself) would be made again with its graphs, and the uncached loop after
+    ``disable_cache()`` would run in another session than before (other convolution algorithms: another speed, another
+    image). Owned from the start, the session and its graphs stay the same through enabling and disabling a cache."""
+    parts = (DEEP_CACHE_FULL_PART, *FIRST_BLOCK_CACHE_PARTS)
+    if model_options.share_weights is None and model_options.cuda_like:
+        if any((model_folder / part).is_file() for part in parts):
+            return model_options.replace(share_weights=True)
+    return model_options
 
 
 def tiny_vae_folder(tiny_vae: Union[str, os.PathLike], **hub_kwargs: Any) -> Path:

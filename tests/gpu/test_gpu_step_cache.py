@@ -123,18 +123,29 @@ def test_deepcache_on_cuda_captures_every_part_and_gives_the_cpus_image(request,
     np.testing.assert_allclose(images[CUDA], images["CPUExecutionProvider"], atol=TOLERANCE)
 
 
-def test_a_cached_pipeline_on_cuda_gives_the_uncached_image_back_after_disable_cache(flux_parts):
-    pipe = load(OnnxFluxPipeline, flux_parts, CUDA)
+@pytest.mark.parametrize("family", ["flux", "sd"])
+def test_a_cached_pipeline_on_cuda_gives_the_uncached_image_back_after_disable_cache_in_the_same_session(
+    request, family
+):
+    cls, folder, config, call_args = {
+        "flux": (OnnxFluxPipeline, "flux_parts", FirstBlockCacheConfig(threshold=10.0), FLUX_CALL),
+        "sd": (OnnxStableDiffusionPipeline, "sd_parts", DeepCacheConfig(cache_interval=3), SD_CALL),
+    }[family]
+    pipe = load(cls, request.getfixturevalue(folder), CUDA)
+    model = pipe.denoiser.model
 
     def call():
-        return pipe("a red castle", generator=torch.Generator().manual_seed(0), **FLUX_CALL).images
+        return pipe("a red castle", generator=torch.Generator().manual_seed(0), **call_args).images
 
     before = call()
-    pipe.enable_cache(FirstBlockCacheConfig(threshold=10.0))
+    assert model.owned_weights  # owned from the load: the parts read them without a new session of the denoiser
+    sessions = model.sessions_created
+    pipe.enable_cache(config)
     cached = call()
     pipe.disable_cache()
     np.testing.assert_array_equal(call(), before)
-    assert np.abs(cached - before).max() > 1e-3
+    assert not np.array_equal(cached, before)
+    assert model.sessions_created == sessions
 
 
 def test_wan_first_block_cache_on_cuda_captures_each_experts_parts_and_gives_the_cpus_latents(wan22_parts):
