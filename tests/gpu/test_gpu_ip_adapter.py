@@ -58,7 +58,7 @@ def run(pipe, **kwargs):
 
 
 def test_the_unet_replays_its_graph_with_the_image_prompt_and_switching_adapters_captures_nothing(folders):
-    first, second = adapter_state_dict(torch_pipeline().unet, 1), full_adapter_state_dict(torch_pipeline().unet, 2)
+    first, second = adapter_state_dict(torch_pipeline().unet, 1), adapter_state_dict(torch_pipeline().unet, 2)
     pipe = load(OnnxStableDiffusionPipeline, folders["fp32"], cuda_graph=True)
     pipe.load_ip_adapter(first)
     with warnings.catch_warnings():
@@ -74,6 +74,10 @@ def test_the_unet_replays_its_graph_with_the_image_prompt_and_switching_adapters
     pipe.load_ip_adapter(second)  # another adapter: another projection and weights, the same four image tokens
     assert run(pipe, ip_adapter_image=prompt_image()).shape == made.shape
     assert (len(pipe.unet.graph_signatures), pipe.sessions_created) == (signatures, created)
+    # a "full" adapter's image tokens are the encoder's sequence: the UNet's inputs change shape, one graph more
+    pipe.load_ip_adapter(full_adapter_state_dict(torch_pipeline().unet, 3))
+    run(pipe, ip_adapter_image=prompt_image())
+    assert len(pipe.unet.graph_signatures) == signatures + 1 and not pipe.unet.graph_fallbacks
 
 
 def test_the_fused_fp16_export_is_captured_and_close_to_the_fp32_one(folders):

@@ -142,15 +142,22 @@ def test_the_host_enqueues_frames_without_waiting(folders, case):
     # outputs are a twin stream's first run (the others: this stream's own earlier run)
     reference = prepared(folder, steps, strength, guidance, stream_batch, **options) if case in STATEFUL else stream
     k = len(stream.timesteps)
-    # the most frames whose UNet launches (a stream batch's flush adds k − 1; one at a time, k per frame) stay
-    # within what the driver holds in flight of the UNet's graph
+    # the most frames whose steps (a stream batch's flush adds k − 1; one at a time, k per frame) stay within what
+    # the driver holds in flight of a step's graphs: each ControlNet's, then the UNet's
     unet_inputs = stream.unet_inputs  # the UNet graph's own input buffers, as a frame's call binds them
-    if getattr(stream, "controlnets", None):  # the UNet takes the first ControlNet's residuals (as a frame's step)
-        residuals = stream.controlnets[0](**stream.control_inputs[0])
+    controlnets = list(getattr(stream, "controlnets", None) or [])
+    if controlnets:  # the UNet takes the first ControlNet's residuals (as a frame's step)
+        residuals = controlnets[0](**stream.control_inputs[0])
         unet_inputs = {**unet_inputs, **dict(zip(stream.denoiser.residual_inputs, residuals))}
-    held = launches_held(stream, lambda: stream.unet(**unet_inputs))
+
+    def step():
+        for controlnet, inputs in zip(controlnets, stream.control_inputs):
+            controlnet(**inputs)
+        stream.unet(**unet_inputs)
+
+    held = launches_held(stream, step)
     count = min(6, held - (k - 1)) if stream_batch and k > 1 else min(6, held // k)
-    assert count >= 1, f"the driver holds {held} launches of the UNet's graph; a stream of {k} steps needs more"
+    assert count >= 1, f"the driver holds {held} launches of a step's graphs; a stream of {k} steps needs more"
     frames = cuda_frames(count)
     expected = [out.clone() for out in run(reference, frames)]
     torch.cuda.synchronize()
@@ -165,7 +172,7 @@ def test_the_host_enqueues_frames_without_waiting(folders, case):
     assert waits == [], "\n".join(f"{waits.count(w)}× {w}" for w in sorted(set(waits)))
     assert still_busy, (
         f"the host waited for the GPU while it enqueued {count} frames (the driver holds {held} "
-        "launches of the UNet's graph)"
+        "launches of a step's graphs)"
     )
     assert len(got) == count and all(out.is_cuda for out in got)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
