@@ -141,30 +141,38 @@ def fused_vae_attention(module: torch.nn.Module) -> Iterator[None]:
 # ---------------------------------------------------------------------------------- multi-head attention
 class _MultiHeadAttention(torch.autograd.Function):
     """``softmax(q kᵀ · scale) v`` per head of already projected queries, keys and values, each ``(batch, sequence,
-    heads × head_size)``: computed in torch while the exporter traces, written as one ``com.microsoft``
-    ``MultiHeadAttention`` node (which ORT's CUDA provider runs with cuDNN's flash kernel, and its CPU provider too)."""
+    heads × head_size)`` (with ``causal``, each query over the keys up to its own position): computed in torch while
+    the exporter traces, written as one ``com.microsoft`` ``MultiHeadAttention`` node (``unidirectional`` where
+    causal), which ORT's CUDA provider runs with cuDNN's flash kernel, and its CPU provider too."""
 
     @staticmethod
     def forward(
-        ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, heads: int, scale: float
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        heads: int,
+        scale: float,
+        causal: bool,
     ) -> torch.Tensor:
         def by_head(states: torch.Tensor) -> torch.Tensor:  # (batch, heads, sequence, head_size)
             return states.unflatten(-1, (heads, -1)).transpose(1, 2)
 
         attended = torch.nn.functional.scaled_dot_product_attention(
-            by_head(query), by_head(key), by_head(value), scale=scale
+            by_head(query), by_head(key), by_head(value), scale=scale, is_causal=causal
         )
         return attended.transpose(1, 2).flatten(2)
 
     @staticmethod
-    def symbolic(g: Any, query: Any, key: Any, value: Any, heads: int, scale: float) -> Any:
-        output = g.op("com.microsoft::MultiHeadAttention", query, key, value, num_heads_i=heads, scale_f=scale)
+    def symbolic(g: Any, query: Any, key: Any, value: Any, heads: int, scale: float, causal: bool) -> Any:
+        attributes = {"num_heads_i": heads, "scale_f": scale, **({"unidirectional_i": 1} if causal else {})}
+        output = g.op("com.microsoft::MultiHeadAttention", query, key, value, **attributes)
         output.setType(query.type())  # callers give values as wide as the queries (checked in multi_head_attention)
         return output
 
 
 def multi_head_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, heads: int, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, heads: int, scale: float, causal: bool = False
 ) -> torch.Tensor:
     """Multi-head attention of projected ``query`` ``(batch, sequence, heads × head_size)`` over ``key`` and ``value``
     ``(batch, context, heads × head_size)``, as torch's ``scaled_dot_product_attention`` computes it per head, exported
@@ -175,11 +183,60 @@ def multi_head_attention(
             output is typed as the query).
         heads: the number of heads.
         scale: the logits' scale (1 / √head_size for plain attention).
+        causal: each query attends to the keys up to its own position only (self-attention: context = sequence).
 
     Returns:
         The attended values, ``(batch, sequence, heads × head_size)``.
     """
-    return _MultiHeadAttention.apply(query, key, value, int(heads), float(scale))
+    return _MultiHeadAttention.apply(query, key, value, int(heads), float(scale), bool(causal))
+
+
+@contextlib.contextmanager
+def attention_as_one_node(encoder: torch.nn.Module, causal: bool = False) -> Iterator[None]:
+    """Within: each attention layer of the CLIP ``encoder`` (transformers' ``CLIPAttention``: ``q_proj``, ``k_proj``,
+    ``v_proj``, ``out_proj``) computes its heads as one ``MultiHeadAttention`` node when traced
+    (:func:`multi_head_attention`). ORT's optimizer fuses no attention of a vision encoder, nor of a text encoder
+    whose causal mask transformers builds as it does now (a masked softmax guarded against NaN); and the mask's own
+    arithmetic on the sequence's length runs on the CPU, which keeps a CUDA session from capturing one graph for
+    every input shape.
+
+    Args:
+        encoder: the CLIP vision or text model.
+        causal: the text encoder's causal attention: each layer's mask is taken as the causal one and the node made
+            ``unidirectional`` (the caller passes no padding mask). Without it, a layer called with a mask runs as
+            its own ``forward``.
+
+    The layers' own ``forward`` is back on leaving."""
+    patched = []
+    for module in encoder.modules():
+        if not all(hasattr(module, name) for name in ("q_proj", "k_proj", "v_proj", "out_proj", "num_heads", "scale")):
+            continue
+        original = module.forward
+
+        def forward(hidden_states, attention_mask=None, *args, _module=module, _original=original, **kwargs):
+            masked = attention_mask is not None or args or kwargs.get("causal_attention_mask") is not None
+            if masked and not causal:
+                return _original(hidden_states, attention_mask, *args, **kwargs)
+            attended = multi_head_attention(
+                _module.q_proj(hidden_states),
+                _module.k_proj(hidden_states),
+                _module.v_proj(hidden_states),
+                _module.num_heads,
+                _module.scale,
+                causal,
+            )
+            return _module.out_proj(attended), None
+
+        patched.append((module, module.__dict__.get("forward")))
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for module, own in patched:
+            if own is None:
+                del module.forward  # the class's own again
+            else:
+                module.forward = own
 
 
 # ---------------------------------------------------------------------------------- rotary embedding

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ArgumentError
 from ..layout import write_weight_map
-from .attention import fused_vae_attention
+from .attention import attention_as_one_node, fused_vae_attention
 from .bfloat16 import to_bfloat16
 from .deep_cache import marked_unet_spec, name_marks_before_divisions_by_one, write_unet_with_deep_cache_parts
 from .lora_places import lora_layers, weight_map
@@ -98,16 +98,24 @@ def end_of_text_positions(input_ids: torch.Tensor, eos_token_id: int) -> torch.T
 
 def pooled_output(text_encoder, last_hidden_state: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """CLIP's pooled output (the end-of-text token's final hidden state), pooled on the device (see
-    :func:`end_of_text_positions`); transformers' own pooling is left unused, so the exporter drops it."""
-    rows = torch.arange(last_hidden_state.shape[0], device=last_hidden_state.device)
-    return last_hidden_state[rows, end_of_text_positions(input_ids, text_encoder.config.eos_token_id)]
+    :func:`end_of_text_positions`) by a gather along the sequence: transformers indexes the rows with an arange of
+    the batch, which ONNX Runtime computes on the CPU from the input's shape and copies up (one graph per input shape
+    refused). transformers' own pooling is left unused, so the exporter drops it."""
+    positions = end_of_text_positions(input_ids, text_encoder.config.eos_token_id)
+    # the index as wide as the states by a broadcast add (the exporter knows its shape: the output's width stays
+    # declared), the row taken by index: no shape arithmetic on the CPU, no squeeze (the exporter writes a dynamic
+    # squeeze as an If)
+    index = positions[:, None, None] + torch.zeros_like(last_hidden_state[:, :1], dtype=positions.dtype)
+    return torch.gather(last_hidden_state, 1, index)[:, 0]
 
 
 class ClipTextEncoder(torch.nn.Module):
     """A CLIP text encoder as optimum exports it for SD3, SDXL and Flux: with a projection, ``text_embeds`` (the
     projected pooled output) then ``last_hidden_state``; without one, ``last_hidden_state`` then ``pooler_output``;
-    then, with ``hidden_states``, every layer's ``hidden_states.i``. The pooled output is pooled on the device (see
-    :func:`pooled_output`)."""
+    then, with ``hidden_states``, every layer's ``hidden_states.i``. Each attention is one causal
+    ``MultiHeadAttention`` node (:func:`~.attention.attention_as_one_node`) and the pooled output is pooled on the
+    device (see :func:`pooled_output`): no node of the graph computes on the CPU from the input's shape, so a CUDA
+    session captures one graph per input shape."""
 
     def __init__(self, text_encoder: torch.nn.Module, with_projection: bool, hidden_states: bool = True):
         super().__init__()
@@ -116,7 +124,9 @@ class ClipTextEncoder(torch.nn.Module):
         self.hidden_states = hidden_states
 
     def forward(self, input_ids: torch.Tensor):
-        output = self.text_encoder(input_ids=input_ids, output_hidden_states=self.hidden_states, return_dict=True)
+        # each attention one causal MultiHeadAttention node: no causal mask built from the sequence's length
+        with attention_as_one_node(self.text_encoder, causal=True):
+            output = self.text_encoder(input_ids=input_ids, output_hidden_states=self.hidden_states, return_dict=True)
         last = output.last_hidden_state
         pooled = pooled_output(self.text_encoder, last, input_ids)
         layers = tuple(output.hidden_states) if self.hidden_states else ()

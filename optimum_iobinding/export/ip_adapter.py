@@ -12,20 +12,19 @@ of image tokens, any scale per layer), and loading or switching one changes no s
 
 The image encoder (``CLIPVisionModelWithProjection``) is exported beside it: ``pixel_values`` → ``image_embeds`` (a
 plain adapter's input) and ``penultimate_hidden_states`` (a plus adapter's), each attention one
-``MultiHeadAttention`` node (:func:`attention_as_one_node`).
+``MultiHeadAttention`` node (:func:`~.attention.attention_as_one_node`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
 from ..layout import IP_ADAPTER_KEY_INPUT, IP_ADAPTER_VALUE_INPUT
-from .attention import multi_head_attention
+from .attention import attention_as_one_node, multi_head_attention
 
 __all__ = [
     "ImagePromptAttnProcessor",
@@ -151,42 +150,6 @@ class without_loaded_ip_adapter:
             self.unet.encoder_hid_proj = self.saved
             self.unet.config.encoder_hid_dim_type = "ip_image_proj"
         return False
-
-
-@contextlib.contextmanager
-def attention_as_one_node(encoder: torch.nn.Module) -> Iterator[None]:
-    """Within: each unmasked attention of the CLIP vision ``encoder`` (transformers' ``CLIPAttention``: ``q_proj``,
-    ``k_proj``, ``v_proj``, ``out_proj``) computes its heads as one ``MultiHeadAttention`` node when traced
-    (:func:`~.attention.multi_head_attention`): ONNX Runtime's optimizer fuses no attention of a vision encoder.
-    The layers' own ``forward`` is back on leaving."""
-    patched = []
-    for module in encoder.modules():
-        if not all(hasattr(module, name) for name in ("q_proj", "k_proj", "v_proj", "out_proj", "num_heads", "scale")):
-            continue
-        original = module.forward
-
-        def forward(hidden_states, attention_mask=None, *args, _module=module, _original=original, **kwargs):
-            if attention_mask is not None or args or kwargs.get("causal_attention_mask") is not None:
-                return _original(hidden_states, attention_mask, *args, **kwargs)
-            attended = multi_head_attention(
-                _module.q_proj(hidden_states),
-                _module.k_proj(hidden_states),
-                _module.v_proj(hidden_states),
-                _module.num_heads,
-                _module.scale,
-            )
-            return _module.out_proj(attended), None
-
-        patched.append((module, module.__dict__.get("forward")))
-        module.forward = forward
-    try:
-        yield
-    finally:
-        for module, own in patched:
-            if own is None:
-                del module.forward  # the class's own again
-            else:
-                module.forward = own
 
 
 class _ImageEncoder(torch.nn.Module):

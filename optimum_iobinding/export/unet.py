@@ -53,6 +53,7 @@ from ..layout import (
     write_model_index,
     write_xl_model_index,
 )
+from .attention import attention_as_one_node
 from .components import export_component, pooled_output, vae_specs
 from .deep_cache import check_deep_cache_unet
 from .ip_adapter import (
@@ -80,7 +81,8 @@ class _TextEncoder(torch.nn.Module):
         self.text_encoder = text_encoder
 
     def forward(self, input_ids):
-        output = self.text_encoder(input_ids=input_ids, return_dict=True)
+        with attention_as_one_node(self.text_encoder, causal=True):  # see ClipTextEncoder
+            output = self.text_encoder(input_ids=input_ids, return_dict=True)
         return output.last_hidden_state, pooled_output(self.text_encoder, output.last_hidden_state, input_ids)
 
 
@@ -95,7 +97,8 @@ class _TextEncoderWithHiddenStates(torch.nn.Module):
         self.with_projection = with_projection
 
     def forward(self, input_ids):
-        output = self.text_encoder(input_ids=input_ids, output_hidden_states=True, return_dict=True)
+        with attention_as_one_node(self.text_encoder, causal=True):  # see ClipTextEncoder
+            output = self.text_encoder(input_ids=input_ids, output_hidden_states=True, return_dict=True)
         pooled = pooled_output(self.text_encoder, output.last_hidden_state, input_ids)
         if self.with_projection:
             return (self.text_encoder.text_projection(pooled), output.last_hidden_state, *output.hidden_states)

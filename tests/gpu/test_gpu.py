@@ -449,12 +449,24 @@ def test_defaults_capture_every_component_and_equal_the_numpy_loop(tiny_folder, 
     assert np.abs(images - numpy_loop).max() <= 1e-3
     for name in ("unet", "vae_decoder"):
         assert pipe.onnx_models[name].graph_signatures, (name, pipe.onnx_models[name].graph_fallbacks)
-    # CLIP's pooling (an ArgMax over integer token ids) has no CUDA kernel: the text encoder keeps a node on the CPU,
-    # so it runs without a graph, and "auto" says so once per signature at INFO
+    # a component that keeps a node on the CPU runs without a graph, and "auto" says so once per signature at INFO
     encoder = pipe.onnx_models["text_encoder"]
     assert encoder.graph_signatures or encoder.graph_fallbacks
     fallbacks = [r for r in caplog.records if "no CUDA graph" in r.getMessage()]
     assert all(r.levelname == "INFO" for r in fallbacks) and len(fallbacks) == len(encoder.graph_fallbacks)
+
+
+def test_the_clip_text_encoder_captures_every_batch_in_one_session(tiny_folder):
+    # the export computes nothing on the CPU from the input's shape (no causal mask from the sequence's length, no
+    # arange of the batch to pool with): ORT accepts one session that captures a graph per input shape
+    pipe = pipeline(tiny_folder)
+    encoder = pipe.onnx_models["text_encoder"]
+    for batch in (1, 2, 3):
+        ids = torch.full((batch, 77), 3, dtype=encoder.input_dtypes["input_ids"], device=encoder.device)
+        ids[:, 5] = pipe.tokenizer.eos_token_id
+        encoder(input_ids=ids)
+    assert len(encoder.graph_signatures) == 3 and not encoder.graph_fallbacks
+    assert encoder.sessions_created == 1
 
 
 def test_mixed_batch_sizes_after_warmup_create_no_session_and_keep_every_graph(tiny_folder):
