@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple, Union
 from ..errors import ArgumentError, ArgumentPathError
 from ..families import FAMILIES, detect, pipeline_class
 from ..layout import read_json_object, read_model_index, resolve_pipeline_folder
-from ..runtime.hub import load_graph
+from ..runtime.hub import load_declared_graph
 from .components import names_of
 
 
@@ -39,7 +39,7 @@ def denoiser_inputs(folder: Path) -> Tuple[Dict[str, List[str]], Dict[str, Optio
         path = folder / component / "model.onnx"
         if not path.is_file():
             continue
-        graph = load_graph(str(path)).graph
+        graph = load_declared_graph(str(path)).graph
         initializers = {init.name for init in graph.initializer}
         values = {value.name: value for value in graph.input if value.name not in initializers}
         inputs[component] = sorted(values)

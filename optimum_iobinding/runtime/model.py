@@ -33,6 +33,7 @@ from .hub import (
     check_model_file,
     external_data_locations,
     keywords_of,
+    load_declared_graph,
     load_graph,
     resolve_model_file,
 )
@@ -237,12 +238,14 @@ class IOBindingORTModel:
             shape_inferencer = inferencer_from_session(session, recipe.source)
         else:
             # the graph pool runs every signature: the plain dynamic session is made only if a signature needs it, and
-            # what the model declares is read from the graph (without its weights)
+            # what the model declares is read from the file: its inputs and outputs alone, unless the weights are
+            # owned from the start (then the whole graph, which the weights load from instead of parsing it again)
             with timeline.step(f"parse {recipe.source} (declared inputs)"):
-                graph_only = load_graph(recipe.source)
+                graph_only = load_graph(recipe.source) if weights.owned else load_declared_graph(recipe.source)
             input_types, output_types = declared_types(graph_only)
             shape_inferencer = inferencer_from_model_proto(graph_only, recipe.source)
-            weights.adopt(graph_only)  # the weights load from this parse instead of parsing the file again
+            if weights.owned:
+                weights.adopt(graph_only)
             del graph_only
         input_dtypes = {name: ORT_TO_TORCH.get(kind) for name, kind in input_types.items()}
         output_dtypes = {name: ORT_TO_TORCH.get(kind) for name, kind in output_types.items()}

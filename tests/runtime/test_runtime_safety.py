@@ -257,16 +257,43 @@ def test_a_model_file_that_is_no_model_is_named_by_the_constructor_and_from_pret
 
 @pytest.mark.parametrize("kind", list(UNREADABLE))
 def test_a_model_file_that_is_no_model_is_named_where_cuda_reads_its_graph(tmp_path, kind):
-    # on CUDA the constructor reads the declared inputs from the graph (load_graph) instead of making a session
-    from optimum_iobinding.runtime.hub import load_graph
+    # on CUDA the constructor reads the declared inputs from the file (load_declared_graph, or the whole graph with
+    # load_graph where the weights are owned from the start) instead of making a session
+    from optimum_iobinding.runtime.hub import load_declared_graph, load_graph
 
     data, message = UNREADABLE[kind]
     path = tmp_path / "model.onnx"
     path.write_bytes(data)
-    with pytest.raises(ValueError, match=rf"path: '{path}' {message}"):
-        load_graph(str(path))
+    for read in (load_graph, load_declared_graph):
+        with pytest.raises(ValueError, match=rf"path: '{path}' {message}"):
+            read(str(path))
     with pytest.raises(ValueError, match=rf"model: '{path}' (is empty|is not a readable ONNX model)"):
         infer_output_shapes(path, {"x": (1,)})
+
+
+@pytest.mark.parametrize("layout", ["weights-inside", "weights-beside", "initializers-as-inputs"])
+def test_the_declared_graph_read_without_the_weights_is_what_the_whole_parse_declares(tmp_path, layout):
+    from onnx import numpy_helper
+
+    from optimum_iobinding.runtime.hub import load_declared_graph, load_graph
+
+    weights = [numpy_helper.from_array(np.full((64, 64), k, np.float32), f"w{k}") for k in range(3)]
+    nodes = [helper.make_node("MatMul", ["x" if k == 0 else f"y{k - 1}", f"w{k}"], [f"y{k}"]) for k in range(3)]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])]
+    if layout == "initializers-as-inputs":  # as IR versions before 4 list them
+        inputs += [helper.make_tensor_value_info(f"w{k}", TensorProto.FLOAT, [64, 64]) for k in range(3)]
+    outputs = [helper.make_tensor_value_info("y2", TensorProto.FLOAT, ["batch", 64])]
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, initializer=weights))
+    path = tmp_path / "model.onnx"
+    if layout == "weights-beside":
+        onnx.save_model(model, str(path), save_as_external_data=True, location="model.onnx_data", size_threshold=0)
+    else:
+        onnx.save_model(model, str(path))
+    declared, whole = load_declared_graph(str(path)).graph, load_graph(str(path)).graph
+    assert [v.SerializeToString() for v in declared.input] == [v.SerializeToString() for v in whole.input]
+    assert [v.SerializeToString() for v in declared.output] == [v.SerializeToString() for v in whole.output]
+    assert [t.name for t in declared.initializer] == [t.name for t in whole.initializer] == ["w0", "w1", "w2"]
+    assert not declared.node and not any(t.raw_data or t.float_data for t in declared.initializer)
 
 
 @pytest.mark.parametrize("kind", ["empty", "garbage"])
