@@ -197,5 +197,13 @@ def image_encoder_spec(encoder) -> dict:
             "image_embeds": {0: "batch"},
             "penultimate_hidden_states": {0: "batch"},
         },
+        # the states' tokens (one per patch and the class token) and width, declared: the exporter names them freely,
+        # and ONNX shape inference stops at the attention nodes, so a CUDA graph could not know the output's shape
+        fixed_output_dims={
+            "penultimate_hidden_states": {
+                1: (size // encoder.config.patch_size) ** 2 + 1,
+                2: encoder.config.hidden_size,
+            }
+        },
         config=encoder.config,
     )

@@ -135,6 +135,13 @@ def clip_image_encoder_spec(image_encoder: torch.nn.Module) -> Dict[str, Any]:
         input_names=[WAN_IMAGE_PIXELS],
         output_names=[WAN_IMAGE_EMBEDS],
         dynamic_axes={WAN_IMAGE_PIXELS: {0: "batch"}, WAN_IMAGE_EMBEDS: {0: "batch"}},
+        # declared: the exporter names these dims freely, and a CUDA graph needs the output's shape before the run
+        fixed_output_dims={
+            WAN_IMAGE_EMBEDS: {
+                1: (size // image_encoder.config.patch_size) ** 2 + 1,
+                2: image_encoder.config.hidden_size,
+            }
+        },
         config=image_encoder.config,
     )
 

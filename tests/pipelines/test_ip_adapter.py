@@ -136,6 +136,32 @@ def test_image_embeds_a_switched_adapter_and_unloading(folders):
     np.testing.assert_array_equal(run(pipe), plain)
 
 
+def test_the_image_encoder_declares_the_size_of_every_output_but_the_batch(folders):
+    # ONNX shape inference stops at the encoder's attention nodes: an output dim the export did not declare is one a
+    # CUDA graph cannot know before the run (the encoder would run uncaptured)
+    import onnx
+
+    from optimum_iobinding import IOBindingORTModel
+
+    path = folders["with-encoder"] / "image_encoder" / "model.onnx"
+    declared = {
+        output.name: [dim.dim_value or dim.dim_param for dim in output.type.tensor_type.shape.dim]
+        for output in onnx.load(str(path), load_external_data=False).graph.output
+    }  # what the file says (the CPU session reports what ORT infers besides)
+    config = torch_pipeline().image_encoder.config
+    tokens = (config.image_size // config.patch_size) ** 2 + 1
+    assert declared == {
+        "image_embeds": ["batch", config.projection_dim],
+        "penultimate_hidden_states": ["batch", tokens, config.hidden_size],
+    }
+    encoder = IOBindingORTModel.from_pretrained(folders["with-encoder"], subfolder="image_encoder")
+    outputs = encoder(pixel_values=torch.rand(2, 3, config.image_size, config.image_size))
+    assert [tuple(output.shape) for output in outputs] == [
+        (2, config.projection_dim),
+        (2, tokens, config.hidden_size),
+    ]
+
+
 def test_a_saved_pipeline_keeps_its_image_encoder_and_layer_names(folders, tmp_path):
     state = adapter_state_dict(torch_pipeline().unet, seed=1)
     pipe = ours(folders["with-encoder"])
