@@ -158,6 +158,26 @@ def test_every_output_dim_of_a_tiny_export_is_known_before_the_run(tiny_export, 
         assert not free, (path.relative_to(path.parents[1]), free)
 
 
+@pytest.mark.parametrize("kind", ["sd", "controlnet", "xl"])  # the transformers' keep it: ORT's MMDiT fusion reads it
+def test_a_plain_exports_attention_computes_no_scale_from_a_shape(tiny_export, kind):
+    # the TorchScript exporter writes SDPA's default scale as Shape → … → Sqrt, which ONNX Runtime's CUDA provider
+    # computes on the CPU and copies up for the query and key: it then refuses one graph session for every shape
+    import onnx
+
+    for path in sorted(tiny_export(kind).glob("*/*.onnx")):
+        graph = onnx.load(str(path), load_external_data=False).graph
+        producers = {output: node for node in graph.node for output in node.output}
+
+        def from_a_shape(name: str, hops: int = 6) -> bool:
+            node = producers.get(name)
+            if node is None or hops == 0:
+                return False
+            return node.op_type == "Shape" or any(from_a_shape(source, hops - 1) for source in node.input)
+
+        roots = [node.name for node in graph.node if node.op_type == "Sqrt" and from_a_shape(node.input[0])]
+        assert not roots, (path.relative_to(path.parents[1]), roots[:3])
+
+
 FLUX_VARIANTS = ["flux-kontext", "flux-fill", "flux-control"]
 
 

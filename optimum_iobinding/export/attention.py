@@ -239,6 +239,30 @@ def attention_as_one_node(encoder: torch.nn.Module, causal: bool = False) -> Ite
                 module.forward = own
 
 
+@contextlib.contextmanager
+def constant_attention_scale() -> Iterator[None]:
+    """Within: torch's ``scaled_dot_product_attention`` called without a ``scale`` gets its default,
+    1 / √head_size, as a number. Traced without it, the TorchScript exporter computes the scale from the query's
+    shape (``Shape`` → ``Sqrt`` → a ``Mul`` on the query and key), which ONNX Runtime's CUDA provider computes on the
+    CPU and copies up: it then refuses one session that captures a graph per input shape. For the plain exports of
+    the UNet families' components only (the UNet's optimized export uses diffusers' classic attention, and the VAE's
+    writes its attention node itself); not for the diffusion transformers, whose optimized graphs ORT's MMDiT
+    attention fusion makes by matching that very ``Sqrt`` chain in the graph their plain export writes."""
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+
+    def scaled_dot_product_attention(query, key, value, *args, scale=None, **kwargs):
+        if scale is None:
+            scale = float(int(query.shape[-1]) ** -0.5)
+        return original(query, key, value, *args, scale=scale, **kwargs)
+
+    functional.scaled_dot_product_attention = scaled_dot_product_attention
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original
+
+
 # ---------------------------------------------------------------------------------- rotary embedding
 class _InterleavedRotaryEmbedding(torch.autograd.Function):
     """The rotary embedding of ``states`` ``(batch, tokens, heads × head_size)`` whose pairs of neighbouring values

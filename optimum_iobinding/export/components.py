@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ArgumentError
 from ..layout import write_weight_map
-from .attention import attention_as_one_node, fused_vae_attention
+from .attention import attention_as_one_node, constant_attention_scale, fused_vae_attention
 from .bfloat16 import to_bfloat16
 from .deep_cache import marked_unet_spec, name_marks_before_divisions_by_one, write_unet_with_deep_cache_parts
 from .lora_places import lora_layers, weight_map
@@ -396,10 +396,11 @@ def export_component(
         spec, hooks, branches = marked_unet_spec(spec)
     with tempfile.TemporaryDirectory() as scratch:
         scratch_path = Path(scratch) / "model.onnx"
-        attention = contextlib.nullcontext()
+        attention: ContextManager = constant_attention_scale()  # plain: nothing of the attention on the CPU
         if optimize and optimizer_model_type(name) == "vae":  # ORT's VAE attention fusion cannot: see .attention
             attention = fused_vae_attention(spec["module"])
         elif optimize:
+            attention = contextlib.nullcontext()
             use_classic_attention(spec["module"])
         with attention, hooks(spec["module"]):
             torchscript_export(spec, scratch_path, opset)

@@ -456,9 +456,10 @@ def test_defaults_capture_every_component_and_equal_the_numpy_loop(tiny_folder, 
     assert all(r.levelname == "INFO" for r in fallbacks) and len(fallbacks) == len(encoder.graph_fallbacks)
 
 
-def test_the_clip_text_encoder_captures_every_batch_in_one_session(tiny_folder):
-    # the export computes nothing on the CPU from the input's shape (no causal mask from the sequence's length, no
-    # arange of the batch to pool with): ORT accepts one session that captures a graph per input shape
+def test_a_plain_exports_models_capture_every_batch_in_one_session(tiny_folder):
+    # the export computes nothing on the CPU from an input's shape (CLIP: no causal mask from the sequence's length,
+    # no arange of the batch to pool with; every attention: its scale a number): ORT accepts one session per model
+    # that captures a graph per input shape
     pipe = pipeline(tiny_folder)
     encoder = pipe.onnx_models["text_encoder"]
     for batch in (1, 2, 3):
@@ -466,7 +467,11 @@ def test_the_clip_text_encoder_captures_every_batch_in_one_session(tiny_folder):
         ids[:, 5] = pipe.tokenizer.eos_token_id
         encoder(input_ids=ids)
     assert len(encoder.graph_signatures) == 3 and not encoder.graph_fallbacks
-    assert encoder.sessions_created == 1
+    for batch in (1, 2):
+        pipe(["a photo of a cat"] * batch, height=SIZE, width=SIZE, num_inference_steps=2, output_type="np")
+    for name in ("text_encoder", "unet", "vae_decoder"):
+        model = pipe.onnx_models[name]
+        assert model.sessions_created == 1 and not model.graph_fallbacks, (name, model.graph_fallbacks)
 
 
 def test_mixed_batch_sizes_after_warmup_create_no_session_and_keep_every_graph(tiny_folder):
