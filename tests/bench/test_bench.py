@@ -519,6 +519,11 @@ def stream_results():
                 "in_memory_host_fps": 95.0,
             }
     rows[-1]["peers"]["ours"] = {"peer": "ours", "error": "Traceback …\nRuntimeError: the graph broke"}
+    return stream_report_input(rows)
+
+
+def stream_report_input(rows):
+    """The stream scenario's results around ``rows``, as the bench writes them for its report."""
     return {
         "environment": {"device": "GPU", "command": "optimum-iobinding bench --scenario stream", "date": "today"},
         "scenario": "stream",

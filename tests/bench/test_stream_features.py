@@ -10,6 +10,8 @@ import json
 import pytest
 import torch
 
+from tests.bench.test_bench import stream_report_input
+
 FEATURES = (
     "full-cfg",
     "rcfg-self",
@@ -303,18 +305,7 @@ def feature_results():
         parts_ms={"vae_encoder": 2.0, "controlnet": 3.0, "unet": 5.0, "vae_decoder": 1.0},
     )
     by_feature["controlnet"]["peers"]["ours"] = {"error": "Traceback …\nRuntimeError: no residuals"}
-    return {
-        "environment": {"device": "GPU", "command": "optimum-iobinding bench --scenario stream", "date": "today"},
-        "scenario": "stream",
-        "model": "turbo",
-        "size": 512,
-        "dtype": "fp16",
-        "export": "optimized",
-        "frames": 200,
-        "video_frames": 120,
-        "warmup": 10,
-        "rows": rows,
-    }
+    return stream_report_input(rows)
 
 
 def test_the_report_gives_the_features_their_own_table_with_the_skipped_share_and_the_plain_rows_cost(tmp_path):

@@ -32,3 +32,26 @@ def captures_the_transformer_as_required():
         assert pipe.transformer.graph_signatures and not pipe.transformer.graph_fallbacks
 
     return check
+
+
+@pytest.fixture
+def fused_adds_no_error_beyond_fp16():
+    """``check(folders, component, feed)``: component ``component`` of the fused float16 export (``folders["fused"]``)
+    is as close to the float32 export's (``folders["fp32"]``) as the plain float16 one (``folders["fp16"]``) is, give
+    or take float16 noise: each run on CUDA with fp32 matmuls (no TF32) on the same ``feed``, first outputs compared.
+    Component by component, since a whole random-weights pipeline amplifies float16 noise step after step."""
+    from optimum_iobinding import IOBindingORTModel
+
+    def check(folders, component, feed) -> None:
+        outputs = {}
+        for name in ("fp32", "fp16", "fused"):
+            model = IOBindingORTModel.from_pretrained(
+                folders[name], subfolder=component, provider="CUDAExecutionProvider", provider_options={"use_tf32": "0"}
+            )
+            cast = {key: value.to(model.device, model.input_dtypes[key]) for key, value in feed.items()}
+            outputs[name] = model(**cast)[0].float().cpu().clone()
+        plain_error = (outputs["fp16"] - outputs["fp32"]).abs().max().item()
+        fused_error = (outputs["fused"] - outputs["fp32"]).abs().max().item()
+        assert fused_error <= 2 * plain_error + 2e-3, (component, fused_error, plain_error)
+
+    return check

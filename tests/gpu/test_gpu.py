@@ -250,15 +250,14 @@ def test_final_image_equals_the_cpu_pipelines(tiny_folder):
     assert np.abs(generate(pipeline(tiny_folder)) - generate(cpu)).max() <= 1e-3
 
 
-def test_fused_fp16_export_adds_no_error_beyond_fp16_itself(tmp_path):
+def test_fused_fp16_export_adds_no_error_beyond_fp16_itself(tmp_path, fused_adds_no_error_beyond_fp16):
     """Component by component (a whole random-weights pipeline amplifies fp16 noise step after step): the fused
     fp16 UNet and VAE decoder are as close to the fp32 export as the plain fp16 ones are, give or take fp16 noise."""
-    from optimum_iobinding import IOBindingORTModel
     from optimum_iobinding.export import export_pipeline
 
     folders = {
         "fp32": export_pipeline(None, tmp_path / "fp32", tiny_random=True, progress=False),
-        "plain": export_pipeline(None, tmp_path / "plain", tiny_random=True, fp16=True, progress=False),
+        "fp16": export_pipeline(None, tmp_path / "plain", tiny_random=True, fp16=True, progress=False),
         "fused": export_pipeline(
             None, tmp_path / "fused", tiny_random=True, fp16=True, optimize="cuda", progress=False
         ),
@@ -273,16 +272,7 @@ def test_fused_fp16_export_adds_no_error_beyond_fp16_itself(tmp_path):
         "vae_decoder": {"latent_sample": torch.randn(1, 4, 8, 8, generator=generator)},
     }
     for component, feed in inputs.items():
-        outputs = {}
-        for name, folder in folders.items():
-            model = IOBindingORTModel.from_pretrained(
-                folder, subfolder=component, provider=CUDA, provider_options=EXACT
-            )
-            cast = {key: value.to(model.device, model.input_dtypes[key]) for key, value in feed.items()}
-            outputs[name] = model(**cast)[0].float().cpu().clone()
-        plain_error = (outputs["plain"] - outputs["fp32"]).abs().max().item()
-        fused_error = (outputs["fused"] - outputs["fp32"]).abs().max().item()
-        assert fused_error <= 2 * plain_error + 2e-3, (component, fused_error, plain_error)
+        fused_adds_no_error_beyond_fp16(folders, component, feed)
 
 
 # ------------------------------------------------------------------------------------------------- reliability
