@@ -11,7 +11,12 @@ cudaMemGetInfo every 2 ms, the bench's only source before the sampling process; 
 NVML; ``sampled-process``, a child process reading NVML, what the bench does now), ours after one Conv has run through
 ONNX Runtime before the load (``conv-preloaded``: cuDNN already loaded), and ours cold again with the first image's
 work timed piece by piece (``first_image_timeline``: model parses, weight loading, session creations, each model's
-first runs on the host and on the GPU, from the runtime's opt-in timeline).
+first runs on the host and on the GPU, from the runtime's opt-in timeline), ours with a thread started with the load
+that runs one small graph of a Conv, a MatMul and an attention through ONNX Runtime (``prewarm``: cuDNN, cuBLAS and
+the attention kernels loaded beside the sessions being made), ours with ORT's graph optimizations at the basic level
+at load (``basic``: the fused export was optimized at export), and ours with ONNX Runtime's profiler on every session
+(``profile``: each session's load and initialization, its first runs, the first run's slowest nodes and op types
+against the second run's, from the profiles written into ``--out``).
 For ours, each component's session creations are listed with their seconds (``session_creation_log``).
 
     python benchmarks/cold_start.py --folder WORK/sd15-fp16-optimized --out OUT/cold-start
@@ -36,9 +41,12 @@ VARIANTS = (
     "HEURISTIC:cold:conv-preloaded",
     "HEURISTIC:warm",
     "HEURISTIC:cold:timeline",
+    "HEURISTIC:cold:prewarm",
+    "HEURISTIC:cold:basic",
+    "HEURISTIC:cold:profile",
 )
 # also measured in earlier runs (benchmarks/results/h100/), and still accepted by --variants: EXHAUSTIVE:cold,
-# EXHAUSTIVE:warm, HEURISTIC:cold:basic, HEURISTIC:cold:sampled-nvml, HEURISTIC:cold:unet-native (the UNet's weights
+# EXHAUSTIVE:warm, HEURISTIC:cold:sampled-nvml, HEURISTIC:cold:unet-native (the UNet's weights
 # never owned), HEURISTIC:cold:unet-owned (its weights owned from the start, what the runtime did before it owned
 # them only where a second session or LoRA needs them; benchmarks/results/h100/2026-11-24-8b781aa)
 
@@ -64,6 +72,73 @@ def conv_session_run(ort, search: str) -> None:
         model.SerializeToString(), providers=[("CUDAExecutionProvider", {"cudnn_conv_algo_search": search})]
     )
     session.run(None, {"x": np.ones((1, 4, 64, 64), np.float16)})
+
+
+def library_session_run(ort) -> None:
+    """An experiment (the variant ``prewarm``): one fp16 graph of a Conv, a MatMul and a MultiHeadAttention run once
+    through ONNX Runtime's CUDA provider in a thread started with the load, so that cuDNN, cuBLAS and the attention
+    kernels' modules are loaded while the pipeline's sessions are made, not in the UNet's first run."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.RandomState(0)
+    weights = [
+        numpy_helper.from_array(rng.randn(320, 4, 3, 3).astype(np.float16), "w"),
+        numpy_helper.from_array(rng.randn(320, 960).astype(np.float16), "m"),
+        numpy_helper.from_array(np.array([1, 4096, 320], np.int64), "shape"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Reshape", ["c", "shape"], ["t"]),
+        helper.make_node("MatMul", ["t", "m"], ["qkv"]),
+        helper.make_node("Split", ["qkv"], ["q", "k", "v"], axis=2, num_outputs=3),
+        helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["y"], domain="com.microsoft", num_heads=8),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "libraries",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, 4, 64, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, 4096, 320])],
+        weights,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    )
+    model.ir_version = 8
+    session = ort.InferenceSession(
+        model.SerializeToString(), providers=[("CUDAExecutionProvider", {"cudnn_conv_algo_search": "HEURISTIC"})]
+    )
+    session.run(None, {"x": np.ones((1, 4, 64, 64), np.float16)})
+
+
+def profile_summary(path: str) -> dict:
+    """What ONNX Runtime's profile of one session says about its start: the model's loading and the session's
+    initialization, its first and second runs, and the first run's slowest nodes and op types (host time: a node's
+    first launch includes what loading its kernels and libraries costs) beside the second run's."""
+    import collections
+
+    events = json.loads(Path(path).read_text())
+    session = {e["name"]: e["dur"] / 1e6 for e in events if e.get("cat") == "Session" and "dur" in e}
+    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")
+    summary = {"file": Path(path).name, "session_s": session, "runs_s": [(end - ts) / 1e6 for ts, end in runs[:4]]}
+    nodes = [e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
+    for index, label in ((0, "first_run"), (1, "second_run")):
+        if len(runs) <= index:
+            break
+        begin, end = runs[index]
+        inside = [e for e in nodes if begin <= e["ts"] <= end]
+        by_op = collections.Counter()
+        for e in inside:
+            by_op[e.get("args", {}).get("op_name", "?")] += e["dur"] / 1e6
+        summary[label] = {
+            "nodes_s": sum(e["dur"] for e in inside) / 1e6,
+            "by_op_s": dict(by_op.most_common(12)),
+            "slowest": [
+                (e["name"][: -len("_kernel_time")], e["dur"] / 1e6)
+                for e in sorted(inside, key=lambda e: -e["dur"])[:12]
+            ],
+        }
+    return summary
 
 
 # a timeline step's label: what, the model's path, and what follows it (see optimum_iobinding.runtime.timeline)
@@ -127,6 +202,9 @@ def record_timeline(torch) -> tuple:
     return start, finish
 
 
+PROFILE_FOLDER = "."  # where the variant ``profile`` writes ONNX Runtime's profiles (``--out``)
+
+
 def measure(folder: str, variant: str, steps: int, size: int) -> dict:
     start = time.perf_counter()
     import onnxruntime as ort
@@ -157,8 +235,17 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
 
             sampler, level = PeakMemory(torch.device("cuda", 0), source=level[0][len("sampled-") :]), []
             sampler.__enter__()
-        options = component_options = None
-        if level == ["basic"]:
+        options = component_options = prewarm = None
+        if level == ["prewarm"]:
+            import threading
+
+            prewarm, level = threading.Thread(target=library_session_run, args=(ort,), name="prewarm"), []
+        if level == ["profile"]:
+            options = ort.SessionOptions()
+            options.enable_profiling = True
+            options.profile_file_prefix = str(Path(PROFILE_FOLDER) / "ort-profile")
+            level = []
+        elif level == ["basic"]:
             options = ort.SessionOptions()
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         elif level == ["unet-native"]:
@@ -171,6 +258,8 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
         elif level:
             raise ValueError(f"variant: unknown {variant!r}")
         start = time.perf_counter()  # what a variant does before (the experiment's preload) is not the load
+        if prewarm is not None:
+            prewarm.start()
         pipe = OnnxStableDiffusionPipeline.from_pretrained(
             folder,
             provider="CUDAExecutionProvider",
@@ -221,6 +310,12 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
         row["session_creation_log"] = {name: model.session_creation_log for name, model in pipe.onnx_models.items()}
     if timeline is not None:
         row["first_image_timeline"] = timeline[1]()
+    if options is not None and options.enable_profiling:
+        row["profiles"] = {
+            name: profile_summary(model.session.end_profiling())
+            for name, model in pipe.onnx_models.items()
+            if model.sessions_created
+        }
     return row
 
 
@@ -234,6 +329,9 @@ def main() -> int:
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
+        global PROFILE_FOLDER
+        PROFILE_FOLDER = args.out
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         print(json.dumps(measure(args.folder, args.one, args.steps, args.size)))
         return 0
     rows = []
