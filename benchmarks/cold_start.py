@@ -118,9 +118,18 @@ def profile_summary(path: str) -> dict:
     import collections
 
     events = json.loads(Path(path).read_text())
+    # the model: the first segment most of its node names start with (``/unet/…``, ``/text_encoder/…``, ``/decoder/…``)
+    segments = collections.Counter(
+        e["name"].split("/")[1] for e in events if e.get("cat") == "Node" and e.get("name", "").startswith("/")
+    )
     session = {e["name"]: e["dur"] / 1e6 for e in events if e.get("cat") == "Session" and "dur" in e}
     runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")
-    summary = {"file": Path(path).name, "session_s": session, "runs_s": [(end - ts) / 1e6 for ts, end in runs[:4]]}
+    summary = {
+        "file": Path(path).name,
+        "model": segments.most_common(1)[0][0] if segments else None,
+        "session_s": session,
+        "runs_s": [(end - ts) / 1e6 for ts, end in runs[:4]],
+    }
     nodes = [e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
     for index, label in ((0, "first_run"), (1, "second_run")):
         if len(runs) <= index:
@@ -218,6 +227,7 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
     torch.cuda.init()
     start = time.perf_counter()
     timeline = sampler = preload_s = None
+    profiled = False
     if variant == "numpy":
         pipe = load_numpy_pipeline(folder)
         search = warm = None
@@ -244,7 +254,7 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
             options = ort.SessionOptions()
             options.enable_profiling = True
             options.profile_file_prefix = str(Path(PROFILE_FOLDER) / "ort-profile")
-            level = []
+            profiled, level = True, []
         elif level == ["basic"]:
             options = ort.SessionOptions()
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
@@ -310,12 +320,13 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
         row["session_creation_log"] = {name: model.session_creation_log for name, model in pipe.onnx_models.items()}
     if timeline is not None:
         row["first_image_timeline"] = timeline[1]()
-    if options is not None and options.enable_profiling:
-        row["profiles"] = {
-            name: profile_summary(model.session.end_profiling())
-            for name, model in pipe.onnx_models.items()
-            if model.sessions_created
-        }
+    if profiled:
+        # ORT writes a session's profile when the session goes: the pipeline's sessions end here
+        import gc
+
+        del pipe
+        gc.collect()
+        row["profiles"] = [profile_summary(path) for path in sorted(Path(PROFILE_FOLDER).glob("ort-profile*.json"))]
     return row
 
 
