@@ -148,6 +148,13 @@ class LatentCodec:
             images[i : i + 1].copy_(image)
         return images
 
+    def prepare_decode(self, latents: torch.Tensor) -> None:
+        """Starts the decoder's first run for one image of these (unpacked) latents in a background thread, where the
+        decoder captures graphs (:meth:`IOBindingORTModel.prepare_signature`): its cuDNN plans are built while the
+        denoising loop runs, not after it. Nothing where they will be decoded tile by tile."""
+        if latents.dim() == 4 and not self.tiles(latents) and "latent_sample" in self.decoder.input_names:
+            self.decoder.prepare_signature({"latent_sample": (1, *latents.shape[1:])})
+
     def decode_to_host(self, latents: torch.Tensor) -> np.ndarray:
         """Tiled decoding to numpy images in [0, 1], NHWC, each tile downloaded while the next one decodes."""
         latents = self.vae_latents(latents)

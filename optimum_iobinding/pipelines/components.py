@@ -172,13 +172,15 @@ def load_components(
     replacements: Dict[str, Any],
     settings: Sequence[str] = (),
     missing_hint: str = "",
+    prepare: Sequence[str] = (),
 ) -> Dict[str, Any]:
     """The components of a family, loaded: each ONNX component from its folder in ``model_folders`` as an
     :class:`IOBindingORTModel` with its options (one stream for all; ``must_capture``: the component whose graphs
     ``cuda_graph=True`` requires), the tokenizers and the scheduler from ``folder`` unless ``replacements`` gives them,
     and the model_index.json ``settings`` the family takes. Every required model file is looked for before any loads
     (the denoiser's first: its absence says the folder is of another family, ``missing_hint``). A failure releases
-    what was loaded."""
+    what was loaded. The components named in ``prepare`` start building their shape-free session in a background
+    thread as soon as they are loaded (:meth:`IOBindingORTModel.prepare`), beside the rest of the load."""
     optional = {component.name for component in declared if component.optional}
     order = sorted(model_folders, key=lambda name: name != must_capture)
     for name in order:
@@ -200,6 +202,8 @@ def load_components(
                 model_options = with_step_cache_weights(model_options, model_folder)
             components[name] = IOBindingORTModel.from_pretrained(model_folder, options=model_options)
             check_component_kind(name, components[name])  # a wrong file fails here, before the next one loads
+            if name in prepare:
+                components[name].prepare(wait=False)
         for component in declared:
             name = component.name
             if component.kind == "processor":

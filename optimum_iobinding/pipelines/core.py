@@ -92,6 +92,7 @@ def on_device_stream(method: Callable) -> Callable:
     def on_stream(self: "OnnxDiffusionPipeline", *args: Any, **kwargs: Any) -> Any:
         with self.call_guard, torch.no_grad():
             self.prepare_sessions()
+            self.call_decodes = kwargs.get("output_type") != "latent"  # for the loop's start (prepare_decode)
             stream = self.stream
             if stream is None:
                 return method(self, *args, **kwargs)
@@ -163,6 +164,7 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
             check_component_kind(name, getattr(self, name, None))
         self.call_guard = CallGuard(type(self).__name__)
         self._sessions_started = False
+        self.call_decodes = False  # whether the call under way decodes its latents (set by each call)
         self.denoiser: Denoiser = self.denoiser_part(self)
         self.denoiser.check_model()
         self.prompt: PromptEncoder = self.prompt_part(self)
@@ -294,8 +296,9 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
     # ---------------------------------------------------------------------------------------------------- warm-up
     def prepare_sessions(self) -> None:
         """On the first call, each component's shape-free session starts building in a background thread
-        (:meth:`IOBindingORTModel.prepare`): the denoiser's and the VAE's are made while the text encoder's is made
-        and run, instead of one after another. The VAE encoder only where the family encodes images."""
+        (:meth:`IOBindingORTModel.prepare`), where the load has not started it (a pipeline made from components): the
+        denoiser's and the VAE's are made while the text encoder's is made and run, instead of one after another.
+        The VAE encoder only where the family encodes images."""
         if not self._sessions_started:
             self._sessions_started = True
             for name, model in self.onnx_models.items():

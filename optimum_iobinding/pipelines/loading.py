@@ -40,9 +40,11 @@ class Loading:
             io_binding: bind torch tensors on the session's device (default), or run diffusers' numpy baseline.
             cuda_graph: ``"auto"`` (default): on CUDA every component captures each input signature as a CUDA graph
                 where it can (one INFO log line where it cannot); ``True``: the same, but the denoiser (the UNet or
-                the transformer) must be captured; ``False``: no graphs (see :class:`IOBindingORTModel`). Sessions
-                are created lazily, one per input signature, sharing one copy of the weights; :meth:`warmup` creates
-                them ahead of the first request.
+                the transformer) must be captured; ``False``: no graphs (see :class:`IOBindingORTModel`). On CUDA
+                the components a call of the family runs (not the VAE encoder of a family that encodes no image)
+                start building their one session in background threads as they load, and the first call waits for
+                them; every input signature is captured in it, reading one copy of the weights. :meth:`warmup`
+                captures signatures ahead of the first request.
             component_options: per component (``"unet"``, ``"transformer"``, ``"text_encoder"``, ``"vae_decoder"``,
                 …) settings of its :class:`IOBindingORTModel` that override the ones above: ``cuda_graph``,
                 ``reuse_outputs``, ``max_output_signatures``, ``max_graph_signatures``, ``share_weights``.
@@ -81,6 +83,7 @@ class Loading:
             replacements,
             tuple(cls.settings),
             cls.missing_denoiser_hint(folder),
+            prepare=[name for name in model_folders if name != "vae_encoder" or cls.encodes_images],
         )
         try:
             return cls(**components)

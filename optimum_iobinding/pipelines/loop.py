@@ -307,6 +307,7 @@ def denoise(
         The denoised latents.
     """
     scheduler = denoiser.pipe.scheduler
+    denoiser.pipe.prepare_decode(latents)  # the VAE decoder's first run, beside the loop
     tensors = dict(tensors)
     constant = dict(inputs or {})
     step_kwargs = dict(step_kwargs or {})

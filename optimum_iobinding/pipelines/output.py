@@ -13,7 +13,7 @@ from diffusers.pipelines.stable_diffusion import StableDiffusionPipelineOutput
 from ..errors import ModelFileError
 from ..runtime.cuda_policy import DEVICE_SETUP
 from .arguments import Generator, is_integer
-from .codec import unpack_latents
+from .codec import LatentCodec, unpack_latents
 from .tiling import TiledVAE
 
 
@@ -53,6 +53,13 @@ class Output:
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Images in [-1, 1], NCHW, on ``self.device`` (see :meth:`LatentCodec.decode`)."""
         return self.codec.decode(latents)
+
+    def prepare_decode(self, latents: torch.Tensor) -> None:
+        """At the denoising loop's start, where the call decodes (its ``output_type`` is not "latent") latents that are
+        not packed: the VAE decoder's first run for one image of them starts beside the loop
+        (:meth:`LatentCodec.prepare_decode`)."""
+        if self.call_decodes and not self.packed_latents and isinstance(self.codec, LatentCodec):
+            self.codec.prepare_decode(latents)
 
     def encode_image(self, image: torch.Tensor, generator: Generator) -> torch.Tensor:
         """Scaled latents of ``image`` (NCHW in [-1, 1] on the device; see :meth:`LatentCodec.encode`)."""

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 # replays. ORT's CUDA EP keeps its graphs per thread (its PerThreadContext): a session run from a new thread makes a
 # regular run and captures again there, so every thread's first runs are gated, not only the runner's first.
 _CAPTURE_RUNS = 3
+# the run option value that makes ORT's CUDA EP run without capturing or replaying a graph
+_NO_GRAPH_ID = "-1"
 
 
 class CudaGraphRunner:
@@ -44,6 +46,12 @@ class CudaGraphRunner:
     are left in ``output_buffers`` — the same tensors every call. ORT captures once per thread that runs the
     session (the same buffers, so the same results): each thread's first runs wait for the device set-ups of other
     threads, and theirs for them (:data:`~.cuda_policy.DEVICE_SETUP`).
+
+    With ``warm_options`` (run options that make ORT run without a graph), a thread's first run is first made that
+    way, as a device set-up beside others: the first run of a graph is mostly host work — cuDNN builds a plan for
+    each convolution and attention shape, the arena grows —, which then overlaps the sessions other threads are
+    making instead of waiting for them under the capture's gate, and the capture itself finds it all done (:meth:`warm`
+    makes that run ahead, from any thread).
     """
 
     def __init__(
@@ -53,10 +61,12 @@ class CudaGraphRunner:
         output_specs: Mapping[str, Tuple[Tuple[int, ...], torch.dtype]],
         device: torch.device,
         run_options: ort.RunOptions,
+        warm_options: Optional[ort.RunOptions] = None,
     ):
         self.session = session
         self.device = device
         self.run_options = run_options
+        self.warm_options = warm_options
         # normal tensors even when the first call runs under torch.inference_mode: inputs are copied into them on
         # every later call, and an inference tensor refuses in-place writes outside inference mode
         with torch.inference_mode(False):
@@ -80,11 +90,20 @@ class CudaGraphRunner:
             if tensor.data_ptr() != buffer.data_ptr():
                 buffer.copy_(tensor, non_blocking=True)
         runs = getattr(self._thread, "runs", 0)
+        if runs == 0:
+            self.warm()
         with DEVICE_SETUP.capture() if runs < _CAPTURE_RUNS else contextlib.nullcontext():
             self.session.run_with_iobinding(self.binding, self.run_options)
         self._thread.runs = runs + 1
         self.runs += 1
         return self.output_buffers
+
+    def warm(self) -> None:
+        """Runs the graph's session once from its buffers without capturing (nothing where the runner has no
+        ``warm_options``), as a device set-up: what ORT's regular run before a capture builds is then ready for it."""
+        if self.warm_options is not None:
+            with DEVICE_SETUP.setup():
+                self.session.run_with_iobinding(self.binding, self.warm_options)
 
 
 Signature = Tuple[Tuple[str, Tuple[int, ...]], ...]
@@ -288,7 +307,7 @@ class GraphPool:
                     )
             return self._shared
 
-    def _graph_run_options(self, graph_id: int) -> ort.RunOptions:
+    def _graph_run_options(self, graph_id: Union[int, str]) -> ort.RunOptions:
         options = ort.RunOptions()
         try:
             options.add_run_config_entry(
@@ -299,13 +318,24 @@ class GraphPool:
         options.add_run_config_entry(GRAPH_ID_RUN_OPTION, str(graph_id))
         return options
 
+    def _warm_options(self) -> Optional[ort.RunOptions]:
+        """Run options for a run without a graph before a capture (CUDA EP; TensorRT's engines capture their own)."""
+        if self.recipe.providers[0] != "CUDAExecutionProvider":
+            return None
+        return self._graph_run_options(_NO_GRAPH_ID)
+
     def _graph_runner(self, overrides, problems, input_specs, output_shapes) -> CudaGraphRunner:
         output_specs = {name: (tuple(output_shapes[name]), dtype) for name, dtype in self.output_dtypes.items()}
         shared = self.shared_session()
         if shared is not None:
             graph_id, self._next_graph_id = self._next_graph_id, self._next_graph_id + 1
             return CudaGraphRunner(
-                shared, dict(input_specs), output_specs, self.recipe.device, self._graph_run_options(graph_id)
+                shared,
+                dict(input_specs),
+                output_specs,
+                self.recipe.device,
+                self._graph_run_options(graph_id),
+                self._warm_options(),
             )
         if self.recipe.providers[0] == "TensorrtExecutionProvider":
             updates = dict(
@@ -325,7 +355,9 @@ class GraphPool:
             if PLACEMENT_REFUSAL in str(error):
                 self.placement_refused = reason
             raise RuntimeError(reason) from error
-        return CudaGraphRunner(session, dict(input_specs), output_specs, self.recipe.device, self.run_options)
+        return CudaGraphRunner(
+            session, dict(input_specs), output_specs, self.recipe.device, self.run_options, self._warm_options()
+        )
 
     def _fixed_session(self, signature: Signature, overrides: Mapping[str, int]) -> Optional[FixedShapeSession]:
         try:

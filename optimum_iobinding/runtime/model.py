@@ -294,6 +294,7 @@ class IOBindingORTModel:
                 name=self.model_path or "model",
             )
         self._run_watchers: List[List[RunRecord]] = []
+        self._preparing: Optional[threading.Thread] = None  # prepare's thread, while it builds the session
 
     def sibling(self, **changes: Any) -> "IOBindingORTModel":
         """A new model from the same recipe (file, providers, options, CUDA stream and owned weights), with sessions
@@ -641,8 +642,47 @@ class IOBindingORTModel:
         if wait:
             pool.shared_session()
             return None
+        building = self._preparing
+        if building is not None and building.is_alive():  # an earlier prepare's thread builds it
+            return None
         # not a daemon: the interpreter waits for a session being built rather than tearing ORT down under it
-        thread = threading.Thread(target=pool.shared_session, name=f"prepare {self.model_path}")
+        thread = self._preparing = threading.Thread(target=pool.shared_session, name=f"prepare {self.model_path}")
+        thread.start()
+        return thread
+
+    def prepare_signature(self, input_shapes: Mapping[str, Sequence[int]]) -> Optional[threading.Thread]:
+        """Starts, in a background thread, what the first call with these input shapes would make before its capture:
+        the session (where not made yet), the signature's graph runner and ORT's run without a graph (cuDNN's plans
+        for each convolution and attention shape, the arena's memory); the capture stays with that first call, which
+        waits for the thread. A pipeline starts its VAE decoder's this way when the denoising loop starts. Returns the
+        thread, or ``None`` where the model captures no graph or these shapes have run already."""
+        pool = self._pool
+        if pool is None or not self.cuda_graph:
+            return None
+        check_input_names(input_shapes, self.input_names)
+        specs = {name: (tuple(int(d) for d in shape), self._input_dtypes[name]) for name, shape in input_shapes.items()}
+        with pool.lock:
+            if signature_of(input_shapes) in pool.entries:
+                return None
+
+        def prepare() -> None:
+            try:
+                make()
+            except Exception as error:  # the first call with these shapes makes them again, and reports what fails
+                logger.debug("%s: preparing %s failed: %s", self.model_path, dict(input_shapes), error)
+
+        def make() -> None:
+            output_shapes = self.shape_inferencer({name: shape for name, (shape, _) in specs.items()})
+            # the model's lock first, then the set-up: a call of this model that holds the lock may wait in the
+            # capture's gate for the set-ups to end
+            with self._lock, torch.cuda.stream(self._stream):
+                with DEVICE_SETUP.setup():  # the runner's buffers are allocated
+                    entry = pool.entry(self.shape_inferencer.input_dims, specs, output_shapes)
+                if isinstance(entry, CudaGraphRunner) and not entry.runs:
+                    entry.warm()
+
+        # not a daemon: the interpreter waits for a run being made rather than tearing ORT down under it
+        thread = threading.Thread(target=prepare, name=f"prepare signature {self.model_path}")
         thread.start()
         return thread
 

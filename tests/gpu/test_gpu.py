@@ -820,17 +820,40 @@ def test_weights_uploaded_through_pinned_staging_equal_the_files(tiny_folder, st
         assert on_gpu[name].device.type == "cuda" and torch.equal(on_gpu[name].cpu(), tensor), name
 
 
-def test_the_first_call_builds_the_shape_free_sessions_in_the_background(fused_tiny_folder):
+def test_the_load_builds_the_shape_free_sessions_in_the_background(fused_tiny_folder):
     pipe = pipeline(fused_tiny_folder)
-    assert pipe.sessions_created == 0  # loading stays lazy
-    thread = pipe.unet.prepare(wait=False)
-    assert thread is not None
-    thread.join()
-    assert pipe.unet.sessions_created == 1 and pipe.unet.prepare(wait=False) is None  # made once
-    images = generate(pipe)  # the VAE's session is built beside the text encoder's run
-    assert pipe.unet.sessions_created == 1 and pipe.vae_decoder.sessions_created == 1
+    for name in ("text_encoder", "unet", "vae_decoder"):  # started by the load: prepare waits for its thread
+        assert getattr(pipe, name).prepare(wait=True) is None
+        assert getattr(pipe, name).sessions_created == 1
+    assert pipe.vae_encoder.sessions_created == 0  # a text-to-image call never runs it
+    images = generate(pipe)
+    assert pipe.sessions_created == 3
     numpy_loop = generate(pipeline(fused_tiny_folder, io_binding=False))
     assert np.abs(images - numpy_loop).max() <= 1e-3
+
+
+def test_a_signature_prepared_in_the_background_is_captured_by_its_first_call(tiny_folder):
+    from optimum_iobinding import IOBindingORTModel
+
+    decoder = IOBindingORTModel.from_pretrained(
+        tiny_folder, subfolder="vae_decoder", provider=CUDA, provider_options=EXACT
+    )
+    plain = IOBindingORTModel.from_pretrained(
+        tiny_folder, subfolder="vae_decoder", provider=CUDA, provider_options=EXACT, cuda_graph=False
+    )
+    shape = (1, decoder.input_dims["latent_sample"][1], 8, 8)
+    thread = decoder.prepare_signature({"latent_sample": shape})
+    thread.join()
+    assert decoder.prepare_signature({"latent_sample": shape}) is None  # made already
+    runner = decoder.graph_runner({"latent_sample": shape})  # its run without a graph made, its capture not yet
+    assert decoder.sessions_created == 1 and runner is not None and runner.runs == 0
+    latents = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to("cuda")
+    first = decoder(latent_sample=latents)[0].clone()
+    again = decoder(latent_sample=latents * 0.5)[0].clone()
+    assert decoder.graph_runner({"latent_sample": shape}) is runner and runner.runs == 2
+    assert len(decoder.graph_signatures) == 1 and decoder.sessions_created == 1
+    torch.testing.assert_close(first, plain(latent_sample=latents)[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(again, plain(latent_sample=latents * 0.5)[0], atol=1e-4, rtol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------ runtime LoRA

@@ -298,6 +298,45 @@ def test_a_misspelled_keyword_is_a_type_error_naming_it(tiny_folder, keyword):
         IOBindingORTModel.from_pretrained(tiny_folder, subfolder="unet", **{keyword: False})
 
 
+@pytest.mark.parametrize("image_to_image", [False, True], ids=["text-to-image", "image-to-image"])
+def test_the_load_starts_the_sessions_a_call_of_the_family_runs(tiny_folder, monkeypatch, image_to_image):
+    # each component's shape-free session starts building as it loads (a no-op on the CPU, where one session serves
+    # every shape); the VAE encoder's only for a family that encodes images
+    from optimum_iobinding import OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionPipeline
+
+    started = []
+    monkeypatch.setattr(IOBindingORTModel, "prepare", lambda model, wait=True: started.append((model, wait)))
+    family = OnnxStableDiffusionImg2ImgPipeline if image_to_image else OnnxStableDiffusionPipeline
+    pipe = family.from_pretrained(tiny_folder)
+    names = {model: name for name, model in pipe.onnx_models.items()}
+    assert {names[model] for model, _ in started} == {"text_encoder", "unet", "vae_decoder"} | (
+        {"vae_encoder"} if image_to_image else set()
+    )
+    assert len(started) == len(names) - (not image_to_image) and all(wait is False for _, wait in started)
+
+
+@pytest.mark.parametrize("output_type", ["np", "latent"])
+def test_the_loop_starts_the_vae_decoders_first_run_for_one_image_when_the_call_decodes(
+    tiny_folder, monkeypatch, output_type
+):
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
+    pipe.set_progress_bar_config(disable=True)
+    asked = []
+    monkeypatch.setattr(
+        IOBindingORTModel, "prepare_signature", lambda model, shapes: asked.append((model, dict(shapes)))
+    )
+    pipe(["a cat", "a dog"], height=64, width=32, num_inference_steps=2, output_type=output_type)
+    channels = pipe.unet.input_dims["sample"][1]
+    expected = [(pipe.vae_decoder, {"latent_sample": (1, channels, 8, 4)})] if output_type == "np" else []
+    assert asked == expected
+    asked.clear()
+    pipe.enable_vae_tiling(tile_sample_size=16)  # decoded tile by tile: the whole image's run is never made
+    pipe("a cat", height=64, width=64, num_inference_steps=2, output_type="np")
+    assert asked == []
+
+
 def test_pipeline_warmup_makes_every_later_call_of_those_sizes_create_no_session(tiny_folder):
     from optimum_iobinding import OnnxStableDiffusionPipeline
 
