@@ -10,7 +10,9 @@ reserved memory beside it, each component's sessions and captured signatures, an
 (``cudnn_conv_use_max_workspace=0``), ``no-graphs`` (``cuda_graph=False``), ``power-of-two-arena`` (ORT's
 default arena growth, as the numpy pipeline's, instead of ``kSameAsRequested``), ``text-weights-from-file`` (the text
 encoder's sessions load its weights from the file themselves instead of reading tensors the pipeline owns: whether
-ONNX Runtime keeps a copy of owned weights beside them).
+ONNX Runtime keeps a copy of owned weights beside them), ``weights-apart`` and ``power-of-two-weights-apart`` (ORT's
+``session.use_device_allocator_for_initializers``: each weight allocated by itself, outside the arena, which then
+holds the activations alone; with our arena growth, and with ORT's default one).
 
     python benchmarks/pipeline_memory.py --folder WORK/sd15-fp16-optimized --out OUT/pipeline-memory
 """
@@ -33,6 +35,12 @@ VARIANTS = {
     "no-graphs": {"cuda_graph": False},
     "power-of-two-arena": {"provider_options": {"arena_extend_strategy": "kNextPowerOfTwo"}},
     "text-weights-from-file": {"component_options": {"text_encoder": {"share_weights": False}}},
+    # ORT's power-of-two growth for the activations only: the weights each allocated apart, outside the arena
+    "power-of-two-weights-apart": {
+        "provider_options": {"arena_extend_strategy": "kNextPowerOfTwo"},
+        "session_config": {"session.use_device_allocator_for_initializers": "1"},
+    },
+    "weights-apart": {"session_config": {"session.use_device_allocator_for_initializers": "1"}},
 }
 
 
@@ -68,6 +76,14 @@ def run(folder: str, variant: str, batches, used, idle: int, mib) -> list:
     else:
         from optimum_iobinding import OnnxStableDiffusionPipeline
 
+        options = dict(options)
+        config = options.pop("session_config", None)
+        if config:
+            import onnxruntime as ort
+
+            options["sess_options"] = ort.SessionOptions()
+            for key, value in config.items():
+                options["sess_options"].add_session_config_entry(key, value)
         pipe = OnnxStableDiffusionPipeline.from_pretrained(folder, provider="CUDAExecutionProvider", **options)
         components = {"text_encoder": pipe.text_encoder, "unet": pipe.unet, "vae_decoder": pipe.vae_decoder}
     from diffusers import DDIMScheduler
