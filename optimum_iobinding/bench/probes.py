@@ -28,7 +28,8 @@ class PeakMemory:
 
     ``source``:
       * ``"process"`` (what ``"auto"`` picks where ``pynvml``, from the package nvidia-ml-py, finds the device): a
-        child process polls NVML every millisecond. The measured process runs no sampling thread at all.
+        child process at the lowest CPU priority polls NVML every millisecond. The measured process runs no sampling
+        thread at all.
       * ``"nvml"``: a thread of this process polls NVML every 2 ms.
       * ``"cudart"`` (what ``"auto"`` falls back to): a thread polls ``cudaMemGetInfo`` every 2 ms (the bench's
         only source before the sampling process).
@@ -96,9 +97,14 @@ class PeakMemory:
         self.peak = max(self.peak, self.used())
 
 
-# the sampling process: NVML's used bytes of one device every millisecond until a line comes in; then the peak
+# the sampling process: NVML's used bytes of one device every millisecond until a line comes in; then the peak. It
+# runs at the lowest CPU priority: where the measured process's threads want every CPU (sessions built side by side
+# at a cold start), it yields to them instead of taking one (ORT's arenas only grow, so a later sample still sees
+# what they hold)
 _SAMPLER = """
-import select, sys, pynvml
+import os, select, sys, pynvml
+if hasattr(os, "nice"):
+    os.nice(19)
 pynvml.nvmlInit()
 handle = pynvml.nvmlDeviceGetHandleByPciBusId(sys.argv[1])
 read = lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used

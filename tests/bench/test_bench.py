@@ -396,7 +396,8 @@ def test_the_memory_sampler_names_its_source_and_refuses_an_unknown_one():
 def test_the_sampling_process_reports_the_peak_it_saw_between_enter_and_exit(tmp_path, monkeypatch):
     """The sampler of ``source="process"`` is a child process polling NVML (here a stand-in pynvml whose used
     memory is 100 at its start, 700 at its next read, whether that comes in its loop or at the stop, and 150 after),
-    so that the measured process runs no sampling thread."""
+    so that the measured process runs no sampling thread; it runs at the lowest CPU priority (the stand-in writes
+    its niceness down), yielding the CPUs to the measured process's threads."""
     import torch
 
     from optimum_iobinding.bench import probes
@@ -405,7 +406,8 @@ def test_the_sampling_process_reports_the_peak_it_saw_between_enter_and_exit(tmp
         "import itertools\n"
         "from types import SimpleNamespace\n"
         "reads = itertools.chain([100, 700], itertools.repeat(150))\n"
-        "def nvmlInit(): pass\n"
+        "import os\n"
+        f"def nvmlInit(): open({str(tmp_path / 'niceness')!r}, 'w').write(str(os.nice(0)))\n"
         "def nvmlDeviceGetHandleByPciBusId(bus):\n"
         "    assert bus == '00000000:17:00.0', bus\n"
         "    return 'handle'\n"
@@ -419,6 +421,7 @@ def test_the_sampling_process_reports_the_peak_it_saw_between_enter_and_exit(tmp
     with sampler:
         pass
     assert sampler.peak == 700 and sampler.exit_code == 0
+    assert (tmp_path / "niceness").read_text() == "19"
 
 
 @pytest.mark.parametrize(
