@@ -23,7 +23,12 @@ from pathlib import Path
 
 CASES = ("torch-fp32", "torch-bf16", "ours-fp32", "ours-fp16")
 # also accepted: any case with "-tiled" (diffusers' tiling, tiles of 256 pixels every 192: vae.enable_tiling() and
-# our codec's enable_tiling()), e.g. torch-bf16-tiled, ours-fp16-tiled
+# our codec's enable_tiling()), e.g. torch-bf16-tiled, ours-fp16-tiled; and ours with CUDA provider options of
+# OPTIONS after "+", e.g. ours-fp16+no-max-workspace+power-of-two (where the device memory of the chunk graphs goes)
+OPTIONS = {
+    "no-max-workspace": {"cudnn_conv_use_max_workspace": "0"},  # cuDNN's algorithms within its default workspace
+    "power-of-two": {"arena_extend_strategy": "kNextPowerOfTwo"},  # ORT's own arena growth
+}
 SIZES = {"480x832": (60, 104), "720x1280": (90, 160)}  # latent pixels of Wan's 480p and 720p videos
 LATENT_SHAPE = (1, 16, 21, 60, 104)
 
@@ -63,11 +68,15 @@ def run_case(case: str, work: Path, runs: int, frames_out: Path, size: str = "48
     from optimum_iobinding.bench.probes import PeakMemory
 
     z = latents(size).cuda()
-    tiled = case.endswith("-tiled")
+    base, *extras = case.split("+")
+    tiled = base.endswith("-tiled")
+    provider_options = {key: value for extra in extras for key, value in OPTIONS[extra].items()}
     device = torch.device("cuda", 0)
     idle = PeakMemory(device).used()
     with PeakMemory(device) as peak:
         if case.startswith("torch"):
+            if extras:
+                raise ValueError(f"--cases: provider options are ours only, got {case!r}")
             dtype = torch.float32 if case.startswith("torch-fp32") else torch.bfloat16
             vae = build_vae().to("cuda", dtype)
             if tiled:
@@ -81,7 +90,10 @@ def run_case(case: str, work: Path, runs: int, frames_out: Path, size: str = "48
             from optimum_iobinding.pipelines.wan_codec import WanVideoCodec
 
             codec = WanVideoCodec.from_pretrained(
-                export(work, case.split("-")[1]), encoder=False, provider="CUDAExecutionProvider"
+                export(work, base.split("-")[1]),
+                encoder=False,
+                provider="CUDAExecutionProvider",
+                provider_options=provider_options,
             )
             if tiled:
                 codec.enable_tiling()
@@ -135,9 +147,13 @@ def main() -> int:
     from optimum_iobinding.bench.probes import environment
 
     cases = args.cases.split(",")
+    for case in cases:
+        unknown = [extra for extra in case.split("+")[1:] if extra not in OPTIONS]
+        if unknown:
+            parser.error(f"--cases: expected provider options among {', '.join(OPTIONS)} after '+', got {unknown}")
     for case in cases:  # the exports first, outside the timed processes
         if case.startswith("ours"):
-            export(args.work, case.split("-")[1])
+            export(args.work, case.split("+")[0].split("-")[1])
     results = []
     for case in cases:
         done = subprocess.run(
