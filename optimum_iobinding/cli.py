@@ -836,8 +836,11 @@ def run_generate(args: argparse.Namespace) -> int:
         with options_named({"path": "--out", "fps": "--fps"}):
             target = args.out or DEFAULT_VIDEO_OUT  # a file is replaced as an image is, a folder of frames never
             writer = FrameWriter(target, args.fps, overwrite=is_video_path(target), argument="--out")
+    owned = {}  # a LoRA follows the load: its components own their weights from the start (changed in place)
+    if args.loras and provider == "CUDAExecutionProvider":
+        owned = {"component_options": folder_class.weights_owned_from_load(model)}
     with options_named(model_names):
-        pipe = folder_class.from_pretrained(model, provider=provider, io_binding=args.io_binding)
+        pipe = folder_class.from_pretrained(model, provider=provider, io_binding=args.io_binding, **owned)
     if sibling is not None:
         pipe = getattr(pipe, sibling)()
         if pipe is None:  # a folder without a VAE encoder

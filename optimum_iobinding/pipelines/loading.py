@@ -106,6 +106,20 @@ class Loading:
         return folder, {name: folder / name for name in cls.onnx_names_in(folder)}
 
     @classmethod
+    def weights_owned_from_load(
+        cls, folder: Union[str, os.PathLike], component_options: Optional[Dict[str, Dict[str, Any]]] = None
+    ) -> Dict[str, Dict[str, Any]]:
+        """``component_options`` for a load that a LoRA follows: the components a LoRA changes (the denoiser and the
+        text encoders of the folder) own their float weights from the load on (``share_weights=True``), under the
+        given options (a component's own ``share_weights`` stays). On CUDA the load starts each session; one that
+        loads its weights from the file would be made again around them when the LoRA comes."""
+        options = {name: dict(settings) for name, settings in (component_options or {}).items()}
+        for name in cls.onnx_names_in(Path(folder)):
+            if name == cls.denoiser_component() or name.startswith("text_encoder"):
+                options.setdefault(name, {}).setdefault("share_weights", True)
+        return options
+
+    @classmethod
     def download_names(cls) -> Sequence[str]:
         """The component folders to fetch from the Hub (glob patterns)."""
         return names_of(cls.declared_components, "onnx")

@@ -309,7 +309,12 @@ class ImageGenerator:
                 self.pipe = load_numpy_pipeline(folder, provider, **self.config.pipeline_options)
             else:
                 pipeline_class = pipeline_class_for(folder, text_to_image=False)  # an image family: its requests'
-                self.pipe = pipeline_class.from_pretrained(folder, provider=provider, **self.config.pipeline_options)
+                options = dict(self.config.pipeline_options)
+                if self.config.loras and provider == "CUDAExecutionProvider":  # changed in place by the LoRAs
+                    options["component_options"] = pipeline_class.weights_owned_from_load(
+                        folder, options.get("component_options")
+                    )
+                self.pipe = pipeline_class.from_pretrained(folder, provider=provider, **options)
         if self.numpy_engine:  # diffusers' numpy ONNX pipeline of Stable Diffusion
             self.family = family("sd")
             self.pipeline_name = f"diffusers.{type(self.pipe).__name__}"

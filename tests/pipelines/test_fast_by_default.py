@@ -315,6 +315,24 @@ def test_the_load_starts_the_sessions_a_call_of_the_family_runs(tiny_folder, mon
     assert len(started) == len(names) - (not image_to_image) and all(wait is False for _, wait in started)
 
 
+def test_a_load_that_a_lora_follows_owns_the_weights_a_lora_changes(tiny_folder):
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    options = OnnxStableDiffusionPipeline.weights_owned_from_load(
+        tiny_folder, {"unet": {"share_weights": False, "cuda_graph": False}, "vae_decoder": {"cuda_graph": False}}
+    )
+    assert options == {
+        "unet": {"share_weights": False, "cuda_graph": False},  # the caller's own setting stays
+        "vae_decoder": {"cuda_graph": False},
+        "text_encoder": {"share_weights": True},
+    }
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(
+        tiny_folder, component_options=OnnxStableDiffusionPipeline.weights_owned_from_load(tiny_folder)
+    )
+    assert pipe.unet.options.share_weights is True and pipe.text_encoder.options.share_weights is True
+    assert pipe.vae_decoder.options.share_weights is not True
+
+
 @pytest.mark.parametrize("output_type", ["np", "latent"])
 def test_the_loop_starts_the_vae_decoders_first_run_for_one_image_when_the_call_decodes(
     tiny_folder, monkeypatch, output_type
