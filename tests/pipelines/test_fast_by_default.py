@@ -224,6 +224,38 @@ def test_a_capture_never_overlaps_a_device_setup():
     assert log == ["setup", "second setup", "setup done", "capture", "capture done", "late setup"]
 
 
+def test_a_threads_first_run_of_a_graph_runs_without_a_graph_before_the_capturing_run():
+    # ORT's run before a capture (cuDNN's plans, the arena's growth) is made apart, with the run options of a run
+    # without a graph, once in each thread that runs the graph (ORT keeps its graphs per thread); every later run is
+    # the graph's own. Without such options (TensorRT's engines) no run is added.
+    class Session:  # what the runner asks of ONNX Runtime's session, recording each run's options
+        def __init__(self):
+            self.runs = []
+
+        def io_binding(self):
+            return type("Binding", (), {"bind_input": lambda *a: None, "bind_output": lambda *a: None})()
+
+        def run_with_iobinding(self, binding, options):
+            self.runs.append(options)
+
+    specs = ({"x": ((2, 3), torch.float32)}, {"y": ((2, 3), torch.float32)})
+    graph, warm = ort.RunOptions(), ort.RunOptions()
+    session = Session()
+    runner = CudaGraphRunner(session, *specs, torch.device("cpu"), graph, warm)
+    for _ in range(3):
+        runner.run({"x": torch.ones(2, 3)})
+    assert session.runs == [warm, graph, graph, graph]
+    other = threading.Thread(target=lambda: runner.run({"x": torch.ones(2, 3)}))
+    other.start()
+    other.join(60)
+    assert session.runs == [warm, graph, graph, graph, warm, graph] and runner.runs == 4
+    runner.warm()  # ahead of a first call, from any thread
+    assert session.runs[-1] is warm
+    plain = Session()
+    CudaGraphRunner(plain, *specs, torch.device("cpu"), graph).run({"x": torch.ones(2, 3)})
+    assert plain.runs == [graph]
+
+
 def test_a_sibling_shares_the_owned_weights(matmul_path):
     model = IOBindingORTModel(matmul_path, share_weights=True)
     twin = model.sibling()
