@@ -4,6 +4,8 @@ CPU's, and frames() equals one call at a time."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -161,13 +163,15 @@ def test_the_host_enqueues_frames_without_waiting(folders, case):
         torch.cuda._sleep(SLEEP_CYCLES)  # the pipeline's stream is busy: a frame whose host work waited would wait here
         busy = torch.cuda.Event()
         busy.record()
+    enqueued = time.perf_counter()
     got = run(stream, frames)
-    still_busy = not busy.query()
+    still_busy, enqueued = not busy.query(), time.perf_counter() - enqueued
     torch.cuda.synchronize()
     waits = host_waits(lambda: run(stream, frames))  # the profiler's view of the same, the flush included
     assert waits == [], "\n".join(f"{waits.count(w)}× {w}" for w in sorted(set(waits)))
     assert still_busy, (
-        f"the host waited for the GPU while it enqueued {count} frames (the driver holds {held} frames in flight)"
+        f"the host waited for the GPU while it enqueued {count} frames in {enqueued:.3f} s (the driver holds {held} "
+        "frames in flight)"
     )
     assert len(got) == count and all(out.is_cuda for out in got)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
