@@ -14,6 +14,9 @@ ONNX Runtime keeps a copy of owned weights beside them), ``weights-apart`` and `
 ``session.use_device_allocator_for_initializers``: each weight allocated by itself, outside the arena, which then
 holds the activations alone; with our arena growth, and with ORT's default one).
 
+With ``--arena-log`` each variant runs with ONNX Runtime's INFO log, kept in ``OUT/arena-VARIANT.log``; its row sums
+per step (load, each batch) what the arenas reserved (the weights) and grew by: where a variant's memory goes.
+
     python benchmarks/pipeline_memory.py --folder WORK/sd15-fp16-optimized --out OUT/pipeline-memory
 """
 
@@ -63,9 +66,18 @@ def measure(folder: str, variant: str, batches) -> dict:
     return {"variant": variant, "peak_mib": mib(peak.peak - idle), "snapshots": snapshots}
 
 
+ARENA_LOG = False  # --arena-log: ONNX Runtime's INFO lines in this process's stderr, a marker before each step
+
+
 def run(folder: str, variant: str, batches, used, idle: int, mib) -> list:
     import numpy as np
     import torch
+
+    if ARENA_LOG:
+        import onnxruntime as ort
+
+        ort.set_default_logger_severity(1)  # INFO: each arena extension and reservation, with its bytes
+        print("== load", file=sys.stderr, flush=True)
 
     options = VARIANTS[variant]
     if options is None:
@@ -94,6 +106,8 @@ def run(folder: str, variant: str, batches, used, idle: int, mib) -> list:
         {"after": "load", "used_mib": mib(used() - idle), "torch_reserved_mib": mib(torch.cuda.memory_reserved())}
     ]
     for batch in batches:
+        if ARENA_LOG:
+            print(f"== batch {batch}", file=sys.stderr, flush=True)
         generator = np.random.RandomState(0) if options is None else torch.Generator("cuda").manual_seed(0)
         pipe(
             "a photo of an astronaut riding a horse",
@@ -116,15 +130,45 @@ def run(folder: str, variant: str, batches, used, idle: int, mib) -> list:
     return snapshots
 
 
+def arena_growth(log: str) -> dict:
+    """Per step of a variant's run (``load``, ``batch N``, from the markers): the MiB ONNX Runtime's arenas grew by
+    ("Extended allocation by N bytes") and reserved ("Reserving memory in BFCArena … size: N", the weights), and how
+    many extensions that took."""
+    import re
+
+    steps, step = {}, None
+    for line in log.splitlines():
+        if line.startswith("== "):
+            step = line[3:].strip()
+            steps[step] = {"extended_mib": 0.0, "extensions": 0, "reserved_mib": 0.0}
+        elif step is not None:
+            extended = re.search(r"Extended allocation by (\d+) bytes", line)
+            reserved = re.search(r"Reserving memory in BFCArena for \S+ size: (\d+)", line)
+            if extended:
+                steps[step]["extended_mib"] += int(extended[1]) / 2**20
+                steps[step]["extensions"] += 1
+            elif reserved:
+                steps[step]["reserved_mib"] += int(reserved[1]) / 2**20
+    return {name: {key: round(value, 1) for key, value in values.items()} for name, values in steps.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--batches", default="1,4,8,2")
+    parser.add_argument(
+        "--arena-log",
+        action="store_true",
+        help="keep ONNX Runtime's INFO log of each variant (OUT/arena-VARIANT.log) and sum its arenas' extensions "
+        "and reservations per step (load, each batch) into the row",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a variant, measured in this process
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    global ARENA_LOG
+    ARENA_LOG = args.arena_log
     if args.one:
         print(json.dumps(measure(args.folder, args.one, batches)))
         return 0
@@ -137,7 +181,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as cache:  # each variant a first load: nothing remembered before it
             done = subprocess.run(
                 [sys.executable, __file__, "--folder", args.folder, "--out", str(args.out), "--batches", args.batches,
-                 "--one", variant],
+                 "--one", variant, *(["--arena-log"] if args.arena_log else [])],
                 capture_output=True, text=True, env={**os.environ, "XDG_CACHE_HOME": cache},
             )  # fmt: skip
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -146,6 +190,10 @@ def main() -> int:
             if done.returncode == 0 and lines
             else {"variant": variant, "error": done.stderr[-2000:]}
         )
+        if args.arena_log:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"arena-{variant}.log").write_text(done.stderr)
+            row["arena_mib"] = arena_growth(done.stderr)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
