@@ -16,7 +16,9 @@ that runs one small graph of a Conv, a MatMul and an attention through ONNX Runt
 the attention kernels loaded beside the sessions being made), ours with ORT's graph optimizations at the basic level
 at load (``basic``: the fused export was optimized at export), and ours with ONNX Runtime's profiler on every session
 (``profile``: each session's load and initialization, its first runs, the first run's slowest nodes and op types
-against the second run's, from the profiles written into ``--out``).
+against the second run's, from the profiles written into ``--out``), and ours with ORT's attention kernels chosen by
+its ``sdpa_kernel`` provider option (``sdpa-N``: ``sdpa-1`` flash attention, ``sdpa-2`` memory-efficient, ``sdpa-8``
+cuDNN's: the first image's cuDNN attention plans against each kernel's steady image).
 For ours, each component's session creations are listed with their seconds (``session_creation_log``).
 
     python benchmarks/cold_start.py --folder WORK/sd15-fp16-optimized --out OUT/cold-start
@@ -246,6 +248,11 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
             sampler, level = PeakMemory(torch.device("cuda", 0), source=level[0][len("sampled-") :]), []
             sampler.__enter__()
         options = component_options = prewarm = None
+        provider_options = {"cudnn_conv_algo_search": search}
+        if level and level[0].startswith("sdpa-"):
+            # ORT's attention kernels for MultiHeadAttention (its sdpa_kernel bits: 1 flash, 2 memory-efficient, 8
+            # cuDNN's flash, 16 unfused), instead of ORT's own choice
+            provider_options["sdpa_kernel"], level = level[0][len("sdpa-") :], []
         if level == ["prewarm"]:
             import threading
 
@@ -273,7 +280,7 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
         pipe = OnnxStableDiffusionPipeline.from_pretrained(
             folder,
             provider="CUDAExecutionProvider",
-            provider_options={"cudnn_conv_algo_search": search},
+            provider_options=provider_options,
             sess_options=options,
             component_options=component_options,
         )
