@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from .part import PipelinePart
 from ..errors import ArgumentError, ModelFileError
 from ..runtime.model import IOBindingORTModel
 from ..runtime.shapes import infer_output_shapes
@@ -34,7 +35,7 @@ def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tenso
     return patches.reshape(batch, values // 4, height, width)
 
 
-class LatentCodec:
+class LatentCodec(PipelinePart):
     """A pipeline's VAE (``vae_decoder``, optional ``vae_encoder``) between pixels in [-1, 1] and the latents the
     denoiser works on: ``latents = (vae_latents - shift) · scaling``.
 
@@ -46,7 +47,7 @@ class LatentCodec:
     """
 
     def __init__(self, pipe: Any, scaling_factor: float, shift_factor: Optional[float], constants_hint: str):
-        self.pipe = pipe
+        super().__init__(pipe)
         self.constants_hint = constants_hint
         self.tiler: Optional[TiledVAE] = None
         self.scale_factor = self._read_scale_factor()

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from .part import PipelinePart
 from ..errors import ArgumentError, ModelFileError
 from ..families import FAMILIES, FLUX_GUIDANCE, UNET_INPUTS, WAN_TRANSFORMERS, detect, family
 from ..runtime.model import IOBindingORTModel
@@ -68,7 +69,7 @@ def timestep_inputs(model: IOBindingORTModel, timesteps: torch.Tensor, rows: int
     return values[:, None].expand(-1, rows).contiguous()
 
 
-class Denoiser(abc.ABC):
+class Denoiser(PipelinePart, abc.ABC):
     """What every denoiser offers its pipeline. ``component`` is the pipeline component it runs: the one whose
     session decides where the loop's tensors live, whose stream the call runs on, and whose CUDA graphs
     ``cuda_graph=True`` requires."""
@@ -81,7 +82,7 @@ class Denoiser(abc.ABC):
     copies_unguided_output = False
 
     def __init__(self, pipe: Any, default_sample_size: int):
-        self.pipe = pipe
+        super().__init__(pipe)
         self.fallback_sample_size = default_sample_size
         self.cache: Optional[StepCache] = None
 

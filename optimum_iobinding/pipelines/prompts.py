@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
+from .part import PipelinePart
 from ..errors import ArgumentError, ModelFileError
 from ..families import FLUX_TEXT_IDS, WAN_TEXT_INPUTS, family
 from ..runtime.inputs import as_checked_tensor
@@ -63,11 +64,11 @@ def clip_skip_layer(outputs: Dict[str, torch.Tensor], clip_skip: Optional[int]) 
     return outputs[layers[len(layers) - 2 - (clip_skip or 0)]]
 
 
-class PromptEncoder:
+class PromptEncoder(PipelinePart):
     """What every prompt part shares: the pipeline, tokenization onto the device."""
 
     def __init__(self, pipe: Any):
-        self.pipe = pipe
+        super().__init__(pipe)
 
     @property
     def device(self) -> torch.device:

@@ -118,3 +118,48 @@ def test_every_prompt_of_a_call_counts_in_what_it_holds(tiny_folder, host_with):
     with pytest.raises(ArgumentError, match=r"height and width: 256×256 × 4 images needs about"):
         pipe(["a cat"] * 4, height=256, width=256, num_inference_steps=1, output_type="np")
     pipe.check_fits(256, 256, 1, 7.5)  # one image fits
+
+
+@pytest.mark.parametrize("family", ["sd", "stream", "xl", "controlnet", "flux"])
+def test_a_dropped_pipeline_frees_its_sessions_at_once(request, family):
+    # with the garbage collector off, the last reference going frees the pipeline and its models (their sessions, so
+    # their device memory): nothing of the pipeline holds it back, so no session waits for a later collection, and none
+    # is freed where that collection happens to come (a device synchronization in a stream's frame, for one)
+    import gc
+    import weakref
+
+    import torch
+
+    import optimum_iobinding as oi
+
+    if family in ("sd", "stream"):
+        folder = request.getfixturevalue("tiny_folder")
+    elif family == "xl":
+        folder = request.getfixturevalue("xl_folder")
+    elif family == "controlnet":
+        folder = request.getfixturevalue("controlnet_folders")["one"]
+    else:
+        folder = request.getfixturevalue("schnell")[1]
+    gc.collect()
+    gc.disable()
+    try:
+        if family == "stream":
+            pipe = oi.OnnxStreamDiffusionPipeline.from_pretrained(folder)
+            pipe.prepare("a cat", num_inference_steps=2, strength=0.5, guidance_scale=0.0, height=64, width=64)
+            pipe(torch.rand(3, 64, 64) * 2 - 1)
+        else:
+            cls = {
+                "sd": oi.OnnxStableDiffusionPipeline,
+                "xl": oi.OnnxStableDiffusionXLPipeline,
+                "controlnet": oi.OnnxStableDiffusionControlNetPipeline,
+                "flux": oi.OnnxFluxPipeline,
+            }[family]
+            pipe = cls.from_pretrained(folder)
+            extra = {"image": torch.rand(1, 3, 64, 64)} if family == "controlnet" else {}
+            pipe("a cat", num_inference_steps=2, height=64, width=64, output_type="np", **extra)
+        models = [weakref.ref(model) for model in pipe.onnx_models.values()]
+        dropped = weakref.ref(pipe)
+        del pipe
+        assert dropped() is None and [model() for model in models] == [None] * len(models)
+    finally:
+        gc.enable()
