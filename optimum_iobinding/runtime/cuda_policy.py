@@ -47,8 +47,9 @@ class SetupGate:
     ORT captures a graph in the stream capture mode in which any thread's ``cudaMalloc`` or synchronous copy fails the
     capture ("operation failed due to a previous error during capture", when a session is built in a thread beside a
     capture). Building a session or uploading owned weights on CUDA is a set-up (pipelines make them in background
-    threads, side by side); the first runs of a graph runner, which may capture, wait until no set-up runs, and
-    set-ups wait for them. A pipeline's first image captures after its set-ups are done: it waits for nothing."""
+    threads, side by side); the first runs of a graph runner, which may capture, and any run made ahead of a first call
+    (:meth:`~.graph_pool.CudaGraphRunner.warm`) wait until no set-up runs, and set-ups wait for them: with ONNX Runtime
+    1.31's CUDA provider, a session being made crashed (a segmentation fault) while another thread ran a session."""
 
     def __init__(self) -> None:
         self._condition = threading.Condition()

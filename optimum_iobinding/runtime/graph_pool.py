@@ -47,11 +47,10 @@ class CudaGraphRunner:
     session (the same buffers, so the same results): each thread's first runs wait for the device set-ups of other
     threads, and theirs for them (:data:`~.cuda_policy.DEVICE_SETUP`).
 
-    With ``warm_options`` (run options that make ORT run without a graph), a thread's first run is first made that
-    way, as a device set-up beside others: the first run of a graph is mostly host work — cuDNN builds a plan for
-    each convolution and attention shape, the arena grows —, which then overlaps the sessions other threads are
-    making instead of waiting for them under the capture's gate, and the capture itself finds it all done (:meth:`warm`
-    makes that run ahead, from any thread).
+    With ``warm_options`` (run options that make ORT run without a graph: the CUDA EP), :meth:`warm` makes the first
+    run's host work — cuDNN builds a plan for each convolution and attention shape, the arena grows — ahead of the
+    first call, from any thread (a pipeline's VAE decoder during the denoising loop), so that the call's own first runs
+    find it done.
     """
 
     def __init__(
@@ -90,8 +89,6 @@ class CudaGraphRunner:
             if tensor.data_ptr() != buffer.data_ptr():
                 buffer.copy_(tensor, non_blocking=True)
         runs = getattr(self._thread, "runs", 0)
-        if runs == 0:
-            self.warm()
         with DEVICE_SETUP.capture() if runs < _CAPTURE_RUNS else contextlib.nullcontext():
             self.session.run_with_iobinding(self.binding, self.run_options)
         self._thread.runs = runs + 1
@@ -100,9 +97,10 @@ class CudaGraphRunner:
 
     def warm(self) -> None:
         """Runs the graph's session once from its buffers without capturing (nothing where the runner has no
-        ``warm_options``), as a device set-up: what ORT's regular run before a capture builds is then ready for it."""
+        ``warm_options``): what ORT's regular run before a capture builds is then ready for it. The run waits, as a
+        capture does, until no device set-up runs (:data:`~.cuda_policy.DEVICE_SETUP`)."""
         if self.warm_options is not None:
-            with DEVICE_SETUP.setup():
+            with DEVICE_SETUP.capture():
                 self.session.run_with_iobinding(self.binding, self.warm_options)
 
 

@@ -224,36 +224,52 @@ def test_a_capture_never_overlaps_a_device_setup():
     assert log == ["setup", "second setup", "setup done", "capture", "capture done", "late setup"]
 
 
-def test_a_threads_first_run_of_a_graph_runs_without_a_graph_before_the_capturing_run():
-    # ORT's run before a capture (cuDNN's plans, the arena's growth) is made apart, with the run options of a run
-    # without a graph, once in each thread that runs the graph (ORT keeps its graphs per thread); every later run is
-    # the graph's own. Without such options (TensorRT's engines) no run is added.
-    class Session:  # what the runner asks of ONNX Runtime's session, recording each run's options
-        def __init__(self):
-            self.runs = []
+def test_a_graphs_first_runs_and_a_run_ahead_wait_for_the_device_setups(monkeypatch):
+    # every run that may capture (a thread's first runs: ORT keeps its graphs per thread) and a run ahead of the first
+    # call (warm: ORT's run without a graph) take the gate that waits until no session is being made; replays and
+    # the runs of a runner without such options (TensorRT's engines, whose first runs take the gate too) do as said
+    import contextlib
 
+    from optimum_iobinding.runtime import graph_pool
+
+    log = []
+
+    class Gate:  # records which gate each run asks for
+        @contextlib.contextmanager
+        def setup(self):
+            log.append("setup")
+            yield
+
+        @contextlib.contextmanager
+        def capture(self):
+            log.append("capture")
+            yield
+
+    class Session:  # what the runner asks of ONNX Runtime's session, recording each run's options
         def io_binding(self):
             return type("Binding", (), {"bind_input": lambda *a: None, "bind_output": lambda *a: None})()
 
         def run_with_iobinding(self, binding, options):
-            self.runs.append(options)
+            log.append("warm" if options is warm else "graph")
 
+    monkeypatch.setattr(graph_pool, "DEVICE_SETUP", Gate())
     specs = ({"x": ((2, 3), torch.float32)}, {"y": ((2, 3), torch.float32)})
     graph, warm = ort.RunOptions(), ort.RunOptions()
-    session = Session()
-    runner = CudaGraphRunner(session, *specs, torch.device("cpu"), graph, warm)
-    for _ in range(3):
+    runner = CudaGraphRunner(Session(), *specs, torch.device("cpu"), graph, warm)
+    runner.warm()  # ahead of a first call, from any thread
+    assert log == ["capture", "warm"]
+    for _ in range(4):
         runner.run({"x": torch.ones(2, 3)})
-    assert session.runs == [warm, graph, graph, graph]
+    assert log[2:] == ["capture", "graph"] * 3 + ["graph"] and runner.runs == 4
     other = threading.Thread(target=lambda: runner.run({"x": torch.ones(2, 3)}))
     other.start()
     other.join(60)
-    assert session.runs == [warm, graph, graph, graph, warm, graph] and runner.runs == 4
-    runner.warm()  # ahead of a first call, from any thread
-    assert session.runs[-1] is warm
-    plain = Session()
-    CudaGraphRunner(plain, *specs, torch.device("cpu"), graph).run({"x": torch.ones(2, 3)})
-    assert plain.runs == [graph]
+    assert log[-2:] == ["capture", "graph"] and runner.runs == 5
+    log.clear()
+    plain = CudaGraphRunner(Session(), *specs, torch.device("cpu"), graph)
+    plain.warm()
+    plain.run({"x": torch.ones(2, 3)})
+    assert log == ["capture", "graph"]
 
 
 def test_a_sibling_shares_the_owned_weights(matmul_path):
