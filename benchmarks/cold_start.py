@@ -76,10 +76,8 @@ def conv_session_run(ort, search: str) -> None:
     session.run(None, {"x": np.ones((1, 4, 64, 64), np.float16)})
 
 
-def library_session_run(ort) -> None:
-    """An experiment (the variant ``prewarm``): one fp16 graph of a Conv, a MatMul and a MultiHeadAttention run once
-    through ONNX Runtime's CUDA provider in a thread started with the load, so that cuDNN, cuBLAS and the attention
-    kernels' modules are loaded while the pipeline's sessions are made, not in the UNet's first run."""
+def library_model() -> bytes:
+    """One small fp16 graph of a Conv, a MatMul and a MultiHeadAttention (cuDNN, cuBLAS and the attention kernels)."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
@@ -107,8 +105,17 @@ def library_session_run(ort) -> None:
         graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
     )
     model.ir_version = 8
+    return model.SerializeToString()
+
+
+def library_session_run(ort) -> None:
+    """An experiment (the variant ``prewarm``): :func:`library_model` run once through ONNX Runtime's CUDA provider in a
+    thread started with the load, so that cuDNN, cuBLAS and the attention kernels' modules are loaded while the
+    pipeline's sessions are made, not in the UNet's first run."""
+    import numpy as np
+
     session = ort.InferenceSession(
-        model.SerializeToString(), providers=[("CUDAExecutionProvider", {"cudnn_conv_algo_search": "HEURISTIC"})]
+        library_model(), providers=[("CUDAExecutionProvider", {"cudnn_conv_algo_search": "HEURISTIC"})]
     )
     session.run(None, {"x": np.ones((1, 4, 64, 64), np.float16)})
 
