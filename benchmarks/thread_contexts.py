@@ -9,8 +9,8 @@ a MultiHeadAttention in fp16) and the library's default CUDA provider options:
 - the first session run once in each of ``--threads`` threads alive together, then after they end;
 - a third session built and run in the main thread after all that.
 
-Device memory is device-wide used memory (NVML where it finds the device) in MiB above the process's idle, after
-``torch.cuda.init()``; ORT's INFO log of the run is kept in ``OUT/ort.log`` (its "PerThreadContext" lines counted).
+Device memory is device-wide used memory (NVML where it finds the device) in MiB above the process's idle, its CUDA
+context made; ORT's INFO log of the run is kept in ``OUT/ort.log`` (its "PerThreadContext" lines counted).
 
     python benchmarks/thread_contexts.py --out OUT/thread-contexts
 """
@@ -38,7 +38,8 @@ def measure(threads: int) -> dict:
     from optimum_iobinding.runtime.cuda_policy import CUDA_DIFFUSION_DEFAULTS
 
     ort.set_default_logger_severity(1)
-    torch.cuda.init()
+    torch.zeros(1, device="cuda")  # the process's CUDA context made: idle is measured with it
+    torch.cuda.synchronize()
     probe = PeakMemory(torch.device("cuda", 0))
     idle = probe.used()
     steps = []
