@@ -226,8 +226,8 @@ def test_a_capture_never_overlaps_a_device_setup():
 
 def test_a_graphs_first_runs_and_a_run_ahead_wait_for_the_device_setups(monkeypatch):
     # every run that may capture (a thread's first runs: ORT keeps its graphs per thread) and a run ahead of the first
-    # call (warm: ORT's run without a graph) take the gate that waits until no session is being made; replays and
-    # the runs of a runner without such options (TensorRT's engines, whose first runs take the gate too) do as said
+    # call (warm: ORT's run without a graph) take the gate that waits until no session is being made; a replay takes
+    # no gate; a runner without such options (TensorRT's engines) runs nothing ahead, and its first runs take the gate
     import contextlib
 
     from optimum_iobinding.runtime import graph_pool
