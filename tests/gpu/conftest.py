@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import threading
 import warnings
 
 import pytest
@@ -14,6 +16,18 @@ def refusals_of_this_run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
         yield
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_running_into_the_next_test():
+    """A test's background set-up work (a pipeline starts building its sessions as it loads; the VAE decoder's first
+    run goes beside the loop: threads named "prepare …") ends with the test, and its garbage is collected then: none
+    of it frees or takes device memory, or waits for the device, in the middle of a later test's measure."""
+    yield
+    for thread in threading.enumerate():
+        if thread.name.startswith("prepare ") and thread is not threading.current_thread():
+            thread.join(600)
+    gc.collect()
 
 
 @pytest.fixture
