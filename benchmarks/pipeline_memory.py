@@ -12,7 +12,9 @@ default arena growth, as the numpy pipeline's, instead of ``kSameAsRequested``),
 encoder's sessions load its weights from the file themselves instead of reading tensors the pipeline owns: whether
 ONNX Runtime keeps a copy of owned weights beside them), ``weights-apart`` and ``power-of-two-weights-apart`` (ORT's
 ``session.use_device_allocator_for_initializers``: each weight allocated by itself, outside the arena, which then
-holds the activations alone; with our arena growth, and with ORT's default one).
+holds the activations alone; with our arena growth, and with ORT's default one), ``calling-thread``
+(``prepare_in_background=False``: the sessions made and first run in the calling thread, no set-up thread holding a
+CUDA provider context of its own: ``benchmarks/thread_contexts.py``).
 
 With ``--arena-log`` each variant runs with ONNX Runtime's INFO log, kept in ``OUT/arena-VARIANT.log``; its row sums
 per step (load, each batch) what the arenas reserved (the weights) and grew by: where a variant's memory goes.
@@ -44,6 +46,8 @@ VARIANTS = {
         "session_config": {"session.use_device_allocator_for_initializers": "1"},
     },
     "weights-apart": {"session_config": {"session.use_device_allocator_for_initializers": "1"}},
+    # every session made and first run in the calling thread: no CUDA provider context held by a set-up thread
+    "calling-thread": {"prepare_in_background": False},
 }
 
 

@@ -137,6 +137,8 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
     #: the family's description (:mod:`optimum_iobinding.families`): its denoiser, sibling, capabilities, defaults
     family: ClassVar[Family]
     loading_arguments: ClassVar[Tuple[str, ...]] = ()
+    #: whether sessions and first runs are made in background threads (``from_pretrained``'s argument)
+    prepare_in_background: bool = True
     # components a folder may hold numbered copies of (controlnet_1 …), each taking the first's options
     numbered_components: ClassVar[Tuple[str, ...]] = ()
     # the folder kind a missing denoiser's error names (e.g. " (a FLUX.1 ONNX folder)")
@@ -291,15 +293,17 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
             return None
         sibling = pipeline_class(family(key))
         accepted = {*names_of(sibling.declared_components), "scheduler", *sibling.settings}
-        return sibling(**{name: module for name, module in self.components.items() if name in accepted})
+        made = sibling(**{name: module for name, module in self.components.items() if name in accepted})
+        made.prepare_in_background = self.prepare_in_background
+        return made
 
     # ---------------------------------------------------------------------------------------------------- warm-up
     def prepare_sessions(self) -> None:
         """On the first call, each component's shape-free session starts building in a background thread
         (:meth:`IOBindingORTModel.prepare`), where the load has not started it (a pipeline made from components): the
         denoiser's and the VAE's are made while the text encoder's is made and run, instead of one after another.
-        The VAE encoder only where the family encodes images."""
-        if not self._sessions_started:
+        The VAE encoder only where the family encodes images; nothing with ``prepare_in_background=False``."""
+        if not self._sessions_started and self.prepare_in_background:
             self._sessions_started = True
             for name, model in self.onnx_models.items():
                 if name != "vae_encoder" or self.encodes_images:

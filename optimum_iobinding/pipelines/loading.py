@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 
+from ..errors import ArgumentTypeError
 from ..layout import building_beside, check_output_folder, resolve_pipeline_folder, save_tokenizer, write_model_index
 from ..runtime.hub import check_hub_kwargs, keywords_of
 from ..runtime.options import CudaGraphSetting, PipelineOptions, ProviderSpec
@@ -30,6 +31,7 @@ class Loading:
         io_binding: bool = True,
         cuda_graph: CudaGraphSetting = "auto",
         component_options: Optional[Dict[str, Dict[str, Any]]] = None,
+        prepare_in_background: bool = True,
         **kwargs: Any,
     ) -> PipelineT:
         """Loads a diffusers-converted ONNX folder, an ``optimum-cli export onnx`` folder or ours, or a hub id.
@@ -48,6 +50,12 @@ class Loading:
             component_options: per component (``"unet"``, ``"transformer"``, ``"text_encoder"``, ``"vae_decoder"``,
                 …) settings of its :class:`IOBindingORTModel` that override the ones above: ``cuda_graph``,
                 ``reuse_outputs``, ``max_output_signatures``, ``max_graph_signatures``, ``share_weights``.
+            prepare_in_background: on CUDA, ``True`` (default): the sessions start building in background threads as
+                the components load, and the VAE decoder's first run goes beside the denoising loop (a faster first
+                image); ``False``: each session is made, and first run, in the thread that calls the pipeline, when
+                a call needs it. ONNX Runtime's CUDA provider keeps a context (cuBLAS and cuDNN handles, tens to
+                hundreds of MiB of device memory) for each thread that makes or runs a session: ``False`` holds
+                fewer.
             **kwargs: components in place of the folder's (``scheduler=``, ``tokenizer=``, ``tokenizer_2=`` …); the
                 family's loading arguments (the stream's ``tiny_vae``); and for ``huggingface_hub.snapshot_download``
                 (revision, token, cache_dir, local_files_only).
@@ -61,6 +69,8 @@ class Loading:
             kwargs,
             [*keywords_of(cls.from_pretrained), *sorted(replaceable), *cls.loading_arguments],
         )
+        if not isinstance(prepare_in_background, bool):
+            raise ArgumentTypeError("prepare_in_background", f"expected True or False, got {prepare_in_background!r}")
         options = PipelineOptions.resolve(
             names_of(cls.declared_components, "onnx"),
             provider,
@@ -83,13 +93,19 @@ class Loading:
             replacements,
             tuple(cls.settings),
             cls.missing_denoiser_hint(folder),
-            prepare=[name for name in model_folders if name != "vae_encoder" or cls.encodes_images],
+            prepare=[
+                name
+                for name in model_folders
+                if prepare_in_background and (name != "vae_encoder" or cls.encodes_images)
+            ],
         )
         try:
-            return cls(**components)
+            pipe = cls(**components)
         except BaseException:
             components.clear()  # release sessions now, not when the traceback goes
             raise
+        pipe.prepare_in_background = prepare_in_background
+        return pipe
 
     @classmethod
     def model_folders(

@@ -58,7 +58,8 @@ class Output:
         """At the denoising loop's start, where the call decodes (its ``output_type`` is not "latent") latents that are
         not packed: the VAE decoder's first run for one image of them starts beside the loop
         (:meth:`LatentCodec.prepare_decode`)."""
-        if self.call_decodes and not self.packed_latents and isinstance(self.codec, LatentCodec):
+        decodes_here = self.call_decodes and not self.packed_latents and isinstance(self.codec, LatentCodec)
+        if decodes_here and self.prepare_in_background:
             self.codec.prepare_decode(latents)
 
     def encode_image(self, image: torch.Tensor, generator: Generator) -> torch.Tensor:

@@ -3,6 +3,7 @@ reallocation between steps."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import numpy as np
@@ -830,6 +831,19 @@ def test_the_load_builds_the_shape_free_sessions_in_the_background(fused_tiny_fo
     assert pipe.sessions_created == 3
     numpy_loop = generate(pipeline(fused_tiny_folder, io_binding=False))
     assert np.abs(images - numpy_loop).max() <= 1e-3
+
+
+def test_without_background_preparation_every_session_and_first_run_is_made_in_the_calling_thread(fused_tiny_folder):
+    from optimum_iobinding.runtime import timeline
+
+    with timeline.recording() as record:
+        pipe = pipeline(fused_tiny_folder, prepare_in_background=False)
+        images = generate(pipe)
+    threads = {step.thread for step in record.steps}
+    assert threads == {threading.current_thread().name}, sorted(threads)
+    assert any(step.what.startswith("session") for step in record.steps)
+    assert pipe.sessions_created == 3 and pipe.vae_encoder.sessions_created == 0
+    assert np.abs(images - generate(pipeline(fused_tiny_folder))).max() <= 1e-5
 
 
 def test_a_signature_prepared_in_the_background_is_captured_by_its_first_call(tiny_folder):

@@ -163,3 +163,17 @@ def test_a_dropped_pipeline_frees_its_sessions_at_once(request, family):
         assert dropped() is None and [model() for model in models] == [None] * len(models)
     finally:
         gc.enable()
+
+
+def test_prepare_in_background_is_checked_kept_and_given_to_the_siblings(tiny_folder):
+    import optimum_iobinding as oi
+    from optimum_iobinding.errors import ArgumentTypeError
+
+    with pytest.raises(ArgumentTypeError, match=r"^prepare_in_background: expected True or False, got 'no'$"):
+        oi.OnnxStableDiffusionPipeline.from_pretrained(tiny_folder, prepare_in_background="no")
+    assert oi.OnnxStableDiffusionPipeline.from_pretrained(tiny_folder).prepare_in_background is True
+    pipe = oi.OnnxStableDiffusionPipeline.from_pretrained(tiny_folder, prepare_in_background=False)
+    assert pipe.prepare_in_background is False
+    assert pipe.image_to_image().prepare_in_background is False and pipe.inpainting().prepare_in_background is False
+    stream = oi.OnnxStreamDiffusionPipeline.from_pretrained(tiny_folder, prepare_in_background=False)
+    assert stream.prepare_in_background is False
