@@ -18,7 +18,10 @@ at load (``basic``: the fused export was optimized at export), and ours with ONN
 (``profile``: each session's load and initialization, its first runs, the first run's slowest nodes and op types
 against the second run's, from the profiles written into ``--out``), and ours with ORT's attention kernels chosen by
 its ``sdpa_kernel`` provider option (``sdpa-N``: ``sdpa-1`` flash attention, ``sdpa-2`` memory-efficient, ``sdpa-8``
-cuDNN's: the first image's cuDNN attention plans against each kernel's steady image).
+cuDNN's: the first image's cuDNN attention plans against each kernel's steady image), ours with every session made and
+first run in the calling thread (``calling-thread``: ``prepare_in_background=False``, no set-up threads), and ours with
+the text encoder alone on other attention kernels (``te-sdpa-N``, N as for ``sdpa-N``). A variant is
+``SEARCH:WARM`` followed by any of these, each once, in any order (``HEURISTIC:cold:calling-thread:timeline``).
 For ours, each component's session creations are listed with their seconds (``session_creation_log``).
 
     python benchmarks/cold_start.py --folder WORK/sd15-fp16-optimized --out OUT/cold-start
@@ -34,6 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 VARIANTS = (
     "numpy",
@@ -241,45 +245,64 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
         pipe = load_numpy_pipeline(folder)
         search = warm = None
     else:
-        search, warm, *level = variant.split(":")
-        if level == ["timeline"]:
-            timeline, level = record_timeline(torch), []
-        if level == ["conv-preloaded"]:
+        search, warm, *level = variant.split(":")  # then any of the levels below, each once, in any order
+
+        def take(name: str) -> bool:
+            if name in level:
+                level.remove(name)
+                return True
+            return False
+
+        def take_prefixed(prefix: str) -> Optional[str]:
+            for given in level:
+                if given.startswith(prefix):
+                    level.remove(given)
+                    return given[len(prefix) :]
+            return None
+
+        if take("timeline"):
+            timeline = record_timeline(torch)
+        if take("conv-preloaded"):
             begin = time.perf_counter()
             conv_session_run(ort, search)
-            preload_s, level = time.perf_counter() - begin, []
-        if level and level[0].startswith("sampled-"):
+            preload_s = time.perf_counter() - begin
+        source = take_prefixed("sampled-")
+        if source is not None:
             # the bench's memory sampler running through the load and the first image, as in a bench
             from optimum_iobinding.bench.probes import PeakMemory
 
-            sampler, level = PeakMemory(torch.device("cuda", 0), source=level[0][len("sampled-") :]), []
+            sampler = PeakMemory(torch.device("cuda", 0), source=source)
             sampler.__enter__()
         options = component_options = prewarm = None
         provider_options = {"cudnn_conv_algo_search": search}
-        if level and level[0].startswith("sdpa-"):
+        kernels = take_prefixed("sdpa-")
+        if kernels is not None:
             # ORT's attention kernels for MultiHeadAttention (its sdpa_kernel bits: 1 flash, 2 memory-efficient, 8
             # cuDNN's flash, 16 unfused), instead of ORT's own choice
-            provider_options["sdpa_kernel"], level = level[0][len("sdpa-") :], []
-        if level == ["prewarm"]:
+            provider_options["sdpa_kernel"] = kernels
+        if take("prewarm"):
             import threading
 
-            prewarm, level = threading.Thread(target=library_session_run, args=(ort,), name="prewarm"), []
-        if level == ["profile"]:
+            prewarm = threading.Thread(target=library_session_run, args=(ort,), name="prewarm")
+        if take("profile"):
             options = ort.SessionOptions()
             options.enable_profiling = True
             options.profile_file_prefix = str(Path(PROFILE_FOLDER) / "ort-profile")
-            profiled, level = True, []
-        elif level == ["basic"]:
-            options = ort.SessionOptions()
+            profiled = True
+        if take("basic"):
+            options = options or ort.SessionOptions()
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-        elif level == ["unet-native"]:
+        if take("unet-native"):
             # the UNet's one session made by ORT from the file, its weights never owned (the default makes the same
             # session, and owns the weights only when a second session or LoRA needs them)
             component_options = {"unet": {"share_weights": False}}
-        elif level == ["unet-owned"]:
+        if take("unet-owned"):
             # the runtime's earlier default: the UNet's weights parsed and uploaded by the project, then handed to ORT
             component_options = {"unet": {"share_weights": True}}
-        elif level:
+        # every session made, and first run, in the calling thread: no set-up threads
+        in_background = not take("calling-thread")
+        text_encoder_kernels = take_prefixed("te-sdpa-")
+        if level:
             raise ValueError(f"variant: unknown {variant!r}")
         start = time.perf_counter()  # what a variant does before (the experiment's preload) is not the load
         if prewarm is not None:
@@ -290,7 +313,23 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
             provider_options=provider_options,
             sess_options=options,
             component_options=component_options,
+            prepare_in_background=in_background,
         )
+        if text_encoder_kernels is not None:
+            # the text encoder alone with other attention kernels: a pipeline on the loaded components with another
+            # text encoder (the loaded one's session, started by the load, is dropped; the comparison is pessimistic)
+            from optimum_iobinding import IOBindingORTModel
+
+            text_encoder = IOBindingORTModel.from_pretrained(
+                Path(folder) / "text_encoder",
+                provider="CUDAExecutionProvider",
+                provider_options={**provider_options, "sdpa_kernel": text_encoder_kernels},
+                sess_options=options,
+            )
+            if in_background:
+                text_encoder.prepare(wait=False)
+            pipe = OnnxStableDiffusionPipeline(**{**pipe.components, "text_encoder": text_encoder})
+            pipe.prepare_in_background = in_background
     pipe.set_progress_bar_config(disable=True)
     load_s = time.perf_counter() - start
     warmup_s = None
