@@ -20,7 +20,9 @@ against the second run's, from the profiles written into ``--out``), and ours wi
 its ``sdpa_kernel`` provider option (``sdpa-N``: ``sdpa-1`` flash attention, ``sdpa-2`` memory-efficient, ``sdpa-8``
 cuDNN's: the first image's cuDNN attention plans against each kernel's steady image), ours with every session made and
 first run in the calling thread (``calling-thread``: ``prepare_in_background=False``, no set-up threads), and ours with
-the text encoder alone on other attention kernels (``te-sdpa-N``, N as for ``sdpa-N``). A variant is
+the text encoder alone on other attention kernels (``te-sdpa-N``, N as for ``sdpa-N``), and ours with a thread started
+with the load that runs torch's own convolution, matrix product and attention (``torch-prewarm``: the CUDA libraries
+ORT shares with torch set up beside the sessions being made, no ORT run beside them). A variant is
 ``SEARCH:WARM`` followed by any of these, each once, in any order (``HEURISTIC:cold:calling-thread:timeline``).
 For ours, each component's session creations are listed with their seconds (``session_creation_log``).
 
@@ -122,6 +124,21 @@ def library_session_run(ort) -> None:
         library_model(), providers=[("CUDAExecutionProvider", {"cudnn_conv_algo_search": "HEURISTIC"})]
     )
     session.run(None, {"x": np.ones((1, 4, 64, 64), np.float16)})
+
+
+def torch_libraries_run(torch) -> None:
+    """An experiment (the variant ``torch-prewarm``): torch's own float16 convolution (cuDNN), matrix product (cuBLAS)
+    and attention run once in a thread beside the load, no ONNX Runtime session involved: the CUDA libraries that ORT's
+    provider shares with torch (the same cuDNN and cuBLAS files) loaded and set up before the first run needs them."""
+    device = torch.device("cuda", 0)
+    x = torch.randn(2, 64, 64, 64, device=device, dtype=torch.float16).to(memory_format=torch.channels_last)
+    w = torch.randn(64, 64, 3, 3, device=device, dtype=torch.float16).to(memory_format=torch.channels_last)
+    torch.nn.functional.conv2d(x, w, padding=1)
+    a = torch.randn(512, 512, device=device, dtype=torch.float16)
+    a @ a
+    q = torch.randn(2, 8, 1024, 64, device=device, dtype=torch.float16)
+    torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    torch.cuda.synchronize(device)
 
 
 def profile_summary(path: str) -> dict:
@@ -284,6 +301,10 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
             import threading
 
             prewarm = threading.Thread(target=library_session_run, args=(ort,), name="prewarm")
+        if take("torch-prewarm"):
+            import threading
+
+            prewarm = threading.Thread(target=torch_libraries_run, args=(torch,), name="torch-prewarm")
         if take("profile"):
             options = ort.SessionOptions()
             options.enable_profiling = True
