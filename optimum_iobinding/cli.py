@@ -28,6 +28,7 @@ from .families import (
     image_route,
     pipeline_class,
     tiny_random_kinds,
+    WAN_TRANSFORMERS,
 )
 
 if TYPE_CHECKING:
@@ -87,8 +88,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
         nargs="?",
-        help="diffusers Stable Diffusion / SDXL / LCM folder or hub id (omit with --tiny-random, or "
-        "with --tiny-vae for a folder of the tiny VAE alone)",
+        help="diffusers pipeline folder or hub id: Stable Diffusion 1.x/2.x, SDXL, LCM, SD3, FLUX.1 or Wan (omit "
+        "with --tiny-random, or with --tiny-vae for a folder of the tiny VAE alone)",
     )
     parser.add_argument("--output", "-o", required=True, help="folder to write the ONNX pipeline to")
     parser.add_argument(
@@ -124,7 +125,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         choices=tiny_random_kinds(),
         help="export a tiny random-weights pipeline built offline: sd (default), xl, lcm, controlnet "
         "(SD with a tiny random ControlNet), xl-controlnet, sd3 (Stable Diffusion 3), flux or flux-dev "
-        "(FLUX.1 schnell's and dev's shapes), flux-kontext, flux-fill, flux-control, flux-controlnet",
+        "(FLUX.1 schnell's and dev's shapes), flux-kontext, flux-fill, flux-control, flux-controlnet, wan and "
+        "wan2.2 (Wan 2.1 and 2.2 text to video), wan-i2v and wan2.2-i2v (image to video)",
     )
     parser.add_argument(
         "--optimize",
@@ -746,13 +748,10 @@ def check_output_fits(record: Family, args: argparse.Namespace) -> None:
 
 
 def check_makes_images(record: Family, option: str) -> None:
-    """A folder whose family makes videos (``record.frames``) is refused by ``option``: ``generate`` and the server
-    write images."""
-    if record.frames:
-        raise UsageError(
-            f"{option}: expected a folder of a family that makes images, got a {record.title} folder, whose calls "
-            f"make videos: {record.use_hint()} from Python"
-        )
+    """A folder whose family makes videos (``record.frames``) is refused by ``option``: the server returns images."""
+    refusal = record.images_only_refusal()
+    if refusal is not None:
+        raise UsageError(f"{option}: {refusal}")
 
 
 def check_cache_fits(record: Family, spec: str) -> None:
@@ -768,6 +767,46 @@ def check_cache_fits(record: Family, spec: str) -> None:
     if kind != form:
         other = next(text for key, (name, text) in CACHE_FORMS.items() if name == kind)
         raise UsageError(f"--cache: expected {words} for {record.class_name}, got {spec!r}, which is {other}")
+
+
+def check_cache_parts(record: Family, folder: Path, spec: str) -> None:
+    """The parts the step cache of ``--cache`` runs are beside the folder's denoiser (or each of Wan 2.2's two),
+    checked before the pipeline loads: a server's replicas would otherwise find them missing after the cluster
+    started. ``spec`` has passed :func:`check_cache_fits`."""
+    from .cache_spec import parse_cache_spec
+    from .layout import (
+        DEEP_CACHE_FULL_PART,
+        DEEP_CACHE_SHALLOW_PART,
+        FIRST_BLOCK_CACHE_PARTS,
+        deep_cache_shallow_branch,
+    )
+
+    kind, values = parse_cache_spec(spec, "cache")
+    again = "export the model again with --step-cache"
+    if kind == "deepcache":
+        unet = folder / record.denoiser
+        branches = sorted(
+            branch
+            for path in (unet.iterdir() if unet.is_dir() else ())
+            if (branch := deep_cache_shallow_branch(path.name)) is not None
+        )
+        if not (unet / DEEP_CACHE_FULL_PART).is_file() or not branches:
+            shallow = DEEP_CACHE_SHALLOW_PART.format(branch="<branch>")
+            raise UsageError(
+                f"--cache: DeepCache runs the UNet's parts {DEEP_CACHE_FULL_PART} and {shallow}, but {unet} lacks "
+                f"them; {again}"
+            )
+        if len(values) > 1 and values[1] not in branches:
+            raise UsageError(f"--cache: expected a branch among this UNet's {branches}, got {spec!r}")
+        return
+    names = [record.denoiser, *(name for name in WAN_TRANSFORMERS[1:] if (folder / name / "model.onnx").is_file())]
+    for name in names:
+        missing = [part for part in FIRST_BLOCK_CACHE_PARTS if not (folder / name / part).is_file()]
+        if missing:
+            raise UsageError(
+                f"--cache: First-Block Cache runs the transformer's parts {list(FIRST_BLOCK_CACHE_PARTS)}, but "
+                f"{folder / name} lacks {missing}; {again}"
+            )
 
 
 def cache_summary(pipe: Any, spec: Optional[str]) -> str:
@@ -809,6 +848,8 @@ def run_generate(args: argparse.Namespace) -> int:
         folder_class = pipeline_class_for(model, text_to_image=False)  # an image family: asked for its images
         record = family_of_class(folder_class.__name__)
         check_generate_fits(record, args)
+        if args.cache is not None:
+            check_cache_parts(record, Path(model), args.cache)
     with options_named({**ROLE_OPTIONS, "strength": "--strength"}):
         roles = {IMAGE_OPTIONS[option][0] for option in args.images}
         sibling, runs = image_route(record, roles, args.strength is not None)
@@ -1399,9 +1440,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
         with options_named(SERVED_MODEL_OPTION):
             served_class = pipeline_class_for(config.model)
-        check_makes_images(family_of_class(served_class.__name__), "--model")
+        check_makes_images(family_of_class(served_class.__name__), "model")
         if args.cache is not None:
             check_cache_fits(family_of_class(served_class.__name__), args.cache)
+            check_cache_parts(family_of_class(served_class.__name__), Path(config.model), args.cache)
     if not os.environ.get("RAY_ADDRESS"):  # a local cluster: its proxy would share a port another server holds
         with options_named({"port": "--port", "host": "--host"}):
             check_port_free(args.host, args.port)
@@ -1463,10 +1505,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--seed", type=int, default=0, help="the seed of the initial noise (numpy's RandomState)")
     generate.add_argument(
-        "--height", type=int, default=None, help="image height in pixels (default 512, or an --image's own)"
+        "--height", type=int, default=None, help="image height in pixels (default 512; Wan's 480; or an --image's own)"
     )
     generate.add_argument(
-        "--width", type=int, default=None, help="image width in pixels (default 512, or an --image's own)"
+        "--width", type=int, default=None, help="image width in pixels (default 512; Wan's 832; or an --image's own)"
     )
     images = generate.add_argument_group("images (each resized to --height and --width where they are given)")
     images.add_argument(

@@ -237,6 +237,16 @@ class Family:
         """``"use OnnxX from Python with …"``: what runs a folder of this family."""
         return self.hint or f"use {self.class_name}"
 
+    def images_only_refusal(self) -> Optional[str]:
+        """What a surface that returns images only (the server) says of a folder of this family, after its argument's
+        name: ``None`` where the family's calls make images."""
+        if not self.frames:
+            return None
+        return (
+            f"expected a folder of a family that makes images, got a {self.title} folder, whose calls make videos: "
+            f"{self.use_hint()} from Python"
+        )
+
 
 _SD_MODULE = "optimum_iobinding.pipelines"
 # a UNet exported for IP-Adapter also takes each cross-attention layer's image-prompt keys and values

@@ -1082,6 +1082,16 @@ def test_help_describes_every_option_and_gives_its_default(command):
             assert "default" in text, f"{command} {action.option_strings[0]}: no default in {text!r}"
 
 
+def test_exports_help_names_every_tiny_random_kind_and_every_family_it_exports():
+    from optimum_iobinding.families import tiny_random_kinds
+
+    parser = cli.build_parser()._defaults["command_parsers"]["export"]
+    helps = {action.dest: action.help for action in parser._actions}
+    named = set(re.findall(r"[a-z0-9.-]+", helps["tiny_random"]))
+    assert [kind for kind in tiny_random_kinds() if kind not in named] == []
+    assert all(name in helps["model"] for name in ("SDXL", "SD3", "FLUX.1", "Wan"))
+
+
 # --------------------------------------------------------------------------------------- what the docs tell
 def python_snippets(text: str) -> list:
     return [block.split("```", 1)[0] for block in text.split("```python\n")[1:]]

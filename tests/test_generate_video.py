@@ -1,6 +1,7 @@
 """``generate`` on a video family's folder (Wan): ``--frames`` and ``--fps``, the video written to ``--out`` (a video
 file through PyAV, or a folder of PNG frames), the frames the Python pipeline makes with the same arguments (CPU
-execution provider); an output or an option of the other kind refused by name before any model loads."""
+execution provider); an output or an option of the other kind refused by name before any model loads; and the server,
+which returns images, refusing the folder by its ``model`` before anything starts or loads."""
 
 from __future__ import annotations
 
@@ -137,3 +138,39 @@ def test_one_side_given_is_that_side_and_the_other_the_pipelines_default(wan_fol
     argv = ["--provider", "CPUExecutionProvider", "--steps", "1", "--height", "16", "--frames", "5"]
     assert main(["generate", PROMPT, *argv, "--model", str(wan_folder), "--out", str(tmp_path / "f")]) == 0
     assert sizes[0]["height"] == 16 and "width" not in sizes[0]
+
+
+def test_serve_refuses_a_video_folder_naming_its_model_argument_before_ray_starts(wan_folder, capsys, monkeypatch):
+    pytest.importorskip("ray.serve")
+    import optimum_iobinding.serve as serve
+    from optimum_iobinding.families import family
+
+    def started(*args, **kwargs):
+        raise AssertionError("serve started Ray before it checked the folder")
+
+    monkeypatch.setattr(serve, "run", started)
+    assert main(["serve", str(wan_folder), "--device", "cpu"]) == 2
+    record = family("wan")
+    assert error_line(capsys) == (
+        f"optimum-iobinding: error: model: expected a folder of a family that makes images, got a {record.title} "
+        f"folder, whose calls make videos: use OnnxWanPipeline from Python"
+    )
+
+
+def test_a_replica_refuses_a_video_folder_by_its_model_before_loading_it(wan_folder, monkeypatch):
+    pytest.importorskip("ray.serve")
+    from dataclasses import asdict
+
+    from optimum_iobinding import OnnxWanPipeline
+    from optimum_iobinding.errors import ArgumentError
+    from optimum_iobinding.serve import ImageGenerator, ServeConfig
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the replica loaded the video pipeline")
+
+    monkeypatch.setattr(OnnxWanPipeline, "from_pretrained", loaded)
+    config = ServeConfig(model=str(wan_folder), device="cpu", warmup_batch_sizes=[])
+    with pytest.raises(ArgumentError) as refused:
+        ImageGenerator(asdict(config))
+    assert refused.value.argument == "model"
+    assert "whose calls make videos: use OnnxWanPipeline from Python" in str(refused.value)

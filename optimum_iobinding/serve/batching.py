@@ -308,7 +308,10 @@ class ImageGenerator:
 
                 self.pipe = load_numpy_pipeline(folder, provider, **self.config.pipeline_options)
             else:
-                pipeline_class = pipeline_class_for(folder, text_to_image=False)  # an image family: its requests'
+                pipeline_class = pipeline_class_for(folder, text_to_image=False)  # an image-to-image family too
+                refusal = family_of_class(pipeline_class.__name__).images_only_refusal()
+                if refusal is not None:  # the replica returns images: a video family is refused before it loads
+                    raise ArgumentError("model", refusal)
                 options = dict(self.config.pipeline_options)
                 if self.config.loras and provider == "CUDAExecutionProvider":  # changed in place by the LoRAs
                     options["component_options"] = pipeline_class.weights_owned_from_load(
