@@ -778,18 +778,15 @@ def check_cache_parts(record: Family, folder: Path, spec: str) -> None:
         DEEP_CACHE_FULL_PART,
         DEEP_CACHE_SHALLOW_PART,
         FIRST_BLOCK_CACHE_PARTS,
-        deep_cache_shallow_branch,
+        deep_cache_shallow_parts,
+        missing_first_block_cache_parts,
     )
 
     kind, values = parse_cache_spec(spec, "cache")
     again = "export the model again with --step-cache"
     if kind == "deepcache":
         unet = folder / record.denoiser
-        branches = sorted(
-            branch
-            for path in (unet.iterdir() if unet.is_dir() else ())
-            if (branch := deep_cache_shallow_branch(path.name)) is not None
-        )
+        branches = sorted(deep_cache_shallow_parts(unet))
         if not (unet / DEEP_CACHE_FULL_PART).is_file() or not branches:
             shallow = DEEP_CACHE_SHALLOW_PART.format(branch="<branch>")
             raise UsageError(
@@ -801,7 +798,7 @@ def check_cache_parts(record: Family, folder: Path, spec: str) -> None:
         return
     names = [record.denoiser, *(name for name in WAN_TRANSFORMERS[1:] if (folder / name / "model.onnx").is_file())]
     for name in names:
-        missing = [part for part in FIRST_BLOCK_CACHE_PARTS if not (folder / name / part).is_file()]
+        missing = missing_first_block_cache_parts(folder / name)
         if missing:
             raise UsageError(
                 f"--cache: First-Block Cache runs the transformer's parts {list(FIRST_BLOCK_CACHE_PARTS)}, but "
@@ -1440,10 +1437,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
         with options_named(SERVED_MODEL_OPTION):
             served_class = pipeline_class_for(config.model)
-        check_makes_images(family_of_class(served_class.__name__), "model")
+        served = family_of_class(served_class.__name__)
+        check_makes_images(served, "model")
         if args.cache is not None:
-            check_cache_fits(family_of_class(served_class.__name__), args.cache)
-            check_cache_parts(family_of_class(served_class.__name__), Path(config.model), args.cache)
+            check_cache_fits(served, args.cache)
+            check_cache_parts(served, Path(config.model), args.cache)
     if not os.environ.get("RAY_ADDRESS"):  # a local cluster: its proxy would share a port another server holds
         with options_named({"port": "--port", "host": "--host"}):
             check_port_free(args.host, args.port)

@@ -68,6 +68,18 @@ def deep_cache_shallow_branch(file_name: str) -> Optional[int]:
     return int(number)
 
 
+def deep_cache_shallow_parts(folder: Path) -> Dict[int, Path]:
+    """The DeepCache shallow parts beside a UNet (in its ``folder``), by branch; none where the folder is not there."""
+    if not folder.is_dir():
+        return {}
+    return {branch: path for path in folder.iterdir() if (branch := deep_cache_shallow_branch(path.name)) is not None}
+
+
+def missing_first_block_cache_parts(folder: Path) -> List[str]:
+    """The First-Block Cache parts (:data:`FIRST_BLOCK_CACHE_PARTS`) not beside a transformer (in its ``folder``)."""
+    return [name for name in FIRST_BLOCK_CACHE_PARTS if not (folder / name).is_file()]
+
+
 def controlnet_component_names(count: int) -> tuple:
     """diffusers' folder names for ``count`` ControlNets: ``controlnet``, ``controlnet_1``, ``controlnet_2`` …"""
     return tuple("controlnet" if k == 0 else f"controlnet_{k}" for k in range(count))

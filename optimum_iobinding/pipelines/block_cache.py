@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
-from ..layout import FIRST_BLOCK_CACHE_PARTS, FIRST_BLOCK_MARKS
+from ..layout import FIRST_BLOCK_CACHE_PARTS, FIRST_BLOCK_MARKS, missing_first_block_cache_parts
 from ..runtime.cuda_policy import DEVICE_SETUP
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_real
@@ -81,7 +81,7 @@ def first_block_cache_for(
     stages = []
     for model in [denoiser.model] if models is None else models:
         folder = Path(model.model_path).parent if getattr(model, "model_path", None) else None
-        missing = [name for name in PART_FILES if folder is None or not (folder / name).is_file()]
+        missing = list(PART_FILES) if folder is None else missing_first_block_cache_parts(folder)
         if missing:
             where = f"{folder}" if folder is not None else "the transformer's session (made outside a folder)"
             raise ArgumentError(

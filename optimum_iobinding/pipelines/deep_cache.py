@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
-from ..layout import DEEP_CACHE_FULL_PART, DEEP_CACHE_SHALLOW_PART, deep_cache_shallow_branch
+from ..layout import DEEP_CACHE_FULL_PART, DEEP_CACHE_SHALLOW_PART, deep_cache_shallow_parts
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_integer
 from .caching import StepCache
@@ -115,11 +115,7 @@ def deep_cache_for(denoiser: Any, config: Any) -> "DeepCache":
         )
     model = denoiser.model
     folder = Path(model.model_path).parent if getattr(model, "model_path", None) else None
-    branches = (
-        {}
-        if folder is None
-        else {branch: path for path in folder.iterdir() if (branch := deep_cache_shallow_branch(path.name)) is not None}
-    )
+    branches = {} if folder is None else deep_cache_shallow_parts(folder)
     if folder is None or not (folder / FULL_PART).is_file() or not branches:
         where = f"{folder}" if folder is not None else "the UNet's session (made outside a folder)"
         raise ArgumentError(
