@@ -196,6 +196,29 @@ def snapshot():
     return _hashes
 
 
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fails the test if a command gets as far as loading a pipeline (Stable Diffusion's, the stream's, FLUX.1's),
+    exporting one, building the tiny model or starting a server: what a refused command must not reach."""
+    import importlib.util
+
+    import optimum_iobinding.export as export
+    import optimum_iobinding.pipelines as pipelines
+    from optimum_iobinding import cli
+
+    def reached(*args, **kwargs):
+        raise AssertionError("the command started working before it checked its arguments")
+
+    for name in ("OnnxStableDiffusionPipeline", "OnnxStreamDiffusionPipeline", "OnnxFluxPipeline"):
+        monkeypatch.setattr(getattr(pipelines, name), "from_pretrained", reached)
+    monkeypatch.setattr(export, "export_pipeline", reached)
+    monkeypatch.setattr(cli, "tiny_model_folder", reached)
+    if importlib.util.find_spec("ray") is not None:
+        import optimum_iobinding.serve as serve
+
+        monkeypatch.setattr(serve, "run", reached)
+
+
 @pytest.fixture(scope="session")
 def shared_export(tmp_path_factory):
     """``shared_export(name, write)``: the folder ``write(folder)`` makes, made once per test run — by the first test

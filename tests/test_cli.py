@@ -17,26 +17,7 @@ import optimum_iobinding
 import optimum_iobinding.pipelines  # noqa: F401 (here, not in a test: its libraries' import notices are no test's)
 from optimum_iobinding import cli
 from optimum_iobinding.cli import main
-
-
-@pytest.fixture
-def no_work(monkeypatch):
-    """Fails the test if the command gets as far as loading a pipeline or exporting one."""
-    import optimum_iobinding.export as export
-    import optimum_iobinding.pipelines as pipelines
-
-    def reached(*args, **kwargs):
-        raise AssertionError("the command started working before it checked its arguments")
-
-    monkeypatch.setattr(pipelines.OnnxStableDiffusionPipeline, "from_pretrained", reached)
-    monkeypatch.setattr(export, "export_pipeline", reached)
-    monkeypatch.setattr(cli, "tiny_model_folder", reached)
-
-
-def error_line(capsys) -> str:
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines  # one line, no traceback
-    return lines[0]
+from tests.commands import error_line
 
 
 @pytest.mark.parametrize(

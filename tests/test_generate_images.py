@@ -20,6 +20,7 @@ from optimum_iobinding import (
     OnnxStableDiffusionPipeline,
 )
 from optimum_iobinding.cli import main
+from tests.commands import error_line
 
 PROMPT = "a red castle in the forest"
 CPU = ["--provider", "CPUExecutionProvider", "--steps", "2", "--seed", "3"]
@@ -59,12 +60,6 @@ def loads(monkeypatch):
     loaded = []
     monkeypatch.setattr(core.OnnxDiffusionPipeline, "from_pretrained", classmethod(lambda *a, **k: loaded.append(a)))
     return loaded
-
-
-def error_line(capsys) -> str:
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines  # one line, no traceback
-    return lines[0]
 
 
 def rgb(path, width=None, height=None):

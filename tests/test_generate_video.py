@@ -12,6 +12,7 @@ import PIL.Image
 import pytest
 
 from optimum_iobinding.cli import main
+from tests.commands import error_line
 
 PROMPT = "a red castle in the forest"
 CALL = ["--provider", "CPUExecutionProvider", "--steps", "2", "--seed", "3", "--height", "16", "--width", "32"]
@@ -25,12 +26,6 @@ def wan_folder(shared_export):
     return shared_export(
         "tiny-random-wan", lambda target: export_pipeline(None, target, tiny_random="wan", progress=False)
     )
-
-
-def error_line(capsys) -> str:
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines  # one line, no traceback
-    return lines[0]
 
 
 def test_a_wan_folder_writes_its_frames_as_the_pipeline_makes_them(wan_folder, tmp_path, capsys):

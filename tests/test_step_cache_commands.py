@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from dataclasses import asdict
 
@@ -13,6 +12,7 @@ from optimum_iobinding.cache_spec import parse_cache_spec
 from optimum_iobinding.cli import main
 from optimum_iobinding.errors import ArgumentError
 from optimum_iobinding.export.tiny import build_tiny_random_flux_pipeline
+from tests.commands import error_line
 
 
 @pytest.fixture(scope="module")
@@ -147,66 +147,49 @@ def test_a_servers_cache_is_off_by_default_and_on_for_every_request_when_set(sch
     assert ServeConfig.from_args({"model": "folder", "cache": "deepcache:3:1"}).cache == "deepcache:3:1"
 
 
-@pytest.fixture
-def no_start(monkeypatch):
-    """Fails the test if the command loads a pipeline or starts a server before it checked its arguments."""
-    import optimum_iobinding.pipelines as pipelines
+@pytest.fixture(scope="module")
+def sd_deep_cache(shared_export):
+    """The tiny random SD pipeline exported with DeepCache's parts (shared with the export's tests)."""
+    from optimum_iobinding.export import export_pipeline
 
-    def reached(*args, **kwargs):
-        raise AssertionError("the command started working before it checked its arguments")
-
-    for name in ("OnnxStableDiffusionPipeline", "OnnxFluxPipeline"):
-        monkeypatch.setattr(getattr(pipelines, name), "from_pretrained", reached)
-    if importlib.util.find_spec("ray") is not None:
-        import optimum_iobinding.serve as serve
-
-        monkeypatch.setattr(serve, "run", reached)
-
-
-def cache_refusal(capsys) -> str:
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines  # one line, no traceback
-    return lines[0]
+    return shared_export(
+        "sd-deep-cache",
+        lambda target: export_pipeline(None, target, tiny_random="sd", step_cache=True, progress=False),
+    )
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
-def test_a_folder_without_deepcaches_parts_is_refused_before_any_work(command, tiny_folder, tmp_path, capsys, no_start):
+def test_a_folder_without_deepcaches_parts_is_refused_before_any_work(command, tiny_folder, tmp_path, capsys, no_work):
     if command == "serve":
         pytest.importorskip("ray.serve")
         argv = ["serve", str(tiny_folder), "--device", "cpu"]
     else:
         argv = ["generate", "a cat", "--model", str(tiny_folder), "--out", str(tmp_path / "image.png")]
     assert main([*argv, "--cache", "deepcache:3"]) == 2
-    assert cache_refusal(capsys) == (
+    assert error_line(capsys) == (
         "optimum-iobinding: error: --cache: DeepCache runs the UNet's parts deep_cache_full.onnx and "
         f"deep_cache_shallow_<branch>.onnx, but {tiny_folder / 'unet'} lacks them; export the model again with "
         "--step-cache"
     )
 
 
-def test_a_deepcache_branch_the_unet_lacks_is_refused_before_any_work(shared_export, tmp_path, capsys, no_start):
-    from optimum_iobinding.export import export_pipeline
-
-    folder = shared_export(
-        "sd-deep-cache",
-        lambda target: export_pipeline(None, target, tiny_random="sd", step_cache=True, progress=False),
-    )
-    argv = ["generate", "a cat", "--model", str(folder), "--out", str(tmp_path / "image.png")]
+def test_a_deepcache_branch_the_unet_lacks_is_refused_before_any_work(sd_deep_cache, tmp_path, capsys, no_work):
+    argv = ["generate", "a cat", "--model", str(sd_deep_cache), "--out", str(tmp_path / "image.png")]
     assert main([*argv, "--cache", "deepcache:3:9"]) == 2
-    assert cache_refusal(capsys) == (
+    assert error_line(capsys) == (
         "optimum-iobinding: error: --cache: expected a branch among this UNet's [0, 1, 2, 3, 4, 5], got 'deepcache:3:9'"
     )
 
 
 def test_a_transformer_lacking_a_first_block_cache_part_is_refused_before_any_work(
-    schnell_parts, tmp_path, capsys, no_start
+    schnell_parts, tmp_path, capsys, no_work
 ):
     folder = tmp_path / "schnell"
     shutil.copytree(schnell_parts, folder)
     (folder / "transformer" / "body.onnx").unlink()
     argv = ["generate", "a cat", "--model", str(folder), "--out", str(tmp_path / "image.png")]
     assert main([*argv, "--cache", "fbc:0.08"]) == 2
-    assert cache_refusal(capsys) == (
+    assert error_line(capsys) == (
         "optimum-iobinding: error: --cache: First-Block Cache runs the transformer's parts ['head.onnx', 'body.onnx', "
         f"'out.onnx'], but {folder / 'transformer'} lacks ['body.onnx']; export the model again with --step-cache"
     )

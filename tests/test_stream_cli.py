@@ -13,9 +13,9 @@ import pytest
 from PIL import Image
 
 from optimum_iobinding import OnnxStreamDiffusionPipeline
-from optimum_iobinding import cli
 from optimum_iobinding.cli import main
 from optimum_iobinding.video import FrameWriter, open_frames
+from tests.commands import error_line
 
 requires_av = pytest.mark.skipif(importlib.util.find_spec("av") is None, reason="needs the video extra (av)")
 
@@ -53,23 +53,6 @@ def tiny_vae(vae_folder):
 @pytest.fixture
 def image_folder(tmp_path):
     return write_frames(tmp_path / "frames")
-
-
-@pytest.fixture
-def no_work(monkeypatch):
-    """Fails the test if the command gets as far as loading a pipeline or building the tiny model."""
-
-    def reached(*args, **kwargs):
-        raise AssertionError("the command started working before it checked its arguments")
-
-    monkeypatch.setattr(OnnxStreamDiffusionPipeline, "from_pretrained", reached)
-    monkeypatch.setattr(cli, "tiny_model_folder", reached)
-
-
-def error_line(capsys) -> str:
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines  # one line, no traceback
-    return lines[0]
 
 
 def stream_directly(folder, frames, tiny_vae=None, steps=2, strength=0.5, stream_batch=True, seed=0, **guidance):

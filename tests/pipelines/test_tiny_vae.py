@@ -17,6 +17,7 @@ from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionImg2ImgPipel
 from optimum_iobinding.cli import main as cli_main
 from optimum_iobinding.export import export_pipeline
 from optimum_iobinding.export.tiny import build_tiny_random_pipeline, build_tiny_random_tiny_vae
+from tests.commands import error_line
 
 PROMPT = "a photo of a cat"
 VAE = ("vae_encoder", "vae_decoder")
@@ -226,12 +227,6 @@ def test_cli_exports_the_tiny_random_tiny_vae_alone_offline(tmp_path, capsys):
     assert cli_main(["export", "--tiny-vae", "--output", str(tmp_path / "taesd")]) == 0
     assert "exported a tiny random tiny VAE" in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "taesd").iterdir()) == sorted(VAE)
-
-
-def error_line(capsys) -> str:
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines  # one line, no traceback
-    return lines[0]
 
 
 @pytest.mark.parametrize(

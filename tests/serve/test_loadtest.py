@@ -17,6 +17,7 @@ import pytest
 from optimum_iobinding.cli import main
 from optimum_iobinding.serve import loadtest
 from optimum_iobinding.serve.loadtest import LevelProgress, run_level, write_results
+from tests.commands import error_line
 
 
 class Service:
@@ -188,12 +189,6 @@ def test_the_report_counts_each_levels_errors_by_kind_and_says_what_they_were(se
 
 
 # --------------------------------------------------------------------------------------------------- the command
-def error_line(capsys) -> str:
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines  # one line, no traceback
-    return lines[0]
-
-
 @pytest.fixture
 def no_server():
     """The URL of a port nothing listens on: bound here (so nothing else takes it) and never listening."""
