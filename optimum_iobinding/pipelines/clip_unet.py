@@ -12,6 +12,7 @@ from .arguments import Embeds, Prompt
 from .components import VAE_COMPONENTS, module, onnx, tokenizer
 from .core import OnnxDiffusionPipeline, Warmup
 from .denoisers import UNetDenoiser
+from .loop import Guidance
 from .ip_adapter import IPAdapterMixin
 from .lora import LoraLoaderMixin
 from .prompts import CLIPPrompt
@@ -48,11 +49,14 @@ class ClipUNetPipeline(IPAdapterMixin, LoraLoaderMixin, Warmup, OnnxDiffusionPip
         negative_prompt_embeds: Embeds,
         num_images_per_prompt: Any,
         guidance_scale: Any,
+        text_to_image: bool = False,
         **call: Any,
     ) -> Tuple[torch.Tensor, int]:
         """A call's first steps: every argument refused before any work (:meth:`check_inputs`; ``call``: the shared
         arguments of :meth:`check_call`), then the text embeddings on the device (``[negative; positive]`` when
-        ``guidance_scale > 1``). Returns them and the number of prompts."""
+        ``guidance_scale > 1``). Returns them and the number of prompts. ``text_to_image``: the call denoises noise of
+        its ``height`` × ``width``, so the UNet's first run can start before the prompt is encoded
+        (:meth:`~.denoisers.UNetDenoiser.prepare_first_step`)."""
         self.check_inputs(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -62,6 +66,14 @@ class ClipUNetPipeline(IPAdapterMixin, LoraLoaderMixin, Warmup, OnnxDiffusionPip
             guidance_scale=guidance_scale,
             **call,
         )
+        if text_to_image and self.prepare_in_background:
+            self.denoiser.prepare_first_step(
+                self.batch_size_of(prompt, prompt_embeds) * num_images_per_prompt,
+                call["height"],
+                call["width"],
+                Guidance.classifier_free(guidance_scale),
+                (self.tokenizer.model_max_length, None) if prompt_embeds is None else tuple(prompt_embeds.shape[1:]),
+            )
         embeddings = self.encode_prompt(
             prompt, num_images_per_prompt, guidance_scale > 1.0, negative_prompt, prompt_embeds, negative_prompt_embeds
         )

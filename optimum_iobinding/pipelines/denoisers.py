@@ -54,19 +54,24 @@ def config_int(model: IOBindingORTModel, key: str, default: int, component: str)
     return int(value)
 
 
+def timestep_shape(model: IOBindingORTModel, rows: int) -> Tuple[int, ...]:
+    """The shape of ``model``'s ``timestep`` input in a step of ``rows`` rows, as the model declares its rank: a
+    scalar, ``[1]`` or ``[rows]``."""
+    timestep_dims = model.input_dims["timestep"] or []
+    if len(timestep_dims) == 0:
+        return ()
+    return (1,) if timestep_dims[0] == 1 else (rows,)
+
+
 def timestep_inputs(model: IOBindingORTModel, timesteps: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
     """``model``'s ``timestep`` input for every step, made once on ``device``: row ``i`` is step ``i``'s, in the dtype
-    and rank the model declares (a scalar, ``[1]`` or ``[rows]``)."""
-    timestep_dims = model.input_dims["timestep"] or []
+    and the shape the model declares (:func:`timestep_shape`)."""
+    shape = timestep_shape(model, rows)
     values = timesteps.to(dtype=model.input_dtypes["timestep"])
     if device.type == "cuda":
         # from pinned memory the upload is asynchronous: a pageable one would make the host wait
         values = upload(values, device)
-    if len(timestep_dims) == 0:
-        return values
-    if timestep_dims[0] == 1:
-        return values[:, None]
-    return values[:, None].expand(-1, rows).contiguous()
+    return values.reshape(-1, *(1 for _ in shape)).expand(-1, *shape).contiguous()
 
 
 class Denoiser(PipelinePart, abc.ABC):
@@ -234,6 +239,45 @@ class UNetDenoiser(Denoiser):
         if hint is None and missing:
             hint = f"{type(self.pipe).__name__} needs a UNet exported with {missing}"
         raise ArgumentError("unet", f"expected inputs {expected}, got {declared}" + (f" ({hint})" if hint else ""))
+
+    def first_step_shapes(
+        self, images: int, height: int, width: int, guidance: Guidance, text_shape: Tuple[int, Optional[int]]
+    ) -> Optional[Dict[str, Tuple[int, ...]]]:
+        """The input shapes of the UNet's first step in a text-to-image call of ``images`` images of ``height`` ×
+        ``width`` under ``guidance``, whose text states are ``text_shape`` (tokens, width; ``None``: the width the UNet
+        declares), known before the prompt is encoded; ``None`` where the UNet takes more than ``sample``, ``timestep``
+        and ``encoder_hidden_states`` or declares no fixed width for its text states."""
+        model = self.model
+        if sorted(model.input_names) != sorted(UNET_INPUTS):
+            return None
+        rows = images * guidance.copies
+        sample_dims = model.input_dims["sample"] or []
+        text_dims = model.input_dims["encoder_hidden_states"] or []
+        tokens, text_width = text_shape
+        if text_width is None:
+            text_width = text_dims[2] if len(text_dims) == 3 and isinstance(text_dims[2], int) else None
+        if len(sample_dims) != 4 or text_width is None:
+            return None
+        _, channels, latent_height, latent_width = self.pipe.latent_shape(images, height, width)
+        if isinstance(sample_dims[1], int):  # an inpainting UNet's mask and masked image channels besides the latents
+            channels = sample_dims[1]
+        return {
+            "sample": (rows, channels, latent_height, latent_width),
+            "timestep": timestep_shape(model, rows),
+            "encoder_hidden_states": (rows, tokens, text_width),
+        }
+
+    def prepare_first_step(
+        self, images: int, height: int, width: int, guidance: Guidance, text_shape: Tuple[int, Optional[int]]
+    ) -> None:
+        """Starts the UNet's first run for :meth:`first_step_shapes` in a background thread, where it captures graphs
+        (:meth:`IOBindingORTModel.prepare_signature`): cuDNN builds the UNet's plans while the text encoder runs, and
+        the loop's first step finds them made. Nothing where the shapes are not known before the prompt is encoded."""
+        if self.cache is not None:  # a step cache runs models of its own
+            return
+        shapes = self.first_step_shapes(images, height, width, guidance, text_shape)
+        if shapes is not None:
+            self.model.prepare_signature(shapes)
 
     def latent_channels(self, vae_decoder: IOBindingORTModel) -> int:
         configured = vae_decoder.config.get("latent_channels")

@@ -51,11 +51,13 @@ class Loading:
                 …) settings of its :class:`IOBindingORTModel` that override the ones above: ``cuda_graph``,
                 ``reuse_outputs``, ``max_output_signatures``, ``max_graph_signatures``, ``share_weights``.
             prepare_in_background: on CUDA, ``True`` (default): the sessions start building in background threads as
-                the components load, and the VAE decoder's first run goes beside the denoising loop (a faster first
-                image); ``False``: each session is made, and first run, in the thread that calls the pipeline, when
-                a call needs it. ONNX Runtime's CUDA provider keeps a context (cuBLAS and cuDNN handles, tens to
-                hundreds of MiB of device memory) for each thread that makes or runs a session: ``False`` holds
-                fewer.
+                the components load, the denoiser's first run goes beside the text encoder's where the family knows
+                its shapes before encoding the prompt, and the VAE decoder's first run beside the denoising loop (a
+                faster first image); ``False``: each session is made, and first run, when a call needs it, one after
+                another. Either way each session is made and run on one thread of its own
+                (:class:`~optimum_iobinding.runtime.session_thread.SessionThread`): ONNX Runtime's CUDA provider keeps
+                a context (cuBLAS and cuDNN handles, tens to hundreds of MiB of device memory) for each thread that
+                makes or runs a session, so one per session.
             **kwargs: components in place of the folder's (``scheduler=``, ``tokenizer=``, ``tokenizer_2=`` …); the
                 family's loading arguments (the stream's ``tiny_vae``); and for ``huggingface_hub.snapshot_download``
                 (revision, token, cache_dir, local_files_only).

@@ -71,6 +71,7 @@ class OnnxStableDiffusionPipeline(ClipUNetPipeline):
             negative_prompt_embeds=negative_prompt_embeds,
             num_images_per_prompt=num_images_per_prompt,
             guidance_scale=guidance_scale,
+            text_to_image=True,
             height=height,
             width=width,
             num_inference_steps=num_inference_steps,

@@ -42,45 +42,52 @@ GRAPH_ID_RUN_OPTION = "gpu_graph_id"
 
 
 class SetupGate:
-    """Any number of device set-ups at a time, or one capture, never both.
+    """Keeps graph captures alone, and sessions being made apart from first runs.
 
     ORT captures a graph in the stream capture mode in which any thread's ``cudaMalloc`` or synchronous copy fails the
     capture ("operation failed due to a previous error during capture", when a session is built in a thread beside a
-    capture). Building a session or uploading owned weights on CUDA is a set-up (pipelines make them in background
-    threads, side by side); the first runs of a graph runner, which may capture, and any run made ahead of a first call
-    (:meth:`~.graph_pool.CudaGraphRunner.warm`) wait until no set-up runs, and set-ups wait for them: with ONNX Runtime
-    1.31's CUDA provider, a session being made crashed (a segmentation fault) while another thread ran a session."""
+    capture). So a capture waits until nothing else below runs, and everything waits for a capture:
+    - a set-up (:meth:`setup`: weights uploaded, buffers allocated, a memory query) goes beside anything but a capture;
+    - a session being made (:meth:`build`; pipelines make them in background threads, side by side) is also never
+      beside a first run: with ONNX Runtime 1.31's CUDA provider, a session being made crashed (a segmentation fault)
+      while another thread ran one;
+    - a first run (:meth:`first_run`: a graph runner's first run in a thread, ORT's regular run before the capture
+      that builds cuDNN's plans and grows the arena, and a run made ahead of a first call,
+      :meth:`~.graph_pool.CudaGraphRunner.warm`) goes beside other first runs (the text encoder's beside the
+      denoiser's) and set-ups, never beside a session being made."""
 
     def __init__(self) -> None:
         self._condition = threading.Condition()
-        self._setups = 0
-        self._capturing = False
+        self._counts = {"setup": 0, "build": 0, "first run": 0, "capture": 0}
 
     @contextlib.contextmanager
-    def setup(self) -> Iterator[None]:
+    def _entered(self, kind: str, excluded: Tuple[str, ...]) -> Iterator[None]:
         with self._condition:
-            while self._capturing:
+            while any(self._counts[other] for other in excluded):
                 self._condition.wait()
-            self._setups += 1
+            self._counts[kind] += 1
         try:
             yield
         finally:
             with self._condition:
-                self._setups -= 1
+                self._counts[kind] -= 1
                 self._condition.notify_all()
 
-    @contextlib.contextmanager
-    def capture(self) -> Iterator[None]:
-        with self._condition:
-            while self._capturing or self._setups:
-                self._condition.wait()
-            self._capturing = True
-        try:
-            yield
-        finally:
-            with self._condition:
-                self._capturing = False
-                self._condition.notify_all()
+    def setup(self) -> contextlib.AbstractContextManager:
+        """Weights uploaded, buffers allocated, a memory query: beside anything but a capture."""
+        return self._entered("setup", ("capture",))
+
+    def build(self) -> contextlib.AbstractContextManager:
+        """A session being made: beside set-ups and other sessions being made."""
+        return self._entered("build", ("capture", "first run"))
+
+    def first_run(self) -> contextlib.AbstractContextManager:
+        """A run without a graph that builds what a capture needs: beside set-ups and other first runs."""
+        return self._entered("first run", ("capture", "build"))
+
+    def capture(self) -> contextlib.AbstractContextManager:
+        """A capture: alone."""
+        return self._entered("capture", ("capture", "setup", "build", "first run"))
 
 
 DEVICE_SETUP = SetupGate()

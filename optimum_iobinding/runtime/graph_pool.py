@@ -8,7 +8,7 @@ import logging
 import threading
 import warnings
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import onnxruntime as ort
 import torch
@@ -32,7 +32,9 @@ logger = logging.getLogger(__name__)
 
 # a runner's first runs in a thread: ORT makes one regular run before it captures (allocations), then captures and
 # replays. ORT's CUDA EP keeps its graphs per thread (its PerThreadContext): a session run from a new thread makes a
-# regular run and captures again there, so every thread's first runs are gated, not only the runner's first.
+# regular run and captures again there, so every thread's first runs are gated, not only the runner's first. (A
+# recipe with a session thread makes all its runs there: a later caller thread's first runs are replays, gated all the
+# same.) The first is a first run (:meth:`SetupGate.first_run`), the next two may capture.
 _CAPTURE_RUNS = 3
 # the run option value that makes ORT's CUDA EP run without capturing or replaying a graph
 _NO_GRAPH_ID = "-1"
@@ -44,13 +46,17 @@ class CudaGraphRunner:
 
     New inputs are copied into ``input_buffers`` (on the caller's stream, so in order with the replay); results
     are left in ``output_buffers`` — the same tensors every call. ORT captures once per thread that runs the
-    session (the same buffers, so the same results): each thread's first runs wait for the device set-ups of other
-    threads, and theirs for them (:data:`~.cuda_policy.DEVICE_SETUP`).
+    session (the same buffers, so the same results; a recipe with a session thread runs every call there, so once):
+    each calling thread's first run waits until no device set-up or capture runs, and its next two until nothing else
+    does (:data:`~.cuda_policy.DEVICE_SETUP`).
 
     With ``warm_options`` (run options that make ORT run without a graph: the CUDA EP), :meth:`warm` makes the first
     run's host work — cuDNN builds a plan for each convolution and attention shape, the arena grows — ahead of the
-    first call, from any thread (a pipeline's VAE decoder during the denoising loop), so that the call's own first runs
-    find it done.
+    first call, from any thread (a pipeline's denoiser while its text encoder runs, its VAE decoder during the denoising
+    loop), so that the call's own first runs find it done.
+
+    ``run_session(session, binding, run_options)`` makes each ORT run (the recipe's :meth:`SessionRecipe.run
+    <optimum_iobinding.runtime.session.SessionRecipe.run>`: on its session thread); ``None``: here.
     """
 
     def __init__(
@@ -61,11 +67,13 @@ class CudaGraphRunner:
         device: torch.device,
         run_options: ort.RunOptions,
         warm_options: Optional[ort.RunOptions] = None,
+        run_session: Optional[Callable[[ort.InferenceSession, Any, Any], None]] = None,
     ):
         self.session = session
         self.device = device
         self.run_options = run_options
         self.warm_options = warm_options
+        self._run_session = run_session or _run_here
         # normal tensors even when the first call runs under torch.inference_mode: inputs are copied into them on
         # every later call, and an inference tensor refuses in-place writes outside inference mode
         with torch.inference_mode(False):
@@ -89,19 +97,30 @@ class CudaGraphRunner:
             if tensor.data_ptr() != buffer.data_ptr():
                 buffer.copy_(tensor, non_blocking=True)
         runs = getattr(self._thread, "runs", 0)
-        with DEVICE_SETUP.capture() if runs < _CAPTURE_RUNS else contextlib.nullcontext():
-            self.session.run_with_iobinding(self.binding, self.run_options)
+        if runs == 0:
+            gate = DEVICE_SETUP.first_run()
+        elif runs < _CAPTURE_RUNS:
+            gate = DEVICE_SETUP.capture()
+        else:
+            gate = contextlib.nullcontext()
+        with gate:
+            self._run_session(self.session, self.binding, self.run_options)
         self._thread.runs = runs + 1
         self.runs += 1
         return self.output_buffers
 
     def warm(self) -> None:
         """Runs the graph's session once from its buffers without capturing (nothing where the runner has no
-        ``warm_options``): what ORT's regular run before a capture builds is then ready for it. The run waits, as a
-        capture does, until no device set-up runs (:data:`~.cuda_policy.DEVICE_SETUP`)."""
+        ``warm_options``): what ORT's regular run before a capture builds is then ready for it. The run is a first run
+        (:meth:`~.cuda_policy.SetupGate.first_run`): beside other first runs, never beside a device set-up or a
+        capture."""
         if self.warm_options is not None:
-            with DEVICE_SETUP.capture():
-                self.session.run_with_iobinding(self.binding, self.warm_options)
+            with DEVICE_SETUP.first_run():
+                self._run_session(self.session, self.binding, self.warm_options)
+
+
+def _run_here(session: ort.InferenceSession, binding: Any, run_options: Any) -> None:
+    session.run_with_iobinding(binding, run_options)
 
 
 Signature = Tuple[Tuple[str, Tuple[int, ...]], ...]
@@ -334,6 +353,7 @@ class GraphPool:
                 self.recipe.device,
                 self._graph_run_options(graph_id),
                 self._warm_options(),
+                self.recipe.run,
             )
         if self.recipe.providers[0] == "TensorrtExecutionProvider":
             updates = dict(
@@ -354,7 +374,13 @@ class GraphPool:
                 self.placement_refused = reason
             raise RuntimeError(reason) from error
         return CudaGraphRunner(
-            session, dict(input_specs), output_specs, self.recipe.device, self.run_options, self._warm_options()
+            session,
+            dict(input_specs),
+            output_specs,
+            self.recipe.device,
+            self.run_options,
+            self._warm_options(),
+            self.recipe.run,
         )
 
     def _fixed_session(self, signature: Signature, overrides: Mapping[str, int]) -> Optional[FixedShapeSession]:

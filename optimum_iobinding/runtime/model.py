@@ -15,7 +15,7 @@ import shutil
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -113,7 +113,11 @@ class IOBindingORTModel:
     Threads: one lock per model serializes binding and running; reused output buffers belong to the thread that
     made them (``threading.local``: they die with it, and a later thread never gets them), so calls from several
     threads never overwrite each other's results. A captured CUDA graph has one set of output buffers, shared by
-    every thread: clone what you keep before another thread calls (pipelines serialize their calls).
+    every thread: clone what you keep before another thread calls (pipelines serialize their calls). On CUDA, ORT
+    makes and runs the model's sessions on one thread of the model's (its recipe's
+    :class:`~optimum_iobinding.runtime.session_thread.SessionThread`; the caller waits for each call's host part):
+    ORT's CUDA provider keeps a context of device memory per thread that touches a session, so one per session,
+    whichever threads call.
 
     CUDA (``io_binding=True``): provider options default to :data:`~optimum_iobinding.runtime.cuda_policy.CUDA_DIFFUSION_DEFAULTS`
     (the user's win); the model runs on one CUDA stream (``stream``, else its own) with
@@ -661,9 +665,8 @@ class IOBindingORTModel:
             return None
         check_input_names(input_shapes, self.input_names)
         specs = {name: (tuple(int(d) for d in shape), self._input_dtypes[name]) for name, shape in input_shapes.items()}
-        with pool.lock:
-            if signature_of(input_shapes) in pool.entries:
-                return None
+        if signature_of(input_shapes) in pool.entries:  # read without the pool's lock, which a build holds
+            return None
 
         def prepare() -> None:
             try:
@@ -723,6 +726,7 @@ class IOBindingORTModel:
                 RunRecord(
                     {name: value.data_ptr() for name, value in inputs.items() if isinstance(value, torch.Tensor)},
                     [tensor.data_ptr() for tensor in results],
+                    {name: tuple(np.shape(value)) for name, value in inputs.items()},
                 )
             )
         return results
@@ -805,7 +809,7 @@ class IOBindingORTModel:
                 if self._device.type == "cuda" and self._stream is None:
                     # ORT runs on a stream of its own: what torch wrote must be complete before it reads.
                     torch.cuda.current_stream(self._device).synchronize()
-                session.run_with_iobinding(binding, self._run_options)
+                self._recipe.run(session, binding, self._run_options)
                 results = []
                 ort_values = None
                 for index, (name, tensor) in enumerate(outputs.items()):
@@ -891,10 +895,11 @@ class IOBindingORTModel:
 @dataclass
 class RunRecord:
     """One call seen by :meth:`IOBindingORTModel.watch_runs`: ``data_ptr()`` of each torch input by name, and of each
-    output in order."""
+    output in order; the shape of each input by name."""
 
     inputs: Dict[str, int]
     outputs: List[int]
+    input_shapes: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
 
 
 class _Recipe:

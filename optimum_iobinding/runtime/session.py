@@ -11,7 +11,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 import onnx
 import onnxruntime as ort
@@ -21,9 +21,12 @@ from .cuda_policy import DEVICE_SETUP
 from .hub import check_model_file, unreadable_reason
 from .options import ModelOptions
 from .session_options import copy_session_options
+from .session_thread import SessionThread
 from .shapes import session_source
 from . import timeline
 from .weights import OwnedWeights, source_name
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +136,11 @@ class SessionRecipe:
         self.stream = options.stream
         self.weights = OwnedWeights(source, self.device, options.share_weights)
         self._lock = threading.Lock()
+        # CUDA with IO binding: every session of the recipe made and run on one thread (one ORT thread context per
+        # session); a session given from outside was made in its caller's thread and keeps running there, and the
+        # numpy baseline (io_binding=False) runs as diffusers' pipeline does, in the caller's
+        bound = self.device.type == "cuda" and options.io_binding and source is not None
+        self.thread: Optional[SessionThread] = SessionThread(source_name(source)) if bound else None
         self.sessions_created = 0
         # (what, seconds) per attempt: "session" for a session made, "refused" for one ORT refused
         self.creation_log: List[Tuple[str, float]] = []
@@ -141,6 +149,7 @@ class SessionRecipe:
     def for_session(cls, session: ort.InferenceSession, options: ModelOptions) -> "SessionRecipe":
         """The recipe a given session was made with (as far as ORT tells it), to create more like it."""
         recipe = cls(session_source(session), options)
+        recipe.thread = None
         recipe.sessions_created = 1
         return recipe
 
@@ -191,8 +200,8 @@ class SessionRecipe:
                 f"session {source_name(self.source)}{' graph' if (provider_updates or {}).get('enable_cuda_graph') else ''}"
                 f"{' fixed dims' if free_dims else ''}"
             )
-            with DEVICE_SETUP.setup() if self.device.type == "cuda" else contextlib.nullcontext(), timeline.step(what):
-                session = create_session(self.source, self.providers, options, sess_options)
+            with DEVICE_SETUP.build() if self.device.type == "cuda" else contextlib.nullcontext(), timeline.step(what):
+                session = self.on_thread(create_session, self.source, self.providers, options, sess_options)
         except Exception:
             with self._lock:
                 self.creation_log.append(("refused", time.perf_counter() - start))
@@ -201,3 +210,13 @@ class SessionRecipe:
             self.sessions_created += 1
             self.creation_log.append(("session", time.perf_counter() - start))
         return session
+
+    def on_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` (an ORT call: making or running one of the recipe's sessions) on the recipe's
+        :class:`~.session_thread.SessionThread`, where it has one; here otherwise."""
+        thread = self.thread
+        return fn(*args) if thread is None else thread.call(fn, *args)
+
+    def run(self, session: ort.InferenceSession, binding: Any, run_options: Any) -> None:
+        """``session.run_with_iobinding(binding, run_options)`` on the recipe's thread (:meth:`on_thread`)."""
+        self.on_thread(session.run_with_iobinding, binding, run_options)

@@ -833,7 +833,9 @@ def test_the_load_builds_the_shape_free_sessions_in_the_background(fused_tiny_fo
     assert np.abs(images - numpy_loop).max() <= 1e-3
 
 
-def test_without_background_preparation_every_session_and_first_run_is_made_in_the_calling_thread(fused_tiny_folder):
+def test_without_background_preparation_every_session_and_first_run_is_made_when_the_calling_thread_needs_it(
+    fused_tiny_folder,
+):
     from optimum_iobinding.runtime import timeline
 
     with timeline.recording() as record:
@@ -844,6 +846,42 @@ def test_without_background_preparation_every_session_and_first_run_is_made_in_t
     assert any(step.what.startswith("session") for step in record.steps)
     assert pipe.sessions_created == 3 and pipe.vae_encoder.sessions_created == 0
     assert np.abs(images - generate(pipeline(fused_tiny_folder))).max() <= 1e-5
+
+
+def test_every_session_is_made_and_run_on_one_thread_whichever_threads_prepare_and_call(fused_tiny_folder, monkeypatch):
+    # ORT's CUDA provider keeps a context (cuBLAS/cuDNN handles and their device memory) per thread that makes or runs
+    # a session: sessions built in set-up threads, first-run beside the loop and called from the caller's thread (and
+    # a server's) held one per thread; a session thread keeps it at one per session
+    import onnxruntime as ort
+
+    from optimum_iobinding.runtime import session as session_module
+
+    threads = {}  # id(session) -> threads that made or ran it
+    made = session_module.create_session
+
+    def create(*args, **kwargs):
+        created = made(*args, **kwargs)
+        threads.setdefault(id(created), set()).add(threading.get_ident())
+        return created
+
+    run = ort.InferenceSession.run_with_iobinding
+
+    def run_recorded(self, *args, **kwargs):
+        threads.setdefault(id(self), set()).add(threading.get_ident())
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(session_module, "create_session", create)
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", run_recorded)
+    pipe = pipeline(fused_tiny_folder)
+    first = generate(pipe)
+    result = {}
+    other = threading.Thread(target=lambda: result.setdefault("images", generate(pipe)))
+    other.start()
+    other.join(600)
+    assert len(threads) == pipe.sessions_created == 3
+    assert all(len(seen) == 1 for seen in threads.values()), threads
+    assert threading.get_ident() not in set().union(*threads.values())
+    assert np.abs(result["images"] - first).max() <= 1e-5
 
 
 def test_a_signature_prepared_in_the_background_is_captured_by_its_first_call(tiny_folder):

@@ -224,6 +224,52 @@ def test_a_capture_never_overlaps_a_device_setup():
     assert log == ["setup", "second setup", "setup done", "capture", "capture done", "late setup"]
 
 
+def test_first_runs_go_side_by_side_and_beside_setups_but_never_beside_a_build_or_a_capture():
+    # a graph's first run (ORT's regular run before its capture) and a run ahead of a first call build cuDNN's plans,
+    # a second of host work for a UNet: two models' go together (the UNet's beside the text encoder's), and a memory
+    # query or a buffer allocated goes beside them; a session being made crashed beside a run, a capture must be alone
+    from optimum_iobinding.runtime.cuda_policy import SetupGate
+
+    gate, log = SetupGate(), []
+    events = {name: (threading.Event(), threading.Event()) for name in ("first", "second", "build", "capture")}
+
+    def hold(name, enter):
+        entered, released = events[name]
+
+        def target():
+            with enter():
+                log.append(name)
+                entered.set()
+                assert released.wait(60)
+                log.append(f"{name} done")
+
+        thread = threading.Thread(target=target)
+        thread.start()
+        return thread
+
+    first = hold("first", gate.first_run)
+    assert events["first"][0].wait(60)
+    second = hold("second", gate.first_run)  # enters beside the first
+    assert events["second"][0].wait(60)
+    with gate.setup():  # and a set-up beside both
+        log.append("setup")
+    build = hold("build", gate.build)
+    capture = hold("capture", gate.capture)
+    events["first"][1].set()
+    first.join(60)
+    events["second"][1].set()
+    second.join(60)
+    for name in ("build", "capture"):
+        events[name][1].set()
+    build.join(60)
+    capture.join(60)
+    assert log[:5] == ["first", "second", "setup", "first done", "second done"]
+    assert log[5:] in (
+        ["build", "build done", "capture", "capture done"],
+        ["capture", "capture done", "build", "build done"],
+    )
+
+
 def test_a_graphs_first_runs_and_a_run_ahead_wait_for_the_device_setups(monkeypatch):
     # every run that may capture (a thread's first runs: ORT keeps its graphs per thread) and a run ahead of the first
     # call (warm: ORT's run without a graph) take the gate that waits until no session is being made; a replay takes
@@ -245,6 +291,11 @@ def test_a_graphs_first_runs_and_a_run_ahead_wait_for_the_device_setups(monkeypa
             log.append("capture")
             yield
 
+        @contextlib.contextmanager
+        def first_run(self):
+            log.append("first run")
+            yield
+
     class Session:  # what the runner asks of ONNX Runtime's session, recording each run's options
         def io_binding(self):
             return type("Binding", (), {"bind_input": lambda *a: None, "bind_output": lambda *a: None})()
@@ -257,19 +308,19 @@ def test_a_graphs_first_runs_and_a_run_ahead_wait_for_the_device_setups(monkeypa
     graph, warm = ort.RunOptions(), ort.RunOptions()
     runner = CudaGraphRunner(Session(), *specs, torch.device("cpu"), graph, warm)
     runner.warm()  # ahead of a first call, from any thread
-    assert log == ["capture", "warm"]
+    assert log == ["first run", "warm"]
     for _ in range(4):
         runner.run({"x": torch.ones(2, 3)})
-    assert log[2:] == ["capture", "graph"] * 3 + ["graph"] and runner.runs == 4
+    assert log[2:] == ["first run", "graph"] + ["capture", "graph"] * 2 + ["graph"] and runner.runs == 4
     other = threading.Thread(target=lambda: runner.run({"x": torch.ones(2, 3)}))
     other.start()
     other.join(60)
-    assert log[-2:] == ["capture", "graph"] and runner.runs == 5
+    assert log[-2:] == ["first run", "graph"] and runner.runs == 5
     log.clear()
     plain = CudaGraphRunner(Session(), *specs, torch.device("cpu"), graph)
     plain.warm()
     plain.run({"x": torch.ones(2, 3)})
-    assert log == ["capture", "graph"]
+    assert log == ["first run", "graph"]
 
 
 def test_a_sibling_shares_the_owned_weights(matmul_path):
@@ -396,11 +447,56 @@ def test_the_loop_starts_the_vae_decoders_first_run_for_one_image_when_the_call_
     pipe(["a cat", "a dog"], height=64, width=32, num_inference_steps=2, output_type=output_type)
     channels = pipe.unet.input_dims["sample"][1]
     expected = [(pipe.vae_decoder, {"latent_sample": (1, channels, 8, 4)})] if output_type == "np" else []
-    assert asked == expected
+    assert [(model, shapes) for model, shapes in asked if model is pipe.vae_decoder] == expected
     asked.clear()
     pipe.enable_vae_tiling(tile_sample_size=16)  # decoded tile by tile: the whole image's run is never made
     pipe("a cat", height=64, width=64, num_inference_steps=2, output_type="np")
-    assert asked == []
+    assert [model for model, _ in asked if model is pipe.vae_decoder] == []
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        dict(prompt=["a cat", "a dog"], height=64, width=32),
+        dict(prompt="a cat", height=32, width=64, guidance_scale=1.0, num_images_per_prompt=3),
+        dict(prompt="a cat", negative_prompt="blurry", height=64, width=64, num_images_per_prompt=2),
+        dict(prompt_embeds="given", height=32, width=32),
+    ],
+    ids=["two-prompts", "unguided-three-images", "negative-two-images", "prompt-embeds"],
+)
+def test_the_unets_first_run_starts_before_the_prompt_is_encoded_with_the_first_steps_shapes(
+    tiny_folder, monkeypatch, call
+):
+    # the UNet's first run (cuDNN's plans: a second of host work at 512²) goes beside the text encoder's, so the
+    # shapes it is started with must be the ones the loop's first step runs, known before any text is encoded
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
+    pipe.set_progress_bar_config(disable=True)
+    if call.get("prompt_embeds") == "given":
+        call = {**call, "prompt_embeds": pipe.encode_prompt("a cat", 1, False).cpu().numpy()}
+    asked = []
+    monkeypatch.setattr(
+        IOBindingORTModel,
+        "prepare_signature",
+        lambda model, shapes: asked.append((model, dict(shapes), len(text_runs))),
+    )
+    with pipe.text_encoder.watch_runs() as text_runs, pipe.unet.watch_runs() as unet_runs:
+        pipe(num_inference_steps=2, output_type="latent", **call)
+    started = [(shapes, encoded) for model, shapes, encoded in asked if model is pipe.unet]
+    assert started == [(unet_runs[0].input_shapes, 0)]  # before the text encoder's first run
+    assert all(run.input_shapes == unet_runs[0].input_shapes for run in unet_runs)
+
+
+def test_the_unets_first_run_is_not_started_ahead_without_background_preparation(tiny_folder, monkeypatch):
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder, prepare_in_background=False)
+    pipe.set_progress_bar_config(disable=True)
+    asked = []
+    monkeypatch.setattr(IOBindingORTModel, "prepare_signature", lambda model, shapes: asked.append(model))
+    pipe("a cat", height=32, width=32, num_inference_steps=2, output_type="latent")
+    assert pipe.unet not in asked
 
 
 def test_pipeline_warmup_makes_every_later_call_of_those_sizes_create_no_session(tiny_folder):

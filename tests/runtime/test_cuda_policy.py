@@ -79,7 +79,8 @@ def test_a_stream_with_a_ready_made_session_is_refused(make_model, make_session,
 
 def test_the_first_graph_runs_in_every_thread_wait_for_the_device_set_ups_of_other_threads(monkeypatch):
     # ORT's CUDA EP keeps its graphs per thread: a session run from another thread makes a regular run and captures
-    # again there, so that thread's first runs are gated as the runner's very first were
+    # again there, so that thread's first runs are gated as the runner's very first were: its first run as a first run
+    # (beside other first runs), its next two as captures (alone)
     import contextlib
     import threading
 
@@ -89,16 +90,25 @@ def test_the_first_graph_runs_in_every_thread_wait_for_the_device_set_ups_of_oth
     from optimum_iobinding.runtime.cuda_policy import SetupGate
 
     class RecordingGate(SetupGate):
-        inside = False
+        inside = None
 
-        @contextlib.contextmanager
+        def recording(self, kind, entered):
+            @contextlib.contextmanager
+            def gate():
+                with entered():
+                    self.inside = kind
+                    try:
+                        yield
+                    finally:
+                        self.inside = None
+
+            return gate()
+
         def capture(self):
-            with super().capture():
-                self.inside = True
-                try:
-                    yield
-                finally:
-                    self.inside = False
+            return self.recording("capture", super().capture)
+
+        def first_run(self):
+            return self.recording("first run", super().first_run)
 
     gate = RecordingGate()
     monkeypatch.setattr(graph_pool, "DEVICE_SETUP", gate)
@@ -128,5 +138,6 @@ def test_the_first_graph_runs_in_every_thread_wait_for_the_device_set_ups_of_oth
     other.join(60)
     runner.run({"x": x})
     main = threading.current_thread().name
-    assert seen == [(main, True)] * 3 + [(main, False)] + [("other", True)] * 3 + [("other", False), (main, False)]
+    first = [("first run",), ("capture",), ("capture",), (None,)]
+    assert seen == [(main, *k) for k in first] + [("other", *k) for k in first] + [(main, None)]
     assert runner.runs == 9
