@@ -13,8 +13,9 @@ encoder's sessions load its weights from the file themselves instead of reading 
 ONNX Runtime keeps a copy of owned weights beside them), ``weights-apart`` and ``power-of-two-weights-apart`` (ORT's
 ``session.use_device_allocator_for_initializers``: each weight allocated by itself, outside the arena, which then
 holds the activations alone; with our arena growth, and with ORT's default one), ``calling-thread``
-(``prepare_in_background=False``: the sessions made and first run in the calling thread, no set-up thread holding a
-CUDA provider context of its own: ``benchmarks/thread_contexts.py``).
+(``prepare_in_background=False``: the sessions made and first run when the call needs them), ``one-arena`` and
+``one-arena-power-of-two`` (one arena for every session of the pipeline: an allocator registered in ORT's environment
+and ``session.use_env_allocators``, growing by what is asked or by powers of two).
 
 With ``--arena-log`` each variant runs with ONNX Runtime's INFO log, kept in ``OUT/arena-VARIANT.log``; its row sums
 per step (load, each batch) what the arenas reserved (the weights) and grew by: where a variant's memory goes.
@@ -48,7 +49,12 @@ VARIANTS = {
     "weights-apart": {"session_config": {"session.use_device_allocator_for_initializers": "1"}},
     # every session made and first run in the calling thread: no CUDA provider context held by a set-up thread
     "calling-thread": {"prepare_in_background": False},
+    # one arena for every session of the pipeline (ORT's shared environment allocator), growing by what is asked or
+    # by powers of two: the text encoder's, the UNet's and the VAE decoder's activations in the same memory
+    "one-arena": {"session_config": {"session.use_env_allocators": "1"}, "env_arena": "kSameAsRequested"},
+    "one-arena-power-of-two": {"session_config": {"session.use_env_allocators": "1"}, "env_arena": "kNextPowerOfTwo"},
 }
+ARENA_STRATEGIES = {"kNextPowerOfTwo": 0, "kSameAsRequested": 1}  # OrtArenaCfg's arena_extend_strategy
 
 
 def measure(folder: str, variant: str, batches) -> dict:
@@ -93,6 +99,16 @@ def run(folder: str, variant: str, batches, used, idle: int, mib) -> list:
         from optimum_iobinding import OnnxStableDiffusionPipeline
 
         options = dict(options)
+        arena = options.pop("env_arena", None)
+        if arena is not None:
+            import onnxruntime as ort
+
+            ort.create_and_register_allocator_v2(
+                "CUDAExecutionProvider",
+                ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT),
+                {"device_id": "0"},
+                ort.OrtArenaCfg({"arena_extend_strategy": ARENA_STRATEGIES[arena]}),
+            )
         config = options.pop("session_config", None)
         if config:
             import onnxruntime as ort
