@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 # replays. ORT's CUDA EP keeps its graphs per thread (its PerThreadContext): a session run from a new thread makes a
 # regular run and captures again there, so every thread's first runs are gated, not only the runner's first. (A
 # recipe with a session thread makes all its runs there: a later caller thread's first runs are replays, gated all the
-# same.) The first is a first run (:meth:`SetupGate.first_run`), the next two may capture.
+# same.) The first runs without a graph where it can (a first run, :meth:`SetupGate.first_run`); the next two may
+# capture, alone.
 _CAPTURE_RUNS = 3
 # the run option value that makes ORT's CUDA EP run without capturing or replaying a graph
 _NO_GRAPH_ID = "-1"
@@ -46,9 +47,11 @@ class CudaGraphRunner:
 
     New inputs are copied into ``input_buffers`` (on the caller's stream, so in order with the replay); results
     are left in ``output_buffers`` — the same tensors every call. ORT captures once per thread that runs the
-    session (the same buffers, so the same results; a recipe with a session thread runs every call there, so once):
-    each calling thread's first run waits until no device set-up or capture runs, and its next two until nothing else
-    does (:data:`~.cuda_policy.DEVICE_SETUP`).
+    session (the same buffers, so the same results; a recipe with a session thread runs every call there, so once).
+    Each calling thread's first run is made without a graph where the runner has ``warm_options`` (ORT counts regular
+    runs per thread, not per graph: a later signature's first run under its graph's id captures at once): a first run,
+    beside set-ups and other first runs; its next two runs may capture, and wait until nothing else runs
+    (:data:`~.cuda_policy.DEVICE_SETUP`).
 
     With ``warm_options`` (run options that make ORT run without a graph: the CUDA EP), :meth:`warm` makes the first
     run's host work — cuDNN builds a plan for each convolution and attention shape, the arena grows — ahead of the
@@ -97,14 +100,14 @@ class CudaGraphRunner:
             if tensor.data_ptr() != buffer.data_ptr():
                 buffer.copy_(tensor, non_blocking=True)
         runs = getattr(self._thread, "runs", 0)
-        if runs == 0:
-            gate = DEVICE_SETUP.first_run()
-        elif runs < _CAPTURE_RUNS:
-            gate = DEVICE_SETUP.capture()
+        if runs == 0 and self.warm_options is not None:
+            # a thread's first run without a graph: ORT counts regular runs per thread, not per graph, so a run under
+            # the graph's id may capture at once (a later signature's first); one that captures must be alone
+            with DEVICE_SETUP.first_run():
+                self._run_session(self.session, self.binding, self.warm_options)
         else:
-            gate = contextlib.nullcontext()
-        with gate:
-            self._run_session(self.session, self.binding, self.run_options)
+            with DEVICE_SETUP.capture() if runs < _CAPTURE_RUNS else contextlib.nullcontext():
+                self._run_session(self.session, self.binding, self.run_options)
         self._thread.runs = runs + 1
         self.runs += 1
         return self.output_buffers

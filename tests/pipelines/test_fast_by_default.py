@@ -311,16 +311,18 @@ def test_a_graphs_first_runs_and_a_run_ahead_wait_for_the_device_setups(monkeypa
     assert log == ["first run", "warm"]
     for _ in range(4):
         runner.run({"x": torch.ones(2, 3)})
-    assert log[2:] == ["first run", "graph"] + ["capture", "graph"] * 2 + ["graph"] and runner.runs == 4
+    # a thread's first run is made without a graph (under the graph's id it may capture: ORT counts regular runs per
+    # thread), the next two may capture
+    assert log[2:] == ["first run", "warm"] + ["capture", "graph"] * 2 + ["graph"] and runner.runs == 4
     other = threading.Thread(target=lambda: runner.run({"x": torch.ones(2, 3)}))
     other.start()
     other.join(60)
-    assert log[-2:] == ["first run", "graph"] and runner.runs == 5
+    assert log[-2:] == ["first run", "warm"] and runner.runs == 5
     log.clear()
     plain = CudaGraphRunner(Session(), *specs, torch.device("cpu"), graph)
-    plain.warm()
+    plain.warm()  # nothing without a run that makes no graph (TensorRT's engines): every first run may capture
     plain.run({"x": torch.ones(2, 3)})
-    assert log == ["first run", "graph"]
+    assert log == ["capture", "graph"]
 
 
 def test_a_sibling_shares_the_owned_weights(matmul_path):
