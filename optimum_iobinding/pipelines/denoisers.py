@@ -270,9 +270,10 @@ class UNetDenoiser(Denoiser):
     def prepare_first_step(
         self, images: int, height: int, width: int, guidance: Guidance, text_shape: Tuple[int, Optional[int]]
     ) -> None:
-        """Starts the UNet's first run for :meth:`first_step_shapes` in a background thread, where it captures graphs
-        (:meth:`IOBindingORTModel.prepare_signature`): cuDNN builds the UNet's plans while the text encoder runs, and
-        the loop's first step finds them made. Nothing where the shapes are not known before the prompt is encoded."""
+        """Starts the UNet's first run without a graph for :meth:`first_step_shapes` in a background thread, where the
+        UNet captures graphs (:meth:`IOBindingORTModel.prepare_signature`): cuDNN builds the UNet's plans while the
+        text encoder runs, and the loop's first step finds them made. Nothing where the shapes are not known before
+        the prompt is encoded."""
         if self.cache is not None:  # a step cache runs models of its own
             return
         shapes = self.first_step_shapes(images, height, width, guidance, text_shape)

@@ -32,10 +32,9 @@ logger = logging.getLogger(__name__)
 
 # a runner's first runs in a thread: ORT makes one regular run before it captures (allocations), then captures and
 # replays. ORT's CUDA EP keeps its graphs per thread (its PerThreadContext): a session run from a new thread makes a
-# regular run and captures again there, so every thread's first runs are gated, not only the runner's first. (A
-# recipe with a session thread makes all its runs there: a later caller thread's first runs are replays, gated all the
-# same.) The first runs without a graph where it can (a first run, :meth:`SetupGate.first_run`); the next two may
-# capture, alone.
+# regular run and captures again there, so every thread's first runs are gated, not only the runner's first. A recipe
+# with a session thread makes all its runs there, so its runners count their runs, not each caller thread's. The first
+# runs without a graph where it can (a first run, :meth:`SetupGate.first_run`); the next two may capture, alone.
 _CAPTURE_RUNS = 3
 # the run option value that makes ORT's CUDA EP run without capturing or replaying a graph
 _NO_GRAPH_ID = "-1"
@@ -48,10 +47,10 @@ class CudaGraphRunner:
     New inputs are copied into ``input_buffers`` (on the caller's stream, so in order with the replay); results
     are left in ``output_buffers`` — the same tensors every call. ORT captures once per thread that runs the
     session (the same buffers, so the same results; a recipe with a session thread runs every call there, so once).
-    Each calling thread's first run is made without a graph where the runner has ``warm_options`` (ORT counts regular
-    runs per thread, not per graph: a later signature's first run under its graph's id captures at once): a first run,
-    beside set-ups and other first runs; its next two runs may capture, and wait until nothing else runs
-    (:data:`~.cuda_policy.DEVICE_SETUP`).
+    The first run in ORT's thread (each calling thread's, or with ``one_thread`` the runner's) is made without a graph
+    where the runner has ``warm_options`` (ORT counts regular runs per thread, not per graph: a later signature's
+    first run under its graph's id captures at once): a first run, beside set-ups and other first runs; the next two
+    runs may capture, and wait until nothing else runs (:data:`~.cuda_policy.DEVICE_SETUP`).
 
     With ``warm_options`` (run options that make ORT run without a graph: the CUDA EP), :meth:`warm` makes the first
     run's host work — cuDNN builds a plan for each convolution and attention shape, the arena grows — ahead of the
@@ -59,7 +58,9 @@ class CudaGraphRunner:
     loop), so that the call's own first runs find it done.
 
     ``run_session(session, binding, run_options)`` makes each ORT run (the recipe's :meth:`SessionRecipe.run
-    <optimum_iobinding.runtime.session.SessionRecipe.run>`: on its session thread); ``None``: here.
+    <optimum_iobinding.runtime.session.SessionRecipe.run>`: on its session thread); ``None``: here. ``one_thread``:
+    every ORT run of the session is made on one thread (a session thread), so a new caller thread's runs replay the
+    graph captured already, and a :meth:`warm` run is the first call's first run.
     """
 
     def __init__(
@@ -71,8 +72,10 @@ class CudaGraphRunner:
         run_options: ort.RunOptions,
         warm_options: Optional[ort.RunOptions] = None,
         run_session: Optional[Callable[[ort.InferenceSession, Any, Any], None]] = None,
+        one_thread: bool = False,
     ):
         self.session = session
+        self.one_thread = one_thread
         self.device = device
         self.run_options = run_options
         self.warm_options = warm_options
@@ -91,15 +94,17 @@ class CudaGraphRunner:
                 bind(
                     name, "cuda", device.index or 0, TORCH_TO_ONNX[tensor.dtype], list(tensor.shape), tensor.data_ptr()
                 )
-        self.runs = 0  # in every thread
+        self.runs = 0  # calls, in every thread
         self._thread = threading.local()  # .runs: this thread's
+        self._ort_runs = 0  # ORT's runs of the graph's session, a warm one included (one_thread: all on one thread)
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         for name, tensor in inputs.items():
             buffer = self.input_buffers[name]
             if tensor.data_ptr() != buffer.data_ptr():
                 buffer.copy_(tensor, non_blocking=True)
-        runs = getattr(self._thread, "runs", 0)
+        # ORT counts its runs per thread: with every run on one session thread the runner's count is ORT's
+        runs = self._ort_runs if self.one_thread else getattr(self._thread, "runs", 0)
         if runs == 0 and self.warm_options is not None:
             # a thread's first run without a graph: ORT counts regular runs per thread, not per graph, so a run under
             # the graph's id may capture at once (a later signature's first); one that captures must be alone
@@ -108,18 +113,21 @@ class CudaGraphRunner:
         else:
             with DEVICE_SETUP.capture() if runs < _CAPTURE_RUNS else contextlib.nullcontext():
                 self._run_session(self.session, self.binding, self.run_options)
-        self._thread.runs = runs + 1
+        self._thread.runs = getattr(self._thread, "runs", 0) + 1
+        self._ort_runs += 1
         self.runs += 1
         return self.output_buffers
 
     def warm(self) -> None:
         """Runs the graph's session once from its buffers without capturing (nothing where the runner has no
-        ``warm_options``): what ORT's regular run before a capture builds is then ready for it. The run is a first run
-        (:meth:`~.cuda_policy.SetupGate.first_run`): beside other first runs, never beside a device set-up or a
-        capture."""
+        ``warm_options``): what ORT's regular run before a capture builds is then ready for it, and with
+        ``one_thread`` it is the first run of the runner's first call. The run is a first run
+        (:meth:`~.cuda_policy.SetupGate.first_run`): beside set-ups and other first runs, never beside a session being
+        made or a capture."""
         if self.warm_options is not None:
             with DEVICE_SETUP.first_run():
                 self._run_session(self.session, self.binding, self.warm_options)
+            self._ort_runs += 1
 
 
 def _run_here(session: ort.InferenceSession, binding: Any, run_options: Any) -> None:
@@ -357,6 +365,7 @@ class GraphPool:
                 self._graph_run_options(graph_id),
                 self._warm_options(),
                 self.recipe.run,
+                self.recipe.thread is not None,
             )
         if self.recipe.providers[0] == "TensorrtExecutionProvider":
             updates = dict(
@@ -384,6 +393,7 @@ class GraphPool:
             self.run_options,
             self._warm_options(),
             self.recipe.run,
+            self.recipe.thread is not None,
         )
 
     def _fixed_session(self, signature: Signature, overrides: Mapping[str, int]) -> Optional[FixedShapeSession]:

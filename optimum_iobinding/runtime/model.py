@@ -113,11 +113,11 @@ class IOBindingORTModel:
     Threads: one lock per model serializes binding and running; reused output buffers belong to the thread that
     made them (``threading.local``: they die with it, and a later thread never gets them), so calls from several
     threads never overwrite each other's results. A captured CUDA graph has one set of output buffers, shared by
-    every thread: clone what you keep before another thread calls (pipelines serialize their calls). On CUDA, ORT
-    makes and runs the model's sessions on one thread of the model's (its recipe's
+    every thread: clone what you keep before another thread calls (pipelines serialize their calls). On CUDA with
+    ``io_binding=True``, a model made from a file makes and runs its sessions on one thread of its own (its recipe's
     :class:`~optimum_iobinding.runtime.session_thread.SessionThread`; the caller waits for each call's host part):
     ORT's CUDA provider keeps a context of device memory per thread that touches a session, so one per session,
-    whichever threads call.
+    whichever threads call. A model made from a given session runs it in the calling thread.
 
     CUDA (``io_binding=True``): provider options default to :data:`~optimum_iobinding.runtime.cuda_policy.CUDA_DIFFUSION_DEFAULTS`
     (the user's win); the model runs on one CUDA stream (``stream``, else its own) with

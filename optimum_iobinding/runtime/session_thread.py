@@ -43,7 +43,12 @@ class SessionThread:
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the thread; the caller waits for it and gets its result or its exception. Called on the
-        thread itself, it runs at once."""
+        thread itself, it runs at once; once the interpreter is shutting down (the main thread has ended, and the
+        thread no longer takes calls), in the caller's thread.
+
+        An interrupt (Ctrl-C) while the call runs reaches the caller once the call has ended, as it would in ORT's own
+        call: the caller's clean-up (freeing the tensors a run reads and writes, ending a device gate) never runs
+        beside it."""
         if threading.get_ident() == self._ident[0]:
             return fn(*args)
         with self._lock:
@@ -53,7 +58,19 @@ class SessionThread:
                     max_workers=1, thread_name_prefix=self.name, initializer=_record_ident, initargs=(self._ident,)
                 )
             executor = self._executor
-        return executor.submit(fn, *args).result()
+        try:
+            future = executor.submit(fn, *args)
+        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+            return fn(*args)
+        try:
+            return future.result()
+        except BaseException:
+            while not future.done():  # interrupted while ORT works: wait for it, however often interrupted again
+                try:
+                    concurrent.futures.wait([future])
+                except BaseException:
+                    pass
+            raise
 
 
 def _record_ident(box: List[Optional[int]]) -> None:

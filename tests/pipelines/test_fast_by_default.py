@@ -183,7 +183,7 @@ def test_weights_owned_on_need_never_load_while_one_session_serves(matmul_path):
 
 
 def test_a_capture_never_overlaps_a_device_setup():
-    # set-ups (sessions built, weights uploaded) run side by side; a capture waits until none runs, and a set-up
+    # set-ups (weights uploaded, buffers allocated) run side by side; a capture waits until none runs, and a set-up
     # that comes during a capture waits for it: another thread's cudaMalloc would fail the capture
     from optimum_iobinding.runtime.cuda_policy import SetupGate
 
@@ -270,10 +270,10 @@ def test_first_runs_go_side_by_side_and_beside_setups_but_never_beside_a_build_o
     )
 
 
-def test_a_graphs_first_runs_and_a_run_ahead_wait_for_the_device_setups(monkeypatch):
-    # every run that may capture (a thread's first runs: ORT keeps its graphs per thread) and a run ahead of the first
-    # call (warm: ORT's run without a graph) take the gate that waits until no session is being made; a replay takes
-    # no gate; a runner without such options (TensorRT's engines) runs nothing ahead, and its first runs take the gate
+def test_a_graphs_first_runs_and_a_run_ahead_take_the_device_gates(monkeypatch):
+    # a thread's first run (ORT keeps its graphs per thread) and a run ahead of the first call (warm) are runs without
+    # a graph, which wait until no session is being made; the next two runs may capture, alone; a replay takes no gate;
+    # a runner without such options (TensorRT's engines) runs nothing ahead, and its first runs may all capture
     import contextlib
 
     from optimum_iobinding.runtime import graph_pool
@@ -323,6 +323,49 @@ def test_a_graphs_first_runs_and_a_run_ahead_wait_for_the_device_setups(monkeypa
     plain.warm()  # nothing without a run that makes no graph (TensorRT's engines): every first run may capture
     plain.run({"x": torch.ones(2, 3)})
     assert log == ["capture", "graph"]
+
+
+def test_a_runner_on_a_session_thread_counts_its_own_runs_and_a_warm_one_is_its_first(monkeypatch):
+    # every ORT run of a session on one session thread: ORT has one graph per signature whichever thread calls, so a
+    # new caller thread replays it (no run without a graph, no gate), and a run made ahead of the first call is that
+    # call's run without a graph
+    import contextlib
+
+    from optimum_iobinding.runtime import graph_pool
+
+    log = []
+
+    class Gate:
+        def recording(kind):
+            @contextlib.contextmanager
+            def gate(self):
+                log.append(kind)
+                yield
+
+            return gate
+
+        setup, capture, first_run = recording("setup"), recording("capture"), recording("first run")
+
+    class Session:
+        def io_binding(self):
+            return type("Binding", (), {"bind_input": lambda *a: None, "bind_output": lambda *a: None})()
+
+        def run_with_iobinding(self, binding, options):
+            log.append("warm" if options is warm else "graph")
+
+    monkeypatch.setattr(graph_pool, "DEVICE_SETUP", Gate())
+    specs = ({"x": ((2, 3), torch.float32)}, {"y": ((2, 3), torch.float32)})
+    graph, warm = ort.RunOptions(), ort.RunOptions()
+    runner = CudaGraphRunner(Session(), *specs, torch.device("cpu"), graph, warm, one_thread=True)
+    runner.warm()
+    for _ in range(3):
+        runner.run({"x": torch.ones(2, 3)})
+    assert log == ["first run", "warm"] + ["capture", "graph"] * 2 + ["graph"] and runner.runs == 3
+    log.clear()
+    other = threading.Thread(target=lambda: runner.run({"x": torch.ones(2, 3)}))
+    other.start()
+    other.join(60)
+    assert log == ["graph"] and runner.runs == 4
 
 
 def test_a_sibling_shares_the_owned_weights(matmul_path):
@@ -699,3 +742,23 @@ def test_staged_uploads_keep_every_weight_whatever_the_buffer_size(staging_bytes
     assert torch.equal(tensors[-1], bfloat)
     # each tensor owns its memory: the staging buffers are reused, the weights are not overwritten
     assert len({t.data_ptr() for t in tensors}) == len(tensors)
+
+
+@pytest.mark.parametrize(
+    "declared, expected_row",
+    [([], ()), ([1], (1,)), (["batch"], (3,)), ([3], (3,))],
+    ids=["scalar", "one", "rows", "fixed-rows"],
+)
+def test_the_timestep_input_of_each_step_has_the_shape_the_model_declares(declared, expected_row):
+    # made once for every step (row i is step i's), in the shape the UNet's first step is predicted with
+    from types import SimpleNamespace
+
+    from optimum_iobinding.pipelines.denoisers import timestep_inputs, timestep_shape
+
+    model = SimpleNamespace(input_dims={"timestep": declared}, input_dtypes={"timestep": torch.float16})
+    timesteps = torch.tensor([999.0, 500.0, 1.0])
+    rows = timestep_inputs(model, timesteps, 3, torch.device("cpu"))
+    assert timestep_shape(model, 3) == expected_row
+    assert rows.shape == (3, *expected_row) and rows.dtype == torch.float16 and rows.is_contiguous()
+    for step, value in enumerate(timesteps.tolist()):
+        assert torch.equal(rows[step], torch.full(expected_row, value, dtype=torch.float16))
