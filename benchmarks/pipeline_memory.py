@@ -17,6 +17,10 @@ holds the activations alone; with our arena growth, and with ORT's default one),
 ``one-arena-power-of-two`` (one arena for every session of the pipeline: an allocator registered in ORT's environment
 and ``session.use_env_allocators``, growing by what is asked or by powers of two).
 
+Each variant's images (8-bit pixels) are compared with the ``defaults`` variant's, where both ran: the same sessions
+and seeds, so a variant that only moves memory gives the same images (``max_pixel_difference_from_defaults`` per
+batch).
+
 With ``--arena-log`` each variant runs with ONNX Runtime's INFO log, kept in ``OUT/arena-VARIANT.log``; its row sums
 per step (load, each batch) what the arenas reserved (the weights) and grew by: where a variant's memory goes.
 
@@ -77,6 +81,7 @@ def measure(folder: str, variant: str, batches) -> dict:
 
 
 ARENA_LOG = False  # --arena-log: ONNX Runtime's INFO lines in this process's stderr, a marker before each step
+IMAGES = None  # --images FILE (the parent's): each batch's images, as 8-bit pixels, saved there (.npz)
 
 
 def run(folder: str, variant: str, batches, used, idle: int, mib) -> list:
@@ -125,11 +130,12 @@ def run(folder: str, variant: str, batches, used, idle: int, mib) -> list:
     snapshots = [
         {"after": "load", "used_mib": mib(used() - idle), "torch_reserved_mib": mib(torch.cuda.memory_reserved())}
     ]
+    kept = {}
     for batch in batches:
         if ARENA_LOG:
             print(f"== batch {batch}", file=sys.stderr, flush=True)
         generator = np.random.RandomState(0) if options is None else torch.Generator("cuda").manual_seed(0)
-        pipe(
+        images = pipe(
             "a photo of an astronaut riding a horse",
             num_images_per_prompt=batch,
             num_inference_steps=10,
@@ -138,7 +144,9 @@ def run(folder: str, variant: str, batches, used, idle: int, mib) -> list:
             width=512,
             generator=generator,
             output_type="np",
-        )
+        ).images
+        if IMAGES is not None:  # the images as 8-bit pixels, compared with another variant's by the parent process
+            kept[f"batch {batch}"] = np.round(np.clip(images, 0, 1) * 255).astype(np.uint8)
         snapshot = {
             "after": f"batch {batch}",
             "used_mib": mib(used() - idle),
@@ -147,6 +155,8 @@ def run(folder: str, variant: str, batches, used, idle: int, mib) -> list:
         for name, model in components.items():
             snapshot[name] = {"sessions": model.sessions_created, "graphs": len(model.graph_signatures)}
         snapshots.append(snapshot)
+    if IMAGES is not None:
+        np.savez(IMAGES, **kept)
     return snapshots
 
 
@@ -185,23 +195,29 @@ def main() -> int:
         "and reservations per step (load, each batch) into the row",
     )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a variant, measured in this process
+    parser.add_argument("--images", help=argparse.SUPPRESS)  # where the variant's process saves its images
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    global ARENA_LOG
+    global ARENA_LOG, IMAGES
     ARENA_LOG = args.arena_log
+    IMAGES = args.images
     if args.one:
         print(json.dumps(measure(args.folder, args.one, batches)))
         return 0
     from optimum_iobinding.bench.probes import environment
 
+    import numpy as np
+
     result = {"environment": environment(), "rows": []}
+    pictures = tempfile.TemporaryDirectory()  # each variant's images, compared with the defaults' below
     for variant in args.variants.split(","):
         if variant not in VARIANTS:
             parser.error(f"--variants: expected names among {', '.join(VARIANTS)}, got {variant!r}")
+        images = Path(pictures.name) / f"{variant}.npz"
         with tempfile.TemporaryDirectory() as cache:  # each variant a first load: nothing remembered before it
             done = subprocess.run(
                 [sys.executable, __file__, "--folder", args.folder, "--out", str(args.out), "--batches", args.batches,
-                 "--one", variant, *(["--arena-log"] if args.arena_log else [])],
+                 "--one", variant, "--images", str(images), *(["--arena-log"] if args.arena_log else [])],
                 capture_output=True, text=True, env={**os.environ, "XDG_CACHE_HOME": cache},
             )  # fmt: skip
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -214,8 +230,19 @@ def main() -> int:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / f"arena-{variant}.log").write_text(done.stderr)
             row["arena_mib"] = arena_growth(done.stderr)
+        reference = Path(pictures.name) / "defaults.npz"
+        if variant not in ("numpy", "defaults") and images.is_file() and reference.is_file():
+            # the largest pixel difference (0–255) from the defaults' images, batch by batch: the same sessions and
+            # seeds, so a variant that only moves memory gives the same images
+            with np.load(images) as mine, np.load(reference) as theirs:
+                row["max_pixel_difference_from_defaults"] = {
+                    name: int(np.abs(mine[name].astype(int) - theirs[name].astype(int)).max())
+                    for name in mine.files
+                    if name in theirs.files
+                }
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
+    pictures.cleanup()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pipeline-memory.json").write_text(json.dumps(result, indent=2))
     return 0
