@@ -6,9 +6,11 @@ provider with their CUDA graphs. Each case in a process of its own: seconds (med
 the device's peak memory above the process's idle (sampled by the bench's sampler process, ORT's arenas included) and
 torch's ``max_memory_allocated``, and the largest difference of its frames from diffusers' float32 frames.
 
-    python benchmarks/wan_vae_decode.py --work /tmp/wan-vae --out OUT
+    python benchmarks/wan_vae_decode.py --work /tmp/wan-vae --out OUT [--kernels]
 
-Writes OUT/wan-vae-decode.json (every case, the command, the versions) and OUT/wan-vae-decode.md.
+Writes OUT/wan-vae-decode.json (every case, the command, the versions) and OUT/wan-vae-decode.md; with ``--kernels``
+each case also profiles one more decode after its timed runs, and the report gives its GPU kernels by time (where a
+decode's time goes, ours beside diffusers').
 """
 
 from __future__ import annotations
@@ -61,7 +63,27 @@ def latents(size: str = "480x832"):
     return torch.randn((*LATENT_SHAPE[:3], *SIZES[size]), generator=torch.Generator().manual_seed(1))
 
 
-def run_case(case: str, work: Path, runs: int, frames_out: Path, size: str = "480x832") -> dict:
+def kernel_table(decode, top: int = 30) -> dict:
+    """The GPU kernels of one ``decode()`` (torch's profiler sees ORT's kernels too, through CUPTI): the GPU time in
+    all, and the ``top`` kernels by time, each with its milliseconds and its launches."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as profiled:
+        decode()
+        torch.cuda.synchronize()
+    rows = sorted(
+        ((event.key, event.device_time_total / 1000, event.count) for event in profiled.key_averages()),
+        key=lambda row: -row[1],
+    )
+    return {
+        "gpu_ms": round(sum(ms for _, ms, _ in rows), 2),
+        "top": [[name[:120], round(ms, 3), count] for name, ms, count in rows[:top]],
+    }
+
+
+def run_case(case: str, work: Path, runs: int, frames_out: Path, size: str = "480x832", kernels: bool = False) -> dict:
     import numpy as np
     import torch
 
@@ -113,9 +135,11 @@ def run_case(case: str, work: Path, runs: int, frames_out: Path, size: str = "48
             video = decode()
             torch.cuda.synchronize()
             seconds.append(time.perf_counter() - start)
+    table = kernel_table(decode) if kernels else None
     frames = video.float().clamp(-1, 1).cpu().numpy()
     np.save(frames_out, frames)
     return {
+        **({"kernels": table} if table is not None else {}),
         "case": case,
         "seconds": statistics.median(seconds),
         "all_seconds": seconds,
@@ -134,12 +158,18 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--size", default="480x832", choices=tuple(SIZES), help="the video's height x width")
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="after the timed runs, profile one more decode of each case: its GPU kernels by time (OUT/…md, .json)",
+    )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
-        result = run_case(args.one, args.work, args.runs, args.work / f"frames-{args.size}-{args.one}.npy", args.size)
+        frames = args.work / f"frames-{args.size}-{args.one}.npy"
+        result = run_case(args.one, args.work, args.runs, frames, args.size, args.kernels)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     import numpy as np
@@ -158,7 +188,8 @@ def main() -> int:
     for case in cases:
         done = subprocess.run(
             [sys.executable, __file__, "--work", str(args.work), "--out", str(args.out), "--runs", str(args.runs)]
-            + ["--size", args.size, "--one", case],
+            + ["--size", args.size, "--one", case]
+            + (["--kernels"] if args.kernels else []),
             capture_output=True,
             text=True,
         )
@@ -187,6 +218,11 @@ def main() -> int:
             f"| {r['case']} | {r['seconds']:.3f} | {ratio} | {r['first_seconds']:.2f} | {r['peak_mib']:.0f} | "
             f"{r['torch_max_allocated_mib']:.0f} | {r.get('max_diff_vs_torch_fp32', float('nan')):.4f} |"
         )
+    for r in results:
+        if "kernels" in r:
+            lines += ["", f"{r['case']}: {r['kernels']['gpu_ms']} ms of GPU kernels in one decode", ""]
+            lines += ["| kernel | ms | launches |", "|---|---|---|"]
+            lines += [f"| `{name}` | {ms} | {count} |" for name, ms, count in r["kernels"]["top"][:15]]
     (args.out / "wan-vae-decode.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
