@@ -270,31 +270,30 @@ def test_first_runs_go_side_by_side_and_beside_setups_but_never_beside_a_build_o
     )
 
 
-def test_a_graphs_first_runs_and_a_run_ahead_take_the_device_gates(monkeypatch):
-    # a thread's first run (ORT keeps its graphs per thread) and a run ahead of the first call (warm) are runs without
-    # a graph, which wait until no session is being made; the next two runs may capture, alone; a replay takes no gate;
-    # a runner without such options (TensorRT's engines) runs nothing ahead, and its first runs may all capture
+@pytest.fixture
+def recorded_runners(monkeypatch):
+    """Graph runners on a fake ORT session: ``log`` records the device gate each run takes and the options it ran
+    with ("warm": ORT's run without a graph; "graph": the graph's id); ``make(ahead=True, **kwargs)`` a runner, with a
+    run it can make ahead of its first call (the CUDA EP's) or without one (TensorRT's engines)."""
     import contextlib
+    from types import SimpleNamespace
 
     from optimum_iobinding.runtime import graph_pool
 
     log = []
 
+    def recording(kind):
+        @contextlib.contextmanager
+        def gate(self):
+            log.append(kind)
+            yield
+
+        return gate
+
     class Gate:  # records which gate each run asks for
-        @contextlib.contextmanager
-        def setup(self):
-            log.append("setup")
-            yield
+        setup, capture, first_run = recording("setup"), recording("capture"), recording("first run")
 
-        @contextlib.contextmanager
-        def capture(self):
-            log.append("capture")
-            yield
-
-        @contextlib.contextmanager
-        def first_run(self):
-            log.append("first run")
-            yield
+    graph, warm = ort.RunOptions(), ort.RunOptions()
 
     class Session:  # what the runner asks of ONNX Runtime's session, recording each run's options
         def io_binding(self):
@@ -305,8 +304,19 @@ def test_a_graphs_first_runs_and_a_run_ahead_take_the_device_gates(monkeypatch):
 
     monkeypatch.setattr(graph_pool, "DEVICE_SETUP", Gate())
     specs = ({"x": ((2, 3), torch.float32)}, {"y": ((2, 3), torch.float32)})
-    graph, warm = ort.RunOptions(), ort.RunOptions()
-    runner = CudaGraphRunner(Session(), *specs, torch.device("cpu"), graph, warm)
+
+    def make(ahead=True, **kwargs):
+        return CudaGraphRunner(Session(), *specs, torch.device("cpu"), graph, warm if ahead else None, **kwargs)
+
+    return SimpleNamespace(log=log, make=make)
+
+
+def test_a_graphs_first_runs_and_a_run_ahead_take_the_device_gates(recorded_runners):
+    # a thread's first run (ORT keeps its graphs per thread) and a run ahead of the first call (warm) are runs without
+    # a graph, which wait until no session is being made; the next two runs may capture, alone; a replay takes no gate;
+    # a runner without such options (TensorRT's engines) runs nothing ahead, and its first runs may all capture
+    log = recorded_runners.log
+    runner = recorded_runners.make()
     runner.warm()  # ahead of a first call, from any thread
     assert log == ["first run", "warm"]
     for _ in range(4):
@@ -319,44 +329,18 @@ def test_a_graphs_first_runs_and_a_run_ahead_take_the_device_gates(monkeypatch):
     other.join(60)
     assert log[-2:] == ["first run", "warm"] and runner.runs == 5
     log.clear()
-    plain = CudaGraphRunner(Session(), *specs, torch.device("cpu"), graph)
+    plain = recorded_runners.make(ahead=False)
     plain.warm()  # nothing without a run that makes no graph (TensorRT's engines): every first run may capture
     plain.run({"x": torch.ones(2, 3)})
     assert log == ["capture", "graph"]
 
 
-def test_a_runner_on_a_session_thread_counts_its_own_runs_and_a_warm_one_is_its_first(monkeypatch):
+def test_a_runner_on_a_session_thread_counts_its_own_runs_and_a_warm_one_is_its_first(recorded_runners):
     # every ORT run of a session on one session thread: ORT has one graph per signature whichever thread calls, so a
     # new caller thread replays it (no run without a graph, no gate), and a run made ahead of the first call is that
     # call's run without a graph
-    import contextlib
-
-    from optimum_iobinding.runtime import graph_pool
-
-    log = []
-
-    class Gate:
-        def recording(kind):
-            @contextlib.contextmanager
-            def gate(self):
-                log.append(kind)
-                yield
-
-            return gate
-
-        setup, capture, first_run = recording("setup"), recording("capture"), recording("first run")
-
-    class Session:
-        def io_binding(self):
-            return type("Binding", (), {"bind_input": lambda *a: None, "bind_output": lambda *a: None})()
-
-        def run_with_iobinding(self, binding, options):
-            log.append("warm" if options is warm else "graph")
-
-    monkeypatch.setattr(graph_pool, "DEVICE_SETUP", Gate())
-    specs = ({"x": ((2, 3), torch.float32)}, {"y": ((2, 3), torch.float32)})
-    graph, warm = ort.RunOptions(), ort.RunOptions()
-    runner = CudaGraphRunner(Session(), *specs, torch.device("cpu"), graph, warm, one_thread=True)
+    log = recorded_runners.log
+    runner = recorded_runners.make(one_thread=True)
     runner.warm()
     for _ in range(3):
         runner.run({"x": torch.ones(2, 3)})
