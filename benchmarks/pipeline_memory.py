@@ -13,9 +13,11 @@ encoder's sessions load its weights from the file themselves instead of reading 
 ONNX Runtime keeps a copy of owned weights beside them), ``weights-apart`` and ``power-of-two-weights-apart`` (ORT's
 ``session.use_device_allocator_for_initializers``: each weight allocated by itself, outside the arena, which then
 holds the activations alone; with our arena growth, and with ORT's default one), ``calling-thread``
-(``prepare_in_background=False``: the sessions made and first run when the call needs them), ``one-arena`` and
-``one-arena-power-of-two`` (one arena for every session of the pipeline: an allocator registered in ORT's environment
-and ``session.use_env_allocators``, growing by what is asked or by powers of two).
+(``prepare_in_background=False``: the sessions made and first run when the call needs them), ``own-arenas`` (each
+session an arena of its own: session options of the user's keep the defaults out of the shared arena), ``one-arena``
+and ``one-arena-power-of-two`` (one arena for every session of the pipeline, the VAE encoder's made after the captures
+included, which the defaults keep out: an allocator registered in ORT's environment and ``session.use_env_allocators``,
+growing by what is asked or by powers of two).
 
 Each variant's images (8-bit pixels) are compared with the ``defaults`` variant's, where both ran: the same sessions
 and seeds, so a variant that only moves memory gives the same images (``max_pixel_difference_from_defaults`` per
@@ -53,6 +55,8 @@ VARIANTS = {
     "weights-apart": {"session_config": {"session.use_device_allocator_for_initializers": "1"}},
     # every session made and first run in the calling thread: no CUDA provider context held by a set-up thread
     "calling-thread": {"prepare_in_background": False},
+    # each session an arena of its own: the user's session options keep sessions out of the shared one
+    "own-arenas": {"session_config": {"session.use_env_allocators": "0"}},
     # one arena for every session of the pipeline (ORT's shared environment allocator), growing by what is asked or
     # by powers of two: the text encoder's, the UNet's and the VAE decoder's activations in the same memory
     "one-arena": {"session_config": {"session.use_env_allocators": "1"}, "env_arena": "kSameAsRequested"},

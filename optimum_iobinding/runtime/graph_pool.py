@@ -3,7 +3,6 @@ one), all in sessions of one recipe, so that a signature never costs another cop
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import warnings
@@ -24,6 +23,7 @@ from .cuda_policy import (
 from .dtypes import TORCH_TO_ONNX
 from .graph_refusals import refusals_path, remember_refusal, remembered_refusal
 from .options import CudaGraphSetting
+from .shared_arena import SHARED_ARENAS
 
 if TYPE_CHECKING:  # pragma: no cover
     from .session import SessionRecipe
@@ -111,7 +111,11 @@ class CudaGraphRunner:
             with DEVICE_SETUP.first_run():
                 self._run_session(self.session, self.binding, self.warm_options)
         else:
-            with DEVICE_SETUP.capture() if runs < _CAPTURE_RUNS else contextlib.nullcontext():
+            if runs < _CAPTURE_RUNS:  # may capture: alone, and no session joins the shared arena after it
+                with DEVICE_SETUP.capture():
+                    SHARED_ARENAS.close(self.device.index or 0)
+                    self._run_session(self.session, self.binding, self.run_options)
+            else:
                 self._run_session(self.session, self.binding, self.run_options)
         self._thread.runs = getattr(self._thread, "runs", 0) + 1
         self._ort_runs += 1

@@ -22,6 +22,7 @@ from .hub import check_model_file, unreadable_reason
 from .options import ModelOptions
 from .session_options import copy_session_options
 from .session_thread import SessionThread
+from .shared_arena import SHARED_ARENAS, USE_ENV_ALLOCATORS
 from .shapes import session_source
 from . import timeline
 from .weights import OwnedWeights, source_name
@@ -201,7 +202,21 @@ class SessionRecipe:
                 f"{' fixed dims' if free_dims else ''}"
             )
             with DEVICE_SETUP.build() if self.device.type == "cuda" else contextlib.nullcontext(), timeline.step(what):
-                session = self.on_thread(create_session, self.source, self.providers, options, sess_options)
+                # decided inside the build gate, where no capture can start (see shared_arena)
+                device_index = self.device.index or 0
+                shared = self.device.type == "cuda" and SHARED_ARENAS.may_join(
+                    device_index, self.providers[0], options[0], user_sess_options=self.sess_options is not None
+                )
+                if shared:
+                    sess_options.add_session_config_entry(USE_ENV_ALLOCATORS, "1")
+                try:
+                    session = self.on_thread(create_session, self.source, self.providers, options, sess_options)
+                except Exception:
+                    if shared:
+                        SHARED_ARENAS.not_made(device_index)
+                    raise
+                if shared:
+                    SHARED_ARENAS.joined(device_index, session)
         except Exception:
             with self._lock:
                 self.creation_log.append(("refused", time.perf_counter() - start))
