@@ -302,12 +302,16 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
         """On the first call, each component's shape-free session starts building in a background thread
         (:meth:`IOBindingORTModel.prepare`), where the load has not started it (a pipeline made from components): the
         denoiser's and the VAE's are made while the text encoder's is made and run, instead of one after another.
-        The VAE encoder only where the family encodes images; nothing with ``prepare_in_background=False``."""
+        The VAE encoder only where the family encodes images; nothing with ``prepare_in_background=False``. A codec
+        with models beside the components (Wan's chunk graphs: ``session_parts``) has theirs started too."""
         if not self._sessions_started and self.prepare_in_background:
             self._sessions_started = True
+            parts = getattr(self.codec, "session_parts", None)
             for name, model in self.onnx_models.items():
                 if name != "vae_encoder" or self.encodes_images:
                     model.prepare(wait=False)
+            for model in parts(self.encodes_images) if parts is not None else ():
+                model.prepare(wait=False)
 
     # ------------------------------------------------------------------------------------------------ step caching
     def enable_cache(self, config: Any) -> None:

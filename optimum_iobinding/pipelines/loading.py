@@ -107,6 +107,7 @@ class Loading:
             components.clear()  # release sessions now, not when the traceback goes
             raise
         pipe.prepare_in_background = prepare_in_background
+        pipe.prepare_sessions()  # what the load did not start (a codec's own models), started now too
         return pipe
 
     @classmethod

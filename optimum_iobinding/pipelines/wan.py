@@ -32,6 +32,7 @@ from .core import OnnxDiffusionPipeline, Warmup, on_device_stream
 from .denoisers import WanDenoiser
 from .loop import Guidance, Stage, denoise
 from .prompts import WanPrompt
+from ..runtime.model import IOBindingORTModel
 from .transfer import upload
 from .wan_codec import WanVideoCodec
 
@@ -105,6 +106,15 @@ class WanCodec:
         mean = upload(self.latents_mean.view(shape), latents.device).to(latents.dtype)
         inverse_std = 1.0 / upload(self.latents_std.view(shape), latents.device).to(latents.dtype)
         return latents / inverse_std + mean
+
+    def session_parts(self, encodes: bool) -> List[IOBindingORTModel]:
+        """The chunk graphs' models (the decoder's, and the encoder's where ``encodes``): models beside the
+        pipeline's components whose sessions the pipeline starts building with theirs."""
+        video = self.video
+        if video is None:
+            return []
+        runners = [video.decoder, *([video.encoder] if encodes and video.encoder is not None else [])]
+        return [runner.chunk for runner in runners]
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Videos ``(batch, 3, frames, height, width)`` in [-1, 1] on the device, of the denoiser's latents."""

@@ -103,6 +103,14 @@ class WanCausalRunner:
     def device(self) -> torch.device:
         return self.first.device
 
+    def prepare(self) -> None:
+        """Makes both graphs' shape-free sessions now, side by side, where they are not made yet (nothing off CUDA):
+        before the first chunk's graph is captured, so that on CUDA both can share the stream's arena with the
+        pipeline's other graph sessions (:mod:`~optimum_iobinding.runtime.shared_arena`)."""
+        threads = [thread for thread in (self.first.prepare(wait=False), self.chunk.prepare(wait=False)) if thread]
+        for thread in threads:
+            thread.join()
+
     @property
     def dtype(self) -> torch.dtype:
         """The dtype the graphs take their input in (``torch.float32``, or ``torch.float16`` for a float16 export)."""
@@ -120,6 +128,8 @@ class WanCausalRunner:
         Returns:
             The chunks' outputs, one after another along dim 2.
         """
+        if len(chunks) > 1:
+            self.prepare()  # both sessions before the first capture
         results = self.first(**{self.input_name: chunks[0]})
         head, cache = results[0], tuple(results[1:])
         step = 0
