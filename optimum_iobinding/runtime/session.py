@@ -22,7 +22,7 @@ from .hub import check_model_file, unreadable_reason
 from .options import ModelOptions
 from .session_options import copy_session_options
 from .session_thread import SessionThread
-from .shared_arena import SHARED_ARENAS, USE_ENV_ALLOCATORS
+from .shared_arena import SHARED_ARENAS, USE_ENV_ALLOCATORS, WEIGHTS_APART
 from .shapes import session_source
 from . import timeline
 from .weights import OwnedWeights, source_name
@@ -205,18 +205,25 @@ class SessionRecipe:
                 # decided inside the build gate, where no capture can start (see shared_arena)
                 device_index = self.device.index or 0
                 shared = self.device.type == "cuda" and SHARED_ARENAS.may_join(
-                    device_index, self.providers[0], options[0], user_sess_options=self.sess_options is not None
+                    device_index,
+                    self.providers[0],
+                    options[0],
+                    graph=(provider_updates or {}).get("enable_cuda_graph") == "1",
+                    user_sess_options=self.sess_options is not None,
                 )
                 if shared:
                     sess_options.add_session_config_entry(USE_ENV_ALLOCATORS, "1")
+                    sess_options.add_session_config_entry(WEIGHTS_APART, "1")
+                made = False
                 try:
                     session = self.on_thread(create_session, self.source, self.providers, options, sess_options)
-                except Exception:
+                    made = True
+                finally:  # an interrupt too: counted as made or not, never left a member
                     if shared:
-                        SHARED_ARENAS.not_made(device_index)
-                    raise
-                if shared:
-                    SHARED_ARENAS.joined(device_index, session)
+                        if made:
+                            SHARED_ARENAS.joined(device_index, session)
+                        else:
+                            SHARED_ARENAS.not_made(device_index)
         except Exception:
             with self._lock:
                 self.creation_log.append(("refused", time.perf_counter() - start))

@@ -9,15 +9,16 @@ same memory, and a pipeline's peak is its largest component's, not their sum.
 Sharing is safe only where no memory one session keeps can be memory a captured graph uses as scratch. A captured
 graph replays into the addresses its capture ran on, which its arena took back after the capture; what another
 session allocates there for the length of a run is done with before the replay on the same stream, but what it keeps
-is not. ORT keeps a session's prepacked weights in the session's allocator (``session_state.cc``,
+is not. A member's weights are allocated apart, outside the arena (``session.use_device_allocator_for_initializers``),
+but ORT keeps a session's prepacked weights in the session's allocator (``session_state.cc``,
 ``PrepackConstantInitializedTensors``), made when the session is. So a session joins the device's shared arena only:
 
-- made by the project for a CUDA graph (``enable_cuda_graph``), on the CUDA provider, with no session options of the
-  user's and no arena option of the user's;
+- made by the project for the CUDA graphs its graph runners capture, on the CUDA provider, with no session options of
+  the user's and no arena option of the user's (an external allocator included);
 - on the stream of the first session that joined (memory freed by one stream's run is reused by the next run of the
-  same stream only);
-- before the first graph is captured on the device (:meth:`SharedArenas.close`: a capture), decided while no capture
-  can start (inside the device gate's build).
+  same stream only), after the device has run what is queued on it where sessions joined before;
+- before the first graph is captured on the device while the arena has members (:meth:`SharedArenas.close`: a
+  capture), decided while no capture can start (inside the device gate's build).
 
 What this stands on: a member's run writes what it allocates before reading it (memory another member used last
 holds nothing it needs); only graph sessions join, whose outputs are bound to the caller's tensors (a session without a
@@ -27,7 +28,9 @@ run they free by its end; a capture waits until no other run is under way, :data
 capture that finds no memory fails as any capture ORT refuses: the signature then runs without a graph.
 
 Once every session that joined is gone, so is every graph that could replay into the arena: it is open again to the
-next pipeline's sessions (the environment keeps its memory for them instead of holding it unused)."""
+next pipeline's sessions, on any stream. ORT's environment keeps the arena's memory (the largest activations its
+members needed, not their weights) for the process's life: a dropped pipeline's sessions free their weights, and the
+next pipeline's sessions reuse the activations' memory."""
 
 from __future__ import annotations
 
@@ -44,11 +47,30 @@ logger = logging.getLogger(__name__)
 
 # what makes a session's memory its own: these provider options, set otherwise than the project's defaults, keep the
 # session's own arena
-ARENA_PROVIDER_OPTIONS = frozenset({"gpu_mem_limit", "arena_extend_strategy", "default_memory_arena_cfg"})
+ARENA_PROVIDER_OPTIONS = frozenset(
+    {
+        "gpu_mem_limit",
+        "arena_extend_strategy",
+        "default_memory_arena_cfg",
+        "gpu_external_alloc",
+        "gpu_external_free",
+        "gpu_external_empty_cache",
+    }
+)
 # the shared arena grows as each session's own does with the project's defaults
 SHARED_ARENA_STRATEGY = CUDA_DIFFUSION_DEFAULTS["arena_extend_strategy"]
 _ARENA_STRATEGIES = {"kNextPowerOfTwo": 0, "kSameAsRequested": 1}  # OrtArenaCfg's arena_extend_strategy
 USE_ENV_ALLOCATORS = "session.use_env_allocators"
+# a member's weights are allocated by themselves, outside the shared arena: freed with their session, and never placed
+# in memory another member's queued kernels may still use
+WEIGHTS_APART = "session.use_device_allocator_for_initializers"
+
+
+def synchronize_device(device_index: int) -> None:
+    """Waits until the device has run everything queued on it (every stream)."""
+    import torch
+
+    torch.cuda.synchronize(device_index)
 
 
 def register_cuda_arena(device_index: int) -> None:
@@ -77,30 +99,43 @@ class SharedArenas:
     Args:
         register: registers the arena of one device with ORT (``register_cuda_arena``); called once per device, on
             the first session that may join.
+        synchronize: waits for the device (``synchronize_device``); called before a session joins a group whose
+            stream may still run kernels on the arena's memory (it has members, or had some).
     """
 
-    def __init__(self, register: Callable[[int], None] = register_cuda_arena):
+    def __init__(
+        self,
+        register: Callable[[int], None] = register_cuda_arena,
+        synchronize: Callable[[int], None] = synchronize_device,
+    ):
         self._register = register
-        self._lock = threading.Lock()
+        self._synchronize = synchronize
+        # reentrant: a member's finalizer (``_left``) may run in a garbage collection inside this object's own calls
+        self._lock = threading.RLock()
         self._devices: Dict[int, _Device] = {}
 
     def may_join(
-        self, device_index: int, provider: str, provider_options: Mapping[str, str], user_sess_options: bool
+        self,
+        device_index: int,
+        provider: str,
+        provider_options: Mapping[str, str],
+        graph: bool,
+        user_sess_options: bool,
     ) -> bool:
         """Whether a session about to be made with these options joins the device's shared arena: the caller then
         sets :data:`USE_ENV_ALLOCATORS` on its session options, makes the session, and hands it to :meth:`joined`
-        (or calls :meth:`not_made` where ORT refused it). Called while no capture can start.
+        (or calls :meth:`not_made` where ORT did not make it). Called while no capture can start.
 
         Args:
             device_index: the CUDA device.
             provider: the session's first provider.
-            provider_options: its options as the session gets them (``enable_cuda_graph``, ``user_compute_stream``;
-                an arena option other than the project's default keeps the session's own arena).
+            provider_options: its options as the session gets them (``user_compute_stream``; an arena option other
+                than the project's default keeps the session's own arena).
+            graph: whether the project makes the session for CUDA graphs its graph runners capture (and so close the
+                group): a ``enable_cuda_graph`` of the user's own captures in plain runs, which close nothing.
             user_sess_options: whether the session is made from the user's own ``sess_options``.
         """
-        if provider != "CUDAExecutionProvider" or user_sess_options:
-            return False
-        if provider_options.get("enable_cuda_graph") not in ("1", "True", "true"):
+        if provider != "CUDAExecutionProvider" or user_sess_options or not graph:
             return False
         if any(
             name in provider_options and provider_options[name] != CUDA_DIFFUSION_DEFAULTS.get(name)
@@ -111,7 +146,9 @@ class SharedArenas:
         if stream is None:
             return False
         with self._lock:
-            device = self._devices.setdefault(device_index, _Device())
+            if device_index not in self._devices:
+                self._devices[device_index] = _Device()
+            device = self._devices[device_index]
             if device.closed or (device.stream is not None and device.stream != stream):
                 return False
             if device.registered is None:
@@ -123,6 +160,8 @@ class SharedArenas:
                     logger.info("no shared ONNX Runtime arena on cuda:%d: %s", device_index, error)
             if not device.registered:
                 return False
+            if device.joined:  # kernels of members (alive or gone) may still run on the arena's memory
+                self._synchronize(device_index)
             device.stream = stream
             device.members += 1  # counted now, so that no other stream takes the arena meanwhile
             return True
