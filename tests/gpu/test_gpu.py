@@ -917,6 +917,7 @@ for name in ("text_encoder", "unet", "vae_decoder"):
 members = SHARED_ARENAS.members(0)
 first = calls(pipe)
 again = calls(pipe)
+third = calls(pipe)
 plain = calls(load(cuda_graph=False))
 models = {name: getattr(pipe, name) for name in ("text_encoder", "unet", "vae_decoder", "vae_encoder")}
 print(json.dumps({
@@ -925,7 +926,8 @@ print(json.dumps({
     "joined": SHARED_ARENAS.joined_count(0),
     "uncaptured": {name: len(m.signatures) - len(m.graph_signatures) for name, m in models.items()},
     "vs_plain": max(float(np.abs(a - b).max()) for a, b in zip(first, plain)),
-    "rerun": max(float(np.abs(a - b).max()) for a, b in zip(first, again)),
+    "second": max(float(np.abs(a - b).max()) for a, b in zip(first, again)),
+    "replays": max(float(np.abs(a - b).max()) for a, b in zip(again, third)),
 }))
 """
 
@@ -949,7 +951,9 @@ def test_a_pipelines_sessions_share_one_arena_and_a_session_made_after_a_capture
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["members_at_load"] == 3 and result["members"] == 3 and result["joined"] == 3, result
     assert result["uncaptured"] == {"text_encoder": 0, "unet": 0, "vae_decoder": 0, "vae_encoder": 0}, result
-    assert result["vs_plain"] <= 1e-3 and result["rerun"] <= 1e-5, result
+    # a signature's first step runs without a graph and the later ones replay it: the second call differs from the
+    # first by rounding (1.2e-5 on the GPU, with each session's own arena alike), and every replay after it is equal
+    assert result["vs_plain"] <= 1e-3 and result["second"] <= 1e-4 and result["replays"] == 0.0, result
 
 
 def test_a_signature_prepared_in_the_background_is_captured_by_its_first_call(tiny_folder):
