@@ -16,6 +16,7 @@ from diffusers.video_processor import VideoProcessor
 from ..errors import ArgumentError, ModelFileError
 from ..families import WAN_SETTINGS, WAN_TEXT_CONTEXT, family
 from ..layout import WAN_VAE_CHUNK_PART, index_entry, write_transformer_model_index
+from ..runtime.model import IOBindingORTModel
 from .arguments import (
     Embeds,
     Generator,
@@ -32,7 +33,6 @@ from .core import OnnxDiffusionPipeline, Warmup, on_device_stream
 from .denoisers import WanDenoiser
 from .loop import Guidance, Stage, denoise
 from .prompts import WanPrompt
-from ..runtime.model import IOBindingORTModel
 from .transfer import upload
 from .wan_codec import WanVideoCodec
 

@@ -123,7 +123,7 @@ class SharedArenas:
         user_sess_options: bool,
     ) -> bool:
         """Whether a session about to be made with these options joins the device's shared arena: the caller then
-        sets :data:`USE_ENV_ALLOCATORS` on its session options, makes the session, and hands it to :meth:`joined`
+        sets :data:`USE_ENV_ALLOCATORS` and :data:`WEIGHTS_APART` on its session options, makes the session, and hands it to :meth:`joined`
         (or calls :meth:`not_made` where ORT did not make it). Called while no capture can start.
 
         Args:
