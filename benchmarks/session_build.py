@@ -27,7 +27,9 @@ CASES = (*LEVELS, "optimized-file")
 
 def example_feed(session, component: str):
     """Zero inputs for one call of ``component`` at 512² and classifier-free guidance (batch 2)."""
-    import numpy as np
+    import torch
+
+    from optimum_iobinding.runtime.dtypes import ORT_TO_TORCH
 
     sizes = {"batch": 2, "sequence": 77, "channels": 4, "height": 64, "width": 64}
     if component == "vae_decoder":
@@ -44,13 +46,7 @@ def example_feed(session, component: str):
                 shape.append(sizes["height"])
             else:
                 shape.append(sizes["sequence"])
-        dtype = {
-            "tensor(float16)": np.float16,
-            "tensor(float)": np.float32,
-            "tensor(int64)": np.int64,
-            "tensor(int32)": np.int32,
-        }[value.type]
-        feed[value.name] = np.zeros(shape, dtype=dtype)
+        feed[value.name] = torch.zeros(shape, dtype=ORT_TO_TORCH[value.type]).numpy()
     return feed
 
 
