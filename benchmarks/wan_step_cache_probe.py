@@ -16,7 +16,7 @@ Random weights make a threshold's skip count arbitrary (a real model's first-blo
 patterns give the speed-up at a known share of skipped steps, which is what the target is checked at.
 
     python3 benchmarks/wan_step_cache_probe.py --work WORK --out OUT [--steps 50] [--blocks N] [--dtype fp16]
-        [--thresholds 0.05,0.1] [--runs 2] [--folder EXPORT] [--model tiny-wan --device cpu]
+        [--thresholds 0.05,0.1] [--runs 2] [--folder EXPORT] [--model tiny-wan --device cpu] [--export-only]
 """
 
 from __future__ import annotations
@@ -93,10 +93,14 @@ def main() -> None:
     parser.add_argument("--thresholds", default="0.05,0.1")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--export-only", action="store_true", help="make the export under --work, run nothing")
     args = parser.parse_args()
     recipe = VIDEO_RECIPES[args.model]
     steps = args.steps or recipe["recipe_steps"]
     folder = export_folder(args)
+    if args.export_only:
+        print(f"exported {folder}")
+        return
     provider = "CUDAExecutionProvider" if args.device == "cuda" else "CPUExecutionProvider"
     pipe = OnnxWanPipeline.from_pretrained(folder, provider=provider)
     pipe.set_progress_bar_config(disable=True)
