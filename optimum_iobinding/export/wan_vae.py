@@ -74,7 +74,7 @@ __all__ = [
     "check_wan_vae",
     "wan_vae_chunk_specs",
     "export_wan_vae",
-    "scaled_rms_norm",
+    "rms_norm_as_one_node",
     "scatter_nodes",
     "write_chunk_graphs",
 ]
@@ -155,31 +155,55 @@ def _attention_forward(block: Any, x: torch.Tensor) -> torch.Tensor:
     return x + identity
 
 
-# float16's smallest normal and subnormal numbers: the floors of the scaled RMS norm's divisors
-_FLOAT16_TINY, _FLOAT16_SUBNORMAL = 2.0**-14, 2.0**-24
+class _ChannelRMSNorm(torch.autograd.Function):
+    """``x / ‖x‖ · √C · γ`` over the channels (axis 1, or the last axis): diffusers' ``WanRMS_norm`` without its bias,
+    computed in float32 as diffusers computes a half-precision input, while the exporter traces; written as one
+    ``SimplifiedLayerNormalization`` node (ONNX Runtime's RMS norm, which accumulates in float32 whatever the
+    tensor's precision) over the last axis, between two ``Transpose`` nodes where the channels are axis 1."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, gamma: torch.Tensor, channel_axis: int, epsilon: float) -> torch.Tensor:
+        normalized = torch.nn.functional.normalize(x.float(), dim=channel_axis).to(x.dtype)
+        shape = [1] * x.dim()
+        shape[channel_axis] = -1
+        return normalized * (gamma.numel() ** 0.5) * gamma.reshape(shape)
+
+    @staticmethod
+    def symbolic(g: Any, x: Any, gamma: Any, channel_axis: int, epsilon: float) -> Any:
+        rank = x.type().dim()
+        normalized = g.op("Transpose", x, perm_i=[0, *range(2, rank), 1]) if channel_axis == 1 else x
+        # √C · x / ‖x‖ = x / √(mean(x²)), what the node computes (epsilon aside)
+        y = g.op("SimplifiedLayerNormalization", normalized, gamma, axis_i=-1, epsilon_f=epsilon, stash_type_i=1)
+        if channel_axis == 1:  # the channels back in their place
+            y = g.op("Transpose", y, perm_i=[0, rank - 1, *range(1, rank - 1)])
+        y.setType(x.type())
+        return y
 
 
-def scaled_rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
-    """diffusers' ``WanRMS_norm.forward`` (``x / ‖x‖`` over the channels, times ``√C · γ``, plus ``β``) as
-    ``y / ‖y‖`` with ``y = x / max|x|``: the same values (but where ``x`` is all but zero), with a sum of squares of at
-    most ``C``. A float16 graph computes it in float16, where ``‖x‖²`` of the decoder's activations overflows 65504
-    (diffusers normalizes half-precision inputs in float32 for that reason)."""
-    dim = 1 if norm.channel_first else -1
-    y = x / x.abs().amax(dim=dim, keepdim=True).clamp(min=_FLOAT16_TINY)
-    normalized = y / torch.linalg.vector_norm(y, dim=dim, keepdim=True).clamp(min=_FLOAT16_SUBNORMAL)
-    return normalized * norm.scale * norm.gamma + norm.bias
+def rms_norm_as_one_node(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``WanRMS_norm.forward`` exported as one ONNX Runtime RMS norm (:class:`_ChannelRMSNorm`), plus its
+    bias where it has one. A float16 graph of the plain formula overflows: ``‖x‖²`` of the decoder's activations
+    passes 65504 (diffusers normalizes half-precision inputs in float32 for that reason); the node's float32
+    accumulation does not, and it reads and writes each activation once instead of the formula's ten passes.
+    Its epsilon is diffusers' floor of ``‖x‖`` (1e-12) squared and divided by the channels, the same floor."""
+    channel_axis = 1 if norm.channel_first else -1
+    channels = round(norm.scale**2)  # a number, where the tracer would record the weight's size as a computation
+    y = _ChannelRMSNorm.apply(x, norm.gamma.reshape(-1), channel_axis, 1e-24 / channels)
+    if isinstance(norm.bias, torch.Tensor) or norm.bias != 0:
+        y = y + norm.bias
+    return y
 
 
 @contextlib.contextmanager
 def exportable_forwards(vae: Any, float16: bool = False) -> Iterator[None]:
     """Every ``WanCausalConv3d`` of ``vae`` runs :func:`_causal_conv_forward`, every ``WanAttentionBlock``
-    :func:`_attention_forward` and, for a float16 export, every ``WanRMS_norm`` :func:`scaled_rms_norm`, while
+    :func:`_attention_forward` and, for a float16 export, every ``WanRMS_norm`` :func:`rms_norm_as_one_node`, while
     the exporter runs (attributes of each instance, removed after: the classes are left alone)."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanCausalConv3d, WanRMS_norm
 
     replaced: Dict[type, Any] = {WanCausalConv3d: _causal_conv_forward, WanAttentionBlock: _attention_forward}
     if float16:
-        replaced[WanRMS_norm] = scaled_rms_norm
+        replaced[WanRMS_norm] = rms_norm_as_one_node
     modules = [(module, replaced[type(module)]) for module in vae.modules() if type(module) in replaced]
     try:
         for module, forward in modules:

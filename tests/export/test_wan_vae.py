@@ -8,13 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx
+import onnxruntime
 import pytest
 import torch
 from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
 
 from optimum_iobinding.errors import ArgumentError, ArgumentTypeError
-from optimum_iobinding.export.wan_vae import export_wan_vae, scaled_rms_norm, scatter_nodes
+from optimum_iobinding.export.components import to_precision, torchscript_export
+from optimum_iobinding.export.wan_vae import export_wan_vae, exportable_forwards, scatter_nodes
 from optimum_iobinding.layout import WAN_VAE_CHUNK_PART, WAN_VAE_WEIGHTS_FILE, wan_vae_cache_names
 from optimum_iobinding.pipelines.wan_codec import WanVideoCodec
 
@@ -193,13 +195,44 @@ def test_float16_export_decodes_within_half_precision_of_diffusers(wan21_vae, tm
     assert torch.isfinite(video).all() and (video.float() - expected).abs().mean().item() <= 2e-3
 
 
-def test_float16_rms_norm_stays_within_range_where_the_sum_of_squares_overflows():
-    norm = WanRMS_norm(384, images=False)
-    norm.gamma.data = random(384, 1, 1, 1, seed=2) + 1
+class _Norms(torch.nn.Module):
+    """diffusers' RMS norms over the channels of a video (axis 1) and over the last axis, one after the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.video = WanRMS_norm(384, images=False)
+        self.last = WanRMS_norm(384, channel_first=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.video(x).transpose(1, -1)).transpose(1, -1)
+
+
+def test_float16_rms_norm_is_one_node_that_stays_within_range_where_the_sum_of_squares_overflows(tmp_path):
+    norms = _Norms().eval()
+    norms.video.gamma.data = random(384, 1, 1, 1, seed=2) + 1
+    norms.last.gamma.data = random(384, seed=4) + 1
     activations = random(1, 384, 2, 4, 4, seed=3) * 300  # ‖x‖² near 1.2e7, past float16's 65504
-    expected = norm(activations)
     assert (activations.half().float() ** 2).sum(dim=1).max() > 65504
-    assert max_difference(scaled_rms_norm(norm.half(), activations.half()).float(), expected) <= 1e-2
+    spec = {
+        "module": norms,
+        "args": (activations,),
+        "input_names": ["x"],
+        "output_names": ["y"],
+        "dynamic_axes": {"x": {2: "frames", 3: "height", 4: "width"}},
+    }
+    path = tmp_path / "norms.onnx"
+    with exportable_forwards(norms, float16=True):
+        torchscript_export(spec, path, 17)
+    model = to_precision(path, None, "fp16")
+    ops = [node.op_type for node in model.graph.node]
+    assert ops.count("SimplifiedLayerNormalization") == 2 and not {"ReduceL2", "Div", "Pow"} & set(ops), ops
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for frames in (2, 5):  # one export for any number of frames
+        x = torch.cat([activations] * 3, dim=2)[:, :, :frames]
+        with torch.no_grad():
+            expected = norms(x)
+        (y,) = session.run(None, {"x": x.half().numpy()})
+        assert max_difference(torch.from_numpy(y).float(), expected) <= 1e-2
 
 
 # ------------------------------------------------------------------------------------------------------ graphs
