@@ -184,8 +184,9 @@ def rms_norm_as_one_node(norm: Any, x: torch.Tensor) -> torch.Tensor:
     """diffusers' ``WanRMS_norm.forward`` exported as one ONNX Runtime RMS norm (:class:`_ChannelRMSNorm`), plus its
     bias where it has one. A float16 graph of the plain formula overflows: ``‖x‖²`` of the decoder's activations
     passes 65504 (diffusers normalizes half-precision inputs in float32 for that reason); the node's float32
-    accumulation does not, and it reads and writes each activation once instead of the formula's ten passes.
-    Its epsilon is diffusers' floor of ``‖x‖`` (1e-12) squared and divided by the channels, the same floor."""
+    accumulation does not, and it reads and writes each activation once, where a float16-safe formula pre-scales it
+    and runs two reductions and two divisions over it. Its epsilon is diffusers' floor of ``‖x‖`` (1e-12) squared and
+    divided by the channels: about the same floor."""
     channel_axis = 1 if norm.channel_first else -1
     channels = round(norm.scale**2)  # a number, where the tracer would record the weight's size as a computation
     y = _ChannelRMSNorm.apply(x, norm.gamma.reshape(-1), channel_axis, 1e-24 / channels)
