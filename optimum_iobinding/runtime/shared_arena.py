@@ -123,8 +123,9 @@ class SharedArenas:
         user_sess_options: bool,
     ) -> bool:
         """Whether a session about to be made with these options joins the device's shared arena: the caller then
-        sets :data:`USE_ENV_ALLOCATORS` and :data:`WEIGHTS_APART` on its session options, makes the session, and hands it to :meth:`joined`
-        (or calls :meth:`not_made` where ORT did not make it). Called while no capture can start.
+        sets :data:`USE_ENV_ALLOCATORS` and :data:`WEIGHTS_APART` on its session options, makes the session, and
+        hands it to :meth:`joined` (or calls :meth:`not_made` where ORT did not make it). Called while no capture can
+        start.
 
         Args:
             device_index: the CUDA device.
