@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -26,11 +27,17 @@ from pathlib import Path
 CASES = ("torch-fp32", "torch-bf16", "ours-fp32", "ours-fp16")
 # also accepted: any case with "-tiled" (diffusers' tiling, tiles of 256 pixels every 192: vae.enable_tiling() and
 # our codec's enable_tiling()), e.g. torch-bf16-tiled, ours-fp16-tiled; and ours with CUDA provider options of
-# OPTIONS after "+", e.g. ours-fp16+no-max-workspace+power-of-two (where the device memory of the chunk graphs goes)
+# OPTIONS or settings of SETTINGS after "+", e.g. ours-fp16+no-max-workspace+arena-log (where the device memory of the
+# chunk graphs goes)
 OPTIONS = {
     "no-max-workspace": {"cudnn_conv_use_max_workspace": "0"},  # cuDNN's algorithms within its default workspace
     "power-of-two": {"arena_extend_strategy": "kNextPowerOfTwo"},  # ORT's own arena growth
 }
+SETTINGS = (
+    "no-graph",  # cuda_graph=False: the chunk graphs run without capture
+    "no-mem-pattern",  # session options with ORT's memory pattern off (the user's options: each session its own arena)
+    "arena-log",  # ORT's INFO log: every arena extension's bytes, in the case's result
+)
 SIZES = {"480x832": (60, 104), "720x1280": (90, 160)}  # latent pixels of Wan's 480p and 720p videos
 LATENT_SHAPE = (1, 16, 21, 60, 104)
 
@@ -92,7 +99,19 @@ def run_case(case: str, work: Path, runs: int, frames_out: Path, size: str = "48
     z = latents(size).cuda()
     base, *extras = case.split("+")
     tiled = base.endswith("-tiled")
-    provider_options = {key: value for extra in extras for key, value in OPTIONS[extra].items()}
+    provider_options = {key: value for extra in extras for key, value in OPTIONS.get(extra, {}).items()}
+    settings = {}
+    if "no-graph" in extras:
+        settings["cuda_graph"] = False
+    if "no-mem-pattern" in extras:
+        import onnxruntime
+
+        settings["sess_options"] = onnxruntime.SessionOptions()
+        settings["sess_options"].enable_mem_pattern = False
+    if "arena-log" in extras:
+        import onnxruntime
+
+        onnxruntime.set_default_logger_severity(1)  # INFO: each arena extension, with its bytes, on stderr
     device = torch.device("cuda", 0)
     idle = PeakMemory(device).used()
     with PeakMemory(device) as peak:
@@ -116,6 +135,7 @@ def run_case(case: str, work: Path, runs: int, frames_out: Path, size: str = "48
                 encoder=False,
                 provider="CUDAExecutionProvider",
                 provider_options=provider_options,
+                **settings,
             )
             if tiled:
                 codec.enable_tiling()
@@ -178,9 +198,10 @@ def main() -> int:
 
     cases = args.cases.split(",")
     for case in cases:
-        unknown = [extra for extra in case.split("+")[1:] if extra not in OPTIONS]
+        unknown = [extra for extra in case.split("+")[1:] if extra not in OPTIONS and extra not in SETTINGS]
         if unknown:
-            parser.error(f"--cases: expected provider options among {', '.join(OPTIONS)} after '+', got {unknown}")
+            known = ", ".join((*OPTIONS, *SETTINGS))
+            parser.error(f"--cases: expected provider options or settings among {known} after '+', got {unknown}")
     for case in cases:  # the exports first, outside the timed processes
         if case.startswith("ours"):
             export(args.work, case.split("+")[0].split("-")[1])
@@ -195,6 +216,10 @@ def main() -> int:
         )
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         results.append(json.loads(lines[-1][7:]) if lines else {"case": case, "error": done.stderr[-2000:]})
+        if "+arena-log" in case:  # MiB of each arena extension, in order
+            extended = [int(n) / 2**20 for n in re.findall(r"Extended allocation by (\d+) bytes", done.stderr)]
+            results[-1]["arena_extensions_mib"] = [round(mib, 1) for mib in extended]
+            results[-1]["arena_extended_mib"] = round(sum(extended), 1)
     reference = args.work / f"frames-{args.size}-torch-fp32.npy"  # of this run's size (a case of this run or not)
     for result in results:
         frames = args.work / f"frames-{args.size}-{result['case']}.npy"
@@ -218,6 +243,10 @@ def main() -> int:
             f"| {r['case']} | {r['seconds']:.3f} | {ratio} | {r['first_seconds']:.2f} | {r['peak_mib']:.0f} | "
             f"{r['torch_max_allocated_mib']:.0f} | {r.get('max_diff_vs_torch_fp32', float('nan')):.4f} |"
         )
+    for r in results:
+        if "arena_extensions_mib" in r:
+            sizes = ", ".join(f"{mib:.0f}" for mib in r["arena_extensions_mib"])
+            lines += ["", f"{r['case']}: ORT's arenas grew by {r['arena_extended_mib']:.0f} MiB in all, by: {sizes}"]
     for r in results:
         if "kernels" in r:
             lines += ["", f"{r['case']}: {r['kernels']['gpu_ms']} ms of GPU kernels in one decode", ""]

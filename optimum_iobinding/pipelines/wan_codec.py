@@ -137,6 +137,9 @@ class WanCausalRunner:
             shapes = {self.input_name: tuple(chunks[1].shape)}
             shapes.update({name: tuple(tensor.shape) for name, tensor in zip(self.past_names, cache, strict=True)})
             step = infer_output_shapes(self.chunk, shapes)[self.output_name][2]
+            # the chunk graph made now reads the cache where the first graph writes it: the device holds the cache
+            # twice (those buffers and the chunk graph's outputs, copied into them by each later call), not three times
+            self.chunk.adopt_graph_inputs(shapes, dict(zip(self.past_names, cache, strict=True)))
         frames = head.shape[2] + step * (len(chunks) - 1)
         output = torch.empty((*head.shape[:2], frames, *head.shape[3:]), dtype=head.dtype, device=head.device)
         # each output buffer is the model's, rewritten by its next call of the same shapes: copied out at once

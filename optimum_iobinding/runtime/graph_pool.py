@@ -60,7 +60,8 @@ class CudaGraphRunner:
     ``run_session(session, binding, run_options)`` makes each ORT run (the recipe's :meth:`SessionRecipe.run
     <optimum_iobinding.runtime.session.SessionRecipe.run>`: on its session thread); ``None``: here. ``one_thread``:
     every ORT run of the session is made on one thread (a session thread), so a new caller thread's runs replay the
-    graph captured already, and a :meth:`warm` run is the first call's first run.
+    graph captured already, and a :meth:`warm` run is the first call's first run. ``input_buffers``: tensors of the
+    caller's (by input name, each of its input's spec) that the graph reads instead of buffers of its own.
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class CudaGraphRunner:
         warm_options: Optional[ort.RunOptions] = None,
         run_session: Optional[Callable[[ort.InferenceSession, Any, Any], None]] = None,
         one_thread: bool = False,
+        input_buffers: Optional[Mapping[str, torch.Tensor]] = None,
     ):
         self.session = session
         self.one_thread = one_thread
@@ -83,7 +85,11 @@ class CudaGraphRunner:
         # normal tensors even when the first call runs under torch.inference_mode: inputs are copied into them on
         # every later call, and an inference tensor refuses in-place writes outside inference mode
         with torch.inference_mode(False):
-            self.input_buffers = {n: torch.zeros(s, dtype=d, device=device) for n, (s, d) in input_specs.items()}
+            given = input_buffers or {}
+            self.input_buffers = {
+                n: given[n] if n in given else torch.zeros(s, dtype=d, device=device)
+                for n, (s, d) in input_specs.items()
+            }
             self.output_buffers = {n: torch.empty(s, dtype=d, device=device) for n, (s, d) in output_specs.items()}
         self.binding = session.io_binding()
         for buffers, bind in (
@@ -222,14 +228,16 @@ class GraphPool:
         declared: Mapping[str, Optional[Sequence[Any]]],
         input_specs: Mapping[str, Tuple[Tuple[int, ...], torch.dtype]],
         output_shapes: Mapping[str, Optional[Tuple[int, ...]]],
+        input_buffers: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> Union[CudaGraphRunner, FixedShapeSession, None]:
-        """The entry of this signature, made on first use; ``None`` means "the model's dynamic session"."""
+        """The entry of this signature, made on first use; ``None`` means "the model's dynamic session".
+        ``input_buffers``: where the entry is made now as a graph, the tensors it reads those inputs from."""
         signature = signature_of({name: shape for name, (shape, _) in input_specs.items()})
         with self.lock:
             if signature in self.entries:
                 self.entries.move_to_end(signature)
                 return self.entries[signature]
-            entry = self._make(signature, declared, input_specs, output_shapes)
+            entry = self._make(signature, declared, input_specs, output_shapes, input_buffers)
             self.entries[signature] = entry
             while self.max_signatures is not None and len(self.entries) > self.max_signatures:
                 evicted, _ = self.entries.popitem(last=False)
@@ -283,7 +291,7 @@ class GraphPool:
         if self.recipe.weights.on_need and not self.recipe.weights.owned:
             self.own_weights(why)
 
-    def _make(self, signature, declared, input_specs, output_shapes):
+    def _make(self, signature, declared, input_specs, output_shapes, input_buffers=None):
         input_shapes = {name: shape for name, (shape, _) in input_specs.items()}
         overrides, problems = free_dimension_overrides(declared, input_shapes)
         self._overrides[signature] = overrides
@@ -292,7 +300,7 @@ class GraphPool:
             try:
                 if dynamic:
                     raise RuntimeError(f"output {dynamic[0]!r} has a data-dependent shape, which a graph cannot replay")
-                return self._graph_runner(overrides, problems, input_specs, output_shapes)
+                return self._graph_runner(overrides, problems, input_specs, output_shapes, input_buffers)
             except Exception as error:  # capture refused (nodes left on the CPU, unsupported op): run without
                 self._report(signature, str(error))
         return self._fixed_session(signature, overrides)
@@ -356,7 +364,7 @@ class GraphPool:
             return None
         return self._graph_run_options(_NO_GRAPH_ID)
 
-    def _graph_runner(self, overrides, problems, input_specs, output_shapes) -> CudaGraphRunner:
+    def _graph_runner(self, overrides, problems, input_specs, output_shapes, input_buffers=None) -> CudaGraphRunner:
         output_specs = {name: (tuple(output_shapes[name]), dtype) for name, dtype in self.output_dtypes.items()}
         shared = self.shared_session()
         if shared is not None:
@@ -370,6 +378,7 @@ class GraphPool:
                 self._warm_options(),
                 self.recipe.run,
                 self.recipe.thread is not None,
+                input_buffers,
             )
         if self.recipe.providers[0] == "TensorrtExecutionProvider":
             updates = dict(
@@ -398,6 +407,7 @@ class GraphPool:
             self._warm_options(),
             self.recipe.run,
             self.recipe.thread is not None,
+            input_buffers,
         )
 
     def _fixed_session(self, signature: Signature, overrides: Mapping[str, int]) -> Optional[FixedShapeSession]:

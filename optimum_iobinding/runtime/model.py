@@ -626,6 +626,60 @@ class IOBindingORTModel:
         runner = self.graph_runner(input_shapes)
         return dict(runner.input_buffers) if runner is not None else None
 
+    def adopt_graph_inputs(
+        self, input_shapes: Mapping[str, Sequence[int]], buffers: Mapping[str, torch.Tensor]
+    ) -> bool:
+        """Makes the CUDA graph of these input shapes now, reading the inputs named in ``buffers`` from those very
+        tensors instead of buffers of its own (:meth:`graph_input_buffers` then returns them): another model's reused
+        outputs, say, which the graph's first call then reads without a copy and without the device holding them
+        twice. Later calls passing other tensors copy into them, as into any graph input buffer.
+
+        Args:
+            input_shapes: every input's shape, by name (the graph's signature).
+            buffers: some of those inputs, by name: contiguous tensors on :attr:`device` of the input's dtype and
+                shape.
+
+        Returns:
+            Whether the graph reads them: ``False`` where the model captures no graph, these shapes have an entry
+            already (made by an earlier call, which keeps its own buffers), ORT refused the graph, or a tensor was
+            made in ``torch.inference_mode`` (a later call outside it could not copy into it).
+
+        Raises:
+            ArgumentTypeError, ArgumentError: a buffer that is not such a tensor, or an unknown or missing name.
+        """
+        try:
+            check_input_names(input_shapes, self.input_names)
+        except ValueError as error:
+            raise ArgumentError("input_shapes", str(error)) from error
+        unknown = [name for name in buffers if name not in self.input_names]
+        if unknown:
+            raise ArgumentError("buffers", f"expected some of the model's inputs {self.input_names}, got {unknown}")
+        shapes = {name: tuple(int(d) for d in shape) for name, shape in input_shapes.items()}
+        for name, tensor in buffers.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise ArgumentTypeError(f"buffers[{name!r}]", f"expected a torch tensor, got {type(tensor).__name__}")
+            expected = (shapes[name], self._input_dtypes[name], self.device)
+            if (tuple(tensor.shape), tensor.dtype, tensor.device) != expected or not tensor.is_contiguous():
+                raise ArgumentError(
+                    f"buffers[{name!r}]",
+                    f"expected a contiguous tensor of shape {shapes[name]} and dtype {expected[1]} on {self.device}, "
+                    f"got {'one' if tensor.is_contiguous() else 'a non-contiguous one'} of shape {tuple(tensor.shape)} "
+                    f"and dtype {tensor.dtype} on {tensor.device}",
+                )
+        pool = self._pool
+        if pool is None or not self.cuda_graph or any(tensor.is_inference() for tensor in buffers.values()):
+            return False
+        specs = {name: (shape, self._input_dtypes[name]) for name, shape in shapes.items()}
+        with self._lock, torch.cuda.stream(self._stream):
+            if signature_of(shapes) in pool.entries:
+                return False
+            output_shapes = self.shape_inferencer(shapes)
+            with DEVICE_SETUP.setup():  # the runner's own buffers are allocated
+                entry = pool.entry(self.shape_inferencer.input_dims, specs, output_shapes, dict(buffers))
+        return isinstance(entry, CudaGraphRunner) and all(
+            entry.input_buffers[name] is tensor for name, tensor in buffers.items()
+        )
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(path={self.model_path!r}, device={self.device}, providers={self.providers}, "

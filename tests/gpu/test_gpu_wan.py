@@ -109,6 +109,11 @@ def test_the_vae_decodes_chunk_by_chunk_in_captured_graphs_and_replays_them_for_
     assert (len(first_runs), len(chunk_runs)) == (1, 2)
     assert len(decoder.chunk.graph_signatures) == 1
     np.testing.assert_allclose(again, first, atol=1e-5)
+    # the cache twice, not three times: the chunk graph reads it where the first graph writes it, no copy between
+    buffers = decoder.chunk.graph_input_buffers(decoder.chunk.graph_signatures[0])
+    present = first_runs[0].outputs[1:]
+    assert [buffers[name].data_ptr() for name in decoder.past_names] == present
+    assert [chunk_runs[0].inputs[name] for name in decoder.past_names] == present
 
 
 def test_a_tiled_decode_captures_each_tile_shape_and_equals_the_cpu_pipelines(wan):

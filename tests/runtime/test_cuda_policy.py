@@ -141,3 +141,70 @@ def test_the_first_graph_runs_in_every_thread_wait_for_the_device_set_ups_of_oth
     first = [("capture",), ("capture",), ("capture",), (None,)]  # no run without a graph to make first: all gated
     assert seen == [(main, *k) for k in first] + [("other", *k) for k in first] + [(main, None)]
     assert runner.runs == 9
+
+
+def test_a_graph_runner_given_input_buffers_binds_and_reads_them_and_copies_other_inputs_into_them():
+    import torch
+
+    from optimum_iobinding.runtime import graph_pool
+
+    bound = {}
+
+    class Binding:
+        def bind_input(self, name, device, index, element_type, shape, pointer):
+            bound[name] = pointer
+
+        bind_output = bind_input
+
+    class Session:
+        def io_binding(self):
+            return Binding()
+
+        def run_with_iobinding(self, binding, run_options):
+            pass
+
+    given = torch.zeros(3)
+    specs = {"past": ((3,), torch.float32), "x": ((2,), torch.float32)}
+    runner = graph_pool.CudaGraphRunner(
+        Session(), specs, {"y": ((2,), torch.float32)}, torch.device("cpu"), None, input_buffers={"past": given}
+    )
+    assert runner.input_buffers["past"] is given and bound["past"] == given.data_ptr()
+    assert runner.input_buffers["x"] is not given and bound["x"] == runner.input_buffers["x"].data_ptr()
+    given.fill_(5.0)
+    runner.run({"past": given, "x": torch.ones(2)})  # the buffer itself: nothing copied over it
+    assert given.tolist() == [5.0, 5.0, 5.0]
+    runner.run({"past": torch.arange(3.0), "x": torch.ones(2)})  # another tensor: copied into the given one
+    assert given.tolist() == [0.0, 1.0, 2.0] and bound["past"] == given.data_ptr()
+
+
+def test_adopting_graph_inputs_names_a_wrong_buffer_and_off_cuda_makes_no_graph(tmp_path):
+    import onnx
+    import torch
+
+    from optimum_iobinding.errors import ArgumentError, ArgumentTypeError
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["past", "x"], ["y"])],
+        "add",
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["n"]) for name in ("past", "x")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])],
+    )
+    path = tmp_path / "add.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
+    model = IOBindingORTModel(str(path), provider="CPUExecutionProvider")
+    shapes = {"past": (3,), "x": (3,)}
+    with pytest.raises(
+        ArgumentError, match=r"^buffers: expected some of the model's inputs \['past', 'x'\], got \['z'\]"
+    ):
+        model.adopt_graph_inputs(shapes, {"z": torch.zeros(3)})
+    with pytest.raises(ArgumentError, match=r"^input_shapes: missing input 'x'"):
+        model.adopt_graph_inputs({"past": (3,)}, {"past": torch.zeros(3)})
+    with pytest.raises(ArgumentError, match=r"^buffers\['past'\]: expected a contiguous tensor of shape \(3,\) and dtype "
+                       r"torch.float32 on cpu, got one of shape \(4,\)"):  # fmt: skip
+        model.adopt_graph_inputs(shapes, {"past": torch.zeros(4)})
+    with pytest.raises(ArgumentError, match=r"got a non-contiguous one of shape \(3,\)"):
+        model.adopt_graph_inputs(shapes, {"past": torch.zeros(6)[::2]})
+    with pytest.raises(ArgumentTypeError, match=r"^buffers\['past'\]: expected a torch tensor, got list"):
+        model.adopt_graph_inputs(shapes, {"past": [0.0, 0.0, 0.0]})
+    assert model.adopt_graph_inputs(shapes, {"past": torch.zeros(3)}) is False  # no graph on the CPU
+    assert model(past=torch.ones(3), x=torch.ones(3))[0].tolist() == [2.0, 2.0, 2.0]
