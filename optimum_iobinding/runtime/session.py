@@ -180,6 +180,12 @@ class SessionRecipe:
         sess_options = copy_session_options(self.sess_options) if adds else self.sess_options
         if quiet and self.sess_options is None:
             sess_options.log_severity_level = 4  # fatal only
+        graph = (provider_updates or {}).get("enable_cuda_graph") == "1"
+        if graph and self.sess_options is None:
+            # a captured graph replays without allocating, so ORT's memory pattern saves it nothing, and it costs a
+            # block per input shape (the first run's tensors planned into one allocation, made at the second run, the
+            # capture) that the arena's chunks freed by the first run cannot serve: the memory held twice
+            sess_options.enable_mem_pattern = False
         for dim, size in (free_dims or {}).items():
             sess_options.add_free_dimension_override_by_name(dim, int(size))
         if isinstance(self.source, str):
@@ -208,7 +214,7 @@ class SessionRecipe:
                     device_index,
                     self.providers[0],
                     options[0],
-                    graph=(provider_updates or {}).get("enable_cuda_graph") == "1",
+                    graph=graph,
                     user_sess_options=self.sess_options is not None,
                 )
                 if shared:

@@ -177,11 +177,9 @@ def test_a_graph_runner_given_input_buffers_binds_and_reads_them_and_copies_othe
     assert given.tolist() == [0.0, 1.0, 2.0] and bound["past"] == given.data_ptr()
 
 
-def test_adopting_graph_inputs_names_a_wrong_buffer_and_off_cuda_makes_no_graph(tmp_path):
+def add_model(folder):
+    """``y = past + x`` of any length, saved as ``folder/add.onnx``; returns its path."""
     import onnx
-    import torch
-
-    from optimum_iobinding.errors import ArgumentError, ArgumentTypeError
 
     graph = helper.make_graph(
         [helper.make_node("Add", ["past", "x"], ["y"])],
@@ -189,9 +187,17 @@ def test_adopting_graph_inputs_names_a_wrong_buffer_and_off_cuda_makes_no_graph(
         [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["n"]) for name in ("past", "x")],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])],
     )
-    path = tmp_path / "add.onnx"
+    path = folder / "add.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
-    model = IOBindingORTModel(str(path), provider="CPUExecutionProvider")
+    return path
+
+
+def test_adopting_graph_inputs_names_a_wrong_buffer_and_off_cuda_makes_no_graph(tmp_path):
+    import torch
+
+    from optimum_iobinding.errors import ArgumentError, ArgumentTypeError
+
+    model = IOBindingORTModel(str(add_model(tmp_path)), provider="CPUExecutionProvider")
     shapes = {"past": (3,), "x": (3,)}
     with pytest.raises(
         ArgumentError, match=r"^buffers: expected some of the model's inputs \['past', 'x'\], got \['z'\]"
@@ -208,3 +214,29 @@ def test_adopting_graph_inputs_names_a_wrong_buffer_and_off_cuda_makes_no_graph(
         model.adopt_graph_inputs(shapes, {"past": [0.0, 0.0, 0.0]})
     assert model.adopt_graph_inputs(shapes, {"past": torch.zeros(3)}) is False  # no graph on the CPU
     assert model(past=torch.ones(3), x=torch.ones(3))[0].tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_graph_session_is_made_without_orts_memory_pattern_unless_the_user_gives_session_options(
+    tmp_path, monkeypatch
+):
+    # the pattern's block per input shape, allocated at the capture beside the chunks the first run freed, held the
+    # memory twice; a replay allocates nothing, so the pattern saves a graph session nothing
+    import onnxruntime as ort
+
+    from optimum_iobinding.runtime import session
+    from optimum_iobinding.runtime.options import ModelOptions
+
+    made = []
+    monkeypatch.setattr(
+        session, "create_session", lambda source, providers, options, sess_options: made.append(sess_options)
+    )
+    path = str(add_model(tmp_path))
+    recipe = session.SessionRecipe(path, ModelOptions.resolve(provider="CPUExecutionProvider"))
+    recipe.create(provider_updates={"enable_cuda_graph": "1"})
+    recipe.create()
+    assert [options.enable_mem_pattern for options in made] == [False, True]
+    users = ort.SessionOptions()
+    users.enable_mem_pattern = True
+    recipe = session.SessionRecipe(path, ModelOptions.resolve(provider="CPUExecutionProvider", sess_options=users))
+    recipe.create(provider_updates={"enable_cuda_graph": "1"})
+    assert made[-1] is users and users.enable_mem_pattern is True
