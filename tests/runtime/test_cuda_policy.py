@@ -230,6 +230,8 @@ def test_a_graph_session_is_made_without_orts_memory_pattern_unless_the_user_giv
     monkeypatch.setattr(
         session, "create_session", lambda source, providers, options, sess_options: made.append(sess_options)
     )
+    # ORT's defaults, whatever the test run's own session options are (the suite turns the pattern off everywhere)
+    monkeypatch.setattr(session, "copy_session_options", lambda base: ort.SessionOptions() if base is None else base)
     path = str(add_model(tmp_path))
     recipe = session.SessionRecipe(path, ModelOptions.resolve(provider="CPUExecutionProvider"))
     recipe.create(provider_updates={"enable_cuda_graph": "1"})
