@@ -27,7 +27,7 @@ from ..layout import LORA_MAP_NAME, read_json_object
 from .cuda_policy import DEVICE_SETUP, DISABLE_SYNC_RUN_OPTION
 from .dtypes import ORT_TO_TORCH, TORCH_TO_ONNX, tensor_of_ort_value
 from . import timeline
-from .graph_pool import CudaGraphRunner, GraphPool, signature_of
+from .graph_pool import CudaGraphRunner, FixedShapeSession, GraphPool, signature_of
 from .hub import (
     check_hub_kwargs,
     check_model_file,
@@ -669,16 +669,24 @@ class IOBindingORTModel:
         pool = self._pool
         if pool is None or not self.cuda_graph or any(tensor.is_inference() for tensor in buffers.values()):
             return False
-        specs = {name: (shape, self._input_dtypes[name]) for name, shape in shapes.items()}
         with self._lock, torch.cuda.stream(self._stream):
             if signature_of(shapes) in pool.entries:
                 return False
-            output_shapes = self.shape_inferencer(shapes)
-            with DEVICE_SETUP.setup():  # the runner's own buffers are allocated
-                entry = pool.entry(self.shape_inferencer.input_dims, specs, output_shapes, dict(buffers))
+            entry = self._new_entry(shapes, dict(buffers))
         return isinstance(entry, CudaGraphRunner) and all(
             entry.input_buffers[name] is tensor for name, tensor in buffers.items()
         )
+
+    def _new_entry(
+        self, input_shapes: Mapping[str, Tuple[int, ...]], input_buffers: Optional[Mapping[str, torch.Tensor]] = None
+    ) -> Union[CudaGraphRunner, FixedShapeSession, None]:
+        """The graph pool's entry of these input shapes, made here where it is not made yet (a device set-up: a
+        runner's buffers are allocated). Called holding the model's lock (first, then the set-up: a call of this model
+        that holds the lock may wait in the capture's gate for the set-ups to end), on the model's stream."""
+        specs = {name: (shape, self._input_dtypes[name]) for name, shape in input_shapes.items()}
+        output_shapes = self.shape_inferencer(input_shapes)
+        with DEVICE_SETUP.setup():
+            return self._pool.entry(self.shape_inferencer.input_dims, specs, output_shapes, input_buffers)
 
     def __repr__(self) -> str:
         return (
@@ -718,7 +726,7 @@ class IOBindingORTModel:
         if pool is None or not self.cuda_graph:
             return None
         check_input_names(input_shapes, self.input_names)
-        specs = {name: (tuple(int(d) for d in shape), self._input_dtypes[name]) for name, shape in input_shapes.items()}
+        shapes = {name: tuple(int(d) for d in shape) for name, shape in input_shapes.items()}
         if signature_of(input_shapes) in pool.entries:  # read without the pool's lock, which a build holds
             return None
 
@@ -729,12 +737,8 @@ class IOBindingORTModel:
                 logger.debug("%s: preparing %s failed: %s", self.model_path, dict(input_shapes), error)
 
         def make() -> None:
-            output_shapes = self.shape_inferencer({name: shape for name, (shape, _) in specs.items()})
-            # the model's lock first, then the set-up: a call of this model that holds the lock may wait in the
-            # capture's gate for the set-ups to end
             with self._lock, torch.cuda.stream(self._stream):
-                with DEVICE_SETUP.setup():  # the runner's buffers are allocated
-                    entry = pool.entry(self.shape_inferencer.input_dims, specs, output_shapes)
+                entry = self._new_entry(shapes)
                 if isinstance(entry, CudaGraphRunner) and not entry.runs:
                     entry.warm()
 

@@ -177,27 +177,29 @@ def test_a_graph_runner_given_input_buffers_binds_and_reads_them_and_copies_othe
     assert given.tolist() == [0.0, 1.0, 2.0] and bound["past"] == given.data_ptr()
 
 
-def add_model(folder):
-    """``y = past + x`` of any length, saved as ``folder/add.onnx``; returns its path."""
+@pytest.fixture
+def add_model(tmp_path, make_model, tensor):
+    """``y = past + x`` of any length, saved as an .onnx file: its path."""
     import onnx
 
-    graph = helper.make_graph(
-        [helper.make_node("Add", ["past", "x"], ["y"])],
-        "add",
-        [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["n"]) for name in ("past", "x")],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])],
+    path = tmp_path / "add.onnx"
+    onnx.save(
+        make_model(
+            [helper.make_node("Add", ["past", "x"], ["y"])],
+            [tensor(name, TensorProto.FLOAT, ["n"]) for name in ("past", "x")],
+            [tensor("y", TensorProto.FLOAT, ["n"])],
+        ),
+        path,
     )
-    path = folder / "add.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
-    return path
+    return str(path)
 
 
-def test_adopting_graph_inputs_names_a_wrong_buffer_and_off_cuda_makes_no_graph(tmp_path):
+def test_adopting_graph_inputs_names_a_wrong_buffer_and_off_cuda_makes_no_graph(add_model):
     import torch
 
     from optimum_iobinding.errors import ArgumentError, ArgumentTypeError
 
-    model = IOBindingORTModel(str(add_model(tmp_path)), provider="CPUExecutionProvider")
+    model = IOBindingORTModel(add_model, provider="CPUExecutionProvider")
     shapes = {"past": (3,), "x": (3,)}
     with pytest.raises(
         ArgumentError, match=r"^buffers: expected some of the model's inputs \['past', 'x'\], got \['z'\]"
@@ -217,7 +219,7 @@ def test_adopting_graph_inputs_names_a_wrong_buffer_and_off_cuda_makes_no_graph(
 
 
 def test_a_graph_session_is_made_without_orts_memory_pattern_unless_the_user_gives_session_options(
-    tmp_path, monkeypatch
+    add_model, monkeypatch
 ):
     # the pattern's block per input shape, allocated at the capture beside the chunks the first run freed, held the
     # memory twice; a replay allocates nothing, so the pattern saves a graph session nothing
@@ -232,13 +234,12 @@ def test_a_graph_session_is_made_without_orts_memory_pattern_unless_the_user_giv
     )
     # ORT's defaults, whatever the test run's own session options are (the suite turns the pattern off everywhere)
     monkeypatch.setattr(session, "copy_session_options", lambda base: ort.SessionOptions() if base is None else base)
-    path = str(add_model(tmp_path))
-    recipe = session.SessionRecipe(path, ModelOptions.resolve(provider="CPUExecutionProvider"))
+    recipe = session.SessionRecipe(add_model, ModelOptions.resolve(provider="CPUExecutionProvider"))
     recipe.create(provider_updates={"enable_cuda_graph": "1"})
     recipe.create()
     assert [options.enable_mem_pattern for options in made] == [False, True]
     users = ort.SessionOptions()
     users.enable_mem_pattern = True
-    recipe = session.SessionRecipe(path, ModelOptions.resolve(provider="CPUExecutionProvider", sess_options=users))
+    recipe = session.SessionRecipe(add_model, ModelOptions.resolve(provider="CPUExecutionProvider", sess_options=users))
     recipe.create(provider_updates={"enable_cuda_graph": "1"})
     assert made[-1] is users and users.enable_mem_pattern is True
