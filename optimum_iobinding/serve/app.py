@@ -402,8 +402,11 @@ def app_builder(args: Dict[str, Any]) -> "serve.Application":
 APP_NAME = "optimum-iobinding"
 
 
-class _Stop(BaseException):
-    """Raised in the main thread by a SIGINT or SIGTERM while :func:`run` blocks (or starts)."""
+class _Stop(KeyboardInterrupt):
+    """Raised in the main thread by a SIGINT or SIGTERM while :func:`run` blocks (or starts). A
+    ``KeyboardInterrupt``: Ray's waits (``ray.get`` and the Serve calls made of it) check for signals, end on a
+    ``KeyboardInterrupt`` with one of their own in its place, and drop any other exception a signal handler raises
+    there and wait on, which once the same signal stopped the cluster is until Ray ends the process (status 1)."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -413,16 +416,18 @@ class _Stop(BaseException):
 class _StopSignals:
     """SIGINT and SIGTERM raise :class:`_Stop` in the main thread while installed (:meth:`install` again once Ray
     started: ``ray.init`` replaces the SIGTERM handler, and its core worker's dumps a stack, aborts and leaves Ray
-    processes behind); :meth:`ignore` during the shutdown, :meth:`restore` the handlers there were."""
+    processes behind), and are kept in :attr:`received` (what a ``KeyboardInterrupt`` raised by Ray in place of
+    :class:`_Stop` stands for); :meth:`ignore` during the shutdown, :meth:`restore` the handlers there were."""
 
     NAMES = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.active = threading.current_thread() is threading.main_thread()
         self.previous = {signum: signal.getsignal(signum) for signum in self.NAMES} if self.active else {}
+        self.received: Optional[signal.Signals] = None
 
-    @staticmethod
-    def _raise(signum: int, frame: Any) -> None:
+    def _raise(self, signum: int, frame: Any) -> None:
+        self.received = signal.Signals(signum)
         raise _Stop(signum)
 
     def install(self) -> None:
@@ -534,8 +539,10 @@ def run(
             return handle
         while True:
             time.sleep(3600)
-    except _Stop as stop:
-        stopped_by = stop.signum
+    except KeyboardInterrupt:  # _Stop, or Ray's own in its place
+        if signals is None or signals.received is None:
+            raise
+        stopped_by = signals.received
     finally:
         if signals:
             signals.ignore()

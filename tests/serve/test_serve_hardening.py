@@ -359,18 +359,33 @@ config = ServeConfig(model=sys.argv[1], device="cpu", steps=2, warmup_batch_size
 stopped = run(config, port=int(sys.argv[2]))
 print(f"stopped by {stopped.name}", flush=True)
 """
+# The same, its main thread waiting on Ray once the server is ready (as Serve's own calls wait while it starts): a
+# task that sleeps, asked for with ray.get
+SERVE_WAITING_ON_RAY = SERVE.replace(
+    "stopped = run(config, port=int(sys.argv[2]))",
+    """import time
+import ray
+@ray.remote(num_cpus=0)
+def sleep():
+    time.sleep(600)
+def wait_on_ray():
+    asked = sleep.remote()
+    print("waiting on Ray", flush=True)
+    ray.get(asked)
+stopped = run(config, port=int(sys.argv[2]), on_ready=wait_on_ray)""",
+)
 
 
 class ServerProcess:
     """``run(config)`` in a process of its own session (as in a terminal of its own), answering /health."""
 
-    def __init__(self, folder, tmp_path):
+    def __init__(self, folder, tmp_path, script=SERVE):
         self.port = free_port()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")]))
         env.pop("RAY_ADDRESS", None)
         self.stdout, self.stderr = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")
         self.process = subprocess.Popen(
-            [sys.executable, "-c", SERVE, str(folder), str(self.port)],
+            [sys.executable, "-c", script, str(folder), str(self.port)],
             env=env,
             stdout=self.stdout,
             stderr=self.stderr,
@@ -564,6 +579,29 @@ def test_sigterm_stops_the_server_cleanly(tiny_folder, tmp_path, whole_group):
         if server.process.poll() is None:
             server.kill()
     stopped_cleanly(server, status, signal.SIGTERM, whole_group)
+
+
+@pytest.mark.slow
+def test_a_sigterm_while_the_server_waits_on_ray_stops_it_cleanly(tiny_folder, tmp_path):
+    """Ray's waits end on a KeyboardInterrupt raised by a signal handler and keep waiting past any other exception:
+    with the whole cluster stopped by the same signal, the server would wait until Ray ends it (status 1, "Failed to
+    connect to GCS within 60 seconds")."""
+    server = ServerProcess(tiny_folder, tmp_path, script=SERVE_WAITING_ON_RAY)
+    try:
+        for _ in range(120):  # the server answers before its main thread waits
+            if "waiting on Ray" in server.output():
+                break
+            try:
+                server.process.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+        assert "waiting on Ray" in server.output(), server.errors()[-3000:]
+        status = server.stop(signal.SIGTERM, whole_group=True)
+    finally:
+        if server.process.poll() is None:
+            server.kill()
+    stopped_cleanly(server, status, signal.SIGTERM, whole_group=True)
 
 
 # ------------------------------------------------------------ HTTP on a local Ray cluster in this process
