@@ -404,9 +404,9 @@ APP_NAME = "optimum-iobinding"
 
 class _Stop(KeyboardInterrupt):
     """Raised in the main thread by a SIGINT or SIGTERM while :func:`run` blocks (or starts). A
-    ``KeyboardInterrupt``: Ray's waits (``ray.get`` and the Serve calls made of it) check for signals, end on a
-    ``KeyboardInterrupt`` with one of their own in its place, and drop any other exception a signal handler raises
-    there and wait on, which once the same signal stopped the cluster is until Ray ends the process (status 1)."""
+    ``KeyboardInterrupt``, the one exception that ends Ray's waits (``ray.get`` and the Serve calls made of it): they
+    run the signal handlers and raise a ``KeyboardInterrupt`` of their own in its place; any other exception they
+    drop and wait on, after a signal that stopped the cluster too until Ray ends the process (status 1)."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
