@@ -28,6 +28,9 @@ stamp() { echo "$(date +%H:%M:%S) $*" >> "$out/status"; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import onnxruntime, torch, diffusers, transformers; print("onnxruntime", onnxruntime.__version__, onnxruntime.get_available_providers(), "torch", torch.__version__, "diffusers", diffusers.__version__, "transformers", transformers.__version__)'
   echo "git $(git rev-parse --short HEAD 2>/dev/null) + $(git status --short 2>/dev/null | wc -l) changed files; $(nproc) CPUs"
+  # whether ORT's TensorRT provider could run here: it lists the provider whether or not TensorRT's libraries are there
+  python3 -c 'import ctypes; ctypes.CDLL("libnvinfer.so.10"); print("TensorRT: libnvinfer.so.10 loads")' 2>/dev/null ||
+    echo "TensorRT: libnvinfer.so.10 not found"
 } > "$out/versions.txt" 2>&1
 bench=(python3 -m optimum_iobinding.cli bench --scenario video --work "$work" --runs "${RUNS:-2}" --warmup "${WARMUP:-0}"
        --timeout "${TIMEOUT:-900}" --compile-timeout "${COMPILE_TIMEOUT:-900}" --compile-mode "${COMPILE_MODE:-default}")
