@@ -406,11 +406,8 @@ class _Stop(KeyboardInterrupt):
     """Raised in the main thread by a SIGINT or SIGTERM while :func:`run` blocks (or starts). A
     ``KeyboardInterrupt``, the one exception that ends Ray's waits (``ray.get`` and the Serve calls made of it): they
     run the signal handlers and raise a ``KeyboardInterrupt`` of their own in its place; any other exception they
-    drop and wait on, after a signal that stopped the cluster too until Ray ends the process (status 1)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signal.Signals(signum)
+    drop and wait on, after a signal that stopped the cluster too until Ray ends the process (status 1). The signal
+    is :attr:`_StopSignals.received`, read there whichever of the two arrives."""
 
 
 class _StopSignals:
@@ -428,7 +425,7 @@ class _StopSignals:
 
     def _raise(self, signum: int, frame: Any) -> None:
         self.received = signal.Signals(signum)
-        raise _Stop(signum)
+        raise _Stop(self.received.name)
 
     def install(self) -> None:
         for signum in self.previous:
