@@ -391,16 +391,20 @@ class ServerProcess:
             stderr=self.stderr,
             start_new_session=True,
         )
-        for _ in range(600):  # up to 10 minutes: Ray's start, then the replica's
-            if self.answers():
-                break
-            try:
-                self.process.wait(timeout=1)  # ... unless it ended
-                break
-            except subprocess.TimeoutExpired:
-                pass
+        self.wait_until(self.answers, tries=600)  # up to 10 minutes: Ray's start, then the replica's
         assert self.answers(), f"the server did not start; stderr: {self.errors()[-3000:]}"
         self.processes = [psutil.Process(self.process.pid), *psutil.Process(self.process.pid).children(recursive=True)]
+
+    def wait_until(self, done, tries: int) -> None:
+        """Asks ``done()`` once a second, ``tries`` times at most, until it says yes or the server ends."""
+        for _ in range(tries):
+            if done():
+                return
+            try:
+                self.process.wait(timeout=1)
+                return
+            except subprocess.TimeoutExpired:
+                pass
 
     def answers(self) -> bool:
         try:
@@ -588,14 +592,7 @@ def test_a_sigterm_while_the_server_waits_on_ray_stops_it_cleanly(tiny_folder, t
     connect to GCS within 60 seconds")."""
     server = ServerProcess(tiny_folder, tmp_path, script=SERVE_WAITING_ON_RAY)
     try:
-        for _ in range(120):  # the server answers before its main thread waits
-            if "waiting on Ray" in server.output():
-                break
-            try:
-                server.process.wait(timeout=0.5)
-                break
-            except subprocess.TimeoutExpired:
-                pass
+        server.wait_until(lambda: "waiting on Ray" in server.output(), tries=60)  # it answers before it waits
         assert "waiting on Ray" in server.output(), server.errors()[-3000:]
         status = server.stop(signal.SIGTERM, whole_group=True)
     finally:
