@@ -324,6 +324,37 @@ def test_the_cold_start_timeline_names_the_runtimes_set_up_and_first_runs_by_com
     assert all(begin <= end for begin, end, _, _ in rows) and [row[1] for row in rows] == sorted(row[1] for row in rows)
 
 
+def test_the_attention_setup_script_runs_every_shape_four_times_and_its_packed_graphs_load(tmp_path):
+    # benchmarks/attention_setup.py on the CPU: the query, key and value apart (ORT's CPU kernel takes no packed QKV);
+    # the packed graphs the GPU runs are checked by ONNX and made into sessions, whose inputs are the fused UNet's
+    import importlib.util
+
+    import onnx
+    import onnxruntime as ort
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_setup.py"
+    spec = importlib.util.spec_from_file_location("attention_setup", script)
+    attention_setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(attention_setup)
+    rows = attention_setup.measure(["CPUExecutionProvider"], packed=False)
+    assert [(row["kind"], row["tokens"], row["head_size"]) for row in rows] == [
+        (kind, tokens, size) for tokens, size in attention_setup.SHAPES for kind in ("self", "cross")
+    ]
+    assert all(row[key] > 0 for row in rows for key in ("first_s", "again_s", "thread_s", "session_s"))
+    self_model = attention_setup.attention_model("self", 1024, 80)
+    cross_model = attention_setup.attention_model("cross", 1024, 80)
+    for model in (self_model, cross_model):
+        onnx.checker.check_model(onnx.load_from_string(model))
+    shapes = {
+        name: [[value.name, value.shape] for value in ort.InferenceSession(model).get_inputs()]
+        for name, model in (("self", self_model), ("cross", cross_model))
+    }
+    assert shapes == {
+        "self": [["qkv", [2, 1024, 8, 3, 80]]],
+        "cross": [["q", [2, 1024, 640]], ["kv", [2, 77, 8, 2, 80]]],
+    }
+
+
 def test_each_process_compares_its_loop_with_its_own_graph_and_the_table_shows_both_floors(tmp_path):
     """The per-step target divides each process's step by the replays of the very graph its loop ran, and the
     combined result is the median of those ratios (not a ratio of medians from different processes)."""
