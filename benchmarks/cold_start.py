@@ -22,7 +22,9 @@ cuDNN's: the first image's cuDNN attention plans against each kernel's steady im
 first run in the calling thread (``calling-thread``: ``prepare_in_background=False``, no set-up threads), and ours with
 the text encoder alone on other attention kernels (``te-sdpa-N``, N as for ``sdpa-N``), and ours with a thread started
 with the load that runs torch's own convolution, matrix product and attention (``torch-prewarm``: the CUDA libraries
-ORT shares with torch set up beside the sessions being made, no ORT run beside them). A variant is
+ORT shares with torch set up beside the sessions being made, no ORT run beside them), and ours with the UNet's
+attention shapes set up beside its first run (``attention-prewarm``: :class:`AttentionPrewarm`; whether that can
+save anything, ``attention_setup.py`` measures). A variant is
 ``SEARCH:WARM`` followed by any of these, each once, in any order (``HEURISTIC:cold:calling-thread:timeline``).
 For ours, each component's session creations are listed with their seconds (``session_creation_log``).
 
@@ -124,6 +126,56 @@ def library_session_run(ort) -> None:
         library_model(), providers=[("CUDAExecutionProvider", {"cudnn_conv_algo_search": "HEURISTIC"})]
     )
     session.run(None, {"x": np.ones((1, 4, 64, 64), np.float16)})
+
+
+class AttentionPrewarm:
+    """An experiment (the variant ``attention-prewarm``): each attention shape of SD 1.5's UNet at 512² with guidance
+    (``attention_setup.py``'s graphs) run once, each in a session and a thread of its own, under the runtime's device
+    gate: the sessions made beside the pipeline's sessions being made, their runs beside the UNet's first run (ORT's
+    CUDA provider crashed with a session made beside a run). What cuDNN keeps between sessions, if anything, is then
+    there when the UNet's attention nodes come. The threads stay until :meth:`close`: a thread that ends frees its
+    CUDA context, and a free beside a capture would fail it."""
+
+    def __init__(self, ort, providers, packed: bool = True):
+        import threading
+
+        self._ort, self._providers, self._packed = ort, providers, packed
+        self._done = threading.Event()
+        self.threads: list = []
+        self.ran: list = []  # (kind, tokens, head size) of each shape run
+        self.errors: list = []  # what a thread raised: the row says it
+
+    def start(self) -> None:
+        import threading
+
+        from attention_setup import SHAPES, attention_model, feed_of
+
+        from optimum_iobinding.runtime.cuda_policy import DEVICE_SETUP
+
+        def one(kind: str, tokens: int, head_size: int) -> None:
+            try:
+                with DEVICE_SETUP.build():
+                    model = attention_model(kind, tokens, head_size, self._packed)
+                    session = self._ort.InferenceSession(model, providers=self._providers)
+                with DEVICE_SETUP.first_run():
+                    session.run(None, feed_of(session))
+                self.ran.append((kind, tokens, head_size))
+            except Exception as error:  # an experiment's failure is reported, not raised into the load
+                self.errors.append(f"{kind} {tokens}×{head_size}: {error}")
+            self._done.wait()  # the session and this thread's CUDA context live until close()
+
+        for tokens, head_size in SHAPES:
+            for kind in ("self", "cross"):
+                thread = threading.Thread(
+                    target=one, args=(kind, tokens, head_size), name=f"attention-prewarm {kind} {tokens}", daemon=True
+                )
+                thread.start()
+                self.threads.append(thread)
+
+    def close(self) -> None:
+        self._done.set()
+        for thread in self.threads:
+            thread.join()
 
 
 def torch_libraries_run(torch) -> None:
@@ -256,7 +308,7 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
     import_s = time.perf_counter() - start
     torch.cuda.init()
     start = time.perf_counter()
-    timeline = sampler = preload_s = None
+    timeline = sampler = preload_s = attention = None
     profiled = False
     if variant == "numpy":
         pipe = load_numpy_pipeline(folder)
@@ -305,6 +357,8 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
             import threading
 
             prewarm = threading.Thread(target=torch_libraries_run, args=(torch,), name="torch-prewarm")
+        if take("attention-prewarm"):
+            attention = AttentionPrewarm(ort, [("CUDAExecutionProvider", provider_options)])
         if take("profile"):
             options = ort.SessionOptions()
             options.enable_profiling = True
@@ -336,6 +390,8 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
             component_options=component_options,
             prepare_in_background=in_background,
         )
+        if attention is not None:  # once the load has started the UNet's session: beside it, not before it
+            attention.start()
         if text_encoder_kernels is not None:
             # the text encoder alone with other attention kernels: a pipeline on the loaded components with another
             # text encoder (the loaded one's session, started by the load, is dropped; the comparison is pessimistic)
@@ -372,6 +428,8 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
     if sampler is not None:
         sampler.__exit__(None, None, None)
     steady_s = statistics.median(image() for _ in range(3))
+    if attention is not None:
+        attention.close()
     row = {
         "variant": variant,
         "search": search,
@@ -387,6 +445,8 @@ def measure(folder: str, variant: str, steps: int, size: int) -> dict:
     if sampler is not None:
         row["memory_sampled_through"] = sampler.source
         row["sampled_peak_mib"] = sampler.peak / 2**20
+    if attention is not None:
+        row["attention_prewarm_errors"] = attention.errors
     if preload_s is not None:
         row["conv_preload_s"] = preload_s
     if variant != "numpy":

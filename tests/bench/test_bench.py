@@ -355,6 +355,33 @@ def test_the_attention_setup_script_runs_every_shape_four_times_and_its_packed_g
     }
 
 
+def test_the_cold_starts_attention_prewarm_runs_every_shape_under_the_device_gate_and_waits_for_close(monkeypatch):
+    # benchmarks/cold_start.py's attention-prewarm variant on the CPU: every shape of attention_setup.py runs once in
+    # a thread of its own; no run starts while a session is being made (the runtime's gate), and the threads stay
+    # until close()
+    import importlib.util
+    import sys
+
+    import onnxruntime as ort
+
+    from optimum_iobinding.runtime.cuda_policy import DEVICE_SETUP
+
+    folder = Path(__file__).resolve().parents[2] / "benchmarks"
+    monkeypatch.syspath_prepend(str(folder))  # the script imports attention_setup from its folder
+    spec = importlib.util.spec_from_file_location("cold_start", folder / "cold_start.py")
+    cold_start = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cold_start)
+    prewarm = cold_start.AttentionPrewarm(ort, ["CPUExecutionProvider"], packed=False)
+    with DEVICE_SETUP.build():  # a session being made elsewhere: the prewarm's runs wait for it
+        prewarm.start()
+        threads = list(prewarm.threads)
+        assert prewarm.ran == []
+    prewarm.close()
+    shapes = sys.modules["attention_setup"].SHAPES
+    assert sorted(prewarm.ran) == sorted((kind, t, h) for t, h in shapes for kind in ("self", "cross"))
+    assert prewarm.errors == [] and len(threads) == 2 * len(shapes) and not any(t.is_alive() for t in threads)
+
+
 def test_each_process_compares_its_loop_with_its_own_graph_and_the_table_shows_both_floors(tmp_path):
     """The per-step target divides each process's step by the replays of the very graph its loop ran, and the
     combined result is the median of those ratios (not a ratio of medians from different processes)."""
