@@ -324,7 +324,7 @@ def test_the_cold_start_timeline_names_the_runtimes_set_up_and_first_runs_by_com
     assert all(begin <= end for begin, end, _, _ in rows) and [row[1] for row in rows] == sorted(row[1] for row in rows)
 
 
-def test_the_attention_setup_script_runs_every_shape_four_times_and_its_packed_graphs_load(tmp_path):
+def test_the_attention_setup_script_runs_every_shape_four_times_and_its_packed_graphs_load():
     # benchmarks/attention_setup.py on the CPU: the query, key and value apart (ORT's CPU kernel takes no packed QKV);
     # the packed graphs the GPU runs are checked by ONNX and made into sessions, whose inputs are the fused UNet's
     import importlib.util
