@@ -110,19 +110,19 @@ def measure(providers: List[Any], packed: bool = True) -> List[Dict[str, Any]]:
     """The four runs of every shape (see the module's text), in seconds; ``packed``: as for :func:`attention_model`."""
     import onnxruntime as ort
 
-    def made_and_run(model: bytes) -> Tuple[float, float, Any]:
+    def made_and_run(model: bytes) -> Tuple[float, float, Callable[[], Any]]:
+        """The session's creation and first run, in seconds, and its next run (the same feed)."""
         session, made_s = timed(lambda: ort.InferenceSession(model, providers=providers))
         feed = feed_of(session)
         _, run_s = timed(lambda: session.run(None, feed))
-        return made_s, run_s, session
+        return made_s, run_s, lambda: session.run(None, feed)
 
     rows = []
     for tokens, head_size in SHAPES:
         for kind in ("self", "cross"):
             model = attention_model(kind, tokens, head_size, packed)
-            made_s, first_s, session = made_and_run(model)
-            feed = feed_of(session)
-            _, again_s = timed(lambda: session.run(None, feed))
+            made_s, first_s, run_again = made_and_run(model)
+            _, again_s = timed(run_again)
             thread_made_s, thread_s, _ = in_thread(lambda: made_and_run(model))
             session_made_s, session_s, _ = made_and_run(model)
             rows.append(
