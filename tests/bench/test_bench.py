@@ -382,6 +382,43 @@ def test_the_cold_starts_attention_prewarm_runs_every_shape_under_the_device_gat
     assert prewarm.errors == [] and len(threads) == 2 * len(shapes) and not any(t.is_alive() for t in threads)
 
 
+def test_the_split_first_run_script_cuts_a_unet_into_parts_that_give_its_outputs(tiny_fused_folder, tmp_path):
+    # benchmarks/split_first_run.py on the CPU with the tiny fused UNet, as stored and with its nodes stored in
+    # reverse (each before the makers of its inputs, as ORT's optimizer saves casts it added): the parts, run in turn,
+    # give the whole model's output, and each variant's sessions make their first runs in turn or side by side
+    import importlib.util
+
+    import onnx
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "split_first_run.py"
+    spec = importlib.util.spec_from_file_location("split_first_run", script)
+    split = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(split)
+    stored = tiny_fused_folder / "unet" / "model.onnx"
+    model = onnx.load(str(stored))
+    nodes = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(nodes))
+    reversed_path = tmp_path / "reversed.onnx"
+    onnx.save(model, str(reversed_path))
+    dims = split.parse_dims("batch=2,height=8,width=8,sequence=77,timestep_batch=1")
+    for name, source in (("stored", stored), ("reversed", reversed_path)):
+        entry = split.prepare(str(source), tmp_path / name, 3, dims, "cpu")
+        assert len(entry["paths"]) == 3 and len(entry["cut_nodes"]) == 2
+        assert entry["crossing_tensors"][-1] == 1  # the last part makes the model's one output
+        assert entry["max_abs_difference"]["out_sample"] < 1e-4
+    whole = split.measure("whole", [str(stored)], dims, "cpu")
+    serial = split.measure("parts-3:serial", entry["paths"], dims, "cpu")
+    threads = split.measure("parts-3:threads", entry["paths"], dims, "cpu")
+    assert len(whole["each_first_run_s"]) == 1
+    assert len(serial["each_first_run_s"]) == len(threads["each_first_run_s"]) == 3
+    assert all(
+        row[key] > 0 for row in (whole, serial, threads) for key in ("sessions_s", "first_run_s", "second_run_s")
+    )
+    with pytest.raises(SystemExit, match="--dims: the input 'sample' has the free dimension 'height', which it lacks"):
+        split.measure("whole", [str(stored)], split.parse_dims("batch=2"), "cpu")
+
+
 def test_each_process_compares_its_loop_with_its_own_graph_and_the_table_shows_both_floors(tmp_path):
     """The per-step target divides each process's step by the replays of the very graph its loop ran, and the
     combined result is the median of those ratios (not a ratio of medians from different processes)."""
