@@ -118,6 +118,14 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "full and shallow graphs (SD 1.x/2.x, SDXL, LCM; not with a ControlNet)",
     )
     parser.add_argument(
+        "--cold-start-parts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also write the UNet cut into N parts (2 or more) beside it, reading its weights: a pipeline runs them "
+        "in turn and makes their sessions and first runs side by side (default 0: none; UNet pipelines only)",
+    )
+    parser.add_argument(
         "--tiny-random",
         nargs="?",
         const="sd",
@@ -287,6 +295,7 @@ def run_export(args: argparse.Namespace) -> int:
             vae_dtype=args.vae_dtype,
             ip_adapter=args.ip_adapter,
             image_encoder=args.image_encoder,
+            cold_start_parts=args.cold_start_parts,
         )
     if vae_only:
         what = f"the tiny VAE {tiny_vae}" if tiny_vae else "a tiny random tiny VAE"
@@ -309,6 +318,7 @@ EXPORT_OPTIONS = {
     "vae_dtype": "--vae-dtype",
     "ip_adapter": "--ip-adapter",
     "image_encoder": "--image-encoder",
+    "cold_start_parts": "--cold-start-parts",
 }
 
 

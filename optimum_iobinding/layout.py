@@ -57,6 +57,20 @@ DEEP_CACHE_SHALLOW_PART = "deep_cache_shallow_{branch}.onnx"
 DEEP_CACHE_FEATURE_PREFIX = "deep_features."
 
 
+# The parts of a UNet whose sessions and first runs a pipeline makes side by side (the export's ``cold_start_parts``):
+# part k of K in a file of its own beside the UNet's model.onnx, numbered from 0
+COLD_START_PART = "cold_part_{number}.onnx"
+
+
+def cold_start_part_files(folder: Path) -> List[Path]:
+    """The cold-start parts beside a UNet (in its ``folder``), in order: ``cold_part_0.onnx``, ``cold_part_1.onnx``
+    and so on while the next one is there; none where there are fewer than two."""
+    found = []
+    while (folder / COLD_START_PART.format(number=len(found))).is_file():
+        found.append(folder / COLD_START_PART.format(number=len(found)))
+    return found if len(found) >= 2 else []
+
+
 def deep_cache_shallow_branch(file_name: str) -> Optional[int]:
     """The branch of a DeepCache shallow part's file name (:data:`DEEP_CACHE_SHALLOW_PART`), or ``None``."""
     prefix, suffix = DEEP_CACHE_SHALLOW_PART.split("{branch}")

@@ -44,6 +44,7 @@ from .optimize import (
     save_onnx,
     use_classic_attention,
 )
+from .cold_parts import write_cold_start_parts
 from .step_cache import drop_marks, marked_transformer_spec, write_step_cache_parts
 from .transformer_fusions import fuse_diffusion_transformer
 
@@ -380,6 +381,7 @@ def export_component(
     external_data_threshold: int = MAX_SINGLE_FILE_BYTES,
     external_data_file: str = EXTERNAL_DATA_FILE,
     step_cache: bool = False,
+    cold_start_parts: int = 0,
 ) -> None:
     """Exports one component the UNet families' way (text encoder, UNet, ControlNet, VAE; a diffusion transformer's
     CLIP and VAE too) to ``target/name``: the TorchScript exporter (with the attention ORT's optimizer fuses), ORT's
@@ -388,7 +390,8 @@ def export_component(
 
     ``step_cache`` (a UNet): DeepCache's parts beside ``model.onnx`` (:mod:`.deep_cache`: ``deep_cache_full.onnx``
     and a ``deep_cache_shallow_<branch>.onnx`` per branch), all reading its weights, which then go to
-    ``model.onnx_data`` whatever their size."""
+    ``model.onnx_data`` whatever their size. ``cold_start_parts`` (a UNet, 2 or more): that many parts whose sessions
+    and first runs a pipeline makes side by side (:mod:`.cold_parts`), reading its weights."""
     layers_of = getattr(spec["module"], "unet", None) or getattr(spec["module"], "text_encoder", None)
     hooks: Callable[[torch.nn.Module], ContextManager] = lambda module: contextlib.nullcontext()  # noqa: E731
     branches: Dict[int, str] = {}
@@ -427,6 +430,8 @@ def export_component(
         write_unet_with_deep_cache_parts(model, target / name, branches)
     else:
         save_onnx(model, target / name / "model.onnx", external_data_threshold, external_data_file)
+    if cold_start_parts:
+        write_cold_start_parts(target / name, cold_start_parts)
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])
     if spec.get("class_name"):  # which torch class it came from (an AutoencoderKL or AutoencoderTiny VAE)
         config.setdefault("_class_name", spec["class_name"])

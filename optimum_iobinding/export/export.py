@@ -78,6 +78,7 @@ def export_pipeline(
     vae_dtype: Optional[str] = None,
     ip_adapter: bool = False,
     image_encoder: Union[str, os.PathLike, object, None] = None,
+    cold_start_parts: int = 0,
 ) -> Path:
     """Exports a diffusers Stable Diffusion (1.x/2.x, LCM, Turbo) pipeline to the diffusers ONNX layout, or an SDXL
     pipeline to optimum's SDXL layout (two text encoders with their hidden states; a UNet taking ``text_embeds`` and
@@ -154,6 +155,10 @@ def export_pipeline(
             ``CLIPVisionModelWithProjection``, its folder or hub id, e.g. ``h94/IP-Adapter`` with the subfolder
             ``models/image_encoder``: give the folder); the pipeline's own (``torch_pipeline.image_encoder``) where
             it has one. Without one the pipelines take ``ip_adapter_image_embeds`` only.
+        cold_start_parts: 0 (the default), or how many parts (2 or more) of the UNet to write beside it, each reading
+            its weights: ``unet/cold_part_0.onnx`` … (:mod:`optimum_iobinding.export.cold_parts`). A pipeline makes
+            their sessions and first runs side by side, and runs them in turn for the UNet at every step. UNet
+            pipelines only.
 
     Returns:
         The output folder.
@@ -174,6 +179,12 @@ def export_pipeline(
         raise ArgumentError("opset", f"expected an integer in [7, 22] (17 is tested), got {opset!r}")
     if not isinstance(step_cache, bool):
         raise ArgumentError("step_cache", f"expected True or False, got {step_cache!r}")
+    if (
+        isinstance(cold_start_parts, bool)
+        or not isinstance(cold_start_parts, int)
+        or not (cold_start_parts == 0 or cold_start_parts >= 2)
+    ):
+        raise ArgumentError("cold_start_parts", f"expected 0 or an integer of 2 or more, got {cold_start_parts!r}")
     if vae_dtype not in (None, "fp32", "fp16"):
         raise ArgumentError("vae_dtype", f"expected None, 'fp32' or 'fp16', got {vae_dtype!r}")
     if not isinstance(ip_adapter, bool):
@@ -271,6 +282,11 @@ def export_pipeline(
         if image_encoder is not None:
             pipe.image_encoder = load_image_encoder(image_encoder)
     if getattr(pipe, "transformer", None) is not None:  # a diffusion transformer (SD3, Flux)
+        if cold_start_parts:
+            raise ArgumentError(
+                "cold_start_parts",
+                f"expected 0 for a {type(pipe).__name__} (UNet pipelines only), got {cold_start_parts}",
+            )
         if step_cache:
             check_first_block_cache_depth(pipe.transformer)
         return _export_transformer_pipeline(
@@ -300,6 +316,7 @@ def export_pipeline(
         progress=progress,
         step_cache=step_cache,
         ip_adapter=ip_adapter,
+        cold_start_parts=cold_start_parts,
     )
 
 

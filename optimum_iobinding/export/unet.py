@@ -20,7 +20,8 @@ Layout written (what diffusers' numpy ONNX pipeline and ours both load)::
 
 Large models go to one external-data file ``weights.pb`` next to their ``model.onnx``, as diffusers writes them.
 With ``step_cache`` the UNet's folder also holds DeepCache's parts (:mod:`.deep_cache`: ``deep_cache_full.onnx``,
-``deep_cache_shallow_<branch>.onnx``), and its weights are in ``model.onnx_data``, which they all read.
+``deep_cache_shallow_<branch>.onnx``), and its weights are in ``model.onnx_data``, which they all read. With
+``cold_start_parts`` it holds ``cold_part_0.onnx`` … too (:mod:`.cold_parts`), reading the UNet's weights.
 """
 
 from __future__ import annotations
@@ -457,6 +458,7 @@ def export_unet_pipeline(
     progress: bool = True,
     step_cache: bool = False,
     ip_adapter: bool = False,
+    cold_start_parts: int = 0,
 ) -> Path:
     """Writes a UNet pipeline's folder at ``target`` (see the module's docstring), built beside it and moved into
     place when whole; the caller has checked ``target``.
@@ -475,6 +477,8 @@ def export_unet_pipeline(
         step_cache: DeepCache's parts beside the UNet (:mod:`.deep_cache`); not for a ControlNet pipeline.
         ip_adapter: a UNet taking IP-Adapter's image-prompt keys and values, and the pipeline's ``image_encoder``
             where it has one (:mod:`.ip_adapter`).
+        cold_start_parts: 0, or the number of parts (2 or more) written beside the UNet whose sessions and first
+            runs a pipeline makes side by side (:mod:`.cold_parts`).
 
     Returns:
         ``target``.
@@ -505,7 +509,17 @@ def export_unet_pipeline(
         raise ArgumentError("components", f"expected names from {list(available)}, got {unknown}")
     with kept_attention_processors(pipe.unet), without_loaded_ip_adapter(pipe.unet):
         return _export_unet_folder(
-            pipe, target, tiny_vae, components, opset, fp16, optimize, progress, step_cache, ip_adapter
+            pipe,
+            target,
+            tiny_vae,
+            components,
+            opset,
+            fp16,
+            optimize,
+            progress,
+            step_cache,
+            ip_adapter,
+            cold_start_parts,
         )
 
 
@@ -525,7 +539,9 @@ def kept_attention_processors(unet) -> contextlib.AbstractContextManager:
     return kept()
 
 
-def _export_unet_folder(pipe, target, tiny_vae, components, opset, fp16, optimize, progress, step_cache, ip_adapter):
+def _export_unet_folder(
+    pipe, target, tiny_vae, components, opset, fp16, optimize, progress, step_cache, ip_adapter, cold_start_parts=0
+):
     specs = component_specs(pipe, vae=tiny_vae, ip_adapter=ip_adapter)
     if IMAGE_ENCODER in specs:
         components = (*components, IMAGE_ENCODER)
@@ -540,6 +556,7 @@ def _export_unet_folder(pipe, target, tiny_vae, components, opset, fp16, optimiz
                 optimize,
                 xl=is_xl(pipe),
                 step_cache=step_cache and name == "unet",
+                cold_start_parts=cold_start_parts if name == "unet" else 0,
             )
         for name in ("tokenizer", "tokenizer_2"):
             if getattr(pipe, name, None) is not None:
