@@ -23,11 +23,12 @@ import onnxruntime as ort
 import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
-from ..layout import LORA_MAP_NAME, read_json_object
+from ..layout import LORA_MAP_NAME, cold_start_part_files, read_json_object
 from .cuda_policy import DEVICE_SETUP, DISABLE_SYNC_RUN_OPTION
 from .dtypes import ORT_TO_TORCH, TORCH_TO_ONNX, tensor_of_ort_value
 from . import timeline
 from .graph_pool import CudaGraphRunner, FixedShapeSession, GraphPool, signature_of
+from .part_chain import PartChain
 from .hub import (
     check_hub_kwargs,
     check_model_file,
@@ -136,6 +137,11 @@ class IOBindingORTModel:
     With ``io_binding=False`` the model runs plain ``session.run`` on numpy arrays — the numpy baseline — and returns
     CPU torch tensors.
 
+    A ``model.onnx`` with cold-start parts beside it (``cold_part_0.onnx`` …, an export's ``cold_start_parts``) runs
+    through them in turn (:mod:`~optimum_iobinding.runtime.part_chain`, :attr:`cold_start_parts`): each part a model
+    of its own with this one's settings and stream, their sessions and first runs made side by side; the whole
+    model's session is made only if asked for (:attr:`session`).
+
     Args:
         session_or_path: a path to an .onnx file, or an ``onnxruntime.InferenceSession``.
         provider, provider_options, sess_options, io_binding, reuse_outputs, max_output_signatures, stream,
@@ -234,7 +240,13 @@ class IOBindingORTModel:
             )
         weights = recipe.weights
         keeps_pool = pool_possible and (options.cuda_graph is not False or weights.owned or weights.on_need)
-        if session is None and not (keeps_pool and isinstance(recipe.source, str)):
+        # the cold-start parts beside a component's model.onnx run the model (:mod:`.part_chain`): no whole session
+        parts = (
+            cold_start_part_files(Path(recipe.source).parent)
+            if isinstance(recipe.source, str) and os.path.basename(recipe.source) == "model.onnx"
+            else []
+        )
+        if session is None and not (keeps_pool and isinstance(recipe.source, str)) and not parts:
             session = recipe.create()
         if session is not None:
             input_types = {i.name: i.type for i in session.get_inputs()}
@@ -299,6 +311,9 @@ class IOBindingORTModel:
             )
         self._run_watchers: List[List[RunRecord]] = []
         self._preparing: Optional[threading.Thread] = None  # prepare's thread, while it builds the session
+        self._chain: Optional[PartChain] = None  # set before the parts are made: making one may own the weights
+        if parts:
+            self._chain = PartChain([str(path) for path in parts], self._part_model, shared=weights.owned)
 
     def sibling(self, **changes: Any) -> "IOBindingORTModel":
         """A new model from the same recipe (file, providers, options, CUDA stream and owned weights), with sessions
@@ -348,6 +363,26 @@ class IOBindingORTModel:
             self.own_weights()
             recipe.weights = weights  # ORT ignores the initializers a part's graph does not name
         return IOBindingORTModel(_Recipe(recipe), config=self.config, options=options)
+
+    def _part_model(self, path: str, shared: bool) -> "IOBindingORTModel":
+        """A cold-start part's model (:mod:`.part_chain`): reading this model's owned weights where ``shared``
+        (:meth:`part`), loading its own from the file otherwise; this model's settings and stream either way."""
+        if shared:
+            return self.part(path)
+        options = self.options.replace(**{**self.options.settings(), "cuda_graph": self.cuda_graph})
+        return IOBindingORTModel(path, config=self.config, options=options)
+
+    def cold_start_part_shapes(self, input_shapes: Mapping[str, Sequence[int]]) -> List[Dict[str, Tuple[int, ...]]]:
+        """Each cold-start part's input shapes for a call with these (this model's input shapes), known before any run
+        from the declared dims of the parts before it; empty where the model runs as one graph."""
+        check_input_names(input_shapes, self.input_names)
+        return self._chain.input_shapes(input_shapes) if self._chain is not None else []
+
+    @property
+    def cold_start_parts(self) -> List["IOBindingORTModel"]:
+        """The models of the cold-start parts that run this model, in order (:mod:`.part_chain`: the parts an export
+        writes beside a UNet's ``model.onnx``); empty where the model runs as one graph."""
+        return list(self._chain.models) if self._chain is not None else []
 
     # ----------------------------------------------------------------------------------------------------- loading
     @staticmethod
@@ -421,8 +456,8 @@ class IOBindingORTModel:
     def save_pretrained(
         self, save_directory: Union[str, os.PathLike], file_name: str = "model.onnx", overwrite: bool = False
     ) -> str:
-        """Writes the model, every external-data file it references, its config and LoRA map (if any) into
-        ``save_directory``. A file of the same name already there is an error unless ``overwrite=True`` (a save
+        """Writes the model, every external-data file it references, its cold-start parts, config and LoRA map (if
+        any) into ``save_directory``. A file of the same name already there is an error unless ``overwrite=True`` (a save
         onto the model's own files leaves them as they are); each file is written beside its place and renamed
         into it, so a failed save never leaves half a file.
 
@@ -443,6 +478,8 @@ class IOBindingORTModel:
             writes.append((source, target, None))
             for location in external_data_locations(source):
                 writes.append((os.path.join(os.path.dirname(source), location), directory / location, None))
+            for part in self._chain.paths if self._chain is not None else ():  # they read the same weights files
+                writes.append((part, directory / os.path.basename(part), None))
             lora_map = os.path.join(os.path.dirname(source), LORA_MAP_NAME)  # where LoRA finds each layer's weight
             if os.path.isfile(lora_map):
                 writes.append((lora_map, directory / LORA_MAP_NAME, None))
@@ -533,13 +570,13 @@ class IOBindingORTModel:
     def sessions_created(self) -> int:
         """How many ORT sessions this model's recipe has created (its siblings' included): a service that has
         warmed up creates none."""
-        return self._recipe.sessions_created
+        return self._recipe.sessions_created + (self._chain.sessions_created if self._chain is not None else 0)
 
     @property
     def session_creation_log(self) -> List[Tuple[str, float]]:
         """Each session creation of this model's recipe: ``("session", seconds)``, or ``("refused", seconds)`` for
         an attempt ORT refused (the one graph session of a model with a node on the CPU)."""
-        return list(self._recipe.creation_log)
+        return list(self._recipe.creation_log) + (self._chain.session_creation_log if self._chain is not None else [])
 
     @property
     def graph_signatures(self) -> List[Dict[str, Tuple[int, ...]]]:
@@ -594,6 +631,8 @@ class IOBindingORTModel:
                     weights.start_owning()
                 self._session = None
                 self._binding = None
+        if self._chain is not None:  # the parts read the owned tensors from now on: a change in place reaches them
+            self._chain.share_weights()
         return self._recipe.weights.tensors
 
     @property
@@ -608,8 +647,9 @@ class IOBindingORTModel:
         return len(self._thread_buffers())
 
     def graph_runner(self, input_shapes: Mapping[str, Sequence[int]]) -> Optional[CudaGraphRunner]:
-        """The captured graph of these input shapes, or ``None`` (benchmarks replay it alone)."""
-        if self._pool is None:
+        """The captured graph of these input shapes, or ``None`` (benchmarks replay it alone; none for a model run as
+        its cold-start parts, each of which has its own)."""
+        if self._pool is None or self._chain is not None:
             return None
         with self._pool.lock:
             entry = self._pool.entries.get(signature_of(input_shapes))
@@ -622,7 +662,10 @@ class IOBindingORTModel:
         A call that passes one of these tensors as that very input skips its copy: a loop can write an input
         straight into it (``torch.cat(..., out=buffer)``) or copy an input that stays the same over many calls once.
         Write them on the model's stream (or one ordered with it): the graph reads them when it replays, and a call
-        passing other tensors overwrites them. They belong to whoever calls the model, as its reused outputs do."""
+        passing other tensors overwrites them. They belong to whoever calls the model, as its reused outputs do. A
+        model run as its cold-start parts gives its first part's, for the inputs that part reads."""
+        if self._chain is not None:
+            return self._chain.first_part_buffers(input_shapes)
         runner = self.graph_runner(input_shapes)
         return dict(runner.input_buffers) if runner is not None else None
 
@@ -666,6 +709,8 @@ class IOBindingORTModel:
                     f"got {'one' if tensor.is_contiguous() else 'a non-contiguous one'} of shape {tuple(tensor.shape)} "
                     f"and dtype {tensor.dtype} on {tensor.device}",
                 )
+        if self._chain is not None:  # the first part's graph reads those of its inputs
+            return self._chain.adopt_first_part_inputs(shapes, buffers)
         pool = self._pool
         if pool is None or not self.cuda_graph or any(tensor.is_inference() for tensor in buffers.values()):
             return False
@@ -702,6 +747,9 @@ class IOBindingORTModel:
         already). ``wait=False`` builds it in a background thread, which is returned: ORT releases the GIL while it
         builds a session, so a pipeline makes its components' sessions while an earlier component runs. A call that
         needs the session meanwhile waits for it; a session ORT refuses is reported as a call would report it."""
+        if self._chain is not None:  # each part's, side by side
+            threads = self._chain.prepare(wait)
+            return threads[0] if threads else None
         pool = self._pool
         if pool is None or not pool.one_session or pool.shared_tried:
             return None
@@ -722,6 +770,10 @@ class IOBindingORTModel:
         for each convolution and attention shape, the arena's memory); the capture stays with that first call, which
         waits for the thread. A pipeline starts its VAE decoder's this way when the denoising loop starts. Returns the
         thread, or ``None`` where the model captures no graph or these shapes have run already."""
+        if self._chain is not None:  # every part's first run at once, each in a thread of its own
+            check_input_names(input_shapes, self.input_names)
+            threads = self._chain.prepare_signature(input_shapes)
+            return threads[0] if threads else None
         pool = self._pool
         if pool is None or not self.cuda_graph:
             return None
@@ -802,6 +854,8 @@ class IOBindingORTModel:
             self._run_watchers.remove(records)
 
     def _run(self, inputs: Mapping[str, InputValue]) -> List[torch.Tensor]:
+        if self._chain is not None:
+            return self._chain.run(inputs)
         if not self.io_binding:
             return self._run_without_binding(inputs)
         if self._stream is None:

@@ -1,0 +1,119 @@
+"""A model run as its consecutive parts: the cold-start parts an export writes beside a UNet
+(:data:`~optimum_iobinding.layout.COLD_START_PART`), each a graph of the UNet's nodes reading its weights.
+
+ONNX Runtime's CUDA provider makes a session, and sets cuDNN up in its first run, one node after another in one
+thread: the UNet's is the cold start's longest step. Its parts are sessions of their own, made side by side in
+background threads, and their first runs go side by side too (the device gate lets first runs go together), each
+part's input shapes known before any runs from the declared dims of the parts before it. A call runs the parts in
+turn on the model's stream, each from the given inputs it reads and the outputs of the parts before; each part has
+its own graph pool (a CUDA graph per signature), its own output buffers, and its weights: where the whole model's
+weights are owned (runtime LoRA) the parts read those tensors (:meth:`IOBindingORTModel.part`), else each loads its
+own from the file.
+
+The first part takes the timestep of every row (the export declares it so): a call giving one row for all has it
+expanded.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+Shape = Tuple[int, ...]
+
+TIMESTEP = "timestep"
+
+
+class PartChain:
+    """The parts of one model, in order, run in turn. ``make(path, shared)`` makes a part's model: reading the whole
+    model's owned weights where ``shared``, loading its own from the file otherwise."""
+
+    def __init__(self, paths: Sequence[str], make: Callable[[str, bool], Any], shared: bool):
+        self.paths = list(paths)
+        self._make = make
+        self._lock = threading.RLock()
+        self.shared = shared
+        self.models: List[Any] = [make(path, shared) for path in self.paths]
+
+    def share_weights(self) -> None:
+        """Makes the parts again reading the whole model's owned weights (they were loading their own): what a change
+        of those tensors in place (a LoRA) must reach. Their sessions and graphs are made again on their next call."""
+        with self._lock:  # reentrant: making a part that reads owned weights asks for them again
+            if not self.shared:
+                self.shared = True
+                try:
+                    self.models = [self._make(path, True) for path in self.paths]
+                except BaseException:  # the parts as they were, and asked again next time
+                    self.shared = False
+                    raise
+
+    def _timestep_rows(self, shapes: Mapping[str, Sequence[int]]) -> Optional[int]:
+        """The rows the first part's timestep must have where the given one has fewer (one for all), else ``None``."""
+        first = self.models[0]
+        if TIMESTEP not in shapes or TIMESTEP not in first.input_names or "sample" not in shapes:
+            return None
+        given, rows = tuple(shapes[TIMESTEP]), int(shapes["sample"][0])
+        return rows if len(given) == 1 and given[0] == 1 and rows != 1 else None
+
+    def input_shapes(self, shapes: Mapping[str, Sequence[int]]) -> List[Dict[str, Shape]]:
+        """Each part's input shapes for a call with these (the whole model's input shapes), from the parts' declared
+        output dims."""
+        known: Dict[str, Shape] = {name: tuple(int(d) for d in shape) for name, shape in shapes.items()}
+        rows = self._timestep_rows(known)
+        if rows is not None:
+            known[TIMESTEP] = (rows,)
+        result = []
+        for model in self.models:
+            inputs = {name: known[name] for name in model.input_names}
+            result.append(inputs)
+            for name, shape in model.shape_inferencer(inputs).items():
+                if shape is not None:
+                    known[name] = tuple(shape)
+        return result
+
+    def run(self, inputs: Mapping[str, Any]) -> List[torch.Tensor]:
+        """The last part's outputs for these inputs (the whole model's), the parts run in turn."""
+        values: Dict[str, Any] = dict(inputs)
+        timestep = values.get(TIMESTEP)
+        if isinstance(timestep, torch.Tensor) and "sample" in values:
+            rows = self._timestep_rows({TIMESTEP: tuple(timestep.shape), "sample": tuple(values["sample"].shape)})
+            if rows is not None:
+                values[TIMESTEP] = timestep.expand(rows).contiguous()
+        outputs: List[torch.Tensor] = []
+        for model in self.models:
+            outputs = model(**{name: values[name] for name in model.input_names})
+            values.update(zip(model.output_names, outputs))
+        return outputs
+
+    def prepare(self, wait: bool) -> List[threading.Thread]:
+        """Each part's shape-free session (:meth:`IOBindingORTModel.prepare`), side by side where not ``wait``."""
+        threads = [model.prepare(wait=wait) for model in self.models]
+        return [thread for thread in threads if thread is not None]
+
+    def prepare_signature(self, shapes: Mapping[str, Sequence[int]]) -> List[threading.Thread]:
+        """Each part's first run for these input shapes (the whole model's), every part's in a thread of its own at
+        once (:meth:`IOBindingORTModel.prepare_signature`)."""
+        threads = [model.prepare_signature(inputs) for model, inputs in zip(self.models, self.input_shapes(shapes))]
+        return [thread for thread in threads if thread is not None]
+
+    def first_part_buffers(self, shapes: Mapping[str, Sequence[int]]) -> Optional[Dict[str, torch.Tensor]]:
+        """The first part's graph input buffers for a call with these shapes (the inputs it reads), or ``None``."""
+        return self.models[0].graph_input_buffers(self.input_shapes(shapes)[0])
+
+    def adopt_first_part_inputs(self, shapes: Mapping[str, Sequence[int]], buffers: Mapping[str, torch.Tensor]) -> bool:
+        """The first part's graph made reading ``buffers`` (those of the inputs it reads) in place."""
+        first = self.models[0]
+        return first.adopt_graph_inputs(
+            self.input_shapes(shapes)[0],
+            {name: tensor for name, tensor in buffers.items() if name in first.input_names},
+        )
+
+    @property
+    def sessions_created(self) -> int:
+        return sum(model.sessions_created for model in self.models)
+
+    @property
+    def session_creation_log(self) -> List[Tuple[str, float]]:
+        return [entry for model in self.models for entry in model.session_creation_log]
