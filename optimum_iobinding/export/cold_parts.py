@@ -18,8 +18,9 @@ rounding of what ORT fuses across a cut in the whole graph).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Set
 
 import onnx
 
@@ -122,6 +123,74 @@ def batch_for_timestep(model: onnx.ModelProto) -> None:
         timestep_dims[0].dim_param = sample_dims[0].dim_param
 
 
+_FUNCTIONS = frozenset(
+    {"floor", "ceil", "min", "max", "abs", "Mod", "mod", "FloorDiv", "CeilDiv", "FloorToInt", "CeilToInt"}
+    | {"floor_div", "ceil_div"}
+)
+
+
+def dim_names(values: Sequence[onnx.ValueInfoProto]) -> Set[str]:
+    """The names the dims of ``values`` use (``batch``; ``height`` in ``floor(height/2 - 1/2) + 1``)."""
+    names: Set[str] = set()
+    for value in values:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param:
+                names.update(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", dim.dim_param))
+    return names - _FUNCTIONS
+
+
+def bound_names(values: Sequence[onnx.ValueInfoProto]) -> Set[str]:
+    """The names a runtime learns the values of from inputs ``values``: the dims that are a name alone (a runtime
+    binds an expression only under its whole text)."""
+    return {
+        dim.dim_param
+        for value in values
+        for dim in value.type.tensor_type.shape.dim
+        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", dim.dim_param)
+    }
+
+
+def check_typed(part: onnx.ModelProto, number: int, graph_inputs: Set[str]) -> None:
+    """Refuses a part that takes a value of an earlier part whose type ORT's shape inference did not give."""
+    untyped = [
+        value.name
+        for value in part.graph.input
+        if value.name not in graph_inputs and value.type.tensor_type.elem_type == onnx.TensorProto.UNDEFINED
+    ]
+    if untyped:
+        raise ArgumentError(
+            "cold_start_parts",
+            f"part {number} takes {untyped[:3]} from an earlier part, whose type ORT's shape inference did not give: "
+            "expected a UNet it types throughout (export without cold-start parts)",
+        )
+
+
+def give_dim_names(part: onnx.ModelProto, number: int, graph_inputs: Sequence[onnx.ValueInfoProto]) -> None:
+    """Adds to ``part``'s inputs (in place) those of the UNet's own inputs, the sample first, that give the names its
+    dims use and its inputs do not: a runtime sizes each part's values from its inputs alone (a middle part's
+    attention tokens are ``height`` × ``width`` expressions, which none of its inputs has). A part reads nothing of
+    such an input; it is bound, not copied, where the caller passes the UNet's.
+
+    Raises:
+        ArgumentError: a name no input of the UNet gives.
+    """
+    graph = part.graph
+    needed = dim_names([*graph.input, *graph.output])
+    present = {value.name for value in graph.input}
+    for value in sorted(graph_inputs, key=lambda value: value.name != "sample"):
+        given = bound_names(graph.input)
+        if needed <= given:
+            return
+        if value.name not in present and bound_names([value]) - given & needed:
+            graph.input.append(value)
+            present.add(value.name)
+    missing = needed - bound_names(graph.input)
+    if missing:
+        raise ArgumentError(
+            "cold_start_parts", f"part {number}'s dims use {sorted(missing)}, which no input of the UNet declares"
+        )
+
+
 def write_cold_start_parts(folder: Path, parts: int) -> List[Path]:
     """Cuts the UNet written at ``folder/model.onnx`` (its weights left where they are) into ``parts`` parts
     (:func:`cold_start_cuts`) and writes them beside it as :data:`~optimum_iobinding.layout.COLD_START_PART`; returns
@@ -145,6 +214,8 @@ def write_cold_start_parts(folder: Path, parts: int) -> List[Path]:
     model.graph.value_info.extend([*kept, *typed.value_info])
     paths = []
     for number, part in enumerate(split_graph(model, cold_start_cuts(model, parts))):
+        check_typed(part, number, {value.name for value in model.graph.input})
+        give_dim_names(part, number, list(model.graph.input))
         path = folder / COLD_START_PART.format(number=number)
         onnx.save_model(part, str(path))
         paths.append(path)

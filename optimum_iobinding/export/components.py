@@ -428,8 +428,9 @@ def export_component(
     fix_output_dims(model, spec.get("fixed_output_dims", {}))
     if step_cache:
         write_unet_with_deep_cache_parts(model, target / name, branches)
-    else:
-        save_onnx(model, target / name / "model.onnx", external_data_threshold, external_data_file)
+    else:  # with cold-start parts the weights go to their file whatever their size: the parts read them there
+        threshold = 0 if cold_start_parts else external_data_threshold
+        save_onnx(model, target / name / "model.onnx", threshold, external_data_file)
     if cold_start_parts:
         write_cold_start_parts(target / name, cold_start_parts)
     config = spec["config"].to_dict() if hasattr(spec["config"], "to_dict") else dict(spec["config"])

@@ -241,9 +241,10 @@ class IOBindingORTModel:
         weights = recipe.weights
         keeps_pool = pool_possible and (options.cuda_graph is not False or weights.owned or weights.on_need)
         # the cold-start parts beside a component's model.onnx run the model (:mod:`.part_chain`): no whole session
+        # (a model made from a given session runs that session)
         parts = (
             cold_start_part_files(Path(recipe.source).parent)
-            if isinstance(recipe.source, str) and os.path.basename(recipe.source) == "model.onnx"
+            if session is None and isinstance(recipe.source, str) and os.path.basename(recipe.source) == "model.onnx"
             else []
         )
         if session is None and not (keeps_pool and isinstance(recipe.source, str)) and not parts:
@@ -593,7 +594,10 @@ class IOBindingORTModel:
 
     @property
     def graph_fallbacks(self) -> Dict[Tuple, str]:
-        """Signature → why it runs without a CUDA graph."""
+        """Signature → why it runs without a CUDA graph (a model run as its cold-start parts: each part's, the part's
+        number first in the key)."""
+        if self._chain is not None:
+            return self._chain.graph_fallbacks
         return dict(self._pool.fallbacks) if self._pool is not None else {}
 
     @property
@@ -772,8 +776,7 @@ class IOBindingORTModel:
         thread, or ``None`` where the model captures no graph or these shapes have run already."""
         if self._chain is not None:  # every part's first run at once, each in a thread of its own
             check_input_names(input_shapes, self.input_names)
-            threads = self._chain.prepare_signature(input_shapes)
-            return threads[0] if threads else None
+            return self._chain.prepare_signature(input_shapes)
         pool = self._pool
         if pool is None or not self.cuda_graph:
             return None

@@ -16,10 +16,14 @@ expanded.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 Shape = Tuple[int, ...]
 
@@ -36,6 +40,12 @@ class PartChain:
         self._lock = threading.RLock()
         self.shared = shared
         self.models: List[Any] = [make(path, shared) for path in self.paths]
+        # the first part takes the timestep of every row where it declares the timestep of the sample's batch
+        first = self.models[0].input_dims
+        timestep, sample = first.get(TIMESTEP) or [], first.get("sample") or []
+        self._expands = (
+            len(timestep) == 1 and isinstance(timestep[0], str) and bool(sample) and timestep[0] == sample[0]
+        )
 
     def share_weights(self) -> None:
         """Makes the parts again reading the whole model's owned weights (they were loading their own): what a change
@@ -51,8 +61,7 @@ class PartChain:
 
     def _timestep_rows(self, shapes: Mapping[str, Sequence[int]]) -> Optional[int]:
         """The rows the first part's timestep must have where the given one has fewer (one for all), else ``None``."""
-        first = self.models[0]
-        if TIMESTEP not in shapes or TIMESTEP not in first.input_names or "sample" not in shapes:
+        if not self._expands or TIMESTEP not in shapes or "sample" not in shapes:
             return None
         given, rows = tuple(shapes[TIMESTEP]), int(shapes["sample"][0])
         return rows if len(given) == 1 and given[0] == 1 and rows != 1 else None
@@ -77,26 +86,46 @@ class PartChain:
         """The last part's outputs for these inputs (the whole model's), the parts run in turn."""
         values: Dict[str, Any] = dict(inputs)
         timestep = values.get(TIMESTEP)
-        if isinstance(timestep, torch.Tensor) and "sample" in values:
-            rows = self._timestep_rows({TIMESTEP: tuple(timestep.shape), "sample": tuple(values["sample"].shape)})
+        if timestep is not None and "sample" in values:
+            timestep = timestep if isinstance(timestep, torch.Tensor) else torch.as_tensor(np.asarray(timestep))
+            rows = self._timestep_rows({TIMESTEP: tuple(timestep.shape), "sample": tuple(np.shape(values["sample"]))})
             if rows is not None:
                 values[TIMESTEP] = timestep.expand(rows).contiguous()
-        outputs: List[torch.Tensor] = []
-        for model in self.models:
-            outputs = model(**{name: values[name] for name in model.input_names})
-            values.update(zip(model.output_names, outputs))
-        return outputs
+        # one call at a time: a part's captured graph writes the same output buffers for every caller, which the next
+        # part reads
+        with self._lock:
+            outputs: List[torch.Tensor] = []
+            for model in self.models:
+                outputs = model(**{name: values[name] for name in model.input_names})
+                values.update(zip(model.output_names, outputs))
+            return outputs
 
     def prepare(self, wait: bool) -> List[threading.Thread]:
         """Each part's shape-free session (:meth:`IOBindingORTModel.prepare`), side by side where not ``wait``."""
         threads = [model.prepare(wait=wait) for model in self.models]
         return [thread for thread in threads if thread is not None]
 
-    def prepare_signature(self, shapes: Mapping[str, Sequence[int]]) -> List[threading.Thread]:
+    def prepare_signature(self, shapes: Mapping[str, Sequence[int]]) -> threading.Thread:
         """Each part's first run for these input shapes (the whole model's), every part's in a thread of its own at
-        once (:meth:`IOBindingORTModel.prepare_signature`)."""
-        threads = [model.prepare_signature(inputs) for model, inputs in zip(self.models, self.input_shapes(shapes))]
-        return [thread for thread in threads if thread is not None]
+        once (:meth:`IOBindingORTModel.prepare_signature`), started from a thread that works out their shapes (the
+        caller goes on at once) and ends when theirs have."""
+
+        def prepare() -> None:
+            try:
+                parts = [
+                    model.prepare_signature(inputs) for model, inputs in zip(self.models, self.input_shapes(shapes))
+                ]
+            except Exception as error:  # the first call with these shapes makes them, and reports what fails
+                logger.debug("cold-start parts: preparing %s failed: %s", dict(shapes), error)
+                return
+            for thread in parts:
+                if thread is not None:
+                    thread.join()
+
+        # not a daemon: the interpreter waits for runs being made rather than tearing ORT down under them
+        thread = threading.Thread(target=prepare, name="prepare signature (cold-start parts)")
+        thread.start()
+        return thread
 
     def first_part_buffers(self, shapes: Mapping[str, Sequence[int]]) -> Optional[Dict[str, torch.Tensor]]:
         """The first part's graph input buffers for a call with these shapes (the inputs it reads), or ``None``."""
@@ -109,6 +138,15 @@ class PartChain:
             self.input_shapes(shapes)[0],
             {name: tensor for name, tensor in buffers.items() if name in first.input_names},
         )
+
+    @property
+    def graph_fallbacks(self) -> Dict[Tuple, str]:
+        """Each part's signatures that run without a CUDA graph, and why (the part's number in front)."""
+        return {
+            (number, *signature): why
+            for number, model in enumerate(self.models)
+            for signature, why in model.graph_fallbacks.items()
+        }
 
     @property
     def sessions_created(self) -> int:

@@ -34,7 +34,9 @@ def parted(tiny_folder, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def parted_fused(tiny_fused_folder, tmp_path_factory):
-    return with_parts(tiny_fused_folder, tmp_path_factory.mktemp("cold-fused") / "sd", 3)
+    # four parts: the middle ones take no input of the UNet's full size of their own (their attention tokens are
+    # height × width expressions), so the export gives them the sample too
+    return with_parts(tiny_fused_folder, tmp_path_factory.mktemp("cold-fused") / "sd", 4)
 
 
 def unet_inputs(timestep_rows: int = 2):
@@ -55,7 +57,7 @@ def test_a_unet_with_parts_runs_them_in_turn_and_gives_the_whole_models_output(
     whole_folder = tiny_folder if fixture == "parted" else tiny_fused_folder
     parts = cold_start_part_files(folder / "unet")
     assert [path.name for path in parts] == [COLD_START_PART.format(number=k) for k in range(len(parts))]
-    assert len(parts) == (2 if fixture == "parted" else 3)
+    assert len(parts) == (2 if fixture == "parted" else 4)
     model = IOBindingORTModel.from_pretrained(folder / "unet")
     whole = IOBindingORTModel.from_pretrained(whole_folder / "unet")
     assert len(model.cold_start_parts) == len(parts) and whole.cold_start_parts == []
@@ -64,6 +66,8 @@ def test_a_unet_with_parts_runs_them_in_turn_and_gives_the_whole_models_output(
     (got,) = model(**inputs)
     (expected,) = whole(**inputs)
     assert got.shape == expected.shape and torch.equal(got, expected)
+    (from_numpy,) = model(**{**inputs, "timestep": inputs["timestep"].numpy()})  # as diffusers' numpy pipelines call
+    assert torch.equal(from_numpy, expected)
     # the whole model's session is never made: one session per part
     assert model.sessions_created == len(parts)
     # each part's input shapes, known before any run from the declared dims of the parts before it
@@ -72,10 +76,21 @@ def test_a_unet_with_parts_runs_them_in_turn_and_gives_the_whole_models_output(
     for part, part_shapes in zip(model.cold_start_parts[1:], shapes[1:]):
         assert set(part_shapes) == set(part.input_names)
         assert all(len(shape) >= 1 and all(d > 0 for d in shape) for shape in part_shapes.values())
+    # and each part sizes its outputs from its inputs alone, as it runs: the shapes the parts' runs give
+    values = dict(inputs, timestep=inputs["timestep"].expand(2).contiguous())
+    for part, part_shapes in zip(model.cold_start_parts, shapes):
+        assert part_shapes == {name: tuple(values[name].shape) for name in part.input_names}
+        outputs = part(**{name: values[name] for name in part.input_names})
+        predicted = part.shape_inferencer(part_shapes)
+        for name, output in zip(part.output_names, outputs):
+            assert predicted[name] == tuple(output.shape), name
+        values.update(zip(part.output_names, outputs))
 
 
-@pytest.mark.parametrize("io_binding", [True, False])
-def test_the_pipeline_with_the_unets_parts_makes_the_same_images(parted, tiny_folder, io_binding):
+@pytest.mark.parametrize("io_binding, fused", [(True, False), (False, False), (True, True)])
+def test_the_pipeline_with_the_unets_parts_makes_the_same_images(
+    parted, parted_fused, tiny_folder, tiny_fused_folder, io_binding, fused
+):
     def images(folder):
         pipe = OnnxStableDiffusionPipeline.from_pretrained(folder, io_binding=io_binding)
         pipe.set_progress_bar_config(disable=True)
@@ -88,7 +103,18 @@ def test_the_pipeline_with_the_unets_parts_makes_the_same_images(parted, tiny_fo
             output_type="np",
         ).images
 
-    np.testing.assert_array_equal(images(parted), images(tiny_folder))
+    if fused:
+        np.testing.assert_array_equal(images(parted_fused), images(tiny_fused_folder))
+    else:
+        np.testing.assert_array_equal(images(parted), images(tiny_folder))
+
+
+def test_a_model_made_from_a_given_session_runs_that_session(parted):
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(parted / "unet" / "model.onnx"), providers=["CPUExecutionProvider"])
+    model = IOBindingORTModel(session)
+    assert model.cold_start_parts == [] and model.session is session
 
 
 def test_a_saved_pipeline_keeps_the_unets_parts(parted, tmp_path):
