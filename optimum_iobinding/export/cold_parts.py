@@ -197,21 +197,12 @@ def write_cold_start_parts(folder: Path, parts: int) -> List[Path]:
     their paths. Types and dims come from ORT's symbolic shape inference, as for the step caches' parts; the constants
     are initializers (each part holds those it reads), and the first part takes the timestep of every row
     (:func:`batch_for_timestep`)."""
-    from .optimize import constants_folded, in_folder
-    from .step_cache import split_graph
-    from .transformer_fusions import inferred_shapes
+    from .step_cache import add_inferred_shapes, split_graph
 
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     constants_as_initializers(model)
     batch_for_timestep(model)
-    with in_folder(folder):  # small constants inference reads may be in the weights file
-        typed = inferred_shapes(model)
-        if typed is model.graph:  # ORT's inference failed: again with the exporter's index arithmetic computed
-            typed = inferred_shapes(constants_folded(model, folder))
-    inferred = {value.name for value in typed.value_info}
-    kept = [value for value in model.graph.value_info if value.name not in inferred]
-    del model.graph.value_info[:]
-    model.graph.value_info.extend([*kept, *typed.value_info])
+    add_inferred_shapes(model, folder)
     paths = []
     for number, part in enumerate(split_graph(model, cold_start_cuts(model, parts))):
         check_typed(part, number, {value.name for value in model.graph.input})

@@ -267,24 +267,30 @@ def drop_marks(model: onnx.ModelProto) -> None:
     model.graph.output.extend(kept)
 
 
-def write_step_cache_parts(folder: Path) -> List[Path]:
-    """Cuts the transformer written at ``folder/model.onnx`` (its weights left where they are) into the
-    :data:`STEP_CACHE_PARTS` and writes them beside it; returns their paths. The element types of the values
-    between the parts come from ORT's symbolic shape inference (a float32 export carries none)."""
+def add_inferred_shapes(model: onnx.ModelProto, folder: Path) -> None:
+    """Puts into ``model``'s ``value_info`` (in place) the types and dims ORT's symbolic shape inference gives its
+    values (a model loaded from ``folder`` without its weights), before a cut: the inferred shapes win over what is
+    there, since a float16 conversion leaves value_info with types but no shapes, and the runtime sizes a part's
+    outputs (for its CUDA graph) from their dims."""
     from .optimize import in_folder
     from .transformer_fusions import inferred_shapes
 
-    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     with in_folder(folder):  # small constants inference reads may be in the weights file
         typed = inferred_shapes(model)
         if typed is model.graph:  # ORT's inference failed: again with the exporter's index arithmetic computed
             typed = inferred_shapes(constants_folded(model, folder))
-    # the inferred shapes win: a float16 conversion leaves value_info with types but no shapes, and the runtime sizes
-    # a part's outputs (for its CUDA graph) from their dims
     inferred = {value.name for value in typed.value_info}
     kept = [value for value in model.graph.value_info if value.name not in inferred]
     del model.graph.value_info[:]
     model.graph.value_info.extend([*kept, *typed.value_info])
+
+
+def write_step_cache_parts(folder: Path) -> List[Path]:
+    """Cuts the transformer written at ``folder/model.onnx`` (its weights left where they are) into the
+    :data:`STEP_CACHE_PARTS` and writes them beside it; returns their paths. The element types of the values
+    between the parts come from ORT's symbolic shape inference (a float32 export carries none)."""
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    add_inferred_shapes(model, folder)
     parts = split_graph(model, [ends for _, ends in STEP_CACHE_PARTS], skippable=[1])
     paths = []
     for (name, _), part in zip(STEP_CACHE_PARTS, parts):

@@ -39,6 +39,24 @@ def parted_fused(tiny_fused_folder, tmp_path_factory):
     return with_parts(tiny_fused_folder, tmp_path_factory.mktemp("cold-fused") / "sd", 4)
 
 
+def pipe_of(folder, **options):
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(folder, **options)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def images(pipe, steps: int):
+    """The pipeline's images of one seeded 64² call of ``steps`` steps."""
+    return pipe(
+        "a cat",
+        height=64,
+        width=64,
+        num_inference_steps=steps,
+        generator=torch.Generator().manual_seed(1),
+        output_type="np",
+    ).images
+
+
 def unet_inputs(timestep_rows: int = 2):
     generator = torch.Generator().manual_seed(0)
     return {
@@ -91,22 +109,13 @@ def test_a_unet_with_parts_runs_them_in_turn_and_gives_the_whole_models_output(
 def test_the_pipeline_with_the_unets_parts_makes_the_same_images(
     parted, parted_fused, tiny_folder, tiny_fused_folder, io_binding, fused
 ):
-    def images(folder):
-        pipe = OnnxStableDiffusionPipeline.from_pretrained(folder, io_binding=io_binding)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe(
-            "a cat",
-            height=64,
-            width=64,
-            num_inference_steps=3,
-            generator=torch.Generator().manual_seed(1),
-            output_type="np",
-        ).images
+    def folder_images(folder):
+        return images(pipe_of(folder, io_binding=io_binding), steps=3)
 
     if fused:
-        np.testing.assert_array_equal(images(parted_fused), images(tiny_fused_folder))
+        np.testing.assert_array_equal(folder_images(parted_fused), folder_images(tiny_fused_folder))
     else:
-        np.testing.assert_array_equal(images(parted), images(tiny_folder))
+        np.testing.assert_array_equal(folder_images(parted), folder_images(tiny_folder))
 
 
 def test_a_model_made_from_a_given_session_runs_that_session(parted):
@@ -131,28 +140,13 @@ def test_a_saved_pipeline_keeps_the_unets_parts(parted, tmp_path):
 def test_a_lora_reaches_the_unets_parts(parted, tiny_folder, make_lora, tmp_path):
     lora = make_lora(TINY_RANDOM_KINDS["sd"](), tmp_path / "lora", 1, ["to_q", "to_v", "conv1", "ff.net.2"])
 
-    def pipe_of(folder):
-        pipe = OnnxStableDiffusionPipeline.from_pretrained(folder)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-
-    def images(pipe):
-        return pipe(
-            "a cat",
-            height=64,
-            width=64,
-            num_inference_steps=2,
-            generator=torch.Generator().manual_seed(1),
-            output_type="np",
-        ).images
-
     ours, reference = pipe_of(parted), pipe_of(tiny_folder)
-    before = images(ours)
+    before = images(ours, steps=2)
     for pipe in (ours, reference):
         pipe.load_lora_weights(lora, adapter_name="a")
-    after = images(ours)
+    after = images(ours, steps=2)
     assert np.abs(after - before).max() > 1e-3  # the LoRA changed the image
-    np.testing.assert_allclose(after, images(reference), atol=1e-5)
+    np.testing.assert_allclose(after, images(reference, steps=2), atol=1e-5)
     # the parts read the UNet's owned weights now: one copy, changed in place
     owned = ours.unet.owned_weights
     assert owned
@@ -172,14 +166,12 @@ def test_deepcaches_folder_with_parts_runs_the_parts_uncached_and_its_own_graphs
         path.unlink()
     runs = {}
     for name, source in (("parts", folder), ("plain", plain)):
-        pipe = OnnxStableDiffusionPipeline.from_pretrained(source)
-        pipe.set_progress_bar_config(disable=True)
+        pipe = pipe_of(source)
         # DeepCache's folder owns the UNet's weights from the start: the parts read them
         assert len(pipe.unet.cold_start_parts) == (2 if name == "parts" else 0)
-        arguments = dict(height=64, width=64, num_inference_steps=4, output_type="np")
-        uncached = pipe("a cat", generator=torch.Generator().manual_seed(1), **arguments).images
+        uncached = images(pipe, steps=4)
         pipe.enable_cache(DeepCacheConfig(cache_interval=2, cache_branch_id=0))
-        cached = pipe("a cat", generator=torch.Generator().manual_seed(1), **arguments).images
+        cached = images(pipe, steps=4)
         runs[name] = (uncached, cached)
     np.testing.assert_array_equal(runs["parts"][0], runs["plain"][0])
     np.testing.assert_array_equal(runs["parts"][1], runs["plain"][1])
