@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Set
 
 import onnx
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, ModelFileError
 from ..layout import COLD_START_PART
 
 __all__ = ["SETUP_OPERATORS", "cold_start_cuts", "graph_order", "write_cold_start_parts"]
@@ -151,17 +151,23 @@ def bound_names(values: Sequence[onnx.ValueInfoProto]) -> Set[str]:
 
 
 def check_typed(part: onnx.ModelProto, number: int, graph_inputs: Set[str]) -> None:
-    """Refuses a part that takes a value of an earlier part whose type ORT's shape inference did not give."""
-    untyped = [
-        value.name
-        for value in part.graph.input
-        if value.name not in graph_inputs and value.type.tensor_type.elem_type == onnx.TensorProto.UNDEFINED
-    ]
+    """Refuses a part that takes a value of an earlier part whose type or dims ORT's shape inference did not give (a
+    runtime sizes the part's inputs from them before any run)."""
+
+    def typed(value: onnx.ValueInfoProto) -> bool:
+        tensor = value.type.tensor_type
+        return (
+            tensor.elem_type != onnx.TensorProto.UNDEFINED
+            and tensor.HasField("shape")
+            and all(dim.HasField("dim_value") or dim.dim_param for dim in tensor.shape.dim)
+        )
+
+    untyped = [value.name for value in part.graph.input if value.name not in graph_inputs and not typed(value)]
     if untyped:
         raise ArgumentError(
             "cold_start_parts",
-            f"part {number} takes {untyped[:3]} from an earlier part, whose type ORT's shape inference did not give: "
-            "expected a UNet it types throughout (export without cold-start parts)",
+            f"part {number} takes {untyped[:3]} from an earlier part, whose type or dims ORT's shape inference did not "
+            "give: expected a UNet it types throughout (export without cold-start parts)",
         )
 
 
@@ -196,13 +202,25 @@ def write_cold_start_parts(folder: Path, parts: int) -> List[Path]:
     (:func:`cold_start_cuts`) and writes them beside it as :data:`~optimum_iobinding.layout.COLD_START_PART`; returns
     their paths. Types and dims come from ORT's symbolic shape inference, as for the step caches' parts; the constants
     are initializers (each part holds those it reads), and the first part takes the timestep of every row
-    (:func:`batch_for_timestep`)."""
+    (:func:`batch_for_timestep`).
+
+    Raises:
+        ModelFileError: ORT's shape inference failed on the UNet (where it cannot read the small weights it computes
+            with, for one: onnx refuses a weights file with more than one hard link).
+        ArgumentError: ``parts`` cannot cut this UNet, or a part would take a value without type or dims.
+    """
     from .step_cache import add_inferred_shapes, split_graph
 
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     constants_as_initializers(model)
     batch_for_timestep(model)
-    add_inferred_shapes(model, folder)
+    try:  # the parts' dims must come from it: a part whose inputs have none cannot be sized before it runs
+        add_inferred_shapes(model, folder, strict=True)
+    except Exception as error:
+        raise ModelFileError(
+            str(folder / "model.onnx"),
+            f"ORT's symbolic shape inference, which gives the cold-start parts their dims, failed: {error}",
+        ) from error
     paths = []
     for number, part in enumerate(split_graph(model, cold_start_cuts(model, parts))):
         check_typed(part, number, {value.name for value in model.graph.input})

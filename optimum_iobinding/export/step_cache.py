@@ -267,18 +267,19 @@ def drop_marks(model: onnx.ModelProto) -> None:
     model.graph.output.extend(kept)
 
 
-def add_inferred_shapes(model: onnx.ModelProto, folder: Path) -> None:
+def add_inferred_shapes(model: onnx.ModelProto, folder: Path, strict: bool = False) -> None:
     """Puts into ``model``'s ``value_info`` (in place) the types and dims ORT's symbolic shape inference gives its
     values (a model loaded from ``folder`` without its weights), before a cut: the inferred shapes win over what is
     there, since a float16 conversion leaves value_info with types but no shapes, and the runtime sizes a part's
-    outputs (for its CUDA graph) from their dims."""
+    outputs (for its CUDA graph) from their dims. ``strict``: where the inference fails twice (the second time with the
+    exporter's index arithmetic computed), that failure raised instead of the model left as it was."""
     from .optimize import in_folder
     from .transformer_fusions import inferred_shapes
 
     with in_folder(folder):  # small constants inference reads may be in the weights file
         typed = inferred_shapes(model)
         if typed is model.graph:  # ORT's inference failed: again with the exporter's index arithmetic computed
-            typed = inferred_shapes(constants_folded(model, folder))
+            typed = inferred_shapes(constants_folded(model, folder), strict=strict)
     inferred = {value.name for value in typed.value_info}
     kept = [value for value in model.graph.value_info if value.name not in inferred]
     del model.graph.value_info[:]

@@ -122,12 +122,12 @@ def _attribute(node: onnx.NodeProto, name: str, default):
     return default if attribute is None else helper.get_attribute_value(attribute)
 
 
-def inferred_shapes(model: onnx.ModelProto) -> onnx.GraphProto:
+def inferred_shapes(model: onnx.ModelProto, strict: bool = False) -> onnx.GraphProto:
     """A copy of ``model``'s graph with the shapes of its values from ORT's symbolic shape inference (onnx's own stops at
     the com.microsoft operators ORT's optimizer writes), so that a rewrite can ask a value's rank and dims. The copy
     holds the small initializers (shape constants, biases: inference may compute with them; read from disk, relative
     to the working directory, where the model was loaded without them) and only the dims of the others: the weights
-    are neither copied nor read."""
+    are neither copied nor read. Where the inference fails: the graph as it is, or with ``strict`` the failure raised."""
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     light = onnx.ModelProto()
@@ -150,7 +150,9 @@ def inferred_shapes(model: onnx.ModelProto) -> onnx.GraphProto:
                 stub.dims.extend(tensor.dims)
         return SymbolicShapeInference.infer_shapes(light, auto_merge=True, guess_output_rank=False).graph
     except Exception:  # data not where the working directory says, or ORT's inference fails on some graph: no
-        return model.graph  # shapes beyond what the model carries, so no rewrite that needs one
+        if strict:  # shapes beyond what the model carries, so no rewrite that needs one
+            raise
+        return model.graph
 
 
 def _is_modulation(dims: Optional[tuple], channels) -> bool:

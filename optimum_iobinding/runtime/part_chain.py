@@ -23,6 +23,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..errors import ModelFileError
+
 logger = logging.getLogger(__name__)
 
 Shape = Tuple[int, ...]
@@ -74,7 +76,14 @@ class PartChain:
         if rows is not None:
             known[TIMESTEP] = (rows,)
         result = []
-        for model in self.models:
+        for number, model in enumerate(self.models):
+            unknown = [name for name in model.input_names if name not in known]
+            if unknown:  # a part written without its inputs' dims (an export before the check of them)
+                raise ModelFileError(
+                    str(self.paths[number]),
+                    f"takes {unknown[:3]}, whose dims neither the call's inputs nor the parts before it give: export "
+                    "the UNet's cold-start parts again",
+                )
             inputs = {name: known[name] for name in model.input_names}
             result.append(inputs)
             for name, shape in model.shape_inferencer(inputs).items():

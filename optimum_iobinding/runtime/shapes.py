@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Unio
 
 import onnx
 
-from ..errors import ArgumentError, ArgumentPathError
+from ..errors import ArgumentError, ArgumentPathError, ModelFileError
 
 Dim = Union[int, str, None]
 Shape = Tuple[int, ...]
@@ -486,6 +486,9 @@ def model_skeleton(source: Union[str, os.PathLike, bytes, onnx.ModelProto]) -> o
     """Returns the model with its large initializers replaced by typed graph inputs.
 
     Small initializers (shape constants, axes) keep their values, loaded from external data where they live there.
+
+    Raises:
+        ModelFileError: such a value cannot be read (its file not there, or one onnx refuses: several hard links).
     """
     base_dir = None
     if isinstance(source, onnx.ModelProto):
@@ -508,7 +511,12 @@ def model_skeleton(source: Union[str, os.PathLike, bytes, onnx.ModelProto]) -> o
         if tensor.data_location == onnx.TensorProto.EXTERNAL and base_dir is not None:
             from onnx.external_data_helper import load_external_data_for_tensor
 
-            load_external_data_for_tensor(tensor, base_dir)
+            try:
+                load_external_data_for_tensor(tensor, base_dir)
+            except Exception as error:  # onnx's own refusals (a file with several hard links), a file not there
+                raise ModelFileError(
+                    os.fspath(source), f"cannot read the weight {tensor.name!r} from its weights file: {error}"
+                ) from error
             tensor.data_location = onnx.TensorProto.DEFAULT
             del tensor.external_data[:]
         kept.append(tensor)

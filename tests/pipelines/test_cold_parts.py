@@ -3,6 +3,7 @@ pipelines in its place, with what the whole UNet computes."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -13,11 +14,12 @@ import pytest
 import torch
 
 from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionPipeline
-from optimum_iobinding.errors import ArgumentError
+from optimum_iobinding.errors import ArgumentError, ModelFileError
 from optimum_iobinding.export import export_pipeline
 from optimum_iobinding.export.cold_parts import cold_start_cuts, graph_order, write_cold_start_parts
 from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
 from optimum_iobinding.layout import COLD_START_PART, cold_start_part_files
+from optimum_iobinding.runtime.shapes import infer_output_shapes
 
 
 def with_parts(folder, target, parts):
@@ -226,3 +228,45 @@ def test_the_export_command_names_its_option_when_it_refuses_a_count(tmp_path):
         .endswith("--cold-start-parts: expected 0 or an integer of 2 or more, got 1")
     )
     assert not (tmp_path / "out").exists()
+
+
+def linked_unet(tiny_folder, tmp_path):
+    """A copy of the tiny UNet with every weight in one file that has a second hard link (as ``cp -al`` makes)."""
+    folder = tmp_path / "unet"
+    shutil.copytree(tiny_folder / "unet", folder)
+    model = onnx.load(str(folder / "model.onnx"))
+    (folder / "model.onnx").unlink()
+    onnx.save_model(model, str(folder / "model.onnx"), save_as_external_data=True, location="weights.pb")
+    os.link(folder / "weights.pb", tmp_path / "second-link.pb")
+    return folder
+
+
+def test_parts_are_refused_where_shape_inference_cannot_read_the_weights(tiny_folder, tmp_path):
+    folder = linked_unet(tiny_folder, tmp_path)
+    with pytest.raises(ModelFileError, match="model.onnx: ORT's symbolic shape inference.* failed: .*hard link"):
+        write_cold_start_parts(folder, 2)
+    assert cold_start_part_files(folder) == []  # no part written without its dims
+    # the runtime's shape inference names the file and the weight it could not read
+    with pytest.raises(
+        ModelFileError, match="model.onnx: cannot read the weight .* from its weights file: .*hard link"
+    ):
+        infer_output_shapes(
+            str(folder / "model.onnx"), {"sample": (2, 4, 8, 8), "timestep": (2,), "encoder_hidden_states": (2, 77, 32)}
+        )
+
+
+def test_a_part_that_takes_what_no_part_before_it_gives_is_named(parted, tmp_path):
+    # parts that do not belong together (a part written again from another export, or without its dims): the first
+    # part no longer gives a value the second takes
+    folder = tmp_path / "unet"
+    shutil.copytree(parted / "unet", folder)
+    first = folder / COLD_START_PART.format(number=0)
+    maker = onnx.load(str(first))
+    taken = {value.name for value in onnx.load(str(folder / COLD_START_PART.format(number=1))).graph.input}
+    dropped = next(value for value in maker.graph.output if value.name in taken)
+    maker.graph.output.remove(dropped)
+    onnx.save_model(maker, str(first))
+    model = IOBindingORTModel.from_pretrained(folder)
+    shapes = {name: tuple(tensor.shape) for name, tensor in unet_inputs().items()}
+    with pytest.raises(ModelFileError, match=f"cold_part_1.onnx: takes \\[{dropped.name!r}.*export the UNet's cold"):
+        model.cold_start_part_shapes(shapes)
