@@ -208,9 +208,16 @@ def write_cold_start_parts(folder: Path, parts: int) -> List[Path]:
         ModelFileError: ORT's shape inference failed on the UNet (where it cannot read the small weights it computes
             with, for one: onnx refuses a weights file with more than one hard link).
         ArgumentError: ``parts`` cannot cut this UNet, or a part would take a value without type or dims.
+        FileExistsError: the folder holds more cold-start parts than ``parts``, which would run after the new ones.
     """
     from .step_cache import add_inferred_shapes, split_graph
 
+    beyond = folder / COLD_START_PART.format(number=parts)
+    if beyond.exists():  # a runtime would run them after the new ones
+        raise FileExistsError(
+            f"{folder}: expected no cold-start parts past the {parts} asked for, got {beyond.name}: remove the folder's "
+            "cold_part_*.onnx first"
+        )
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     constants_as_initializers(model)
     batch_for_timestep(model)

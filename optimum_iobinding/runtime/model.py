@@ -460,7 +460,8 @@ class IOBindingORTModel:
         """Writes the model, every external-data file it references, its cold-start parts, config and LoRA map (if
         any) into ``save_directory``. A file of the same name already there is an error unless ``overwrite=True`` (a save
         onto the model's own files leaves them as they are); each file is written beside its place and renamed
-        into it, so a failed save never leaves half a file.
+        into it, so a failed save never leaves half a file. Cold-start parts there past the model's own, which the
+        saved ``model.onnx`` would run through, count as such files: ``overwrite=True`` removes them.
 
         Returns:
             The path of the written .onnx file.
@@ -493,6 +494,10 @@ class IOBindingORTModel:
             and (os.path.samefile(copy_from, path) if copy_from is not None else path.read_bytes() == data)
         }
         existing = [str(path) for _, path, _ in writes if path.exists() and path not in same]
+        # cold-start parts there past this model's own (none, or fewer): the saved model.onnx would run through them
+        ours = len(self._chain.paths) if self._chain is not None and source is not None else 0
+        stale = cold_start_part_files(directory)[ours:] if file_name == "model.onnx" else []
+        existing += [str(path) for path in stale]
         if existing and not overwrite:
             raise FileExistsError(
                 f"save_directory: expected no files named like the model's there, got "
@@ -509,6 +514,8 @@ class IOBindingORTModel:
             else:
                 shutil.copyfile(copy_from, scratch)
             os.replace(scratch, path)
+        for path in stale:  # overwrite=True: the folder's parts are this model's now
+            path.unlink()
         return str(target)
 
     # -------------------------------------------------------------------------------------------------- properties

@@ -270,3 +270,28 @@ def test_a_part_that_takes_what_no_part_before_it_gives_is_named(parted, tmp_pat
     shapes = {name: tuple(tensor.shape) for name, tensor in unet_inputs().items()}
     with pytest.raises(ModelFileError, match=f"cold_part_1.onnx: takes \\[{dropped.name!r}.*export the UNet's cold"):
         model.cold_start_part_shapes(shapes)
+
+
+def test_parts_of_another_cut_in_the_folder_are_refused_or_replaced(parted, parted_fused, tiny_folder, tmp_path):
+    four = tmp_path / "four"
+    shutil.copytree(parted_fused / "unet", four)
+    # writing fewer parts where more are: the runtime would run the old ones after the new
+    with pytest.raises(FileExistsError, match="expected no cold-start parts past the 2 asked for, got cold_part_2"):
+        write_cold_start_parts(four, 2)
+    assert len(cold_start_part_files(four)) == 4
+    two, whole = (
+        IOBindingORTModel.from_pretrained(parted / "unet"),
+        IOBindingORTModel.from_pretrained(tiny_folder / "unet"),
+    )
+    inputs = unet_inputs()
+    expected = whole(**inputs)[0]
+    for model, kept in ((two, 2), (whole, 0)):
+        target = tmp_path / f"saved-{kept}"
+        shutil.copytree(parted_fused / "unet", target)
+        with pytest.raises(FileExistsError, match="cold_part_3.onnx"):
+            model.save_pretrained(target)
+        model.save_pretrained(target, overwrite=True)
+        assert len(cold_start_part_files(target)) == kept
+        saved = IOBindingORTModel.from_pretrained(target)
+        assert len(saved.cold_start_parts) == kept
+        assert torch.equal(saved(**inputs)[0], expected)
