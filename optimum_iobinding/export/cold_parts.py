@@ -18,6 +18,7 @@ rounding of what ORT fuses across a cut in the whole graph).
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Set
@@ -212,12 +213,6 @@ def write_cold_start_parts(folder: Path, parts: int) -> List[Path]:
     """
     from .step_cache import add_inferred_shapes, split_graph
 
-    beyond = folder / COLD_START_PART.format(number=parts)
-    if beyond.exists():  # a runtime would run them after the new ones
-        raise FileExistsError(
-            f"{folder}: expected no cold-start parts past the {parts} asked for, got {beyond.name}: remove the folder's "
-            "cold_part_*.onnx first"
-        )
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     constants_as_initializers(model)
     batch_for_timestep(model)
@@ -228,11 +223,23 @@ def write_cold_start_parts(folder: Path, parts: int) -> List[Path]:
             str(folder / "model.onnx"),
             f"ORT's symbolic shape inference, which gives the cold-start parts their dims, failed: {error}",
         ) from error
-    paths = []
-    for number, part in enumerate(split_graph(model, cold_start_cuts(model, parts))):
+    cuts = cold_start_cuts(model, parts)
+    beyond = folder / COLD_START_PART.format(number=parts)
+    if beyond.exists():  # a runtime would run them after the new ones
+        raise FileExistsError(
+            f"{folder}: expected no cold-start parts past the {parts} asked for, got {beyond.name}: remove the folder's "
+            "cold_part_*.onnx first"
+        )
+    made = split_graph(model, cuts)
+    for number, part in enumerate(made):  # every part checked before any is written
         check_typed(part, number, {value.name for value in model.graph.input})
         give_dim_names(part, number, list(model.graph.input))
-        path = folder / COLD_START_PART.format(number=number)
-        onnx.save_model(part, str(path))
-        paths.append(path)
+    paths = [folder / COLD_START_PART.format(number=number) for number in range(len(made))]
+    for part, path in zip(made, paths):
+        scratch = path.with_name(path.name + ".partial")
+        onnx.save_model(part, str(scratch))
+    # an old first part out, then the first part last: no chain of new and old parts is ever there to load
+    paths[0].unlink(missing_ok=True)
+    for path in reversed(paths):
+        os.replace(path.with_name(path.name + ".partial"), path)
     return paths

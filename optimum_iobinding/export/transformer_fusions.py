@@ -25,6 +25,8 @@ the values the graph computes (up to float rounding) and only changes how many p
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -130,6 +132,8 @@ def inferred_shapes(model: onnx.ModelProto, strict: bool = False) -> onnx.GraphP
     are neither copied nor read. Where the inference fails: the graph as it is, or with ``strict`` the failure raised."""
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
+    from .optimize import in_folder
+
     light = onnx.ModelProto()
     light.ir_version = model.ir_version
     light.opset_import.extend(model.opset_import)
@@ -148,7 +152,10 @@ def inferred_shapes(model: onnx.ModelProto, strict: bool = False) -> onnx.GraphP
                 stub = light.graph.initializer.add()
                 stub.name, stub.data_type = tensor.name, tensor.data_type
                 stub.dims.extend(tensor.dims)
-        return SymbolicShapeInference.infer_shapes(light, auto_merge=True, guess_output_rank=False).graph
+        # where it infers all but some values, ORT writes the model into the working directory (the model's folder,
+        # for the small weights read above): a scratch folder's instead
+        with tempfile.TemporaryDirectory(prefix="shape-inference-") as scratch, in_folder(Path(scratch)):
+            return SymbolicShapeInference.infer_shapes(light, auto_merge=True, guess_output_rank=False).graph
     except Exception:  # data not where the working directory says, or ORT's inference fails on some graph: no
         if strict:  # shapes beyond what the model carries, so no rewrite that needs one
             raise

@@ -496,7 +496,8 @@ class IOBindingORTModel:
         existing = [str(path) for _, path, _ in writes if path.exists() and path not in same]
         # cold-start parts there past this model's own (none, or fewer): the saved model.onnx would run through them
         ours = len(self._chain.paths) if self._chain is not None and source is not None else 0
-        stale = cold_start_part_files(directory)[ours:] if file_name == "model.onnx" else []
+        # (none where the saved model.onnx is the file already there: the parts there were made from it)
+        stale = cold_start_part_files(directory)[ours:] if file_name == "model.onnx" and target not in same else []
         existing += [str(path) for path in stale]
         if existing and not overwrite:
             raise FileExistsError(
@@ -504,6 +505,8 @@ class IOBindingORTModel:
                 f"{existing}; pass overwrite=True to replace them"
             )
         directory.mkdir(parents=True, exist_ok=True)
+        for path in stale:  # overwrite=True: the folder's parts are this model's now (the first one out first)
+            path.unlink()
         for copy_from, path, data in writes:
             if path in same:
                 continue
@@ -514,8 +517,6 @@ class IOBindingORTModel:
             else:
                 shutil.copyfile(copy_from, scratch)
             os.replace(scratch, path)
-        for path in stale:  # overwrite=True: the folder's parts are this model's now
-            path.unlink()
         return str(target)
 
     # -------------------------------------------------------------------------------------------------- properties

@@ -81,8 +81,9 @@ class PartChain:
             if unknown:  # a part written without its inputs' dims (an export before the check of them)
                 raise ModelFileError(
                     str(self.paths[number]),
-                    f"takes {unknown[:3]}, whose dims neither the call's inputs nor the parts before it give: export "
-                    "the UNet's cold-start parts again",
+                    f"takes {unknown[:3]}, whose dims neither the call's inputs nor the parts before it give (parts "
+                    "of another export, or a value whose shape depends on the data): export the UNet's cold-start "
+                    "parts again",
                 )
             inputs = {name: known[name] for name in model.input_names}
             result.append(inputs)
