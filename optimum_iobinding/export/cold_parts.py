@@ -235,11 +235,16 @@ def write_cold_start_parts(folder: Path, parts: int) -> List[Path]:
         check_typed(part, number, {value.name for value in model.graph.input})
         give_dim_names(part, number, list(model.graph.input))
     paths = [folder / COLD_START_PART.format(number=number) for number in range(len(made))]
-    for part, path in zip(made, paths):
-        scratch = path.with_name(path.name + ".partial")
-        onnx.save_model(part, str(scratch))
+    scratches = [path.with_name(path.name + ".partial") for path in paths]
+    try:
+        for part, scratch in zip(made, scratches):
+            onnx.save_model(part, str(scratch))
+    except BaseException:  # a disk full: no scratch file left behind
+        for scratch in scratches:
+            scratch.unlink(missing_ok=True)
+        raise
     # an old first part out, then the first part last: no chain of new and old parts is ever there to load
     paths[0].unlink(missing_ok=True)
-    for path in reversed(paths):
-        os.replace(path.with_name(path.name + ".partial"), path)
+    for scratch, path in reversed(list(zip(scratches, paths))):
+        os.replace(scratch, path)
     return paths

@@ -156,10 +156,10 @@ def inferred_shapes(model: onnx.ModelProto, strict: bool = False) -> onnx.GraphP
         # for the small weights read above): a scratch folder's instead
         with tempfile.TemporaryDirectory(prefix="shape-inference-") as scratch, in_folder(Path(scratch)):
             return SymbolicShapeInference.infer_shapes(light, auto_merge=True, guess_output_rank=False).graph
-    except Exception:  # data not where the working directory says, or ORT's inference fails on some graph: no
-        if strict:  # shapes beyond what the model carries, so no rewrite that needs one
+    except Exception:  # data not where the working directory says, or ORT's inference fails on some graph
+        if strict:
             raise
-        return model.graph
+        return model.graph  # no shapes beyond what the model carries, so no rewrite that needs one
 
 
 def _is_modulation(dims: Optional[tuple], channels) -> bool:

@@ -78,7 +78,7 @@ class PartChain:
         result = []
         for number, model in enumerate(self.models):
             unknown = [name for name in model.input_names if name not in known]
-            if unknown:  # a part written without its inputs' dims (an export before the check of them)
+            if unknown:  # parts that do not belong together, or written without their inputs' dims
                 raise ModelFileError(
                     str(self.paths[number]),
                     f"takes {unknown[:3]}, whose dims neither the call's inputs nor the parts before it give (parts "
