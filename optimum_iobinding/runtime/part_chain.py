@@ -40,6 +40,8 @@ class PartChain:
         self.paths = list(paths)
         self._make = make
         self._lock = threading.RLock()
+        self._prepared_once = False  # whether a signature's first runs were made side by side already
+        self._prepared_lock = threading.Lock()  # not the run's: a call may be running the parts meanwhile
         self.shared = shared
         self.models: List[Any] = [make(path, shared) for path in self.paths]
         # the first part takes the timestep of every row where it declares the timestep of the sample's batch
@@ -116,21 +118,28 @@ class PartChain:
         return [thread for thread in threads if thread is not None]
 
     def prepare_signature(self, shapes: Mapping[str, Sequence[int]]) -> threading.Thread:
-        """Each part's first run for these input shapes (the whole model's), every part's in a thread of its own at
-        once (:meth:`IOBindingORTModel.prepare_signature`), started from a thread that works out their shapes (the
-        caller goes on at once) and ends when theirs have."""
+        """Each part's first run for these input shapes (the whole model's)
+        (:meth:`IOBindingORTModel.prepare_signature`), from a thread that works out their shapes (the caller goes on
+        at once) and ends when they are made. The first signature's (the cold start's) every part's in a thread of its
+        own at once; a later signature's one part after another: first runs side by side hold the sum of the parts'
+        activations at once in the arena they share, which keeps what it grew to, and a later batch size's is larger."""
+        with self._prepared_lock:
+            side_by_side, self._prepared_once = not self._prepared_once, True
+        started: List[threading.Thread] = []
 
         def prepare() -> None:
             try:
-                parts = [
-                    model.prepare_signature(inputs) for model, inputs in zip(self.models, self.input_shapes(shapes))
-                ]
+                for model, inputs in zip(self.models, self.input_shapes(shapes)):
+                    thread = model.prepare_signature(inputs)
+                    if thread is not None and not side_by_side:
+                        thread.join()
+                    elif thread is not None:
+                        started.append(thread)
             except Exception as error:  # the first call with these shapes makes them, and reports what fails
                 logger.debug("cold-start parts: preparing %s failed: %s", dict(shapes), error)
                 return
-            for thread in parts:
-                if thread is not None:
-                    thread.join()
+            for thread in started:
+                thread.join()
 
         # not a daemon: the interpreter waits for runs being made rather than tearing ORT down under them
         thread = threading.Thread(target=prepare, name="prepare signature (cold-start parts)")
