@@ -128,6 +128,11 @@ class CudaGraphRunner:
         self.runs += 1
         return self.output_buffers
 
+    @property
+    def first_run_made(self) -> bool:
+        """Whether ORT has run the graph's session for this runner (a :meth:`warm` run or a call's)."""
+        return self._ort_runs > 0
+
     def warm(self) -> None:
         """Runs the graph's session once from its buffers without capturing (nothing where the runner has no
         ``warm_options``): what ORT's regular run before a capture builds is then ready for it, and with

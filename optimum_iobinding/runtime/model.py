@@ -790,8 +790,9 @@ class IOBindingORTModel:
             return None
         check_input_names(input_shapes, self.input_names)
         shapes = {name: tuple(int(d) for d in shape) for name, shape in input_shapes.items()}
-        if signature_of(input_shapes) in pool.entries:  # read without the pool's lock, which a build holds
-            return None
+        made = pool.entries.get(signature_of(input_shapes))  # read without the pool's lock, which a build holds
+        if made is not None and not (isinstance(made, CudaGraphRunner) and not made.first_run_made):
+            return None  # run already, or not a graph (an entry made ahead, by adopt_graph_inputs, is still warmed)
 
         def prepare() -> None:
             try:
@@ -802,7 +803,7 @@ class IOBindingORTModel:
         def make() -> None:
             with self._lock, torch.cuda.stream(self._stream):
                 entry = self._new_entry(shapes)
-                if isinstance(entry, CudaGraphRunner) and not entry.runs:
+                if isinstance(entry, CudaGraphRunner) and not entry.first_run_made:
                     entry.warm()
 
         # not a daemon: the interpreter waits for a run being made rather than tearing ORT down under it

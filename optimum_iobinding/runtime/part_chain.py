@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ class PartChain:
         self._lock = threading.RLock()
         self._prepared_once = False  # whether a signature's first runs were made side by side already
         self._prepared_lock = threading.Lock()  # not the run's: a call may be running the parts meanwhile
+        self._linked: Set[Tuple] = set()  # the signatures whose parts' graphs were made reading each other's buffers
         self.shared = shared
         self.models: List[Any] = [make(path, shared) for path in self.paths]
         # the first part takes the timestep of every row where it declares the timestep of the sample's batch
@@ -106,11 +107,41 @@ class PartChain:
         # one call at a time: a part's captured graph writes the same output buffers for every caller, which the next
         # part reads
         with self._lock:
+            shapes = {name: tuple(np.shape(value)) for name, value in inputs.items()}
+            if self._link_once(shapes):  # a signature no prepare_signature linked: its graphs made linked here
+                written: Dict[str, torch.Tensor] = {}
+                for model, part_shapes in zip(self.models, self.input_shapes(shapes)):
+                    self._link(model, part_shapes, written)
             outputs: List[torch.Tensor] = []
             for model in self.models:
                 outputs = model(**{name: values[name] for name in model.input_names})
                 values.update(zip(model.output_names, outputs))
             return outputs
+
+    def _link_once(self, shapes: Mapping[str, Sequence[int]]) -> bool:
+        """Whether the parts' graphs of a call with these shapes are still to be linked (then they count as linked)."""
+        signature = tuple(sorted((name, tuple(int(d) for d in shape)) for name, shape in shapes.items()))
+        with self._prepared_lock:
+            if signature in self._linked:
+                return False
+            self._linked.add(signature)
+            return True
+
+    @staticmethod
+    def _link(model: Any, shapes: Mapping[str, Shape], written: Dict[str, torch.Tensor]) -> None:
+        """Makes ``model``'s graph of these input shapes (where it has none yet) read the buffers in ``written``,
+        which the graphs of the parts before it write, for the inputs it takes from them; then adds the buffers its
+        own graph writes to ``written``. A value that crosses a cut is then held once and copied by no call. Where
+        the part makes no graph, or a buffer does not fit, the graph keeps buffers of its own (and a call copies)."""
+        taken = {name: written[name] for name in model.input_names if name in written}
+        try:
+            model.adopt_graph_inputs(shapes, taken)
+        except ValueError as error:  # shapes or dtypes the parts' files declare differently: copied, as before
+            logger.debug("cold-start parts: %s reads buffers of its own: %s", model.model_path, error)
+            model.adopt_graph_inputs(shapes, {})
+        runner = model.graph_runner(shapes)
+        if runner is not None:
+            written.update(runner.output_buffers)
 
     def prepare(self, wait: bool) -> List[threading.Thread]:
         """Each part's shape-free session (:meth:`IOBindingORTModel.prepare`), side by side where not ``wait``."""
@@ -129,7 +160,10 @@ class PartChain:
 
         def prepare() -> None:
             try:
+                link, written = self._link_once(shapes), {}
                 for model, inputs in zip(self.models, self.input_shapes(shapes)):
+                    if link:  # its graph made now, reading what the parts before it write
+                        self._link(model, inputs, written)
                     thread = model.prepare_signature(inputs)
                     if thread is not None and not side_by_side:
                         thread.join()
