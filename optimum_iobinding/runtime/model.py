@@ -336,7 +336,7 @@ class IOBindingORTModel:
         options = self.options.replace(**{**self.options.settings(), "cuda_graph": self.cuda_graph, **changes})
         return IOBindingORTModel(_Recipe(self._recipe), config=self.config, options=options)
 
-    def part(self, path: Union[str, os.PathLike]) -> "IOBindingORTModel":
+    def part(self, path: Union[str, os.PathLike], **changes: Any) -> "IOBindingORTModel":
         """A model of another graph that names this model's weights (a part cut out of this model's graph at export,
         reading the same weights file), whose sessions read the weights this model's sessions read: one copy on the
         device. It has sessions, CUDA graphs and output buffers of its own, and this model's settings and stream.
@@ -345,19 +345,24 @@ class IOBindingORTModel:
         with the graph pool, the default) the part's sessions read those tensors, owned from now on
         (:meth:`own_weights`): a change made in place (a LoRA) reaches the part too. Elsewhere (the CPU without
         LoRA, ``share_weights=False``) the part loads its weights from the file itself, as every session there does;
-        weights owned later are not the part's (make the part again).
+        weights owned later are not the part's (make the part again). ``changes``: settings of the part to differ
+        from this model's, as for :meth:`sibling`.
 
         Raises:
             ArgumentError: ``path`` is not a file.
+            ArgumentTypeError: a setting not among :meth:`sibling`'s.
             RuntimeError: this model's session was made outside (it cannot be created again).
         """
         check_model_file(os.fspath(path))
+        unknown = sorted(set(changes) - set(self.SIBLING_SETTINGS))
+        if unknown:
+            raise ArgumentTypeError("part", f"expected settings among {list(self.SIBLING_SETTINGS)}, got {unknown}")
         if not self._recipe.can_create:
             raise RuntimeError(
                 "part: the session was created from neither a path nor bytes, so the weights it read "
                 "cannot be shared with another graph"
             )
-        options = self.options.replace(**{**self.options.settings(), "cuda_graph": self.cuda_graph})
+        options = self.options.replace(**{**self.options.settings(), "cuda_graph": self.cuda_graph, **changes})
         recipe = SessionRecipe(os.fspath(path), options)
         weights = self._recipe.weights
         if weights.owned or (self._pool is not None and weights.on_need):
@@ -368,10 +373,12 @@ class IOBindingORTModel:
     def _part_model(self, path: str, shared: bool) -> "IOBindingORTModel":
         """A cold-start part's model (:mod:`.part_chain`): reading this model's owned weights where ``shared``
         (:meth:`part`), loading its own from the file otherwise; this model's settings and stream either way."""
+        # the parts' outputs are their graphs' buffers, which the next parts' graphs read (a clone of the last part's
+        # where this model gives fresh tensors)
         if shared:
-            return self.part(path)
-        options = self.options.replace(**{**self.options.settings(), "cuda_graph": self.cuda_graph})
-        return IOBindingORTModel(path, config=self.config, options=options)
+            return self.part(path, reuse_outputs=True)
+        settings = {**self.options.settings(), "cuda_graph": self.cuda_graph, "reuse_outputs": True}
+        return IOBindingORTModel(path, config=self.config, options=self.options.replace(**settings))
 
     def cold_start_part_shapes(self, input_shapes: Mapping[str, Sequence[int]]) -> List[Dict[str, Tuple[int, ...]]]:
         """Each cold-start part's input shapes for a call with these (this model's input shapes), known before any run
@@ -790,9 +797,12 @@ class IOBindingORTModel:
             return None
         check_input_names(input_shapes, self.input_names)
         shapes = {name: tuple(int(d) for d in shape) for name, shape in input_shapes.items()}
-        made = pool.entries.get(signature_of(input_shapes))  # read without the pool's lock, which a build holds
-        if made is not None and not (isinstance(made, CudaGraphRunner) and not made.first_run_made):
-            return None  # run already, or not a graph (an entry made ahead, by adopt_graph_inputs, is still warmed)
+        signature = signature_of(input_shapes)
+        if signature in pool.entries:  # read without the pool's lock, which a build holds
+            made = pool.entries.get(signature)
+            # a graph made ahead (adopt_graph_inputs) that can run once without capturing, and has not: warmed below
+            if not (isinstance(made, CudaGraphRunner) and made.warm_options is not None and not made.first_run_made):
+                return None
 
         def prepare() -> None:
             try:
@@ -867,7 +877,8 @@ class IOBindingORTModel:
 
     def _run(self, inputs: Mapping[str, InputValue]) -> List[torch.Tensor]:
         if self._chain is not None:
-            return self._chain.run(inputs)
+            outputs = self._chain.run(inputs)
+            return outputs if self.reuse_outputs else [tensor.clone() for tensor in outputs]
         if not self.io_binding:
             return self._run_without_binding(inputs)
         if self._stream is None:

@@ -40,8 +40,7 @@ class PartChain:
         self.paths = list(paths)
         self._make = make
         self._lock = threading.RLock()
-        self._prepared_once = False  # whether a signature's first runs were made side by side already
-        self._prepared_lock = threading.Lock()  # not the run's: a call may be running the parts meanwhile
+        self._linked_lock = threading.Lock()  # not the run's: a prepare thread links while a call may run
         self._linked: Set[Tuple] = set()  # the signatures whose parts' graphs were made reading each other's buffers
         self.shared = shared
         self.models: List[Any] = [make(path, shared) for path in self.paths]
@@ -63,6 +62,8 @@ class PartChain:
                 except BaseException:  # the parts as they were, and asked again next time
                     self.shared = False
                     raise
+                with self._linked_lock:  # new parts: their graphs are linked again as they are made
+                    self._linked.clear()
 
     def _timestep_rows(self, shapes: Mapping[str, Sequence[int]]) -> Optional[int]:
         """The rows the first part's timestep must have where the given one has fewer (one for all), else ``None``."""
@@ -108,24 +109,41 @@ class PartChain:
         # part reads
         with self._lock:
             shapes = {name: tuple(np.shape(value)) for name, value in inputs.items()}
-            if self._link_once(shapes):  # a signature no prepare_signature linked: its graphs made linked here
-                written: Dict[str, torch.Tensor] = {}
-                for model, part_shapes in zip(self.models, self.input_shapes(shapes)):
-                    self._link(model, part_shapes, written)
+            if not self._is_linked(shapes):  # a signature no prepare_signature linked: its graphs made linked here
+                self._link_all(shapes)
             outputs: List[torch.Tensor] = []
             for model in self.models:
                 outputs = model(**{name: values[name] for name in model.input_names})
                 values.update(zip(model.output_names, outputs))
             return outputs
 
-    def _link_once(self, shapes: Mapping[str, Sequence[int]]) -> bool:
-        """Whether the parts' graphs of a call with these shapes are still to be linked (then they count as linked)."""
-        signature = tuple(sorted((name, tuple(int(d) for d in shape)) for name, shape in shapes.items()))
-        with self._prepared_lock:
-            if signature in self._linked:
-                return False
-            self._linked.add(signature)
-            return True
+    @staticmethod
+    def _signature(shapes: Mapping[str, Sequence[int]]) -> Tuple:
+        return tuple(sorted((name, tuple(int(d) for d in shape)) for name, shape in shapes.items()))
+
+    def _is_linked(self, shapes: Mapping[str, Sequence[int]]) -> bool:
+        with self._linked_lock:
+            return self._signature(shapes) in self._linked
+
+    def _link_all(
+        self, shapes: Mapping[str, Sequence[int]], then: Optional[Callable[[Any, Dict], None]] = None
+    ) -> None:
+        """Links each part's graph of a call with these shapes (:meth:`_link`), in order, calling ``then(part, its
+        input shapes)`` after each; the signature then counts as linked (tried once: what failed runs on copies). A
+        prepare thread and a call may link the same signature at once: a graph made by one is found by the other."""
+        try:
+            written: Dict[str, torch.Tensor] = {}
+            for model, part_shapes in zip(self.models, self.input_shapes(shapes)):
+                self._link(model, part_shapes, written)
+                if then is not None:
+                    then(model, part_shapes)
+        except Exception as error:  # the parts run as before, each graph copying its inputs into its own buffers
+            logger.debug("cold-start parts: linking the graphs of %s failed: %s", dict(shapes), error)
+            if then is not None:
+                raise
+        finally:
+            with self._linked_lock:
+                self._linked.add(self._signature(shapes))
 
     @staticmethod
     def _link(model: Any, shapes: Mapping[str, Shape], written: Dict[str, torch.Tensor]) -> None:
@@ -149,31 +167,32 @@ class PartChain:
         return [thread for thread in threads if thread is not None]
 
     def prepare_signature(self, shapes: Mapping[str, Sequence[int]]) -> threading.Thread:
-        """Each part's first run for these input shapes (the whole model's)
+        """Each part's graph of these input shapes (the whole model's), linked (:meth:`_link`), and its first run
         (:meth:`IOBindingORTModel.prepare_signature`), from a thread that works out their shapes (the caller goes on
-        at once) and ends when they are made. The first signature's (the cold start's) every part's in a thread of its
-        own at once; a later signature's one part after another: first runs side by side hold the sum of the parts'
-        activations at once in the arena they share, which keeps what it grew to, and a later batch size's is larger."""
-        with self._prepared_lock:
-            side_by_side, self._prepared_once = not self._prepared_once, True
+        at once) and ends when they are made. The first signature's first runs (the cold start's: no part has an
+        entry yet) each in a thread of its own at once; a later signature's one part after another: first runs side
+        by side hold the sum of the parts' activations at once in the arena they share, which keeps what it grew to,
+        and a later batch size's is larger."""
+        side_by_side = not any(model.signatures for model in self.models)
         started: List[threading.Thread] = []
 
+        def first_run(model: Any, inputs: Dict) -> None:
+            thread = model.prepare_signature(inputs)
+            if thread is not None and not side_by_side:
+                thread.join()
+            elif thread is not None:
+                started.append(thread)
+
         def prepare() -> None:
+            self.prepare(wait=False)  # the parts' sessions side by side, where the load did not start them
             try:
-                link, written = self._link_once(shapes), {}
-                for model, inputs in zip(self.models, self.input_shapes(shapes)):
-                    if link:  # its graph made now, reading what the parts before it write
-                        self._link(model, inputs, written)
-                    thread = model.prepare_signature(inputs)
-                    if thread is not None and not side_by_side:
-                        thread.join()
-                    elif thread is not None:
-                        started.append(thread)
+                self._link_all(shapes, then=first_run)
             except Exception as error:  # the first call with these shapes makes them, and reports what fails
                 logger.debug("cold-start parts: preparing %s failed: %s", dict(shapes), error)
                 return
-            for thread in started:
-                thread.join()
+            finally:
+                for thread in started:
+                    thread.join()
 
         # not a daemon: the interpreter waits for runs being made rather than tearing ORT down under them
         thread = threading.Thread(target=prepare, name="prepare signature (cold-start parts)")

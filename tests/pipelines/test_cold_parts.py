@@ -299,3 +299,14 @@ def test_parts_of_another_cut_in_the_folder_are_refused_or_replaced(parted, part
         saved = IOBindingORTModel.from_pretrained(target)
         assert len(saved.cold_start_parts) == kept
         assert torch.equal(saved(**inputs)[0], expected)
+
+
+def test_a_model_of_fresh_outputs_runs_its_parts_on_reused_buffers_and_clones_the_last(parted, tiny_folder):
+    model = IOBindingORTModel.from_pretrained(parted / "unet", reuse_outputs=False)
+    # the parts hand their outputs to the next parts as their buffers are
+    assert all(part.reuse_outputs for part in model.cold_start_parts)
+    inputs = unet_inputs()
+    (first,), (second,) = model(**inputs), model(**inputs)
+    assert first.data_ptr() != second.data_ptr()  # fresh tensors, as the model was asked for
+    expected = IOBindingORTModel.from_pretrained(tiny_folder / "unet")(**inputs)[0]
+    assert torch.equal(first, expected) and torch.equal(second, expected)

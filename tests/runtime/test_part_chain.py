@@ -49,6 +49,13 @@ class Part:
     def graph_runner(self, shapes):
         return None
 
+    def prepare(self, wait):
+        return None
+
+    @property
+    def signatures(self):
+        return [{"x": (batch,)} for batch in self.threads]
+
     def prepare_signature(self, inputs):
         batch = next(iter(inputs.values()))[0]
         previous = self.before[0].threads.get(batch) if self.before else None
@@ -120,11 +127,16 @@ class GraphPart:
     def prepare_signature(self, inputs):
         return None
 
+    def prepare(self, wait):
+        return None
+
+    @property
+    def signatures(self):
+        return [{"x": shape} for shape in self.graphs]
+
     def __call__(self, **inputs):
         shape = tuple(inputs["x"].shape)
-        runner = self.graphs.get(shape) or self.graphs.setdefault(
-            shape, Runner({}, self.shape_inferencer({"x": shape}))
-        )
+        runner = self.graphs.get(shape) or self.graphs.setdefault(shape, Runner({}, {self.output_names[0]: shape}))
         for name, tensor in inputs.items():  # as a graph runner: a given tensor copied unless it is the buffer
             buffer = runner.input_buffers.setdefault(name, torch.empty_like(tensor))
             if buffer.data_ptr() != tensor.data_ptr():
@@ -139,8 +151,9 @@ def test_each_parts_graph_reads_the_buffers_the_parts_before_it_write(prepared):
     parts = [GraphPart(number) for number in range(3)]
     chain = PartChain(["p0", "p1", "p2"], lambda path, shared: parts[int(path[1])], shared=False)
     x = torch.ones(2)
-    if prepared:  # the graphs made ahead of the call, in a thread
+    if prepared:  # the graphs made ahead of the call, in a thread, linked there
         chain.prepare_signature({"x": (2,)}).join()
+        assert [len(part.adopted) for part in parts] == [1, 1, 1]
     for _ in range(2):  # the second call makes nothing again
         (out,) = chain.run({"x": x})
     for part in parts:  # linked once, by the prepare or by the first call
@@ -154,3 +167,32 @@ def test_each_parts_graph_reads_the_buffers_the_parts_before_it_write(prepared):
     # and the chain computes through them: y0 = x, y1 = x + y0, y2 = x + y0 + y1
     assert torch.equal(out, torch.full((2,), 4.0))
     assert out is graphs[2].output_buffers["y2"]
+
+
+def test_parts_made_again_are_linked_again_and_a_link_that_fails_leaves_the_parts_running():
+    made = []
+
+    def make(path, shared):
+        made.append(GraphPart(int(path[1])))
+        return made[-1]
+
+    chain = PartChain(["p0", "p1"], make, shared=False)
+    x = torch.ones(2)
+    chain.run({"x": x})
+    chain.share_weights()  # new parts (reading the owned weights): their graphs are linked again on their first call
+    (out,) = chain.run({"x": x})
+    first, second = made[2:]
+    assert len(first.adopted) == len(second.adopted) == 1
+    assert second.graphs[(2,)].input_buffers["y0"] is first.graphs[(2,)].output_buffers["y0"]
+    assert torch.equal(out, torch.full((2,), 2.0))
+
+    class Unsized(GraphPart):  # a part whose output shape is not known before it runs: nothing to link from it
+        def shape_inferencer(self, inputs):
+            return {}
+
+    parts = [Unsized(0), GraphPart(1)]
+    chain = PartChain(["p0", "p1"], lambda path, shared: parts[int(path[1])], shared=False)
+    for _ in range(2):
+        (out,) = chain.run({"x": x})
+        assert torch.equal(out, torch.full((2,), 2.0))  # computed all the same, the second part copying its inputs
+    assert parts[1].adopted == []  # and not asked again on the second call
