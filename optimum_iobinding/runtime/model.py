@@ -789,7 +789,7 @@ class IOBindingORTModel:
         for each convolution and attention shape, the arena's memory); the capture stays with that first call, which
         waits for the thread. A pipeline starts its VAE decoder's this way when the denoising loop starts. Returns the
         thread, or ``None`` where the model captures no graph or these shapes have run already."""
-        if self._chain is not None:  # every part's first run at once, each in a thread of its own
+        if self._chain is not None:  # each part's graph, linked, and first run (side by side for the first)
             check_input_names(input_shapes, self.input_names)
             return self._chain.prepare_signature(input_shapes)
         pool = self._pool

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from optimum_iobinding import IOBindingORTModel, OnnxStableDiffusionPipeline
-from optimum_iobinding.errors import ArgumentError, ModelFileError
+from optimum_iobinding.errors import ArgumentError, ArgumentTypeError, ModelFileError
 from optimum_iobinding.export import export_pipeline
 from optimum_iobinding.export.cold_parts import cold_start_cuts, graph_order, write_cold_start_parts
 from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
@@ -305,6 +305,8 @@ def test_a_model_of_fresh_outputs_runs_its_parts_on_reused_buffers_and_clones_th
     model = IOBindingORTModel.from_pretrained(parted / "unet", reuse_outputs=False)
     # the parts hand their outputs to the next parts as their buffers are
     assert all(part.reuse_outputs for part in model.cold_start_parts)
+    with pytest.raises(ArgumentTypeError, match=r"part: expected settings among \[.*\], got \['provider'\]"):
+        model.part(parted / "unet" / COLD_START_PART.format(number=0), provider="cpu")
     inputs = unet_inputs()
     (first,), (second,) = model(**inputs), model(**inputs)
     assert first.data_ptr() != second.data_ptr()  # fresh tensors, as the model was asked for
