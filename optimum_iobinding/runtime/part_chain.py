@@ -173,18 +173,20 @@ class PartChain:
         entry yet) each in a thread of its own at once; a later signature's one part after another: first runs side
         by side hold the sum of the parts' activations at once in the arena they share, which keeps what it grew to,
         and a later batch size's is larger."""
-        side_by_side = not any(model.signatures for model in self.models)
         started: List[threading.Thread] = []
+        side_by_side: List[bool] = []
 
         def first_run(model: Any, inputs: Dict) -> None:
             thread = model.prepare_signature(inputs)
-            if thread is not None and not side_by_side:
+            if thread is not None and not side_by_side[0]:
                 thread.join()
             elif thread is not None:
                 started.append(thread)
 
         def prepare() -> None:
             self.prepare(wait=False)  # the parts' sessions side by side, where the load did not start them
+            # asked here, not in the caller's thread: a part's pool is locked while its session is being made
+            side_by_side.append(not any(model.signatures for model in self.models))
             try:
                 self._link_all(shapes, then=first_run)
             except Exception as error:  # the first call with these shapes makes them, and reports what fails
