@@ -105,31 +105,6 @@ def cut_points(nodes: Sequence[Any], parts: int) -> List[int]:
     return [setup[len(setup) * k // parts] for k in range(1, parts)]
 
 
-def topological(graph: Any) -> List[Any]:
-    """The graph's nodes in their stored order, except that a node comes after the makers of its inputs (ORT's
-    optimizer saves some nodes it added, such as casts, after their users)."""
-    maker = {name: node for node in graph.node for name in node.output}
-    available = {value.name for value in graph.input} | {tensor.name for tensor in graph.initializer} | {""}
-    done: set = set()
-    ordered: List[Any] = []
-
-    def visit(node: Any, path: tuple) -> None:
-        if id(node) in done:
-            return
-        if id(node) in path:
-            raise SystemExit("--model: its graph has a cycle")
-        for name in node.input:
-            if name not in available and name in maker:
-                visit(maker[name], path + (id(node),))
-        done.add(id(node))
-        ordered.append(node)
-        available.update(node.output)
-
-    for node in graph.node:
-        visit(node, ())
-    return ordered
-
-
 def crossing(nodes: Sequence[Any], starts: List[int], graph_outputs: Sequence[str]) -> List[List[str]]:
     """For each part, the tensors it makes that a later part uses (or that are the model's outputs)."""
     bounds = [0, *starts, len(nodes)]
@@ -158,10 +133,16 @@ def prepare(model_path: str, out: Path, parts: int, dims: Dict[str, int], provid
     import onnxruntime as ort
     from onnx import helper
 
+    from optimum_iobinding.errors import ArgumentError
+    from optimum_iobinding.export.cold_parts import graph_order
+
     providers, options = providers_of(provider)
     model = onnx.load(model_path)
     graph = model.graph
-    nodes = topological(graph)
+    try:  # stored order, each node after the makers of its inputs: the order the export's cuts use
+        nodes = [graph.node[position] for position in graph_order(graph)]
+    except ArgumentError as error:
+        raise SystemExit(f"--model: {error.reason}") from error
     starts = cut_points(nodes, parts)
     made = crossing(nodes, starts, [value.name for value in graph.output])
     extra = [name for names in made for name in names if name not in {value.name for value in graph.output}]
