@@ -316,6 +316,14 @@ class IOBindingORTModel:
         if parts:
             self._chain = PartChain([str(path) for path in parts], self._part_model, shared=weights.owned)
 
+    def _options_with(self, method: str, changes: Mapping[str, Any]) -> ModelOptions:
+        """This model's options (its settings as they are now) with ``changes``, settings among
+        :attr:`SIBLING_SETTINGS`; one that is not is refused in ``method``'s name."""
+        unknown = sorted(set(changes) - set(self.SIBLING_SETTINGS))
+        if unknown:
+            raise ArgumentTypeError(method, f"expected settings among {list(self.SIBLING_SETTINGS)}, got {unknown}")
+        return self.options.replace(**{**self.options.settings(), "cuda_graph": self.cuda_graph, **changes})
+
     def sibling(self, **changes: Any) -> "IOBindingORTModel":
         """A new model from the same recipe (file, providers, options, CUDA stream and owned weights), with sessions
         of its own.
@@ -324,16 +332,13 @@ class IOBindingORTModel:
             changes: settings to differ from this model's, among ``reuse_outputs``, ``max_output_signatures``,
                 ``cuda_graph`` and ``max_graph_signatures``.
         """
-        unknown = sorted(set(changes) - set(self.SIBLING_SETTINGS))
-        if unknown:
-            raise ArgumentTypeError("sibling", f"expected settings among {list(self.SIBLING_SETTINGS)}, got {unknown}")
+        options = self._options_with("sibling", changes)
         if not self._recipe.can_create:
             raise RuntimeError(
                 "sibling: the session was created from neither a path nor bytes, so it cannot be created again"
             )
         if self._pool is not None and self._recipe.weights.on_need:
             self.own_weights()  # the sibling's sessions and this model's read one copy of the weights
-        options = self.options.replace(**{**self.options.settings(), "cuda_graph": self.cuda_graph, **changes})
         return IOBindingORTModel(_Recipe(self._recipe), config=self.config, options=options)
 
     def part(self, path: Union[str, os.PathLike], **changes: Any) -> "IOBindingORTModel":
@@ -354,15 +359,12 @@ class IOBindingORTModel:
             RuntimeError: this model's session was made outside (it cannot be created again).
         """
         check_model_file(os.fspath(path))
-        unknown = sorted(set(changes) - set(self.SIBLING_SETTINGS))
-        if unknown:
-            raise ArgumentTypeError("part", f"expected settings among {list(self.SIBLING_SETTINGS)}, got {unknown}")
+        options = self._options_with("part", changes)
         if not self._recipe.can_create:
             raise RuntimeError(
                 "part: the session was created from neither a path nor bytes, so the weights it read "
                 "cannot be shared with another graph"
             )
-        options = self.options.replace(**{**self.options.settings(), "cuda_graph": self.cuda_graph, **changes})
         recipe = SessionRecipe(os.fspath(path), options)
         weights = self._recipe.weights
         if weights.owned or (self._pool is not None and weights.on_need):
@@ -377,8 +379,7 @@ class IOBindingORTModel:
         # where this model gives fresh tensors)
         if shared:
             return self.part(path, reuse_outputs=True)
-        settings = {**self.options.settings(), "cuda_graph": self.cuda_graph, "reuse_outputs": True}
-        return IOBindingORTModel(path, config=self.config, options=self.options.replace(**settings))
+        return IOBindingORTModel(path, config=self.config, options=self._options_with("part", {"reuse_outputs": True}))
 
     def cold_start_part_shapes(self, input_shapes: Mapping[str, Sequence[int]]) -> List[Dict[str, Tuple[int, ...]]]:
         """Each cold-start part's input shapes for a call with these (this model's input shapes), known before any run
