@@ -312,6 +312,7 @@ def test_converted_inputs_survive_gc_and_empty_cache_between_bind_and_run(tiny_f
     torch.testing.assert_close(model(**double_inputs)[0], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.device_memory
 def test_a_thousand_calls_grow_neither_torch_nor_ort_memory(tiny_folder):
     from optimum_iobinding import IOBindingORTModel
 
@@ -516,6 +517,7 @@ def test_every_captured_signature_reads_the_one_copy_of_the_weights(tiny_folder)
     assert unet.sessions_created == sessions
 
 
+@pytest.mark.device_memory
 def test_an_extra_signature_costs_activations_not_another_copy_of_the_weights(tmp_path, make_model):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -661,6 +663,7 @@ def test_signatures_replay_right_after_later_captures(tiny_folder, fused_tiny_fo
     assert unet.sessions_created == 1
 
 
+@pytest.mark.device_memory
 def test_signatures_of_one_session_share_its_arena(tmp_path, make_model):
     import onnx
     from onnx import TensorProto, helper
