@@ -178,8 +178,8 @@ def load_components(
     :class:`IOBindingORTModel` with its options (one stream for all; ``must_capture``: the component whose graphs
     ``cuda_graph=True`` requires), the tokenizers and the scheduler from ``folder`` unless ``replacements`` gives them,
     and the model_index.json ``settings`` the family takes. Every required model file is looked for before any loads
-    (the denoiser's first: its absence says the folder is of another family, ``missing_hint``). A failure releases
-    what was loaded. The components named in ``prepare`` start building their shape-free session in a background
+    (the denoiser's first: its absence says the folder is of another family, ``missing_hint``); the denoiser loads
+    first too. A failure releases what was loaded. The components named in ``prepare`` start building their shape-free session in a background
     thread as soon as they are loaded (:meth:`IOBindingORTModel.prepare`), beside the rest of the load."""
     optional = {component.name for component in declared if component.optional}
     order = sorted(model_folders, key=lambda name: name != must_capture)
@@ -193,7 +193,8 @@ def load_components(
     index = read_model_index(folder, tuple(model_folders))
     components: Dict[str, Any] = {}
     try:
-        for name, model_folder in model_folders.items():
+        for name in order:  # the denoiser's first: its session and first run are the first image's longest wait
+            model_folder = model_folders[name]
             if not (model_folder / "model.onnx").is_file():
                 components[name] = None
                 continue

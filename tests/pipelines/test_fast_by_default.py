@@ -446,6 +446,19 @@ def test_the_load_starts_the_sessions_a_call_of_the_family_runs(tiny_folder, mon
     assert all(wait is False for _, wait in started)
 
 
+def test_the_denoiser_loads_first(tiny_folder):
+    # its session and first run are the first image's longest wait, so its session is the first one started (on the
+    # CPU each component's one session is made as it loads, in the order the timeline records)
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+    from optimum_iobinding.runtime import timeline
+
+    with timeline.recording() as record:
+        OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
+    sessions = [step.what.split("/")[-2] for step in record.steps if step.what.startswith("session ")]
+    assert sessions[0] == "unet"
+    assert sorted(sessions) == ["text_encoder", "unet", "vae_decoder", "vae_encoder"]
+
+
 def test_a_load_that_a_lora_follows_owns_the_weights_a_lora_changes(tiny_folder):
     from optimum_iobinding import OnnxStableDiffusionPipeline
 
