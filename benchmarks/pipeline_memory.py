@@ -10,7 +10,8 @@ reserved memory beside it, each component's sessions and captured signatures, an
 (``cudnn_conv_use_max_workspace=0``), ``no-graphs`` (``cuda_graph=False``), ``power-of-two-arena`` (ORT's
 default arena growth, as the numpy pipeline's, instead of ``kSameAsRequested``), ``text-weights-from-file`` (the text
 encoder's sessions load its weights from the file themselves instead of reading tensors the pipeline owns: whether
-ONNX Runtime keeps a copy of owned weights beside them), ``weights-apart`` and ``power-of-two-weights-apart`` (ORT's
+ONNX Runtime keeps a copy of owned weights beside them), ``unet-owned`` (the UNet's weights owned tensors from the
+load on, as the text encoder's are), ``weights-apart`` and ``power-of-two-weights-apart`` (ORT's
 ``session.use_device_allocator_for_initializers``: each weight allocated by itself, outside the arena, which then
 holds the activations alone; with our arena growth, and with ORT's default one), ``calling-thread``
 (``prepare_in_background=False``: the sessions made and first run when the call needs them), ``own-arenas`` (each
@@ -47,6 +48,9 @@ VARIANTS = {
     "no-graphs": {"cuda_graph": False},
     "power-of-two-arena": {"provider_options": {"arena_extend_strategy": "kNextPowerOfTwo"}},
     "text-weights-from-file": {"component_options": {"text_encoder": {"share_weights": False}}},
+    # the UNet's weights owned tensors from the load on (read straight from the files into pinned staging buffers),
+    # which its sessions read in place, instead of loaded by ONNX Runtime into its arena
+    "unet-owned": {"component_options": {"unet": {"share_weights": True}}},
     # ORT's power-of-two growth for the activations only: the weights each allocated apart, outside the arena
     "power-of-two-weights-apart": {
         "provider_options": {"arena_extend_strategy": "kNextPowerOfTwo"},

@@ -11,9 +11,10 @@ loaded (from the start, on first need, or never) and hands them to each new sess
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import onnx
@@ -63,7 +64,7 @@ def source_name(source: Union[str, bytes, None]) -> str:
 
 
 class WeightUploader:
-    """Host arrays → tensors on ``device``.
+    """Host arrays (:meth:`put`) and weights in files (:meth:`read`) → tensors on ``device``.
 
     On CUDA each array is copied into one of two pinned staging buffers and uploaded from there asynchronously,
     while the next arrays fill the other buffer: one host copy per weight instead of a copy into a writable array and
@@ -97,6 +98,29 @@ class WeightUploader:
         target.copy_(staged.view(dtype).view(array.shape), non_blocking=self.cuda)
         return target
 
+    def read(
+        self, handle: Any, offset: int, shape: Tuple[int, ...], dtype: torch.dtype
+    ) -> Tuple[Optional[torch.Tensor], int]:
+        """The weight of ``shape`` and element type ``dtype`` stored at ``offset`` of the open file ``handle``, on the
+        device, and the bytes read: read straight into a staging buffer where it fits (the one host copy, where
+        :meth:`put` of the bytes read would make two), else into memory of its own. ``None`` where the file ends
+        before the weight does."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not self.staging_bytes or nbytes > self.staging_bytes:
+            host = torch.empty(nbytes, dtype=torch.uint8)
+            got = _read_into(handle, offset, host.numpy())
+            return (host.view(dtype).view(shape).to(self.device) if got == nbytes else None), got
+        if self.offset + nbytes > self.staging_bytes:
+            self._switch()
+        staged = self.buffers[self.current][self.offset : self.offset + nbytes]
+        got = _read_into(handle, offset, staged.numpy())
+        if got != nbytes:
+            return None, got
+        self.offset += -(-nbytes // 256) * 256
+        target = torch.empty(shape, dtype=dtype, device=self.device)
+        target.copy_(staged.view(dtype).view(shape), non_blocking=self.cuda)
+        return target, got
+
     def _switch(self) -> None:
         if self.cuda:
             self.done[self.current] = torch.cuda.Event()
@@ -108,6 +132,20 @@ class WeightUploader:
     def finish(self) -> None:
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
+
+
+def _read_into(handle: Any, offset: int, target: np.ndarray) -> int:
+    """Reads the bytes at ``offset`` of the open file ``handle`` into ``target`` (bytes, contiguous) until it is full
+    or the file ends; the bytes read."""
+    view = memoryview(target).cast("B")
+    handle.seek(offset)
+    got = 0
+    while got < len(view):
+        count = handle.readinto(view[got:])
+        if not count:
+            break
+        got += count
+    return got
 
 
 def load_owned_weights(
@@ -123,7 +161,7 @@ def load_owned_weights(
     Weights in external data files are read straight from their files (the graph is parsed without them), each
     file opened once: no second full parse of a multi-GB model next to ORT's own. ``model``: ``source`` already
     parsed (:func:`parse_model`). On CUDA the weights go up through pinned staging buffers of ``staging_bytes``
-    (:class:`WeightUploader`)."""
+    (:class:`WeightUploader`), those of external data files read from the file straight into them."""
     model = parse_model(source) if model is None else model
     base = None if isinstance(source, bytes) else os.path.dirname(os.path.abspath(source))
     weights: Dict[str, torch.Tensor] = {}
@@ -152,20 +190,23 @@ def load_owned_weights(
                             f"the model's folder: {info['location']!r}",
                         )
                     if location not in files:
-                        files[location] = open(location, "rb")
-                    handle = files[location]
-                    handle.seek(int(info.get("offset", 0)))
-                    length = int(info.get("length", elements * dtype.itemsize))
-                    data = handle.read(length)
-                    if len(data) != elements * dtype.itemsize:
+                        files[location] = open(location, "rb", buffering=0)  # read into the buffers given
+                    offset, needed = int(info.get("offset", 0)), elements * dtype.itemsize
+                    length = int(info.get("length", needed))
+                    tensor, got = (
+                        uploader.read(files[location], offset, shape, _TORCH_OF_ONNX[initializer.data_type])
+                        if length == needed
+                        else (None, length)
+                    )
+                    if tensor is None:
                         raise ArgumentError(
                             location,
-                            f"initializer {initializer.name!r} needs "
-                            f"{elements * dtype.itemsize} bytes at offset {info.get('offset', 0)}, the "
-                            f"file gives {len(data)}",
+                            f"initializer {initializer.name!r} needs {needed} bytes at offset {offset}, the "
+                            f"{'file gives' if length == needed else 'model declares'} {got}",
                         )
-                    array = np.frombuffer(data, dtype=dtype).reshape(shape)
-                elif initializer.raw_data:
+                    weights[initializer.name] = tensor
+                    continue
+                if initializer.raw_data:
                     array = np.frombuffer(initializer.raw_data, dtype=dtype).reshape(shape)
                 else:
                     array = numpy_helper.to_array(initializer, base_dir=base or "")

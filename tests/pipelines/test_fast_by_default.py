@@ -671,6 +671,11 @@ def test_owned_weights_are_read_straight_from_external_data(tmp_path, matmul_mod
     onnx.save(escaping, str(tmp_path / "escaping.onnx"))
     with pytest.raises(ValueError, match=r"names external data outside the model's folder: '../../etc/passwd'"):
         load_owned_weights(str(tmp_path / "escaping.onnx"), torch.device("cpu"))
+    misdeclared = onnx.load(str(external), load_external_data=False)
+    misdeclared.graph.initializer[0].external_data.add(key="length", value="100")
+    onnx.save(misdeclared, str(tmp_path / "misdeclared.onnx"))
+    with pytest.raises(ValueError, match=r"initializer 'W' needs 8192 bytes at offset 0, the model declares 100"):
+        load_owned_weights(str(tmp_path / "misdeclared.onnx"), torch.device("cpu"))
     (tmp_path / "weights.pb").write_bytes(b"short")
     with pytest.raises(ValueError, match=r"initializer 'W' needs 8192 bytes at offset 0, the file gives 5"):
         load_owned_weights(str(external), torch.device("cpu"))
@@ -742,6 +747,38 @@ def test_staged_uploads_keep_every_weight_whatever_the_buffer_size(staging_bytes
     assert torch.equal(tensors[-1], bfloat)
     # each tensor owns its memory: the staging buffers are reused, the weights are not overwritten
     assert len({t.data_ptr() for t in tensors}) == len(tensors)
+
+
+@pytest.mark.parametrize("staging_bytes", [4096, 16384, 1 << 20])  # some direct; buffers refilled; all staged
+def test_weights_read_from_a_file_into_the_staging_buffers_equal_its_bytes(tmp_path, staging_bytes):
+    # each weight read straight from the file into a staging buffer (or memory of its own where larger), at any
+    # offset, then uploaded: the CUDA path run on the CPU
+    from optimum_iobinding.runtime.weights import WeightUploader
+
+    rng = np.random.RandomState(1)
+    weights = [
+        (torch.from_numpy(rng.randn(32, 16).astype(np.float16)), torch.float16),
+        (torch.from_numpy(rng.randn(3, 1000).astype(np.float32)), torch.float32),
+        (torch.randn(33, 40).to(torch.bfloat16), torch.bfloat16),
+        (torch.from_numpy(rng.randn(1025).astype(np.float64)), torch.float64),
+        (torch.from_numpy(rng.randn(7, 300).astype(np.float16)), torch.float16),
+    ]
+    path, offsets = tmp_path / "weights.bin", []
+    with open(path, "wb") as out:
+        for tensor, _ in weights:
+            out.write(b"x" * 3)  # odd offsets: no alignment is assumed of the file
+            offsets.append(out.tell())
+            out.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    uploader = WeightUploader(torch.device("cpu"), staging_bytes, staged=True)
+    with open(path, "rb", buffering=0) as handle:
+        read = [uploader.read(handle, offset, tuple(t.shape), dtype) for (t, dtype), offset in zip(weights, offsets)]
+        short = uploader.read(handle, path.stat().st_size - 10, (8,), torch.float32)
+    uploader.finish()
+    for (tensor, dtype), (got, count) in zip(weights, read):
+        assert got.dtype == dtype and count == tensor.numel() * tensor.element_size()
+        assert torch.equal(got, tensor)
+    assert len({got.data_ptr() for got, _ in read}) == len(read)  # each its own memory, not a staging buffer's
+    assert short == (None, 10)  # the file ends 10 bytes in: no tensor, and what was there
 
 
 @pytest.mark.parametrize(
