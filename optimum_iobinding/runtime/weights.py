@@ -14,7 +14,7 @@ import contextlib
 import math
 import os
 import threading
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 import onnx
@@ -66,60 +66,64 @@ def source_name(source: Union[str, bytes, None]) -> str:
 class WeightUploader:
     """Host arrays (:meth:`put`) and weights in files (:meth:`read`) → tensors on ``device``.
 
-    On CUDA each array is copied into one of two pinned staging buffers and uploaded from there asynchronously,
-    while the next arrays fill the other buffer: one host copy per weight instead of a copy into a writable array and
-    the driver's own staging of a pageable upload, and the host's copying overlaps the transfers. Arrays larger
-    than a buffer go up directly. Elsewhere (or with ``staging_bytes=0``) each array becomes a writable copy.
-    :meth:`finish` waits until every upload is done."""
+    On CUDA each array is copied into one of two pinned staging buffers (made on first use) and uploaded from there
+    asynchronously, while the next arrays fill the other buffer: one host copy per weight instead of a copy into a
+    writable array and the driver's own staging of a pageable upload, and the host's copying overlaps the transfers.
+    Arrays larger than a buffer go up directly; a weight read from a file goes through the buffers a buffer's size at
+    a time. Elsewhere (or with ``staging_bytes=0``) each array becomes a writable copy and a file's bytes are read
+    into the tensor itself. :meth:`finish` waits until every upload is done."""
 
     def __init__(self, device: torch.device, staging_bytes: int = 64 << 20, staged: Optional[bool] = None):
         self.device = device
         self.cuda = device.type == "cuda"
         # staged=True off CUDA runs the same path through unpinned buffers (for tests on any machine)
         self.staging_bytes = staging_bytes if (self.cuda if staged is None else staged) else 0
-        self.buffers = (
-            [torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
-            if self.staging_bytes
-            else []
-        )
+        self.buffers: List[torch.Tensor] = []  # made on first use: pinning host memory takes time
         self.done: List[Optional[Any]] = [None, None]  # the event after each buffer's last upload
         self.current, self.offset = 0, 0
+
+    def _room(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of the current staging buffer (the other one where they do not fit), taken."""
+        if not self.buffers:
+            self.buffers = [torch.empty(self.staging_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
+        if self.offset + nbytes > self.staging_bytes:
+            self._switch()
+        staged = self.buffers[self.current][self.offset : self.offset + nbytes]
+        self.offset += -(-nbytes // 256) * 256  # the next piece starts aligned for any element type
+        return staged
 
     def put(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """``array`` (may be read-only; ``dtype`` is its element type as torch names it) on the device."""
         if not self.staging_bytes or array.nbytes > self.staging_bytes:
             return torch.from_numpy(np.array(array, copy=True)).view(dtype).to(self.device)
-        if self.offset + array.nbytes > self.staging_bytes:
-            self._switch()
-        staged = self.buffers[self.current][self.offset : self.offset + array.nbytes]
+        staged = self._room(array.nbytes)
         staged.numpy()[:] = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
-        self.offset += -(-array.nbytes // 256) * 256  # the next array starts aligned for any element type
         target = torch.empty(array.shape, dtype=dtype, device=self.device)
         target.copy_(staged.view(dtype).view(array.shape), non_blocking=self.cuda)
         return target
 
-    def read(
-        self, handle: Any, offset: int, shape: Tuple[int, ...], dtype: torch.dtype
-    ) -> Tuple[Optional[torch.Tensor], int]:
-        """The weight of ``shape`` and element type ``dtype`` stored at ``offset`` of the open file ``handle``, on the
-        device, and the bytes read: read straight into a staging buffer where it fits (the one host copy, where
-        :meth:`put` of the bytes read would make two), else into memory of its own. ``None`` where the file ends
-        before the weight does."""
-        nbytes = math.prod(shape) * dtype.itemsize
-        if not self.staging_bytes or nbytes > self.staging_bytes:
-            host = torch.empty(nbytes, dtype=torch.uint8)
+    def read(self, handle: Any, offset: int, target: torch.Tensor) -> int:
+        """Reads the bytes at ``offset`` of the open file ``handle`` into ``target`` (contiguous bytes, ``torch.uint8``,
+        on the device) and gives how many there were: fewer than the target's where the file ends first. Through the
+        staging buffers a buffer's size at a time, each piece uploaded as it is read: the one host copy, where
+        :meth:`put` of the bytes read would make two. Without staging, straight into a tensor on the CPU."""
+        nbytes = target.numel()
+        if not self.staging_bytes:
+            host = target if target.device.type == "cpu" else torch.empty(nbytes, dtype=torch.uint8)
             got = _read_into(handle, offset, host.numpy())
-            return (host.view(dtype).view(shape).to(self.device) if got == nbytes else None), got
-        if self.offset + nbytes > self.staging_bytes:
-            self._switch()
-        staged = self.buffers[self.current][self.offset : self.offset + nbytes]
-        got = _read_into(handle, offset, staged.numpy())
-        if got != nbytes:
-            return None, got
-        self.offset += -(-nbytes // 256) * 256
-        target = torch.empty(shape, dtype=dtype, device=self.device)
-        target.copy_(staged.view(dtype).view(shape), non_blocking=self.cuda)
-        return target, got
+            if host is not target and got == nbytes:
+                target.copy_(host)
+            return got
+        done = 0
+        while done < nbytes:
+            count = min(nbytes - done, self.staging_bytes)
+            staged = self._room(count)
+            got = _read_into(handle, offset + done, staged.numpy())
+            if got != count:
+                return done + got
+            target[done : done + count].copy_(staged, non_blocking=self.cuda)
+            done += count
+        return done
 
     def _switch(self) -> None:
         if self.cuda:
@@ -154,71 +158,168 @@ def load_owned_weights(
     min_elements: int = OWNED_WEIGHT_MIN_ELEMENTS,
     model: Optional[onnx.ModelProto] = None,
     staging_bytes: int = 64 << 20,
+    read_threads: Optional[int] = None,
 ) -> Dict[str, torch.Tensor]:
     """The model's float initializers of at least ``min_elements`` elements (and its folded biases, see
     :data:`~optimum_iobinding.layout.FOLDED_BIASES_KEY`), as torch tensors on ``device``.
 
-    Weights in external data files are read straight from their files (the graph is parsed without them), each
-    file opened once: no second full parse of a multi-GB model next to ORT's own. ``model``: ``source`` already
-    parsed (:func:`parse_model`). On CUDA the weights go up through pinned staging buffers of ``staging_bytes``
-    (:class:`WeightUploader`), those of external data files read from the file straight into them."""
+    Weights in external data files are read straight from their files (the graph is parsed without them): no second
+    full parse of a multi-GB model next to ORT's own. ``model``: ``source`` already parsed (:func:`parse_model`). On
+    CUDA the weights go up through pinned staging buffers of ``staging_bytes`` in all (:class:`WeightUploader`),
+    those of external data files read from the file straight into them by ``read_threads`` threads (default
+    :data:`READ_THREADS` on CUDA, one elsewhere), each reading its share of the bytes in file order into buffers of
+    its own and uploading on a stream of its own: one thread copying from the file cache is slower than the upload."""
+    if device.type == "cuda" and device.index is None:  # the reading threads' current device is not the caller's
+        device = torch.device("cuda", torch.cuda.current_device())
     model = parse_model(source) if model is None else model
     base = None if isinstance(source, bytes) else os.path.dirname(os.path.abspath(source))
-    weights: Dict[str, torch.Tensor] = {}
-    files: Dict[str, Any] = {}
+    weights: Dict[str, Optional[torch.Tensor]] = {}  # in the model's order; those read from files filled in below
+    reads: List[_Read] = []
     folded = {fold["bias"] for fold in folded_biases(model)}  # owned whatever their size: LoRA changes them
+    inline: List[Tuple[str, np.ndarray, torch.dtype]] = []
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        uploader = WeightUploader(device, staging_bytes)
-        try:
-            for initializer in model.graph.initializer:
-                if initializer.data_type not in _OWNED_TYPES:
-                    continue
-                shape = tuple(initializer.dims)
-                elements = 1
-                for dim in shape:
-                    elements *= dim
-                if elements < min_elements and initializer.name not in folded:
-                    continue
-                dtype = np.dtype(_NUMPY_OF_ONNX[initializer.data_type])
-                if initializer.data_location == onnx.TensorProto.EXTERNAL and base is not None:
-                    info = {entry.key: entry.value for entry in initializer.external_data}
-                    location = os.path.normpath(os.path.join(base, info["location"]))
-                    if os.path.commonpath([base, location]) != base:  # as onnx's own loader refuses it
-                        raise ArgumentError(
-                            source,
-                            f"initializer {initializer.name!r} names external data outside "
-                            f"the model's folder: {info['location']!r}",
-                        )
-                    if location not in files:
-                        files[location] = open(location, "rb", buffering=0)  # read into the buffers given
-                    offset, needed = int(info.get("offset", 0)), elements * dtype.itemsize
-                    length = int(info.get("length", needed))
-                    tensor, got = (
-                        uploader.read(files[location], offset, shape, _TORCH_OF_ONNX[initializer.data_type])
-                        if length == needed
-                        else (None, length)
+        for initializer in model.graph.initializer:
+            if initializer.data_type not in _OWNED_TYPES:
+                continue
+            shape = tuple(initializer.dims)
+            elements = math.prod(shape)
+            if elements < min_elements and initializer.name not in folded:
+                continue
+            dtype = np.dtype(_NUMPY_OF_ONNX[initializer.data_type])
+            if initializer.data_location == onnx.TensorProto.EXTERNAL and base is not None:
+                info = {entry.key: entry.value for entry in initializer.external_data}
+                location = os.path.normpath(os.path.join(base, info["location"]))
+                if os.path.commonpath([base, location]) != base:  # as onnx's own loader refuses it
+                    raise ArgumentError(
+                        source,
+                        f"initializer {initializer.name!r} names external data outside "
+                        f"the model's folder: {info['location']!r}",
                     )
-                    if tensor is None:
+                offset, needed = int(info.get("offset", 0)), elements * dtype.itemsize
+                length = int(info.get("length", needed))
+                if length != needed:
+                    raise ArgumentError(
+                        location,
+                        f"initializer {initializer.name!r} needs {needed} bytes at offset {offset}, the model "
+                        f"declares {length}",
+                    )
+                reads.append(_Read(initializer.name, location, offset, shape, _TORCH_OF_ONNX[initializer.data_type]))
+                weights[initializer.name] = None
+                continue
+            if initializer.raw_data:
+                array = np.frombuffer(initializer.raw_data, dtype=dtype).reshape(shape)
+            else:
+                array = numpy_helper.to_array(initializer, base_dir=base or "")
+                if initializer.data_type == onnx.TensorProto.BFLOAT16:
+                    array = np.asarray(array).view(np.uint16)
+                array = np.asarray(array, dtype=dtype)
+            inline.append((initializer.name, array, _TORCH_OF_ONNX[initializer.data_type]))
+        # the weights inside the .onnx: staging buffers no larger than they need (pinned memory stays with torch)
+        uploader = WeightUploader(
+            device, min(staging_bytes, -(-sum(array.nbytes for _, array, _ in inline) // 256) * 256)
+        )
+        for name, array, dtype in inline:
+            weights[name] = uploader.put(array, dtype)
+        uploader.finish()
+        del uploader
+        threads = read_threads if read_threads is not None else READ_THREADS if device.type == "cuda" else 1
+        weights.update(_read_weights(reads, device, staging_bytes, max(1, threads)))
+    return weights  # type: ignore[return-value]
+
+
+# the threads that read owned weights from external data files at once, on CUDA (load_owned_weights)
+READ_THREADS = 4
+
+
+class _Read(NamedTuple):
+    """A weight to read from an external data file: its name, the file, where in it, its shape and element type."""
+
+    name: str
+    location: str
+    offset: int
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _read_weights(reads: List[_Read], device: torch.device, staging_bytes: int, threads: int) -> Dict[str, Any]:
+    """The weights of ``reads`` on ``device``, read by up to ``threads`` threads, each its share of the bytes (the
+    reads in order, cut where the bytes before reach a thread's share) with staging buffers of its own
+    (``staging_bytes`` among all) and, on CUDA, a stream of its own. The tensors are made here, on the caller's
+    stream (whose memory they stay), and each thread's uploads have ended when it does. The first failure in the
+    reads' order is raised, once every thread has ended."""
+    sizes = [math.prod(read.shape) * read.dtype.itemsize for read in reads]
+    targets = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+    count = max(1, min(threads, len(reads)))
+    shares: List[List[int]] = [[] for _ in range(count)]
+    total, before = max(sum(sizes), 1), 0
+    for index, size in enumerate(sizes):
+        shares[min(count - 1, before * count // total)].append(index)
+        before += size
+    shares = [share for share in shares if share]
+    errors: List[Optional[BaseException]] = [None for _ in shares]
+
+    caller = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    per_thread = 1 << max(0, (staging_bytes // len(shares or [0])).bit_length() - 1)  # a power of two, as torch pins
+    failed = threading.Event()  # one thread's failure stops the others at their next weight
+
+    def read_share(number: int) -> None:
+        handles: Dict[str, Any] = {}
+        side = None
+        try:
+            # a stream of the high-priority pool: the models' own streams come from the other one
+            side = torch.cuda.Stream(device, priority=-1) if caller is not None and len(shares) > 1 else None
+            if side is not None:  # the targets' memory may be freed by work that the caller's stream still runs
+                side.wait_stream(caller)
+            with (
+                torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(),
+                torch.cuda.stream(side) if side is not None else contextlib.nullcontext(),
+            ):
+                uploader = WeightUploader(device, per_thread if staging_bytes else 0)
+                for index in shares[number]:
+                    if failed.is_set():
+                        return
+                    read = reads[index]
+                    if read.location not in handles:
+                        handles[read.location] = open(read.location, "rb", buffering=0)  # into our buffers
+                    got = uploader.read(handles[read.location], read.offset, targets[index])
+                    if got != sizes[index]:
                         raise ArgumentError(
-                            location,
-                            f"initializer {initializer.name!r} needs {needed} bytes at offset {offset}, the "
-                            f"{'file gives' if length == needed else 'model declares'} {got}",
+                            read.location,
+                            f"initializer {read.name!r} needs {sizes[index]} bytes at offset {read.offset}, the "
+                            f"file gives {got}",
                         )
-                    weights[initializer.name] = tensor
-                    continue
-                if initializer.raw_data:
-                    array = np.frombuffer(initializer.raw_data, dtype=dtype).reshape(shape)
-                else:
-                    array = numpy_helper.to_array(initializer, base_dir=base or "")
-                    if initializer.data_type == onnx.TensorProto.BFLOAT16:
-                        array = np.asarray(array).view(np.uint16)
-                    array = np.asarray(array, dtype=dtype)
-                weights[initializer.name] = uploader.put(array, _TORCH_OF_ONNX[initializer.data_type])
-            uploader.finish()
+                uploader.finish()  # this thread's stream: its weights are on the device when it ends
+        except BaseException as error:  # raised by the caller
+            errors[number] = error
+            failed.set()
         finally:
-            for handle in files.values():
+            try:
+                if side is not None:  # queued copies write into the targets, which the caller frees on a failure
+                    side.synchronize()
+            except BaseException as error:
+                errors[number] = errors[number] or error
+            for handle in handles.values():
                 handle.close()
-    return weights
+
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        if len(shares) == 1:
+            read_share(0)
+        else:
+            workers = [
+                threading.Thread(target=read_share, args=(number,), name=f"read weights {number}")
+                for number in range(len(shares))
+            ]
+            try:
+                for worker in workers:
+                    worker.start()
+            finally:  # (an interrupt too) the threads end, and their copies, before the caller goes on
+                for worker in workers:
+                    if worker.is_alive() or worker.ident is not None:
+                        worker.join()
+    for error in errors:
+        if error is not None:
+            raise error
+    return {read.name: target.view(read.dtype).view(read.shape) for read, target in zip(reads, targets)}
 
 
 class OwnedWeights:

@@ -749,36 +749,57 @@ def test_staged_uploads_keep_every_weight_whatever_the_buffer_size(staging_bytes
     assert len({t.data_ptr() for t in tensors}) == len(tensors)
 
 
-@pytest.mark.parametrize("staging_bytes", [4096, 16384, 1 << 20])  # some direct; buffers refilled; all staged
-def test_weights_read_from_a_file_into_the_staging_buffers_equal_its_bytes(tmp_path, staging_bytes):
-    # each weight read straight from the file into a staging buffer (or memory of its own where larger), at any
-    # offset, then uploaded: the CUDA path run on the CPU
+@pytest.mark.parametrize("staging_bytes", [0, 4096, 16384, 1 << 20])  # none; pieces; buffers refilled; all staged
+def test_weights_read_from_a_file_through_the_staging_buffers_equal_its_bytes(tmp_path, staging_bytes):
+    # each weight read straight from the file into the staging buffers (a buffer's size at a time where larger), at
+    # any offset, then uploaded: the CUDA path run on the CPU
     from optimum_iobinding.runtime.weights import WeightUploader
 
     rng = np.random.RandomState(1)
     weights = [
-        (torch.from_numpy(rng.randn(32, 16).astype(np.float16)), torch.float16),
-        (torch.from_numpy(rng.randn(3, 1000).astype(np.float32)), torch.float32),
-        (torch.randn(33, 40).to(torch.bfloat16), torch.bfloat16),
-        (torch.from_numpy(rng.randn(1025).astype(np.float64)), torch.float64),
-        (torch.from_numpy(rng.randn(7, 300).astype(np.float16)), torch.float16),
+        torch.from_numpy(rng.randn(32, 16).astype(np.float16)),
+        torch.from_numpy(rng.randn(3, 1000).astype(np.float32)),
+        torch.randn(33, 40).to(torch.bfloat16),
+        torch.from_numpy(rng.randn(1025).astype(np.float64)),
+        torch.from_numpy(rng.randn(7, 300).astype(np.float16)),
     ]
     path, offsets = tmp_path / "weights.bin", []
     with open(path, "wb") as out:
-        for tensor, _ in weights:
+        for tensor in weights:
             out.write(b"x" * 3)  # odd offsets: no alignment is assumed of the file
             offsets.append(out.tell())
-            out.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-    uploader = WeightUploader(torch.device("cpu"), staging_bytes, staged=True)
+            out.write(tensor.view(torch.uint8).numpy().tobytes())
+    uploader = WeightUploader(torch.device("cpu"), staging_bytes, staged=staging_bytes > 0)
+    targets = [torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8) for tensor in weights]
     with open(path, "rb", buffering=0) as handle:
-        read = [uploader.read(handle, offset, tuple(t.shape), dtype) for (t, dtype), offset in zip(weights, offsets)]
-        short = uploader.read(handle, path.stat().st_size - 10, (8,), torch.float32)
+        counts = [uploader.read(handle, offset, target) for offset, target in zip(offsets, targets)]
+        short = uploader.read(handle, path.stat().st_size - 10, torch.empty(32, dtype=torch.uint8))
     uploader.finish()
-    for (tensor, dtype), (got, count) in zip(weights, read):
-        assert got.dtype == dtype and count == tensor.numel() * tensor.element_size()
-        assert torch.equal(got, tensor)
-    assert len({got.data_ptr() for got, _ in read}) == len(read)  # each its own memory, not a staging buffer's
-    assert short == (None, 10)  # the file ends 10 bytes in: no tensor, and what was there
+    assert counts == [target.numel() for target in targets]
+    for tensor, target in zip(weights, targets):
+        assert torch.equal(target.view(tensor.dtype).view(tensor.shape), tensor)
+    assert short == 10  # the file ends 10 bytes in: what was there
+
+
+@pytest.mark.parametrize("threads", [2, 3, 50])  # more threads than weights: a weight each
+def test_owned_weights_read_by_several_threads_equal_one_threads(tmp_path, tiny_folder, threads):
+    from optimum_iobinding.runtime.weights import load_owned_weights
+
+    inline = str(tiny_folder / "unet" / "model.onnx")
+    external = tmp_path / "model.onnx"
+    onnx.save_model(
+        onnx.load(inline), str(external), save_as_external_data=True, location="model.weights", size_threshold=0
+    )
+    expected = load_owned_weights(inline, torch.device("cpu"))  # from the model's bytes
+    got = load_owned_weights(str(external), torch.device("cpu"), read_threads=threads)
+    assert list(got) == list(expected) and len(got) > 10  # in the model's order
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    # a file that ends early: the weight it cuts is named, whichever thread read it
+    weights_file = tmp_path / "model.weights"
+    weights_file.write_bytes(weights_file.read_bytes()[: weights_file.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"initializer '.+' needs \d+ bytes at offset \d+, the file gives \d+"):
+        load_owned_weights(str(external), torch.device("cpu"), read_threads=threads)
 
 
 @pytest.mark.parametrize(
