@@ -245,8 +245,8 @@ def _read_weights(reads: List[_Read], device: torch.device, staging_bytes: int, 
     """The weights of ``reads`` on ``device``, read by up to ``threads`` threads, each its share of the bytes (the
     reads in order, cut where the bytes before reach a thread's share) with staging buffers of its own
     (``staging_bytes`` among all) and, on CUDA, a stream of its own. The tensors are views of one allocation made
-    here, on the caller's stream (whose memory it stays), and each thread's uploads have ended when it does. The first failure in the
-    reads' order is raised, once every thread has ended."""
+    here, on the caller's stream (whose memory it stays), and each thread's uploads have ended when it does. The
+    first failure in the reads' order is raised, once every thread has ended."""
     sizes = [math.prod(read.shape) * read.dtype.itemsize for read in reads]
     # one allocation for all, each weight 256-byte aligned in it: none of the caching allocator's rounding per tensor,
     # and no device allocation per weight
@@ -320,7 +320,7 @@ def _read_weights(reads: List[_Read], device: torch.device, staging_bytes: int, 
                     worker.start()
             finally:  # (an interrupt too) the threads end, and their copies, before the caller goes on
                 for worker in workers:
-                    if worker.is_alive() or worker.ident is not None:
+                    if worker.ident is not None:  # started
                         worker.join()
     for error in errors:
         if error is not None:
