@@ -179,7 +179,8 @@ def load_components(
     ``cuda_graph=True`` requires), the tokenizers and the scheduler from ``folder`` unless ``replacements`` gives them,
     and the model_index.json ``settings`` the family takes. Every required model file is looked for before any loads
     (the denoiser's first: its absence says the folder is of another family, ``missing_hint``); the denoiser loads
-    first too. A failure releases what was loaded. The components named in ``prepare`` start building their
+    first too (its session is the first image's longest wait; a wrong file among the others is then found after it
+    loaded). A failure releases what was loaded. The components named in ``prepare`` start building their
     shape-free session in a background thread as soon as they are loaded (:meth:`IOBindingORTModel.prepare`), beside
     the rest of the load."""
     optional = {component.name for component in declared if component.optional}

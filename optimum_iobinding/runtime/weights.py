@@ -245,8 +245,9 @@ def _read_weights(reads: List[_Read], device: torch.device, staging_bytes: int, 
     """The weights of ``reads`` on ``device``, read by up to ``threads`` threads, each its share of the bytes (the
     reads in order, cut where the bytes before reach a thread's share) with staging buffers of its own
     (``staging_bytes`` among all) and, on CUDA, a stream of its own. The tensors are views of one allocation made
-    here, on the caller's stream (whose memory it stays), and each thread's uploads have ended when it does. The
-    first failure in the reads' order is raised, once every thread has ended."""
+    here, on the caller's stream (whose memory it stays), and each thread's uploads have ended when it does. A
+    thread's failure stops the others at their next weight; the failure of the earliest share is raised, once every
+    thread has ended."""
     sizes = [math.prod(read.shape) * read.dtype.itemsize for read in reads]
     # one allocation for all, each weight 256-byte aligned in it: none of the caching allocator's rounding per tensor,
     # and no device allocation per weight
@@ -265,17 +266,19 @@ def _read_weights(reads: List[_Read], device: torch.device, staging_bytes: int, 
     errors: List[Optional[BaseException]] = [None for _ in shares]
 
     caller = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    per_thread = 1 << max(0, (staging_bytes // len(shares or [0])).bit_length() - 1)  # a power of two, as torch pins
+    # a power of two, as torch pins host memory, and not below a page
+    per_thread = max(4096, 1 << max(0, (staging_bytes // len(shares or [0])).bit_length() - 1))
     failed = threading.Event()  # one thread's failure stops the others at their next weight
 
     def read_share(number: int) -> None:
         handles: Dict[str, Any] = {}
         side = None
         try:
-            # a stream of the high-priority pool: the models' own streams come from the other one
-            side = torch.cuda.Stream(device, priority=-1) if caller is not None and len(shares) > 1 else None
-            if side is not None:  # the targets' memory may be freed by work that the caller's stream still runs
-                side.wait_stream(caller)
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                # a stream of the high-priority pool: the models' own streams come from the other one
+                side = torch.cuda.Stream(device, priority=-1) if caller is not None and len(shares) > 1 else None
+                if side is not None:  # the targets' memory may be freed by work that the caller's stream still runs
+                    side.wait_stream(caller)
             with (
                 torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(),
                 torch.cuda.stream(side) if side is not None else contextlib.nullcontext(),
@@ -318,7 +321,10 @@ def _read_weights(reads: List[_Read], device: torch.device, staging_bytes: int, 
             try:
                 for worker in workers:
                     worker.start()
-            finally:  # (an interrupt too) the threads end, and their copies, before the caller goes on
+            except BaseException:  # an interrupt: the threads stop at their next weight
+                failed.set()
+                raise
+            finally:  # the threads end, and their copies, before the caller goes on
                 for worker in workers:
                     if worker.ident is not None:  # started
                         worker.join()

@@ -361,6 +361,7 @@ def test_two_pipelines_share_the_gpu_concurrently_and_correctly(tiny_folder):
         assert np.abs(images - serial[index % 2]).max() <= 1e-5
 
 
+@pytest.mark.device_memory
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_a_pipeline_on_cuda_1_matches_cuda_0_and_allocates_nothing_on_cuda_0(tiny_folder):
     def used_on_cuda_0():
