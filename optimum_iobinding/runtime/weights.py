@@ -89,7 +89,7 @@ class WeightUploader:
         if self.offset + nbytes > self.staging_bytes:
             self._switch()
         staged = self.buffers[self.current][self.offset : self.offset + nbytes]
-        self.offset += -(-nbytes // 256) * 256  # the next piece starts aligned for any element type
+        self.offset += _aligned(nbytes)  # the next piece starts aligned for any element type
         return staged
 
     def put(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -136,6 +136,12 @@ class WeightUploader:
     def finish(self) -> None:
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
+
+
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of 256: where the next piece of a buffer starts, aligned for any element
+    type (and as a device allocation is)."""
+    return -(-nbytes // 256) * 256
 
 
 def _read_into(handle: Any, offset: int, target: np.ndarray) -> int:
@@ -215,9 +221,7 @@ def load_owned_weights(
                 array = np.asarray(array, dtype=dtype)
             inline.append((initializer.name, array, _TORCH_OF_ONNX[initializer.data_type]))
         # the weights inside the .onnx: staging buffers no larger than they need (pinned memory stays with torch)
-        uploader = WeightUploader(
-            device, min(staging_bytes, -(-sum(array.nbytes for _, array, _ in inline) // 256) * 256)
-        )
+        uploader = WeightUploader(device, min(staging_bytes, _aligned(sum(array.nbytes for _, array, _ in inline))))
         for name, array, dtype in inline:
             weights[name] = uploader.put(array, dtype)
         uploader.finish()
@@ -253,7 +257,7 @@ def _read_weights(reads: List[_Read], device: torch.device, staging_bytes: int, 
     # and no device allocation per weight
     starts = [0]
     for size in sizes:
-        starts.append(starts[-1] + -(-size // 256) * 256)
+        starts.append(starts[-1] + _aligned(size))
     flat = torch.empty(starts[-1], dtype=torch.uint8, device=device)
     targets = [flat[start : start + size] for start, size in zip(starts, sizes)]
     count = max(1, min(threads, len(reads)))
@@ -279,25 +283,22 @@ def _read_weights(reads: List[_Read], device: torch.device, staging_bytes: int, 
                 side = torch.cuda.Stream(device, priority=-1) if caller is not None and len(shares) > 1 else None
                 if side is not None:  # the targets' memory may be freed by work that the caller's stream still runs
                     side.wait_stream(caller)
-            with (
-                torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(),
-                torch.cuda.stream(side) if side is not None else contextlib.nullcontext(),
-            ):
-                uploader = WeightUploader(device, per_thread if staging_bytes else 0)
-                for index in shares[number]:
-                    if failed.is_set():
-                        return
-                    read = reads[index]
-                    if read.location not in handles:
-                        handles[read.location] = open(read.location, "rb", buffering=0)  # into our buffers
-                    got = uploader.read(handles[read.location], read.offset, targets[index])
-                    if got != sizes[index]:
-                        raise ArgumentError(
-                            read.location,
-                            f"initializer {read.name!r} needs {sizes[index]} bytes at offset {read.offset}, the "
-                            f"file gives {got}",
-                        )
-                uploader.finish()  # this thread's stream: its weights are on the device when it ends
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    uploader = WeightUploader(device, per_thread if staging_bytes else 0)
+                    for index in shares[number]:
+                        if failed.is_set():
+                            return
+                        read = reads[index]
+                        if read.location not in handles:
+                            handles[read.location] = open(read.location, "rb", buffering=0)  # into our buffers
+                        got = uploader.read(handles[read.location], read.offset, targets[index])
+                        if got != sizes[index]:
+                            raise ArgumentError(
+                                read.location,
+                                f"initializer {read.name!r} needs {sizes[index]} bytes at offset {read.offset}, the "
+                                f"file gives {got}",
+                            )
+                    uploader.finish()  # this thread's stream: its weights are on the device when it ends
         except BaseException as error:  # raised by the caller
             errors[number] = error
             failed.set()
