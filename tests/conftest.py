@@ -274,6 +274,23 @@ def tiny_fused_folder(shared_export):
 
 
 @pytest.fixture
+def tiny_unet_external(tiny_folder, tmp_path):
+    """The tiny UNet's model.onnx (its weights inside it) saved again with every weight in an external data file
+    beside it (``model.weights``), in ``tmp_path``: what an export of a large model reads its weights from."""
+    import onnx
+
+    path = tmp_path / "model.onnx"
+    onnx.save_model(
+        onnx.load(str(tiny_folder / "unet" / "model.onnx")),
+        str(path),
+        save_as_external_data=True,
+        location="model.weights",
+        size_threshold=0,
+    )
+    return path
+
+
+@pytest.fixture
 def copy_of(tiny_folder, tmp_path):
     """``copy_of(**config_changes)``: a copy of tiny_folder whose components' config.json files have the changes
     (a component's keyword names its folder, ``__`` for ``/``)."""

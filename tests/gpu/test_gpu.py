@@ -815,18 +815,13 @@ def test_a_graph_pool_model_parses_its_file_once(tiny_folder, monkeypatch):
 
 @pytest.mark.parametrize("staging_bytes", [1 << 16, 64 << 20])  # buffers refilled many times; the default
 @pytest.mark.parametrize("storage", ["inline", "external"])  # in the .onnx; in a weights file, read straight from it
-def test_weights_uploaded_through_pinned_staging_equal_the_files(tiny_folder, tmp_path, staging_bytes, storage):
-    import onnx
-
+def test_weights_uploaded_through_pinned_staging_equal_the_files(
+    tiny_folder, tiny_unet_external, staging_bytes, storage
+):
     from optimum_iobinding.runtime.weights import load_owned_weights
 
-    path = inline = str(tiny_folder / "unet" / "model.onnx")
-    if storage == "external":
-        external = tmp_path / "model.onnx"
-        onnx.save_model(
-            onnx.load(path), str(external), save_as_external_data=True, location="model.weights", size_threshold=0
-        )
-        path = str(external)
+    inline = str(tiny_folder / "unet" / "model.onnx")
+    path = str(tiny_unet_external) if storage == "external" else inline
     on_cpu = load_owned_weights(inline, torch.device("cpu"))  # from the model's bytes either way
     on_gpu = load_owned_weights(path, torch.device("cuda", 0), staging_bytes=staging_bytes)
     assert list(on_gpu) == list(on_cpu) and len(on_gpu) > 10

@@ -782,21 +782,17 @@ def test_weights_read_from_a_file_through_the_staging_buffers_equal_its_bytes(tm
 
 
 @pytest.mark.parametrize("threads", [2, 3, 50])  # more threads than weights: a weight each
-def test_owned_weights_read_by_several_threads_equal_one_threads(tmp_path, tiny_folder, threads):
+def test_owned_weights_read_by_several_threads_equal_one_threads(tiny_folder, tiny_unet_external, threads):
     from optimum_iobinding.runtime.weights import load_owned_weights
 
-    inline = str(tiny_folder / "unet" / "model.onnx")
-    external = tmp_path / "model.onnx"
-    onnx.save_model(
-        onnx.load(inline), str(external), save_as_external_data=True, location="model.weights", size_threshold=0
-    )
+    inline, external = str(tiny_folder / "unet" / "model.onnx"), tiny_unet_external
     expected = load_owned_weights(inline, torch.device("cpu"))  # from the model's bytes
     got = load_owned_weights(str(external), torch.device("cpu"), read_threads=threads)
     assert list(got) == list(expected) and len(got) > 10  # in the model's order
     for name, tensor in expected.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
     # a file that ends early: the weight it cuts is named, whichever thread read it
-    weights_file = tmp_path / "model.weights"
+    weights_file = external.parent / "model.weights"
     weights_file.write_bytes(weights_file.read_bytes()[: weights_file.stat().st_size // 2])
     with pytest.raises(ValueError, match=r"initializer '.+' needs \d+ bytes at offset \d+, the file gives \d+"):
         load_owned_weights(str(external), torch.device("cpu"), read_threads=threads)
