@@ -3,6 +3,7 @@ asked (checked before any work), 1 for a failure while doing it, a traceback onl
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import subprocess
@@ -492,6 +493,26 @@ def libraries_loaded_by(code: str) -> list:
 
 def test_importing_the_package_loads_no_pipeline_library():
     assert libraries_loaded_by("import optimum_iobinding; optimum_iobinding.__version__") == []
+
+
+def test_importing_a_pipeline_class_is_quiet_and_leaves_kontext_for_later():
+    """The README's ``from optimum_iobinding import OnnxStableDiffusionPipeline`` printed transformers' two "requires
+    torchvision" warnings where torchvision is not installed: diffusers' FLUX.1 Kontext module, imported for its
+    resolutions, imports transformers' image processors. It is imported when a reference image is first resized."""
+    kontext = "diffusers.pipelines.flux.pipeline_flux_kontext"
+    probe = (
+        "import sys\nfrom optimum_iobinding import OnnxStableDiffusionPipeline, OnnxFluxKontextPipeline\n"
+        f"print({kontext!r} in sys.modules)"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPOSITORY, capture_output=True, text=True, timeout=300
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.strip() == "False" and completed.stderr == ""
+    from optimum_iobinding.pipelines.flux_kontext import preferred_resolutions
+
+    diffusers_kontext = importlib.import_module(kontext)
+    assert preferred_resolutions() == list(diffusers_kontext.PREFERRED_KONTEXT_RESOLUTIONS)
 
 
 @pytest.mark.parametrize(

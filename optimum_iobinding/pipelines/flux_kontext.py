@@ -9,7 +9,6 @@ import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
 from ..errors import ArgumentError
 from ..families import family
@@ -37,6 +36,20 @@ FLUX_KONTEXT = family("flux-kontext")
 MAX_AREA = 1024**2
 # the first position id of the reference image's tokens (the latents' is 0)
 REFERENCE_IMAGE_ID = 1.0
+# the (width, height) sizes a reference image is resized to: None, diffusers' Kontext resolutions, read when an image
+# is first resized (diffusers' Kontext module imports transformers' image processors, which warn without torchvision:
+# importing this package for another family need not import them)
+PREFERRED_KONTEXT_RESOLUTIONS: Optional[List[Tuple[int, int]]] = None
+
+
+def preferred_resolutions() -> List[Tuple[int, int]]:
+    """The sizes a reference image may be resized to, as (width, height): diffusers' Kontext resolutions unless
+    ``PREFERRED_KONTEXT_RESOLUTIONS`` is set."""
+    if PREFERRED_KONTEXT_RESOLUTIONS is not None:
+        return PREFERRED_KONTEXT_RESOLUTIONS
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS as resolutions
+
+    return list(resolutions)
 
 
 class OnnxFluxKontextPipeline(FluxFamilyPipeline):
@@ -110,7 +123,7 @@ class OnnxFluxKontextPipeline(FluxFamilyPipeline):
         multiple = self.size_multiple  # rounded down first: diffusers reads the aspect ratio of the rounded size
         height, width = height // multiple * multiple, width // multiple * multiple
         if auto_resize and height and width:
-            _, width, height = min((abs(width / height - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
+            _, width, height = min((abs(width / height - w / h), w, h) for w, h in preferred_resolutions())
         if height == 0 or width == 0:
             raise ArgumentError(
                 "image",
