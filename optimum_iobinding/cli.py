@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 # the standard library only: every heavy module is imported by the command using it
-from .errors import ArgumentError, CommandLineParser, RawDescriptionHelpFormatter
+from .errors import DEBUG_HELP, ArgumentError, CommandLineParser, RawDescriptionHelpFormatter, quiet_libraries
 from .families import (
     Family,
     controlnet_family,
@@ -140,7 +140,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "--optimize",
         choices=("cuda", "cpu"),
         default=None,
-        help="run ORT's transformer optimizer with the fusions this execution provider runs",
+        help="run ORT's transformer optimizer with the fusions this execution provider runs (default: none, the "
+        "graphs as torch exported them)",
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace a non-empty --output folder (whole: nothing of it stays)"
@@ -1478,9 +1479,6 @@ def run_loadtest_command(args: argparse.Namespace) -> int:
     return main_from_args(args)
 
 
-DEBUG_HELP = "show the traceback of an error (before or after the command's name)"
-
-
 def add_command(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
     """A command's parser: options spelled out in full (``--step`` is no ``--steps``), and ``--debug`` among its own
     options, given no default there, so that a ``--debug`` before the command's name stays set. ``commands``: what
@@ -1493,12 +1491,16 @@ def add_command(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentPar
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandLineParser(prog="optimum-iobinding", description=__doc__, allow_abbrev=False)
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command")  # none given: refused by parse_arguments, naming them
 
     generate = add_command(commands, "generate", help="generate an image (offline with the tiny model by default)")
     generate.add_argument("prompt", nargs="?", default=None, help=f"the prompt (default {DEFAULT_PROMPT!r})")
     generate.add_argument(
-        "--prompt", dest="prompt_option", default=None, help="the prompt as an option, as stream and loadtest take it"
+        "--prompt",
+        dest="prompt_option",
+        default=None,
+        metavar="PROMPT",
+        help="the prompt as an option, as stream and loadtest take it",
     )
     generate.add_argument(
         "--negative-prompt", default=None, help="what the image should not show (default: none, as diffusers')"
@@ -1552,7 +1554,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a LoRA file, folder or hub id, at SCALE (default 1); repeat it for several",
     )
     add_ip_adapter_arguments(generate)
-    generate.add_argument("--scheduler", choices=sorted(SCHEDULERS), default=None, help="replace the model's scheduler")
+    generate.add_argument(
+        "--scheduler",
+        choices=sorted(SCHEDULERS),
+        default=None,
+        help="replace the model's scheduler (default: the model's own, from its folder)",
+    )
     generate.add_argument("--provider", default=None, help="ORT execution provider (default: CUDA if available)")
     generate.add_argument(
         "--io-binding",
@@ -1819,12 +1826,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_arguments(argv: List[str]) -> argparse.Namespace:
-    """``argv`` parsed; an option no parser knows is refused by the parser of the command it was given to (its
-    usage, exit status 2), with the options of that command it is close to."""
+    """``argv`` parsed; no command, or an option no parser knows, is refused in one line (exit status 2): the
+    commands named, or the options of the command it was given to that it is close to."""
     from .errors import unrecognized_arguments
 
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.error(f"expected a command, one of {', '.join(args.command_parsers)}; got none (see --help)")
     if unknown:
         command = args.command_parsers.get(args.command, parser)
         command.error(
@@ -1838,28 +1847,6 @@ def show_warnings() -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="optimum-iobinding: %(levelname)s: %(message)s")
-
-
-def quiet_libraries() -> None:
-    """A command prints its own results and errors: the libraries' notices (transformers' "requires torchvision",
-    diffusers' dtype notes while the tiny model is built) are for library users, so the command shows their errors
-    only; this project's own warnings still show. Each command calls this once its arguments passed their checks,
-    before it loads anything: it imports diffusers and transformers (each sets its own level when imported), which
-    --help and a mistake in the arguments need not wait for. ONNX Runtime's Python tools (the symbolic shape inference
-    the export runs: "Cannot determine if floor(height/2) + … < 0", a slice it leaves unresolved and the export does
-    not need) log through ``logging``, under their package's name or, imported by its transformer tools, their own."""
-    import logging
-
-    for name in ("onnxruntime", "symbolic_shape_infer"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        import diffusers.utils.logging as diffusers_logging
-        import transformers.utils.logging as transformers_logging
-
-        diffusers_logging.set_verbosity_error()
-        transformers_logging.set_verbosity_error()
-    except ImportError:  # pragma: no cover — both are requirements
-        pass
 
 
 # Errors about what the user passed (a file, a size, a setting): exit status 2, as argparse's own usage errors.

@@ -1,7 +1,9 @@
 """The refusals of bad arguments, carrying the argument's name as data: each surface (Python, the command line, the
 HTTP API) names the argument in its own words by looking ``argument`` up in a table, never by reading the text.
 :func:`did_you_mean` words the suggestion for a misspelled name (a keyword, a provider, a command-line flag) the
-same way on every surface. Standard library only: the command line imports this module at start-up."""
+same way on every surface. The commands' parser (one-line refusals) and their quieting of the libraries' notices are
+here too, for the command line and the bench alike. Standard library only: the command line imports this module at
+start-up."""
 
 from __future__ import annotations
 
@@ -114,6 +116,9 @@ class RawDescriptionHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpForm
     """:class:`HelpFormatter` keeping the description's own line breaks."""
 
 
+DEBUG_HELP = "show the traceback of an error (before or after the command's name)"
+
+
 class CommandLineParser(argparse.ArgumentParser):
     """argparse's parser, refusing a mistake in one line, ``optimum-iobinding: error: …`` (exit status 2), as every
     other refusal of the command line: no usage block before it (``--help`` shows the usage), and argparse's
@@ -128,3 +133,25 @@ class CommandLineParser(argparse.ArgumentParser):
         if message.startswith(prefix):
             message = message[len(prefix) :]
         self.exit(2, f"{PROGRAM}: error: {message}\n")
+
+
+def quiet_libraries() -> None:
+    """A command prints its own results and errors: the libraries' notices (transformers' "requires torchvision",
+    diffusers' dtype notes while the tiny model is built) are for library users, so the command shows their errors
+    only; this project's own warnings still show. Each command calls this once its arguments passed their checks,
+    before it loads anything: it imports diffusers and transformers (each sets its own level when imported), which
+    --help and a mistake in the arguments need not wait for. ONNX Runtime's Python tools (the symbolic shape inference
+    the export runs: "Cannot determine if floor(height/2) + … < 0", a slice it leaves unresolved and the export does
+    not need) log through ``logging``, under their package's name or, imported by its transformer tools, their own."""
+    import logging
+
+    for name in ("onnxruntime", "symbolic_shape_infer"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        import diffusers.utils.logging as diffusers_logging
+        import transformers.utils.logging as transformers_logging
+
+        diffusers_logging.set_verbosity_error()
+        transformers_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover — both are requirements
+        pass

@@ -777,8 +777,10 @@ def test_generate_takes_the_prompt_as_an_option_too_but_only_once(tmp_path, caps
         (["loadtest"], "the following arguments are required: url"),
         (["bench", "--runs", "x"], "--runs: invalid int value: 'x'"),
         (["no-such-command"], "command: invalid choice: 'no-such-command'"),
+        ([], "expected a command, one of generate, serve, loadtest, stream, bench, export; got none"),
+        (["--debug"], "expected a command, one of generate"),
     ],
-    ids=["generate", "export", "stream", "serve", "loadtest", "bench", "top"],
+    ids=["generate", "export", "stream", "serve", "loadtest", "bench", "top", "no-command", "debug-alone"],
 )
 def test_a_mistake_argparse_finds_is_one_line_without_the_usage_block(capsys, no_work, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -1082,6 +1084,56 @@ def test_help_describes_every_option_and_gives_its_default(command):
         assert text, f"{command} {action.option_strings[0]}: no help"
         if not any(action.default is none for none in (None, False, argparse.SUPPRESS)):
             assert "default" in text, f"{command} {action.option_strings[0]}: no default in {text!r}"
+
+
+@pytest.mark.parametrize(
+    "command, option",
+    [("generate", "--scheduler"), ("export", "--optimize"), ("bench", "--blocks"), ("bench", "--optimum-pythonpath")],
+)
+def test_help_says_what_an_option_left_out_means(command, option):
+    """Options whose default is None that still choose something: the model's own scheduler, no optimizer, the full
+    model's blocks, this environment's packages."""
+    from optimum_iobinding.bench.cli import build_parser as bench_parser
+
+    parser = bench_parser() if command == "bench" else cli.build_parser()._defaults["command_parsers"][command]
+    (action,) = [action for action in parser._actions if option in action.option_strings]
+    assert "(default: " in action.help, action.help
+
+
+def test_generate_help_names_the_prompt_option_as_the_user_writes_it_and_bench_help_lists_debug():
+    generate_help = cli.build_parser()._defaults["command_parsers"]["generate"].format_help()
+    assert "--prompt PROMPT " in generate_help and "PROMPT_OPTION" not in generate_help
+    from optimum_iobinding.bench.cli import build_parser as bench_parser
+
+    assert "--debug" in bench_parser().format_help()
+
+
+def test_the_bench_export_prints_no_library_notices(tmp_path):
+    """``bench --export-only`` printed transformers' two "requires torchvision" warnings (diffusers' pipelines it
+    builds the random models with import transformers' image processors): the bench quiets the libraries as the
+    other commands do."""
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "optimum_iobinding.cli",
+            "bench",
+            "--export-only",
+            "--models",
+            "tiny",
+            "--dtypes",
+            "fp32",
+        ]
+        + ["--exports", "plain", "--work", str(tmp_path)],
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.split() == [str(tmp_path / "tiny-fp32-plain")]
+    for notice in ("[transformers]", "Warning", "WARNING", "deprecated"):
+        assert notice not in completed.stderr, completed.stderr
 
 
 def test_exports_help_names_every_tiny_random_kind_and_every_family_it_exports():

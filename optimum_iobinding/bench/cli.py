@@ -85,7 +85,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..cache_spec import parse_cache_spec
-from ..errors import PROGRAM, ArgumentError, CommandLineParser, unrecognized_arguments
+from ..errors import DEBUG_HELP, PROGRAM, ArgumentError, CommandLineParser, quiet_libraries, unrecognized_arguments
 from .peers import (
     CACHED_PEER,
     MIXED_PEERS,
@@ -1275,6 +1275,8 @@ def transformer_main(parser: argparse.ArgumentParser, args: argparse.Namespace, 
 def build_parser() -> CommandLineParser:
     """The options of ``optimum-iobinding bench`` (and the hidden ones of a peer's process)."""
     parser = CommandLineParser(prog="optimum-iobinding bench", description=DESCRIPTION, allow_abbrev=False)
+    # taken by optimum-iobinding before the command runs (here for --help): set or not, the same options pass
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     parser.add_argument(
         "--models",
         default="tiny,small,sd15",
@@ -1320,7 +1322,11 @@ def build_parser() -> CommandLineParser:
     )
     parser.add_argument("--work", default="bench-work", help="where exports and images go")
     parser.add_argument("--out", default="benchmarks/results/latest", help="where the results and reports go")
-    parser.add_argument("--optimum-pythonpath", default=None, help="site folder of the optimum-onnx environment")
+    parser.add_argument(
+        "--optimum-pythonpath",
+        default=None,
+        help="site folder of the optimum-onnx environment (default: none: optimum's peers run with this environment's packages)",
+    )
     parser.add_argument("--timeout", type=int, default=900, help="seconds per peer process")
     parser.add_argument("--report-only", action="store_true", help="re-render results.md/png from results.json")
     parser.add_argument(
@@ -1362,7 +1368,8 @@ def build_parser() -> CommandLineParser:
         type=int,
         default=None,
         help="transformer: build the transformers with N blocks (FLUX.1: N double, 2N single), full "
-        "width; video: Wan 2.1's transformer with N of its 30 blocks; every result row says so",
+        "width; video: Wan 2.1's transformer with N of its 30 blocks; every result row says so (default: the "
+        "full model's blocks)",
     )
     parser.add_argument(
         "--text-layers",
@@ -1458,6 +1465,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.device is None:  # the tiny video model runs on the host unless told otherwise
         args.device = "cpu" if args.tiny else "cuda"
     check_arguments(parser, args, split)
+    quiet_libraries()
     if args.run_mixed:
         result = run_mixed(
             args.run_mixed,
