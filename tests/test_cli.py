@@ -1195,6 +1195,32 @@ def test_what_generate_and_the_examples_write_by_default_is_ignored_by_git():
     assert [name for name in written if not ignored(name)] == []
 
 
+def test_the_folders_the_docs_commands_and_the_bench_write_are_ignored_by_git():
+    """``export ... --output sd-onnx`` run in the checkout, as the README has it, left ``sd-onnx/`` untracked (its
+    config and tokenizer files; only ``*.onnx`` was ignored), and the bench its ``bench-work/``."""
+    import fnmatch
+
+    from optimum_iobinding.bench.cli import build_parser as bench_parser
+
+    patterns = [
+        line.strip().strip("/")
+        for line in (REPOSITORY / ".gitignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    docs = [REPOSITORY / "README.md", *sorted((REPOSITORY / "docs").glob("*.md"))]
+    written = {
+        folder.rstrip("/")
+        for doc in docs
+        for folder in re.findall(r"(?:--output|-o|--out) ([A-Za-z0-9_.-]+/?)(?=[\s`])", doc.read_text())
+        if not folder.startswith("-") and not folder.endswith((".png", ".mp4", ".jpg")) and folder.upper() != folder
+    }
+    bench = bench_parser()
+    written |= {bench.get_default("work"), bench.get_default("out")}
+    assert {"sd-onnx", "sd15-canny-onnx", "loadtest", "bench-work"} <= written
+    ignored = lambda name: any(fnmatch.fnmatch(name, pattern) for pattern in patterns)  # noqa: E731
+    assert sorted(name for name in written if not ignored(name)) == []
+
+
 @pytest.mark.skipif(
     "CUDAExecutionProvider" in ort.get_available_providers(),
     reason="checks the hint given where onnxruntime has no CUDA provider",
