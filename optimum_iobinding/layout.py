@@ -168,24 +168,33 @@ def check_writable(target: Path, argument: str) -> None:
 
 @contextlib.contextmanager
 def building_beside(target: Path, argument: str = "output_dir") -> Iterator[Path]:
-    """Yields a new temporary folder beside ``target``; when the block ends without an error, the folder replaces
-    ``target`` (whole: nothing of a previous ``target`` stays); when it raises (or is interrupted), the temporary
-    folder is removed and ``target`` is left exactly as it was.
+    """Yields a new folder, inside a temporary one beside ``target`` (with the permissions the user's umask gives);
+    when the block ends without an error, the folder replaces ``target`` (whole: nothing of a previous ``target``
+    stays); when it raises (or is interrupted), the temporary folder is removed and ``target`` is left exactly as it
+    was.
 
     The temporary folder is the layout's own: a failure to make it, to write into it or to move it into place is
     raised as the same kind of ``OSError`` naming ``argument`` and ``target`` (see :func:`unwritable`); other errors
     pass as they are."""
     target = Path(target)
+    scratch = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+        # the folder yielded is made inside the temporary one, not the temporary one itself: made by mkdir, it has
+        # the permissions the user's umask gives (others may read an export a server runs as another user), not
+        # mkdtemp's private 0700
+        building = scratch / target.name
+        building.mkdir()
     except OSError as error:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
         raise unwritable(error, target, argument, f"making a folder in {str(target.parent)!r} failed") from error
     try:
-        yield scratch
+        yield building
     except OSError as error:
         shutil.rmtree(scratch, ignore_errors=True)
-        inside = _path_inside(error, scratch)
+        inside = _path_inside(error, building)
         if inside is None:
             raise
         raise unwritable(
@@ -195,10 +204,11 @@ def building_beside(target: Path, argument: str = "output_dir") -> Iterator[Path
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     try:
-        replace_folder(scratch, target)
+        replace_folder(building, target)
     except OSError as error:
-        shutil.rmtree(scratch, ignore_errors=True)
         raise unwritable(error, target, argument, "moving the finished folder into place failed") from error
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _path_inside(error: OSError, folder: Path) -> Optional[str]:

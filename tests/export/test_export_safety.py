@@ -136,3 +136,28 @@ def test_a_write_that_fails_inside_the_export_names_the_output_dir_and_what_was_
         export_pipeline(None, target, torch_pipeline=pipe, components=("vae_decoder",), progress=False)
     assert failed.value.errno == errno.ENOSPC
     assert list(tmp_path.iterdir()) == []  # neither the output nor the folder built beside it
+
+
+# ------------------------------------------------------------------------------------------------- permissions
+@pytest.fixture
+def umask():
+    """``umask(mask)``: the process's umask set to ``mask``; restored after the test."""
+    before = os.umask(0o022)
+    os.umask(before)
+    yield os.umask
+    os.umask(before)
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o755), (0o077, 0o700)], ids=["umask-022", "umask-077"])
+def test_an_export_has_the_permissions_the_umask_gives(tmp_path, umask, mask, mode):
+    """The export was built in a folder from ``mkdtemp`` (mode 0700) and moved into place: a server running as
+    another user could not read it, whatever the umask said. The folders are made as ``mkdir`` makes them, the files
+    as before."""
+    umask(mask)
+    target = tmp_path / "target"
+    export_pipeline(None, target, tiny_random=True, progress=False, components=("vae_decoder",))
+    folders = [target, *(path for path in target.rglob("*") if path.is_dir())]
+    assert len(folders) >= 3 and {folder.stat().st_mode & 0o777 for folder in folders} == {mode}
+    files = [path for path in target.rglob("*") if path.is_file()]
+    assert files and {path.stat().st_mode & 0o777 for path in files} == {mode & 0o666}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]  # the temporary folder is gone
