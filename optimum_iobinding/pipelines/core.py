@@ -346,6 +346,16 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
 class Warmup:
     """Warm-up for the families whose calls take a prompt and a size (the stream warms up in its ``prepare``)."""
 
+    _warming_up = False  # True while warmup's calls run: they show no progress bar (they are set-up, not work asked)
+
+    def progress_bar(self, iterable: Any = None, total: Optional[int] = None) -> Any:
+        """diffusers' progress bar of the steps; none during :meth:`warmup`."""
+        if self._warming_up:
+            from tqdm.auto import tqdm
+
+            return tqdm(iterable, total=total, disable=True)
+        return super().progress_bar(iterable=iterable, total=total)  # type: ignore[misc]
+
     def warmup(
         self,
         heights: Union[int, Sequence[int], None] = None,
@@ -384,10 +394,13 @@ class Warmup:
             known[name](value)
         if guidance_scales is None:
             guidance_scales = self.family.defaults.guidance_scale
-        for height, width, batch_size, guidance_scale in self.warmup_combinations(
-            heights, widths, batch_sizes, guidance_scales, num_inference_steps
-        ):
-            self.warmup_call(height, width, batch_size, guidance_scale, num_inference_steps, **call_arguments)
+        combinations = self.warmup_combinations(heights, widths, batch_sizes, guidance_scales, num_inference_steps)
+        warming_up, self._warming_up = self._warming_up, True
+        try:
+            for height, width, batch_size, guidance_scale in combinations:
+                self.warmup_call(height, width, batch_size, guidance_scale, num_inference_steps, **call_arguments)
+        finally:
+            self._warming_up = warming_up
 
     def warmup_arguments(self) -> Dict[str, Callable[[Any], None]]:
         """The ``__call__`` arguments :meth:`warmup` passes on, each with its check (none by default)."""

@@ -645,6 +645,19 @@ def test_warmup_leaves_the_callers_random_state_alone(tiny_folder):
     assert (np.random.rand(), torch.rand(1).item()) == expected
 
 
+def test_warmup_shows_no_progress_bar_and_the_calls_after_it_do(tiny_folder, capfd):
+    """``pipe.warmup(heights=..., batch_sizes=[1, 2, 4])`` printed three unlabelled progress bars, one per warm-up
+    call; the calls after it show theirs as before."""
+    from optimum_iobinding import OnnxStableDiffusionPipeline
+
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
+    capfd.readouterr()
+    pipe.warmup(heights=64, batch_sizes=[1, 2])
+    assert capfd.readouterr().err == ""
+    pipe("a cat", height=64, width=64, num_inference_steps=2, output_type="np")
+    assert "100%|" in capfd.readouterr().err  # its steps counted as the scheduler runs them
+
+
 # --------------------------------------------------------------------------------------------- owned weights
 def test_owned_weights_are_read_straight_from_external_data(tmp_path, matmul_model):
     from optimum_iobinding.runtime.weights import load_owned_weights
