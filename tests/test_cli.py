@@ -1159,6 +1159,23 @@ def test_the_readme_says_where_its_snippets_folders_come_from_offline():
     assert "export MODEL --output sd-onnx" in first and "export --tiny-random" in first
 
 
+def test_the_export_docs_give_export_pipelines_whole_signature():
+    """docs/export.md gave ``export_pipeline``'s signature without seven of its parameters (``ip_adapter``,
+    ``cold_start_parts``, ``vae_dtype`` …)."""
+    import inspect
+
+    from optimum_iobinding.export import export_pipeline
+
+    text = " ".join((REPOSITORY / "docs" / "export.md").read_text().split())
+    (documented,) = re.findall(r"`optimum_iobinding\.export\.export_pipeline\(([^`]*)\)`", text)
+    parameters = []
+    for parameter in inspect.signature(export_pipeline).parameters.values():
+        if parameter.kind is parameter.KEYWORD_ONLY and "*" not in parameters:
+            parameters.append("*")
+        parameters.append(parameter.name + ("" if parameter.default is parameter.empty else f"={parameter.default!r}"))
+    assert documented.split(", ") == parameters
+
+
 def test_the_readme_stream_snippet_imports_its_class():
     (snippet,) = [block for block in python_snippets(README) if "OnnxStreamDiffusionPipeline.from_pretrained" in block]
     assert "from optimum_iobinding import OnnxStreamDiffusionPipeline" in snippet
