@@ -674,8 +674,10 @@ def check_ip_adapter_arguments(args: argparse.Namespace) -> Optional[Any]:
         args.ip_adapter_scale = 1.0
     missing = [option for option, value in given.items() if value is None]
     if missing:
+        present = " and ".join(option for option in given if option not in missing)
         raise UsageError(
-            f"{missing[0]}: expected it with {', '.join(o for o in given if o != missing[0])}, got it missing"
+            f"{missing[0]}: expected with {present} (the IP-Adapter's three options go together: "
+            f"{', '.join(given)}), got none"
         )
     check(math.isfinite(args.ip_adapter_scale), "--ip-adapter-scale", "a finite number", args.ip_adapter_scale)
     check_local_or_hub("--ip-adapter", args.ip_adapter)

@@ -83,14 +83,15 @@ def did_you_mean(word: str, choices: Iterable[str], n: int = 1) -> str:
 
 def unrecognized_arguments(unknown: Sequence[str], options: Iterable[str]) -> str:
     """argparse's ``unrecognized arguments: …`` for the arguments ``unknown`` that no parser took, with the options
-    among ``options`` that the misspelled ones are close to (``(did you mean --steps?)``)."""
-    options = list(options)
+    among ``options`` that the misspelled ones are close to (``(did you mean --steps?)``), their names compared
+    without the dashes (which every option shares: ``--frobnicate`` is close to no ``--frames``)."""
+    by_name = {option.lstrip("-"): option for option in options}
     close = list(
         dict.fromkeys(
-            match
+            by_name[match]
             for word in unknown
             if word.startswith("-")
-            for match in close_matches(word.partition("=")[0], options, n=1)
+            for match in close_matches(word.partition("=")[0].lstrip("-"), by_name, n=1)
         )
     )
     hint = f" (did you mean {' or '.join(close)}?)" if close else ""

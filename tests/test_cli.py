@@ -661,10 +661,12 @@ def test_a_misspelled_option_is_one_line_with_the_option_it_is_close_to(capsys, 
     assert error_line(capsys) == f"optimum-iobinding: error: unrecognized arguments: {suggestion}"
 
 
-def test_an_option_close_to_none_gets_no_suggestion(capsys, no_work):
+@pytest.mark.parametrize("option", ["--zzzzzz", "--frobnicate"])
+def test_an_option_close_to_none_gets_no_suggestion(capsys, no_work, option):
+    """``--frobnicate`` was "close" to ``--frames``: the two dashes every option has made up half of the likeness."""
     with pytest.raises(SystemExit):
-        main(["generate", "--zzzzzz"])
-    assert capsys.readouterr().err.rstrip().endswith("unrecognized arguments: --zzzzzz")
+        main(["generate", option])
+    assert capsys.readouterr().err.rstrip().endswith(f"unrecognized arguments: {option}")
 
 
 def test_a_scheduler_whose_module_is_missing_is_refused_before_the_model_loads(capsys, no_work, monkeypatch):

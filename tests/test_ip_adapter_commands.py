@@ -62,8 +62,15 @@ def test_export_and_generate_with_an_image_prompt_equal_the_python_pipeline(made
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--ip-adapter-image", "PROMPT"], "--ip-adapter: expected it with --ip-adapter-weight, --ip-adapter-image"),
-        (["--ip-adapter", "ADAPTER", "--ip-adapter-image", "PROMPT"], "--ip-adapter-weight: expected it with"),
+        (
+            ["--ip-adapter-image", "PROMPT"],
+            "--ip-adapter: expected with --ip-adapter-image (the IP-Adapter's three options go together: "
+            "--ip-adapter, --ip-adapter-weight, --ip-adapter-image), got none",
+        ),
+        (
+            ["--ip-adapter", "ADAPTER", "--ip-adapter-image", "PROMPT"],
+            "--ip-adapter-weight: expected with --ip-adapter and --ip-adapter-image (the IP-Adapter's three options",
+        ),
         (
             ["--ip-adapter", "ADAPTER", "--ip-adapter-weight", "models/ip.safetensors", "--ip-adapter-image", "x.png"],
             "--ip-adapter-image: expected an image file",
