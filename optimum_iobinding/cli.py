@@ -1717,7 +1717,10 @@ def build_parser() -> argparse.ArgumentParser:
     loadtest.add_argument("--size", default=None, help="512 or 768x512 (default: the service's)")
     loadtest.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     loadtest.add_argument(
-        "--out", default=None, help="folder for loadtest.json and .md, and .png with matplotlib (the plot extra)"
+        "--out",
+        default=None,
+        help="folder for loadtest.json and .md, and .png with matplotlib (the plot extra) (default: none, the table "
+        "printed only)",
     )
     loadtest.set_defaults(run=run_loadtest_command)
 

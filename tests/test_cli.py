@@ -1090,11 +1090,17 @@ def test_help_describes_every_option_and_gives_its_default(command):
 
 @pytest.mark.parametrize(
     "command, option",
-    [("generate", "--scheduler"), ("export", "--optimize"), ("bench", "--blocks"), ("bench", "--optimum-pythonpath")],
+    [
+        ("generate", "--scheduler"),
+        ("export", "--optimize"),
+        ("loadtest", "--out"),
+        ("bench", "--blocks"),
+        ("bench", "--optimum-pythonpath"),
+    ],
 )
 def test_help_says_what_an_option_left_out_means(command, option):
-    """Options whose default is None that still choose something: the model's own scheduler, no optimizer, the full
-    model's blocks, this environment's packages."""
+    """Options whose default is None that still choose something: the model's own scheduler, no optimizer, the
+    table printed only, the full model's blocks, this environment's packages."""
     from optimum_iobinding.bench.cli import build_parser as bench_parser
 
     parser = bench_parser() if command == "bench" else cli.build_parser()._defaults["command_parsers"][command]
