@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, ArgumentTypeError
 
 Generator = Union[np.random.RandomState, torch.Generator, List[torch.Generator], None]
 # the kinds of a call's other arguments, named once for every family's signature
@@ -25,6 +25,31 @@ def is_torch_generator(generator: Any) -> bool:
     if isinstance(generator, list):
         return bool(generator) and all(isinstance(g, torch.Generator) for g in generator)
     return isinstance(generator, torch.Generator)
+
+
+def check_generator(generator: Any, images: int) -> None:
+    """Refuses, before any work, a ``generator`` the call cannot draw its noise from: ``None``, a numpy
+    ``RandomState`` or a ``torch.Generator`` pass; a list must hold one ``torch.Generator`` per image (``images``:
+    prompts × ``num_images_per_prompt``), as diffusers' pipelines take it."""
+    if generator is None or isinstance(generator, (np.random.RandomState, torch.Generator)):
+        return
+    if not isinstance(generator, list):
+        raise ArgumentTypeError(
+            "generator",
+            f"expected a numpy RandomState, a torch.Generator or a list of torch.Generators (one per image), got "
+            f"{type(generator).__name__}",
+        )
+    wrong = next((item for item in generator if not isinstance(item, torch.Generator)), None)
+    if wrong is not None:
+        raise ArgumentTypeError(
+            "generator",
+            f"expected a list of torch.Generators (one per image; a numpy RandomState is given alone), got a list "
+            f"holding {type(wrong).__name__}",
+        )
+    if len(generator) != images:
+        raise ArgumentError(
+            "generator", f"expected one torch.Generator per image ({images}), got a list of {len(generator)}"
+        )
 
 
 def is_integer(value: Any) -> bool:

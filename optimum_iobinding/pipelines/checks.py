@@ -13,7 +13,7 @@ import PIL.Image
 import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
-from .arguments import is_integer, is_real
+from .arguments import check_generator, is_integer, is_real
 from .loop import check_callback_arguments
 from .memory import CallMemory, check_image_fits
 
@@ -42,12 +42,15 @@ class ArgumentChecks:
         joint_attention_kwargs: Any = None,
         guidance_rescale: Any = None,
         prompts: int = 1,
+        generator: Any = None,
+        callback: Any = None,
     ) -> None:
         """Refuses, before any work, a shared argument the call cannot run with (every family's, checked here
         once), naming it, what was expected and what came: the size, the steps (or ``sigmas``, one per step), the
         guidance scale, images per prompt, the output type, ``strength``, the callbacks and the tensors a step-end
-        callback asks for (among the family's :attr:`~optimum_iobinding.families.Family.callback_tensors`), and
-        diffusers' ``joint_attention_kwargs``, which an exported transformer has no attention processors to take."""
+        callback asks for (among the family's :attr:`~optimum_iobinding.families.Family.callback_tensors`), the
+        ``generator`` (one per image where a list: ``prompts`` × ``num_images_per_prompt``), the step ``callback``,
+        and diffusers' ``joint_attention_kwargs``, which an exported transformer has no attention processors to take."""
         if joint_attention_kwargs:
             raise ArgumentError(
                 "joint_attention_kwargs",
@@ -63,6 +66,11 @@ class ArgumentChecks:
             raise ArgumentError("guidance_rescale", f"expected a number in [0, 1], got {guidance_rescale!r}")
         if not is_integer(num_images_per_prompt) or num_images_per_prompt < 1:
             raise ArgumentError("num_images_per_prompt", f"expected a positive integer, got {num_images_per_prompt!r}")
+        check_generator(generator, prompts * num_images_per_prompt)
+        if callback is not None and not callable(callback):
+            raise ArgumentTypeError(
+                "callback", f"expected a callable, callback(step, timestep, latents), got {type(callback).__name__}"
+            )
         self.check_size(height, width)
         if self.device.type == "cpu" and not self.family.frames:
             self.check_fits(height, width, prompts * num_images_per_prompt, guidance_scale)

@@ -572,6 +572,8 @@ class OnnxStableDiffusionControlNetPipeline(ControlNetPipeline):
             num_images_per_prompt=num_images_per_prompt,
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            generator=generator,
+            callback=callback,
         )
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0
@@ -699,6 +701,8 @@ class OnnxStableDiffusionControlNetImg2ImgPipeline(ControlNetPipeline):
             num_images_per_prompt=num_images_per_prompt,
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            generator=generator,
+            callback=callback,
         )
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         do_classifier_free_guidance = guidance_scale > 1.0

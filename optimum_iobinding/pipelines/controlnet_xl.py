@@ -115,6 +115,7 @@ class OnnxStableDiffusionXLControlNetPipeline(UNetControlNets, OnnxStableDiffusi
             num_images_per_prompt=num_images_per_prompt,
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            generator=generator,
         )
         self.check_inputs_xl(
             prompt,

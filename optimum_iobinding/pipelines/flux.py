@@ -24,6 +24,7 @@ from .arguments import (
     Prompt,
     StepEndCallback,
     TensorNames,
+    check_generator,
     check_sequence_length,
     is_real,
 )
@@ -181,12 +182,7 @@ class FluxFamilyPipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
         """How many images a call makes (prompts × ``num_images_per_prompt``); a list of generators is refused
         unless it has one per image."""
         count = batch_size * num_images_per_prompt
-        if isinstance(generator, list) and len(generator) != count:
-            raise ArgumentError(
-                "generator",
-                f"expected one generator per image ({count}: {batch_size} prompts × "
-                f"num_images_per_prompt {num_images_per_prompt}), got a list of {len(generator)}",
-            )
+        check_generator(generator, count)
         return count
 
     def text_tensors(

@@ -81,6 +81,8 @@ class OnnxStableDiffusionImg2ImgPipeline(ClipUNetPipeline):
             callback_steps=callback_steps,
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            generator=generator,
+            callback=callback,
         )
 
         image_prompt = self.image_prompt_inputs(

@@ -105,6 +105,8 @@ class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
             callback_steps=callback_steps,
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            generator=generator,
+            callback=callback,
         )
         dtype = prompt_embeds.dtype
 

@@ -75,6 +75,7 @@ class OnnxLatentConsistencyModelPipeline(ClipUNetPipeline):
             num_images_per_prompt=num_images_per_prompt,
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            generator=generator,
         )
         batch_size = self.batch_size_of(prompt, prompt_embeds)
         prompt_embeds = self.encode_prompt(prompt, num_images_per_prompt, False, prompt_embeds=prompt_embeds)

@@ -149,5 +149,6 @@ def expand_to_batch(tensor: torch.Tensor, batch_size: int, num_images_per_prompt
     if tensor.shape[0] == 1 and batch_size > 1:
         tensor = tensor.expand(batch_size, *tensor.shape[1:])
     elif tensor.shape[0] != batch_size:
-        raise ArgumentError(name, f"expected 1 or {batch_size} images (one per prompt), got {tensor.shape[0]}")
+        expected = "1 image (one prompt)" if batch_size == 1 else f"1 or {batch_size} images (one per prompt)"
+        raise ArgumentError(name, f"expected {expected}, got {tensor.shape[0]}")
     return tensor.repeat_interleave(num_images_per_prompt, dim=0)

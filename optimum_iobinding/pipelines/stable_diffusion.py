@@ -79,6 +79,8 @@ class OnnxStableDiffusionPipeline(ClipUNetPipeline):
             callback_steps=callback_steps,
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            generator=generator,
+            callback=callback,
         )
 
         image_prompt = self.image_prompt_inputs(

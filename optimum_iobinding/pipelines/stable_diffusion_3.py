@@ -186,6 +186,7 @@ class OnnxStableDiffusion3Pipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipelin
             num_images_per_prompt=num_images_per_prompt,
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            generator=generator,
             joint_attention_kwargs=joint_attention_kwargs,
         )
         batch_size = self.batch_size_of(prompt, prompt_embeds)

@@ -241,6 +241,7 @@ class OnnxStableDiffusionXLImg2ImgPipeline(OnnxStableDiffusionXLPipelineBase):
             num_images_per_prompt=num_images_per_prompt,
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            generator=generator,
         )
         self.check_inputs_xl(
             prompt,
@@ -369,6 +370,7 @@ class OnnxStableDiffusionXLPipeline(OnnxStableDiffusionXLPipelineBase):
             num_images_per_prompt=num_images_per_prompt,
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            generator=generator,
         )
         self.check_inputs_xl(
             prompt,

@@ -157,6 +157,23 @@ def test_a_refused_call_runs_no_component(record, pipe):
     assert not any(runs)
 
 
+def test_a_list_of_generators_not_one_per_image_is_refused_before_any_component_runs(record, pipe):
+    """diffusers refuses a list of generators whose length is not the number of images; the UNet families took
+    three generators for one image without a word."""
+    three = [torch.Generator().manual_seed(seed) for seed in range(3)]
+    with contextlib.ExitStack() as stack:
+        runs = [stack.enter_context(model.watch_runs()) for model in pipe.onnx_models.values()]
+        with pytest.raises(
+            ValueError, match=r"^generator: expected one torch.Generator per image \(2\), got a list of 3$"
+        ):
+            call(record, pipe, generator=three, num_images_per_prompt=2)
+    assert not any(runs)
+    two = call(
+        record, pipe, generator=[torch.Generator().manual_seed(seed) for seed in range(2)], num_images_per_prompt=2
+    )
+    assert two.images.shape[0] == 2
+
+
 def test_each_output_type_is_diffusers(record, pipe):
     height, width = image_size(record)
     images = call(record, pipe).images

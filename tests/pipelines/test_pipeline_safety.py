@@ -84,6 +84,14 @@ def test_pipeline_save_pretrained_onto_the_folder_it_was_loaded_from(copy_of, sn
         (dict(height=72), ValueError, r"height and width: expected multiples of 16 .*got 72 and 64; e.g. 80 × 64"),
         (dict(num_images_per_prompt=0), ValueError, r"num_images_per_prompt: expected a positive integer, got 0"),
         (dict(eta=float("nan")), ValueError, r"eta: expected a number in \[0, 1\] \(DDIM's noise share\), got nan"),
+        (
+            dict(generator=[np.random.RandomState(0)]),
+            TypeError,
+            r"generator: expected a list of torch.Generators \(one per image; a numpy RandomState is given alone\), "
+            r"got a list holding RandomState",
+        ),
+        (dict(generator="seed"), TypeError, r"generator: expected a numpy RandomState, a torch.Generator or a list"),
+        (dict(callback=5), TypeError, r"callback: expected a callable, callback\(step, timestep, latents\), got int"),
         (dict(height="512"), ValueError, r"height: expected a positive integer multiple of 16, got '512'"),
         (dict(num_inference_steps=True), ValueError, r"num_inference_steps: expected a positive integer, got True"),
         (dict(strength=0.5), TypeError, r"unexpected keyword argument 'strength'"),

@@ -269,6 +269,16 @@ def test_mask_and_image_of_different_sizes_is_an_error(tiny_folder):
         pipe(PROMPT, image=init_image(), mask_image=mask_image(32), height=SIZE, width=SIZE, num_inference_steps=2)
 
 
+def test_an_image_batch_that_fits_no_prompt_count_is_named_in_plain_words(tiny_folder):
+    """Three start images for one prompt were refused as "expected 1 or 1 images (one per prompt)"."""
+    pipe = load(OnnxStableDiffusionImg2ImgPipeline, tiny_folder)
+    images = torch.zeros(3, 3, SIZE, SIZE)
+    with pytest.raises(ValueError, match=r"^image: expected 1 image \(one prompt\), got 3$"):
+        pipe(PROMPT, image=images, num_inference_steps=2)
+    with pytest.raises(ValueError, match=r"^image: expected 1 or 2 images \(one per prompt\), got 3$"):
+        pipe([PROMPT] * 2, image=images, num_inference_steps=2)
+
+
 # --------------------------------------------------------------------------------------------------------- CLI
 def test_cli_generate_writes_a_png(tiny_folder, tmp_path, capsys):
     out = tmp_path / "image.png"
