@@ -269,6 +269,20 @@ def test_mask_and_image_of_different_sizes_is_an_error(tiny_folder):
         pipe(PROMPT, image=init_image(), mask_image=mask_image(32), height=SIZE, width=SIZE, num_inference_steps=2)
 
 
+@pytest.mark.parametrize("mode", ["L", "RGBA", "P"])
+def test_a_pil_image_of_another_mode_starts_as_its_rgb_conversion(tiny_folder, mode):
+    """A grayscale or RGBA PIL image was refused as the VAE encoder's input ``sample`` ("expected size 3 in dim 1,
+    got 1"): it is made RGB, as diffusers' load_image makes it."""
+    pipe = load(OnnxStableDiffusionImg2ImgPipeline, tiny_folder)
+    image = init_image().convert(mode)
+
+    def made(start):
+        arguments = dict(num_inference_steps=2, generator=np.random.RandomState(0), output_type="np")
+        return pipe(PROMPT, image=start, **arguments).images
+
+    assert np.array_equal(made(image), made(image.convert("RGB")))
+
+
 def test_an_image_batch_that_fits_no_prompt_count_is_named_in_plain_words(tiny_folder):
     """Three start images for one prompt were refused as "expected 1 or 1 images (one per prompt)"."""
     pipe = load(OnnxStableDiffusionImg2ImgPipeline, tiny_folder)
