@@ -182,11 +182,12 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
         # Flux's 2×2 packing halves the latents once more: images are multiples of twice the VAE's factor; a family
         # whose components include an image processor of its own (Wan 2.1 I2V's CLIP one) keeps it under that name.
         # A PIL image of another mode (grayscale, RGBA, a palette) is made RGB for an RGB encoder, as diffusers'
-        # load_image makes it
+        # load_image makes it (a codec that does not say its channels: as given)
         if "image_processor" not in names:
+            channels = self.codec.image_channels() if hasattr(self.codec, "image_channels") else ()
             self.image_processor = VaeImageProcessor(
                 vae_scale_factor=self.vae_scale_factor * (2 if self.packed_latents else 1),
-                do_convert_rgb=self.codec.image_channels() == (3,),
+                do_convert_rgb=channels == (3,),
             )
 
     # ------------------------------------------------------------------------------------------- the declaration
