@@ -223,6 +223,44 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
     def _execution_device(self) -> torch.device:  # diffusers' name
         return self.device
 
+    def to(self, *args: Any, **kwargs: Any) -> "OnnxDiffusionPipeline":
+        """diffusers' ``to(device, dtype)``: the pipeline runs where its ONNX Runtime provider put it (:attr:`device`)
+        and in the precision its export has, so ``to`` moves nothing: it returns the pipeline where the device and
+        dtype given are already its own, and refuses others, saying how to get them (the provider at load, the
+        export's ``--dtype``). diffusers' pipeline moved nothing either, silently."""
+        kwargs.pop("silence_dtype_warnings", None)
+        device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
+        if kwargs:
+            raise ArgumentTypeError(", ".join(sorted(kwargs)), "unexpected arguments of to (it takes device, dtype)")
+        for value in args:
+            if isinstance(value, torch.dtype):
+                dtype = value
+            else:
+                device = value
+        if device is not None:
+            try:
+                wanted = torch.device(device)
+            except (RuntimeError, TypeError):
+                raise ArgumentError("device", f"expected a device such as 'cuda' or 'cpu', got {device!r}") from None
+            here = self.device
+            if wanted.type != here.type or (here.type == "cuda" and wanted.index not in (None, here.index)):
+                raise ArgumentError(
+                    "device",
+                    f"expected {str(here)!r}, where the pipeline's ONNX Runtime provider runs it (a pipeline does not "
+                    f"move: load it with provider='CUDAExecutionProvider' for CUDA, and io_binding=True to keep its "
+                    f"loop there), got {str(wanted)!r}",
+                )
+        if dtype is not None:
+            model = self.denoiser.model
+            own = model.input_dtypes.get(model.input_names[0])
+            if dtype != own:
+                raise ArgumentError(
+                    "dtype",
+                    f"expected {own} (the precision of the export; export it with --dtype fp16 for float16), "
+                    f"got {dtype}",
+                )
+        return self
+
     @property
     def stream(self) -> Optional["torch.cuda.Stream"]:
         """The CUDA stream shared by the components and the loop's torch ops (``None`` off CUDA)."""

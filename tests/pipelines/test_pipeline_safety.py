@@ -117,6 +117,25 @@ def test_call_arguments_that_cannot_run_are_refused_before_any_work(pipe, kwargs
         pipe(**arguments)
 
 
+def test_to_returns_the_pipeline_where_it_already_is_and_refuses_a_move_saying_how(pipe):
+    """``pipe.to("cuda")`` on a pipeline loaded for the CPU did nothing, silently (diffusers' ``to`` moves torch
+    modules, and the pipeline has none); ``to("tpu")`` raised torch's own parsing error."""
+    assert pipe.device == torch.device("cpu")
+    for arguments, keywords in [(("cpu",), {}), (("cpu:0", torch.float32), {}), ((), dict(device="cpu"))]:
+        assert pipe.to(*arguments, **keywords) is pipe
+    with pytest.raises(ValueError, match=r"^device: expected 'cpu', .*provider='CUDAExecutionProvider'.*got 'cuda'$"):
+        pipe.to("cuda")
+    with pytest.raises(ValueError, match=r"^device: expected a device such as 'cuda' or 'cpu', got 'tpu'$"):
+        pipe.to("tpu")
+    with pytest.raises(
+        ValueError, match=r"^dtype: expected torch.float32 \(the precision of the export; .*--dtype fp16"
+    ):
+        pipe.to(torch.float16)
+    with pytest.raises(TypeError, match=r"^non_blocking: unexpected arguments of to"):
+        pipe.to("cpu", non_blocking=True)
+    assert pipe(PROMPT, height=64, width=64, num_inference_steps=1, output_type="np").images.shape == (1, 64, 64, 3)
+
+
 def test_height_none_means_the_default_size(pipe):
     images = pipe(PROMPT, height=None, width=None, num_inference_steps=1, output_type="np").images
     size = pipe.unet.config["sample_size"] * pipe.vae_scale_factor
