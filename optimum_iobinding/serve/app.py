@@ -39,10 +39,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, U
 
 try:
     from fastapi import FastAPI, HTTPException, Request
+    from fastapi.exception_handlers import http_exception_handler
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
     from pydantic import ValidationError
     from ray import serve
+    from starlette.exceptions import HTTPException as StarletteHTTPException
     from starlette.requests import ClientDisconnect
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("optimum_iobinding.serve needs Ray Serve: pip install 'optimum-iobinding[serve]'") from error
@@ -62,6 +64,22 @@ from .schema import (
 logger = logging.getLogger(__name__)
 
 api = FastAPI(title="optimum-iobinding", description="Stable Diffusion on ONNX Runtime, served by Ray Serve")
+
+# OpenAI's images API: every answer of these routes is in OpenAI's error shape, the router's own refusals included
+OPENAI_ROUTES = ("/v1/images/generations", "/v1/images/edits")
+
+
+@api.exception_handler(StarletteHTTPException)
+async def routing_refusal(request: Request, error: StarletteHTTPException) -> Response:
+    """The router's refusals (405 for another method than POST) in OpenAI's error shape on OpenAI's routes, with
+    their headers (``Allow``); FastAPI's own answer elsewhere."""
+    if request.url.path not in OPENAI_ROUTES:
+        return await http_exception_handler(request, error)
+    if error.status_code == 405:
+        refused = OpenAIError(405, f"method: expected POST, got {request.method}", None, "method_not_allowed")
+    else:
+        refused = OpenAIError(error.status_code, f"request: {error.detail}")
+    return JSONResponse(refused.body(), status_code=error.status_code, headers=getattr(error, "headers", None))
 
 
 def replica_generator() -> ImageGenerator:

@@ -524,7 +524,12 @@ class ImageGenerator:
         try:
             self.pipe.check_inputs(**checks)
         except ArgumentError as error:
-            raise named_by_field(error) from None
+            named = named_by_field(error)
+            source = request.get("size_from")
+            if named.argument == "size" and source is not None:  # the request gave no size: its image did
+                size = f"{request['width']}x{request['height']}"
+                named = ArgumentError(source, f"its size {size} (the request gives no size): {named.reason}")
+            raise named from None
         return request
 
     def _complete_images(self, request: Dict[str, Any]) -> None:
@@ -569,15 +574,17 @@ class ImageGenerator:
             for role in ("image", "control_image")
             if role in roles
         }
-        height, width = decoded["image" if "image" in decoded else "control_image"].shape[:2]
+        sizing = "image" if "image" in decoded else "control_image"
+        height, width = decoded[sizing].shape[:2]
         if runs.sized_by_image:
             if request.get("size") is not None and parse_size(request["size"], self.default_size) != (width, height):
                 raise ArgumentError(
                     "size", f"the image is {width}x{height}; leave size out or give that, got {shown(request['size'])}"
                 )
-            request["size"] = f"{width}x{height}"
-        elif request.get("size") is None:
-            request["size"] = f"{width}x{height}"
+        if request.get("size") is None:  # the image's: a size the pipeline refuses is the image's field's
+            request["size"], request["size_from"] = f"{width}x{height}", sizing
+        else:
+            request["size"] = f"{width}x{height}" if runs.sized_by_image else request["size"]
         if "mask" in roles:
             decoded["mask"] = decode_mask(request.pop("mask"), (width, height), limits.max_pixels_per_image)
         request["images"] = {argument: decoded[image_role(runs, argument)] for argument in runs.image_inputs}

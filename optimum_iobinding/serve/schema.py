@@ -85,7 +85,7 @@ def parse_size(size: Union[int, str, None], default: int) -> Tuple[int, int]:
             except ValueError:  # more digits than Python reads
                 pass
     if sides is None or min(sides) < 1:
-        raise ValueError(f"size: expected positive pixels as 512 or '768x512' (width x height), got {shown(size)}")
+        raise ArgumentError("size", f"expected positive pixels as 512 or '768x512' (width x height), got {shown(size)}")
     return sides
 
 
@@ -313,8 +313,8 @@ def openai_validation_error(error: ValidationError) -> OpenAIError:
             fields = list(OpenAIImageEditRequest.model_fields) + ["image", "mask"]
             reason = "unknown field; " + (did_you_mean(str(param), fields) or f"the fields are {', '.join(fields)}")
         return OpenAIError(400, f"{param}: {reason}", param, "unknown_parameter")
-    expected = re.sub(r"^Input should be ", "", detail["msg"])
-    code = "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value"
+    expected = re.sub(r", got .*$", "", re.sub(r"^Input should be ", "", detail["msg"]))  # what came is said after
+    code = "invalid_type" if kind.endswith(("_type", "_parsing", "_from_float")) else "invalid_value"
     return OpenAIError(400, f"{param}: expected {expected}, got {shown(detail.get('input'))}", param, code)
 
 

@@ -95,6 +95,7 @@ REFUSALS = [
     ({"prompt": "x", "style": "vivid"}, 400, "style", "unknown_parameter", "OpenAI's images API has it; this server"),
     ({"prompt": "x", "n": "two"}, 400, "n", "invalid_type", "n: expected a valid integer, unable to parse string"),
     ({"prompt": "x", "n": 0}, 400, "n", "invalid_value", "n: expected greater than or equal to 1, got 0"),
+    ({"prompt": "x", "n": 1.5}, 400, "n", "invalid_type", "n: expected a valid integer, got 1.5"),
     ({"prompt": "x", "response_format": "url"}, 400, "response_format", "unsupported_value", "has no URL to give"),
     ({"prompt": "x", "output_format": "jpeg"}, 400, "output_format", "unsupported_value", "expected 'png'"),
     ({"prompt": "x", "model": "dall-e-3"}, 404, "model", "model_not_found", f"expected {MODEL!r} (the model served"),
@@ -172,3 +173,26 @@ def test_an_image_in_a_format_beyond_png_jpeg_and_webp_is_refused_naming_the_fie
     Image.new("RGB", (4, 4)).save(buffer, format="GIF")
     with pytest.raises(ArgumentError, match="^image: expected a PNG or JPEG file"):
         decode_image(buffer.getvalue())
+
+
+@pytest.mark.parametrize("path", ["/v1/images/generations", "/v1/images/edits"])
+def test_another_method_on_an_openai_route_is_answered_in_openais_error_shape(path):
+    """A GET of an OpenAI route was answered 405 as FastAPI answers, ``{"detail": "Method Not Allowed"}``; the
+    service's own route keeps FastAPI's answer."""
+    pytest.importorskip("ray", reason="needs the serve extra (ray[serve])")
+    from fastapi.testclient import TestClient
+
+    from optimum_iobinding.serve.app import api
+
+    client = TestClient(api)
+    answer = client.get(path)
+    assert (answer.status_code, answer.headers["allow"]) == (405, "POST")
+    assert answer.json() == {
+        "error": {
+            "message": "method: expected POST, got GET",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "method_not_allowed",
+        }
+    }
+    assert client.get("/v1/images").json() == {"detail": "Method Not Allowed"}

@@ -656,6 +656,28 @@ def test_an_image_field_that_is_no_image_gets_400_naming_the_field_and_no_object
     assert status == 400 and json.loads(data)["detail"].startswith("guidance: expected a finite number, got nan")
 
 
+def test_a_size_the_server_cannot_read_and_an_image_of_a_size_the_pipeline_refuses_name_their_fields(generator):
+    """``size: "abc"`` came back with ``param`` null (the refusal carried no field); an edit's image of a size the
+    pipeline refuses, sent without ``size``, was blamed on ``size``."""
+    from PIL import Image
+
+    from optimum_iobinding.serve.batching import refusal
+
+    with pytest.raises(ValueError, match=r"^size: expected positive pixels as 512 or '768x512'") as refused:
+        generator.complete_request(dict(prompt="x", size="abc"))
+    assert refusal(refused.value)["param"] == "size"
+    buffer = io.BytesIO()
+    Image.new("RGB", (SIZE + 8, SIZE)).save(buffer, format="PNG")
+    image = base64.b64encode(buffer.getvalue()).decode()
+    with pytest.raises(ValueError) as refused:
+        generator.complete_request(dict(prompt="x", image=image))
+    message = str(refused.value)
+    assert refusal(refused.value)["param"] == "image"
+    assert message.startswith(f"image: its size {SIZE + 8}x{SIZE} (the request gives no size): height and width")
+    with pytest.raises(ValueError, match=r"^size: the image is \d+x\d+; leave size out or give that"):
+        generator.complete_request(dict(prompt="x", image=image, size=SIZE))
+
+
 def test_the_pipelines_refusals_name_the_requests_fields(generator):
     wrong = SIZE + 8
     with pytest.raises(
