@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers.image_processor import VaeImageProcessor
@@ -85,10 +86,13 @@ class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
         image_size = self.check_image(image, "image", resized=True)
         mask_size = self.check_image(mask_image, "mask_image", resized=True, mask=True)
         if image_size != mask_size:
+            first = mask_image[0] if isinstance(mask_image, list) else mask_image
+            # an array's shape says how it was read: a 3-d one is (batch, height, width), as diffusers reads a mask
+            layout = f" (shape {tuple(first.shape)})" if isinstance(first, (np.ndarray, torch.Tensor)) else ""
             raise ArgumentError(
                 "mask_image",
                 f"expected the size of image (height × width {image_size[0]} × "
-                f"{image_size[1]}), got {mask_size[0]} × {mask_size[1]}",
+                f"{image_size[1]}), got {mask_size[0]} × {mask_size[1]}{layout}",
             )
         prompt_embeds, batch_size = self.checked_text_embeddings(
             prompt=prompt,

@@ -30,6 +30,8 @@ class Latents:
         pipeline for the same seed; ``None`` means ``np.random``), from a ``torch.Generator``, or given."""
         if latents is not None:
             latents = tensor_of(latents)
+            if latents.is_meta:
+                raise ArgumentError("latents", "expected a tensor holding values, got one on the meta device")
             if tuple(latents.shape) != tuple(shape):
                 raise ArgumentError("latents", f"expected shape {tuple(shape)}, got {tuple(latents.shape)}")
             return latents.to(device=self.device, dtype=dtype)

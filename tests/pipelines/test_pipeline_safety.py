@@ -92,6 +92,11 @@ def test_pipeline_save_pretrained_onto_the_folder_it_was_loaded_from(copy_of, sn
         ),
         (dict(generator="seed"), TypeError, r"generator: expected a numpy RandomState, a torch.Generator or a list"),
         (dict(callback=5), TypeError, r"callback: expected a callable, callback\(step, timestep, latents\), got int"),
+        (
+            dict(latents=torch.empty(1, 4, 8, 8, device="meta")),
+            ValueError,
+            r"^latents: expected a tensor holding values, got one on the meta device$",
+        ),
         (dict(height="512"), ValueError, r"height: expected a positive integer multiple of 16, got '512'"),
         (dict(num_inference_steps=True), ValueError, r"num_inference_steps: expected a positive integer, got True"),
         (dict(strength=0.5), TypeError, r"unexpected keyword argument 'strength'"),

@@ -265,8 +265,12 @@ def test_strength_outside_zero_one_is_an_error(tiny_folder, strength):
 
 def test_mask_and_image_of_different_sizes_is_an_error(tiny_folder):
     pipe = load(OnnxStableDiffusionInpaintPipeline, tiny_folder)
-    with pytest.raises(ValueError, match=r"mask_image: expected the size of image .*64 × 64.*got 32 × 32"):
+    with pytest.raises(ValueError, match=r"mask_image: expected the size of image .*64 × 64.*got 32 × 32$"):
         pipe(PROMPT, image=init_image(), mask_image=mask_image(32), height=SIZE, width=SIZE, num_inference_steps=2)
+    # a 3-d array is read as diffusers reads it, (batch, height, width): its shape says so
+    colour_mask = np.zeros((SIZE, SIZE, 3), np.float32)
+    with pytest.raises(ValueError, match=rf"got {SIZE} × 3 \(shape \({SIZE}, {SIZE}, 3\)\)$"):
+        pipe(PROMPT, image=init_image(), mask_image=colour_mask, height=SIZE, width=SIZE, num_inference_steps=2)
 
 
 @pytest.mark.parametrize("mode", ["L", "RGBA", "P"])
