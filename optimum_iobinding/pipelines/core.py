@@ -35,6 +35,15 @@ from .denoisers import Denoiser
 from .prompts import PromptEncoder
 
 
+def offload_refused(method: str) -> NotImplementedError:
+    """The refusal of diffusers' CPU offloading ``method``: a pipeline of ONNX Runtime sessions has no torch modules
+    to move."""
+    return NotImplementedError(
+        f"{method}: expected a pipeline of torch modules, got one of ONNX Runtime sessions, which stay on their "
+        "provider's device; a float16 export, smaller batches or enable_vae_tiling() need less memory"
+    )
+
+
 @dataclass(frozen=True)
 class VaeConstants:
     """A family's latent scaling and shift (``shift_factor=None``: none), for a VAE decoder whose config.json names
@@ -223,20 +232,44 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
     def _execution_device(self) -> torch.device:  # diffusers' name
         return self.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The precision of the export: the dtype of the denoiser's latents (diffusers' ``dtype`` is its torch
+        modules', which a pipeline of ONNX sessions has none of: it said float32 for a float16 export)."""
+        model = self.denoiser.model
+        return model.input_dtypes.get(model.input_names[0], torch.float32)
+
+    @classmethod
+    def from_pipe(cls, pipeline: Any, **kwargs: Any) -> Any:
+        """diffusers' ``from_pipe``: a pipeline of another class on ``pipeline``'s components (sessions shared), in
+        its precision unless ``dtype`` (or ``torch_dtype``) says another (diffusers' default, float32, which an
+        export of another precision cannot take)."""
+        if kwargs.get("torch_dtype") is None and kwargs.get("dtype") is None and hasattr(pipeline, "denoiser"):
+            kwargs["dtype"] = pipeline.dtype
+        return super().from_pipe(pipeline, **kwargs)
+
     def to(self, *args: Any, **kwargs: Any) -> "OnnxDiffusionPipeline":
         """diffusers' ``to(device, dtype)``: the pipeline runs where its ONNX Runtime provider put it (:attr:`device`)
-        and in the precision its export has, so ``to`` moves nothing: it returns the pipeline where the device and
-        dtype given are already its own, and refuses others, saying how to get them (the provider at load, the
-        export's ``--dtype``). diffusers' pipeline moved nothing either, silently."""
+        and in the precision its export has (:attr:`dtype`), so ``to`` moves nothing: it returns the pipeline where
+        the device and dtype given are already its own, and refuses others, saying how to get them (the provider at
+        load, the export's ``--dtype``). diffusers' pipeline moved nothing either, silently."""
         kwargs.pop("silence_dtype_warnings", None)
-        device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
-        if kwargs:
-            raise ArgumentTypeError(", ".join(sorted(kwargs)), "unexpected arguments of to (it takes device, dtype)")
+        unknown = sorted(set(kwargs) - {"device", "dtype"})
+        if unknown:
+            raise ArgumentTypeError(
+                ", ".join(unknown), f"unexpected arguments of to: expected device and dtype, got {', '.join(unknown)}"
+            )
+        if len(args) > 2:
+            raise ArgumentTypeError(
+                "to", f"expected at most a device and a dtype, got {len(args)} positional arguments"
+            )
+        given = dict(kwargs)
         for value in args:
-            if isinstance(value, torch.dtype):
-                dtype = value
-            else:
-                device = value
+            name = "dtype" if isinstance(value, torch.dtype) else "device"
+            if name in given:
+                raise ArgumentTypeError(name, "expected it once, got it twice")
+            given[name] = value
+        device, dtype = given.get("device"), given.get("dtype")
         if device is not None:
             try:
                 wanted = torch.device(device)
@@ -244,22 +277,35 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
                 raise ArgumentError("device", f"expected a device such as 'cuda' or 'cpu', got {device!r}") from None
             here = self.device
             if wanted.type != here.type or (here.type == "cuda" and wanted.index not in (None, here.index)):
+                if wanted.type == "cuda" and here.type == "cuda":
+                    how = f"load it with provider_options device_id={wanted.index} for {str(wanted)!r}"
+                elif wanted.type == "cuda":
+                    how = "load it with provider='CUDAExecutionProvider' (and io_binding=True) for CUDA"
+                elif wanted.type == "cpu":
+                    how = "load it with provider='CPUExecutionProvider' for the CPU"
+                else:
+                    how = "its providers here run on the CPU or CUDA"
                 raise ArgumentError(
                     "device",
                     f"expected {str(here)!r}, where the pipeline's ONNX Runtime provider runs it (a pipeline does not "
-                    f"move: load it with provider='CUDAExecutionProvider' for CUDA, and io_binding=True to keep its "
-                    f"loop there), got {str(wanted)!r}",
+                    f"move: {how}), got {str(wanted)!r}",
                 )
-        if dtype is not None:
-            model = self.denoiser.model
-            own = model.input_dtypes.get(model.input_names[0])
-            if dtype != own:
-                raise ArgumentError(
-                    "dtype",
-                    f"expected {own} (the precision of the export; export it with --dtype fp16 for float16), "
-                    f"got {dtype}",
-                )
+        if dtype is not None and dtype != self.dtype:
+            names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+            how = f"export it with --dtype {names[dtype]}" if dtype in names else "an export has fp32, fp16 or bf16"
+            raise ArgumentError(
+                "dtype", f"expected {self.dtype} (the precision of the export; {how} for {dtype}), got {dtype}"
+            )
         return self
+
+    def enable_model_cpu_offload(self, *args: Any, **kwargs: Any) -> None:
+        """diffusers' offloading moves torch modules between devices; ONNX Runtime sessions stay where their
+        provider put them: refused, saying what lowers the memory instead."""
+        raise offload_refused("enable_model_cpu_offload")
+
+    def enable_sequential_cpu_offload(self, *args: Any, **kwargs: Any) -> None:
+        """As :meth:`enable_model_cpu_offload`: refused."""
+        raise offload_refused("enable_sequential_cpu_offload")
 
     @property
     def stream(self) -> Optional["torch.cuda.Stream"]:

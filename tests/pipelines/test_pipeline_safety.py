@@ -136,9 +136,35 @@ def test_to_returns_the_pipeline_where_it_already_is_and_refuses_a_move_saying_h
         ValueError, match=r"^dtype: expected torch.float32 \(the precision of the export; .*--dtype fp16"
     ):
         pipe.to(torch.float16)
-    with pytest.raises(TypeError, match=r"^non_blocking: unexpected arguments of to"):
+    with pytest.raises(TypeError, match=r"^non_blocking: unexpected arguments of to: expected device and dtype"):
         pipe.to("cpu", non_blocking=True)
+    with pytest.raises(TypeError, match=r"^dtype: expected it once, got it twice$"):
+        pipe.to(torch.float32, dtype=torch.float16)
+    with pytest.raises(TypeError, match=r"^to: expected at most a device and a dtype, got 3 positional arguments$"):
+        pipe.to("cpu", torch.float32, None)
+    for method in ("enable_model_cpu_offload", "enable_sequential_cpu_offload"):
+        with pytest.raises(NotImplementedError, match=rf"^{method}: expected a pipeline of torch modules"):
+            getattr(pipe, method)()
     assert pipe(PROMPT, height=64, width=64, num_inference_steps=1, output_type="np").images.shape == (1, 64, 64, 3)
+
+
+def test_a_float16_export_says_its_dtype_and_from_pipe_keeps_it(shared_export):
+    """diffusers' ``dtype`` said float32 for a float16 export (it reads torch modules), and its ``from_pipe`` asks
+    for float32 unless told: the export's precision is the pipeline's, which ``from_pipe`` keeps."""
+    from optimum_iobinding import OnnxStableDiffusionImg2ImgPipeline
+    from optimum_iobinding.export import export_pipeline
+
+    folder = shared_export(
+        "tiny-sd-fp16", lambda target: export_pipeline(None, target, tiny_random=True, fp16=True, progress=False)
+    )
+    half = OnnxStableDiffusionPipeline.from_pretrained(folder)
+    assert half.dtype == torch.float16 and half.to(torch.float16) is half
+    with pytest.raises(ValueError, match=r"^dtype: expected torch.float16 .*export it with --dtype fp32"):
+        half.to(torch.float32)
+    image_to_image = OnnxStableDiffusionImg2ImgPipeline.from_pipe(half)
+    assert image_to_image.dtype == torch.float16 and image_to_image.unet is half.unet
+    with pytest.raises(ValueError, match=r"^dtype: expected torch.float16"):
+        OnnxStableDiffusionImg2ImgPipeline.from_pipe(half, dtype=torch.float32)
 
 
 def test_height_none_means_the_default_size(pipe):
