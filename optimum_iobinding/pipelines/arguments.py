@@ -27,29 +27,32 @@ def is_torch_generator(generator: Any) -> bool:
     return isinstance(generator, torch.Generator)
 
 
-def check_generator(generator: Any, images: int) -> None:
+GENERATOR_KINDS = "a numpy RandomState, a torch.Generator or a list of torch.Generators (one per image)"
+
+
+def check_generator(generator: Any, prompts: int, per_prompt: int, unit: str = "image") -> int:
     """Refuses, before any work, a ``generator`` the call cannot draw its noise from: ``None``, a numpy
-    ``RandomState`` or a ``torch.Generator`` pass; a list must hold one ``torch.Generator`` per image (``images``:
-    prompts × ``num_images_per_prompt``), as diffusers' pipelines take it."""
+    ``RandomState`` or a ``torch.Generator`` pass; a list must hold one ``torch.Generator`` per ``unit`` (``prompts``
+    × ``per_prompt``, the call's ``num_{unit}s_per_prompt``), as diffusers' pipelines take it. Returns that count."""
+    count = prompts * per_prompt
     if generator is None or isinstance(generator, (np.random.RandomState, torch.Generator)):
-        return
+        return count
     if not isinstance(generator, list):
-        raise ArgumentTypeError(
-            "generator",
-            f"expected a numpy RandomState, a torch.Generator or a list of torch.Generators (one per image), got "
-            f"{type(generator).__name__}",
-        )
+        raise ArgumentTypeError("generator", f"expected {GENERATOR_KINDS}, got {type(generator).__name__}")
     wrong = next((item for item in generator if not isinstance(item, torch.Generator)), None)
     if wrong is not None:
         raise ArgumentTypeError(
             "generator",
-            f"expected a list of torch.Generators (one per image; a numpy RandomState is given alone), got a list "
+            f"expected a list of torch.Generators (one per {unit}; a numpy RandomState is given alone), got a list "
             f"holding {type(wrong).__name__}",
         )
-    if len(generator) != images:
+    if len(generator) != count:
         raise ArgumentError(
-            "generator", f"expected one torch.Generator per image ({images}), got a list of {len(generator)}"
+            "generator",
+            f"expected one torch.Generator per {unit} ({count}: {prompts} prompt{'s' if prompts != 1 else ''} × "
+            f"num_{unit}s_per_prompt {per_prompt}), got a list of {len(generator)}",
         )
+    return count
 
 
 def is_integer(value: Any) -> bool:

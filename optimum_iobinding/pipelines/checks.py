@@ -66,7 +66,7 @@ class ArgumentChecks:
             raise ArgumentError("guidance_rescale", f"expected a number in [0, 1], got {guidance_rescale!r}")
         if not is_integer(num_images_per_prompt) or num_images_per_prompt < 1:
             raise ArgumentError("num_images_per_prompt", f"expected a positive integer, got {num_images_per_prompt!r}")
-        check_generator(generator, prompts * num_images_per_prompt)
+        check_generator(generator, prompts, num_images_per_prompt)
         if callback is not None and not callable(callback):
             raise ArgumentTypeError(
                 "callback", f"expected a callable, callback(step, timestep, latents), got {type(callback).__name__}"

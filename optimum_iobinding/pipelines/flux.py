@@ -181,9 +181,7 @@ class FluxFamilyPipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
     def image_count(self, batch_size: int, num_images_per_prompt: int, generator: Generator) -> int:
         """How many images a call makes (prompts × ``num_images_per_prompt``); a list of generators is refused
         unless it has one per image."""
-        count = batch_size * num_images_per_prompt
-        check_generator(generator, count)
-        return count
+        return check_generator(generator, batch_size, num_images_per_prompt)
 
     def text_tensors(
         self,
@@ -253,7 +251,7 @@ class FluxFamilyPipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
     def given_latents(self, latents: Latents, image_count: int, tokens: int) -> torch.Tensor:
         """A call's packed ``latents`` on the device, refused by name unless ``(images, tokens, 4 × latent
         channels)``."""
-        latents = tensor_of(latents)
+        latents = tensor_of(latents, "latents")
         expected = (image_count, tokens, self.latent_channels * 4)
         if tuple(latents.shape) != expected:
             raise ArgumentError(

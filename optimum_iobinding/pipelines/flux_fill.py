@@ -232,7 +232,7 @@ class OnnxFluxFillPipeline(FluxFamilyPipeline):
     def given_conditioning(self, masked_image_latents: Latents, image_count: int, tokens: int) -> torch.Tensor:
         """Given ``masked_image_latents`` on the device, refused by name unless of the transformer's extra width
         per token, for every image (or one for all)."""
-        given = tensor_of(masked_image_latents)
+        given = tensor_of(masked_image_latents, "masked_image_latents")
         width = sum(fill_widths(self.latent_channels, self.vae_scale_factor).values())
         if given.ndim != 3 or given.shape[1:] != (tokens, width) or given.shape[0] not in (1, image_count):
             raise ArgumentError(

@@ -12,7 +12,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..errors import ArgumentError, ArgumentTypeError
-from .arguments import Generator, is_real, is_torch_generator
+from .arguments import GENERATOR_KINDS, Generator, is_real, is_torch_generator
 from .transfer import on_cpu, tensor_of, upload
 
 
@@ -29,9 +29,7 @@ class Latents:
         """Initial noise on ``self.device``: from a numpy ``RandomState`` (the same numbers as diffusers' ONNX
         pipeline for the same seed; ``None`` means ``np.random``), from a ``torch.Generator``, or given."""
         if latents is not None:
-            latents = tensor_of(latents)
-            if latents.is_meta:
-                raise ArgumentError("latents", "expected a tensor holding values, got one on the meta device")
+            latents = tensor_of(latents, "latents")
             if tuple(latents.shape) != tuple(shape):
                 raise ArgumentError("latents", f"expected shape {tuple(shape)}, got {tuple(latents.shape)}")
             return latents.to(device=self.device, dtype=dtype)
@@ -46,11 +44,7 @@ class Latents:
                     randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=dtype), self.device
                 )
             return randn_tensor(shape, generator=generator, device=self.device, dtype=dtype)
-        raise ArgumentTypeError(
-            "generator",
-            f"expected a numpy RandomState, a torch.Generator or a list of torch.Generators "
-            f"(one per image), got {type(generator).__name__}",
-        )
+        raise ArgumentTypeError("generator", f"expected {GENERATOR_KINDS}, got {type(generator).__name__}")
 
     def scheduler_step_kwargs(self, generator: Generator, eta: float) -> Dict[str, Any]:
         """``eta`` for DDIM-like schedulers, and the generator a stochastic one draws its noise from: the caller's

@@ -183,8 +183,8 @@ class CLIPPairPrompt(PromptEncoder):
             raise ArgumentError(
                 "pooled_prompt_embeds", "expected them with prompt_embeds (SDXL's UNet takes both), got None"
             )
-        prompt_embeds = tensor_of(prompt_embeds).to(self.device)
-        pooled_prompt_embeds = tensor_of(pooled_prompt_embeds).to(self.device)
+        prompt_embeds = tensor_of(prompt_embeds, "prompt_embeds").to(self.device)
+        pooled_prompt_embeds = tensor_of(pooled_prompt_embeds, "pooled_prompt_embeds").to(self.device)
         batch_size = prompt_embeds.shape[0]
         if do_classifier_free_guidance and negative_prompt_embeds is None:
             if negative_prompt is None and negative_prompt_2 is None and self.pipe.config.force_zeros_for_empty_prompt:

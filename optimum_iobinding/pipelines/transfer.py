@@ -7,15 +7,20 @@ from typing import Any, Union
 import numpy as np
 import torch
 
+from ..errors import ArgumentError
 from ..runtime.cuda_policy import DEVICE_SETUP
 
 
-def tensor_of(value: Union[torch.Tensor, np.ndarray]) -> torch.Tensor:
-    """Given embeddings or latents as a torch tensor: a numpy array is wrapped (one of the other byte order is
-    converted to the native one first, as the models' inputs are)."""
+def tensor_of(value: Union[torch.Tensor, np.ndarray], name: str = "tensor") -> torch.Tensor:
+    """Given embeddings or latents (the argument ``name``) as a torch tensor: a numpy array is wrapped (one of the
+    other byte order is converted to the native one first, as the models' inputs are); a tensor on the meta device,
+    which holds no values, is refused by name."""
     if isinstance(value, np.ndarray) and not value.dtype.isnative:
         value = value.astype(value.dtype.newbyteorder("="))
-    return torch.as_tensor(value)
+    tensor = torch.as_tensor(value)
+    if tensor.is_meta:
+        raise ArgumentError(name, "expected a tensor holding values, got one on the meta device")
+    return tensor
 
 
 def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -24,6 +24,7 @@ from .arguments import (
     Prompt,
     StepEndCallback,
     TensorNames,
+    check_generator,
     check_sequence_length,
     is_integer,
     is_real,
@@ -296,12 +297,8 @@ class WanFamilyPipeline(Warmup, OnnxDiffusionPipeline):
                 f"{tuple(negative_prompt_embeds.shape)}",
             )
         self.check_inputs(**call)
-        videos = self.batch_size_of(call.get("prompt"), prompt_embeds) * num_videos_per_prompt
-        if isinstance(generator, list) and len(generator) != videos:
-            raise ArgumentError(
-                "generator", f"expected one generator per video ({videos}), got a list of {len(generator)}"
-            )
-        return videos
+        prompts = self.batch_size_of(call.get("prompt"), prompt_embeds)
+        return check_generator(generator, prompts, num_videos_per_prompt, "video")
 
     # ----------------------------------------------------------------------------------------------- the steps
     def text_tensors(

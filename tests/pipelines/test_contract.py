@@ -164,7 +164,8 @@ def test_a_list_of_generators_not_one_per_image_is_refused_before_any_component_
     with contextlib.ExitStack() as stack:
         runs = [stack.enter_context(model.watch_runs()) for model in pipe.onnx_models.values()]
         with pytest.raises(
-            ValueError, match=r"^generator: expected one torch.Generator per image \(2\), got a list of 3$"
+            ValueError,
+            match=r"^generator: expected one torch.Generator per image \(2: 1 prompt × num_images_per_prompt 2\), got a list of 3$",
         ):
             call(record, pipe, generator=three, num_images_per_prompt=2)
     assert not any(runs)
@@ -172,6 +173,31 @@ def test_a_list_of_generators_not_one_per_image_is_refused_before_any_component_
         record, pipe, generator=[torch.Generator().manual_seed(seed) for seed in range(2)], num_images_per_prompt=2
     )
     assert two.images.shape[0] == 2
+
+
+def test_a_generator_of_another_kind_a_step_callback_that_is_not_callable_and_meta_latents_are_refused(record, pipe):
+    """Every family refuses them naming the argument (the meta latents where the call takes latents), running
+    nothing: a family whose call forgot to pass its generator or callback to the shared checks would run."""
+    import inspect
+
+    parameters = inspect.signature(type(pipe).__call__).parameters
+    refusals = [
+        (dict(generator=[np.random.RandomState(0)]), r"^generator: expected a list of torch.Generators"),
+        (dict(generator="seed"), r"^generator: expected a numpy RandomState, a torch.Generator or a list"),
+    ]
+    if "callback" in parameters:
+        refusals.append((dict(callback=5), r"^callback: expected a callable"))
+    with contextlib.ExitStack() as stack:
+        runs = [stack.enter_context(model.watch_runs()) for model in pipe.onnx_models.values()]
+        for overrides, message in refusals:
+            with pytest.raises(ValueError, match=message):
+                call(record, pipe, **overrides)
+    assert not any(runs)
+    if "latents" in parameters:
+        with pytest.raises(
+            ValueError, match=r"^latents: expected a tensor holding values, got one on the meta device$"
+        ):
+            call(record, pipe, latents=torch.empty(1, 4, 8, 8, device="meta"))
 
 
 def test_each_output_type_is_diffusers(record, pipe):

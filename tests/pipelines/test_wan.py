@@ -307,7 +307,10 @@ def test_ti2v_per_token_timesteps_match_diffusers(shared_export):
         (dict(num_videos_per_prompt=0), "num_videos_per_prompt: expected a positive integer"),
         (dict(max_sequence_length=513), r"max_sequence_length: expected an integer in \[1, 512\]"),
         (dict(callback_on_step_end_tensor_inputs=["noise"]), "callback_on_step_end_tensor_inputs: expected names"),
-        (dict(generator=[seeded(), seeded()]), r"generator: expected one generator per video \(1\)"),
+        (
+            dict(generator=[seeded(), seeded()]),
+            r"generator: expected one torch.Generator per video \(1: 1 prompt × num_videos_per_prompt 1\), got a list of 2",
+        ),
         (dict(num_inference_steps=0), "num_inference_steps: expected a positive integer, got 0"),
     ],
     ids=[
