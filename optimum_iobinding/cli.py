@@ -1838,7 +1838,7 @@ def parse_arguments(argv: List[str]) -> argparse.Namespace:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if args.command is None:
-        parser.error(f"expected a command, one of {', '.join(args.command_parsers)}; got none (see --help)")
+        parser.error(f"command: expected one of {', '.join(args.command_parsers)}, got none (see --help)")
     if unknown:
         command = args.command_parsers.get(args.command, parser)
         command.error(

@@ -779,8 +779,8 @@ def test_generate_takes_the_prompt_as_an_option_too_but_only_once(tmp_path, caps
         (["loadtest"], "the following arguments are required: url"),
         (["bench", "--runs", "x"], "--runs: invalid int value: 'x'"),
         (["no-such-command"], "command: invalid choice: 'no-such-command'"),
-        ([], "expected a command, one of generate, serve, loadtest, stream, bench, export; got none"),
-        (["--debug"], "expected a command, one of generate"),
+        ([], "command: expected one of generate, serve, loadtest, stream, bench, export, got none (see --help)"),
+        (["--debug"], "command: expected one of generate"),
     ],
     ids=["generate", "export", "stream", "serve", "loadtest", "bench", "top", "no-command", "debug-alone"],
 )

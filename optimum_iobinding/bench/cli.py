@@ -1465,7 +1465,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.device is None:  # the tiny video model runs on the host unless told otherwise
         args.device = "cpu" if args.tiny else "cuda"
     check_arguments(parser, args, split)
-    quiet_libraries()
+    if not args.report_only:  # re-rendering reports loads no library
+        quiet_libraries()
     if args.run_mixed:
         result = run_mixed(
             args.run_mixed,

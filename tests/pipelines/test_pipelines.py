@@ -269,7 +269,9 @@ def test_mask_and_image_of_different_sizes_is_an_error(tiny_folder):
         pipe(PROMPT, image=init_image(), mask_image=mask_image(32), height=SIZE, width=SIZE, num_inference_steps=2)
     # a 3-d array is read as diffusers reads it, (batch, height, width): its shape says so
     colour_mask = np.zeros((SIZE, SIZE, 3), np.float32)
-    with pytest.raises(ValueError, match=rf"got {SIZE} × 3 \(shape \({SIZE}, {SIZE}, 3\)\)$"):
+    with pytest.raises(
+        ValueError, match=rf"got {SIZE} × 3 \(shape \({SIZE}, {SIZE}, 3\), read as \(batch, height, width\)"
+    ):
         pipe(PROMPT, image=init_image(), mask_image=colour_mask, height=SIZE, width=SIZE, num_inference_steps=2)
 
 
