@@ -1325,7 +1325,8 @@ def build_parser() -> CommandLineParser:
     parser.add_argument(
         "--optimum-pythonpath",
         default=None,
-        help="site folder of the optimum-onnx environment (default: none: optimum's peers run with this environment's packages)",
+        help="site folder of the optimum-onnx environment (default: none: optimum's peers run with this "
+        "environment's packages)",
     )
     parser.add_argument("--timeout", type=int, default=900, help="seconds per peer process")
     parser.add_argument("--report-only", action="store_true", help="re-render results.md/png from results.json")

@@ -290,9 +290,11 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
                     f"expected {str(here)!r}, where the pipeline's ONNX Runtime provider runs it (a pipeline does not "
                     f"move: {how}), got {str(wanted)!r}",
                 )
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ArgumentTypeError("dtype", f"expected a torch.dtype such as torch.float16, got {dtype!r}")
         if dtype is not None and dtype != self.dtype:
             names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-            how = f"export it with --dtype {names[dtype]}" if dtype in names else "an export has fp32, fp16 or bf16"
+            how = f"export it with --dtype {names[dtype]}" if dtype in names else "exports are fp32, fp16 or bf16"
             raise ArgumentError(
                 "dtype", f"expected {self.dtype} (the precision of the export; {how} for {dtype}), got {dtype}"
             )

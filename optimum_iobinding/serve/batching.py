@@ -583,8 +583,8 @@ class ImageGenerator:
                 )
         if request.get("size") is None:  # the image's: a size the pipeline refuses is the image's field's
             request["size"], request["size_from"] = f"{width}x{height}", sizing
-        else:
-            request["size"] = f"{width}x{height}" if runs.sized_by_image else request["size"]
+        elif runs.sized_by_image:  # the same size, written as the image's
+            request["size"] = f"{width}x{height}"
         if "mask" in roles:
             decoded["mask"] = decode_mask(request.pop("mask"), (width, height), limits.max_pixels_per_image)
         request["images"] = {argument: decoded[image_role(runs, argument)] for argument in runs.image_inputs}

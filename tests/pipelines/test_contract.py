@@ -165,7 +165,8 @@ def test_a_list_of_generators_not_one_per_image_is_refused_before_any_component_
         runs = [stack.enter_context(model.watch_runs()) for model in pipe.onnx_models.values()]
         with pytest.raises(
             ValueError,
-            match=r"^generator: expected one torch.Generator per image \(2: 1 prompt × num_images_per_prompt 2\), got a list of 3$",
+            match=r"^generator: expected one torch.Generator per image \(2: 1 prompt × num_images_per_prompt 2\), "
+            r"got a list of 3$",
         ):
             call(record, pipe, generator=three, num_images_per_prompt=2)
     assert not any(runs)

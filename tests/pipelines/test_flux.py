@@ -330,7 +330,8 @@ def test_save_pretrained_round_trips(dev, tmp_path):
         (dict(latents=np.zeros((2, 12, 60), np.float32)), "latents: expected packed latents of shape (2, 12, 64)"),
         (
             dict(generator=[seeded()]),
-            "generator: expected one torch.Generator per image (2: 2 prompts × num_images_per_prompt 1), got a list of 1",
+            "generator: expected one torch.Generator per image (2: 2 prompts × num_images_per_prompt 1), got a list "
+            "of 1",
         ),
         (dict(callback_on_step_end_tensor_inputs=["noise"]), "callback_on_step_end_tensor_inputs"),
     ],

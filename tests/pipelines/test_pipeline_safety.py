@@ -138,6 +138,8 @@ def test_to_returns_the_pipeline_where_it_already_is_and_refuses_a_move_saying_h
         pipe.to(torch.float16)
     with pytest.raises(TypeError, match=r"^non_blocking: unexpected arguments of to: expected device and dtype"):
         pipe.to("cpu", non_blocking=True)
+    with pytest.raises(TypeError, match=r"^dtype: expected a torch.dtype such as torch.float16, got 'float16'$"):
+        pipe.to(dtype="float16")
     with pytest.raises(TypeError, match=r"^dtype: expected it once, got it twice$"):
         pipe.to(torch.float32, dtype=torch.float16)
     with pytest.raises(TypeError, match=r"^to: expected at most a device and a dtype, got 3 positional arguments$"):

@@ -309,7 +309,8 @@ def test_ti2v_per_token_timesteps_match_diffusers(shared_export):
         (dict(callback_on_step_end_tensor_inputs=["noise"]), "callback_on_step_end_tensor_inputs: expected names"),
         (
             dict(generator=[seeded(), seeded()]),
-            r"generator: expected one torch.Generator per video \(1: 1 prompt × num_videos_per_prompt 1\), got a list of 2",
+            r"generator: expected one torch.Generator per video \(1: 1 prompt × num_videos_per_prompt 1\), got a "
+            r"list of 2",
         ),
         (dict(num_inference_steps=0), "num_inference_steps: expected a positive integer, got 0"),
     ],
