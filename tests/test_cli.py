@@ -495,6 +495,11 @@ def test_importing_the_package_loads_no_pipeline_library():
     assert libraries_loaded_by("import optimum_iobinding; optimum_iobinding.__version__") == []
 
 
+def test_rendering_the_bench_reports_again_loads_no_pipeline_library(tmp_path):
+    code = f"from optimum_iobinding.bench.cli import main; main(['--report-only', '--out', {str(tmp_path)!r}])"
+    assert libraries_loaded_by(code) == []
+
+
 def test_importing_a_pipeline_class_is_quiet_and_leaves_kontext_for_later():
     """The README's ``from optimum_iobinding import OnnxStableDiffusionPipeline`` printed transformers' two "requires
     torchvision" warnings where torchvision is not installed: diffusers' FLUX.1 Kontext module, imported for its

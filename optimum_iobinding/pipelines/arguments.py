@@ -27,7 +27,9 @@ def is_torch_generator(generator: Any) -> bool:
     return isinstance(generator, torch.Generator)
 
 
-GENERATOR_KINDS = "a numpy RandomState, a torch.Generator or a list of torch.Generators (one per image)"
+def generator_kinds(unit: str = "image") -> str:
+    """What a call takes as its ``generator``, in a refusal's words."""
+    return f"a numpy RandomState, a torch.Generator or a list of torch.Generators (one per {unit})"
 
 
 def check_generator(generator: Any, prompts: int, per_prompt: int, unit: str = "image") -> int:
@@ -38,7 +40,7 @@ def check_generator(generator: Any, prompts: int, per_prompt: int, unit: str = "
     if generator is None or isinstance(generator, (np.random.RandomState, torch.Generator)):
         return count
     if not isinstance(generator, list):
-        raise ArgumentTypeError("generator", f"expected {GENERATOR_KINDS}, got {type(generator).__name__}")
+        raise ArgumentTypeError("generator", f"expected {generator_kinds(unit)}, got {type(generator).__name__}")
     wrong = next((item for item in generator if not isinstance(item, torch.Generator)), None)
     if wrong is not None:
         raise ArgumentTypeError(

@@ -171,6 +171,8 @@ class ArgumentChecks:
             raise ArgumentTypeError(name, f"expected a dense torch.Tensor or numpy array {layout}, got {kind}")
         if not floating:
             raise ArgumentTypeError(name, f"expected a float tensor (the text encoder's output), got dtype {dtype}")
+        if isinstance(embeds, torch.Tensor) and embeds.is_meta:
+            raise ArgumentError(name, "expected a tensor holding values, got one on the meta device")
         if embeds.ndim != rank:
             raise ArgumentError(name, f"expected shape {layout}, got {tuple(embeds.shape)}")
         if 0 in embeds.shape:

@@ -236,8 +236,7 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
     def dtype(self) -> torch.dtype:
         """The precision of the export: the dtype of the denoiser's latents (diffusers' ``dtype`` is its torch
         modules', which a pipeline of ONNX sessions has none of: it said float32 for a float16 export)."""
-        model = self.denoiser.model
-        return model.input_dtypes.get(model.input_names[0], torch.float32)
+        return self.denoiser.model.input_dtypes.get(self.denoiser.sample_input, torch.float32)
 
     @classmethod
     def from_pipe(cls, pipeline: Any, **kwargs: Any) -> Any:
@@ -263,7 +262,7 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
             raise ArgumentTypeError(
                 "to", f"expected at most a device and a dtype, got {len(args)} positional arguments"
             )
-        given = dict(kwargs)
+        given = {name: value for name, value in kwargs.items() if value is not None}  # None: not given, as diffusers'
         for value in args:
             name = "dtype" if isinstance(value, torch.dtype) else "device"
             if name in given:
@@ -308,6 +307,10 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
     def enable_sequential_cpu_offload(self, *args: Any, **kwargs: Any) -> None:
         """As :meth:`enable_model_cpu_offload`: refused."""
         raise offload_refused("enable_sequential_cpu_offload")
+
+    def enable_group_offload(self, *args: Any, **kwargs: Any) -> None:
+        """As :meth:`enable_model_cpu_offload`: refused."""
+        raise offload_refused("enable_group_offload")
 
     @property
     def stream(self) -> Optional["torch.cuda.Stream"]:

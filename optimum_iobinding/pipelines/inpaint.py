@@ -88,11 +88,11 @@ class OnnxStableDiffusionInpaintPipeline(ClipUNetPipeline):
         if image_size != mask_size:
             first = mask_image[0] if isinstance(mask_image, list) else mask_image
             # an array's shape says how it was read: a 3-d one is (batch, height, width), as diffusers reads a mask
-            layout = (
-                f" (shape {tuple(first.shape)}, read as (batch, height, width) where 3-d; give a (height, width) mask)"
-                if isinstance(first, (np.ndarray, torch.Tensor))
-                else ""
-            )
+            layout = ""
+            if isinstance(first, (np.ndarray, torch.Tensor)):
+                layout = f" (shape {tuple(first.shape)}" + (
+                    ", read as (batch, height, width); give a (height, width) mask)" if first.ndim == 3 else ")"
+                )
             raise ArgumentError(
                 "mask_image",
                 f"expected the size of image (height × width {image_size[0]} × "

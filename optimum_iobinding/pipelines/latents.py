@@ -12,7 +12,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..errors import ArgumentError, ArgumentTypeError
-from .arguments import GENERATOR_KINDS, Generator, is_real, is_torch_generator
+from .arguments import Generator, generator_kinds, is_real, is_torch_generator
 from .transfer import on_cpu, tensor_of, upload
 
 
@@ -44,7 +44,7 @@ class Latents:
                     randn_tensor(shape, generator=generator, device=torch.device("cpu"), dtype=dtype), self.device
                 )
             return randn_tensor(shape, generator=generator, device=self.device, dtype=dtype)
-        raise ArgumentTypeError("generator", f"expected {GENERATOR_KINDS}, got {type(generator).__name__}")
+        raise ArgumentTypeError("generator", f"expected {generator_kinds()}, got {type(generator).__name__}")
 
     def scheduler_step_kwargs(self, generator: Generator, eta: float) -> Dict[str, Any]:
         """``eta`` for DDIM-like schedulers, and the generator a stochastic one draws its noise from: the caller's

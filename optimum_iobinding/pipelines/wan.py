@@ -235,8 +235,9 @@ class WanFamilyPipeline(Warmup, OnnxDiffusionPipeline):
         """Refuses, before any work, every argument a Wan call cannot run with: what Wan adds to
         :meth:`check_inputs` — the frame count, the videos per prompt, ``guidance_scale_2`` (only with two experts),
         ``attention_kwargs`` (an ONNX transformer has no attention processors), the UMT5 length (a prompt is encoded
-        at it, in one batch with given ``prompt_embeds`` or ``negative_prompt_embeds``), a decoded output without a VAE decoder, a list
-        of generators but one per video — then :meth:`check_inputs` (``call``: its arguments).
+        at it, in one batch with given ``prompt_embeds`` or ``negative_prompt_embeds``), a decoded output without a VAE
+        decoder — then :meth:`check_inputs` (``call``: its arguments), then the generator (one of the kinds a call
+        takes; a list, one per video).
 
         Returns:
             How many videos the call makes (prompts × ``num_videos_per_prompt``).

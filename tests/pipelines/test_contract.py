@@ -177,8 +177,9 @@ def test_a_list_of_generators_not_one_per_image_is_refused_before_any_component_
 
 
 def test_a_generator_of_another_kind_a_step_callback_that_is_not_callable_and_meta_latents_are_refused(record, pipe):
-    """Every family refuses them naming the argument (the meta latents where the call takes latents), running
-    nothing: a family whose call forgot to pass its generator or callback to the shared checks would run."""
+    """Every family refuses them naming the argument, the generator and the callback before any component runs (a
+    family whose call forgot to pass them to the shared checks would run); meta latents, where the call takes latents,
+    when the initial latents are made."""
     import inspect
 
     parameters = inspect.signature(type(pipe).__call__).parameters

@@ -93,6 +93,11 @@ def test_pipeline_save_pretrained_onto_the_folder_it_was_loaded_from(copy_of, sn
         (dict(generator="seed"), TypeError, r"generator: expected a numpy RandomState, a torch.Generator or a list"),
         (dict(callback=5), TypeError, r"callback: expected a callable, callback\(step, timestep, latents\), got int"),
         (
+            dict(prompt=None, prompt_embeds=torch.empty(1, 77, 32, device="meta")),
+            ValueError,
+            r"^prompt_embeds: expected a tensor holding values, got one on the meta device$",
+        ),
+        (
             dict(latents=torch.empty(1, 4, 8, 8, device="meta")),
             ValueError,
             r"^latents: expected a tensor holding values, got one on the meta device$",
@@ -144,7 +149,8 @@ def test_to_returns_the_pipeline_where_it_already_is_and_refuses_a_move_saying_h
         pipe.to(torch.float32, dtype=torch.float16)
     with pytest.raises(TypeError, match=r"^to: expected at most a device and a dtype, got 3 positional arguments$"):
         pipe.to("cpu", torch.float32, None)
-    for method in ("enable_model_cpu_offload", "enable_sequential_cpu_offload"):
+    assert pipe.to("cpu", device=None, dtype=None) is pipe  # None: not given, as diffusers' to takes it
+    for method in ("enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload"):
         with pytest.raises(NotImplementedError, match=rf"^{method}: expected a pipeline of torch modules"):
             getattr(pipe, method)()
     assert pipe(PROMPT, height=64, width=64, num_inference_steps=1, output_type="np").images.shape == (1, 64, 64, 3)
@@ -814,3 +820,17 @@ def test_sdxl_one_negative_prompt_2_serves_every_prompt(xl):
         ["a cat", "a dog"], negative_prompt_2="blurry", height=64, width=64, num_inference_steps=1, output_type="np"
     ).images
     assert images.shape == (2, 64, 64, 3)
+
+
+def test_a_generator_refusal_speaks_of_what_the_call_makes():
+    from optimum_iobinding.pipelines.arguments import check_generator
+
+    with pytest.raises(TypeError, match=r"^generator: expected .*list of torch.Generators \(one per video\), got str$"):
+        check_generator("seed", 1, 1, "video")
+    with pytest.raises(
+        ValueError,
+        match=r"^generator: expected one torch.Generator per video \(2: 1 prompt × num_videos_per_prompt 2\), got a "
+        r"list of 1$",
+    ):
+        check_generator([torch.Generator()], 1, 2, "video")
+    assert check_generator(None, 2, 3) == 6 and check_generator([torch.Generator()] * 6, 2, 3) == 6

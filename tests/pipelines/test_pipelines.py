@@ -267,6 +267,8 @@ def test_mask_and_image_of_different_sizes_is_an_error(tiny_folder):
     pipe = load(OnnxStableDiffusionInpaintPipeline, tiny_folder)
     with pytest.raises(ValueError, match=r"mask_image: expected the size of image .*64 × 64.*got 32 × 32$"):
         pipe(PROMPT, image=init_image(), mask_image=mask_image(32), height=SIZE, width=SIZE, num_inference_steps=2)
+    with pytest.raises(ValueError, match=r"got 32 × 32 \(shape \(32, 32\)\)$"):  # a 2-d array: its shape alone
+        pipe(PROMPT, image=init_image(), mask_image=np.zeros((32, 32), np.float32), height=SIZE, width=SIZE)
     # a 3-d array is read as diffusers reads it, (batch, height, width): its shape says so
     colour_mask = np.zeros((SIZE, SIZE, 3), np.float32)
     with pytest.raises(
