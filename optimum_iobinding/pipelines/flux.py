@@ -180,7 +180,8 @@ class FluxFamilyPipeline(LoraLoaderMixin, Warmup, OnnxDiffusionPipeline):
     # ---------------------------------------------------------------------------------------- the shared steps
     def image_count(self, batch_size: int, num_images_per_prompt: int, generator: Generator) -> int:
         """How many images a call makes (prompts × ``num_images_per_prompt``); a generator of another kind than a
-        call takes, or a list of them but one torch.Generator per image, is refused (:func:`.arguments.check_generator`)."""
+        call takes, or a list of them but one torch.Generator per image, is refused
+        (:func:`.arguments.check_generator`)."""
         return check_generator(generator, batch_size, num_images_per_prompt)
 
     def text_tensors(
