@@ -16,6 +16,7 @@ from ..errors import ArgumentError, ArgumentTypeError
 from .arguments import check_generator, is_integer, is_real
 from .loop import check_callback_arguments
 from .memory import CallMemory, check_image_fits
+from .transfer import check_holds_values
 
 
 class ArgumentChecks:
@@ -171,8 +172,8 @@ class ArgumentChecks:
             raise ArgumentTypeError(name, f"expected a dense torch.Tensor or numpy array {layout}, got {kind}")
         if not floating:
             raise ArgumentTypeError(name, f"expected a float tensor (the text encoder's output), got dtype {dtype}")
-        if isinstance(embeds, torch.Tensor) and embeds.is_meta:
-            raise ArgumentError(name, "expected a tensor holding values, got one on the meta device")
+        if isinstance(embeds, torch.Tensor):
+            check_holds_values(embeds, name)
         if embeds.ndim != rank:
             raise ArgumentError(name, f"expected shape {layout}, got {tuple(embeds.shape)}")
         if 0 in embeds.shape:

@@ -18,9 +18,14 @@ def tensor_of(value: Union[torch.Tensor, np.ndarray], name: str = "tensor") -> t
     if isinstance(value, np.ndarray) and not value.dtype.isnative:
         value = value.astype(value.dtype.newbyteorder("="))
     tensor = torch.as_tensor(value)
+    check_holds_values(tensor, name)
+    return tensor
+
+
+def check_holds_values(tensor: torch.Tensor, name: str) -> None:
+    """Refuses by ``name`` a tensor on the meta device, which holds no values to compute with."""
     if tensor.is_meta:
         raise ArgumentError(name, "expected a tensor holding values, got one on the meta device")
-    return tensor
 
 
 def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
