@@ -15,7 +15,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 # the standard library only: every heavy module is imported by the command using it
 from .errors import DEBUG_HELP, ArgumentError, CommandLineParser, RawDescriptionHelpFormatter, quiet_libraries
@@ -681,7 +681,18 @@ def check_ip_adapter_arguments(args: argparse.Namespace) -> Optional[Any]:
         )
     check(math.isfinite(args.ip_adapter_scale), "--ip-adapter-scale", "a finite number", args.ip_adapter_scale)
     check_local_or_hub("--ip-adapter", args.ip_adapter)
-    return read_image_file("--ip-adapter-image", args.ip_adapter_image, "RGB")
+    image = read_image_file("--ip-adapter-image", args.ip_adapter_image, "RGB")
+    weight = Path(args.ip_adapter).expanduser() / args.ip_adapter_weight
+    if Path(args.ip_adapter).expanduser().is_dir():
+        if not weight.is_file():
+            found = "a folder" if weight.is_dir() else "no such file"
+            raise UsageError(
+                f"--ip-adapter-weight: expected a weights file in the --ip-adapter folder {args.ip_adapter!r}, got "
+                f"{args.ip_adapter_weight!r}: {found} there"
+            )
+    elif not Path(args.ip_adapter).expanduser().exists():  # a hub id: its weights file fetched now, in one line
+        fetch_from_hub("--ip-adapter", args.ip_adapter, args.ip_adapter_weight.replace("\\", "/"))
+    return image
 
 
 def load_ip_adapter_option(pipe: Any, args: argparse.Namespace) -> None:
@@ -693,6 +704,11 @@ def load_ip_adapter_option(pipe: Any, args: argparse.Namespace) -> None:
     with options_named({**names, "scale": "--ip-adapter-scale"}):
         pipe.load_ip_adapter(args.ip_adapter, subfolder=subfolder or None, weight_name=weight_name)
         pipe.set_ip_adapter_scale(args.ip_adapter_scale)
+    if getattr(pipe, "image_encoder", None) is None:  # the image prompt is encoded by the folder's image encoder
+        raise UsageError(
+            "--ip-adapter-image: expected a --model folder with an image_encoder/ (export --ip-adapter "
+            f"--image-encoder ID_OR_FOLDER), got {args.model or 'the tiny model'!r}, which has none"
+        )
 
 
 def parse_lora_option(spec: str) -> Tuple[str, float]:
@@ -882,11 +898,9 @@ def run_generate(args: argparse.Namespace) -> int:
         out = check_image_path(args.out)
     writer = None
     if runs.frames:  # checked before the work: the target's folder, PyAV (FrameWriter's own checks)
-        from .video import FrameWriter
-
         with options_named({"path": "--out", "fps": "--fps"}):
             target = args.out or DEFAULT_VIDEO_OUT  # a file is replaced as an image is, a folder of frames never
-            writer = FrameWriter(target, args.fps, overwrite=is_video_path(target), argument="--out")
+            writer = open_frame_writer(target, args.fps, is_video_path(target), "--out")
     owned = {}  # a LoRA follows the load: its components own their weights from the start (changed in place)
     if args.loras and provider == "CUDAExecutionProvider":
         owned = {"component_options": folder_class.weights_owned_from_load(model)}
@@ -983,6 +997,37 @@ def run_generate(args: argparse.Namespace) -> int:
         f"io_binding={args.io_binding}; model {args.model or model}{cache_summary(pipe, args.cache)})"
     )
     return 0
+
+
+def open_frame_writer(target: str, fps: float, overwrite: bool, option: str) -> Any:
+    """A :class:`~optimum_iobinding.video.FrameWriter` of ``target``, before any work: a folder that takes no file
+    (a read-only mount, /sys) or a path that is a folder where a video file is asked for is refused in one line
+    naming ``option`` (exit status 2), not at the first frame."""
+    from .video import FrameWriter
+
+    problem = unwritable_reason(Path(target).expanduser().absolute().parent)
+    if problem is not None:
+        raise UsageError(f"{option}: expected a path in a writable folder, got {target!r}, but {problem}")
+    try:
+        return FrameWriter(target, fps, overwrite=overwrite, argument=option, overwrite_argument="--overwrite")
+    except (PermissionError, IsADirectoryError) as error:  # a mistake in the path, found before any work
+        raise UsageError(str(error)) from error
+
+
+def check_output_keeps(output: str, option: str, inputs: Iterable[Tuple[str, Optional[str]]]) -> None:
+    """Writing ``output`` (``option``), which replaces a folder whole, destroys none of ``inputs`` (the paths the
+    command reads, each with its option; ``None``: not given): refused where one of them is ``output`` or lies inside
+    it."""
+    target = Path(output).expanduser().resolve()
+    for name, path in inputs:
+        if path is None or not Path(path).expanduser().exists():
+            continue
+        read = Path(path).expanduser().resolve()
+        if read == target or target in read.parents:
+            raise UsageError(
+                f"{option}: expected a path apart from {name} ({path!r}), got {output!r}, which "
+                f"{'is' if read == target else 'holds'} it: writing {option} would replace what {name} reads"
+            )
 
 
 def write_video(writer: Any, frames: Any, args: argparse.Namespace, start: float, made_by: str) -> int:
@@ -1133,26 +1178,10 @@ def check_stream_folders(model: Optional[str], tiny_vae: Optional[str]) -> None:
                 f"vae_decoder/model.onnx, got {tiny_vae!r} without {' and '.join(missing)}; make one "
                 "with optimum-iobinding export --tiny-vae ID_OR_FOLDER -o FOLDER"
             )
-        check_tiny_vae_class(folder, tiny_vae)
+        from .layout import check_tiny_vae_class
 
-
-TINY_VAE_CLASS = "AutoencoderTiny"  # diffusers' class of TAESD, what `export --tiny-vae` writes in config.json
-
-
-def check_tiny_vae_class(folder: Path, tiny_vae: str) -> None:
-    """The VAE of a local --tiny-vae folder is a tiny one: its config.json files name no other class (a full VAE
-    would run with the tiny one's scaling and make wrong frames without an error)."""
-    from .layout import read_json_object
-
-    for name in STREAM_VAE_COMPONENTS:
-        config = read_json_object(folder / name / "config.json") or {}
-        found = config.get("_class_name")
-        if found is not None and found != TINY_VAE_CLASS:
-            raise UsageError(
-                f"--tiny-vae: expected an {TINY_VAE_CLASS} export (TAESD: optimum-iobinding export --tiny-vae "
-                f"ID_OR_FOLDER -o FOLDER), got {tiny_vae!r}, whose {name} is an {found}; leave --tiny-vae out to "
-                "run the model's own VAE"
-            )
+        with options_named({"tiny_vae": "--tiny-vae"}):
+            check_tiny_vae_class(folder, shown=tiny_vae)
 
 
 def check_video_extra(source: str, target: str) -> None:
@@ -1264,27 +1293,33 @@ def run_stream(args: argparse.Namespace) -> int:
     image_prompt = check_ip_adapter_arguments(args)
     from tqdm.auto import tqdm
 
-    from .video import FrameWriter, open_frames
+    from .video import open_frames
 
     if Path(args.output).expanduser().resolve() == Path(args.input).expanduser().resolve():
         raise UsageError(
             f"OUTPUT: expected another path than INPUT, got {args.output!r} for both (the input is read "
             "while the output is written)"
         )
+    check_output_keeps(
+        args.output,
+        "OUTPUT",
+        [
+            ("INPUT", args.input),
+            ("--model", args.model),
+            ("--tiny-vae", args.tiny_vae),
+            ("--ip-adapter", args.ip_adapter),
+            ("--ip-adapter-image", args.ip_adapter_image),
+            ("--cache-dir", args.cache_dir if args.model is None else None),
+            *(("--control-image", path) for path in args.control_image or ()),
+        ],
+    )
     with contextlib.ExitStack() as opened:  # what is opened is closed on every way out (the output discarded)
         reader = opened.enter_context(
             open_frames(args.input, size, argument="INPUT", size_argument="--size")
         )  # a bad file fails here
         width, height = reader.size
-        writer = opened.enter_context(
-            FrameWriter(
-                args.output,
-                fps=reader.fps or STREAM_DEFAULT_FPS,
-                overwrite=args.overwrite,
-                argument="OUTPUT",
-                overwrite_argument="--overwrite",
-            )
-        )  # before any model
+        fps = reader.fps or STREAM_DEFAULT_FPS
+        writer = opened.enter_context(open_frame_writer(args.output, fps, args.overwrite, "OUTPUT"))  # before any model
 
         quiet_libraries()
         model = Path(args.model) if args.model and Path(args.model).exists() else args.model

@@ -270,6 +270,24 @@ def read_json_object(path: Union[str, os.PathLike]) -> Optional[Dict[str, Any]]:
     return value
 
 
+TINY_VAE_CLASS = "AutoencoderTiny"  # diffusers' class of TAESD, what `export --tiny-vae` writes in config.json
+TINY_VAE_HALVES = ("vae_encoder", "vae_decoder")
+
+
+def check_tiny_vae_class(folder: Path, argument: str = "tiny_vae", shown: Optional[str] = None) -> None:
+    """The VAE of a tiny VAE's ``folder`` is a tiny one: its halves' config.json name no other class (a full VAE
+    would run with the tiny one's scaling and make wrong frames without an error). Refused as ``argument``, the
+    folder shown as ``shown`` (the user's words; default the path)."""
+    for name in TINY_VAE_HALVES:
+        found = (read_json_object(folder / name / "config.json") or {}).get("_class_name")
+        if found is not None and found != TINY_VAE_CLASS:
+            raise ArgumentError(
+                argument,
+                f"expected an {TINY_VAE_CLASS} export (TAESD, made by optimum-iobinding export --tiny-vae), got "
+                f"{shown or str(folder)!r}, whose {name} is an {found}; without a tiny VAE the model's own VAE runs",
+            )
+
+
 # Class names a model_index.json may give an ONNX component: diffusers' ONNX layout names OnnxRuntimeModel, optimum's
 # export keeps the torch pipeline's index (torch classes; its VAE is one entry, "vae", split into two folders).
 _ONNX_COMPONENT_CLASSES = {

@@ -80,14 +80,64 @@ def test_export_and_generate_with_an_image_prompt_equal_the_python_pipeline(made
             "--ip-adapter: expected a UNet exported for IP-Adapter",
         ),
         (["--ip-adapter-scale", "0.5"], "--ip-adapter-scale: expected it with --ip-adapter, got it alone"),
+        (
+            ["--ip-adapter", "ADAPTER", "--ip-adapter-weight", "models", "--ip-adapter-image", "PROMPT"],
+            "--ip-adapter-weight: expected a weights file in the --ip-adapter folder '{adapter}', got 'models': a "
+            "folder there",
+        ),
+        (
+            ["--ip-adapter", "ADAPTER", "--ip-adapter-weight", "models/no.safetensors", "--ip-adapter-image", "PROMPT"],
+            "got 'models/no.safetensors': no such file there",
+        ),
+        (
+            ["--ip-adapter", "no-such-user/no-such-adapter", "--ip-adapter-weight", "ip.bin", "--ip-adapter-image"],
+            "--ip-adapter: 'no-such-user/no-such-adapter' is not a local folder (no such path here), and the Hugging "
+            "Face Hub could not provide it",
+        ),
     ],
-    ids=["no-adapter", "no-weight", "no-image-file", "plain-model", "scale-alone"],
+    ids=[
+        "no-adapter",
+        "no-weight",
+        "no-image-file",
+        "plain-model",
+        "scale-alone",
+        "weight-folder",
+        "no-weight-file",
+        "hub",
+    ],
 )
 def test_generate_refuses_ip_adapter_mistakes_naming_the_option(made, tmp_path, capsys, extra, message):
     extra = [
         str(made / "adapter") if a == "ADAPTER" else str(made / "prompt.png") if a == "PROMPT" else a for a in extra
     ]
+    if extra[-1] == "--ip-adapter-image":
+        extra.append(str(made / "prompt.png"))
     argv = ["generate", PROMPT, "--out", str(tmp_path / "o.png"), "--steps", "1", "--cache-dir", str(tmp_path / "c")]
     assert main([*argv, "--provider", "CPUExecutionProvider", *extra]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()  # (the tiny model's build may show its progress first)
+    assert message.format(adapter=made / "adapter") in err[-1], err
+    assert not any("WARNING" in line or "etry" in line for line in err), err  # no retries or warnings before it
     assert not (tmp_path / "o.png").exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "stream"])
+def test_an_image_prompt_for_a_folder_without_an_image_encoder_names_the_model_option(made, tmp_path, capsys, command):
+    """The folder's UNet takes image prompts, but the folder has no image encoder to encode the image with."""
+    folder = tmp_path / "onnx"
+    assert main(["export", "--tiny-random", "--ip-adapter", "-o", str(folder)]) == 0, capsys.readouterr().err
+    ip = ["--ip-adapter", str(made / "adapter"), "--ip-adapter-weight", "models/ip.safetensors"]
+    ip += ["--ip-adapter-image", str(made / "prompt.png"), "--model", str(folder), "--provider", "CPUExecutionProvider"]
+    if command == "generate":
+        argv = ["generate", PROMPT, "--out", str(tmp_path / "o.png"), "--steps", "1"]
+    else:
+        (tmp_path / "frames").mkdir()
+        PIL.Image.new("RGB", (64, 64)).save(tmp_path / "frames" / "0.png")
+        argv = ["stream", str(tmp_path / "frames"), str(tmp_path / "o"), "--prompt", PROMPT]
+    capsys.readouterr()
+    assert main([*argv, *ip]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "optimum-iobinding: error: --ip-adapter-image: expected a --model folder with an image_encoder/ (export "
+        f"--ip-adapter --image-encoder ID_OR_FOLDER), got {str(folder)!r}, which has none"
+    )
+    assert not (tmp_path / "o.png").exists() and not (tmp_path / "o").exists()

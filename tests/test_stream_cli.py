@@ -305,6 +305,12 @@ def bad_inputs(tmp_path):
         (tmp_path / "full-vae" / part).mkdir(parents=True)
         (tmp_path / "full-vae" / part / "model.onnx").write_bytes(b"")
         (tmp_path / "full-vae" / part / "config.json").write_text('{"_class_name": "AutoencoderKL"}')
+    model = tmp_path / "model"  # what the stream's folder check asks of a local --model
+    for part in ("text_encoder", "unet", "vae_encoder", "vae_decoder"):
+        (model / part).mkdir(parents=True)
+        (model / part / "model.onnx").write_bytes(b"")
+    (model / "tokenizer").mkdir()
+    (model / "model_index.json").write_text("{}")
     frames = tmp_path / "frames"
     return {
         "missing": (
@@ -366,8 +372,8 @@ def bad_inputs(tmp_path):
             frames,
             tmp_path / "out",
             ("--tiny-vae", str(tmp_path / "full-vae")),
-            r"--tiny-vae: expected an AutoencoderTiny export \(TAESD: optimum-iobinding export --tiny-vae "
-            r"ID_OR_FOLDER -o FOLDER\), got .*full-vae.*, whose vae_encoder is an AutoencoderKL",
+            r"--tiny-vae: expected an AutoencoderTiny export \(TAESD, made by optimum-iobinding export --tiny-vae\), "
+            r"got .*full-vae.*, whose vae_encoder is an AutoencoderKL",
         ),
         "output-extension": (
             frames,
@@ -377,6 +383,25 @@ def bad_inputs(tmp_path):
             r"folder for PNG frames",
         ),
         "output-is-input": (frames, frames, ("--overwrite",), r"OUTPUT: expected another path than INPUT"),
+        "output-holds-input": (
+            frames,
+            tmp_path,
+            ("--overwrite",),
+            r"OUTPUT: expected a path apart from INPUT \(.*frames.*\), got .*, which holds it: writing OUTPUT would "
+            r"replace what INPUT reads",
+        ),
+        "output-is-the-model": (
+            frames,
+            model,
+            ("--model", str(model), "--overwrite"),
+            r"OUTPUT: expected a path apart from --model \(.*model.*\), got .*, which is it",
+        ),
+        "output-in-a-folder-that-takes-no-file": (
+            frames,
+            "/proc/out.mp4",
+            (),
+            r"OUTPUT: expected a path in a writable folder, got '/proc/out\.mp4', but '/proc' takes no new file",
+        ),
         "output-exists": (
             frames,
             tmp_path / "existing.mp4",
@@ -410,10 +435,13 @@ BAD_INPUTS = [
     "tiny-vae-of-a-full-vae",
     "output-extension",
     "output-is-input",
+    "output-holds-input",
+    "output-is-the-model",
+    "output-in-a-folder-that-takes-no-file",
     "output-exists",
     "provider",
 ]
-NEEDS_AV = {"unreadable", "output-exists"}
+NEEDS_AV = {"unreadable", "output-exists", "output-in-a-folder-that-takes-no-file"}
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)

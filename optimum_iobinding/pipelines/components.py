@@ -17,6 +17,7 @@ from ..layout import (
     CONTROLNET_SCALE,
     DEEP_CACHE_FULL_PART,
     FIRST_BLOCK_CACHE_PARTS,
+    check_tiny_vae_class,
     download_from_hub,
     load_image_processor,
     load_scheduler,
@@ -265,6 +266,7 @@ def tiny_vae_folder(tiny_vae: Union[str, os.PathLike], **hub_kwargs: Any) -> Pat
             f"expected an AutoencoderTiny export holding vae_encoder/model.onnx and "
             f"vae_decoder/model.onnx, got {str(folder)!r} without {' and '.join(missing)}",
         )
+    check_tiny_vae_class(folder, "tiny_vae", os.fspath(tiny_vae))
     return folder
 
 

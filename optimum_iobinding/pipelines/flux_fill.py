@@ -185,7 +185,8 @@ class OnnxFluxFillPipeline(FluxFamilyPipeline):
         if len(timesteps) == 0:
             raise ArgumentError(
                 "strength",
-                f"{strength} with num_inference_steps={num_inference_steps} leaves no denoising step; raise either",
+                f"{strength} of {num_inference_steps} step{'s' if num_inference_steps != 1 else ''} leaves no "
+                "denoising step (the steps times the strength must reach 1); raise the steps or the strength",
             )
 
         # 3. prompt embeddings, on the device

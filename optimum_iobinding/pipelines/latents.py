@@ -107,7 +107,8 @@ class Latents:
         if len(timesteps) == 0:
             raise ArgumentError(
                 "strength",
-                f"{strength} with num_inference_steps={num_inference_steps} leaves no denoising step; raise either",
+                f"{strength} of {num_inference_steps} step{'s' if num_inference_steps != 1 else ''} leaves no "
+                "denoising step (the steps times the strength must reach 1); raise the steps or the strength",
             )
         return timesteps
 

@@ -393,7 +393,8 @@ class OnnxStreamDiffusionPipeline(IPAdapterMixin, LoraLoaderMixin, OnnxDiffusion
             if not timesteps:
                 raise ArgumentError(
                     "strength",
-                    f"{strength} with num_inference_steps={num_inference_steps} leaves no denoising step; raise either",
+                    f"{strength} of {num_inference_steps} step{'s' if num_inference_steps != 1 else ''} leaves no "
+                    "denoising step (the steps times the strength must reach 1); raise the steps or the strength",
                 )
             return timesteps, 0
         timesteps = list(self.strength_timesteps(num_inference_steps, strength))
@@ -407,7 +408,7 @@ class OnnxStreamDiffusionPipeline(IPAdapterMixin, LoraLoaderMixin, OnnxDiffusion
             raise ArgumentError(
                 "cfg_type",
                 f"{cfg_type!r} guides with the UNet's noise prediction, got an LCM UNet that takes guidance_scale as "
-                "its timestep_cond; use cfg_type='none' or 'full'",
+                "its timestep_cond; use the cfg type 'none' or 'full'",
             )
         if prediction_type != "epsilon":
             raise ArgumentError(
@@ -418,8 +419,8 @@ class OnnxStreamDiffusionPipeline(IPAdapterMixin, LoraLoaderMixin, OnnxDiffusion
         if steps > 1 and not batched:
             raise ArgumentError(
                 "cfg_type",
-                f"{cfg_type!r} over {steps} steps expects stream_batch=True (the stock noise moves with the frames "
-                "of a stream batch), got stream_batch=False",
+                f"{cfg_type!r} over {steps} steps expects the stream batch (the stock noise moves with the frames of "
+                "a stream batch), got the stream batch off",
             )
 
     def _check_timestep_rows(self) -> None:

@@ -188,7 +188,7 @@ REFUSALS = [
     ("fill", dict(mask_image=None), ValueError, r"image and mask_image: expected both \(or masked_image_latents\)"),
     ("fill", dict(masked_image_latents=torch.zeros(1, 12, 320)), ValueError, r"image and masked_image_latents: "),
     ("fill", dict(strength=1.5), ValueError, r"strength: expected a value in \[0, 1\], got 1.5"),
-    ("fill", dict(strength=0.0), ValueError, r"strength: 0.0 with num_inference_steps=2 leaves no denoising step"),
+    ("fill", dict(strength=0.0), ValueError, r"strength: 0.0 of 2 steps leaves no denoising step"),
     ("fill", dict(mask_image=[mask()] * 3), ValueError, r"mask_image: expected a number of images that divides 2"),
     ("control", dict(control_image=None), ValueError, r"control_image: expected an image the output follows"),
     (

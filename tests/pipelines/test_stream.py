@@ -367,7 +367,7 @@ def test_a_wrong_frame_is_refused_naming_what_was_expected(turbo, frame, error, 
         (dict(negative_prompt=["a"]), TypeError, "negative_prompt: expected a str"),
         (dict(seed=-1), ValueError, r"seed: expected an integer in \[0, 2\*\*64\)"),
         (dict(seed=1.5), ValueError, "seed: expected an integer"),
-        (dict(strength=0.0), ValueError, "strength: 0.0 with num_inference_steps=2 leaves no denoising step"),
+        (dict(strength=0.0), ValueError, "strength: 0.0 of 2 steps leaves no denoising step"),
         (dict(strength=1.5), ValueError, r"strength: expected a value in \[0, 1\]"),
         (dict(num_inference_steps=0), ValueError, "num_inference_steps: expected a positive integer"),
         (dict(height=72), ValueError, "height and width: expected multiples of"),
@@ -424,6 +424,14 @@ def test_a_tiny_vae_folder_without_both_components_is_refused_naming_it(sd, tiny
         OnnxStreamDiffusionPipeline.from_pretrained(folder, tiny_vae=3)
     with pytest.raises(FileNotFoundError, match="tiny_vae: expected an existing local folder or a hub repository id"):
         OnnxStreamDiffusionPipeline.from_pretrained(folder, tiny_vae=str(tmp_path / "none" / "here"))
+
+
+def test_a_full_vae_given_as_the_tiny_vae_is_refused_naming_it(sd):
+    """The pipeline's folder itself holds a full VAE (AutoencoderKL): as a tiny VAE it would decode with the tiny
+    one's scaling and make wrong frames without an error."""
+    _, folder = sd
+    with pytest.raises(ValueError, match=r"tiny_vae: expected an AutoencoderTiny export .* whose vae_encoder is an "):
+        OnnxStreamDiffusionPipeline.from_pretrained(folder, tiny_vae=folder)
 
 
 def test_a_tiny_vae_of_other_latent_channels_is_refused_naming_it(sd, tmp_path):
