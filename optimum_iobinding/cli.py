@@ -12,6 +12,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -109,7 +110,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         help="Wan only: its VAE's precision, fp32 (default, as diffusers runs it) or fp16 (about half the decode's "
         "memory and time; overflow-safe norms)",
     )
-    parser.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    parser.add_argument("--opset", type=int, default=17, help="ONNX opset, 14 … 20 (default 17)")
     parser.add_argument(
         "--step-cache",
         action="store_true",
@@ -375,7 +376,7 @@ class UsageError(Exception):
 # Every command checks its arguments first, before anything is loaded, built or downloaded, and names the option.
 
 NUMPY_SEEDS = range(2**32)  # what np.random.RandomState takes, the generator of `generate`
-OPSETS = range(7, 23)  # what export_pipeline exports with (it checks the same range itself)
+OPSETS = range(14, 21)  # what export_pipeline exports with (export.MIN_OPSET … MAX_OPSET; it checks them itself)
 
 
 def check(ok: bool, option: str, expected: str, value: object) -> None:
@@ -1001,17 +1002,13 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def open_frame_writer(target: str, fps: float, overwrite: bool, option: str) -> Any:
     """A :class:`~optimum_iobinding.video.FrameWriter` of ``target``, before any work: a folder that takes no file
-    (a read-only mount, /sys) or a path that is a folder where a video file is asked for is refused in one line
-    naming ``option`` (exit status 2), not at the first frame."""
+    (a read-only mount, /sys) is refused in one line naming ``option``, not at the first frame."""
     from .video import FrameWriter
 
     problem = unwritable_reason(Path(target).expanduser().absolute().parent)
     if problem is not None:
         raise UsageError(f"{option}: expected a path in a writable folder, got {target!r}, but {problem}")
-    try:
-        return FrameWriter(target, fps, overwrite=overwrite, argument=option, overwrite_argument="--overwrite")
-    except (PermissionError, IsADirectoryError) as error:  # a mistake in the path, found before any work
-        raise UsageError(str(error)) from error
+    return FrameWriter(target, fps, overwrite=overwrite, argument=option, overwrite_argument="--overwrite")
 
 
 def check_output_keeps(output: str, option: str, inputs: Iterable[Tuple[str, Optional[str]]]) -> None:
@@ -1889,8 +1886,42 @@ def show_warnings() -> None:
     logging.basicConfig(level=logging.WARNING, format="optimum-iobinding: %(levelname)s: %(message)s")
 
 
-# Errors about what the user passed (a file, a size, a setting): exit status 2, as argparse's own usage errors.
-USAGE_ERRORS = (UsageError, ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError)
+# Errors about what the user passed (a file, a size, a setting; a path that cannot be written or is a folder where a
+# file is asked for): exit status 2, as argparse's own usage errors.
+USAGE_ERRORS = (
+    UsageError,
+    ValueError,
+    TypeError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (a ``kill``, a container's stop): raised in the main thread, as Ctrl-C's ``KeyboardInterrupt``
+    is, so that what a command was writing is removed on the way out (an export's temporary folder, a partial
+    video)."""
+
+
+@contextmanager
+def terminated_as_interrupted(command: Optional[str]) -> Iterator[None]:
+    """SIGTERM ends the command as Ctrl-C does (:class:`Terminated`) while the block runs, in the main thread; the
+    handler before is put back after. ``serve`` handles its signals itself (Ray Serve's shutdown)."""
+    if command == "serve" or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -1917,10 +1948,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             return args.run(args)
 
     try:
-        return run()
+        with terminated_as_interrupted(command):
+            return run()
     except KeyboardInterrupt:
         print("optimum-iobinding: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("optimum-iobinding: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except Exception as error:  # noqa: BLE001 — every error becomes one line (or a traceback with --debug)
         if debug:
             raise

@@ -8,6 +8,7 @@ imports the other.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -120,6 +121,13 @@ def check_output_folder(
     """
     target = Path(output_dir).expanduser()
     resolved = target.resolve()
+    working = Path.cwd().resolve()
+    if resolved == working or resolved in working.parents:
+        raise ArgumentError(
+            argument,
+            f"expected a folder apart from the working folder {str(working)!r}, got {os.fspath(output_dir)!r}, which "
+            f"{'is' if resolved == working else 'holds'} it: the folder is written elsewhere and then moved into place",
+        )
     if source is not None:
         source_resolved = Path(source).expanduser().resolve()
         if resolved == source_resolved or source_resolved in resolved.parents:
@@ -171,13 +179,16 @@ def building_beside(target: Path, argument: str = "output_dir") -> Iterator[Path
     """Yields a new folder, inside a temporary one beside ``target`` (with the permissions the user's umask gives);
     when the block ends without an error, the folder replaces ``target`` (whole: nothing of a previous ``target``
     stays); when it raises (or is interrupted), the temporary folder is removed and ``target`` is left exactly as it
-    was.
+    was. Only what was there when the block began is replaced: a ``target`` that was absent or empty then, and that
+    something else filled meanwhile (another export to the same folder, a user's file), is left as it is and a
+    ``FileExistsError`` naming ``argument`` is raised.
 
     The temporary folder is the layout's own: a failure to make it, to write into it or to move it into place is
     raised as the same kind of ``OSError`` naming ``argument`` and ``target`` (see :func:`unwritable`); other errors
     pass as they are."""
     target = Path(target)
     scratch = None
+    replaces = target.is_dir() and any(target.iterdir())  # the caller agreed to replace what is there now
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
@@ -204,8 +215,16 @@ def building_beside(target: Path, argument: str = "output_dir") -> Iterator[Path
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     try:
-        replace_folder(building, target)
+        if replaces:
+            replace_folder(building, target)
+        else:  # a rename replaces an empty folder, and refuses a folder something else filled meanwhile
+            os.replace(building, target)
     except OSError as error:
+        if not replaces and error.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise FileExistsError(
+                f"{argument}: expected a new or empty folder, got {str(target)!r}, which something else filled while "
+                "this one was written; it was left as it is, and nothing was written there"
+            ) from None
         raise unwritable(error, target, argument, "moving the finished folder into place failed") from error
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

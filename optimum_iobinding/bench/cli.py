@@ -953,6 +953,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, s
         if not ok:
             parser.error(f"{option}: expected {expected}, got {got!r}" + (f"; {hint}" if hint else ""))
 
+    for option, folder in (("--work", args.work), ("--out", args.out)):
+        expect(not Path(folder).exists() or Path(folder).is_dir(), option, "a folder", folder, "a file has that name")
     transformer = args.scenario == "transformer"
     video = args.scenario == "video"
     choices = {
@@ -1329,7 +1331,11 @@ def build_parser() -> CommandLineParser:
         "environment's packages)",
     )
     parser.add_argument("--timeout", type=int, default=900, help="seconds per peer process")
-    parser.add_argument("--report-only", action="store_true", help="re-render results.md/png from results.json")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="re-render the reports (.md, and .png with matplotlib) from the results files in --out",
+    )
     parser.add_argument(
         "--scenario",
         choices=("single", "mixed", "stream", "transformer", "video", "coldstart"),
@@ -1455,6 +1461,42 @@ def build_parser() -> CommandLineParser:
     return parser
 
 
+def rerender_reports(parser: argparse.ArgumentParser, out: Path) -> int:
+    """``--report-only``: each results file in ``out`` rendered again into its report (and its chart where
+    matplotlib is installed), each file written named; a folder holding none is refused naming ``--out``."""
+    from .report import _pyplot
+
+    writers = {
+        "results.json": write_report,
+        "mixed.json": write_mixed_report,
+        "stream.json": write_stream_report,
+        "transformer.json": write_transformer_report,
+        "video.json": write_video_report,
+        "coldstart.json": write_coldstart_report,
+    }
+    found = [name for name in writers if (out / name).is_file()]
+    if not found:
+        parser.error(
+            f"--out: expected a folder holding an earlier run's results ({', '.join(writers)}), got {str(out)!r}"
+            f"{', which holds none' if out.is_dir() else ', which is no folder'}"
+        )
+    charts = _pyplot() is not None
+    for name in found:
+        stem = name[: -len(".json")]
+        try:
+            results = json.loads((out / name).read_text())
+        except ValueError as error:
+            parser.error(
+                f"--out: expected {name} of an earlier run in {str(out)!r}, got one that does not parse ({error})"
+            )
+        writers[name](results, out)
+        made = [f"{stem}.md"] + ([f"{stem}.png"] if charts and (out / f"{stem}.png").is_file() else [])
+        print(f"{out / name} → {', '.join(made)}", flush=True)
+    if not charts:
+        print("no charts: matplotlib is not installed (pip install 'optimum-iobinding[plot]')", flush=True)
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -1560,19 +1602,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     out = Path(args.out)
     if args.report_only:
-        if (out / "mixed.json").is_file():
-            write_mixed_report(json.loads((out / "mixed.json").read_text()), out)
-        if (out / "results.json").is_file():
-            write_report(json.loads((out / "results.json").read_text()), out)
-        if (out / "stream.json").is_file():
-            write_stream_report(json.loads((out / "stream.json").read_text()), out)
-        if (out / "transformer.json").is_file():
-            write_transformer_report(json.loads((out / "transformer.json").read_text()), out)
-        if (out / "video.json").is_file():
-            write_video_report(json.loads((out / "video.json").read_text()), out)
-        if (out / "coldstart.json").is_file():
-            write_coldstart_report(json.loads((out / "coldstart.json").read_text()), out)
-        return 0
+        return rerender_reports(parser, out)
     if args.scenario == "transformer":
         return transformer_main(parser, args, split, out)
     if args.scenario == "video":

@@ -40,6 +40,9 @@ from .unet import check_tiny_vae_fits, controlnets_of, export_unet_pipeline
 
 # the diffusion-transformer exporters, by the name a family's record gives its exporter (Family.export)
 TRANSFORMER_EXPORTERS = {"sd3": export_sd3_pipeline, "flux": export_flux_pipeline, "wan": export_wan_pipeline}
+# the opsets an export writes: torch's TorchScript exporter writes up to 20, and the attention of every diffusers model
+# (scaled_dot_product_attention) needs 14
+MIN_OPSET, MAX_OPSET = 14, 20
 # what makes a diffusion-transformer pipeline one with ControlNets (``export MODEL --controlnet ID``), by exporter
 CONTROLNET_PIPELINES = {"flux": with_flux_controlnets}
 
@@ -175,8 +178,8 @@ def export_pipeline(
     """
     if optimize not in (None, "cuda", "cpu"):
         raise ArgumentError("optimize", f"expected None, 'cuda' or 'cpu', got {optimize!r}")
-    if not isinstance(opset, int) or isinstance(opset, bool) or not 7 <= opset <= 22:
-        raise ArgumentError("opset", f"expected an integer in [7, 22] (17 is tested), got {opset!r}")
+    if not isinstance(opset, int) or isinstance(opset, bool) or not MIN_OPSET <= opset <= MAX_OPSET:
+        raise ArgumentError("opset", f"expected an integer in [{MIN_OPSET}, {MAX_OPSET}] (17 is tested), got {opset!r}")
     if not isinstance(step_cache, bool):
         raise ArgumentError("step_cache", f"expected True or False, got {step_cache!r}")
     if (

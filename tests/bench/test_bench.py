@@ -261,6 +261,35 @@ def test_the_cli_refuses_fewer_than_one_repeat_before_looking_for_a_gpu(capsys):
     assert "--repeats: expected an integer ≥ 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("option", ["--work", "--out"])
+def test_the_cli_refuses_a_work_or_out_that_is_a_file_before_any_work(tmp_path, capsys, option):
+    from optimum_iobinding.bench.cli import main
+
+    (tmp_path / "afile.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--scenario", "transformer", "--device", "cpu", option, str(tmp_path / "afile.txt")])
+    assert exit_info.value.code == 2
+    assert (
+        f"{option}: expected a folder, got '{tmp_path / 'afile.txt'}'; a file has that name" in capsys.readouterr().err
+    )
+    assert os.listdir(tmp_path) == ["afile.txt"] and (tmp_path / "afile.txt").read_text() == "mine"
+
+
+def test_report_only_refuses_a_folder_without_results_and_names_what_it_rendered(tmp_path, capsys):
+    from optimum_iobinding.bench.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--report-only", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--out: expected a folder holding an earlier run's results (results.json," in err
+    assert f"got '{tmp_path}', which holds none" in err
+    (tmp_path / "coldstart.json").write_text(json.dumps({"environment": {}, "scenario": "coldstart", "rows": []}))
+    assert main(["--report-only", "--out", str(tmp_path)]) == 0
+    assert f"{tmp_path / 'coldstart.json'} → coldstart.md" in capsys.readouterr().out
+    assert (tmp_path / "coldstart.md").is_file()
+
+
 def test_a_mixed_round_goes_through_the_batch_sizes_in_turn_and_keeps_every_call():
     from optimum_iobinding.bench.peers import mixed_rounds
 

@@ -67,6 +67,39 @@ def test_export_with_overwrite_replaces_the_folder_whole(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no scratch folders left
 
 
+@pytest.mark.parametrize("appears", ["a user's file", "another export", "an empty folder"])
+def test_a_folder_filled_while_the_export_runs_is_left_as_it_is(tmp_path, appears):
+    """Checked new before the work, the output folder is filled by something else while the export traces its
+    models: without overwrite nothing of it is replaced (an empty folder is, as it would have been at the start)."""
+    target = tmp_path / "target"
+    pipe = build_tiny_random_pipeline()
+    encode = pipe.vae.encode
+
+    def filling(*args, **kwargs):  # runs while the export traces the VAE encoder, the folder still new
+        if not target.exists():
+            target.mkdir()
+            if appears == "a user's file":
+                (target / "notes.txt").write_text("mine")
+            elif appears == "another export":
+                (target / "model_index.json").write_text("{}")
+        return encode(*args, **kwargs)
+
+    pipe.vae.encode = filling
+    arguments = dict(torch_pipeline=pipe, progress=False, components=("vae_encoder",))
+    if appears == "an empty folder":
+        export_pipeline(None, target, **arguments)
+        assert (target / "vae_encoder" / "model.onnx").is_file()
+    else:
+        with pytest.raises(
+            FileExistsError,
+            match=r"output_dir: expected a new or empty folder, got .*target.*, which "
+            r"something else filled while this one was written; it was left as it is",
+        ):
+            export_pipeline(None, target, **arguments)
+        assert [p.name for p in target.iterdir()] == ["notes.txt" if appears == "a user's file" else "model_index.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]  # no scratch folder left
+
+
 def pipeline_failing_at_its_vae_encoder(error: type):
     """The tiny torch pipeline, but its VAE encoder raises ``error`` when the export traces it."""
     pipe = build_tiny_random_pipeline()
