@@ -716,9 +716,15 @@ def parse_lora_option(spec: str) -> Tuple[str, float]:
     """``--lora PATH[:SCALE]`` → ``(PATH, SCALE)`` (scale 1 without one); PATH a LoRA file, a folder or a hub id."""
     from .cache_spec import parse_lora_spec
 
+    from .layout import missing_weights_file
+
     with options_named({"lora": "--lora"}):
         path, scale = parse_lora_spec(spec)
-    check_local_or_hub("--lora", path)
+    head, separator, tail = spec.rpartition(":")
+    if not Path(path).expanduser().exists() and separator and Path(head).expanduser().exists():
+        raise UsageError(f"--lora: expected PATH[:SCALE] with a number for SCALE, got {tail!r} after {head!r}")
+    if missing_weights_file(path):
+        raise UsageError(f"--lora: expected an existing LoRA file or folder, or a hub id, got {path!r}: no such file")
     return path, scale
 
 

@@ -335,6 +335,19 @@ def looks_like_hub_id(name: str) -> bool:
     )
 
 
+# the extensions of weights files: a name ending in one that names nothing here is a missing file, not a hub id
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+def missing_weights_file(name: Any) -> bool:
+    """``name`` is a path (text) that names nothing here and reads as a file, not a hub id: it ends in a weights
+    file's extension (:data:`WEIGHT_FILE_SUFFIXES`) or is no hub id at all."""
+    if not isinstance(name, (str, os.PathLike)) or Path(name).expanduser().exists():
+        return False
+    text = os.fspath(name)
+    return text.lower().endswith(WEIGHT_FILE_SUFFIXES) or not looks_like_hub_id(text)
+
+
 def download_from_hub(name: str, allow_patterns: Sequence[str], argument: str, **hub_kwargs: Any) -> Path:
     """``snapshot_download`` of ``name``; a local path that does not exist, or a download that fails, is one
     line naming the argument (not a 100-line "check your internet connection" traceback)."""

@@ -164,9 +164,26 @@ def test_loras_load_as_adapters_at_their_scales(tiny_folder, make_lora, tmp_path
         (["--image", "{mask}", "--mask", "{small}"], r"--mask: expected the size of --image, 48x40, got 24x20"),
         (["--image", "{text}"], r"--image: expected an image file Pillow reads \(PNG, JPEG, …\), got '.*t.txt'"),
         (["--strength", "1.5"], r"--strength: expected a number in \(0, 1\], got 1.5"),
-        (["--lora", "{tmp}/missing.safetensors"], r"--lora: expected an existing local folder or a hub repository"),
+        (["--lora", "{tmp}/missing.safetensors"], r"--lora: expected an existing LoRA file or folder, or a hub id"),
+        (
+            ["--lora", "missing.safetensors"],
+            r"--lora: expected an existing LoRA .*, got 'missing.safetensors': no such",
+        ),
+        (["--lora", "lora/nope.safetensors"], r"--lora: expected an existing LoRA .*'lora/nope.safetensors': no such"),
+        (["--lora", "{tmp}:abc"], r"--lora: expected PATH\[:SCALE\] with a number for SCALE, got 'abc' after '.*'"),
     ],
-    ids=["mask-alone", "control-on-sd", "missing", "mask-size", "no-image", "strength", "lora-missing"],
+    ids=[
+        "mask-alone",
+        "control-on-sd",
+        "missing",
+        "mask-size",
+        "no-image",
+        "strength",
+        "lora-missing",
+        "lora-file-name",
+        "lora-relative",
+        "lora-scale",
+    ],
 )
 def test_an_image_option_the_folder_cannot_take_is_refused_before_its_model_loads(
     tiny_folder, tmp_path, capsys, loads, argv, message

@@ -245,7 +245,11 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
         export of another precision cannot take)."""
         if kwargs.get("torch_dtype") is None and kwargs.get("dtype") is None and hasattr(pipeline, "denoiser"):
             kwargs["dtype"] = pipeline.dtype
-        return super().from_pipe(pipeline, **kwargs)
+        made = super().from_pipe(pipeline, **kwargs)
+        share = getattr(made, "share_lora_state", None)
+        if share is not None:  # the LoRA adapters live with the shared models, as diffusers' do
+            share(pipeline)
+        return made
 
     def to(self, *args: Any, **kwargs: Any) -> "OnnxDiffusionPipeline":
         """diffusers' ``to(device, dtype)``: the pipeline runs where its ONNX Runtime provider put it (:attr:`device`)

@@ -7,6 +7,7 @@ went; :func:`torch_layout_view` gives a view of the owned initializer in torch l
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -14,8 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import onnx
 import torch
 
-from ..errors import ArgumentError, ModelFileError
-from ..layout import WeightPlace, folded_biases, read_weight_map
+from ..errors import ArgumentError, ArgumentPathError, ModelFileError
+from ..layout import WeightPlace, folded_biases, missing_weights_file, read_weight_map
 
 
 def torch_layout_view(tensor: torch.Tensor, place: WeightPlace, shape: Sequence[int]) -> torch.Tensor:
@@ -155,11 +156,30 @@ class LoraLoaderMixin:
     (diffusers/PEFT keys, the kohya format, hub ids)."""
 
     def _lora(self) -> Dict[str, Any]:
+        """The LoRA state, one dict shared with the pipelines :meth:`from_pipe` made on the same components (as
+        diffusers' adapters live in the shared modules): emptied in place, never replaced."""
         if getattr(self, "_lora_state", None) is None:
-            # adapters: name → (component, layer) → update; active: component → adapter → weight (as diffusers,
-            # each component has its own); fused: (adapter, component) → the factor it was fused with
-            self._lora_state = {"adapters": {}, "active": {}, "fused": {}, "enabled": True, "layers": {}}
+            self._lora_state = _empty_lora_state()
         return self._lora_state
+
+    def share_lora_state(self, source: Any) -> None:
+        """Called by ``from_pipe`` on the new pipeline: where it has ``source``'s LoRA components (the same models),
+        the two share one LoRA state, so that an adapter loaded, set, fused or unloaded through either is one the
+        other sees. A pipeline with another model in place of one of them starts with none; that is refused while
+        ``source`` has adapters, whose changes its other, shared models hold."""
+        if not isinstance(source, LoraLoaderMixin):
+            return
+        if all(getattr(self, name, None) is getattr(source, name, None) for name in self.lora_components):
+            self._lora_state = source._lora()
+            return
+        state = getattr(source, "_lora_state", None)
+        if state is not None and (state["adapters"] or state["fused"]):
+            raise ArgumentError(
+                "from_pipe",
+                f"expected the LoRA components of the pipeline ({', '.join(self.lora_components)}) shared, or its "
+                f"adapters unloaded first, got another model for one of them while {sorted(state['adapters'])} are "
+                "loaded in the models it shares",
+            )
 
     def _lora_state_dict(
         self, source: Any, **kwargs: Any
@@ -168,11 +188,27 @@ class LoraLoaderMixin:
         dict in diffusers' or PEFT's names, the alphas by key, the metadata."""
         import diffusers.loaders
 
+        argument = "pretrained_model_name_or_path_or_dict"
+        if missing_weights_file(source):
+            raise ArgumentPathError(
+                argument,
+                f"expected an existing LoRA file or folder, or a hub id, got {os.fspath(source)!r}: no such file",
+            )
         reader = getattr(diffusers.loaders, self.family.lora)
         extra = (
             {"return_alphas": True} if "return_alphas" in inspect.signature(reader.lora_state_dict).parameters else {}
         )
-        found = reader.lora_state_dict(source, return_lora_metadata=True, **extra, **kwargs)
+        try:
+            found = reader.lora_state_dict(source, return_lora_metadata=True, **extra, **kwargs)
+        except Exception as error:  # a hub id the Hub cannot provide (offline, unknown, no such weight_name)
+            if not isinstance(source, (str, os.PathLike)) or Path(source).expanduser().exists():
+                raise
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ArgumentPathError(
+                argument,
+                f"{os.fspath(source)!r} is not a local file or folder (no such path here), and the Hugging Face Hub "
+                f"could not provide it: {type(error).__name__}: {reason[:200]}",
+            ) from error
         found = found if isinstance(found, tuple) else (found,)
         if reader.__name__ == "SD3LoraLoaderMixin":  # the state dict (and the metadata), any alphas among the keys
             state_dict, metadata = found[0], (found[1] if len(found) > 1 else None)
@@ -350,6 +386,9 @@ class LoraLoaderMixin:
                 raise ArgumentError(
                     "adapter_weights", f"expected {len(names)} weights (one per adapter), got {len(weights)}"
                 )
+        for weight in weights:
+            if isinstance(weight, dict):
+                self._check_lora_components(list(weight), "adapter_weights")
         state["active"] = {
             component: {
                 name: _weight_for(weight, component)
@@ -384,11 +423,33 @@ class LoraLoaderMixin:
         self._apply_lora()
 
     def unload_lora_weights(self) -> None:
-        """Removes every adapter: the models get their weights as exported."""
+        """Removes every adapter. As in diffusers, what :meth:`fuse_lora` fused stays in the weights (call
+        :meth:`unfuse_lora` first to remove it): without fused adapters the models get their weights as exported,
+        with them the exported weights plus the fused updates, which later LoRAs change from."""
         state = self._lora()
-        for layer in state["layers"].values():
-            layer.write(None)
-        self._lora_state = None
+        fused = self._lora_deltas(fused_only=True)
+        for key, layer in state["layers"].items():
+            layer.write(fused.get(key))
+        state.clear()
+        state.update(_empty_lora_state())
+
+    def delete_adapters(self, adapter_names: Union[str, Sequence[str]]) -> None:
+        """diffusers' ``delete_adapters``: removes the named adapters (their updates leave the weights, unless they
+        were fused); the others stay. As PEFT does, a component whose active adapters were all deleted gets the
+        first adapter left that changes it (in the order they were loaded) as its active one."""
+        state = self._lora()
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        _check_adapter_names(state, names)
+        for name in names:
+            del state["adapters"][name]
+            for component, active in state["active"].items():
+                if active.pop(name, None) is not None and not active:
+                    left = [
+                        other for other, updates in state["adapters"].items() if any(c == component for c, _ in updates)
+                    ]
+                    if left:
+                        active[left[0]] = 1.0
+        self._apply_lora()
 
     def _diffusers_default_components(self, method: str) -> Tuple[str, ...]:
         """The components diffusers' ``fuse_lora`` / ``unfuse_lora`` of the family's loader take by default."""
@@ -408,13 +469,19 @@ class LoraLoaderMixin:
         """Fuses the active adapters (or ``adapter_names``), times ``lora_scale``, into the weights of
         ``components`` (default: diffusers' for the family, e.g. the UNet and the first text encoder, FLUX.1's
         transformer): they stay applied, whatever :meth:`set_adapters` says, until :meth:`unfuse_lora`."""
-        if components is None:
-            components = self._diffusers_default_components("fuse_lora")
+        components = (
+            self._diffusers_default_components("fuse_lora")
+            if components is None
+            else self._check_lora_components(components, "components")
+        )
+        lora_scale = _finite_number(lora_scale, "lora_scale")
         state = self._lora()
         _check_adapter_names(state, adapter_names or ())
         for component in components:
             active = state["active"].setdefault(component, {})
             for name in adapter_names if adapter_names is not None else list(active):
+                if (name, component) in state["fused"]:  # as diffusers: an adapter fused already is not fused again
+                    continue
                 state["fused"][(name, component)] = lora_scale * active.get(name, 1.0)
                 if name in active:  # as diffusers: the adapter keeps the scaled weight once unfused
                     active[name] *= lora_scale
@@ -430,21 +497,35 @@ class LoraLoaderMixin:
                 raise ArgumentError("fuse_lora", f"the fused weights are not finite in {bad[:3]}; unfused again")
 
     def unfuse_lora(self, components: Optional[Sequence[str]] = None, **kwargs: Any) -> None:
-        if components is None:
-            components = self._diffusers_default_components("unfuse_lora")
+        components = (
+            self._diffusers_default_components("unfuse_lora")
+            if components is None
+            else self._check_lora_components(components, "components")
+        )
         state = self._lora()
         state["fused"] = {key: value for key, value in state["fused"].items() if key[1] not in components}
         self._apply_lora()
 
-    def _apply_lora(self) -> None:
-        """Writes every touched layer: base + fused updates + the active, unfused adapters' updates."""
+    def _check_lora_components(self, components: Any, argument: str) -> Tuple[str, ...]:
+        """``components`` (names of the pipeline's LoRA components), refused by name otherwise, as diffusers refuses
+        a component its loader does not load LoRAs into."""
+        names = (components,) if isinstance(components, str) else tuple(components)
+        here = [name for name in self.lora_components if getattr(self, name, None) is not None]
+        unknown = [name for name in names if name not in here]
+        if unknown:
+            raise ArgumentError(argument, f"expected components a LoRA changes here ({', '.join(here)}), got {unknown}")
+        return names
+
+    def _lora_deltas(self, fused_only: bool = False) -> Dict[Tuple[str, str], torch.Tensor]:
+        """Each touched layer's update: the fused adapters' and (unless ``fused_only``) the active, unfused ones',
+        while LoRA is enabled."""
         state = self._lora()
         deltas: Dict[Tuple[str, str], torch.Tensor] = {}
-        if state["enabled"]:
+        if state["enabled"] or fused_only:
             for name, updates in state["adapters"].items():
                 for (component, layer), update in updates.items():
                     factor = state["fused"].get((name, component))
-                    if factor is None:
+                    if factor is None and not fused_only:
                         factor = state["active"].get(component, {}).get(name)
                     if not factor:
                         continue
@@ -452,7 +533,12 @@ class LoraLoaderMixin:
                     delta = factor * update.delta(target.shape)
                     key = (component, layer)
                     deltas[key] = deltas[key] + delta if key in deltas else delta
-        for key, target in state["layers"].items():
+        return deltas
+
+    def _apply_lora(self) -> None:
+        """Writes every touched layer: base + fused updates + the active, unfused adapters' updates."""
+        deltas = self._lora_deltas()
+        for key, target in self._lora()["layers"].items():
             target.write(deltas.get(key))
 
 
@@ -506,5 +592,22 @@ def _check_adapter_names(state: Dict[str, Any], names: Sequence[str]) -> None:
 
 def _weight_for(weight: Any, component: str) -> float:
     if isinstance(weight, dict):
-        return float(weight.get(component, 1.0))
-    return float(weight)
+        return _finite_number(weight.get(component, 1.0), "adapter_weights")
+    return _finite_number(weight, "adapter_weights")
+
+
+def _finite_number(value: Any, argument: str) -> float:
+    """``value`` as a float, refused by name where it is no finite real number (a NaN weight makes every image
+    NaN)."""
+    import math
+    import numbers
+
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        raise ArgumentError(argument, f"expected a finite number (or per component a dict of them), got {value!r}")
+    return float(value)
+
+
+def _empty_lora_state() -> Dict[str, Any]:
+    # adapters: name → (component, layer) → update; active: component → adapter → weight (as diffusers, each
+    # component has its own); fused: (adapter, component) → the factor it was fused with
+    return {"adapters": {}, "active": {}, "fused": {}, "enabled": True, "layers": {}}

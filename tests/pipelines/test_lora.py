@@ -8,7 +8,7 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from optimum_iobinding import OnnxStableDiffusionPipeline
+from optimum_iobinding import OnnxStableDiffusionImg2ImgPipeline, OnnxStableDiffusionPipeline
 from optimum_iobinding.export import export_pipeline
 from optimum_iobinding.export.lora_places import lora_layers, places_of
 from optimum_iobinding.export.tiny import TINY_RANDOM_KINDS
@@ -176,6 +176,58 @@ def test_lora_images_equal_diffusers_through_load_set_disable_fuse_and_unload(lo
     np.testing.assert_allclose(same("unload"), base, atol=1e-5)
 
 
+def test_fusing_twice_deleting_and_unloading_after_a_fuse_equal_diffusers(tiny_folder, loras):
+    """diffusers' semantics: a fused adapter is not fused again; ``unload_lora_weights`` after ``fuse_lora`` keeps
+    the fused update in the weights (a LoRA baked in), and a LoRA loaded after it changes those weights;
+    ``delete_adapters`` removes one adapter and keeps the others."""
+    reference = TINY_RANDOM_KINDS["sd"]()
+    ours = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
+    for pipe in (reference, ours):
+        pipe.set_progress_bar_config(disable=True)
+    first, second = loras
+
+    def same(step):
+        expected, got = images(reference), images(ours)
+        assert np.abs(expected - got).max() <= 1e-4, step
+        return got
+
+    base = same("no LoRA")
+    steps = [
+        ("load a and b", lambda p: (p.load_lora_weights(first, adapter_name="a"), p.load_lora_weights(second, "b"))),
+        ("delete b", lambda p: p.delete_adapters("b")),
+        ("fuse a", lambda p: p.fuse_lora(lora_scale=0.8)),
+        ("fuse a again", lambda p: p.fuse_lora(lora_scale=0.8)),
+        ("unload", lambda p: p.unload_lora_weights()),
+        ("load b over the fused a", lambda p: p.load_lora_weights(second, adapter_name="b")),
+    ]
+    for step, action in steps:
+        action(reference)
+        action(ours)
+        assert np.abs(same(step) - base).max() > 1e-3, step  # the LoRA changed the image, and it stays after unload
+    assert ours.get_list_adapters() == {"unet": ["b"]}
+
+
+def test_a_pipeline_from_pipe_shares_the_lora_adapters_of_the_models_it_shares(tiny_folder, loras):
+    """As diffusers' adapters live in the shared modules: an adapter loaded through one pipeline is listed, set and
+    unloaded through the other, and loading its name again through the other is refused."""
+    first, _ = loras
+    pipe = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
+    pipe.set_progress_bar_config(disable=True)
+    other = OnnxStableDiffusionImg2ImgPipeline.from_pipe(pipe)
+    base = images(pipe)
+    pipe.load_lora_weights(first, adapter_name="a")
+    with_lora = images(pipe)
+    assert other.get_list_adapters() == {"unet": ["a"], "text_encoder": ["a"]}
+    with pytest.raises(ValueError, match="adapter_name: 'a' is already loaded"):
+        other.load_lora_weights(first, adapter_name="a")
+    np.testing.assert_array_equal(images(pipe), with_lora)  # the refused load changed nothing
+    other.set_adapters("a", 0.0)
+    np.testing.assert_allclose(images(pipe), base, atol=1e-5)
+    other.unload_lora_weights()
+    assert pipe.get_list_adapters() == {}
+    np.testing.assert_allclose(images(pipe), base, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["img2img", "inpaint"])
 def test_img2img_and_inpaint_loras_equal_diffusers(tiny_fused_folder, loras, kind, vae_encodes_its_mode):
     from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline
@@ -293,6 +345,31 @@ def test_lora_mistakes_get_messages_that_name_them(tiny_folder, loras):
         pipe.set_adapters(["a", "x"])
     with pytest.raises(ValueError, match="adapter_weights: expected 1 weights"):
         pipe.set_adapters(["a"], [1.0, 2.0])
+    before = images(pipe)
+    for weights, message in [
+        ([float("nan")], r"adapter_weights: expected a finite number .*, got nan"),
+        (["x"], r"adapter_weights: expected a finite number .*, got 'x'"),
+        (
+            [{"unet": 1.0, "transformer": 1.0}],
+            r"adapter_weights: expected components a LoRA changes here \(unet, "
+            r"text_encoder\), got \['transformer'\]",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            pipe.set_adapters(["a"], weights)
+    with pytest.raises(ValueError, match=r"components: expected components a LoRA changes here .*, got \['vae'\]"):
+        pipe.fuse_lora(components=["vae"])
+    with pytest.raises(ValueError, match=r"lora_scale: expected a finite number .*, got 'x'"):
+        pipe.fuse_lora(lora_scale="x")
+    missing = "pretrained_model_name_or_path_or_dict: expected an existing LoRA file or folder, or a hub id, got"
+    with pytest.raises(FileNotFoundError, match=f"{missing} 'missing.safetensors': no such file"):
+        pipe.load_lora_weights("missing.safetensors")
+    with pytest.raises(
+        FileNotFoundError,
+        match="pretrained_model_name_or_path_or_dict: 'no-such-user/no-such-lora' is not a local file or folder",
+    ):
+        pipe.load_lora_weights("no-such-user/no-such-lora")
+    np.testing.assert_array_equal(images(pipe), before)  # every refusal left the adapters as they were
 
 
 @pytest.mark.parametrize("kind", ["xl", "lcm"])

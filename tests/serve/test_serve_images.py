@@ -253,7 +253,7 @@ def test_a_lora_the_family_cannot_take_or_a_bad_spec_fails_before_any_replica_st
     with pytest.raises(ArgumentError, match=r"loras: expected PATH\[:SCALE\] with a finite SCALE, got 'x:inf'"):
         ServeConfig(model="m", loras=["x:inf"])
     assert main(["serve", str(tmp_path), "--lora", str(tmp_path / "none.safetensors")]) == 2
-    assert "--lora: expected an existing local folder or a hub repository id" in capsys.readouterr().err
+    assert "--lora: expected an existing LoRA file or folder, or a hub id" in capsys.readouterr().err
 
 
 def test_a_pixel_limit_below_the_default_size_fails_the_replica_naming_it(tiny_folder):
