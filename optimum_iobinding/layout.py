@@ -95,6 +95,12 @@ def missing_first_block_cache_parts(folder: Path) -> List[str]:
     return [name for name in FIRST_BLOCK_CACHE_PARTS if not (folder / name).is_file()]
 
 
+def step_cache_part_files(folder: Path) -> List[Path]:
+    """The step caches' part graphs beside a denoiser (in its ``folder``): First-Block Cache's and DeepCache's."""
+    named = [folder / name for name in (*FIRST_BLOCK_CACHE_PARTS, DEEP_CACHE_FULL_PART)]
+    return [path for path in named if path.is_file()] + sorted(deep_cache_shallow_parts(folder).values())
+
+
 def controlnet_component_names(count: int) -> tuple:
     """diffusers' folder names for ``count`` ControlNets: ``controlnet``, ``controlnet_1``, ``controlnet_2`` …"""
     return tuple("controlnet" if k == 0 else f"controlnet_{k}" for k in range(count))

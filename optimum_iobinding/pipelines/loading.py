@@ -10,8 +10,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Un
 
 
 from ..errors import ArgumentTypeError
-from ..layout import building_beside, check_output_folder, resolve_pipeline_folder, save_tokenizer, write_model_index
-from ..runtime.hub import check_hub_kwargs, keywords_of
+from ..layout import (
+    building_beside,
+    check_output_folder,
+    resolve_pipeline_folder,
+    save_tokenizer,
+    step_cache_part_files,
+    write_model_index,
+)
+from ..runtime.hub import check_hub_kwargs, copy_graphs, keywords_of
 from ..runtime.options import CudaGraphSetting, PipelineOptions, ProviderSpec
 from .components import check_replacement, load_components, names_of
 
@@ -178,6 +185,8 @@ class Loading:
                 if model is not None:
                     model.save_pretrained(scratch / name)
                     written.append(name)
+                    if model.model_path is not None:  # a step cache's parts beside it (read when a cache is enabled)
+                        copy_graphs(step_cache_part_files(Path(model.model_path).parent), scratch / name)
             self.save_parts(scratch)
             for name in self.tokenizer_names():
                 if getattr(self, name, None) is not None:

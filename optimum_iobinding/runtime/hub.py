@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import onnx
@@ -190,6 +192,17 @@ def load_declared_graph(path: str) -> onnx.ModelProto:
     if graphs != 1 or not (nodes or graph.output):
         return load_graph(path)
     return model
+
+
+def copy_graphs(graphs: Sequence[Path], folder: Path) -> None:
+    """Copies each of ``graphs`` (.onnx files of one folder) into ``folder``, with the external-data files it
+    references that are not there yet (a part reading its model's weights file finds the one saved with the model)."""
+    for graph in graphs:
+        for location in external_data_locations(graph):
+            if not (folder / location).exists():
+                (folder / location).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(graph.parent / location, folder / location)
+        shutil.copyfile(graph, folder / graph.name)
 
 
 def external_data_locations(model_path: Union[str, os.PathLike]) -> List[str]:

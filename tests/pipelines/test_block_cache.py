@@ -119,6 +119,18 @@ def test_disabling_the_cache_gives_the_uncached_image_back_exactly(flux):
     np.testing.assert_array_equal(pipe(PROMPT, generator=seeded(), **FLUX_CALL).images, before)
 
 
+def test_a_saved_pipeline_keeps_the_first_block_cache_parts(flux, tmp_path):
+    """``save_pretrained`` writes the parts beside the transformer: the saved folder caches as the export does."""
+    _, folder = flux
+    load(OnnxFluxPipeline, folder).save_pretrained(tmp_path / "saved")
+    images = []
+    for source in (folder, tmp_path / "saved"):
+        pipe = load(OnnxFluxPipeline, source)
+        pipe.enable_cache(FirstBlockCacheConfig(threshold=SOME))
+        images.append(pipe(PROMPT, generator=seeded(), **FLUX_CALL).images)
+    np.testing.assert_array_equal(images[0], images[1])
+
+
 def test_each_call_starts_with_a_full_step(flux):
     _, folder = flux
     pipe = load(OnnxFluxPipeline, folder)

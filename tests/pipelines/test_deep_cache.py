@@ -190,6 +190,18 @@ def test_caching_is_off_by_default(sd):
     assert pipe.step_cache is None
 
 
+def test_a_saved_pipeline_keeps_the_deep_cache_parts(sd, tmp_path):
+    """``save_pretrained`` writes the full and shallow parts beside the UNet: the saved folder caches as the export."""
+    _, folder = sd
+    load(OnnxStableDiffusionPipeline, folder).save_pretrained(tmp_path / "saved")
+    arguments = dict(height=SIZE, width=SIZE, num_inference_steps=4, latents=latents_for(), output_type="np")
+    images = []
+    for source in (folder, tmp_path / "saved"):
+        pipe = load(OnnxStableDiffusionPipeline, source)
+        images.append(cached(pipe, 2, 1, lambda pipe=pipe: pipe(PROMPT, **arguments).images))
+    assert np.array_equal(images[0], images[1])
+
+
 def test_disable_cache_gives_the_uncached_image_back_exactly(sd):
     _, folder = sd
     pipe = load(OnnxStableDiffusionPipeline, folder)
