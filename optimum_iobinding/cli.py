@@ -280,6 +280,15 @@ def run_export(args: argparse.Namespace) -> int:
                 )
     if tiny_vae is not None:
         check_tiny_vae_folder(tiny_vae, args.model)
+    check_component_folder("--vae", args.vae, "AutoencoderKL", "a VAE (diffusers' AutoencoderKL)")
+    for controlnet in args.controlnet or ():
+        check_component_folder("--controlnet", controlnet, "ControlNet", "a ControlNet (diffusers' ControlNetModel)")
+    check_component_folder(
+        "--image-encoder",
+        args.image_encoder,
+        "CLIPVision",
+        "an image encoder (transformers' CLIPVisionModelWithProjection)",
+    )
     start = time.perf_counter()
     with options_named(EXPORT_OPTIONS):  # the exporter's own checks of --tiny-vae (the weights it loads)
         folder = export_pipeline(
@@ -342,6 +351,39 @@ def check_transformer_export_options(record: Optional[Family], args: argparse.Na
         raise UsageError(
             f"{option}: expected none for a {record.title} pipeline (its export writes its own VAE and no "
             f"ControlNet), got {shown}"
+        )
+
+
+# what a folder given for one option is instead, by the class its config.json names: the option it belongs to
+OTHER_FOLDER_OPTIONS = {"AutoencoderTiny": "--tiny-vae", "ControlNet": "--controlnet", "AutoencoderKL": "--vae"}
+
+
+def check_component_folder(option: str, name: Optional[str], kind: str, expected: str) -> None:
+    """A local folder given for a component (``--vae``, ``--controlnet``, ``--image-encoder``) holds that kind of
+    torch model: its config.json names a class with ``kind`` in it (diffusers' ``_class_name``, transformers'
+    ``architectures``). A file, an ONNX export or another model is refused naming the option, before any work;
+    a hub id is read by the export."""
+    from .layout import read_json_object
+
+    if name is None or not Path(name).expanduser().exists():
+        return
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        raise UsageError(f"{option}: expected a folder or hub id of {expected}, got the file {name!r}")
+    if (folder / "model.onnx").is_file():
+        raise UsageError(f"{option}: expected the torch weights of {expected} to export, got {name!r}, an ONNX export")
+    try:
+        config = read_json_object(folder / "config.json")
+    except ValueError as error:
+        raise UsageError(f"{option}: expected {expected}, got {name!r}, whose config.json does not parse") from error
+    if config is None:
+        raise UsageError(f"{option}: expected a folder of {expected} holding config.json, got {name!r}, which has none")
+    found = config.get("_class_name") or next(iter(config.get("architectures") or ()), None)
+    if found is None or kind not in str(found):
+        other = next((flag for key, flag in OTHER_FOLDER_OPTIONS.items() if key in str(found) and flag != option), None)
+        hint = f"; {found} goes in {other}" if other else ""
+        raise UsageError(
+            f"{option}: expected {expected}, got {name!r}, whose config.json names {found or 'no class'}{hint}"
         )
 
 

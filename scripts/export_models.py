@@ -1,22 +1,21 @@
 #!/usr/bin/env python3
-"""Export a diffusers Stable Diffusion pipeline (folder or hub id) to the diffusers ONNX layout.
+"""Export a diffusers pipeline (folder or hub id) to the ONNX layout the pipelines load.
 
     python scripts/export_models.py stable-diffusion-v1-5/stable-diffusion-v1-5 --output sd15-onnx --fp16
     python scripts/export_models.py --tiny-random --output tiny-onnx
 
-A thin CLI over optimum_iobinding.export.export_pipeline (also `optimum-iobinding export`).
+`optimum-iobinding export` under another name: the same options (`--help`), one-line errors with the same exit
+statuses, `--debug` for the traceback; in Python, optimum_iobinding.export.export_pipeline.
 """
 
-import argparse
 import sys
+from typing import List, Optional
 
-from optimum_iobinding.cli import add_export_arguments, run_export
+from optimum_iobinding.cli import main as command_line
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_export_arguments(parser)
-    return run_export(parser.parse_args())
+def main(argv: Optional[List[str]] = None) -> int:
+    return command_line(["export", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -117,6 +117,68 @@ def test_sigterm_during_an_export_leaves_no_partial_folder_and_exits_143(tmp_pat
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.fixture(scope="module")
+def torch_folder(tmp_path_factory):
+    """A diffusers (torch) tiny pipeline folder, and an ONNX component folder, as users pass to --vae and the like."""
+    from optimum_iobinding.export.tiny import build_tiny_random_pipeline
+
+    folder = tmp_path_factory.mktemp("torch") / "sd"
+    build_tiny_random_pipeline().save_pretrained(folder)
+    (folder / "onnx-vae").mkdir()
+    (folder / "onnx-vae" / "model.onnx").write_bytes(b"")
+    (folder / "taesd").mkdir()
+    (folder / "taesd" / "config.json").write_text('{"_class_name": "AutoencoderTiny"}')
+    return folder
+
+
+@pytest.mark.parametrize(
+    "option, name, message",
+    [
+        (
+            "--vae",
+            "unet",
+            "--vae: expected a VAE (diffusers' AutoencoderKL), got '{}', whose config.json names UNet2DConditionModel",
+        ),
+        (
+            "--vae",
+            "taesd",
+            "--vae: expected a VAE (diffusers' AutoencoderKL), got '{}', whose config.json names AutoencoderTiny; "
+            "AutoencoderTiny goes in --tiny-vae",
+        ),
+        (
+            "--vae",
+            "onnx-vae",
+            "--vae: expected the torch weights of a VAE (diffusers' AutoencoderKL) to export, got '{}', an ONNX export",
+        ),
+        (
+            "--vae",
+            "model_index.json",
+            "--vae: expected a folder or hub id of a VAE (diffusers' AutoencoderKL), got the file '{}'",
+        ),
+        (
+            "--vae",
+            "scheduler",
+            "--vae: expected a folder of a VAE (diffusers' AutoencoderKL) holding config.json, got "
+            "'{}', which has none",
+        ),
+        (
+            "--controlnet",
+            "vae",
+            "--controlnet: expected a ControlNet (diffusers' ControlNetModel), got '{}', whose "
+            "config.json names AutoencoderKL; AutoencoderKL goes in --vae",
+        ),
+    ],
+    ids=["unet-as-vae", "tiny-vae-as-vae", "onnx", "file", "no-config", "vae-as-controlnet"],
+)
+def test_export_refuses_a_component_folder_of_another_kind_naming_the_option(
+    torch_folder, tmp_path, capsys, no_work, option, name, message
+):
+    path = str(torch_folder / name)
+    assert main(["export", "--tiny-random", option, path, "--output", str(tmp_path / "out")]) == 2
+    assert error_line(capsys) == f"optimum-iobinding: error: {message.format(path)}"
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_without_a_model_is_a_usage_error(tmp_path, capsys, no_work):
     assert main(["export", "--output", str(tmp_path / "x")]) == 2
     assert "export: give a model folder or hub id, or --tiny-random" in error_line(capsys)
@@ -1334,3 +1396,20 @@ def test_export_of_a_folder_whose_model_index_names_no_pipeline_class_says_so(tm
     (tmp_path / "model" / "model_index.json").write_text(json.dumps(index))
     assert main(["export", str(tmp_path / "model"), "--output", str(tmp_path / "out")]) == 2
     assert re.search(r'model_index.json: expected "_class_name": the diffusers pipeline class', error_line(capsys))
+
+
+def test_the_export_script_refuses_in_one_line_as_the_command_does(tmp_path):
+    """scripts/export_models.py is ``optimum-iobinding export`` under another name: a mistake is one line, status 2,
+    no traceback."""
+    completed = subprocess.run(
+        [sys.executable, "scripts/export_models.py", "--tiny-random", "--opset", "12", "--output", str(tmp_path / "o")],
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 2, completed.stderr
+    assert completed.stderr.strip().splitlines() == [
+        "optimum-iobinding: error: --opset: expected an integer in 14 … 20 (17 is tested), got 12"
+    ]
+    assert not (tmp_path / "o").exists()
