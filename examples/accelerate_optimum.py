@@ -8,25 +8,33 @@ and exported with optimum's exporter; with network pass an ONNX folder or hub id
 """
 
 import argparse
+import importlib.util
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 from optimum_iobinding import accelerate
-from optimum_iobinding.cli import default_provider
+from optimum_iobinding.cli import UsageError, check_image_path, default_provider, run_script
 from optimum_iobinding.export.tiny import build_tiny_random_pipeline
 
 
 def main() -> None:
-    from optimum.exporters.onnx import main_export
-    from optimum.onnxruntime import ORTStableDiffusionPipeline
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="optimum ONNX folder (default: tiny, offline)")
     parser.add_argument("--provider", default=None)
     parser.add_argument("--out", default="accelerated.png")
     args = parser.parse_args()
+    check_image_path(args.out)  # before any work: a name PIL writes, in a writable folder
+    if importlib.util.find_spec("optimum") is None:  # before any work, in one line
+        raise UsageError(
+            "this example needs optimum-onnx, which this environment lacks: run it with .venv-optimum/bin/python "
+            "(made by scripts/test.sh)"
+        )
+    from optimum.exporters.onnx import main_export
+    from optimum.onnxruntime import ORTStableDiffusionPipeline
+
     provider = args.provider or default_provider()
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.model
@@ -47,4 +55,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main))

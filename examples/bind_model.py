@@ -7,6 +7,7 @@ diffusers loads a component, and runs it with IO binding and with the numpy base
 """
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from optimum_iobinding import IOBindingORTModel, infer_output_shapes
+from optimum_iobinding.cli import run_script
 
 
 def build_model(folder: Path) -> Path:
@@ -62,4 +64,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main))

@@ -8,13 +8,14 @@ lllyasviel/sd-controlnet-canny --fp16 --output sd15-canny-onnx, and a Canny edge
 """
 
 import argparse
+import sys
 
 import numpy as np
 import PIL.Image
 import PIL.ImageDraw
 
 from optimum_iobinding import OnnxStableDiffusionControlNetPipeline
-from optimum_iobinding.cli import default_provider, tiny_model_folder
+from optimum_iobinding.cli import check_image_path, default_provider, run_script, tiny_model_folder
 
 
 def edges(size: int = 512) -> PIL.Image.Image:
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--control", default=None, help="control image (default: drawn edges)")
     parser.add_argument("--out", default="controlnet.png")
     args = parser.parse_args()
+    check_image_path(args.out)  # before any work: a name PIL writes, in a writable folder
 
     folder = args.model or tiny_model_folder(kind="controlnet")
     pipe = OnnxStableDiffusionControlNetPipeline.from_pretrained(folder, provider=args.provider or default_provider())
@@ -48,4 +50,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main))

@@ -4,13 +4,14 @@ python examples/img2img.py [--model FOLDER] [--provider CUDAExecutionProvider] [
 """
 
 import argparse
+import sys
 
 import numpy as np
 import PIL.Image
 import PIL.ImageDraw
 
 from optimum_iobinding import OnnxStableDiffusionImg2ImgPipeline
-from optimum_iobinding.cli import default_provider, tiny_model_folder
+from optimum_iobinding.cli import check_image_path, default_provider, run_script, tiny_model_folder
 
 
 def sketch(size: int = 512) -> PIL.Image.Image:
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--image", default=None, help="start image (default: a drawn landscape)")
     parser.add_argument("--out", default="img2img.png")
     args = parser.parse_args()
+    check_image_path(args.out)  # before any work: a name PIL writes, in a writable folder
 
     pipe = OnnxStableDiffusionImg2ImgPipeline.from_pretrained(
         args.model or tiny_model_folder(), provider=args.provider or default_provider()
@@ -45,4 +47,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main))

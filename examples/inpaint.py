@@ -5,13 +5,14 @@ a plain one (the tiny model).
 """
 
 import argparse
+import sys
 
 import numpy as np
 import PIL.Image
 import PIL.ImageDraw
 
 from optimum_iobinding import OnnxStableDiffusionInpaintPipeline
-from optimum_iobinding.cli import default_provider, tiny_model_folder
+from optimum_iobinding.cli import check_image_path, default_provider, run_script, tiny_model_folder
 from img2img import sketch
 
 
@@ -21,6 +22,7 @@ def main() -> None:
     parser.add_argument("--provider", default=None)
     parser.add_argument("--out", default="inpaint.png")
     args = parser.parse_args()
+    check_image_path(args.out)  # before any work: a name PIL writes, in a writable folder
 
     pipe = OnnxStableDiffusionInpaintPipeline.from_pretrained(
         args.model or tiny_model_folder(), provider=args.provider or default_provider()
@@ -42,4 +44,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main))

@@ -9,6 +9,7 @@ scripts/test.sh). With network, pass a hub id; offline, the tiny random torch pi
 """
 
 import argparse
+import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from optimum_iobinding import OnnxStableDiffusionPipeline
-from optimum_iobinding.cli import default_provider
+from optimum_iobinding.cli import UsageError, check_image_path, default_provider, run_script
 from optimum_iobinding.export.tiny import build_tiny_random_pipeline
 
 
@@ -27,6 +28,12 @@ def main() -> None:
     parser.add_argument("--provider", default=None)
     parser.add_argument("--out", default="optimum.png")
     args = parser.parse_args()
+    check_image_path(args.out)  # before any work: a name PIL writes, in a writable folder
+    if importlib.util.find_spec("optimum") is None:  # before any work, in one line
+        raise UsageError(
+            "this example needs optimum-onnx, which this environment lacks: run it with .venv-optimum/bin/python "
+            "(made by scripts/test.sh)"
+        )
 
     with tempfile.TemporaryDirectory() as work:
         model = args.model
@@ -61,4 +68,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main))

@@ -2,17 +2,19 @@
 
     python examples/sdxl.py                                   # tiny random SDXL, built and exported offline
     python examples/sdxl.py --model sdxl-onnx --provider CUDAExecutionProvider --steps 30   # an SDXL ONNX folder
-Folders: `optimum-iobinding export stabilityai/stable-diffusion-xl-base-1.0 --output sdxl-onnx --fp16`, or an
-`optimum-cli export onnx --task text-to-image` folder.
+Folders: `optimum-iobinding export stabilityai/stable-diffusion-xl-base-1.0 --output sdxl-onnx --fp16 --vae
+madebyollin/sdxl-vae-fp16-fix` (SDXL's own VAE overflows float16), or an `optimum-cli export onnx --task text-to-image`
+folder.
 """
 
 import argparse
+import sys
 import tempfile
 
 import numpy as np
 
 from optimum_iobinding import OnnxStableDiffusionXLPipeline
-from optimum_iobinding.cli import default_provider
+from optimum_iobinding.cli import check_image_path, default_provider, run_script
 from optimum_iobinding.export import export_pipeline
 
 
@@ -24,6 +26,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=None, help="height and width (default: the model's, 1024)")
     parser.add_argument("--out", default="sdxl.png")
     args = parser.parse_args()
+    check_image_path(args.out)  # before any work: a name PIL writes, in a writable folder
     provider = args.provider or default_provider()
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.model or export_pipeline(None, f"{scratch}/tiny-xl", tiny_random="xl")
@@ -43,4 +46,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main))

@@ -2,12 +2,15 @@
 frame in, one frame out.
 
     python examples/stream.py [--model FOLDER] [--tiny-vae FOLDER] [--provider CUDAExecutionProvider] [--frames 30]
+        [--size 512] [--out stream.png]
 
-For SD-Turbo (``optimum-iobinding export stabilityai/sd-turbo --fp16 --optimize cuda``) the defaults are its recipe:
-one UNet step (2 steps at strength 0.5), no guidance, Euler ancestral with trailing timesteps.
+For SD-Turbo (``optimum-iobinding export stabilityai/sd-turbo --output sd-turbo-onnx --fp16 --optimize cuda``) the
+defaults are its recipe: one UNet step (2 steps at strength 0.5), no guidance, Euler ancestral with trailing
+timesteps.
 """
 
 import argparse
+import sys
 import time
 
 import numpy as np
@@ -16,7 +19,7 @@ import PIL.ImageDraw
 from diffusers import EulerAncestralDiscreteScheduler
 
 from optimum_iobinding import OnnxStreamDiffusionPipeline
-from optimum_iobinding.cli import default_provider, tiny_model_folder
+from optimum_iobinding.cli import check_image_path, default_provider, run_script, tiny_model_folder
 
 
 def sketch(index: int, size: int) -> np.ndarray:
@@ -42,6 +45,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=None, help="frame height and width (default: the model's)")
     parser.add_argument("--out", default="stream.png", help="where the last output frame goes")
     args = parser.parse_args()
+    check_image_path(args.out)  # before any work: a name PIL writes, in a writable folder
     if args.frames < 1:
         parser.error(f"--frames: expected a positive number of frames, got {args.frames}")
 
@@ -76,4 +80,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main))

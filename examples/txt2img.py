@@ -5,12 +5,13 @@ python examples/txt2img.py --model sd15-onnx --provider CUDAExecutionProvider
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from optimum_iobinding import OnnxStableDiffusionPipeline
-from optimum_iobinding.cli import default_provider, tiny_model_folder
+from optimum_iobinding.cli import check_image_path, default_provider, run_script, tiny_model_folder
 
 
 def main() -> None:
@@ -20,6 +21,7 @@ def main() -> None:
     parser.add_argument("--prompt", default="a photo of an astronaut riding a horse on mars")
     parser.add_argument("--out", default="txt2img.png")
     args = parser.parse_args()
+    check_image_path(args.out)  # before any work: a name PIL writes, in a writable folder
 
     pipe = OnnxStableDiffusionPipeline.from_pretrained(
         args.model or tiny_model_folder(), provider=args.provider or default_provider(), io_binding=True
@@ -30,4 +32,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script(main))

@@ -16,7 +16,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 # the standard library only: every heavy module is imported by the command using it
 from .errors import DEBUG_HELP, ArgumentError, CommandLineParser, RawDescriptionHelpFormatter, quiet_libraries
@@ -1995,20 +1995,47 @@ def main(argv: Optional[List[str]] = None) -> int:
         def run() -> int:
             return args.run(args)
 
+    return one_line_errors(run, debug, "optimum-iobinding", command)
+
+
+def one_line_errors(run: Callable[[], Any], debug: bool, program: str, command: Optional[str] = None) -> int:
+    """``run()``'s status (0 where it returns ``None``), every error one line, ``PROGRAM: error: <message>``: 2 for a
+    mistake in what was asked (:data:`USAGE_ERRORS`), 1 for a failure while doing it, 130 for Ctrl-C and 143 for
+    SIGTERM (see :func:`terminated_as_interrupted`); with ``debug`` the traceback instead."""
     try:
         with terminated_as_interrupted(command):
-            return run()
+            return run() or 0
     except KeyboardInterrupt:
-        print("optimum-iobinding: interrupted", file=sys.stderr)
+        print(f"{program}: interrupted", file=sys.stderr)
         return 130
     except Terminated:
-        print("optimum-iobinding: terminated", file=sys.stderr)
+        print(f"{program}: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM
     except Exception as error:  # noqa: BLE001 — every error becomes one line (or a traceback with --debug)
         if debug:
             raise
-        print(f"optimum-iobinding: error: {error}", file=sys.stderr)
+        print(f"{program}: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, USAGE_ERRORS) else 1
+
+
+# what the examples call the pipelines' loading arguments
+SCRIPT_OPTIONS = {"pretrained_model_name_or_path": "--model", "provider": "--provider"}
+
+
+def run_script(main: Callable[[], Any], names: Mapping[str, str] = SCRIPT_OPTIONS) -> int:
+    """An example script's ``main()`` as the commands run: its errors one line naming the script, with the
+    commands' exit statuses, a refused argument of ``names`` called by the script's option (``--model``); ``--debug``
+    anywhere among its arguments (taken out before ``main`` parses them) shows the traceback.
+    ``sys.exit(run_script(main))`` ends each script in examples/."""
+    debug = "--debug" in sys.argv[1:]
+    sys.argv[1:] = [arg for arg in sys.argv[1:] if arg != "--debug"]
+    show_warnings()
+
+    def run() -> Any:
+        with options_named(names):
+            return main()
+
+    return one_line_errors(run, debug, Path(sys.argv[0]).name)
 
 
 if __name__ == "__main__":

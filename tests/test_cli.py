@@ -1413,3 +1413,36 @@ def test_the_export_script_refuses_in_one_line_as_the_command_does(tmp_path):
         "optimum-iobinding: error: --opset: expected an integer in 14 … 20 (17 is tested), got 12"
     ]
     assert not (tmp_path / "o").exists()
+
+
+EXAMPLES_WRITING = sorted(
+    path.stem for path in (REPOSITORY / "examples").glob("*.py") if 'add_argument("--out"' in path.read_text()
+)
+
+
+def run_example(name: str, argv: list, monkeypatch) -> int:
+    """examples/NAME.py run as ``python examples/NAME.py ARGV`` would, in this process; its exit status."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+    monkeypatch.syspath_prepend(str(REPOSITORY / "examples"))  # as python puts the script's folder first
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPOSITORY / "examples" / f"{name}.py"), run_name="__main__")
+    return exit_info.value.code
+
+
+@pytest.mark.parametrize("name", EXAMPLES_WRITING)
+def test_an_example_refuses_an_out_it_cannot_write_in_one_line_before_any_work(name, tmp_path, monkeypatch, capsys):
+    """Its --out was written after the work (a video extension failed in PIL then), with a traceback."""
+    assert run_example(name, ["--out", str(tmp_path / "x.mp4")], monkeypatch) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{name}.py: error: --out: expected a file name with an image "), (
+        lines
+    )
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_example_names_its_own_option_for_a_refused_provider(monkeypatch, capsys):
+    assert run_example("bind_model", ["--provider", "NoSuchExecutionProvider"], monkeypatch) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [lines[-1]] and lines[0].startswith("bind_model.py: error: --provider: 'NoSuchExecutionProvider'")
