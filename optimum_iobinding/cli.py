@@ -150,6 +150,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vae",
         default=None,
+        metavar="FOLDER_OR_HUB_ID",
         help="export this VAE (folder or hub id) instead of the pipeline's, e.g. SDXL's float16-safe "
         "madebyollin/sdxl-vae-fp16-fix",
     )
@@ -204,6 +205,12 @@ def run_export(args: argparse.Namespace) -> int:
             f"model: expected a model folder or hub id, or --tiny-random, got both ({args.model!r} and "
             f"--tiny-random {args.tiny_random})"
         )
+    if args.image_encoder is not None and not args.ip_adapter:
+        raise UsageError(
+            "--image-encoder: expected it with --ip-adapter (the IP-Adapter's image encoder), got it alone"
+        )
+    if args.ip_adapter and args.step_cache:
+        raise UsageError("--ip-adapter: expected it without --step-cache (DeepCache's parts take no image prompt)")
     check(args.opset in OPSETS, "--opset", f"an integer in {OPSETS[0]} … {OPSETS[-1]} (17 is tested)", args.opset)
     if args.fp16 and args.dtype not in (None, "fp16"):
         raise UsageError(
@@ -290,7 +297,8 @@ def run_export(args: argparse.Namespace) -> int:
         "an image encoder (transformers' CLIPVisionModelWithProjection)",
     )
     start = time.perf_counter()
-    with options_named(EXPORT_OPTIONS):  # the exporter's own checks of --tiny-vae (the weights it loads)
+    nets = {f"controlnet[{k}]": f"--controlnet {name}" for k, name in enumerate(args.controlnet or ())}
+    with options_named({**EXPORT_OPTIONS, **nets}):  # the exporter's own checks (the weights it loads)
         folder = export_pipeline(
             args.model,
             args.output,
@@ -1086,7 +1094,7 @@ def write_video(writer: Any, frames: Any, args: argparse.Namespace, start: float
     seconds = time.perf_counter() - start
     height, width = frames.shape[1:3]
     print(
-        f"{writer.path}: {len(frames)} frames of {width}×{height} at {args.fps:g} frames/s, {args.steps} "
+        f"{writer.path}: {len(frames)} frame{'s' if len(frames) != 1 else ''} of {width}×{height} at {args.fps:g} frames/s, {args.steps} "
         f"step{'s' if args.steps != 1 else ''} in {seconds:.2f} s ({made_by})"
     )
     return 0
@@ -1271,7 +1279,8 @@ def stream_control_arguments(stream: Any, controls: List[Any], args: argparse.Na
         )
     scales = args.control_scale or []
     if len(scales) not in (0, 1, nets):
-        raise UsageError(f"--control-scale: expected 1 or {nets} values (one per ControlNet), got {len(scales)}")
+        expected = "1 value (the model's one ControlNet's)" if nets == 1 else f"1 or {nets} values (one per ControlNet)"
+        raise UsageError(f"--control-scale: expected {expected}, got {len(scales)}")
     arguments: Dict[str, Any] = {"control_image": controls[0] if nets == 1 else controls}
     if scales:
         arguments["controlnet_conditioning_scale"] = scales[0] if len(scales) == 1 else scales
@@ -1408,7 +1417,7 @@ def run_stream(args: argparse.Namespace) -> int:
             seconds = time.perf_counter() - ready
     frames = writer.frames_written
     print(
-        f"{args.output}: {frames} frames of {width}×{height} in {seconds:.2f} s ({frames / seconds:.1f} frames/s; "
+        f"{args.output}: {frames} frame{'s' if frames != 1 else ''} of {width}×{height} in {seconds:.2f} s ({frames / seconds:.1f} frames/s; "
         f"load and prepare {ready - started:.1f} s; {args.steps} steps at strength {args.strength}, "
         f"{len(stream.timesteps)} UNet step(s) a frame; {provider}; model {model}"
         + (f", tiny VAE {args.tiny_vae}" if args.tiny_vae else "")
@@ -2030,6 +2039,7 @@ def run_script(main: Callable[[], Any], names: Mapping[str, str] = SCRIPT_OPTION
     debug = "--debug" in sys.argv[1:]
     sys.argv[1:] = [arg for arg in sys.argv[1:] if arg != "--debug"]
     show_warnings()
+    quiet_libraries()  # the libraries' notices, as the commands quiet them
 
     def run() -> Any:
         with options_named(names):

@@ -155,7 +155,7 @@ def check_output_folder(
         entries = sorted(entry.name for entry in target.iterdir())
         if entries and not overwrite:
             raise FileExistsError(
-                f"{argument}: expected a new or empty folder, got {str(target)!r} holding {len(entries)} entries "
+                f"{argument}: expected a new or empty folder, got {str(target)!r} holding {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} "
                 f"({', '.join(entries[:3])}{', …' if len(entries) > 3 else ''}); pass {overwrite_argument} to replace "
                 "it whole, or choose another folder"
             )

@@ -363,7 +363,7 @@ def _open_image_folder(
         raise ValueError(
             f"{argument}: expected a video file or a folder holding images "
             f"({', '.join(IMAGE_EXTENSIONS)}), got the folder {str(folder)!r} with no frames: "
-            f"{len(entries)} entries, none of them an image"
+            f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, none of them an image"
         )
     first = _open_image(files[0], argument)
     return FrameReader(

@@ -390,6 +390,27 @@ def test_the_exporter_refuses_the_same_opsets(tmp_path, opset):
         export_pipeline(None, tmp_path / "out", tiny_random=True, opset=opset, progress=False)
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--image-encoder", "enc"],
+            "--image-encoder: expected it with --ip-adapter (the IP-Adapter's image encoder), got it alone",
+        ),
+        (
+            ["--ip-adapter", "--step-cache"],
+            "--ip-adapter: expected it without --step-cache (DeepCache's parts take no image prompt)",
+        ),
+    ],
+    ids=["image-encoder-alone", "ip-adapter-with-step-cache"],
+)
+def test_export_refuses_ip_adapter_options_that_do_not_go_together_in_its_words(
+    tmp_path, capsys, no_work, argv, message
+):
+    assert main(["export", "--tiny-random", *argv, "--output", str(tmp_path / "out")]) == 2
+    assert error_line(capsys) == f"optimum-iobinding: error: {message}"
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_export_refuses_fp16_with_another_dtype_naming_both_options_before_exporting(tmp_path, capsys, no_work, dtype):
     assert main(["export", "--tiny-random", "sd3", "--fp16", "--dtype", dtype, "--output", str(tmp_path / "out")]) == 2
@@ -424,7 +445,7 @@ def test_export_refuses_dtype_bf16_for_a_unet_pipeline_naming_dtype_before_expor
 def test_export_refuses_a_vae_dtype_for_a_family_whose_vae_follows_dtype_naming_the_option(tmp_path, capsys):
     assert main(["export", "--tiny-random", "sd", "--vae-dtype", "fp16", "--output", str(tmp_path / "out")]) == 2
     assert error_line(capsys) == (
-        "optimum-iobinding: error: --vae-dtype: expected None for a StableDiffusionPipeline (its VAE follows the "
+        "optimum-iobinding: error: --vae-dtype: expected none for a StableDiffusionPipeline (its VAE follows the "
         "export's precision; only Wan's VAE has one of its own), got 'fp16'"
     )
     assert not (tmp_path / "out").exists()

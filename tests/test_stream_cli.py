@@ -555,7 +555,8 @@ def test_a_frame_size_beyond_the_hosts_memory_is_refused_before_the_model_loads(
     source = write_frames(tmp_path / "frames", count=1)
     assert run_stream(source, tmp_path / "out", tiny_folder, "--size", "1000000") == 2
     assert re.match(
-        r"optimum-iobinding: error: --size: 1000000×1000000 needs about [0-9.]+ TB at once for the VAE decoder, "
+        r"optimum-iobinding: error: --size: 1000000×1000000 needs about \d{1,3}(,\d{3})+ TB at once for the VAE "
+        r"decoder, "
         r"more than [0-9.]+ GB, the host's available memory; at most about \d+×\d+ fits$",
         error_line(capsys),
     )

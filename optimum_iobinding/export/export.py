@@ -277,7 +277,7 @@ def export_pipeline(
         title = f"{record.title} pipeline" if record is not None else type(pipe).__name__
         raise ArgumentError(
             "vae_dtype",
-            f"expected None for a {title} (its VAE follows the export's precision; only Wan's VAE has one of its "
+            f"expected none for a {title} (its VAE follows the export's precision; only Wan's VAE has one of its "
             f"own), got {vae_dtype!r}",
         )
     if ip_adapter:
@@ -553,7 +553,7 @@ def check_transformer_options(record: Optional[Family], *, vae=None, controlnet=
             )
             raise ArgumentError(
                 name,
-                f"expected None for a {record.title} pipeline (its own VAE is exported, no ControlNet), got {shown}",
+                f"expected none for a {record.title} pipeline (its own VAE is exported, no ControlNet), got {shown}",
             )
 
 

@@ -332,5 +332,9 @@ class ArgumentChecks:
     def batch_size_of(prompt: Union[str, List[str], None], prompt_embeds: Optional[torch.Tensor]) -> int:
         """How many prompts a call has: one string, a list, or the rows of ``prompt_embeds``."""
         if prompt is not None:
+            if not isinstance(prompt, (str, list)):
+                raise ArgumentTypeError(
+                    "prompt", f"expected a str or a list of str, got {type(prompt).__name__} {prompt!r:.80}"
+                )
             return 1 if isinstance(prompt, str) else len(prompt)
         return prompt_embeds.shape[0]

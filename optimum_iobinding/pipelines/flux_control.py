@@ -67,7 +67,8 @@ class OnnxFluxControlPipeline(FluxFamilyPipeline):
         if tuple(control_image.shape[1:]) != expected or control_image.shape[0] not in (1, batch):
             raise ArgumentError(
                 "control_image",
-                f"expected a tensor of shape ({batch} or 1, {', '.join(map(str, expected))}) {rows}, "
+                f"expected a tensor of shape ({batch if batch == 1 else f'{batch} or 1'}, "
+                f"{', '.join(map(str, expected))}) {rows}, "
                 f"got {tuple(control_image.shape)}",
             )
 
@@ -76,7 +77,9 @@ class OnnxFluxControlPipeline(FluxFamilyPipeline):
         """One control image for every prompt, or one per prompt (``batch``: the prompts)."""
         if count not in (1, batch):
             raise ArgumentError(
-                "control_image", f"expected 1 or {batch} images (one for every prompt or one per prompt), got {count}"
+                "control_image",
+                f"expected {'1 image' if batch == 1 else f'1 or {batch} images (one for every prompt or one per prompt)'}, "
+                f"got {count}",
             )
 
     # -------------------------------------------------------------------------------------- the control image

@@ -196,7 +196,9 @@ class OnnxFluxControlNetPipeline(ControlNets, FluxFamilyPipeline):
                 rows = image.shape[0]
             if rows not in (1, prompts):
                 raise ArgumentError(
-                    label, f"expected 1 or {prompts} images (one for every prompt or one per prompt), got {rows}"
+                    label,
+                    f"expected {'1 image' if prompts == 1 else f'1 or {prompts} images (one for every prompt or one per prompt)'}, "
+                    f"got {rows}",
                 )
         return given
 

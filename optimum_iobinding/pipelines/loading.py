@@ -165,7 +165,8 @@ class Loading:
         for name, what in others.items():
             if name != cls.denoiser_component() and (folder / name / "model.onnx").is_file():
                 return (
-                    f"{cls.folder_description}; {str(folder)!r} holds {what}, for the pipeline pipeline_class_for picks"
+                    f"{cls.folder_description}; {str(folder)!r} holds {what}, which another class loads "
+                    "(pipeline_class_for(folder) gives it)"
                 )
         return cls.folder_description
 

@@ -119,6 +119,8 @@ def available_memory(provider: str, device_id: int = 0) -> Optional[Tuple[int, s
 
 
 def gigabytes(count: float) -> str:
+    if count >= 1e13:  # far beyond any machine: whole terabytes, grouped
+        return f"{count / 1e12:,.0f} TB"
     return f"{count / 1e12:.1f} TB" if count >= 1e12 else f"{count / 1e9:.1f} GB"
 
 

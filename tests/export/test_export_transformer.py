@@ -236,7 +236,7 @@ def offline_hub(monkeypatch):
 def test_a_tiny_random_transformer_export_refuses_a_vae_or_controlnet_by_name_before_fetching_it(
     tmp_path, offline_hub, option, kind, family
 ):
-    with pytest.raises(ValueError, match=f"^{option}: expected None for a {family} pipeline .* got '{UNFETCHABLE}'$"):
+    with pytest.raises(ValueError, match=f"^{option}: expected none for a {family} pipeline .* got '{UNFETCHABLE}'$"):
         export_pipeline(None, tmp_path / "out", tiny_random=kind, progress=False, **{option: UNFETCHABLE})
     assert not (tmp_path / "out").exists()
 
@@ -256,7 +256,7 @@ def test_an_sd3_folder_export_refuses_a_vae_or_controlnet_before_it_loads_the_pi
     def loader(name):
         raise AssertionError("the pipeline was loaded before the options were checked")
 
-    with pytest.raises(ValueError, match=f"^{option}: expected None for a Stable Diffusion 3 pipeline"):
+    with pytest.raises(ValueError, match=f"^{option}: expected none for a Stable Diffusion 3 pipeline"):
         export_pipeline(
             str(sd3_folder), tmp_path / "out", pipeline_loader=loader, progress=False, **{option: UNFETCHABLE}
         )

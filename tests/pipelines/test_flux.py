@@ -75,7 +75,7 @@ def test_the_export_gives_the_torch_pipeline_back_as_it_was(schnell):
 
 
 def test_a_vae_or_controlnet_for_a_flux_export_is_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match="vae: expected None for a FLUX.1 pipeline"):
+    with pytest.raises(ValueError, match="vae: expected none for a FLUX.1 pipeline"):
         export_pipeline(None, tmp_path / "out", tiny_random="flux", vae="some/vae", progress=False)
     assert not (tmp_path / "out").exists()
 

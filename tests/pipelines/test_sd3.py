@@ -440,6 +440,7 @@ def test_an_sd_folder_is_refused_by_the_sd3_pipeline(tiny_folder):
         (dict(joint_attention_kwargs={"scale": 0.5}), ValueError, "joint_attention_kwargs: expected None"),
         (dict(prompt_2=["a", "b"]), ValueError, r"prompt_2: expected 1 prompt \(as many as prompt\), got 2"),
         (dict(prompt_3=3), TypeError, "prompt_3: expected a str or a list of str, got int"),
+        (dict(prompt=5), TypeError, "prompt: expected a str or a list of str, got int 5"),
         (
             dict(callback_on_step_end_tensor_inputs=["noise"]),
             ValueError,
@@ -457,6 +458,7 @@ def test_an_sd_folder_is_refused_by_the_sd3_pipeline(tiny_folder):
         "attention-kwargs",
         "prompt-2-count",
         "prompt-3-type",
+        "prompt-type",
         "callback-names",
         "sigmas",
         "images-per-prompt",
@@ -470,7 +472,7 @@ def test_bad_arguments_are_refused_by_name_before_any_work(sd3, call, error, mes
     with contextlib.ExitStack() as stack:
         runs = [stack.enter_context(model.watch_runs()) for model in pipe.onnx_models.values()]
         with pytest.raises(error, match=message):
-            pipe(PROMPT, **arguments)
+            pipe(**{"prompt": PROMPT, **arguments})
     assert not any(runs)  # refused before any component ran
 
 

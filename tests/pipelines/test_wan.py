@@ -699,7 +699,7 @@ def test_a_float16_vae_decodes_the_float32_ones_frames_to_float16_rounding_and_o
     assert np.abs(frames[1] - frames[0]).max() <= 1e-2  # float16 rounding of [0, 1] frames
     with pytest.raises(
         ArgumentError,
-        match=r"vae_dtype: expected None for a StableDiffusionPipeline \(its VAE follows the export's precision; "
+        match=r"vae_dtype: expected none for a StableDiffusionPipeline \(its VAE follows the export's precision; "
         r".*\), got 'fp16'",
     ):
         export_pipeline(None, tmp_path / "sd", tiny_random="sd", vae_dtype="fp16", progress=False)
