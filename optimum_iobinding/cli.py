@@ -974,6 +974,11 @@ def run_generate(args: argparse.Namespace) -> int:
             side if side == chosen else max(multiple, chosen // multiple * multiple)
             for side, chosen in zip(given, (width, height))
         )
+    if args.guidance is not None and getattr(pipe, "guidance_embeds", None) is False:  # FLUX.1 schnell's transformer
+        raise UsageError(
+            f"--guidance: expected none for {args.model or model!r}, whose transformer takes no guidance scale "
+            f"(FLUX.1 schnell: guidance-distilled; dev takes one), got {args.guidance:g}"
+        )
     load_loras(pipe, args.loras)
     if args.image_prompt is not None:
         if "ip_adapter_image" not in inspect.signature(pipe.__call__).parameters:
@@ -1319,6 +1324,11 @@ def check_stream_arguments(args: argparse.Namespace) -> Optional[Tuple[int, int]
             args.similarity_threshold,
         )
     check(args.max_skip_frame >= 0, "--max-skip-frame", "an integer ≥ 0", args.max_skip_frame)
+    if args.negative_prompt is not None and (args.guidance <= 1 or args.cfg_type in ("none", "self")):
+        raise UsageError(
+            "--negative-prompt: expected it with --guidance above 1 and --cfg-type full or initialize (the guidance "
+            f"that runs it), got --guidance {args.guidance:g} and --cfg-type {args.cfg_type}"
+        )
     for scale in args.control_scale or ():
         check(math.isfinite(scale), "--control-scale", "a finite number", scale)
     if args.control_scale and not args.control_image:

@@ -218,3 +218,30 @@ def test_a_flux_variant_asks_for_the_images_it_needs_by_option(
     argv = [part.format(image=picture(tmp_path / "in.png", 48, 64)) for part in argv]
     assert main(["generate", "--model", str(folder), "--out", str(tmp_path / "o.png"), *argv]) == 2
     assert not loads and re.search(message, error_line(capsys))
+
+
+def test_guidance_for_a_flux_schnell_folder_is_refused_and_a_dev_folder_takes_it(flux_folders, tmp_path, capsys):
+    """FLUX.1 schnell's transformer takes no guidance scale: --guidance changed nothing there, silently."""
+    out = tmp_path / "o.png"
+    argv = [
+        "generate",
+        "a cat",
+        "--guidance",
+        "9",
+        "--steps",
+        "1",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--out",
+        str(out),
+    ]
+    schnell = flux_folders("flux")
+    assert main([*argv, "--model", str(schnell)]) == 2
+    assert error_line(capsys) == (
+        f"optimum-iobinding: error: --guidance: expected none for {str(schnell)!r}, whose transformer takes no guidance "
+        "scale (FLUX.1 schnell: guidance-distilled; dev takes one), got 9"
+    )
+    assert not out.exists()
+    assert main([*argv, "--model", str(flux_folders("flux-dev"))]) == 0 and out.is_file()

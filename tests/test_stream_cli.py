@@ -352,6 +352,13 @@ def bad_inputs(tmp_path):
             r"--max-skip-frame: expected an integer",
         ),
         "seed": (frames, tmp_path / "out", ("--seed", "-1"), r"--seed: expected an integer in 0 …"),
+        "negative-prompt-unguided": (
+            frames,
+            tmp_path / "out",
+            ("--negative-prompt", "blur"),
+            r"--negative-prompt: expected it with --guidance above 1 and --cfg-type full or initialize \(the guidance "
+            r"that runs it\), got --guidance 0 and --cfg-type full",
+        ),
         "model-without-vae": (
             frames,
             tmp_path / "out",
@@ -430,6 +437,7 @@ BAD_INPUTS = [
     "similarity-threshold",
     "max-skip-frame",
     "seed",
+    "negative-prompt-unguided",
     "model-without-vae",
     "tiny-vae-without-decoder",
     "tiny-vae-of-a-full-vae",
