@@ -998,18 +998,25 @@ def run_generate(args: argparse.Namespace) -> int:
     step_times: List[float] = []
     from tqdm.auto import tqdm
 
-    # the bar counts the steps asked for: a scheduler may call the model more often (PNDM's first step twice: 21
-    # calls for 20 steps), so the pipeline's own bar, one tick a call, is replaced by one the calls move in proportion
-    # (made at the first step's end, as the pipeline's at the loop's start: a refusal before it is one line alone)
+    # the bar counts the steps asked for that run: a scheduler may call the model more often (PNDM's first step
+    # twice: 21 calls for 20 steps), and --strength runs the last part of the schedule only (2 of 4 steps at 0.5), so
+    # the pipeline's own bar, one tick a call, is replaced by one the calls move in proportion (made at the first
+    # step's end, as the pipeline's at the loop's start: a refusal before it is one line alone)
     pipe.set_progress_bar_config(disable=True)
     progress: List[Any] = []
+    counted = {"calls": 1, "steps": args.steps}  # the model calls the loop makes, the steps asked for they are
 
     def record_step(pipeline, step, timestep, tensors):
         step_times.append(time.perf_counter())
         if not progress:
-            progress.append(tqdm(total=args.steps, unit="step"))
-        calls = max(len(pipeline.scheduler.timesteps), step + 1)
-        progress[0].update(round((step + 1) * args.steps / calls) - progress[0].n)
+            scheduled = [float(t) for t in pipeline.scheduler.timesteps]
+            # where the loop starts in the schedule (the last of a repeated timestep: PNDM's first step is twice)
+            start = min(reversed(range(len(scheduled))), key=lambda k: abs(scheduled[k] - float(timestep)), default=0)
+            counted["calls"] = max(len(scheduled) - start, 1)
+            counted["steps"] = max(1, round(args.steps * counted["calls"] / max(len(scheduled), 1)))
+            progress.append(tqdm(total=counted["steps"], unit="step"))
+        calls = max(counted["calls"], step + 1)
+        progress[0].update(min(counted["steps"], round((step + 1) * counted["steps"] / calls)) - progress[0].n)
         return tensors
 
     call = dict(
@@ -1054,7 +1061,7 @@ def run_generate(args: argparse.Namespace) -> int:
     except OSError as error:  # checked writable before the work: the disk filled, or the folder changed since
         raise RuntimeError(f"--out: writing {str(out)!r} failed: {error.strerror or error}") from error
     print(
-        f"{out}: {image.width}×{image.height}, {args.steps} step{'s' if args.steps != 1 else ''} in {seconds:.2f} s "
+        f"{out}: {image.width}×{image.height}, {steps_run(counted['steps'], args)} in {seconds:.2f} s "
         f"({step_rate(step_times)}load {load_seconds:.1f} s; {type(pipe).__name__}, {provider}, "
         f"io_binding={args.io_binding}; model {args.model or model}{cache_summary(pipe, args.cache)})"
     )
@@ -1086,6 +1093,13 @@ def check_output_keeps(output: str, option: str, inputs: Iterable[Tuple[str, Opt
                 f"{option}: expected a path apart from {name} ({path!r}), got {output!r}, which "
                 f"{'is' if read == target else 'holds'} it: writing {option} would replace what {name} reads"
             )
+
+
+def steps_run(steps: int, args: argparse.Namespace) -> str:
+    """``"20 steps"``, or where --strength ran part of the schedule ``"2 of 4 steps (--strength 0.5)"``."""
+    if steps < args.steps:
+        return f"{steps} of {args.steps} steps (--strength {args.strength:g})"
+    return f"{args.steps} step{'s' if args.steps != 1 else ''}"
 
 
 def write_video(writer: Any, frames: Any, args: argparse.Namespace, start: float, made_by: str) -> int:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import onnxruntime as ort
+from PIL import Image
 import pytest
 import torch
 
@@ -1148,20 +1149,31 @@ def test_a_cache_dir_holding_the_tiny_model_is_only_read(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- what it prints
 @pytest.mark.parametrize(
-    "steps, scheduler, summary", [("3", "pndm", "3 steps in "), ("1", "ddim", "1 step in ")], ids=["pndm", "one-step"]
+    "steps, scheduler, strength, ran, summary",
+    [
+        ("3", "pndm", None, 3, "3 steps in "),
+        ("1", "ddim", None, 1, "1 step in "),
+        ("4", "ddim", "0.5", 2, "2 of 4 steps (--strength 0.5) in "),
+        ("4", "pndm", "0.5", 2, "2 of 4 steps (--strength 0.5) in "),
+    ],
+    ids=["pndm", "one-step", "strength", "pndm-strength"],
 )
-def test_the_progress_bar_counts_the_steps_asked_for_and_the_summary_no_rate_it_cannot_measure(
-    tiny_folder, tmp_path, capsys, steps, scheduler, summary
+def test_the_progress_bar_counts_the_steps_asked_for_that_run_and_the_summary_no_rate_it_cannot_measure(
+    tiny_folder, tmp_path, capsys, steps, scheduler, strength, ran, summary
 ):
     """PNDM calls the UNet once more than the steps (its first step twice): the bar still ends at the steps asked
-    for; one step has no interval to give a rate of ("nan ms/step")."""
+    for; --strength runs the last part of them (the bar stopped at 2/4, the summary said 4 steps); one step has no
+    interval to give a rate of ("nan ms/step")."""
     argv = ["generate", "--model", str(tiny_folder), "--steps", steps, "--scheduler", scheduler, "--height", "64"]
+    if strength is not None:
+        Image.new("RGB", (64, 64), (90, 140, 200)).save(tmp_path / "in.png")
+        argv += ["--image", str(tmp_path / "in.png"), "--strength", strength]
     assert main([*argv, "--width", "64", "--provider", "CPUExecutionProvider", "--out", str(tmp_path / "a.png")]) == 0
     captured = capsys.readouterr()
     bars = [part for part in captured.err.replace("\r", "\n").splitlines() if "|" in part]
-    assert bars and bars[-1].lstrip().startswith("100%") and f"| {steps}/{steps} [" in bars[-1], bars
+    assert bars and bars[-1].lstrip().startswith("100%") and f"| {ran}/{ran} [" in bars[-1], bars
     assert summary in captured.out and "nan" not in captured.out
-    assert ("ms/step" in captured.out) == (steps != "1")
+    assert ("ms/step" in captured.out) == (ran != 1)
 
 
 def test_export_shows_no_warning_of_onnx_runtimes_shape_inference(tmp_path, caplog, monkeypatch):
