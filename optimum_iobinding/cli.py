@@ -1230,6 +1230,11 @@ def check_stream_folders(model: Optional[str], tiny_vae: Optional[str]) -> None:
         ]
         if not (folder / "tokenizer").is_dir():
             missing.append("tokenizer/")
+        if "unet/model.onnx" in missing and (folder / "transformer" / "model.onnx").is_file():
+            raise UsageError(
+                f"--model: expected a UNet folder (SD 1.x/2.x, SD-Turbo, LCM, SDXL: the stream runs UNets), got "
+                f"{model!r}, a diffusion transformer's (SD3, FLUX.1), which no stream runs"
+            )
         if missing:
             hint = (
                 "; pass --tiny-vae FOLDER for a folder without a VAE encoder"

@@ -565,7 +565,7 @@ class FrameWriter:
             self.kind = "video"
             self._encoder, self._options = self._check_video_target(suffix, codec_options)
             self.fps = self._check_fps(fps)
-        elif not suffix and not str(path).endswith("."):
+        elif not suffix and (not str(path).endswith(".") or self.path.name in ("", ".", "..")):
             self.kind = "images"
             if codec_options:
                 raise ValueError(
@@ -658,11 +658,18 @@ class FrameWriter:
         )
 
     def _check_array(self, uint8: bool, shape: Tuple[int, ...], dtype: Any, index: int) -> None:
-        if not uint8 or len(shape) != 3 or shape[2] != 3:
+        rgb = len(shape) == 3 and shape[2] == 3
+        if not uint8 or not rgb:
+            hint = (
+                "; a float image in [0, 1] converts with (x * 255).round().astype(np.uint8)"
+                if rgb
+                else "; a grayscale (height, width) one with np.stack([x] * 3, axis=-1)"
+                if len(shape) == 2
+                else ""
+            )
             raise ValueError(
                 f"frame: expected (height, width, 3) uint8 RGB, got shape {tuple(shape)} {dtype} (frame "
-                f"{index} of {str(self.path)!r}); a float image in [0, 1] converts with "
-                "(x * 255).round().astype(np.uint8)"
+                f"{index} of {str(self.path)!r}){hint}"
             )
 
     def _torch_frame(self, torch: Any, frame: Any, index: int) -> Union[np.ndarray, _CudaFrame]:

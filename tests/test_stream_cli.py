@@ -305,6 +305,8 @@ def bad_inputs(tmp_path):
         (tmp_path / "full-vae" / part).mkdir(parents=True)
         (tmp_path / "full-vae" / part / "model.onnx").write_bytes(b"")
         (tmp_path / "full-vae" / part / "config.json").write_text('{"_class_name": "AutoencoderKL"}')
+    (tmp_path / "dit" / "transformer").mkdir(parents=True)  # an SD3 or FLUX.1 folder
+    (tmp_path / "dit" / "transformer" / "model.onnx").write_bytes(b"")
     model = tmp_path / "model"  # what the stream's folder check asks of a local --model
     for part in ("text_encoder", "unet", "vae_encoder", "vae_decoder"):
         (model / part).mkdir(parents=True)
@@ -352,6 +354,13 @@ def bad_inputs(tmp_path):
             r"--max-skip-frame: expected an integer",
         ),
         "seed": (frames, tmp_path / "out", ("--seed", "-1"), r"--seed: expected an integer in 0 …"),
+        "model-of-a-transformer": (
+            frames,
+            tmp_path / "out",
+            ("--model", str(tmp_path / "dit")),
+            r"--model: expected a UNet folder \(SD 1.x/2.x, SD-Turbo, LCM, SDXL: the stream runs UNets\), got .*dit.*, a "
+            r"diffusion transformer's \(SD3, FLUX.1\), which no stream runs",
+        ),
         "negative-prompt-unguided": (
             frames,
             tmp_path / "out",
@@ -438,6 +447,7 @@ BAD_INPUTS = [
     "max-skip-frame",
     "seed",
     "negative-prompt-unguided",
+    "model-of-a-transformer",
     "model-without-vae",
     "tiny-vae-without-decoder",
     "tiny-vae-of-a-full-vae",
@@ -491,6 +501,22 @@ def test_a_frame_size_the_model_cannot_run_is_refused_naming_the_option_and_the_
     assert run_stream(source, tmp_path / "out", tiny_folder, *options) == 2
     assert re.search(message.format(multiple=multiple), error_line(capsys))
     assert sorted(os.listdir(tmp_path)) == ["frames"]
+
+
+@pytest.mark.parametrize("output", [".", ".."])
+def test_the_working_folder_or_one_holding_it_is_refused_as_output_even_with_overwrite(
+    tmp_path, capsys, no_work, monkeypatch, output
+):
+    source = write_frames(tmp_path / "in", count=1)
+    work = tmp_path / "work" / "here"
+    work.mkdir(parents=True)
+    (work / "mine.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    assert main(["stream", str(source), output, "--prompt", PROMPT, "--overwrite"]) == 2
+    assert re.search(
+        rf"OUTPUT: expected a folder apart from the working folder .*, got '{re.escape(output)}'", error_line(capsys)
+    )
+    assert os.listdir(work) == ["mine.txt"] and sorted(os.listdir(tmp_path)) == ["in", "work"]
 
 
 def test_a_prompt_is_required(capsys, no_work, tmp_path):

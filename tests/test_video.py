@@ -376,7 +376,7 @@ def test_a_video_without_frames_is_named(tmp_path):
 
 def test_a_folder_without_images_is_named(tmp_path):
     (tmp_path / "notes.txt").write_text("no frames here")
-    with pytest.raises(ValueError, match=r"got the folder .* with no frames: 1 entries, none of them an image"):
+    with pytest.raises(ValueError, match=r"got the folder .* with no frames: 1 entry, none of them an image"):
         open_frames(tmp_path)
 
 
@@ -429,9 +429,12 @@ def test_a_bad_rate_is_named(tmp_path, fps):
 @pytest.mark.parametrize(
     "frame, expected",
     [
-        (np.zeros((8, 8, 3), np.float32), r"expected \(height, width, 3\) uint8 RGB, got shape \(8, 8, 3\) float32"),
-        (np.zeros((8, 8), np.uint8), r"got shape \(8, 8\) uint8"),
-        (np.zeros((8, 8, 4), np.uint8), r"got shape \(8, 8, 4\) uint8"),
+        (
+            np.zeros((8, 8, 3), np.float32),
+            r"expected \(height, width, 3\) uint8 RGB, got shape \(8, 8, 3\) float32 .*; a float image in \[0, 1\]",
+        ),
+        (np.zeros((8, 8), np.uint8), r"got shape \(8, 8\) uint8 .*; a grayscale \(height, width\) one with np.stack"),
+        (np.zeros((8, 8, 4), np.uint8), r"got shape \(8, 8, 4\) uint8 \(frame 0 of '[^']*'\)$"),
         (torch.zeros(8, 8, 3), r"expected a float tensor \(3, height, width\).* got shape \(8, 8, 3\)"),
         (torch.zeros(8, 8, 3, dtype=torch.int32), r"got torch.int32"),
         ([[0, 0, 0]], r"frame: expected a numpy array, a torch tensor or a PIL image, got list"),
