@@ -425,9 +425,16 @@ class OnnxDiffusionPipeline(Loading, ArgumentChecks, Latents, Output, DiffusionP
 
         Raises:
             ArgumentTypeError: ``config`` is not a config this family caches with.
-            ArgumentError: the config is out of range, this family cannot cache, or the folder was exported
-                without the parts the cache runs (the message says how to export them).
+            ArgumentError: a cache is enabled already (as diffusers: :meth:`disable_cache` first), the config is
+                out of range, this family cannot cache, or the folder was exported without the parts the cache runs
+                (the message says how to export them).
         """
+        if self.step_cache is not None:
+            raise ArgumentError(
+                "enable_cache",
+                f"expected no cache enabled, got {type(self.step_cache.config).__name__} enabled already: call "
+                "disable_cache() first to cache with another config (as diffusers asks)",
+            )
         self.denoiser.enable_cache(config)
 
     def disable_cache(self) -> None:

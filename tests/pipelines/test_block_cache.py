@@ -131,6 +131,20 @@ def test_a_saved_pipeline_keeps_the_first_block_cache_parts(flux, tmp_path):
     np.testing.assert_array_equal(images[0], images[1])
 
 
+def test_enabling_a_cache_over_an_enabled_one_is_refused_as_diffusers_refuses_it(flux):
+    _, folder = flux
+    pipe = load(OnnxFluxPipeline, folder)
+    pipe.enable_cache(FirstBlockCacheConfig(threshold=SOME))
+    with pytest.raises(
+        ValueError, match=r"enable_cache: expected no cache enabled, got FirstBlockCacheConfig enabled "
+    ):
+        pipe.enable_cache(FirstBlockCacheConfig(threshold=NEVER))
+    assert pipe.step_cache.config.threshold == SOME  # the first one stays
+    pipe.disable_cache()
+    pipe.enable_cache(FirstBlockCacheConfig(threshold=NEVER))
+    assert pipe.step_cache.config.threshold == NEVER
+
+
 def test_each_call_starts_with_a_full_step(flux):
     _, folder = flux
     pipe = load(OnnxFluxPipeline, folder)
