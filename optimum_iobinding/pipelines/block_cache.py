@@ -40,7 +40,7 @@ from ..layout import FIRST_BLOCK_CACHE_PARTS, FIRST_BLOCK_MARKS, missing_first_b
 from ..runtime.cuda_policy import DEVICE_SETUP
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_real
-from .caching import StepCache
+from .caching import StepCache, config_shown
 
 # the part graphs in the transformer's folder and the values they hand each other (export/step_cache.py writes them)
 PART_FILES = FIRST_BLOCK_CACHE_PARTS
@@ -73,7 +73,7 @@ def first_block_cache_for(
         raise ArgumentTypeError(
             "config",
             f"expected diffusers.hooks.FirstBlockCacheConfig(threshold=…) for "
-            f"{type(denoiser.pipe).__name__}, got {type(config).__name__} {config!r}",
+            f"{type(denoiser.pipe).__name__}, got {config_shown(config)}",
         )
     threshold = config.threshold
     if not is_real(threshold) or not threshold >= 0:

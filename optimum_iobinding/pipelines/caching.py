@@ -6,11 +6,20 @@ what each step runs, from parts of the model exported beside it that read the mo
 from __future__ import annotations
 
 import abc
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from ..runtime.model import IOBindingORTModel
+
+
+def config_shown(config: Any) -> str:
+    """A config in a refusal: its class, and its repr where that is one short line (a config dataclass of many
+    fields prints several lines)."""
+    shown = repr(config)
+    if "\n" in shown or len(shown) > 80:
+        return type(config).__name__
+    return shown if shown.startswith(type(config).__name__) else f"{type(config).__name__} {shown}"
 
 
 class StepCache(abc.ABC):

@@ -45,7 +45,7 @@ from ..errors import ArgumentError, ArgumentTypeError
 from ..layout import DEEP_CACHE_FULL_PART, DEEP_CACHE_SHALLOW_PART, deep_cache_shallow_parts
 from ..runtime.model import IOBindingORTModel
 from .arguments import is_integer
-from .caching import StepCache
+from .caching import StepCache, config_shown
 
 # the part graphs in the UNet's folder (export/deep_cache.py writes them)
 FULL_PART = DEEP_CACHE_FULL_PART
@@ -103,8 +103,7 @@ def deep_cache_for(denoiser: Any, config: Any) -> "DeepCache":
         raise ArgumentTypeError(
             "config",
             f"expected optimum_iobinding.DeepCacheConfig(cache_interval=…, "
-            f"cache_branch_id=…) for {pipe_name}, got {type(config).__name__} "
-            f"{config!r}",
+            f"cache_branch_id=…) for {pipe_name}, got {config_shown(config)}",
         )
     record = denoiser.pipe.family
     if record.step_cache != "deepcache":

@@ -262,6 +262,16 @@ def test_a_unet_pipeline_refuses_first_block_cache_by_name(tiny_folder):
     assert pipe.step_cache is None
 
 
+def test_a_config_of_another_cache_is_named_by_its_class_in_one_line(flux):
+    """diffusers' FasterCacheConfig prints many lines: the refusal names its class only."""
+    from diffusers.hooks import FasterCacheConfig
+
+    pipe = load(OnnxFluxPipeline, flux[1])
+    with pytest.raises(ArgumentTypeError) as refused:
+        pipe.enable_cache(FasterCacheConfig())
+    assert str(refused.value).endswith("got FasterCacheConfig") and "\n" not in str(refused.value)
+
+
 def test_the_stream_pipeline_cannot_cache_steps(tiny_folder):
     from optimum_iobinding import OnnxStreamDiffusionPipeline
 
