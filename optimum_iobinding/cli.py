@@ -211,7 +211,14 @@ def run_export(args: argparse.Namespace) -> int:
         )
     if args.ip_adapter and args.step_cache:
         raise UsageError("--ip-adapter: expected it without --step-cache (DeepCache's parts take no image prompt)")
-    check(args.opset in OPSETS, "--opset", f"an integer in {OPSETS[0]} … {OPSETS[-1]} (17 is tested)", args.opset)
+    from .layout import MAX_OPSET, MIN_OPSET
+
+    check(
+        MIN_OPSET <= args.opset <= MAX_OPSET,
+        "--opset",
+        f"an integer in {MIN_OPSET} … {MAX_OPSET} (17 is tested)",
+        args.opset,
+    )
     if args.fp16 and args.dtype not in (None, "fp16"):
         raise UsageError(
             f"--fp16 and --dtype: expected one precision, got --fp16 (an alias of --dtype fp16) and "
@@ -252,6 +259,16 @@ def run_export(args: argparse.Namespace) -> int:
         args.overwrite,
         argument="--output",  # before the minutes of export
         overwrite_argument="--overwrite",
+    )
+    check_output_keeps(
+        args.output,
+        "--output",
+        [
+            ("--vae", args.vae),
+            ("--tiny-vae", tiny_vae),
+            ("--image-encoder", args.image_encoder),
+            *(("--controlnet", controlnet) for controlnet in args.controlnet or ()),
+        ],
     )
     quiet_libraries()
     from .export import export_pipeline
@@ -426,7 +443,6 @@ class UsageError(Exception):
 # Every command checks its arguments first, before anything is loaded, built or downloaded, and names the option.
 
 NUMPY_SEEDS = range(2**32)  # what np.random.RandomState takes, the generator of `generate`
-OPSETS = range(14, 21)  # what export_pipeline exports with (export.MIN_OPSET … MAX_OPSET; it checks them itself)
 
 
 def check(ok: bool, option: str, expected: str, value: object) -> None:
@@ -741,8 +757,6 @@ def check_ip_adapter_arguments(args: argparse.Namespace) -> Optional[Any]:
                 f"--ip-adapter-weight: expected a weights file in the --ip-adapter folder {args.ip_adapter!r}, got "
                 f"{args.ip_adapter_weight!r}: {found} there"
             )
-    elif not Path(args.ip_adapter).expanduser().exists():  # a hub id: its weights file fetched now, in one line
-        fetch_from_hub("--ip-adapter", args.ip_adapter, args.ip_adapter_weight.replace("\\", "/"))
     return image
 
 
@@ -751,6 +765,8 @@ def load_ip_adapter_option(pipe: Any, args: argparse.Namespace) -> None:
     subfolder, _, weight_name = args.ip_adapter_weight.replace("\\", "/").rpartition("/")
     if not hasattr(pipe, "load_ip_adapter"):
         raise UsageError(f"--ip-adapter: expected none for {type(pipe).__name__} (it takes no IP-Adapter)")
+    if not Path(args.ip_adapter).expanduser().exists():  # a hub id: its weights file fetched in one line, or refused
+        fetch_from_hub("--ip-adapter", args.ip_adapter, args.ip_adapter_weight.replace("\\", "/"))
     names = {"pretrained_model_name_or_path_or_dict": "--ip-adapter", "weight_name": "--ip-adapter-weight"}
     with options_named({**names, "scale": "--ip-adapter-scale"}):
         pipe.load_ip_adapter(args.ip_adapter, subfolder=subfolder or None, weight_name=weight_name)
@@ -1096,9 +1112,11 @@ def check_output_keeps(output: str, option: str, inputs: Iterable[Tuple[str, Opt
 
 
 def steps_run(steps: int, args: argparse.Namespace) -> str:
-    """``"20 steps"``, or where --strength ran part of the schedule ``"2 of 4 steps (--strength 0.5)"``."""
+    """``"20 steps"``, or where a strength ran part of the schedule ``"2 of 4 steps (--strength 0.5)"`` (an image
+    without --strength: the pipeline's default strength)."""
     if steps < args.steps:
-        return f"{steps} of {args.steps} steps (--strength {args.strength:g})"
+        strength = f"--strength {args.strength:g}" if args.strength is not None else "the pipeline's default strength"
+        return f"{steps} of {args.steps} steps ({strength})"
     return f"{args.steps} step{'s' if args.steps != 1 else ''}"
 
 
@@ -2006,8 +2024,8 @@ def terminated_as_interrupted(command: Optional[str]) -> Iterator[None]:
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # (None: a handler set from C, which Python cannot put back; the default then)
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -194,7 +194,8 @@ def building_beside(target: Path, argument: str = "output_dir") -> Iterator[Path
     pass as they are."""
     target = Path(target)
     scratch = None
-    replaces = target.is_dir() and any(target.iterdir())  # the caller agreed to replace what is there now
+    # the caller agreed to replace what is there now (a link to a folder is replaced, as a folder is)
+    replaces = target.is_symlink() or (target.is_dir() and any(target.iterdir()))
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
@@ -276,7 +277,10 @@ def replace_folder(new: Path, target: Path) -> None:
         os.replace(old, target)
         shutil.rmtree(new, ignore_errors=True)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    if old.is_symlink():  # a link was the target: the link goes, never what it pointed to
+        old.unlink()
+    else:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------------ reading
@@ -295,6 +299,9 @@ def read_json_object(path: Union[str, os.PathLike]) -> Optional[Dict[str, Any]]:
     return value
 
 
+# the opsets an export writes: torch's TorchScript exporter writes up to 20, and the attention of every diffusers model
+# (scaled_dot_product_attention) needs 14
+MIN_OPSET, MAX_OPSET = 14, 20
 TINY_VAE_CLASS = "AutoencoderTiny"  # diffusers' class of TAESD, what `export --tiny-vae` writes in config.json
 TINY_VAE_HALVES = ("vae_encoder", "vae_decoder")
 

@@ -180,6 +180,20 @@ def test_export_refuses_a_component_folder_of_another_kind_naming_the_option(
     assert not (tmp_path / "out").exists()
 
 
+def test_export_overwrite_refuses_an_output_holding_a_folder_it_reads(torch_folder, tmp_path, capsys, no_work):
+    """``--overwrite`` replaces --output whole: a --vae inside it would be deleted by the export reading it."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(torch_folder / "vae", out / "my-vae")
+    assert main(["export", "--tiny-random", "--vae", str(out / "my-vae"), "--output", str(out), "--overwrite"]) == 2
+    assert error_line(capsys) == (
+        f"optimum-iobinding: error: --output: expected a path apart from --vae ({str(out / 'my-vae')!r}), got "
+        f"{str(out)!r}, which holds it: writing --output would replace what --vae reads"
+    )
+    assert (out / "my-vae" / "config.json").is_file()
+
+
 def test_export_without_a_model_is_a_usage_error(tmp_path, capsys, no_work):
     assert main(["export", "--output", str(tmp_path / "x")]) == 2
     assert "export: give a model folder or hub id, or --tiny-random" in error_line(capsys)
@@ -1155,8 +1169,9 @@ def test_a_cache_dir_holding_the_tiny_model_is_only_read(tmp_path, monkeypatch):
         ("1", "ddim", None, 1, "1 step in "),
         ("4", "ddim", "0.5", 2, "2 of 4 steps (--strength 0.5) in "),
         ("4", "pndm", "0.5", 2, "2 of 4 steps (--strength 0.5) in "),
+        ("5", "ddim", "", 4, "4 of 5 steps (the pipeline's default strength) in "),
     ],
-    ids=["pndm", "one-step", "strength", "pndm-strength"],
+    ids=["pndm", "one-step", "strength", "pndm-strength", "default-strength"],
 )
 def test_the_progress_bar_counts_the_steps_asked_for_that_run_and_the_summary_no_rate_it_cannot_measure(
     tiny_folder, tmp_path, capsys, steps, scheduler, strength, ran, summary
@@ -1167,7 +1182,7 @@ def test_the_progress_bar_counts_the_steps_asked_for_that_run_and_the_summary_no
     argv = ["generate", "--model", str(tiny_folder), "--steps", steps, "--scheduler", scheduler, "--height", "64"]
     if strength is not None:
         Image.new("RGB", (64, 64), (90, 140, 200)).save(tmp_path / "in.png")
-        argv += ["--image", str(tmp_path / "in.png"), "--strength", strength]
+        argv += ["--image", str(tmp_path / "in.png"), *(["--strength", strength] if strength else [])]
     assert main([*argv, "--width", "64", "--provider", "CPUExecutionProvider", "--out", str(tmp_path / "a.png")]) == 0
     captured = capsys.readouterr()
     bars = [part for part in captured.err.replace("\r", "\n").splitlines() if "|" in part]

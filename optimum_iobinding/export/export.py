@@ -22,6 +22,8 @@ from tqdm.auto import tqdm
 from ..errors import ArgumentError, ArgumentTypeError, ModelFileError
 from ..families import FAMILIES, Family, controlnet_family, t5_tokenizer_of, transformer_family
 from ..layout import (
+    MAX_OPSET,
+    MIN_OPSET,
     building_beside,
     check_output_folder,
     download_from_hub,
@@ -40,9 +42,6 @@ from .unet import check_tiny_vae_fits, controlnets_of, export_unet_pipeline
 
 # the diffusion-transformer exporters, by the name a family's record gives its exporter (Family.export)
 TRANSFORMER_EXPORTERS = {"sd3": export_sd3_pipeline, "flux": export_flux_pipeline, "wan": export_wan_pipeline}
-# the opsets an export writes: torch's TorchScript exporter writes up to 20, and the attention of every diffusers model
-# (scaled_dot_product_attention) needs 14
-MIN_OPSET, MAX_OPSET = 14, 20
 # what makes a diffusion-transformer pipeline one with ControlNets (``export MODEL --controlnet ID``), by exporter
 CONTROLNET_PIPELINES = {"flux": with_flux_controlnets}
 

@@ -57,6 +57,16 @@ def check_generator(generator: Any, prompts: int, per_prompt: int, unit: str = "
     return count
 
 
+def no_denoising_step(strength: float, num_inference_steps: int) -> ArgumentError:
+    """The refusal of a ``strength`` whose part of ``num_inference_steps`` holds no step."""
+    steps = f"{num_inference_steps} step{'s' if num_inference_steps != 1 else ''}"
+    return ArgumentError(
+        "strength",
+        f"{strength} of {steps} leaves no denoising step (the steps times the strength must reach 1); raise the "
+        "steps or the strength",
+    )
+
+
 def is_integer(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 

@@ -13,7 +13,7 @@ from diffusers.image_processor import VaeImageProcessor
 
 from ..errors import ArgumentError
 from ..families import family
-from .arguments import Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames
+from .arguments import Embeds, Generator, Latents, Prompt, StepEndCallback, TensorNames, no_denoising_step
 from .codec import pack_latents
 from .core import on_device_stream
 from .denoisers import FluxDenoiser
@@ -183,11 +183,7 @@ class OnnxFluxFillPipeline(FluxFamilyPipeline):
         timesteps = timesteps[start:]
         self.scheduler.set_begin_index(start)
         if len(timesteps) == 0:
-            raise ArgumentError(
-                "strength",
-                f"{strength} of {num_inference_steps} step{'s' if num_inference_steps != 1 else ''} leaves no "
-                "denoising step (the steps times the strength must reach 1); raise the steps or the strength",
-            )
+            raise no_denoising_step(strength, num_inference_steps)
 
         # 3. prompt embeddings, on the device
         prompt_embeds, pooled_prompt_embeds, text_ids = self.encode_prompt(

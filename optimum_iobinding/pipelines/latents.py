@@ -12,7 +12,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from ..errors import ArgumentError, ArgumentTypeError
-from .arguments import Generator, generator_kinds, is_real, is_torch_generator
+from .arguments import Generator, generator_kinds, is_real, is_torch_generator, no_denoising_step
 from .transfer import on_cpu, tensor_of, upload
 
 
@@ -105,11 +105,7 @@ class Latents:
         if hasattr(self.scheduler, "set_begin_index"):
             self.scheduler.set_begin_index(t_start * self.scheduler.order)
         if len(timesteps) == 0:
-            raise ArgumentError(
-                "strength",
-                f"{strength} of {num_inference_steps} step{'s' if num_inference_steps != 1 else ''} leaves no "
-                "denoising step (the steps times the strength must reach 1); raise the steps or the strength",
-            )
+            raise no_denoising_step(strength, num_inference_steps)
         return timesteps
 
     def start_image(self, image: Any, height: Optional[int] = None, width: Optional[int] = None) -> torch.Tensor:

@@ -147,6 +147,10 @@ def _layer_of(key: str) -> Optional[Tuple[str, str, str]]:
     return None
 
 
+# the libraries whose errors mean the Hub did not give a file (a connection, an unknown repository or file)
+HUB_ERROR_MODULES = ("huggingface_hub", "httpx", "httpcore", "requests", "urllib3")
+
+
 class LoraLoaderMixin:
     """Runtime LoRA for the pipelines, with diffusers' names. A LoRA changes the weights the models keep as owned
     tensors in place (``W = W₀ + Σ weight · scale · B @ A`` over the active adapters), where the export's
@@ -201,8 +205,9 @@ class LoraLoaderMixin:
         try:
             found = reader.lora_state_dict(source, return_lora_metadata=True, **extra, **kwargs)
         except Exception as error:  # a hub id the Hub cannot provide (offline, unknown, no such weight_name)
-            if not isinstance(source, (str, os.PathLike)) or Path(source).expanduser().exists():
-                raise
+            fetching = isinstance(error, OSError) or type(error).__module__.split(".")[0] in HUB_ERROR_MODULES
+            if not fetching or not isinstance(source, (str, os.PathLike)) or Path(source).expanduser().exists():
+                raise  # a local file, or a LoRA the Hub gave that does not read: the reader's own error
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise ArgumentPathError(
                 argument,
@@ -434,19 +439,25 @@ class LoraLoaderMixin:
         state.update(_empty_lora_state())
 
     def delete_adapters(self, adapter_names: Union[str, Sequence[str]]) -> None:
-        """diffusers' ``delete_adapters``: removes the named adapters (their updates leave the weights, unless they
-        were fused); the others stay. As PEFT does, a component whose active adapters were all deleted gets the
-        first adapter left that changes it (in the order they were loaded) as its active one."""
+        """diffusers' ``delete_adapters``: removes the named adapters, the others stay. What an adapter fused stays
+        in the weights (its update becomes part of the layers' base, as :meth:`unload_lora_weights` keeps it). As
+        PEFT does, a component whose active adapters were all deleted gets the first adapter left that changes it
+        (by name) as its active one."""
         state = self._lora()
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
         _check_adapter_names(state, names)
+        fused = self._lora_deltas(fused_only=True, adapters=names)
+        for key, delta in fused.items():  # baked into the base: no adapter carries it any more
+            layer = state["layers"][key]
+            layer.base = (layer.base.float() + delta.to(layer.base.device)).to(layer.base.dtype)
+        state["fused"] = {key: value for key, value in state["fused"].items() if key[0] not in names}
         for name in names:
             del state["adapters"][name]
             for component, active in state["active"].items():
                 if active.pop(name, None) is not None and not active:
-                    left = [
+                    left = sorted(
                         other for other, updates in state["adapters"].items() if any(c == component for c, _ in updates)
-                    ]
+                    )
                     if left:
                         active[left[0]] = 1.0
         self._apply_lora()
@@ -516,13 +527,17 @@ class LoraLoaderMixin:
             raise ArgumentError(argument, f"expected components a LoRA changes here ({', '.join(here)}), got {unknown}")
         return names
 
-    def _lora_deltas(self, fused_only: bool = False) -> Dict[Tuple[str, str], torch.Tensor]:
+    def _lora_deltas(
+        self, fused_only: bool = False, adapters: Optional[Sequence[str]] = None
+    ) -> Dict[Tuple[str, str], torch.Tensor]:
         """Each touched layer's update: the fused adapters' and (unless ``fused_only``) the active, unfused ones',
-        while LoRA is enabled."""
+        while LoRA is enabled; of ``adapters`` only where given."""
         state = self._lora()
         deltas: Dict[Tuple[str, str], torch.Tensor] = {}
         if state["enabled"] or fused_only:
             for name, updates in state["adapters"].items():
+                if adapters is not None and name not in adapters:
+                    continue
                 for (component, layer), update in updates.items():
                     factor = state["fused"].get((name, component))
                     if factor is None and not fused_only:

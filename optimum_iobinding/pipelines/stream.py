@@ -18,7 +18,7 @@ from ..families import family
 from ..layout import download_from_hub, looks_like_hub_id, read_json_object, resolve_pipeline_folder
 from ..runtime.hub import hub_keywords
 from ..runtime.model import IOBindingORTModel
-from .arguments import is_integer
+from .arguments import is_integer, no_denoising_step
 from .clip_unet import STABLE_DIFFUSION_COMPONENTS
 from .components import TINY_VAE_COMPONENTS, check_latent_channels, names_of, tiny_vae_folder
 from .core import OnnxDiffusionPipeline, on_device_stream
@@ -391,11 +391,7 @@ class OnnxStreamDiffusionPipeline(IPAdapterMixin, LoraLoaderMixin, OnnxDiffusion
             self.scheduler.set_timesteps(num_inference_steps, strength=strength)
             timesteps = list(self.scheduler.timesteps)
             if not timesteps:
-                raise ArgumentError(
-                    "strength",
-                    f"{strength} of {num_inference_steps} step{'s' if num_inference_steps != 1 else ''} leaves no "
-                    "denoising step (the steps times the strength must reach 1); raise the steps or the strength",
-                )
+                raise no_denoising_step(strength, num_inference_steps)
             return timesteps, 0
         timesteps = list(self.strength_timesteps(num_inference_steps, strength))
         return timesteps, len(self.scheduler.timesteps) - len(timesteps)

@@ -100,6 +100,14 @@ def test_a_folder_filled_while_the_export_runs_is_left_as_it_is(tmp_path, appear
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]  # no scratch folder left
 
 
+def test_an_output_that_links_to_an_empty_folder_is_replaced_by_the_export(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "target").symlink_to(tmp_path / "elsewhere")
+    export_pipeline(None, tmp_path / "target", tiny_random=True, progress=False, components=("vae_decoder",))
+    assert (tmp_path / "target" / "vae_decoder" / "model.onnx").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "target"]  # no scratch folder left
+
+
 def pipeline_failing_at_its_vae_encoder(error: type):
     """The tiny torch pipeline, but its VAE encoder raises ``error`` when the export traces it."""
     pipe = build_tiny_random_pipeline()

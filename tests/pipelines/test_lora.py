@@ -207,6 +207,28 @@ def test_fusing_twice_deleting_and_unloading_after_a_fuse_equal_diffusers(tiny_f
     assert ours.get_list_adapters() == {"unet": ["b"]}
 
 
+def test_deleting_a_fused_adapter_keeps_its_fused_update_as_diffusers_does(tiny_folder, loras):
+    reference = TINY_RANDOM_KINDS["sd"]()
+    ours = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
+    for pipe in (reference, ours):
+        pipe.set_progress_bar_config(disable=True)
+    first, second = loras
+    base = images(ours)
+    steps = [
+        ("load a, fuse it", lambda p: (p.load_lora_weights(first, adapter_name="a"), p.fuse_lora(lora_scale=0.7))),
+        ("delete a", lambda p: p.delete_adapters("a")),
+        ("load a again and b", lambda p: (p.load_lora_weights(first, "a"), p.load_lora_weights(second, "b"))),
+        ("delete b", lambda p: p.delete_adapters(["b"])),
+    ]
+    for step, action in steps:
+        action(reference)
+        action(ours)
+        expected, got = images(reference), images(ours)
+        assert np.abs(expected - got).max() <= 1e-4, step
+        assert np.abs(got - base).max() > 1e-3, step
+    assert ours.get_list_adapters() == {"unet": ["a"], "text_encoder": ["a"]}
+
+
 def test_a_pipeline_from_pipe_shares_the_lora_adapters_of_the_models_it_shares(tiny_folder, loras):
     """As diffusers' adapters live in the shared modules: an adapter loaded through one pipeline is listed, set and
     unloaded through the other, and loading its name again through the other is refused."""
