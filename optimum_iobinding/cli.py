@@ -781,7 +781,6 @@ def load_ip_adapter_option(pipe: Any, args: argparse.Namespace) -> None:
 def parse_lora_option(spec: str) -> Tuple[str, float]:
     """``--lora PATH[:SCALE]`` → ``(PATH, SCALE)`` (scale 1 without one); PATH a LoRA file, a folder or a hub id."""
     from .cache_spec import parse_lora_spec
-
     from .layout import missing_weights_file
 
     with options_named({"lora": "--lora"}):
