@@ -31,6 +31,7 @@ from .families import (
     tiny_random_kinds,
     WAN_TRANSFORMERS,
 )
+from .layout import unwritable_reason
 
 if TYPE_CHECKING:
     from .serve.config import ServeConfig
@@ -510,24 +511,6 @@ def check_image_path(out: str) -> Path:
     if problem is not None:
         raise UsageError(f"--out: expected a writable folder for {out!r}, but {problem}")
     return path
-
-
-def unwritable_reason(folder: Path) -> Optional[str]:
-    """Why nothing can be written in ``folder`` (or made where it would be made: its nearest existing parent), in a
-    few words, or ``None``. Asked by writing: a file made and removed at once, as a permission bit does not say it
-    for root, a read-only mount or /proc."""
-    existing = next((p for p in [folder, *folder.parents] if p.exists()), None)
-    if existing is None:
-        return None
-    if not existing.is_dir():
-        return f"{str(existing)!r} is not a folder"
-    try:
-        handle, probe = tempfile.mkstemp(prefix=".optimum-iobinding-", dir=existing)
-    except OSError as error:
-        return f"{str(existing)!r} takes no new file ({error.strerror or error})"
-    os.close(handle)
-    os.unlink(probe)
-    return None
 
 
 def unwritable_file_reason(path: Path) -> Optional[str]:
@@ -1084,13 +1067,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def open_frame_writer(target: str, fps: float, overwrite: bool, option: str) -> Any:
-    """A :class:`~optimum_iobinding.video.FrameWriter` of ``target``, before any work: a folder that takes no file
-    (a read-only mount, /sys) is refused in one line naming ``option``, not at the first frame."""
+    """A :class:`~optimum_iobinding.video.FrameWriter` of ``target`` in the command's words (``option``,
+    ``--overwrite``), made before any work: it refuses a folder that takes no file then, not at the first frame."""
     from .video import FrameWriter
 
-    problem = unwritable_reason(Path(target).expanduser().absolute().parent)
-    if problem is not None:
-        raise UsageError(f"{option}: expected a path in a writable folder, got {target!r}, but {problem}")
     return FrameWriter(target, fps, overwrite=overwrite, argument=option, overwrite_argument="--overwrite")
 
 

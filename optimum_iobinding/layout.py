@@ -180,6 +180,24 @@ def check_writable(target: Path, argument: str) -> None:
         raise unwritable(error, target, argument, f"making a folder in {str(existing)!r} failed") from error
 
 
+def unwritable_reason(folder: Path) -> Optional[str]:
+    """Why nothing can be written in ``folder`` (or made where it would be made: its nearest existing parent), in a
+    few words, or ``None``. Asked by writing: a file made and removed at once, as a permission bit does not say it
+    for root, a read-only mount or /proc."""
+    existing = next((p for p in [folder, *folder.parents] if p.exists()), None)
+    if existing is None:
+        return None
+    if not existing.is_dir():
+        return f"{str(existing)!r} is not a folder"
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".optimum-iobinding-", dir=existing)
+    except OSError as error:
+        return f"{str(existing)!r} takes no new file ({error.strerror or error})"
+    os.close(handle)
+    os.unlink(probe)
+    return None
+
+
 @contextlib.contextmanager
 def building_beside(target: Path, argument: str = "output_dir") -> Iterator[Path]:
     """Yields a new folder, inside a temporary one beside ``target`` (with the permissions the user's umask gives);

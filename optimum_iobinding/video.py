@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
-from .layout import check_output_folder, replace_folder
+from .layout import check_output_folder, replace_folder, unwritable_reason
 
 Size = Union[int, Tuple[int, int]]
 
@@ -625,12 +625,15 @@ class FrameWriter:
         return encoder, options
 
     def _check_parent(self) -> None:
-        """The nearest existing folder above ``path`` is a folder this user may write in (the rest is made)."""
-        existing = next((folder for folder in self.path.absolute().parents if folder.exists()), None)
-        if existing is not None and (not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)):
-            raise (NotADirectoryError if not existing.is_dir() else PermissionError)(
-                f"{self._argument}: expected a path in a writable folder, got {str(self.path)!r}, but "
-                f"{str(existing)!r} is {'not a folder' if not existing.is_dir() else 'not writable'}"
+        """The nearest existing folder above ``path`` is a folder that takes a new file (the rest is made), asked by
+        writing one (:func:`~optimum_iobinding.layout.unwritable_reason`: a permission bit does not say it for root,
+        a read-only mount or /proc)."""
+        parent = self.path.absolute().parent
+        problem = unwritable_reason(parent)
+        if problem is not None:
+            blocked = next(folder for folder in [parent, *parent.parents] if folder.exists())
+            raise (PermissionError if blocked.is_dir() else NotADirectoryError)(
+                f"{self._argument}: expected a path in a writable folder, got {str(self.path)!r}, but {problem}"
             )
 
     def _check_fps(self, fps: Union[float, Fraction]) -> Fraction:
