@@ -136,19 +136,36 @@ def images(pipe):
     ).images
 
 
-@pytest.mark.parametrize("export, io_binding", [("plain", True), ("plain", False), ("fused", True)])
-def test_lora_images_equal_diffusers_through_load_set_disable_fuse_and_unload(loras, export, io_binding, request):
-    reference = TINY_RANDOM_KINDS["sd"]()  # the exported weights
-    ours = OnnxStableDiffusionPipeline.from_pretrained(request.getfixturevalue(SHARED[export]), io_binding=io_binding)
+def beside_diffusers(ours):
+    """diffusers' tiny SD pipeline of the exported weights beside ``ours``, and ``same(step)``: both pipelines'
+    images, equal within 1e-4 (``step`` names a failure), ours returned."""
+    reference = TINY_RANDOM_KINDS["sd"]()
     for pipe in (reference, ours):
         pipe.set_progress_bar_config(disable=True)
-    first, second = loras
 
     def same(step):
         expected, got = images(reference), images(ours)
         assert np.abs(expected - got).max() <= 1e-4, step
         return got
 
+    return reference, same
+
+
+def run_beside(reference, ours, same, steps, base, changes=lambda step: True):
+    """Each ``(step, action)`` of ``steps`` on both pipelines; after each, the images equal, and (where ``changes``
+    says so) away from ``base``: the LoRA changed the image."""
+    for step, action in steps:
+        action(reference)
+        action(ours)
+        got = same(step)
+        assert not changes(step) or np.abs(got - base).max() > 1e-3, step
+
+
+@pytest.mark.parametrize("export, io_binding", [("plain", True), ("plain", False), ("fused", True)])
+def test_lora_images_equal_diffusers_through_load_set_disable_fuse_and_unload(loras, export, io_binding, request):
+    ours = OnnxStableDiffusionPipeline.from_pretrained(request.getfixturevalue(SHARED[export]), io_binding=io_binding)
+    reference, same = beside_diffusers(ours)
+    first, second = loras
     base = same("no LoRA")
     steps = [
         ("load a", lambda p: p.load_lora_weights(first, adapter_name="a")),
@@ -163,11 +180,7 @@ def test_lora_images_equal_diffusers_through_load_set_disable_fuse_and_unload(lo
         ("fuse", lambda p: p.fuse_lora(lora_scale=0.5)),
         ("unfuse", lambda p: p.unfuse_lora()),
     ]
-    for step, action in steps:
-        action(reference)
-        action(ours)
-        got = same(step)
-        assert step in ("disable",) or np.abs(got - base).max() > 1e-3, step  # the LoRA changed the image
+    run_beside(reference, ours, same, steps, base, changes=lambda step: step != "disable")
     assert ours.get_list_adapters() == {"unet": ["a", "b"], "text_encoder": ["a"]}
     reference.unload_lora_weights()
     ours.unload_lora_weights()
@@ -180,17 +193,9 @@ def test_fusing_twice_deleting_and_unloading_after_a_fuse_equal_diffusers(tiny_f
     """diffusers' semantics: a fused adapter is not fused again; ``unload_lora_weights`` after ``fuse_lora`` keeps
     the fused update in the weights (a LoRA baked in), and a LoRA loaded after it changes those weights;
     ``delete_adapters`` removes one adapter and keeps the others."""
-    reference = TINY_RANDOM_KINDS["sd"]()
     ours = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
-    for pipe in (reference, ours):
-        pipe.set_progress_bar_config(disable=True)
+    reference, same = beside_diffusers(ours)
     first, second = loras
-
-    def same(step):
-        expected, got = images(reference), images(ours)
-        assert np.abs(expected - got).max() <= 1e-4, step
-        return got
-
     base = same("no LoRA")
     steps = [
         ("load a and b", lambda p: (p.load_lora_weights(first, adapter_name="a"), p.load_lora_weights(second, "b"))),
@@ -200,32 +205,22 @@ def test_fusing_twice_deleting_and_unloading_after_a_fuse_equal_diffusers(tiny_f
         ("unload", lambda p: p.unload_lora_weights()),
         ("load b over the fused a", lambda p: p.load_lora_weights(second, adapter_name="b")),
     ]
-    for step, action in steps:
-        action(reference)
-        action(ours)
-        assert np.abs(same(step) - base).max() > 1e-3, step  # the LoRA changed the image, and it stays after unload
+    run_beside(reference, ours, same, steps, base)  # the LoRA changed the image, and it stays after unload
     assert ours.get_list_adapters() == {"unet": ["b"]}
 
 
 def test_deleting_a_fused_adapter_keeps_its_fused_update_as_diffusers_does(tiny_folder, loras):
-    reference = TINY_RANDOM_KINDS["sd"]()
     ours = OnnxStableDiffusionPipeline.from_pretrained(tiny_folder)
-    for pipe in (reference, ours):
-        pipe.set_progress_bar_config(disable=True)
+    reference, same = beside_diffusers(ours)
     first, second = loras
-    base = images(ours)
+    base = same("no LoRA")
     steps = [
         ("load a, fuse it", lambda p: (p.load_lora_weights(first, adapter_name="a"), p.fuse_lora(lora_scale=0.7))),
         ("delete a", lambda p: p.delete_adapters("a")),
         ("load a again and b", lambda p: (p.load_lora_weights(first, "a"), p.load_lora_weights(second, "b"))),
         ("delete b", lambda p: p.delete_adapters(["b"])),
     ]
-    for step, action in steps:
-        action(reference)
-        action(ours)
-        expected, got = images(reference), images(ours)
-        assert np.abs(expected - got).max() <= 1e-4, step
-        assert np.abs(got - base).max() > 1e-3, step
+    run_beside(reference, ours, same, steps, base)
     assert ours.get_list_adapters() == {"unet": ["a"], "text_encoder": ["a"]}
 
 
